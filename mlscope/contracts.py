@@ -1,0 +1,273 @@
+"""Every message that crosses the bus: one frozen pydantic model per kind.
+
+Each message carries ``kind`` and ``schema``; a change to a message's meaning bumps
+its schema number (history below). Tensors travel as numpy arrays through
+:mod:`mlscope.codec`.
+
+Schema history:
+    1 (0.1.0)  first version of every message.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator
+
+__all__ = [
+    "Accelerator",
+    "AgentDescription",
+    "EvaluationSummary",
+    "FrameworkInfo",
+    "JobEvent",
+    "JobRequest",
+    "LatencyStats",
+    "ModelOffer",
+    "Query",
+    "QueryReply",
+    "ScenarioSpec",
+    "SpanBatch",
+    "TraceLevel",
+    "new_id",
+]
+
+SCHEMA = 1
+
+
+def new_id(prefix: str) -> str:
+    """A short unique id such as ``ev-1f3a9c2b7d4e``."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def _ndarray(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    raise ValueError(f"expected a numpy array, got {type(value).__name__}")
+
+
+NDArray = Annotated[np.ndarray, PlainValidator(_ndarray)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", arbitrary_types_allowed=True, populate_by_name=True
+    )
+    schema_: int = Field(default=SCHEMA, alias="schema")
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="python", by_alias=True)
+
+
+class TraceLevel(enum.IntEnum):
+    """How much an evaluation traces (paper Listing 4); a span is kept at or below it."""
+
+    NONE = 0
+    MODEL = 1
+    FRAMEWORK = 2
+    SYSTEM = 3
+    FULL = 4
+
+    @classmethod
+    def parse(cls, value: str | int | TraceLevel) -> TraceLevel:
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError as exc:
+                names = ", ".join(m.name.lower() for m in cls)
+                raise ValueError(f"unknown trace level {value!r} (one of {names})") from exc
+        return cls(value)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class Accelerator(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["gpu", "fpga", "npu"]
+    model: str
+    index: int = 0
+    memory_bytes: int | None = None
+
+
+class FrameworkInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    version: str
+    devices: tuple[str, ...] = ("cpu",)
+
+
+class ModelOffer(BaseModel):
+    """A model an agent can serve, with the artifact it would load."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    version: str
+    framework: str
+    sha256: str | None = None
+
+
+class AgentDescription(_Message):
+    """What an agent puts in the registry bucket under its id (refreshed by heartbeat)."""
+
+    kind: Literal["agent"] = "agent"
+    agent_id: str
+    host: str
+    arch: str
+    os: str
+    cpu_model: str
+    cpu_cores: int
+    memory_bytes: int
+    accelerators: tuple[Accelerator, ...] = ()
+    frameworks: tuple[FrameworkInfo, ...]
+    models: tuple[ModelOffer, ...] = ()
+    capabilities: tuple[str, ...] = ()
+    pid: int
+    mlscope_version: str
+    started_at: float
+    heartbeat_at: float
+    heartbeat_s: float
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+class ScenarioSpec(BaseModel):
+    """How load is generated; latency always counts from each query's scheduled time."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: Literal["online", "batched"] = "online"
+    qps: float = Field(default=100.0, gt=0)
+    duration_s: float = Field(default=10.0, gt=0)
+    batch_size: int = Field(default=1, ge=1)
+    seed: int = 0
+    max_queries: int | None = Field(default=None, ge=1)
+    min_duration_s: float | None = Field(default=None, ge=0)
+    min_queries: int | None = Field(default=None, ge=1)
+    max_outstanding: int = Field(default=1024, ge=1)
+    warmup_queries: int = Field(default=0, ge=0)
+
+
+class JobRequest(_Message):
+    """A request to evaluate one model on one framework (published by mlscope-submit)."""
+
+    kind: Literal["job"] = "job"
+    job_id: str = Field(default_factory=lambda: new_id("job"))
+    model: str
+    model_version: str | None = None
+    framework: str
+    framework_version: str | None = None
+    device: str = "cpu"
+    agent_id: str | None = None
+    scenario: ScenarioSpec = ScenarioSpec()
+    trace_level: str = "model"
+    submitted_at: float = 0.0
+    rerun_of: str | None = None
+
+
+class LatencyStats(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    trimmed_mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
+
+
+class EvaluationSummary(_Message):
+    """The result of one evaluation; the JSON that ``mlscope-submit --json`` prints."""
+
+    kind: Literal["summary"] = "summary"
+    evaluation_id: str
+    job_id: str
+    status: Literal["completed", "failed"]
+    valid: bool
+    invalid_reasons: tuple[str, ...] = ()
+    model: dict[str, str]
+    framework: dict[str, str]
+    agent_id: str
+    host: str = ""
+    device: str = "cpu"
+    scenario: dict[str, Any]
+    trace_level: str
+    queries: int
+    samples: int
+    errors: int
+    not_issued: int
+    duration_s: float
+    requested_qps: float | None
+    achieved_qps: float | None
+    latency_ms: LatencyStats
+    issue_lag_us: dict[str, float | None]
+    throughput_ips: float | None
+    accuracy: dict[str, float] | None = None
+    clock_offset_ns: int = 0
+    started_at: float
+    finished_at: float
+
+
+class JobEvent(_Message):
+    """Progress of a job, published on ``mlscope.job.<job_id>.events``."""
+
+    kind: Literal["job_event"] = "job_event"
+    job_id: str
+    event: Literal["accepted", "progress", "done", "failed"]
+    server_id: str = ""
+    evaluation_id: str | None = None
+    queries_done: int = 0
+    elapsed_s: float = 0.0
+    p50_ms: float | None = None
+    summary: EvaluationSummary | None = None
+    error: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------- queries
+
+
+class Query(_Message):
+    """One query: a batch of raw samples for one agent (hot path: kept small)."""
+
+    kind: Literal["query"] = "query"
+    evaluation_id: str
+    index: int
+    inputs: NDArray
+    trace_level: int = int(TraceLevel.MODEL)
+
+
+class QueryReply(_Message):
+    """The agent's answer, with its own monotonic timestamps (ns, agent clock)."""
+
+    kind: Literal["reply"] = "reply"
+    index: int
+    ok: bool
+    outputs: NDArray | None = None
+    error: dict[str, Any] | None = None
+    t_received: int = 0
+    t_predict_start: int = 0
+    t_predict_end: int = 0
+    t_replied: int = 0
+
+
+# --------------------------------------------------------------------------- traces
+
+
+class SpanBatch(_Message):
+    """Many spans in one message, column by column (one list per field, same length).
+
+    Columns: span_id, parent_id, query_index, level, kind, name, start_ns, end_ns,
+    attrs (JSON text). Times are the agent's monotonic clock in ns; ``clock_offset_ns``
+    is added by the ingester when the server measured one.
+    """
+
+    kind: Literal["spans"] = "spans"
+    evaluation_id: str
+    agent_id: str
+    host: str
+    batch_id: str
+    columns: dict[str, list[Any]]
+
+    def __len__(self) -> int:
+        first = next(iter(self.columns.values()), [])
+        return len(first)

@@ -1,0 +1,165 @@
+"""The one exception tree of mlscope.
+
+    MLScopeError
+    ├── ConfigError(ValueError)            bad settings or arguments
+    ├── ManifestError(ValueError)          a manifest file is invalid (file, line, field)
+    ├── ArtifactError                      an asset is missing, unreachable or corrupt
+    │   └── ChecksumMismatch
+    ├── WireError(ValueError)              a bus message could not be decoded / validated
+    ├── BusError                           NATS is unreachable or a request timed out
+    ├── ResolutionError(LookupError)       no live agent matches a job
+    ├── UnknownModelError(LookupError)     the model is not in any manifest
+    ├── PredictorError                     a framework failed (typed fields below)
+    │   ├── FrameworkUnavailable(ImportError)
+    │   ├── ModelLoadError
+    │   ├── InputMismatchError(ValueError)
+    │   └── InferenceError
+    ├── EvaluationError                    an evaluation could not complete
+    └── DatabaseError                      the evaluation database rejected a request
+
+Third-party exceptions are translated once, at the adapter that calls the library.
+Every error has a stable ``code`` so that it survives the trip over the bus.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+__all__ = [
+    "ArtifactError",
+    "BusError",
+    "ChecksumMismatch",
+    "ConfigError",
+    "DatabaseError",
+    "EvaluationError",
+    "FrameworkUnavailable",
+    "InferenceError",
+    "InputMismatchError",
+    "MLScopeError",
+    "ManifestError",
+    "ModelLoadError",
+    "PredictorError",
+    "ResolutionError",
+    "UnknownModelError",
+    "WireError",
+    "error_from_wire",
+]
+
+
+class MLScopeError(Exception):
+    """Root of every error mlscope raises on purpose."""
+
+    code: ClassVar[str] = "error"
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields = fields
+
+    def to_wire(self) -> dict[str, Any]:
+        """A plain mapping for an error reply on the bus."""
+        return {"code": self.code, "message": self.message, "fields": _plain(self.fields)}
+
+
+class ConfigError(MLScopeError, ValueError):
+    code = "config"
+
+
+class ManifestError(MLScopeError, ValueError):
+    """A manifest failed validation; ``file``, ``line`` and ``field`` say where."""
+
+    code = "manifest"
+
+    def __init__(
+        self, message: str, *, file: str | None = None, field: str | None = None,
+        line: int | None = None,
+    ) -> None:
+        where = ":".join(str(p) for p in (file, line) if p is not None)
+        prefix = f"{where}: " if where else ""
+        at = f"field '{field}': " if field else ""
+        super().__init__(f"{prefix}{at}{message}", file=file, field=field, line=line)
+        self.file, self.field, self.line = file, field, line
+
+
+class ArtifactError(MLScopeError):
+    code = "artifact"
+
+
+class ChecksumMismatch(ArtifactError):
+    code = "checksum"
+
+
+class WireError(MLScopeError, ValueError):
+    code = "wire"
+
+
+class BusError(MLScopeError):
+    code = "bus"
+
+
+class ResolutionError(MLScopeError, LookupError):
+    code = "resolution"
+
+
+class UnknownModelError(MLScopeError, LookupError):
+    code = "unknown_model"
+
+
+class PredictorError(MLScopeError):
+    """A framework failed; ``model``, ``framework`` and details are in ``fields``."""
+
+    code = "predictor"
+
+
+class FrameworkUnavailable(PredictorError, ImportError):
+    code = "framework_unavailable"
+
+
+class ModelLoadError(PredictorError):
+    code = "model_load"
+
+
+class InputMismatchError(PredictorError, ValueError):
+    code = "input_mismatch"
+
+
+class InferenceError(PredictorError):
+    code = "inference"
+
+
+class EvaluationError(MLScopeError):
+    code = "evaluation"
+
+
+class DatabaseError(MLScopeError):
+    code = "database"
+
+
+_BY_CODE: dict[str, type[MLScopeError]] = {}
+
+
+def _register(cls: type[MLScopeError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(MLScopeError)
+
+
+def error_from_wire(payload: dict[str, Any]) -> MLScopeError:
+    """Rebuild a typed error from an error reply (unknown codes become the root type)."""
+    cls = _BY_CODE.get(str(payload.get("code")), MLScopeError)
+    err = MLScopeError.__new__(cls)
+    MLScopeError.__init__(err, str(payload.get("message", "")), **dict(payload.get("fields") or {}))
+    return err
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

@@ -1,0 +1,86 @@
+"""Every subject, stream, consumer and bucket name mlscope uses, built in one place.
+
+Subjects (core NATS unless marked JetStream):
+
+    mlscope.jobs.submit                JetStream (stream JOBS, work queue): job requests
+    mlscope.job.<job_id>.events        progress, accepted and done events of one job
+    mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
+    mlscope.agent.<agent_id>.query     queries directed at one agent
+    mlscope.agent.<agent_id>.ctl       control requests to one agent (ping, describe)
+    mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
+    mlscope.db.sql                     read-only SQL against the evaluation database
+    mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
+
+Buckets: ``mlscope_agents`` (agent descriptions, TTL-expired), ``mlscope_models``
+(published manifests).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "AGENTS_BUCKET",
+    "JOBS_CONSUMER",
+    "JOBS_STREAM",
+    "JOBS_SUBJECT",
+    "MODELS_BUCKET",
+    "PREFIX",
+    "SQL_SUBJECT",
+    "EVALUATION_SUBJECT",
+    "TRACES_CONSUMER",
+    "TRACES_STREAM",
+    "agent_ctl",
+    "agent_query",
+    "capability",
+    "job_events",
+    "token",
+    "traces",
+]
+
+PREFIX = "mlscope"
+
+JOBS_STREAM = "MLSCOPE_JOBS"
+JOBS_SUBJECT = f"{PREFIX}.jobs.submit"
+JOBS_CONSUMER = "servers"
+
+TRACES_STREAM = "MLSCOPE_TRACES"
+TRACES_CONSUMER = "ingester"
+
+AGENTS_BUCKET = "mlscope_agents"
+MODELS_BUCKET = "mlscope_models"
+
+SQL_SUBJECT = f"{PREFIX}.db.sql"
+EVALUATION_SUBJECT = f"{PREFIX}.db.evaluation"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def token(value: str) -> str:
+    """One subject token: NATS separators and wildcards become '_'."""
+    cleaned = _UNSAFE.sub("_", value)
+    return cleaned or "_"
+
+
+def capability(framework: str, model: str) -> str:
+    return f"{PREFIX}.cap.{token(framework)}.{token(model)}"
+
+
+def agent_query(agent_id: str) -> str:
+    return f"{PREFIX}.agent.{token(agent_id)}.query"
+
+
+def agent_ctl(agent_id: str) -> str:
+    return f"{PREFIX}.agent.{token(agent_id)}.ctl"
+
+
+def job_events(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id)}.events"
+
+
+def traces(eval_id: str) -> str:
+    return f"{PREFIX}.traces.{token(eval_id)}"
+
+
+def traces_wildcard() -> str:
+    return f"{PREFIX}.traces.>"

@@ -1,0 +1,74 @@
+"""The one definition of every statistic mlscope reports.
+
+* Percentile: nearest rank, as MLPerf LoadGen reports it. For sorted samples
+  x_1..x_n, P_q = x_k with k = ceil(q/100 * n) (k clamped to [1, n]). Nearest rank
+  always returns an observed sample, never an interpolated one.
+* Trimmed mean (the paper's, section 5): drop floor(0.2 n) samples from each end of
+  the sorted samples and average the rest.
+
+Everything else (the dashboard, reports, the CLI) calls these functions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["TRIM_FRACTION", "describe_ms", "percentile", "percentiles", "trimmed_mean"]
+
+TRIM_FRACTION = 0.2
+
+
+def _sorted(samples: Iterable[float] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(samples if isinstance(samples, np.ndarray) else list(samples), float)
+    return np.sort(arr[~np.isnan(arr)])
+
+
+def percentile(samples: Iterable[float] | np.ndarray, q: float) -> float | None:
+    """Nearest-rank q-th percentile (0 < q <= 100); None for no samples."""
+    return percentiles(samples, [q])[0]
+
+
+def percentiles(
+    samples: Iterable[float] | np.ndarray, qs: Sequence[float]
+) -> list[float | None]:
+    data = _sorted(samples)
+    n = data.size
+    if n == 0:
+        return [None for _ in qs]
+    out: list[float | None] = []
+    for q in qs:
+        if not 0 < q <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {q}")
+        k = min(max(math.ceil(q / 100.0 * n), 1), n)
+        out.append(float(data[k - 1]))
+    return out
+
+
+def trimmed_mean(
+    samples: Iterable[float] | np.ndarray, fraction: float = TRIM_FRACTION
+) -> float | None:
+    """Mean after dropping floor(fraction*n) samples at each end; None for no samples."""
+    data = _sorted(samples)
+    n = data.size
+    if n == 0:
+        return None
+    cut = math.floor(fraction * n)
+    kept = data[cut : n - cut] if n - 2 * cut > 0 else data
+    return float(kept.mean())
+
+
+def describe_ms(samples_ns: np.ndarray) -> dict[str, float | None]:
+    """trimmed_mean, p50, p90, p99 and max of nanosecond samples, in milliseconds."""
+    ms = np.asarray(samples_ns, dtype=float) / 1e6
+    p50, p90, p99 = percentiles(ms, [50, 90, 99])
+    finite = ms[~np.isnan(ms)]
+    return {
+        "trimmed_mean": trimmed_mean(ms),
+        "p50": p50,
+        "p90": p90,
+        "p99": p99,
+        "max": float(finite.max()) if finite.size else None,
+    }
