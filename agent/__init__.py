@@ -1,0 +1,1 @@
+"""The mlscope agent: advertises what it can serve, answers queries, publishes spans."""
