@@ -83,7 +83,7 @@ async def connect(settings: Settings, *, name: str, provision: bool = False,
     try:
         nc = await nats.connect(**options, error_cb=_quiet, disconnected_cb=_noop,
                                 reconnected_cb=_noop, closed_cb=_noop)
-    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise BusError(f"cannot connect to NATS at {settings.nats_url}: {exc!r}",
                        url=settings.nats_url) from exc
     try:
@@ -95,7 +95,7 @@ async def connect(settings: Settings, *, name: str, provision: bool = False,
     finally:
         try:
             await asyncio.wait_for(nc.drain(), 5.0)
-        except (nats.errors.Error, asyncio.TimeoutError, OSError):
+        except (TimeoutError, nats.errors.Error, OSError):
             await nc.close()
 
 
@@ -154,7 +154,7 @@ async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> 
         msg = await bus.nc.request(subject, payload, timeout=timeout)
     except nats.errors.NoRespondersError as exc:
         raise BusError(f"nobody serves {subject}", subject=subject) from exc
-    except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, nats.errors.TimeoutError) as exc:
         raise BusError(f"no reply on {subject} within {timeout}s", subject=subject) from exc
     data = codec.decode(msg.data)
     if isinstance(data, dict) and data.get("kind") == "error":

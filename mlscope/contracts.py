@@ -198,12 +198,15 @@ class EvaluationSummary(_Message):
     not_issued: int
     duration_s: float
     requested_qps: float | None
+    scheduled_qps: float | None = None
     achieved_qps: float | None
     latency_ms: LatencyStats
     issue_lag_us: dict[str, float | None]
     throughput_ips: float | None
     accuracy: dict[str, float] | None = None
     clock_offset_ns: int = 0
+    clock_rtt_ns: int = 0
+    cold_start: dict[str, Any] | None = None
     started_at: float
     finished_at: float
 

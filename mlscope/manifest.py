@@ -168,8 +168,7 @@ def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
         if isinstance(node, yaml.MappingNode):
             match = [v for k, v in node.value if getattr(k, "value", None) == part]
             if not match:
-                key = [k for k, _ in node.value]
-                return line if not key else line
+                return line  # a missing field: point at its parent mapping
             node = match[0]
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
             if part >= len(node.value):

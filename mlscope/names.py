@@ -21,13 +21,13 @@ import re
 
 __all__ = [
     "AGENTS_BUCKET",
+    "EVALUATION_SUBJECT",
     "JOBS_CONSUMER",
     "JOBS_STREAM",
     "JOBS_SUBJECT",
     "MODELS_BUCKET",
     "PREFIX",
     "SQL_SUBJECT",
-    "EVALUATION_SUBJECT",
     "TRACES_CONSUMER",
     "TRACES_STREAM",
     "agent_ctl",

@@ -13,6 +13,7 @@ from pathlib import Path
 __all__ = ["Settings"]
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_DATA_DIR = Path("~/.mlscope").expanduser()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,7 +22,7 @@ class Settings:
 
     nats_url: str = DEFAULT_NATS_URL
     """NATS server URL (``MLSCOPE_NATS_URL``)."""
-    data_dir: Path = Path("~/.mlscope").expanduser()
+    data_dir: Path = DEFAULT_DATA_DIR
     """Root of the local state: nats store, chDB, artifact cache (``MLSCOPE_DATA_DIR``)."""
     clickhouse_dsn: str | None = None
     """clickhouse-connect DSN (``MLSCOPE_CLICKHOUSE_DSN``); default: chDB under data_dir."""

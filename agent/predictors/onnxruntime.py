@@ -73,7 +73,7 @@ class OnnxRuntimePredictor:
         self.session = None  # type: ignore[assignment]
 
 
-def open(model_path: Path, manifest: ModelManifest,  # noqa: A001 - the interface's name
+def open(model_path: Path, manifest: ModelManifest,
          options: PredictorOptions) -> OnnxRuntimePredictor:
     so = ort.SessionOptions()
     if options.threads:

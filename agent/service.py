@@ -1,0 +1,243 @@
+"""The agent service: one task group with heartbeat, query servers and span flusher.
+
+Start-up order makes "advertised" mean "ready": models are verified and loadable,
+subscriptions are live, and only then is the description put into the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+from nats.aio.msg import Msg
+
+import mlscope
+from agent.predictors import probe
+from agent.tracer import Tracer
+from agent.worker import Job, LoadedModel, ModelWorker
+from mlscope import bus as busmod
+from mlscope import codec, names, sysinfo
+from mlscope.bus import Bus
+from mlscope.catalog import Catalog, Entry
+from mlscope.contracts import AgentDescription, ModelOffer, Query, QueryReply, TraceLevel, new_id
+from mlscope.errors import (
+    ConfigError,
+    EvaluationError,
+    FrameworkUnavailable,
+    MLScopeError,
+    WireError,
+)
+from mlscope.predictor import PredictorOptions
+from mlscope.settings import Settings
+
+__all__ = ["Agent", "AgentConfig"]
+
+now = time.perf_counter_ns
+AGENT_SWITCH_INTERVAL_S = 0.0002
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    framework: str
+    """Framework served by this agent (one agent per framework)."""
+    agent_id: str | None = None
+    device: str = "cpu"
+    threads: int | None = None
+    queue_capacity: int = 256
+    """Queries waiting per loaded model before the agent answers 'overloaded'."""
+    heartbeat_s: float = busmod.HEARTBEAT_S
+
+
+@dataclass
+class Session:
+    """An evaluation this agent was prepared for."""
+
+    worker: ModelWorker
+    level: TraceLevel
+    reply_subject: str = ""
+
+
+@dataclass
+class Agent:
+    settings: Settings
+    config: AgentConfig
+    catalog: Catalog
+    agent_id: str = ""
+    offers: list[tuple[Entry, Any]] = field(default_factory=list)
+    sessions: dict[str, Session] = field(default_factory=dict)
+    workers: dict[str, ModelWorker] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        host = str(sysinfo.host_facts()["host"])
+        self.agent_id = self.config.agent_id or names.token(
+            f"{host}-{self.config.framework}-{new_id('a')[2:8]}")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        info = probe(self.config.framework)
+        if info is None:
+            raise FrameworkUnavailable(
+                f"framework {self.config.framework} does not load on this machine",
+                framework=self.config.framework)
+        self.framework_info = info
+        self.offers = self._servable()
+        # Inference threads hand replies to the loop; a short GIL switch interval keeps
+        # that hand-off from waiting out the default 5 ms.
+        sys.setswitchinterval(AGENT_SWITCH_INTERVAL_S)
+        async with busmod.connect(self.settings, name=f"agent {self.agent_id}",
+                                  provision=True) as bus:
+            self.bus = bus
+            self.loop = asyncio.get_running_loop()
+            self.tracer = Tracer(bus, agent_id=self.agent_id, host=self._facts["host"])
+            subs = await self._subscribe(bus)
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self.tracer.run)
+                    await self._advertise(bus)
+                    tg.start_soon(self._heartbeat, bus)
+                    task_status.started()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._withdraw(bus, subs)
+
+    def _servable(self) -> list[tuple[Entry, Any]]:
+        """Manifests for this framework whose artifacts are present and verified."""
+        self._facts: dict[str, Any] = sysinfo.host_facts()
+        out = []
+        for e in self.catalog.entries:
+            if e.manifest.framework.name != self.config.framework:
+                continue
+            try:
+                out.append((e, e.graph(self.settings.zoo_dir)))
+            except MLScopeError:
+                continue  # not built here: not advertised
+        return out
+
+    async def _subscribe(self, bus: Bus) -> list[Any]:
+        subs = [
+            await bus.nc.subscribe(names.agent_query(self.agent_id), cb=self._on_query),
+            await bus.nc.subscribe(names.agent_ctl(self.agent_id), cb=self._on_ctl),
+        ]
+        for model in sorted({e.manifest.name for e, _ in self.offers}):
+            subject = names.capability(self.config.framework, model)
+            subs.append(await bus.nc.subscribe(subject, queue=subject, cb=self._on_query))
+        await bus.nc.flush()
+        return subs
+
+    def describe(self) -> AgentDescription:
+        f = self._facts
+        info = self.framework_info
+        return AgentDescription(
+            agent_id=self.agent_id, host=f["host"], arch=f["arch"], os=f["os"],
+            cpu_model=f["cpu_model"], cpu_cores=f["cpu_cores"], memory_bytes=f["memory_bytes"],
+            frameworks=(info,),
+            models=tuple(ModelOffer(name=e.manifest.name, version=e.manifest.version,
+                                    framework=e.manifest.framework.name,
+                                    sha256=e.manifest.assets.sha256) for e, _ in self.offers),
+            capabilities=tuple(sorted({names.capability(self.config.framework, e.manifest.name)
+                                       for e, _ in self.offers})),
+            pid=os.getpid(), mlscope_version=mlscope.__version__, started_at=time.time(),
+            heartbeat_at=time.time(), heartbeat_s=self.config.heartbeat_s)
+
+    async def _advertise(self, bus: Bus) -> None:
+        kv = await bus.kv(names.AGENTS_BUCKET)
+        self._description = self.describe()
+        await kv.put(self.agent_id, codec.encode_model(self._description))
+
+    async def _heartbeat(self, bus: Bus) -> None:
+        kv = await bus.kv(names.AGENTS_BUCKET)
+        while True:
+            await anyio.sleep(self.config.heartbeat_s)
+            desc = self._description.model_copy(update={"heartbeat_at": time.time()})
+            await kv.put(self.agent_id, codec.encode_model(desc))
+
+    async def _withdraw(self, bus: Bus, subs: list[Any]) -> None:
+        with anyio.move_on_after(3):
+            kv = await bus.kv(names.AGENTS_BUCKET)
+            await kv.delete(self.agent_id)
+            for sub in subs:
+                await sub.unsubscribe()
+        for worker in self.workers.values():
+            await anyio.to_thread.run_sync(worker.stop)
+
+    # ------------------------------------------------------------------ requests
+
+    async def _on_ctl(self, msg: Msg) -> None:
+        try:
+            req = codec.decode(msg.data)
+            if not isinstance(req, dict):
+                raise WireError("a control request is a mapping")
+            op = req.get("op")
+            if op == "ping":
+                await msg.respond(codec.encode({"t_agent": now()}))
+            elif op == "describe":
+                await msg.respond(codec.encode_model(self.describe()))
+            elif op == "prepare":
+                await msg.respond(codec.encode(await self._prepare(req)))
+            elif op == "release":
+                self.sessions.pop(str(req.get("evaluation_id")), None)
+                await msg.respond(codec.encode({"ok": True}))
+            else:
+                raise WireError(f"unknown control op {op!r}")
+        except MLScopeError as exc:
+            await msg.respond(busmod.error_reply(exc))
+
+    async def _prepare(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Load (or reuse) the model for an evaluation; report load and first-run times."""
+        eval_id = str(req["evaluation_id"])
+        name, version = str(req["model"]), str(req["model_version"])
+        match = [(e, g) for e, g in self.offers
+                 if e.manifest.name == name and e.manifest.version == version]
+        if not match:
+            raise ConfigError(f"agent {self.agent_id} does not serve {name}@{version}")
+        entry, graph = match[0]
+        key = entry.manifest.key
+        cold = key not in self.workers
+        load_ns = first_ns = 0
+        if cold:
+            opts = PredictorOptions(device=self.config.device, threads=self.config.threads,
+                                    batch_size=int(req.get("batch_size", 1)))
+            model = await anyio.to_thread.run_sync(LoadedModel.open, entry, graph, opts)
+            first_ns = await anyio.to_thread.run_sync(model.warmup)
+            load_ns = model.load_ns
+            self.workers[key] = ModelWorker(model, capacity=self.config.queue_capacity)
+        level = TraceLevel.parse(req.get("trace_level", "model"))
+        self.sessions[eval_id] = Session(self.workers[key], level)
+        return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
+                "sha256": entry.manifest.assets.sha256, "t_agent": now()}
+
+    async def _on_query(self, msg: Msg) -> None:
+        received = now()
+        try:
+            query = codec.decode_model(Query, msg.data)
+            session = self.sessions.get(query.evaluation_id)
+            if session is None:
+                raise EvaluationError(f"agent {self.agent_id} was not prepared for "
+                                      f"evaluation {query.evaluation_id}")
+        except MLScopeError as exc:
+            if msg.reply:
+                await msg.respond(busmod.error_reply(exc))
+            return
+        level = TraceLevel(min(query.trace_level, session.level))
+        spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
+        job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
+                  spans=spans, reply=self._replier(msg.reply))
+        if not session.worker.submit(job):
+            exc = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
+            await msg.respond(busmod.error_reply(exc))
+
+    def _replier(self, subject: str) -> Any:
+        loop, nc = self.loop, self.bus.nc
+
+        def send(reply: QueryReply) -> None:
+            data = codec.encode_model(reply)
+            loop.call_soon_threadsafe(loop.create_task, nc.publish(subject, data))
+
+        return send

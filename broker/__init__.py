@@ -1,0 +1,1 @@
+"""The mlscope server: job intake, agent resolution, load generation, trace ingest."""

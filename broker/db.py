@@ -1,0 +1,120 @@
+"""The evaluation database, through clickhouse-connect: chDB or a ClickHouse server.
+
+Same code and SQL for both. Schema changes are numbered migrations recorded in
+``schema_migrations``; :meth:`Database.migrate` applies the missing ones in order.
+Tables use ReplacingMergeTree keyed by their natural ids, and every read that must
+not see a redelivered row twice uses FINAL, so at-least-once ingest never shows
+duplicates. clickhouse-connect errors are translated into DatabaseError here.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import clickhouse_connect
+import pandas as pd
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from mlscope.errors import DatabaseError
+
+__all__ = ["MIGRATIONS", "Database"]
+
+MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
+    (1, "evaluations, queries, spans", (
+        """CREATE TABLE IF NOT EXISTS evaluations (
+            evaluation_id String, job_id String, rerun_of String,
+            created_at DateTime64(3), model String, model_version String,
+            framework String, framework_version String, agent_id String, host String,
+            device LowCardinality(String), scenario LowCardinality(String),
+            trace_level LowCardinality(String), status LowCardinality(String), valid UInt8,
+            t0_ns Int64, clock_offset_ns Int64, spec String, summary String
+        ) ENGINE = ReplacingMergeTree ORDER BY evaluation_id""",
+        """CREATE TABLE IF NOT EXISTS queries (
+            evaluation_id String, query_index UInt32, batch_size UInt32,
+            scheduled_ns Int64, issued_ns Int64, completed_ns Int64,
+            agent_received_ns Int64, predict_start_ns Int64, predict_end_ns Int64,
+            agent_replied_ns Int64, ok UInt8, error String, label Int32, prediction Int32
+        ) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, query_index)""",
+        """CREATE TABLE IF NOT EXISTS spans (
+            evaluation_id String, agent_id String, span_id UInt64, parent_id UInt64,
+            query_index Int64, level UInt8, kind LowCardinality(String), name String,
+            start_ns Int64, end_ns Int64, host LowCardinality(String), attrs String,
+            batch_id String
+        ) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, agent_id, span_id)""",
+    )),
+)
+
+SPAN_COLUMNS = ("evaluation_id", "agent_id", "span_id", "parent_id", "query_index", "level",
+                "kind", "name", "start_ns", "end_ns", "host", "attrs", "batch_id")
+QUERY_COLUMNS = ("evaluation_id", "query_index", "batch_size", "scheduled_ns", "issued_ns",
+                 "completed_ns", "agent_received_ns", "predict_start_ns", "predict_end_ns",
+                 "agent_replied_ns", "ok", "error", "label", "prediction")
+EVALUATION_COLUMNS = ("evaluation_id", "job_id", "rerun_of", "created_at", "model",
+                      "model_version", "framework", "framework_version", "agent_id", "host",
+                      "device", "scenario", "trace_level", "status", "valid", "t0_ns",
+                      "clock_offset_ns", "spec", "summary")
+
+
+class Database:
+    """One client; calls are serialized (chDB and the HTTP client are not re-entrant)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+        try:
+            self.client = clickhouse_connect.get_client(dsn=dsn)
+        except (ClickHouseError, OSError, RuntimeError) as exc:
+            raise DatabaseError(f"cannot open evaluation database {dsn}: {exc}",
+                                dsn=dsn) from exc
+        self._lock = threading.Lock()
+
+    def command(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
+        with self._lock:
+            try:
+                return self.client.command(sql, parameters=parameters)
+            except ClickHouseError as exc:
+                raise DatabaseError(f"{exc}", sql=sql[:200]) from exc
+
+    def migrate(self) -> int:
+        """Apply missing migrations; returns the schema version now in force."""
+        self.command("""CREATE TABLE IF NOT EXISTS schema_migrations (
+            version UInt32, name String, applied_at DateTime64(3) DEFAULT now64(3)
+        ) ENGINE = ReplacingMergeTree ORDER BY version""")
+        done = {r[0] for r in self.rows("SELECT version FROM schema_migrations FINAL")}
+        for version, name, statements in MIGRATIONS:
+            if version in done:
+                continue
+            for sql in statements:
+                self.command(sql)
+            self.insert("schema_migrations", [[version], [name]], ("version", "name"))
+        return max(v for v, _, _ in MIGRATIONS)
+
+    def insert(self, table: str, columns: Sequence[Sequence[Any]],
+               names: Sequence[str]) -> None:
+        """Insert column-oriented data (one sequence per column)."""
+        with self._lock:
+            try:
+                self.client.insert(table, list(columns), column_names=list(names),
+                                   column_oriented=True)
+            except ClickHouseError as exc:
+                raise DatabaseError(f"insert into {table} failed: {exc}",
+                                    table=table) from exc
+
+    def rows(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        with self._lock:
+            try:
+                return list(self.client.query(sql, parameters=parameters).result_rows)
+            except ClickHouseError as exc:
+                raise DatabaseError(f"{exc}", sql=sql[:200]) from exc
+
+    def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
+        with self._lock:
+            try:
+                return self.client.query_df(sql, parameters=parameters)
+            except ClickHouseError as exc:
+                raise DatabaseError(f"{exc}", sql=sql[:200]) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            self.client.close()

@@ -1,0 +1,190 @@
+"""One evaluation end to end: resolve, prepare the agent, drive load, summarize, store."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+import mlscope
+from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
+from broker.loadgen import Driver, RunRecord, estimate_offset
+from broker.summary import Rules, figures, judge
+from mlscope import codec, names
+from mlscope.bus import Bus, request
+from mlscope.catalog import Catalog, Entry
+from mlscope.contracts import (
+    AgentDescription,
+    EvaluationSummary,
+    JobRequest,
+    TraceLevel,
+    new_id,
+)
+from mlscope.errors import ResolutionError
+from mlscope.versions import satisfies
+
+__all__ = ["Evaluator", "resolve"]
+
+PREPARE_TIMEOUT_S = 300.0
+Progress = Callable[[str, RunRecord, float], Awaitable[None]]
+
+
+def resolve(job: JobRequest, agents: list[AgentDescription],
+            catalog: Catalog) -> tuple[AgentDescription, Entry]:
+    """The model manifest and a live agent for a job; errors name what exists."""
+    entry = catalog.find(job.model, version=job.model_version, framework=job.framework)
+    m = entry.manifest
+
+    def fits(a: AgentDescription) -> bool:
+        fw = next((f for f in a.frameworks if f.name == job.framework), None)
+        return (fw is not None and job.device.split(":")[0] in fw.devices
+                and satisfies(fw.version, job.framework_version)
+                and satisfies(fw.version, m.framework.version)
+                and any(o.name == m.name and o.version == m.version for o in a.models)
+                and (job.agent_id is None or a.agent_id == job.agent_id))
+
+    matches = [a for a in agents if fits(a)]
+    if not matches:
+        live = "; ".join(_describe(a) for a in agents) or "none"
+        want = (f"{m.name}@{m.version} on {job.framework} "
+                f"{job.framework_version or m.framework.version} ({job.device})")
+        if job.agent_id:
+            want += f" on agent {job.agent_id}"
+        raise ResolutionError(f"no live agent serves {want}; live agents: {live}",
+                              model=m.name, framework=job.framework)
+    # Spread jobs over equal agents deterministically by job id.
+    return matches[hash(job.job_id) % len(matches)], entry
+
+
+def _describe(a: AgentDescription) -> str:
+    fws = ", ".join(f"{f.name} {f.version} {'/'.join(f.devices)}" for f in a.frameworks)
+    models = ", ".join(sorted({f"{o.name}@{o.version}" for o in a.models})) or "no models"
+    return f"{a.agent_id} ({fws}: {models})"
+
+
+@dataclass
+class Evaluator:
+    bus: Bus
+    db: Database
+    zoo_dir: Path
+    rules: Rules = field(default_factory=Rules)
+
+    async def run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
+                  progress: Progress) -> EvaluationSummary:
+        eval_id = new_id("ev")
+        m, spec = entry.manifest, job.scenario
+        level = TraceLevel.parse(job.trace_level)
+        data = _dataset(entry, self.zoo_dir)
+        prep = await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode({
+            "op": "prepare", "evaluation_id": eval_id, "model": m.name,
+            "model_version": m.version, "batch_size": spec.batch_size,
+            "trace_level": level.name.lower()}), timeout=PREPARE_TIMEOUT_S)
+        offset, rtt = await estimate_offset(self.bus, agent.agent_id)
+        inputs, labels = _feeders(data, m.inputs[0].shape, spec.batch_size, spec.seed)
+        driver = Driver(self.bus, evaluation_id=eval_id, subject=names.agent_query(agent.agent_id),
+                        spec=spec, inputs=inputs, labels=labels, trace_level=level,
+                        offset_ns=offset,
+                        on_progress=lambda rec, el: progress(eval_id, rec, el))
+        started = time.time()
+        rec = await driver.run()
+        finished = time.time()
+        with anyio.move_on_after(5):
+            await request(self.bus, names.agent_ctl(agent.agent_id),
+                          codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5)
+        f = figures(rec, has_labels=labels is not None)
+        reasons = judge(f, spec, self.rules)
+        fw = next(x for x in agent.frameworks if x.name == job.framework)
+        summary = EvaluationSummary(
+            evaluation_id=eval_id, job_id=job.job_id, status="completed", valid=not reasons,
+            invalid_reasons=reasons, model={"name": m.name, "version": m.version},
+            framework={"name": fw.name, "version": fw.version}, agent_id=agent.agent_id,
+            host=agent.host, device=job.device, scenario=spec.model_dump(),
+            trace_level=level.name.lower(), queries=f.queries, samples=f.samples,
+            errors=f.errors, not_issued=f.not_issued, duration_s=f.duration_s,
+            requested_qps=spec.qps if spec.name == "online" else None,
+            scheduled_qps=f.scheduled_qps, achieved_qps=f.achieved_qps,
+            latency_ms=f.latency_ms, issue_lag_us=f.issue_lag_us,
+            throughput_ips=f.throughput_ips,
+            accuracy={"top1": f.top1} if f.top1 is not None else None,
+            clock_offset_ns=offset, clock_rtt_ns=rtt,
+            cold_start={"load_ms": prep["load_ns"] / 1e6,
+                        "first_inference_ms": prep["first_inference_ns"] / 1e6,
+                        "cold": bool(prep["cold"])},
+            started_at=started, finished_at=finished)
+        spec_doc = _specification(job, agent, entry, prep)
+        await anyio.to_thread.run_sync(self._store, summary, rec, spec_doc)
+        return summary
+
+    def _store(self, s: EvaluationSummary, rec: RunRecord, spec_doc: dict[str, Any]) -> None:
+        err = [rec.errors.get(i, "") for i in range(rec.n)]
+        cols = [[s.evaluation_id] * rec.n, np.arange(rec.n, dtype=np.uint32),
+                [rec.batch_size] * rec.n, rec.scheduled, rec.issued, rec.completed,
+                rec.agent_received, rec.predict_start, rec.predict_end, rec.agent_replied,
+                rec.ok, err, rec.correct, rec.prediction]
+        if rec.n:
+            self.db.insert("queries", [list(c) for c in cols], QUERY_COLUMNS)
+        row = [s.evaluation_id, s.job_id, spec_doc["job"].get("rerun_of") or "",
+               datetime.fromtimestamp(s.started_at, UTC), s.model["name"],
+               s.model["version"], s.framework["name"], s.framework["version"], s.agent_id,
+               s.host, s.device, str(s.scenario["name"]), s.trace_level, s.status,
+               int(s.valid), rec.t0_ns, s.clock_offset_ns,
+               json.dumps(spec_doc, default=str), s.model_dump_json(by_alias=True)]
+        self.db.insert("evaluations", [[v] for v in row], EVALUATION_COLUMNS)
+
+
+def _dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    path = entry.dataset(zoo_dir)
+    if path is None:
+        return None
+    with np.load(path) as npz:
+        return npz["x"], npz["y"]
+
+
+def _feeders(data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int,
+             seed: int) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
+    """Query i's raw inputs (and labels): a seeded permutation of the data set, cycled.
+
+    The sample order has its own seed stream, independent of the arrival schedule's.
+    """
+    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[1])
+    if data is None:
+        fake = rng.standard_normal((64, *shape)).astype(np.float32)
+        return (lambda i: fake[[(i * batch + j) % 64 for j in range(batch)]]), None
+    x, y = data
+    perm = rng.permutation(len(x))
+
+    def idx(i: int) -> np.ndarray:
+        return perm[(np.arange(batch) + i * batch) % len(perm)]
+
+    return (lambda i: x[idx(i)]), (lambda i: y[idx(i)])
+
+
+def _specification(job: JobRequest, agent: AgentDescription, entry: Entry,
+                   prep: dict[str, Any]) -> dict[str, Any]:
+    """Everything needed to run this evaluation again (stored with its results)."""
+    return {
+        "job": job.dump(),
+        "manifest": entry.manifest.model_dump(mode="json"),
+        "manifest_file": str(entry.path),
+        "artifact_sha256": prep.get("sha256"),
+        "agent": agent.dump(),
+        "mlscope_version": mlscope.__version__,
+        "git_commit": _git_commit(),
+    }
+
+
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5, check=False)
+    except OSError:
+        return ""
+    return out.stdout.strip()

@@ -1,0 +1,297 @@
+"""The load generator: drives one agent with a scenario and keeps every timestamp.
+
+Open loop (``online``): a seeded Poisson schedule is issued by a pacer thread that
+sleeps until shortly before each deadline and then spins, so the event loop's
+millisecond timer rounding never reaches the schedule and nothing is issued early.
+Latency counts from each query's *scheduled* time: a late issue counts against the
+system under test (no coordinated omission).
+
+Closed loop (``batched``): back-to-back batches, one outstanding; throughput in
+inputs per second.
+
+Every query keeps scheduled, issued and completed times (load-generator clock) and
+the agent's received / predict-start / predict-end / replied times, converted to
+the load-generator clock with the offset estimated over request/reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+
+from mlscope import codec, names
+from mlscope.bus import Bus, request
+from mlscope.contracts import Query, QueryReply, ScenarioSpec, TraceLevel, new_id
+from mlscope.errors import EvaluationError
+from mlscope.stats import percentile
+
+__all__ = ["Driver", "RunRecord", "estimate_offset"]
+
+now = time.perf_counter_ns
+SPIN_NS = 300_000
+"""The pacer sleeps until this long before a deadline, then spins (never early)."""
+DRAIN_TIMEOUT_S = 10.0
+PACER_SWITCH_INTERVAL_S = 0.0001
+
+
+@dataclass
+class RunRecord:
+    """Raw per-query samples of one run (ns, load-generator clock, relative to t0)."""
+
+    n: int
+    batch_size: int
+    t0_ns: int = 0
+    scheduled: np.ndarray = field(init=False)
+    issued: np.ndarray = field(init=False)
+    completed: np.ndarray = field(init=False)
+    agent_received: np.ndarray = field(init=False)
+    predict_start: np.ndarray = field(init=False)
+    predict_end: np.ndarray = field(init=False)
+    agent_replied: np.ndarray = field(init=False)
+    ok: np.ndarray = field(init=False)
+    correct: np.ndarray = field(init=False)
+    prediction: np.ndarray = field(init=False)
+    errors: dict[int, str] = field(default_factory=dict)
+    not_issued: int = 0
+    done: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("scheduled", "issued", "completed", "agent_received", "predict_start",
+                     "predict_end", "agent_replied"):
+            setattr(self, name, np.zeros(self.n, np.int64))
+        self.ok = np.zeros(self.n, np.uint8)
+        self.correct = np.zeros(self.n, np.int32)
+        self.prediction = np.full(self.n, -1, np.int32)
+
+    def trim(self, count: int) -> None:
+        """Keep the first ``count`` queries (a closed loop stops when time is up)."""
+        for name in ("scheduled", "issued", "completed", "agent_received", "predict_start",
+                     "predict_end", "agent_replied", "ok", "correct", "prediction"):
+            setattr(self, name, getattr(self, name)[:count])
+        self.n = count
+
+
+async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[int, int]:
+    """(agent clock - our clock, round trip) in ns from the ping with the smallest RTT.
+
+    NTP-style: offset = t_agent - (t_send + t_recv) / 2, error bounded by RTT / 2.
+    """
+    best: tuple[int, int] | None = None
+    payload = codec.encode({"op": "ping"})
+    for _ in range(rounds):
+        t1 = now()
+        reply = await request(bus, names.agent_ctl(agent_id), payload, timeout=5.0)
+        t2 = now()
+        rtt = t2 - t1
+        offset = int(reply["t_agent"]) - (t1 + t2) // 2
+        if best is None or rtt < best[1]:
+            best = (offset, rtt)
+    assert best is not None
+    return best
+
+
+def poisson_schedule(qps: float, duration_s: float, seed: int,
+                     max_queries: int | None = None) -> np.ndarray:
+    """Scheduled offsets (ns) of a Poisson process at ``qps`` over ``duration_s``."""
+    rng = np.random.default_rng(seed)
+    expected = int(qps * duration_s)
+    gaps = rng.exponential(1.0 / qps, size=int(expected + 6 * np.sqrt(expected) + 16))
+    times = np.cumsum(gaps)
+    times = times[times < duration_s]
+    if max_queries is not None:
+        times = times[:max_queries]
+    return (times * 1e9).astype(np.int64)
+
+
+class Driver:
+    """Runs one scenario against one agent subject and fills a :class:`RunRecord`."""
+
+    def __init__(self, bus: Bus, *, evaluation_id: str, subject: str, spec: ScenarioSpec,
+                 inputs: Callable[[int], np.ndarray], labels: Callable[[int], np.ndarray] | None,
+                 trace_level: TraceLevel,
+                 offset_ns: int = 0, on_progress: Callable[[RunRecord, float], Any] | None = None
+                 ) -> None:
+        self.bus, self.evaluation_id, self.subject, self.spec = bus, evaluation_id, subject, spec
+        self.inputs, self.labels, self.trace_level = inputs, labels, trace_level
+        self.offset_ns, self.on_progress = offset_ns, on_progress
+        self.inbox = f"_INBOX.{new_id('lg')}"
+        self._outstanding = 0
+        self._all_done = asyncio.Event()
+        self._closed_next: asyncio.Event = asyncio.Event()
+        self.record: RunRecord | None = None
+
+    # ------------------------------------------------------------------ replies
+
+    def _payload(self, i: int) -> bytes:
+        q = Query(evaluation_id=self.evaluation_id, index=i, inputs=self.inputs(i),
+                  trace_level=int(self.trace_level))
+        return codec.encode_model(q)
+
+    async def _on_reply(self, msg: Any) -> None:
+        t = now()
+        rec = self.record
+        assert rec is not None
+        data = codec.decode(msg.data)
+        if data.get("kind") == "error":
+            i = int(data["error"].get("fields", {}).get("index", -1))
+            if 0 <= i < rec.n and rec.completed[i] == 0:
+                rec.errors[i] = data["error"]["message"]
+                self._complete(rec, i, t)
+            return
+        reply = QueryReply.model_validate(data)
+        i = reply.index
+        if not 0 <= i < rec.n or rec.completed[i] != 0:
+            return  # not ours or a duplicate
+        if reply.ok:
+            off = self.offset_ns + rec.t0_ns
+            rec.agent_received[i] = reply.t_received - off
+            rec.predict_start[i] = reply.t_predict_start - off
+            rec.predict_end[i] = reply.t_predict_end - off
+            rec.agent_replied[i] = reply.t_replied - off
+            rec.ok[i] = 1
+            out = reply.outputs
+            if out is not None and out.size:
+                top1 = out.reshape(out.shape[0], -1)[:, 0]
+                rec.prediction[i] = int(top1[0])
+                if self.labels is not None:
+                    rec.correct[i] = int(np.count_nonzero(top1 == self.labels(i)))
+        else:
+            rec.errors[i] = str((reply.error or {}).get("message", "error"))
+        self._complete(rec, i, t)
+
+    def _complete(self, rec: RunRecord, i: int, t: int) -> None:
+        rec.completed[i] = t - rec.t0_ns
+        rec.done += 1
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._all_done.set()
+        self._closed_next.set()
+
+    # ------------------------------------------------------------------ scenarios
+
+    async def run(self) -> RunRecord:
+        sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_reply)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._progress)
+                if self.spec.name == "online":
+                    rec = await self._open_loop()
+                else:
+                    rec = await self._closed_loop()
+                tg.cancel_scope.cancel()
+        finally:
+            await sub.unsubscribe()
+        return rec
+
+    async def _progress(self) -> None:
+        while True:
+            await anyio.sleep(0.5)
+            if self.record is not None and self.on_progress is not None:
+                await self.on_progress(self.record, (now() - self.record.t0_ns) / 1e9)
+
+    async def _send(self, indices: list[int], payloads: list[bytes]) -> None:
+        for i in indices:
+            await self.bus.nc.publish(self.subject, payloads[i], reply=self.inbox)
+
+    async def _open_loop(self) -> RunRecord:
+        s = self.spec
+        sched = poisson_schedule(s.qps, s.duration_s, s.seed, s.max_queries)
+        rec = self.record = RunRecord(n=len(sched), batch_size=s.batch_size)
+        if rec.n == 0:
+            raise EvaluationError(f"{s.qps} QPS over {s.duration_s}s schedules no query")
+        payloads = [self._payload(i) for i in range(rec.n)]  # built before the clock starts
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+
+        tasks: set[asyncio.Task[None]] = set()
+
+        def issue(indices: list[int]) -> None:
+            self._outstanding += len(indices)
+            self._all_done.clear()
+            task = loop.create_task(self._send(indices, payloads))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        rec.t0_ns = now() + 20_000_000  # start 20 ms out, so the first query is on time
+        rec.scheduled[:] = sched
+        self._all_done.clear()
+        thread = threading.Thread(target=_pace, name="pacer", daemon=True,
+                                  args=(rec, loop, issue, stop, s.max_outstanding, self))
+        # The pacer thread needs the GIL the moment its sleep ends; with the default
+        # 5 ms switch interval the loop thread could hold it that long.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(PACER_SWITCH_INTERVAL_S)
+        thread.start()
+        try:
+            await anyio.to_thread.run_sync(thread.join)
+            with anyio.move_on_after(DRAIN_TIMEOUT_S):
+                if self._outstanding > 0:
+                    await self._all_done.wait()
+        finally:
+            stop.set()
+            sys.setswitchinterval(switch)
+        return rec
+
+    async def _closed_loop(self) -> RunRecord:
+        s = self.spec
+        cap = s.max_queries or 10_000_000
+        budget = min(cap, max(1, int(s.duration_s * 20_000)))
+        rec = self.record = RunRecord(n=budget, batch_size=s.batch_size)
+        rec.t0_ns = now()
+        deadline = s.duration_s * 1e9
+        count = 0
+        while count < rec.n and (now() - rec.t0_ns) < deadline:
+            payload = self._payload(count)
+            self._closed_next.clear()
+            t = now() - rec.t0_ns
+            rec.scheduled[count] = rec.issued[count] = t
+            self._outstanding += 1
+            await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
+            with anyio.move_on_after(DRAIN_TIMEOUT_S):
+                await self._closed_next.wait()
+            count += 1
+            if rec.completed[count - 1] == 0:
+                break  # the agent stopped answering
+        rec.trim(count)
+        return rec
+
+
+def _pace(rec: RunRecord, loop: asyncio.AbstractEventLoop, issue: Callable[[list[int]], None],
+          stop: threading.Event, max_outstanding: int, driver: Driver) -> None:
+    """The pacer thread: never early; all due queries go to the loop in one hop."""
+    t0, sched, n, i = rec.t0_ns, rec.scheduled, rec.n, 0
+    while i < n and not stop.is_set():
+        deadline = t0 + int(sched[i])
+        wait = deadline - now() - SPIN_NS
+        if wait > 0:
+            time.sleep(wait / 1e9)
+        while now() < deadline:
+            time.sleep(0)  # releases the GIL so the loop thread keeps taking replies
+        t = now()
+        due: list[int] = []
+        while i < n and t0 + int(sched[i]) <= t:
+            if driver._outstanding + len(due) >= max_outstanding:
+                rec.not_issued += 1  # counted, never silently dropped
+            else:
+                rec.issued[i] = t - t0
+                due.append(i)
+            i += 1
+        if due:
+            loop.call_soon_threadsafe(issue, due)
+
+
+def running_p50_ms(rec: RunRecord) -> float | None:
+    """p50 latency of the queries completed so far (for progress display only)."""
+    done = rec.completed > 0
+    if not done.any():
+        return None
+    lat = (rec.completed[done] - rec.scheduled[done]) / 1e6
+    return percentile(lat[-2000:], 50)

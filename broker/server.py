@@ -1,0 +1,174 @@
+"""The server process: job intake, agent resolution, evaluations, ingest, DB queries.
+
+One task group: the trace ingester, the job consumer (a durable pull consumer on the
+JOBS work-queue stream, shared by every server replica), and the database
+responder. While chDB is in use this process is the one that owns it; every other
+process reaches the evaluation database through ``mlscope.db.*`` requests here.
+
+A job is acknowledged only when its evaluation has finished (or failed for good); a
+server that dies mid-job leaves it unacknowledged and JetStream redelivers it to the
+next server after ``JOB_ACK_WAIT_S``. While a job runs, the server reports progress
+to JetStream (``in_progress``) so that a long evaluation is not redelivered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import nats.errors
+from anyio.abc import TaskStatus
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from broker.db import Database
+from broker.evaluate import Evaluator, resolve
+from broker.ingest import Ingester
+from broker.loadgen import RunRecord, running_p50_ms
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.catalog import Catalog, default_manifest_dirs
+from mlscope.contracts import JobEvent, JobRequest, new_id
+from mlscope.errors import DatabaseError, MLScopeError, WireError
+from mlscope.registry import list_agents
+from mlscope.settings import Settings
+
+__all__ = ["Server"]
+
+JOB_ACK_WAIT_S = 15.0
+MAX_PARALLEL_JOBS = 4
+READ_ONLY = ("select", "with", "show", "describe", "desc", "exists")
+
+
+@dataclass
+class Server:
+    settings: Settings
+    server_id: str = field(default_factory=lambda: new_id("srv"))
+    max_parallel_jobs: int = MAX_PARALLEL_JOBS
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self.catalog = Catalog.load(default_manifest_dirs(self.settings.manifests_dir))
+        self.db = Database(self.settings.dsn)
+        self.db.migrate()
+        try:
+            async with busmod.connect(self.settings, name=f"server {self.server_id}",
+                                      provision=True) as bus:
+                self.bus = bus
+                self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir)
+                self.ingester = Ingester(bus, self.db)
+                subs = [await bus.nc.subscribe(names.SQL_SUBJECT, cb=self._on_sql),
+                        await bus.nc.subscribe(names.EVALUATION_SUBJECT, cb=self._on_eval)]
+                jobs = await bus.js.pull_subscribe(
+                    names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
+                    config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
+                                          ack_wait=JOB_ACK_WAIT_S, max_deliver=5))
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self.ingester.run)
+                    tg.start_soon(self._take_jobs, jobs, tg)
+                    task_status.started()
+                for sub in subs:
+                    await sub.unsubscribe()
+        finally:
+            self.db.close()
+
+    # ------------------------------------------------------------------ jobs
+
+    async def _take_jobs(self, sub: Any, tg: anyio.abc.TaskGroup) -> None:
+        slots = anyio.Semaphore(self.max_parallel_jobs)
+        while True:
+            await slots.acquire()
+            try:
+                msgs = await sub.fetch(1, timeout=1.0)
+            except (nats.errors.TimeoutError, TimeoutError):
+                slots.release()
+                continue
+            tg.start_soon(self._job, msgs[0], slots)
+
+    async def _job(self, msg: Msg, slots: anyio.Semaphore) -> None:
+        try:
+            try:
+                job = codec.decode_model(JobRequest, msg.data)
+            except WireError:
+                await msg.term()  # cannot be answered (no job id) nor ever run
+                return
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_keep_alive, msg)
+                await self._run_job(job)
+                tg.cancel_scope.cancel()
+            await msg.ack()
+        finally:
+            slots.release()
+
+    async def _run_job(self, job: JobRequest) -> None:
+        subject = names.job_events(job.job_id)
+        await self._emit(subject, JobEvent(job_id=job.job_id, event="accepted",
+                                           server_id=self.server_id))
+        try:
+            agents = await list_agents(self.bus)
+            agent, entry = resolve(job, agents, self.catalog)
+
+            async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
+                await self._emit(subject, JobEvent(
+                    job_id=job.job_id, event="progress", server_id=self.server_id,
+                    evaluation_id=eval_id, queries_done=rec.done, elapsed_s=elapsed,
+                    p50_ms=running_p50_ms(rec)))
+
+            summary = await self.evaluator.run(job, agent, entry, progress)
+        except MLScopeError as exc:
+            await self._emit(subject, JobEvent(job_id=job.job_id, event="failed",
+                                               server_id=self.server_id, error=exc.to_wire()))
+            return
+        await self._emit(subject, JobEvent(job_id=job.job_id, event="done",
+                                           server_id=self.server_id,
+                                           evaluation_id=summary.evaluation_id,
+                                           summary=summary))
+
+    async def _emit(self, subject: str, event: JobEvent) -> None:
+        await self.bus.nc.publish(subject, codec.encode_model(event))
+
+    # ------------------------------------------------------------------ database
+
+    async def _on_sql(self, msg: Msg) -> None:
+        """Read-only SQL for other processes: {sql, parameters} -> {columns, rows}."""
+        try:
+            req = codec.decode(msg.data)
+            sql = str(req.get("sql", "")) if isinstance(req, dict) else ""
+            if not sql.strip().lower().startswith(READ_ONLY) or ";" in sql.strip().rstrip(";"):
+                raise DatabaseError("only one read-only statement (SELECT/WITH/SHOW) is allowed")
+            frame = await anyio.to_thread.run_sync(self.db.frame, sql, req.get("parameters"))
+            rows = [[_plain(v) for v in row] for row in frame.itertuples(index=False)]
+            await msg.respond(codec.encode({"columns": list(frame.columns), "rows": rows}))
+        except MLScopeError as exc:
+            await msg.respond(busmod.error_reply(exc))
+
+    async def _on_eval(self, msg: Msg) -> None:
+        try:
+            req = codec.decode(msg.data)
+            eval_id = str(req.get("evaluation_id")) if isinstance(req, dict) else ""
+            rows = await anyio.to_thread.run_sync(
+                self.db.rows, "SELECT spec, summary FROM evaluations FINAL "
+                "WHERE evaluation_id = {id:String}", {"id": eval_id})
+            if not rows:
+                raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
+            await msg.respond(codec.encode({"spec": rows[0][0], "summary": rows[0][1]}))
+        except MLScopeError as exc:
+            await msg.respond(busmod.error_reply(exc))
+
+
+async def _keep_alive(msg: Msg) -> None:
+    while True:
+        await anyio.sleep(JOB_ACK_WAIT_S / 3)
+        await msg.in_progress()
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return str(v)
+

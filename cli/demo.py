@@ -1,0 +1,70 @@
+"""``mlscope demo``: start the embedded stack, evaluate digits_cnn, print, stop."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import anyio
+
+from cli.agents_cmd import fetch_agents
+from cli.services import Stack
+from cli.submit import format_summary, submit
+from mlscope.contracts import JobRequest, ScenarioSpec
+from mlscope.errors import BusError
+from mlscope.settings import Settings
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("demo", help="run the local stack and evaluate digits_cnn")
+    p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--qps", type=float, default=200.0)
+    p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.set_defaults(func=run)
+
+
+async def wait_for_agent(settings: Settings, framework: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            agents = await fetch_agents(settings)
+        except BusError:
+            agents = []
+        if any(f.name == framework for a in agents for f in a.frameworks):
+            return
+        await anyio.sleep(0.3)
+    raise BusError(f"no {framework} agent registered within {timeout:g} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings: Settings = args.settings
+    if args.data_dir is not None:
+        settings = settings.with_(data_dir=args.data_dir.expanduser())
+    stack = Stack(settings, nats_port=args.nats_port, frameworks=["onnxruntime"])
+    live = stack.start()
+    try:
+        jobs = [
+            JobRequest(model="digits_cnn", framework="onnxruntime",
+                       scenario=ScenarioSpec(name="online", qps=args.qps,
+                                             duration_s=args.duration)),
+            JobRequest(model="digits_cnn", framework="onnxruntime",
+                       scenario=ScenarioSpec(name="batched", batch_size=args.batch_size,
+                                             duration_s=args.duration)),
+        ]
+
+        async def go() -> None:
+            await wait_for_agent(live, "onnxruntime")
+            for job in jobs:
+                s = await submit(live, job)
+                print(f"\n== digits_cnn on onnxruntime, {job.scenario.name} ==")
+                print(format_summary(s), flush=True)
+
+        anyio.run(go, backend="asyncio")
+    finally:
+        stack.stop()
+    return 0

@@ -1,0 +1,50 @@
+"""``mlscope``: run the stack and its services, and inspect it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from mlscope.errors import MLScopeError
+from mlscope.settings import Settings
+
+__all__ = ["main"]
+
+# Modules that add subcommands: each has register(subparsers) -> None.
+COMMAND_MODULES = ("cli.services", "cli.agents_cmd", "cli.demo")
+OPTIONAL_MODULES = ("cli.zoo_cmd", "cli.models_cmd", "cli.manifest_cmd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlscope", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    for name in OPTIONAL_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.settings = Settings.from_env()
+    try:
+        code: int = args.func(args)
+    except MLScopeError as exc:
+        print(f"mlscope {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
