@@ -23,8 +23,8 @@ __all__ = ["Ingester"]
 
 class Ingester:
     def __init__(self, bus: Bus, db: Database, *, fetch_batch: int = 512,
-                 fetch_timeout: float = 0.25) -> None:
-        self.bus, self.db = bus, db
+                 fetch_timeout: float = 0.25, ack_wait_s: float = 30.0) -> None:
+        self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
         self.ingested = 0
         self.rejected = 0
@@ -32,7 +32,7 @@ class Ingester:
     async def run(self) -> None:
         sub = await self.bus.js.pull_subscribe(
             names.traces_wildcard(), durable=names.TRACES_CONSUMER, stream=names.TRACES_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=30.0,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s,
                                   deliver_policy=DeliverPolicy.ALL,
                                   max_ack_pending=20_000))
         while True:

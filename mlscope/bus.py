@@ -6,11 +6,11 @@ nowhere else.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Any, TypeVar
 
+import anyio
 import nats
 import nats.errors
 import nats.js.errors
@@ -93,9 +93,11 @@ async def connect(settings: Settings, *, name: str, provision: bool = False,
             await ensure_infrastructure(bus)
         yield bus
     finally:
-        try:
-            await asyncio.wait_for(nc.drain(), 5.0)
-        except (TimeoutError, nats.errors.Error, OSError):
+        # Shielded: a cancelled service must still flush what it published and close
+        # the client, or nats-py's reader tasks outlive the event loop.
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(3), suppress(TimeoutError, nats.errors.Error, OSError):
+                await nc.flush(timeout=2)
             await nc.close()
 
 

@@ -1,0 +1,90 @@
+"""Shared fixtures: a real nats-server per test, the zoo built once per session, and
+a real stack (nats-server + server + agents as processes) per module."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from cli.services import Stack
+from mlscope.natsserver import NatsServer
+from mlscope.registry import list_agents
+from mlscope.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The zoo models the tests need, built once (or reused from MLSCOPE_TEST_ZOO)."""
+    from mlscope.zoo.build import build
+
+    reuse = os.environ.get("MLSCOPE_TEST_ZOO")
+    root = Path(reuse) if reuse else tmp_path_factory.mktemp("zoo")
+    build(root, only=["digits_cnn"], log=lambda _: None)
+    return root
+
+
+def make_data_dir(base: Path, zoo_dir: Path) -> Path:
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "zoo").symlink_to(zoo_dir, target_is_directory=True)
+    return base
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    with NatsServer(store_dir=tmp_path / "nats") as server:
+        yield server
+
+
+@pytest.fixture
+def settings(tmp_path: Path, nats_server: NatsServer, zoo_dir: Path) -> Settings:
+    return Settings(nats_url=nats_server.url, data_dir=make_data_dir(tmp_path / "data", zoo_dir))
+
+
+def child_env(settings: Settings) -> dict[str, str]:
+    env = {**os.environ, **settings.as_env()}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+async def wait_agents(settings: Settings, count: int, timeout: float = 60.0) -> list:
+    from mlscope import bus as busmod
+
+    deadline = time.monotonic() + timeout
+    async with busmod.connect(settings, name="test") as bus:
+        while time.monotonic() < deadline:
+            try:
+                agents = await list_agents(bus)
+            except Exception:  # bucket not created yet
+                agents = []
+            if len(agents) >= count:
+                return agents
+            await anyio.sleep(0.2)
+    raise TimeoutError(f"{count} agent(s) did not register within {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Settings]:
+    """A real local stack: nats-server, the server process and an onnxruntime agent."""
+    base = make_data_dir(tmp_path_factory.mktemp("stack"), zoo_dir)
+    os.environ.setdefault("PYTHONPATH", str(REPO))
+    s = Stack(Settings(data_dir=base), nats_port=0, frameworks=["onnxruntime"])
+    live = s.start()
+    try:
+        anyio.run(wait_agents, live, 1)
+        yield live
+    finally:
+        s.stop()
+        shutil.rmtree(base / "nats", ignore_errors=True)
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,182 @@
+"""Failure behaviour: ingester restarts, server death mid-job, malformed messages."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import anyio
+import pytest
+
+from broker.db import Database
+from broker.ingest import Ingester
+from cli.submit import submit
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.contracts import JobRequest, ScenarioSpec, SpanBatch, new_id
+from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
+from mlscope.settings import Settings
+from tests.conftest import child_env, python, wait_agents
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def span_batch(eval_id: str, start: int, n: int) -> SpanBatch:
+    ids = list(range(start, start + n))
+    return SpanBatch(evaluation_id=eval_id, agent_id="a1", host="h", batch_id=new_id("sb"),
+                     columns={"span_id": ids, "parent_id": [0] * n, "query_index": ids,
+                              "level": [1] * n, "kind": ["step"] * n, "name": ["predict"] * n,
+                              "start_ns": ids, "end_ns": ids, "attrs": [""] * n})
+
+
+def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Settings,
+                                                                 tmp_path) -> None:
+    db = Database(f"chdb:///{tmp_path / 'db'}")
+    db.migrate()
+    eval_id = "ev-resilience"
+    per, batches = 200, 60
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+
+            async def publish(first: int, last: int) -> None:
+                for b in range(first, last):
+                    await bus.js.publish(names.traces(eval_id),
+                                         codec.encode_model(span_batch(eval_id, b * per, per)))
+
+            # 1) An ingester that inserts but dies before acknowledging (crash window).
+            crashing = Ingester(bus, db, ack_wait_s=1.0)
+
+            async def no_ack(msgs):  # insert, then "crash" before any ack
+                original = [m.ack for m in msgs]
+                for m in msgs:
+                    m.ack = _noop  # type: ignore[method-assign]
+                await Ingester._store(crashing, msgs)
+                del original
+
+            crashing._store = no_ack  # type: ignore[method-assign]
+            await publish(0, 20)
+            with anyio.move_on_after(1.5):
+                await crashing.run()
+            # 2) Spans published while no ingester runs wait in the stream.
+            await publish(20, 40)
+            # 3) A healthy ingester takes everything, redelivered batches included;
+            #    it is cancelled mid-stream and a fresh one finishes the job.
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(Ingester(bus, db, ack_wait_s=1.0).run)
+                await publish(40, 50)
+                await anyio.sleep(0.5)
+                tg.cancel_scope.cancel()
+            await publish(50, batches)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(Ingester(bus, db, ack_wait_s=1.0).run)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if _count(db, eval_id) >= per * batches:
+                        break
+                    await anyio.sleep(0.2)
+                tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
+    assert _count(db, eval_id) == per * batches
+    distinct = db.rows("SELECT uniqExact(span_id) FROM spans WHERE evaluation_id = {e:String}",
+                       {"e": eval_id})[0][0]
+    assert distinct == per * batches
+    db.close()
+
+
+async def _noop() -> None:
+    return None
+
+
+def _count(db: Database, eval_id: str) -> int:
+    return int(db.rows("SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}",
+                       {"e": eval_id})[0][0])
+
+
+def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
+    env = child_env(settings)
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework",
+                              "onnxruntime"], env=env)
+    first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    second = None
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(model="digits_cnn", framework="onnxruntime",
+                         scenario=ScenarioSpec(name="online", qps=100, duration_s=4))
+        events: list[str] = []
+
+        def on_event(e) -> None:
+            events.append(f"{e.event}:{e.server_id}")
+            nonlocal second
+            if e.event == "progress" and second is None:
+                first.send_signal(signal.SIGKILL)  # dies mid-job, without acknowledging
+                second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+
+        summary = anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=150),
+                            backend="asyncio")
+        servers = {e.split(":")[1] for e in events if e.startswith("accepted")}
+        assert len(servers) == 2, events  # taken by the first, run again by the second
+        assert summary.status == "completed" and summary.queries > 100
+    finally:
+        for p in (agent, first, second):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(20)
+
+
+def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Settings) -> None:
+    env = child_env(settings)
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework",
+                              "onnxruntime", "--agent-id", "sturdy"], env=env)
+    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    try:
+        anyio.run(wait_agents, settings, 1)
+
+        async def main() -> None:
+            async with busmod.connect(settings, name="test") as bus:
+                for subject in (names.agent_query("sturdy"), names.agent_ctl("sturdy")):
+                    for payload in (b"\xc1garbage", codec.encode({"kind": "query"}),
+                                    codec.encode([1, 2])):
+                        reply = codec.decode((await bus.nc.request(subject, payload,
+                                                                   timeout=5)).data)
+                        assert reply["kind"] == "error", reply
+                        assert isinstance(error_from_wire(reply["error"]),
+                                          (WireError, EvaluationError))
+                # A query for an evaluation the agent was never prepared for.
+                from mlscope.contracts import Query
+                import numpy as np
+                q = Query(evaluation_id="ev-none", index=0, inputs=np.zeros((1, 8, 8)))
+                reply = codec.decode((await bus.nc.request(names.agent_query("sturdy"),
+                                                           codec.encode_model(q), timeout=5)).data)
+                assert "not prepared" in reply["error"]["message"]
+                # The server refuses anything but a read-only statement.
+                bad = await bus.nc.request(names.SQL_SUBJECT,
+                                           codec.encode({"sql": "DROP TABLE spans"}), timeout=10)
+                assert codec.decode(bad.data)["kind"] == "error"
+                # A job that is not a job: the server terminates it and stays up.
+                await bus.js.publish(names.JOBS_SUBJECT, b"not msgpack")
+
+        anyio.run(main, backend="asyncio")
+        summary = anyio.run(lambda: submit(settings, JobRequest(
+            model="digits_cnn", framework="onnxruntime",
+            scenario=ScenarioSpec(name="online", qps=100, duration_s=1)), timeout=60),
+            backend="asyncio")
+        assert summary.status == "completed" and summary.errors == 0
+        assert agent.poll() is None and server.poll() is None
+    finally:
+        for p in (agent, server):
+            p.terminate()
+            p.wait(20)
+
+
+def test_submit_without_a_server_fails_within_seconds(settings: Settings) -> None:
+    t = time.monotonic()
+    with pytest.raises(BusError, match="server"):
+        anyio.run(lambda: submit(settings, JobRequest(model="digits_cnn",
+                                                      framework="onnxruntime")),
+                  backend="asyncio")
+    assert time.monotonic() - t < 15
+
+
