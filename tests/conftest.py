@@ -88,3 +88,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[S
 
 def python() -> str:
     return sys.executable
+
+
+async def wait_server(settings: Settings, timeout: float = 60.0) -> None:
+    """Until a server answers database requests."""
+    from mlscope import bus as busmod
+    from mlscope import remote
+    from mlscope.errors import BusError
+
+    deadline = time.monotonic() + timeout
+    async with busmod.connect(settings, name="test") as bus:
+        while time.monotonic() < deadline:
+            try:
+                await remote.sql(bus, "SELECT 1", timeout=2)
+                return
+            except BusError:
+                await anyio.sleep(0.2)
+    raise TimeoutError(f"no server answered within {timeout}s")

@@ -7,6 +7,7 @@ import subprocess
 import time
 
 import anyio
+import numpy as np
 import pytest
 
 from broker.db import Database
@@ -14,10 +15,10 @@ from broker.ingest import Ingester
 from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import JobRequest, ScenarioSpec, SpanBatch, new_id
+from mlscope.contracts import JobRequest, Query, ScenarioSpec, SpanBatch, new_id
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
 from mlscope.settings import Settings
-from tests.conftest import child_env, python, wait_agents
+from tests.conftest import child_env, python, wait_agents, wait_server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -133,6 +134,7 @@ def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Set
     server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
     try:
         anyio.run(wait_agents, settings, 1)
+        anyio.run(wait_server, settings)
 
         async def main() -> None:
             async with busmod.connect(settings, name="test") as bus:
@@ -145,8 +147,6 @@ def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Set
                         assert isinstance(error_from_wire(reply["error"]),
                                           (WireError, EvaluationError))
                 # A query for an evaluation the agent was never prepared for.
-                from mlscope.contracts import Query
-                import numpy as np
                 q = Query(evaluation_id="ev-none", index=0, inputs=np.zeros((1, 8, 8)))
                 reply = codec.decode((await bus.nc.request(names.agent_query("sturdy"),
                                                            codec.encode_model(q), timeout=5)).data)
