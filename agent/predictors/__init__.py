@@ -3,20 +3,43 @@
 Each module ``agent.predictors.<framework>`` defines ``probe()`` and ``open(...)``
 (see :mod:`mlscope.predictor`). Framework names are the same everywhere:
 onnxruntime, pytorch, tensorflow, tflite, xrt, noop.
+
+Device names reported by ``probe()``: ``cpu``, ``cuda:N`` for each CUDA GPU the
+runtime itself can use, ``fpga:N`` for each XRT device.
+
+This package also holds the one input check every predictor runs before it calls
+its runtime (:func:`check_inputs`), so that a wrong count, dtype or shape is the
+same :class:`~mlscope.errors.InputMismatchError` whichever framework is behind it.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
+
+import numpy as np
 
 from mlscope.contracts import FrameworkInfo
-from mlscope.errors import ConfigError, FrameworkUnavailable
+from mlscope.errors import ConfigError, FrameworkUnavailable, InputMismatchError
 from mlscope.manifest import FRAMEWORKS, ModelManifest
 from mlscope.predictor import Predictor, PredictorOptions
 
-__all__ = ["module", "open_predictor", "probe"]
+__all__ = [
+    "TensorSig",
+    "check_inputs",
+    "device_index",
+    "manifest_signature",
+    "module",
+    "open_predictor",
+    "probe",
+]
+
+log = logging.getLogger(__name__)
 
 
 def module(framework: str) -> ModuleType:
@@ -26,10 +49,17 @@ def module(framework: str) -> ModuleType:
 
 
 def probe(framework: str) -> FrameworkInfo | None:
-    """What of this framework really loads here (None when it does not)."""
+    """What of this framework really loads here (None when it does not).
+
+    A probe that crashes (a broken install, a driver that fails to initialize) means
+    the framework is not advertised; the reason is logged, the agent keeps starting.
+    """
     try:
         info: FrameworkInfo | None = module(framework).probe()
     except ImportError:
+        return None
+    except Exception:  # a broken runtime must not stop the agent; say why, advertise nothing
+        log.warning("probing %s failed; not advertising it", framework, exc_info=True)
         return None
     return info
 
@@ -49,3 +79,73 @@ def open_predictor(framework: str, model_path: Path, manifest: ModelManifest,
 def _extra(framework: str) -> str:
     return {"onnxruntime": "onnx", "pytorch": "torch", "tensorflow": "tf"}.get(
         framework, framework)
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    """What one model input accepts: its name, dtype and full shape (None = any size)."""
+
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int | None, ...]
+    accepts: tuple[np.dtype[Any], ...] = ()
+    """Further dtypes also accepted (a quantized model takes float32 or its own type)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": str(self.dtype), "shape": list(self.shape)}
+
+
+def manifest_signature(manifest: ModelManifest) -> list[TensorSig]:
+    """Input signatures from the manifest: a dynamic batch axis, then the sample shape."""
+    return [
+        TensorSig(name=spec.layer_name or f"input_{i}", dtype=np.dtype(spec.element_type),
+                  shape=(None, *spec.shape))
+        for i, spec in enumerate(manifest.inputs)
+    ]
+
+
+def check_inputs(inputs: Sequence[np.ndarray], sigs: Sequence[TensorSig], *, model: str,
+                 framework: str) -> None:
+    """Raise InputMismatchError (model, framework, expected, actual) on the first mismatch.
+
+    Checked in order: the number of inputs, each input's dtype, each input's rank and
+    fixed dimensions. Inputs of one batch must agree on the batch size.
+    """
+    if len(inputs) != len(sigs):
+        raise InputMismatchError(
+            f"{model} takes {len(sigs)} input(s), got {len(inputs)}",
+            model=model, framework=framework,
+            expected=[s.name for s in sigs], actual=len(inputs))
+    for sig, arr in zip(sigs, inputs, strict=True):
+        dtype = getattr(arr, "dtype", None)
+        if dtype != sig.dtype and dtype not in sig.accepts:
+            raise InputMismatchError(
+                f"{model}: input {sig.name} wants {sig.dtype}, got {dtype}",
+                model=model, framework=framework, input=sig.name,
+                expected=str(sig.dtype), actual=str(dtype))
+        shape = tuple(arr.shape)
+        fixed = zip(sig.shape, shape, strict=False)  # ranks compared first
+        if len(shape) != len(sig.shape) or any(w is not None and w != g for w, g in fixed):
+            raise InputMismatchError(
+                f"{model}: input {sig.name} wants shape {_fmt(sig.shape)}, got {list(shape)}",
+                model=model, framework=framework, input=sig.name,
+                expected=list(sig.shape), actual=list(shape))
+    batches = {int(a.shape[0]) for a in inputs if a.ndim}
+    if len(batches) > 1:
+        raise InputMismatchError(
+            f"{model}: inputs disagree on the batch size {sorted(batches)}",
+            model=model, framework=framework, expected="one batch size",
+            actual=sorted(batches))
+
+
+def device_index(device: str) -> int:
+    """``cuda:1`` -> 1; ``cuda`` / ``fpga`` -> 0."""
+    _, _, idx = device.partition(":")
+    try:
+        return int(idx) if idx else 0
+    except ValueError as exc:
+        raise ConfigError(f"bad device {device!r} (want kind or kind:N)") from exc
+
+
+def _fmt(shape: Sequence[int | None]) -> str:
+    return "[" + ", ".join("N" if d is None else str(d) for d in shape) + "]"
