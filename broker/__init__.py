@@ -1,0 +1,1 @@
+"""Server-side services: job dispatch and the load generator."""
