@@ -232,8 +232,9 @@ def _csv_cells(p: Path, text: str, column: str | int) -> list[tuple[int, str]]:
     rows = [(n, r) for n, r in enumerate(csv.reader(text.splitlines()), start=1) if r]
     if isinstance(column, str):
         if not rows or column not in [h.strip() for h in rows[0][1]]:
-            raise ConfigError(f"{p}:1: no column named {column!r} in the header",
-                              file=str(p), line=1)
+            raise ConfigError(
+                f"{p}:1: no column named {column!r} in the header", file=str(p), line=1
+            )
         col = [h.strip() for h in rows[0][1]].index(column)
         rows = rows[1:]
     else:
@@ -250,11 +251,15 @@ def _parse_gap(p: Path, line: int, cell: str) -> int:
     try:
         value = float(cell)
     except ValueError:
-        raise ConfigError(f"{p}:{line}: not a number of seconds: {cell!r}",
-                          file=str(p), line=line) from None
+        raise ConfigError(
+            f"{p}:{line}: not a number of seconds: {cell!r}", file=str(p), line=line
+        ) from None
     if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"{p}:{line}: inter-arrival time must be finite and >= 0, got {cell!r}",
-                          file=str(p), line=line)
+        raise ConfigError(
+            f"{p}:{line}: inter-arrival time must be finite and >= 0, got {cell!r}",
+            file=str(p),
+            line=line,
+        )
     return round(value * NS_PER_S)
 
 
@@ -305,7 +310,9 @@ def merge(parts: Sequence[Schedule]) -> Schedule:
 
 def merge_values(parts: Sequence[Schedule], values: Sequence[np.ndarray]) -> np.ndarray:
     """Gather per-query arrays (latencies, issue times…) from each slice into global order."""
-    if len(parts) != len(values) or any(len(p) != len(v) for p, v in zip(parts, values)):
+    if len(parts) != len(values):
+        raise ConfigError("each slice needs exactly one array of values")
+    if any(len(p) != len(v) for p, v in zip(parts, values, strict=True)):
         raise ConfigError("each slice needs exactly one value per query")
     if not parts:
         return np.empty(0)

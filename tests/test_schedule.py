@@ -69,7 +69,7 @@ def test_piecewise_segment_counts() -> None:
     s = sch.piecewise(segs, seed=11)
     t = s.offsets_ns / 1e9
     counts = np.histogram(t, bins=[0, 5, 8, 9, 10])[0]
-    for got, want in zip(counts, [5000, 3000, 0, 5000]):
+    for got, want in zip(counts, [5000, 3000, 0, 5000], strict=True):
         assert abs(got - want) <= 4 * np.sqrt(max(want, 1))
     assert counts[2] == 0
     # inside the ramp the rate grows linearly: the second half holds 3/4 of the mass
