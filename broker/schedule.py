@@ -112,7 +112,8 @@ def _one_bound(duration_s: float | None, n: int | None) -> None:
 
 
 def _to_ns(seconds: np.ndarray) -> np.ndarray:
-    return np.rint(seconds * NS_PER_S).astype(np.int64)
+    ns: np.ndarray = np.rint(seconds * NS_PER_S).astype(np.int64)
+    return ns
 
 
 def _unit_arrivals(rng: np.random.Generator, *, until: float | None, n: int | None) -> np.ndarray:
@@ -317,7 +318,8 @@ def merge_values(parts: Sequence[Schedule], values: Sequence[np.ndarray]) -> np.
     if not parts:
         return np.empty(0)
     order = _global_order(np.concatenate([p.index for p in parts]))
-    return np.concatenate([np.asarray(v) for v in values])[order]
+    merged: np.ndarray = np.concatenate([np.asarray(v) for v in values])[order]
+    return merged
 
 
 def _global_order(index: np.ndarray) -> np.ndarray:
