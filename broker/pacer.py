@@ -4,8 +4,15 @@ The pacer runs in a thread of its own so that the event loop's millisecond timer
 rounding never reaches the schedule (asyncio's ``call_at`` fires 0.5–1.2 ms late,
 uvloop's can fire early). For each query it sleeps until ``spin_s`` before the deadline
 (``Event.wait``, so a stop interrupts it), then spins on ``time.perf_counter_ns()``
-(CLOCK_MONOTONIC), calling ``time.sleep(0)`` on every turn to hand the GIL to the
+(CLOCK_MONOTONIC), calling ``time.sleep(0)`` on each turn to hand the GIL to the
 threads that receive replies, and issues once the clock has reached the deadline.
+
+``time.sleep(0)`` is not free on Linux: it sleeps for the thread's timer slack (50 µs by
+default; ~58 µs measured on the dev box), so a spin made only of ``sleep(0)`` issues
+~35 µs late at the median. The last ``busy_s`` (default 70 µs) before a deadline are
+therefore a tight spin that holds the GIL: p50 lag fell from ~35 µs to ~0.3 µs in
+``bench/bench_pacer.py``, at the cost of holding the GIL for at most ``busy_s`` per
+query. ``busy_s=0`` gives the pure ``sleep(0)`` spin.
 
 Behind schedule it issues every query already due at once, in order, as one batch: with
 ``issue_many(indices, issued_ns)`` the caller makes one thread→event-loop hop per batch
@@ -33,9 +40,10 @@ import numpy as np
 from broker.schedule import Schedule
 from mlscope.errors import ConfigError, EvaluationError
 
-__all__ = ["DEFAULT_SPIN_S", "Gate", "OutstandingLimit", "Pacer", "PacerResult"]
+__all__ = ["DEFAULT_BUSY_S", "DEFAULT_SPIN_S", "Gate", "OutstandingLimit", "Pacer", "PacerResult"]
 
 DEFAULT_SPIN_S = 300e-6
+DEFAULT_BUSY_S = 70e-6
 IssueOne = Callable[[int, int, int], None]
 """``issue(i, scheduled_ns, issued_ns)`` for one query."""
 IssueMany = Callable[[range, int], None]
@@ -107,10 +115,11 @@ class Pacer:
     """Issues a schedule in a dedicated thread: ``start()``, then ``join()`` or ``stop()``.
 
     Give exactly one of ``issue`` (called per query, each with its own issue time) and
-    ``issue_many`` (called once per batch of due queries). ``start_ns`` is the
-    ``perf_counter_ns`` value of offset 0 (default: when the pacer starts running), so
-    several pacers can share one start. ``max_batch`` caps one batch, so a long stall
-    is issued in several hops rather than one huge one.
+    ``issue_many`` (called once per batch of due queries). ``spin_s``: how long before a
+    deadline the coarse sleep ends; ``busy_s``: how much of the spin holds the GIL.
+    ``start_ns`` is the ``perf_counter_ns`` value of offset 0 (default: when the pacer
+    starts running), so several pacers can share one start. ``max_batch`` caps one
+    batch, so a long stall is issued in several hops rather than one huge one.
     """
 
     def __init__(
@@ -121,18 +130,20 @@ class Pacer:
         issue_many: IssueMany | None = None,
         gate: Gate | None = None,
         spin_s: float = DEFAULT_SPIN_S,
+        busy_s: float = DEFAULT_BUSY_S,
         max_batch: int = 1024,
         start_ns: int | None = None,
         stop: threading.Event | None = None,
     ) -> None:
         if (issue is None) == (issue_many is None):
             raise ConfigError("give exactly one of issue and issue_many")
-        if spin_s < 0 or max_batch < 1:
-            raise ConfigError("spin_s must be >= 0 and max_batch >= 1")
+        if spin_s < 0 or busy_s < 0 or max_batch < 1:
+            raise ConfigError("spin_s and busy_s must be >= 0 and max_batch >= 1")
         offsets = schedule.offsets_ns if isinstance(schedule, Schedule) else schedule
         self._offsets = Schedule(offsets).offsets_ns  # validates: int64, sorted, >= 0
         self._issue, self._issue_many, self._gate = issue, issue_many, gate
         self._spin_ns = int(spin_s * 1e9)
+        self._busy_ns = int(busy_s * 1e9)
         self._max_batch = max_batch
         self._start_ns = start_ns
         self._stop = stop if stop is not None else threading.Event()
@@ -219,12 +230,13 @@ class Pacer:
 
     def _wait_until(self, due: int) -> bool:
         """Sleep until ``spin`` before ``due``, then spin to it; False if stopped meanwhile."""
-        clock, stop = time.perf_counter_ns, self._stop
+        clock, stop, busy = time.perf_counter_ns, self._stop, self._busy_ns
         coarse = due - clock() - self._spin_ns
         if coarse > 0 and stop.wait(coarse / 1e9):
             return False
-        while clock() < due:
-            time.sleep(0)  # releases the GIL: the reply-receiving threads keep running
+        while (now := clock()) < due:
+            if due - now > busy:
+                time.sleep(0)  # releases the GIL: the reply-receiving threads keep running
             if stop.is_set():
                 return False
         return True
