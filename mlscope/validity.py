@@ -1,0 +1,386 @@
+"""Is a run valid? Pure functions over a run's per-query arrays, and MLPerf early stopping.
+
+Early stopping (MLPerf LoadGen, ``early_stopping.cc`` and ``results.cc``; the idea, not
+the code). Treat each query as a Bernoulli trial that is "over" a latency threshold with
+probability ``1 - q``, where ``q = percentile/100 - tolerance``. If ``t`` of ``h + t``
+queries are over, the chance of seeing so few overs when the true percentile is *not*
+met is the binomial CDF::
+
+    odds(h, t) = P[Binomial(h + t, 1 - q) <= t] = I_q(h, t + 1)
+
+(``I`` is the regularized incomplete beta function). ``min_passing_queries(t)`` is the
+least ``h`` with ``odds(h, t) < 1 - confidence``; a run of ``n`` queries supports the
+claim "the percentile is at most the ``t``-th largest latency" for the largest ``t``
+with ``h(t) + t <= n``. The sample at rank ``n - t`` is itself counted as one of the
+``t``, so with zero latencies *above* the estimate (``t = 1``) a run needs
+``h(1) + 1`` queries: 64 for p90 and 662 for p99 at 99% confidence, MLPerf's published
+"Processed at least 64 queries" figures. For a fixed bound (the server scenario) ``t``
+counts latencies strictly over the bound and the run needs ``h(t) + t`` queries.
+
+Percentiles are given in percent (90, 99) as in :mod:`mlscope.stats`, whose nearest-rank
+percentile is the one used here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from mlscope.stats import percentile as nearest_rank
+
+__all__ = [
+    "EarlyStoppingEstimate",
+    "ValidityPolicy",
+    "Verdict",
+    "achieved_rate",
+    "early_stopping_min_queries",
+    "early_stopping_percentile_bound",
+    "early_stopping_queries_needed",
+    "issue_lag_ns",
+    "min_passing_queries",
+    "verdict",
+]
+
+Array = npt.ArrayLike
+
+
+# --- the regularized incomplete beta function, by Lentz's continued fraction ---------
+# I_x(a, b) = x^a (1-x)^b / (a B(a, b)) * 1/(1+ d1/(1+ d2/(1+ ...))) with
+# d_{2m+1} = -(a+m)(a+b+m) x / ((a+2m)(a+2m+1)),  d_{2m} = m(b-m) x / ((a+2m-1)(a+2m)),
+# (DLMF 8.17.22), converging fast for x < (a+1)/(a+b+2); use I_x(a,b) = 1 - I_{1-x}(b,a)
+# otherwise. Pure Python so that mlscope needs no scipy; tests check it against scipy.
+
+_TINY = 1e-300
+
+
+def _beta_cf(a: float, b: float, x: float) -> float:
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > _TINY else _TINY)
+    h = d
+    for m in range(1, 100_000):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > _TINY else _TINY)
+            c = 1.0 + num / c
+            c = c if abs(c) > _TINY else _TINY
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (
+        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    )
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_cf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_cf(b, a, 1.0 - x) / b
+
+
+def _q(percentile: float, tolerance: float) -> float:
+    if not 0 < percentile < 100:
+        raise ValueError(f"percentile must be in (0, 100), got {percentile}")
+    q = percentile / 100.0 - tolerance
+    if not 0 < q < 1:
+        raise ValueError(f"percentile - tolerance must be in (0, 1), got {q}")
+    return q
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+
+
+def min_passing_queries(
+    over: int, percentile: float, confidence: float = 0.99, tolerance: float = 0.0
+) -> int:
+    """Least ``h`` with ``P[Binomial(h + over, 1 - q) <= over] < 1 - confidence``.
+
+    That many queries at or under a latency, beside ``over`` queries above it, show with
+    ``confidence`` that the ``percentile`` is at most that latency (MLPerf's
+    ``find_min_passing``).
+    """
+    if over < 0:
+        raise ValueError(f"over must be >= 0, got {over}")
+    _check_confidence(confidence)
+    q = _q(percentile, tolerance)
+    alpha = 1.0 - confidence
+    lo = max(1, math.floor(over * q / (1.0 - q)))  # below the mean count nothing passes
+    hi = lo
+    while _betainc(hi, over + 1.0, q) >= alpha:
+        lo, hi = hi + 1, hi * 2
+    while lo < hi:  # least h in [lo, hi] that passes; odds fall as h grows
+        mid = (lo + hi) // 2
+        if _betainc(mid, over + 1.0, q) < alpha:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def early_stopping_min_queries(
+    percentile: float, confidence: float = 0.99, tolerance: float = 0.0
+) -> int:
+    """Fewest queries that give an early-stopping estimate with none above it (64 for p90)."""
+    return min_passing_queries(1, percentile, confidence, tolerance) + 1
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyStoppingEstimate:
+    """A conservative percentile: the ``rank``-th smallest latency, ``discarded`` above it."""
+
+    estimate: float
+    rank: int
+    discarded: int
+    queries: int
+    min_queries: int
+
+
+def early_stopping_percentile_bound(
+    latencies: Array, percentile: float, confidence: float = 0.99, tolerance: float = 0.0
+) -> EarlyStoppingEstimate | None:
+    """MLPerf's early-stopping estimate of the ``percentile``; None below the minimum count.
+
+    The estimate is the ``t``-th largest latency for the largest ``t`` with
+    ``min_passing_queries(t) + t <= n``: with ``confidence`` the true percentile is no
+    higher. It is never below the nearest-rank percentile of the same samples.
+    """
+    data = np.sort(_finite(latencies))
+    n = int(data.size)
+    need = early_stopping_min_queries(percentile, confidence, tolerance)
+    if n < need:
+        return None
+
+    def fits(t: int) -> bool:
+        return min_passing_queries(t, percentile, confidence, tolerance) + t <= n
+
+    lo, hi = 1, n  # fits(1) holds; h(t) + t grows with t, so bisect for the last fit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return EarlyStoppingEstimate(float(data[n - lo]), n - lo + 1, lo - 1, n, need)
+
+
+def early_stopping_queries_needed(
+    latencies: Array,
+    bound: float,
+    percentile: float,
+    confidence: float = 0.99,
+    tolerance: float = 0.0,
+) -> int:
+    """Queries a run needs to show ``percentile <= bound`` given its latencies over ``bound``."""
+    over = int(np.count_nonzero(_finite(latencies) > bound))
+    return min_passing_queries(over, percentile, confidence, tolerance) + over
+
+
+def _finite(values: Array) -> npt.NDArray[np.float64]:
+    arr = np.asarray(values, dtype=np.float64).ravel()
+    return arr[np.isfinite(arr)]
+
+
+# --- the verdict ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """VALID or not, and every reason why not, in words a user can act on."""
+
+    valid: bool
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ValidityPolicy:
+    """What a run must meet to be VALID (defaults sized for a 10 s run on a small box)."""
+
+    min_duration_s: float = 10.0
+    """The last query must be scheduled at least this long after the start (MLPerf: 600)."""
+    min_queries: int = 100
+    """At least this many queries must be issued (and the duration met: both, as MLPerf)."""
+    percentile: float = 99.0
+    """Target latency percentile, in percent, for early stopping and the latency bound."""
+    confidence: float = 0.99
+    """Early-stopping confidence (MLPerf: 0.99)."""
+    tolerance: float = 0.0
+    """Early-stopping tolerance, a fraction subtracted from the percentile (MLPerf: 0)."""
+    latency_bound_ns: int | None = None
+    """Server scenario: the target percentile of latency must not exceed this."""
+    issue_lag_percentile: float = 99.0
+    """Which percentile of issue lag (issued - scheduled) is held to ``max_issue_lag_us``."""
+    max_issue_lag_us: float = 500.0
+    """A lagging load generator under-loads the system; this much lag is tolerated."""
+    rate_tolerance: float = 0.01
+    """Relative shortfall of the achieved issue rate against the scheduled rate."""
+    rate_z: float = 4.0
+    """Poisson allowance, in standard deviations, when the scheduled rate of a random
+    schedule is compared with the requested rate (n arrivals have sd sqrt(n))."""
+    max_errors: int = 0
+    """Failed queries tolerated."""
+    max_not_issued: int = 0
+    """Queries that could not be issued (outstanding bound reached) tolerated."""
+
+
+def issue_lag_ns(scheduled_ns: Array, issued_ns: Array) -> npt.NDArray[np.int64]:
+    """Issue lag of every issued query (``issued_ns == 0`` marks a query not issued)."""
+    sched = np.asarray(scheduled_ns, dtype=np.int64)
+    issued = np.asarray(issued_ns, dtype=np.int64)
+    mask = issued != 0
+    return np.asarray(issued[mask] - sched[mask], dtype=np.int64)
+
+
+def achieved_rate(offsets_ns: Array) -> float:
+    """Queries per second of offsets from the run start: ``n / last offset`` (0 if none).
+
+    Applied to scheduled offsets it gives the scheduled rate, to the issue offsets of
+    the issued queries the achieved issue rate; both count from the same run start.
+    """
+    arr = np.asarray(offsets_ns, dtype=np.int64)
+    if arr.size == 0 or arr.max() <= 0:
+        return 0.0
+    return float(arr.size / (arr.max() / 1e9))
+
+
+def verdict(
+    *,
+    scheduled_ns: Array,
+    issued_ns: Array,
+    latency_ns: Array,
+    errors: int = 0,
+    requested_rate: float | None = None,
+    poisson: bool = True,
+    duration_s: float | None = None,
+    policy: ValidityPolicy | None = None,
+) -> Verdict:
+    """Judge a run from its per-query arrays.
+
+    ``scheduled_ns``/``issued_ns``: offsets from the run start for every query of the
+    schedule (``issued_ns`` 0 for a query not issued). ``latency_ns``: latency from the
+    scheduled time of each query that completed without error. ``requested_rate``: the
+    rate the user asked for (None for closed loops and replays). ``poisson``: the
+    schedule is random, so its realized rate may differ from the request by Poisson
+    noise. ``duration_s`` defaults to the last scheduled offset (MLPerf's server rule).
+    """
+    pol = policy or ValidityPolicy()
+    sched = np.asarray(scheduled_ns, dtype=np.int64)
+    issued = np.asarray(issued_ns, dtype=np.int64)
+    lat = _finite(latency_ns)
+    if sched.shape != issued.shape:
+        raise ValueError("scheduled_ns and issued_ns must have one entry per query")
+    n_issued = int(np.count_nonzero(issued))
+    run_s = (
+        duration_s if duration_s is not None else (float(sched.max()) / 1e9 if sched.size else 0)
+    )
+    reasons = [
+        *_size_reasons(pol, run_s, n_issued),
+        *_latency_reasons(pol, lat),
+        *_lag_reasons(pol, issue_lag_ns(sched, issued)),
+        *_rate_reasons(pol, sched, issued, requested_rate, poisson),
+        *_failure_reasons(pol, errors, sched.size - n_issued),
+    ]
+    return Verdict(not reasons, tuple(reasons))
+
+
+def _size_reasons(pol: ValidityPolicy, run_s: float, n_issued: int) -> list[str]:
+    out = []
+    if run_s < pol.min_duration_s:
+        out.append(f"ran {run_s:.3g} s < minimum {pol.min_duration_s:g} s")
+    if n_issued < pol.min_queries:
+        out.append(f"issued {n_issued} queries < minimum {pol.min_queries}")
+    return out
+
+
+def _latency_reasons(pol: ValidityPolicy, lat: npt.NDArray[np.float64]) -> list[str]:
+    p = f"p{pol.percentile:g}"
+    if lat.size == 0:
+        return ["no query completed"]
+    if pol.latency_bound_ns is None:
+        need = early_stopping_min_queries(pol.percentile, pol.confidence, pol.tolerance)
+        if lat.size < need:
+            return [
+                f"early stopping: {lat.size} completed queries < {need} needed for a "
+                f"{p} estimate at {pol.confidence:.0%} confidence"
+            ]
+        return []
+    out = []
+    bound = float(pol.latency_bound_ns)
+    observed = nearest_rank(lat, pol.percentile)
+    if observed is not None and observed > bound:
+        out.append(f"{p} latency {observed / 1e6:.4g} ms > bound {bound / 1e6:.4g} ms")
+    need = early_stopping_queries_needed(lat, bound, pol.percentile, pol.confidence, pol.tolerance)
+    if lat.size < need:
+        over = int(np.count_nonzero(lat > bound))
+        out.append(
+            f"early stopping: {over} of {lat.size} queries over the "
+            f"{bound / 1e6:.4g} ms bound; showing {p} <= bound at "
+            f"{pol.confidence:.0%} confidence needs >= {need} queries"
+        )
+    return out
+
+
+def _lag_reasons(pol: ValidityPolicy, lag: npt.NDArray[np.int64]) -> list[str]:
+    if lag.size == 0:
+        return []
+    out = []
+    early = int(np.count_nonzero(lag < 0))
+    if early:
+        out.append(
+            f"{early} queries issued before their scheduled time "
+            f"(earliest by {-int(lag.min()) / 1e3:.3g} µs)"
+        )
+    worst = nearest_rank(lag, pol.issue_lag_percentile)
+    if worst is not None and worst / 1e3 > pol.max_issue_lag_us:
+        out.append(
+            f"p{pol.issue_lag_percentile:g} issue lag {worst / 1e3:.0f} µs > "
+            f"{pol.max_issue_lag_us:g} µs"
+        )
+    return out
+
+
+def _rate_reasons(
+    pol: ValidityPolicy,
+    sched: npt.NDArray[np.int64],
+    issued: npt.NDArray[np.int64],
+    requested: float | None,
+    poisson: bool,
+) -> list[str]:
+    out = []
+    scheduled_rate, achieved = achieved_rate(sched), achieved_rate(issued[issued != 0])
+    tol = pol.rate_tolerance
+    if scheduled_rate > 0 and achieved < scheduled_rate * (1 - tol):
+        short = 1 - achieved / scheduled_rate
+        out.append(
+            f"achieved {achieved:.1f} q/s is {short:.1%} below the scheduled "
+            f"{scheduled_rate:.1f} q/s (tolerance {tol:.1%})"
+        )
+    if requested is not None and sched.size:
+        noise = pol.rate_z / math.sqrt(sched.size) if poisson else 0.0
+        off = abs(scheduled_rate / requested - 1)
+        if off > tol + noise:
+            out.append(
+                f"scheduled {scheduled_rate:.1f} q/s is {off:.1%} off the requested "
+                f"{requested:g} q/s (allowed {tol:.1%} + noise {noise:.1%})"
+            )
+    return out
+
+
+def _failure_reasons(pol: ValidityPolicy, errors: int, not_issued: int) -> list[str]:
+    out = []
+    if errors > pol.max_errors:
+        out.append(f"{errors} queries failed (allowed {pol.max_errors})")
+    if not_issued > pol.max_not_issued:
+        out.append(
+            f"{not_issued} queries not issued: the outstanding-query bound was "
+            f"reached (allowed {pol.max_not_issued})"
+        )
+    return out
