@@ -45,7 +45,7 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
 
     def fits(a: AgentDescription) -> bool:
         fw = next((f for f in a.frameworks if f.name == job.framework), None)
-        return (fw is not None and job.device.split(":")[0] in fw.devices
+        return (fw is not None and _has_device(fw.devices, job.device)
                 and satisfies(fw.version, job.framework_version)
                 and satisfies(fw.version, m.framework.version)
                 and any(o.name == m.name and o.version == m.version for o in a.models)
@@ -62,6 +62,13 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
                               model=m.name, framework=job.framework)
     # Spread jobs over equal agents deterministically by job id.
     return matches[hash(job.job_id) % len(matches)], entry
+
+
+def _has_device(devices: tuple[str, ...], wanted: str) -> bool:
+    """'cuda' matches any 'cuda:N'; 'cuda:1' matches only itself."""
+    if ":" in wanted:
+        return wanted in devices
+    return any(d.split(":")[0] == wanted for d in devices)
 
 
 def _describe(a: AgentDescription) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,17 +26,17 @@ from typing import Any
 import anyio
 import numpy as np
 
+from broker import schedule
+from broker.pacer import OutstandingLimit, Pacer
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.contracts import Query, QueryReply, ScenarioSpec, TraceLevel, new_id
 from mlscope.errors import EvaluationError
 from mlscope.stats import percentile
 
-__all__ = ["Driver", "RunRecord", "estimate_offset"]
+__all__ = ["Driver", "RunRecord", "estimate_offset", "running_p50_ms"]
 
 now = time.perf_counter_ns
-SPIN_NS = 300_000
-"""The pacer sleeps until this long before a deadline, then spins (never early)."""
 DRAIN_TIMEOUT_S = 10.0
 PACER_SWITCH_INTERVAL_S = 0.0001
 
@@ -98,19 +97,6 @@ async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[
     return best
 
 
-def poisson_schedule(qps: float, duration_s: float, seed: int,
-                     max_queries: int | None = None) -> np.ndarray:
-    """Scheduled offsets (ns) of a Poisson process at ``qps`` over ``duration_s``."""
-    rng = np.random.default_rng(seed)
-    expected = int(qps * duration_s)
-    gaps = rng.exponential(1.0 / qps, size=int(expected + 6 * np.sqrt(expected) + 16))
-    times = np.cumsum(gaps)
-    times = times[times < duration_s]
-    if max_queries is not None:
-        times = times[:max_queries]
-    return (times * 1e9).astype(np.int64)
-
-
 class Driver:
     """Runs one scenario against one agent subject and fills a :class:`RunRecord`."""
 
@@ -127,6 +113,7 @@ class Driver:
         self._all_done = asyncio.Event()
         self._closed_next: asyncio.Event = asyncio.Event()
         self.record: RunRecord | None = None
+        self._gate: OutstandingLimit | None = None
 
     # ------------------------------------------------------------------ replies
 
@@ -171,6 +158,8 @@ class Driver:
         rec.completed[i] = t - rec.t0_ns
         rec.done += 1
         self._outstanding -= 1
+        if self._gate is not None:
+            self._gate.release()
         if self._outstanding == 0:
             self._all_done.set()
         self._closed_next.set()
@@ -203,40 +192,42 @@ class Driver:
 
     async def _open_loop(self) -> RunRecord:
         s = self.spec
-        sched = poisson_schedule(s.qps, s.duration_s, s.seed, s.max_queries)
-        rec = self.record = RunRecord(n=len(sched), batch_size=s.batch_size)
+        offsets = schedule.poisson(s.qps, duration_s=s.duration_s, seed=s.seed).offsets_ns
+        if s.max_queries is not None:
+            offsets = offsets[: s.max_queries]
+        rec = self.record = RunRecord(n=len(offsets), batch_size=s.batch_size)
         if rec.n == 0:
             raise EvaluationError(f"{s.qps} QPS over {s.duration_s}s schedules no query")
         payloads = [self._payload(i) for i in range(rec.n)]  # built before the clock starts
         loop = asyncio.get_running_loop()
-        stop = threading.Event()
-
         tasks: set[asyncio.Task[None]] = set()
 
-        def issue(indices: list[int]) -> None:
+        def issue(indices: list[int]) -> None:  # on the loop: one hop per batch of due queries
             self._outstanding += len(indices)
             self._all_done.clear()
             task = loop.create_task(self._send(indices, payloads))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
+        self._gate = OutstandingLimit(s.max_outstanding)
         rec.t0_ns = now() + 20_000_000  # start 20 ms out, so the first query is on time
-        rec.scheduled[:] = sched
-        self._all_done.clear()
-        thread = threading.Thread(target=_pace, name="pacer", daemon=True,
-                                  args=(rec, loop, issue, stop, s.max_outstanding, self))
+        rec.scheduled[:] = offsets
+        pacer = Pacer(offsets, gate=self._gate, start_ns=rec.t0_ns,
+                      issue_many=lambda idx, _t: loop.call_soon_threadsafe(issue, list(idx)))
         # The pacer thread needs the GIL the moment its sleep ends; with the default
         # 5 ms switch interval the loop thread could hold it that long.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(PACER_SWITCH_INTERVAL_S)
-        thread.start()
+        pacer.start()
         try:
-            await anyio.to_thread.run_sync(thread.join)
+            result = await anyio.to_thread.run_sync(pacer.join)
+            rec.issued[:] = result.issued_ns
+            rec.not_issued = len(result.not_issued)  # counted, never silently dropped
             with anyio.move_on_after(DRAIN_TIMEOUT_S):
                 if self._outstanding > 0:
                     await self._all_done.wait()
         finally:
-            stop.set()
+            pacer.stop()
             sys.setswitchinterval(switch)
         return rec
 
@@ -262,30 +253,6 @@ class Driver:
                 break  # the agent stopped answering
         rec.trim(count)
         return rec
-
-
-def _pace(rec: RunRecord, loop: asyncio.AbstractEventLoop, issue: Callable[[list[int]], None],
-          stop: threading.Event, max_outstanding: int, driver: Driver) -> None:
-    """The pacer thread: never early; all due queries go to the loop in one hop."""
-    t0, sched, n, i = rec.t0_ns, rec.scheduled, rec.n, 0
-    while i < n and not stop.is_set():
-        deadline = t0 + int(sched[i])
-        wait = deadline - now() - SPIN_NS
-        if wait > 0:
-            time.sleep(wait / 1e9)
-        while now() < deadline:
-            time.sleep(0)  # releases the GIL so the loop thread keeps taking replies
-        t = now()
-        due: list[int] = []
-        while i < n and t0 + int(sched[i]) <= t:
-            if driver._outstanding + len(due) >= max_outstanding:
-                rec.not_issued += 1  # counted, never silently dropped
-            else:
-                rec.issued[i] = t - t0
-                due.append(i)
-            i += 1
-        if due:
-            loop.call_soon_threadsafe(issue, due)
 
 
 def running_p50_ms(rec: RunRecord) -> float | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-import predictor_models as pm  # tests/ is on sys.path under pytest (no __init__.py)
+from tests import predictor_models as pm
 import pytest
 import torch
 
