@@ -230,8 +230,8 @@ class Agent:
         job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
                   spans=spans, reply=self._replier(msg.reply))
         if not session.worker.submit(job):
-            exc = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
-            await msg.respond(busmod.error_reply(exc))
+            busy = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
+            await msg.respond(busmod.error_reply(busy))
 
     def _replier(self, subject: str) -> Any:
         loop, nc = self.loop, self.bus.nc

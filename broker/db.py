@@ -95,7 +95,7 @@ class Database:
         """Insert column-oriented data (one sequence per column)."""
         with self._lock:
             try:
-                self.client.insert(table, list(columns), column_names=list(names),
+                self.client.insert(table, [list(c) for c in columns], column_names=list(names),
                                    column_oriented=True)
             except ClickHouseError as exc:
                 raise DatabaseError(f"insert into {table} failed: {exc}",
@@ -104,7 +104,8 @@ class Database:
     def rows(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         with self._lock:
             try:
-                return list(self.client.query(sql, parameters=parameters).result_rows)
+                result = self.client.query(sql, parameters=parameters)
+                return [tuple(r) for r in result.result_rows]
             except ClickHouseError as exc:
                 raise DatabaseError(f"{exc}", sql=sql[:200]) from exc
 

@@ -132,7 +132,7 @@ class Evaluator:
 
     def _store(self, s: EvaluationSummary, rec: RunRecord, spec_doc: dict[str, Any]) -> None:
         err = [rec.errors.get(i, "") for i in range(rec.n)]
-        cols = [[s.evaluation_id] * rec.n, np.arange(rec.n, dtype=np.uint32),
+        cols: list[Any] = [[s.evaluation_id] * rec.n, np.arange(rec.n, dtype=np.uint32),
                 [rec.batch_size] * rec.n, rec.scheduled, rec.issued, rec.completed,
                 rec.agent_received, rec.predict_start, rec.predict_end, rec.agent_replied,
                 rec.ok, err, rec.correct, rec.prediction]

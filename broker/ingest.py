@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import anyio
 import nats.errors
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from broker.db import SPAN_COLUMNS, Database
@@ -42,7 +43,7 @@ class Ingester:
                 continue
             await self._store(msgs)
 
-    async def _store(self, msgs: list[nats.aio.msg.Msg]) -> None:
+    async def _store(self, msgs: list[Msg]) -> None:
         cols: dict[str, list[object]] = {c: [] for c in SPAN_COLUMNS}
         good, bad = [], []
         for msg in msgs:

@@ -212,8 +212,10 @@ class Driver:
         self._gate = OutstandingLimit(s.max_outstanding)
         rec.t0_ns = now() + 20_000_000  # start 20 ms out, so the first query is on time
         rec.scheduled[:] = offsets
-        pacer = Pacer(offsets, gate=self._gate, start_ns=rec.t0_ns,
-                      issue_many=lambda idx, _t: loop.call_soon_threadsafe(issue, list(idx)))
+        def hop(indices: range, _issued_ns: int) -> None:  # on the pacer thread
+            loop.call_soon_threadsafe(issue, list(indices))
+
+        pacer = Pacer(offsets, gate=self._gate, start_ns=rec.t0_ns, issue_many=hop)
         # The pacer thread needs the GIL the moment its sleep ends; with the default
         # 5 ms switch interval the loop thread could hold it that long.
         switch = sys.getswitchinterval()

@@ -14,6 +14,7 @@ from cli.submit import format_summary, submit
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
 from mlscope.settings import Settings
+from mlscope.zoo.build import build
 
 __all__ = ["register"]
 
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     if args.data_dir is not None:
         settings = settings.with_(data_dir=args.data_dir.expanduser())
+    build(settings.zoo_dir, only=["digits_cnn"])  # idempotent: skipped when present
     stack = Stack(settings, nats_port=args.nats_port, frameworks=["onnxruntime"])
     live = stack.start()
     try:

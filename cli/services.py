@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 from pathlib import Path
 
 import anyio
@@ -65,12 +67,12 @@ def run_agent(args: argparse.Namespace) -> int:
     return _serve(Agent(settings, config, catalog).run)
 
 
-def _serve(run: object) -> int:
+def _serve(run: Callable[..., Coroutine[Any, Any, None]]) -> int:
     """Run a service until SIGINT/SIGTERM, then cancel it cleanly."""
 
     async def main() -> None:
         async with anyio.create_task_group() as tg:
-            await tg.start(run)  # type: ignore[arg-type]
+            await tg.start(run)
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
                     tg.cancel_scope.cancel()

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
-from tests import predictor_models as pm
 import pytest
 import torch
 
@@ -41,6 +40,7 @@ from mlscope.errors import (
     error_from_wire,
 )
 from mlscope.predictor import Predictor, PredictorOptions
+from tests import predictor_models as pm
 
 FAKE_PYXRT = Path(__file__).parent / "fake_pyxrt"
 CUDA = torch.cuda.is_available()

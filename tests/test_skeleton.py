@@ -111,16 +111,16 @@ def test_trace_level_none_emits_no_span(stack: Settings) -> None:
 
 def test_unknown_model_fails_fast_naming_known_models(stack: Settings) -> None:
     t = time.monotonic()
-    with pytest.raises(UnknownModelError, match="known models: .*digits_cnn"):
+    with pytest.raises(UnknownModelError, match=r"known models: .*digits_cnn"):
         run_job(stack, model="resnet9000")
     assert time.monotonic() - t < 10
 
 
 def test_missing_framework_or_version_names_live_agents(stack: Settings) -> None:
-    with pytest.raises(Exception, match="no manifest|no live agent") as info:
+    with pytest.raises(Exception, match=r"no manifest|no live agent") as info:
         run_job(stack, framework="tensorflow")
     assert "digits_cnn" in str(info.value)
-    with pytest.raises(ResolutionError, match="live agents: .*onnxruntime 1\\."):
+    with pytest.raises(ResolutionError, match=r"live agents: .*onnxruntime 1\."):
         run_job(stack, framework_version=">=99")
 
 
