@@ -33,7 +33,7 @@ def export_formats(model: Any, keras_model: Any, example: Any, out: Path, stem: 
         kpath = Path(tmp) / f"{stem}.keras"
         keras_model.save(kpath)
         convert.export_savedmodel(kpath, paths["savedmodel"], input_shape=input_shape)
-    convert.export_tflite(paths["savedmodel"], paths["tflite"])
+    convert.export_tflite(keras_model, paths["tflite"])
     return paths
 
 
