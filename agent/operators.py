@@ -16,6 +16,7 @@ Custom Python steps (``{python: {module: M, function: F}}``, called as
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 from collections.abc import Callable, Mapping, Sequence
@@ -79,15 +80,18 @@ def _topk(x: np.ndarray, *, k: int = 5) -> np.ndarray:
 
 
 def _argmax(x: np.ndarray) -> np.ndarray:
-    return x.reshape(x.shape[0], -1).argmax(axis=1).astype(np.int32)[:, None]
+    best: np.ndarray = x.reshape(x.shape[0], -1).argmax(axis=1).astype(np.int32)
+    return best[:, None]
 
 
 def _reduce(x: np.ndarray, *, op: str = "max") -> np.ndarray:
     """Reduce every per-sample value to one (``max``, ``min``, ``mean``, ``sum``)."""
-    funcs = {"max": np.max, "min": np.min, "mean": np.mean, "sum": np.sum}
+    funcs: dict[str, Callable[..., Any]] = {"max": np.max, "min": np.min, "mean": np.mean,
+                                            "sum": np.sum}
     if op not in funcs:
         raise ValueError(f"reduce op must be one of {sorted(funcs)}")
-    return funcs[op](x.reshape(x.shape[0], -1), axis=1)[:, None]  # type: ignore[no-any-return]
+    reduced: np.ndarray = funcs[op](x.reshape(x.shape[0], -1), axis=1)
+    return reduced[:, None]
 
 
 def _identity(x: Any) -> Any:
@@ -204,9 +208,9 @@ def _color_one(img: np.ndarray, source: str, target: str) -> np.ndarray:
     rgb = img[..., :3] if source == "RGB" else img[..., 2::-1]
     if target == "GRAY":
         gray = rgb.astype(np.float32) @ _LUMA
-        if img.dtype == np.uint8:
-            return np.clip(np.rint(gray), 0, 255).astype(np.uint8)[..., None]
-        return gray.astype(img.dtype)[..., None]
+        out: np.ndarray = (np.clip(np.rint(gray), 0, 255).astype(np.uint8)
+                           if img.dtype == np.uint8 else gray.astype(img.dtype))
+        return out[..., None]
     return np.ascontiguousarray(rgb[..., ::-1]) if target == "BGR" else np.ascontiguousarray(rgb)
 
 
@@ -289,7 +293,7 @@ def compile_steps(steps: Sequence[dict[str, Any]], *, where: str = "steps",
         if options is not None and not isinstance(options, dict):
             raise ManifestError(f"options of {name!r} must be a mapping", field=f"{where}.{i}")
         opts = dict(options or {})
-        calls.append(lambda x, op=op, opts=opts: op(x, **opts))
+        calls.append(functools.partial(op, **opts))
 
     def run(x: Any) -> Any:
         for call in calls:

@@ -23,9 +23,8 @@ from pydantic import (
     model_validator,
 )
 
-from mlscope.errors import ManifestError
-from mlscope.errors import ArtifactError
 from mlscope.artifacts import check_relative
+from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
 __all__ = [
@@ -346,19 +345,19 @@ def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
     """
     if node is None:
         return None
-    line = node.start_mark.line + 1
+    line = int(node.start_mark.line) + 1
     for part in loc:
         if isinstance(node, yaml.MappingNode):
             match = [(k, v) for k, v in node.value if getattr(k, "value", None) == part]
             if not match:
                 return line
             key, node = match[0]
-            line = key.start_mark.line + 1
+            line = int(key.start_mark.line) + 1
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
             if part >= len(node.value):
                 return line
             node = node.value[part]
-            line = node.start_mark.line + 1
+            line = int(node.start_mark.line) + 1
         else:
             return line
     return line

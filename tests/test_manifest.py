@@ -164,9 +164,11 @@ def test_scenario_file(tmp_path: Path) -> None:
     assert "needs qps" in str(err)
     err = error_of(write(tmp_path, "kind: scenario\nname: burst\nqps: 5\n", "b.yaml"))
     assert err.field == "name" and err.line == 2
-    err = error_of(write(tmp_path, "kind: scenario\nname: batched\nbatch_sizes: [1, 0]\n", "z.yaml"))
+    text = "kind: scenario\nname: batched\nbatch_sizes: [1, 0]\n"
+    err = error_of(write(tmp_path, text, "z.yaml"))
     assert err.field == "batch_sizes"
-    err = error_of(write(tmp_path, "kind: scenario\nname: replay\nschedule_file: /t.csv\n", "r.yaml"))
+    text = "kind: scenario\nname: replay\nschedule_file: /t.csv\n"
+    err = error_of(write(tmp_path, text, "r.yaml"))
     assert err.field == "schedule_file"
 
 

@@ -74,7 +74,8 @@ def export_torchscript(model: Any, example: Any, path: Path) -> Path:
     import torch
 
     with torch.no_grad():
-        traced = torch.jit.freeze(torch.jit.trace(model, example).eval())
+        traced = torch.jit.freeze(
+            torch.jit.trace(model, example).eval())  # type: ignore[no-untyped-call]
     buf = io.BytesIO()
     torch.jit.save(traced, buf)
     _strip_zip(buf.getvalue(), path, archive=path.stem)
@@ -234,7 +235,7 @@ def _ort_runner(path: Path) -> Callable[[np.ndarray], np.ndarray]:
 def _torch_runner(path: Path) -> Callable[[np.ndarray], np.ndarray]:
     import torch
 
-    mod = torch.jit.load(str(path)).eval()
+    mod = torch.jit.load(str(path)).eval()  # type: ignore[no-untyped-call]
 
     def run(x: np.ndarray) -> np.ndarray:
         with torch.no_grad():

@@ -58,7 +58,7 @@ def train() -> Any:
             idx = perm[start : start + 64]
             opt.zero_grad()
             loss = nn.functional.cross_entropy(model(xt[idx]), yt[idx])
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
     return model.eval()
 

@@ -56,7 +56,7 @@ def train() -> Any:
         for start in range(0, len(xt), 32):
             idx = perm[start : start + 32]
             opt.zero_grad()
-            nn.functional.cross_entropy(model(xt[idx]), yt[idx]).backward()
+            nn.functional.cross_entropy(model(xt[idx]), yt[idx]).backward()  # type: ignore[no-untyped-call]
             opt.step()
     return model.eval()
 

