@@ -67,7 +67,9 @@ def _softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))  # type: ignore[no-any-return]
+    # 1 / (1 + e^-x) computed as e^-log(1 + e^-x): no overflow for large |x|
+    out: np.ndarray = np.exp(-np.logaddexp(0.0, -x))
+    return out
 
 
 def _topk(x: np.ndarray, *, k: int = 5) -> np.ndarray:

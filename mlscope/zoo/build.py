@@ -6,13 +6,21 @@ interrupted build leaves nothing half-written. A model is skipped when every fil
 produces already exists with the checksum its committed manifest pins (or, with no
 manifest yet, simply exists); ``force`` rebuilds anyway.
 
+Every builder runs in a fresh child process (``python -m mlscope.zoo.build NAME DIR``):
+TorchScript type names and TensorFlow function names come from process-wide counters,
+so only a fresh process gives the same bytes every time. (It also hands the memory of
+TensorFlow and torch back after each model.)
+
 Models that are read in place from installed wheels (``light_*``, ``silero_vad``,
 ``basic_pitch``, through ``pkg://``) have nothing to build.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +108,19 @@ def _up_to_date(out: Path, b: Builder, pinned: Mapping[str, str]) -> bool:
     return all(sha256_path(out / f) == sha for f, sha in pinned.items())
 
 
+def _run_child(b: Builder, out: Path) -> str:
+    """Run one builder in a fresh interpreter; returns what it reported."""
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0",
+           "PYTHONHASHSEED": "0", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "mlscope.zoo.build", b.name, str(out)],
+                          env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building {b.name} failed:\n{proc.stderr[-6000:]}")
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+
+
 def build(zoo_dir: Path, *, only: Iterable[str] | None = None, force: bool = False,
           log: Callable[[str], None] = print,
           pinned: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, dict[str, str]]:
@@ -121,7 +142,7 @@ def build(zoo_dir: Path, *, only: Iterable[str] | None = None, force: bool = Fal
             scratch = out.parent / f".{b.version}.partial"
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
-            info = b.run(scratch)
+            info = _run_child(b, scratch)
             if info:
                 log(f"{b.name}: {info}")
             shutil.rmtree(out, ignore_errors=True)
@@ -130,3 +151,14 @@ def build(zoo_dir: Path, *, only: Iterable[str] | None = None, force: bool = Fal
             log(f"{b.name} {b.version}: up to date")
         result[name] = {f: sha256_path(out / f) for f in b.files}
     return result
+
+
+def _child(argv: list[str]) -> int:
+    name, out = argv
+    info = BUILDERS[name].run(Path(out))
+    print(info if info else "", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_child(sys.argv[1:]))

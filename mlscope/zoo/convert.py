@@ -9,8 +9,9 @@ pre-processing fits all four.
 Determinism (checked by building twice, see tests/test_zoo_build.py):
 
 * TorchScript archives carry ``.debug_pkl`` records with absolute source paths of the
-  venv and the checkout, so the archive is rewritten without them, entries in their
-  original order, every timestamp fixed. ``torch.jit.load`` does not need them.
+  venv and the checkout, and a random ``.data/serialization_id``. The archive is
+  rewritten without the debug records (``torch.jit.load`` does not need them), with
+  the id derived from the content, entries in their original order, timestamps fixed.
 * ``keras.Model.export`` orders variables differently on every run; a ``tf.Module``
   wrapper saved by ``tf.saved_model.save`` in a fresh child process (function names
   come from process-wide counters) is stable, once the random ``fingerprint.pb``
@@ -23,6 +24,7 @@ Weight-port rules (torch -> Keras): conv ``W.transpose(2, 3, 1, 0)``, depthwise 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 _FIXED_TIME = (1980, 1, 1, 0, 0, 0)
+_SERIALIZATION_ID = ".data/serialization_id"
 
 
 def quiet_tf() -> None:
@@ -84,15 +87,23 @@ def export_torchscript(model: Any, example: Any, path: Path) -> Path:
 
 def _strip_zip(data: bytes, path: Path, *, archive: str) -> None:
     src = zipfile.ZipFile(io.BytesIO(data))
+    records: list[tuple[str, bytes]] = []
+    for info in src.infolist():
+        if info.filename.endswith(".debug_pkl"):
+            continue
+        # The archive's top folder is derived from the file name torch saw; ours is a
+        # BytesIO, so name it after the target file instead.
+        _, _, rest = info.filename.partition("/")
+        records.append((rest, src.read(info)))
+    # .data/serialization_id is a per-save random number; derive it from the content
+    digest = hashlib.sha256(b"".join(n.encode() + d for n, d in records
+                                     if n != _SERIALIZATION_ID)).digest()
+    fixed = str(int.from_bytes(digest[:16], "big")).zfill(40)[:40].encode()
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as dst:
-        for info in src.infolist():
-            if info.filename.endswith(".debug_pkl"):
-                continue
-            # The archive's top folder is derived from the file name torch saw; ours is
-            # a BytesIO, so name it after the target file instead.
-            _, _, rest = info.filename.partition("/")
-            dst.writestr(zipfile.ZipInfo(f"{archive}/{rest}", _FIXED_TIME), src.read(info))
+        for rest, blob in records:
+            blob = fixed if rest == _SERIALIZATION_ID else blob
+            dst.writestr(zipfile.ZipInfo(f"{archive}/{rest}", _FIXED_TIME), blob)
     path.write_bytes(out.getvalue())
 
 
