@@ -82,7 +82,7 @@ def test_color_modes() -> None:
 
 
 def test_imagenet_pipeline_in_manifest_order() -> None:
-    steps = [{"decode": {}}, {"resize": {"size": 256, "keep_aspect": True}},
+    steps: list[dict[str, Any]] = [{"decode": {}}, {"resize": {"size": 256, "keep_aspect": True}},
              {"center_crop": {"size": 224}}, {"normalize": {"mean": 127, "std": 128}},
              {"layout": {"source": "HWC", "target": "CHW"}}]
     img = np.full((300, 400, 3), 255, np.uint8)

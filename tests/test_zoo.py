@@ -37,7 +37,7 @@ def run_onnxruntime(path: Path) -> Runner:
 def run_pytorch(path: Path) -> Runner:
     import torch
 
-    mod = torch.jit.load(str(path)).eval()
+    mod = torch.jit.load(str(path)).eval()  # type: ignore[no-untyped-call]
 
     def run(x: np.ndarray) -> np.ndarray:
         with torch.no_grad():
@@ -78,6 +78,12 @@ def entries(name: str) -> dict[str, Entry]:
     return {fw: cat.find(name, framework=fw) for fw in FRAMEWORKS}
 
 
+def dataset_of(entry: Entry) -> Path:
+    path = entry.dataset(zoo_dir())
+    assert path is not None, entry.manifest.key
+    return path
+
+
 def predictions(name: str, batch: int = 100) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Top-1 per framework over the manifest's data set, run through its own steps."""
     built(name)
@@ -85,7 +91,7 @@ def predictions(name: str, batch: int = 100) -> tuple[dict[str, np.ndarray], np.
     labels = np.empty(0)
     for fw, entry in entries(name).items():
         m = entry.manifest
-        data = np.load(entry.dataset(zoo_dir()))
+        data = np.load(dataset_of(entry))
         x, labels = data["x"], data["y"]
         pre = compile_steps(m.inputs[0].steps)
         post = compile_steps(m.outputs[0].steps)
@@ -106,7 +112,6 @@ def test_same_top1_on_four_runtimes(name: str, floor: float) -> None:
     assert abs(correct["onnxruntime"] / len(y) - reported) < 1e-3
 
 
-@pytest.mark.slow
 def test_efficientnet_sanity_set_on_four_runtimes() -> None:
     top1, y = predictions("efficientnet_lite0", batch=8)
     assert len(y) >= 6
@@ -120,7 +125,7 @@ def test_face_detector_separates_faces() -> None:
     built("mp_face_detection")
     entry = Catalog.load([MANIFESTS]).find("mp_face_detection")
     m = entry.manifest
-    data = np.load(entry.dataset(zoo_dir()))
+    data = np.load(dataset_of(entry))
     pre, post = compile_steps(m.inputs[0].steps), compile_steps(m.outputs[1].steps)
     from ai_edge_litert.interpreter import Interpreter
 
@@ -154,7 +159,6 @@ def test_rebuild_is_byte_identical(tmp_path: Path) -> None:
     assert first == second
 
 
-@pytest.mark.slow
 def test_committed_manifests_are_what_the_build_renders() -> None:
     for name in BUILDERS:
         built(name)

@@ -305,7 +305,7 @@ def _leaf(value: Any) -> bool:
     return True
 
 
-class _Dumper(yaml.SafeDumper):
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]
     """Block style, except one-line flow for lists of scalars and small flat mappings."""
 
     def represent_mapping(self, tag: str, mapping: Any, flow_style: Any = None) -> yaml.Node:
@@ -318,7 +318,8 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _dump(doc: dict[str, Any]) -> str:
-    return yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
+    text: str = yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=100, allow_unicode=True)
+    return text
 
 
 def render_all(zoo: Path, only: list[str] | None = None) -> dict[str, str]:
