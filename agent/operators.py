@@ -1,34 +1,50 @@
 """Pre- and post-processing operators (paper section 4.1.1), run in manifest order.
 
 A step in a manifest is ``{operator: {options}}``. Each operator is a function
-``(batch, **options) -> batch`` over a numpy batch whose first axis is the batch.
+``(batch, **options) -> batch`` over a batch whose first axis is the batch.
 :func:`compile_steps` turns a step list into one callable once, at model load, so
 the per-query path does no lookups.
+
+Images travel as HWC ``uint8`` arrays (``N x H x W x C``, or ``N x H x W`` for gray).
+Until ``resize``/``center_crop`` make them one size, a batch of images may be a list
+of arrays of different sizes; every image operator accepts either.
+
+Custom Python steps (``{python: {module: M, function: F}}``, called as
+``F(env, data)``) run only for a trusted manifest on an agent that allows them; see
+``docs/SECURITY.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+import importlib
+import io
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mlscope.errors import ManifestError
 
-__all__ = ["OPERATORS", "Pipeline", "compile_steps"]
+__all__ = ["CUSTOM_STEP", "OPERATORS", "Pipeline", "compile_steps"]
 
-Op = Callable[..., np.ndarray]
-Pipeline = Callable[[np.ndarray], np.ndarray]
+Op = Callable[..., Any]
+Pipeline = Callable[[Any], Any]
+CUSTOM_STEP = "python"
+"""Name of the custom-code step (gated, see :func:`compile_steps`)."""
+
+Images = np.ndarray | list[np.ndarray]
 
 
 def _cast(x: np.ndarray, *, dtype: str) -> np.ndarray:
-    return x.astype(dtype, copy=False)
+    return np.asarray(x).astype(dtype, copy=False)
 
 
 def _normalize(x: np.ndarray, *, mean: Any = 0.0, std: Any = 1.0,
                rescale: float = 1.0) -> np.ndarray:
     """(x * rescale - mean) / std, broadcasting mean/std over the last axis or channels."""
-    out = x.astype(np.float32, copy=False) * np.float32(rescale)
+    out = np.asarray(x).astype(np.float32, copy=False) * np.float32(rescale)
     return (out - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
 
 
@@ -41,7 +57,7 @@ def _layout(x: np.ndarray, *, source: str, target: str) -> np.ndarray:
     if sorted(source) != sorted(target):
         raise ValueError(f"cannot convert layout {source} to {target}")
     perm = [0] + [source.index(c) + 1 for c in target]
-    return np.ascontiguousarray(x.transpose(perm))
+    return np.ascontiguousarray(np.asarray(x).transpose(perm))
 
 
 def _softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
@@ -51,7 +67,9 @@ def _softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-x))  # type: ignore[no-any-return]
+    # 1 / (1 + e^-x) computed as e^-log(1 + e^-x): no overflow for large |x|
+    out: np.ndarray = np.exp(-np.logaddexp(0.0, -x))
+    return out
 
 
 def _topk(x: np.ndarray, *, k: int = 5) -> np.ndarray:
@@ -64,14 +82,153 @@ def _topk(x: np.ndarray, *, k: int = 5) -> np.ndarray:
 
 
 def _argmax(x: np.ndarray) -> np.ndarray:
-    return x.reshape(x.shape[0], -1).argmax(axis=1).astype(np.int32)[:, None]
+    best: np.ndarray = x.reshape(x.shape[0], -1).argmax(axis=1).astype(np.int32)
+    return best[:, None]
 
 
-def _identity(x: np.ndarray) -> np.ndarray:
+def _reduce(x: np.ndarray, *, op: str = "max") -> np.ndarray:
+    """Reduce every per-sample value to one (``max``, ``min``, ``mean``, ``sum``)."""
+    funcs: dict[str, Callable[..., Any]] = {"max": np.max, "min": np.min, "mean": np.mean,
+                                            "sum": np.sum}
+    if op not in funcs:
+        raise ValueError(f"reduce op must be one of {sorted(funcs)}")
+    reduced: np.ndarray = funcs[op](x.reshape(x.shape[0], -1), axis=1)
+    return reduced[:, None]
+
+
+def _identity(x: Any) -> Any:
     return x
 
 
+# --- images ---------------------------------------------------------------------------
+
+def _pil() -> Any:
+    try:
+        from PIL import Image
+    except ImportError as exc:  # pragma: no cover - pillow ships with the zoo extra
+        raise ImportError("image operators need Pillow: pip install 'mlscope[zoo]'") from exc
+    return Image
+
+
+def _stack(images: list[np.ndarray]) -> Images:
+    """One array when every image has one shape, else the list."""
+    if images and all(i.shape == images[0].shape for i in images):
+        return np.stack(images)
+    return images
+
+
+def _decode_one(item: Any, mode: str) -> np.ndarray:
+    if isinstance(item, np.ndarray) and item.dtype == np.uint8 and item.ndim in (2, 3):
+        return item  # already decoded
+    image = _pil()
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        src: Any = io.BytesIO(bytes(item))
+    elif isinstance(item, np.ndarray) and item.dtype == np.uint8 and item.ndim == 1:
+        src = io.BytesIO(item.tobytes())
+    elif isinstance(item, (str, Path)):
+        src = str(item)
+    else:
+        raise ValueError(f"decode takes image bytes, a file path or a uint8 image, "
+                         f"not {type(item).__name__}")
+    with image.open(src) as img:
+        return np.asarray(img.convert(mode))
+
+
+def _decode(x: Any, *, mode: str = "RGB") -> Images:
+    """Encoded images (bytes or file paths) -> HWC uint8 (``mode``: RGB or L)."""
+    return _stack([_decode_one(item, mode) for item in x])
+
+
+_RESAMPLE = {"nearest": 0, "bilinear": 2, "bicubic": 3, "lanczos": 1, "box": 4,
+             "area": 4, "hamming": 5}
+
+
+def _target_size(h: int, w: int, size: int | Sequence[int], keep_aspect: bool) -> tuple[int, int]:
+    if isinstance(size, int):
+        if keep_aspect:  # shorter side becomes `size`
+            scale = size / min(h, w)
+            return max(1, round(h * scale)), max(1, round(w * scale))
+        return size, size
+    th, tw = int(size[0]), int(size[1])
+    if keep_aspect:  # fit inside (th, tw)
+        scale = min(th / h, tw / w)
+        return max(1, round(h * scale)), max(1, round(w * scale))
+    return th, tw
+
+
+def _resize_one(img: np.ndarray, size: int | Sequence[int], method: str,
+                keep_aspect: bool) -> np.ndarray:
+    h, w = img.shape[:2]
+    th, tw = _target_size(h, w, size, keep_aspect)
+    if (th, tw) == (h, w):
+        return img
+    image = _pil()
+    resample = _RESAMPLE[method]
+    if img.dtype == np.uint8 and (img.ndim == 2 or img.shape[2] in (1, 3, 4)):
+        squeeze = img.ndim == 3 and img.shape[2] == 1
+        pil = image.fromarray(img[..., 0] if squeeze else img)
+        out = np.asarray(pil.resize((tw, th), resample))
+        return out[..., None] if squeeze else out
+    chans = [img] if img.ndim == 2 else [img[..., c] for c in range(img.shape[2])]
+    res = [np.asarray(image.fromarray(c.astype(np.float32), mode="F").resize((tw, th), resample))
+           for c in chans]
+    out = res[0] if img.ndim == 2 else np.stack(res, axis=-1)
+    return out.astype(img.dtype)
+
+
+def _resize(x: Images, *, size: int | Sequence[int], method: str = "bilinear",
+            keep_aspect: bool = False) -> Images:
+    """Resize HWC images. An int ``size`` with ``keep_aspect`` sets the shorter side."""
+    if method not in _RESAMPLE:
+        raise ValueError(f"resize method must be one of {sorted(_RESAMPLE)}")
+    return _stack([_resize_one(np.asarray(i), size, method, keep_aspect) for i in x])
+
+
+def _center_crop(x: Images, *, size: int | Sequence[int]) -> Images:
+    """Crop the central ``size`` (int or [h, w]) of each HWC image."""
+    th, tw = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+    out = []
+    for img in x:
+        h, w = img.shape[:2]
+        if th > h or tw > w:
+            raise ValueError(f"cannot crop {th}x{tw} from a {h}x{w} image")
+        top, left = (h - th) // 2, (w - tw) // 2
+        out.append(np.asarray(img)[top : top + th, left : left + tw])
+    return _stack(out)
+
+
+_LUMA = np.array([0.299, 0.587, 0.114], np.float32)  # ITU-R 601, as Pillow's "L"
+
+
+def _color_one(img: np.ndarray, source: str, target: str) -> np.ndarray:
+    if source == target:
+        return img
+    if source == "GRAY":
+        gray = img if img.ndim == 2 else img[..., 0]
+        rgb = np.repeat(gray[..., None], 3, axis=-1)
+        return rgb if target == "RGB" else rgb[..., ::-1]
+    rgb = img[..., :3] if source == "RGB" else img[..., 2::-1]
+    if target == "GRAY":
+        gray = rgb.astype(np.float32) @ _LUMA
+        out: np.ndarray = (np.clip(np.rint(gray), 0, 255).astype(np.uint8)
+                           if img.dtype == np.uint8 else gray.astype(img.dtype))
+        return out[..., None]
+    return np.ascontiguousarray(rgb[..., ::-1]) if target == "BGR" else np.ascontiguousarray(rgb)
+
+
+def _color_mode(x: Images, *, target: str, source: str = "RGB") -> Images:
+    """Convert channel order/colour: RGB, BGR or GRAY (GRAY keeps a 1-channel axis)."""
+    modes = ("RGB", "BGR", "GRAY")
+    if source not in modes or target not in modes:
+        raise ValueError(f"color modes are {', '.join(modes)}")
+    return _stack([_color_one(np.asarray(i), source, target) for i in x])
+
+
 OPERATORS: dict[str, Op] = {
+    "decode": _decode,
+    "resize": _resize,
+    "center_crop": _center_crop,
+    "color_mode": _color_mode,
     "cast": _cast,
     "normalize": _normalize,
     "reshape": _reshape,
@@ -80,26 +237,67 @@ OPERATORS: dict[str, Op] = {
     "sigmoid": _sigmoid,
     "topk": _topk,
     "argmax": _argmax,
+    "reduce": _reduce,
     "identity": _identity,
 }
 
+_CUSTOM_RULE = (
+    "custom Python steps run only for a manifest loaded from a trusted local directory "
+    "on an agent whose settings allow custom code; never for a manifest received over "
+    "the bus (see docs/SECURITY.md)"
+)
 
-def compile_steps(steps: Sequence[dict[str, Any]], *, where: str = "steps") -> Pipeline:
-    """One callable running every step in order; unknown operators are ManifestErrors."""
-    calls: list[Callable[[np.ndarray], np.ndarray]] = []
+
+def _custom(options: Any, *, where: str, trusted: bool, allow_custom: bool,
+            env: Mapping[str, Any]) -> Callable[[Any], Any]:
+    if not (trusted and allow_custom):
+        why = "the manifest is not trusted" if not trusted else "custom code is not allowed"
+        raise ManifestError(f"refusing custom Python step ({why}): {_CUSTOM_RULE}", field=where)
+    if not isinstance(options, dict) or set(options) != {"module", "function"}:
+        raise ManifestError("a python step is {python: {module: M, function: F}}", field=where)
+    try:
+        fn = getattr(importlib.import_module(str(options["module"])), str(options["function"]))
+    except (ImportError, AttributeError) as exc:
+        raise ManifestError(f"cannot load {options['module']}.{options['function']}: {exc}",
+                            field=where) from exc
+    if not callable(fn):
+        raise ManifestError(f"{options['module']}.{options['function']} is not callable",
+                            field=where)
+    step_env = dict(env)
+    return lambda x: fn(step_env, x)
+
+
+def compile_steps(steps: Sequence[dict[str, Any]], *, where: str = "steps",
+                  trusted: bool = False, allow_custom: bool = False,
+                  env: Mapping[str, Any] | None = None) -> Pipeline:
+    """One callable running every step in order; unknown operators are ManifestErrors.
+
+    A ``python`` step runs only when ``trusted`` (the manifest came from a local
+    trusted directory) and ``allow_custom`` (the agent's settings allow it) are both
+    true; otherwise compiling fails with a ManifestError that states the rule.
+    ``env`` is the read-only context handed to custom functions as their first argument.
+    """
+    calls: list[Callable[[Any], Any]] = []
     for i, step in enumerate(steps):
         if not isinstance(step, dict) or len(step) != 1:
             raise ManifestError("each step is a mapping with one operator",
                                 field=f"{where}.{i}")
         (name, options), = step.items()
+        if name == CUSTOM_STEP:
+            calls.append(_custom(options, where=f"{where}.{i}", trusted=trusted,
+                                 allow_custom=allow_custom, env=env or {}))
+            continue
         op = OPERATORS.get(name)
         if op is None:
-            raise ManifestError(f"unknown operator {name!r} (known: {', '.join(OPERATORS)})",
+            known = ", ".join([*OPERATORS, CUSTOM_STEP])
+            raise ManifestError(f"unknown operator {name!r} (known: {known})",
                                 field=f"{where}.{i}")
+        if options is not None and not isinstance(options, dict):
+            raise ManifestError(f"options of {name!r} must be a mapping", field=f"{where}.{i}")
         opts = dict(options or {})
-        calls.append(lambda x, op=op, opts=opts: op(x, **opts))
+        calls.append(functools.partial(op, **opts))
 
-    def run(x: np.ndarray) -> np.ndarray:
+    def run(x: Any) -> Any:
         for call in calls:
             x = call(x)
         return x

@@ -1,24 +1,59 @@
-"""Resolving a manifest's assets to verified local files (the data manager).
+"""The data manager (paper section 4.4.1): a manifest's assets as verified local files.
 
 Asset locations (``assets.base_url``):
-    (none)            relative to the manifest's own directory
-    zoo://NAME/VER    the built zoo under ``<data_dir>/zoo/NAME/VER``
-    file:///dir       a local directory
 
-Every path is checked to stay inside its root, and every file's sha256 is verified
-before use (a directory's checksum covers its sorted relative paths and contents).
+    (none)               the manifest's own directory
+    relative/dir         a directory below the manifest's directory
+    zoo://NAME/VER       the built zoo, ``<zoo_dir>/NAME/VER``
+    file:///abs/dir      a local directory
+    pkg://PACKAGE/sub    a directory inside an installed Python package (found without
+                         importing it), e.g. ``pkg://onnx/backend/test/data/light``
+    http(s)://host/dir   downloaded into ``<data_dir>/artifacts/<sha256>/<file name>``
+
+Rules:
+
+* An asset path is relative; absolute paths and anything that escapes its root
+  (``..``, symlinks pointing out) are refused with :class:`ArtifactError`.
+* Every file's sha256 is checked before it is used (a directory's checksum covers its
+  sorted relative paths and file hashes), and every download is checked as it lands.
+* Downloads go to a temporary file in the cache directory, which is renamed into place
+  only after its checksum matched; a mismatch raises :class:`ChecksumMismatch` and the
+  bad bytes are deleted (a corrupt file already in the cache is deleted and fetched
+  again). Files outside the cache are never deleted.
+* Concurrent requests for one asset download it once: a per-checksum thread lock
+  within the process and an ``flock`` on ``<sha256>.lock`` across processes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
-from pathlib import Path
+import importlib.util
+import os
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
 
 from mlscope.errors import ArtifactError, ChecksumMismatch
 
-__all__ = ["asset_root", "safe_join", "sha256_path", "verify"]
+__all__ = [
+    "ArtifactStore",
+    "asset_root",
+    "check_relative",
+    "is_remote",
+    "resolve_package",
+    "safe_join",
+    "sha256_path",
+    "verify",
+]
 
 _CHUNK = 1 << 20
+_REMOTE = ("http://", "https://")
 
 
 def sha256_path(path: Path) -> str:
@@ -35,6 +70,16 @@ def sha256_path(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_relative(relative: str) -> PurePosixPath:
+    """A relative asset path without ``..``; ArtifactError otherwise."""
+    if not relative or relative.startswith(("/", "\\")) or Path(relative).is_absolute():
+        raise ArtifactError(f"asset path {relative!r} must be relative", path=relative)
+    pure = PurePosixPath(relative.replace("\\", "/"))
+    if ".." in pure.parts:
+        raise ArtifactError(f"asset path {relative!r} must not contain '..'", path=relative)
+    return pure
+
+
 def safe_join(root: Path, relative: str) -> Path:
     """``root / relative``, refusing absolute paths and anything that escapes root."""
     if Path(relative).is_absolute():
@@ -45,13 +90,36 @@ def safe_join(root: Path, relative: str) -> Path:
     return target
 
 
+def is_remote(base_url: str | None) -> bool:
+    return bool(base_url) and str(base_url).startswith(_REMOTE)
+
+
+def resolve_package(url: str) -> Path:
+    """``pkg://PACKAGE/sub/dir`` -> that directory of the installed package."""
+    rest = url.removeprefix("pkg://").strip("/")
+    package, _, sub = rest.partition("/")
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError) as exc:
+        raise ArtifactError(f"cannot locate package {package!r} for {url}", url=url) from exc
+    if spec is None or not spec.submodule_search_locations:
+        raise ArtifactError(f"package {package!r} is not installed (needed by {url})", url=url)
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return safe_join(root, sub) if sub else root
+
+
 def asset_root(base_url: str | None, *, manifest_dir: Path, zoo_dir: Path) -> Path:
+    """The local directory that a (non-http) ``base_url`` names."""
     if not base_url:
         return manifest_dir
     if base_url.startswith("zoo://"):
         return safe_join(zoo_dir, base_url.removeprefix("zoo://").strip("/"))
     if base_url.startswith("file://"):
-        return Path(base_url.removeprefix("file://"))
+        return Path(urllib.parse.unquote(base_url.removeprefix("file://")))
+    if base_url.startswith("pkg://"):
+        return resolve_package(base_url)
+    if "://" not in base_url:
+        return safe_join(manifest_dir, base_url)
     raise ArtifactError(f"unsupported asset location {base_url!r}", url=base_url)
 
 
@@ -65,3 +133,97 @@ def verify(path: Path, expected: str) -> Path:
         raise ChecksumMismatch(f"{path}: sha256 {actual} does not match manifest {expected}",
                                path=str(path), expected=expected, actual=actual)
     return path
+
+
+class ArtifactStore:
+    """Resolves, downloads, caches and verifies assets (see the module docstring)."""
+
+    def __init__(self, data_dir: Path, *, zoo_dir: Path | None = None,
+                 timeout_s: float = 30.0) -> None:
+        self.cache_dir = data_dir / "artifacts"
+        """Downloads, by checksum: ``<cache_dir>/<sha256>/<file name>``."""
+        self.zoo_dir = zoo_dir if zoo_dir is not None else data_dir / "zoo"
+        self.timeout_s = timeout_s
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+        self._verified: dict[Path, tuple[int, int, str]] = {}
+
+    def resolve(self, base_url: str | None, relative: str, sha256: str, *,
+                manifest_dir: Path) -> Path:
+        """The verified local file (or directory) for one asset of a manifest."""
+        pure = check_relative(relative)
+        if is_remote(base_url):
+            url = f"{str(base_url).rstrip('/')}/{urllib.parse.quote(pure.as_posix())}"
+            return self.download(url, sha256, name=pure.name)
+        root = asset_root(base_url, manifest_dir=manifest_dir, zoo_dir=self.zoo_dir)
+        return self.verify_local(safe_join(root, pure.as_posix()), sha256)
+
+    def verify_local(self, path: Path, sha256: str) -> Path:
+        """:func:`verify`, remembering files whose size and mtime have not changed."""
+        if path.is_file():
+            st = path.stat()
+            if self._verified.get(path) == (st.st_size, st.st_mtime_ns, sha256):
+                return path
+            verify(path, sha256)
+            self._verified[path] = (st.st_size, st.st_mtime_ns, sha256)
+            return path
+        return verify(path, sha256)
+
+    def download(self, url: str, sha256: str, *, name: str | None = None) -> Path:
+        """The cached, verified copy of ``url``; downloaded once, atomically."""
+        if not url.startswith(_REMOTE):
+            raise ArtifactError(f"not an http(s) URL: {url!r}", url=url)
+        fname = name or PurePosixPath(urllib.parse.urlparse(url).path).name or "asset"
+        check_relative(fname)
+        folder = self.cache_dir / sha256
+        target = folder / fname
+        with self._thread_lock(sha256), self._file_lock(sha256):
+            if target.is_file():
+                if sha256_path(target) == sha256:
+                    return target
+                target.unlink()  # a corrupt cache entry: fetch it again
+            folder.mkdir(parents=True, exist_ok=True)
+            part = folder / f".{fname}.{uuid.uuid4().hex}.part"
+            try:
+                actual = self._fetch(url, part)
+                if actual != sha256:
+                    raise ChecksumMismatch(
+                        f"{url}: downloaded sha256 {actual} does not match manifest {sha256}; "
+                        "the download was deleted", url=url, expected=sha256, actual=actual)
+                os.replace(part, target)
+            finally:
+                part.unlink(missing_ok=True)
+        return target
+
+    def _fetch(self, url: str, dest: Path) -> str:
+        digest = hashlib.sha256()
+        try:
+            with urllib.request.urlopen(url, timeout=self.timeout_s) as resp, \
+                    dest.open("wb") as fh:
+                while chunk := resp.read(_CHUNK):
+                    digest.update(chunk)
+                    fh.write(chunk)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except urllib.error.HTTPError as exc:
+            raise ArtifactError(f"cannot download {url}: HTTP {exc.code} {exc.reason}",
+                                url=url, status=exc.code) from exc
+        except urllib.error.URLError as exc:
+            raise ArtifactError(f"cannot reach {url}: {exc.reason}", url=url) from exc
+        except (OSError, TimeoutError) as exc:
+            raise ArtifactError(f"cannot download {url}: {exc}", url=url) from exc
+        return digest.hexdigest()
+
+    def _thread_lock(self, key: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(key, threading.Lock())
+
+    @contextlib.contextmanager
+    def _file_lock(self, key: str) -> Iterator[None]:
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with (self.cache_dir / f"{key}.lock").open("a") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)

@@ -1,7 +1,11 @@
 """The catalog: every model manifest the process knows, found by name and framework.
 
 Manifests come from the repository's ``manifests/`` directory and any extra trusted
-directory in the settings. Resolution picks the highest version meeting a constraint.
+directory in the settings (trusted), or from the bus's model registry (untrusted, see
+:mod:`mlscope.model_registry`). Resolution picks the highest version meeting a
+constraint. Assets resolve through :class:`mlscope.artifacts.ArtifactStore`; when only
+a zoo directory is given, downloads are cached beside it in ``<zoo_dir>/../artifacts``
+(the layout of :class:`mlscope.settings.Settings`).
 """
 
 from __future__ import annotations
@@ -12,9 +16,14 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from mlscope.artifacts import asset_root, safe_join, verify
-from mlscope.errors import UnknownModelError
-from mlscope.manifest import ModelManifest, iter_manifest_files, load_manifest
+from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
+from mlscope.errors import ArtifactError, UnknownModelError
+from mlscope.manifest import (
+    FrameworkManifest,
+    ModelManifest,
+    iter_manifest_files,
+    load_manifest,
+)
 from mlscope.versions import satisfies
 
 __all__ = ["Catalog", "Entry", "default_manifest_dirs"]
@@ -38,33 +47,84 @@ class Entry:
     """Loaded from a local directory (custom Python steps may run)."""
 
     def root(self, zoo_dir: Path) -> Path:
+        """The local asset directory (ArtifactError for http(s) assets)."""
+        if is_remote(self.manifest.assets.base_url):
+            raise ArtifactError(f"{self.manifest.key}: assets are remote "
+                                f"({self.manifest.assets.base_url}); use graph()/dataset()",
+                                url=self.manifest.assets.base_url)
         return asset_root(self.manifest.assets.base_url, manifest_dir=self.path.parent,
                           zoo_dir=zoo_dir)
 
-    def graph(self, zoo_dir: Path) -> Path:
-        """The verified graph file (or directory) of this model."""
-        target = safe_join(self.root(zoo_dir), self.manifest.assets.graph_path)
-        return verify(target, self.manifest.assets.sha256)
+    def _store(self, zoo_dir: Path, store: ArtifactStore | None) -> ArtifactStore:
+        return store if store is not None else ArtifactStore(zoo_dir.parent, zoo_dir=zoo_dir)
 
-    def dataset(self, zoo_dir: Path) -> Path | None:
+    def graph(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path:
+        """The verified graph file (or directory) of this model."""
+        a = self.manifest.assets
+        return self._store(zoo_dir, store).resolve(a.base_url, a.graph_path, a.sha256,
+                                                   manifest_dir=self.path.parent)
+
+    def weights(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path | None:
+        a = self.manifest.assets
+        if a.weights_path is None or a.weights_sha256 is None:
+            return None
+        return self._store(zoo_dir, store).resolve(a.base_url, a.weights_path,
+                                                   a.weights_sha256,
+                                                   manifest_dir=self.path.parent)
+
+    def dataset(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path | None:
+        """The verified labeled data set (None when the manifest has none)."""
         ds = self.manifest.dataset
         if ds is None:
             return None
-        return verify(safe_join(self.root(zoo_dir), ds.path), ds.sha256)
+        return self._store(zoo_dir, store).resolve(self.manifest.assets.base_url, ds.path,
+                                                   ds.sha256, manifest_dir=self.path.parent)
+
+    def labels(self, zoo_dir: Path, output: int = 0) -> list[str] | None:
+        """The output's labels (one per line) from a local asset directory, if any."""
+        name = self.manifest.outputs[output].labels
+        if name is None:
+            return None
+        path = safe_join(self.root(zoo_dir), name)
+        try:
+            return path.read_text().splitlines()
+        except OSError as exc:
+            raise ArtifactError(f"cannot read labels {path}: {exc.strerror}",
+                                path=str(path)) from exc
 
 
 class Catalog:
-    def __init__(self, entries: Iterable[Entry]) -> None:
+    def __init__(self, entries: Iterable[Entry],
+                 frameworks: Iterable[FrameworkManifest] = ()) -> None:
         self.entries = list(entries)
+        self.frameworks = list(frameworks)
 
     @classmethod
-    def load(cls, dirs: Iterable[Path]) -> Catalog:
-        entries = []
+    def load(cls, dirs: Iterable[Path], *, trusted: bool = True) -> Catalog:
+        """Every model and framework manifest under ``dirs`` (other kinds are skipped)."""
+        entries, frameworks = [], []
         for f in iter_manifest_files(dirs):
             m = load_manifest(f)
             if isinstance(m, ModelManifest):
-                entries.append(Entry(m, f))
-        return cls(entries)
+                entries.append(Entry(m, f, trusted=trusted))
+            elif isinstance(m, FrameworkManifest):
+                frameworks.append(m)
+        return cls(entries, frameworks)
+
+    def merged(self, other: Iterable[Entry]) -> Catalog:
+        """This catalog plus ``other``; a local entry wins over a remote one with its key."""
+        have = {e.manifest.key for e in self.entries}
+        extra = [e for e in other if e.manifest.key not in have]
+        return Catalog([*self.entries, *extra], self.frameworks)
+
+    def tasks(self) -> dict[str, list[Entry]]:
+        """Entries grouped by task, each group sorted by name, version and framework."""
+        out: dict[str, list[Entry]] = {}
+        for e in sorted(self.entries, key=lambda e: (e.manifest.task, e.manifest.name,
+                                                     Version(e.manifest.version),
+                                                     e.manifest.framework.name)):
+            out.setdefault(e.manifest.task, []).append(e)
+        return out
 
     def models(self) -> list[str]:
         return sorted({e.manifest.name for e in self.entries})

@@ -13,9 +13,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from mlscope.errors import ManifestError
+from mlscope.artifacts import check_relative
+from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
 __all__ = [
@@ -27,9 +36,15 @@ __all__ = [
     "InputSpec",
     "ModelManifest",
     "OutputSpec",
+    "RuntimeOptions",
+    "ScenarioFile",
+    "SystemManifest",
     "SystemRequirements",
+    "is_trusted",
     "load_manifest",
     "load_yaml",
+    "mark_untrusted",
+    "parse_manifest",
 ]
 
 FRAMEWORKS = ("onnxruntime", "pytorch", "tensorflow", "tflite", "xrt", "noop")
@@ -62,6 +77,17 @@ class FrameworkRef(_Strict):
         return v
 
 
+def _relative(v: str | None) -> str | None:
+    """Asset paths are relative and stay inside their root (no '..', not absolute)."""
+    if v is None:
+        return v
+    try:
+        check_relative(v)
+    except ArtifactError as exc:
+        raise ValueError(exc.message) from exc
+    return v
+
+
 class InputSpec(_Strict):
     type: str = "tensor"
     layer_name: str | None = None
@@ -79,6 +105,14 @@ class OutputSpec(_Strict):
     labels: str | None = None
     """Labels file (one per line), relative to the manifest's asset directory."""
 
+    @field_validator("labels")
+    @classmethod
+    def _inside(cls, v: str | None) -> str | None:
+        return _relative(v)
+
+
+_SCHEMES = ("zoo://", "file://", "pkg://", "http://", "https://")
+
 
 class Assets(_Strict):
     base_url: str | None = None
@@ -89,6 +123,26 @@ class Assets(_Strict):
     """sha256 of the graph file (for a directory: of its sorted file list and contents)."""
     weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
+    @field_validator("graph_path", "weights_path")
+    @classmethod
+    def _inside(cls, v: str | None) -> str | None:
+        return _relative(v)
+
+    @field_validator("base_url")
+    @classmethod
+    def _scheme(cls, v: str | None) -> str | None:
+        if v and "://" in v and not v.startswith(_SCHEMES):
+            raise ValueError(f"unsupported asset location {v!r} (one of {', '.join(_SCHEMES)})")
+        if v and "://" not in v:
+            _relative(v)
+        return v
+
+    @model_validator(mode="after")
+    def _weights_checked(self) -> Assets:
+        if self.weights_path and not self.weights_sha256:
+            raise ValueError("weights_path needs weights_sha256")
+        return self
+
 
 class DatasetSpec(_Strict):
     name: str
@@ -96,16 +150,32 @@ class DatasetSpec(_Strict):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     metric: Literal["top1", "top5", "binary_auc", "none"] = "top1"
 
+    @field_validator("path")
+    @classmethod
+    def _inside(cls, v: str) -> str:
+        _relative(v)
+        return v
+
+
+Device = Literal["cpu", "gpu", "fpga"]
+
 
 class SystemRequirements(_Strict):
+    """What a system must have to run an evaluation (matched against agents)."""
+
     arch: str | None = None
-    device: Literal["cpu", "gpu", "fpga"] = "cpu"
+    """CPU architecture, e.g. ``amd64``, ``arm64``."""
+    device: Device = "cpu"
     accelerator: str | None = None
-    min_memory_bytes: int | None = None
+    """Accelerator model, e.g. ``NVIDIA H100`` or ``xilinx_u250``."""
+    min_memory_bytes: int | None = Field(default=None, ge=0)
     interconnect: str | None = None
+    """e.g. ``pcie4``, ``nvlink``."""
 
 
 class ModelManifest(_Strict):
+    """One model version on one framework (paper Listing 1)."""
+
     kind: Literal["model"] = "model"
     name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
     version: str
@@ -118,9 +188,13 @@ class ModelManifest(_Strict):
     outputs: tuple[OutputSpec, ...] = Field(min_length=1)
     assets: Assets
     attributes: dict[str, Any] = {}
+    """Free-form facts: training data set, reported accuracy, notes."""
     dataset: DatasetSpec | None = None
     latency_only: bool = False
+    """Weights are meaningless (e.g. constant): measure latency, never accuracy."""
     system: SystemRequirements = SystemRequirements()
+
+    _trusted: bool = PrivateAttr(default=True)
 
     @field_validator("version")
     @classmethod
@@ -132,18 +206,119 @@ class ModelManifest(_Strict):
     def key(self) -> str:
         return f"{self.name}@{self.version}:{self.framework.name}"
 
+    @property
+    def trusted(self) -> bool:
+        """False for a manifest received over the bus: custom Python never runs for it."""
+        return self._trusted
+
+
+def mark_untrusted(manifest: ModelManifest) -> ModelManifest:
+    """A copy of ``manifest`` that custom-code steps refuse (see docs/SECURITY.md)."""
+    copy = manifest.model_copy()
+    copy._trusted = False
+    return copy
+
+
+def is_trusted(manifest: ModelManifest) -> bool:
+    return manifest.trusted
+
+
+class RuntimeOptions(_Strict):
+    """Framework runtime options; a predictor ignores those its framework lacks."""
+
+    intra_op_threads: int | None = Field(default=None, ge=0)
+    """Threads inside one operator (0: the framework's default)."""
+    inter_op_threads: int | None = Field(default=None, ge=0)
+    """Threads running independent operators."""
+    providers: tuple[str, ...] = ()
+    """ONNX Runtime execution providers, in preference order."""
+    graph_optimization: Literal["disable", "basic", "extended", "all"] | None = None
+    extra: dict[str, Any] = {}
+    """Framework-specific settings passed through as they are."""
+
 
 class FrameworkManifest(_Strict):
+    """One framework version and how to run it (paper Listing 2)."""
+
     kind: Literal["framework"] = "framework"
     name: str
     version: str
-    containers: dict[str, dict[str, str]] = {}
+    description: str = ""
+    containers: dict[str, dict[Device, str]] = {}
     """Container image per architecture and device: ``{amd64: {cpu: image, gpu: image}}``."""
-    options: dict[str, Any] = {}
-    """Runtime options: ``intra_op_threads``, ``inter_op_threads``, ``providers``, ..."""
+    options: RuntimeOptions = RuntimeOptions()
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in FRAMEWORKS:
+            raise ValueError(f"unknown framework {v!r} (one of {', '.join(FRAMEWORKS)})")
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _semver(cls, v: str) -> str:
+        parse_version(v)
+        return v
 
 
-_KINDS: dict[str, type[BaseModel]] = {"model": ModelManifest, "framework": FrameworkManifest}
+class SystemManifest(SystemRequirements):
+    """System requirements as their own YAML file (``kind: system``)."""
+
+    kind: Literal["system"] = "system"
+    name: str
+
+
+ScenarioName = Literal["online", "single-stream", "multi-stream", "batched", "concurrency",
+                       "constant", "replay", "peak"]
+
+
+class ScenarioFile(_Strict):
+    """A benchmarking scenario as YAML (``kind: scenario``); see docs for each name."""
+
+    kind: Literal["scenario"] = "scenario"
+    name: ScenarioName
+    qps: float | None = Field(default=None, gt=0)
+    """Target arrival rate (online: Poisson mean; constant: fixed interval)."""
+    duration_s: float | None = Field(default=None, gt=0)
+    batch_size: int | None = Field(default=None, ge=1)
+    batch_sizes: tuple[int, ...] | None = None
+    """batched: the batch sizes to sweep."""
+    concurrency: int | None = Field(default=None, ge=1)
+    """concurrency: requests kept in flight (closed loop); multi-stream: streams."""
+    seed: int = 0
+    latency_bound_ms: float | None = Field(default=None, gt=0)
+    schedule_file: str | None = None
+    """replay: a recorded trace, relative to the scenario file."""
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and (not v or min(v) < 1):
+            raise ValueError("batch_sizes must be a non-empty list of positive integers")
+        return v
+
+    @field_validator("schedule_file")
+    @classmethod
+    def _inside(cls, v: str | None) -> str | None:
+        return _relative(v)
+
+    @model_validator(mode="after")
+    def _needs(self) -> ScenarioFile:
+        required = {"online": "qps", "constant": "qps", "replay": "schedule_file",
+                    "concurrency": "concurrency"}
+        field = required.get(self.name)
+        if field is not None and getattr(self, field) is None:
+            raise ValueError(f"scenario {self.name!r} needs {field}")
+        return self
+
+
+_KINDS: dict[str, type[BaseModel]] = {
+    "model": ModelManifest,
+    "framework": FrameworkManifest,
+    "system": SystemManifest,
+    "scenario": ScenarioFile,
+}
 
 
 def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
@@ -163,49 +338,70 @@ def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
 
 
 def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
-    line = node.start_mark.line + 1 if node is not None else None
+    """The 1-based line of the YAML element at ``loc``.
+
+    A mapping entry reports its key's line; when the last part is missing (a required
+    field), the line of the mapping that should hold it (its key's line when nested).
+    """
+    if node is None:
+        return None
+    line = int(node.start_mark.line) + 1
     for part in loc:
         if isinstance(node, yaml.MappingNode):
-            match = [v for k, v in node.value if getattr(k, "value", None) == part]
+            match = [(k, v) for k, v in node.value if getattr(k, "value", None) == part]
             if not match:
-                return line  # a missing field: point at its parent mapping
-            node = match[0]
+                return line
+            key, node = match[0]
+            line = int(key.start_mark.line) + 1
         elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
             if part >= len(node.value):
                 return line
             node = node.value[part]
+            line = int(node.start_mark.line) + 1
         else:
             return line
-        line = node.start_mark.line + 1
     return line
 
 
 def parse_manifest(data: Any, *, file: str, node: yaml.Node | None = None) -> BaseModel:
-    """Validate already-parsed manifest data (from YAML or from the bus)."""
+    """Validate already-parsed manifest data (from YAML or from the bus).
+
+    The raised ManifestError carries the first problem's line and field; its message
+    lists every problem, one per line, each with its own line and field.
+    """
     if not isinstance(data, dict):
         raise ManifestError("a manifest must be a mapping", file=file, line=1)
     kind = data.get("kind", "model")
-    cls = _KINDS.get(kind)
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ManifestError(f"unknown kind {kind!r} (model or framework)", file=file,
+        raise ManifestError(f"unknown kind {kind!r} (one of {', '.join(_KINDS)})", file=file,
                             field="kind", line=_line_of(node, ["kind"]))
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        loc = [p for p in first["loc"] if not (isinstance(p, str) and "[" in p)]
-        field = ".".join(str(p) for p in loc) or None
-        raise ManifestError(
-            _message(first, len(exc.errors())), file=file, field=field, line=_line_of(node, loc)
-        ) from exc
+        problems = [_problem(err, node) for err in exc.errors(include_url=False)]
+        (line, field, text), rest = problems[0], problems[1:]
+        for r_line, r_field, r_text in rest:
+            where = f"{file}:{r_line}" if r_line is not None else file
+            text += f"\n  {where}: field '{r_field}': {r_text}" if r_field else \
+                f"\n  {where}: {r_text}"
+        raise ManifestError(text, file=file, field=field, line=line) from exc
 
 
-def _message(err: Any, count: int) -> str:
+def _problem(err: Any, node: yaml.Node | None) -> tuple[int | None, str | None, str]:
+    # pydantic puts validator names such as "function-after[...]" into loc: skip them
+    loc = [p for p in err["loc"] if not (isinstance(p, str) and "[" in p)]
+    field = ".".join(str(p) for p in loc) or None
     kind = err["type"]
-    text = {"missing": "is required", "extra_forbidden": "is not a known field"}.get(
-        kind, str(err["msg"]))
-    more = f" (and {count - 1} more error{'s' if count > 2 else ''})" if count > 1 else ""
-    return f"{text}{more}"
+    if kind == "missing":
+        text = "is required"
+    elif kind == "extra_forbidden":
+        text = "is not a known field"
+    else:
+        text = str(err["msg"]).removeprefix("Value error, ")
+        if "input" in err and not isinstance(err["input"], (dict, list)):
+            text += f" (got {err['input']!r})"
+    return _line_of(node, loc), field, text
 
 
 def load_manifest(path: Path) -> BaseModel:

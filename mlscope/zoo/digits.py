@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["NAME", "VERSION", "build_onnx", "load_split"]
+__all__ = ["NAME", "VERSION", "build", "build_onnx", "load_split", "train", "write_holdout"]
 
 NAME = "digits_cnn"
 VERSION = "1.0.0"
@@ -83,3 +83,18 @@ def write_holdout(out: Path) -> Path:
         np.savez(fh, x=x_te, y=y_te)
     (out / "labels.txt").write_text("".join(f"{d}\n" for d in range(10)))
     return path
+
+
+def build(out: Path) -> dict[str, float]:
+    """Every format of the same weights plus the held-out set; top-1 per format."""
+    import torch
+
+    from mlscope.zoo.classifier import check_top1, export_formats
+    from mlscope.zoo.convert import keras_from_sequential
+
+    model = train()
+    paths = export_formats(model, keras_from_sequential(model, (1, 8, 8)),
+                           torch.zeros(1, 1, 8, 8), out, NAME, input_shape=(1, 8, 8))
+    write_holdout(out)
+    _, _, x_te, y_te = load_split()
+    return check_top1(NAME, paths, (x_te.astype(np.float32) / 16.0)[:, None], y_te)

@@ -1,0 +1,71 @@
+"""``mlscope zoo build [--only NAME...] [--force] [--write-manifests]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from mlscope.errors import MLScopeError
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    zoo = subparsers.add_parser("zoo", help="the built-in model zoo")
+    sub = zoo.add_subparsers(dest="zoo_command", required=True)
+    build = sub.add_parser(
+        "build", help="build the zoo's artifacts offline (idempotent, fixed seeds)",
+        description="Build every zoo model (or --only some) into <data_dir>/zoo and check "
+                    "the results against the committed manifests' sha256.")
+    build.add_argument("--only", nargs="+", metavar="NAME", help="build only these models")
+    build.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    build.add_argument("--zoo-dir", type=Path, help="default: <data_dir>/zoo")
+    build.add_argument("--write-manifests", type=Path, nargs="?", metavar="DIR",
+                       const=Path("manifests/models"),
+                       help="(re)write the zoo's model manifests into DIR "
+                            "(default: manifests/models)")
+    build.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlscope.zoo import build as zoo_build
+
+    zoo_dir: Path = args.zoo_dir or args.settings.zoo_dir
+    started = time.perf_counter()
+    try:
+        built = zoo_build.build(zoo_dir, only=args.only, force=args.force,
+                                log=lambda m: print(m, flush=True))
+    except (MLScopeError, KeyError, RuntimeError, OSError) as exc:
+        print(f"mlscope zoo build: {exc}", file=sys.stderr)
+        return 1
+    print(f"built in {time.perf_counter() - started:.1f} s")
+    if args.write_manifests is not None:
+        return _write(zoo_dir, args.write_manifests, args.only)
+    return _check(built)
+
+
+def _write(zoo_dir: Path, target: Path, only: list[str] | None) -> int:
+    from mlscope.zoo import specs
+
+    target.mkdir(parents=True, exist_ok=True)
+    keys = None if only is None else [*only, "light", "silero_vad", "basic_pitch"]
+    for name, text in sorted(specs.render_all(zoo_dir, keys).items()):
+        path = target / name
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {path}")
+    return 0
+
+
+def _check(built: dict[str, dict[str, str]]) -> int:
+    from mlscope.zoo.build import expected_checksums
+
+    pinned = expected_checksums()
+    bad = [f"{model}/{f}: built {built[model][f]}, manifest pins {sha}"
+           for model, files in pinned.items() if model in built
+           for f, sha in files.items() if built[model].get(f) != sha]
+    for line in bad:
+        print(f"checksum differs from the committed manifest: {line}", file=sys.stderr)
+    return 1 if bad else 0

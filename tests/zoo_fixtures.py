@@ -1,0 +1,38 @@
+"""Shared helpers for the zoo tests (no conftest: the lead owns tests/conftest.py).
+
+The zoo is built once per test session into a temporary directory, or reused from
+``MLSCOPE_TEST_ZOO`` when that is set (CI can point several jobs at one build).
+Building is cached at module level, so every test module that asks shares one build.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MANIFESTS = REPO / "manifests"
+
+_session_dir: Path | None = None
+
+
+def zoo_dir() -> Path:
+    global _session_dir
+    env = os.environ.get("MLSCOPE_TEST_ZOO")
+    if env:
+        return Path(env)
+    if _session_dir is None:
+        _session_dir = Path(tempfile.mkdtemp(prefix="mlscope-test-zoo-"))
+    return _session_dir
+
+
+@functools.cache
+def built(name: str) -> Path:
+    """``<zoo>/<name>/<version>``, built (or found up to date) once per session."""
+    from mlscope.zoo.build import BUILDERS, build
+
+    build(zoo_dir(), only=[name], log=lambda _m: None)
+    b = BUILDERS[name]
+    return zoo_dir() / b.name / b.version
