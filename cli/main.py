@@ -13,8 +13,8 @@ from mlscope.settings import Settings
 __all__ = ["main"]
 
 # Modules that add subcommands: each has register(subparsers) -> None.
-COMMAND_MODULES = ("cli.services", "cli.agents_cmd", "cli.demo")
-OPTIONAL_MODULES = ("cli.zoo_cmd", "cli.models_cmd", "cli.manifest_cmd")
+COMMAND_MODULES = ("cli.services", "cli.agents_cmd", "cli.demo", "cli.zoo_cmd",
+                   "cli.models_cmd", "cli.manifest_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,14 +22,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
-    for name in OPTIONAL_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        mod.register(sub)
     return parser
 
 

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-from zoo_fixtures import MANIFESTS
 
 from agent.operators import compile_steps
 from cli import models_cmd
@@ -25,6 +24,7 @@ from mlscope.model_registry import (
 )
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
+from tests.zoo_fixtures import MANIFESTS
 
 
 def catalog() -> Catalog:

@@ -7,7 +7,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from zoo_fixtures import MANIFESTS
 
 from cli import manifest_cmd
 from mlscope.errors import ManifestError
@@ -21,6 +20,7 @@ from mlscope.manifest import (
     mark_untrusted,
 )
 from mlscope.settings import Settings
+from tests.zoo_fixtures import MANIFESTS
 
 GOOD = """\
 kind: model

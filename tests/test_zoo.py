@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from zoo_fixtures import MANIFESTS, built, zoo_dir
 
 from agent.operators import compile_steps
 from mlscope.catalog import Catalog, Entry
 from mlscope.zoo import specs
 from mlscope.zoo.build import BUILDERS, build
+from tests.zoo_fixtures import MANIFESTS, built, zoo_dir
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 FRAMEWORKS = ("onnxruntime", "pytorch", "tensorflow", "tflite")
