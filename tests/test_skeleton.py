@@ -145,7 +145,7 @@ def test_cli_submit_json_and_agents(stack: Settings) -> None:
                             capture_output=True, text=True, timeout=60, check=True)
     (desc,) = [a for a in json.loads(agents.stdout) if a["frameworks"][0]["name"] == "onnxruntime"]
     assert desc["cpu_cores"] >= 1 and desc["memory_bytes"] > 0 and desc["arch"]
-    assert desc["models"][0]["name"] == "digits_cnn"
+    assert "digits_cnn" in {m["name"] for m in desc["models"]}
 
 
 def test_agent_registers_and_expires_after_sigkill(stack: Settings) -> None:
