@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import anyio
 

@@ -182,3 +182,29 @@ def test_clean_exit_deletes_the_registry_entry(stack: Settings) -> None:
             return {a.agent_id for a in await list_agents(bus, include_stale=True)}
 
     assert "polite" not in anyio.run(ids, backend="asyncio")
+
+
+def test_rerun_reproduces_the_stored_specification(stack: Settings) -> None:
+    from cli.rerun_cmd import rerun
+
+    first = run_job(stack, scenario=ScenarioSpec(name="online", qps=150, duration_s=1, seed=7),
+                    trace_level="none")
+    second = anyio.run(rerun, stack, first.evaluation_id, backend="asyncio")
+
+    async def specs() -> tuple[dict, dict]:
+        async with busmod.connect(stack, name="test") as bus:
+            a, _ = await remote.evaluation(bus, first.evaluation_id)
+            b, _ = await remote.evaluation(bus, second.evaluation_id)
+            return a, b
+
+    a, b = anyio.run(specs, backend="asyncio")
+    assert b["job"]["rerun_of"] == first.evaluation_id
+    volatile = {"job_id", "submitted_at", "rerun_of", "model_version"}
+    assert {k: v for k, v in b["job"].items() if k not in volatile} == \
+        {k: v for k, v in a["job"].items() if k not in volatile}
+    assert b["job"]["model_version"] == a["manifest"]["version"]
+    for key in ("manifest", "manifest_file", "artifact_sha256", "mlscope_version",
+                "git_commit"):
+        assert b[key] == a[key], key
+    assert b["agent"]["frameworks"] == a["agent"]["frameworks"]
+    assert second.scenario == first.scenario and second.queries == first.queries

@@ -1,0 +1,56 @@
+"""``mlscope rerun EVAL_ID``: run a stored evaluation's specification again.
+
+The stored job is resubmitted with a new job id, ``rerun_of`` pointing at the original,
+and the model version pinned to the exact version that ran; the new evaluation stores
+its own full specification, so the two can be compared field by field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import anyio
+
+from cli.submit import format_summary, submit
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.contracts import EvaluationSummary, JobRequest, new_id
+from mlscope.errors import EvaluationError
+from mlscope.settings import Settings
+
+__all__ = ["register", "rerun", "rerun_job"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("rerun", help="run a stored evaluation's specification again")
+    p.add_argument("evaluation_id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
+    job = JobRequest.model_validate(spec["job"])
+    manifest = spec.get("manifest")
+    if not isinstance(manifest, dict) or "version" not in manifest:
+        raise EvaluationError(f"evaluation {evaluation_id} has no stored manifest to rerun",
+                              evaluation_id=evaluation_id)
+    return job.model_copy(update={"job_id": new_id("job"), "rerun_of": evaluation_id,
+                                  "model_version": str(manifest["version"]),
+                                  "submitted_at": time.time()})
+
+
+async def rerun(settings: Settings, evaluation_id: str) -> EvaluationSummary:
+    async with busmod.connect(settings, name="mlscope rerun") as bus:
+        spec, _ = await remote.evaluation(bus, evaluation_id)
+    return await submit(settings, rerun_job(spec, evaluation_id))
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = anyio.run(rerun, args.settings, args.evaluation_id, backend="asyncio")
+    if args.json:
+        print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
+    else:
+        print(format_summary(summary))
+    return 0
