@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -58,17 +59,20 @@ Step = dict[str, Any]
 """One processing step: ``{operator_name: {options}}`` (see agent.operators)."""
 
 
+def _known_framework(v: str) -> str:
+    if v not in FRAMEWORKS:
+        raise ValueError(f"unknown framework {v!r} (one of {', '.join(FRAMEWORKS)})")
+    return v
+
+
+FrameworkName = Annotated[str, AfterValidator(_known_framework)]
+"""A framework name, the same everywhere: onnxruntime, pytorch, tensorflow, tflite, xrt."""
+
+
 class FrameworkRef(_Strict):
-    name: str
+    name: FrameworkName
     version: str = "*"
     """Version constraint, e.g. ``>=1.12.0 <2.0`` or ``>=1.12,<2``."""
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in FRAMEWORKS:
-            raise ValueError(f"unknown framework {v!r} (one of {', '.join(FRAMEWORKS)})")
-        return v
 
     @field_validator("version")
     @classmethod
@@ -241,19 +245,12 @@ class FrameworkManifest(_Strict):
     """One framework version and how to run it (paper Listing 2)."""
 
     kind: Literal["framework"] = "framework"
-    name: str
+    name: FrameworkName
     version: str
     description: str = ""
     containers: dict[str, dict[Device, str]] = {}
     """Container image per architecture and device: ``{amd64: {cpu: image, gpu: image}}``."""
     options: RuntimeOptions = RuntimeOptions()
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in FRAMEWORKS:
-            raise ValueError(f"unknown framework {v!r} (one of {', '.join(FRAMEWORKS)})")
-        return v
 
     @field_validator("version")
     @classmethod
