@@ -6,10 +6,13 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install demo test lint typecheck bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[all,dev]'
+	# basic-pitch ships its model in three formats; its declared deps would replace
+	# the pinned TensorFlow, so it is installed without them.
+	$(PY) -m pip install --quiet --no-deps basic-pitch==0.4.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -18,7 +18,9 @@ def test_every_service_runs_a_real_mlscope_command() -> None:
     parser = build_parser()
     for name, svc in services.items():
         cmd = svc.get("command")
-        assert cmd, name
+        if not cmd:
+            assert svc.get("image"), f"{name} has neither a command nor an image"
+            continue
         if cmd[0] == "mlscope":
             parser.parse_args(cmd[1:])  # exits (fails the test) on an unknown command
             assert svc["environment"]["MLSCOPE_NATS_URL"].startswith("nats://")
