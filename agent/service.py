@@ -60,7 +60,6 @@ class Session:
 
     worker: ModelWorker
     level: TraceLevel
-    reply_subject: str = ""
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -61,7 +62,7 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
         raise ResolutionError(f"no live agent serves {want}; live agents: {live}",
                               model=m.name, framework=job.framework)
     # Spread jobs over equal agents deterministically by job id.
-    return matches[hash(job.job_id) % len(matches)], entry
+    return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry
 
 
 def _has_device(devices: tuple[str, ...], wanted: str) -> bool:

@@ -57,8 +57,8 @@ def _rate(times_ns: np.ndarray) -> float | None:
 
 def figures(rec: RunRecord, *, has_labels: bool) -> Figures:
     ok = rec.ok.astype(bool)
-    issued = rec.issued[rec.completed > 0] if rec.n else rec.issued
     issued_mask = (rec.issued > 0) | (rec.completed > 0)
+    issued = rec.issued[issued_mask]
     lat_ns = (rec.completed - rec.scheduled)[ok]
     lag_ns = (rec.issued - rec.scheduled)[issued_mask]
     lag50, lag99 = percentiles(lag_ns / 1e3, [50, 99])
