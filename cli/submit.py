@@ -7,14 +7,16 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import nats.errors
 import nats.js.errors
 
+from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest
 from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 
@@ -30,12 +32,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--framework-version", default=None, help="constraint, e.g. '>=1.20,<2'")
     p.add_argument("--device", default="cpu")
     p.add_argument("--agent", dest="agent_id", default=None)
-    p.add_argument("--scenario", default="online", choices=["online", "batched"])
-    p.add_argument("--qps", type=float, default=100.0)
-    p.add_argument("--duration", type=float, default=10.0, help="seconds")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--scenario", default=None, choices=list(SCENARIOS),
+                   help="load scenario (default: online, or the --scenario-file's)")
+    p.add_argument("--scenario-file", type=Path, default=None,
+                   help="a scenario YAML (manifests/scenarios/); flags given override it")
+    p.add_argument("--qps", type=float, default=None, help="rate (default 100)")
+    p.add_argument("--duration", type=float, default=None, help="seconds (default 10)")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--batch-sizes", default=None, help="batched: sweep, e.g. 1,2,4,8")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: queries in flight")
+    p.add_argument("--latency-bound-ms", type=float, default=None,
+                   help="p99 bound (online: validity; peak: the search target)")
+    p.add_argument("--schedule", type=Path, default=None,
+                   help="replay: inter-arrival times in seconds, one per line")
+    p.add_argument("--loadgens", type=int, default=None,
+                   help="open loops: load-generator processes sharing one schedule")
     p.add_argument("--max-queries", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-duration", type=float, default=None,
+                   help="validity: minimum run length in s (default 10)")
+    p.add_argument("--min-queries", type=int, default=None,
+                   help="validity: minimum issued queries (default 100)")
+    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--trace-level", default="model",
                    choices=["none", "model", "framework", "system", "full"])
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
@@ -44,19 +62,28 @@ def parser() -> argparse.ArgumentParser:
 
 def make_job(args: argparse.Namespace) -> JobRequest:
     name, _, version = args.model.partition("@")
+    flags = {"name": args.scenario, "qps": args.qps, "duration_s": args.duration,
+             "batch_size": args.batch_size, "seed": args.seed,
+             "max_queries": args.max_queries, "concurrency": args.concurrency,
+             "latency_bound_ms": args.latency_bound_ms, "loadgens": args.loadgens,
+             "min_duration_s": args.min_duration, "min_queries": args.min_queries,
+             "batch_sizes": (tuple(int(b) for b in args.batch_sizes.split(","))
+                             if args.batch_sizes else None),
+             "arrivals_s": read_arrivals(args.schedule) if args.schedule else None}
     return JobRequest(
         model=name, model_version=version or None, framework=args.framework,
         framework_version=args.framework_version, device=args.device, agent_id=args.agent_id,
-        scenario=ScenarioSpec(name=args.scenario, qps=args.qps, duration_s=args.duration,
-                              batch_size=args.batch_size, seed=args.seed,
-                              max_queries=args.max_queries),
+        scenario=scenario_spec(args.scenario_file, flags),
         trace_level=args.trace_level, submitted_at=time.time())
 
 
 async def submit(settings: Settings, job: JobRequest, *, on_event: object = None,
                  timeout: float | None = None) -> EvaluationSummary:
     """Publish ``job`` and wait for its summary; failures raise their typed error."""
-    limit = timeout or (job.scenario.duration_s * 3 + 360.0)
+    sc = job.scenario
+    runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
+    span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
+    limit = timeout or (max(sc.duration_s, span) * 3 * runs + 360.0)
     async with busmod.connect(settings, name="mlscope-submit") as bus:
         sub = await bus.nc.subscribe(names.job_events(job.job_id))
         try:
@@ -122,6 +149,23 @@ def format_summary(s: EvaluationSummary) -> str:
     ]
     if s.accuracy:
         rows.append(("accuracy", "  ".join(f"{k} {v:.4f}" for k, v in s.accuracy.items())))
+    if s.latency_split_ms:
+        rows.append(("split ms p50", "  ".join(
+            f"{k} {f(v.get('p50'))}" for k, v in s.latency_split_ms.items())))
+    if s.scenario.get("loadgens", 1) > 1:
+        rows.append(("loadgens", f"{s.scenario['loadgens']} processes, one schedule"))
+    if s.scenario["name"] == "peak":
+        rows.append(("peak", f"{f(s.peak_qps, ' QPS', 1)} with p99 <= "
+                             f"{s.scenario.get('latency_bound_ms')} ms"))
+    if s.optimal_batch_size is not None:
+        rows.append(("optimal batch", f"{s.optimal_batch_size}"))
+    for pt in s.points:
+        lat_pt = pt["latency_ms"]
+        rows.append(("  tried", f"qps {f(pt['qps'], '', 1)} batch {pt['batch_size']}: p50 "
+                                f"{f(lat_pt['p50'])} p99 {f(lat_pt['p99'])} ms, "
+                                f"{f(pt['throughput_ips'], '', 1)} inputs/s, "
+                                f"{'VALID' if pt['valid'] else 'INVALID'} "
+                                f"({pt['evaluation_id']})"))
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
 
 
@@ -135,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # pydantic validation of the arguments
+    except ValueError as exc:  # pydantic validation of the arguments and the scenario
         print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
         return 2
     if show is not None:
