@@ -41,10 +41,10 @@ from mlscope.bus import Bus
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
 from mlscope.manifest import ScenarioFile, load_manifest
-from mlscope.validity import ValidityPolicy, Verdict
+from mlscope.validity import ValidityPolicy, Verdict, early_stopping_queries_needed
 
 __all__ = ["PEAK_PRECISION", "SCENARIOS", "Context", "Outcome", "Run", "build_schedule",
-           "execute", "read_arrivals", "scenario_spec"]
+           "execute", "next_rate", "read_arrivals", "scenario_spec"]
 
 PEAK_PRECISION = 0.05
 """A peak search stops when the failing rate is within 5% of the passing one."""
@@ -189,6 +189,23 @@ async def _sweep(ctx: Context, spec: ScenarioSpec) -> Outcome:
     return Outcome(best, runs, optimal_batch_size=best.spec.batch_size)
 
 
+def next_rate(rate: float, passed: float | None, failed: float | None,
+              floor_qps: float) -> float | None:
+    """The next rate a peak search tries, or None when it is done.
+
+    Double while nothing failed; halve while nothing passed (down to ``floor_qps``,
+    below which a run has too few queries to show its percentile); then bisect until
+    the failing rate is within :data:`PEAK_PRECISION` of the passing one.
+    """
+    if failed is None:
+        return rate * 2
+    if passed is None:
+        return rate / 2 if rate / 2 >= floor_qps else None
+    if failed / passed - 1 <= PEAK_PRECISION:
+        return None
+    return (passed + failed) / 2
+
+
 async def _peak(ctx: Context, spec: ScenarioSpec) -> Outcome:
     """Binary search of the highest Poisson rate whose run is VALID under the bound.
 
@@ -199,10 +216,16 @@ async def _peak(ctx: Context, spec: ScenarioSpec) -> Outcome:
     """
     if spec.latency_bound_ms is None:
         raise ConfigError("scenario 'peak' needs a latency bound (--latency-bound-ms B)")
-    rate, passed, failed = spec.qps, None, None
+    need = early_stopping_queries_needed([], 0.0, ctx.policy.percentile,
+                                         ctx.policy.confidence, ctx.policy.tolerance)
+    floor_qps = max(need, spec.min_queries or 0) / spec.duration_s
+    rate: float | None = spec.qps
+    passed: float | None = None
+    failed: float | None = None
     runs: list[Run] = []
     best: Run | None = None
     for k in range(spec.peak_trials):
+        assert rate is not None
         trial = spec.model_copy(update={"name": "peak", "qps": rate})
         run = await run_once(ctx, trial, f"{ctx.evaluation_id}-{k}")
         runs.append(run)
@@ -211,19 +234,13 @@ async def _peak(ctx: Context, spec: ScenarioSpec) -> Outcome:
                 passed, best = rate, run
         elif failed is None or rate < failed:
             failed = rate
-        if failed is None:
-            rate *= 2
-        elif passed is None:
-            rate /= 2
-            if rate < 1.0:
-                break
-        elif failed / passed - 1 <= PEAK_PRECISION:
+        rate = next_rate(rate, passed, failed, floor_qps)
+        if rate is None:
             break
-        else:
-            rate = (passed + failed) / 2
     if best is None:
         return Outcome(runs[-1], runs, extra_reasons=(
-            f"peak search: no rate tried met the {spec.latency_bound_ms:g} ms bound "
+            f"peak search: no rate tried gave a VALID run under the "
+            f"{spec.latency_bound_ms:g} ms bound "
             f"(lowest tried {min(r.requested_qps or 0 for r in runs):.1f} QPS)",))
     return Outcome(best, runs, peak_qps=passed)
 

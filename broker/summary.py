@@ -128,6 +128,8 @@ def policy_for(spec: ScenarioSpec, base: ValidityPolicy) -> ValidityPolicy:
         else base.min_duration_s,
         min_queries=spec.min_queries if spec.min_queries is not None else base.min_queries,
         latency_bound_ns=int(bound * 1e6) if bound is not None else base.latency_bound_ns,
+        max_issue_lag_us=spec.max_issue_lag_us if spec.max_issue_lag_us is not None
+        else base.max_issue_lag_us,
     )
 
 

@@ -53,6 +53,8 @@ def parser() -> argparse.ArgumentParser:
                    help="validity: minimum run length in s (default 10)")
     p.add_argument("--min-queries", type=int, default=None,
                    help="validity: minimum issued queries (default 100)")
+    p.add_argument("--max-issue-lag-us", type=float, default=None,
+                   help="validity: p99 issue lag tolerated (default 500)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--trace-level", default="model",
                    choices=["none", "model", "framework", "system", "full"])
@@ -67,6 +69,7 @@ def make_job(args: argparse.Namespace) -> JobRequest:
              "max_queries": args.max_queries, "concurrency": args.concurrency,
              "latency_bound_ms": args.latency_bound_ms, "loadgens": args.loadgens,
              "min_duration_s": args.min_duration, "min_queries": args.min_queries,
+             "max_issue_lag_us": args.max_issue_lag_us,
              "batch_sizes": (tuple(int(b) for b in args.batch_sizes.split(","))
                              if args.batch_sizes else None),
              "arrivals_s": read_arrivals(args.schedule) if args.schedule else None}

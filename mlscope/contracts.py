@@ -168,6 +168,8 @@ class ScenarioSpec(BaseModel):
     """Open loops: load-generator processes the global schedule is dealt to."""
     peak_trials: int = Field(default=10, ge=2)
     """peak: most runs the search makes."""
+    max_issue_lag_us: float | None = Field(default=None, gt=0)
+    """Validity: p99 issue lag tolerated (default: the server's policy, 500 µs)."""
 
 
 class JobRequest(_Message):
