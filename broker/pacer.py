@@ -41,7 +41,15 @@ import numpy as np
 from broker.schedule import Schedule
 from mlscope.errors import ConfigError, EvaluationError
 
-__all__ = ["DEFAULT_BUSY_S", "DEFAULT_SPIN_S", "Gate", "OutstandingLimit", "Pacer", "PacerResult"]
+__all__ = [
+    "DEFAULT_BUSY_S",
+    "DEFAULT_SPIN_S",
+    "Gate",
+    "OutstandingLimit",
+    "Pacer",
+    "PacerResult",
+    "RealtimeThread",
+]
 
 DEFAULT_SPIN_S = 300e-6
 DEFAULT_BUSY_S = 70e-6
@@ -264,10 +272,30 @@ class Pacer:
             self._refused.extend(range(k, j))
 
 
-REALTIME_PRIORITY = 1
+REALTIME_PRIORITY = 2
+"""The pacer's SCHED_FIFO priority: above the event loop's (:class:`RealtimeThread`)."""
 
 
-def _make_realtime() -> bool:
+class RealtimeThread:
+    """The calling thread in SCHED_FIFO (priority 1) until :meth:`restore`.
+
+    For the event-loop thread during a run: a thread that holds the GIL and is
+    preempted by another process stalls the pacer until it runs again, so the thread
+    the pacer hands the GIL to and from must not be preempted either. No effect
+    without CAP_SYS_NICE.
+    """
+
+    def __init__(self) -> None:
+        self.policy = os.sched_getscheduler(0)
+        self.param = os.sched_getparam(0)
+        self.active = _make_realtime(1)
+
+    def restore(self) -> None:
+        if self.active:
+            os.sched_setscheduler(0, self.policy, self.param)
+
+
+def _make_realtime(priority: int = REALTIME_PRIORITY) -> bool:
     """Put the calling thread in SCHED_FIFO at the lowest real-time priority.
 
     A woken SCHED_FIFO thread preempts every normal task at once, so the pacer's
@@ -277,7 +305,7 @@ def _make_realtime() -> bool:
     (or an RLIMIT_RTPRIO); without it the pacer runs at normal priority.
     """
     try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
     except (OSError, AttributeError):
         return False
     return True
