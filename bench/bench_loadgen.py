@@ -10,6 +10,9 @@
    queries all due at once, sent to a subject nobody answers; rate = queries / time
    until the last one left nats-py. Beside it, nats-py's raw publish rate of the same
    payload in a plain loop on the same connection type.
+3. The floor under the bus-added latency: a bare nats-py echo (another Python process
+   that republishes each message to its reply subject) at 1,000 messages/s, round
+   trip p50/p99: what any Python client and agent on this bus pay at least.
 
 Usage: PYTHONPATH=. python bench/bench_loadgen.py [--qps 1000] [--duration 30]
 Prints, asserts nothing.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,6 +81,47 @@ async def raw_publish_rate(settings: Settings, n: int) -> float:
         return n / ((time.perf_counter_ns() - t0) / 1e9)
 
 
+ECHO = """
+import asyncio, sys
+import nats
+async def main():
+    nc = await nats.connect(sys.argv[1])
+    async def echo(m):
+        await nc.publish(m.reply, m.data)
+    await nc.subscribe("bench.echo", cb=echo)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+"""
+
+
+async def echo_rtt(settings: Settings, n: int = 5000) -> tuple[float, float]:
+    """(p50, p99) µs of a bare nats-py round trip through an echo process, 1,000/s."""
+    proc = await anyio.open_process([sys.executable, "-c", ECHO, settings.nats_url])
+    try:
+        assert proc.stdout is not None
+        await proc.stdout.receive()  # "ready"
+        payload = encode_query("ev-bench", 0, np.zeros((1, 16), np.float32), TraceLevel.NONE)
+        sent = np.zeros(n, np.int64)
+        rtt: list[int] = []
+        async with busmod.connect(settings, name="bench-echo") as bus:
+            async def back(msg: Any) -> None:
+                rtt.append(time.perf_counter_ns() - int(sent[int(msg.data[:8])]))
+
+            await bus.nc.subscribe("_INBOX.bench-echo", cb=back)
+            for i in range(n):
+                sent[i] = time.perf_counter_ns()
+                await bus.nc.publish("bench.echo", b"%08d" % i + payload,
+                                     reply="_INBOX.bench-echo")
+                await anyio.sleep(0.001)
+            await anyio.sleep(0.5)
+    finally:
+        proc.kill()
+        await proc.wait()
+    p50, p99 = np.percentile(np.asarray(rtt) / 1e3, [50, 99])
+    return float(p50), float(p99)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--qps", type=float, default=1000)
@@ -93,6 +138,7 @@ def main() -> None:
             scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration))))
         lg, paced = anyio.run(issue_rate, live, args.burst)
         raw = anyio.run(raw_publish_rate, live, args.burst)
+        echo50, echo99 = anyio.run(echo_rtt, live)
     finally:
         stack.stop()
 
@@ -111,6 +157,8 @@ def main() -> None:
     print(f"2. one load-generator process, {args.burst:,} queries due at once: "
           f"{lg:,.0f} queries/s published (pacer alone {paced:,.0f}/s); "
           f"nats-py raw publish {raw:,.0f} msgs/s; ratio {lg / raw:.2f}")
+    print(f"3. bare nats-py echo round trip at 1,000/s: p50 {echo50:.0f} us  p99 {echo99:.0f} us"
+          f"  (platform overhead p50 {split['overhead']['p50'] * 1e3:.0f} us)")
 
 
 if __name__ == "__main__":
