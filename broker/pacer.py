@@ -285,10 +285,10 @@ class RealtimeThread:
     without CAP_SYS_NICE.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, enable: bool = True) -> None:
         self.policy = os.sched_getscheduler(0)
         self.param = os.sched_getparam(0)
-        self.active = _make_realtime(1)
+        self.active = enable and _make_realtime(1)
 
     def restore(self) -> None:
         if self.active:
