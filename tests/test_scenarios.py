@@ -126,7 +126,9 @@ def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Sta
                         peak_trials=3, **LOOSE)
     s = run(noop_stack.settings, spec)
     rates = [p["qps"] for p in s.points]
-    assert len(rates) >= 2 and rates[0] == 250
+    assert rates[0] == 250 and len(rates) <= 3
+    if s.points[0]["valid"]:  # nothing failed yet: the next rate doubles
+        assert rates[1] == 500
     passing = [p["qps"] for p in s.points if p["valid"]]
     assert s.peak_qps == (max(passing) if passing else None)
     if s.peak_qps is not None:
@@ -190,19 +192,23 @@ def test_stalled_agent_makes_latency_grow_from_the_schedule(noop_stack: Stack) -
     got = rows(noop_stack.settings, s.evaluation_id)
     sched, issued, done = got[:, 1], got[:, 2], got[:, 3]
     lat = (done - sched) / 1e9
-    stalled = lat > 0.25
-    assert lat.max() > 0.4
-    assert stalled.sum() >= 20  # every query scheduled in the stall waits, not just one
-    # They were issued on time, and all complete together once the agent resumes:
-    # latency falls as the scheduled time rises (it counts from the schedule).
-    assert np.median((issued - sched)[stalled]) < 50e6
-    assert np.ptp(done[stalled]) < 0.5 * np.ptp(sched[stalled])
+    first = int(np.argmax(lat))  # the first query of the stall waits longest
+    assert lat[first] > 0.4
+    # Every query scheduled in the next 0.3 s was issued on time and waited for the
+    # agent to resume, completing with the first one: its latency is counted from its
+    # scheduled time, so it falls as the scheduled time rises.
+    window = (sched >= sched[first]) & (sched < sched[first] + 300_000_000)
+    assert window.sum() >= 20  # all of them, not just one
+    assert np.median((issued - sched)[window]) < 50e6
+    assert (done[window] >= done[first] - 50_000_000).all()
+    assert (lat[window] > lat[first] - 0.35).all()
 
     # The same stall in a closed loop hides itself: one query sees it.
     closed = _run_with_stall(noop_stack, ScenarioSpec(name="single-stream", duration_s=2.0,
                                                       **LOOSE), "agent:noop", 0.6)
     got = rows(noop_stack.settings, closed.evaluation_id)
-    assert ((got[:, 3] - got[:, 1]) / 1e9 > 0.25).sum() == 1
+    slow = ((got[:, 3] - got[:, 1]) / 1e9 > 0.25).sum()
+    assert 1 <= slow <= 2  # the one in flight (a busy machine may add one more)
 
 
 def test_stalled_load_generator_is_too_late(noop_stack: Stack) -> None:
