@@ -64,7 +64,7 @@ def figures(rec: RunRecord, *, has_labels: bool) -> Figures:
     issued = rec.issued[issued_mask]
     lat_ns = (rec.completed - rec.scheduled)[ok]
     lag_ns = (rec.issued - rec.scheduled)[issued_mask]
-    lag50, lag99 = percentiles(lag_ns / 1e3, [50, 99])
+    lag50, lag90, lag99, lag999 = percentiles(lag_ns / 1e3, [50, 90, 99, 99.9])
     samples = int(ok.sum()) * rec.batch_size
     end = rec.completed[rec.completed > 0]
     duration = float(end.max() - rec.scheduled.min()) / 1e9 if end.size else 0.0
@@ -77,7 +77,8 @@ def figures(rec: RunRecord, *, has_labels: bool) -> Figures:
         duration_s=duration,
         scheduled_qps=sched_rate or None, achieved_qps=ach_rate or None,
         latency_ms=LatencyStats(**describe_ms(lat_ns)),
-        issue_lag_us={"p50": lag50, "p99": lag99,
+        issue_lag_us={"p50": lag50, "p90": lag90, "p99": lag99, "p99.9": lag999,
+                      "min": float(lag_ns.min() / 1e3) if lag_ns.size else None,
                       "max": float(lag_ns.max() / 1e3) if lag_ns.size else None},
         throughput_ips=samples / tput_span if tput_span > 0 else None,
         top1=float(rec.correct.sum()) / samples if has_labels and samples else None,

@@ -147,7 +147,7 @@ def format_summary(s: EvaluationSummary) -> str:
         ("latency ms", f"trimmed mean {f(lat.trimmed_mean)}  p50 {f(lat.p50)}  p90 "
                        f"{f(lat.p90)}  p99 {f(lat.p99)}  max {f(lat.max)}"),
         ("issue lag µs", f"p50 {f(lag.get('p50'), '', 1)}  p99 {f(lag.get('p99'), '', 1)}  "
-                         f"max {f(lag.get('max'), '', 1)}"),
+                         f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}"),
         ("throughput", f"{f(s.throughput_ips, '', 1)} inputs/s"),
     ]
     if s.accuracy:
