@@ -77,6 +77,17 @@ def test_latency_bound_and_early_stopping() -> None:
                for r in verdict_of(record(build_schedule(tiny)[0].offsets_ns), tiny))
 
 
+def test_scenario_targets_follow_mlperf() -> None:
+    """Throughput sweeps have no latency target; single-stream estimates p90."""
+    closed = record(np.arange(1, 201, dtype=np.int64) * 50 * MS)  # 200 queries over 10 s
+    ten = {"window_s": 10.0, "requested_rate": None, "poisson": False}
+    online = judge(closed, ScenarioSpec(name="online"), ValidityPolicy(), **ten)
+    assert any(r.startswith("early stopping") for r in online.reasons)
+    assert judge(closed, ScenarioSpec(name="batched"), ValidityPolicy(), **ten).valid
+    assert judge(closed, ScenarioSpec(name="single-stream"), ValidityPolicy(), **ten).valid
+    assert policy_for(ScenarioSpec(name="single-stream"), ValidityPolicy()).percentile == 90
+
+
 def test_failed_and_unanswered_queries_are_errors() -> None:
     spec = ScenarioSpec(name="online", qps=200, duration_s=10, seed=1)
     rec = record(build_schedule(spec)[0].offsets_ns)
