@@ -138,7 +138,7 @@ class ScenarioSpec(BaseModel):
     """How load is generated; latency always counts from each query's scheduled time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: Literal["online", "batched"] = "online"
+    name: Literal["online", "batched", "cold-start"] = "online"
     qps: float = Field(default=100.0, gt=0)
     duration_s: float = Field(default=10.0, gt=0)
     batch_size: int = Field(default=1, ge=1)
@@ -148,6 +148,10 @@ class ScenarioSpec(BaseModel):
     min_queries: int | None = Field(default=None, ge=1)
     max_outstanding: int = Field(default=1024, ge=1)
     warmup_queries: int = Field(default=0, ge=0)
+    repetitions: int = Field(default=5, ge=1)
+    """cold-start: how many times the model is unloaded, loaded and run again."""
+    warm_queries: int = Field(default=20, ge=1)
+    """cold-start: warm queries after each load (closed loop, ``batch_size`` samples)."""
 
 
 class JobRequest(_Message):
@@ -165,6 +169,10 @@ class JobRequest(_Message):
     trace_level: str = "model"
     submitted_at: float = 0.0
     rerun_of: str | None = None
+    accuracy: bool = False
+    """Also run the labelled data set once (top-1/top-5, per-sample outputs stored)."""
+    accuracy_samples: int | None = Field(default=None, ge=1)
+    """At most this many data-set samples for the accuracy pass (None: all)."""
 
 
 class LatencyStats(BaseModel):
@@ -237,6 +245,8 @@ class Query(_Message):
     index: int
     inputs: NDArray
     trace_level: int = int(TraceLevel.MODEL)
+    raw: bool = False
+    """Also return the model's raw first output (accuracy and divergence runs only)."""
 
 
 class QueryReply(_Message):
@@ -251,6 +261,8 @@ class QueryReply(_Message):
     t_predict_start: int = 0
     t_predict_end: int = 0
     t_replied: int = 0
+    raw_outputs: NDArray | None = None
+    """The model's raw first output for this query's samples, when the query asked."""
 
 
 # --------------------------------------------------------------------------- traces
