@@ -208,7 +208,8 @@ class Agent:
         entry, graph = match[0]
         key = entry.manifest.key
         batch = int(req.get("batch_size", 1))
-        if req.get("reload"):  # cold start: load again even if it is loaded
+        if req.get("reload"):  # cold start: load again unless another evaluation uses it
+            self.sessions.pop(eval_id, None)
             await self._unload(key)
         cold = key not in self.workers
         load_ns = first_ns = 0

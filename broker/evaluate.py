@@ -16,6 +16,7 @@ import anyio
 import numpy as np
 
 import mlscope
+from broker import accuracy, coldstart
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.loadgen import Driver, RunRecord, estimate_offset
 from broker.summary import Rules, figures, judge
@@ -26,10 +27,11 @@ from mlscope.contracts import (
     AgentDescription,
     EvaluationSummary,
     JobRequest,
+    ScenarioSpec,
     TraceLevel,
     new_id,
 )
-from mlscope.errors import ResolutionError
+from mlscope.errors import EvaluationError, ResolutionError
 from mlscope.versions import satisfies
 
 __all__ = ["Evaluator", "resolve"]
@@ -91,18 +93,26 @@ class Evaluator:
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
         data = _dataset(entry, self.zoo_dir)
-        prep = await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode({
-            "op": "prepare", "evaluation_id": eval_id, "model": m.name,
-            "model_version": m.version, "batch_size": spec.batch_size,
-            "trace_level": level.name.lower()}), timeout=PREPARE_TIMEOUT_S)
+        prepare = {"op": "prepare", "evaluation_id": eval_id, "model": m.name,
+                   "model_version": m.version, "batch_size": spec.batch_size,
+                   "trace_level": level.name.lower()}
+        prep = await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode(prepare),
+                             timeout=PREPARE_TIMEOUT_S)
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
         inputs, labels = _feeders(data, m.inputs[0].shape, spec.batch_size, spec.seed)
-        driver = Driver(self.bus, evaluation_id=eval_id, subject=names.agent_query(agent.agent_id),
-                        spec=spec, inputs=inputs, labels=labels, trace_level=level,
-                        offset_ns=offset,
-                        on_progress=lambda rec, el: progress(eval_id, rec, el))
+        def drive(s: ScenarioSpec) -> Awaitable[RunRecord]:
+            return Driver(self.bus, evaluation_id=eval_id,
+                          subject=names.agent_query(agent.agent_id), spec=s, inputs=inputs,
+                          labels=labels, trace_level=level, offset_ns=offset,
+                          on_progress=lambda rec, el: progress(eval_id, rec, el)).run()
+
         started = time.time()
-        rec = await driver.run()
+        cold: dict[str, Any] | None = None
+        if spec.name == "cold-start":
+            rec, cold = await coldstart.run(self.bus, agent.agent_id, prepare, spec, drive)
+        else:
+            rec = await drive(spec)
+        acc = await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
         with anyio.move_on_after(5):
             await request(self.bus, names.agent_ctl(agent.agent_id),
@@ -121,15 +131,33 @@ class Evaluator:
             scheduled_qps=f.scheduled_qps, achieved_qps=f.achieved_qps,
             latency_ms=f.latency_ms, issue_lag_us=f.issue_lag_us,
             throughput_ips=f.throughput_ips,
-            accuracy={"top1": f.top1} if f.top1 is not None else None,
+            accuracy=(accuracy.metrics(acc, m.dataset.metric if m.dataset else "top1")
+                      if acc is not None else {"top1": f.top1} if f.top1 is not None
+                      else None),
             clock_offset_ns=offset, clock_rtt_ns=rtt,
-            cold_start={"load_ms": prep["load_ns"] / 1e6,
-                        "first_inference_ms": prep["first_inference_ns"] / 1e6,
-                        "cold": bool(prep["cold"])},
+            cold_start=cold or {"load_ms": prep["load_ns"] / 1e6,
+                                "first_inference_ms": prep["first_inference_ns"] / 1e6,
+                                "cold": bool(prep["cold"])},
             started_at=started, finished_at=finished)
         spec_doc = _specification(job, agent, entry, prep)
         await anyio.to_thread.run_sync(self._store, summary, rec, spec_doc)
+        if acc is not None:
+            await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, eval_id, acc)
         return summary
+
+    async def _accuracy(self, job: JobRequest, entry: Entry,
+                        data: tuple[np.ndarray, np.ndarray] | None, eval_id: str,
+                        agent_id: str) -> accuracy.DatasetRun | None:
+        """The data-set pass (outputs kept per sample) when the job asks for accuracy."""
+        if not job.accuracy:
+            return None
+        if data is None:
+            raise EvaluationError(f"{entry.manifest.name} has no labelled data set "
+                                  "in its manifest: accuracy cannot be measured")
+        return await accuracy.dataset_pass(
+            self.bus, subject=names.agent_query(agent_id), evaluation_id=eval_id,
+            x=data[0], y=data[1], batch_size=job.scenario.batch_size,
+            kind=accuracy.output_kind(entry.manifest), limit=job.accuracy_samples)
 
     def _store(self, s: EvaluationSummary, rec: RunRecord, spec_doc: dict[str, Any]) -> None:
         err = [rec.errors.get(i, "") for i in range(rec.n)]
