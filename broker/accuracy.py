@@ -99,8 +99,8 @@ async def dataset_pass(bus: Bus, *, subject: str, evaluation_id: str, x: np.ndar
     try:
         for q, s in enumerate(starts):
             await slots.acquire()
-            payload = Query(evaluation_id=evaluation_id, index=q, inputs=x[s:min(s + batch_size, n)],
-                            raw=True)
+            payload = Query(evaluation_id=evaluation_id, index=q,
+                            inputs=x[s:min(s + batch_size, n)], raw=True)
             await bus.nc.publish(subject, codec.encode_model(payload), reply=inbox)
         with anyio.move_on_after(REPLY_TIMEOUT_S):
             await done.wait()
