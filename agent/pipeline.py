@@ -222,14 +222,12 @@ class Executor:
         while not stopping:
             first = held
             if first is None:
-                with self._lock:
-                    self._idle_seq = self._seq if self._ready.empty() else -1
                 first = self._ready.get()
                 self._idle_seq = -1
                 if first is None:
                     break
             batch, held, stopping = self._gather(first)
-            self._run_batch(batch)
+            self._run_batch(batch, idle_next=held is None)
 
     def _gather(self, first: _Slot) -> tuple[list[_Slot], _Slot | None, bool]:
         """Consecutive queries up to ``max_batch`` samples or the first one's max wait."""
@@ -251,13 +249,18 @@ class Executor:
 
     # ------------------------------------------------------------------ inference
 
-    def _run_batch(self, batch: list[_Slot]) -> None:
+    def _run_batch(self, batch: list[_Slot], *, idle_next: bool) -> None:
         for slot in batch:
             self._ensure_preprocessed(slot)
         good = [s for s in batch if s.error is None]
         outcomes: dict[int, _Outcome] = {}
         if good:
             self._infer(good, outcomes)
+        if idle_next:
+            # Before the replies go out: a query sent in answer to one of them finds
+            # this thread about to be idle and is pre-processed inline, not by the pool.
+            with self._lock:
+                self._idle_seq = self._seq if self._ready.empty() else -1
         for slot in batch:
             out = outcomes.get(slot.seq) or _Outcome(error=slot.error)
             self._finish(slot, out)
