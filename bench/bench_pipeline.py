@@ -17,6 +17,7 @@ Usage: python bench/bench_pipeline.py [--frameworks onnxruntime,pytorch,...]
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import queue
 import statistics
@@ -45,6 +46,7 @@ from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 
 now = time.perf_counter_ns
+WARMUP_S = 2.0
 FRAMEWORKS = ("onnxruntime", "pytorch", "tensorflow", "tflite")
 
 
@@ -107,8 +109,10 @@ class BareLoop:
         self.pred = open_predictor(entry.manifest.framework.name, graph, entry.manifest,
                                    PredictorOptions(batch_size=len(batches[0]),
                                                     threads=threads))
-        for b in batches[:3]:
-            self.pred.predict([b])
+        # The agent's first inference (batch 1 on zeros, at load), then warm-up: TorchScript
+        # profiles its first runs and specializes on the shapes it saw.
+        self.pred.predict([np.zeros((1, *batches[0].shape[1:]), batches[0].dtype)])
+        self.rate(WARMUP_S)
 
     def rate(self, seconds: float) -> float:
         done, n, t0 = 0, 0, time.perf_counter()
@@ -120,8 +124,65 @@ class BareLoop:
         return done / (time.perf_counter() - t0)
 
 
+class BareProcess:
+    """The bare loop in its own fresh process (one framework loaded, like the agent)."""
+
+    def __init__(self, framework: str, zoo: Path, batch: int, threads: int | None) -> None:
+        cmd = [sys.executable, __file__, "--bare-child", framework, "--zoo", str(zoo),
+               "--batch-size", str(batch)] + (["--threads", str(threads)] if threads else [])
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # runtimes may print first
+            if line.strip() == "ready":
+                break
+        else:
+            raise RuntimeError(f"bare loop for {framework} did not start")
+
+    def rate(self, seconds: float) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"{seconds}\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            try:
+                return float(line)
+            except ValueError:
+                continue  # a runtime's own output
+        raise RuntimeError("the bare loop process ended")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def bare_child(framework: str, zoo: Path, batch: int, threads: int | None) -> None:
+    entry, _, batches = inputs(framework, zoo, batch)
+    loop = BareLoop(entry, entry.graph(zoo), batches, threads)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        print(loop.rate(float(line)), flush=True)
+    loop.pred.close()
+
+
+def inputs(framework: str, zoo: Path, batch: int
+           ) -> tuple[Entry, list[np.ndarray], list[np.ndarray]]:
+    """The manifest, raw image batches, and the same batches pre-processed."""
+    entry = Catalog.load(default_manifest_dirs()).find("efficientnet_lite0",
+                                                       framework=framework)
+    with np.load(entry.dataset(zoo)) as npz:  # type: ignore[arg-type]
+        images = npz["x"]
+    raw = [images[(np.arange(batch) + k) % len(images)] for k in range(4)]
+    model = LoadedModel(entry, open_predictor("noop", Path("none"), entry.manifest,
+                                              PredictorOptions()), 0)
+    return entry, raw, [np.ascontiguousarray(model.pre[0](r)) for r in raw]
+
+
 async def through_agent(settings: Settings, framework: str, entry: Entry,
-                        raw: list[np.ndarray], bare: BareLoop, *, seconds: float,
+                        raw: list[np.ndarray], bare: BareProcess, *, seconds: float,
                         rounds: int, window: int = 2) -> list[tuple[float, float]]:
     """(bare, agent) inputs/s for each round; the agent keeps ``window`` queries out.
 
@@ -162,8 +223,11 @@ async def through_agent(settings: Settings, framework: str, entry: Entry,
                     tg.start_soon(lane)
             return done / (time.perf_counter() - t0)
 
-        for i in range(3):
+        t_warm = time.perf_counter()
+        for i in itertools.count():
             await one(i)
+            if time.perf_counter() - t_warm > WARMUP_S:
+                break
         out = [(bare.rate(seconds), await agent_rate()) for _ in range(rounds)]
         await busmod.request(bus, ctl, codec.encode({"op": "release",
                                                      "evaluation_id": eval_id}), timeout=10)
@@ -187,16 +251,8 @@ async def _agent_id(bus: busmod.Bus, framework: str) -> str:
 
 def throughput(framework: str, zoo: Path, batch: int, seconds: float,
                rounds: int, threads: int | None) -> dict[str, float]:
-    entry = Catalog.load(default_manifest_dirs()).find("efficientnet_lite0",
-                                                       framework=framework)
-    graph = entry.graph(zoo)
-    with np.load(entry.dataset(zoo)) as npz:  # type: ignore[arg-type]
-        images = npz["x"]
-    raw = [images[(np.arange(batch) + k) % len(images)] for k in range(4)]
-    model = LoadedModel(entry, open_predictor("noop", graph, entry.manifest,
-                                              PredictorOptions()), 0)
-    batches = [np.ascontiguousarray(model.pre[0](r)) for r in raw]
-    bare = BareLoop(entry, graph, batches, threads)
+    entry, raw, _ = inputs(framework, zoo, batch)
+    bare = BareProcess(framework, zoo, batch, threads)
     data = Path(tempfile.mkdtemp(prefix="mlscope-bench-"))
     (data / "zoo").symlink_to(zoo, target_is_directory=True)
     with NatsServer(store_dir=data / "nats") as server:
@@ -212,7 +268,7 @@ def throughput(framework: str, zoo: Path, batch: int, seconds: float,
         finally:
             agent.terminate()
             agent.wait(30)
-            bare.pred.close()
+            bare.close()
     return {"bare_ips": statistics.median(b for b, _ in pairs),
             "agent_ips": statistics.median(a for _, a in pairs),
             "ratio": statistics.median(a / b for b, a in pairs)}
@@ -229,7 +285,10 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=3000)
     ap.add_argument("--zoo", type=Path, default=Path(os.environ.get("MLSCOPE_TEST_ZOO",
                                                                     "/work/zoo")))
+    ap.add_argument("--bare-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.bare_child:
+        return bare_child(args.bare_child, args.zoo, args.batch_size, args.threads)
     sys.setswitchinterval(0.0002)  # as the agent sets it
     if args.queries:
         overheads(args)
