@@ -19,7 +19,7 @@ import pytest
 
 from broker.compare import Outputs, compare, compare_evaluations
 from cli.services import Stack
-from cli.submit import submit
+from cli.submit import format_summary, submit
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
@@ -154,6 +154,7 @@ def test_cold_start_measures_every_load_apart_from_warm_inference(four: Settings
     assert all(r["warm_predict_ms_p50"] > 0 for r in runs)
     assert c["load_ms"] == sorted(r["load_ms"] for r in runs)[1]  # the median
     assert c["first_over_warm"] == c["first_inference_ms"] / c["warm_predict_ms"]
+    assert "cold start" in format_summary(s) and "(3/3 loads)" in format_summary(s)
 
 
 def test_compare_rejects_runs_without_common_ground() -> None:
