@@ -99,6 +99,7 @@ class _Slot:
     error: MLScopeError | None = None
     t_pre: int = 0
     t_pre_end: int = 0
+    replied: bool = False
 
 
 @dataclass(slots=True)
@@ -227,7 +228,15 @@ class Executor:
                 if first is None:
                     break
             batch, held, stopping = self._gather(first)
-            self._run_batch(batch, idle_next=held is None)
+            try:
+                self._run_batch(batch, idle_next=held is None)
+            except Exception as exc:  # a fault here must not stop the model: answer, go on
+                m = self.model
+                err = InferenceError(f"{m.name}: pipeline failure: {exc!r}", model=m.name,
+                                     framework=m.predictor.framework)
+                for slot in batch:
+                    if not slot.replied:
+                        self._finish(slot, _Outcome(error=err))
 
     def _gather(self, first: _Slot) -> tuple[list[_Slot], _Slot | None, bool]:
         """Consecutive queries up to ``max_batch`` samples or the first one's max wait."""
@@ -314,6 +323,7 @@ class Executor:
                                else np.ascontiguousarray(out.raw),
                                t_received=job.received_ns, t_predict_start=out.t_predict,
                                t_predict_end=out.t_predict_end, t_replied=now())
+        slot.replied = True
         with self._lock:
             self._inflight -= 1
         job.reply(reply)

@@ -224,6 +224,31 @@ def test_errors_are_isolated_per_query_and_the_executor_keeps_serving(
     assert isinstance(error_from_wire(got[3].error or {}), InputMismatchError)
 
 
+def test_a_fault_in_the_pipeline_itself_answers_the_batch_and_keeps_serving(
+        model: LoadedModel, samples: np.ndarray) -> None:
+    slow = Slow(model.predictor)
+    model.predictor = slow
+    post = model.post
+    model.post = lambda x: np.float32(0.0)  # cannot be split back into queries
+    ex = Executor(model, ExecutorConfig(max_batch=4, max_wait_us=50_000))
+    replies = Replies()
+    slow.gate.clear()
+    try:
+        for i in range(3):
+            ex.submit(job(i, samples[i:i + 1], replies))
+        slow.gate.set()
+        broken = replies.take(3)
+        model.post = post
+        ex.submit(job(3, samples[:1], replies))
+        (fine,) = replies.take(1)
+    finally:
+        ex.stop()
+    assert [r.index for r in broken] == [0, 1, 2] and not any(r.ok for r in broken)
+    err = error_from_wire(broken[0].error or {})
+    assert isinstance(err, InferenceError) and "pipeline failure" in str(err)
+    assert fine.ok and ex.inflight == 0
+
+
 # --------------------------------------------------------------------------- live agent
 
 
