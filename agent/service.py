@@ -34,6 +34,7 @@ from mlscope.errors import (
     MLScopeError,
     WireError,
 )
+from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 
@@ -77,6 +78,7 @@ class Agent:
     offers: list[tuple[Entry, Any]] = field(default_factory=list)
     sessions: dict[str, Session] = field(default_factory=dict)
     workers: dict[str, Executor] = field(default_factory=dict)
+    capability_subs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         host = str(sysinfo.host_facts()["host"])
@@ -92,7 +94,7 @@ class Agent:
                 f"framework {self.config.framework} does not load on this machine",
                 framework=self.config.framework)
         self.framework_info = info
-        self.offers = self._servable()
+        self._facts: dict[str, Any] = sysinfo.host_facts()
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.
         sys.setswitchinterval(AGENT_SWITCH_INTERVAL_S)
@@ -100,23 +102,28 @@ class Agent:
                                   provision=True) as bus:
             self.bus = bus
             self.loop = asyncio.get_running_loop()
-            self.tracer = Tracer(bus, agent_id=self.agent_id, host=self._facts["host"])
-            subs = await self._subscribe(bus)
+            self.tracer = Tracer(bus, agent_id=self.agent_id, host=str(self._facts["host"]))
+            self.remote = ManifestWatcher(bus, on_change=self._models_changed)
+            self._changing = anyio.Lock()
+            subs: list[Any] = []
             try:
                 async with anyio.create_task_group() as tg:
+                    await tg.start(self.remote.run)
+                    self.offers = await anyio.to_thread.run_sync(self._servable)
+                    subs = await self._subscribe(bus)
                     tg.start_soon(self.tracer.run)
                     await self._advertise(bus)
                     tg.start_soon(self._heartbeat, bus)
                     task_status.started()
             finally:
                 with anyio.CancelScope(shield=True):
-                    await self._withdraw(bus, subs)
+                    await self._withdraw(bus, [*subs, *self.capability_subs.values()])
 
     def _servable(self) -> list[tuple[Entry, Any]]:
-        """Manifests for this framework whose artifacts are present and verified."""
-        self._facts: dict[str, Any] = sysinfo.host_facts()
+        """Manifests for this framework (local or from the bus) whose artifacts are
+        present and verified here."""
         out = []
-        for e in self.catalog.entries:
+        for e in self.remote.catalog(self.catalog).entries:
             if e.manifest.framework.name != self.config.framework:
                 continue
             try:
@@ -130,11 +137,30 @@ class Agent:
             await bus.nc.subscribe(names.agent_query(self.agent_id), cb=self._on_query),
             await bus.nc.subscribe(names.agent_ctl(self.agent_id), cb=self._on_ctl),
         ]
-        for model in sorted({e.manifest.name for e, _ in self.offers}):
-            subject = names.capability(self.config.framework, model)
-            subs.append(await bus.nc.subscribe(subject, queue=subject, cb=self._on_query))
-        await bus.nc.flush()
+        await self._sync_capabilities(bus)
         return subs
+
+    async def _sync_capabilities(self, bus: Bus) -> None:
+        """One queue-group subscription per served model, no more, no fewer."""
+        wanted = {names.capability(self.config.framework, e.manifest.name)
+                  for e, _ in self.offers}
+        for subject in sorted(set(self.capability_subs) - wanted):
+            await self.capability_subs.pop(subject).unsubscribe()
+        for subject in sorted(wanted - set(self.capability_subs)):
+            self.capability_subs[subject] = await bus.nc.subscribe(
+                subject, queue=subject, cb=self._on_query)
+        await bus.nc.flush()
+
+    async def _models_changed(self) -> None:
+        """The models bucket changed: serve what is servable now and say so at once."""
+        async with self._changing:
+            offers = await anyio.to_thread.run_sync(self._servable)
+            if [(e.manifest.key, g) for e, g in offers] == \
+                    [(e.manifest.key, g) for e, g in self.offers]:
+                return
+            self.offers = offers
+            await self._sync_capabilities(self.bus)
+            await self._advertise(self.bus)
 
     def describe(self) -> AgentDescription:
         f = self._facts

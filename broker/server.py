@@ -32,6 +32,7 @@ from mlscope import codec, names
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import JobEvent, JobRequest, new_id
 from mlscope.errors import DatabaseError, MLScopeError, WireError
+from mlscope.model_registry import ManifestWatcher
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
@@ -64,7 +65,9 @@ class Server:
                     names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
                     config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
                                           ack_wait=JOB_ACK_WAIT_S, max_deliver=5))
+                self.remote = ManifestWatcher(bus)
                 async with anyio.create_task_group() as tg:
+                    await tg.start(self.remote.run)
                     tg.start_soon(self.ingester.run)
                     tg.start_soon(self._take_jobs, jobs, tg)
                     task_status.started()
@@ -107,7 +110,7 @@ class Server:
                                            server_id=self.server_id))
         try:
             agents = await list_agents(self.bus)
-            agent, entry = resolve(job, agents, self.catalog)
+            agent, entry = resolve(job, agents, self.remote.catalog(self.catalog))
 
             async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
                 await self._emit(subject, JobEvent(
