@@ -23,7 +23,7 @@ from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec
 from mlscope.stats import percentile
 
-__all__ = ["concat", "run"]
+__all__ = ["concat", "reasons", "run"]
 
 PREPARE_TIMEOUT_S = 300.0
 Drive = Callable[[ScenarioSpec], Awaitable[RunRecord]]
@@ -54,6 +54,14 @@ async def run(bus: Bus, agent_id: str, prepare: dict[str, Any], spec: ScenarioSp
                      "warm_predict_ms_p50": percentile(predict_ms, 50),
                      "warm_latency_ms_p50": percentile(e2e_ms, 50)})
     return concat(records), _figures(reps)
+
+
+def reasons(cold: dict[str, Any]) -> tuple[str, ...]:
+    """Why a cold-start run is INVALID: a repetition that did not really load the model."""
+    if cold["cold_loads"] < cold["repetitions"]:
+        return (f"only {cold['cold_loads']} of {cold['repetitions']} repetitions loaded the "
+                "model (another evaluation kept it loaded)",)
+    return ()
 
 
 def _figures(reps: list[dict[str, Any]]) -> dict[str, Any]:

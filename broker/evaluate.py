@@ -100,6 +100,7 @@ class Evaluator:
                              timeout=PREPARE_TIMEOUT_S)
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
         inputs, labels = _feeders(data, m.inputs[0].shape, spec.batch_size, spec.seed)
+
         def drive(s: ScenarioSpec) -> Awaitable[RunRecord]:
             return Driver(self.bus, evaluation_id=eval_id,
                           subject=names.agent_query(agent.agent_id), spec=s, inputs=inputs,
@@ -118,7 +119,7 @@ class Evaluator:
             await request(self.bus, names.agent_ctl(agent.agent_id),
                           codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5)
         f = figures(rec, has_labels=labels is not None)
-        reasons = judge(f, spec, self.rules)
+        reasons = judge(f, spec, self.rules) + (coldstart.reasons(cold) if cold else ())
         fw = next(x for x in agent.frameworks if x.name == job.framework)
         summary = EvaluationSummary(
             evaluation_id=eval_id, job_id=job.job_id, status="completed", valid=not reasons,

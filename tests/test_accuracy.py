@@ -17,6 +17,7 @@ import anyio
 import numpy as np
 import pytest
 
+from broker import coldstart
 from broker.compare import Outputs, compare, compare_evaluations
 from cli.services import Stack
 from cli.submit import format_summary, submit
@@ -155,6 +156,9 @@ def test_cold_start_measures_every_load_apart_from_warm_inference(four: Settings
     assert c["load_ms"] == sorted(r["load_ms"] for r in runs)[1]  # the median
     assert c["first_over_warm"] == c["first_inference_ms"] / c["warm_predict_ms"]
     assert "cold start" in format_summary(s) and "(3/3 loads)" in format_summary(s)
+    assert not any("repetitions loaded" in r for r in s.invalid_reasons)
+    assert coldstart.reasons({**c, "cold_loads": 2}) == (
+        "only 2 of 3 repetitions loaded the model (another evaluation kept it loaded)",)
 
 
 def test_compare_rejects_runs_without_common_ground() -> None:
