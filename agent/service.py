@@ -18,9 +18,10 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
 import mlscope
+from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import probe
 from agent.tracer import Tracer
-from agent.worker import Job, LoadedModel, ModelWorker
+from agent.worker import LoadedModel
 from mlscope import bus as busmod
 from mlscope import codec, names, sysinfo
 from mlscope.bus import Bus
@@ -52,6 +53,10 @@ class AgentConfig:
     threads: int | None = None
     queue_capacity: int = 256
     """Queries waiting per loaded model before the agent answers 'overloaded'."""
+    pre_workers: int = 2
+    """Pre-processing threads per loaded model (they overlap with inference)."""
+    batch_wait_us: int = 500
+    """Dynamic batching: how long a partial batch waits for more queries."""
     heartbeat_s: float = busmod.HEARTBEAT_S
 
 
@@ -59,8 +64,9 @@ class AgentConfig:
 class Session:
     """An evaluation this agent was prepared for."""
 
-    worker: ModelWorker
+    worker: Executor
     level: TraceLevel
+    key: str = ""
 
 
 @dataclass
@@ -71,7 +77,7 @@ class Agent:
     agent_id: str = ""
     offers: list[tuple[Entry, Any]] = field(default_factory=list)
     sessions: dict[str, Session] = field(default_factory=dict)
-    workers: dict[str, ModelWorker] = field(default_factory=dict)
+    workers: dict[str, Executor] = field(default_factory=dict)
     capability_subs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -207,8 +213,11 @@ class Agent:
             elif op == "prepare":
                 await msg.respond(codec.encode(await self._prepare(req)))
             elif op == "release":
-                self.sessions.pop(str(req.get("evaluation_id")), None)
-                await msg.respond(codec.encode({"ok": True}))
+                session = self.sessions.pop(str(req.get("evaluation_id")), None)
+                unloaded = False
+                if session is not None and req.get("unload"):
+                    unloaded = await self._unload(session.key)
+                await msg.respond(codec.encode({"ok": True, "unloaded": unloaded}))
             else:
                 raise WireError(f"unknown control op {op!r}")
         except MLScopeError as exc:
@@ -224,19 +233,39 @@ class Agent:
             raise ConfigError(f"agent {self.agent_id} does not serve {name}@{version}")
         entry, graph = match[0]
         key = entry.manifest.key
+        batch = int(req.get("batch_size", 1))
+        if req.get("reload"):  # cold start: load again unless another evaluation uses it
+            self.sessions.pop(eval_id, None)
+            await self._unload(key)
         cold = key not in self.workers
         load_ns = first_ns = 0
         if cold:
             opts = PredictorOptions(device=self.config.device, threads=self.config.threads,
-                                    batch_size=int(req.get("batch_size", 1)))
+                                    batch_size=batch)
             model = await anyio.to_thread.run_sync(LoadedModel.open, entry, graph, opts)
-            first_ns = await anyio.to_thread.run_sync(model.warmup)
+            try:
+                first_ns = await anyio.to_thread.run_sync(model.warmup)
+            except MLScopeError:
+                model.close()
+                raise
             load_ns = model.load_ns
-            self.workers[key] = ModelWorker(model, capacity=self.config.queue_capacity)
+            self.workers[key] = Executor(model, ExecutorConfig(
+                capacity=self.config.queue_capacity, pre_workers=self.config.pre_workers,
+                max_batch=batch, max_wait_us=self.config.batch_wait_us))
+        worker = self.workers[key]
+        worker.max_batch = int(req.get("max_batch", batch))
         level = TraceLevel.parse(req.get("trace_level", "model"))
-        self.sessions[eval_id] = Session(self.workers[key], level)
+        self.sessions[eval_id] = Session(worker, level, key)
         return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
                 "sha256": entry.manifest.assets.sha256, "t_agent": now()}
+
+    async def _unload(self, key: str) -> bool:
+        """Stop and close a loaded model no other evaluation uses; True if it was."""
+        if key not in self.workers or any(s.key == key for s in self.sessions.values()):
+            return False
+        worker = self.workers.pop(key)
+        await anyio.to_thread.run_sync(worker.stop)
+        return True
 
     async def _on_query(self, msg: Msg) -> None:
         received = now()
@@ -253,7 +282,7 @@ class Agent:
         level = TraceLevel(min(query.trace_level, session.level))
         spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
         job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
-                  spans=spans, reply=self._replier(msg.reply))
+                  spans=spans, reply=self._replier(msg.reply), raw=query.raw)
         if not session.worker.submit(job):
             busy = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
             await msg.respond(busmod.error_reply(busy))

@@ -14,6 +14,8 @@ batched         a sweep of ``batch_sizes``, closed loop at each: max
                 throughput and the optimal batch size                          closed
 peak            binary search of the highest Poisson rate whose p99 meets
                 ``latency_bound_ms`` (MLPerf's find-peak-performance)          open
+cold-start      ``repetitions`` x (reload the model, ``warm_queries``):
+                load + first inference apart from warm (broker/coldstart.py)   closed
 =============== ============================================================== ========
 
 Open loops run on one pacer, or with ``loadgens = K > 1`` on K load-generator
@@ -33,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from broker import schedule
+from broker import coldstart, schedule
 from broker.loadgen import CLOSED_LOOPS, Driver, RunRecord
 from broker.schedule import Schedule
 from broker.summary import Figures, figures, judge, latency_split
@@ -68,6 +70,9 @@ class Context:
     on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None
     nats_url: str | None = None
     """For load-generator processes (distributed load)."""
+    agent_id: str = ""
+    prepare: dict[str, Any] = field(default_factory=dict)
+    """The agent and its prepare request (cold-start prepares again, with reload)."""
 
 
 @dataclass
@@ -99,6 +104,7 @@ class Outcome:
     peak_qps: float | None = None
     optimal_batch_size: int | None = None
     extra_reasons: tuple[str, ...] = ()
+    cold_start: dict[str, Any] | None = None
 
 
 def build_schedule(spec: ScenarioSpec) -> tuple[Schedule, float]:
@@ -173,9 +179,30 @@ async def execute(ctx: Context, spec: ScenarioSpec) -> Outcome:
         return await _sweep(ctx, spec)
     if spec.name == "peak":
         return await _peak(ctx, spec)
+    if spec.name == "cold-start":
+        return await _cold_start(ctx, spec)
     if spec.name == "single-stream":
         spec = spec.model_copy(update={"concurrency": 1})
     return Outcome(await run_once(ctx, spec, ctx.evaluation_id))
+
+
+async def _cold_start(ctx: Context, spec: ScenarioSpec) -> Outcome:
+    """Loads measured apart from warm inference; valid when every load really happened
+    and no query failed (the load-rate rules do not apply to a handful of queries)."""
+    async def drive(warm: ScenarioSpec) -> RunRecord:
+        inputs, labels = ctx.feeders(warm.batch_size)
+        return await Driver(ctx.bus, evaluation_id=ctx.evaluation_id, subject=ctx.subject,
+                            spec=warm, inputs=inputs, labels=labels,
+                            trace_level=ctx.trace_level, offset_ns=ctx.offset_ns,
+                            on_progress=ctx.on_progress).run()
+
+    rec, cold = await coldstart.run(ctx.bus, ctx.agent_id, ctx.prepare, spec, drive)
+    failed = int(rec.n - int(rec.ok.sum()))
+    why = (*coldstart.reasons(cold), *((f"{failed} warm queries failed",) if failed else ()))
+    f = figures(rec, has_labels=False)
+    run = Run(ctx.evaluation_id, spec, rec, f, Verdict(valid=not why, reasons=why),
+              latency_split(rec), None)
+    return Outcome(run, cold_start=cold)
 
 
 async def _sweep(ctx: Context, spec: ScenarioSpec) -> Outcome:
@@ -246,7 +273,7 @@ async def _peak(ctx: Context, spec: ScenarioSpec) -> Outcome:
 
 
 SCENARIOS = ("online", "single-stream", "multi-stream", "batched", "concurrency", "constant",
-             "replay", "piecewise", "peak")
+             "replay", "piecewise", "peak", "cold-start")
 
 
 def read_arrivals(path: Path) -> tuple[float, ...]:

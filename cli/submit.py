@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import nats.errors
@@ -28,7 +29,9 @@ ACCEPT_TIMEOUT_S = 10.0
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlscope-submit", description=__doc__)
     p.add_argument("model", metavar="MODEL[@VERSION]")
-    p.add_argument("--framework", required=True)
+    p.add_argument("--framework", required=True,
+                   help="a framework, or several comma-separated: one evaluation each, "
+                        "compared (output divergence) when --accuracy is given")
     p.add_argument("--framework-version", default=None, help="constraint, e.g. '>=1.20,<2'")
     p.add_argument("--device", default="cpu")
     p.add_argument("--agent", dest="agent_id", default=None)
@@ -48,6 +51,14 @@ def parser() -> argparse.ArgumentParser:
                    help="replay: inter-arrival times in seconds, one per line")
     p.add_argument("--loadgens", type=int, default=None,
                    help="open loops: load-generator processes sharing one schedule")
+    p.add_argument("--repetitions", type=int, default=None,
+                   help="cold-start: loads measured (default 5)")
+    p.add_argument("--warm-queries", type=int, default=None,
+                   help="cold-start: warm queries after each load (default 20)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also run the labelled data set once (top-1/top-5, outputs kept)")
+    p.add_argument("--accuracy-samples", type=int, default=None,
+                   help="at most this many data-set samples for --accuracy")
     p.add_argument("--max-queries", type=int, default=None)
     p.add_argument("--min-duration", type=float, default=None,
                    help="validity: minimum run length in s (default 10)")
@@ -62,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_job(args: argparse.Namespace) -> JobRequest:
+def make_job(args: argparse.Namespace, framework: str | None = None) -> JobRequest:
     name, _, version = args.model.partition("@")
     flags = {"name": args.scenario, "qps": args.qps, "duration_s": args.duration,
              "batch_size": args.batch_size, "seed": args.seed,
@@ -72,12 +83,16 @@ def make_job(args: argparse.Namespace) -> JobRequest:
              "max_issue_lag_us": args.max_issue_lag_us,
              "batch_sizes": (tuple(int(b) for b in args.batch_sizes.split(","))
                              if args.batch_sizes else None),
-             "arrivals_s": read_arrivals(args.schedule) if args.schedule else None}
+             "arrivals_s": read_arrivals(args.schedule) if args.schedule else None,
+             "repetitions": getattr(args, "repetitions", None),
+             "warm_queries": getattr(args, "warm_queries", None)}
     return JobRequest(
-        model=name, model_version=version or None, framework=args.framework,
+        model=name, model_version=version or None, framework=framework or args.framework,
         framework_version=args.framework_version, device=args.device, agent_id=args.agent_id,
         scenario=scenario_spec(args.scenario_file, flags),
-        trace_level=args.trace_level, submitted_at=time.time())
+        trace_level=args.trace_level, submitted_at=time.time(),
+        accuracy=getattr(args, "accuracy", False),
+        accuracy_samples=getattr(args, "accuracy_samples", None))
 
 
 async def submit(settings: Settings, job: JobRequest, *, on_event: object = None,
@@ -169,12 +184,20 @@ def format_summary(s: EvaluationSummary) -> str:
                                 f"{f(pt['throughput_ips'], '', 1)} inputs/s, "
                                 f"{'VALID' if pt['valid'] else 'INVALID'} "
                                 f"({pt['evaluation_id']})"))
+    c = s.cold_start
+    if s.scenario["name"] == "cold-start" and c:
+        rows.append(("cold start", f"load {f(c.get('load_ms'))} ms  first inference "
+                                   f"{f(c.get('first_inference_ms'))} ms  warm predict "
+                                   f"{f(c.get('warm_predict_ms'))} ms  "
+                                   f"({c.get('cold_loads')}/{c.get('repetitions')} loads)"))
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     settings = Settings.from_env()
+    if "," in args.framework:
+        return _main_many(args, settings)
     try:
         job = make_job(args)
         show = None if args.json or not sys.stderr.isatty() else _progress
@@ -191,6 +214,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:
         print(format_summary(summary))
+    return 0
+
+
+def _main_many(args: argparse.Namespace, settings: Settings) -> int:
+    """One evaluation per framework (run together), then one comparison of their outputs."""
+    from broker.compare import compare_evaluations, format_comparison
+
+    frameworks = [f.strip() for f in args.framework.split(",") if f.strip()]
+    try:
+        jobs = [make_job(args, fw) for fw in frameworks]
+
+        async def go() -> tuple[list[EvaluationSummary], Any]:
+            out: list[EvaluationSummary | None] = [None] * len(jobs)
+
+            async def one(i: int) -> None:
+                out[i] = await submit(settings, jobs[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(jobs)):
+                    tg.start_soon(one, i)
+            done = [s for s in out if s is not None]
+            if not args.accuracy:
+                return done, None
+            async with busmod.connect(settings, name="mlscope-submit") as bus:
+                return done, await compare_evaluations(bus, [
+                    (s.framework["name"], s.evaluation_id, s.accuracy) for s in done])
+
+        summaries, comparison = anyio.run(go, backend="asyncio")
+    except (MLScopeError, ValueError, ExceptionGroup) as caught:
+        exc: BaseException = caught
+        while isinstance(exc, BaseExceptionGroup):  # the first failure of the task group
+            exc = exc.exceptions[0]
+        if isinstance(exc, MLScopeError):
+            print(f"mlscope-submit: {exc}", file=sys.stderr)
+            return 1
+        if isinstance(exc, ValueError):
+            print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
+            return 2
+        raise
+    if args.json:
+        print(json.dumps({"summaries": [s.model_dump(mode="json", by_alias=True)
+                                        for s in summaries],
+                          "comparison": comparison.to_dict() if comparison else None}))
+        return 0
+    for s in summaries:
+        print(format_summary(s))
+        print()
+    if comparison is not None:
+        print(format_comparison(comparison))
     return 0
 
 

@@ -139,12 +139,13 @@ class ScenarioSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: Literal["online", "single-stream", "multi-stream", "batched", "concurrency",
-                  "constant", "replay", "piecewise", "peak"] = "online"
+                  "constant", "replay", "piecewise", "peak", "cold-start"] = "online"
     """online: Poisson; constant: fixed interval; replay: ``arrivals_s``; piecewise:
     ``segments``; multi-stream: ``batch_size`` samples every ``1/qps`` s; single-stream
     and concurrency: closed loop with 1 / ``concurrency`` outstanding; batched: a sweep
     of ``batch_sizes`` (closed loop); peak: search of the highest Poisson rate whose
-    p99 meets ``latency_bound_ms`` (see broker/scenarios.py)."""
+    p99 meets ``latency_bound_ms`` (see broker/scenarios.py); cold-start: model load +
+    first inference, ``repetitions`` times, apart from warm inference (broker/coldstart.py)."""
     qps: float = Field(default=100.0, gt=0)
     duration_s: float = Field(default=10.0, gt=0)
     batch_size: int = Field(default=1, ge=1)
@@ -170,6 +171,10 @@ class ScenarioSpec(BaseModel):
     """peak: most runs the search makes."""
     max_issue_lag_us: float | None = Field(default=None, gt=0)
     """Validity: p99 issue lag tolerated (default: the server's policy, 500 µs)."""
+    repetitions: int = Field(default=5, ge=1)
+    """cold-start: how many times the model is unloaded, loaded and run again."""
+    warm_queries: int = Field(default=20, ge=1)
+    """cold-start: warm queries after each load (closed loop, ``batch_size`` samples)."""
 
 
 class JobRequest(_Message):
@@ -187,6 +192,10 @@ class JobRequest(_Message):
     trace_level: str = "model"
     submitted_at: float = 0.0
     rerun_of: str | None = None
+    accuracy: bool = False
+    """Also run the labelled data set once (top-1/top-5, per-sample outputs stored)."""
+    accuracy_samples: int | None = Field(default=None, ge=1)
+    """At most this many data-set samples for the accuracy pass (None: all)."""
 
 
 class LatencyStats(BaseModel):
@@ -268,6 +277,8 @@ class Query(_Message):
     index: int
     inputs: NDArray
     trace_level: int = int(TraceLevel.MODEL)
+    raw: bool = False
+    """Also return the model's raw first output (accuracy and divergence runs only)."""
 
 
 class QueryReply(_Message):
@@ -282,6 +293,8 @@ class QueryReply(_Message):
     t_predict_start: int = 0
     t_predict_end: int = 0
     t_replied: int = 0
+    raw_outputs: NDArray | None = None
+    """The model's raw first output for this query's samples, when the query asked."""
 
 
 # --------------------------------------------------------------------------- traces
