@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agent import profiling
 from agent.operators import Pipeline, compile_steps
 from agent.predictors import open_predictor
 from agent.tracer import SpanBuffer
@@ -109,7 +110,12 @@ class ModelWorker:
             m.check(job.inputs)
             x = m.pre[0](job.inputs)
             t_pred = now()
-            out = m.predictor.predict([x])
+            if level >= TraceLevel.FRAMEWORK:  # layer spans from the framework's profiler
+                with profiling.capture(m.predictor) as cap:
+                    out = m.predictor.predict([x])
+            else:
+                cap = profiling.NULL
+                out = m.predictor.predict([x])
             t_post = now()
             result = m.post(out[0])
             t_end = now()
@@ -123,8 +129,10 @@ class ModelWorker:
                              end_ns=t_end, attrs=attrs)
             for name, a, b in (("preprocess", t_pre, t_pred), ("predict", t_pred, t_post),
                                ("postprocess", t_post, t_end)):
-                spans.add(parent=root, query_index=job.index, level=TraceLevel.MODEL,
-                          kind="step", name=name, start_ns=a, end_ns=b)
+                sid = spans.add(parent=root, query_index=job.index, level=TraceLevel.MODEL,
+                                kind="step", name=name, start_ns=a, end_ns=b)
+                if name == "predict" and cap.events:
+                    cap.emit(spans, parent=sid, query_index=job.index, window=(t_pred, t_post))
         return QueryReply(index=job.index, ok=True, outputs=np.ascontiguousarray(result),
                           t_received=job.received_ns, t_predict_start=t_pred,
                           t_predict_end=t_post, t_replied=now())
