@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 
 import mlscope
 from agent.predictors import probe
+from agent.sysmon import Sampler
 from agent.tracer import Tracer
 from agent.worker import Job, LoadedModel, ModelWorker
 from mlscope import bus as busmod
@@ -53,6 +54,8 @@ class AgentConfig:
     queue_capacity: int = 256
     """Queries waiting per loaded model before the agent answers 'overloaded'."""
     heartbeat_s: float = busmod.HEARTBEAT_S
+    sample_s: float = 0.1
+    """System-sampler interval for evaluations traced at level ``system`` or more."""
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Agent:
             self.bus = bus
             self.loop = asyncio.get_running_loop()
             self.tracer = Tracer(bus, agent_id=self.agent_id, host=str(self._facts["host"]))
+            self.sampler = Sampler(interval_s=self.config.sample_s)
             self.remote = ManifestWatcher(bus, on_change=self._models_changed)
             self._changing = anyio.Lock()
             subs: list[Any] = []
@@ -111,6 +115,7 @@ class Agent:
                     task_status.started()
             finally:
                 with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.sampler.close)
                     await self._withdraw(bus, [*subs, *self.capability_subs.values()])
 
     def _servable(self) -> list[tuple[Entry, Any]]:
@@ -208,6 +213,7 @@ class Agent:
                 await msg.respond(codec.encode(await self._prepare(req)))
             elif op == "release":
                 self.sessions.pop(str(req.get("evaluation_id")), None)
+                await anyio.to_thread.run_sync(self.sampler.unwatch, str(req.get("evaluation_id")))
                 await msg.respond(codec.encode({"ok": True}))
             else:
                 raise WireError(f"unknown control op {op!r}")
@@ -235,6 +241,8 @@ class Agent:
             self.workers[key] = ModelWorker(model, capacity=self.config.queue_capacity)
         level = TraceLevel.parse(req.get("trace_level", "model"))
         self.sessions[eval_id] = Session(self.workers[key], level)
+        if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
+            self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
         return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
                 "sha256": entry.manifest.assets.sha256, "t_agent": now()}
 

@@ -1,25 +1,36 @@
-"""The trace ingester: JetStream span batches -> columnar inserts into ``spans``.
+"""The trace ingester: JetStream span and sample batches -> columnar inserts.
 
-A durable pull consumer survives ingester restarts: spans published while it is down
-wait in the stream. Messages are acknowledged only after their rows are inserted, so
-a crash between insert and ack redelivers them; the table's ReplacingMergeTree key
-(evaluation_id, agent_id, span_id) and FINAL reads make that redelivery invisible.
+A durable pull consumer survives ingester restarts: batches published while it is
+down wait in the stream. Messages are acknowledged only after their rows are
+inserted, so a crash between insert and ack redelivers them; each table's
+ReplacingMergeTree key ((evaluation_id, agent_id, span_id) for spans, (evaluation_id,
+agent_id, metric, device, ts_ns) for samples) and FINAL reads make that redelivery
+invisible. One fetch of up to ``fetch_batch`` messages becomes one insert per table,
+column by column (no per-span Python objects beyond the decoded lists).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import anyio
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from broker.db import SPAN_COLUMNS, Database
+from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
 from mlscope import codec, names
 from mlscope.bus import Bus
-from mlscope.contracts import SpanBatch
+from mlscope.contracts import SampleBatch, SpanBatch
 from mlscope.errors import WireError
 
 __all__ = ["Ingester"]
+
+_SPAN_FIELDS = ("span_id", "parent_id", "query_index", "level", "kind", "name", "start_ns",
+                "end_ns", "attrs")
+_SAMPLE_FIELDS = ("ts_ns", "metric", "device", "value")
+_BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
+    "spans": SpanBatch, "samples": SampleBatch}
 
 
 class Ingester:
@@ -28,6 +39,7 @@ class Ingester:
         self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
         self.ingested = 0
+        self.samples = 0
         self.rejected = 0
 
     async def run(self) -> None:
@@ -44,29 +56,57 @@ class Ingester:
             await self._store(msgs)
 
     async def _store(self, msgs: list[Msg]) -> None:
-        cols: dict[str, list[object]] = {c: [] for c in SPAN_COLUMNS}
+        spans: dict[str, list[Any]] = {c: [] for c in SPAN_COLUMNS}
+        samples: dict[str, list[Any]] = {c: [] for c in SAMPLE_COLUMNS}
         good, bad = [], []
         for msg in msgs:
             try:
-                batch = codec.decode_model(SpanBatch, msg.data)
+                batch = _decode(msg.data)
             except WireError:
                 bad.append(msg)
                 continue
-            n = len(batch)
-            for col in ("span_id", "parent_id", "query_index", "level", "kind", "name",
-                        "start_ns", "end_ns", "attrs"):
-                cols[col].extend(batch.columns[col])
-            for col, value in (("evaluation_id", batch.evaluation_id),
-                               ("agent_id", batch.agent_id), ("host", batch.host),
-                               ("batch_id", batch.batch_id)):
-                cols[col].extend([value] * n)
+            if isinstance(batch, SpanBatch):
+                _extend(spans, batch, _SPAN_FIELDS)
+            else:
+                _extend(samples, batch, _SAMPLE_FIELDS)
             good.append(msg)
-        if cols["span_id"]:
+        if spans["span_id"]:
             await anyio.to_thread.run_sync(
-                self.db.insert, "spans", [cols[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)
-            self.ingested += len(cols["span_id"])
+                self.db.insert, "spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)
+            self.ingested += len(spans["span_id"])
+        if samples["ts_ns"]:
+            await anyio.to_thread.run_sync(
+                self.db.insert, "system_samples", [samples[c] for c in SAMPLE_COLUMNS],
+                SAMPLE_COLUMNS)
+            self.samples += len(samples["ts_ns"])
         for msg in good:
             await msg.ack()
         for msg in bad:  # a message that can never decode must not block the stream
             self.rejected += 1
             await msg.term()
+
+
+def _decode(data: bytes) -> SpanBatch | SampleBatch:
+    raw = codec.decode(data)
+    cls = _BATCHES.get(raw.get("kind", "")) if isinstance(raw, dict) else None
+    if cls is None:
+        raise WireError("not a span or sample batch")
+    try:
+        batch = cls.model_validate(raw)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise WireError(f"invalid {cls.__name__}: {exc}") from exc
+    fields = _SPAN_FIELDS if cls is SpanBatch else _SAMPLE_FIELDS
+    n = len(batch)
+    if any(len(batch.columns.get(f, ())) != n for f in fields):
+        raise WireError(f"{cls.__name__} {batch.batch_id}: missing or ragged columns")
+    return batch
+
+
+def _extend(cols: dict[str, list[Any]], batch: SpanBatch | SampleBatch,
+            fields: tuple[str, ...]) -> None:
+    n = len(batch)
+    for f in fields:
+        cols[f].extend(batch.columns[f])
+    for f, value in (("evaluation_id", batch.evaluation_id), ("agent_id", batch.agent_id),
+                     ("host", batch.host), ("batch_id", batch.batch_id)):
+        cols[f].extend([value] * n)

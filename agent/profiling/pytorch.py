@@ -47,21 +47,21 @@ class TorchCapture(Capture):
         self._mark = record_function(MARK)
 
     def __enter__(self) -> Capture:
-        self._profile.__enter__()
+        self._profile.__enter__()  # type: ignore[no-untyped-call]
         super().__enter__()
-        self._mark.__enter__()
+        self._mark.__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._mark.__exit__(et, ev, tb)
         super().__exit__(et, ev, tb)
-        self._profile.__exit__(et, ev, tb)
+        self._profile.__exit__(et, ev, tb)  # type: ignore[no-untyped-call]
         if et is None:
             self.events = self._collect()
 
     def _collect(self) -> list[LayerEvent]:
-        events: list[FunctionEvent] = list(self._profile.events())
+        events: list[FunctionEvent] = list(self._profile.events())  # type: ignore[no-untyped-call]
         mark = next((e for e in events if e.name == MARK), None)
         if mark is None:
             log.warning("torch.profiler recorded no %s marker: no layer spans", MARK)
