@@ -45,7 +45,7 @@ class AgentHistory:
                                                   entry.operation, entry.value))
         finally:
             with anyio.CancelScope(shield=True):
-                await watcher.stop()
+                await watcher.stop()  # type: ignore[no-untyped-call]
                 await self._flush()
 
     async def _flusher(self) -> None:
