@@ -121,18 +121,28 @@ class Tracer:
 
     async def flush(self) -> None:
         for eval_id, buf in list(self.buffers.items()):
-            if not len(buf):
-                continue
-            batch = SpanBatch(evaluation_id=eval_id, agent_id=self.agent_id, host=self.host,
-                              batch_id=new_id("sb"), columns=buf.take())
-            await self.bus.js.publish(names.traces(eval_id), codec.encode_model(batch),
-                                      headers={"Nats-Msg-Id": batch.batch_id})
-            self.published += len(batch)
+            if len(buf):
+                self.published += await self._publish(SpanBatch, eval_id, buf.take())
         for eval_id, sbuf in list(self.sample_buffers.items()):
-            if not len(sbuf):
-                continue
-            samples = SampleBatch(evaluation_id=eval_id, agent_id=self.agent_id,
-                                  host=self.host, batch_id=new_id("ss"), columns=sbuf.take())
-            await self.bus.js.publish(names.traces(eval_id), codec.encode_model(samples),
-                                      headers={"Nats-Msg-Id": samples.batch_id})
-            self.samples_published += len(samples)
+            if len(sbuf):
+                self.samples_published += await self._publish(SampleBatch, eval_id, sbuf.take())
+
+    async def _publish(self, cls: type[SpanBatch] | type[SampleBatch], eval_id: str,
+                       columns: dict[str, list[Any]]) -> int:
+        """Publish one batch, halved until each message fits the server's max payload."""
+        batch = cls(evaluation_id=eval_id, agent_id=self.agent_id, host=self.host,
+                    batch_id=new_id("sb" if cls is SpanBatch else "ss"), columns=columns)
+        data = codec.encode_model(batch)
+        n = len(batch)
+        if len(data) > self.max_bytes() and n > 1:
+            half = n // 2
+            return (await self._publish(cls, eval_id, {k: v[:half] for k, v in columns.items()})
+                    + await self._publish(cls, eval_id,
+                                          {k: v[half:] for k, v in columns.items()}))
+        await self.bus.js.publish(names.traces(eval_id), data,
+                                  headers={"Nats-Msg-Id": batch.batch_id})
+        return n
+
+    def max_bytes(self) -> int:
+        """The largest message to publish: the server's max payload less headroom."""
+        return int(getattr(self.bus.nc, "max_payload", 1 << 20)) - 4096
