@@ -38,7 +38,7 @@ from mlscope.settings import Settings
 
 __all__ = ["chrome_trace", "export", "fetch", "register"]
 
-PAGE = 2_000  # rows per request: a page of layer spans stays under 1 MB
+PAGE = 1_000  # rows per request: a page of layer spans stays well under 1 MB
 LOADGEN_PID = 1
 TID_QUERIES, TID_WORKER, TID_DEVICE = 1, 2, 3
 
