@@ -64,7 +64,8 @@ class LoadedModel:
     def warmup(self) -> int:
         """One inference on zeros; returns its duration (the cold first inference)."""
         raw = np.zeros((1, *self.sample_shape), np.float32)
-        if self.entry.manifest.inputs[0].type == "image":  # raw images are decoded: uint8 HWC
+        steps = self.entry.manifest.inputs[0].steps
+        if steps and "decode" in steps[0]:  # raw input is an image to decode: uint8 HWC
             side = max(self.sample_shape)
             raw = np.zeros((1, side, side, 3), np.uint8)
         t0 = now()
