@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.abc
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -29,6 +30,8 @@ __all__ = ["Ingester"]
 _SPAN_FIELDS = ("span_id", "parent_id", "query_index", "level", "kind", "name", "start_ns",
                 "end_ns", "attrs")
 _SAMPLE_FIELDS = ("ts_ns", "metric", "device", "value")
+_Decoded = tuple[dict[str, list[Any]], dict[str, list[Any]], list[Msg], list[Msg]]
+"""(span columns, sample columns, messages to ack, messages to terminate)."""
 _BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
     "spans": SpanBatch, "samples": SampleBatch}
 
@@ -41,6 +44,7 @@ class Ingester:
         self.ingested = 0
         self.samples = 0
         self.rejected = 0
+        self._send: anyio.abc.ObjectSendStream[_Decoded] | None = None
 
     async def run(self) -> None:
         sub = await self.bus.js.pull_subscribe(
@@ -48,17 +52,40 @@ class Ingester:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s,
                                   deliver_policy=DeliverPolicy.ALL,
                                   max_ack_pending=20_000))
-        while True:
+        # Fetch and decode the next messages while the previous ones are inserted.
+        send, receive = anyio.create_memory_object_stream[_Decoded](1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._writer, receive)
+            self._send = send
             try:
-                msgs = await sub.fetch(self.fetch_batch, timeout=self.fetch_timeout)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            await self._store(msgs)
+                while True:
+                    try:
+                        msgs = await sub.fetch(self.fetch_batch, timeout=self.fetch_timeout)
+                    except (nats.errors.TimeoutError, TimeoutError):
+                        continue
+                    await self._store(msgs)
+            finally:
+                self._send = None
+                send.close()
+
+    async def _writer(self, receive: anyio.abc.ObjectReceiveStream[_Decoded]) -> None:
+        async with receive:
+            async for decoded in receive:
+                await self._write(decoded)
 
     async def _store(self, msgs: list[Msg]) -> None:
+        """Decode one fetch; hand it to the writer (inside run) or write it now."""
+        decoded = self._decode(msgs)
+        if self._send is not None:
+            await self._send.send(decoded)
+        else:
+            await self._write(decoded)
+
+    def _decode(self, msgs: list[Msg]) -> _Decoded:
         spans: dict[str, list[Any]] = {c: [] for c in SPAN_COLUMNS}
         samples: dict[str, list[Any]] = {c: [] for c in SAMPLE_COLUMNS}
-        good, bad = [], []
+        good: list[Msg] = []
+        bad: list[Msg] = []
         for msg in msgs:
             try:
                 batch = _decode(msg.data)
@@ -70,6 +97,10 @@ class Ingester:
             else:
                 _extend(samples, batch, _SAMPLE_FIELDS)
             good.append(msg)
+        return spans, samples, good, bad
+
+    async def _write(self, decoded: _Decoded) -> None:
+        spans, samples, good, bad = decoded
         if spans["span_id"]:
             await anyio.to_thread.run_sync(
                 self.db.insert, "spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)

@@ -7,6 +7,7 @@ import json
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -171,15 +172,19 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
                                  "attrs": [""] * per})
                     await bus.js.publish(names.traces(eval_id), codec.encode_model(batch),
                                          headers={"Nats-Msg-Id": batch.batch_id})
+                    await anyio.sleep(0.05)
 
-        anyio.run(publish, 0, 40, backend="asyncio")
+        # The publisher keeps going through the kill and the restart.
+        publisher = threading.Thread(
+            target=lambda: anyio.run(publish, 0, batches, backend="asyncio"))
+        publisher.start()
         deadline = time.monotonic() + 30
         while wait_count(settings, "spans", eval_id, 1, timeout=0) == 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         server.send_signal(signal.SIGKILL)  # mid-stream: some batches stored, others not
         server.wait(10)
-        anyio.run(publish, 40, batches, backend="asyncio")  # nobody ingests these yet
+        publishing_at_kill = int(publisher.is_alive())
         server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
         anyio.run(wait_server, settings)
         total = per * batches
@@ -187,7 +192,9 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
         time.sleep(1.0)  # anything redelivered late would show now
         rows = sql(settings, "SELECT count(), uniqExact(span_id), min(span_id), max(span_id) "
                    "FROM spans FINAL WHERE evaluation_id = {e:String}", e=eval_id)
+        publisher.join(30)
         assert rows == [[total, total, 1, total]]
+        assert publishing_at_kill  # the kill really happened while spans were flowing
     finally:
         if server.poll() is None:
             server.terminate()
