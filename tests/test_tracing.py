@@ -133,3 +133,11 @@ def test_pytorch_cuda_kernels_hang_under_their_op(zoo_dir: Path) -> None:
     per_query = Counter(r["query_index"] for r in kernels)
     assert len(set(per_query.values())) == 1, per_query
     model.predictor.close()
+
+
+def test_a_failing_profiler_leaves_the_query_alone(zoo_dir: Path, tmp_path: Path) -> None:
+    model = open_model(zoo_dir, "digits_cnn", "onnxruntime")
+    _, so, providers = model.predictor.profile_args  # type: ignore[attr-defined]
+    model.predictor.profile_args = (str(tmp_path / "gone.onnx"), so, providers)  # type: ignore[attr-defined]
+    rows = run_queries(model, TraceLevel.FRAMEWORK, 2)  # replies are ok (checked inside)
+    assert Counter(r["kind"] for r in rows) == {"query": 2, "step": 6}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -64,7 +63,11 @@ class OrtCapture(Capture):
         self._session: ort.InferenceSession | None = None
 
     def __enter__(self) -> Capture:
-        self._session = self.prof.session()
+        try:
+            self._session = self.prof.session()
+        except Exception as exc:  # ORT's own error types: profile nothing, predict anyway
+            log.warning("onnxruntime profiling session failed, no layer spans: %s", exc)
+            return super().__enter__()
         self._saved = self.prof.predictor.session
         self.prof.predictor.session = self._session
         return super().__enter__()
@@ -72,16 +75,19 @@ class OrtCapture(Capture):
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
         super().__exit__(et, ev, tb)
-        self.prof.predictor.session = self._saved
         session, self._session = self._session, None
         if session is None:
             return
+        self.prof.predictor.session = self._saved
         wall_minus_mono = time.time_ns() - time.perf_counter_ns()
         path = session.end_profiling()
         try:
             raw = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable onnxruntime profile %s: %s", path, exc)
+            return
         finally:
-            os.unlink(path)
+            Path(path).unlink(missing_ok=True)
         base = session.get_profiling_start_time_ns() - wall_minus_mono
         self.events = node_events(raw, base_ns=base, device=self.prof.device)
 

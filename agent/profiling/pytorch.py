@@ -58,7 +58,10 @@ class TorchCapture(Capture):
         super().__exit__(et, ev, tb)
         self._profile.__exit__(et, ev, tb)  # type: ignore[no-untyped-call]
         if et is None:
-            self.events = self._collect()
+            try:
+                self.events = self._collect()
+            except Exception as exc:  # a profiler result this code does not understand
+                log.warning("torch.profiler result unreadable, no layer spans: %s", exc)
 
     def _collect(self) -> list[LayerEvent]:
         events: list[FunctionEvent] = list(self._profile.events())  # type: ignore[no-untyped-call]

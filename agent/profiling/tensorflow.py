@@ -62,7 +62,14 @@ class TfCapture(Capture):
     def __enter__(self) -> Capture:
         _one_session.acquire()
         self._dir = tempfile.mkdtemp(prefix="mlscope-tfprof-")
-        tf.profiler.experimental.start(self._dir)
+        try:
+            tf.profiler.experimental.start(self._dir)
+        except Exception as exc:  # e.g. a profiler session someone else started
+            log.warning("tensorflow profiler did not start, no layer spans: %s", exc)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            _one_session.release()
+            self._dir = ""
+            return super().__enter__()
         self._trace = tf.profiler.experimental.Trace(MARK)
         super().__enter__()
         self._trace.__enter__()
@@ -70,6 +77,9 @@ class TfCapture(Capture):
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if not self._dir:  # the profiler never started
+            super().__exit__(et, ev, tb)
+            return
         try:
             self._trace.__exit__(et, ev, tb)
             super().__exit__(et, ev, tb)
@@ -77,13 +87,20 @@ class TfCapture(Capture):
             if et is None:
                 files = sorted(Path(self._dir).rglob("*.xplane.pb"))
                 if files:
-                    space = _xplane_pb2().XSpace()
-                    space.ParseFromString(files[-1].read_bytes())
-                    self.events = xspace_events(space, mark_ns=self.start_ns,
-                                                device=self.prof.device)
+                    self.events = _read(files[-1], self.start_ns, self.prof.device)
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
             _one_session.release()
+
+
+def _read(path: Path, mark_ns: int, device: str) -> list[LayerEvent]:
+    try:
+        space = _xplane_pb2().XSpace()
+        space.ParseFromString(path.read_bytes())
+    except Exception as exc:  # protobuf's DecodeError, a missing module: no spans
+        log.warning("unreadable tensorflow profile %s: %s", path, exc)
+        return []
+    return xspace_events(space, mark_ns=mark_ns, device=device)
 
 
 def xspace_events(space: Any, *, mark_ns: int, device: str) -> list[LayerEvent]:
