@@ -67,6 +67,10 @@ async def ingest_rate(settings: Settings, db: Database, total: int, batch: int,
     async with busmod.connect(settings, name="bench", provision=True) as bus:
         t0 = time.perf_counter()
         acks = []
+        limit = int(bus.nc.max_payload) - 4096
+        while batch > 1 and len(codec.encode_model(make_batch(eval_id, 1, batch,
+                                                              layer_share))) > limit:
+            batch //= 2  # what the tracer does: a message never exceeds the max payload
         for first in range(0, total, batch):
             b = make_batch(eval_id, first + 1, min(batch, total - first), layer_share)
             acks.append(await bus.js.publish_async(
@@ -87,6 +91,7 @@ async def ingest_rate(settings: Settings, db: Database, total: int, batch: int,
     n = db.rows("SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}",
                 {"e": eval_id})[0][0]
     assert n == total, (n, total)
+    print(f"  (batches of {batch} spans)")
     return total / elapsed, pub_rate
 
 
@@ -142,7 +147,7 @@ def main() -> None:
     ap.add_argument("--spans", type=int, default=1_000_000)
     ap.add_argument("--batch", type=int, default=5000)
     ap.add_argument("--layer-share", type=float, default=0.0)
-    ap.add_argument("--queries", type=int, default=60)
+    ap.add_argument("--queries", type=int, default=60, help="0: ingest only")
     ap.add_argument("--zoo", type=Path, default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -156,6 +161,8 @@ def main() -> None:
                   f"({args.spans:,} spans, batches of {args.batch}, layer share "
                   f"{args.layer_share}); publish {pub:,.0f} spans/s")
             db.close()
+        if args.queries == 0:
+            return
         zoo = args.zoo or Path(tmp) / "zoo"
         build(zoo, only=["efficientnet_lite0"], log=lambda _m: None)
         o = overhead(zoo, args.queries)

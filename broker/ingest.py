@@ -30,6 +30,8 @@ __all__ = ["Ingester"]
 _SPAN_FIELDS = ("span_id", "parent_id", "query_index", "level", "kind", "name", "start_ns",
                 "end_ns", "attrs")
 _SAMPLE_FIELDS = ("ts_ns", "metric", "device", "value")
+FETCH_BYTES = 16 * 1024 * 1024
+"""Bytes asked for per fetch: well under nats-py's 256 MiB pending limit per subscription."""
 _Decoded = tuple[dict[str, list[Any]], dict[str, list[Any]], list[Msg], list[Msg]]
 """(span columns, sample columns, messages to ack, messages to terminate)."""
 _BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
@@ -38,7 +40,7 @@ _BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
 
 class Ingester:
     def __init__(self, bus: Bus, db: Database, *, fetch_batch: int = 512,
-                 fetch_timeout: float = 0.25, ack_wait_s: float = 30.0) -> None:
+                 fetch_timeout: float = 1.0, ack_wait_s: float = 30.0) -> None:
         self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
         self.ingested = 0
@@ -58,11 +60,19 @@ class Ingester:
             tg.start_soon(self._writer, receive)
             self._send = send
             try:
+                avg = float(1 << 20)  # bytes per message, running estimate (start: max)
                 while True:
+                    # Messages of one fetch land in the client's pending buffer at once;
+                    # past its byte limit nats-py drops them (slow consumer) and they
+                    # come back only after ack_wait. So a fetch asks for FETCH_BYTES.
+                    n = max(1, min(self.fetch_batch, int(FETCH_BYTES / avg)))
                     try:
-                        msgs = await sub.fetch(self.fetch_batch, timeout=self.fetch_timeout)
+                        msgs = await sub.fetch(n, timeout=self.fetch_timeout)
                     except (nats.errors.TimeoutError, TimeoutError):
                         continue
+                    if not msgs:
+                        continue
+                    avg = 0.5 * avg + 0.5 * sum(len(m.data) for m in msgs) / len(msgs)
                     await self._store(msgs)
             finally:
                 self._send = None

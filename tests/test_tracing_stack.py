@@ -147,9 +147,26 @@ def test_system_level_samples_and_agent_history(tstack: Settings) -> None:
     model = run_job(tstack, "digits_cnn", "model", 3)  # below system: no samples
     assert wait_count(tstack, "spans", model.evaluation_id, 12) == 12
     assert wait_count(tstack, "system_samples", model.evaluation_id, 1, timeout=1) == 0
-    history = sql(tstack, "SELECT event, count() FROM agent_history FINAL "
-                  "WHERE agent_id = {a:String} GROUP BY event", a=summary.agent_id)
-    assert dict((r[0], r[1]) for r in history).get("registered") == 1
+    # The server records the agents' bucket: an agent that starts, beats and leaves.
+    assert int(sql(tstack, "SELECT count() FROM agent_history FINAL "
+                   "WHERE agent_id = {a:String}", a=summary.agent_id)[0][0]) >= 1
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "tflite",
+                              "--agent-id", "passing-by"], env=child_env(tstack))
+    try:
+        anyio.run(wait_agents, tstack, 2)
+        time.sleep(2.5)  # a heartbeat or two
+    finally:
+        agent.terminate()
+        agent.wait(20)
+    deadline = time.monotonic() + 15
+    while True:
+        events = [r[0] for r in sql(tstack, "SELECT event FROM agent_history FINAL "
+                                    "WHERE agent_id = 'passing-by' ORDER BY revision")]
+        if events[-1:] == ["removed"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert events[0] == "registered" and events[-1] == "removed", events
+    assert "heartbeat" in events
 
 
 def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> None:
