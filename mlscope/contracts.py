@@ -261,8 +261,9 @@ class SpanBatch(_Message):
     """Many spans in one message, column by column (one list per field, same length).
 
     Columns: span_id, parent_id, query_index, level, kind, name, start_ns, end_ns,
-    attrs (JSON text). Times are the agent's monotonic clock in ns; ``clock_offset_ns``
-    is added by the ingester when the server measured one.
+    attrs (JSON text). Times are the agent's monotonic clock in ns and are stored so;
+    readers put them on the load generator's clock with the evaluation's stored
+    ``clock_offset_ns`` (``mlscope trace`` does).
     """
 
     kind: Literal["spans"] = "spans"

@@ -109,6 +109,7 @@ def test_framework_trace_of_efficientnet_has_every_node_under_predict(
     for key, value in tstack.as_env().items():
         monkeypatch.setenv(key, value)
     assert mlscope_main(["trace", eval_id, "-o", str(out)]) == 0
+    assert mlscope_main(["trace", "ev-nosuchthing", "-o", str(tmp_path / "x.json")]) == 1
     doc = json.loads(out.read_text())
     events = doc["traceEvents"]
     predicts = {e["args"]["span_id"]: e for e in events

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -41,6 +43,7 @@ class OrtProfiler:
         self.predictor, self.model_path = predictor, model_path
         self.options, self.providers = options, providers
         self.dir = Path(tempfile.mkdtemp(prefix="mlscope-ortprof-"))
+        weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.options.enable_profiling = True
         self.options.profile_file_prefix = str(self.dir / "run")
         self.device = str(getattr(predictor, "device", "cpu"))
