@@ -115,7 +115,7 @@ class ModelWorker:
             x = m.pre[0](job.inputs)
             t_pred = now()
             if level >= TraceLevel.FRAMEWORK:  # layer spans from the framework's profiler
-                with profiling.capture(m.predictor) as cap:
+                with profiling.capture(m.predictor, full=level >= TraceLevel.FULL) as cap:
                     out = m.predictor.predict([x])
             else:
                 cap = profiling.NULL

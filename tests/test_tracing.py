@@ -48,6 +48,20 @@ def test_levels_filter_spans(zoo_dir: Path, framework: str) -> None:
     model.predictor.close()
 
 
+def test_full_level_adds_pytorch_ops_under_their_layer(zoo_dir: Path) -> None:
+    model = open_model(zoo_dir, "digits_cnn", "pytorch")
+    for _ in range(3):
+        model.warmup()
+    framework = run_queries(model, TraceLevel.FRAMEWORK, 2)
+    full = run_queries(model, TraceLevel.FULL, 2)
+    assert not [r for r in framework if r["kind"] == "op"]
+    layers = check_tree(full)  # ops under layers, inside them
+    ops = Counter(r["query_index"] for r in full if r["kind"] == "op")
+    assert set(ops) == {0, 1} and len(set(ops.values())) == 1
+    assert layers == check_tree(framework)  # the same layers at both levels
+    model.predictor.close()
+
+
 def test_onnxruntime_every_executed_node_is_a_layer_span(effnet_zoo: Path,
                                                           tmp_path: Path) -> None:
     model = open_model(effnet_zoo, "efficientnet_lite0", "onnxruntime")

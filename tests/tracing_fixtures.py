@@ -74,6 +74,9 @@ def check_tree(rows: list[dict[str, Any]]) -> Counter[int]:
             assert parent["start_ns"] <= r["start_ns"] <= r["end_ns"] <= parent["end_ns"]
             assert r["level"] == TraceLevel.FRAMEWORK
             layers[r["query_index"]] += 1
-        elif r["kind"] == "kernel":
-            assert by_id[r["parent_id"]]["kind"] == "layer", r
+        elif r["kind"] in ("kernel", "op"):
+            parent = by_id[r["parent_id"]]
+            assert parent["kind"] == "layer", r
+            if r["kind"] == "op":  # an op runs on the host inside the layer that called it
+                assert parent["start_ns"] <= r["start_ns"] <= r["end_ns"] <= parent["end_ns"]
     return layers

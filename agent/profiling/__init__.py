@@ -14,7 +14,7 @@ tflite         nothing: LiteRT's Python interpreter exposes no per-op timing
 
 Use (in the inference thread, only when the query's level is ``framework`` or more)::
 
-    with profiling.capture(predictor) as cap:
+    with profiling.capture(predictor, full=level >= FULL) as cap:
         out = predictor.predict(inputs)
     ...
     cap.emit(spans, parent=predict_span_id, query_index=index)
@@ -61,7 +61,11 @@ def profiler_for(predictor: Any) -> FrameworkProfiler | None:
         return prof
 
 
-def capture(predictor: Any) -> Capture:
-    """A context manager around one predict call that collects its layer spans."""
+def capture(predictor: Any, *, full: bool = False) -> Capture:
+    """A context manager around one predict call that collects its layer spans.
+
+    ``full`` (trace level ``full``) also keeps what a profiler sees below a layer
+    (PyTorch: the ops each layer op calls, as ``kind="op"`` spans under it).
+    """
     prof = profiler_for(predictor)
-    return NULL if prof is None else prof.capture()
+    return NULL if prof is None else prof.capture(full=full)

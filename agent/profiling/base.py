@@ -70,12 +70,13 @@ NULL = NullCapture()
 
 
 class FrameworkProfiler(Protocol):
-    def capture(self) -> Capture: ...
+    def capture(self, *, full: bool = False) -> Capture: ...
 
 
 def emit_events(spans: SpanBuffer, events: list[LayerEvent], *, parent: int, query_index: int,
                 window: tuple[int, int] | None = None) -> int:
-    """Layer spans under ``parent``, kernels under their layer; times clamped to ``window``.
+    """Layer spans under ``parent``, kernels and ops under their layer; times clamped to
+    ``window``.
 
     Clamping keeps a child inside its predict span when two clocks disagree by a few
     microseconds (a profiler's timestamps converted to the agent's clock).
@@ -90,7 +91,7 @@ def emit_events(spans: SpanBuffer, events: list[LayerEvent], *, parent: int, que
         attrs: dict[str, Any] = {"op_type": e.op_type, "shape": e.shape, "device": e.device}
         attrs.update(e.extra)
         owner = parent
-        if e.kind == "kernel" and e.layer is not None and e.layer in ids:
+        if e.kind in ("kernel", "op") and e.layer is not None and e.layer in ids:
             owner = ids[e.layer]
         ids[pos] = spans.add(parent=owner, query_index=query_index, level=TraceLevel.FRAMEWORK,
                              kind=e.kind, name=e.name, start_ns=start, end_ns=end, attrs=attrs)

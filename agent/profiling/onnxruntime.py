@@ -48,7 +48,7 @@ class OrtProfiler:
         self.options.profile_file_prefix = str(self.dir / "run")
         self.device = str(getattr(predictor, "device", "cpu"))
 
-    def capture(self) -> Capture:
+    def capture(self, *, full: bool = False) -> Capture:
         return OrtCapture(self)
 
     def session(self) -> ort.InferenceSession:

@@ -34,14 +34,14 @@ class TorchProfiler:
         self.device = device
         self.cuda = device.startswith("cuda")
 
-    def capture(self) -> Capture:
-        return TorchCapture(self)
+    def capture(self, *, full: bool = False) -> Capture:
+        return TorchCapture(self, full=full)
 
 
 class TorchCapture(Capture):
-    def __init__(self, prof: TorchProfiler) -> None:
+    def __init__(self, prof: TorchProfiler, *, full: bool = False) -> None:
         super().__init__()
-        self.prof = prof
+        self.prof, self.full = prof, full
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prof.cuda else [])
         self._profile = profile(activities=acts, record_shapes=True)
         self._mark = record_function(MARK)
@@ -78,6 +78,8 @@ class TorchCapture(Capture):
                           shape={"inputs": list(e.input_shapes or [])}, device=self.prof.device,
                           extra={"seq": i})
                for i, e in enumerate(layers)]
+        if self.full:
+            out += _nested_ops(events, layers, shift, self.prof.device)
         if self.prof.cuda:
             out += _kernels(self._profile, layers, shift)
         return out
@@ -96,6 +98,27 @@ def _is_layer(e: FunctionEvent) -> bool:
             return False
         parent = parent.cpu_parent
     return True
+
+
+def _nested_ops(events: list[FunctionEvent], layers: list[FunctionEvent], shift: int,
+                device: str) -> list[LayerEvent]:
+    """At level full: every op a layer op calls, as an ``op`` span under that layer."""
+    index = {id(e): i for i, e in enumerate(layers)}
+    out = []
+    for e in events:
+        if not _is_op(e) or id(e) in index:
+            continue
+        top = e.cpu_parent
+        while top is not None and id(top) not in index:
+            top = top.cpu_parent
+        if top is None:
+            continue
+        out.append(LayerEvent(name=e.name, op_type=e.name, kind="op",
+                              start_ns=shift + int(e.time_range.start * 1000),
+                              end_ns=shift + int(e.time_range.end * 1000),
+                              shape={"inputs": list(e.input_shapes or [])}, device=device,
+                              layer=index[id(top)]))
+    return out
 
 
 def _kernels(prof: Any, layers: list[FunctionEvent], shift: int) -> list[LayerEvent]:

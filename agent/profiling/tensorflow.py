@@ -48,7 +48,7 @@ class TfProfiler:
     def __init__(self, device: str) -> None:
         self.device = device
 
-    def capture(self) -> Capture:
+    def capture(self, *, full: bool = False) -> Capture:
         return TfCapture(self)
 
 
