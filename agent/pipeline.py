@@ -39,7 +39,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from agent import profiling
 from agent.operators import Pipeline
+from agent.profiling import NULL, Capture
 from agent.tracer import SpanBuffer
 from mlscope.contracts import QueryReply, TraceLevel
 from mlscope.errors import InferenceError, InputMismatchError, MLScopeError
@@ -113,6 +115,8 @@ class _Outcome:
     t_predict_end: int = 0
     t_post_end: int = 0
     batch: int = 0
+    capture: Capture = NULL
+    """Framework-level profile of the predict call (empty below level framework)."""
 
 
 class Executor:
@@ -278,8 +282,9 @@ class Executor:
         m = self.model
         try:
             x = slots[0].x if len(slots) == 1 else np.concatenate([s.x for s in slots])
+            level = max(s.job.level for s in slots)
             t_pred = now()
-            out = self._predict(x)
+            out, cap = self._predict(x, level)
             t_post = now()
             result = m.post(out[0])
             t_end = now()
@@ -301,11 +306,17 @@ class Executor:
         for s, part, raw in zip(slots, parts, raws, strict=True):
             outcomes[s.seq] = _Outcome(result=part, raw=raw if s.job.raw else None,
                                        t_predict=t_pred, t_predict_end=t_post,
-                                       t_post_end=t_end, batch=total)
+                                       t_post_end=t_end, batch=total, capture=cap)
 
-    def _predict(self, x: np.ndarray) -> list[np.ndarray]:
-        """The one call site of ``predictor.predict`` (framework profiling hooks here)."""
-        return self.model.predictor.predict([x])
+    def _predict(self, x: np.ndarray, level: TraceLevel) -> tuple[list[np.ndarray], Capture]:
+        """The one call site of ``predictor.predict``; at level framework or more, under
+        the framework's own profiler (its layer spans go under each query's predict)."""
+        predictor = self.model.predictor
+        if level < TraceLevel.FRAMEWORK:
+            return predictor.predict([x]), NULL
+        with profiling.capture(predictor, full=level >= TraceLevel.FULL) as cap:
+            out = predictor.predict([x])
+        return out, cap
 
     # ------------------------------------------------------------------ replies
 
@@ -343,5 +354,7 @@ def emit_spans(job: Job, t_pre: int, t_pre_end: int, out: _Outcome) -> None:
     for name, a, b in (("preprocess", t_pre, t_pre_end),
                        ("predict", out.t_predict, out.t_predict_end),
                        ("postprocess", out.t_predict_end, out.t_post_end)):
-        spans.add(parent=root, query_index=job.index, level=TraceLevel.MODEL, kind="step",
-                  name=name, start_ns=a, end_ns=b)
+        sid = spans.add(parent=root, query_index=job.index, level=TraceLevel.MODEL,
+                        kind="step", name=name, start_ns=a, end_ns=b)
+        if name == "predict" and job.level >= TraceLevel.FRAMEWORK and out.capture.events:
+            out.capture.emit(spans, parent=sid, query_index=job.index, window=(a, b))

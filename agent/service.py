@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 import mlscope
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import probe
+from agent.sysmon import Sampler
 from agent.tracer import Tracer
 from agent.worker import LoadedModel
 from mlscope import bus as busmod
@@ -58,6 +59,8 @@ class AgentConfig:
     batch_wait_us: int = 500
     """Dynamic batching: how long a partial batch waits for more queries."""
     heartbeat_s: float = busmod.HEARTBEAT_S
+    sample_s: float = 0.1
+    """System-sampler interval for evaluations traced at level ``system`` or more."""
 
 
 @dataclass
@@ -103,6 +106,7 @@ class Agent:
             self.bus = bus
             self.loop = asyncio.get_running_loop()
             self.tracer = Tracer(bus, agent_id=self.agent_id, host=str(self._facts["host"]))
+            self.sampler = Sampler(interval_s=self.config.sample_s)
             self.remote = ManifestWatcher(bus, on_change=self._models_changed)
             self._changing = anyio.Lock()
             subs: list[Any] = []
@@ -117,6 +121,7 @@ class Agent:
                     task_status.started()
             finally:
                 with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self.sampler.close)
                     await self._withdraw(bus, [*subs, *self.capability_subs.values()])
 
     def _servable(self) -> list[tuple[Entry, Any]]:
@@ -213,7 +218,9 @@ class Agent:
             elif op == "prepare":
                 await msg.respond(codec.encode(await self._prepare(req)))
             elif op == "release":
-                session = self.sessions.pop(str(req.get("evaluation_id")), None)
+                eval_id = str(req.get("evaluation_id"))
+                session = self.sessions.pop(eval_id, None)
+                await anyio.to_thread.run_sync(self.sampler.unwatch, eval_id)
                 unloaded = False
                 if session is not None and req.get("unload"):
                     unloaded = await self._unload(session.key)
@@ -256,6 +263,8 @@ class Agent:
         worker.max_batch = int(req.get("max_batch", batch))
         level = TraceLevel.parse(req.get("trace_level", "model"))
         self.sessions[eval_id] = Session(worker, level, key)
+        if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
+            self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
         return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
                 "sha256": entry.manifest.assets.sha256, "t_agent": now()}
 

@@ -17,12 +17,13 @@ import anyio
 
 from mlscope import codec, names
 from mlscope.bus import Bus
-from mlscope.contracts import SpanBatch, TraceLevel, new_id
+from mlscope.contracts import SampleBatch, SpanBatch, TraceLevel, new_id
 
-__all__ = ["SpanBuffer", "Tracer"]
+__all__ = ["SAMPLE_COLUMNS", "SampleBuffer", "SpanBuffer", "Tracer"]
 
 COLUMNS = ("span_id", "parent_id", "query_index", "level", "kind", "name",
            "start_ns", "end_ns", "attrs")
+SAMPLE_COLUMNS = ("ts_ns", "metric", "device", "value")
 
 
 @dataclass
@@ -54,6 +55,31 @@ class SpanBuffer:
         return out
 
 
+@dataclass
+class SampleBuffer:
+    """System samples of one evaluation not yet published (thread-safe)."""
+
+    columns: dict[str, list[Any]] = field(
+        default_factory=lambda: {c: [] for c in SAMPLE_COLUMNS})
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, ts_ns: int, metric: str, device: str, value: float) -> None:
+        with self.lock:
+            c = self.columns
+            c["ts_ns"].append(ts_ns)
+            c["metric"].append(metric)
+            c["device"].append(device)
+            c["value"].append(value)
+
+    def __len__(self) -> int:
+        return len(self.columns["ts_ns"])
+
+    def take(self) -> dict[str, list[Any]]:
+        with self.lock:
+            out, self.columns = self.columns, {c: [] for c in SAMPLE_COLUMNS}
+        return out
+
+
 class Tracer:
     """Buffers spans per evaluation and publishes them in batches."""
 
@@ -62,8 +88,10 @@ class Tracer:
         self.bus, self.agent_id, self.host = bus, agent_id, host
         self.flush_s, self.max_spans = flush_s, max_spans
         self.buffers: dict[str, SpanBuffer] = {}
+        self.sample_buffers: dict[str, SampleBuffer] = {}
         self._wake = anyio.Event()
         self.published = 0
+        self.samples_published = 0
 
     def buffer(self, evaluation_id: str) -> SpanBuffer:
         buf = self.buffers.get(evaluation_id)
@@ -71,6 +99,12 @@ class Tracer:
             buf = self.buffers[evaluation_id] = SpanBuffer()
         if len(buf) >= self.max_spans:
             self._wake.set()
+        return buf
+
+    def samples(self, evaluation_id: str) -> SampleBuffer:
+        buf = self.sample_buffers.get(evaluation_id)
+        if buf is None:
+            buf = self.sample_buffers[evaluation_id] = SampleBuffer()
         return buf
 
     async def run(self) -> None:
@@ -87,10 +121,28 @@ class Tracer:
 
     async def flush(self) -> None:
         for eval_id, buf in list(self.buffers.items()):
-            if not len(buf):
-                continue
-            batch = SpanBatch(evaluation_id=eval_id, agent_id=self.agent_id, host=self.host,
-                              batch_id=new_id("sb"), columns=buf.take())
-            await self.bus.js.publish(names.traces(eval_id), codec.encode_model(batch),
-                                      headers={"Nats-Msg-Id": batch.batch_id})
-            self.published += len(batch)
+            if len(buf):
+                self.published += await self._publish(SpanBatch, eval_id, buf.take())
+        for eval_id, sbuf in list(self.sample_buffers.items()):
+            if len(sbuf):
+                self.samples_published += await self._publish(SampleBatch, eval_id, sbuf.take())
+
+    async def _publish(self, cls: type[SpanBatch] | type[SampleBatch], eval_id: str,
+                       columns: dict[str, list[Any]]) -> int:
+        """Publish one batch, halved until each message fits the server's max payload."""
+        batch = cls(evaluation_id=eval_id, agent_id=self.agent_id, host=self.host,
+                    batch_id=new_id("sb" if cls is SpanBatch else "ss"), columns=columns)
+        data = codec.encode_model(batch)
+        n = len(batch)
+        if len(data) > self.max_bytes() and n > 1:
+            half = n // 2
+            return (await self._publish(cls, eval_id, {k: v[:half] for k, v in columns.items()})
+                    + await self._publish(cls, eval_id,
+                                          {k: v[half:] for k, v in columns.items()}))
+        await self.bus.js.publish(names.traces(eval_id), data,
+                                  headers={"Nats-Msg-Id": batch.batch_id})
+        return n
+
+    def max_bytes(self) -> int:
+        """The largest message to publish: the server's max payload less headroom."""
+        return int(getattr(self.bus.nc, "max_payload", 1 << 20)) - 4096

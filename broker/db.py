@@ -19,7 +19,7 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from mlscope.errors import DatabaseError
 
-__all__ = ["MIGRATIONS", "Database"]
+__all__ = ["AGENT_HISTORY_COLUMNS", "MIGRATIONS", "SAMPLE_COLUMNS", "SPAN_COLUMNS", "Database"]
 
 MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (1, "evaluations, queries, spans", (
@@ -44,13 +44,43 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             batch_id String
         ) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, agent_id, span_id)""",
     )),
+    # Sorting keys are each table's natural key (ReplacingMergeTree dedups on it, so a
+    # redelivered batch never shows twice) with the evaluation first: every analysis
+    # query filters on one evaluation. No partitions on the ingested tables: a
+    # ReplacingMergeTree dedups only within a partition, and a time partition could
+    # split a batch from its redelivery. ``ingested_at`` carries the retention TTL
+    # (Database.set_retention).
+    (2, "system_samples, agent_history, span indexes, retention column", (
+        """CREATE TABLE IF NOT EXISTS system_samples (
+            evaluation_id String, agent_id String, host LowCardinality(String),
+            ts_ns Int64, metric LowCardinality(String), device LowCardinality(String),
+            value Float64, batch_id String, ingested_at DateTime DEFAULT now()
+        ) ENGINE = ReplacingMergeTree
+        ORDER BY (evaluation_id, agent_id, metric, device, ts_ns)""",
+        """CREATE TABLE IF NOT EXISTS agent_history (
+            agent_id String, revision UInt64, at DateTime64(3),
+            event LowCardinality(String), host String, pid UInt32,
+            frameworks String, models UInt32, description String
+        ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(at)
+        ORDER BY (agent_id, revision)""",
+        "ALTER TABLE spans ADD COLUMN IF NOT EXISTS ingested_at DateTime DEFAULT now()",
+        "ALTER TABLE spans ADD INDEX IF NOT EXISTS kind_idx kind TYPE set(16) GRANULARITY 4",
+        "ALTER TABLE spans ADD INDEX IF NOT EXISTS query_idx query_index TYPE minmax "
+        "GRANULARITY 4",
+    )),
 )
+RETAINED = (("spans", "ingested_at"), ("system_samples", "ingested_at"),
+            ("agent_history", "toDateTime(at)"))
 
 SPAN_COLUMNS = ("evaluation_id", "agent_id", "span_id", "parent_id", "query_index", "level",
                 "kind", "name", "start_ns", "end_ns", "host", "attrs", "batch_id")
 QUERY_COLUMNS = ("evaluation_id", "query_index", "batch_size", "scheduled_ns", "issued_ns",
                  "completed_ns", "agent_received_ns", "predict_start_ns", "predict_end_ns",
                  "agent_replied_ns", "ok", "error", "label", "prediction")
+SAMPLE_COLUMNS = ("evaluation_id", "agent_id", "host", "ts_ns", "metric", "device", "value",
+                  "batch_id")
+AGENT_HISTORY_COLUMNS = ("agent_id", "revision", "at", "event", "host", "pid", "frameworks",
+                         "models", "description")
 EVALUATION_COLUMNS = ("evaluation_id", "job_id", "rerun_of", "created_at", "model",
                       "model_version", "framework", "framework_version", "agent_id", "host",
                       "device", "scenario", "trace_level", "status", "valid", "t0_ns",
@@ -89,6 +119,24 @@ class Database:
                 self.command(sql)
             self.insert("schema_migrations", [[version], [name]], ("version", "name"))
         return max(v for v, _, _ in MIGRATIONS)
+
+    def set_retention(self, days: int | None) -> None:
+        """Keep traces, samples and agent history ``days`` days (None or 0: forever).
+
+        Evaluations and queries are never expired: they are the results.
+        """
+        for table, column in RETAINED:
+            if days:
+                self.command(f"ALTER TABLE {table} MODIFY TTL {column} + "
+                             f"INTERVAL {int(days)} DAY")
+            elif self._has_ttl(table):
+                self.command(f"ALTER TABLE {table} REMOVE TTL")
+
+    def _has_ttl(self, table: str) -> bool:
+        rows = self.rows("SELECT create_table_query FROM system.tables "
+                         "WHERE database = currentDatabase() AND name = {t:String}",
+                         {"t": table})
+        return bool(rows) and " TTL " in str(rows[0][0])
 
     def insert(self, table: str, columns: Sequence[Sequence[Any]],
                names: Sequence[str]) -> None:

@@ -1,35 +1,53 @@
-"""The trace ingester: JetStream span batches -> columnar inserts into ``spans``.
+"""The trace ingester: JetStream span and sample batches -> columnar inserts.
 
-A durable pull consumer survives ingester restarts: spans published while it is down
-wait in the stream. Messages are acknowledged only after their rows are inserted, so
-a crash between insert and ack redelivers them; the table's ReplacingMergeTree key
-(evaluation_id, agent_id, span_id) and FINAL reads make that redelivery invisible.
+A durable pull consumer survives ingester restarts: batches published while it is
+down wait in the stream. Messages are acknowledged only after their rows are
+inserted, so a crash between insert and ack redelivers them; each table's
+ReplacingMergeTree key ((evaluation_id, agent_id, span_id) for spans, (evaluation_id,
+agent_id, metric, device, ts_ns) for samples) and FINAL reads make that redelivery
+invisible. One fetch of up to ``fetch_batch`` messages becomes one insert per table,
+column by column (no per-span Python objects beyond the decoded lists).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
+import anyio.abc
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from broker import loadgen
-from broker.db import SPAN_COLUMNS, Database
+from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
 from mlscope import codec, names
 from mlscope.bus import Bus
-from mlscope.contracts import SpanBatch
+from mlscope.contracts import SampleBatch, SpanBatch
 from mlscope.errors import WireError
 
 __all__ = ["Ingester"]
 
+_SPAN_FIELDS = ("span_id", "parent_id", "query_index", "level", "kind", "name", "start_ns",
+                "end_ns", "attrs")
+_SAMPLE_FIELDS = ("ts_ns", "metric", "device", "value")
+FETCH_BYTES = 16 * 1024 * 1024
+"""Bytes asked for per fetch: well under nats-py's 256 MiB pending limit per subscription."""
+_Decoded = tuple[dict[str, list[Any]], dict[str, list[Any]], list[Msg], list[Msg]]
+"""(span columns, sample columns, messages to ack, messages to terminate)."""
+_BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
+    "spans": SpanBatch, "samples": SampleBatch}
+
 
 class Ingester:
     def __init__(self, bus: Bus, db: Database, *, fetch_batch: int = 512,
-                 fetch_timeout: float = 0.25, ack_wait_s: float = 30.0) -> None:
+                 fetch_timeout: float = 1.0, ack_wait_s: float = 30.0) -> None:
         self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
         self.ingested = 0
+        self.samples = 0
         self.rejected = 0
+        self._send: anyio.abc.ObjectSendStream[_Decoded] | None = None
 
     async def run(self) -> None:
         sub = await self.bus.js.pull_subscribe(
@@ -37,38 +55,101 @@ class Ingester:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s,
                                   deliver_policy=DeliverPolicy.ALL,
                                   max_ack_pending=20_000))
-        while True:
-            await loadgen.wait_idle()  # during a load run spans wait in the stream
+        # Fetch and decode the next messages while the previous ones are inserted.
+        send, receive = anyio.create_memory_object_stream[_Decoded](1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._writer, receive)
+            self._send = send
             try:
-                msgs = await sub.fetch(self.fetch_batch, timeout=self.fetch_timeout)
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            await self._store(msgs)
+                avg = float(1 << 20)  # bytes per message, running estimate (start: max)
+                while True:
+                    await loadgen.wait_idle()  # during a load run spans wait in the stream
+                    # Messages of one fetch land in the client's pending buffer at once;
+                    # past its byte limit nats-py drops them (slow consumer) and they
+                    # come back only after ack_wait. So a fetch asks for FETCH_BYTES.
+                    n = max(1, min(self.fetch_batch, int(FETCH_BYTES / avg)))
+                    try:
+                        msgs = await sub.fetch(n, timeout=self.fetch_timeout)
+                    except (nats.errors.TimeoutError, TimeoutError):
+                        continue
+                    if not msgs:
+                        continue
+                    avg = 0.5 * avg + 0.5 * sum(len(m.data) for m in msgs) / len(msgs)
+                    await self._store(msgs)
+            finally:
+                self._send = None
+                send.close()
+
+    async def _writer(self, receive: anyio.abc.ObjectReceiveStream[_Decoded]) -> None:
+        async with receive:
+            async for decoded in receive:
+                await self._write(decoded)
 
     async def _store(self, msgs: list[Msg]) -> None:
-        cols: dict[str, list[object]] = {c: [] for c in SPAN_COLUMNS}
-        good, bad = [], []
+        """Decode one fetch; hand it to the writer (inside run) or write it now."""
+        decoded = self._decode(msgs)
+        if self._send is not None:
+            await self._send.send(decoded)
+        else:
+            await self._write(decoded)
+
+    def _decode(self, msgs: list[Msg]) -> _Decoded:
+        spans: dict[str, list[Any]] = {c: [] for c in SPAN_COLUMNS}
+        samples: dict[str, list[Any]] = {c: [] for c in SAMPLE_COLUMNS}
+        good: list[Msg] = []
+        bad: list[Msg] = []
         for msg in msgs:
             try:
-                batch = codec.decode_model(SpanBatch, msg.data)
+                batch = _decode(msg.data)
             except WireError:
                 bad.append(msg)
                 continue
-            n = len(batch)
-            for col in ("span_id", "parent_id", "query_index", "level", "kind", "name",
-                        "start_ns", "end_ns", "attrs"):
-                cols[col].extend(batch.columns[col])
-            for col, value in (("evaluation_id", batch.evaluation_id),
-                               ("agent_id", batch.agent_id), ("host", batch.host),
-                               ("batch_id", batch.batch_id)):
-                cols[col].extend([value] * n)
+            if isinstance(batch, SpanBatch):
+                _extend(spans, batch, _SPAN_FIELDS)
+            else:
+                _extend(samples, batch, _SAMPLE_FIELDS)
             good.append(msg)
-        if cols["span_id"]:
+        return spans, samples, good, bad
+
+    async def _write(self, decoded: _Decoded) -> None:
+        spans, samples, good, bad = decoded
+        if spans["span_id"]:
             await anyio.to_thread.run_sync(
-                self.db.insert, "spans", [cols[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)
-            self.ingested += len(cols["span_id"])
+                self.db.insert, "spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)
+            self.ingested += len(spans["span_id"])
+        if samples["ts_ns"]:
+            await anyio.to_thread.run_sync(
+                self.db.insert, "system_samples", [samples[c] for c in SAMPLE_COLUMNS],
+                SAMPLE_COLUMNS)
+            self.samples += len(samples["ts_ns"])
         for msg in good:
             await msg.ack()
         for msg in bad:  # a message that can never decode must not block the stream
             self.rejected += 1
             await msg.term()
+
+
+def _decode(data: bytes) -> SpanBatch | SampleBatch:
+    raw = codec.decode(data)
+    cls = _BATCHES.get(raw.get("kind", "")) if isinstance(raw, dict) else None
+    if cls is None:
+        raise WireError("not a span or sample batch")
+    try:
+        batch = cls.model_validate(raw)
+    except ValueError as exc:  # pydantic's ValidationError is a ValueError
+        raise WireError(f"invalid {cls.__name__}: {exc}") from exc
+    fields = _SPAN_FIELDS if cls is SpanBatch else _SAMPLE_FIELDS
+    n = len(batch)
+    if any(len(batch.columns.get(f, ())) != n for f in fields):
+        raise WireError(f"{cls.__name__} {batch.batch_id}: missing or ragged columns")
+    return batch
+
+
+def _extend(cols: dict[str, list[Any]], batch: SpanBatch | SampleBatch,
+            fields: tuple[str, ...]) -> None:
+    n = len(batch)
+    for f in fields:
+        cols[f].extend(batch.columns[f])
+    for f, value in (("evaluation_id", batch.evaluation_id), ("agent_id", batch.agent_id),
+                     ("host", batch.host), ("batch_id", batch.batch_id)):
+        cols[f].extend([value] * n)

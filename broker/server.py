@@ -23,6 +23,7 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from broker.agent_history import AgentHistory
 from broker.db import Database
 from broker.evaluate import Evaluator, resolve
 from broker.ingest import Ingester
@@ -53,6 +54,7 @@ class Server:
         self.catalog = Catalog.load(default_manifest_dirs(self.settings.manifests_dir))
         self.db = Database(self.settings.dsn)
         self.db.migrate()
+        self.db.set_retention(self.settings.trace_retention_days)
         try:
             async with busmod.connect(self.settings, name=f"server {self.server_id}",
                                       provision=True) as bus:
@@ -69,6 +71,7 @@ class Server:
                 async with anyio.create_task_group() as tg:
                     await tg.start(self.remote.run)
                     tg.start_soon(self.ingester.run)
+                    tg.start_soon(AgentHistory(bus, self.db).run)
                     tg.start_soon(self._take_jobs, jobs, tg)
                     task_status.started()
                 for sub in subs:

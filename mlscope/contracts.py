@@ -28,6 +28,7 @@ __all__ = [
     "ModelOffer",
     "Query",
     "QueryReply",
+    "SampleBatch",
     "ScenarioSpec",
     "SpanBatch",
     "TraceLevel",
@@ -304,11 +305,33 @@ class SpanBatch(_Message):
     """Many spans in one message, column by column (one list per field, same length).
 
     Columns: span_id, parent_id, query_index, level, kind, name, start_ns, end_ns,
-    attrs (JSON text). Times are the agent's monotonic clock in ns; ``clock_offset_ns``
-    is added by the ingester when the server measured one.
+    attrs (JSON text). Times are the agent's monotonic clock in ns and are stored so;
+    readers put them on the load generator's clock with the evaluation's stored
+    ``clock_offset_ns`` (``mlscope trace`` does).
     """
 
     kind: Literal["spans"] = "spans"
+    evaluation_id: str
+    agent_id: str
+    host: str
+    batch_id: str
+    columns: dict[str, list[Any]]
+
+    def __len__(self) -> int:
+        first = next(iter(self.columns.values()), [])
+        return len(first)
+
+
+class SampleBatch(_Message):
+    """System samples of one evaluation, column by column (trace level ``system``+).
+
+    Columns: ts_ns (agent monotonic clock, like spans), metric (``cpu.util``,
+    ``proc.rss_bytes``, ``gpu.power_w``, ``perf.cycles`` ...), device (``all``,
+    ``cpu3``, ``proc``, ``gpu0``), value (float). Published on the same stream as
+    spans; the ingester stores them in ``system_samples``.
+    """
+
+    kind: Literal["samples"] = "samples"
     evaluation_id: str
     agent_id: str
     host: str

@@ -30,6 +30,9 @@ class Settings:
     """NATS credentials file (``MLSCOPE_NATS_CREDS``)."""
     manifests_dir: Path | None = None
     """Extra trusted manifest directory (``MLSCOPE_MANIFESTS``)."""
+    trace_retention_days: int | None = None
+    """Days spans, system samples and agent history are kept
+    (``MLSCOPE_TRACE_RETENTION_DAYS``); None: forever."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -43,6 +46,8 @@ class Settings:
             clickhouse_dsn=env.get("MLSCOPE_CLICKHOUSE_DSN") or None,
             nats_creds=Path(creds).expanduser() if creds else None,
             manifests_dir=Path(manifests).expanduser() if manifests else None,
+            trace_retention_days=int(env["MLSCOPE_TRACE_RETENTION_DAYS"])
+            if env.get("MLSCOPE_TRACE_RETENTION_DAYS") else None,
         )
 
     def with_(self, **changes: object) -> Settings:
@@ -70,4 +75,6 @@ class Settings:
             env["MLSCOPE_NATS_CREDS"] = str(self.nats_creds)
         if self.manifests_dir:
             env["MLSCOPE_MANIFESTS"] = str(self.manifests_dir)
+        if self.trace_retention_days:
+            env["MLSCOPE_TRACE_RETENTION_DAYS"] = str(self.trace_retention_days)
         return env

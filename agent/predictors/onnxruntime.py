@@ -83,6 +83,7 @@ class OnnxRuntimePredictor:
 
     def __init__(self, session: ort.InferenceSession, manifest: ModelManifest, device: str):
         self.session: ort.InferenceSession | None = session
+        self.profile_args: tuple[str, ort.SessionOptions, list[Any]] | None = None
         self.device = device
         self.model = manifest.name
         # Old model-zoo graphs (IR < 4) list weights as inputs too: feed only real inputs.
@@ -118,16 +119,7 @@ class OnnxRuntimePredictor:
 
 def open(model_path: Path, manifest: ModelManifest,
          options: PredictorOptions) -> OnnxRuntimePredictor:
-    rt = options.runtime
-    so = ort.SessionOptions()
-    intra = options.threads or rt.get("intra_op_threads")
-    if intra:
-        so.intra_op_num_threads = int(intra)
-    so.inter_op_num_threads = int(rt.get("inter_op_threads", 1))
-    so.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if rt.get("execution_mode") == "parallel"
-                         else ort.ExecutionMode.ORT_SEQUENTIAL)
-    so.graph_optimization_level = _OPT_LEVELS[str(rt.get("graph_optimization_level", "all"))]
-    so.log_severity_level = 3
+    so = _session_options(options)
     if options.profile:
         so.enable_profiling = True
     kind = options.device.split(":")[0]
@@ -143,7 +135,25 @@ def open(model_path: Path, manifest: ModelManifest,
             f"onnxruntime could not start {wanted} on {options.device} "
             f"(it fell back to {session.get_providers()})",
             model=manifest.name, framework=FRAMEWORK, device=options.device)
-    return OnnxRuntimePredictor(session, manifest, options.device if kind != "cpu" else "cpu")
+    pred = OnnxRuntimePredictor(session, manifest, options.device if kind != "cpu" else "cpu")
+    # What agent.profiling.onnxruntime needs to open a profiling twin of this session.
+    pred.profile_args = (str(model_path), _session_options(options), providers)
+    return pred
+
+
+def _session_options(options: PredictorOptions) -> ort.SessionOptions:
+    """Fresh SessionOptions equal to the predictor's (ORT options cannot be copied)."""
+    rt = options.runtime
+    so = ort.SessionOptions()
+    intra = options.threads or rt.get("intra_op_threads")
+    if intra:
+        so.intra_op_num_threads = int(intra)
+    so.inter_op_num_threads = int(rt.get("inter_op_threads", 1))
+    so.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if rt.get("execution_mode") == "parallel"
+                         else ort.ExecutionMode.ORT_SEQUENTIAL)
+    so.graph_optimization_level = _OPT_LEVELS[str(rt.get("graph_optimization_level", "all"))]
+    so.log_severity_level = 3
+    return so
 
 
 def _providers(options: PredictorOptions,

@@ -1,0 +1,194 @@
+"""System-level sampling on the agent (trace level ``system`` and above).
+
+One sampler thread per agent, running only while at least one evaluation at level
+``system`` or more is prepared. Every ``interval_s`` it reads, with psutil:
+
+- ``cpu.util`` per core (device ``cpuN``) and overall (``all``), percent;
+- ``cpu.freq_mhz`` per core where the kernel reports frequencies;
+- ``proc.rss_bytes``, ``proc.threads``, ``proc.cpu`` (percent, may exceed 100)
+  for the agent process;
+- ``gpu.util``, ``gpu.mem_used_bytes``, ``gpu.power_w``, ``gpu.sm_clock_mhz`` per
+  GPU through NVML, when ``pynvml`` imports and finds a driver (else silently none);
+
+and, when Linux ``perf`` is installed and allowed (``perf_event_paranoid``), a
+``perf stat -I`` child on the agent process adds ``perf.<event>`` counters
+(task-clock, context switches, user cycles and instructions) at the same interval.
+
+Samples carry the agent's monotonic clock, like spans, and go into a
+:class:`~agent.tracer.SampleBuffer` of every watched evaluation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+__all__ = ["PERF_EVENTS", "Sampler"]
+
+log = logging.getLogger(__name__)
+now = time.perf_counter_ns
+PERF_EVENTS = ("task-clock", "context-switches", "cycles:u", "instructions:u")
+
+Sink = Callable[[int, str, str, float], None]
+
+
+class Sampler:
+    """Samples the machine and this process into the sinks of watched evaluations."""
+
+    def __init__(self, *, interval_s: float = 0.1, perf: bool = True) -> None:
+        self.interval_s = interval_s
+        self.use_perf = perf
+        self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._perf: subprocess.Popen[str] | None = None
+        self._proc = psutil.Process(os.getpid())
+        self._nvml: Any = None
+        self.samples = 0
+
+    # ------------------------------------------------------------------ control
+
+    def watch(self, key: str, sink: Sink) -> None:
+        with self._lock:
+            self._sinks[key] = sink
+            if self._thread is None:
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name="sysmon", daemon=True)
+                self._thread.start()
+
+    def unwatch(self, key: str) -> None:
+        with self._lock:
+            self._sinks.pop(key, None)
+            thread = self._thread if not self._sinks else None
+            if thread is not None:
+                self._thread = None
+                self._stop.set()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    def close(self) -> None:
+        with self._lock:
+            keys = list(self._sinks)
+        for key in keys:
+            self.unwatch(key)
+
+    # ------------------------------------------------------------------ sampling
+
+    def _emit(self, ts: int, metric: str, device: str, value: float) -> None:
+        with self._lock:
+            sinks = list(self._sinks.values())
+        for sink in sinks:
+            sink(ts, metric, device, float(value))
+        self.samples += 1
+
+    def _run(self) -> None:
+        self._nvml = _open_nvml()
+        perf = self._start_perf() if self.use_perf else None
+        psutil.cpu_percent(percpu=True)  # the first call only sets the baseline
+        self._proc.cpu_percent()
+        try:
+            while not self._stop.wait(self.interval_s):
+                self.sample_once()
+        finally:
+            if perf is not None:
+                perf.terminate()
+                try:
+                    perf.wait(5)
+                except subprocess.TimeoutExpired:
+                    perf.kill()
+            if self._nvml is not None:
+                self._nvml.nvmlShutdown()
+
+    def sample_once(self) -> None:
+        ts = now()
+        per_core = psutil.cpu_percent(percpu=True)
+        for i, v in enumerate(per_core):
+            self._emit(ts, "cpu.util", f"cpu{i}", v)
+        if per_core:
+            self._emit(ts, "cpu.util", "all", sum(per_core) / len(per_core))
+        try:
+            freqs = psutil.cpu_freq(percpu=True) or []
+        except (OSError, NotImplementedError):
+            freqs = []
+        for i, f in enumerate(freqs):
+            self._emit(ts, "cpu.freq_mhz", f"cpu{i}", f.current)
+        with self._proc.oneshot():
+            self._emit(ts, "proc.rss_bytes", "proc", self._proc.memory_info().rss)
+            self._emit(ts, "proc.threads", "proc", self._proc.num_threads())
+            self._emit(ts, "proc.cpu", "proc", self._proc.cpu_percent())
+        if self._nvml is not None:
+            self._sample_gpus(ts)
+
+    def _sample_gpus(self, ts: int) -> None:
+        nv = self._nvml
+        try:
+            for i in range(nv.nvmlDeviceGetCount()):
+                h = nv.nvmlDeviceGetHandleByIndex(i)
+                dev = f"gpu{i}"
+                self._emit(ts, "gpu.util", dev, nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                self._emit(ts, "gpu.mem_used_bytes", dev, nv.nvmlDeviceGetMemoryInfo(h).used)
+                self._emit(ts, "gpu.power_w", dev, nv.nvmlDeviceGetPowerUsage(h) / 1000.0)
+                self._emit(ts, "gpu.sm_clock_mhz", dev,
+                           nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+        except Exception as exc:  # NVML errors are their own class tree; stop asking
+            log.warning("NVML sampling failed, GPU samples stop: %s", exc)
+            self._nvml = None
+
+    # ------------------------------------------------------------------ perf stat
+
+    def _start_perf(self) -> subprocess.Popen[str] | None:
+        exe = shutil.which("perf")
+        if exe is None:
+            log.info("perf not installed: no hardware counters")
+            return None
+        ms = max(10, int(self.interval_s * 1000))
+        cmd = [exe, "stat", "-x", ",", "-I", str(ms), "-e", ",".join(PERF_EVENTS),
+               "-p", str(os.getpid())]
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True)
+        except OSError as exc:
+            log.info("perf stat did not start: %s", exc)
+            return None
+        threading.Thread(target=self._read_perf, args=(proc,), name="sysmon-perf",
+                         daemon=True).start()
+        return proc
+
+    def _read_perf(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            parsed = parse_perf_line(line)
+            if parsed is not None:
+                self._emit(now(), f"perf.{parsed[0]}", "proc", parsed[1])
+
+
+def parse_perf_line(line: str) -> tuple[str, float] | None:
+    """``time,value,unit,event,...`` (``perf stat -x, -I``) -> (event, value)."""
+    parts = line.strip().split(",")
+    if len(parts) < 4:
+        return None
+    try:
+        value = float(parts[1])
+    except ValueError:  # "<not supported>", "<not counted>", a header or an error text
+        return None
+    event = parts[3].split(":")[0]
+    return (event, value) if event else None
+
+
+def _open_nvml() -> Any:
+    try:
+        import pynvml  # type: ignore[import-not-found, unused-ignore]
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # not installed, no driver, no GPU: no GPU samples
+        return None

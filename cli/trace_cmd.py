@@ -1,0 +1,154 @@
+"""``mlscope trace EVAL_ID -o trace.json``: one evaluation as a Chrome trace / Perfetto JSON.
+
+Everything is read through the server's SQL responder (``mlscope.db.sql``): with
+chDB only the server process may open the database. Rows come in pages so that a
+framework-level run with millions of spans never needs one huge bus message.
+
+One timeline, the load generator's: zero is the evaluation's ``t0_ns``, and agent
+times (spans, system samples) are shifted by the evaluation's stored clock offset
+(``agent clock - load-generator clock``, estimated over the bus before the run).
+
+Layout (``ph`` is the Chrome trace event phase):
+
+- process "load generator": one async slice per query, issued -> completed;
+- one process per agent: thread "queries" holds async query slices (received ->
+  done, which overlap when queries queue), thread "worker" the nested complete
+  events preprocess / predict / postprocess and, inside predict, the framework's
+  layer spans; thread "device" the kernel spans; system samples are counters.
+
+Every event's ``args`` keep span_id, parent_id, query_index, level and the span's
+attributes, so a consumer can rebuild the exact tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.bus import Bus
+from mlscope.errors import DatabaseError
+from mlscope.settings import Settings
+
+__all__ = ["chrome_trace", "export", "fetch", "register"]
+
+PAGE = 1_000  # rows per request: a page of layer spans stays well under 1 MB
+LOADGEN_PID = 1
+TID_QUERIES, TID_WORKER, TID_DEVICE = 1, 2, 3
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("trace", help="export an evaluation's timeline as Chrome trace JSON")
+    p.add_argument("evaluation_id")
+    p.add_argument("-o", "--output", type=Path, default=None,
+                   help="output file (default: EVAL_ID.trace.json)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.output or Path(f"{args.evaluation_id}.trace.json")
+    doc = anyio.run(export, args.settings, args.evaluation_id, backend="asyncio")
+    out.write_text(json.dumps(doc))
+    print(f"{out}: {len(doc['traceEvents'])} events "
+          f"(open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
+    return 0
+
+
+async def export(settings: Settings, evaluation_id: str) -> dict[str, Any]:
+    async with busmod.connect(settings, name="mlscope trace") as bus:
+        return chrome_trace(*(await fetch(bus, evaluation_id)))
+
+
+async def _rows(bus: Bus, sql: str, eval_id: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    while True:
+        cols, rows = await remote.sql(bus, f"{sql} LIMIT {PAGE} OFFSET {len(out)}",
+                                      {"e": eval_id})
+        out.extend(dict(zip(cols, r, strict=True)) for r in rows)
+        if len(rows) < PAGE:
+            return out
+
+
+async def fetch(bus: Bus, eval_id: str) -> tuple[dict[str, Any], list[dict[str, Any]],
+                                                 list[dict[str, Any]], list[dict[str, Any]]]:
+    """(evaluation, queries, spans, samples) rows of one evaluation."""
+    ev = await _rows(bus, "SELECT evaluation_id, model, framework, agent_id, host, t0_ns, "
+                     "clock_offset_ns, trace_level FROM evaluations FINAL "
+                     "WHERE evaluation_id = {e:String}", eval_id)
+    if not ev:
+        raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
+    queries = await _rows(bus, "SELECT query_index, scheduled_ns, issued_ns, completed_ns, ok "
+                          "FROM queries FINAL WHERE evaluation_id = {e:String} "
+                          "ORDER BY query_index", eval_id)
+    spans = await _rows(bus, "SELECT agent_id, host, span_id, parent_id, query_index, level, "
+                        "kind, name, start_ns, end_ns, attrs FROM spans FINAL "
+                        "WHERE evaluation_id = {e:String} ORDER BY agent_id, span_id", eval_id)
+    samples = await _rows(bus, "SELECT agent_id, ts_ns, metric, device, value "
+                          "FROM system_samples FINAL WHERE evaluation_id = {e:String} "
+                          "ORDER BY agent_id, metric, device, ts_ns", eval_id)
+    return ev[0], queries, spans, samples
+
+
+def chrome_trace(ev: dict[str, Any], queries: list[dict[str, Any]], spans: list[dict[str, Any]],
+                 samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Chrome trace document (``traceEvents``, times in µs from t0)."""
+    base = int(ev["t0_ns"]) + int(ev["clock_offset_ns"])  # agent clock -> timeline zero
+    events: list[dict[str, Any]] = [_meta(LOADGEN_PID, None, "load generator")]
+    for q in queries:
+        if not q["completed_ns"]:
+            continue
+        common = {"cat": "loadgen", "name": f"query {q['query_index']}", "pid": LOADGEN_PID,
+                  "tid": TID_QUERIES, "id": int(q["query_index"])}
+        events.append({**common, "ph": "b", "ts": int(q["issued_ns"]) / 1000,
+                       "args": {"scheduled_us": int(q["scheduled_ns"]) / 1000,
+                                "ok": bool(q["ok"])}})
+        events.append({**common, "ph": "e", "ts": int(q["completed_ns"]) / 1000})
+    pids: dict[str, int] = {}
+
+    def pid_of(agent: str, host: str) -> int:
+        if agent not in pids:
+            pids[agent] = pid = LOADGEN_PID + 1 + len(pids)
+            events.append(_meta(pid, None, f"agent {agent} ({host})"))
+            for tid, name in ((TID_QUERIES, "queries"), (TID_WORKER, "worker"),
+                              (TID_DEVICE, "device")):
+                events.append(_meta(pid, tid, name))
+        return pids[agent]
+
+    for s in spans:
+        pid = pid_of(str(s["agent_id"]), str(s["host"]))
+        start = (int(s["start_ns"]) - base) / 1000
+        args: dict[str, Any] = {"span_id": int(s["span_id"]), "parent_id": int(s["parent_id"]),
+                                "query_index": int(s["query_index"]), "level": int(s["level"])}
+        if s["attrs"]:
+            args["attrs"] = json.loads(s["attrs"])
+        if s["kind"] == "query":
+            common = {"cat": "query", "name": str(s["name"]), "pid": pid, "tid": TID_QUERIES,
+                      "id": f"{s['agent_id']}:{s['span_id']}"}
+            events.append({**common, "ph": "b", "ts": start, "args": args})
+            events.append({**common, "ph": "e", "ts": (int(s["end_ns"]) - base) / 1000})
+            continue
+        events.append({"ph": "X", "cat": str(s["kind"]), "name": str(s["name"]), "pid": pid,
+                       "tid": TID_DEVICE if s["kind"] == "kernel" else TID_WORKER, "ts": start,
+                       "dur": (int(s["end_ns"]) - int(s["start_ns"])) / 1000, "args": args})
+    for r in samples:
+        pid = pid_of(str(r["agent_id"]), "")
+        events.append({"ph": "C", "name": str(r["metric"]), "pid": pid,
+                       "ts": (int(r["ts_ns"]) - base) / 1000,
+                       "args": {str(r["device"]): float(r["value"])}})
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "metadata": {"evaluation_id": ev["evaluation_id"], "model": ev["model"],
+                         "framework": ev["framework"], "trace_level": ev["trace_level"],
+                         "clock_offset_ns": int(ev["clock_offset_ns"]),
+                         "t0_ns": int(ev["t0_ns"])}}
+
+
+def _meta(pid: int, tid: int | None, name: str) -> dict[str, Any]:
+    if tid is None:
+        return {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
+    return {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
