@@ -162,14 +162,16 @@ class Executor:
     def inflight(self) -> int:
         return self._inflight
 
-    def stop(self) -> None:
-        """Answer what was admitted, stop the threads and close the predictor."""
+    def stop(self, *, close: bool = True) -> None:
+        """Answer what was admitted, stop the threads and (unless told not to, for a
+        model that is reused) close the predictor."""
         self._ready.put(None)
         for _ in range(self.config.pre_workers):
             self._work.put(None)
         for t in self._threads:
             t.join(timeout=10)
-        self.model.predictor.close()
+        if close:
+            self.model.predictor.close()
 
     # ------------------------------------------------------------------ pre-processing
 

@@ -52,8 +52,7 @@ def run_queries(model: LoadedModel, level: TraceLevel, n: int,
             reply = replies.get(timeout=60)
             assert reply.ok, reply.error
     finally:
-        worker.queue.put(None)
-        worker.thread.join(timeout=10)
+        worker.stop(close=False)  # the model is reused by the next call
     cols = buf.take()
     return [dict(zip(COLUMNS, row, strict=True)) for row in zip(*(cols[c] for c in COLUMNS),
                                                                  strict=True)]
