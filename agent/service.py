@@ -229,6 +229,12 @@ class Agent:
                 raise WireError(f"unknown control op {op!r}")
         except MLScopeError as exc:
             await msg.respond(busmod.error_reply(exc))
+        except (KeyError, TypeError, ValueError) as exc:  # a malformed request
+            await msg.respond(busmod.error_reply(WireError(
+                f"malformed control request: {type(exc).__name__}: {exc}")))
+        except Exception as exc:  # never leave the caller waiting out its timeout
+            await msg.respond(busmod.error_reply(EvaluationError(
+                f"agent {self.agent_id} failed: {type(exc).__name__}: {exc}")))
 
     async def _prepare(self, req: dict[str, Any]) -> dict[str, Any]:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""

@@ -40,10 +40,6 @@ __all__ = ["OUTPUT_COLUMNS", "DatasetRun", "binary_auc", "dataset_pass", "decode
 
 REPLY_TIMEOUT_S = 60.0
 MAX_QUERY_BYTES = 800_000
-OUTPUTS_TABLE = """CREATE TABLE IF NOT EXISTS outputs (
-    evaluation_id String, sample UInt32, label Int64, prediction Int64,
-    kind LowCardinality(String), shape String, raw String
-) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, sample)"""
 OUTPUT_COLUMNS = ("evaluation_id", "sample", "label", "prediction", "kind", "shape", "raw")
 
 
@@ -170,7 +166,6 @@ def binary_auc(scores: np.ndarray, labels: np.ndarray) -> float:
 
 def store_outputs(db: Database, evaluation_id: str, run: DatasetRun) -> None:
     """Keep the per-sample outputs of a data-set pass (for comparisons across runs)."""
-    db.command(OUTPUTS_TABLE)
     rank = _ranking(run)
     shape = ",".join(str(d) for d in run.raw.shape[1:])
     raws = [base64.b64encode(np.ascontiguousarray(r, np.float32).tobytes()).decode()

@@ -68,6 +68,12 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         "ALTER TABLE spans ADD INDEX IF NOT EXISTS query_idx query_index TYPE minmax "
         "GRANULARITY 4",
     )),
+    (3, "outputs (per-sample outputs of accuracy passes, for divergence)", (
+        """CREATE TABLE IF NOT EXISTS outputs (
+            evaluation_id String, sample UInt32, label Int64, prediction Int64,
+            kind LowCardinality(String), shape String, raw String
+        ) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, sample)""",
+    )),
 )
 RETAINED = (("spans", "ingested_at"), ("system_samples", "ingested_at"),
             ("agent_history", "toDateTime(at)"))

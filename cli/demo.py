@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--qps", type=float, default=200.0)
-    p.add_argument("--duration", type=float, default=5.0)
+    p.add_argument("--duration", type=float, default=10.0,
+                   help="seconds per run (10 s is the shortest VALID run by default)")
     p.add_argument("--batch-size", type=int, default=32)
     p.set_defaults(func=run)
 

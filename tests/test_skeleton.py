@@ -209,3 +209,23 @@ def test_rerun_reproduces_the_stored_specification(stack: Settings) -> None:
         assert b[key] == a[key], key
     assert b["agent"]["frameworks"] == a["agent"]["frameworks"]
     assert second.scenario == first.scenario and second.queries == first.queries
+
+
+def test_malformed_control_requests_get_a_typed_error_reply(stack: Settings) -> None:
+    from mlscope import codec, names
+    from mlscope.bus import request
+    from mlscope.errors import WireError
+
+    async def go() -> None:
+        async with busmod.connect(stack, name="test") as bus:
+            agent = (await list_agents(bus))[0]
+            subject = names.agent_ctl(agent.agent_id)
+            for bad in ({"op": "prepare"}, {"op": "prepare", "evaluation_id": "e",
+                                            "model": "digits_cnn", "model_version": "1.0.0",
+                                            "batch_size": "many"}, [1, 2]):
+                with pytest.raises(WireError):
+                    await request(bus, subject, codec.encode(bad), timeout=10)
+            pong = await request(bus, subject, codec.encode({"op": "ping"}), timeout=10)
+            assert "t_agent" in pong  # still serving
+
+    anyio.run(go, backend="asyncio")
