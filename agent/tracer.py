@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from mlscope import codec, names
-from mlscope.bus import Bus
+from mlscope.bus import Bus, publish_persistent
 from mlscope.contracts import SpanBatch, TraceLevel, new_id
 
 __all__ = ["SpanBuffer", "Tracer"]
@@ -91,6 +91,6 @@ class Tracer:
                 continue
             batch = SpanBatch(evaluation_id=eval_id, agent_id=self.agent_id, host=self.host,
                               batch_id=new_id("sb"), columns=buf.take())
-            await self.bus.js.publish(names.traces(eval_id), codec.encode_model(batch),
-                                      headers={"Nats-Msg-Id": batch.batch_id})
+            await publish_persistent(self.bus, names.traces(eval_id),
+                                     codec.encode_model(batch), msg_id=batch.batch_id)
             self.published += len(batch)
