@@ -12,7 +12,7 @@ What each role may do (everything else is denied by the server):
 * server: the whole ``mlscope.>`` namespace, the JetStream API and every bucket.
 * submitter: publish jobs, ask the server's database responders, read the registry
   buckets, hear its jobs' events.
-* agent: serve its capability and agent subjects, answer requests (responses only),
+* agent: serve its capability and agent subjects, answer requests (inboxes),
   publish span batches, write registry keys, read stream information.
 * edge: like an agent, but only its own agent subjects and its own registry key,
   and no path to submit jobs or read results.
@@ -80,11 +80,12 @@ def permissions(role: Role, *, edge_id: str = "edge-1") -> dict[str, Any]:
         key = f"$KV.{names.AGENTS_BUCKET}.*" if role == "agent" \
             else f"$KV.{names.AGENTS_BUCKET}.{own}"
         return {
-            "publish": {"allow": [names.traces_wildcard(), key, "$JS.API.INFO",
+            # Replies go to the requesters' inboxes. (allow_responses alone lost
+            # replies under load: the server's response-permission tracking is bounded.)
+            "publish": {"allow": [INBOX, names.traces_wildcard(), key, "$JS.API.INFO",
                                   "$JS.API.STREAM.INFO.*", *_kv_read(names.MODELS_BUCKET)],
                         "deny": [names.JOBS_SUBJECT, db]},
             "subscribe": {"allow": [INBOX, f"{P}.cap.>", *agent_subjects]},
-            "allow_responses": True,
         }
     raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
 
