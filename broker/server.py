@@ -39,6 +39,7 @@ __all__ = ["Server"]
 
 JOB_ACK_WAIT_S = 15.0
 MAX_PARALLEL_JOBS = 4
+DB_QUEUE = "mlscope-servers"
 READ_ONLY = ("select", "with", "show", "describe", "desc", "exists")
 
 
@@ -58,8 +59,12 @@ class Server:
                 self.bus = bus
                 self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir)
                 self.ingester = Ingester(bus, self.db)
-                subs = [await bus.nc.subscribe(names.SQL_SUBJECT, cb=self._on_sql),
-                        await bus.nc.subscribe(names.EVALUATION_SUBJECT, cb=self._on_eval)]
+                # Replicas share the database requests (a queue group): with a shared
+                # ClickHouse server any of them answers; jobs come from one work queue.
+                subs = [await bus.nc.subscribe(names.SQL_SUBJECT, queue=DB_QUEUE,
+                                               cb=self._on_sql),
+                        await bus.nc.subscribe(names.EVALUATION_SUBJECT, queue=DB_QUEUE,
+                                               cb=self._on_eval)]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
                     config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
