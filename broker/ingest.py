@@ -41,6 +41,9 @@ class Ingester:
                 msgs = await sub.fetch(self.fetch_batch, timeout=self.fetch_timeout)
             except (nats.errors.TimeoutError, TimeoutError):
                 continue
+            except nats.errors.Error:
+                await anyio.sleep(0.5)  # cluster failover: the consumer's leader moves
+                continue
             await self._store(msgs)
 
     async def _store(self, msgs: list[Msg]) -> None:

@@ -89,6 +89,10 @@ class Server:
             except (nats.errors.TimeoutError, TimeoutError):
                 slots.release()
                 continue
+            except nats.errors.Error:
+                slots.release()  # cluster failover: the consumer's leader moves
+                await anyio.sleep(0.5)
+                continue
             tg.start_soon(self._job, msgs[0], slots)
 
     async def _job(self, msg: Msg, slots: anyio.Semaphore) -> None:

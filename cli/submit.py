@@ -60,9 +60,11 @@ async def submit(settings: Settings, job: JobRequest, *, on_event: object = None
     async with busmod.connect(settings, name="mlscope-submit") as bus:
         sub = await bus.nc.subscribe(names.job_events(job.job_id))
         try:
-            await bus.js.publish(names.JOBS_SUBJECT, codec.encode_model(job),
-                                 stream=names.JOBS_STREAM)
-        except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+            # Retried with the job id as message id: a cluster leader election or a
+            # reconnect does not lose the job, and a retry is not a second job.
+            await busmod.publish_persistent(bus, names.JOBS_SUBJECT, codec.encode_model(job),
+                                            msg_id=job.job_id, attempts=4)
+        except BusError as exc:
             raise BusError("the job stream does not exist: is an mlscope server running? "
                            "(`mlscope up` or `mlscope server`)") from exc
         accepted = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import nats.js.errors
@@ -23,15 +24,20 @@ async def list_agents(bus: Bus, *, include_stale: bool = False) -> list[AgentDes
     except nats.js.errors.NoKeysError:
         return []
     out = []
-    for key in keys:
+
+    async def get(key: str) -> bytes | None:
         try:
-            entry = await kv.get(key)
+            return (await kv.get(key)).value
         except nats.js.errors.KeyNotFoundError:
-            continue  # expired between keys() and get()
-        if not entry.value:
+            return None  # expired between keys() and get()
+
+    # All gets in flight at once: with 32 agents one round trip, not 32.
+    values = await asyncio.gather(*(get(k) for k in keys))
+    for value in values:
+        if not value:
             continue
         try:
-            desc = codec.decode_model(AgentDescription, entry.value)
+            desc = codec.decode_model(AgentDescription, value)
         except WireError:
             continue  # a foreign or older entry: not an agent we can use
         if include_stale or time.time() - desc.heartbeat_at <= AGENT_TTL_S:

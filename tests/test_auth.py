@@ -100,7 +100,7 @@ def test_no_credentials_no_connection(secured: NatsServer) -> None:
                                 max_reconnect_attempts=0)
         await nc.close()
 
-    with pytest.raises(nats.errors.Error, match="(?i)authori"):
+    with pytest.raises(nats.errors.Error, match=r"(?i)authori"):
         anyio.run(main, backend="asyncio")
 
 
