@@ -39,6 +39,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-level", default="model",
                    choices=["none", "model", "framework", "system", "full"])
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
+    p.add_argument("--all-agents", action="store_true",
+                   help="one evaluation on every live agent that serves the model; "
+                        "prints one comparison table")
+    p.add_argument("--any-framework", action="store_true",
+                   help="with --all-agents: agents of every framework offering the model")
     return p
 
 
@@ -130,6 +135,8 @@ def format_summary(s: EvaluationSummary) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     settings = Settings.from_env()
+    if args.all_agents:
+        return _main_all_agents(args, settings)
     try:
         job = make_job(args)
         show = None if args.json or not sys.stderr.isatty() else _progress
@@ -147,6 +154,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_summary(summary))
     return 0
+
+
+def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
+    from cli.all_agents import comparison_table, submit_all
+
+    try:
+        job = make_job(args)
+        results = anyio.run(lambda: submit_all(settings, job, any_framework=args.any_framework),
+                            backend="asyncio")
+    except MLScopeError as exc:
+        print(f"mlscope-submit: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json", by_alias=True)
+                          if isinstance(r, EvaluationSummary) else {"error": r.to_wire()}
+                          for r in results]))
+    else:
+        print(comparison_table(results))
+    return 0 if all(isinstance(r, EvaluationSummary) for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -5,19 +5,34 @@ from __future__ import annotations
 import asyncio
 import time
 
+import nats.errors
 import nats.js.errors
 
 from mlscope import codec, names
 from mlscope.bus import AGENT_TTL_S, Bus
 from mlscope.contracts import AgentDescription
-from mlscope.errors import WireError
+from mlscope.errors import BusError, WireError
 
 __all__ = ["list_agents"]
 
 
-async def list_agents(bus: Bus, *, include_stale: bool = False) -> list[AgentDescription]:
+async def list_agents(bus: Bus, *, include_stale: bool = False,
+                      attempts: int = 5) -> list[AgentDescription]:
     """Live agents, sorted by id. Entries whose heartbeat is older than the TTL are
-    left out even before the bucket expires them (a frozen agent is not live)."""
+    left out even before the bucket expires them (a frozen agent is not live).
+
+    Retried while the bucket does not answer (a cluster moving its leader)."""
+    for attempt in range(attempts):
+        try:
+            return await _list_agents(bus, include_stale)
+        except (TimeoutError, nats.errors.Error) as exc:
+            if isinstance(exc, nats.js.errors.BucketNotFoundError) or attempt == attempts - 1:
+                raise BusError(f"cannot read the agent registry: {exc!r}") from exc
+            await asyncio.sleep(0.5 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+async def _list_agents(bus: Bus, include_stale: bool) -> list[AgentDescription]:
     kv = await bus.kv(names.AGENTS_BUCKET)
     try:
         keys = await kv.keys()

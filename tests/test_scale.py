@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cli.all_agents import comparison_table, submit_all
+from cli.submit import main as submit_main
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import EvaluationSummary, JobRequest, Query, ScenarioSpec, SpanBatch
@@ -88,8 +89,10 @@ def test_agents_share_load_through_their_queue_group(farm: dict) -> None:
 
 
 def test_all_agents_runs_one_evaluation_per_agent_and_replicas_run_each_once(
-        farm: dict) -> None:
+        farm: dict, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     settings: Settings = farm["settings"]
+    for var, value in settings.as_env().items():
+        monkeypatch.setenv(var, value)
     job = JobRequest(model="noop", framework="noop",
                      scenario=ScenarioSpec(name="online", qps=20, duration_s=1))
     results = anyio.run(lambda: submit_all(settings, job, timeout=120), backend="asyncio")
@@ -101,8 +104,13 @@ def test_all_agents_runs_one_evaluation_per_agent_and_replicas_run_each_once(
     assert all(f"n{i}" in table for i in range(AGENTS))
     jobs = {s.job_id for s in summaries}
     assert len(jobs) == AGENTS
+    # The command line: the same, as one table.
+    assert submit_main(["noop", "--framework", "noop", "--all-agents", "--qps", "10",
+                        "--duration", "1"]) == 0
+    out = capsys.readouterr().out
+    assert sum(f"n{i} " in out for i in range(AGENTS)) == AGENTS, out
     # Both replicas consumed the one job stream; together they stored each job once.
     stop(*farm["servers"])
     stored = [count(r.data_dir / "chdb", "SELECT count() FROM evaluations FINAL")
               for r in farm["replicas"]]
-    assert sum(stored) == AGENTS, stored
+    assert sum(stored) == 2 * AGENTS, stored
