@@ -29,10 +29,10 @@ from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.catalog import Catalog, default_manifest_dirs
-from mlscope.contracts import JobEvent, JobRequest, new_id
-from mlscope.errors import DatabaseError, MLScopeError, WireError
-from mlscope.registry import list_agents
+from mlscope.catalog import Catalog, Entry, default_manifest_dirs
+from mlscope.contracts import AgentDescription, JobEvent, JobRequest, new_id
+from mlscope.errors import DatabaseError, MLScopeError, ResolutionError, WireError
+from mlscope.registry import AgentCache, list_agents
 from mlscope.settings import Settings
 
 __all__ = ["Server"]
@@ -69,7 +69,9 @@ class Server:
                     names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
                     config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
                                           ack_wait=JOB_ACK_WAIT_S, max_deliver=5))
+                self.agent_cache = AgentCache(bus)
                 async with anyio.create_task_group() as tg:
+                    tg.start_soon(self.agent_cache.run)
                     tg.start_soon(self.ingester.run)
                     tg.start_soon(self._take_jobs, jobs, tg)
                     task_status.started()
@@ -115,8 +117,7 @@ class Server:
         await self._emit(subject, JobEvent(job_id=job.job_id, event="accepted",
                                            server_id=self.server_id))
         try:
-            agents = await list_agents(self.bus)
-            agent, entry = resolve(job, agents, self.catalog)
+            agent, entry = await self._resolve(job)
 
             async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
                 await self._emit(subject, JobEvent(
@@ -133,6 +134,16 @@ class Server:
                                            server_id=self.server_id,
                                            evaluation_id=summary.evaluation_id,
                                            summary=summary))
+
+    async def _resolve(self, job: JobRequest) -> tuple[AgentDescription, Entry]:
+        """From the watched registry (no round trip); a miss is checked against a
+        fresh read of the bucket before it fails the job."""
+        if self.agent_cache.ready.is_set():
+            try:
+                return resolve(job, self.agent_cache.agents(), self.catalog)
+            except ResolutionError:
+                pass
+        return resolve(job, await list_agents(self.bus), self.catalog)
 
     async def _emit(self, subject: str, event: JobEvent) -> None:
         await self.bus.nc.publish(subject, codec.encode_model(event))
