@@ -19,9 +19,10 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
 import mlscope
+from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import probe
 from agent.tracer import Tracer
-from agent.worker import Job, LoadedModel, ModelWorker
+from agent.worker import LoadedModel
 from mlscope import bus as busmod
 from mlscope import codec, names, sysinfo
 from mlscope.bus import Bus
@@ -34,6 +35,7 @@ from mlscope.errors import (
     MLScopeError,
     WireError,
 )
+from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 
@@ -52,6 +54,10 @@ class AgentConfig:
     threads: int | None = None
     queue_capacity: int = 256
     """Queries waiting per loaded model before the agent answers 'overloaded'."""
+    pre_workers: int = 2
+    """Pre-processing threads per loaded model (they overlap with inference)."""
+    batch_wait_us: int = 500
+    """Dynamic batching: how long a partial batch waits for more queries."""
     heartbeat_s: float = busmod.HEARTBEAT_S
 
 
@@ -59,8 +65,9 @@ class AgentConfig:
 class Session:
     """An evaluation this agent was prepared for."""
 
-    worker: ModelWorker
+    worker: Executor
     level: TraceLevel
+    key: str = ""
 
 
 @dataclass
@@ -71,7 +78,8 @@ class Agent:
     agent_id: str = ""
     offers: list[tuple[Entry, Any]] = field(default_factory=list)
     sessions: dict[str, Session] = field(default_factory=dict)
-    workers: dict[str, ModelWorker] = field(default_factory=dict)
+    workers: dict[str, Executor] = field(default_factory=dict)
+    capability_subs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         host = str(sysinfo.host_facts()["host"])
@@ -87,7 +95,7 @@ class Agent:
                 f"framework {self.config.framework} does not load on this machine",
                 framework=self.config.framework)
         self.framework_info = info
-        self.offers = self._servable()
+        self._facts: dict[str, Any] = sysinfo.host_facts()
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.
         sys.setswitchinterval(AGENT_SWITCH_INTERVAL_S)
@@ -95,23 +103,28 @@ class Agent:
                                   provision=True) as bus:
             self.bus = bus
             self.loop = asyncio.get_running_loop()
-            self.tracer = Tracer(bus, agent_id=self.agent_id, host=self._facts["host"])
-            subs = await self._subscribe(bus)
+            self.tracer = Tracer(bus, agent_id=self.agent_id, host=str(self._facts["host"]))
+            self.remote = ManifestWatcher(bus, on_change=self._models_changed)
+            self._changing = anyio.Lock()
+            subs: list[Any] = []
             try:
                 async with anyio.create_task_group() as tg:
+                    await tg.start(self.remote.run)
+                    self.offers = await anyio.to_thread.run_sync(self._servable)
+                    subs = await self._subscribe(bus)
                     tg.start_soon(self.tracer.run)
                     await self._advertise(bus)
                     tg.start_soon(self._heartbeat, bus)
                     task_status.started()
             finally:
                 with anyio.CancelScope(shield=True):
-                    await self._withdraw(bus, subs)
+                    await self._withdraw(bus, [*subs, *self.capability_subs.values()])
 
     def _servable(self) -> list[tuple[Entry, Any]]:
-        """Manifests for this framework whose artifacts are present and verified."""
-        self._facts: dict[str, Any] = sysinfo.host_facts()
+        """Manifests for this framework (local or from the bus) whose artifacts are
+        present and verified here."""
         out = []
-        for e in self.catalog.entries:
+        for e in self.remote.catalog(self.catalog).entries:
             if e.manifest.framework.name != self.config.framework:
                 continue
             try:
@@ -125,11 +138,30 @@ class Agent:
             await bus.nc.subscribe(names.agent_query(self.agent_id), cb=self._on_query),
             await bus.nc.subscribe(names.agent_ctl(self.agent_id), cb=self._on_ctl),
         ]
-        for model in sorted({e.manifest.name for e, _ in self.offers}):
-            subject = names.capability(self.config.framework, model)
-            subs.append(await bus.nc.subscribe(subject, queue=subject, cb=self._on_query))
-        await bus.nc.flush()
+        await self._sync_capabilities(bus)
         return subs
+
+    async def _sync_capabilities(self, bus: Bus) -> None:
+        """One queue-group subscription per served model, no more, no fewer."""
+        wanted = {names.capability(self.config.framework, e.manifest.name)
+                  for e, _ in self.offers}
+        for subject in sorted(set(self.capability_subs) - wanted):
+            await self.capability_subs.pop(subject).unsubscribe()
+        for subject in sorted(wanted - set(self.capability_subs)):
+            self.capability_subs[subject] = await bus.nc.subscribe(
+                subject, queue=subject, cb=self._on_query)
+        await bus.nc.flush()
+
+    async def _models_changed(self) -> None:
+        """The models bucket changed: serve what is servable now and say so at once."""
+        async with self._changing:
+            offers = await anyio.to_thread.run_sync(self._servable)
+            if [(e.manifest.key, g) for e, g in offers] == \
+                    [(e.manifest.key, g) for e, g in self.offers]:
+                return
+            self.offers = offers
+            await self._sync_capabilities(self.bus)
+            await self._advertise(self.bus)
 
     def describe(self) -> AgentDescription:
         f = self._facts
@@ -185,8 +217,11 @@ class Agent:
             elif op == "prepare":
                 await msg.respond(codec.encode(await self._prepare(req)))
             elif op == "release":
-                self.sessions.pop(str(req.get("evaluation_id")), None)
-                await msg.respond(codec.encode({"ok": True}))
+                session = self.sessions.pop(str(req.get("evaluation_id")), None)
+                unloaded = False
+                if session is not None and req.get("unload"):
+                    unloaded = await self._unload(session.key)
+                await msg.respond(codec.encode({"ok": True, "unloaded": unloaded}))
             else:
                 raise WireError(f"unknown control op {op!r}")
         except MLScopeError as exc:
@@ -202,19 +237,39 @@ class Agent:
             raise ConfigError(f"agent {self.agent_id} does not serve {name}@{version}")
         entry, graph = match[0]
         key = entry.manifest.key
+        batch = int(req.get("batch_size", 1))
+        if req.get("reload"):  # cold start: load again unless another evaluation uses it
+            self.sessions.pop(eval_id, None)
+            await self._unload(key)
         cold = key not in self.workers
         load_ns = first_ns = 0
         if cold:
             opts = PredictorOptions(device=self.config.device, threads=self.config.threads,
-                                    batch_size=int(req.get("batch_size", 1)))
+                                    batch_size=batch)
             model = await anyio.to_thread.run_sync(LoadedModel.open, entry, graph, opts)
-            first_ns = await anyio.to_thread.run_sync(model.warmup)
+            try:
+                first_ns = await anyio.to_thread.run_sync(model.warmup)
+            except MLScopeError:
+                model.close()
+                raise
             load_ns = model.load_ns
-            self.workers[key] = ModelWorker(model, capacity=self.config.queue_capacity)
+            self.workers[key] = Executor(model, ExecutorConfig(
+                capacity=self.config.queue_capacity, pre_workers=self.config.pre_workers,
+                max_batch=batch, max_wait_us=self.config.batch_wait_us))
+        worker = self.workers[key]
+        worker.max_batch = int(req.get("max_batch", batch))
         level = TraceLevel.parse(req.get("trace_level", "model"))
-        self.sessions[eval_id] = Session(self.workers[key], level)
+        self.sessions[eval_id] = Session(worker, level, key)
         return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
                 "sha256": entry.manifest.assets.sha256, "t_agent": now()}
+
+    async def _unload(self, key: str) -> bool:
+        """Stop and close a loaded model no other evaluation uses; True if it was."""
+        if key not in self.workers or any(s.key == key for s in self.sessions.values()):
+            return False
+        worker = self.workers.pop(key)
+        await anyio.to_thread.run_sync(worker.stop)
+        return True
 
     async def _on_query(self, msg: Msg) -> None:
         received = now()
@@ -231,7 +286,7 @@ class Agent:
         level = TraceLevel(min(query.trace_level, session.level))
         spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
         job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
-                  spans=spans, reply=self._replier(msg.reply))
+                  spans=spans, reply=self._replier(msg.reply), raw=query.raw)
         if not session.worker.submit(job):
             busy = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
             await msg.respond(busmod.error_reply(busy))

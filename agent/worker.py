@@ -1,45 +1,26 @@
-"""A loaded model and the thread that runs its queries.
+"""A loaded model: the predictor with its compiled pre- and post-processing.
 
-One inference thread per loaded model takes queries from a bounded queue and runs
-pre-process -> predict -> post-process, timing each step on the monotonic clock.
-The queue bound is the agent's backpressure: a full queue answers "overloaded"
-instead of growing. Replies go back to the event loop in one hop per query.
+Queries run through :class:`agent.pipeline.Executor` (the streaming pipeline);
+``Job`` and ``ModelWorker`` stay importable from here under their old names.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from agent.operators import Pipeline, compile_steps
+from agent.pipeline import Executor, Job
 from agent.predictors import open_predictor
-from agent.tracer import SpanBuffer
 from mlscope.catalog import Entry
-from mlscope.contracts import QueryReply, TraceLevel
-from mlscope.errors import InputMismatchError, MLScopeError
+from mlscope.errors import MLScopeError
 from mlscope.predictor import Predictor, PredictorOptions
 
 __all__ = ["Job", "LoadedModel", "ModelWorker"]
 
 now = time.perf_counter_ns
-
-
-@dataclass(frozen=True)
-class Job:
-    """One query as the worker sees it."""
-
-    index: int
-    inputs: np.ndarray
-    received_ns: int
-    level: TraceLevel
-    spans: SpanBuffer | None
-    reply: Callable[[QueryReply], None]
 
 
 class LoadedModel:
@@ -53,78 +34,32 @@ class LoadedModel:
                                     for n, i in enumerate(m.inputs)]
         self.post: Pipeline = compile_steps(m.outputs[0].steps, where="outputs.0.steps")
         self.sample_shape = m.inputs[0].shape
+        self.dtype = np.dtype(m.inputs[0].element_type)
 
     @classmethod
     def open(cls, entry: Entry, graph: Path, options: PredictorOptions) -> LoadedModel:
         t0 = now()
         pred = open_predictor(entry.manifest.framework.name, graph, entry.manifest, options)
-        return cls(entry, pred, now() - t0)
+        try:
+            return cls(entry, pred, now() - t0)
+        except MLScopeError:
+            pred.close()
+            raise
 
     def warmup(self) -> int:
-        """One inference on zeros; returns its duration (the cold first inference)."""
-        raw = np.zeros((1, *self.sample_shape), np.float32)
+        """One inference on zeros; returns its duration (the cold first inference).
+
+        The zeros are already in the model's input form (shape and element type of the
+        manifest), so no pre-processing runs: image models take encoded images raw.
+        """
+        x = np.zeros((1, *self.sample_shape), self.dtype)
         t0 = now()
-        self.predictor.predict([self.pre[0](raw)])
+        self.predictor.predict([x])
         return now() - t0
 
-    def check(self, inputs: np.ndarray) -> None:
-        if inputs.ndim < 1 or inputs.shape[0] < 1:
-            raise InputMismatchError(
-                f"{self.name}: a query needs a batch of at least one sample",
-                model=self.name, framework=self.predictor.framework,
-                expected="(batch, ...)", actual=list(inputs.shape))
+    def close(self) -> None:
+        self.predictor.close()
 
 
-class ModelWorker:
-    """The inference thread of one loaded model."""
-
-    def __init__(self, model: LoadedModel, *, capacity: int = 256) -> None:
-        self.model = model
-        self.queue: queue.Queue[Job | None] = queue.Queue(maxsize=capacity)
-        self.thread = threading.Thread(target=self._run, name=f"infer-{model.name}",
-                                       daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Job) -> bool:
-        """Queue a job; False when the queue is full (the caller replies overloaded)."""
-        try:
-            self.queue.put_nowait(job)
-        except queue.Full:
-            return False
-        return True
-
-    def stop(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=10)
-        self.model.predictor.close()
-
-    def _run(self) -> None:
-        while (job := self.queue.get()) is not None:
-            job.reply(self._one(job))
-
-    def _one(self, job: Job) -> QueryReply:
-        m, spans, level = self.model, job.spans, job.level
-        t_pre = now()
-        try:
-            m.check(job.inputs)
-            x = m.pre[0](job.inputs)
-            t_pred = now()
-            out = m.predictor.predict([x])
-            t_post = now()
-            result = m.post(out[0])
-            t_end = now()
-        except MLScopeError as exc:
-            return QueryReply(index=job.index, ok=False, error=exc.to_wire(),
-                              t_received=job.received_ns, t_replied=now())
-        if spans is not None and level >= TraceLevel.MODEL:
-            attrs = {"batch_size": int(job.inputs.shape[0])}
-            root = spans.add(parent=0, query_index=job.index, level=TraceLevel.MODEL,
-                             kind="query", name="query", start_ns=job.received_ns,
-                             end_ns=t_end, attrs=attrs)
-            for name, a, b in (("preprocess", t_pre, t_pred), ("predict", t_pred, t_post),
-                               ("postprocess", t_post, t_end)):
-                spans.add(parent=root, query_index=job.index, level=TraceLevel.MODEL,
-                          kind="step", name=name, start_ns=a, end_ns=b)
-        return QueryReply(index=job.index, ok=True, outputs=np.ascontiguousarray(result),
-                          t_received=job.received_ns, t_predict_start=t_pred,
-                          t_predict_end=t_post, t_replied=now())
+ModelWorker = Executor
+"""The old name of the per-model executor."""

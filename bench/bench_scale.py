@@ -112,7 +112,7 @@ async def throughput(settings: Settings, n_agents: int, queries: int,
                 timeout=30)
         subject = names.capability("noop", "noop")
         payloads = [codec.encode_model(Query(evaluation_id=eval_id, index=i, trace_level=0,
-                                             inputs=np.zeros((1, 4), np.float32)))
+                                             inputs=np.zeros((1, 16), np.float32)))
                     for i in range(queries)]
         sem = anyio.Semaphore(inflight)
 

@@ -16,9 +16,9 @@ import anyio
 import numpy as np
 
 import mlscope
+from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
-from broker.loadgen import Driver, RunRecord, estimate_offset
-from broker.summary import Rules, figures, judge
+from broker.loadgen import RunRecord, estimate_offset
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.catalog import Catalog, Entry
@@ -29,7 +29,8 @@ from mlscope.contracts import (
     TraceLevel,
     new_id,
 )
-from mlscope.errors import ResolutionError
+from mlscope.errors import EvaluationError, ResolutionError
+from mlscope.validity import ValidityPolicy
 from mlscope.versions import satisfies
 
 __all__ = ["Evaluator", "resolve"]
@@ -83,7 +84,7 @@ class Evaluator:
     bus: Bus
     db: Database
     zoo_dir: Path
-    rules: Rules = field(default_factory=Rules)
+    policy: ValidityPolicy = field(default_factory=ValidityPolicy)
 
     async def run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
                   progress: Progress) -> EvaluationSummary:
@@ -91,45 +92,83 @@ class Evaluator:
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
         data = _dataset(entry, self.zoo_dir)
-        prep = await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode({
-            "op": "prepare", "evaluation_id": eval_id, "model": m.name,
-            "model_version": m.version, "batch_size": spec.batch_size,
-            "trace_level": level.name.lower()}), timeout=PREPARE_TIMEOUT_S)
+        prepare = {"op": "prepare", "evaluation_id": eval_id, "model": m.name,
+                   "model_version": m.version, "batch_size": spec.batch_size,
+                   "trace_level": level.name.lower()}
+        prep = await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode(prepare),
+                             timeout=PREPARE_TIMEOUT_S)
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
-        inputs, labels = _feeders(data, m.inputs[0].shape, spec.batch_size, spec.seed)
-        driver = Driver(self.bus, evaluation_id=eval_id, subject=names.agent_query(agent.agent_id),
-                        spec=spec, inputs=inputs, labels=labels, trace_level=level,
-                        offset_ns=offset,
-                        on_progress=lambda rec, el: progress(eval_id, rec, el))
+        shape = m.inputs[0].shape
+        url = self.bus.nc.connected_url
+        ctx = scenarios.Context(
+            bus=self.bus, evaluation_id=eval_id, subject=names.agent_query(agent.agent_id),
+            trace_level=level, offset_ns=offset,
+            feeders=lambda b: _feeders(data, shape, b, spec.seed), policy=self.policy,
+            on_progress=lambda rec, el: progress(eval_id, rec, el),
+            nats_url=url.geturl() if url is not None else None,
+            agent_id=agent.agent_id, prepare=prepare)
         started = time.time()
-        rec = await driver.run()
+        outcome = await scenarios.execute(ctx, spec)
+        acc = await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
         with anyio.move_on_after(5):
             await request(self.bus, names.agent_ctl(agent.agent_id),
                           codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5)
-        f = figures(rec, has_labels=labels is not None)
-        reasons = judge(f, spec, self.rules)
         fw = next(x for x in agent.frameworks if x.name == job.framework)
-        summary = EvaluationSummary(
-            evaluation_id=eval_id, job_id=job.job_id, status="completed", valid=not reasons,
-            invalid_reasons=reasons, model={"name": m.name, "version": m.version},
-            framework={"name": fw.name, "version": fw.version}, agent_id=agent.agent_id,
-            host=agent.host, device=job.device, scenario=spec.model_dump(),
-            trace_level=level.name.lower(), queries=f.queries, samples=f.samples,
-            errors=f.errors, not_issued=f.not_issued, duration_s=f.duration_s,
-            requested_qps=spec.qps if spec.name == "online" else None,
-            scheduled_qps=f.scheduled_qps, achieved_qps=f.achieved_qps,
-            latency_ms=f.latency_ms, issue_lag_us=f.issue_lag_us,
-            throughput_ips=f.throughput_ips,
-            accuracy={"top1": f.top1} if f.top1 is not None else None,
-            clock_offset_ns=offset, clock_rtt_ns=rtt,
-            cold_start={"load_ms": prep["load_ns"] / 1e6,
-                        "first_inference_ms": prep["first_inference_ns"] / 1e6,
-                        "cold": bool(prep["cold"])},
-            started_at=started, finished_at=finished)
+
+        def summarize(run: scenarios.Run, reasons: tuple[str, ...] = (),
+                      **extra: Any) -> EvaluationSummary:
+            f, why = run.figures, (*run.verdict.reasons, *reasons)
+            return EvaluationSummary(
+                evaluation_id=run.evaluation_id, job_id=job.job_id, status="completed",
+                valid=not why, invalid_reasons=why, model={"name": m.name, "version": m.version},
+                framework={"name": fw.name, "version": fw.version}, agent_id=agent.agent_id,
+                host=agent.host, device=job.device, scenario=run.spec.model_dump(),
+                trace_level=level.name.lower(), queries=f.queries, samples=f.samples,
+                errors=f.errors, not_issued=f.not_issued, duration_s=f.duration_s,
+                requested_qps=run.requested_qps,
+                scheduled_qps=f.scheduled_qps, achieved_qps=f.achieved_qps,
+                latency_ms=f.latency_ms, issue_lag_us=f.issue_lag_us,
+                throughput_ips=f.throughput_ips,
+                accuracy=({"top1": f.top1} if f.top1 is not None else None),
+                clock_offset_ns=offset, clock_rtt_ns=rtt,
+                cold_start=outcome.cold_start or {
+                    "load_ms": prep["load_ns"] / 1e6,
+                    "first_inference_ms": prep["first_inference_ns"] / 1e6,
+                    "cold": bool(prep["cold"])},
+                latency_split_ms=run.split, loadgens=run.spec.loadgens,
+                started_at=started, finished_at=finished, **extra)
+
+        main = outcome.main
+        summary = summarize(
+            main, outcome.extra_reasons, peak_qps=outcome.peak_qps,
+            optimal_batch_size=outcome.optimal_batch_size,
+            points=tuple(r.point() for r in outcome.points)).model_copy(
+            update={"evaluation_id": eval_id, "scenario": spec.model_dump()})
+        if acc is not None:
+            metric = m.dataset.metric if m.dataset else "top1"
+            summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
         spec_doc = _specification(job, agent, entry, prep)
-        await anyio.to_thread.run_sync(self._store, summary, rec, spec_doc)
+        for run in outcome.points:  # each run of a sweep or search, on its own
+            await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
+        await anyio.to_thread.run_sync(self._store, summary, main.record, spec_doc)
+        if acc is not None:
+            await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, eval_id, acc)
         return summary
+
+    async def _accuracy(self, job: JobRequest, entry: Entry,
+                        data: tuple[np.ndarray, np.ndarray] | None, eval_id: str,
+                        agent_id: str) -> accuracy.DatasetRun | None:
+        """The data-set pass (outputs kept per sample) when the job asks for accuracy."""
+        if not job.accuracy:
+            return None
+        if data is None:
+            raise EvaluationError(f"{entry.manifest.name} has no labelled data set "
+                                  "in its manifest: accuracy cannot be measured")
+        return await accuracy.dataset_pass(
+            self.bus, subject=names.agent_query(agent_id), evaluation_id=eval_id,
+            x=data[0], y=data[1], batch_size=job.scenario.batch_size,
+            kind=accuracy.output_kind(entry.manifest), limit=job.accuracy_samples)
 
     def _store(self, s: EvaluationSummary, rec: RunRecord, spec_doc: dict[str, Any]) -> None:
         err = [rec.errors.get(i, "") for i in range(rec.n)]

@@ -13,6 +13,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from broker import loadgen
 from broker.db import SPAN_COLUMNS, Database
 from mlscope import codec, names
 from mlscope.bus import Bus
@@ -37,6 +38,7 @@ class Ingester:
                                   deliver_policy=DeliverPolicy.ALL,
                                   max_ack_pending=20_000))
         while True:
+            await loadgen.wait_idle()  # during a load run spans wait in the stream
             try:
                 msgs = await sub.fetch(self.fetch_batch, timeout=self.fetch_timeout)
             except (nats.errors.TimeoutError, TimeoutError):

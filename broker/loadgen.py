@@ -6,8 +6,14 @@ millisecond timer rounding never reaches the schedule and nothing is issued earl
 Latency counts from each query's *scheduled* time: a late issue counts against the
 system under test (no coordinated omission).
 
-Closed loop (``batched``): back-to-back batches, one outstanding; throughput in
-inputs per second.
+Closed loop (``single-stream``, ``concurrency``, each point of ``batched``): a fixed
+number of queries in flight (``spec.concurrency``), each sent the moment a previous one
+completes; its scheduled time is its issue time.
+
+Open loops take any :class:`broker.schedule.Schedule` (Poisson, constant, multi-stream,
+replay, piecewise, or one slice of a dealt global schedule): query ``i`` of the slice
+is sent with its *global* index ``schedule.index[i]``, so several drivers in several
+processes can share one global schedule and one start time (``start_ns``).
 
 Every query keeps scheduled, issued and completed times (load-generator clock) and
 the agent's received / predict-start / predict-end / replied times, converted to
@@ -17,6 +23,7 @@ the load-generator clock with the offset estimated over request/reply.
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -26,19 +33,26 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker import schedule
-from broker.pacer import OutstandingLimit, Pacer
+from broker.pacer import OutstandingLimit, Pacer, RealtimeThread
+from broker.schedule import Schedule
 from mlscope import codec, names
 from mlscope.bus import Bus, request
-from mlscope.contracts import Query, QueryReply, ScenarioSpec, TraceLevel, new_id
+from mlscope.contracts import Query, ScenarioSpec, TraceLevel, new_id
 from mlscope.errors import EvaluationError
 from mlscope.stats import percentile
 
-__all__ = ["Driver", "RunRecord", "estimate_offset", "running_p50_ms"]
+__all__ = ["CLOSED_LOOPS", "Driver", "RunRecord", "encode_query", "estimate_offset",
+           "running", "running_p50_ms", "wait_idle"]
 
 now = time.perf_counter_ns
 DRAIN_TIMEOUT_S = 10.0
 PACER_SWITCH_INTERVAL_S = 0.0001
+START_LEAD_NS = 20_000_000  # start 20 ms out, so the first query is on time
+LOOP_REALTIME_MAX_QPS = 5_000.0
+"""Above this mean rate the event-loop thread keeps its normal priority: it is busy
+most of the time there, and a busy real-time thread would take a core from the agent
+and nats-server (the system under test)."""
+CLOSED_LOOPS = frozenset({"single-stream", "concurrency", "batched"})
 
 
 @dataclass
@@ -97,30 +111,120 @@ async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[
     return best
 
 
+_running = 0
+
+
+_idle: asyncio.Event | None = None
+
+
+def _mean_rate(offsets: np.ndarray) -> float:
+    last = float(offsets[-1]) if offsets.size else 0.0
+    return offsets.size / (last / 1e9) if last > 0 else float("inf")
+
+
+def running() -> bool:
+    """Whether a Driver of this process is running a load now."""
+    return _running > 0
+
+
+async def wait_idle() -> None:
+    """Return once no Driver of this process is running a load.
+
+    Work that can wait and would hold the GIL for long (the trace ingester's decoding
+    and database inserts) waits here: it delayed the pacer thread by tens of
+    milliseconds at 1,000 QPS (p99 issue lag 700-960 µs with tracing on against
+    130-145 µs with it off, same machine, same minute).
+    """
+    global _idle
+    while _running:
+        if _idle is None:
+            _idle = asyncio.Event()
+        await _idle.wait()
+
+
+def _enter() -> None:
+    global _running
+    _running += 1
+    if _idle is not None:
+        _idle.clear()
+
+
+def _leave() -> None:
+    global _running
+    _running -= 1
+    if _running == 0 and _idle is not None:
+        _idle.set()
+
+
+class _QuietGC:
+    """No cyclic garbage collection while a schedule runs.
+
+    A collection holds the GIL for its whole length (milliseconds with a large heap),
+    and the pacer thread cannot issue meanwhile: py-spy and the issue-lag tail showed
+    it. Objects alive at the start are frozen (never scanned again), collection is
+    off during the run (reference counting still frees nearly everything), and both
+    are undone afterwards.
+    """
+
+    def __init__(self) -> None:
+        self.was_enabled = gc.isenabled()
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+
+    def restore(self) -> None:
+        gc.unfreeze()
+        if self.was_enabled:
+            gc.enable()
+
+
+def encode_query(evaluation_id: str, index: int, inputs: np.ndarray,
+                 trace_level: TraceLevel) -> bytes:
+    """The wire bytes of one query."""
+    return codec.encode_model(Query(evaluation_id=evaluation_id, index=index, inputs=inputs,
+                                    trace_level=int(trace_level)))
+
+
 class Driver:
-    """Runs one scenario against one agent subject and fills a :class:`RunRecord`."""
+    """Runs one scenario against one agent subject and fills a :class:`RunRecord`.
+
+    ``schedule``: the open-loop arrivals (None for a closed loop). ``start_ns``: the
+    ``perf_counter_ns`` of offset 0, shared by cooperating drivers (default: 20 ms
+    from when the run starts). ``inputs(g)`` / ``labels(g)`` take the global index.
+    """
 
     def __init__(self, bus: Bus, *, evaluation_id: str, subject: str, spec: ScenarioSpec,
                  inputs: Callable[[int], np.ndarray], labels: Callable[[int], np.ndarray] | None,
                  trace_level: TraceLevel,
-                 offset_ns: int = 0, on_progress: Callable[[RunRecord, float], Any] | None = None
-                 ) -> None:
+                 offset_ns: int = 0, on_progress: Callable[[RunRecord, float], Any] | None = None,
+                 schedule: Schedule | None = None, start_ns: int | None = None,
+                 payloads: list[bytes] | None = None) -> None:
         self.bus, self.evaluation_id, self.subject, self.spec = bus, evaluation_id, subject, spec
         self.inputs, self.labels, self.trace_level = inputs, labels, trace_level
         self.offset_ns, self.on_progress = offset_ns, on_progress
+        self.schedule, self.start_ns, self.payloads = schedule, start_ns, payloads
         self.inbox = f"_INBOX.{new_id('lg')}"
         self._outstanding = 0
         self._all_done = asyncio.Event()
-        self._closed_next: asyncio.Event = asyncio.Event()
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._first_global = 0
+        self._stride = 1
         self.record: RunRecord | None = None
         self._gate: OutstandingLimit | None = None
 
     # ------------------------------------------------------------------ replies
 
-    def _payload(self, i: int) -> bytes:
-        q = Query(evaluation_id=self.evaluation_id, index=i, inputs=self.inputs(i),
-                  trace_level=int(self.trace_level))
-        return codec.encode_model(q)
+    def payload(self, g: int) -> bytes:
+        """The encoded query with global index ``g``."""
+        return encode_query(self.evaluation_id, g, self.inputs(g), self.trace_level)
+
+    def _local(self, g: int) -> int:
+        """Position in this driver's record of global index ``g`` (-1 if not ours)."""
+        i, rem = divmod(g - self._first_global, self._stride)
+        rec = self.record
+        if rem or rec is None or not 0 <= i < rec.n:
+            return -1
+        return i
 
     async def _on_reply(self, msg: Any) -> None:
         t = now()
@@ -128,30 +232,31 @@ class Driver:
         assert rec is not None
         data = codec.decode(msg.data)
         if data.get("kind") == "error":
-            i = int(data["error"].get("fields", {}).get("index", -1))
-            if 0 <= i < rec.n and rec.completed[i] == 0:
+            i = self._local(int(data["error"].get("fields", {}).get("index", -1)))
+            if i >= 0 and rec.completed[i] == 0:
                 rec.errors[i] = data["error"]["message"]
                 self._complete(rec, i, t)
             return
-        reply = QueryReply.model_validate(data)
-        i = reply.index
-        if not 0 <= i < rec.n or rec.completed[i] != 0:
+        # Hot path: the reply's fields read straight from the decoded mapping.
+        i = self._local(int(data["index"]))
+        if i < 0 or rec.completed[i] != 0:
             return  # not ours or a duplicate
-        if reply.ok:
+        if data.get("ok"):
             off = self.offset_ns + rec.t0_ns
-            rec.agent_received[i] = reply.t_received - off
-            rec.predict_start[i] = reply.t_predict_start - off
-            rec.predict_end[i] = reply.t_predict_end - off
-            rec.agent_replied[i] = reply.t_replied - off
+            rec.agent_received[i] = int(data["t_received"]) - off
+            rec.predict_start[i] = int(data["t_predict_start"]) - off
+            rec.predict_end[i] = int(data["t_predict_end"]) - off
+            rec.agent_replied[i] = int(data["t_replied"]) - off
             rec.ok[i] = 1
-            out = reply.outputs
-            if out is not None and out.size:
+            out = data.get("outputs")
+            if isinstance(out, np.ndarray) and out.size and out.ndim >= 1:
                 top1 = out.reshape(out.shape[0], -1)[:, 0]
                 rec.prediction[i] = int(top1[0])
                 if self.labels is not None:
-                    rec.correct[i] = int(np.count_nonzero(top1 == self.labels(i)))
+                    g = int(data["index"])
+                    rec.correct[i] = int(np.count_nonzero(top1 == self.labels(g)))
         else:
-            rec.errors[i] = str((reply.error or {}).get("message", "error"))
+            rec.errors[i] = str((data.get("error") or {}).get("message", "error"))
         self._complete(rec, i, t)
 
     def _complete(self, rec: RunRecord, i: int, t: int) -> None:
@@ -162,21 +267,27 @@ class Driver:
             self._gate.release()
         if self._outstanding == 0:
             self._all_done.set()
-        self._closed_next.set()
+        waiter = self._waiters.pop(i, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # ------------------------------------------------------------------ scenarios
 
     async def run(self) -> RunRecord:
         sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_reply)
+        _enter()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._progress)
-                if self.spec.name == "online":
-                    rec = await self._open_loop()
-                else:
+                if self.schedule is not None:
+                    rec = await self._open_loop(self.schedule)
+                elif self.spec.name in CLOSED_LOOPS:
                     rec = await self._closed_loop()
+                else:
+                    raise EvaluationError(f"scenario {self.spec.name!r} needs a schedule")
                 tg.cancel_scope.cancel()
         finally:
+            _leave()
             await sub.unsubscribe()
         return rec
 
@@ -186,23 +297,36 @@ class Driver:
             if self.record is not None and self.on_progress is not None:
                 await self.on_progress(self.record, (now() - self.record.t0_ns) / 1e9)
 
-    async def _send(self, indices: list[int], payloads: list[bytes]) -> None:
+    async def _send(self, indices: range, payloads: list[bytes]) -> None:
+        publish, subject, inbox = self.bus.nc.publish, self.subject, self.inbox
         for i in indices:
-            await self.bus.nc.publish(self.subject, payloads[i], reply=self.inbox)
+            await publish(subject, payloads[i], reply=inbox)
 
-    async def _open_loop(self) -> RunRecord:
+    def _index(self, sched: Schedule) -> None:
+        """Remember how global indices map to positions (a dealt slice is strided)."""
+        idx = sched.index
+        steps = np.diff(idx)
+        if steps.size and (steps[0] < 1 or not (steps == steps[0]).all()):
+            raise EvaluationError("a schedule slice needs evenly spaced global indices")
+        self._first_global = int(idx[0]) if idx.size else 0
+        self._stride = int(steps[0]) if steps.size else 1
+
+    async def _open_loop(self, sched: Schedule) -> RunRecord:
         s = self.spec
-        offsets = schedule.poisson(s.qps, duration_s=s.duration_s, seed=s.seed).offsets_ns
-        if s.max_queries is not None:
-            offsets = offsets[: s.max_queries]
+        offsets = sched.offsets_ns
         rec = self.record = RunRecord(n=len(offsets), batch_size=s.batch_size)
         if rec.n == 0:
-            raise EvaluationError(f"{s.qps} QPS over {s.duration_s}s schedules no query")
-        payloads = [self._payload(i) for i in range(rec.n)]  # built before the clock starts
+            raise EvaluationError(f"scenario {s.name!r} schedules no query")
+        self._index(sched)
+        glob = sched.index.tolist()
+        # Every payload is built before the clock starts.
+        payloads = self.payloads if self.payloads is not None else [self.payload(g) for g in glob]
+        if len(payloads) != rec.n:
+            raise EvaluationError(f"{len(payloads)} payloads for {rec.n} queries")
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[None]] = set()
 
-        def issue(indices: list[int]) -> None:  # on the loop: one hop per batch of due queries
+        def issue(indices: range) -> None:  # on the loop: one hop per batch of due queries
             self._outstanding += len(indices)
             self._all_done.clear()
             task = loop.create_task(self._send(indices, payloads))
@@ -210,49 +334,70 @@ class Driver:
             task.add_done_callback(tasks.discard)
 
         self._gate = OutstandingLimit(s.max_outstanding)
-        rec.t0_ns = now() + 20_000_000  # start 20 ms out, so the first query is on time
-        rec.scheduled[:] = offsets
-        def hop(indices: range, _issued_ns: int) -> None:  # on the pacer thread
-            loop.call_soon_threadsafe(issue, list(indices))
 
-        pacer = Pacer(offsets, gate=self._gate, start_ns=rec.t0_ns, issue_many=hop)
+        def hop(indices: range, _issued_ns: int) -> None:  # on the pacer thread
+            loop.call_soon_threadsafe(issue, indices)
+
         # The pacer thread needs the GIL the moment its sleep ends; with the default
-        # 5 ms switch interval the loop thread could hold it that long.
+        # 5 ms switch interval the loop thread could hold it that long. GC and
+        # priorities are set before the clock starts (a full collection takes ms).
         switch = sys.getswitchinterval()
         sys.setswitchinterval(PACER_SWITCH_INTERVAL_S)
-        pacer.start()
+        quiet_gc = _QuietGC()
+        loop_rt = RealtimeThread(enable=_mean_rate(offsets) <= LOOP_REALTIME_MAX_QPS)
         try:
-            result = await anyio.to_thread.run_sync(pacer.join)
-            rec.issued[:] = result.issued_ns
-            rec.not_issued = len(result.not_issued)  # counted, never silently dropped
-            with anyio.move_on_after(DRAIN_TIMEOUT_S):
-                if self._outstanding > 0:
-                    await self._all_done.wait()
+            rec.t0_ns = self.start_ns if self.start_ns is not None else now() + START_LEAD_NS
+            rec.scheduled[:] = offsets
+            pacer = Pacer(offsets, gate=self._gate, start_ns=rec.t0_ns, issue_many=hop,
+                          realtime=True)
+            pacer.start()
+            try:
+                result = await anyio.to_thread.run_sync(pacer.join)
+                rec.issued[:] = result.issued_ns
+                rec.not_issued = len(result.not_issued)  # counted, never silently dropped
+                with anyio.move_on_after(DRAIN_TIMEOUT_S):
+                    if self._outstanding > 0:
+                        await self._all_done.wait()
+            finally:
+                pacer.stop()
         finally:
-            pacer.stop()
+            loop_rt.restore()
+            quiet_gc.restore()
             sys.setswitchinterval(switch)
         return rec
 
     async def _closed_loop(self) -> RunRecord:
+        """``spec.concurrency`` queries in flight until ``duration_s`` (or max_queries)."""
         s = self.spec
         cap = s.max_queries or 10_000_000
-        budget = min(cap, max(1, int(s.duration_s * 20_000)))
+        budget = min(cap, max(s.concurrency, int(s.duration_s * 20_000)))
         rec = self.record = RunRecord(n=budget, batch_size=s.batch_size)
+        loop = asyncio.get_running_loop()
         rec.t0_ns = now()
-        deadline = s.duration_s * 1e9
+        deadline = rec.t0_ns + int(s.duration_s * 1e9)
         count = 0
-        while count < rec.n and (now() - rec.t0_ns) < deadline:
-            payload = self._payload(count)
-            self._closed_next.clear()
-            t = now() - rec.t0_ns
-            rec.scheduled[count] = rec.issued[count] = t
-            self._outstanding += 1
-            await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
-            with anyio.move_on_after(DRAIN_TIMEOUT_S):
-                await self._closed_next.wait()
-            count += 1
-            if rec.completed[count - 1] == 0:
-                break  # the agent stopped answering
+        stalled = False
+
+        async def stream() -> None:
+            nonlocal count, stalled
+            while count < rec.n and now() < deadline and not stalled:
+                i = count
+                count += 1
+                payload = self.payload(i)
+                fut: asyncio.Future[None] = loop.create_future()
+                self._waiters[i] = fut
+                t = now() - rec.t0_ns
+                rec.scheduled[i] = rec.issued[i] = t
+                self._outstanding += 1
+                await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
+                with anyio.move_on_after(DRAIN_TIMEOUT_S):
+                    await fut
+                if rec.completed[i] == 0:
+                    stalled = True  # the agent stopped answering
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(s.concurrency):
+                tg.start_soon(stream)
         rec.trim(count)
         return rec
 

@@ -28,6 +28,7 @@ scheduled. ``issued_ns`` is 0 for a query that was not issued.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from bisect import bisect_right
@@ -40,7 +41,15 @@ import numpy as np
 from broker.schedule import Schedule
 from mlscope.errors import ConfigError, EvaluationError
 
-__all__ = ["DEFAULT_BUSY_S", "DEFAULT_SPIN_S", "Gate", "OutstandingLimit", "Pacer", "PacerResult"]
+__all__ = [
+    "DEFAULT_BUSY_S",
+    "DEFAULT_SPIN_S",
+    "Gate",
+    "OutstandingLimit",
+    "Pacer",
+    "PacerResult",
+    "RealtimeThread",
+]
 
 DEFAULT_SPIN_S = 300e-6
 DEFAULT_BUSY_S = 70e-6
@@ -134,6 +143,7 @@ class Pacer:
         max_batch: int = 1024,
         start_ns: int | None = None,
         stop: threading.Event | None = None,
+        realtime: bool = False,
     ) -> None:
         if (issue is None) == (issue_many is None):
             raise ConfigError("give exactly one of issue and issue_many")
@@ -152,6 +162,9 @@ class Pacer:
         self._reached = 0
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._realtime = realtime
+        self.realtime = False
+        """Whether the pacer thread got a real-time (SCHED_FIFO) priority."""
 
     @property
     def start_ns(self) -> int | None:
@@ -205,6 +218,8 @@ class Pacer:
         )
 
     def _guarded(self) -> None:
+        if self._realtime:
+            self.realtime = _make_realtime()
         try:
             self._loop()
         except Exception as exc:  # handed to join() as an EvaluationError
@@ -255,3 +270,42 @@ class Pacer:
                 issue(idx, offsets[idx], at)
         if k < j:
             self._refused.extend(range(k, j))
+
+
+REALTIME_PRIORITY = 2
+"""The pacer's SCHED_FIFO priority: above the event loop's (:class:`RealtimeThread`)."""
+
+
+class RealtimeThread:
+    """The calling thread in SCHED_FIFO (priority 1) until :meth:`restore`.
+
+    For the event-loop thread during a run: a thread that holds the GIL and is
+    preempted by another process stalls the pacer until it runs again, so the thread
+    the pacer hands the GIL to and from must not be preempted either. No effect
+    without CAP_SYS_NICE.
+    """
+
+    def __init__(self, *, enable: bool = True) -> None:
+        self.policy = os.sched_getscheduler(0)
+        self.param = os.sched_getparam(0)
+        self.active = enable and _make_realtime(1)
+
+    def restore(self) -> None:
+        if self.active:
+            os.sched_setscheduler(0, self.policy, self.param)
+
+
+def _make_realtime(priority: int = REALTIME_PRIORITY) -> bool:
+    """Put the calling thread in SCHED_FIFO at the lowest real-time priority.
+
+    A woken SCHED_FIFO thread preempts every normal task at once, so the pacer's
+    wake-up before a deadline is not delayed by the scheduler's time slices when
+    the cores are busy. It sleeps between deadlines, so it cannot starve the host
+    (and the kernel caps real-time threads at 95% of a core). Needs CAP_SYS_NICE
+    (or an RLIMIT_RTPRIO); without it the pacer runs at normal priority.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except (OSError, AttributeError):
+        return False
+    return True

@@ -32,6 +32,7 @@ from mlscope import codec, names
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.contracts import AgentDescription, JobEvent, JobRequest, new_id
 from mlscope.errors import DatabaseError, MLScopeError, ResolutionError, WireError
+from mlscope.model_registry import ManifestWatcher
 from mlscope.registry import AgentCache, list_agents
 from mlscope.settings import Settings
 
@@ -69,8 +70,10 @@ class Server:
                     names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
                     config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
                                           ack_wait=JOB_ACK_WAIT_S, max_deliver=5))
+                self.remote = ManifestWatcher(bus)
                 self.agent_cache = AgentCache(bus)
                 async with anyio.create_task_group() as tg:
+                    await tg.start(self.remote.run)
                     tg.start_soon(self.agent_cache.run)
                     tg.start_soon(self.ingester.run)
                     tg.start_soon(self._take_jobs, jobs, tg)
@@ -138,12 +141,13 @@ class Server:
     async def _resolve(self, job: JobRequest) -> tuple[AgentDescription, Entry]:
         """From the watched registry (no round trip); a miss is checked against a
         fresh read of the bucket before it fails the job."""
+        catalog = self.remote.catalog(self.catalog)
         if self.agent_cache.ready.is_set():
             try:
-                return resolve(job, self.agent_cache.agents(), self.catalog)
+                return resolve(job, self.agent_cache.agents(), catalog)
             except ResolutionError:
                 pass
-        return resolve(job, await list_agents(self.bus), self.catalog)
+        return resolve(job, await list_agents(self.bus), catalog)
 
     async def _emit(self, subject: str, event: JobEvent) -> None:
         await self.bus.nc.publish(subject, codec.encode_model(event))

@@ -1,4 +1,11 @@
-"""``mlscope models [--json]``: models by task with versions, frameworks, sizes, paths."""
+"""``mlscope models``: the catalog, and the models registry on the bus.
+
+- ``mlscope models [--json] [--remote]``: models by task with versions, frameworks,
+  sizes and artifact paths (``--remote`` adds the manifests published on the bus);
+- ``mlscope models publish FILE|DIR...``: validate model manifests and put them in the
+  registry bucket; running agents that have the artifacts start serving them at once;
+- ``mlscope models remove NAME --version V --framework F``: take one out again.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +15,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
+
+from mlscope import bus as busmod
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
-from mlscope.errors import MLScopeError
+from mlscope.errors import ManifestError, MLScopeError
+from mlscope.manifest import ModelManifest, iter_manifest_files, load_manifest
+from mlscope.model_registry import (
+    ManifestWatcher,
+    delete_manifest,
+    key_for,
+    publish_manifest,
+)
+from mlscope.settings import Settings
 
 __all__ = ["describe", "register", "run"]
 
@@ -17,7 +35,18 @@ __all__ = ["describe", "register", "run"]
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     models = subparsers.add_parser("models", help="list the models the catalog knows")
     models.add_argument("--json", action="store_true", help="machine-readable output")
+    models.add_argument("--remote", action="store_true",
+                        help="include the manifests published on the bus")
     models.set_defaults(func=run)
+    sub = models.add_subparsers(dest="models_command")
+    pub = sub.add_parser("publish", help="publish model manifests to the bus registry")
+    pub.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    pub.set_defaults(func=run_publish)
+    rm = sub.add_parser("remove", help="remove a model manifest from the bus registry")
+    rm.add_argument("name")
+    rm.add_argument("--version", required=True)
+    rm.add_argument("--framework", required=True)
+    rm.set_defaults(func=run_remove)
 
 
 def _size(path: Path) -> int:
@@ -52,6 +81,9 @@ def describe(entry: Entry, zoo_dir: Path) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     try:
         catalog = Catalog.load(default_manifest_dirs(args.settings.manifests_dir))
+        if args.remote:
+            remote = anyio.run(_remote_entries, args.settings, backend="asyncio")
+            catalog = catalog.merged(remote)
     except MLScopeError as exc:
         print(f"mlscope models: {exc}", file=sys.stderr)
         return 1
@@ -69,4 +101,67 @@ def run(args: argparse.Namespace) -> int:
             flag = " latency-only" if r["latency_only"] else ""
             print(f"  {r['name']:<22} {r['version']:<8} {r['framework']:<12} {size}  "
                   f"{r['path']}{flag}")
+    return 0
+
+
+async def _remote_entries(settings: Settings) -> list[Entry]:
+    """The bus's valid manifests; invalid ones are reported on stderr and left out."""
+    async with busmod.connect(settings, name="mlscope models") as bus:
+        snap = await ManifestWatcher.snapshot(
+            bus, log=lambda line: print(f"mlscope models: {line}", file=sys.stderr))
+    return list(snap.entries.values())
+
+
+def publishable(path: Path) -> ModelManifest:
+    """A model manifest whose assets any agent can locate (not relative to its file)."""
+    m = load_manifest(path)
+    if not isinstance(m, ModelManifest):
+        raise ManifestError("only model manifests can be published", file=str(path),
+                            field="kind")
+    base = m.assets.base_url or ""
+    if "://" not in base:
+        raise ManifestError(
+            f"assets.base_url {base!r} is relative to the manifest's directory, which agents "
+            "reading the bus do not have; use zoo://, pkg://, file:///abs or http(s)://",
+            file=str(path), field="assets.base_url")
+    return m
+
+
+def run_publish(args: argparse.Namespace) -> int:
+    files: list[Path] = []
+    for f in args.files:
+        files.extend(iter_manifest_files([f]) if f.is_dir() else [f])
+    try:
+        manifests = [publishable(f) for f in files]
+
+        async def go() -> list[str]:
+            async with busmod.connect(args.settings, name="mlscope models publish",
+                                      provision=True) as bus:
+                return [await publish_manifest(bus, m) for m in manifests]
+
+        keys = anyio.run(go, backend="asyncio")
+    except MLScopeError as exc:
+        print(f"mlscope models publish: {exc}", file=sys.stderr)
+        return 1
+    for f, key in zip(files, keys, strict=True):
+        print(f"published {key} ({f})")
+    return 0 if keys else 1
+
+
+def run_remove(args: argparse.Namespace) -> int:
+    key = key_for(args.name, args.version, args.framework)
+
+    async def go() -> bool:
+        async with busmod.connect(args.settings, name="mlscope models remove") as bus:
+            return await delete_manifest(bus, key)
+
+    try:
+        removed = anyio.run(go, backend="asyncio")
+    except MLScopeError as exc:
+        print(f"mlscope models remove: {exc}", file=sys.stderr)
+        return 1
+    if not removed:
+        print(f"mlscope models remove: {key} is not in the bus registry", file=sys.stderr)
+        return 1
+    print(f"removed {key}")
     return 0

@@ -7,14 +7,17 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import anyio
 import nats.errors
 import nats.js.errors
 
+from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest
 from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 
@@ -26,16 +29,44 @@ ACCEPT_TIMEOUT_S = 10.0
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlscope-submit", description=__doc__)
     p.add_argument("model", metavar="MODEL[@VERSION]")
-    p.add_argument("--framework", required=True)
+    p.add_argument("--framework", required=True,
+                   help="a framework, or several comma-separated: one evaluation each, "
+                        "compared (output divergence) when --accuracy is given")
     p.add_argument("--framework-version", default=None, help="constraint, e.g. '>=1.20,<2'")
     p.add_argument("--device", default="cpu")
     p.add_argument("--agent", dest="agent_id", default=None)
-    p.add_argument("--scenario", default="online", choices=["online", "batched"])
-    p.add_argument("--qps", type=float, default=100.0)
-    p.add_argument("--duration", type=float, default=10.0, help="seconds")
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--scenario", default=None, choices=list(SCENARIOS),
+                   help="load scenario (default: online, or the --scenario-file's)")
+    p.add_argument("--scenario-file", type=Path, default=None,
+                   help="a scenario YAML (manifests/scenarios/); flags given override it")
+    p.add_argument("--qps", type=float, default=None, help="rate (default 100)")
+    p.add_argument("--duration", type=float, default=None, help="seconds (default 10)")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--batch-sizes", default=None, help="batched: sweep, e.g. 1,2,4,8")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: queries in flight")
+    p.add_argument("--latency-bound-ms", type=float, default=None,
+                   help="p99 bound (online: validity; peak: the search target)")
+    p.add_argument("--schedule", type=Path, default=None,
+                   help="replay: inter-arrival times in seconds, one per line")
+    p.add_argument("--loadgens", type=int, default=None,
+                   help="open loops: load-generator processes sharing one schedule")
+    p.add_argument("--repetitions", type=int, default=None,
+                   help="cold-start: loads measured (default 5)")
+    p.add_argument("--warm-queries", type=int, default=None,
+                   help="cold-start: warm queries after each load (default 20)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also run the labelled data set once (top-1/top-5, outputs kept)")
+    p.add_argument("--accuracy-samples", type=int, default=None,
+                   help="at most this many data-set samples for --accuracy")
     p.add_argument("--max-queries", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-duration", type=float, default=None,
+                   help="validity: minimum run length in s (default 10)")
+    p.add_argument("--min-queries", type=int, default=None,
+                   help="validity: minimum issued queries (default 100)")
+    p.add_argument("--max-issue-lag-us", type=float, default=None,
+                   help="validity: p99 issue lag tolerated (default 500)")
+    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--trace-level", default="model",
                    choices=["none", "model", "framework", "system", "full"])
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
@@ -47,21 +78,35 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def make_job(args: argparse.Namespace) -> JobRequest:
+def make_job(args: argparse.Namespace, framework: str | None = None) -> JobRequest:
     name, _, version = args.model.partition("@")
+    flags = {"name": args.scenario, "qps": args.qps, "duration_s": args.duration,
+             "batch_size": args.batch_size, "seed": args.seed,
+             "max_queries": args.max_queries, "concurrency": args.concurrency,
+             "latency_bound_ms": args.latency_bound_ms, "loadgens": args.loadgens,
+             "min_duration_s": args.min_duration, "min_queries": args.min_queries,
+             "max_issue_lag_us": args.max_issue_lag_us,
+             "batch_sizes": (tuple(int(b) for b in args.batch_sizes.split(","))
+                             if args.batch_sizes else None),
+             "arrivals_s": read_arrivals(args.schedule) if args.schedule else None,
+             "repetitions": getattr(args, "repetitions", None),
+             "warm_queries": getattr(args, "warm_queries", None)}
     return JobRequest(
-        model=name, model_version=version or None, framework=args.framework,
+        model=name, model_version=version or None, framework=framework or args.framework,
         framework_version=args.framework_version, device=args.device, agent_id=args.agent_id,
-        scenario=ScenarioSpec(name=args.scenario, qps=args.qps, duration_s=args.duration,
-                              batch_size=args.batch_size, seed=args.seed,
-                              max_queries=args.max_queries),
-        trace_level=args.trace_level, submitted_at=time.time())
+        scenario=scenario_spec(args.scenario_file, flags),
+        trace_level=args.trace_level, submitted_at=time.time(),
+        accuracy=getattr(args, "accuracy", False),
+        accuracy_samples=getattr(args, "accuracy_samples", None))
 
 
 async def submit(settings: Settings, job: JobRequest, *, on_event: object = None,
                  timeout: float | None = None) -> EvaluationSummary:
     """Publish ``job`` and wait for its summary; failures raise their typed error."""
-    limit = timeout or (job.scenario.duration_s * 3 + 360.0)
+    sc = job.scenario
+    runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
+    span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
+    limit = timeout or (max(sc.duration_s, span) * 3 * runs + 360.0)
     async with busmod.connect(settings, name="mlscope-submit") as bus:
         sub = await bus.nc.subscribe(names.job_events(job.job_id))
         try:
@@ -124,11 +169,34 @@ def format_summary(s: EvaluationSummary) -> str:
         ("latency ms", f"trimmed mean {f(lat.trimmed_mean)}  p50 {f(lat.p50)}  p90 "
                        f"{f(lat.p90)}  p99 {f(lat.p99)}  max {f(lat.max)}"),
         ("issue lag µs", f"p50 {f(lag.get('p50'), '', 1)}  p99 {f(lag.get('p99'), '', 1)}  "
-                         f"max {f(lag.get('max'), '', 1)}"),
+                         f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}"),
         ("throughput", f"{f(s.throughput_ips, '', 1)} inputs/s"),
     ]
     if s.accuracy:
         rows.append(("accuracy", "  ".join(f"{k} {v:.4f}" for k, v in s.accuracy.items())))
+    if s.latency_split_ms:
+        rows.append(("split ms p50", "  ".join(
+            f"{k} {f(v.get('p50'))}" for k, v in s.latency_split_ms.items())))
+    if s.scenario.get("loadgens", 1) > 1:
+        rows.append(("loadgens", f"{s.scenario['loadgens']} processes, one schedule"))
+    if s.scenario["name"] == "peak":
+        rows.append(("peak", f"{f(s.peak_qps, ' QPS', 1)} with p99 <= "
+                             f"{s.scenario.get('latency_bound_ms')} ms"))
+    if s.optimal_batch_size is not None:
+        rows.append(("optimal batch", f"{s.optimal_batch_size}"))
+    for pt in s.points:
+        lat_pt = pt["latency_ms"]
+        rows.append(("  tried", f"qps {f(pt['qps'], '', 1)} batch {pt['batch_size']}: p50 "
+                                f"{f(lat_pt['p50'])} p99 {f(lat_pt['p99'])} ms, "
+                                f"{f(pt['throughput_ips'], '', 1)} inputs/s, "
+                                f"{'VALID' if pt['valid'] else 'INVALID'} "
+                                f"({pt['evaluation_id']})"))
+    c = s.cold_start
+    if s.scenario["name"] == "cold-start" and c:
+        rows.append(("cold start", f"load {f(c.get('load_ms'))} ms  first inference "
+                                   f"{f(c.get('first_inference_ms'))} ms  warm predict "
+                                   f"{f(c.get('warm_predict_ms'))} ms  "
+                                   f"({c.get('cold_loads')}/{c.get('repetitions')} loads)"))
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
 
 
@@ -137,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.from_env()
     if args.all_agents:
         return _main_all_agents(args, settings)
+    if "," in args.framework:
+        return _main_many(args, settings)
     try:
         job = make_job(args)
         show = None if args.json or not sys.stderr.isatty() else _progress
@@ -144,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # pydantic validation of the arguments
+    except ValueError as exc:  # pydantic validation of the arguments and the scenario
         print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
         return 2
     if show is not None:
@@ -176,6 +246,55 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
     else:
         print(comparison_table(results))
     return 0 if all(isinstance(r, EvaluationSummary) for r in results) else 1
+
+
+def _main_many(args: argparse.Namespace, settings: Settings) -> int:
+    """One evaluation per framework (run together), then one comparison of their outputs."""
+    from broker.compare import compare_evaluations, format_comparison
+
+    frameworks = [f.strip() for f in args.framework.split(",") if f.strip()]
+    try:
+        jobs = [make_job(args, fw) for fw in frameworks]
+
+        async def go() -> tuple[list[EvaluationSummary], Any]:
+            out: list[EvaluationSummary | None] = [None] * len(jobs)
+
+            async def one(i: int) -> None:
+                out[i] = await submit(settings, jobs[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(len(jobs)):
+                    tg.start_soon(one, i)
+            done = [s for s in out if s is not None]
+            if not args.accuracy:
+                return done, None
+            async with busmod.connect(settings, name="mlscope-submit") as bus:
+                return done, await compare_evaluations(bus, [
+                    (s.framework["name"], s.evaluation_id, s.accuracy) for s in done])
+
+        summaries, comparison = anyio.run(go, backend="asyncio")
+    except (MLScopeError, ValueError, ExceptionGroup) as caught:
+        exc: BaseException = caught
+        while isinstance(exc, BaseExceptionGroup):  # the first failure of the task group
+            exc = exc.exceptions[0]
+        if isinstance(exc, MLScopeError):
+            print(f"mlscope-submit: {exc}", file=sys.stderr)
+            return 1
+        if isinstance(exc, ValueError):
+            print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
+            return 2
+        raise
+    if args.json:
+        print(json.dumps({"summaries": [s.model_dump(mode="json", by_alias=True)
+                                        for s in summaries],
+                          "comparison": comparison.to_dict() if comparison else None}))
+        return 0
+    for s in summaries:
+        print(format_summary(s))
+        print()
+    if comparison is not None:
+        print(format_comparison(comparison))
+    return 0
 
 
 if __name__ == "__main__":

@@ -138,7 +138,14 @@ class ScenarioSpec(BaseModel):
     """How load is generated; latency always counts from each query's scheduled time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: Literal["online", "batched"] = "online"
+    name: Literal["online", "single-stream", "multi-stream", "batched", "concurrency",
+                  "constant", "replay", "piecewise", "peak", "cold-start"] = "online"
+    """online: Poisson; constant: fixed interval; replay: ``arrivals_s``; piecewise:
+    ``segments``; multi-stream: ``batch_size`` samples every ``1/qps`` s; single-stream
+    and concurrency: closed loop with 1 / ``concurrency`` outstanding; batched: a sweep
+    of ``batch_sizes`` (closed loop); peak: search of the highest Poisson rate whose
+    p99 meets ``latency_bound_ms`` (see broker/scenarios.py); cold-start: model load +
+    first inference, ``repetitions`` times, apart from warm inference (broker/coldstart.py)."""
     qps: float = Field(default=100.0, gt=0)
     duration_s: float = Field(default=10.0, gt=0)
     batch_size: int = Field(default=1, ge=1)
@@ -148,6 +155,26 @@ class ScenarioSpec(BaseModel):
     min_queries: int | None = Field(default=None, ge=1)
     max_outstanding: int = Field(default=1024, ge=1)
     warmup_queries: int = Field(default=0, ge=0)
+    concurrency: int = Field(default=1, ge=1)
+    """Closed loops: queries kept in flight."""
+    latency_bound_ms: float | None = Field(default=None, gt=0)
+    """Bound on the p99 latency (online, peak): a run over it is INVALID."""
+    batch_sizes: tuple[int, ...] | None = None
+    """batched: the batch sizes swept (default: just ``batch_size``)."""
+    arrivals_s: tuple[float, ...] | None = None
+    """replay: inter-arrival times in seconds (read from ``--schedule FILE``)."""
+    segments: tuple[tuple[float, float, float], ...] | None = None
+    """piecewise: ``(rate_start, rate_end, seconds)`` per segment (ramps and bursts)."""
+    loadgens: int = Field(default=1, ge=1)
+    """Open loops: load-generator processes the global schedule is dealt to."""
+    peak_trials: int = Field(default=10, ge=2)
+    """peak: most runs the search makes."""
+    max_issue_lag_us: float | None = Field(default=None, gt=0)
+    """Validity: p99 issue lag tolerated (default: the server's policy, 500 µs)."""
+    repetitions: int = Field(default=5, ge=1)
+    """cold-start: how many times the model is unloaded, loaded and run again."""
+    warm_queries: int = Field(default=20, ge=1)
+    """cold-start: warm queries after each load (closed loop, ``batch_size`` samples)."""
 
 
 class JobRequest(_Message):
@@ -165,6 +192,10 @@ class JobRequest(_Message):
     trace_level: str = "model"
     submitted_at: float = 0.0
     rerun_of: str | None = None
+    accuracy: bool = False
+    """Also run the labelled data set once (top-1/top-5, per-sample outputs stored)."""
+    accuracy_samples: int | None = Field(default=None, ge=1)
+    """At most this many data-set samples for the accuracy pass (None: all)."""
 
 
 class LatencyStats(BaseModel):
@@ -207,6 +238,15 @@ class EvaluationSummary(_Message):
     clock_offset_ns: int = 0
     clock_rtt_ns: int = 0
     cold_start: dict[str, Any] | None = None
+    latency_split_ms: dict[str, dict[str, float | None]] | None = None
+    """Per stage (issue_lag, transport, queueing, compute, reply): p50/p99/mean in ms."""
+    peak_qps: float | None = None
+    """peak: the highest Poisson rate that met the latency bound."""
+    optimal_batch_size: int | None = None
+    """batched: the batch size with the highest throughput."""
+    points: tuple[dict[str, Any], ...] = ()
+    """peak / batched: every run made (rate or batch size, latencies, verdict, its id)."""
+    loadgens: int = 1
     started_at: float
     finished_at: float
 
@@ -237,6 +277,8 @@ class Query(_Message):
     index: int
     inputs: NDArray
     trace_level: int = int(TraceLevel.MODEL)
+    raw: bool = False
+    """Also return the model's raw first output (accuracy and divergence runs only)."""
 
 
 class QueryReply(_Message):
@@ -251,6 +293,8 @@ class QueryReply(_Message):
     t_predict_start: int = 0
     t_predict_end: int = 0
     t_replied: int = 0
+    raw_outputs: NDArray | None = None
+    """The model's raw first output for this query's samples, when the query asked."""
 
 
 # --------------------------------------------------------------------------- traces

@@ -267,7 +267,7 @@ class SystemManifest(SystemRequirements):
 
 
 ScenarioName = Literal["online", "single-stream", "multi-stream", "batched", "concurrency",
-                       "constant", "replay", "peak"]
+                       "constant", "replay", "piecewise", "peak"]
 
 
 class ScenarioFile(_Strict):
@@ -287,6 +287,10 @@ class ScenarioFile(_Strict):
     latency_bound_ms: float | None = Field(default=None, gt=0)
     schedule_file: str | None = None
     """replay: a recorded trace, relative to the scenario file."""
+    segments: tuple[tuple[float, float, float], ...] | None = None
+    """piecewise: ``[rate_start, rate_end, seconds]`` per segment (ramps and bursts)."""
+    loadgens: int | None = Field(default=None, ge=1)
+    """Open loops: load-generator processes sharing one global schedule."""
 
     @field_validator("batch_sizes")
     @classmethod
@@ -303,7 +307,7 @@ class ScenarioFile(_Strict):
     @model_validator(mode="after")
     def _needs(self) -> ScenarioFile:
         required = {"online": "qps", "constant": "qps", "replay": "schedule_file",
-                    "concurrency": "concurrency"}
+                    "concurrency": "concurrency", "piecewise": "segments"}
         field = required.get(self.name)
         if field is not None and getattr(self, field) is None:
             raise ValueError(f"scenario {self.name!r} needs {field}")

@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
+import anyio
 import nats.errors
 import nats.js.errors
+from anyio.abc import TaskStatus
 
 from mlscope import names
 from mlscope.bus import Bus
@@ -25,8 +30,8 @@ from mlscope.catalog import Catalog, Entry
 from mlscope.errors import BusError, ManifestError
 from mlscope.manifest import ModelManifest, mark_untrusted, parse_manifest
 
-__all__ = ["delete_manifest", "load_remote", "load_remote_entries", "manifest_key",
-           "publish_manifest", "publish_manifests"]
+__all__ = ["ManifestWatcher", "delete_manifest", "key_for", "load_remote", "load_remote_entries",
+           "manifest_key", "publish_manifest", "publish_manifests"]
 
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
 REMOTE_ROOT = Path("/nonexistent/mlscope-bus")
@@ -35,8 +40,11 @@ REMOTE_ROOT = Path("/nonexistent/mlscope-bus")
 
 def manifest_key(manifest: ModelManifest) -> str:
     """``<name>.<version>.<framework>`` with characters KV keys forbid replaced by ``_``."""
-    raw = f"{manifest.name}.{manifest.version}.{manifest.framework.name}"
-    return _KEY_UNSAFE.sub("_", raw).strip(".")
+    return key_for(manifest.name, manifest.version, manifest.framework.name)
+
+
+def key_for(name: str, version: str, framework: str) -> str:
+    return _KEY_UNSAFE.sub("_", f"{name}.{version}.{framework}").strip(".")
 
 
 async def publish_manifest(bus: Bus, manifest: ModelManifest) -> str:
@@ -56,12 +64,19 @@ async def publish_manifests(bus: Bus, catalog: Catalog) -> list[str]:
     return [await publish_manifest(bus, e.manifest) for e in catalog.entries]
 
 
-async def delete_manifest(bus: Bus, manifest: ModelManifest) -> None:
+async def delete_manifest(bus: Bus, manifest: ModelManifest | str) -> bool:
+    """Remove a manifest (or a key); False when there was none to remove."""
+    key = manifest if isinstance(manifest, str) else manifest_key(manifest)
     kv = await bus.kv(names.MODELS_BUCKET)
     try:
-        await kv.delete(manifest_key(manifest))
+        try:
+            await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            return False
+        await kv.delete(key)
     except nats.errors.Error as exc:
-        raise BusError(f"cannot delete manifest {manifest_key(manifest)}: {exc!r}") from exc
+        raise BusError(f"cannot delete manifest {key}: {exc!r}", key=key) from exc
+    return True
 
 
 async def load_remote(bus: Bus) -> list[ModelManifest]:
@@ -84,20 +99,91 @@ async def load_remote(bus: Bus) -> list[ModelManifest]:
             continue  # deleted between keys() and get()
         except nats.errors.Error as exc:
             raise BusError(f"cannot read manifest {key}: {exc!r}", key=key) from exc
-        where = f"{names.MODELS_BUCKET}/{key}"
-        try:
-            data = json.loads(entry.value or b"")
-        except ValueError as exc:
-            raise ManifestError(f"not valid JSON: {exc}", file=where) from exc
-        manifest = parse_manifest(data, file=where)
-        if not isinstance(manifest, ModelManifest):
-            raise ManifestError("only model manifests belong in the models bucket",
-                                file=where, field="kind")
-        out.append(mark_untrusted(manifest))
+        out.append(_parse(key, entry.value))
     return out
+
+
+def _parse(key: str, value: bytes | None) -> ModelManifest:
+    """One bucket value as a validated, untrusted model manifest (errors name the key)."""
+    where = f"{names.MODELS_BUCKET}/{key}"
+    try:
+        data = json.loads(value or b"")
+    except ValueError as exc:
+        raise ManifestError(f"not valid JSON: {exc}", file=where) from exc
+    manifest = parse_manifest(data, file=where)
+    if not isinstance(manifest, ModelManifest):
+        raise ManifestError("only model manifests belong in the models bucket",
+                            file=where, field="kind")
+    return mark_untrusted(manifest)
 
 
 async def load_remote_entries(bus: Bus) -> list[Entry]:
     """:func:`load_remote` as catalog entries (``trusted=False``)."""
-    return [Entry(m, REMOTE_ROOT / f"{manifest_key(m)}.yaml", trusted=False)
-            for m in await load_remote(bus)]
+    return [remote_entry(m) for m in await load_remote(bus)]
+
+
+def remote_entry(m: ModelManifest) -> Entry:
+    """A catalog entry for a manifest from the bus: untrusted, no local directory."""
+    return Entry(m, REMOTE_ROOT / f"{manifest_key(m)}.yaml", trusted=False)
+
+
+class ManifestWatcher:
+    """A live view of the models bucket: untrusted catalog entries, kept up to date.
+
+    ``run`` watches the bucket (last value per key, then every change); it reports
+    started once the initial snapshot is in, so a process that starts it first never
+    acts on a half-read registry. After that, ``on_change`` is awaited after each change.
+    A value that does not validate is kept out of ``entries`` and recorded in
+    ``rejected`` with its error: a bad manifest on the bus never stops the watcher.
+    """
+
+    def __init__(self, bus: Bus, on_change: Callable[[], Awaitable[None]] | None = None,
+                 *, log: Callable[[str], None] | None = None) -> None:
+        self.bus, self.on_change = bus, on_change
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.entries: dict[str, Entry] = {}
+        self.rejected: dict[str, ManifestError] = {}
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        kv = await self.bus.kv(names.MODELS_BUCKET)
+        watcher = await kv.watchall()
+        ready = False
+        try:
+            async for update in watcher:
+                if update is None:  # the initial snapshot is complete
+                    if not ready:
+                        ready = True
+                        task_status.started()
+                    continue
+                self._apply(update.key, update.value, deleted=update.operation is not None)
+                if ready and self.on_change is not None:
+                    await self.on_change()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await watcher.stop()  # type: ignore[no-untyped-call]
+
+    def _apply(self, key: str, value: bytes | None, *, deleted: bool) -> None:
+        self.entries.pop(key, None)
+        self.rejected.pop(key, None)
+        if deleted:
+            return
+        try:
+            m = _parse(key, value)
+        except ManifestError as exc:
+            self.rejected[key] = exc
+            self.log(f"ignoring a manifest on the bus: {exc}")
+            return
+        self.entries[key] = remote_entry(m)
+
+    @classmethod
+    async def snapshot(cls, bus: Bus, **kw: Any) -> ManifestWatcher:
+        """The bucket as it is now (valid entries and rejected keys), without watching on."""
+        watcher = cls(bus, **kw)
+        async with anyio.create_task_group() as tg:
+            await tg.start(watcher.run)
+            tg.cancel_scope.cancel()
+        return watcher
+
+    def catalog(self, local: Catalog) -> Catalog:
+        """``local`` plus the bus's manifests (a local manifest wins on the same key)."""
+        return local.merged(self.entries.values())

@@ -214,6 +214,9 @@ class ValidityPolicy:
     """Early-stopping confidence (MLPerf: 0.99)."""
     tolerance: float = 0.0
     """Early-stopping tolerance, a fraction subtracted from the percentile (MLPerf: 0)."""
+    early_stopping: bool = True
+    """Require enough completed queries for an early-stopping estimate of ``percentile``
+    (off for throughput scenarios, which have no latency target: MLPerf offline)."""
     latency_bound_ns: int | None = None
     """Server scenario: the target percentile of latency must not exceed this."""
     issue_lag_percentile: float = 99.0
@@ -305,6 +308,8 @@ def _latency_reasons(pol: ValidityPolicy, lat: npt.NDArray[np.float64]) -> list[
     if lat.size == 0:
         return ["no query completed"]
     if pol.latency_bound_ns is None:
+        if not pol.early_stopping:
+            return []
         need = early_stopping_min_queries(pol.percentile, pol.confidence, pol.tolerance)
         if lat.size < need:
             return [

@@ -22,14 +22,19 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
-def zoo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The zoo models the tests need, built once (or reused from MLSCOPE_TEST_ZOO)."""
-    from mlscope.zoo.build import build
+def zoo_dir() -> Path:
+    """The zoo models that agents in the tests serve, built once per session (or reused
+    from MLSCOPE_TEST_ZOO); the same directory as ``tests.zoo_fixtures``, so a model a
+    test builds later with ``built(name)`` lands beside them."""
+    from tests.zoo_fixtures import built, zoo_dir
 
-    reuse = os.environ.get("MLSCOPE_TEST_ZOO")
-    root = Path(reuse) if reuse else tmp_path_factory.mktemp("zoo")
-    build(root, only=["digits_cnn"], log=lambda _: None)
-    return root
+    for name in STACK_MODELS:
+        built(name)
+    return zoo_dir()
+
+
+STACK_MODELS = ("digits_cnn", "efficientnet_lite0")
+"""Built before any agent starts (agents advertise what is present when they start)."""
 
 
 def make_data_dir(base: Path, zoo_dir: Path) -> Path:

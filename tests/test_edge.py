@@ -83,7 +83,7 @@ def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path,
                 i = 1_000_000
                 while anyio.current_time() < t_end:
                     q = Query(evaluation_id=seen["eval"], index=i,
-                              inputs=np.zeros((1, 4), np.float32), trace_level=1)
+                              inputs=np.zeros((1, 16), np.float32), trace_level=1)
                     offline["sent"] += 1
                     reply = codec.decode((await bus.nc.request(
                         names.agent_query("edge-1"), codec.encode_model(q), timeout=5)).data)

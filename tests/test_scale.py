@@ -63,7 +63,7 @@ def test_agents_share_load_through_their_queue_group(farm: dict) -> None:
 
             async def one(i: int) -> None:
                 async with limit:
-                    q = Query(evaluation_id=eval_id, index=i, inputs=np.zeros((1, 4), np.float32))
+                    q = Query(evaluation_id=eval_id, index=i, inputs=np.zeros((1, 16), np.float32))
                     reply = codec.decode((await bus.nc.request(subject, codec.encode_model(q),
                                                                timeout=10)).data)
                     assert reply["ok"] is True

@@ -84,7 +84,8 @@ def test_online_evaluation_end_to_end(stack: Settings) -> None:
 
 
 def test_batched_reports_throughput_and_spec_is_stored(stack: Settings) -> None:
-    s = run_job(stack, scenario=ScenarioSpec(name="batched", batch_size=16, duration_s=1.5))
+    s = run_job(stack, scenario=ScenarioSpec(name="batched", batch_size=16, duration_s=1.5,
+                                             min_duration_s=1))
     assert s.status == "completed" and s.errors == 0 and s.valid
     assert s.samples == 16 * s.queries and s.throughput_ips and s.throughput_ips > 1000
     assert s.accuracy and s.accuracy["top1"] > 0.95

@@ -1,0 +1,347 @@
+"""The streaming pipeline executor (paper section 4.4.2): one per loaded model.
+
+::
+
+    submit ──► ready stream (ordered) ────────────────► predict thread ──► reply
+       │                                                   ▲  batch, predict,
+       └──► work stream ──► pre-processing pool ──(latch)──┘  post, emit
+                               (K threads)
+
+* **Admission / backpressure.** At most ``capacity`` queries are admitted and not yet
+  answered; :meth:`Executor.submit` returns False beyond that and the agent answers
+  "overloaded" at the edge. Nothing else queues, so no stream is unbounded.
+* **Pre-processing overlaps inference.** Each admitted query is offered to a pool of
+  ``pre_workers`` threads, which pre-process it while the predict thread runs earlier
+  batches (the runtimes release the GIL while they compute). A query that the predict
+  thread is already idly waiting for is pre-processed inline instead: an idle pipeline
+  then costs one thread hand-off per query, like a plain worker thread.
+* **Dynamic batching.** The predict thread takes queries in arrival order and merges
+  consecutive ones into one ``predict`` call until ``max_batch`` samples are gathered
+  or the first query is ``max_wait_us`` old; a query that would overflow the batch
+  starts the next one. A full query (its own batch already ``max_batch``) never waits.
+* **Order.** Replies leave in admission order, errors included.
+* **Errors are per query.** A query whose pre-processing fails gets its typed error
+  and drops out of the batch; when a merged batch fails, its queries are retried one
+  by one so that only the culprit gets the error. The thread never dies on a query.
+
+One call site runs ``predictor.predict`` (:meth:`Executor._predict`) and one function
+emits a query's spans (:func:`emit_spans`): framework-level profiling hooks go there.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from agent.operators import Pipeline
+from agent.tracer import SpanBuffer
+from mlscope.contracts import QueryReply, TraceLevel
+from mlscope.errors import InferenceError, InputMismatchError, MLScopeError
+from mlscope.predictor import Predictor
+
+__all__ = ["Executor", "ExecutorConfig", "Job", "Model", "emit_spans"]
+
+now = time.perf_counter_ns
+
+_PENDING, _CLAIMED, _DONE = 0, 1, 2
+
+
+class Model(Protocol):
+    """What the executor needs of a loaded model (:class:`agent.worker.LoadedModel`)."""
+
+    name: str
+    predictor: Predictor
+    pre: list[Pipeline]
+    post: Pipeline
+    sample_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorConfig:
+    capacity: int = 256
+    """Queries admitted and not yet answered; beyond it :meth:`Executor.submit` refuses."""
+    pre_workers: int = 2
+    """Threads that pre-process queries while earlier batches are predicted."""
+    max_batch: int = 1
+    """Most samples in one ``predict`` call (queries are merged up to it)."""
+    max_wait_us: int = 500
+    """How long the first query of a partial batch waits for more (from its arrival)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One query as the executor sees it."""
+
+    index: int
+    inputs: np.ndarray
+    received_ns: int
+    level: TraceLevel
+    spans: SpanBuffer | None
+    reply: Callable[[QueryReply], None]
+    raw: bool = False
+    """Also return the model's raw first output (for accuracy and divergence runs)."""
+
+
+@dataclass(eq=False, slots=True)
+class _Slot:
+    job: Job
+    seq: int
+    samples: int
+    state: int = _PENDING
+    latch: threading.Lock | None = None
+    x: Any = None
+    error: MLScopeError | None = None
+    t_pre: int = 0
+    t_pre_end: int = 0
+    replied: bool = False
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What one query of a predicted batch gets back."""
+
+    result: np.ndarray | None = None
+    raw: np.ndarray | None = None
+    error: MLScopeError | None = None
+    t_predict: int = 0
+    t_predict_end: int = 0
+    t_post_end: int = 0
+    batch: int = 0
+
+
+class Executor:
+    """Pre-process pool -> batching predict thread -> post-process -> reply, in order."""
+
+    def __init__(self, model: Model, config: ExecutorConfig | None = None) -> None:
+        self.model = model
+        self.config = config or ExecutorConfig()
+        self.max_batch = self.config.max_batch
+        self._max_wait_ns = self.config.max_wait_us * 1000
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._seq = 0
+        self._idle_seq = -1  # the seq the predict thread is idly waiting for, else -1
+        self._ready: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._pre_loop, name=f"pre-{model.name}-{i}",
+                                          daemon=True)
+                         for i in range(self.config.pre_workers)]
+        self._threads.append(threading.Thread(target=self._predict_loop,
+                                              name=f"infer-{model.name}", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ edge
+
+    def submit(self, job: Job) -> bool:
+        """Admit a query; False when ``capacity`` queries are in flight (answer overloaded)."""
+        with self._lock:
+            if self._inflight >= self.config.capacity:
+                return False
+            self._inflight += 1
+            seq = self._seq
+            self._seq += 1
+        samples = int(job.inputs.shape[0]) if job.inputs.ndim else 1
+        slot = _Slot(job, seq, samples)
+        self._ready.put(slot)
+        if seq != self._idle_seq and self.config.pre_workers:
+            self._work.put(slot)
+        return True
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def stop(self) -> None:
+        """Answer what was admitted, stop the threads and close the predictor."""
+        self._ready.put(None)
+        for _ in range(self.config.pre_workers):
+            self._work.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+        self.model.predictor.close()
+
+    # ------------------------------------------------------------------ pre-processing
+
+    def _pre_loop(self) -> None:
+        while (slot := self._work.get()) is not None:
+            if slot.seq == self._idle_seq:
+                continue  # the idle predict thread does it inline: no hand-off
+            with self._lock:
+                if slot.state != _PENDING:
+                    continue
+                slot.state = _CLAIMED
+                slot.latch = latch = threading.Lock()
+                latch.acquire()
+            self._preprocess(slot)
+            slot.state = _DONE
+            latch.release()
+
+    def _preprocess(self, slot: _Slot) -> None:
+        m, raw = self.model, slot.job.inputs
+        slot.t_pre = now()
+        try:
+            if raw.ndim < 1 or raw.shape[0] < 1:
+                raise InputMismatchError(
+                    f"{m.name}: a query needs a batch of at least one sample", model=m.name,
+                    framework=m.predictor.framework, expected="(batch, ...)",
+                    actual=list(raw.shape))
+            slot.x = m.pre[0](raw)
+        except MLScopeError as exc:
+            slot.error = exc
+        except Exception as exc:  # an operator's own error: the query was malformed
+            slot.error = InputMismatchError(
+                f"{m.name}: pre-processing failed: {exc}", model=m.name,
+                framework=m.predictor.framework, index=slot.job.index,
+                expected=[None, *m.sample_shape],
+                actual={"shape": list(raw.shape), "dtype": str(raw.dtype)})
+        slot.t_pre_end = now()
+
+    def _ensure_preprocessed(self, slot: _Slot) -> None:
+        with self._lock:
+            mine = slot.state == _PENDING
+            if mine:
+                slot.state = _CLAIMED
+        if mine:
+            self._preprocess(slot)
+            slot.state = _DONE
+        elif slot.state != _DONE and slot.latch is not None:
+            slot.latch.acquire()  # released by the pool thread when it is done
+            slot.latch.release()
+
+    # ------------------------------------------------------------------ batching
+
+    def _predict_loop(self) -> None:
+        held: _Slot | None = None
+        stopping = False
+        while not stopping:
+            first = held
+            if first is None:
+                first = self._ready.get()
+                self._idle_seq = -1
+                if first is None:
+                    break
+            batch, held, stopping = self._gather(first)
+            try:
+                self._run_batch(batch, idle_next=held is None)
+            except Exception as exc:  # a fault here must not stop the model: answer, go on
+                m = self.model
+                err = InferenceError(f"{m.name}: pipeline failure: {exc!r}", model=m.name,
+                                     framework=m.predictor.framework)
+                for slot in batch:
+                    if not slot.replied:
+                        self._finish(slot, _Outcome(error=err))
+
+    def _gather(self, first: _Slot) -> tuple[list[_Slot], _Slot | None, bool]:
+        """Consecutive queries up to ``max_batch`` samples or the first one's max wait."""
+        batch, n, limit = [first], first.samples, self.max_batch
+        deadline = first.job.received_ns + self._max_wait_ns
+        while n < limit:
+            left = (deadline - now()) / 1e9
+            try:
+                nxt = self._ready.get(timeout=left) if left > 0 else self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                return batch, None, True
+            if n + nxt.samples > limit:
+                return batch, nxt, False
+            batch.append(nxt)
+            n += nxt.samples
+        return batch, None, False
+
+    # ------------------------------------------------------------------ inference
+
+    def _run_batch(self, batch: list[_Slot], *, idle_next: bool) -> None:
+        for slot in batch:
+            self._ensure_preprocessed(slot)
+        good = [s for s in batch if s.error is None]
+        outcomes: dict[int, _Outcome] = {}
+        if good:
+            self._infer(good, outcomes)
+        if idle_next:
+            # Before the replies go out: a query sent in answer to one of them finds
+            # this thread about to be idle and is pre-processed inline, not by the pool.
+            with self._lock:
+                self._idle_seq = self._seq if self._ready.empty() else -1
+        for slot in batch:
+            out = outcomes.get(slot.seq) or _Outcome(error=slot.error)
+            self._finish(slot, out)
+
+    def _infer(self, slots: list[_Slot], outcomes: dict[int, _Outcome]) -> None:
+        m = self.model
+        try:
+            x = slots[0].x if len(slots) == 1 else np.concatenate([s.x for s in slots])
+            t_pred = now()
+            out = self._predict(x)
+            t_post = now()
+            result = m.post(out[0])
+            t_end = now()
+        except Exception as exc:
+            if len(slots) > 1:  # isolate the culprit: one query at a time
+                for s in slots:
+                    self._infer([s], outcomes)
+                return
+            err = exc if isinstance(exc, MLScopeError) else InferenceError(
+                f"{m.name}: {exc}", model=m.name, framework=m.predictor.framework,
+                batch_size=slots[0].samples)
+            outcomes[slots[0].seq] = _Outcome(error=err)
+            return
+        bounds = np.cumsum([s.samples for s in slots])[:-1]
+        parts = np.split(result, bounds) if len(slots) > 1 else [result]
+        raws = (np.split(out[0], bounds) if len(slots) > 1 else [out[0]]) \
+            if any(s.job.raw for s in slots) else [None] * len(slots)
+        total = int(bounds[-1] + slots[-1].samples) if len(slots) > 1 else slots[0].samples
+        for s, part, raw in zip(slots, parts, raws, strict=True):
+            outcomes[s.seq] = _Outcome(result=part, raw=raw if s.job.raw else None,
+                                       t_predict=t_pred, t_predict_end=t_post,
+                                       t_post_end=t_end, batch=total)
+
+    def _predict(self, x: np.ndarray) -> list[np.ndarray]:
+        """The one call site of ``predictor.predict`` (framework profiling hooks here)."""
+        return self.model.predictor.predict([x])
+
+    # ------------------------------------------------------------------ replies
+
+    def _finish(self, slot: _Slot, out: _Outcome) -> None:
+        job = slot.job
+        if out.error is not None:
+            reply = QueryReply(index=job.index, ok=False, error=out.error.to_wire(),
+                               t_received=job.received_ns, t_replied=now())
+        else:
+            if job.spans is not None and job.level >= TraceLevel.MODEL:
+                emit_spans(job, slot.t_pre, slot.t_pre_end, out)
+            reply = QueryReply(index=job.index, ok=True,
+                               outputs=np.ascontiguousarray(out.result),
+                               raw_outputs=None if out.raw is None
+                               else np.ascontiguousarray(out.raw),
+                               t_received=job.received_ns, t_predict_start=out.t_predict,
+                               t_predict_end=out.t_predict_end, t_replied=now())
+        slot.replied = True
+        with self._lock:
+            self._inflight -= 1
+        job.reply(reply)
+
+
+def emit_spans(job: Job, t_pre: int, t_pre_end: int, out: _Outcome) -> None:
+    """The model-level spans of one answered query: query > preprocess, predict, post."""
+    spans = job.spans
+    if spans is None:
+        return
+    attrs: dict[str, Any] = {"batch_size": int(job.inputs.shape[0])}
+    if out.batch != attrs["batch_size"]:
+        attrs["predict_batch"] = out.batch  # merged with other queries
+    root = spans.add(parent=0, query_index=job.index, level=TraceLevel.MODEL, kind="query",
+                     name="query", start_ns=job.received_ns, end_ns=out.t_post_end,
+                     attrs=attrs)
+    for name, a, b in (("preprocess", t_pre, t_pre_end),
+                       ("predict", out.t_predict, out.t_predict_end),
+                       ("postprocess", out.t_predict_end, out.t_post_end)):
+        spans.add(parent=root, query_index=job.index, level=TraceLevel.MODEL, kind="step",
+                  name=name, start_ns=a, end_ns=b)

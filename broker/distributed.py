@@ -1,0 +1,201 @@
+"""Distributed load: one seeded global schedule dealt to K load-generator processes.
+
+How they connect: the server (parent) builds the global schedule and every query's
+payload, deals the schedule round-robin (:func:`broker.schedule.deal`: query ``i`` goes
+to process ``i % K``) and starts K processes ``python -m broker.distributed CONFIG``.
+Each child connects to NATS on its own (same URL and credentials as the server),
+reads its slice (offsets, global indices, payloads) from files the parent wrote in a
+private temporary directory, prints ``ready`` on stdout and waits for the start time
+on stdin. The parent then sends every child the same start time, a
+``perf_counter_ns`` (CLOCK_MONOTONIC) value 200 ms ahead: CLOCK_MONOTONIC is one
+clock for every process of a host, so the K pacers share one time origin (the K
+processes must therefore run on the server's host). Each child runs its own pacer
+thread and :class:`broker.loadgen.Driver`, publishes straight to the agent with its own
+reply inbox, and writes its raw per-query arrays (``.npz``) when done. The parent
+merges them by global index (:func:`broker.schedule.merge_values`) into one
+:class:`RunRecord`, judged once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from broker import schedule
+from broker.loadgen import Driver, RunRecord, encode_query
+from broker.schedule import Schedule
+from mlscope import bus as busmod
+from mlscope import codec
+from mlscope.contracts import ScenarioSpec, TraceLevel
+from mlscope.errors import EvaluationError
+from mlscope.settings import Settings
+
+if TYPE_CHECKING:
+    from broker.scenarios import Context
+
+__all__ = ["ARRAYS", "main", "run_dealt"]
+
+START_LEAD_S = 0.2
+READY_TIMEOUT_S = 60.0
+ARRAYS = ("scheduled", "issued", "completed", "agent_received", "predict_start",
+          "predict_end", "agent_replied", "ok", "correct", "prediction")
+
+
+async def run_dealt(ctx: Context, spec: ScenarioSpec, sched: Schedule,
+                    inputs: Callable[[int], np.ndarray],
+                    labels: Callable[[int], np.ndarray] | None) -> RunRecord:
+    """Run ``sched`` on ``spec.loadgens`` processes; the merged record of all of them."""
+    parts = schedule.deal(sched, spec.loadgens)
+    payloads = [encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level)
+                for g in range(len(sched))]
+    cfg = {"evaluation_id": ctx.evaluation_id, "subject": ctx.subject,
+           "spec": spec.model_dump(mode="json"), "offset_ns": ctx.offset_ns,
+           "trace_level": int(ctx.trace_level), "nats_url": ctx.nats_url,
+           "has_labels": labels is not None}
+    timeout = spec.duration_s * 3 + 120
+    return await anyio.to_thread.run_sync(
+        lambda: _run_processes(cfg, parts, payloads, labels, timeout))
+
+
+def _run_processes(cfg: dict[str, Any], parts: list[Schedule], payloads: list[bytes],
+                   labels: Callable[[int], np.ndarray] | None, timeout: float) -> RunRecord:
+    """Write each slice, start one process per slice, start them together, merge."""
+    with tempfile.TemporaryDirectory(prefix="mlscope-lg-") as tmp:
+        procs = []
+        try:
+            for j, part in enumerate(parts):
+                base = Path(tmp) / f"lg{j}"
+                np.savez(f"{base}-schedule.npz", offsets=part.offsets_ns, index=part.index)
+                Path(f"{base}-payloads.bin").write_bytes(
+                    codec.encode([payloads[int(g)] for g in part.index]))
+                if labels is not None:
+                    np.save(f"{base}-labels.npy",
+                            np.stack([labels(int(g)) for g in part.index]))
+                Path(f"{base}.json").write_text(json.dumps({**cfg, "base": str(base)}))
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "broker.distributed", f"{base}.json"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env(),
+                    text=True))
+            _start(procs)
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            raise EvaluationError(f"a load-generator process failed (exit codes {codes})")
+        return _merge(parts, [_load(Path(tmp) / f"lg{j}-result.npz")
+                              for j in range(len(parts))])
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def _start(procs: list[subprocess.Popen[str]]) -> None:
+    """Wait for every child's ``ready``, then give all of them one start time."""
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline().strip()
+        if line != "ready":
+            raise EvaluationError(f"load-generator process {p.pid} did not start ({line!r})")
+    start = time.perf_counter_ns() + int(START_LEAD_S * 1e9)
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(f"{start}\n")
+        p.stdin.flush()
+
+
+def _load(path: Path) -> tuple[RunRecord, dict[int, str]]:
+    with np.load(path) as z:
+        rec = RunRecord(n=int(z["scheduled"].size), batch_size=int(z["batch_size"]))
+        for name in ARRAYS:
+            setattr(rec, name, z[name])
+        rec.t0_ns, rec.not_issued = int(z["t0_ns"]), int(z["not_issued"])
+        errors = {int(i): str(m) for i, m in zip(z["error_index"], z["error_message"],
+                                                  strict=True)}
+    rec.errors = errors
+    return rec, errors
+
+
+def _merge(parts: list[Schedule], results: list[tuple[RunRecord, dict[int, str]]]
+           ) -> RunRecord:
+    """One record in global order from the slices' records."""
+    recs = [r for r, _ in results]
+    n = sum(r.n for r in recs)
+    out = RunRecord(n=n, batch_size=recs[0].batch_size, t0_ns=recs[0].t0_ns)
+    for name in ARRAYS:
+        setattr(out, name, schedule.merge_values(parts, [getattr(r, name) for r in recs]))
+    out.not_issued = sum(r.not_issued for r in recs)
+    out.done = sum(int(np.count_nonzero(r.completed)) for r in recs)
+    for part, (_, errs) in zip(parts, results, strict=True):
+        out.errors.update({int(part.index[i]): m for i, m in errs.items()})
+    return out
+
+
+# --------------------------------------------------------------------------- child
+
+
+def _read_slice(base: str) -> tuple[Schedule, list[bytes]]:
+    with np.load(f"{base}-schedule.npz") as z:
+        sched = Schedule(z["offsets"], index=z["index"])
+    return sched, list(codec.decode(Path(f"{base}-payloads.bin").read_bytes()))
+
+
+async def _child(cfg: dict[str, Any]) -> None:
+    base = cfg["base"]
+    settings = Settings.from_env()
+    if cfg.get("nats_url"):
+        settings = settings.with_(nats_url=cfg["nats_url"])
+    sched, payloads = await anyio.to_thread.run_sync(_read_slice, base)
+    first = int(sched.index[0]) if len(sched) else 0
+    stride = int(sched.index[1] - sched.index[0]) if len(sched) > 1 else 1
+    labels_fn = None
+    if cfg["has_labels"]:
+        lab = np.load(f"{base}-labels.npy")
+
+        def labels_fn(g: int) -> np.ndarray:
+            return lab[(g - first) // stride]  # type: ignore[no-any-return]
+
+    def no_inputs(g: int) -> np.ndarray:
+        raise EvaluationError("payloads are prebuilt by the parent")
+
+    async with busmod.connect(settings, name=f"loadgen {os.getpid()}") as bus:
+        print("ready", flush=True)
+        start_ns = int(await anyio.to_thread.run_sync(sys.stdin.readline))
+        driver = Driver(bus, evaluation_id=cfg["evaluation_id"], subject=cfg["subject"],
+                        spec=ScenarioSpec.model_validate(cfg["spec"]), inputs=no_inputs,
+                        labels=labels_fn, trace_level=TraceLevel(cfg["trace_level"]),
+                        offset_ns=int(cfg["offset_ns"]), schedule=sched, start_ns=start_ns,
+                        payloads=payloads)
+        rec = await driver.run()
+    errs = sorted(rec.errors.items())
+    np.savez(f"{base}-result.npz", **{name: getattr(rec, name) for name in ARRAYS},
+             batch_size=rec.batch_size, t0_ns=rec.t0_ns, not_issued=rec.not_issued,
+             error_index=np.asarray([i for i, _ in errs], np.int64),
+             error_message=np.asarray([m for _, m in errs], dtype=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    cfg = json.loads(Path(args[0]).read_text())
+    anyio.run(_child, cfg, backend="asyncio")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,309 @@
+"""The streaming pipeline executor: order, batching, max wait, backpressure, overlap,
+error isolation -- on the real digits_cnn ONNX model -- and typed error replies from a
+live agent over the bus (bad input, a model that fails to load, a runtime failure)."""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from agent.pipeline import Executor, ExecutorConfig, Job
+from agent.service import Agent, AgentConfig
+from agent.tracer import SpanBuffer
+from agent.worker import LoadedModel
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.catalog import Catalog, Entry, default_manifest_dirs
+from mlscope.contracts import Query, QueryReply, TraceLevel
+from mlscope.errors import InferenceError, InputMismatchError, ModelLoadError, error_from_wire
+from mlscope.predictor import PredictorOptions
+from mlscope.settings import Settings
+
+pytestmark = pytest.mark.timeout(120)
+
+POISON = 255  # a sample whose first pixel is this makes the test predictor fail
+
+
+def digits_entry() -> Entry:
+    return Catalog.load(default_manifest_dirs()).find("digits_cnn", framework="onnxruntime")
+
+
+@pytest.fixture
+def model(zoo_dir: Path) -> LoadedModel:
+    e = digits_entry()
+    return LoadedModel.open(e, e.graph(zoo_dir), PredictorOptions(threads=1))
+
+
+@pytest.fixture
+def samples(zoo_dir: Path) -> np.ndarray:
+    with np.load(zoo_dir / "digits_cnn" / "1.0.0" / "holdout.npz") as npz:
+        x: np.ndarray = npz["x"][:64]
+    return x
+
+
+class Slow:
+    """Wraps the real predictor: records batch sizes, may sleep, block or fail."""
+
+    def __init__(self, inner: Any, *, sleep_s: float = 0.0) -> None:
+        self.inner, self.sleep_s = inner, sleep_s
+        self.framework, self.device = inner.framework, inner.device
+        self.batches: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        self.gate.wait()
+        self.batches.append(len(inputs[0]))
+        time.sleep(self.sleep_s)
+        if np.any(inputs[0][:, 0, 0, 0] == np.float32(POISON / 16)):
+            raise InferenceError("poisoned sample", model="digits_cnn", framework="onnxruntime")
+        out: list[np.ndarray] = self.inner.predict(inputs)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Replies:
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[QueryReply] = queue.SimpleQueue()
+
+    def __call__(self, r: QueryReply) -> None:
+        self.q.put(r)
+
+    def take(self, n: int) -> list[QueryReply]:
+        return [self.q.get(timeout=30) for _ in range(n)]
+
+
+def job(i: int, x: np.ndarray, replies: Replies, spans: SpanBuffer | None = None,
+        raw: bool = False) -> Job:
+    return Job(index=i, inputs=x, received_ns=time.perf_counter_ns(),
+               level=TraceLevel.MODEL if spans is not None else TraceLevel.NONE, spans=spans,
+               reply=replies, raw=raw)
+
+
+def expected(model: LoadedModel, x: np.ndarray) -> np.ndarray:
+    out: np.ndarray = model.post(model.predictor.predict([model.pre[0](x)])[0])
+    return out
+
+
+def test_order_and_results_preserved_under_dynamic_batching(model: LoadedModel,
+                                                            samples: np.ndarray) -> None:
+    want = expected(model, samples)
+    slow = Slow(model.predictor, sleep_s=0.002)
+    model.predictor = slow
+    ex = Executor(model, ExecutorConfig(max_batch=8, max_wait_us=20_000))
+    replies = Replies()
+    slow.gate.clear()  # queries pile up behind the first batch, then are merged
+    sizes = [1, 2, 1, 3, 1, 1, 4, 2, 1, 1]
+    starts = np.cumsum([0, *sizes])
+    try:
+        for i, n in enumerate(sizes):
+            assert ex.submit(job(i, samples[starts[i]:starts[i] + n], replies, raw=True))
+        slow.gate.set()
+        got = replies.take(len(sizes))
+    finally:
+        ex.stop()
+    assert [r.index for r in got] == list(range(len(sizes)))
+    for i, r in enumerate(got):
+        assert r.ok and r.outputs is not None and r.raw_outputs is not None
+        np.testing.assert_array_equal(r.outputs, want[starts[i]:starts[i + 1]])
+        assert r.raw_outputs.shape == (sizes[i], 10)
+    assert max(slow.batches) <= 8 and len(slow.batches) < len(sizes)  # merged, bounded
+    assert sum(slow.batches) == sum(sizes)
+
+
+def test_partial_batch_waits_at_most_max_wait_and_full_one_not_at_all(
+        model: LoadedModel, samples: np.ndarray) -> None:
+    ex = Executor(model, ExecutorConfig(max_batch=8, max_wait_us=200_000))
+    replies = Replies()
+    try:
+        ex.submit(job(0, samples[:1], replies))
+        (alone,) = replies.take(1)
+        ex.submit(job(1, samples[:8], replies))
+        (full,) = replies.take(1)
+    finally:
+        ex.stop()
+    assert alone.ok and full.ok
+    # Nothing else came: the lone query waited out the 200 ms, and no longer than needed.
+    assert 0.2 <= (alone.t_predict_start - alone.t_received) / 1e9 < 5
+    assert (full.t_predict_start - full.t_received) / 1e9 < 0.2
+
+
+def test_backpressure_refuses_beyond_capacity_and_recovers(model: LoadedModel,
+                                                           samples: np.ndarray) -> None:
+    slow = Slow(model.predictor)
+    model.predictor = slow
+    ex = Executor(model, ExecutorConfig(capacity=3))
+    replies = Replies()
+    slow.gate.clear()
+    try:
+        admitted = [ex.submit(job(i, samples[i:i + 1], replies)) for i in range(5)]
+        assert admitted == [True, True, True, False, False]
+        assert ex.inflight == 3
+        slow.gate.set()
+        assert all(r.ok for r in replies.take(3))
+        assert ex.submit(job(9, samples[:1], replies))
+        assert replies.take(1)[0].index == 9
+    finally:
+        ex.stop()
+    assert ex.inflight == 0
+
+
+def test_preprocessing_overlaps_inference(model: LoadedModel, samples: np.ndarray) -> None:
+    pre = model.pre[0]
+
+    def slow_pre(x: np.ndarray) -> Any:
+        time.sleep(0.03)
+        return pre(x)
+
+    model.pre = [slow_pre]
+    model.predictor = Slow(model.predictor, sleep_s=0.03)  # type: ignore[assignment]
+    spans = SpanBuffer()
+    ex = Executor(model, ExecutorConfig(pre_workers=2))
+    replies = Replies()
+    try:
+        for i in range(6):
+            ex.submit(job(i, samples[i:i + 1], replies, spans))
+        got = replies.take(6)
+    finally:
+        ex.stop()
+    assert [r.index for r in got] == list(range(6)) and all(r.ok for r in got)
+    cols = spans.take()
+    rows = list(zip(cols["query_index"], cols["name"], cols["start_ns"], cols["end_ns"],
+                    strict=True))
+    pre_at = {q: (a, b) for q, n, a, b in rows if n == "preprocess"}
+    pred_at = {q: (a, b) for q, n, a, b in rows if n == "predict"}
+    # Some query was pre-processed while an earlier one was being predicted.
+    overlapped = [(j, q) for q in range(1, 6) for j in range(q)
+                  if pre_at[q][0] < pred_at[j][1] and pre_at[q][1] > pred_at[j][0]]
+    assert overlapped, (pre_at, pred_at)
+    # Each query's own steps are in order: pre, then predict.
+    assert all(pre_at[q][1] <= pred_at[q][0] for q in range(6))
+
+
+def test_errors_are_isolated_per_query_and_the_executor_keeps_serving(
+        model: LoadedModel, samples: np.ndarray) -> None:
+    slow = Slow(model.predictor)
+    model.predictor = slow
+    ex = Executor(model, ExecutorConfig(max_batch=8, max_wait_us=50_000))
+    replies = Replies()
+    poisoned = samples[:1].copy()
+    poisoned[0, 0, 0] = POISON
+    slow.gate.clear()
+    try:
+        ex.submit(job(0, samples[:2], replies))
+        ex.submit(job(1, np.zeros((1, 7, 7), np.uint8), replies))  # cannot be reshaped
+        ex.submit(job(2, poisoned, replies))  # fails inside predict
+        ex.submit(job(3, np.zeros((0, 8, 8), np.uint8), replies))  # empty batch
+        ex.submit(job(4, samples[2:3], replies))
+        slow.gate.set()
+        got = replies.take(5)
+        ex.submit(job(5, samples[3:4], replies))
+        got += replies.take(1)
+    finally:
+        ex.stop()
+    assert [r.index for r in got] == [0, 1, 2, 3, 4, 5]
+    assert [r.ok for r in got] == [True, False, False, False, True, True]
+    shape = error_from_wire(got[1].error or {})
+    assert isinstance(shape, InputMismatchError)
+    assert shape.fields["model"] == "digits_cnn" and shape.fields["framework"] == "onnxruntime"
+    assert shape.fields["expected"] == [None, 1, 8, 8]
+    assert shape.fields["actual"]["shape"] == [1, 7, 7]
+    runtime = error_from_wire(got[2].error or {})
+    assert isinstance(runtime, InferenceError) and "poisoned" in str(runtime)
+    assert isinstance(error_from_wire(got[3].error or {}), InputMismatchError)
+
+
+def test_a_fault_in_the_pipeline_itself_answers_the_batch_and_keeps_serving(
+        model: LoadedModel, samples: np.ndarray) -> None:
+    slow = Slow(model.predictor)
+    model.predictor = slow
+    post = model.post
+    model.post = lambda x: np.float32(0.0)  # cannot be split back into queries
+    ex = Executor(model, ExecutorConfig(max_batch=4, max_wait_us=50_000))
+    replies = Replies()
+    slow.gate.clear()
+    try:
+        for i in range(3):
+            ex.submit(job(i, samples[i:i + 1], replies))
+        slow.gate.set()
+        broken = replies.take(3)
+        model.post = post
+        ex.submit(job(3, samples[:1], replies))
+        (fine,) = replies.take(1)
+    finally:
+        ex.stop()
+    assert [r.index for r in broken] == [0, 1, 2] and not any(r.ok for r in broken)
+    err = error_from_wire(broken[0].error or {})
+    assert isinstance(err, InferenceError) and "pipeline failure" in str(err)
+    assert fine.ok and ex.inflight == 0
+
+
+# --------------------------------------------------------------------------- live agent
+
+
+def broken_entry(tmp_path: Path) -> Entry:
+    """A manifest whose (checksummed) graph file is not a model."""
+    graph = tmp_path / "broken.onnx"
+    graph.write_bytes(b"this is not an onnx graph")
+    m = digits_entry().manifest.model_copy(update={
+        "name": "broken_cnn", "dataset": None,
+        "assets": digits_entry().manifest.assets.model_copy(update={
+            "base_url": None, "graph_path": "broken.onnx",
+            "sha256": hashlib.sha256(graph.read_bytes()).hexdigest()})})
+    return Entry(manifest=m, path=tmp_path / "broken.yaml")
+
+
+def test_agent_answers_typed_errors_and_keeps_serving(settings: Settings,
+                                                      tmp_path: Path) -> None:
+    catalog = Catalog([digits_entry(), broken_entry(tmp_path)])
+    agent = Agent(settings, AgentConfig(framework="onnxruntime", agent_id="careful"), catalog)
+
+    async def ask(bus: busmod.Bus, subject: str, payload: bytes) -> Any:
+        return codec.decode((await bus.nc.request(subject, payload, timeout=30)).data)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(agent.run)
+            async with busmod.connect(settings, name="test") as bus:
+                ctl, qs = names.agent_ctl("careful"), names.agent_query("careful")
+                prep = {"op": "prepare", "evaluation_id": "ev-1", "model": "digits_cnn",
+                        "model_version": "1.0.0", "batch_size": 1, "trace_level": "none"}
+                bad = await ask(bus, ctl, codec.encode({**prep, "model": "broken_cnn",
+                                                        "evaluation_id": "ev-2"}))
+                err = error_from_wire(bad["error"])
+                assert isinstance(err, ModelLoadError)
+                assert err.fields["model"] == "broken_cnn"
+                assert err.fields["framework"] == "onnxruntime"
+                assert (await ask(bus, ctl, codec.encode(prep)))["ok"]
+                wrong = Query(evaluation_id="ev-1", index=1, inputs=np.zeros((1, 5, 5)))
+                reply = QueryReply.model_validate(await ask(bus, qs, codec.encode_model(wrong)))
+                err = error_from_wire(reply.error or {})
+                assert not reply.ok and isinstance(err, InputMismatchError)
+                assert err.fields["actual"] == {"shape": [1, 5, 5], "dtype": "float64"}
+                good = Query(evaluation_id="ev-1", index=2, inputs=np.ones((1, 8, 8), np.uint8))
+                reply = QueryReply.model_validate(await ask(bus, qs, codec.encode_model(good)))
+                assert reply.ok and reply.index == 2 and reply.raw_outputs is None
+                # cold start: release with unload, prepare with reload -> loaded again
+                again = await ask(bus, ctl, codec.encode({**prep, "reload": True}))
+                assert again["cold"] and again["load_ns"] > 0
+                rel = await ask(bus, ctl, codec.encode({"op": "release", "evaluation_id": "ev-1",
+                                                        "unload": True}))
+                assert rel["unloaded"] is True and not agent.workers
+            tg.cancel_scope.cancel()
+
+    switch = sys.getswitchinterval()  # the agent shortens it for its process
+    try:
+        anyio.run(main, backend="asyncio")
+    finally:
+        sys.setswitchinterval(switch)

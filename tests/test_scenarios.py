@@ -1,0 +1,237 @@
+"""Every scenario end to end at small scale: real nats-server, server and noop agent.
+
+Timing is never asserted (the machine is shared); counts, stored rows, the schedule
+and the shape of latencies are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from broker import schedule
+from broker.scenarios import build_schedule
+from cli.services import Stack
+from cli.submit import submit
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
+from mlscope.settings import Settings
+from tests.conftest import REPO, child_env, python
+from tests.loadgen_fixtures import noop_stack
+
+__all__ = ["noop_stack"]
+
+pytestmark = pytest.mark.timeout(240)
+
+LOOSE = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
+"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
+
+
+def run(settings: Settings, spec: ScenarioSpec) -> EvaluationSummary:
+    job = JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none")
+    return anyio.run(lambda: submit(settings, job, timeout=180), backend="asyncio")
+
+
+def rows(settings: Settings, evaluation_id: str) -> np.ndarray:
+    """(index, scheduled, issued, completed) ns of every stored query, in index order."""
+    async def go() -> list[list[object]]:
+        async with busmod.connect(settings, name="test") as bus:
+            return (await remote.sql(
+                bus, "SELECT query_index, scheduled_ns, issued_ns, completed_ns FROM queries "
+                "FINAL WHERE evaluation_id = {e:String} ORDER BY query_index",
+                {"e": evaluation_id}))[1]
+
+    return np.asarray(anyio.run(go, backend="asyncio"), dtype=np.int64).reshape(-1, 4)
+
+
+def test_cli_noop_online_json_has_issue_lag_and_split(noop_stack: Stack) -> None:
+    out = subprocess.run(
+        [python(), "-m", "cli.submit", "noop", "--framework", "noop", "--scenario", "online",
+         "--qps", "300", "--duration", "2", "--json"],
+        env=child_env(noop_stack.settings), capture_output=True, text=True, timeout=120,
+        check=False)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["errors"] == 0 and doc["not_issued"] == 0
+    assert doc["queries"] == len(schedule.poisson(300, duration_s=2, seed=0))
+    lag = doc["issue_lag_us"]
+    assert 0 <= lag["min"] <= lag["p50"] <= lag["p90"] <= lag["p99"] <= lag["p99.9"] <= lag["max"]
+    # 2 s is shorter than the default 10 s minimum: INVALID, and it says why.
+    assert not doc["valid"] and any("< minimum 10 s" in r for r in doc["invalid_reasons"])
+    split = doc["latency_split_ms"]
+    assert set(split) >= {"issue_lag", "transport", "queueing", "compute", "reply", "overhead"}
+    assert split["compute"]["p50"] < split["overhead"]["p50"]  # noop computes nothing
+    assert split["transport"]["p50"] > 0
+
+
+@pytest.mark.parametrize("spec", [
+    ScenarioSpec(name="constant", qps=150, duration_s=1.5, **LOOSE),
+    ScenarioSpec(name="multi-stream", qps=40, batch_size=4, duration_s=1.5, **LOOSE),
+    ScenarioSpec(name="piecewise", segments=((20, 300, 1.0), (300, 300, 0.5), (600, 600, 0.3)),
+                 seed=4, **LOOSE),
+    ScenarioSpec(name="replay", arrivals_s=(0.01, 0.02, 0.0, 0.005, 0.3, 0.001) * 8, **LOOSE),
+], ids=lambda s: s.name)
+def test_open_loop_scenarios_issue_their_schedule(noop_stack: Stack, spec: ScenarioSpec) -> None:
+    s = run(noop_stack.settings, spec)
+    expected, _ = build_schedule(spec)
+    assert s.errors == 0 and s.not_issued == 0
+    # Too few queries for early stopping's p99 is the one rule such short runs break.
+    assert all(r.startswith("early stopping") for r in s.invalid_reasons), s.invalid_reasons
+    assert s.queries == len(expected) and s.samples == len(expected) * spec.batch_size
+    got = rows(noop_stack.settings, s.evaluation_id)
+    assert (got[:, 0] == np.arange(len(expected))).all()
+    assert (got[:, 1] == expected.offsets_ns).all()  # exactly the schedule
+    assert (got[:, 2] >= got[:, 1]).all()  # never issued early
+    assert (got[:, 3] > got[:, 2]).all()
+
+
+@pytest.mark.parametrize("name,concurrency", [("single-stream", 1), ("concurrency", 3)])
+def test_closed_loops_keep_n_outstanding(noop_stack: Stack, name: str, concurrency: int) -> None:
+    s = run(noop_stack.settings, ScenarioSpec(name=name, concurrency=concurrency,
+                                              duration_s=1.0, **LOOSE))
+    assert s.errors == 0 and s.queries > 50
+    assert all(r.startswith("early stopping") for r in s.invalid_reasons), s.invalid_reasons
+    got = rows(noop_stack.settings, s.evaluation_id)
+    assert (got[:, 1] == got[:, 2]).all()  # a closed loop schedules a query when it sends it
+    # At every issue, at most `concurrency` queries are in flight (counting itself).
+    issued, done = got[:, 2], got[:, 3]
+    in_flight = [(issued <= t).sum() - (done <= t).sum() for t in issued]
+    assert max(in_flight) <= concurrency
+    if concurrency > 1:
+        assert max(in_flight) == concurrency
+
+
+def test_batched_sweep_stores_every_point(noop_stack: Stack) -> None:
+    sizes = (1, 8, 32)
+    s = run(noop_stack.settings, ScenarioSpec(name="batched", batch_sizes=sizes,
+                                              duration_s=0.7, **LOOSE))
+    assert [p["batch_size"] for p in s.points] == list(sizes)
+    best = max(s.points, key=lambda p: p["throughput_ips"])
+    assert s.optimal_batch_size == best["batch_size"]
+    assert s.throughput_ips == best["throughput_ips"]
+    for p in s.points:
+        assert len(rows(noop_stack.settings, p["evaluation_id"])) > 0
+
+
+def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Stack) -> None:
+    spec = ScenarioSpec(name="peak", qps=250, duration_s=2.0, latency_bound_ms=500,
+                        peak_trials=3, **LOOSE)
+    s = run(noop_stack.settings, spec)
+    rates = [p["qps"] for p in s.points]
+    assert rates[0] == 250 and len(rates) <= 3
+    if s.points[0]["valid"]:  # nothing failed yet: the next rate doubles
+        assert rates[1] == 500
+    passing = [p["qps"] for p in s.points if p["valid"]]
+    assert s.peak_qps == (max(passing) if passing else None)
+    if s.peak_qps is not None:
+        assert s.valid and s.requested_qps == s.peak_qps
+    for p in s.points:  # every trial stored with its own latencies
+        stored = rows(noop_stack.settings, p["evaluation_id"])
+        assert len(stored) == len(schedule.poisson(p["qps"], duration_s=2.0, seed=0))
+        assert p["latency_ms"]["p99"] is not None
+
+
+def test_distributed_load_merges_one_global_schedule(noop_stack: Stack) -> None:
+    spec = ScenarioSpec(name="online", qps=300, duration_s=1.5, seed=11, loadgens=2, **LOOSE)
+    s = run(noop_stack.settings, spec)
+    whole = schedule.poisson(300, duration_s=1.5, seed=11)
+    assert s.loadgens == 2 and s.queries == len(whole) and s.errors == 0, s.invalid_reasons
+    got = rows(noop_stack.settings, s.evaluation_id)
+    assert (got[:, 0] == np.arange(len(whole))).all()
+    assert (got[:, 1] == whole.offsets_ns).all()
+    assert (got[:, 2] >= got[:, 1]).all() and (got[:, 3] > 0).all()
+
+
+def _stall(pid: int, after_s: float, for_s: float) -> float:
+    time.sleep(after_s)
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(for_s)
+    os.kill(pid, signal.SIGCONT)
+    return for_s
+
+
+def _run_with_stall(stack: Stack, spec: ScenarioSpec, target: str, stall_s: float
+                    ) -> EvaluationSummary:
+    """Run ``spec`` and stop process ``target`` for ``stall_s`` once the run is going."""
+    pid = stack.children[target].pid
+    job = JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none")
+
+    async def go() -> EvaluationSummary:
+        progressing = anyio.Event()
+
+        def seen(event: JobEvent) -> None:
+            if event.event == "progress":
+                progressing.set()
+
+        out: list[EvaluationSummary] = []
+        async with anyio.create_task_group() as tg:
+            async def job_task() -> None:
+                out.append(await submit(stack.settings, job, on_event=seen, timeout=120))
+
+            tg.start_soon(job_task)
+            await progressing.wait()
+            await anyio.to_thread.run_sync(_stall, pid, 0.2, stall_s)
+        return out[0]
+
+    return anyio.run(go, backend="asyncio")
+
+
+def test_stalled_agent_makes_latency_grow_from_the_schedule(noop_stack: Stack) -> None:
+    """Coordinated omission: an open loop keeps issuing on time while the agent stalls."""
+    spec = ScenarioSpec(name="online", qps=200, duration_s=3.0, seed=5, **LOOSE)
+    s = _run_with_stall(noop_stack, spec, "agent:noop", 0.6)
+    assert s.errors == 0 and s.not_issued == 0
+    got = rows(noop_stack.settings, s.evaluation_id)
+    sched, issued, done = got[:, 1], got[:, 2], got[:, 3]
+    lat = (done - sched) / 1e9
+    first = int(np.argmax(lat))  # the first query of the stall waits longest
+    assert lat[first] > 0.4
+    # Every query scheduled in the next 0.3 s was issued on time and waited for the
+    # agent to resume, completing with the first one: its latency is counted from its
+    # scheduled time, so it falls as the scheduled time rises.
+    window = (sched >= sched[first]) & (sched < sched[first] + 300_000_000)
+    assert window.sum() >= 20  # all of them, not just one
+    assert np.median((issued - sched)[window]) < 50e6
+    assert (done[window] >= done[first] - 50_000_000).all()
+    assert (lat[window] > lat[first] - 0.35).all()
+
+    # The same stall in a closed loop hides itself: one query sees it.
+    closed = _run_with_stall(noop_stack, ScenarioSpec(name="single-stream", duration_s=2.0,
+                                                      **LOOSE), "agent:noop", 0.6)
+    got = rows(noop_stack.settings, closed.evaluation_id)
+    slow = ((got[:, 3] - got[:, 1]) / 1e9 > 0.25).sum()
+    assert 1 <= slow <= 2  # the one in flight (a busy machine may add one more)
+
+
+def test_stalled_load_generator_is_too_late(noop_stack: Stack) -> None:
+    """A pacer that could not run issues late: the verdict says so."""
+    spec = ScenarioSpec(name="online", qps=200, duration_s=2.5, seed=6, min_duration_s=0,
+                        min_queries=1)
+    s = _run_with_stall(noop_stack, spec, "server", 0.4)
+    assert not s.valid
+    assert any("issue lag" in r for r in s.invalid_reasons), s.invalid_reasons
+    assert s.issue_lag_us["max"] is not None and s.issue_lag_us["max"] > 100_000
+    got = rows(noop_stack.settings, s.evaluation_id)
+    assert (got[:, 2] >= got[:, 1]).all()  # late, never early
+
+
+def test_scenario_files_submit(noop_stack: Stack, tmp_path: Path) -> None:
+    """--scenario-file with flags overriding it; the replay file is read by the submitter."""
+    out = subprocess.run(
+        [python(), "-m", "cli.submit", "noop", "--framework", "noop", "--scenario-file",
+         str(REPO / "manifests" / "scenarios" / "replay.yaml"), "--max-queries", "40",
+         "--min-duration", "0", "--min-queries", "1", "--json"],
+        env=child_env(noop_stack.settings), capture_output=True, text=True, timeout=120,
+        check=False)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["scenario"]["name"] == "replay" and doc["queries"] == 40
