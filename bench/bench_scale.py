@@ -62,6 +62,7 @@ async def resolution(settings: Settings, n_agents: int, rounds: int) -> dict[str
         await register()
         assert len(await list_agents(bus)) == n_agents  # registered (and a warm-up)
         total, pure = [], []
+        short = 0
         for n in range(rounds):
             if n % 20 == 0:
                 await register()
@@ -69,9 +70,11 @@ async def resolution(settings: Settings, n_agents: int, rounds: int) -> dict[str
             t0 = time.perf_counter()
             agents = await list_agents(bus)
             t1 = time.perf_counter()
+            if len(agents) != n_agents:  # see docs/BENCHMARKS.md: a short read
+                short += 1
+                continue
             resolve(job, agents, catalog)
             t2 = time.perf_counter()
-            assert len(agents) == n_agents
             total.append((t2 - t0) * 1e3)
             pure.append((t2 - t1) * 1e3)
         # What the server does: resolve from the watched registry (AgentCache).
@@ -92,7 +95,7 @@ async def resolution(settings: Settings, n_agents: int, rounds: int) -> dict[str
             await kv.delete(f"bench-{i:02d}")
     return {"p50_ms": pct(total, 50), "p99_ms": pct(total, 99),
             "resolve_only_p50_ms": pct(pure, 50), "cached_p50_ms": pct(cached, 50),
-            "cached_p99_ms": pct(cached, 99)}
+            "cached_p99_ms": pct(cached, 99), "short_reads": short}
 
 
 async def throughput(settings: Settings, n_agents: int, queries: int,
@@ -158,7 +161,8 @@ def main() -> None:
               f"+ resolve): p50 {r['cached_p50_ms']:.3f} ms  p99 {r['cached_p99_ms']:.3f} ms")
         print(f"resolution with {args.registered} agents, one-shot bucket read "
               f"(list_agents + resolve): p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
-              f"(resolve() alone p50 {r['resolve_only_p50_ms']:.3f} ms)")
+              f"(resolve() alone p50 {r['resolve_only_p50_ms']:.3f} ms; "
+              f"{r['short_reads']} of {args.rounds} reads came back short)")
         rates = {}
         for n in (1, args.agents):
             procs = agents(settings, n)
