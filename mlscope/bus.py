@@ -101,11 +101,15 @@ def connect_options(settings: Settings) -> dict[str, Any]:
         else:
             options["nkeys_seed"] = str(settings.nats_creds)
     if settings.nats_tls_ca or settings.nats_tls_cert:
-        ctx = ssl.create_default_context(
-            cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None)
-        if settings.nats_tls_cert:
-            ctx.load_cert_chain(str(settings.nats_tls_cert),
-                                str(settings.nats_tls_key) if settings.nats_tls_key else None)
+        try:
+            ctx = ssl.create_default_context(
+                cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None)
+            if settings.nats_tls_cert:
+                ctx.load_cert_chain(str(settings.nats_tls_cert),
+                                    str(settings.nats_tls_key) if settings.nats_tls_key
+                                    else None)
+        except (OSError, ssl.SSLError) as exc:
+            raise BusError(f"cannot load the NATS TLS files: {exc}") from exc
         options["tls"] = ctx
     return options
 

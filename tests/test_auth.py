@@ -18,6 +18,7 @@ from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.auth import ROLES
 from mlscope.contracts import JobRequest, ScenarioSpec
+from mlscope.errors import BusError
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
@@ -170,3 +171,23 @@ def test_stack_runs_an_evaluation_under_role_credentials(tmp_path: Path, auth_di
         assert not stack.dead()
     finally:
         stack.stop()
+
+
+def test_settings_carry_credentials_tls_cluster_and_domain(tmp_path: Path,
+                                                           auth_dir: Path) -> None:
+    jwt = tmp_path / "user.creds"
+    jwt.write_text("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n")
+    env = {"MLSCOPE_NATS_URL": "nats://a:4222, nats://b:4222,nats://c:4222",
+           "MLSCOPE_NATS_CREDS": str(auth_dir / "agent.creds"), "MLSCOPE_JS_REPLICAS": "3",
+           "MLSCOPE_JS_DOMAIN": "hub", "MLSCOPE_NATS_TLS_CA": str(tmp_path / "ca.pem")}
+    s = Settings.from_env(env)
+    assert s.nats_servers == ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+    assert (s.js_replicas, s.js_domain) == (3, "hub")
+    assert Settings.from_env(s.as_env()) == s  # a child process sees the same settings
+    options = busmod.connect_options(s.with_(nats_tls_ca=None))
+    assert options["nkeys_seed"] == str(auth_dir / "agent.creds")
+    assert "user_credentials" not in options and "tls" not in options
+    assert busmod.connect_options(s.with_(nats_creds=jwt, nats_tls_ca=None)
+                                  )["user_credentials"] == str(jwt)
+    with pytest.raises(BusError, match="TLS"):  # a missing CA file is not ignored
+        busmod.connect_options(s)
