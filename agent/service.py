@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
@@ -192,7 +193,10 @@ class Agent:
         while True:
             await anyio.sleep(self.config.heartbeat_s)
             desc = self._description.model_copy(update={"heartbeat_at": time.time()})
-            await kv.put(self.agent_id, codec.encode_model(desc))
+            try:
+                await kv.put(self.agent_id, codec.encode_model(desc))
+            except (TimeoutError, nats.errors.Error):
+                continue  # hub unreachable (edge link down, cluster failover): next beat
 
     async def _withdraw(self, bus: Bus, subs: list[Any]) -> None:
         with anyio.move_on_after(3):

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from mlscope import codec, names
-from mlscope.bus import Bus
+from mlscope.bus import Bus, publish_persistent
 from mlscope.contracts import SampleBatch, SpanBatch, TraceLevel, new_id
 
 __all__ = ["SAMPLE_COLUMNS", "SampleBuffer", "SpanBuffer", "Tracer"]
@@ -139,8 +139,7 @@ class Tracer:
             return (await self._publish(cls, eval_id, {k: v[:half] for k, v in columns.items()})
                     + await self._publish(cls, eval_id,
                                           {k: v[half:] for k, v in columns.items()}))
-        await self.bus.js.publish(names.traces(eval_id), data,
-                                  headers={"Nats-Msg-Id": batch.batch_id})
+        await publish_persistent(self.bus, names.traces(eval_id), data, msg_id=batch.batch_id)
         return n
 
     def max_bytes(self) -> int:

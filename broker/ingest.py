@@ -72,6 +72,9 @@ class Ingester:
                         msgs = await sub.fetch(n, timeout=self.fetch_timeout)
                     except (nats.errors.TimeoutError, TimeoutError):
                         continue
+                    except nats.errors.Error:
+                        await anyio.sleep(0.5)  # cluster failover: the consumer's leader moves
+                        continue
                     if not msgs:
                         continue
                     avg = 0.5 * avg + 0.5 * sum(len(m.data) for m in msgs) / len(msgs)

@@ -30,17 +30,18 @@ from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.catalog import Catalog, default_manifest_dirs
-from mlscope.contracts import JobEvent, JobRequest, new_id
-from mlscope.errors import DatabaseError, MLScopeError, WireError
+from mlscope.catalog import Catalog, Entry, default_manifest_dirs
+from mlscope.contracts import AgentDescription, JobEvent, JobRequest, new_id
+from mlscope.errors import DatabaseError, MLScopeError, ResolutionError, WireError
 from mlscope.model_registry import ManifestWatcher
-from mlscope.registry import list_agents
+from mlscope.registry import AgentCache, list_agents
 from mlscope.settings import Settings
 
 __all__ = ["Server"]
 
 JOB_ACK_WAIT_S = 15.0
 MAX_PARALLEL_JOBS = 4
+DB_QUEUE = "mlscope-servers"
 READ_ONLY = ("select", "with", "show", "describe", "desc", "exists")
 
 
@@ -61,15 +62,21 @@ class Server:
                 self.bus = bus
                 self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir)
                 self.ingester = Ingester(bus, self.db)
-                subs = [await bus.nc.subscribe(names.SQL_SUBJECT, cb=self._on_sql),
-                        await bus.nc.subscribe(names.EVALUATION_SUBJECT, cb=self._on_eval)]
+                # Replicas share the database requests (a queue group): with a shared
+                # ClickHouse server any of them answers; jobs come from one work queue.
+                subs = [await bus.nc.subscribe(names.SQL_SUBJECT, queue=DB_QUEUE,
+                                               cb=self._on_sql),
+                        await bus.nc.subscribe(names.EVALUATION_SUBJECT, queue=DB_QUEUE,
+                                               cb=self._on_eval)]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
                     config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
                                           ack_wait=JOB_ACK_WAIT_S, max_deliver=5))
                 self.remote = ManifestWatcher(bus)
+                self.agent_cache = AgentCache(bus)
                 async with anyio.create_task_group() as tg:
                     await tg.start(self.remote.run)
+                    tg.start_soon(self.agent_cache.run)
                     tg.start_soon(self.ingester.run)
                     tg.start_soon(AgentHistory(bus, self.db).run)
                     tg.start_soon(self._take_jobs, jobs, tg)
@@ -89,6 +96,10 @@ class Server:
                 msgs = await sub.fetch(1, timeout=1.0)
             except (nats.errors.TimeoutError, TimeoutError):
                 slots.release()
+                continue
+            except nats.errors.Error:
+                slots.release()  # cluster failover: the consumer's leader moves
+                await anyio.sleep(0.5)
                 continue
             tg.start_soon(self._job, msgs[0], slots)
 
@@ -112,8 +123,7 @@ class Server:
         await self._emit(subject, JobEvent(job_id=job.job_id, event="accepted",
                                            server_id=self.server_id))
         try:
-            agents = await list_agents(self.bus)
-            agent, entry = resolve(job, agents, self.remote.catalog(self.catalog))
+            agent, entry = await self._resolve(job)
 
             async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
                 await self._emit(subject, JobEvent(
@@ -130,6 +140,17 @@ class Server:
                                            server_id=self.server_id,
                                            evaluation_id=summary.evaluation_id,
                                            summary=summary))
+
+    async def _resolve(self, job: JobRequest) -> tuple[AgentDescription, Entry]:
+        """From the watched registry (no round trip); a miss is checked against a
+        fresh read of the bucket before it fails the job."""
+        catalog = self.remote.catalog(self.catalog)
+        if self.agent_cache.ready.is_set():
+            try:
+                return resolve(job, self.agent_cache.agents(), catalog)
+            except ResolutionError:
+                pass
+        return resolve(job, await list_agents(self.bus), catalog)
 
     async def _emit(self, subject: str, event: JobEvent) -> None:
         await self.bus.nc.publish(subject, codec.encode_model(event))

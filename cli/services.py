@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import nats.errors
 
-from mlscope.errors import MLScopeError
+from mlscope.errors import ConfigError, MLScopeError
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
 
@@ -37,6 +38,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument("--frameworks", default=None,
                     help="comma-separated frameworks (default: every installed one)")
+    up.add_argument("--auth", type=Path, default=None, metavar="DIR",
+                    help="run with the users of `mlscope auth init --out DIR`: the server "
+                         "and agents connect with their role's credentials")
+    up.add_argument("--agents-per-framework", type=int, default=1,
+                    help="agents started for each framework (they share its queue groups)")
     up.set_defaults(func=run_up)
 
     srv = sub.add_parser("server", help="run the server against MLSCOPE_NATS_URL")
@@ -104,23 +110,44 @@ def installed_frameworks() -> list[str]:
 class Stack:
     """nats-server + server + agents as child processes of this one."""
 
-    def __init__(self, settings: Settings, *, nats_port: int, frameworks: list[str]) -> None:
+    def __init__(self, settings: Settings, *, nats_port: int, frameworks: list[str],
+                 auth: Path | None = None, agents_per_framework: int = 1) -> None:
         self.settings, self.nats_port, self.frameworks = settings, nats_port, frameworks
-        self.nats = NatsServer(store_dir=settings.data_dir / "nats", port=nats_port)
+        self.auth, self.per_framework = auth, agents_per_framework
+        config = auth / "server.conf" if auth else None
+        if config is not None and not config.exists():
+            raise ConfigError(f"{config} does not exist: run `mlscope auth init --out {auth}`")
+        self.nats = NatsServer(store_dir=settings.data_dir / "nats", port=nats_port,
+                               config_file=config)
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self) -> Settings:
+        """Start everything; returns the settings a client uses (with the auth
+        directory, the submitter's credentials)."""
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.nats.start()
         self.settings = self.settings.with_(nats_url=self.nats.url)
-        env = {**os.environ, **self.settings.as_env()}
         py = [sys.executable, "-m", "cli.main"]
-        self.children["server"] = subprocess.Popen([*py, "server"], env=env,
+        self.children["server"] = subprocess.Popen([*py, "server"], env=self._env("server"),
                                                    start_new_session=True)
+        if self.auth is not None:
+            # Agents may only read stream information: the server creates the streams.
+            anyio.run(wait_provisioned, self._role_settings("server"), backend="asyncio")
         for fw in self.frameworks:
-            self.children[f"agent:{fw}"] = subprocess.Popen(
-                [*py, "agent", "--framework", fw], env=env, start_new_session=True)
-        return self.settings
+            for n in range(self.per_framework):
+                name = f"agent:{fw}" + (f":{n}" if n else "")
+                self.children[name] = subprocess.Popen(
+                    [*py, "agent", "--framework", fw], env=self._env("agent"),
+                    start_new_session=True)
+        return self._role_settings("submitter")
+
+    def _role_settings(self, role: str) -> Settings:
+        if self.auth is None:
+            return self.settings
+        return self.settings.with_(nats_creds=(self.auth / f"{role}.creds").resolve())
+
+    def _env(self, role: str) -> dict[str, str]:
+        return {**os.environ, **self._role_settings(role).as_env()}
 
     def dead(self) -> list[str]:
         return [name for name, p in self.children.items() if p.poll() is not None]
@@ -139,12 +166,32 @@ class Stack:
         self.nats.stop()
 
 
+async def wait_provisioned(settings: Settings, timeout: float = 60.0) -> None:
+    """Until the server has created the streams and buckets."""
+    from mlscope import bus as busmod
+    from mlscope import names
+    from mlscope.errors import BusError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            async with busmod.connect(settings, name="mlscope up") as bus:
+                await bus.js.stream_info(names.TRACES_STREAM)
+                await bus.kv(names.AGENTS_BUCKET)
+                await bus.kv(names.MODELS_BUCKET)
+                return
+        except (BusError, nats.errors.Error, TimeoutError):
+            await anyio.sleep(0.2)
+    raise ConfigError(f"the server did not provision JetStream within {timeout:g} s")
+
+
 def run_up(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     if args.data_dir is not None:
         settings = settings.with_(data_dir=args.data_dir.expanduser())
     frameworks = args.frameworks.split(",") if args.frameworks else installed_frameworks()
-    stack = Stack(settings, nats_port=args.nats_port, frameworks=frameworks)
+    stack = Stack(settings, nats_port=args.nats_port, frameworks=frameworks, auth=args.auth,
+                  agents_per_framework=args.agents_per_framework)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -157,6 +204,9 @@ def run_up(args: argparse.Namespace) -> int:
         s = stack.start()
         print(f"mlscope up: NATS {s.nats_url}, data {s.data_dir}, database {s.dsn}, "
               f"agents: {', '.join(frameworks)}  (Ctrl-C stops everything)", flush=True)
+        if s.nats_creds:
+            print(f"mlscope up: clients connect with MLSCOPE_NATS_CREDS={s.nats_creds}",
+                  flush=True)
         reported: set[str] = set()
         while not stopping:
             for name in stack.dead():

@@ -70,6 +70,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-level", default="model",
                    choices=["none", "model", "framework", "system", "full"])
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
+    p.add_argument("--all-agents", action="store_true",
+                   help="one evaluation on every live agent that serves the model; "
+                        "prints one comparison table")
+    p.add_argument("--any-framework", action="store_true",
+                   help="with --all-agents: agents of every framework offering the model")
     return p
 
 
@@ -105,9 +110,11 @@ async def submit(settings: Settings, job: JobRequest, *, on_event: object = None
     async with busmod.connect(settings, name="mlscope-submit") as bus:
         sub = await bus.nc.subscribe(names.job_events(job.job_id))
         try:
-            await bus.js.publish(names.JOBS_SUBJECT, codec.encode_model(job),
-                                 stream=names.JOBS_STREAM)
-        except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError) as exc:
+            # Retried with the job id as message id: a cluster leader election or a
+            # reconnect does not lose the job, and a retry is not a second job.
+            await busmod.publish_persistent(bus, names.JOBS_SUBJECT, codec.encode_model(job),
+                                            msg_id=job.job_id, attempts=4)
+        except BusError as exc:
             raise BusError("the job stream does not exist: is an mlscope server running? "
                            "(`mlscope up` or `mlscope server`)") from exc
         accepted = False
@@ -196,6 +203,8 @@ def format_summary(s: EvaluationSummary) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     settings = Settings.from_env()
+    if args.all_agents:
+        return _main_all_agents(args, settings)
     if "," in args.framework:
         return _main_many(args, settings)
     try:
@@ -215,6 +224,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(format_summary(summary))
     return 0
+
+
+def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
+    from cli.all_agents import comparison_table, submit_all
+
+    try:
+        job = make_job(args)
+        results = anyio.run(lambda: submit_all(settings, job, any_framework=args.any_framework),
+                            backend="asyncio")
+    except MLScopeError as exc:
+        print(f"mlscope-submit: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json", by_alias=True)
+                          if isinstance(r, EvaluationSummary) else {"error": r.to_wire()}
+                          for r in results]))
+    else:
+        print(comparison_table(results))
+    return 0 if all(isinstance(r, EvaluationSummary) for r in results) else 1
 
 
 def _main_many(args: argparse.Namespace, settings: Settings) -> int:

@@ -6,6 +6,7 @@ nowhere else.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from typing import Any, TypeVar
@@ -18,10 +19,12 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
+    ExternalStream,
     KeyValueConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamSource,
 )
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
@@ -32,11 +35,15 @@ from mlscope.settings import Settings
 
 __all__ = [
     "AGENT_TTL_S",
+    "EDGE_TRACES_STREAM",
     "HEARTBEAT_S",
     "Bus",
+    "attach_edge",
     "connect",
+    "connect_options",
     "ensure_infrastructure",
     "error_reply",
+    "publish_persistent",
     "request",
 ]
 
@@ -45,41 +52,84 @@ HEARTBEAT_S = 1.0
 AGENT_TTL_S = 5.0
 """Registry entries expire this long after their last heartbeat (SIGKILL bound)."""
 TRACES_MAX_AGE_S = 7 * 24 * 3600.0
+EDGE_TRACES_STREAM = "MLSCOPE_EDGE_TRACES"
+"""The stream on an edge device's leaf node that buffers its span batches."""
 M = TypeVar("M", bound=BaseModel)
 
 
 class Bus:
     """A connected client with its JetStream context and the registry buckets."""
 
-    def __init__(self, nc: Client, js: JetStreamContext) -> None:
+    def __init__(self, nc: Client, js: JetStreamContext, domain: str | None = None) -> None:
         self.nc = nc
         self.js = js
+        self.domain = domain
         self._kv: dict[str, KeyValue] = {}
 
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._kv:
             try:
-                self._kv[bucket] = await self.js.key_value(bucket)
+                kv = await self.js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError as exc:
                 raise BusError(f"bucket {bucket} does not exist; is an mlscope server up?",
                                bucket=bucket) from exc
+            if self.domain:
+                # Behind a leaf node with its own JetStream, writes reach the hub's
+                # bucket only through the domain's API prefix (nats-py has no option).
+                kv = KeyValue(name=bucket, stream=f"KV_{bucket}",
+                              pre=f"$JS.{self.domain}.API.$KV.{bucket}.", js=self.js,
+                              direct=False)
+            self._kv[bucket] = kv
         return self._kv[bucket]
+
+
+def connect_options(settings: Settings) -> dict[str, Any]:
+    """nats-py connection options for these settings: servers, credentials, TLS.
+
+    ``MLSCOPE_NATS_CREDS`` is either a JWT ``.creds`` file (``-----BEGIN NATS USER
+    JWT-----`` then the seed) or an nkey seed file as ``mlscope auth init`` writes it.
+    """
+    options: dict[str, Any] = {"servers": settings.nats_servers}
+    if settings.nats_creds:
+        try:
+            text = settings.nats_creds.read_text()
+        except OSError as exc:
+            raise BusError(f"cannot read NATS credentials {settings.nats_creds}: {exc}",
+                           path=str(settings.nats_creds)) from exc
+        if "BEGIN NATS USER JWT" in text:
+            options["user_credentials"] = str(settings.nats_creds)
+        else:
+            options["nkeys_seed"] = str(settings.nats_creds)
+    if settings.nats_tls_ca or settings.nats_tls_cert:
+        try:
+            ctx = ssl.create_default_context(
+                cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None)
+            if settings.nats_tls_cert:
+                ctx.load_cert_chain(str(settings.nats_tls_cert),
+                                    str(settings.nats_tls_key) if settings.nats_tls_key
+                                    else None)
+        except (OSError, ssl.SSLError) as exc:
+            raise BusError(f"cannot load the NATS TLS files: {exc}") from exc
+        options["tls"] = ctx
+    return options
 
 
 @asynccontextmanager
 async def connect(settings: Settings, *, name: str, provision: bool = False,
                   connect_timeout: float = 5.0) -> AsyncIterator[Bus]:
-    """Connect to NATS (and optionally create streams/buckets); drain on exit."""
+    """Connect to NATS (and optionally create streams/buckets); drain on exit.
+
+    ``nats_url`` may list several servers (a cluster); the client fails over between
+    them. ``js_domain`` addresses the hub's JetStream from behind a leaf node.
+    """
     options: dict[str, Any] = {
-        "servers": [settings.nats_url],
+        **connect_options(settings),
         "name": name,
         "connect_timeout": connect_timeout,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": 0.5,
         "allow_reconnect": True,
     }
-    if settings.nats_creds:
-        options["user_credentials"] = str(settings.nats_creds)
     try:
         nc = await nats.connect(**options, error_cb=_quiet, disconnected_cb=_noop,
                                 reconnected_cb=_noop, closed_cb=_noop)
@@ -87,10 +137,10 @@ async def connect(settings: Settings, *, name: str, provision: bool = False,
         raise BusError(f"cannot connect to NATS at {settings.nats_url}: {exc!r}",
                        url=settings.nats_url) from exc
     try:
-        js = nc.jetstream()
-        bus = Bus(nc, js)
+        js = nc.jetstream(domain=settings.js_domain) if settings.js_domain else nc.jetstream()
+        bus = Bus(nc, js, settings.js_domain)
         if provision:
-            await ensure_infrastructure(bus)
+            await ensure_infrastructure(bus, replicas=settings.js_replicas)
         yield bus
     finally:
         # Shielded: a cancelled service must still flush what it published and close
@@ -110,7 +160,12 @@ async def _noop() -> None:
 
 
 async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
-    """Create (or update) every stream and bucket; idempotent."""
+    """Create what is missing of every stream and bucket; idempotent.
+
+    An existing stream is updated only when its subjects, limits or replicas differ
+    (its edge sources are kept), so a process whose credentials may only read stream
+    information (an agent) passes through without touching anything.
+    """
     streams = [
         StreamConfig(
             name=names.JOBS_STREAM,
@@ -134,15 +189,66 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
     try:
         for cfg in streams:
             try:
+                have = (await bus.js.stream_info(str(cfg.name))).config
+            except nats.js.errors.NotFoundError:
                 await bus.js.add_stream(cfg)
-            except nats.js.errors.BadRequestError:
+                continue
+            if (sorted(have.subjects or []) != sorted(cfg.subjects or [])
+                    or (have.num_replicas or 1) != (cfg.num_replicas or 1)
+                    or (have.max_msg_size or -1) != (cfg.max_msg_size or -1)
+                    or (have.max_age or 0.0) != (cfg.max_age or 0.0)):
+                cfg.sources = have.sources
                 await bus.js.update_stream(cfg)
-        await bus.js.create_key_value(KeyValueConfig(
-            bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas))
-        await bus.js.create_key_value(KeyValueConfig(
-            bucket=names.MODELS_BUCKET, history=5, replicas=replicas))
-    except nats.errors.Error as exc:
+        for kv in (KeyValueConfig(bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1,
+                                  replicas=replicas),
+                   KeyValueConfig(bucket=names.MODELS_BUCKET, history=5, replicas=replicas)):
+            try:
+                await bus.js.key_value(kv.bucket)
+            except nats.js.errors.BucketNotFoundError:
+                await bus.js.create_key_value(kv)
+    except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"cannot provision JetStream: {exc!r}") from exc
+
+
+async def attach_edge(bus: Bus, domain: str) -> None:
+    """Make the hub's trace stream source the span buffer of the edge leaf ``domain``.
+
+    The hub pulls from the leaf's ``MLSCOPE_EDGE_TRACES`` stream through the JetStream
+    domain ``domain``; while the link is down the leaf keeps the batches, and the
+    source resumes where it stopped when the link returns. Idempotent.
+    """
+    source = StreamSource(name=EDGE_TRACES_STREAM,
+                          external=ExternalStream(api=f"$JS.{domain}.API"))
+    try:
+        cfg = (await bus.js.stream_info(names.TRACES_STREAM)).config
+        sources = list(cfg.sources or [])
+        if any(s.external and s.external.api == source.external.api  # type: ignore[union-attr]
+               for s in sources):
+            return
+        cfg.sources = [*sources, source]
+        await bus.js.update_stream(cfg)
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot attach edge domain {domain}: {exc!r}", domain=domain) from exc
+
+
+async def publish_persistent(bus: Bus, subject: str, payload: bytes, *, msg_id: str,
+                             attempts: int = 20, timeout: float = 2.0) -> None:
+    """JetStream publish that retries until the stream acknowledges it.
+
+    The message id makes a retry after a lost acknowledgement harmless (the stream
+    deduplicates it); retries ride out a reconnect or a cluster leader election.
+    """
+    last: Exception | None = None
+    for attempt in range(attempts):
+        try:
+            await bus.js.publish(subject, payload, timeout=timeout,
+                                 headers={"Nats-Msg-Id": msg_id})
+            return
+        except (TimeoutError, nats.errors.Error) as exc:
+            last = exc
+            await anyio.sleep(min(0.1 * 2 ** attempt, 2.0))
+    raise BusError(f"JetStream did not store a message on {subject}: {last!r}",
+                   subject=subject)
 
 
 def error_reply(exc: MLScopeError) -> bytes:

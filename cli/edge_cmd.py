@@ -1,0 +1,136 @@
+"""``mlscope edge``: an edge device behind a leaf-node nats-server.
+
+``mlscope edge init --hub URL --out DIR`` writes ``DIR/leaf.conf`` (outbound to the
+hub's leaf port, its own JetStream domain) and ``DIR/edge.env`` (what ``mlscope agent``
+on the device needs). ``mlscope edge up --dir DIR --framework tflite`` runs the leaf,
+creates its span buffer stream, and runs the agent against it. ``mlscope edge attach
+DOMAIN`` (on the hub side, server credentials) makes the hub's trace stream source that
+buffer, so spans recorded while the link is down arrive when it returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import nats.errors
+import nats.js.errors
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+
+from mlscope import bus as busmod
+from mlscope import names
+from mlscope.errors import BusError, ConfigError
+from mlscope.natsserver import NatsServer, leaf_config
+from mlscope.settings import Settings
+
+__all__ = ["create_edge_stream", "register"]
+
+EDGE_BUFFER_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    edge = sub.add_parser("edge", help="edge devices: leaf-node config, run, attach")
+    cmds = edge.add_subparsers(dest="edge_command", required=True, metavar="ACTION")
+    init = cmds.add_parser("init", help="write the leaf-node config of an edge device")
+    init.add_argument("--hub", required=True,
+                      help="the hub's leaf-node URL, e.g. nats-leaf://hub.example:7422")
+    init.add_argument("--out", type=Path, required=True)
+    init.add_argument("--domain", default="edge1",
+                      help="JetStream domain of this device (unique per device)")
+    init.add_argument("--hub-domain", default="hub")
+    init.add_argument("--creds", type=Path, default=None,
+                      help="edge.creds of `mlscope auth init` for the link to the hub")
+    init.add_argument("--port", type=int, default=4222, help="local client port of the leaf")
+    init.set_defaults(func=run_init)
+
+    up = cmds.add_parser("up", help="run the leaf node and an agent on this device")
+    up.add_argument("--dir", type=Path, required=True, help="the directory of `edge init`")
+    up.add_argument("--framework", default="tflite")
+    up.add_argument("--agent-id", default=None)
+    up.set_defaults(func=run_up)
+
+    attach = cmds.add_parser("attach", help="(hub side) pull an edge domain's span buffer")
+    attach.add_argument("domain")
+    attach.set_defaults(func=run_attach)
+
+
+def run_init(args: argparse.Namespace) -> int:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "leaf.conf").write_text(leaf_config(hub_url=args.hub, domain=args.domain,
+                                               seed_file=args.creds))
+    (out / "edge.env").write_text(
+        f"MLSCOPE_NATS_URL=nats://127.0.0.1:{args.port}\n"
+        f"MLSCOPE_JS_DOMAIN={args.hub_domain}\n"
+        f"MLSCOPE_EDGE_DOMAIN={args.domain}\n"
+        f"MLSCOPE_EDGE_PORT={args.port}\n")
+    print(f"wrote {out / 'leaf.conf'} and {out / 'edge.env'}")
+    print(f"on the hub (server credentials): mlscope edge attach {args.domain}")
+    print(f"on this device: mlscope edge up --dir {out}")
+    return 0
+
+
+def read_env(directory: Path) -> dict[str, str]:
+    path = directory / "edge.env"
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist: run `mlscope edge init` first")
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+async def create_edge_stream(leaf_url: str) -> None:
+    """The leaf's own buffer of span batches (local JetStream, no domain prefix)."""
+    settings = Settings(nats_url=leaf_url)
+    try:
+        async with busmod.connect(settings, name="mlscope edge") as bus:
+            cfg = StreamConfig(name=busmod.EDGE_TRACES_STREAM,
+                               subjects=[names.traces_wildcard()],
+                               storage=StorageType.FILE, discard=DiscardPolicy.OLD,
+                               max_age=EDGE_BUFFER_MAX_AGE_S, duplicate_window=120.0)
+            try:
+                await bus.js.stream_info(busmod.EDGE_TRACES_STREAM)
+            except nats.js.errors.NotFoundError:
+                await bus.js.add_stream(cfg)
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot create the edge span buffer on {leaf_url}: {exc!r}") from exc
+
+
+def run_up(args: argparse.Namespace) -> int:
+    env = read_env(args.dir)
+    settings: Settings = args.settings
+    leaf = NatsServer(store_dir=settings.data_dir / "edge-nats",
+                      port=int(env.get("MLSCOPE_EDGE_PORT", "4222")),
+                      config_file=args.dir / "leaf.conf")
+    leaf.start()
+    try:
+        anyio.run(create_edge_stream, leaf.url, backend="asyncio")
+        cmd = [sys.executable, "-m", "cli.main", "agent", "--framework", args.framework]
+        if args.agent_id:
+            cmd += ["--agent-id", args.agent_id]
+        child_env = {**os.environ, **settings.as_env(), "MLSCOPE_NATS_URL": leaf.url,
+                     "MLSCOPE_JS_DOMAIN": env.get("MLSCOPE_JS_DOMAIN", "hub")}
+        print(f"mlscope edge: leaf {leaf.url} (domain {env.get('MLSCOPE_EDGE_DOMAIN')}), "
+              f"agent {args.framework}", flush=True)
+        agent = subprocess.Popen(cmd, env=child_env)
+        try:
+            return agent.wait()
+        except KeyboardInterrupt:
+            agent.terminate()
+            agent.wait(20)
+            return 130
+    finally:
+        leaf.stop()
+
+
+def run_attach(args: argparse.Namespace) -> int:
+    async def main() -> None:
+        async with busmod.connect(args.settings, name="mlscope edge attach") as bus:
+            await busmod.attach_edge(bus, args.domain)
+
+    anyio.run(main, backend="asyncio")
+    print(f"hub trace stream now sources edge domain {args.domain}")
+    return 0

@@ -1,0 +1,193 @@
+"""Least privilege per role: each role is denied what it must not do, on a real server
+configured by ``mlscope auth init``, and the whole stack runs under those users."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import nats
+import nats.errors
+import pytest
+
+from cli.main import main as mlscope_main
+from cli.services import Stack
+from cli.submit import submit
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.auth import ROLES
+from mlscope.contracts import JobRequest, ScenarioSpec
+from mlscope.errors import BusError
+from mlscope.natsserver import NatsServer
+from mlscope.registry import list_agents
+from mlscope.settings import Settings
+from tests.conftest import make_data_dir, wait_agents
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def auth_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "auth"
+    assert mlscope_main(["auth", "init", "--out", str(out), "--edge-id", "edge-7"]) == 0
+    return out
+
+
+@pytest.fixture
+def secured(tmp_path: Path, auth_dir: Path) -> Iterator[NatsServer]:
+    with NatsServer(store_dir=tmp_path / "nats", config_file=auth_dir / "server.conf") as srv:
+        settings = Settings(nats_url=srv.url, nats_creds=auth_dir / "server.creds")
+
+        async def provision() -> None:
+            async with busmod.connect(settings, name="test", provision=True):
+                pass
+
+        anyio.run(provision, backend="asyncio")
+        yield srv
+
+
+class Probe:
+    """A client of one role that records the server's permission violations."""
+
+    def __init__(self, url: str, creds: Path) -> None:
+        self.url, self.creds = url, creds
+        self.violations: list[str] = []
+
+    async def __aenter__(self) -> Probe:
+        async def on_error(exc: Exception) -> None:
+            if "permissions violation" in str(exc).lower():
+                self.violations.append(str(exc))
+
+        self.nc = await nats.connect(self.url, nkeys_seed=str(self.creds), error_cb=on_error,
+                                     allow_reconnect=False)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+    async def denied_publish(self, subject: str, payload: bytes = b"x") -> bool:
+        before = len(self.violations)
+        await self.nc.publish(subject, payload)
+        await self.nc.flush()
+        await anyio.sleep(0.1)
+        return any(subject.lower() in v.lower() for v in self.violations[before:])
+
+    async def denied_subscribe(self, subject: str) -> bool:
+        before = len(self.violations)
+        await self.nc.subscribe(subject)
+        await self.nc.flush()
+        await anyio.sleep(0.1)
+        return any(subject.lower() in v.lower() for v in self.violations[before:])
+
+
+async def _jobs_in_stream(url: str, auth: Path) -> int:
+    async with busmod.connect(Settings(nats_url=url, nats_creds=auth / "server.creds"),
+                              name="test") as bus:
+        return (await bus.js.stream_info(names.JOBS_STREAM)).state.messages
+
+
+def test_auth_init_writes_one_seed_per_role(auth_dir: Path) -> None:
+    for role in ROLES:
+        seed = (auth_dir / f"{role}.creds").read_text().strip()
+        assert seed.startswith("SU") and (auth_dir / f"{role}.creds").stat().st_mode & 0o077 == 0
+    conf = (auth_dir / "server.conf").read_text()
+    assert "max_payload" in conf and "$KV.mlscope_agents.edge-7" in conf
+
+
+def test_no_credentials_no_connection(secured: NatsServer) -> None:
+    async def main() -> None:
+        nc = await nats.connect(secured.url, allow_reconnect=False, connect_timeout=2,
+                                max_reconnect_attempts=0)
+        await nc.close()
+
+    with pytest.raises(nats.errors.Error, match=r"(?i)authori"):
+        anyio.run(main, backend="asyncio")
+
+
+def test_each_role_is_denied_what_it_must_not_do(secured: NatsServer, auth_dir: Path) -> None:
+    url = secured.url
+    job = codec.encode_model(JobRequest(model="noop", framework="noop"))
+
+    async def main() -> None:
+        async with Probe(url, auth_dir / "edge.creds") as edge:
+            # cannot submit jobs, read results or others' traces, or write others' keys
+            assert await edge.denied_publish(names.JOBS_SUBJECT, job)
+            assert await edge.denied_publish(names.SQL_SUBJECT)
+            assert await edge.denied_publish(names.EVALUATION_SUBJECT)
+            assert await edge.denied_publish(f"$JS.API.STREAM.MSG.GET.{names.TRACES_STREAM}")
+            assert await edge.denied_subscribe(names.traces_wildcard())
+            assert await edge.denied_subscribe(names.job_events("someone-elses"))
+            assert await edge.denied_subscribe(names.agent_query("other-agent"))
+            assert await edge.denied_publish(f"$KV.{names.AGENTS_BUCKET}.other-agent")
+            # ... but may write its own key and serve its own subjects
+            assert not await edge.denied_publish(f"$KV.{names.AGENTS_BUCKET}.edge-7", b"{}")
+            assert not await edge.denied_subscribe(names.agent_query("edge-7"))
+        async with Probe(url, auth_dir / "reader.creds") as reader:
+            for subject in (names.JOBS_SUBJECT, names.traces("ev-1"),
+                            f"$KV.{names.AGENTS_BUCKET}.x", names.agent_query("a"),
+                            names.capability("noop", "noop"), names.job_events("j"),
+                            f"$JS.API.STREAM.DELETE.{names.JOBS_STREAM}"):
+                assert await reader.denied_publish(subject), subject
+        async with Probe(url, auth_dir / "agent.creds") as agent:
+            assert await agent.denied_publish(names.JOBS_SUBJECT, job)
+            assert await agent.denied_publish(names.SQL_SUBJECT)
+            assert await agent.denied_publish(f"$JS.API.STREAM.PURGE.{names.TRACES_STREAM}")
+            assert await agent.denied_subscribe(names.traces_wildcard())
+        async with Probe(url, auth_dir / "submitter.creds") as submitter:
+            assert await submitter.denied_publish(names.traces("ev-1"))
+            assert await submitter.denied_publish(f"$KV.{names.AGENTS_BUCKET}.x")
+            assert await submitter.denied_subscribe(names.capability("noop", "noop"))
+            assert not await submitter.denied_publish(names.JOBS_SUBJECT, job)
+        # Nothing the denied roles published reached the job stream: only the submitter's.
+        assert await _jobs_in_stream(url, auth_dir) == 1
+        # The reader can still read the registry (and the edge key it wrote is there).
+        reader_settings = Settings(nats_url=url, nats_creds=auth_dir / "reader.creds")
+        async with busmod.connect(reader_settings, name="reader") as bus:
+            assert await list_agents(bus, include_stale=True) == []
+            assert [k async for k in _keys(bus)] == ["edge-7"]
+
+    anyio.run(main, backend="asyncio")
+
+
+async def _keys(bus: busmod.Bus):  # type: ignore[no-untyped-def]
+    kv = await bus.kv(names.AGENTS_BUCKET)
+    for key in await kv.keys():
+        yield key
+
+
+def test_stack_runs_an_evaluation_under_role_credentials(tmp_path: Path, auth_dir: Path,
+                                                         zoo_dir: Path) -> None:
+    data = make_data_dir(tmp_path / "data", zoo_dir)
+    stack = Stack(Settings(data_dir=data), nats_port=0, frameworks=["noop"], auth=auth_dir)
+    client = stack.start()
+    try:
+        assert client.nats_creds == (auth_dir / "submitter.creds").resolve()
+        anyio.run(wait_agents, client, 1)
+        summary = anyio.run(lambda: submit(client, JobRequest(
+            model="noop", framework="noop",
+            scenario=ScenarioSpec(name="online", qps=50, duration_s=1))), backend="asyncio")
+        assert summary.status == "completed" and summary.errors == 0 and summary.queries >= 40
+        assert not stack.dead()
+    finally:
+        stack.stop()
+
+
+def test_settings_carry_credentials_tls_cluster_and_domain(tmp_path: Path,
+                                                           auth_dir: Path) -> None:
+    jwt = tmp_path / "user.creds"
+    jwt.write_text("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n")
+    env = {"MLSCOPE_NATS_URL": "nats://a:4222, nats://b:4222,nats://c:4222",
+           "MLSCOPE_NATS_CREDS": str(auth_dir / "agent.creds"), "MLSCOPE_JS_REPLICAS": "3",
+           "MLSCOPE_JS_DOMAIN": "hub", "MLSCOPE_NATS_TLS_CA": str(tmp_path / "ca.pem")}
+    s = Settings.from_env(env)
+    assert s.nats_servers == ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+    assert (s.js_replicas, s.js_domain) == (3, "hub")
+    assert Settings.from_env(s.as_env()) == s  # a child process sees the same settings
+    options = busmod.connect_options(s.with_(nats_tls_ca=None))
+    assert options["nkeys_seed"] == str(auth_dir / "agent.creds")
+    assert "user_credentials" not in options and "tls" not in options
+    assert busmod.connect_options(s.with_(nats_creds=jwt, nats_tls_ca=None)
+                                  )["user_credentials"] == str(jwt)
+    with pytest.raises(BusError, match="TLS"):  # a missing CA file is not ignored
+        busmod.connect_options(s)

@@ -1,0 +1,129 @@
+"""An edge agent behind a leaf node: its link to the hub is cut for 10 seconds in the
+middle of an evaluation, and every span it recorded reaches the hub's database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from cli.edge_cmd import create_edge_stream
+from cli.main import main as mlscope_main
+from cli.submit import submit
+from mlscope import bus as busmod
+from mlscope import codec, names, remote
+from mlscope.contracts import JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch
+from mlscope.natsserver import NatsServer, free_port, hub_config
+from mlscope.settings import Settings
+from tests.conftest import make_data_dir, wait_agents, wait_server
+from tests.scale_fixtures import CuttableLink, start, stop
+
+pytestmark = pytest.mark.timeout(200)
+CUT_S = 10.0
+
+
+async def leaf_spans(leaf_url: str, eval_id: str) -> int:
+    """Spans of one evaluation buffered in the leaf's own stream."""
+    total = 0
+    async with busmod.connect(Settings(nats_url=leaf_url), name="test-leaf") as bus:
+        sub = await bus.js.subscribe(names.traces(eval_id), stream=busmod.EDGE_TRACES_STREAM,
+                                     ordered_consumer=True)
+        pending = (await bus.js.stream_info(busmod.EDGE_TRACES_STREAM)).state.messages
+        for _ in range(pending):
+            try:
+                msg = await sub.next_msg(timeout=2)
+            except TimeoutError:
+                break
+            total += len(codec.decode_model(SpanBatch, msg.data))
+    return total
+
+
+def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path,
+                                                            zoo_dir: Path) -> None:
+    leaf_port = free_port()
+    (tmp_path / "hub.conf").write_text(hub_config(leaf_port=leaf_port, host="127.0.0.1"))
+    link = CuttableLink(leaf_port)
+    edge_dir = tmp_path / "edge"
+    assert mlscope_main(["edge", "init", "--hub", f"nats-leaf://127.0.0.1:{link.port}",
+                         "--out", str(edge_dir), "--domain", "e1", "--port", "0"]) == 0
+    hub = NatsServer(store_dir=tmp_path / "hub", config_file=tmp_path / "hub.conf").start()
+    leaf = NatsServer(store_dir=tmp_path / "leaf", config_file=edge_dir / "leaf.conf").start()
+    hub_settings = Settings(nats_url=hub.url, data_dir=make_data_dir(tmp_path / "d", zoo_dir))
+    edge_settings = hub_settings.with_(nats_url=leaf.url, js_domain="hub",
+                                       data_dir=make_data_dir(tmp_path / "e", zoo_dir))
+    server = start(hub_settings, "server")
+    agent = None
+    try:
+        anyio.run(wait_server, hub_settings)
+        anyio.run(create_edge_stream, leaf.url)
+        anyio.run(_attach, hub_settings)
+        agent = start(edge_settings, "agent", "--framework", "noop", "--agent-id", "edge-1")
+        agents = anyio.run(wait_agents, hub_settings, 1)
+        assert agents[0].agent_id == "edge-1" and agents[0].arch and agents[0].cpu_model
+
+        job = JobRequest(model="noop", framework="noop", trace_level="model",
+                         scenario=ScenarioSpec(name="online", qps=40, duration_s=18))
+        seen: dict[str, str] = {}
+        offline = {"sent": 0, "answered": 0}
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.evaluation_id:
+                seen.setdefault("eval", e.evaluation_id)
+
+        async def cut_mid_run() -> None:
+            while "eval" not in seen:
+                await anyio.sleep(0.1)
+            await anyio.sleep(3)
+            link.cut()
+            # The device keeps working locally while the hub is unreachable.
+            async with busmod.connect(edge_settings, name="local-driver") as bus:
+                t_end = anyio.current_time() + CUT_S
+                i = 1_000_000
+                while anyio.current_time() < t_end:
+                    q = Query(evaluation_id=seen["eval"], index=i,
+                              inputs=np.zeros((1, 16), np.float32), trace_level=1)
+                    offline["sent"] += 1
+                    reply = codec.decode((await bus.nc.request(
+                        names.agent_query("edge-1"), codec.encode_model(q), timeout=5)).data)
+                    offline["answered"] += reply.get("ok") is True
+                    i += 1
+                    await anyio.sleep(0.1)
+            link.restore()
+
+        async def main() -> object:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cut_mid_run)
+                summary = await submit(hub_settings, job, on_event=on_event, timeout=150)
+            return summary
+
+        summary = anyio.run(main, backend="asyncio")
+        assert summary.status == "completed"  # type: ignore[attr-defined]
+        assert offline["answered"] == offline["sent"] >= 50
+        eval_id = seen["eval"]
+        expected = anyio.run(leaf_spans, leaf.url, eval_id)
+        # 4 spans per answered query, the offline ones among them
+        assert expected >= 4 * offline["answered"]
+
+        async def arrived() -> int:
+            async with busmod.connect(hub_settings, name="test") as bus:
+                for _ in range(150):
+                    _, rows = await remote.sql(bus, "SELECT count() FROM spans FINAL WHERE "
+                                               "evaluation_id = {e:String}", {"e": eval_id})
+                    if int(rows[0][0]) >= expected:
+                        return int(rows[0][0])
+                    await anyio.sleep(0.2)
+                return int(rows[0][0])
+
+        assert anyio.run(arrived, backend="asyncio") == expected
+    finally:
+        stop(agent, server)
+        link.cut()
+        leaf.stop()
+        hub.stop()
+
+
+async def _attach(settings: Settings) -> None:
+    async with busmod.connect(settings, name="test") as bus:
+        await busmod.attach_edge(bus, "e1")
