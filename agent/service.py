@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 
 import mlscope
 from agent.pipeline import Executor, ExecutorConfig, Job
-from agent.predictors import probe
+from agent.predictors import accelerators, probe
 from agent.sysmon import Sampler
 from agent.tracer import Tracer
 from agent.worker import LoadedModel
@@ -99,6 +99,7 @@ class Agent:
                 framework=self.config.framework)
         self.framework_info = info
         self._facts: dict[str, Any] = sysinfo.host_facts()
+        self.accelerators = accelerators(self.config.framework)
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.
         sys.setswitchinterval(AGENT_SWITCH_INTERVAL_S)
@@ -174,7 +175,7 @@ class Agent:
         return AgentDescription(
             agent_id=self.agent_id, host=f["host"], arch=f["arch"], os=f["os"],
             cpu_model=f["cpu_model"], cpu_cores=f["cpu_cores"], memory_bytes=f["memory_bytes"],
-            frameworks=(info,),
+            accelerators=self.accelerators, frameworks=(info,),
             models=tuple(ModelOffer(name=e.manifest.name, version=e.manifest.version,
                                     framework=e.manifest.framework.name,
                                     sha256=e.manifest.assets.sha256) for e, _ in self.offers),

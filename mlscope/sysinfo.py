@@ -9,7 +9,9 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["cpu_model", "host_facts"]
+from mlscope.contracts import Accelerator
+
+__all__ = ["cpu_model", "host_facts", "nvml_gpus"]
 
 
 def cpu_model() -> str:
@@ -32,3 +34,26 @@ def host_facts() -> dict[str, object]:
         "cpu_cores": os.cpu_count() or 1,
         "memory_bytes": psutil.virtual_memory().total,
     }
+
+
+def nvml_gpus() -> list[Accelerator]:
+    """NVIDIA GPUs as NVML reports them; empty without pynvml or a driver."""
+    try:
+        import pynvml  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver, no device: nothing to report
+        return []
+    try:
+        out = []
+        for i in range(int(pynvml.nvmlDeviceGetCount())):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append(Accelerator(
+                kind="gpu", model=name.decode() if isinstance(name, bytes) else str(name),
+                index=i, memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+        return out
+    finally:
+        pynvml.nvmlShutdown()

@@ -417,3 +417,17 @@ def _tf_version() -> str:
     import tensorflow as tf
 
     return str(tf.__version__)
+
+
+def test_accelerators_are_found_through_the_runtime(fake_pyxrt: Any) -> None:
+    from agent.predictors import accelerators
+
+    fpgas = accelerators("xrt")
+    assert [(a.kind, a.index) for a in fpgas] == [
+        ("fpga", i) for i in range(fake_pyxrt.enumerate_devices())]
+    assert all(a.model and a.model != "unknown" for a in fpgas)
+    # No GPU on a CPU-only machine: torch finds none and NVML is absent or empty.
+    import torch
+
+    gpus = accelerators("pytorch")
+    assert len(gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)

@@ -24,13 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from mlscope.contracts import FrameworkInfo
+from mlscope import sysinfo
+from mlscope.contracts import Accelerator, FrameworkInfo
 from mlscope.errors import ConfigError, FrameworkUnavailable, InputMismatchError
 from mlscope.manifest import FRAMEWORKS, ModelManifest
 from mlscope.predictor import Predictor, PredictorOptions
 
 __all__ = [
     "TensorSig",
+    "accelerators",
     "check_inputs",
     "device_index",
     "manifest_signature",
@@ -62,6 +64,18 @@ def probe(framework: str) -> FrameworkInfo | None:
         log.warning("probing %s failed; not advertising it", framework, exc_info=True)
         return None
     return info
+
+
+def accelerators(framework: str) -> tuple[Accelerator, ...]:
+    """The devices this framework's runtime found (framework-specific where the runtime
+    names them: torch for GPUs, XRT for FPGAs), else the GPUs NVML reports, if any."""
+    try:
+        found = getattr(module(framework), "accelerators", None)
+        listed: list[Accelerator] = list(found()) if found is not None else []
+    except Exception:  # a runtime that fails here still serves: report no device
+        log.warning("listing %s devices failed", framework, exc_info=True)
+        listed = []
+    return tuple(listed) if listed else tuple(sysinfo.nvml_gpus())
 
 
 def open_predictor(framework: str, model_path: Path, manifest: ModelManifest,

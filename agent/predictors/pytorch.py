@@ -19,15 +19,27 @@ import numpy as np
 import torch
 
 from agent.predictors import check_inputs, manifest_signature
-from mlscope.contracts import FrameworkInfo
+from mlscope.contracts import Accelerator, FrameworkInfo
 from mlscope.errors import InferenceError, ModelLoadError
 from mlscope.manifest import ModelManifest
 from mlscope.predictor import PredictorOptions
 
-__all__ = ["TorchPredictor", "open", "probe"]
+__all__ = ["TorchPredictor", "accelerators", "open", "probe"]
 
 FRAMEWORK = "pytorch"
 _EXPORTED_SUFFIXES = (".pt2",)
+
+
+def accelerators() -> list[Accelerator]:
+    """Each CUDA device torch sees, with its name and memory."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        out.append(Accelerator(kind="gpu", model=props.name, index=i,
+                               memory_bytes=int(props.total_memory)))
+    return out
 
 
 def probe() -> FrameworkInfo:

@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 
 from agent.predictors import check_inputs, device_index, manifest_signature
-from mlscope.contracts import FrameworkInfo
+from mlscope.contracts import Accelerator, FrameworkInfo
 from mlscope.errors import FrameworkUnavailable, InferenceError, ModelLoadError
 from mlscope.manifest import ModelManifest
 from mlscope.predictor import PredictorOptions
 
-__all__ = ["XrtPredictor", "open", "probe"]
+__all__ = ["XrtPredictor", "accelerators", "open", "probe"]
 
 FRAMEWORK = "xrt"
 INSTALL_HINT = (
@@ -73,6 +73,21 @@ def probe() -> FrameworkInfo | None:
         return None
     return FrameworkInfo(name=FRAMEWORK, version=_version(pyxrt),
                          devices=tuple(f"fpga:{i}" for i in range(count)))
+
+
+def accelerators() -> list[Accelerator]:
+    """Each FPGA XRT enumerates, by the name the device reports."""
+    pyxrt = _pyxrt()
+    if pyxrt is None:
+        return []
+    out = []
+    for i in range(int(pyxrt.enumerate_devices())):
+        try:
+            name = str(pyxrt.device(i).get_info(pyxrt.xrt_info_device.name))
+        except Exception:  # a device that cannot be opened is still one we saw
+            name = "unknown"
+        out.append(Accelerator(kind="fpga", model=name, index=i))
+    return out
 
 
 def _version(pyxrt: ModuleType) -> str:
