@@ -301,7 +301,21 @@ class QueryReply(_Message):
 # --------------------------------------------------------------------------- traces
 
 
-class SpanBatch(_Message):
+class _ColumnBatch(_Message):
+    """Rows of one evaluation from one agent, column by column (lists of one length)."""
+
+    evaluation_id: str
+    agent_id: str
+    host: str
+    batch_id: str
+    columns: dict[str, list[Any]]
+
+    def __len__(self) -> int:
+        first = next(iter(self.columns.values()), [])
+        return len(first)
+
+
+class SpanBatch(_ColumnBatch):
     """Many spans in one message, column by column (one list per field, same length).
 
     Columns: span_id, parent_id, query_index, level, kind, name, start_ns, end_ns,
@@ -311,18 +325,9 @@ class SpanBatch(_Message):
     """
 
     kind: Literal["spans"] = "spans"
-    evaluation_id: str
-    agent_id: str
-    host: str
-    batch_id: str
-    columns: dict[str, list[Any]]
-
-    def __len__(self) -> int:
-        first = next(iter(self.columns.values()), [])
-        return len(first)
 
 
-class SampleBatch(_Message):
+class SampleBatch(_ColumnBatch):
     """System samples of one evaluation, column by column (trace level ``system``+).
 
     Columns: ts_ns (agent monotonic clock, like spans), metric (``cpu.util``,
@@ -332,12 +337,3 @@ class SampleBatch(_Message):
     """
 
     kind: Literal["samples"] = "samples"
-    evaluation_id: str
-    agent_id: str
-    host: str
-    batch_id: str
-    columns: dict[str, list[Any]]
-
-    def __len__(self) -> int:
-        first = next(iter(self.columns.values()), [])
-        return len(first)
