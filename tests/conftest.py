@@ -110,3 +110,7 @@ async def wait_server(settings: Settings, timeout: float = 60.0) -> None:
             except BusError:
                 await anyio.sleep(0.2)
     raise TimeoutError(f"no server answered within {timeout}s")
+
+
+# Analysis, report and dashboard fixtures (issue 7): one stack with real runs per session.
+from tests.analysis_fixtures import analysis_runs, span_db  # noqa: E402, F401

@@ -1,0 +1,151 @@
+"""Run-versus-run comparison and regression flags across versions.
+
+The difference of a statistic (median, p99) between a baseline run A and a candidate
+run B is ``stat(B) - stat(A)``. Its confidence interval is the percentile bootstrap:
+resample A and B independently with replacement ``n_boot`` times, compute the
+difference each time, take the (α/2, 1-α/2) quantiles of those differences (Efron &
+Tibshirani, *An Introduction to the Bootstrap*, ch. 13). The verdict:
+
+* ``slower`` — the interval lies above 0 and the point difference is at least
+  ``min_effect`` of A's statistic;
+* ``faster`` — the interval lies below 0, same effect-size rule;
+* ``no significant change`` — otherwise.
+
+The effect-size floor keeps two runs of the same system from being called different
+for a statistically real but meaningless 0.1 % (long runs make every CI narrow). The
+floor is higher for the tail (p99): the percentile bootstrap of an extreme quantile
+is known to under-cover (its resamples can only repeat the few largest samples), so
+a tail difference must also be large to count.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from packaging.version import InvalidVersion, Version
+
+from analysis.data import queries
+from analysis.figures import prefer_valid
+from analysis.source import Source
+from mlscope.stats import percentile
+
+__all__ = ["Difference", "bootstrap_difference", "compare_runs", "regressions",
+           "resampled_percentile"]
+
+FASTER, SLOWER, SAME = "faster", "slower", "no significant change"
+_CHUNK = 256  # bootstrap replicates per vectorized block ...
+_CELLS = 2_000_000  # ... and at most this many resampled values in memory at once
+
+
+@dataclass(frozen=True)
+class Difference:
+    statistic: str
+    a: float
+    b: float
+    diff: float
+    rel: float
+    ci_low: float
+    ci_high: float
+    verdict: str
+
+
+def resampled_percentile(samples: np.ndarray, q: float, idx: np.ndarray) -> np.ndarray:
+    """The nearest-rank percentile (mlscope.stats' definition) of each resample.
+
+    ``idx`` is (replicates, n) indices into ``samples``; row r's result equals
+    ``mlscope.stats.percentile(samples[idx[r]], q)`` (tested), vectorized.
+    """
+    n = idx.shape[1]
+    k = min(max(math.ceil(q / 100.0 * n), 1), n)
+    rows = np.sort(samples[idx], axis=1)
+    return rows[:, k - 1]
+
+
+def bootstrap_difference(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray,
+                         q: float = 50.0, *, n_boot: int = 2000, confidence: float = 0.95,
+                         min_effect: float = 0.02, seed: int = 0,
+                         statistic: str | None = None) -> Difference:
+    """CI of percentile_q(b) - percentile_q(a) and the verdict (see module docstring)."""
+    xa, xb = np.asarray(a, float), np.asarray(b, float)
+    xa, xb = xa[~np.isnan(xa)], xb[~np.isnan(xb)]
+    if xa.size == 0 or xb.size == 0:
+        raise ValueError("both runs need at least one latency sample")
+    pa, pb = float(percentile(xa, q) or 0.0), float(percentile(xb, q) or 0.0)
+    rng = np.random.default_rng(seed)
+    diffs = np.empty(n_boot)
+    chunk = max(1, min(_CHUNK, _CELLS // max(xa.size, xb.size)))
+    for start in range(0, n_boot, chunk):
+        r = min(chunk, n_boot - start)
+        ia = rng.integers(0, xa.size, size=(r, xa.size))
+        ib = rng.integers(0, xb.size, size=(r, xb.size))
+        diffs[start:start + r] = (resampled_percentile(xb, q, ib)
+                                  - resampled_percentile(xa, q, ia))
+    alpha = 1.0 - confidence
+    lo, hi = np.quantile(diffs, [alpha / 2, 1 - alpha / 2])
+    diff = pb - pa
+    rel = diff / pa if pa else float("inf") if diff else 0.0
+    big = abs(rel) >= min_effect
+    verdict = SLOWER if lo > 0 and big else FASTER if hi < 0 and big else SAME
+    return Difference(statistic or f"p{q:g}", pa, pb, diff, rel, float(lo), float(hi), verdict)
+
+
+def compare_runs(source: Source, baseline: str, candidate: str, *, n_boot: int = 2000,
+                 confidence: float = 0.95, min_effect: float = 0.02,
+                 tail_min_effect: float = 0.05, seed: int = 0) -> pd.DataFrame:
+    """Median and p99 latency of ``candidate`` against ``baseline`` (ms), one row each:
+    statistic, a, b, diff, rel, ci_low, ci_high, verdict."""
+    q = queries(source, [baseline, candidate])
+    q = q[q["ok"]]
+    lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
+    for e in (baseline, candidate):
+        if e not in lat:
+            raise ValueError(f"evaluation {e} has no answered queries")
+    rows = [bootstrap_difference(lat[baseline], lat[candidate], q_, n_boot=n_boot,
+                                 confidence=confidence, min_effect=floor, seed=seed,
+                                 statistic=name).__dict__
+            for name, q_, floor in (("median", 50.0, min_effect),
+                                    ("p99", 99.0, max(min_effect, tail_min_effect)))]
+    return pd.DataFrame(rows)
+
+
+def _version_key(v: str) -> tuple[int, Version | str]:
+    try:
+        return (0, Version(v))
+    except InvalidVersion:
+        return (1, v)
+
+
+def regressions(source: Source, summ: pd.DataFrame, *, axis: str = "framework_version",
+                n_boot: int = 1000, min_effect: float = 0.05, seed: int = 0) -> pd.DataFrame:
+    """Consecutive versions along ``axis`` ("model_version" or "framework_version"),
+    all else equal: the median-latency verdict of each step; ``regression`` is True
+    where the newer version is slower. The newest valid run of each version counts
+    (an invalid one where none is valid)."""
+    if axis not in ("model_version", "framework_version"):
+        raise ValueError(f"axis must be model_version or framework_version, not {axis!r}")
+    fixed = [c for c in ("model", "model_version", "framework", "framework_version", "system",
+                         "scenario", "batch_size") if c != axis]
+    cols = [*fixed, "from_version", "to_version", "baseline", "candidate", "median_a_ms",
+            "median_b_ms", "rel", "ci_low", "ci_high", "verdict", "regression"]
+    runs = prefer_valid(summ).drop_duplicates([*fixed, axis], keep="first")
+    rows = []
+    for key, g in runs.groupby(fixed, sort=True):
+        if g[axis].nunique() < 2:
+            continue
+        g = g.sort_values(axis, key=lambda s: s.map(_version_key))
+        recs = g.to_dict("records")
+        for old, new in itertools.pairwise(recs):
+            d = compare_runs(source, old["evaluation_id"], new["evaluation_id"],
+                             n_boot=n_boot, min_effect=min_effect, seed=seed).iloc[0]
+            rows.append({**dict(zip(fixed, key, strict=True)), "from_version": old[axis],
+                         "to_version": new[axis], "baseline": old["evaluation_id"],
+                         "candidate": new["evaluation_id"], "median_a_ms": d["a"],
+                         "median_b_ms": d["b"], "rel": d["rel"], "ci_low": d["ci_low"],
+                         "ci_high": d["ci_high"], "verdict": d["verdict"],
+                         "regression": d["verdict"] == SLOWER})
+    return pd.DataFrame(rows, columns=cols)

@@ -1,0 +1,119 @@
+"""Loading evaluations and their raw per-query samples into data frames.
+
+No statistics here: rows as stored, the summary JSON flattened into columns.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analysis.source import Source
+from mlscope.errors import DatabaseError
+
+__all__ = ["EVALUATION_FIELDS", "evaluations", "latest_per_key", "queries", "spans"]
+
+# Columns of :func:`evaluations` (the flattened summary and specification).
+EVALUATION_FIELDS = (
+    "evaluation_id", "created_at", "model", "model_version", "framework",
+    "framework_version", "agent_id", "host", "device", "system", "scenario", "batch_size",
+    "requested_qps", "trace_level", "status", "valid", "invalid_reasons", "queries",
+    "samples", "errors", "duration_s", "throughput_ips", "top1", "t0_ns",
+    "clock_offset_ns", "rerun_of",
+)
+
+
+def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
+    if ids is None:
+        return "", {}
+    return " WHERE evaluation_id IN {ids:Array(String)}", {"ids": list(ids)}
+
+
+def evaluations(source: Source, ids: Sequence[str] | None = None) -> pd.DataFrame:
+    """One row per evaluation (all, or ``ids`` in the order given), newest first."""
+    where, params = _ids_clause(ids)
+    raw = source.frame(
+        "SELECT evaluation_id, created_at, model, model_version, framework, "
+        "framework_version, agent_id, host, device, scenario, trace_level, status, valid, "
+        "t0_ns, clock_offset_ns, rerun_of, spec, summary FROM evaluations FINAL"
+        + where + " ORDER BY created_at DESC, evaluation_id", params)
+    rows = [_flatten(r) for r in raw.to_dict("records")]
+    frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS))
+    frame["created_at"] = pd.to_datetime(frame["created_at"])
+    if ids is not None:
+        missing = [i for i in ids if i not in set(frame["evaluation_id"])]
+        if missing:
+            raise DatabaseError(f"no evaluation {', '.join(missing)}", evaluation_id=missing[0])
+        frame = frame.set_index("evaluation_id").loc[list(ids)].reset_index()
+    return frame
+
+
+def _flatten(r: dict[str, Any]) -> dict[str, Any]:
+    summary = json.loads(r.pop("summary") or "{}")
+    spec = json.loads(r.pop("spec") or "{}")
+    scenario = summary.get("scenario") or {}
+    agent = spec.get("agent") or {}
+    accuracy = summary.get("accuracy") or {}
+    return {
+        **r,
+        "valid": bool(r["valid"]),
+        "system": _system_name(agent, r.get("device", "cpu")),
+        "batch_size": int(scenario.get("batch_size", 1)),
+        "requested_qps": summary.get("requested_qps"),
+        "invalid_reasons": "; ".join(summary.get("invalid_reasons") or ()),
+        "queries": summary.get("queries"),
+        "samples": summary.get("samples"),
+        "errors": summary.get("errors"),
+        "duration_s": summary.get("duration_s"),
+        "throughput_ips": summary.get("throughput_ips"),
+        "top1": accuracy.get("top1"),
+    }
+
+
+def _system_name(agent: dict[str, Any], device: str) -> str:
+    """A readable system: the accelerator when the run used one, else the CPU."""
+    if device != "cpu":
+        for acc in agent.get("accelerators") or ():
+            return f"{acc.get('model', device)}"
+    cpu = str(agent.get("cpu_model") or "cpu")
+    cores = agent.get("cpu_cores")
+    return f"{cpu} ({cores} cores)" if cores else cpu
+
+
+def queries(source: Source, ids: Sequence[str]) -> pd.DataFrame:
+    """Raw per-query rows of ``ids`` with latency (completed - scheduled) in ns."""
+    frame = source.frame(
+        "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)} "
+        "ORDER BY evaluation_id, query_index", {"ids": list(ids)})
+    if "correct" not in frame.columns and "label" in frame.columns:
+        # Schema v1 stores the number of correct top-1 answers of a query in `label`.
+        frame = frame.rename(columns={"label": "correct"})
+    for col in ("scheduled_ns", "issued_ns", "completed_ns"):
+        frame[col] = frame[col].astype(np.int64)
+    frame["ok"] = frame["ok"].astype(bool)
+    frame["latency_ns"] = frame["completed_ns"] - frame["scheduled_ns"]
+    return frame
+
+
+def spans(source: Source, evaluation_id: str, *, kinds: Sequence[str] | None = None,
+          query_index: int | None = None) -> pd.DataFrame:
+    """Spans of one evaluation (optionally some kinds, or one query), by start time."""
+    sql = ("SELECT agent_id, span_id, parent_id, query_index, level, kind, name, start_ns, "
+           "end_ns, host, attrs FROM spans FINAL WHERE evaluation_id = {e:String}")
+    params: dict[str, Any] = {"e": evaluation_id}
+    if kinds is not None:
+        sql += " AND kind IN {k:Array(String)}"
+        params["k"] = list(kinds)
+    if query_index is not None:
+        sql += " AND query_index = {q:Int64}"
+        params["q"] = query_index
+    return source.frame(sql + " ORDER BY start_ns, span_id", params)
+
+
+def latest_per_key(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """Keep the newest row for each combination of ``keys`` (frames are newest first)."""
+    return frame.drop_duplicates(subset=list(keys), keep="first").reset_index(drop=True)

@@ -1,0 +1,179 @@
+"""Reports of evaluations: one self-contained HTML file or Markdown, plots inline.
+
+:func:`build` gathers the frames and figures; :func:`to_html` and :func:`to_markdown`
+render them. HTML embeds plots as inline SVG, Markdown as base64 PNG data URIs, so
+either file stands alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analysis import figures, plots
+from analysis.compare import compare_runs
+from analysis.data import queries
+from analysis.layers import layer_types, top_layers
+from analysis.source import Source
+from analysis.summary import latency_windows, summary
+
+__all__ = ["Report", "Section", "build", "to_html", "to_markdown"]
+
+
+@dataclass
+class Section:
+    title: str
+    tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
+    plots: list[tuple[str, Any]] = field(default_factory=list)  # matplotlib figures
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    title: str
+    sections: list[Section]
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="s"))
+
+
+SUMMARY_VIEW = ["evaluation_id", "model", "framework", "framework_version", "system",
+                "scenario", "batch_size", "valid", "queries", "trimmed_mean_ms", "p50_ms",
+                "p90_ms", "p99_ms", "throughput_ips", "top1"]
+
+
+def build(source: Source, ids: Sequence[str], *, sizes: Mapping[str, int] | None = None,
+          prices_per_hour: Mapping[str, float] | None = None, window_s: float = 1.0,
+          top_n: int = 10) -> Report:
+    """The report of evaluations ``ids``: summary, latency, throughput, accuracy,
+    layers, and a comparison of each run against the first one."""
+    summ = summary(source, ids)
+    sections = [Section("Summary", tables=[("Per-evaluation summary", summ[SUMMARY_VIEW])])]
+    invalid = summ[~summ["valid"].astype(bool)]
+    sections[0].notes += [f"{r.evaluation_id} is INVALID: {r.invalid_reasons}"
+                          for r in invalid.itertuples()]
+    q = queries(source, list(ids))
+    q = q[q["ok"]]
+    lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
+    latency = Section("Latency")
+    if lat:
+        latency.plots.append(("Latency CDF", plots.latency_cdf(lat)))
+    for e in ids:
+        w = latency_windows(source, e, window_s=window_s)
+        if len(w) > 1:
+            latency.plots.append((f"Latency over time, {e} ({window_s:g} s windows)",
+                                  plots.latency_over_time(w, e)))
+    sections.append(latency)
+    sections += _throughput_sections(summ, sizes, prices_per_hour)
+    for e in ids:
+        top = top_layers(source, e, top_n)
+        if len(top):
+            sections.append(Section(f"Layers of {e}", tables=[
+                (f"Top {top_n} layers by time", top),
+                ("By layer type", layer_types(source, e))]))
+    if len(ids) > 1:
+        rows = [compare_runs(source, ids[0], other).assign(baseline=ids[0], candidate=other)
+                for other in ids[1:]]
+        sections.append(Section(f"Comparison against {ids[0]}", tables=[
+            ("Bootstrap 95% CIs of latency differences (candidate − baseline, ms)",
+             pd.concat(rows, ignore_index=True))]))
+    return Report(f"mlscope report: {', '.join(ids)}", sections)
+
+
+def _throughput_sections(summ: pd.DataFrame, sizes: Mapping[str, int] | None,
+                         prices: Mapping[str, float] | None) -> list[Section]:
+    out = []
+    tput = figures.max_throughput(summ)
+    if len(tput):
+        sec = Section("Throughput", tables=[("Maximum throughput and optimal batch size",
+                                             tput)])
+        sec.plots.append(("Throughput by batch size", plots.throughput_by_batch(summ)))
+        heat = figures.speedup_heatmap(summ)
+        if heat.shape[1] > 1:
+            sec.tables.append(("Speed-up over the smallest batch size", heat.reset_index(
+                names="model/framework@system")))
+            sec.plots.append(("Speed-up heatmap", plots.speedup_figure(heat)))
+        if prices:
+            for model in sorted(set(tput["model"])):
+                sec.tables.append((f"{model} across systems",
+                                   figures.across_systems(summ, model, prices)))
+        out.append(sec)
+    acc = figures.accuracy_tradeoff(summ, sizes)
+    if len(acc):
+        sec = Section("Accuracy", tables=[("Accuracy, latency, throughput and size", acc)])
+        for x in ("online_latency_ms", "max_throughput_ips"):
+            if acc[x].notna().any():
+                sec.plots.append((f"Top-1 vs {x}", plots.accuracy_scatter(acc, x)))
+        out.append(sec)
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and np.isnan(v)):
+        return "–"
+    if isinstance(v, float | np.floating):
+        x = float(v)
+        return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.0f}"
+    if isinstance(v, list | tuple):
+        return ", ".join(str(x) for x in v)
+    return str(v)
+
+
+def to_html(report: Report) -> str:
+    """One self-contained HTML document (inline CSS and SVG, no external resources)."""
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>"
+             f"{html.escape(report.title)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>{html.escape(report.title)}</h1><p class='meta'>generated "
+             f"{html.escape(report.created)}</p>"]
+    for sec in report.sections:
+        parts.append(f"<h2>{html.escape(sec.title)}</h2>")
+        parts += [f"<p class='note'>{html.escape(n)}</p>" for n in sec.notes]
+        for caption, df in sec.tables:
+            parts.append(f"<h3>{html.escape(caption)}</h3>{_html_table(df)}")
+        for caption, fig in sec.plots:
+            parts.append(f"<figure>{plots.svg(fig)}<figcaption>{html.escape(caption)}"
+                         "</figcaption></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _html_table(df: pd.DataFrame) -> str:
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
+                   for row in df.itertuples(index=False))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def to_markdown(report: Report) -> str:
+    """Markdown with pipe tables; plots as base64 PNG data URIs."""
+    lines = [f"# {report.title}", "", f"_generated {report.created}_", ""]
+    for sec in report.sections:
+        lines += [f"## {sec.title}", ""]
+        lines += [f"> {n}" for n in sec.notes]
+        for caption, df in sec.tables:
+            lines += [f"### {caption}", "", markdown_table(df), ""]
+        for caption, fig in sec.plots:
+            data = base64.b64encode(plots.png(fig)).decode()
+            lines += [f"![{caption}](data:image/png;base64,{data})", ""]
+    return "\n".join(lines)
+
+
+def markdown_table(df: pd.DataFrame) -> str:
+    head = "| " + " | ".join(str(c) for c in df.columns) + " |"
+    rule = "|" + "|".join("---" for _ in df.columns) + "|"
+    rows = ["| " + " | ".join(_fmt(v).replace("|", "\\|") for v in r) + " |"
+            for r in df.itertuples(index=False)]
+    return "\n".join([head, rule, *rows])
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1.5em;font-size:13px}
+th,td{border:1px solid #ccc;padding:3px 8px;text-align:right}
+th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}
+figure{margin:1em 0}figcaption{font-size:12px;color:#555}
+.note{color:#a33}.meta{color:#777;font-size:12px}"""
