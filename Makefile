@@ -13,6 +13,12 @@ $(STAMP): pyproject.toml Makefile
 	# basic-pitch ships its model in three formats; its declared deps would replace
 	# the pinned TensorFlow, so it is installed without them.
 	$(PY) -m pip install --quiet --no-deps basic-pitch==0.4.0
+	# Headless Chromium for the dashboard's screenshot test (Debian's package; a
+	# browser download such as `playwright install` cannot work offline).
+	command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "warning: chromium not installed (needs root: apt-get install chromium)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -140,16 +140,20 @@ class Evaluator:
                 started_at=started, finished_at=finished, **extra)
 
         main = outcome.main
+        # A sweep or search of one run is that run: it is stored once, as the parent.
+        separate = outcome.points if len(outcome.points) > 1 else []
+        points = [r.point() if separate else {**r.point(), "evaluation_id": eval_id}
+                  for r in outcome.points]
         summary = summarize(
             main, outcome.extra_reasons, peak_qps=outcome.peak_qps,
             optimal_batch_size=outcome.optimal_batch_size,
-            points=tuple(r.point() for r in outcome.points)).model_copy(
+            points=tuple(points)).model_copy(
             update={"evaluation_id": eval_id, "scenario": spec.model_dump()})
         if acc is not None:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
         spec_doc = _specification(job, agent, entry, prep)
-        for run in outcome.points:  # each run of a sweep or search, on its own
+        for run in separate:  # each run of a sweep or search, on its own
             await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
         await anyio.to_thread.run_sync(self._store, summary, main.record, spec_doc)
         if acc is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import yaml
 
 from cli.main import build_parser
@@ -59,7 +58,5 @@ def test_nats_nodes_form_one_jetstream_cluster() -> None:
         assert {r.split("//")[1].split(":")[0] for r in routes} == set(NATS) - {name}
 
 
-@pytest.mark.xfail(strict=True, reason="`mlscope dashboard` (cli/dashboard_cmd.py) comes "
-                   "with the analysis branch; remove this mark when both are merged")
 def test_dashboard_service_runs_mlscope_dashboard() -> None:
     build_parser().parse_args(SERVICES["dashboard"]["command"][1:])
