@@ -39,7 +39,7 @@ class Section:
 class Report:
     title: str
     sections: list[Section]
-    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="s"))
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
 
 SUMMARY_VIEW = ["evaluation_id", "model", "framework", "framework_version", "system",
