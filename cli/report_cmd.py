@@ -1,0 +1,155 @@
+"""``mlscope report``: reports of evaluations, and the paper's Table 2 for the zoo.
+
+* ``mlscope report EVAL_ID... -o report.html`` (or ``.md``): one self-contained file;
+* ``mlscope report --suite [--run] [--models digits_cnn/onnxruntime,...]``: Table 2 from
+  the evaluations in the database; ``--run`` first submits, for each model, one online
+  run and batched runs over ``--batch-sizes`` to the running server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import anyio
+
+from mlscope.catalog import Catalog, default_manifest_dirs
+from mlscope.contracts import JobRequest, ScenarioSpec
+from mlscope.errors import MLScopeError
+from mlscope.settings import Settings
+
+__all__ = ["register", "suite_jobs"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("report", help="report evaluations (HTML/Markdown) or the suite table")
+    p.add_argument("evaluations", nargs="*", metavar="EVAL_ID")
+    p.add_argument("-o", "--output", type=Path, default=None,
+                   help="report.html or report.md (default: Markdown on stdout)")
+    p.add_argument("--suite", action="store_true", help="print the paper's Table 2")
+    p.add_argument("--run", action="store_true",
+                   help="with --suite: run the evaluations first (needs a running server)")
+    p.add_argument("--models", default=None,
+                   help="with --suite: MODEL/FRAMEWORK,... (default: every model built)")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32",
+                   help="with --suite --run: batched runs at these batch sizes")
+    p.add_argument("--qps", type=float, default=100.0, help="with --suite --run: online rate")
+    p.add_argument("--duration", type=float, default=5.0,
+                   help="with --suite --run: seconds per run")
+    p.add_argument("--price", action="append", default=[], metavar="SYSTEM=USD_PER_HOUR",
+                   help="price per hour of a system, for the cost per million inferences")
+    p.set_defaults(func=run)
+
+
+def _pairs(settings: Settings, catalog: Catalog, spec: str | None) -> list[tuple[str, str]]:
+    if spec:
+        out = []
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            model, _, fw = item.partition("/")
+            out.append((model, fw or "onnxruntime"))
+        return out
+    built = []
+    for e in catalog.entries:
+        m = e.manifest
+        try:
+            if (e.root(settings.zoo_dir) / m.assets.graph_path).exists():
+                built.append((m.name, m.framework.name))
+        except MLScopeError:  # remote assets: not part of the local zoo
+            continue
+    return sorted(set(built))
+
+
+def suite_jobs(pairs: list[tuple[str, str]], *, batch_sizes: list[int], qps: float,
+               duration_s: float) -> list[JobRequest]:
+    """One online run (batch 1) and one batched run per batch size, per model."""
+    jobs = []
+    for model, fw in pairs:
+        jobs.append(JobRequest(model=model, framework=fw, scenario=ScenarioSpec(
+            name="online", qps=qps, duration_s=duration_s)))
+        jobs += [JobRequest(model=model, framework=fw, scenario=ScenarioSpec(
+            name="batched", batch_size=b, duration_s=duration_s)) for b in batch_sizes]
+    return jobs
+
+
+def _run_jobs(settings: Settings, jobs: list[JobRequest]) -> list[str]:
+    from cli.submit import submit
+
+    async def go() -> list[str]:
+        ids = []
+        for job in jobs:
+            label = f"{job.model}/{job.framework} {job.scenario.name} b={job.scenario.batch_size}"
+            try:
+                s = await submit(settings, job)
+            except MLScopeError as exc:  # one failing model does not stop the suite
+                print(f"  {label}: FAILED {exc}", file=sys.stderr, flush=True)
+                continue
+            print(f"  {label}: {s.evaluation_id}", file=sys.stderr, flush=True)
+            ids.append(s.evaluation_id)
+        return ids
+
+    return anyio.run(go, backend="asyncio")
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    from analysis import suite
+    from analysis.data import evaluations
+    from analysis.figures import model_sizes
+    from analysis.source import open_source
+    from analysis.summary import summary
+
+    settings: Settings = args.settings
+    catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
+    pairs = _pairs(settings, catalog, args.models)
+    if args.run:
+        sizes_ = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+        _run_jobs(settings, suite_jobs(pairs, batch_sizes=sizes_, qps=args.qps,
+                                       duration_s=args.duration))
+    source = open_source(settings)
+    ev = evaluations(source)
+    wanted = set(pairs)
+    ids = [e for e, m, f in zip(ev["evaluation_id"], ev["model"], ev["framework"], strict=True)
+           if (m, f) in wanted]
+    if not ids:
+        print("mlscope report --suite: no evaluations of these models yet "
+              "(add --run to run them)", file=sys.stderr)
+        return 1
+    table = suite.table2(summary(source, ids), model_sizes(catalog, settings.zoo_dir, pairs))
+    print(suite.format_table(table))
+    return 0
+
+
+def _prices(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        system, sep, price = item.rpartition("=")
+        if not sep:
+            raise SystemExit(f"--price wants SYSTEM=USD_PER_HOUR, not {item!r}")
+        out[system] = float(price)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.suite:
+        return run_suite(args)
+    if not args.evaluations:
+        print("mlscope report: give EVAL_ID... or --suite", file=sys.stderr)
+        return 2
+    from analysis import report
+    from analysis.figures import model_sizes
+    from analysis.source import open_source
+
+    settings: Settings = args.settings
+    catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
+    rep = report.build(open_source(settings), args.evaluations,
+                       sizes=model_sizes(catalog, settings.zoo_dir),
+                       prices_per_hour=_prices(args.price))
+    out: Path | None = args.output
+    text = report.to_html(rep) if out is not None and out.suffix in (".html", ".htm") \
+        else report.to_markdown(rep)
+    if out is None:
+        print(text)
+    else:
+        out.write_text(text)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,28 @@
+"""The mlscope dashboard: ``mlscope dashboard`` runs ``streamlit run`` on this file.
+
+Multipage through ``st.navigation``; each page is a script under ``views/`` (each can
+also be run, and tested, on its own).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import streamlit as st
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `streamlit run dashboard/app.py` from a checkout
+    sys.path.insert(0, str(ROOT))
+
+VIEWS = Path(__file__).resolve().parent / "views"
+# Material icons ship with Streamlit (emoji need a system font a server may lack).
+PAGES = (("agents.py", "Agents", ":material/dns:"), ("models.py", "Models", ":material/category:"),
+         ("run.py", "Run", ":material/play_arrow:"), ("results.py", "Results",
+                                                      ":material/bar_chart:"),
+         ("compare.py", "Compare", ":material/compare_arrows:"),
+         ("trace.py", "Trace", ":material/timeline:"))
+
+st.set_page_config(page_title="mlscope", layout="wide")
+page = st.navigation([st.Page(VIEWS / f, title=t, icon=i) for f, t, i in PAGES])
+page.run()

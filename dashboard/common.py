@@ -1,0 +1,95 @@
+"""What every dashboard page shares: settings, the database source, cached reads.
+
+Pages render frames that :mod:`analysis` computes; nothing here computes statistics.
+Reads are cached for a few seconds (a page re-runs its script on every click).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pandas as pd
+import streamlit as st
+
+from analysis.data import evaluations
+from analysis.source import BusSource, DirectSource, open_source
+from mlscope.catalog import Catalog, default_manifest_dirs
+from mlscope.contracts import AgentDescription
+from mlscope.errors import MLScopeError
+from mlscope.settings import Settings
+
+__all__ = ["FIG_WIDTH", "agents", "catalog", "eval_label", "evaluation_picker",
+           "recent_evaluations", "settings", "source", "stop_on_error"]
+
+TTL_S = 3
+FIG_WIDTH = 760  # pixels: matplotlib figures stretched to a wide page are unreadable
+
+
+@st.cache_resource
+def settings() -> Settings:
+    """The settings of the process (the same environment as every mlscope command)."""
+    return Settings.from_env()
+
+
+@st.cache_resource
+def source() -> DirectSource | BusSource:
+    return open_source(settings())
+
+
+@st.cache_resource
+def catalog() -> Catalog:
+    return Catalog.load(default_manifest_dirs(settings().manifests_dir))
+
+
+def stop_on_error(exc: MLScopeError) -> None:
+    st.error(f"{type(exc).__name__}: {exc}")
+    st.info("Is the stack running? `mlscope up` (or `mlscope server` + `mlscope agent`), "
+            "with the same MLSCOPE_NATS_URL / MLSCOPE_DATA_DIR as this dashboard.")
+    st.stop()
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def agents() -> list[dict[str, Any]]:
+    """The live registry, as plain dicts (cacheable)."""
+    from mlscope.bus import connect
+    from mlscope.registry import list_agents
+
+    async def fetch() -> list[AgentDescription]:
+        async with connect(settings(), name="mlscope dashboard") as bus:
+            return await list_agents(bus)
+
+    found = anyio.run(fetch, backend="asyncio")
+    return [a.model_dump(mode="json", by_alias=True) for a in found]
+
+
+@st.cache_data(ttl=TTL_S, show_spinner=False)
+def recent_evaluations() -> pd.DataFrame:
+    return evaluations(source())
+
+
+def eval_label(row: Any) -> str:
+    return (f"{row.evaluation_id} · {row.model}/{row.framework} · {row.scenario} "
+            f"b={row.batch_size} · {pd.Timestamp(row.created_at):%m-%d %H:%M:%S}"
+            + ("" if row.valid else " · INVALID"))
+
+
+def evaluation_picker(label: str, *, key: str, multi: bool = False,
+                      default_all: bool = False) -> list[str]:
+    """A select box (or multiselect) of the stored evaluations, newest first."""
+    try:
+        ev = recent_evaluations()
+    except MLScopeError as exc:
+        stop_on_error(exc)
+        return []
+    if ev.empty:
+        st.info("No evaluations yet: run one on the Run page or with `mlscope-submit`.")
+        st.stop()
+    labels = {r.evaluation_id: eval_label(r) for r in ev.itertuples()}
+    ids = list(labels)
+    if multi:
+        picked = st.multiselect(label, ids, default=ids if default_all else ids[:1],
+                                format_func=labels.__getitem__, key=key)
+        return list(picked)
+    one = st.selectbox(label, ids, format_func=labels.__getitem__, key=key)
+    return [one] if one else []

@@ -1,0 +1,31 @@
+"""Compare: a baseline run against candidates, with bootstrap verdicts."""
+
+from __future__ import annotations
+
+import numpy as np
+import streamlit as st
+
+from analysis import plots
+from analysis.compare import compare_runs
+from analysis.data import queries
+from dashboard.common import FIG_WIDTH, evaluation_picker, source
+
+st.title("Compare runs")
+base = evaluation_picker("Baseline", key="compare_base")
+cands = evaluation_picker("Candidates", key="compare_cands", multi=True)
+cands = [c for c in cands if c not in base]
+if not base or not cands:
+    st.info("Pick a baseline and at least one other evaluation.")
+    st.stop()
+conf = st.select_slider("Confidence", [0.9, 0.95, 0.99], value=0.95, key="compare_conf")
+for cand in cands:
+    st.subheader(f"{cand} vs {base[0]}")
+    table = compare_runs(source(), base[0], cand, confidence=float(conf), n_boot=1000)
+    for row in table.itertuples():
+        st.metric(f"{row.statistic} latency: {row.verdict}", f"{row.b:.3f} ms",
+                  delta=f"{row.rel:+.1%}", delta_color="inverse")
+    st.dataframe(table, hide_index=True)
+q = queries(source(), [*base, *cands])
+q = q[q["ok"]]
+st.pyplot(plots.latency_cdf({e: g["latency_ns"].to_numpy(np.int64) / 1e6
+                             for e, g in q.groupby("evaluation_id")}), width=FIG_WIDTH)
