@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml Makefile
 	# basic-pitch ships its model in three formats; its declared deps would replace
 	# the pinned TensorFlow, so it is installed without them.
 	$(PY) -m pip install --quiet --no-deps basic-pitch==0.4.0
+	# The dashboard test drives headless Chromium (playwright's download does not work
+	# here): install Debian's when it is missing and we are root (CI runs as root).
+	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" != 0 ] || \
+	  (apt-get update && apt-get install -y chromium); }
 	touch $(STAMP)
 
 install: $(STAMP)
