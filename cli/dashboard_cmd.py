@@ -32,7 +32,8 @@ def command(port: int, address: str = "127.0.0.1") -> list[str]:
     """The streamlit command line that serves the dashboard."""
     return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.port", str(port),
             "--server.address", address, "--server.headless", "true",
-            "--browser.gatherUsageStats", "false", "--global.developmentMode", "false"]
+            "--browser.gatherUsageStats", "false", "--global.developmentMode", "false",
+            "--client.toolbarMode", "viewer"]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,10 +19,11 @@ from mlscope.contracts import AgentDescription
 from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
 
-__all__ = ["agents", "catalog", "eval_label", "evaluation_picker", "recent_evaluations",
-           "settings", "source", "stop_on_error"]
+__all__ = ["FIG_WIDTH", "agents", "catalog", "eval_label", "evaluation_picker",
+           "recent_evaluations", "settings", "source", "stop_on_error"]
 
 TTL_S = 3
+FIG_WIDTH = 760  # pixels: matplotlib figures stretched to a wide page are unreadable
 
 
 @st.cache_resource

@@ -16,6 +16,7 @@ from streamlit.testing.v1 import AppTest
 
 from analysis.source import BusSource
 from analysis.summary import summary
+from tests import chromium
 from tests.analysis_fixtures import BATCH_SIZES, AnalysisRuns
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,22 +156,26 @@ def dashboard_url(env: AnalysisRuns, tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
+# Rendered: tables present and the script no longer running.
+READY = ("document.querySelectorAll('[data-testid=stDataFrame]').length > 0 && "
+         "!document.querySelector('[data-testid=stStatusWidgetRunningIcon]') && "
+         "document.querySelectorAll('[data-testid=stImage], [data-testid=stImageContainer], "
+         "img').length > 0")
+
+
 def test_dashboard_in_headless_chromium(dashboard_url: str, env: AnalysisRuns,
                                         tmp_path: Path) -> None:
-    from tests import chromium
-
     if chromium.executable() is None:
-        pytest.fail("chromium is not installed: `make install` installs it (as root)")
-    profile = tmp_path / "chromium-profile"
-    profile.mkdir()
+        pytest.fail("chromium is not installed: run `make install` (as root it installs it)")
     shot = Path(os.environ.get("MLSCOPE_SCREENSHOT_DIR", tmp_path)) / "dashboard.png"
-    with chromium.open_page(f"{dashboard_url}/results", profile) as page:
-        # The page ran its script against the stack and streamed its tables in.
-        page.wait_for("document.querySelectorAll('[data-testid=\"stDataFrame\"]').length > 0"
-                      " && document.body.innerText.includes('Results')", timeout=90)
-        time.sleep(1.0)  # let the last elements paint
-        html = page.dom()
-        page.screenshot(shot)
-    assert 'data-testid="stDataFrame"' in html
-    assert env.online[0] in html or "digits_cnn" in html
+    with chromium.open_page(f"{dashboard_url}/results", tmp_path / "profile") as tab:
+        tab.wait_for(READY, timeout=90)
+        time.sleep(1.0)  # let the last frame paint
+        html = tab.dom()
+        tab.screenshot(shot)
+    # The page ran its script against the stack and rendered its tables and figures.
+    assert "Results" in html and "Summary" in html
+    assert html.count('data-testid="stDataFrame"') >= 2  # summary + max throughput
+    assert "digits_cnn" in html and env.online[0] in html
+    assert "Traceback" not in html and "stException" not in html
     assert shot.stat().st_size > 20_000  # a rendered page, not a blank one

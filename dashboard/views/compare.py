@@ -8,7 +8,7 @@ import streamlit as st
 from analysis import plots
 from analysis.compare import compare_runs
 from analysis.data import queries
-from dashboard.common import evaluation_picker, source
+from dashboard.common import FIG_WIDTH, evaluation_picker, source
 
 st.title("Compare runs")
 base = evaluation_picker("Baseline", key="compare_base")
@@ -28,4 +28,4 @@ for cand in cands:
 q = queries(source(), [*base, *cands])
 q = q[q["ok"]]
 st.pyplot(plots.latency_cdf({e: g["latency_ns"].to_numpy(np.int64) / 1e6
-                             for e, g in q.groupby("evaluation_id")}))
+                             for e, g in q.groupby("evaluation_id")}), width=FIG_WIDTH)

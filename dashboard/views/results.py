@@ -7,7 +7,14 @@ import streamlit as st
 from analysis import figures, layers, plots
 from analysis.compare import regressions
 from analysis.summary import latency_windows, summary
-from dashboard.common import catalog, evaluation_picker, settings, source, stop_on_error
+from dashboard.common import (
+    FIG_WIDTH,
+    catalog,
+    evaluation_picker,
+    settings,
+    source,
+    stop_on_error,
+)
 from mlscope.errors import MLScopeError
 
 st.title("Results")
@@ -30,12 +37,12 @@ with t_tput:
         st.info("No batched runs among these evaluations.")
     else:
         st.dataframe(best, hide_index=True)
-        st.pyplot(plots.throughput_by_batch(summ))
+        st.pyplot(plots.throughput_by_batch(summ), width=FIG_WIDTH)
         heat = figures.speedup_heatmap(summ)
         if heat.shape[1] > 1:
             st.caption("Throughput speed-up over the smallest batch size (paper Fig. 6)")
             st.dataframe(heat)
-            st.pyplot(plots.speedup_figure(heat))
+            st.pyplot(plots.speedup_figure(heat), width=FIG_WIDTH)
 with t_acc:
     sizes = figures.model_sizes(catalog(), settings().zoo_dir)
     acc = figures.accuracy_tradeoff(summ, sizes)
@@ -45,14 +52,14 @@ with t_acc:
         st.dataframe(acc, hide_index=True)
         for x in ("online_latency_ms", "max_throughput_ips"):
             if acc[x].notna().any():
-                st.pyplot(plots.accuracy_scatter(acc, x))
+                st.pyplot(plots.accuracy_scatter(acc, x), width=FIG_WIDTH)
 with t_time:
     one = st.selectbox("Evaluation", ids, key="results_window_eval")
     window = st.number_input("Window (s)", min_value=0.05, value=1.0, key="results_window")
     w = latency_windows(source(), one, window_s=float(window))
     st.dataframe(w, hide_index=True)
     if len(w) > 1:
-        st.pyplot(plots.latency_over_time(w, one))
+        st.pyplot(plots.latency_over_time(w, one), width=FIG_WIDTH)
 with t_layers:
     one = st.selectbox("Evaluation", ids, key="results_layers_eval")
     n = st.number_input("Top N", min_value=1, value=10, key="results_top_n")
