@@ -16,6 +16,9 @@ from mlscope.contracts import JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
 
 LEVELS = ["none", "model", "framework", "system", "full"]
+SCENARIOS = ["online", "single-stream", "constant", "concurrency", "batched", "peak",
+             "cold-start"]
+"""The scenarios that need no file (replay and piecewise: mlscope-submit --scenario-file)."""
 
 st.title("Run an evaluation")
 tasks = catalog().tasks()
@@ -43,19 +46,26 @@ agent = c3.selectbox("Agent / system", list(choices), key="run_agent")
 if not live:
     st.warning(f"No live agent offers {framework}; the job would fail to resolve.")
 c1, c2, c3, c4 = st.columns(4)
-scenario = c1.selectbox("Scenario", ["online", "batched"], key="run_scenario")
+scenario = c1.selectbox("Scenario", SCENARIOS, key="run_scenario")
 qps = c2.number_input("Rate (queries/s)", min_value=1.0, value=100.0, key="run_qps",
-                      disabled=scenario != "online")
+                      disabled=scenario not in ("online", "constant", "peak"))
 batch = c3.number_input("Batch size", min_value=1, value=1 if scenario == "online" else 8,
                         key="run_batch")
-duration = c4.number_input("Duration (s)", min_value=0.5, value=5.0, key="run_duration")
+duration = c4.number_input("Duration (s)", min_value=0.5, value=10.0, key="run_duration")
+c1, c2 = st.columns(2)
+concurrency = c1.number_input("Queries in flight (concurrency)", min_value=1, value=4,
+                              key="run_concurrency", disabled=scenario != "concurrency")
+bound = c2.number_input("p99 latency bound (ms, peak: the search target)", min_value=0.0,
+                        value=10.0 if scenario == "peak" else 0.0, key="run_bound")
 level = st.select_slider("Trace level", LEVELS, value="model", key="run_level")
 
 if st.button("Run", type="primary", key="run_go", disabled=not (model and framework)):
     job = JobRequest(model=str(model), model_version=version, framework=str(framework),
                      device=str(device), agent_id=choices[str(agent)],
-                     scenario=ScenarioSpec(name=scenario, qps=float(qps),
-                                           batch_size=int(batch), duration_s=float(duration)),
+                     scenario=ScenarioSpec.model_validate({
+                         "name": scenario, "qps": float(qps), "batch_size": int(batch),
+                         "duration_s": float(duration), "concurrency": int(concurrency),
+                         "latency_bound_ms": float(bound) or None}),
                      trace_level=str(level), submitted_at=time.time())
     bar = st.progress(0.0, text="submitted")
     status = st.empty()
