@@ -13,8 +13,6 @@ layer analysis independently of which framework profilers exist.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +20,6 @@ from pathlib import Path
 import anyio
 import pytest
 
-from cli.services import Stack
 from cli.submit import submit
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.settings import Settings
@@ -64,19 +61,11 @@ async def _evaluate(settings: Settings) -> tuple[tuple[str, str], dict[int, str]
 @pytest.fixture(scope="session")
 def analysis_runs(tmp_path_factory: pytest.TempPathFactory,
                   zoo_dir: Path) -> Iterator[AnalysisRuns]:
-    from tests.conftest import make_data_dir, wait_agents
+    from tests.conftest import running_stack
 
-    base = make_data_dir(tmp_path_factory.mktemp("analysis"), zoo_dir)
-    os.environ.setdefault("PYTHONPATH", str(REPO))
-    stack = Stack(Settings(data_dir=base), nats_port=0, frameworks=["onnxruntime"])
-    live = stack.start()
-    try:
-        anyio.run(wait_agents, live, 1)
-        online, batched = anyio.run(_evaluate, live, backend="asyncio")
-        yield AnalysisRuns(settings=live, online=online, batched=batched)
-    finally:
-        stack.stop()
-        shutil.rmtree(base / "nats", ignore_errors=True)
+    with running_stack(tmp_path_factory.mktemp("analysis"), zoo_dir, ["onnxruntime"]) as s:
+        online, batched = anyio.run(_evaluate, s.settings, backend="asyncio")
+        yield AnalysisRuns(settings=s.settings, online=online, batched=batched)
 
 
 # -------------------------------------------------------------- synthetic spans

@@ -8,6 +8,7 @@ import shutil
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -76,19 +77,29 @@ async def wait_agents(settings: Settings, count: int, timeout: float = 60.0) -> 
     raise TimeoutError(f"{count} agent(s) did not register within {timeout}s")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Settings]:
-    """A real local stack: nats-server, the server process and an onnxruntime agent."""
-    base = make_data_dir(tmp_path_factory.mktemp("stack"), zoo_dir)
+@contextmanager
+def running_stack(base: Path, zoo_dir: Path, frameworks: list[str], *,
+                  timeout: float = 60.0) -> Iterator[Stack]:
+    """``mlscope up`` as child processes under ``base``: returns once every agent is
+    registered and the server answers database requests."""
+    make_data_dir(base, zoo_dir)
     os.environ.setdefault("PYTHONPATH", str(REPO))
-    s = Stack(Settings(data_dir=base), nats_port=0, frameworks=["onnxruntime"])
-    live = s.start()
+    s = Stack(Settings(data_dir=base), nats_port=0, frameworks=frameworks)
+    s.start()
     try:
-        anyio.run(wait_agents, live, 1)
-        yield live
+        anyio.run(wait_agents, s.settings, len(frameworks), timeout)
+        anyio.run(wait_server, s.settings, timeout)
+        yield s
     finally:
         s.stop()
         shutil.rmtree(base / "nats", ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Settings]:
+    """A real local stack: nats-server, the server process and an onnxruntime agent."""
+    with running_stack(tmp_path_factory.mktemp("stack"), zoo_dir, ["onnxruntime"]) as s:
+        yield s.settings
 
 
 def python() -> str:

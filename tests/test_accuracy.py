@@ -7,8 +7,6 @@ digits_cnn and efficientnet_lite0 on all four frameworks.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,6 @@ import pytest
 
 from broker import coldstart
 from broker.compare import Outputs, compare, compare_evaluations
-from cli.services import Stack
 from cli.submit import format_summary, submit
 from mlscope import bus as busmod
 from mlscope import remote
@@ -27,7 +24,7 @@ from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import EvaluationError
 from mlscope.settings import Settings
 from mlscope.zoo.build import build
-from tests.conftest import REPO, child_env, make_data_dir, python, wait_agents, wait_server
+from tests.conftest import child_env, python, running_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,17 +36,9 @@ QUICK = ScenarioSpec(name="batched", batch_size=4, duration_s=5, max_queries=8)
 def four(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Settings]:
     """A stack with one agent per framework; the zoo holds both models."""
     build(zoo_dir, only=["digits_cnn", "efficientnet_lite0"], log=lambda _: None)
-    base = make_data_dir(tmp_path_factory.mktemp("four"), zoo_dir)
-    os.environ.setdefault("PYTHONPATH", str(REPO))
-    s = Stack(Settings(data_dir=base), nats_port=0, frameworks=FRAMEWORKS)
-    live = s.start()
-    try:
-        anyio.run(wait_agents, live, len(FRAMEWORKS), 120.0)
-        anyio.run(wait_server, live)
-        yield live
-    finally:
-        s.stop()
-        shutil.rmtree(base / "nats", ignore_errors=True)
+    with running_stack(tmp_path_factory.mktemp("four"), zoo_dir, FRAMEWORKS,
+                       timeout=120.0) as s:
+        yield s.settings
 
 
 def evaluate(settings: Settings, model: str, samples: int | None = None
