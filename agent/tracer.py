@@ -4,11 +4,19 @@ Spans are appended to column lists (no per-span objects) and published as one
 :class:`~mlscope.contracts.SpanBatch` per evaluation every ``flush_s`` seconds or
 ``max_spans`` spans, over JetStream with a message id so that a retried publish is
 deduplicated by the stream.
+
+Span ids start at a random base per buffer (below 2**53, so JSON viewers keep them
+exact): an agent restarted with the same ``--agent-id`` in the middle of an evaluation,
+or a buffer evicted and created again, never reuses the ids under which the database
+already keeps (evaluation, agent, span) rows. A buffer that has been empty for
+``idle_s`` seconds is dropped, so a long-running agent does not keep one per past
+evaluation.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +32,13 @@ __all__ = ["SAMPLE_COLUMNS", "SampleBuffer", "SpanBuffer", "Tracer"]
 COLUMNS = ("span_id", "parent_id", "query_index", "level", "kind", "name",
            "start_ns", "end_ns", "attrs")
 SAMPLE_COLUMNS = ("ts_ns", "metric", "device", "value")
+SPAN_ID_BLOCK = 1 << 32
+"""Each buffer owns ids ``base + 1 .. base + 2**32`` with ``base`` a random multiple of this."""
+
+
+def span_id_base() -> int:
+    """A random id block below 2**53 (one in 2**21 chance that two buffers share it)."""
+    return secrets.randbits(21) * SPAN_ID_BLOCK
 
 
 @dataclass
@@ -31,7 +46,8 @@ class SpanBuffer:
     """Spans of one evaluation not yet published, column by column (thread-safe)."""
 
     columns: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in COLUMNS})
-    next_id: int = 1
+    next_id: int = field(default_factory=lambda: span_id_base() + 1)
+    idle_flushes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, *, parent: int, query_index: int, level: TraceLevel, kind: str, name: str,
@@ -61,6 +77,7 @@ class SampleBuffer:
 
     columns: dict[str, list[Any]] = field(
         default_factory=lambda: {c: [] for c in SAMPLE_COLUMNS})
+    idle_flushes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, ts_ns: int, metric: str, device: str, value: float) -> None:
@@ -84,9 +101,14 @@ class Tracer:
     """Buffers spans per evaluation and publishes them in batches."""
 
     def __init__(self, bus: Bus, *, agent_id: str, host: str, flush_s: float = 0.25,
-                 max_spans: int = 5000) -> None:
+                 max_spans: int = 5000, idle_s: float = 300.0) -> None:
         self.bus, self.agent_id, self.host = bus, agent_id, host
         self.flush_s, self.max_spans = flush_s, max_spans
+        self.idle_flushes = max(2, round(idle_s / flush_s))
+        """Empty flushes in a row after which a buffer is dropped. ``buffer()`` and the
+        flush both run on the event loop, so no new reference appears while dropping; a
+        worker thread holds its reference only while its query is in flight, far shorter
+        than ``idle_s``."""
         self.buffers: dict[str, SpanBuffer] = {}
         self.sample_buffers: dict[str, SampleBuffer] = {}
         self._wake = anyio.Event()
@@ -122,10 +144,20 @@ class Tracer:
     async def flush(self) -> None:
         for eval_id, buf in list(self.buffers.items()):
             if len(buf):
+                buf.idle_flushes = 0
                 self.published += await self._publish(SpanBatch, eval_id, buf.take())
+            elif self._idle(buf):
+                del self.buffers[eval_id]
         for eval_id, sbuf in list(self.sample_buffers.items()):
             if len(sbuf):
+                sbuf.idle_flushes = 0
                 self.samples_published += await self._publish(SampleBatch, eval_id, sbuf.take())
+            elif self._idle(sbuf):
+                del self.sample_buffers[eval_id]
+
+    def _idle(self, buf: SpanBuffer | SampleBuffer) -> bool:
+        buf.idle_flushes += 1
+        return buf.idle_flushes >= self.idle_flushes
 
     async def _publish(self, cls: type[SpanBatch] | type[SampleBatch], eval_id: str,
                        columns: dict[str, list[Any]]) -> int:

@@ -6,14 +6,17 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import anyio
 import onnx
 import onnxruntime as ort
 import pytest
 
 from agent import profiling
 from agent.sysmon import Sampler, parse_perf_line
-from agent.tracer import SampleBuffer
+from agent.tracer import SampleBuffer, Tracer
+from mlscope import bus as busmod
 from mlscope.contracts import TraceLevel
+from mlscope.settings import Settings
 from tests.tracing_fixtures import check_tree, ensure_built, open_model, run_queries
 
 pytestmark = pytest.mark.timeout(300)
@@ -155,3 +158,29 @@ def test_a_failing_profiler_leaves_the_query_alone(zoo_dir: Path, tmp_path: Path
     model.predictor.profile_args = (str(tmp_path / "gone.onnx"), so, providers)  # type: ignore[attr-defined]
     rows = run_queries(model, TraceLevel.FRAMEWORK, 2)  # replies are ok (checked inside)
     assert Counter(r["kind"] for r in rows) == {"query": 2, "step": 6}
+
+
+def test_tracer_drops_idle_buffers_and_never_reuses_span_ids(settings: Settings) -> None:
+    """Two buffers of one evaluation (an evicted one and its successor, or two agent
+    processes with one id) publish disjoint span ids; an idle buffer is dropped."""
+
+    async def main() -> tuple[list[int], Tracer]:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+            tracer = Tracer(bus, agent_id="a1", host="h", flush_s=0.01, idle_s=0.03)
+            ids = [tracer.buffer("ev-1").add(parent=0, query_index=i, level=TraceLevel.MODEL,
+                                              kind="query", name="q", start_ns=i, end_ns=i + 1)
+                   for i in range(3)]
+            await tracer.flush()
+            assert "ev-1" in tracer.buffers  # just flushed: not idle yet
+            for _ in range(3):
+                await tracer.flush()
+            assert "ev-1" not in tracer.buffers
+            ids += [tracer.buffer("ev-1").add(parent=0, query_index=9, level=TraceLevel.MODEL,
+                                               kind="query", name="q", start_ns=9, end_ns=10)]
+            await tracer.flush()
+            return ids, tracer
+
+    ids, tracer = anyio.run(main, backend="asyncio")
+    assert tracer.published == 4 and len(set(ids)) == 4
+    assert ids[1] == ids[0] + 1 and ids[2] == ids[1] + 1
+    assert all(0 < i < 2**53 for i in ids)
