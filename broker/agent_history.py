@@ -22,6 +22,7 @@ from mlscope import codec, names
 from mlscope.bus import Bus
 from mlscope.contracts import AgentDescription
 from mlscope.errors import WireError
+from mlscope.kvread import BucketWatch
 
 __all__ = ["AgentHistory", "history_row"]
 
@@ -33,19 +34,17 @@ class AgentHistory:
         self._rows: list[tuple[Any, ...]] = []
 
     async def run(self) -> None:
-        kv = await self.bus.kv(names.AGENTS_BUCKET)
-        watcher = await kv.watchall()
         try:
-            async with anyio.create_task_group() as tg:
+            async with BucketWatch(self.bus, names.AGENTS_BUCKET) as watch, \
+                    anyio.create_task_group() as tg:
                 tg.start_soon(self._flusher)
-                async for entry in watcher:
+                async for entry in watch:
                     if entry is None:  # end of the initial values
                         continue
                     self._rows.append(history_row(entry.key, int(entry.revision or 0),
                                                   entry.operation, entry.value))
         finally:
             with anyio.CancelScope(shield=True):
-                await watcher.stop()  # type: ignore[no-untyped-call]
                 await self._flush()
 
     async def _flusher(self) -> None:

@@ -28,6 +28,7 @@ from mlscope import names
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
 from mlscope.errors import BusError, ManifestError
+from mlscope.kvread import BucketWatch, bucket_keys
 from mlscope.manifest import ModelManifest, mark_untrusted, parse_manifest
 
 __all__ = ["ManifestWatcher", "delete_manifest", "key_for", "load_remote", "load_remote_entries",
@@ -86,17 +87,15 @@ async def load_remote(bus: Bus) -> list[ModelManifest]:
     """
     kv = await bus.kv(names.MODELS_BUCKET)
     try:
-        keys = sorted(await kv.keys())
-    except nats.js.errors.NoKeysError:
-        return []
-    except nats.errors.Error as exc:
+        keys = await bucket_keys(bus, names.MODELS_BUCKET)
+    except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"cannot list {names.MODELS_BUCKET}: {exc!r}") from exc
     out: list[ModelManifest] = []
     for key in keys:
         try:
             entry = await kv.get(key)
         except nats.js.errors.KeyNotFoundError:
-            continue  # deleted between keys() and get()
+            continue  # removed (a delete marker), or deleted since the listing
         except nats.errors.Error as exc:
             raise BusError(f"cannot read manifest {key}: {exc!r}", key=key) from exc
         out.append(_parse(key, entry.value))
@@ -145,22 +144,14 @@ class ManifestWatcher:
         self.rejected: dict[str, ManifestError] = {}
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        kv = await self.bus.kv(names.MODELS_BUCKET)
-        watcher = await kv.watchall()
-        ready = False
-        try:
-            async for update in watcher:
+        async with BucketWatch(self.bus, names.MODELS_BUCKET) as watch:
+            async for update in watch:
                 if update is None:  # the initial snapshot is complete
-                    if not ready:
-                        ready = True
-                        task_status.started()
+                    task_status.started()
                     continue
                 self._apply(update.key, update.value, deleted=update.operation is not None)
-                if ready and self.on_change is not None:
+                if watch.caught_up and self.on_change is not None:
                     await self.on_change()
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                await watcher.stop()  # type: ignore[no-untyped-call]
 
     def _apply(self, key: str, value: bytes | None, *, deleted: bool) -> None:
         self.entries.pop(key, None)

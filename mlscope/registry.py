@@ -13,6 +13,7 @@ from mlscope import codec, names
 from mlscope.bus import AGENT_TTL_S, Bus
 from mlscope.contracts import AgentDescription
 from mlscope.errors import BusError, WireError
+from mlscope.kvread import BucketWatch, bucket_keys
 
 __all__ = ["AgentCache", "list_agents"]
 
@@ -35,17 +36,14 @@ async def list_agents(bus: Bus, *, include_stale: bool = False,
 
 async def _list_agents(bus: Bus, include_stale: bool) -> list[AgentDescription]:
     kv = await bus.kv(names.AGENTS_BUCKET)
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return []
+    keys = await bucket_keys(bus, names.AGENTS_BUCKET)
     out = []
 
     async def get(key: str) -> bytes | None:
         try:
             return (await kv.get(key)).value
         except nats.js.errors.KeyNotFoundError:
-            return None  # expired between keys() and get()
+            return None  # withdrawn, or expired between listing and get()
 
     # All gets in flight at once: with 32 agents one round trip, not 32.
     values = await asyncio.gather(*(get(k) for k in keys))
@@ -83,17 +81,12 @@ class AgentCache:
         """Watch forever; re-watch after a failover."""
         while True:
             try:
-                kv = await self.bus.kv(names.AGENTS_BUCKET)
-                watcher = await kv.watchall()
-                try:
-                    async for entry in watcher:
+                async with BucketWatch(self.bus, names.AGENTS_BUCKET) as watch:
+                    async for entry in watch:
                         if entry is None:  # the initial values are in
                             self.ready.set()
                             continue
                         self._apply(entry.key, entry.value, entry.operation)
-                finally:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(2):
-                        await watcher.stop()  # type: ignore[no-untyped-call]
             except (TimeoutError, nats.errors.Error, BusError):
                 await anyio.sleep(0.5)
 
