@@ -65,12 +65,28 @@ async def export(settings: Settings, evaluation_id: str) -> dict[str, Any]:
         return chrome_trace(*(await fetch(bus, evaluation_id)))
 
 
-async def _rows(bus: Bus, sql: str, eval_id: str) -> list[dict[str, Any]]:
+async def _rows(bus: Bus, select: str, eval_id: str,
+                key: tuple[tuple[str, str], ...]) -> list[dict[str, Any]]:
+    """All rows of ``select`` (one evaluation), paged on the table's sorting key.
+
+    ``key`` is the sorting key after ``evaluation_id`` as (column, ClickHouse type); it
+    is unique under FINAL, so each page starts right after the previous page's last
+    row and costs the same however deep into the evaluation it is (an OFFSET would
+    re-read every earlier row on each page).
+    """
+    cols = ", ".join(c for c, _ in key)
     out: list[dict[str, Any]] = []
     while True:
-        cols, rows = await remote.sql(bus, f"{sql} LIMIT {PAGE} OFFSET {len(out)}",
-                                      {"e": eval_id})
-        out.extend(dict(zip(cols, r, strict=True)) for r in rows)
+        params: dict[str, Any] = {"e": eval_id}
+        after = ""
+        if out:
+            last = out[-1]
+            params.update({f"k{i}": last[c] for i, (c, _) in enumerate(key)})
+            after = (f" AND ({cols}) > ("
+                     + ", ".join(f"{{k{i}:{t}}}" for i, (_, t) in enumerate(key)) + ")")
+        columns, rows = await remote.sql(
+            bus, f"{select}{after} ORDER BY {cols} LIMIT {PAGE}", params)
+        out.extend(dict(zip(columns, r, strict=True)) for r in rows)
         if len(rows) < PAGE:
             return out
 
@@ -78,20 +94,21 @@ async def _rows(bus: Bus, sql: str, eval_id: str) -> list[dict[str, Any]]:
 async def fetch(bus: Bus, eval_id: str) -> tuple[dict[str, Any], list[dict[str, Any]],
                                                  list[dict[str, Any]], list[dict[str, Any]]]:
     """(evaluation, queries, spans, samples) rows of one evaluation."""
+    where = "FINAL WHERE evaluation_id = {e:String}"
     ev = await _rows(bus, "SELECT evaluation_id, model, framework, agent_id, host, t0_ns, "
-                     "clock_offset_ns, trace_level FROM evaluations FINAL "
-                     "WHERE evaluation_id = {e:String}", eval_id)
+                     f"clock_offset_ns, trace_level FROM evaluations {where}", eval_id,
+                     (("evaluation_id", "String"),))
     if not ev:
         raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
     queries = await _rows(bus, "SELECT query_index, scheduled_ns, issued_ns, completed_ns, ok "
-                          "FROM queries FINAL WHERE evaluation_id = {e:String} "
-                          "ORDER BY query_index", eval_id)
+                          f"FROM queries {where}", eval_id, (("query_index", "UInt32"),))
     spans = await _rows(bus, "SELECT agent_id, host, span_id, parent_id, query_index, level, "
-                        "kind, name, start_ns, end_ns, attrs FROM spans FINAL "
-                        "WHERE evaluation_id = {e:String} ORDER BY agent_id, span_id", eval_id)
+                        f"kind, name, start_ns, end_ns, attrs FROM spans {where}", eval_id,
+                        (("agent_id", "String"), ("span_id", "UInt64")))
     samples = await _rows(bus, "SELECT agent_id, ts_ns, metric, device, value "
-                          "FROM system_samples FINAL WHERE evaluation_id = {e:String} "
-                          "ORDER BY agent_id, metric, device, ts_ns", eval_id)
+                          f"FROM system_samples {where}", eval_id,
+                          (("agent_id", "String"), ("metric", "String"),
+                           ("device", "String"), ("ts_ns", "Int64")))
     return ev[0], queries, spans, samples
 
 

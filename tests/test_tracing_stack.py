@@ -19,6 +19,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+from cli import trace_cmd
 from cli.main import main as mlscope_main
 from cli.services import Stack
 from cli.submit import submit
@@ -108,6 +109,7 @@ def test_framework_trace_of_efficientnet_has_every_node_under_predict(
     out = tmp_path / "trace.json"
     for key, value in tstack.as_env().items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setattr(trace_cmd, "PAGE", 7)  # dozens of pages, none of them full at the end
     assert mlscope_main(["trace", eval_id, "-o", str(out)]) == 0
     assert mlscope_main(["trace", "ev-nosuchthing", "-o", str(tmp_path / "x.json")]) == 1
     doc = json.loads(out.read_text())
