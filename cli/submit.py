@@ -18,7 +18,7 @@ from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest
-from mlscope.errors import BusError, MLScopeError, error_from_wire
+from mlscope.errors import BusError, ConfigError, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 
 __all__ = ["main", "submit"]
@@ -107,14 +107,23 @@ async def submit(settings: Settings, job: JobRequest, *, on_event: object = None
     runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
     span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
     limit = timeout or (max(sc.duration_s, span) * 3 * runs + 360.0)
+    data = codec.encode_model(job)
     async with busmod.connect(settings, name="mlscope-submit") as bus:
+        limit_bytes = min(busmod.JOB_MAX_BYTES, int(bus.nc.max_payload))
+        if len(data) > limit_bytes:
+            what = (f" (its replay schedule has {len(sc.arrivals_s)} arrivals: split it)"
+                    if sc.arrivals_s else "")
+            raise ConfigError(f"the job is {len(data)} bytes, over the {limit_bytes}-byte "
+                              f"limit of a job{what}", field="scenario")
         sub = await bus.nc.subscribe(names.job_events(job.job_id))
         try:
             # Retried with the job id as message id: a cluster leader election or a
             # reconnect does not lose the job, and a retry is not a second job.
-            await busmod.publish_persistent(bus, names.JOBS_SUBJECT, codec.encode_model(job),
+            await busmod.publish_persistent(bus, names.JOBS_SUBJECT, data,
                                             msg_id=job.job_id, attempts=4)
         except BusError as exc:
+            if isinstance(exc.__cause__, (nats.js.errors.APIError, nats.errors.MaxPayloadError)):
+                raise  # the stream is there and refused the job: say why
             raise BusError("the job stream does not exist: is an mlscope server running? "
                            "(`mlscope up` or `mlscope server`)") from exc
         accepted = False

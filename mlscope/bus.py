@@ -159,6 +159,10 @@ async def _noop() -> None:
     return None
 
 
+JOB_MAX_BYTES = 1 << 20
+"""The largest job the job stream stores (a replay schedule of ~100k arrivals)."""
+
+
 async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
     """Create what is missing of every stream and bucket; idempotent.
 
@@ -173,7 +177,7 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             num_replicas=replicas,
-            max_msg_size=1 << 20,
+            max_msg_size=JOB_MAX_BYTES,
         ),
         StreamConfig(
             name=names.TRACES_STREAM,
@@ -244,6 +248,16 @@ async def publish_persistent(bus: Bus, subject: str, payload: bytes, *, msg_id: 
             await bus.js.publish(subject, payload, timeout=timeout,
                                  headers={"Nats-Msg-Id": msg_id})
             return
+        except nats.errors.MaxPayloadError as exc:
+            raise BusError(f"a message of {len(payload)} bytes on {subject} is over the "
+                           f"server's max payload of {bus.nc.max_payload} bytes",
+                           subject=subject) from exc
+        except nats.js.errors.APIError as exc:
+            if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+                last = exc  # no leader right now: retry
+            else:  # the stream refused it (too large, wrong subject ...): final
+                raise BusError(f"JetStream refused a message on {subject}: "
+                               f"{exc.description or exc!r}", subject=subject) from exc
         except (TimeoutError, nats.errors.Error) as exc:
             last = exc
             await anyio.sleep(min(0.1 * 2 ** attempt, 2.0))

@@ -22,8 +22,9 @@ from broker.scenarios import build_schedule
 from cli.services import Stack
 from cli.submit import submit
 from mlscope import bus as busmod
-from mlscope import remote
+from mlscope import names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
+from mlscope.errors import BusError, ConfigError
 from mlscope.settings import Settings
 from tests.conftest import REPO, child_env, python
 from tests.loadgen_fixtures import noop_stack
@@ -235,3 +236,22 @@ def test_scenario_files_submit(noop_stack: Stack, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["scenario"]["name"] == "replay" and doc["queries"] == 40
+
+
+def test_an_oversized_job_is_refused_at_once_with_the_reason(settings: Settings) -> None:
+    """A replay schedule too large for one message names itself; it is not reported as
+    a missing server after retries, and a too-large message is never retried."""
+    job = JobRequest(model="noop", framework="noop",
+                     scenario=ScenarioSpec(name="replay", arrivals_s=[0.001] * 200_000))
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+            t0 = time.monotonic()
+            with pytest.raises(BusError, match="over the server's max payload"):
+                await busmod.publish_persistent(bus, names.JOBS_SUBJECT, b"x" * (2 << 20),
+                                                msg_id="big")
+            assert time.monotonic() - t0 < 1.0  # no retries with back-off
+        with pytest.raises(ConfigError, match="200000 arrivals"):
+            await submit(settings, job, timeout=5)
+
+    anyio.run(main, backend="asyncio")
