@@ -13,7 +13,10 @@ processes must therefore run on the server's host). Each child runs its own pace
 thread and :class:`broker.loadgen.Driver`, publishes straight to the agent with its own
 reply inbox, and writes its raw per-query arrays (``.npz``) when done. The parent
 merges them by global index (:func:`broker.schedule.merge_values`) into one
-:class:`RunRecord`, judged once.
+:class:`RunRecord`, judged once. While they run, each child prints ``progress DONE``
+lines (queries completed in its slice); the parent sums them into the evaluation's
+progress events (without a running p50: the latencies stay in the children until the
+end).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = ["ARRAYS", "main", "run_dealt"]
 
 START_LEAD_S = 0.2
+PROGRESS_S = 0.5
 READY_TIMEOUT_S = 60.0
 ARRAYS = ("scheduled", "issued", "completed", "agent_received", "predict_start",
           "predict_end", "agent_replied", "ok", "correct", "prediction")
@@ -63,12 +68,26 @@ async def run_dealt(ctx: Context, spec: ScenarioSpec, sched: Schedule,
            "trace_level": int(ctx.trace_level), "nats_url": ctx.nats_url,
            "has_labels": labels is not None}
     timeout = spec.duration_s * 3 + 120
+    on_progress = ctx.on_progress
+
+    def report(done: int, elapsed_s: float) -> None:  # from the waiting thread
+        if on_progress is None:
+            return
+        rec = RunRecord(n=0, batch_size=spec.batch_size)
+        rec.done = done
+
+        async def emit() -> None:
+            await on_progress(rec, elapsed_s)
+
+        anyio.from_thread.run(emit)
+
     return await anyio.to_thread.run_sync(
-        lambda: _run_processes(cfg, parts, payloads, labels, timeout))
+        lambda: _run_processes(cfg, parts, payloads, labels, timeout, report))
 
 
 def _run_processes(cfg: dict[str, Any], parts: list[Schedule], payloads: list[bytes],
-                   labels: Callable[[int], np.ndarray] | None, timeout: float) -> RunRecord:
+                   labels: Callable[[int], np.ndarray] | None, timeout: float,
+                   report: Callable[[int, float], None]) -> RunRecord:
     """Write each slice, start one process per slice, start them together, merge."""
     with tempfile.TemporaryDirectory(prefix="mlscope-lg-") as tmp:
         procs = []
@@ -87,7 +106,7 @@ def _run_processes(cfg: dict[str, Any], parts: list[Schedule], payloads: list[by
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env(),
                     text=True))
             _start(procs)
-            codes = [p.wait(timeout=timeout) for p in procs]
+            codes = _wait(procs, timeout, report)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -118,6 +137,35 @@ def _start(procs: list[subprocess.Popen[str]]) -> None:
         assert p.stdin is not None
         p.stdin.write(f"{start}\n")
         p.stdin.flush()
+
+
+def _wait(procs: list[subprocess.Popen[str]], timeout: float,
+          report: Callable[[int, float], None]) -> list[int]:
+    """Exit codes of every child; their ``progress`` lines summed into ``report`` about
+    every half second while they run."""
+    done = [0] * len(procs)
+
+    def follow(j: int, p: subprocess.Popen[str]) -> None:
+        assert p.stdout is not None
+        for line in p.stdout:
+            word, _, value = line.strip().partition(" ")
+            if word == "progress" and value.isdigit():
+                done[j] = int(value)
+
+    readers = [threading.Thread(target=follow, args=(j, p), daemon=True)
+               for j, p in enumerate(procs)]
+    for r in readers:
+        r.start()
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            raise EvaluationError(f"load-generator processes still running after {timeout:g} s")
+        time.sleep(PROGRESS_S)
+        report(sum(done), time.monotonic() - t0)
+    for r in readers:
+        r.join(5)
+    return [int(p.returncode) for p in procs]
 
 
 def _load(path: Path) -> tuple[RunRecord, dict[int, str]]:
@@ -181,13 +229,17 @@ async def _child(cfg: dict[str, Any]) -> None:
                         spec=ScenarioSpec.model_validate(cfg["spec"]), inputs=no_inputs,
                         labels=labels_fn, trace_level=TraceLevel(cfg["trace_level"]),
                         offset_ns=int(cfg["offset_ns"]), schedule=sched, start_ns=start_ns,
-                        payloads=payloads)
+                        payloads=payloads, on_progress=_print_progress)
         rec = await driver.run()
     errs = sorted(rec.errors.items())
     np.savez(f"{base}-result.npz", **{name: getattr(rec, name) for name in ARRAYS},
              batch_size=rec.batch_size, t0_ns=rec.t0_ns, not_issued=rec.not_issued,
              error_index=np.asarray([i for i, _ in errs], np.int64),
              error_message=np.asarray([m for _, m in errs], dtype=str))
+
+
+async def _print_progress(rec: RunRecord, elapsed_s: float) -> None:
+    print(f"progress {rec.done}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

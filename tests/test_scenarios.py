@@ -142,10 +142,21 @@ def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Sta
 
 
 def test_distributed_load_merges_one_global_schedule(noop_stack: Stack) -> None:
-    spec = ScenarioSpec(name="online", qps=300, duration_s=1.5, seed=11, loadgens=2, **LOOSE)
-    s = run(noop_stack.settings, spec)
-    whole = schedule.poisson(300, duration_s=1.5, seed=11)
+    spec = ScenarioSpec(name="online", qps=300, duration_s=2.5, seed=11, loadgens=2, **LOOSE)
+    job = JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none")
+    progress: list[int] = []
+
+    def seen(event: JobEvent) -> None:
+        if event.event == "progress":
+            progress.append(event.queries_done)
+
+    s = anyio.run(lambda: submit(noop_stack.settings, job, on_event=seen, timeout=180),
+                  backend="asyncio")
+    whole = schedule.poisson(300, duration_s=2.5, seed=11)
     assert s.loadgens == 2 and s.queries == len(whole) and s.errors == 0, s.invalid_reasons
+    # the children's counts, summed while they run
+    assert progress == sorted(progress) and 0 < max(progress) <= len(whole), progress
+    assert any(0 < p < len(whole) for p in progress), progress
     got = rows(noop_stack.settings, s.evaluation_id)
     assert (got[:, 0] == np.arange(len(whole))).all()
     assert (got[:, 1] == whole.offsets_ns).all()
