@@ -297,7 +297,8 @@ def scenario_spec(path: Path | None, flags: dict[str, Any]) -> ScenarioSpec:
             raise ConfigError(f"{path} is a {type(doc).__name__}, not a scenario",
                               file=str(path))
         for key in ("qps", "duration_s", "batch_size", "batch_sizes", "seed",
-                    "latency_bound_ms", "segments", "loadgens", "concurrency"):
+                    "latency_bound_ms", "segments", "loadgens", "concurrency",
+                    "repetitions", "warm_queries"):
             if getattr(doc, key) is not None:
                 values[key] = getattr(doc, key)
         values["name"] = doc.name

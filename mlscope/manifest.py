@@ -267,7 +267,7 @@ class SystemManifest(SystemRequirements):
 
 
 ScenarioName = Literal["online", "single-stream", "multi-stream", "batched", "concurrency",
-                       "constant", "replay", "piecewise", "peak"]
+                       "constant", "replay", "piecewise", "peak", "cold-start"]
 
 
 class ScenarioFile(_Strict):
@@ -291,6 +291,10 @@ class ScenarioFile(_Strict):
     """piecewise: ``[rate_start, rate_end, seconds]`` per segment (ramps and bursts)."""
     loadgens: int | None = Field(default=None, ge=1)
     """Open loops: load-generator processes sharing one global schedule."""
+    repetitions: int | None = Field(default=None, ge=1)
+    """cold-start: how many times the model is unloaded, loaded and run again."""
+    warm_queries: int | None = Field(default=None, ge=1)
+    """cold-start: warm queries after each load."""
 
     @field_validator("batch_sizes")
     @classmethod

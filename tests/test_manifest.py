@@ -172,6 +172,17 @@ def test_scenario_file(tmp_path: Path) -> None:
     assert err.field == "schedule_file"
 
 
+def test_cold_start_scenario_as_yaml() -> None:
+    """The committed cold-start YAML validates and becomes the broker's scenario spec."""
+    from broker.scenarios import scenario_spec
+
+    path = MANIFESTS / "scenarios" / "cold-start.yaml"
+    doc = load_manifest(path)
+    assert isinstance(doc, ScenarioFile) and doc.name == "cold-start"
+    spec = scenario_spec(path, {"repetitions": None, "warm_queries": 7})
+    assert (spec.name, spec.repetitions, spec.warm_queries) == ("cold-start", 5, 7)
+
+
 def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     manifest_cmd.register(parser.add_subparsers())
