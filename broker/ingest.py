@@ -47,6 +47,8 @@ class Ingester:
         self.ingested = 0
         self.samples = 0
         self.rejected = 0
+        self.redelivered = 0
+        """Messages stored that JetStream had delivered before (the dedup path ran)."""
         self._send: anyio.abc.ObjectSendStream[_Decoded] | None = None
 
     async def run(self) -> None:
@@ -102,6 +104,8 @@ class Ingester:
         good: list[Msg] = []
         bad: list[Msg] = []
         for msg in msgs:
+            if _delivered(msg) > 1:
+                self.redelivered += 1
             try:
                 batch = _decode(msg.data)
             except WireError:
@@ -130,6 +134,14 @@ class Ingester:
         for msg in bad:  # a message that can never decode must not block the stream
             self.rejected += 1
             await msg.term()
+
+
+def _delivered(msg: Msg) -> int:
+    """How many times JetStream has delivered ``msg`` (1 when its reply is not a JS ack)."""
+    try:
+        return msg.metadata.num_delivered
+    except (nats.errors.Error, ValueError, IndexError):
+        return 1
 
 
 def _decode(data: bytes) -> SpanBatch | SampleBatch:

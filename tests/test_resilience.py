@@ -5,17 +5,19 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
+from nats.aio.msg import Msg
 
 from broker.db import Database
 from broker.ingest import Ingester
 from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import JobRequest, Query, ScenarioSpec, SpanBatch, new_id
+from mlscope.contracts import JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch, new_id
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server
@@ -32,11 +34,14 @@ def span_batch(eval_id: str, start: int, n: int) -> SpanBatch:
 
 
 def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Settings,
-                                                                 tmp_path) -> None:
+                                                                 tmp_path: Path) -> None:
     db = Database(f"chdb:///{tmp_path / 'db'}")
     db.migrate()
+    # No background merge may fold the duplicates away: the raw count must show them.
+    db.command("SYSTEM STOP MERGES spans")
     eval_id = "ev-resilience"
     per, batches = 200, 60
+    ingesters: list[Ingester] = []
 
     async def main() -> None:
         async with busmod.connect(settings, name="test", provision=True) as bus:
@@ -48,8 +53,9 @@ def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Setti
 
             # 1) An ingester that inserts but dies before acknowledging (crash window).
             crashing = Ingester(bus, db, ack_wait_s=1.0)
+            ingesters.append(crashing)
 
-            async def no_ack(msgs):  # insert, then "crash" before any ack
+            async def no_ack(msgs: list[Msg]) -> None:  # insert, then "crash" before any ack
                 original = [m.ack for m in msgs]
                 for m in msgs:
                     m.ack = _noop  # type: ignore[method-assign]
@@ -65,13 +71,15 @@ def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Setti
             # 3) A healthy ingester takes everything, redelivered batches included;
             #    it is cancelled mid-stream and a fresh one finishes the job.
             async with anyio.create_task_group() as tg:
-                tg.start_soon(Ingester(bus, db, ack_wait_s=1.0).run)
+                ingesters.append(Ingester(bus, db, ack_wait_s=1.0))
+                tg.start_soon(ingesters[-1].run)
                 await publish(40, 50)
                 await anyio.sleep(0.5)
                 tg.cancel_scope.cancel()
             await publish(50, batches)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(Ingester(bus, db, ack_wait_s=1.0).run)
+                ingesters.append(Ingester(bus, db, ack_wait_s=1.0))
+                tg.start_soon(ingesters[-1].run)
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     if _count(db, eval_id) >= per * batches:
@@ -84,6 +92,16 @@ def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Setti
     distinct = db.rows("SELECT uniqExact(span_id) FROM spans WHERE evaluation_id = {e:String}",
                        {"e": eval_id})[0][0]
     assert distinct == per * batches
+    # The dedup path really ran: the crashed ingester's batches came back and were
+    # stored a second time (raw rows, merges stopped), yet FINAL shows each span once.
+    total = per * batches
+    raw = int(db.rows("SELECT count() FROM spans WHERE evaluation_id = {e:String}",
+                      {"e": eval_id})[0][0])
+    stored = sum(i.ingested for i in ingesters)
+    assert ingesters[0].ingested >= 20 * per  # inserted, never acknowledged
+    assert raw == stored > total, (raw, stored, total)
+    assert sum(i.redelivered for i in ingesters[1:]) >= 20  # the un-acked 20 batches
+    assert _count(db, eval_id) == total
     db.close()
 
 
@@ -108,7 +126,7 @@ def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
                          scenario=ScenarioSpec(name="online", qps=100, duration_s=4))
         events: list[str] = []
 
-        def on_event(e) -> None:
+        def on_event(e: JobEvent) -> None:
             events.append(f"{e.event}:{e.server_id}")
             nonlocal second
             if e.event == "progress" and second is None:

@@ -18,6 +18,7 @@ import anyio
 import onnx
 import onnxruntime as ort
 import pytest
+from nats.js.api import ConsumerInfo
 
 from cli import trace_cmd
 from cli.main import main as mlscope_main
@@ -202,6 +203,9 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
         while wait_count(settings, "spans", eval_id, 1, timeout=0) == 0:
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        # Killed while it holds delivered, unacknowledged batches: JetStream must give
+        # exactly those to the next server (redelivery), which must not store them twice.
+        held = freeze_holding_batches(settings, server)
         server.send_signal(signal.SIGKILL)  # mid-stream: some batches stored, others not
         server.wait(10)
         publishing_at_kill = int(publisher.is_alive())
@@ -215,7 +219,40 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
         publisher.join(30)
         assert rows == [[total, total, 1, total]]
         assert publishing_at_kill  # the kill really happened while spans were flowing
+        # Redelivery really happened: the durable consumer delivered more often than the
+        # stream has messages (each redelivery takes a consumer sequence number), at
+        # least once for every batch the killed server held.
+        delivered = anyio.run(traces_consumer, settings, backend="asyncio").delivered
+        assert delivered is not None and delivered.stream_seq == batches
+        assert delivered.consumer_seq - delivered.stream_seq >= held > 0, (delivered, held)
     finally:
         if server.poll() is None:
             server.terminate()
             server.wait(20)
+
+
+async def traces_consumer(settings: Settings) -> ConsumerInfo:
+    async with busmod.connect(settings, name="test") as bus:
+        info: ConsumerInfo = await bus.js.consumer_info(names.TRACES_STREAM,
+                                                        names.TRACES_CONSUMER)
+        return info
+
+
+def freeze_holding_batches(settings: Settings, server: subprocess.Popen[bytes]) -> int:
+    """SIGSTOP ``server`` at a moment it holds delivered, unacknowledged trace batches.
+
+    Stopped inside an insert, it holds that fetch; stopped while its pull request is
+    open, the batches published meanwhile are delivered to it. Stopped between two
+    fetches it holds nothing: let it go on and try again. Returns how many it holds.
+    """
+    for _ in range(20):
+        server.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            held = anyio.run(traces_consumer, settings, backend="asyncio").num_ack_pending
+            if held:
+                return held
+            time.sleep(0.05)
+        server.send_signal(signal.SIGCONT)
+        time.sleep(0.1)
+    pytest.fail("the server never held an unacknowledged trace batch")
