@@ -65,7 +65,10 @@ def system_samples(source: Source, evaluation_id: str) -> pd.DataFrame:
     if not table_exists(source, "system_samples"):
         return pd.DataFrame()
     try:
-        return source.frame("SELECT * FROM system_samples WHERE evaluation_id = {e:String}",
+        # FINAL: a redelivered sample batch must not show twice. The full sorting key
+        # orders the rows, so that a paged read (BusSource) neither skips nor repeats.
+        return source.frame("SELECT * FROM system_samples FINAL WHERE evaluation_id = "
+                            "{e:String} ORDER BY agent_id, metric, device, ts_ns",
                             {"e": evaluation_id})
     except DatabaseError:
         return pd.DataFrame()

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import compare, figures, layers, suite, trace
+from analysis import compare, data, figures, layers, suite, trace
 from analysis.data import evaluations, queries
 from analysis.source import BusSource, DirectSource, open_source, table_exists
 from analysis.summary import latency_windows, summary
+from broker.db import QUERY_COLUMNS, SAMPLE_COLUMNS, SPAN_COLUMNS, Database
 from mlscope.errors import DatabaseError
 from mlscope.settings import Settings
 from mlscope.stats import percentile, trimmed_mean
@@ -44,6 +48,24 @@ def test_identical_distributions_are_judged_equal() -> None:
                                              min_effect=floor)
             assert d.verdict == "no significant change", (trial, q, d)
             assert abs(d.rel) < floor
+    # The same samples in another order: the two bootstrap distributions are the same,
+    # so the differences are symmetric about 0 and the interval must contain it.
+    a = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=2000)
+    for q in (50, 99):
+        d = compare.bootstrap_difference(a, rng.permutation(a), q, n_boot=1000)
+        assert d.diff == 0 and d.ci_low < 0 < d.ci_high, (q, d)
+    # Independent samples of one distribution: a 95% interval misses 0 in about 1 run
+    # of 20 by design (so no single run may be required to cover it), but it must cover
+    # it in about 19 of 20. An interval too narrow or off-centre fails this.
+    trials = 60
+    covered = dict.fromkeys((50, 99), 0)
+    for trial in range(trials):
+        a = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=500)
+        b = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=500)
+        for q in covered:
+            d = compare.bootstrap_difference(a, b, q, n_boot=500, seed=trial)
+            covered[q] += d.ci_low <= 0.0 <= d.ci_high
+    assert all(c >= 0.87 * trials for c in covered.values()), covered
 
 
 def test_resampled_percentile_is_the_stats_definition() -> None:
@@ -53,6 +75,108 @@ def test_resampled_percentile_is_the_stats_definition() -> None:
     for q in (1, 50, 90, 99, 100):
         got = compare.resampled_percentile(x, q, idx)
         assert got.tolist() == [percentile(x[i], q) for i in idx]
+
+
+# ------------------------------------------------------------------ regression flags
+
+
+@pytest.fixture
+def fresh_db(tmp_path: Path) -> Iterator[Database]:
+    """A migrated chDB of its own, background merges stopped: duplicates stay on disk
+    until a reader's FINAL folds them."""
+    db = Database(f"chdb:///{tmp_path / 'chdb'}")
+    db.migrate()
+    for table in ("evaluations", "queries", "spans", "system_samples"):
+        db.command(f"SYSTEM STOP MERGES {table}")
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def _store_latencies(db: Database, eval_id: str, latency_ms: np.ndarray) -> None:
+    n = latency_ms.size
+    scheduled = np.arange(n, dtype=np.int64) * 10_000_000
+    completed = scheduled + (latency_ms * 1e6).astype(np.int64)
+    cols: dict[str, list[Any]] = {
+        "evaluation_id": [eval_id] * n, "query_index": list(range(n)), "batch_size": [1] * n,
+        "scheduled_ns": scheduled.tolist(), "issued_ns": scheduled.tolist(),
+        "completed_ns": completed.tolist(), "agent_received_ns": scheduled.tolist(),
+        "predict_start_ns": scheduled.tolist(), "predict_end_ns": completed.tolist(),
+        "agent_replied_ns": completed.tolist(), "ok": [1] * n, "error": [""] * n,
+        "label": [0] * n, "prediction": [0] * n}
+    db.insert("queries", [cols[c] for c in QUERY_COLUMNS], QUERY_COLUMNS)
+
+
+def test_regression_flags_exactly_the_slower_version(fresh_db: Database) -> None:
+    """Four framework versions, 1.9 -> 1.10 -> 1.11 -> 1.12 (numeric order, not string
+    order): 1.10 is 15% slower than 1.9, 1.11 is the same as 1.10 and 1.12 is 15%
+    faster. Exactly the 1.9 -> 1.10 step is a regression."""
+    rng = np.random.default_rng(5)
+    base = 2.0
+    medians = {"1.9": base, "1.10": base * 1.15, "1.11": base * 1.15, "1.12": base}
+    rows = []
+    for i, (version, median) in enumerate(medians.items()):
+        eval_id = f"ev-v{i}"
+        _store_latencies(fresh_db, eval_id,
+                         rng.lognormal(mean=np.log(median), sigma=0.1, size=600))
+        rows.append({"evaluation_id": eval_id, "model": "m", "model_version": "1",
+                     "framework": "fw", "framework_version": version, "system": "cpu",
+                     "scenario": "online", "batch_size": 1, "valid": True})
+    # A run on another system with no slowdown at all: never compared with the others.
+    _store_latencies(fresh_db, "ev-other", rng.lognormal(np.log(base), 0.1, 600))
+    rows.append({**rows[0], "evaluation_id": "ev-other", "system": "gpu"})
+    flags = compare.regressions(DirectSource(fresh_db), pd.DataFrame(rows), n_boot=400)
+    steps = list(zip(flags["from_version"], flags["to_version"], strict=True))
+    assert steps == [("1.9", "1.10"), ("1.10", "1.11"), ("1.11", "1.12")]
+    assert flags["regression"].tolist() == [True, False, False]
+    assert flags["verdict"].tolist() == ["slower", "no significant change", "faster"]
+    slower = flags.iloc[0]
+    assert slower["rel"] == pytest.approx(0.15, abs=0.03)
+    assert 0 < slower["ci_low"] <= slower["median_b_ms"] - slower["median_a_ms"]
+    same = flags.iloc[1]
+    assert same["ci_low"] <= 0 <= same["ci_high"]
+
+
+def test_readers_show_a_redelivered_batch_once(fresh_db: Database) -> None:
+    """Every analysis reader reads with FINAL: rows stored twice (an ingester that
+    crashed between insert and ack) count once."""
+    eval_id, n = "ev-twice", 5
+    _store_latencies(fresh_db, eval_id, np.full(n, 1.0))
+    _store_latencies(fresh_db, eval_id, np.full(n, 1.0))
+    evaluation = {c: "" for c in ("evaluation_id", "job_id", "rerun_of", "model",
+                                  "model_version", "framework", "framework_version",
+                                  "agent_id", "host", "device", "scenario", "trace_level",
+                                  "status")}
+    evaluation.update(evaluation_id=eval_id, device="cpu", spec="{}", summary="{}")
+    names = [*evaluation, "valid", "t0_ns", "clock_offset_ns"]
+    values = [[v] for v in evaluation.values()] + [[1], [0], [0]]
+    for _ in range(2):
+        fresh_db.insert("evaluations", values, names)
+    spans: dict[str, list[Any]] = {
+        "evaluation_id": [eval_id] * n, "agent_id": ["a1"] * n,
+        "span_id": list(range(1, n + 1)), "parent_id": [0] * n, "query_index": list(range(n)),
+        "level": [1] * n, "kind": ["query"] * n, "name": ["query"] * n,
+        "start_ns": list(range(n)), "end_ns": list(range(1, n + 1)), "host": ["h"] * n,
+        "attrs": [""] * n, "batch_id": ["sb-1"] * n}
+    samples: dict[str, list[Any]] = {
+        "evaluation_id": [eval_id] * n, "agent_id": ["a1"] * n, "host": ["h"] * n,
+        "ts_ns": list(range(n)), "metric": ["cpu.util"] * n, "device": [""] * n,
+        "value": [50.0] * n, "batch_id": ["sm-1"] * n}
+    for _ in range(2):
+        fresh_db.insert("spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)
+        fresh_db.insert("system_samples", [samples[c] for c in SAMPLE_COLUMNS], SAMPLE_COLUMNS)
+    for table in ("evaluations", "queries", "spans", "system_samples"):  # really twice
+        raw = fresh_db.rows(f"SELECT count() FROM {table} WHERE evaluation_id = {{e:String}}",
+                            {"e": eval_id})[0][0]
+        assert raw == (2 if table == "evaluations" else 2 * n), table
+    src = DirectSource(fresh_db)
+    assert len(evaluations(src, [eval_id])) == 1
+    assert len(queries(src, [eval_id])) == n
+    assert len(data.spans(src, eval_id)) == n
+    assert len(trace.timeline(src, eval_id, depth="model", queries=n)) == n
+    got = trace.system_samples(src, eval_id)
+    assert len(got) == n and got["ts_ns"].tolist() == list(range(n))
 
 
 # ------------------------------------------------------------------ on real runs
