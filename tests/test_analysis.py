@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -81,17 +79,14 @@ def test_resampled_percentile_is_the_stats_definition() -> None:
 
 
 @pytest.fixture
-def fresh_db(tmp_path: Path) -> Iterator[Database]:
-    """A migrated chDB of its own, background merges stopped: duplicates stay on disk
-    until a reader's FINAL folds them."""
-    db = Database(f"chdb:///{tmp_path / 'chdb'}")
-    db.migrate()
+def fresh_db(span_db: DirectSource) -> Database:
+    """The module's chDB (one embedded path per process), background merges stopped:
+    duplicates stay on disk until a reader's FINAL folds them. Tests using it write
+    evaluation ids of their own."""
+    db: Database = span_db.db
     for table in ("evaluations", "queries", "spans", "system_samples"):
         db.command(f"SYSTEM STOP MERGES {table}")
-    try:
-        yield db
-    finally:
-        db.close()
+    return db
 
 
 def _store_latencies(db: Database, eval_id: str, latency_ms: np.ndarray) -> None:
