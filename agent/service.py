@@ -36,6 +36,7 @@ from mlscope.errors import (
     MLScopeError,
     WireError,
 )
+from mlscope.manifest import FrameworkManifest
 from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
@@ -83,8 +84,12 @@ class Agent:
     sessions: dict[str, Session] = field(default_factory=dict)
     workers: dict[str, Executor] = field(default_factory=dict)
     capability_subs: dict[str, Any] = field(default_factory=dict)
+    framework_manifest: FrameworkManifest | None = None
+    """The framework manifest whose runtime options the predictors get (the one of
+    the probed version when the catalog has it)."""
 
     def __post_init__(self) -> None:
+        self.framework_manifest = self.catalog.framework(self.config.framework)
         host = str(sysinfo.host_facts()["host"])
         self.agent_id = self.config.agent_id or names.token(
             f"{host}-{self.config.framework}-{new_id('a')[2:8]}")
@@ -98,6 +103,9 @@ class Agent:
                 f"framework {self.config.framework} does not load on this machine",
                 framework=self.config.framework)
         self.framework_info = info
+        # Runtime options of the framework manifest (threads, providers...) for every
+        # model this agent opens; an explicit --threads still wins (PredictorOptions).
+        self.framework_manifest = self.catalog.framework(self.config.framework, info.version)
         self._facts: dict[str, Any] = sysinfo.host_facts()
         self.accelerators = accelerators(self.config.framework)
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
@@ -258,8 +266,7 @@ class Agent:
         cold = key not in self.workers
         load_ns = first_ns = 0
         if cold:
-            opts = PredictorOptions(device=self.config.device, threads=self.config.threads,
-                                    batch_size=batch)
+            opts = self.predictor_options(batch)
             model = await anyio.to_thread.run_sync(LoadedModel.open, entry, graph, opts)
             try:
                 first_ns = await anyio.to_thread.run_sync(model.warmup)
@@ -278,6 +285,14 @@ class Agent:
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
         return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
                 "sha256": entry.manifest.assets.sha256, "t_agent": now()}
+
+    def predictor_options(self, batch_size: int = 1) -> PredictorOptions:
+        """How this agent opens a model: its device and ``--threads``, and the runtime
+        options its framework manifest gives for that device."""
+        fm = self.framework_manifest
+        return PredictorOptions(device=self.config.device, threads=self.config.threads,
+                                batch_size=batch_size,
+                                runtime=fm.runtime(self.config.device) if fm else {})
 
     async def _unload(self, key: str) -> bool:
         """Stop and close a loaded model no other evaluation uses; True if it was."""

@@ -117,6 +117,15 @@ class Catalog:
         extra = [e for e in other if e.manifest.key not in have]
         return Catalog([*self.entries, *extra], self.frameworks)
 
+    def framework(self, name: str, version: str | None = None) -> FrameworkManifest | None:
+        """The framework manifest for ``name``: the one of exactly ``version`` (the
+        version an agent probed) when there is one, else the highest; None if none."""
+        named = [f for f in self.frameworks if f.name == name]
+        exact = [f for f in named if version is not None and f.version == version]
+        if exact:
+            return exact[0]
+        return max(named, key=lambda f: Version(f.version), default=None)
+
     def tasks(self) -> dict[str, list[Entry]]:
         """Entries grouped by task, each group sorted by name, version and framework."""
         out: dict[str, list[Entry]] = {}

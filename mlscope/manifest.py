@@ -41,6 +41,7 @@ __all__ = [
     "ScenarioFile",
     "SystemManifest",
     "SystemRequirements",
+    "device_kind",
     "is_trusted",
     "load_manifest",
     "load_yaml",
@@ -228,7 +229,15 @@ def is_trusted(manifest: ModelManifest) -> bool:
 
 
 class RuntimeOptions(_Strict):
-    """Framework runtime options; a predictor ignores those its framework lacks."""
+    """Framework runtime options; a predictor ignores those its framework lacks.
+
+    The agent hands them to its predictors as one flat mapping
+    (:meth:`FrameworkManifest.runtime`): the named fields below plus every key of
+    ``extra`` (``signature`` for TensorFlow, ``execution_mode`` / ``tensorrt`` /
+    ``provider_options`` for ONNX Runtime, ``xnnpack`` / ``dequantize`` for TFLite,
+    ``format`` for PyTorch). An agent's explicit ``--threads`` wins over
+    ``intra_op_threads``.
+    """
 
     intra_op_threads: int | None = Field(default=None, ge=0)
     """Threads inside one operator (0: the framework's default)."""
@@ -251,12 +260,36 @@ class FrameworkManifest(_Strict):
     containers: dict[str, dict[Device, str]] = {}
     """Container image per architecture and device: ``{amd64: {cpu: image, gpu: image}}``."""
     options: RuntimeOptions = RuntimeOptions()
+    device_options: dict[Device, RuntimeOptions] = {}
+    """Per device kind, options that replace those of ``options`` field by field
+    (``extra`` is merged key by key), e.g. the execution providers of a GPU."""
 
     @field_validator("version")
     @classmethod
     def _semver(cls, v: str) -> str:
         parse_version(v)
         return v
+
+    def runtime(self, device: str = "cpu") -> dict[str, Any]:
+        """The flat runtime options a predictor reads for ``device`` (``cpu``,
+        ``cuda:N``, ``fpga:N``...): unset fields are left out, ``extra`` is inlined."""
+        base, over = self.options, self.device_options.get(device_kind(device))
+        fields = dict(base.model_dump(exclude={"extra"}, exclude_none=True))
+        extra = dict(base.extra)
+        if over is not None:
+            fields.update(over.model_dump(include=over.model_fields_set - {"extra"}))
+            extra.update(over.extra)
+        if not fields.get("providers"):
+            fields.pop("providers", None)
+        return {**extra, **{k: v for k, v in fields.items() if v is not None}}
+
+
+def device_kind(device: str) -> Device:
+    """``cuda:1`` / ``tensorrt`` / ``gpu`` -> ``gpu``; ``fpga:0`` -> ``fpga``; else cpu."""
+    kind = device.split(":")[0]
+    if kind in ("cuda", "gpu", "tensorrt"):
+        return "gpu"
+    return "fpga" if kind == "fpga" else "cpu"
 
 
 class SystemManifest(SystemRequirements):

@@ -33,7 +33,17 @@ class PredictorOptions:
     profile: bool = False
     """Collect framework-level (layer/op) timings for the tracer."""
     runtime: dict[str, Any] = field(default_factory=dict)
-    """Framework-specific options from the framework manifest."""
+    """Framework-specific options from the framework manifest
+    (:meth:`mlscope.manifest.FrameworkManifest.runtime`)."""
+
+    @property
+    def intra_op_threads(self) -> int | None:
+        """``threads`` when given, else the manifest's ``intra_op_threads``; None (or a
+        manifest's 0) lets the runtime choose."""
+        if self.threads:
+            return self.threads
+        value = self.runtime.get("intra_op_threads")
+        return int(value) if value else None
 
 
 class Predictor(Protocol):

@@ -296,9 +296,12 @@ def test_gpu_device_without_gpu_is_load_error(models: pm.ModelSet, framework: st
 
 def test_onnxruntime_options_from_framework_manifest(models: pm.ModelSet) -> None:
     runtime = {"providers": ["CPUExecutionProvider"], "inter_op_threads": 2,
-               "execution_mode": "parallel", "graph_optimization_level": "basic"}
+               "execution_mode": "parallel", "graph_optimization": "basic"}
     pred = open_predictor("onnxruntime", models.paths["onnx"], pm.manifest("onnxruntime"),
                           PredictorOptions(threads=1, runtime=runtime))
+    so = pred.session.get_session_options()
+    assert (so.intra_op_num_threads, so.inter_op_num_threads) == (1, 2)
+    assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     x = pm.sample_inputs(4)
     np.testing.assert_allclose(pred.predict([x])[0], models.reference(x), atol=ATOL, rtol=0)
     with pytest.raises(ModelLoadError, match="lacks provider"):

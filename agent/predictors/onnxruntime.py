@@ -1,19 +1,22 @@
 """ONNX Runtime predictor: CPU provider, CUDA/TensorRT when the runtime really has them.
 
-Framework-manifest options (``options.runtime``), all optional:
+Framework-manifest options (``options.runtime``, from
+:meth:`mlscope.manifest.FrameworkManifest.runtime`), all optional:
 
 ``providers``
     Execution providers in priority order, each a name or ``[name, {options}]``;
-    default from the device: ``cpu`` -> CPU, ``cuda[:N]`` -> CUDA then CPU.
+    default from the device: ``cpu`` -> CPU, ``cuda[:N]`` -> CUDA then CPU. A GPU
+    device whose list names no GPU provider is refused, not run on the CPU.
 ``tensorrt``
     ``true`` puts the TensorRT provider in front of CUDA for a ``cuda`` device.
 ``provider_options``
     ``{provider: {option: value}}`` merged into the chosen providers' options.
 ``intra_op_threads`` / ``inter_op_threads``
-    Thread pools (``options.threads`` wins for intra-op); inter-op defaults to 1.
+    Thread pools (``options.threads`` wins for intra-op; 0 is ORT's default);
+    inter-op defaults to 1.
 ``execution_mode``
     ``sequential`` (default) or ``parallel``.
-``graph_optimization_level``
+``graph_optimization``
     ``disable``, ``basic``, ``extended`` or ``all`` (default, ORT's own default).
 
 A device that asks for a GPU provider gets it or a ModelLoadError: ORT's silent
@@ -31,7 +34,7 @@ import onnxruntime as ort
 
 from agent.predictors import TensorSig, check_inputs, device_index
 from mlscope.contracts import FrameworkInfo
-from mlscope.errors import InferenceError, InputMismatchError, ModelLoadError
+from mlscope.errors import ConfigError, InferenceError, InputMismatchError, ModelLoadError
 from mlscope.manifest import ModelManifest
 from mlscope.predictor import PredictorOptions
 
@@ -145,13 +148,17 @@ def _session_options(options: PredictorOptions) -> ort.SessionOptions:
     """Fresh SessionOptions equal to the predictor's (ORT options cannot be copied)."""
     rt = options.runtime
     so = ort.SessionOptions()
-    intra = options.threads or rt.get("intra_op_threads")
+    intra = options.intra_op_threads
     if intra:
-        so.intra_op_num_threads = int(intra)
+        so.intra_op_num_threads = intra
     so.inter_op_num_threads = int(rt.get("inter_op_threads", 1))
     so.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if rt.get("execution_mode") == "parallel"
                          else ort.ExecutionMode.ORT_SEQUENTIAL)
-    so.graph_optimization_level = _OPT_LEVELS[str(rt.get("graph_optimization_level", "all"))]
+    level = str(rt.get("graph_optimization", "all"))
+    if level not in _OPT_LEVELS:
+        raise ConfigError(f"onnxruntime graph_optimization must be one of {sorted(_OPT_LEVELS)}, "
+                          f"not {level!r}")
+    so.graph_optimization_level = _OPT_LEVELS[level]
     so.log_severity_level = 3
     return so
 
@@ -174,6 +181,11 @@ def _providers(options: PredictorOptions,
     else:
         raise ModelLoadError(f"onnxruntime has no device {options.device!r}",
                              model=manifest.name, framework=FRAMEWORK, device=options.device)
+    if kind != "cpu" and not any(name in _GPU_PROVIDERS for name, _ in chosen):
+        raise ModelLoadError(
+            f"onnxruntime providers {[n for n, _ in chosen]} name no GPU provider for "
+            f"{options.device}: the run would measure the CPU", model=manifest.name,
+            framework=FRAMEWORK, device=options.device)
     extra = rt.get("provider_options") or {}
     for name, opts in chosen:
         opts.update(extra.get(name, {}))

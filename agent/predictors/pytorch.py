@@ -6,12 +6,17 @@ Inputs are checked against the manifest (TorchScript carries no input signature)
 moved to the device, run under ``torch.inference_mode()``, and the device is
 synchronized before ``predict`` returns, so a clock stopped after it is honest.
 
-``options.threads`` sets ``torch.set_num_threads`` -- a process-wide setting in
-PyTorch, so the last predictor opened in a process decides it.
+``options.threads`` (else the framework manifest's ``intra_op_threads``; 0 means
+torch's default) sets ``torch.set_num_threads`` -- a process-wide setting in
+PyTorch, so the last predictor opened in a process decides it. The manifest's
+``inter_op_threads`` sets ``torch.set_num_interop_threads``, which torch accepts only
+before its first parallel work: a later, different request is logged, not claimed.
+``options.runtime["format"]`` comes from a framework manifest's ``options.extra``.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +32,7 @@ from mlscope.predictor import PredictorOptions
 __all__ = ["TorchPredictor", "accelerators", "open", "probe"]
 
 FRAMEWORK = "pytorch"
+log = logging.getLogger(__name__)
 _EXPORTED_SUFFIXES = (".pt2",)
 
 
@@ -112,8 +118,7 @@ class TorchPredictor:
 def open(model_path: Path, manifest: ModelManifest,
          options: PredictorOptions) -> TorchPredictor:
     device = _device(options, manifest)
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    _set_threads(options)
     fmt = options.runtime.get("format") or (
         "exported" if Path(model_path).suffix in _EXPORTED_SUFFIXES else "torchscript")
     try:
@@ -132,6 +137,18 @@ def open(model_path: Path, manifest: ModelManifest,
                              model=manifest.name, framework=FRAMEWORK,
                              device=options.device) from exc
     return TorchPredictor(module, manifest, device)
+
+
+def _set_threads(options: PredictorOptions) -> None:
+    if options.intra_op_threads:
+        torch.set_num_threads(options.intra_op_threads)
+    inter = int(options.runtime.get("inter_op_threads") or 0)
+    if inter and torch.get_num_interop_threads() != inter:
+        try:
+            torch.set_num_interop_threads(inter)
+        except RuntimeError:  # parallel work already started: fixed for this process
+            log.warning("torch already runs %d inter-op threads; cannot use %d",
+                        torch.get_num_interop_threads(), inter)
 
 
 def _device(options: PredictorOptions, manifest: ModelManifest) -> torch.device:

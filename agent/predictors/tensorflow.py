@@ -1,7 +1,8 @@
 """TensorFlow predictor: a SavedModel's signature on the CPU or a GPU.
 
 The signature is ``serving_default`` unless ``options.runtime["signature"]`` names
-another (Keras 3 ``model.export()`` writes ``serve`` and ``serving_default``).
+another (Keras 3 ``model.export()`` writes ``serve`` and ``serving_default``); a
+framework manifest sets it under ``options.extra``.
 Signatures take and return *named* tensors; ``predict`` takes and returns lists, so:
 
 - list inputs map to the signature's input names in manifest order: the names are
@@ -10,8 +11,9 @@ Signatures take and return *named* tensors; ``predict`` takes and returns lists,
 - outputs are ordered by ``manifest.outputs[i].layer_name`` when every output gives
   one, else by the signature's output names sorted.
 
-Threads: ``options.threads`` (intra-op) and ``options.runtime["inter_op_threads"]``
-are TensorFlow process-wide settings that can only be set before the runtime starts;
+Threads: ``options.threads`` (else the manifest's ``intra_op_threads``) and
+``options.runtime["inter_op_threads"]`` (0: TensorFlow's default) are TensorFlow
+process-wide settings that can only be set before the runtime starts;
 the first predictor opened in a process decides them (a later conflicting request is
 logged, not silently claimed).
 """
@@ -124,7 +126,7 @@ def _device(options: PredictorOptions, manifest: ModelManifest) -> tuple[str, st
 
 def _set_threads(options: PredictorOptions) -> None:
     threading = tf.config.threading
-    wanted = [(options.threads, threading.get_intra_op_parallelism_threads,
+    wanted = [(options.intra_op_threads, threading.get_intra_op_parallelism_threads,
                threading.set_intra_op_parallelism_threads),
               (options.runtime.get("inter_op_threads"), threading.get_inter_op_parallelism_threads,
                threading.set_inter_op_parallelism_threads)]

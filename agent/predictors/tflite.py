@@ -1,6 +1,8 @@
 """TFLite predictor on ``ai-edge-litert``: XNNPACK with the configured thread count.
 
-- ``options.threads`` becomes the interpreter's ``num_threads`` (XNNPACK's pool).
+- ``options.threads`` (else the framework manifest's ``intra_op_threads``) becomes
+  the interpreter's ``num_threads`` (XNNPACK's pool); the predictor keeps it as
+  ``num_threads``.
 - XNNPACK is LiteRT's default delegate; ``options.runtime["xnnpack"] = false`` runs
   the plain builtin kernels instead.
 - A batch of a new size resizes the input tensors (``resize_tensor_input`` +
@@ -69,6 +71,8 @@ class _Quant:
 class TFLitePredictor:
     framework = FRAMEWORK
     device = "cpu"
+    num_threads: int | None = None
+    """The interpreter's thread count (None: LiteRT's default)."""
 
     def __init__(self, interp: Interpreter, manifest: ModelManifest, *, dequantize: bool) -> None:
         self._interp: Interpreter | None = interp
@@ -137,11 +141,13 @@ def open(model_path: Path, manifest: ModelManifest,
     resolver = (OpResolverType.BUILTIN if options.runtime.get("xnnpack", True)
                 else OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
     try:
-        interp = Interpreter(model_path=str(model_path), num_threads=options.threads,
+        interp = Interpreter(model_path=str(model_path), num_threads=options.intra_op_threads,
                              experimental_op_resolver_type=resolver)
         interp.allocate_tensors()
     except Exception as exc:  # ValueError for a bad flatbuffer, RuntimeError for bad ops
         raise ModelLoadError(f"cannot load {model_path}: {exc}", model=manifest.name,
                              framework=FRAMEWORK, device=options.device) from exc
-    return TFLitePredictor(interp, manifest,
+    pred = TFLitePredictor(interp, manifest,
                            dequantize=bool(options.runtime.get("dequantize", True)))
+    pred.num_threads = options.intra_op_threads
+    return pred
