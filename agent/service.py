@@ -7,6 +7,7 @@ subscriptions are live, and only then is the description put into the registry.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 import time
@@ -23,7 +24,7 @@ from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
 from agent.sysmon import Sampler
 from agent.tracer import Tracer
-from agent.worker import LoadedModel
+from agent.worker import LoadedModel, compile_model
 from mlscope import bus as busmod
 from mlscope import codec, names, sysinfo
 from mlscope.bus import Bus
@@ -84,6 +85,8 @@ class Agent:
     sessions: dict[str, Session] = field(default_factory=dict)
     workers: dict[str, Executor] = field(default_factory=dict)
     capability_subs: dict[str, Any] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    """``name@version`` -> why a manifest of this framework is not served here."""
     framework_manifest: FrameworkManifest | None = None
     """The framework manifest whose runtime options the predictors get (the one of
     the probed version when the catalog has it)."""
@@ -136,15 +139,22 @@ class Agent:
 
     def _servable(self) -> list[tuple[Entry, Any]]:
         """Manifests for this framework (local or from the bus) whose artifacts are
-        present and verified here."""
-        out = []
+        present and verified here and whose steps may run here (custom Python only
+        from a trusted local manifest on an agent that allows it)."""
+        out, refused = [], {}
         for e in self.remote.catalog(self.catalog).entries:
             if e.manifest.framework.name != self.config.framework:
                 continue
             try:
+                compile_model(e, allow_custom=self.settings.allow_custom_code)
+            except MLScopeError as exc:
+                refused[f"{e.manifest.name}@{e.manifest.version}"] = exc.message
+                continue  # a step that may not run here: not advertised
+            try:
                 out.append((e, e.graph(self.settings.zoo_dir)))
             except MLScopeError:
                 continue  # not built here: not advertised
+        self.refused = refused
         return out
 
     async def _subscribe(self, bus: Bus) -> list[Any]:
@@ -256,7 +266,9 @@ class Agent:
         match = [(e, g) for e, g in self.offers
                  if e.manifest.name == name and e.manifest.version == version]
         if not match:
-            raise ConfigError(f"agent {self.agent_id} does not serve {name}@{version}")
+            why = self.refused.get(f"{name}@{version}")
+            raise ConfigError(f"agent {self.agent_id} does not serve {name}@{version}"
+                              + (f": {why}" if why else ""), model=name, version=version)
         entry, graph = match[0]
         key = entry.manifest.key
         batch = int(req.get("batch_size", 1))
@@ -267,7 +279,9 @@ class Agent:
         load_ns = first_ns = 0
         if cold:
             opts = self.predictor_options(batch)
-            model = await anyio.to_thread.run_sync(LoadedModel.open, entry, graph, opts)
+            model = await anyio.to_thread.run_sync(functools.partial(
+                LoadedModel.open, entry, graph, opts,
+                allow_custom=self.settings.allow_custom_code))
             try:
                 first_ns = await anyio.to_thread.run_sync(model.warmup)
             except MLScopeError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,30 +19,50 @@ from mlscope.catalog import Entry
 from mlscope.errors import MLScopeError
 from mlscope.predictor import Predictor, PredictorOptions
 
-__all__ = ["Job", "LoadedModel", "ModelWorker"]
+__all__ = ["Job", "LoadedModel", "ModelWorker", "compile_model"]
 
 now = time.perf_counter_ns
+
+
+def compile_model(entry: Entry, *, allow_custom: bool = False) -> tuple[list[Pipeline],
+                                                                         Pipeline]:
+    """The pre-processing of each input and the post-processing of the first output.
+
+    A custom Python step compiles only when the manifest came from a trusted local
+    directory (the entry and the manifest both say so: never one from the bus) and
+    ``allow_custom`` (the agent's ``Settings.allow_custom_code``); otherwise a
+    ManifestError states the rule.
+    """
+    m = entry.manifest
+    opts: dict[str, Any] = {
+        "trusted": entry.trusted and m.trusted, "allow_custom": allow_custom,
+        "env": {"model": m.name, "version": m.version, "framework": m.framework.name,
+                "attributes": dict(m.attributes)}}
+    pre = [compile_steps(i.steps, where=f"inputs.{n}.steps", **opts)
+           for n, i in enumerate(m.inputs)]
+    return pre, compile_steps(m.outputs[0].steps, where="outputs.0.steps", **opts)
 
 
 class LoadedModel:
     """A predictor with its compiled pre- and post-processing."""
 
-    def __init__(self, entry: Entry, predictor: Predictor, load_ns: int) -> None:
+    def __init__(self, entry: Entry, predictor: Predictor, load_ns: int, *,
+                 allow_custom: bool = False) -> None:
         m = entry.manifest
         self.entry, self.predictor, self.load_ns = entry, predictor, load_ns
         self.name = m.name
-        self.pre: list[Pipeline] = [compile_steps(i.steps, where=f"inputs.{n}.steps")
-                                    for n, i in enumerate(m.inputs)]
-        self.post: Pipeline = compile_steps(m.outputs[0].steps, where="outputs.0.steps")
+        self.pre, self.post = compile_model(entry, allow_custom=allow_custom)
         self.sample_shape = m.inputs[0].shape
         self.dtype = np.dtype(m.inputs[0].element_type)
 
     @classmethod
-    def open(cls, entry: Entry, graph: Path, options: PredictorOptions) -> LoadedModel:
+    def open(cls, entry: Entry, graph: Path, options: PredictorOptions, *,
+             allow_custom: bool = False) -> LoadedModel:
+        compile_model(entry, allow_custom=allow_custom)  # refused steps fail before loading
         t0 = now()
         pred = open_predictor(entry.manifest.framework.name, graph, entry.manifest, options)
         try:
-            return cls(entry, pred, now() - t0)
+            return cls(entry, pred, now() - t0, allow_custom=allow_custom)
         except MLScopeError:
             pred.close()
             raise

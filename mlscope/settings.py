@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mlscope.errors import ConfigError
+
 __all__ = ["Settings"]
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -28,6 +30,10 @@ class Settings:
     """clickhouse-connect DSN (``MLSCOPE_CLICKHOUSE_DSN``); default: chDB under data_dir."""
     nats_creds: Path | None = None
     """NATS credentials file (``MLSCOPE_NATS_CREDS``)."""
+    nats_inbox_prefix: str | None = None
+    """Subject prefix of this client's reply inboxes (``MLSCOPE_NATS_INBOX_PREFIX``);
+    default: the role's prefix that ``mlscope auth init`` recorded for ``nats_creds``,
+    else NATS's ``_INBOX`` (see mlscope.auth)."""
     manifests_dir: Path | None = None
     """Extra trusted manifest directory (``MLSCOPE_MANIFESTS``)."""
     trace_retention_days: int | None = None
@@ -45,6 +51,10 @@ class Settings:
     js_domain: str | None = None
     """JetStream domain of the hub (``MLSCOPE_JS_DOMAIN``): set on an edge device whose
     leaf node has its own JetStream, so that registry and job operations reach the hub."""
+    allow_custom_code: bool = False
+    """Let an agent run the custom Python steps (``{python: {module, function}}``) of
+    manifests loaded from its trusted local directories (``MLSCOPE_ALLOW_CUSTOM_CODE``;
+    off by default). A manifest received over the bus never runs custom code."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -62,6 +72,7 @@ class Settings:
             data_dir=data_dir,
             clickhouse_dsn=env.get("MLSCOPE_CLICKHOUSE_DSN") or None,
             nats_creds=Path(creds).expanduser() if creds else None,
+            nats_inbox_prefix=env.get("MLSCOPE_NATS_INBOX_PREFIX") or None,
             manifests_dir=Path(manifests).expanduser() if manifests else None,
             trace_retention_days=int(env["MLSCOPE_TRACE_RETENTION_DAYS"])
             if env.get("MLSCOPE_TRACE_RETENTION_DAYS") else None,
@@ -70,6 +81,7 @@ class Settings:
             nats_tls_key=path("MLSCOPE_NATS_TLS_KEY"),
             js_replicas=int(env.get("MLSCOPE_JS_REPLICAS") or 1),
             js_domain=env.get("MLSCOPE_JS_DOMAIN") or None,
+            allow_custom_code=_flag(env, "MLSCOPE_ALLOW_CUSTOM_CODE"),
         )
 
     def with_(self, **changes: object) -> Settings:
@@ -107,9 +119,25 @@ class Settings:
         for var, value in (("MLSCOPE_NATS_TLS_CA", self.nats_tls_ca),
                            ("MLSCOPE_NATS_TLS_CERT", self.nats_tls_cert),
                            ("MLSCOPE_NATS_TLS_KEY", self.nats_tls_key),
-                           ("MLSCOPE_JS_DOMAIN", self.js_domain)):
+                           ("MLSCOPE_JS_DOMAIN", self.js_domain),
+                           ("MLSCOPE_NATS_INBOX_PREFIX", self.nats_inbox_prefix)):
             if value:
                 env[var] = str(value)
         if self.js_replicas != 1:
             env["MLSCOPE_JS_REPLICAS"] = str(self.js_replicas)
+        if self.allow_custom_code:
+            env["MLSCOPE_ALLOW_CUSTOM_CODE"] = "1"
         return env
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _flag(env: Mapping[str, str], var: str) -> bool:
+    value = env.get(var, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{var}={env[var]!r}: want one of {', '.join(_TRUE + _FALSE[1:])}",
+                      field=var)

@@ -12,16 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import onnxruntime as ort
 import pytest
+import yaml
 
 from agent.service import Agent, AgentConfig
+from agent.worker import LoadedModel, compile_model
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.artifacts import sha256_path
 from mlscope.catalog import Catalog, default_manifest_dirs
-from mlscope.errors import error_from_wire
+from mlscope.contracts import Query, QueryReply
+from mlscope.errors import ConfigError, ManifestError, error_from_wire
 from mlscope.manifest import FrameworkManifest, load_manifest
+from mlscope.model_registry import publish_manifest
+from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 from tests.zoo_fixtures import MANIFESTS
 
@@ -171,3 +177,122 @@ def test_a_gpu_device_with_cpu_only_providers_is_refused() -> None:
     with pytest.raises(ModelLoadError, match="no GPU provider"):
         _providers(opts, digits.manifest)
 
+
+
+# --------------------------------------------------------------- custom Python steps
+
+PROBE_MODULE = '''
+CALLS = []
+
+
+def tap(env, data):
+    CALLS.append((env["model"], len(data)))
+    return data
+'''
+
+
+def custom_manifest(tmp_path: Path, zoo: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """digits_cnn as ``digits_custom`` with a custom step first, in a local directory,
+    and the step's module importable (it records each call)."""
+    (tmp_path / "custom_probe_steps.py").write_text(PROBE_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("custom_probe_steps", None)
+    digits = local_catalog(zoo).find("digits_cnn", framework="onnxruntime")
+    doc = yaml.safe_load(digits.path.read_text())
+    doc["name"] = "digits_custom"
+    doc["assets"]["sha256"] = digits.manifest.assets.sha256
+    doc.pop("dataset")
+    doc["inputs"][0]["steps"].insert(
+        0, {"python": {"module": "custom_probe_steps", "function": "tap"}})
+    folder = tmp_path / "trusted"
+    folder.mkdir()
+    (folder / "digits_custom.yaml").write_text(yaml.safe_dump(doc))
+    return folder
+
+
+def calls() -> list[Any]:
+    import custom_probe_steps
+
+    out: list[Any] = custom_probe_steps.CALLS
+    return out
+
+
+def query(evaluation_id: str = "ev-1") -> bytes:
+    return codec.encode_model(Query(evaluation_id=evaluation_id, index=0,
+                                    inputs=np.ones((2, 8, 8), np.uint8)))
+
+
+def test_custom_step_from_a_trusted_dir_runs_when_allowed(
+        settings: Settings, zoo_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    catalog = Catalog.load([custom_manifest(tmp_path, zoo_dir, monkeypatch)])
+    allowed = settings.with_(allow_custom_code=True)
+    agent = Agent(allowed, AgentConfig(framework="onnxruntime"), catalog)
+
+    async def body(bus: busmod.Bus, ask: Ask) -> None:
+        rep = await ask(prepare("digits_custom", "1.0.0"))
+        assert rep["ok"], rep
+        msg = await bus.nc.request(names.agent_query(agent.agent_id), query(), timeout=30)
+        reply = codec.decode_model(QueryReply, msg.data)
+        assert reply.ok and reply.outputs is not None and reply.outputs.shape == (2, 5)
+
+    run_agent(allowed, agent, body)
+    assert calls() == [("digits_custom", 2)]
+
+
+def test_custom_step_not_allowed_is_a_typed_refusal(
+        settings: Settings, zoo_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not settings.allow_custom_code  # off unless the agent's settings opt in
+    catalog = Catalog.load([custom_manifest(tmp_path, zoo_dir, monkeypatch)])
+    entry = catalog.find("digits_custom")
+    with pytest.raises(ManifestError, match="custom code is not allowed") as info:
+        LoadedModel.open(entry, entry.graph(zoo_dir), PredictorOptions())
+    assert info.value.field == "inputs.0.steps.0"
+    agent = Agent(settings, AgentConfig(framework="onnxruntime"), catalog)
+
+    async def body(bus: busmod.Bus, ask: Ask) -> None:
+        assert agent.offers == []  # not advertised: it could not be prepared
+        rep = await ask(prepare("digits_custom", "1.0.0"))
+        assert not rep["ok"] and "custom code is not allowed" in rep["why"], rep
+
+    run_agent(settings, agent, body)
+    assert calls() == []
+
+
+def test_the_same_manifest_from_the_bus_never_runs_custom_code(
+        settings: Settings, zoo_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    local = Catalog.load([custom_manifest(tmp_path, zoo_dir, monkeypatch)])
+    (entry,) = local.entries
+
+    async def publish() -> None:
+        async with busmod.connect(settings, name="publisher", provision=True) as bus:
+            await publish_manifest(bus, entry.manifest)
+
+    anyio.run(publish, backend="asyncio")
+    allowed = settings.with_(allow_custom_code=True)
+    agent = Agent(allowed, AgentConfig(framework="onnxruntime"), local_catalog(zoo_dir))
+
+    async def body(bus: busmod.Bus, ask: Ask) -> None:
+        assert "digits_custom" not in {m.name for m in agent.describe().models}
+        rep = await ask(prepare("digits_custom", "1.0.0"))
+        assert not rep["ok"] and "the manifest is not trusted" in rep["why"], rep
+        remote = [e for e in agent.remote.entries.values()
+                  if e.manifest.name == "digits_custom"]
+        assert remote and not remote[0].trusted
+        with pytest.raises(ManifestError, match="not trusted"):
+            compile_model(remote[0], allow_custom=True)
+
+    run_agent(allowed, agent, body)
+    assert calls() == []
+
+
+def test_allow_custom_code_setting_from_the_environment() -> None:
+    assert Settings.from_env({}).allow_custom_code is False
+    on = Settings.from_env({"MLSCOPE_ALLOW_CUSTOM_CODE": "1"})
+    assert on.allow_custom_code and on.as_env()["MLSCOPE_ALLOW_CUSTOM_CODE"] == "1"
+    assert Settings.from_env(on.as_env()).allow_custom_code
+    assert not Settings.from_env({"MLSCOPE_ALLOW_CUSTOM_CODE": "off"}).allow_custom_code
+    with pytest.raises(ConfigError, match="MLSCOPE_ALLOW_CUSTOM_CODE"):
+        Settings.from_env({"MLSCOPE_ALLOW_CUSTOM_CODE": "maybe"})
