@@ -27,7 +27,7 @@ import numpy as np
 
 from mlscope.errors import ManifestError
 
-__all__ = ["CUSTOM_STEP", "OPERATORS", "Pipeline", "compile_steps"]
+__all__ = ["CUSTOM_STEP", "INDEX_STEPS", "OPERATORS", "Pipeline", "compile_steps", "labeler"]
 
 Op = Callable[..., Any]
 Pipeline = Callable[[Any], Any]
@@ -73,7 +73,8 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def _topk(x: np.ndarray, *, k: int = 5) -> np.ndarray:
-    """Indices of the k largest values per sample, best first (int32)."""
+    """Indices of the k largest values per sample, best first (int32); their labels
+    come from :func:`labeler`, only when asked."""
     flat = x.reshape(x.shape[0], -1)
     k = min(k, flat.shape[1])
     part = np.argpartition(-flat, k - 1, axis=1)[:, :k]
@@ -303,3 +304,31 @@ def compile_steps(steps: Sequence[dict[str, Any]], *, where: str = "steps",
         return x
 
     return run
+
+
+INDEX_STEPS = ("topk", "argmax")
+"""Operators whose result is class indices, which a labels file can name."""
+
+
+def labeler(steps: Sequence[dict[str, Any]],
+            labels: Sequence[str] | None) -> Callable[[np.ndarray], np.ndarray] | None:
+    """The labels of a post-processing result, or None when there is nothing to name.
+
+    When ``steps`` end in class indices (:data:`INDEX_STEPS`) and ``labels`` (the
+    output's labels file, one per line) is given, returns a function mapping an index
+    array to a same-shaped unicode array: one vectorized lookup, run only for the
+    queries that ask for labels, so load runs never build strings. An index past the
+    labels file is a ValueError.
+    """
+    if not labels or not steps or next(iter(steps[-1]), None) not in INDEX_STEPS:
+        return None
+    table = np.asarray(labels, dtype=str)
+
+    def name(indices: np.ndarray) -> np.ndarray:
+        if indices.size and (indices.min() < 0 or indices.max() >= len(table)):
+            raise ValueError(f"class indices outside the {len(table)} labels "
+                             f"({int(indices.min())}..{int(indices.max())})")
+        named: np.ndarray = table[indices]
+        return named
+
+    return name

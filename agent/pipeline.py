@@ -62,6 +62,8 @@ class Model(Protocol):
     pre: list[Pipeline]
     post: Pipeline
     sample_shape: tuple[int, ...]
+    labeler: Callable[[np.ndarray], np.ndarray] | None
+    """Class indices -> their labels (:func:`agent.operators.labeler`), or None."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +90,8 @@ class Job:
     reply: Callable[[QueryReply], None]
     raw: bool = False
     """Also return the model's raw first output (for accuracy and divergence runs)."""
+    labels: bool = False
+    """Also return the labels of the post-processed class indices (when the model has them)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -324,6 +328,7 @@ class Executor:
 
     def _finish(self, slot: _Slot, out: _Outcome) -> None:
         job = slot.job
+        labels = self._labels(out) if job.labels and out.error is None else None
         if out.error is not None:
             reply = QueryReply(index=job.index, ok=False, error=out.error.to_wire(),
                                t_received=job.received_ns, t_replied=now())
@@ -333,13 +338,27 @@ class Executor:
             reply = QueryReply(index=job.index, ok=True,
                                outputs=np.ascontiguousarray(out.result),
                                raw_outputs=None if out.raw is None
-                               else np.ascontiguousarray(out.raw),
+                               else np.ascontiguousarray(out.raw), labels=labels,
                                t_received=job.received_ns, t_predict_start=out.t_predict,
                                t_predict_end=out.t_predict_end, t_replied=now())
         slot.replied = True
         with self._lock:
             self._inflight -= 1
         job.reply(reply)
+
+
+    def _labels(self, out: _Outcome) -> np.ndarray | None:
+        """The labels of a query's result (only asked for outside load runs); a lookup
+        that fails turns the outcome into the query's error."""
+        m = self.model
+        if m.labeler is None or out.result is None:
+            return None
+        try:
+            return m.labeler(out.result)
+        except (ValueError, IndexError, TypeError) as exc:
+            out.error = InferenceError(f"{m.name}: labels: {exc}", model=m.name,
+                                       framework=m.predictor.framework)
+            return None
 
 
 def emit_spans(job: Job, t_pre: int, t_pre_end: int, out: _Outcome) -> None:

@@ -280,7 +280,7 @@ class Agent:
         if cold:
             opts = self.predictor_options(batch)
             model = await anyio.to_thread.run_sync(functools.partial(
-                LoadedModel.open, entry, graph, opts,
+                LoadedModel.open, entry, graph, opts, labels=self._labels(entry),
                 allow_custom=self.settings.allow_custom_code))
             try:
                 first_ns = await anyio.to_thread.run_sync(model.warmup)
@@ -299,6 +299,14 @@ class Agent:
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
         return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
                 "sha256": entry.manifest.assets.sha256, "t_agent": now()}
+
+    def _labels(self, entry: Entry) -> list[str] | None:
+        """The first output's labels file, when the manifest names one that is local
+        (labels name top-k results for queries that ask; remote assets have none)."""
+        try:
+            return entry.labels(self.settings.zoo_dir)
+        except MLScopeError:
+            return None
 
     def predictor_options(self, batch_size: int = 1) -> PredictorOptions:
         """How this agent opens a model: its device and ``--threads``, and the runtime
@@ -331,7 +339,8 @@ class Agent:
         level = TraceLevel(min(query.trace_level, session.level))
         spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
         job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
-                  spans=spans, reply=self._replier(msg.reply), raw=query.raw)
+                  spans=spans, reply=self._replier(msg.reply), raw=query.raw,
+                  labels=query.labels)
         if not session.worker.submit(job):
             busy = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
             await msg.respond(busmod.error_reply(busy))

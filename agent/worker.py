@@ -7,12 +7,13 @@ Queries run through :class:`agent.pipeline.Executor` (the streaming pipeline);
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from agent.operators import Pipeline, compile_steps
+from agent.operators import Pipeline, compile_steps, labeler
 from agent.pipeline import Executor, Job
 from agent.predictors import open_predictor
 from mlscope.catalog import Entry
@@ -47,22 +48,26 @@ class LoadedModel:
     """A predictor with its compiled pre- and post-processing."""
 
     def __init__(self, entry: Entry, predictor: Predictor, load_ns: int, *,
-                 allow_custom: bool = False) -> None:
+                 allow_custom: bool = False, labels: Sequence[str] | None = None) -> None:
         m = entry.manifest
         self.entry, self.predictor, self.load_ns = entry, predictor, load_ns
         self.name = m.name
         self.pre, self.post = compile_model(entry, allow_custom=allow_custom)
+        self.labeler = labeler(m.outputs[0].steps, labels)
+        """Names the top-k / argmax result (from the output's labels file), or None."""
         self.sample_shape = m.inputs[0].shape
         self.dtype = np.dtype(m.inputs[0].element_type)
 
     @classmethod
     def open(cls, entry: Entry, graph: Path, options: PredictorOptions, *,
-             allow_custom: bool = False) -> LoadedModel:
+             allow_custom: bool = False, labels: Sequence[str] | None = None) -> LoadedModel:
+        """Open the predictor; ``labels`` (the first output's labels file, e.g. from
+        :meth:`Entry.labels`) names top-k results for queries that ask."""
         compile_model(entry, allow_custom=allow_custom)  # refused steps fail before loading
         t0 = now()
         pred = open_predictor(entry.manifest.framework.name, graph, entry.manifest, options)
         try:
-            return cls(entry, pred, now() - t0, allow_custom=allow_custom)
+            return cls(entry, pred, now() - t0, allow_custom=allow_custom, labels=labels)
         except MLScopeError:
             pred.close()
             raise

@@ -5,7 +5,9 @@ its schema number (history below). Tensors travel as numpy arrays through
 :mod:`mlscope.codec`.
 
 Schema history:
-    1 (0.1.0)  first version of every message.
+    1 (0.1.0)  first version of every message; later additions with defaults, which
+               old readers refuse (``extra="forbid"``): Query.labels,
+               QueryReply.labels.
 """
 
 from __future__ import annotations
@@ -280,6 +282,9 @@ class Query(_Message):
     trace_level: int = int(TraceLevel.MODEL)
     raw: bool = False
     """Also return the model's raw first output (accuracy and divergence runs only)."""
+    labels: bool = False
+    """Also return the labels of the classes the post-processing picked (top-k, argmax),
+    when the model has a labels file; load runs leave it off."""
 
 
 class QueryReply(_Message):
@@ -296,6 +301,9 @@ class QueryReply(_Message):
     t_replied: int = 0
     raw_outputs: NDArray | None = None
     """The model's raw first output for this query's samples, when the query asked."""
+    labels: NDArray | None = None
+    """Unicode array shaped like ``outputs``: the label of each class index, when the
+    query asked and the model has a labels file."""
 
 
 # --------------------------------------------------------------------------- traces

@@ -17,6 +17,7 @@ import onnxruntime as ort
 import pytest
 import yaml
 
+from agent.operators import labeler
 from agent.service import Agent, AgentConfig
 from agent.worker import LoadedModel, compile_model
 from mlscope import bus as busmod
@@ -296,3 +297,47 @@ def test_allow_custom_code_setting_from_the_environment() -> None:
     assert not Settings.from_env({"MLSCOPE_ALLOW_CUSTOM_CODE": "off"}).allow_custom_code
     with pytest.raises(ConfigError, match="MLSCOPE_ALLOW_CUSTOM_CODE"):
         Settings.from_env({"MLSCOPE_ALLOW_CUSTOM_CODE": "maybe"})
+
+
+# --------------------------------------------------------------- top-k with labels
+
+
+def test_topk_labels_from_the_labels_file_only_when_asked(settings: Settings,
+                                                         zoo_dir: Path) -> None:
+    entry = local_catalog(zoo_dir).find("efficientnet_lite0", framework="onnxruntime")
+    names_file = entry.labels(zoo_dir)
+    assert names_file is not None and len(names_file) == 1000
+    with np.load(entry.root(zoo_dir) / "sanity.npz") as npz:
+        x, y = npz["x"][:2], npz["y"][:2]
+    agent = Agent(settings, AgentConfig(framework="onnxruntime"), Catalog([entry]))
+
+    async def body(bus: busmod.Bus, ask: Ask) -> None:
+        rep = await ask(prepare("efficientnet_lite0", "1.0.0"))
+        assert rep["ok"], rep
+        got = []
+        for want in (True, False):
+            q = Query(evaluation_id="ev-1", index=0, inputs=x, labels=want)
+            msg = await bus.nc.request(names.agent_query(agent.agent_id),
+                                       codec.encode_model(q), timeout=60)
+            got.append(codec.decode_model(QueryReply, msg.data))
+        named, plain = got
+        assert named.ok and named.outputs is not None and named.labels is not None
+        assert named.labels.shape == named.outputs.shape == (2, 5)
+        assert list(named.outputs[:, 0]) == list(y)  # the sanity set, right
+        assert list(named.labels[:, 0]) == [names_file[i] for i in y]
+        assert named.labels.tolist() == [[names_file[i] for i in row]
+                                         for row in named.outputs.tolist()]
+        assert plain.ok and plain.labels is None  # load runs build no strings
+
+    run_agent(settings, agent, body)
+
+
+def test_labeler_names_indices_only() -> None:
+    names_ = ["zero", "one", "two"]
+    assert labeler([{"softmax": {}}], names_) is None  # probabilities: nothing to name
+    assert labeler([{"softmax": {}}, {"topk": {"k": 2}}], None) is None
+    name = labeler([{"softmax": {}}, {"topk": {"k": 2}}], names_)
+    assert name is not None
+    assert name(np.array([[2, 0]], np.int32)).tolist() == [["two", "zero"]]
+    with pytest.raises(ValueError, match="outside the 3 labels"):
+        name(np.array([[3, 0]], np.int32))
