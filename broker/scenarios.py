@@ -46,7 +46,7 @@ from mlscope.manifest import ScenarioFile, load_manifest
 from mlscope.validity import ValidityPolicy, Verdict, early_stopping_queries_needed
 
 __all__ = ["PEAK_PRECISION", "SCENARIOS", "Context", "Outcome", "Run", "build_schedule",
-           "execute", "next_rate", "read_arrivals", "scenario_spec"]
+           "execute", "next_rate", "peak_floor_qps", "read_arrivals", "scenario_spec"]
 
 PEAK_PRECISION = 0.05
 """A peak search stops when the failing rate is within 5% of the passing one."""
@@ -233,28 +233,37 @@ def next_rate(rate: float, passed: float | None, failed: float | None,
     return (passed + failed) / 2
 
 
+def peak_floor_qps(spec: ScenarioSpec, policy: ValidityPolicy) -> float:
+    """The lowest rate a peak search tries: below it a run of ``spec.duration_s`` has
+    too few queries to show its percentile under the bound by early stopping (459 for
+    p99 at 99% confidence, none over), so it would fail for its length, not its
+    latency. 10% above the bare count, so that a Poisson run's count (sd sqrt(n),
+    under 5% of 459) reaches it."""
+    need = early_stopping_queries_needed([], 0.0, policy.percentile, policy.confidence,
+                                         policy.tolerance)
+    return 1.1 * max(need, spec.min_queries or 0) / spec.duration_s
+
+
 async def _peak(ctx: Context, spec: ScenarioSpec) -> Outcome:
     """Binary search of the highest Poisson rate whose run is VALID under the bound.
 
-    From ``qps``, double until a rate fails (or halve until one passes), then bisect
-    until the failing rate is within :data:`PEAK_PRECISION` of the passing one or
-    ``peak_trials`` runs were made. Every trial uses the same seed, so rates are
-    compared on the same arrival pattern (common random numbers).
+    From ``qps`` (raised to :func:`peak_floor_qps`), double until a rate fails (or
+    halve until one passes), then bisect until the failing rate is within
+    :data:`PEAK_PRECISION` of the passing one or ``peak_trials`` runs were made. Every
+    trial uses the same seed, so rates are compared on the same arrival pattern
+    (common random numbers). The peak is the highest rate whose run was VALID.
     """
     if spec.latency_bound_ms is None:
         raise ConfigError("scenario 'peak' needs a latency bound (--latency-bound-ms B)")
-    need = early_stopping_queries_needed([], 0.0, ctx.policy.percentile,
-                                         ctx.policy.confidence, ctx.policy.tolerance)
-    floor_qps = max(need, spec.min_queries or 0) / spec.duration_s
-    rate: float | None = spec.qps
+    floor_qps = peak_floor_qps(spec, ctx.policy)
+    rate: float | None = max(spec.qps, floor_qps)
     passed: float | None = None
     failed: float | None = None
     runs: list[Run] = []
     best: Run | None = None
-    for k in range(spec.peak_trials):
-        assert rate is not None
+    while rate is not None and len(runs) < spec.peak_trials:
         trial = spec.model_copy(update={"name": "peak", "qps": rate})
-        run = await run_once(ctx, trial, f"{ctx.evaluation_id}-{k}")
+        run = await run_once(ctx, trial, f"{ctx.evaluation_id}-{len(runs)}")
         runs.append(run)
         if run.verdict.valid:
             if passed is None or rate > passed:
@@ -262,8 +271,6 @@ async def _peak(ctx: Context, spec: ScenarioSpec) -> Outcome:
         elif failed is None or rate < failed:
             failed = rate
         rate = next_rate(rate, passed, failed, floor_qps)
-        if rate is None:
-            break
     if best is None:
         return Outcome(runs[-1], runs, extra_reasons=(
             f"peak search: no rate tried gave a VALID run under the "

@@ -11,7 +11,13 @@ import pytest
 from broker import schedule
 from broker.distributed import ARRAYS, _merge
 from broker.loadgen import RunRecord
-from broker.scenarios import PEAK_PRECISION, build_schedule, next_rate, scenario_spec
+from broker.scenarios import (
+    PEAK_PRECISION,
+    build_schedule,
+    next_rate,
+    peak_floor_qps,
+    scenario_spec,
+)
 from broker.summary import figures, judge, latency_split, policy_for
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
@@ -150,12 +156,25 @@ def test_peak_search_steps() -> None:
     assert tried[:4] == [100, 200, 400, 800]
 
 
+def test_peak_search_starts_where_a_run_can_show_p99() -> None:
+    """Under a bound, a run needs 459 queries to show p99 at 99% confidence with none
+    over it (0.99^459 < 0.01); one with fewer can never be VALID, so a search starts
+    no lower than that count over its duration (+10%)."""
+    policy = ValidityPolicy()
+    one_s = ScenarioSpec(name="peak", duration_s=1.0, latency_bound_ms=5)
+    assert peak_floor_qps(one_s, policy) == pytest.approx(1.1 * 459)
+    ten_s = one_s.model_copy(update={"duration_s": 10.0})
+    assert peak_floor_qps(ten_s, policy) == pytest.approx(1.1 * 45.9)
+    more = one_s.model_copy(update={"min_queries": 2000})  # a stricter minimum wins
+    assert peak_floor_qps(more, policy) == pytest.approx(1.1 * 2000)
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "manifests" / "scenarios").glob("*.yaml")),
                          ids=lambda p: p.stem)
 def test_every_scenario_file_makes_a_spec(path: Path) -> None:
     spec = scenario_spec(path, {})
     assert spec.name == path.stem
-    if spec.name not in ("batched", "single-stream", "concurrency"):
+    if spec.name not in ("batched", "single-stream", "concurrency", "cold-start"):
         sched, window = build_schedule(spec)
         assert len(sched) > 0 and window > 0
 

@@ -12,13 +12,14 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
 from broker import schedule
-from broker.scenarios import build_schedule
+from broker.scenarios import build_schedule, next_rate, peak_floor_qps
 from cli.services import Stack
 from cli.submit import submit
 from mlscope import bus as busmod
@@ -26,6 +27,8 @@ from mlscope import names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError, ConfigError
 from mlscope.settings import Settings
+from mlscope.stats import percentile
+from mlscope.validity import ValidityPolicy
 from tests.conftest import REPO, child_env, python
 from tests.loadgen_fixtures import noop_stack
 
@@ -33,7 +36,7 @@ __all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(240)
 
-LOOSE = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
+LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
 """Validity rules a short run on a shared machine can meet: what is tested is not speed."""
 
 
@@ -124,17 +127,46 @@ def test_batched_sweep_stores_every_point(noop_stack: Stack) -> None:
 
 
 def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Stack) -> None:
-    spec = ScenarioSpec(name="peak", qps=250, duration_s=2.0, latency_bound_ms=500,
-                        peak_trials=3, **LOOSE)
+    """A bound the noop agent meets at a few hundred QPS and cannot at thousands (2
+    cores): the search must double past the agent's capacity, then bisect."""
+    spec = ScenarioSpec(name="peak", qps=400, duration_s=2.0, latency_bound_ms=50,
+                        peak_trials=7, **LOOSE)
+    floor = peak_floor_qps(spec, ValidityPolicy())
+    assert floor < spec.qps  # 2 s at 400 QPS: enough queries to show p99
     s = run(noop_stack.settings, spec)
     rates = [p["qps"] for p in s.points]
-    assert rates[0] == 250 and len(rates) <= 3
-    if s.points[0]["valid"]:  # nothing failed yet: the next rate doubles
-        assert rates[1] == 500
-    passing = [p["qps"] for p in s.points if p["valid"]]
-    assert s.peak_qps == (max(passing) if passing else None)
-    if s.peak_qps is not None:
-        assert s.valid and s.requested_qps == s.peak_qps
+    valid = [p["valid"] for p in s.points]
+    assert rates[0] == 400 and len(rates) <= 7
+    assert valid[0], s.points[0]["invalid_reasons"]  # nothing failed yet: the next doubles
+    assert rates[1] == 800
+    # Each step is the one the search rule gives for what was seen so far.
+    passed: float | None = None
+    failed: float | None = None
+    bisected = 0
+    for k, (rate, ok) in enumerate(zip(rates, valid, strict=True)):
+        if passed is not None and failed is not None:
+            assert passed < rate < failed  # a bisection step
+            bisected += 1
+        if ok:
+            passed = rate if passed is None else max(passed, rate)
+        else:
+            failed = rate if failed is None else min(failed, rate)
+        following = next_rate(rate, passed, failed, floor)
+        if k + 1 < len(rates):
+            assert rates[k + 1] == following
+        else:  # done: the bound is pinned down, or the trials are spent
+            assert following is None or len(rates) == spec.peak_trials
+    assert bisected >= 1, rates
+    passing = [r for r, ok in zip(rates, valid, strict=True) if ok]
+    assert s.peak_qps == max(passing) == passed
+    assert any(r < s.peak_qps for r in passing)  # tried below the peak ...
+    assert any(r > s.peak_qps and not ok for r, ok in zip(rates, valid, strict=True))  # above
+    for p in s.points:
+        if p["qps"] > s.peak_qps:  # nothing above the peak passed
+            assert not p["valid"] and p["invalid_reasons"], p
+    assert s.valid and s.requested_qps == s.peak_qps
+    best = next(p for p in s.points if p["qps"] == s.peak_qps)
+    assert s.latency_ms.p99 == best["latency_ms"]["p99"] <= spec.latency_bound_ms
     for p in s.points:  # every trial stored with its own latencies
         stored = rows(noop_stack.settings, p["evaluation_id"])
         assert len(stored) == len(schedule.poisson(p["qps"], duration_s=2.0, seed=0))
@@ -215,6 +247,10 @@ def test_stalled_agent_makes_latency_grow_from_the_schedule(noop_stack: Stack) -
     assert np.median((issued - sched)[window]) < 50e6
     assert (done[window] >= done[first] - 50_000_000).all()
     assert (lat[window] > lat[first] - 0.35).all()
+    # The REPORTED latencies are these, from the scheduled time: the stall is in them.
+    assert_reported_from_schedule(s, got)
+    assert s.latency_ms.max is not None and s.latency_ms.max > 400
+    assert s.latency_ms.p99 is not None and s.latency_ms.p99 > 300  # ~20% of queries waited
 
     # The same stall in a closed loop hides itself: one query sees it.
     closed = _run_with_stall(noop_stack, ScenarioSpec(name="single-stream", duration_s=2.0,
@@ -222,6 +258,19 @@ def test_stalled_agent_makes_latency_grow_from_the_schedule(noop_stack: Stack) -
     got = rows(noop_stack.settings, closed.evaluation_id)
     slow = ((got[:, 3] - got[:, 1]) / 1e9 > 0.25).sum()
     assert 1 <= slow <= 2  # the one in flight (a busy machine may add one more)
+    assert_reported_from_schedule(closed, got)
+    assert closed.latency_ms.max is not None and closed.latency_ms.max > 400
+
+
+def assert_reported_from_schedule(s: EvaluationSummary, got: np.ndarray) -> None:
+    """The summary's latency figures are those of completed - scheduled of the stored
+    queries (mlscope.stats' percentile), not of completed - issued."""
+    assert s.errors == 0 and s.not_issued == 0  # every stored query answered
+    lat_ms = (got[:, 3] - got[:, 1]) / 1e6
+    assert s.latency_ms.max == pytest.approx(lat_ms.max())
+    for q, reported in ((50, s.latency_ms.p50), (90, s.latency_ms.p90),
+                        (99, s.latency_ms.p99)):
+        assert reported == pytest.approx(percentile(lat_ms, q)), q
 
 
 def test_stalled_load_generator_is_too_late(noop_stack: Stack) -> None:
@@ -234,6 +283,12 @@ def test_stalled_load_generator_is_too_late(noop_stack: Stack) -> None:
     assert s.issue_lag_us["max"] is not None and s.issue_lag_us["max"] > 100_000
     got = rows(noop_stack.settings, s.evaluation_id)
     assert (got[:, 2] >= got[:, 1]).all()  # late, never early
+    # No coordinated omission in what is reported: a query issued late counts its lag.
+    assert_reported_from_schedule(s, got)
+    assert s.latency_ms.max is not None and s.latency_ms.max * 1e3 >= s.issue_lag_us["max"]
+    from_issue_p99 = percentile((got[:, 3] - got[:, 2]) / 1e6, 99)
+    assert s.latency_ms.p99 is not None and from_issue_p99 is not None
+    assert s.latency_ms.p99 > from_issue_p99 + 100  # the stall would hide in issue-based times
 
 
 def test_scenario_files_submit(noop_stack: Stack, tmp_path: Path) -> None:
