@@ -23,6 +23,7 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from mlscope import bus as busmod
 from mlscope import names
+from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
 from mlscope.errors import BusError, ConfigError
 from mlscope.natsserver import NatsServer, leaf_config
 from mlscope.settings import Settings
@@ -60,18 +61,36 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run_init(args: argparse.Namespace) -> int:
     out: Path = args.out
+    if args.creds is not None:
+        _check_domains(args.creds, domain=args.domain, hub_domain=args.hub_domain)
     out.mkdir(parents=True, exist_ok=True)
     (out / "leaf.conf").write_text(leaf_config(hub_url=args.hub, domain=args.domain,
                                                seed_file=args.creds))
-    (out / "edge.env").write_text(
-        f"MLSCOPE_NATS_URL=nats://127.0.0.1:{args.port}\n"
-        f"MLSCOPE_JS_DOMAIN={args.hub_domain}\n"
-        f"MLSCOPE_EDGE_DOMAIN={args.domain}\n"
-        f"MLSCOPE_EDGE_PORT={args.port}\n")
+    env = (f"MLSCOPE_NATS_URL=nats://127.0.0.1:{args.port}\n"
+           f"MLSCOPE_JS_DOMAIN={args.hub_domain}\n"
+           f"MLSCOPE_EDGE_DOMAIN={args.domain}\n"
+           f"MLSCOPE_EDGE_PORT={args.port}\n")
+    if args.creds is not None:
+        # The agent reaches the hub through the leaf's link, as the edge user: its
+        # replies must arrive under the inbox prefix that user may subscribe to.
+        prefix = inbox_prefix_for(args.creds) or INBOX_PREFIXES["edge"]
+        env += f"MLSCOPE_NATS_INBOX_PREFIX={prefix}\n"
+    (out / "edge.env").write_text(env)
     print(f"wrote {out / 'leaf.conf'} and {out / 'edge.env'}")
     print(f"on the hub (server credentials): mlscope edge attach {args.domain}")
     print(f"on this device: mlscope edge up --dir {out}")
     return 0
+
+
+def _check_domains(creds: Path, *, domain: str, hub_domain: str) -> None:
+    """The edge user's permissions name both domains: a mismatch would let the agent
+    connect and then lose its registry writes or its span buffer."""
+    roles = read_roles(creds.parent)
+    for flag, want, have in (("--domain", roles.get("edge_domain"), domain),
+                             ("--hub-domain", roles.get("hub_domain"), hub_domain)):
+        if want is not None and want != have:
+            raise ConfigError(f"{creds.parent} was written for {flag} {want}, not {have}: "
+                              f"pass {flag} {want} or rerun `mlscope auth init`")
 
 
 def read_env(directory: Path) -> dict[str, str]:
@@ -113,6 +132,8 @@ def run_up(args: argparse.Namespace) -> int:
             cmd += ["--agent-id", args.agent_id]
         child_env = {**os.environ, **settings.as_env(), "MLSCOPE_NATS_URL": leaf.url,
                      "MLSCOPE_JS_DOMAIN": env.get("MLSCOPE_JS_DOMAIN", "hub")}
+        if env.get("MLSCOPE_NATS_INBOX_PREFIX"):
+            child_env["MLSCOPE_NATS_INBOX_PREFIX"] = env["MLSCOPE_NATS_INBOX_PREFIX"]
         print(f"mlscope edge: leaf {leaf.url} (domain {env.get('MLSCOPE_EDGE_DOMAIN')}), "
               f"agent {args.framework}", flush=True)
         agent = subprocess.Popen(cmd, env=child_env)

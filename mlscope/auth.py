@@ -12,12 +12,23 @@ What each role may do (everything else is denied by the server):
 * server: the whole ``mlscope.>`` namespace, the JetStream API and every bucket.
 * submitter: publish jobs, ask the server's database responders, read the registry
   buckets, hear its jobs' events.
-* agent: serve its capability and agent subjects, answer requests (inboxes),
+* agent: serve its capability and agent subjects, answer requests,
   publish span batches, write registry keys, read stream information.
 * edge: like an agent, but only its own agent subjects and its own registry key,
   and no path to submit jobs or read results.
 * reader (dashboard): read the registry buckets, ask the database responders (read-
   only SQL), hear job events; it cannot publish jobs, spans, queries or keys.
+
+Replies. Every role has its own inbox prefix (:data:`INBOX_PREFIXES`): a client's
+replies (request/reply, JetStream API and KV answers, pull and push deliveries) arrive
+under it, and only that role may subscribe there, so no role reads another's replies.
+The server keeps NATS's default ``_INBOX`` (its load generator names its reply subjects
+under it); the others get ``_INBOX_<role>``. ``roles.json`` beside the seeds records
+each role's public key and prefix: :func:`inbox_prefix_for` finds a seed's prefix
+there, and ``MLSCOPE_NATS_INBOX_PREFIX`` sets it explicitly (an edge agent behind its
+leaf node, which connects without credentials). Nobody may publish into an inbox:
+responders (server, agent, edge) answer through ``allow_responses``, which lets a
+connection publish only to the reply subjects of messages delivered to it.
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import nkeys
 
 from mlscope import names
 
-__all__ = ["ROLES", "AuthFiles", "Role", "permissions", "write_auth"]
+__all__ = ["INBOX_PREFIXES", "ROLES", "AuthFiles", "Role", "inbox_prefix_for",
+           "permissions", "read_roles", "write_auth"]
 
 ROLES = ("submitter", "server", "agent", "edge", "reader")
 Role = str
@@ -41,7 +53,21 @@ DEFAULT_MAX_PAYLOAD = 8 << 20
 """8 MiB: a batch of full-size images in one query; JetStream streams keep their own
 (smaller) per-message limits."""
 
-INBOX = "_INBOX.>"
+INBOX_PREFIXES: dict[Role, str] = {
+    role: "_INBOX" if role == "server" else f"_INBOX_{role}" for role in ROLES}
+"""Each role's inbox prefix (nats-py ``connect(inbox_prefix=...)``)."""
+REPLY_WINDOW_S = 900
+"""How long a responder may answer a request after receiving it (``allow_responses``
+``expires``; nats-server's default is 2 minutes). It must outlive the longest request
+a responder serves: an agent's prepare (``PREPARE_TIMEOUT_S``, 300 s)."""
+RESPONSES: dict[str, Any] = {"max": -1, "expires": f"{REPLY_WINDOW_S}s"}
+"""Any number of replies per delivered request: the load generator sends all of a
+run's queries with one reply subject, and each delivery renews the grant (the default
+``max: 1`` refused all but one reply of queries that overlapped)."""
+EDGE_BUFFER_STREAM = "MLSCOPE_EDGE_TRACES"
+"""= ``mlscope.bus.EDGE_TRACES_STREAM`` (bus imports this module, not the reverse)."""
+DEFAULT_EDGE_DOMAIN = "edge1"
+DEFAULT_HUB_DOMAIN = "hub"
 P = names.PREFIX
 
 
@@ -59,35 +85,72 @@ def _registry_read() -> list[str]:
     return ["$JS.API.INFO", *_kv_read(names.AGENTS_BUCKET), *_kv_read(names.MODELS_BUCKET)]
 
 
-def permissions(role: Role, *, edge_id: str = "edge-1") -> dict[str, Any]:
+def permissions(role: Role, *, edge_id: str = "edge-1", edge_domain: str = DEFAULT_EDGE_DOMAIN,
+                hub_domain: str = DEFAULT_HUB_DOMAIN) -> dict[str, Any]:
     """The nats-server permissions block of one role."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
     jobs_events = f"{P}.job.*.events"
     db = f"{P}.db.>"
+    inbox = f"{INBOX_PREFIXES[role]}.>"
     if role == "server":
-        subjects = [f"{P}.>", "$JS.>", "$KV.>", INBOX]
-        return {"publish": {"allow": subjects}, "subscribe": {"allow": subjects}}
+        subjects = [f"{P}.>", "$JS.>", "$KV.>"]
+        return {"publish": {"allow": subjects}, "subscribe": {"allow": [*subjects, inbox]},
+                "allow_responses": RESPONSES}
     if role == "submitter":
         return {"publish": {"allow": [names.JOBS_SUBJECT, db, *_registry_read(),
                                       f"$JS.API.STREAM.INFO.{names.JOBS_STREAM}"]},
-                "subscribe": {"allow": [INBOX, jobs_events]}}
+                "subscribe": {"allow": [inbox, jobs_events]}}
     if role == "reader":
         return {"publish": {"allow": [db, *_registry_read()]},
-                "subscribe": {"allow": [INBOX, jobs_events]}}
-    if role in ("agent", "edge"):
-        own = names.token(edge_id)
-        agent_subjects = [f"{P}.agent.*.query", f"{P}.agent.*.ctl"] if role == "agent" \
-            else [f"{P}.agent.{own}.query", f"{P}.agent.{own}.ctl"]
-        key = f"$KV.{names.AGENTS_BUCKET}.*" if role == "agent" \
-            else f"$KV.{names.AGENTS_BUCKET}.{own}"
-        return {
-            # Replies go to the requesters' inboxes. (allow_responses alone lost
-            # replies under load: the server's response-permission tracking is bounded.)
-            "publish": {"allow": [INBOX, names.traces_wildcard(), key, "$JS.API.INFO",
-                                  "$JS.API.STREAM.INFO.*", *_kv_read(names.MODELS_BUCKET)],
-                        "deny": [names.JOBS_SUBJECT, db]},
-            "subscribe": {"allow": [INBOX, f"{P}.cap.>", *agent_subjects]},
-        }
-    raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
+                "subscribe": {"allow": [inbox, jobs_events]}}
+    if role == "agent":
+        return _agent(inbox)
+    return _edge(inbox, names.token(edge_id), edge_domain=edge_domain, hub_domain=hub_domain)
+
+
+def _agent_publish(key: str) -> list[str]:
+    return [names.traces_wildcard(), key, "$JS.API.INFO", "$JS.API.STREAM.INFO.*",
+            *_kv_read(names.MODELS_BUCKET)]
+
+
+def _agent(inbox: str) -> dict[str, Any]:
+    return {
+        "publish": {"allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.*"),
+                    "deny": [names.JOBS_SUBJECT, f"{P}.db.>"]},
+        # Capability subjects only as a member of their queue group (the agent names
+        # the group after the subject): a plain subscription would hear every query.
+        "subscribe": {"allow": [inbox, f"{P}.cap.> {P}.cap.>", f"{P}.agent.*.query",
+                                f"{P}.agent.*.ctl"]},
+        "allow_responses": RESPONSES,
+    }
+
+
+def _edge(inbox: str, own: str, *, edge_domain: str, hub_domain: str) -> dict[str, Any]:
+    """An agent restricted to its own id, usually behind its device's leaf node.
+
+    Over a leaf link the leaf node filters what crosses by these lists itself, and it
+    knows neither ``allow_responses`` (nats-server issue #2949) nor queue permissions.
+    So the edge may publish into the server's inbox space ``_INBOX.>`` (its replies to
+    the server's queries and control requests; it cannot subscribe there, so it learns
+    only the reply subjects it was sent) and subscribes to capability subjects plainly.
+    The hub sources the leaf's span buffer through the device's JetStream domain: API
+    requests in (``$JS.<edge>.API.>``), answers to ``$JSC.R.>``, deliveries to
+    ``$JS.S.>``, flow control back.
+    """
+    api = (f"$JS.{hub_domain}.API.", "$JS.API.")
+    own_key = f"{names.AGENTS_BUCKET}.{own}"
+    publish = _agent_publish(f"$KV.{own_key}")
+    publish += [s.replace(api[1], api[0], 1) for s in publish if s.startswith(api[1])]
+    return {
+        "publish": {"allow": [*publish, f"{api[0]}$KV.{own_key}", f"{INBOX_PREFIXES['server']}.>",
+                              "$JSC.R.>", "$JS.S.>"],
+                    "deny": [names.JOBS_SUBJECT, f"{P}.db.>"]},
+        "subscribe": {"allow": [inbox, f"{P}.cap.>", f"{P}.agent.{own}.query",
+                                f"{P}.agent.{own}.ctl", f"$JS.{edge_domain}.API.>",
+                                f"$JS.FC.{EDGE_BUFFER_STREAM}.>"]},
+        "allow_responses": RESPONSES,
+    }
 
 
 @dataclass(frozen=True)
@@ -100,7 +163,8 @@ class AuthFiles:
     public_keys: dict[Role, str]
 
 
-def write_auth(out: Path, *, edge_id: str = "edge-1", max_payload: int = DEFAULT_MAX_PAYLOAD,
+def write_auth(out: Path, *, edge_id: str = "edge-1", edge_domain: str = DEFAULT_EDGE_DOMAIN,
+               hub_domain: str = DEFAULT_HUB_DOMAIN, max_payload: int = DEFAULT_MAX_PAYLOAD,
                tls_cert: Path | None = None, tls_key: Path | None = None,
                tls_ca: Path | None = None) -> AuthFiles:
     """Create one nkey user per role and write the server config and seed files.
@@ -119,7 +183,8 @@ def write_auth(out: Path, *, edge_id: str = "edge-1", max_payload: int = DEFAULT
         path.chmod(0o600)
         creds[role] = path
         users.append({"nkey": public[role],
-                      "permissions": permissions(role, edge_id=edge_id)})
+                      "permissions": permissions(role, edge_id=edge_id, edge_domain=edge_domain,
+                                                 hub_domain=hub_domain)})
     conf: dict[str, Any] = {
         "max_payload": max_payload,
         "accounts": {ACCOUNT: {"jetstream": "enabled", "users": users}},
@@ -133,6 +198,35 @@ def write_auth(out: Path, *, edge_id: str = "edge-1", max_payload: int = DEFAULT
     roles = "\n".join(f"#   {r:<9} {public[r]}" for r in ROLES)
     config.write_text(f"# Written by `mlscope auth init`: one nkey user per role.\n{roles}\n"
                       + json.dumps(conf, indent=2) + "\n")
-    (out / "roles.json").write_text(json.dumps({"edge_id": edge_id, "public_keys": public},
-                                               indent=2) + "\n")
+    (out / "roles.json").write_text(json.dumps(
+        {"edge_id": edge_id, "edge_domain": edge_domain, "hub_domain": hub_domain,
+         "public_keys": public, "inbox_prefixes": INBOX_PREFIXES},
+        indent=2) + "\n")
     return AuthFiles(out, config, creds, public)
+
+
+def read_roles(directory: Path) -> dict[str, Any]:
+    """``roles.json`` of an auth directory (empty when there is none)."""
+    try:
+        data = json.loads((directory / "roles.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def inbox_prefix_for(creds: Path) -> str | None:
+    """The inbox prefix of the role whose nkey seed ``creds`` is, from ``roles.json``
+    in the same directory; None when that file does not name this key (a JWT ``.creds``
+    file, a seed from elsewhere: NATS's default prefix then applies)."""
+    roles = read_roles(creds.parent)
+    if not roles:
+        return None
+    try:
+        public = nkeys.from_seed(bytearray(creds.read_bytes().strip())).public_key.decode()
+    except (OSError, ValueError, nkeys.NkeysError):
+        return None
+    for role, key in roles.get("public_keys", {}).items():
+        if key == public:
+            prefix = roles.get("inbox_prefixes", {}).get(role)
+            return str(prefix) if prefix else None
+    return None

@@ -30,6 +30,7 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from mlscope import codec, names
+from mlscope.auth import inbox_prefix_for
 from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 
@@ -84,12 +85,19 @@ class Bus:
 
 
 def connect_options(settings: Settings) -> dict[str, Any]:
-    """nats-py connection options for these settings: servers, credentials, TLS.
+    """nats-py connection options for these settings: servers, credentials, TLS, inboxes.
 
     ``MLSCOPE_NATS_CREDS`` is either a JWT ``.creds`` file (``-----BEGIN NATS USER
     JWT-----`` then the seed) or an nkey seed file as ``mlscope auth init`` writes it.
+    The inbox prefix is ``MLSCOPE_NATS_INBOX_PREFIX`` if set, else the one ``mlscope
+    auth init`` recorded for that seed's role: each role may subscribe only under its
+    own prefix, so a client with the default ``_INBOX`` would never hear its replies.
     """
     options: dict[str, Any] = {"servers": settings.nats_servers}
+    prefix = settings.nats_inbox_prefix or (
+        inbox_prefix_for(settings.nats_creds) if settings.nats_creds else None)
+    if prefix:
+        options["inbox_prefix"] = prefix
     if settings.nats_creds:
         try:
             text = settings.nats_creds.read_text()

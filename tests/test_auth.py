@@ -8,6 +8,7 @@ from pathlib import Path
 
 import anyio
 import nats
+import nats.aio.msg
 import nats.errors
 import pytest
 
@@ -15,8 +16,8 @@ from cli.main import main as mlscope_main
 from cli.services import Stack
 from cli.submit import submit
 from mlscope import bus as busmod
-from mlscope import codec, names
-from mlscope.auth import ROLES
+from mlscope import codec, names, remote
+from mlscope.auth import INBOX_PREFIXES, REPLY_WINDOW_S, ROLES, inbox_prefix_for
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
 from mlscope.natsserver import NatsServer
@@ -60,7 +61,8 @@ class Probe:
                 self.violations.append(str(exc))
 
         self.nc = await nats.connect(self.url, nkeys_seed=str(self.creds), error_cb=on_error,
-                                     allow_reconnect=False)
+                                     allow_reconnect=False,
+                                     inbox_prefix=inbox_prefix_for(self.creds) or "_INBOX")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -73,12 +75,81 @@ class Probe:
         await anyio.sleep(0.1)
         return any(subject.lower() in v.lower() for v in self.violations[before:])
 
-    async def denied_subscribe(self, subject: str) -> bool:
+    async def denied_subscribe(self, subject: str, queue: str = "") -> bool:
         before = len(self.violations)
-        await self.nc.subscribe(subject)
+        await self.nc.subscribe(subject, queue=queue)
         await self.nc.flush()
         await anyio.sleep(0.1)
         return any(subject.lower() in v.lower() for v in self.violations[before:])
+
+
+def test_each_role_hears_only_its_own_replies(secured: NatsServer, auth_dir: Path) -> None:
+    """Replies (request/reply, JetStream and KV answers) arrive under the requester's
+    inbox prefix; no other role may subscribe there or publish into it."""
+
+    async def main() -> None:
+        for role in ROLES:
+            async with Probe(secured.url, auth_dir / f"{role}.creds") as probe:
+                own = INBOX_PREFIXES[role]
+                assert not await probe.denied_subscribe(f"{own}.>"), role
+                for other, prefix in INBOX_PREFIXES.items():
+                    if other == role:
+                        continue
+                    assert await probe.denied_subscribe(f"{prefix}.>"), (role, other)
+                    assert await probe.denied_subscribe(f"{prefix}.abc.*"), (role, other)
+                    # Not a reply to anything delivered to it: a forged answer.
+                    forged = f"{prefix}.abc.1"
+                    if role == "edge" and other == "server":
+                        # Across a leaf link the edge answers the server's queries by
+                        # an explicit allow (the leaf knows no allow_responses).
+                        assert not await probe.denied_publish(forged)
+                    else:
+                        assert await probe.denied_publish(forged), (role, other)
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_responders_may_only_answer_what_they_were_asked(secured: NatsServer,
+                                                         auth_dir: Path) -> None:
+    """The load generator's pattern: many queries with one reply subject, answered
+    after they overlap. Every reply arrives; a reply subject never delivered is not
+    writable."""
+    shared = f"{INBOX_PREFIXES['server']}.lg-probe"
+
+    async def main() -> None:
+        async with Probe(secured.url, auth_dir / "server.creds") as server, \
+                Probe(secured.url, auth_dir / "agent.creds") as agent:
+            asked: list[nats.aio.msg.Msg] = []
+
+            async def held(msg: nats.aio.msg.Msg) -> None:
+                asked.append(msg)
+
+            await agent.nc.subscribe(names.agent_ctl("a1"), cb=held)
+            replies = await server.nc.subscribe(shared)
+            await agent.nc.flush()
+            for i in range(20):
+                await server.nc.publish(names.agent_ctl("a1"), b"%d" % i, reply=shared)
+            await server.nc.flush()
+            while len(asked) < 20:
+                await anyio.sleep(0.05)
+            for msg in asked:
+                await msg.respond(msg.data)
+            await agent.nc.flush()
+            got = [(await replies.next_msg(timeout=2)).data for _ in range(20)]
+            assert sorted(got) == sorted(b"%d" % i for i in range(20))
+            assert not agent.violations
+            assert await agent.denied_publish(f"{INBOX_PREFIXES['server']}.lg-other")
+            # The server answers its clients the same way, and no more.
+            assert await server.denied_publish(f"{INBOX_PREFIXES['submitter']}.x.1")
+            assert await server.denied_subscribe(f"{INBOX_PREFIXES['reader']}.>")
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_reply_grant_outlives_the_longest_request() -> None:
+    from broker import coldstart, evaluate
+
+    assert max(evaluate.PREPARE_TIMEOUT_S, coldstart.PREPARE_TIMEOUT_S) < REPLY_WINDOW_S
 
 
 async def _jobs_in_stream(url: str, auth: Path) -> int:
@@ -134,6 +205,10 @@ def test_each_role_is_denied_what_it_must_not_do(secured: NatsServer, auth_dir: 
             assert await agent.denied_publish(names.SQL_SUBJECT)
             assert await agent.denied_publish(f"$JS.API.STREAM.PURGE.{names.TRACES_STREAM}")
             assert await agent.denied_subscribe(names.traces_wildcard())
+            # capability queries only as a member of the capability's queue group
+            cap = names.capability("noop", "noop")
+            assert await agent.denied_subscribe(cap)
+            assert not await agent.denied_subscribe(cap, queue=cap)
         async with Probe(url, auth_dir / "submitter.creds") as submitter:
             assert await submitter.denied_publish(names.traces("ev-1"))
             assert await submitter.denied_publish(f"$KV.{names.AGENTS_BUCKET}.x")
@@ -168,6 +243,14 @@ def test_stack_runs_an_evaluation_under_role_credentials(tmp_path: Path, auth_di
             model="noop", framework="noop",
             scenario=ScenarioSpec(name="online", qps=50, duration_s=1))), backend="asyncio")
         assert summary.status == "completed" and summary.errors == 0 and summary.queries >= 40
+
+        async def read_back() -> dict[str, object]:
+            # The dashboard's way: the server answers into the reader's own inbox.
+            reader = client.with_(nats_creds=(auth_dir / "reader.creds").resolve())
+            async with busmod.connect(reader, name="reader") as bus:
+                return (await remote.evaluation(bus, summary.evaluation_id))[1]
+
+        assert anyio.run(read_back, backend="asyncio")["queries"] == summary.queries
         assert not stack.dead()
     finally:
         stack.stop()
@@ -186,8 +269,12 @@ def test_settings_carry_credentials_tls_cluster_and_domain(tmp_path: Path,
     assert Settings.from_env(s.as_env()) == s  # a child process sees the same settings
     options = busmod.connect_options(s.with_(nats_tls_ca=None))
     assert options["nkeys_seed"] == str(auth_dir / "agent.creds")
+    assert options["inbox_prefix"] == "_INBOX_agent"  # the role's, from roles.json
     assert "user_credentials" not in options and "tls" not in options
-    assert busmod.connect_options(s.with_(nats_creds=jwt, nats_tls_ca=None)
-                                  )["user_credentials"] == str(jwt)
+    explicit = s.with_(nats_tls_ca=None, nats_inbox_prefix="_INBOX_edge")
+    assert busmod.connect_options(explicit)["inbox_prefix"] == "_INBOX_edge"
+    assert Settings.from_env(explicit.as_env()) == explicit
+    jwt_options = busmod.connect_options(s.with_(nats_creds=jwt, nats_tls_ca=None))
+    assert jwt_options["user_credentials"] == str(jwt) and "inbox_prefix" not in jwt_options
     with pytest.raises(BusError, match="TLS"):  # a missing CA file is not ignored
         busmod.connect_options(s)

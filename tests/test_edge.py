@@ -9,11 +9,12 @@ import anyio
 import numpy as np
 import pytest
 
-from cli.edge_cmd import create_edge_stream
+from cli.edge_cmd import create_edge_stream, read_env
 from cli.main import main as mlscope_main
 from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
+from mlscope.auth import INBOX_PREFIXES
 from mlscope.contracts import JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch
 from mlscope.natsserver import NatsServer, free_port, hub_config
 from mlscope.settings import Settings
@@ -127,3 +128,67 @@ def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path,
 async def _attach(settings: Settings) -> None:
     async with busmod.connect(settings, name="test") as bus:
         await busmod.attach_edge(bus, "e1")
+
+
+def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(tmp_path: Path,
+                                                                zoo_dir: Path) -> None:
+    """The hub has the users of ``mlscope auth init``; the leaf links with edge.creds.
+
+    The agent on the device connects to its leaf without credentials, with the edge
+    role's inbox prefix from edge.env: its registry writes, its replies to the hub's
+    queries and its buffered spans all cross the link under the edge user's
+    permissions, and the hub logs no permission violation.
+    """
+    auth = tmp_path / "auth"
+    assert mlscope_main(["auth", "init", "--out", str(auth), "--edge-id", "edge-1",
+                         "--edge-domain", "e1"]) == 0
+    leaf_port = free_port()
+    (tmp_path / "hub.conf").write_text(hub_config(leaf_port=leaf_port, host="127.0.0.1",
+                                                  include=auth / "server.conf"))
+    edge_dir = tmp_path / "edge"
+    assert mlscope_main(["edge", "init", "--hub", f"nats-leaf://127.0.0.1:{leaf_port}",
+                         "--out", str(edge_dir), "--domain", "e1", "--port", "0",
+                         "--creds", str(auth / "edge.creds")]) == 0
+    edge_env = read_env(edge_dir)
+    assert edge_env["MLSCOPE_NATS_INBOX_PREFIX"] == INBOX_PREFIXES["edge"]
+    hub_log = tmp_path / "hub.log"
+    hub = NatsServer(store_dir=tmp_path / "hub", config_file=tmp_path / "hub.conf",
+                     log_file=hub_log).start()
+    leaf = NatsServer(store_dir=tmp_path / "leaf", config_file=edge_dir / "leaf.conf").start()
+    data = make_data_dir(tmp_path / "d", zoo_dir)
+    server_settings = Settings(nats_url=hub.url, data_dir=data, nats_creds=auth / "server.creds")
+    client = server_settings.with_(nats_creds=auth / "submitter.creds")
+    edge_settings = Settings(nats_url=leaf.url, js_domain=edge_env["MLSCOPE_JS_DOMAIN"],
+                             nats_inbox_prefix=edge_env["MLSCOPE_NATS_INBOX_PREFIX"],
+                             data_dir=make_data_dir(tmp_path / "e", zoo_dir))
+    server = start(server_settings, "server")
+    agent = None
+    try:
+        anyio.run(wait_server, client)
+        anyio.run(create_edge_stream, leaf.url)
+        anyio.run(_attach, server_settings)
+        agent = start(edge_settings, "agent", "--framework", "noop", "--agent-id", "edge-1")
+        anyio.run(wait_agents, client, 1)
+        job = JobRequest(model="noop", framework="noop", trace_level="model",
+                         scenario=ScenarioSpec(name="online", qps=40, duration_s=2))
+        summary = anyio.run(lambda: submit(client, job, timeout=60), backend="asyncio")
+        assert summary.status == "completed" and summary.errors == 0
+        assert summary.queries >= 60
+
+        async def spans() -> int:
+            async with busmod.connect(client, name="test") as bus:
+                for _ in range(100):
+                    _, rows = await remote.sql(
+                        bus, "SELECT count() FROM spans FINAL WHERE evaluation_id = "
+                        "{e:String}", {"e": summary.evaluation_id})
+                    if int(rows[0][0]) >= 4 * summary.queries:
+                        break
+                    await anyio.sleep(0.2)
+                return int(rows[0][0])
+
+        assert anyio.run(spans, backend="asyncio") >= 4 * summary.queries
+        assert "violation" not in hub_log.read_text().lower()
+    finally:
+        stop(agent, server)
+        leaf.stop()
+        hub.stop()
