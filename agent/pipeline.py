@@ -64,6 +64,12 @@ class Model(Protocol):
     sample_shape: tuple[int, ...]
     labeler: Callable[[np.ndarray], np.ndarray] | None
     """Class indices -> their labels (:func:`agent.operators.labeler`), or None."""
+    batch_axes: tuple[int | None, ...]
+    """Per input, the axis merged batches are joined on (None: one value shared)."""
+
+    def fill(self, n: int, batch: int) -> np.ndarray:
+        """Input ``n`` (n >= 1) for a query that did not carry it."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +90,7 @@ class Job:
 
     index: int
     inputs: np.ndarray
+    """The first input: a batch of raw samples (its axis 0 is the batch)."""
     received_ns: int
     level: TraceLevel
     spans: SpanBuffer | None
@@ -92,6 +99,9 @@ class Job:
     """Also return the model's raw first output (for accuracy and divergence runs)."""
     labels: bool = False
     """Also return the labels of the post-processed class indices (when the model has them)."""
+    more: tuple[np.ndarray, ...] = ()
+    """The further inputs of a multi-input model, in manifest order; those left out are
+    filled (:meth:`Model.fill`)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -102,6 +112,8 @@ class _Slot:
     state: int = _PENDING
     latch: threading.Lock | None = None
     x: Any = None
+    """The model's inputs for this query (a list), pre-processed, filled where not
+    carried; None until then."""
     error: MLScopeError | None = None
     t_pre: int = 0
     t_pre_end: int = 0
@@ -202,7 +214,7 @@ class Executor:
                     f"{m.name}: a query needs a batch of at least one sample", model=m.name,
                     framework=m.predictor.framework, expected="(batch, ...)",
                     actual=list(raw.shape))
-            slot.x = m.pre[0](raw)
+            slot.x = self._inputs(raw, slot.job.more)
         except MLScopeError as exc:
             slot.error = exc
         except Exception as exc:  # an operator's own error: the query was malformed
@@ -212,6 +224,34 @@ class Executor:
                 expected=[None, *m.sample_shape],
                 actual={"shape": list(raw.shape), "dtype": str(raw.dtype)})
         slot.t_pre_end = now()
+
+    def _inputs(self, raw: np.ndarray, more: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+        """Each input through its own pre-processing; inputs the query left out filled."""
+        m = self.model
+        pre = m.pre
+        if len(more) >= len(pre):
+            raise InputMismatchError(
+                f"{m.name} takes {len(pre)} input(s), the query carried {1 + len(more)}",
+                model=m.name, framework=m.predictor.framework, expected=len(pre),
+                actual=1 + len(more))
+        xs = [pre[0](raw)]
+        for n in range(1, len(pre)):
+            xs.append(pre[n](more[n - 1]) if n <= len(more) else m.fill(n, len(raw)))
+        return xs
+
+    def _merge(self, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
+        """Several queries' inputs as one batch: each joined on its batch axis; an input
+        shared by the batch must be equal in all (else ValueError: run them one by one)."""
+        out = []
+        for n, axis in enumerate(self.model.batch_axes):
+            arrays = [p[n] for p in parts]
+            if axis is not None:
+                out.append(np.concatenate(arrays, axis=axis))
+            elif all(np.array_equal(a, arrays[0]) for a in arrays[1:]):
+                out.append(arrays[0])
+            else:
+                raise ValueError(f"queries disagree on shared input {n}")
+        return out
 
     def _ensure_preprocessed(self, slot: _Slot) -> None:
         with self._lock:
@@ -287,10 +327,10 @@ class Executor:
     def _infer(self, slots: list[_Slot], outcomes: dict[int, _Outcome]) -> None:
         m = self.model
         try:
-            x = slots[0].x if len(slots) == 1 else np.concatenate([s.x for s in slots])
+            xs = slots[0].x if len(slots) == 1 else self._merge([s.x for s in slots])
             level = max(s.job.level for s in slots)
             t_pred = now()
-            out, cap = self._predict(x, level)
+            out, cap = self._predict(xs, level)
             t_post = now()
             result = m.post(out[0])
             t_end = now()
@@ -314,14 +354,15 @@ class Executor:
                                        t_predict=t_pred, t_predict_end=t_post,
                                        t_post_end=t_end, batch=total, capture=cap)
 
-    def _predict(self, x: np.ndarray, level: TraceLevel) -> tuple[list[np.ndarray], Capture]:
+    def _predict(self, xs: list[np.ndarray],
+                 level: TraceLevel) -> tuple[list[np.ndarray], Capture]:
         """The one call site of ``predictor.predict``; at level framework or more, under
         the framework's own profiler (its layer spans go under each query's predict)."""
         predictor = self.model.predictor
         if level < TraceLevel.FRAMEWORK:
-            return predictor.predict([x]), NULL
+            return predictor.predict(xs), NULL
         with profiling.capture(predictor, full=level >= TraceLevel.FULL) as cap:
-            out = predictor.predict([x])
+            out = predictor.predict(xs)
         return out, cap
 
     # ------------------------------------------------------------------ replies

@@ -340,7 +340,7 @@ class Agent:
         spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
         job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
                   spans=spans, reply=self._replier(msg.reply), raw=query.raw,
-                  labels=query.labels)
+                  labels=query.labels, more=query.more_inputs)
         if not session.worker.submit(job):
             busy = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
             await msg.respond(busmod.error_reply(busy))

@@ -17,7 +17,7 @@ from agent.operators import Pipeline, compile_steps, labeler
 from agent.pipeline import Executor, Job
 from agent.predictors import open_predictor
 from mlscope.catalog import Entry
-from mlscope.errors import MLScopeError
+from mlscope.errors import InputMismatchError, MLScopeError
 from mlscope.predictor import Predictor, PredictorOptions
 
 __all__ = ["Job", "LoadedModel", "ModelWorker", "compile_model"]
@@ -57,6 +57,8 @@ class LoadedModel:
         """Names the top-k / argmax result (from the output's labels file), or None."""
         self.sample_shape = m.inputs[0].shape
         self.dtype = np.dtype(m.inputs[0].element_type)
+        self.batch_axes = tuple(i.batch_axis for i in m.inputs)
+        """Per input, the axis that is the batch (None: shared by the whole batch)."""
 
     @classmethod
     def open(cls, entry: Entry, graph: Path, options: PredictorOptions, *,
@@ -73,15 +75,36 @@ class LoadedModel:
             raise
 
     def warmup(self) -> int:
-        """One inference on zeros; returns its duration (the cold first inference).
+        """One inference on one sample; returns its duration (the cold first inference).
 
-        The zeros are already in the model's input form (shape and element type of the
-        manifest), so no pre-processing runs: image models take encoded images raw.
+        Every input is built in the model's input form (shape, batch axis and element
+        type of the manifest), zeros or the input's ``fill`` value, so no pre-processing
+        runs: image models take encoded images raw.
         """
-        x = np.zeros((1, *self.sample_shape), self.dtype)
+        xs = [self._tensor(n, 1, spec.fill or 0)
+              for n, spec in enumerate(self.entry.manifest.inputs)]
         t0 = now()
-        self.predictor.predict([x])
+        self.predictor.predict(xs)
         return now() - t0
+
+    def fill(self, n: int, batch: int) -> np.ndarray:
+        """Input ``n`` for a query of ``batch`` samples that did not carry it: the
+        manifest's ``fill`` value (InputMismatchError when the input has none)."""
+        spec = self.entry.manifest.inputs[n]
+        if spec.fill is None:
+            name = spec.layer_name or f"input {n}"
+            raise InputMismatchError(
+                f"{self.name}: the query lacks {name}, which has no fill value",
+                model=self.name, framework=self.predictor.framework, input=name,
+                expected=len(self.pre), actual=n)
+        return self._tensor(n, batch, spec.fill)
+
+    def _tensor(self, n: int, batch: int, value: float) -> np.ndarray:
+        spec = self.entry.manifest.inputs[n]
+        shape = list(spec.shape)
+        if spec.batch_axis is not None:
+            shape.insert(spec.batch_axis, batch)
+        return np.full(shape, value, np.dtype(spec.element_type))
 
     def close(self) -> None:
         self.predictor.close()

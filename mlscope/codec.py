@@ -25,7 +25,9 @@ def _default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype == object:
             raise TypeError("object arrays cannot go on the wire")
-        arr = np.ascontiguousarray(obj)
+        # ascontiguousarray would make a 0-d array 1-d (a scalar input such as a sample
+        # rate must keep its shape); a 0-d array is always contiguous.
+        arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
         head = msgpack.packb([arr.dtype.str, list(arr.shape)])
         return msgpack.ExtType(_NDARRAY, head + arr.tobytes())
     if isinstance(obj, np.generic):

@@ -7,7 +7,7 @@ its schema number (history below). Tensors travel as numpy arrays through
 Schema history:
     1 (0.1.0)  first version of every message; later additions with defaults, which
                old readers refuse (``extra="forbid"``): Query.labels,
-               QueryReply.labels.
+               Query.more_inputs, QueryReply.labels.
 """
 
 from __future__ import annotations
@@ -285,6 +285,9 @@ class Query(_Message):
     labels: bool = False
     """Also return the labels of the classes the post-processing picked (top-k, argmax),
     when the model has a labels file; load runs leave it off."""
+    more_inputs: tuple[NDArray, ...] = ()
+    """A multi-input model's further inputs, in manifest order, each batched on its own
+    ``batch_axis``; the agent fills those left out from the manifest's ``fill``."""
 
 
 class QueryReply(_Message):

@@ -101,6 +101,21 @@ class InputSpec(_Strict):
     """Shape of one sample, without the batch dimension."""
     layout: str | None = None
     steps: tuple[Step, ...] = ()
+    batch_axis: int | None = Field(default=0, ge=0)
+    """Where the batch dimension goes in the model's tensor: 0 (the default), another
+    axis (a recurrent state laid out ``(layers, batch, units)``), or null for an input
+    the whole batch shares (a sample rate): it is then passed exactly as ``shape``."""
+    fill: float | None = None
+    """Value of every element of this input when a query does not carry it (inputs
+    after the first only), e.g. a sample rate or a zeroed recurrent state; warm-up uses
+    it too (zeros otherwise)."""
+
+    @model_validator(mode="after")
+    def _axis(self) -> InputSpec:
+        if self.batch_axis is not None and self.batch_axis > len(self.shape):
+            raise ValueError(f"batch_axis {self.batch_axis} is past the {len(self.shape)} "
+                             f"axes of shape {list(self.shape)}")
+        return self
 
 
 class OutputSpec(_Strict):
@@ -205,6 +220,14 @@ class ModelManifest(_Strict):
     @classmethod
     def _semver(cls, v: str) -> str:
         parse_version(v)
+        return v
+
+    @field_validator("inputs")
+    @classmethod
+    def _first_input_batched(cls, v: tuple[InputSpec, ...]) -> tuple[InputSpec, ...]:
+        if v and v[0].batch_axis != 0:
+            raise ValueError("the first input carries the batch on axis 0 (batch_axis: 0): "
+                             "a query's sample count is read from it")
         return v
 
     @property

@@ -5,7 +5,9 @@ Agents run in-process on a real nats-server; models are the real zoo builds."""
 
 from __future__ import annotations
 
+import queue
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,14 +20,16 @@ import pytest
 import yaml
 
 from agent.operators import labeler
+from agent.pipeline import Executor, ExecutorConfig, Job
+from agent.predictors import probe
 from agent.service import Agent, AgentConfig
 from agent.worker import LoadedModel, compile_model
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.artifacts import sha256_path
 from mlscope.catalog import Catalog, default_manifest_dirs
-from mlscope.contracts import Query, QueryReply
-from mlscope.errors import ConfigError, ManifestError, error_from_wire
+from mlscope.contracts import Query, QueryReply, TraceLevel
+from mlscope.errors import ConfigError, InputMismatchError, ManifestError, error_from_wire
 from mlscope.manifest import FrameworkManifest, load_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.predictor import PredictorOptions
@@ -341,3 +345,109 @@ def test_labeler_names_indices_only() -> None:
     assert name(np.array([[2, 0]], np.int32)).tolist() == [["two", "zero"]]
     with pytest.raises(ValueError, match="outside the 3 labels"):
         name(np.array([[3, 0]], np.int32))
+
+
+# --------------------------------------------------------------- multi-input models
+
+
+class Recording:
+    """Wraps a real predictor; records the shapes of every input of every call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.framework, self.device = inner, inner.framework, inner.device
+        self.calls: list[list[tuple[int, ...]]] = []
+
+    def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        self.calls.append([tuple(x.shape) for x in inputs])
+        out: list[np.ndarray] = self.inner.predict(inputs)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_silero_vad_on_onnxruntime_through_the_worker(zoo_dir: Path) -> None:
+    """Three inputs: audio (batch on axis 0), state (batch on axis 1), sr (shared).
+    Warm-up fills each from the manifest; queries carry the audio alone (state and sr
+    filled) or all three; merged queries are joined on each input's own batch axis."""
+    entry = Catalog.load(default_manifest_dirs()).find("silero_vad", framework="onnxruntime")
+    graph = entry.graph(zoo_dir)
+    model = LoadedModel.open(entry, graph, PredictorOptions(threads=1))
+    assert model.warmup() > 0
+    session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    audio = [rng.standard_normal((n, 576)).astype(np.float32) * 0.1 for n in (1, 3, 2)]
+    state = rng.standard_normal((2, 2, 128)).astype(np.float32)
+    sr = np.array(16000, np.int64)
+
+    def want(x: np.ndarray, s: np.ndarray | None = None) -> np.ndarray:
+        s = np.zeros((2, len(x), 128), np.float32) if s is None else s
+        out: np.ndarray = session.run(None, {"input": x, "state": s, "sr": sr})[0]
+        return out
+
+    model.predictor = Recording(model.predictor)
+    ex = Executor(model, ExecutorConfig(max_batch=8, max_wait_us=300_000))
+    replies: queue.SimpleQueue[QueryReply] = queue.SimpleQueue()
+    jobs = [Job(index=0, inputs=audio[0], received_ns=time.perf_counter_ns(),
+                level=TraceLevel.NONE, spans=None, reply=replies.put),
+            Job(index=1, inputs=audio[1], received_ns=time.perf_counter_ns(),
+                level=TraceLevel.NONE, spans=None, reply=replies.put),
+            Job(index=2, inputs=audio[2], received_ns=time.perf_counter_ns(),
+                level=TraceLevel.NONE, spans=None, reply=replies.put, more=(state, sr)),
+            Job(index=3, inputs=audio[0], received_ns=time.perf_counter_ns(),
+                level=TraceLevel.NONE, spans=None, reply=replies.put,
+                more=(state, sr, sr))]  # one input too many
+    try:
+        assert all(ex.submit(j) for j in jobs)
+        got = [replies.get(timeout=60) for _ in jobs]
+    finally:
+        ex.stop()
+    assert [r.index for r in got] == [0, 1, 2, 3]
+    for r, x, s in zip(got[:3], audio, (None, None, state), strict=True):
+        assert r.ok and r.outputs is not None, r.error
+        np.testing.assert_allclose(r.outputs, want(x, s), atol=1e-5)
+    err = error_from_wire(got[3].error or {})
+    assert isinstance(err, InputMismatchError) and "takes 3 input(s)" in str(err)
+    calls = model.predictor.calls
+    assert [(6, 576), (2, 6, 128), ()] in calls  # one batch of the three queries
+
+
+def test_silero_vad_over_the_bus_with_its_further_inputs(settings: Settings) -> None:
+    agent = Agent(settings, AgentConfig(framework="onnxruntime"),
+                  Catalog.load(default_manifest_dirs()))
+    x = np.zeros((2, 576), np.float32)
+
+    async def body(bus: busmod.Bus, ask: Ask) -> None:
+        rep = await ask(prepare("silero_vad", "6.2.3"))
+        assert rep["ok"] and rep["first_inference_ns"] > 0, rep
+        for more in ((), (np.zeros((2, 2, 128), np.float32), np.array(16000, np.int64))):
+            q = Query(evaluation_id="ev-1", index=0, inputs=x, more_inputs=more)
+            msg = await bus.nc.request(names.agent_query(agent.agent_id),
+                                       codec.encode_model(q), timeout=60)
+            reply = codec.decode_model(QueryReply, msg.data)
+            assert reply.ok and reply.outputs is not None, reply.error
+            assert reply.outputs.shape == (2, 1)
+
+    run_agent(settings, agent, body)
+
+
+@pytest.mark.parametrize("framework", ["onnxruntime", "pytorch", "tensorflow", "tflite"])
+def test_every_model_an_agent_advertises_can_be_prepared(settings: Settings, zoo_dir: Path,
+                                                         framework: str) -> None:
+    if probe(framework) is None:
+        pytest.skip(f"{framework} does not load here")
+    agent = Agent(settings, AgentConfig(framework=framework, threads=1), local_catalog(zoo_dir))
+    failed: dict[str, str] = {}
+
+    async def body(bus: busmod.Bus, ask: Ask) -> None:
+        offers = agent.describe().models
+        assert offers
+        for i, offer in enumerate(offers):
+            ev = f"ev-{i}"
+            rep = await ask(prepare(offer.name, offer.version, ev))
+            if not rep["ok"]:
+                failed[offer.name] = rep["why"]
+            await ask({"op": "release", "evaluation_id": ev, "unload": True})
+
+    run_agent(settings, agent, body)
+    assert failed == {}

@@ -29,6 +29,10 @@ def test_tensors_cross_the_wire_as_raw_bytes(dtype: str) -> None:
     assert out["n"] == [1, "x"]
     # Raw bytes: the message is the payload plus a small header, not per-element objects.
     assert len(codec.encode(np.zeros(10_000, np.float32))) < 40_000 + 64
+    scalar = codec.decode(codec.encode(np.array(16000, np.int64)))  # a 0-d input stays 0-d
+    assert scalar.shape == () and scalar == 16000
+    strided = np.arange(12).reshape(3, 4)[:, ::2]
+    np.testing.assert_array_equal(codec.decode(codec.encode(strided)), strided)
 
 
 def test_contract_messages_round_trip() -> None:
@@ -37,6 +41,10 @@ def test_contract_messages_round_trip() -> None:
     assert back.index == 7 and back.inputs.shape == (2, 8, 8)
     r = QueryReply(index=1, ok=True, outputs=np.array([[3, 1]], np.int32), t_received=5)
     assert codec.decode_model(QueryReply, codec.encode_model(r)).outputs.tolist() == [[3, 1]]
+    q = Query(evaluation_id="ev", index=8, inputs=np.ones((2, 576), np.float32), labels=True,
+              more_inputs=(np.zeros((2, 2, 128), np.float32), np.array(16000, np.int64)))
+    back = codec.decode_model(Query, codec.encode_model(q))
+    assert back.labels and [m.shape for m in back.more_inputs] == [(2, 2, 128), ()]
     job = JobRequest(model="m", framework="onnxruntime")
     assert codec.decode_model(JobRequest, codec.encode_model(job)) == job
 

@@ -33,6 +33,7 @@ from mlscope.predictor import Predictor, PredictorOptions
 __all__ = [
     "TensorSig",
     "accelerators",
+    "batch_axes",
     "check_inputs",
     "device_index",
     "manifest_signature",
@@ -104,18 +105,34 @@ class TensorSig:
     shape: tuple[int | None, ...]
     accepts: tuple[np.dtype[Any], ...] = ()
     """Further dtypes also accepted (a quantized model takes float32 or its own type)."""
+    batch_axis: int | None = 0
+    """The axis that is the batch (None: an input the whole batch shares)."""
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": str(self.dtype), "shape": list(self.shape)}
 
 
 def manifest_signature(manifest: ModelManifest) -> list[TensorSig]:
-    """Input signatures from the manifest: a dynamic batch axis, then the sample shape."""
-    return [
-        TensorSig(name=spec.layer_name or f"input_{i}", dtype=np.dtype(spec.element_type),
-                  shape=(None, *spec.shape))
-        for i, spec in enumerate(manifest.inputs)
-    ]
+    """Input signatures from the manifest: the sample shape with a dynamic batch axis
+    at each input's ``batch_axis`` (none for an input the batch shares)."""
+    out = []
+    for i, spec in enumerate(manifest.inputs):
+        shape: tuple[int | None, ...] = tuple(spec.shape)
+        if spec.batch_axis is not None:
+            shape = (*shape[:spec.batch_axis], None, *shape[spec.batch_axis:])
+        out.append(TensorSig(name=spec.layer_name or f"input_{i}",
+                             dtype=np.dtype(spec.element_type), shape=shape,
+                             batch_axis=spec.batch_axis))
+    return out
+
+
+def batch_axes(manifest: ModelManifest, names: Sequence[str]) -> list[int | None]:
+    """The batch axis of each of a runtime's inputs (``names``, in the runtime's order),
+    from the manifest input of that layer name, else of that position; 0 otherwise."""
+    by_name = {s.layer_name: s.batch_axis for s in manifest.inputs if s.layer_name}
+    specs = manifest.inputs
+    return [by_name[n] if n in by_name else specs[i].batch_axis if i < len(specs) else 0
+            for i, n in enumerate(names)]
 
 
 def check_inputs(inputs: Sequence[np.ndarray], sigs: Sequence[TensorSig], *, model: str,
@@ -123,7 +140,8 @@ def check_inputs(inputs: Sequence[np.ndarray], sigs: Sequence[TensorSig], *, mod
     """Raise InputMismatchError (model, framework, expected, actual) on the first mismatch.
 
     Checked in order: the number of inputs, each input's dtype, each input's rank and
-    fixed dimensions. Inputs of one batch must agree on the batch size.
+    fixed dimensions. Inputs of one batch must agree on the batch size (each along its
+    own ``batch_axis``).
     """
     if len(inputs) != len(sigs):
         raise InputMismatchError(
@@ -144,7 +162,8 @@ def check_inputs(inputs: Sequence[np.ndarray], sigs: Sequence[TensorSig], *, mod
                 f"{model}: input {sig.name} wants shape {_fmt(sig.shape)}, got {list(shape)}",
                 model=model, framework=framework, input=sig.name,
                 expected=list(sig.shape), actual=list(shape))
-    batches = {int(a.shape[0]) for a in inputs if a.ndim}
+    batches = {int(a.shape[s.batch_axis]) for s, a in zip(sigs, inputs, strict=True)
+               if s.batch_axis is not None and a.ndim > s.batch_axis}
     if len(batches) > 1:
         raise InputMismatchError(
             f"{model}: inputs disagree on the batch size {sorted(batches)}",

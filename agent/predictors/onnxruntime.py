@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from agent.predictors import TensorSig, check_inputs, device_index
+from agent.predictors import TensorSig, batch_axes, check_inputs, device_index
 from mlscope.contracts import FrameworkInfo
 from mlscope.errors import ConfigError, InferenceError, InputMismatchError, ModelLoadError
 from mlscope.manifest import ModelManifest
@@ -93,10 +93,12 @@ class OnnxRuntimePredictor:
         overridable = {i.name for i in session.get_overridable_initializers()}
         self._inputs = [i for i in session.get_inputs() if i.name not in overridable]
         self._names = [i.name for i in self._inputs]
+        axes = batch_axes(manifest, self._names)
         self._sigs = [
             TensorSig(name=i.name, dtype=_np_dtype(i.type),
-                      shape=tuple(d if isinstance(d, int) and d >= 0 else None for d in i.shape))
-            for i in self._inputs]
+                      shape=tuple(d if isinstance(d, int) and d >= 0 else None for d in i.shape),
+                      batch_axis=axis)
+            for i, axis in zip(self._inputs, axes, strict=True)]
 
     def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         session = self.session

@@ -11,6 +11,10 @@ Signatures take and return *named* tensors; ``predict`` takes and returns lists,
 - outputs are ordered by ``manifest.outputs[i].layer_name`` when every output gives
   one, else by the signature's output names sorted.
 
+A SavedModel that ``tf.saved_model.load`` refuses (TF1-era ones with optimizer slots,
+e.g. basic_pitch) is loaded with the v1 loader into its own graph and session, and its
+signature runs through ``Session.run`` behind the same interface.
+
 Threads: ``options.threads`` (else the manifest's ``intra_op_threads``) and
 ``options.runtime["inter_op_threads"]`` (0: TensorFlow's default) are TensorFlow
 process-wide settings that can only be set before the runtime starts;
@@ -31,7 +35,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # C++ INFO/WARNING lines are
 
 import tensorflow as tf
 
-from agent.predictors import TensorSig, check_inputs, device_index
+from agent.predictors import TensorSig, batch_axes, check_inputs, device_index
 from mlscope.contracts import FrameworkInfo
 from mlscope.errors import InferenceError, ModelLoadError
 from mlscope.manifest import ModelManifest
@@ -62,10 +66,11 @@ class TensorFlowPredictor:
         specs: dict[str, Any] = signature.structured_input_signature[1]
         self._input_names = _ordered([i.layer_name for i in manifest.inputs], specs,
                                      "input", manifest)
+        axes = batch_axes(manifest, self._input_names)
         self._sigs = [
             TensorSig(name=n, dtype=np.dtype(specs[n].dtype.as_numpy_dtype),
-                      shape=tuple(specs[n].shape.as_list()))
-            for n in self._input_names]
+                      shape=tuple(specs[n].shape.as_list()), batch_axis=axis)
+            for n, axis in zip(self._input_names, axes, strict=True)]
         self._output_names = _ordered([o.layer_name for o in manifest.outputs],
                                       signature.structured_outputs, "output", manifest)
 
@@ -79,14 +84,51 @@ class TensorFlowPredictor:
             with tf.device(self._tf_device):
                 out = signature(**dict(zip(self._input_names, inputs, strict=True)))
             # .numpy() copies to the host, which waits for the device: synchronized here.
-            return [out[name].numpy() for name in self._output_names]
+            return [_host(out[name]) for name in self._output_names]
         except Exception as exc:  # tf.errors.* and friends; translated here only
             raise InferenceError(f"{self.model}: {exc}", model=self.model, framework=FRAMEWORK,
                                  device=self.device, batch_size=len(inputs[0])) from exc
 
     def close(self) -> None:
         self._signature = None
-        self._loaded = None
+        loaded, self._loaded = self._loaded, None
+        if isinstance(loaded, _V1Signature):
+            loaded.close()
+
+
+def _host(t: Any) -> np.ndarray:
+    out: np.ndarray = t if isinstance(t, np.ndarray) else t.numpy()
+    return out
+
+
+class _V1Signature:
+    """A TF1-style SavedModel signature run in its own graph and session, shaped like
+    the TF2 concrete function :class:`TensorFlowPredictor` calls (its input specs,
+    output names, and ``__call__(**inputs) -> {name: array}``)."""
+
+    def __init__(self, path: Path, tags: list[str], name: str) -> None:
+        self._graph = tf.Graph()
+        self._session = tf.compat.v1.Session(graph=self._graph)
+        with self._graph.as_default():
+            meta = tf.compat.v1.saved_model.loader.load(self._session, tags, str(path))
+        if name not in meta.signature_def:
+            self.close()
+            raise KeyError(f"no signature {name!r} (has {sorted(meta.signature_def)})")
+        sig = meta.signature_def[name]
+        self._feeds = {k: v.name for k, v in sig.inputs.items()}
+        self.structured_outputs = {k: v.name for k, v in sig.outputs.items()}
+        self.structured_input_signature = ((), {
+            k: tf.TensorSpec([d.size if d.size >= 0 else None for d in v.tensor_shape.dim],
+                             tf.as_dtype(v.dtype))
+            for k, v in sig.inputs.items()})
+
+    def __call__(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = self._session.run(
+            self.structured_outputs, {self._feeds[k]: v for k, v in inputs.items()})
+        return out
+
+    def close(self) -> None:
+        self._session.close()
 
 
 def open(model_path: Path, manifest: ModelManifest,
@@ -98,8 +140,15 @@ def open(model_path: Path, manifest: ModelManifest,
         with tf.device(tf_device):
             loaded = tf.saved_model.load(str(model_path))
     except Exception as exc:  # OSError, ValueError, tf.errors.*: translated once
-        raise ModelLoadError(f"cannot load SavedModel {model_path}: {exc}", model=manifest.name,
-                             framework=FRAMEWORK, device=options.device) from exc
+        # Some TF1-era SavedModels (optimizer slots) only load through the v1 loader.
+        try:
+            with tf.device(tf_device):
+                v1 = _V1Signature(model_path, ["serve"], name)
+        except Exception:
+            raise ModelLoadError(f"cannot load SavedModel {model_path}: {exc}",
+                                 model=manifest.name, framework=FRAMEWORK,
+                                 device=options.device) from exc
+        return TensorFlowPredictor(v1, v1, manifest, device, tf_device)
     signatures = getattr(loaded, "signatures", {})
     if name not in signatures:
         raise ModelLoadError(f"{model_path} has no signature {name!r} (has {sorted(signatures)})",

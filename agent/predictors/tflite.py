@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-from agent.predictors import TensorSig, check_inputs
+from agent.predictors import TensorSig, batch_axes, check_inputs
 from mlscope.contracts import FrameworkInfo
 from mlscope.errors import InferenceError, ModelLoadError
 from mlscope.manifest import ModelManifest
@@ -81,7 +81,9 @@ class TFLitePredictor:
         ins = interp.get_input_details()
         self._in_index = [d["index"] for d in ins]
         self._in_quant = [_Quant(d) for d in ins]
-        self._sigs = [_signature(d, q) for d, q in zip(ins, self._in_quant, strict=True)]
+        axes = batch_axes(manifest, [d["name"] for d in ins])
+        self._sigs = [_signature(d, q, axis)
+                      for d, q, axis in zip(ins, self._in_quant, axes, strict=True)]
         self._shapes = [tuple(int(s) for s in d["shape"]) for d in ins]
         outs = interp.get_output_details()
         self._out_index = [d["index"] for d in outs]
@@ -123,14 +125,14 @@ class TFLitePredictor:
             self._interp = None
 
 
-def _signature(detail: dict[str, Any], quant: _Quant) -> TensorSig:
+def _signature(detail: dict[str, Any], quant: _Quant, batch_axis: int | None) -> TensorSig:
     sig = detail.get("shape_signature")
     dims = [int(d) for d in (sig if sig is not None and len(sig) else detail["shape"])]
-    shape = tuple(None if i == 0 or d < 0 else d for i, d in enumerate(dims))
+    shape = tuple(None if i == batch_axis or d < 0 else d for i, d in enumerate(dims))
     if quant.on:
         return TensorSig(name=detail["name"], dtype=np.dtype(np.float32), shape=shape,
-                         accepts=(quant.dtype,))
-    return TensorSig(name=detail["name"], dtype=quant.dtype, shape=shape)
+                         accepts=(quant.dtype,), batch_axis=batch_axis)
+    return TensorSig(name=detail["name"], dtype=quant.dtype, shape=shape, batch_axis=batch_axis)
 
 
 def open(model_path: Path, manifest: ModelManifest,

@@ -192,8 +192,9 @@ def _silero(_: Path) -> dict[str, tuple[str, dict[str, Any]]]:
         "inputs": [
             {"type": "audio", "layer_name": "input", "element_type": "float32", "shape": [576]},
             {"type": "tensor", "layer_name": "state", "element_type": "float32",
-             "shape": [2, 128]},
-            {"type": "scalar", "layer_name": "sr", "element_type": "int64", "shape": []},
+             "shape": [2, 128], "batch_axis": 1, "fill": 0.0},
+            {"type": "scalar", "layer_name": "sr", "element_type": "int64", "shape": [],
+             "batch_axis": None, "fill": 16000},
         ],
         "outputs": [{"type": "probability", "layer_name": "output"},
                     {"type": "tensor", "layer_name": "stateN"}],
@@ -201,14 +202,16 @@ def _silero(_: Path) -> dict[str, tuple[str, dict[str, Any]]]:
                    "sha256": sha256_path(root / "silero_vad.onnx")},
         "attributes": {"sample_rate": 16000, "note": (
             "input is 64 samples of context + 512 new samples; state is (2, batch, 128) "
-            "and carries over between chunks; sr is 16000")},
+            "and carries over between chunks (a query without it starts from zeros); sr "
+            "is 16000")},
     }
     jit_doc = {
         **common,
         "framework": {"name": "pytorch", "version": CONSTRAINTS["pytorch"]},
         "inputs": [
             {"type": "audio", "element_type": "float32", "shape": [512]},
-            {"type": "scalar", "element_type": "int64", "shape": []},
+            {"type": "scalar", "element_type": "int64", "shape": [], "batch_axis": None,
+             "fill": 16000},
         ],
         "outputs": [{"type": "probability"}],
         "assets": {"base_url": base, "graph_path": "silero_vad.jit",
