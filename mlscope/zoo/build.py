@@ -11,6 +11,11 @@ TorchScript type names and TensorFlow function names come from process-wide coun
 so only a fresh process gives the same bytes every time. (It also hands the memory of
 TensorFlow and torch back after each model.)
 
+The child also pins every numeric library to one code path whatever the processor
+(``PORTABLE_MATH``): training and constant folding otherwise round differently on
+AVX2, AVX-512 and AMD machines (PyTorch picks its kernels by the CPU's instruction
+set), and the committed checksums would only hold on the CPU that wrote them.
+
 Models that are read in place from installed wheels (``light_*``, ``silero_vad``,
 ``basic_pitch``, through ``pkg://``) have nothing to build.
 """
@@ -108,10 +113,20 @@ def _up_to_date(out: Path, b: Builder, pinned: Mapping[str, str]) -> bool:
     return all(sha256_path(out / f) == sha for f, sha in pinned.items())
 
 
+PORTABLE_MATH = {
+    "ATEN_CPU_CAPABILITY": "default",  # PyTorch's own kernels: no AVX2/AVX-512 variants
+    "ONEDNN_MAX_CPU_ISA": "SSE41",  # PyTorch's convolutions (oneDNN): the x86-64 baseline
+    "MKL_CBWR": "COMPATIBLE",  # MKL's matrix products: the same results on every x86 CPU
+    "TF_ENABLE_ONEDNN_OPTS": "0",  # TensorFlow: its Eigen kernels, not oneDNN's dispatch
+    "OMP_NUM_THREADS": "1",
+}
+"""Environment of a build child: one code path for every numeric library, any CPU."""
+
+
 def _run_child(b: Builder, out: Path) -> str:
     """Run one builder in a fresh interpreter; returns what it reported."""
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0",
+    env = {**os.environ, **PORTABLE_MATH, "TF_CPP_MIN_LOG_LEVEL": "3",
            "PYTHONHASHSEED": "0", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.run([sys.executable, "-m", "mlscope.zoo.build", b.name, str(out)],
