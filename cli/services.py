@@ -53,6 +53,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ag.add_argument("--device", default="cpu")
     ag.add_argument("--threads", type=int, default=None)
     ag.add_argument("--agent-id", default=None)
+    ag.add_argument("--allow-custom-code", action="store_true",
+                    help="run custom Python steps of manifests from trusted local "
+                         "directories (as MLSCOPE_ALLOW_CUSTOM_CODE=1; never bus manifests)")
     ag.set_defaults(func=run_agent)
 
 
@@ -67,6 +70,8 @@ def run_agent(args: argparse.Namespace) -> int:
     from mlscope.catalog import Catalog, default_manifest_dirs
 
     settings: Settings = args.settings
+    if args.allow_custom_code:
+        settings = settings.with_(allow_custom_code=True)
     config = AgentConfig(framework=args.framework, agent_id=args.agent_id,
                          device=args.device, threads=args.threads)
     catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))

@@ -9,7 +9,6 @@ import queue
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from agent.service import Agent, AgentConfig
 from agent.worker import LoadedModel, compile_model
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.artifacts import sha256_path
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import Query, QueryReply, TraceLevel
 from mlscope.errors import ConfigError, InputMismatchError, ManifestError, error_from_wire
@@ -69,22 +67,10 @@ def run_agent(settings: Settings, agent: Agent,
 
 
 def local_catalog(zoo: Path) -> Catalog:
-    """The committed catalog with its zoo entries pinned to this machine's build.
-
-    Zoo models are trained and exported here; float results differ across CPUs, so
-    the committed checksums may not match a local build, and an agent does not serve
-    an artifact that fails its checksum. Everything else is the committed manifest.
-    """
-    committed = Catalog.load(default_manifest_dirs())
-    entries = []
-    for e in committed.entries:
-        a = e.manifest.assets
-        if (a.base_url or "").startswith("zoo://") and (e.root(zoo) / a.graph_path).exists():
-            sha = sha256_path(e.root(zoo) / a.graph_path)
-            e = replace(e, manifest=e.manifest.model_copy(
-                update={"assets": a.model_copy(update={"sha256": sha}), "dataset": None}))
-        entries.append(e)
-    return Catalog(entries, committed.frameworks)
+    """The committed catalog: the zoo build's bytes match its checksums on any CPU
+    (``mlscope.zoo.build.PORTABLE_MATH``), so agents serve the session's build."""
+    del zoo
+    return Catalog.load(default_manifest_dirs())
 
 
 def prepare(model: str, version: str, evaluation_id: str = "ev-1") -> dict[str, Any]:
