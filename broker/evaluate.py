@@ -44,6 +44,12 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
     """The model manifest and a live agent for a job; errors name what exists."""
     entry = catalog.find(job.model, version=job.model_version, framework=job.framework)
     m = entry.manifest
+    if job.manifest_sha256 is not None and m.digest != job.manifest_sha256:
+        raise ResolutionError(
+            f"{m.key}: the manifest ({entry.path}) is not the one this job pins "
+            f"(content sha256 {m.digest}, pinned {job.manifest_sha256}): it changed since "
+            f"{job.rerun_of or 'the pinned evaluation'} ran", model=m.name,
+            framework=job.framework)
 
     def fits(a: AgentDescription) -> bool:
         fw = next((f for f in a.frameworks if f.name == job.framework), None)
@@ -224,6 +230,7 @@ def _specification(job: JobRequest, agent: AgentDescription, entry: Entry,
     return {
         "job": job.dump(),
         "manifest": entry.manifest.model_dump(mode="json"),
+        "manifest_sha256": entry.manifest.digest,
         "manifest_file": str(entry.path),
         "artifact_sha256": prep.get("sha256"),
         "agent": agent.dump(),

@@ -1,8 +1,10 @@
 """``mlscope rerun EVAL_ID``: run a stored evaluation's specification again.
 
 The stored job is resubmitted with a new job id, ``rerun_of`` pointing at the original,
-and the model version pinned to the exact version that ran; the new evaluation stores
-its own full specification, so the two can be compared field by field.
+and pinned to what ran: the exact model version, the manifest's content (its sha256,
+which also covers the artifacts' checksums: a changed manifest is refused, not
+silently used) and the framework's exact version. The new evaluation stores its own
+full specification, so the two can be compared field by field.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, new_id
 from mlscope.errors import EvaluationError
+from mlscope.manifest import manifest_digest
 from mlscope.settings import Settings
 
 __all__ = ["register", "rerun", "rerun_job"]
@@ -36,9 +39,16 @@ def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
     if not isinstance(manifest, dict) or "version" not in manifest:
         raise EvaluationError(f"evaluation {evaluation_id} has no stored manifest to rerun",
                               evaluation_id=evaluation_id)
-    return job.model_copy(update={"job_id": new_id("job"), "rerun_of": evaluation_id,
-                                  "model_version": str(manifest["version"]),
-                                  "submitted_at": time.time()})
+    ran = spec.get("agent")
+    frameworks = ran.get("frameworks", []) if isinstance(ran, dict) else []
+    version = next((f.get("version") for f in frameworks
+                    if isinstance(f, dict) and f.get("name") == job.framework), None)
+    return job.model_copy(update={
+        "job_id": new_id("job"), "rerun_of": evaluation_id,
+        "model_version": str(manifest["version"]),
+        "manifest_sha256": str(spec.get("manifest_sha256") or manifest_digest(manifest)),
+        "framework_version": f"=={version}" if version else job.framework_version,
+        "submitted_at": time.time()})
 
 
 async def rerun(settings: Settings, evaluation_id: str) -> EvaluationSummary:

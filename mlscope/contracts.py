@@ -195,6 +195,9 @@ class JobRequest(_Message):
     trace_level: str = "model"
     submitted_at: float = 0.0
     rerun_of: str | None = None
+    manifest_sha256: str | None = None
+    """Run only with the model manifest whose content hashes to this
+    (``ModelManifest.digest``): set by ``mlscope rerun``."""
     accuracy: bool = False
     """Also run the labelled data set once (top-1/top-5, per-sample outputs stored)."""
     accuracy_samples: int | None = Field(default=None, ge=1)

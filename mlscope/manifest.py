@@ -8,7 +8,9 @@ rejected; every error names the file, the line and the field.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -45,6 +47,7 @@ __all__ = [
     "is_trusted",
     "load_manifest",
     "load_yaml",
+    "manifest_digest",
     "mark_untrusted",
     "parse_manifest",
 ]
@@ -238,6 +241,21 @@ class ModelManifest(_Strict):
     def trusted(self) -> bool:
         """False for a manifest received over the bus: custom Python never runs for it."""
         return self._trusted
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the manifest's content (see :func:`manifest_digest`)."""
+        return manifest_digest(self.model_dump(mode="json"))
+
+
+def manifest_digest(content: Mapping[str, Any]) -> str:
+    """sha256 of a model manifest's content as JSON (keys sorted, no whitespace).
+
+    Evaluations store it beside the manifest; ``mlscope rerun`` pins it, so a rerun
+    runs only with a manifest whose content is exactly what ran the first time.
+    """
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def mark_untrusted(manifest: ModelManifest) -> ModelManifest:

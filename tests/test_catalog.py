@@ -142,3 +142,36 @@ def test_manifest_key_sanitizes() -> None:
     m = catalog().find("digits_cnn", framework="onnxruntime").manifest
     local = m.model_copy(update={"version": "1.0.0+cpu.1"})
     assert manifest_key(local) == "digits_cnn.1.0.0_cpu.1.onnxruntime"
+
+
+def test_a_pinned_manifest_that_changed_is_refused() -> None:
+    """``mlscope rerun`` pins the manifest's content: resolution refuses another one."""
+    from broker.evaluate import resolve
+    from cli.rerun_cmd import rerun_job
+    from mlscope.contracts import AgentDescription, FrameworkInfo, JobRequest, ModelOffer
+    from mlscope.errors import ResolutionError
+    from mlscope.manifest import manifest_digest
+
+    catalog = Catalog.load([MANIFESTS])
+    entry = catalog.find("digits_cnn", framework="onnxruntime")
+    m = entry.manifest
+    agent = AgentDescription(
+        agent_id="a1", host="h", arch="x86_64", os="linux", cpu_model="cpu", cpu_cores=2,
+        memory_bytes=1 << 30,
+        frameworks=(FrameworkInfo(name="onnxruntime", version="1.31.1"),),
+        models=(ModelOffer(name=m.name, version=m.version, framework="onnxruntime"),),
+        pid=1, mlscope_version="0", started_at=0.0, heartbeat_at=0.0, heartbeat_s=1.0)
+    stored = {"job": JobRequest(model="digits_cnn", framework="onnxruntime").dump(),
+              "manifest": m.model_dump(mode="json"), "agent": agent.dump()}
+    job = rerun_job(stored, "ev-first")
+    assert job.manifest_sha256 == m.digest == manifest_digest(stored["manifest"])
+    assert job.framework_version == "==1.31.1" and job.rerun_of == "ev-first"
+    assert resolve(job, [agent], catalog)[1].manifest == m  # unchanged: resolves
+
+    other = JobRequest(model="digits_cnn", framework="onnxruntime",
+                       manifest_sha256="0" * 64, rerun_of="ev-first")
+    with pytest.raises(ResolutionError, match="changed since ev-first"):
+        resolve(other, [agent], catalog)
+    newer = job.model_copy(update={"framework_version": "==1.32.0"})
+    with pytest.raises(ResolutionError, match="no live agent"):
+        resolve(newer, [agent], catalog)

@@ -200,10 +200,14 @@ def test_rerun_reproduces_the_stored_specification(stack: Settings) -> None:
 
     a, b = anyio.run(specs, backend="asyncio")
     assert b["job"]["rerun_of"] == first.evaluation_id
-    volatile = {"job_id", "submitted_at", "rerun_of", "model_version"}
+    volatile = {"job_id", "submitted_at", "rerun_of", "model_version", "manifest_sha256",
+                "framework_version"}
     assert {k: v for k, v in b["job"].items() if k not in volatile} == \
         {k: v for k, v in a["job"].items() if k not in volatile}
     assert b["job"]["model_version"] == a["manifest"]["version"]
+    assert b["job"]["manifest_sha256"] == a["manifest_sha256"] == b["manifest_sha256"]
+    (fw,) = [f for f in a["agent"]["frameworks"] if f["name"] == "onnxruntime"]
+    assert b["job"]["framework_version"] == f"=={fw['version']}"
     for key in ("manifest", "manifest_file", "artifact_sha256", "mlscope_version",
                 "git_commit"):
         assert b[key] == a[key], key
