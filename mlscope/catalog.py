@@ -17,7 +17,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
-from mlscope.errors import ArtifactError, UnknownModelError
+from mlscope.errors import ArtifactError, ChecksumMismatch, UnknownModelError
 from mlscope.manifest import (
     FrameworkManifest,
     ModelManifest,
@@ -58,27 +58,38 @@ class Entry:
     def _store(self, zoo_dir: Path, store: ArtifactStore | None) -> ArtifactStore:
         return store if store is not None else ArtifactStore(zoo_dir.parent, zoo_dir=zoo_dir)
 
+    def _verified(self, zoo_dir: Path, store: ArtifactStore | None, path: str, sha256: str,
+                  fields: tuple[str, str]) -> Path:
+        """One asset, resolved and checksum-verified; an error names this manifest file
+        and its field (``fields``: the path's, the checksum's)."""
+        try:
+            return self._store(zoo_dir, store).resolve(
+                self.manifest.assets.base_url, path, sha256, manifest_dir=self.path.parent)
+        except ArtifactError as exc:
+            field = fields[1] if isinstance(exc, ChecksumMismatch) else fields[0]
+            raise type(exc)(f"{self.path}: field '{field}': {exc.message}",
+                            **{**exc.fields, "file": str(self.path), "field": field}) from exc
+
     def graph(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path:
         """The verified graph file (or directory) of this model."""
         a = self.manifest.assets
-        return self._store(zoo_dir, store).resolve(a.base_url, a.graph_path, a.sha256,
-                                                   manifest_dir=self.path.parent)
+        return self._verified(zoo_dir, store, a.graph_path, a.sha256,
+                              ("assets.graph_path", "assets.sha256"))
 
     def weights(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path | None:
         a = self.manifest.assets
         if a.weights_path is None or a.weights_sha256 is None:
             return None
-        return self._store(zoo_dir, store).resolve(a.base_url, a.weights_path,
-                                                   a.weights_sha256,
-                                                   manifest_dir=self.path.parent)
+        return self._verified(zoo_dir, store, a.weights_path, a.weights_sha256,
+                              ("assets.weights_path", "assets.weights_sha256"))
 
     def dataset(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path | None:
         """The verified labeled data set (None when the manifest has none)."""
         ds = self.manifest.dataset
         if ds is None:
             return None
-        return self._store(zoo_dir, store).resolve(self.manifest.assets.base_url, ds.path,
-                                                   ds.sha256, manifest_dir=self.path.parent)
+        return self._verified(zoo_dir, store, ds.path, ds.sha256,
+                              ("dataset.path", "dataset.sha256"))
 
     def labels(self, zoo_dir: Path, output: int = 0) -> list[str] | None:
         """The output's labels (one per line) from a local asset directory, if any."""

@@ -190,3 +190,47 @@ assets:
     path = entry.graph(zoo)
     assert path == tmp_path / "data" / "artifacts" / SHA / "net.onnx"
     assert entry.graph(zoo) == path and server.hits["/models/net.onnx"] == 1
+
+
+def _manifest(mdir: Path, base_url: str, sha: str) -> Path:
+    mdir.mkdir(exist_ok=True)
+    path = mdir / "net.onnxruntime.yaml"
+    path.write_text(f"""\
+name: net
+version: 1.0.0
+task: latency
+framework: {{name: onnxruntime}}
+inputs: [{{shape: [3]}}]
+outputs: [{{}}]
+assets:
+  base_url: {base_url}
+  graph_path: net.onnx
+  sha256: {sha}
+""")
+    return path
+
+
+def test_checksum_mismatch_names_the_manifest_file_and_field(tmp_path: Path,
+                                                             server: _Server) -> None:
+    wrong = "a" * 64
+    path = _manifest(tmp_path / "manifests", f"{server.url}/models", wrong)
+    with pytest.raises(ChecksumMismatch) as info:
+        Catalog.load([path.parent]).find("net").graph(tmp_path / "data" / "zoo")
+    assert str(path) in str(info.value) and "field 'assets.sha256'" in str(info.value)
+    assert info.value.fields["file"] == str(path)
+    assert info.value.fields["field"] == "assets.sha256"
+    assert not list((tmp_path / "data").rglob("net.onnx"))  # the bad download is not kept
+
+
+def test_unreachable_url_names_the_manifest_file_and_field(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = _manifest(tmp_path / "manifests", f"http://127.0.0.1:{port}/models", SHA)
+    entry = Catalog.load([path.parent]).find("net")
+    with pytest.raises(ArtifactError) as info:
+        entry.graph(tmp_path / "data" / "zoo", store=ArtifactStore(tmp_path / "data",
+                                                                    timeout_s=5))
+    message = str(info.value)
+    assert str(path) in message and "field 'assets.graph_path'" in message
+    assert f"127.0.0.1:{port}" in message
