@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -301,8 +302,36 @@ def main() -> None:
               f"ratio {r['ratio']:.3f}", flush=True)
 
 
+def handoff_floor(rounds: int) -> float:
+    """Median us of the bare round trip the executor cannot avoid: a value handed to
+    another thread through a SimpleQueue and back (the two hand-offs of a query),
+    under the same interpreter settings as :func:`overhead`."""
+    there: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    back: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def echo() -> None:
+        while (v := there.get()) is not None:
+            back.put(v)
+
+    t = threading.Thread(target=echo)
+    t.start()
+    rtt = []
+    try:
+        for i in range(rounds):
+            t0 = now()
+            there.put(i)
+            back.get()
+            rtt.append((now() - t0) / 1e3)
+    finally:
+        there.put(None)
+        t.join()
+    return statistics.median(rtt[rounds // 10:])
+
+
 def overheads(args: argparse.Namespace) -> None:
     print("1. per-query in-process overhead (end-to-end - predict), closed loop")
+    print(f"   floor: bare two-thread SimpleQueue round trip p50 "
+          f"{handoff_floor(max(args.queries, 1000) * 3):.1f} us")
     x = np.zeros((1, 8, 8), np.uint8)
     for level in (TraceLevel.NONE, TraceLevel.MODEL):
         noop = LoadedModel(noop_entry(), open_predictor("noop", Path("none"),
