@@ -100,7 +100,8 @@ def test_efficientnet_lite0_accuracy_and_divergence_on_four_frameworks(four: Set
     for s in summaries:
         acc = s.accuracy or {}
         assert s.status == "completed" and s.errors == 0, s.framework
-        assert acc["samples"] == 6 and acc["top1"] >= 5 / 6 and acc["top5"] == 1.0, acc
+        # the sanity set right on every framework through its agent, as in test_zoo
+        assert acc["samples"] == 6 and acc["top1"] == 1.0 and acc["top5"] == 1.0, acc
     doc = comparison(four, summaries)
     for r in doc["rows"]:
         assert r["samples"] == 6 and r["top1_agreement"] == 1.0, r
