@@ -170,28 +170,6 @@ def test_directory_checksum_covers_names_and_contents(tmp_path: Path) -> None:
     assert sha256_path(d) != before
 
 
-def test_catalog_entry_downloads_http_assets(tmp_path: Path, server: _Server) -> None:
-    mdir = tmp_path / "manifests"
-    mdir.mkdir()
-    (mdir / "net.onnxruntime.yaml").write_text(f"""\
-name: net
-version: 1.0.0
-task: latency
-framework: {{name: onnxruntime}}
-inputs: [{{shape: [3]}}]
-outputs: [{{}}]
-assets:
-  base_url: {server.url}/models
-  graph_path: net.onnx
-  sha256: {SHA}
-""")
-    entry = Catalog.load([mdir]).find("net")
-    zoo = tmp_path / "data" / "zoo"
-    path = entry.graph(zoo)
-    assert path == tmp_path / "data" / "artifacts" / SHA / "net.onnx"
-    assert entry.graph(zoo) == path and server.hits["/models/net.onnx"] == 1
-
-
 def _manifest(mdir: Path, base_url: str, sha: str) -> Path:
     mdir.mkdir(exist_ok=True)
     path = mdir / "net.onnxruntime.yaml"
@@ -208,6 +186,15 @@ assets:
   sha256: {sha}
 """)
     return path
+
+
+def test_catalog_entry_downloads_http_assets(tmp_path: Path, server: _Server) -> None:
+    mdir = _manifest(tmp_path / "manifests", f"{server.url}/models", SHA).parent
+    entry = Catalog.load([mdir]).find("net")
+    zoo = tmp_path / "data" / "zoo"
+    path = entry.graph(zoo)
+    assert path == tmp_path / "data" / "artifacts" / SHA / "net.onnx"
+    assert entry.graph(zoo) == path and server.hits["/models/net.onnx"] == 1
 
 
 def test_checksum_mismatch_names_the_manifest_file_and_field(tmp_path: Path,
