@@ -7,6 +7,7 @@ subscriptions are live, and only then is the description put into the registry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import sys
@@ -212,10 +213,12 @@ class Agent:
         while True:
             await anyio.sleep(self.config.heartbeat_s)
             desc = self._description.model_copy(update={"heartbeat_at": time.time()})
-            try:
+            # At most one beat per put: a put stuck in a leader election (cluster
+            # failover) or a cut edge link is abandoned, and the next beat tries again,
+            # so heartbeats resume as soon as the bucket answers, well inside the TTL.
+            with (anyio.move_on_after(self.config.heartbeat_s),
+                  contextlib.suppress(TimeoutError, nats.errors.Error)):  # next beat
                 await kv.put(self.agent_id, codec.encode_model(desc))
-            except (TimeoutError, nats.errors.Error):
-                continue  # hub unreachable (edge link down, cluster failover): next beat
 
     async def _withdraw(self, bus: Bus, subs: list[Any]) -> None:
         with anyio.move_on_after(3):

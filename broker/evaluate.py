@@ -20,7 +20,7 @@ from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.loadgen import RunRecord, estimate_offset
 from mlscope import codec, names
-from mlscope.bus import Bus, request
+from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
     AgentDescription,
@@ -29,11 +29,11 @@ from mlscope.contracts import (
     TraceLevel,
     new_id,
 )
-from mlscope.errors import EvaluationError, ResolutionError
+from mlscope.errors import EvaluationError, MLScopeError, ResolutionError
 from mlscope.validity import ValidityPolicy
 from mlscope.versions import satisfies
 
-__all__ = ["Evaluator", "resolve"]
+__all__ = ["RESOLVE_GRACE_S", "Evaluator", "recently_alive", "resolve"]
 
 PREPARE_TIMEOUT_S = 300.0
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]
@@ -70,6 +70,25 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
                               model=m.name, framework=job.framework)
     # Spread jobs over equal agents deterministically by job id.
     return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry
+
+
+RESOLVE_GRACE_S = 2 * AGENT_TTL_S
+"""How long a job waits for a matching agent that heartbeated moments ago: a cluster
+failover (the registry bucket electing a new leader) or a client reconnect can hold an
+agent's heartbeats back for seconds while the agent itself is fine."""
+
+
+def recently_alive(job: JobRequest, agents: list[AgentDescription], catalog: Catalog, *,
+                   now: float, grace_s: float = RESOLVE_GRACE_S) -> bool:
+    """True when an agent whose last heartbeat is at most ``grace_s`` old would serve
+    ``job``: worth waiting for its next heartbeat. A job that no recently seen agent
+    matches (unknown framework or version, an agent gone for longer) fails at once."""
+    recent = [a for a in agents if now - a.heartbeat_at <= grace_s]
+    try:
+        resolve(job, recent, catalog)
+    except MLScopeError:
+        return False
+    return True
 
 
 def _has_device(devices: tuple[str, ...], wanted: str) -> bool:

@@ -14,6 +14,7 @@ to JetStream (``in_progress``) so that a long evaluation is not redelivered.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from broker.agent_history import AgentHistory
 from broker.db import Database
-from broker.evaluate import Evaluator, resolve
+from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
 from mlscope import bus as busmod
@@ -143,14 +144,24 @@ class Server:
 
     async def _resolve(self, job: JobRequest) -> tuple[AgentDescription, Entry]:
         """From the watched registry (no round trip); a miss is checked against a
-        fresh read of the bucket before it fails the job."""
+        fresh read of the bucket, and waited out for up to ``RESOLVE_GRACE_S`` while a
+        matching agent heartbeated moments ago (a failover delays heartbeats)."""
         catalog = self.remote.catalog(self.catalog)
-        if self.agent_cache.ready.is_set():
+        deadline = time.monotonic() + RESOLVE_GRACE_S
+        while True:
+            if self.agent_cache.ready.is_set():
+                try:
+                    return resolve(job, self.agent_cache.agents(), catalog)
+                except ResolutionError:
+                    pass
             try:
-                return resolve(job, self.agent_cache.agents(), catalog)
+                return resolve(job, await list_agents(self.bus), catalog)
             except ResolutionError:
-                pass
-        return resolve(job, await list_agents(self.bus), catalog)
+                seen = self.agent_cache.agents(include_stale=True)
+                if time.monotonic() >= deadline or not recently_alive(
+                        job, seen, catalog, now=time.time()):
+                    raise
+            await anyio.sleep(0.5)
 
     async def _emit(self, subject: str, event: JobEvent) -> None:
         await self.bus.nc.publish(subject, codec.encode_model(event))

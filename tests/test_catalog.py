@@ -13,6 +13,7 @@ from agent.operators import compile_steps
 from cli import models_cmd
 from mlscope.bus import connect
 from mlscope.catalog import Catalog
+from mlscope.contracts import AgentDescription, FrameworkInfo, JobRequest, ModelOffer
 from mlscope.errors import ArtifactError, ManifestError, UnknownModelError
 from mlscope.model_registry import (
     delete_manifest,
@@ -144,23 +145,45 @@ def test_manifest_key_sanitizes() -> None:
     assert manifest_key(local) == "digits_cnn.1.0.0_cpu.1.onnxruntime"
 
 
-def test_a_pinned_manifest_that_changed_is_refused() -> None:
-    """``mlscope rerun`` pins the manifest's content: resolution refuses another one."""
-    from broker.evaluate import resolve
-    from cli.rerun_cmd import rerun_job
-    from mlscope.contracts import AgentDescription, FrameworkInfo, JobRequest, ModelOffer
-    from mlscope.errors import ResolutionError
-    from mlscope.manifest import manifest_digest
-
-    catalog = Catalog.load([MANIFESTS])
-    entry = catalog.find("digits_cnn", framework="onnxruntime")
-    m = entry.manifest
-    agent = AgentDescription(
+def digits_agent(catalog: Catalog, *, heartbeat_at: float = 0.0) -> AgentDescription:
+    """An onnxruntime 1.31.1 agent serving digits_cnn, as the registry holds it."""
+    m = catalog.find("digits_cnn", framework="onnxruntime").manifest
+    return AgentDescription(
         agent_id="a1", host="h", arch="x86_64", os="linux", cpu_model="cpu", cpu_cores=2,
         memory_bytes=1 << 30,
         frameworks=(FrameworkInfo(name="onnxruntime", version="1.31.1"),),
         models=(ModelOffer(name=m.name, version=m.version, framework="onnxruntime"),),
-        pid=1, mlscope_version="0", started_at=0.0, heartbeat_at=0.0, heartbeat_s=1.0)
+        pid=1, mlscope_version="0", started_at=0.0, heartbeat_at=heartbeat_at,
+        heartbeat_s=1.0)
+
+
+def test_a_job_waits_only_for_an_agent_seen_moments_ago() -> None:
+    """A failover can hold heartbeats back: the server waits for an agent that matched
+    a few seconds ago, never for one gone long ago or one that never matched."""
+    from broker.evaluate import RESOLVE_GRACE_S, recently_alive
+
+    catalog = Catalog.load([MANIFESTS])
+    now = 1000.0
+    job = JobRequest(model="digits_cnn", framework="onnxruntime")
+    late = digits_agent(catalog, heartbeat_at=now - 7)  # stale (TTL 5 s), seen 7 s ago
+    assert recently_alive(job, [late], catalog, now=now)
+    gone = digits_agent(catalog, heartbeat_at=now - RESOLVE_GRACE_S - 1)
+    assert not recently_alive(job, [gone], catalog, now=now)
+    other = job.model_copy(update={"framework_version": ">=2"})
+    assert not recently_alive(other, [late], catalog, now=now)
+    assert not recently_alive(job, [], catalog, now=now)
+
+
+def test_a_pinned_manifest_that_changed_is_refused() -> None:
+    """``mlscope rerun`` pins the manifest's content: resolution refuses another one."""
+    from broker.evaluate import resolve
+    from cli.rerun_cmd import rerun_job
+    from mlscope.errors import ResolutionError
+    from mlscope.manifest import manifest_digest
+
+    catalog = Catalog.load([MANIFESTS])
+    m = catalog.find("digits_cnn", framework="onnxruntime").manifest
+    agent = digits_agent(catalog)
     stored = {"job": JobRequest(model="digits_cnn", framework="onnxruntime").dump(),
               "manifest": m.model_dump(mode="json"), "agent": agent.dump()}
     job = rerun_job(stored, "ev-first")

@@ -3,11 +3,13 @@ an evaluation, and no job, result or span is lost."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import nats.errors
 import pytest
 
 from cli.submit import submit
@@ -57,12 +59,54 @@ async def provision(settings: Settings, timeout: float = 30.0) -> None:
             await anyio.sleep(0.5)
 
 
+LED = (names.JOBS_STREAM, names.TRACES_STREAM)
+"""Streams whose leader the test kills: jobs (the work queue) and spans."""
+
+
+async def leaders(settings: Settings, timeout: float = 30.0) -> dict[str, str]:
+    """The leader of every stream of ``LED``, once each has one (after a node loss the
+    survivors may still be electing)."""
+    deadline = time.monotonic() + timeout
+    out: dict[str, str] = {}
+    async with busmod.connect(settings, name="test") as bus:
+        for stream in LED:
+            while stream not in out:
+                with contextlib.suppress(nats.errors.Error):
+                    info = await bus.js.stream_info(stream)
+                    if info.cluster is not None and info.cluster.leader:
+                        out[stream] = info.cluster.leader
+                        continue
+                assert time.monotonic() < deadline, f"{stream} has no leader"
+                await anyio.sleep(0.5)
+    return out
+
+
+async def lead_from(settings: Settings, node: str, tries: int = 40) -> None:
+    """Until ``node`` leads every stream of ``LED`` (leaders step down; the cluster
+    elects a new one among the replicas)."""
+    async with busmod.connect(settings, name="test") as bus:
+        for stream in LED:
+            for _ in range(tries):
+                info = await bus.js.stream_info(stream)
+                if info.cluster is not None and info.cluster.leader == node:
+                    break
+                with contextlib.suppress(nats.errors.Error):  # mid-election: ask again
+                    await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"",
+                                         timeout=5)
+                await anyio.sleep(0.5)
+            else:
+                raise AssertionError(f"{node} did not become the leader of {stream}")
+
+
 def test_a_killed_node_loses_no_job_result_or_span(cluster: list[NatsServer], tmp_path: Path,
                                                    zoo_dir: Path) -> None:
     url = ",".join(n.url for n in cluster)
     settings = Settings(nats_url=url, js_replicas=3,
                         data_dir=make_data_dir(tmp_path / "data", zoo_dir))
     anyio.run(provision, settings)
+    # Node n0 leads the job and trace streams, so killing it forces their failover
+    # (and any process connected to it reconnects to a survivor).
+    anyio.run(lead_from, settings, "n0")
     server = start(settings, "server")
     agent = start(settings, "agent", "--framework", "noop", "--agent-id", "c1")
     # The client that watches talks to the nodes that survive.
@@ -82,6 +126,8 @@ def test_a_killed_node_loses_no_job_result_or_span(cluster: list[NatsServer], tm
         first = anyio.run(lambda: submit(client, job, on_event=on_event, timeout=150),
                           backend="asyncio")
         assert killed and first.status == "completed"
+        moved = anyio.run(leaders, client)
+        assert "n0" not in moved.values(), moved  # new leaders were elected
         # A job submitted after the loss runs too (the job stream kept its quorum).
         second = anyio.run(lambda: submit(client, JobRequest(
             model="noop", framework="noop", scenario=ScenarioSpec(
