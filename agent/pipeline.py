@@ -387,7 +387,6 @@ class Executor:
             self._inflight -= 1
         job.reply(reply)
 
-
     def _labels(self, out: _Outcome) -> np.ndarray | None:
         """The labels of a query's result (only asked for outside load runs); a lookup
         that fails turns the outcome into the query's error."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import queue
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,39 +31,10 @@ from mlscope.manifest import FrameworkManifest, load_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
+from tests.agent_fixtures import Ask, run_agent
 from tests.zoo_fixtures import MANIFESTS
 
 pytestmark = pytest.mark.timeout(180)
-
-Ask = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
-
-def run_agent(settings: Settings, agent: Agent,
-              body: Callable[[busmod.Bus, Ask], Awaitable[None]]) -> None:
-    """Start ``agent`` on the bus, run ``body(bus, ask_ctl)``, stop the agent."""
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            await tg.start(agent.run)
-            async with busmod.connect(settings, name="test") as bus:
-                async def ask(req: dict[str, Any]) -> dict[str, Any]:
-                    msg = await bus.nc.request(names.agent_ctl(agent.agent_id),
-                                               codec.encode(req), timeout=60)
-                    out: dict[str, Any] = codec.decode(msg.data)
-                    if "error" in out and req.get("op") == "prepare" and not out.get("ok"):
-                        out["ok"] = False
-                        out["why"] = str(error_from_wire(out["error"]))
-                    return out
-
-                await body(bus, ask)
-            tg.cancel_scope.cancel()
-
-    switch = sys.getswitchinterval()  # the agent shortens it for its process
-    try:
-        anyio.run(main, backend="asyncio")
-    finally:
-        sys.setswitchinterval(switch)
-
 
 def local_catalog(zoo: Path) -> Catalog:
     """The committed catalog: the zoo build's bytes match its checksums on any CPU

@@ -3,6 +3,8 @@ middle of an evaluation, and every span it recorded reaches the hub's database."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
@@ -15,7 +17,7 @@ from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.auth import INBOX_PREFIXES
-from mlscope.contracts import JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch
+from mlscope.contracts import AgentDescription, JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch
 from mlscope.natsserver import NatsServer, free_port, hub_config
 from mlscope.settings import Settings
 from tests.conftest import make_data_dir, wait_agents, wait_server
@@ -41,6 +43,37 @@ async def leaf_spans(leaf_url: str, eval_id: str) -> int:
     return total
 
 
+@contextmanager
+def edge_agent(server_settings: Settings, client: Settings, edge_settings: Settings,
+               leaf_url: str) -> Iterator[list[AgentDescription]]:
+    """The hub's server, the leaf's span buffer sourced by the hub, and the noop agent
+    ``edge-1`` on the device; yields the registry once the hub sees the agent, and
+    stops the agent and the server after."""
+    server = start(server_settings, "server")
+    agent = None
+    try:
+        anyio.run(wait_server, client)
+        anyio.run(create_edge_stream, leaf_url)
+        anyio.run(_attach, server_settings)
+        agent = start(edge_settings, "agent", "--framework", "noop", "--agent-id", "edge-1")
+        yield anyio.run(wait_agents, client, 1)
+    finally:
+        stop(agent, server)
+
+
+async def hub_spans(settings: Settings, eval_id: str, at_least: int) -> int:
+    """Spans of one evaluation in the hub's database, once there are ``at_least`` (or
+    what there is after 30 s)."""
+    async with busmod.connect(settings, name="test") as bus:
+        for _ in range(150):
+            _, rows = await remote.sql(bus, "SELECT count() FROM spans FINAL WHERE "
+                                       "evaluation_id = {e:String}", {"e": eval_id})
+            if int(rows[0][0]) >= at_least:
+                break
+            await anyio.sleep(0.2)
+        return int(rows[0][0])
+
+
 def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path,
                                                             zoo_dir: Path) -> None:
     leaf_port = free_port()
@@ -54,72 +87,54 @@ def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path,
     hub_settings = Settings(nats_url=hub.url, data_dir=make_data_dir(tmp_path / "d", zoo_dir))
     edge_settings = hub_settings.with_(nats_url=leaf.url, js_domain="hub",
                                        data_dir=make_data_dir(tmp_path / "e", zoo_dir))
-    server = start(hub_settings, "server")
-    agent = None
     try:
-        anyio.run(wait_server, hub_settings)
-        anyio.run(create_edge_stream, leaf.url)
-        anyio.run(_attach, hub_settings)
-        agent = start(edge_settings, "agent", "--framework", "noop", "--agent-id", "edge-1")
-        agents = anyio.run(wait_agents, hub_settings, 1)
-        assert agents[0].agent_id == "edge-1" and agents[0].arch and agents[0].cpu_model
+        with edge_agent(hub_settings, hub_settings, edge_settings, leaf.url) as agents:
+            assert agents[0].agent_id == "edge-1" and agents[0].arch and agents[0].cpu_model
 
-        job = JobRequest(model="noop", framework="noop", trace_level="model",
-                         scenario=ScenarioSpec(name="online", qps=40, duration_s=18))
-        seen: dict[str, str] = {}
-        offline = {"sent": 0, "answered": 0}
+            job = JobRequest(model="noop", framework="noop", trace_level="model",
+                             scenario=ScenarioSpec(name="online", qps=40, duration_s=18))
+            seen: dict[str, str] = {}
+            offline = {"sent": 0, "answered": 0}
 
-        def on_event(e: JobEvent) -> None:
-            if e.event == "progress" and e.evaluation_id:
-                seen.setdefault("eval", e.evaluation_id)
+            def on_event(e: JobEvent) -> None:
+                if e.event == "progress" and e.evaluation_id:
+                    seen.setdefault("eval", e.evaluation_id)
 
-        async def cut_mid_run() -> None:
-            while "eval" not in seen:
-                await anyio.sleep(0.1)
-            await anyio.sleep(3)
-            link.cut()
-            # The device keeps working locally while the hub is unreachable.
-            async with busmod.connect(edge_settings, name="local-driver") as bus:
-                t_end = anyio.current_time() + CUT_S
-                i = 1_000_000
-                while anyio.current_time() < t_end:
-                    q = Query(evaluation_id=seen["eval"], index=i,
-                              inputs=np.zeros((1, 16), np.float32), trace_level=1)
-                    offline["sent"] += 1
-                    reply = codec.decode((await bus.nc.request(
-                        names.agent_query("edge-1"), codec.encode_model(q), timeout=5)).data)
-                    offline["answered"] += reply.get("ok") is True
-                    i += 1
+            async def cut_mid_run() -> None:
+                while "eval" not in seen:
                     await anyio.sleep(0.1)
-            link.restore()
+                await anyio.sleep(3)
+                link.cut()
+                # The device keeps working locally while the hub is unreachable.
+                async with busmod.connect(edge_settings, name="local-driver") as bus:
+                    t_end = anyio.current_time() + CUT_S
+                    i = 1_000_000
+                    while anyio.current_time() < t_end:
+                        q = Query(evaluation_id=seen["eval"], index=i,
+                                  inputs=np.zeros((1, 16), np.float32), trace_level=1)
+                        offline["sent"] += 1
+                        reply = codec.decode((await bus.nc.request(
+                            names.agent_query("edge-1"), codec.encode_model(q), timeout=5)).data)
+                        offline["answered"] += reply.get("ok") is True
+                        i += 1
+                        await anyio.sleep(0.1)
+                link.restore()
 
-        async def main() -> object:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(cut_mid_run)
-                summary = await submit(hub_settings, job, on_event=on_event, timeout=150)
-            return summary
+            async def main() -> object:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(cut_mid_run)
+                    summary = await submit(hub_settings, job, on_event=on_event, timeout=150)
+                return summary
 
-        summary = anyio.run(main, backend="asyncio")
-        assert summary.status == "completed"  # type: ignore[attr-defined]
-        assert offline["answered"] == offline["sent"] >= 50
-        eval_id = seen["eval"]
-        expected = anyio.run(leaf_spans, leaf.url, eval_id)
-        # 4 spans per answered query, the offline ones among them
-        assert expected >= 4 * offline["answered"]
-
-        async def arrived() -> int:
-            async with busmod.connect(hub_settings, name="test") as bus:
-                for _ in range(150):
-                    _, rows = await remote.sql(bus, "SELECT count() FROM spans FINAL WHERE "
-                                               "evaluation_id = {e:String}", {"e": eval_id})
-                    if int(rows[0][0]) >= expected:
-                        return int(rows[0][0])
-                    await anyio.sleep(0.2)
-                return int(rows[0][0])
-
-        assert anyio.run(arrived, backend="asyncio") == expected
+            summary = anyio.run(main, backend="asyncio")
+            assert summary.status == "completed"  # type: ignore[attr-defined]
+            assert offline["answered"] == offline["sent"] >= 50
+            eval_id = seen["eval"]
+            expected = anyio.run(leaf_spans, leaf.url, eval_id)
+            # 4 spans per answered query, the offline ones among them
+            assert expected >= 4 * offline["answered"]
+            assert anyio.run(hub_spans, hub_settings, eval_id, expected) == expected
     finally:
-        stop(agent, server)
         link.cut()
         leaf.stop()
         hub.stop()
@@ -161,34 +176,17 @@ def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(tmp_path: Path,
     edge_settings = Settings(nats_url=leaf.url, js_domain=edge_env["MLSCOPE_JS_DOMAIN"],
                              nats_inbox_prefix=edge_env["MLSCOPE_NATS_INBOX_PREFIX"],
                              data_dir=make_data_dir(tmp_path / "e", zoo_dir))
-    server = start(server_settings, "server")
-    agent = None
     try:
-        anyio.run(wait_server, client)
-        anyio.run(create_edge_stream, leaf.url)
-        anyio.run(_attach, server_settings)
-        agent = start(edge_settings, "agent", "--framework", "noop", "--agent-id", "edge-1")
-        anyio.run(wait_agents, client, 1)
-        job = JobRequest(model="noop", framework="noop", trace_level="model",
-                         scenario=ScenarioSpec(name="online", qps=40, duration_s=2))
-        summary = anyio.run(lambda: submit(client, job, timeout=60), backend="asyncio")
-        assert summary.status == "completed" and summary.errors == 0
-        assert summary.queries >= 60
+        with edge_agent(server_settings, client, edge_settings, leaf.url):
+            job = JobRequest(model="noop", framework="noop", trace_level="model",
+                             scenario=ScenarioSpec(name="online", qps=40, duration_s=2))
+            summary = anyio.run(lambda: submit(client, job, timeout=60), backend="asyncio")
+            assert summary.status == "completed" and summary.errors == 0
+            assert summary.queries >= 60
 
-        async def spans() -> int:
-            async with busmod.connect(client, name="test") as bus:
-                for _ in range(100):
-                    _, rows = await remote.sql(
-                        bus, "SELECT count() FROM spans FINAL WHERE evaluation_id = "
-                        "{e:String}", {"e": summary.evaluation_id})
-                    if int(rows[0][0]) >= 4 * summary.queries:
-                        break
-                    await anyio.sleep(0.2)
-                return int(rows[0][0])
-
-        assert anyio.run(spans, backend="asyncio") >= 4 * summary.queries
-        assert "violation" not in hub_log.read_text().lower()
+            assert anyio.run(hub_spans, client, summary.evaluation_id,
+                             4 * summary.queries) >= 4 * summary.queries
+            assert "violation" not in hub_log.read_text().lower()
     finally:
-        stop(agent, server)
         leaf.stop()
         hub.stop()

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import queue
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
 
@@ -27,6 +25,7 @@ from mlscope.contracts import Query, QueryReply, TraceLevel
 from mlscope.errors import InferenceError, InputMismatchError, ModelLoadError, error_from_wire
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
+from tests.agent_fixtures import Ask, run_agent
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -272,38 +271,30 @@ def test_agent_answers_typed_errors_and_keeps_serving(settings: Settings,
     async def ask(bus: busmod.Bus, subject: str, payload: bytes) -> Any:
         return codec.decode((await bus.nc.request(subject, payload, timeout=30)).data)
 
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            await tg.start(agent.run)
-            async with busmod.connect(settings, name="test") as bus:
-                ctl, qs = names.agent_ctl("careful"), names.agent_query("careful")
-                prep = {"op": "prepare", "evaluation_id": "ev-1", "model": "digits_cnn",
-                        "model_version": "1.0.0", "batch_size": 1, "trace_level": "none"}
-                bad = await ask(bus, ctl, codec.encode({**prep, "model": "broken_cnn",
-                                                        "evaluation_id": "ev-2"}))
-                err = error_from_wire(bad["error"])
-                assert isinstance(err, ModelLoadError)
-                assert err.fields["model"] == "broken_cnn"
-                assert err.fields["framework"] == "onnxruntime"
-                assert (await ask(bus, ctl, codec.encode(prep)))["ok"]
-                wrong = Query(evaluation_id="ev-1", index=1, inputs=np.zeros((1, 5, 5)))
-                reply = QueryReply.model_validate(await ask(bus, qs, codec.encode_model(wrong)))
-                err = error_from_wire(reply.error or {})
-                assert not reply.ok and isinstance(err, InputMismatchError)
-                assert err.fields["actual"] == {"shape": [1, 5, 5], "dtype": "float64"}
-                good = Query(evaluation_id="ev-1", index=2, inputs=np.ones((1, 8, 8), np.uint8))
-                reply = QueryReply.model_validate(await ask(bus, qs, codec.encode_model(good)))
-                assert reply.ok and reply.index == 2 and reply.raw_outputs is None
-                # cold start: release with unload, prepare with reload -> loaded again
-                again = await ask(bus, ctl, codec.encode({**prep, "reload": True}))
-                assert again["cold"] and again["load_ns"] > 0
-                rel = await ask(bus, ctl, codec.encode({"op": "release", "evaluation_id": "ev-1",
-                                                        "unload": True}))
-                assert rel["unloaded"] is True and not agent.workers
-            tg.cancel_scope.cancel()
+    async def body(bus: busmod.Bus, _ask_ctl: Ask) -> None:
+        ctl, qs = names.agent_ctl("careful"), names.agent_query("careful")
+        prep = {"op": "prepare", "evaluation_id": "ev-1", "model": "digits_cnn",
+                "model_version": "1.0.0", "batch_size": 1, "trace_level": "none"}
+        bad = await ask(bus, ctl, codec.encode({**prep, "model": "broken_cnn",
+                                                "evaluation_id": "ev-2"}))
+        err = error_from_wire(bad["error"])
+        assert isinstance(err, ModelLoadError)
+        assert err.fields["model"] == "broken_cnn"
+        assert err.fields["framework"] == "onnxruntime"
+        assert (await ask(bus, ctl, codec.encode(prep)))["ok"]
+        wrong = Query(evaluation_id="ev-1", index=1, inputs=np.zeros((1, 5, 5)))
+        reply = QueryReply.model_validate(await ask(bus, qs, codec.encode_model(wrong)))
+        err = error_from_wire(reply.error or {})
+        assert not reply.ok and isinstance(err, InputMismatchError)
+        assert err.fields["actual"] == {"shape": [1, 5, 5], "dtype": "float64"}
+        good = Query(evaluation_id="ev-1", index=2, inputs=np.ones((1, 8, 8), np.uint8))
+        reply = QueryReply.model_validate(await ask(bus, qs, codec.encode_model(good)))
+        assert reply.ok and reply.index == 2 and reply.raw_outputs is None
+        # cold start: release with unload, prepare with reload -> loaded again
+        again = await ask(bus, ctl, codec.encode({**prep, "reload": True}))
+        assert again["cold"] and again["load_ns"] > 0
+        rel = await ask(bus, ctl, codec.encode({"op": "release", "evaluation_id": "ev-1",
+                                                "unload": True}))
+        assert rel["unloaded"] is True and not agent.workers
 
-    switch = sys.getswitchinterval()  # the agent shortens it for its process
-    try:
-        anyio.run(main, backend="asyncio")
-    finally:
-        sys.setswitchinterval(switch)
+    run_agent(settings, agent, body)
