@@ -36,6 +36,7 @@ from mlscope.errors import (
     EvaluationError,
     FrameworkUnavailable,
     MLScopeError,
+    OverloadedError,
     WireError,
 )
 from mlscope.manifest import FrameworkManifest
@@ -345,7 +346,7 @@ class Agent:
                   spans=spans, reply=self._replier(msg.reply), raw=query.raw,
                   labels=query.labels, more=query.more_inputs)
         if not session.worker.submit(job):
-            busy = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
+            busy = OverloadedError(f"agent {self.agent_id} is overloaded", index=query.index)
             await msg.respond(busmod.error_reply(busy))
 
     def _replier(self, subject: str) -> Any:

@@ -16,6 +16,15 @@ for a statistically real but meaningless 0.1 % (long runs make every CI narrow).
 floor is higher for the tail (p99): the percentile bootstrap of an extreme quantile
 is known to under-cover (its resamples can only repeat the few largest samples), so
 a tail difference must also be large to count.
+
+That interval covers only the noise between queries of one run: two runs of the same
+system also differ run to run (placement, caches, frequency, neighbours), so one run
+each cannot show a change smaller than that (``basis`` says so). With repeated runs
+(``mlscope-submit --repeat N``), :func:`compare_repeats` takes each run's statistic as
+one sample and gives Welch's t interval of the difference of the means over runs.
+
+Runs are compared only when they share model, scenario, requested rate and batch size
+(:func:`mismatches`); otherwise they are refused, or flagged where a report shows them.
 """
 
 from __future__ import annotations
@@ -32,10 +41,12 @@ from packaging.version import InvalidVersion, Version
 from analysis.data import queries
 from analysis.figures import prefer_valid
 from analysis.source import Source
-from mlscope.stats import percentile
+from mlscope.errors import ConfigError
+from mlscope.stats import percentile, student_t_quantile
 
-__all__ = ["Difference", "bootstrap_difference", "compare_runs", "regressions",
-           "resampled_percentile"]
+__all__ = ["COMPARED_FIELDS", "SINGLE_RUN_NOTE", "Difference", "bootstrap_difference",
+           "check_comparable", "compare_repeats", "compare_runs", "mismatches",
+           "regressions", "resampled_percentile", "run_level_difference"]
 
 FASTER, SLOWER, SAME = "faster", "slower", "no significant change"
 _CHUNK = 256  # bootstrap replicates per vectorized block ...
@@ -94,13 +105,52 @@ def bootstrap_difference(a: Sequence[float] | np.ndarray, b: Sequence[float] | n
     return Difference(statistic or f"p{q:g}", pa, pb, diff, rel, float(lo), float(hi), verdict)
 
 
+SINGLE_RUN_NOTE = ("one run each: the interval covers query-to-query noise within a run, "
+                   "not run-to-run variance (use --repeat for run-level statistics)")
+COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size")
+"""What two runs must share to be compared (framework, system or version may differ:
+that is what a comparison is for)."""
+
+
+def mismatches(summ: pd.DataFrame) -> list[str]:
+    """How the runs of ``summ`` (rows of :func:`analysis.summary.summary`) differ in
+    :data:`COMPARED_FIELDS`, and which ran with ``--parallel``; [] when comparable."""
+    out = []
+    for col in COMPARED_FIELDS:
+        if col in summ.columns:
+            values = {None if pd.isna(v) else v for v in summ[col]}
+            if len(values) > 1:
+                shown = ", ".join(sorted(str(v) for v in values))
+                out.append(f"they differ in {col.replace('_', ' ')} ({shown})")
+    if "parallel" in summ.columns and summ["parallel"].fillna(False).astype(bool).any():
+        out.append("some ran with --parallel (other evaluations shared their hosts)")
+    return out
+
+
+def check_comparable(source: Source, ids: Sequence[str]) -> list[str]:
+    """:func:`mismatches` of stored evaluations ``ids``."""
+    from analysis.data import evaluations
+
+    return mismatches(evaluations(source, list(ids)))
+
+
 def compare_runs(source: Source, baseline: str, candidate: str, *, n_boot: int = 2000,
                  confidence: float = 0.95, min_effect: float = 0.02,
-                 tail_min_effect: float = 0.05, seed: int = 0) -> pd.DataFrame:
+                 tail_min_effect: float = 0.05, seed: int = 0,
+                 check: bool = True) -> pd.DataFrame:
     """Median and p99 latency of ``candidate`` against ``baseline`` (ms), one row each:
-    statistic, a, b, diff, rel, ci_low, ci_high, verdict."""
+    statistic, a, b, diff, rel, ci_low, ci_high, verdict, basis.
+
+    Runs that differ in model, scenario, rate or batch size are refused
+    (:class:`~mlscope.errors.ConfigError`) unless ``check`` is False. The interval is
+    over queries of one run each (``basis`` says so): see :func:`compare_repeats`."""
+    if check:
+        why = check_comparable(source, [baseline, candidate])
+        if why:
+            raise ConfigError(f"{baseline} and {candidate} are not comparable: "
+                              + "; ".join(why))
     q = queries(source, [baseline, candidate])
-    q = q[q["ok"]]
+    q = q[q["ok"] & ~q["warmup"]]
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
     for e in (baseline, candidate):
         if e not in lat:
@@ -110,7 +160,60 @@ def compare_runs(source: Source, baseline: str, candidate: str, *, n_boot: int =
                                  statistic=name).__dict__
             for name, q_, floor in (("median", 50.0, min_effect),
                                     ("p99", 99.0, max(min_effect, tail_min_effect)))]
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows).assign(basis=SINGLE_RUN_NOTE)
+
+
+def run_level_difference(a: Sequence[float], b: Sequence[float], *, statistic: str,
+                         confidence: float = 0.95, min_effect: float = 0.02) -> Difference:
+    """mean(b) - mean(a) over independent runs, Welch's t interval (unequal variances,
+    Welch-Satterthwaite degrees of freedom); the verdict rule of the module docstring.
+    Each side needs at least two runs."""
+    xa, xb = np.asarray(a, float), np.asarray(b, float)
+    if xa.size < 2 or xb.size < 2:
+        raise ValueError("run-level statistics need at least two runs on each side")
+    ma, mb = float(xa.mean()), float(xb.mean())
+    va, vb = xa.var(ddof=1) / xa.size, xb.var(ddof=1) / xb.size
+    se = math.sqrt(va + vb)
+    diff = mb - ma
+    if se == 0:
+        lo = hi = diff
+    else:
+        df = (va + vb) ** 2 / ((va**2 / (xa.size - 1) if va else 0.0)
+                               + (vb**2 / (xb.size - 1) if vb else 0.0))
+        half = student_t_quantile(0.5 + confidence / 2, df) * se
+        lo, hi = diff - half, diff + half
+    rel = diff / ma if ma else float("inf") if diff else 0.0
+    big = abs(rel) >= min_effect
+    verdict = SLOWER if lo > 0 and big else FASTER if hi < 0 and big else SAME
+    return Difference(statistic, ma, mb, diff, rel, float(lo), float(hi), verdict)
+
+
+def compare_repeats(source: Source, baselines: Sequence[str], candidates: Sequence[str], *,
+                    confidence: float = 0.95, min_effect: float = 0.02,
+                    tail_min_effect: float = 0.05, check: bool = True) -> pd.DataFrame:
+    """Median and p99 latency (ms) of repeated runs: each run's statistic is one sample,
+    and the interval is over runs (:func:`run_level_difference`), so it includes
+    run-to-run variance. Same columns as :func:`compare_runs`."""
+    ids = [*baselines, *candidates]
+    if check:
+        why = check_comparable(source, ids)
+        if why:
+            raise ConfigError("the runs are not comparable: " + "; ".join(why))
+    q = queries(source, ids)
+    q = q[q["ok"] & ~q["warmup"]]
+    per_run = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
+    missing = [e for e in ids if e not in per_run]
+    if missing:
+        raise ValueError(f"evaluation {missing[0]} has no answered queries")
+    rows = []
+    for name, q_, floor in (("median", 50.0, min_effect),
+                            ("p99", 99.0, max(min_effect, tail_min_effect))):
+        a = [float(percentile(per_run[e], q_) or 0.0) for e in baselines]
+        b = [float(percentile(per_run[e], q_) or 0.0) for e in candidates]
+        rows.append(run_level_difference(a, b, statistic=name, confidence=confidence,
+                                         min_effect=floor).__dict__)
+    basis = f"runs: {len(baselines)} baseline, {len(candidates)} candidate"
+    return pd.DataFrame(rows).assign(basis=basis)
 
 
 def _version_key(v: str) -> tuple[int, Version | str]:
@@ -141,7 +244,8 @@ def regressions(source: Source, summ: pd.DataFrame, *, axis: str = "framework_ve
         recs = g.to_dict("records")
         for old, new in itertools.pairwise(recs):
             d = compare_runs(source, old["evaluation_id"], new["evaluation_id"],
-                             n_boot=n_boot, min_effect=min_effect, seed=seed).iloc[0]
+                             n_boot=n_boot, min_effect=min_effect, seed=seed,
+                             check=False).iloc[0]
             rows.append({**dict(zip(fixed, key, strict=True)), "from_version": old[axis],
                          "to_version": new[axis], "baseline": old["evaluation_id"],
                          "candidate": new["evaluation_id"], "median_a_ms": d["a"],

@@ -14,6 +14,10 @@ import pandas as pd
 
 from analysis.source import Source
 from mlscope.errors import DatabaseError
+from mlscope.outcomes import classify
+
+UNKNOWN_OUTCOME = 255
+"""``queries.outcome`` of rows stored before outcomes were recorded."""
 
 __all__ = ["EVALUATION_FIELDS", "evaluations", "latest_per_key", "queries", "spans"]
 
@@ -23,8 +27,11 @@ EVALUATION_FIELDS = (
     "framework_version", "agent_id", "host", "device", "system", "scenario", "batch_size",
     "requested_qps", "trace_level", "status", "valid", "invalid_reasons", "queries",
     "samples", "errors", "duration_s", "throughput_ips", "top1", "t0_ns",
-    "clock_offset_ns", "rerun_of",
+    "clock_offset_ns", "rerun_of", "role", "runs", "parallel",
 )
+"""``role``: ``run`` (one measured run with its queries) or ``sweep`` (the parent of a
+batch-size sweep or rate search: the summary only, its runs stored on their own, their
+ids in ``runs``)."""
 
 
 def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
@@ -58,6 +65,7 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
     scenario = summary.get("scenario") or {}
     agent = spec.get("agent") or {}
     accuracy = summary.get("accuracy") or {}
+    runs = _runs_of(str(r["evaluation_id"]), summary)
     return {
         **r,
         "valid": bool(r["valid"]),
@@ -71,7 +79,18 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
         "duration_s": summary.get("duration_s"),
         "throughput_ips": summary.get("throughput_ips"),
         "top1": accuracy.get("top1"),
+        "role": "sweep" if runs else "run",
+        "runs": runs,
+        "parallel": bool(summary.get("parallel", False)),
     }
+
+
+def _runs_of(evaluation_id: str, summary: dict[str, Any]) -> list[str]:
+    """The runs a sweep's summary lists under other ids (its points); [] for a run."""
+    points = summary.get("points") or ()
+    ids = [str(p["evaluation_id"]) for p in points
+           if isinstance(p, dict) and p.get("evaluation_id")]
+    return ids if any(i != evaluation_id for i in ids) else []
 
 
 def _system_name(agent: dict[str, Any], device: str) -> str:
@@ -96,6 +115,23 @@ def queries(source: Source, ids: Sequence[str]) -> pd.DataFrame:
         frame[col] = frame[col].astype(np.int64)
     frame["ok"] = frame["ok"].astype(bool)
     frame["latency_ns"] = frame["completed_ns"] - frame["scheduled_ns"]
+    return _with_outcomes(frame)
+
+
+def _with_outcomes(frame: pd.DataFrame) -> pd.DataFrame:
+    """``outcome`` (:class:`mlscope.outcomes.Outcome`) and ``warmup`` on every row.
+
+    Rows stored before outcomes were recorded (no column, or 255) are classified from
+    their times; they cannot tell a refusal from a failure, so both count as failed.
+    """
+    derived = classify(issued=frame["issued_ns"], completed=frame["completed_ns"],
+                       ok=frame["ok"])
+    if "outcome" in frame.columns:
+        stored = frame["outcome"].to_numpy(np.int64)
+        derived = np.where(stored == UNKNOWN_OUTCOME, derived, stored).astype(np.uint8)
+    frame["outcome"] = derived
+    frame["warmup"] = (frame["warmup"].astype(bool) if "warmup" in frame.columns
+                       else np.zeros(len(frame), bool))
     return frame
 
 

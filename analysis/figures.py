@@ -24,8 +24,8 @@ import pandas as pd
 from mlscope.catalog import Catalog
 from mlscope.errors import MLScopeError
 
-__all__ = ["KEY", "accuracy_tradeoff", "across_systems", "max_throughput", "model_sizes",
-           "prefer_valid", "speedup_heatmap"]
+__all__ = ["KEY", "accuracy_tradeoff", "across_systems", "max_throughput", "measured_runs",
+           "model_sizes", "prefer_valid", "speedup_heatmap"]
 
 KEY = ["model", "model_version", "framework", "framework_version", "system"]
 
@@ -37,7 +37,16 @@ def prefer_valid(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.assign(_o=order).sort_values("_o", kind="stable").drop(columns="_o")
 
 
+def measured_runs(summ: pd.DataFrame) -> pd.DataFrame:
+    """Rows of measured runs: a sweep's parent (its summary only) is left out, so each
+    batch size or rate is counted once, from its own run."""
+    if "role" not in summ.columns:
+        return summ
+    return summ[summ["role"].fillna("run") != "sweep"]
+
+
 def _runs(summ: pd.DataFrame, scenario: str, *, valid_only: bool) -> pd.DataFrame:
+    summ = measured_runs(summ)
     runs = summ[summ["scenario"] == scenario]
     runs = runs[runs["valid"].astype(bool)] if valid_only else prefer_valid(runs)
     runs = runs[runs["throughput_ips"].notna()] if scenario == "batched" else runs
@@ -85,7 +94,8 @@ def accuracy_tradeoff(summ: pd.DataFrame, sizes: Mapping[str, int] | None = None
     online = _runs(summ, "online", valid_only=valid_only)
     online = online[online["batch_size"] == 1]
     tput = max_throughput(summ, valid_only=valid_only)
-    acc = prefer_valid(summ[summ["top1"].notna()]).drop_duplicates(KEY, keep="first")
+    measured = measured_runs(summ)
+    acc = prefer_valid(measured[measured["top1"].notna()]).drop_duplicates(KEY, keep="first")
     acc = acc[[*KEY, "top1"]]
     lat = online.drop_duplicates(KEY, keep="first")[[*KEY, "trimmed_mean_ms"]]
     out = acc.merge(lat, on=KEY, how="left").merge(

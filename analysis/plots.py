@@ -18,6 +18,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from analysis.figures import measured_runs
+
 __all__ = ["accuracy_scatter", "latency_cdf", "latency_over_time", "png", "speedup_figure",
            "svg", "throughput_by_batch"]
 
@@ -68,7 +70,8 @@ def latency_over_time(windows: pd.DataFrame, title: str = "") -> Figure:
 def throughput_by_batch(summ: pd.DataFrame) -> Figure:
     """Throughput against batch size, one line per model/framework/system."""
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    runs = summ[summ["scenario"] == "batched"]
+    runs = measured_runs(summ)
+    runs = runs[runs["scenario"] == "batched"]
     for (m, f, s), g in runs.groupby(["model", "framework", "system"]):
         g = g.sort_values("batch_size")
         ax.plot(g["batch_size"], g["throughput_ips"].astype(float), marker="o",

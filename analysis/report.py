@@ -18,8 +18,8 @@ import numpy as np
 import pandas as pd
 
 from analysis import figures, plots
-from analysis.compare import compare_runs
-from analysis.data import queries
+from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
+from analysis.data import evaluations, queries
 from analysis.layers import layer_types, top_layers
 from analysis.source import Source
 from analysis.summary import latency_windows, summary
@@ -52,13 +52,16 @@ def build(source: Source, ids: Sequence[str], *, sizes: Mapping[str, int] | None
           top_n: int = 10) -> Report:
     """The report of evaluations ``ids``: summary, latency, throughput, accuracy,
     layers, and a comparison of each run against the first one."""
-    summ = summary(source, ids)
+    runs = _sweep_runs(source, ids)
+    summ = summary(source, [*ids, *runs])
     sections = [Section("Summary", tables=[("Per-evaluation summary", summ[SUMMARY_VIEW])])]
+    sections[0].notes += [f"{r.evaluation_id} is a sweep: its runs are listed beside it and "
+                          "counted once each" for r in summ.itertuples() if r.role == "sweep"]
     invalid = summ[~summ["valid"].astype(bool)]
     sections[0].notes += [f"{r.evaluation_id} is INVALID: {r.invalid_reasons}"
                           for r in invalid.itertuples()]
     q = queries(source, list(ids))
-    q = q[q["ok"]]
+    q = q[q["ok"] & ~q["warmup"]]
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
     latency = Section("Latency")
     if lat:
@@ -76,13 +79,36 @@ def build(source: Source, ids: Sequence[str], *, sizes: Mapping[str, int] | None
             sections.append(Section(f"Layers of {e}", tables=[
                 (f"Top {top_n} layers by time", top),
                 ("By layer type", layer_types(source, e))]))
-    if len(ids) > 1:
-        rows = [compare_runs(source, ids[0], other).assign(baseline=ids[0], candidate=other)
-                for other in ids[1:]]
-        sections.append(Section(f"Comparison against {ids[0]}", tables=[
-            ("Bootstrap 95% CIs of latency differences (candidate − baseline, ms)",
-             pd.concat(rows, ignore_index=True))]))
+    measured = [e for e in ids if e not in set(summ.loc[summ["role"] == "sweep",
+                                                         "evaluation_id"])]
+    if len(measured) > 1:
+        sections.append(_comparison(source, summ, measured))
     return Report(f"mlscope report: {', '.join(ids)}", sections)
+
+
+def _sweep_runs(source: Source, ids: Sequence[str]) -> list[str]:
+    """The runs of the sweeps among ``ids`` that ``ids`` does not name itself."""
+    ev = evaluations(source, ids)
+    extra = [r for runs in ev["runs"] for r in runs]
+    return [r for r in dict.fromkeys(extra) if r not in set(ids)]
+
+
+def _comparison(source: Source, summ: pd.DataFrame, ids: Sequence[str]) -> Section:
+    """Each run against the first, flagged where they are not comparable."""
+    base = ids[0]
+    sec = Section(f"Comparison against {base}")
+    rows = []
+    for other in ids[1:]:
+        pair = summ[summ["evaluation_id"].isin([base, other])]
+        why = mismatches(pair)
+        if why:
+            sec.notes.append(f"{other} vs {base}: NOT COMPARABLE: " + "; ".join(why))
+        rows.append(compare_runs(source, base, other, check=False).assign(
+            baseline=base, candidate=other, comparable=not why))
+    sec.notes.append(f"Intervals: {SINGLE_RUN_NOTE}.")
+    sec.tables.append(("Bootstrap 95% CIs of latency differences (candidate − baseline, ms)",
+                       pd.concat(rows, ignore_index=True)))
+    return sec
 
 
 def _throughput_sections(summ: pd.DataFrame, sizes: Mapping[str, int] | None,

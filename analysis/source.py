@@ -77,7 +77,10 @@ class BusSource:
             while True:
                 page = (f"SELECT * FROM ({inner}) "
                         f"LIMIT {self.page_rows} OFFSET {offset}")
-                columns, got = await remote.sql(bus, page, parameters, timeout=self.timeout)
+                names, got = await remote.sql(bus, page, parameters, timeout=self.timeout)
+                # An empty last page (rows a multiple of the page size) may name no
+                # columns: the first page's names stand.
+                columns = names or columns
                 rows.extend(got)
                 if len(got) < self.page_rows:
                     break

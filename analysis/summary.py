@@ -16,20 +16,23 @@ import pandas as pd
 
 from analysis.data import evaluations, queries
 from analysis.source import Source
+from mlscope.outcomes import count
 from mlscope.stats import describe_ms, percentiles, trimmed_mean
 
 __all__ = ["SUMMARY_COLUMNS", "latency_windows", "summarize_samples", "summary"]
 
 SUMMARY_COLUMNS = (
     "evaluation_id", "model", "model_version", "framework", "framework_version", "system",
-    "scenario", "batch_size", "trace_level", "valid", "queries", "errors", "samples",
-    "trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "throughput_ips", "top1",
-    "invalid_reasons",
+    "scenario", "batch_size", "trace_level", "valid", "queries", "errors", "not_issued",
+    "samples", "trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "throughput_ips",
+    "top1", "invalid_reasons", "role", "parallel", "requested_qps",
 )
 
 
 def summarize_samples(q: pd.DataFrame) -> dict[str, Any]:
-    """Latency, throughput and accuracy of one evaluation's query rows."""
+    """Latency, throughput and accuracy of one evaluation's query rows (warm-up rows
+    left out; failed / refused / lost / not issued as :mod:`mlscope.outcomes`)."""
+    q = q[~q["warmup"].to_numpy(bool)] if "warmup" in q.columns else q
     ok = q["ok"].to_numpy(bool)
     lat = describe_ms(q["latency_ns"].to_numpy(np.int64)[ok])
     batch = q["batch_size"].to_numpy(np.int64)
@@ -38,11 +41,14 @@ def summarize_samples(q: pd.DataFrame) -> dict[str, Any]:
     issued = issued[issued > 0]
     done = q["completed_ns"].to_numpy(np.int64)
     done = done[done > 0]
+    counts = count(q["outcome"].to_numpy(np.uint8))
     span_s = (float(done.max()) - float(issued.min())) / 1e9 if done.size and issued.size \
         else 0.0
     correct = int(q["correct"].to_numpy(np.int64)[ok].sum()) if "correct" in q else 0
     return {
-        "queries": len(q), "errors": int((~ok).sum()), "samples": samples,
+        "queries": len(q), "errors": counts["errors"], "not_issued": counts["not_issued"],
+        "failed": counts["failed"], "refused": counts["refused"], "lost": counts["lost"],
+        "samples": samples,
         "trimmed_mean_ms": lat["trimmed_mean"], "p50_ms": lat["p50"], "p90_ms": lat["p90"],
         "p99_ms": lat["p99"], "max_ms": lat["max"],
         "throughput_ips": samples / span_s if span_s > 0 else None,
@@ -81,7 +87,7 @@ def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
     q = queries(source, [evaluation_id])
-    q = q[q["ok"]]
+    q = q[q["ok"] & ~q["warmup"]]
     cols = ["window", "start_s", "queries", "trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms"]
     if q.empty:
         return pd.DataFrame(columns=cols)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.loadgen import RunRecord
+from broker.loadgen import ARRAYS, TIME_ARRAYS, RunRecord
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec
@@ -27,8 +27,6 @@ __all__ = ["concat", "reasons", "run"]
 
 PREPARE_TIMEOUT_S = 300.0
 Drive = Callable[[ScenarioSpec], Awaitable[RunRecord]]
-_TIMES = ("scheduled", "issued", "completed", "agent_received", "predict_start",
-          "predict_end", "agent_replied")
 
 
 async def run(bus: Bus, agent_id: str, prepare: dict[str, Any], spec: ScenarioSpec,
@@ -87,11 +85,11 @@ def concat(records: list[RunRecord]) -> RunRecord:
     first = records[0]
     out = RunRecord(n=sum(r.n for r in records), batch_size=first.batch_size)
     out.t0_ns = first.t0_ns
-    for name in (*_TIMES, "ok", "correct", "prediction"):
+    for name in ARRAYS:
         parts = []
         for r in records:
             col = getattr(r, name)
-            if name in _TIMES:  # 0 means "never happened": keep it 0
+            if name in TIME_ARRAYS:  # 0 means "never happened": keep it 0
                 col = np.where(col != 0, col + (r.t0_ns - first.t0_ns), 0)
             parts.append(col)
         setattr(out, name, np.concatenate(parts).astype(getattr(out, name).dtype))
@@ -99,6 +97,7 @@ def concat(records: list[RunRecord]) -> RunRecord:
     for r in records:
         out.errors.update({base + i: e for i, e in r.errors.items()})
         out.not_issued += r.not_issued
+        out.cpu_s += r.cpu_s
         base += r.n
     out.done = sum(r.done for r in records)
     return out

@@ -74,6 +74,14 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             kind LowCardinality(String), shape String, raw String
         ) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, sample)""",
     )),
+    # outcome: mlscope.outcomes.Outcome (ok, failed, refused, lost, not issued);
+    # warmup: 1 for a warm-up query (left out of statistics); paced_ns: when the pacer
+    # thread released the query (issued_ns is when the event loop handed it over).
+    (4, "queries: outcome, warm-up flag, pacer release time", (
+        "ALTER TABLE queries ADD COLUMN IF NOT EXISTS outcome UInt8 DEFAULT 255",
+        "ALTER TABLE queries ADD COLUMN IF NOT EXISTS warmup UInt8 DEFAULT 0",
+        "ALTER TABLE queries ADD COLUMN IF NOT EXISTS paced_ns Int64 DEFAULT 0",
+    )),
 )
 RETAINED = (("spans", "ingested_at"), ("system_samples", "ingested_at"),
             ("agent_history", "toDateTime(at)"))
@@ -82,7 +90,8 @@ SPAN_COLUMNS = ("evaluation_id", "agent_id", "span_id", "parent_id", "query_inde
                 "kind", "name", "start_ns", "end_ns", "host", "attrs", "batch_id")
 QUERY_COLUMNS = ("evaluation_id", "query_index", "batch_size", "scheduled_ns", "issued_ns",
                  "completed_ns", "agent_received_ns", "predict_start_ns", "predict_end_ns",
-                 "agent_replied_ns", "ok", "error", "label", "prediction")
+                 "agent_replied_ns", "ok", "error", "label", "prediction", "outcome",
+                 "warmup", "paced_ns")
 SAMPLE_COLUMNS = ("evaluation_id", "agent_id", "host", "ts_ns", "metric", "device", "value",
                   "batch_id")
 AGENT_HISTORY_COLUMNS = ("agent_id", "revision", "at", "event", "host", "pid", "frameworks",

@@ -36,7 +36,7 @@ import anyio
 import numpy as np
 
 from broker import schedule
-from broker.loadgen import Driver, RunRecord, encode_query
+from broker.loadgen import ARRAYS, Driver, RunRecord, encode_query
 from broker.schedule import Schedule
 from mlscope import bus as busmod
 from mlscope import codec
@@ -52,8 +52,6 @@ __all__ = ["ARRAYS", "main", "run_dealt"]
 START_LEAD_S = 0.2
 PROGRESS_S = 0.5
 READY_TIMEOUT_S = 60.0
-ARRAYS = ("scheduled", "issued", "completed", "agent_received", "predict_start",
-          "predict_end", "agent_replied", "ok", "correct", "prediction")
 
 
 async def run_dealt(ctx: Context, spec: ScenarioSpec, sched: Schedule,
@@ -174,6 +172,7 @@ def _load(path: Path) -> tuple[RunRecord, dict[int, str]]:
         for name in ARRAYS:
             setattr(rec, name, z[name])
         rec.t0_ns, rec.not_issued = int(z["t0_ns"]), int(z["not_issued"])
+        rec.cpu_s = float(z["cpu_s"])
         errors = {int(i): str(m) for i, m in zip(z["error_index"], z["error_message"],
                                                   strict=True)}
     rec.errors = errors
@@ -189,6 +188,7 @@ def _merge(parts: list[Schedule], results: list[tuple[RunRecord, dict[int, str]]
     for name in ARRAYS:
         setattr(out, name, schedule.merge_values(parts, [getattr(r, name) for r in recs]))
     out.not_issued = sum(r.not_issued for r in recs)
+    out.cpu_s = sum(r.cpu_s for r in recs)
     out.done = sum(int(np.count_nonzero(r.completed)) for r in recs)
     for part, (_, errs) in zip(parts, results, strict=True):
         out.errors.update({int(part.index[i]): m for i, m in errs.items()})
@@ -234,6 +234,7 @@ async def _child(cfg: dict[str, Any]) -> None:
     errs = sorted(rec.errors.items())
     np.savez(f"{base}-result.npz", **{name: getattr(rec, name) for name in ARRAYS},
              batch_size=rec.batch_size, t0_ns=rec.t0_ns, not_issued=rec.not_issued,
+             cpu_s=rec.cpu_s,
              error_index=np.asarray([i for i, _ in errs], np.int64),
              error_message=np.asarray([m for _, m in errs], dtype=str))
 

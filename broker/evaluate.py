@@ -19,6 +19,7 @@ import mlscope
 from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.loadgen import RunRecord, estimate_offset
+from broker.summary import LoadgenCost
 from mlscope import codec, names
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
@@ -111,8 +112,22 @@ class Evaluator:
     zoo_dir: Path
     policy: ValidityPolicy = field(default_factory=ValidityPolicy)
 
+    host_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    """One measurement at a time: every run of this server shares its host (the load
+    generator runs here), so jobs run one after another unless they opt out with
+    ``parallel`` (and are marked so)."""
+
     async def run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
                   progress: Progress) -> EvaluationSummary:
+        """Prepare the agent, drive the scenario, summarize and store (serialized with
+        this server's other runs unless ``job.parallel``)."""
+        if job.parallel:
+            return await self._run(job, agent, entry, progress)
+        async with self.host_lock:
+            return await self._run(job, agent, entry, progress)
+
+    async def _run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
+                   progress: Progress) -> EvaluationSummary:
         eval_id = new_id("ev")
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
@@ -128,7 +143,8 @@ class Evaluator:
         ctx = scenarios.Context(
             bus=self.bus, evaluation_id=eval_id, subject=names.agent_query(agent.agent_id),
             trace_level=level, offset_ns=offset,
-            feeders=lambda b: _feeders(data, shape, b, spec.seed), policy=self.policy,
+            feeders=lambda b: _scored(_feeders(data, shape, b, spec.seed), m),
+            policy=self.policy,
             on_progress=lambda rec, el: progress(eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
             agent_id=agent.agent_id, prepare=prepare)
@@ -140,6 +156,7 @@ class Evaluator:
             await request(self.bus, names.agent_ctl(agent.agent_id),
                           codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5)
         fw = next(x for x in agent.frameworks if x.name == job.framework)
+        cost = LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
 
         def summarize(run: scenarios.Run, reasons: tuple[str, ...] = (),
                       **extra: Any) -> EvaluationSummary:
@@ -150,9 +167,15 @@ class Evaluator:
                 framework={"name": fw.name, "version": fw.version}, agent_id=agent.agent_id,
                 host=agent.host, device=job.device, scenario=run.spec.model_dump(),
                 trace_level=level.name.lower(), queries=f.queries, samples=f.samples,
-                errors=f.errors, not_issued=f.not_issued, duration_s=f.duration_s,
+                errors=f.errors, not_issued=f.not_issued, failed=f.outcomes["failed"],
+                refused=f.outcomes["refused"], lost=f.outcomes["lost"],
+                warmup_queries=f.warmup_queries, duration_s=f.duration_s,
                 requested_qps=run.requested_qps,
                 scheduled_qps=f.scheduled_qps, achieved_qps=f.achieved_qps,
+                completed_qps=f.completed_qps, backlog_s=f.backlog_s,
+                issue_lag_split_us=f.issue_lag_split_us,
+                loadgen_cost=cost.facts(f), parallel=job.parallel,
+                warnings=cost.warnings(f, parallel=job.parallel),
                 latency_ms=f.latency_ms, issue_lag_us=f.issue_lag_us,
                 throughput_ips=f.throughput_ips,
                 accuracy=({"top1": f.top1} if f.top1 is not None else None),
@@ -166,6 +189,8 @@ class Evaluator:
 
         main = outcome.main
         # A sweep or search of one run is that run: it is stored once, as the parent.
+        # Of several, each run is stored on its own and the parent holds only the
+        # summary (its figures those of the best run, and no query rows).
         separate = outcome.points if len(outcome.points) > 1 else []
         points = [r.point() if separate else {**r.point(), "evaluation_id": eval_id}
                   for r in outcome.points]
@@ -180,7 +205,8 @@ class Evaluator:
         spec_doc = _specification(job, agent, entry, prep)
         for run in separate:  # each run of a sweep or search, on its own
             await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
-        await anyio.to_thread.run_sync(self._store, summary, main.record, spec_doc)
+        await anyio.to_thread.run_sync(self._store, summary,
+                                       None if separate else main.record, spec_doc)
         if acc is not None:
             await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, eval_id, acc)
         return summary
@@ -199,19 +225,24 @@ class Evaluator:
             x=data[0], y=data[1], batch_size=job.scenario.batch_size,
             kind=accuracy.output_kind(entry.manifest), limit=job.accuracy_samples)
 
-    def _store(self, s: EvaluationSummary, rec: RunRecord, spec_doc: dict[str, Any]) -> None:
-        err = [rec.errors.get(i, "") for i in range(rec.n)]
-        cols: list[Any] = [[s.evaluation_id] * rec.n, np.arange(rec.n, dtype=np.uint32),
+    def _store(self, s: EvaluationSummary, rec: RunRecord | None,
+               spec_doc: dict[str, Any]) -> None:
+        """The evaluation row, and its query rows when ``rec`` is given (a sweep's
+        parent has none: its runs are stored on their own)."""
+        if rec is not None and rec.n:
+            err = [rec.errors.get(i, "") for i in range(rec.n)]
+            cols: list[Any] = [
+                [s.evaluation_id] * rec.n, np.arange(rec.n, dtype=np.uint32),
                 [rec.batch_size] * rec.n, rec.scheduled, rec.issued, rec.completed,
                 rec.agent_received, rec.predict_start, rec.predict_end, rec.agent_replied,
-                rec.ok, err, rec.correct, rec.prediction]
-        if rec.n:
+                rec.ok, err, rec.correct, rec.prediction, rec.outcomes(),
+                (~rec.measured()).astype(np.uint8), rec.paced]
             self.db.insert("queries", [list(c) for c in cols], QUERY_COLUMNS)
         row = [s.evaluation_id, s.job_id, spec_doc["job"].get("rerun_of") or "",
                datetime.fromtimestamp(s.started_at, UTC), s.model["name"],
                s.model["version"], s.framework["name"], s.framework["version"], s.agent_id,
                s.host, s.device, str(s.scenario["name"]), s.trace_level, s.status,
-               int(s.valid), rec.t0_ns, s.clock_offset_ns,
+               int(s.valid), rec.t0_ns if rec is not None else 0, s.clock_offset_ns,
                json.dumps(spec_doc, default=str), s.model_dump_json(by_alias=True)]
         self.db.insert("evaluations", [[v] for v in row], EVALUATION_COLUMNS)
 
@@ -241,6 +272,14 @@ def _feeders(data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...],
         return perm[(np.arange(batch) + i * batch) % len(perm)]
 
     return (lambda i: x[idx(i)]), (lambda i: y[idx(i)])
+
+
+def _scored(feeders: tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None],
+            m: Any) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
+    """Labels only for a model scored by top-k: a detector's or a latency-only model's
+    top-1 would be a meaningless number (it shows none)."""
+    scored = m.dataset is not None and m.dataset.metric in ("top1", "top5")
+    return feeders if scored else (feeders[0], None)
 
 
 def _specification(job: JobRequest, agent: AgentDescription, entry: Entry,

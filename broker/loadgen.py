@@ -38,11 +38,12 @@ from broker.schedule import Schedule
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.contracts import Query, ScenarioSpec, TraceLevel, new_id
-from mlscope.errors import EvaluationError
+from mlscope.errors import EvaluationError, OverloadedError
+from mlscope.outcomes import classify
 from mlscope.stats import percentile
 
-__all__ = ["CLOSED_LOOPS", "Driver", "RunRecord", "encode_query", "estimate_offset",
-           "running", "running_p50_ms", "wait_idle"]
+__all__ = ["ARRAYS", "CLOSED_LOOPS", "TIME_ARRAYS", "Driver", "RunRecord", "encode_query",
+           "estimate_offset", "running", "running_p50_ms", "wait_idle"]
 
 now = time.perf_counter_ns
 DRAIN_TIMEOUT_S = 10.0
@@ -55,14 +56,30 @@ and nats-server (the system under test)."""
 CLOSED_LOOPS = frozenset({"single-stream", "concurrency", "batched"})
 
 
+TIME_ARRAYS = ("scheduled", "paced", "issued", "completed", "agent_received",
+               "predict_start", "predict_end", "agent_replied")
+"""Per-query times (ns from t0, 0 where it did not happen)."""
+ARRAYS = (*TIME_ARRAYS, "ok", "refused", "correct", "prediction")
+"""Every per-query array of a :class:`RunRecord`."""
+_DTYPES = {"ok": np.uint8, "refused": np.uint8, "correct": np.int32, "prediction": np.int32}
+
+
 @dataclass
 class RunRecord:
-    """Raw per-query samples of one run (ns, load-generator clock, relative to t0)."""
+    """Raw per-query samples of one run (ns, load-generator clock, relative to t0).
+
+    ``paced``: when the pacer thread released the query; ``issued``: when the event
+    loop handed it to the bus client (the issue time every figure uses); a closed loop
+    stamps both at once. ``refused``: the agent answered "overloaded". The first
+    ``warmup`` queries are warm-up (kept, flagged, left out of statistics).
+    """
 
     n: int
     batch_size: int
     t0_ns: int = 0
+    warmup: int = 0
     scheduled: np.ndarray = field(init=False)
+    paced: np.ndarray = field(init=False)
     issued: np.ndarray = field(init=False)
     completed: np.ndarray = field(init=False)
     agent_received: np.ndarray = field(init=False)
@@ -70,26 +87,46 @@ class RunRecord:
     predict_end: np.ndarray = field(init=False)
     agent_replied: np.ndarray = field(init=False)
     ok: np.ndarray = field(init=False)
+    refused: np.ndarray = field(init=False)
     correct: np.ndarray = field(init=False)
     prediction: np.ndarray = field(init=False)
     errors: dict[int, str] = field(default_factory=dict)
     not_issued: int = 0
     done: int = 0
+    cpu_s: float = 0.0
+    """CPU time (s) the load generator's process used during the run."""
 
     def __post_init__(self) -> None:
-        for name in ("scheduled", "issued", "completed", "agent_received", "predict_start",
-                     "predict_end", "agent_replied"):
-            setattr(self, name, np.zeros(self.n, np.int64))
-        self.ok = np.zeros(self.n, np.uint8)
-        self.correct = np.zeros(self.n, np.int32)
-        self.prediction = np.full(self.n, -1, np.int32)
+        for name in ARRAYS:
+            setattr(self, name, np.zeros(self.n, _DTYPES.get(name, np.int64)))
+        self.prediction[:] = -1
 
     def trim(self, count: int) -> None:
         """Keep the first ``count`` queries (a closed loop stops when time is up)."""
-        for name in ("scheduled", "issued", "completed", "agent_received", "predict_start",
-                     "predict_end", "agent_replied", "ok", "correct", "prediction"):
+        for name in ARRAYS:
             setattr(self, name, getattr(self, name)[:count])
         self.n = count
+
+    def grow(self) -> None:
+        """Double the room for queries (a closed loop that outran its first estimate)."""
+        for name in ARRAYS:
+            old = getattr(self, name)
+            new = np.zeros(max(2 * self.n, 1), old.dtype)
+            if name == "prediction":
+                new[:] = -1
+            new[: self.n] = old
+            setattr(self, name, new)
+        self.n = max(2 * self.n, 1)
+
+    def outcomes(self) -> np.ndarray:
+        """Each query's :class:`mlscope.outcomes.Outcome`."""
+        return classify(issued=self.issued, completed=self.completed, ok=self.ok,
+                        refused=self.refused)
+
+    def measured(self) -> np.ndarray:
+        """Mask of the queries statistics count: all but the warm-up."""
+        mask: np.ndarray = np.arange(self.n) >= self.warmup
+        return mask
 
 
 async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[int, int]:
@@ -235,6 +272,7 @@ class Driver:
             i = self._local(int(data["error"].get("fields", {}).get("index", -1)))
             if i >= 0 and rec.completed[i] == 0:
                 rec.errors[i] = data["error"]["message"]
+                rec.refused[i] = data["error"].get("code") == OverloadedError.code
                 self._complete(rec, i, t)
             return
         # Hot path: the reply's fields read straight from the decoded mapping.
@@ -276,6 +314,7 @@ class Driver:
     async def run(self) -> RunRecord:
         sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_reply)
         _enter()
+        cpu0 = time.process_time()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._progress)
@@ -286,6 +325,7 @@ class Driver:
                 else:
                     raise EvaluationError(f"scenario {self.spec.name!r} needs a schedule")
                 tg.cancel_scope.cancel()
+            rec.cpu_s = time.process_time() - cpu0
         finally:
             _leave()
             await sub.unsubscribe()
@@ -298,8 +338,14 @@ class Driver:
                 await self.on_progress(self.record, (now() - self.record.t0_ns) / 1e9)
 
     async def _send(self, indices: range, payloads: list[bytes]) -> None:
+        """Hand due queries to the bus client; each one's issue time is stamped here, so
+        issue lag holds the pacer's part and the event loop's (``paced`` -> ``issued``)."""
         publish, subject, inbox = self.bus.nc.publish, self.subject, self.inbox
+        rec = self.record
+        assert rec is not None
+        issued, t0 = rec.issued, rec.t0_ns
         for i in indices:
+            issued[i] = max(now() - t0, 1)
             await publish(subject, payloads[i], reply=inbox)
 
     def _index(self, sched: Schedule) -> None:
@@ -353,7 +399,7 @@ class Driver:
             pacer.start()
             try:
                 result = await anyio.to_thread.run_sync(pacer.join)
-                rec.issued[:] = result.issued_ns
+                rec.paced[:] = result.issued_ns
                 rec.not_issued = len(result.not_issued)  # counted, never silently dropped
                 with anyio.move_on_after(DRAIN_TIMEOUT_S):
                     if self._outstanding > 0:
@@ -369,9 +415,9 @@ class Driver:
     async def _closed_loop(self) -> RunRecord:
         """``spec.concurrency`` queries in flight until ``duration_s`` (or max_queries)."""
         s = self.spec
-        cap = s.max_queries or 10_000_000
-        budget = min(cap, max(s.concurrency, int(s.duration_s * 20_000)))
-        rec = self.record = RunRecord(n=budget, batch_size=s.batch_size)
+        cap = s.max_queries or 2**31
+        rec = self.record = RunRecord(n=min(cap, max(s.concurrency, 1024)),
+                                      batch_size=s.batch_size)
         loop = asyncio.get_running_loop()
         rec.t0_ns = now()
         deadline = rec.t0_ns + int(s.duration_s * 1e9)
@@ -380,14 +426,16 @@ class Driver:
 
         async def stream() -> None:
             nonlocal count, stalled
-            while count < rec.n and now() < deadline and not stalled:
+            while count < cap and now() < deadline and not stalled:
                 i = count
                 count += 1
+                if i >= rec.n:  # the run outlasts the room: grow, never stop early
+                    rec.grow()
                 payload = self.payload(i)
                 fut: asyncio.Future[None] = loop.create_future()
                 self._waiters[i] = fut
                 t = now() - rec.t0_ns
-                rec.scheduled[i] = rec.issued[i] = t
+                rec.scheduled[i] = rec.paced[i] = rec.issued[i] = t
                 self._outstanding += 1
                 await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
                 with anyio.move_on_after(DRAIN_TIMEOUT_S):

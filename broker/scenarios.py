@@ -91,7 +91,9 @@ class Run:
         """This run as one entry of a summary's ``points``."""
         f = self.figures
         return {"evaluation_id": self.evaluation_id, "qps": self.requested_qps,
-                "batch_size": self.spec.batch_size, "achieved_qps": f.achieved_qps,
+                "batch_size": self.spec.batch_size, "scheduled_qps": f.scheduled_qps,
+                "achieved_qps": f.achieved_qps, "completed_qps": f.completed_qps,
+                "backlog_s": f.backlog_s,
                 "throughput_ips": f.throughput_ips, "latency_ms": f.latency_ms.model_dump(),
                 "issue_lag_us": f.issue_lag_us, "valid": self.verdict.valid,
                 "invalid_reasons": list(self.verdict.reasons)}
@@ -166,11 +168,12 @@ async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
                             trace_level=ctx.trace_level, offset_ns=ctx.offset_ns,
                             on_progress=ctx.on_progress, schedule=sched)
             rec = await driver.run()
-    requested = _requested(spec)
+    rec.warmup = min(spec.warmup_queries, rec.n)
+    requested, closed = _requested(spec), spec.name in CLOSED_LOOPS
     verdict = judge(rec, spec, ctx.policy, window_s=window, requested_rate=requested,
-                    poisson=spec.name in POISSON)
-    return Run(evaluation_id, spec, rec, figures(rec, has_labels=labels is not None), verdict,
-               latency_split(rec), requested)
+                    poisson=spec.name in POISSON, open_loop=not closed)
+    fig = figures(rec, has_labels=labels is not None, window_s=None if closed else window)
+    return Run(evaluation_id, spec, rec, fig, verdict, latency_split(rec), requested)
 
 
 async def execute(ctx: Context, spec: ScenarioSpec) -> Outcome:

@@ -4,10 +4,18 @@ Every statistic comes from :mod:`mlscope.stats`; every verdict from
 :func:`mlscope.validity.verdict`. Definitions:
 
 * latency = completed - scheduled (so a late issue counts against the system);
-* issue lag = issued - scheduled, over issued queries;
-* achieved rate = issued queries / last issue offset, scheduled rate the same over
-  scheduled offsets (:func:`mlscope.validity.achieved_rate`); the verdict compares them;
-* throughput = samples answered / (last completion - first issue).
+* issue lag = issued - scheduled, over issued queries, where *issued* is when the
+  event loop handed the query to the bus client; its parts ``pacer`` (scheduled ->
+  released by the pacer thread) and ``loop`` (released -> handed over) are reported
+  apart (``issue_lag_split_us``);
+* offered (scheduled), issued (achieved) and completed rates = queries / last offset
+  of their scheduled, issue and answer times (:func:`mlscope.validity.achieved_rate`);
+  ``backlog_s``: queries arrived and unanswered at the end of an open loop's window,
+  in seconds of offered load (:func:`mlscope.validity.backlog_s`);
+* failed / refused / lost / not issued: :mod:`mlscope.outcomes` (``errors`` is the
+  first three);
+* throughput = samples answered / (last completion - first issue);
+* the first ``warmup_queries`` queries are left out of every figure and rule.
 
 Latency split (per completed query, ms), from the agent's timestamps converted to the
 load-generator clock with the stored clock offset:
@@ -26,31 +34,50 @@ load-generator clock with the stored clock offset:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from broker.loadgen import RunRecord
 from mlscope.contracts import LatencyStats, ScenarioSpec
+from mlscope.outcomes import count
 from mlscope.stats import describe_ms, percentiles
-from mlscope.validity import ValidityPolicy, Verdict, achieved_rate, verdict
+from mlscope.validity import ValidityPolicy, Verdict, achieved_rate, backlog_s, verdict
 
-__all__ = ["Figures", "figures", "judge", "latency_split", "policy_for"]
+__all__ = ["LOADGEN_BUSY_WARN", "Figures", "LoadgenCost", "figures", "issue_lag_split", "judge",
+           "latency_split", "policy_for"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Figures:
     queries: int
+    """Every query of the run, warm-up included."""
+    warmup_queries: int
     samples: int
-    errors: int
-    not_issued: int
+    outcomes: dict[str, int]
+    """:func:`mlscope.outcomes.count` of the measured (non-warm-up) queries."""
     duration_s: float
     scheduled_qps: float | None
     achieved_qps: float | None
+    completed_qps: float | None
+    backlog_s: float | None
     latency_ms: LatencyStats
     issue_lag_us: dict[str, float | None]
+    issue_lag_split_us: dict[str, dict[str, float | None]]
     throughput_ips: float | None
     top1: float | None
+    loadgen_cpu_us_per_query: float | None
+
+    @property
+    def errors(self) -> int:
+        return self.outcomes["errors"]
+
+    @property
+    def not_issued(self) -> int:
+        return self.outcomes["not_issued"]
 
 
 def _issued_mask(rec: RunRecord) -> np.ndarray:
@@ -58,42 +85,108 @@ def _issued_mask(rec: RunRecord) -> np.ndarray:
     return mask
 
 
-def figures(rec: RunRecord, *, has_labels: bool) -> Figures:
-    ok = rec.ok.astype(bool)
-    issued_mask = _issued_mask(rec)
+def _lag_stats(lag_ns: np.ndarray) -> dict[str, float | None]:
+    us = lag_ns / 1e3
+    p50, p90, p99, p999 = percentiles(us, [50, 90, 99, 99.9])
+    return {"p50": p50, "p90": p90, "p99": p99, "p99.9": p999,
+            "min": float(us.min()) if us.size else None,
+            "max": float(us.max()) if us.size else None}
+
+
+def issue_lag_split(rec: RunRecord) -> dict[str, dict[str, float | None]]:
+    """Issue lag in its two parts (µs): ``pacer`` = scheduled -> released by the pacer
+    thread, ``loop`` = released -> handed to the bus client on the event loop."""
+    m = rec.measured() & (rec.paced > 0) & (rec.issued > 0)
+    return {"pacer": _lag_stats((rec.paced - rec.scheduled)[m]),
+            "loop": _lag_stats((rec.issued - rec.paced)[m])}
+
+
+def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) -> Figures:
+    """The figures of one run; ``window_s`` is an open loop's load window (None for a
+    closed loop, which has no backlog). Warm-up queries are left out of every figure."""
+    meas = rec.measured()
+    ok = rec.ok.astype(bool) & meas
+    issued_mask = _issued_mask(rec) & meas
     issued = rec.issued[issued_mask]
     lat_ns = (rec.completed - rec.scheduled)[ok]
-    lag_ns = (rec.issued - rec.scheduled)[issued_mask]
-    lag50, lag90, lag99, lag999 = percentiles(lag_ns / 1e3, [50, 90, 99, 99.9])
     samples = int(ok.sum()) * rec.batch_size
-    end = rec.completed[rec.completed > 0]
-    duration = float(end.max() - rec.scheduled.min()) / 1e9 if end.size else 0.0
+    end = rec.completed[(rec.completed > 0) & meas]
+    duration = float(end.max() - rec.scheduled[meas].min()) / 1e9 if end.size else 0.0
     first_issue = float(issued.min()) if issued.size else 0.0
     tput_span = (float(end.max()) - first_issue) / 1e9 if end.size else 0.0
-    sched_rate, ach_rate = achieved_rate(rec.scheduled), achieved_rate(issued)
+    sched_rate, ach_rate = achieved_rate(rec.scheduled[meas]), achieved_rate(issued)
+    done_rate = achieved_rate(rec.completed[ok])
+    counts = count(rec.outcomes()[meas])
     return Figures(
-        queries=rec.n, samples=samples, errors=errors(rec),
-        not_issued=rec.not_issued,
-        duration_s=duration,
+        queries=rec.n, warmup_queries=int(rec.n - meas.sum()), samples=samples,
+        outcomes=counts, duration_s=duration,
         scheduled_qps=sched_rate or None, achieved_qps=ach_rate or None,
+        completed_qps=done_rate or None,
+        backlog_s=(backlog_s(rec.scheduled, np.where(rec.ok.astype(bool), rec.completed, 0),
+                             window_s) if window_s is not None else None),
         latency_ms=LatencyStats(**describe_ms(lat_ns)),
-        issue_lag_us={"p50": lag50, "p90": lag90, "p99": lag99, "p99.9": lag999,
-                      "min": float(lag_ns.min() / 1e3) if lag_ns.size else None,
-                      "max": float(lag_ns.max() / 1e3) if lag_ns.size else None},
+        issue_lag_us=_lag_stats((rec.issued - rec.scheduled)[issued_mask]),
+        issue_lag_split_us=issue_lag_split(rec),
         throughput_ips=samples / tput_span if tput_span > 0 else None,
-        top1=float(rec.correct.sum()) / samples if has_labels and samples else None,
+        top1=float(rec.correct[ok].sum()) / samples if has_labels and samples else None,
+        loadgen_cpu_us_per_query=(rec.cpu_s / issued.size * 1e6
+                                  if issued.size and rec.cpu_s > 0 else None),
     )
 
 
 def errors(rec: RunRecord) -> int:
-    """Queries that failed, plus those issued that never got an answer."""
-    lost = int(np.count_nonzero(_issued_mask(rec) & (rec.completed == 0)))
-    return len(rec.errors) + lost
+    """Measured queries issued and not answered with outputs: failed, refused or lost."""
+    return count(rec.outcomes()[rec.measured()])["errors"]
+
+
+LOADGEN_BUSY_WARN = 0.05
+"""Fraction of one core the load generator may use on the agent's host unwarned."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadgenCost:
+    """The load generator's own cost, and whether it shared the agent's cores."""
+
+    agent_host: str
+    loadgens: int = 1
+    host: str = field(default_factory=socket.gethostname)
+    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    @property
+    def shared_host(self) -> bool:
+        return self.host == self.agent_host
+
+    def busy(self, f: Figures) -> float | None:
+        """Cores the load generator kept busy on average (CPU per query × issue rate)."""
+        rate = f.achieved_qps or f.completed_qps
+        if f.loadgen_cpu_us_per_query is None or not rate:
+            return None
+        return f.loadgen_cpu_us_per_query * rate / 1e6
+
+    def facts(self, f: Figures) -> dict[str, Any]:
+        """The summary's ``loadgen_cost``."""
+        return {"cpu_us_per_query": f.loadgen_cpu_us_per_query, "busy_cores": self.busy(f),
+                "host": self.host, "host_cores": self.cores, "loadgens": self.loadgens,
+                "shared_host": self.shared_host}
+
+    def warnings(self, f: Figures, *, parallel: bool) -> tuple[str, ...]:
+        """What may have disturbed the measurement (the summary's ``warnings``)."""
+        out = []
+        busy = self.busy(f)
+        if self.shared_host and busy is not None and busy >= LOADGEN_BUSY_WARN:
+            out.append(
+                f"the load generator shared the agent's host ({self.host}, {self.cores} "
+                f"cores) and used {f.loadgen_cpu_us_per_query:.0f} µs CPU per query "
+                f"({busy:.0%} of a core): it may have slowed the system under test")
+        if parallel:
+            out.append("run with --parallel: other evaluations may have shared its hosts "
+                       "while it ran")
+        return tuple(out)
 
 
 def latency_split(rec: RunRecord) -> dict[str, dict[str, float | None]]:
     """p50 / p99 / mean in ms of each stage of a completed query (see module doc)."""
-    ok = rec.ok.astype(bool)
+    ok = rec.ok.astype(bool) & rec.measured()
     if not ok.any():
         return {}
     sched, issued, done = rec.scheduled[ok], rec.issued[ok], rec.completed[ok]
@@ -141,16 +234,20 @@ def policy_for(spec: ScenarioSpec, base: ValidityPolicy) -> ValidityPolicy:
 
 
 def judge(rec: RunRecord, spec: ScenarioSpec, policy: ValidityPolicy, *, window_s: float,
-          requested_rate: float | None, poisson: bool) -> Verdict:
+          requested_rate: float | None, poisson: bool, open_loop: bool = True) -> Verdict:
     """The verdict on one run (:func:`mlscope.validity.verdict` over its raw arrays).
 
     ``window_s``: how long the load ran (the schedule's window for an open loop, the
-    time to the last completion for a closed one), held to ``min_duration_s``.
+    time to the last completion for a closed one), held to ``min_duration_s``. An open
+    loop is also judged for overload. Warm-up queries are left out of every rule.
     """
+    meas = rec.measured()
     ok = rec.ok.astype(bool)
     issued = np.where(_issued_mask(rec), np.maximum(rec.issued, 1), 0)
     return verdict(
-        scheduled_ns=rec.scheduled, issued_ns=issued,
-        latency_ns=(rec.completed - rec.scheduled)[ok], errors=errors(rec),
+        scheduled_ns=rec.scheduled[meas], issued_ns=issued[meas],
+        latency_ns=(rec.completed - rec.scheduled)[ok & meas],
+        outcomes=count(rec.outcomes()[meas]),
+        completed_ns=np.where(ok, rec.completed, 0)[meas] if open_loop else None,
         requested_rate=requested_rate, poisson=poisson, duration_s=window_s,
         policy=policy_for(spec, policy))

@@ -43,8 +43,9 @@ def matching_agents(job: JobRequest, agents: list[AgentDescription], *,
 async def submit_all(settings: Settings, job: JobRequest, *, any_framework: bool = False,
                      timeout: float | None = None
                      ) -> list[EvaluationSummary | MLScopeError]:
-    """Submit one copy of ``job`` per matching agent, concurrently; one result each
-    (the summary, or the typed error that evaluation failed with)."""
+    """Submit one copy of ``job`` per matching agent; one result each (the summary, or
+    the typed error that evaluation failed with). Agents on different hosts run at once;
+    agents sharing a host one after another, unless ``job.parallel``."""
     async with busmod.connect(settings, name="mlscope-submit --all-agents") as bus:
         agents = await list_agents(bus)
     targets = matching_agents(job, agents, any_framework=any_framework)
@@ -62,9 +63,17 @@ async def submit_all(settings: Settings, job: JobRequest, *, any_framework: bool
         except MLScopeError as exc:
             results[i] = exc
 
+    lanes: dict[str, list[int]] = {}
+    for i, (agent, _) in enumerate(targets):
+        lanes.setdefault(str(i) if job.parallel else agent.host, []).append(i)
+
+    async def lane(indices: list[int]) -> None:
+        for i in indices:
+            await one(i, *targets[i])
+
     async with anyio.create_task_group() as tg:
-        for i, (agent, framework) in enumerate(targets):
-            tg.start_soon(one, i, agent, framework)
+        for indices in lanes.values():
+            tg.start_soon(lane, indices)
     return [r for r in results if r is not None]
 
 

@@ -17,9 +17,10 @@ import nats.js.errors
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, new_id
 from mlscope.errors import BusError, ConfigError, MLScopeError, error_from_wire
 from mlscope.settings import Settings
+from mlscope.stats import mean_ci
 
 __all__ = ["main", "submit"]
 
@@ -69,6 +70,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--trace-level", default="model",
                    choices=["none", "model", "framework", "system", "full"])
+    p.add_argument("--warmup-queries", type=int, default=None,
+                   help="the first N queries warm up: run, stored (flagged), left out of "
+                        "every figure")
+    p.add_argument("--parallel", action="store_true",
+                   help="let evaluations that share a host run at the same time (by "
+                        "default they run one after another); results are marked")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the scenario N times, one after another; prints run-level "
+                        "statistics (mean and 95%% CI over runs)")
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
     p.add_argument("--all-agents", action="store_true",
                    help="one evaluation on every live agent that serves the model; "
@@ -90,14 +100,16 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
                              if args.batch_sizes else None),
              "arrivals_s": read_arrivals(args.schedule) if args.schedule else None,
              "repetitions": getattr(args, "repetitions", None),
-             "warm_queries": getattr(args, "warm_queries", None)}
+             "warm_queries": getattr(args, "warm_queries", None),
+             "warmup_queries": getattr(args, "warmup_queries", None)}
     return JobRequest(
         model=name, model_version=version or None, framework=framework or args.framework,
         framework_version=args.framework_version, device=args.device, agent_id=args.agent_id,
         scenario=scenario_spec(args.scenario_file, flags),
         trace_level=args.trace_level, submitted_at=time.time(),
         accuracy=getattr(args, "accuracy", False),
-        accuracy_samples=getattr(args, "accuracy_samples", None))
+        accuracy_samples=getattr(args, "accuracy_samples", None),
+        parallel=getattr(args, "parallel", False))
 
 
 async def submit(settings: Settings, job: JobRequest, *, on_event: object = None,
@@ -171,16 +183,31 @@ def format_summary(s: EvaluationSummary) -> str:
         ("scenario", f"{s.scenario['name']} batch={s.scenario['batch_size']} "
                      f"seed={s.scenario['seed']}"),
         ("verdict", verdict),
-        ("queries", f"{s.queries} ({s.samples} samples, {s.errors} errors, "
-                    f"{s.not_issued} not issued) in {s.duration_s:.2f} s"),
-        ("rate", f"requested {f(s.requested_qps, '', 1)} / scheduled "
-                 f"{f(s.scheduled_qps, '', 1)} / achieved {f(s.achieved_qps, '', 1)} QPS"),
+        ("queries", f"{s.queries} ({s.samples} samples; {s.failed} failed, {s.refused} "
+                    f"refused, {s.lost} lost, {s.not_issued} not issued"
+                    + (f"; {s.warmup_queries} warm-up" if s.warmup_queries else "")
+                    + f") in {s.duration_s:.2f} s"),
+        ("rate", f"requested {f(s.requested_qps, '', 1)} / offered "
+                 f"{f(s.scheduled_qps, '', 1)} / issued {f(s.achieved_qps, '', 1)} / "
+                 f"completed {f(s.completed_qps, '', 1)} QPS"
+                 + (f"; backlog {s.backlog_s:.3g} s" if s.backlog_s is not None else "")),
         ("latency ms", f"trimmed mean {f(lat.trimmed_mean)}  p50 {f(lat.p50)}  p90 "
                        f"{f(lat.p90)}  p99 {f(lat.p99)}  max {f(lat.max)}"),
         ("issue lag µs", f"p50 {f(lag.get('p50'), '', 1)}  p99 {f(lag.get('p99'), '', 1)}  "
                          f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}"),
         ("throughput", f"{f(s.throughput_ips, '', 1)} inputs/s"),
     ]
+    split = s.issue_lag_split_us or {}
+    if split:
+        rows.append(("  lag parts", "  ".join(
+            f"{k} p99 {f(v.get('p99'), '', 1)} max {f(v.get('max'), '', 1)}"
+            for k, v in split.items())))
+    cost = s.loadgen_cost or {}
+    if cost.get("cpu_us_per_query") is not None:
+        rows.append(("loadgen", f"{cost['cpu_us_per_query']:.0f} µs CPU per query on "
+                                f"{cost.get('host')}"
+                                + (" (the agent's host)" if cost.get("shared_host") else "")))
+    rows += [("WARNING", w) for w in s.warnings]
     if s.accuracy:
         rows.append(("accuracy", "  ".join(f"{k} {v:.4f}" for k, v in s.accuracy.items())))
     if s.latency_split_ms:
@@ -216,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_all_agents(args, settings)
     if "," in args.framework:
         return _main_many(args, settings)
+    if args.repeat > 1:
+        return _main_repeat(args, settings)
     try:
         job = make_job(args)
         show = None if args.json or not sys.stderr.isatty() else _progress
@@ -232,6 +261,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:
         print(format_summary(summary))
+    return 0
+
+
+def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, float | None]]:
+    """Mean and 95% CI over runs (Student's t) of each run's p50, p99 and throughput."""
+    stats = {"p50_ms": [s.latency_ms.p50 for s in summaries],
+             "p99_ms": [s.latency_ms.p99 for s in summaries],
+             "throughput_ips": [s.throughput_ips for s in summaries]}
+    out = {}
+    for name, values in stats.items():
+        mean, lo, hi = mean_ci([v for v in values if v is not None])
+        out[name] = {"mean": mean, "ci_low": lo, "ci_high": hi}
+    return out
+
+
+def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
+    """The same job ``--repeat`` times, one after another; run-level statistics."""
+    try:
+        job = make_job(args)
+
+        async def go() -> list[EvaluationSummary]:
+            return [await submit(settings, job.model_copy(update={"job_id": new_id("job")}))
+                    for _ in range(args.repeat)]
+
+        summaries = anyio.run(go, backend="asyncio")
+    except MLScopeError as exc:
+        print(f"mlscope-submit: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
+        return 2
+    stats = run_level(summaries)
+    if args.json:
+        print(json.dumps({"summaries": [s.model_dump(mode="json", by_alias=True)
+                                        for s in summaries], "run_level": stats}))
+        return 0
+    for s in summaries:
+        print(format_summary(s))
+        print()
+    print(f"  run level over {len(summaries)} runs (mean, 95% CI over runs):")
+    for name, v in stats.items():
+        ci = ("-" if v["ci_low"] is None else f"[{v['ci_low']:.3f}, {v['ci_high']:.3f}]")
+        mean = "-" if v["mean"] is None else f"{v['mean']:.3f}"
+        print(f"  {name:<15} {mean}  {ci}")
+    print("  compare repeated runs with analysis.compare.compare_repeats (CIs over runs)")
     return 0
 
 
@@ -258,7 +332,8 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _main_many(args: argparse.Namespace, settings: Settings) -> int:
-    """One evaluation per framework (run together), then one comparison of their outputs."""
+    """One evaluation per framework (one after another unless --parallel), then one
+    comparison of their outputs."""
     from broker.compare import compare_evaluations, format_comparison
 
     frameworks = [f.strip() for f in args.framework.split(",") if f.strip()]
@@ -271,9 +346,13 @@ def _main_many(args: argparse.Namespace, settings: Settings) -> int:
             async def one(i: int) -> None:
                 out[i] = await submit(settings, jobs[i])
 
-            async with anyio.create_task_group() as tg:
+            if args.parallel:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(jobs)):
+                        tg.start_soon(one, i)
+            else:  # one measurement at a time: they would share the agents' host
                 for i in range(len(jobs)):
-                    tg.start_soon(one, i)
+                    await one(i)
             done = [s for s in out if s is not None]
             if not args.accuracy:
                 return done, None

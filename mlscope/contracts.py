@@ -202,6 +202,9 @@ class JobRequest(_Message):
     """Also run the labelled data set once (top-1/top-5, per-sample outputs stored)."""
     accuracy_samples: int | None = Field(default=None, ge=1)
     """At most this many data-set samples for the accuracy pass (None: all)."""
+    parallel: bool = False
+    """Let this job run beside other evaluations on the same hosts (``--parallel``);
+    by default a submitter runs jobs that share a host one after another."""
 
 
 class LatencyStats(BaseModel):
@@ -232,11 +235,38 @@ class EvaluationSummary(_Message):
     queries: int
     samples: int
     errors: int
+    """Issued queries not answered with outputs: ``failed + refused + lost``
+    (:mod:`mlscope.outcomes`)."""
     not_issued: int
+    failed: int = 0
+    refused: int = 0
+    """Answered "overloaded" by the agent without running."""
+    lost: int = 0
+    """Issued and never answered."""
+    warmup_queries: int = 0
+    """The first queries, run to warm up and left out of every figure (stored, flagged)."""
     duration_s: float
     requested_qps: float | None
     scheduled_qps: float | None = None
+    """Offered rate: scheduled queries / last scheduled offset."""
     achieved_qps: float | None
+    """Issued rate: issued queries / last issue offset."""
+    completed_qps: float | None = None
+    """Completed rate: queries answered with outputs / last answer offset."""
+    backlog_s: float | None = None
+    """Open loops: queries arrived and unanswered at the end of the load window, in
+    seconds of offered load (about one mean latency when the system keeps up)."""
+    issue_lag_split_us: dict[str, dict[str, float | None]] | None = None
+    """Issue lag's two parts: ``pacer`` (scheduled -> released by the pacer thread) and
+    ``loop`` (released -> handed to the bus client by the event loop)."""
+    loadgen_cost: dict[str, Any] | None = None
+    """The load generator's own cost: ``cpu_us_per_query`` (its process's CPU time per
+    issued query), ``host``, ``shared_host`` (it ran on the agent's host, sharing its
+    cores)."""
+    parallel: bool = False
+    """Run with ``--parallel``: other evaluations may have shared its hosts meanwhile."""
+    warnings: tuple[str, ...] = ()
+    """What may have disturbed the measurement without making the run INVALID."""
     latency_ms: LatencyStats
     issue_lag_us: dict[str, float | None]
     throughput_ips: float | None

@@ -15,6 +15,7 @@
     │   ├── InputMismatchError(ValueError)
     │   └── InferenceError
     ├── EvaluationError                    an evaluation could not complete
+    │   └── OverloadedError                an agent's queue was full: the query was refused
     └── DatabaseError                      the evaluation database rejected a request
 
 Third-party exceptions are translated once, at the adapter that calls the library.
@@ -38,6 +39,7 @@ __all__ = [
     "MLScopeError",
     "ManifestError",
     "ModelLoadError",
+    "OverloadedError",
     "PredictorError",
     "ResolutionError",
     "UnknownModelError",
@@ -129,6 +131,13 @@ class InferenceError(PredictorError):
 
 class EvaluationError(MLScopeError):
     code = "evaluation"
+
+
+class OverloadedError(EvaluationError):
+    """The agent refused a query without running it (its queue was full): counted as
+    *refused*, apart from failures (:mod:`mlscope.outcomes`)."""
+
+    code = "overloaded"
 
 
 class DatabaseError(MLScopeError):

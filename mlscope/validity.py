@@ -24,18 +24,22 @@ percentile is the one used here.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from mlscope.stats import percentile as nearest_rank
+from mlscope.stats import regularized_beta as _betainc
 
 __all__ = [
     "EarlyStoppingEstimate",
     "ValidityPolicy",
     "Verdict",
     "achieved_rate",
+    "backlog_s",
+    "completion_rates",
     "early_stopping_min_queries",
     "early_stopping_percentile_bound",
     "early_stopping_queries_needed",
@@ -45,47 +49,6 @@ __all__ = [
 ]
 
 Array = npt.ArrayLike
-
-
-# --- the regularized incomplete beta function, by Lentz's continued fraction ---------
-# I_x(a, b) = x^a (1-x)^b / (a B(a, b)) * 1/(1+ d1/(1+ d2/(1+ ...))) with
-# d_{2m+1} = -(a+m)(a+b+m) x / ((a+2m)(a+2m+1)),  d_{2m} = m(b-m) x / ((a+2m-1)(a+2m)),
-# (DLMF 8.17.22), converging fast for x < (a+1)/(a+b+2); use I_x(a,b) = 1 - I_{1-x}(b,a)
-# otherwise. Pure Python so that mlscope needs no scipy; tests check it against scipy.
-
-_TINY = 1e-300
-
-
-def _beta_cf(a: float, b: float, x: float) -> float:
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
-    d = 1.0 / (d if abs(d) > _TINY else _TINY)
-    h = d
-    for m in range(1, 100_000):
-        for num in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > _TINY else _TINY)
-            c = 1.0 + num / c
-            c = c if abs(c) > _TINY else _TINY
-            h *= d * c
-        if abs(d * c - 1.0) < 1e-15:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    log_front = (
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    if x < (a + 1.0) / (a + b + 2.0):
-        return math.exp(log_front) * _beta_cf(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _beta_cf(b, a, 1.0 - x) / b
 
 
 def _q(percentile: float, tolerance: float) -> float:
@@ -232,6 +195,15 @@ class ValidityPolicy:
     """Failed queries tolerated."""
     max_not_issued: int = 0
     """Queries that could not be issued (outstanding bound reached) tolerated."""
+    completion_tolerance: float = 0.05
+    """Overload: over the second half of an open loop's window, answered queries may
+    fall short of arrivals by this fraction. A stable system answers as fast as queries
+    arrive (its completions trail arrivals only by one latency, a fraction of a percent
+    of a 5 s half window at millisecond latencies); an overloaded one falls behind by
+    (offered - service rate) / offered and its backlog grows."""
+    overload_min_queries: int = 20
+    """Below this many arrivals in the second half the overload rule is not applied
+    (one query more or less would be 5 %)."""
 
 
 def issue_lag_ns(scheduled_ns: Array, issued_ns: Array) -> npt.NDArray[np.int64]:
@@ -254,12 +226,49 @@ def achieved_rate(offsets_ns: Array) -> float:
     return float(arr.size / (arr.max() / 1e9))
 
 
+def completion_rates(scheduled_ns: Array, completed_ns: Array,
+                     window_s: float) -> tuple[float, float]:
+    """(offered, completed) queries/s over the second half of a ``window_s`` window.
+
+    ``completed_ns``: the completion offset of each query answered with outputs (0 for
+    the others). Arrivals and completions are counted in ``(window/2, window]``: the
+    first half lets a stable system reach its steady state, and a system that keeps
+    up completes there as many queries as arrive.
+    """
+    sched = np.asarray(scheduled_ns, np.int64)
+    done = np.asarray(completed_ns, np.int64)
+    end = int(window_s * 1e9)
+    if end <= 0:
+        return 0.0, 0.0
+    lo, half_s = end // 2, window_s / 2
+    arrived = int(np.count_nonzero((sched > lo) & (sched <= end)))
+    answered = int(np.count_nonzero((done > lo) & (done <= end)))
+    return arrived / half_s, answered / half_s
+
+
+def backlog_s(scheduled_ns: Array, completed_ns: Array, window_s: float) -> float:
+    """Work queued at the end of the load window, in seconds of offered load: queries
+    that arrived by then and were not answered, over the run's offered rate. A stable
+    system's backlog is about one mean latency (Little's law); an overloaded one's
+    grows with the length of the run."""
+    sched = np.asarray(scheduled_ns, np.int64)
+    done = np.asarray(completed_ns, np.int64)
+    end = int(window_s * 1e9)
+    arrived = int(np.count_nonzero(sched <= end))
+    if end <= 0 or arrived == 0:
+        return 0.0
+    waiting = arrived - int(np.count_nonzero((done > 0) & (done <= end)))
+    return max(waiting, 0) / (arrived / window_s)
+
+
 def verdict(
     *,
     scheduled_ns: Array,
     issued_ns: Array,
     latency_ns: Array,
     errors: int = 0,
+    outcomes: Mapping[str, int] | None = None,
+    completed_ns: Array | None = None,
     requested_rate: float | None = None,
     poisson: bool = True,
     duration_s: float | None = None,
@@ -269,10 +278,14 @@ def verdict(
 
     ``scheduled_ns``/``issued_ns``: offsets from the run start for every query of the
     schedule (``issued_ns`` 0 for a query not issued). ``latency_ns``: latency from the
-    scheduled time of each query that completed without error. ``requested_rate``: the
-    rate the user asked for (None for closed loops and replays). ``poisson``: the
-    schedule is random, so its realized rate may differ from the request by Poisson
-    noise. ``duration_s`` defaults to the last scheduled offset (MLPerf's server rule).
+    scheduled time of each query that completed without error. ``outcomes``: the
+    counts of :func:`mlscope.outcomes.count` (else ``errors`` is taken as failures).
+    ``completed_ns``: an open loop's completion offset per query answered with outputs
+    (0 otherwise), for the overload rule (None: a closed loop, which cannot overload).
+    ``requested_rate``: the rate the user asked for (None for closed loops and
+    replays). ``poisson``: the schedule is random, so its realized rate may differ
+    from the request by Poisson noise. ``duration_s`` defaults to the last scheduled
+    offset (MLPerf's server rule); every rule compares un-rounded values.
     """
     pol = policy or ValidityPolicy()
     sched = np.asarray(scheduled_ns, dtype=np.int64)
@@ -284,20 +297,37 @@ def verdict(
     run_s = (
         duration_s if duration_s is not None else (float(sched.max()) / 1e9 if sched.size else 0)
     )
+    counts = dict(outcomes) if outcomes is not None else {"failed": errors}
+    counts.setdefault("not_issued", sched.size - n_issued)
     reasons = [
         *_size_reasons(pol, run_s, n_issued),
         *_latency_reasons(pol, lat),
         *_lag_reasons(pol, issue_lag_ns(sched, issued)),
         *_rate_reasons(pol, sched, issued, requested_rate, poisson),
-        *_failure_reasons(pol, errors, sched.size - n_issued),
+        *(_overload_reasons(pol, sched, completed_ns, run_s) if completed_ns is not None
+          else []),
+        *_failure_reasons(pol, counts),
     ]
     return Verdict(not reasons, tuple(reasons))
+
+
+def _overload_reasons(pol: ValidityPolicy, sched: npt.NDArray[np.int64], completed: Array,
+                      window_s: float) -> list[str]:
+    offered, answered = completion_rates(sched, completed, window_s)
+    if offered * window_s / 2 < pol.overload_min_queries:
+        return []
+    if answered >= offered * (1 - pol.completion_tolerance):
+        return []
+    return [f"overloaded: completed {answered:.1f}/s of {offered:.1f}/s offered, backlog "
+            f"{backlog_s(sched, completed, window_s):.3g} s (second half of the "
+            f"{window_s:g} s window; tolerance {pol.completion_tolerance:.0%})"]
 
 
 def _size_reasons(pol: ValidityPolicy, run_s: float, n_issued: int) -> list[str]:
     out = []
     if run_s < pol.min_duration_s:
-        out.append(f"ran {run_s:.3g} s < minimum {pol.min_duration_s:g} s")
+        out.append(f"ran {_exact_s(run_s, pol.min_duration_s)} s < minimum "
+                   f"{pol.min_duration_s:g} s")
     if n_issued < pol.min_queries:
         out.append(f"issued {n_issued} queries < minimum {pol.min_queries}")
     return out
@@ -379,10 +409,28 @@ def _rate_reasons(
     return out
 
 
-def _failure_reasons(pol: ValidityPolicy, errors: int, not_issued: int) -> list[str]:
+def _exact_s(value: float, limit: float) -> str:
+    """``value`` with enough digits to show that it differs from ``limit``."""
+    for digits in range(3, 12):
+        text = f"{value:.{digits}g}"
+        if float(text) != float(f"{limit:.{digits}g}"):
+            return text
+    return repr(value)
+
+
+def _failure_reasons(pol: ValidityPolicy, counts: Mapping[str, int]) -> list[str]:
     out = []
-    if errors > pol.max_errors:
-        out.append(f"{errors} queries failed (allowed {pol.max_errors})")
+    failed, refused, lost = (int(counts.get(k, 0)) for k in ("failed", "refused", "lost"))
+    if failed + refused + lost > pol.max_errors:
+        allowed = f"(allowed {pol.max_errors})"
+        if failed:
+            out.append(f"{failed} queries failed {allowed}")
+        if refused:
+            out.append(f"{refused} queries refused by the agent (overloaded); the latency "
+                       f"figures cover only the answered queries {allowed}")
+        if lost:
+            out.append(f"{lost} queries lost: issued and never answered {allowed}")
+    not_issued = int(counts.get("not_issued", 0))
     if not_issued > pol.max_not_issued:
         out.append(
             f"{not_issued} queries not issued: the outstanding-query bound was "

@@ -6,7 +6,7 @@ import numpy as np
 import streamlit as st
 
 from analysis import plots
-from analysis.compare import compare_runs
+from analysis.compare import SINGLE_RUN_NOTE, check_comparable, compare_runs
 from analysis.data import queries
 from dashboard.common import FIG_WIDTH, evaluation_picker, source
 
@@ -20,12 +20,17 @@ if not base or not cands:
 conf = st.select_slider("Confidence", [0.9, 0.95, 0.99], value=0.95, key="compare_conf")
 for cand in cands:
     st.subheader(f"{cand} vs {base[0]}")
-    table = compare_runs(source(), base[0], cand, confidence=float(conf), n_boot=1000)
+    why = check_comparable(source(), [base[0], cand])
+    if why:
+        st.warning("Not comparable: " + "; ".join(why))
+    table = compare_runs(source(), base[0], cand, confidence=float(conf), n_boot=1000,
+                         check=False)
     for row in table.itertuples():
         st.metric(f"{row.statistic} latency: {row.verdict}", f"{row.b:.3f} ms",
                   delta=f"{row.rel:+.1%}", delta_color="inverse")
     st.dataframe(table, hide_index=True)
+    st.caption(SINGLE_RUN_NOTE)
 q = queries(source(), [*base, *cands])
-q = q[q["ok"]]
+q = q[q["ok"] & ~q["warmup"]]
 st.pyplot(plots.latency_cdf({e: g["latency_ns"].to_numpy(np.int64) / 1e6
                              for e, g in q.groupby("evaluation_id")}), width=FIG_WIDTH)
