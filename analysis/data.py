@@ -16,6 +16,14 @@ from analysis.source import Source
 from mlscope.errors import DatabaseError
 from mlscope.outcomes import classify
 
+QUERY_FIELDS = {
+    "evaluation_id": "object", "query_index": "int64", "batch_size": "int64",
+    "scheduled_ns": "int64", "issued_ns": "int64", "completed_ns": "int64",
+    "agent_received_ns": "int64", "predict_start_ns": "int64", "predict_end_ns": "int64",
+    "agent_replied_ns": "int64", "ok": "bool", "error": "object", "label": "int64",
+    "prediction": "int64", "outcome": "int64", "warmup": "int64", "paced_ns": "int64",
+}
+"""The stored columns of ``queries`` (broker.db.QUERY_COLUMNS) and their dtypes."""
 UNKNOWN_OUTCOME = 255
 """``queries.outcome`` of rows stored before outcomes were recorded."""
 
@@ -108,6 +116,8 @@ def queries(source: Source, ids: Sequence[str]) -> pd.DataFrame:
     frame = source.frame(
         "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)} "
         "ORDER BY evaluation_id, query_index", {"ids": list(ids)})
+    if frame.empty:  # an empty answer over the bus names no columns
+        frame = pd.DataFrame({c: pd.Series(dtype=t) for c, t in QUERY_FIELDS.items()})
     if "correct" not in frame.columns and "label" in frame.columns:
         # Schema v1 stores the number of correct top-1 answers of a query in `label`.
         frame = frame.rename(columns={"label": "correct"})

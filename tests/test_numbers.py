@@ -1,0 +1,229 @@
+"""Known answers for the reported numbers, without a stack: overload and backlog, the
+outcome of every query, warm-up, duration on un-rounded times, the issue lag's parts,
+run-level comparison and the load generator's cost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.compare import SLOWER, mismatches, run_level_difference
+from analysis.figures import max_throughput, speedup_heatmap
+from broker.loadgen import RunRecord
+from broker.scenarios import build_schedule
+from broker.summary import LoadgenCost, figures, judge
+from cli.submit import run_level
+from mlscope.contracts import ScenarioSpec
+from mlscope.outcomes import Outcome, classify, count
+from mlscope.stats import mean_ci
+from mlscope.validity import ValidityPolicy, backlog_s, completion_rates
+
+MS = 1_000_000
+
+
+def queue(offsets: np.ndarray, service_s: float) -> np.ndarray:
+    """Completion times of one FIFO server taking ``service_s`` per query."""
+    done = np.zeros_like(offsets)
+    free = 0
+    for i, t in enumerate(offsets):
+        free = max(int(t), free) + int(service_s * 1e9)
+        done[i] = free
+    return done
+
+
+def open_record(spec: ScenarioSpec, service_s: float) -> RunRecord:
+    sched = build_schedule(spec)[0].offsets_ns
+    rec = RunRecord(n=len(sched), batch_size=1, t0_ns=10**12)
+    rec.scheduled[:] = sched
+    rec.paced[:] = sched + 1_000
+    rec.issued[:] = sched + 2_000
+    rec.completed[:] = queue(sched + 2_000, service_s)
+    rec.ok[:] = 1
+    return rec
+
+
+def verdict(rec: RunRecord, spec: ScenarioSpec) -> tuple[str, ...]:
+    return judge(rec, spec, ValidityPolicy(), window_s=spec.duration_s,
+                 requested_rate=spec.qps, poisson=True).reasons
+
+
+def test_an_overloaded_run_is_invalid_with_the_overload_reason() -> None:
+    """75 QPS offered to a system that serves 61.6/s: it falls behind by ~13.6/s."""
+    spec = ScenarioSpec(name="online", qps=75, duration_s=10, seed=3)
+    rec = open_record(spec, 1 / 61.6)
+    reasons = verdict(rec, spec)
+    over = [r for r in reasons if r.startswith("overloaded")]
+    assert len(over) == 1, reasons
+    offered, answered = completion_rates(rec.scheduled, rec.completed, 10.0)
+    assert answered == pytest.approx(61.6, abs=1.0)  # the service rate, not the issue rate
+    assert offered == pytest.approx(75, rel=0.15)
+    assert f"completed {answered:.1f}/s of {offered:.1f}/s offered" in over[0]
+    f = figures(rec, has_labels=False, window_s=10.0)
+    # Backlog at the window's end: ~(75 - 61.6) x 10 s of queries, at 75/s.
+    assert f.backlog_s == pytest.approx(backlog_s(rec.scheduled, rec.completed, 10.0))
+    assert 1.0 < (f.backlog_s or 0) < 3.0
+    assert f.completed_qps is not None and f.achieved_qps is not None
+    assert f.completed_qps < 0.9 * f.achieved_qps  # issued and completed told apart
+
+
+def test_a_system_that_keeps_up_is_not_overloaded() -> None:
+    spec = ScenarioSpec(name="online", qps=75, duration_s=10, seed=3)
+    rec = open_record(spec, 1 / 400)  # 2.5 ms per query: utilization ~19 %
+    assert not any(r.startswith("overloaded") for r in verdict(rec, spec))
+    f = figures(rec, has_labels=False, window_s=10.0)
+    assert f.backlog_s is not None and f.backlog_s < 0.05
+
+
+def test_each_query_has_one_outcome() -> None:
+    issued = [5, 5, 5, 5, 0, 0]
+    completed = [9, 9, 9, 0, 0, 7]  # the last: a closed loop's first query at offset 0
+    ok = [1, 0, 0, 0, 0, 1]
+    refused = [0, 0, 1, 0, 0, 0]
+    got = classify(issued=issued, completed=completed, ok=ok, refused=refused)
+    assert list(got) == [Outcome.OK, Outcome.FAILED, Outcome.REFUSED, Outcome.LOST,
+                         Outcome.NOT_ISSUED, Outcome.OK]
+    assert count(got) == {"ok": 2, "failed": 1, "refused": 1, "lost": 1, "not_issued": 1,
+                          "errors": 3}
+    # Without refusals known (old rows), a refusal is a failure.
+    assert count(classify(issued=issued, completed=completed, ok=ok))["failed"] == 2
+
+
+def test_refused_queries_are_named_and_not_issued_are_not_errors() -> None:
+    spec = ScenarioSpec(name="online", qps=200, duration_s=10, seed=1)
+    rec = open_record(spec, 0.001)
+    rec.ok[:30] = 0
+    rec.refused[:30] = 1
+    rec.issued[40:50] = 0
+    rec.completed[40:50] = 0
+    rec.ok[40:50] = 0
+    f = figures(rec, has_labels=False)
+    assert (f.outcomes["refused"], f.errors, f.not_issued) == (30, 30, 10)
+    reasons = verdict(rec, spec)
+    assert any(r.startswith("30 queries refused by the agent (overloaded)") for r in reasons)
+    assert any(r.startswith("10 queries not issued") for r in reasons)
+    assert not any("failed" in r for r in reasons)
+
+
+def test_warmup_queries_are_left_out_of_every_figure() -> None:
+    spec = ScenarioSpec(name="online", qps=200, duration_s=10, seed=1)
+    rec = open_record(spec, 0.0005)
+    rec.completed[:20] = rec.scheduled[:20] + 400 * MS  # a slow start
+    rec.ok[5] = 0  # a warm-up failure is not an error of the run
+    cold = figures(rec, has_labels=False)
+    rec.warmup = 20
+    warm = figures(rec, has_labels=False)
+    assert cold.latency_ms.max is not None and cold.latency_ms.max >= 400
+    assert warm.latency_ms.max is not None and warm.latency_ms.max < 5
+    assert (warm.warmup_queries, warm.errors, cold.errors) == (20, 0, 1)
+    assert list(np.flatnonzero(~rec.measured())) == list(range(20))
+
+
+def test_duration_is_judged_unrounded_and_said_so() -> None:
+    spec = ScenarioSpec(name="single-stream", duration_s=10)
+    rec = open_record(ScenarioSpec(name="constant", qps=100, duration_s=10), 0.001)
+    reasons = judge(rec, spec, ValidityPolicy(), window_s=9.9996, requested_rate=None,
+                    poisson=False, open_loop=False).reasons
+    assert "ran 9.9996 s < minimum 10 s" in reasons
+
+
+def test_closed_loop_record_grows_instead_of_stopping() -> None:
+    rec = RunRecord(n=2, batch_size=1)
+    rec.scheduled[:] = [1, 2]
+    rec.prediction[:] = [7, 8]
+    rec.grow()
+    assert rec.n == 4 and list(rec.scheduled) == [1, 2, 0, 0]
+    assert list(rec.prediction) == [7, 8, -1, -1]
+
+
+def test_issue_lag_has_its_pacer_and_loop_parts() -> None:
+    spec = ScenarioSpec(name="constant", qps=100, duration_s=2)
+    rec = open_record(spec, 0.001)
+    rec.paced[:] = rec.scheduled + 10_000  # 10 µs in the pacer
+    rec.issued[:] = rec.paced + 200_000  # 200 µs waiting for the event loop
+    f = figures(rec, has_labels=False)
+    assert f.issue_lag_split_us["pacer"]["p99"] == pytest.approx(10)
+    assert f.issue_lag_split_us["loop"]["p99"] == pytest.approx(200)
+    assert f.issue_lag_us["p99"] == pytest.approx(210)
+
+
+def test_loadgen_cost_is_recorded_and_warned_on_a_shared_host() -> None:
+    spec = ScenarioSpec(name="constant", qps=1000, duration_s=2)
+    rec = open_record(spec, 0.0001)
+    rec.cpu_s = 0.51e-3 * rec.n  # 0.51 ms of CPU per query
+    f = figures(rec, has_labels=False)
+    assert f.loadgen_cpu_us_per_query == pytest.approx(510)
+    shared = LoadgenCost(agent_host="box", host="box", cores=2)
+    facts = shared.facts(f)
+    assert facts["shared_host"] and facts["busy_cores"] == pytest.approx(0.51, rel=0.02)
+    assert any("shared the agent's host" in w for w in shared.warnings(f, parallel=False))
+    apart = LoadgenCost(agent_host="edge", host="box", cores=2)
+    assert apart.warnings(f, parallel=False) == ()
+    assert any("--parallel" in w for w in apart.warnings(f, parallel=True))
+
+
+def test_an_identical_rerun_is_not_called_different_at_run_level() -> None:
+    """Run-to-run noise (±4 % between runs) is what a single-run bootstrap misses; over
+    repeats the interval holds it and the verdict is no change."""
+    a = [10.0, 10.4, 9.7, 10.2, 9.9]
+    b = [10.3, 9.6, 10.1, 9.8, 10.4]
+    d = run_level_difference(a, b, statistic="median")
+    assert d.verdict == "no significant change" and d.ci_low < 0 < d.ci_high
+    slower = run_level_difference(a, [x * 1.3 for x in b], statistic="median")
+    assert slower.verdict == SLOWER
+    with pytest.raises(ValueError):
+        run_level_difference([1.0], [1.0, 2.0], statistic="median")
+
+
+def test_mean_ci_matches_student_t() -> None:
+    mean, lo, hi = mean_ci([1.0, 2.0, 3.0, 4.0])
+    # t(0.975, 3) = 3.1824, sd = 1.2910, n = 4
+    assert mean == 2.5 and hi is not None and lo is not None
+    assert hi - mean == pytest.approx(3.182446 * 1.290994 / 2, rel=1e-5)
+    assert mean_ci([5.0]) == (5.0, None, None)
+
+
+def test_comparisons_name_what_differs() -> None:
+    rows = pd.DataFrame({"model": ["m", "m"], "scenario": ["online", "online"],
+                         "requested_qps": [100.0, 200.0], "batch_size": [1, 1],
+                         "parallel": [False, True]})
+    why = mismatches(rows)
+    assert any("requested qps (100.0, 200.0)" in w for w in why)
+    assert any("--parallel" in w for w in why)
+    assert mismatches(rows.iloc[[0, 0]]) == []
+
+
+def test_sweep_parents_are_not_counted_as_a_batch_size() -> None:
+    """The parent of a sweep carries the best run's figures; counting it as batch 1
+    gave two points at batch 1 and "optimal batch 1"."""
+    base = {"model": "m", "model_version": "1", "framework": "f", "framework_version": "1",
+            "system": "s", "scenario": "batched", "valid": True}
+    summ = pd.DataFrame([
+        {**base, "evaluation_id": "p", "batch_size": 1, "throughput_ips": 800.0,
+         "role": "sweep"},
+        {**base, "evaluation_id": "p-0", "batch_size": 1, "throughput_ips": 100.0,
+         "role": "run"},
+        {**base, "evaluation_id": "p-1", "batch_size": 8, "throughput_ips": 800.0,
+         "role": "run"},
+    ])
+    best = max_throughput(summ).iloc[0]
+    assert best["optimal_batch_size"] == 8 and best["batch_sizes"] == [1, 8]
+    assert speedup_heatmap(summ).loc["m/f@s", 8] == pytest.approx(8.0)
+
+
+def test_run_level_summary_of_repeats() -> None:
+    from mlscope.contracts import EvaluationSummary, LatencyStats
+
+    def one(p50: float) -> EvaluationSummary:
+        return EvaluationSummary(
+            evaluation_id="e", job_id="j", status="completed", valid=True,
+            model={"name": "m", "version": "1"}, framework={"name": "f", "version": "1"},
+            agent_id="a", scenario={}, trace_level="none", queries=1, samples=1, errors=0,
+            not_issued=0, duration_s=1.0, requested_qps=None, achieved_qps=None,
+            latency_ms=LatencyStats(trimmed_mean=p50, p50=p50, p90=p50, p99=p50, max=p50),
+            issue_lag_us={}, throughput_ips=None, started_at=0.0, finished_at=1.0)
+
+    got = run_level([one(1.0), one(2.0), one(3.0), one(4.0)])
+    assert got["p50_ms"]["mean"] == 2.5
+    assert got["p50_ms"]["ci_low"] == pytest.approx(mean_ci([1, 2, 3, 4])[1])
+    assert got["throughput_ips"]["mean"] is None

@@ -1,0 +1,187 @@
+"""Reported numbers end to end on a real stack (nats-server, server owning chDB, noop
+agent): the paged reader at a page boundary, sweeps stored once per batch size, runs
+sharing a host one at a time, warm-up flagged, and issue lag that sees a blocked event
+loop. Timing is never asserted beyond what the test itself injects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from analysis.figures import max_throughput, speedup_heatmap
+from analysis.report import build, to_markdown
+from analysis.source import PAGE_ROWS, BusSource
+from analysis.summary import summary
+from broker.loadgen import Driver
+from broker.schedule import constant
+from broker.summary import figures
+from cli.services import Stack
+from cli.submit import submit
+from mlscope import bus as busmod
+from mlscope import codec, names, remote
+from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, TraceLevel
+from mlscope.registry import list_agents
+from mlscope.settings import Settings
+from tests.loadgen_fixtures import noop_stack
+
+__all__ = ["noop_stack"]
+
+pytestmark = pytest.mark.timeout(300)
+
+LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
+
+
+def job(spec: ScenarioSpec, **extra: Any) -> JobRequest:
+    return JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none",
+                      **extra)
+
+
+def run(settings: Settings, spec: ScenarioSpec, **extra: Any) -> EvaluationSummary:
+    return anyio.run(lambda: submit(settings, job(spec, **extra), timeout=180),
+                     backend="asyncio")
+
+
+def sql(settings: Settings, query: str, **params: Any) -> list[list[Any]]:
+    async def go() -> list[list[Any]]:
+        async with busmod.connect(settings, name="test") as bus:
+            return (await remote.sql(bus, query, params))[1]
+
+    return anyio.run(go, backend="asyncio")
+
+
+def test_a_run_of_exactly_one_page_of_rows_reports(noop_stack: Stack) -> None:
+    """The paged reader's last page is empty when the rows fill whole pages."""
+    s = run(noop_stack.settings, ScenarioSpec(name="constant", qps=1000, duration_s=2.0,
+                                              **LOOSE))
+    assert s.queries == PAGE_ROWS == 2000
+    source = BusSource(noop_stack.settings)
+    summ = summary(source, [s.evaluation_id])
+    assert int(summ["queries"].iloc[0]) == 2000
+    report = build(source, [s.evaluation_id])
+    assert s.evaluation_id in to_markdown(report)
+
+
+def test_a_sweep_stores_one_run_per_batch_size_and_a_summary_parent(
+        noop_stack: Stack) -> None:
+    sizes = (1, 8, 32)
+    s = run(noop_stack.settings, ScenarioSpec(name="batched", batch_sizes=sizes,
+                                              duration_s=0.7, **LOOSE))
+    children = [p["evaluation_id"] for p in s.points]
+    assert s.evaluation_id not in children
+    stored = sql(noop_stack.settings, "SELECT evaluation_id, count() FROM queries FINAL "
+                 "WHERE evaluation_id LIKE {p:String} GROUP BY evaluation_id",
+                 p=f"{s.evaluation_id}%")
+    counts = {e: int(n) for e, n in stored}
+    assert s.evaluation_id not in counts  # the parent holds no copied queries
+    assert set(counts) == set(children) and all(n > 0 for n in counts.values())
+    source = BusSource(noop_stack.settings)
+    summ = summary(source, [s.evaluation_id, *children])
+    best = max_throughput(summ).iloc[0]
+    assert best["batch_sizes"] == list(sizes)  # batch 1 once, from its own run
+    assert best["optimal_batch_size"] == s.optimal_batch_size
+    by_batch = {p["batch_size"]: p["throughput_ips"] for p in s.points}
+    heat = speedup_heatmap(summ)
+    for b in sizes:
+        assert heat.iloc[0][b] == pytest.approx(by_batch[b] / by_batch[1], rel=1e-6)
+    # A report of the parent alone reads the sweep's runs.
+    report = to_markdown(build(source, [s.evaluation_id]))
+    assert all(c in report for c in children)
+
+
+def _window(settings: Settings, evaluation_id: str) -> tuple[int, int]:
+    """(first scheduled, last completed) of a run on the server's clock (ns)."""
+    (t0,), = sql(settings, "SELECT t0_ns FROM evaluations FINAL "
+                 "WHERE evaluation_id = {e:String}", e=evaluation_id)
+    (lo, hi), = sql(settings, "SELECT min(scheduled_ns), max(completed_ns) FROM queries "
+                    "FINAL WHERE evaluation_id = {e:String}", e=evaluation_id)
+    return int(t0) + int(lo), int(t0) + int(hi)
+
+
+def _two_at_once(settings: Settings, parallel: bool) -> list[EvaluationSummary]:
+    spec = ScenarioSpec(name="online", qps=200, duration_s=1.5, **LOOSE)
+
+    async def go() -> list[EvaluationSummary]:
+        out: list[EvaluationSummary] = []
+
+        async def one(seed: int) -> None:
+            out.append(await submit(settings, job(spec.model_copy(update={"seed": seed}),
+                                                  parallel=parallel), timeout=180))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 1)
+            tg.start_soon(one, 2)
+        return out
+
+    return anyio.run(go, backend="asyncio")
+
+
+def test_runs_sharing_a_host_do_not_overlap_unless_parallel(noop_stack: Stack) -> None:
+    settings = noop_stack.settings
+    a, b = sorted((_window(settings, s.evaluation_id) for s in
+                   _two_at_once(settings, parallel=False)))
+    assert a[1] < b[0], "serialized runs overlapped"
+    together = _two_at_once(settings, parallel=True)
+    a, b = sorted(_window(settings, s.evaluation_id) for s in together)
+    assert b[0] < a[1], "--parallel runs did not overlap"
+    assert all(s.parallel and any("--parallel" in w for w in s.warnings) for s in together)
+
+
+def test_warmup_queries_are_stored_flagged_and_left_out(noop_stack: Stack) -> None:
+    s = run(noop_stack.settings, ScenarioSpec(name="constant", qps=200, duration_s=1.0,
+                                              warmup_queries=15, **LOOSE))
+    assert s.queries == 200 and s.warmup_queries == 15
+    got = np.asarray(sql(noop_stack.settings, "SELECT query_index, warmup, outcome FROM "
+                         "queries FINAL WHERE evaluation_id = {e:String} ORDER BY "
+                         "query_index", e=s.evaluation_id), dtype=np.int64)
+    assert list(np.flatnonzero(got[:, 1])) == list(range(15))
+    assert (got[:, 2] == 0).all()  # every one answered: outcome ok
+    summ = summary(BusSource(noop_stack.settings), [s.evaluation_id]).iloc[0]
+    assert int(summ["queries"]) == 185  # statistics over the measured queries
+    assert s.loadgen_cost is not None and s.loadgen_cost["cpu_us_per_query"] > 0
+    assert s.loadgen_cost["shared_host"]  # the test stack runs on one host
+
+
+async def _prepared_noop(bus: busmod.Bus, evaluation_id: str) -> str:
+    agent = next(a for a in await list_agents(bus)
+                 if any(f.name == "noop" for f in a.frameworks))
+    prepare = {"op": "prepare", "evaluation_id": evaluation_id, "model": "noop",
+               "model_version": "1.0.0", "batch_size": 1, "trace_level": "none"}
+    await busmod.request(bus, names.agent_ctl(agent.agent_id), codec.encode(prepare),
+                         timeout=60)
+    return agent.agent_id
+
+
+def test_issue_lag_shows_a_blocked_event_loop(noop_stack: Stack) -> None:
+    """The pacer thread releases queries on time while the event loop is blocked for
+    250 ms: the issue lag (stamped at the hand-off to the bus client) shows the block,
+    in its loop part, not in the pacer's."""
+    block_s = 0.25
+
+    async def go() -> Any:
+        async with busmod.connect(noop_stack.settings, name="test lag") as bus:
+            agent_id = await _prepared_noop(bus, "ev-blocked-loop")
+            spec = ScenarioSpec(name="constant", qps=200, duration_s=1.5)
+            driver = Driver(bus, evaluation_id="ev-blocked-loop",
+                            subject=names.agent_query(agent_id), spec=spec,
+                            inputs=lambda g: np.zeros((1, 4), np.float32), labels=None,
+                            trace_level=TraceLevel.NONE,
+                            schedule=constant(200, duration_s=1.5))
+            asyncio.get_running_loop().call_later(0.6, time.sleep, block_s)
+            return await driver.run()
+
+    rec = anyio.run(go, backend="asyncio")
+    f = figures(rec, has_labels=False)
+    assert f.errors == 0 and f.not_issued == 0
+    loop_max = f.issue_lag_split_us["loop"]["max"] or 0
+    pacer_p99 = f.issue_lag_split_us["pacer"]["p99"] or 0
+    assert (f.issue_lag_us["max"] or 0) >= 0.8 * block_s * 1e6
+    assert loop_max >= 0.8 * block_s * 1e6
+    assert pacer_p99 < 0.5 * block_s * 1e6  # the pacer itself was on time
+    lag = rec.issued - rec.scheduled
+    blocked = int(np.count_nonzero(lag > 0.1 * block_s * 1e9))
+    assert blocked >= 0.5 * block_s * 200  # every query due during the block waited
