@@ -179,13 +179,15 @@ class Executor:
         return self._inflight
 
     def stop(self, *, close: bool = True) -> None:
-        """Answer what was admitted, stop the threads and (unless told not to, for a
-        model that is reused) close the predictor."""
+        """Answer what was admitted, stop the threads, emit the layer spans the
+        framework profiler held back and (unless told not to, for a model that is
+        reused) close the predictor."""
         self._ready.put(None)
         for _ in range(self.config.pre_workers):
             self._work.put(None)
         for t in self._threads:
             t.join(timeout=10)
+        profiling.flush(self.model.predictor)  # layer spans a profiler still holds
         if close:
             self.model.predictor.close()
 
@@ -329,9 +331,7 @@ class Executor:
         try:
             xs = slots[0].x if len(slots) == 1 else self._merge([s.x for s in slots])
             level = max(s.job.level for s in slots)
-            t_pred = now()
-            out, cap = self._predict(xs, level)
-            t_post = now()
+            out, cap, t_pred, t_post = self._predict(xs, level)
             result = m.post(out[0])
             t_end = now()
         except Exception as exc:
@@ -355,15 +355,21 @@ class Executor:
                                        t_post_end=t_end, batch=total, capture=cap)
 
     def _predict(self, xs: list[np.ndarray],
-                 level: TraceLevel) -> tuple[list[np.ndarray], Capture]:
-        """The one call site of ``predictor.predict``; at level framework or more, under
-        the framework's own profiler (its layer spans go under each query's predict)."""
+                 level: TraceLevel) -> tuple[list[np.ndarray], Capture, int, int]:
+        """The one call site of ``predictor.predict``: (outputs, capture, start, end).
+        At level framework or more it runs under the framework's own profiler (its
+        layer spans go under each query's predict); start and end are taken inside the
+        capture, so the profiler's own start and stop stay out of the predict span."""
         predictor = self.model.predictor
         if level < TraceLevel.FRAMEWORK:
-            return predictor.predict(xs), NULL
-        with profiling.capture(predictor, full=level >= TraceLevel.FULL) as cap:
+            t0 = now()
             out = predictor.predict(xs)
-        return out, cap
+            return out, NULL, t0, now()
+        with profiling.capture(predictor, full=level >= TraceLevel.FULL) as cap:
+            t0 = now()
+            out = predictor.predict(xs)
+            t1 = now()
+        return out, cap, t0, t1
 
     # ------------------------------------------------------------------ replies
 
@@ -415,7 +421,10 @@ def emit_spans(job: Job, t_pre: int, t_pre_end: int, out: _Outcome) -> None:
     for name, a, b in (("preprocess", t_pre, t_pre_end),
                        ("predict", out.t_predict, out.t_predict_end),
                        ("postprocess", out.t_predict_end, out.t_post_end)):
+        cap = out.capture if name == "predict" else NULL
+        step_attrs = ({"profiler_ns": max(cap.end_ns - cap.start_ns - (b - a), 0)}
+                      if cap is not NULL and cap.end_ns else None)
         sid = spans.add(parent=root, query_index=job.index, level=TraceLevel.MODEL,
-                        kind="step", name=name, start_ns=a, end_ns=b)
-        if name == "predict" and job.level >= TraceLevel.FRAMEWORK and out.capture.events:
-            out.capture.emit(spans, parent=sid, query_index=job.index, window=(a, b))
+                        kind="step", name=name, start_ns=a, end_ns=b, attrs=step_attrs)
+        if cap is not NULL and job.level >= TraceLevel.FRAMEWORK:
+            cap.emit(spans, parent=sid, query_index=job.index, window=(a, b))

@@ -21,6 +21,7 @@ from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
 import mlscope
+from agent import profiling
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
 from agent.sysmon import Sampler
@@ -248,6 +249,9 @@ class Agent:
                 eval_id = str(req.get("evaluation_id"))
                 session = self.sessions.pop(eval_id, None)
                 await anyio.to_thread.run_sync(self.sampler.unwatch, eval_id)
+                if session is not None and session.level >= TraceLevel.FRAMEWORK:
+                    await anyio.to_thread.run_sync(  # layer spans a profiler held back
+                        profiling.flush, session.worker.model.predictor)
                 unloaded = False
                 if session is not None and req.get("unload"):
                     unloaded = await self._unload(session.key)

@@ -19,7 +19,7 @@ import mlscope
 from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.loadgen import RunRecord, estimate_offset
-from broker.summary import LoadgenCost
+from broker.summary import LoadgenCost, tracing_warnings
 from mlscope import codec, names
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
@@ -175,7 +175,8 @@ class Evaluator:
                 completed_qps=f.completed_qps, backlog_s=f.backlog_s,
                 issue_lag_split_us=f.issue_lag_split_us,
                 loadgen_cost=cost.facts(f), parallel=job.parallel,
-                warnings=cost.warnings(f, parallel=job.parallel),
+                warnings=(*cost.warnings(f, parallel=job.parallel),
+                          *tracing_warnings(level.name.lower())),
                 latency_ms=f.latency_ms, issue_lag_us=f.issue_lag_us,
                 throughput_ips=f.throughput_ips,
                 accuracy=({"top1": f.top1} if f.top1 is not None else None),

@@ -48,7 +48,7 @@ from mlscope.stats import describe_ms, percentiles
 from mlscope.validity import ValidityPolicy, Verdict, achieved_rate, backlog_s, verdict
 
 __all__ = ["LOADGEN_BUSY_WARN", "Figures", "LoadgenCost", "figures", "issue_lag_split", "judge",
-           "latency_split", "policy_for"]
+           "latency_split", "policy_for", "tracing_warnings"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +182,16 @@ class LoadgenCost:
             out.append("run with --parallel: other evaluations may have shared its hosts "
                        "while it ran")
         return tuple(out)
+
+
+def tracing_warnings(level: str) -> tuple[str, ...]:
+    """A traced run says what its trace level does to what it measured."""
+    if level in ("framework", "system", "full"):
+        return (f"traced at level {level}: every predict ran under the framework's "
+                "profiler, so latency and compute include its recording cost; compare "
+                "only with runs at the same level (the profiler's start and stop are "
+                "kept out of the predict span: its profiler_ns attribute)",)
+    return ()
 
 
 def latency_split(rec: RunRecord) -> dict[str, dict[str, float | None]]:

@@ -99,7 +99,8 @@ def _store_latencies(db: Database, eval_id: str, latency_ms: np.ndarray) -> None
         "completed_ns": completed.tolist(), "agent_received_ns": scheduled.tolist(),
         "predict_start_ns": scheduled.tolist(), "predict_end_ns": completed.tolist(),
         "agent_replied_ns": completed.tolist(), "ok": [1] * n, "error": [""] * n,
-        "label": [0] * n, "prediction": [0] * n}
+        "label": [0] * n, "prediction": [0] * n, "outcome": [0] * n, "warmup": [0] * n,
+        "paced_ns": scheduled.tolist()}
     db.insert("queries", [cols[c] for c in QUERY_COLUMNS], QUERY_COLUMNS)
 
 

@@ -122,8 +122,8 @@ def _two_at_once(settings: Settings, parallel: bool) -> list[EvaluationSummary]:
 
 def test_runs_sharing_a_host_do_not_overlap_unless_parallel(noop_stack: Stack) -> None:
     settings = noop_stack.settings
-    a, b = sorted((_window(settings, s.evaluation_id) for s in
-                   _two_at_once(settings, parallel=False)))
+    a, b = sorted(_window(settings, s.evaluation_id) for s in
+                   _two_at_once(settings, parallel=False))
     assert a[1] < b[0], "serialized runs overlapped"
     together = _two_at_once(settings, parallel=True)
     a, b = sorted(_window(settings, s.evaluation_id) for s in together)

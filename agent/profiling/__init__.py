@@ -5,7 +5,8 @@ No framework is modified; each module drives the profiler the framework ships:
 
 =============  ==============================================================
 onnxruntime    ``SessionOptions.enable_profiling`` on a second, profiling
-               session of the same model (one per profiled run, see module)
+               session of the same model (one per evaluation, read when it is
+               released: :func:`flush`)
 pytorch        ``torch.profiler.profile`` around the call; CUDA kernels are
                correlated to their op when a GPU is present
 tensorflow     ``tf.profiler.experimental`` trace, read back from its XPlane
@@ -15,9 +16,13 @@ tflite         nothing: LiteRT's Python interpreter exposes no per-op timing
 Use (in the inference thread, only when the query's level is ``framework`` or more)::
 
     with profiling.capture(predictor, full=level >= FULL) as cap:
-        out = predictor.predict(inputs)
+        t0 = now(); out = predictor.predict(inputs); t1 = now()  # the predict span
     ...
     cap.emit(spans, parent=predict_span_id, query_index=index)
+
+The predict span is timed inside the capture, so what a profiler does to start and
+stop (open a session, read a trace) stays out of it; that cost is the predict span's
+``profiler_ns`` attribute.
 
 Span conventions (the analysis relies on them): ``kind="layer"`` for a graph node or
 op, ``kind="kernel"`` for a device kernel (parent: its layer span); ``name`` is the
@@ -34,7 +39,7 @@ from typing import Any
 
 from agent.profiling.base import NULL, Capture, FrameworkProfiler
 
-__all__ = ["NULL", "Capture", "FrameworkProfiler", "capture", "profiler_for"]
+__all__ = ["NULL", "Capture", "FrameworkProfiler", "capture", "flush", "profiler_for"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +64,15 @@ def profiler_for(predictor: Any) -> FrameworkProfiler | None:
                      getattr(predictor, "framework", type(predictor).__name__))
         _profilers[predictor] = prof
         return prof
+
+
+def flush(predictor: Any) -> int:
+    """Emit the layer spans a profiler holds back (ONNX Runtime reads its events once per
+    evaluation, see its module); call when an evaluation is released. Returns how many."""
+    with _lock:
+        prof = _profilers.get(predictor)
+    pending = getattr(prof, "flush", None)
+    return int(pending()) if pending is not None else 0
 
 
 def capture(predictor: Any, *, full: bool = False) -> Capture:
