@@ -34,7 +34,7 @@ def test_ort_layers_add_up_to_the_predict_span_with_one_profiling_session(
         assert getattr(prof, "sessions_opened", None) == 1  # once, not once per query
         predict = {r["query_index"]: r for r in rows if r["name"] == "predict"}
         ratios = []
-        for q, p in predict.items():
+        for p in predict.values():
             span = p["end_ns"] - p["start_ns"]
             layers = sum(r["end_ns"] - r["start_ns"] for r in rows
                          if r["kind"] == "layer" and r["parent_id"] == p["span_id"])
