@@ -2,8 +2,9 @@
 
 Definitions (the same as the server's, ``broker/summary.py``): latency = completed -
 scheduled; throughput = samples answered / (last completion - first issue); top-1 =
-correct answers / samples answered. Percentiles and trimmed means are
-:mod:`mlscope.stats`'.
+correct answers / samples answered; errors = failed + refused + lost and not issued
+apart (:mod:`mlscope.outcomes`); warm-up rows are left out. Percentiles and trimmed
+means are :mod:`mlscope.stats`'.
 """
 
 from __future__ import annotations

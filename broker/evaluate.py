@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import time
@@ -206,8 +207,10 @@ class Evaluator:
         spec_doc = _specification(job, agent, entry, prep)
         for run in separate:  # each run of a sweep or search, on its own
             await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
-        await anyio.to_thread.run_sync(self._store, summary,
-                                       None if separate else main.record, spec_doc)
+        # The parent's t0 is its first run's: the runs' spans are stored under its id.
+        t0 = separate[0].record.t0_ns if separate else main.record.t0_ns
+        await anyio.to_thread.run_sync(functools.partial(
+            self._store, summary, None if separate else main.record, spec_doc, t0_ns=t0))
         if acc is not None:
             await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, eval_id, acc)
         return summary
@@ -227,9 +230,10 @@ class Evaluator:
             kind=accuracy.output_kind(entry.manifest), limit=job.accuracy_samples)
 
     def _store(self, s: EvaluationSummary, rec: RunRecord | None,
-               spec_doc: dict[str, Any]) -> None:
+               spec_doc: dict[str, Any], *, t0_ns: int | None = None) -> None:
         """The evaluation row, and its query rows when ``rec`` is given (a sweep's
-        parent has none: its runs are stored on their own)."""
+        parent has none: its runs are stored on their own; ``t0_ns`` is then its
+        first run's)."""
         if rec is not None and rec.n:
             err = [rec.errors.get(i, "") for i in range(rec.n)]
             cols: list[Any] = [
@@ -243,7 +247,8 @@ class Evaluator:
                datetime.fromtimestamp(s.started_at, UTC), s.model["name"],
                s.model["version"], s.framework["name"], s.framework["version"], s.agent_id,
                s.host, s.device, str(s.scenario["name"]), s.trace_level, s.status,
-               int(s.valid), rec.t0_ns if rec is not None else 0, s.clock_offset_ns,
+               int(s.valid), t0_ns if t0_ns is not None else rec.t0_ns if rec else 0,
+               s.clock_offset_ns,
                json.dumps(spec_doc, default=str), s.model_dump_json(by_alias=True)]
         self.db.insert("evaluations", [[v] for v in row], EVALUATION_COLUMNS)
 
