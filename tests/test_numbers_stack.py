@@ -6,6 +6,8 @@ loop. Timing is never asserted beyond what the test itself injects."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import time
 from typing import Any
 
@@ -13,6 +15,7 @@ import anyio
 import numpy as np
 import pytest
 
+from analysis.compare import SINGLE_RUN_NOTE, compare_repeats, compare_runs
 from analysis.figures import max_throughput, speedup_heatmap
 from analysis.report import build, to_markdown
 from analysis.source import PAGE_ROWS, BusSource
@@ -25,8 +28,10 @@ from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, TraceLevel
+from mlscope.errors import ConfigError
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
+from tests.conftest import child_env, python
 from tests.loadgen_fixtures import noop_stack
 
 __all__ = ["noop_stack"]
@@ -185,3 +190,38 @@ def test_issue_lag_shows_a_blocked_event_loop(noop_stack: Stack) -> None:
     lag = rec.issued - rec.scheduled
     blocked = int(np.count_nonzero(lag > 0.1 * block_s * 1e9))
     assert blocked >= 0.5 * block_s * 200  # every query due during the block waited
+
+
+def test_an_identical_rerun_is_not_called_different_with_repeats(noop_stack: Stack) -> None:
+    """Three runs of one configuration against three more (interleaved, so machine drift
+    hits both sides): over runs, no significant change."""
+    spec = ScenarioSpec(name="constant", qps=300, duration_s=1.0, **LOOSE)
+    ids: dict[str, list[str]] = {"a": [], "b": []}
+    for _ in range(3):
+        for side in ids:
+            ids[side].append(run(noop_stack.settings, spec).evaluation_id)
+    table = compare_repeats(BusSource(noop_stack.settings), ids["a"], ids["b"],
+                            confidence=0.99)
+    assert list(table["verdict"]) == ["no significant change"] * 2, table
+    assert table["basis"].iloc[0] == "runs: 3 baseline, 3 candidate"
+    one = compare_runs(BusSource(noop_stack.settings), ids["a"][0], ids["b"][0])
+    assert one["basis"].iloc[0] == SINGLE_RUN_NOTE
+    # Different rates are not compared.
+    other = run(noop_stack.settings, spec.model_copy(update={"qps": 150.0})).evaluation_id
+    with pytest.raises(ConfigError, match="requested qps"):
+        compare_runs(BusSource(noop_stack.settings), ids["a"][0], other)
+
+
+def test_cli_repeat_prints_run_level_statistics(noop_stack: Stack) -> None:
+    out = subprocess.run(
+        [python(), "-m", "cli.submit", "noop", "--framework", "noop", "--scenario",
+         "constant", "--qps", "200", "--duration", "0.5", "--min-duration", "0",
+         "--min-queries", "1", "--repeat", "2", "--json"],
+        env=child_env(noop_stack.settings), capture_output=True, text=True, timeout=120,
+        check=False)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert len(doc["summaries"]) == 2
+    p50s = [s["latency_ms"]["p50"] for s in doc["summaries"]]
+    assert doc["run_level"]["p50_ms"]["mean"] == pytest.approx(sum(p50s) / 2)
+    assert doc["run_level"]["p50_ms"]["ci_low"] <= doc["run_level"]["p50_ms"]["ci_high"]
