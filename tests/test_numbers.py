@@ -4,6 +4,8 @@ run-level comparison and the load generator's cost."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -227,3 +229,25 @@ def test_run_level_summary_of_repeats() -> None:
     assert got["p50_ms"]["mean"] == 2.5
     assert got["p50_ms"]["ci_low"] == pytest.approx(mean_ci([1, 2, 3, 4])[1])
     assert got["throughput_ips"]["mean"] is None
+
+
+def test_only_models_scored_by_top_k_get_labels() -> None:
+    """A detector scored by AUC, or a model without a data set, shows no top-1 (it was a
+    meaningless 0)."""
+    from types import SimpleNamespace
+
+    from broker.evaluate import _scored
+
+    def feeders() -> tuple[Any, Any]:
+        return (lambda i: np.zeros(1)), (lambda i: np.zeros(1))
+
+    def manifest(metric: str | None) -> Any:
+        return SimpleNamespace(dataset=None if metric is None
+                               else SimpleNamespace(metric=metric))
+
+    assert _scored(feeders(), manifest("top1"))[1] is not None
+    assert _scored(feeders(), manifest("top5"))[1] is not None
+    assert _scored(feeders(), manifest("binary_auc"))[1] is None
+    assert _scored(feeders(), manifest(None))[1] is None
+    rec = open_record(ScenarioSpec(name="constant", qps=100, duration_s=1), 0.001)
+    assert figures(rec, has_labels=False).top1 is None
