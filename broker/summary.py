@@ -15,7 +15,9 @@ Every statistic comes from :mod:`mlscope.stats`; every verdict from
 * failed / refused / lost / not issued: :mod:`mlscope.outcomes` (``errors`` is the
   first three);
 * throughput = samples answered / (last completion - first issue);
-* the first ``warmup_queries`` queries are left out of every figure and rule.
+* the first ``warmup_queries`` queries are left out of the latency, throughput,
+  accuracy, issue-lag and failure figures and rules; the load's own rules and rates
+  (duration, count, offered / issued / completed, overload) count every query.
 
 Latency split (per completed query, ms), from the agent's timestamps converted to the
 load-generator clock with the stored clock offset:
@@ -103,7 +105,8 @@ def issue_lag_split(rec: RunRecord) -> dict[str, dict[str, float | None]]:
 
 def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) -> Figures:
     """The figures of one run; ``window_s`` is an open loop's load window (None for a
-    closed loop, which has no backlog). Warm-up queries are left out of every figure."""
+    closed loop, which has no backlog). Warm-up queries are left out of every figure but
+    the rates (offered, issued, completed: the load generator's, over the whole run)."""
     meas = rec.measured()
     ok = rec.ok.astype(bool) & meas
     issued_mask = _issued_mask(rec) & meas
@@ -114,8 +117,10 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
     duration = float(end.max() - rec.scheduled[meas].min()) / 1e9 if end.size else 0.0
     first_issue = float(issued.min()) if issued.size else 0.0
     tput_span = (float(end.max()) - first_issue) / 1e9 if end.size else 0.0
-    sched_rate, ach_rate = achieved_rate(rec.scheduled[meas]), achieved_rate(issued)
-    done_rate = achieved_rate(rec.completed[ok])
+    # Rates are the load generator's: every query counts, warm-up included.
+    all_issued = rec.issued[_issued_mask(rec)]
+    sched_rate, ach_rate = achieved_rate(rec.scheduled), achieved_rate(all_issued)
+    done_rate = achieved_rate(rec.completed[rec.ok.astype(bool)])
     counts = count(rec.outcomes()[meas])
     return Figures(
         queries=rec.n, warmup_queries=int(rec.n - meas.sum()), samples=samples,
@@ -249,15 +254,17 @@ def judge(rec: RunRecord, spec: ScenarioSpec, policy: ValidityPolicy, *, window_
 
     ``window_s``: how long the load ran (the schedule's window for an open loop, the
     time to the last completion for a closed one), held to ``min_duration_s``. An open
-    loop is also judged for overload. Warm-up queries are left out of every rule.
+    loop is also judged for overload. Warm-up queries are left out of the latency and
+    failure rules; the load rules (duration, count, issue lag, rates, overload) are the
+    load generator's and count every query.
     """
     meas = rec.measured()
     ok = rec.ok.astype(bool)
     issued = np.where(_issued_mask(rec), np.maximum(rec.issued, 1), 0)
     return verdict(
-        scheduled_ns=rec.scheduled[meas], issued_ns=issued[meas],
+        scheduled_ns=rec.scheduled, issued_ns=issued,
         latency_ns=(rec.completed - rec.scheduled)[ok & meas],
         outcomes=count(rec.outcomes()[meas]),
-        completed_ns=np.where(ok, rec.completed, 0)[meas] if open_loop else None,
+        completed_ns=np.where(ok, rec.completed, 0) if open_loop else None,
         requested_rate=requested_rate, poisson=poisson, duration_s=window_s,
         policy=policy_for(spec, policy))

@@ -244,7 +244,8 @@ class EvaluationSummary(_Message):
     lost: int = 0
     """Issued and never answered."""
     warmup_queries: int = 0
-    """The first queries, run to warm up and left out of every figure (stored, flagged)."""
+    """The first queries, run to warm up: stored and flagged, left out of the latency,
+    throughput, accuracy and failure figures (rates and load rules count them)."""
     duration_s: float
     requested_qps: float | None
     scheduled_qps: float | None = None

@@ -119,6 +119,9 @@ def test_warmup_queries_are_left_out_of_every_figure() -> None:
     assert warm.latency_ms.max is not None and warm.latency_ms.max < 5
     assert (warm.warmup_queries, warm.errors, cold.errors) == (20, 0, 1)
     assert list(np.flatnonzero(~rec.measured())) == list(range(20))
+    # The load itself is judged whole: warm-up does not make the rate look short.
+    assert warm.scheduled_qps == cold.scheduled_qps
+    assert not any("q/s" in r for r in verdict(rec, spec)), verdict(rec, spec)
 
 
 def test_duration_is_judged_unrounded_and_said_so() -> None:
