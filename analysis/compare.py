@@ -39,7 +39,7 @@ import pandas as pd
 from packaging.version import InvalidVersion, Version
 
 from analysis.data import queries
-from analysis.figures import prefer_valid
+from analysis.figures import measured_runs, prefer_valid
 from analysis.source import Source
 from mlscope.errors import ConfigError
 from mlscope.stats import percentile, student_t_quantile
@@ -228,16 +228,22 @@ def regressions(source: Source, summ: pd.DataFrame, *, axis: str = "framework_ve
     """Consecutive versions along ``axis`` ("model_version" or "framework_version"),
     all else equal: the median-latency verdict of each step; ``regression`` is True
     where the newer version is slower. The newest valid run of each version counts
-    (an invalid one where none is valid)."""
+    (an invalid one where none is valid); only runs at the same requested rate are
+    compared, and a sweep's parent never (its runs are)."""
     if axis not in ("model_version", "framework_version"):
         raise ValueError(f"axis must be model_version or framework_version, not {axis!r}")
     fixed = [c for c in ("model", "model_version", "framework", "framework_version", "system",
                          "scenario", "batch_size") if c != axis]
     cols = [*fixed, "from_version", "to_version", "baseline", "candidate", "median_a_ms",
             "median_b_ms", "rel", "ci_low", "ci_high", "verdict", "regression"]
-    runs = prefer_valid(summ).drop_duplicates([*fixed, axis], keep="first")
+    # Runs at different requested rates are different measurements (-1: no rate).
+    rate = (summ["requested_qps"].astype(float).fillna(-1.0) if "requested_qps" in summ
+            else -1.0)
+    runs = prefer_valid(measured_runs(summ).assign(_rate=rate)).drop_duplicates(
+        [*fixed, "_rate", axis], keep="first")
     rows = []
-    for key, g in runs.groupby(fixed, sort=True):
+    for group, g in runs.groupby([*fixed, "_rate"], sort=True):
+        key = group[: len(fixed)]
         if g[axis].nunique() < 2:
             continue
         g = g.sort_values(axis, key=lambda s: s.map(_version_key))
