@@ -206,7 +206,7 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
         ),
         StreamConfig(
             name=names.DEAD_STREAM,
-            subjects=[names.dead_letter("*")],
+            subjects=[names.dead_letters_wildcard()],
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,

@@ -37,6 +37,7 @@ __all__ = [
     "agent_query",
     "capability",
     "dead_letter",
+    "dead_letters_wildcard",
     "job_events",
     "token",
     "traces",
@@ -95,3 +96,7 @@ def traces_wildcard() -> str:
 def dead_letter(stream: str) -> str:
     """Where a consumer of ``stream`` puts the messages it gave up on."""
     return f"{PREFIX}.dead.{token(stream)}"
+
+
+def dead_letters_wildcard() -> str:
+    return f"{PREFIX}.dead.>"

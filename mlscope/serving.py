@@ -32,10 +32,12 @@ import re
 import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import anyio
 import nats.errors
+import nats.js.errors
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -44,18 +46,21 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from mlscope import codec, names
 from mlscope.bus import Bus
 from mlscope.contracts import ErrorReply
-from mlscope.errors import MLScopeError, ServiceError, WireError
+from mlscope.errors import BusError, MLScopeError, ServiceError, WireError
 
 __all__ = [
     "MAX_VALUE_BYTES",
     "MAX_VALUE_DEPTH",
     "Boundary",
+    "DeadLetter",
     "as_error",
     "configure_logging",
+    "dead_letters",
     "decode_json",
 ]
 
 T = TypeVar("T")
+MAX_ERROR_CHARS = codec.MAX_ERROR_CHARS
 MAX_VALUE_BYTES = 256 * 1024
 """The largest bucket value a service parses (a manifest is a few KB)."""
 MAX_VALUE_DEPTH = 64
@@ -76,10 +81,12 @@ def as_error(exc: BaseException, *, service: str = "") -> MLScopeError:
     if isinstance(exc, MLScopeError):
         return exc
     if isinstance(exc, ValidationError):
-        return WireError(f"invalid message: {exc.errors(include_url=False)}"[:2000])
+        why = str(exc.errors(include_url=False, include_input=False))
+        return WireError(f"invalid message: {why}"[:MAX_ERROR_CHARS])
     if isinstance(exc, RecursionError):
         return WireError("a value nested too deeply to handle")
-    return ServiceError(f"{service or 'a service'} failed: {type(exc).__name__}: {exc}"[:2000],
+    return ServiceError(f"{service or 'a service'} failed: {type(exc).__name__}: {exc}"
+                        [:MAX_ERROR_CHARS],
                         service=service, exception=type(exc).__name__)
 
 
@@ -120,8 +127,8 @@ class _Decoder(Generic[T]):
         try:
             return self.adapter.validate_python(raw)
         except ValidationError as exc:
-            raise WireError(f"invalid {self.name}: {exc.errors(include_url=False)}"[:2000]
-                            ) from exc
+            why = str(exc.errors(include_url=False, include_input=False))
+            raise WireError(f"invalid {self.name}: {why}"[:MAX_ERROR_CHARS]) from exc
 
 
 Handler = Callable[[T, Msg], Awaitable[Any]]
@@ -179,6 +186,8 @@ class Boundary:
                ) -> MLScopeError:
         """Count and log one failure; returns it as a typed error."""
         err = as_error(exc, service=self.service)
+        if len(err.message) > MAX_ERROR_CHARS:  # never echo a hostile input back
+            err.message = err.message[:MAX_ERROR_CHARS] + " ..."
         self.failures[err.code] += 1
         if isinstance(err, ServiceError):
             self.log.error("%s %s failed: %s", what, subject, err.message, exc_info=exc)
@@ -278,3 +287,44 @@ def _unwrap(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A message a consumer gave up on, as ``mlscope doctor`` lists it."""
+
+    seq: int
+    subject: str
+    """Where it was first published."""
+    error: str
+    service: str
+    delivered: int
+    size: int
+
+
+async def dead_letters(bus: Bus, *, limit: int = 50) -> tuple[int, list[DeadLetter]]:
+    """(how many dead letters are kept, the newest ``limit`` of them, oldest first)."""
+    try:
+        info = await bus.js.stream_info(names.DEAD_STREAM)
+    except nats.js.errors.NotFoundError:
+        return 0, []
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot read {names.DEAD_STREAM}: {exc!r}") from exc
+    state = info.state
+    out: list[DeadLetter] = []
+    if not state.messages:
+        return 0, out
+    for seq in range(max(state.first_seq, state.last_seq - limit + 1), state.last_seq + 1):
+        try:
+            raw = await bus.js.get_msg(names.DEAD_STREAM, seq)
+        except nats.js.errors.NotFoundError:
+            continue  # aged out or removed
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot read dead letter {seq}: {exc!r}") from exc
+        h = raw.headers or {}
+        out.append(DeadLetter(seq=seq, subject=h.get("Mlscope-Subject", raw.subject or ""),
+                              error=h.get("Mlscope-Error", ""),
+                              service=h.get("Mlscope-Service", ""),
+                              delivered=int(h.get("Mlscope-Delivered", "0") or 0),
+                              size=len(raw.data or b"")))
+    return int(state.messages), out
