@@ -13,6 +13,11 @@ against its table's type before anything is inserted, and a message that does no
 decode or validate is dead-lettered at once; a batch whose insert fails (a full or
 read-only disk) is redelivered after a pause, and dead-lettered after
 ``MAX_DELIVER`` deliveries. The stream is never blocked and the server never stops.
+
+Once stored, batches leave the stream: every ``trim_s`` the ingester purges the traces
+stream below its consumer's ack floor (every message before it is stored), so the
+stream holds what is not yet ingested, not seven days of spans (its byte cap is the
+backstop while no ingester runs).
 """
 
 from __future__ import annotations
@@ -69,10 +74,13 @@ _BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
 class Ingester:
     def __init__(self, bus: Bus, db: Database, *, fetch_batch: int = 512,
                  fetch_timeout: float = 1.0, ack_wait_s: float = 30.0,
-                 boundary: Boundary | None = None) -> None:
+                 boundary: Boundary | None = None, trim_s: float = 10.0) -> None:
         self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
         self.boundary = boundary or Boundary(bus, service="ingester", logger=log)
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
+        self.trim_s = trim_s
+        self.trimmed_below = 0
+        """Stream sequence below which the traces stream has been purged."""
         self.ingested = 0
         self.samples = 0
         self.rejected = 0
@@ -90,6 +98,7 @@ class Ingester:
         send, receive = anyio.create_memory_object_stream[_Decoded](1)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer, receive)
+            tg.start_soon(self._trimmer, sub)
             self._send = send
             try:
                 avg = float(1 << 20)  # bytes per message, running estimate (start: max)
@@ -113,6 +122,21 @@ class Ingester:
             finally:
                 self._send = None
                 send.close()
+
+    async def _trimmer(self, sub: Any) -> None:
+        while True:
+            await anyio.sleep(self.trim_s)
+            try:
+                await self.trim(sub)
+            except (TimeoutError, nats.errors.Error) as exc:  # next round
+                log.debug("traces stream not trimmed: %r", exc)
+
+    async def trim(self, sub: Any) -> None:
+        """Purge the traces stream below the consumer's ack floor (all stored)."""
+        floor = int((await sub.consumer_info()).ack_floor.stream_seq or 0)
+        if floor + 1 > self.trimmed_below:
+            await self.bus.js.purge_stream(names.TRACES_STREAM, seq=floor + 1)
+            self.trimmed_below = floor + 1
 
     async def _writer(self, receive: anyio.abc.ObjectReceiveStream[_Decoded]) -> None:
         async with receive:

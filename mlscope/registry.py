@@ -18,8 +18,9 @@ from mlscope.serving import MAX_VALUE_BYTES
 
 __all__ = ["AgentCache", "list_agents"]
 
-FUTURE_TOLERANCE_S = 60.0
-"""A heartbeat further ahead of this clock is refused (it would keep a dead agent live)."""
+FUTURE_TOLERANCE_S = 86_400.0
+"""A heartbeat more than a day ahead of this clock is refused: no clock is that wrong, and
+it would keep a dead agent listed (resolution also pings an agent before using it)."""
 
 
 async def list_agents(bus: Bus, *, include_stale: bool = False,

@@ -27,6 +27,7 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
+from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server
 
@@ -115,6 +116,38 @@ def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Setti
 
 async def _noop() -> None:
     return None
+
+
+def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
+        settings: Settings, tmp_path: Path) -> None:
+    db = Database(f"chdb:///{tmp_path / 'db'}")
+    db.migrate()
+    eval_id = "ev-trim"
+
+    async def main() -> tuple[int, int, list[str]]:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+            for b in range(10):
+                await bus.js.publish(names.traces(eval_id),
+                                     codec.encode_model(span_batch(eval_id, b * 50, 50)))
+            poison = span_batch(eval_id, 10_000, 2).dump()
+            poison["columns"]["span_id"] = ["abc", "def"]  # a string in a UInt64 column
+            await bus.js.publish(names.traces(eval_id), codec.encode(poison))
+            ingester = Ingester(bus, db, trim_s=0.2)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ingester.run)
+                with anyio.fail_after(30):
+                    while (_count(db, eval_id) < 500 or ingester.trimmed_below < 12):
+                        await anyio.sleep(0.1)
+                tg.cancel_scope.cancel()
+            left = (await bus.js.stream_info(names.TRACES_STREAM)).state.messages
+            _, dead = await dead_letters(bus)
+            return left, ingester.rejected, [d.error for d in dead]
+
+    left, rejected, dead = anyio.run(main, backend="asyncio")
+    assert _count(db, eval_id) == 500  # the good batches, all of them
+    assert left == 0 and rejected == 1
+    assert len(dead) == 1 and "column span_id" in dead[0]
+    db.close()
 
 
 def _count(db: Database, eval_id: str) -> int:
