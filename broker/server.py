@@ -150,6 +150,8 @@ class Server:
             await self._refuse_undecodable(msg.data, exc)
             raise
         if job.job_id in self.running:  # redelivered while still running here
+            log.info("job %s redelivered while it runs here: held, acked with the run",
+                     job.job_id)
             self.running[job.job_id].append(msg)
             return
         self.running[job.job_id] = [msg]

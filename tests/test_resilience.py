@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -27,9 +28,10 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
+from mlscope.natsserver import NatsServer, free_port
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings
-from tests.conftest import child_env, python, wait_agents, wait_server
+from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -294,3 +296,44 @@ def test_submit_without_a_server_fails_within_seconds(settings: Settings) -> Non
     assert time.monotonic() - t < 15
 
 
+
+
+def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(tmp_path: Path,
+                                                                     zoo_dir: Path) -> None:
+    nats = NatsServer(store_dir=tmp_path / "nats", port=free_port()).start()
+    settings = Settings(nats_url=nats.url, data_dir=make_data_dir(tmp_path / "data", zoo_dir))
+    env = child_env(settings)
+    procs = [subprocess.Popen([python(), "-m", "cli.main", "server"], env=env),
+             subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"],
+                              env=env)]
+    outage: list[threading.Thread] = []
+
+    def down_and_up() -> None:
+        nats.kill()
+        time.sleep(20)  # longer than the job's ack wait (15 s)
+        nats.start()
+
+    def on_event(e: JobEvent) -> None:
+        if e.event == "progress" and e.queries_done >= 200 and not outage:
+            outage.append(threading.Thread(target=down_and_up))
+            outage[0].start()
+
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(model="noop", framework="noop",
+                         scenario=ScenarioSpec(name="online", qps=100, duration_s=30))
+        summary = anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=170),
+                            backend="asyncio")
+        assert outage and not outage[0].is_alive()
+        assert summary.evaluation_id == evaluation_id_for(job.job_id)
+        assert anyio.run(_evaluations_of, settings, job.job_id,
+                         backend="asyncio") == [summary.evaluation_id]
+        assert [p.poll() for p in procs] == [None, None]
+    finally:
+        for t in outage:
+            t.join(30)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(20)
+        nats.stop()
