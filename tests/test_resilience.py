@@ -337,3 +337,34 @@ def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(tmp_path: Pa
                 p.terminate()
                 p.wait(20)
         nats.stop()
+
+
+def test_sigterm_stops_a_running_load_at_once(settings: Settings) -> None:
+    env = child_env(settings)
+    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"],
+                             env=env)
+    stopped: dict[str, float] = {}
+
+    def on_event(e: JobEvent) -> None:
+        if e.event == "progress" and not stopped:
+            stopped["at"] = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            server.wait(20)
+            stopped["exit"] = time.monotonic()
+            raise KeyboardInterrupt  # stop waiting: nobody will finish this job now
+
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(model="noop", framework="noop",
+                         scenario=ScenarioSpec(name="online", qps=200, duration_s=60))
+        with pytest.raises(KeyboardInterrupt):
+            anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=90),
+                      backend="asyncio")
+        assert server.returncode == 0
+        assert stopped["exit"] - stopped["at"] < 5.0  # not the 60 s the schedule had left
+    finally:
+        for p in (agent, server):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(20)
