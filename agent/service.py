@@ -374,6 +374,7 @@ def _beat_logged(agent_id: str, failing: int, error: BaseException | None) -> in
         return 0
     if failing % 30 == 0:
         log.error("agent %s: heartbeat not stored (%d in a row): %r; the registry drops "
-                  "this agent after %.0f s without one", agent_id, failing + 1, error,
-                  busmod.AGENT_TTL_S)
+                  "this agent after %.0f s without one. If nats-server's store ran out of "
+                  "space, JetStream stays disabled after space returns until nats-server "
+                  "is restarted", agent_id, failing + 1, error, busmod.AGENT_TTL_S)
     return failing + 1

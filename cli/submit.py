@@ -18,7 +18,7 @@ from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest
-from mlscope.errors import BusError, ConfigError, MLScopeError, error_from_wire
+from mlscope.errors import BusError, ConfigError, MLScopeError, WireError, error_from_wire
 from mlscope.settings import Settings
 
 __all__ = ["main", "submit"]
@@ -138,7 +138,10 @@ async def submit(settings: Settings, job: JobRequest, *, on_event: object = None
                                    f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
                                    ) from exc
                 raise BusError(f"job {job.job_id} did not finish within {limit:g} s") from exc
-            event = codec.decode_model(JobEvent, msg.data)
+            try:
+                event = codec.decode_model(JobEvent, msg.data)
+            except WireError:
+                continue  # not an event of ours: a stray or hostile message
             accepted = True
             if callable(on_event):
                 on_event(event)
