@@ -35,7 +35,10 @@ from mlscope.contracts import (
     AgentDescription,
     EvaluationSummary,
     JobRequest,
+    PingOp,
+    PrepareOp,
     Query,
+    ReleaseOp,
     TraceLevel,
     evaluation_id_for,
 )
@@ -131,9 +134,8 @@ class Evaluator:
         level = TraceLevel.parse(job.trace_level)
         data = _dataset(entry, self.zoo_dir)
         check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
-        prepare = {"op": "prepare", "evaluation_id": eval_id, "model": m.name,
-                   "model_version": m.version, "batch_size": spec.batch_size,
-                   "trace_level": level.name.lower()}
+        prepare = PrepareOp(evaluation_id=eval_id, model=m.name, model_version=m.version,
+                            batch_size=spec.batch_size, trace_level=level.name.lower()).dump()
         prep = await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode(prepare),
                              timeout=PREPARE_TIMEOUT_S)
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
@@ -155,8 +157,8 @@ class Evaluator:
         if not lost:
             # An agent gone since then ends its session with it.
             with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
-                await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode(
-                    {"op": "release", "evaluation_id": eval_id}), timeout=5)
+                await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode_model(
+                    ReleaseOp(evaluation_id=eval_id)), timeout=5)
         fw = next(x for x in agent.frameworks if x.name == job.framework)
 
         def summarize(run: scenarios.Run, reasons: tuple[str, ...] = (),
@@ -225,7 +227,7 @@ class Evaluator:
         if rec.n == 0 or not unanswered:
             return ""
         try:
-            await request(self.bus, names.agent_ctl(agent_id), codec.encode({"op": "ping"}),
+            await request(self.bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()),
                           timeout=2.0)
         except MLScopeError:
             answered = int(np.count_nonzero(np.asarray(rec.ok[:rec.n])))

@@ -49,6 +49,7 @@ from mlscope.contracts import (
     EvaluationSummary,
     JobEvent,
     JobRequest,
+    PingOp,
     SqlReply,
     SqlRequest,
     evaluation_id_for,
@@ -225,7 +226,7 @@ class Server:
             agent, entry = await self._resolve(job, gone)
             try:
                 await busmod.request(self.bus, names.agent_ctl(agent.agent_id),
-                                     codec.encode({"op": "ping"}), timeout=2.0)
+                                     codec.encode_model(PingOp()), timeout=2.0)
                 break
             except MLScopeError as exc:
                 log.warning("job %s: agent %s does not answer (%s); resolving again",

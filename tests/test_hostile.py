@@ -22,10 +22,10 @@ import msgpack
 import pytest
 
 from cli.doctor_cmd import diagnose
-from cli.submit import submit
+from cli.submit import _stored_result, submit
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import JobEvent, JobRequest, ScenarioSpec, new_id
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec, new_id
 from mlscope.errors import ConfigError, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server
@@ -106,8 +106,15 @@ def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
         anyio.run(lambda: submit(settings, _job(batch_size=20_000), timeout=60),
                   backend="asyncio")
     # A normal job still runs, to a stored evaluation.
-    summary = anyio.run(lambda: submit(settings, _job(), timeout=90), backend="asyncio")
+    normal = _job()
+    summary = anyio.run(lambda: submit(settings, normal, timeout=90), backend="asyncio")
     assert summary.status == "completed" and summary.errors == 0 and summary.queries > 50
+
+    async def stored() -> EvaluationSummary | None:  # what a submitter that missed "done" reads
+        async with busmod.connect(settings, name="hostile") as bus:
+            return await _stored_result(bus, normal.job_id)
+
+    assert anyio.run(stored, backend="asyncio") == summary
     # The poison is visible to the operator, with its error.
     report = anyio.run(lambda: diagnose(settings, limit=100), backend="asyncio")
     dead = report["newest"]
