@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+from typing import Any, cast
 
 import anyio
 import pytest
@@ -18,7 +20,7 @@ from mlscope.errors import (
     WireError,
     error_from_wire,
 )
-from mlscope.serving import Boundary, as_error, dead_letters, decode_json
+from mlscope.serving import LOG_BURST, Boundary, as_error, dead_letters, decode_json
 from mlscope.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,3 +129,13 @@ def test_a_failing_loop_is_started_again(settings: Settings) -> None:
             assert boundary.failures == {"error": 2}
 
     anyio.run(main, backend="asyncio")
+
+
+def test_a_flood_of_bad_messages_is_counted_in_full_but_logged_briefly(
+        caplog: pytest.LogCaptureFixture) -> None:
+    boundary = Boundary(cast(Any, None), service="test")  # failed() never touches the bus
+    with caplog.at_level(logging.WARNING):
+        for _ in range(500):
+            boundary.failed(WireError("bad"), "t.subject")
+    assert boundary.failures == {"wire": 500}
+    assert len([r for r in caplog.records if "refused" in r.getMessage()]) == LOG_BURST
