@@ -110,9 +110,15 @@ class Evaluator:
     db: Database
     zoo_dir: Path
     policy: ValidityPolicy = field(default_factory=ValidityPolicy)
+    loadgen_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    """MLPerf LoadGen runs one test per process at a time (broker/mlperf.py)."""
 
     async def run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
                   progress: Progress) -> EvaluationSummary:
+        if job.mlperf is not None:
+            from broker import mlperf  # LoadGen is an optional extra
+
+            return await mlperf.run(self, job, agent, entry)
         eval_id = new_id("ev")
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
@@ -198,6 +204,12 @@ class Evaluator:
             self.bus, subject=names.agent_query(agent_id), evaluation_id=eval_id,
             x=data[0], y=data[1], batch_size=job.scenario.batch_size,
             kind=accuracy.output_kind(entry.manifest), limit=job.accuracy_samples)
+
+    async def import_mlperf(self, job: JobRequest) -> EvaluationSummary:
+        """Store the MLPerf logs a job carries as an evaluation (no agent involved)."""
+        from broker import mlperf
+
+        return await mlperf.import_logs(self, job)
 
     def _store(self, s: EvaluationSummary, rec: RunRecord, spec_doc: dict[str, Any]) -> None:
         err = [rec.errors.get(i, "") for i in range(rec.n)]

@@ -123,16 +123,18 @@ class Server:
         subject = names.job_events(job.job_id)
         await self._emit(subject, JobEvent(job_id=job.job_id, event="accepted",
                                            server_id=self.server_id))
+        async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
+            await self._emit(subject, JobEvent(
+                job_id=job.job_id, event="progress", server_id=self.server_id,
+                evaluation_id=eval_id, queries_done=rec.done, elapsed_s=elapsed,
+                p50_ms=running_p50_ms(rec)))
+
         try:
-            agent, entry = await self._resolve(job)
-
-            async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
-                await self._emit(subject, JobEvent(
-                    job_id=job.job_id, event="progress", server_id=self.server_id,
-                    evaluation_id=eval_id, queries_done=rec.done, elapsed_s=elapsed,
-                    p50_ms=running_p50_ms(rec)))
-
-            summary = await self.evaluator.run(job, agent, entry, progress)
+            if job.mlperf_import is not None:  # logs made elsewhere: no agent to resolve
+                summary = await self.evaluator.import_mlperf(job)
+            else:
+                agent, entry = await self._resolve(job)
+                summary = await self.evaluator.run(job, agent, entry, progress)
         except MLScopeError as exc:
             await self._emit(subject, JobEvent(job_id=job.job_id, event="failed",
                                                server_id=self.server_id, error=exc.to_wire()))

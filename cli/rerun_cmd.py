@@ -34,6 +34,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
+    imported = spec.get("imported")
+    if isinstance(imported, dict):
+        raise EvaluationError(f"evaluation {evaluation_id} was imported from MLPerf logs "
+                              f"({imported.get('source')}): there is no job to rerun",
+                              evaluation_id=evaluation_id)
     job = JobRequest.model_validate(spec["job"])
     manifest = spec.get("manifest")
     if not isinstance(manifest, dict) or "version" not in manifest:
@@ -54,7 +59,9 @@ def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
 async def rerun(settings: Settings, evaluation_id: str) -> EvaluationSummary:
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         spec, _ = await remote.evaluation(bus, evaluation_id)
-    return await submit(settings, rerun_job(spec, evaluation_id))
+    job = rerun_job(spec, evaluation_id)
+    # An MLPerf run lasts what its conf files say (10 minutes officially).
+    return await submit(settings, job, timeout=6 * 3600.0 if job.mlperf else None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ its schema number (history below). Tensors travel as numpy arrays through
 Schema history:
     1 (0.1.0)  first version of every message; later additions with defaults, which
                old readers refuse (``extra="forbid"``): Query.labels,
-               Query.more_inputs, QueryReply.labels.
+               Query.more_inputs, QueryReply.labels, JobRequest.mlperf,
+               JobRequest.mlperf_import, EvaluationSummary.mlperf.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ __all__ = [
     "JobEvent",
     "JobRequest",
     "LatencyStats",
+    "MLPerfImport",
+    "MLPerfSpec",
     "ModelOffer",
     "Query",
     "QueryReply",
@@ -180,6 +183,45 @@ class ScenarioSpec(BaseModel):
     """cold-start: warm queries after each load (closed loop, ``batch_size`` samples)."""
 
 
+class MLPerfSpec(BaseModel):
+    """A run of MLPerf LoadGen against the job's agent (``mlscope mlperf``).
+
+    Settings apply in LoadGen's order: ``mlperf_conf`` (LoadGen's built-in one when
+    None), then ``user_conf``, then the explicit fields that are set.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    scenario: Literal["SingleStream", "MultiStream", "Server", "Offline"]
+    mode: Literal["PerformanceOnly", "AccuracyOnly"] = "PerformanceOnly"
+    target_qps: float | None = Field(default=None, gt=0)
+    """Server: ``server_target_qps``; Offline: ``offline_expected_qps``."""
+    user_conf: str | None = None
+    """The text of an MLPerf ``user.conf`` (``model.Scenario.key = value`` lines)."""
+    mlperf_conf: str | None = None
+    """The text of an ``mlperf.conf`` replacing the one LoadGen ships."""
+    conf_model: str | None = None
+    """The model name the conf files' lines use (default: the mlscope model's name)."""
+    batch_size: int = Field(default=32, ge=1)
+    """Most samples the system under test sends the agent in one query (Offline)."""
+    window: int = Field(default=8, ge=1)
+    """Most agent queries the system under test keeps in flight (the rest wait in it)."""
+    seed: int | None = None
+    """LoadGen's sample, sample-index and schedule seeds (default: the conf files')."""
+
+
+class MLPerfImport(BaseModel):
+    """MLPerf logs written elsewhere, loaded as an evaluation (``mlscope import mlperf``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    files: dict[str, str]
+    """Log file name -> text: ``mlperf_log_summary.txt`` and ``mlperf_log_detail.txt``
+    (required), ``mlperf_log_accuracy.json`` / ``mlperf_log_trace.json`` when present."""
+    source: str = ""
+    """Where the logs were read (a path on the importing machine)."""
+    system: str = ""
+    """The submitter's system name (the results tree's ``<system>`` directory)."""
+
+
 class JobRequest(_Message):
     """A request to evaluate one model on one framework (published by mlscope-submit)."""
 
@@ -202,6 +244,10 @@ class JobRequest(_Message):
     """Also run the labelled data set once (top-1/top-5, per-sample outputs stored)."""
     accuracy_samples: int | None = Field(default=None, ge=1)
     """At most this many data-set samples for the accuracy pass (None: all)."""
+    mlperf: MLPerfSpec | None = None
+    """Run MLPerf LoadGen as the load generator instead of ``scenario``."""
+    mlperf_import: MLPerfImport | None = None
+    """Store these MLPerf logs as an evaluation; no agent is involved."""
 
 
 class LatencyStats(BaseModel):
@@ -253,6 +299,9 @@ class EvaluationSummary(_Message):
     points: tuple[dict[str, Any], ...] = ()
     """peak / batched: every run made (rate or batch size, latencies, verdict, its id)."""
     loadgens: int = 1
+    mlperf: dict[str, Any] | None = None
+    """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
+    log, its verdict and early-stopping text, the log files kept, ``imported``."""
     started_at: float
     finished_at: float
 

@@ -1,0 +1,318 @@
+"""MLPerf LoadGen as a job's load generator, and MLPerf logs imported as evaluations.
+
+A job with ``JobRequest.mlperf`` is resolved, prepared and stored like any other job
+(:class:`broker.evaluate.Evaluator`); only the load generator differs: official
+LoadGen drives the agent through :class:`broker.mlperf_sut.AgentSUT`, with the
+model's labelled data set as the QuerySampleLibrary. LoadGen keeps process-wide
+state (its logger), so one server runs one LoadGen test at a time
+(``Evaluator.loadgen_lock``); other jobs go on meanwhile.
+
+What is stored (``evaluations`` + ``queries`` + ``mlperf_logs``):
+
+* the summary's verdict, reasons, percentiles, rates and counts are LoadGen's own, read
+  back from its detail and summary logs (:mod:`broker.mlperf_logs`) -- never
+  recomputed, so they equal the summary file's; the trimmed mean and issue lag, which
+  LoadGen does not report, come from the per-sample records with mlscope's one
+  definition (:mod:`mlscope.stats`);
+* one ``queries`` row per LoadGen sample from its trace log (scheduled, issued,
+  completed on LoadGen's clock), with the agent's timestamps of the query that
+  carried the sample; LoadGen's clock is tied to ours by the median difference
+  between each query's issue in the trace and the moment ``issue_query`` ran here;
+* every log file verbatim (``mlperf_logs``, in parts), so ``mlscope mlperf`` can
+  write them where the user asked and an imported run keeps its originals.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from broker import mlperf_logs as logs
+from broker.db import Database
+from broker.loadgen import RunRecord, estimate_offset
+from broker.mlperf_sut import AgentSUT, SampleLibrary
+from mlscope import codec, names
+from mlscope.bus import request
+from mlscope.catalog import Entry
+from mlscope.contracts import (
+    AgentDescription,
+    EvaluationSummary,
+    JobRequest,
+    LatencyStats,
+    MLPerfSpec,
+    new_id,
+)
+from mlscope.errors import ConfigError, EvaluationError, FrameworkUnavailable
+from mlscope.stats import percentiles, trimmed_mean
+
+__all__ = ["ACCURACY_FILE", "LOG_COLUMNS", "LOG_PART_CHARS", "import_logs", "load_loadgen",
+           "run", "store_logs", "test_settings"]
+
+ACCURACY_FILE = "accuracy.txt"
+LOG_COLUMNS = ("evaluation_id", "name", "part", "text")
+LOG_PART_CHARS = 256_000
+"""Log files are stored in parts this long, so each read fits one bus message."""
+LOGS_TABLE = """CREATE TABLE IF NOT EXISTS mlperf_logs (
+    evaluation_id String, name String, part UInt32, text String
+) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, name, part)"""
+PREPARE_TIMEOUT_S = 300.0
+
+
+def load_loadgen() -> Any:
+    """The ``mlperf_loadgen`` module, or a typed error naming the extra to install."""
+    try:
+        import mlperf_loadgen
+    except ImportError as exc:
+        raise FrameworkUnavailable("MLPerf LoadGen is not installed: pip install "
+                                   "'mlscope[mlperf]' (mlcommons-loadgen)") from exc
+    return mlperf_loadgen
+
+
+def test_settings(lg: Any, spec: MLPerfSpec, model: str, workdir: Path) -> Any:
+    """LoadGen's TestSettings: its mlperf.conf (or the job's), the user.conf, the flags."""
+    ts = lg.TestSettings()
+    ts.scenario = getattr(lg.TestScenario, spec.scenario)
+    ts.mode = getattr(lg.TestMode, spec.mode)
+    confs: list[tuple[str, str | None, int]] = [("mlperf.conf", spec.mlperf_conf, 0),
+                                                ("user.conf", spec.user_conf, 1)]
+    for name, text, kind in confs:
+        path = workdir / name
+        if text is not None:
+            path.write_text(text)
+        if text is None and kind == 1:
+            continue
+        # conf_type 0 loads LoadGen's built-in mlperf.conf; a given text is read as a file.
+        code = ts.FromConfig(str(path), model, spec.scenario, 1 if text is not None else 0)
+        if code != 0:
+            raise ConfigError(f"LoadGen refused the {name} (FromConfig returned {code})",
+                              field=name)
+    if spec.target_qps is not None:
+        if spec.scenario == "Server":
+            ts.server_target_qps = spec.target_qps
+        elif spec.scenario == "Offline":
+            ts.offline_expected_qps = spec.target_qps
+    if spec.seed is not None:
+        ts.qsl_rng_seed = ts.sample_index_rng_seed = ts.schedule_rng_seed = spec.seed
+    return ts
+
+
+async def run(ev: Any, job: JobRequest, agent: AgentDescription,
+              entry: Entry) -> EvaluationSummary:
+    """One LoadGen test against ``agent`` (``ev`` is the server's Evaluator)."""
+    from broker.evaluate import _dataset, _specification
+
+    spec = job.mlperf
+    if spec is None:
+        raise EvaluationError("not an MLPerf job")
+    lg = load_loadgen()
+    m = entry.manifest
+    data = _dataset(entry, ev.zoo_dir)
+    if data is None:
+        raise EvaluationError(f"{m.name} has no labelled data set in its manifest: it "
+                              "cannot be LoadGen's sample library", model=m.name)
+    eval_id = new_id("ev")
+    prepare = {"op": "prepare", "evaluation_id": eval_id, "model": m.name,
+               "model_version": m.version, "batch_size": spec.batch_size,
+               "trace_level": "none"}
+    ctl = names.agent_ctl(agent.agent_id)
+    prep = await request(ev.bus, ctl, codec.encode(prepare), timeout=PREPARE_TIMEOUT_S)
+    offset, rtt = await estimate_offset(ev.bus, agent.agent_id)
+    started = time.time()
+    try:
+        async with ev.loadgen_lock:
+            sut, files = await _test(ev, lg, spec, m.name if spec.conf_model is None
+                                     else spec.conf_model, eval_id, agent, data[0])
+    finally:
+        with anyio.move_on_after(5, shield=True):
+            await request(ev.bus, ctl, codec.encode({"op": "release",
+                                                     "evaluation_id": eval_id}), timeout=5)
+    result = logs.parse_result(files[logs.SUMMARY], files[logs.DETAIL])
+    rec = _record(logs.trace_samples(files.get(logs.TRACE, "")), sut, offset, data[1])
+    accuracy = _accuracy(result, files, data[1])
+    fw = next(x for x in agent.frameworks if x.name == job.framework)
+    summary = _summary(result, rec, job, eval_id, started, accuracy=accuracy).model_copy(
+        update={"framework": {"name": fw.name, "version": fw.version},
+                "model": {"name": m.name, "version": m.version}, "agent_id": agent.agent_id,
+                "host": agent.host, "clock_offset_ns": offset, "clock_rtt_ns": rtt,
+                "errors": sut.errors,
+                "cold_start": {"load_ms": prep["load_ns"] / 1e6,
+                               "first_inference_ms": prep["first_inference_ns"] / 1e6,
+                               "cold": bool(prep["cold"])}})
+    spec_doc = _specification(job, agent, entry, prep)
+    await anyio.to_thread.run_sync(ev._store, summary, rec, spec_doc)
+    await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)
+    return summary
+
+
+async def _test(ev: Any, lg: Any, spec: MLPerfSpec, conf_model: str, eval_id: str,
+                agent: AgentDescription, x: np.ndarray) -> tuple[AgentSUT, dict[str, str]]:
+    """Run LoadGen in a worker thread while the SUT serves on the event loop."""
+    library = SampleLibrary(x)
+    sut = AgentSUT(ev.bus, lg, names.agent_query(agent.agent_id), eval_id, library,
+                   spec.batch_size, spec.window)
+    with tempfile.TemporaryDirectory(prefix="mlperf-") as tmp:
+        work = Path(tmp)
+        ts = test_settings(lg, spec, conf_model, work)
+        out = work / "logs"
+        out.mkdir()
+        log = lg.LogSettings()
+        log.log_output.outdir = str(out)
+        log.log_output.copy_summary_to_stdout = False
+        log.enable_trace = True  # the per-sample records
+        handles = (lg.ConstructSUT(sut.issue_query, sut.flush_queries),
+                   lg.ConstructQSL(len(x), len(x), library.load, library.unload))
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sut.serve)
+                await anyio.to_thread.run_sync(
+                    lg.StartTestWithLogSettings, handles[0], handles[1], ts, log,
+                    str(work / "audit.config"))
+                tg.cancel_scope.cancel()
+        finally:
+            lg.DestroyQSL(handles[1])
+            lg.DestroySUT(handles[0])
+        sut.check()
+        files = {p.name: p.read_text(errors="replace") for p in out.iterdir() if p.is_file()}
+    for required in (logs.SUMMARY, logs.DETAIL):
+        if required not in files:
+            raise EvaluationError(f"LoadGen wrote no {required}")
+    return sut, files
+
+
+def _record(samples: np.ndarray, sut: AgentSUT | None, offset_ns: int,
+            labels: np.ndarray | None) -> RunRecord:
+    """One row per LoadGen sample (see the module doc for the clocks)."""
+    n = len(samples)
+    per_query = int(np.bincount(samples["query_seq"]).max()) if n else 1
+    rec = RunRecord(n=n, batch_size=per_query)
+    if n == 0:
+        return rec
+    rec.scheduled[:] = samples["scheduled_ns"]
+    rec.issued[:] = samples["issued_ns"]
+    rec.completed[:] = samples["completed_ns"]
+    rec.done = n
+    if sut is None:  # imported: LoadGen's view only
+        rec.ok[:] = 1
+        return rec
+    seqs = samples["query_seq"]
+    first_issue = {int(q): int(i) for q, i in zip(seqs[::-1], samples["issued_ns"][::-1],
+                                                  strict=True)}
+    ties = [sut.issue_ns[q] - i for q, i in first_issue.items() if q < len(sut.issue_ns)]
+    rec.t0_ns = int(np.median(ties)) if ties else 0
+    pos = _positions(seqs)
+    off = offset_ns + rec.t0_ns
+    for k in range(n):
+        t = sut.timing.get((int(seqs[k]), int(pos[k])))
+        if t is None:
+            rec.errors[k] = "no response"
+            continue
+        if t.ok:
+            rec.agent_received[k], rec.predict_start[k], rec.predict_end[k], \
+                rec.agent_replied[k] = (v - off for v in t.agent)
+            rec.ok[k] = 1
+            rec.prediction[k] = t.prediction
+            if labels is not None:
+                rec.correct[k] = int(t.prediction == int(labels[samples["sample_idx"][k]]))
+        else:
+            rec.errors[k] = t.error
+    return rec
+
+
+def _positions(seqs: np.ndarray) -> np.ndarray:
+    """Each sample's position within its query (samples of a query are consecutive)."""
+    starts = np.r_[0, np.flatnonzero(np.diff(seqs)) + 1]
+    first = np.repeat(starts, np.diff(np.r_[starts, len(seqs)]))
+    out: np.ndarray = np.arange(len(seqs)) - first
+    return out
+
+
+def _accuracy(result: logs.LoadGenResult, files: dict[str, str],
+              labels: np.ndarray) -> dict[str, float] | None:
+    """Top-1 as MLPerf's ImageNet checker computes it; its output kept as a log file."""
+    if result.mode != "AccuracyOnly":
+        return None
+    good, total = logs.imagenet_top1(logs.accuracy_entries(files.get(logs.ACCURACY, "")),
+                                     labels)
+    files[ACCURACY_FILE] = logs.format_accuracy(good, total)
+    return {"top1": good / total if total else float("nan"), "samples": float(total)}
+
+
+def _summary(result: logs.LoadGenResult, rec: RunRecord, job: JobRequest, eval_id: str,
+             started: float, *, accuracy: dict[str, float] | None,
+             imported: bool = False) -> EvaluationSummary:
+    r, pct = result.result, result.percentiles_ns
+    lat = (rec.completed - rec.scheduled) / 1e6
+    lag = (rec.issued - rec.scheduled) / 1e3
+    span = float(rec.completed.max() - rec.scheduled.min()) / 1e9 if rec.n else 0.0
+    p50, p99, p999 = percentiles(lag, [50, 99, 99.9])
+    max_ns = r.get("max_query_latency_ns", r.get("max_latency_ns"))
+    rate = next((float(r[k]) for k in ("completed_samples_per_sec", "samples_per_second",
+                                       "qps_with_loadgen_overhead") if k in r), None)
+    samples = rec.n or int(r.get("query_count", 0)) * max(1, rec.batch_size)
+    target = result.effective.get("target_qps")
+    return EvaluationSummary(
+        evaluation_id=eval_id, job_id=job.job_id, status="completed", valid=result.valid,
+        invalid_reasons=() if result.valid else result.reasons,
+        model={"name": job.model, "version": job.model_version or ""},
+        framework={"name": job.framework, "version": job.framework_version or ""},
+        agent_id="imported" if imported else "", device=job.device,
+        scenario={"name": f"mlperf-{result.scenario.lower()}", "mlperf_scenario":
+                  result.scenario, "mode": result.mode, "batch_size": rec.batch_size,
+                  "seed": result.effective.get("schedule_rng_seed", 0)},
+        trace_level="none", queries=int(r.get("query_count", rec.n)), samples=samples,
+        errors=result.errors, not_issued=0, duration_s=span,
+        requested_qps=float(target) if target is not None and result.scenario in (
+            "Server", "Offline") else None,
+        scheduled_qps=r.get("scheduled_samples_per_sec"), achieved_qps=rate,
+        latency_ms=LatencyStats(
+            trimmed_mean=trimmed_mean(lat) if rec.n else None,
+            p50=_ms(pct.get("50.00")), p90=_ms(pct.get("90.00")), p99=_ms(pct.get("99.00")),
+            max=_ms(max_ns)),
+        issue_lag_us={"p50": p50, "p99": p99, "p99.9": p999,
+                      "max": float(lag.max()) if rec.n else None},
+        throughput_ips=rate, accuracy=accuracy,
+        mlperf={**result.doc(), "imported": imported}, started_at=started,
+        finished_at=time.time())
+
+
+def _ms(ns: Any) -> float | None:
+    return None if ns is None else float(ns) / 1e6
+
+
+def store_logs(db: Database, evaluation_id: str, files: dict[str, str]) -> None:
+    """Every log file verbatim, in parts of ``LOG_PART_CHARS``."""
+    db.command(LOGS_TABLE)
+    rows: list[tuple[str, str, int, str]] = []
+    for name, text in sorted(files.items()):
+        for part, start in enumerate(range(0, max(len(text), 1), LOG_PART_CHARS)):
+            rows.append((evaluation_id, name, part, text[start:start + LOG_PART_CHARS]))
+    db.insert("mlperf_logs", [list(c) for c in zip(*rows, strict=True)], LOG_COLUMNS)
+
+
+async def import_logs(ev: Any, job: JobRequest) -> EvaluationSummary:
+    """Store MLPerf logs written elsewhere as an evaluation tagged ``imported``."""
+    imp = job.mlperf_import
+    if imp is None:
+        raise EvaluationError("not an MLPerf import job")
+    missing = [f for f in (logs.SUMMARY, logs.DETAIL) if f not in imp.files]
+    if missing:
+        raise ConfigError(f"{imp.source or 'the import'} lacks {', '.join(missing)}",
+                          field="files")
+    result = logs.parse_result(imp.files[logs.SUMMARY], imp.files[logs.DETAIL])
+    rec = _record(logs.trace_samples(imp.files.get(logs.TRACE, "")), None, 0, None)
+    eval_id = new_id("ev")
+    summary = _summary(result, rec, job, eval_id, time.time(), accuracy=None,
+                       imported=True).model_copy(update={"host": imp.system})
+    stored_job = job.dump()
+    stored_job["mlperf_import"] = {"source": imp.source, "system": imp.system,
+                                   "files": sorted(imp.files)}
+    spec_doc = {"job": stored_job, "imported": {"source": imp.source, "system": imp.system,
+                                                "sut_name": result.sut_name}}
+    await anyio.to_thread.run_sync(ev._store, summary, rec, spec_doc)
+    await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, dict(imp.files))
+    return summary

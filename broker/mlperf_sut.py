@@ -1,0 +1,218 @@
+"""LoadGen's two interfaces over the bus: the sample library and the system under test.
+
+```
+LoadGen thread ── issue_query(samples) ──call_soon_threadsafe──► event loop
+                                                                  │ chunks of <= batch_size
+                                                                  │ samples, <= window in flight
+        QuerySamplesComplete ◄── reply (outputs, agent times) ◄── agent (Query / QueryReply)
+```
+
+* :class:`SampleLibrary` is the QuerySampleLibrary: the model's labelled data set.
+  LoadGen's ``load_samples`` callback copies the rows it names into memory once (the
+  raw samples every query is built from), ``unload_samples`` drops them; a query for
+  a sample that is not loaded is LoadGen's misuse and fails the run.
+* :class:`AgentSUT` is the system under test: each LoadGen query becomes one or more
+  ordinary agent queries (the same ``Query`` / ``QueryReply`` as mlscope's own load
+  generator), at most ``window`` in flight; the rest wait in a FIFO on our side, so
+  an agent is never asked past its admission bound and the wait counts as latency,
+  as it would inside any system under test. Each reply completes its samples at once
+  with the response LoadGen logs in accuracy mode: the predicted classes as int64,
+  best first (what MLPerf's ImageNet checker reads).
+
+LoadGen runs in its own thread (``StartTest`` releases the GIL); every state change
+here happens on the event loop, so nothing is locked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+
+from broker.loadgen import encode_query
+from mlscope import codec
+from mlscope.bus import Bus
+from mlscope.contracts import TraceLevel, new_id
+from mlscope.errors import EvaluationError
+
+__all__ = ["AgentSUT", "SampleLibrary", "SampleTiming"]
+
+now = time.perf_counter_ns
+
+
+class SampleLibrary:
+    """The QuerySampleLibrary over a data set's raw rows ``x``."""
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.x = x
+        self.loaded: dict[int, np.ndarray] = {}
+        self.loads = 0
+        self.unloads = 0
+
+    def load(self, indices: list[int]) -> None:
+        self.loads += 1
+        for i in indices:
+            self.loaded[int(i)] = np.array(self.x[int(i)])  # copied once
+
+    def unload(self, indices: list[int]) -> None:
+        self.unloads += 1
+        for i in indices:
+            self.loaded.pop(int(i), None)
+
+    def stack(self, indices: list[int]) -> np.ndarray:
+        try:
+            return np.stack([self.loaded[i] for i in indices])
+        except KeyError as exc:
+            raise EvaluationError(f"LoadGen asked for sample {exc.args[0]}, which it did "
+                                  "not load") from exc
+
+
+@dataclass
+class SampleTiming:
+    """What the SUT saw of one sample (agent times on the agent's clock, ns)."""
+
+    agent: tuple[int, int, int, int] = (0, 0, 0, 0)
+    ok: bool = False
+    prediction: int = -1
+    error: str = ""
+
+
+@dataclass
+class _Chunk:
+    query_seq: int
+    first: int
+    items: list[tuple[int, int]]
+    """(LoadGen response id, sample index) per sample."""
+
+
+@dataclass
+class AgentSUT:
+    """Turns LoadGen queries into agent queries; see the module doc."""
+
+    bus: Bus
+    lg: Any
+    subject: str
+    evaluation_id: str
+    library: SampleLibrary
+    batch_size: int
+    window: int
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
+    issue_ns: list[int] = field(default_factory=list)
+    """Our clock at each LoadGen query's issue, by query sequence number."""
+    timing: dict[tuple[int, int], SampleTiming] = field(default_factory=dict)
+    """(query sequence, position in the query) -> what came back."""
+    errors: int = 0
+
+    def __post_init__(self) -> None:
+        self.inbox = f"_INBOX.{new_id('mlperf')}"
+        self._backlog: deque[_Chunk] = deque()
+        self._inflight: dict[int, _Chunk] = {}
+        self._next = 0
+        self._work = asyncio.Event()
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------- LoadGen's thread
+
+    def issue_query(self, samples: list[Any]) -> None:
+        t = now()
+        items = [(int(s.id), int(s.index)) for s in samples]
+        self.loop.call_soon_threadsafe(self._admit, t, items)
+
+    def flush_queries(self) -> None:
+        """Nothing is held back: every chunk is sent as soon as the window allows."""
+
+    # ------------------------------------------------------------- event loop
+
+    def _admit(self, t: int, items: list[tuple[int, int]]) -> None:
+        q = len(self.issue_ns)
+        self.issue_ns.append(t)
+        for start in range(0, len(items), self.batch_size):
+            self._backlog.append(_Chunk(q, start, items[start:start + self.batch_size]))
+        self._work.set()
+
+    async def serve(self) -> None:
+        """Send waiting chunks while fewer than ``window`` are in flight (until cancelled)."""
+        sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_reply)
+        try:
+            while True:
+                await self._work.wait()
+                self._work.clear()
+                while self._backlog and len(self._inflight) < self.window:
+                    await self._send(self._backlog.popleft())
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+
+    async def _send(self, chunk: _Chunk) -> None:
+        i = self._next
+        self._next += 1
+        self._inflight[i] = chunk
+        try:
+            x = self.library.stack([idx for _, idx in chunk.items])
+        except EvaluationError as exc:
+            self._failure = exc
+            self._complete(i, None, str(exc))
+            return
+        payload = encode_query(self.evaluation_id, i, x, TraceLevel.NONE)
+        await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
+
+    async def _on_reply(self, msg: Any) -> None:
+        data = codec.decode(msg.data)
+        if not isinstance(data, dict):
+            return
+        if data.get("kind") == "error":
+            err = data.get("error") or {}
+            self._complete(int(err.get("fields", {}).get("index", -1)), None,
+                           str(err.get("message", "error")))
+        elif data.get("ok"):
+            self._complete(int(data["index"]), data, "")
+        else:
+            self._complete(int(data.get("index", -1)),
+                           None, str((data.get("error") or {}).get("message", "error")))
+
+    def _complete(self, i: int, reply: dict[str, Any] | None, error: str) -> None:
+        chunk = self._inflight.pop(i, None)
+        if chunk is None:
+            return  # not ours, or a duplicate
+        ranks = _rankings(reply, len(chunk.items)) if reply is not None else None
+        agent = ((int(reply["t_received"]), int(reply["t_predict_start"]),
+                  int(reply["t_predict_end"]), int(reply["t_replied"]))
+                 if reply is not None else (0, 0, 0, 0))
+        keep: list[np.ndarray] = []
+        responses = []
+        for pos, (sid, _) in enumerate(chunk.items):
+            t = SampleTiming(agent=agent, ok=ranks is not None, error=error)
+            if ranks is not None:
+                keep.append(ranks[pos])
+                t.prediction = int(ranks[pos][0])
+                responses.append(self.lg.QuerySampleResponse(
+                    sid, ranks[pos].ctypes.data, ranks[pos].nbytes))
+            else:
+                self.errors += 1
+                responses.append(self.lg.QuerySampleResponse(sid, 0, 0))
+            self.timing[(chunk.query_seq, chunk.first + pos)] = t
+        self.lg.QuerySamplesComplete(responses)  # copies the data before it returns
+        del keep
+        self._work.set()
+
+    def check(self) -> None:
+        """Raise what made the run meaningless (LoadGen's misuse of its library)."""
+        if self._failure is not None:
+            raise self._failure
+
+
+def _rankings(reply: dict[str, Any], n: int) -> np.ndarray | None:
+    """Per sample, the predicted classes best first (int64): the post-processed indices
+    when the model returns class indices, else the argmax of its output."""
+    out = reply.get("outputs")
+    if not isinstance(out, np.ndarray) or out.size == 0 or out.shape[0] != n:
+        return None
+    rows = out.reshape(n, -1)
+    if np.issubdtype(rows.dtype, np.integer):
+        return np.ascontiguousarray(rows, dtype=np.int64)
+    return np.ascontiguousarray(rows.argmax(axis=1)[:, None], dtype=np.int64)
