@@ -110,8 +110,6 @@ class Evaluator:
     db: Database
     zoo_dir: Path
     policy: ValidityPolicy = field(default_factory=ValidityPolicy)
-    loadgen_lock: anyio.Lock = field(default_factory=anyio.Lock)
-    """MLPerf LoadGen runs one test per process at a time (broker/mlperf.py)."""
 
     async def run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
                   progress: Progress) -> EvaluationSummary:

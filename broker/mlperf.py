@@ -3,9 +3,9 @@
 A job with ``JobRequest.mlperf`` is resolved, prepared and stored like any other job
 (:class:`broker.evaluate.Evaluator`); only the load generator differs: official
 LoadGen drives the agent through :class:`broker.mlperf_sut.AgentSUT`, with the
-model's labelled data set as the QuerySampleLibrary. LoadGen keeps process-wide
-state (its logger), so one server runs one LoadGen test at a time
-(``Evaluator.loadgen_lock``); other jobs go on meanwhile.
+model's labelled data set as the QuerySampleLibrary. Each test runs in its own child
+process (why: broker/mlperf_sut.py), so several MLPerf jobs may run at once and
+the server never imports LoadGen.
 
 What is stored (``evaluations`` + ``queries`` + ``mlperf_logs``):
 
@@ -24,6 +24,10 @@ What is stored (``evaluations`` + ``queries`` + ``mlperf_logs``):
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +39,7 @@ import numpy as np
 from broker import mlperf_logs as logs
 from broker.db import Database
 from broker.loadgen import RunRecord, estimate_offset
-from broker.mlperf_sut import AgentSUT, SampleLibrary
+from broker.mlperf_sut import ERROR, TIMING
 from mlscope import codec, names
 from mlscope.bus import request
 from mlscope.catalog import Entry
@@ -47,11 +51,11 @@ from mlscope.contracts import (
     MLPerfSpec,
     new_id,
 )
-from mlscope.errors import ConfigError, EvaluationError, FrameworkUnavailable
+from mlscope.errors import ConfigError, EvaluationError, error_from_wire
 from mlscope.stats import percentiles, trimmed_mean
 
-__all__ = ["ACCURACY_FILE", "LOG_COLUMNS", "LOG_PART_CHARS", "import_logs", "load_loadgen",
-           "run", "store_logs", "test_settings"]
+__all__ = ["ACCURACY_FILE", "LOG_COLUMNS", "LOG_PART_CHARS", "import_logs", "run",
+           "store_logs"]
 
 ACCURACY_FILE = "accuracy.txt"
 LOG_COLUMNS = ("evaluation_id", "name", "part", "text")
@@ -63,44 +67,6 @@ LOGS_TABLE = """CREATE TABLE IF NOT EXISTS mlperf_logs (
 PREPARE_TIMEOUT_S = 300.0
 
 
-def load_loadgen() -> Any:
-    """The ``mlperf_loadgen`` module, or a typed error naming the extra to install."""
-    try:
-        import mlperf_loadgen
-    except ImportError as exc:
-        raise FrameworkUnavailable("MLPerf LoadGen is not installed: pip install "
-                                   "'mlscope[mlperf]' (mlcommons-loadgen)") from exc
-    return mlperf_loadgen
-
-
-def test_settings(lg: Any, spec: MLPerfSpec, model: str, workdir: Path) -> Any:
-    """LoadGen's TestSettings: its mlperf.conf (or the job's), the user.conf, the flags."""
-    ts = lg.TestSettings()
-    ts.scenario = getattr(lg.TestScenario, spec.scenario)
-    ts.mode = getattr(lg.TestMode, spec.mode)
-    confs: list[tuple[str, str | None, int]] = [("mlperf.conf", spec.mlperf_conf, 0),
-                                                ("user.conf", spec.user_conf, 1)]
-    for name, text, kind in confs:
-        path = workdir / name
-        if text is not None:
-            path.write_text(text)
-        if text is None and kind == 1:
-            continue
-        # conf_type 0 loads LoadGen's built-in mlperf.conf; a given text is read as a file.
-        code = ts.FromConfig(str(path), model, spec.scenario, 1 if text is not None else 0)
-        if code != 0:
-            raise ConfigError(f"LoadGen refused the {name} (FromConfig returned {code})",
-                              field=name)
-    if spec.target_qps is not None:
-        if spec.scenario == "Server":
-            ts.server_target_qps = spec.target_qps
-        elif spec.scenario == "Offline":
-            ts.offline_expected_qps = spec.target_qps
-    if spec.seed is not None:
-        ts.qsl_rng_seed = ts.sample_index_rng_seed = ts.schedule_rng_seed = spec.seed
-    return ts
-
-
 async def run(ev: Any, job: JobRequest, agent: AgentDescription,
               entry: Entry) -> EvaluationSummary:
     """One LoadGen test against ``agent`` (``ev`` is the server's Evaluator)."""
@@ -109,7 +75,6 @@ async def run(ev: Any, job: JobRequest, agent: AgentDescription,
     spec = job.mlperf
     if spec is None:
         raise EvaluationError("not an MLPerf job")
-    lg = load_loadgen()
     m = entry.manifest
     data = _dataset(entry, ev.zoo_dir)
     if data is None:
@@ -124,22 +89,21 @@ async def run(ev: Any, job: JobRequest, agent: AgentDescription,
     offset, rtt = await estimate_offset(ev.bus, agent.agent_id)
     started = time.time()
     try:
-        async with ev.loadgen_lock:
-            sut, files = await _test(ev, lg, spec, m.name if spec.conf_model is None
-                                     else spec.conf_model, eval_id, agent, data[0])
+        timing, files = await _test(ev, spec, spec.conf_model or m.name, eval_id, agent,
+                                    data[0])
     finally:
         with anyio.move_on_after(5, shield=True):
             await request(ev.bus, ctl, codec.encode({"op": "release",
                                                      "evaluation_id": eval_id}), timeout=5)
     result = logs.parse_result(files[logs.SUMMARY], files[logs.DETAIL])
-    rec = _record(logs.trace_samples(files.get(logs.TRACE, "")), sut, offset, data[1])
+    rec = _record(logs.trace_samples(files.get(logs.TRACE, "")), timing, offset, data[1])
     accuracy = _accuracy(result, files, data[1])
     fw = next(x for x in agent.frameworks if x.name == job.framework)
     summary = _summary(result, rec, job, eval_id, started, accuracy=accuracy).model_copy(
         update={"framework": {"name": fw.name, "version": fw.version},
                 "model": {"name": m.name, "version": m.version}, "agent_id": agent.agent_id,
                 "host": agent.host, "clock_offset_ns": offset, "clock_rtt_ns": rtt,
-                "errors": sut.errors,
+                "errors": int(timing["errors"]),
                 "cold_start": {"load_ms": prep["load_ns"] / 1e6,
                                "first_inference_ms": prep["first_inference_ns"] / 1e6,
                                "cold": bool(prep["cold"])}})
@@ -149,42 +113,53 @@ async def run(ev: Any, job: JobRequest, agent: AgentDescription,
     return summary
 
 
-async def _test(ev: Any, lg: Any, spec: MLPerfSpec, conf_model: str, eval_id: str,
-                agent: AgentDescription, x: np.ndarray) -> tuple[AgentSUT, dict[str, str]]:
-    """Run LoadGen in a worker thread while the SUT serves on the event loop."""
-    library = SampleLibrary(x)
-    sut = AgentSUT(ev.bus, lg, names.agent_query(agent.agent_id), eval_id, library,
-                   spec.batch_size, spec.window)
+async def _test(ev: Any, spec: MLPerfSpec, conf_model: str, eval_id: str,
+                agent: AgentDescription, x: np.ndarray) -> tuple[dict[str, Any], dict[str, str]]:
+    """Run the test in a child process (see broker/mlperf_sut.py for why); return what
+    its SUT saw and LoadGen's log files."""
+    url = ev.bus.nc.connected_url
     with tempfile.TemporaryDirectory(prefix="mlperf-") as tmp:
         work = Path(tmp)
-        ts = test_settings(lg, spec, conf_model, work)
         out = work / "logs"
         out.mkdir()
-        log = lg.LogSettings()
-        log.log_output.outdir = str(out)
-        log.log_output.copy_summary_to_stdout = False
-        log.enable_trace = True  # the per-sample records
-        handles = (lg.ConstructSUT(sut.issue_query, sut.flush_queries),
-                   lg.ConstructQSL(len(x), len(x), library.load, library.unload))
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sut.serve)
-                await anyio.to_thread.run_sync(
-                    lg.StartTestWithLogSettings, handles[0], handles[1], ts, log,
-                    str(work / "audit.config"))
-                tg.cancel_scope.cancel()
-        finally:
-            lg.DestroyQSL(handles[1])
-            lg.DestroySUT(handles[0])
-        sut.check()
+        np.save(work / "samples.npy", x)
+        cfg = {"spec": spec.model_dump(), "conf_model": conf_model, "evaluation_id": eval_id,
+               "subject": names.agent_query(agent.agent_id), "workdir": str(work),
+               "logdir": str(out), "nats_url": url.geturl() if url is not None else None}
+        (work / "config.json").write_text(json.dumps(cfg))
+        with (work / "stderr.txt").open("wb") as err:
+            proc = await anyio.open_process(
+                [sys.executable, "-m", "broker.mlperf_sut", str(work / "config.json")],
+                env=_child_env(), stdout=subprocess.DEVNULL, stderr=err)
+            try:
+                code = await proc.wait()
+            finally:
+                if proc.returncode is None:
+                    proc.kill()  # LoadGen has no abort: a cancelled job ends its process
+                    with anyio.CancelScope(shield=True):
+                        await proc.wait()
+        if (work / ERROR).exists():
+            raise error_from_wire(json.loads((work / ERROR).read_text()))
+        if code != 0:
+            tail = (work / "stderr.txt").read_text(errors="replace")[-500:]
+            raise EvaluationError(f"the LoadGen process failed (exit code {code}): {tail}")
+        with np.load(work / TIMING) as z:
+            timing = {k: z[k] for k in z.files}
         files = {p.name: p.read_text(errors="replace") for p in out.iterdir() if p.is_file()}
     for required in (logs.SUMMARY, logs.DETAIL):
         if required not in files:
             raise EvaluationError(f"LoadGen wrote no {required}")
-    return sut, files
+    return timing, files
 
 
-def _record(samples: np.ndarray, sut: AgentSUT | None, offset_ns: int,
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def _record(samples: np.ndarray, timing: dict[str, Any] | None, offset_ns: int,
             labels: np.ndarray | None) -> RunRecord:
     """One row per LoadGen sample (see the module doc for the clocks)."""
     n = len(samples)
@@ -196,30 +171,31 @@ def _record(samples: np.ndarray, sut: AgentSUT | None, offset_ns: int,
     rec.issued[:] = samples["issued_ns"]
     rec.completed[:] = samples["completed_ns"]
     rec.done = n
-    if sut is None:  # imported: LoadGen's view only
+    if timing is None:  # imported: LoadGen's view only
         rec.ok[:] = 1
         return rec
     seqs = samples["query_seq"]
-    first_issue = {int(q): int(i) for q, i in zip(seqs[::-1], samples["issued_ns"][::-1],
-                                                  strict=True)}
-    ties = [sut.issue_ns[q] - i for q, i in first_issue.items() if q < len(sut.issue_ns)]
+    issue_ns = timing["issue_ns"]
+    first_issue = dict(zip(seqs[::-1].tolist(), samples["issued_ns"][::-1].tolist(),
+                           strict=True))
+    ties = [int(issue_ns[q]) - i for q, i in first_issue.items() if q < len(issue_ns)]
     rec.t0_ns = int(np.median(ties)) if ties else 0
+    where = {(int(q), int(p)): j for j, (q, p) in enumerate(timing["key"])}
     pos = _positions(seqs)
-    off = offset_ns + rec.t0_ns
+    agent = timing["agent"] - (offset_ns + rec.t0_ns)
     for k in range(n):
-        t = sut.timing.get((int(seqs[k]), int(pos[k])))
-        if t is None:
+        j = where.get((int(seqs[k]), int(pos[k])))
+        if j is None:
             rec.errors[k] = "no response"
-            continue
-        if t.ok:
-            rec.agent_received[k], rec.predict_start[k], rec.predict_end[k], \
-                rec.agent_replied[k] = (v - off for v in t.agent)
-            rec.ok[k] = 1
-            rec.prediction[k] = t.prediction
-            if labels is not None:
-                rec.correct[k] = int(t.prediction == int(labels[samples["sample_idx"][k]]))
+        elif not timing["ok"][j]:
+            rec.errors[k] = str(timing["error"][j])
         else:
-            rec.errors[k] = t.error
+            rec.agent_received[k], rec.predict_start[k], rec.predict_end[k], \
+                rec.agent_replied[k] = agent[j]
+            rec.ok[k] = 1
+            rec.prediction[k] = int(timing["prediction"][j])
+            if labels is not None:
+                rec.correct[k] = int(rec.prediction[k] == int(labels[samples["sample_idx"][k]]))
     return rec
 
 

@@ -21,26 +21,46 @@ LoadGen thread ── issue_query(samples) ──call_soon_threadsafe──► e
 
 LoadGen runs in its own thread (``StartTest`` releases the GIL); every state change
 here happens on the event loop, so nothing is locked.
+
+Each test runs in a child process of the server, ``python -m broker.mlperf_sut CFG``:
+LoadGen keeps process-wide state (its logger, and a count of the conf files read,
+which makes a second test in one process log "Multiple conf files are used" as an
+error), has no way to abort a test, and its threads would share the server's GIL
+with the trace ingester. The child connects to NATS itself (the server's URL and
+environment), reads the raw data set the parent wrote, runs the test, and leaves
+LoadGen's logs and what the SUT saw (:data:`TIMING`) in the parent's temporary
+directory. ``perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process of a
+host, so the parent's clock offset to the agent holds for the child.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 
 from broker.loadgen import encode_query
+from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.bus import Bus
-from mlscope.contracts import TraceLevel, new_id
-from mlscope.errors import EvaluationError
+from mlscope.contracts import MLPerfSpec, TraceLevel, new_id
+from mlscope.errors import ConfigError, EvaluationError, FrameworkUnavailable, MLScopeError
+from mlscope.settings import Settings
 
-__all__ = ["AgentSUT", "SampleLibrary", "SampleTiming"]
+__all__ = ["ERROR", "TIMING", "AgentSUT", "SampleLibrary", "SampleTiming", "load_loadgen", "main",
+           "test_settings"]
+
+TIMING = "sut-timing.npz"
+ERROR = "error.json"
 
 now = time.perf_counter_ns
 
@@ -216,3 +236,105 @@ def _rankings(reply: dict[str, Any], n: int) -> np.ndarray | None:
     if np.issubdtype(rows.dtype, np.integer):
         return np.ascontiguousarray(rows, dtype=np.int64)
     return np.ascontiguousarray(rows.argmax(axis=1)[:, None], dtype=np.int64)
+
+
+def load_loadgen() -> Any:
+    """The ``mlperf_loadgen`` module, or a typed error naming the extra to install."""
+    try:
+        import mlperf_loadgen
+    except ImportError as exc:
+        raise FrameworkUnavailable("MLPerf LoadGen is not installed: pip install "
+                                   "'mlscope[mlperf]' (mlcommons-loadgen)") from exc
+    return mlperf_loadgen
+
+
+def test_settings(lg: Any, spec: MLPerfSpec, model: str, workdir: Path) -> Any:
+    """LoadGen's TestSettings: its mlperf.conf (or the job's), the user.conf, the flags."""
+    ts = lg.TestSettings()
+    ts.scenario = getattr(lg.TestScenario, spec.scenario)
+    ts.mode = getattr(lg.TestMode, spec.mode)
+    for name, text, user in (("mlperf.conf", spec.mlperf_conf, False),
+                             ("user.conf", spec.user_conf, True)):
+        if text is None and user:
+            continue
+        path = workdir / name
+        if text is not None:
+            path.write_text(text)
+        # conf_type 0 loads LoadGen's built-in mlperf.conf; 1 reads the file given.
+        code = ts.FromConfig(str(path), model, spec.scenario, 1 if text is not None else 0)
+        if code != 0:
+            raise ConfigError(f"LoadGen refused the {name} (FromConfig returned {code})",
+                              field=name)
+    if spec.target_qps is not None:
+        if spec.scenario == "Server":
+            ts.server_target_qps = spec.target_qps
+        elif spec.scenario == "Offline":
+            ts.offline_expected_qps = spec.target_qps
+    if spec.seed is not None:
+        ts.qsl_rng_seed = ts.sample_index_rng_seed = ts.schedule_rng_seed = spec.seed
+    return ts
+
+
+async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any], x: np.ndarray) -> AgentSUT:
+    """One LoadGen test in a worker thread while the SUT serves on the event loop."""
+    spec = MLPerfSpec.model_validate(cfg["spec"])
+    work = Path(cfg["workdir"])
+    library = SampleLibrary(x)
+    sut = AgentSUT(bus, lg, cfg["subject"], cfg["evaluation_id"], library, spec.batch_size,
+                   spec.window)
+    ts = test_settings(lg, spec, cfg["conf_model"], work)
+    log = lg.LogSettings()
+    log.log_output.outdir = cfg["logdir"]
+    log.log_output.copy_summary_to_stdout = False
+    log.enable_trace = True  # the per-sample records
+    handles = (lg.ConstructSUT(sut.issue_query, sut.flush_queries),
+               lg.ConstructQSL(len(x), len(x), library.load, library.unload))
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sut.serve)
+            await anyio.to_thread.run_sync(lg.StartTestWithLogSettings, handles[0],
+                                           handles[1], ts, log, str(work / "audit.config"))
+            tg.cancel_scope.cancel()
+    finally:
+        lg.DestroyQSL(handles[1])
+        lg.DestroySUT(handles[0])
+    sut.check()
+    return sut
+
+
+def save_timing(sut: AgentSUT, path: Path) -> None:
+    keys = sorted(sut.timing)
+    rows = [sut.timing[k] for k in keys]
+    np.savez(path, issue_ns=np.asarray(sut.issue_ns, np.int64),
+             key=np.asarray(keys, np.int64).reshape(-1, 2),
+             agent=np.asarray([t.agent for t in rows], np.int64).reshape(-1, 4),
+             ok=np.asarray([t.ok for t in rows], bool),
+             prediction=np.asarray([t.prediction for t in rows], np.int64),
+             error=np.asarray([t.error for t in rows], dtype=str), errors=sut.errors)
+
+
+async def _child(cfg: dict[str, Any]) -> None:
+    lg = load_loadgen()
+    settings = Settings.from_env()
+    if cfg.get("nats_url"):
+        settings = settings.with_(nats_url=cfg["nats_url"])
+    x = np.load(Path(cfg["workdir"]) / "samples.npy")
+    async with busmod.connect(settings, name=f"mlperf loadgen {os.getpid()}") as bus:
+        sut = await run_test(bus, lg, cfg, x)
+    save_timing(sut, Path(cfg["workdir"]) / TIMING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child process: ``python -m broker.mlperf_sut CFG.json``."""
+    args = sys.argv[1:] if argv is None else argv
+    cfg = json.loads(Path(args[0]).read_text())
+    try:
+        anyio.run(_child, cfg, backend="asyncio")
+    except MLScopeError as exc:  # the parent raises it again, fields intact
+        (Path(cfg["workdir"]) / ERROR).write_text(json.dumps(exc.to_wire(), default=str))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
