@@ -48,7 +48,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.loadgen import encode_query
+from broker.loadgen import LOOP_REALTIME_MAX_QPS, PACER_SWITCH_INTERVAL_S, _QuietGC, encode_query
+from broker.pacer import REALTIME_PRIORITY, RealtimeThread
 from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.bus import Bus
@@ -289,17 +290,46 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any], x: np.ndarray) -> Age
     log.enable_trace = True  # the per-sample records
     handles = (lg.ConstructSUT(sut.issue_query, sut.flush_queries),
                lg.ConstructQSL(len(x), len(x), library.load, library.unload))
+    # The same conditions as mlscope's own pacer (broker/loadgen.py), so the two load
+    # generators can be compared: LoadGen's issue thread gets the GIL the moment it
+    # wakes (not after a 5 ms switch interval), no GC pause holds it, and it runs in
+    # SCHED_FIFO like the pacer thread, the event loop too below the same rate
+    # (no effect without CAP_SYS_NICE). This process runs one test, then exits.
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(PACER_SWITCH_INTERVAL_S)
+    quiet_gc = _QuietGC()
+    loop_rt = RealtimeThread(enable=spec.scenario != "Offline" and (
+        spec.target_qps or 0) <= LOOP_REALTIME_MAX_QPS)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(sut.serve)
-            await anyio.to_thread.run_sync(lg.StartTestWithLogSettings, handles[0],
-                                           handles[1], ts, log, str(work / "audit.config"))
+            await anyio.to_thread.run_sync(_start_test, lg, handles, ts, log,
+                                           str(work / "audit.config"))
             tg.cancel_scope.cancel()
     finally:
+        loop_rt.restore()
+        quiet_gc.restore()
+        sys.setswitchinterval(switch)
         lg.DestroyQSL(handles[1])
         lg.DestroySUT(handles[0])
     sut.check()
     return sut
+
+
+def _start_test(lg: Any, handles: tuple[int, int], ts: Any, log: Any, audit: str) -> None:
+    """StartTest on a real-time worker thread: LoadGen's own threads, created by it,
+    inherit its scheduling policy (pthreads' default)."""
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+        realtime = True
+    except OSError:
+        realtime = False
+    try:
+        lg.StartTestWithLogSettings(handles[0], handles[1], ts, log, audit)
+    finally:
+        if realtime:
+            os.sched_setscheduler(0, policy, param)
 
 
 def save_timing(sut: AgentSUT, path: Path) -> None:

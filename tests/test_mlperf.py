@@ -27,6 +27,7 @@ from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.errors import ConfigError, EvaluationError
+from mlscope.stats import percentiles
 from tests.conftest import child_env, running_stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -207,34 +208,52 @@ async def _evaluation(stack: Stack, eval_id: str) -> tuple[dict[str, Any], dict[
 
 
 # Cross-check: mlscope's open-loop Poisson generator (online) and LoadGen's Server
-# scenario, same model, agent, rate and seed, both measuring from the scheduled time
-# in the server process. LoadGen's path has one more thread hand-off per query
-# (its issue thread -> the event loop), so medians may differ by a fraction of a ms.
+# scenario, same model, agent, rate and seed (each generator draws its own Poisson
+# schedule from it), both measuring from the scheduled time in a process of the
+# server's host. Compared: the body of the two latency distributions, from the stored
+# per-query records -- p25, p50 and p75 must agree within
+# max(CROSS_FLOOR_MS, CROSS_FRACTION x the larger). A unit or clock error, latency
+# counted from the issue instead of the schedule under load, or a hop added on one
+# path, moves the body by more than that. The generators run alternately
+# CROSS_PAIRS times and each quantile is the median over a generator's runs: this
+# 2-core machine is shared, and one run caught in a neighbour's burst moved p50 from
+# 1 to 7 ms (measured with load average 4-6). The tails (p90 and above) are not
+# compared: they belong to the neighbours (the same generator's p90 ranged from 1.9 to
+# 62 ms between back-to-back 3 s runs). On a quiet machine the medians agreed within
+# 0.3 ms (LoadGen's path has one more thread hand-off per query).
 CROSS_QPS = "200"
-CROSS_P50_TOLERANCE = 0.5
-"""|p50_a - p50_b| <= this fraction of the larger p50, or 1 ms, whichever is larger."""
-CROSS_P90_TOLERANCE = 0.6
+CROSS_PAIRS = 3
+CROSS_QUANTILES = (25, 50, 75)
+CROSS_FLOOR_MS = 0.5
+CROSS_FRACTION = 0.4
 
 
-def within(a: float, b: float, fraction: float) -> bool:
-    return abs(a - b) <= max(1.0, fraction * max(a, b))
+def stored_quantiles(stack: Stack, evaluation_id: str) -> list[float]:
+    rows = query(stack, "SELECT completed_ns - scheduled_ns FROM queries FINAL "
+                        "WHERE evaluation_id = {e:String} AND ok = 1", e=evaluation_id)
+    found = percentiles(np.asarray([r[0] for r in rows], float) / 1e6, CROSS_QUANTILES)
+    assert None not in found, evaluation_id
+    return [float(q) for q in found if q is not None]
 
 
 def test_cross_check_with_mlscope_loadgen(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
-    lg_doc = mlperf(ort, tmp_path, user_conf, "--scenario", "Server", "--target-qps",
-                    CROSS_QPS, "--seed", "7", "--batch-size", "1")
-    out = subprocess.run(
-        [str(SUBMIT), "digits_cnn", "--framework", "onnxruntime", "--scenario", "online",
-         "--qps", CROSS_QPS, "--duration", "3", "--seed", "7", "--trace-level", "none",
-         "--json"], env=child_env(ort.settings), capture_output=True, text=True,
-        timeout=120, check=False)
-    assert out.returncode == 0, out.stderr
-    ours = json.loads(out.stdout)
-    a, b = lg_doc["latency_ms"], ours["latency_ms"]
-    print(f"LoadGen p50 {a['p50']:.3f} p90 {a['p90']:.3f}; mlscope p50 {b['p50']:.3f} "
-          f"p90 {b['p90']:.3f} ms")
-    assert within(a["p50"], b["p50"], CROSS_P50_TOLERANCE), (a, b)
-    assert within(a["p90"], b["p90"], CROSS_P90_TOLERANCE), (a, b)
+    runs: dict[str, list[list[float]]] = {"LoadGen": [], "mlscope": []}
+    for k in range(CROSS_PAIRS):
+        lg_doc = mlperf(ort, tmp_path / f"run{k}", user_conf, "--scenario", "Server",
+                        "--target-qps", CROSS_QPS, "--seed", "7", "--batch-size", "1")
+        assert lg_doc["mlperf"]["effective"]["schedule_rng_seed"] == 7
+        out = subprocess.run(
+            [str(SUBMIT), "digits_cnn", "--framework", "onnxruntime", "--scenario", "online",
+             "--qps", CROSS_QPS, "--duration", "3", "--seed", "7", "--trace-level", "none",
+             "--json"], env=child_env(ort.settings), capture_output=True, text=True,
+            timeout=120, check=False)
+        assert out.returncode == 0, out.stderr
+        runs["LoadGen"].append(stored_quantiles(ort, lg_doc["evaluation_id"]))
+        runs["mlscope"].append(stored_quantiles(ort, json.loads(out.stdout)["evaluation_id"]))
+    a, b = (np.median(np.asarray(runs[g]), axis=0) for g in ("LoadGen", "mlscope"))
+    for q, x, y in zip(CROSS_QUANTILES, a, b, strict=True):
+        assert abs(x - y) <= max(CROSS_FLOOR_MS, CROSS_FRACTION * max(x, y)), \
+            f"p{q}: LoadGen {x:.3f} ms, mlscope {y:.3f} ms (runs: {runs})"
 
 
 # ----------------------------------------------------------------- fast, no stack
