@@ -54,7 +54,13 @@ from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.bus import Bus
 from mlscope.contracts import MLPerfSpec, TraceLevel, new_id
-from mlscope.errors import ConfigError, EvaluationError, FrameworkUnavailable, MLScopeError
+from mlscope.errors import (
+    ConfigError,
+    EvaluationError,
+    FrameworkUnavailable,
+    MLScopeError,
+    WireError,
+)
 from mlscope.settings import Settings
 
 __all__ = ["ERROR", "TIMING", "AgentSUT", "SampleLibrary", "SampleTiming", "load_loadgen", "main",
@@ -103,12 +109,18 @@ class SampleTiming:
     error: str = ""
 
 
+REPLY_TIMEOUT_S = 60.0
+"""A chunk unanswered this long fails its samples: LoadGen waits for every sample, so
+an agent that died mid-test would otherwise hold the test (and the job) forever."""
+
+
 @dataclass
 class _Chunk:
     query_seq: int
     first: int
     items: list[tuple[int, int]]
     """(LoadGen response id, sample index) per sample."""
+    sent_ns: int = 0
 
 
 @dataclass
@@ -160,18 +172,28 @@ class AgentSUT:
         """Send waiting chunks while fewer than ``window`` are in flight (until cancelled)."""
         sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_reply)
         try:
-            while True:
-                await self._work.wait()
-                self._work.clear()
-                while self._backlog and len(self._inflight) < self.window:
-                    await self._send(self._backlog.popleft())
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._expire)
+                while True:
+                    await self._work.wait()
+                    self._work.clear()
+                    while self._backlog and len(self._inflight) < self.window:
+                        await self._send(self._backlog.popleft())
         finally:
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()
 
+    async def _expire(self, timeout_s: float = REPLY_TIMEOUT_S) -> None:
+        while True:
+            await anyio.sleep(1.0)
+            limit = now() - int(timeout_s * 1e9)
+            for i in [i for i, c in self._inflight.items() if c.sent_ns < limit]:
+                self._complete(i, None, f"no reply within {timeout_s:g} s")
+
     async def _send(self, chunk: _Chunk) -> None:
         i = self._next
         self._next += 1
+        chunk.sent_ns = now()
         self._inflight[i] = chunk
         try:
             x = self.library.stack([idx for _, idx in chunk.items])
@@ -183,27 +205,33 @@ class AgentSUT:
         await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
 
     async def _on_reply(self, msg: Any) -> None:
-        data = codec.decode(msg.data)
-        if not isinstance(data, dict):
-            return
-        if data.get("kind") == "error":
-            err = data.get("error") or {}
-            self._complete(int(err.get("fields", {}).get("index", -1)), None,
-                           str(err.get("message", "error")))
-        elif data.get("ok"):
-            self._complete(int(data["index"]), data, "")
-        else:
-            self._complete(int(data.get("index", -1)),
-                           None, str((data.get("error") or {}).get("message", "error")))
+        try:
+            data = codec.decode(msg.data)
+            if data.get("kind") == "error":
+                err = data.get("error") or {}
+                self._complete(int(err.get("fields", {}).get("index", -1)), None,
+                               str(err.get("message", "error")))
+            elif data.get("ok"):
+                self._complete(int(data["index"]), data, "")
+            else:
+                self._complete(int(data.get("index", -1)), None,
+                               str((data.get("error") or {}).get("message", "error")))
+        except (WireError, AttributeError, KeyError, TypeError, ValueError):
+            return  # not a reply: its chunk is answered by a real one, or expires
 
     def _complete(self, i: int, reply: dict[str, Any] | None, error: str) -> None:
         chunk = self._inflight.pop(i, None)
         if chunk is None:
             return  # not ours, or a duplicate
-        ranks = _rankings(reply, len(chunk.items)) if reply is not None else None
-        agent = ((int(reply["t_received"]), int(reply["t_predict_start"]),
-                  int(reply["t_predict_end"]), int(reply["t_replied"]))
-                 if reply is not None else (0, 0, 0, 0))
+        ranks, agent = None, (0, 0, 0, 0)
+        if reply is not None:
+            try:
+                agent = (int(reply["t_received"]), int(reply["t_predict_start"]),
+                         int(reply["t_predict_end"]), int(reply["t_replied"]))
+                ranks = _rankings(reply, len(chunk.items))
+            except (KeyError, TypeError, ValueError):
+                ranks = None
+            error = error or ("" if ranks is not None else "malformed reply")
         keep: list[np.ndarray] = []
         responses = []
         for pos, (sid, _) in enumerate(chunk.items):

@@ -44,6 +44,10 @@ USER_CONF = """\
 # LoadGen's default Server bound is 10 ms; this machine's 2 cores are shared, so a
 # neighbour's burst can cost a run its p99 (measured alone: p99 ~5 ms at 200 QPS).
 *.Server.target_latency = 50
+*.SingleStream.min_duration = 500
+*.SingleStream.min_query_count = 100
+*.MultiStream.min_duration = 500
+*.MultiStream.min_query_count = 100
 """
 OFFLINE_QPS = "50000"
 """Offline: LoadGen issues 1.1 x this x min_duration samples in one query; the run is
@@ -141,6 +145,36 @@ def test_accuracy_run_matches_the_zoo(ort: Stack, user_conf: Path, tmp_path: Pat
     assert round(doc["accuracy"]["top1"], 4) == 0.9778 and doc["accuracy"]["samples"] == 360
     entries = logs.accuracy_entries((tmp_path / logs.ACCURACY).read_text())
     assert sorted(i for i, _ in entries) == list(range(360))
+
+
+@pytest.mark.parametrize("scenario", ["SingleStream", "MultiStream"])
+def test_stream_scenarios(ort: Stack, user_conf: Path, tmp_path: Path, scenario: str) -> None:
+    doc = mlperf(ort, tmp_path, user_conf, "--scenario", scenario)
+    summary = (tmp_path / logs.SUMMARY).read_text()
+    assert f"Scenario : {scenario}" in summary and doc["errors"] == 0
+    assert_stored_like_summary(doc, summary)
+    per_query = 8 if scenario == "MultiStream" else 1  # LoadGen's default samples/query
+    assert doc["scenario"]["batch_size"] == per_query
+    rows = query(ort, "SELECT count(), sum(ok) FROM queries FINAL "
+                      "WHERE evaluation_id = {e:String}", e=doc["evaluation_id"])
+    assert rows[0][0] == rows[0][1] == doc["queries"] * per_query >= 100 * per_query
+    # LoadGen's verdict is what the summary file says, reasons included.
+    assert doc["valid"] == ("Result is : VALID" in summary)
+    if not doc["valid"]:
+        assert doc["invalid_reasons"] and all(r.startswith("LoadGen: ")
+                                              for r in doc["invalid_reasons"])
+
+
+def test_a_conf_loadgen_refuses_is_a_typed_error(ort: Stack, tmp_path: Path) -> None:
+    bad = tmp_path / "user.conf"
+    bad.write_text("*.Server.target_qps = fast\n")
+    out = subprocess.run(
+        [str(MLSCOPE), "mlperf", "digits_cnn", "--framework", "onnxruntime", "--scenario",
+         "Server", "--user-conf", str(bad), "--output", str(tmp_path / "out")],
+        env=child_env(ort.settings), capture_output=True, text=True, timeout=120,
+        check=False)
+    assert out.returncode == 1 and "LoadGen refused the user.conf" in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def run_loadgen(out: Path, scenario: str, *, latency_s: float) -> None:
