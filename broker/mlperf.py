@@ -288,7 +288,9 @@ async def import_logs(ev: Any, job: JobRequest) -> EvaluationSummary:
     stored_job["mlperf_import"] = {"source": imp.source, "system": imp.system,
                                    "files": sorted(imp.files)}
     spec_doc = {"job": stored_job, "imported": {"source": imp.source, "system": imp.system,
-                                                "sut_name": result.sut_name}}
+                                                "sut_name": result.sut_name},
+                # what analysis shows as the system of a run
+                "agent": {"cpu_model": imp.system or result.sut_name}}
     await anyio.to_thread.run_sync(ev._store, summary, rec, spec_doc)
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, dict(imp.files))
     return summary
