@@ -145,6 +145,10 @@ def test_accuracy_run_matches_the_zoo(ort: Stack, user_conf: Path, tmp_path: Pat
     assert round(doc["accuracy"]["top1"], 4) == 0.9778 and doc["accuracy"]["samples"] == 360
     entries = logs.accuracy_entries((tmp_path / logs.ACCURACY).read_text())
     assert sorted(i for i, _ in entries) == list(range(360))
+    # The stored specification runs LoadGen again.
+    again = mlscope(ort, "rerun", doc["evaluation_id"])
+    assert again["mlperf"]["mode"] == "AccuracyOnly" and again["accuracy"] == doc["accuracy"]
+    assert again["evaluation_id"] != doc["evaluation_id"]
 
 
 @pytest.mark.parametrize("scenario", ["SingleStream", "MultiStream"])
