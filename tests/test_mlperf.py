@@ -136,6 +136,17 @@ def test_server_200_qps_is_valid_by_loadgen(ort: Stack, user_conf: Path,
     assert all(r[1] and r[2] for r in rows)
     # The stored per-query latencies are LoadGen's: its p50 is among them.
     assert int(summary_stats(summary)["50.00"]) in {int(r[0]) for r in rows}
+    assert_reported(ort, tmp_path, doc["evaluation_id"])
+
+
+def assert_reported(stack: Stack, tmp_path: Path, *ids: str) -> None:
+    """``mlscope report`` reads the runs like any other evaluation."""
+    out = subprocess.run([str(MLSCOPE), "report", *ids, "-o", str(tmp_path / "r.md")],
+                         env=child_env(stack.settings), capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "r.md").read_text()
+    assert all(i in text for i in ids) and "mlperf-" in text
 
 
 def test_accuracy_run_matches_the_zoo(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
@@ -234,6 +245,7 @@ def test_import_gives_the_summary_files_percentiles(ort: Stack, tmp_path: Path) 
     rows = query(ort, "SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}",
                  e=server["evaluation_id"])
     assert rows[0][0] == server["queries"]  # per-sample records from the trace log
+    assert_reported(ort, tmp_path, *(d["evaluation_id"] for d in docs))
     out = subprocess.run([str(MLSCOPE), "rerun", server["evaluation_id"]],
                          env=child_env(ort.settings), capture_output=True, text=True,
                          timeout=60, check=False)
