@@ -38,9 +38,10 @@ USER_CONF = """\
 # Short runs for a test machine: the official minimum duration is 600 s.
 *.Offline.min_duration = 500
 *.Offline.min_query_count = 1
-# 3 s at 200 QPS is ~600 queries: more than the 459 that early stopping needs at p99.
-*.Server.min_duration = 3000
-*.Server.min_query_count = 500
+# 4 s at 200 QPS is ~800 queries: more than the 459 that early stopping needs at p99
+# with none over the bound, so a few late ones (a neighbour's burst) are tolerated.
+*.Server.min_duration = 4000
+*.Server.min_query_count = 700
 # LoadGen's default Server bound is 10 ms; this machine's 2 cores are shared, so a
 # neighbour's burst can cost a run its p99 (measured alone: p99 ~5 ms at 200 QPS).
 *.Server.target_latency = 50
@@ -132,7 +133,7 @@ def test_server_200_qps_is_valid_by_loadgen(ort: Stack, user_conf: Path,
     rows = query(ort, "SELECT completed_ns - scheduled_ns, issued_ns >= scheduled_ns, "
                       "agent_received_ns <= completed_ns FROM queries FINAL "
                       "WHERE evaluation_id = {e:String}", e=doc["evaluation_id"])
-    assert len(rows) == doc["queries"] >= 500
+    assert len(rows) == doc["queries"] >= 700
     assert all(r[1] and r[2] for r in rows)
     # The stored per-query latencies are LoadGen's: its p50 is among them.
     assert int(summary_stats(summary)["50.00"]) in {int(r[0]) for r in rows}
@@ -294,7 +295,7 @@ def test_cross_check_with_mlscope_loadgen(ort: Stack, user_conf: Path, tmp_path:
         assert lg_doc["mlperf"]["effective"]["schedule_rng_seed"] == 7
         out = subprocess.run(
             [str(SUBMIT), "digits_cnn", "--framework", "onnxruntime", "--scenario", "online",
-             "--qps", CROSS_QPS, "--duration", "3", "--seed", "7", "--trace-level", "none",
+             "--qps", CROSS_QPS, "--duration", "4", "--seed", "7", "--trace-level", "none",
              "--json"], env=child_env(ort.settings), capture_output=True, text=True,
             timeout=120, check=False)
         assert out.returncode == 0, out.stderr
