@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -54,6 +54,9 @@ from mlscope.contracts import (
 from mlscope.errors import ConfigError, EvaluationError, error_from_wire
 from mlscope.stats import percentiles, trimmed_mean
 
+if TYPE_CHECKING:
+    from broker.evaluate import Evaluator
+
 __all__ = ["ACCURACY_FILE", "LOG_COLUMNS", "LOG_PART_CHARS", "import_logs", "run",
            "store_logs"]
 
@@ -67,7 +70,7 @@ LOGS_TABLE = """CREATE TABLE IF NOT EXISTS mlperf_logs (
 PREPARE_TIMEOUT_S = 300.0
 
 
-async def run(ev: Any, job: JobRequest, agent: AgentDescription,
+async def run(ev: Evaluator, job: JobRequest, agent: AgentDescription,
               entry: Entry) -> EvaluationSummary:
     """One LoadGen test against ``agent`` (``ev`` is the server's Evaluator)."""
     from broker.evaluate import _dataset, _specification
@@ -99,11 +102,17 @@ async def run(ev: Any, job: JobRequest, agent: AgentDescription,
     rec = _record(logs.trace_samples(files.get(logs.TRACE, "")), timing, offset, data[1])
     accuracy = _accuracy(result, files, data[1])
     fw = next(x for x in agent.frameworks if x.name == job.framework)
-    summary = _summary(result, rec, job, eval_id, started, accuracy=accuracy).model_copy(
+    failed = int(timing["errors"])  # answered to LoadGen with no data: not its errors
+    summary = _summary(result, rec, job, eval_id, started, accuracy=accuracy)
+    if failed:
+        summary = summary.model_copy(update={"valid": False, "invalid_reasons": (
+            *summary.invalid_reasons, f"{failed} samples failed in the agent "
+            f"(first: {next(iter(rec.errors.values()), '')})")})
+    summary = summary.model_copy(
         update={"framework": {"name": fw.name, "version": fw.version},
                 "model": {"name": m.name, "version": m.version}, "agent_id": agent.agent_id,
                 "host": agent.host, "clock_offset_ns": offset, "clock_rtt_ns": rtt,
-                "errors": int(timing["errors"]),
+                "errors": failed,
                 "cold_start": {"load_ms": prep["load_ns"] / 1e6,
                                "first_inference_ms": prep["first_inference_ns"] / 1e6,
                                "cold": bool(prep["cold"])}})
@@ -113,7 +122,7 @@ async def run(ev: Any, job: JobRequest, agent: AgentDescription,
     return summary
 
 
-async def _test(ev: Any, spec: MLPerfSpec, conf_model: str, eval_id: str,
+async def _test(ev: Evaluator, spec: MLPerfSpec, conf_model: str, eval_id: str,
                 agent: AgentDescription, x: np.ndarray) -> tuple[dict[str, Any], dict[str, str]]:
     """Run the test in a child process (see broker/mlperf_sut.py for why); return what
     its SUT saw and LoadGen's log files."""
@@ -270,7 +279,7 @@ def store_logs(db: Database, evaluation_id: str, files: dict[str, str]) -> None:
     db.insert("mlperf_logs", [list(c) for c in zip(*rows, strict=True)], LOG_COLUMNS)
 
 
-async def import_logs(ev: Any, job: JobRequest) -> EvaluationSummary:
+async def import_logs(ev: Evaluator, job: JobRequest) -> EvaluationSummary:
     """Store MLPerf logs written elsewhere as an evaluation tagged ``imported``."""
     imp = job.mlperf_import
     if imp is None:
