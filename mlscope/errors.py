@@ -16,6 +16,7 @@
     │   └── InferenceError
     ├── EvaluationError                    an evaluation could not complete
     └── DatabaseError                      the evaluation database rejected a request
+        └── QueryRefused(PermissionError)  a client's SQL is not one bounded read
 
 Third-party exceptions are translated once, at the adapter that calls the library.
 Every error has a stable ``code`` so that it survives the trip over the bus.
@@ -39,6 +40,7 @@ __all__ = [
     "ManifestError",
     "ModelLoadError",
     "PredictorError",
+    "QueryRefused",
     "ResolutionError",
     "UnknownModelError",
     "WireError",
@@ -133,6 +135,13 @@ class EvaluationError(MLScopeError):
 
 class DatabaseError(MLScopeError):
     code = "database"
+
+
+class QueryRefused(DatabaseError, PermissionError):
+    """A client's SQL was refused: not one read-only SELECT, a forbidden function, or
+    it went past a read limit (time, rows, bytes, memory)."""
+
+    code = "query_refused"
 
 
 _BY_CODE: dict[str, type[MLScopeError]] = {}

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from mlscope.artifacts import check_relative
+from mlscope.bounded import load_yaml_bounded
 from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
@@ -401,19 +402,9 @@ _KINDS: dict[str, type[BaseModel]] = {
 
 
 def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
-    """Parse YAML, keeping the node tree for line numbers."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ManifestError(f"cannot read: {exc.strerror}", file=str(path)) from exc
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise ManifestError(f"not valid YAML: {exc}", file=str(path), line=line) from exc
-    return data, node
+    """Parse YAML within bounds (size, encoding, depth, aliases, duplicate keys; see
+    :mod:`mlscope.bounded`), keeping the node tree for line numbers."""
+    return load_yaml_bounded(path)
 
 
 def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:

@@ -25,6 +25,7 @@ import nats.js.errors
 from anyio.abc import TaskStatus
 
 from mlscope import names
+from mlscope.bounded import load_json
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
 from mlscope.errors import BusError, ManifestError
@@ -105,10 +106,7 @@ async def load_remote(bus: Bus) -> list[ModelManifest]:
 def _parse(key: str, value: bytes | None) -> ModelManifest:
     """One bucket value as a validated, untrusted model manifest (errors name the key)."""
     where = f"{names.MODELS_BUCKET}/{key}"
-    try:
-        data = json.loads(value or b"")
-    except ValueError as exc:
-        raise ManifestError(f"not valid JSON: {exc}", file=where) from exc
+    data = load_json(value or b"", file=where)
     manifest = parse_manifest(data, file=where)
     if not isinstance(manifest, ModelManifest):
         raise ManifestError("only model manifests belong in the models bucket",
