@@ -76,8 +76,11 @@ class ReadLimits:
     """Uncompressed bytes a result may have (``max_result_bytes``)."""
     max_memory_usage: int = 1 << 30
     """Memory one query may allocate (``max_memory_usage``)."""
-    readers: int = 2
-    """Read connections: concurrent client queries; one more waits for a free one."""
+    readers: int = 4
+    """Read connections: concurrent client queries. One more waits for a free one, at
+    most ``max_execution_time``: a client sending more hostile queries at once than
+    there are readers delays other clients' SQL (never the writer, nor evaluation
+    lookups, which use the server's own connection)."""
     max_sql_chars: int = 100_000
     """Longest statement accepted (checked before anything parses it)."""
 

@@ -44,6 +44,9 @@ __all__ = ["Server"]
 JOB_ACK_WAIT_S = 15.0
 MAX_PARALLEL_JOBS = 4
 DB_QUEUE = "mlscope-servers"
+SQL_IN_FLIGHT = 16
+"""Client SQL requests handled at once (they wait for the read pool's connections);
+more stay queued in the subscription."""
 
 
 @dataclass
@@ -70,9 +73,7 @@ class Server:
                 self.ingester = Ingester(bus, self.db)
                 # Replicas share the database requests (a queue group): with a shared
                 # ClickHouse server any of them answers; jobs come from one work queue.
-                subs = [await bus.nc.subscribe(names.SQL_SUBJECT, queue=DB_QUEUE,
-                                               cb=self._on_sql),
-                        await bus.nc.subscribe(names.EVALUATION_SUBJECT, queue=DB_QUEUE,
+                subs = [await bus.nc.subscribe(names.EVALUATION_SUBJECT, queue=DB_QUEUE,
                                                cb=self._on_eval)]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
@@ -81,6 +82,7 @@ class Server:
                 self.remote = ManifestWatcher(bus)
                 self.agent_cache = AgentCache(bus)
                 async with anyio.create_task_group() as tg:
+                    await tg.start(self._serve_sql)
                     await tg.start(self.remote.run)
                     tg.start_soon(self.agent_cache.run)
                     tg.start_soon(self.ingester.run)
@@ -173,6 +175,28 @@ class Server:
         await self.bus.nc.publish(subject, codec.encode_model(event))
 
     # ------------------------------------------------------------------ database
+
+    async def _serve_sql(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                         ) -> None:
+        """Answer client SQL concurrently: a subscription callback runs one message at
+        a time, and one slow query would make every other client wait for it."""
+        sub = await self.bus.nc.subscribe(names.SQL_SUBJECT, queue=DB_QUEUE)
+        slots = anyio.Semaphore(SQL_IN_FLIGHT)
+        try:
+            async with anyio.create_task_group() as tg:
+                task_status.started()
+                async for msg in sub.messages:
+                    await slots.acquire()
+                    tg.start_soon(self._answer_sql, msg, slots)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+
+    async def _answer_sql(self, msg: Msg, slots: anyio.Semaphore) -> None:
+        try:
+            await self._on_sql(msg)
+        finally:
+            slots.release()
 
     async def _on_sql(self, msg: Msg) -> None:
         """Client SQL for other processes: {sql, parameters} -> {columns, rows}, run on

@@ -16,7 +16,7 @@
     │   └── InferenceError
     ├── EvaluationError                    an evaluation could not complete
     └── DatabaseError                      the evaluation database rejected a request
-        └── QueryRefused(PermissionError)  a client's SQL is not one bounded read
+        └── QueryRefused                   a client's SQL is not one bounded read
 
 Third-party exceptions are translated once, at the adapter that calls the library.
 Every error has a stable ``code`` so that it survives the trip over the bus.
@@ -137,7 +137,7 @@ class DatabaseError(MLScopeError):
     code = "database"
 
 
-class QueryRefused(DatabaseError, PermissionError):
+class QueryRefused(DatabaseError):
     """A client's SQL was refused: not one read-only SELECT, a forbidden function, or
     it went past a read limit (time, rows, bytes, memory)."""
 
