@@ -25,7 +25,7 @@ class Recorder:
         recorder = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_GET(self) -> None:
                 recorder.requests.append(self.path)
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))

@@ -132,7 +132,7 @@ def test_a_client_query_never_waits_for_the_writer(tmp_path: Path) -> None:
 
     def hostile() -> None:
         t0 = time.monotonic()
-        with pytest.raises(QueryRefused, match="TIMEOUT|Timeout"):
+        with pytest.raises(QueryRefused, match=r"TIMEOUT|Timeout"):
             ro.frame("SELECT count() FROM numbers(1e12)")
         done.append(time.monotonic() - t0)
 
