@@ -66,8 +66,14 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
                 f"{job.framework_version or m.framework.version} ({job.device})")
         if job.agent_id:
             want += f" on agent {job.agent_id}"
-        raise ResolutionError(f"no live agent serves {want}; live agents: {live}",
-                              model=m.name, framework=job.framework)
+        refusals = [(a.agent_id, r) for a in agents for r in a.refused
+                    if (r.name, r.version, r.framework) == (m.name, m.version, job.framework)]
+        why = "".join(f"; agent {aid} refuses it: {r.message}" for aid, r in refusals)
+        fixes = sorted({r.fix for _, r in refusals if r.fix})
+        fix = f"; to fix it, run {' and '.join(f'`{f}`' for f in fixes)}" if fixes else ""
+        raise ResolutionError(f"no live agent serves {want}{why}{fix}; live agents: {live}",
+                              model=m.name, framework=job.framework,
+                              refused=[r.model_dump() for _, r in refusals], fixes=fixes)
     # Spread jobs over equal agents deterministically by job id.
     return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry
 

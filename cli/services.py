@@ -16,9 +16,11 @@ from typing import Any
 import anyio
 import nats.errors
 
+from cli.artifacts_cmd import built_models, push_zoo
 from mlscope.errors import ConfigError, MLScopeError
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
+from mlscope.zoo.build import BUILDERS
 
 __all__ = ["register"]
 
@@ -190,6 +192,22 @@ async def wait_provisioned(settings: Settings, timeout: float = 60.0) -> None:
     raise ConfigError(f"the server did not provision JetStream within {timeout:g} s")
 
 
+def _share_zoo(settings: Settings) -> None:
+    """Say which zoo models are not built here, and push the built ones to the bus's
+    artifact bucket so that agents joining from other machines can fetch them."""
+    have = {d.parent.name for d in built_models(settings.zoo_dir)}
+    missing = [name for name in BUILDERS if name not in have]
+    if missing:
+        print(f"mlscope up: zoo models not built here: {', '.join(missing)} (run `mlscope "
+              f"zoo build --only {' '.join(missing)}`)", flush=True)
+    try:
+        anyio.run(lambda: push_zoo(settings, settings.zoo_dir, log=lambda _m: None),
+                  backend="asyncio")
+    except MLScopeError as exc:
+        print(f"mlscope up: the built zoo was not pushed to the artifact bucket: {exc}",
+              file=sys.stderr, flush=True)
+
+
 def run_up(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     if args.data_dir is not None:
@@ -212,6 +230,7 @@ def run_up(args: argparse.Namespace) -> int:
         if s.nats_creds:
             print(f"mlscope up: clients connect with MLSCOPE_NATS_CREDS={s.nats_creds}",
                   flush=True)
+        _share_zoo(s)
         reported: set[str] = set()
         while not stopping:
             for name in stack.dead():

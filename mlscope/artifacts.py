@@ -16,6 +16,10 @@ Rules:
   (``..``, symlinks pointing out) are refused with :class:`ArtifactError`.
 * Every file's sha256 is checked before it is used (a directory's checksum covers its
   sorted relative paths and file hashes), and every download is checked as it lands.
+* Built ``zoo://`` assets are checked against the model directory's build lock
+  (:mod:`mlscope.buildlock`) rather than the manifest: their bytes depend on the CPU
+  that built them. A missing lock or file says how to build it; a file that differs from
+  its lock names the file, both hashes and the command that rebuilds it.
 * Downloads go to a temporary file in the cache directory, which is renamed into place
   only after its checksum matched; a mismatch raises :class:`ChecksumMismatch` and the
   bad bytes are deleted (a corrupt file already in the cache is deleted and fetched
@@ -39,7 +43,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
+from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch
+from mlscope.hashing import sha256_path
 
 __all__ = [
     "ArtifactStore",
@@ -50,24 +56,11 @@ __all__ = [
     "safe_join",
     "sha256_path",
     "verify",
+    "zoo_coordinates",
 ]
 
 _CHUNK = 1 << 20
 _REMOTE = ("http://", "https://")
-
-
-def sha256_path(path: Path) -> str:
-    """sha256 of a file, or of a directory tree (relative paths + contents, sorted)."""
-    digest = hashlib.sha256()
-    if path.is_dir():
-        for f in sorted(p for p in path.rglob("*") if p.is_file()):
-            digest.update(f.relative_to(path).as_posix().encode() + b"\0")
-            digest.update(sha256_path(f).encode())
-        return digest.hexdigest()
-    with path.open("rb") as fh:
-        while chunk := fh.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def check_relative(relative: str) -> PurePosixPath:
@@ -123,16 +116,27 @@ def asset_root(base_url: str | None, *, manifest_dir: Path, zoo_dir: Path) -> Pa
     raise ArtifactError(f"unsupported asset location {base_url!r}", url=base_url)
 
 
-def verify(path: Path, expected: str) -> Path:
-    """Return ``path`` when it exists and matches ``expected``; else a typed error."""
+def verify(path: Path, expected: str, *, against: str = "manifest", fix: str = "") -> Path:
+    """Return ``path`` when it exists and matches ``expected``; else a typed error.
+
+    ``against`` names where ``expected`` came from; ``fix`` is the command that mends it.
+    """
+    hint = f"; run `{fix}`" if fix else ""
     if not path.exists():
-        raise ArtifactError(f"missing artifact {path} (run `mlscope zoo build`?)",
-                            path=str(path))
+        raise ArtifactError(f"missing artifact {path}{hint or ' (run `mlscope zoo build`?)'}",
+                            path=str(path), reason="missing", fix=fix)
     actual = sha256_path(path)
     if actual != expected:
-        raise ChecksumMismatch(f"{path}: sha256 {actual} does not match manifest {expected}",
-                               path=str(path), expected=expected, actual=actual)
+        raise ChecksumMismatch(
+            f"{path}: sha256 {actual} does not match the {against}'s {expected}{hint}",
+            path=str(path), expected=expected, actual=actual, reason="checksum", fix=fix)
     return path
+
+
+def zoo_coordinates(base_url: str) -> tuple[str, str]:
+    """``zoo://NAME/VERSION`` -> (NAME, VERSION)."""
+    name, _, version = base_url.removeprefix("zoo://").strip("/").partition("/")
+    return name, version
 
 
 class ArtifactStore:
@@ -148,26 +152,56 @@ class ArtifactStore:
         self._locks: dict[str, threading.Lock] = {}
         self._verified: dict[Path, tuple[int, int, str]] = {}
 
-    def resolve(self, base_url: str | None, relative: str, sha256: str, *,
+    def resolve(self, base_url: str | None, relative: str, sha256: str | None, *,
                 manifest_dir: Path) -> Path:
         """The verified local file (or directory) for one asset of a manifest."""
         pure = check_relative(relative)
         if is_remote(base_url):
+            if sha256 is None:
+                raise ArtifactError(f"a remote asset needs a sha256: {relative!r}",
+                                    path=relative)
             url = f"{str(base_url).rstrip('/')}/{urllib.parse.quote(pure.as_posix())}"
             return self.download(url, sha256, name=pure.name)
         root = asset_root(base_url, manifest_dir=manifest_dir, zoo_dir=self.zoo_dir)
+        if base_url and base_url.startswith("zoo://"):
+            return self.resolve_built(root, pure.as_posix(), sha256, base_url=base_url)
+        if sha256 is None:
+            raise ArtifactError(f"asset {relative!r} has no sha256 to verify it against",
+                                path=relative)
         return self.verify_local(safe_join(root, pure.as_posix()), sha256)
 
-    def verify_local(self, path: Path, sha256: str) -> Path:
+    def resolve_built(self, root: Path, relative: str, pinned: str | None, *,
+                      base_url: str) -> Path:
+        """A built artifact, verified against its build lock (and ``pinned``, the
+        manifest's sha256, when the manifest pins these bytes too)."""
+        name, version = zoo_coordinates(base_url)
+        build = f"mlscope zoo build --only {name}"
+        lock = BuildLock.read(root)
+        expected = lock.artifacts.get(relative) if lock is not None else None
+        if expected is None:
+            raise ArtifactError(
+                f"{name} {version} is not built here: no build lock lists {relative} in "
+                f"{root}; run `{build}`", path=str(root / relative), reason="missing",
+                fix=build)
+        if pinned is not None and pinned != expected:
+            raise ChecksumMismatch(
+                f"{root / relative}: the build lock's sha256 {expected} differs from the "
+                f"manifest's {pinned}; run `{build} --force`", path=str(root / relative),
+                expected=pinned, actual=expected, reason="checksum", fix=f"{build} --force")
+        return self.verify_local(safe_join(root, relative), expected, against="build lock",
+                                 fix=f"{build} --force")
+
+    def verify_local(self, path: Path, sha256: str, *, against: str = "manifest",
+                     fix: str = "") -> Path:
         """:func:`verify`, remembering files whose size and mtime have not changed."""
         if path.is_file():
             st = path.stat()
             if self._verified.get(path) == (st.st_size, st.st_mtime_ns, sha256):
                 return path
-            verify(path, sha256)
+            verify(path, sha256, against=against, fix=fix)
             self._verified[path] = (st.st_size, st.st_mtime_ns, sha256)
             return path
-        return verify(path, sha256)
+        return verify(path, sha256, against=against, fix=fix)
 
     def download(self, url: str, sha256: str, *, name: str | None = None) -> Path:
         """The cached, verified copy of ``url``; downloaded once, atomically."""

@@ -30,6 +30,8 @@ __all__ = [
     "ModelOffer",
     "Query",
     "QueryReply",
+    "RefusalReason",
+    "RefusedModel",
     "SampleBatch",
     "ScenarioSpec",
     "SpanBatch",
@@ -112,6 +114,25 @@ class ModelOffer(BaseModel):
     sha256: str | None = None
 
 
+RefusalReason = Literal["missing", "checksum", "custom_code", "framework_version", "invalid"]
+
+
+class RefusedModel(BaseModel):
+    """A model of the agent's framework that it does not serve, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    version: str
+    framework: str
+    reason: RefusalReason
+    """missing: not built / not present; checksum: the file differs from its build lock
+    or pin; custom_code: a step this agent may not run; framework_version: the
+    manifest's constraint excludes this agent's runtime; invalid: anything else."""
+    message: str
+    fix: str | None = None
+    """The command that mends it, when there is one."""
+
+
 class AgentDescription(_Message):
     """What an agent puts in the registry bucket under its id (refreshed by heartbeat)."""
 
@@ -126,6 +147,8 @@ class AgentDescription(_Message):
     accelerators: tuple[Accelerator, ...] = ()
     frameworks: tuple[FrameworkInfo, ...]
     models: tuple[ModelOffer, ...] = ()
+    refused: tuple[RefusedModel, ...] = ()
+    """Models of this framework that the agent does not serve, with the reason."""
     capabilities: tuple[str, ...] = ()
     pid: int
     mlscope_version: str

@@ -21,6 +21,7 @@ import re
 
 __all__ = [
     "AGENTS_BUCKET",
+    "ARTIFACTS_BUCKET",
     "EVALUATION_SUBJECT",
     "JOBS_CONSUMER",
     "JOBS_STREAM",
@@ -49,6 +50,8 @@ TRACES_CONSUMER = "ingester"
 
 AGENTS_BUCKET = "mlscope_agents"
 MODELS_BUCKET = "mlscope_models"
+ARTIFACTS_BUCKET = "mlscope_artifacts"
+"""Object store of built zoo models (mlscope.artifact_bucket)."""
 
 SQL_SUBJECT = f"{PREFIX}.db.sql"
 EVALUATION_SUBJECT = f"{PREFIX}.db.evaluation"
