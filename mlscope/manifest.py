@@ -164,6 +164,9 @@ class Assets(_Strict):
     given for one of those, it pins bytes that come from elsewhere (a file from a
     wheel) and must also match."""
     weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    max_bytes: int | None = Field(default=None, gt=0)
+    """Largest size of any one downloaded asset file: a download stops past it (the
+    operator's ``MLSCOPE_MAX_ARTIFACT_BYTES`` ceiling applies either way)."""
 
     @field_validator("graph_path", "weights_path")
     @classmethod

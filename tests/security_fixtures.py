@@ -20,15 +20,22 @@ from tests.conftest import make_data_dir, wait_agents, wait_server
 class Recorder:
     """A local HTTP server that answers 200 with a body and remembers each request."""
 
-    def __init__(self, body: bytes = b"secret bytes") -> None:
+    def __init__(self, body: bytes = b"secret bytes", *, redirect_to: str | None = None,
+                 content_length: bool = True) -> None:
         self.requests: list[str] = []
         recorder = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 recorder.requests.append(self.path)
+                if redirect_to is not None:
+                    self.send_response(302)
+                    self.send_header("Location", redirect_to + self.path)
+                    self.end_headers()
+                    return
                 self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
+                if content_length:  # without it, HTTP/1.0: the body ends at close
+                    self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
 
