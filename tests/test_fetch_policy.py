@@ -127,7 +127,7 @@ def test_bus_manifests_make_no_agent_fetch_or_open_anything(
                         assert not offered & set(refused)
                         return refused
                     await anyio.sleep(0.2)
-            raise AssertionError(f"the agent never considered the bus manifests: {refused}, {offered}")
+            raise AssertionError(f"the agent never refused the bus manifests: {refused}")
 
         refused = anyio.run(main, backend="asyncio")
         assert {n: refused[n] for n in ("evil_http", "evil_file", "evil_pkg")} == \
