@@ -71,9 +71,10 @@ DEFAULT_HUB_DOMAIN = "hub"
 P = names.PREFIX
 
 
-def _kv_read(bucket: str) -> list[str]:
-    """The JetStream API subjects that reading one bucket (get, keys, watch) uses."""
-    stream = f"KV_{bucket}"
+def _kv_read(bucket: str, *, stream: str | None = None) -> list[str]:
+    """The JetStream API subjects that reading one bucket (get, keys, watch; an object
+    store's metadata and chunks) uses."""
+    stream = stream or f"KV_{bucket}"
     return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
             f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
@@ -111,7 +112,8 @@ def permissions(role: Role, *, edge_id: str = "edge-1", edge_domain: str = DEFAU
 
 def _agent_publish(key: str) -> list[str]:
     return [names.traces_wildcard(), key, "$JS.API.INFO", "$JS.API.STREAM.INFO.*",
-            *_kv_read(names.MODELS_BUCKET)]
+            *_kv_read(names.MODELS_BUCKET),
+            *_kv_read(names.ARTIFACTS_BUCKET, stream=f"OBJ_{names.ARTIFACTS_BUCKET}")]
 
 
 def _agent(inbox: str) -> dict[str, Any]:
@@ -228,5 +230,9 @@ def inbox_prefix_for(creds: Path) -> str | None:
     for role, key in roles.get("public_keys", {}).items():
         if key == public:
             prefix = roles.get("inbox_prefixes", {}).get(role)
+            return str(prefix) if prefix else None
+    for entry in roles.get("agents", {}).values():  # users of `auth add-agent`
+        if isinstance(entry, dict) and entry.get("public_key") == public:
+            prefix = entry.get("inbox_prefix")
             return str(prefix) if prefix else None
     return None
