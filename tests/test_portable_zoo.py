@@ -187,3 +187,12 @@ def test_commands_fail_fast_without_a_bus(tmp_path: Path, argv: list[str]) -> No
 
 STARTUP_ALLOWANCE_S = 2.0
 """Interpreter start-up on a loaded 2-core machine, on top of the 3 s the command has."""
+
+
+def test_a_rerun_on_other_bytes_says_so() -> None:
+    from cli.rerun_cmd import artifact_note
+
+    assert artifact_note({"artifact_sha256": "a" * 64}, {"artifact_sha256": "a" * 64}) is None
+    assert artifact_note({}, {"artifact_sha256": "a" * 64}) is None
+    note = artifact_note({"artifact_sha256": "a" * 64}, {"artifact_sha256": "b" * 64})
+    assert note is not None and "a" * 64 in note and "b" * 64 in note
