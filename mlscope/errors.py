@@ -15,7 +15,9 @@
     │   ├── InputMismatchError(ValueError)
     │   └── InferenceError
     ├── EvaluationError                    an evaluation could not complete
-    └── DatabaseError                      the evaluation database rejected a request
+    ├── DatabaseError                      the evaluation database rejected a request
+    └── ServiceError                       a handler failed unexpectedly (any other
+                                           exception, translated by mlscope.serving)
 
 Third-party exceptions are translated once, at the adapter that calls the library.
 Every error has a stable ``code`` so that it survives the trip over the bus.
@@ -40,6 +42,7 @@ __all__ = [
     "ModelLoadError",
     "PredictorError",
     "ResolutionError",
+    "ServiceError",
     "UnknownModelError",
     "WireError",
     "error_from_wire",
@@ -133,6 +136,13 @@ class EvaluationError(MLScopeError):
 
 class DatabaseError(MLScopeError):
     code = "database"
+
+
+class ServiceError(MLScopeError):
+    """A handler raised something that is not an MLScopeError; ``service`` and
+    ``exception`` (the type name) say where and what."""
+
+    code = "service"
 
 
 _BY_CODE: dict[str, type[MLScopeError]] = {}
