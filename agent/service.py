@@ -51,7 +51,13 @@ from mlscope.contracts import (
 from mlscope.contracts import (
     RefusalReason as Reason,
 )
-from mlscope.errors import ConfigError, EvaluationError, FrameworkUnavailable, MLScopeError
+from mlscope.errors import (
+    ConfigError,
+    EvaluationError,
+    FrameworkUnavailable,
+    MLScopeError,
+)
+from mlscope.fetchpolicy import FetchPolicy
 from mlscope.manifest import FrameworkManifest, is_built
 from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
@@ -110,7 +116,8 @@ class Agent:
     the probed version when the catalog has it)."""
 
     def __post_init__(self) -> None:
-        self.store = ArtifactStore(self.settings.data_dir, zoo_dir=self.settings.zoo_dir)
+        self.store = ArtifactStore(self.settings.data_dir, zoo_dir=self.settings.zoo_dir,
+                                   policy=FetchPolicy.from_settings(self.settings))
         """Remembers verified files by size and mtime: re-checking one is a stat."""
         self.framework_manifest = self.catalog.framework(self.config.framework)
         host = str(sysinfo.host_facts()["host"])
@@ -232,9 +239,10 @@ class Agent:
         """The models bucket changed: serve what is servable now and say so at once."""
         async with self._changing:
             await self._fetch_missing()
+            refused = self.refused
             offers = await anyio.to_thread.run_sync(self._servable)
             if [(e.manifest.key, g) for e, g in offers] == \
-                    [(e.manifest.key, g) for e, g in self.offers]:
+                    [(e.manifest.key, g) for e, g in self.offers] and refused == self.refused:
                 return
             self.offers = offers
             await self._sync_capabilities(self.bus)
@@ -405,7 +413,7 @@ class Agent:
 
 
 _REASONS: dict[str, Reason] = {"missing": "missing", "checksum": "checksum",
-                               "framework_version": "framework_version"}
+                               "framework_version": "framework_version", "policy": "policy"}
 
 
 def _refusal(e: Entry, exc: MLScopeError) -> RefusedModel:

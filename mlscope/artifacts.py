@@ -45,6 +45,7 @@ from pathlib import Path, PurePosixPath
 
 from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch
+from mlscope.fetchpolicy import FetchPolicy
 from mlscope.hashing import sha256_path
 
 __all__ = [
@@ -143,7 +144,9 @@ class ArtifactStore:
     """Resolves, downloads, caches and verifies assets (see the module docstring)."""
 
     def __init__(self, data_dir: Path, *, zoo_dir: Path | None = None,
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, policy: FetchPolicy | None = None) -> None:
+        self.policy = policy or FetchPolicy()
+        """Which locations untrusted manifests may name; every download's size cap."""
         self.cache_dir = data_dir / "artifacts"
         """Downloads, by checksum: ``<cache_dir>/<sha256>/<file name>``."""
         self.zoo_dir = zoo_dir if zoo_dir is not None else data_dir / "zoo"
@@ -153,15 +156,21 @@ class ArtifactStore:
         self._verified: dict[Path, tuple[int, int, str]] = {}
 
     def resolve(self, base_url: str | None, relative: str, sha256: str | None, *,
-                manifest_dir: Path) -> Path:
-        """The verified local file (or directory) for one asset of a manifest."""
+                manifest_dir: Path, trusted: bool = True,
+                max_bytes: int | None = None) -> Path:
+        """The verified local file (or directory) for one asset of a manifest; an
+        untrusted one (from the bus) only where the fetch policy allows, checked
+        before anything is read or requested."""
         pure = check_relative(relative)
+        if not trusted:
+            self.policy.check_untrusted(base_url)
         if is_remote(base_url):
             if sha256 is None:
                 raise ArtifactError(f"a remote asset needs a sha256: {relative!r}",
                                     path=relative)
             url = f"{str(base_url).rstrip('/')}/{urllib.parse.quote(pure.as_posix())}"
-            return self.download(url, sha256, name=pure.name)
+            return self.download(url, sha256, name=pure.name, max_bytes=max_bytes,
+                                 trusted=trusted)
         root = asset_root(base_url, manifest_dir=manifest_dir, zoo_dir=self.zoo_dir)
         if base_url and base_url.startswith("zoo://"):
             return self.resolve_built(root, pure.as_posix(), sha256, base_url=base_url)
@@ -203,10 +212,15 @@ class ArtifactStore:
             return path
         return verify(path, sha256, against=against, fix=fix)
 
-    def download(self, url: str, sha256: str, *, name: str | None = None) -> Path:
-        """The cached, verified copy of ``url``; downloaded once, atomically."""
+    def download(self, url: str, sha256: str, *, name: str | None = None,
+                 max_bytes: int | None = None, trusted: bool = True) -> Path:
+        """The cached, verified copy of ``url``; downloaded once, atomically, at most
+        ``max_bytes`` (the policy's ceiling caps it) and, for an untrusted manifest,
+        only from under the policy's URL prefixes."""
         if not url.startswith(_REMOTE):
             raise ArtifactError(f"not an http(s) URL: {url!r}", url=url)
+        if not trusted:
+            self.policy.check_url(url)
         fname = name or PurePosixPath(urllib.parse.urlparse(url).path).name or "asset"
         check_relative(fname)
         folder = self.cache_dir / sha256
@@ -219,7 +233,8 @@ class ArtifactStore:
             folder.mkdir(parents=True, exist_ok=True)
             part = folder / f".{fname}.{uuid.uuid4().hex}.part"
             try:
-                actual = self._fetch(url, part)
+                actual = self._fetch(url, part, cap=self.policy.cap(max_bytes),
+                                     trusted=trusted)
                 if actual != sha256:
                     raise ChecksumMismatch(
                         f"{url}: downloaded sha256 {actual} does not match manifest {sha256}; "
@@ -229,12 +244,21 @@ class ArtifactStore:
                 part.unlink(missing_ok=True)
         return target
 
-    def _fetch(self, url: str, dest: Path) -> str:
+    def _fetch(self, url: str, dest: Path, *, cap: int, trusted: bool = True) -> str:
+        """Stream ``url`` into ``dest``, hashing as it lands; ArtifactError as soon as
+        the response announces or sends more than ``cap`` bytes."""
         digest = hashlib.sha256()
+        opener = self.policy.opener(untrusted=not trusted)
         try:
-            with urllib.request.urlopen(url, timeout=self.timeout_s) as resp, \
-                    dest.open("wb") as fh:
-                while chunk := resp.read(_CHUNK):
+            with opener.open(url, timeout=self.timeout_s) as resp, dest.open("wb") as fh:
+                announced = int(resp.headers.get("Content-Length") or 0)
+                if announced > cap:
+                    raise _too_big(url, cap, announced)
+                got = 0
+                while chunk := resp.read(min(_CHUNK, cap + 1 - got)):
+                    got += len(chunk)
+                    if got > cap:
+                        raise _too_big(url, cap, got)
                     digest.update(chunk)
                     fh.write(chunk)
                 fh.flush()
@@ -244,7 +268,7 @@ class ArtifactStore:
                                 url=url, status=exc.code) from exc
         except urllib.error.URLError as exc:
             raise ArtifactError(f"cannot reach {url}: {exc.reason}", url=url) from exc
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ValueError) as exc:
             raise ArtifactError(f"cannot download {url}: {exc}", url=url) from exc
         return digest.hexdigest()
 
@@ -261,3 +285,9 @@ class ArtifactStore:
                 yield
             finally:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _too_big(url: str, cap: int, size: int) -> ArtifactError:
+    return ArtifactError(f"{url}: more than the {cap}-byte cap ({size} bytes); the download "
+                         "was stopped and deleted", url=url, cap=cap, size=size,
+                         reason="too_large")

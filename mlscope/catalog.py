@@ -65,7 +65,8 @@ class Entry:
         and its field (``fields``: the path's, the checksum's)."""
         try:
             return self._store(zoo_dir, store).resolve(
-                self.manifest.assets.base_url, path, sha256, manifest_dir=self.path.parent)
+                self.manifest.assets.base_url, path, sha256, manifest_dir=self.path.parent,
+                trusted=self.trusted, max_bytes=self.manifest.assets.max_bytes)
         except ArtifactError as exc:
             pinned = isinstance(exc, ChecksumMismatch) and exc.fields.get("expected") == sha256
             field = fields[1] if pinned else fields[0]

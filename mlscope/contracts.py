@@ -142,7 +142,8 @@ class ModelOffer(BaseModel):
     sha256: str | None = None
 
 
-RefusalReason = Literal["missing", "checksum", "custom_code", "framework_version", "invalid"]
+RefusalReason = Literal["missing", "checksum", "custom_code", "framework_version", "policy",
+                        "invalid"]
 
 
 class RefusedModel(BaseModel):
@@ -155,7 +156,9 @@ class RefusedModel(BaseModel):
     reason: RefusalReason
     """missing: not built / not present; checksum: the file differs from its build lock
     or pin; custom_code: a step this agent may not run; framework_version: the
-    manifest's constraint excludes this agent's runtime; invalid: anything else."""
+    manifest's constraint excludes this agent's runtime; policy: a manifest from the bus
+    names an asset location the fetch policy refuses (mlscope.fetchpolicy); invalid:
+    anything else."""
     message: str
     fix: str | None = None
     """The command that mends it, when there is one."""

