@@ -7,8 +7,8 @@ subscriptions are live, and only then is the description put into the registry.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
+import logging
 import os
 import sys
 import time
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
@@ -32,11 +31,20 @@ from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
+    CONTROL,
     AgentDescription,
+    DescribeOp,
+    ErrorReply,
     ModelOffer,
+    PingOp,
+    PingReply,
+    PrepareOp,
+    PrepareReply,
     Query,
     QueryReply,
     RefusedModel,
+    ReleaseOp,
+    ReleaseReply,
     TraceLevel,
     new_id,
 )
@@ -48,18 +56,19 @@ from mlscope.errors import (
     EvaluationError,
     FrameworkUnavailable,
     MLScopeError,
-    WireError,
 )
 from mlscope.fetchpolicy import FetchPolicy
 from mlscope.manifest import FrameworkManifest, is_built
 from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
+from mlscope.serving import Boundary
 from mlscope.settings import Settings
 from mlscope.versions import satisfies
 
 __all__ = ["Agent", "AgentConfig"]
 
 now = time.perf_counter_ns
+log = logging.getLogger("mlscope.agent")
 AGENT_SWITCH_INTERVAL_S = 0.0002
 
 
@@ -135,6 +144,7 @@ class Agent:
         async with busmod.connect(self.settings, name=f"agent {self.agent_id}",
                                   provision=True) as bus:
             self.bus = bus
+            self.boundary = Boundary(bus, service=f"agent {self.agent_id}", logger=log)
             self.loop = asyncio.get_running_loop()
             self.tracer = Tracer(bus, agent_id=self.agent_id, host=str(self._facts["host"]))
             self.sampler = Sampler(interval_s=self.config.sample_s)
@@ -143,13 +153,14 @@ class Agent:
             subs: list[Any] = []
             try:
                 async with anyio.create_task_group() as tg:
-                    await tg.start(self.remote.run)
+                    keep = self.boundary.keep_running
+                    await tg.start(keep, "models watch", self.remote.run)
                     await self._fetch_missing()
                     self.offers = await anyio.to_thread.run_sync(self._servable)
                     subs = await self._subscribe(bus)
-                    tg.start_soon(self.tracer.run)
+                    tg.start_soon(keep, "span flusher", self.tracer.run)
                     await self._advertise(bus)
-                    tg.start_soon(self._heartbeat, bus)
+                    tg.start_soon(keep, "heartbeat", functools.partial(self._heartbeat, bus))
                     task_status.started()
             finally:
                 with anyio.CancelScope(shield=True):
@@ -172,6 +183,7 @@ class Agent:
                 refused.append(_refusal(e, exc))
             except Exception as exc:  # one odd manifest (an asset that is a socket...)
                 refused.append(_refusal(e, MLScopeError(f"{type(exc).__name__}: {exc}")))
+                log.warning("not serving %s: %r", e.manifest.key, exc)
         self.refused = refused
         return out
 
@@ -190,7 +202,7 @@ class Agent:
                 self._log(f"cannot fetch {name} {version} from the artifact bucket: {exc}")
 
     def _log(self, message: str) -> None:
-        print(f"agent {self.agent_id}: {message}", file=sys.stderr, flush=True)
+        log.info("agent %s: %s", self.agent_id, message)
 
     def _check(self, e: Entry) -> Any:
         """The verified graph path of a servable entry; a typed error says why not."""
@@ -204,8 +216,10 @@ class Agent:
 
     async def _subscribe(self, bus: Bus) -> list[Any]:
         subs = [
-            await bus.nc.subscribe(names.agent_query(self.agent_id), cb=self._on_query),
-            await bus.nc.subscribe(names.agent_ctl(self.agent_id), cb=self._on_ctl),
+            await self.boundary.subscribe(names.agent_query(self.agent_id), bytes,
+                                          self._on_query),
+            await self.boundary.subscribe(names.agent_ctl(self.agent_id), CONTROL,
+                                          self._on_ctl),
         ]
         await self._sync_capabilities(bus)
         return subs
@@ -217,8 +231,8 @@ class Agent:
         for subject in sorted(set(self.capability_subs) - wanted):
             await self.capability_subs.pop(subject).unsubscribe()
         for subject in sorted(wanted - set(self.capability_subs)):
-            self.capability_subs[subject] = await bus.nc.subscribe(
-                subject, queue=subject, cb=self._on_query)
+            self.capability_subs[subject] = await self.boundary.subscribe(
+                subject, bytes, self._on_query, queue=subject)
         await bus.nc.flush()
 
     async def _models_changed(self) -> None:
@@ -258,15 +272,21 @@ class Agent:
 
     async def _heartbeat(self, bus: Bus) -> None:
         kv = await bus.kv(names.AGENTS_BUCKET)
+        failing = 0
         while True:
             await anyio.sleep(self.config.heartbeat_s)
             desc = self._description.model_copy(update={"heartbeat_at": time.time()})
             # At most one beat per put: a put stuck in a leader election (cluster
             # failover) or a cut edge link is abandoned, and the next beat tries again,
             # so heartbeats resume as soon as the bucket answers, well inside the TTL.
-            with (anyio.move_on_after(self.config.heartbeat_s),
-                  contextlib.suppress(TimeoutError, nats.errors.Error)):  # next beat
-                await kv.put(self.agent_id, codec.encode_model(desc))
+            error: BaseException | None = TimeoutError("no answer within a beat")
+            with anyio.move_on_after(self.config.heartbeat_s):
+                try:
+                    await kv.put(self.agent_id, codec.encode_model(desc))
+                    error = None
+                except Exception as exc:  # a full or read-only store, a lost link
+                    error = exc
+            failing = _beat_logged(self.agent_id, failing, error)
 
     async def _withdraw(self, bus: Bus, subs: list[Any]) -> None:
         with anyio.move_on_after(3):
@@ -279,41 +299,25 @@ class Agent:
 
     # ------------------------------------------------------------------ requests
 
-    async def _on_ctl(self, msg: Msg) -> None:
-        try:
-            req = codec.decode(msg.data)
-            if not isinstance(req, dict):
-                raise WireError("a control request is a mapping")
-            op = req.get("op")
-            if op == "ping":
-                await msg.respond(codec.encode({"t_agent": now()}))
-            elif op == "describe":
-                await msg.respond(codec.encode_model(self.describe()))
-            elif op == "prepare":
-                await msg.respond(codec.encode(await self._prepare(req)))
-            elif op == "release":
-                eval_id = str(req.get("evaluation_id"))
-                session = self.sessions.pop(eval_id, None)
-                await anyio.to_thread.run_sync(self.sampler.unwatch, eval_id)
-                unloaded = False
-                if session is not None and req.get("unload"):
-                    unloaded = await self._unload(session.key)
-                await msg.respond(codec.encode({"ok": True, "unloaded": unloaded}))
-            else:
-                raise WireError(f"unknown control op {op!r}")
-        except MLScopeError as exc:
-            await msg.respond(busmod.error_reply(exc))
-        except (KeyError, TypeError, ValueError) as exc:  # a malformed request
-            await msg.respond(busmod.error_reply(WireError(
-                f"malformed control request: {type(exc).__name__}: {exc}")))
-        except Exception as exc:  # never leave the caller waiting out its timeout
-            await msg.respond(busmod.error_reply(EvaluationError(
-                f"agent {self.agent_id} failed: {type(exc).__name__}: {exc}")))
+    async def _on_ctl(self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp,
+                      msg: Msg) -> PingReply | AgentDescription | PrepareReply | ReleaseReply:
+        """Control requests (the serving boundary replies to failures)."""
+        if isinstance(req, PingOp):
+            return PingReply(t_agent=now())
+        if isinstance(req, DescribeOp):
+            return self.describe()
+        if isinstance(req, PrepareOp):
+            return await self._prepare(req)
+        session = self.sessions.pop(req.evaluation_id, None)
+        await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
+        unloaded = False
+        if session is not None and req.unload:
+            unloaded = await self._unload(session.key)
+        return ReleaseReply(unloaded=unloaded)
 
-    async def _prepare(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""
-        eval_id = str(req["evaluation_id"])
-        name, version = str(req["model"]), str(req["model_version"])
+        eval_id, name, version = req.evaluation_id, req.model, req.model_version
         match = [(e, g) for e, g in self.offers
                  if e.manifest.name == name and e.manifest.version == version]
         if not match:
@@ -326,8 +330,8 @@ class Agent:
         # is refused with both hashes and the command that rebuilds it.
         graph = await anyio.to_thread.run_sync(self._check, entry)
         key = entry.manifest.key
-        batch = int(req.get("batch_size", 1))
-        if req.get("reload"):  # cold start: load again unless another evaluation uses it
+        batch = req.batch_size
+        if req.reload:  # cold start: load again unless another evaluation uses it
             self.sessions.pop(eval_id, None)
             await self._unload(key)
         cold = key not in self.workers
@@ -347,13 +351,13 @@ class Agent:
                 capacity=self.config.queue_capacity, pre_workers=self.config.pre_workers,
                 max_batch=batch, max_wait_us=self.config.batch_wait_us))
         worker = self.workers[key]
-        worker.max_batch = int(req.get("max_batch", batch))
-        level = TraceLevel.parse(req.get("trace_level", "model"))
+        worker.max_batch = req.max_batch or batch
+        level = TraceLevel.parse(req.trace_level)
         self.sessions[eval_id] = Session(worker, level, key)
         if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
-        return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
-                "sha256": entry.graph_sha256(self.settings.zoo_dir), "t_agent": now()}
+        return PrepareReply(cold=cold, load_ns=load_ns, first_inference_ns=first_ns,
+                            sha256=entry.graph_sha256(self.settings.zoo_dir), t_agent=now())
 
     def _labels(self, entry: Entry) -> list[str] | None:
         """The first output's labels file, when the manifest names one that is local
@@ -379,18 +383,15 @@ class Agent:
         await anyio.to_thread.run_sync(worker.stop)
         return True
 
-    async def _on_query(self, msg: Msg) -> None:
+    async def _on_query(self, data: bytes, msg: Msg) -> ErrorReply | None:
+        """Admit one query (decoded here, after its arrival is stamped); the reply
+        comes from the predict thread. Failures are the serving boundary's."""
         received = now()
-        try:
-            query = codec.decode_model(Query, msg.data)
-            session = self.sessions.get(query.evaluation_id)
-            if session is None:
-                raise EvaluationError(f"agent {self.agent_id} was not prepared for "
-                                      f"evaluation {query.evaluation_id}")
-        except MLScopeError as exc:
-            if msg.reply:
-                await msg.respond(busmod.error_reply(exc))
-            return
+        query = codec.decode_model(Query, data)
+        session = self.sessions.get(query.evaluation_id)
+        if session is None:
+            raise EvaluationError(f"agent {self.agent_id} was not prepared for "
+                                  f"evaluation {query.evaluation_id}")
         level = TraceLevel(min(query.trace_level, session.level))
         spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
         job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
@@ -398,7 +399,8 @@ class Agent:
                   labels=query.labels, more=query.more_inputs)
         if not session.worker.submit(job):
             busy = EvaluationError(f"agent {self.agent_id} is overloaded", index=query.index)
-            await msg.respond(busmod.error_reply(busy))
+            return ErrorReply(error=busy.to_wire())
+        return None
 
     def _replier(self, subject: str) -> Any:
         loop, nc = self.loop, self.bus.nc
@@ -423,3 +425,18 @@ def _refusal(e: Entry, exc: MLScopeError) -> RefusedModel:
     fix = exc.fields.get("fix") or None
     return RefusedModel(name=m.name, version=m.version, framework=m.framework.name,
                         reason=reason, message=exc.message, fix=str(fix) if fix else None)
+
+
+def _beat_logged(agent_id: str, failing: int, error: BaseException | None) -> int:
+    """Log a heartbeat that failed (first, then every 30th) and the first after; returns
+    the run of failed beats so far."""
+    if error is None:
+        if failing:
+            log.warning("agent %s: heartbeats stored again after %d failed", agent_id,
+                        failing)
+        return 0
+    if failing % 30 == 0:
+        log.error("agent %s: heartbeat not stored (%d in a row): %r; the registry drops "
+                  "this agent after %.0f s without one", agent_id, failing + 1, error,
+                  busmod.AGENT_TTL_S)
+    return failing + 1

@@ -22,6 +22,7 @@ from mlscope import names
 from mlscope.agentauth import add_agent
 from mlscope.errors import ConfigError, MLScopeError
 from mlscope.natsserver import NatsServer
+from mlscope.serving import configure_logging
 from mlscope.settings import Settings
 from mlscope.zoo.build import BUILDERS
 
@@ -57,6 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.set_defaults(func=run_up)
 
     srv = sub.add_parser("server", help="run the server against MLSCOPE_NATS_URL")
+    srv.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                     help="stderr log level (default info)")
     srv.set_defaults(func=run_server)
 
     ag = sub.add_parser("agent", help="run one agent against MLSCOPE_NATS_URL")
@@ -67,12 +70,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ag.add_argument("--allow-custom-code", action="store_true",
                     help="run custom Python steps of manifests from trusted local "
                          "directories (as MLSCOPE_ALLOW_CUSTOM_CODE=1; never bus manifests)")
+    ag.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="stderr log level (default info)")
     ag.set_defaults(func=run_agent)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def run_server(args: argparse.Namespace) -> int:
     from broker.server import Server
 
+    configure_logging(args.log_level)
     return _serve(Server(args.settings).run)
 
 
@@ -80,6 +89,7 @@ def run_agent(args: argparse.Namespace) -> int:
     from agent.service import Agent, AgentConfig
     from mlscope.catalog import Catalog, default_manifest_dirs
 
+    configure_logging(args.log_level)
     settings: Settings = args.settings
     if args.allow_custom_code:
         settings = settings.with_(allow_custom_code=True)

@@ -66,7 +66,8 @@ async def ensure_bucket(bus: Bus, *, replicas: int = 1) -> ObjectStore:
     if obs is not None:
         return obs
     try:
-        return await bus.js.create_object_store(config=ObjectStoreConfig(
+        # nats-py overwrites config.bucket with its ``bucket`` argument: give both.
+        return await bus.js.create_object_store(names.ARTIFACTS_BUCKET, ObjectStoreConfig(
             bucket=names.ARTIFACTS_BUCKET, storage=StorageType.FILE, replicas=replicas,
             description="built zoo models (mlscope artifacts push)"))
     except (TimeoutError, nats.errors.Error) as exc:

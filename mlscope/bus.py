@@ -53,6 +53,12 @@ HEARTBEAT_S = 1.0
 AGENT_TTL_S = 5.0
 """Registry entries expire this long after their last heartbeat (SIGKILL bound)."""
 TRACES_MAX_AGE_S = 7 * 24 * 3600.0
+TRACES_MAX_BYTES = 2 << 30
+"""Byte cap of the traces stream (oldest batches go first): ~5 h at 500 QPS traced at
+model level; the ingester normally takes batches within a second."""
+DEAD_MAX_BYTES = 256 << 20
+DEAD_MAX_AGE_S = 30 * 24 * 3600.0
+"""Dead letters are kept for the operator (``mlscope doctor``) a month, 256 MiB at most."""
 EDGE_TRACES_STREAM = "MLSCOPE_EDGE_TRACES"
 """The stream on an edge device's leaf node that buffers its span batches."""
 M = TypeVar("M", bound=BaseModel)
@@ -214,8 +220,19 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,
             max_age=TRACES_MAX_AGE_S,
+            max_bytes=TRACES_MAX_BYTES,
             num_replicas=replicas,
             duplicate_window=120.0,
+        ),
+        StreamConfig(
+            name=names.DEAD_STREAM,
+            subjects=[names.dead_letters_wildcard()],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=DEAD_MAX_AGE_S,
+            max_bytes=DEAD_MAX_BYTES,
+            num_replicas=replicas,
         ),
     ]
     try:
@@ -228,7 +245,8 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
             if (sorted(have.subjects or []) != sorted(cfg.subjects or [])
                     or (have.num_replicas or 1) != (cfg.num_replicas or 1)
                     or (have.max_msg_size or -1) != (cfg.max_msg_size or -1)
-                    or (have.max_age or 0.0) != (cfg.max_age or 0.0)):
+                    or (have.max_age or 0.0) != (cfg.max_age or 0.0)
+                    or (have.max_bytes or -1) != (cfg.max_bytes or -1)):
                 cfg.sources = have.sources
                 await bus.js.update_stream(cfg)
         for kv in (KeyValueConfig(bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1,

@@ -15,8 +15,10 @@
     │   ├── InputMismatchError(ValueError)
     │   └── InferenceError
     ├── EvaluationError                    an evaluation could not complete
-    └── DatabaseError                      the evaluation database rejected a request
-        └── QueryRefused                   a client's SQL is not one bounded read
+    ├── DatabaseError                      the evaluation database rejected a request
+    │   └── QueryRefused                   a client's SQL is not one bounded read
+    └── ServiceError                       a handler failed unexpectedly (any other
+                                           exception, translated by mlscope.serving)
 
 Third-party exceptions are translated once, at the adapter that calls the library.
 Every error has a stable ``code`` so that it survives the trip over the bus.
@@ -42,6 +44,7 @@ __all__ = [
     "PredictorError",
     "QueryRefused",
     "ResolutionError",
+    "ServiceError",
     "UnknownModelError",
     "WireError",
     "error_from_wire",
@@ -135,6 +138,13 @@ class EvaluationError(MLScopeError):
 
 class DatabaseError(MLScopeError):
     code = "database"
+
+
+class ServiceError(MLScopeError):
+    """A handler raised something that is not an MLScopeError; ``service`` and
+    ``exception`` (the type name) say where and what."""
+
+    code = "service"
 
 
 class QueryRefused(DatabaseError):

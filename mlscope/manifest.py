@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -158,7 +159,7 @@ class Assets(_Strict):
     """Where assets come from: a directory, ``zoo://``, ``file://`` or ``http(s)://``."""
     graph_path: str
     weights_path: str | None = None
-    sha256: str | None = Field(default=None, pattern=SHA256)
+    sha256: str | None = Field(default=None, pattern=SHA256, validate_default=True)
     """sha256 of the graph file (for a directory: of its sorted file list and contents).
     Required, except for built ``zoo://`` artifacts (checked against the build lock);
     given for one of those, it pins bytes that come from elsewhere (a file from a
@@ -186,10 +187,15 @@ class Assets(_Strict):
     def _weights_checked(self) -> Assets:
         if self.weights_path and not self.weights_sha256 and not is_built(self.base_url):
             raise ValueError("weights_path needs weights_sha256")
-        if self.sha256 is None and not is_built(self.base_url):
+        return self
+
+    @field_validator("sha256")
+    @classmethod
+    def _pinned(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and not is_built(info.data.get("base_url")):
             raise ValueError("sha256 is required (only built zoo:// artifacts are verified "
                              "against the build lock instead)")
-        return self
+        return v
 
 
 class DatasetSpec(_Strict):
