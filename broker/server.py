@@ -89,8 +89,9 @@ class Server:
         self.db = Database(self.settings.dsn)
         self.db.migrate()
         self.db.set_retention(self.settings.trace_retention_days)
-        self.reader = ReadOnlyDatabase(self.settings.dsn, self.read_limits or ReadLimits(
-            max_execution_time_s=self.settings.sql_timeout_s))
+        limits = self.read_limits or ReadLimits(max_execution_time_s=self.settings.sql_timeout_s)
+        self.reader = ReadOnlyDatabase(self.settings.clickhouse_read_dsn or self.settings.dsn,
+                                       limits)
         try:
             async with busmod.connect(self.settings, name=f"server {self.server_id}",
                                       provision=True) as bus:

@@ -55,6 +55,10 @@ class Settings:
     """Let an agent run the custom Python steps (``{python: {module, function}}``) of
     manifests loaded from its trusted local directories (``MLSCOPE_ALLOW_CUSTOM_CODE``;
     off by default). A manifest received over the bus never runs custom code."""
+    clickhouse_read_dsn: str | None = None
+    """DSN of the connections that run clients' SQL (``MLSCOPE_CLICKHOUSE_READ_DSN``):
+    with a ClickHouse server, a user whose profile is read-only with the read limits as
+    constraints; default: ``dsn`` (the limits and ``readonly`` as session settings)."""
     sql_timeout_s: float = 10.0
     """Longest a client's SQL on ``mlscope.db.sql`` may run before the database cancels
     it (``MLSCOPE_SQL_TIMEOUT_S``; ``max_execution_time``, see broker.readonly)."""
@@ -92,6 +96,7 @@ class Settings:
             js_replicas=int(env.get("MLSCOPE_JS_REPLICAS") or 1),
             js_domain=env.get("MLSCOPE_JS_DOMAIN") or None,
             allow_custom_code=_flag(env, "MLSCOPE_ALLOW_CUSTOM_CODE"),
+            clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
             sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
             artifact_url_prefixes=tuple(
                 p.strip() for p in env.get("MLSCOPE_ARTIFACT_URL_PREFIXES", "").split(",")
@@ -142,6 +147,8 @@ class Settings:
             env["MLSCOPE_JS_REPLICAS"] = str(self.js_replicas)
         if self.allow_custom_code:
             env["MLSCOPE_ALLOW_CUSTOM_CODE"] = "1"
+        if self.clickhouse_read_dsn:
+            env["MLSCOPE_CLICKHOUSE_READ_DSN"] = self.clickhouse_read_dsn
         if self.sql_timeout_s != 10.0:
             env["MLSCOPE_SQL_TIMEOUT_S"] = repr(self.sql_timeout_s)
         if self.artifact_url_prefixes:
