@@ -123,10 +123,16 @@ def test_hostile_query_is_cut_off_while_others_are_answered(
         assert elapsed < SQL_TIMEOUT_S * 2 + 2, (sql, elapsed)
 
 
-def test_a_client_query_never_waits_for_the_writer(tmp_path: Path) -> None:
+@pytest.fixture
+def fresh_db(tmp_path: Path) -> str:
+    """A chDB directory of its own (a process may hold one engine path at a time)."""
+    return f"chdb:///{tmp_path / 'db'}"
+
+
+def test_a_client_query_never_waits_for_the_writer(fresh_db: str) -> None:
     """Read connections are separate from the writer's: an insert goes through while a
     hostile query runs, and the query is cancelled by the engine at its limit."""
-    dsn = f"chdb:///{tmp_path / 'db'}"
+    dsn = fresh_db
     db = Database(dsn)
     db.migrate()
     ro = ReadOnlyDatabase(dsn, ReadLimits(max_execution_time_s=1.0, readers=1))
