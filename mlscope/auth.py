@@ -13,7 +13,9 @@ What each role may do (everything else is denied by the server):
 * submitter: publish jobs, ask the server's database responders, read the registry
   buckets, hear its jobs' events.
 * agent: serve its capability and agent subjects, answer requests,
-  publish span batches, write registry keys, read stream information.
+  publish span batches, write registry keys, read stream information. This user may
+  act as any agent id; ``mlscope auth add-agent NAME`` (:mod:`mlscope.agentauth`)
+  issues one bound to NAME's own subjects and key instead.
 * edge: like an agent, but only its own agent subjects and its own registry key,
   and no path to submit jobs or read results.
 * reader (dashboard): read the registry buckets, ask the database responders (read-
