@@ -76,6 +76,9 @@ class ReadLimits:
     """Uncompressed bytes a result may have (``max_result_bytes``)."""
     max_memory_usage: int = 1 << 30
     """Memory one query may allocate (``max_memory_usage``)."""
+    max_threads: int = 1
+    """Threads one query may use (``max_threads``): hostile queries on every read
+    connection still leave cores for ingest and the load generator."""
     readers: int = 4
     """Read connections: concurrent client queries. One more waits for a free one, at
     most ``max_execution_time``: a client sending more hostile queries at once than
@@ -94,6 +97,7 @@ class ReadLimits:
             "max_result_bytes": self.max_result_bytes,
             "result_overflow_mode": "throw",
             "max_memory_usage": self.max_memory_usage,
+            "max_threads": self.max_threads,
             "readonly": 1,
         }
 
