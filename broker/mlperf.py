@@ -49,7 +49,7 @@ from mlscope.contracts import (
     JobRequest,
     LatencyStats,
     MLPerfSpec,
-    new_id,
+    evaluation_id_for,
 )
 from mlscope.errors import ConfigError, EvaluationError, error_from_wire
 from mlscope.stats import percentiles, trimmed_mean
@@ -83,7 +83,7 @@ async def run(ev: Evaluator, job: JobRequest, agent: AgentDescription,
     if data is None:
         raise EvaluationError(f"{m.name} has no labelled data set in its manifest: it "
                               "cannot be LoadGen's sample library", model=m.name)
-    eval_id = new_id("ev")
+    eval_id = evaluation_id_for(job.job_id)  # one evaluation per job
     prepare = {"op": "prepare", "evaluation_id": eval_id, "model": m.name,
                "model_version": m.version, "batch_size": spec.batch_size,
                "trace_level": "none"}
@@ -290,7 +290,7 @@ async def import_logs(ev: Evaluator, job: JobRequest) -> EvaluationSummary:
                           field="files")
     result = logs.parse_result(imp.files[logs.SUMMARY], imp.files[logs.DETAIL])
     rec = _record(logs.trace_samples(imp.files.get(logs.TRACE, "")), None, 0, None)
-    eval_id = new_id("ev")
+    eval_id = evaluation_id_for(job.job_id)  # one evaluation per job
     summary = _summary(result, rec, job, eval_id, time.time(), accuracy=None,
                        imported=True).model_copy(update={"host": imp.system})
     stored_job = job.dump()

@@ -148,7 +148,15 @@ async def submit(settings: Settings, job: JobRequest, *, on_event: object = None
                 return event.summary
 
 
+def _notes(event: JobEvent) -> None:
+    """What the submitter must hear even without a terminal (a restarted job)."""
+    if event.event == "restarted":
+        print(f"\n  {event.note or 'job restarted'} (now on {event.server_id})",
+              file=sys.stderr, flush=True)
+
+
 def _progress(event: JobEvent) -> None:
+    _notes(event)
     if event.event == "progress":
         p50 = f"{event.p50_ms:.3f} ms" if event.p50_ms is not None else "-"
         print(f"\r  {event.queries_done:>8} queries  {event.elapsed_s:6.1f} s  p50 {p50:<12}",
@@ -218,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_many(args, settings)
     try:
         job = make_job(args)
-        show = None if args.json or not sys.stderr.isatty() else _progress
+        show = _notes if args.json or not sys.stderr.isatty() else _progress
         summary = anyio.run(lambda: submit(settings, job, on_event=show), backend="asyncio")
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
@@ -226,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # pydantic validation of the arguments and the scenario
         print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
         return 2
-    if show is not None:
+    if show is _progress:
         print(file=sys.stderr)
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))

@@ -16,8 +16,16 @@ from broker.db import Database
 from broker.ingest import Ingester
 from cli.submit import submit
 from mlscope import bus as busmod
-from mlscope import codec, names
-from mlscope.contracts import JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch, new_id
+from mlscope import codec, names, remote
+from mlscope.contracts import (
+    JobEvent,
+    JobRequest,
+    Query,
+    ScenarioSpec,
+    SpanBatch,
+    evaluation_id_for,
+    new_id,
+)
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server
@@ -137,10 +145,65 @@ def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
                             backend="asyncio")
         servers = {e.split(":")[1] for e in events if e.startswith("accepted")}
         assert len(servers) == 2, events  # taken by the first, run again by the second
+        assert any(e.startswith("restarted") for e in events), events  # and said so
         assert summary.status == "completed" and summary.queries > 100
+        # Exactly one evaluation, under the id the job determines.
+        assert summary.evaluation_id == evaluation_id_for(job.job_id)
+        stored = anyio.run(_evaluations_of, settings, job.job_id, backend="asyncio")
+        assert stored == [summary.evaluation_id]
     finally:
         for p in (agent, first, second):
             if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(20)
+
+
+async def _evaluations_of(settings: Settings, job_id: str) -> list[str]:
+    async with busmod.connect(settings, name="test") as bus:
+        _, rows = await remote.sql(bus, "SELECT evaluation_id FROM evaluations FINAL "
+                                   "WHERE job_id = {j:String}", {"j": job_id})
+    return [r[0] for r in rows]
+
+
+def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
+        settings: Settings) -> None:
+    env = child_env(settings)
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop",
+                              "--agent-id", "doomed"], env=env)
+    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(model="noop", framework="noop",
+                         scenario=ScenarioSpec(name="online", qps=200, duration_s=4))
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
+                agent.send_signal(signal.SIGKILL)
+
+        summary = anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=120),
+                            backend="asyncio")
+        assert not summary.valid and agent.poll() is not None
+        lost = [r for r in summary.invalid_reasons if r.startswith("agent doomed lost after")]
+        assert lost, summary.invalid_reasons
+        answered = int(lost[0].split(" after ")[1].split(" of ")[0])
+        total = int(lost[0].split(" of ")[1].split()[0])
+        assert 150 <= answered < total
+
+        async def stored() -> tuple[list[str], list[list[object]]]:
+            async with busmod.connect(settings, name="test") as bus:
+                return await remote.sql(
+                    bus, "SELECT countIf(ok = 1), countIf(ok = 0 AND error LIKE 'lost: %'), "
+                    "count() FROM queries FINAL WHERE evaluation_id = {e:String}",
+                    {"e": summary.evaluation_id})
+
+        _, rows = anyio.run(stored, backend="asyncio")
+        assert rows[0] == [answered, total - answered, total]  # every query, each explained
+        assert anyio.run(_evaluations_of, settings, job.job_id,
+                         backend="asyncio") == [summary.evaluation_id]
+        assert server.poll() is None
+    finally:
+        for p in (agent, server):
+            if p.poll() is None:
                 p.terminate()
                 p.wait(20)
 
