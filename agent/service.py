@@ -25,8 +25,9 @@ from agent.predictors import accelerators, probe
 from agent.sysmon import Sampler
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
+from mlscope import artifact_bucket, codec, names, sysinfo
 from mlscope import bus as busmod
-from mlscope import codec, names, sysinfo
+from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
@@ -41,17 +42,28 @@ from mlscope.contracts import (
     PrepareReply,
     Query,
     QueryReply,
+    RefusedModel,
     ReleaseOp,
     ReleaseReply,
     TraceLevel,
     new_id,
 )
-from mlscope.errors import ConfigError, EvaluationError, FrameworkUnavailable, MLScopeError
-from mlscope.manifest import FrameworkManifest
+from mlscope.contracts import (
+    RefusalReason as Reason,
+)
+from mlscope.errors import (
+    ConfigError,
+    EvaluationError,
+    FrameworkUnavailable,
+    MLScopeError,
+)
+from mlscope.fetchpolicy import FetchPolicy
+from mlscope.manifest import FrameworkManifest, is_built
 from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
+from mlscope.versions import satisfies
 
 __all__ = ["Agent", "AgentConfig"]
 
@@ -97,13 +109,16 @@ class Agent:
     sessions: dict[str, Session] = field(default_factory=dict)
     workers: dict[str, Executor] = field(default_factory=dict)
     capability_subs: dict[str, Any] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)
-    """``name@version`` -> why a manifest of this framework is not served here."""
+    refused: list[RefusedModel] = field(default_factory=list)
+    """Manifests of this framework not served here, and why (advertised too)."""
     framework_manifest: FrameworkManifest | None = None
     """The framework manifest whose runtime options the predictors get (the one of
     the probed version when the catalog has it)."""
 
     def __post_init__(self) -> None:
+        self.store = ArtifactStore(self.settings.data_dir, zoo_dir=self.settings.zoo_dir,
+                                   policy=FetchPolicy.from_settings(self.settings))
+        """Remembers verified files by size and mtime: re-checking one is a stat."""
         self.framework_manifest = self.catalog.framework(self.config.framework)
         host = str(sysinfo.host_facts()["host"])
         self.agent_id = self.config.agent_id or names.token(
@@ -140,6 +155,7 @@ class Agent:
                 async with anyio.create_task_group() as tg:
                     keep = self.boundary.keep_running
                     await tg.start(keep, "models watch", self.remote.run)
+                    await self._fetch_missing()
                     self.offers = await anyio.to_thread.run_sync(self._servable)
                     subs = await self._subscribe(bus)
                     tg.start_soon(keep, "span flusher", self.tracer.run)
@@ -152,27 +168,51 @@ class Agent:
                     await self._withdraw(bus, [*subs, *self.capability_subs.values()])
 
     def _servable(self) -> list[tuple[Entry, Any]]:
-        """Manifests for this framework (local or from the bus) whose artifacts are
-        present and verified here and whose steps may run here (custom Python only
-        from a trusted local manifest on an agent that allows it)."""
-        out, refused = [], {}
+        """Manifests for this framework (local or from the bus) that this runtime's
+        version satisfies, whose artifacts are present and verified here (against the
+        manifest's pin or the build lock) and whose steps may run here (custom Python
+        only from a trusted local manifest on an agent that allows it). Every other
+        manifest of the framework is recorded in ``refused`` with the reason."""
+        out, refused = [], []
         for e in self.remote.catalog(self.catalog).entries:
             if e.manifest.framework.name != self.config.framework:
                 continue
             try:
-                compile_model(e, allow_custom=self.settings.allow_custom_code)
+                out.append((e, self._check(e)))
             except MLScopeError as exc:
-                refused[f"{e.manifest.name}@{e.manifest.version}"] = exc.message
-                continue  # a step that may not run here: not advertised
-            try:
-                out.append((e, e.graph(self.settings.zoo_dir)))
-            except MLScopeError:
-                continue  # not built here: not advertised
-            except Exception as exc:  # an asset that is not a file (a socket, ...)
-                refused[f"{e.manifest.name}@{e.manifest.version}"] = repr(exc)
+                refused.append(_refusal(e, exc))
+            except Exception as exc:  # one odd manifest (an asset that is a socket...)
+                refused.append(_refusal(e, MLScopeError(f"{type(exc).__name__}: {exc}")))
                 log.warning("not serving %s: %r", e.manifest.key, exc)
         self.refused = refused
         return out
+
+    async def _fetch_missing(self) -> None:
+        """Built zoo models of this framework that the data dir lacks, fetched from the
+        bus's artifact bucket (verified file by file; see mlscope.artifact_bucket)."""
+        wanted = sorted({zoo_coordinates(str(e.manifest.assets.base_url))
+                         for e in self.remote.catalog(self.catalog).entries
+                         if e.manifest.framework.name == self.config.framework
+                         and is_built(e.manifest.assets.base_url)})
+        for name, version in wanted:
+            try:
+                await artifact_bucket.fetch(self.bus, self.settings.zoo_dir, name, version,
+                                            log=self._log)
+            except MLScopeError as exc:  # not served then; the refusal says why
+                self._log(f"cannot fetch {name} {version} from the artifact bucket: {exc}")
+
+    def _log(self, message: str) -> None:
+        log.info("agent %s: %s", self.agent_id, message)
+
+    def _check(self, e: Entry) -> Any:
+        """The verified graph path of a servable entry; a typed error says why not."""
+        m = e.manifest
+        version = self.framework_info.version
+        if not satisfies(version, m.framework.version):
+            raise ConfigError(f"{m.framework.name} {version} here is outside the manifest's "
+                              f"{m.framework.version!r}", reason="framework_version")
+        compile_model(e, allow_custom=self.settings.allow_custom_code)
+        return e.graph(self.settings.zoo_dir, store=self.store)
 
     async def _subscribe(self, bus: Bus) -> list[Any]:
         subs = [
@@ -198,9 +238,11 @@ class Agent:
     async def _models_changed(self) -> None:
         """The models bucket changed: serve what is servable now and say so at once."""
         async with self._changing:
+            await self._fetch_missing()
+            refused = self.refused
             offers = await anyio.to_thread.run_sync(self._servable)
             if [(e.manifest.key, g) for e, g in offers] == \
-                    [(e.manifest.key, g) for e, g in self.offers]:
+                    [(e.manifest.key, g) for e, g in self.offers] and refused == self.refused:
                 return
             self.offers = offers
             await self._sync_capabilities(self.bus)
@@ -215,7 +257,9 @@ class Agent:
             accelerators=self.accelerators, frameworks=(info,),
             models=tuple(ModelOffer(name=e.manifest.name, version=e.manifest.version,
                                     framework=e.manifest.framework.name,
-                                    sha256=e.manifest.assets.sha256) for e, _ in self.offers),
+                                    sha256=e.graph_sha256(self.settings.zoo_dir))
+                         for e, _ in self.offers),
+            refused=tuple(self.refused),
             capabilities=tuple(sorted({names.capability(self.config.framework, e.manifest.name)
                                        for e, _ in self.offers})),
             pid=os.getpid(), mlscope_version=mlscope.__version__, started_at=time.time(),
@@ -277,10 +321,14 @@ class Agent:
         match = [(e, g) for e, g in self.offers
                  if e.manifest.name == name and e.manifest.version == version]
         if not match:
-            why = self.refused.get(f"{name}@{version}")
+            why = next((r for r in self.refused if (r.name, r.version) == (name, version)), None)
             raise ConfigError(f"agent {self.agent_id} does not serve {name}@{version}"
-                              + (f": {why}" if why else ""), model=name, version=version)
-        entry, graph = match[0]
+                              + (f": {why.message}" if why else ""), model=name,
+                              version=version)
+        entry, _ = match[0]
+        # Verified again (a stat when unchanged): a file changed since it was advertised
+        # is refused with both hashes and the command that rebuilds it.
+        graph = await anyio.to_thread.run_sync(self._check, entry)
         key = entry.manifest.key
         batch = req.batch_size
         if req.reload:  # cold start: load again unless another evaluation uses it
@@ -309,7 +357,7 @@ class Agent:
         if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
         return PrepareReply(cold=cold, load_ns=load_ns, first_inference_ns=first_ns,
-                            sha256=entry.manifest.assets.sha256, t_agent=now())
+                            sha256=entry.graph_sha256(self.settings.zoo_dir), t_agent=now())
 
     def _labels(self, entry: Entry) -> list[str] | None:
         """The first output's labels file, when the manifest names one that is local
@@ -362,6 +410,21 @@ class Agent:
             loop.call_soon_threadsafe(loop.create_task, nc.publish(subject, data))
 
         return send
+
+
+_REASONS: dict[str, Reason] = {"missing": "missing", "checksum": "checksum",
+                               "framework_version": "framework_version", "policy": "policy"}
+
+
+def _refusal(e: Entry, exc: MLScopeError) -> RefusedModel:
+    """Why an entry is not served, from the typed error that refused it."""
+    m = e.manifest
+    reason = _REASONS.get(str(exc.fields.get("reason")))
+    if reason is None:
+        reason = "custom_code" if "custom Python" in exc.message else "invalid"
+    fix = exc.fields.get("fix") or None
+    return RefusedModel(name=m.name, version=m.version, framework=m.framework.name,
+                        reason=reason, message=exc.message, fix=str(fix) if fix else None)
 
 
 def _beat_logged(agent_id: str, failing: int, error: BaseException | None) -> int:

@@ -89,6 +89,10 @@ def queries(source: Source, ids: Sequence[str]) -> pd.DataFrame:
     frame = source.frame(
         "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)} "
         "ORDER BY evaluation_id, query_index", {"ids": list(ids)})
+    if frame.empty:  # no rows (an imported MLPerf run without a trace): no columns either
+        frame = pd.DataFrame({c: pd.Series(dtype=object if c == "evaluation_id" else np.int64)
+                              for c in ("evaluation_id", "query_index", "scheduled_ns",
+                                        "issued_ns", "completed_ns", "ok", "correct")})
     if "correct" not in frame.columns and "label" in frame.columns:
         # Schema v1 stores the number of correct top-1 answers of a query in `label`.
         frame = frame.rename(columns={"label": "correct"})

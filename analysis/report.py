@@ -76,10 +76,13 @@ def build(source: Source, ids: Sequence[str], *, sizes: Mapping[str, int] | None
             sections.append(Section(f"Layers of {e}", tables=[
                 (f"Top {top_n} layers by time", top),
                 ("By layer type", layer_types(source, e))]))
-    if len(ids) > 1:
-        rows = [compare_runs(source, ids[0], other).assign(baseline=ids[0], candidate=other)
-                for other in ids[1:]]
-        sections.append(Section(f"Comparison against {ids[0]}", tables=[
+    # Runs with per-query samples only (an imported MLPerf run may have none).
+    sampled = [e for e in ids if e in lat]
+    if len(sampled) > 1:
+        rows = [compare_runs(source, sampled[0], other).assign(baseline=sampled[0],
+                                                               candidate=other)
+                for other in sampled[1:]]
+        sections.append(Section(f"Comparison against {sampled[0]}", tables=[
             ("Bootstrap 95% CIs of latency differences (candidate − baseline, ms)",
              pd.concat(rows, ignore_index=True))]))
     return Report(f"mlscope report: {', '.join(ids)}", sections)

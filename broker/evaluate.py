@@ -82,8 +82,14 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
                 f"{job.framework_version or m.framework.version} ({job.device})")
         if job.agent_id:
             want += f" on agent {job.agent_id}"
-        raise ResolutionError(f"no live agent serves {want}; live agents: {live}",
-                              model=m.name, framework=job.framework)
+        refusals = [(a.agent_id, r) for a in agents for r in a.refused
+                    if (r.name, r.version, r.framework) == (m.name, m.version, job.framework)]
+        why = "".join(f"; agent {aid} refuses it: {r.message}" for aid, r in refusals)
+        fixes = sorted({r.fix for _, r in refusals if r.fix})
+        fix = f"; to fix it, run {' and '.join(f'`{f}`' for f in fixes)}" if fixes else ""
+        raise ResolutionError(f"no live agent serves {want}{why}{fix}; live agents: {live}",
+                              model=m.name, framework=job.framework,
+                              refused=[r.model_dump() for _, r in refusals], fixes=fixes)
     # Spread jobs over equal agents deterministically by job id.
     return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry
 
@@ -129,6 +135,10 @@ class Evaluator:
 
     async def run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
                   progress: Progress) -> EvaluationSummary:
+        if job.mlperf is not None:
+            from broker import mlperf  # LoadGen runs in its own process
+
+            return await mlperf.run(self, job, agent, entry)
         eval_id = evaluation_id_for(job.job_id)
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
@@ -219,6 +229,12 @@ class Evaluator:
             self.bus, subject=names.agent_query(agent_id), evaluation_id=eval_id,
             x=data[0], y=data[1], batch_size=job.scenario.batch_size,
             kind=accuracy.output_kind(entry.manifest), limit=job.accuracy_samples)
+
+    async def import_mlperf(self, job: JobRequest) -> EvaluationSummary:
+        """Store the MLPerf logs a job carries as an evaluation (no agent involved)."""
+        from broker import mlperf
+
+        return await mlperf.import_logs(self, job)
 
     async def _agent_lost(self, agent_id: str, rec: RunRecord) -> str:
         """"agent <id> lost after N of M queries" when queries went unanswered and the

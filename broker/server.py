@@ -39,6 +39,7 @@ from broker.db import Database
 from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
+from broker.readonly import ReadLimits, ReadOnlyDatabase
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
@@ -68,7 +69,9 @@ JOB_MAX_DELIVER = 5
 log = logging.getLogger("mlscope.server")
 MAX_PARALLEL_JOBS = 4
 DB_QUEUE = "mlscope-servers"
-READ_ONLY = ("select", "with", "show", "describe", "desc", "exists")
+SQL_IN_FLIGHT = 16
+"""Client SQL requests handled at once (they wait for the read pool's connections);
+more stay queued in the subscription."""
 
 
 @dataclass
@@ -78,12 +81,18 @@ class Server:
     max_parallel_jobs: int = MAX_PARALLEL_JOBS
     running: dict[str, list[Msg]] = field(default_factory=dict)
     """Job id -> every delivery of it while this server runs it (all acked at the end)."""
+    read_limits: ReadLimits | None = None
+    """What one client query on ``mlscope.db.sql`` may use (broker.readonly); default:
+    the stock limits with the settings' ``sql_timeout_s``."""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.catalog = Catalog.load(default_manifest_dirs(self.settings.manifests_dir))
         self.db = Database(self.settings.dsn)
         self.db.migrate()
         self.db.set_retention(self.settings.trace_retention_days)
+        limits = self.read_limits or ReadLimits(max_execution_time_s=self.settings.sql_timeout_s)
+        self.reader = ReadOnlyDatabase(self.settings.clickhouse_read_dsn or self.settings.dsn,
+                                       limits)
         try:
             async with busmod.connect(self.settings, name=f"server {self.server_id}",
                                       provision=True) as bus:
@@ -94,9 +103,7 @@ class Server:
                 # Replicas share the database requests (a queue group): with a shared
                 # ClickHouse server any of them answers; jobs come from one work queue.
                 serve = self.boundary.subscribe
-                subs = [await serve(names.SQL_SUBJECT, SqlRequest, self._on_sql,
-                                    queue=DB_QUEUE),
-                        await serve(names.EVALUATION_SUBJECT, EvaluationRequest,
+                subs = [await serve(names.EVALUATION_SUBJECT, EvaluationRequest,
                                     self._on_eval, queue=DB_QUEUE)]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
@@ -107,6 +114,7 @@ class Server:
                 self.agent_cache = AgentCache(bus)
                 keep = self.boundary.keep_running
                 async with anyio.create_task_group() as tg:
+                    await tg.start(keep, "sql responder", self._serve_sql)
                     await tg.start(keep, "models watch", self.remote.run)
                     tg.start_soon(keep, "agents watch", self.agent_cache.run)
                     tg.start_soon(keep, "trace ingester", self.ingester.run)
@@ -117,6 +125,7 @@ class Server:
                 for sub in subs:
                     await sub.unsubscribe()
         finally:
+            self.reader.close()
             self.db.close()
 
     # ------------------------------------------------------------------ jobs
@@ -219,6 +228,8 @@ class Server:
                                            summary=summary))
 
     async def _evaluate(self, job: JobRequest, subject: str) -> EvaluationSummary:
+        if job.mlperf_import is not None:  # logs made elsewhere: no agent to resolve
+            return await self.evaluator.import_mlperf(job)
         # A resolved agent must answer before it is used: a SIGKILLed agent's registry
         # entry outlives it by up to the TTL, its subscriptions do not.
         gone: set[str] = set()
@@ -282,12 +293,35 @@ class Server:
 
     # ------------------------------------------------------------------ database
 
+    async def _serve_sql(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                         ) -> None:
+        """Answer client SQL concurrently: a subscription callback runs one message at
+        a time, and one slow query would make every other client wait for it. Each
+        request goes through the serving boundary (typed contract, typed error reply)."""
+        respond = self.boundary.responder(SqlRequest, self._on_sql)
+        sub = await self.bus.nc.subscribe(names.SQL_SUBJECT, queue=DB_QUEUE)
+        slots = anyio.Semaphore(SQL_IN_FLIGHT)
+
+        async def answer(msg: Msg) -> None:
+            try:
+                await respond(msg)
+            finally:
+                slots.release()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                task_status.started()
+                async for msg in sub.messages:
+                    await slots.acquire()
+                    tg.start_soon(answer, msg)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+
     async def _on_sql(self, req: SqlRequest, msg: Msg) -> SqlReply:
-        """Read-only SQL for other processes: {sql, parameters} -> {columns, rows}."""
-        sql = req.sql
-        if not sql.strip().lower().startswith(READ_ONLY) or ";" in sql.strip().rstrip(";"):
-            raise DatabaseError("only one read-only statement (SELECT/WITH/SHOW) is allowed")
-        frame = await anyio.to_thread.run_sync(self.db.frame, sql, req.parameters)
+        """Client SQL for other processes: {sql, parameters} -> {columns, rows}, run on
+        the read-only, limited connections (broker.readonly), never the writer's."""
+        frame = await anyio.to_thread.run_sync(self.reader.frame, req.sql, req.parameters)
         rows = [[_plain(v) for v in row] for row in frame.itertuples(index=False)]
         return SqlReply(columns=[str(c) for c in frame.columns], rows=rows)
 

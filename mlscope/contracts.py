@@ -12,7 +12,8 @@ Schema history:
                (``ControlRequest``, ``SqlRequest``, ...) became contracts of their own,
                and AgentDescription, JobRequest and ScenarioSpec refuse values no
                service can act on (a negative pid, a heartbeat in the far future, an
-               unknown trace level, a malformed version constraint, batch size 0).
+               unknown trace level, a malformed version constraint, batch size 0);
+               JobRequest.mlperf, JobRequest.mlperf_import, EvaluationSummary.mlperf.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ __all__ = [
     "JobEvent",
     "JobRequest",
     "LatencyStats",
+    "MLPerfImport",
+    "MLPerfSpec",
     "ModelOffer",
     "PingOp",
     "PingReply",
@@ -47,6 +50,8 @@ __all__ = [
     "PrepareReply",
     "Query",
     "QueryReply",
+    "RefusalReason",
+    "RefusedModel",
     "ReleaseOp",
     "ReleaseReply",
     "SampleBatch",
@@ -140,6 +145,28 @@ class ModelOffer(BaseModel):
     sha256: str | None = None
 
 
+RefusalReason = Literal["missing", "checksum", "custom_code", "framework_version", "policy",
+                        "invalid"]
+
+
+class RefusedModel(BaseModel):
+    """A model of the agent's framework that it does not serve, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    version: str
+    framework: str
+    reason: RefusalReason
+    """missing: not built / not present; checksum: the file differs from its build lock
+    or pin; custom_code: a step this agent may not run; framework_version: the
+    manifest's constraint excludes this agent's runtime; policy: a manifest from the bus
+    names an asset location the fetch policy refuses (mlscope.fetchpolicy); invalid:
+    anything else."""
+    message: str
+    fix: str | None = None
+    """The command that mends it, when there is one."""
+
+
 EPOCH_LIMIT_S = 4.1e9
 """The latest wall-clock time (s since the epoch, year 2099) a registry entry may carry."""
 
@@ -158,6 +185,8 @@ class AgentDescription(_Message):
     accelerators: tuple[Accelerator, ...] = ()
     frameworks: tuple[FrameworkInfo, ...]
     models: tuple[ModelOffer, ...] = ()
+    refused: tuple[RefusedModel, ...] = ()
+    """Models of this framework that the agent does not serve, with the reason."""
     capabilities: tuple[str, ...] = ()
     pid: int = Field(ge=1, lt=1 << 32)
     mlscope_version: str
@@ -213,6 +242,45 @@ class ScenarioSpec(BaseModel):
     """cold-start: warm queries after each load (closed loop, ``batch_size`` samples)."""
 
 
+class MLPerfSpec(BaseModel):
+    """A run of MLPerf LoadGen against the job's agent (``mlscope mlperf``).
+
+    Settings apply in LoadGen's order: ``mlperf_conf`` (LoadGen's built-in one when
+    None), then ``user_conf``, then the explicit fields that are set.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    scenario: Literal["SingleStream", "MultiStream", "Server", "Offline"]
+    mode: Literal["PerformanceOnly", "AccuracyOnly"] = "PerformanceOnly"
+    target_qps: float | None = Field(default=None, gt=0)
+    """Server: ``server_target_qps``; Offline: ``offline_expected_qps``."""
+    user_conf: str | None = None
+    """The text of an MLPerf ``user.conf`` (``model.Scenario.key = value`` lines)."""
+    mlperf_conf: str | None = None
+    """The text of an ``mlperf.conf`` replacing the one LoadGen ships."""
+    conf_model: str | None = None
+    """The model name the conf files' lines use (default: the mlscope model's name)."""
+    batch_size: int = Field(default=32, ge=1)
+    """Most samples the system under test sends the agent in one query (Offline)."""
+    window: int = Field(default=8, ge=1)
+    """Most agent queries the system under test keeps in flight (the rest wait in it)."""
+    seed: int | None = None
+    """LoadGen's sample, sample-index and schedule seeds (default: the conf files')."""
+
+
+class MLPerfImport(BaseModel):
+    """MLPerf logs written elsewhere, loaded as an evaluation (``mlscope import mlperf``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    files: dict[str, str]
+    """Log file name -> text: ``mlperf_log_summary.txt`` and ``mlperf_log_detail.txt``
+    (required), ``mlperf_log_accuracy.json`` / ``mlperf_log_trace.json`` when present."""
+    source: str = ""
+    """Where the logs were read (a path on the importing machine)."""
+    system: str = ""
+    """The submitter's system name (the results tree's ``<system>`` directory)."""
+
+
 class JobRequest(_Message):
     """A request to evaluate one model on one framework (published by mlscope-submit)."""
 
@@ -235,6 +303,10 @@ class JobRequest(_Message):
     """Also run the labelled data set once (top-1/top-5, per-sample outputs stored)."""
     accuracy_samples: int | None = Field(default=None, ge=1)
     """At most this many data-set samples for the accuracy pass (None: all)."""
+    mlperf: MLPerfSpec | None = None
+    """Run MLPerf LoadGen as the load generator instead of ``scenario``."""
+    mlperf_import: MLPerfImport | None = None
+    """Store these MLPerf logs as an evaluation; no agent is involved."""
 
     @field_validator("trace_level")
     @classmethod
@@ -298,6 +370,9 @@ class EvaluationSummary(_Message):
     points: tuple[dict[str, Any], ...] = ()
     """peak / batched: every run made (rate or batch size, latencies, verdict, its id)."""
     loadgens: int = 1
+    mlperf: dict[str, Any] | None = None
+    """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
+    log, its verdict and early-stopping text, the log files kept, ``imported``."""
     started_at: float
     finished_at: float
 

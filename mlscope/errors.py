@@ -16,6 +16,7 @@
     │   └── InferenceError
     ├── EvaluationError                    an evaluation could not complete
     ├── DatabaseError                      the evaluation database rejected a request
+    │   └── QueryRefused                   a client's SQL is not one bounded read
     └── ServiceError                       a handler failed unexpectedly (any other
                                            exception, translated by mlscope.serving)
 
@@ -41,6 +42,7 @@ __all__ = [
     "ManifestError",
     "ModelLoadError",
     "PredictorError",
+    "QueryRefused",
     "ResolutionError",
     "ServiceError",
     "UnknownModelError",
@@ -143,6 +145,13 @@ class ServiceError(MLScopeError):
     ``exception`` (the type name) say where and what."""
 
     code = "service"
+
+
+class QueryRefused(DatabaseError):
+    """A client's SQL was refused: not one read-only SELECT, a forbidden function, or
+    it went past a read limit (time, rows, bytes, memory)."""
+
+    code = "query_refused"
 
 
 _BY_CODE: dict[str, type[MLScopeError]] = {}

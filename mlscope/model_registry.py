@@ -25,12 +25,13 @@ import nats.js.errors
 from anyio.abc import TaskStatus
 
 from mlscope import names
+from mlscope.bounded import load_json
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
-from mlscope.errors import BusError, ManifestError, WireError
+from mlscope.errors import BusError, ManifestError
 from mlscope.kvread import BucketWatch, bucket_keys
 from mlscope.manifest import ModelManifest, mark_untrusted, parse_manifest
-from mlscope.serving import as_error, decode_json
+from mlscope.serving import as_error
 
 __all__ = ["ManifestWatcher", "delete_manifest", "key_for", "load_remote", "load_remote_entries",
            "manifest_key", "publish_manifest", "publish_manifests"]
@@ -108,10 +109,7 @@ def _parse(key: str, value: bytes | None) -> ModelManifest:
     """One bucket value as a validated, untrusted model manifest (errors name the key)."""
     where = f"{names.MODELS_BUCKET}/{key}"
     try:
-        data = decode_json(value)  # size and depth limited before parsing
-    except WireError as exc:
-        raise ManifestError(exc.message, file=where) from exc
-    try:
+        data = load_json(value or b"", file=where)  # size, depth and encoding bounded
         manifest = parse_manifest(data, file=where)
     except ManifestError:
         raise

@@ -23,6 +23,7 @@ import re
 
 __all__ = [
     "AGENTS_BUCKET",
+    "ARTIFACTS_BUCKET",
     "DEAD_STREAM",
     "EVALUATION_SUBJECT",
     "JOBS_CONSUMER",
@@ -56,6 +57,8 @@ DEAD_STREAM = "MLSCOPE_DEAD"
 
 AGENTS_BUCKET = "mlscope_agents"
 MODELS_BUCKET = "mlscope_models"
+ARTIFACTS_BUCKET = "mlscope_artifacts"
+"""Object store of built zoo models (mlscope.artifact_bucket)."""
 
 SQL_SUBJECT = f"{PREFIX}.db.sql"
 EVALUATION_SUBJECT = f"{PREFIX}.db.evaluation"
