@@ -39,6 +39,7 @@ import clickhouse_connect
 import pandas as pd
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
+from broker.db import fresh_client
 from mlscope.errors import DatabaseError, QueryRefused
 
 __all__ = ["DENIED_FUNCTIONS", "ReadLimits", "ReadOnlyDatabase"]
@@ -111,8 +112,7 @@ class ReadOnlyDatabase:
         self._pool: queue.Queue[Any] = queue.Queue()
         try:
             for _ in range(max(1, self.limits.readers)):
-                self._pool.put(clickhouse_connect.get_client(
-                    dsn=dsn, settings=self.limits.settings()))
+                self._pool.put(self._connect())
         except (ClickHouseError, OSError, RuntimeError) as exc:
             self.close()
             raise DatabaseError(f"cannot open read connection to {dsn}: {exc}",
@@ -127,16 +127,26 @@ class ReadOnlyDatabase:
         if parameters is not None and not isinstance(parameters, dict):
             raise QueryRefused("parameters must be a mapping")
         client = self._take()
+        healthy = False
         try:
             canonical = self._canonical(client, sql)
-            return client.query_df(f"SELECT * FROM (\n{canonical}\n)", parameters=parameters)
+            frame = client.query_df(f"SELECT * FROM (\n{canonical}\n)", parameters=parameters)
+            healthy = True
+            return frame
         except ClickHouseError as exc:
             raise _translate(exc, sql) from exc
         except (TypeError, ValueError, KeyError) as exc:  # parameters it cannot bind
             raise QueryRefused(f"cannot bind the query's parameters: {exc}",
                                sql=sql[:200]) from exc
         finally:
-            self._pool.put(client)
+            self._pool.put(client if healthy else self._replace(client))
+
+    def _connect(self) -> Any:
+        return clickhouse_connect.get_client(dsn=self.dsn, settings=self.limits.settings())
+
+    def _replace(self, client: Any) -> Any:
+        """A failed handle is never reused (see :class:`broker.db.Database`)."""
+        return fresh_client(client, self.dsn, self.limits.settings())
 
     def _take(self) -> Any:
         try:

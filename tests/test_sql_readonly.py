@@ -159,3 +159,29 @@ def test_a_client_query_never_waits_for_the_writer(fresh_db: str) -> None:
     assert ro.frame("SELECT count() AS n FROM schema_migrations WHERE version = 99")["n"][0] == 1
     ro.close()
     db.close()
+
+
+def test_a_query_cut_off_mid_stream_never_answers_the_next_one(fresh_db: str) -> None:
+    """A query stopped by a limit while its result streams leaves the rest of that stream
+    on its chDB handle; the next query must get its own answer, not those bytes. One read
+    connection, so every query reuses the handle the failed one ran on."""
+    db = Database(fresh_db)
+    db.migrate()
+    # the result limit is larger than one block, so the cut comes after blocks streamed
+    ro = ReadOnlyDatabase(fresh_db, ReadLimits(max_execution_time_s=1.0, readers=1,
+                                               max_result_rows=100_000))
+    cut_off = ["SELECT number FROM numbers(10000000)",  # result limit, mid-stream
+               "SELECT sleepEachRow(0.1) FROM numbers(29)",  # time limit
+               "SELECT count() FROM numbers(1e12)"]
+    for _ in range(3):
+        for sql in cut_off:
+            with pytest.raises(QueryRefused):
+                ro.frame(sql)
+            assert ro.frame("SELECT 41 + 1 AS n")["n"].tolist() == [42]
+    # the server's own connection follows the same rule
+    with pytest.raises(DatabaseError):
+        db.rows("SELECT number FROM numbers(10000000) SETTINGS max_result_rows = 100000, "
+                "result_overflow_mode = 'throw'")
+    assert db.rows("SELECT 41 + 1") == [(42,)]
+    ro.close()
+    db.close()
