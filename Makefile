@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck bench clean
+.PHONY: install demo test test-fast lint typecheck bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
+
+## The fast part: pure unit tests only (seconds).
+test-fast: install
+	$(PY) -m pytest -m unit -q
 
 lint: install
 	$(VENV)/bin/ruff check .

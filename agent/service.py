@@ -7,8 +7,8 @@ subscriptions are live, and only then is the description put into the registry.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
+import logging
 import os
 import sys
 import time
@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 
@@ -27,27 +26,51 @@ from agent.predictors import accelerators, probe
 from agent.sysmon import Sampler
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
+from mlscope import artifact_bucket, codec, names, sysinfo
 from mlscope import bus as busmod
-from mlscope import codec, names, sysinfo
+from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
-from mlscope.contracts import AgentDescription, ModelOffer, Query, QueryReply, TraceLevel, new_id
+from mlscope.contracts import (
+    CONTROL,
+    AgentDescription,
+    DescribeOp,
+    ErrorReply,
+    ModelOffer,
+    PingOp,
+    PingReply,
+    PrepareOp,
+    PrepareReply,
+    Query,
+    QueryReply,
+    RefusedModel,
+    ReleaseOp,
+    ReleaseReply,
+    TraceLevel,
+    new_id,
+)
+from mlscope.contracts import (
+    RefusalReason as Reason,
+)
 from mlscope.errors import (
     ConfigError,
     EvaluationError,
     FrameworkUnavailable,
     MLScopeError,
     OverloadedError,
-    WireError,
 )
-from mlscope.manifest import FrameworkManifest
+from mlscope.fetchpolicy import FetchPolicy
+from mlscope.manifest import FrameworkManifest, is_built
 from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
+from mlscope.serving import Boundary
 from mlscope.settings import Settings
+from mlscope.versions import satisfies
 
 __all__ = ["Agent", "AgentConfig"]
 
 now = time.perf_counter_ns
+log = logging.getLogger("mlscope.agent")
 AGENT_SWITCH_INTERVAL_S = 0.0002
 
 
@@ -88,13 +111,16 @@ class Agent:
     sessions: dict[str, Session] = field(default_factory=dict)
     workers: dict[str, Executor] = field(default_factory=dict)
     capability_subs: dict[str, Any] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)
-    """``name@version`` -> why a manifest of this framework is not served here."""
+    refused: list[RefusedModel] = field(default_factory=list)
+    """Manifests of this framework not served here, and why (advertised too)."""
     framework_manifest: FrameworkManifest | None = None
     """The framework manifest whose runtime options the predictors get (the one of
     the probed version when the catalog has it)."""
 
     def __post_init__(self) -> None:
+        self.store = ArtifactStore(self.settings.data_dir, zoo_dir=self.settings.zoo_dir,
+                                   policy=FetchPolicy.from_settings(self.settings))
+        """Remembers verified files by size and mtime: re-checking one is a stat."""
         self.framework_manifest = self.catalog.framework(self.config.framework)
         host = str(sysinfo.host_facts()["host"])
         self.agent_id = self.config.agent_id or names.token(
@@ -120,6 +146,7 @@ class Agent:
         async with busmod.connect(self.settings, name=f"agent {self.agent_id}",
                                   provision=True) as bus:
             self.bus = bus
+            self.boundary = Boundary(bus, service=f"agent {self.agent_id}", logger=log)
             self.loop = asyncio.get_running_loop()
             self.tracer = Tracer(bus, agent_id=self.agent_id, host=str(self._facts["host"]))
             self.sampler = Sampler(interval_s=self.config.sample_s)
@@ -128,12 +155,14 @@ class Agent:
             subs: list[Any] = []
             try:
                 async with anyio.create_task_group() as tg:
-                    await tg.start(self.remote.run)
+                    keep = self.boundary.keep_running
+                    await tg.start(keep, "models watch", self.remote.run)
+                    await self._fetch_missing()
                     self.offers = await anyio.to_thread.run_sync(self._servable)
                     subs = await self._subscribe(bus)
-                    tg.start_soon(self.tracer.run)
+                    tg.start_soon(keep, "span flusher", self.tracer.run)
                     await self._advertise(bus)
-                    tg.start_soon(self._heartbeat, bus)
+                    tg.start_soon(keep, "heartbeat", functools.partial(self._heartbeat, bus))
                     task_status.started()
             finally:
                 with anyio.CancelScope(shield=True):
@@ -141,29 +170,58 @@ class Agent:
                     await self._withdraw(bus, [*subs, *self.capability_subs.values()])
 
     def _servable(self) -> list[tuple[Entry, Any]]:
-        """Manifests for this framework (local or from the bus) whose artifacts are
-        present and verified here and whose steps may run here (custom Python only
-        from a trusted local manifest on an agent that allows it)."""
-        out, refused = [], {}
+        """Manifests for this framework (local or from the bus) that this runtime's
+        version satisfies, whose artifacts are present and verified here (against the
+        manifest's pin or the build lock) and whose steps may run here (custom Python
+        only from a trusted local manifest on an agent that allows it). Every other
+        manifest of the framework is recorded in ``refused`` with the reason."""
+        out, refused = [], []
         for e in self.remote.catalog(self.catalog).entries:
             if e.manifest.framework.name != self.config.framework:
                 continue
             try:
-                compile_model(e, allow_custom=self.settings.allow_custom_code)
+                out.append((e, self._check(e)))
             except MLScopeError as exc:
-                refused[f"{e.manifest.name}@{e.manifest.version}"] = exc.message
-                continue  # a step that may not run here: not advertised
-            try:
-                out.append((e, e.graph(self.settings.zoo_dir)))
-            except MLScopeError:
-                continue  # not built here: not advertised
+                refused.append(_refusal(e, exc))
+            except Exception as exc:  # one odd manifest (an asset that is a socket...)
+                refused.append(_refusal(e, MLScopeError(f"{type(exc).__name__}: {exc}")))
+                log.warning("not serving %s: %r", e.manifest.key, exc)
         self.refused = refused
         return out
 
+    async def _fetch_missing(self) -> None:
+        """Built zoo models of this framework that the data dir lacks, fetched from the
+        bus's artifact bucket (verified file by file; see mlscope.artifact_bucket)."""
+        wanted = sorted({zoo_coordinates(str(e.manifest.assets.base_url))
+                         for e in self.remote.catalog(self.catalog).entries
+                         if e.manifest.framework.name == self.config.framework
+                         and is_built(e.manifest.assets.base_url)})
+        for name, version in wanted:
+            try:
+                await artifact_bucket.fetch(self.bus, self.settings.zoo_dir, name, version,
+                                            log=self._log)
+            except MLScopeError as exc:  # not served then; the refusal says why
+                self._log(f"cannot fetch {name} {version} from the artifact bucket: {exc}")
+
+    def _log(self, message: str) -> None:
+        log.info("agent %s: %s", self.agent_id, message)
+
+    def _check(self, e: Entry) -> Any:
+        """The verified graph path of a servable entry; a typed error says why not."""
+        m = e.manifest
+        version = self.framework_info.version
+        if not satisfies(version, m.framework.version):
+            raise ConfigError(f"{m.framework.name} {version} here is outside the manifest's "
+                              f"{m.framework.version!r}", reason="framework_version")
+        compile_model(e, allow_custom=self.settings.allow_custom_code)
+        return e.graph(self.settings.zoo_dir, store=self.store)
+
     async def _subscribe(self, bus: Bus) -> list[Any]:
         subs = [
-            await bus.nc.subscribe(names.agent_query(self.agent_id), cb=self._on_query),
-            await bus.nc.subscribe(names.agent_ctl(self.agent_id), cb=self._on_ctl),
+            await self.boundary.subscribe(names.agent_query(self.agent_id), bytes,
+                                          self._on_query),
+            await self.boundary.subscribe(names.agent_ctl(self.agent_id), CONTROL,
+                                          self._on_ctl),
         ]
         await self._sync_capabilities(bus)
         return subs
@@ -175,16 +233,18 @@ class Agent:
         for subject in sorted(set(self.capability_subs) - wanted):
             await self.capability_subs.pop(subject).unsubscribe()
         for subject in sorted(wanted - set(self.capability_subs)):
-            self.capability_subs[subject] = await bus.nc.subscribe(
-                subject, queue=subject, cb=self._on_query)
+            self.capability_subs[subject] = await self.boundary.subscribe(
+                subject, bytes, self._on_query, queue=subject)
         await bus.nc.flush()
 
     async def _models_changed(self) -> None:
         """The models bucket changed: serve what is servable now and say so at once."""
         async with self._changing:
+            await self._fetch_missing()
+            refused = self.refused
             offers = await anyio.to_thread.run_sync(self._servable)
             if [(e.manifest.key, g) for e, g in offers] == \
-                    [(e.manifest.key, g) for e, g in self.offers]:
+                    [(e.manifest.key, g) for e, g in self.offers] and refused == self.refused:
                 return
             self.offers = offers
             await self._sync_capabilities(self.bus)
@@ -199,7 +259,9 @@ class Agent:
             accelerators=self.accelerators, frameworks=(info,),
             models=tuple(ModelOffer(name=e.manifest.name, version=e.manifest.version,
                                     framework=e.manifest.framework.name,
-                                    sha256=e.manifest.assets.sha256) for e, _ in self.offers),
+                                    sha256=e.graph_sha256(self.settings.zoo_dir))
+                         for e, _ in self.offers),
+            refused=tuple(self.refused),
             capabilities=tuple(sorted({names.capability(self.config.framework, e.manifest.name)
                                        for e, _ in self.offers})),
             pid=os.getpid(), mlscope_version=mlscope.__version__, started_at=time.time(),
@@ -212,15 +274,21 @@ class Agent:
 
     async def _heartbeat(self, bus: Bus) -> None:
         kv = await bus.kv(names.AGENTS_BUCKET)
+        failing = 0
         while True:
             await anyio.sleep(self.config.heartbeat_s)
             desc = self._description.model_copy(update={"heartbeat_at": time.time()})
             # At most one beat per put: a put stuck in a leader election (cluster
             # failover) or a cut edge link is abandoned, and the next beat tries again,
             # so heartbeats resume as soon as the bucket answers, well inside the TTL.
-            with (anyio.move_on_after(self.config.heartbeat_s),
-                  contextlib.suppress(TimeoutError, nats.errors.Error)):  # next beat
-                await kv.put(self.agent_id, codec.encode_model(desc))
+            error: BaseException | None = TimeoutError("no answer within a beat")
+            with anyio.move_on_after(self.config.heartbeat_s):
+                try:
+                    await kv.put(self.agent_id, codec.encode_model(desc))
+                    error = None
+                except Exception as exc:  # a full or read-only store, a lost link
+                    error = exc
+            failing = _beat_logged(self.agent_id, failing, error)
 
     async def _withdraw(self, bus: Bus, subs: list[Any]) -> None:
         with anyio.move_on_after(3):
@@ -233,54 +301,42 @@ class Agent:
 
     # ------------------------------------------------------------------ requests
 
-    async def _on_ctl(self, msg: Msg) -> None:
-        try:
-            req = codec.decode(msg.data)
-            if not isinstance(req, dict):
-                raise WireError("a control request is a mapping")
-            op = req.get("op")
-            if op == "ping":
-                await msg.respond(codec.encode({"t_agent": now()}))
-            elif op == "describe":
-                await msg.respond(codec.encode_model(self.describe()))
-            elif op == "prepare":
-                await msg.respond(codec.encode(await self._prepare(req)))
-            elif op == "release":
-                eval_id = str(req.get("evaluation_id"))
-                session = self.sessions.pop(eval_id, None)
-                await anyio.to_thread.run_sync(self.sampler.unwatch, eval_id)
-                if session is not None and session.level >= TraceLevel.FRAMEWORK:
-                    await anyio.to_thread.run_sync(  # layer spans a profiler held back
-                        profiling.flush, session.worker.model.predictor)
-                unloaded = False
-                if session is not None and req.get("unload"):
-                    unloaded = await self._unload(session.key)
-                await msg.respond(codec.encode({"ok": True, "unloaded": unloaded}))
-            else:
-                raise WireError(f"unknown control op {op!r}")
-        except MLScopeError as exc:
-            await msg.respond(busmod.error_reply(exc))
-        except (KeyError, TypeError, ValueError) as exc:  # a malformed request
-            await msg.respond(busmod.error_reply(WireError(
-                f"malformed control request: {type(exc).__name__}: {exc}")))
-        except Exception as exc:  # never leave the caller waiting out its timeout
-            await msg.respond(busmod.error_reply(EvaluationError(
-                f"agent {self.agent_id} failed: {type(exc).__name__}: {exc}")))
+    async def _on_ctl(self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp,
+                      msg: Msg) -> PingReply | AgentDescription | PrepareReply | ReleaseReply:
+        """Control requests (the serving boundary replies to failures)."""
+        if isinstance(req, PingOp):
+            return PingReply(t_agent=now())
+        if isinstance(req, DescribeOp):
+            return self.describe()
+        if isinstance(req, PrepareOp):
+            return await self._prepare(req)
+        session = self.sessions.pop(req.evaluation_id, None)
+        await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
+        if session is not None and session.level >= TraceLevel.FRAMEWORK:
+            await anyio.to_thread.run_sync(  # layer spans a profiler held back
+                profiling.flush, session.worker.model.predictor)
+        unloaded = False
+        if session is not None and req.unload:
+            unloaded = await self._unload(session.key)
+        return ReleaseReply(unloaded=unloaded)
 
-    async def _prepare(self, req: dict[str, Any]) -> dict[str, Any]:
+    async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""
-        eval_id = str(req["evaluation_id"])
-        name, version = str(req["model"]), str(req["model_version"])
+        eval_id, name, version = req.evaluation_id, req.model, req.model_version
         match = [(e, g) for e, g in self.offers
                  if e.manifest.name == name and e.manifest.version == version]
         if not match:
-            why = self.refused.get(f"{name}@{version}")
+            why = next((r for r in self.refused if (r.name, r.version) == (name, version)), None)
             raise ConfigError(f"agent {self.agent_id} does not serve {name}@{version}"
-                              + (f": {why}" if why else ""), model=name, version=version)
-        entry, graph = match[0]
+                              + (f": {why.message}" if why else ""), model=name,
+                              version=version)
+        entry, _ = match[0]
+        # Verified again (a stat when unchanged): a file changed since it was advertised
+        # is refused with both hashes and the command that rebuilds it.
+        graph = await anyio.to_thread.run_sync(self._check, entry)
         key = entry.manifest.key
-        batch = int(req.get("batch_size", 1))
-        if req.get("reload"):  # cold start: load again unless another evaluation uses it
+        batch = req.batch_size
+        if req.reload:  # cold start: load again unless another evaluation uses it
             self.sessions.pop(eval_id, None)
             await self._unload(key)
         cold = key not in self.workers
@@ -300,13 +356,13 @@ class Agent:
                 capacity=self.config.queue_capacity, pre_workers=self.config.pre_workers,
                 max_batch=batch, max_wait_us=self.config.batch_wait_us))
         worker = self.workers[key]
-        worker.max_batch = int(req.get("max_batch", batch))
-        level = TraceLevel.parse(req.get("trace_level", "model"))
+        worker.max_batch = req.max_batch or batch
+        level = TraceLevel.parse(req.trace_level)
         self.sessions[eval_id] = Session(worker, level, key)
         if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
-        return {"ok": True, "cold": cold, "load_ns": load_ns, "first_inference_ns": first_ns,
-                "sha256": entry.manifest.assets.sha256, "t_agent": now()}
+        return PrepareReply(cold=cold, load_ns=load_ns, first_inference_ns=first_ns,
+                            sha256=entry.graph_sha256(self.settings.zoo_dir), t_agent=now())
 
     def _labels(self, entry: Entry) -> list[str] | None:
         """The first output's labels file, when the manifest names one that is local
@@ -332,18 +388,15 @@ class Agent:
         await anyio.to_thread.run_sync(worker.stop)
         return True
 
-    async def _on_query(self, msg: Msg) -> None:
+    async def _on_query(self, data: bytes, msg: Msg) -> ErrorReply | None:
+        """Admit one query (decoded here, after its arrival is stamped); the reply
+        comes from the predict thread. Failures are the serving boundary's."""
         received = now()
-        try:
-            query = codec.decode_model(Query, msg.data)
-            session = self.sessions.get(query.evaluation_id)
-            if session is None:
-                raise EvaluationError(f"agent {self.agent_id} was not prepared for "
-                                      f"evaluation {query.evaluation_id}")
-        except MLScopeError as exc:
-            if msg.reply:
-                await msg.respond(busmod.error_reply(exc))
-            return
+        query = codec.decode_model(Query, data)
+        session = self.sessions.get(query.evaluation_id)
+        if session is None:
+            raise EvaluationError(f"agent {self.agent_id} was not prepared for "
+                                  f"evaluation {query.evaluation_id}")
         level = TraceLevel(min(query.trace_level, session.level))
         spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
         job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
@@ -351,7 +404,8 @@ class Agent:
                   labels=query.labels, more=query.more_inputs)
         if not session.worker.submit(job):
             busy = OverloadedError(f"agent {self.agent_id} is overloaded", index=query.index)
-            await msg.respond(busmod.error_reply(busy))
+            return ErrorReply(error=busy.to_wire())
+        return None
 
     def _replier(self, subject: str) -> Any:
         loop, nc = self.loop, self.bus.nc
@@ -361,3 +415,34 @@ class Agent:
             loop.call_soon_threadsafe(loop.create_task, nc.publish(subject, data))
 
         return send
+
+
+_REASONS: dict[str, Reason] = {"missing": "missing", "checksum": "checksum",
+                               "framework_version": "framework_version", "policy": "policy"}
+
+
+def _refusal(e: Entry, exc: MLScopeError) -> RefusedModel:
+    """Why an entry is not served, from the typed error that refused it."""
+    m = e.manifest
+    reason = _REASONS.get(str(exc.fields.get("reason")))
+    if reason is None:
+        reason = "custom_code" if "custom Python" in exc.message else "invalid"
+    fix = exc.fields.get("fix") or None
+    return RefusedModel(name=m.name, version=m.version, framework=m.framework.name,
+                        reason=reason, message=exc.message, fix=str(fix) if fix else None)
+
+
+def _beat_logged(agent_id: str, failing: int, error: BaseException | None) -> int:
+    """Log a heartbeat that failed (first, then every 30th) and the first after; returns
+    the run of failed beats so far."""
+    if error is None:
+        if failing:
+            log.warning("agent %s: heartbeats stored again after %d failed", agent_id,
+                        failing)
+        return 0
+    if failing % 30 == 0:
+        log.error("agent %s: heartbeat not stored (%d in a row): %r; the registry drops "
+                  "this agent after %.0f s without one. If nats-server's store ran out of "
+                  "space, JetStream stays disabled after space returns until nats-server "
+                  "is restarted", agent_id, failing + 1, error, busmod.AGENT_TTL_S)
+    return failing + 1

@@ -79,8 +79,10 @@ def build(source: Source, ids: Sequence[str], *, sizes: Mapping[str, int] | None
             sections.append(Section(f"Layers of {e}", tables=[
                 (f"Top {top_n} layers by time", top),
                 ("By layer type", layer_types(source, e))]))
-    measured = [e for e in ids if e not in set(summ.loc[summ["role"] == "sweep",
-                                                         "evaluation_id"])]
+    # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
+    # parent is the sum of its steps, never a run of its own.
+    sweeps = set(summ.loc[summ["role"] == "sweep", "evaluation_id"])
+    measured = [e for e in ids if e in lat and e not in sweeps]
     if len(measured) > 1:
         sections.append(_comparison(source, summ, measured))
     return Report(f"mlscope report: {', '.join(ids)}", sections)

@@ -39,6 +39,7 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
                 ["--spans", "50000", "--queries", "5"], True),
     "scale": (["--queries", "3000", "--repeat", "3"],
               ["--queries", "500", "--repeat", "1", "--rounds", "20"], False),
+    "soak": (["--duration", "1800"], ["--duration", "40", "--run-s", "10"], False),
 }
 
 

@@ -9,9 +9,10 @@ duplicates. clickhouse-connect errors are translated into DatabaseError here.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import clickhouse_connect
 import pandas as pd
@@ -83,6 +84,8 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         "ALTER TABLE queries ADD COLUMN IF NOT EXISTS paced_ns Int64 DEFAULT 0",
     )),
 )
+_T = TypeVar("_T")
+
 RETAINED = (("spans", "ingested_at"), ("system_samples", "ingested_at"),
             ("agent_history", "toDateTime(at)"))
 
@@ -103,7 +106,11 @@ EVALUATION_COLUMNS = ("evaluation_id", "job_id", "rerun_of", "created_at", "mode
 
 
 class Database:
-    """One client; calls are serialized (chDB and the HTTP client are not re-entrant)."""
+    """One client; calls are serialized (chDB and the HTTP client are not re-entrant).
+
+    A call that fails replaces the client: a query cut off mid-stream can leave the
+    rest of its stream on a chDB handle, where the next query would read it as its own
+    answer, so a failed handle is never reused (:func:`fresh_client`)."""
 
     def __init__(self, dsn: str) -> None:
         self.dsn = dsn
@@ -114,12 +121,17 @@ class Database:
                                 dsn=dsn) from exc
         self._lock = threading.Lock()
 
-    def command(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
+    def _call(self, op: Callable[[Any], _T], message: str, **context: Any) -> _T:
         with self._lock:
             try:
-                return self.client.command(sql, parameters=parameters)
+                return op(self.client)
             except ClickHouseError as exc:
-                raise DatabaseError(f"{exc}", sql=sql[:200]) from exc
+                self.client = fresh_client(self.client, self.dsn)
+                raise DatabaseError(f"{message}{exc}", **context) from exc
+
+    def command(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
+        return self._call(lambda c: c.command(sql, parameters=parameters), "",
+                          sql=sql[:200])
 
     def migrate(self) -> int:
         """Apply missing migrations; returns the schema version now in force."""
@@ -156,29 +168,30 @@ class Database:
     def insert(self, table: str, columns: Sequence[Sequence[Any]],
                names: Sequence[str]) -> None:
         """Insert column-oriented data (one sequence per column)."""
-        with self._lock:
-            try:
-                self.client.insert(table, [list(c) for c in columns], column_names=list(names),
-                                   column_oriented=True)
-            except ClickHouseError as exc:
-                raise DatabaseError(f"insert into {table} failed: {exc}",
-                                    table=table) from exc
+        self._call(lambda c: c.insert(table, [list(col) for col in columns],
+                                      column_names=list(names), column_oriented=True),
+                   f"insert into {table} failed: ", table=table)
 
     def rows(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        with self._lock:
-            try:
-                result = self.client.query(sql, parameters=parameters)
-                return [tuple(r) for r in result.result_rows]
-            except ClickHouseError as exc:
-                raise DatabaseError(f"{exc}", sql=sql[:200]) from exc
+        return self._call(lambda c: [tuple(r) for r in
+                                     c.query(sql, parameters=parameters).result_rows],
+                          "", sql=sql[:200])
 
     def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
-        with self._lock:
-            try:
-                return self.client.query_df(sql, parameters=parameters)
-            except ClickHouseError as exc:
-                raise DatabaseError(f"{exc}", sql=sql[:200]) from exc
+        return self._call(lambda c: c.query_df(sql, parameters=parameters), "",
+                          sql=sql[:200])
 
     def close(self) -> None:
         with self._lock:
             self.client.close()
+
+
+def fresh_client(client: Any, dsn: str, settings: dict[str, Any] | None = None) -> Any:
+    """Close ``client`` (one whose call failed) and open a new one like it; the old one
+    when no new one can be opened now (its next call then fails, typed, and retries)."""
+    with contextlib.suppress(Exception):  # a broken handle may fail to close; dropped
+        client.close()
+    try:
+        return clickhouse_connect.get_client(dsn=dsn, settings=settings)
+    except (ClickHouseError, OSError, RuntimeError):
+        return client

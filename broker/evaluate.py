@@ -1,7 +1,16 @@
-"""One evaluation end to end: resolve, prepare the agent, drive load, summarize, store."""
+"""One evaluation end to end: resolve, prepare the agent, drive load, summarize, store.
+
+Intake refuses, before anything runs, a job whose one query would not fit through the
+bus (its encoded size against the connection's max payload, for every batch size the
+job uses). The evaluation id is derived from the job (one evaluation per job). An agent
+that disappears mid-run does not lose the run: the queries measured so far are stored
+in an INVALID evaluation whose reason says after how many queries the agent was lost,
+and each query that never got an answer is stored with the reason it was lost.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import subprocess
@@ -28,16 +37,24 @@ from mlscope.contracts import (
     AgentDescription,
     EvaluationSummary,
     JobRequest,
+    PingOp,
+    PrepareOp,
+    Query,
+    ReleaseOp,
     TraceLevel,
-    new_id,
+    evaluation_id_for,
 )
-from mlscope.errors import EvaluationError, MLScopeError, ResolutionError
+from mlscope.errors import ConfigError, EvaluationError, MLScopeError, ResolutionError
+from mlscope.outcomes import Outcome
 from mlscope.validity import ValidityPolicy
 from mlscope.versions import satisfies
 
 __all__ = ["RESOLVE_GRACE_S", "Evaluator", "recently_alive", "resolve"]
 
 PREPARE_TIMEOUT_S = 300.0
+PAYLOAD_HEADROOM = 1024
+"""Bytes of a message left for the subject, reply inbox and headers."""
+LOST = "lost in transit: no reply before the run ended"
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]
 
 
@@ -68,8 +85,14 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
                 f"{job.framework_version or m.framework.version} ({job.device})")
         if job.agent_id:
             want += f" on agent {job.agent_id}"
-        raise ResolutionError(f"no live agent serves {want}; live agents: {live}",
-                              model=m.name, framework=job.framework)
+        refusals = [(a.agent_id, r) for a in agents for r in a.refused
+                    if (r.name, r.version, r.framework) == (m.name, m.version, job.framework)]
+        why = "".join(f"; agent {aid} refuses it: {r.message}" for aid, r in refusals)
+        fixes = sorted({r.fix for _, r in refusals if r.fix})
+        fix = f"; to fix it, run {' and '.join(f'`{f}`' for f in fixes)}" if fixes else ""
+        raise ResolutionError(f"no live agent serves {want}{why}{fix}; live agents: {live}",
+                              model=m.name, framework=job.framework,
+                              refused=[r.model_dump() for _, r in refusals], fixes=fixes)
     # Spread jobs over equal agents deterministically by job id.
     return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry
 
@@ -129,13 +152,17 @@ class Evaluator:
 
     async def _run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
                    progress: Progress) -> EvaluationSummary:
-        eval_id = new_id("ev")
+        if job.mlperf is not None:
+            from broker import mlperf  # LoadGen runs in its own process
+
+            return await mlperf.run(self, job, agent, entry)
+        eval_id = evaluation_id_for(job.job_id)
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
         data = _dataset(entry, self.zoo_dir)
-        prepare = {"op": "prepare", "evaluation_id": eval_id, "model": m.name,
-                   "model_version": m.version, "batch_size": spec.batch_size,
-                   "trace_level": level.name.lower()}
+        check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
+        prepare = PrepareOp(evaluation_id=eval_id, model=m.name, model_version=m.version,
+                            batch_size=spec.batch_size, trace_level=level.name.lower()).dump()
         prep = await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode(prepare),
                              timeout=PREPARE_TIMEOUT_S)
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
@@ -151,11 +178,15 @@ class Evaluator:
             agent_id=agent.agent_id, prepare=prepare)
         started = time.time()
         outcome = await scenarios.execute(ctx, spec)
-        acc = await self._accuracy(job, entry, data, eval_id, agent.agent_id)
+        lost = await self._agent_lost(agent.agent_id, outcome.main.record)
+        acc = None if lost else await self._accuracy(job, entry, data, eval_id,
+                                                     agent.agent_id)
         finished = time.time()
-        with anyio.move_on_after(5):
-            await request(self.bus, names.agent_ctl(agent.agent_id),
-                          codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5)
+        if not lost:
+            # An agent gone since then ends its session with it.
+            with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
+                await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode_model(
+                    ReleaseOp(evaluation_id=eval_id)), timeout=5)
         fw = next(x for x in agent.frameworks if x.name == job.framework)
         cost = LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
 
@@ -197,7 +228,8 @@ class Evaluator:
         points = [r.point() if separate else {**r.point(), "evaluation_id": eval_id}
                   for r in outcome.points]
         summary = summarize(
-            main, outcome.extra_reasons, peak_qps=outcome.peak_qps,
+            main, (*outcome.extra_reasons, *([lost] if lost else [])),
+            peak_qps=outcome.peak_qps,
             optimal_batch_size=outcome.optimal_batch_size,
             points=tuple(points)).model_copy(
             update={"evaluation_id": eval_id, "scenario": spec.model_dump()})
@@ -229,13 +261,38 @@ class Evaluator:
             x=data[0], y=data[1], batch_size=job.scenario.batch_size,
             kind=accuracy.output_kind(entry.manifest), limit=job.accuracy_samples)
 
+    async def import_mlperf(self, job: JobRequest) -> EvaluationSummary:
+        """Store the MLPerf logs a job carries as an evaluation (no agent involved)."""
+        from broker import mlperf
+
+        return await mlperf.import_logs(self, job)
+
+    async def _agent_lost(self, agent_id: str, rec: RunRecord) -> str:
+        """"agent <id> lost after N of M queries" when queries went unanswered and the
+        agent no longer answers a ping; "" while it is there."""
+        unanswered = int(np.count_nonzero(np.asarray(rec.completed[:rec.n]) == 0))
+        if rec.n == 0 or not unanswered:
+            return ""
+        try:
+            await request(self.bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()),
+                          timeout=2.0)
+        except MLScopeError:
+            answered = int(np.count_nonzero(np.asarray(rec.ok[:rec.n])))
+            return f"agent {agent_id} lost after {answered} of {rec.n} queries"
+        return ""
+
     def _store(self, s: EvaluationSummary, rec: RunRecord | None,
                spec_doc: dict[str, Any], *, t0_ns: int | None = None) -> None:
         """The evaluation row, and its query rows when ``rec`` is given (a sweep's
         parent has none: its runs are stored on their own; ``t0_ns`` is then its
-        first run's)."""
+        first run's). A lost query's error names the lost agent when it was."""
         if rec is not None and rec.n:
-            err = [rec.errors.get(i, "") for i in range(rec.n)]
+            outcomes = rec.outcomes()
+            lost = next((r for r in s.invalid_reasons if r.startswith("agent ")
+                         and " lost after " in r), "")
+            why = f"lost: {lost}" if lost else LOST
+            err = [rec.errors.get(i) or (why if outcomes[i] == Outcome.LOST else "")
+                   for i in range(rec.n)]
             cols: list[Any] = [
                 [s.evaluation_id] * rec.n, np.arange(rec.n, dtype=np.uint32),
                 [rec.batch_size] * rec.n, rec.scheduled, rec.issued, rec.completed,
@@ -251,6 +308,29 @@ class Evaluator:
                s.clock_offset_ns,
                json.dumps(spec_doc, default=str), s.model_dump_json(by_alias=True)]
         self.db.insert("evaluations", [[v] for v in row], EVALUATION_COLUMNS)
+
+
+def check_query_size(data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...],
+                     spec: Any, max_payload: int) -> None:
+    """Refuse a job whose query of its largest batch size is over the bus's max payload,
+    naming the largest batch size that fits (measured on a real encoded query)."""
+    sizes = sorted({spec.batch_size, *(spec.batch_sizes or ())})
+    limit = max_payload - PAYLOAD_HEADROOM
+
+    def size(batch: int) -> int:
+        inputs = _feeders(data, shape, batch, spec.seed)[0](0)
+        return len(codec.encode_model(Query(evaluation_id="ev-000000000000", index=0,
+                                            inputs=inputs)))
+
+    biggest = size(sizes[-1])
+    if biggest <= limit:
+        return
+    per_sample = max(1, size(1))
+    fits = max(0, limit // per_sample)
+    raise ConfigError(
+        f"a query of batch size {sizes[-1]} is {biggest} bytes, over the bus's max payload "
+        f"of {max_payload} bytes; the largest batch size that fits is about {fits}",
+        field="batch_size", batch_size=sizes[-1], bytes=biggest, max_payload=max_payload)
 
 
 def _dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:

@@ -7,24 +7,38 @@ ReplacingMergeTree key ((evaluation_id, agent_id, span_id) for spans, (evaluatio
 agent_id, metric, device, ts_ns) for samples) and FINAL reads make that redelivery
 invisible. One fetch of up to ``fetch_batch`` messages becomes one insert per table,
 column by column (no per-span Python objects beyond the decoded lists).
+
+Poison is bounded (through the server's serving boundary): every column is checked
+against its table's type before anything is inserted, and a message that does not
+decode or validate is dead-lettered at once; a batch whose insert fails (a full or
+read-only disk) is redelivered after a pause, and dead-lettered after
+``MAX_DELIVER`` deliveries. The stream is never blocked and the server never stops.
+
+Once stored, batches leave the stream: every ``trim_s`` the ingester purges the traces
+stream below its consumer's ack floor (every message before it is stored), so the
+stream holds what is not yet ingested, not seven days of spans (its byte cap is the
+backstop while no ingester runs).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Annotated, Any
 
 import anyio
 import anyio.abc
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from pydantic import Field, TypeAdapter, ValidationError
 
 from broker import loadgen
 from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
 from mlscope import codec, names
 from mlscope.bus import Bus
 from mlscope.contracts import SampleBatch, SpanBatch
-from mlscope.errors import WireError
+from mlscope.errors import MLScopeError, WireError
+from mlscope.serving import Boundary, delivered
 
 __all__ = ["Ingester"]
 
@@ -33,17 +47,40 @@ _SPAN_FIELDS = ("span_id", "parent_id", "query_index", "level", "kind", "name", 
 _SAMPLE_FIELDS = ("ts_ns", "metric", "device", "value")
 FETCH_BYTES = 16 * 1024 * 1024
 """Bytes asked for per fetch: well under nats-py's 256 MiB pending limit per subscription."""
-_Decoded = tuple[dict[str, list[Any]], dict[str, list[Any]], list[Msg], list[Msg]]
-"""(span columns, sample columns, messages to ack, messages to terminate)."""
+_Decoded = tuple[dict[str, list[Any]], dict[str, list[Any]], list[Msg],
+                 list[tuple[Msg, MLScopeError]]]
+"""(span columns, sample columns, messages to ack, messages to dead-letter with why)."""
+MAX_DELIVER = 20
+"""Deliveries of a batch whose insert keeps failing before it is dead-lettered."""
+RETRY_S = 2.0
+log = logging.getLogger("mlscope.ingest")
+_U64 = Annotated[int, Field(strict=True, ge=0, lt=1 << 64)]
+_I64 = Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)]
+_U8 = Annotated[int, Field(strict=True, ge=0, lt=256)]
+_STR = Annotated[str, Field(strict=True)]
+_F64 = Annotated[float, Field(allow_inf_nan=True)]
+_COLUMN_TYPES: dict[str, TypeAdapter[Any]] = {
+    name: TypeAdapter(list[t]) for name, t in (  # type: ignore[valid-type]
+        ("span_id", _U64), ("parent_id", _U64), ("query_index", _I64), ("level", _U8),
+        ("kind", _STR), ("name", _STR), ("start_ns", _I64), ("end_ns", _I64),
+        ("attrs", _STR), ("ts_ns", _I64), ("metric", _STR), ("device", _STR),
+        ("value", _F64))}
+"""Each column's type as its table stores it: a value that would fail the insert is
+refused at decoding, so it never takes a whole fetch down with it."""
 _BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
     "spans": SpanBatch, "samples": SampleBatch}
 
 
 class Ingester:
     def __init__(self, bus: Bus, db: Database, *, fetch_batch: int = 512,
-                 fetch_timeout: float = 1.0, ack_wait_s: float = 30.0) -> None:
+                 fetch_timeout: float = 1.0, ack_wait_s: float = 30.0,
+                 boundary: Boundary | None = None, trim_s: float = 10.0) -> None:
         self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
+        self.boundary = boundary or Boundary(bus, service="ingester", logger=log)
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
+        self.trim_s = trim_s
+        self.trimmed_below = 0
+        """Stream sequence below which the traces stream has been purged."""
         self.ingested = 0
         self.samples = 0
         self.rejected = 0
@@ -56,11 +93,12 @@ class Ingester:
             names.traces_wildcard(), durable=names.TRACES_CONSUMER, stream=names.TRACES_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s,
                                   deliver_policy=DeliverPolicy.ALL,
-                                  max_ack_pending=20_000))
+                                  max_ack_pending=20_000, max_deliver=MAX_DELIVER))
         # Fetch and decode the next messages while the previous ones are inserted.
         send, receive = anyio.create_memory_object_stream[_Decoded](1)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer, receive)
+            tg.start_soon(self._trimmer, sub)
             self._send = send
             try:
                 avg = float(1 << 20)  # bytes per message, running estimate (start: max)
@@ -85,6 +123,21 @@ class Ingester:
                 self._send = None
                 send.close()
 
+    async def _trimmer(self, sub: Any) -> None:
+        while True:
+            await anyio.sleep(self.trim_s)
+            try:
+                await self.trim(sub)
+            except (TimeoutError, nats.errors.Error) as exc:  # next round
+                log.debug("traces stream not trimmed: %r", exc)
+
+    async def trim(self, sub: Any) -> None:
+        """Purge the traces stream below the consumer's ack floor (all stored)."""
+        floor = int((await sub.consumer_info()).ack_floor.stream_seq or 0)
+        if floor + 1 > self.trimmed_below:
+            await self.bus.js.purge_stream(names.TRACES_STREAM, seq=floor + 1)
+            self.trimmed_below = floor + 1
+
     async def _writer(self, receive: anyio.abc.ObjectReceiveStream[_Decoded]) -> None:
         async with receive:
             async for decoded in receive:
@@ -102,14 +155,14 @@ class Ingester:
         spans: dict[str, list[Any]] = {c: [] for c in SPAN_COLUMNS}
         samples: dict[str, list[Any]] = {c: [] for c in SAMPLE_COLUMNS}
         good: list[Msg] = []
-        bad: list[Msg] = []
+        bad: list[tuple[Msg, MLScopeError]] = []
         for msg in msgs:
-            if _delivered(msg) > 1:
+            if delivered(msg) > 1:
                 self.redelivered += 1
             try:
                 batch = _decode(msg.data)
-            except WireError:
-                bad.append(msg)
+            except Exception as exc:  # whatever the bytes: this message never stores
+                bad.append((msg, self.boundary.failed(exc, msg.subject)))
                 continue
             if isinstance(batch, SpanBatch):
                 _extend(spans, batch, _SPAN_FIELDS)
@@ -120,6 +173,27 @@ class Ingester:
 
     async def _write(self, decoded: _Decoded) -> None:
         spans, samples, good, bad = decoded
+        for msg, err in bad:  # a message that can never decode must not block the stream
+            self.rejected += 1
+            await self.boundary.dead_letter(msg, names.TRACES_STREAM, err)
+        try:
+            await self._insert(spans, samples)
+        except Exception as exc:  # a storage fault: the batches come back after a pause
+            err = self.boundary.failed(exc, names.TRACES_STREAM, what="insert of")
+            for msg in good:
+                if delivered(msg) >= MAX_DELIVER:
+                    await self.boundary.dead_letter(msg, names.TRACES_STREAM, err)
+                else:
+                    with anyio.move_on_after(5):
+                        await _quiet(msg.nak(delay=RETRY_S))
+            await anyio.sleep(RETRY_S)
+            return
+        for msg in good:
+            with anyio.move_on_after(5):
+                await _quiet(msg.ack())
+
+    async def _insert(self, spans: dict[str, list[Any]], samples: dict[str, list[Any]]
+                      ) -> None:
         if spans["span_id"]:
             await anyio.to_thread.run_sync(
                 self.db.insert, "spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)
@@ -129,19 +203,13 @@ class Ingester:
                 self.db.insert, "system_samples", [samples[c] for c in SAMPLE_COLUMNS],
                 SAMPLE_COLUMNS)
             self.samples += len(samples["ts_ns"])
-        for msg in good:
-            await msg.ack()
-        for msg in bad:  # a message that can never decode must not block the stream
-            self.rejected += 1
-            await msg.term()
 
 
-def _delivered(msg: Msg) -> int:
-    """How many times JetStream has delivered ``msg`` (1 when its reply is not a JS ack)."""
+async def _quiet(aw: Any) -> None:
     try:
-        return msg.metadata.num_delivered
-    except (nats.errors.Error, ValueError, IndexError):
-        return 1
+        await aw
+    except (TimeoutError, nats.errors.Error):
+        log.debug("ack or nak not sent; JetStream redelivers after ack_wait")
 
 
 def _decode(data: bytes) -> SpanBatch | SampleBatch:
@@ -157,6 +225,13 @@ def _decode(data: bytes) -> SpanBatch | SampleBatch:
     n = len(batch)
     if any(len(batch.columns.get(f, ())) != n for f in fields):
         raise WireError(f"{cls.__name__} {batch.batch_id}: missing or ragged columns")
+    for f in fields:
+        try:
+            _COLUMN_TYPES[f].validate_python(batch.columns[f])
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            raise WireError(f"{cls.__name__} {batch.batch_id}: column {f}: "
+                            f"{first['msg']} at row {first['loc'][0]}", column=f) from exc
     return batch
 
 

@@ -324,7 +324,9 @@ class Driver:
                           realtime=True)
             pacer.start()
             try:
-                result = await anyio.to_thread.run_sync(pacer.join)
+                # Abandoned on cancellation (SIGTERM, Ctrl-C): the finally below stops
+                # the pacer at once instead of waiting out the schedule.
+                result = await anyio.to_thread.run_sync(pacer.join, abandon_on_cancel=True)
                 rec.paced[:] = result.issued_ns
                 rec.not_issued = len(result.not_issued)  # counted, never silently dropped
                 with anyio.move_on_after(DRAIN_TIMEOUT_S):

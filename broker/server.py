@@ -8,11 +8,21 @@ process reaches the evaluation database through ``mlscope.db.*`` requests here.
 A job is acknowledged only when its evaluation has finished (or failed for good); a
 server that dies mid-job leaves it unacknowledged and JetStream redelivers it to the
 next server after ``JOB_ACK_WAIT_S``. While a job runs, the server reports progress
-to JetStream (``in_progress``) so that a long evaluation is not redelivered.
+to JetStream (``in_progress``, kept up across reconnects) so that a long evaluation is
+not redelivered. Exactly one evaluation per job: its id is derived from the job id; a
+redelivered job whose evaluation is stored gets that stored result, one that this
+server is still running is only held (acknowledged with the run), and one whose
+first server was lost is run again with a ``restarted`` event to the submitter.
+
+Everything goes through the serving boundary (:mod:`mlscope.serving`): database
+requests, the job consumer, and every long-lived loop (watches, ingester, history).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -29,21 +39,39 @@ from broker.db import Database
 from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
+from broker.readonly import ReadLimits, ReadOnlyDatabase
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
-from mlscope.contracts import AgentDescription, JobEvent, JobRequest, new_id
+from mlscope.contracts import (
+    AgentDescription,
+    EvaluationReply,
+    EvaluationRequest,
+    EvaluationSummary,
+    JobEvent,
+    JobRequest,
+    PingOp,
+    SqlReply,
+    SqlRequest,
+    evaluation_id_for,
+    new_id,
+)
 from mlscope.errors import DatabaseError, MLScopeError, ResolutionError, WireError
 from mlscope.model_registry import ManifestWatcher
 from mlscope.registry import AgentCache, list_agents
+from mlscope.serving import Boundary, delivered
 from mlscope.settings import Settings
 
 __all__ = ["Server"]
 
 JOB_ACK_WAIT_S = 15.0
+JOB_MAX_DELIVER = 5
+log = logging.getLogger("mlscope.server")
 MAX_PARALLEL_JOBS = 4
 DB_QUEUE = "mlscope-servers"
-READ_ONLY = ("select", "with", "show", "describe", "desc", "exists")
+SQL_IN_FLIGHT = 16
+"""Client SQL requests handled at once (they wait for the read pool's connections);
+more stay queued in the subscription."""
 
 
 @dataclass
@@ -51,40 +79,53 @@ class Server:
     settings: Settings
     server_id: str = field(default_factory=lambda: new_id("srv"))
     max_parallel_jobs: int = MAX_PARALLEL_JOBS
+    running: dict[str, list[Msg]] = field(default_factory=dict)
+    """Job id -> every delivery of it while this server runs it (all acked at the end)."""
+    read_limits: ReadLimits | None = None
+    """What one client query on ``mlscope.db.sql`` may use (broker.readonly); default:
+    the stock limits with the settings' ``sql_timeout_s``."""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.catalog = Catalog.load(default_manifest_dirs(self.settings.manifests_dir))
         self.db = Database(self.settings.dsn)
         self.db.migrate()
         self.db.set_retention(self.settings.trace_retention_days)
+        limits = self.read_limits or ReadLimits(max_execution_time_s=self.settings.sql_timeout_s)
+        self.reader = ReadOnlyDatabase(self.settings.clickhouse_read_dsn or self.settings.dsn,
+                                       limits)
         try:
             async with busmod.connect(self.settings, name=f"server {self.server_id}",
                                       provision=True) as bus:
                 self.bus = bus
+                self.boundary = Boundary(bus, service=f"server {self.server_id}", logger=log)
                 self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir)
-                self.ingester = Ingester(bus, self.db)
+                self.ingester = Ingester(bus, self.db, boundary=self.boundary)
                 # Replicas share the database requests (a queue group): with a shared
                 # ClickHouse server any of them answers; jobs come from one work queue.
-                subs = [await bus.nc.subscribe(names.SQL_SUBJECT, queue=DB_QUEUE,
-                                               cb=self._on_sql),
-                        await bus.nc.subscribe(names.EVALUATION_SUBJECT, queue=DB_QUEUE,
-                                               cb=self._on_eval)]
+                serve = self.boundary.subscribe
+                subs = [await serve(names.EVALUATION_SUBJECT, EvaluationRequest,
+                                    self._on_eval, queue=DB_QUEUE)]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
                     config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
-                                          ack_wait=JOB_ACK_WAIT_S, max_deliver=5))
+                                          ack_wait=JOB_ACK_WAIT_S,
+                                          max_deliver=JOB_MAX_DELIVER))
                 self.remote = ManifestWatcher(bus)
                 self.agent_cache = AgentCache(bus)
+                keep = self.boundary.keep_running
                 async with anyio.create_task_group() as tg:
-                    await tg.start(self.remote.run)
-                    tg.start_soon(self.agent_cache.run)
-                    tg.start_soon(self.ingester.run)
-                    tg.start_soon(AgentHistory(bus, self.db).run)
-                    tg.start_soon(self._take_jobs, jobs, tg)
+                    await tg.start(keep, "sql responder", self._serve_sql)
+                    await tg.start(keep, "models watch", self.remote.run)
+                    tg.start_soon(keep, "agents watch", self.agent_cache.run)
+                    tg.start_soon(keep, "trace ingester", self.ingester.run)
+                    tg.start_soon(keep, "agent history", AgentHistory(bus, self.db).run)
+                    tg.start_soon(keep, "job consumer",
+                                  functools.partial(self._take_jobs, jobs, tg))
                     task_status.started()
                 for sub in subs:
                     await sub.unsubscribe()
         finally:
+            self.reader.close()
             self.db.close()
 
     # ------------------------------------------------------------------ jobs
@@ -106,99 +147,192 @@ class Server:
 
     async def _job(self, msg: Msg, slots: anyio.Semaphore) -> None:
         try:
-            try:
-                job = codec.decode_model(JobRequest, msg.data)
-            except WireError:
-                await msg.term()  # cannot be answered (no job id) nor ever run
-                return
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_keep_alive, msg)
-                await self._run_job(job)
-                tg.cancel_scope.cancel()
-            await msg.ack()
+            await self.boundary.settle(msg, names.JOBS_STREAM, self._handle_job,
+                                       max_deliver=JOB_MAX_DELIVER)
         finally:
             slots.release()
 
-    async def _run_job(self, job: JobRequest) -> None:
+    async def _handle_job(self, msg: Msg) -> None:
+        """One delivery of a job: run it once, whatever the deliveries."""
+        try:
+            job = codec.decode_model(JobRequest, msg.data)
+        except WireError as exc:  # never runnable: tell a submitter we can name
+            await self._refuse_undecodable(msg.data, exc)
+            raise
+        if job.job_id in self.running:  # redelivered while still running here
+            log.info("job %s redelivered while it runs here: held, acked with the run",
+                     job.job_id)
+            self.running[job.job_id].append(msg)
+            return
+        self.running[job.job_id] = [msg]
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._keep_alive, job.job_id)
+                await self._run_job(job, restarted=delivered(msg) > 1)
+                tg.cancel_scope.cancel()
+        finally:
+            msgs = self.running.pop(job.job_id, [])
+        for m in msgs:
+            with anyio.move_on_after(5):
+                try:
+                    await m.ack()
+                except (TimeoutError, nats.errors.Error) as exc:
+                    log.warning("job %s: ack lost (%r); its evaluation is stored, a "
+                                "redelivery gets the stored result", job.job_id, exc)
+
+    async def _refuse_undecodable(self, data: bytes, exc: WireError) -> None:
+        try:
+            raw = codec.decode(data)
+        except WireError:
+            return
+        job_id = raw.get("job_id") if isinstance(raw, dict) else None
+        if isinstance(job_id, str) and 0 < len(job_id) <= 128:
+            await self._emit(names.job_events(job_id), JobEvent(
+                job_id=job_id, event="failed", server_id=self.server_id,
+                error=exc.to_wire()))
+
+    async def _keep_alive(self, job_id: str) -> None:
+        """The job's lease: ``in_progress`` on every delivery, survivable failures (a
+        bus outage) ignored so the lease resumes as soon as the bus is back."""
+        while True:
+            await anyio.sleep(JOB_ACK_WAIT_S / 5)
+            for m in list(self.running.get(job_id, [])):
+                with (anyio.move_on_after(2),
+                      contextlib.suppress(TimeoutError, nats.errors.Error, OSError)):
+                    await m.in_progress()
+
+    async def _run_job(self, job: JobRequest, *, restarted: bool = False) -> None:
         subject = names.job_events(job.job_id)
         await self._emit(subject, JobEvent(job_id=job.job_id, event="accepted",
                                            server_id=self.server_id))
         try:
-            agent, entry = await self._resolve(job)
-
-            async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
+            stored = await self._stored(evaluation_id_for(job.job_id))
+            if stored is not None:  # its first run finished; only the ack was lost
                 await self._emit(subject, JobEvent(
-                    job_id=job.job_id, event="progress", server_id=self.server_id,
-                    evaluation_id=eval_id, queries_done=rec.done, elapsed_s=elapsed,
-                    p50_ms=running_p50_ms(rec)))
-
-            summary = await self.evaluator.run(job, agent, entry, progress)
-        except MLScopeError as exc:
+                    job_id=job.job_id, event="done", server_id=self.server_id,
+                    evaluation_id=stored.evaluation_id, summary=stored))
+                return
+            if restarted:
+                await self._emit(subject, JobEvent(
+                    job_id=job.job_id, event="restarted", server_id=self.server_id,
+                    note="job was restarted after server loss"))
+            summary = await self._evaluate(job, subject)
+        except Exception as exc:  # every failure ends the job with its reason
+            err = self.boundary.failed(exc, subject)
             await self._emit(subject, JobEvent(job_id=job.job_id, event="failed",
-                                               server_id=self.server_id, error=exc.to_wire()))
+                                               server_id=self.server_id, error=err.to_wire()))
             return
         await self._emit(subject, JobEvent(job_id=job.job_id, event="done",
                                            server_id=self.server_id,
                                            evaluation_id=summary.evaluation_id,
                                            summary=summary))
 
-    async def _resolve(self, job: JobRequest) -> tuple[AgentDescription, Entry]:
+    async def _evaluate(self, job: JobRequest, subject: str) -> EvaluationSummary:
+        if job.mlperf_import is not None:  # logs made elsewhere: no agent to resolve
+            return await self.evaluator.import_mlperf(job)
+        # A resolved agent must answer before it is used: a SIGKILLed agent's registry
+        # entry outlives it by up to the TTL, its subscriptions do not.
+        gone: set[str] = set()
+        while True:
+            agent, entry = await self._resolve(job, gone)
+            try:
+                await busmod.request(self.bus, names.agent_ctl(agent.agent_id),
+                                     codec.encode_model(PingOp()), timeout=2.0)
+                break
+            except MLScopeError as exc:
+                log.warning("job %s: agent %s does not answer (%s); resolving again",
+                            job.job_id, agent.agent_id, exc.message)
+                gone.add(agent.agent_id)
+
+        async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
+            await self._emit(subject, JobEvent(
+                job_id=job.job_id, event="progress", server_id=self.server_id,
+                evaluation_id=eval_id, queries_done=rec.done, elapsed_s=elapsed,
+                p50_ms=running_p50_ms(rec)))
+
+        return await self.evaluator.run(job, agent, entry, progress)
+
+    async def _stored(self, eval_id: str) -> EvaluationSummary | None:
+        rows = await anyio.to_thread.run_sync(
+            self.db.rows, "SELECT summary FROM evaluations FINAL "
+            "WHERE evaluation_id = {id:String}", {"id": eval_id})
+        return EvaluationSummary.model_validate_json(rows[0][0]) if rows else None
+
+    async def _resolve(self, job: JobRequest, gone: set[str] | None = None
+                       ) -> tuple[AgentDescription, Entry]:
         """From the watched registry (no round trip); a miss is checked against a
         fresh read of the bucket, and waited out for up to ``RESOLVE_GRACE_S`` while a
         matching agent heartbeated moments ago (a failover delays heartbeats)."""
         catalog = self.remote.catalog(self.catalog)
         deadline = time.monotonic() + RESOLVE_GRACE_S
+        gone = gone or set()
+
+        def alive(agents: list[AgentDescription]) -> list[AgentDescription]:
+            return [a for a in agents if a.agent_id not in gone]
+
         while True:
             if self.agent_cache.ready.is_set():
                 try:
-                    return resolve(job, self.agent_cache.agents(), catalog)
+                    return resolve(job, alive(self.agent_cache.agents()), catalog)
                 except ResolutionError:
                     pass
             try:
-                return resolve(job, await list_agents(self.bus), catalog)
+                return resolve(job, alive(await list_agents(self.bus)), catalog)
             except ResolutionError:
-                seen = self.agent_cache.agents(include_stale=True)
+                seen = alive(self.agent_cache.agents(include_stale=True))
                 if time.monotonic() >= deadline or not recently_alive(
                         job, seen, catalog, now=time.time()):
                     raise
             await anyio.sleep(0.5)
 
     async def _emit(self, subject: str, event: JobEvent) -> None:
-        await self.bus.nc.publish(subject, codec.encode_model(event))
+        try:
+            await self.bus.nc.publish(subject, codec.encode_model(event))
+        except Exception as exc:  # events are best effort; the job goes on
+            self.boundary.failed(exc, subject, what="event on")
 
     # ------------------------------------------------------------------ database
 
-    async def _on_sql(self, msg: Msg) -> None:
-        """Read-only SQL for other processes: {sql, parameters} -> {columns, rows}."""
+    async def _serve_sql(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                         ) -> None:
+        """Answer client SQL concurrently: a subscription callback runs one message at
+        a time, and one slow query would make every other client wait for it. Each
+        request goes through the serving boundary (typed contract, typed error reply)."""
+        respond = self.boundary.responder(SqlRequest, self._on_sql)
+        sub = await self.bus.nc.subscribe(names.SQL_SUBJECT, queue=DB_QUEUE)
+        slots = anyio.Semaphore(SQL_IN_FLIGHT)
+
+        async def answer(msg: Msg) -> None:
+            try:
+                await respond(msg)
+            finally:
+                slots.release()
+
         try:
-            req = codec.decode(msg.data)
-            sql = str(req.get("sql", "")) if isinstance(req, dict) else ""
-            if not sql.strip().lower().startswith(READ_ONLY) or ";" in sql.strip().rstrip(";"):
-                raise DatabaseError("only one read-only statement (SELECT/WITH/SHOW) is allowed")
-            frame = await anyio.to_thread.run_sync(self.db.frame, sql, req.get("parameters"))
-            rows = [[_plain(v) for v in row] for row in frame.itertuples(index=False)]
-            await msg.respond(codec.encode({"columns": list(frame.columns), "rows": rows}))
-        except MLScopeError as exc:
-            await msg.respond(busmod.error_reply(exc))
+            async with anyio.create_task_group() as tg:
+                task_status.started()
+                async for msg in sub.messages:
+                    await slots.acquire()
+                    tg.start_soon(answer, msg)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
 
-    async def _on_eval(self, msg: Msg) -> None:
-        try:
-            req = codec.decode(msg.data)
-            eval_id = str(req.get("evaluation_id")) if isinstance(req, dict) else ""
-            rows = await anyio.to_thread.run_sync(
-                self.db.rows, "SELECT spec, summary FROM evaluations FINAL "
-                "WHERE evaluation_id = {id:String}", {"id": eval_id})
-            if not rows:
-                raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
-            await msg.respond(codec.encode({"spec": rows[0][0], "summary": rows[0][1]}))
-        except MLScopeError as exc:
-            await msg.respond(busmod.error_reply(exc))
+    async def _on_sql(self, req: SqlRequest, msg: Msg) -> SqlReply:
+        """Client SQL for other processes: {sql, parameters} -> {columns, rows}, run on
+        the read-only, limited connections (broker.readonly), never the writer's."""
+        frame = await anyio.to_thread.run_sync(self.reader.frame, req.sql, req.parameters)
+        rows = [[_plain(v) for v in row] for row in frame.itertuples(index=False)]
+        return SqlReply(columns=[str(c) for c in frame.columns], rows=rows)
 
-
-async def _keep_alive(msg: Msg) -> None:
-    while True:
-        await anyio.sleep(JOB_ACK_WAIT_S / 3)
-        await msg.in_progress()
+    async def _on_eval(self, req: EvaluationRequest, msg: Msg) -> EvaluationReply:
+        rows = await anyio.to_thread.run_sync(
+            self.db.rows, "SELECT spec, summary FROM evaluations FINAL "
+            "WHERE evaluation_id = {id:String}", {"id": req.evaluation_id})
+        if not rows:
+            raise DatabaseError(f"no evaluation {req.evaluation_id!r}",
+                                evaluation_id=req.evaluation_id)
+        return EvaluationReply(spec=rows[0][0], summary=rows[0][1])
 
 
 def _plain(v: Any) -> Any:

@@ -1,10 +1,12 @@
-"""``mlscope auth init --out DIR``: least-privilege users per role (see mlscope.auth)."""
+"""``mlscope auth init --out DIR``: least-privilege users per role (see mlscope.auth);
+``mlscope auth add-agent NAME --out DIR``: one agent's own user (mlscope.agentauth)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from mlscope.agentauth import add_agent, agent_inbox_prefix, reload_server
 from mlscope.auth import (
     DEFAULT_EDGE_DOMAIN,
     DEFAULT_HUB_DOMAIN,
@@ -35,6 +37,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--tls-key", type=Path, default=None)
     init.add_argument("--tls-ca", type=Path, default=None)
     init.set_defaults(func=run_init)
+    add = cmds.add_parser("add-agent", help="issue one agent its own credentials, bound to "
+                                            "its own subjects and registry key")
+    add.add_argument("name", help="the agent id (run it with `mlscope agent --agent-id NAME`)")
+    add.add_argument("--out", type=Path, required=True, help="the `auth init` directory")
+    add.add_argument("--framework", action="append", default=[],
+                     help="capability subjects it may serve (repeatable; default: all)")
+    add.add_argument("--reload", type=int, default=None, metavar="PID",
+                     help="make the running nats-server PID reload its configuration "
+                          "(as `nats-server --signal reload=PID`)")
+    add.set_defaults(func=run_add_agent)
 
 
 def run_init(args: argparse.Namespace) -> int:
@@ -46,4 +58,17 @@ def run_init(args: argparse.Namespace) -> int:
         print(f"  {role:<9} {files.creds[role]}  (replies under {INBOX_PREFIXES[role]}.)")
     print(f"run: mlscope up --auth {files.directory}   "
           f"(clients: MLSCOPE_NATS_CREDS={files.creds['submitter']})")
+    return 0
+
+
+def run_add_agent(args: argparse.Namespace) -> int:
+    creds = add_agent(args.out, args.name, frameworks=args.framework)
+    print(f"wrote {creds}  (replies under {agent_inbox_prefix(args.name)}.)")
+    if args.reload is not None:
+        reload_server(args.reload)
+        print(f"nats-server {args.reload} reloads {args.out / 'server.conf'}")
+    else:
+        print("reload the server's configuration: nats-server --signal reload=PID")
+    print(f"run: MLSCOPE_NATS_CREDS={creds} mlscope agent --agent-id {args.name} "
+          "--framework F")
     return 0

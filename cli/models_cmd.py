@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from mlscope import bus as busmod
+from mlscope.artifacts import ArtifactStore
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.errors import ManifestError, MLScopeError
 from mlscope.manifest import ModelManifest, iter_manifest_files, load_manifest
@@ -55,26 +56,33 @@ def _size(path: Path) -> int:
     return path.stat().st_size
 
 
-def describe(entry: Entry, zoo_dir: Path) -> dict[str, Any]:
-    """One model manifest as a row: where its graph is, whether it is there, its size."""
+def describe(entry: Entry, zoo_dir: Path, store: ArtifactStore | None = None
+             ) -> dict[str, Any]:
+    """One model manifest as a row: where its graph is, whether it is there and
+    verified (against its pin or its build lock), its size, and if not, why not and
+    the command that fixes it."""
     m = entry.manifest
     row: dict[str, Any] = {
         "name": m.name, "version": m.version, "task": m.task,
         "framework": m.framework.name, "framework_version": m.framework.version,
         "latency_only": m.latency_only, "manifest": str(entry.path),
         "sha256": m.assets.sha256, "path": None, "size_bytes": None, "available": False,
-        "dataset": m.dataset.name if m.dataset else None,
+        "why": None, "fix": None, "dataset": m.dataset.name if m.dataset else None,
     }
     try:
         root = entry.root(zoo_dir)
     except MLScopeError:
         row["path"] = f"{m.assets.base_url}/{m.assets.graph_path}"
+        row["why"] = "remote: fetched by the agent that serves it"
         return row
-    path = root / m.assets.graph_path
-    row["path"] = str(path)
-    if path.exists():
-        row["size_bytes"] = _size(path)
-        row["available"] = True
+    row["path"] = str(root / m.assets.graph_path)
+    try:
+        path = entry.graph(zoo_dir, store=store)
+    except MLScopeError as exc:
+        row["why"], row["fix"] = exc.message, exc.fields.get("fix") or None
+        row["reason"] = exc.fields.get("reason") or "invalid"
+        return row
+    row.update(size_bytes=_size(path), available=True, sha256=entry.graph_sha256(zoo_dir))
     return row
 
 
@@ -88,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mlscope models: {exc}", file=sys.stderr)
         return 1
     zoo_dir: Path = args.settings.zoo_dir
-    tasks = {task: [describe(e, zoo_dir) for e in entries]
+    store = ArtifactStore(args.settings.data_dir, zoo_dir=zoo_dir)
+    tasks = {task: [describe(e, zoo_dir, store) for e in entries]
              for task, entries in catalog.tasks().items()}
     if args.json:
         print(json.dumps(tasks, indent=2))
@@ -96,11 +105,14 @@ def run(args: argparse.Namespace) -> int:
     for task, rows in tasks.items():
         print(f"{task}:")
         for r in rows:
-            size = f"{r['size_bytes'] / 1e6:8.2f} MB" if r["size_bytes"] is not None else \
-                "   (not built)"
+            size = f"{r['size_bytes'] / 1e6:8.2f} MB" if r["available"] else "   NOT BUILT"
             flag = " latency-only" if r["latency_only"] else ""
             print(f"  {r['name']:<22} {r['version']:<8} {r['framework']:<12} {size}  "
                   f"{r['path']}{flag}")
+            if r.get("reason") == "missing":
+                print(f"      not built here: run `{r['fix']}`")
+            elif r.get("reason"):
+                print(f"      refused: {r['why']}")
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import anyio
@@ -34,6 +35,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
+    imported = spec.get("imported")
+    if isinstance(imported, dict):
+        raise EvaluationError(f"evaluation {evaluation_id} was imported from MLPerf logs "
+                              f"({imported.get('source')}): there is no job to rerun",
+                              evaluation_id=evaluation_id)
     job = JobRequest.model_validate(spec["job"])
     manifest = spec.get("manifest")
     if not isinstance(manifest, dict) or "version" not in manifest:
@@ -51,10 +57,29 @@ def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
         "submitted_at": time.time()})
 
 
+def artifact_note(before: dict[str, object], after: dict[str, object]) -> str | None:
+    """A warning when the rerun ran other model bytes than the original (another
+    machine's build, a rebuild): results may differ for that reason alone."""
+    old, new = before.get("artifact_sha256"), after.get("artifact_sha256")
+    if old is None or new is None or old == new:
+        return None
+    return (f"note: the model's artifact differs from the original run's (sha256 {new} "
+            f"vs {old}): it was built elsewhere or rebuilt, so results may differ for "
+            "that reason alone")
+
+
 async def rerun(settings: Settings, evaluation_id: str) -> EvaluationSummary:
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         spec, _ = await remote.evaluation(bus, evaluation_id)
-    return await submit(settings, rerun_job(spec, evaluation_id))
+    job = rerun_job(spec, evaluation_id)
+    # An MLPerf run lasts what its conf files say (10 minutes officially).
+    summary = await submit(settings, job, timeout=6 * 3600.0 if job.mlperf else None)
+    async with busmod.connect(settings, name="mlscope rerun") as bus:
+        again, _ = await remote.evaluation(bus, summary.evaluation_id)
+    note = artifact_note(spec, again)
+    if note:
+        print(note, file=sys.stderr)
+    return summary
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,9 +17,14 @@ from typing import Any
 import anyio
 import nats.errors
 
+from cli.artifacts_cmd import built_models, push_zoo
+from mlscope import names
+from mlscope.agentauth import add_agent
 from mlscope.errors import ConfigError, MLScopeError
 from mlscope.natsserver import NatsServer
+from mlscope.serving import configure_logging
 from mlscope.settings import Settings
+from mlscope.zoo.build import BUILDERS
 
 __all__ = ["register"]
 
@@ -32,9 +38,15 @@ FRAMEWORK_MODULES = {
 }
 
 
+LOOPBACK = "127.0.0.1"
+"""Where ``mlscope up`` binds nats-server unless ``--host`` says otherwise."""
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="run nats-server, the server and one agent per framework")
     up.add_argument("--nats-port", type=int, default=4222)
+    up.add_argument("--host", default=LOOPBACK,
+                    help="address nats-server listens on (default: 127.0.0.1, this machine "
+                         "only); to listen on a network use --auth as well")
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument("--frameworks", default=None,
                     help="comma-separated frameworks (default: every installed one)")
@@ -46,6 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.set_defaults(func=run_up)
 
     srv = sub.add_parser("server", help="run the server against MLSCOPE_NATS_URL")
+    srv.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                     help="stderr log level (default info)")
     srv.set_defaults(func=run_server)
 
     ag = sub.add_parser("agent", help="run one agent against MLSCOPE_NATS_URL")
@@ -56,12 +70,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ag.add_argument("--allow-custom-code", action="store_true",
                     help="run custom Python steps of manifests from trusted local "
                          "directories (as MLSCOPE_ALLOW_CUSTOM_CODE=1; never bus manifests)")
+    ag.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                    help="stderr log level (default info)")
     ag.set_defaults(func=run_agent)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def run_server(args: argparse.Namespace) -> int:
     from broker.server import Server
 
+    configure_logging(args.log_level)
     return _serve(Server(args.settings).run)
 
 
@@ -69,6 +89,7 @@ def run_agent(args: argparse.Namespace) -> int:
     from agent.service import Agent, AgentConfig
     from mlscope.catalog import Catalog, default_manifest_dirs
 
+    configure_logging(args.log_level)
     settings: Settings = args.settings
     if args.allow_custom_code:
         settings = settings.with_(allow_custom_code=True)
@@ -116,13 +137,14 @@ class Stack:
     """nats-server + server + agents as child processes of this one."""
 
     def __init__(self, settings: Settings, *, nats_port: int, frameworks: list[str],
-                 auth: Path | None = None, agents_per_framework: int = 1) -> None:
+                 auth: Path | None = None, agents_per_framework: int = 1,
+                 host: str = LOOPBACK) -> None:
         self.settings, self.nats_port, self.frameworks = settings, nats_port, frameworks
         self.auth, self.per_framework = auth, agents_per_framework
         config = auth / "server.conf" if auth else None
         if config is not None and not config.exists():
             raise ConfigError(f"{config} does not exist: run `mlscope auth init --out {auth}`")
-        self.nats = NatsServer(store_dir=settings.data_dir / "nats", port=nats_port,
+        self.nats = NatsServer(store_dir=settings.data_dir / "nats", port=nats_port, host=host,
                                config_file=config)
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
@@ -130,6 +152,7 @@ class Stack:
         """Start everything; returns the settings a client uses (with the auth
         directory, the submitter's credentials)."""
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        agents = self._agents()
         self.nats.start()
         self.settings = self.settings.with_(nats_url=self.nats.url)
         py = [sys.executable, "-m", "cli.main"]
@@ -138,13 +161,30 @@ class Stack:
         if self.auth is not None:
             # Agents may only read stream information: the server creates the streams.
             anyio.run(wait_provisioned, self._role_settings("server"), backend="asyncio")
+        for name, fw, agent_id, creds in agents:
+            extra = ["--agent-id", agent_id] if agent_id else []
+            env = {**os.environ, **self.settings.with_(nats_creds=creds).as_env()} \
+                if creds else self._env("agent")
+            self.children[name] = subprocess.Popen(
+                [*py, "agent", "--framework", fw, *extra], env=env, start_new_session=True)
+        return self._role_settings("submitter")
+
+    def _agents(self) -> list[tuple[str, str, str | None, Path | None]]:
+        """(child name, framework, agent id, credentials) of each agent. With ``auth``
+        every agent gets its own user (``mlscope auth add-agent``), issued before the
+        nats-server starts and reads its configuration."""
+        out: list[tuple[str, str, str | None, Path | None]] = []
+        host = names.token(socket.gethostname())
         for fw in self.frameworks:
             for n in range(self.per_framework):
                 name = f"agent:{fw}" + (f":{n}" if n else "")
-                self.children[name] = subprocess.Popen(
-                    [*py, "agent", "--framework", fw], env=self._env("agent"),
-                    start_new_session=True)
-        return self._role_settings("submitter")
+                if self.auth is None:
+                    out.append((name, fw, None, None))
+                    continue
+                agent_id = names.token(f"{host}-{fw}" + (f"-{n}" if n else ""))
+                creds = add_agent(self.auth, agent_id, frameworks=[fw]).resolve()
+                out.append((name, fw, agent_id, creds))
+        return out
 
     def _role_settings(self, role: str) -> Settings:
         if self.auth is None:
@@ -190,12 +230,42 @@ async def wait_provisioned(settings: Settings, timeout: float = 60.0) -> None:
     raise ConfigError(f"the server did not provision JetStream within {timeout:g} s")
 
 
+def _share_zoo(settings: Settings) -> None:
+    """Say which zoo models are not built here, and push the built ones to the bus's
+    artifact bucket so that agents joining from other machines can fetch them."""
+    have = {d.parent.name for d in built_models(settings.zoo_dir)}
+    missing = [name for name in BUILDERS if name not in have]
+    if missing:
+        print(f"mlscope up: zoo models not built here: {', '.join(missing)} (run `mlscope "
+              f"zoo build --only {' '.join(missing)}`)", flush=True)
+    try:
+        anyio.run(lambda: push_zoo(settings, settings.zoo_dir, log=lambda _m: None),
+                  backend="asyncio")
+    except MLScopeError as exc:
+        print(f"mlscope up: the built zoo was not pushed to the artifact bucket: {exc}",
+              file=sys.stderr, flush=True)
+
+
+def listen_notice(host: str, *, auth: bool) -> str:
+    """What ``mlscope up`` says about who can reach its nats-server."""
+    if host in (LOOPBACK, "localhost", "::1"):
+        return (f"mlscope up: NATS listens on {host} only (this machine); to serve other "
+                "machines use --host ADDR with --auth DIR")
+    if not auth:
+        return (f"mlscope up: WARNING: NATS listens on {host} WITHOUT credentials: anyone "
+                "who reaches it may submit jobs, read results and pose as an agent; use "
+                "--auth DIR (`mlscope auth init`)")
+    return f"mlscope up: NATS listens on {host}; clients need the credentials in --auth"
+
+
 def run_up(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     if args.data_dir is not None:
         settings = settings.with_(data_dir=args.data_dir.expanduser())
     frameworks = args.frameworks.split(",") if args.frameworks else installed_frameworks()
+    print(listen_notice(args.host, auth=args.auth is not None), flush=True)
     stack = Stack(settings, nats_port=args.nats_port, frameworks=frameworks, auth=args.auth,
+                  host=args.host,
                   agents_per_framework=args.agents_per_framework)
     stopping = False
 
@@ -212,6 +282,7 @@ def run_up(args: argparse.Namespace) -> int:
         if s.nats_creds:
             print(f"mlscope up: clients connect with MLSCOPE_NATS_CREDS={s.nats_creds}",
                   flush=True)
+        _share_zoo(s)
         reported: set[str] = set()
         while not stopping:
             for name in stack.dead():

@@ -16,15 +16,18 @@ import nats.js.errors
 
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
 from mlscope import bus as busmod
-from mlscope import codec, names
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, new_id
-from mlscope.errors import BusError, ConfigError, MLScopeError, error_from_wire
+from mlscope import codec, names, remote
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for, new_id
+from mlscope.errors import BusError, ConfigError, MLScopeError, WireError, error_from_wire
 from mlscope.settings import Settings
 from mlscope.stats import mean_ci
 
 __all__ = ["main", "submit"]
 
 ACCEPT_TIMEOUT_S = 10.0
+STORED_CHECK_S = 15.0
+"""After this long without an event the submitter asks for the job's stored evaluation
+(its id is derived from the job), so a missed "done" never leaves it waiting."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -141,7 +144,8 @@ async def submit(settings: Settings, job: JobRequest, *, on_event: object = None
         accepted = False
         deadline = time.monotonic() + limit
         while True:
-            wait = ACCEPT_TIMEOUT_S if not accepted else deadline - time.monotonic()
+            wait = (ACCEPT_TIMEOUT_S if not accepted
+                    else min(STORED_CHECK_S, deadline - time.monotonic()))
             try:
                 msg = await sub.next_msg(timeout=max(0.1, wait))
             except (nats.errors.TimeoutError, TimeoutError) as exc:
@@ -149,8 +153,16 @@ async def submit(settings: Settings, job: JobRequest, *, on_event: object = None
                     raise BusError(f"no server took job {job.job_id} within "
                                    f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
                                    ) from exc
+                stored = await _stored_result(bus, job.job_id)
+                if stored is not None:  # its "done" was missed (a bus outage)
+                    return stored
+                if time.monotonic() < deadline:
+                    continue
                 raise BusError(f"job {job.job_id} did not finish within {limit:g} s") from exc
-            event = codec.decode_model(JobEvent, msg.data)
+            try:
+                event = codec.decode_model(JobEvent, msg.data)
+            except WireError:
+                continue  # not an event of ours: a stray or hostile message
             accepted = True
             if callable(on_event):
                 on_event(event)
@@ -160,7 +172,23 @@ async def submit(settings: Settings, job: JobRequest, *, on_event: object = None
                 return event.summary
 
 
+def _notes(event: JobEvent) -> None:
+    """What the submitter must hear even without a terminal (a restarted job)."""
+    if event.event == "restarted":
+        print(f"\n  {event.note or 'job restarted'} (now on {event.server_id})",
+              file=sys.stderr, flush=True)
+
+
+async def _stored_result(bus: busmod.Bus, job_id: str) -> EvaluationSummary | None:
+    try:
+        _, summary = await remote.evaluation(bus, evaluation_id_for(job_id), timeout=5.0)
+    except MLScopeError:
+        return None  # not stored yet, or no server answering right now
+    return EvaluationSummary.model_validate(summary)
+
+
 def _progress(event: JobEvent) -> None:
+    _notes(event)
     if event.event == "progress":
         p50 = f"{event.p50_ms:.3f} ms" if event.p50_ms is not None else "-"
         print(f"\r  {event.queries_done:>8} queries  {event.elapsed_s:6.1f} s  p50 {p50:<12}",
@@ -247,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_repeat(args, settings)
     try:
         job = make_job(args)
-        show = None if args.json or not sys.stderr.isatty() else _progress
+        show = _notes if args.json or not sys.stderr.isatty() else _progress
         summary = anyio.run(lambda: submit(settings, job, on_event=show), backend="asyncio")
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
@@ -255,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # pydantic validation of the arguments and the scenario
         print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
         return 2
-    if show is not None:
+    if show is _progress:
         print(file=sys.stderr)
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))

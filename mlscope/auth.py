@@ -13,7 +13,9 @@ What each role may do (everything else is denied by the server):
 * submitter: publish jobs, ask the server's database responders, read the registry
   buckets, hear its jobs' events.
 * agent: serve its capability and agent subjects, answer requests,
-  publish span batches, write registry keys, read stream information.
+  publish span batches, write registry keys, read stream information. This user may
+  act as any agent id; ``mlscope auth add-agent NAME`` (:mod:`mlscope.agentauth`)
+  issues one bound to NAME's own subjects and key instead.
 * edge: like an agent, but only its own agent subjects and its own registry key,
   and no path to submit jobs or read results.
 * reader (dashboard): read the registry buckets, ask the database responders (read-
@@ -71,9 +73,10 @@ DEFAULT_HUB_DOMAIN = "hub"
 P = names.PREFIX
 
 
-def _kv_read(bucket: str) -> list[str]:
-    """The JetStream API subjects that reading one bucket (get, keys, watch) uses."""
-    stream = f"KV_{bucket}"
+def _kv_read(bucket: str, *, stream: str | None = None) -> list[str]:
+    """The JetStream API subjects that reading one bucket (get, keys, watch; an object
+    store's metadata and chunks) uses."""
+    stream = stream or f"KV_{bucket}"
     return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
             f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
@@ -111,7 +114,8 @@ def permissions(role: Role, *, edge_id: str = "edge-1", edge_domain: str = DEFAU
 
 def _agent_publish(key: str) -> list[str]:
     return [names.traces_wildcard(), key, "$JS.API.INFO", "$JS.API.STREAM.INFO.*",
-            *_kv_read(names.MODELS_BUCKET)]
+            *_kv_read(names.MODELS_BUCKET),
+            *_kv_read(names.ARTIFACTS_BUCKET, stream=f"OBJ_{names.ARTIFACTS_BUCKET}")]
 
 
 def _agent(inbox: str) -> dict[str, Any]:
@@ -228,5 +232,9 @@ def inbox_prefix_for(creds: Path) -> str | None:
     for role, key in roles.get("public_keys", {}).items():
         if key == public:
             prefix = roles.get("inbox_prefixes", {}).get(role)
+            return str(prefix) if prefix else None
+    for entry in roles.get("agents", {}).values():  # users of `auth add-agent`
+        if isinstance(entry, dict) and entry.get("public_key") == public:
+            prefix = entry.get("inbox_prefix")
             return str(prefix) if prefix else None
     return None

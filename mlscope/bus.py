@@ -53,6 +53,12 @@ HEARTBEAT_S = 1.0
 AGENT_TTL_S = 5.0
 """Registry entries expire this long after their last heartbeat (SIGKILL bound)."""
 TRACES_MAX_AGE_S = 7 * 24 * 3600.0
+TRACES_MAX_BYTES = 2 << 30
+"""Byte cap of the traces stream (oldest batches go first): ~5 h at 500 QPS traced at
+model level; the ingester normally takes batches within a second."""
+DEAD_MAX_BYTES = 256 << 20
+DEAD_MAX_AGE_S = 30 * 24 * 3600.0
+"""Dead letters are kept for the operator (``mlscope doctor``) a month, 256 MiB at most."""
 EDGE_TRACES_STREAM = "MLSCOPE_EDGE_TRACES"
 """The stream on an edge device's leaf node that buffers its span batches."""
 M = TypeVar("M", bound=BaseModel)
@@ -122,19 +128,30 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     return options
 
 
+FIRST_CONNECT_ATTEMPTS = 3
+"""Tries per server before the first connection counts as failed (about 1 s when
+nothing listens): a command run with no bus says so at once instead of retrying."""
+
+
 @asynccontextmanager
 async def connect(settings: Settings, *, name: str, provision: bool = False,
-                  connect_timeout: float = 5.0) -> AsyncIterator[Bus]:
+                  connect_timeout: float = 2.0) -> AsyncIterator[Bus]:
     """Connect to NATS (and optionally create streams/buckets); drain on exit.
 
     ``nats_url`` may list several servers (a cluster); the client fails over between
     them. ``js_domain`` addresses the hub's JetStream from behind a leaf node.
+
+    The first connection is bounded (:data:`FIRST_CONNECT_ATTEMPTS` per server, each
+    within ``connect_timeout``): with no server the caller gets a BusError within
+    seconds. Once connected, the client reconnects forever, which is what a
+    long-running service wants through a bus outage. (nats-py applies its reconnect
+    limit to the first connection too, so the limit is lifted only after it.)
     """
     options: dict[str, Any] = {
         **connect_options(settings),
         "name": name,
         "connect_timeout": connect_timeout,
-        "max_reconnect_attempts": -1,
+        "max_reconnect_attempts": FIRST_CONNECT_ATTEMPTS,
         "reconnect_time_wait": 0.5,
         "allow_reconnect": True,
     }
@@ -142,8 +159,9 @@ async def connect(settings: Settings, *, name: str, provision: bool = False,
         nc = await nats.connect(**options, error_cb=_quiet, disconnected_cb=_noop,
                                 reconnected_cb=_noop, closed_cb=_noop)
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise BusError(f"cannot connect to NATS at {settings.nats_url}: {exc!r}",
-                       url=settings.nats_url) from exc
+        raise BusError(f"no NATS server at {settings.nats_url} (is `mlscope up` running?)"
+                       f"{_reason(exc)}", url=settings.nats_url) from exc
+    nc.options["max_reconnect_attempts"] = -1
     try:
         js = nc.jetstream(domain=settings.js_domain) if settings.js_domain else nc.jetstream()
         bus = Bus(nc, js, settings.js_domain)
@@ -157,6 +175,14 @@ async def connect(settings: Settings, *, name: str, provision: bool = False,
             with anyio.move_on_after(3), suppress(TimeoutError, nats.errors.Error, OSError):
                 await nc.flush(timeout=2)
             await nc.close()
+
+
+def _reason(exc: BaseException) -> str:
+    """What to add to the one-line failure: nothing when simply nobody listens (nats-py
+    says only "no servers available"), else the client's own words (authorization...)."""
+    if isinstance(exc, nats.errors.NoServersError | OSError | TimeoutError):
+        return ""
+    return f": {exc}"
 
 
 async def _quiet(exc: Exception) -> None:
@@ -194,8 +220,19 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,
             max_age=TRACES_MAX_AGE_S,
+            max_bytes=TRACES_MAX_BYTES,
             num_replicas=replicas,
             duplicate_window=120.0,
+        ),
+        StreamConfig(
+            name=names.DEAD_STREAM,
+            subjects=[names.dead_letters_wildcard()],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=DEAD_MAX_AGE_S,
+            max_bytes=DEAD_MAX_BYTES,
+            num_replicas=replicas,
         ),
     ]
     try:
@@ -208,7 +245,8 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
             if (sorted(have.subjects or []) != sorted(cfg.subjects or [])
                     or (have.num_replicas or 1) != (cfg.num_replicas or 1)
                     or (have.max_msg_size or -1) != (cfg.max_msg_size or -1)
-                    or (have.max_age or 0.0) != (cfg.max_age or 0.0)):
+                    or (have.max_age or 0.0) != (cfg.max_age or 0.0)
+                    or (have.max_bytes or -1) != (cfg.max_bytes or -1)):
                 cfg.sources = have.sources
                 await bus.js.update_stream(cfg)
         for kv in (KeyValueConfig(bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1,

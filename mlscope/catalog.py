@@ -17,6 +17,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
+from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, UnknownModelError
 from mlscope.manifest import (
     FrameworkManifest,
@@ -58,15 +59,17 @@ class Entry:
     def _store(self, zoo_dir: Path, store: ArtifactStore | None) -> ArtifactStore:
         return store if store is not None else ArtifactStore(zoo_dir.parent, zoo_dir=zoo_dir)
 
-    def _verified(self, zoo_dir: Path, store: ArtifactStore | None, path: str, sha256: str,
-                  fields: tuple[str, str]) -> Path:
+    def _verified(self, zoo_dir: Path, store: ArtifactStore | None, path: str,
+                  sha256: str | None, fields: tuple[str, str]) -> Path:
         """One asset, resolved and checksum-verified; an error names this manifest file
         and its field (``fields``: the path's, the checksum's)."""
         try:
             return self._store(zoo_dir, store).resolve(
-                self.manifest.assets.base_url, path, sha256, manifest_dir=self.path.parent)
+                self.manifest.assets.base_url, path, sha256, manifest_dir=self.path.parent,
+                trusted=self.trusted, max_bytes=self.manifest.assets.max_bytes)
         except ArtifactError as exc:
-            field = fields[1] if isinstance(exc, ChecksumMismatch) else fields[0]
+            pinned = isinstance(exc, ChecksumMismatch) and exc.fields.get("expected") == sha256
+            field = fields[1] if pinned else fields[0]
             raise type(exc)(f"{self.path}: field '{field}': {exc.message}",
                             **{**exc.fields, "file": str(self.path), "field": field}) from exc
 
@@ -76,9 +79,18 @@ class Entry:
         return self._verified(zoo_dir, store, a.graph_path, a.sha256,
                               ("assets.graph_path", "assets.sha256"))
 
+    def graph_sha256(self, zoo_dir: Path) -> str | None:
+        """The sha256 the graph is verified against: the manifest's pin, else (a built
+        zoo artifact) its build lock's; None when it is not built."""
+        a = self.manifest.assets
+        if a.sha256 is not None:
+            return a.sha256
+        lock = BuildLock.read(self.root(zoo_dir))
+        return lock.artifacts.get(a.graph_path) if lock is not None else None
+
     def weights(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path | None:
         a = self.manifest.assets
-        if a.weights_path is None or a.weights_sha256 is None:
+        if a.weights_path is None:
             return None
         return self._verified(zoo_dir, store, a.weights_path, a.weights_sha256,
                               ("assets.weights_path", "assets.weights_sha256"))

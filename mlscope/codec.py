@@ -18,6 +18,8 @@ from mlscope.errors import WireError
 __all__ = ["decode", "decode_model", "encode", "encode_model"]
 
 _NDARRAY = 1
+MAX_ERROR_CHARS = 2000
+"""An error about a message says at most this much."""
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -73,4 +75,6 @@ def decode_model(cls: type[M], data: bytes) -> M:
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:
-        raise WireError(f"invalid {cls.__name__}: {exc.errors(include_url=False)}") from exc
+        # Without the input: an error must not echo (and so amplify) a hostile message.
+        why = str(exc.errors(include_url=False, include_input=False))
+        raise WireError(f"invalid {cls.__name__}: {why[:MAX_ERROR_CHARS]}") from exc

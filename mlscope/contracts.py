@@ -7,7 +7,13 @@ its schema number (history below). Tensors travel as numpy arrays through
 Schema history:
     1 (0.1.0)  first version of every message; later additions with defaults, which
                old readers refuse (``extra="forbid"``): Query.labels,
-               Query.more_inputs, QueryReply.labels.
+               Query.more_inputs, QueryReply.labels, JobEvent "restarted" and its
+               ``note``; the control and database requests and replies
+               (``ControlRequest``, ``SqlRequest``, ...) became contracts of their own,
+               and AgentDescription, JobRequest and ScenarioSpec refuse values no
+               service can act on (a negative pid, a heartbeat in the far future, an
+               unknown trace level, a malformed version constraint, batch size 0);
+               JobRequest.mlperf, JobRequest.mlperf_import, EvaluationSummary.mlperf.
 """
 
 from __future__ import annotations
@@ -17,23 +23,44 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, TypeAdapter, field_validator
+
+from mlscope.versions import parse_constraint
 
 __all__ = [
     "Accelerator",
     "AgentDescription",
+    "ControlReply",
+    "ControlRequest",
+    "DescribeOp",
+    "ErrorReply",
+    "EvaluationReply",
+    "EvaluationRequest",
     "EvaluationSummary",
     "FrameworkInfo",
     "JobEvent",
     "JobRequest",
     "LatencyStats",
+    "MLPerfImport",
+    "MLPerfSpec",
     "ModelOffer",
+    "PingOp",
+    "PingReply",
+    "PrepareOp",
+    "PrepareReply",
     "Query",
     "QueryReply",
+    "RefusalReason",
+    "RefusedModel",
+    "ReleaseOp",
+    "ReleaseReply",
     "SampleBatch",
     "ScenarioSpec",
     "SpanBatch",
+    "SqlReply",
+    "SqlRequest",
     "TraceLevel",
+    "evaluation_id_for",
     "new_id",
 ]
 
@@ -43,6 +70,12 @@ SCHEMA = 1
 def new_id(prefix: str) -> str:
     """A short unique id such as ``ev-1f3a9c2b7d4e``."""
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def evaluation_id_for(job_id: str) -> str:
+    """The evaluation id of a job: derived from it, so a redelivered job finds the
+    evaluation its first delivery stored (or is storing) instead of making a second."""
+    return f"ev-{uuid.uuid5(uuid.NAMESPACE_URL, f'mlscope:job:{job_id}').hex[:12]}"
 
 
 def _ndarray(value: Any) -> np.ndarray:
@@ -112,6 +145,32 @@ class ModelOffer(BaseModel):
     sha256: str | None = None
 
 
+RefusalReason = Literal["missing", "checksum", "custom_code", "framework_version", "policy",
+                        "invalid"]
+
+
+class RefusedModel(BaseModel):
+    """A model of the agent's framework that it does not serve, and why."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    name: str
+    version: str
+    framework: str
+    reason: RefusalReason
+    """missing: not built / not present; checksum: the file differs from its build lock
+    or pin; custom_code: a step this agent may not run; framework_version: the
+    manifest's constraint excludes this agent's runtime; policy: a manifest from the bus
+    names an asset location the fetch policy refuses (mlscope.fetchpolicy); invalid:
+    anything else."""
+    message: str
+    fix: str | None = None
+    """The command that mends it, when there is one."""
+
+
+EPOCH_LIMIT_S = 4.1e9
+"""The latest wall-clock time (s since the epoch, year 2099) a registry entry may carry."""
+
+
 class AgentDescription(_Message):
     """What an agent puts in the registry bucket under its id (refreshed by heartbeat)."""
 
@@ -126,12 +185,14 @@ class AgentDescription(_Message):
     accelerators: tuple[Accelerator, ...] = ()
     frameworks: tuple[FrameworkInfo, ...]
     models: tuple[ModelOffer, ...] = ()
+    refused: tuple[RefusedModel, ...] = ()
+    """Models of this framework that the agent does not serve, with the reason."""
     capabilities: tuple[str, ...] = ()
-    pid: int
+    pid: int = Field(ge=1, lt=1 << 32)
     mlscope_version: str
-    started_at: float
-    heartbeat_at: float
-    heartbeat_s: float
+    started_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
+    heartbeat_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
+    heartbeat_s: float = Field(gt=0, le=3600, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- jobs
@@ -162,7 +223,8 @@ class ScenarioSpec(BaseModel):
     """Closed loops: queries kept in flight."""
     latency_bound_ms: float | None = Field(default=None, gt=0)
     """Bound on the p99 latency (online, peak): a run over it is INVALID."""
-    batch_sizes: tuple[int, ...] | None = None
+    batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(default=None,
+                                                                        min_length=1)
     """batched: the batch sizes swept (default: just ``batch_size``)."""
     arrivals_s: tuple[float, ...] | None = None
     """replay: inter-arrival times in seconds (read from ``--schedule FILE``)."""
@@ -178,6 +240,45 @@ class ScenarioSpec(BaseModel):
     """cold-start: how many times the model is unloaded, loaded and run again."""
     warm_queries: int = Field(default=20, ge=1)
     """cold-start: warm queries after each load (closed loop, ``batch_size`` samples)."""
+
+
+class MLPerfSpec(BaseModel):
+    """A run of MLPerf LoadGen against the job's agent (``mlscope mlperf``).
+
+    Settings apply in LoadGen's order: ``mlperf_conf`` (LoadGen's built-in one when
+    None), then ``user_conf``, then the explicit fields that are set.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    scenario: Literal["SingleStream", "MultiStream", "Server", "Offline"]
+    mode: Literal["PerformanceOnly", "AccuracyOnly"] = "PerformanceOnly"
+    target_qps: float | None = Field(default=None, gt=0)
+    """Server: ``server_target_qps``; Offline: ``offline_expected_qps``."""
+    user_conf: str | None = None
+    """The text of an MLPerf ``user.conf`` (``model.Scenario.key = value`` lines)."""
+    mlperf_conf: str | None = None
+    """The text of an ``mlperf.conf`` replacing the one LoadGen ships."""
+    conf_model: str | None = None
+    """The model name the conf files' lines use (default: the mlscope model's name)."""
+    batch_size: int = Field(default=32, ge=1)
+    """Most samples the system under test sends the agent in one query (Offline)."""
+    window: int = Field(default=8, ge=1)
+    """Most agent queries the system under test keeps in flight (the rest wait in it)."""
+    seed: int | None = None
+    """LoadGen's sample, sample-index and schedule seeds (default: the conf files')."""
+
+
+class MLPerfImport(BaseModel):
+    """MLPerf logs written elsewhere, loaded as an evaluation (``mlscope import mlperf``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    files: dict[str, str]
+    """Log file name -> text: ``mlperf_log_summary.txt`` and ``mlperf_log_detail.txt``
+    (required), ``mlperf_log_accuracy.json`` / ``mlperf_log_trace.json`` when present."""
+    source: str = ""
+    """Where the logs were read (a path on the importing machine)."""
+    system: str = ""
+    """The submitter's system name (the results tree's ``<system>`` directory)."""
 
 
 class JobRequest(_Message):
@@ -205,6 +306,22 @@ class JobRequest(_Message):
     parallel: bool = False
     """Let this job run beside other evaluations on the same hosts (``--parallel``);
     by default a submitter runs jobs that share a host one after another."""
+    mlperf: MLPerfSpec | None = None
+    """Run MLPerf LoadGen as the load generator instead of ``scenario``."""
+    mlperf_import: MLPerfImport | None = None
+    """Store these MLPerf logs as an evaluation; no agent is involved."""
+
+    @field_validator("trace_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        TraceLevel.parse(value)  # ValueError names the levels
+        return value
+
+    @field_validator("framework_version")
+    @classmethod
+    def _constraint(cls, value: str | None) -> str | None:
+        parse_constraint(value)  # ValueError names the bad text
+        return value
 
 
 class LatencyStats(BaseModel):
@@ -284,6 +401,9 @@ class EvaluationSummary(_Message):
     points: tuple[dict[str, Any], ...] = ()
     """peak / batched: every run made (rate or batch size, latencies, verdict, its id)."""
     loadgens: int = 1
+    mlperf: dict[str, Any] | None = None
+    """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
+    log, its verdict and early-stopping text, the log files kept, ``imported``."""
     started_at: float
     finished_at: float
 
@@ -293,7 +413,9 @@ class JobEvent(_Message):
 
     kind: Literal["job_event"] = "job_event"
     job_id: str
-    event: Literal["accepted", "progress", "done", "failed"]
+    event: Literal["accepted", "restarted", "progress", "done", "failed"]
+    """restarted: a server took the job again after the one running it was lost."""
+    note: str = ""
     server_id: str = ""
     evaluation_id: str | None = None
     queries_done: int = 0
@@ -301,6 +423,114 @@ class JobEvent(_Message):
     p50_ms: float | None = None
     summary: EvaluationSummary | None = None
     error: dict[str, Any] | None = None
+
+
+# --------------------------------------------------------------------------- queries
+
+
+# --------------------------------------------------------------------------- control
+
+
+class PingOp(_Message):
+    """Clock probe: the agent answers with its monotonic clock."""
+
+    op: Literal["ping"] = "ping"
+
+
+class DescribeOp(_Message):
+    op: Literal["describe"] = "describe"
+
+
+class PrepareOp(_Message):
+    """Load (or reuse) a model for an evaluation; ``reload`` unloads it first."""
+
+    op: Literal["prepare"] = "prepare"
+    evaluation_id: str
+    model: str
+    model_version: str
+    batch_size: int = Field(default=1, ge=1)
+    max_batch: int | None = Field(default=None, ge=1)
+    trace_level: str = "model"
+    reload: bool = False
+
+    @field_validator("trace_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        TraceLevel.parse(value)
+        return value
+
+
+class ReleaseOp(_Message):
+    op: Literal["release"] = "release"
+    evaluation_id: str
+    unload: bool = False
+
+
+ControlRequest = Annotated[PingOp | DescribeOp | PrepareOp | ReleaseOp,
+                           Field(discriminator="op")]
+"""What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
+CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp] = TypeAdapter(
+    ControlRequest)
+
+
+class PingReply(_Message):
+    kind: Literal["pong"] = "pong"
+    t_agent: int
+
+
+class PrepareReply(_Message):
+    kind: Literal["prepared"] = "prepared"
+    ok: bool = True
+    cold: bool
+    load_ns: int
+    first_inference_ns: int
+    sha256: str | None = None
+    t_agent: int
+
+
+class ReleaseReply(_Message):
+    kind: Literal["released"] = "released"
+    ok: bool = True
+    unloaded: bool = False
+
+
+ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply
+
+
+class ErrorReply(_Message):
+    """Any request's failure: ``error`` is ``MLScopeError.to_wire()`` (code, message,
+    fields), rebuilt into the same typed exception by ``errors.error_from_wire``."""
+
+    kind: Literal["error"] = "error"
+    error: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- database
+
+
+class SqlRequest(_Message):
+    """One read-only statement for the server that owns the evaluation database."""
+
+    kind: Literal["sql"] = "sql"
+    sql: str = Field(max_length=1 << 20)
+    parameters: dict[str, Any] | None = None
+
+
+class SqlReply(_Message):
+    kind: Literal["rows"] = "rows"
+    columns: list[str]
+    rows: list[list[Any]]
+
+
+class EvaluationRequest(_Message):
+    kind: Literal["evaluation_request"] = "evaluation_request"
+    evaluation_id: str = Field(max_length=256)
+
+
+class EvaluationReply(_Message):
+    kind: Literal["evaluation"] = "evaluation"
+    spec: str
+    summary: str
 
 
 # --------------------------------------------------------------------------- queries

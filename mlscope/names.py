@@ -10,6 +10,8 @@ Subjects (core NATS unless marked JetStream):
     mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
+    mlscope.dead.<stream>              JetStream (stream DEAD): messages a consumer gave
+                                       up on, with the error in their headers
 
 Buckets: ``mlscope_agents`` (agent descriptions, TTL-expired), ``mlscope_models``
 (published manifests).
@@ -21,6 +23,8 @@ import re
 
 __all__ = [
     "AGENTS_BUCKET",
+    "ARTIFACTS_BUCKET",
+    "DEAD_STREAM",
     "EVALUATION_SUBJECT",
     "JOBS_CONSUMER",
     "JOBS_STREAM",
@@ -33,6 +37,8 @@ __all__ = [
     "agent_ctl",
     "agent_query",
     "capability",
+    "dead_letter",
+    "dead_letters_wildcard",
     "job_events",
     "token",
     "traces",
@@ -47,8 +53,12 @@ JOBS_CONSUMER = "servers"
 TRACES_STREAM = "MLSCOPE_TRACES"
 TRACES_CONSUMER = "ingester"
 
+DEAD_STREAM = "MLSCOPE_DEAD"
+
 AGENTS_BUCKET = "mlscope_agents"
 MODELS_BUCKET = "mlscope_models"
+ARTIFACTS_BUCKET = "mlscope_artifacts"
+"""Object store of built zoo models (mlscope.artifact_bucket)."""
 
 SQL_SUBJECT = f"{PREFIX}.db.sql"
 EVALUATION_SUBJECT = f"{PREFIX}.db.evaluation"
@@ -84,3 +94,12 @@ def traces(eval_id: str) -> str:
 
 def traces_wildcard() -> str:
     return f"{PREFIX}.traces.>"
+
+
+def dead_letter(stream: str) -> str:
+    """Where a consumer of ``stream`` puts the messages it gave up on."""
+    return f"{PREFIX}.dead.{token(stream)}"
+
+
+def dead_letters_wildcard() -> str:
+    return f"{PREFIX}.dead.>"

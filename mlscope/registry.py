@@ -14,8 +14,13 @@ from mlscope.bus import AGENT_TTL_S, Bus
 from mlscope.contracts import AgentDescription
 from mlscope.errors import BusError, WireError
 from mlscope.kvread import BucketWatch, bucket_keys
+from mlscope.serving import MAX_VALUE_BYTES
 
 __all__ = ["AgentCache", "list_agents"]
+
+FUTURE_TOLERANCE_S = 86_400.0
+"""A heartbeat more than a day ahead of this clock is refused: no clock is that wrong, and
+it would keep a dead agent listed (resolution also pings an agent before using it)."""
 
 
 async def list_agents(bus: Bus, *, include_stale: bool = False,
@@ -48,12 +53,9 @@ async def _list_agents(bus: Bus, include_stale: bool) -> list[AgentDescription]:
     # All gets in flight at once: with 32 agents one round trip, not 32.
     values = await asyncio.gather(*(get(k) for k in keys))
     for value in values:
-        if not value:
-            continue
-        try:
-            desc = codec.decode_model(AgentDescription, value)
-        except WireError:
-            continue  # a foreign or older entry: not an agent we can use
+        desc = _description(value)
+        if desc is None:
+            continue  # a foreign, older or hostile entry: not an agent we can use
         if include_stale or time.time() - desc.heartbeat_at <= AGENT_TTL_S:
             out.append(desc)
     return sorted(out, key=lambda d: d.agent_id)
@@ -94,7 +96,20 @@ class AgentCache:
         if operation in ("DEL", "PURGE") or not value:
             self._entries.pop(key, None)
             return
-        try:
-            self._entries[key] = codec.decode_model(AgentDescription, value)
-        except WireError:
+        desc = _description(value)
+        if desc is None:
             self._entries.pop(key, None)
+        else:
+            self._entries[key] = desc
+
+
+def _description(value: bytes | None) -> AgentDescription | None:
+    """A registry value as a description; None for one that is not (size-limited
+    before decoding; the contract refuses a negative pid, a heartbeat in the future)."""
+    if not value or len(value) > MAX_VALUE_BYTES:
+        return None
+    try:
+        desc = codec.decode_model(AgentDescription, value)
+    except (WireError, RecursionError):
+        return None
+    return desc if desc.heartbeat_at <= time.time() + FUTURE_TOLERANCE_S else None

@@ -55,6 +55,20 @@ class Settings:
     """Let an agent run the custom Python steps (``{python: {module, function}}``) of
     manifests loaded from its trusted local directories (``MLSCOPE_ALLOW_CUSTOM_CODE``;
     off by default). A manifest received over the bus never runs custom code."""
+    clickhouse_read_dsn: str | None = None
+    """DSN of the connections that run clients' SQL (``MLSCOPE_CLICKHOUSE_READ_DSN``):
+    with a ClickHouse server, a user whose profile is read-only with the read limits as
+    constraints; default: ``dsn`` (the limits and ``readonly`` as session settings)."""
+    sql_timeout_s: float = 10.0
+    """Longest a client's SQL on ``mlscope.db.sql`` may run before the database cancels
+    it (``MLSCOPE_SQL_TIMEOUT_S``; ``max_execution_time``, see broker.readonly)."""
+    artifact_url_prefixes: tuple[str, ...] = ()
+    """http(s) URL prefixes that manifests from the bus may download artifacts from
+    (``MLSCOPE_ARTIFACT_URL_PREFIXES``, comma-separated; none by default: bus manifests
+    then name only the bus's artifact store). See mlscope.fetchpolicy."""
+    max_artifact_bytes: int = 4 << 30
+    """Ceiling on any one download, whatever a manifest declares
+    (``MLSCOPE_MAX_ARTIFACT_BYTES``; 4 GiB)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -82,6 +96,12 @@ class Settings:
             js_replicas=int(env.get("MLSCOPE_JS_REPLICAS") or 1),
             js_domain=env.get("MLSCOPE_JS_DOMAIN") or None,
             allow_custom_code=_flag(env, "MLSCOPE_ALLOW_CUSTOM_CODE"),
+            clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
+            sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
+            artifact_url_prefixes=tuple(
+                p.strip() for p in env.get("MLSCOPE_ARTIFACT_URL_PREFIXES", "").split(",")
+                if p.strip()),
+            max_artifact_bytes=int(_number(env, "MLSCOPE_MAX_ARTIFACT_BYTES", 4 << 30)),
         )
 
     def with_(self, **changes: object) -> Settings:
@@ -127,6 +147,14 @@ class Settings:
             env["MLSCOPE_JS_REPLICAS"] = str(self.js_replicas)
         if self.allow_custom_code:
             env["MLSCOPE_ALLOW_CUSTOM_CODE"] = "1"
+        if self.clickhouse_read_dsn:
+            env["MLSCOPE_CLICKHOUSE_READ_DSN"] = self.clickhouse_read_dsn
+        if self.sql_timeout_s != 10.0:
+            env["MLSCOPE_SQL_TIMEOUT_S"] = repr(self.sql_timeout_s)
+        if self.artifact_url_prefixes:
+            env["MLSCOPE_ARTIFACT_URL_PREFIXES"] = ",".join(self.artifact_url_prefixes)
+        if self.max_artifact_bytes != 4 << 30:
+            env["MLSCOPE_MAX_ARTIFACT_BYTES"] = str(self.max_artifact_bytes)
         return env
 
 
@@ -141,3 +169,16 @@ def _flag(env: Mapping[str, str], var: str) -> bool:
         return False
     raise ConfigError(f"{var}={env[var]!r}: want one of {', '.join(_TRUE + _FALSE[1:])}",
                       field=var)
+
+
+def _number(env: Mapping[str, str], var: str, default: float) -> float:
+    value = env.get(var, "").strip()
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{var}={value!r}: want a number", field=var) from None
+    if not number > 0:
+        raise ConfigError(f"{var}={value!r}: want a positive number", field=var)
+    return number

@@ -161,7 +161,7 @@ def custom_manifest(tmp_path: Path, zoo: Path, monkeypatch: pytest.MonkeyPatch) 
     digits = local_catalog(zoo).find("digits_cnn", framework="onnxruntime")
     doc = yaml.safe_load(digits.path.read_text())
     doc["name"] = "digits_custom"
-    doc["assets"]["sha256"] = digits.manifest.assets.sha256
+    doc["assets"]["sha256"] = digits.graph_sha256(zoo)
     doc.pop("dataset")
     doc["inputs"][0]["steps"].insert(
         0, {"python": {"module": "custom_probe_steps", "function": "tap"}})

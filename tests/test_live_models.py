@@ -110,6 +110,8 @@ def test_publish_refuses_relative_assets_naming_file_and_field(stack: Settings,
                                                                tmp_path: Path) -> None:
     doc = yaml.safe_load((REPO / "manifests/models/digits_cnn.onnxruntime.yaml").read_text())
     doc["assets"]["base_url"] = "weights"
+    doc["assets"]["sha256"] = "ab" * 32  # not a built zoo:// asset any more: pinned
+    doc.pop("dataset")
     path = tmp_path / "relative.yaml"
     path.write_text(yaml.safe_dump(doc))
     out = mlscope(stack, "models", "publish", str(path))

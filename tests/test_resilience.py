@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -16,11 +17,21 @@ from broker.db import Database
 from broker.ingest import Ingester
 from cli.submit import submit
 from mlscope import bus as busmod
-from mlscope import codec, names
-from mlscope.contracts import JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch, new_id
+from mlscope import codec, names, remote
+from mlscope.contracts import (
+    JobEvent,
+    JobRequest,
+    Query,
+    ScenarioSpec,
+    SpanBatch,
+    evaluation_id_for,
+    new_id,
+)
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
+from mlscope.natsserver import NatsServer, free_port
+from mlscope.serving import dead_letters
 from mlscope.settings import Settings
-from tests.conftest import child_env, python, wait_agents, wait_server
+from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -109,6 +120,38 @@ async def _noop() -> None:
     return None
 
 
+def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
+        settings: Settings, tmp_path: Path) -> None:
+    db = Database(f"chdb:///{tmp_path / 'db'}")
+    db.migrate()
+    eval_id = "ev-trim"
+
+    async def main() -> tuple[int, int, list[str]]:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+            for b in range(10):
+                await bus.js.publish(names.traces(eval_id),
+                                     codec.encode_model(span_batch(eval_id, b * 50, 50)))
+            poison = span_batch(eval_id, 10_000, 2).dump()
+            poison["columns"]["span_id"] = ["abc", "def"]  # a string in a UInt64 column
+            await bus.js.publish(names.traces(eval_id), codec.encode(poison))
+            ingester = Ingester(bus, db, trim_s=0.2)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ingester.run)
+                with anyio.fail_after(30):
+                    while (_count(db, eval_id) < 500 or ingester.trimmed_below < 12):
+                        await anyio.sleep(0.1)
+                tg.cancel_scope.cancel()
+            left = (await bus.js.stream_info(names.TRACES_STREAM)).state.messages
+            _, dead = await dead_letters(bus)
+            return left, ingester.rejected, [d.error for d in dead]
+
+    left, rejected, dead = anyio.run(main, backend="asyncio")
+    assert _count(db, eval_id) == 500  # the good batches, all of them
+    assert left == 0 and rejected == 1
+    assert len(dead) == 1 and "column span_id" in dead[0]
+    db.close()
+
+
 def _count(db: Database, eval_id: str) -> int:
     return int(db.rows("SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}",
                        {"e": eval_id})[0][0])
@@ -137,10 +180,65 @@ def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
                             backend="asyncio")
         servers = {e.split(":")[1] for e in events if e.startswith("accepted")}
         assert len(servers) == 2, events  # taken by the first, run again by the second
+        assert any(e.startswith("restarted") for e in events), events  # and said so
         assert summary.status == "completed" and summary.queries > 100
+        # Exactly one evaluation, under the id the job determines.
+        assert summary.evaluation_id == evaluation_id_for(job.job_id)
+        stored = anyio.run(_evaluations_of, settings, job.job_id, backend="asyncio")
+        assert stored == [summary.evaluation_id]
     finally:
         for p in (agent, first, second):
             if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(20)
+
+
+async def _evaluations_of(settings: Settings, job_id: str) -> list[str]:
+    async with busmod.connect(settings, name="test") as bus:
+        _, rows = await remote.sql(bus, "SELECT evaluation_id FROM evaluations FINAL "
+                                   "WHERE job_id = {j:String}", {"j": job_id})
+    return [r[0] for r in rows]
+
+
+def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
+        settings: Settings) -> None:
+    env = child_env(settings)
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop",
+                              "--agent-id", "doomed"], env=env)
+    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(model="noop", framework="noop",
+                         scenario=ScenarioSpec(name="online", qps=200, duration_s=4))
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
+                agent.send_signal(signal.SIGKILL)
+
+        summary = anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=120),
+                            backend="asyncio")
+        assert not summary.valid and agent.poll() is not None
+        lost = [r for r in summary.invalid_reasons if r.startswith("agent doomed lost after")]
+        assert lost, summary.invalid_reasons
+        answered = int(lost[0].split(" after ")[1].split(" of ")[0])
+        total = int(lost[0].split(" of ")[1].split()[0])
+        assert 150 <= answered < total
+
+        async def stored() -> tuple[list[str], list[list[object]]]:
+            async with busmod.connect(settings, name="test") as bus:
+                return await remote.sql(
+                    bus, "SELECT countIf(ok = 1), countIf(ok = 0 AND error LIKE 'lost: %'), "
+                    "count() FROM queries FINAL WHERE evaluation_id = {e:String}",
+                    {"e": summary.evaluation_id})
+
+        _, rows = anyio.run(stored, backend="asyncio")
+        assert rows[0] == [answered, total - answered, total]  # every query, each explained
+        assert anyio.run(_evaluations_of, settings, job.job_id,
+                         backend="asyncio") == [summary.evaluation_id]
+        assert server.poll() is None
+    finally:
+        for p in (agent, server):
+            if p.poll() is None:
                 p.terminate()
                 p.wait(20)
 
@@ -198,3 +296,75 @@ def test_submit_without_a_server_fails_within_seconds(settings: Settings) -> Non
     assert time.monotonic() - t < 15
 
 
+
+
+def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(tmp_path: Path,
+                                                                     zoo_dir: Path) -> None:
+    nats = NatsServer(store_dir=tmp_path / "nats", port=free_port()).start()
+    settings = Settings(nats_url=nats.url, data_dir=make_data_dir(tmp_path / "data", zoo_dir))
+    env = child_env(settings)
+    procs = [subprocess.Popen([python(), "-m", "cli.main", "server"], env=env),
+             subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"],
+                              env=env)]
+    outage: list[threading.Thread] = []
+
+    def down_and_up() -> None:
+        nats.kill()
+        time.sleep(20)  # longer than the job's ack wait (15 s)
+        nats.start()
+
+    def on_event(e: JobEvent) -> None:
+        if e.event == "progress" and e.queries_done >= 200 and not outage:
+            outage.append(threading.Thread(target=down_and_up))
+            outage[0].start()
+
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(model="noop", framework="noop",
+                         scenario=ScenarioSpec(name="online", qps=100, duration_s=30))
+        summary = anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=170),
+                            backend="asyncio")
+        assert outage and not outage[0].is_alive()
+        assert summary.evaluation_id == evaluation_id_for(job.job_id)
+        assert anyio.run(_evaluations_of, settings, job.job_id,
+                         backend="asyncio") == [summary.evaluation_id]
+        assert [p.poll() for p in procs] == [None, None]
+    finally:
+        for t in outage:
+            t.join(30)
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait(20)
+        nats.stop()
+
+
+def test_sigterm_stops_a_running_load_at_once(settings: Settings) -> None:
+    env = child_env(settings)
+    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"],
+                             env=env)
+    stopped: dict[str, float] = {}
+
+    def on_event(e: JobEvent) -> None:
+        if e.event == "progress" and not stopped:
+            stopped["at"] = time.monotonic()
+            server.send_signal(signal.SIGTERM)
+            server.wait(20)
+            stopped["exit"] = time.monotonic()
+            raise KeyboardInterrupt  # stop waiting: nobody will finish this job now
+
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(model="noop", framework="noop",
+                         scenario=ScenarioSpec(name="online", qps=200, duration_s=60))
+        with pytest.raises(KeyboardInterrupt):
+            anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=90),
+                      backend="asyncio")
+        assert server.returncode == 0
+        assert stopped["exit"] - stopped["at"] < 5.0  # not the 60 s the schedule had left
+    finally:
+        for p in (agent, server):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(20)

@@ -14,6 +14,7 @@ import pytest
 from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import remote
+from mlscope.buildlock import BuildLock
 from mlscope.bus import AGENT_TTL_S
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import ResolutionError, UnknownModelError
@@ -97,7 +98,10 @@ def test_batched_reports_throughput_and_spec_is_stored(stack: Settings) -> None:
     spec, stored = anyio.run(fetch, backend="asyncio")
     assert stored["evaluation_id"] == s.evaluation_id
     assert spec["manifest"]["name"] == "digits_cnn"
-    assert spec["artifact_sha256"] == spec["manifest"]["assets"]["sha256"]
+    # A built zoo model is verified against its build lock: that is the hash that ran.
+    lock = BuildLock.read(stack.data_dir / "zoo" / "digits_cnn" / "1.0.0")
+    assert lock is not None
+    assert spec["artifact_sha256"] == lock.artifacts[spec["manifest"]["assets"]["graph_path"]]
     assert spec["job"]["scenario"]["batch_size"] == 16 and spec["mlscope_version"]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from mlscope.zoo import convert
 
-__all__ = ["FORMAT_FILES", "check_top1", "export_formats", "write_labels"]
+__all__ = ["FORMAT_FILES", "export_formats", "measure", "softmax", "write_labels"]
 
 FORMAT_FILES = {"onnx": ".onnx", "torchscript": ".pt", "savedmodel": ".savedmodel",
                 "tflite": ".tflite"}
@@ -37,14 +37,27 @@ def export_formats(model: Any, keras_model: Any, example: Any, out: Path, stem: 
     return paths
 
 
-def check_top1(name: str, paths: dict[str, Path], x: np.ndarray, y: np.ndarray, *,
-               tolerance: int = 1) -> dict[str, float]:
-    """Top-1 accuracy per format; raise when two formats differ by more than a sample."""
-    outputs = convert.predict_all(x, **paths)  # type: ignore[arg-type]
+def measure(name: str, paths: dict[str, Path], x: np.ndarray, y: np.ndarray, *,
+            probes: Sequence[int], batch: int = 64, tolerance: int = 1) -> dict[str, Any]:
+    """What the build reports of a classifier's behaviour, per format: top-1 accuracy on
+    ``(x, y)`` and the class probabilities of the ``probes`` rows. Raises when two
+    formats differ by more than ``tolerance`` correct answers (one set of weights)."""
+    outputs = convert.predict_all(x, batch=batch, **paths)
     correct = {fw: int((o.argmax(axis=1) == y).sum()) for fw, o in outputs.items()}
     if max(correct.values()) - min(correct.values()) > tolerance:
         raise RuntimeError(f"{name}: formats disagree on top-1: {correct}")
-    return {fw: c / len(y) for fw, c in correct.items()}
+    return {
+        "samples": len(y),
+        "accuracy": {fw: c / len(y) for fw, c in correct.items()},
+        "probabilities": {fw: {str(i): softmax(o[i]).tolist() for i in probes}
+                          for fw, o in outputs.items()},
+    }
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max()
+    e = np.exp(z)
+    return e / e.sum()  # type: ignore[no-any-return]
 
 
 def write_labels(path: Path, labels: Sequence[str]) -> Path:

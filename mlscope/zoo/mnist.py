@@ -18,6 +18,8 @@ __all__ = ["NAME", "VERSION", "build", "load_split", "train"]
 NAME = "mnist_lenet"
 VERSION = "1.0.0"
 SEED = 0
+PROBES = (0, 1, 2)
+"""Held-out rows whose outputs the manifests pin (with a tolerance)."""
 EPOCHS = 10
 N_TRAIN = 4000
 
@@ -61,11 +63,11 @@ def train() -> Any:
     return model.eval()
 
 
-def build(out: Path) -> dict[str, float]:
+def build(out: Path) -> dict[str, Any]:
     """Every format of the same weights plus the held-out set; top-1 per format."""
     import torch
 
-    from mlscope.zoo.classifier import check_top1, export_formats, write_labels
+    from mlscope.zoo.classifier import export_formats, measure, write_labels
     from mlscope.zoo.convert import keras_from_sequential
 
     model = train()
@@ -75,4 +77,4 @@ def build(out: Path) -> dict[str, float]:
     with (out / "holdout.npz").open("wb") as fh:
         np.savez(fh, x=x_te, y=y_te)
     write_labels(out / "labels.txt", [str(d) for d in range(10)])
-    return check_top1(NAME, paths, (x_te.astype(np.float32) / 255.0)[:, None], y_te)
+    return measure(NAME, paths, (x_te.astype(np.float32) / 255.0)[:, None], y_te, probes=PROBES)

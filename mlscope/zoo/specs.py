@@ -1,8 +1,12 @@
 """The zoo's model manifests, rendered from what the builders produce.
 
 ``manifests/models/<name>.<framework>.yaml`` for every zoo model is generated here
-(``mlscope zoo build --write-manifests``), so that every sha256 in them is the one the
-build writes. The tests check that the committed files equal what this renders.
+(``mlscope zoo build --write-manifests``). Files read in place from wheels are pinned
+by sha256; built artifacts are not (their bytes depend on the CPU, see
+:mod:`mlscope.zoo.build`): their manifests pin the build's inputs and the behaviour the
+build measured (accuracy and probe outputs, with the builder's tolerances). The tests
+check that the committed files equal what this renders, the measured numbers within
+those tolerances.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Any
 import yaml
 
 from mlscope.artifacts import resolve_package, sha256_path
+from mlscope.buildlock import BuildLock
 from mlscope.zoo import effnet
+from mlscope.zoo.build import BUILDERS, input_file
 from mlscope.zoo.packaged import LIGHT_MODELS
 
 __all__ = ["FRAMEWORK_FILES", "render_all"]
@@ -62,14 +68,34 @@ def _classifier(name: str, version: str, out: Path, *, common: dict[str, Any],
                         "shape": input_shape, "layout": "NCHW", "steps": steps}],
             "outputs": [{"type": "probability", "layer_name": outs[0], "labels": "labels.txt",
                          "steps": [{"softmax": {}}, {"topk": {"k": 5}}]}],
-            "assets": {"base_url": f"zoo://{name}/{version}", "graph_path": graph.name,
-                       "sha256": sha256_path(graph)},
+            "assets": {"base_url": f"zoo://{name}/{version}", "graph_path": graph.name},
             "attributes": attributes,
-            "dataset": {**dataset, "sha256": sha256_path(out / dataset["path"])},
+            "dataset": dataset,
+            "build": build_section(name, out),
         }
         note = SAVEDMODEL_NOTE if fw == "tensorflow" else ""
         docs[f"{name}.{fw}.yaml"] = (note, _drop_none(doc))
     return docs
+
+
+def build_section(name: str, out: Path) -> dict[str, Any]:
+    """The manifest's ``build``: pinned inputs, and the behaviour the build measured
+    (on ONNX Runtime; the build checks every format against it)."""
+    b = BUILDERS[name]
+    section: dict[str, Any] = {
+        "inputs": [{"path": url, "sha256": sha256_path(input_file(url))} for url in b.inputs]}
+    lock = BuildLock.read(out)
+    measured = lock.behaviour if lock is not None else {}
+    if "accuracy" in measured:
+        probes = measured.get("probes", {}).get("onnxruntime", [])
+        section["behaviour"] = {
+            "accuracy": round(measured["accuracy"]["onnxruntime"], 4),
+            "accuracy_tolerance": b.accuracy_tolerance,
+            "probes": [{"sample": p["sample"], "top5": [[int(c), v] for c, v in p["top5"]]}
+                       for p in probes],
+            "probe_tolerance": b.probe_tolerance,
+        }
+    return section
 
 
 def _drop_none(doc: Any) -> Any:
@@ -283,8 +309,8 @@ def _face(zoo: Path) -> dict[str, tuple[str, dict[str, Any]]]:
                    "sha256": sha256_path(graph)},
         "attributes": {"reported_accuracy": {"binary_auc": 0.9996, "accuracy_at_0_5": 0.99},
                        "anchors": 896},
-        "dataset": {"name": "lfw_subset", "path": "lfw_subset.npz", "metric": "binary_auc",
-                    "sha256": sha256_path(out / "lfw_subset.npz")},
+        "dataset": {"name": "lfw_subset", "path": "lfw_subset.npz", "metric": "binary_auc"},
+        "build": build_section("mp_face_detection", out),
     }
     return {"mp_face_detection.tflite.yaml": ("", doc)}
 

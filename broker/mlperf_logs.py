@@ -1,0 +1,181 @@
+"""Reading MLPerf LoadGen's log files: summary, detail, trace and accuracy.
+
+Only LoadGen's own numbers are taken from these files (they are never recomputed):
+
+* ``mlperf_log_detail.txt`` -- one ``:::MLLOG {json}`` record per line; the
+  ``result_*`` keys hold the verdict, counts, rates and the nearest-rank latency
+  percentiles LoadGen computed (``result_99.00_percentile_latency_ns``; MultiStream
+  names them ``..._percentile_per_query_latency_ns``), ``effective_*`` the settings.
+* ``mlperf_log_summary.txt`` -- the human summary; its ``... satisfied : NO`` lines are
+  the reasons behind an INVALID verdict.
+* ``mlperf_log_trace.json`` (written when ``LogSettings.enable_trace``) -- one async
+  ``Sample`` begin event per sample: ``ts`` (µs, LoadGen's clock) is the sample's
+  scheduled time, ``issue_start_ns`` / ``complete_ns`` are issue and completion
+  relative to it. LoadGen writes some other events in that file as invalid JSON
+  (unescaped quotes), so the sample events are read line by line.
+* ``mlperf_log_accuracy.json`` -- ``[{seq_id, qsl_idx, data (hex)}]``, the responses
+  of an accuracy run; :func:`imagenet_top1` scores them as MLPerf's ImageNet checker
+  (``accuracy-imagenet.py``) does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mlscope.errors import ConfigError
+
+__all__ = ["ACCURACY", "DETAIL", "LOG_FILES", "SUMMARY", "TRACE", "LoadGenResult",
+           "accuracy_entries", "format_accuracy", "imagenet_top1", "parse_detail",
+           "parse_result", "trace_samples"]
+
+SUMMARY = "mlperf_log_summary.txt"
+DETAIL = "mlperf_log_detail.txt"
+ACCURACY = "mlperf_log_accuracy.json"
+TRACE = "mlperf_log_trace.json"
+LOG_FILES = (SUMMARY, DETAIL, ACCURACY, TRACE)
+_MLLOG = ":::MLLOG "
+_PCT = re.compile(r"^result_(\d+\.\d+)_percentile(_per_query)?_latency_ns$")
+_SATISFIED = re.compile(r"^\s*(.+?)\s*satisfied\s*:\s*NO\s*$", re.IGNORECASE | re.MULTILINE)
+_FIELD = re.compile(r"^(SUT name|Scenario|Mode|Result is)\s*:\s*(.*?)\s*$", re.MULTILINE)
+TRACE_DTYPE = np.dtype([("sample_seq", np.int64), ("query_seq", np.int64),
+                        ("sample_idx", np.int64), ("scheduled_ns", np.int64),
+                        ("issued_ns", np.int64), ("completed_ns", np.int64)])
+
+
+@dataclass(frozen=True)
+class LoadGenResult:
+    """LoadGen's verdict and numbers for one run, as its logs state them."""
+
+    scenario: str
+    mode: str
+    sut_name: str
+    validity: str | None
+    """``VALID`` / ``INVALID``; None for an accuracy run (LoadGen judges no validity)."""
+    reasons: tuple[str, ...]
+    percentiles_ns: dict[str, int]
+    """``"50.00"`` -> ns, LoadGen's nearest-rank percentiles (per query in MultiStream)."""
+    result: dict[str, Any]
+    """Every ``result_*`` key of the detail log, without the prefix."""
+    effective: dict[str, Any]
+    """Every ``effective_*`` setting of the detail log, without the prefix."""
+    errors: int
+    loadgen_version: str
+
+    @property
+    def valid(self) -> bool:
+        return self.errors == 0 and self.validity in (None, "VALID")
+
+    def doc(self) -> dict[str, Any]:
+        """The JSON kept in an evaluation's summary (``EvaluationSummary.mlperf``)."""
+        return {"scenario": self.scenario, "mode": self.mode, "sut_name": self.sut_name,
+                "validity": self.validity, "reasons": list(self.reasons),
+                "percentiles_ns": self.percentiles_ns, "result": self.result,
+                "effective": self.effective, "errors": self.errors,
+                "loadgen_version": self.loadgen_version}
+
+
+def parse_detail(text: str) -> dict[str, Any]:
+    """key -> value of every MLLOG record (the last one wins); malformed lines are named."""
+    out: dict[str, Any] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.startswith(_MLLOG):
+            continue
+        try:
+            rec = json.loads(line[len(_MLLOG):])
+            out[str(rec["key"])] = rec.get("value")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{DETAIL} line {n} is not a LoadGen MLLOG record: {exc}",
+                              field=DETAIL) from exc
+    if not out:
+        raise ConfigError(f"{DETAIL} holds no MLLOG record: not a LoadGen detail log",
+                          field=DETAIL)
+    return out
+
+
+def parse_result(summary: str, detail: str) -> LoadGenResult:
+    """LoadGen's result from the texts of its summary and detail logs."""
+    kv = parse_detail(detail)
+    head = dict(_FIELD.findall(summary))
+    scenario = str(kv.get("effective_scenario") or head.get("Scenario") or "")
+    mode = str(kv.get("effective_test_mode") or head.get("Mode") or "")
+    if not scenario or not mode:
+        raise ConfigError("the logs name no scenario or test mode", field=SUMMARY)
+    result = {k[len("result_"):]: v for k, v in kv.items() if k.startswith("result_")}
+    pct: dict[str, int] = {}
+    for key, value in kv.items():
+        m = _PCT.match(key)
+        if m and (m.group(1) not in pct or m.group(2)):  # per query wins (MultiStream)
+            pct[m.group(1)] = int(value)
+    validity = kv.get("result_validity") or head.get("Result is")
+    reasons = [f"LoadGen: {r.strip()} not satisfied" for r in _SATISFIED.findall(summary)]
+    why = str(kv.get("result_invalid_reason") or "").strip()
+    if validity == "INVALID" and why:
+        reasons.append(f"LoadGen: {why}")
+    errors = int(kv.get("num_errors") or 0)
+    if errors:
+        reasons.append(f"LoadGen: {errors} errors")
+    return LoadGenResult(
+        scenario=scenario, mode=mode, sut_name=str(kv.get("sut_name") or head.get("SUT name")
+                                                   or ""),
+        validity=str(validity) if validity else None, reasons=tuple(reasons),
+        percentiles_ns=pct, result=result,
+        effective={k[len("effective_"):]: v for k, v in kv.items()
+                   if k.startswith("effective_")},
+        errors=errors, loadgen_version=str(kv.get("loadgen_version") or ""))
+
+
+def trace_samples(text: str) -> np.ndarray:
+    """One row per sample from a trace log, ordered by ``sample_seq`` (ns, LoadGen clock)."""
+    rows: list[tuple[int, int, int, int, int, int]] = []
+    for line in text.splitlines():
+        if not line.startswith('{"name":"Sample"') or '"ph":"b"' not in line:
+            continue
+        try:
+            ev = json.loads(line.rstrip().rstrip(","))
+            a = ev["args"]
+            scheduled = round(float(ev["ts"]) * 1000)
+            rows.append((int(a["sample_seq"]), int(a["query_seq"]), int(a["sample_idx"]),
+                         scheduled, scheduled + int(a["issue_start_ns"]),
+                         scheduled + int(a["complete_ns"])))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{TRACE}: a Sample event is malformed: {exc}",
+                              field=TRACE) from exc
+    out = np.array(rows, dtype=TRACE_DTYPE)
+    return np.sort(out, order="sample_seq")
+
+
+def accuracy_entries(text: str) -> list[tuple[int, bytes]]:
+    """(qsl_idx, response bytes) of every entry of an accuracy log."""
+    try:
+        doc = json.loads(text) if text.strip() else []
+        return [(int(e["qsl_idx"]), bytes.fromhex(str(e["data"]))) for e in doc]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{ACCURACY} is not a LoadGen accuracy log: {exc}",
+                          field=ACCURACY) from exc
+
+
+def imagenet_top1(entries: list[tuple[int, bytes]], labels: np.ndarray, *,
+                  dtype: str = "int64") -> tuple[int, int]:
+    """(good, total) as MLPerf's ImageNet checker counts them: each ``qsl_idx`` once (the
+    first response), its predicted class = the first element of the response data."""
+    seen: set[int] = set()
+    good = 0
+    for idx, data in entries:
+        if idx in seen:
+            continue  # LoadGen may send a sample more than once
+        seen.add(idx)
+        values = np.frombuffer(data, dtype=np.dtype(dtype))
+        if values.size and int(values[0]) == int(labels[idx]):
+            good += 1
+    return good, len(seen)
+
+
+def format_accuracy(good: int, total: int) -> str:
+    """The checker's output line."""
+    pct = 100.0 * good / total if total else 0.0
+    return f"accuracy={pct:.3f}%, good={good}, total={total}\n"

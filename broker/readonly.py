@@ -1,0 +1,196 @@
+"""Client-supplied SQL, run so that it cannot write, reach the host or hold the database.
+
+Other processes send SQL to the server (``mlscope.db.sql``); it runs here, never on the
+writer's connection. Three layers, each of which holds on its own for what it covers:
+
+1. **ClickHouse's own enforcement.** Client SQL runs only on dedicated read
+   connections whose *session* settings are the read limits followed by
+   ``readonly = 1``. The engine then refuses every write and DDL statement, the table
+   functions that reach the host (``file``, ``url``, ``s3``, ``remote``, ...) and any
+   change of a setting (a ``SETTINGS`` clause in the query), and cuts a query off at
+   ``max_execution_time``, ``max_result_rows`` / ``max_result_bytes`` (overflow mode
+   ``throw``) and ``max_memory_usage``. The settings ride on the connection, so the
+   same rules hold on chDB and on a ClickHouse server reached by DSN (there a
+   read-only user or profile is better still: it cannot be lifted by any client).
+2. **ClickHouse's parser decides what the statement is.** The client's text is passed
+   to ``formatQuery`` as a *parameter* (never spliced into SQL) and the canonical text
+   it returns is what runs: exactly one statement (multi-statements are a syntax
+   error), comments gone, ``SELECT`` or ``WITH`` only, and no call of a function that
+   reaches outside the database. This matters because ``readonly`` does not cover
+   everything: the ``file()`` *function* still reads any host file, and chDB writes
+   ``INTO OUTFILE`` itself, outside the engine's checks.
+3. **The canonical statement runs as a subquery** (``SELECT * FROM (...)``): a
+   top-level ``INTO OUTFILE`` or ``FORMAT`` clause can only be a syntax error there.
+
+The read connections are separate from the writer's (chDB allows any number of
+handles to its one engine per process), so a client query never waits for, or makes
+wait, an insert or the server's own reads; a pool of ``readers`` connections lets one
+hostile query occupy one of them for at most ``max_execution_time``.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import clickhouse_connect
+import pandas as pd
+from clickhouse_connect.driver.exceptions import ClickHouseError
+
+from broker.db import fresh_client
+from mlscope.errors import DatabaseError, QueryRefused
+
+__all__ = ["DENIED_FUNCTIONS", "ReadLimits", "ReadOnlyDatabase"]
+
+DENIED_FUNCTIONS = frozenset({
+    "file", "url", "urlcluster", "s3", "s3cluster", "gcs", "oss", "cosn", "hdfs",
+    "hdfscluster", "azureblobstorage", "azureblobstoragecluster", "remote",
+    "remotesecure", "cluster", "clusterallreplicas", "executable", "executablepool",
+    "input", "jdbc", "odbc", "mysql", "postgresql", "sqlite", "mongodb", "redis",
+    "iceberg", "icebergs3", "iceberglocal", "deltalake", "deltalakelocal", "hudi",
+    "filecluster", "dictionary", "loop", "merge", "view", "viewifpermitted",
+    "prometheusquery", "ytsaurus", "arrowflight",
+})
+"""Functions and table functions that read or write outside the evaluation tables
+(host files, the network, other servers, programs). ``readonly`` already refuses the
+table functions among them; the ``file()`` scalar function it does not."""
+
+_LIMIT_CODES = ("TIMEOUT_EXCEEDED", "TOO_MANY_ROWS_OR_BYTES", "MEMORY_LIMIT_EXCEEDED",
+                "TOO_MANY_ROWS", "TOO_MANY_BYTES", "READONLY", "ACCESS_DENIED",
+                "QUERY_WAS_CANCELLED", "TOO_SLOW", "TOO_MANY_ROWS_OR_BYTES")
+_STRING = re.compile(r"'(?:[^'\\]|\\.)*'", re.S)
+_CALL = re.compile(r'(?:`((?:[^`\\]|\\.)*)`|"((?:[^"\\]|\\.)*)"|([A-Za-z_][A-Za-z0-9_]*))\s*\(')
+_TOP_CLAUSE = re.compile(r"^(INTO OUTFILE|FORMAT|SETTINGS)\b", re.M)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadLimits:
+    """What one client query may use; enforced by ClickHouse on the read connections."""
+
+    max_execution_time_s: float = 10.0
+    """Wall time after which the engine cancels the query (``max_execution_time``)."""
+    max_result_rows: int = 100_000
+    """Rows a result may have (``max_result_rows``, overflow ``throw``)."""
+    max_result_bytes: int = 64 << 20
+    """Uncompressed bytes a result may have (``max_result_bytes``)."""
+    max_memory_usage: int = 1 << 30
+    """Memory one query may allocate (``max_memory_usage``)."""
+    max_threads: int = 1
+    """Threads one query may use (``max_threads``): hostile queries on every read
+    connection still leave cores for ingest and the load generator."""
+    readers: int = 4
+    """Read connections: concurrent client queries. One more waits for a free one, at
+    most ``max_execution_time``: a client sending more hostile queries at once than
+    there are readers delays other clients' SQL (never the writer, nor evaluation
+    lookups, which use the server's own connection)."""
+    max_sql_chars: int = 100_000
+    """Longest statement accepted (checked before anything parses it)."""
+
+    def settings(self) -> dict[str, Any]:
+        """Session settings of a read connection, ``readonly`` last: once it is set,
+        nothing else may change, a query's own ``SETTINGS`` clause included."""
+        return {
+            "max_execution_time": self.max_execution_time_s,
+            "timeout_overflow_mode": "throw",
+            "max_result_rows": self.max_result_rows,
+            "max_result_bytes": self.max_result_bytes,
+            "result_overflow_mode": "throw",
+            "max_memory_usage": self.max_memory_usage,
+            "max_threads": self.max_threads,
+            "readonly": 1,
+        }
+
+
+class ReadOnlyDatabase:
+    """A pool of read-only, limited connections for client-supplied SQL."""
+
+    def __init__(self, dsn: str, limits: ReadLimits | None = None) -> None:
+        self.dsn = dsn
+        self.limits = limits or ReadLimits()
+        self._pool: queue.Queue[Any] = queue.Queue()
+        try:
+            for _ in range(max(1, self.limits.readers)):
+                self._pool.put(self._connect())
+        except (ClickHouseError, OSError, RuntimeError) as exc:
+            self.close()
+            raise DatabaseError(f"cannot open read connection to {dsn}: {exc}",
+                                dsn=dsn) from exc
+
+    def frame(self, sql: Any, parameters: Any = None) -> pd.DataFrame:
+        """Run one client SELECT under the read rules; QueryRefused when it breaks one
+        (``sql`` and ``parameters`` come off the wire: any type is refused cleanly)."""
+        if not isinstance(sql, str) or len(sql) > self.limits.max_sql_chars:
+            raise QueryRefused(f"SQL must be a string of at most {self.limits.max_sql_chars}"
+                               " characters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise QueryRefused("parameters must be a mapping")
+        client = self._take()
+        healthy = False
+        try:
+            canonical = self._canonical(client, sql)
+            frame = client.query_df(f"SELECT * FROM (\n{canonical}\n)", parameters=parameters)
+            healthy = True
+            return frame
+        except ClickHouseError as exc:
+            raise _translate(exc, sql) from exc
+        except (TypeError, ValueError, KeyError) as exc:  # parameters it cannot bind
+            raise QueryRefused(f"cannot bind the query's parameters: {exc}",
+                               sql=sql[:200]) from exc
+        finally:
+            self._pool.put(client if healthy else self._replace(client))
+
+    def _connect(self) -> Any:
+        return clickhouse_connect.get_client(dsn=self.dsn, settings=self.limits.settings())
+
+    def _replace(self, client: Any) -> Any:
+        """A failed handle is never reused (see :class:`broker.db.Database`)."""
+        return fresh_client(client, self.dsn, self.limits.settings())
+
+    def _take(self) -> Any:
+        try:
+            return self._pool.get(timeout=self.limits.max_execution_time_s + 1.0)
+        except queue.Empty:
+            raise QueryRefused("every read connection is busy; try again",
+                               readers=self.limits.readers) from None
+
+    def _canonical(self, client: Any, sql: str) -> str:
+        """ClickHouse's own rendering of ``sql`` after the statement checks."""
+        result = client.query("SELECT formatQuery({q:String})", parameters={"q": sql})
+        canonical = str(result.result_rows[0][0]).strip()
+        check_statement(canonical)
+        return canonical
+
+    def close(self) -> None:
+        while True:
+            try:
+                self._pool.get_nowait().close()
+            except queue.Empty:
+                return
+
+
+def check_statement(canonical: str) -> None:
+    """Refuse a canonical (``formatQuery``) statement that is not a plain read."""
+    if not canonical.startswith(("SELECT", "WITH")):
+        head = canonical.split(None, 1)[0] if canonical.split() else ""
+        raise QueryRefused(f"only SELECT (or WITH ... SELECT) is allowed, not {head!r}",
+                           statement=head)
+    clause = _TOP_CLAUSE.search(canonical)
+    if clause:
+        raise QueryRefused(f"{clause.group(1)} is not allowed in a client query",
+                           clause=clause.group(1))
+    for match in _CALL.finditer(_STRING.sub("''", canonical)):
+        name = next(g for g in match.groups() if g is not None).lower()
+        if name in DENIED_FUNCTIONS:
+            raise QueryRefused(f"function {name}() reaches outside the database and is "
+                               "not allowed", function=name)
+
+
+def _translate(exc: ClickHouseError, sql: str) -> DatabaseError:
+    text = str(exc)
+    code = next((c for c in _LIMIT_CODES if f"({c})" in text), None)
+    first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    if code:
+        return QueryRefused(first, limit=code, sql=sql[:200])
+    return DatabaseError(first, sql=sql[:200])

@@ -1,0 +1,210 @@
+"""``mlscope mlperf`` (LoadGen against an agent) and ``mlscope import mlperf DIR``.
+
+Both are jobs for the server: ``mlscope mlperf`` submits a job whose load generator is
+MLPerf LoadGen (run by the server, see broker/mlperf.py), waits for its summary and
+then writes LoadGen's log files, read back from the evaluation database, into
+``--output``. ``mlscope import mlperf`` reads result directories (any directory
+holding an ``mlperf_log_summary.txt``) and submits one import job per directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from broker import mlperf_logs as logs
+from cli.submit import format_summary, submit
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.contracts import EvaluationSummary, JobRequest, MLPerfImport, MLPerfSpec
+from mlscope.errors import ConfigError
+from mlscope.settings import Settings
+
+__all__ = ["fetch_logs", "find_results", "import_job", "register"]
+
+SCENARIOS = ("SingleStream", "MultiStream", "Server", "Offline")
+MODES = ("PerformanceOnly", "AccuracyOnly")
+RUN_TIMEOUT_S = 6 * 3600.0
+"""An official run lasts at least 10 minutes per scenario; the server bounds it."""
+IMPORT_MAX_BYTES = 900_000
+"""What one import job may carry (under the bus's 1 MiB job limit)."""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("mlperf", help="run MLPerf LoadGen with an agent as the system "
+                                      "under test; write LoadGen's logs to --output")
+    p.add_argument("model", metavar="MODEL[@VERSION]")
+    p.add_argument("--framework", required=True)
+    p.add_argument("--framework-version", default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--agent", dest="agent_id", default=None)
+    p.add_argument("--scenario", required=True, choices=SCENARIOS)
+    p.add_argument("--mode", default="PerformanceOnly", choices=MODES)
+    p.add_argument("--target-qps", type=float, default=None,
+                   help="Server: target QPS; Offline: expected QPS")
+    p.add_argument("--user-conf", type=Path, default=None, help="an MLPerf user.conf")
+    p.add_argument("--mlperf-conf", type=Path, default=None,
+                   help="an mlperf.conf (default: the one LoadGen ships)")
+    p.add_argument("--conf-model", default=None,
+                   help="the model name the conf files use (default: MODEL)")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="most samples per agent query (Offline)")
+    p.add_argument("--window", type=int, default=8, help="agent queries in flight")
+    p.add_argument("--seed", type=int, default=None, help="LoadGen's three RNG seeds")
+    p.add_argument("--output", type=Path, required=True, help="where LoadGen's logs go")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=_run)
+    imp = sub.add_parser("import", help="load results made elsewhere into the database")
+    kinds = imp.add_subparsers(dest="format", required=True, metavar="FORMAT")
+    m = kinds.add_parser("mlperf", help="MLPerf LoadGen result directories")
+    m.add_argument("directory", type=Path)
+    m.add_argument("--model", default=None, help="default: from the results tree")
+    m.add_argument("--framework", default="mlperf", help="recorded framework name")
+    m.add_argument("--system", default=None, help="default: from the results tree")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_import)
+
+
+def mlperf_job(args: argparse.Namespace) -> JobRequest:
+    name, _, version = args.model.partition("@")
+    spec = MLPerfSpec(
+        scenario=args.scenario, mode=args.mode, target_qps=args.target_qps,
+        user_conf=_read(args.user_conf), mlperf_conf=_read(args.mlperf_conf),
+        conf_model=args.conf_model, batch_size=args.batch_size, window=args.window,
+        seed=args.seed)
+    return JobRequest(model=name, model_version=version or None, framework=args.framework,
+                      framework_version=args.framework_version, device=args.device,
+                      agent_id=args.agent_id, trace_level="none", mlperf=spec)
+
+
+def _read(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", field=str(path)) from exc
+
+
+async def fetch_logs(bus: busmod.Bus, evaluation_id: str) -> dict[str, str]:
+    """The log files stored with an evaluation, part by part (each fits one message)."""
+    _, rows = await remote.sql(
+        bus, "SELECT name, max(part) FROM mlperf_logs FINAL "
+        "WHERE evaluation_id = {id:String} GROUP BY name", {"id": evaluation_id})
+    files: dict[str, str] = {}
+    for name, last in rows:
+        parts = []
+        for k in range(int(last) + 1):
+            _, got = await remote.sql(
+                bus, "SELECT text FROM mlperf_logs FINAL WHERE evaluation_id = {id:String} "
+                "AND name = {name:String} AND part = {part:UInt32}",
+                {"id": evaluation_id, "name": name, "part": k})
+            parts.append(str(got[0][0]) if got else "")
+        files[str(name)] = "".join(parts)
+    return files
+
+
+async def run_mlperf(settings: Settings,
+                     job: JobRequest) -> tuple[EvaluationSummary, dict[str, str]]:
+    """Submit, wait, and read back LoadGen's logs (and the accuracy output)."""
+    summary = await submit(settings, job, timeout=RUN_TIMEOUT_S)
+    async with busmod.connect(settings, name="mlscope mlperf") as bus:
+        return summary, await fetch_logs(bus, summary.evaluation_id)
+
+
+def write_logs(files: dict[str, str], output: Path) -> list[Path]:
+    output.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in sorted(files.items()):
+        path = output / Path(name).name  # names are LoadGen's own; never a path
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+def _run(args: argparse.Namespace) -> int:
+    job = mlperf_job(args)
+    summary, files = anyio.run(run_mlperf, args.settings, job, backend="asyncio")
+    written = write_logs(files, args.output)
+    if args.json:
+        print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
+        return 0
+    print(format_summary(summary))
+    lg = summary.mlperf or {}
+    print(f"  {'LoadGen':<13} {lg.get('scenario')} {lg.get('mode')}: "
+          f"{lg.get('validity') or 'no verdict (accuracy run)'}")
+    for path in written:
+        print(f"  {'wrote':<13} {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- import
+
+
+def find_results(root: Path) -> list[Path]:
+    """Every directory under ``root`` (or ``root`` itself) with a LoadGen summary log."""
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory", field="directory")
+    found = sorted({p.parent for p in root.rglob(logs.SUMMARY) if p.is_file()})
+    if not found:
+        raise ConfigError(f"no {logs.SUMMARY} under {root}", field="directory")
+    return found
+
+
+def _tree_names(run_dir: Path) -> tuple[str | None, str | None]:
+    """(model, system) from an MLPerf results tree:
+    ``<system>/<model>/<Scenario>/performance/run_1``."""
+    parts = run_dir.resolve().parts
+    for i in range(len(parts) - 1, 1, -1):
+        if parts[i] in SCENARIOS:
+            return parts[i - 1], parts[i - 2]
+    return None, None
+
+
+def import_job(run_dir: Path, *, model: str | None, framework: str,
+               system: str | None) -> JobRequest:
+    """The import job for one result directory (the trace is left out if too large)."""
+    files: dict[str, str] = {}
+    for name in logs.LOG_FILES:
+        path = run_dir / name
+        if path.is_file():
+            files[name] = path.read_text(errors="replace")
+    if logs.DETAIL not in files:
+        raise ConfigError(f"{run_dir} has a summary but no {logs.DETAIL}", field="directory")
+    if sum(len(t) for t in files.values()) > IMPORT_MAX_BYTES:
+        files.pop(logs.TRACE, None)  # per-sample records are optional; LoadGen's numbers not
+        if logs.ACCURACY in files and sum(len(t) for t in files.values()) > IMPORT_MAX_BYTES:
+            files.pop(logs.ACCURACY)
+    if sum(len(t) for t in files.values()) > IMPORT_MAX_BYTES:
+        raise ConfigError(f"{run_dir}: the summary and detail logs exceed "
+                          f"{IMPORT_MAX_BYTES} bytes", field="directory")
+    tree_model, tree_system = _tree_names(run_dir)
+    return JobRequest(model=model or tree_model or run_dir.name, framework=framework,
+                      trace_level="none", mlperf_import=MLPerfImport(
+                          files=files, source=str(run_dir.resolve()),
+                          system=system or tree_system or ""))
+
+
+async def import_dirs(settings: Settings, jobs: list[JobRequest]) -> list[EvaluationSummary]:
+    return [await submit(settings, job, timeout=120.0) for job in jobs]
+
+
+def _import(args: argparse.Namespace) -> int:
+    jobs = [import_job(d, model=args.model, framework=args.framework, system=args.system)
+            for d in find_results(args.directory)]
+    summaries = anyio.run(import_dirs, args.settings, jobs, backend="asyncio")
+    if args.json:
+        print(json.dumps([s.model_dump(mode="json", by_alias=True) for s in summaries]))
+        return 0
+    for job, s in zip(jobs, summaries, strict=True):
+        src = job.mlperf_import.source if job.mlperf_import else ""
+        lg: dict[str, Any] = s.mlperf or {}
+        print(f"{s.evaluation_id}  {s.model['name']}  {lg.get('scenario')} {lg.get('mode')} "
+              f"{lg.get('validity') or '-'}  p99 {s.latency_ms.p99} ms  <- {src}",
+              file=sys.stdout)
+    return 0

@@ -1,0 +1,126 @@
+"""Per-agent identities: one nkey user per agent, bound to that agent's own subjects.
+
+The role-wide ``agent`` user of ``mlscope auth init`` may serve any agent id: a process
+holding it could subscribe to another agent's query subject and answer first (its
+replies land in the load generator's inbox and are taken as the victim's). An agent
+user made by ``mlscope auth add-agent NAME`` may instead
+
+* subscribe only to ``mlscope.agent.NAME.query`` / ``.ctl``, to its own inbox prefix
+  ``_INBOX_agent_NAME`` and to capability subjects *as their queue group* (only its
+  frameworks' ``mlscope.cap.<fw>.>`` when ``--framework`` is given);
+* write only its own registry key ``$KV.mlscope_agents.NAME``;
+* answer only what was delivered to it (``allow_responses``).
+
+So the server's check that a reply came from the agent it addressed is made by the
+broker itself: a query goes to ``mlscope.agent.NAME.query``, which only NAME's user
+may hear, with a reply subject unique to the run, which only a connection that was
+delivered a message carrying it may publish to. Capability subjects carry inputs,
+not results: a member of a queue group answers only the requests it was handed.
+
+Users are added to the ``server.conf`` that ``auth init`` wrote (its JSON body) and to
+``roles.json`` (public key, inbox prefix, frameworks), and take effect when the
+running nats-server reloads its configuration (:func:`reload_server`, the same as
+``nats-server --signal reload``); adding a name again replaces its key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import nkeys
+
+from mlscope import names
+from mlscope.auth import ACCOUNT, INBOX_PREFIXES, RESPONSES, _agent_publish, read_roles
+from mlscope.errors import ConfigError
+
+__all__ = ["add_agent", "agent_creds", "agent_inbox_prefix", "agent_permissions",
+           "reload_server"]
+
+P = names.PREFIX
+
+
+def agent_inbox_prefix(agent_id: str) -> str:
+    return f"{INBOX_PREFIXES['agent']}_{names.token(agent_id)}"
+
+
+def agent_creds(directory: Path, agent_id: str) -> Path:
+    """Where ``add_agent`` writes the seed of ``agent_id``."""
+    return directory / f"agent-{names.token(agent_id)}.creds"
+
+
+def agent_permissions(agent_id: str, *, frameworks: Sequence[str] = ()) -> dict[str, Any]:
+    """The nats-server permissions of one agent's own user."""
+    own = names.token(agent_id)
+    caps = [f"{P}.cap.{names.token(fw)}.>" for fw in frameworks] or [f"{P}.cap.>"]
+    return {
+        "publish": {"allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.{own}"),
+                    "deny": [names.JOBS_SUBJECT, f"{P}.db.>"]},
+        "subscribe": {"allow": [f"{agent_inbox_prefix(own)}.>",
+                                *(f"{c} {c}" for c in caps),  # only as its queue group
+                                names.agent_query(own), names.agent_ctl(own)]},
+        "allow_responses": RESPONSES,
+    }
+
+
+def add_agent(directory: Path, agent_id: str, *, frameworks: Sequence[str] = ()) -> Path:
+    """Issue (or re-issue) ``agent_id``'s nkey user; returns its seed file."""
+    if names.token(agent_id) != agent_id or not agent_id:
+        raise ConfigError(f"agent id {agent_id!r} must be one subject token (no '.', '*', "
+                          "'>' or spaces)", field="agent_id")
+    config = directory / "server.conf"
+    roles = read_roles(directory)
+    if not config.is_file() or not roles:
+        raise ConfigError(f"{directory} has no server.conf/roles.json: run `mlscope auth "
+                          f"init --out {directory}` first", field="directory")
+    header, conf = _read_conf(config)
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    agents: dict[str, Any] = roles.setdefault("agents", {})
+    old = agents.get(agent_id, {}).get("public_key")
+    users = [u for u in conf["accounts"][ACCOUNT]["users"] if u.get("nkey") != old]
+    users.append({"nkey": public, "permissions": agent_permissions(agent_id,
+                                                                   frameworks=frameworks)})
+    conf["accounts"][ACCOUNT]["users"] = users
+    agents[agent_id] = {"public_key": public, "inbox_prefix": agent_inbox_prefix(agent_id),
+                        "frameworks": list(frameworks)}
+    path = agent_creds(directory, agent_id)
+    path.write_bytes(seed + b"\n")
+    path.chmod(0o600)
+    _write_atomic(config, header + json.dumps(conf, indent=2) + "\n")
+    _write_atomic(directory / "roles.json", json.dumps(roles, indent=2) + "\n")
+    return path
+
+
+def _read_conf(config: Path) -> tuple[str, dict[str, Any]]:
+    """(comment header, JSON body) of a ``server.conf`` written by ``auth init``."""
+    text = config.read_text()
+    lines = text.splitlines(keepends=True)
+    header = "".join(line for line in lines if line.startswith("#"))
+    try:
+        conf = json.loads("".join(line for line in lines if not line.startswith("#")))
+        conf["accounts"][ACCOUNT]["users"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{config} is not a config `mlscope auth init` wrote: {exc}",
+                          field="server.conf") from exc
+    return header, conf
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def reload_server(pid: int) -> None:
+    """Make the nats-server ``pid`` re-read its configuration (SIGHUP: what
+    ``nats-server --signal reload=PID`` sends)."""
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as exc:
+        raise ConfigError(f"cannot signal nats-server {pid}: {exc}", field="pid") from exc
+

@@ -1,0 +1,217 @@
+"""The artifact repository on the bus: built zoo models in a JetStream object store.
+
+The paper's artifact storage server. A model is built once (``mlscope zoo build``) and
+pushed (``mlscope artifacts push``, ``mlscope zoo build --push``, and ``mlscope up``
+for what its data dir holds); an agent on another machine whose data dir lacks it
+fetches it, verifies every file by sha256 and serves it. So every agent of a
+deployment runs the same bytes, whatever CPU each one would have built them on.
+
+Bucket ``mlscope_artifacts`` (:data:`mlscope.names.ARTIFACTS_BUCKET`), objects::
+
+    <name>/<version>/<file>          every regular file the build lock lists
+    <name>/<version>/mlscope.lock    the build lock (JSON), put last
+
+A fetch reads the lock first, downloads each file into a scratch directory beside
+``<zoo_dir>/<name>/<version>``, checks each file's sha256 against the lock and each
+artifact's (a SavedModel directory's tree hash too), writes the lock with
+``origin.by = "bus"`` and only then renames the directory into place. A fetch never
+replaces a model the data dir already holds with a lock: a local build stays what that
+agent serves, and its hashes travel with every evaluation it runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import nats.errors
+import nats.js.errors
+from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.object_store import ObjectStore
+
+from mlscope import names
+from mlscope.artifacts import safe_join
+from mlscope.buildlock import LOCK_NAME, BuildLock
+from mlscope.bus import Bus
+from mlscope.errors import ArtifactError, BusError, ChecksumMismatch
+from mlscope.hashing import sha256_path
+
+__all__ = ["ensure_bucket", "fetch", "open_bucket", "push", "pushed_models"]
+
+Log = Callable[[str], None]
+
+
+def _quiet(_message: str) -> None:
+    return None
+
+
+async def open_bucket(bus: Bus) -> ObjectStore | None:
+    """The artifact bucket; None when nobody pushed anything yet."""
+    try:
+        return await bus.js.object_store(names.ARTIFACTS_BUCKET)
+    except nats.js.errors.NotFoundError:
+        return None
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot open the artifact bucket: {exc!r}") from exc
+
+
+async def ensure_bucket(bus: Bus, *, replicas: int = 1) -> ObjectStore:
+    """The artifact bucket, created when missing."""
+    obs = await open_bucket(bus)
+    if obs is not None:
+        return obs
+    try:
+        # nats-py overwrites config.bucket with its ``bucket`` argument: give both.
+        return await bus.js.create_object_store(names.ARTIFACTS_BUCKET, ObjectStoreConfig(
+            bucket=names.ARTIFACTS_BUCKET, storage=StorageType.FILE, replicas=replicas,
+            description="built zoo models (mlscope artifacts push)"))
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot create the artifact bucket: {exc!r}") from exc
+
+
+def _object(name: str, version: str, relative: str) -> str:
+    return f"{name}/{version}/{relative}"
+
+
+def _hex(digest: str | None) -> str | None:
+    """nats' ``SHA-256=<base64url>`` digest as lowercase hex."""
+    if not digest or "=" not in digest:
+        return None
+    return base64.urlsafe_b64decode(digest.split("=", 1)[1]).hex()
+
+
+async def _remote_lock(obs: ObjectStore, name: str, version: str) -> BuildLock | None:
+    where = f"{names.ARTIFACTS_BUCKET}/{_object(name, version, LOCK_NAME)}"
+    try:
+        got = await obs.get(_object(name, version, LOCK_NAME))
+        doc = json.loads(got.data or b"")
+    except nats.js.errors.ObjectNotFoundError:
+        return None
+    except ValueError as exc:
+        raise ArtifactError(f"invalid build lock {where}: {exc}", path=where) from exc
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot read {where}: {exc!r}") from exc
+    return BuildLock.from_json(doc, where=where)
+
+
+async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 1) -> bool:
+    """Put one built model (a directory with a build lock) into the bucket.
+
+    Files the bucket already holds with the same sha256 are not sent again; the lock
+    goes last, so a reader never sees a lock whose files are not all there. Returns
+    False when the bucket already had exactly this build.
+    """
+    lock = BuildLock.read(model_dir)
+    if lock is None:
+        raise ArtifactError(f"{model_dir} has no build lock: build it first "
+                            f"(`mlscope zoo build`)", path=str(model_dir))
+    for relative, sha in sorted(lock.files.items()):
+        if sha256_path(safe_join(model_dir, relative)) != sha:
+            raise ChecksumMismatch(f"{model_dir / relative} changed since its build lock; "
+                                   f"run `mlscope zoo build --only {lock.model} --force`",
+                                   path=str(model_dir / relative), expected=sha)
+    obs = await ensure_bucket(bus, replicas=replicas)
+    remote = await _remote_lock(obs, lock.model, lock.version)
+    if remote is not None and remote.same_bytes(lock):
+        log(f"{lock.model} {lock.version}: already in the artifact bucket")
+        return False
+    try:
+        for relative, sha in sorted(lock.files.items()):
+            name = _object(lock.model, lock.version, relative)
+            try:
+                have = _hex((await obs.get_info(name)).digest)
+            except nats.js.errors.ObjectNotFoundError:
+                have = None
+            if have != sha:
+                with (model_dir / relative).open("rb") as fh:
+                    await obs.put(name, fh)
+        await obs.put(_object(lock.model, lock.version, LOCK_NAME),
+                      json.dumps(lock.to_json(), sort_keys=True).encode())
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot push {lock.model} {lock.version}: {exc!r}") from exc
+    log(f"{lock.model} {lock.version}: pushed {len(lock.files)} files to the artifact bucket")
+    return True
+
+
+async def fetch(bus: Bus, zoo_dir: Path, name: str, version: str, *,
+                log: Log = _quiet) -> BuildLock | None:
+    """Fetch one model into ``<zoo_dir>/<name>/<version>`` unless it is there already.
+
+    Returns the lock now in place, or None when neither the data dir nor the bucket
+    has the model. A file whose bytes differ from the lock fails the whole fetch
+    (ChecksumMismatch) and nothing is put in place.
+    """
+    target = safe_join(zoo_dir, f"{name}/{version}")
+    local = BuildLock.read(target)
+    if local is not None:
+        return local
+    obs = await open_bucket(bus)
+    if obs is None:
+        return None
+    lock = await _remote_lock(obs, name, version)
+    if lock is None:
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = target.parent / f".{version}.fetch-{uuid.uuid4().hex[:8]}"
+    try:
+        await _download(obs, lock, scratch)
+        fetched = BuildLock(model=lock.model, version=lock.version, artifacts=lock.artifacts,
+                            files=lock.files, origin={**lock.origin, "by": "bus"},
+                            behaviour=lock.behaviour)
+        fetched.write(scratch)
+        if BuildLock.read(target) is None:  # another agent of this data dir may have won
+            shutil.rmtree(target, ignore_errors=True)
+            scratch.rename(target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    log(f"{name} {version}: fetched {len(lock.files)} files from the artifact bucket")
+    return BuildLock.read(target)
+
+
+async def _download(obs: ObjectStore, lock: BuildLock, scratch: Path) -> None:
+    for relative, sha in sorted(lock.files.items()):
+        path = safe_join(scratch, relative)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with path.open("wb") as fh:
+                await obs.get(_object(lock.model, lock.version, relative), writeinto=fh)
+        except nats.js.errors.ObjectNotFoundError as exc:
+            raise ArtifactError(f"the artifact bucket lacks {relative} of {lock.model} "
+                                f"{lock.version}", path=relative) from exc
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise BusError(f"cannot fetch {relative} of {lock.model}: {exc!r}") from exc
+        actual = await anyio.to_thread.run_sync(sha256_path, path)
+        if actual != sha:
+            raise ChecksumMismatch(f"{lock.model} {lock.version}: fetched {relative} has "
+                                   f"sha256 {actual}, the lock says {sha}", path=relative,
+                                   expected=sha, actual=actual)
+    for artifact, sha in lock.artifacts.items():
+        actual = await anyio.to_thread.run_sync(sha256_path, scratch / artifact)
+        if actual != sha:
+            raise ChecksumMismatch(f"{lock.model} {lock.version}: fetched {artifact} has "
+                                   f"sha256 {actual}, the lock says {sha}", path=artifact,
+                                   expected=sha, actual=actual)
+
+
+async def pushed_models(bus: Bus) -> list[tuple[str, str]]:
+    """(name, version) of every model whose lock is in the bucket."""
+    obs = await open_bucket(bus)
+    if obs is None:
+        return []
+    try:
+        infos = await obs.list(ignore_deletes=True)
+    except nats.js.errors.NotFoundError:
+        return []
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot list the artifact bucket: {exc!r}") from exc
+    out = []
+    for info in infos:
+        parts = (info.name or "").split("/")
+        if len(parts) == 3 and parts[2] == LOCK_NAME:
+            out.append((parts[0], parts[1]))
+    return sorted(out)

@@ -1,0 +1,252 @@
+"""Bounded parsing of untrusted documents: manifest YAML files and bus JSON values.
+
+A manifest may come from anyone who can write a file or publish to the bus, so
+parsing it must cost bounded time and memory and fail with a ``file:line`` error,
+never a traceback:
+
+* **size**: at most :data:`MAX_DOCUMENT_BYTES`, checked before the bytes are read;
+* **encoding**: UTF-8 only; a bad byte is reported with its line and column;
+* **depth**: collections nest at most :data:`MAX_DEPTH` levels (PyYAML's composer
+  and ``json`` recurse, and 20,000 levels overflowed the stack);
+* **aliases**: at most :data:`MAX_ALIASES` ``*alias`` references, and the document
+  *expanded* (every alias counted as a copy of what it names) has at most
+  :data:`MAX_NODES` nodes: a kilobyte "billion laughs" file would otherwise
+  validate quickly (aliases share objects) and explode when it is serialized;
+* **duplicate keys** are an error (YAML says keys are unique; PyYAML keeps the
+  last one silently, so a second ``sha256:`` would quietly win).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from yaml.composer import Composer
+from yaml.events import AliasEvent
+
+from mlscope.errors import ManifestError
+
+__all__ = ["MAX_ALIASES", "MAX_DEPTH", "MAX_DOCUMENT_BYTES", "MAX_NODES", "load_json",
+           "load_yaml_bounded"]
+
+MAX_DOCUMENT_BYTES = 1 << 20
+"""1 MiB: the largest manifest in the repository is a few kilobytes."""
+MAX_DEPTH = 64
+MAX_ALIASES = 256
+MAX_NODES = 100_000
+
+
+class _Limit(Exception):
+    """Raised inside the loader; turned into a ManifestError with the node's line."""
+
+    def __init__(self, message: str, line: int | None) -> None:
+        super().__init__(message)
+        self.message, self.line = message, line
+
+
+class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]
+    """SafeLoader that counts depth and aliases while composing and refuses
+    duplicate keys; the expansion check runs on the composed graph."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._aliases = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self.check_event(AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise _Limit(f"more than {MAX_ALIASES} aliases", _line(self.peek_event()))
+            return Composer.compose_node(self, parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _Limit(f"nested deeper than {MAX_DEPTH} levels", _line(self.peek_event()))
+            return Composer.compose_node(self, parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_mapping_node(self, anchor: str | None) -> yaml.MappingNode:
+        node = Composer.compose_mapping_node(self, anchor)
+        seen: dict[tuple[str, str], int] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                continue
+            ident = (str(self.resolve(yaml.ScalarNode, key.value, (True, False))
+                          if key.tag is None else key.tag), str(key.value))
+            line = int(key.start_mark.line) + 1
+            if ident in seen:
+                raise _Limit(f"duplicate key {key.value!r} (first on line {seen[ident]})",
+                             line)
+            seen[ident] = line
+        return node
+
+
+def _line(event: Any) -> int | None:
+    mark = getattr(event, "start_mark", None)
+    return int(mark.line) + 1 if mark is not None else None
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """Nodes of the document with every alias expanded (memoized per node, so the
+    count itself costs the size of the *composed* graph); a recursive alias is an
+    error (it expands forever)."""
+    memo: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            open_.discard(id(node))
+            memo[id(node)] = 1 + sum(memo[id(c)] for c in _children(node))
+            if memo[id(node)] > MAX_NODES:
+                return memo[id(node)]
+            continue
+        if id(node) in memo:
+            continue
+        if id(node) in open_:
+            raise _Limit("an alias refers to a collection that contains it",
+                         int(node.start_mark.line) + 1)
+        open_.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in memo)
+    return memo[id(root)]
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _read_text(path: Path) -> str:
+    file = str(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_DOCUMENT_BYTES:
+            raise ManifestError(f"is {size} bytes; a manifest may have at most "
+                                f"{MAX_DOCUMENT_BYTES}", file=file)
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as exc:
+        raise ManifestError(f"cannot read: {exc.strerror or exc}", file=file) from exc
+    if len(raw) > MAX_DOCUMENT_BYTES:  # grew after stat, or not a regular file
+        raise ManifestError(f"has more than {MAX_DOCUMENT_BYTES} bytes", file=file)
+    return decode_utf8(raw, file=file)
+
+
+def decode_utf8(raw: bytes, *, file: str) -> str:
+    """``raw`` as UTF-8; a ManifestError naming the line and column of a bad byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        before = raw[:exc.start]
+        line = before.count(b"\n") + 1
+        column = exc.start - (before.rfind(b"\n") + 1) + 1
+        raise ManifestError(f"column {column}: byte 0x{raw[exc.start]:02x} is not UTF-8 "
+                            f"(byte offset {exc.start})", file=file, line=line) from None
+
+
+def load_yaml_bounded(path: Path) -> tuple[Any, yaml.Node | None]:
+    """Parse one YAML file within the limits above: (data, node tree for line numbers)."""
+    text = _read_text(path)
+    if _bracket_depth(text) > MAX_DEPTH:
+        # Checked before PyYAML sees the text: its scanner keeps a possible key per
+        # open flow collection and rescans them on every token (quadratic in depth).
+        raise ManifestError(f"nested deeper than {MAX_DEPTH} levels", file=str(path),
+                            line=_deep_line(text))
+    loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None and (size := _expanded_size(node)) > MAX_NODES:
+            raise _Limit(f"expands to more than {MAX_NODES} nodes through its aliases "
+                         f"({size} counted so far)", int(node.start_mark.line) + 1)
+        data = loader.construct_document(node) if node is not None else None
+    except _Limit as exc:
+        raise ManifestError(exc.message, file=str(path), line=exc.line) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise ManifestError(f"not valid YAML: {exc}", file=str(path), line=line) from None
+    finally:
+        loader.dispose()
+    return data, node
+
+
+def load_json(raw: bytes, *, file: str) -> Any:
+    """One JSON document from the bus within the same size, depth and key rules."""
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        raise ManifestError(f"is {len(raw)} bytes; a manifest may have at most "
+                            f"{MAX_DOCUMENT_BYTES}", file=file)
+    text = decode_utf8(raw, file=file)
+    if _bracket_depth(text) > MAX_DEPTH and _json_depth(text) > MAX_DEPTH:
+        raise ManifestError(f"nested deeper than {MAX_DEPTH} levels", file=file)
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except _Limit as exc:
+        raise ManifestError(exc.message, file=file) from None
+    except ValueError as exc:
+        raise ManifestError(f"not valid JSON: {exc}", file=file) from None
+
+
+def _json_depth(text: str) -> int:
+    """Deepest bracket nesting outside strings (before json's recursive parser runs)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def _bracket_depth(text: str) -> int:
+    """Deepest nesting of flow brackets, quotes ignored (conservative: brackets inside
+    strings count too, and a manifest never nests anywhere near the limit)."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(text):
+        if match.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _deep_line(text: str) -> int:
+    """The line on which the bracket nesting passes MAX_DEPTH."""
+    depth = 0
+    for match in _BRACKET.finditer(text):
+        depth = depth + 1 if match.group() in "[{" else max(0, depth - 1)
+        if depth > MAX_DEPTH:
+            return text.count("\n", 0, match.start()) + 1
+    return 1
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Limit(f"duplicate key {key!r}", None)
+        out[key] = value
+    return out

@@ -1,0 +1,151 @@
+"""Per-agent identities (`mlscope auth add-agent`): an agent's user hears only its own
+query and control subjects, writes only its own registry key, and a rogue agent cannot
+receive another agent's queries or answer them, on a real stack with ``--auth``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import nats
+import nats.aio.msg
+import nats.errors
+import pytest
+
+from cli.main import main as mlscope_main
+from cli.submit import submit
+from mlscope import bus as busmod
+from mlscope import names
+from mlscope.agentauth import add_agent, agent_creds, agent_inbox_prefix
+from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for
+from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
+from mlscope.natsserver import NatsServer
+from mlscope.registry import list_agents
+from tests.security_fixtures import auth_stack, role
+from tests.test_auth import Probe
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def auth_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "auth"
+    assert mlscope_main(["auth", "init", "--out", str(out)]) == 0
+    assert mlscope_main(["auth", "add-agent", "alice", "--out", str(out)]) == 0
+    assert mlscope_main(["auth", "add-agent", "mallory", "--out", str(out),
+                         "--framework", "noop"]) == 0
+    return out
+
+
+@pytest.fixture
+def server(tmp_path: Path, auth_dir: Path) -> Iterator[NatsServer]:
+    with NatsServer(store_dir=tmp_path / "nats", config_file=auth_dir / "server.conf") as srv:
+        yield srv
+
+
+def test_an_agent_user_is_bound_to_its_own_subjects(server: NatsServer,
+                                                    auth_dir: Path) -> None:
+    mallory = agent_creds(auth_dir, "mallory")
+    assert mallory.stat().st_mode & 0o077 == 0
+    assert inbox_prefix_for(mallory) == agent_inbox_prefix("mallory")
+
+    async def main() -> None:
+        async with Probe(server.url, mallory) as probe:
+            for subject in (names.agent_query("alice"), names.agent_ctl("alice"),
+                            names.agent_query("*"), "mlscope.agent.>"):
+                assert await probe.denied_subscribe(subject), subject
+                assert await probe.denied_subscribe(subject, queue="q"), subject
+            for inbox in (agent_inbox_prefix("alice"), INBOX_PREFIXES["server"],
+                          INBOX_PREFIXES["agent"]):
+                assert await probe.denied_subscribe(f"{inbox}.>"), inbox
+            assert await probe.denied_publish(f"$KV.{names.AGENTS_BUCKET}.alice", b"{}")
+            assert await probe.denied_publish(f"{INBOX_PREFIXES['server']}.lg-run.1")
+            other_cap = names.capability("onnxruntime", "digits_cnn")
+            assert await probe.denied_subscribe(other_cap, queue=other_cap)
+            own_cap = names.capability("noop", "noop")
+            assert await probe.denied_subscribe(own_cap)  # only as its queue group
+            assert not await probe.denied_subscribe(own_cap, queue=own_cap)
+            assert not await probe.denied_subscribe(names.agent_query("mallory"))
+            assert not await probe.denied_subscribe(names.agent_ctl("mallory"))
+            assert not await probe.denied_publish(f"$KV.{names.AGENTS_BUCKET}.mallory",
+                                                  b"{}")
+
+    anyio.run(main, backend="asyncio")
+
+
+async def _connect(url: str, creds: Path) -> None:
+    nc = await nats.connect(url, nkeys_seed=str(creds), allow_reconnect=False,
+                            connect_timeout=2, max_reconnect_attempts=0,
+                            inbox_prefix=inbox_prefix_for(creds) or "_INBOX")
+    await nc.close()
+
+
+async def _admitted(url: str, creds: Path, timeout: float = 5.0) -> None:
+    """Until ``creds`` may connect (a reload is applied asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await _connect(url, creds)
+        except (nats.errors.Error, OSError):
+            if time.monotonic() > deadline:
+                raise
+            await anyio.sleep(0.1)
+
+
+def test_a_new_agent_is_admitted_on_reload(server: NatsServer, auth_dir: Path) -> None:
+    carol = add_agent(auth_dir, "carol")
+    with pytest.raises((nats.errors.Error, OSError)):  # not loaded yet: refused
+        anyio.run(_connect, server.url, carol, backend="asyncio")
+    assert server.proc is not None
+    assert mlscope_main(["auth", "add-agent", "carol", "--out", str(auth_dir),
+                         "--reload", str(server.proc.pid)]) == 0
+    anyio.run(_admitted, server.url, agent_creds(auth_dir, "carol"), backend="asyncio")
+    roles = json.loads((auth_dir / "roles.json").read_text())
+    assert set(roles["agents"]) == {"alice", "mallory", "carol"}
+    with pytest.raises(ValueError, match="one subject token"):
+        add_agent(auth_dir, "a.b")
+
+
+def test_a_rogue_agent_cannot_take_another_agents_queries(
+        tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> None:
+    base = tmp_path_factory.mktemp("rogue")
+    with auth_stack(base, zoo_dir, ["noop"]) as (stack, auth):
+        assert stack.nats.proc is not None
+        assert mlscope_main(["auth", "add-agent", "rogue", "--out", str(auth), "--framework",
+                             "noop", "--reload", str(stack.nats.proc.pid)]) == 0
+        rogue = agent_creds(auth, "rogue")
+        submitter = role(stack, auth, "submitter")
+        heard: list[str] = []
+
+        async def record(msg: nats.aio.msg.Msg) -> None:
+            heard.append(msg.subject)
+            await msg.respond(b"forged")  # it would answer first if it could hear
+
+        async def main() -> EvaluationSummary:
+            async with busmod.connect(submitter, name="test") as bus:
+                (victim,) = await list_agents(bus)
+            assert victim.agent_id.endswith("-noop")  # its own identity, from `up --auth`
+            await _admitted(stack.settings.nats_url, rogue)
+            async with Probe(stack.settings.nats_url, rogue) as probe:
+                for subject in (names.agent_query(victim.agent_id),
+                                names.agent_ctl(victim.agent_id)):
+                    before = len(probe.violations)
+                    await probe.nc.subscribe(subject, cb=record)
+                    await probe.nc.subscribe(subject, queue=subject, cb=record)
+                    await probe.nc.flush()
+                    await anyio.sleep(0.1)
+                    assert len(probe.violations) == before + 2, subject
+                assert await probe.denied_publish(
+                    f"$KV.{names.AGENTS_BUCKET}.{victim.agent_id}", b"{}")
+                return await submit(submitter, JobRequest(
+                    model="noop", framework="noop",
+                    scenario=ScenarioSpec(name="online", qps=100, duration_s=1, seed=1)))
+
+        summary = anyio.run(main, backend="asyncio")
+        assert heard == []
+        assert summary.status == "completed" and summary.errors == 0
+        assert summary.queries >= 80
+        assert not stack.dead()

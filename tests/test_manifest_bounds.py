@@ -1,0 +1,131 @@
+"""Hostile manifest files: each gives a clear ``file:line`` error within a second and
+bounded memory, through the loader and through the CLI (`manifest validate`, `models
+publish`), and the bus path refuses the same shapes in JSON."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cli.main import main as mlscope_main
+from mlscope import bounded
+from mlscope.errors import ManifestError
+from mlscope.manifest import load_manifest
+from mlscope.model_registry import _parse
+
+pytestmark = pytest.mark.timeout(60)
+
+BOMB = "\n".join(
+    ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    + ["kind: model", "name: bomb", "tags: *a8", ""])
+"""The billion-laughs shape, under a kilobyte: 9^9 leaves once expanded."""
+
+
+def _bomb(d: Path) -> Path:
+    p = d / "bomb.yaml"
+    p.write_text(BOMB)
+    assert p.stat().st_size < 1024
+    return p
+
+
+def _huge(d: Path) -> Path:
+    p = d / "huge.yaml"
+    with p.open("wb") as fh:  # 100 MB, sparse: the limit must hold before reading
+        fh.truncate(100 << 20)
+    return p
+
+
+def _not_utf8(d: Path) -> Path:
+    p = d / "latin1.yaml"
+    p.write_bytes(b"kind: model\nname: caf\xe9\n")
+    return p
+
+
+def _deep(d: Path) -> Path:
+    p = d / "deep.yaml"
+    p.write_text("kind: model\nx: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    return p
+
+
+def _duplicate(d: Path) -> Path:
+    p = d / "dup.yaml"
+    p.write_text("kind: model\nname: a\nversion: 1.0.0\nname: b\n")
+    return p
+
+
+def _recursive(d: Path) -> Path:
+    p = d / "loop.yaml"
+    p.write_text("kind: model\nx: &a [1, *a]\n")
+    return p
+
+
+CASES: dict[str, tuple[Callable[[Path], Path], str, int | None]] = {
+    "bomb": (_bomb, "expands to more than", 1),
+    "huge": (_huge, "a manifest may have at most", None),
+    "not-utf8": (_not_utf8, "column 10: byte 0xe9 is not UTF-8", 2),
+    "deep": (_deep, "nested deeper than 64 levels", 2),
+    "duplicate": (_duplicate, "duplicate key 'name' (first on line 2)", 4),
+    "recursive": (_recursive, "refers to a collection that contains it", 2),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_file_is_refused_quickly_with_its_line(tmp_path: Path, case: str) -> None:
+    make, text, line = CASES[case]
+    path = make(tmp_path)
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ManifestError) as err:
+            load_manifest(path)
+        elapsed = time.perf_counter() - t0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert elapsed < 1.0, elapsed
+    assert peak < 64 << 20, peak
+    assert text in err.value.message
+    assert err.value.file == str(path) and err.value.line == line
+    prefix = f"{path}:{line}: " if line else f"{path}: "
+    assert str(err.value).startswith(prefix), str(err.value)
+
+
+@pytest.mark.parametrize("command", [["manifest", "validate"], ["models", "publish"]])
+@pytest.mark.parametrize("case", ["bomb", "deep", "not-utf8", "duplicate"])
+def test_cli_reports_the_error_not_a_traceback(tmp_path: Path, case: str, command: list[str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = CASES[case][0](tmp_path)
+    t0 = time.perf_counter()
+    code = mlscope_main([*command, str(path)])
+    assert time.perf_counter() - t0 < 1.0
+    err = capsys.readouterr().err
+    assert code != 0
+    assert CASES[case][1] in err and str(path) in err
+    assert "Traceback" not in err
+
+
+def test_well_formed_aliases_still_load(tmp_path: Path) -> None:
+    p = tmp_path / "m.yaml"
+    p.write_text("base: &s {rescale: 0.5}\nkind: system\nname: box\narch: x86_64\n"
+                 "extra: [*s, *s]\n")
+    data, _ = bounded.load_yaml_bounded(p)
+    assert data["extra"] == [{"rescale": 0.5}, {"rescale": 0.5}]
+
+
+@pytest.mark.parametrize(("raw", "text"), [
+    (b"{" + b'"a": [' * 10_000 + b"]" * 10_000 + b"}", "nested deeper than"),
+    (b'{"kind": "model", "kind": "model"}', "duplicate key 'kind'"),
+    (b'{"name": "caf\xe9"}', "is not UTF-8"),
+    (b" " * (bounded.MAX_DOCUMENT_BYTES + 1), "a manifest may have at most"),
+])
+def test_bus_values_are_bounded_too(raw: bytes, text: str) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(ManifestError, match=text) as err:
+        _parse("bad.1.onnxruntime", raw)
+    assert time.perf_counter() - t0 < 1.0
+    assert err.value.file == "mlscope_models/bad.1.onnxruntime"

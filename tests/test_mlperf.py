@@ -1,0 +1,340 @@
+"""MLPerf LoadGen against a real stack (nats-server, server, onnxruntime agent).
+
+``mlscope mlperf`` and ``mlscope import mlperf`` run as a user runs them (child
+processes); LoadGen decides validity itself. Runs are kept short through user.conf
+overrides (below): the official minimum is 10 minutes per scenario.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from broker import mlperf_logs as logs
+from broker.mlperf_sut import SampleLibrary
+from cli.mlperf_cmd import find_results, import_job
+from cli.services import Stack
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.errors import ConfigError, EvaluationError
+from mlscope.stats import percentiles
+from tests.conftest import child_env, running_stack
+
+pytestmark = pytest.mark.timeout(300)
+
+MLSCOPE = Path(sys.executable).parent / "mlscope"
+SUBMIT = Path(sys.executable).parent / "mlscope-submit"
+USER_CONF = """\
+# Short runs for a test machine: the official minimum duration is 600 s.
+*.Offline.min_duration = 500
+*.Offline.min_query_count = 1
+# 4 s at 200 QPS is ~800 queries: more than the 459 that early stopping needs at p99
+# with none over the bound, so a few late ones (a neighbour's burst) are tolerated.
+*.Server.min_duration = 4000
+*.Server.min_query_count = 700
+# LoadGen's default Server bound is 10 ms; this machine's 2 cores are shared, so a
+# neighbour's burst can cost a run its p99 (measured alone: p99 ~5 ms at 200 QPS).
+*.Server.target_latency = 50
+*.SingleStream.min_duration = 500
+*.SingleStream.min_query_count = 100
+*.MultiStream.min_duration = 500
+*.MultiStream.min_query_count = 100
+"""
+OFFLINE_QPS = "50000"
+"""Offline: LoadGen issues 1.1 x this x min_duration samples in one query; the run is
+VALID only if answering them takes at least min_duration, so this is set well above
+the ~27k samples/s digits_cnn reaches through one agent here."""
+
+
+@pytest.fixture(scope="module")
+def ort(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("mlperf"), zoo_dir, ["onnxruntime"]) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def user_conf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("conf") / "user.conf"
+    path.write_text(USER_CONF)
+    return path
+
+
+def mlscope(stack: Stack, *args: str) -> Any:
+    out = subprocess.run([str(MLSCOPE), *args, "--json"], env=child_env(stack.settings),
+                         capture_output=True, text=True, timeout=240, check=False)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def mlperf(stack: Stack, out: Path, conf: Path, *flags: str) -> dict[str, Any]:
+    doc: dict[str, Any] = mlscope(stack, "mlperf", "digits_cnn", "--framework", "onnxruntime",
+                                  "--user-conf", str(conf), "--output", str(out), *flags)
+    return doc
+
+
+def query(stack: Stack, sql: str, **params: Any) -> list[list[Any]]:
+    async def go() -> list[list[Any]]:
+        async with busmod.connect(stack.settings, name="test") as bus:
+            return (await remote.sql(bus, sql, params))[1]
+
+    return anyio.run(go, backend="asyncio")
+
+
+def summary_stats(text: str) -> dict[str, int]:
+    """The summary file's latency lines, read independently of broker.mlperf_logs."""
+    found = re.findall(r"^(\d+\.\d+) percentile latency \(ns\)\s*:\s*(\d+)$", text, re.M)
+    stats = {q: int(v) for q, v in found}
+    stats["max"] = int(re.search(r"^Max latency \(ns\)\s*:\s*(\d+)$", text, re.M)[1])
+    return stats
+
+
+def assert_stored_like_summary(doc: dict[str, Any], text: str) -> None:
+    stats = summary_stats(text)
+    lat = doc["latency_ms"]
+    assert lat["p50"] == stats["50.00"] / 1e6
+    assert lat["p90"] == stats["90.00"] / 1e6
+    assert lat["p99"] == stats["99.00"] / 1e6
+    assert lat["max"] == stats["max"] / 1e6
+
+
+def test_offline_is_valid_by_loadgen(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
+    doc = mlperf(ort, tmp_path, user_conf, "--scenario", "Offline", "--target-qps", OFFLINE_QPS)
+    summary = (tmp_path / logs.SUMMARY).read_text()
+    assert "Result is : VALID" in summary, summary
+    assert {logs.DETAIL, logs.TRACE} <= {p.name for p in tmp_path.iterdir()}
+    assert doc["valid"] and doc["mlperf"]["validity"] == "VALID" and doc["errors"] == 0
+    assert doc["scenario"]["name"] == "mlperf-offline"
+    assert_stored_like_summary(doc, summary)
+    rows = query(ort, "SELECT count(), sum(ok), min(agent_received_ns) FROM queries FINAL "
+                      "WHERE evaluation_id = {e:String}", e=doc["evaluation_id"])
+    # One row per LoadGen sample, every one answered, agent times on LoadGen's clock.
+    assert rows[0][0] == rows[0][1] == doc["samples"] >= 27_500
+    assert rows[0][2] > 0
+
+
+def test_server_200_qps_is_valid_by_loadgen(ort: Stack, user_conf: Path,
+                                            tmp_path: Path) -> None:
+    doc = mlperf(ort, tmp_path, user_conf, "--scenario", "Server", "--target-qps", "200")
+    summary = (tmp_path / logs.SUMMARY).read_text()
+    assert "Result is : VALID" in summary, summary
+    assert doc["valid"] and doc["mlperf"]["validity"] == "VALID"
+    assert doc["requested_qps"] == 200 and 180 < doc["achieved_qps"] < 220
+    assert_stored_like_summary(doc, summary)
+    rows = query(ort, "SELECT completed_ns - scheduled_ns, issued_ns >= scheduled_ns, "
+                      "agent_received_ns <= completed_ns FROM queries FINAL "
+                      "WHERE evaluation_id = {e:String}", e=doc["evaluation_id"])
+    assert len(rows) == doc["queries"] >= 700
+    assert all(r[1] and r[2] for r in rows)
+    # The stored per-query latencies are LoadGen's: its p50 is among them.
+    assert int(summary_stats(summary)["50.00"]) in {int(r[0]) for r in rows}
+    assert_reported(ort, tmp_path, doc["evaluation_id"])
+
+
+def assert_reported(stack: Stack, tmp_path: Path, *ids: str) -> None:
+    """``mlscope report`` reads the runs like any other evaluation."""
+    out = subprocess.run([str(MLSCOPE), "report", *ids, "-o", str(tmp_path / "r.md")],
+                         env=child_env(stack.settings), capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    text = (tmp_path / "r.md").read_text()
+    assert all(i in text for i in ids) and "mlperf-" in text
+
+
+def test_accuracy_run_matches_the_zoo(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
+    doc = mlperf(ort, tmp_path, user_conf, "--scenario", "Offline", "--mode", "AccuracyOnly")
+    assert (tmp_path / "accuracy.txt").read_text() == "accuracy=97.778%, good=352, total=360\n"
+    # The zoo records top1 0.9778 for digits_cnn on its 360-sample holdout.
+    assert round(doc["accuracy"]["top1"], 4) == 0.9778 and doc["accuracy"]["samples"] == 360
+    entries = logs.accuracy_entries((tmp_path / logs.ACCURACY).read_text())
+    assert sorted(i for i, _ in entries) == list(range(360))
+    # The stored specification runs LoadGen again.
+    again = mlscope(ort, "rerun", doc["evaluation_id"])
+    assert again["mlperf"]["mode"] == "AccuracyOnly" and again["accuracy"] == doc["accuracy"]
+    assert again["evaluation_id"] != doc["evaluation_id"]
+
+
+@pytest.mark.parametrize("scenario", ["SingleStream", "MultiStream"])
+def test_stream_scenarios(ort: Stack, user_conf: Path, tmp_path: Path, scenario: str) -> None:
+    doc = mlperf(ort, tmp_path, user_conf, "--scenario", scenario)
+    summary = (tmp_path / logs.SUMMARY).read_text()
+    assert f"Scenario : {scenario}" in summary and doc["errors"] == 0
+    assert_stored_like_summary(doc, summary)
+    per_query = 8 if scenario == "MultiStream" else 1  # LoadGen's default samples/query
+    assert doc["scenario"]["batch_size"] == per_query
+    rows = query(ort, "SELECT count(), sum(ok) FROM queries FINAL "
+                      "WHERE evaluation_id = {e:String}", e=doc["evaluation_id"])
+    assert rows[0][0] == rows[0][1] == doc["queries"] * per_query >= 100 * per_query
+    # LoadGen's verdict is what the summary file says, reasons included.
+    assert doc["valid"] == ("Result is : VALID" in summary)
+    if not doc["valid"]:
+        assert doc["invalid_reasons"] and all(r.startswith("LoadGen: ")
+                                              for r in doc["invalid_reasons"])
+
+
+def test_a_conf_loadgen_refuses_is_a_typed_error(ort: Stack, tmp_path: Path) -> None:
+    bad = tmp_path / "user.conf"
+    bad.write_text("*.Server.target_qps = fast\n")
+    out = subprocess.run(
+        [str(MLSCOPE), "mlperf", "digits_cnn", "--framework", "onnxruntime", "--scenario",
+         "Server", "--user-conf", str(bad), "--output", str(tmp_path / "out")],
+        env=child_env(ort.settings), capture_output=True, text=True, timeout=120,
+        check=False)
+    assert out.returncode == 1 and "LoadGen refused the user.conf" in out.stderr, out.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def run_loadgen(out: Path, scenario: str, *, latency_s: float) -> None:
+    """Real LoadGen against an in-process SUT that answers after ``latency_s``."""
+    import mlperf_loadgen as lg
+
+    def issue(samples: list[Any]) -> None:
+        def answer() -> None:
+            data = np.zeros(1, np.int64)
+            lg.QuerySamplesComplete([lg.QuerySampleResponse(s.id, data.ctypes.data,
+                                                            data.nbytes) for s in samples])
+
+        threading.Timer(latency_s, answer).start()
+
+    sut = lg.ConstructSUT(issue, lambda: None)
+    qsl = lg.ConstructQSL(64, 64, lambda _: None, lambda _: None)
+    ts = lg.TestSettings()
+    ts.scenario = getattr(lg.TestScenario, scenario)
+    ts.mode = lg.TestMode.PerformanceOnly
+    ts.server_target_qps = 300
+    ts.offline_expected_qps = 100
+    ts.min_duration_ms = 1000
+    ts.min_query_count = 100
+    log = lg.LogSettings()
+    log.log_output.outdir = str(out)
+    log.log_output.copy_summary_to_stdout = False
+    log.enable_trace = scenario == "Server"
+    out.mkdir(parents=True)
+    lg.StartTestWithLogSettings(sut, qsl, ts, log)
+    lg.DestroyQSL(qsl)
+    lg.DestroySUT(sut)
+
+
+def test_import_gives_the_summary_files_percentiles(ort: Stack, tmp_path: Path) -> None:
+    tree = tmp_path / "results" / "testbox"
+    run_loadgen(tree / "digits_cnn" / "Server" / "performance" / "run_1", "Server",
+                latency_s=0.002)
+    run_loadgen(tree / "digits_cnn" / "Offline" / "performance" / "run_1", "Offline",
+                latency_s=0.01)
+    docs = mlscope(ort, "import", "mlperf", str(tmp_path / "results"))
+    assert len(docs) == 2
+    for doc, run_dir in zip(docs, find_results(tmp_path / "results"), strict=True):
+        summary = (run_dir / logs.SUMMARY).read_text()
+        assert f"Scenario : {doc['mlperf']['scenario']}" in summary
+        assert_stored_like_summary(doc, summary)
+        assert doc["mlperf"]["imported"] and doc["agent_id"] == "imported"
+        assert doc["host"] == "testbox" and doc["model"]["name"] == "digits_cnn"
+        assert doc["valid"] == ("Result is : VALID" in summary)
+        spec, stored = anyio.run(_evaluation, ort, doc["evaluation_id"], backend="asyncio")
+        assert spec["imported"]["source"] == str(run_dir.resolve())
+        assert stored["latency_ms"] == doc["latency_ms"]
+    server = next(d for d in docs if d["mlperf"]["scenario"] == "Server")
+    rows = query(ort, "SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}",
+                 e=server["evaluation_id"])
+    assert rows[0][0] == server["queries"]  # per-sample records from the trace log
+    assert_reported(ort, tmp_path, *(d["evaluation_id"] for d in docs))
+    out = subprocess.run([str(MLSCOPE), "rerun", server["evaluation_id"]],
+                         env=child_env(ort.settings), capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 1 and "imported" in out.stderr
+
+
+async def _evaluation(stack: Stack, eval_id: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    async with busmod.connect(stack.settings, name="test") as bus:
+        return await remote.evaluation(bus, eval_id)
+
+
+# Cross-check: mlscope's open-loop Poisson generator (online) and LoadGen's Server
+# scenario, same model, agent, rate and seed (each generator draws its own Poisson
+# schedule from it), both measuring from the scheduled time in a process of the
+# server's host. Compared: the body of the two latency distributions, from the stored
+# per-query records -- p25, p50 and p75 must agree within
+# max(CROSS_FLOOR_MS, CROSS_FRACTION x the larger). A unit or clock error, latency
+# counted from the issue instead of the schedule under load, or a hop added on one
+# path, moves the body by more than that. The generators run alternately
+# CROSS_PAIRS times and each quantile is the median over a generator's runs: this
+# 2-core machine is shared, and one run caught in a neighbour's burst moved p50 from
+# 1 to 7 ms (measured with load average 4-6). The tails (p90 and above) are not
+# compared: they belong to the neighbours (the same generator's p90 ranged from 1.9 to
+# 62 ms between back-to-back 3 s runs). On a quiet machine the medians agreed within
+# 0.3 ms (LoadGen's path has one more thread hand-off per query).
+CROSS_QPS = "200"
+CROSS_PAIRS = 3
+CROSS_QUANTILES = (25, 50, 75)
+CROSS_FLOOR_MS = 0.5
+CROSS_FRACTION = 0.4
+
+
+def stored_quantiles(stack: Stack, evaluation_id: str) -> list[float]:
+    rows = query(stack, "SELECT completed_ns - scheduled_ns FROM queries FINAL "
+                        "WHERE evaluation_id = {e:String} AND ok = 1", e=evaluation_id)
+    found = percentiles(np.asarray([r[0] for r in rows], float) / 1e6, CROSS_QUANTILES)
+    assert None not in found, evaluation_id
+    return [float(q) for q in found if q is not None]
+
+
+def test_cross_check_with_mlscope_loadgen(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
+    runs: dict[str, list[list[float]]] = {"LoadGen": [], "mlscope": []}
+    for k in range(CROSS_PAIRS):
+        lg_doc = mlperf(ort, tmp_path / f"run{k}", user_conf, "--scenario", "Server",
+                        "--target-qps", CROSS_QPS, "--seed", "7", "--batch-size", "1")
+        assert lg_doc["mlperf"]["effective"]["schedule_rng_seed"] == 7
+        out = subprocess.run(
+            [str(SUBMIT), "digits_cnn", "--framework", "onnxruntime", "--scenario", "online",
+             "--qps", CROSS_QPS, "--duration", "4", "--seed", "7", "--trace-level", "none",
+             "--json"], env=child_env(ort.settings), capture_output=True, text=True,
+            timeout=120, check=False)
+        assert out.returncode == 0, out.stderr
+        runs["LoadGen"].append(stored_quantiles(ort, lg_doc["evaluation_id"]))
+        runs["mlscope"].append(stored_quantiles(ort, json.loads(out.stdout)["evaluation_id"]))
+    a, b = (np.median(np.asarray(runs[g]), axis=0) for g in ("LoadGen", "mlscope"))
+    for q, x, y in zip(CROSS_QUANTILES, a, b, strict=True):
+        assert abs(x - y) <= max(CROSS_FLOOR_MS, CROSS_FRACTION * max(x, y)), \
+            f"p{q}: LoadGen {x:.3f} ms, mlscope {y:.3f} ms (runs: {runs})"
+
+
+# ----------------------------------------------------------------- fast, no stack
+
+
+def test_malformed_logs_are_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        logs.parse_detail(":::MLLOG {not json\n")
+    with pytest.raises(ConfigError):
+        logs.parse_detail("no records at all")
+    with pytest.raises(ConfigError):
+        logs.accuracy_entries('[{"qsl_idx": 1, "data": "zz"}]')
+    with pytest.raises(ConfigError):
+        logs.trace_samples('{"name":"Sample","cat":"default","ph":"b","ts":"x","args":{}},')
+    (tmp_path / logs.SUMMARY).write_text("")
+    with pytest.raises(ConfigError):
+        import_job(tmp_path, model=None, framework="mlperf", system=None)
+
+
+def test_checker_counts_each_sample_once() -> None:
+    one, two = np.int64(1).tobytes(), np.int64(2).tobytes()
+    entries = [(0, one), (1, one), (0, two), (2, b"")]
+    assert logs.imagenet_top1(entries, np.array([1, 2, 0])) == (1, 3)
+    assert logs.format_accuracy(1, 3) == "accuracy=33.333%, good=1, total=3\n"
+
+
+def test_library_refuses_samples_not_loaded() -> None:
+    lib = SampleLibrary(np.arange(12, dtype=np.float32).reshape(4, 3))
+    lib.load([1, 2])
+    assert lib.stack([2, 1]).tolist() == [[6, 7, 8], [3, 4, 5]]
+    lib.unload([1])
+    with pytest.raises(EvaluationError):
+        lib.stack([1])

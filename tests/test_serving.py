@@ -1,0 +1,141 @@
+"""The serving boundary on a real nats-server: replies, dead letters, loops, values."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, cast
+
+import anyio
+import pytest
+from nats.aio.msg import Msg
+
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.contracts import CONTROL, PingOp, PingReply, SqlRequest
+from mlscope.errors import (
+    DatabaseError,
+    MLScopeError,
+    ServiceError,
+    WireError,
+    error_from_wire,
+)
+from mlscope.serving import LOG_BURST, Boundary, as_error, dead_letters, decode_json
+from mlscope.settings import Settings
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_any_exception_becomes_a_typed_error() -> None:
+    assert isinstance(as_error(KeyError("x")), ServiceError)
+    assert isinstance(as_error(RecursionError()), WireError)
+    own = DatabaseError("disk full")
+    assert as_error(own) is own
+    err = as_error(ZeroDivisionError("boom"), service="server s1")
+    assert err.fields == {"service": "server s1", "exception": "ZeroDivisionError"}
+    assert isinstance(error_from_wire(err.to_wire()), ServiceError)
+
+
+def test_values_are_limited_before_parsing() -> None:
+    assert decode_json(b'{"a": [1, {"b": "[[[["}]}') == {"a": [1, {"b": "[[[["}]}
+    with pytest.raises(WireError, match="over the"):
+        decode_json(b"[" * 200_000 + b"]" * 200_000)
+    with pytest.raises(WireError, match="deeper than 64"):
+        decode_json(b"[" * 65 + b"]" * 65)
+    with pytest.raises(WireError, match="not valid JSON"):
+        decode_json(b"\xff\xfe")
+    assert decode_json(json.dumps([[[1]]]).encode()) == [[[1]]]
+
+
+def test_a_failing_handler_answers_with_its_typed_error_and_keeps_serving(
+        settings: Settings) -> None:
+    calls: list[str] = []
+
+    async def handler(req: PingOp | SqlRequest, msg: Msg) -> PingReply:
+        calls.append(type(req).__name__)
+        if len(calls) == 1:
+            raise KeyError("first call fails")
+        if len(calls) == 2:
+            raise DatabaseError("disk full", table="spans")
+        return PingReply(t_agent=7)
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+            boundary = Boundary(bus, service="test")
+            await boundary.subscribe("t.ctl", CONTROL, handler)
+            replies = [codec.decode((await bus.nc.request("t.ctl", data, timeout=5)).data)
+                       for data in (codec.encode({"op": "ping"}),) * 3
+                       + (b"\xc1", codec.encode({"op": "nope"}))]
+            assert [r["kind"] for r in replies] == ["error", "error", "pong", "error",
+                                                    "error"]
+            codes = [error_from_wire(r["error"]).code for r in replies if r["kind"] == "error"]
+            assert codes == ["service", "database", "wire", "wire"]
+            assert boundary.failures == {"service": 1, "database": 1, "wire": 2}
+            assert boundary.handled == 1 and calls == ["PingOp"] * 3
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_a_message_that_keeps_failing_is_dead_lettered(settings: Settings) -> None:
+    async def main() -> None:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+            boundary = Boundary(bus, service="test")
+            sub = await bus.js.pull_subscribe(names.JOBS_SUBJECT, durable="t",
+                                              stream=names.JOBS_STREAM)
+            await bus.js.publish(names.JOBS_SUBJECT, b"payload")
+            attempts = 0
+
+            async def fails(msg: Msg) -> None:
+                nonlocal attempts
+                attempts += 1
+                raise OSError("read-only file system")
+
+            while boundary.dead_lettered == 0:
+                for msg in await sub.fetch(1, timeout=5):
+                    await boundary.settle(msg, names.JOBS_STREAM, fails, max_deliver=3,
+                                          retry_s=0.05)
+            assert attempts == 3
+            kept, dead = await dead_letters(bus)
+            assert kept == 1 and dead[0].subject == names.JOBS_SUBJECT
+            assert "read-only file system" in dead[0].error and dead[0].delivered == 3
+            raw = await bus.js.get_msg(names.DEAD_STREAM, dead[0].seq)
+            assert raw.data == b"payload"
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_a_failing_loop_is_started_again(settings: Settings) -> None:
+    runs = 0
+
+    async def flaky(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                    ) -> None:
+        nonlocal runs
+        runs += 1
+        task_status.started()
+        if runs < 3:
+            raise MLScopeError("watch lost")
+        await anyio.sleep_forever()
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="test") as bus:
+            boundary = Boundary(bus, service="test")
+            async with anyio.create_task_group() as tg:
+                await tg.start(lambda **kw: boundary.keep_running("flaky", flaky,
+                                                                  backoff_s=0.01, **kw))
+                with anyio.fail_after(5):
+                    while runs < 3:
+                        await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+            assert boundary.failures == {"error": 2}
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_a_flood_of_bad_messages_is_counted_in_full_but_logged_briefly(
+        caplog: pytest.LogCaptureFixture) -> None:
+    boundary = Boundary(cast(Any, None), service="test")  # failed() never touches the bus
+    with caplog.at_level(logging.WARNING):
+        for _ in range(500):
+            boundary.failed(WireError("bad"), "t.subject")
+    assert boundary.failures == {"wire": 500}
+    assert len([r for r in caplog.records if "refused" in r.getMessage()]) == LOG_BURST
