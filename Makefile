@@ -27,8 +27,9 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/mlscope demo
 
-## Lint, type-check, then the whole test suite against real services and runtimes.
+## Format check, lint, type-check (strict), then the whole test suite against real services and runtimes.
 test: install
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest
@@ -38,6 +39,7 @@ test-fast: install
 	$(PY) -m pytest -m unit -q
 
 lint: install
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
 typecheck: install

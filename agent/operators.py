@@ -41,8 +41,9 @@ def _cast(x: np.ndarray, *, dtype: str) -> np.ndarray:
     return np.asarray(x).astype(dtype, copy=False)
 
 
-def _normalize(x: np.ndarray, *, mean: Any = 0.0, std: Any = 1.0,
-               rescale: float = 1.0) -> np.ndarray:
+def _normalize(
+    x: np.ndarray, *, mean: Any = 0.0, std: Any = 1.0, rescale: float = 1.0
+) -> np.ndarray:
     """(x * rescale - mean) / std, broadcasting mean/std over the last axis or channels."""
     out = np.asarray(x).astype(np.float32, copy=False) * np.float32(rescale)
     return (out - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
@@ -89,8 +90,12 @@ def _argmax(x: np.ndarray) -> np.ndarray:
 
 def _reduce(x: np.ndarray, *, op: str = "max") -> np.ndarray:
     """Reduce every per-sample value to one (``max``, ``min``, ``mean``, ``sum``)."""
-    funcs: dict[str, Callable[..., Any]] = {"max": np.max, "min": np.min, "mean": np.mean,
-                                            "sum": np.sum}
+    funcs: dict[str, Callable[..., Any]] = {
+        "max": np.max,
+        "min": np.min,
+        "mean": np.mean,
+        "sum": np.sum,
+    }
     if op not in funcs:
         raise ValueError(f"reduce op must be one of {sorted(funcs)}")
     reduced: np.ndarray = funcs[op](x.reshape(x.shape[0], -1), axis=1)
@@ -102,6 +107,7 @@ def _identity(x: Any) -> Any:
 
 
 # --- images ---------------------------------------------------------------------------
+
 
 def _pil() -> Any:
     try:
@@ -129,8 +135,9 @@ def _decode_one(item: Any, mode: str) -> np.ndarray:
     elif isinstance(item, (str, Path)):
         src = str(item)
     else:
-        raise ValueError(f"decode takes image bytes, a file path or a uint8 image, "
-                         f"not {type(item).__name__}")
+        raise ValueError(
+            f"decode takes image bytes, a file path or a uint8 image, not {type(item).__name__}"
+        )
     with image.open(src) as img:
         return np.asarray(img.convert(mode))
 
@@ -140,8 +147,15 @@ def _decode(x: Any, *, mode: str = "RGB") -> Images:
     return _stack([_decode_one(item, mode) for item in x])
 
 
-_RESAMPLE = {"nearest": 0, "bilinear": 2, "bicubic": 3, "lanczos": 1, "box": 4,
-             "area": 4, "hamming": 5}
+_RESAMPLE = {
+    "nearest": 0,
+    "bilinear": 2,
+    "bicubic": 3,
+    "lanczos": 1,
+    "box": 4,
+    "area": 4,
+    "hamming": 5,
+}
 
 
 def _target_size(h: int, w: int, size: int | Sequence[int], keep_aspect: bool) -> tuple[int, int]:
@@ -157,8 +171,9 @@ def _target_size(h: int, w: int, size: int | Sequence[int], keep_aspect: bool) -
     return th, tw
 
 
-def _resize_one(img: np.ndarray, size: int | Sequence[int], method: str,
-                keep_aspect: bool) -> np.ndarray:
+def _resize_one(
+    img: np.ndarray, size: int | Sequence[int], method: str, keep_aspect: bool
+) -> np.ndarray:
     h, w = img.shape[:2]
     th, tw = _target_size(h, w, size, keep_aspect)
     if (th, tw) == (h, w):
@@ -171,14 +186,17 @@ def _resize_one(img: np.ndarray, size: int | Sequence[int], method: str,
         out = np.asarray(pil.resize((tw, th), resample))
         return out[..., None] if squeeze else out
     chans = [img] if img.ndim == 2 else [img[..., c] for c in range(img.shape[2])]
-    res = [np.asarray(image.fromarray(c.astype(np.float32), mode="F").resize((tw, th), resample))
-           for c in chans]
+    res = [
+        np.asarray(image.fromarray(c.astype(np.float32), mode="F").resize((tw, th), resample))
+        for c in chans
+    ]
     out = res[0] if img.ndim == 2 else np.stack(res, axis=-1)
     return out.astype(img.dtype)
 
 
-def _resize(x: Images, *, size: int | Sequence[int], method: str = "bilinear",
-            keep_aspect: bool = False) -> Images:
+def _resize(
+    x: Images, *, size: int | Sequence[int], method: str = "bilinear", keep_aspect: bool = False
+) -> Images:
     """Resize HWC images. An int ``size`` with ``keep_aspect`` sets the shorter side."""
     if method not in _RESAMPLE:
         raise ValueError(f"resize method must be one of {sorted(_RESAMPLE)}")
@@ -211,8 +229,11 @@ def _color_one(img: np.ndarray, source: str, target: str) -> np.ndarray:
     rgb = img[..., :3] if source == "RGB" else img[..., 2::-1]
     if target == "GRAY":
         gray = rgb.astype(np.float32) @ _LUMA
-        out: np.ndarray = (np.clip(np.rint(gray), 0, 255).astype(np.uint8)
-                           if img.dtype == np.uint8 else gray.astype(img.dtype))
+        out: np.ndarray = (
+            np.clip(np.rint(gray), 0, 255).astype(np.uint8)
+            if img.dtype == np.uint8
+            else gray.astype(img.dtype)
+        )
         return out[..., None]
     return np.ascontiguousarray(rgb[..., ::-1]) if target == "BGR" else np.ascontiguousarray(rgb)
 
@@ -249,8 +270,9 @@ _CUSTOM_RULE = (
 )
 
 
-def _custom(options: Any, *, where: str, trusted: bool, allow_custom: bool,
-            env: Mapping[str, Any]) -> Callable[[Any], Any]:
+def _custom(
+    options: Any, *, where: str, trusted: bool, allow_custom: bool, env: Mapping[str, Any]
+) -> Callable[[Any], Any]:
     if not (trusted and allow_custom):
         why = "the manifest is not trusted" if not trusted else "custom code is not allowed"
         raise ManifestError(f"refusing custom Python step ({why}): {_CUSTOM_RULE}", field=where)
@@ -259,18 +281,25 @@ def _custom(options: Any, *, where: str, trusted: bool, allow_custom: bool,
     try:
         fn = getattr(importlib.import_module(str(options["module"])), str(options["function"]))
     except (ImportError, AttributeError) as exc:
-        raise ManifestError(f"cannot load {options['module']}.{options['function']}: {exc}",
-                            field=where) from exc
+        raise ManifestError(
+            f"cannot load {options['module']}.{options['function']}: {exc}", field=where
+        ) from exc
     if not callable(fn):
-        raise ManifestError(f"{options['module']}.{options['function']} is not callable",
-                            field=where)
+        raise ManifestError(
+            f"{options['module']}.{options['function']} is not callable", field=where
+        )
     step_env = dict(env)
     return lambda x: fn(step_env, x)
 
 
-def compile_steps(steps: Sequence[dict[str, Any]], *, where: str = "steps",
-                  trusted: bool = False, allow_custom: bool = False,
-                  env: Mapping[str, Any] | None = None) -> Pipeline:
+def compile_steps(
+    steps: Sequence[dict[str, Any]],
+    *,
+    where: str = "steps",
+    trusted: bool = False,
+    allow_custom: bool = False,
+    env: Mapping[str, Any] | None = None,
+) -> Pipeline:
     """One callable running every step in order; unknown operators are ManifestErrors.
 
     A ``python`` step runs only when ``trusted`` (the manifest came from a local
@@ -281,18 +310,23 @@ def compile_steps(steps: Sequence[dict[str, Any]], *, where: str = "steps",
     calls: list[Callable[[Any], Any]] = []
     for i, step in enumerate(steps):
         if not isinstance(step, dict) or len(step) != 1:
-            raise ManifestError("each step is a mapping with one operator",
-                                field=f"{where}.{i}")
-        (name, options), = step.items()
+            raise ManifestError("each step is a mapping with one operator", field=f"{where}.{i}")
+        ((name, options),) = step.items()
         if name == CUSTOM_STEP:
-            calls.append(_custom(options, where=f"{where}.{i}", trusted=trusted,
-                                 allow_custom=allow_custom, env=env or {}))
+            calls.append(
+                _custom(
+                    options,
+                    where=f"{where}.{i}",
+                    trusted=trusted,
+                    allow_custom=allow_custom,
+                    env=env or {},
+                )
+            )
             continue
         op = OPERATORS.get(name)
         if op is None:
             known = ", ".join([*OPERATORS, CUSTOM_STEP])
-            raise ManifestError(f"unknown operator {name!r} (known: {known})",
-                                field=f"{where}.{i}")
+            raise ManifestError(f"unknown operator {name!r} (known: {known})", field=f"{where}.{i}")
         if options is not None and not isinstance(options, dict):
             raise ManifestError(f"options of {name!r} must be a mapping", field=f"{where}.{i}")
         opts = dict(options or {})
@@ -310,8 +344,9 @@ INDEX_STEPS = ("topk", "argmax")
 """Operators whose result is class indices, which a labels file can name."""
 
 
-def labeler(steps: Sequence[dict[str, Any]],
-            labels: Sequence[str] | None) -> Callable[[np.ndarray], np.ndarray] | None:
+def labeler(
+    steps: Sequence[dict[str, Any]], labels: Sequence[str] | None
+) -> Callable[[np.ndarray], np.ndarray] | None:
     """The labels of a post-processing result, or None when there is nothing to name.
 
     When ``steps`` end in class indices (:data:`INDEX_STEPS`) and ``labels`` (the
@@ -326,8 +361,10 @@ def labeler(steps: Sequence[dict[str, Any]],
 
     def name(indices: np.ndarray) -> np.ndarray:
         if indices.size and (indices.min() < 0 or indices.max() >= len(table)):
-            raise ValueError(f"class indices outside the {len(table)} labels "
-                             f"({int(indices.min())}..{int(indices.max())})")
+            raise ValueError(
+                f"class indices outside the {len(table)} labels "
+                f"({int(indices.min())}..{int(indices.max())})"
+            )
         named: np.ndarray = table[indices]
         return named
 

@@ -149,11 +149,13 @@ class Executor:
         self._idle_seq = -1  # the seq the predict thread is idly waiting for, else -1
         self._ready: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
         self._work: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._pre_loop, name=f"pre-{model.name}-{i}",
-                                          daemon=True)
-                         for i in range(self.config.pre_workers)]
-        self._threads.append(threading.Thread(target=self._predict_loop,
-                                              name=f"infer-{model.name}", daemon=True))
+        self._threads = [
+            threading.Thread(target=self._pre_loop, name=f"pre-{model.name}-{i}", daemon=True)
+            for i in range(self.config.pre_workers)
+        ]
+        self._threads.append(
+            threading.Thread(target=self._predict_loop, name=f"infer-{model.name}", daemon=True)
+        )
         for t in self._threads:
             t.start()
 
@@ -213,18 +215,24 @@ class Executor:
         try:
             if raw.ndim < 1 or raw.shape[0] < 1:
                 raise InputMismatchError(
-                    f"{m.name}: a query needs a batch of at least one sample", model=m.name,
-                    framework=m.predictor.framework, expected="(batch, ...)",
-                    actual=list(raw.shape))
+                    f"{m.name}: a query needs a batch of at least one sample",
+                    model=m.name,
+                    framework=m.predictor.framework,
+                    expected="(batch, ...)",
+                    actual=list(raw.shape),
+                )
             slot.x = self._inputs(raw, slot.job.more)
         except MLScopeError as exc:
             slot.error = exc
         except Exception as exc:  # an operator's own error: the query was malformed
             slot.error = InputMismatchError(
-                f"{m.name}: pre-processing failed: {exc}", model=m.name,
-                framework=m.predictor.framework, index=slot.job.index,
+                f"{m.name}: pre-processing failed: {exc}",
+                model=m.name,
+                framework=m.predictor.framework,
+                index=slot.job.index,
                 expected=[None, *m.sample_shape],
-                actual={"shape": list(raw.shape), "dtype": str(raw.dtype)})
+                actual={"shape": list(raw.shape), "dtype": str(raw.dtype)},
+            )
         slot.t_pre_end = now()
 
     def _inputs(self, raw: np.ndarray, more: tuple[np.ndarray, ...]) -> list[np.ndarray]:
@@ -234,12 +242,16 @@ class Executor:
         if len(more) >= len(pre):
             raise InputMismatchError(
                 f"{m.name} takes {len(pre)} input(s), the query carried {1 + len(more)}",
-                model=m.name, framework=m.predictor.framework, expected=len(pre),
-                actual=1 + len(more))
-        xs = [pre[0](raw)]
-        for n in range(1, len(pre)):
-            xs.append(pre[n](more[n - 1]) if n <= len(more) else m.fill(n, len(raw)))
-        return xs
+                model=m.name,
+                framework=m.predictor.framework,
+                expected=len(pre),
+                actual=1 + len(more),
+            )
+        rest = [
+            pre[n](more[n - 1]) if n <= len(more) else m.fill(n, len(raw))
+            for n in range(1, len(pre))
+        ]
+        return [pre[0](raw), *rest]
 
     def _merge(self, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
         """Several queries' inputs as one batch: each joined on its batch axis; an input
@@ -284,8 +296,11 @@ class Executor:
                 self._run_batch(batch, idle_next=held is None)
             except Exception as exc:  # a fault here must not stop the model: answer, go on
                 m = self.model
-                err = InferenceError(f"{m.name}: pipeline failure: {exc!r}", model=m.name,
-                                     framework=m.predictor.framework)
+                err = InferenceError(
+                    f"{m.name}: pipeline failure: {exc!r}",
+                    model=m.name,
+                    framework=m.predictor.framework,
+                )
                 for slot in batch:
                     if not slot.replied:
                         self._finish(slot, _Outcome(error=err))
@@ -339,23 +354,40 @@ class Executor:
                 for s in slots:
                     self._infer([s], outcomes)
                 return
-            err = exc if isinstance(exc, MLScopeError) else InferenceError(
-                f"{m.name}: {exc}", model=m.name, framework=m.predictor.framework,
-                batch_size=slots[0].samples)
+            err = (
+                exc
+                if isinstance(exc, MLScopeError)
+                else InferenceError(
+                    f"{m.name}: {exc}",
+                    model=m.name,
+                    framework=m.predictor.framework,
+                    batch_size=slots[0].samples,
+                )
+            )
             outcomes[slots[0].seq] = _Outcome(error=err)
             return
         bounds = np.cumsum([s.samples for s in slots])[:-1]
         parts = np.split(result, bounds) if len(slots) > 1 else [result]
-        raws = (np.split(out[0], bounds) if len(slots) > 1 else [out[0]]) \
-            if any(s.job.raw for s in slots) else [None] * len(slots)
+        raws = (
+            (np.split(out[0], bounds) if len(slots) > 1 else [out[0]])
+            if any(s.job.raw for s in slots)
+            else [None] * len(slots)
+        )
         total = int(bounds[-1] + slots[-1].samples) if len(slots) > 1 else slots[0].samples
         for s, part, raw in zip(slots, parts, raws, strict=True):
-            outcomes[s.seq] = _Outcome(result=part, raw=raw if s.job.raw else None,
-                                       t_predict=t_pred, t_predict_end=t_post,
-                                       t_post_end=t_end, batch=total, capture=cap)
+            outcomes[s.seq] = _Outcome(
+                result=part,
+                raw=raw if s.job.raw else None,
+                t_predict=t_pred,
+                t_predict_end=t_post,
+                t_post_end=t_end,
+                batch=total,
+                capture=cap,
+            )
 
-    def _predict(self, xs: list[np.ndarray],
-                 level: TraceLevel) -> tuple[list[np.ndarray], Capture, int, int]:
+    def _predict(
+        self, xs: list[np.ndarray], level: TraceLevel
+    ) -> tuple[list[np.ndarray], Capture, int, int]:
         """The one call site of ``predictor.predict``: (outputs, capture, start, end).
         At level framework or more it runs under the framework's own profiler (its
         layer spans go under each query's predict); start and end are taken inside the
@@ -377,17 +409,27 @@ class Executor:
         job = slot.job
         labels = self._labels(out) if job.labels and out.error is None else None
         if out.error is not None:
-            reply = QueryReply(index=job.index, ok=False, error=out.error.to_wire(),
-                               t_received=job.received_ns, t_replied=now())
+            reply = QueryReply(
+                index=job.index,
+                ok=False,
+                error=out.error.to_wire(),
+                t_received=job.received_ns,
+                t_replied=now(),
+            )
         else:
             if job.spans is not None and job.level >= TraceLevel.MODEL:
                 emit_spans(job, slot.t_pre, slot.t_pre_end, out)
-            reply = QueryReply(index=job.index, ok=True,
-                               outputs=np.ascontiguousarray(out.result),
-                               raw_outputs=None if out.raw is None
-                               else np.ascontiguousarray(out.raw), labels=labels,
-                               t_received=job.received_ns, t_predict_start=out.t_predict,
-                               t_predict_end=out.t_predict_end, t_replied=now())
+            reply = QueryReply(
+                index=job.index,
+                ok=True,
+                outputs=np.ascontiguousarray(out.result),
+                raw_outputs=None if out.raw is None else np.ascontiguousarray(out.raw),
+                labels=labels,
+                t_received=job.received_ns,
+                t_predict_start=out.t_predict,
+                t_predict_end=out.t_predict_end,
+                t_replied=now(),
+            )
         slot.replied = True
         with self._lock:
             self._inflight -= 1
@@ -402,8 +444,9 @@ class Executor:
         try:
             return m.labeler(out.result)
         except (ValueError, IndexError, TypeError) as exc:
-            out.error = InferenceError(f"{m.name}: labels: {exc}", model=m.name,
-                                       framework=m.predictor.framework)
+            out.error = InferenceError(
+                f"{m.name}: labels: {exc}", model=m.name, framework=m.predictor.framework
+            )
             return None
 
 
@@ -415,16 +458,36 @@ def emit_spans(job: Job, t_pre: int, t_pre_end: int, out: _Outcome) -> None:
     attrs: dict[str, Any] = {"batch_size": int(job.inputs.shape[0])}
     if out.batch != attrs["batch_size"]:
         attrs["predict_batch"] = out.batch  # merged with other queries
-    root = spans.add(parent=0, query_index=job.index, level=TraceLevel.MODEL, kind="query",
-                     name="query", start_ns=job.received_ns, end_ns=out.t_post_end,
-                     attrs=attrs)
-    for name, a, b in (("preprocess", t_pre, t_pre_end),
-                       ("predict", out.t_predict, out.t_predict_end),
-                       ("postprocess", out.t_predict_end, out.t_post_end)):
+    root = spans.add(
+        parent=0,
+        query_index=job.index,
+        level=TraceLevel.MODEL,
+        kind="query",
+        name="query",
+        start_ns=job.received_ns,
+        end_ns=out.t_post_end,
+        attrs=attrs,
+    )
+    for name, a, b in (
+        ("preprocess", t_pre, t_pre_end),
+        ("predict", out.t_predict, out.t_predict_end),
+        ("postprocess", out.t_predict_end, out.t_post_end),
+    ):
         cap = out.capture if name == "predict" else NULL
-        step_attrs = ({"profiler_ns": max(cap.end_ns - cap.start_ns - (b - a), 0)}
-                      if cap is not NULL and cap.end_ns else None)
-        sid = spans.add(parent=root, query_index=job.index, level=TraceLevel.MODEL,
-                        kind="step", name=name, start_ns=a, end_ns=b, attrs=step_attrs)
+        step_attrs = (
+            {"profiler_ns": max(cap.end_ns - cap.start_ns - (b - a), 0)}
+            if cap is not NULL and cap.end_ns
+            else None
+        )
+        sid = spans.add(
+            parent=root,
+            query_index=job.index,
+            level=TraceLevel.MODEL,
+            kind="step",
+            name=name,
+            start_ns=a,
+            end_ns=b,
+            attrs=step_attrs,
+        )
         if cap is not NULL and job.level >= TraceLevel.FRAMEWORK:
             cap.emit(spans, parent=sid, query_index=job.index, window=(a, b))

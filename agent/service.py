@@ -118,13 +118,17 @@ class Agent:
     the probed version when the catalog has it)."""
 
     def __post_init__(self) -> None:
-        self.store = ArtifactStore(self.settings.data_dir, zoo_dir=self.settings.zoo_dir,
-                                   policy=FetchPolicy.from_settings(self.settings))
+        self.store = ArtifactStore(
+            self.settings.data_dir,
+            zoo_dir=self.settings.zoo_dir,
+            policy=FetchPolicy.from_settings(self.settings),
+        )
         """Remembers verified files by size and mtime: re-checking one is a stat."""
         self.framework_manifest = self.catalog.framework(self.config.framework)
         host = str(sysinfo.host_facts()["host"])
         self.agent_id = self.config.agent_id or names.token(
-            f"{host}-{self.config.framework}-{new_id('a')[2:8]}")
+            f"{host}-{self.config.framework}-{new_id('a')[2:8]}"
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -133,7 +137,8 @@ class Agent:
         if info is None:
             raise FrameworkUnavailable(
                 f"framework {self.config.framework} does not load on this machine",
-                framework=self.config.framework)
+                framework=self.config.framework,
+            )
         self.framework_info = info
         # Runtime options of the framework manifest (threads, providers...) for every
         # model this agent opens; an explicit --threads still wins (PredictorOptions).
@@ -143,8 +148,9 @@ class Agent:
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.
         sys.setswitchinterval(AGENT_SWITCH_INTERVAL_S)
-        async with busmod.connect(self.settings, name=f"agent {self.agent_id}",
-                                  provision=True) as bus:
+        async with busmod.connect(
+            self.settings, name=f"agent {self.agent_id}", provision=True
+        ) as bus:
             self.bus = bus
             self.boundary = Boundary(bus, service=f"agent {self.agent_id}", logger=log)
             self.loop = asyncio.get_running_loop()
@@ -192,14 +198,19 @@ class Agent:
     async def _fetch_missing(self) -> None:
         """Built zoo models of this framework that the data dir lacks, fetched from the
         bus's artifact bucket (verified file by file; see mlscope.artifact_bucket)."""
-        wanted = sorted({zoo_coordinates(str(e.manifest.assets.base_url))
-                         for e in self.remote.catalog(self.catalog).entries
-                         if e.manifest.framework.name == self.config.framework
-                         and is_built(e.manifest.assets.base_url)})
+        wanted = sorted(
+            {
+                zoo_coordinates(str(e.manifest.assets.base_url))
+                for e in self.remote.catalog(self.catalog).entries
+                if e.manifest.framework.name == self.config.framework
+                and is_built(e.manifest.assets.base_url)
+            }
+        )
         for name, version in wanted:
             try:
-                await artifact_bucket.fetch(self.bus, self.settings.zoo_dir, name, version,
-                                            log=self._log)
+                await artifact_bucket.fetch(
+                    self.bus, self.settings.zoo_dir, name, version, log=self._log
+                )
             except MLScopeError as exc:  # not served then; the refusal says why
                 self._log(f"cannot fetch {name} {version} from the artifact bucket: {exc}")
 
@@ -211,30 +222,31 @@ class Agent:
         m = e.manifest
         version = self.framework_info.version
         if not satisfies(version, m.framework.version):
-            raise ConfigError(f"{m.framework.name} {version} here is outside the manifest's "
-                              f"{m.framework.version!r}", reason="framework_version")
+            raise ConfigError(
+                f"{m.framework.name} {version} here is outside the manifest's "
+                f"{m.framework.version!r}",
+                reason="framework_version",
+            )
         compile_model(e, allow_custom=self.settings.allow_custom_code)
         return e.graph(self.settings.zoo_dir, store=self.store)
 
     async def _subscribe(self, bus: Bus) -> list[Any]:
         subs = [
-            await self.boundary.subscribe(names.agent_query(self.agent_id), bytes,
-                                          self._on_query),
-            await self.boundary.subscribe(names.agent_ctl(self.agent_id), CONTROL,
-                                          self._on_ctl),
+            await self.boundary.subscribe(names.agent_query(self.agent_id), bytes, self._on_query),
+            await self.boundary.subscribe(names.agent_ctl(self.agent_id), CONTROL, self._on_ctl),
         ]
         await self._sync_capabilities(bus)
         return subs
 
     async def _sync_capabilities(self, bus: Bus) -> None:
         """One queue-group subscription per served model, no more, no fewer."""
-        wanted = {names.capability(self.config.framework, e.manifest.name)
-                  for e, _ in self.offers}
+        wanted = {names.capability(self.config.framework, e.manifest.name) for e, _ in self.offers}
         for subject in sorted(set(self.capability_subs) - wanted):
             await self.capability_subs.pop(subject).unsubscribe()
         for subject in sorted(wanted - set(self.capability_subs)):
             self.capability_subs[subject] = await self.boundary.subscribe(
-                subject, bytes, self._on_query, queue=subject)
+                subject, bytes, self._on_query, queue=subject
+            )
         await bus.nc.flush()
 
     async def _models_changed(self) -> None:
@@ -243,8 +255,9 @@ class Agent:
             await self._fetch_missing()
             refused = self.refused
             offers = await anyio.to_thread.run_sync(self._servable)
-            if [(e.manifest.key, g) for e, g in offers] == \
-                    [(e.manifest.key, g) for e, g in self.offers] and refused == self.refused:
+            if [(e.manifest.key, g) for e, g in offers] == [
+                (e.manifest.key, g) for e, g in self.offers
+            ] and refused == self.refused:
                 return
             self.offers = offers
             await self._sync_capabilities(self.bus)
@@ -254,18 +267,39 @@ class Agent:
         f = self._facts
         info = self.framework_info
         return AgentDescription(
-            agent_id=self.agent_id, host=f["host"], arch=f["arch"], os=f["os"],
-            cpu_model=f["cpu_model"], cpu_cores=f["cpu_cores"], memory_bytes=f["memory_bytes"],
-            accelerators=self.accelerators, frameworks=(info,),
-            models=tuple(ModelOffer(name=e.manifest.name, version=e.manifest.version,
-                                    framework=e.manifest.framework.name,
-                                    sha256=e.graph_sha256(self.settings.zoo_dir))
-                         for e, _ in self.offers),
+            agent_id=self.agent_id,
+            host=f["host"],
+            arch=f["arch"],
+            os=f["os"],
+            cpu_model=f["cpu_model"],
+            cpu_cores=f["cpu_cores"],
+            memory_bytes=f["memory_bytes"],
+            accelerators=self.accelerators,
+            frameworks=(info,),
+            models=tuple(
+                ModelOffer(
+                    name=e.manifest.name,
+                    version=e.manifest.version,
+                    framework=e.manifest.framework.name,
+                    sha256=e.graph_sha256(self.settings.zoo_dir),
+                )
+                for e, _ in self.offers
+            ),
             refused=tuple(self.refused),
-            capabilities=tuple(sorted({names.capability(self.config.framework, e.manifest.name)
-                                       for e, _ in self.offers})),
-            pid=os.getpid(), mlscope_version=mlscope.__version__, started_at=time.time(),
-            heartbeat_at=time.time(), heartbeat_s=self.config.heartbeat_s)
+            capabilities=tuple(
+                sorted(
+                    {
+                        names.capability(self.config.framework, e.manifest.name)
+                        for e, _ in self.offers
+                    }
+                )
+            ),
+            pid=os.getpid(),
+            mlscope_version=mlscope.__version__,
+            started_at=time.time(),
+            heartbeat_at=time.time(),
+            heartbeat_s=self.config.heartbeat_s,
+        )
 
     async def _advertise(self, bus: Bus) -> None:
         kv = await bus.kv(names.AGENTS_BUCKET)
@@ -301,8 +335,9 @@ class Agent:
 
     # ------------------------------------------------------------------ requests
 
-    async def _on_ctl(self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp,
-                      msg: Msg) -> PingReply | AgentDescription | PrepareReply | ReleaseReply:
+    async def _on_ctl(
+        self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp, msg: Msg
+    ) -> PingReply | AgentDescription | PrepareReply | ReleaseReply:
         """Control requests (the serving boundary replies to failures)."""
         if isinstance(req, PingOp):
             return PingReply(t_agent=now())
@@ -314,7 +349,8 @@ class Agent:
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         if session is not None and session.level >= TraceLevel.FRAMEWORK:
             await anyio.to_thread.run_sync(  # layer spans a profiler held back
-                profiling.flush, session.worker.model.predictor)
+                profiling.flush, session.worker.model.predictor
+            )
         unloaded = False
         if session is not None and req.unload:
             unloaded = await self._unload(session.key)
@@ -323,13 +359,19 @@ class Agent:
     async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""
         eval_id, name, version = req.evaluation_id, req.model, req.model_version
-        match = [(e, g) for e, g in self.offers
-                 if e.manifest.name == name and e.manifest.version == version]
+        match = [
+            (e, g)
+            for e, g in self.offers
+            if e.manifest.name == name and e.manifest.version == version
+        ]
         if not match:
             why = next((r for r in self.refused if (r.name, r.version) == (name, version)), None)
-            raise ConfigError(f"agent {self.agent_id} does not serve {name}@{version}"
-                              + (f": {why.message}" if why else ""), model=name,
-                              version=version)
+            raise ConfigError(
+                f"agent {self.agent_id} does not serve {name}@{version}"
+                + (f": {why.message}" if why else ""),
+                model=name,
+                version=version,
+            )
         entry, _ = match[0]
         # Verified again (a stat when unchanged): a file changed since it was advertised
         # is refused with both hashes and the command that rebuilds it.
@@ -343,26 +385,44 @@ class Agent:
         load_ns = first_ns = 0
         if cold:
             opts = self.predictor_options(batch)
-            model = await anyio.to_thread.run_sync(functools.partial(
-                LoadedModel.open, entry, graph, opts, labels=self._labels(entry),
-                allow_custom=self.settings.allow_custom_code))
+            model = await anyio.to_thread.run_sync(
+                functools.partial(
+                    LoadedModel.open,
+                    entry,
+                    graph,
+                    opts,
+                    labels=self._labels(entry),
+                    allow_custom=self.settings.allow_custom_code,
+                )
+            )
             try:
                 first_ns = await anyio.to_thread.run_sync(model.warmup)
             except MLScopeError:
                 model.close()
                 raise
             load_ns = model.load_ns
-            self.workers[key] = Executor(model, ExecutorConfig(
-                capacity=self.config.queue_capacity, pre_workers=self.config.pre_workers,
-                max_batch=batch, max_wait_us=self.config.batch_wait_us))
+            self.workers[key] = Executor(
+                model,
+                ExecutorConfig(
+                    capacity=self.config.queue_capacity,
+                    pre_workers=self.config.pre_workers,
+                    max_batch=batch,
+                    max_wait_us=self.config.batch_wait_us,
+                ),
+            )
         worker = self.workers[key]
         worker.max_batch = req.max_batch or batch
         level = TraceLevel.parse(req.trace_level)
         self.sessions[eval_id] = Session(worker, level, key)
         if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
-        return PrepareReply(cold=cold, load_ns=load_ns, first_inference_ns=first_ns,
-                            sha256=entry.graph_sha256(self.settings.zoo_dir), t_agent=now())
+        return PrepareReply(
+            cold=cold,
+            load_ns=load_ns,
+            first_inference_ns=first_ns,
+            sha256=entry.graph_sha256(self.settings.zoo_dir),
+            t_agent=now(),
+        )
 
     def _labels(self, entry: Entry) -> list[str] | None:
         """The first output's labels file, when the manifest names one that is local
@@ -376,9 +436,12 @@ class Agent:
         """How this agent opens a model: its device and ``--threads``, and the runtime
         options its framework manifest gives for that device."""
         fm = self.framework_manifest
-        return PredictorOptions(device=self.config.device, threads=self.config.threads,
-                                batch_size=batch_size,
-                                runtime=fm.runtime(self.config.device) if fm else {})
+        return PredictorOptions(
+            device=self.config.device,
+            threads=self.config.threads,
+            batch_size=batch_size,
+            runtime=fm.runtime(self.config.device) if fm else {},
+        )
 
     async def _unload(self, key: str) -> bool:
         """Stop and close a loaded model no other evaluation uses; True if it was."""
@@ -395,13 +458,22 @@ class Agent:
         query = codec.decode_model(Query, data)
         session = self.sessions.get(query.evaluation_id)
         if session is None:
-            raise EvaluationError(f"agent {self.agent_id} was not prepared for "
-                                  f"evaluation {query.evaluation_id}")
+            raise EvaluationError(
+                f"agent {self.agent_id} was not prepared for evaluation {query.evaluation_id}"
+            )
         level = TraceLevel(min(query.trace_level, session.level))
         spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
-        job = Job(index=query.index, inputs=query.inputs, received_ns=received, level=level,
-                  spans=spans, reply=self._replier(msg.reply), raw=query.raw,
-                  labels=query.labels, more=query.more_inputs)
+        job = Job(
+            index=query.index,
+            inputs=query.inputs,
+            received_ns=received,
+            level=level,
+            spans=spans,
+            reply=self._replier(msg.reply),
+            raw=query.raw,
+            labels=query.labels,
+            more=query.more_inputs,
+        )
         if not session.worker.submit(job):
             busy = OverloadedError(f"agent {self.agent_id} is overloaded", index=query.index)
             return ErrorReply(error=busy.to_wire())
@@ -417,8 +489,12 @@ class Agent:
         return send
 
 
-_REASONS: dict[str, Reason] = {"missing": "missing", "checksum": "checksum",
-                               "framework_version": "framework_version", "policy": "policy"}
+_REASONS: dict[str, Reason] = {
+    "missing": "missing",
+    "checksum": "checksum",
+    "framework_version": "framework_version",
+    "policy": "policy",
+}
 
 
 def _refusal(e: Entry, exc: MLScopeError) -> RefusedModel:
@@ -428,8 +504,14 @@ def _refusal(e: Entry, exc: MLScopeError) -> RefusedModel:
     if reason is None:
         reason = "custom_code" if "custom Python" in exc.message else "invalid"
     fix = exc.fields.get("fix") or None
-    return RefusedModel(name=m.name, version=m.version, framework=m.framework.name,
-                        reason=reason, message=exc.message, fix=str(fix) if fix else None)
+    return RefusedModel(
+        name=m.name,
+        version=m.version,
+        framework=m.framework.name,
+        reason=reason,
+        message=exc.message,
+        fix=str(fix) if fix else None,
+    )
 
 
 def _beat_logged(agent_id: str, failing: int, error: BaseException | None) -> int:
@@ -437,12 +519,17 @@ def _beat_logged(agent_id: str, failing: int, error: BaseException | None) -> in
     the run of failed beats so far."""
     if error is None:
         if failing:
-            log.warning("agent %s: heartbeats stored again after %d failed", agent_id,
-                        failing)
+            log.warning("agent %s: heartbeats stored again after %d failed", agent_id, failing)
         return 0
     if failing % 30 == 0:
-        log.error("agent %s: heartbeat not stored (%d in a row): %r; the registry drops "
-                  "this agent after %.0f s without one. If nats-server's store ran out of "
-                  "space, JetStream stays disabled after space returns until nats-server "
-                  "is restarted", agent_id, failing + 1, error, busmod.AGENT_TTL_S)
+        log.error(
+            "agent %s: heartbeat not stored (%d in a row): %r; the registry drops "
+            "this agent after %.0f s without one. If nats-server's store ran out of "
+            "space, JetStream stays disabled after space returns until nats-server "
+            "is restarted",
+            agent_id,
+            failing + 1,
+            error,
+            busmod.AGENT_TTL_S,
+        )
     return failing + 1

@@ -137,8 +137,9 @@ class Sampler:
                 self._emit(ts, "gpu.util", dev, nv.nvmlDeviceGetUtilizationRates(h).gpu)
                 self._emit(ts, "gpu.mem_used_bytes", dev, nv.nvmlDeviceGetMemoryInfo(h).used)
                 self._emit(ts, "gpu.power_w", dev, nv.nvmlDeviceGetPowerUsage(h) / 1000.0)
-                self._emit(ts, "gpu.sm_clock_mhz", dev,
-                           nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM))
+                self._emit(
+                    ts, "gpu.sm_clock_mhz", dev, nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)
+                )
         except Exception as exc:  # NVML errors are their own class tree; stop asking
             log.warning("NVML sampling failed, GPU samples stop: %s", exc)
             self._nvml = None
@@ -151,16 +152,28 @@ class Sampler:
             log.info("perf not installed: no hardware counters")
             return None
         ms = max(10, int(self.interval_s * 1000))
-        cmd = [exe, "stat", "-x", ",", "-I", str(ms), "-e", ",".join(PERF_EVENTS),
-               "-p", str(os.getpid())]
+        cmd = [
+            exe,
+            "stat",
+            "-x",
+            ",",
+            "-I",
+            str(ms),
+            "-e",
+            ",".join(PERF_EVENTS),
+            "-p",
+            str(os.getpid()),
+        ]
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
         except OSError as exc:
             log.info("perf stat did not start: %s", exc)
             return None
-        threading.Thread(target=self._read_perf, args=(proc,), name="sysmon-perf",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._read_perf, args=(proc,), name="sysmon-perf", daemon=True
+        ).start()
         return proc
 
     def _read_perf(self, proc: subprocess.Popen[str]) -> None:

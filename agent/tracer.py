@@ -29,8 +29,17 @@ from mlscope.contracts import SampleBatch, SpanBatch, TraceLevel, new_id
 
 __all__ = ["SAMPLE_COLUMNS", "SampleBuffer", "SpanBuffer", "Tracer"]
 
-COLUMNS = ("span_id", "parent_id", "query_index", "level", "kind", "name",
-           "start_ns", "end_ns", "attrs")
+COLUMNS = (
+    "span_id",
+    "parent_id",
+    "query_index",
+    "level",
+    "kind",
+    "name",
+    "start_ns",
+    "end_ns",
+    "attrs",
+)
 SAMPLE_COLUMNS = ("ts_ns", "metric", "device", "value")
 SPAN_ID_BLOCK = 1 << 32
 """Each buffer owns ids ``base + 1 .. base + 2**32`` with ``base`` a random multiple of this."""
@@ -50,11 +59,29 @@ class SpanBuffer:
     idle_flushes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, *, parent: int, query_index: int, level: TraceLevel, kind: str, name: str,
-            start_ns: int, end_ns: int, attrs: dict[str, Any] | None = None) -> int:
+    def add(
+        self,
+        *,
+        parent: int,
+        query_index: int,
+        level: TraceLevel,
+        kind: str,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        attrs: dict[str, Any] | None = None,
+    ) -> int:
         """Append one span; returns its id (unique within this agent and evaluation)."""
-        row = (parent, query_index, int(level), kind, name, start_ns, end_ns,
-               json.dumps(attrs) if attrs else "")
+        row = (
+            parent,
+            query_index,
+            int(level),
+            kind,
+            name,
+            start_ns,
+            end_ns,
+            json.dumps(attrs) if attrs else "",
+        )
         with self.lock:
             sid = self.next_id
             self.next_id += 1
@@ -75,8 +102,7 @@ class SpanBuffer:
 class SampleBuffer:
     """System samples of one evaluation not yet published (thread-safe)."""
 
-    columns: dict[str, list[Any]] = field(
-        default_factory=lambda: {c: [] for c in SAMPLE_COLUMNS})
+    columns: dict[str, list[Any]] = field(default_factory=lambda: {c: [] for c in SAMPLE_COLUMNS})
     idle_flushes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -100,8 +126,16 @@ class SampleBuffer:
 class Tracer:
     """Buffers spans per evaluation and publishes them in batches."""
 
-    def __init__(self, bus: Bus, *, agent_id: str, host: str, flush_s: float = 0.25,
-                 max_spans: int = 5000, idle_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        agent_id: str,
+        host: str,
+        flush_s: float = 0.25,
+        max_spans: int = 5000,
+        idle_s: float = 300.0,
+    ) -> None:
         self.bus, self.agent_id, self.host = bus, agent_id, host
         self.flush_s, self.max_spans = flush_s, max_spans
         self.idle_flushes = max(2, round(idle_s / flush_s))
@@ -159,18 +193,24 @@ class Tracer:
         buf.idle_flushes += 1
         return buf.idle_flushes >= self.idle_flushes
 
-    async def _publish(self, cls: type[SpanBatch] | type[SampleBatch], eval_id: str,
-                       columns: dict[str, list[Any]]) -> int:
+    async def _publish(
+        self, cls: type[SpanBatch] | type[SampleBatch], eval_id: str, columns: dict[str, list[Any]]
+    ) -> int:
         """Publish one batch, halved until each message fits the server's max payload."""
-        batch = cls(evaluation_id=eval_id, agent_id=self.agent_id, host=self.host,
-                    batch_id=new_id("sb" if cls is SpanBatch else "ss"), columns=columns)
+        batch = cls(
+            evaluation_id=eval_id,
+            agent_id=self.agent_id,
+            host=self.host,
+            batch_id=new_id("sb" if cls is SpanBatch else "ss"),
+            columns=columns,
+        )
         data = codec.encode_model(batch)
         n = len(batch)
         if len(data) > self.max_bytes() and n > 1:
             half = n // 2
-            return (await self._publish(cls, eval_id, {k: v[:half] for k, v in columns.items()})
-                    + await self._publish(cls, eval_id,
-                                          {k: v[half:] for k, v in columns.items()}))
+            return await self._publish(
+                cls, eval_id, {k: v[:half] for k, v in columns.items()}
+            ) + await self._publish(cls, eval_id, {k: v[half:] for k, v in columns.items()})
         await publish_persistent(self.bus, names.traces(eval_id), data, msg_id=batch.batch_id)
         return n
 

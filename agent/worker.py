@@ -25,8 +25,7 @@ __all__ = ["Job", "LoadedModel", "ModelWorker", "compile_model"]
 now = time.perf_counter_ns
 
 
-def compile_model(entry: Entry, *, allow_custom: bool = False) -> tuple[list[Pipeline],
-                                                                         Pipeline]:
+def compile_model(entry: Entry, *, allow_custom: bool = False) -> tuple[list[Pipeline], Pipeline]:
     """The pre-processing of each input and the post-processing of the first output.
 
     A custom Python step compiles only when the manifest came from a trusted local
@@ -36,19 +35,33 @@ def compile_model(entry: Entry, *, allow_custom: bool = False) -> tuple[list[Pip
     """
     m = entry.manifest
     opts: dict[str, Any] = {
-        "trusted": entry.trusted and m.trusted, "allow_custom": allow_custom,
-        "env": {"model": m.name, "version": m.version, "framework": m.framework.name,
-                "attributes": dict(m.attributes)}}
-    pre = [compile_steps(i.steps, where=f"inputs.{n}.steps", **opts)
-           for n, i in enumerate(m.inputs)]
+        "trusted": entry.trusted and m.trusted,
+        "allow_custom": allow_custom,
+        "env": {
+            "model": m.name,
+            "version": m.version,
+            "framework": m.framework.name,
+            "attributes": dict(m.attributes),
+        },
+    }
+    pre = [
+        compile_steps(i.steps, where=f"inputs.{n}.steps", **opts) for n, i in enumerate(m.inputs)
+    ]
     return pre, compile_steps(m.outputs[0].steps, where="outputs.0.steps", **opts)
 
 
 class LoadedModel:
     """A predictor with its compiled pre- and post-processing."""
 
-    def __init__(self, entry: Entry, predictor: Predictor, load_ns: int, *,
-                 allow_custom: bool = False, labels: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        entry: Entry,
+        predictor: Predictor,
+        load_ns: int,
+        *,
+        allow_custom: bool = False,
+        labels: Sequence[str] | None = None,
+    ) -> None:
         m = entry.manifest
         self.entry, self.predictor, self.load_ns = entry, predictor, load_ns
         self.name = m.name
@@ -61,8 +74,15 @@ class LoadedModel:
         """Per input, the axis that is the batch (None: shared by the whole batch)."""
 
     @classmethod
-    def open(cls, entry: Entry, graph: Path, options: PredictorOptions, *,
-             allow_custom: bool = False, labels: Sequence[str] | None = None) -> LoadedModel:
+    def open(
+        cls,
+        entry: Entry,
+        graph: Path,
+        options: PredictorOptions,
+        *,
+        allow_custom: bool = False,
+        labels: Sequence[str] | None = None,
+    ) -> LoadedModel:
         """Open the predictor; ``labels`` (the first output's labels file, e.g. from
         :meth:`Entry.labels`) names top-k results for queries that ask."""
         compile_model(entry, allow_custom=allow_custom)  # refused steps fail before loading
@@ -81,8 +101,9 @@ class LoadedModel:
         type of the manifest), zeros or the input's ``fill`` value, so no pre-processing
         runs: image models take encoded images raw.
         """
-        xs = [self._tensor(n, 1, spec.fill or 0)
-              for n, spec in enumerate(self.entry.manifest.inputs)]
+        xs = [
+            self._tensor(n, 1, spec.fill or 0) for n, spec in enumerate(self.entry.manifest.inputs)
+        ]
         t0 = now()
         self.predictor.predict(xs)
         return now() - t0
@@ -95,8 +116,12 @@ class LoadedModel:
             name = spec.layer_name or f"input {n}"
             raise InputMismatchError(
                 f"{self.name}: the query lacks {name}, which has no fill value",
-                model=self.name, framework=self.predictor.framework, input=name,
-                expected=len(self.pre), actual=n)
+                model=self.name,
+                framework=self.predictor.framework,
+                input=name,
+                expected=len(self.pre),
+                actual=n,
+            )
         return self._tensor(n, batch, spec.fill)
 
     def _tensor(self, n: int, batch: int, value: float) -> np.ndarray:

@@ -44,9 +44,19 @@ from analysis.source import Source
 from mlscope.errors import ConfigError
 from mlscope.stats import percentile, student_t_quantile
 
-__all__ = ["COMPARED_FIELDS", "SINGLE_RUN_NOTE", "Difference", "bootstrap_difference",
-           "check_comparable", "compare_repeats", "compare_runs", "mismatches",
-           "regressions", "resampled_percentile", "run_level_difference"]
+__all__ = [
+    "COMPARED_FIELDS",
+    "SINGLE_RUN_NOTE",
+    "Difference",
+    "bootstrap_difference",
+    "check_comparable",
+    "compare_repeats",
+    "compare_runs",
+    "mismatches",
+    "regressions",
+    "resampled_percentile",
+    "run_level_difference",
+]
 
 FASTER, SLOWER, SAME = "faster", "slower", "no significant change"
 _CHUNK = 256  # bootstrap replicates per vectorized block ...
@@ -77,10 +87,17 @@ def resampled_percentile(samples: np.ndarray, q: float, idx: np.ndarray) -> np.n
     return rows[:, k - 1]
 
 
-def bootstrap_difference(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray,
-                         q: float = 50.0, *, n_boot: int = 2000, confidence: float = 0.95,
-                         min_effect: float = 0.02, seed: int = 0,
-                         statistic: str | None = None) -> Difference:
+def bootstrap_difference(
+    a: Sequence[float] | np.ndarray,
+    b: Sequence[float] | np.ndarray,
+    q: float = 50.0,
+    *,
+    n_boot: int = 2000,
+    confidence: float = 0.95,
+    min_effect: float = 0.02,
+    seed: int = 0,
+    statistic: str | None = None,
+) -> Difference:
     """CI of percentile_q(b) - percentile_q(a) and the verdict (see module docstring)."""
     xa, xb = np.asarray(a, float), np.asarray(b, float)
     xa, xb = xa[~np.isnan(xa)], xb[~np.isnan(xb)]
@@ -94,8 +111,7 @@ def bootstrap_difference(a: Sequence[float] | np.ndarray, b: Sequence[float] | n
         r = min(chunk, n_boot - start)
         ia = rng.integers(0, xa.size, size=(r, xa.size))
         ib = rng.integers(0, xb.size, size=(r, xb.size))
-        diffs[start:start + r] = (resampled_percentile(xb, q, ib)
-                                  - resampled_percentile(xa, q, ia))
+        diffs[start : start + r] = resampled_percentile(xb, q, ib) - resampled_percentile(xa, q, ia)
     alpha = 1.0 - confidence
     lo, hi = np.quantile(diffs, [alpha / 2, 1 - alpha / 2])
     diff = pb - pa
@@ -105,8 +121,10 @@ def bootstrap_difference(a: Sequence[float] | np.ndarray, b: Sequence[float] | n
     return Difference(statistic or f"p{q:g}", pa, pb, diff, rel, float(lo), float(hi), verdict)
 
 
-SINGLE_RUN_NOTE = ("one run each: the interval covers query-to-query noise within a run, "
-                   "not run-to-run variance (use --repeat for run-level statistics)")
+SINGLE_RUN_NOTE = (
+    "one run each: the interval covers query-to-query noise within a run, "
+    "not run-to-run variance (use --repeat for run-level statistics)"
+)
 COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size")
 """What two runs must share to be compared (framework, system or version may differ:
 that is what a comparison is for)."""
@@ -134,10 +152,18 @@ def check_comparable(source: Source, ids: Sequence[str]) -> list[str]:
     return mismatches(evaluations(source, list(ids)))
 
 
-def compare_runs(source: Source, baseline: str, candidate: str, *, n_boot: int = 2000,
-                 confidence: float = 0.95, min_effect: float = 0.02,
-                 tail_min_effect: float = 0.05, seed: int = 0,
-                 check: bool = True) -> pd.DataFrame:
+def compare_runs(
+    source: Source,
+    baseline: str,
+    candidate: str,
+    *,
+    n_boot: int = 2000,
+    confidence: float = 0.95,
+    min_effect: float = 0.02,
+    tail_min_effect: float = 0.05,
+    seed: int = 0,
+    check: bool = True,
+) -> pd.DataFrame:
     """Median and p99 latency of ``candidate`` against ``baseline`` (ms), one row each:
     statistic, a, b, diff, rel, ci_low, ci_high, verdict, basis.
 
@@ -147,24 +173,40 @@ def compare_runs(source: Source, baseline: str, candidate: str, *, n_boot: int =
     if check:
         why = check_comparable(source, [baseline, candidate])
         if why:
-            raise ConfigError(f"{baseline} and {candidate} are not comparable: "
-                              + "; ".join(why))
+            raise ConfigError(f"{baseline} and {candidate} are not comparable: " + "; ".join(why))
     q = queries(source, [baseline, candidate])
     q = q[q["ok"] & ~q["warmup"]]
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
     for e in (baseline, candidate):
         if e not in lat:
             raise ValueError(f"evaluation {e} has no answered queries")
-    rows = [bootstrap_difference(lat[baseline], lat[candidate], q_, n_boot=n_boot,
-                                 confidence=confidence, min_effect=floor, seed=seed,
-                                 statistic=name).__dict__
-            for name, q_, floor in (("median", 50.0, min_effect),
-                                    ("p99", 99.0, max(min_effect, tail_min_effect)))]
+    rows = [
+        bootstrap_difference(
+            lat[baseline],
+            lat[candidate],
+            q_,
+            n_boot=n_boot,
+            confidence=confidence,
+            min_effect=floor,
+            seed=seed,
+            statistic=name,
+        ).__dict__
+        for name, q_, floor in (
+            ("median", 50.0, min_effect),
+            ("p99", 99.0, max(min_effect, tail_min_effect)),
+        )
+    ]
     return pd.DataFrame(rows).assign(basis=SINGLE_RUN_NOTE)
 
 
-def run_level_difference(a: Sequence[float], b: Sequence[float], *, statistic: str,
-                         confidence: float = 0.95, min_effect: float = 0.02) -> Difference:
+def run_level_difference(
+    a: Sequence[float],
+    b: Sequence[float],
+    *,
+    statistic: str,
+    confidence: float = 0.95,
+    min_effect: float = 0.02,
+) -> Difference:
     """mean(b) - mean(a) over independent runs, Welch's t interval (unequal variances,
     Welch-Satterthwaite degrees of freedom); the verdict rule of the module docstring.
     Each side needs at least two runs."""
@@ -178,8 +220,9 @@ def run_level_difference(a: Sequence[float], b: Sequence[float], *, statistic: s
     if se == 0:
         lo = hi = diff
     else:
-        df = (va + vb) ** 2 / ((va**2 / (xa.size - 1) if va else 0.0)
-                               + (vb**2 / (xb.size - 1) if vb else 0.0))
+        df = (va + vb) ** 2 / (
+            (va**2 / (xa.size - 1) if va else 0.0) + (vb**2 / (xb.size - 1) if vb else 0.0)
+        )
         half = student_t_quantile(0.5 + confidence / 2, df) * se
         lo, hi = diff - half, diff + half
     rel = diff / ma if ma else float("inf") if diff else 0.0
@@ -188,9 +231,16 @@ def run_level_difference(a: Sequence[float], b: Sequence[float], *, statistic: s
     return Difference(statistic, ma, mb, diff, rel, float(lo), float(hi), verdict)
 
 
-def compare_repeats(source: Source, baselines: Sequence[str], candidates: Sequence[str], *,
-                    confidence: float = 0.95, min_effect: float = 0.02,
-                    tail_min_effect: float = 0.05, check: bool = True) -> pd.DataFrame:
+def compare_repeats(
+    source: Source,
+    baselines: Sequence[str],
+    candidates: Sequence[str],
+    *,
+    confidence: float = 0.95,
+    min_effect: float = 0.02,
+    tail_min_effect: float = 0.05,
+    check: bool = True,
+) -> pd.DataFrame:
     """Median and p99 latency (ms) of repeated runs: each run's statistic is one sample,
     and the interval is over runs (:func:`run_level_difference`), so it includes
     run-to-run variance. Same columns as :func:`compare_runs`."""
@@ -206,12 +256,17 @@ def compare_repeats(source: Source, baselines: Sequence[str], candidates: Sequen
     if missing:
         raise ValueError(f"evaluation {missing[0]} has no answered queries")
     rows = []
-    for name, q_, floor in (("median", 50.0, min_effect),
-                            ("p99", 99.0, max(min_effect, tail_min_effect))):
+    for name, q_, floor in (
+        ("median", 50.0, min_effect),
+        ("p99", 99.0, max(min_effect, tail_min_effect)),
+    ):
         a = [float(percentile(per_run[e], q_) or 0.0) for e in baselines]
         b = [float(percentile(per_run[e], q_) or 0.0) for e in candidates]
-        rows.append(run_level_difference(a, b, statistic=name, confidence=confidence,
-                                         min_effect=floor).__dict__)
+        rows.append(
+            run_level_difference(
+                a, b, statistic=name, confidence=confidence, min_effect=floor
+            ).__dict__
+        )
     basis = f"runs: {len(baselines)} baseline, {len(candidates)} candidate"
     return pd.DataFrame(rows).assign(basis=basis)
 
@@ -223,8 +278,15 @@ def _version_key(v: str) -> tuple[int, Version | str]:
         return (1, v)
 
 
-def regressions(source: Source, summ: pd.DataFrame, *, axis: str = "framework_version",
-                n_boot: int = 1000, min_effect: float = 0.05, seed: int = 0) -> pd.DataFrame:
+def regressions(
+    source: Source,
+    summ: pd.DataFrame,
+    *,
+    axis: str = "framework_version",
+    n_boot: int = 1000,
+    min_effect: float = 0.05,
+    seed: int = 0,
+) -> pd.DataFrame:
     """Consecutive versions along ``axis`` ("model_version" or "framework_version"),
     all else equal: the median-latency verdict of each step; ``regression`` is True
     where the newer version is slower. The newest valid run of each version counts
@@ -232,15 +294,38 @@ def regressions(source: Source, summ: pd.DataFrame, *, axis: str = "framework_ve
     compared, and a sweep's parent never (its runs are)."""
     if axis not in ("model_version", "framework_version"):
         raise ValueError(f"axis must be model_version or framework_version, not {axis!r}")
-    fixed = [c for c in ("model", "model_version", "framework", "framework_version", "system",
-                         "scenario", "batch_size") if c != axis]
-    cols = [*fixed, "from_version", "to_version", "baseline", "candidate", "median_a_ms",
-            "median_b_ms", "rel", "ci_low", "ci_high", "verdict", "regression"]
+    fixed = [
+        c
+        for c in (
+            "model",
+            "model_version",
+            "framework",
+            "framework_version",
+            "system",
+            "scenario",
+            "batch_size",
+        )
+        if c != axis
+    ]
+    cols = [
+        *fixed,
+        "from_version",
+        "to_version",
+        "baseline",
+        "candidate",
+        "median_a_ms",
+        "median_b_ms",
+        "rel",
+        "ci_low",
+        "ci_high",
+        "verdict",
+        "regression",
+    ]
     # Runs at different requested rates are different measurements (-1: no rate).
-    rate = (summ["requested_qps"].astype(float).fillna(-1.0) if "requested_qps" in summ
-            else -1.0)
+    rate = summ["requested_qps"].astype(float).fillna(-1.0) if "requested_qps" in summ else -1.0
     runs = prefer_valid(measured_runs(summ).assign(_rate=rate)).drop_duplicates(
-        [*fixed, "_rate", axis], keep="first")
+        [*fixed, "_rate", axis], keep="first"
+    )
     rows = []
     for group, g in runs.groupby([*fixed, "_rate"], sort=True):
         key = group[: len(fixed)]
@@ -249,13 +334,29 @@ def regressions(source: Source, summ: pd.DataFrame, *, axis: str = "framework_ve
         g = g.sort_values(axis, key=lambda s: s.map(_version_key))
         recs = g.to_dict("records")
         for old, new in itertools.pairwise(recs):
-            d = compare_runs(source, old["evaluation_id"], new["evaluation_id"],
-                             n_boot=n_boot, min_effect=min_effect, seed=seed,
-                             check=False).iloc[0]
-            rows.append({**dict(zip(fixed, key, strict=True)), "from_version": old[axis],
-                         "to_version": new[axis], "baseline": old["evaluation_id"],
-                         "candidate": new["evaluation_id"], "median_a_ms": d["a"],
-                         "median_b_ms": d["b"], "rel": d["rel"], "ci_low": d["ci_low"],
-                         "ci_high": d["ci_high"], "verdict": d["verdict"],
-                         "regression": d["verdict"] == SLOWER})
+            d = compare_runs(
+                source,
+                old["evaluation_id"],
+                new["evaluation_id"],
+                n_boot=n_boot,
+                min_effect=min_effect,
+                seed=seed,
+                check=False,
+            ).iloc[0]
+            rows.append(
+                {
+                    **dict(zip(fixed, key, strict=True)),
+                    "from_version": old[axis],
+                    "to_version": new[axis],
+                    "baseline": old["evaluation_id"],
+                    "candidate": new["evaluation_id"],
+                    "median_a_ms": d["a"],
+                    "median_b_ms": d["b"],
+                    "rel": d["rel"],
+                    "ci_low": d["ci_low"],
+                    "ci_high": d["ci_high"],
+                    "verdict": d["verdict"],
+                    "regression": d["verdict"] == SLOWER,
+                }
+            )
     return pd.DataFrame(rows, columns=cols)

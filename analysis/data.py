@@ -17,11 +17,23 @@ from mlscope.errors import DatabaseError
 from mlscope.outcomes import classify
 
 QUERY_FIELDS = {
-    "evaluation_id": "object", "query_index": "int64", "batch_size": "int64",
-    "scheduled_ns": "int64", "issued_ns": "int64", "completed_ns": "int64",
-    "agent_received_ns": "int64", "predict_start_ns": "int64", "predict_end_ns": "int64",
-    "agent_replied_ns": "int64", "ok": "bool", "error": "object", "label": "int64",
-    "prediction": "int64", "outcome": "int64", "warmup": "int64", "paced_ns": "int64",
+    "evaluation_id": "object",
+    "query_index": "int64",
+    "batch_size": "int64",
+    "scheduled_ns": "int64",
+    "issued_ns": "int64",
+    "completed_ns": "int64",
+    "agent_received_ns": "int64",
+    "predict_start_ns": "int64",
+    "predict_end_ns": "int64",
+    "agent_replied_ns": "int64",
+    "ok": "bool",
+    "error": "object",
+    "label": "int64",
+    "prediction": "int64",
+    "outcome": "int64",
+    "warmup": "int64",
+    "paced_ns": "int64",
 }
 """The stored columns of ``queries`` (broker.db.QUERY_COLUMNS) and their dtypes."""
 UNKNOWN_OUTCOME = 255
@@ -31,11 +43,35 @@ __all__ = ["EVALUATION_FIELDS", "evaluations", "latest_per_key", "queries", "spa
 
 # Columns of :func:`evaluations` (the flattened summary and specification).
 EVALUATION_FIELDS = (
-    "evaluation_id", "created_at", "model", "model_version", "framework",
-    "framework_version", "agent_id", "host", "device", "system", "scenario", "batch_size",
-    "requested_qps", "trace_level", "status", "valid", "invalid_reasons", "queries",
-    "samples", "errors", "duration_s", "throughput_ips", "top1", "t0_ns",
-    "clock_offset_ns", "rerun_of", "role", "runs", "parallel",
+    "evaluation_id",
+    "created_at",
+    "model",
+    "model_version",
+    "framework",
+    "framework_version",
+    "agent_id",
+    "host",
+    "device",
+    "system",
+    "scenario",
+    "batch_size",
+    "requested_qps",
+    "trace_level",
+    "status",
+    "valid",
+    "invalid_reasons",
+    "queries",
+    "samples",
+    "errors",
+    "duration_s",
+    "throughput_ips",
+    "top1",
+    "t0_ns",
+    "clock_offset_ns",
+    "rerun_of",
+    "role",
+    "runs",
+    "parallel",
 )
 """``role``: ``run`` (one measured run with its queries) or ``sweep`` (the parent of a
 batch-size sweep or rate search: the summary only, its runs stored on their own, their
@@ -55,7 +91,10 @@ def evaluations(source: Source, ids: Sequence[str] | None = None) -> pd.DataFram
         "SELECT evaluation_id, created_at, model, model_version, framework, "
         "framework_version, agent_id, host, device, scenario, trace_level, status, valid, "
         "t0_ns, clock_offset_ns, rerun_of, spec, summary FROM evaluations FINAL"
-        + where + " ORDER BY created_at DESC, evaluation_id", params)
+        + where
+        + " ORDER BY created_at DESC, evaluation_id",
+        params,
+    )
     rows = [_flatten(r) for r in raw.to_dict("records")]
     frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS))
     frame["created_at"] = pd.to_datetime(frame["created_at"])
@@ -96,8 +135,9 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
 def _runs_of(evaluation_id: str, summary: dict[str, Any]) -> list[str]:
     """The runs a sweep's summary lists under other ids (its points); [] for a run."""
     points = summary.get("points") or ()
-    ids = [str(p["evaluation_id"]) for p in points
-           if isinstance(p, dict) and p.get("evaluation_id")]
+    ids = [
+        str(p["evaluation_id"]) for p in points if isinstance(p, dict) and p.get("evaluation_id")
+    ]
     return ids if any(i != evaluation_id for i in ids) else []
 
 
@@ -115,7 +155,9 @@ def queries(source: Source, ids: Sequence[str]) -> pd.DataFrame:
     """Raw per-query rows of ``ids`` with latency (completed - scheduled) in ns."""
     frame = source.frame(
         "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)} "
-        "ORDER BY evaluation_id, query_index", {"ids": list(ids)})
+        "ORDER BY evaluation_id, query_index",
+        {"ids": list(ids)},
+    )
     if frame.empty:  # an empty answer over the bus names no columns
         frame = pd.DataFrame({c: pd.Series(dtype=t) for c, t in QUERY_FIELDS.items()})
     if "correct" not in frame.columns and "label" in frame.columns:
@@ -134,22 +176,29 @@ def _with_outcomes(frame: pd.DataFrame) -> pd.DataFrame:
     Rows stored before outcomes were recorded (no column, or 255) are classified from
     their times; they cannot tell a refusal from a failure, so both count as failed.
     """
-    derived = classify(issued=frame["issued_ns"], completed=frame["completed_ns"],
-                       ok=frame["ok"])
+    derived = classify(issued=frame["issued_ns"], completed=frame["completed_ns"], ok=frame["ok"])
     if "outcome" in frame.columns:
         stored = frame["outcome"].to_numpy(np.int64)
         derived = np.where(stored == UNKNOWN_OUTCOME, derived, stored).astype(np.uint8)
     frame["outcome"] = derived
-    frame["warmup"] = (frame["warmup"].astype(bool) if "warmup" in frame.columns
-                       else np.zeros(len(frame), bool))
+    frame["warmup"] = (
+        frame["warmup"].astype(bool) if "warmup" in frame.columns else np.zeros(len(frame), bool)
+    )
     return frame
 
 
-def spans(source: Source, evaluation_id: str, *, kinds: Sequence[str] | None = None,
-          query_index: int | None = None) -> pd.DataFrame:
+def spans(
+    source: Source,
+    evaluation_id: str,
+    *,
+    kinds: Sequence[str] | None = None,
+    query_index: int | None = None,
+) -> pd.DataFrame:
     """Spans of one evaluation (optionally some kinds, or one query), by start time."""
-    sql = ("SELECT agent_id, span_id, parent_id, query_index, level, kind, name, start_ns, "
-           "end_ns, host, attrs FROM spans FINAL WHERE evaluation_id = {e:String}")
+    sql = (
+        "SELECT agent_id, span_id, parent_id, query_index, level, kind, name, start_ns, "
+        "end_ns, host, attrs FROM spans FINAL WHERE evaluation_id = {e:String}"
+    )
     params: dict[str, Any] = {"e": evaluation_id}
     if kinds is not None:
         sql += " AND kind IN {k:Array(String)}"

@@ -24,8 +24,16 @@ import pandas as pd
 from mlscope.catalog import Catalog
 from mlscope.errors import MLScopeError
 
-__all__ = ["KEY", "accuracy_tradeoff", "across_systems", "max_throughput", "measured_runs",
-           "model_sizes", "prefer_valid", "speedup_heatmap"]
+__all__ = [
+    "KEY",
+    "accuracy_tradeoff",
+    "across_systems",
+    "max_throughput",
+    "measured_runs",
+    "model_sizes",
+    "prefer_valid",
+    "speedup_heatmap",
+]
 
 KEY = ["model", "model_version", "framework", "framework_version", "system"]
 
@@ -62,11 +70,15 @@ def max_throughput(summ: pd.DataFrame, *, valid_only: bool = False) -> pd.DataFr
     rows = []
     for key, g in runs.groupby(KEY, sort=True):
         best = g.loc[g["throughput_ips"].astype(float).idxmax()]
-        rows.append({**dict(zip(KEY, key, strict=True)),
-                     "max_throughput_ips": float(best["throughput_ips"]),
-                     "optimal_batch_size": int(best["batch_size"]),
-                     "batch_sizes": sorted(int(b) for b in g["batch_size"]),
-                     "all_valid": bool(g["valid"].astype(bool).all())})
+        rows.append(
+            {
+                **dict(zip(KEY, key, strict=True)),
+                "max_throughput_ips": float(best["throughput_ips"]),
+                "optimal_batch_size": int(best["batch_size"]),
+                "batch_sizes": sorted(int(b) for b in g["batch_size"]),
+                "all_valid": bool(g["valid"].astype(bool).all()),
+            }
+        )
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -77,18 +89,19 @@ def speedup_heatmap(summ: pd.DataFrame, *, valid_only: bool = False) -> pd.DataF
     if runs.empty:
         return pd.DataFrame()
     runs = runs.assign(row=runs["model"] + "/" + runs["framework"] + "@" + runs["system"])
-    table = runs.pivot_table(index="row", columns="batch_size", values="throughput_ips",
-                             aggfunc="first").sort_index(axis=1)
-    base = table.apply(lambda r: r.dropna().iloc[0] if r.notna().any() else float("nan"),
-                       axis=1)
+    table = runs.pivot_table(
+        index="row", columns="batch_size", values="throughput_ips", aggfunc="first"
+    ).sort_index(axis=1)
+    base = table.apply(lambda r: r.dropna().iloc[0] if r.notna().any() else float("nan"), axis=1)
     heat = table.div(base, axis=0)
     heat.columns = [int(c) for c in heat.columns]
     heat.index.name = None
     return heat
 
 
-def accuracy_tradeoff(summ: pd.DataFrame, sizes: Mapping[str, int] | None = None, *,
-                      valid_only: bool = False) -> pd.DataFrame:
+def accuracy_tradeoff(
+    summ: pd.DataFrame, sizes: Mapping[str, int] | None = None, *, valid_only: bool = False
+) -> pd.DataFrame:
     """KEY + top1, online_latency_ms (trimmed mean, batch 1), max_throughput_ips,
     size_bytes: one point per model, framework and system that has a top-1."""
     online = _runs(summ, "online", valid_only=valid_only)
@@ -99,16 +112,25 @@ def accuracy_tradeoff(summ: pd.DataFrame, sizes: Mapping[str, int] | None = None
     acc = acc[[*KEY, "top1"]]
     lat = online.drop_duplicates(KEY, keep="first")[[*KEY, "trimmed_mean_ms"]]
     out = acc.merge(lat, on=KEY, how="left").merge(
-        tput[[*KEY, "max_throughput_ips"]], on=KEY, how="left")
+        tput[[*KEY, "max_throughput_ips"]], on=KEY, how="left"
+    )
     out = out.rename(columns={"trimmed_mean_ms": "online_latency_ms"})
     sizes = sizes or {}
-    out["size_bytes"] = [sizes.get(f"{m}/{f}") or sizes.get(m)
-                         for m, f in zip(out["model"], out["framework"], strict=True)]
+    out["size_bytes"] = [
+        sizes.get(f"{m}/{f}") or sizes.get(m)
+        for m, f in zip(out["model"], out["framework"], strict=True)
+    ]
     return out.reset_index(drop=True)
 
 
-def across_systems(summ: pd.DataFrame, model: str, prices_per_hour: Mapping[str, float],
-                   *, framework: str | None = None, valid_only: bool = False) -> pd.DataFrame:
+def across_systems(
+    summ: pd.DataFrame,
+    model: str,
+    prices_per_hour: Mapping[str, float],
+    *,
+    framework: str | None = None,
+    valid_only: bool = False,
+) -> pd.DataFrame:
     """One model on each system: online latency, max throughput, optimal batch, price
     per hour and cost per million inferences = price / (max throughput × 3600) × 10⁶."""
     mine = summ[summ["model"] == model]
@@ -118,16 +140,16 @@ def across_systems(summ: pd.DataFrame, model: str, prices_per_hour: Mapping[str,
     online = _runs(mine, "online", valid_only=valid_only)
     online = online[online["batch_size"] == 1].drop_duplicates(KEY, keep="first")
     out = tput.merge(online[[*KEY, "trimmed_mean_ms", "p90_ms"]], on=KEY, how="outer")
-    out = out.rename(columns={"trimmed_mean_ms": "online_latency_ms",
-                              "p90_ms": "online_p90_ms"})
+    out = out.rename(columns={"trimmed_mean_ms": "online_latency_ms", "p90_ms": "online_p90_ms"})
     out["price_per_hour"] = [prices_per_hour.get(s) for s in out["system"]]
     price = out["price_per_hour"].astype(float)
     out["cost_per_million"] = price / (out["max_throughput_ips"].astype(float) * 3600) * 1e6
     return out.sort_values("system").reset_index(drop=True)
 
 
-def model_sizes(catalog: Catalog, zoo_dir: Path,
-                keys: Iterable[tuple[str, str]] | None = None) -> dict[str, int]:
+def model_sizes(
+    catalog: Catalog, zoo_dir: Path, keys: Iterable[tuple[str, str]] | None = None
+) -> dict[str, int]:
     """``{"model/framework": bytes}`` of the built graphs (and weights) in the zoo."""
     wanted = set(keys) if keys is not None else None
     out: dict[str, int] = {}

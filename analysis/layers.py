@@ -22,32 +22,50 @@ __all__ = ["layer_kind", "layer_types", "top_layers"]
 
 
 def layer_kind(source: Source, evaluation_id: str) -> str | None:
-    """"layer" or "op", whichever spans this evaluation has (None: neither)."""
-    got = source.frame("SELECT kind, count() AS n FROM spans FINAL WHERE evaluation_id = "
-                       "{e:String} AND kind IN ('layer', 'op') GROUP BY kind",
-                       {"e": evaluation_id})
+    """ "layer" or "op", whichever spans this evaluation has (None: neither)."""
+    got = source.frame(
+        "SELECT kind, count() AS n FROM spans FINAL WHERE evaluation_id = "
+        "{e:String} AND kind IN ('layer', 'op') GROUP BY kind",
+        {"e": evaluation_id},
+    )
     kinds = set(got["kind"]) if len(got) else set()
     return "layer" if "layer" in kinds else "op" if "op" in kinds else None
 
 
 def _layers_sql(kind: str) -> str:
-    return ("SELECT agent_id, span_id, name, end_ns - start_ns AS ns, attrs FROM spans FINAL "
-            f"WHERE evaluation_id = {{e:String}} AND kind = '{kind}'")
+    return (
+        "SELECT agent_id, span_id, name, end_ns - start_ns AS ns, attrs FROM spans FINAL "
+        f"WHERE evaluation_id = {{e:String}} AND kind = '{kind}'"
+    )
 
 
 def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
     """The ``n`` layers with the most time: rank, layer, op_type, shape, calls, total_ms,
     mean_ms, share (of all layer time), dominant (kernel or op), dominant_ms (its total),
     dominant_share (of the layer's kernel time)."""
-    cols = ["rank", "layer", "op_type", "shape", "device", "calls", "total_ms", "mean_ms",
-            "share", "dominant", "dominant_ms", "dominant_share"]
+    cols = [
+        "rank",
+        "layer",
+        "op_type",
+        "shape",
+        "device",
+        "calls",
+        "total_ms",
+        "mean_ms",
+        "share",
+        "dominant",
+        "dominant_ms",
+        "dominant_share",
+    ]
     kind = layer_kind(source, evaluation_id)
     if kind is None:
         return pd.DataFrame(columns=cols)
     params = {"e": evaluation_id}
     layers = source.frame(
         f"SELECT name AS layer, count() AS calls, sum(ns) AS total_ns, any(attrs) AS attrs "
-        f"FROM ({_layers_sql(kind)}) GROUP BY layer ORDER BY total_ns DESC, layer", params)
+        f"FROM ({_layers_sql(kind)}) GROUP BY layer ORDER BY total_ns DESC, layer",
+        params,
+    )
     total_all = float(layers["total_ns"].sum()) or 1.0
     top = layers.head(n)
     kernels = source.frame(
@@ -58,24 +76,37 @@ def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
         f"INNER JOIN ({_layers_sql(kind)}) AS l "
         f"ON k.parent_id = l.span_id AND k.agent_id = l.agent_id "
         f"WHERE l.name IN {{names:Array(String)}} GROUP BY layer, child "
-        f"ORDER BY layer, ns DESC, child", {**params, "names": list(top["layer"])})
+        f"ORDER BY layer, ns DESC, child",
+        {**params, "names": list(top["layer"])},
+    )
     rows = []
     for i, r in enumerate(top.to_dict("records"), start=1):
         attrs = _attrs(r["attrs"])
         mine = kernels[kernels["layer"] == r["layer"]] if len(kernels) else kernels
         if len(mine):
-            dom, dom_ns, dom_share = (str(mine["child"].iloc[0]), float(mine["ns"].iloc[0]),
-                                      float(mine["ns"].iloc[0]) / float(mine["ns"].sum()))
+            dom, dom_ns, dom_share = (
+                str(mine["child"].iloc[0]),
+                float(mine["ns"].iloc[0]),
+                float(mine["ns"].iloc[0]) / float(mine["ns"].sum()),
+            )
         else:  # no kernel below this layer: its op is what dominates
-            dom, dom_ns, dom_share = (attrs.get("op_type") or r["layer"],
-                                      float(r["total_ns"]), 1.0)
-        rows.append({
-            "rank": i, "layer": r["layer"], "op_type": attrs.get("op_type", ""),
-            "shape": _shape(attrs.get("shape")), "device": attrs.get("device", ""),
-            "calls": int(r["calls"]), "total_ms": float(r["total_ns"]) / 1e6,
-            "mean_ms": float(r["total_ns"]) / int(r["calls"]) / 1e6,
-            "share": float(r["total_ns"]) / total_all, "dominant": dom,
-            "dominant_ms": dom_ns / 1e6, "dominant_share": dom_share})
+            dom, dom_ns, dom_share = (attrs.get("op_type") or r["layer"], float(r["total_ns"]), 1.0)
+        rows.append(
+            {
+                "rank": i,
+                "layer": r["layer"],
+                "op_type": attrs.get("op_type", ""),
+                "shape": _shape(attrs.get("shape")),
+                "device": attrs.get("device", ""),
+                "calls": int(r["calls"]),
+                "total_ms": float(r["total_ns"]) / 1e6,
+                "mean_ms": float(r["total_ns"]) / int(r["calls"]) / 1e6,
+                "share": float(r["total_ns"]) / total_all,
+                "dominant": dom,
+                "dominant_ms": dom_ns / 1e6,
+                "dominant_share": dom_share,
+            }
+        )
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -89,13 +120,18 @@ def layer_types(source: Source, evaluation_id: str) -> pd.DataFrame:
     got = source.frame(
         f"SELECT JSONExtractString(attrs, 'op_type') AS op_type, uniqExact(name) AS layers, "
         f"count() AS calls, sum(ns) AS total_ns FROM ({_layers_sql(kind)}) "
-        f"GROUP BY op_type ORDER BY total_ns DESC, op_type", {"e": evaluation_id})
+        f"GROUP BY op_type ORDER BY total_ns DESC, op_type",
+        {"e": evaluation_id},
+    )
     total = float(got["total_ns"].sum()) or 1.0
-    out = pd.DataFrame({
-        "op_type": [t or "(unknown)" for t in got["op_type"]],
-        "layers": got["layers"].astype(int), "calls": got["calls"].astype(int),
-        "total_ms": got["total_ns"].astype(float) / 1e6,
-    })
+    out = pd.DataFrame(
+        {
+            "op_type": [t or "(unknown)" for t in got["op_type"]],
+            "layers": got["layers"].astype(int),
+            "calls": got["calls"].astype(int),
+            "total_ms": got["total_ns"].astype(float) / 1e6,
+        }
+    )
     out["mean_ms"] = out["total_ms"] / out["calls"]
     out["share"] = got["total_ns"].astype(float) / total
     return out[cols]

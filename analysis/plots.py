@@ -20,8 +20,15 @@ from matplotlib.figure import Figure
 
 from analysis.figures import measured_runs
 
-__all__ = ["accuracy_scatter", "latency_cdf", "latency_over_time", "png", "speedup_figure",
-           "svg", "throughput_by_batch"]
+__all__ = [
+    "accuracy_scatter",
+    "latency_cdf",
+    "latency_over_time",
+    "png",
+    "speedup_figure",
+    "svg",
+    "throughput_by_batch",
+]
 
 
 def svg(fig: Figure) -> str:
@@ -30,7 +37,7 @@ def svg(fig: Figure) -> str:
     fig.savefig(buf, format="svg", bbox_inches="tight")
     plt.close(fig)
     text = buf.getvalue()
-    return text[text.index("<svg"):]
+    return text[text.index("<svg") :]
 
 
 def png(fig: Figure, dpi: int = 100) -> bytes:
@@ -57,8 +64,12 @@ def latency_over_time(windows: pd.DataFrame, title: str = "") -> Figure:
     """p50 / p90 / p99 per window from :func:`analysis.summary.latency_windows`."""
     fig, ax = plt.subplots(figsize=(6, 3.0))
     for col in ("p50_ms", "p90_ms", "p99_ms"):
-        ax.plot(windows["start_s"], windows[col].astype(float), marker=".",
-                label=col.removesuffix("_ms"))
+        ax.plot(
+            windows["start_s"],
+            windows[col].astype(float),
+            marker=".",
+            label=col.removesuffix("_ms"),
+        )
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("latency (ms)")
     ax.set_title(title, fontsize=9)
@@ -74,8 +85,9 @@ def throughput_by_batch(summ: pd.DataFrame) -> Figure:
     runs = runs[runs["scenario"] == "batched"]
     for (m, f, s), g in runs.groupby(["model", "framework", "system"]):
         g = g.sort_values("batch_size")
-        ax.plot(g["batch_size"], g["throughput_ips"].astype(float), marker="o",
-                label=f"{m}/{f} ({s})")
+        ax.plot(
+            g["batch_size"], g["throughput_ips"].astype(float), marker="o", label=f"{m}/{f} ({s})"
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("throughput (inputs/s)")
@@ -86,8 +98,9 @@ def throughput_by_batch(summ: pd.DataFrame) -> Figure:
 
 def speedup_figure(heat: pd.DataFrame) -> Figure:
     """Figure 6: the speed-up heatmap (rows models, columns batch sizes)."""
-    fig, ax = plt.subplots(figsize=(1.2 + 0.7 * max(len(heat.columns), 1),
-                                    0.8 + 0.45 * max(len(heat), 1)))
+    fig, ax = plt.subplots(
+        figsize=(1.2 + 0.7 * max(len(heat.columns), 1), 0.8 + 0.45 * max(len(heat), 1))
+    )
     values = heat.to_numpy(float)
     im = ax.imshow(values, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(heat.columns)), [str(c) for c in heat.columns])
@@ -109,10 +122,13 @@ def accuracy_scatter(points: pd.DataFrame, x: str) -> Figure:
     area = 30 + 400 * (size / size.max()) if len(size) and size.max() > 0 else 60
     ax.scatter(pts[x].astype(float), pts["top1"].astype(float), s=area, alpha=0.6)
     for _, r in pts.iterrows():
-        ax.annotate(f"{r['model']}/{r['framework']}", (float(r[x]), float(r["top1"])),
-                    fontsize=7)
-    ax.set_xlabel({"online_latency_ms": "online latency, trimmed mean (ms)",
-                   "max_throughput_ips": "maximum throughput (inputs/s)"}.get(x, x))
+        ax.annotate(f"{r['model']}/{r['framework']}", (float(r[x]), float(r["top1"])), fontsize=7)
+    ax.set_xlabel(
+        {
+            "online_latency_ms": "online latency, trimmed mean (ms)",
+            "max_throughput_ips": "maximum throughput (inputs/s)",
+        }.get(x, x)
+    )
     ax.set_ylabel("top-1 accuracy")
     ax.grid(alpha=0.3)
     return fig

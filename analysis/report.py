@@ -42,24 +42,48 @@ class Report:
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
 
-SUMMARY_VIEW = ["evaluation_id", "model", "framework", "framework_version", "system",
-                "scenario", "batch_size", "valid", "queries", "trimmed_mean_ms", "p50_ms",
-                "p90_ms", "p99_ms", "throughput_ips", "top1"]
+SUMMARY_VIEW = [
+    "evaluation_id",
+    "model",
+    "framework",
+    "framework_version",
+    "system",
+    "scenario",
+    "batch_size",
+    "valid",
+    "queries",
+    "trimmed_mean_ms",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "throughput_ips",
+    "top1",
+]
 
 
-def build(source: Source, ids: Sequence[str], *, sizes: Mapping[str, int] | None = None,
-          prices_per_hour: Mapping[str, float] | None = None, window_s: float = 1.0,
-          top_n: int = 10) -> Report:
+def build(
+    source: Source,
+    ids: Sequence[str],
+    *,
+    sizes: Mapping[str, int] | None = None,
+    prices_per_hour: Mapping[str, float] | None = None,
+    window_s: float = 1.0,
+    top_n: int = 10,
+) -> Report:
     """The report of evaluations ``ids``: summary, latency, throughput, accuracy,
     layers, and a comparison of each run against the first one."""
     runs = _sweep_runs(source, ids)
     summ = summary(source, [*ids, *runs])
     sections = [Section("Summary", tables=[("Per-evaluation summary", summ[SUMMARY_VIEW])])]
-    sections[0].notes += [f"{r.evaluation_id} is a sweep: its runs are listed beside it and "
-                          "counted once each" for r in summ.itertuples() if r.role == "sweep"]
+    sections[0].notes += [
+        f"{r.evaluation_id} is a sweep: its runs are listed beside it and counted once each"
+        for r in summ.itertuples()
+        if r.role == "sweep"
+    ]
     invalid = summ[~summ["valid"].astype(bool)]
-    sections[0].notes += [f"{r.evaluation_id} is INVALID: {r.invalid_reasons}"
-                          for r in invalid.itertuples()]
+    sections[0].notes += [
+        f"{r.evaluation_id} is INVALID: {r.invalid_reasons}" for r in invalid.itertuples()
+    ]
     q = queries(source, list(ids))
     q = q[q["ok"] & ~q["warmup"]]
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
@@ -69,16 +93,23 @@ def build(source: Source, ids: Sequence[str], *, sizes: Mapping[str, int] | None
     for e in ids:
         w = latency_windows(source, e, window_s=window_s)
         if len(w) > 1:
-            latency.plots.append((f"Latency over time, {e} ({window_s:g} s windows)",
-                                  plots.latency_over_time(w, e)))
+            latency.plots.append(
+                (f"Latency over time, {e} ({window_s:g} s windows)", plots.latency_over_time(w, e))
+            )
     sections.append(latency)
     sections += _throughput_sections(summ, sizes, prices_per_hour)
     for e in ids:
         top = top_layers(source, e, top_n)
         if len(top):
-            sections.append(Section(f"Layers of {e}", tables=[
-                (f"Top {top_n} layers by time", top),
-                ("By layer type", layer_types(source, e))]))
+            sections.append(
+                Section(
+                    f"Layers of {e}",
+                    tables=[
+                        (f"Top {top_n} layers by time", top),
+                        ("By layer type", layer_types(source, e)),
+                    ],
+                )
+            )
     # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
     # parent is the sum of its steps, never a run of its own.
     sweeps = set(summ.loc[summ["role"] == "sweep", "evaluation_id"])
@@ -105,31 +136,43 @@ def _comparison(source: Source, summ: pd.DataFrame, ids: Sequence[str]) -> Secti
         why = mismatches(pair)
         if why:
             sec.notes.append(f"{other} vs {base}: NOT COMPARABLE: " + "; ".join(why))
-        rows.append(compare_runs(source, base, other, check=False).assign(
-            baseline=base, candidate=other, comparable=not why))
+        rows.append(
+            compare_runs(source, base, other, check=False).assign(
+                baseline=base, candidate=other, comparable=not why
+            )
+        )
     sec.notes.append(f"Intervals: {SINGLE_RUN_NOTE}.")
-    sec.tables.append(("Bootstrap 95% CIs of latency differences (candidate − baseline, ms)",
-                       pd.concat(rows, ignore_index=True)))
+    sec.tables.append(
+        (
+            "Bootstrap 95% CIs of latency differences (candidate − baseline, ms)",
+            pd.concat(rows, ignore_index=True),
+        )
+    )
     return sec
 
 
-def _throughput_sections(summ: pd.DataFrame, sizes: Mapping[str, int] | None,
-                         prices: Mapping[str, float] | None) -> list[Section]:
+def _throughput_sections(
+    summ: pd.DataFrame, sizes: Mapping[str, int] | None, prices: Mapping[str, float] | None
+) -> list[Section]:
     out = []
     tput = figures.max_throughput(summ)
     if len(tput):
-        sec = Section("Throughput", tables=[("Maximum throughput and optimal batch size",
-                                             tput)])
+        sec = Section("Throughput", tables=[("Maximum throughput and optimal batch size", tput)])
         sec.plots.append(("Throughput by batch size", plots.throughput_by_batch(summ)))
         heat = figures.speedup_heatmap(summ)
         if heat.shape[1] > 1:
-            sec.tables.append(("Speed-up over the smallest batch size", heat.reset_index(
-                names="model/framework@system")))
+            sec.tables.append(
+                (
+                    "Speed-up over the smallest batch size",
+                    heat.reset_index(names="model/framework@system"),
+                )
+            )
             sec.plots.append(("Speed-up heatmap", plots.speedup_figure(heat)))
         if prices:
             for model in sorted(set(tput["model"])):
-                sec.tables.append((f"{model} across systems",
-                                   figures.across_systems(summ, model, prices)))
+                sec.tables.append(
+                    (f"{model} across systems", figures.across_systems(summ, model, prices))
+                )
         out.append(sec)
     acc = figures.accuracy_tradeoff(summ, sizes)
     if len(acc):
@@ -154,26 +197,31 @@ def _fmt(v: Any) -> str:
 
 def to_html(report: Report) -> str:
     """One self-contained HTML document (inline CSS and SVG, no external resources)."""
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>"
-             f"{html.escape(report.title)}</title><style>{_CSS}</style></head><body>",
-             f"<h1>{html.escape(report.title)}</h1><p class='meta'>generated "
-             f"{html.escape(report.created)}</p>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>"
+        f"{html.escape(report.title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{html.escape(report.title)}</h1><p class='meta'>generated "
+        f"{html.escape(report.created)}</p>",
+    ]
     for sec in report.sections:
         parts.append(f"<h2>{html.escape(sec.title)}</h2>")
         parts += [f"<p class='note'>{html.escape(n)}</p>" for n in sec.notes]
         for caption, df in sec.tables:
             parts.append(f"<h3>{html.escape(caption)}</h3>{_html_table(df)}")
         for caption, fig in sec.plots:
-            parts.append(f"<figure>{plots.svg(fig)}<figcaption>{html.escape(caption)}"
-                         "</figcaption></figure>")
+            parts.append(
+                f"<figure>{plots.svg(fig)}<figcaption>{html.escape(caption)}</figcaption></figure>"
+            )
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
 def _html_table(df: pd.DataFrame) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
-                   for row in df.itertuples(index=False))
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in row) + "</tr>"
+        for row in df.itertuples(index=False)
+    )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
@@ -194,8 +242,10 @@ def to_markdown(report: Report) -> str:
 def markdown_table(df: pd.DataFrame) -> str:
     head = "| " + " | ".join(str(c) for c in df.columns) + " |"
     rule = "|" + "|".join("---" for _ in df.columns) + "|"
-    rows = ["| " + " | ".join(_fmt(v).replace("|", "\\|") for v in r) + " |"
-            for r in df.itertuples(index=False)]
+    rows = [
+        "| " + " | ".join(_fmt(v).replace("|", "\\|") for v in r) + " |"
+        for r in df.itertuples(index=False)
+    ]
     return "\n".join([head, rule, *rows])
 
 

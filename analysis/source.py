@@ -61,8 +61,9 @@ class DirectSource:
 class BusSource:
     """Through the server that owns chDB: ``mlscope.db.sql`` requests, paged."""
 
-    def __init__(self, settings: Settings, *, page_rows: int = PAGE_ROWS,
-                 timeout: float = 30.0) -> None:
+    def __init__(
+        self, settings: Settings, *, page_rows: int = PAGE_ROWS, timeout: float = 30.0
+    ) -> None:
         self.settings, self.page_rows, self.timeout = settings, page_rows, timeout
 
     def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
@@ -75,8 +76,7 @@ class BusSource:
         async with connect(self.settings, name="mlscope analysis") as bus:
             offset = 0
             while True:
-                page = (f"SELECT * FROM ({inner}) "
-                        f"LIMIT {self.page_rows} OFFSET {offset}")
+                page = f"SELECT * FROM ({inner}) LIMIT {self.page_rows} OFFSET {offset}"
                 names, got = await remote.sql(bus, page, parameters, timeout=self.timeout)
                 # An empty last page (rows a multiple of the page size) may name no
                 # columns: the first page's names stand.
@@ -99,9 +99,11 @@ def open_source(settings: Settings) -> DirectSource | BusSource:
 def table_exists(source: Source, table: str) -> bool:
     """Whether ``table`` exists (optional tables such as ``system_samples``)."""
     try:
-        got = source.frame("SELECT count() AS n FROM system.tables "
-                           "WHERE database = currentDatabase() AND name = {t:String}",
-                           {"t": table})
+        got = source.frame(
+            "SELECT count() AS n FROM system.tables "
+            "WHERE database = currentDatabase() AND name = {t:String}",
+            {"t": table},
+        )
     except DatabaseError:
         return False
     return bool(len(got)) and int(got["n"].iloc[0]) > 0

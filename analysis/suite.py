@@ -14,13 +14,24 @@ from analysis.figures import KEY, max_throughput, prefer_valid
 
 __all__ = ["TABLE2_COLUMNS", "format_table", "table2"]
 
-TABLE2_COLUMNS = ("id", "model", "framework", "system", "top1", "size_mb",
-                  "online_trimmed_mean_ms", "online_p90_ms", "max_throughput_ips",
-                  "optimal_batch_size", "all_valid")
+TABLE2_COLUMNS = (
+    "id",
+    "model",
+    "framework",
+    "system",
+    "top1",
+    "size_mb",
+    "online_trimmed_mean_ms",
+    "online_p90_ms",
+    "max_throughput_ips",
+    "optimal_batch_size",
+    "all_valid",
+)
 
 
-def table2(summ: pd.DataFrame, sizes: Mapping[str, int] | None = None, *,
-           valid_only: bool = False) -> pd.DataFrame:
+def table2(
+    summ: pd.DataFrame, sizes: Mapping[str, int] | None = None, *, valid_only: bool = False
+) -> pd.DataFrame:
     """Table 2 from a :func:`analysis.summary.summary` frame (ids numbered from 1).
 
     The newest valid run counts; without ``valid_only`` an invalid run stands in where
@@ -30,21 +41,32 @@ def table2(summ: pd.DataFrame, sizes: Mapping[str, int] | None = None, *,
         return pd.DataFrame(columns=list(TABLE2_COLUMNS))
     online = valid[(valid["scenario"] == "online") & (valid["batch_size"] == 1)]
     online = online.drop_duplicates(KEY, keep="first")[
-        [*KEY, "trimmed_mean_ms", "p90_ms", "valid"]].rename(columns={"valid": "online_ok"})
+        [*KEY, "trimmed_mean_ms", "p90_ms", "valid"]
+    ].rename(columns={"valid": "online_ok"})
     acc = valid[valid["top1"].notna()].drop_duplicates(KEY, keep="first")[[*KEY, "top1"]]
     keys = valid.drop_duplicates(KEY)[KEY]
-    out = (keys.merge(acc, on=KEY, how="left").merge(online, on=KEY, how="left")
-           .merge(max_throughput(valid)[[*KEY, "max_throughput_ips", "optimal_batch_size",
-                                        "all_valid"]],
-                  on=KEY, how="left"))
+    out = (
+        keys.merge(acc, on=KEY, how="left")
+        .merge(online, on=KEY, how="left")
+        .merge(
+            max_throughput(valid)[[*KEY, "max_throughput_ips", "optimal_batch_size", "all_valid"]],
+            on=KEY,
+            how="left",
+        )
+    )
     sizes = sizes or {}
-    out["size_mb"] = [(sizes.get(f"{m}/{f}") or 0) / 1e6 or None
-                      for m, f in zip(out["model"], out["framework"], strict=True)]
-    out = out.rename(columns={"trimmed_mean_ms": "online_trimmed_mean_ms",
-                              "p90_ms": "online_p90_ms"})
+    out["size_mb"] = [
+        (sizes.get(f"{m}/{f}") or 0) / 1e6 or None
+        for m, f in zip(out["model"], out["framework"], strict=True)
+    ]
+    out = out.rename(
+        columns={"trimmed_mean_ms": "online_trimmed_mean_ms", "p90_ms": "online_p90_ms"}
+    )
     # The runs the row shows are all valid (missing runs do not count against it).
-    out["all_valid"] = [not (_false(o) or _false(b))
-                        for o, b in zip(out["online_ok"], out["all_valid"], strict=True)]
+    out["all_valid"] = [
+        not (_false(o) or _false(b))
+        for o, b in zip(out["online_ok"], out["all_valid"], strict=True)
+    ]
     out = out.sort_values(["model", "framework", "system"]).reset_index(drop=True)
     out.insert(0, "id", range(1, len(out) + 1))
     return out[list(TABLE2_COLUMNS)]
@@ -56,22 +78,43 @@ def _false(v: object) -> bool:
 
 def format_table(table: pd.DataFrame) -> str:
     """Table 2 as aligned text for a terminal."""
-    heads = ["ID", "MODEL", "FRAMEWORK", "TOP-1", "SIZE MB", "ONLINE TM ms", "ONLINE P90 ms",
-             "MAX TPUT/s", "OPT BATCH"]
+    heads = [
+        "ID",
+        "MODEL",
+        "FRAMEWORK",
+        "TOP-1",
+        "SIZE MB",
+        "ONLINE TM ms",
+        "ONLINE P90 ms",
+        "MAX TPUT/s",
+        "OPT BATCH",
+    ]
 
     def f(v: object, spec: str) -> str:
         return "-" if v is None or pd.isna(v) else format(v, spec)
 
-    rows = [[str(r.id) + ("" if r.all_valid else "*"), str(r.model), str(r.framework),
-             f(r.top1, ".4f"), f(r.size_mb, ".2f"),
-             f(r.online_trimmed_mean_ms, ".3f"), f(r.online_p90_ms, ".3f"),
-             f(r.max_throughput_ips, ".1f"),
-             "-" if pd.isna(r.optimal_batch_size) else str(int(r.optimal_batch_size))]
-            for r in table.itertuples()]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(heads)]
+    rows = [
+        [
+            str(r.id) + ("" if r.all_valid else "*"),
+            str(r.model),
+            str(r.framework),
+            f(r.top1, ".4f"),
+            f(r.size_mb, ".2f"),
+            f(r.online_trimmed_mean_ms, ".3f"),
+            f(r.online_p90_ms, ".3f"),
+            f(r.max_throughput_ips, ".1f"),
+            "-" if pd.isna(r.optimal_batch_size) else str(int(r.optimal_batch_size)),
+        ]
+        for r in table.itertuples()
+    ]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(heads)
+    ]
     line = "  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True))
     body = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    foot = ["* includes runs judged INVALID (see `mlscope report EVAL_ID`)"] \
-        if not table["all_valid"].all() else []
+    foot = (
+        ["* includes runs judged INVALID (see `mlscope report EVAL_ID`)"]
+        if not table["all_valid"].all()
+        else []
+    )
     return "\n".join([line, *body, *foot])

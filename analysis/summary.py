@@ -23,10 +23,31 @@ from mlscope.stats import describe_ms, percentiles, trimmed_mean
 __all__ = ["SUMMARY_COLUMNS", "latency_windows", "summarize_samples", "summary"]
 
 SUMMARY_COLUMNS = (
-    "evaluation_id", "model", "model_version", "framework", "framework_version", "system",
-    "scenario", "batch_size", "trace_level", "valid", "queries", "errors", "not_issued",
-    "samples", "trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms", "throughput_ips",
-    "top1", "invalid_reasons", "role", "parallel", "requested_qps",
+    "evaluation_id",
+    "model",
+    "model_version",
+    "framework",
+    "framework_version",
+    "system",
+    "scenario",
+    "batch_size",
+    "trace_level",
+    "valid",
+    "queries",
+    "errors",
+    "not_issued",
+    "samples",
+    "trimmed_mean_ms",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "max_ms",
+    "throughput_ips",
+    "top1",
+    "invalid_reasons",
+    "role",
+    "parallel",
+    "requested_qps",
 )
 
 
@@ -43,15 +64,21 @@ def summarize_samples(q: pd.DataFrame) -> dict[str, Any]:
     done = q["completed_ns"].to_numpy(np.int64)
     done = done[done > 0]
     counts = count(q["outcome"].to_numpy(np.uint8))
-    span_s = (float(done.max()) - float(issued.min())) / 1e9 if done.size and issued.size \
-        else 0.0
+    span_s = (float(done.max()) - float(issued.min())) / 1e9 if done.size and issued.size else 0.0
     correct = int(q["correct"].to_numpy(np.int64)[ok].sum()) if "correct" in q else 0
     return {
-        "queries": len(q), "errors": counts["errors"], "not_issued": counts["not_issued"],
-        "failed": counts["failed"], "refused": counts["refused"], "lost": counts["lost"],
+        "queries": len(q),
+        "errors": counts["errors"],
+        "not_issued": counts["not_issued"],
+        "failed": counts["failed"],
+        "refused": counts["refused"],
+        "lost": counts["lost"],
         "samples": samples,
-        "trimmed_mean_ms": lat["trimmed_mean"], "p50_ms": lat["p50"], "p90_ms": lat["p90"],
-        "p99_ms": lat["p99"], "max_ms": lat["max"],
+        "trimmed_mean_ms": lat["trimmed_mean"],
+        "p50_ms": lat["p50"],
+        "p90_ms": lat["p90"],
+        "p99_ms": lat["p99"],
+        "max_ms": lat["max"],
         "throughput_ips": samples / span_s if span_s > 0 else None,
         "correct": correct,
     }
@@ -64,7 +91,7 @@ def summary(source: Source, ids: Sequence[str] | None = None) -> pd.DataFrame:
     if ev.empty:
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
     q = queries(source, list(ev["evaluation_id"]))
-    by_id = {k: g for k, g in q.groupby("evaluation_id", sort=False)}
+    by_id = dict(q.groupby("evaluation_id", sort=False))
     rows = []
     for e in ev.to_dict("records"):
         row = {k: e.get(k) for k in SUMMARY_COLUMNS}
@@ -78,8 +105,7 @@ def summary(source: Source, ids: Sequence[str] | None = None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
 
 
-def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0
-                    ) -> pd.DataFrame:
+def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0) -> pd.DataFrame:
     """Latency in consecutive windows of scheduled time (warm-up, throttling, noise).
 
     Columns: window (index), start_s (from the first scheduled query), queries,
@@ -98,7 +124,15 @@ def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0
     for w, g in q.groupby(window):
         ms = g["latency_ns"].to_numpy(np.int64) / 1e6
         p50, p90, p99 = percentiles(ms, [50, 90, 99])
-        rows.append({"window": int(w), "start_s": int(w) * window_s, "queries": len(g),
-                     "trimmed_mean_ms": trimmed_mean(ms), "p50_ms": p50, "p90_ms": p90,
-                     "p99_ms": p99})
+        rows.append(
+            {
+                "window": int(w),
+                "start_s": int(w) * window_s,
+                "queries": len(g),
+                "trimmed_mean_ms": trimmed_mean(ms),
+                "p50_ms": p50,
+                "p90_ms": p90,
+                "p99_ms": p99,
+            }
+        )
     return pd.DataFrame(rows, columns=cols)

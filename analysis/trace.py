@@ -26,15 +26,32 @@ DEPTHS: dict[str, tuple[str, ...]] = {
 _ROW = {"query": 0, "step": 1, "layer": 2, "op": 2, "kernel": 3}
 
 
-def timeline(source: Source, evaluation_id: str, *, depth: str = "layer",
-             first_query: int = 0, queries: int = 5) -> pd.DataFrame:
+def timeline(
+    source: Source,
+    evaluation_id: str,
+    *,
+    depth: str = "layer",
+    first_query: int = 0,
+    queries: int = 5,
+) -> pd.DataFrame:
     """Spans of queries ``first_query .. first_query+queries-1`` down to ``depth``:
     kind, name, lane (0 query, 1 step, 2 layer/op, 3 kernel), query_index, start_ms,
     end_ms, dur_ms, op_type, shape, parent_id, span_id."""
     if depth not in DEPTHS:
         raise ValueError(f"depth must be one of {', '.join(DEPTHS)}, not {depth!r}")
-    cols = ["kind", "name", "lane", "query_index", "start_ms", "end_ms", "dur_ms", "op_type",
-            "shape", "parent_id", "span_id"]
+    cols = [
+        "kind",
+        "name",
+        "lane",
+        "query_index",
+        "start_ms",
+        "end_ms",
+        "dur_ms",
+        "op_type",
+        "shape",
+        "parent_id",
+        "span_id",
+    ]
     raw = spans(source, evaluation_id, kinds=DEPTHS[depth])
     if raw.empty:
         return pd.DataFrame(columns=cols)
@@ -44,19 +61,23 @@ def timeline(source: Source, evaluation_id: str, *, depth: str = "layer",
         return pd.DataFrame(columns=cols)
     t0 = int(raw["start_ns"].min())
     attrs = [_json(a) for a in raw["attrs"]]
-    return pd.DataFrame({
-        "kind": raw["kind"].astype(str).to_numpy(), "name": raw["name"].to_numpy(),
-        "lane": [_ROW.get(k, 4) for k in raw["kind"]],
-        "query_index": raw["query_index"].astype(int).to_numpy(),
-        "start_ms": (raw["start_ns"].astype("int64") - t0).to_numpy() / 1e6,
-        "end_ms": (raw["end_ns"].astype("int64") - t0).to_numpy() / 1e6,
-        "dur_ms": (raw["end_ns"].astype("int64")
-                   - raw["start_ns"].astype("int64")).to_numpy() / 1e6,
-        "op_type": [str(a.get("op_type", "")) for a in attrs],
-        "shape": [json.dumps(a["shape"]) if "shape" in a else "" for a in attrs],
-        "parent_id": raw["parent_id"].astype("uint64").to_numpy(),
-        "span_id": raw["span_id"].astype("uint64").to_numpy(),
-    }, columns=cols)
+    return pd.DataFrame(
+        {
+            "kind": raw["kind"].astype(str).to_numpy(),
+            "name": raw["name"].to_numpy(),
+            "lane": [_ROW.get(k, 4) for k in raw["kind"]],
+            "query_index": raw["query_index"].astype(int).to_numpy(),
+            "start_ms": (raw["start_ns"].astype("int64") - t0).to_numpy() / 1e6,
+            "end_ms": (raw["end_ns"].astype("int64") - t0).to_numpy() / 1e6,
+            "dur_ms": (raw["end_ns"].astype("int64") - raw["start_ns"].astype("int64")).to_numpy()
+            / 1e6,
+            "op_type": [str(a.get("op_type", "")) for a in attrs],
+            "shape": [json.dumps(a["shape"]) if "shape" in a else "" for a in attrs],
+            "parent_id": raw["parent_id"].astype("uint64").to_numpy(),
+            "span_id": raw["span_id"].astype("uint64").to_numpy(),
+        },
+        columns=cols,
+    )
 
 
 def system_samples(source: Source, evaluation_id: str) -> pd.DataFrame:
@@ -67,9 +88,11 @@ def system_samples(source: Source, evaluation_id: str) -> pd.DataFrame:
     try:
         # FINAL: a redelivered sample batch must not show twice. The full sorting key
         # orders the rows, so that a paged read (BusSource) neither skips nor repeats.
-        return source.frame("SELECT * FROM system_samples FINAL WHERE evaluation_id = "
-                            "{e:String} ORDER BY agent_id, metric, device, ts_ns",
-                            {"e": evaluation_id})
+        return source.frame(
+            "SELECT * FROM system_samples FINAL WHERE evaluation_id = "
+            "{e:String} ORDER BY agent_id, metric, device, ts_ns",
+            {"e": evaluation_id},
+        )
     except DatabaseError:
         return pd.DataFrame()
 

@@ -71,17 +71,28 @@ def compute_vs_bare(zoo: Path, seconds: float, rounds: int = 3) -> None:
             ratios, pairs = [], []
             for _ in range(rounds):  # alternated, so both see the same background load
                 bare_ms = 1e3 / bare.rate(seconds / rounds)
-                summ = anyio.run(lambda fw=fw: submit(live, JobRequest(
-                    model=MODEL, framework=fw, trace_level="none",
-                    scenario=ScenarioSpec(name="single-stream", duration_s=seconds / rounds,
-                                          min_duration_s=0))))
+                summ = anyio.run(
+                    lambda fw=fw: submit(
+                        live,
+                        JobRequest(
+                            model=MODEL,
+                            framework=fw,
+                            trace_level="none",
+                            scenario=ScenarioSpec(
+                                name="single-stream", duration_s=seconds / rounds, min_duration_s=0
+                            ),
+                        ),
+                    )
+                )
                 comp = (summ.latency_split_ms or {})["compute"]["mean"]
                 ratios.append(comp / bare_ms)
                 pairs.append(f"{comp:.3f}/{bare_ms:.3f}")
             bare.close()
-            print(f"1. {fw}: compute mean / bare mean per round (ms) {', '.join(pairs)}: "
-                  f"ratio median {statistics.median(ratios):.3f} "
-                  f"({', '.join(f'{r:.3f}' for r in ratios)})")
+            print(
+                f"1. {fw}: compute mean / bare mean per round (ms) {', '.join(pairs)}: "
+                f"ratio median {statistics.median(ratios):.3f} "
+                f"({', '.join(f'{r:.3f}' for r in ratios)})"
+            )
     finally:
         s.stop()
 
@@ -91,8 +102,9 @@ def _threads(framework: str) -> int | None:
     bare loop runs the model the same way."""
     from mlscope.manifest import FrameworkManifest, load_manifest
 
-    doc = load_manifest(Path(__file__).resolve().parent.parent / "manifests" / "frameworks"
-                        / f"{framework}.yaml")
+    doc = load_manifest(
+        Path(__file__).resolve().parent.parent / "manifests" / "frameworks" / f"{framework}.yaml"
+    )
     threads = doc.options.intra_op_threads if isinstance(doc, FrameworkManifest) else None
     return threads or None
 
@@ -105,8 +117,9 @@ def layers_per_level(zoo: Path, queries: int) -> None:
     rows_by = {lvl: [] for lvl in ("model", "framework", "full")}  # type: dict[str, list[Any]]
     for _ in range(3):  # rounds, so that machine noise hits every level alike
         for lvl in rows_by:
-            rows_by[lvl] += run_queries(model, TraceLevel.parse(lvl), queries // 3,
-                                        first_index=len(rows_by[lvl]))
+            rows_by[lvl] += run_queries(
+                model, TraceLevel.parse(lvl), queries // 3, first_index=len(rows_by[lvl])
+            )
     base = None
     for lvl, rows in rows_by.items():
         pred = [r for r in rows if r["name"] == "predict"]
@@ -117,12 +130,15 @@ def layers_per_level(zoo: Path, queries: int) -> None:
             share = []
             for p in pred:
                 kids = [r for r in rows if r["kind"] == "layer" and r["parent_id"] == p["span_id"]]
-                share.append(sum(r["end_ns"] - r["start_ns"] for r in kids)
-                             / (p["end_ns"] - p["start_ns"]))
+                share.append(
+                    sum(r["end_ns"] - r["start_ns"] for r in kids) / (p["end_ns"] - p["start_ns"])
+                )
             cost = [json.loads(p["attrs"]).get("profiler_ns", 0) / 1e3 for p in pred]
-            line += (f"; layer sum / predict p50 {statistics.median(share):.3f} "
-                     f"(min {min(share):.3f}); profiler start/stop p50 "
-                     f"{statistics.median(cost):.0f} us, first {max(cost) / 1e3:.1f} ms")
+            line += (
+                f"; layer sum / predict p50 {statistics.median(share):.3f} "
+                f"(min {min(share):.3f}); profiler start/stop p50 "
+                f"{statistics.median(cost):.0f} us, first {max(cost) / 1e3:.1f} ms"
+            )
         print(line)
     model.predictor.close()
 
@@ -148,31 +164,55 @@ SUBSCRIBER = textwrap.dedent("""
 
 async def _drive(settings: Settings, qps: float, seconds: float) -> Any:
     async with busmod.connect(settings, name="bench-honesty") as bus:
-        agent = next(a for a in await list_agents(bus)
-                     if any(f.name == "noop" for f in a.frameworks))
-        await busmod.request(bus, names.agent_ctl(agent.agent_id), codec.encode({
-            "op": "prepare", "evaluation_id": "ev-honesty", "model": "noop",
-            "model_version": "1.0.0", "batch_size": 1, "trace_level": "none"}), timeout=60)
+        agent = next(
+            a for a in await list_agents(bus) if any(f.name == "noop" for f in a.frameworks)
+        )
+        await busmod.request(
+            bus,
+            names.agent_ctl(agent.agent_id),
+            codec.encode(
+                {
+                    "op": "prepare",
+                    "evaluation_id": "ev-honesty",
+                    "model": "noop",
+                    "model_version": "1.0.0",
+                    "batch_size": 1,
+                    "trace_level": "none",
+                }
+            ),
+            timeout=60,
+        )
         sched = constant(qps, duration_s=seconds)
-        driver = Driver(bus, evaluation_id="ev-honesty",
-                        subject=names.agent_query(agent.agent_id),
-                        spec=ScenarioSpec(name="constant", qps=qps, duration_s=seconds),
-                        inputs=lambda g: np.zeros((1, 4), np.float32), labels=None,
-                        trace_level=TraceLevel.NONE, schedule=sched)
+        driver = Driver(
+            bus,
+            evaluation_id="ev-honesty",
+            subject=names.agent_query(agent.agent_id),
+            spec=ScenarioSpec(name="constant", qps=qps, duration_s=seconds),
+            inputs=lambda g: np.zeros((1, 4), np.float32),
+            labels=None,
+            trace_level=TraceLevel.NONE,
+            schedule=sched,
+        )
         return await driver.run(), agent.host
 
 
 def lag_and_cost(qps: float, seconds: float) -> None:
-    s = Stack(Settings(data_dir=Path(tempfile.mkdtemp(prefix="mlscope-bench-lag-"))),
-              nats_port=0, frameworks=["noop"])
+    s = Stack(
+        Settings(data_dir=Path(tempfile.mkdtemp(prefix="mlscope-bench-lag-"))),
+        nats_port=0,
+        frameworks=["noop"],
+    )
     live = s.start()
     try:
         anyio.run(wait_for_agent, live, "noop")
         for rate in (200.0, qps):
             sub = subprocess.Popen(
-                [sys.executable, "-c", SUBSCRIBER, live.nats_url,
-                 "mlscope.agent.*.query"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                text=True, env={**os.environ})
+                [sys.executable, "-c", SUBSCRIBER, live.nats_url, "mlscope.agent.*.query"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ},
+            )
             assert sub.stdin is not None and sub.stdout is not None
             sub.stdout.readline()
             rec, host = anyio.run(_drive, live, rate, seconds)
@@ -186,24 +226,29 @@ def lag_and_cost(qps: float, seconds: float) -> None:
             to_sub = (at - rec.scheduled[idx]) / 1e3
             hop = (at - rec.issued[idx]) / 1e3
             lag, split = f.issue_lag_us, f.issue_lag_split_us
-            print(f"3. {rate:g} QPS constant x {seconds:g} s: issue lag p50/p99 "
-                  f"{lag['p50']:.1f}/{lag['p99']:.1f} us (pacer p99 "
-                  f"{split['pacer']['p99']:.1f}, loop p99 {split['loop']['p99']:.1f}); "
-                  f"schedule -> subscriber p50/p99 {np.percentile(to_sub, 50):.1f}/"
-                  f"{np.percentile(to_sub, 99):.1f} us; issued -> subscriber p50 "
-                  f"{np.percentile(hop, 50):.1f} us ({len(idx)} of {rec.n} seen)")
-            print(f"4. {rate:g} QPS: load generator {f.loadgen_cpu_us_per_query:.0f} us CPU "
-                  f"per query ({(f.loadgen_cpu_us_per_query or 0) * rate / 1e6:.0%} of a "
-                  f"core), agent host {host} = load generator host: "
-                  f"{host == os.uname().nodename}, {os.cpu_count()} cores")
+            print(
+                f"3. {rate:g} QPS constant x {seconds:g} s: issue lag p50/p99 "
+                f"{lag['p50']:.1f}/{lag['p99']:.1f} us (pacer p99 "
+                f"{split['pacer']['p99']:.1f}, loop p99 {split['loop']['p99']:.1f}); "
+                f"schedule -> subscriber p50/p99 {np.percentile(to_sub, 50):.1f}/"
+                f"{np.percentile(to_sub, 99):.1f} us; issued -> subscriber p50 "
+                f"{np.percentile(hop, 50):.1f} us ({len(idx)} of {rec.n} seen)"
+            )
+            print(
+                f"4. {rate:g} QPS: load generator {f.loadgen_cpu_us_per_query:.0f} us CPU "
+                f"per query ({(f.loadgen_cpu_us_per_query or 0) * rate / 1e6:.0%} of a "
+                f"core), agent host {host} = load generator host: "
+                f"{host == os.uname().nodename}, {os.cpu_count()} cores"
+            )
     finally:
         s.stop()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--zoo", type=Path, default=Path(os.environ.get("MLSCOPE_TEST_ZOO",
-                                                                    "/work/zoo")))
+    ap.add_argument(
+        "--zoo", type=Path, default=Path(os.environ.get("MLSCOPE_TEST_ZOO", "/work/zoo"))
+    )
     ap.add_argument("--qps", type=float, default=1000)
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--queries", type=int, default=60)

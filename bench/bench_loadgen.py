@@ -50,9 +50,16 @@ async def issue_rate(settings: Settings, n: int) -> tuple[float, float]:
     x = np.zeros((1, 16), np.float32)
     async with busmod.connect(settings, name="bench-lg") as bus:
         spec = ScenarioSpec(name="online", qps=1e6, duration_s=1, max_outstanding=n)
-        driver = Driver(bus, evaluation_id="ev-bench", subject=SINK, spec=spec,
-                        inputs=lambda i: x, labels=None, trace_level=TraceLevel.NONE,
-                        schedule=Schedule(np.zeros(n, np.int64)))
+        driver = Driver(
+            bus,
+            evaluation_id="ev-bench",
+            subject=SINK,
+            spec=spec,
+            inputs=lambda i: x,
+            labels=None,
+            trace_level=TraceLevel.NONE,
+            schedule=Schedule(np.zeros(n, np.int64)),
+        )
         publish = bus.nc.publish
         done_at: list[int] = []
 
@@ -105,14 +112,14 @@ async def echo_rtt(settings: Settings, n: int = 5000) -> tuple[float, float]:
         sent = np.zeros(n, np.int64)
         rtt: list[int] = []
         async with busmod.connect(settings, name="bench-echo") as bus:
+
             async def back(msg: Any) -> None:
                 rtt.append(time.perf_counter_ns() - int(sent[int(msg.data[:8])]))
 
             await bus.nc.subscribe("_INBOX.bench-echo", cb=back)
             for i in range(n):
                 sent[i] = time.perf_counter_ns()
-                await bus.nc.publish("bench.echo", b"%08d" % i + payload,
-                                     reply="_INBOX.bench-echo")
+                await bus.nc.publish("bench.echo", b"%08d" % i + payload, reply="_INBOX.bench-echo")
                 await anyio.sleep(0.001)
             await anyio.sleep(0.5)
     finally:
@@ -133,9 +140,17 @@ def main() -> None:
     live = stack.start()
     try:
         anyio.run(wait_for_agent, live, "noop")
-        s = anyio.run(lambda: submit(live, JobRequest(
-            model="noop", framework="noop", trace_level="none",
-            scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration))))
+        s = anyio.run(
+            lambda: submit(
+                live,
+                JobRequest(
+                    model="noop",
+                    framework="noop",
+                    trace_level="none",
+                    scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration),
+                ),
+            )
+        )
         lg, paced = anyio.run(issue_rate, live, args.burst)
         raw = anyio.run(raw_publish_rate, live, args.burst)
         echo50, echo99 = anyio.run(echo_rtt, live)
@@ -144,21 +159,31 @@ def main() -> None:
 
     lag, split = s.issue_lag_us, s.latency_split_ms or {}
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    print(f"1. noop online @ {args.qps:g} QPS Poisson x {args.duration:g} s "
-          f"({s.queries} queries): {'VALID' if s.valid else 'INVALID ' + str(s.invalid_reasons)}")
+    print(
+        f"1. noop online @ {args.qps:g} QPS Poisson x {args.duration:g} s "
+        f"({s.queries} queries): {'VALID' if s.valid else 'INVALID ' + str(s.invalid_reasons)}"
+    )
     print(f"   issue lag us: p50 {lag['p50']:.1f}  p99 {lag['p99']:.1f}  max {lag['max']:.1f}")
-    print(f"   rate: requested {s.requested_qps:g}  scheduled {s.scheduled_qps:.1f}  achieved "
-          f"{s.achieved_qps:.1f}  achieved/scheduled {s.achieved_qps / s.scheduled_qps:.5f}"  # type: ignore[operator]
-          f"  achieved/requested {s.achieved_qps / args.qps:.4f}")  # type: ignore[operator]
+    print(
+        f"   rate: requested {s.requested_qps:g}  scheduled {s.scheduled_qps:.1f}  achieved "
+        f"{s.achieved_qps:.1f}  achieved/scheduled {s.achieved_qps / s.scheduled_qps:.5f}"  # type: ignore[operator]
+        f"  achieved/requested {s.achieved_qps / args.qps:.4f}"
+    )  # type: ignore[operator]
     print(f"   latency ms: p50 {s.latency_ms.p50:.3f}  p99 {s.latency_ms.p99:.3f}")
     for name, v in split.items():
-        print(f"   split {name:<10} p50 {v['p50']:.3f} ms  p99 {v['p99']:.3f} ms  "
-              f"mean {v['mean']:.3f} ms")
-    print(f"2. one load-generator process, {args.burst:,} queries due at once: "
-          f"{lg:,.0f} queries/s published (pacer alone {paced:,.0f}/s); "
-          f"nats-py raw publish {raw:,.0f} msgs/s; ratio {lg / raw:.2f}")
-    print(f"3. bare nats-py echo round trip at 1,000/s: p50 {echo50:.0f} us  p99 {echo99:.0f} us"
-          f"  (platform overhead p50 {split['overhead']['p50'] * 1e3:.0f} us)")
+        print(
+            f"   split {name:<10} p50 {v['p50']:.3f} ms  p99 {v['p99']:.3f} ms  "
+            f"mean {v['mean']:.3f} ms"
+        )
+    print(
+        f"2. one load-generator process, {args.burst:,} queries due at once: "
+        f"{lg:,.0f} queries/s published (pacer alone {paced:,.0f}/s); "
+        f"nats-py raw publish {raw:,.0f} msgs/s; ratio {lg / raw:.2f}"
+    )
+    print(
+        f"3. bare nats-py echo round trip at 1,000/s: p50 {echo50:.0f} us  p99 {echo99:.0f} us"
+        f"  (platform overhead p50 {split['overhead']['p50'] * 1e3:.0f} us)"
+    )
 
 
 if __name__ == "__main__":

@@ -53,17 +53,25 @@ FRAMEWORKS = ("onnxruntime", "pytorch", "tensorflow", "tflite")
 
 # ----------------------------------------------------------------------- overhead
 
+
 def noop_entry() -> Entry:
-    m = ModelManifest.model_validate({
-        "name": "noop_echo", "version": "1.0.0", "task": "classification",
-        "framework": {"name": "noop"},
-        "inputs": [{"shape": [8, 8], "element_type": "uint8"}], "outputs": [{}],
-        "assets": {"graph_path": "none", "sha256": "0" * 64}})
+    m = ModelManifest.model_validate(
+        {
+            "name": "noop_echo",
+            "version": "1.0.0",
+            "task": "classification",
+            "framework": {"name": "noop"},
+            "inputs": [{"shape": [8, 8], "element_type": "uint8"}],
+            "outputs": [{}],
+            "assets": {"graph_path": "none", "sha256": "0" * 64},
+        }
+    )
     return Entry(manifest=m, path=Path("noop.yaml"))
 
 
-def overhead(model: LoadedModel, x: np.ndarray, queries: int,
-             level: TraceLevel) -> dict[str, float]:
+def overhead(
+    model: LoadedModel, x: np.ndarray, queries: int, level: TraceLevel
+) -> dict[str, float]:
     """Median/p90 (us) of end-to-end minus predict, one query at a time."""
     ex = Executor(model, ExecutorConfig(pre_workers=2))
     done: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
@@ -76,8 +84,7 @@ def overhead(model: LoadedModel, x: np.ndarray, queries: int,
     try:
         for i in range(queries):
             t0 = now()
-            ex.submit(Job(index=i, inputs=x, received_ns=t0, level=level, spans=spans,
-                          reply=reply))
+            ex.submit(Job(index=i, inputs=x, received_ns=t0, level=level, spans=spans, reply=reply))
             t1, r = done.get()
             if not r.ok:
                 raise RuntimeError(r.error)
@@ -86,30 +93,40 @@ def overhead(model: LoadedModel, x: np.ndarray, queries: int,
             e2e.append((t1 - t0) / 1e3)
     finally:
         ex.stop()
-    keep = over[len(over) // 10:]  # the first 10% warm caches up: reported, not timed
-    out = {"overhead_p50_us": statistics.median(keep),
-           "overhead_p90_us": float(np.percentile(keep, 90)),
-           "e2e_p50_us": statistics.median(e2e[len(e2e) // 10:])}
+    keep = over[len(over) // 10 :]  # the first 10% warm caches up: reported, not timed
+    out = {
+        "overhead_p50_us": statistics.median(keep),
+        "overhead_p90_us": float(np.percentile(keep, 90)),
+        "e2e_p50_us": statistics.median(e2e[len(e2e) // 10 :]),
+    }
     if spans is not None:  # the manifest's operators, timed by the pipeline's own spans
         cols = spans.take()
         for step in ("preprocess", "postprocess"):
-            d = [(b - a) / 1e3 for n, a, b in zip(cols["name"], cols["start_ns"],
-                                                  cols["end_ns"], strict=True) if n == step]
-            out[f"{step}_p50_us"] = statistics.median(d[len(d) // 10:])
+            d = [
+                (b - a) / 1e3
+                for n, a, b in zip(cols["name"], cols["start_ns"], cols["end_ns"], strict=True)
+                if n == step
+            ]
+            out[f"{step}_p50_us"] = statistics.median(d[len(d) // 10 :])
     return out
 
 
 # ----------------------------------------------------------------------- throughput
 
+
 class BareLoop:
     """predictor.predict over pre-processed batches, nothing else (same file, options)."""
 
-    def __init__(self, entry: Entry, graph: Path, batches: list[np.ndarray],
-                 threads: int | None) -> None:
+    def __init__(
+        self, entry: Entry, graph: Path, batches: list[np.ndarray], threads: int | None
+    ) -> None:
         self.batches = batches
-        self.pred = open_predictor(entry.manifest.framework.name, graph, entry.manifest,
-                                   PredictorOptions(batch_size=len(batches[0]),
-                                                    threads=threads))
+        self.pred = open_predictor(
+            entry.manifest.framework.name,
+            graph,
+            entry.manifest,
+            PredictorOptions(batch_size=len(batches[0]), threads=threads),
+        )
         # The agent's first inference (batch 1 on zeros, at load), then warm-up: TorchScript
         # profiles its first runs and specializes on the shapes it saw.
         self.pred.predict([np.zeros((1, *batches[0].shape[1:]), batches[0].dtype)])
@@ -129,13 +146,24 @@ class BareProcess:
     """The bare loop in its own fresh process (one framework loaded, like the agent)."""
 
     def __init__(self, framework: str, zoo: Path, batch: int, threads: int | None) -> None:
-        cmd = [sys.executable, __file__, "--bare-child", framework, "--zoo", str(zoo),
-               "--batch-size", str(batch)] + (["--threads", str(threads)] if threads else [])
+        cmd = [
+            sys.executable,
+            __file__,
+            "--bare-child",
+            framework,
+            "--zoo",
+            str(zoo),
+            "--batch-size",
+            str(batch),
+        ] + (["--threads", str(threads)] if threads else [])
         root = str(Path(__file__).resolve().parent.parent)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            filter(None, [root, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env)
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        }
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
         assert self.proc.stdout is not None
         for line in self.proc.stdout:  # runtimes may print first
             if line.strip() == "ready":
@@ -169,22 +197,31 @@ def bare_child(framework: str, zoo: Path, batch: int, threads: int | None) -> No
     loop.pred.close()
 
 
-def inputs(framework: str, zoo: Path, batch: int
-           ) -> tuple[Entry, list[np.ndarray], list[np.ndarray]]:
+def inputs(
+    framework: str, zoo: Path, batch: int
+) -> tuple[Entry, list[np.ndarray], list[np.ndarray]]:
     """The manifest, raw image batches, and the same batches pre-processed."""
-    entry = Catalog.load(default_manifest_dirs()).find("efficientnet_lite0",
-                                                       framework=framework)
+    entry = Catalog.load(default_manifest_dirs()).find("efficientnet_lite0", framework=framework)
     with np.load(entry.dataset(zoo)) as npz:  # type: ignore[arg-type]
         images = npz["x"]
     raw = [images[(np.arange(batch) + k) % len(images)] for k in range(4)]
-    model = LoadedModel(entry, open_predictor("noop", Path("none"), entry.manifest,
-                                              PredictorOptions()), 0)
+    model = LoadedModel(
+        entry, open_predictor("noop", Path("none"), entry.manifest, PredictorOptions()), 0
+    )
     return entry, raw, [np.ascontiguousarray(model.pre[0](r)) for r in raw]
 
 
-async def through_agent(settings: Settings, framework: str, entry: Entry,
-                        raw: list[np.ndarray], bare: BareProcess, *, seconds: float,
-                        rounds: int, window: int = 2) -> list[tuple[float, float]]:
+async def through_agent(
+    settings: Settings,
+    framework: str,
+    entry: Entry,
+    raw: list[np.ndarray],
+    bare: BareProcess,
+    *,
+    seconds: float,
+    rounds: int,
+    window: int = 2,
+) -> list[tuple[float, float]]:
     """(bare, agent) inputs/s for each round; the agent keeps ``window`` queries out.
 
     Bare and agent slices alternate so that both see the same background load.
@@ -194,12 +231,25 @@ async def through_agent(settings: Settings, framework: str, entry: Entry,
         agent_id = await _agent_id(bus, framework)
         ctl = names.agent_ctl(agent_id)
         eval_id = f"ev-bench-{framework}"
-        await busmod.request(bus, ctl, codec.encode({
-            "op": "prepare", "evaluation_id": eval_id, "model": m.name,
-            "model_version": m.version, "batch_size": len(raw[0]),
-            "trace_level": "model"}), timeout=300)
-        payloads = [codec.encode_model(Query(evaluation_id=eval_id, index=i, inputs=b))
-                    for i, b in enumerate(raw)]
+        await busmod.request(
+            bus,
+            ctl,
+            codec.encode(
+                {
+                    "op": "prepare",
+                    "evaluation_id": eval_id,
+                    "model": m.name,
+                    "model_version": m.version,
+                    "batch_size": len(raw[0]),
+                    "trace_level": "model",
+                }
+            ),
+            timeout=300,
+        )
+        payloads = [
+            codec.encode_model(Query(evaluation_id=eval_id, index=i, inputs=b))
+            for i, b in enumerate(raw)
+        ]
         subject = names.agent_query(agent_id)
 
         async def one(i: int) -> int:
@@ -230,8 +280,9 @@ async def through_agent(settings: Settings, framework: str, entry: Entry,
             if time.perf_counter() - t_warm > WARMUP_S:
                 break
         out = [(bare.rate(seconds), await agent_rate()) for _ in range(rounds)]
-        await busmod.request(bus, ctl, codec.encode({"op": "release",
-                                                     "evaluation_id": eval_id}), timeout=10)
+        await busmod.request(
+            bus, ctl, codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=10
+        )
         return out
 
 
@@ -250,8 +301,9 @@ async def _agent_id(bus: busmod.Bus, framework: str) -> str:
     raise TimeoutError(f"no {framework} agent registered")
 
 
-def throughput(framework: str, zoo: Path, batch: int, seconds: float,
-               rounds: int, threads: int | None) -> dict[str, float]:
+def throughput(
+    framework: str, zoo: Path, batch: int, seconds: float, rounds: int, threads: int | None
+) -> dict[str, float]:
     entry, raw, _ = inputs(framework, zoo, batch)
     bare = BareProcess(framework, zoo, batch, threads)
     data = Path(tempfile.mkdtemp(prefix="mlscope-bench-"))
@@ -260,19 +312,23 @@ def throughput(framework: str, zoo: Path, batch: int, seconds: float,
         settings = Settings(nats_url=server.url, data_dir=data)
         env = {**os.environ, **settings.as_env()}
         cmd = [sys.executable, "-m", "cli.main", "agent", "--framework", framework]
-        agent = subprocess.Popen(cmd + (["--threads", str(threads)] if threads else []),
-                                 env=env)
+        agent = subprocess.Popen(cmd + (["--threads", str(threads)] if threads else []), env=env)
         try:
-            pairs = anyio.run(lambda: through_agent(settings, framework, entry, raw, bare,
-                                                    seconds=seconds, rounds=rounds),
-                              backend="asyncio")
+            pairs = anyio.run(
+                lambda: through_agent(
+                    settings, framework, entry, raw, bare, seconds=seconds, rounds=rounds
+                ),
+                backend="asyncio",
+            )
         finally:
             agent.terminate()
             agent.wait(30)
             bare.close()
-    return {"bare_ips": statistics.median(b for b, _ in pairs),
-            "agent_ips": statistics.median(a for _, a in pairs),
-            "ratio": statistics.median(a / b for b, a in pairs)}
+    return {
+        "bare_ips": statistics.median(b for b, _ in pairs),
+        "agent_ips": statistics.median(a for _, a in pairs),
+        "ratio": statistics.median(a / b for b, a in pairs),
+    }
 
 
 def main() -> None:
@@ -280,12 +336,17 @@ def main() -> None:
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=3, help="per slice")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="intra-op threads, the same for the bare loop and the agent")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads, the same for the bare loop and the agent",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="bare/agent slice pairs")
     ap.add_argument("--queries", type=int, default=3000)
-    ap.add_argument("--zoo", type=Path, default=Path(os.environ.get("MLSCOPE_TEST_ZOO",
-                                                                    "/work/zoo")))
+    ap.add_argument(
+        "--zoo", type=Path, default=Path(os.environ.get("MLSCOPE_TEST_ZOO", "/work/zoo"))
+    )
     ap.add_argument("--bare-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_child:
@@ -293,13 +354,17 @@ def main() -> None:
     sys.setswitchinterval(0.0002)  # as the agent sets it
     if args.queries:
         overheads(args)
-    print(f"2. efficientnet_lite0 batched throughput, batch {args.batch_size}, "
-          f"{args.rounds} x {args.seconds:g} s alternating slices (median of ratios)")
+    print(
+        f"2. efficientnet_lite0 batched throughput, batch {args.batch_size}, "
+        f"{args.rounds} x {args.seconds:g} s alternating slices (median of ratios)"
+    )
     for fw in filter(None, args.frameworks.split(",")):
-        r = throughput(fw, args.zoo, args.batch_size, args.seconds, args.rounds,
-                       args.threads)
-        print(f"   {fw:12} bare {r['bare_ips']:8.1f}/s  agent {r['agent_ips']:8.1f}/s  "
-              f"ratio {r['ratio']:.3f}", flush=True)
+        r = throughput(fw, args.zoo, args.batch_size, args.seconds, args.rounds, args.threads)
+        print(
+            f"   {fw:12} bare {r['bare_ips']:8.1f}/s  agent {r['agent_ips']:8.1f}/s  "
+            f"ratio {r['ratio']:.3f}",
+            flush=True,
+        )
 
 
 def handoff_floor(rounds: int) -> float:
@@ -325,27 +390,35 @@ def handoff_floor(rounds: int) -> float:
     finally:
         there.put(None)
         t.join()
-    return statistics.median(rtt[rounds // 10:])
+    return statistics.median(rtt[rounds // 10 :])
 
 
 def overheads(args: argparse.Namespace) -> None:
     print("1. per-query in-process overhead (end-to-end - predict), closed loop")
-    print(f"   floor: bare two-thread SimpleQueue round trip p50 "
-          f"{handoff_floor(max(args.queries, 1000) * 3):.1f} us")
+    print(
+        f"   floor: bare two-thread SimpleQueue round trip p50 "
+        f"{handoff_floor(max(args.queries, 1000) * 3):.1f} us"
+    )
     x = np.zeros((1, 8, 8), np.uint8)
     for level in (TraceLevel.NONE, TraceLevel.MODEL):
-        noop = LoadedModel(noop_entry(), open_predictor("noop", Path("none"),
-                                                        noop_entry().manifest,
-                                                        PredictorOptions()), 0)
+        noop = LoadedModel(
+            noop_entry(),
+            open_predictor("noop", Path("none"), noop_entry().manifest, PredictorOptions()),
+            0,
+        )
         r = overhead(noop, x, args.queries, level)
-        print(f"   noop, no operators, trace {level.name.lower():5}: "
-              + "  ".join(f"{k} {v:.1f}" for k, v in r.items()))
+        print(
+            f"   noop, no operators, trace {level.name.lower():5}: "
+            + "  ".join(f"{k} {v:.1f}" for k, v in r.items())
+        )
     entry = Catalog.load(default_manifest_dirs()).find("digits_cnn", framework="onnxruntime")
     for level in (TraceLevel.NONE, TraceLevel.MODEL):
         digits = LoadedModel.open(entry, entry.graph(args.zoo), PredictorOptions(threads=1))
         r = overhead(digits, x, args.queries, level)
-        print(f"   digits_cnn onnxruntime, trace {level.name.lower():5}: "
-              + "  ".join(f"{k} {v:.1f}" for k, v in r.items()))
+        print(
+            f"   digits_cnn onnxruntime, trace {level.name.lower():5}: "
+            + "  ".join(f"{k} {v:.1f}" for k, v in r.items())
+        )
 
 
 if __name__ == "__main__":

@@ -52,13 +52,31 @@ async def resolution(settings: Settings, n_agents: int, rounds: int) -> dict[str
             now = time.time()
             for i in range(n_agents):
                 desc = AgentDescription(
-                    agent_id=f"bench-{i:02d}", host="h", arch="x86_64", os="Linux", cpu_model="c",
-                    cpu_cores=2, memory_bytes=1 << 30, frameworks=(info,),
-                    models=(ModelOffer(name="noop", version=entry.manifest.version,
-                                       framework="noop", sha256=entry.manifest.assets.sha256),),
-                    capabilities=(names.capability("noop", "noop"),), pid=1,
-                    mlscope_version="0", started_at=now, heartbeat_at=now + 3600, heartbeat_s=1)
+                    agent_id=f"bench-{i:02d}",
+                    host="h",
+                    arch="x86_64",
+                    os="Linux",
+                    cpu_model="c",
+                    cpu_cores=2,
+                    memory_bytes=1 << 30,
+                    frameworks=(info,),
+                    models=(
+                        ModelOffer(
+                            name="noop",
+                            version=entry.manifest.version,
+                            framework="noop",
+                            sha256=entry.manifest.assets.sha256,
+                        ),
+                    ),
+                    capabilities=(names.capability("noop", "noop"),),
+                    pid=1,
+                    mlscope_version="0",
+                    started_at=now,
+                    heartbeat_at=now + 3600,
+                    heartbeat_s=1,
+                )
                 await kv.put(desc.agent_id, codec.encode_model(desc))
+
         await register()
         assert len(await list_agents(bus)) == n_agents  # registered (and a warm-up)
         total, pure = [], []
@@ -93,13 +111,17 @@ async def resolution(settings: Settings, n_agents: int, rounds: int) -> dict[str
             tg.cancel_scope.cancel()
         for i in range(n_agents):
             await kv.delete(f"bench-{i:02d}")
-    return {"p50_ms": pct(total, 50), "p99_ms": pct(total, 99),
-            "resolve_only_p50_ms": pct(pure, 50), "cached_p50_ms": pct(cached, 50),
-            "cached_p99_ms": pct(cached, 99), "short_reads": short}
+    return {
+        "p50_ms": pct(total, 50),
+        "p99_ms": pct(total, 99),
+        "resolve_only_p50_ms": pct(pure, 50),
+        "cached_p50_ms": pct(cached, 50),
+        "cached_p99_ms": pct(cached, 99),
+        "short_reads": short,
+    }
 
 
-async def throughput(settings: Settings, n_agents: int, queries: int,
-                     inflight: int) -> float:
+async def throughput(settings: Settings, n_agents: int, queries: int, inflight: int) -> float:
     """Queries/s through the noop capability queue group served by n agents."""
     eval_id = f"ev-bench-{n_agents}"
     async with busmod.connect(settings, name="bench") as bus:
@@ -109,14 +131,33 @@ async def throughput(settings: Settings, n_agents: int, queries: int,
                 raise TimeoutError("agents did not register")
             await anyio.sleep(0.2)
         for a in await list_agents(bus):
-            await busmod.request(bus, names.agent_ctl(a.agent_id), codec.encode({
-                "op": "prepare", "evaluation_id": eval_id, "model": "noop",
-                "model_version": "1.0.0", "batch_size": 1, "trace_level": "none"}),
-                timeout=30)
+            await busmod.request(
+                bus,
+                names.agent_ctl(a.agent_id),
+                codec.encode(
+                    {
+                        "op": "prepare",
+                        "evaluation_id": eval_id,
+                        "model": "noop",
+                        "model_version": "1.0.0",
+                        "batch_size": 1,
+                        "trace_level": "none",
+                    }
+                ),
+                timeout=30,
+            )
         subject = names.capability("noop", "noop")
-        payloads = [codec.encode_model(Query(evaluation_id=eval_id, index=i, trace_level=0,
-                                             inputs=np.zeros((1, 16), np.float32)))
-                    for i in range(queries)]
+        payloads = [
+            codec.encode_model(
+                Query(
+                    evaluation_id=eval_id,
+                    index=i,
+                    trace_level=0,
+                    inputs=np.zeros((1, 16), np.float32),
+                )
+            )
+            for i in range(queries)
+        ]
         sem = anyio.Semaphore(inflight)
 
         async def one(p: bytes) -> None:
@@ -132,10 +173,24 @@ async def throughput(settings: Settings, n_agents: int, queries: int,
 
 def agents(settings: Settings, n: int) -> list[subprocess.Popen[bytes]]:
     env = {**os.environ, **settings.as_env(), "PYTHONPATH": str(REPO)}
-    return [subprocess.Popen([sys.executable, "-m", "cli.main", "agent", "--framework", "noop",
-                              "--agent-id", f"tp-{n}-{i}"], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for i in range(n)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cli.main",
+                "agent",
+                "--framework",
+                "noop",
+                "--agent-id",
+                f"tp-{n}-{i}",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(n)
+    ]
 
 
 def stop(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -157,26 +212,38 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, NatsServer(store_dir=Path(tmp) / "n") as srv:
         settings = Settings(nats_url=srv.url, data_dir=Path(tmp))
         r = anyio.run(resolution, settings, args.registered, args.rounds, backend="asyncio")
-        print(f"resolution with {args.registered} agents, server path (watched registry "
-              f"+ resolve): p50 {r['cached_p50_ms']:.3f} ms  p99 {r['cached_p99_ms']:.3f} ms")
-        print(f"resolution with {args.registered} agents, one-shot bucket read "
-              f"(list_agents + resolve): p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
-              f"(resolve() alone p50 {r['resolve_only_p50_ms']:.3f} ms; "
-              f"{r['short_reads']} of {args.rounds} reads came back short)")
+        print(
+            f"resolution with {args.registered} agents, server path (watched registry "
+            f"+ resolve): p50 {r['cached_p50_ms']:.3f} ms  p99 {r['cached_p99_ms']:.3f} ms"
+        )
+        print(
+            f"resolution with {args.registered} agents, one-shot bucket read "
+            f"(list_agents + resolve): p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
+            f"(resolve() alone p50 {r['resolve_only_p50_ms']:.3f} ms; "
+            f"{r['short_reads']} of {args.rounds} reads came back short)"
+        )
         rates = {}
         for n in (1, args.agents):
             procs = agents(settings, n)
             try:
-                runs = [anyio.run(throughput, settings, n, args.queries, args.inflight,
-                                  backend="asyncio") for _ in range(args.repeat)]
+                runs = [
+                    anyio.run(
+                        throughput, settings, n, args.queries, args.inflight, backend="asyncio"
+                    )
+                    for _ in range(args.repeat)
+                ]
             finally:
                 stop(procs)
             rates[n] = float(np.median(runs))
-            print(f"noop throughput, {n} agent(s): median {rates[n]:.0f} queries/s "
-                  f"(runs: {', '.join(f'{x:.0f}' for x in runs)})")
+            print(
+                f"noop throughput, {n} agent(s): median {rates[n]:.0f} queries/s "
+                f"(runs: {', '.join(f'{x:.0f}' for x in runs)})"
+            )
             time.sleep(6)  # let the stopped agents' registry entries expire
-        print(f"ratio {args.agents} agents / 1 agent: {rates[args.agents] / rates[1]:.2f} "
-              f"on {os.cpu_count()} cores")
+        print(
+            f"ratio {args.agents} agents / 1 agent: {rates[args.agents] / rates[1]:.2f} "
+            f"on {os.cpu_count()} cores"
+        )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ def bare_loop(graph: Path, x: np.ndarray, batch: int, seconds: float) -> float:
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     sess = ort.InferenceSession(str(graph), sess_options=so, providers=["CPUExecutionProvider"])
-    batches = [(x[i: i + batch].astype(np.float32) / 16.0)[:, None]
-               for i in range(0, len(x) - batch, batch)]
+    batches = [
+        (x[i : i + batch].astype(np.float32) / 16.0)[:, None]
+        for i in range(0, len(x) - batch, batch)
+    ]
     for b in batches[:10]:
         sess.run(None, {"input": b})
     done, n, t0 = 0, 0, time.perf_counter()
@@ -66,36 +68,67 @@ def main() -> None:
     live = stack.start()
     try:
         anyio.run(wait_for_agent, live, "onnxruntime")
-        online = [anyio.run(lambda s=seed: submit(live, JobRequest(
-            model="digits_cnn", framework="onnxruntime", trace_level="model",
-            scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration,
-                                  seed=s)))) for seed in range(args.repeats)]
+        online = [
+            anyio.run(
+                lambda s=seed: submit(
+                    live,
+                    JobRequest(
+                        model="digits_cnn",
+                        framework="onnxruntime",
+                        trace_level="model",
+                        scenario=ScenarioSpec(
+                            name="online", qps=args.qps, duration_s=args.duration, seed=s
+                        ),
+                    ),
+                )
+            )
+            for seed in range(args.repeats)
+        ]
         platform, bare = [], []
         for _ in range(args.repeats):
-            s = anyio.run(lambda: submit(live, JobRequest(
-                model="digits_cnn", framework="onnxruntime", trace_level="model",
-                scenario=ScenarioSpec(name="batched", batch_size=args.batch_size,
-                                      duration_s=args.duration))))
+            s = anyio.run(
+                lambda: submit(
+                    live,
+                    JobRequest(
+                        model="digits_cnn",
+                        framework="onnxruntime",
+                        trace_level="model",
+                        scenario=ScenarioSpec(
+                            name="batched", batch_size=args.batch_size, duration_s=args.duration
+                        ),
+                    ),
+                )
+            )
             platform.append(s.throughput_ips or 0.0)
             bare.append(bare_loop(graph, x, args.batch_size, args.duration))
     finally:
         stack.stop()
 
     med = statistics.median
-    print(f"online digits_cnn @ {args.qps:g} QPS x {args.duration:g} s, {args.repeats} runs "
-          "(median of runs)")
-    print(f"  issue lag p50 {med(r.issue_lag_us['p50'] for r in online):.1f} us  "
-          f"p99 {med(r.issue_lag_us['p99'] for r in online):.1f} us  "
-          f"max {med(r.issue_lag_us['max'] for r in online):.1f} us")
-    print(f"  achieved {med(r.achieved_qps for r in online):.1f} QPS  scheduled "
-          f"{med(r.scheduled_qps for r in online):.1f}  requested {args.qps:g}  "
-          f"achieved/scheduled {med(r.achieved_qps / r.scheduled_qps for r in online):.4f}")
-    print(f"  latency p50 {med(r.latency_ms.p50 for r in online):.3f} ms  "
-          f"p99 {med(r.latency_ms.p99 for r in online):.3f} ms  valid "
-          f"{sum(r.valid for r in online)}/{len(online)}")
+    print(
+        f"online digits_cnn @ {args.qps:g} QPS x {args.duration:g} s, {args.repeats} runs "
+        "(median of runs)"
+    )
+    print(
+        f"  issue lag p50 {med(r.issue_lag_us['p50'] for r in online):.1f} us  "
+        f"p99 {med(r.issue_lag_us['p99'] for r in online):.1f} us  "
+        f"max {med(r.issue_lag_us['max'] for r in online):.1f} us"
+    )
+    print(
+        f"  achieved {med(r.achieved_qps for r in online):.1f} QPS  scheduled "
+        f"{med(r.scheduled_qps for r in online):.1f}  requested {args.qps:g}  "
+        f"achieved/scheduled {med(r.achieved_qps / r.scheduled_qps for r in online):.4f}"
+    )
+    print(
+        f"  latency p50 {med(r.latency_ms.p50 for r in online):.3f} ms  "
+        f"p99 {med(r.latency_ms.p99 for r in online):.3f} ms  valid "
+        f"{sum(r.valid for r in online)}/{len(online)}"
+    )
     print(f"batched digits_cnn, batch {args.batch_size}, {args.duration:g} s x {args.repeats}")
-    print(f"  platform {med(platform):,.0f} inputs/s  bare onnxruntime {med(bare):,.0f} "
-          f"inputs/s  ratio {med(p / b for p, b in zip(platform, bare, strict=True)):.3f}")
+    print(
+        f"  platform {med(platform):,.0f} inputs/s  bare onnxruntime {med(bare):,.0f} "
+        f"inputs/s  ratio {med(p / b for p, b in zip(platform, bare, strict=True)):.3f}"
+    )
 
 
 if __name__ == "__main__":

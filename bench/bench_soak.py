@@ -73,17 +73,27 @@ def rss_mb(pid: int) -> float:
 
 
 def one_run(settings: Settings, args: argparse.Namespace, k: int) -> dict[str, Any]:
-    job = JobRequest(model="noop", framework="noop", trace_level=args.trace_level,
-                     scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.run_s,
-                                           seed=k))
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        trace_level=args.trace_level,
+        scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.run_s, seed=k),
+    )
     try:
-        s = anyio.run(lambda: submit(settings, job, timeout=args.run_s * 4 + 120),
-                      backend="asyncio")
+        s = anyio.run(
+            lambda: submit(settings, job, timeout=args.run_s * 4 + 120), backend="asyncio"
+        )
     except MLScopeError as exc:
         return {"failed": f"{type(exc).__name__}: {exc}"}
-    return {"queries": s.queries, "errors": s.errors, "not_issued": s.not_issued,
-            "valid": s.valid, "p50_ms": s.latency_ms.p50, "p99_ms": s.latency_ms.p99,
-            "achieved_qps": s.achieved_qps}
+    return {
+        "queries": s.queries,
+        "errors": s.errors,
+        "not_issued": s.not_issued,
+        "valid": s.valid,
+        "p50_ms": s.latency_ms.p50,
+        "p99_ms": s.latency_ms.p99,
+        "achieved_qps": s.achieved_qps,
+    }
 
 
 def slope_mb_per_h(t: list[float], mb: list[float]) -> float | None:
@@ -98,8 +108,9 @@ def soak(args: argparse.Namespace, base: Path) -> list[dict[str, Any]]:
         env = {**os.environ, **settings.as_env(), "PYTHONPATH": str(REPO)}
         cli = [sys.executable, "-m", "cli.main"]
         server = subprocess.Popen([*cli, "server", "--log-level", "warning"], env=env)
-        agent = subprocess.Popen([*cli, "agent", "--framework", "noop", "--log-level",
-                                  "warning"], env=env)
+        agent = subprocess.Popen(
+            [*cli, "agent", "--framework", "noop", "--log-level", "warning"], env=env
+        )
         samples: list[dict[str, Any]] = []
         try:
             anyio.run(wait_ready, settings)
@@ -107,10 +118,15 @@ def soak(args: argparse.Namespace, base: Path) -> list[dict[str, Any]]:
             k = 0
             while time.monotonic() - t0 < args.duration:
                 run = one_run(settings, args, k)
-                run.update(run=k, t_s=round(time.monotonic() - t0, 1),
-                           server_mb=rss_mb(server.pid), agent_mb=rss_mb(agent.pid),
-                           server_up=server.poll() is None, agent_up=agent.poll() is None,
-                           **anyio.run(stream_bytes, settings))
+                run.update(
+                    run=k,
+                    t_s=round(time.monotonic() - t0, 1),
+                    server_mb=rss_mb(server.pid),
+                    agent_mb=rss_mb(agent.pid),
+                    server_up=server.poll() is None,
+                    agent_up=agent.poll() is None,
+                    **anyio.run(stream_bytes, settings),
+                )
                 samples.append(run)
                 print(json.dumps(run), flush=True)
                 k += 1
@@ -123,22 +139,22 @@ def soak(args: argparse.Namespace, base: Path) -> list[dict[str, Any]]:
 
 def report(samples: list[dict[str, Any]], warmup: float) -> dict[str, Any]:
     done = [s for s in samples if "failed" not in s]
-    steady = samples[int(len(samples) * warmup):]
+    steady = samples[int(len(samples) * warmup) :]
     t = [s["t_s"] for s in steady]
     return {
-        "runs": len(samples), "failed_jobs": len(samples) - len(done),
+        "runs": len(samples),
+        "failed_jobs": len(samples) - len(done),
         "queries": sum(s["queries"] for s in done),
         "errors": sum(s["errors"] + s["not_issued"] for s in done),
         "invalid_runs": sum(not s["valid"] for s in done),
         "p99_ms_median": float(np.median([s["p99_ms"] for s in done])) if done else None,
         "server_mb_first_last": (steady[0]["server_mb"], steady[-1]["server_mb"])
-        if steady else None,
-        "agent_mb_first_last": (steady[0]["agent_mb"], steady[-1]["agent_mb"])
-        if steady else None,
+        if steady
+        else None,
+        "agent_mb_first_last": (steady[0]["agent_mb"], steady[-1]["agent_mb"]) if steady else None,
         "server_mb_per_h": slope_mb_per_h(t, [s["server_mb"] for s in steady]),
         "agent_mb_per_h": slope_mb_per_h(t, [s["agent_mb"] for s in steady]),
-        "max_stream_bytes": {n: max(s[n] for s in samples) for n in STREAMS} if samples
-        else {},
+        "max_stream_bytes": {n: max(s[n] for s in samples) for n in STREAMS} if samples else {},
         "services_up": all(s["server_up"] and s["agent_up"] for s in samples),
     }
 
@@ -149,8 +165,9 @@ def main() -> None:
     ap.add_argument("--qps", type=float, default=500.0)
     ap.add_argument("--run-s", type=float, default=30.0, help="seconds per job")
     ap.add_argument("--trace-level", default="model")
-    ap.add_argument("--warmup", type=float, default=0.2,
-                    help="fraction of runs left out of the memory slope")
+    ap.add_argument(
+        "--warmup", type=float, default=0.2, help="fraction of runs left out of the memory slope"
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="mlscope-soak-") as tmp:
         samples = soak(args, Path(tmp))

@@ -40,11 +40,21 @@ from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 from mlscope.zoo.build import build
 
-LAYER_ATTRS = json.dumps({"op_type": "Conv", "shape": {
-    "inputs": [{"dtype": "float", "shape": [1, 32, 112, 112]},
-               {"dtype": "float", "shape": [32, 1, 3, 3]}],
-    "outputs": [{"dtype": "float", "shape": [1, 32, 112, 112]}]},
-    "device": "cpu", "provider": "CPUExecutionProvider", "node_index": "268"})
+LAYER_ATTRS = json.dumps(
+    {
+        "op_type": "Conv",
+        "shape": {
+            "inputs": [
+                {"dtype": "float", "shape": [1, 32, 112, 112]},
+                {"dtype": "float", "shape": [32, 1, 3, 3]},
+            ],
+            "outputs": [{"dtype": "float", "shape": [1, 32, 112, 112]}],
+        },
+        "device": "cpu",
+        "provider": "CPUExecutionProvider",
+        "node_index": "268",
+    }
+)
 
 
 def make_batch(eval_id: str, first: int, n: int, layer_share: float) -> SpanBatch:
@@ -53,29 +63,48 @@ def make_batch(eval_id: str, first: int, n: int, layer_share: float) -> SpanBatc
     kinds = ["layer"] * layers + ["step"] * (n - layers)
     attrs = [LAYER_ATTRS] * layers + [""] * (n - layers)
     names_ = ["/_blocks.0/_depthwise_conv/Conv"] * layers + ["predict"] * (n - layers)
-    return SpanBatch(evaluation_id=eval_id, agent_id="bench-agent", host="bench",
-                     batch_id=new_id("sb"),
-                     columns={"span_id": ids, "parent_id": [0] * n, "query_index": ids,
-                              "level": [1] * n, "kind": kinds, "name": names_,
-                              "start_ns": ids, "end_ns": ids, "attrs": attrs})
+    return SpanBatch(
+        evaluation_id=eval_id,
+        agent_id="bench-agent",
+        host="bench",
+        batch_id=new_id("sb"),
+        columns={
+            "span_id": ids,
+            "parent_id": [0] * n,
+            "query_index": ids,
+            "level": [1] * n,
+            "kind": kinds,
+            "name": names_,
+            "start_ns": ids,
+            "end_ns": ids,
+            "attrs": attrs,
+        },
+    )
 
 
-async def ingest_rate(settings: Settings, db: Database, total: int, batch: int,
-                      layer_share: float) -> tuple[float, float]:
+async def ingest_rate(
+    settings: Settings, db: Database, total: int, batch: int, layer_share: float
+) -> tuple[float, float]:
     """(spans/s ingested, spans/s published) for ``total`` spans."""
     eval_id = new_id("ev")
     async with busmod.connect(settings, name="bench", provision=True) as bus:
         t0 = time.perf_counter()
         acks = []
         limit = int(bus.nc.max_payload) - 4096
-        while batch > 1 and len(codec.encode_model(make_batch(eval_id, 1, batch,
-                                                              layer_share))) > limit:
+        while (
+            batch > 1
+            and len(codec.encode_model(make_batch(eval_id, 1, batch, layer_share))) > limit
+        ):
             batch //= 2  # what the tracer does: a message never exceeds the max payload
         for first in range(0, total, batch):
             b = make_batch(eval_id, first + 1, min(batch, total - first), layer_share)
-            acks.append(await bus.js.publish_async(
-                names.traces(eval_id), codec.encode_model(b),
-                headers={"Nats-Msg-Id": b.batch_id}))
+            acks.append(
+                await bus.js.publish_async(
+                    names.traces(eval_id),
+                    codec.encode_model(b),
+                    headers={"Nats-Msg-Id": b.batch_id},
+                )
+            )
         await bus.js.publish_async_completed()
         pub_rate = total / (time.perf_counter() - t0)
         ingester = Ingester(bus, db)
@@ -88,8 +117,9 @@ async def ingest_rate(settings: Settings, db: Database, total: int, batch: int,
                 await anyio.sleep(0.01)
             elapsed = time.perf_counter() - t1
             tg.cancel_scope.cancel()
-    n = db.rows("SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}",
-                {"e": eval_id})[0][0]
+    n = db.rows("SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}", {"e": eval_id})[
+        0
+    ][0]
     assert n == total, (n, total)
     print(f"  (batches of {batch} spans)")
     return total / elapsed, pub_rate
@@ -97,16 +127,19 @@ async def ingest_rate(settings: Settings, db: Database, total: int, batch: int,
 
 def overhead(zoo: Path, queries: int) -> dict[str, float]:
     cat = Catalog.load(default_manifest_dirs(None))
-    entry = next(e for e in cat.entries if e.manifest.name == "efficientnet_lite0"
-                 and e.manifest.framework.name == "onnxruntime")
+    entry = next(
+        e
+        for e in cat.entries
+        if e.manifest.name == "efficientnet_lite0" and e.manifest.framework.name == "onnxruntime"
+    )
     model = LoadedModel.open(entry, entry.graph(zoo), PredictorOptions())
     model.warmup()
     worker = ModelWorker(model)
     x = np.zeros((1, 256, 256, 3), np.uint8)
     replies: queue.Queue[QueryReply] = queue.Queue()
-    wall: dict[TraceLevel, list[int]] = {lv: [] for lv in
-                                         (TraceLevel.NONE, TraceLevel.MODEL,
-                                          TraceLevel.FRAMEWORK)}
+    wall: dict[TraceLevel, list[int]] = {
+        lv: [] for lv in (TraceLevel.NONE, TraceLevel.MODEL, TraceLevel.FRAMEWORK)
+    }
     predict: list[int] = []
     buf = SpanBuffer()
     for i in range(queries):
@@ -114,8 +147,16 @@ def overhead(zoo: Path, queries: int) -> dict[str, float]:
             if level == TraceLevel.FRAMEWORK and i % 6:
                 continue  # framework level is slow by design: sample it less
             t = time.perf_counter_ns()
-            worker.submit(Job(index=i, inputs=x, received_ns=t, level=level,
-                              spans=buf if level else None, reply=replies.put))
+            worker.submit(
+                Job(
+                    index=i,
+                    inputs=x,
+                    received_ns=t,
+                    level=level,
+                    spans=buf if level else None,
+                    reply=replies.put,
+                )
+            )
             r = replies.get()
             wall[level].append(time.perf_counter_ns() - t)
             if level == TraceLevel.NONE:
@@ -127,19 +168,37 @@ def overhead(zoo: Path, queries: int) -> dict[str, float]:
     reps = 20_000
     t = time.perf_counter_ns()
     for i in range(reps):
-        root = add_buf.add(parent=0, query_index=i, level=TraceLevel.MODEL, kind="query",
-                           name="query", start_ns=t, end_ns=t, attrs={"batch_size": 1})
+        root = add_buf.add(
+            parent=0,
+            query_index=i,
+            level=TraceLevel.MODEL,
+            kind="query",
+            name="query",
+            start_ns=t,
+            end_ns=t,
+            attrs={"batch_size": 1},
+        )
         for name in ("preprocess", "predict", "postprocess"):
-            add_buf.add(parent=root, query_index=i, level=TraceLevel.MODEL, kind="step",
-                        name=name, start_ns=t, end_ns=t)
+            add_buf.add(
+                parent=root,
+                query_index=i,
+                level=TraceLevel.MODEL,
+                kind="step",
+                name=name,
+                start_ns=t,
+                end_ns=t,
+            )
     per_query_ns = (time.perf_counter_ns() - t) / reps
     med = {lv.name.lower(): statistics.median(v) / 1e6 for lv, v in wall.items()}
     p = statistics.median(predict) / 1e6
-    return {"predict_ms": p, **{f"query_{k}_ms": v for k, v in med.items()},
-            "model_vs_none": med["model"] / med["none"] - 1,
-            "framework_vs_none": med["framework"] / med["none"] - 1,
-            "model_span_cost_us": per_query_ns / 1e3,
-            "model_span_cost_share_of_predict": per_query_ns / 1e6 / p}
+    return {
+        "predict_ms": p,
+        **{f"query_{k}_ms": v for k, v in med.items()},
+        "model_vs_none": med["model"] / med["none"] - 1,
+        "framework_vs_none": med["framework"] / med["none"] - 1,
+        "model_span_cost_us": per_query_ns / 1e3,
+        "model_span_cost_share_of_predict": per_query_ns / 1e6 / p,
+    }
 
 
 def main() -> None:
@@ -155,19 +214,30 @@ def main() -> None:
             settings = Settings(nats_url=nats.url, data_dir=Path(tmp))
             db = Database(f"chdb:///{Path(tmp) / 'db'}")
             db.migrate()
-            rate, pub = anyio.run(ingest_rate, settings, db, args.spans, args.batch,
-                                  args.layer_share, backend="asyncio")
-            print(f"ingest JetStream -> chDB: {rate:,.0f} spans/s "
-                  f"({args.spans:,} spans, batches of {args.batch}, layer share "
-                  f"{args.layer_share}); publish {pub:,.0f} spans/s")
+            rate, pub = anyio.run(
+                ingest_rate,
+                settings,
+                db,
+                args.spans,
+                args.batch,
+                args.layer_share,
+                backend="asyncio",
+            )
+            print(
+                f"ingest JetStream -> chDB: {rate:,.0f} spans/s "
+                f"({args.spans:,} spans, batches of {args.batch}, layer share "
+                f"{args.layer_share}); publish {pub:,.0f} spans/s"
+            )
             db.close()
         if args.queries == 0:
             return
         zoo = args.zoo or Path(tmp) / "zoo"
         build(zoo, only=["efficientnet_lite0"], log=lambda _m: None)
         o = overhead(zoo, args.queries)
-    print("overhead efficientnet_lite0/onnxruntime: " + ", ".join(
-        f"{k}={v:.4g}" for k, v in o.items()))
+    print(
+        "overhead efficientnet_lite0/onnxruntime: "
+        + ", ".join(f"{k}={v:.4g}" for k, v in o.items())
+    )
 
 
 if __name__ == "__main__":

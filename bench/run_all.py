@@ -28,25 +28,60 @@ REPO = Path(__file__).resolve().parent.parent
 # name -> (full arguments, quick arguments, needs the zoo)
 BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "pacer": (["--runs", "3"], ["--runs", "1"], False),
-    "loadgen": (["--qps", "1000", "--duration", "30"],
-                ["--qps", "1000", "--duration", "3", "--burst", "10000"], False),
-    "skeleton": (["--qps", "500", "--duration", "5", "--repeats", "3"],
-                 ["--qps", "200", "--duration", "2", "--repeats", "1"], False),
-    "pipeline": (["--threads", "1"],
-                 ["--threads", "1", "--frameworks", "onnxruntime", "--seconds", "1",
-                  "--rounds", "1", "--queries", "300"], True),
-    "tracing": (["--spans", "1000000", "--queries", "60"],
-                ["--spans", "50000", "--queries", "5"], True),
-    "scale": (["--queries", "3000", "--repeat", "3"],
-              ["--queries", "500", "--repeat", "1", "--rounds", "20"], False),
+    "loadgen": (
+        ["--qps", "1000", "--duration", "30"],
+        ["--qps", "1000", "--duration", "3", "--burst", "10000"],
+        False,
+    ),
+    "skeleton": (
+        ["--qps", "500", "--duration", "5", "--repeats", "3"],
+        ["--qps", "200", "--duration", "2", "--repeats", "1"],
+        False,
+    ),
+    "pipeline": (
+        ["--threads", "1"],
+        [
+            "--threads",
+            "1",
+            "--frameworks",
+            "onnxruntime",
+            "--seconds",
+            "1",
+            "--rounds",
+            "1",
+            "--queries",
+            "300",
+        ],
+        True,
+    ),
+    "tracing": (
+        ["--spans", "1000000", "--queries", "60"],
+        ["--spans", "50000", "--queries", "5"],
+        True,
+    ),
+    "scale": (
+        ["--queries", "3000", "--repeat", "3"],
+        ["--queries", "500", "--repeat", "1", "--rounds", "20"],
+        False,
+    ),
     "soak": (["--duration", "1800"], ["--duration", "40", "--run-s", "10"], False),
 }
 
 
 def build_zoo(zoo: Path) -> None:
     """The zoo models the benchmarks load (idempotent: a built model is only verified)."""
-    cmd = [sys.executable, "-m", "cli.main", "zoo", "build", "--zoo-dir", str(zoo),
-           "--only", "digits_cnn", "efficientnet_lite0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cli.main",
+        "zoo",
+        "build",
+        "--zoo-dir",
+        str(zoo),
+        "--only",
+        "digits_cnn",
+        "efficientnet_lite0",
+    ]
     subprocess.run(cmd, cwd=REPO, env=_env(), check=True)
 
 
@@ -61,8 +96,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="short runs: a smoke test")
     ap.add_argument("--only", default=",".join(BENCHES), help="comma-separated names")
-    ap.add_argument("--zoo", type=Path, default=None,
-                    help="zoo directory (default: $MLSCOPE_DATA_DIR/zoo or ~/.mlscope/zoo)")
+    ap.add_argument(
+        "--zoo",
+        type=Path,
+        default=None,
+        help="zoo directory (default: $MLSCOPE_DATA_DIR/zoo or ~/.mlscope/zoo)",
+    )
     args = ap.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = sorted(set(names) - set(BENCHES))
@@ -74,8 +113,11 @@ def main() -> int:
     failed: list[str] = []
     for name in names:
         full, quick, needs_zoo = BENCHES[name]
-        cmd = [sys.executable, str(REPO / "bench" / f"bench_{name}.py"),
-               *(quick if args.quick else full)]
+        cmd = [
+            sys.executable,
+            str(REPO / "bench" / f"bench_{name}.py"),
+            *(quick if args.quick else full),
+        ]
         if needs_zoo:
             cmd += ["--zoo", str(zoo)]
         print(f"\n=== {name}: {' '.join(cmd[1:])}", flush=True)

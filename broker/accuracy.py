@@ -35,8 +35,16 @@ from mlscope.divergence import OutputKind
 from mlscope.errors import EvaluationError
 from mlscope.manifest import ModelManifest
 
-__all__ = ["OUTPUT_COLUMNS", "DatasetRun", "binary_auc", "dataset_pass", "decode_raw",
-           "metrics", "output_kind", "store_outputs"]
+__all__ = [
+    "OUTPUT_COLUMNS",
+    "DatasetRun",
+    "binary_auc",
+    "dataset_pass",
+    "decode_raw",
+    "metrics",
+    "output_kind",
+    "store_outputs",
+]
 
 REPLY_TIMEOUT_S = 60.0
 MAX_QUERY_BYTES = 800_000
@@ -65,9 +73,18 @@ def output_kind(manifest: ModelManifest) -> OutputKind:
     return "probabilities" if manifest.outputs[0].type == "probability" else "logits"
 
 
-async def dataset_pass(bus: Bus, *, subject: str, evaluation_id: str, x: np.ndarray,
-                       y: np.ndarray, batch_size: int, kind: OutputKind,
-                       limit: int | None = None, window: int = 4) -> DatasetRun:
+async def dataset_pass(
+    bus: Bus,
+    *,
+    subject: str,
+    evaluation_id: str,
+    x: np.ndarray,
+    y: np.ndarray,
+    batch_size: int,
+    kind: OutputKind,
+    limit: int | None = None,
+    window: int = 4,
+) -> DatasetRun:
     """Send samples 0..n-1 in order, ``window`` queries outstanding; keep every output."""
     n = len(x) if limit is None else min(limit, len(x))
     per_sample = max(1, x[0].nbytes)
@@ -85,8 +102,9 @@ async def dataset_pass(bus: Bus, *, subject: str, evaluation_id: str, x: np.ndar
             replies[i] = str(data["error"]["message"])
         else:
             reply = QueryReply.model_validate(data)
-            replies[reply.index] = reply if reply.ok else str((reply.error or {}).get(
-                "message", "error"))
+            replies[reply.index] = (
+                reply if reply.ok else str((reply.error or {}).get("message", "error"))
+            )
         slots.release()
         if len(replies) >= len(starts):
             done.set()
@@ -95,8 +113,9 @@ async def dataset_pass(bus: Bus, *, subject: str, evaluation_id: str, x: np.ndar
     try:
         for q, s in enumerate(starts):
             await slots.acquire()
-            payload = Query(evaluation_id=evaluation_id, index=q,
-                            inputs=x[s:min(s + batch_size, n)], raw=True)
+            payload = Query(
+                evaluation_id=evaluation_id, index=q, inputs=x[s : min(s + batch_size, n)], raw=True
+            )
             await bus.nc.publish(subject, codec.encode_model(payload), reply=inbox)
         with anyio.move_on_after(REPLY_TIMEOUT_S):
             await done.wait()
@@ -105,8 +124,14 @@ async def dataset_pass(bus: Bus, *, subject: str, evaluation_id: str, x: np.ndar
     return _collect(replies, starts, n, y, kind, batch_size)
 
 
-def _collect(replies: dict[int, QueryReply | str], starts: list[int], n: int, y: np.ndarray,
-             kind: OutputKind, batch: int) -> DatasetRun:
+def _collect(
+    replies: dict[int, QueryReply | str],
+    starts: list[int],
+    n: int,
+    y: np.ndarray,
+    kind: OutputKind,
+    batch: int,
+) -> DatasetRun:
     raws: list[np.ndarray] = []
     answers: list[np.ndarray] = []
     keep: list[np.ndarray] = []
@@ -121,18 +146,27 @@ def _collect(replies: dict[int, QueryReply | str], starts: list[int], n: int, y:
         raws.append(r.raw_outputs.reshape(len(idx), -1).astype(np.float32))
         answers.append(r.outputs.reshape(len(idx), -1))
     if not keep:
-        raise EvaluationError(f"the data-set pass got no output ({len(errors)} queries "
-                              f"failed: {next(iter(errors.values()), '')})")
+        raise EvaluationError(
+            f"the data-set pass got no output ({len(errors)} queries "
+            f"failed: {next(iter(errors.values()), '')})"
+        )
     indices = np.concatenate(keep)
-    return DatasetRun(indices=indices, labels=np.asarray(y)[indices],
-                      answers=np.concatenate(answers), raw=np.concatenate(raws), kind=kind,
-                      errors=errors)
+    return DatasetRun(
+        indices=indices,
+        labels=np.asarray(y)[indices],
+        answers=np.concatenate(answers),
+        raw=np.concatenate(raws),
+        kind=kind,
+        errors=errors,
+    )
 
 
 def metrics(run: DatasetRun, metric: str) -> dict[str, float]:
     """The manifest's metric (and top-5 with top-1) over the samples answered."""
-    out: dict[str, float] = {"samples": float(len(run.indices)),
-                             "failed_queries": float(len(run.errors))}
+    out: dict[str, float] = {
+        "samples": float(len(run.indices)),
+        "failed_queries": float(len(run.errors)),
+    }
     if metric == "binary_auc":
         out["binary_auc"] = binary_auc(run.raw[:, -1], run.labels)
         return out
@@ -168,12 +202,19 @@ def store_outputs(db: Database, evaluation_id: str, run: DatasetRun) -> None:
     """Keep the per-sample outputs of a data-set pass (for comparisons across runs)."""
     rank = _ranking(run)
     shape = ",".join(str(d) for d in run.raw.shape[1:])
-    raws = [base64.b64encode(np.ascontiguousarray(r, np.float32).tobytes()).decode()
-            for r in run.raw]
+    raws = [
+        base64.b64encode(np.ascontiguousarray(r, np.float32).tobytes()).decode() for r in run.raw
+    ]
     n = len(run.indices)
-    cols: list[list[Any]] = [[evaluation_id] * n, [int(i) for i in run.indices],
-                             [int(v) for v in run.labels], [int(v) for v in rank[:, 0]],
-                             [run.kind] * n, [shape] * n, raws]
+    cols: list[list[Any]] = [
+        [evaluation_id] * n,
+        [int(i) for i in run.indices],
+        [int(v) for v in run.labels],
+        [int(v) for v in rank[:, 0]],
+        [run.kind] * n,
+        [shape] * n,
+        raws,
+    ]
     db.insert("outputs", cols, OUTPUT_COLUMNS)
 
 

@@ -35,14 +35,19 @@ class AgentHistory:
 
     async def run(self) -> None:
         try:
-            async with BucketWatch(self.bus, names.AGENTS_BUCKET) as watch, \
-                    anyio.create_task_group() as tg:
+            async with (
+                BucketWatch(self.bus, names.AGENTS_BUCKET) as watch,
+                anyio.create_task_group() as tg,
+            ):
                 tg.start_soon(self._flusher)
                 async for entry in watch:
                     if entry is None:  # end of the initial values
                         continue
-                    self._rows.append(history_row(entry.key, int(entry.revision or 0),
-                                                  entry.operation, entry.value))
+                    self._rows.append(
+                        history_row(
+                            entry.key, int(entry.revision or 0), entry.operation, entry.value
+                        )
+                    )
         finally:
             with anyio.CancelScope(shield=True):
                 await self._flush()
@@ -57,13 +62,13 @@ class AgentHistory:
         if not rows:
             return
         cols = [list(c) for c in zip(*rows, strict=True)]
-        await anyio.to_thread.run_sync(self.db.insert, "agent_history", cols,
-                                       AGENT_HISTORY_COLUMNS)
+        await anyio.to_thread.run_sync(self.db.insert, "agent_history", cols, AGENT_HISTORY_COLUMNS)
         self.recorded += len(rows)
 
 
-def history_row(key: str, revision: int, operation: str | None,
-                value: bytes | None) -> tuple[Any, ...]:
+def history_row(
+    key: str, revision: int, operation: str | None, value: bytes | None
+) -> tuple[Any, ...]:
     """One ``agent_history`` row (columns as AGENT_HISTORY_COLUMNS) from a KV entry."""
     if operation in ("DEL", "PURGE") or not value:
         return (key, revision, datetime.now(UTC), "removed", "", 0, "", 0, "")
@@ -73,8 +78,14 @@ def history_row(key: str, revision: int, operation: str | None,
         return (key, revision, datetime.now(UTC), "invalid", "", 0, "", 0, "")
     fresh = desc.heartbeat_at - desc.started_at < desc.heartbeat_s / 2
     frameworks = ",".join(f"{f.name}=={f.version}" for f in desc.frameworks)
-    return (key, revision, datetime.fromtimestamp(desc.heartbeat_at, UTC),
-            "registered" if fresh else "heartbeat", desc.host, desc.pid, frameworks,
-            len(desc.models), json.dumps(desc.model_dump(mode="json", by_alias=True)))
-
-
+    return (
+        key,
+        revision,
+        datetime.fromtimestamp(desc.heartbeat_at, UTC),
+        "registered" if fresh else "heartbeat",
+        desc.host,
+        desc.pid,
+        frameworks,
+        len(desc.models),
+        json.dumps(desc.model_dump(mode="json", by_alias=True)),
+    )

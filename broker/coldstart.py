@@ -29,36 +29,51 @@ PREPARE_TIMEOUT_S = 300.0
 Drive = Callable[[ScenarioSpec], Awaitable[RunRecord]]
 
 
-async def run(bus: Bus, agent_id: str, prepare: dict[str, Any], spec: ScenarioSpec,
-              drive: Drive) -> tuple[RunRecord, dict[str, Any]]:
+async def run(
+    bus: Bus, agent_id: str, prepare: dict[str, Any], spec: ScenarioSpec, drive: Drive
+) -> tuple[RunRecord, dict[str, Any]]:
     """All repetitions; returns the warm queries as one record and the cold-start figures."""
-    warm_spec = ScenarioSpec(name="batched", batch_size=spec.batch_size, seed=spec.seed,
-                             duration_s=max(spec.duration_s, 60.0),
-                             max_queries=spec.warm_queries)
+    warm_spec = ScenarioSpec(
+        name="batched",
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        duration_s=max(spec.duration_s, 60.0),
+        max_queries=spec.warm_queries,
+    )
     reps: list[dict[str, Any]] = []
     records: list[RunRecord] = []
     for r in range(spec.repetitions):
-        prep = await request(bus, names.agent_ctl(agent_id),
-                             codec.encode({**prepare, "reload": True}),
-                             timeout=PREPARE_TIMEOUT_S)
+        prep = await request(
+            bus,
+            names.agent_ctl(agent_id),
+            codec.encode({**prepare, "reload": True}),
+            timeout=PREPARE_TIMEOUT_S,
+        )
         rec = await drive(warm_spec)
         records.append(rec)
         ok = rec.ok.astype(bool)
         predict_ms = (rec.predict_end - rec.predict_start)[ok] / 1e6
         e2e_ms = (rec.completed - rec.issued)[ok] / 1e6
-        reps.append({"repetition": r, "cold": bool(prep["cold"]),
-                     "load_ms": prep["load_ns"] / 1e6,
-                     "first_inference_ms": prep["first_inference_ns"] / 1e6,
-                     "warm_predict_ms_p50": percentile(predict_ms, 50),
-                     "warm_latency_ms_p50": percentile(e2e_ms, 50)})
+        reps.append(
+            {
+                "repetition": r,
+                "cold": bool(prep["cold"]),
+                "load_ms": prep["load_ns"] / 1e6,
+                "first_inference_ms": prep["first_inference_ns"] / 1e6,
+                "warm_predict_ms_p50": percentile(predict_ms, 50),
+                "warm_latency_ms_p50": percentile(e2e_ms, 50),
+            }
+        )
     return concat(records), _figures(reps)
 
 
 def reasons(cold: dict[str, Any]) -> tuple[str, ...]:
     """Why a cold-start run is INVALID: a repetition that did not really load the model."""
     if cold["cold_loads"] < cold["repetitions"]:
-        return (f"only {cold['cold_loads']} of {cold['repetitions']} repetitions loaded the "
-                "model (another evaluation kept it loaded)",)
+        return (
+            f"only {cold['cold_loads']} of {cold['repetitions']} repetitions loaded the "
+            "model (another evaluation kept it loaded)",
+        )
     return ()
 
 
@@ -70,9 +85,12 @@ def _figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
     first, warm = med("first_inference_ms", cold), med("warm_predict_ms_p50", reps)
     return {
-        "repetitions": len(reps), "cold_loads": len(cold),
-        "load_ms": med("load_ms", cold), "first_inference_ms": first,
-        "warm_predict_ms": warm, "warm_latency_ms": med("warm_latency_ms_p50", reps),
+        "repetitions": len(reps),
+        "cold_loads": len(cold),
+        "load_ms": med("load_ms", cold),
+        "first_inference_ms": first,
+        "warm_predict_ms": warm,
+        "warm_latency_ms": med("warm_latency_ms_p50", reps),
         "first_over_warm": first / warm if first is not None and warm else None,
         # the old one-shot keys, for readers of earlier summaries
         "cold": bool(cold),

@@ -23,8 +23,11 @@ from mlscope.errors import DatabaseError
 __all__ = ["AGENT_HISTORY_COLUMNS", "MIGRATIONS", "SAMPLE_COLUMNS", "SPAN_COLUMNS", "Database"]
 
 MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
-    (1, "evaluations, queries, spans", (
-        """CREATE TABLE IF NOT EXISTS evaluations (
+    (
+        1,
+        "evaluations, queries, spans",
+        (
+            """CREATE TABLE IF NOT EXISTS evaluations (
             evaluation_id String, job_id String, rerun_of String,
             created_at DateTime64(3), model String, model_version String,
             framework String, framework_version String, agent_id String, host String,
@@ -32,77 +35,155 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
             trace_level LowCardinality(String), status LowCardinality(String), valid UInt8,
             t0_ns Int64, clock_offset_ns Int64, spec String, summary String
         ) ENGINE = ReplacingMergeTree ORDER BY evaluation_id""",
-        """CREATE TABLE IF NOT EXISTS queries (
+            """CREATE TABLE IF NOT EXISTS queries (
             evaluation_id String, query_index UInt32, batch_size UInt32,
             scheduled_ns Int64, issued_ns Int64, completed_ns Int64,
             agent_received_ns Int64, predict_start_ns Int64, predict_end_ns Int64,
             agent_replied_ns Int64, ok UInt8, error String, label Int32, prediction Int32
         ) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, query_index)""",
-        """CREATE TABLE IF NOT EXISTS spans (
+            """CREATE TABLE IF NOT EXISTS spans (
             evaluation_id String, agent_id String, span_id UInt64, parent_id UInt64,
             query_index Int64, level UInt8, kind LowCardinality(String), name String,
             start_ns Int64, end_ns Int64, host LowCardinality(String), attrs String,
             batch_id String
         ) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, agent_id, span_id)""",
-    )),
+        ),
+    ),
     # Sorting keys are each table's natural key (ReplacingMergeTree dedups on it, so a
     # redelivered batch never shows twice) with the evaluation first: every analysis
     # query filters on one evaluation. No partitions on the ingested tables: a
     # ReplacingMergeTree dedups only within a partition, and a time partition could
     # split a batch from its redelivery. ``ingested_at`` carries the retention TTL
     # (Database.set_retention).
-    (2, "system_samples, agent_history, span indexes, retention column", (
-        """CREATE TABLE IF NOT EXISTS system_samples (
+    (
+        2,
+        "system_samples, agent_history, span indexes, retention column",
+        (
+            """CREATE TABLE IF NOT EXISTS system_samples (
             evaluation_id String, agent_id String, host LowCardinality(String),
             ts_ns Int64, metric LowCardinality(String), device LowCardinality(String),
             value Float64, batch_id String, ingested_at DateTime DEFAULT now()
         ) ENGINE = ReplacingMergeTree
         ORDER BY (evaluation_id, agent_id, metric, device, ts_ns)""",
-        """CREATE TABLE IF NOT EXISTS agent_history (
+            """CREATE TABLE IF NOT EXISTS agent_history (
             agent_id String, revision UInt64, at DateTime64(3),
             event LowCardinality(String), host String, pid UInt32,
             frameworks String, models UInt32, description String
         ) ENGINE = ReplacingMergeTree PARTITION BY toYYYYMM(at)
         ORDER BY (agent_id, revision)""",
-        "ALTER TABLE spans ADD COLUMN IF NOT EXISTS ingested_at DateTime DEFAULT now()",
-        "ALTER TABLE spans ADD INDEX IF NOT EXISTS kind_idx kind TYPE set(16) GRANULARITY 4",
-        "ALTER TABLE spans ADD INDEX IF NOT EXISTS query_idx query_index TYPE minmax "
-        "GRANULARITY 4",
-    )),
-    (3, "outputs (per-sample outputs of accuracy passes, for divergence)", (
-        """CREATE TABLE IF NOT EXISTS outputs (
+            "ALTER TABLE spans ADD COLUMN IF NOT EXISTS ingested_at DateTime DEFAULT now()",
+            "ALTER TABLE spans ADD INDEX IF NOT EXISTS kind_idx kind TYPE set(16) GRANULARITY 4",
+            "ALTER TABLE spans ADD INDEX IF NOT EXISTS query_idx query_index TYPE minmax "
+            "GRANULARITY 4",
+        ),
+    ),
+    (
+        3,
+        "outputs (per-sample outputs of accuracy passes, for divergence)",
+        (
+            """CREATE TABLE IF NOT EXISTS outputs (
             evaluation_id String, sample UInt32, label Int64, prediction Int64,
             kind LowCardinality(String), shape String, raw String
         ) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, sample)""",
-    )),
+        ),
+    ),
     # outcome: mlscope.outcomes.Outcome (ok, failed, refused, lost, not issued);
     # warmup: 1 for a warm-up query (left out of statistics); paced_ns: when the pacer
     # thread released the query (issued_ns is when the event loop handed it over).
-    (4, "queries: outcome, warm-up flag, pacer release time", (
-        "ALTER TABLE queries ADD COLUMN IF NOT EXISTS outcome UInt8 DEFAULT 255",
-        "ALTER TABLE queries ADD COLUMN IF NOT EXISTS warmup UInt8 DEFAULT 0",
-        "ALTER TABLE queries ADD COLUMN IF NOT EXISTS paced_ns Int64 DEFAULT 0",
-    )),
+    (
+        4,
+        "queries: outcome, warm-up flag, pacer release time",
+        (
+            "ALTER TABLE queries ADD COLUMN IF NOT EXISTS outcome UInt8 DEFAULT 255",
+            "ALTER TABLE queries ADD COLUMN IF NOT EXISTS warmup UInt8 DEFAULT 0",
+            "ALTER TABLE queries ADD COLUMN IF NOT EXISTS paced_ns Int64 DEFAULT 0",
+        ),
+    ),
 )
 _T = TypeVar("_T")
 
-RETAINED = (("spans", "ingested_at"), ("system_samples", "ingested_at"),
-            ("agent_history", "toDateTime(at)"))
+RETAINED = (
+    ("spans", "ingested_at"),
+    ("system_samples", "ingested_at"),
+    ("agent_history", "toDateTime(at)"),
+)
 
-SPAN_COLUMNS = ("evaluation_id", "agent_id", "span_id", "parent_id", "query_index", "level",
-                "kind", "name", "start_ns", "end_ns", "host", "attrs", "batch_id")
-QUERY_COLUMNS = ("evaluation_id", "query_index", "batch_size", "scheduled_ns", "issued_ns",
-                 "completed_ns", "agent_received_ns", "predict_start_ns", "predict_end_ns",
-                 "agent_replied_ns", "ok", "error", "label", "prediction", "outcome",
-                 "warmup", "paced_ns")
-SAMPLE_COLUMNS = ("evaluation_id", "agent_id", "host", "ts_ns", "metric", "device", "value",
-                  "batch_id")
-AGENT_HISTORY_COLUMNS = ("agent_id", "revision", "at", "event", "host", "pid", "frameworks",
-                         "models", "description")
-EVALUATION_COLUMNS = ("evaluation_id", "job_id", "rerun_of", "created_at", "model",
-                      "model_version", "framework", "framework_version", "agent_id", "host",
-                      "device", "scenario", "trace_level", "status", "valid", "t0_ns",
-                      "clock_offset_ns", "spec", "summary")
+SPAN_COLUMNS = (
+    "evaluation_id",
+    "agent_id",
+    "span_id",
+    "parent_id",
+    "query_index",
+    "level",
+    "kind",
+    "name",
+    "start_ns",
+    "end_ns",
+    "host",
+    "attrs",
+    "batch_id",
+)
+QUERY_COLUMNS = (
+    "evaluation_id",
+    "query_index",
+    "batch_size",
+    "scheduled_ns",
+    "issued_ns",
+    "completed_ns",
+    "agent_received_ns",
+    "predict_start_ns",
+    "predict_end_ns",
+    "agent_replied_ns",
+    "ok",
+    "error",
+    "label",
+    "prediction",
+    "outcome",
+    "warmup",
+    "paced_ns",
+)
+SAMPLE_COLUMNS = (
+    "evaluation_id",
+    "agent_id",
+    "host",
+    "ts_ns",
+    "metric",
+    "device",
+    "value",
+    "batch_id",
+)
+AGENT_HISTORY_COLUMNS = (
+    "agent_id",
+    "revision",
+    "at",
+    "event",
+    "host",
+    "pid",
+    "frameworks",
+    "models",
+    "description",
+)
+EVALUATION_COLUMNS = (
+    "evaluation_id",
+    "job_id",
+    "rerun_of",
+    "created_at",
+    "model",
+    "model_version",
+    "framework",
+    "framework_version",
+    "agent_id",
+    "host",
+    "device",
+    "scenario",
+    "trace_level",
+    "status",
+    "valid",
+    "t0_ns",
+    "clock_offset_ns",
+    "spec",
+    "summary",
+)
 
 
 class Database:
@@ -117,8 +198,7 @@ class Database:
         try:
             self.client = clickhouse_connect.get_client(dsn=dsn)
         except (ClickHouseError, OSError, RuntimeError) as exc:
-            raise DatabaseError(f"cannot open evaluation database {dsn}: {exc}",
-                                dsn=dsn) from exc
+            raise DatabaseError(f"cannot open evaluation database {dsn}: {exc}", dsn=dsn) from exc
         self._lock = threading.Lock()
 
     def _call(self, op: Callable[[Any], _T], message: str, **context: Any) -> _T:
@@ -130,8 +210,7 @@ class Database:
                 raise DatabaseError(f"{message}{exc}", **context) from exc
 
     def command(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
-        return self._call(lambda c: c.command(sql, parameters=parameters), "",
-                          sql=sql[:200])
+        return self._call(lambda c: c.command(sql, parameters=parameters), "", sql=sql[:200])
 
     def migrate(self) -> int:
         """Apply missing migrations; returns the schema version now in force."""
@@ -154,32 +233,40 @@ class Database:
         """
         for table, column in RETAINED:
             if days:
-                self.command(f"ALTER TABLE {table} MODIFY TTL {column} + "
-                             f"INTERVAL {int(days)} DAY")
+                self.command(f"ALTER TABLE {table} MODIFY TTL {column} + INTERVAL {int(days)} DAY")
             elif self._has_ttl(table):
                 self.command(f"ALTER TABLE {table} REMOVE TTL")
 
     def _has_ttl(self, table: str) -> bool:
-        rows = self.rows("SELECT create_table_query FROM system.tables "
-                         "WHERE database = currentDatabase() AND name = {t:String}",
-                         {"t": table})
+        rows = self.rows(
+            "SELECT create_table_query FROM system.tables "
+            "WHERE database = currentDatabase() AND name = {t:String}",
+            {"t": table},
+        )
         return bool(rows) and " TTL " in str(rows[0][0])
 
-    def insert(self, table: str, columns: Sequence[Sequence[Any]],
-               names: Sequence[str]) -> None:
+    def insert(self, table: str, columns: Sequence[Sequence[Any]], names: Sequence[str]) -> None:
         """Insert column-oriented data (one sequence per column)."""
-        self._call(lambda c: c.insert(table, [list(col) for col in columns],
-                                      column_names=list(names), column_oriented=True),
-                   f"insert into {table} failed: ", table=table)
+        self._call(
+            lambda c: c.insert(
+                table,
+                [list(col) for col in columns],
+                column_names=list(names),
+                column_oriented=True,
+            ),
+            f"insert into {table} failed: ",
+            table=table,
+        )
 
     def rows(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        return self._call(lambda c: [tuple(r) for r in
-                                     c.query(sql, parameters=parameters).result_rows],
-                          "", sql=sql[:200])
+        return self._call(
+            lambda c: [tuple(r) for r in c.query(sql, parameters=parameters).result_rows],
+            "",
+            sql=sql[:200],
+        )
 
     def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
-        return self._call(lambda c: c.query_df(sql, parameters=parameters), "",
-                          sql=sql[:200])
+        return self._call(lambda c: c.query_df(sql, parameters=parameters), "", sql=sql[:200])
 
     def close(self) -> None:
         with self._lock:

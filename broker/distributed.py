@@ -54,17 +54,27 @@ PROGRESS_S = 0.5
 READY_TIMEOUT_S = 60.0
 
 
-async def run_dealt(ctx: Context, spec: ScenarioSpec, sched: Schedule,
-                    inputs: Callable[[int], np.ndarray],
-                    labels: Callable[[int], np.ndarray] | None) -> RunRecord:
+async def run_dealt(
+    ctx: Context,
+    spec: ScenarioSpec,
+    sched: Schedule,
+    inputs: Callable[[int], np.ndarray],
+    labels: Callable[[int], np.ndarray] | None,
+) -> RunRecord:
     """Run ``sched`` on ``spec.loadgens`` processes; the merged record of all of them."""
     parts = schedule.deal(sched, spec.loadgens)
-    payloads = [encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level)
-                for g in range(len(sched))]
-    cfg = {"evaluation_id": ctx.evaluation_id, "subject": ctx.subject,
-           "spec": spec.model_dump(mode="json"), "offset_ns": ctx.offset_ns,
-           "trace_level": int(ctx.trace_level), "nats_url": ctx.nats_url,
-           "has_labels": labels is not None}
+    payloads = [
+        encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level) for g in range(len(sched))
+    ]
+    cfg = {
+        "evaluation_id": ctx.evaluation_id,
+        "subject": ctx.subject,
+        "spec": spec.model_dump(mode="json"),
+        "offset_ns": ctx.offset_ns,
+        "trace_level": int(ctx.trace_level),
+        "nats_url": ctx.nats_url,
+        "has_labels": labels is not None,
+    }
     timeout = spec.duration_s * 3 + 120
     on_progress = ctx.on_progress
 
@@ -80,12 +90,18 @@ async def run_dealt(ctx: Context, spec: ScenarioSpec, sched: Schedule,
         anyio.from_thread.run(emit)
 
     return await anyio.to_thread.run_sync(
-        lambda: _run_processes(cfg, parts, payloads, labels, timeout, report))
+        lambda: _run_processes(cfg, parts, payloads, labels, timeout, report)
+    )
 
 
-def _run_processes(cfg: dict[str, Any], parts: list[Schedule], payloads: list[bytes],
-                   labels: Callable[[int], np.ndarray] | None, timeout: float,
-                   report: Callable[[int, float], None]) -> RunRecord:
+def _run_processes(
+    cfg: dict[str, Any],
+    parts: list[Schedule],
+    payloads: list[bytes],
+    labels: Callable[[int], np.ndarray] | None,
+    timeout: float,
+    report: Callable[[int, float], None],
+) -> RunRecord:
     """Write each slice, start one process per slice, start them together, merge."""
     with tempfile.TemporaryDirectory(prefix="mlscope-lg-") as tmp:
         procs = []
@@ -94,15 +110,20 @@ def _run_processes(cfg: dict[str, Any], parts: list[Schedule], payloads: list[by
                 base = Path(tmp) / f"lg{j}"
                 np.savez(f"{base}-schedule.npz", offsets=part.offsets_ns, index=part.index)
                 Path(f"{base}-payloads.bin").write_bytes(
-                    codec.encode([payloads[int(g)] for g in part.index]))
+                    codec.encode([payloads[int(g)] for g in part.index])
+                )
                 if labels is not None:
-                    np.save(f"{base}-labels.npy",
-                            np.stack([labels(int(g)) for g in part.index]))
+                    np.save(f"{base}-labels.npy", np.stack([labels(int(g)) for g in part.index]))
                 Path(f"{base}.json").write_text(json.dumps({**cfg, "base": str(base)}))
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "broker.distributed", f"{base}.json"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_child_env(),
-                    text=True))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "broker.distributed", f"{base}.json"],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        env=_child_env(),
+                        text=True,
+                    )
+                )
             _start(procs)
             codes = _wait(procs, timeout, report)
         finally:
@@ -112,8 +133,7 @@ def _run_processes(cfg: dict[str, Any], parts: list[Schedule], payloads: list[by
                     p.wait()
         if any(codes):
             raise EvaluationError(f"a load-generator process failed (exit codes {codes})")
-        return _merge(parts, [_load(Path(tmp) / f"lg{j}-result.npz")
-                              for j in range(len(parts))])
+        return _merge(parts, [_load(Path(tmp) / f"lg{j}-result.npz") for j in range(len(parts))])
 
 
 def _child_env() -> dict[str, str]:
@@ -137,8 +157,9 @@ def _start(procs: list[subprocess.Popen[str]]) -> None:
         p.stdin.flush()
 
 
-def _wait(procs: list[subprocess.Popen[str]], timeout: float,
-          report: Callable[[int, float], None]) -> list[int]:
+def _wait(
+    procs: list[subprocess.Popen[str]], timeout: float, report: Callable[[int, float], None]
+) -> list[int]:
     """Exit codes of every child; their ``progress`` lines summed into ``report`` about
     every half second while they run."""
     done = [0] * len(procs)
@@ -150,8 +171,9 @@ def _wait(procs: list[subprocess.Popen[str]], timeout: float,
             if word == "progress" and value.isdigit():
                 done[j] = int(value)
 
-    readers = [threading.Thread(target=follow, args=(j, p), daemon=True)
-               for j, p in enumerate(procs)]
+    readers = [
+        threading.Thread(target=follow, args=(j, p), daemon=True) for j, p in enumerate(procs)
+    ]
     for r in readers:
         r.start()
     t0 = time.monotonic()
@@ -173,14 +195,12 @@ def _load(path: Path) -> tuple[RunRecord, dict[int, str]]:
             setattr(rec, name, z[name])
         rec.t0_ns, rec.not_issued = int(z["t0_ns"]), int(z["not_issued"])
         rec.cpu_s = float(z["cpu_s"])
-        errors = {int(i): str(m) for i, m in zip(z["error_index"], z["error_message"],
-                                                  strict=True)}
+        errors = {int(i): str(m) for i, m in zip(z["error_index"], z["error_message"], strict=True)}
     rec.errors = errors
     return rec, errors
 
 
-def _merge(parts: list[Schedule], results: list[tuple[RunRecord, dict[int, str]]]
-           ) -> RunRecord:
+def _merge(parts: list[Schedule], results: list[tuple[RunRecord, dict[int, str]]]) -> RunRecord:
     """One record in global order from the slices' records."""
     recs = [r for r, _ in results]
     n = sum(r.n for r in recs)
@@ -225,18 +245,32 @@ async def _child(cfg: dict[str, Any]) -> None:
     async with busmod.connect(settings, name=f"loadgen {os.getpid()}") as bus:
         print("ready", flush=True)
         start_ns = int(await anyio.to_thread.run_sync(sys.stdin.readline))
-        driver = Driver(bus, evaluation_id=cfg["evaluation_id"], subject=cfg["subject"],
-                        spec=ScenarioSpec.model_validate(cfg["spec"]), inputs=no_inputs,
-                        labels=labels_fn, trace_level=TraceLevel(cfg["trace_level"]),
-                        offset_ns=int(cfg["offset_ns"]), schedule=sched, start_ns=start_ns,
-                        payloads=payloads, on_progress=_print_progress)
+        driver = Driver(
+            bus,
+            evaluation_id=cfg["evaluation_id"],
+            subject=cfg["subject"],
+            spec=ScenarioSpec.model_validate(cfg["spec"]),
+            inputs=no_inputs,
+            labels=labels_fn,
+            trace_level=TraceLevel(cfg["trace_level"]),
+            offset_ns=int(cfg["offset_ns"]),
+            schedule=sched,
+            start_ns=start_ns,
+            payloads=payloads,
+            on_progress=_print_progress,
+        )
         rec = await driver.run()
     errs = sorted(rec.errors.items())
-    np.savez(f"{base}-result.npz", **{name: getattr(rec, name) for name in ARRAYS},
-             batch_size=rec.batch_size, t0_ns=rec.t0_ns, not_issued=rec.not_issued,
-             cpu_s=rec.cpu_s,
-             error_index=np.asarray([i for i, _ in errs], np.int64),
-             error_message=np.asarray([m for _, m in errs], dtype=str))
+    np.savez(
+        f"{base}-result.npz",
+        **{name: getattr(rec, name) for name in ARRAYS},
+        batch_size=rec.batch_size,
+        t0_ns=rec.t0_ns,
+        not_issued=rec.not_issued,
+        cpu_s=rec.cpu_s,
+        error_index=np.asarray([i for i, _ in errs], np.int64),
+        error_message=np.asarray([m for _, m in errs], dtype=str),
+    )
 
 
 async def _print_progress(rec: RunRecord, elapsed_s: float) -> None:

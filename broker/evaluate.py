@@ -58,8 +58,9 @@ LOST = "lost in transit: no reply before the run ended"
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]
 
 
-def resolve(job: JobRequest, agents: list[AgentDescription],
-            catalog: Catalog) -> tuple[AgentDescription, Entry]:
+def resolve(
+    job: JobRequest, agents: list[AgentDescription], catalog: Catalog
+) -> tuple[AgentDescription, Entry]:
     """The model manifest and a live agent for a job; errors name what exists."""
     entry = catalog.find(job.model, version=job.model_version, framework=job.framework)
     m = entry.manifest
@@ -67,32 +68,47 @@ def resolve(job: JobRequest, agents: list[AgentDescription],
         raise ResolutionError(
             f"{m.key}: the manifest ({entry.path}) is not the one this job pins "
             f"(content sha256 {m.digest}, pinned {job.manifest_sha256}): it changed since "
-            f"{job.rerun_of or 'the pinned evaluation'} ran", model=m.name,
-            framework=job.framework)
+            f"{job.rerun_of or 'the pinned evaluation'} ran",
+            model=m.name,
+            framework=job.framework,
+        )
 
     def fits(a: AgentDescription) -> bool:
         fw = next((f for f in a.frameworks if f.name == job.framework), None)
-        return (fw is not None and _has_device(fw.devices, job.device)
-                and satisfies(fw.version, job.framework_version)
-                and satisfies(fw.version, m.framework.version)
-                and any(o.name == m.name and o.version == m.version for o in a.models)
-                and (job.agent_id is None or a.agent_id == job.agent_id))
+        return (
+            fw is not None
+            and _has_device(fw.devices, job.device)
+            and satisfies(fw.version, job.framework_version)
+            and satisfies(fw.version, m.framework.version)
+            and any(o.name == m.name and o.version == m.version for o in a.models)
+            and (job.agent_id is None or a.agent_id == job.agent_id)
+        )
 
     matches = [a for a in agents if fits(a)]
     if not matches:
         live = "; ".join(_describe(a) for a in agents) or "none"
-        want = (f"{m.name}@{m.version} on {job.framework} "
-                f"{job.framework_version or m.framework.version} ({job.device})")
+        want = (
+            f"{m.name}@{m.version} on {job.framework} "
+            f"{job.framework_version or m.framework.version} ({job.device})"
+        )
         if job.agent_id:
             want += f" on agent {job.agent_id}"
-        refusals = [(a.agent_id, r) for a in agents for r in a.refused
-                    if (r.name, r.version, r.framework) == (m.name, m.version, job.framework)]
+        refusals = [
+            (a.agent_id, r)
+            for a in agents
+            for r in a.refused
+            if (r.name, r.version, r.framework) == (m.name, m.version, job.framework)
+        ]
         why = "".join(f"; agent {aid} refuses it: {r.message}" for aid, r in refusals)
         fixes = sorted({r.fix for _, r in refusals if r.fix})
         fix = f"; to fix it, run {' and '.join(f'`{f}`' for f in fixes)}" if fixes else ""
-        raise ResolutionError(f"no live agent serves {want}{why}{fix}; live agents: {live}",
-                              model=m.name, framework=job.framework,
-                              refused=[r.model_dump() for _, r in refusals], fixes=fixes)
+        raise ResolutionError(
+            f"no live agent serves {want}{why}{fix}; live agents: {live}",
+            model=m.name,
+            framework=job.framework,
+            refused=[r.model_dump() for _, r in refusals],
+            fixes=fixes,
+        )
     # Spread jobs over equal agents deterministically by job id.
     return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry
 
@@ -103,8 +119,14 @@ failover (the registry bucket electing a new leader) or a client reconnect can h
 agent's heartbeats back for seconds while the agent itself is fine."""
 
 
-def recently_alive(job: JobRequest, agents: list[AgentDescription], catalog: Catalog, *,
-                   now: float, grace_s: float = RESOLVE_GRACE_S) -> bool:
+def recently_alive(
+    job: JobRequest,
+    agents: list[AgentDescription],
+    catalog: Catalog,
+    *,
+    now: float,
+    grace_s: float = RESOLVE_GRACE_S,
+) -> bool:
     """True when an agent whose last heartbeat is at most ``grace_s`` old would serve
     ``job``: worth waiting for its next heartbeat. A job that no recently seen agent
     matches (unknown framework or version, an agent gone for longer) fails at once."""
@@ -141,8 +163,9 @@ class Evaluator:
     generator runs here), so jobs run one after another unless they opt out with
     ``parallel`` (and are marked so)."""
 
-    async def run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
-                  progress: Progress) -> EvaluationSummary:
+    async def run(
+        self, job: JobRequest, agent: AgentDescription, entry: Entry, progress: Progress
+    ) -> EvaluationSummary:
         """Prepare the agent, drive the scenario, summarize and store (serialized with
         this server's other runs unless ``job.parallel``)."""
         if job.parallel:
@@ -150,8 +173,9 @@ class Evaluator:
         async with self.host_lock:
             return await self._run(job, agent, entry, progress)
 
-    async def _run(self, job: JobRequest, agent: AgentDescription, entry: Entry,
-                   progress: Progress) -> EvaluationSummary:
+    async def _run(
+        self, job: JobRequest, agent: AgentDescription, entry: Entry, progress: Progress
+    ) -> EvaluationSummary:
         if job.mlperf is not None:
             from broker import mlperf  # LoadGen runs in its own process
 
@@ -161,78 +185,125 @@ class Evaluator:
         level = TraceLevel.parse(job.trace_level)
         data = _dataset(entry, self.zoo_dir)
         check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
-        prepare = PrepareOp(evaluation_id=eval_id, model=m.name, model_version=m.version,
-                            batch_size=spec.batch_size, trace_level=level.name.lower()).dump()
-        prep = await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode(prepare),
-                             timeout=PREPARE_TIMEOUT_S)
+        prepare = PrepareOp(
+            evaluation_id=eval_id,
+            model=m.name,
+            model_version=m.version,
+            batch_size=spec.batch_size,
+            trace_level=level.name.lower(),
+        ).dump()
+        prep = await request(
+            self.bus,
+            names.agent_ctl(agent.agent_id),
+            codec.encode(prepare),
+            timeout=PREPARE_TIMEOUT_S,
+        )
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
         shape = m.inputs[0].shape
         url = self.bus.nc.connected_url
         ctx = scenarios.Context(
-            bus=self.bus, evaluation_id=eval_id, subject=names.agent_query(agent.agent_id),
-            trace_level=level, offset_ns=offset,
+            bus=self.bus,
+            evaluation_id=eval_id,
+            subject=names.agent_query(agent.agent_id),
+            trace_level=level,
+            offset_ns=offset,
             feeders=lambda b: _scored(_feeders(data, shape, b, spec.seed), m),
             policy=self.policy,
             on_progress=lambda rec, el: progress(eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
-            agent_id=agent.agent_id, prepare=prepare)
+            agent_id=agent.agent_id,
+            prepare=prepare,
+        )
         started = time.time()
         outcome = await scenarios.execute(ctx, spec)
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
-        acc = None if lost else await self._accuracy(job, entry, data, eval_id,
-                                                     agent.agent_id)
+        acc = None if lost else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
         if not lost:
             # An agent gone since then ends its session with it.
             with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
-                await request(self.bus, names.agent_ctl(agent.agent_id), codec.encode_model(
-                    ReleaseOp(evaluation_id=eval_id)), timeout=5)
+                await request(
+                    self.bus,
+                    names.agent_ctl(agent.agent_id),
+                    codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
+                    timeout=5,
+                )
         fw = next(x for x in agent.frameworks if x.name == job.framework)
         cost = LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
 
-        def summarize(run: scenarios.Run, reasons: tuple[str, ...] = (),
-                      **extra: Any) -> EvaluationSummary:
+        def summarize(
+            run: scenarios.Run, reasons: tuple[str, ...] = (), **extra: Any
+        ) -> EvaluationSummary:
             f, why = run.figures, (*run.verdict.reasons, *reasons)
             return EvaluationSummary(
-                evaluation_id=run.evaluation_id, job_id=job.job_id, status="completed",
-                valid=not why, invalid_reasons=why, model={"name": m.name, "version": m.version},
-                framework={"name": fw.name, "version": fw.version}, agent_id=agent.agent_id,
-                host=agent.host, device=job.device, scenario=run.spec.model_dump(),
-                trace_level=level.name.lower(), queries=f.queries, samples=f.samples,
-                errors=f.errors, not_issued=f.not_issued, failed=f.outcomes["failed"],
-                refused=f.outcomes["refused"], lost=f.outcomes["lost"],
-                warmup_queries=f.warmup_queries, duration_s=f.duration_s,
+                evaluation_id=run.evaluation_id,
+                job_id=job.job_id,
+                status="completed",
+                valid=not why,
+                invalid_reasons=why,
+                model={"name": m.name, "version": m.version},
+                framework={"name": fw.name, "version": fw.version},
+                agent_id=agent.agent_id,
+                host=agent.host,
+                device=job.device,
+                scenario=run.spec.model_dump(),
+                trace_level=level.name.lower(),
+                queries=f.queries,
+                samples=f.samples,
+                errors=f.errors,
+                not_issued=f.not_issued,
+                failed=f.outcomes["failed"],
+                refused=f.outcomes["refused"],
+                lost=f.outcomes["lost"],
+                warmup_queries=f.warmup_queries,
+                duration_s=f.duration_s,
                 requested_qps=run.requested_qps,
-                scheduled_qps=f.scheduled_qps, achieved_qps=f.achieved_qps,
-                completed_qps=f.completed_qps, backlog_s=f.backlog_s,
+                scheduled_qps=f.scheduled_qps,
+                achieved_qps=f.achieved_qps,
+                completed_qps=f.completed_qps,
+                backlog_s=f.backlog_s,
                 issue_lag_split_us=f.issue_lag_split_us,
-                loadgen_cost=cost.facts(f), parallel=job.parallel,
-                warnings=(*cost.warnings(f, parallel=job.parallel),
-                          *tracing_warnings(level.name.lower())),
-                latency_ms=f.latency_ms, issue_lag_us=f.issue_lag_us,
+                loadgen_cost=cost.facts(f),
+                parallel=job.parallel,
+                warnings=(
+                    *cost.warnings(f, parallel=job.parallel),
+                    *tracing_warnings(level.name.lower()),
+                ),
+                latency_ms=f.latency_ms,
+                issue_lag_us=f.issue_lag_us,
                 throughput_ips=f.throughput_ips,
                 accuracy=({"top1": f.top1} if f.top1 is not None else None),
-                clock_offset_ns=offset, clock_rtt_ns=rtt,
-                cold_start=outcome.cold_start or {
+                clock_offset_ns=offset,
+                clock_rtt_ns=rtt,
+                cold_start=outcome.cold_start
+                or {
                     "load_ms": prep["load_ns"] / 1e6,
                     "first_inference_ms": prep["first_inference_ns"] / 1e6,
-                    "cold": bool(prep["cold"])},
-                latency_split_ms=run.split, loadgens=run.spec.loadgens,
-                started_at=started, finished_at=finished, **extra)
+                    "cold": bool(prep["cold"]),
+                },
+                latency_split_ms=run.split,
+                loadgens=run.spec.loadgens,
+                started_at=started,
+                finished_at=finished,
+                **extra,
+            )
 
         main = outcome.main
         # A sweep or search of one run is that run: it is stored once, as the parent.
         # Of several, each run is stored on its own and the parent holds only the
         # summary (its figures those of the best run, and no query rows).
         separate = outcome.points if len(outcome.points) > 1 else []
-        points = [r.point() if separate else {**r.point(), "evaluation_id": eval_id}
-                  for r in outcome.points]
+        points = [
+            r.point() if separate else {**r.point(), "evaluation_id": eval_id}
+            for r in outcome.points
+        ]
         summary = summarize(
-            main, (*outcome.extra_reasons, *([lost] if lost else [])),
+            main,
+            (*outcome.extra_reasons, *([lost] if lost else [])),
             peak_qps=outcome.peak_qps,
             optimal_batch_size=outcome.optimal_batch_size,
-            points=tuple(points)).model_copy(
-            update={"evaluation_id": eval_id, "scenario": spec.model_dump()})
+            points=tuple(points),
+        ).model_copy(update={"evaluation_id": eval_id, "scenario": spec.model_dump()})
         if acc is not None:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
@@ -241,25 +312,41 @@ class Evaluator:
             await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
         # The parent's t0 is its first run's: the runs' spans are stored under its id.
         t0 = separate[0].record.t0_ns if separate else main.record.t0_ns
-        await anyio.to_thread.run_sync(functools.partial(
-            self._store, summary, None if separate else main.record, spec_doc, t0_ns=t0))
+        await anyio.to_thread.run_sync(
+            functools.partial(
+                self._store, summary, None if separate else main.record, spec_doc, t0_ns=t0
+            )
+        )
         if acc is not None:
             await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, eval_id, acc)
         return summary
 
-    async def _accuracy(self, job: JobRequest, entry: Entry,
-                        data: tuple[np.ndarray, np.ndarray] | None, eval_id: str,
-                        agent_id: str) -> accuracy.DatasetRun | None:
+    async def _accuracy(
+        self,
+        job: JobRequest,
+        entry: Entry,
+        data: tuple[np.ndarray, np.ndarray] | None,
+        eval_id: str,
+        agent_id: str,
+    ) -> accuracy.DatasetRun | None:
         """The data-set pass (outputs kept per sample) when the job asks for accuracy."""
         if not job.accuracy:
             return None
         if data is None:
-            raise EvaluationError(f"{entry.manifest.name} has no labelled data set "
-                                  "in its manifest: accuracy cannot be measured")
+            raise EvaluationError(
+                f"{entry.manifest.name} has no labelled data set "
+                "in its manifest: accuracy cannot be measured"
+            )
         return await accuracy.dataset_pass(
-            self.bus, subject=names.agent_query(agent_id), evaluation_id=eval_id,
-            x=data[0], y=data[1], batch_size=job.scenario.batch_size,
-            kind=accuracy.output_kind(entry.manifest), limit=job.accuracy_samples)
+            self.bus,
+            subject=names.agent_query(agent_id),
+            evaluation_id=eval_id,
+            x=data[0],
+            y=data[1],
+            batch_size=job.scenario.batch_size,
+            kind=accuracy.output_kind(entry.manifest),
+            limit=job.accuracy_samples,
+        )
 
     async def import_mlperf(self, job: JobRequest) -> EvaluationSummary:
         """Store the MLPerf logs a job carries as an evaluation (no agent involved)."""
@@ -268,50 +355,88 @@ class Evaluator:
         return await mlperf.import_logs(self, job)
 
     async def _agent_lost(self, agent_id: str, rec: RunRecord) -> str:
-        """"agent <id> lost after N of M queries" when queries went unanswered and the
+        """ "agent <id> lost after N of M queries" when queries went unanswered and the
         agent no longer answers a ping; "" while it is there."""
-        unanswered = int(np.count_nonzero(np.asarray(rec.completed[:rec.n]) == 0))
+        unanswered = int(np.count_nonzero(np.asarray(rec.completed[: rec.n]) == 0))
         if rec.n == 0 or not unanswered:
             return ""
         try:
-            await request(self.bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()),
-                          timeout=2.0)
+            await request(
+                self.bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()), timeout=2.0
+            )
         except MLScopeError:
-            answered = int(np.count_nonzero(np.asarray(rec.ok[:rec.n])))
+            answered = int(np.count_nonzero(np.asarray(rec.ok[: rec.n])))
             return f"agent {agent_id} lost after {answered} of {rec.n} queries"
         return ""
 
-    def _store(self, s: EvaluationSummary, rec: RunRecord | None,
-               spec_doc: dict[str, Any], *, t0_ns: int | None = None) -> None:
+    def _store(
+        self,
+        s: EvaluationSummary,
+        rec: RunRecord | None,
+        spec_doc: dict[str, Any],
+        *,
+        t0_ns: int | None = None,
+    ) -> None:
         """The evaluation row, and its query rows when ``rec`` is given (a sweep's
         parent has none: its runs are stored on their own; ``t0_ns`` is then its
         first run's). A lost query's error names the lost agent when it was."""
         if rec is not None and rec.n:
             outcomes = rec.outcomes()
-            lost = next((r for r in s.invalid_reasons if r.startswith("agent ")
-                         and " lost after " in r), "")
+            lost = next(
+                (r for r in s.invalid_reasons if r.startswith("agent ") and " lost after " in r), ""
+            )
             why = f"lost: {lost}" if lost else LOST
-            err = [rec.errors.get(i) or (why if outcomes[i] == Outcome.LOST else "")
-                   for i in range(rec.n)]
+            err = [
+                rec.errors.get(i) or (why if outcomes[i] == Outcome.LOST else "")
+                for i in range(rec.n)
+            ]
             cols: list[Any] = [
-                [s.evaluation_id] * rec.n, np.arange(rec.n, dtype=np.uint32),
-                [rec.batch_size] * rec.n, rec.scheduled, rec.issued, rec.completed,
-                rec.agent_received, rec.predict_start, rec.predict_end, rec.agent_replied,
-                rec.ok, err, rec.correct, rec.prediction, rec.outcomes(),
-                (~rec.measured()).astype(np.uint8), rec.paced]
+                [s.evaluation_id] * rec.n,
+                np.arange(rec.n, dtype=np.uint32),
+                [rec.batch_size] * rec.n,
+                rec.scheduled,
+                rec.issued,
+                rec.completed,
+                rec.agent_received,
+                rec.predict_start,
+                rec.predict_end,
+                rec.agent_replied,
+                rec.ok,
+                err,
+                rec.correct,
+                rec.prediction,
+                rec.outcomes(),
+                (~rec.measured()).astype(np.uint8),
+                rec.paced,
+            ]
             self.db.insert("queries", [list(c) for c in cols], QUERY_COLUMNS)
-        row = [s.evaluation_id, s.job_id, spec_doc["job"].get("rerun_of") or "",
-               datetime.fromtimestamp(s.started_at, UTC), s.model["name"],
-               s.model["version"], s.framework["name"], s.framework["version"], s.agent_id,
-               s.host, s.device, str(s.scenario["name"]), s.trace_level, s.status,
-               int(s.valid), t0_ns if t0_ns is not None else rec.t0_ns if rec else 0,
-               s.clock_offset_ns,
-               json.dumps(spec_doc, default=str), s.model_dump_json(by_alias=True)]
+        row = [
+            s.evaluation_id,
+            s.job_id,
+            spec_doc["job"].get("rerun_of") or "",
+            datetime.fromtimestamp(s.started_at, UTC),
+            s.model["name"],
+            s.model["version"],
+            s.framework["name"],
+            s.framework["version"],
+            s.agent_id,
+            s.host,
+            s.device,
+            str(s.scenario["name"]),
+            s.trace_level,
+            s.status,
+            int(s.valid),
+            t0_ns if t0_ns is not None else rec.t0_ns if rec else 0,
+            s.clock_offset_ns,
+            json.dumps(spec_doc, default=str),
+            s.model_dump_json(by_alias=True),
+        ]
         self.db.insert("evaluations", [[v] for v in row], EVALUATION_COLUMNS)
 
 
-def check_query_size(data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...],
-                     spec: Any, max_payload: int) -> None:
+def check_query_size(
+    data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], spec: Any, max_payload: int
+) -> None:
     """Refuse a job whose query of its largest batch size is over the bus's max payload,
     naming the largest batch size that fits (measured on a real encoded query)."""
     sizes = sorted({spec.batch_size, *(spec.batch_sizes or ())})
@@ -319,8 +444,9 @@ def check_query_size(data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[in
 
     def size(batch: int) -> int:
         inputs = _feeders(data, shape, batch, spec.seed)[0](0)
-        return len(codec.encode_model(Query(evaluation_id="ev-000000000000", index=0,
-                                            inputs=inputs)))
+        return len(
+            codec.encode_model(Query(evaluation_id="ev-000000000000", index=0, inputs=inputs))
+        )
 
     biggest = size(sizes[-1])
     if biggest <= limit:
@@ -330,7 +456,11 @@ def check_query_size(data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[in
     raise ConfigError(
         f"a query of batch size {sizes[-1]} is {biggest} bytes, over the bus's max payload "
         f"of {max_payload} bytes; the largest batch size that fits is about {fits}",
-        field="batch_size", batch_size=sizes[-1], bytes=biggest, max_payload=max_payload)
+        field="batch_size",
+        batch_size=sizes[-1],
+        bytes=biggest,
+        max_payload=max_payload,
+    )
 
 
 def _dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
@@ -341,8 +471,9 @@ def _dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | Non
         return npz["x"], npz["y"]
 
 
-def _feeders(data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int,
-             seed: int) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
+def _feeders(
+    data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int, seed: int
+) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
     """Query i's raw inputs (and labels): a seeded permutation of the data set, cycled.
 
     The sample order has its own seed stream, independent of the arrival schedule's.
@@ -360,16 +491,18 @@ def _feeders(data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...],
     return (lambda i: x[idx(i)]), (lambda i: y[idx(i)])
 
 
-def _scored(feeders: tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None],
-            m: Any) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
+def _scored(
+    feeders: tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None], m: Any
+) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
     """Labels only for a model scored by top-k: a detector's or a latency-only model's
     top-1 would be a meaningless number (it shows none)."""
     scored = m.dataset is not None and m.dataset.metric in ("top1", "top5")
     return feeders if scored else (feeders[0], None)
 
 
-def _specification(job: JobRequest, agent: AgentDescription, entry: Entry,
-                   prep: dict[str, Any]) -> dict[str, Any]:
+def _specification(
+    job: JobRequest, agent: AgentDescription, entry: Entry, prep: dict[str, Any]
+) -> dict[str, Any]:
     """Everything needed to run this evaluation again (stored with its results)."""
     return {
         "job": job.dump(),
@@ -385,8 +518,14 @@ def _specification(job: JobRequest, agent: AgentDescription, entry: Entry,
 
 def _git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).parent, timeout=5, check=False)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=5,
+            check=False,
+        )
     except OSError:
         return ""
     return out.stdout.strip()

@@ -42,13 +42,23 @@ from mlscope.serving import Boundary, delivered
 
 __all__ = ["Ingester"]
 
-_SPAN_FIELDS = ("span_id", "parent_id", "query_index", "level", "kind", "name", "start_ns",
-                "end_ns", "attrs")
+_SPAN_FIELDS = (
+    "span_id",
+    "parent_id",
+    "query_index",
+    "level",
+    "kind",
+    "name",
+    "start_ns",
+    "end_ns",
+    "attrs",
+)
 _SAMPLE_FIELDS = ("ts_ns", "metric", "device", "value")
 FETCH_BYTES = 16 * 1024 * 1024
 """Bytes asked for per fetch: well under nats-py's 256 MiB pending limit per subscription."""
-_Decoded = tuple[dict[str, list[Any]], dict[str, list[Any]], list[Msg],
-                 list[tuple[Msg, MLScopeError]]]
+_Decoded = tuple[
+    dict[str, list[Any]], dict[str, list[Any]], list[Msg], list[tuple[Msg, MLScopeError]]
+]
 """(span columns, sample columns, messages to ack, messages to dead-letter with why)."""
 MAX_DELIVER = 20
 """Deliveries of a batch whose insert keeps failing before it is dead-lettered."""
@@ -60,21 +70,43 @@ _U8 = Annotated[int, Field(strict=True, ge=0, lt=256)]
 _STR = Annotated[str, Field(strict=True)]
 _F64 = Annotated[float, Field(allow_inf_nan=True)]
 _COLUMN_TYPES: dict[str, TypeAdapter[Any]] = {
-    name: TypeAdapter(list[t]) for name, t in (  # type: ignore[valid-type]
-        ("span_id", _U64), ("parent_id", _U64), ("query_index", _I64), ("level", _U8),
-        ("kind", _STR), ("name", _STR), ("start_ns", _I64), ("end_ns", _I64),
-        ("attrs", _STR), ("ts_ns", _I64), ("metric", _STR), ("device", _STR),
-        ("value", _F64))}
+    name: TypeAdapter(list[t])  # type: ignore[valid-type]
+    for name, t in (
+        ("span_id", _U64),
+        ("parent_id", _U64),
+        ("query_index", _I64),
+        ("level", _U8),
+        ("kind", _STR),
+        ("name", _STR),
+        ("start_ns", _I64),
+        ("end_ns", _I64),
+        ("attrs", _STR),
+        ("ts_ns", _I64),
+        ("metric", _STR),
+        ("device", _STR),
+        ("value", _F64),
+    )
+}
 """Each column's type as its table stores it: a value that would fail the insert is
 refused at decoding, so it never takes a whole fetch down with it."""
 _BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
-    "spans": SpanBatch, "samples": SampleBatch}
+    "spans": SpanBatch,
+    "samples": SampleBatch,
+}
 
 
 class Ingester:
-    def __init__(self, bus: Bus, db: Database, *, fetch_batch: int = 512,
-                 fetch_timeout: float = 1.0, ack_wait_s: float = 30.0,
-                 boundary: Boundary | None = None, trim_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        db: Database,
+        *,
+        fetch_batch: int = 512,
+        fetch_timeout: float = 1.0,
+        ack_wait_s: float = 30.0,
+        boundary: Boundary | None = None,
+        trim_s: float = 10.0,
+    ) -> None:
         self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
         self.boundary = boundary or Boundary(bus, service="ingester", logger=log)
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
@@ -90,10 +122,17 @@ class Ingester:
 
     async def run(self) -> None:
         sub = await self.bus.js.pull_subscribe(
-            names.traces_wildcard(), durable=names.TRACES_CONSUMER, stream=names.TRACES_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=self.ack_wait_s,
-                                  deliver_policy=DeliverPolicy.ALL,
-                                  max_ack_pending=20_000, max_deliver=MAX_DELIVER))
+            names.traces_wildcard(),
+            durable=names.TRACES_CONSUMER,
+            stream=names.TRACES_STREAM,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self.ack_wait_s,
+                deliver_policy=DeliverPolicy.ALL,
+                max_ack_pending=20_000,
+                max_deliver=MAX_DELIVER,
+            ),
+        )
         # Fetch and decode the next messages while the previous ones are inserted.
         send, receive = anyio.create_memory_object_stream[_Decoded](1)
         async with anyio.create_task_group() as tg:
@@ -192,16 +231,19 @@ class Ingester:
             with anyio.move_on_after(5):
                 await _quiet(msg.ack())
 
-    async def _insert(self, spans: dict[str, list[Any]], samples: dict[str, list[Any]]
-                      ) -> None:
+    async def _insert(self, spans: dict[str, list[Any]], samples: dict[str, list[Any]]) -> None:
         if spans["span_id"]:
             await anyio.to_thread.run_sync(
-                self.db.insert, "spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)
+                self.db.insert, "spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS
+            )
             self.ingested += len(spans["span_id"])
         if samples["ts_ns"]:
             await anyio.to_thread.run_sync(
-                self.db.insert, "system_samples", [samples[c] for c in SAMPLE_COLUMNS],
-                SAMPLE_COLUMNS)
+                self.db.insert,
+                "system_samples",
+                [samples[c] for c in SAMPLE_COLUMNS],
+                SAMPLE_COLUMNS,
+            )
             self.samples += len(samples["ts_ns"])
 
 
@@ -230,16 +272,24 @@ def _decode(data: bytes) -> SpanBatch | SampleBatch:
             _COLUMN_TYPES[f].validate_python(batch.columns[f])
         except ValidationError as exc:
             first = exc.errors(include_url=False)[0]
-            raise WireError(f"{cls.__name__} {batch.batch_id}: column {f}: "
-                            f"{first['msg']} at row {first['loc'][0]}", column=f) from exc
+            raise WireError(
+                f"{cls.__name__} {batch.batch_id}: column {f}: "
+                f"{first['msg']} at row {first['loc'][0]}",
+                column=f,
+            ) from exc
     return batch
 
 
-def _extend(cols: dict[str, list[Any]], batch: SpanBatch | SampleBatch,
-            fields: tuple[str, ...]) -> None:
+def _extend(
+    cols: dict[str, list[Any]], batch: SpanBatch | SampleBatch, fields: tuple[str, ...]
+) -> None:
     n = len(batch)
     for f in fields:
         cols[f].extend(batch.columns[f])
-    for f, value in (("evaluation_id", batch.evaluation_id), ("agent_id", batch.agent_id),
-                     ("host", batch.host), ("batch_id", batch.batch_id)):
+    for f, value in (
+        ("evaluation_id", batch.evaluation_id),
+        ("agent_id", batch.agent_id),
+        ("host", batch.host),
+        ("batch_id", batch.batch_id),
+    ):
         cols[f].extend([value] * n)

@@ -41,8 +41,18 @@ from mlscope.contracts import Query, ScenarioSpec, TraceLevel, new_id
 from mlscope.errors import EvaluationError, OverloadedError
 from mlscope.stats import percentile
 
-__all__ = ["ARRAYS", "CLOSED_LOOPS", "TIME_ARRAYS", "Driver", "RunRecord", "encode_query",
-           "estimate_offset", "running", "running_p50_ms", "wait_idle"]
+__all__ = [
+    "ARRAYS",
+    "CLOSED_LOOPS",
+    "TIME_ARRAYS",
+    "Driver",
+    "RunRecord",
+    "encode_query",
+    "estimate_offset",
+    "running",
+    "running_p50_ms",
+    "wait_idle",
+]
 
 now = time.perf_counter_ns
 DRAIN_TIMEOUT_S = 10.0
@@ -141,11 +151,13 @@ class _QuietGC:
             gc.enable()
 
 
-def encode_query(evaluation_id: str, index: int, inputs: np.ndarray,
-                 trace_level: TraceLevel) -> bytes:
+def encode_query(
+    evaluation_id: str, index: int, inputs: np.ndarray, trace_level: TraceLevel
+) -> bytes:
     """The wire bytes of one query."""
-    return codec.encode_model(Query(evaluation_id=evaluation_id, index=index, inputs=inputs,
-                                    trace_level=int(trace_level)))
+    return codec.encode_model(
+        Query(evaluation_id=evaluation_id, index=index, inputs=inputs, trace_level=int(trace_level))
+    )
 
 
 class Driver:
@@ -156,12 +168,22 @@ class Driver:
     from when the run starts). ``inputs(g)`` / ``labels(g)`` take the global index.
     """
 
-    def __init__(self, bus: Bus, *, evaluation_id: str, subject: str, spec: ScenarioSpec,
-                 inputs: Callable[[int], np.ndarray], labels: Callable[[int], np.ndarray] | None,
-                 trace_level: TraceLevel,
-                 offset_ns: int = 0, on_progress: Callable[[RunRecord, float], Any] | None = None,
-                 schedule: Schedule | None = None, start_ns: int | None = None,
-                 payloads: list[bytes] | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        evaluation_id: str,
+        subject: str,
+        spec: ScenarioSpec,
+        inputs: Callable[[int], np.ndarray],
+        labels: Callable[[int], np.ndarray] | None,
+        trace_level: TraceLevel,
+        offset_ns: int = 0,
+        on_progress: Callable[[RunRecord, float], Any] | None = None,
+        schedule: Schedule | None = None,
+        start_ns: int | None = None,
+        payloads: list[bytes] | None = None,
+    ) -> None:
         self.bus, self.evaluation_id, self.subject, self.spec = bus, evaluation_id, subject, spec
         self.inputs, self.labels, self.trace_level = inputs, labels, trace_level
         self.offset_ns, self.on_progress = offset_ns, on_progress
@@ -320,8 +342,9 @@ class Driver:
         try:
             rec.t0_ns = self.start_ns if self.start_ns is not None else now() + START_LEAD_NS
             rec.scheduled[:] = offsets
-            pacer = Pacer(offsets, gate=self._gate, start_ns=rec.t0_ns, issue_many=hop,
-                          realtime=True)
+            pacer = Pacer(
+                offsets, gate=self._gate, start_ns=rec.t0_ns, issue_many=hop, realtime=True
+            )
             pacer.start()
             try:
                 # Abandoned on cancellation (SIGTERM, Ctrl-C): the finally below stops
@@ -344,8 +367,7 @@ class Driver:
         """``spec.concurrency`` queries in flight until ``duration_s`` (or max_queries)."""
         s = self.spec
         cap = s.max_queries or 2**31
-        rec = self.record = RunRecord(n=min(cap, max(s.concurrency, 1024)),
-                                      batch_size=s.batch_size)
+        rec = self.record = RunRecord(n=min(cap, max(s.concurrency, 1024)), batch_size=s.batch_size)
         loop = asyncio.get_running_loop()
         rec.t0_ns = now()
         deadline = rec.t0_ns + int(s.duration_s * 1e9)

@@ -57,8 +57,7 @@ from mlscope.stats import percentiles, trimmed_mean
 if TYPE_CHECKING:
     from broker.evaluate import Evaluator
 
-__all__ = ["ACCURACY_FILE", "LOG_COLUMNS", "LOG_PART_CHARS", "import_logs", "run",
-           "store_logs"]
+__all__ = ["ACCURACY_FILE", "LOG_COLUMNS", "LOG_PART_CHARS", "import_logs", "run", "store_logs"]
 
 ACCURACY_FILE = "accuracy.txt"
 LOG_COLUMNS = ("evaluation_id", "name", "part", "text")
@@ -70,8 +69,9 @@ LOGS_TABLE = """CREATE TABLE IF NOT EXISTS mlperf_logs (
 PREPARE_TIMEOUT_S = 300.0
 
 
-async def run(ev: Evaluator, job: JobRequest, agent: AgentDescription,
-              entry: Entry) -> EvaluationSummary:
+async def run(
+    ev: Evaluator, job: JobRequest, agent: AgentDescription, entry: Entry
+) -> EvaluationSummary:
     """One LoadGen test against ``agent`` (``ev`` is the server's Evaluator)."""
     from broker.evaluate import _dataset, _specification
 
@@ -81,23 +81,31 @@ async def run(ev: Evaluator, job: JobRequest, agent: AgentDescription,
     m = entry.manifest
     data = _dataset(entry, ev.zoo_dir)
     if data is None:
-        raise EvaluationError(f"{m.name} has no labelled data set in its manifest: it "
-                              "cannot be LoadGen's sample library", model=m.name)
+        raise EvaluationError(
+            f"{m.name} has no labelled data set in its manifest: it "
+            "cannot be LoadGen's sample library",
+            model=m.name,
+        )
     eval_id = evaluation_id_for(job.job_id)  # one evaluation per job
-    prepare = {"op": "prepare", "evaluation_id": eval_id, "model": m.name,
-               "model_version": m.version, "batch_size": spec.batch_size,
-               "trace_level": "none"}
+    prepare = {
+        "op": "prepare",
+        "evaluation_id": eval_id,
+        "model": m.name,
+        "model_version": m.version,
+        "batch_size": spec.batch_size,
+        "trace_level": "none",
+    }
     ctl = names.agent_ctl(agent.agent_id)
     prep = await request(ev.bus, ctl, codec.encode(prepare), timeout=PREPARE_TIMEOUT_S)
     offset, rtt = await estimate_offset(ev.bus, agent.agent_id)
     started = time.time()
     try:
-        timing, files = await _test(ev, spec, spec.conf_model or m.name, eval_id, agent,
-                                    data[0])
+        timing, files = await _test(ev, spec, spec.conf_model or m.name, eval_id, agent, data[0])
     finally:
         with anyio.move_on_after(5, shield=True):
-            await request(ev.bus, ctl, codec.encode({"op": "release",
-                                                     "evaluation_id": eval_id}), timeout=5)
+            await request(
+                ev.bus, ctl, codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5
+            )
     result = logs.parse_result(files[logs.SUMMARY], files[logs.DETAIL])
     rec = _record(logs.trace_samples(files.get(logs.TRACE, "")), timing, offset, data[1])
     accuracy = _accuracy(result, files, data[1])
@@ -105,25 +113,46 @@ async def run(ev: Evaluator, job: JobRequest, agent: AgentDescription,
     failed = int(timing["errors"])  # answered to LoadGen with no data: not its errors
     summary = _summary(result, rec, job, eval_id, started, accuracy=accuracy)
     if failed:
-        summary = summary.model_copy(update={"valid": False, "invalid_reasons": (
-            *summary.invalid_reasons, f"{failed} samples failed in the agent "
-            f"(first: {next(iter(rec.errors.values()), '')})")})
+        summary = summary.model_copy(
+            update={
+                "valid": False,
+                "invalid_reasons": (
+                    *summary.invalid_reasons,
+                    f"{failed} samples failed in the agent "
+                    f"(first: {next(iter(rec.errors.values()), '')})",
+                ),
+            }
+        )
     summary = summary.model_copy(
-        update={"framework": {"name": fw.name, "version": fw.version},
-                "model": {"name": m.name, "version": m.version}, "agent_id": agent.agent_id,
-                "host": agent.host, "clock_offset_ns": offset, "clock_rtt_ns": rtt,
-                "errors": failed,
-                "cold_start": {"load_ms": prep["load_ns"] / 1e6,
-                               "first_inference_ms": prep["first_inference_ns"] / 1e6,
-                               "cold": bool(prep["cold"])}})
+        update={
+            "framework": {"name": fw.name, "version": fw.version},
+            "model": {"name": m.name, "version": m.version},
+            "agent_id": agent.agent_id,
+            "host": agent.host,
+            "clock_offset_ns": offset,
+            "clock_rtt_ns": rtt,
+            "errors": failed,
+            "cold_start": {
+                "load_ms": prep["load_ns"] / 1e6,
+                "first_inference_ms": prep["first_inference_ns"] / 1e6,
+                "cold": bool(prep["cold"]),
+            },
+        }
+    )
     spec_doc = _specification(job, agent, entry, prep)
     await anyio.to_thread.run_sync(ev._store, summary, rec, spec_doc)
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)
     return summary
 
 
-async def _test(ev: Evaluator, spec: MLPerfSpec, conf_model: str, eval_id: str,
-                agent: AgentDescription, x: np.ndarray) -> tuple[dict[str, Any], dict[str, str]]:
+async def _test(
+    ev: Evaluator,
+    spec: MLPerfSpec,
+    conf_model: str,
+    eval_id: str,
+    agent: AgentDescription,
+    x: np.ndarray,
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Run the test in a child process (see broker/mlperf_sut.py for why); return what
     its SUT saw and LoadGen's log files."""
     url = ev.bus.nc.connected_url
@@ -132,14 +161,23 @@ async def _test(ev: Evaluator, spec: MLPerfSpec, conf_model: str, eval_id: str,
         out = work / "logs"
         out.mkdir()
         np.save(work / "samples.npy", x)
-        cfg = {"spec": spec.model_dump(), "conf_model": conf_model, "evaluation_id": eval_id,
-               "subject": names.agent_query(agent.agent_id), "workdir": str(work),
-               "logdir": str(out), "nats_url": url.geturl() if url is not None else None}
+        cfg = {
+            "spec": spec.model_dump(),
+            "conf_model": conf_model,
+            "evaluation_id": eval_id,
+            "subject": names.agent_query(agent.agent_id),
+            "workdir": str(work),
+            "logdir": str(out),
+            "nats_url": url.geturl() if url is not None else None,
+        }
         (work / "config.json").write_text(json.dumps(cfg))
         with (work / "stderr.txt").open("wb") as err:
             proc = await anyio.open_process(
                 [sys.executable, "-m", "broker.mlperf_sut", str(work / "config.json")],
-                env=_child_env(), stdout=subprocess.DEVNULL, stderr=err)
+                env=_child_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
             try:
                 code = await proc.wait()
             finally:
@@ -168,8 +206,9 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _record(samples: np.ndarray, timing: dict[str, Any] | None, offset_ns: int,
-            labels: np.ndarray | None) -> RunRecord:
+def _record(
+    samples: np.ndarray, timing: dict[str, Any] | None, offset_ns: int, labels: np.ndarray | None
+) -> RunRecord:
     """One row per LoadGen sample (see the module doc for the clocks)."""
     n = len(samples)
     per_query = int(np.bincount(samples["query_seq"]).max()) if n else 1
@@ -185,8 +224,7 @@ def _record(samples: np.ndarray, timing: dict[str, Any] | None, offset_ns: int,
         return rec
     seqs = samples["query_seq"]
     issue_ns = timing["issue_ns"]
-    first_issue = dict(zip(seqs[::-1].tolist(), samples["issued_ns"][::-1].tolist(),
-                           strict=True))
+    first_issue = dict(zip(seqs[::-1].tolist(), samples["issued_ns"][::-1].tolist(), strict=True))
     ties = [int(issue_ns[q]) - i for q, i in first_issue.items() if q < len(issue_ns)]
     rec.t0_ns = int(np.median(ties)) if ties else 0
     where = {(int(q), int(p)): j for j, (q, p) in enumerate(timing["key"])}
@@ -199,8 +237,12 @@ def _record(samples: np.ndarray, timing: dict[str, Any] | None, offset_ns: int,
         elif not timing["ok"][j]:
             rec.errors[k] = str(timing["error"][j])
         else:
-            rec.agent_received[k], rec.predict_start[k], rec.predict_end[k], \
-                rec.agent_replied[k] = agent[j]
+            (
+                rec.agent_received[k],
+                rec.predict_start[k],
+                rec.predict_end[k],
+                rec.agent_replied[k],
+            ) = agent[j]
             rec.ok[k] = 1
             rec.prediction[k] = int(timing["prediction"][j])
             if labels is not None:
@@ -216,53 +258,94 @@ def _positions(seqs: np.ndarray) -> np.ndarray:
     return out
 
 
-def _accuracy(result: logs.LoadGenResult, files: dict[str, str],
-              labels: np.ndarray) -> dict[str, float] | None:
+def _accuracy(
+    result: logs.LoadGenResult, files: dict[str, str], labels: np.ndarray
+) -> dict[str, float] | None:
     """Top-1 as MLPerf's ImageNet checker computes it; its output kept as a log file."""
     if result.mode != "AccuracyOnly":
         return None
-    good, total = logs.imagenet_top1(logs.accuracy_entries(files.get(logs.ACCURACY, "")),
-                                     labels)
+    good, total = logs.imagenet_top1(logs.accuracy_entries(files.get(logs.ACCURACY, "")), labels)
     files[ACCURACY_FILE] = logs.format_accuracy(good, total)
     return {"top1": good / total if total else float("nan"), "samples": float(total)}
 
 
-def _summary(result: logs.LoadGenResult, rec: RunRecord, job: JobRequest, eval_id: str,
-             started: float, *, accuracy: dict[str, float] | None,
-             imported: bool = False) -> EvaluationSummary:
+def _summary(
+    result: logs.LoadGenResult,
+    rec: RunRecord,
+    job: JobRequest,
+    eval_id: str,
+    started: float,
+    *,
+    accuracy: dict[str, float] | None,
+    imported: bool = False,
+) -> EvaluationSummary:
     r, pct = result.result, result.percentiles_ns
     lat = (rec.completed - rec.scheduled) / 1e6
     lag = (rec.issued - rec.scheduled) / 1e3
     span = float(rec.completed.max() - rec.scheduled.min()) / 1e9 if rec.n else 0.0
     p50, p99, p999 = percentiles(lag, [50, 99, 99.9])
     max_ns = r.get("max_query_latency_ns", r.get("max_latency_ns"))
-    rate = next((float(r[k]) for k in ("completed_samples_per_sec", "samples_per_second",
-                                       "qps_with_loadgen_overhead") if k in r), None)
+    rate = next(
+        (
+            float(r[k])
+            for k in (
+                "completed_samples_per_sec",
+                "samples_per_second",
+                "qps_with_loadgen_overhead",
+            )
+            if k in r
+        ),
+        None,
+    )
     samples = rec.n or int(r.get("query_count", 0)) * max(1, rec.batch_size)
     target = result.effective.get("target_qps")
     return EvaluationSummary(
-        evaluation_id=eval_id, job_id=job.job_id, status="completed", valid=result.valid,
+        evaluation_id=eval_id,
+        job_id=job.job_id,
+        status="completed",
+        valid=result.valid,
         invalid_reasons=() if result.valid else result.reasons,
         model={"name": job.model, "version": job.model_version or ""},
         framework={"name": job.framework, "version": job.framework_version or ""},
-        agent_id="imported" if imported else "", device=job.device,
-        scenario={"name": f"mlperf-{result.scenario.lower()}", "mlperf_scenario":
-                  result.scenario, "mode": result.mode, "batch_size": rec.batch_size,
-                  "seed": result.effective.get("schedule_rng_seed", 0)},
-        trace_level="none", queries=int(r.get("query_count", rec.n)), samples=samples,
-        errors=result.errors, not_issued=0, duration_s=span,
-        requested_qps=float(target) if target is not None and result.scenario in (
-            "Server", "Offline") else None,
-        scheduled_qps=r.get("scheduled_samples_per_sec"), achieved_qps=rate,
+        agent_id="imported" if imported else "",
+        device=job.device,
+        scenario={
+            "name": f"mlperf-{result.scenario.lower()}",
+            "mlperf_scenario": result.scenario,
+            "mode": result.mode,
+            "batch_size": rec.batch_size,
+            "seed": result.effective.get("schedule_rng_seed", 0),
+        },
+        trace_level="none",
+        queries=int(r.get("query_count", rec.n)),
+        samples=samples,
+        errors=result.errors,
+        not_issued=0,
+        duration_s=span,
+        requested_qps=float(target)
+        if target is not None and result.scenario in ("Server", "Offline")
+        else None,
+        scheduled_qps=r.get("scheduled_samples_per_sec"),
+        achieved_qps=rate,
         latency_ms=LatencyStats(
             trimmed_mean=trimmed_mean(lat) if rec.n else None,
-            p50=_ms(pct.get("50.00")), p90=_ms(pct.get("90.00")), p99=_ms(pct.get("99.00")),
-            max=_ms(max_ns)),
-        issue_lag_us={"p50": p50, "p99": p99, "p99.9": p999,
-                      "max": float(lag.max()) if rec.n else None},
-        throughput_ips=rate, accuracy=accuracy,
-        mlperf={**result.doc(), "imported": imported}, started_at=started,
-        finished_at=time.time())
+            p50=_ms(pct.get("50.00")),
+            p90=_ms(pct.get("90.00")),
+            p99=_ms(pct.get("99.00")),
+            max=_ms(max_ns),
+        ),
+        issue_lag_us={
+            "p50": p50,
+            "p99": p99,
+            "p99.9": p999,
+            "max": float(lag.max()) if rec.n else None,
+        },
+        throughput_ips=rate,
+        accuracy=accuracy,
+        mlperf={**result.doc(), "imported": imported},
+        started_at=started,
+        finished_at=time.time(),
+    )
 
 
 def _ms(ns: Any) -> float | None:
@@ -275,7 +358,7 @@ def store_logs(db: Database, evaluation_id: str, files: dict[str, str]) -> None:
     rows: list[tuple[str, str, int, str]] = []
     for name, text in sorted(files.items()):
         for part, start in enumerate(range(0, max(len(text), 1), LOG_PART_CHARS)):
-            rows.append((evaluation_id, name, part, text[start:start + LOG_PART_CHARS]))
+            rows.append((evaluation_id, name, part, text[start : start + LOG_PART_CHARS]))
     db.insert("mlperf_logs", [list(c) for c in zip(*rows, strict=True)], LOG_COLUMNS)
 
 
@@ -286,20 +369,25 @@ async def import_logs(ev: Evaluator, job: JobRequest) -> EvaluationSummary:
         raise EvaluationError("not an MLPerf import job")
     missing = [f for f in (logs.SUMMARY, logs.DETAIL) if f not in imp.files]
     if missing:
-        raise ConfigError(f"{imp.source or 'the import'} lacks {', '.join(missing)}",
-                          field="files")
+        raise ConfigError(f"{imp.source or 'the import'} lacks {', '.join(missing)}", field="files")
     result = logs.parse_result(imp.files[logs.SUMMARY], imp.files[logs.DETAIL])
     rec = _record(logs.trace_samples(imp.files.get(logs.TRACE, "")), None, 0, None)
     eval_id = evaluation_id_for(job.job_id)  # one evaluation per job
-    summary = _summary(result, rec, job, eval_id, time.time(), accuracy=None,
-                       imported=True).model_copy(update={"host": imp.system})
+    summary = _summary(
+        result, rec, job, eval_id, time.time(), accuracy=None, imported=True
+    ).model_copy(update={"host": imp.system})
     stored_job = job.dump()
-    stored_job["mlperf_import"] = {"source": imp.source, "system": imp.system,
-                                   "files": sorted(imp.files)}
-    spec_doc = {"job": stored_job, "imported": {"source": imp.source, "system": imp.system,
-                                                "sut_name": result.sut_name},
-                # what analysis shows as the system of a run
-                "agent": {"cpu_model": imp.system or result.sut_name}}
+    stored_job["mlperf_import"] = {
+        "source": imp.source,
+        "system": imp.system,
+        "files": sorted(imp.files),
+    }
+    spec_doc = {
+        "job": stored_job,
+        "imported": {"source": imp.source, "system": imp.system, "sut_name": result.sut_name},
+        # what analysis shows as the system of a run
+        "agent": {"cpu_model": imp.system or result.sut_name},
+    }
     await anyio.to_thread.run_sync(ev._store, summary, rec, spec_doc)
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, dict(imp.files))
     return summary

@@ -29,9 +29,20 @@ import numpy as np
 
 from mlscope.errors import ConfigError
 
-__all__ = ["ACCURACY", "DETAIL", "LOG_FILES", "SUMMARY", "TRACE", "LoadGenResult",
-           "accuracy_entries", "format_accuracy", "imagenet_top1", "parse_detail",
-           "parse_result", "trace_samples"]
+__all__ = [
+    "ACCURACY",
+    "DETAIL",
+    "LOG_FILES",
+    "SUMMARY",
+    "TRACE",
+    "LoadGenResult",
+    "accuracy_entries",
+    "format_accuracy",
+    "imagenet_top1",
+    "parse_detail",
+    "parse_result",
+    "trace_samples",
+]
 
 SUMMARY = "mlperf_log_summary.txt"
 DETAIL = "mlperf_log_detail.txt"
@@ -42,9 +53,16 @@ _MLLOG = ":::MLLOG "
 _PCT = re.compile(r"^result_(\d+\.\d+)_percentile(_per_query)?_latency_ns$")
 _SATISFIED = re.compile(r"^\s*(.+?)\s*satisfied\s*:\s*NO\s*$", re.IGNORECASE | re.MULTILINE)
 _FIELD = re.compile(r"^(SUT name|Scenario|Mode|Result is)\s*:\s*(.*?)\s*$", re.MULTILINE)
-TRACE_DTYPE = np.dtype([("sample_seq", np.int64), ("query_seq", np.int64),
-                        ("sample_idx", np.int64), ("scheduled_ns", np.int64),
-                        ("issued_ns", np.int64), ("completed_ns", np.int64)])
+TRACE_DTYPE = np.dtype(
+    [
+        ("sample_seq", np.int64),
+        ("query_seq", np.int64),
+        ("sample_idx", np.int64),
+        ("scheduled_ns", np.int64),
+        ("issued_ns", np.int64),
+        ("completed_ns", np.int64),
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -72,11 +90,18 @@ class LoadGenResult:
 
     def doc(self) -> dict[str, Any]:
         """The JSON kept in an evaluation's summary (``EvaluationSummary.mlperf``)."""
-        return {"scenario": self.scenario, "mode": self.mode, "sut_name": self.sut_name,
-                "validity": self.validity, "reasons": list(self.reasons),
-                "percentiles_ns": self.percentiles_ns, "result": self.result,
-                "effective": self.effective, "errors": self.errors,
-                "loadgen_version": self.loadgen_version}
+        return {
+            "scenario": self.scenario,
+            "mode": self.mode,
+            "sut_name": self.sut_name,
+            "validity": self.validity,
+            "reasons": list(self.reasons),
+            "percentiles_ns": self.percentiles_ns,
+            "result": self.result,
+            "effective": self.effective,
+            "errors": self.errors,
+            "loadgen_version": self.loadgen_version,
+        }
 
 
 def parse_detail(text: str) -> dict[str, Any]:
@@ -86,14 +111,14 @@ def parse_detail(text: str) -> dict[str, Any]:
         if not line.startswith(_MLLOG):
             continue
         try:
-            rec = json.loads(line[len(_MLLOG):])
+            rec = json.loads(line[len(_MLLOG) :])
             out[str(rec["key"])] = rec.get("value")
         except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{DETAIL} line {n} is not a LoadGen MLLOG record: {exc}",
-                              field=DETAIL) from exc
+            raise ConfigError(
+                f"{DETAIL} line {n} is not a LoadGen MLLOG record: {exc}", field=DETAIL
+            ) from exc
     if not out:
-        raise ConfigError(f"{DETAIL} holds no MLLOG record: not a LoadGen detail log",
-                          field=DETAIL)
+        raise ConfigError(f"{DETAIL} holds no MLLOG record: not a LoadGen detail log", field=DETAIL)
     return out
 
 
@@ -105,7 +130,7 @@ def parse_result(summary: str, detail: str) -> LoadGenResult:
     mode = str(kv.get("effective_test_mode") or head.get("Mode") or "")
     if not scenario or not mode:
         raise ConfigError("the logs name no scenario or test mode", field=SUMMARY)
-    result = {k[len("result_"):]: v for k, v in kv.items() if k.startswith("result_")}
+    result = {k[len("result_") :]: v for k, v in kv.items() if k.startswith("result_")}
     pct: dict[str, int] = {}
     for key, value in kv.items():
         m = _PCT.match(key)
@@ -120,13 +145,17 @@ def parse_result(summary: str, detail: str) -> LoadGenResult:
     if errors:
         reasons.append(f"LoadGen: {errors} errors")
     return LoadGenResult(
-        scenario=scenario, mode=mode, sut_name=str(kv.get("sut_name") or head.get("SUT name")
-                                                   or ""),
-        validity=str(validity) if validity else None, reasons=tuple(reasons),
-        percentiles_ns=pct, result=result,
-        effective={k[len("effective_"):]: v for k, v in kv.items()
-                   if k.startswith("effective_")},
-        errors=errors, loadgen_version=str(kv.get("loadgen_version") or ""))
+        scenario=scenario,
+        mode=mode,
+        sut_name=str(kv.get("sut_name") or head.get("SUT name") or ""),
+        validity=str(validity) if validity else None,
+        reasons=tuple(reasons),
+        percentiles_ns=pct,
+        result=result,
+        effective={k[len("effective_") :]: v for k, v in kv.items() if k.startswith("effective_")},
+        errors=errors,
+        loadgen_version=str(kv.get("loadgen_version") or ""),
+    )
 
 
 def trace_samples(text: str) -> np.ndarray:
@@ -139,12 +168,18 @@ def trace_samples(text: str) -> np.ndarray:
             ev = json.loads(line.rstrip().rstrip(","))
             a = ev["args"]
             scheduled = round(float(ev["ts"]) * 1000)
-            rows.append((int(a["sample_seq"]), int(a["query_seq"]), int(a["sample_idx"]),
-                         scheduled, scheduled + int(a["issue_start_ns"]),
-                         scheduled + int(a["complete_ns"])))
+            rows.append(
+                (
+                    int(a["sample_seq"]),
+                    int(a["query_seq"]),
+                    int(a["sample_idx"]),
+                    scheduled,
+                    scheduled + int(a["issue_start_ns"]),
+                    scheduled + int(a["complete_ns"]),
+                )
+            )
         except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{TRACE}: a Sample event is malformed: {exc}",
-                              field=TRACE) from exc
+            raise ConfigError(f"{TRACE}: a Sample event is malformed: {exc}", field=TRACE) from exc
     out = np.array(rows, dtype=TRACE_DTYPE)
     return np.sort(out, order="sample_seq")
 
@@ -155,12 +190,14 @@ def accuracy_entries(text: str) -> list[tuple[int, bytes]]:
         doc = json.loads(text) if text.strip() else []
         return [(int(e["qsl_idx"]), bytes.fromhex(str(e["data"]))) for e in doc]
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{ACCURACY} is not a LoadGen accuracy log: {exc}",
-                          field=ACCURACY) from exc
+        raise ConfigError(
+            f"{ACCURACY} is not a LoadGen accuracy log: {exc}", field=ACCURACY
+        ) from exc
 
 
-def imagenet_top1(entries: list[tuple[int, bytes]], labels: np.ndarray, *,
-                  dtype: str = "int64") -> tuple[int, int]:
+def imagenet_top1(
+    entries: list[tuple[int, bytes]], labels: np.ndarray, *, dtype: str = "int64"
+) -> tuple[int, int]:
     """(good, total) as MLPerf's ImageNet checker counts them: each ``qsl_idx`` once (the
     first response), its predicted class = the first element of the response data."""
     seen: set[int] = set()

@@ -63,8 +63,16 @@ from mlscope.errors import (
 )
 from mlscope.settings import Settings
 
-__all__ = ["ERROR", "TIMING", "AgentSUT", "SampleLibrary", "SampleTiming", "load_loadgen", "main",
-           "test_settings"]
+__all__ = [
+    "ERROR",
+    "TIMING",
+    "AgentSUT",
+    "SampleLibrary",
+    "SampleTiming",
+    "load_loadgen",
+    "main",
+    "test_settings",
+]
 
 TIMING = "sut-timing.npz"
 ERROR = "error.json"
@@ -95,8 +103,9 @@ class SampleLibrary:
         try:
             return np.stack([self.loaded[i] for i in indices])
         except KeyError as exc:
-            raise EvaluationError(f"LoadGen asked for sample {exc.args[0]}, which it did "
-                                  "not load") from exc
+            raise EvaluationError(
+                f"LoadGen asked for sample {exc.args[0]}, which it did not load"
+            ) from exc
 
 
 @dataclass
@@ -165,7 +174,7 @@ class AgentSUT:
         q = len(self.issue_ns)
         self.issue_ns.append(t)
         for start in range(0, len(items), self.batch_size):
-            self._backlog.append(_Chunk(q, start, items[start:start + self.batch_size]))
+            self._backlog.append(_Chunk(q, start, items[start : start + self.batch_size]))
         self._work.set()
 
     async def serve(self) -> None:
@@ -209,13 +218,19 @@ class AgentSUT:
             data = codec.decode(msg.data)
             if data.get("kind") == "error":
                 err = data.get("error") or {}
-                self._complete(int(err.get("fields", {}).get("index", -1)), None,
-                               str(err.get("message", "error")))
+                self._complete(
+                    int(err.get("fields", {}).get("index", -1)),
+                    None,
+                    str(err.get("message", "error")),
+                )
             elif data.get("ok"):
                 self._complete(int(data["index"]), data, "")
             else:
-                self._complete(int(data.get("index", -1)), None,
-                               str((data.get("error") or {}).get("message", "error")))
+                self._complete(
+                    int(data.get("index", -1)),
+                    None,
+                    str((data.get("error") or {}).get("message", "error")),
+                )
         except (WireError, AttributeError, KeyError, TypeError, ValueError):
             return  # not a reply: its chunk is answered by a real one, or expires
 
@@ -226,8 +241,12 @@ class AgentSUT:
         ranks, agent = None, (0, 0, 0, 0)
         if reply is not None:
             try:
-                agent = (int(reply["t_received"]), int(reply["t_predict_start"]),
-                         int(reply["t_predict_end"]), int(reply["t_replied"]))
+                agent = (
+                    int(reply["t_received"]),
+                    int(reply["t_predict_start"]),
+                    int(reply["t_predict_end"]),
+                    int(reply["t_replied"]),
+                )
                 ranks = _rankings(reply, len(chunk.items))
             except (KeyError, TypeError, ValueError):
                 ranks = None
@@ -239,8 +258,9 @@ class AgentSUT:
             if ranks is not None:
                 keep.append(ranks[pos])
                 t.prediction = int(ranks[pos][0])
-                responses.append(self.lg.QuerySampleResponse(
-                    sid, ranks[pos].ctypes.data, ranks[pos].nbytes))
+                responses.append(
+                    self.lg.QuerySampleResponse(sid, ranks[pos].ctypes.data, ranks[pos].nbytes)
+                )
             else:
                 self.errors += 1
                 responses.append(self.lg.QuerySampleResponse(sid, 0, 0))
@@ -272,8 +292,9 @@ def load_loadgen() -> Any:
     try:
         import mlperf_loadgen
     except ImportError as exc:
-        raise FrameworkUnavailable("MLPerf LoadGen is not installed: pip install "
-                                   "'mlscope[mlperf]' (mlcommons-loadgen)") from exc
+        raise FrameworkUnavailable(
+            "MLPerf LoadGen is not installed: pip install 'mlscope[mlperf]' (mlcommons-loadgen)"
+        ) from exc
     return mlperf_loadgen
 
 
@@ -282,8 +303,10 @@ def test_settings(lg: Any, spec: MLPerfSpec, model: str, workdir: Path) -> Any:
     ts = lg.TestSettings()
     ts.scenario = getattr(lg.TestScenario, spec.scenario)
     ts.mode = getattr(lg.TestMode, spec.mode)
-    for name, text, user in (("mlperf.conf", spec.mlperf_conf, False),
-                             ("user.conf", spec.user_conf, True)):
+    for name, text, user in (
+        ("mlperf.conf", spec.mlperf_conf, False),
+        ("user.conf", spec.user_conf, True),
+    ):
         if text is None and user:
             continue
         path = workdir / name
@@ -292,8 +315,9 @@ def test_settings(lg: Any, spec: MLPerfSpec, model: str, workdir: Path) -> Any:
         # conf_type 0 loads LoadGen's built-in mlperf.conf; 1 reads the file given.
         code = ts.FromConfig(str(path), model, spec.scenario, 1 if text is not None else 0)
         if code != 0:
-            raise ConfigError(f"LoadGen refused the {name} (FromConfig returned {code})",
-                              field=name)
+            raise ConfigError(
+                f"LoadGen refused the {name} (FromConfig returned {code})", field=name
+            )
     if spec.target_qps is not None:
         if spec.scenario == "Server":
             ts.server_target_qps = spec.target_qps
@@ -309,15 +333,18 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any], x: np.ndarray) -> Age
     spec = MLPerfSpec.model_validate(cfg["spec"])
     work = Path(cfg["workdir"])
     library = SampleLibrary(x)
-    sut = AgentSUT(bus, lg, cfg["subject"], cfg["evaluation_id"], library, spec.batch_size,
-                   spec.window)
+    sut = AgentSUT(
+        bus, lg, cfg["subject"], cfg["evaluation_id"], library, spec.batch_size, spec.window
+    )
     ts = test_settings(lg, spec, cfg["conf_model"], work)
     log = lg.LogSettings()
     log.log_output.outdir = cfg["logdir"]
     log.log_output.copy_summary_to_stdout = False
     log.enable_trace = True  # the per-sample records
-    handles = (lg.ConstructSUT(sut.issue_query, sut.flush_queries),
-               lg.ConstructQSL(len(x), len(x), library.load, library.unload))
+    handles = (
+        lg.ConstructSUT(sut.issue_query, sut.flush_queries),
+        lg.ConstructQSL(len(x), len(x), library.load, library.unload),
+    )
     # The same conditions as mlscope's own pacer (broker/loadgen.py), so the two load
     # generators can be compared: LoadGen's issue thread gets the GIL the moment it
     # wakes (not after a 5 ms switch interval), no GC pause holds it, and it runs in
@@ -326,13 +353,15 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any], x: np.ndarray) -> Age
     switch = sys.getswitchinterval()
     sys.setswitchinterval(PACER_SWITCH_INTERVAL_S)
     quiet_gc = _QuietGC()
-    loop_rt = RealtimeThread(enable=spec.scenario != "Offline" and (
-        spec.target_qps or 0) <= LOOP_REALTIME_MAX_QPS)
+    loop_rt = RealtimeThread(
+        enable=spec.scenario != "Offline" and (spec.target_qps or 0) <= LOOP_REALTIME_MAX_QPS
+    )
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(sut.serve)
-            await anyio.to_thread.run_sync(_start_test, lg, handles, ts, log,
-                                           str(work / "audit.config"))
+            await anyio.to_thread.run_sync(
+                _start_test, lg, handles, ts, log, str(work / "audit.config")
+            )
             tg.cancel_scope.cancel()
     finally:
         loop_rt.restore()
@@ -363,12 +392,16 @@ def _start_test(lg: Any, handles: tuple[int, int], ts: Any, log: Any, audit: str
 def save_timing(sut: AgentSUT, path: Path) -> None:
     keys = sorted(sut.timing)
     rows = [sut.timing[k] for k in keys]
-    np.savez(path, issue_ns=np.asarray(sut.issue_ns, np.int64),
-             key=np.asarray(keys, np.int64).reshape(-1, 2),
-             agent=np.asarray([t.agent for t in rows], np.int64).reshape(-1, 4),
-             ok=np.asarray([t.ok for t in rows], bool),
-             prediction=np.asarray([t.prediction for t in rows], np.int64),
-             error=np.asarray([t.error for t in rows], dtype=str), errors=sut.errors)
+    np.savez(
+        path,
+        issue_ns=np.asarray(sut.issue_ns, np.int64),
+        key=np.asarray(keys, np.int64).reshape(-1, 2),
+        agent=np.asarray([t.agent for t in rows], np.int64).reshape(-1, 4),
+        ok=np.asarray([t.ok for t in rows], bool),
+        prediction=np.asarray([t.prediction for t in rows], np.int64),
+        error=np.asarray([t.error for t in rows], dtype=str),
+        errors=sut.errors,
+    )
 
 
 async def _child(cfg: dict[str, Any]) -> None:

@@ -44,22 +44,67 @@ from mlscope.errors import DatabaseError, QueryRefused
 
 __all__ = ["DENIED_FUNCTIONS", "ReadLimits", "ReadOnlyDatabase"]
 
-DENIED_FUNCTIONS = frozenset({
-    "file", "url", "urlcluster", "s3", "s3cluster", "gcs", "oss", "cosn", "hdfs",
-    "hdfscluster", "azureblobstorage", "azureblobstoragecluster", "remote",
-    "remotesecure", "cluster", "clusterallreplicas", "executable", "executablepool",
-    "input", "jdbc", "odbc", "mysql", "postgresql", "sqlite", "mongodb", "redis",
-    "iceberg", "icebergs3", "iceberglocal", "deltalake", "deltalakelocal", "hudi",
-    "filecluster", "dictionary", "loop", "merge", "view", "viewifpermitted",
-    "prometheusquery", "ytsaurus", "arrowflight",
-})
+DENIED_FUNCTIONS = frozenset(
+    {
+        "file",
+        "url",
+        "urlcluster",
+        "s3",
+        "s3cluster",
+        "gcs",
+        "oss",
+        "cosn",
+        "hdfs",
+        "hdfscluster",
+        "azureblobstorage",
+        "azureblobstoragecluster",
+        "remote",
+        "remotesecure",
+        "cluster",
+        "clusterallreplicas",
+        "executable",
+        "executablepool",
+        "input",
+        "jdbc",
+        "odbc",
+        "mysql",
+        "postgresql",
+        "sqlite",
+        "mongodb",
+        "redis",
+        "iceberg",
+        "icebergs3",
+        "iceberglocal",
+        "deltalake",
+        "deltalakelocal",
+        "hudi",
+        "filecluster",
+        "dictionary",
+        "loop",
+        "merge",
+        "view",
+        "viewifpermitted",
+        "prometheusquery",
+        "ytsaurus",
+        "arrowflight",
+    }
+)
 """Functions and table functions that read or write outside the evaluation tables
 (host files, the network, other servers, programs). ``readonly`` already refuses the
 table functions among them; the ``file()`` scalar function it does not."""
 
-_LIMIT_CODES = ("TIMEOUT_EXCEEDED", "TOO_MANY_ROWS_OR_BYTES", "MEMORY_LIMIT_EXCEEDED",
-                "TOO_MANY_ROWS", "TOO_MANY_BYTES", "READONLY", "ACCESS_DENIED",
-                "QUERY_WAS_CANCELLED", "TOO_SLOW", "TOO_MANY_ROWS_OR_BYTES")
+_LIMIT_CODES = (
+    "TIMEOUT_EXCEEDED",
+    "TOO_MANY_ROWS_OR_BYTES",
+    "MEMORY_LIMIT_EXCEEDED",
+    "TOO_MANY_ROWS",
+    "TOO_MANY_BYTES",
+    "READONLY",
+    "ACCESS_DENIED",
+    "QUERY_WAS_CANCELLED",
+    "TOO_SLOW",
+    "TOO_MANY_ROWS_OR_BYTES",
+)
 _STRING = re.compile(r"'(?:[^'\\]|\\.)*'", re.S)
 _CALL = re.compile(r'(?:`((?:[^`\\]|\\.)*)`|"((?:[^"\\]|\\.)*)"|([A-Za-z_][A-Za-z0-9_]*))\s*\(')
 _TOP_CLAUSE = re.compile(r"^(INTO OUTFILE|FORMAT|SETTINGS)\b", re.M)
@@ -115,15 +160,15 @@ class ReadOnlyDatabase:
                 self._pool.put(self._connect())
         except (ClickHouseError, OSError, RuntimeError) as exc:
             self.close()
-            raise DatabaseError(f"cannot open read connection to {dsn}: {exc}",
-                                dsn=dsn) from exc
+            raise DatabaseError(f"cannot open read connection to {dsn}: {exc}", dsn=dsn) from exc
 
     def frame(self, sql: Any, parameters: Any = None) -> pd.DataFrame:
         """Run one client SELECT under the read rules; QueryRefused when it breaks one
         (``sql`` and ``parameters`` come off the wire: any type is refused cleanly)."""
         if not isinstance(sql, str) or len(sql) > self.limits.max_sql_chars:
-            raise QueryRefused(f"SQL must be a string of at most {self.limits.max_sql_chars}"
-                               " characters")
+            raise QueryRefused(
+                f"SQL must be a string of at most {self.limits.max_sql_chars} characters"
+            )
         if parameters is not None and not isinstance(parameters, dict):
             raise QueryRefused("parameters must be a mapping")
         client = self._take()
@@ -136,8 +181,7 @@ class ReadOnlyDatabase:
         except ClickHouseError as exc:
             raise _translate(exc, sql) from exc
         except (TypeError, ValueError, KeyError) as exc:  # parameters it cannot bind
-            raise QueryRefused(f"cannot bind the query's parameters: {exc}",
-                               sql=sql[:200]) from exc
+            raise QueryRefused(f"cannot bind the query's parameters: {exc}", sql=sql[:200]) from exc
         finally:
             self._pool.put(client if healthy else self._replace(client))
 
@@ -152,8 +196,9 @@ class ReadOnlyDatabase:
         try:
             return self._pool.get(timeout=self.limits.max_execution_time_s + 1.0)
         except queue.Empty:
-            raise QueryRefused("every read connection is busy; try again",
-                               readers=self.limits.readers) from None
+            raise QueryRefused(
+                "every read connection is busy; try again", readers=self.limits.readers
+            ) from None
 
     def _canonical(self, client: Any, sql: str) -> str:
         """ClickHouse's own rendering of ``sql`` after the statement checks."""
@@ -174,17 +219,20 @@ def check_statement(canonical: str) -> None:
     """Refuse a canonical (``formatQuery``) statement that is not a plain read."""
     if not canonical.startswith(("SELECT", "WITH")):
         head = canonical.split(None, 1)[0] if canonical.split() else ""
-        raise QueryRefused(f"only SELECT (or WITH ... SELECT) is allowed, not {head!r}",
-                           statement=head)
+        raise QueryRefused(
+            f"only SELECT (or WITH ... SELECT) is allowed, not {head!r}", statement=head
+        )
     clause = _TOP_CLAUSE.search(canonical)
     if clause:
-        raise QueryRefused(f"{clause.group(1)} is not allowed in a client query",
-                           clause=clause.group(1))
+        raise QueryRefused(
+            f"{clause.group(1)} is not allowed in a client query", clause=clause.group(1)
+        )
     for match in _CALL.finditer(_STRING.sub("''", canonical)):
         name = next(g for g in match.groups() if g is not None).lower()
         if name in DENIED_FUNCTIONS:
-            raise QueryRefused(f"function {name}() reaches outside the database and is "
-                               "not allowed", function=name)
+            raise QueryRefused(
+                f"function {name}() reaches outside the database and is not allowed", function=name
+            )
 
 
 def _translate(exc: ClickHouseError, sql: str) -> DatabaseError:

@@ -11,8 +11,16 @@ from mlscope.outcomes import classify
 
 __all__ = ["ARRAYS", "TIME_ARRAYS", "RunRecord"]
 
-TIME_ARRAYS = ("scheduled", "paced", "issued", "completed", "agent_received",
-               "predict_start", "predict_end", "agent_replied")
+TIME_ARRAYS = (
+    "scheduled",
+    "paced",
+    "issued",
+    "completed",
+    "agent_received",
+    "predict_start",
+    "predict_end",
+    "agent_replied",
+)
 """Per-query times (ns from t0, 0 where it did not happen)."""
 ARRAYS = (*TIME_ARRAYS, "ok", "refused", "correct", "prediction")
 """Every per-query array of a :class:`RunRecord`."""
@@ -75,8 +83,9 @@ class RunRecord:
 
     def outcomes(self) -> np.ndarray:
         """Each query's :class:`mlscope.outcomes.Outcome`."""
-        return classify(issued=self.issued, completed=self.completed, ok=self.ok,
-                        refused=self.refused)
+        return classify(
+            issued=self.issued, completed=self.completed, ok=self.ok, refused=self.refused
+        )
 
     def measured(self) -> np.ndarray:
         """Mask of the queries statistics count: all but the warm-up."""

@@ -45,8 +45,19 @@ from mlscope.errors import ConfigError
 from mlscope.manifest import ScenarioFile, load_manifest
 from mlscope.validity import ValidityPolicy, Verdict, early_stopping_queries_needed
 
-__all__ = ["PEAK_PRECISION", "SCENARIOS", "Context", "Outcome", "Run", "build_schedule",
-           "execute", "next_rate", "peak_floor_qps", "read_arrivals", "scenario_spec"]
+__all__ = [
+    "PEAK_PRECISION",
+    "SCENARIOS",
+    "Context",
+    "Outcome",
+    "Run",
+    "build_schedule",
+    "execute",
+    "next_rate",
+    "peak_floor_qps",
+    "read_arrivals",
+    "scenario_spec",
+]
 
 PEAK_PRECISION = 0.05
 """A peak search stops when the failing rate is within 5% of the passing one."""
@@ -90,13 +101,20 @@ class Run:
     def point(self) -> dict[str, Any]:
         """This run as one entry of a summary's ``points``."""
         f = self.figures
-        return {"evaluation_id": self.evaluation_id, "qps": self.requested_qps,
-                "batch_size": self.spec.batch_size, "scheduled_qps": f.scheduled_qps,
-                "achieved_qps": f.achieved_qps, "completed_qps": f.completed_qps,
-                "backlog_s": f.backlog_s,
-                "throughput_ips": f.throughput_ips, "latency_ms": f.latency_ms.model_dump(),
-                "issue_lag_us": f.issue_lag_us, "valid": self.verdict.valid,
-                "invalid_reasons": list(self.verdict.reasons)}
+        return {
+            "evaluation_id": self.evaluation_id,
+            "qps": self.requested_qps,
+            "batch_size": self.spec.batch_size,
+            "scheduled_qps": f.scheduled_qps,
+            "achieved_qps": f.achieved_qps,
+            "completed_qps": f.completed_qps,
+            "backlog_s": f.backlog_s,
+            "throughput_ips": f.throughput_ips,
+            "latency_ms": f.latency_ms.model_dump(),
+            "issue_lag_us": f.issue_lag_us,
+            "valid": self.verdict.valid,
+            "invalid_reasons": list(self.verdict.reasons),
+        }
 
 
 @dataclass
@@ -150,9 +168,17 @@ async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
     """One run of an open- or closed-loop scenario (no sweep, no search)."""
     inputs, labels = ctx.feeders(spec.batch_size)
     if spec.name in CLOSED_LOOPS:
-        driver = Driver(ctx.bus, evaluation_id=ctx.evaluation_id, subject=ctx.subject,
-                        spec=spec, inputs=inputs, labels=labels, trace_level=ctx.trace_level,
-                        offset_ns=ctx.offset_ns, on_progress=ctx.on_progress)
+        driver = Driver(
+            ctx.bus,
+            evaluation_id=ctx.evaluation_id,
+            subject=ctx.subject,
+            spec=spec,
+            inputs=inputs,
+            labels=labels,
+            trace_level=ctx.trace_level,
+            offset_ns=ctx.offset_ns,
+            on_progress=ctx.on_progress,
+        )
         rec = await driver.run()
         done = rec.completed[rec.completed > 0]
         window = float(done.max()) / 1e9 if done.size else 0.0
@@ -163,15 +189,30 @@ async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
 
             rec = await run_dealt(ctx, spec, sched, inputs, labels)
         else:
-            driver = Driver(ctx.bus, evaluation_id=ctx.evaluation_id, subject=ctx.subject,
-                            spec=spec, inputs=inputs, labels=labels,
-                            trace_level=ctx.trace_level, offset_ns=ctx.offset_ns,
-                            on_progress=ctx.on_progress, schedule=sched)
+            driver = Driver(
+                ctx.bus,
+                evaluation_id=ctx.evaluation_id,
+                subject=ctx.subject,
+                spec=spec,
+                inputs=inputs,
+                labels=labels,
+                trace_level=ctx.trace_level,
+                offset_ns=ctx.offset_ns,
+                on_progress=ctx.on_progress,
+                schedule=sched,
+            )
             rec = await driver.run()
     rec.warmup = min(spec.warmup_queries, rec.n)
     requested, closed = _requested(spec), spec.name in CLOSED_LOOPS
-    verdict = judge(rec, spec, ctx.policy, window_s=window, requested_rate=requested,
-                    poisson=spec.name in POISSON, open_loop=not closed)
+    verdict = judge(
+        rec,
+        spec,
+        ctx.policy,
+        window_s=window,
+        requested_rate=requested,
+        poisson=spec.name in POISSON,
+        open_loop=not closed,
+    )
     fig = figures(rec, has_labels=labels is not None, window_s=None if closed else window)
     return Run(evaluation_id, spec, rec, fig, verdict, latency_split(rec), requested)
 
@@ -192,19 +233,34 @@ async def execute(ctx: Context, spec: ScenarioSpec) -> Outcome:
 async def _cold_start(ctx: Context, spec: ScenarioSpec) -> Outcome:
     """Loads measured apart from warm inference; valid when every load really happened
     and no query failed (the load-rate rules do not apply to a handful of queries)."""
+
     async def drive(warm: ScenarioSpec) -> RunRecord:
         inputs, labels = ctx.feeders(warm.batch_size)
-        return await Driver(ctx.bus, evaluation_id=ctx.evaluation_id, subject=ctx.subject,
-                            spec=warm, inputs=inputs, labels=labels,
-                            trace_level=ctx.trace_level, offset_ns=ctx.offset_ns,
-                            on_progress=ctx.on_progress).run()
+        return await Driver(
+            ctx.bus,
+            evaluation_id=ctx.evaluation_id,
+            subject=ctx.subject,
+            spec=warm,
+            inputs=inputs,
+            labels=labels,
+            trace_level=ctx.trace_level,
+            offset_ns=ctx.offset_ns,
+            on_progress=ctx.on_progress,
+        ).run()
 
     rec, cold = await coldstart.run(ctx.bus, ctx.agent_id, ctx.prepare, spec, drive)
     failed = int(rec.n - int(rec.ok.sum()))
     why = (*coldstart.reasons(cold), *((f"{failed} warm queries failed",) if failed else ()))
     f = figures(rec, has_labels=False)
-    run = Run(ctx.evaluation_id, spec, rec, f, Verdict(valid=not why, reasons=why),
-              latency_split(rec), None)
+    run = Run(
+        ctx.evaluation_id,
+        spec,
+        rec,
+        f,
+        Verdict(valid=not why, reasons=why),
+        latency_split(rec),
+        None,
+    )
     return Outcome(run, cold_start=cold)
 
 
@@ -219,8 +275,9 @@ async def _sweep(ctx: Context, spec: ScenarioSpec) -> Outcome:
     return Outcome(best, runs, optimal_batch_size=best.spec.batch_size)
 
 
-def next_rate(rate: float, passed: float | None, failed: float | None,
-              floor_qps: float) -> float | None:
+def next_rate(
+    rate: float, passed: float | None, failed: float | None, floor_qps: float
+) -> float | None:
     """The next rate a peak search tries, or None when it is done.
 
     Double while nothing failed; halve while nothing passed (down to ``floor_qps``,
@@ -242,8 +299,9 @@ def peak_floor_qps(spec: ScenarioSpec, policy: ValidityPolicy) -> float:
     p99 at 99% confidence, none over), so it would fail for its length, not its
     latency. 10% above the bare count, so that a Poisson run's count (sd sqrt(n),
     under 5% of 459) reaches it."""
-    need = early_stopping_queries_needed([], 0.0, policy.percentile, policy.confidence,
-                                         policy.tolerance)
+    need = early_stopping_queries_needed(
+        [], 0.0, policy.percentile, policy.confidence, policy.tolerance
+    )
     return 1.1 * max(need, spec.min_queries or 0) / spec.duration_s
 
 
@@ -275,15 +333,30 @@ async def _peak(ctx: Context, spec: ScenarioSpec) -> Outcome:
             failed = rate
         rate = next_rate(rate, passed, failed, floor_qps)
     if best is None:
-        return Outcome(runs[-1], runs, extra_reasons=(
-            f"peak search: no rate tried gave a VALID run under the "
-            f"{spec.latency_bound_ms:g} ms bound "
-            f"(lowest tried {min(r.requested_qps or 0 for r in runs):.1f} QPS)",))
+        return Outcome(
+            runs[-1],
+            runs,
+            extra_reasons=(
+                f"peak search: no rate tried gave a VALID run under the "
+                f"{spec.latency_bound_ms:g} ms bound "
+                f"(lowest tried {min(r.requested_qps or 0 for r in runs):.1f} QPS)",
+            ),
+        )
     return Outcome(best, runs, peak_qps=passed)
 
 
-SCENARIOS = ("online", "single-stream", "multi-stream", "batched", "concurrency", "constant",
-             "replay", "piecewise", "peak", "cold-start")
+SCENARIOS = (
+    "online",
+    "single-stream",
+    "multi-stream",
+    "batched",
+    "concurrency",
+    "constant",
+    "replay",
+    "piecewise",
+    "peak",
+    "cold-start",
+)
 
 
 def read_arrivals(path: Path) -> tuple[float, ...]:
@@ -304,11 +377,20 @@ def scenario_spec(path: Path | None, flags: dict[str, Any]) -> ScenarioSpec:
     if path is not None:
         doc = load_manifest(path)
         if not isinstance(doc, ScenarioFile):
-            raise ConfigError(f"{path} is a {type(doc).__name__}, not a scenario",
-                              file=str(path))
-        for key in ("qps", "duration_s", "batch_size", "batch_sizes", "seed",
-                    "latency_bound_ms", "segments", "loadgens", "concurrency",
-                    "repetitions", "warm_queries"):
+            raise ConfigError(f"{path} is a {type(doc).__name__}, not a scenario", file=str(path))
+        for key in (
+            "qps",
+            "duration_s",
+            "batch_size",
+            "batch_sizes",
+            "seed",
+            "latency_bound_ms",
+            "segments",
+            "loadgens",
+            "concurrency",
+            "repetitions",
+            "warm_queries",
+        ):
             if getattr(doc, key) is not None:
                 values[key] = getattr(doc, key)
         values["name"] = doc.name

@@ -91,11 +91,13 @@ class Server:
         self.db.migrate()
         self.db.set_retention(self.settings.trace_retention_days)
         limits = self.read_limits or ReadLimits(max_execution_time_s=self.settings.sql_timeout_s)
-        self.reader = ReadOnlyDatabase(self.settings.clickhouse_read_dsn or self.settings.dsn,
-                                       limits)
+        self.reader = ReadOnlyDatabase(
+            self.settings.clickhouse_read_dsn or self.settings.dsn, limits
+        )
         try:
-            async with busmod.connect(self.settings, name=f"server {self.server_id}",
-                                      provision=True) as bus:
+            async with busmod.connect(
+                self.settings, name=f"server {self.server_id}", provision=True
+            ) as bus:
                 self.bus = bus
                 self.boundary = Boundary(bus, service=f"server {self.server_id}", logger=log)
                 self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir)
@@ -103,13 +105,21 @@ class Server:
                 # Replicas share the database requests (a queue group): with a shared
                 # ClickHouse server any of them answers; jobs come from one work queue.
                 serve = self.boundary.subscribe
-                subs = [await serve(names.EVALUATION_SUBJECT, EvaluationRequest,
-                                    self._on_eval, queue=DB_QUEUE)]
+                subs = [
+                    await serve(
+                        names.EVALUATION_SUBJECT, EvaluationRequest, self._on_eval, queue=DB_QUEUE
+                    )
+                ]
                 jobs = await bus.js.pull_subscribe(
-                    names.JOBS_SUBJECT, durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM,
-                    config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
-                                          ack_wait=JOB_ACK_WAIT_S,
-                                          max_deliver=JOB_MAX_DELIVER))
+                    names.JOBS_SUBJECT,
+                    durable=names.JOBS_CONSUMER,
+                    stream=names.JOBS_STREAM,
+                    config=ConsumerConfig(
+                        ack_policy=AckPolicy.EXPLICIT,
+                        ack_wait=JOB_ACK_WAIT_S,
+                        max_deliver=JOB_MAX_DELIVER,
+                    ),
+                )
                 self.remote = ManifestWatcher(bus)
                 self.agent_cache = AgentCache(bus)
                 keep = self.boundary.keep_running
@@ -119,8 +129,9 @@ class Server:
                     tg.start_soon(keep, "agents watch", self.agent_cache.run)
                     tg.start_soon(keep, "trace ingester", self.ingester.run)
                     tg.start_soon(keep, "agent history", AgentHistory(bus, self.db).run)
-                    tg.start_soon(keep, "job consumer",
-                                  functools.partial(self._take_jobs, jobs, tg))
+                    tg.start_soon(
+                        keep, "job consumer", functools.partial(self._take_jobs, jobs, tg)
+                    )
                     task_status.started()
                 for sub in subs:
                     await sub.unsubscribe()
@@ -147,8 +158,9 @@ class Server:
 
     async def _job(self, msg: Msg, slots: anyio.Semaphore) -> None:
         try:
-            await self.boundary.settle(msg, names.JOBS_STREAM, self._handle_job,
-                                       max_deliver=JOB_MAX_DELIVER)
+            await self.boundary.settle(
+                msg, names.JOBS_STREAM, self._handle_job, max_deliver=JOB_MAX_DELIVER
+            )
         finally:
             slots.release()
 
@@ -160,8 +172,7 @@ class Server:
             await self._refuse_undecodable(msg.data, exc)
             raise
         if job.job_id in self.running:  # redelivered while still running here
-            log.info("job %s redelivered while it runs here: held, acked with the run",
-                     job.job_id)
+            log.info("job %s redelivered while it runs here: held, acked with the run", job.job_id)
             self.running[job.job_id].append(msg)
             return
         self.running[job.job_id] = [msg]
@@ -177,8 +188,12 @@ class Server:
                 try:
                     await m.ack()
                 except (TimeoutError, nats.errors.Error) as exc:
-                    log.warning("job %s: ack lost (%r); its evaluation is stored, a "
-                                "redelivery gets the stored result", job.job_id, exc)
+                    log.warning(
+                        "job %s: ack lost (%r); its evaluation is stored, a "
+                        "redelivery gets the stored result",
+                        job.job_id,
+                        exc,
+                    )
 
     async def _refuse_undecodable(self, data: bytes, exc: WireError) -> None:
         try:
@@ -187,9 +202,12 @@ class Server:
             return
         job_id = raw.get("job_id") if isinstance(raw, dict) else None
         if isinstance(job_id, str) and 0 < len(job_id) <= 128:
-            await self._emit(names.job_events(job_id), JobEvent(
-                job_id=job_id, event="failed", server_id=self.server_id,
-                error=exc.to_wire()))
+            await self._emit(
+                names.job_events(job_id),
+                JobEvent(
+                    job_id=job_id, event="failed", server_id=self.server_id, error=exc.to_wire()
+                ),
+            )
 
     async def _keep_alive(self, job_id: str) -> None:
         """The job's lease: ``in_progress`` on every delivery, survivable failures (a
@@ -197,35 +215,61 @@ class Server:
         while True:
             await anyio.sleep(JOB_ACK_WAIT_S / 5)
             for m in list(self.running.get(job_id, [])):
-                with (anyio.move_on_after(2),
-                      contextlib.suppress(TimeoutError, nats.errors.Error, OSError)):
+                with (
+                    anyio.move_on_after(2),
+                    contextlib.suppress(TimeoutError, nats.errors.Error, OSError),
+                ):
                     await m.in_progress()
 
     async def _run_job(self, job: JobRequest, *, restarted: bool = False) -> None:
         subject = names.job_events(job.job_id)
-        await self._emit(subject, JobEvent(job_id=job.job_id, event="accepted",
-                                           server_id=self.server_id))
+        await self._emit(
+            subject, JobEvent(job_id=job.job_id, event="accepted", server_id=self.server_id)
+        )
         try:
             stored = await self._stored(evaluation_id_for(job.job_id))
             if stored is not None:  # its first run finished; only the ack was lost
-                await self._emit(subject, JobEvent(
-                    job_id=job.job_id, event="done", server_id=self.server_id,
-                    evaluation_id=stored.evaluation_id, summary=stored))
+                await self._emit(
+                    subject,
+                    JobEvent(
+                        job_id=job.job_id,
+                        event="done",
+                        server_id=self.server_id,
+                        evaluation_id=stored.evaluation_id,
+                        summary=stored,
+                    ),
+                )
                 return
             if restarted:
-                await self._emit(subject, JobEvent(
-                    job_id=job.job_id, event="restarted", server_id=self.server_id,
-                    note="job was restarted after server loss"))
+                await self._emit(
+                    subject,
+                    JobEvent(
+                        job_id=job.job_id,
+                        event="restarted",
+                        server_id=self.server_id,
+                        note="job was restarted after server loss",
+                    ),
+                )
             summary = await self._evaluate(job, subject)
         except Exception as exc:  # every failure ends the job with its reason
             err = self.boundary.failed(exc, subject)
-            await self._emit(subject, JobEvent(job_id=job.job_id, event="failed",
-                                               server_id=self.server_id, error=err.to_wire()))
+            await self._emit(
+                subject,
+                JobEvent(
+                    job_id=job.job_id, event="failed", server_id=self.server_id, error=err.to_wire()
+                ),
+            )
             return
-        await self._emit(subject, JobEvent(job_id=job.job_id, event="done",
-                                           server_id=self.server_id,
-                                           evaluation_id=summary.evaluation_id,
-                                           summary=summary))
+        await self._emit(
+            subject,
+            JobEvent(
+                job_id=job.job_id,
+                event="done",
+                server_id=self.server_id,
+                evaluation_id=summary.evaluation_id,
+                summary=summary,
+            ),
+        )
 
     async def _evaluate(self, job: JobRequest, subject: str) -> EvaluationSummary:
         if job.mlperf_import is not None:  # logs made elsewhere: no agent to resolve
@@ -236,30 +280,49 @@ class Server:
         while True:
             agent, entry = await self._resolve(job, gone)
             try:
-                await busmod.request(self.bus, names.agent_ctl(agent.agent_id),
-                                     codec.encode_model(PingOp()), timeout=2.0)
+                await busmod.request(
+                    self.bus,
+                    names.agent_ctl(agent.agent_id),
+                    codec.encode_model(PingOp()),
+                    timeout=2.0,
+                )
                 break
             except MLScopeError as exc:
-                log.warning("job %s: agent %s does not answer (%s); resolving again",
-                            job.job_id, agent.agent_id, exc.message)
+                log.warning(
+                    "job %s: agent %s does not answer (%s); resolving again",
+                    job.job_id,
+                    agent.agent_id,
+                    exc.message,
+                )
                 gone.add(agent.agent_id)
 
         async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
-            await self._emit(subject, JobEvent(
-                job_id=job.job_id, event="progress", server_id=self.server_id,
-                evaluation_id=eval_id, queries_done=rec.done, elapsed_s=elapsed,
-                p50_ms=running_p50_ms(rec)))
+            await self._emit(
+                subject,
+                JobEvent(
+                    job_id=job.job_id,
+                    event="progress",
+                    server_id=self.server_id,
+                    evaluation_id=eval_id,
+                    queries_done=rec.done,
+                    elapsed_s=elapsed,
+                    p50_ms=running_p50_ms(rec),
+                ),
+            )
 
         return await self.evaluator.run(job, agent, entry, progress)
 
     async def _stored(self, eval_id: str) -> EvaluationSummary | None:
         rows = await anyio.to_thread.run_sync(
-            self.db.rows, "SELECT summary FROM evaluations FINAL "
-            "WHERE evaluation_id = {id:String}", {"id": eval_id})
+            self.db.rows,
+            "SELECT summary FROM evaluations FINAL WHERE evaluation_id = {id:String}",
+            {"id": eval_id},
+        )
         return EvaluationSummary.model_validate_json(rows[0][0]) if rows else None
 
-    async def _resolve(self, job: JobRequest, gone: set[str] | None = None
-                       ) -> tuple[AgentDescription, Entry]:
+    async def _resolve(
+        self, job: JobRequest, gone: set[str] | None = None
+    ) -> tuple[AgentDescription, Entry]:
         """From the watched registry (no round trip); a miss is checked against a
         fresh read of the bucket, and waited out for up to ``RESOLVE_GRACE_S`` while a
         matching agent heartbeated moments ago (a failover delays heartbeats)."""
@@ -281,7 +344,8 @@ class Server:
             except ResolutionError:
                 seen = alive(self.agent_cache.agents(include_stale=True))
                 if time.monotonic() >= deadline or not recently_alive(
-                        job, seen, catalog, now=time.time()):
+                    job, seen, catalog, now=time.time()
+                ):
                     raise
             await anyio.sleep(0.5)
 
@@ -293,8 +357,9 @@ class Server:
 
     # ------------------------------------------------------------------ database
 
-    async def _serve_sql(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-                         ) -> None:
+    async def _serve_sql(
+        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         """Answer client SQL concurrently: a subscription callback runs one message at
         a time, and one slow query would make every other client wait for it. Each
         request goes through the serving boundary (typed contract, typed error reply)."""
@@ -327,11 +392,14 @@ class Server:
 
     async def _on_eval(self, req: EvaluationRequest, msg: Msg) -> EvaluationReply:
         rows = await anyio.to_thread.run_sync(
-            self.db.rows, "SELECT spec, summary FROM evaluations FINAL "
-            "WHERE evaluation_id = {id:String}", {"id": req.evaluation_id})
+            self.db.rows,
+            "SELECT spec, summary FROM evaluations FINAL WHERE evaluation_id = {id:String}",
+            {"id": req.evaluation_id},
+        )
         if not rows:
-            raise DatabaseError(f"no evaluation {req.evaluation_id!r}",
-                                evaluation_id=req.evaluation_id)
+            raise DatabaseError(
+                f"no evaluation {req.evaluation_id!r}", evaluation_id=req.evaluation_id
+            )
         return EvaluationReply(spec=rows[0][0], summary=rows[0][1])
 
 
@@ -343,4 +411,3 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
     return str(v)
-

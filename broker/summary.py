@@ -49,8 +49,17 @@ from mlscope.outcomes import count
 from mlscope.stats import describe_ms, percentiles
 from mlscope.validity import ValidityPolicy, Verdict, achieved_rate, backlog_s, verdict
 
-__all__ = ["LOADGEN_BUSY_WARN", "Figures", "LoadgenCost", "figures", "issue_lag_split", "judge",
-           "latency_split", "policy_for", "tracing_warnings"]
+__all__ = [
+    "LOADGEN_BUSY_WARN",
+    "Figures",
+    "LoadgenCost",
+    "figures",
+    "issue_lag_split",
+    "judge",
+    "latency_split",
+    "policy_for",
+    "tracing_warnings",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,17 +99,24 @@ def _issued_mask(rec: RunRecord) -> np.ndarray:
 def _lag_stats(lag_ns: np.ndarray) -> dict[str, float | None]:
     us = lag_ns / 1e3
     p50, p90, p99, p999 = percentiles(us, [50, 90, 99, 99.9])
-    return {"p50": p50, "p90": p90, "p99": p99, "p99.9": p999,
-            "min": float(us.min()) if us.size else None,
-            "max": float(us.max()) if us.size else None}
+    return {
+        "p50": p50,
+        "p90": p90,
+        "p99": p99,
+        "p99.9": p999,
+        "min": float(us.min()) if us.size else None,
+        "max": float(us.max()) if us.size else None,
+    }
 
 
 def issue_lag_split(rec: RunRecord) -> dict[str, dict[str, float | None]]:
     """Issue lag in its two parts (µs): ``pacer`` = scheduled -> released by the pacer
     thread, ``loop`` = released -> handed to the bus client on the event loop."""
     m = rec.measured() & (rec.paced > 0) & (rec.issued > 0)
-    return {"pacer": _lag_stats((rec.paced - rec.scheduled)[m]),
-            "loop": _lag_stats((rec.issued - rec.paced)[m])}
+    return {
+        "pacer": _lag_stats((rec.paced - rec.scheduled)[m]),
+        "loop": _lag_stats((rec.issued - rec.paced)[m]),
+    }
 
 
 def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) -> Figures:
@@ -123,19 +139,27 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
     done_rate = achieved_rate(rec.completed[rec.ok.astype(bool)])
     counts = count(rec.outcomes()[meas])
     return Figures(
-        queries=rec.n, warmup_queries=int(rec.n - meas.sum()), samples=samples,
-        outcomes=counts, duration_s=duration,
-        scheduled_qps=sched_rate or None, achieved_qps=ach_rate or None,
+        queries=rec.n,
+        warmup_queries=int(rec.n - meas.sum()),
+        samples=samples,
+        outcomes=counts,
+        duration_s=duration,
+        scheduled_qps=sched_rate or None,
+        achieved_qps=ach_rate or None,
         completed_qps=done_rate or None,
-        backlog_s=(backlog_s(rec.scheduled, np.where(rec.ok.astype(bool), rec.completed, 0),
-                             window_s) if window_s is not None else None),
+        backlog_s=(
+            backlog_s(rec.scheduled, np.where(rec.ok.astype(bool), rec.completed, 0), window_s)
+            if window_s is not None
+            else None
+        ),
         latency_ms=LatencyStats(**describe_ms(lat_ns)),
         issue_lag_us=_lag_stats((rec.issued - rec.scheduled)[issued_mask]),
         issue_lag_split_us=issue_lag_split(rec),
         throughput_ips=samples / tput_span if tput_span > 0 else None,
         top1=float(rec.correct[ok].sum()) / samples if has_labels and samples else None,
-        loadgen_cpu_us_per_query=(rec.cpu_s / issued.size * 1e6
-                                  if issued.size and rec.cpu_s > 0 else None),
+        loadgen_cpu_us_per_query=(
+            rec.cpu_s / issued.size * 1e6 if issued.size and rec.cpu_s > 0 else None
+        ),
     )
 
 
@@ -170,9 +194,14 @@ class LoadgenCost:
 
     def facts(self, f: Figures) -> dict[str, Any]:
         """The summary's ``loadgen_cost``."""
-        return {"cpu_us_per_query": f.loadgen_cpu_us_per_query, "busy_cores": self.busy(f),
-                "host": self.host, "host_cores": self.cores, "loadgens": self.loadgens,
-                "shared_host": self.shared_host}
+        return {
+            "cpu_us_per_query": f.loadgen_cpu_us_per_query,
+            "busy_cores": self.busy(f),
+            "host": self.host,
+            "host_cores": self.cores,
+            "loadgens": self.loadgens,
+            "shared_host": self.shared_host,
+        }
 
     def warnings(self, f: Figures, *, parallel: bool) -> tuple[str, ...]:
         """What may have disturbed the measurement (the summary's ``warnings``)."""
@@ -182,20 +211,24 @@ class LoadgenCost:
             out.append(
                 f"the load generator shared the agent's host ({self.host}, {self.cores} "
                 f"cores) and used {f.loadgen_cpu_us_per_query:.0f} µs CPU per query "
-                f"({busy:.0%} of a core): it may have slowed the system under test")
+                f"({busy:.0%} of a core): it may have slowed the system under test"
+            )
         if parallel:
-            out.append("run with --parallel: other evaluations may have shared its hosts "
-                       "while it ran")
+            out.append(
+                "run with --parallel: other evaluations may have shared its hosts while it ran"
+            )
         return tuple(out)
 
 
 def tracing_warnings(level: str) -> tuple[str, ...]:
     """A traced run says what its trace level does to what it measured."""
     if level in ("framework", "system", "full"):
-        return (f"traced at level {level}: every predict ran under the framework's "
-                "profiler, so latency and compute include its recording cost; compare "
-                "only with runs at the same level (the profiler's start and stop are "
-                "kept out of the predict span: its profiler_ns attribute)",)
+        return (
+            f"traced at level {level}: every predict ran under the framework's "
+            "profiler, so latency and compute include its recording cost; compare "
+            "only with runs at the same level (the profiler's start and stop are "
+            "kept out of the predict span: its profiler_ns attribute)",
+        )
     return ()
 
 
@@ -205,8 +238,12 @@ def latency_split(rec: RunRecord) -> dict[str, dict[str, float | None]]:
     if not ok.any():
         return {}
     sched, issued, done = rec.scheduled[ok], rec.issued[ok], rec.completed[ok]
-    recv, p0, p1, sent = (rec.agent_received[ok], rec.predict_start[ok], rec.predict_end[ok],
-                          rec.agent_replied[ok])
+    recv, p0, p1, sent = (
+        rec.agent_received[ok],
+        rec.predict_start[ok],
+        rec.predict_end[ok],
+        rec.agent_replied[ok],
+    )
     compute = p1 - p0
     stages = {
         "issue_lag": issued - sched,
@@ -239,17 +276,27 @@ def policy_for(spec: ScenarioSpec, base: ValidityPolicy) -> ValidityPolicy:
         base,
         early_stopping=base.early_stopping and spec.name != "batched",
         percentile=90.0 if spec.name == "single-stream" else base.percentile,
-        min_duration_s=spec.min_duration_s if spec.min_duration_s is not None
+        min_duration_s=spec.min_duration_s
+        if spec.min_duration_s is not None
         else base.min_duration_s,
         min_queries=spec.min_queries if spec.min_queries is not None else base.min_queries,
         latency_bound_ns=int(bound * 1e6) if bound is not None else base.latency_bound_ns,
-        max_issue_lag_us=spec.max_issue_lag_us if spec.max_issue_lag_us is not None
+        max_issue_lag_us=spec.max_issue_lag_us
+        if spec.max_issue_lag_us is not None
         else base.max_issue_lag_us,
     )
 
 
-def judge(rec: RunRecord, spec: ScenarioSpec, policy: ValidityPolicy, *, window_s: float,
-          requested_rate: float | None, poisson: bool, open_loop: bool = True) -> Verdict:
+def judge(
+    rec: RunRecord,
+    spec: ScenarioSpec,
+    policy: ValidityPolicy,
+    *,
+    window_s: float,
+    requested_rate: float | None,
+    poisson: bool,
+    open_loop: bool = True,
+) -> Verdict:
     """The verdict on one run (:func:`mlscope.validity.verdict` over its raw arrays).
 
     ``window_s``: how long the load ran (the schedule's window for an open loop, the
@@ -262,9 +309,13 @@ def judge(rec: RunRecord, spec: ScenarioSpec, policy: ValidityPolicy, *, window_
     ok = rec.ok.astype(bool)
     issued = np.where(_issued_mask(rec), np.maximum(rec.issued, 1), 0)
     return verdict(
-        scheduled_ns=rec.scheduled, issued_ns=issued,
+        scheduled_ns=rec.scheduled,
+        issued_ns=issued,
         latency_ns=(rec.completed - rec.scheduled)[ok & meas],
         outcomes=count(rec.outcomes()[meas]),
         completed_ns=np.where(ok, rec.completed, 0) if open_loop else None,
-        requested_rate=requested_rate, poisson=poisson, duration_s=window_s,
-        policy=policy_for(spec, policy))
+        requested_rate=requested_rate,
+        poisson=poisson,
+        duration_s=window_s,
+        policy=policy_for(spec, policy),
+    )

@@ -19,8 +19,9 @@ from mlscope.settings import Settings
 __all__ = ["comparison_table", "matching_agents", "submit_all"]
 
 
-def matching_agents(job: JobRequest, agents: list[AgentDescription], *,
-                    any_framework: bool = False) -> list[tuple[AgentDescription, str]]:
+def matching_agents(
+    job: JobRequest, agents: list[AgentDescription], *, any_framework: bool = False
+) -> list[tuple[AgentDescription, str]]:
     """(agent, framework) for every live agent that offers the job's model."""
     out = []
     for a in agents:
@@ -32,17 +33,22 @@ def matching_agents(job: JobRequest, agents: list[AgentDescription], *,
             if not any_framework and offer.framework != job.framework:
                 continue
             fw = next((f for f in a.frameworks if f.name == offer.framework), None)
-            if fw is None or not any(d.split(":")[0] == job.device.split(":")[0]
-                                     for d in fw.devices):
+            if fw is None or not any(
+                d.split(":")[0] == job.device.split(":")[0] for d in fw.devices
+            ):
                 continue
             out.append((a, offer.framework))
             break
     return out
 
 
-async def submit_all(settings: Settings, job: JobRequest, *, any_framework: bool = False,
-                     timeout: float | None = None
-                     ) -> list[EvaluationSummary | MLScopeError]:
+async def submit_all(
+    settings: Settings,
+    job: JobRequest,
+    *,
+    any_framework: bool = False,
+    timeout: float | None = None,
+) -> list[EvaluationSummary | MLScopeError]:
     """Submit one copy of ``job`` per matching agent; one result each (the summary, or
     the typed error that evaluation failed with). Agents on different hosts run at once;
     agents sharing a host one after another, unless ``job.parallel``."""
@@ -50,14 +56,22 @@ async def submit_all(settings: Settings, job: JobRequest, *, any_framework: bool
         agents = await list_agents(bus)
     targets = matching_agents(job, agents, any_framework=any_framework)
     if not targets:
-        raise ResolutionError(f"no live agent offers {job.model} "
-                              f"({'any framework' if any_framework else job.framework})",
-                              model=job.model)
+        raise ResolutionError(
+            f"no live agent offers {job.model} "
+            f"({'any framework' if any_framework else job.framework})",
+            model=job.model,
+        )
     results: list[EvaluationSummary | MLScopeError | None] = [None] * len(targets)
 
     async def one(i: int, agent: AgentDescription, framework: str) -> None:
-        copy = job.model_copy(update={"job_id": new_id("job"), "agent_id": agent.agent_id,
-                                      "framework": framework, "framework_version": None})
+        copy = job.model_copy(
+            update={
+                "job_id": new_id("job"),
+                "agent_id": agent.agent_id,
+                "framework": framework,
+                "framework_version": None,
+            }
+        )
         try:
             results[i] = await submit(settings, copy, timeout=timeout)
         except MLScopeError as exc:
@@ -79,8 +93,10 @@ async def submit_all(settings: Settings, job: JobRequest, *, any_framework: bool
 
 def comparison_table(results: list[EvaluationSummary | MLScopeError]) -> str:
     """One row per evaluation: agent, framework, verdict, latency, throughput."""
-    head = (f"{'agent':<34} {'framework':<20} {'verdict':<8} {'queries':>8} "
-            f"{'p50 ms':>9} {'p99 ms':>9} {'QPS':>9} {'top1':>7}")
+    head = (
+        f"{'agent':<34} {'framework':<20} {'verdict':<8} {'queries':>8} "
+        f"{'p50 ms':>9} {'p99 ms':>9} {'QPS':>9} {'top1':>7}"
+    )
     rows = [head, "-" * len(head)]
     for r in results:
         if isinstance(r, MLScopeError):
@@ -92,7 +108,8 @@ def comparison_table(results: list[EvaluationSummary | MLScopeError]) -> str:
             f"{r.agent_id[:34]:<34} {fw:<20} "
             f"{'valid' if r.valid else 'INVALID':<8} {r.queries:>8} "
             f"{_f(r.latency_ms.p50):>9} {_f(r.latency_ms.p99):>9} {_f(r.achieved_qps, 1):>9} "
-            f"{_f(top1, 4):>7}")
+            f"{_f(top1, 4):>7}"
+        )
     return "\n".join(rows)
 
 

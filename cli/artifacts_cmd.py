@@ -35,12 +35,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def built_models(zoo_dir: Path, only: Iterable[str] | None = None) -> list[Path]:
     """Model directories under ``zoo_dir`` that carry a build lock."""
     wanted = set(only) if only else None
-    return sorted(lock.parent for lock in zoo_dir.glob(f"*/*/{LOCK_NAME}")
-                  if wanted is None or lock.parent.parent.name in wanted)
+    return sorted(
+        lock.parent
+        for lock in zoo_dir.glob(f"*/*/{LOCK_NAME}")
+        if wanted is None or lock.parent.parent.name in wanted
+    )
 
 
-async def push_zoo(settings: Settings, zoo_dir: Path, *, only: Iterable[str] | None = None,
-                   log: Callable[[str], None] = print) -> int:
+async def push_zoo(
+    settings: Settings,
+    zoo_dir: Path,
+    *,
+    only: Iterable[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> int:
     """Push every built model of ``zoo_dir``; returns how many were sent."""
     dirs = built_models(zoo_dir, only)
     if not dirs:
@@ -49,8 +57,7 @@ async def push_zoo(settings: Settings, zoo_dir: Path, *, only: Iterable[str] | N
     async with busmod.connect(settings, name="mlscope artifacts push") as bus:
         sent = 0
         for d in dirs:
-            sent += await artifact_bucket.push(bus, d, log=log,
-                                               replicas=settings.js_replicas)
+            sent += await artifact_bucket.push(bus, d, log=log, replicas=settings.js_replicas)
         return sent
 
 

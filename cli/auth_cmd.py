@@ -24,40 +24,71 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cmds = auth.add_subparsers(dest="auth_command", required=True, metavar="ACTION")
     init = cmds.add_parser("init", help="write server.conf and one .creds file per role")
     init.add_argument("--out", type=Path, required=True)
-    init.add_argument("--edge-id", default="edge-1",
-                      help="agent id the edge credentials are restricted to")
-    init.add_argument("--edge-domain", default=DEFAULT_EDGE_DOMAIN,
-                      help="JetStream domain of the edge leaf node (`mlscope edge init "
-                           "--domain`), whose span buffer the hub sources")
-    init.add_argument("--hub-domain", default=DEFAULT_HUB_DOMAIN,
-                      help="JetStream domain of the hub (`mlscope edge init --hub-domain`)")
-    init.add_argument("--max-payload", type=int, default=DEFAULT_MAX_PAYLOAD,
-                      help="largest message in bytes the server accepts")
+    init.add_argument(
+        "--edge-id", default="edge-1", help="agent id the edge credentials are restricted to"
+    )
+    init.add_argument(
+        "--edge-domain",
+        default=DEFAULT_EDGE_DOMAIN,
+        help="JetStream domain of the edge leaf node (`mlscope edge init "
+        "--domain`), whose span buffer the hub sources",
+    )
+    init.add_argument(
+        "--hub-domain",
+        default=DEFAULT_HUB_DOMAIN,
+        help="JetStream domain of the hub (`mlscope edge init --hub-domain`)",
+    )
+    init.add_argument(
+        "--max-payload",
+        type=int,
+        default=DEFAULT_MAX_PAYLOAD,
+        help="largest message in bytes the server accepts",
+    )
     init.add_argument("--tls-cert", type=Path, default=None)
     init.add_argument("--tls-key", type=Path, default=None)
     init.add_argument("--tls-ca", type=Path, default=None)
     init.set_defaults(func=run_init)
-    add = cmds.add_parser("add-agent", help="issue one agent its own credentials, bound to "
-                                            "its own subjects and registry key")
+    add = cmds.add_parser(
+        "add-agent",
+        help="issue one agent its own credentials, bound to its own subjects and registry key",
+    )
     add.add_argument("name", help="the agent id (run it with `mlscope agent --agent-id NAME`)")
     add.add_argument("--out", type=Path, required=True, help="the `auth init` directory")
-    add.add_argument("--framework", action="append", default=[],
-                     help="capability subjects it may serve (repeatable; default: all)")
-    add.add_argument("--reload", type=int, default=None, metavar="PID",
-                     help="make the running nats-server PID reload its configuration "
-                          "(as `nats-server --signal reload=PID`)")
+    add.add_argument(
+        "--framework",
+        action="append",
+        default=[],
+        help="capability subjects it may serve (repeatable; default: all)",
+    )
+    add.add_argument(
+        "--reload",
+        type=int,
+        default=None,
+        metavar="PID",
+        help="make the running nats-server PID reload its configuration "
+        "(as `nats-server --signal reload=PID`)",
+    )
     add.set_defaults(func=run_add_agent)
 
 
 def run_init(args: argparse.Namespace) -> int:
-    files = write_auth(args.out, edge_id=args.edge_id, edge_domain=args.edge_domain,
-                       hub_domain=args.hub_domain, max_payload=args.max_payload,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca)
+    files = write_auth(
+        args.out,
+        edge_id=args.edge_id,
+        edge_domain=args.edge_domain,
+        hub_domain=args.hub_domain,
+        max_payload=args.max_payload,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+    )
     print(f"wrote {files.config}")
     for role in ROLES:
         print(f"  {role:<9} {files.creds[role]}  (replies under {INBOX_PREFIXES[role]}.)")
-    print(f"run: mlscope up --auth {files.directory}   "
-          f"(clients: MLSCOPE_NATS_CREDS={files.creds['submitter']})")
+    print(
+        f"run: mlscope up --auth {files.directory}   "
+        f"(clients: MLSCOPE_NATS_CREDS={files.creds['submitter']})"
+    )
     return 0
 
 
@@ -69,6 +100,5 @@ def run_add_agent(args: argparse.Namespace) -> int:
         print(f"nats-server {args.reload} reloads {args.out / 'server.conf'}")
     else:
         print("reload the server's configuration: nats-server --signal reload=PID")
-    print(f"run: MLSCOPE_NATS_CREDS={creds} mlscope agent --agent-id {args.name} "
-          "--framework F")
+    print(f"run: MLSCOPE_NATS_CREDS={creds} mlscope agent --agent-id {args.name} --framework F")
     return 0

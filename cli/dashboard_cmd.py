@@ -30,23 +30,42 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def command(port: int, address: str = "127.0.0.1") -> list[str]:
     """The streamlit command line that serves the dashboard."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP), "--server.port", str(port),
-            "--server.address", address, "--server.headless", "true",
-            "--browser.gatherUsageStats", "false", "--global.developmentMode", "false",
-            "--client.toolbarMode", "viewer"]
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.port",
+        str(port),
+        "--server.address",
+        address,
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--global.developmentMode",
+        "false",
+        "--client.toolbarMode",
+        "viewer",
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("streamlit") is None:
-        print("mlscope dashboard needs Streamlit: pip install 'mlscope[dashboard]'",
-              file=sys.stderr)
+        print(
+            "mlscope dashboard needs Streamlit: pip install 'mlscope[dashboard]'", file=sys.stderr
+        )
         return 1
     settings: Settings = args.settings
     env = {**os.environ, **settings.as_env()}
     root = str(APP.parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    print(f"mlscope dashboard: http://{args.address}:{args.port}  (Ctrl-C stops it)",
-          file=sys.stderr, flush=True)
+    print(
+        f"mlscope dashboard: http://{args.address}:{args.port}  (Ctrl-C stops it)",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         return subprocess.run(command(args.port, args.address), env=env, check=False).returncode
     except KeyboardInterrupt:

@@ -24,8 +24,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--qps", type=float, default=200.0)
-    p.add_argument("--duration", type=float, default=10.0,
-                   help="seconds per run (10 s is the shortest VALID run by default)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=10.0,
+        help="seconds per run (10 s is the shortest VALID run by default)",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.set_defaults(func=run)
 
@@ -52,12 +56,18 @@ def run(args: argparse.Namespace) -> int:
     live = stack.start()
     try:
         jobs = [
-            JobRequest(model="digits_cnn", framework="onnxruntime",
-                       scenario=ScenarioSpec(name="online", qps=args.qps,
-                                             duration_s=args.duration)),
-            JobRequest(model="digits_cnn", framework="onnxruntime",
-                       scenario=ScenarioSpec(name="batched", batch_size=args.batch_size,
-                                             duration_s=args.duration)),
+            JobRequest(
+                model="digits_cnn",
+                framework="onnxruntime",
+                scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration),
+            ),
+            JobRequest(
+                model="digits_cnn",
+                framework="onnxruntime",
+                scenario=ScenarioSpec(
+                    name="batched", batch_size=args.batch_size, duration_s=args.duration
+                ),
+            ),
         ]
 
         async def go() -> None:

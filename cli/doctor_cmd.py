@@ -44,8 +44,11 @@ async def diagnose(settings: Settings, *, limit: int = 50) -> dict[str, Any]:
                 continue
             streams[name] = {"messages": int(state.messages), "bytes": int(state.bytes)}
         kept, newest = await dead_letters(bus, limit=limit)
-    return {"streams": streams, "dead_letters": kept,
-            "newest": [dataclasses.asdict(d) for d in newest]}
+    return {
+        "streams": streams,
+        "dead_letters": kept,
+        "newest": [dataclasses.asdict(d) for d in newest],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,4 +65,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _line(d: DeadLetter) -> str:
-    return (f"  #{d.seq} {d.subject} ({d.size} B, {d.delivered}x, {d.service}): {d.error}")
+    return f"  #{d.seq} {d.subject} ({d.size} B, {d.delivered}x, {d.service}): {d.error}"

@@ -37,14 +37,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     edge = sub.add_parser("edge", help="edge devices: leaf-node config, run, attach")
     cmds = edge.add_subparsers(dest="edge_command", required=True, metavar="ACTION")
     init = cmds.add_parser("init", help="write the leaf-node config of an edge device")
-    init.add_argument("--hub", required=True,
-                      help="the hub's leaf-node URL, e.g. nats-leaf://hub.example:7422")
+    init.add_argument(
+        "--hub", required=True, help="the hub's leaf-node URL, e.g. nats-leaf://hub.example:7422"
+    )
     init.add_argument("--out", type=Path, required=True)
-    init.add_argument("--domain", default="edge1",
-                      help="JetStream domain of this device (unique per device)")
+    init.add_argument(
+        "--domain", default="edge1", help="JetStream domain of this device (unique per device)"
+    )
     init.add_argument("--hub-domain", default="hub")
-    init.add_argument("--creds", type=Path, default=None,
-                      help="edge.creds of `mlscope auth init` for the link to the hub")
+    init.add_argument(
+        "--creds",
+        type=Path,
+        default=None,
+        help="edge.creds of `mlscope auth init` for the link to the hub",
+    )
     init.add_argument("--port", type=int, default=4222, help="local client port of the leaf")
     init.set_defaults(func=run_init)
 
@@ -64,12 +70,15 @@ def run_init(args: argparse.Namespace) -> int:
     if args.creds is not None:
         _check_domains(args.creds, domain=args.domain, hub_domain=args.hub_domain)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "leaf.conf").write_text(leaf_config(hub_url=args.hub, domain=args.domain,
-                                               seed_file=args.creds))
-    env = (f"MLSCOPE_NATS_URL=nats://127.0.0.1:{args.port}\n"
-           f"MLSCOPE_JS_DOMAIN={args.hub_domain}\n"
-           f"MLSCOPE_EDGE_DOMAIN={args.domain}\n"
-           f"MLSCOPE_EDGE_PORT={args.port}\n")
+    (out / "leaf.conf").write_text(
+        leaf_config(hub_url=args.hub, domain=args.domain, seed_file=args.creds)
+    )
+    env = (
+        f"MLSCOPE_NATS_URL=nats://127.0.0.1:{args.port}\n"
+        f"MLSCOPE_JS_DOMAIN={args.hub_domain}\n"
+        f"MLSCOPE_EDGE_DOMAIN={args.domain}\n"
+        f"MLSCOPE_EDGE_PORT={args.port}\n"
+    )
     if args.creds is not None:
         # The agent reaches the hub through the leaf's link, as the edge user: its
         # replies must arrive under the inbox prefix that user may subscribe to.
@@ -86,11 +95,15 @@ def _check_domains(creds: Path, *, domain: str, hub_domain: str) -> None:
     """The edge user's permissions name both domains: a mismatch would let the agent
     connect and then lose its registry writes or its span buffer."""
     roles = read_roles(creds.parent)
-    for flag, want, have in (("--domain", roles.get("edge_domain"), domain),
-                             ("--hub-domain", roles.get("hub_domain"), hub_domain)):
+    for flag, want, have in (
+        ("--domain", roles.get("edge_domain"), domain),
+        ("--hub-domain", roles.get("hub_domain"), hub_domain),
+    ):
         if want is not None and want != have:
-            raise ConfigError(f"{creds.parent} was written for {flag} {want}, not {have}: "
-                              f"pass {flag} {want} or rerun `mlscope auth init`")
+            raise ConfigError(
+                f"{creds.parent} was written for {flag} {want}, not {have}: "
+                f"pass {flag} {want} or rerun `mlscope auth init`"
+            )
 
 
 def read_env(directory: Path) -> dict[str, str]:
@@ -106,10 +119,14 @@ async def create_edge_stream(leaf_url: str) -> None:
     settings = Settings(nats_url=leaf_url)
     try:
         async with busmod.connect(settings, name="mlscope edge") as bus:
-            cfg = StreamConfig(name=busmod.EDGE_TRACES_STREAM,
-                               subjects=[names.traces_wildcard()],
-                               storage=StorageType.FILE, discard=DiscardPolicy.OLD,
-                               max_age=EDGE_BUFFER_MAX_AGE_S, duplicate_window=120.0)
+            cfg = StreamConfig(
+                name=busmod.EDGE_TRACES_STREAM,
+                subjects=[names.traces_wildcard()],
+                storage=StorageType.FILE,
+                discard=DiscardPolicy.OLD,
+                max_age=EDGE_BUFFER_MAX_AGE_S,
+                duplicate_window=120.0,
+            )
             try:
                 await bus.js.stream_info(busmod.EDGE_TRACES_STREAM)
             except nats.js.errors.NotFoundError:
@@ -121,21 +138,30 @@ async def create_edge_stream(leaf_url: str) -> None:
 def run_up(args: argparse.Namespace) -> int:
     env = read_env(args.dir)
     settings: Settings = args.settings
-    leaf = NatsServer(store_dir=settings.data_dir / "edge-nats",
-                      port=int(env.get("MLSCOPE_EDGE_PORT", "4222")),
-                      config_file=args.dir / "leaf.conf")
+    leaf = NatsServer(
+        store_dir=settings.data_dir / "edge-nats",
+        port=int(env.get("MLSCOPE_EDGE_PORT", "4222")),
+        config_file=args.dir / "leaf.conf",
+    )
     leaf.start()
     try:
         anyio.run(create_edge_stream, leaf.url, backend="asyncio")
         cmd = [sys.executable, "-m", "cli.main", "agent", "--framework", args.framework]
         if args.agent_id:
             cmd += ["--agent-id", args.agent_id]
-        child_env = {**os.environ, **settings.as_env(), "MLSCOPE_NATS_URL": leaf.url,
-                     "MLSCOPE_JS_DOMAIN": env.get("MLSCOPE_JS_DOMAIN", "hub")}
+        child_env = {
+            **os.environ,
+            **settings.as_env(),
+            "MLSCOPE_NATS_URL": leaf.url,
+            "MLSCOPE_JS_DOMAIN": env.get("MLSCOPE_JS_DOMAIN", "hub"),
+        }
         if env.get("MLSCOPE_NATS_INBOX_PREFIX"):
             child_env["MLSCOPE_NATS_INBOX_PREFIX"] = env["MLSCOPE_NATS_INBOX_PREFIX"]
-        print(f"mlscope edge: leaf {leaf.url} (domain {env.get('MLSCOPE_EDGE_DOMAIN')}), "
-              f"agent {args.framework}", flush=True)
+        print(
+            f"mlscope edge: leaf {leaf.url} (domain {env.get('MLSCOPE_EDGE_DOMAIN')}), "
+            f"agent {args.framework}",
+            flush=True,
+        )
         agent = subprocess.Popen(cmd, env=child_env)
         try:
             return agent.wait()

@@ -13,10 +13,23 @@ from mlscope.settings import Settings
 __all__ = ["main"]
 
 # Modules that add subcommands: each has register(subparsers) -> None.
-COMMAND_MODULES = ("cli.services", "cli.agents_cmd", "cli.demo", "cli.zoo_cmd",
-                   "cli.models_cmd", "cli.artifacts_cmd", "cli.manifest_cmd", "cli.rerun_cmd",
-                   "cli.trace_cmd", "cli.auth_cmd", "cli.edge_cmd", "cli.report_cmd",
-                   "cli.dashboard_cmd", "cli.doctor_cmd", "cli.mlperf_cmd")
+COMMAND_MODULES = (
+    "cli.services",
+    "cli.agents_cmd",
+    "cli.demo",
+    "cli.zoo_cmd",
+    "cli.models_cmd",
+    "cli.artifacts_cmd",
+    "cli.manifest_cmd",
+    "cli.rerun_cmd",
+    "cli.trace_cmd",
+    "cli.auth_cmd",
+    "cli.edge_cmd",
+    "cli.report_cmd",
+    "cli.dashboard_cmd",
+    "cli.doctor_cmd",
+    "cli.mlperf_cmd",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,8 +13,9 @@ __all__ = ["register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    manifest = subparsers.add_parser("manifest", help="model, framework, system and "
-                                                      "scenario manifests")
+    manifest = subparsers.add_parser(
+        "manifest", help="model, framework, system and scenario manifests"
+    )
     sub = manifest.add_subparsers(dest="manifest_command", required=True)
     validate = sub.add_parser("validate", help="validate manifest files (or directories)")
     validate.add_argument("files", nargs="+", type=Path, metavar="FILE")

@@ -36,8 +36,11 @@ IMPORT_MAX_BYTES = 900_000
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("mlperf", help="run MLPerf LoadGen with an agent as the system "
-                                      "under test; write LoadGen's logs to --output")
+    p = sub.add_parser(
+        "mlperf",
+        help="run MLPerf LoadGen with an agent as the system "
+        "under test; write LoadGen's logs to --output",
+    )
     p.add_argument("model", metavar="MODEL[@VERSION]")
     p.add_argument("--framework", required=True)
     p.add_argument("--framework-version", default=None)
@@ -45,15 +48,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--agent", dest="agent_id", default=None)
     p.add_argument("--scenario", required=True, choices=SCENARIOS)
     p.add_argument("--mode", default="PerformanceOnly", choices=MODES)
-    p.add_argument("--target-qps", type=float, default=None,
-                   help="Server: target QPS; Offline: expected QPS")
+    p.add_argument(
+        "--target-qps", type=float, default=None, help="Server: target QPS; Offline: expected QPS"
+    )
     p.add_argument("--user-conf", type=Path, default=None, help="an MLPerf user.conf")
-    p.add_argument("--mlperf-conf", type=Path, default=None,
-                   help="an mlperf.conf (default: the one LoadGen ships)")
-    p.add_argument("--conf-model", default=None,
-                   help="the model name the conf files use (default: MODEL)")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="most samples per agent query (Offline)")
+    p.add_argument(
+        "--mlperf-conf",
+        type=Path,
+        default=None,
+        help="an mlperf.conf (default: the one LoadGen ships)",
+    )
+    p.add_argument(
+        "--conf-model", default=None, help="the model name the conf files use (default: MODEL)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="most samples per agent query (Offline)"
+    )
     p.add_argument("--window", type=int, default=8, help="agent queries in flight")
     p.add_argument("--seed", type=int, default=None, help="LoadGen's three RNG seeds")
     p.add_argument("--output", type=Path, required=True, help="where LoadGen's logs go")
@@ -73,13 +83,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def mlperf_job(args: argparse.Namespace) -> JobRequest:
     name, _, version = args.model.partition("@")
     spec = MLPerfSpec(
-        scenario=args.scenario, mode=args.mode, target_qps=args.target_qps,
-        user_conf=_read(args.user_conf), mlperf_conf=_read(args.mlperf_conf),
-        conf_model=args.conf_model, batch_size=args.batch_size, window=args.window,
-        seed=args.seed)
-    return JobRequest(model=name, model_version=version or None, framework=args.framework,
-                      framework_version=args.framework_version, device=args.device,
-                      agent_id=args.agent_id, trace_level="none", mlperf=spec)
+        scenario=args.scenario,
+        mode=args.mode,
+        target_qps=args.target_qps,
+        user_conf=_read(args.user_conf),
+        mlperf_conf=_read(args.mlperf_conf),
+        conf_model=args.conf_model,
+        batch_size=args.batch_size,
+        window=args.window,
+        seed=args.seed,
+    )
+    return JobRequest(
+        model=name,
+        model_version=version or None,
+        framework=args.framework,
+        framework_version=args.framework_version,
+        device=args.device,
+        agent_id=args.agent_id,
+        trace_level="none",
+        mlperf=spec,
+    )
 
 
 def _read(path: Path | None) -> str | None:
@@ -94,23 +117,29 @@ def _read(path: Path | None) -> str | None:
 async def fetch_logs(bus: busmod.Bus, evaluation_id: str) -> dict[str, str]:
     """The log files stored with an evaluation, part by part (each fits one message)."""
     _, rows = await remote.sql(
-        bus, "SELECT name, max(part) FROM mlperf_logs FINAL "
-        "WHERE evaluation_id = {id:String} GROUP BY name", {"id": evaluation_id})
+        bus,
+        "SELECT name, max(part) FROM mlperf_logs FINAL "
+        "WHERE evaluation_id = {id:String} GROUP BY name",
+        {"id": evaluation_id},
+    )
     files: dict[str, str] = {}
     for name, last in rows:
         parts = []
         for k in range(int(last) + 1):
             _, got = await remote.sql(
-                bus, "SELECT text FROM mlperf_logs FINAL WHERE evaluation_id = {id:String} "
+                bus,
+                "SELECT text FROM mlperf_logs FINAL WHERE evaluation_id = {id:String} "
                 "AND name = {name:String} AND part = {part:UInt32}",
-                {"id": evaluation_id, "name": name, "part": k})
+                {"id": evaluation_id, "name": name, "part": k},
+            )
             parts.append(str(got[0][0]) if got else "")
         files[str(name)] = "".join(parts)
     return files
 
 
-async def run_mlperf(settings: Settings,
-                     job: JobRequest) -> tuple[EvaluationSummary, dict[str, str]]:
+async def run_mlperf(
+    settings: Settings, job: JobRequest
+) -> tuple[EvaluationSummary, dict[str, str]]:
     """Submit, wait, and read back LoadGen's logs (and the accuracy output)."""
     summary = await submit(settings, job, timeout=RUN_TIMEOUT_S)
     async with busmod.connect(settings, name="mlscope mlperf") as bus:
@@ -136,8 +165,10 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     print(format_summary(summary))
     lg = summary.mlperf or {}
-    print(f"  {'LoadGen':<13} {lg.get('scenario')} {lg.get('mode')}: "
-          f"{lg.get('validity') or 'no verdict (accuracy run)'}")
+    print(
+        f"  {'LoadGen':<13} {lg.get('scenario')} {lg.get('mode')}: "
+        f"{lg.get('validity') or 'no verdict (accuracy run)'}"
+    )
     for path in written:
         print(f"  {'wrote':<13} {path}")
     return 0
@@ -166,8 +197,9 @@ def _tree_names(run_dir: Path) -> tuple[str | None, str | None]:
     return None, None
 
 
-def import_job(run_dir: Path, *, model: str | None, framework: str,
-               system: str | None) -> JobRequest:
+def import_job(
+    run_dir: Path, *, model: str | None, framework: str, system: str | None
+) -> JobRequest:
     """The import job for one result directory (the trace is left out if too large)."""
     files: dict[str, str] = {}
     for name in logs.LOG_FILES:
@@ -181,13 +213,19 @@ def import_job(run_dir: Path, *, model: str | None, framework: str,
         if logs.ACCURACY in files and sum(len(t) for t in files.values()) > IMPORT_MAX_BYTES:
             files.pop(logs.ACCURACY)
     if sum(len(t) for t in files.values()) > IMPORT_MAX_BYTES:
-        raise ConfigError(f"{run_dir}: the summary and detail logs exceed "
-                          f"{IMPORT_MAX_BYTES} bytes", field="directory")
+        raise ConfigError(
+            f"{run_dir}: the summary and detail logs exceed {IMPORT_MAX_BYTES} bytes",
+            field="directory",
+        )
     tree_model, tree_system = _tree_names(run_dir)
-    return JobRequest(model=model or tree_model or run_dir.name, framework=framework,
-                      trace_level="none", mlperf_import=MLPerfImport(
-                          files=files, source=str(run_dir.resolve()),
-                          system=system or tree_system or ""))
+    return JobRequest(
+        model=model or tree_model or run_dir.name,
+        framework=framework,
+        trace_level="none",
+        mlperf_import=MLPerfImport(
+            files=files, source=str(run_dir.resolve()), system=system or tree_system or ""
+        ),
+    )
 
 
 async def import_dirs(settings: Settings, jobs: list[JobRequest]) -> list[EvaluationSummary]:
@@ -195,8 +233,10 @@ async def import_dirs(settings: Settings, jobs: list[JobRequest]) -> list[Evalua
 
 
 def _import(args: argparse.Namespace) -> int:
-    jobs = [import_job(d, model=args.model, framework=args.framework, system=args.system)
-            for d in find_results(args.directory)]
+    jobs = [
+        import_job(d, model=args.model, framework=args.framework, system=args.system)
+        for d in find_results(args.directory)
+    ]
     summaries = anyio.run(import_dirs, args.settings, jobs, backend="asyncio")
     if args.json:
         print(json.dumps([s.model_dump(mode="json", by_alias=True) for s in summaries]))
@@ -204,7 +244,9 @@ def _import(args: argparse.Namespace) -> int:
     for job, s in zip(jobs, summaries, strict=True):
         src = job.mlperf_import.source if job.mlperf_import else ""
         lg: dict[str, Any] = s.mlperf or {}
-        print(f"{s.evaluation_id}  {s.model['name']}  {lg.get('scenario')} {lg.get('mode')} "
-              f"{lg.get('validity') or '-'}  p99 {s.latency_ms.p99} ms  <- {src}",
-              file=sys.stdout)
+        print(
+            f"{s.evaluation_id}  {s.model['name']}  {lg.get('scenario')} {lg.get('mode')} "
+            f"{lg.get('validity') or '-'}  p99 {s.latency_ms.p99} ms  <- {src}",
+            file=sys.stdout,
+        )
     return 0

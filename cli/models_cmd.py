@@ -36,8 +36,9 @@ __all__ = ["describe", "register", "run"]
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     models = subparsers.add_parser("models", help="list the models the catalog knows")
     models.add_argument("--json", action="store_true", help="machine-readable output")
-    models.add_argument("--remote", action="store_true",
-                        help="include the manifests published on the bus")
+    models.add_argument(
+        "--remote", action="store_true", help="include the manifests published on the bus"
+    )
     models.set_defaults(func=run)
     sub = models.add_subparsers(dest="models_command")
     pub = sub.add_parser("publish", help="publish model manifests to the bus registry")
@@ -56,18 +57,26 @@ def _size(path: Path) -> int:
     return path.stat().st_size
 
 
-def describe(entry: Entry, zoo_dir: Path, store: ArtifactStore | None = None
-             ) -> dict[str, Any]:
+def describe(entry: Entry, zoo_dir: Path, store: ArtifactStore | None = None) -> dict[str, Any]:
     """One model manifest as a row: where its graph is, whether it is there and
     verified (against its pin or its build lock), its size, and if not, why not and
     the command that fixes it."""
     m = entry.manifest
     row: dict[str, Any] = {
-        "name": m.name, "version": m.version, "task": m.task,
-        "framework": m.framework.name, "framework_version": m.framework.version,
-        "latency_only": m.latency_only, "manifest": str(entry.path),
-        "sha256": m.assets.sha256, "path": None, "size_bytes": None, "available": False,
-        "why": None, "fix": None, "dataset": m.dataset.name if m.dataset else None,
+        "name": m.name,
+        "version": m.version,
+        "task": m.task,
+        "framework": m.framework.name,
+        "framework_version": m.framework.version,
+        "latency_only": m.latency_only,
+        "manifest": str(entry.path),
+        "sha256": m.assets.sha256,
+        "path": None,
+        "size_bytes": None,
+        "available": False,
+        "why": None,
+        "fix": None,
+        "dataset": m.dataset.name if m.dataset else None,
     }
     try:
         root = entry.root(zoo_dir)
@@ -97,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
         return 1
     zoo_dir: Path = args.settings.zoo_dir
     store = ArtifactStore(args.settings.data_dir, zoo_dir=zoo_dir)
-    tasks = {task: [describe(e, zoo_dir, store) for e in entries]
-             for task, entries in catalog.tasks().items()}
+    tasks = {
+        task: [describe(e, zoo_dir, store) for e in entries]
+        for task, entries in catalog.tasks().items()
+    }
     if args.json:
         print(json.dumps(tasks, indent=2))
         return 0
@@ -107,8 +118,10 @@ def run(args: argparse.Namespace) -> int:
         for r in rows:
             size = f"{r['size_bytes'] / 1e6:8.2f} MB" if r["available"] else "   NOT BUILT"
             flag = " latency-only" if r["latency_only"] else ""
-            print(f"  {r['name']:<22} {r['version']:<8} {r['framework']:<12} {size}  "
-                  f"{r['path']}{flag}")
+            print(
+                f"  {r['name']:<22} {r['version']:<8} {r['framework']:<12} {size}  "
+                f"{r['path']}{flag}"
+            )
             if r.get("reason") == "missing":
                 print(f"      not built here: run `{r['fix']}`")
             elif r.get("reason"):
@@ -120,7 +133,8 @@ async def _remote_entries(settings: Settings) -> list[Entry]:
     """The bus's valid manifests; invalid ones are reported on stderr and left out."""
     async with busmod.connect(settings, name="mlscope models") as bus:
         snap = await ManifestWatcher.snapshot(
-            bus, log=lambda line: print(f"mlscope models: {line}", file=sys.stderr))
+            bus, log=lambda line: print(f"mlscope models: {line}", file=sys.stderr)
+        )
     return list(snap.entries.values())
 
 
@@ -128,14 +142,15 @@ def publishable(path: Path) -> ModelManifest:
     """A model manifest whose assets any agent can locate (not relative to its file)."""
     m = load_manifest(path)
     if not isinstance(m, ModelManifest):
-        raise ManifestError("only model manifests can be published", file=str(path),
-                            field="kind")
+        raise ManifestError("only model manifests can be published", file=str(path), field="kind")
     base = m.assets.base_url or ""
     if "://" not in base:
         raise ManifestError(
             f"assets.base_url {base!r} is relative to the manifest's directory, which agents "
             "reading the bus do not have; use zoo://, pkg://, file:///abs or http(s)://",
-            file=str(path), field="assets.base_url")
+            file=str(path),
+            field="assets.base_url",
+        )
     return m
 
 
@@ -147,8 +162,9 @@ def run_publish(args: argparse.Namespace) -> int:
         manifests = [publishable(f) for f in files]
 
         async def go() -> list[str]:
-            async with busmod.connect(args.settings, name="mlscope models publish",
-                                      provision=True) as bus:
+            async with busmod.connect(
+                args.settings, name="mlscope models publish", provision=True
+            ) as bus:
                 return [await publish_manifest(bus, m) for m in manifests]
 
         keys = anyio.run(go, backend="asyncio")

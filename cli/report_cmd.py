@@ -25,20 +25,40 @@ __all__ = ["register", "suite_jobs"]
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("report", help="report evaluations (HTML/Markdown) or the suite table")
     p.add_argument("evaluations", nargs="*", metavar="EVAL_ID")
-    p.add_argument("-o", "--output", type=Path, default=None,
-                   help="report.html or report.md (default: Markdown on stdout)")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=None,
+        help="report.html or report.md (default: Markdown on stdout)",
+    )
     p.add_argument("--suite", action="store_true", help="print the paper's Table 2")
-    p.add_argument("--run", action="store_true",
-                   help="with --suite: run the evaluations first (needs a running server)")
-    p.add_argument("--models", default=None,
-                   help="with --suite: MODEL/FRAMEWORK,... (default: every model built)")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32",
-                   help="with --suite --run: batched runs at these batch sizes")
+    p.add_argument(
+        "--run",
+        action="store_true",
+        help="with --suite: run the evaluations first (needs a running server)",
+    )
+    p.add_argument(
+        "--models",
+        default=None,
+        help="with --suite: MODEL/FRAMEWORK,... (default: every model built)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        default="1,2,4,8,16,32",
+        help="with --suite --run: batched runs at these batch sizes",
+    )
     p.add_argument("--qps", type=float, default=100.0, help="with --suite --run: online rate")
-    p.add_argument("--duration", type=float, default=5.0,
-                   help="with --suite --run: seconds per run")
-    p.add_argument("--price", action="append", default=[], metavar="SYSTEM=USD_PER_HOUR",
-                   help="price per hour of a system, for the cost per million inferences")
+    p.add_argument(
+        "--duration", type=float, default=5.0, help="with --suite --run: seconds per run"
+    )
+    p.add_argument(
+        "--price",
+        action="append",
+        default=[],
+        metavar="SYSTEM=USD_PER_HOUR",
+        help="price per hour of a system, for the cost per million inferences",
+    )
     p.set_defaults(func=run)
 
 
@@ -60,15 +80,27 @@ def _pairs(settings: Settings, catalog: Catalog, spec: str | None) -> list[tuple
     return sorted(set(built))
 
 
-def suite_jobs(pairs: list[tuple[str, str]], *, batch_sizes: list[int], qps: float,
-               duration_s: float) -> list[JobRequest]:
+def suite_jobs(
+    pairs: list[tuple[str, str]], *, batch_sizes: list[int], qps: float, duration_s: float
+) -> list[JobRequest]:
     """One online run (batch 1) and one batched run per batch size, per model."""
     jobs = []
     for model, fw in pairs:
-        jobs.append(JobRequest(model=model, framework=fw, scenario=ScenarioSpec(
-            name="online", qps=qps, duration_s=duration_s)))
-        jobs += [JobRequest(model=model, framework=fw, scenario=ScenarioSpec(
-            name="batched", batch_size=b, duration_s=duration_s)) for b in batch_sizes]
+        jobs.append(
+            JobRequest(
+                model=model,
+                framework=fw,
+                scenario=ScenarioSpec(name="online", qps=qps, duration_s=duration_s),
+            )
+        )
+        jobs += [
+            JobRequest(
+                model=model,
+                framework=fw,
+                scenario=ScenarioSpec(name="batched", batch_size=b, duration_s=duration_s),
+            )
+            for b in batch_sizes
+        ]
     return jobs
 
 
@@ -103,16 +135,22 @@ def run_suite(args: argparse.Namespace) -> int:
     pairs = _pairs(settings, catalog, args.models)
     if args.run:
         sizes_ = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-        _run_jobs(settings, suite_jobs(pairs, batch_sizes=sizes_, qps=args.qps,
-                                       duration_s=args.duration))
+        _run_jobs(
+            settings, suite_jobs(pairs, batch_sizes=sizes_, qps=args.qps, duration_s=args.duration)
+        )
     source = open_source(settings)
     ev = evaluations(source)
     wanted = set(pairs)
-    ids = [e for e, m, f in zip(ev["evaluation_id"], ev["model"], ev["framework"], strict=True)
-           if (m, f) in wanted]
+    ids = [
+        e
+        for e, m, f in zip(ev["evaluation_id"], ev["model"], ev["framework"], strict=True)
+        if (m, f) in wanted
+    ]
     if not ids:
-        print("mlscope report --suite: no evaluations of these models yet "
-              "(add --run to run them)", file=sys.stderr)
+        print(
+            "mlscope report --suite: no evaluations of these models yet (add --run to run them)",
+            file=sys.stderr,
+        )
         return 1
     table = suite.table2(summary(source, ids), model_sizes(catalog, settings.zoo_dir, pairs))
     print(suite.format_table(table))
@@ -141,12 +179,18 @@ def run(args: argparse.Namespace) -> int:
 
     settings: Settings = args.settings
     catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
-    rep = report.build(open_source(settings), args.evaluations,
-                       sizes=model_sizes(catalog, settings.zoo_dir),
-                       prices_per_hour=_prices(args.price))
+    rep = report.build(
+        open_source(settings),
+        args.evaluations,
+        sizes=model_sizes(catalog, settings.zoo_dir),
+        prices_per_hour=_prices(args.price),
+    )
     out: Path | None = args.output
-    text = report.to_html(rep) if out is not None and out.suffix in (".html", ".htm") \
+    text = (
+        report.to_html(rep)
+        if out is not None and out.suffix in (".html", ".htm")
         else report.to_markdown(rep)
+    )
     if out is None:
         print(text)
     else:

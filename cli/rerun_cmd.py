@@ -37,24 +37,38 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
     imported = spec.get("imported")
     if isinstance(imported, dict):
-        raise EvaluationError(f"evaluation {evaluation_id} was imported from MLPerf logs "
-                              f"({imported.get('source')}): there is no job to rerun",
-                              evaluation_id=evaluation_id)
+        raise EvaluationError(
+            f"evaluation {evaluation_id} was imported from MLPerf logs "
+            f"({imported.get('source')}): there is no job to rerun",
+            evaluation_id=evaluation_id,
+        )
     job = JobRequest.model_validate(spec["job"])
     manifest = spec.get("manifest")
     if not isinstance(manifest, dict) or "version" not in manifest:
-        raise EvaluationError(f"evaluation {evaluation_id} has no stored manifest to rerun",
-                              evaluation_id=evaluation_id)
+        raise EvaluationError(
+            f"evaluation {evaluation_id} has no stored manifest to rerun",
+            evaluation_id=evaluation_id,
+        )
     ran = spec.get("agent")
     frameworks = ran.get("frameworks", []) if isinstance(ran, dict) else []
-    version = next((f.get("version") for f in frameworks
-                    if isinstance(f, dict) and f.get("name") == job.framework), None)
-    return job.model_copy(update={
-        "job_id": new_id("job"), "rerun_of": evaluation_id,
-        "model_version": str(manifest["version"]),
-        "manifest_sha256": str(spec.get("manifest_sha256") or manifest_digest(manifest)),
-        "framework_version": f"=={version}" if version else job.framework_version,
-        "submitted_at": time.time()})
+    version = next(
+        (
+            f.get("version")
+            for f in frameworks
+            if isinstance(f, dict) and f.get("name") == job.framework
+        ),
+        None,
+    )
+    return job.model_copy(
+        update={
+            "job_id": new_id("job"),
+            "rerun_of": evaluation_id,
+            "model_version": str(manifest["version"]),
+            "manifest_sha256": str(spec.get("manifest_sha256") or manifest_digest(manifest)),
+            "framework_version": f"=={version}" if version else job.framework_version,
+            "submitted_at": time.time(),
+        }
+    )
 
 
 def artifact_note(before: dict[str, object], after: dict[str, object]) -> str | None:
@@ -63,9 +77,11 @@ def artifact_note(before: dict[str, object], after: dict[str, object]) -> str | 
     old, new = before.get("artifact_sha256"), after.get("artifact_sha256")
     if old is None or new is None or old == new:
         return None
-    return (f"note: the model's artifact differs from the original run's (sha256 {new} "
-            f"vs {old}): it was built elsewhere or rebuilt, so results may differ for "
-            "that reason alone")
+    return (
+        f"note: the model's artifact differs from the original run's (sha256 {new} "
+        f"vs {old}): it was built elsewhere or rebuilt, so results may differ for "
+        "that reason alone"
+    )
 
 
 async def rerun(settings: Settings, evaluation_id: str) -> EvaluationSummary:

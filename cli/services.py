@@ -41,25 +41,42 @@ FRAMEWORK_MODULES = {
 LOOPBACK = "127.0.0.1"
 """Where ``mlscope up`` binds nats-server unless ``--host`` says otherwise."""
 
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="run nats-server, the server and one agent per framework")
     up.add_argument("--nats-port", type=int, default=4222)
-    up.add_argument("--host", default=LOOPBACK,
-                    help="address nats-server listens on (default: 127.0.0.1, this machine "
-                         "only); to listen on a network use --auth as well")
+    up.add_argument(
+        "--host",
+        default=LOOPBACK,
+        help="address nats-server listens on (default: 127.0.0.1, this machine "
+        "only); to listen on a network use --auth as well",
+    )
     up.add_argument("--data-dir", type=Path, default=None)
-    up.add_argument("--frameworks", default=None,
-                    help="comma-separated frameworks (default: every installed one)")
-    up.add_argument("--auth", type=Path, default=None, metavar="DIR",
-                    help="run with the users of `mlscope auth init --out DIR`: the server "
-                         "and agents connect with their role's credentials")
-    up.add_argument("--agents-per-framework", type=int, default=1,
-                    help="agents started for each framework (they share its queue groups)")
+    up.add_argument(
+        "--frameworks",
+        default=None,
+        help="comma-separated frameworks (default: every installed one)",
+    )
+    up.add_argument(
+        "--auth",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="run with the users of `mlscope auth init --out DIR`: the server "
+        "and agents connect with their role's credentials",
+    )
+    up.add_argument(
+        "--agents-per-framework",
+        type=int,
+        default=1,
+        help="agents started for each framework (they share its queue groups)",
+    )
     up.set_defaults(func=run_up)
 
     srv = sub.add_parser("server", help="run the server against MLSCOPE_NATS_URL")
-    srv.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                     help="stderr log level (default info)")
+    srv.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="stderr log level (default info)"
+    )
     srv.set_defaults(func=run_server)
 
     ag = sub.add_parser("agent", help="run one agent against MLSCOPE_NATS_URL")
@@ -67,11 +84,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ag.add_argument("--device", default="cpu")
     ag.add_argument("--threads", type=int, default=None)
     ag.add_argument("--agent-id", default=None)
-    ag.add_argument("--allow-custom-code", action="store_true",
-                    help="run custom Python steps of manifests from trusted local "
-                         "directories (as MLSCOPE_ALLOW_CUSTOM_CODE=1; never bus manifests)")
-    ag.add_argument("--log-level", default="info", choices=LOG_LEVELS,
-                    help="stderr log level (default info)")
+    ag.add_argument(
+        "--allow-custom-code",
+        action="store_true",
+        help="run custom Python steps of manifests from trusted local "
+        "directories (as MLSCOPE_ALLOW_CUSTOM_CODE=1; never bus manifests)",
+    )
+    ag.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="stderr log level (default info)"
+    )
     ag.set_defaults(func=run_agent)
 
 
@@ -93,8 +114,9 @@ def run_agent(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     if args.allow_custom_code:
         settings = settings.with_(allow_custom_code=True)
-    config = AgentConfig(framework=args.framework, agent_id=args.agent_id,
-                         device=args.device, threads=args.threads)
+    config = AgentConfig(
+        framework=args.framework, agent_id=args.agent_id, device=args.device, threads=args.threads
+    )
     catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
     return _serve(Agent(settings, config, catalog).run)
 
@@ -129,23 +151,34 @@ def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 def installed_frameworks() -> list[str]:
-    return [fw for fw, mod in FRAMEWORK_MODULES.items()
-            if mod is None or importlib.util.find_spec(mod) is not None]
+    return [
+        fw
+        for fw, mod in FRAMEWORK_MODULES.items()
+        if mod is None or importlib.util.find_spec(mod) is not None
+    ]
 
 
 class Stack:
     """nats-server + server + agents as child processes of this one."""
 
-    def __init__(self, settings: Settings, *, nats_port: int, frameworks: list[str],
-                 auth: Path | None = None, agents_per_framework: int = 1,
-                 host: str = LOOPBACK) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        nats_port: int,
+        frameworks: list[str],
+        auth: Path | None = None,
+        agents_per_framework: int = 1,
+        host: str = LOOPBACK,
+    ) -> None:
         self.settings, self.nats_port, self.frameworks = settings, nats_port, frameworks
         self.auth, self.per_framework = auth, agents_per_framework
         config = auth / "server.conf" if auth else None
         if config is not None and not config.exists():
             raise ConfigError(f"{config} does not exist: run `mlscope auth init --out {auth}`")
-        self.nats = NatsServer(store_dir=settings.data_dir / "nats", port=nats_port, host=host,
-                               config_file=config)
+        self.nats = NatsServer(
+            store_dir=settings.data_dir / "nats", port=nats_port, host=host, config_file=config
+        )
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self) -> Settings:
@@ -156,17 +189,22 @@ class Stack:
         self.nats.start()
         self.settings = self.settings.with_(nats_url=self.nats.url)
         py = [sys.executable, "-m", "cli.main"]
-        self.children["server"] = subprocess.Popen([*py, "server"], env=self._env("server"),
-                                                   start_new_session=True)
+        self.children["server"] = subprocess.Popen(
+            [*py, "server"], env=self._env("server"), start_new_session=True
+        )
         if self.auth is not None:
             # Agents may only read stream information: the server creates the streams.
             anyio.run(wait_provisioned, self._role_settings("server"), backend="asyncio")
         for name, fw, agent_id, creds in agents:
             extra = ["--agent-id", agent_id] if agent_id else []
-            env = {**os.environ, **self.settings.with_(nats_creds=creds).as_env()} \
-                if creds else self._env("agent")
+            env = (
+                {**os.environ, **self.settings.with_(nats_creds=creds).as_env()}
+                if creds
+                else self._env("agent")
+            )
             self.children[name] = subprocess.Popen(
-                [*py, "agent", "--framework", fw, *extra], env=env, start_new_session=True)
+                [*py, "agent", "--framework", fw, *extra], env=env, start_new_session=True
+            )
         return self._role_settings("submitter")
 
     def _agents(self) -> list[tuple[str, str, str | None, Path | None]]:
@@ -236,25 +274,36 @@ def _share_zoo(settings: Settings) -> None:
     have = {d.parent.name for d in built_models(settings.zoo_dir)}
     missing = [name for name in BUILDERS if name not in have]
     if missing:
-        print(f"mlscope up: zoo models not built here: {', '.join(missing)} (run `mlscope "
-              f"zoo build --only {' '.join(missing)}`)", flush=True)
+        print(
+            f"mlscope up: zoo models not built here: {', '.join(missing)} (run `mlscope "
+            f"zoo build --only {' '.join(missing)}`)",
+            flush=True,
+        )
     try:
-        anyio.run(lambda: push_zoo(settings, settings.zoo_dir, log=lambda _m: None),
-                  backend="asyncio")
+        anyio.run(
+            lambda: push_zoo(settings, settings.zoo_dir, log=lambda _m: None), backend="asyncio"
+        )
     except MLScopeError as exc:
-        print(f"mlscope up: the built zoo was not pushed to the artifact bucket: {exc}",
-              file=sys.stderr, flush=True)
+        print(
+            f"mlscope up: the built zoo was not pushed to the artifact bucket: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def listen_notice(host: str, *, auth: bool) -> str:
     """What ``mlscope up`` says about who can reach its nats-server."""
     if host in (LOOPBACK, "localhost", "::1"):
-        return (f"mlscope up: NATS listens on {host} only (this machine); to serve other "
-                "machines use --host ADDR with --auth DIR")
+        return (
+            f"mlscope up: NATS listens on {host} only (this machine); to serve other "
+            "machines use --host ADDR with --auth DIR"
+        )
     if not auth:
-        return (f"mlscope up: WARNING: NATS listens on {host} WITHOUT credentials: anyone "
-                "who reaches it may submit jobs, read results and pose as an agent; use "
-                "--auth DIR (`mlscope auth init`)")
+        return (
+            f"mlscope up: WARNING: NATS listens on {host} WITHOUT credentials: anyone "
+            "who reaches it may submit jobs, read results and pose as an agent; use "
+            "--auth DIR (`mlscope auth init`)"
+        )
     return f"mlscope up: NATS listens on {host}; clients need the credentials in --auth"
 
 
@@ -264,9 +313,14 @@ def run_up(args: argparse.Namespace) -> int:
         settings = settings.with_(data_dir=args.data_dir.expanduser())
     frameworks = args.frameworks.split(",") if args.frameworks else installed_frameworks()
     print(listen_notice(args.host, auth=args.auth is not None), flush=True)
-    stack = Stack(settings, nats_port=args.nats_port, frameworks=frameworks, auth=args.auth,
-                  host=args.host,
-                  agents_per_framework=args.agents_per_framework)
+    stack = Stack(
+        settings,
+        nats_port=args.nats_port,
+        frameworks=frameworks,
+        auth=args.auth,
+        host=args.host,
+        agents_per_framework=args.agents_per_framework,
+    )
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -277,19 +331,24 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         s = stack.start()
-        print(f"mlscope up: NATS {s.nats_url}, data {s.data_dir}, database {s.dsn}, "
-              f"agents: {', '.join(frameworks)}  (Ctrl-C stops everything)", flush=True)
+        print(
+            f"mlscope up: NATS {s.nats_url}, data {s.data_dir}, database {s.dsn}, "
+            f"agents: {', '.join(frameworks)}  (Ctrl-C stops everything)",
+            flush=True,
+        )
         if s.nats_creds:
-            print(f"mlscope up: clients connect with MLSCOPE_NATS_CREDS={s.nats_creds}",
-                  flush=True)
+            print(f"mlscope up: clients connect with MLSCOPE_NATS_CREDS={s.nats_creds}", flush=True)
         _share_zoo(s)
         reported: set[str] = set()
         while not stopping:
             for name in stack.dead():
                 if name not in reported:
                     reported.add(name)
-                    print(f"mlscope up: {name} exited with {stack.children[name].returncode}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"mlscope up: {name} exited with {stack.children[name].returncode}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if "server" in reported:
                 return 1
             time.sleep(0.2)

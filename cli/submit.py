@@ -33,150 +33,257 @@ STORED_CHECK_S = 15.0
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlscope-submit", description=__doc__)
     p.add_argument("model", metavar="MODEL[@VERSION]")
-    p.add_argument("--framework", required=True,
-                   help="a framework, or several comma-separated: one evaluation each, "
-                        "compared (output divergence) when --accuracy is given")
+    p.add_argument(
+        "--framework",
+        required=True,
+        help="a framework, or several comma-separated: one evaluation each, "
+        "compared (output divergence) when --accuracy is given",
+    )
     p.add_argument("--framework-version", default=None, help="constraint, e.g. '>=1.20,<2'")
     p.add_argument("--device", default="cpu")
     p.add_argument("--agent", dest="agent_id", default=None)
-    p.add_argument("--scenario", default=None, choices=list(SCENARIOS),
-                   help="load scenario (default: online, or the --scenario-file's)")
-    p.add_argument("--scenario-file", type=Path, default=None,
-                   help="a scenario YAML (manifests/scenarios/); flags given override it")
+    p.add_argument(
+        "--scenario",
+        default=None,
+        choices=list(SCENARIOS),
+        help="load scenario (default: online, or the --scenario-file's)",
+    )
+    p.add_argument(
+        "--scenario-file",
+        type=Path,
+        default=None,
+        help="a scenario YAML (manifests/scenarios/); flags given override it",
+    )
     p.add_argument("--qps", type=float, default=None, help="rate (default 100)")
     p.add_argument("--duration", type=float, default=None, help="seconds (default 10)")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--batch-sizes", default=None, help="batched: sweep, e.g. 1,2,4,8")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="closed loop: queries in flight")
-    p.add_argument("--latency-bound-ms", type=float, default=None,
-                   help="p99 bound (online: validity; peak: the search target)")
-    p.add_argument("--schedule", type=Path, default=None,
-                   help="replay: inter-arrival times in seconds, one per line")
-    p.add_argument("--loadgens", type=int, default=None,
-                   help="open loops: load-generator processes sharing one schedule")
-    p.add_argument("--repetitions", type=int, default=None,
-                   help="cold-start: loads measured (default 5)")
-    p.add_argument("--warm-queries", type=int, default=None,
-                   help="cold-start: warm queries after each load (default 20)")
-    p.add_argument("--accuracy", action="store_true",
-                   help="also run the labelled data set once (top-1/top-5, outputs kept)")
-    p.add_argument("--accuracy-samples", type=int, default=None,
-                   help="at most this many data-set samples for --accuracy")
+    p.add_argument("--concurrency", type=int, default=None, help="closed loop: queries in flight")
+    p.add_argument(
+        "--latency-bound-ms",
+        type=float,
+        default=None,
+        help="p99 bound (online: validity; peak: the search target)",
+    )
+    p.add_argument(
+        "--schedule",
+        type=Path,
+        default=None,
+        help="replay: inter-arrival times in seconds, one per line",
+    )
+    p.add_argument(
+        "--loadgens",
+        type=int,
+        default=None,
+        help="open loops: load-generator processes sharing one schedule",
+    )
+    p.add_argument(
+        "--repetitions", type=int, default=None, help="cold-start: loads measured (default 5)"
+    )
+    p.add_argument(
+        "--warm-queries",
+        type=int,
+        default=None,
+        help="cold-start: warm queries after each load (default 20)",
+    )
+    p.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="also run the labelled data set once (top-1/top-5, outputs kept)",
+    )
+    p.add_argument(
+        "--accuracy-samples",
+        type=int,
+        default=None,
+        help="at most this many data-set samples for --accuracy",
+    )
     p.add_argument("--max-queries", type=int, default=None)
-    p.add_argument("--min-duration", type=float, default=None,
-                   help="validity: minimum run length in s (default 10)")
-    p.add_argument("--min-queries", type=int, default=None,
-                   help="validity: minimum issued queries (default 100)")
-    p.add_argument("--max-issue-lag-us", type=float, default=None,
-                   help="validity: p99 issue lag tolerated (default 500)")
+    p.add_argument(
+        "--min-duration",
+        type=float,
+        default=None,
+        help="validity: minimum run length in s (default 10)",
+    )
+    p.add_argument(
+        "--min-queries",
+        type=int,
+        default=None,
+        help="validity: minimum issued queries (default 100)",
+    )
+    p.add_argument(
+        "--max-issue-lag-us",
+        type=float,
+        default=None,
+        help="validity: p99 issue lag tolerated (default 500)",
+    )
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--trace-level", default="model",
-                   choices=["none", "model", "framework", "system", "full"])
-    p.add_argument("--warmup-queries", type=int, default=None,
-                   help="the first N queries warm up: run, stored (flagged), left out of "
-                        "every figure")
-    p.add_argument("--parallel", action="store_true",
-                   help="let evaluations that share a host run at the same time (by "
-                        "default they run one after another); results are marked")
-    p.add_argument("--repeat", type=int, default=1, metavar="N",
-                   help="run the scenario N times, one after another; prints run-level "
-                        "statistics (mean and 95%% CI over runs)")
+    p.add_argument(
+        "--trace-level", default="model", choices=["none", "model", "framework", "system", "full"]
+    )
+    p.add_argument(
+        "--warmup-queries",
+        type=int,
+        default=None,
+        help="the first N queries warm up: run, stored (flagged), left out of every figure",
+    )
+    p.add_argument(
+        "--parallel",
+        action="store_true",
+        help="let evaluations that share a host run at the same time (by "
+        "default they run one after another); results are marked",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the scenario N times, one after another; prints run-level "
+        "statistics (mean and 95%% CI over runs)",
+    )
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
-    p.add_argument("--all-agents", action="store_true",
-                   help="one evaluation on every live agent that serves the model; "
-                        "prints one comparison table")
-    p.add_argument("--any-framework", action="store_true",
-                   help="with --all-agents: agents of every framework offering the model")
+    p.add_argument(
+        "--all-agents",
+        action="store_true",
+        help="one evaluation on every live agent that serves the model; "
+        "prints one comparison table",
+    )
+    p.add_argument(
+        "--any-framework",
+        action="store_true",
+        help="with --all-agents: agents of every framework offering the model",
+    )
     return p
 
 
 def make_job(args: argparse.Namespace, framework: str | None = None) -> JobRequest:
     name, _, version = args.model.partition("@")
-    flags = {"name": args.scenario, "qps": args.qps, "duration_s": args.duration,
-             "batch_size": args.batch_size, "seed": args.seed,
-             "max_queries": args.max_queries, "concurrency": args.concurrency,
-             "latency_bound_ms": args.latency_bound_ms, "loadgens": args.loadgens,
-             "min_duration_s": args.min_duration, "min_queries": args.min_queries,
-             "max_issue_lag_us": args.max_issue_lag_us,
-             "batch_sizes": (tuple(int(b) for b in args.batch_sizes.split(","))
-                             if args.batch_sizes else None),
-             "arrivals_s": read_arrivals(args.schedule) if args.schedule else None,
-             "repetitions": getattr(args, "repetitions", None),
-             "warm_queries": getattr(args, "warm_queries", None),
-             "warmup_queries": getattr(args, "warmup_queries", None)}
+    flags = {
+        "name": args.scenario,
+        "qps": args.qps,
+        "duration_s": args.duration,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "max_queries": args.max_queries,
+        "concurrency": args.concurrency,
+        "latency_bound_ms": args.latency_bound_ms,
+        "loadgens": args.loadgens,
+        "min_duration_s": args.min_duration,
+        "min_queries": args.min_queries,
+        "max_issue_lag_us": args.max_issue_lag_us,
+        "batch_sizes": (
+            tuple(int(b) for b in args.batch_sizes.split(",")) if args.batch_sizes else None
+        ),
+        "arrivals_s": read_arrivals(args.schedule) if args.schedule else None,
+        "repetitions": getattr(args, "repetitions", None),
+        "warm_queries": getattr(args, "warm_queries", None),
+        "warmup_queries": getattr(args, "warmup_queries", None),
+    }
     return JobRequest(
-        model=name, model_version=version or None, framework=framework or args.framework,
-        framework_version=args.framework_version, device=args.device, agent_id=args.agent_id,
+        model=name,
+        model_version=version or None,
+        framework=framework or args.framework,
+        framework_version=args.framework_version,
+        device=args.device,
+        agent_id=args.agent_id,
         scenario=scenario_spec(args.scenario_file, flags),
-        trace_level=args.trace_level, submitted_at=time.time(),
+        trace_level=args.trace_level,
+        submitted_at=time.time(),
         accuracy=getattr(args, "accuracy", False),
         accuracy_samples=getattr(args, "accuracy_samples", None),
-        parallel=getattr(args, "parallel", False))
+        parallel=getattr(args, "parallel", False),
+    )
 
 
-async def submit(settings: Settings, job: JobRequest, *, on_event: object = None,
-                 timeout: float | None = None) -> EvaluationSummary:
+async def submit(
+    settings: Settings, job: JobRequest, *, on_event: object = None, timeout: float | None = None
+) -> EvaluationSummary:
     """Publish ``job`` and wait for its summary; failures raise their typed error."""
     sc = job.scenario
     runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
     span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
     limit = timeout or (max(sc.duration_s, span) * 3 * runs + 360.0)
-    data = codec.encode_model(job)
     async with busmod.connect(settings, name="mlscope-submit") as bus:
-        limit_bytes = min(busmod.JOB_MAX_BYTES, int(bus.nc.max_payload))
-        if len(data) > limit_bytes:
-            what = (f" (its replay schedule has {len(sc.arrivals_s)} arrivals: split it)"
-                    if sc.arrivals_s else "")
-            raise ConfigError(f"the job is {len(data)} bytes, over the {limit_bytes}-byte "
-                              f"limit of a job{what}", field="scenario")
         sub = await bus.nc.subscribe(names.job_events(job.job_id))
+        await _publish_job(bus, job)
+        return await _await_summary(bus, sub, job.job_id, limit, on_event)
+
+
+async def _publish_job(bus: busmod.Bus, job: JobRequest) -> None:
+    """Put ``job`` on the job stream, refusing one over the bus's size limit."""
+    data = codec.encode_model(job)
+    sc = job.scenario
+    limit_bytes = min(busmod.JOB_MAX_BYTES, int(bus.nc.max_payload))
+    if len(data) > limit_bytes:
+        what = (
+            f" (its replay schedule has {len(sc.arrivals_s)} arrivals: split it)"
+            if sc.arrivals_s
+            else ""
+        )
+        raise ConfigError(
+            f"the job is {len(data)} bytes, over the {limit_bytes}-byte limit of a job{what}",
+            field="scenario",
+        )
+    try:
+        # Retried with the job id as message id: a cluster leader election or a
+        # reconnect does not lose the job, and a retry is not a second job.
+        await busmod.publish_persistent(
+            bus, names.JOBS_SUBJECT, data, msg_id=job.job_id, attempts=4
+        )
+    except BusError as exc:
+        if isinstance(exc.__cause__, (nats.js.errors.APIError, nats.errors.MaxPayloadError)):
+            raise  # the stream is there and refused the job: say why
+        raise BusError(
+            "the job stream does not exist: is an mlscope server running? "
+            "(`mlscope up` or `mlscope server`)"
+        ) from exc
+
+
+async def _await_summary(
+    bus: busmod.Bus, sub: Any, job_id: str, limit: float, on_event: object
+) -> EvaluationSummary:
+    """The job's summary from its events (or from the database when its "done" was
+    missed); its typed error when it failed."""
+    accepted = False
+    deadline = time.monotonic() + limit
+    while True:
+        wait = (
+            ACCEPT_TIMEOUT_S if not accepted else min(STORED_CHECK_S, deadline - time.monotonic())
+        )
         try:
-            # Retried with the job id as message id: a cluster leader election or a
-            # reconnect does not lose the job, and a retry is not a second job.
-            await busmod.publish_persistent(bus, names.JOBS_SUBJECT, data,
-                                            msg_id=job.job_id, attempts=4)
-        except BusError as exc:
-            if isinstance(exc.__cause__, (nats.js.errors.APIError, nats.errors.MaxPayloadError)):
-                raise  # the stream is there and refused the job: say why
-            raise BusError("the job stream does not exist: is an mlscope server running? "
-                           "(`mlscope up` or `mlscope server`)") from exc
-        accepted = False
-        deadline = time.monotonic() + limit
-        while True:
-            wait = (ACCEPT_TIMEOUT_S if not accepted
-                    else min(STORED_CHECK_S, deadline - time.monotonic()))
-            try:
-                msg = await sub.next_msg(timeout=max(0.1, wait))
-            except (nats.errors.TimeoutError, TimeoutError) as exc:
-                if not accepted:
-                    raise BusError(f"no server took job {job.job_id} within "
-                                   f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
-                                   ) from exc
-                stored = await _stored_result(bus, job.job_id)
-                if stored is not None:  # its "done" was missed (a bus outage)
-                    return stored
-                if time.monotonic() < deadline:
-                    continue
-                raise BusError(f"job {job.job_id} did not finish within {limit:g} s") from exc
-            try:
-                event = codec.decode_model(JobEvent, msg.data)
-            except WireError:
-                continue  # not an event of ours: a stray or hostile message
-            accepted = True
-            if callable(on_event):
-                on_event(event)
-            if event.event == "failed":
-                raise error_from_wire(event.error or {"message": "job failed"})
-            if event.event == "done" and event.summary is not None:
-                return event.summary
+            msg = await sub.next_msg(timeout=max(0.1, wait))
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            if not accepted:
+                raise BusError(
+                    f"no server took job {job_id} within "
+                    f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
+                ) from exc
+            stored = await _stored_result(bus, job_id)
+            if stored is not None:  # its "done" was missed (a bus outage)
+                return stored
+            if time.monotonic() < deadline:
+                continue
+            raise BusError(f"job {job_id} did not finish within {limit:g} s") from exc
+        try:
+            event = codec.decode_model(JobEvent, msg.data)
+        except WireError:
+            continue  # not an event of ours: a stray or hostile message
+        accepted = True
+        if callable(on_event):
+            on_event(event)
+        if event.event == "failed":
+            raise error_from_wire(event.error or {"message": "job failed"})
+        if event.event == "done" and event.summary is not None:
+            return event.summary
 
 
 def _notes(event: JobEvent) -> None:
     """What the submitter must hear even without a terminal (a restarted job)."""
     if event.event == "restarted":
-        print(f"\n  {event.note or 'job restarted'} (now on {event.server_id})",
-              file=sys.stderr, flush=True)
+        print(
+            f"\n  {event.note or 'job restarted'} (now on {event.server_id})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 async def _stored_result(bus: busmod.Bus, job_id: str) -> EvaluationSummary | None:
@@ -191,8 +298,12 @@ def _progress(event: JobEvent) -> None:
     _notes(event)
     if event.event == "progress":
         p50 = f"{event.p50_ms:.3f} ms" if event.p50_ms is not None else "-"
-        print(f"\r  {event.queries_done:>8} queries  {event.elapsed_s:6.1f} s  p50 {p50:<12}",
-              end="", file=sys.stderr, flush=True)
+        print(
+            f"\r  {event.queries_done:>8} queries  {event.elapsed_s:6.1f} s  p50 {p50:<12}",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
     elif event.event == "accepted":
         print(f"  accepted by {event.server_id}", file=sys.stderr, flush=True)
 
@@ -208,59 +319,101 @@ def format_summary(s: EvaluationSummary) -> str:
         ("model", f"{s.model['name']} {s.model['version']}"),
         ("framework", f"{s.framework['name']} {s.framework['version']} on {s.device}"),
         ("agent", f"{s.agent_id} ({s.host})"),
-        ("scenario", f"{s.scenario['name']} batch={s.scenario['batch_size']} "
-                     f"seed={s.scenario['seed']}"),
+        (
+            "scenario",
+            f"{s.scenario['name']} batch={s.scenario['batch_size']} seed={s.scenario['seed']}",
+        ),
         ("verdict", verdict),
-        ("queries", f"{s.queries} ({s.samples} samples; {s.failed} failed, {s.refused} "
-                    f"refused, {s.lost} lost, {s.not_issued} not issued"
-                    + (f"; {s.warmup_queries} warm-up" if s.warmup_queries else "")
-                    + f") in {s.duration_s:.2f} s"),
-        ("rate", f"requested {f(s.requested_qps, '', 1)} / offered "
-                 f"{f(s.scheduled_qps, '', 1)} / issued {f(s.achieved_qps, '', 1)} / "
-                 f"completed {f(s.completed_qps, '', 1)} QPS"
-                 + (f"; backlog {s.backlog_s:.3g} s" if s.backlog_s is not None else "")),
-        ("latency ms", f"trimmed mean {f(lat.trimmed_mean)}  p50 {f(lat.p50)}  p90 "
-                       f"{f(lat.p90)}  p99 {f(lat.p99)}  max {f(lat.max)}"),
-        ("issue lag µs", f"p50 {f(lag.get('p50'), '', 1)}  p99 {f(lag.get('p99'), '', 1)}  "
-                         f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}"),
+        (
+            "queries",
+            f"{s.queries} ({s.samples} samples; {s.failed} failed, {s.refused} "
+            f"refused, {s.lost} lost, {s.not_issued} not issued"
+            + (f"; {s.warmup_queries} warm-up" if s.warmup_queries else "")
+            + f") in {s.duration_s:.2f} s",
+        ),
+        (
+            "rate",
+            f"requested {f(s.requested_qps, '', 1)} / offered "
+            f"{f(s.scheduled_qps, '', 1)} / issued {f(s.achieved_qps, '', 1)} / "
+            f"completed {f(s.completed_qps, '', 1)} QPS"
+            + (f"; backlog {s.backlog_s:.3g} s" if s.backlog_s is not None else ""),
+        ),
+        (
+            "latency ms",
+            f"trimmed mean {f(lat.trimmed_mean)}  p50 {f(lat.p50)}  p90 "
+            f"{f(lat.p90)}  p99 {f(lat.p99)}  max {f(lat.max)}",
+        ),
+        (
+            "issue lag µs",
+            f"p50 {f(lag.get('p50'), '', 1)}  p99 {f(lag.get('p99'), '', 1)}  "
+            f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}",
+        ),
         ("throughput", f"{f(s.throughput_ips, '', 1)} inputs/s"),
     ]
     split = s.issue_lag_split_us or {}
     if split:
-        rows.append(("  lag parts", "  ".join(
-            f"{k} p99 {f(v.get('p99'), '', 1)} max {f(v.get('max'), '', 1)}"
-            for k, v in split.items())))
+        rows.append(
+            (
+                "  lag parts",
+                "  ".join(
+                    f"{k} p99 {f(v.get('p99'), '', 1)} max {f(v.get('max'), '', 1)}"
+                    for k, v in split.items()
+                ),
+            )
+        )
     cost = s.loadgen_cost or {}
     if cost.get("cpu_us_per_query") is not None:
-        rows.append(("loadgen", f"{cost['cpu_us_per_query']:.0f} µs CPU per query on "
-                                f"{cost.get('host')}"
-                                + (" (the agent's host)" if cost.get("shared_host") else "")))
+        rows.append(
+            (
+                "loadgen",
+                f"{cost['cpu_us_per_query']:.0f} µs CPU per query on "
+                f"{cost.get('host')}" + (" (the agent's host)" if cost.get("shared_host") else ""),
+            )
+        )
     rows += [("WARNING", w) for w in s.warnings]
     if s.accuracy:
         rows.append(("accuracy", "  ".join(f"{k} {v:.4f}" for k, v in s.accuracy.items())))
     if s.latency_split_ms:
-        rows.append(("split ms p50", "  ".join(
-            f"{k} {f(v.get('p50'))}" for k, v in s.latency_split_ms.items())))
+        rows.append(
+            (
+                "split ms p50",
+                "  ".join(f"{k} {f(v.get('p50'))}" for k, v in s.latency_split_ms.items()),
+            )
+        )
     if s.scenario.get("loadgens", 1) > 1:
         rows.append(("loadgens", f"{s.scenario['loadgens']} processes, one schedule"))
     if s.scenario["name"] == "peak":
-        rows.append(("peak", f"{f(s.peak_qps, ' QPS', 1)} with p99 <= "
-                             f"{s.scenario.get('latency_bound_ms')} ms"))
+        rows.append(
+            (
+                "peak",
+                f"{f(s.peak_qps, ' QPS', 1)} with p99 <= {s.scenario.get('latency_bound_ms')} ms",
+            )
+        )
     if s.optimal_batch_size is not None:
         rows.append(("optimal batch", f"{s.optimal_batch_size}"))
     for pt in s.points:
         lat_pt = pt["latency_ms"]
-        rows.append(("  tried", f"qps {f(pt['qps'], '', 1)} batch {pt['batch_size']}: p50 "
-                                f"{f(lat_pt['p50'])} p99 {f(lat_pt['p99'])} ms, "
-                                f"{f(pt['throughput_ips'], '', 1)} inputs/s, "
-                                f"{'VALID' if pt['valid'] else 'INVALID'} "
-                                f"({pt['evaluation_id']})"))
+        rows.append(
+            (
+                "  tried",
+                f"qps {f(pt['qps'], '', 1)} batch {pt['batch_size']}: p50 "
+                f"{f(lat_pt['p50'])} p99 {f(lat_pt['p99'])} ms, "
+                f"{f(pt['throughput_ips'], '', 1)} inputs/s, "
+                f"{'VALID' if pt['valid'] else 'INVALID'} "
+                f"({pt['evaluation_id']})",
+            )
+        )
     c = s.cold_start
     if s.scenario["name"] == "cold-start" and c:
-        rows.append(("cold start", f"load {f(c.get('load_ms'))} ms  first inference "
-                                   f"{f(c.get('first_inference_ms'))} ms  warm predict "
-                                   f"{f(c.get('warm_predict_ms'))} ms  "
-                                   f"({c.get('cold_loads')}/{c.get('repetitions')} loads)"))
+        rows.append(
+            (
+                "cold start",
+                f"load {f(c.get('load_ms'))} ms  first inference "
+                f"{f(c.get('first_inference_ms'))} ms  warm predict "
+                f"{f(c.get('warm_predict_ms'))} ms  "
+                f"({c.get('cold_loads')}/{c.get('repetitions')} loads)",
+            )
+        )
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
 
 
@@ -294,9 +447,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, float | None]]:
     """Mean and 95% CI over runs (Student's t) of each run's p50, p99 and throughput."""
-    stats = {"p50_ms": [s.latency_ms.p50 for s in summaries],
-             "p99_ms": [s.latency_ms.p99 for s in summaries],
-             "throughput_ips": [s.throughput_ips for s in summaries]}
+    stats = {
+        "p50_ms": [s.latency_ms.p50 for s in summaries],
+        "p99_ms": [s.latency_ms.p99 for s in summaries],
+        "throughput_ips": [s.throughput_ips for s in summaries],
+    }
     out = {}
     for name, values in stats.items():
         mean, lo, hi = mean_ci([v for v in values if v is not None])
@@ -310,8 +465,10 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
         job = make_job(args)
 
         async def go() -> list[EvaluationSummary]:
-            return [await submit(settings, job.model_copy(update={"job_id": new_id("job")}))
-                    for _ in range(args.repeat)]
+            return [
+                await submit(settings, job.model_copy(update={"job_id": new_id("job")}))
+                for _ in range(args.repeat)
+            ]
 
         summaries = anyio.run(go, backend="asyncio")
     except MLScopeError as exc:
@@ -322,15 +479,21 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
         return 2
     stats = run_level(summaries)
     if args.json:
-        print(json.dumps({"summaries": [s.model_dump(mode="json", by_alias=True)
-                                        for s in summaries], "run_level": stats}))
+        print(
+            json.dumps(
+                {
+                    "summaries": [s.model_dump(mode="json", by_alias=True) for s in summaries],
+                    "run_level": stats,
+                }
+            )
+        )
         return 0
     for s in summaries:
         print(format_summary(s))
         print()
     print(f"  run level over {len(summaries)} runs (mean, 95% CI over runs):")
     for name, v in stats.items():
-        ci = ("-" if v["ci_low"] is None else f"[{v['ci_low']:.3f}, {v['ci_high']:.3f}]")
+        ci = "-" if v["ci_low"] is None else f"[{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
         mean = "-" if v["mean"] is None else f"{v['mean']:.3f}"
         print(f"  {name:<15} {mean}  {ci}")
     print("  compare repeated runs with analysis.compare.compare_repeats (CIs over runs)")
@@ -342,8 +505,9 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
 
     try:
         job = make_job(args)
-        results = anyio.run(lambda: submit_all(settings, job, any_framework=args.any_framework),
-                            backend="asyncio")
+        results = anyio.run(
+            lambda: submit_all(settings, job, any_framework=args.any_framework), backend="asyncio"
+        )
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return 1
@@ -351,9 +515,16 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
         print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([r.model_dump(mode="json", by_alias=True)
-                          if isinstance(r, EvaluationSummary) else {"error": r.to_wire()}
-                          for r in results]))
+        print(
+            json.dumps(
+                [
+                    r.model_dump(mode="json", by_alias=True)
+                    if isinstance(r, EvaluationSummary)
+                    else {"error": r.to_wire()}
+                    for r in results
+                ]
+            )
+        )
     else:
         print(comparison_table(results))
     return 0 if all(isinstance(r, EvaluationSummary) for r in results) else 1
@@ -362,33 +533,12 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
 def _main_many(args: argparse.Namespace, settings: Settings) -> int:
     """One evaluation per framework (one after another unless --parallel), then one
     comparison of their outputs."""
-    from broker.compare import compare_evaluations, format_comparison
+    from broker.compare import format_comparison
 
     frameworks = [f.strip() for f in args.framework.split(",") if f.strip()]
     try:
         jobs = [make_job(args, fw) for fw in frameworks]
-
-        async def go() -> tuple[list[EvaluationSummary], Any]:
-            out: list[EvaluationSummary | None] = [None] * len(jobs)
-
-            async def one(i: int) -> None:
-                out[i] = await submit(settings, jobs[i])
-
-            if args.parallel:
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(jobs)):
-                        tg.start_soon(one, i)
-            else:  # one measurement at a time: they would share the agents' host
-                for i in range(len(jobs)):
-                    await one(i)
-            done = [s for s in out if s is not None]
-            if not args.accuracy:
-                return done, None
-            async with busmod.connect(settings, name="mlscope-submit") as bus:
-                return done, await compare_evaluations(bus, [
-                    (s.framework["name"], s.evaluation_id, s.accuracy) for s in done])
-
-        summaries, comparison = anyio.run(go, backend="asyncio")
+        summaries, comparison = anyio.run(_run_many, args, settings, jobs, backend="asyncio")
     except (MLScopeError, ValueError, ExceptionGroup) as caught:
         exc: BaseException = caught
         while isinstance(exc, BaseExceptionGroup):  # the first failure of the task group
@@ -401,9 +551,11 @@ def _main_many(args: argparse.Namespace, settings: Settings) -> int:
             return 2
         raise
     if args.json:
-        print(json.dumps({"summaries": [s.model_dump(mode="json", by_alias=True)
-                                        for s in summaries],
-                          "comparison": comparison.to_dict() if comparison else None}))
+        doc = {
+            "summaries": [s.model_dump(mode="json", by_alias=True) for s in summaries],
+            "comparison": comparison.to_dict() if comparison else None,
+        }
+        print(json.dumps(doc))
         return 0
     for s in summaries:
         print(format_summary(s))
@@ -411,6 +563,33 @@ def _main_many(args: argparse.Namespace, settings: Settings) -> int:
     if comparison is not None:
         print(format_comparison(comparison))
     return 0
+
+
+async def _run_many(
+    args: argparse.Namespace, settings: Settings, jobs: list[JobRequest]
+) -> tuple[list[EvaluationSummary], Any]:
+    """The jobs' summaries (and, with --accuracy, the comparison of their outputs)."""
+    from broker.compare import compare_evaluations
+
+    out: list[EvaluationSummary | None] = [None] * len(jobs)
+
+    async def one(i: int) -> None:
+        out[i] = await submit(settings, jobs[i])
+
+    if args.parallel:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(jobs)):
+                tg.start_soon(one, i)
+    else:  # one measurement at a time: they would share the agents' host
+        for i in range(len(jobs)):
+            await one(i)
+    done = [s for s in out if s is not None]
+    if not args.accuracy:
+        return done, None
+    async with busmod.connect(settings, name="mlscope-submit") as bus:
+        return done, await compare_evaluations(
+            bus, [(s.framework["name"], s.evaluation_id, s.accuracy) for s in done]
+        )
 
 
 if __name__ == "__main__":

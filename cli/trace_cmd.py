@@ -46,8 +46,9 @@ TID_QUERIES, TID_WORKER, TID_DEVICE = 1, 2, 3
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("trace", help="export an evaluation's timeline as Chrome trace JSON")
     p.add_argument("evaluation_id")
-    p.add_argument("-o", "--output", type=Path, default=None,
-                   help="output file (default: EVAL_ID.trace.json)")
+    p.add_argument(
+        "-o", "--output", type=Path, default=None, help="output file (default: EVAL_ID.trace.json)"
+    )
     p.set_defaults(func=run)
 
 
@@ -55,8 +56,11 @@ def run(args: argparse.Namespace) -> int:
     out = args.output or Path(f"{args.evaluation_id}.trace.json")
     doc = anyio.run(export, args.settings, args.evaluation_id, backend="asyncio")
     out.write_text(json.dumps(doc))
-    print(f"{out}: {len(doc['traceEvents'])} events "
-          f"(open in https://ui.perfetto.dev or chrome://tracing)", file=sys.stderr)
+    print(
+        f"{out}: {len(doc['traceEvents'])} events "
+        f"(open in https://ui.perfetto.dev or chrome://tracing)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -65,8 +69,9 @@ async def export(settings: Settings, evaluation_id: str) -> dict[str, Any]:
         return chrome_trace(*(await fetch(bus, evaluation_id)))
 
 
-async def _rows(bus: Bus, select: str, eval_id: str,
-                key: tuple[tuple[str, str], ...]) -> list[dict[str, Any]]:
+async def _rows(
+    bus: Bus, select: str, eval_id: str, key: tuple[tuple[str, str], ...]
+) -> list[dict[str, Any]]:
     """All rows of ``select`` (one evaluation), paged on the table's sorting key.
 
     ``key`` is the sorting key after ``evaluation_id`` as (column, ClickHouse type); it
@@ -82,49 +87,82 @@ async def _rows(bus: Bus, select: str, eval_id: str,
         if out:
             last = out[-1]
             params.update({f"k{i}": last[c] for i, (c, _) in enumerate(key)})
-            after = (f" AND ({cols}) > ("
-                     + ", ".join(f"{{k{i}:{t}}}" for i, (_, t) in enumerate(key)) + ")")
+            after = (
+                f" AND ({cols}) > ("
+                + ", ".join(f"{{k{i}:{t}}}" for i, (_, t) in enumerate(key))
+                + ")"
+            )
         columns, rows = await remote.sql(
-            bus, f"{select}{after} ORDER BY {cols} LIMIT {PAGE}", params)
+            bus, f"{select}{after} ORDER BY {cols} LIMIT {PAGE}", params
+        )
         out.extend(dict(zip(columns, r, strict=True)) for r in rows)
         if len(rows) < PAGE:
             return out
 
 
-async def fetch(bus: Bus, eval_id: str) -> tuple[dict[str, Any], list[dict[str, Any]],
-                                                 list[dict[str, Any]], list[dict[str, Any]]]:
+async def fetch(
+    bus: Bus, eval_id: str
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(evaluation, queries, spans, samples) rows of one evaluation."""
     where = "FINAL WHERE evaluation_id = {e:String}"
-    ev = await _rows(bus, "SELECT evaluation_id, model, framework, agent_id, host, t0_ns, "
-                     f"clock_offset_ns, trace_level FROM evaluations {where}", eval_id,
-                     (("evaluation_id", "String"),))
+    ev = await _rows(
+        bus,
+        "SELECT evaluation_id, model, framework, agent_id, host, t0_ns, "
+        f"clock_offset_ns, trace_level FROM evaluations {where}",
+        eval_id,
+        (("evaluation_id", "String"),),
+    )
     if not ev:
         raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
-    queries = await _rows(bus, "SELECT query_index, scheduled_ns, issued_ns, completed_ns, ok "
-                          f"FROM queries {where}", eval_id, (("query_index", "UInt32"),))
-    spans = await _rows(bus, "SELECT agent_id, host, span_id, parent_id, query_index, level, "
-                        f"kind, name, start_ns, end_ns, attrs FROM spans {where}", eval_id,
-                        (("agent_id", "String"), ("span_id", "UInt64")))
-    samples = await _rows(bus, "SELECT agent_id, ts_ns, metric, device, value "
-                          f"FROM system_samples {where}", eval_id,
-                          (("agent_id", "String"), ("metric", "String"),
-                           ("device", "String"), ("ts_ns", "Int64")))
+    queries = await _rows(
+        bus,
+        f"SELECT query_index, scheduled_ns, issued_ns, completed_ns, ok FROM queries {where}",
+        eval_id,
+        (("query_index", "UInt32"),),
+    )
+    spans = await _rows(
+        bus,
+        "SELECT agent_id, host, span_id, parent_id, query_index, level, "
+        f"kind, name, start_ns, end_ns, attrs FROM spans {where}",
+        eval_id,
+        (("agent_id", "String"), ("span_id", "UInt64")),
+    )
+    samples = await _rows(
+        bus,
+        f"SELECT agent_id, ts_ns, metric, device, value FROM system_samples {where}",
+        eval_id,
+        (("agent_id", "String"), ("metric", "String"), ("device", "String"), ("ts_ns", "Int64")),
+    )
     return ev[0], queries, spans, samples
 
 
-def chrome_trace(ev: dict[str, Any], queries: list[dict[str, Any]], spans: list[dict[str, Any]],
-                 samples: list[dict[str, Any]]) -> dict[str, Any]:
+def chrome_trace(
+    ev: dict[str, Any],
+    queries: list[dict[str, Any]],
+    spans: list[dict[str, Any]],
+    samples: list[dict[str, Any]],
+) -> dict[str, Any]:
     """The Chrome trace document (``traceEvents``, times in µs from t0)."""
     base = int(ev["t0_ns"]) + int(ev["clock_offset_ns"])  # agent clock -> timeline zero
     events: list[dict[str, Any]] = [_meta(LOADGEN_PID, None, "load generator")]
     for q in queries:
         if not q["completed_ns"]:
             continue
-        common = {"cat": "loadgen", "name": f"query {q['query_index']}", "pid": LOADGEN_PID,
-                  "tid": TID_QUERIES, "id": int(q["query_index"])}
-        events.append({**common, "ph": "b", "ts": int(q["issued_ns"]) / 1000,
-                       "args": {"scheduled_us": int(q["scheduled_ns"]) / 1000,
-                                "ok": bool(q["ok"])}})
+        common = {
+            "cat": "loadgen",
+            "name": f"query {q['query_index']}",
+            "pid": LOADGEN_PID,
+            "tid": TID_QUERIES,
+            "id": int(q["query_index"]),
+        }
+        events.append(
+            {
+                **common,
+                "ph": "b",
+                "ts": int(q["issued_ns"]) / 1000,
+                "args": {"scheduled_us": int(q["scheduled_ns"]) / 1000, "ok": bool(q["ok"])},
+            }
+        )
         events.append({**common, "ph": "e", "ts": int(q["completed_ns"]) / 1000})
     pids: dict[str, int] = {}
 
@@ -132,37 +170,71 @@ def chrome_trace(ev: dict[str, Any], queries: list[dict[str, Any]], spans: list[
         if agent not in pids:
             pids[agent] = pid = LOADGEN_PID + 1 + len(pids)
             events.append(_meta(pid, None, f"agent {agent} ({host})"))
-            for tid, name in ((TID_QUERIES, "queries"), (TID_WORKER, "worker"),
-                              (TID_DEVICE, "device")):
+            for tid, name in (
+                (TID_QUERIES, "queries"),
+                (TID_WORKER, "worker"),
+                (TID_DEVICE, "device"),
+            ):
                 events.append(_meta(pid, tid, name))
         return pids[agent]
 
     for s in spans:
         pid = pid_of(str(s["agent_id"]), str(s["host"]))
         start = (int(s["start_ns"]) - base) / 1000
-        args: dict[str, Any] = {"span_id": int(s["span_id"]), "parent_id": int(s["parent_id"]),
-                                "query_index": int(s["query_index"]), "level": int(s["level"])}
+        args: dict[str, Any] = {
+            "span_id": int(s["span_id"]),
+            "parent_id": int(s["parent_id"]),
+            "query_index": int(s["query_index"]),
+            "level": int(s["level"]),
+        }
         if s["attrs"]:
             args["attrs"] = json.loads(s["attrs"])
         if s["kind"] == "query":
-            common = {"cat": "query", "name": str(s["name"]), "pid": pid, "tid": TID_QUERIES,
-                      "id": f"{s['agent_id']}:{s['span_id']}"}
+            common = {
+                "cat": "query",
+                "name": str(s["name"]),
+                "pid": pid,
+                "tid": TID_QUERIES,
+                "id": f"{s['agent_id']}:{s['span_id']}",
+            }
             events.append({**common, "ph": "b", "ts": start, "args": args})
             events.append({**common, "ph": "e", "ts": (int(s["end_ns"]) - base) / 1000})
             continue
-        events.append({"ph": "X", "cat": str(s["kind"]), "name": str(s["name"]), "pid": pid,
-                       "tid": TID_DEVICE if s["kind"] == "kernel" else TID_WORKER, "ts": start,
-                       "dur": (int(s["end_ns"]) - int(s["start_ns"])) / 1000, "args": args})
+        events.append(
+            {
+                "ph": "X",
+                "cat": str(s["kind"]),
+                "name": str(s["name"]),
+                "pid": pid,
+                "tid": TID_DEVICE if s["kind"] == "kernel" else TID_WORKER,
+                "ts": start,
+                "dur": (int(s["end_ns"]) - int(s["start_ns"])) / 1000,
+                "args": args,
+            }
+        )
     for r in samples:
         pid = pid_of(str(r["agent_id"]), "")
-        events.append({"ph": "C", "name": str(r["metric"]), "pid": pid,
-                       "ts": (int(r["ts_ns"]) - base) / 1000,
-                       "args": {str(r["device"]): float(r["value"])}})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "metadata": {"evaluation_id": ev["evaluation_id"], "model": ev["model"],
-                         "framework": ev["framework"], "trace_level": ev["trace_level"],
-                         "clock_offset_ns": int(ev["clock_offset_ns"]),
-                         "t0_ns": int(ev["t0_ns"])}}
+        events.append(
+            {
+                "ph": "C",
+                "name": str(r["metric"]),
+                "pid": pid,
+                "ts": (int(r["ts_ns"]) - base) / 1000,
+                "args": {str(r["device"]): float(r["value"])},
+            }
+        )
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "metadata": {
+            "evaluation_id": ev["evaluation_id"],
+            "model": ev["model"],
+            "framework": ev["framework"],
+            "trace_level": ev["trace_level"],
+            "clock_offset_ns": int(ev["clock_offset_ns"]),
+            "t0_ns": int(ev["t0_ns"]),
+        },
+    }
 
 
 def _meta(pid: int, tid: int | None, name: str) -> dict[str, Any]:

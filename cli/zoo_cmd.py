@@ -19,21 +19,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     zoo = subparsers.add_parser("zoo", help="the built-in model zoo")
     sub = zoo.add_subparsers(dest="zoo_command", required=True)
     build = sub.add_parser(
-        "build", help="build the zoo's artifacts offline (idempotent, fixed seeds)",
+        "build",
+        help="build the zoo's artifacts offline (idempotent, fixed seeds)",
         description="Build every zoo model (or --only some) into <data_dir>/zoo: check the "
-                    "pinned inputs, check each built model's behaviour (accuracy, probe "
-                    "outputs) against the committed manifests, and record the sha256 of "
-                    "every artifact in the model's build lock.")
+        "pinned inputs, check each built model's behaviour (accuracy, probe "
+        "outputs) against the committed manifests, and record the sha256 of "
+        "every artifact in the model's build lock.",
+    )
     build.add_argument("--only", nargs="+", metavar="NAME", help="build only these models")
     build.add_argument("--force", action="store_true", help="rebuild even when up to date")
     build.add_argument("--zoo-dir", type=Path, help="default: <data_dir>/zoo")
-    build.add_argument("--push", action="store_true",
-                       help="then put the built models into the bus's artifact bucket "
-                            "(MLSCOPE_NATS_URL), for agents on other machines")
-    build.add_argument("--write-manifests", type=Path, nargs="?", metavar="DIR",
-                       const=Path("manifests/models"),
-                       help="(re)write the zoo's model manifests into DIR "
-                            "(default: manifests/models)")
+    build.add_argument(
+        "--push",
+        action="store_true",
+        help="then put the built models into the bus's artifact bucket "
+        "(MLSCOPE_NATS_URL), for agents on other machines",
+    )
+    build.add_argument(
+        "--write-manifests",
+        type=Path,
+        nargs="?",
+        metavar="DIR",
+        const=Path("manifests/models"),
+        help="(re)write the zoo's model manifests into DIR (default: manifests/models)",
+    )
     build.set_defaults(func=run)
 
 
@@ -43,15 +52,15 @@ def run(args: argparse.Namespace) -> int:
     zoo_dir: Path = args.zoo_dir or args.settings.zoo_dir
     started = time.perf_counter()
     try:
-        zoo_build.build(zoo_dir, only=args.only, force=args.force,
-                                log=lambda m: print(m, flush=True))
+        zoo_build.build(
+            zoo_dir, only=args.only, force=args.force, log=lambda m: print(m, flush=True)
+        )
     except (MLScopeError, KeyError, RuntimeError, OSError) as exc:
         print(f"mlscope zoo build: {exc}", file=sys.stderr)
         return 1
     print(f"built in {time.perf_counter() - started:.1f} s")
     if args.push:
-        anyio.run(lambda: push_zoo(args.settings, zoo_dir, only=args.only),
-                  backend="asyncio")
+        anyio.run(lambda: push_zoo(args.settings, zoo_dir, only=args.only), backend="asyncio")
     if args.write_manifests is not None:
         return _write(zoo_dir, args.write_manifests, args.only)
     return 0

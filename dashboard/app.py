@@ -17,12 +17,14 @@ if str(ROOT) not in sys.path:  # `streamlit run dashboard/app.py` from a checkou
 
 VIEWS = Path(__file__).resolve().parent / "views"
 # Material icons ship with Streamlit's front end (emoji would need a system font).
-PAGES = (("agents.py", "Agents", ":material/dns:"),
-         ("models.py", "Models", ":material/inventory_2:"),
-         ("run.py", "Run", ":material/play_arrow:"),
-         ("results.py", "Results", ":material/bar_chart:"),
-         ("compare.py", "Compare", ":material/compare_arrows:"),
-         ("trace.py", "Trace", ":material/timeline:"))
+PAGES = (
+    ("agents.py", "Agents", ":material/dns:"),
+    ("models.py", "Models", ":material/inventory_2:"),
+    ("run.py", "Run", ":material/play_arrow:"),
+    ("results.py", "Results", ":material/bar_chart:"),
+    ("compare.py", "Compare", ":material/compare_arrows:"),
+    ("trace.py", "Trace", ":material/timeline:"),
+)
 
 st.set_page_config(page_title="mlscope", layout="wide")
 page = st.navigation([st.Page(VIEWS / f, title=t, icon=i) for f, t, i in PAGES])

@@ -19,8 +19,17 @@ from mlscope.contracts import AgentDescription
 from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
 
-__all__ = ["FIG_WIDTH", "agents", "catalog", "eval_label", "evaluation_picker",
-           "recent_evaluations", "settings", "source", "stop_on_error"]
+__all__ = [
+    "FIG_WIDTH",
+    "agents",
+    "catalog",
+    "eval_label",
+    "evaluation_picker",
+    "recent_evaluations",
+    "settings",
+    "source",
+    "stop_on_error",
+]
 
 TTL_S = 3
 FIG_WIDTH = 760  # pixels: matplotlib figures stretched to a wide page are unreadable
@@ -44,8 +53,10 @@ def catalog() -> Catalog:
 
 def stop_on_error(exc: MLScopeError) -> None:
     st.error(f"{type(exc).__name__}: {exc}")
-    st.info("Is the stack running? `mlscope up` (or `mlscope server` + `mlscope agent`), "
-            "with the same MLSCOPE_NATS_URL / MLSCOPE_DATA_DIR as this dashboard.")
+    st.info(
+        "Is the stack running? `mlscope up` (or `mlscope server` + `mlscope agent`), "
+        "with the same MLSCOPE_NATS_URL / MLSCOPE_DATA_DIR as this dashboard."
+    )
     st.stop()
 
 
@@ -69,13 +80,16 @@ def recent_evaluations() -> pd.DataFrame:
 
 
 def eval_label(row: Any) -> str:
-    return (f"{row.evaluation_id} · {row.model}/{row.framework} · {row.scenario} "
-            f"b={row.batch_size} · {pd.Timestamp(row.created_at):%m-%d %H:%M:%S}"
-            + ("" if row.valid else " · INVALID"))
+    return (
+        f"{row.evaluation_id} · {row.model}/{row.framework} · {row.scenario} "
+        f"b={row.batch_size} · {pd.Timestamp(row.created_at):%m-%d %H:%M:%S}"
+        + ("" if row.valid else " · INVALID")
+    )
 
 
-def evaluation_picker(label: str, *, key: str, multi: bool = False,
-                      default_all: bool = False) -> list[str]:
+def evaluation_picker(
+    label: str, *, key: str, multi: bool = False, default_all: bool = False
+) -> list[str]:
     """A select box (or multiselect) of the stored evaluations, newest first."""
     try:
         ev = recent_evaluations()
@@ -88,8 +102,13 @@ def evaluation_picker(label: str, *, key: str, multi: bool = False,
     labels = {r.evaluation_id: eval_label(r) for r in ev.itertuples()}
     ids = list(labels)
     if multi:
-        picked = st.multiselect(label, ids, default=ids if default_all else ids[:1],
-                                format_func=labels.__getitem__, key=key)
+        picked = st.multiselect(
+            label,
+            ids,
+            default=ids if default_all else ids[:1],
+            format_func=labels.__getitem__,
+            key=key,
+        )
         return list(picked)
     one = st.selectbox(label, ids, format_func=labels.__getitem__, key=key)
     return [one] if one else []

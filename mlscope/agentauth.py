@@ -38,8 +38,7 @@ from mlscope import names
 from mlscope.auth import ACCOUNT, INBOX_PREFIXES, RESPONSES, _agent_publish, read_roles
 from mlscope.errors import ConfigError
 
-__all__ = ["add_agent", "agent_creds", "agent_inbox_prefix", "agent_permissions",
-           "reload_server"]
+__all__ = ["add_agent", "agent_creds", "agent_inbox_prefix", "agent_permissions", "reload_server"]
 
 P = names.PREFIX
 
@@ -58,11 +57,18 @@ def agent_permissions(agent_id: str, *, frameworks: Sequence[str] = ()) -> dict[
     own = names.token(agent_id)
     caps = [f"{P}.cap.{names.token(fw)}.>" for fw in frameworks] or [f"{P}.cap.>"]
     return {
-        "publish": {"allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.{own}"),
-                    "deny": [names.JOBS_SUBJECT, f"{P}.db.>"]},
-        "subscribe": {"allow": [f"{agent_inbox_prefix(own)}.>",
-                                *(f"{c} {c}" for c in caps),  # only as its queue group
-                                names.agent_query(own), names.agent_ctl(own)]},
+        "publish": {
+            "allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.{own}"),
+            "deny": [names.JOBS_SUBJECT, f"{P}.db.>"],
+        },
+        "subscribe": {
+            "allow": [
+                f"{agent_inbox_prefix(own)}.>",
+                *(f"{c} {c}" for c in caps),  # only as its queue group
+                names.agent_query(own),
+                names.agent_ctl(own),
+            ]
+        },
         "allow_responses": RESPONSES,
     }
 
@@ -70,24 +76,33 @@ def agent_permissions(agent_id: str, *, frameworks: Sequence[str] = ()) -> dict[
 def add_agent(directory: Path, agent_id: str, *, frameworks: Sequence[str] = ()) -> Path:
     """Issue (or re-issue) ``agent_id``'s nkey user; returns its seed file."""
     if names.token(agent_id) != agent_id or not agent_id:
-        raise ConfigError(f"agent id {agent_id!r} must be one subject token (no '.', '*', "
-                          "'>' or spaces)", field="agent_id")
+        raise ConfigError(
+            f"agent id {agent_id!r} must be one subject token (no '.', '*', '>' or spaces)",
+            field="agent_id",
+        )
     config = directory / "server.conf"
     roles = read_roles(directory)
     if not config.is_file() or not roles:
-        raise ConfigError(f"{directory} has no server.conf/roles.json: run `mlscope auth "
-                          f"init --out {directory}` first", field="directory")
+        raise ConfigError(
+            f"{directory} has no server.conf/roles.json: run `mlscope auth "
+            f"init --out {directory}` first",
+            field="directory",
+        )
     header, conf = _read_conf(config)
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
     public = nkeys.from_seed(bytearray(seed)).public_key.decode()
     agents: dict[str, Any] = roles.setdefault("agents", {})
     old = agents.get(agent_id, {}).get("public_key")
     users = [u for u in conf["accounts"][ACCOUNT]["users"] if u.get("nkey") != old]
-    users.append({"nkey": public, "permissions": agent_permissions(agent_id,
-                                                                   frameworks=frameworks)})
+    users.append(
+        {"nkey": public, "permissions": agent_permissions(agent_id, frameworks=frameworks)}
+    )
     conf["accounts"][ACCOUNT]["users"] = users
-    agents[agent_id] = {"public_key": public, "inbox_prefix": agent_inbox_prefix(agent_id),
-                        "frameworks": list(frameworks)}
+    agents[agent_id] = {
+        "public_key": public,
+        "inbox_prefix": agent_inbox_prefix(agent_id),
+        "frameworks": list(frameworks),
+    }
     path = agent_creds(directory, agent_id)
     path.write_bytes(seed + b"\n")
     path.chmod(0o600)
@@ -105,8 +120,9 @@ def _read_conf(config: Path) -> tuple[str, dict[str, Any]]:
         conf = json.loads("".join(line for line in lines if not line.startswith("#")))
         conf["accounts"][ACCOUNT]["users"]
     except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{config} is not a config `mlscope auth init` wrote: {exc}",
-                          field="server.conf") from exc
+        raise ConfigError(
+            f"{config} is not a config `mlscope auth init` wrote: {exc}", field="server.conf"
+        ) from exc
     return header, conf
 
 
@@ -123,4 +139,3 @@ def reload_server(pid: int) -> None:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:
         raise ConfigError(f"cannot signal nats-server {pid}: {exc}", field="pid") from exc
-

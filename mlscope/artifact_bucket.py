@@ -67,9 +67,15 @@ async def ensure_bucket(bus: Bus, *, replicas: int = 1) -> ObjectStore:
         return obs
     try:
         # nats-py overwrites config.bucket with its ``bucket`` argument: give both.
-        return await bus.js.create_object_store(names.ARTIFACTS_BUCKET, ObjectStoreConfig(
-            bucket=names.ARTIFACTS_BUCKET, storage=StorageType.FILE, replicas=replicas,
-            description="built zoo models (mlscope artifacts push)"))
+        return await bus.js.create_object_store(
+            names.ARTIFACTS_BUCKET,
+            ObjectStoreConfig(
+                bucket=names.ARTIFACTS_BUCKET,
+                storage=StorageType.FILE,
+                replicas=replicas,
+                description="built zoo models (mlscope artifacts push)",
+            ),
+        )
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"cannot create the artifact bucket: {exc!r}") from exc
 
@@ -108,13 +114,18 @@ async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 
     """
     lock = BuildLock.read(model_dir)
     if lock is None:
-        raise ArtifactError(f"{model_dir} has no build lock: build it first "
-                            f"(`mlscope zoo build`)", path=str(model_dir))
+        raise ArtifactError(
+            f"{model_dir} has no build lock: build it first (`mlscope zoo build`)",
+            path=str(model_dir),
+        )
     for relative, sha in sorted(lock.files.items()):
         if sha256_path(safe_join(model_dir, relative)) != sha:
-            raise ChecksumMismatch(f"{model_dir / relative} changed since its build lock; "
-                                   f"run `mlscope zoo build --only {lock.model} --force`",
-                                   path=str(model_dir / relative), expected=sha)
+            raise ChecksumMismatch(
+                f"{model_dir / relative} changed since its build lock; "
+                f"run `mlscope zoo build --only {lock.model} --force`",
+                path=str(model_dir / relative),
+                expected=sha,
+            )
     obs = await ensure_bucket(bus, replicas=replicas)
     remote = await _remote_lock(obs, lock.model, lock.version)
     if remote is not None and remote.same_bytes(lock):
@@ -130,16 +141,19 @@ async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 
             if have != sha:
                 with (model_dir / relative).open("rb") as fh:
                     await obs.put(name, fh)
-        await obs.put(_object(lock.model, lock.version, LOCK_NAME),
-                      json.dumps(lock.to_json(), sort_keys=True).encode())
+        await obs.put(
+            _object(lock.model, lock.version, LOCK_NAME),
+            json.dumps(lock.to_json(), sort_keys=True).encode(),
+        )
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"cannot push {lock.model} {lock.version}: {exc!r}") from exc
     log(f"{lock.model} {lock.version}: pushed {len(lock.files)} files to the artifact bucket")
     return True
 
 
-async def fetch(bus: Bus, zoo_dir: Path, name: str, version: str, *,
-                log: Log = _quiet) -> BuildLock | None:
+async def fetch(
+    bus: Bus, zoo_dir: Path, name: str, version: str, *, log: Log = _quiet
+) -> BuildLock | None:
     """Fetch one model into ``<zoo_dir>/<name>/<version>`` unless it is there already.
 
     Returns the lock now in place, or None when neither the data dir nor the bucket
@@ -160,9 +174,14 @@ async def fetch(bus: Bus, zoo_dir: Path, name: str, version: str, *,
     scratch = target.parent / f".{version}.fetch-{uuid.uuid4().hex[:8]}"
     try:
         await _download(obs, lock, scratch)
-        fetched = BuildLock(model=lock.model, version=lock.version, artifacts=lock.artifacts,
-                            files=lock.files, origin={**lock.origin, "by": "bus"},
-                            behaviour=lock.behaviour)
+        fetched = BuildLock(
+            model=lock.model,
+            version=lock.version,
+            artifacts=lock.artifacts,
+            files=lock.files,
+            origin={**lock.origin, "by": "bus"},
+            behaviour=lock.behaviour,
+        )
         fetched.write(scratch)
         if BuildLock.read(target) is None:  # another agent of this data dir may have won
             shutil.rmtree(target, ignore_errors=True)
@@ -181,21 +200,31 @@ async def _download(obs: ObjectStore, lock: BuildLock, scratch: Path) -> None:
             with path.open("wb") as fh:
                 await obs.get(_object(lock.model, lock.version, relative), writeinto=fh)
         except nats.js.errors.ObjectNotFoundError as exc:
-            raise ArtifactError(f"the artifact bucket lacks {relative} of {lock.model} "
-                                f"{lock.version}", path=relative) from exc
+            raise ArtifactError(
+                f"the artifact bucket lacks {relative} of {lock.model} {lock.version}",
+                path=relative,
+            ) from exc
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot fetch {relative} of {lock.model}: {exc!r}") from exc
         actual = await anyio.to_thread.run_sync(sha256_path, path)
         if actual != sha:
-            raise ChecksumMismatch(f"{lock.model} {lock.version}: fetched {relative} has "
-                                   f"sha256 {actual}, the lock says {sha}", path=relative,
-                                   expected=sha, actual=actual)
+            raise ChecksumMismatch(
+                f"{lock.model} {lock.version}: fetched {relative} has "
+                f"sha256 {actual}, the lock says {sha}",
+                path=relative,
+                expected=sha,
+                actual=actual,
+            )
     for artifact, sha in lock.artifacts.items():
         actual = await anyio.to_thread.run_sync(sha256_path, scratch / artifact)
         if actual != sha:
-            raise ChecksumMismatch(f"{lock.model} {lock.version}: fetched {artifact} has "
-                                   f"sha256 {actual}, the lock says {sha}", path=artifact,
-                                   expected=sha, actual=actual)
+            raise ChecksumMismatch(
+                f"{lock.model} {lock.version}: fetched {artifact} has "
+                f"sha256 {actual}, the lock says {sha}",
+                path=artifact,
+                expected=sha,
+                actual=actual,
+            )
 
 
 async def pushed_models(bus: Bus) -> list[tuple[str, str]]:

@@ -124,13 +124,22 @@ def verify(path: Path, expected: str, *, against: str = "manifest", fix: str = "
     """
     hint = f"; run `{fix}`" if fix else ""
     if not path.exists():
-        raise ArtifactError(f"missing artifact {path}{hint or ' (run `mlscope zoo build`?)'}",
-                            path=str(path), reason="missing", fix=fix)
+        raise ArtifactError(
+            f"missing artifact {path}{hint or ' (run `mlscope zoo build`?)'}",
+            path=str(path),
+            reason="missing",
+            fix=fix,
+        )
     actual = sha256_path(path)
     if actual != expected:
         raise ChecksumMismatch(
             f"{path}: sha256 {actual} does not match the {against}'s {expected}{hint}",
-            path=str(path), expected=expected, actual=actual, reason="checksum", fix=fix)
+            path=str(path),
+            expected=expected,
+            actual=actual,
+            reason="checksum",
+            fix=fix,
+        )
     return path
 
 
@@ -143,8 +152,14 @@ def zoo_coordinates(base_url: str) -> tuple[str, str]:
 class ArtifactStore:
     """Resolves, downloads, caches and verifies assets (see the module docstring)."""
 
-    def __init__(self, data_dir: Path, *, zoo_dir: Path | None = None,
-                 timeout_s: float = 30.0, policy: FetchPolicy | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        zoo_dir: Path | None = None,
+        timeout_s: float = 30.0,
+        policy: FetchPolicy | None = None,
+    ) -> None:
         self.policy = policy or FetchPolicy()
         """Which locations untrusted manifests may name; every download's size cap."""
         self.cache_dir = data_dir / "artifacts"
@@ -155,9 +170,16 @@ class ArtifactStore:
         self._locks: dict[str, threading.Lock] = {}
         self._verified: dict[Path, tuple[int, int, str]] = {}
 
-    def resolve(self, base_url: str | None, relative: str, sha256: str | None, *,
-                manifest_dir: Path, trusted: bool = True,
-                max_bytes: int | None = None) -> Path:
+    def resolve(
+        self,
+        base_url: str | None,
+        relative: str,
+        sha256: str | None,
+        *,
+        manifest_dir: Path,
+        trusted: bool = True,
+        max_bytes: int | None = None,
+    ) -> Path:
         """The verified local file (or directory) for one asset of a manifest; an
         untrusted one (from the bus) only where the fetch policy allows, checked
         before anything is read or requested."""
@@ -166,21 +188,21 @@ class ArtifactStore:
             self.policy.check_untrusted(base_url)
         if is_remote(base_url):
             if sha256 is None:
-                raise ArtifactError(f"a remote asset needs a sha256: {relative!r}",
-                                    path=relative)
+                raise ArtifactError(f"a remote asset needs a sha256: {relative!r}", path=relative)
             url = f"{str(base_url).rstrip('/')}/{urllib.parse.quote(pure.as_posix())}"
-            return self.download(url, sha256, name=pure.name, max_bytes=max_bytes,
-                                 trusted=trusted)
+            return self.download(url, sha256, name=pure.name, max_bytes=max_bytes, trusted=trusted)
         root = asset_root(base_url, manifest_dir=manifest_dir, zoo_dir=self.zoo_dir)
         if base_url and base_url.startswith("zoo://"):
             return self.resolve_built(root, pure.as_posix(), sha256, base_url=base_url)
         if sha256 is None:
-            raise ArtifactError(f"asset {relative!r} has no sha256 to verify it against",
-                                path=relative)
+            raise ArtifactError(
+                f"asset {relative!r} has no sha256 to verify it against", path=relative
+            )
         return self.verify_local(safe_join(root, pure.as_posix()), sha256)
 
-    def resolve_built(self, root: Path, relative: str, pinned: str | None, *,
-                      base_url: str) -> Path:
+    def resolve_built(
+        self, root: Path, relative: str, pinned: str | None, *, base_url: str
+    ) -> Path:
         """A built artifact, verified against its build lock (and ``pinned``, the
         manifest's sha256, when the manifest pins these bytes too)."""
         name, version = zoo_coordinates(base_url)
@@ -190,18 +212,28 @@ class ArtifactStore:
         if expected is None:
             raise ArtifactError(
                 f"{name} {version} is not built here: no build lock lists {relative} in "
-                f"{root}; run `{build}`", path=str(root / relative), reason="missing",
-                fix=build)
+                f"{root}; run `{build}`",
+                path=str(root / relative),
+                reason="missing",
+                fix=build,
+            )
         if pinned is not None and pinned != expected:
             raise ChecksumMismatch(
                 f"{root / relative}: the build lock's sha256 {expected} differs from the "
-                f"manifest's {pinned}; run `{build} --force`", path=str(root / relative),
-                expected=pinned, actual=expected, reason="checksum", fix=f"{build} --force")
-        return self.verify_local(safe_join(root, relative), expected, against="build lock",
-                                 fix=f"{build} --force")
+                f"manifest's {pinned}; run `{build} --force`",
+                path=str(root / relative),
+                expected=pinned,
+                actual=expected,
+                reason="checksum",
+                fix=f"{build} --force",
+            )
+        return self.verify_local(
+            safe_join(root, relative), expected, against="build lock", fix=f"{build} --force"
+        )
 
-    def verify_local(self, path: Path, sha256: str, *, against: str = "manifest",
-                     fix: str = "") -> Path:
+    def verify_local(
+        self, path: Path, sha256: str, *, against: str = "manifest", fix: str = ""
+    ) -> Path:
         """:func:`verify`, remembering files whose size and mtime have not changed."""
         if path.is_file():
             st = path.stat()
@@ -212,8 +244,15 @@ class ArtifactStore:
             return path
         return verify(path, sha256, against=against, fix=fix)
 
-    def download(self, url: str, sha256: str, *, name: str | None = None,
-                 max_bytes: int | None = None, trusted: bool = True) -> Path:
+    def download(
+        self,
+        url: str,
+        sha256: str,
+        *,
+        name: str | None = None,
+        max_bytes: int | None = None,
+        trusted: bool = True,
+    ) -> Path:
         """The cached, verified copy of ``url``; downloaded once, atomically, at most
         ``max_bytes`` (the policy's ceiling caps it) and, for an untrusted manifest,
         only from under the policy's URL prefixes."""
@@ -233,12 +272,15 @@ class ArtifactStore:
             folder.mkdir(parents=True, exist_ok=True)
             part = folder / f".{fname}.{uuid.uuid4().hex}.part"
             try:
-                actual = self._fetch(url, part, cap=self.policy.cap(max_bytes),
-                                     trusted=trusted)
+                actual = self._fetch(url, part, cap=self.policy.cap(max_bytes), trusted=trusted)
                 if actual != sha256:
                     raise ChecksumMismatch(
                         f"{url}: downloaded sha256 {actual} does not match manifest {sha256}; "
-                        "the download was deleted", url=url, expected=sha256, actual=actual)
+                        "the download was deleted",
+                        url=url,
+                        expected=sha256,
+                        actual=actual,
+                    )
                 os.replace(part, target)
             finally:
                 part.unlink(missing_ok=True)
@@ -264,8 +306,9 @@ class ArtifactStore:
                 fh.flush()
                 os.fsync(fh.fileno())
         except urllib.error.HTTPError as exc:
-            raise ArtifactError(f"cannot download {url}: HTTP {exc.code} {exc.reason}",
-                                url=url, status=exc.code) from exc
+            raise ArtifactError(
+                f"cannot download {url}: HTTP {exc.code} {exc.reason}", url=url, status=exc.code
+            ) from exc
         except urllib.error.URLError as exc:
             raise ArtifactError(f"cannot reach {url}: {exc.reason}", url=url) from exc
         except (OSError, TimeoutError, ValueError) as exc:
@@ -288,6 +331,10 @@ class ArtifactStore:
 
 
 def _too_big(url: str, cap: int, size: int) -> ArtifactError:
-    return ArtifactError(f"{url}: more than the {cap}-byte cap ({size} bytes); the download "
-                         "was stopped and deleted", url=url, cap=cap, size=size,
-                         reason="too_large")
+    return ArtifactError(
+        f"{url}: more than the {cap}-byte cap ({size} bytes); the download was stopped and deleted",
+        url=url,
+        cap=cap,
+        size=size,
+        reason="too_large",
+    )

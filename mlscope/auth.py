@@ -45,8 +45,16 @@ import nkeys
 
 from mlscope import names
 
-__all__ = ["INBOX_PREFIXES", "ROLES", "AuthFiles", "Role", "inbox_prefix_for",
-           "permissions", "read_roles", "write_auth"]
+__all__ = [
+    "INBOX_PREFIXES",
+    "ROLES",
+    "AuthFiles",
+    "Role",
+    "inbox_prefix_for",
+    "permissions",
+    "read_roles",
+    "write_auth",
+]
 
 ROLES = ("submitter", "server", "agent", "edge", "reader")
 Role = str
@@ -56,7 +64,8 @@ DEFAULT_MAX_PAYLOAD = 8 << 20
 (smaller) per-message limits."""
 
 INBOX_PREFIXES: dict[Role, str] = {
-    role: "_INBOX" if role == "server" else f"_INBOX_{role}" for role in ROLES}
+    role: "_INBOX" if role == "server" else f"_INBOX_{role}" for role in ROLES
+}
 """Each role's inbox prefix (nats-py ``connect(inbox_prefix=...)``)."""
 REPLY_WINDOW_S = 900
 """How long a responder may answer a request after receiving it (``allow_responses``
@@ -77,19 +86,30 @@ def _kv_read(bucket: str, *, stream: str | None = None) -> list[str]:
     """The JetStream API subjects that reading one bucket (get, keys, watch; an object
     store's metadata and chunks) uses."""
     stream = stream or f"KV_{bucket}"
-    return [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.MSG.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}.>",
-            f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.DELETE.{stream}.>", f"$JS.API.CONSUMER.INFO.{stream}.>",
-            f"$JS.FC.{stream}.>"]
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.DELETE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
 
 
 def _registry_read() -> list[str]:
     return ["$JS.API.INFO", *_kv_read(names.AGENTS_BUCKET), *_kv_read(names.MODELS_BUCKET)]
 
 
-def permissions(role: Role, *, edge_id: str = "edge-1", edge_domain: str = DEFAULT_EDGE_DOMAIN,
-                hub_domain: str = DEFAULT_HUB_DOMAIN) -> dict[str, Any]:
+def permissions(
+    role: Role,
+    *,
+    edge_id: str = "edge-1",
+    edge_domain: str = DEFAULT_EDGE_DOMAIN,
+    hub_domain: str = DEFAULT_HUB_DOMAIN,
+) -> dict[str, Any]:
     """The nats-server permissions block of one role."""
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r} (one of {', '.join(ROLES)})")
@@ -98,34 +118,55 @@ def permissions(role: Role, *, edge_id: str = "edge-1", edge_domain: str = DEFAU
     inbox = f"{INBOX_PREFIXES[role]}.>"
     if role == "server":
         subjects = [f"{P}.>", "$JS.>", "$KV.>"]
-        return {"publish": {"allow": subjects}, "subscribe": {"allow": [*subjects, inbox]},
-                "allow_responses": RESPONSES}
+        return {
+            "publish": {"allow": subjects},
+            "subscribe": {"allow": [*subjects, inbox]},
+            "allow_responses": RESPONSES,
+        }
     if role == "submitter":
-        return {"publish": {"allow": [names.JOBS_SUBJECT, db, *_registry_read(),
-                                      f"$JS.API.STREAM.INFO.{names.JOBS_STREAM}"]},
-                "subscribe": {"allow": [inbox, jobs_events]}}
+        return {
+            "publish": {
+                "allow": [
+                    names.JOBS_SUBJECT,
+                    db,
+                    *_registry_read(),
+                    f"$JS.API.STREAM.INFO.{names.JOBS_STREAM}",
+                ]
+            },
+            "subscribe": {"allow": [inbox, jobs_events]},
+        }
     if role == "reader":
-        return {"publish": {"allow": [db, *_registry_read()]},
-                "subscribe": {"allow": [inbox, jobs_events]}}
+        return {
+            "publish": {"allow": [db, *_registry_read()]},
+            "subscribe": {"allow": [inbox, jobs_events]},
+        }
     if role == "agent":
         return _agent(inbox)
     return _edge(inbox, names.token(edge_id), edge_domain=edge_domain, hub_domain=hub_domain)
 
 
 def _agent_publish(key: str) -> list[str]:
-    return [names.traces_wildcard(), key, "$JS.API.INFO", "$JS.API.STREAM.INFO.*",
-            *_kv_read(names.MODELS_BUCKET),
-            *_kv_read(names.ARTIFACTS_BUCKET, stream=f"OBJ_{names.ARTIFACTS_BUCKET}")]
+    return [
+        names.traces_wildcard(),
+        key,
+        "$JS.API.INFO",
+        "$JS.API.STREAM.INFO.*",
+        *_kv_read(names.MODELS_BUCKET),
+        *_kv_read(names.ARTIFACTS_BUCKET, stream=f"OBJ_{names.ARTIFACTS_BUCKET}"),
+    ]
 
 
 def _agent(inbox: str) -> dict[str, Any]:
     return {
-        "publish": {"allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.*"),
-                    "deny": [names.JOBS_SUBJECT, f"{P}.db.>"]},
+        "publish": {
+            "allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.*"),
+            "deny": [names.JOBS_SUBJECT, f"{P}.db.>"],
+        },
         # Capability subjects only as a member of their queue group (the agent names
         # the group after the subject): a plain subscription would hear every query.
-        "subscribe": {"allow": [inbox, f"{P}.cap.> {P}.cap.>", f"{P}.agent.*.query",
-                                f"{P}.agent.*.ctl"]},
+        "subscribe": {
+            "allow": [inbox, f"{P}.cap.> {P}.cap.>", f"{P}.agent.*.query", f"{P}.agent.*.ctl"]
+        },
         "allow_responses": RESPONSES,
     }
 
@@ -147,12 +188,26 @@ def _edge(inbox: str, own: str, *, edge_domain: str, hub_domain: str) -> dict[st
     publish = _agent_publish(f"$KV.{own_key}")
     publish += [s.replace(api[1], api[0], 1) for s in publish if s.startswith(api[1])]
     return {
-        "publish": {"allow": [*publish, f"{api[0]}$KV.{own_key}", f"{INBOX_PREFIXES['server']}.>",
-                              "$JSC.R.>", "$JS.S.>"],
-                    "deny": [names.JOBS_SUBJECT, f"{P}.db.>"]},
-        "subscribe": {"allow": [inbox, f"{P}.cap.>", f"{P}.agent.{own}.query",
-                                f"{P}.agent.{own}.ctl", f"$JS.{edge_domain}.API.>",
-                                f"$JS.FC.{EDGE_BUFFER_STREAM}.>"]},
+        "publish": {
+            "allow": [
+                *publish,
+                f"{api[0]}$KV.{own_key}",
+                f"{INBOX_PREFIXES['server']}.>",
+                "$JSC.R.>",
+                "$JS.S.>",
+            ],
+            "deny": [names.JOBS_SUBJECT, f"{P}.db.>"],
+        },
+        "subscribe": {
+            "allow": [
+                inbox,
+                f"{P}.cap.>",
+                f"{P}.agent.{own}.query",
+                f"{P}.agent.{own}.ctl",
+                f"$JS.{edge_domain}.API.>",
+                f"$JS.FC.{EDGE_BUFFER_STREAM}.>",
+            ]
+        },
         "allow_responses": RESPONSES,
     }
 
@@ -167,10 +222,17 @@ class AuthFiles:
     public_keys: dict[Role, str]
 
 
-def write_auth(out: Path, *, edge_id: str = "edge-1", edge_domain: str = DEFAULT_EDGE_DOMAIN,
-               hub_domain: str = DEFAULT_HUB_DOMAIN, max_payload: int = DEFAULT_MAX_PAYLOAD,
-               tls_cert: Path | None = None, tls_key: Path | None = None,
-               tls_ca: Path | None = None) -> AuthFiles:
+def write_auth(
+    out: Path,
+    *,
+    edge_id: str = "edge-1",
+    edge_domain: str = DEFAULT_EDGE_DOMAIN,
+    hub_domain: str = DEFAULT_HUB_DOMAIN,
+    max_payload: int = DEFAULT_MAX_PAYLOAD,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    tls_ca: Path | None = None,
+) -> AuthFiles:
     """Create one nkey user per role and write the server config and seed files.
 
     The config is JSON (a subset of the nats-server format) so that it can be included
@@ -186,9 +248,14 @@ def write_auth(out: Path, *, edge_id: str = "edge-1", edge_domain: str = DEFAULT
         path.write_bytes(seed + b"\n")
         path.chmod(0o600)
         creds[role] = path
-        users.append({"nkey": public[role],
-                      "permissions": permissions(role, edge_id=edge_id, edge_domain=edge_domain,
-                                                 hub_domain=hub_domain)})
+        users.append(
+            {
+                "nkey": public[role],
+                "permissions": permissions(
+                    role, edge_id=edge_id, edge_domain=edge_domain, hub_domain=hub_domain
+                ),
+            }
+        )
     conf: dict[str, Any] = {
         "max_payload": max_payload,
         "accounts": {ACCOUNT: {"jetstream": "enabled", "users": users}},
@@ -200,12 +267,24 @@ def write_auth(out: Path, *, edge_id: str = "edge-1", edge_domain: str = DEFAULT
         conf["tls"] = tls
     config = out / "server.conf"
     roles = "\n".join(f"#   {r:<9} {public[r]}" for r in ROLES)
-    config.write_text(f"# Written by `mlscope auth init`: one nkey user per role.\n{roles}\n"
-                      + json.dumps(conf, indent=2) + "\n")
-    (out / "roles.json").write_text(json.dumps(
-        {"edge_id": edge_id, "edge_domain": edge_domain, "hub_domain": hub_domain,
-         "public_keys": public, "inbox_prefixes": INBOX_PREFIXES},
-        indent=2) + "\n")
+    config.write_text(
+        f"# Written by `mlscope auth init`: one nkey user per role.\n{roles}\n"
+        + json.dumps(conf, indent=2)
+        + "\n"
+    )
+    (out / "roles.json").write_text(
+        json.dumps(
+            {
+                "edge_id": edge_id,
+                "edge_domain": edge_domain,
+                "hub_domain": hub_domain,
+                "public_keys": public,
+                "inbox_prefixes": INBOX_PREFIXES,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return AuthFiles(out, config, creds, public)
 
 

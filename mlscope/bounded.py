@@ -29,8 +29,14 @@ from yaml.events import AliasEvent
 
 from mlscope.errors import ManifestError
 
-__all__ = ["MAX_ALIASES", "MAX_DEPTH", "MAX_DOCUMENT_BYTES", "MAX_NODES", "load_json",
-           "load_yaml_bounded"]
+__all__ = [
+    "MAX_ALIASES",
+    "MAX_DEPTH",
+    "MAX_DOCUMENT_BYTES",
+    "MAX_NODES",
+    "load_json",
+    "load_yaml_bounded",
+]
 
 MAX_DOCUMENT_BYTES = 1 << 20
 """1 MiB: the largest manifest in the repository is a few kilobytes."""
@@ -76,12 +82,17 @@ class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]
         for key, _ in node.value:
             if not isinstance(key, yaml.ScalarNode):
                 continue
-            ident = (str(self.resolve(yaml.ScalarNode, key.value, (True, False))
-                          if key.tag is None else key.tag), str(key.value))
+            ident = (
+                str(
+                    self.resolve(yaml.ScalarNode, key.value, (True, False))
+                    if key.tag is None
+                    else key.tag
+                ),
+                str(key.value),
+            )
             line = int(key.start_mark.line) + 1
             if ident in seen:
-                raise _Limit(f"duplicate key {key.value!r} (first on line {seen[ident]})",
-                             line)
+                raise _Limit(f"duplicate key {key.value!r} (first on line {seen[ident]})", line)
             seen[ident] = line
         return node
 
@@ -109,8 +120,9 @@ def _expanded_size(root: yaml.Node) -> int:
         if id(node) in memo:
             continue
         if id(node) in open_:
-            raise _Limit("an alias refers to a collection that contains it",
-                         int(node.start_mark.line) + 1)
+            raise _Limit(
+                "an alias refers to a collection that contains it", int(node.start_mark.line) + 1
+            )
         open_.add(id(node))
         stack.append((node, True))
         stack.extend((c, False) for c in _children(node) if id(c) not in memo)
@@ -130,8 +142,9 @@ def _read_text(path: Path) -> str:
     try:
         size = path.stat().st_size
         if size > MAX_DOCUMENT_BYTES:
-            raise ManifestError(f"is {size} bytes; a manifest may have at most "
-                                f"{MAX_DOCUMENT_BYTES}", file=file)
+            raise ManifestError(
+                f"is {size} bytes; a manifest may have at most {MAX_DOCUMENT_BYTES}", file=file
+            )
         with path.open("rb") as fh:
             raw = fh.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
@@ -146,11 +159,14 @@ def decode_utf8(raw: bytes, *, file: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        before = raw[:exc.start]
+        before = raw[: exc.start]
         line = before.count(b"\n") + 1
         column = exc.start - (before.rfind(b"\n") + 1) + 1
-        raise ManifestError(f"column {column}: byte 0x{raw[exc.start]:02x} is not UTF-8 "
-                            f"(byte offset {exc.start})", file=file, line=line) from None
+        raise ManifestError(
+            f"column {column}: byte 0x{raw[exc.start]:02x} is not UTF-8 (byte offset {exc.start})",
+            file=file,
+            line=line,
+        ) from None
 
 
 def load_yaml_bounded(path: Path) -> tuple[Any, yaml.Node | None]:
@@ -159,14 +175,18 @@ def load_yaml_bounded(path: Path) -> tuple[Any, yaml.Node | None]:
     if _bracket_depth(text) > MAX_DEPTH:
         # Checked before PyYAML sees the text: its scanner keeps a possible key per
         # open flow collection and rescans them on every token (quadratic in depth).
-        raise ManifestError(f"nested deeper than {MAX_DEPTH} levels", file=str(path),
-                            line=_deep_line(text))
+        raise ManifestError(
+            f"nested deeper than {MAX_DEPTH} levels", file=str(path), line=_deep_line(text)
+        )
     loader = _BoundedLoader(text)
     try:
         node = loader.get_single_node()
         if node is not None and (size := _expanded_size(node)) > MAX_NODES:
-            raise _Limit(f"expands to more than {MAX_NODES} nodes through its aliases "
-                         f"({size} counted so far)", int(node.start_mark.line) + 1)
+            raise _Limit(
+                f"expands to more than {MAX_NODES} nodes through its aliases "
+                f"({size} counted so far)",
+                int(node.start_mark.line) + 1,
+            )
         data = loader.construct_document(node) if node is not None else None
     except _Limit as exc:
         raise ManifestError(exc.message, file=str(path), line=exc.line) from None
@@ -182,8 +202,9 @@ def load_yaml_bounded(path: Path) -> tuple[Any, yaml.Node | None]:
 def load_json(raw: bytes, *, file: str) -> Any:
     """One JSON document from the bus within the same size, depth and key rules."""
     if len(raw) > MAX_DOCUMENT_BYTES:
-        raise ManifestError(f"is {len(raw)} bytes; a manifest may have at most "
-                            f"{MAX_DOCUMENT_BYTES}", file=file)
+        raise ManifestError(
+            f"is {len(raw)} bytes; a manifest may have at most {MAX_DOCUMENT_BYTES}", file=file
+        )
     text = decode_utf8(raw, file=file)
     if _bracket_depth(text) > MAX_DEPTH and _json_depth(text) > MAX_DEPTH:
         raise ManifestError(f"nested deeper than {MAX_DEPTH} levels", file=file)

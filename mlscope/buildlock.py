@@ -52,21 +52,32 @@ class BuildLock:
     behaviour: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, root: Path, *, model: str, version: str, artifacts: Iterable[str],
-           origin: Mapping[str, Any], behaviour: Mapping[str, Any] | None = None
-           ) -> BuildLock:
+    def of(
+        cls,
+        root: Path,
+        *,
+        model: str,
+        version: str,
+        artifacts: Iterable[str],
+        origin: Mapping[str, Any],
+        behaviour: Mapping[str, Any] | None = None,
+    ) -> BuildLock:
         """Hash what is in ``root`` now."""
         names = sorted(artifacts)
         files: dict[str, str] = {}
         for name in names:
             path = root / name
-            subs = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() \
-                else [path]
+            subs = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
             for f in subs:
                 files[f.relative_to(root).as_posix()] = sha256_path(f)
-        return cls(model=model, version=version,
-                   artifacts={n: sha256_path(root / n) for n in names}, files=files,
-                   origin={"at": time.time(), **origin}, behaviour=dict(behaviour or {}))
+        return cls(
+            model=model,
+            version=version,
+            artifacts={n: sha256_path(root / n) for n in names},
+            files=files,
+            origin={"at": time.time(), **origin},
+            behaviour=dict(behaviour or {}),
+        )
 
     @classmethod
     def read(cls, root: Path) -> BuildLock | None:
@@ -85,18 +96,27 @@ class BuildLock:
         try:
             if doc.get("format") != FORMAT:
                 raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT}")
-            return cls(model=str(doc["model"]), version=str(doc["version"]),
-                       artifacts={str(k): str(v) for k, v in doc["artifacts"].items()},
-                       files={str(k): str(v) for k, v in doc["files"].items()},
-                       origin=dict(doc.get("origin") or {}),
-                       behaviour=dict(doc.get("behaviour") or {}))
+            return cls(
+                model=str(doc["model"]),
+                version=str(doc["version"]),
+                artifacts={str(k): str(v) for k, v in doc["artifacts"].items()},
+                files={str(k): str(v) for k, v in doc["files"].items()},
+                origin=dict(doc.get("origin") or {}),
+                behaviour=dict(doc.get("behaviour") or {}),
+            )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ArtifactError(f"invalid build lock {where}: {exc}", path=where) from exc
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "model": self.model, "version": self.version,
-                "artifacts": self.artifacts, "files": self.files, "origin": self.origin,
-                "behaviour": self.behaviour}
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "version": self.version,
+            "artifacts": self.artifacts,
+            "files": self.files,
+            "origin": self.origin,
+            "behaviour": self.behaviour,
+        }
 
     def write(self, root: Path) -> Path:
         """Write atomically (temporary file, fsync, rename)."""

@@ -78,14 +78,19 @@ class Bus:
             try:
                 kv = await self.js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError as exc:
-                raise BusError(f"bucket {bucket} does not exist; is an mlscope server up?",
-                               bucket=bucket) from exc
+                raise BusError(
+                    f"bucket {bucket} does not exist; is an mlscope server up?", bucket=bucket
+                ) from exc
             if self.domain:
                 # Behind a leaf node with its own JetStream, writes reach the hub's
                 # bucket only through the domain's API prefix (nats-py has no option).
-                kv = KeyValue(name=bucket, stream=f"KV_{bucket}",
-                              pre=f"$JS.{self.domain}.API.$KV.{bucket}.", js=self.js,
-                              direct=False)
+                kv = KeyValue(
+                    name=bucket,
+                    stream=f"KV_{bucket}",
+                    pre=f"$JS.{self.domain}.API.$KV.{bucket}.",
+                    js=self.js,
+                    direct=False,
+                )
             self._kv[bucket] = kv
         return self._kv[bucket]
 
@@ -101,15 +106,18 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     """
     options: dict[str, Any] = {"servers": settings.nats_servers}
     prefix = settings.nats_inbox_prefix or (
-        inbox_prefix_for(settings.nats_creds) if settings.nats_creds else None)
+        inbox_prefix_for(settings.nats_creds) if settings.nats_creds else None
+    )
     if prefix:
         options["inbox_prefix"] = prefix
     if settings.nats_creds:
         try:
             text = settings.nats_creds.read_text()
         except OSError as exc:
-            raise BusError(f"cannot read NATS credentials {settings.nats_creds}: {exc}",
-                           path=str(settings.nats_creds)) from exc
+            raise BusError(
+                f"cannot read NATS credentials {settings.nats_creds}: {exc}",
+                path=str(settings.nats_creds),
+            ) from exc
         if "BEGIN NATS USER JWT" in text:
             options["user_credentials"] = str(settings.nats_creds)
         else:
@@ -117,11 +125,13 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     if settings.nats_tls_ca or settings.nats_tls_cert:
         try:
             ctx = ssl.create_default_context(
-                cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None)
+                cafile=str(settings.nats_tls_ca) if settings.nats_tls_ca else None
+            )
             if settings.nats_tls_cert:
-                ctx.load_cert_chain(str(settings.nats_tls_cert),
-                                    str(settings.nats_tls_key) if settings.nats_tls_key
-                                    else None)
+                ctx.load_cert_chain(
+                    str(settings.nats_tls_cert),
+                    str(settings.nats_tls_key) if settings.nats_tls_key else None,
+                )
         except (OSError, ssl.SSLError) as exc:
             raise BusError(f"cannot load the NATS TLS files: {exc}") from exc
         options["tls"] = ctx
@@ -134,8 +144,9 @@ nothing listens): a command run with no bus says so at once instead of retrying.
 
 
 @asynccontextmanager
-async def connect(settings: Settings, *, name: str, provision: bool = False,
-                  connect_timeout: float = 2.0) -> AsyncIterator[Bus]:
+async def connect(
+    settings: Settings, *, name: str, provision: bool = False, connect_timeout: float = 2.0
+) -> AsyncIterator[Bus]:
     """Connect to NATS (and optionally create streams/buckets); drain on exit.
 
     ``nats_url`` may list several servers (a cluster); the client fails over between
@@ -156,11 +167,14 @@ async def connect(settings: Settings, *, name: str, provision: bool = False,
         "allow_reconnect": True,
     }
     try:
-        nc = await nats.connect(**options, error_cb=_quiet, disconnected_cb=_noop,
-                                reconnected_cb=_noop, closed_cb=_noop)
+        nc = await nats.connect(
+            **options, error_cb=_quiet, disconnected_cb=_noop, reconnected_cb=_noop, closed_cb=_noop
+        )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
-        raise BusError(f"no NATS server at {settings.nats_url} (is `mlscope up` running?)"
-                       f"{_reason(exc)}", url=settings.nats_url) from exc
+        raise BusError(
+            f"no NATS server at {settings.nats_url} (is `mlscope up` running?){_reason(exc)}",
+            url=settings.nats_url,
+        ) from exc
     nc.options["max_reconnect_attempts"] = -1
     try:
         js = nc.jetstream(domain=settings.js_domain) if settings.js_domain else nc.jetstream()
@@ -242,16 +256,21 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
             except nats.js.errors.NotFoundError:
                 await bus.js.add_stream(cfg)
                 continue
-            if (sorted(have.subjects or []) != sorted(cfg.subjects or [])
-                    or (have.num_replicas or 1) != (cfg.num_replicas or 1)
-                    or (have.max_msg_size or -1) != (cfg.max_msg_size or -1)
-                    or (have.max_age or 0.0) != (cfg.max_age or 0.0)
-                    or (have.max_bytes or -1) != (cfg.max_bytes or -1)):
+            if (
+                sorted(have.subjects or []) != sorted(cfg.subjects or [])
+                or (have.num_replicas or 1) != (cfg.num_replicas or 1)
+                or (have.max_msg_size or -1) != (cfg.max_msg_size or -1)
+                or (have.max_age or 0.0) != (cfg.max_age or 0.0)
+                or (have.max_bytes or -1) != (cfg.max_bytes or -1)
+            ):
                 cfg.sources = have.sources
                 await bus.js.update_stream(cfg)
-        for kv in (KeyValueConfig(bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1,
-                                  replicas=replicas),
-                   KeyValueConfig(bucket=names.MODELS_BUCKET, history=5, replicas=replicas)):
+        for kv in (
+            KeyValueConfig(
+                bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas
+            ),
+            KeyValueConfig(bucket=names.MODELS_BUCKET, history=5, replicas=replicas),
+        ):
             try:
                 await bus.js.key_value(kv.bucket)
             except nats.js.errors.BucketNotFoundError:
@@ -267,13 +286,14 @@ async def attach_edge(bus: Bus, domain: str) -> None:
     domain ``domain``; while the link is down the leaf keeps the batches, and the
     source resumes where it stopped when the link returns. Idempotent.
     """
-    source = StreamSource(name=EDGE_TRACES_STREAM,
-                          external=ExternalStream(api=f"$JS.{domain}.API"))
+    source = StreamSource(name=EDGE_TRACES_STREAM, external=ExternalStream(api=f"$JS.{domain}.API"))
     try:
         cfg = (await bus.js.stream_info(names.TRACES_STREAM)).config
         sources = list(cfg.sources or [])
-        if any(s.external and s.external.api == source.external.api  # type: ignore[union-attr]
-               for s in sources):
+        if any(
+            s.external and s.external.api == source.external.api  # type: ignore[union-attr]
+            for s in sources
+        ):
             return
         cfg.sources = [*sources, source]
         await bus.js.update_stream(cfg)
@@ -281,8 +301,9 @@ async def attach_edge(bus: Bus, domain: str) -> None:
         raise BusError(f"cannot attach edge domain {domain}: {exc!r}", domain=domain) from exc
 
 
-async def publish_persistent(bus: Bus, subject: str, payload: bytes, *, msg_id: str,
-                             attempts: int = 20, timeout: float = 2.0) -> None:
+async def publish_persistent(
+    bus: Bus, subject: str, payload: bytes, *, msg_id: str, attempts: int = 20, timeout: float = 2.0
+) -> None:
     """JetStream publish that retries until the stream acknowledges it.
 
     The message id makes a retry after a lost acknowledgement harmless (the stream
@@ -291,24 +312,26 @@ async def publish_persistent(bus: Bus, subject: str, payload: bytes, *, msg_id: 
     last: Exception | None = None
     for attempt in range(attempts):
         try:
-            await bus.js.publish(subject, payload, timeout=timeout,
-                                 headers={"Nats-Msg-Id": msg_id})
+            await bus.js.publish(subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
             return
         except nats.errors.MaxPayloadError as exc:
-            raise BusError(f"a message of {len(payload)} bytes on {subject} is over the "
-                           f"server's max payload of {bus.nc.max_payload} bytes",
-                           subject=subject) from exc
+            raise BusError(
+                f"a message of {len(payload)} bytes on {subject} is over the "
+                f"server's max payload of {bus.nc.max_payload} bytes",
+                subject=subject,
+            ) from exc
         except nats.js.errors.APIError as exc:
             if isinstance(exc, nats.js.errors.ServiceUnavailableError):
                 last = exc  # no leader right now: retry
             else:  # the stream refused it (too large, wrong subject ...): final
-                raise BusError(f"JetStream refused a message on {subject}: "
-                               f"{exc.description or exc!r}", subject=subject) from exc
+                raise BusError(
+                    f"JetStream refused a message on {subject}: {exc.description or exc!r}",
+                    subject=subject,
+                ) from exc
         except (TimeoutError, nats.errors.Error) as exc:
             last = exc
-            await anyio.sleep(min(0.1 * 2 ** attempt, 2.0))
-    raise BusError(f"JetStream did not store a message on {subject}: {last!r}",
-                   subject=subject)
+            await anyio.sleep(min(0.1 * 2**attempt, 2.0))
+    raise BusError(f"JetStream did not store a message on {subject}: {last!r}", subject=subject)
 
 
 def error_reply(exc: MLScopeError) -> bytes:

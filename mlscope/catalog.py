@@ -50,34 +50,51 @@ class Entry:
     def root(self, zoo_dir: Path) -> Path:
         """The local asset directory (ArtifactError for http(s) assets)."""
         if is_remote(self.manifest.assets.base_url):
-            raise ArtifactError(f"{self.manifest.key}: assets are remote "
-                                f"({self.manifest.assets.base_url}); use graph()/dataset()",
-                                url=self.manifest.assets.base_url)
-        return asset_root(self.manifest.assets.base_url, manifest_dir=self.path.parent,
-                          zoo_dir=zoo_dir)
+            raise ArtifactError(
+                f"{self.manifest.key}: assets are remote "
+                f"({self.manifest.assets.base_url}); use graph()/dataset()",
+                url=self.manifest.assets.base_url,
+            )
+        return asset_root(
+            self.manifest.assets.base_url, manifest_dir=self.path.parent, zoo_dir=zoo_dir
+        )
 
     def _store(self, zoo_dir: Path, store: ArtifactStore | None) -> ArtifactStore:
         return store if store is not None else ArtifactStore(zoo_dir.parent, zoo_dir=zoo_dir)
 
-    def _verified(self, zoo_dir: Path, store: ArtifactStore | None, path: str,
-                  sha256: str | None, fields: tuple[str, str]) -> Path:
+    def _verified(
+        self,
+        zoo_dir: Path,
+        store: ArtifactStore | None,
+        path: str,
+        sha256: str | None,
+        fields: tuple[str, str],
+    ) -> Path:
         """One asset, resolved and checksum-verified; an error names this manifest file
         and its field (``fields``: the path's, the checksum's)."""
         try:
             return self._store(zoo_dir, store).resolve(
-                self.manifest.assets.base_url, path, sha256, manifest_dir=self.path.parent,
-                trusted=self.trusted, max_bytes=self.manifest.assets.max_bytes)
+                self.manifest.assets.base_url,
+                path,
+                sha256,
+                manifest_dir=self.path.parent,
+                trusted=self.trusted,
+                max_bytes=self.manifest.assets.max_bytes,
+            )
         except ArtifactError as exc:
             pinned = isinstance(exc, ChecksumMismatch) and exc.fields.get("expected") == sha256
             field = fields[1] if pinned else fields[0]
-            raise type(exc)(f"{self.path}: field '{field}': {exc.message}",
-                            **{**exc.fields, "file": str(self.path), "field": field}) from exc
+            raise type(exc)(
+                f"{self.path}: field '{field}': {exc.message}",
+                **{**exc.fields, "file": str(self.path), "field": field},
+            ) from exc
 
     def graph(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path:
         """The verified graph file (or directory) of this model."""
         a = self.manifest.assets
-        return self._verified(zoo_dir, store, a.graph_path, a.sha256,
-                              ("assets.graph_path", "assets.sha256"))
+        return self._verified(
+            zoo_dir, store, a.graph_path, a.sha256, ("assets.graph_path", "assets.sha256")
+        )
 
     def graph_sha256(self, zoo_dir: Path) -> str | None:
         """The sha256 the graph is verified against: the manifest's pin, else (a built
@@ -92,16 +109,22 @@ class Entry:
         a = self.manifest.assets
         if a.weights_path is None:
             return None
-        return self._verified(zoo_dir, store, a.weights_path, a.weights_sha256,
-                              ("assets.weights_path", "assets.weights_sha256"))
+        return self._verified(
+            zoo_dir,
+            store,
+            a.weights_path,
+            a.weights_sha256,
+            ("assets.weights_path", "assets.weights_sha256"),
+        )
 
     def dataset(self, zoo_dir: Path, *, store: ArtifactStore | None = None) -> Path | None:
         """The verified labeled data set (None when the manifest has none)."""
         ds = self.manifest.dataset
         if ds is None:
             return None
-        return self._verified(zoo_dir, store, ds.path, ds.sha256,
-                              ("dataset.path", "dataset.sha256"))
+        return self._verified(
+            zoo_dir, store, ds.path, ds.sha256, ("dataset.path", "dataset.sha256")
+        )
 
     def labels(self, zoo_dir: Path, output: int = 0) -> list[str] | None:
         """The output's labels (one per line) from a local asset directory, if any."""
@@ -112,13 +135,15 @@ class Entry:
         try:
             return path.read_text().splitlines()
         except OSError as exc:
-            raise ArtifactError(f"cannot read labels {path}: {exc.strerror}",
-                                path=str(path)) from exc
+            raise ArtifactError(
+                f"cannot read labels {path}: {exc.strerror}", path=str(path)
+            ) from exc
 
 
 class Catalog:
-    def __init__(self, entries: Iterable[Entry],
-                 frameworks: Iterable[FrameworkManifest] = ()) -> None:
+    def __init__(
+        self, entries: Iterable[Entry], frameworks: Iterable[FrameworkManifest] = ()
+    ) -> None:
         self.entries = list(entries)
         self.frameworks = list(frameworks)
 
@@ -152,30 +177,42 @@ class Catalog:
     def tasks(self) -> dict[str, list[Entry]]:
         """Entries grouped by task, each group sorted by name, version and framework."""
         out: dict[str, list[Entry]] = {}
-        for e in sorted(self.entries, key=lambda e: (e.manifest.task, e.manifest.name,
-                                                     Version(e.manifest.version),
-                                                     e.manifest.framework.name)):
+        for e in sorted(
+            self.entries,
+            key=lambda e: (
+                e.manifest.task,
+                e.manifest.name,
+                Version(e.manifest.version),
+                e.manifest.framework.name,
+            ),
+        ):
             out.setdefault(e.manifest.task, []).append(e)
         return out
 
     def models(self) -> list[str]:
         return sorted({e.manifest.name for e in self.entries})
 
-    def find(self, name: str, *, version: str | None = None,
-             framework: str | None = None) -> Entry:
+    def find(self, name: str, *, version: str | None = None, framework: str | None = None) -> Entry:
         """The highest matching version; UnknownModelError says what exists."""
         named = [e for e in self.entries if e.manifest.name == name]
         if not named:
             raise UnknownModelError(
                 f"unknown model {name!r}; known models: {', '.join(self.models()) or 'none'}",
-                model=name)
-        hits = [e for e in named
-                if (framework is None or e.manifest.framework.name == framework)
-                and (version is None or satisfies(e.manifest.version, version))]
+                model=name,
+            )
+        hits = [
+            e
+            for e in named
+            if (framework is None or e.manifest.framework.name == framework)
+            and (version is None or satisfies(e.manifest.version, version))
+        ]
         if not hits:
-            have = ", ".join(sorted(f"{e.manifest.version}/{e.manifest.framework.name}"
-                                    for e in named))
+            have = ", ".join(
+                sorted(f"{e.manifest.version}/{e.manifest.framework.name}" for e in named)
+            )
             raise UnknownModelError(
                 f"model {name!r} has no manifest for version {version or 'any'} on "
-                f"framework {framework or 'any'}; it has: {have}", model=name)
+                f"framework {framework or 'any'}; it has: {have}",
+                model=name,
+            )
         return max(hits, key=lambda e: Version(e.manifest.version))

@@ -145,8 +145,9 @@ class ModelOffer(BaseModel):
     sha256: str | None = None
 
 
-RefusalReason = Literal["missing", "checksum", "custom_code", "framework_version", "policy",
-                        "invalid"]
+RefusalReason = Literal[
+    "missing", "checksum", "custom_code", "framework_version", "policy", "invalid"
+]
 
 
 class RefusedModel(BaseModel):
@@ -202,8 +203,18 @@ class ScenarioSpec(BaseModel):
     """How load is generated; latency always counts from each query's scheduled time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: Literal["online", "single-stream", "multi-stream", "batched", "concurrency",
-                  "constant", "replay", "piecewise", "peak", "cold-start"] = "online"
+    name: Literal[
+        "online",
+        "single-stream",
+        "multi-stream",
+        "batched",
+        "concurrency",
+        "constant",
+        "replay",
+        "piecewise",
+        "peak",
+        "cold-start",
+    ] = "online"
     """online: Poisson; constant: fixed interval; replay: ``arrivals_s``; piecewise:
     ``segments``; multi-stream: ``batch_size`` samples every ``1/qps`` s; single-stream
     and concurrency: closed loop with 1 / ``concurrency`` outstanding; batched: a sweep
@@ -223,8 +234,7 @@ class ScenarioSpec(BaseModel):
     """Closed loops: queries kept in flight."""
     latency_bound_ms: float | None = Field(default=None, gt=0)
     """Bound on the p99 latency (online, peak): a run over it is INVALID."""
-    batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(default=None,
-                                                                        min_length=1)
+    batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(default=None, min_length=1)
     """batched: the batch sizes swept (default: just ``batch_size``)."""
     arrivals_s: tuple[float, ...] | None = None
     """replay: inter-arrival times in seconds (read from ``--schedule FILE``)."""
@@ -466,11 +476,9 @@ class ReleaseOp(_Message):
     unload: bool = False
 
 
-ControlRequest = Annotated[PingOp | DescribeOp | PrepareOp | ReleaseOp,
-                           Field(discriminator="op")]
+ControlRequest = Annotated[PingOp | DescribeOp | PrepareOp | ReleaseOp, Field(discriminator="op")]
 """What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
-CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp] = TypeAdapter(
-    ControlRequest)
+CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp] = TypeAdapter(ControlRequest)
 
 
 class PingReply(_Message):

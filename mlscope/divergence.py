@@ -30,8 +30,15 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Divergence", "OutputKind", "divergence", "log_probabilities", "max_abs_diff", "mean_kl",
-           "top1_agreement"]
+__all__ = [
+    "Divergence",
+    "OutputKind",
+    "divergence",
+    "log_probabilities",
+    "max_abs_diff",
+    "mean_kl",
+    "top1_agreement",
+]
 
 OutputKind = Literal["logits", "probabilities"]
 ArrayLike = npt.ArrayLike
@@ -49,8 +56,9 @@ class Divergence:
     """Mean KL(reference || other) in nats."""
 
 
-def _pair(reference: ArrayLike, other: ArrayLike) -> tuple[npt.NDArray[np.float64],
-                                                          npt.NDArray[np.float64]]:
+def _pair(
+    reference: ArrayLike, other: ArrayLike
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
     r = np.asarray(reference, dtype=np.float64)
     o = np.asarray(other, dtype=np.float64)
     if r.shape != o.shape:
@@ -77,8 +85,9 @@ def top1_agreement(reference: ArrayLike, other: ArrayLike) -> float:
     return float(np.mean(np.argmax(_rows(r), axis=1) == np.argmax(_rows(o), axis=1)))
 
 
-def log_probabilities(x: ArrayLike, *, kind: OutputKind,
-                      eps: float = _EPS) -> npt.NDArray[np.float64]:
+def log_probabilities(
+    x: ArrayLike, *, kind: OutputKind, eps: float = _EPS
+) -> npt.NDArray[np.float64]:
     """Row-wise log-probabilities of logits or probabilities (see the module doc)."""
     rows = _rows(np.asarray(x, dtype=np.float64))
     if kind == "logits":
@@ -92,8 +101,9 @@ def log_probabilities(x: ArrayLike, *, kind: OutputKind,
     raise ValueError(f"kind must be 'logits' or 'probabilities', not {kind!r}")
 
 
-def mean_kl(reference: ArrayLike, other: ArrayLike, *, kind: OutputKind,
-            eps: float = _EPS) -> float:
+def mean_kl(
+    reference: ArrayLike, other: ArrayLike, *, kind: OutputKind, eps: float = _EPS
+) -> float:
     """Mean over samples of KL(P_reference || Q_other) in nats (0 when identical)."""
     r, o = _pair(reference, other)
     log_p = log_probabilities(r, kind=kind, eps=eps)
@@ -103,10 +113,14 @@ def mean_kl(reference: ArrayLike, other: ArrayLike, *, kind: OutputKind,
     return float(np.mean(np.maximum(kl, 0.0)))
 
 
-def divergence(reference: ArrayLike, other: ArrayLike, *, kind: OutputKind,
-               eps: float = _EPS) -> Divergence:
+def divergence(
+    reference: ArrayLike, other: ArrayLike, *, kind: OutputKind, eps: float = _EPS
+) -> Divergence:
     """All three measures at once."""
     r, o = _pair(reference, other)
-    return Divergence(samples=_rows(r).shape[0], max_abs_diff=max_abs_diff(r, o),
-                      top1_agreement=top1_agreement(r, o),
-                      mean_kl=mean_kl(r, o, kind=kind, eps=eps))
+    return Divergence(
+        samples=_rows(r).shape[0],
+        max_abs_diff=max_abs_diff(r, o),
+        top1_agreement=top1_agreement(r, o),
+        mean_kl=mean_kl(r, o, kind=kind, eps=eps),
+    )

@@ -78,7 +78,11 @@ class ManifestError(MLScopeError, ValueError):
     code = "manifest"
 
     def __init__(
-        self, message: str, *, file: str | None = None, field: str | None = None,
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        field: str | None = None,
         line: int | None = None,
     ) -> None:
         where = ":".join(str(p) for p in (file, line) if p is not None)

@@ -47,8 +47,9 @@ class FetchPolicy:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> FetchPolicy:
-        return cls(url_prefixes=settings.artifact_url_prefixes,
-                   max_bytes=settings.max_artifact_bytes)
+        return cls(
+            url_prefixes=settings.artifact_url_prefixes, max_bytes=settings.max_artifact_bytes
+        )
 
     def cap(self, declared: int | None) -> int:
         """The size cap of one download: the declared size, at most the ceiling."""
@@ -65,7 +66,10 @@ class FetchPolicy:
         raise ArtifactError(
             f"a manifest from the bus may not name {shown} as its asset location: only "
             f"{', '.join(BUS_SCHEMES)} (the bus's artifact store) or a URL under "
-            "MLSCOPE_ARTIFACT_URL_PREFIXES", url=str(base_url or ""), reason="policy")
+            "MLSCOPE_ARTIFACT_URL_PREFIXES",
+            url=str(base_url or ""),
+            reason="policy",
+        )
 
     def check_url(self, url: str) -> None:
         """ArtifactError unless ``url`` lies under one of the configured prefixes."""
@@ -73,8 +77,10 @@ class FetchPolicy:
             allowed = ", ".join(self.url_prefixes) or "none configured"
             raise ArtifactError(
                 f"{url} is not under an allowed artifact URL prefix ({allowed}; "
-                "MLSCOPE_ARTIFACT_URL_PREFIXES)", url=url, reason="policy")
-
+                "MLSCOPE_ARTIFACT_URL_PREFIXES)",
+                url=url,
+                reason="policy",
+            )
 
     def opener(self, *, untrusted: bool) -> urllib.request.OpenerDirector:
         """A urllib opener whose redirects, for an untrusted manifest, must stay under
@@ -82,8 +88,9 @@ class FetchPolicy:
         policy = self
 
         class Redirects(urllib.request.HTTPRedirectHandler):
-            def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any,
-                                 newurl: str) -> Any:
+            def redirect_request(
+                self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str
+            ) -> Any:
                 if untrusted:
                     policy.check_url(newurl)
                 return super().redirect_request(req, fp, code, msg, headers, newurl)
@@ -98,7 +105,10 @@ def _under(url: str, prefix: str) -> bool:
     except ValueError:
         return False
     if u.scheme not in ("http", "https") or (u.scheme, u.hostname, u_port) != (
-            p.scheme, p.hostname, p_port):
+        p.scheme,
+        p.hostname,
+        p_port,
+    ):
         return False
     if u.username or u.password or "\\" in url:
         return False

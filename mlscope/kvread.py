@@ -27,7 +27,7 @@ async def bucket_keys(bus: Bus, bucket: str) -> list[str]:
     a delete marker is included: its ``get`` raises ``KeyNotFoundError``."""
     prefix = f"$KV.{bucket}."
     info = await bus.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
-    return sorted(s[len(prefix):] for s in (info.state.subjects or {}))
+    return sorted(s[len(prefix) :] for s in (info.state.subjects or {}))
 
 
 class BucketWatch:
@@ -47,8 +47,12 @@ class BucketWatch:
         self._watcher = await kv.watchall()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         with anyio.CancelScope(shield=True), anyio.move_on_after(2):
             await self._watcher.stop()
 

@@ -123,8 +123,10 @@ class InputSpec(_Strict):
     @model_validator(mode="after")
     def _axis(self) -> InputSpec:
         if self.batch_axis is not None and self.batch_axis > len(self.shape):
-            raise ValueError(f"batch_axis {self.batch_axis} is past the {len(self.shape)} "
-                             f"axes of shape {list(self.shape)}")
+            raise ValueError(
+                f"batch_axis {self.batch_axis} is past the {len(self.shape)} "
+                f"axes of shape {list(self.shape)}"
+            )
         return self
 
 
@@ -193,8 +195,10 @@ class Assets(_Strict):
     @classmethod
     def _pinned(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None and not is_built(info.data.get("base_url")):
-            raise ValueError("sha256 is required (only built zoo:// artifacts are verified "
-                             "against the build lock instead)")
+            raise ValueError(
+                "sha256 is required (only built zoo:// artifacts are verified "
+                "against the build lock instead)"
+            )
         return v
 
 
@@ -303,16 +307,20 @@ class ModelManifest(_Strict):
     @classmethod
     def _first_input_batched(cls, v: tuple[InputSpec, ...]) -> tuple[InputSpec, ...]:
         if v and v[0].batch_axis != 0:
-            raise ValueError("the first input carries the batch on axis 0 (batch_axis: 0): "
-                             "a query's sample count is read from it")
+            raise ValueError(
+                "the first input carries the batch on axis 0 (batch_axis: 0): "
+                "a query's sample count is read from it"
+            )
         return v
 
     @model_validator(mode="after")
     def _dataset_pinned(self) -> ModelManifest:
-        if self.dataset is not None and self.dataset.sha256 is None \
-                and not is_built(self.assets.base_url):
-            raise ValueError("dataset.sha256 is required unless the assets are built "
-                             "(zoo://)")
+        if (
+            self.dataset is not None
+            and self.dataset.sha256 is None
+            and not is_built(self.assets.base_url)
+        ):
+            raise ValueError("dataset.sha256 is required unless the assets are built (zoo://)")
         return self
 
     @property
@@ -422,8 +430,18 @@ class SystemManifest(SystemRequirements):
     name: str
 
 
-ScenarioName = Literal["online", "single-stream", "multi-stream", "batched", "concurrency",
-                       "constant", "replay", "piecewise", "peak", "cold-start"]
+ScenarioName = Literal[
+    "online",
+    "single-stream",
+    "multi-stream",
+    "batched",
+    "concurrency",
+    "constant",
+    "replay",
+    "piecewise",
+    "peak",
+    "cold-start",
+]
 
 
 class ScenarioFile(_Strict):
@@ -466,8 +484,13 @@ class ScenarioFile(_Strict):
 
     @model_validator(mode="after")
     def _needs(self) -> ScenarioFile:
-        required = {"online": "qps", "constant": "qps", "replay": "schedule_file",
-                    "concurrency": "concurrency", "piecewise": "segments"}
+        required = {
+            "online": "qps",
+            "constant": "qps",
+            "replay": "schedule_file",
+            "concurrency": "concurrency",
+            "piecewise": "segments",
+        }
         field = required.get(self.name)
         if field is not None and getattr(self, field) is None:
             raise ValueError(f"scenario {self.name!r} needs {field}")
@@ -525,8 +548,12 @@ def parse_manifest(data: Any, *, file: str, node: yaml.Node | None = None) -> Ba
     kind = data.get("kind", "model")
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ManifestError(f"unknown kind {kind!r} (one of {', '.join(_KINDS)})", file=file,
-                            field="kind", line=_line_of(node, ["kind"]))
+        raise ManifestError(
+            f"unknown kind {kind!r} (one of {', '.join(_KINDS)})",
+            file=file,
+            field="kind",
+            line=_line_of(node, ["kind"]),
+        )
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
@@ -534,8 +561,9 @@ def parse_manifest(data: Any, *, file: str, node: yaml.Node | None = None) -> Ba
         (line, field, text), rest = problems[0], problems[1:]
         for r_line, r_field, r_text in rest:
             where = f"{file}:{r_line}" if r_line is not None else file
-            text += f"\n  {where}: field '{r_field}': {r_text}" if r_field else \
-                f"\n  {where}: {r_text}"
+            text += (
+                f"\n  {where}: field '{r_field}': {r_text}" if r_field else f"\n  {where}: {r_text}"
+            )
         raise ManifestError(text, file=file, field=field, line=line) from exc
 
 

@@ -33,8 +33,16 @@ from mlscope.kvread import BucketWatch, bucket_keys
 from mlscope.manifest import ModelManifest, mark_untrusted, parse_manifest
 from mlscope.serving import as_error
 
-__all__ = ["ManifestWatcher", "delete_manifest", "key_for", "load_remote", "load_remote_entries",
-           "manifest_key", "publish_manifest", "publish_manifests"]
+__all__ = [
+    "ManifestWatcher",
+    "delete_manifest",
+    "key_for",
+    "load_remote",
+    "load_remote_entries",
+    "manifest_key",
+    "publish_manifest",
+    "publish_manifests",
+]
 
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
 log = logging.getLogger("mlscope.models")
@@ -116,8 +124,9 @@ def _parse(key: str, value: bytes | None) -> ModelManifest:
     except Exception as exc:  # whatever an untrusted value makes the validator do
         raise ManifestError(as_error(exc).message, file=where) from exc
     if not isinstance(manifest, ModelManifest):
-        raise ManifestError("only model manifests belong in the models bucket",
-                            file=where, field="kind")
+        raise ManifestError(
+            "only model manifests belong in the models bucket", file=where, field="kind"
+        )
     return mark_untrusted(manifest)
 
 
@@ -141,8 +150,13 @@ class ManifestWatcher:
     ``rejected`` with its error: a bad manifest on the bus never stops the watcher.
     """
 
-    def __init__(self, bus: Bus, on_change: Callable[[], Awaitable[None]] | None = None,
-                 *, log: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        on_change: Callable[[], Awaitable[None]] | None = None,
+        *,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
         self.bus, self.on_change = bus, on_change
         self.log = log or log_warning
         self.entries: dict[str, Entry] = {}
@@ -159,8 +173,9 @@ class ManifestWatcher:
                     try:
                         await self.on_change()
                     except Exception as exc:  # one bad change never stops the watch
-                        self.log(f"reacting to a change of {update.key} failed: "
-                                 f"{as_error(exc).message}")
+                        self.log(
+                            f"reacting to a change of {update.key} failed: {as_error(exc).message}"
+                        )
 
     def _apply(self, key: str, value: bytes | None, *, deleted: bool) -> None:
         self.entries.pop(key, None)

@@ -20,8 +20,7 @@ from pathlib import Path
 
 from mlscope.errors import ConfigError
 
-__all__ = ["NatsServer", "cluster_config", "find_binary", "free_port", "hub_config",
-           "leaf_config"]
+__all__ = ["NatsServer", "cluster_config", "find_binary", "free_port", "hub_config", "leaf_config"]
 
 _LISTEN = re.compile(r"Listening for client connections on [^\s]+:(\d+)")
 
@@ -51,16 +50,26 @@ def _conf(doc: dict[str, object], *, include: Path | None = None, note: str = ""
     max_payload): its settings are merged in.
     """
     if include is not None:
-        text = "\n".join(line for line in include.read_text().splitlines()
-                         if not line.lstrip().startswith("#"))
+        text = "\n".join(
+            line for line in include.read_text().splitlines() if not line.lstrip().startswith("#")
+        )
         doc = {**json.loads(text), **doc}
     return (f"# {note}\n" if note else "") + json.dumps(doc, indent=2) + "\n"
 
 
-def cluster_config(*, name: str, node: str, cluster_port: int, routes: list[str],
-                   domain: str | None = None, host: str = "0.0.0.0",
-                   leaf_port: int | None = None, monitor_port: int | None = None,
-                   max_payload: int | None = None, include: Path | None = None) -> str:
+def cluster_config(
+    *,
+    name: str,
+    node: str,
+    cluster_port: int,
+    routes: list[str],
+    domain: str | None = None,
+    host: str = "0.0.0.0",
+    leaf_port: int | None = None,
+    monitor_port: int | None = None,
+    max_payload: int | None = None,
+    include: Path | None = None,
+) -> str:
     """One node of a JetStream cluster: its route listener and the routes to its peers.
 
     Streams and buckets on it are created with ``MLSCOPE_JS_REPLICAS=3`` (R3 survives
@@ -80,18 +89,27 @@ def cluster_config(*, name: str, node: str, cluster_port: int, routes: list[str]
     return _conf(doc, include=include, note=f"mlscope NATS cluster {name}, node {node}")
 
 
-def hub_config(*, leaf_port: int, domain: str = "hub", host: str = "0.0.0.0",
-               include: Path | None = None, max_payload: int | None = None) -> str:
+def hub_config(
+    *,
+    leaf_port: int,
+    domain: str = "hub",
+    host: str = "0.0.0.0",
+    include: Path | None = None,
+    max_payload: int | None = None,
+) -> str:
     """A single hub server that accepts edge leaf nodes, with its own JetStream domain."""
-    doc: dict[str, object] = {"jetstream": {"domain": domain},
-                              "leafnodes": {"listen": f"{host}:{leaf_port}"}}
+    doc: dict[str, object] = {
+        "jetstream": {"domain": domain},
+        "leafnodes": {"listen": f"{host}:{leaf_port}"},
+    }
     if max_payload is not None:
         doc["max_payload"] = max_payload
     return _conf(doc, include=include, note="mlscope hub (accepts edge leaf nodes)")
 
 
-def leaf_config(*, hub_url: str, domain: str, seed_file: Path | None = None,
-                max_payload: int | None = None) -> str:
+def leaf_config(
+    *, hub_url: str, domain: str, seed_file: Path | None = None, max_payload: int | None = None
+) -> str:
     """An edge device's leaf node: outbound to the hub, its own JetStream domain.
 
     Span batches (``mlscope.traces.>``) are not exported over the link: they land in
@@ -138,8 +156,18 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_file or self.store_dir / "nats-server.log"
         log.unlink(missing_ok=True)
-        args = [find_binary(), "-js", "-sd", str(self.store_dir), "-a", self.host,
-                "-p", str(self.port or -1), "-l", str(log)]
+        args = [
+            find_binary(),
+            "-js",
+            "-sd",
+            str(self.store_dir),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port or -1),
+            "-l",
+            str(log),
+        ]
         if self.config_file:
             args += ["-c", str(self.config_file)]
         args += list(self.extra_args)

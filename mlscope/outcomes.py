@@ -50,8 +50,13 @@ ERROR_OUTCOMES = (Outcome.FAILED, Outcome.REFUSED, Outcome.LOST)
 """Issued queries that got no answer with outputs: together, a summary's ``errors``."""
 
 
-def classify(*, issued: npt.ArrayLike, completed: npt.ArrayLike, ok: npt.ArrayLike,
-             refused: npt.ArrayLike | None = None) -> npt.NDArray[np.uint8]:
+def classify(
+    *,
+    issued: npt.ArrayLike,
+    completed: npt.ArrayLike,
+    ok: npt.ArrayLike,
+    refused: npt.ArrayLike | None = None,
+) -> npt.NDArray[np.uint8]:
     """The :class:`Outcome` of every query from its raw columns.
 
     ``issued`` / ``completed``: ns offsets, 0 where it did not happen (a closed loop

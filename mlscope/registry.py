@@ -23,8 +23,9 @@ FUTURE_TOLERANCE_S = 86_400.0
 it would keep a dead agent listed (resolution also pings an agent before using it)."""
 
 
-async def list_agents(bus: Bus, *, include_stale: bool = False,
-                      attempts: int = 5) -> list[AgentDescription]:
+async def list_agents(
+    bus: Bus, *, include_stale: bool = False, attempts: int = 5
+) -> list[AgentDescription]:
     """Live agents, sorted by id. Entries whose heartbeat is older than the TTL are
     left out even before the bucket expires them (a frozen agent is not live).
 
@@ -75,9 +76,14 @@ class AgentCache:
 
     def agents(self, *, include_stale: bool = False) -> list[AgentDescription]:
         now = time.time()
-        return sorted((d for d in self._entries.values()
-                       if include_stale or now - d.heartbeat_at <= AGENT_TTL_S),
-                      key=lambda d: d.agent_id)
+        return sorted(
+            (
+                d
+                for d in self._entries.values()
+                if include_stale or now - d.heartbeat_at <= AGENT_TTL_S
+            ),
+            key=lambda d: d.agent_id,
+        )
 
     async def run(self) -> None:
         """Watch forever; re-watch after a failover."""

@@ -16,18 +16,27 @@ from mlscope.bus import Bus, request
 __all__ = ["evaluation", "sql"]
 
 
-async def sql(bus: Bus, query: str, parameters: dict[str, Any] | None = None, *,
-              timeout: float = 30.0) -> tuple[list[str], list[list[Any]]]:
+async def sql(
+    bus: Bus, query: str, parameters: dict[str, Any] | None = None, *, timeout: float = 30.0
+) -> tuple[list[str], list[list[Any]]]:
     """Run one read-only statement; returns (column names, rows)."""
-    reply = await request(bus, names.SQL_SUBJECT,
-                          codec.encode({"sql": query, "parameters": parameters or {}}),
-                          timeout=timeout)
+    reply = await request(
+        bus,
+        names.SQL_SUBJECT,
+        codec.encode({"sql": query, "parameters": parameters or {}}),
+        timeout=timeout,
+    )
     return list(reply["columns"]), [list(r) for r in reply["rows"]]
 
 
-async def evaluation(bus: Bus, evaluation_id: str, *,
-                     timeout: float = 10.0) -> tuple[dict[str, Any], dict[str, Any]]:
+async def evaluation(
+    bus: Bus, evaluation_id: str, *, timeout: float = 10.0
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """(specification, summary) of one stored evaluation."""
-    reply = await request(bus, names.EVALUATION_SUBJECT,
-                          codec.encode({"evaluation_id": evaluation_id}), timeout=timeout)
+    reply = await request(
+        bus,
+        names.EVALUATION_SUBJECT,
+        codec.encode({"evaluation_id": evaluation_id}),
+        timeout=timeout,
+    )
     return json.loads(reply["spec"]), json.loads(reply["summary"])

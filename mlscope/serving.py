@@ -76,8 +76,12 @@ _BRACKETS = re.compile(rb'"(?:\\.|[^"\\])*"|[\[\]{}]')
 
 def configure_logging(level: str = "info") -> None:
     """Services log to stderr, one line per event, at ``level`` (debug ... error)."""
-    logging.basicConfig(stream=sys.stderr, level=level.upper(), force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=level.upper(),
+        force=True,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def as_error(exc: BaseException, *, service: str = "") -> MLScopeError:
@@ -89,19 +93,23 @@ def as_error(exc: BaseException, *, service: str = "") -> MLScopeError:
         return WireError(f"invalid message: {why}"[:MAX_ERROR_CHARS])
     if isinstance(exc, RecursionError):
         return WireError("a value nested too deeply to handle")
-    return ServiceError(f"{service or 'a service'} failed: {type(exc).__name__}: {exc}"
-                        [:MAX_ERROR_CHARS],
-                        service=service, exception=type(exc).__name__)
+    return ServiceError(
+        f"{service or 'a service'} failed: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS],
+        service=service,
+        exception=type(exc).__name__,
+    )
 
 
-def decode_json(data: bytes | None, *, max_bytes: int = MAX_VALUE_BYTES,
-                max_depth: int = MAX_VALUE_DEPTH) -> Any:
+def decode_json(
+    data: bytes | None, *, max_bytes: int = MAX_VALUE_BYTES, max_depth: int = MAX_VALUE_DEPTH
+) -> Any:
     """JSON bytes to Python, refusing oversize and deeply nested values before parsing
     (a 400 KB ``[[[[...`` would exhaust the recursion limit of the parser)."""
     data = data or b""
     if len(data) > max_bytes:
-        raise WireError(f"a value of {len(data)} bytes is over the {max_bytes}-byte limit",
-                        size=len(data))
+        raise WireError(
+            f"a value of {len(data)} bytes is over the {max_bytes}-byte limit", size=len(data)
+        )
     depth = 0
     for token in _BRACKETS.findall(data):
         if token in (b"[", b"{"):
@@ -118,8 +126,9 @@ def decode_json(data: bytes | None, *, max_bytes: int = MAX_VALUE_BYTES,
 
 class _Decoder(Generic[T]):
     def __init__(self, contract: type[T] | TypeAdapter[T]) -> None:
-        self.adapter: TypeAdapter[T] = (contract if isinstance(contract, TypeAdapter)
-                                        else TypeAdapter(contract))
+        self.adapter: TypeAdapter[T] = (
+            contract if isinstance(contract, TypeAdapter) else TypeAdapter(contract)
+        )
         self.name = getattr(contract, "__name__", "request")
         self.raw = contract is bytes
         """``bytes``: the handler decodes (a hot path that stamps arrival first)."""
@@ -141,8 +150,7 @@ Handler = Callable[[T, Msg], Awaitable[Any]]
 class Boundary:
     """One service's serving boundary: its logger, its counters, its dead letters."""
 
-    def __init__(self, bus: Bus, *, service: str,
-                 logger: logging.Logger | None = None) -> None:
+    def __init__(self, bus: Bus, *, service: str, logger: logging.Logger | None = None) -> None:
         self.bus, self.service = bus, service
         self.log = logger or logging.getLogger(f"mlscope.{service.split()[0]}")
         self.handled = 0
@@ -153,15 +161,23 @@ class Boundary:
 
     # ------------------------------------------------------------------ requests
 
-    async def subscribe(self, subject: str, contract: type[T] | TypeAdapter[T],
-                        handler: Handler[T], *, queue: str = "") -> Subscription:
+    async def subscribe(
+        self,
+        subject: str,
+        contract: type[T] | TypeAdapter[T],
+        handler: Handler[T],
+        *,
+        queue: str = "",
+    ) -> Subscription:
         """Subscribe ``handler``: decoded ``contract`` in, its result (a model, plain
         data or bytes; None: no reply) out, any failure as a typed error reply."""
-        return await self.bus.nc.subscribe(subject, queue=queue,
-                                           cb=self.responder(contract, handler))
+        return await self.bus.nc.subscribe(
+            subject, queue=queue, cb=self.responder(contract, handler)
+        )
 
-    def responder(self, contract: type[T] | TypeAdapter[T],
-                  handler: Handler[T]) -> Callable[[Msg], Awaitable[None]]:
+    def responder(
+        self, contract: type[T] | TypeAdapter[T], handler: Handler[T]
+    ) -> Callable[[Msg], Awaitable[None]]:
         decode = _Decoder(contract)
 
         async def respond(msg: Msg) -> None:
@@ -181,14 +197,18 @@ class Boundary:
         if not msg.reply:
             return
         try:
-            data = (result if isinstance(result, bytes) else codec.encode_model(result)
-                    if isinstance(result, BaseModel) else codec.encode(result))
+            data = (
+                result
+                if isinstance(result, bytes)
+                else codec.encode_model(result)
+                if isinstance(result, BaseModel)
+                else codec.encode(result)
+            )
             await msg.respond(data)
         except Exception as exc:  # too large, connection closed: the requester times out
             self.failed(exc, msg.subject, what="reply to")
 
-    def failed(self, exc: BaseException, subject: str, *, what: str = "message on"
-               ) -> MLScopeError:
+    def failed(self, exc: BaseException, subject: str, *, what: str = "message on") -> MLScopeError:
         """Count and log one failure; returns it as a typed error."""
         err = as_error(exc, service=self.service)
         if len(err.message) > MAX_ERROR_CHARS:  # never echo a hostile input back
@@ -199,8 +219,7 @@ class Boundary:
         more = f" ({self._quiet} more not logged)" if self._quiet else ""
         self._quiet = 0
         if isinstance(err, ServiceError):
-            self.log.error("%s %s failed: %s%s", what, subject, err.message, more,
-                           exc_info=exc)
+            self.log.error("%s %s failed: %s%s", what, subject, err.message, more, exc_info=exc)
         else:
             self.log.warning("%s %s refused: %s%s", what, subject, err.message, more)
         return err
@@ -219,8 +238,15 @@ class Boundary:
 
     # ------------------------------------------------------------------ streams
 
-    async def settle(self, msg: Msg, stream: str, handler: Callable[[Msg], Awaitable[None]],
-                     *, max_deliver: int, retry_s: float = 1.0) -> None:
+    async def settle(
+        self,
+        msg: Msg,
+        stream: str,
+        handler: Callable[[Msg], Awaitable[None]],
+        *,
+        max_deliver: int,
+        retry_s: float = 1.0,
+    ) -> None:
         """Run ``handler`` on one JetStream message (the handler acks it). A failure
         is retried by redelivery; a message that can never be decoded (WireError) or
         that fails on its last delivery is dead-lettered and terminated."""
@@ -239,13 +265,17 @@ class Boundary:
     async def dead_letter(self, msg: Msg, stream: str, err: MLScopeError) -> None:
         """Copy ``msg`` with its error to the dead-letter stream, then terminate it."""
         reason = re.sub(r"[\r\n]+", " ", f"{err.code}: {err.message}")[:DEAD_HEADER_LIMIT]
-        headers = {"Mlscope-Error": reason, "Mlscope-Subject": msg.subject,
-                   "Mlscope-Service": self.service,
-                   "Mlscope-Delivered": str(delivered(msg))}
+        headers = {
+            "Mlscope-Error": reason,
+            "Mlscope-Subject": msg.subject,
+            "Mlscope-Service": self.service,
+            "Mlscope-Delivered": str(delivered(msg)),
+        }
         with anyio.move_on_after(5):
             try:
-                await self.bus.js.publish(names.dead_letter(stream), msg.data or b"",
-                                          headers=headers, timeout=2)
+                await self.bus.js.publish(
+                    names.dead_letter(stream), msg.data or b"", headers=headers, timeout=2
+                )
                 self.dead_lettered += 1
             except Exception as exc:  # a full dead-letter stream must not block the source
                 self.log.error("cannot dead-letter a message of %s: %r", msg.subject, exc)
@@ -254,9 +284,15 @@ class Boundary:
 
     # ------------------------------------------------------------------ loops
 
-    async def keep_running(self, name: str, loop: Callable[..., Coroutine[Any, Any, None]], *,
-                           backoff_s: float = 0.5, max_backoff_s: float = 10.0,
-                           task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    async def keep_running(
+        self,
+        name: str,
+        loop: Callable[..., Coroutine[Any, Any, None]],
+        *,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 10.0,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Run ``loop`` for ever; a failure is logged, counted and the loop started
         again (back-off doubling up to ``max_backoff_s``). A loop that takes a
         ``task_status`` is started with ``tg.start`` the first time: "started" still
@@ -299,10 +335,11 @@ async def _quietly(aw: Awaitable[Any]) -> None:
 
 
 def _takes_status(fn: Callable[..., Any]) -> bool:
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None),
-                                                    "__code__", None)
-    return code is not None and "task_status" in code.co_varnames[:code.co_argcount
-                                                                   + code.co_kwonlyargcount]
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+    return (
+        code is not None
+        and "task_status" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    )
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -344,9 +381,14 @@ async def dead_letters(bus: Bus, *, limit: int = 50) -> tuple[int, list[DeadLett
         except (TimeoutError, nats.errors.Error) as exc:
             raise BusError(f"cannot read dead letter {seq}: {exc!r}") from exc
         h = raw.headers or {}
-        out.append(DeadLetter(seq=seq, subject=h.get("Mlscope-Subject", raw.subject or ""),
-                              error=h.get("Mlscope-Error", ""),
-                              service=h.get("Mlscope-Service", ""),
-                              delivered=int(h.get("Mlscope-Delivered", "0") or 0),
-                              size=len(raw.data or b"")))
+        out.append(
+            DeadLetter(
+                seq=seq,
+                subject=h.get("Mlscope-Subject", raw.subject or ""),
+                error=h.get("Mlscope-Error", ""),
+                service=h.get("Mlscope-Service", ""),
+                delivered=int(h.get("Mlscope-Delivered", "0") or 0),
+                size=len(raw.data or b""),
+            )
+        )
     return int(state.messages), out

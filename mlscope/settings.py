@@ -89,7 +89,8 @@ class Settings:
             nats_inbox_prefix=env.get("MLSCOPE_NATS_INBOX_PREFIX") or None,
             manifests_dir=Path(manifests).expanduser() if manifests else None,
             trace_retention_days=int(env["MLSCOPE_TRACE_RETENTION_DAYS"])
-            if env.get("MLSCOPE_TRACE_RETENTION_DAYS") else None,
+            if env.get("MLSCOPE_TRACE_RETENTION_DAYS")
+            else None,
             nats_tls_ca=path("MLSCOPE_NATS_TLS_CA"),
             nats_tls_cert=path("MLSCOPE_NATS_TLS_CERT"),
             nats_tls_key=path("MLSCOPE_NATS_TLS_KEY"),
@@ -99,8 +100,10 @@ class Settings:
             clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
             sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
             artifact_url_prefixes=tuple(
-                p.strip() for p in env.get("MLSCOPE_ARTIFACT_URL_PREFIXES", "").split(",")
-                if p.strip()),
+                p.strip()
+                for p in env.get("MLSCOPE_ARTIFACT_URL_PREFIXES", "").split(",")
+                if p.strip()
+            ),
             max_artifact_bytes=int(_number(env, "MLSCOPE_MAX_ARTIFACT_BYTES", 4 << 30)),
         )
 
@@ -126,35 +129,33 @@ class Settings:
         return self.data_dir / "zoo"
 
     def as_env(self) -> dict[str, str]:
-        """The environment a child process needs to see these same settings."""
+        """The environment a child process needs to see these same settings (a setting
+        at its default is left out, so the child applies the same default)."""
+        values: tuple[tuple[str, object], ...] = (
+            ("MLSCOPE_CLICKHOUSE_DSN", self.clickhouse_dsn),
+            ("MLSCOPE_NATS_CREDS", self.nats_creds),
+            ("MLSCOPE_MANIFESTS", self.manifests_dir),
+            ("MLSCOPE_TRACE_RETENTION_DAYS", self.trace_retention_days),
+            ("MLSCOPE_NATS_TLS_CA", self.nats_tls_ca),
+            ("MLSCOPE_NATS_TLS_CERT", self.nats_tls_cert),
+            ("MLSCOPE_NATS_TLS_KEY", self.nats_tls_key),
+            ("MLSCOPE_JS_DOMAIN", self.js_domain),
+            ("MLSCOPE_NATS_INBOX_PREFIX", self.nats_inbox_prefix),
+            ("MLSCOPE_JS_REPLICAS", self.js_replicas if self.js_replicas != 1 else None),
+            ("MLSCOPE_ALLOW_CUSTOM_CODE", "1" if self.allow_custom_code else None),
+            ("MLSCOPE_CLICKHOUSE_READ_DSN", self.clickhouse_read_dsn),
+            (
+                "MLSCOPE_SQL_TIMEOUT_S",
+                repr(self.sql_timeout_s) if self.sql_timeout_s != 10.0 else None,
+            ),
+            ("MLSCOPE_ARTIFACT_URL_PREFIXES", ",".join(self.artifact_url_prefixes)),
+            (
+                "MLSCOPE_MAX_ARTIFACT_BYTES",
+                self.max_artifact_bytes if self.max_artifact_bytes != 4 << 30 else None,
+            ),
+        )
         env = {"MLSCOPE_NATS_URL": self.nats_url, "MLSCOPE_DATA_DIR": str(self.data_dir)}
-        if self.clickhouse_dsn:
-            env["MLSCOPE_CLICKHOUSE_DSN"] = self.clickhouse_dsn
-        if self.nats_creds:
-            env["MLSCOPE_NATS_CREDS"] = str(self.nats_creds)
-        if self.manifests_dir:
-            env["MLSCOPE_MANIFESTS"] = str(self.manifests_dir)
-        if self.trace_retention_days:
-            env["MLSCOPE_TRACE_RETENTION_DAYS"] = str(self.trace_retention_days)
-        for var, value in (("MLSCOPE_NATS_TLS_CA", self.nats_tls_ca),
-                           ("MLSCOPE_NATS_TLS_CERT", self.nats_tls_cert),
-                           ("MLSCOPE_NATS_TLS_KEY", self.nats_tls_key),
-                           ("MLSCOPE_JS_DOMAIN", self.js_domain),
-                           ("MLSCOPE_NATS_INBOX_PREFIX", self.nats_inbox_prefix)):
-            if value:
-                env[var] = str(value)
-        if self.js_replicas != 1:
-            env["MLSCOPE_JS_REPLICAS"] = str(self.js_replicas)
-        if self.allow_custom_code:
-            env["MLSCOPE_ALLOW_CUSTOM_CODE"] = "1"
-        if self.clickhouse_read_dsn:
-            env["MLSCOPE_CLICKHOUSE_READ_DSN"] = self.clickhouse_read_dsn
-        if self.sql_timeout_s != 10.0:
-            env["MLSCOPE_SQL_TIMEOUT_S"] = repr(self.sql_timeout_s)
-        if self.artifact_url_prefixes:
-            env["MLSCOPE_ARTIFACT_URL_PREFIXES"] = ",".join(self.artifact_url_prefixes)
-        if self.max_artifact_bytes != 4 << 30:
-            env["MLSCOPE_MAX_ARTIFACT_BYTES"] = str(self.max_artifact_bytes)
+        env.update({var: str(value) for var, value in values if value})
         return env
 
 
@@ -167,8 +168,7 @@ def _flag(env: Mapping[str, str], var: str) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ConfigError(f"{var}={env[var]!r}: want one of {', '.join(_TRUE + _FALSE[1:])}",
-                      field=var)
+    raise ConfigError(f"{var}={env[var]!r}: want one of {', '.join(_TRUE + _FALSE[1:])}", field=var)
 
 
 def _number(env: Mapping[str, str], var: str, default: float) -> float:

@@ -16,8 +16,16 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["TRIM_FRACTION", "describe_ms", "mean_ci", "percentile", "percentiles",
-           "regularized_beta", "student_t_quantile", "trimmed_mean"]
+__all__ = [
+    "TRIM_FRACTION",
+    "describe_ms",
+    "mean_ci",
+    "percentile",
+    "percentiles",
+    "regularized_beta",
+    "student_t_quantile",
+    "trimmed_mean",
+]
 
 TRIM_FRACTION = 0.2
 
@@ -32,9 +40,7 @@ def percentile(samples: Iterable[float] | np.ndarray, q: float) -> float | None:
     return percentiles(samples, [q])[0]
 
 
-def percentiles(
-    samples: Iterable[float] | np.ndarray, qs: Sequence[float]
-) -> list[float | None]:
+def percentiles(samples: Iterable[float] | np.ndarray, qs: Sequence[float]) -> list[float | None]:
     data = _sorted(samples)
     n = data.size
     if n == 0:
@@ -135,8 +141,9 @@ def student_t_quantile(p: float, df: float) -> float:
     return (lo + hi) / 2
 
 
-def mean_ci(values: Iterable[float] | np.ndarray,
-            confidence: float = 0.95) -> tuple[float | None, float | None, float | None]:
+def mean_ci(
+    values: Iterable[float] | np.ndarray, confidence: float = 0.95
+) -> tuple[float | None, float | None, float | None]:
     """(mean, low, high): Student's t interval of the mean of independent runs' values;
     None bounds for fewer than two values (one run cannot show run-to-run noise)."""
     data = _sorted(values)
@@ -145,6 +152,9 @@ def mean_ci(values: Iterable[float] | np.ndarray,
     mean = float(data.mean())
     if data.size < 2:
         return mean, None, None
-    half = student_t_quantile(0.5 + confidence / 2, data.size - 1) * float(
-        data.std(ddof=1)) / math.sqrt(data.size)
+    half = (
+        student_t_quantile(0.5 + confidence / 2, data.size - 1)
+        * float(data.std(ddof=1))
+        / math.sqrt(data.size)
+    )
     return mean, mean - half, mean + half

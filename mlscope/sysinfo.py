@@ -51,9 +51,14 @@ def nvml_gpus() -> list[Accelerator]:
         for i in range(int(pynvml.nvmlDeviceGetCount())):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             name = pynvml.nvmlDeviceGetName(h)
-            out.append(Accelerator(
-                kind="gpu", model=name.decode() if isinstance(name, bytes) else str(name),
-                index=i, memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+            out.append(
+                Accelerator(
+                    kind="gpu",
+                    model=name.decode() if isinstance(name, bytes) else str(name),
+                    index=i,
+                    memory_bytes=int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
+                )
+            )
         return out
     finally:
         pynvml.nvmlShutdown()

@@ -226,8 +226,9 @@ def achieved_rate(offsets_ns: Array) -> float:
     return float(arr.size / (arr.max() / 1e9))
 
 
-def completion_rates(scheduled_ns: Array, completed_ns: Array,
-                     window_s: float) -> tuple[float, float]:
+def completion_rates(
+    scheduled_ns: Array, completed_ns: Array, window_s: float
+) -> tuple[float, float]:
     """(offered, completed) queries/s over the second half of a ``window_s`` window.
 
     ``completed_ns``: the completion offset of each query answered with outputs (0 for
@@ -304,30 +305,33 @@ def verdict(
         *_latency_reasons(pol, lat),
         *_lag_reasons(pol, issue_lag_ns(sched, issued)),
         *_rate_reasons(pol, sched, issued, requested_rate, poisson),
-        *(_overload_reasons(pol, sched, completed_ns, run_s) if completed_ns is not None
-          else []),
+        *(_overload_reasons(pol, sched, completed_ns, run_s) if completed_ns is not None else []),
         *_failure_reasons(pol, counts),
     ]
     return Verdict(not reasons, tuple(reasons))
 
 
-def _overload_reasons(pol: ValidityPolicy, sched: npt.NDArray[np.int64], completed: Array,
-                      window_s: float) -> list[str]:
+def _overload_reasons(
+    pol: ValidityPolicy, sched: npt.NDArray[np.int64], completed: Array, window_s: float
+) -> list[str]:
     offered, answered = completion_rates(sched, completed, window_s)
     if offered * window_s / 2 < pol.overload_min_queries:
         return []
     if answered >= offered * (1 - pol.completion_tolerance):
         return []
-    return [f"overloaded: completed {answered:.1f}/s of {offered:.1f}/s offered, backlog "
-            f"{backlog_s(sched, completed, window_s):.3g} s (second half of the "
-            f"{window_s:g} s window; tolerance {pol.completion_tolerance:.0%})"]
+    return [
+        f"overloaded: completed {answered:.1f}/s of {offered:.1f}/s offered, backlog "
+        f"{backlog_s(sched, completed, window_s):.3g} s (second half of the "
+        f"{window_s:g} s window; tolerance {pol.completion_tolerance:.0%})"
+    ]
 
 
 def _size_reasons(pol: ValidityPolicy, run_s: float, n_issued: int) -> list[str]:
     out = []
     if run_s < pol.min_duration_s:
-        out.append(f"ran {_exact_s(run_s, pol.min_duration_s)} s < minimum "
-                   f"{pol.min_duration_s:g} s")
+        out.append(
+            f"ran {_exact_s(run_s, pol.min_duration_s)} s < minimum {pol.min_duration_s:g} s"
+        )
     if n_issued < pol.min_queries:
         out.append(f"issued {n_issued} queries < minimum {pol.min_queries}")
     return out
@@ -426,8 +430,10 @@ def _failure_reasons(pol: ValidityPolicy, counts: Mapping[str, int]) -> list[str
         if failed:
             out.append(f"{failed} queries failed {allowed}")
         if refused:
-            out.append(f"{refused} queries refused by the agent (overloaded); the latency "
-                       f"figures cover only the answered queries {allowed}")
+            out.append(
+                f"{refused} queries refused by the agent (overloaded); the latency "
+                f"figures cover only the answered queries {allowed}"
+            )
         if lost:
             out.append(f"{lost} queries lost: issued and never answered {allowed}")
     not_issued = int(counts.get("not_issued", 0))

@@ -47,20 +47,21 @@ async def _evaluate(settings: Settings) -> tuple[tuple[str, str], dict[int, str]
 
     online = []
     for seed in (1, 2):
-        s = await submit(settings, job(ScenarioSpec(name="online", qps=150, duration_s=1.0,
-                                                    seed=seed)))
+        s = await submit(
+            settings, job(ScenarioSpec(name="online", qps=150, duration_s=1.0, seed=seed))
+        )
         online.append(s.evaluation_id)
     batched = {}
     for b in BATCH_SIZES:
-        s = await submit(settings, job(ScenarioSpec(name="batched", batch_size=b,
-                                                    duration_s=0.7)))
+        s = await submit(settings, job(ScenarioSpec(name="batched", batch_size=b, duration_s=0.7)))
         batched[b] = s.evaluation_id
     return (online[0], online[1]), batched
 
 
 @pytest.fixture(scope="session")
-def analysis_runs(tmp_path_factory: pytest.TempPathFactory,
-                  zoo_dir: Path) -> Iterator[AnalysisRuns]:
+def analysis_runs(
+    tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path
+) -> Iterator[AnalysisRuns]:
     from tests.conftest import running_stack
 
     with running_stack(tmp_path_factory.mktemp("analysis"), zoo_dir, ["onnxruntime"]) as s:
@@ -83,19 +84,52 @@ QUERIES = 5
 
 def span_columns() -> dict[str, list[object]]:
     """QUERIES queries: query → predict step → layers → kernels, back to back."""
-    cols: dict[str, list[object]] = {c: [] for c in (
-        "evaluation_id", "agent_id", "span_id", "parent_id", "query_index", "level", "kind",
-        "name", "start_ns", "end_ns", "host", "attrs", "batch_id")}
+    cols: dict[str, list[object]] = {
+        c: []
+        for c in (
+            "evaluation_id",
+            "agent_id",
+            "span_id",
+            "parent_id",
+            "query_index",
+            "level",
+            "kind",
+            "name",
+            "start_ns",
+            "end_ns",
+            "host",
+            "attrs",
+            "batch_id",
+        )
+    }
     next_id = iter(range(1, 10_000))
 
-    def add(parent: int, q: int, level: int, kind: str, name: str, start: int, end: int,
-            attrs: dict[str, object] | None = None) -> int:
+    def add(
+        parent: int,
+        q: int,
+        level: int,
+        kind: str,
+        name: str,
+        start: int,
+        end: int,
+        attrs: dict[str, object] | None = None,
+    ) -> int:
         sid = next(next_id)
-        for c, v in (("evaluation_id", SPAN_EVAL), ("agent_id", "agent-1"), ("span_id", sid),
-                     ("parent_id", parent), ("query_index", q), ("level", level),
-                     ("kind", kind), ("name", name), ("start_ns", start), ("end_ns", end),
-                     ("host", "h"), ("attrs", json.dumps(attrs) if attrs else ""),
-                     ("batch_id", "b1")):
+        for c, v in (
+            ("evaluation_id", SPAN_EVAL),
+            ("agent_id", "agent-1"),
+            ("span_id", sid),
+            ("parent_id", parent),
+            ("query_index", q),
+            ("level", level),
+            ("kind", kind),
+            ("name", name),
+            ("start_ns", start),
+            ("end_ns", end),
+            ("host", "h"),
+            ("attrs", json.dumps(attrs) if attrs else ""),
+            ("batch_id", "b1"),
+        ):
             cols[c].append(v)
         return sid
 
@@ -106,8 +140,16 @@ def span_columns() -> dict[str, list[object]]:
         pid = add(qid, q, 1, "step", "predict", t + 10_000, t + 10_000 + total)
         at = t + 10_000
         for name, op, shape, us, kernels in LAYERS:
-            lid = add(pid, q, 2, "layer", name, at, at + us * 1000,
-                      {"op_type": op, "shape": shape, "device": "cpu"})
+            lid = add(
+                pid,
+                q,
+                2,
+                "layer",
+                name,
+                at,
+                at + us * 1000,
+                {"op_type": op, "shape": shape, "device": "cpu"},
+            )
             k_at = at
             for kname, share in kernels:
                 dur = int(us * 1000 * share)

@@ -24,8 +24,13 @@ from typing import Any
 
 from websockets.sync.client import ClientConnection, connect
 
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-         "--disable-dev-shm-usage")
+FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-dev-shm-usage",
+)
 
 
 def executable() -> str | None:
@@ -72,10 +77,18 @@ def open_page(url: str, profile: Path, *, size: str = "1400,1000") -> Iterator[P
     exe = executable()
     if exe is None:
         raise FileNotFoundError("chromium")
-    proc = subprocess.Popen([exe, *FLAGS, f"--user-data-dir={profile}",
-                             f"--window-size={size}", "--remote-debugging-port=0",
-                             "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            *FLAGS,
+            f"--user-data-dir={profile}",
+            f"--window-size={size}",
+            "--remote-debugging-port=0",
+            "about:blank",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 30

@@ -21,15 +21,47 @@ from mlscope.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 
-PROCESS_FIXTURES = frozenset({
-    "nats_server", "settings", "stack", "zoo_dir", "analysis_runs", "span_db", "noop_stack",
-    "cluster", "farm", "four", "secured", "server", "tstack", "dashboard_url", "effnet_zoo",
-    "other_zoo", "fresh_agent", "db", "fresh_db", "model", "models", "predictor"})
+PROCESS_FIXTURES = frozenset(
+    {
+        "nats_server",
+        "settings",
+        "stack",
+        "zoo_dir",
+        "analysis_runs",
+        "span_db",
+        "noop_stack",
+        "cluster",
+        "farm",
+        "four",
+        "secured",
+        "server",
+        "tstack",
+        "dashboard_url",
+        "effnet_zoo",
+        "other_zoo",
+        "fresh_agent",
+        "db",
+        "fresh_db",
+        "model",
+        "models",
+        "predictor",
+    }
+)
 """Fixtures that start processes, build the zoo, open a database or load a runtime."""
-PROCESS_MODULES = frozenset({
-    "tests.test_zoo", "tests.test_predictors", "tests.test_live_models", "tests.test_compose",
-    "tests.test_operators", "tests.test_edge", "tests.test_cluster", "tests.test_auth",
-    "tests.test_divergence", "tests.test_tracing"})
+PROCESS_MODULES = frozenset(
+    {
+        "tests.test_zoo",
+        "tests.test_predictors",
+        "tests.test_live_models",
+        "tests.test_compose",
+        "tests.test_operators",
+        "tests.test_edge",
+        "tests.test_cluster",
+        "tests.test_auth",
+        "tests.test_divergence",
+        "tests.test_tracing",
+    }
+)
 """Modules whose tests start processes or runtimes without one of those fixtures."""
 
 
@@ -37,9 +69,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test is ``unit`` (pure, seconds for all of them: ``make test-fast``) or
     ``integration`` (real processes, the zoo, runtimes); ``make test`` runs both."""
     for item in items:
-        costly = (PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
-                  or item.get_closest_marker("slow") or item.get_closest_marker("gpu")
-                  or getattr(item.module, "__name__", "") in PROCESS_MODULES)
+        costly = (
+            PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or item.get_closest_marker("slow")
+            or item.get_closest_marker("gpu")
+            or getattr(item.module, "__name__", "") in PROCESS_MODULES
+        )
         item.add_marker(pytest.mark.integration if costly else pytest.mark.unit)
 
 
@@ -99,8 +134,9 @@ async def wait_agents(settings: Settings, count: int, timeout: float = 60.0) -> 
 
 
 @contextmanager
-def running_stack(base: Path, zoo_dir: Path, frameworks: list[str], *,
-                  timeout: float = 60.0) -> Iterator[Stack]:
+def running_stack(
+    base: Path, zoo_dir: Path, frameworks: list[str], *, timeout: float = 60.0
+) -> Iterator[Stack]:
     """``mlscope up`` as child processes under ``base``: returns once every agent is
     registered and the server answers database requests."""
     make_data_dir(base, zoo_dir)

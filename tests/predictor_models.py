@@ -52,22 +52,36 @@ def sample_inputs(batch: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-1, 1, (batch, IN)).astype(np.float32)
 
 
-def manifest(framework: str, *, name: str = "tiny_mlp", inputs: list[dict[str, Any]] | None = None,
-             outputs: list[dict[str, Any]] | None = None,
-             attributes: dict[str, Any] | None = None) -> ModelManifest:
-    return ModelManifest.model_validate({
-        "name": name, "version": "1.0.0", "task": "classification",
-        "framework": {"name": framework},
-        "inputs": inputs or [{"shape": [IN], "element_type": "float32"}],
-        "outputs": outputs or [{}],
-        "assets": {"graph_path": "model", "sha256": SHA},
-        "attributes": attributes or {},
-    })
+def manifest(
+    framework: str,
+    *,
+    name: str = "tiny_mlp",
+    inputs: list[dict[str, Any]] | None = None,
+    outputs: list[dict[str, Any]] | None = None,
+    attributes: dict[str, Any] | None = None,
+) -> ModelManifest:
+    return ModelManifest.model_validate(
+        {
+            "name": name,
+            "version": "1.0.0",
+            "task": "classification",
+            "framework": {"name": framework},
+            "inputs": inputs or [{"shape": [IN], "element_type": "float32"}],
+            "outputs": outputs or [{}],
+            "assets": {"graph_path": "model", "sha256": SHA},
+            "attributes": attributes or {},
+        }
+    )
 
 
 def xrt_attributes() -> dict[str, Any]:
-    return {"xrt": {"kernel": KERNEL, "args": ["input:0", "output:0", "batch"],
-                    "outputs": [{"shape": [OUT], "element_type": "float32"}]}}
+    return {
+        "xrt": {
+            "kernel": KERNEL,
+            "args": ["input:0", "output:0", "batch"],
+            "outputs": [{"shape": [OUT], "element_type": "float32"}],
+        }
+    }
 
 
 def build(root: Path) -> ModelSet:
@@ -77,8 +91,12 @@ def build(root: Path) -> ModelSet:
     torch.manual_seed(0)
     first, second = torch.nn.Linear(IN, HIDDEN), torch.nn.Linear(HIDDEN, OUT)
     net = torch.nn.Sequential(first, torch.nn.ReLU(), second).eval()
-    w = {"w0": first.weight.detach().numpy().T.copy(), "b0": first.bias.detach().numpy().copy(),
-         "w1": second.weight.detach().numpy().T.copy(), "b1": second.bias.detach().numpy().copy()}
+    w = {
+        "w0": first.weight.detach().numpy().T.copy(),
+        "b0": first.bias.detach().numpy().copy(),
+        "w1": second.weight.detach().numpy().T.copy(),
+        "b1": second.bias.detach().numpy().copy(),
+    }
     paths = {
         "onnx": _onnx(net, root / "model.onnx"),
         "torchscript": _torchscript(net, root / "model.pt"),
@@ -92,9 +110,15 @@ def build(root: Path) -> ModelSet:
 def _onnx(net: Any, path: Path) -> Path:
     import torch
 
-    torch.onnx.export(net, (torch.zeros(1, IN),), str(path), dynamo=False,
-                      input_names=["x"], output_names=["logits"],
-                      dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}})
+    torch.onnx.export(
+        net,
+        (torch.zeros(1, IN),),
+        str(path),
+        dynamo=False,
+        input_names=["x"],
+        output_names=["logits"],
+        dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}},
+    )
     return path
 
 
@@ -157,8 +181,9 @@ def _tensorflow(w: dict[str, np.ndarray], root: Path) -> dict[str, Path]:
     data = keras.Input((4,), name="b_data")
     scale = keras.Input((4,), name="a_scale")
     prod = keras.layers.Multiply(name="product")([data, scale])
-    total = keras.layers.Lambda(lambda t: keras.ops.sum(t, axis=1, keepdims=True),
-                                name="total")(prod)
+    total = keras.layers.Lambda(lambda t: keras.ops.sum(t, axis=1, keepdims=True), name="total")(
+        prod
+    )
     two = keras.Model({"b_data": data, "a_scale": scale}, {"product": prod, "total": total})
     two_path = root / "two_inputs"
     two.export(str(two_path), verbose=False)

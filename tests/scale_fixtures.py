@@ -85,8 +85,12 @@ class CuttableLink:
 def start(settings: Settings, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
     """``python -m cli.main ARGS`` with these settings in its environment."""
     out = open(log, "ab") if log else None  # noqa: SIM115 - lives as long as the child
-    return subprocess.Popen([python(), "-m", "cli.main", *args], env=child_env(settings),
-                            stdout=out, stderr=subprocess.STDOUT if out else None)
+    return subprocess.Popen(
+        [python(), "-m", "cli.main", *args],
+        env=child_env(settings),
+        stdout=out,
+        stderr=subprocess.STDOUT if out else None,
+    )
 
 
 def stop(*procs: subprocess.Popen[bytes] | None) -> None:

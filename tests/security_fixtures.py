@@ -20,8 +20,13 @@ from tests.conftest import make_data_dir, wait_agents, wait_server
 class Recorder:
     """A local HTTP server that answers 200 with a body and remembers each request."""
 
-    def __init__(self, body: bytes = b"secret bytes", *, redirect_to: str | None = None,
-                 content_length: bool = True) -> None:
+    def __init__(
+        self,
+        body: bytes = b"secret bytes",
+        *,
+        redirect_to: str | None = None,
+        content_length: bool = True,
+    ) -> None:
         self.requests: list[str] = []
         recorder = self
 
@@ -55,15 +60,17 @@ class Recorder:
 
 
 @contextmanager
-def auth_stack(base: Path, zoo_dir: Path, frameworks: list[str],
-               **settings: object) -> Iterator[tuple[Stack, Path]]:
+def auth_stack(
+    base: Path, zoo_dir: Path, frameworks: list[str], **settings: object
+) -> Iterator[tuple[Stack, Path]]:
     """``mlscope auth init`` + ``mlscope up --auth`` under ``base``; yields the stack
     and the auth directory once the server answers and every agent registered."""
     auth = base / "auth"
     assert mlscope_main(["auth", "init", "--out", str(auth)]) == 0
     data = make_data_dir(base / "data", zoo_dir)
-    stack = Stack(Settings(data_dir=data).with_(**settings), nats_port=0,
-                  frameworks=frameworks, auth=auth)
+    stack = Stack(
+        Settings(data_dir=data).with_(**settings), nats_port=0, frameworks=frameworks, auth=auth
+    )
     client = stack.start()
     try:
         reader = client.with_(nats_creds=(auth / "reader.creds").resolve())

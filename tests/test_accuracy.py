@@ -36,18 +36,22 @@ QUICK = ScenarioSpec(name="batched", batch_size=4, duration_s=5, max_queries=8)
 def four(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Settings]:
     """A stack with one agent per framework; the zoo holds both models."""
     build(zoo_dir, only=["digits_cnn", "efficientnet_lite0"], log=lambda _: None)
-    with running_stack(tmp_path_factory.mktemp("four"), zoo_dir, FRAMEWORKS,
-                       timeout=120.0) as s:
+    with running_stack(tmp_path_factory.mktemp("four"), zoo_dir, FRAMEWORKS, timeout=120.0) as s:
         yield s.settings
 
 
-def evaluate(settings: Settings, model: str, samples: int | None = None
-             ) -> list[EvaluationSummary]:
+def evaluate(settings: Settings, model: str, samples: int | None = None) -> list[EvaluationSummary]:
     async def go() -> list[EvaluationSummary]:
         out = []
         for fw in FRAMEWORKS:  # one at a time: 2 cores
-            job = JobRequest(model=model, framework=fw, scenario=QUICK, accuracy=True,
-                             accuracy_samples=samples, trace_level="none")
+            job = JobRequest(
+                model=model,
+                framework=fw,
+                scenario=QUICK,
+                accuracy=True,
+                accuracy_samples=samples,
+                trace_level="none",
+            )
             out.append(await submit(settings, job, timeout=240))
         return out
 
@@ -57,8 +61,9 @@ def evaluate(settings: Settings, model: str, samples: int | None = None
 def comparison(settings: Settings, summaries: list[EvaluationSummary]) -> dict:
     async def go() -> dict:
         async with busmod.connect(settings, name="test") as bus:
-            c = await compare_evaluations(bus, [(s.framework["name"], s.evaluation_id,
-                                                 s.accuracy) for s in summaries])
+            c = await compare_evaluations(
+                bus, [(s.framework["name"], s.evaluation_id, s.accuracy) for s in summaries]
+            )
             return c.to_dict()
 
     return anyio.run(go, backend="asyncio")
@@ -85,10 +90,15 @@ def test_digits_cnn_accuracy_and_divergence_on_four_frameworks(four: Settings) -
     # The per-sample outputs are stored with the data-set row and its label.
     async def stored() -> list[list[object]]:
         async with busmod.connect(four, name="test") as bus:
-            return (await remote.sql(bus, "SELECT count(), uniqExact(sample), "
-                                     "sum(label = prediction) FROM outputs FINAL WHERE "
-                                     "evaluation_id = {e:String}",
-                                     {"e": summaries[0].evaluation_id}))[1]
+            return (
+                await remote.sql(
+                    bus,
+                    "SELECT count(), uniqExact(sample), "
+                    "sum(label = prediction) FROM outputs FINAL WHERE "
+                    "evaluation_id = {e:String}",
+                    {"e": summaries[0].evaluation_id},
+                )
+            )[1]
 
     n, distinct, right = anyio.run(stored, backend="asyncio")[0]
     assert n == distinct == 300
@@ -110,10 +120,32 @@ def test_efficientnet_lite0_accuracy_and_divergence_on_four_frameworks(four: Set
 
 def test_cli_compares_frameworks_in_one_command(four: Settings) -> None:
     out = subprocess.run(
-        [python(), "-m", "cli.submit", "digits_cnn", "--framework", "onnxruntime,tflite",
-         "--accuracy", "--accuracy-samples", "100", "--scenario", "batched",
-         "--batch-size", "8", "--max-queries", "4", "--trace-level", "none", "--json"],
-        env=child_env(four), capture_output=True, text=True, timeout=240, check=False)
+        [
+            python(),
+            "-m",
+            "cli.submit",
+            "digits_cnn",
+            "--framework",
+            "onnxruntime,tflite",
+            "--accuracy",
+            "--accuracy-samples",
+            "100",
+            "--scenario",
+            "batched",
+            "--batch-size",
+            "8",
+            "--max-queries",
+            "4",
+            "--trace-level",
+            "none",
+            "--json",
+        ],
+        env=child_env(four),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert [s["framework"]["name"] for s in doc["summaries"]] == ["onnxruntime", "tflite"]
@@ -121,10 +153,29 @@ def test_cli_compares_frameworks_in_one_command(four: Settings) -> None:
     assert rows[1]["label"] == "tflite" and rows[1]["samples"] == 100
     assert rows[1]["top1_agreement"] == 1.0 and rows[1]["accuracy"]["top1"] > 0.95
     text = subprocess.run(
-        [python(), "-m", "cli.submit", "digits_cnn", "--framework", "onnxruntime,pytorch",
-         "--accuracy", "--accuracy-samples", "50", "--scenario", "batched",
-         "--max-queries", "4", "--trace-level", "none"],
-        env=child_env(four), capture_output=True, text=True, timeout=240, check=False)
+        [
+            python(),
+            "-m",
+            "cli.submit",
+            "digits_cnn",
+            "--framework",
+            "onnxruntime,pytorch",
+            "--accuracy",
+            "--accuracy-samples",
+            "50",
+            "--scenario",
+            "batched",
+            "--max-queries",
+            "4",
+            "--trace-level",
+            "none",
+        ],
+        env=child_env(four),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert text.returncode == 0, text.stderr
     assert "divergence from onnxruntime (logits)" in text.stdout
     assert "pytorch" in text.stdout.splitlines()[-1]
@@ -132,9 +183,16 @@ def test_cli_compares_frameworks_in_one_command(four: Settings) -> None:
 
 def test_cold_start_measures_every_load_apart_from_warm_inference(four: Settings) -> None:
     spec = ScenarioSpec(name="cold-start", repetitions=3, warm_queries=10, batch_size=1)
-    s = anyio.run(lambda: submit(four, JobRequest(model="digits_cnn", framework="onnxruntime",
-                                                  scenario=spec, trace_level="none"),
-                                 timeout=240), backend="asyncio")
+    s = anyio.run(
+        lambda: submit(
+            four,
+            JobRequest(
+                model="digits_cnn", framework="onnxruntime", scenario=spec, trace_level="none"
+            ),
+            timeout=240,
+        ),
+        backend="asyncio",
+    )
     c = s.cold_start or {}
     assert s.status == "completed" and s.errors == 0
     assert s.scenario["name"] == "cold-start" and s.queries == 30
@@ -148,23 +206,30 @@ def test_cold_start_measures_every_load_apart_from_warm_inference(four: Settings
     assert "cold start" in format_summary(s) and "(3/3 loads)" in format_summary(s)
     assert not any("repetitions loaded" in r for r in s.invalid_reasons)
     assert coldstart.reasons({**c, "cold_loads": 2}) == (
-        "only 2 of 3 repetitions loaded the model (another evaluation kept it loaded)",)
+        "only 2 of 3 repetitions loaded the model (another evaluation kept it loaded)",
+    )
 
 
 def test_compare_rejects_runs_without_common_ground() -> None:
     a = Outputs("a", "ev-a", np.arange(3), np.zeros(3), np.eye(3, dtype=np.float32), "logits")
-    b = Outputs("b", "ev-b", np.arange(3, 6), np.zeros(3), np.eye(3, dtype=np.float32),
-                "logits")
+    b = Outputs("b", "ev-b", np.arange(3, 6), np.zeros(3), np.eye(3, dtype=np.float32), "logits")
     with pytest.raises(EvaluationError, match="share no sample"):
         compare([a, b])
     with pytest.raises(EvaluationError, match="at least two"):
         compare([a])
-    c = Outputs("c", "ev-c", np.arange(3), np.zeros(3), np.eye(3, dtype=np.float32),
-                "probabilities")
+    c = Outputs(
+        "c", "ev-c", np.arange(3), np.zeros(3), np.eye(3, dtype=np.float32), "probabilities"
+    )
     with pytest.raises(EvaluationError, match="output kind"):
         compare([a, c])
     # Partly overlapping samples: only the common ones count.
-    d = Outputs("d", "ev-d", np.array([1, 2, 7]), np.zeros(3),
-                np.array([[0, 1, 0], [0, 0, 1], [1, 0, 0]], np.float32), "logits")
+    d = Outputs(
+        "d",
+        "ev-d",
+        np.array([1, 2, 7]),
+        np.zeros(3),
+        np.array([[0, 1, 0], [0, 0, 1], [1, 0, 0]], np.float32),
+        "logits",
+    )
     row = compare([a, d]).rows[1]
     assert row.samples == 2 and row.max_abs_diff == 0.0 and row.top1_agreement == 1.0

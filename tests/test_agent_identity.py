@@ -35,8 +35,10 @@ def auth_dir(tmp_path: Path) -> Path:
     out = tmp_path / "auth"
     assert mlscope_main(["auth", "init", "--out", str(out)]) == 0
     assert mlscope_main(["auth", "add-agent", "alice", "--out", str(out)]) == 0
-    assert mlscope_main(["auth", "add-agent", "mallory", "--out", str(out),
-                         "--framework", "noop"]) == 0
+    assert (
+        mlscope_main(["auth", "add-agent", "mallory", "--out", str(out), "--framework", "noop"])
+        == 0
+    )
     return out
 
 
@@ -46,20 +48,26 @@ def server(tmp_path: Path, auth_dir: Path) -> Iterator[NatsServer]:
         yield srv
 
 
-def test_an_agent_user_is_bound_to_its_own_subjects(server: NatsServer,
-                                                    auth_dir: Path) -> None:
+def test_an_agent_user_is_bound_to_its_own_subjects(server: NatsServer, auth_dir: Path) -> None:
     mallory = agent_creds(auth_dir, "mallory")
     assert mallory.stat().st_mode & 0o077 == 0
     assert inbox_prefix_for(mallory) == agent_inbox_prefix("mallory")
 
     async def main() -> None:
         async with Probe(server.url, mallory) as probe:
-            for subject in (names.agent_query("alice"), names.agent_ctl("alice"),
-                            names.agent_query("*"), "mlscope.agent.>"):
+            for subject in (
+                names.agent_query("alice"),
+                names.agent_ctl("alice"),
+                names.agent_query("*"),
+                "mlscope.agent.>",
+            ):
                 assert await probe.denied_subscribe(subject), subject
                 assert await probe.denied_subscribe(subject, queue="q"), subject
-            for inbox in (agent_inbox_prefix("alice"), INBOX_PREFIXES["server"],
-                          INBOX_PREFIXES["agent"]):
+            for inbox in (
+                agent_inbox_prefix("alice"),
+                INBOX_PREFIXES["server"],
+                INBOX_PREFIXES["agent"],
+            ):
                 assert await probe.denied_subscribe(f"{inbox}.>"), inbox
             assert await probe.denied_publish(f"$KV.{names.AGENTS_BUCKET}.alice", b"{}")
             assert await probe.denied_publish(f"{INBOX_PREFIXES['server']}.lg-run.1")
@@ -70,16 +78,20 @@ def test_an_agent_user_is_bound_to_its_own_subjects(server: NatsServer,
             assert not await probe.denied_subscribe(own_cap, queue=own_cap)
             assert not await probe.denied_subscribe(names.agent_query("mallory"))
             assert not await probe.denied_subscribe(names.agent_ctl("mallory"))
-            assert not await probe.denied_publish(f"$KV.{names.AGENTS_BUCKET}.mallory",
-                                                  b"{}")
+            assert not await probe.denied_publish(f"$KV.{names.AGENTS_BUCKET}.mallory", b"{}")
 
     anyio.run(main, backend="asyncio")
 
 
 async def _connect(url: str, creds: Path) -> None:
-    nc = await nats.connect(url, nkeys_seed=str(creds), allow_reconnect=False,
-                            connect_timeout=2, max_reconnect_attempts=0,
-                            inbox_prefix=inbox_prefix_for(creds) or "_INBOX")
+    nc = await nats.connect(
+        url,
+        nkeys_seed=str(creds),
+        allow_reconnect=False,
+        connect_timeout=2,
+        max_reconnect_attempts=0,
+        inbox_prefix=inbox_prefix_for(creds) or "_INBOX",
+    )
     await nc.close()
 
 
@@ -100,8 +112,12 @@ def test_a_new_agent_is_admitted_on_reload(server: NatsServer, auth_dir: Path) -
     with pytest.raises((nats.errors.Error, OSError)):  # not loaded yet: refused
         anyio.run(_connect, server.url, carol, backend="asyncio")
     assert server.proc is not None
-    assert mlscope_main(["auth", "add-agent", "carol", "--out", str(auth_dir),
-                         "--reload", str(server.proc.pid)]) == 0
+    assert (
+        mlscope_main(
+            ["auth", "add-agent", "carol", "--out", str(auth_dir), "--reload", str(server.proc.pid)]
+        )
+        == 0
+    )
     anyio.run(_admitted, server.url, agent_creds(auth_dir, "carol"), backend="asyncio")
     roles = json.loads((auth_dir / "roles.json").read_text())
     assert set(roles["agents"]) == {"alice", "mallory", "carol"}
@@ -110,12 +126,27 @@ def test_a_new_agent_is_admitted_on_reload(server: NatsServer, auth_dir: Path) -
 
 
 def test_a_rogue_agent_cannot_take_another_agents_queries(
-        tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> None:
+    tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path
+) -> None:
     base = tmp_path_factory.mktemp("rogue")
     with auth_stack(base, zoo_dir, ["noop"]) as (stack, auth):
         assert stack.nats.proc is not None
-        assert mlscope_main(["auth", "add-agent", "rogue", "--out", str(auth), "--framework",
-                             "noop", "--reload", str(stack.nats.proc.pid)]) == 0
+        assert (
+            mlscope_main(
+                [
+                    "auth",
+                    "add-agent",
+                    "rogue",
+                    "--out",
+                    str(auth),
+                    "--framework",
+                    "noop",
+                    "--reload",
+                    str(stack.nats.proc.pid),
+                ]
+            )
+            == 0
+        )
         rogue = agent_creds(auth, "rogue")
         submitter = role(stack, auth, "submitter")
         heard: list[str] = []
@@ -130,8 +161,10 @@ def test_a_rogue_agent_cannot_take_another_agents_queries(
             assert victim.agent_id.endswith("-noop")  # its own identity, from `up --auth`
             await _admitted(stack.settings.nats_url, rogue)
             async with Probe(stack.settings.nats_url, rogue) as probe:
-                for subject in (names.agent_query(victim.agent_id),
-                                names.agent_ctl(victim.agent_id)):
+                for subject in (
+                    names.agent_query(victim.agent_id),
+                    names.agent_ctl(victim.agent_id),
+                ):
                     before = len(probe.violations)
                     await probe.nc.subscribe(subject, cb=record)
                     await probe.nc.subscribe(subject, queue=subject, cb=record)
@@ -139,10 +172,16 @@ def test_a_rogue_agent_cannot_take_another_agents_queries(
                     await anyio.sleep(0.1)
                     assert len(probe.violations) == before + 2, subject
                 assert await probe.denied_publish(
-                    f"$KV.{names.AGENTS_BUCKET}.{victim.agent_id}", b"{}")
-                return await submit(submitter, JobRequest(
-                    model="noop", framework="noop",
-                    scenario=ScenarioSpec(name="online", qps=100, duration_s=1, seed=1)))
+                    f"$KV.{names.AGENTS_BUCKET}.{victim.agent_id}", b"{}"
+                )
+                return await submit(
+                    submitter,
+                    JobRequest(
+                        model="noop",
+                        framework="noop",
+                        scenario=ScenarioSpec(name="online", qps=100, duration_s=1, seed=1),
+                    ),
+                )
 
         summary = anyio.run(main, backend="asyncio")
         assert heard == []

@@ -36,6 +36,7 @@ from tests.zoo_fixtures import MANIFESTS
 
 pytestmark = pytest.mark.timeout(180)
 
+
 def local_catalog(zoo: Path) -> Catalog:
     """The committed catalog: the zoo build's bytes match its checksums on any CPU
     (``mlscope.zoo.build.PORTABLE_MATH``), so agents serve the session's build."""
@@ -44,8 +45,14 @@ def local_catalog(zoo: Path) -> Catalog:
 
 
 def prepare(model: str, version: str, evaluation_id: str = "ev-1") -> dict[str, Any]:
-    return {"op": "prepare", "evaluation_id": evaluation_id, "model": model,
-            "model_version": version, "batch_size": 1, "trace_level": "none"}
+    return {
+        "op": "prepare",
+        "evaluation_id": evaluation_id,
+        "model": model,
+        "model_version": version,
+        "batch_size": 1,
+        "trace_level": "none",
+    }
 
 
 def loaded(agent: Agent, name: str) -> Any:
@@ -64,7 +71,8 @@ def committed_framework(name: str) -> FrameworkManifest:
 
 
 def test_committed_tflite_manifest_sets_the_thread_count_and_threads_flag_wins(
-        settings: Settings, zoo_dir: Path) -> None:
+    settings: Settings, zoo_dir: Path
+) -> None:
     catalog = local_catalog(zoo_dir)
     want = committed_framework("tflite").options.intra_op_threads
     assert want and want > 1  # the committed file sets a thread count (else: no signal)
@@ -72,8 +80,9 @@ def test_committed_tflite_manifest_sets_the_thread_count_and_threads_flag_wins(
     for flag in (None, 1):
         agent = Agent(settings, AgentConfig(framework="tflite", threads=flag), catalog)
 
-        async def body(bus: busmod.Bus, ask: Ask, flag: int | None = flag,
-                       agent: Agent = agent) -> None:
+        async def body(
+            bus: busmod.Bus, ask: Ask, flag: int | None = flag, agent: Agent = agent
+        ) -> None:
             rep = await ask(prepare("digits_cnn", "1.0.0"))
             assert rep["ok"], rep
             seen[str(flag)] = loaded(agent, "digits_cnn").num_threads
@@ -82,16 +91,19 @@ def test_committed_tflite_manifest_sets_the_thread_count_and_threads_flag_wins(
     assert seen == {"None": want, "1": 1}
 
 
-def test_committed_onnxruntime_manifest_reaches_the_session(settings: Settings, zoo_dir: Path,
-                                                            tmp_path: Path) -> None:
+def test_committed_onnxruntime_manifest_reaches_the_session(
+    settings: Settings, zoo_dir: Path, tmp_path: Path
+) -> None:
     """The real file's options are read back from the created session; the same file
     with other values shows they are the manifest's and not ORT's defaults."""
     real = MANIFESTS / "frameworks" / "onnxruntime.yaml"
     changed = tmp_path / "onnxruntime.yaml"
-    changed.write_text(real.read_text().replace("graph_optimization: all",
-                                                "graph_optimization: basic")
-                       .replace("intra_op_threads: 0", "intra_op_threads: 3")
-                       .replace("inter_op_threads: 1", "inter_op_threads: 2"))
+    changed.write_text(
+        real.read_text()
+        .replace("graph_optimization: all", "graph_optimization: basic")
+        .replace("intra_op_threads: 0", "intra_op_threads: 3")
+        .replace("inter_op_threads: 1", "inter_op_threads: 2")
+    )
     local = local_catalog(zoo_dir)
     digits = local.find("digits_cnn", framework="onnxruntime")
     variant = load_manifest(changed)
@@ -100,28 +112,36 @@ def test_committed_onnxruntime_manifest_reaches_the_session(settings: Settings, 
     for label, catalog in (("real", local), ("changed", Catalog([digits], [variant]))):
         agent = Agent(settings, AgentConfig(framework="onnxruntime"), catalog)
 
-        async def body(bus: busmod.Bus, ask: Ask, label: str = label,
-                       agent: Agent = agent) -> None:
+        async def body(bus: busmod.Bus, ask: Ask, label: str = label, agent: Agent = agent) -> None:
             rep = await ask(prepare("digits_cnn", "1.0.0"))
             assert rep["ok"], rep
             session = loaded(agent, "digits_cnn").session
             so = session.get_session_options()
-            got[label] = (so.intra_op_num_threads, so.inter_op_num_threads,
-                          so.graph_optimization_level, tuple(session.get_providers()))
+            got[label] = (
+                so.intra_op_num_threads,
+                so.inter_op_num_threads,
+                so.graph_optimization_level,
+                tuple(session.get_providers()),
+            )
 
         run_agent(settings, agent, body)
     level = ort.GraphOptimizationLevel
     assert committed_framework("onnxruntime").runtime("cpu") == {
-        "intra_op_threads": 0, "inter_op_threads": 1, "graph_optimization": "all",
-        "providers": ("CPUExecutionProvider",)}
+        "intra_op_threads": 0,
+        "inter_op_threads": 1,
+        "graph_optimization": "all",
+        "providers": ("CPUExecutionProvider",),
+    }
     assert got["real"] == (0, 1, level.ORT_ENABLE_ALL, ("CPUExecutionProvider",))
     assert got["changed"] == (3, 2, level.ORT_ENABLE_BASIC, ("CPUExecutionProvider",))
 
 
 def test_runtime_options_per_device_and_extra_inlined() -> None:
     ort_fm = committed_framework("onnxruntime")
-    assert ort_fm.runtime("cuda:1")["providers"] == ("CUDAExecutionProvider",
-                                                     "CPUExecutionProvider")
+    assert ort_fm.runtime("cuda:1")["providers"] == (
+        "CUDAExecutionProvider",
+        "CPUExecutionProvider",
+    )
     assert ort_fm.runtime("cpu")["providers"] == ("CPUExecutionProvider",)
     tf_fm = committed_framework("tensorflow")
     assert tf_fm.runtime("cpu")["signature"] == "serving_default"
@@ -139,17 +159,16 @@ def test_a_gpu_device_with_cpu_only_providers_is_refused() -> None:
         _providers(opts, digits.manifest)
 
 
-
 # --------------------------------------------------------------- custom Python steps
 
-PROBE_MODULE = '''
+PROBE_MODULE = """
 CALLS = []
 
 
 def tap(env, data):
     CALLS.append((env["model"], len(data)))
     return data
-'''
+"""
 
 
 def custom_manifest(tmp_path: Path, zoo: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -164,7 +183,8 @@ def custom_manifest(tmp_path: Path, zoo: Path, monkeypatch: pytest.MonkeyPatch) 
     doc["assets"]["sha256"] = digits.graph_sha256(zoo)
     doc.pop("dataset")
     doc["inputs"][0]["steps"].insert(
-        0, {"python": {"module": "custom_probe_steps", "function": "tap"}})
+        0, {"python": {"module": "custom_probe_steps", "function": "tap"}}
+    )
     folder = tmp_path / "trusted"
     folder.mkdir()
     (folder / "digits_custom.yaml").write_text(yaml.safe_dump(doc))
@@ -179,13 +199,14 @@ def calls() -> list[Any]:
 
 
 def query(evaluation_id: str = "ev-1") -> bytes:
-    return codec.encode_model(Query(evaluation_id=evaluation_id, index=0,
-                                    inputs=np.ones((2, 8, 8), np.uint8)))
+    return codec.encode_model(
+        Query(evaluation_id=evaluation_id, index=0, inputs=np.ones((2, 8, 8), np.uint8))
+    )
 
 
 def test_custom_step_from_a_trusted_dir_runs_when_allowed(
-        settings: Settings, zoo_dir: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    settings: Settings, zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     catalog = Catalog.load([custom_manifest(tmp_path, zoo_dir, monkeypatch)])
     allowed = settings.with_(allow_custom_code=True)
     agent = Agent(allowed, AgentConfig(framework="onnxruntime"), catalog)
@@ -202,8 +223,8 @@ def test_custom_step_from_a_trusted_dir_runs_when_allowed(
 
 
 def test_custom_step_not_allowed_is_a_typed_refusal(
-        settings: Settings, zoo_dir: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    settings: Settings, zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert not settings.allow_custom_code  # off unless the agent's settings opt in
     catalog = Catalog.load([custom_manifest(tmp_path, zoo_dir, monkeypatch)])
     entry = catalog.find("digits_custom")
@@ -222,8 +243,8 @@ def test_custom_step_not_allowed_is_a_typed_refusal(
 
 
 def test_the_same_manifest_from_the_bus_never_runs_custom_code(
-        settings: Settings, zoo_dir: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    settings: Settings, zoo_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     local = Catalog.load([custom_manifest(tmp_path, zoo_dir, monkeypatch)])
     (entry,) = local.entries
 
@@ -239,8 +260,7 @@ def test_the_same_manifest_from_the_bus_never_runs_custom_code(
         assert "digits_custom" not in {m.name for m in agent.describe().models}
         rep = await ask(prepare("digits_custom", "1.0.0"))
         assert not rep["ok"] and "the manifest is not trusted" in rep["why"], rep
-        remote = [e for e in agent.remote.entries.values()
-                  if e.manifest.name == "digits_custom"]
+        remote = [e for e in agent.remote.entries.values() if e.manifest.name == "digits_custom"]
         assert remote and not remote[0].trusted
         with pytest.raises(ManifestError, match="not trusted"):
             compile_model(remote[0], allow_custom=True)
@@ -262,8 +282,9 @@ def test_allow_custom_code_setting_from_the_environment() -> None:
 # --------------------------------------------------------------- top-k with labels
 
 
-def test_topk_labels_from_the_labels_file_only_when_asked(settings: Settings,
-                                                         zoo_dir: Path) -> None:
+def test_topk_labels_from_the_labels_file_only_when_asked(
+    settings: Settings, zoo_dir: Path
+) -> None:
     entry = local_catalog(zoo_dir).find("efficientnet_lite0", framework="onnxruntime")
     names_file = entry.labels(zoo_dir)
     assert names_file is not None and len(names_file) == 1000
@@ -277,16 +298,18 @@ def test_topk_labels_from_the_labels_file_only_when_asked(settings: Settings,
         got = []
         for want in (True, False):
             q = Query(evaluation_id="ev-1", index=0, inputs=x, labels=want)
-            msg = await bus.nc.request(names.agent_query(agent.agent_id),
-                                       codec.encode_model(q), timeout=60)
+            msg = await bus.nc.request(
+                names.agent_query(agent.agent_id), codec.encode_model(q), timeout=60
+            )
             got.append(codec.decode_model(QueryReply, msg.data))
         named, plain = got
         assert named.ok and named.outputs is not None and named.labels is not None
         assert named.labels.shape == named.outputs.shape == (2, 5)
         assert list(named.outputs[:, 0]) == list(y)  # the sanity set, right
         assert list(named.labels[:, 0]) == [names_file[i] for i in y]
-        assert named.labels.tolist() == [[names_file[i] for i in row]
-                                         for row in named.outputs.tolist()]
+        assert named.labels.tolist() == [
+            [names_file[i] for i in row] for row in named.outputs.tolist()
+        ]
         assert plain.ok and plain.labels is None  # load runs build no strings
 
     run_agent(settings, agent, body)
@@ -344,15 +367,42 @@ def test_silero_vad_on_onnxruntime_through_the_worker(zoo_dir: Path) -> None:
     model.predictor = Recording(model.predictor)
     ex = Executor(model, ExecutorConfig(max_batch=8, max_wait_us=300_000))
     replies: queue.SimpleQueue[QueryReply] = queue.SimpleQueue()
-    jobs = [Job(index=0, inputs=audio[0], received_ns=time.perf_counter_ns(),
-                level=TraceLevel.NONE, spans=None, reply=replies.put),
-            Job(index=1, inputs=audio[1], received_ns=time.perf_counter_ns(),
-                level=TraceLevel.NONE, spans=None, reply=replies.put),
-            Job(index=2, inputs=audio[2], received_ns=time.perf_counter_ns(),
-                level=TraceLevel.NONE, spans=None, reply=replies.put, more=(state, sr)),
-            Job(index=3, inputs=audio[0], received_ns=time.perf_counter_ns(),
-                level=TraceLevel.NONE, spans=None, reply=replies.put,
-                more=(state, sr, sr))]  # one input too many
+    jobs = [
+        Job(
+            index=0,
+            inputs=audio[0],
+            received_ns=time.perf_counter_ns(),
+            level=TraceLevel.NONE,
+            spans=None,
+            reply=replies.put,
+        ),
+        Job(
+            index=1,
+            inputs=audio[1],
+            received_ns=time.perf_counter_ns(),
+            level=TraceLevel.NONE,
+            spans=None,
+            reply=replies.put,
+        ),
+        Job(
+            index=2,
+            inputs=audio[2],
+            received_ns=time.perf_counter_ns(),
+            level=TraceLevel.NONE,
+            spans=None,
+            reply=replies.put,
+            more=(state, sr),
+        ),
+        Job(
+            index=3,
+            inputs=audio[0],
+            received_ns=time.perf_counter_ns(),
+            level=TraceLevel.NONE,
+            spans=None,
+            reply=replies.put,
+            more=(state, sr, sr),
+        ),
+    ]  # one input too many
     try:
         assert all(ex.submit(j) for j in jobs)
         got = [replies.get(timeout=60) for _ in jobs]
@@ -369,8 +419,9 @@ def test_silero_vad_on_onnxruntime_through_the_worker(zoo_dir: Path) -> None:
 
 
 def test_silero_vad_over_the_bus_with_its_further_inputs(settings: Settings) -> None:
-    agent = Agent(settings, AgentConfig(framework="onnxruntime"),
-                  Catalog.load(default_manifest_dirs()))
+    agent = Agent(
+        settings, AgentConfig(framework="onnxruntime"), Catalog.load(default_manifest_dirs())
+    )
     x = np.zeros((2, 576), np.float32)
 
     async def body(bus: busmod.Bus, ask: Ask) -> None:
@@ -378,8 +429,9 @@ def test_silero_vad_over_the_bus_with_its_further_inputs(settings: Settings) -> 
         assert rep["ok"] and rep["first_inference_ns"] > 0, rep
         for more in ((), (np.zeros((2, 2, 128), np.float32), np.array(16000, np.int64))):
             q = Query(evaluation_id="ev-1", index=0, inputs=x, more_inputs=more)
-            msg = await bus.nc.request(names.agent_query(agent.agent_id),
-                                       codec.encode_model(q), timeout=60)
+            msg = await bus.nc.request(
+                names.agent_query(agent.agent_id), codec.encode_model(q), timeout=60
+            )
             reply = codec.decode_model(QueryReply, msg.data)
             assert reply.ok and reply.outputs is not None, reply.error
             assert reply.outputs.shape == (2, 1)
@@ -388,8 +440,9 @@ def test_silero_vad_over_the_bus_with_its_further_inputs(settings: Settings) -> 
 
 
 @pytest.mark.parametrize("framework", ["onnxruntime", "pytorch", "tensorflow", "tflite"])
-def test_every_model_an_agent_advertises_can_be_prepared(settings: Settings, zoo_dir: Path,
-                                                         framework: str) -> None:
+def test_every_model_an_agent_advertises_can_be_prepared(
+    settings: Settings, zoo_dir: Path, framework: str
+) -> None:
     # `make install` installs all four frameworks: one that does not load is a failure
     assert probe(framework) is not None, f"{framework} does not load here"
     agent = Agent(settings, AgentConfig(framework=framework, threads=1), local_catalog(zoo_dir))

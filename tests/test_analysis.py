@@ -42,8 +42,7 @@ def test_identical_distributions_are_judged_equal() -> None:
         a = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=2000)
         b = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=2000)
         for q, floor in ((50, 0.02), (99, 0.05)):  # compare_runs' floors
-            d = compare.bootstrap_difference(a, b, q, n_boot=1000, seed=trial,
-                                             min_effect=floor)
+            d = compare.bootstrap_difference(a, b, q, n_boot=1000, seed=trial, min_effect=floor)
             assert d.verdict == "no significant change", (trial, q, d)
             assert abs(d.rel) < floor
     # The same samples in another order: the two bootstrap distributions are the same,
@@ -94,13 +93,24 @@ def _store_latencies(db: Database, eval_id: str, latency_ms: np.ndarray) -> None
     scheduled = np.arange(n, dtype=np.int64) * 10_000_000
     completed = scheduled + (latency_ms * 1e6).astype(np.int64)
     cols: dict[str, list[Any]] = {
-        "evaluation_id": [eval_id] * n, "query_index": list(range(n)), "batch_size": [1] * n,
-        "scheduled_ns": scheduled.tolist(), "issued_ns": scheduled.tolist(),
-        "completed_ns": completed.tolist(), "agent_received_ns": scheduled.tolist(),
-        "predict_start_ns": scheduled.tolist(), "predict_end_ns": completed.tolist(),
-        "agent_replied_ns": completed.tolist(), "ok": [1] * n, "error": [""] * n,
-        "label": [0] * n, "prediction": [0] * n, "outcome": [0] * n, "warmup": [0] * n,
-        "paced_ns": scheduled.tolist()}
+        "evaluation_id": [eval_id] * n,
+        "query_index": list(range(n)),
+        "batch_size": [1] * n,
+        "scheduled_ns": scheduled.tolist(),
+        "issued_ns": scheduled.tolist(),
+        "completed_ns": completed.tolist(),
+        "agent_received_ns": scheduled.tolist(),
+        "predict_start_ns": scheduled.tolist(),
+        "predict_end_ns": completed.tolist(),
+        "agent_replied_ns": completed.tolist(),
+        "ok": [1] * n,
+        "error": [""] * n,
+        "label": [0] * n,
+        "prediction": [0] * n,
+        "outcome": [0] * n,
+        "warmup": [0] * n,
+        "paced_ns": scheduled.tolist(),
+    }
     db.insert("queries", [cols[c] for c in QUERY_COLUMNS], QUERY_COLUMNS)
 
 
@@ -114,11 +124,20 @@ def test_regression_flags_exactly_the_slower_version(fresh_db: Database) -> None
     rows = []
     for i, (version, median) in enumerate(medians.items()):
         eval_id = f"ev-v{i}"
-        _store_latencies(fresh_db, eval_id,
-                         rng.lognormal(mean=np.log(median), sigma=0.1, size=600))
-        rows.append({"evaluation_id": eval_id, "model": "m", "model_version": "1",
-                     "framework": "fw", "framework_version": version, "system": "cpu",
-                     "scenario": "online", "batch_size": 1, "valid": True})
+        _store_latencies(fresh_db, eval_id, rng.lognormal(mean=np.log(median), sigma=0.1, size=600))
+        rows.append(
+            {
+                "evaluation_id": eval_id,
+                "model": "m",
+                "model_version": "1",
+                "framework": "fw",
+                "framework_version": version,
+                "system": "cpu",
+                "scenario": "online",
+                "batch_size": 1,
+                "valid": True,
+            }
+        )
     # A run on another system with no slowdown at all: never compared with the others.
     _store_latencies(fresh_db, "ev-other", rng.lognormal(np.log(base), 0.1, 600))
     rows.append({**rows[0], "evaluation_id": "ev-other", "system": "gpu"})
@@ -140,31 +159,61 @@ def test_readers_show_a_redelivered_batch_once(fresh_db: Database) -> None:
     eval_id, n = "ev-twice", 5
     _store_latencies(fresh_db, eval_id, np.full(n, 1.0))
     _store_latencies(fresh_db, eval_id, np.full(n, 1.0))
-    evaluation = {c: "" for c in ("evaluation_id", "job_id", "rerun_of", "model",
-                                  "model_version", "framework", "framework_version",
-                                  "agent_id", "host", "device", "scenario", "trace_level",
-                                  "status")}
+    evaluation = dict.fromkeys(
+        (
+            "evaluation_id",
+            "job_id",
+            "rerun_of",
+            "model",
+            "model_version",
+            "framework",
+            "framework_version",
+            "agent_id",
+            "host",
+            "device",
+            "scenario",
+            "trace_level",
+            "status",
+        ),
+        "",
+    )
     evaluation.update(evaluation_id=eval_id, device="cpu", spec="{}", summary="{}")
     names = [*evaluation, "valid", "t0_ns", "clock_offset_ns"]
     values = [[v] for v in evaluation.values()] + [[1], [0], [0]]
     for _ in range(2):
         fresh_db.insert("evaluations", values, names)
     spans: dict[str, list[Any]] = {
-        "evaluation_id": [eval_id] * n, "agent_id": ["a1"] * n,
-        "span_id": list(range(1, n + 1)), "parent_id": [0] * n, "query_index": list(range(n)),
-        "level": [1] * n, "kind": ["query"] * n, "name": ["query"] * n,
-        "start_ns": list(range(n)), "end_ns": list(range(1, n + 1)), "host": ["h"] * n,
-        "attrs": [""] * n, "batch_id": ["sb-1"] * n}
+        "evaluation_id": [eval_id] * n,
+        "agent_id": ["a1"] * n,
+        "span_id": list(range(1, n + 1)),
+        "parent_id": [0] * n,
+        "query_index": list(range(n)),
+        "level": [1] * n,
+        "kind": ["query"] * n,
+        "name": ["query"] * n,
+        "start_ns": list(range(n)),
+        "end_ns": list(range(1, n + 1)),
+        "host": ["h"] * n,
+        "attrs": [""] * n,
+        "batch_id": ["sb-1"] * n,
+    }
     samples: dict[str, list[Any]] = {
-        "evaluation_id": [eval_id] * n, "agent_id": ["a1"] * n, "host": ["h"] * n,
-        "ts_ns": list(range(n)), "metric": ["cpu.util"] * n, "device": [""] * n,
-        "value": [50.0] * n, "batch_id": ["sm-1"] * n}
+        "evaluation_id": [eval_id] * n,
+        "agent_id": ["a1"] * n,
+        "host": ["h"] * n,
+        "ts_ns": list(range(n)),
+        "metric": ["cpu.util"] * n,
+        "device": [""] * n,
+        "value": [50.0] * n,
+        "batch_id": ["sm-1"] * n,
+    }
     for _ in range(2):
         fresh_db.insert("spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS)
         fresh_db.insert("system_samples", [samples[c] for c in SAMPLE_COLUMNS], SAMPLE_COLUMNS)
     for table in ("evaluations", "queries", "spans", "system_samples"):  # really twice
-        raw = fresh_db.rows(f"SELECT count() FROM {table} WHERE evaluation_id = {{e:String}}",
-                            {"e": eval_id})[0][0]
+        raw = fresh_db.rows(
+            f"SELECT count() FROM {table} WHERE evaluation_id = {{e:String}}", {"e": eval_id}
+        )[0][0]
         assert raw == (2 if table == "evaluations" else 2 * n), table
     src = DirectSource(fresh_db)
     assert len(evaluations(src, [eval_id])) == 1
@@ -185,8 +234,9 @@ def test_bus_and_direct_sources_agree(analysis_runs: AnalysisRuns) -> None:
     ids = list(analysis_runs.online)
     q1, q2 = queries(bus, ids), queries(small, ids)
     assert len(q1) == len(q2) > 100
-    pd.testing.assert_frame_equal(q1.reset_index(drop=True), q2.reset_index(drop=True),
-                                  check_dtype=False)
+    pd.testing.assert_frame_equal(
+        q1.reset_index(drop=True), q2.reset_index(drop=True), check_dtype=False
+    )
     assert table_exists(bus, "queries") and not table_exists(bus, "no_such_table")
     with pytest.raises(DatabaseError):
         evaluations(bus, ["ev-does-not-exist"])
@@ -232,7 +282,8 @@ def test_throughput_figures(analysis_runs: AnalysisRuns) -> None:
     system = summ["system"].iloc[0]
     cost = figures.across_systems(summ, "digits_cnn", {system: 3.6})
     assert cost["cost_per_million"].iloc[0] == pytest.approx(
-        3.6 / (best["max_throughput_ips"].iloc[0] * 3600) * 1e6)
+        3.6 / (best["max_throughput_ips"].iloc[0] * 3600) * 1e6
+    )
 
 
 def test_latency_windows(analysis_runs: AnalysisRuns) -> None:

@@ -82,8 +82,11 @@ def test_checksum_mismatch_deletes_the_download(tmp_path: Path, server: _Server)
     with pytest.raises(ChecksumMismatch) as info:
         store.download(f"{server.url}/models/net.onnx", "ab" * 32)
     assert SHA in str(info.value) and "models/net.onnx" in str(info.value)
-    leftovers = [p for p in (tmp_path / "data" / "artifacts").rglob("*") if p.is_file()
-                 and not p.name.endswith(".lock")]
+    leftovers = [
+        p
+        for p in (tmp_path / "data" / "artifacts").rglob("*")
+        if p.is_file() and not p.name.endswith(".lock")
+    ]
     assert leftovers == []
 
 
@@ -197,8 +200,9 @@ def test_catalog_entry_downloads_http_assets(tmp_path: Path, server: _Server) ->
     assert entry.graph(zoo) == path and server.hits["/models/net.onnx"] == 1
 
 
-def test_checksum_mismatch_names_the_manifest_file_and_field(tmp_path: Path,
-                                                             server: _Server) -> None:
+def test_checksum_mismatch_names_the_manifest_file_and_field(
+    tmp_path: Path, server: _Server
+) -> None:
     wrong = "a" * 64
     path = _manifest(tmp_path / "manifests", f"{server.url}/models", wrong)
     with pytest.raises(ChecksumMismatch) as info:
@@ -216,8 +220,7 @@ def test_unreachable_url_names_the_manifest_file_and_field(tmp_path: Path) -> No
     path = _manifest(tmp_path / "manifests", f"http://127.0.0.1:{port}/models", SHA)
     entry = Catalog.load([path.parent]).find("net")
     with pytest.raises(ArtifactError) as info:
-        entry.graph(tmp_path / "data" / "zoo", store=ArtifactStore(tmp_path / "data",
-                                                                    timeout_s=5))
+        entry.graph(tmp_path / "data" / "zoo", store=ArtifactStore(tmp_path / "data", timeout_s=5))
     message = str(info.value)
     assert str(path) in message and "field 'assets.graph_path'" in message
     assert f"127.0.0.1:{port}" in message

@@ -60,9 +60,13 @@ class Probe:
             if "permissions violation" in str(exc).lower():
                 self.violations.append(str(exc))
 
-        self.nc = await nats.connect(self.url, nkeys_seed=str(self.creds), error_cb=on_error,
-                                     allow_reconnect=False,
-                                     inbox_prefix=inbox_prefix_for(self.creds) or "_INBOX")
+        self.nc = await nats.connect(
+            self.url,
+            nkeys_seed=str(self.creds),
+            error_cb=on_error,
+            allow_reconnect=False,
+            inbox_prefix=inbox_prefix_for(self.creds) or "_INBOX",
+        )
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -109,16 +113,19 @@ def test_each_role_hears_only_its_own_replies(secured: NatsServer, auth_dir: Pat
     anyio.run(main, backend="asyncio")
 
 
-def test_responders_may_only_answer_what_they_were_asked(secured: NatsServer,
-                                                         auth_dir: Path) -> None:
+def test_responders_may_only_answer_what_they_were_asked(
+    secured: NatsServer, auth_dir: Path
+) -> None:
     """The load generator's pattern: many queries with one reply subject, answered
     after they overlap. Every reply arrives; a reply subject never delivered is not
     writable."""
     shared = f"{INBOX_PREFIXES['server']}.lg-probe"
 
     async def main() -> None:
-        async with Probe(secured.url, auth_dir / "server.creds") as server, \
-                Probe(secured.url, auth_dir / "agent.creds") as agent:
+        async with (
+            Probe(secured.url, auth_dir / "server.creds") as server,
+            Probe(secured.url, auth_dir / "agent.creds") as agent,
+        ):
             asked: list[nats.aio.msg.Msg] = []
 
             async def held(msg: nats.aio.msg.Msg) -> None:
@@ -153,8 +160,9 @@ def test_reply_grant_outlives_the_longest_request() -> None:
 
 
 async def _jobs_in_stream(url: str, auth: Path) -> int:
-    async with busmod.connect(Settings(nats_url=url, nats_creds=auth / "server.creds"),
-                              name="test") as bus:
+    async with busmod.connect(
+        Settings(nats_url=url, nats_creds=auth / "server.creds"), name="test"
+    ) as bus:
         return (await bus.js.stream_info(names.JOBS_STREAM)).state.messages
 
 
@@ -168,8 +176,9 @@ def test_auth_init_writes_one_seed_per_role(auth_dir: Path) -> None:
 
 def test_no_credentials_no_connection(secured: NatsServer) -> None:
     async def main() -> None:
-        nc = await nats.connect(secured.url, allow_reconnect=False, connect_timeout=2,
-                                max_reconnect_attempts=0)
+        nc = await nats.connect(
+            secured.url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0
+        )
         await nc.close()
 
     with pytest.raises(nats.errors.Error, match=r"(?i)authori"):
@@ -195,10 +204,15 @@ def test_each_role_is_denied_what_it_must_not_do(secured: NatsServer, auth_dir: 
             assert not await edge.denied_publish(f"$KV.{names.AGENTS_BUCKET}.edge-7", b"{}")
             assert not await edge.denied_subscribe(names.agent_query("edge-7"))
         async with Probe(url, auth_dir / "reader.creds") as reader:
-            for subject in (names.JOBS_SUBJECT, names.traces("ev-1"),
-                            f"$KV.{names.AGENTS_BUCKET}.x", names.agent_query("a"),
-                            names.capability("noop", "noop"), names.job_events("j"),
-                            f"$JS.API.STREAM.DELETE.{names.JOBS_STREAM}"):
+            for subject in (
+                names.JOBS_SUBJECT,
+                names.traces("ev-1"),
+                f"$KV.{names.AGENTS_BUCKET}.x",
+                names.agent_query("a"),
+                names.capability("noop", "noop"),
+                names.job_events("j"),
+                f"$JS.API.STREAM.DELETE.{names.JOBS_STREAM}",
+            ):
                 assert await reader.denied_publish(subject), subject
         async with Probe(url, auth_dir / "agent.creds") as agent:
             assert await agent.denied_publish(names.JOBS_SUBJECT, job)
@@ -231,17 +245,26 @@ async def _keys(bus: busmod.Bus):  # type: ignore[no-untyped-def]
         yield key
 
 
-def test_stack_runs_an_evaluation_under_role_credentials(tmp_path: Path, auth_dir: Path,
-                                                         zoo_dir: Path) -> None:
+def test_stack_runs_an_evaluation_under_role_credentials(
+    tmp_path: Path, auth_dir: Path, zoo_dir: Path
+) -> None:
     data = make_data_dir(tmp_path / "data", zoo_dir)
     stack = Stack(Settings(data_dir=data), nats_port=0, frameworks=["noop"], auth=auth_dir)
     client = stack.start()
     try:
         assert client.nats_creds == (auth_dir / "submitter.creds").resolve()
         anyio.run(wait_agents, client, 1)
-        summary = anyio.run(lambda: submit(client, JobRequest(
-            model="noop", framework="noop",
-            scenario=ScenarioSpec(name="online", qps=50, duration_s=1))), backend="asyncio")
+        summary = anyio.run(
+            lambda: submit(
+                client,
+                JobRequest(
+                    model="noop",
+                    framework="noop",
+                    scenario=ScenarioSpec(name="online", qps=50, duration_s=1),
+                ),
+            ),
+            backend="asyncio",
+        )
         assert summary.status == "completed" and summary.errors == 0 and summary.queries >= 40
 
         async def read_back() -> dict[str, object]:
@@ -256,13 +279,16 @@ def test_stack_runs_an_evaluation_under_role_credentials(tmp_path: Path, auth_di
         stack.stop()
 
 
-def test_settings_carry_credentials_tls_cluster_and_domain(tmp_path: Path,
-                                                           auth_dir: Path) -> None:
+def test_settings_carry_credentials_tls_cluster_and_domain(tmp_path: Path, auth_dir: Path) -> None:
     jwt = tmp_path / "user.creds"
     jwt.write_text("-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n")
-    env = {"MLSCOPE_NATS_URL": "nats://a:4222, nats://b:4222,nats://c:4222",
-           "MLSCOPE_NATS_CREDS": str(auth_dir / "agent.creds"), "MLSCOPE_JS_REPLICAS": "3",
-           "MLSCOPE_JS_DOMAIN": "hub", "MLSCOPE_NATS_TLS_CA": str(tmp_path / "ca.pem")}
+    env = {
+        "MLSCOPE_NATS_URL": "nats://a:4222, nats://b:4222,nats://c:4222",
+        "MLSCOPE_NATS_CREDS": str(auth_dir / "agent.creds"),
+        "MLSCOPE_JS_REPLICAS": "3",
+        "MLSCOPE_JS_DOMAIN": "hub",
+        "MLSCOPE_NATS_TLS_CA": str(tmp_path / "ca.pem"),
+    }
     s = Settings.from_env(env)
     assert s.nats_servers == ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
     assert (s.js_replicas, s.js_domain) == (3, "hub")

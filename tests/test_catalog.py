@@ -37,10 +37,15 @@ def test_zoo_models_on_every_framework() -> None:
     for name in ("digits_cnn", "mnist_lenet", "efficientnet_lite0"):
         fws = {e.manifest.framework.name for e in cat.entries if e.manifest.name == name}
         assert fws == {"onnxruntime", "pytorch", "tensorflow", "tflite"}, name
-    assert {e.manifest.framework.name for e in cat.entries
-            if e.manifest.name == "silero_vad"} == {"onnxruntime", "pytorch"}
-    assert {e.manifest.framework.name for e in cat.entries
-            if e.manifest.name == "basic_pitch"} == {"onnxruntime", "tflite", "tensorflow"}
+    assert {e.manifest.framework.name for e in cat.entries if e.manifest.name == "silero_vad"} == {
+        "onnxruntime",
+        "pytorch",
+    }
+    assert {e.manifest.framework.name for e in cat.entries if e.manifest.name == "basic_pitch"} == {
+        "onnxruntime",
+        "tflite",
+        "tensorflow",
+    }
     light = [e for e in cat.entries if e.manifest.name.startswith("light_")]
     assert len(light) == 9 and all(e.manifest.latency_only for e in light)
     assert cat.find("mp_face_detection").manifest.dataset is not None
@@ -106,16 +111,28 @@ def test_registry_round_trip_is_untrusted(tmp_path: Path) -> None:
                 local = cat.find("digits_cnn", framework="onnxruntime").manifest
                 assert by_key[local.key].model_dump() == local.model_dump()
                 # a custom step in a manifest from the bus never compiles
-                evil = local.model_copy(update={"name": "evil", "inputs": (
-                    local.inputs[0].model_copy(update={"steps": (
-                        {"python": {"module": "os", "function": "system"}},)}),)})
+                evil = local.model_copy(
+                    update={
+                        "name": "evil",
+                        "inputs": (
+                            local.inputs[0].model_copy(
+                                update={
+                                    "steps": ({"python": {"module": "os", "function": "system"}},)
+                                }
+                            ),
+                        ),
+                    }
+                )
                 await publish_manifest(bus, evil)
                 entries = {e.manifest.name: e for e in await load_remote_entries(bus)}
                 got = entries["evil"]
                 assert not got.trusted and not got.manifest.trusted
                 with pytest.raises(ManifestError, match="not trusted"):
-                    compile_steps(got.manifest.inputs[0].steps,
-                                  trusted=got.manifest.trusted, allow_custom=True)
+                    compile_steps(
+                        got.manifest.inputs[0].steps,
+                        trusted=got.manifest.trusted,
+                        allow_custom=True,
+                    )
                 merged = cat.merged(entries.values())
                 assert merged.find("evil").trusted is False
                 assert merged.find("digits_cnn", framework="onnxruntime").trusted
@@ -149,12 +166,21 @@ def digits_agent(catalog: Catalog, *, heartbeat_at: float = 0.0) -> AgentDescrip
     """An onnxruntime 1.31.1 agent serving digits_cnn, as the registry holds it."""
     m = catalog.find("digits_cnn", framework="onnxruntime").manifest
     return AgentDescription(
-        agent_id="a1", host="h", arch="x86_64", os="linux", cpu_model="cpu", cpu_cores=2,
+        agent_id="a1",
+        host="h",
+        arch="x86_64",
+        os="linux",
+        cpu_model="cpu",
+        cpu_cores=2,
         memory_bytes=1 << 30,
         frameworks=(FrameworkInfo(name="onnxruntime", version="1.31.1"),),
         models=(ModelOffer(name=m.name, version=m.version, framework="onnxruntime"),),
-        pid=1, mlscope_version="0", started_at=0.0, heartbeat_at=heartbeat_at,
-        heartbeat_s=1.0)
+        pid=1,
+        mlscope_version="0",
+        started_at=0.0,
+        heartbeat_at=heartbeat_at,
+        heartbeat_s=1.0,
+    )
 
 
 def test_a_job_waits_only_for_an_agent_seen_moments_ago() -> None:
@@ -184,15 +210,19 @@ def test_a_pinned_manifest_that_changed_is_refused() -> None:
     catalog = Catalog.load([MANIFESTS])
     m = catalog.find("digits_cnn", framework="onnxruntime").manifest
     agent = digits_agent(catalog)
-    stored = {"job": JobRequest(model="digits_cnn", framework="onnxruntime").dump(),
-              "manifest": m.model_dump(mode="json"), "agent": agent.dump()}
+    stored = {
+        "job": JobRequest(model="digits_cnn", framework="onnxruntime").dump(),
+        "manifest": m.model_dump(mode="json"),
+        "agent": agent.dump(),
+    }
     job = rerun_job(stored, "ev-first")
     assert job.manifest_sha256 == m.digest == manifest_digest(stored["manifest"])
     assert job.framework_version == "==1.31.1" and job.rerun_of == "ev-first"
     assert resolve(job, [agent], catalog)[1].manifest == m  # unchanged: resolves
 
-    other = JobRequest(model="digits_cnn", framework="onnxruntime",
-                       manifest_sha256="0" * 64, rerun_of="ev-first")
+    other = JobRequest(
+        model="digits_cnn", framework="onnxruntime", manifest_sha256="0" * 64, rerun_of="ev-first"
+    )
     with pytest.raises(ResolutionError, match="changed since ev-first"):
         resolve(other, [agent], catalog)
     newer = job.model_copy(update={"framework_version": "==1.32.0"})

@@ -31,9 +31,15 @@ def cluster(tmp_path: Path) -> Iterator[list[NatsServer]]:
     nodes = []
     for i in range(3):
         conf = tmp_path / f"n{i}.conf"
-        conf.write_text(cluster_config(
-            name="mlscope", node=f"n{i}", cluster_port=ports[i], host="127.0.0.1",
-            routes=[f"nats-route://127.0.0.1:{p}" for j, p in enumerate(ports) if j != i]))
+        conf.write_text(
+            cluster_config(
+                name="mlscope",
+                node=f"n{i}",
+                cluster_port=ports[i],
+                host="127.0.0.1",
+                routes=[f"nats-route://127.0.0.1:{p}" for j, p in enumerate(ports) if j != i],
+            )
+        )
         nodes.append(NatsServer(store_dir=tmp_path / f"n{i}", config_file=conf))
     try:
         for node in nodes:
@@ -91,18 +97,19 @@ async def lead_from(settings: Settings, node: str, tries: int = 40) -> None:
                 if info.cluster is not None and info.cluster.leader == node:
                     break
                 with contextlib.suppress(nats.errors.Error):  # mid-election: ask again
-                    await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"",
-                                         timeout=5)
+                    await bus.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=5)
                 await anyio.sleep(0.5)
             else:
                 raise AssertionError(f"{node} did not become the leader of {stream}")
 
 
-def test_a_killed_node_loses_no_job_result_or_span(cluster: list[NatsServer], tmp_path: Path,
-                                                   zoo_dir: Path) -> None:
+def test_a_killed_node_loses_no_job_result_or_span(
+    cluster: list[NatsServer], tmp_path: Path, zoo_dir: Path
+) -> None:
     url = ",".join(n.url for n in cluster)
-    settings = Settings(nats_url=url, js_replicas=3,
-                        data_dir=make_data_dir(tmp_path / "data", zoo_dir))
+    settings = Settings(
+        nats_url=url, js_replicas=3, data_dir=make_data_dir(tmp_path / "data", zoo_dir)
+    )
     anyio.run(provision, settings)
     # Node n0 leads the job and trace streams, so killing it forces their failover
     # (and any process connected to it reconnects to a survivor).
@@ -114,8 +121,12 @@ def test_a_killed_node_loses_no_job_result_or_span(cluster: list[NatsServer], tm
     try:
         anyio.run(wait_server, client)
         anyio.run(wait_agents, client, 1)
-        job = JobRequest(model="noop", framework="noop", trace_level="model",
-                         scenario=ScenarioSpec(name="online", qps=40, duration_s=10))
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            trace_level="model",
+            scenario=ScenarioSpec(name="online", qps=40, duration_s=10),
+        )
         killed: list[float] = []
 
         def on_event(e: JobEvent) -> None:
@@ -123,15 +134,25 @@ def test_a_killed_node_loses_no_job_result_or_span(cluster: list[NatsServer], tm
                 cluster[0].kill()
                 killed.append(time.time())
 
-        first = anyio.run(lambda: submit(client, job, on_event=on_event, timeout=150),
-                          backend="asyncio")
+        first = anyio.run(
+            lambda: submit(client, job, on_event=on_event, timeout=150), backend="asyncio"
+        )
         assert killed and first.status == "completed"
         moved = anyio.run(leaders, client)
         assert "n0" not in moved.values(), moved  # new leaders were elected
         # A job submitted after the loss runs too (the job stream kept its quorum).
-        second = anyio.run(lambda: submit(client, JobRequest(
-            model="noop", framework="noop", scenario=ScenarioSpec(
-                name="online", qps=40, duration_s=1)), timeout=120), backend="asyncio")
+        second = anyio.run(
+            lambda: submit(
+                client,
+                JobRequest(
+                    model="noop",
+                    framework="noop",
+                    scenario=ScenarioSpec(name="online", qps=40, duration_s=1),
+                ),
+                timeout=120,
+            ),
+            backend="asyncio",
+        )
         assert second.status == "completed" and second.errors == 0
 
         async def check(s: EvaluationSummary) -> None:
@@ -141,18 +162,28 @@ def test_a_killed_node_loses_no_job_result_or_span(cluster: list[NatsServer], tm
                 p = {"e": s.evaluation_id}
                 missing = -1
                 for _ in range(100):  # spans arrive through the R3 trace stream
-                    _, rows = await remote.sql(bus, (
-                        "SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String} "
-                        "AND ok = 1 AND query_index NOT IN (SELECT query_index FROM spans "
-                        "FINAL WHERE evaluation_id = {e:String} AND kind = 'query')"), p)
+                    _, rows = await remote.sql(
+                        bus,
+                        (
+                            "SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String} "
+                            "AND ok = 1 AND query_index NOT IN (SELECT query_index FROM spans "
+                            "FINAL WHERE evaluation_id = {e:String} AND kind = 'query')"
+                        ),
+                        p,
+                    )
                     missing = int(rows[0][0])
                     if missing == 0:
                         break
                     await anyio.sleep(0.2)
                 assert missing == 0  # every answered query has its spans
-                _, rows = await remote.sql(bus, (
-                    "SELECT count(), countIf(kind = 'query') FROM spans FINAL "
-                    "WHERE evaluation_id = {e:String}"), p)
+                _, rows = await remote.sql(
+                    bus,
+                    (
+                        "SELECT count(), countIf(kind = 'query') FROM spans FINAL "
+                        "WHERE evaluation_id = {e:String}"
+                    ),
+                    p,
+                )
                 total, roots = int(rows[0][0]), int(rows[0][1])
                 assert roots >= s.queries - s.errors > 0 and total == 4 * roots
 

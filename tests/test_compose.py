@@ -128,12 +128,14 @@ def test_every_built_service_has_its_dockerfile() -> None:
     for name, svc in built.items():
         build = svc["build"]
         context = REPO / (build if isinstance(build, str) else build["context"])
-        dockerfile = context / ("Dockerfile" if isinstance(build, str)
-                                else build.get("dockerfile", "Dockerfile"))
+        dockerfile = context / (
+            "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        )
         assert dockerfile.is_file(), name
         assert svc["image"] == f"mlscope:{version}", name
-        first = next(line for line in dockerfile.read_text().splitlines()
-                     if line.startswith("FROM "))
+        first = next(
+            line for line in dockerfile.read_text().splitlines() if line.startswith("FROM ")
+        )
         assert first == "FROM python:3.11-slim", name  # what IMAGE_TOOLS["mlscope"] says
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".git", ".venv"} <= set(ignored)
@@ -158,9 +160,11 @@ def test_health_checks_use_tools_their_image_has() -> None:
         assert check_runs_in_its_image(svc), (name, svc["image"], health_tool(svc))
     # what compose.yaml used to say: wget in the scratch nats image
     assert not check_runs_in_its_image(
-        {"image": "nats:2.10", "healthcheck": {"test": ["CMD", "wget", "-qO-", "x"]}})
+        {"image": "nats:2.10", "healthcheck": {"test": ["CMD", "wget", "-qO-", "x"]}}
+    )
     assert check_runs_in_its_image(
-        {"image": "nats:2.10-alpine", "healthcheck": {"test": ["CMD", "wget", "-qO-", "x"]}})
+        {"image": "nats:2.10-alpine", "healthcheck": {"test": ["CMD", "wget", "-qO-", "x"]}}
+    )
 
 
 def node_config(cmd: list[str]) -> dict[str, Any]:
@@ -170,24 +174,39 @@ def node_config(cmd: list[str]) -> dict[str, Any]:
     args = iter(cmd[1:])
     for arg in args:
         flags[arg] = "" if arg == "-js" else next(args)
-    assert set(flags) == {"--name", "--cluster_name", "-js", "-sd", "--cluster",
-                          "--http_port", "--routes"}, flags
-    return {"server_name": flags["--name"], "jetstream": {},
-            "cluster": {"name": flags["--cluster_name"],
-                        "listen": flags["--cluster"].removeprefix("nats://"),
-                        "routes": flags["--routes"].split(",")},
-            "http_port": int(flags["--http_port"])}
+    assert set(flags) == {
+        "--name",
+        "--cluster_name",
+        "-js",
+        "-sd",
+        "--cluster",
+        "--http_port",
+        "--routes",
+    }, flags
+    return {
+        "server_name": flags["--name"],
+        "jetstream": {},
+        "cluster": {
+            "name": flags["--cluster_name"],
+            "listen": flags["--cluster"].removeprefix("nats://"),
+            "routes": flags["--routes"].split(","),
+        },
+        "http_port": int(flags["--http_port"]),
+    }
 
 
 def test_nats_nodes_are_the_nodes_of_cluster_config() -> None:
     for name in NATS:
         cmd = SERVICES[name]["command"]
         peers = [f"nats://{peer}:6222" for peer in NATS if peer != name]
-        text = cluster_config(name="mlscope", node=name, cluster_port=6222, routes=peers,
-                              monitor_port=8222)
-        expected = json.loads("\n".join(line for line in text.splitlines()
-                                        if not line.startswith("#")))
+        text = cluster_config(
+            name="mlscope", node=name, cluster_port=6222, routes=peers, monitor_port=8222
+        )
+        expected = json.loads(
+            "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+        )
         assert node_config(cmd) == expected, name
         # the health check asks the monitoring port this node opens
         assert f":{expected['http_port']}/healthz" in " ".join(
-            SERVICES[name]["healthcheck"]["test"])
+            SERVICES[name]["healthcheck"]["test"]
+        )

@@ -41,8 +41,13 @@ def test_contract_messages_round_trip() -> None:
     assert back.index == 7 and back.inputs.shape == (2, 8, 8)
     r = QueryReply(index=1, ok=True, outputs=np.array([[3, 1]], np.int32), t_received=5)
     assert codec.decode_model(QueryReply, codec.encode_model(r)).outputs.tolist() == [[3, 1]]
-    q = Query(evaluation_id="ev", index=8, inputs=np.ones((2, 576), np.float32), labels=True,
-              more_inputs=(np.zeros((2, 2, 128), np.float32), np.array(16000, np.int64)))
+    q = Query(
+        evaluation_id="ev",
+        index=8,
+        inputs=np.ones((2, 576), np.float32),
+        labels=True,
+        more_inputs=(np.zeros((2, 2, 128), np.float32), np.array(16000, np.int64)),
+    )
     back = codec.decode_model(Query, codec.encode_model(q))
     assert back.labels and [m.shape for m in back.more_inputs] == [(2, 2, 128), ()]
     job = JobRequest(model="m", framework="onnxruntime")
@@ -83,15 +88,18 @@ def test_subject_tokens_cannot_inject_wildcards() -> None:
     assert names.token("") == "_"
 
 
-@pytest.mark.parametrize(("version", "constraint", "ok"), [
-    ("1.31.1", ">=1.12.0 <2.0", True),
-    ("1.31.1", ">=1.12,<2", True),
-    ("2.0.0", ">=1.12.0 <2.0", False),
-    ("2.13.0+cpu", ">=2.13", True),
-    ("1.0.0", "1.0.0", True),
-    ("1.0.1", "1.0.0", False),
-    ("9.9", None, True),
-])
+@pytest.mark.parametrize(
+    ("version", "constraint", "ok"),
+    [
+        ("1.31.1", ">=1.12.0 <2.0", True),
+        ("1.31.1", ">=1.12,<2", True),
+        ("2.0.0", ">=1.12.0 <2.0", False),
+        ("2.13.0+cpu", ">=2.13", True),
+        ("1.0.0", "1.0.0", True),
+        ("1.0.1", "1.0.0", False),
+        ("9.9", None, True),
+    ],
+)
 def test_version_constraints(version: str, constraint: str | None, ok: bool) -> None:
     assert satisfies(version, constraint) is ok
 
@@ -102,8 +110,9 @@ def test_bad_constraint_is_rejected() -> None:
 
 
 def test_errors_survive_the_wire_with_type_and_fields() -> None:
-    exc = InputMismatchError("bad shape", model="m", framework="onnxruntime",
-                             expected=[1, 8, 8], actual=[3])
+    exc = InputMismatchError(
+        "bad shape", model="m", framework="onnxruntime", expected=[1, 8, 8], actual=[3]
+    )
     back = error_from_wire(codec.decode(codec.encode(exc.to_wire())))
     assert isinstance(back, InputMismatchError) and isinstance(back, ValueError)
     assert back.fields["expected"] == [1, 8, 8] and str(back) == "bad shape"

@@ -135,8 +135,13 @@ def dashboard_url(env: AnalysisRuns, tmp_path: Path) -> Iterator[str]:
 
     port = _free_port()
     log = (tmp_path / "streamlit.log").open("wb")
-    proc = subprocess.Popen(command(port), env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        command(port),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -157,14 +162,17 @@ def dashboard_url(env: AnalysisRuns, tmp_path: Path) -> Iterator[str]:
 
 
 # Rendered: tables present and the script no longer running.
-READY = ("document.querySelectorAll('[data-testid=stDataFrame]').length > 0 && "
-         "!document.querySelector('[data-testid=stStatusWidgetRunningIcon]') && "
-         "document.querySelectorAll('[data-testid=stImage], [data-testid=stImageContainer], "
-         "img').length > 0")
+READY = (
+    "document.querySelectorAll('[data-testid=stDataFrame]').length > 0 && "
+    "!document.querySelector('[data-testid=stStatusWidgetRunningIcon]') && "
+    "document.querySelectorAll('[data-testid=stImage], [data-testid=stImageContainer], "
+    "img').length > 0"
+)
 
 
-def test_dashboard_in_headless_chromium(dashboard_url: str, env: AnalysisRuns,
-                                        tmp_path: Path) -> None:
+def test_dashboard_in_headless_chromium(
+    dashboard_url: str, env: AnalysisRuns, tmp_path: Path
+) -> None:
     if chromium.executable() is None:
         pytest.fail("chromium is not installed: run `make install` (as root it installs it)")
     shot = Path(os.environ.get("MLSCOPE_SCREENSHOT_DIR", tmp_path)) / "dashboard.png"

@@ -27,24 +27,38 @@ def db(tmp_path: Path) -> Iterator[Database]:
 
 
 def tables(db: Database) -> set[str]:
-    return {r[0] for r in db.rows("SELECT name FROM system.tables "
-                                  "WHERE database = currentDatabase()")}
+    return {
+        r[0] for r in db.rows("SELECT name FROM system.tables WHERE database = currentDatabase()")
+    }
 
 
 def versions(db: Database) -> list[tuple[int, str]]:
     """Every recorded migration row, duplicates included (no FINAL)."""
-    return [(int(v), str(n)) for v, n in
-            db.rows("SELECT version, name FROM schema_migrations ORDER BY version")]
+    return [
+        (int(v), str(n))
+        for v, n in db.rows("SELECT version, name FROM schema_migrations ORDER BY version")
+    ]
 
 
 def create_query(db: Database, table: str) -> str:
-    return str(db.rows("SELECT create_table_query FROM system.tables WHERE database = "
-                       "currentDatabase() AND name = {t:String}", {"t": table})[0][0])
+    return str(
+        db.rows(
+            "SELECT create_table_query FROM system.tables WHERE database = "
+            "currentDatabase() AND name = {t:String}",
+            {"t": table},
+        )[0][0]
+    )
 
 
 def columns(db: Database, table: str) -> set[str]:
-    return {r[0] for r in db.rows("SELECT name FROM system.columns WHERE database = "
-                                  "currentDatabase() AND table = {t:String}", {"t": table})}
+    return {
+        r[0]
+        for r in db.rows(
+            "SELECT name FROM system.columns WHERE database = "
+            "currentDatabase() AND table = {t:String}",
+            {"t": table},
+        )
+    }
 
 
 def test_migrating_twice_is_idempotent_and_recorded(db: Database) -> None:
@@ -64,7 +78,8 @@ def test_migrations_are_numbered_in_order() -> None:
 
 
 def test_a_database_at_version_1_upgrades_to_the_latest(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = f"chdb:///{tmp_path / 'chdb'}"
     old = Database(path)
     try:
@@ -75,8 +90,11 @@ def test_a_database_at_version_1_upgrades_to_the_latest(
         assert tables(old) >= {"evaluations", "queries", "spans"}
         assert not tables(old) & {"system_samples", "agent_history", "outputs"}
         assert "ingested_at" not in columns(old, "spans")
-        old.insert("spans", [["ev-old"], ["a1"], [7], ["predict"]],
-                   ("evaluation_id", "agent_id", "span_id", "name"))
+        old.insert(
+            "spans",
+            [["ev-old"], ["a1"], [7], ["predict"]],
+            ("evaluation_id", "agent_id", "span_id", "name"),
+        )
     finally:
         old.close()
     new = Database(path)  # the server restarts on the new code
@@ -88,8 +106,10 @@ def test_a_database_at_version_1_upgrades_to_the_latest(
         spans = create_query(new, "spans")
         assert "INDEX kind_idx" in spans and "INDEX query_idx" in spans
         # Rows written before the upgrade are still there, the new column filled in.
-        rows = new.rows("SELECT span_id, name, ingested_at > toDateTime(0) FROM spans FINAL "
-                        "WHERE evaluation_id = 'ev-old'")
+        rows = new.rows(
+            "SELECT span_id, name, ingested_at > toDateTime(0) FROM spans FINAL "
+            "WHERE evaluation_id = 'ev-old'"
+        )
         assert rows == [(7, "predict", 1)]
     finally:
         new.close()
@@ -135,14 +155,19 @@ def test_retention_expires_old_traces_and_keeps_old_results(db: Database) -> Non
     for when in (old, now):
         at = f"toDateTime('{when}')" if when == old else now
         key = "old" if when == old else "new"
-        db.command(f"INSERT INTO spans (evaluation_id, agent_id, span_id, ingested_at) "
-                   f"VALUES ('ev-{key}', 'a1', 1, {at})")
-        db.command(f"INSERT INTO system_samples (evaluation_id, agent_id, metric, ts_ns, "
-                   f"ingested_at) VALUES ('ev-{key}', 'a1', 'cpu.util', 1, {at})")
-        db.command(f"INSERT INTO agent_history (agent_id, revision, at, event) "
-                   f"VALUES ('agent-{key}', 1, {at}, 'registered')")
-        db.command(f"INSERT INTO evaluations (evaluation_id, created_at) "
-                   f"VALUES ('ev-{key}', {at})")
+        db.command(
+            f"INSERT INTO spans (evaluation_id, agent_id, span_id, ingested_at) "
+            f"VALUES ('ev-{key}', 'a1', 1, {at})"
+        )
+        db.command(
+            f"INSERT INTO system_samples (evaluation_id, agent_id, metric, ts_ns, "
+            f"ingested_at) VALUES ('ev-{key}', 'a1', 'cpu.util', 1, {at})"
+        )
+        db.command(
+            f"INSERT INTO agent_history (agent_id, revision, at, event) "
+            f"VALUES ('agent-{key}', 1, {at}, 'registered')"
+        )
+        db.command(f"INSERT INTO evaluations (evaluation_id, created_at) VALUES ('ev-{key}', {at})")
         db.command(f"INSERT INTO queries (evaluation_id, query_index) VALUES ('ev-{key}', 0)")
     db.set_retention(30)
     for table in ("spans", "system_samples", "agent_history", "evaluations", "queries"):
@@ -151,6 +176,7 @@ def test_retention_expires_old_traces_and_keeps_old_results(db: Database) -> Non
     assert db.rows("SELECT evaluation_id FROM system_samples FINAL") == [("ev-new",)]
     assert db.rows("SELECT agent_id FROM agent_history FINAL") == [("agent-new",)]
     assert sorted(db.rows("SELECT evaluation_id FROM evaluations FINAL")) == [
-        ("ev-new",), ("ev-old",)]
-    assert sorted(db.rows("SELECT evaluation_id FROM queries FINAL")) == [
-        ("ev-new",), ("ev-old",)]
+        ("ev-new",),
+        ("ev-old",),
+    ]
+    assert sorted(db.rows("SELECT evaluation_id FROM queries FINAL")) == [("ev-new",), ("ev-old",)]

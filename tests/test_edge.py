@@ -31,8 +31,9 @@ async def leaf_spans(leaf_url: str, eval_id: str) -> int:
     """Spans of one evaluation buffered in the leaf's own stream."""
     total = 0
     async with busmod.connect(Settings(nats_url=leaf_url), name="test-leaf") as bus:
-        sub = await bus.js.subscribe(names.traces(eval_id), stream=busmod.EDGE_TRACES_STREAM,
-                                     ordered_consumer=True)
+        sub = await bus.js.subscribe(
+            names.traces(eval_id), stream=busmod.EDGE_TRACES_STREAM, ordered_consumer=True
+        )
         pending = (await bus.js.stream_info(busmod.EDGE_TRACES_STREAM)).state.messages
         for _ in range(pending):
             try:
@@ -44,8 +45,9 @@ async def leaf_spans(leaf_url: str, eval_id: str) -> int:
 
 
 @contextmanager
-def edge_agent(server_settings: Settings, client: Settings, edge_settings: Settings,
-               leaf_url: str) -> Iterator[list[AgentDescription]]:
+def edge_agent(
+    server_settings: Settings, client: Settings, edge_settings: Settings, leaf_url: str
+) -> Iterator[list[AgentDescription]]:
     """The hub's server, the leaf's span buffer sourced by the hub, and the noop agent
     ``edge-1`` on the device; yields the registry once the hub sees the agent, and
     stops the agent and the server after."""
@@ -66,33 +68,55 @@ async def hub_spans(settings: Settings, eval_id: str, at_least: int) -> int:
     what there is after 30 s)."""
     async with busmod.connect(settings, name="test") as bus:
         for _ in range(150):
-            _, rows = await remote.sql(bus, "SELECT count() FROM spans FINAL WHERE "
-                                       "evaluation_id = {e:String}", {"e": eval_id})
+            _, rows = await remote.sql(
+                bus,
+                "SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}",
+                {"e": eval_id},
+            )
             if int(rows[0][0]) >= at_least:
                 break
             await anyio.sleep(0.2)
         return int(rows[0][0])
 
 
-def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path,
-                                                            zoo_dir: Path) -> None:
+def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path, zoo_dir: Path) -> None:
     leaf_port = free_port()
     (tmp_path / "hub.conf").write_text(hub_config(leaf_port=leaf_port, host="127.0.0.1"))
     link = CuttableLink(leaf_port)
     edge_dir = tmp_path / "edge"
-    assert mlscope_main(["edge", "init", "--hub", f"nats-leaf://127.0.0.1:{link.port}",
-                         "--out", str(edge_dir), "--domain", "e1", "--port", "0"]) == 0
+    assert (
+        mlscope_main(
+            [
+                "edge",
+                "init",
+                "--hub",
+                f"nats-leaf://127.0.0.1:{link.port}",
+                "--out",
+                str(edge_dir),
+                "--domain",
+                "e1",
+                "--port",
+                "0",
+            ]
+        )
+        == 0
+    )
     hub = NatsServer(store_dir=tmp_path / "hub", config_file=tmp_path / "hub.conf").start()
     leaf = NatsServer(store_dir=tmp_path / "leaf", config_file=edge_dir / "leaf.conf").start()
     hub_settings = Settings(nats_url=hub.url, data_dir=make_data_dir(tmp_path / "d", zoo_dir))
-    edge_settings = hub_settings.with_(nats_url=leaf.url, js_domain="hub",
-                                       data_dir=make_data_dir(tmp_path / "e", zoo_dir))
+    edge_settings = hub_settings.with_(
+        nats_url=leaf.url, js_domain="hub", data_dir=make_data_dir(tmp_path / "e", zoo_dir)
+    )
     try:
         with edge_agent(hub_settings, hub_settings, edge_settings, leaf.url) as agents:
             assert agents[0].agent_id == "edge-1" and agents[0].arch and agents[0].cpu_model
 
-            job = JobRequest(model="noop", framework="noop", trace_level="model",
-                             scenario=ScenarioSpec(name="online", qps=40, duration_s=18))
+            job = JobRequest(
+                model="noop",
+                framework="noop",
+                trace_level="model",
+                scenario=ScenarioSpec(name="online", qps=40, duration_s=18),
+            )
             seen: dict[str, str] = {}
             offline = {"sent": 0, "answered": 0}
 
@@ -110,11 +134,20 @@ def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path,
                     t_end = anyio.current_time() + CUT_S
                     i = 1_000_000
                     while anyio.current_time() < t_end:
-                        q = Query(evaluation_id=seen["eval"], index=i,
-                                  inputs=np.zeros((1, 16), np.float32), trace_level=1)
+                        q = Query(
+                            evaluation_id=seen["eval"],
+                            index=i,
+                            inputs=np.zeros((1, 16), np.float32),
+                            trace_level=1,
+                        )
                         offline["sent"] += 1
-                        reply = codec.decode((await bus.nc.request(
-                            names.agent_query("edge-1"), codec.encode_model(q), timeout=5)).data)
+                        reply = codec.decode(
+                            (
+                                await bus.nc.request(
+                                    names.agent_query("edge-1"), codec.encode_model(q), timeout=5
+                                )
+                            ).data
+                        )
                         offline["answered"] += reply.get("ok") is True
                         i += 1
                         await anyio.sleep(0.1)
@@ -145,8 +178,9 @@ async def _attach(settings: Settings) -> None:
         await busmod.attach_edge(bus, "e1")
 
 
-def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(tmp_path: Path,
-                                                                zoo_dir: Path) -> None:
+def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(
+    tmp_path: Path, zoo_dir: Path
+) -> None:
     """The hub has the users of ``mlscope auth init``; the leaf links with edge.creds.
 
     The agent on the device connects to its leaf without credentials, with the edge
@@ -155,37 +189,68 @@ def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(tmp_path: Path,
     permissions, and the hub logs no permission violation.
     """
     auth = tmp_path / "auth"
-    assert mlscope_main(["auth", "init", "--out", str(auth), "--edge-id", "edge-1",
-                         "--edge-domain", "e1"]) == 0
+    assert (
+        mlscope_main(
+            ["auth", "init", "--out", str(auth), "--edge-id", "edge-1", "--edge-domain", "e1"]
+        )
+        == 0
+    )
     leaf_port = free_port()
-    (tmp_path / "hub.conf").write_text(hub_config(leaf_port=leaf_port, host="127.0.0.1",
-                                                  include=auth / "server.conf"))
+    (tmp_path / "hub.conf").write_text(
+        hub_config(leaf_port=leaf_port, host="127.0.0.1", include=auth / "server.conf")
+    )
     edge_dir = tmp_path / "edge"
-    assert mlscope_main(["edge", "init", "--hub", f"nats-leaf://127.0.0.1:{leaf_port}",
-                         "--out", str(edge_dir), "--domain", "e1", "--port", "0",
-                         "--creds", str(auth / "edge.creds")]) == 0
+    assert (
+        mlscope_main(
+            [
+                "edge",
+                "init",
+                "--hub",
+                f"nats-leaf://127.0.0.1:{leaf_port}",
+                "--out",
+                str(edge_dir),
+                "--domain",
+                "e1",
+                "--port",
+                "0",
+                "--creds",
+                str(auth / "edge.creds"),
+            ]
+        )
+        == 0
+    )
     edge_env = read_env(edge_dir)
     assert edge_env["MLSCOPE_NATS_INBOX_PREFIX"] == INBOX_PREFIXES["edge"]
     hub_log = tmp_path / "hub.log"
-    hub = NatsServer(store_dir=tmp_path / "hub", config_file=tmp_path / "hub.conf",
-                     log_file=hub_log).start()
+    hub = NatsServer(
+        store_dir=tmp_path / "hub", config_file=tmp_path / "hub.conf", log_file=hub_log
+    ).start()
     leaf = NatsServer(store_dir=tmp_path / "leaf", config_file=edge_dir / "leaf.conf").start()
     data = make_data_dir(tmp_path / "d", zoo_dir)
     server_settings = Settings(nats_url=hub.url, data_dir=data, nats_creds=auth / "server.creds")
     client = server_settings.with_(nats_creds=auth / "submitter.creds")
-    edge_settings = Settings(nats_url=leaf.url, js_domain=edge_env["MLSCOPE_JS_DOMAIN"],
-                             nats_inbox_prefix=edge_env["MLSCOPE_NATS_INBOX_PREFIX"],
-                             data_dir=make_data_dir(tmp_path / "e", zoo_dir))
+    edge_settings = Settings(
+        nats_url=leaf.url,
+        js_domain=edge_env["MLSCOPE_JS_DOMAIN"],
+        nats_inbox_prefix=edge_env["MLSCOPE_NATS_INBOX_PREFIX"],
+        data_dir=make_data_dir(tmp_path / "e", zoo_dir),
+    )
     try:
         with edge_agent(server_settings, client, edge_settings, leaf.url):
-            job = JobRequest(model="noop", framework="noop", trace_level="model",
-                             scenario=ScenarioSpec(name="online", qps=40, duration_s=2))
+            job = JobRequest(
+                model="noop",
+                framework="noop",
+                trace_level="model",
+                scenario=ScenarioSpec(name="online", qps=40, duration_s=2),
+            )
             summary = anyio.run(lambda: submit(client, job, timeout=60), backend="asyncio")
             assert summary.status == "completed" and summary.errors == 0
             assert summary.queries >= 60
 
-            assert anyio.run(hub_spans, client, summary.evaluation_id,
-                             4 * summary.queries) >= 4 * summary.queries
+            assert (
+                anyio.run(hub_spans, client, summary.evaluation_id, 4 * summary.queries)
+                >= 4 * summary.queries
+            )
             assert "violation" not in hub_log.read_text().lower()
     finally:
         leaf.stop()

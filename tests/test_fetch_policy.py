@@ -30,18 +30,21 @@ BODY = b"model bytes " * 1000
 SHA = hashlib.sha256(BODY).hexdigest()
 
 
-@pytest.mark.parametrize(("url", "ok"), [
-    ("http://h:8000/models/a.onnx", True),
-    ("http://h:8000/models", True),
-    ("http://h:8000/modelsX/a.onnx", False),
-    ("http://h:8000/models/../secret", False),
-    ("http://h:8000/models/%2e%2e/secret", False),
-    ("http://user@h:8000/models/a", False),
-    ("http://h:8001/models/a", False),
-    ("https://h:8000/models/a", False),
-    ("http://other/models/a", False),
-    ("file:///models/a", False),
-])
+@pytest.mark.parametrize(
+    ("url", "ok"),
+    [
+        ("http://h:8000/models/a.onnx", True),
+        ("http://h:8000/models", True),
+        ("http://h:8000/modelsX/a.onnx", False),
+        ("http://h:8000/models/../secret", False),
+        ("http://h:8000/models/%2e%2e/secret", False),
+        ("http://user@h:8000/models/a", False),
+        ("http://h:8001/models/a", False),
+        ("https://h:8000/models/a", False),
+        ("http://other/models/a", False),
+        ("file:///models/a", False),
+    ],
+)
 def test_url_prefixes_compare_parsed_urls(url: str, ok: bool) -> None:
     policy = FetchPolicy(url_prefixes=("http://h:8000/models/",))
     if ok:
@@ -51,10 +54,12 @@ def test_url_prefixes_compare_parsed_urls(url: str, ok: bool) -> None:
             policy.check_url(url)
 
 
-@pytest.mark.parametrize("base_url", [None, "weights", "file:///etc", "pkg://onnx",
-                                      "http://127.0.0.1:1/x", "ftp://h/x"])
-def test_untrusted_locations_are_refused_before_any_access(tmp_path: Path,
-                                                           base_url: str | None) -> None:
+@pytest.mark.parametrize(
+    "base_url", [None, "weights", "file:///etc", "pkg://onnx", "http://127.0.0.1:1/x", "ftp://h/x"]
+)
+def test_untrusted_locations_are_refused_before_any_access(
+    tmp_path: Path, base_url: str | None
+) -> None:
     store = ArtifactStore(tmp_path)
     with pytest.raises(ArtifactError) as err:
         store.resolve(base_url, "x.onnx", SHA, manifest_dir=tmp_path, trusted=False)
@@ -63,18 +68,22 @@ def test_untrusted_locations_are_refused_before_any_access(tmp_path: Path,
 
 
 def test_downloads_are_capped_hashed_and_kept_under_the_prefix(tmp_path: Path) -> None:
-    with Recorder(BODY) as ok, Recorder(BODY, content_length=False) as unannounced, \
-            Recorder(redirect_to=f"{ok.url}/elsewhere") as bouncer:
+    with (
+        Recorder(BODY) as ok,
+        Recorder(BODY, content_length=False) as unannounced,
+        Recorder(redirect_to=f"{ok.url}/elsewhere") as bouncer,
+    ):
         prefixes = (f"{ok.url}/m/", f"{unannounced.url}/m/", f"{bouncer.url}/m/")
-        store = ArtifactStore(tmp_path, policy=FetchPolicy(url_prefixes=prefixes,
-                                                           max_bytes=1 << 20))
-        got = store.resolve(f"{ok.url}/m", "a.onnx", SHA, manifest_dir=tmp_path,
-                            trusted=False)
+        store = ArtifactStore(
+            tmp_path, policy=FetchPolicy(url_prefixes=prefixes, max_bytes=1 << 20)
+        )
+        got = store.resolve(f"{ok.url}/m", "a.onnx", SHA, manifest_dir=tmp_path, trusted=False)
         assert got.read_bytes() == BODY
         for server in (ok, unannounced):  # announced too big / streams past the cap
             with pytest.raises(ArtifactError, match="cap") as err:
-                store.download(f"{server.url}/m/b.onnx", "0" * 64, max_bytes=len(BODY) - 1,
-                               trusted=False)
+                store.download(
+                    f"{server.url}/m/b.onnx", "0" * 64, max_bytes=len(BODY) - 1, trusted=False
+                )
             assert err.value.fields["reason"] == "too_large"
         with pytest.raises(ChecksumMismatch):
             store.download(f"{ok.url}/m/c.onnx", "1" * 64, trusted=False)
@@ -82,8 +91,11 @@ def test_downloads_are_capped_hashed_and_kept_under_the_prefix(tmp_path: Path) -
         with pytest.raises(ArtifactError, match="not under an allowed"):
             store.download(f"{bouncer.url}/m/d.onnx", SHA, name="d.onnx", trusted=False)
         assert ok.requests == ["/m/a.onnx", "/m/b.onnx", "/m/c.onnx"]  # none redirected
-    leftovers = [p for p in (tmp_path / "artifacts").rglob("*") if p.is_file()
-                 and not p.name.endswith(".lock")]
+    leftovers = [
+        p
+        for p in (tmp_path / "artifacts").rglob("*")
+        if p.is_file() and not p.name.endswith(".lock")
+    ]
     assert leftovers == [got]  # nothing partial or unverified stays
 
 
@@ -100,16 +112,18 @@ def _hostile(name: str, base_url: str, graph: str, sha256: str) -> ModelManifest
 
 
 def test_bus_manifests_make_no_agent_fetch_or_open_anything(
-        tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> None:
+    tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path
+) -> None:
     base = tmp_path_factory.mktemp("fetchsec")
     trap = base / "trap"
     trap.mkdir()
     os.mkfifo(trap / "model.onnx")  # opening it to hash it would block the agent for good
-    with Recorder(BODY) as listener, \
-            auth_stack(base, zoo_dir, ["onnxruntime"]) as (stack, auth):
-        hostile = [_hostile("evil_http", f"{listener.url}/models", "model.onnx", SHA),
-                   _hostile("evil_file", f"file://{trap}", "model.onnx", SHA),
-                   _hostile("evil_pkg", "pkg://onnx", "__init__.py", SHA)]
+    with Recorder(BODY) as listener, auth_stack(base, zoo_dir, ["onnxruntime"]) as (stack, auth):
+        hostile = [
+            _hostile("evil_http", f"{listener.url}/models", "model.onnx", SHA),
+            _hostile("evil_file", f"file://{trap}", "model.onnx", SHA),
+            _hostile("evil_pkg", "pkg://onnx", "__init__.py", SHA),
+        ]
         server = role(stack, auth, "server")
         reader = role(stack, auth, "reader")
 
@@ -130,8 +144,9 @@ def test_bus_manifests_make_no_agent_fetch_or_open_anything(
             raise AssertionError(f"the agent never refused the bus manifests: {refused}")
 
         refused = anyio.run(main, backend="asyncio")
-        assert {n: refused[n] for n in ("evil_http", "evil_file", "evil_pkg")} == \
-            dict.fromkeys(("evil_http", "evil_file", "evil_pkg"), "policy")
+        assert {n: refused[n] for n in ("evil_http", "evil_file", "evil_pkg")} == dict.fromkeys(
+            ("evil_http", "evil_file", "evil_pkg"), "policy"
+        )
         time.sleep(0.5)
         assert listener.requests == []
         assert not stack.dead()

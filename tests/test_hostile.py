@@ -44,17 +44,33 @@ def nested_json(size: int) -> bytes:
 
 
 def bad_payloads() -> list[bytes]:
-    good = codec.encode({"op": "prepare", "evaluation_id": "ev-x", "model": "noop",
-                         "model_version": "1.0.0"})
+    good = codec.encode(
+        {"op": "prepare", "evaluation_id": "ev-x", "model": "noop", "model_version": "1.0.0"}
+    )
     return [
-        os.urandom(64), os.urandom(4096), b"", b"\xc1", good[: len(good) // 2],
-        codec.encode([1, 2, 3]), codec.encode("text"), codec.encode(17),
-        codec.encode({"op": 5}), codec.encode({"op": "launch"}),
+        os.urandom(64),
+        os.urandom(4096),
+        b"",
+        b"\xc1",
+        good[: len(good) // 2],
+        codec.encode([1, 2, 3]),
+        codec.encode("text"),
+        codec.encode(17),
+        codec.encode({"op": 5}),
+        codec.encode({"op": "launch"}),
         codec.encode({"op": "prepare", "evaluation_id": 3, "model": ["x"]}),
-        codec.encode({"op": "prepare", "evaluation_id": "e", "model": "noop",
-                      "model_version": "1.0.0", "batch_size": 0}),
+        codec.encode(
+            {
+                "op": "prepare",
+                "evaluation_id": "e",
+                "model": "noop",
+                "model_version": "1.0.0",
+                "batch_size": 0,
+            }
+        ),
         codec.encode({"kind": "query", "evaluation_id": "e", "index": "zero", "inputs": 1}),
-        codec.encode({"sql": 7}), codec.encode({"evaluation_id": {"a": 1}}),
+        codec.encode({"sql": 7}),
+        codec.encode({"evaluation_id": {"a": 1}}),
         codec.encode({"x" * 100: "y" * 700_000}),
         nested_msgpack(200_000),
         msgpack.packb({"a": [{"b": [{"c": [[[[[[[[[[1]]]]]]]]]]}]}]}),
@@ -64,10 +80,24 @@ def bad_payloads() -> list[bytes]:
 @pytest.fixture
 def hostile_stack(settings: Settings) -> Iterator[tuple[Settings, list[subprocess.Popen[bytes]]]]:
     env = child_env(settings)
-    procs = [subprocess.Popen([python(), "-m", "cli.main", "server", "--log-level",
-                               "warning"], env=env),
-             subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop",
-                               "--agent-id", AGENT, "--log-level", "warning"], env=env)]
+    procs = [
+        subprocess.Popen([python(), "-m", "cli.main", "server", "--log-level", "warning"], env=env),
+        subprocess.Popen(
+            [
+                python(),
+                "-m",
+                "cli.main",
+                "agent",
+                "--framework",
+                "noop",
+                "--agent-id",
+                AGENT,
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+        ),
+    ]
     try:
         anyio.run(wait_agents, settings, 1)
         anyio.run(wait_server, settings)
@@ -80,7 +110,8 @@ def hostile_stack(settings: Settings) -> Iterator[tuple[Settings, list[subproces
 
 
 def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
-        hostile_stack: tuple[Settings, list[subprocess.Popen[bytes]]]) -> None:
+    hostile_stack: tuple[Settings, list[subprocess.Popen[bytes]]],
+) -> None:
     settings, procs = hostile_stack
     refusals: dict[str, JobEvent] = {}
 
@@ -103,8 +134,7 @@ def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
     assert refusals["batch0"].error is not None
     # A query over the bus's max payload is refused before any load, naming the limit.
     with pytest.raises(ConfigError, match="max payload"):
-        anyio.run(lambda: submit(settings, _job(batch_size=20_000), timeout=60),
-                  backend="asyncio")
+        anyio.run(lambda: submit(settings, _job(batch_size=20_000), timeout=60), backend="asyncio")
     # A normal job still runs, to a stored evaluation.
     normal = _job()
     summary = anyio.run(lambda: submit(settings, normal, timeout=90), backend="asyncio")
@@ -118,21 +148,31 @@ def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
     # The poison is visible to the operator, with its error.
     report = anyio.run(lambda: diagnose(settings, limit=100), backend="asyncio")
     dead = report["newest"]
-    assert any(d["subject"].startswith("mlscope.traces.") and "span_id" in d["error"]
-               for d in dead), dead
+    assert any(
+        d["subject"].startswith("mlscope.traces.") and "span_id" in d["error"] for d in dead
+    ), dead
     assert any(d["subject"] == names.JOBS_SUBJECT for d in dead), dead
     assert report["streams"][names.TRACES_STREAM]["bytes"] >= 0
     # The models listing survives the hostile bucket values and names them.
-    out = subprocess.run([python(), "-m", "cli.main", "models", "--remote"],
-                         env=child_env(settings), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [python(), "-m", "cli.main", "models", "--remote"],
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert [p.poll() for p in procs] == [None, None]
 
 
 async def _requests(bus: busmod.Bus) -> None:
-    subjects = [names.agent_ctl(AGENT), names.agent_query(AGENT),
-                names.capability("noop", "noop"), names.SQL_SUBJECT,
-                names.EVALUATION_SUBJECT]
+    subjects = [
+        names.agent_ctl(AGENT),
+        names.agent_query(AGENT),
+        names.capability("noop", "noop"),
+        names.SQL_SUBJECT,
+        names.EVALUATION_SUBJECT,
+    ]
     for subject in subjects:
         for payload in bad_payloads():
             if len(payload) > bus.nc.max_payload:
@@ -146,54 +186,79 @@ async def _requests(bus: busmod.Bus) -> None:
 
 async def _buckets(bus: busmod.Bus, sock: Path) -> None:
     agents = await bus.kv(names.AGENTS_BUCKET)
-    desc = (await bus.kv(names.AGENTS_BUCKET))
+    desc = await bus.kv(names.AGENTS_BUCKET)
     live = codec.decode((await desc.get(AGENT)).value)
-    for key, changes in (("neg-pid", {"pid": -1}), ("future", {"heartbeat_at": 1e20}),
-                         ("nan", {"heartbeat_at": float("nan")}),
-                         ("types", {"frameworks": "noop", "cpu_cores": "many"})):
+    for key, changes in (
+        ("neg-pid", {"pid": -1}),
+        ("future", {"heartbeat_at": 1e20}),
+        ("nan", {"heartbeat_at": float("nan")}),
+        ("types", {"frameworks": "noop", "cpu_cores": "many"}),
+    ):
         await agents.put(key, codec.encode({**live, "agent_id": key, **changes}))
-    for key, value in (("nested", nested_msgpack(300_000)), ("random", os.urandom(512)),
-                       ("json", nested_json(400_000))):
+    for key, value in (
+        ("nested", nested_msgpack(300_000)),
+        ("random", os.urandom(512)),
+        ("json", nested_json(400_000)),
+    ):
         await agents.put(key, value)
     models = await bus.kv(names.MODELS_BUCKET)
-    for key, value in (("nested.1.noop", nested_json(400_000)),
-                       ("deep.1.noop", nested_json(200_000)),
-                       ("random.1.noop", os.urandom(300)),
-                       ("types.1.noop", json.dumps({"kind": "model", "name": 5}).encode()),
-                       ("socket.1.noop", _socket_manifest(sock))):
+    for key, value in (
+        ("nested.1.noop", nested_json(400_000)),
+        ("deep.1.noop", nested_json(200_000)),
+        ("random.1.noop", os.urandom(300)),
+        ("types.1.noop", json.dumps({"kind": "model", "name": 5}).encode()),
+        ("socket.1.noop", _socket_manifest(sock)),
+    ):
         await models.put(key, value)
     await anyio.sleep(2.0)  # every watcher has seen them
 
 
 def _socket_manifest(sock: Path) -> bytes:
     """A manifest of the agent's framework whose asset is not a regular file."""
-    return json.dumps({
-        "kind": "model", "name": "sockety", "version": "1.0.0", "framework":
-        {"name": "noop", "version": "*"}, "task": "platform_overhead",
-        "inputs": [{"type": "tensor", "layer_name": "input", "element_type": "float32",
-                    "shape": [16]}],
-        "outputs": [{"type": "tensor", "layer_name": "output"}],
-        "assets": {"base_url": f"file://{sock.parent}", "graph_path": sock.name,
-                   "sha256": "0" * 64},
-        "latency_only": True}).encode()
+    return json.dumps(
+        {
+            "kind": "model",
+            "name": "sockety",
+            "version": "1.0.0",
+            "framework": {"name": "noop", "version": "*"},
+            "task": "platform_overhead",
+            "inputs": [
+                {"type": "tensor", "layer_name": "input", "element_type": "float32", "shape": [16]}
+            ],
+            "outputs": [{"type": "tensor", "layer_name": "output"}],
+            "assets": {
+                "base_url": f"file://{sock.parent}",
+                "graph_path": sock.name,
+                "sha256": "0" * 64,
+            },
+            "latency_only": True,
+        }
+    ).encode()
 
 
 async def _streams(bus: busmod.Bus, refusals: dict[str, JobEvent]) -> None:
-    span = {"kind": "spans", "evaluation_id": "ev-poison", "agent_id": "a", "host": "h",
-            "batch_id": "b1", "columns": {c: [1] for c in (
-                "parent_id", "query_index", "level", "start_ns", "end_ns")}}
+    span = {
+        "kind": "spans",
+        "evaluation_id": "ev-poison",
+        "agent_id": "a",
+        "host": "h",
+        "batch_id": "b1",
+        "columns": {c: [1] for c in ("parent_id", "query_index", "level", "start_ns", "end_ns")},
+    }
     span["columns"].update(span_id=["abc"], kind=["k"], name=["n"], attrs=[""])
     for payload in [codec.encode(span), *bad_payloads()[:12], nested_msgpack(100_000)]:
         await bus.js.publish(names.traces("ev-poison"), payload)
     good = JobRequest(model="noop", framework="noop").dump()
-    jobs = {"constraint": {"framework_version": ">>>1"}, "level": {"trace_level": "bogus"},
-            "batch0": {"scenario": {"name": "batched", "batch_sizes": [0]}}}
+    jobs = {
+        "constraint": {"framework_version": ">>>1"},
+        "level": {"trace_level": "bogus"},
+        "batch0": {"scenario": {"name": "batched", "batch_sizes": [0]}},
+    }
     subs = {}
     for name, change in jobs.items():
         job_id = new_id("job")
         subs[name] = await bus.nc.subscribe(names.job_events(job_id))
-        await bus.js.publish(names.JOBS_SUBJECT, codec.encode({**good, **change,
-                                                               "job_id": job_id}))
+        await bus.js.publish(names.JOBS_SUBJECT, codec.encode({**good, **change, "job_id": job_id}))
     for payload in bad_payloads()[:12]:
         await bus.js.publish(names.JOBS_SUBJECT, payload)
     for name, sub in subs.items():
@@ -204,5 +269,8 @@ async def _streams(bus: busmod.Bus, refusals: dict[str, JobEvent]) -> None:
 
 
 def _job(*, batch_size: int = 1) -> JobRequest:
-    return JobRequest(model="noop", framework="noop", scenario=ScenarioSpec(
-        name="online", qps=200, duration_s=1, batch_size=batch_size))
+    return JobRequest(
+        model="noop",
+        framework="noop",
+        scenario=ScenarioSpec(name="online", qps=200, duration_s=1, batch_size=batch_size),
+    )

@@ -30,8 +30,11 @@ LIVE = "digits_live"
 
 
 def run_job(settings: Settings, model: str) -> EvaluationSummary:
-    job = JobRequest(model=model, framework="onnxruntime",
-                     scenario=ScenarioSpec(name="online", qps=100, duration_s=1, seed=1))
+    job = JobRequest(
+        model=model,
+        framework="onnxruntime",
+        scenario=ScenarioSpec(name="online", qps=100, duration_s=1, seed=1),
+    )
     return anyio.run(lambda: submit(settings, job, timeout=120), backend="asyncio")
 
 
@@ -53,8 +56,14 @@ def wait_offered(settings: Settings, model: str, present: bool, timeout: float =
 
 
 def mlscope(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([python(), "-m", "cli.main", *args], env=child_env(settings),
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        [python(), "-m", "cli.main", *args],
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def live_manifest(tmp_path: Path) -> Path:
@@ -66,8 +75,9 @@ def live_manifest(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_model_published_at_run_time_is_served_then_withdrawn(stack: Settings,
-                                                                tmp_path: Path) -> None:
+def test_a_model_published_at_run_time_is_served_then_withdrawn(
+    stack: Settings, tmp_path: Path
+) -> None:
     with pytest.raises(UnknownModelError):
         run_job(stack, LIVE)
 
@@ -93,21 +103,24 @@ def test_a_model_published_at_run_time_is_served_then_withdrawn(stack: Settings,
     assert listing.returncode == 0, listing.stderr
     assert LIVE in listing.stdout
 
-    out = mlscope(stack, "models", "remove", LIVE, "--version", "1.0.0",
-                  "--framework", "onnxruntime")
+    out = mlscope(
+        stack, "models", "remove", LIVE, "--version", "1.0.0", "--framework", "onnxruntime"
+    )
     assert out.returncode == 0, out.stderr
     wait_offered(stack, LIVE, present=False)
     with pytest.raises(UnknownModelError):
         run_job(stack, LIVE)
     # The built-in model was served throughout.
     assert "digits_cnn" in offered(stack)
-    again = mlscope(stack, "models", "remove", LIVE, "--version", "1.0.0",
-                    "--framework", "onnxruntime")
+    again = mlscope(
+        stack, "models", "remove", LIVE, "--version", "1.0.0", "--framework", "onnxruntime"
+    )
     assert again.returncode == 1 and "not in the bus registry" in again.stderr
 
 
-def test_publish_refuses_relative_assets_naming_file_and_field(stack: Settings,
-                                                               tmp_path: Path) -> None:
+def test_publish_refuses_relative_assets_naming_file_and_field(
+    stack: Settings, tmp_path: Path
+) -> None:
     doc = yaml.safe_load((REPO / "manifests/models/digits_cnn.onnxruntime.yaml").read_text())
     doc["assets"]["base_url"] = "weights"
     doc["assets"]["sha256"] = "ab" * 32  # not a built zoo:// asset any more: pinned

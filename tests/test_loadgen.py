@@ -27,8 +27,12 @@ REPO = Path(__file__).resolve().parent.parent
 MS = 1_000_000
 
 
-def record(offsets_ns: np.ndarray, *, lag_ns: np.ndarray | int = 2_000,
-           latency_ns: np.ndarray | int = 2 * MS) -> RunRecord:
+def record(
+    offsets_ns: np.ndarray,
+    *,
+    lag_ns: np.ndarray | int = 2_000,
+    latency_ns: np.ndarray | int = 2 * MS,
+) -> RunRecord:
     """A run where every query was issued ``lag`` late and answered ``latency`` later."""
     rec = RunRecord(n=len(offsets_ns), batch_size=1, t0_ns=10**12)
     rec.scheduled[:] = offsets_ns
@@ -44,8 +48,14 @@ def record(offsets_ns: np.ndarray, *, lag_ns: np.ndarray | int = 2_000,
 
 
 def verdict_of(rec: RunRecord, spec: ScenarioSpec, window: float | None = None) -> tuple[str, ...]:
-    v = judge(rec, spec, ValidityPolicy(), window_s=window or spec.duration_s,
-              requested_rate=spec.qps, poisson=True)
+    v = judge(
+        rec,
+        spec,
+        ValidityPolicy(),
+        window_s=window or spec.duration_s,
+        requested_rate=spec.qps,
+        poisson=True,
+    )
     assert v.valid == (not v.reasons)
     return v.reasons
 
@@ -76,11 +86,15 @@ def test_latency_bound_and_early_stopping() -> None:
     sched = build_schedule(spec)[0].offsets_ns
     assert verdict_of(record(sched, latency_ns=4 * MS), spec) == ()
     slow = np.where(np.arange(len(sched)) % 50 == 0, 9 * MS, 2 * MS)  # 2% over the bound
-    assert any("p99 latency 9 ms > bound 5 ms" in r
-               for r in verdict_of(record(sched, latency_ns=slow), spec))
+    assert any(
+        "p99 latency 9 ms > bound 5 ms" in r
+        for r in verdict_of(record(sched, latency_ns=slow), spec)
+    )
     tiny = ScenarioSpec(name="online", qps=20, duration_s=10, seed=1, min_queries=1)
-    assert any(r.startswith("early stopping")
-               for r in verdict_of(record(build_schedule(tiny)[0].offsets_ns), tiny))
+    assert any(
+        r.startswith("early stopping")
+        for r in verdict_of(record(build_schedule(tiny)[0].offsets_ns), tiny)
+    )
 
 
 def test_scenario_targets_follow_mlperf() -> None:
@@ -109,11 +123,14 @@ def test_failed_and_unanswered_queries_are_errors() -> None:
 
 
 def test_policy_for_takes_the_scenario_s_rules() -> None:
-    spec = ScenarioSpec(min_duration_s=2, min_queries=7, latency_bound_ms=3.5,
-                        max_issue_lag_us=900)
+    spec = ScenarioSpec(min_duration_s=2, min_queries=7, latency_bound_ms=3.5, max_issue_lag_us=900)
     pol = policy_for(spec, ValidityPolicy())
-    assert (pol.min_duration_s, pol.min_queries, pol.latency_bound_ns, pol.max_issue_lag_us) \
-        == (2, 7, 3_500_000, 900)
+    assert (pol.min_duration_s, pol.min_queries, pol.latency_bound_ns, pol.max_issue_lag_us) == (
+        2,
+        7,
+        3_500_000,
+        900,
+    )
     assert policy_for(ScenarioSpec(), ValidityPolicy()) == ValidityPolicy()
 
 
@@ -172,8 +189,9 @@ def test_peak_search_starts_where_a_run_can_show_p99() -> None:
     assert peak_floor_qps(more, policy) == pytest.approx(1.1 * 2000)
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "manifests" / "scenarios").glob("*.yaml")),
-                         ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", sorted((REPO / "manifests" / "scenarios").glob("*.yaml")), ids=lambda p: p.stem
+)
 def test_every_scenario_file_makes_a_spec(path: Path) -> None:
     spec = scenario_spec(path, {})
     assert spec.name == path.stem

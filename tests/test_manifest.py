@@ -143,14 +143,17 @@ def test_yaml_syntax_error_has_line(tmp_path: Path) -> None:
 
 
 def test_framework_manifest(tmp_path: Path) -> None:
-    path = write(tmp_path, """\
+    path = write(
+        tmp_path,
+        """\
         kind: framework
         name: onnxruntime
         version: 1.31.1
         containers:
           amd64: {cpu: mlscope/ort:1.31.1, gpu: mlscope/ort:1.31.1-cuda}
         options: {intra_op_threads: 2, providers: [CPUExecutionProvider]}
-        """)
+        """,
+    )
     m = load_manifest(path)
     assert isinstance(m, FrameworkManifest) and m.options.intra_op_threads == 2
     bad = write(tmp_path, path.read_text().replace("cpu:", "tpu:"), "bad.yaml")

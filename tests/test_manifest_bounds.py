@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 BOMB = "\n".join(
     ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
     + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
-    + ["kind: model", "name: bomb", "tags: *a8", ""])
+    + ["kind: model", "name: bomb", "tags: *a8", ""]
+)
 """The billion-laughs shape, under a kilobyte: 9^9 leaves once expanded."""
 
 
@@ -97,8 +98,9 @@ def test_hostile_file_is_refused_quickly_with_its_line(tmp_path: Path, case: str
 
 @pytest.mark.parametrize("command", [["manifest", "validate"], ["models", "publish"]])
 @pytest.mark.parametrize("case", ["bomb", "deep", "not-utf8", "duplicate"])
-def test_cli_reports_the_error_not_a_traceback(tmp_path: Path, case: str, command: list[str],
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_reports_the_error_not_a_traceback(
+    tmp_path: Path, case: str, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     path = CASES[case][0](tmp_path)
     t0 = time.perf_counter()
     code = mlscope_main([*command, str(path)])
@@ -111,18 +113,22 @@ def test_cli_reports_the_error_not_a_traceback(tmp_path: Path, case: str, comman
 
 def test_well_formed_aliases_still_load(tmp_path: Path) -> None:
     p = tmp_path / "m.yaml"
-    p.write_text("base: &s {rescale: 0.5}\nkind: system\nname: box\narch: x86_64\n"
-                 "extra: [*s, *s]\n")
+    p.write_text(
+        "base: &s {rescale: 0.5}\nkind: system\nname: box\narch: x86_64\nextra: [*s, *s]\n"
+    )
     data, _ = bounded.load_yaml_bounded(p)
     assert data["extra"] == [{"rescale": 0.5}, {"rescale": 0.5}]
 
 
-@pytest.mark.parametrize(("raw", "text"), [
-    (b"{" + b'"a": [' * 10_000 + b"]" * 10_000 + b"}", "nested deeper than"),
-    (b'{"kind": "model", "kind": "model"}', "duplicate key 'kind'"),
-    (b'{"name": "caf\xe9"}', "is not UTF-8"),
-    (b" " * (bounded.MAX_DOCUMENT_BYTES + 1), "a manifest may have at most"),
-])
+@pytest.mark.parametrize(
+    ("raw", "text"),
+    [
+        (b"{" + b'"a": [' * 10_000 + b"]" * 10_000 + b"}", "nested deeper than"),
+        (b'{"kind": "model", "kind": "model"}', "duplicate key 'kind'"),
+        (b'{"name": "caf\xe9"}', "is not UTF-8"),
+        (b" " * (bounded.MAX_DOCUMENT_BYTES + 1), "a manifest may have at most"),
+    ],
+)
 def test_bus_values_are_bounded_too(raw: bytes, text: str) -> None:
     t0 = time.perf_counter()
     with pytest.raises(ManifestError, match=text) as err:

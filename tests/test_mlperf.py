@@ -70,15 +70,31 @@ def user_conf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def mlscope(stack: Stack, *args: str) -> Any:
-    out = subprocess.run([str(MLSCOPE), *args, "--json"], env=child_env(stack.settings),
-                         capture_output=True, text=True, timeout=240, check=False)
+    out = subprocess.run(
+        [str(MLSCOPE), *args, "--json"],
+        env=child_env(stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
 def mlperf(stack: Stack, out: Path, conf: Path, *flags: str) -> dict[str, Any]:
-    doc: dict[str, Any] = mlscope(stack, "mlperf", "digits_cnn", "--framework", "onnxruntime",
-                                  "--user-conf", str(conf), "--output", str(out), *flags)
+    doc: dict[str, Any] = mlscope(
+        stack,
+        "mlperf",
+        "digits_cnn",
+        "--framework",
+        "onnxruntime",
+        "--user-conf",
+        str(conf),
+        "--output",
+        str(out),
+        *flags,
+    )
     return doc
 
 
@@ -115,24 +131,31 @@ def test_offline_is_valid_by_loadgen(ort: Stack, user_conf: Path, tmp_path: Path
     assert doc["valid"] and doc["mlperf"]["validity"] == "VALID" and doc["errors"] == 0
     assert doc["scenario"]["name"] == "mlperf-offline"
     assert_stored_like_summary(doc, summary)
-    rows = query(ort, "SELECT count(), sum(ok), min(agent_received_ns) FROM queries FINAL "
-                      "WHERE evaluation_id = {e:String}", e=doc["evaluation_id"])
+    rows = query(
+        ort,
+        "SELECT count(), sum(ok), min(agent_received_ns) FROM queries FINAL "
+        "WHERE evaluation_id = {e:String}",
+        e=doc["evaluation_id"],
+    )
     # One row per LoadGen sample, every one answered, agent times on LoadGen's clock.
     assert rows[0][0] == rows[0][1] == doc["samples"] >= 27_500
     assert rows[0][2] > 0
 
 
-def test_server_200_qps_is_valid_by_loadgen(ort: Stack, user_conf: Path,
-                                            tmp_path: Path) -> None:
+def test_server_200_qps_is_valid_by_loadgen(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
     doc = mlperf(ort, tmp_path, user_conf, "--scenario", "Server", "--target-qps", "200")
     summary = (tmp_path / logs.SUMMARY).read_text()
     assert "Result is : VALID" in summary, summary
     assert doc["valid"] and doc["mlperf"]["validity"] == "VALID"
     assert doc["requested_qps"] == 200 and 180 < doc["achieved_qps"] < 220
     assert_stored_like_summary(doc, summary)
-    rows = query(ort, "SELECT completed_ns - scheduled_ns, issued_ns >= scheduled_ns, "
-                      "agent_received_ns <= completed_ns FROM queries FINAL "
-                      "WHERE evaluation_id = {e:String}", e=doc["evaluation_id"])
+    rows = query(
+        ort,
+        "SELECT completed_ns - scheduled_ns, issued_ns >= scheduled_ns, "
+        "agent_received_ns <= completed_ns FROM queries FINAL "
+        "WHERE evaluation_id = {e:String}",
+        e=doc["evaluation_id"],
+    )
     assert len(rows) == doc["queries"] >= 700
     assert all(r[1] and r[2] for r in rows)
     # The stored per-query latencies are LoadGen's: its p50 is among them.
@@ -142,9 +165,14 @@ def test_server_200_qps_is_valid_by_loadgen(ort: Stack, user_conf: Path,
 
 def assert_reported(stack: Stack, tmp_path: Path, *ids: str) -> None:
     """``mlscope report`` reads the runs like any other evaluation."""
-    out = subprocess.run([str(MLSCOPE), "report", *ids, "-o", str(tmp_path / "r.md")],
-                         env=child_env(stack.settings), capture_output=True, text=True,
-                         timeout=120, check=False)
+    out = subprocess.run(
+        [str(MLSCOPE), "report", *ids, "-o", str(tmp_path / "r.md")],
+        env=child_env(stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     text = (tmp_path / "r.md").read_text()
     assert all(i in text for i in ids) and "mlperf-" in text
@@ -171,24 +199,43 @@ def test_stream_scenarios(ort: Stack, user_conf: Path, tmp_path: Path, scenario:
     assert_stored_like_summary(doc, summary)
     per_query = 8 if scenario == "MultiStream" else 1  # LoadGen's default samples/query
     assert doc["scenario"]["batch_size"] == per_query
-    rows = query(ort, "SELECT count(), sum(ok) FROM queries FINAL "
-                      "WHERE evaluation_id = {e:String}", e=doc["evaluation_id"])
+    rows = query(
+        ort,
+        "SELECT count(), sum(ok) FROM queries FINAL WHERE evaluation_id = {e:String}",
+        e=doc["evaluation_id"],
+    )
     assert rows[0][0] == rows[0][1] == doc["queries"] * per_query >= 100 * per_query
     # LoadGen's verdict is what the summary file says, reasons included.
     assert doc["valid"] == ("Result is : VALID" in summary)
     if not doc["valid"]:
-        assert doc["invalid_reasons"] and all(r.startswith("LoadGen: ")
-                                              for r in doc["invalid_reasons"])
+        assert doc["invalid_reasons"] and all(
+            r.startswith("LoadGen: ") for r in doc["invalid_reasons"]
+        )
 
 
 def test_a_conf_loadgen_refuses_is_a_typed_error(ort: Stack, tmp_path: Path) -> None:
     bad = tmp_path / "user.conf"
     bad.write_text("*.Server.target_qps = fast\n")
     out = subprocess.run(
-        [str(MLSCOPE), "mlperf", "digits_cnn", "--framework", "onnxruntime", "--scenario",
-         "Server", "--user-conf", str(bad), "--output", str(tmp_path / "out")],
-        env=child_env(ort.settings), capture_output=True, text=True, timeout=120,
-        check=False)
+        [
+            str(MLSCOPE),
+            "mlperf",
+            "digits_cnn",
+            "--framework",
+            "onnxruntime",
+            "--scenario",
+            "Server",
+            "--user-conf",
+            str(bad),
+            "--output",
+            str(tmp_path / "out"),
+        ],
+        env=child_env(ort.settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 1 and "LoadGen refused the user.conf" in out.stderr, out.stderr
     assert not (tmp_path / "out").exists()
 
@@ -200,8 +247,9 @@ def run_loadgen(out: Path, scenario: str, *, latency_s: float) -> None:
     def issue(samples: list[Any]) -> None:
         def answer() -> None:
             data = np.zeros(1, np.int64)
-            lg.QuerySamplesComplete([lg.QuerySampleResponse(s.id, data.ctypes.data,
-                                                            data.nbytes) for s in samples])
+            lg.QuerySamplesComplete(
+                [lg.QuerySampleResponse(s.id, data.ctypes.data, data.nbytes) for s in samples]
+            )
 
         threading.Timer(latency_s, answer).start()
 
@@ -226,10 +274,10 @@ def run_loadgen(out: Path, scenario: str, *, latency_s: float) -> None:
 
 def test_import_gives_the_summary_files_percentiles(ort: Stack, tmp_path: Path) -> None:
     tree = tmp_path / "results" / "testbox"
-    run_loadgen(tree / "digits_cnn" / "Server" / "performance" / "run_1", "Server",
-                latency_s=0.002)
-    run_loadgen(tree / "digits_cnn" / "Offline" / "performance" / "run_1", "Offline",
-                latency_s=0.01)
+    run_loadgen(tree / "digits_cnn" / "Server" / "performance" / "run_1", "Server", latency_s=0.002)
+    run_loadgen(
+        tree / "digits_cnn" / "Offline" / "performance" / "run_1", "Offline", latency_s=0.01
+    )
     docs = mlscope(ort, "import", "mlperf", str(tmp_path / "results"))
     assert len(docs) == 2
     for doc, run_dir in zip(docs, find_results(tmp_path / "results"), strict=True):
@@ -243,13 +291,21 @@ def test_import_gives_the_summary_files_percentiles(ort: Stack, tmp_path: Path) 
         assert spec["imported"]["source"] == str(run_dir.resolve())
         assert stored["latency_ms"] == doc["latency_ms"]
     server = next(d for d in docs if d["mlperf"]["scenario"] == "Server")
-    rows = query(ort, "SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}",
-                 e=server["evaluation_id"])
+    rows = query(
+        ort,
+        "SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}",
+        e=server["evaluation_id"],
+    )
     assert rows[0][0] == server["queries"]  # per-sample records from the trace log
     assert_reported(ort, tmp_path, *(d["evaluation_id"] for d in docs))
-    out = subprocess.run([str(MLSCOPE), "rerun", server["evaluation_id"]],
-                         env=child_env(ort.settings), capture_output=True, text=True,
-                         timeout=60, check=False)
+    out = subprocess.run(
+        [str(MLSCOPE), "rerun", server["evaluation_id"]],
+        env=child_env(ort.settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 1 and "imported" in out.stderr
 
 
@@ -280,8 +336,12 @@ CROSS_FRACTION = 0.4
 
 
 def stored_quantiles(stack: Stack, evaluation_id: str) -> list[float]:
-    rows = query(stack, "SELECT completed_ns - scheduled_ns FROM queries FINAL "
-                        "WHERE evaluation_id = {e:String} AND ok = 1", e=evaluation_id)
+    rows = query(
+        stack,
+        "SELECT completed_ns - scheduled_ns FROM queries FINAL "
+        "WHERE evaluation_id = {e:String} AND ok = 1",
+        e=evaluation_id,
+    )
     found = percentiles(np.asarray([r[0] for r in rows], float) / 1e6, CROSS_QUANTILES)
     assert None not in found, evaluation_id
     return [float(q) for q in found if q is not None]
@@ -290,21 +350,52 @@ def stored_quantiles(stack: Stack, evaluation_id: str) -> list[float]:
 def test_cross_check_with_mlscope_loadgen(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
     runs: dict[str, list[list[float]]] = {"LoadGen": [], "mlscope": []}
     for k in range(CROSS_PAIRS):
-        lg_doc = mlperf(ort, tmp_path / f"run{k}", user_conf, "--scenario", "Server",
-                        "--target-qps", CROSS_QPS, "--seed", "7", "--batch-size", "1")
+        lg_doc = mlperf(
+            ort,
+            tmp_path / f"run{k}",
+            user_conf,
+            "--scenario",
+            "Server",
+            "--target-qps",
+            CROSS_QPS,
+            "--seed",
+            "7",
+            "--batch-size",
+            "1",
+        )
         assert lg_doc["mlperf"]["effective"]["schedule_rng_seed"] == 7
         out = subprocess.run(
-            [str(SUBMIT), "digits_cnn", "--framework", "onnxruntime", "--scenario", "online",
-             "--qps", CROSS_QPS, "--duration", "4", "--seed", "7", "--trace-level", "none",
-             "--json"], env=child_env(ort.settings), capture_output=True, text=True,
-            timeout=120, check=False)
+            [
+                str(SUBMIT),
+                "digits_cnn",
+                "--framework",
+                "onnxruntime",
+                "--scenario",
+                "online",
+                "--qps",
+                CROSS_QPS,
+                "--duration",
+                "4",
+                "--seed",
+                "7",
+                "--trace-level",
+                "none",
+                "--json",
+            ],
+            env=child_env(ort.settings),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert out.returncode == 0, out.stderr
         runs["LoadGen"].append(stored_quantiles(ort, lg_doc["evaluation_id"]))
         runs["mlscope"].append(stored_quantiles(ort, json.loads(out.stdout)["evaluation_id"]))
     a, b = (np.median(np.asarray(runs[g]), axis=0) for g in ("LoadGen", "mlscope"))
     for q, x, y in zip(CROSS_QUANTILES, a, b, strict=True):
-        assert abs(x - y) <= max(CROSS_FLOOR_MS, CROSS_FRACTION * max(x, y)), \
+        assert abs(x - y) <= max(CROSS_FLOOR_MS, CROSS_FRACTION * max(x, y)), (
             f"p{q}: LoadGen {x:.3f} ms, mlscope {y:.3f} ms (runs: {runs})"
+        )
 
 
 # ----------------------------------------------------------------- fast, no stack

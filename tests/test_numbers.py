@@ -46,8 +46,9 @@ def open_record(spec: ScenarioSpec, service_s: float) -> RunRecord:
 
 
 def verdict(rec: RunRecord, spec: ScenarioSpec) -> tuple[str, ...]:
-    return judge(rec, spec, ValidityPolicy(), window_s=spec.duration_s,
-                 requested_rate=spec.qps, poisson=True).reasons
+    return judge(
+        rec, spec, ValidityPolicy(), window_s=spec.duration_s, requested_rate=spec.qps, poisson=True
+    ).reasons
 
 
 def test_an_overloaded_run_is_invalid_with_the_overload_reason() -> None:
@@ -83,10 +84,22 @@ def test_each_query_has_one_outcome() -> None:
     ok = [1, 0, 0, 0, 0, 1]
     refused = [0, 0, 1, 0, 0, 0]
     got = classify(issued=issued, completed=completed, ok=ok, refused=refused)
-    assert list(got) == [Outcome.OK, Outcome.FAILED, Outcome.REFUSED, Outcome.LOST,
-                         Outcome.NOT_ISSUED, Outcome.OK]
-    assert count(got) == {"ok": 2, "failed": 1, "refused": 1, "lost": 1, "not_issued": 1,
-                          "errors": 3}
+    assert list(got) == [
+        Outcome.OK,
+        Outcome.FAILED,
+        Outcome.REFUSED,
+        Outcome.LOST,
+        Outcome.NOT_ISSUED,
+        Outcome.OK,
+    ]
+    assert count(got) == {
+        "ok": 2,
+        "failed": 1,
+        "refused": 1,
+        "lost": 1,
+        "not_issued": 1,
+        "errors": 3,
+    }
     # Without refusals known (old rows), a refusal is a failure.
     assert count(classify(issued=issued, completed=completed, ok=ok))["failed"] == 2
 
@@ -127,8 +140,15 @@ def test_warmup_queries_are_left_out_of_every_figure() -> None:
 def test_duration_is_judged_unrounded_and_said_so() -> None:
     spec = ScenarioSpec(name="single-stream", duration_s=10)
     rec = open_record(ScenarioSpec(name="constant", qps=100, duration_s=10), 0.001)
-    reasons = judge(rec, spec, ValidityPolicy(), window_s=9.9996, requested_rate=None,
-                    poisson=False, open_loop=False).reasons
+    reasons = judge(
+        rec,
+        spec,
+        ValidityPolicy(),
+        window_s=9.9996,
+        requested_rate=None,
+        poisson=False,
+        open_loop=False,
+    ).reasons
     assert "ran 9.9996 s < minimum 10 s" in reasons
 
 
@@ -189,9 +209,15 @@ def test_mean_ci_matches_student_t() -> None:
 
 
 def test_comparisons_name_what_differs() -> None:
-    rows = pd.DataFrame({"model": ["m", "m"], "scenario": ["online", "online"],
-                         "requested_qps": [100.0, 200.0], "batch_size": [1, 1],
-                         "parallel": [False, True]})
+    rows = pd.DataFrame(
+        {
+            "model": ["m", "m"],
+            "scenario": ["online", "online"],
+            "requested_qps": [100.0, 200.0],
+            "batch_size": [1, 1],
+            "parallel": [False, True],
+        }
+    )
     why = mismatches(rows)
     assert any("requested qps (100.0, 200.0)" in w for w in why)
     assert any("--parallel" in w for w in why)
@@ -201,16 +227,40 @@ def test_comparisons_name_what_differs() -> None:
 def test_sweep_parents_are_not_counted_as_a_batch_size() -> None:
     """The parent of a sweep carries the best run's figures; counting it as batch 1
     gave two points at batch 1 and "optimal batch 1"."""
-    base = {"model": "m", "model_version": "1", "framework": "f", "framework_version": "1",
-            "system": "s", "scenario": "batched", "valid": True}
-    summ = pd.DataFrame([
-        {**base, "evaluation_id": "p", "batch_size": 1, "throughput_ips": 800.0,
-         "role": "sweep"},
-        {**base, "evaluation_id": "p-0", "batch_size": 1, "throughput_ips": 100.0,
-         "role": "run"},
-        {**base, "evaluation_id": "p-1", "batch_size": 8, "throughput_ips": 800.0,
-         "role": "run"},
-    ])
+    base = {
+        "model": "m",
+        "model_version": "1",
+        "framework": "f",
+        "framework_version": "1",
+        "system": "s",
+        "scenario": "batched",
+        "valid": True,
+    }
+    summ = pd.DataFrame(
+        [
+            {
+                **base,
+                "evaluation_id": "p",
+                "batch_size": 1,
+                "throughput_ips": 800.0,
+                "role": "sweep",
+            },
+            {
+                **base,
+                "evaluation_id": "p-0",
+                "batch_size": 1,
+                "throughput_ips": 100.0,
+                "role": "run",
+            },
+            {
+                **base,
+                "evaluation_id": "p-1",
+                "batch_size": 8,
+                "throughput_ips": 800.0,
+                "role": "run",
+            },
+        ]
+    )
     best = max_throughput(summ).iloc[0]
     assert best["optimal_batch_size"] == 8 and best["batch_sizes"] == [1, 8]
     assert speedup_heatmap(summ).loc["m/f@s", 8] == pytest.approx(8.0)
@@ -221,12 +271,28 @@ def test_run_level_summary_of_repeats() -> None:
 
     def one(p50: float) -> EvaluationSummary:
         return EvaluationSummary(
-            evaluation_id="e", job_id="j", status="completed", valid=True,
-            model={"name": "m", "version": "1"}, framework={"name": "f", "version": "1"},
-            agent_id="a", scenario={}, trace_level="none", queries=1, samples=1, errors=0,
-            not_issued=0, duration_s=1.0, requested_qps=None, achieved_qps=None,
+            evaluation_id="e",
+            job_id="j",
+            status="completed",
+            valid=True,
+            model={"name": "m", "version": "1"},
+            framework={"name": "f", "version": "1"},
+            agent_id="a",
+            scenario={},
+            trace_level="none",
+            queries=1,
+            samples=1,
+            errors=0,
+            not_issued=0,
+            duration_s=1.0,
+            requested_qps=None,
+            achieved_qps=None,
             latency_ms=LatencyStats(trimmed_mean=p50, p50=p50, p90=p50, p99=p50, max=p50),
-            issue_lag_us={}, throughput_ips=None, started_at=0.0, finished_at=1.0)
+            issue_lag_us={},
+            throughput_ips=None,
+            started_at=0.0,
+            finished_at=1.0,
+        )
 
     got = run_level([one(1.0), one(2.0), one(3.0), one(4.0)])
     assert got["p50_ms"]["mean"] == 2.5
@@ -245,8 +311,7 @@ def test_only_models_scored_by_top_k_get_labels() -> None:
         return (lambda i: np.zeros(1)), (lambda i: np.zeros(1))
 
     def manifest(metric: str | None) -> Any:
-        return SimpleNamespace(dataset=None if metric is None
-                               else SimpleNamespace(metric=metric))
+        return SimpleNamespace(dataset=None if metric is None else SimpleNamespace(metric=metric))
 
     assert _scored(feeders(), manifest("top1"))[1] is not None
     assert _scored(feeders(), manifest("top5"))[1] is not None

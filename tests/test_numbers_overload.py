@@ -26,10 +26,17 @@ def ort_stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterat
 
 def test_an_overloaded_run_is_invalid_for_overload(ort_stack: Settings) -> None:
     # ~5 ms of compute per query at best on 2 cores: 400/s is at least twice too many.
-    spec = ScenarioSpec(name="constant", qps=400, duration_s=3.0, min_duration_s=0,
-                        min_queries=1, max_issue_lag_us=1e6)
-    job = JobRequest(model="efficientnet_lite0", framework="onnxruntime", scenario=spec,
-                     trace_level="none")
+    spec = ScenarioSpec(
+        name="constant",
+        qps=400,
+        duration_s=3.0,
+        min_duration_s=0,
+        min_queries=1,
+        max_issue_lag_us=1e6,
+    )
+    job = JobRequest(
+        model="efficientnet_lite0", framework="onnxruntime", scenario=spec, trace_level="none"
+    )
     s = anyio.run(lambda: submit(ort_stack, job, timeout=240), backend="asyncio")
     assert not s.valid
     over = [r for r in s.invalid_reasons if r.startswith("overloaded: completed ")]

@@ -42,13 +42,11 @@ LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag
 
 
 def job(spec: ScenarioSpec, **extra: Any) -> JobRequest:
-    return JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none",
-                      **extra)
+    return JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none", **extra)
 
 
 def run(settings: Settings, spec: ScenarioSpec, **extra: Any) -> EvaluationSummary:
-    return anyio.run(lambda: submit(settings, job(spec, **extra), timeout=180),
-                     backend="asyncio")
+    return anyio.run(lambda: submit(settings, job(spec, **extra), timeout=180), backend="asyncio")
 
 
 def sql(settings: Settings, query: str, **params: Any) -> list[list[Any]]:
@@ -61,8 +59,7 @@ def sql(settings: Settings, query: str, **params: Any) -> list[list[Any]]:
 
 def test_a_run_of_exactly_one_page_of_rows_reports(noop_stack: Stack) -> None:
     """The paged reader's last page is empty when the rows fill whole pages."""
-    s = run(noop_stack.settings, ScenarioSpec(name="constant", qps=1000, duration_s=2.0,
-                                              **LOOSE))
+    s = run(noop_stack.settings, ScenarioSpec(name="constant", qps=1000, duration_s=2.0, **LOOSE))
     assert s.queries == PAGE_ROWS == 2000
     source = BusSource(noop_stack.settings)
     summ = summary(source, [s.evaluation_id])
@@ -71,16 +68,20 @@ def test_a_run_of_exactly_one_page_of_rows_reports(noop_stack: Stack) -> None:
     assert s.evaluation_id in to_markdown(report)
 
 
-def test_a_sweep_stores_one_run_per_batch_size_and_a_summary_parent(
-        noop_stack: Stack) -> None:
+def test_a_sweep_stores_one_run_per_batch_size_and_a_summary_parent(noop_stack: Stack) -> None:
     sizes = (1, 8, 32)
-    s = run(noop_stack.settings, ScenarioSpec(name="batched", batch_sizes=sizes,
-                                              duration_s=0.7, **LOOSE))
+    s = run(
+        noop_stack.settings,
+        ScenarioSpec(name="batched", batch_sizes=sizes, duration_s=0.7, **LOOSE),
+    )
     children = [p["evaluation_id"] for p in s.points]
     assert s.evaluation_id not in children
-    stored = sql(noop_stack.settings, "SELECT evaluation_id, count() FROM queries FINAL "
-                 "WHERE evaluation_id LIKE {p:String} GROUP BY evaluation_id",
-                 p=f"{s.evaluation_id}%")
+    stored = sql(
+        noop_stack.settings,
+        "SELECT evaluation_id, count() FROM queries FINAL "
+        "WHERE evaluation_id LIKE {p:String} GROUP BY evaluation_id",
+        p=f"{s.evaluation_id}%",
+    )
     counts = {e: int(n) for e, n in stored}
     assert s.evaluation_id not in counts  # the parent holds no copied queries
     assert set(counts) == set(children) and all(n > 0 for n in counts.values())
@@ -100,10 +101,17 @@ def test_a_sweep_stores_one_run_per_batch_size_and_a_summary_parent(
 
 def _window(settings: Settings, evaluation_id: str) -> tuple[int, int]:
     """(first scheduled, last completed) of a run on the server's clock (ns)."""
-    (t0,), = sql(settings, "SELECT t0_ns FROM evaluations FINAL "
-                 "WHERE evaluation_id = {e:String}", e=evaluation_id)
-    (lo, hi), = sql(settings, "SELECT min(scheduled_ns), max(completed_ns) FROM queries "
-                    "FINAL WHERE evaluation_id = {e:String}", e=evaluation_id)
+    ((t0,),) = sql(
+        settings,
+        "SELECT t0_ns FROM evaluations FINAL WHERE evaluation_id = {e:String}",
+        e=evaluation_id,
+    )
+    ((lo, hi),) = sql(
+        settings,
+        "SELECT min(scheduled_ns), max(completed_ns) FROM queries "
+        "FINAL WHERE evaluation_id = {e:String}",
+        e=evaluation_id,
+    )
     return int(t0) + int(lo), int(t0) + int(hi)
 
 
@@ -114,8 +122,13 @@ def _two_at_once(settings: Settings, parallel: bool) -> list[EvaluationSummary]:
         out: list[EvaluationSummary] = []
 
         async def one(seed: int) -> None:
-            out.append(await submit(settings, job(spec.model_copy(update={"seed": seed}),
-                                                  parallel=parallel), timeout=180))
+            out.append(
+                await submit(
+                    settings,
+                    job(spec.model_copy(update={"seed": seed}), parallel=parallel),
+                    timeout=180,
+                )
+            )
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(one, 1)
@@ -127,8 +140,9 @@ def _two_at_once(settings: Settings, parallel: bool) -> list[EvaluationSummary]:
 
 def test_runs_sharing_a_host_do_not_overlap_unless_parallel(noop_stack: Stack) -> None:
     settings = noop_stack.settings
-    a, b = sorted(_window(settings, s.evaluation_id) for s in
-                   _two_at_once(settings, parallel=False))
+    a, b = sorted(
+        _window(settings, s.evaluation_id) for s in _two_at_once(settings, parallel=False)
+    )
     assert a[1] < b[0], "serialized runs overlapped"
     together = _two_at_once(settings, parallel=True)
     a, b = sorted(_window(settings, s.evaluation_id) for s in together)
@@ -137,12 +151,21 @@ def test_runs_sharing_a_host_do_not_overlap_unless_parallel(noop_stack: Stack) -
 
 
 def test_warmup_queries_are_stored_flagged_and_left_out(noop_stack: Stack) -> None:
-    s = run(noop_stack.settings, ScenarioSpec(name="constant", qps=200, duration_s=1.0,
-                                              warmup_queries=15, **LOOSE))
+    s = run(
+        noop_stack.settings,
+        ScenarioSpec(name="constant", qps=200, duration_s=1.0, warmup_queries=15, **LOOSE),
+    )
     assert s.queries == 200 and s.warmup_queries == 15
-    got = np.asarray(sql(noop_stack.settings, "SELECT query_index, warmup, outcome FROM "
-                         "queries FINAL WHERE evaluation_id = {e:String} ORDER BY "
-                         "query_index", e=s.evaluation_id), dtype=np.int64)
+    got = np.asarray(
+        sql(
+            noop_stack.settings,
+            "SELECT query_index, warmup, outcome FROM "
+            "queries FINAL WHERE evaluation_id = {e:String} ORDER BY "
+            "query_index",
+            e=s.evaluation_id,
+        ),
+        dtype=np.int64,
+    )
     assert list(np.flatnonzero(got[:, 1])) == list(range(15))
     assert (got[:, 2] == 0).all()  # every one answered: outcome ok
     summ = summary(BusSource(noop_stack.settings), [s.evaluation_id]).iloc[0]
@@ -152,12 +175,16 @@ def test_warmup_queries_are_stored_flagged_and_left_out(noop_stack: Stack) -> No
 
 
 async def _prepared_noop(bus: busmod.Bus, evaluation_id: str) -> str:
-    agent = next(a for a in await list_agents(bus)
-                 if any(f.name == "noop" for f in a.frameworks))
-    prepare = {"op": "prepare", "evaluation_id": evaluation_id, "model": "noop",
-               "model_version": "1.0.0", "batch_size": 1, "trace_level": "none"}
-    await busmod.request(bus, names.agent_ctl(agent.agent_id), codec.encode(prepare),
-                         timeout=60)
+    agent = next(a for a in await list_agents(bus) if any(f.name == "noop" for f in a.frameworks))
+    prepare = {
+        "op": "prepare",
+        "evaluation_id": evaluation_id,
+        "model": "noop",
+        "model_version": "1.0.0",
+        "batch_size": 1,
+        "trace_level": "none",
+    }
+    await busmod.request(bus, names.agent_ctl(agent.agent_id), codec.encode(prepare), timeout=60)
     return agent.agent_id
 
 
@@ -171,11 +198,16 @@ def test_issue_lag_shows_a_blocked_event_loop(noop_stack: Stack) -> None:
         async with busmod.connect(noop_stack.settings, name="test lag") as bus:
             agent_id = await _prepared_noop(bus, "ev-blocked-loop")
             spec = ScenarioSpec(name="constant", qps=200, duration_s=1.5)
-            driver = Driver(bus, evaluation_id="ev-blocked-loop",
-                            subject=names.agent_query(agent_id), spec=spec,
-                            inputs=lambda g: np.zeros((1, 4), np.float32), labels=None,
-                            trace_level=TraceLevel.NONE,
-                            schedule=constant(200, duration_s=1.5))
+            driver = Driver(
+                bus,
+                evaluation_id="ev-blocked-loop",
+                subject=names.agent_query(agent_id),
+                spec=spec,
+                inputs=lambda g: np.zeros((1, 4), np.float32),
+                labels=None,
+                trace_level=TraceLevel.NONE,
+                schedule=constant(200, duration_s=1.5),
+            )
             asyncio.get_running_loop().call_later(0.6, time.sleep, block_s)
             return await driver.run()
 
@@ -200,8 +232,7 @@ def test_an_identical_rerun_is_not_called_different_with_repeats(noop_stack: Sta
     for _ in range(3):
         for side in ids:
             ids[side].append(run(noop_stack.settings, spec).evaluation_id)
-    table = compare_repeats(BusSource(noop_stack.settings), ids["a"], ids["b"],
-                            confidence=0.99)
+    table = compare_repeats(BusSource(noop_stack.settings), ids["a"], ids["b"], confidence=0.99)
     assert list(table["verdict"]) == ["no significant change"] * 2, table
     assert table["basis"].iloc[0] == "runs: 3 baseline, 3 candidate"
     one = compare_runs(BusSource(noop_stack.settings), ids["a"][0], ids["b"][0])
@@ -214,11 +245,33 @@ def test_an_identical_rerun_is_not_called_different_with_repeats(noop_stack: Sta
 
 def test_cli_repeat_prints_run_level_statistics(noop_stack: Stack) -> None:
     out = subprocess.run(
-        [python(), "-m", "cli.submit", "noop", "--framework", "noop", "--scenario",
-         "constant", "--qps", "200", "--duration", "0.5", "--min-duration", "0",
-         "--min-queries", "1", "--repeat", "2", "--json"],
-        env=child_env(noop_stack.settings), capture_output=True, text=True, timeout=120,
-        check=False)
+        [
+            python(),
+            "-m",
+            "cli.submit",
+            "noop",
+            "--framework",
+            "noop",
+            "--scenario",
+            "constant",
+            "--qps",
+            "200",
+            "--duration",
+            "0.5",
+            "--min-duration",
+            "0",
+            "--min-queries",
+            "1",
+            "--repeat",
+            "2",
+            "--json",
+        ],
+        env=child_env(noop_stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert len(doc["summaries"]) == 2

@@ -22,8 +22,7 @@ def effnet_zoo(zoo_dir: Path) -> Path:
     return zoo_dir
 
 
-def test_ort_layers_add_up_to_the_predict_span_with_one_profiling_session(
-        effnet_zoo: Path) -> None:
+def test_ort_layers_add_up_to_the_predict_span_with_one_profiling_session(effnet_zoo: Path) -> None:
     model = open_model(effnet_zoo, "efficientnet_lite0", "onnxruntime")
     try:
         model.warmup()
@@ -36,8 +35,11 @@ def test_ort_layers_add_up_to_the_predict_span_with_one_profiling_session(
         ratios = []
         for p in predict.values():
             span = p["end_ns"] - p["start_ns"]
-            layers = sum(r["end_ns"] - r["start_ns"] for r in rows
-                         if r["kind"] == "layer" and r["parent_id"] == p["span_id"])
+            layers = sum(
+                r["end_ns"] - r["start_ns"]
+                for r in rows
+                if r["kind"] == "layer" and r["parent_id"] == p["span_id"]
+            )
             ratios.append(layers / span)
             assert json.loads(p["attrs"])["profiler_ns"] >= 0  # measured, reported apart
         # The first run of a session is cold; the others' layers fill their predict.

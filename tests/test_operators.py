@@ -82,9 +82,13 @@ def test_color_modes() -> None:
 
 
 def test_imagenet_pipeline_in_manifest_order() -> None:
-    steps: list[dict[str, Any]] = [{"decode": {}}, {"resize": {"size": 256, "keep_aspect": True}},
-             {"center_crop": {"size": 224}}, {"normalize": {"mean": 127, "std": 128}},
-             {"layout": {"source": "HWC", "target": "CHW"}}]
+    steps: list[dict[str, Any]] = [
+        {"decode": {}},
+        {"resize": {"size": 256, "keep_aspect": True}},
+        {"center_crop": {"size": 224}},
+        {"normalize": {"mean": 127, "std": 128}},
+        {"layout": {"source": "HWC", "target": "CHW"}},
+    ]
     img = np.full((300, 400, 3), 255, np.uint8)
     out = compile_steps(steps)([png_bytes(img), png_bytes(img[:, :300])])
     assert out.shape == (2, 3, 224, 224) and out.dtype == np.float32
@@ -132,7 +136,10 @@ def test_custom_python_needs_trust_and_permission(custom_module: str) -> None:
 
 def test_custom_python_errors(custom_module: str) -> None:
     with pytest.raises(ManifestError, match="cannot load"):
-        compile_steps([{"python": {"module": custom_module, "function": "nope"}}],
-                      trusted=True, allow_custom=True)
+        compile_steps(
+            [{"python": {"module": custom_module, "function": "nope"}}],
+            trusted=True,
+            allow_custom=True,
+        )
     with pytest.raises(ManifestError, match="module: M"):
         compile_steps([{"python": {"module": custom_module}}], trusted=True, allow_custom=True)

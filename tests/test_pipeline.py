@@ -83,11 +83,18 @@ class Replies:
         return [self.q.get(timeout=30) for _ in range(n)]
 
 
-def job(i: int, x: np.ndarray, replies: Replies, spans: SpanBuffer | None = None,
-        raw: bool = False) -> Job:
-    return Job(index=i, inputs=x, received_ns=time.perf_counter_ns(),
-               level=TraceLevel.MODEL if spans is not None else TraceLevel.NONE, spans=spans,
-               reply=replies, raw=raw)
+def job(
+    i: int, x: np.ndarray, replies: Replies, spans: SpanBuffer | None = None, raw: bool = False
+) -> Job:
+    return Job(
+        index=i,
+        inputs=x,
+        received_ns=time.perf_counter_ns(),
+        level=TraceLevel.MODEL if spans is not None else TraceLevel.NONE,
+        spans=spans,
+        reply=replies,
+        raw=raw,
+    )
 
 
 def expected(model: LoadedModel, x: np.ndarray) -> np.ndarray:
@@ -95,8 +102,9 @@ def expected(model: LoadedModel, x: np.ndarray) -> np.ndarray:
     return out
 
 
-def test_order_and_results_preserved_under_dynamic_batching(model: LoadedModel,
-                                                            samples: np.ndarray) -> None:
+def test_order_and_results_preserved_under_dynamic_batching(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
     want = expected(model, samples)
     slow = Slow(model.predictor, sleep_s=0.002)
     model.predictor = slow
@@ -107,7 +115,7 @@ def test_order_and_results_preserved_under_dynamic_batching(model: LoadedModel,
     starts = np.cumsum([0, *sizes])
     try:
         for i, n in enumerate(sizes):
-            assert ex.submit(job(i, samples[starts[i]:starts[i] + n], replies, raw=True))
+            assert ex.submit(job(i, samples[starts[i] : starts[i] + n], replies, raw=True))
         slow.gate.set()
         got = replies.take(len(sizes))
     finally:
@@ -115,14 +123,15 @@ def test_order_and_results_preserved_under_dynamic_batching(model: LoadedModel,
     assert [r.index for r in got] == list(range(len(sizes)))
     for i, r in enumerate(got):
         assert r.ok and r.outputs is not None and r.raw_outputs is not None
-        np.testing.assert_array_equal(r.outputs, want[starts[i]:starts[i + 1]])
+        np.testing.assert_array_equal(r.outputs, want[starts[i] : starts[i + 1]])
         assert r.raw_outputs.shape == (sizes[i], 10)
     assert max(slow.batches) <= 8 and len(slow.batches) < len(sizes)  # merged, bounded
     assert sum(slow.batches) == sum(sizes)
 
 
 def test_partial_batch_waits_at_most_max_wait_and_full_one_not_at_all(
-        model: LoadedModel, samples: np.ndarray) -> None:
+    model: LoadedModel, samples: np.ndarray
+) -> None:
     ex = Executor(model, ExecutorConfig(max_batch=8, max_wait_us=200_000))
     replies = Replies()
     try:
@@ -138,15 +147,16 @@ def test_partial_batch_waits_at_most_max_wait_and_full_one_not_at_all(
     assert (full.t_predict_start - full.t_received) / 1e9 < 0.2
 
 
-def test_backpressure_refuses_beyond_capacity_and_recovers(model: LoadedModel,
-                                                           samples: np.ndarray) -> None:
+def test_backpressure_refuses_beyond_capacity_and_recovers(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
     slow = Slow(model.predictor)
     model.predictor = slow
     ex = Executor(model, ExecutorConfig(capacity=3))
     replies = Replies()
     slow.gate.clear()
     try:
-        admitted = [ex.submit(job(i, samples[i:i + 1], replies)) for i in range(5)]
+        admitted = [ex.submit(job(i, samples[i : i + 1], replies)) for i in range(5)]
         assert admitted == [True, True, True, False, False]
         assert ex.inflight == 3
         slow.gate.set()
@@ -172,26 +182,32 @@ def test_preprocessing_overlaps_inference(model: LoadedModel, samples: np.ndarra
     replies = Replies()
     try:
         for i in range(6):
-            ex.submit(job(i, samples[i:i + 1], replies, spans))
+            ex.submit(job(i, samples[i : i + 1], replies, spans))
         got = replies.take(6)
     finally:
         ex.stop()
     assert [r.index for r in got] == list(range(6)) and all(r.ok for r in got)
     cols = spans.take()
-    rows = list(zip(cols["query_index"], cols["name"], cols["start_ns"], cols["end_ns"],
-                    strict=True))
+    rows = list(
+        zip(cols["query_index"], cols["name"], cols["start_ns"], cols["end_ns"], strict=True)
+    )
     pre_at = {q: (a, b) for q, n, a, b in rows if n == "preprocess"}
     pred_at = {q: (a, b) for q, n, a, b in rows if n == "predict"}
     # Some query was pre-processed while an earlier one was being predicted.
-    overlapped = [(j, q) for q in range(1, 6) for j in range(q)
-                  if pre_at[q][0] < pred_at[j][1] and pre_at[q][1] > pred_at[j][0]]
+    overlapped = [
+        (j, q)
+        for q in range(1, 6)
+        for j in range(q)
+        if pre_at[q][0] < pred_at[j][1] and pre_at[q][1] > pred_at[j][0]
+    ]
     assert overlapped, (pre_at, pred_at)
     # Each query's own steps are in order: pre, then predict.
     assert all(pre_at[q][1] <= pred_at[q][0] for q in range(6))
 
 
 def test_errors_are_isolated_per_query_and_the_executor_keeps_serving(
-        model: LoadedModel, samples: np.ndarray) -> None:
+    model: LoadedModel, samples: np.ndarray
+) -> None:
     slow = Slow(model.predictor)
     model.predictor = slow
     ex = Executor(model, ExecutorConfig(max_batch=8, max_wait_us=50_000))
@@ -224,7 +240,8 @@ def test_errors_are_isolated_per_query_and_the_executor_keeps_serving(
 
 
 def test_a_fault_in_the_pipeline_itself_answers_the_batch_and_keeps_serving(
-        model: LoadedModel, samples: np.ndarray) -> None:
+    model: LoadedModel, samples: np.ndarray
+) -> None:
     slow = Slow(model.predictor)
     model.predictor = slow
     post = model.post
@@ -234,7 +251,7 @@ def test_a_fault_in_the_pipeline_itself_answers_the_batch_and_keeps_serving(
     slow.gate.clear()
     try:
         for i in range(3):
-            ex.submit(job(i, samples[i:i + 1], replies))
+            ex.submit(job(i, samples[i : i + 1], replies))
         slow.gate.set()
         broken = replies.take(3)
         model.post = post
@@ -255,16 +272,23 @@ def broken_entry(tmp_path: Path) -> Entry:
     """A manifest whose (checksummed) graph file is not a model."""
     graph = tmp_path / "broken.onnx"
     graph.write_bytes(b"this is not an onnx graph")
-    m = digits_entry().manifest.model_copy(update={
-        "name": "broken_cnn", "dataset": None,
-        "assets": digits_entry().manifest.assets.model_copy(update={
-            "base_url": None, "graph_path": "broken.onnx",
-            "sha256": hashlib.sha256(graph.read_bytes()).hexdigest()})})
+    m = digits_entry().manifest.model_copy(
+        update={
+            "name": "broken_cnn",
+            "dataset": None,
+            "assets": digits_entry().manifest.assets.model_copy(
+                update={
+                    "base_url": None,
+                    "graph_path": "broken.onnx",
+                    "sha256": hashlib.sha256(graph.read_bytes()).hexdigest(),
+                }
+            ),
+        }
+    )
     return Entry(manifest=m, path=tmp_path / "broken.yaml")
 
 
-def test_agent_answers_typed_errors_and_keeps_serving(settings: Settings,
-                                                      tmp_path: Path) -> None:
+def test_agent_answers_typed_errors_and_keeps_serving(settings: Settings, tmp_path: Path) -> None:
     catalog = Catalog([digits_entry(), broken_entry(tmp_path)])
     agent = Agent(settings, AgentConfig(framework="onnxruntime", agent_id="careful"), catalog)
 
@@ -273,10 +297,17 @@ def test_agent_answers_typed_errors_and_keeps_serving(settings: Settings,
 
     async def body(bus: busmod.Bus, _ask_ctl: Ask) -> None:
         ctl, qs = names.agent_ctl("careful"), names.agent_query("careful")
-        prep = {"op": "prepare", "evaluation_id": "ev-1", "model": "digits_cnn",
-                "model_version": "1.0.0", "batch_size": 1, "trace_level": "none"}
-        bad = await ask(bus, ctl, codec.encode({**prep, "model": "broken_cnn",
-                                                "evaluation_id": "ev-2"}))
+        prep = {
+            "op": "prepare",
+            "evaluation_id": "ev-1",
+            "model": "digits_cnn",
+            "model_version": "1.0.0",
+            "batch_size": 1,
+            "trace_level": "none",
+        }
+        bad = await ask(
+            bus, ctl, codec.encode({**prep, "model": "broken_cnn", "evaluation_id": "ev-2"})
+        )
         err = error_from_wire(bad["error"])
         assert isinstance(err, ModelLoadError)
         assert err.fields["model"] == "broken_cnn"
@@ -293,8 +324,9 @@ def test_agent_answers_typed_errors_and_keeps_serving(settings: Settings,
         # cold start: release with unload, prepare with reload -> loaded again
         again = await ask(bus, ctl, codec.encode({**prep, "reload": True}))
         assert again["cold"] and again["load_ns"] > 0
-        rel = await ask(bus, ctl, codec.encode({"op": "release", "evaluation_id": "ev-1",
-                                                "unload": True}))
+        rel = await ask(
+            bus, ctl, codec.encode({"op": "release", "evaluation_id": "ev-1", "unload": True})
+        )
         assert rel["unloaded"] is True and not agent.workers
 
     run_agent(settings, agent, body)

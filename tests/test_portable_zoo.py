@@ -34,8 +34,12 @@ from tests.conftest import child_env, running_stack
 pytestmark = pytest.mark.timeout(300)
 
 BIN = Path(sys.executable).parent
-OTHER_CPU = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "ALL",
-             "MKL_CBWR": "AUTO", "OMP_NUM_THREADS": "2"}
+OTHER_CPU = {
+    "ATEN_CPU_CAPABILITY": "avx512",
+    "ONEDNN_MAX_CPU_ISA": "ALL",
+    "MKL_CBWR": "AUTO",
+    "OMP_NUM_THREADS": "2",
+}
 """Numeric settings of another machine (unsupported capabilities fall back to the
 best the CPU has, which still differs from the portable default)."""
 
@@ -48,17 +52,40 @@ def other_zoo(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Path:
     ours = BuildLock.read(zoo_dir / "digits_cnn" / "1.0.0")
     theirs = BuildLock.read(zoo / "digits_cnn" / "1.0.0")
     assert ours is not None and theirs is not None
-    assert ours.artifacts["digits_cnn.onnx"] != theirs.artifacts["digits_cnn.onnx"], \
+    assert ours.artifacts["digits_cnn.onnx"] != theirs.artifacts["digits_cnn.onnx"], (
         "the other numeric settings gave the same bytes: the test would prove nothing"
+    )
     return zoo
 
 
 def submit(settings: Settings, *flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(BIN / "mlscope-submit"), "digits_cnn", "--framework", "onnxruntime",
-         "--scenario", "online", "--qps", "50", "--duration", "1", "--min-duration", "0",
-         "--min-queries", "1", "--trace-level", "none", "--json", *flags],
-        env=child_env(settings), capture_output=True, text=True, timeout=120, check=False)
+        [
+            str(BIN / "mlscope-submit"),
+            "digits_cnn",
+            "--framework",
+            "onnxruntime",
+            "--scenario",
+            "online",
+            "--qps",
+            "50",
+            "--duration",
+            "1",
+            "--min-duration",
+            "0",
+            "--min-queries",
+            "1",
+            "--trace-level",
+            "none",
+            "--json",
+            *flags,
+        ],
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 async def agents(settings: Settings) -> list[AgentDescription]:
@@ -89,7 +116,8 @@ def tampered_copy(src: Path, dest: Path) -> Path:
 
 
 def test_a_file_changed_after_the_lock_is_refused_with_both_hashes_and_the_fix(
-        tmp_path: Path, other_zoo: Path) -> None:
+    tmp_path: Path, other_zoo: Path
+) -> None:
     onnx = tampered_copy(other_zoo, tmp_path / "zoo")
     lock = BuildLock.read(onnx.parent)
     assert lock is not None
@@ -108,7 +136,8 @@ def test_a_file_changed_after_the_lock_is_refused_with_both_hashes_and_the_fix(
 
 
 def test_a_file_changed_while_the_agent_runs_is_refused_at_load(
-        tmp_path: Path, other_zoo: Path) -> None:
+    tmp_path: Path, other_zoo: Path
+) -> None:
     zoo = tmp_path / "zoo"
     shutil.copytree(other_zoo, zoo, symlinks=True)
     with running_stack(tmp_path / "stack", zoo, ["onnxruntime"]) as stack:
@@ -133,21 +162,39 @@ def fresh_agent(tmp_path: Path) -> Iterator[tuple[Settings, Path, list[Any]]]:
 
 
 def test_an_agent_with_an_empty_data_dir_fetches_the_models_from_the_bus(
-        tmp_path: Path, zoo_dir: Path, fresh_agent: tuple[Settings, Path, list[Any]]) -> None:
+    tmp_path: Path, zoo_dir: Path, fresh_agent: tuple[Settings, Path, list[Any]]
+) -> None:
     _, empty, procs = fresh_agent
     with running_stack(tmp_path / "stack", zoo_dir, ["onnxruntime"]) as stack:
-        sent = anyio.run(lambda: push_zoo(stack.settings, zoo_dir, log=lambda _m: None),
-                         backend="asyncio")
+        sent = anyio.run(
+            lambda: push_zoo(stack.settings, zoo_dir, log=lambda _m: None), backend="asyncio"
+        )
         assert sent >= 2  # digits_cnn and efficientnet_lite0 at least
         remote = stack.settings.with_(data_dir=empty)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "agent", "--framework", "onnxruntime",
-             "--agent-id", "fresh-agent"], env=child_env(remote),
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "cli.main",
+                    "agent",
+                    "--framework",
+                    "onnxruntime",
+                    "--agent-id",
+                    "fresh-agent",
+                ],
+                env=child_env(remote),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
         fresh = wait_for_agent(stack, "fresh-agent")
         served = {o.name: o.sha256 for o in fresh.models}
-        for name, graph in (("digits_cnn", "digits_cnn.onnx"),
-                            ("efficientnet_lite0", "efficientnet_lite0.onnx")):
+        for name, graph in (
+            ("digits_cnn", "digits_cnn.onnx"),
+            ("efficientnet_lite0", "efficientnet_lite0.onnx"),
+        ):
             ours = BuildLock.read(zoo_dir / name / "1.0.0")
             fetched = BuildLock.read(empty / "zoo" / name / "1.0.0")
             assert ours is not None and fetched is not None
@@ -161,22 +208,36 @@ def test_an_agent_with_an_empty_data_dir_fetches_the_models_from_the_bus(
 def wait_for_agent(stack: Stack, agent_id: str, timeout: float = 120) -> AgentDescription:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        found = [a for a in anyio.run(agents, stack.settings, backend="asyncio")
-                 if a.agent_id == agent_id]
+        found = [
+            a
+            for a in anyio.run(agents, stack.settings, backend="asyncio")
+            if a.agent_id == agent_id
+        ]
         if found:
             return found[0]
         time.sleep(0.5)
     raise TimeoutError(f"agent {agent_id} did not register")
 
 
-@pytest.mark.parametrize("argv", [["mlscope", "agents"], ["mlscope-submit", "digits_cnn",
-                                                          "--framework", "onnxruntime"],
-                                  ["mlscope", "report", "ev-none"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["mlscope", "agents"],
+        ["mlscope-submit", "digits_cnn", "--framework", "onnxruntime"],
+        ["mlscope", "report", "ev-none"],
+    ],
+)
 def test_commands_fail_fast_without_a_bus(tmp_path: Path, argv: list[str]) -> None:
     settings = Settings(nats_url="nats://127.0.0.1:9", data_dir=tmp_path)
     started = time.monotonic()
-    out = subprocess.run([str(BIN / argv[0]), *argv[1:]], env=child_env(settings),
-                         capture_output=True, text=True, timeout=30, check=False)
+    out = subprocess.run(
+        [str(BIN / argv[0]), *argv[1:]],
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     took = time.monotonic() - started
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()

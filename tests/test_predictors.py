@@ -71,15 +71,26 @@ BACKENDS = [
     pytest.param(Backend("pytorch-ep", "pytorch", "exported"), id="pytorch-ep"),
     pytest.param(Backend("tensorflow", "tensorflow", "saved_model"), id="tensorflow"),
     pytest.param(Backend("tflite", "tflite", "tflite"), id="tflite"),
-    pytest.param(Backend("xrt", "xrt", "xclbin", device="fpga:0",
-                         attributes=pm.xrt_attributes()), id="xrt-standin"),
+    pytest.param(
+        Backend("xrt", "xrt", "xclbin", device="fpga:0", attributes=pm.xrt_attributes()),
+        id="xrt-standin",
+    ),
     pytest.param(Backend("noop", "noop", None, checks_inputs=False, computes=False), id="noop"),
-    pytest.param(Backend("onnxruntime-cuda", "onnxruntime", "onnx", device="cuda:0"),
-                 id="onnxruntime-cuda", marks=[*_GPU, _SKIP_ORT]),
-    pytest.param(Backend("pytorch-ts-cuda", "pytorch", "torchscript", device="cuda:0"),
-                 id="pytorch-ts-cuda", marks=[*_GPU, _SKIP_TORCH]),
-    pytest.param(Backend("pytorch-ep-cuda", "pytorch", "exported", device="cuda:0"),
-                 id="pytorch-ep-cuda", marks=[*_GPU, _SKIP_TORCH]),
+    pytest.param(
+        Backend("onnxruntime-cuda", "onnxruntime", "onnx", device="cuda:0"),
+        id="onnxruntime-cuda",
+        marks=[*_GPU, _SKIP_ORT],
+    ),
+    pytest.param(
+        Backend("pytorch-ts-cuda", "pytorch", "torchscript", device="cuda:0"),
+        id="pytorch-ts-cuda",
+        marks=[*_GPU, _SKIP_TORCH],
+    ),
+    pytest.param(
+        Backend("pytorch-ep-cuda", "pytorch", "exported", device="cuda:0"),
+        id="pytorch-ep-cuda",
+        marks=[*_GPU, _SKIP_TORCH],
+    ),
 ]
 
 
@@ -107,8 +118,9 @@ def backend(request: pytest.FixtureRequest) -> Backend:
     return b
 
 
-def _open(backend: Backend, models: pm.ModelSet, path: Path | None = None,
-          **options: Any) -> Predictor:
+def _open(
+    backend: Backend, models: pm.ModelSet, path: Path | None = None, **options: Any
+) -> Predictor:
     if path is None and backend.artifact is not None:
         path = models.paths[backend.artifact]
     manifest = pm.manifest(backend.framework, attributes=backend.attributes)
@@ -163,8 +175,9 @@ def test_probe_reports_real_version(backend: Backend) -> None:
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_outputs_match_reference(predictor: Predictor, backend: Backend, models: pm.ModelSet,
-                                 batch: int) -> None:
+def test_outputs_match_reference(
+    predictor: Predictor, backend: Backend, models: pm.ModelSet, batch: int
+) -> None:
     x = pm.sample_inputs(batch)
     outputs = predictor.predict([x])
     assert len(outputs) == 1
@@ -174,27 +187,32 @@ def test_outputs_match_reference(predictor: Predictor, backend: Backend, models:
     assert predictor.framework == backend.framework
 
 
-def test_batch_size_changes_on_one_predictor(predictor: Predictor, backend: Backend,
-                                             models: pm.ModelSet) -> None:
+def test_batch_size_changes_on_one_predictor(
+    predictor: Predictor, backend: Backend, models: pm.ModelSet
+) -> None:
     for batch in (1, 4, 1, 3, 8):
         _assert_works(predictor, backend, models, batch)
 
 
-def test_read_only_and_strided_inputs(predictor: Predictor, backend: Backend,
-                                      models: pm.ModelSet) -> None:
+def test_read_only_and_strided_inputs(
+    predictor: Predictor, backend: Backend, models: pm.ModelSet
+) -> None:
     """Arrays decoded from a bus message are read-only; slices are not contiguous."""
     x = pm.sample_inputs(3)
     ro = np.frombuffer(x.tobytes(), np.float32).reshape(3, pm.IN)
     assert not ro.flags.writeable
-    np.testing.assert_allclose(predictor.predict([ro])[0], _expected(backend, models, x),
-                               atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        predictor.predict([ro])[0], _expected(backend, models, x), atol=ATOL, rtol=0
+    )
     wide = pm.sample_inputs(6)[::2]
-    np.testing.assert_allclose(predictor.predict([wide])[0], _expected(backend, models, wide),
-                               atol=ATOL, rtol=0)
+    np.testing.assert_allclose(
+        predictor.predict([wide])[0], _expected(backend, models, wide), atol=ATOL, rtol=0
+    )
 
 
-def test_wrong_dtype_is_input_mismatch(predictor: Predictor, backend: Backend,
-                                       models: pm.ModelSet) -> None:
+def test_wrong_dtype_is_input_mismatch(
+    predictor: Predictor, backend: Backend, models: pm.ModelSet
+) -> None:
     if not backend.checks_inputs:
         pytest.skip(f"{backend.id} does not check dtypes")
     with pytest.raises(InputMismatchError) as ei:
@@ -204,10 +222,12 @@ def test_wrong_dtype_is_input_mismatch(predictor: Predictor, backend: Backend,
     _assert_works(predictor, backend, models)
 
 
-@pytest.mark.parametrize("shape", [(2, pm.IN - 1), (2, pm.IN, 1), (pm.IN,)],
-                         ids=["features", "rank-up", "no-batch"])
-def test_wrong_shape_is_input_mismatch(predictor: Predictor, backend: Backend,
-                                       models: pm.ModelSet, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    "shape", [(2, pm.IN - 1), (2, pm.IN, 1), (pm.IN,)], ids=["features", "rank-up", "no-batch"]
+)
+def test_wrong_shape_is_input_mismatch(
+    predictor: Predictor, backend: Backend, models: pm.ModelSet, shape: tuple[int, ...]
+) -> None:
     if not backend.checks_inputs:
         pytest.skip(f"{backend.id} does not check shapes")
     with pytest.raises(InputMismatchError) as ei:
@@ -218,8 +238,9 @@ def test_wrong_shape_is_input_mismatch(predictor: Predictor, backend: Backend,
 
 
 @pytest.mark.parametrize("count", [0, 2])
-def test_wrong_input_count_is_input_mismatch(predictor: Predictor, backend: Backend,
-                                             models: pm.ModelSet, count: int) -> None:
+def test_wrong_input_count_is_input_mismatch(
+    predictor: Predictor, backend: Backend, models: pm.ModelSet, count: int
+) -> None:
     with pytest.raises(InputMismatchError) as ei:
         predictor.predict([pm.sample_inputs(2)] * count)
     _assert_mismatch(ei.value, backend)
@@ -227,8 +248,7 @@ def test_wrong_input_count_is_input_mismatch(predictor: Predictor, backend: Back
     _assert_works(predictor, backend, models)
 
 
-def test_corrupt_model_is_load_error(backend: Backend, models: pm.ModelSet,
-                                     tmp_path: Path) -> None:
+def test_corrupt_model_is_load_error(backend: Backend, models: pm.ModelSet, tmp_path: Path) -> None:
     if backend.artifact is None:
         pytest.skip(f"{backend.id} loads no file")
     good = models.paths[backend.artifact]
@@ -283,30 +303,48 @@ def test_pytorch_runtime_failure_is_inference_error(models: pm.ModelSet, tmp_pat
 
 
 @pytest.mark.skipif(CUDA, reason="checks the no-GPU path")
-@pytest.mark.parametrize("framework,artifact", [("pytorch", "torchscript"),
-                                                ("onnxruntime", "onnx"),
-                                                ("tensorflow", "saved_model")])
-def test_gpu_device_without_gpu_is_load_error(models: pm.ModelSet, framework: str,
-                                              artifact: str) -> None:
+@pytest.mark.parametrize(
+    "framework,artifact",
+    [("pytorch", "torchscript"), ("onnxruntime", "onnx"), ("tensorflow", "saved_model")],
+)
+def test_gpu_device_without_gpu_is_load_error(
+    models: pm.ModelSet, framework: str, artifact: str
+) -> None:
     with pytest.raises(ModelLoadError) as ei:
-        open_predictor(framework, models.paths[artifact], pm.manifest(framework),
-                       PredictorOptions(device="cuda:0"))
+        open_predictor(
+            framework,
+            models.paths[artifact],
+            pm.manifest(framework),
+            PredictorOptions(device="cuda:0"),
+        )
     assert ei.value.fields["device"] == "cuda:0"
 
 
 def test_onnxruntime_options_from_framework_manifest(models: pm.ModelSet) -> None:
-    runtime = {"providers": ["CPUExecutionProvider"], "inter_op_threads": 2,
-               "execution_mode": "parallel", "graph_optimization": "basic"}
-    pred = open_predictor("onnxruntime", models.paths["onnx"], pm.manifest("onnxruntime"),
-                          PredictorOptions(threads=1, runtime=runtime))
+    runtime = {
+        "providers": ["CPUExecutionProvider"],
+        "inter_op_threads": 2,
+        "execution_mode": "parallel",
+        "graph_optimization": "basic",
+    }
+    pred = open_predictor(
+        "onnxruntime",
+        models.paths["onnx"],
+        pm.manifest("onnxruntime"),
+        PredictorOptions(threads=1, runtime=runtime),
+    )
     so = pred.session.get_session_options()
     assert (so.intra_op_num_threads, so.inter_op_num_threads) == (1, 2)
     assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     x = pm.sample_inputs(4)
     np.testing.assert_allclose(pred.predict([x])[0], models.reference(x), atol=ATOL, rtol=0)
     with pytest.raises(ModelLoadError, match="lacks provider"):
-        open_predictor("onnxruntime", models.paths["onnx"], pm.manifest("onnxruntime"),
-                       PredictorOptions(runtime={"providers": ["NoSuchExecutionProvider"]}))
+        open_predictor(
+            "onnxruntime",
+            models.paths["onnx"],
+            pm.manifest("onnxruntime"),
+            PredictorOptions(runtime={"providers": ["NoSuchExecutionProvider"]}),
+        )
 
 
 def test_tensorflow_maps_names_in_manifest_order(models: pm.ModelSet) -> None:
@@ -315,14 +353,14 @@ def test_tensorflow_maps_names_in_manifest_order(models: pm.ModelSet) -> None:
     named = pm.manifest(
         "tensorflow",
         inputs=[{"layer_name": "b_data", "shape": [4]}, {"layer_name": "a_scale", "shape": [4]}],
-        outputs=[{"layer_name": "total"}, {"layer_name": "product"}])
+        outputs=[{"layer_name": "total"}, {"layer_name": "product"}],
+    )
     pred = open_predictor("tensorflow", models.paths["two_inputs"], named, PredictorOptions())
     total, product = pred.predict([data, scale])
     np.testing.assert_allclose(product, data * scale)
     np.testing.assert_allclose(total, (data * scale).sum(axis=1, keepdims=True))
     # Without layer names: inputs and outputs in sorted signature-name order.
-    unnamed = pm.manifest("tensorflow", inputs=[{"shape": [4]}, {"shape": [4]}],
-                          outputs=[{}, {}])
+    unnamed = pm.manifest("tensorflow", inputs=[{"shape": [4]}, {"shape": [4]}], outputs=[{}, {}])
     pred = open_predictor("tensorflow", models.paths["two_inputs"], unnamed, PredictorOptions())
     product, total = pred.predict([scale, data])  # a_scale, b_data
     np.testing.assert_allclose(product, data * scale)
@@ -330,8 +368,12 @@ def test_tensorflow_maps_names_in_manifest_order(models: pm.ModelSet) -> None:
     with pytest.raises(ModelLoadError, match="not in the signature"):
         open_predictor("tensorflow", models.paths["two_inputs"], bad, PredictorOptions())
     with pytest.raises(ModelLoadError, match="no signature"):
-        open_predictor("tensorflow", models.paths["saved_model"], pm.manifest("tensorflow"),
-                       PredictorOptions(runtime={"signature": "predict"}))
+        open_predictor(
+            "tensorflow",
+            models.paths["saved_model"],
+            pm.manifest("tensorflow"),
+            PredictorOptions(runtime={"signature": "predict"}),
+        )
 
 
 def test_tflite_quantized_model(models: pm.ModelSet) -> None:
@@ -347,15 +389,17 @@ def test_tflite_quantized_model(models: pm.ModelSet) -> None:
     assert pred.predict([raw])[0].shape == (64, pm.OUT)  # raw int8 is passed through
     with pytest.raises(InputMismatchError):
         pred.predict([x.astype(np.float64)])
-    keep = open_predictor("tflite", path, pm.manifest("tflite"),
-                          PredictorOptions(runtime={"dequantize": False}))
+    keep = open_predictor(
+        "tflite", path, pm.manifest("tflite"), PredictorOptions(runtime={"dequantize": False})
+    )
     assert keep.predict([x])[0].dtype == np.int8
 
 
 def test_xrt_data_path_and_kernel_failure(models: pm.ModelSet, fake_pyxrt: Any) -> None:
     manifest = pm.manifest("xrt", attributes=pm.xrt_attributes())
-    pred = open_predictor("xrt", models.paths["xclbin"], manifest,
-                          PredictorOptions(device="fpga:0", batch_size=2))
+    pred = open_predictor(
+        "xrt", models.paths["xclbin"], manifest, PredictorOptions(device="fpga:0", batch_size=2)
+    )
     x = pm.sample_inputs(16)  # larger than batch_size: buffers grow
     np.testing.assert_allclose(pred.predict([x])[0], models.reference(x), atol=ATOL, rtol=0)
     fake_pyxrt.kernel.fail_next_run = True
@@ -368,21 +412,29 @@ def test_xrt_data_path_and_kernel_failure(models: pm.ModelSet, fake_pyxrt: Any) 
 def test_cross_framework_divergence(models: pm.ModelSet, fake_pyxrt: Any) -> None:
     """The same weights on every runtime: float formats agree; int8 TFLite drifts a little."""
     x = pm.sample_inputs(64, seed=11)
-    runs = {"onnxruntime": ("onnx", "cpu", {}), "pytorch": ("exported", "cpu", {}),
-            "tensorflow": ("saved_model", "cpu", {}), "tflite": ("tflite", "cpu", {}),
-            "xrt": ("xclbin", "fpga:0", pm.xrt_attributes())}
+    runs = {
+        "onnxruntime": ("onnx", "cpu", {}),
+        "pytorch": ("exported", "cpu", {}),
+        "tensorflow": ("saved_model", "cpu", {}),
+        "tflite": ("tflite", "cpu", {}),
+        "xrt": ("xclbin", "fpga:0", pm.xrt_attributes()),
+    }
     outputs = {}
     for framework, (artifact, device, attributes) in runs.items():
-        pred = open_predictor(framework, models.paths[artifact],
-                              pm.manifest(framework, attributes=attributes),
-                              PredictorOptions(device=device))
+        pred = open_predictor(
+            framework,
+            models.paths[artifact],
+            pm.manifest(framework, attributes=attributes),
+            PredictorOptions(device=device),
+        )
         outputs[framework] = pred.predict([x])[0]
         pred.close()
     for framework, out in outputs.items():
         d = divergence(outputs["pytorch"], out, kind="logits")
         assert d.max_abs_diff < ATOL and d.top1_agreement == 1.0 and d.mean_kl < 1e-9, framework
-    quant = open_predictor("tflite", models.paths["tflite_int8"], pm.manifest("tflite"),
-                           PredictorOptions()).predict([x])[0]
+    quant = open_predictor(
+        "tflite", models.paths["tflite_int8"], pm.manifest("tflite"), PredictorOptions()
+    ).predict([x])[0]
     d = divergence(outputs["pytorch"], quant, kind="logits")
     assert 0 < d.max_abs_diff < 0.25 and d.top1_agreement >= 0.9 and 0 < d.mean_kl < 0.01
 
@@ -399,20 +451,26 @@ def test_xrt_rejects_bad_configuration(models: pm.ModelSet, fake_pyxrt: Any) -> 
     ]
     for attributes, device, message in cases:
         with pytest.raises(ModelLoadError, match=message):
-            open_predictor("xrt", path, pm.manifest("xrt", attributes=attributes),
-                           PredictorOptions(device=device))
+            open_predictor(
+                "xrt",
+                path,
+                pm.manifest("xrt", attributes=attributes),
+                PredictorOptions(device=device),
+            )
 
 
-def test_xrt_without_pyxrt_is_not_advertised_and_says_how_to_install(
-        models: pm.ModelSet) -> None:
+def test_xrt_without_pyxrt_is_not_advertised_and_says_how_to_install(models: pm.ModelSet) -> None:
     if "pyxrt" not in sys.modules and importlib.util.find_spec("pyxrt") is not None:
         pytest.skip("a real pyxrt is installed here")
     sys.modules.pop("pyxrt", None)
     assert probe("xrt") is None
     with pytest.raises(FrameworkUnavailable, match=r"source /opt/xilinx/xrt/setup\.sh") as ei:
-        open_predictor("xrt", models.paths["xclbin"],
-                       pm.manifest("xrt", attributes=pm.xrt_attributes()),
-                       PredictorOptions(device="fpga:0"))
+        open_predictor(
+            "xrt",
+            models.paths["xclbin"],
+            pm.manifest("xrt", attributes=pm.xrt_attributes()),
+            PredictorOptions(device="fpga:0"),
+        )
     assert isinstance(ei.value, PredictorError) and isinstance(ei.value, ImportError)
 
 
@@ -427,7 +485,8 @@ def test_accelerators_are_found_through_the_runtime(fake_pyxrt: Any) -> None:
 
     fpgas = accelerators("xrt")
     assert [(a.kind, a.index) for a in fpgas] == [
-        ("fpga", i) for i in range(fake_pyxrt.enumerate_devices())]
+        ("fpga", i) for i in range(fake_pyxrt.enumerate_devices())
+    ]
     assert all(a.model and a.model != "unknown" for a in fpgas)
     # No GPU on a CPU-only machine: torch finds none and NVML is absent or empty.
     import torch

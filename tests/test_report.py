@@ -17,12 +17,19 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def mlscope(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([python(), "-m", "cli.main", *args], env=child_env(settings),
-                          capture_output=True, text=True, timeout=240, check=False)
+    return subprocess.run(
+        [python(), "-m", "cli.main", *args],
+        env=child_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
 
 
-def test_html_report_is_self_contained_with_tables_and_plots(analysis_runs: AnalysisRuns,
-                                                             tmp_path: Path) -> None:
+def test_html_report_is_self_contained_with_tables_and_plots(
+    analysis_runs: AnalysisRuns, tmp_path: Path
+) -> None:
     ids = list(analysis_runs.all)
     out = tmp_path / "report.html"
     done = mlscope(analysis_runs.settings, "report", *ids, "-o", str(out))
@@ -36,8 +43,7 @@ def test_html_report_is_self_contained_with_tables_and_plots(analysis_runs: Anal
     assert not re.search(r"""(src|href)=["']https?://""", html)
 
 
-def test_markdown_report_has_the_summary_table(analysis_runs: AnalysisRuns,
-                                               tmp_path: Path) -> None:
+def test_markdown_report_has_the_summary_table(analysis_runs: AnalysisRuns, tmp_path: Path) -> None:
     out = tmp_path / "report.md"
     done = mlscope(analysis_runs.settings, "report", *analysis_runs.online, "-o", str(out))
     assert done.returncode == 0, done.stderr
@@ -47,8 +53,9 @@ def test_markdown_report_has_the_summary_table(analysis_runs: AnalysisRuns,
 
 
 def test_suite_prints_table_2(analysis_runs: AnalysisRuns) -> None:
-    done = mlscope(analysis_runs.settings, "report", "--suite",
-                   "--models", "digits_cnn/onnxruntime")
+    done = mlscope(
+        analysis_runs.settings, "report", "--suite", "--models", "digits_cnn/onnxruntime"
+    )
     assert done.returncode == 0, done.stderr
     header = done.stdout.splitlines()[0].lower()
     for column in ("model", "framework", "top-1", "size", "p90", "tput", "batch"):
@@ -56,8 +63,9 @@ def test_suite_prints_table_2(analysis_runs: AnalysisRuns) -> None:
     assert "digits_cnn" in done.stdout and "onnxruntime" in done.stdout
 
 
-def test_report_of_an_unknown_evaluation_fails_clearly(analysis_runs: AnalysisRuns,
-                                                       tmp_path: Path) -> None:
+def test_report_of_an_unknown_evaluation_fails_clearly(
+    analysis_runs: AnalysisRuns, tmp_path: Path
+) -> None:
     done = mlscope(analysis_runs.settings, "report", "ev-nope", "-o", str(tmp_path / "r.md"))
     assert done.returncode != 0
     assert "ev-nope" in done.stderr

@@ -38,14 +38,28 @@ pytestmark = pytest.mark.timeout(240)
 
 def span_batch(eval_id: str, start: int, n: int) -> SpanBatch:
     ids = list(range(start, start + n))
-    return SpanBatch(evaluation_id=eval_id, agent_id="a1", host="h", batch_id=new_id("sb"),
-                     columns={"span_id": ids, "parent_id": [0] * n, "query_index": ids,
-                              "level": [1] * n, "kind": ["step"] * n, "name": ["predict"] * n,
-                              "start_ns": ids, "end_ns": ids, "attrs": [""] * n})
+    return SpanBatch(
+        evaluation_id=eval_id,
+        agent_id="a1",
+        host="h",
+        batch_id=new_id("sb"),
+        columns={
+            "span_id": ids,
+            "parent_id": [0] * n,
+            "query_index": ids,
+            "level": [1] * n,
+            "kind": ["step"] * n,
+            "name": ["predict"] * n,
+            "start_ns": ids,
+            "end_ns": ids,
+            "attrs": [""] * n,
+        },
+    )
 
 
-def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Settings,
-                                                                 tmp_path: Path) -> None:
+def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(
+    settings: Settings, tmp_path: Path
+) -> None:
     db = Database(f"chdb:///{tmp_path / 'db'}")
     db.migrate()
     # No background merge may fold the duplicates away: the raw count must show them.
@@ -59,8 +73,9 @@ def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Setti
 
             async def publish(first: int, last: int) -> None:
                 for b in range(first, last):
-                    await bus.js.publish(names.traces(eval_id),
-                                         codec.encode_model(span_batch(eval_id, b * per, per)))
+                    await bus.js.publish(
+                        names.traces(eval_id), codec.encode_model(span_batch(eval_id, b * per, per))
+                    )
 
             # 1) An ingester that inserts but dies before acknowledging (crash window).
             crashing = Ingester(bus, db, ack_wait_s=1.0)
@@ -100,14 +115,16 @@ def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(settings: Setti
 
     anyio.run(main, backend="asyncio")
     assert _count(db, eval_id) == per * batches
-    distinct = db.rows("SELECT uniqExact(span_id) FROM spans WHERE evaluation_id = {e:String}",
-                       {"e": eval_id})[0][0]
+    distinct = db.rows(
+        "SELECT uniqExact(span_id) FROM spans WHERE evaluation_id = {e:String}", {"e": eval_id}
+    )[0][0]
     assert distinct == per * batches
     # The dedup path really ran: the crashed ingester's batches came back and were
     # stored a second time (raw rows, merges stopped), yet FINAL shows each span once.
     total = per * batches
-    raw = int(db.rows("SELECT count() FROM spans WHERE evaluation_id = {e:String}",
-                      {"e": eval_id})[0][0])
+    raw = int(
+        db.rows("SELECT count() FROM spans WHERE evaluation_id = {e:String}", {"e": eval_id})[0][0]
+    )
     stored = sum(i.ingested for i in ingesters)
     assert ingesters[0].ingested >= 20 * per  # inserted, never acknowledged
     assert raw == stored > total, (raw, stored, total)
@@ -121,7 +138,8 @@ async def _noop() -> None:
 
 
 def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
-        settings: Settings, tmp_path: Path) -> None:
+    settings: Settings, tmp_path: Path
+) -> None:
     db = Database(f"chdb:///{tmp_path / 'db'}")
     db.migrate()
     eval_id = "ev-trim"
@@ -129,8 +147,9 @@ def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
     async def main() -> tuple[int, int, list[str]]:
         async with busmod.connect(settings, name="test", provision=True) as bus:
             for b in range(10):
-                await bus.js.publish(names.traces(eval_id),
-                                     codec.encode_model(span_batch(eval_id, b * 50, 50)))
+                await bus.js.publish(
+                    names.traces(eval_id), codec.encode_model(span_batch(eval_id, b * 50, 50))
+                )
             poison = span_batch(eval_id, 10_000, 2).dump()
             poison["columns"]["span_id"] = ["abc", "def"]  # a string in a UInt64 column
             await bus.js.publish(names.traces(eval_id), codec.encode(poison))
@@ -138,7 +157,7 @@ def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ingester.run)
                 with anyio.fail_after(30):
-                    while (_count(db, eval_id) < 500 or ingester.trimmed_below < 12):
+                    while _count(db, eval_id) < 500 or ingester.trimmed_below < 12:
                         await anyio.sleep(0.1)
                 tg.cancel_scope.cancel()
             left = (await bus.js.stream_info(names.TRACES_STREAM)).state.messages
@@ -153,20 +172,27 @@ def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
 
 
 def _count(db: Database, eval_id: str) -> int:
-    return int(db.rows("SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}",
-                       {"e": eval_id})[0][0])
+    return int(
+        db.rows("SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}", {"e": eval_id})[
+            0
+        ][0]
+    )
 
 
 def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
     env = child_env(settings)
-    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework",
-                              "onnxruntime"], env=env)
+    agent = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "onnxruntime"], env=env
+    )
     first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
     second = None
     try:
         anyio.run(wait_agents, settings, 1)
-        job = JobRequest(model="digits_cnn", framework="onnxruntime",
-                         scenario=ScenarioSpec(name="online", qps=100, duration_s=4))
+        job = JobRequest(
+            model="digits_cnn",
+            framework="onnxruntime",
+            scenario=ScenarioSpec(name="online", qps=100, duration_s=4),
+        )
         events: list[str] = []
 
         def on_event(e: JobEvent) -> None:
@@ -176,8 +202,9 @@ def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
                 first.send_signal(signal.SIGKILL)  # dies mid-job, without acknowledging
                 second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
 
-        summary = anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=150),
-                            backend="asyncio")
+        summary = anyio.run(
+            lambda: submit(settings, job, on_event=on_event, timeout=150), backend="asyncio"
+        )
         servers = {e.split(":")[1] for e in events if e.startswith("accepted")}
         assert len(servers) == 2, events  # taken by the first, run again by the second
         assert any(e.startswith("restarted") for e in events), events  # and said so
@@ -195,28 +222,38 @@ def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
 
 async def _evaluations_of(settings: Settings, job_id: str) -> list[str]:
     async with busmod.connect(settings, name="test") as bus:
-        _, rows = await remote.sql(bus, "SELECT evaluation_id FROM evaluations FINAL "
-                                   "WHERE job_id = {j:String}", {"j": job_id})
+        _, rows = await remote.sql(
+            bus,
+            "SELECT evaluation_id FROM evaluations FINAL WHERE job_id = {j:String}",
+            {"j": job_id},
+        )
     return [r[0] for r in rows]
 
 
 def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
-        settings: Settings) -> None:
+    settings: Settings,
+) -> None:
     env = child_env(settings)
-    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop",
-                              "--agent-id", "doomed"], env=env)
+    agent = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "doomed"],
+        env=env,
+    )
     server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
     try:
         anyio.run(wait_agents, settings, 1)
-        job = JobRequest(model="noop", framework="noop",
-                         scenario=ScenarioSpec(name="online", qps=200, duration_s=4))
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=200, duration_s=4),
+        )
 
         def on_event(e: JobEvent) -> None:
             if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
                 agent.send_signal(signal.SIGKILL)
 
-        summary = anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=120),
-                            backend="asyncio")
+        summary = anyio.run(
+            lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+        )
         assert not summary.valid and agent.poll() is not None
         lost = [r for r in summary.invalid_reasons if r.startswith("agent doomed lost after")]
         assert lost, summary.invalid_reasons
@@ -227,14 +264,17 @@ def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
         async def stored() -> tuple[list[str], list[list[object]]]:
             async with busmod.connect(settings, name="test") as bus:
                 return await remote.sql(
-                    bus, "SELECT countIf(ok = 1), countIf(ok = 0 AND error LIKE 'lost: %'), "
+                    bus,
+                    "SELECT countIf(ok = 1), countIf(ok = 0 AND error LIKE 'lost: %'), "
                     "count() FROM queries FINAL WHERE evaluation_id = {e:String}",
-                    {"e": summary.evaluation_id})
+                    {"e": summary.evaluation_id},
+                )
 
         _, rows = anyio.run(stored, backend="asyncio")
         assert rows[0] == [answered, total - answered, total]  # every query, each explained
-        assert anyio.run(_evaluations_of, settings, job.job_id,
-                         backend="asyncio") == [summary.evaluation_id]
+        assert anyio.run(_evaluations_of, settings, job.job_id, backend="asyncio") == [
+            summary.evaluation_id
+        ]
         assert server.poll() is None
     finally:
         for p in (agent, server):
@@ -245,8 +285,10 @@ def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
 
 def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Settings) -> None:
     env = child_env(settings)
-    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework",
-                              "onnxruntime", "--agent-id", "sturdy"], env=env)
+    agent = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "onnxruntime", "--agent-id", "sturdy"],
+        env=env,
+    )
     server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
     try:
         anyio.run(wait_agents, settings, 1)
@@ -255,30 +297,49 @@ def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Set
         async def main() -> None:
             async with busmod.connect(settings, name="test") as bus:
                 for subject in (names.agent_query("sturdy"), names.agent_ctl("sturdy")):
-                    for payload in (b"\xc1garbage", codec.encode({"kind": "query"}),
-                                    codec.encode([1, 2])):
-                        reply = codec.decode((await bus.nc.request(subject, payload,
-                                                                   timeout=5)).data)
+                    for payload in (
+                        b"\xc1garbage",
+                        codec.encode({"kind": "query"}),
+                        codec.encode([1, 2]),
+                    ):
+                        reply = codec.decode(
+                            (await bus.nc.request(subject, payload, timeout=5)).data
+                        )
                         assert reply["kind"] == "error", reply
-                        assert isinstance(error_from_wire(reply["error"]),
-                                          (WireError, EvaluationError))
+                        assert isinstance(
+                            error_from_wire(reply["error"]), (WireError, EvaluationError)
+                        )
                 # A query for an evaluation the agent was never prepared for.
                 q = Query(evaluation_id="ev-none", index=0, inputs=np.zeros((1, 8, 8)))
-                reply = codec.decode((await bus.nc.request(names.agent_query("sturdy"),
-                                                           codec.encode_model(q), timeout=5)).data)
+                reply = codec.decode(
+                    (
+                        await bus.nc.request(
+                            names.agent_query("sturdy"), codec.encode_model(q), timeout=5
+                        )
+                    ).data
+                )
                 assert "not prepared" in reply["error"]["message"]
                 # The server refuses anything but a read-only statement.
-                bad = await bus.nc.request(names.SQL_SUBJECT,
-                                           codec.encode({"sql": "DROP TABLE spans"}), timeout=10)
+                bad = await bus.nc.request(
+                    names.SQL_SUBJECT, codec.encode({"sql": "DROP TABLE spans"}), timeout=10
+                )
                 assert codec.decode(bad.data)["kind"] == "error"
                 # A job that is not a job: the server terminates it and stays up.
                 await bus.js.publish(names.JOBS_SUBJECT, b"not msgpack")
 
         anyio.run(main, backend="asyncio")
-        summary = anyio.run(lambda: submit(settings, JobRequest(
-            model="digits_cnn", framework="onnxruntime",
-            scenario=ScenarioSpec(name="online", qps=100, duration_s=1)), timeout=60),
-            backend="asyncio")
+        summary = anyio.run(
+            lambda: submit(
+                settings,
+                JobRequest(
+                    model="digits_cnn",
+                    framework="onnxruntime",
+                    scenario=ScenarioSpec(name="online", qps=100, duration_s=1),
+                ),
+                timeout=60,
+            ),
+            backend="asyncio",
+        )
         assert summary.status == "completed" and summary.errors == 0
         assert agent.poll() is None and server.poll() is None
     finally:
@@ -290,22 +351,23 @@ def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Set
 def test_submit_without_a_server_fails_within_seconds(settings: Settings) -> None:
     t = time.monotonic()
     with pytest.raises(BusError, match="server"):
-        anyio.run(lambda: submit(settings, JobRequest(model="digits_cnn",
-                                                      framework="onnxruntime")),
-                  backend="asyncio")
+        anyio.run(
+            lambda: submit(settings, JobRequest(model="digits_cnn", framework="onnxruntime")),
+            backend="asyncio",
+        )
     assert time.monotonic() - t < 15
 
 
-
-
-def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(tmp_path: Path,
-                                                                     zoo_dir: Path) -> None:
+def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(
+    tmp_path: Path, zoo_dir: Path
+) -> None:
     nats = NatsServer(store_dir=tmp_path / "nats", port=free_port()).start()
     settings = Settings(nats_url=nats.url, data_dir=make_data_dir(tmp_path / "data", zoo_dir))
     env = child_env(settings)
-    procs = [subprocess.Popen([python(), "-m", "cli.main", "server"], env=env),
-             subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"],
-                              env=env)]
+    procs = [
+        subprocess.Popen([python(), "-m", "cli.main", "server"], env=env),
+        subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"], env=env),
+    ]
     outage: list[threading.Thread] = []
 
     def down_and_up() -> None:
@@ -320,14 +382,19 @@ def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(tmp_path: Pa
 
     try:
         anyio.run(wait_agents, settings, 1)
-        job = JobRequest(model="noop", framework="noop",
-                         scenario=ScenarioSpec(name="online", qps=100, duration_s=30))
-        summary = anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=170),
-                            backend="asyncio")
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=100, duration_s=30),
+        )
+        summary = anyio.run(
+            lambda: submit(settings, job, on_event=on_event, timeout=170), backend="asyncio"
+        )
         assert outage and not outage[0].is_alive()
         assert summary.evaluation_id == evaluation_id_for(job.job_id)
-        assert anyio.run(_evaluations_of, settings, job.job_id,
-                         backend="asyncio") == [summary.evaluation_id]
+        assert anyio.run(_evaluations_of, settings, job.job_id, backend="asyncio") == [
+            summary.evaluation_id
+        ]
         assert [p.poll() for p in procs] == [None, None]
     finally:
         for t in outage:
@@ -342,8 +409,7 @@ def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(tmp_path: Pa
 def test_sigterm_stops_a_running_load_at_once(settings: Settings) -> None:
     env = child_env(settings)
     server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"],
-                             env=env)
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"], env=env)
     stopped: dict[str, float] = {}
 
     def on_event(e: JobEvent) -> None:
@@ -356,11 +422,15 @@ def test_sigterm_stops_a_running_load_at_once(settings: Settings) -> None:
 
     try:
         anyio.run(wait_agents, settings, 1)
-        job = JobRequest(model="noop", framework="noop",
-                         scenario=ScenarioSpec(name="online", qps=200, duration_s=60))
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=200, duration_s=60),
+        )
         with pytest.raises(KeyboardInterrupt):
-            anyio.run(lambda: submit(settings, job, on_event=on_event, timeout=90),
-                      backend="asyncio")
+            anyio.run(
+                lambda: submit(settings, job, on_event=on_event, timeout=90), backend="asyncio"
+            )
         assert server.returncode == 0
         assert stopped["exit"] - stopped["at"] < 5.0  # not the 60 s the schedule had left
     finally:

@@ -31,14 +31,17 @@ def farm(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[di
     base = tmp_path_factory.mktemp("farm")
     with NatsServer(store_dir=base / "nats") as nats_server:
         settings = Settings(nats_url=nats_server.url, data_dir=make_data_dir(base / "c", zoo_dir))
-        replicas = [settings.with_(data_dir=make_data_dir(base / f"s{i}", zoo_dir))
-                    for i in range(2)]
+        replicas = [
+            settings.with_(data_dir=make_data_dir(base / f"s{i}", zoo_dir)) for i in range(2)
+        ]
         servers = [start(s, "server") for s in replicas]
         agents = []
         try:
             anyio.run(wait_server, settings)
-            agents = [start(settings, "agent", "--framework", "noop", "--agent-id", f"n{i}")
-                      for i in range(AGENTS)]
+            agents = [
+                start(settings, "agent", "--framework", "noop", "--agent-id", f"n{i}")
+                for i in range(AGENTS)
+            ]
             anyio.run(wait_agents, settings, AGENTS, 120.0)
             yield {"settings": settings, "replicas": replicas, "servers": servers}
         finally:
@@ -54,18 +57,30 @@ def test_agents_share_load_through_their_queue_group(farm: dict) -> None:
         async with busmod.connect(settings, name="test") as bus:
             spans = await bus.nc.subscribe(names.traces(eval_id))
             for i in range(AGENTS):
-                await busmod.request(bus, names.agent_ctl(f"n{i}"), codec.encode({
-                    "op": "prepare", "evaluation_id": eval_id, "model": "noop",
-                    "model_version": "1.0.0", "batch_size": 1, "trace_level": "model"}),
-                    timeout=30)
+                await busmod.request(
+                    bus,
+                    names.agent_ctl(f"n{i}"),
+                    codec.encode(
+                        {
+                            "op": "prepare",
+                            "evaluation_id": eval_id,
+                            "model": "noop",
+                            "model_version": "1.0.0",
+                            "batch_size": 1,
+                            "trace_level": "model",
+                        }
+                    ),
+                    timeout=30,
+                )
             subject = names.capability("noop", "noop")
             limit = anyio.Semaphore(32)
 
             async def one(i: int) -> None:
                 async with limit:
                     q = Query(evaluation_id=eval_id, index=i, inputs=np.zeros((1, 16), np.float32))
-                    reply = codec.decode((await bus.nc.request(subject, codec.encode_model(q),
-                                                               timeout=10)).data)
+                    reply = codec.decode(
+                        (await bus.nc.request(subject, codec.encode_model(q), timeout=10)).data
+                    )
                     assert reply["ok"] is True
 
             async with anyio.create_task_group() as tg:
@@ -75,9 +90,13 @@ def test_agents_share_load_through_their_queue_group(farm: dict) -> None:
             with anyio.move_on_after(10):
                 while len(queries) < 800:
                     batch = codec.decode_model(SpanBatch, (await spans.next_msg(5)).data)
-                    roots = [q for q, k in zip(batch.columns["query_index"],
-                                               batch.columns["kind"], strict=True)
-                             if k == "query"]
+                    roots = [
+                        q
+                        for q, k in zip(
+                            batch.columns["query_index"], batch.columns["kind"], strict=True
+                        )
+                        if k == "query"
+                    ]
                     per_agent[batch.agent_id] += len(roots)
                     queries.update(roots)
             assert len(queries) == 800
@@ -89,12 +108,14 @@ def test_agents_share_load_through_their_queue_group(farm: dict) -> None:
 
 
 def test_all_agents_runs_one_evaluation_per_agent_and_replicas_run_each_once(
-        farm: dict, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    farm: dict, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings: Settings = farm["settings"]
     for var, value in settings.as_env().items():
         monkeypatch.setenv(var, value)
-    job = JobRequest(model="noop", framework="noop",
-                     scenario=ScenarioSpec(name="online", qps=20, duration_s=1))
+    job = JobRequest(
+        model="noop", framework="noop", scenario=ScenarioSpec(name="online", qps=20, duration_s=1)
+    )
     results = anyio.run(lambda: submit_all(settings, job, timeout=120), backend="asyncio")
     summaries = [r for r in results if isinstance(r, EvaluationSummary)]
     assert len(summaries) == AGENTS, results
@@ -105,12 +126,18 @@ def test_all_agents_runs_one_evaluation_per_agent_and_replicas_run_each_once(
     jobs = {s.job_id for s in summaries}
     assert len(jobs) == AGENTS
     # The command line: the same, as one table.
-    assert submit_main(["noop", "--framework", "noop", "--all-agents", "--qps", "10",
-                        "--duration", "1"]) == 0
+    assert (
+        submit_main(
+            ["noop", "--framework", "noop", "--all-agents", "--qps", "10", "--duration", "1"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert sum(f"n{i} " in out for i in range(AGENTS)) == AGENTS, out
     # Both replicas consumed the one job stream; together they stored each job once.
     stop(*farm["servers"])
-    stored = [count(r.data_dir / "chdb", "SELECT count() FROM evaluations FINAL")
-              for r in farm["replicas"]]
+    stored = [
+        count(r.data_dir / "chdb", "SELECT count() FROM evaluations FINAL")
+        for r in farm["replicas"]
+    ]
     assert sum(stored) == 2 * AGENTS, stored

@@ -47,22 +47,44 @@ def run(settings: Settings, spec: ScenarioSpec) -> EvaluationSummary:
 
 def rows(settings: Settings, evaluation_id: str) -> np.ndarray:
     """(index, scheduled, issued, completed) ns of every stored query, in index order."""
+
     async def go() -> list[list[object]]:
         async with busmod.connect(settings, name="test") as bus:
-            return (await remote.sql(
-                bus, "SELECT query_index, scheduled_ns, issued_ns, completed_ns FROM queries "
-                "FINAL WHERE evaluation_id = {e:String} ORDER BY query_index",
-                {"e": evaluation_id}))[1]
+            return (
+                await remote.sql(
+                    bus,
+                    "SELECT query_index, scheduled_ns, issued_ns, completed_ns FROM queries "
+                    "FINAL WHERE evaluation_id = {e:String} ORDER BY query_index",
+                    {"e": evaluation_id},
+                )
+            )[1]
 
     return np.asarray(anyio.run(go, backend="asyncio"), dtype=np.int64).reshape(-1, 4)
 
 
 def test_cli_noop_online_json_has_issue_lag_and_split(noop_stack: Stack) -> None:
     out = subprocess.run(
-        [python(), "-m", "cli.submit", "noop", "--framework", "noop", "--scenario", "online",
-         "--qps", "300", "--duration", "2", "--json"],
-        env=child_env(noop_stack.settings), capture_output=True, text=True, timeout=120,
-        check=False)
+        [
+            python(),
+            "-m",
+            "cli.submit",
+            "noop",
+            "--framework",
+            "noop",
+            "--scenario",
+            "online",
+            "--qps",
+            "300",
+            "--duration",
+            "2",
+            "--json",
+        ],
+        env=child_env(noop_stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["errors"] == 0 and doc["not_issued"] == 0
@@ -77,13 +99,21 @@ def test_cli_noop_online_json_has_issue_lag_and_split(noop_stack: Stack) -> None
     assert split["transport"]["p50"] > 0
 
 
-@pytest.mark.parametrize("spec", [
-    ScenarioSpec(name="constant", qps=150, duration_s=1.5, **LOOSE),
-    ScenarioSpec(name="multi-stream", qps=40, batch_size=4, duration_s=1.5, **LOOSE),
-    ScenarioSpec(name="piecewise", segments=((20, 300, 1.0), (300, 300, 0.5), (600, 600, 0.3)),
-                 seed=4, **LOOSE),
-    ScenarioSpec(name="replay", arrivals_s=(0.01, 0.02, 0.0, 0.005, 0.3, 0.001) * 8, **LOOSE),
-], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ScenarioSpec(name="constant", qps=150, duration_s=1.5, **LOOSE),
+        ScenarioSpec(name="multi-stream", qps=40, batch_size=4, duration_s=1.5, **LOOSE),
+        ScenarioSpec(
+            name="piecewise",
+            segments=((20, 300, 1.0), (300, 300, 0.5), (600, 600, 0.3)),
+            seed=4,
+            **LOOSE,
+        ),
+        ScenarioSpec(name="replay", arrivals_s=(0.01, 0.02, 0.0, 0.005, 0.3, 0.001) * 8, **LOOSE),
+    ],
+    ids=lambda s: s.name,
+)
 def test_open_loop_scenarios_issue_their_schedule(noop_stack: Stack, spec: ScenarioSpec) -> None:
     s = run(noop_stack.settings, spec)
     expected, _ = build_schedule(spec)
@@ -100,8 +130,10 @@ def test_open_loop_scenarios_issue_their_schedule(noop_stack: Stack, spec: Scena
 
 @pytest.mark.parametrize("name,concurrency", [("single-stream", 1), ("concurrency", 3)])
 def test_closed_loops_keep_n_outstanding(noop_stack: Stack, name: str, concurrency: int) -> None:
-    s = run(noop_stack.settings, ScenarioSpec(name=name, concurrency=concurrency,
-                                              duration_s=1.0, **LOOSE))
+    s = run(
+        noop_stack.settings,
+        ScenarioSpec(name=name, concurrency=concurrency, duration_s=1.0, **LOOSE),
+    )
     assert s.errors == 0 and s.queries > 50
     assert all(r.startswith("early stopping") for r in s.invalid_reasons), s.invalid_reasons
     got = rows(noop_stack.settings, s.evaluation_id)
@@ -116,8 +148,10 @@ def test_closed_loops_keep_n_outstanding(noop_stack: Stack, name: str, concurren
 
 def test_batched_sweep_stores_every_point(noop_stack: Stack) -> None:
     sizes = (1, 8, 32)
-    s = run(noop_stack.settings, ScenarioSpec(name="batched", batch_sizes=sizes,
-                                              duration_s=0.7, **LOOSE))
+    s = run(
+        noop_stack.settings,
+        ScenarioSpec(name="batched", batch_sizes=sizes, duration_s=0.7, **LOOSE),
+    )
     assert [p["batch_size"] for p in s.points] == list(sizes)
     best = max(s.points, key=lambda p: p["throughput_ips"])
     assert s.optimal_batch_size == best["batch_size"]
@@ -129,8 +163,9 @@ def test_batched_sweep_stores_every_point(noop_stack: Stack) -> None:
 def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Stack) -> None:
     """A bound the noop agent meets at a few hundred QPS and cannot at thousands (2
     cores): the search must double past the agent's capacity, then bisect."""
-    spec = ScenarioSpec(name="peak", qps=400, duration_s=2.0, latency_bound_ms=50,
-                        peak_trials=7, **LOOSE)
+    spec = ScenarioSpec(
+        name="peak", qps=400, duration_s=2.0, latency_bound_ms=50, peak_trials=7, **LOOSE
+    )
     floor = peak_floor_qps(spec, ValidityPolicy())
     assert floor < spec.qps  # 2 s at 400 QPS: enough queries to show p99
     s = run(noop_stack.settings, spec)
@@ -182,8 +217,9 @@ def test_distributed_load_merges_one_global_schedule(noop_stack: Stack) -> None:
         if event.event == "progress":
             progress.append(event.queries_done)
 
-    s = anyio.run(lambda: submit(noop_stack.settings, job, on_event=seen, timeout=180),
-                  backend="asyncio")
+    s = anyio.run(
+        lambda: submit(noop_stack.settings, job, on_event=seen, timeout=180), backend="asyncio"
+    )
     whole = schedule.poisson(300, duration_s=2.5, seed=11)
     assert s.loadgens == 2 and s.queries == len(whole) and s.errors == 0, s.invalid_reasons
     # the children's counts, summed while they run
@@ -203,8 +239,9 @@ def _stall(pid: int, after_s: float, for_s: float) -> float:
     return for_s
 
 
-def _run_with_stall(stack: Stack, spec: ScenarioSpec, target: str, stall_s: float
-                    ) -> EvaluationSummary:
+def _run_with_stall(
+    stack: Stack, spec: ScenarioSpec, target: str, stall_s: float
+) -> EvaluationSummary:
     """Run ``spec`` and stop process ``target`` for ``stall_s`` once the run is going."""
     pid = stack.children[target].pid
     job = JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none")
@@ -218,6 +255,7 @@ def _run_with_stall(stack: Stack, spec: ScenarioSpec, target: str, stall_s: floa
 
         out: list[EvaluationSummary] = []
         async with anyio.create_task_group() as tg:
+
             async def job_task() -> None:
                 out.append(await submit(stack.settings, job, on_event=seen, timeout=120))
 
@@ -253,8 +291,9 @@ def test_stalled_agent_makes_latency_grow_from_the_schedule(noop_stack: Stack) -
     assert s.latency_ms.p99 is not None and s.latency_ms.p99 > 300  # ~20% of queries waited
 
     # The same stall in a closed loop hides itself: one query sees it.
-    closed = _run_with_stall(noop_stack, ScenarioSpec(name="single-stream", duration_s=2.0,
-                                                      **LOOSE), "agent:noop", 0.6)
+    closed = _run_with_stall(
+        noop_stack, ScenarioSpec(name="single-stream", duration_s=2.0, **LOOSE), "agent:noop", 0.6
+    )
     got = rows(noop_stack.settings, closed.evaluation_id)
     slow = ((got[:, 3] - got[:, 1]) / 1e9 > 0.25).sum()
     assert 1 <= slow <= 2  # the one in flight (a busy machine may add one more)
@@ -268,15 +307,15 @@ def assert_reported_from_schedule(s: EvaluationSummary, got: np.ndarray) -> None
     assert s.errors == 0 and s.not_issued == 0  # every stored query answered
     lat_ms = (got[:, 3] - got[:, 1]) / 1e6
     assert s.latency_ms.max == pytest.approx(lat_ms.max())
-    for q, reported in ((50, s.latency_ms.p50), (90, s.latency_ms.p90),
-                        (99, s.latency_ms.p99)):
+    for q, reported in ((50, s.latency_ms.p50), (90, s.latency_ms.p90), (99, s.latency_ms.p99)):
         assert reported == pytest.approx(percentile(lat_ms, q)), q
 
 
 def test_stalled_load_generator_is_too_late(noop_stack: Stack) -> None:
     """A pacer that could not run issues late: the verdict says so."""
-    spec = ScenarioSpec(name="online", qps=200, duration_s=2.5, seed=6, min_duration_s=0,
-                        min_queries=1)
+    spec = ScenarioSpec(
+        name="online", qps=200, duration_s=2.5, seed=6, min_duration_s=0, min_queries=1
+    )
     s = _run_with_stall(noop_stack, spec, "server", 0.4)
     assert not s.valid
     assert any("issue lag" in r for r in s.invalid_reasons), s.invalid_reasons
@@ -294,11 +333,29 @@ def test_stalled_load_generator_is_too_late(noop_stack: Stack) -> None:
 def test_scenario_files_submit(noop_stack: Stack, tmp_path: Path) -> None:
     """--scenario-file with flags overriding it; the replay file is read by the submitter."""
     out = subprocess.run(
-        [python(), "-m", "cli.submit", "noop", "--framework", "noop", "--scenario-file",
-         str(REPO / "manifests" / "scenarios" / "replay.yaml"), "--max-queries", "40",
-         "--min-duration", "0", "--min-queries", "1", "--json"],
-        env=child_env(noop_stack.settings), capture_output=True, text=True, timeout=120,
-        check=False)
+        [
+            python(),
+            "-m",
+            "cli.submit",
+            "noop",
+            "--framework",
+            "noop",
+            "--scenario-file",
+            str(REPO / "manifests" / "scenarios" / "replay.yaml"),
+            "--max-queries",
+            "40",
+            "--min-duration",
+            "0",
+            "--min-queries",
+            "1",
+            "--json",
+        ],
+        env=child_env(noop_stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["scenario"]["name"] == "replay" and doc["queries"] == 40
@@ -307,15 +364,19 @@ def test_scenario_files_submit(noop_stack: Stack, tmp_path: Path) -> None:
 def test_an_oversized_job_is_refused_at_once_with_the_reason(settings: Settings) -> None:
     """A replay schedule too large for one message names itself; it is not reported as
     a missing server after retries, and a too-large message is never retried."""
-    job = JobRequest(model="noop", framework="noop",
-                     scenario=ScenarioSpec(name="replay", arrivals_s=[0.001] * 200_000))
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        scenario=ScenarioSpec(name="replay", arrivals_s=[0.001] * 200_000),
+    )
 
     async def main() -> None:
         async with busmod.connect(settings, name="test", provision=True) as bus:
             t0 = time.monotonic()
             with pytest.raises(BusError, match="over the server's max payload"):
-                await busmod.publish_persistent(bus, names.JOBS_SUBJECT, b"x" * (2 << 20),
-                                                msg_id="big")
+                await busmod.publish_persistent(
+                    bus, names.JOBS_SUBJECT, b"x" * (2 << 20), msg_id="big"
+                )
             assert time.monotonic() - t0 < 1.0  # no retries with back-off
         with pytest.raises(ConfigError, match="200000 arrivals"):
             await submit(settings, job, timeout=5)

@@ -48,7 +48,8 @@ def test_values_are_limited_before_parsing() -> None:
 
 
 def test_a_failing_handler_answers_with_its_typed_error_and_keeps_serving(
-        settings: Settings) -> None:
+    settings: Settings,
+) -> None:
     calls: list[str] = []
 
     async def handler(req: PingOp | SqlRequest, msg: Msg) -> PingReply:
@@ -63,11 +64,12 @@ def test_a_failing_handler_answers_with_its_typed_error_and_keeps_serving(
         async with busmod.connect(settings, name="test", provision=True) as bus:
             boundary = Boundary(bus, service="test")
             await boundary.subscribe("t.ctl", CONTROL, handler)
-            replies = [codec.decode((await bus.nc.request("t.ctl", data, timeout=5)).data)
-                       for data in (codec.encode({"op": "ping"}),) * 3
-                       + (b"\xc1", codec.encode({"op": "nope"}))]
-            assert [r["kind"] for r in replies] == ["error", "error", "pong", "error",
-                                                    "error"]
+            replies = [
+                codec.decode((await bus.nc.request("t.ctl", data, timeout=5)).data)
+                for data in (codec.encode({"op": "ping"}),) * 3
+                + (b"\xc1", codec.encode({"op": "nope"}))
+            ]
+            assert [r["kind"] for r in replies] == ["error", "error", "pong", "error", "error"]
             codes = [error_from_wire(r["error"]).code for r in replies if r["kind"] == "error"]
             assert codes == ["service", "database", "wire", "wire"]
             assert boundary.failures == {"service": 1, "database": 1, "wire": 2}
@@ -80,8 +82,9 @@ def test_a_message_that_keeps_failing_is_dead_lettered(settings: Settings) -> No
     async def main() -> None:
         async with busmod.connect(settings, name="test", provision=True) as bus:
             boundary = Boundary(bus, service="test")
-            sub = await bus.js.pull_subscribe(names.JOBS_SUBJECT, durable="t",
-                                              stream=names.JOBS_STREAM)
+            sub = await bus.js.pull_subscribe(
+                names.JOBS_SUBJECT, durable="t", stream=names.JOBS_STREAM
+            )
             await bus.js.publish(names.JOBS_SUBJECT, b"payload")
             attempts = 0
 
@@ -92,8 +95,9 @@ def test_a_message_that_keeps_failing_is_dead_lettered(settings: Settings) -> No
 
             while boundary.dead_lettered == 0:
                 for msg in await sub.fetch(1, timeout=5):
-                    await boundary.settle(msg, names.JOBS_STREAM, fails, max_deliver=3,
-                                          retry_s=0.05)
+                    await boundary.settle(
+                        msg, names.JOBS_STREAM, fails, max_deliver=3, retry_s=0.05
+                    )
             assert attempts == 3
             kept, dead = await dead_letters(bus)
             assert kept == 1 and dead[0].subject == names.JOBS_SUBJECT
@@ -107,8 +111,7 @@ def test_a_message_that_keeps_failing_is_dead_lettered(settings: Settings) -> No
 def test_a_failing_loop_is_started_again(settings: Settings) -> None:
     runs = 0
 
-    async def flaky(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-                    ) -> None:
+    async def flaky(*, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         nonlocal runs
         runs += 1
         task_status.started()
@@ -120,8 +123,9 @@ def test_a_failing_loop_is_started_again(settings: Settings) -> None:
         async with busmod.connect(settings, name="test") as bus:
             boundary = Boundary(bus, service="test")
             async with anyio.create_task_group() as tg:
-                await tg.start(lambda **kw: boundary.keep_running("flaky", flaky,
-                                                                  backoff_s=0.01, **kw))
+                await tg.start(
+                    lambda **kw: boundary.keep_running("flaky", flaky, backoff_s=0.01, **kw)
+                )
                 with anyio.fail_after(5):
                     while runs < 3:
                         await anyio.sleep(0.01)
@@ -132,7 +136,8 @@ def test_a_failing_loop_is_started_again(settings: Settings) -> None:
 
 
 def test_a_flood_of_bad_messages_is_counted_in_full_but_logged_briefly(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     boundary = Boundary(cast(Any, None), service="test")  # failed() never touches the bus
     with caplog.at_level(logging.WARNING):
         for _ in range(500):

@@ -27,9 +27,12 @@ pytestmark = pytest.mark.timeout(240)
 
 def run_job(settings: Settings, **kw: object) -> EvaluationSummary:
     scenario = kw.pop("scenario", ScenarioSpec(name="online", qps=200, duration_s=2))
-    job = JobRequest(model=kw.pop("model", "digits_cnn"),
-                     framework=kw.pop("framework", "onnxruntime"),
-                     scenario=scenario, **kw)  # type: ignore[arg-type]
+    job = JobRequest(
+        model=kw.pop("model", "digits_cnn"),
+        framework=kw.pop("framework", "onnxruntime"),
+        scenario=scenario,
+        **kw,
+    )  # type: ignore[arg-type]
     return anyio.run(lambda: submit(settings, job, timeout=120), backend="asyncio")
 
 
@@ -41,8 +44,7 @@ def query(settings: Settings, sql: str, **params: object) -> list[list[object]]:
     return anyio.run(go, backend="asyncio")
 
 
-def wait_rows(settings: Settings, sql: str, expected: int, timeout: float = 30, **p: object
-              ) -> int:
+def wait_rows(settings: Settings, sql: str, expected: int, timeout: float = 30, **p: object) -> int:
     deadline = time.monotonic() + timeout
     got = -1
     while time.monotonic() < deadline:
@@ -54,8 +56,11 @@ def wait_rows(settings: Settings, sql: str, expected: int, timeout: float = 30, 
 
 
 def test_online_evaluation_end_to_end(stack: Settings) -> None:
-    s = run_job(stack, scenario=ScenarioSpec(name="online", qps=200, duration_s=2, seed=3),
-                trace_level="model")
+    s = run_job(
+        stack,
+        scenario=ScenarioSpec(name="online", qps=200, duration_s=2, seed=3),
+        trace_level="model",
+    )
     assert s.status == "completed" and s.errors == 0 and s.not_issued == 0
     assert s.queries == s.samples > 300
     assert s.framework["name"] == "onnxruntime" and s.framework["version"].startswith("1.")
@@ -69,24 +74,42 @@ def test_online_evaluation_end_to_end(stack: Settings) -> None:
     assert abs(s.clock_offset_ns) <= max(s.clock_rtt_ns, 2_000_000)
 
     # Raw per-query rows are stored, latency measured from the scheduled time.
-    rows = query(stack, "SELECT count(), min(issued_ns - scheduled_ns), "
-                 "sum(completed_ns < scheduled_ns) FROM queries FINAL "
-                 "WHERE evaluation_id = {e:String}", e=s.evaluation_id)
+    rows = query(
+        stack,
+        "SELECT count(), min(issued_ns - scheduled_ns), "
+        "sum(completed_ns < scheduled_ns) FROM queries FINAL "
+        "WHERE evaluation_id = {e:String}",
+        e=s.evaluation_id,
+    )
     assert rows[0][0] == s.queries and rows[0][1] >= 0 and rows[0][2] == 0
 
     # Model-level spans: exactly queries x (preprocess, predict, postprocess).
-    steps = wait_rows(stack, "SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}"
-                      " AND kind = 'step'", 3 * s.queries, e=s.evaluation_id)
+    steps = wait_rows(
+        stack,
+        "SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String} AND kind = 'step'",
+        3 * s.queries,
+        e=s.evaluation_id,
+    )
     assert steps == 3 * s.queries
-    names = query(stack, "SELECT name, count() FROM spans FINAL WHERE evaluation_id = "
-                  "{e:String} GROUP BY name ORDER BY name", e=s.evaluation_id)
-    assert names == [["postprocess", s.queries], ["predict", s.queries],
-                     ["preprocess", s.queries], ["query", s.queries]]
+    names = query(
+        stack,
+        "SELECT name, count() FROM spans FINAL WHERE evaluation_id = "
+        "{e:String} GROUP BY name ORDER BY name",
+        e=s.evaluation_id,
+    )
+    assert names == [
+        ["postprocess", s.queries],
+        ["predict", s.queries],
+        ["preprocess", s.queries],
+        ["query", s.queries],
+    ]
 
 
 def test_batched_reports_throughput_and_spec_is_stored(stack: Settings) -> None:
-    s = run_job(stack, scenario=ScenarioSpec(name="batched", batch_size=16, duration_s=1.5,
-                                             min_duration_s=1))
+    s = run_job(
+        stack,
+        scenario=ScenarioSpec(name="batched", batch_size=16, duration_s=1.5, min_duration_s=1),
+    )
     assert s.status == "completed" and s.errors == 0 and s.valid
     assert s.samples == 16 * s.queries and s.throughput_ips and s.throughput_ips > 1000
     assert s.accuracy and s.accuracy["top1"] > 0.95
@@ -106,11 +129,13 @@ def test_batched_reports_throughput_and_spec_is_stored(stack: Settings) -> None:
 
 
 def test_trace_level_none_emits_no_span(stack: Settings) -> None:
-    s = run_job(stack, scenario=ScenarioSpec(name="online", qps=100, duration_s=1),
-                trace_level="none")
+    s = run_job(
+        stack, scenario=ScenarioSpec(name="online", qps=100, duration_s=1), trace_level="none"
+    )
     time.sleep(1.0)
-    n = query(stack, "SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}",
-              e=s.evaluation_id)
+    n = query(
+        stack, "SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String}", e=s.evaluation_id
+    )
     assert n == [[0]]
 
 
@@ -132,30 +157,77 @@ def test_missing_framework_or_version_names_live_agents(stack: Settings) -> None
 def test_cli_submit_json_and_agents(stack: Settings) -> None:
     env = child_env(stack)
     out = subprocess.run(
-        [python(), "-m", "cli.submit", "digits_cnn", "--framework", "onnxruntime",
-         "--scenario", "online", "--qps", "100", "--duration", "1", "--json"],
-        env=env, capture_output=True, text=True, timeout=120, check=False)
+        [
+            python(),
+            "-m",
+            "cli.submit",
+            "digits_cnn",
+            "--framework",
+            "onnxruntime",
+            "--scenario",
+            "online",
+            "--qps",
+            "100",
+            "--duration",
+            "1",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
-    for key in ("evaluation_id", "status", "valid", "invalid_reasons", "model", "framework",
-                "agent_id", "scenario", "queries", "duration_s", "requested_qps",
-                "achieved_qps", "latency_ms", "issue_lag_us", "throughput_ips", "accuracy"):
+    for key in (
+        "evaluation_id",
+        "status",
+        "valid",
+        "invalid_reasons",
+        "model",
+        "framework",
+        "agent_id",
+        "scenario",
+        "queries",
+        "duration_s",
+        "requested_qps",
+        "achieved_qps",
+        "latency_ms",
+        "issue_lag_us",
+        "throughput_ips",
+        "accuracy",
+    ):
         assert key in doc, key
     assert set(doc["latency_ms"]) >= {"trimmed_mean", "p50", "p90", "p99", "max"}
-    bad = subprocess.run([python(), "-m", "cli.submit", "nope", "--framework", "onnxruntime"],
-                         env=env, capture_output=True, text=True, timeout=60, check=False)
+    bad = subprocess.run(
+        [python(), "-m", "cli.submit", "nope", "--framework", "onnxruntime"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert bad.returncode != 0 and "unknown model 'nope'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
-    agents = subprocess.run([python(), "-m", "cli.main", "agents", "--json"], env=env,
-                            capture_output=True, text=True, timeout=60, check=True)
+    agents = subprocess.run(
+        [python(), "-m", "cli.main", "agents", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     (desc,) = [a for a in json.loads(agents.stdout) if a["frameworks"][0]["name"] == "onnxruntime"]
     assert desc["cpu_cores"] >= 1 and desc["memory_bytes"] > 0 and desc["arch"]
     assert "digits_cnn" in {m["name"] for m in desc["models"]}
 
 
 def test_agent_registers_and_expires_after_sigkill(stack: Settings) -> None:
-    proc = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "onnxruntime",
-                             "--agent-id", "doomed"], env=child_env(stack))
+    proc = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "onnxruntime", "--agent-id", "doomed"],
+        env=child_env(stack),
+    )
     try:
         agents = anyio.run(wait_agents, stack, 2)
         assert "doomed" in {a.agent_id for a in agents}
@@ -176,8 +248,10 @@ def test_agent_registers_and_expires_after_sigkill(stack: Settings) -> None:
 
 
 def test_clean_exit_deletes_the_registry_entry(stack: Settings) -> None:
-    proc = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "onnxruntime",
-                             "--agent-id", "polite"], env=child_env(stack))
+    proc = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "onnxruntime", "--agent-id", "polite"],
+        env=child_env(stack),
+    )
     anyio.run(wait_agents, stack, 2)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
@@ -192,8 +266,11 @@ def test_clean_exit_deletes_the_registry_entry(stack: Settings) -> None:
 def test_rerun_reproduces_the_stored_specification(stack: Settings) -> None:
     from cli.rerun_cmd import rerun
 
-    first = run_job(stack, scenario=ScenarioSpec(name="online", qps=150, duration_s=1, seed=7),
-                    trace_level="none")
+    first = run_job(
+        stack,
+        scenario=ScenarioSpec(name="online", qps=150, duration_s=1, seed=7),
+        trace_level="none",
+    )
     second = anyio.run(rerun, stack, first.evaluation_id, backend="asyncio")
 
     async def specs() -> tuple[dict, dict]:
@@ -204,16 +281,22 @@ def test_rerun_reproduces_the_stored_specification(stack: Settings) -> None:
 
     a, b = anyio.run(specs, backend="asyncio")
     assert b["job"]["rerun_of"] == first.evaluation_id
-    volatile = {"job_id", "submitted_at", "rerun_of", "model_version", "manifest_sha256",
-                "framework_version"}
-    assert {k: v for k, v in b["job"].items() if k not in volatile} == \
-        {k: v for k, v in a["job"].items() if k not in volatile}
+    volatile = {
+        "job_id",
+        "submitted_at",
+        "rerun_of",
+        "model_version",
+        "manifest_sha256",
+        "framework_version",
+    }
+    assert {k: v for k, v in b["job"].items() if k not in volatile} == {
+        k: v for k, v in a["job"].items() if k not in volatile
+    }
     assert b["job"]["model_version"] == a["manifest"]["version"]
     assert b["job"]["manifest_sha256"] == a["manifest_sha256"] == b["manifest_sha256"]
     (fw,) = [f for f in a["agent"]["frameworks"] if f["name"] == "onnxruntime"]
     assert b["job"]["framework_version"] == f"=={fw['version']}"
-    for key in ("manifest", "manifest_file", "artifact_sha256", "mlscope_version",
-                "git_commit"):
+    for key in ("manifest", "manifest_file", "artifact_sha256", "mlscope_version", "git_commit"):
         assert b[key] == a[key], key
     assert b["agent"]["frameworks"] == a["agent"]["frameworks"]
     assert second.scenario == first.scenario and second.queries == first.queries
@@ -228,9 +311,17 @@ def test_malformed_control_requests_get_a_typed_error_reply(stack: Settings) -> 
         async with busmod.connect(stack, name="test") as bus:
             agent = (await list_agents(bus))[0]
             subject = names.agent_ctl(agent.agent_id)
-            for bad in ({"op": "prepare"}, {"op": "prepare", "evaluation_id": "e",
-                                            "model": "digits_cnn", "model_version": "1.0.0",
-                                            "batch_size": "many"}, [1, 2]):
+            for bad in (
+                {"op": "prepare"},
+                {
+                    "op": "prepare",
+                    "evaluation_id": "e",
+                    "model": "digits_cnn",
+                    "model_version": "1.0.0",
+                    "batch_size": "many",
+                },
+                [1, 2],
+            ):
                 with pytest.raises(WireError):
                     await request(bus, subject, codec.encode(bad), timeout=10)
             pong = await request(bus, subject, codec.encode({"op": "ping"}), timeout=10)

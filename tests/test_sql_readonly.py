@@ -26,8 +26,9 @@ SQL_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory,
-            zoo_dir: Path) -> Iterator[tuple[Settings, Settings, Path, Path]]:
+def secured(
+    tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path
+) -> Iterator[tuple[Settings, Settings, Path, Path]]:
     base = tmp_path_factory.mktemp("sqlsec")
     with auth_stack(base, zoo_dir, [], sql_timeout_s=SQL_TIMEOUT_S) as (stack, auth):
         yield role(stack, auth, "reader"), role(stack, auth, "submitter"), auth, base
@@ -36,9 +37,9 @@ def secured(tmp_path_factory: pytest.TempPathFactory,
 def _attacks(out: Path, auth: Path, url: str) -> dict[str, str]:
     return {
         "insert behind WITH": "WITH 1 AS x INSERT INTO evaluations (evaluation_id) "
-                              "VALUES ('forged')",
+        "VALUES ('forged')",
         "insert into file()": f"WITH 1 AS x INSERT INTO FUNCTION file('{out}/w.csv', 'CSV') "
-                              "SELECT 1",
+        "SELECT 1",
         "into outfile append": f"SELECT 1 INTO OUTFILE '{out}/o.txt' APPEND",
         "into outfile truncate": f"WITH 1 AS x SELECT 2 INTO OUTFILE '{out}/t.txt' TRUNCATE",
         "outfile after a paren": f"SELECT 1) INTO OUTFILE '{out}/p.txt' --",
@@ -51,12 +52,11 @@ def _attacks(out: Path, auth: Path, url: str) -> dict[str, str]:
         "drop": "DROP TABLE evaluations",
         "huge result": "SELECT number FROM numbers(10000000)",
         "sleep in one-row blocks": "SELECT sleepEachRow(1) FROM numbers(50) "
-                                   "SETTINGS max_block_size = 1",
+        "SETTINGS max_block_size = 1",
     }
 
 
-def test_writes_files_and_urls_are_refused(secured: tuple[Settings, Settings, Path, Path]
-                                          ) -> None:
+def test_writes_files_and_urls_are_refused(secured: tuple[Settings, Settings, Path, Path]) -> None:
     reader, submitter, auth, base = secured
     out = base / "outside"
     out.mkdir()
@@ -78,20 +78,25 @@ def test_writes_files_and_urls_are_refused(secured: tuple[Settings, Settings, Pa
             errors = anyio.run(main, settings, listener.url, backend="asyncio")
             refused = {n for n, e in errors.items() if isinstance(e, QueryRefused)}
             # every one refused by a rule; the two that do not parse are syntax errors
-            assert refused == set(errors) - {"second statement", "outfile after a paren"}, \
-                {n: repr(e) for n, e in errors.items()}
-            assert "readonly" in str(errors["lift readonly"]).lower() or \
-                "SETTINGS" in str(errors["lift readonly"])
+            assert refused == set(errors) - {"second statement", "outfile after a paren"}, {
+                n: repr(e) for n, e in errors.items()
+            }
+            assert "readonly" in str(errors["lift readonly"]).lower() or "SETTINGS" in str(
+                errors["lift readonly"]
+            )
         assert listener.requests == []
     assert list(out.iterdir()) == []
 
 
 def test_hostile_query_is_cut_off_while_others_are_answered(
-        secured: tuple[Settings, Settings, Path, Path]) -> None:
+    secured: tuple[Settings, Settings, Path, Path],
+) -> None:
     reader, submitter, _, _ = secured
-    hostile = ["SELECT count() FROM numbers(1e12)",
-               "SELECT sleepEachRow(0.1) FROM numbers(29)",  # one 2.9 s block
-               "SELECT count() FROM numbers(1e12) AS a, numbers(1e12) AS b"]
+    hostile = [
+        "SELECT count() FROM numbers(1e12)",
+        "SELECT sleepEachRow(0.1) FROM numbers(29)",  # one 2.9 s block
+        "SELECT count() FROM numbers(1e12) AS a, numbers(1e12) AS b",
+    ]
 
     async def attack(settings: Settings, sql: str, out: dict[str, object]) -> None:
         async with busmod.connect(settings, name="attacker") as bus:
@@ -168,11 +173,14 @@ def test_a_query_cut_off_mid_stream_never_answers_the_next_one(fresh_db: str) ->
     db = Database(fresh_db)
     db.migrate()
     # the result limit is larger than one block, so the cut comes after blocks streamed
-    ro = ReadOnlyDatabase(fresh_db, ReadLimits(max_execution_time_s=1.0, readers=1,
-                                               max_result_rows=100_000))
-    cut_off = ["SELECT number FROM numbers(10000000)",  # result limit, mid-stream
-               "SELECT sleepEachRow(0.1) FROM numbers(29)",  # time limit
-               "SELECT count() FROM numbers(1e12)"]
+    ro = ReadOnlyDatabase(
+        fresh_db, ReadLimits(max_execution_time_s=1.0, readers=1, max_result_rows=100_000)
+    )
+    cut_off = [
+        "SELECT number FROM numbers(10000000)",  # result limit, mid-stream
+        "SELECT sleepEachRow(0.1) FROM numbers(29)",  # time limit
+        "SELECT count() FROM numbers(1e12)",
+    ]
     for _ in range(3):
         for sql in cut_off:
             with pytest.raises(QueryRefused):
@@ -180,8 +188,10 @@ def test_a_query_cut_off_mid_stream_never_answers_the_next_one(fresh_db: str) ->
             assert ro.frame("SELECT 41 + 1 AS n")["n"].tolist() == [42]
     # the server's own connection follows the same rule
     with pytest.raises(DatabaseError):
-        db.rows("SELECT number FROM numbers(10000000) SETTINGS max_result_rows = 100000, "
-                "result_overflow_mode = 'throw'")
+        db.rows(
+            "SELECT number FROM numbers(10000000) SETTINGS max_result_rows = 100000, "
+            "result_overflow_mode = 'throw'"
+        )
     assert db.rows("SELECT 41 + 1") == [(42,)]
     ro.close()
     db.close()

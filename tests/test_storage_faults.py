@@ -28,8 +28,12 @@ pytestmark = pytest.mark.timeout(240)
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "small"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     try:
@@ -52,14 +56,17 @@ def fill(directory: Path) -> Path:
 
 
 def test_a_full_disk_fails_the_job_clearly_and_services_recover(
-        settings: Settings, small_disk: Path) -> None:
+    settings: Settings, small_disk: Path
+) -> None:
     settings = settings.with_(clickhouse_dsn=f"chdb:///{small_disk / 'chdb'}")
     env = child_env(settings)
-    procs = [subprocess.Popen([python(), "-m", "cli.main", "server"], env=env),
-             subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"],
-                              env=env)]
-    job = JobRequest(model="noop", framework="noop",
-                     scenario=ScenarioSpec(name="online", qps=200, duration_s=1))
+    procs = [
+        subprocess.Popen([python(), "-m", "cli.main", "server"], env=env),
+        subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"], env=env),
+    ]
+    job = JobRequest(
+        model="noop", framework="noop", scenario=ScenarioSpec(name="online", qps=200, duration_s=1)
+    )
     try:
         anyio.run(wait_agents, settings, 1)
         anyio.run(wait_server, settings)

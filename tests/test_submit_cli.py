@@ -37,9 +37,13 @@ LOOSE = ("--min-duration", "0", "--min-queries", "1", "--max-issue-lag-us", "100
 def submit_json(stack: Stack, *flags: str) -> dict[str, Any]:
     """``mlscope-submit noop --framework noop FLAGS --json``: its summary."""
     out = subprocess.run(
-        [str(SUBMIT), "noop", "--framework", "noop", "--trace-level", "none", *flags,
-         "--json"], env=child_env(stack.settings), capture_output=True, text=True,
-        timeout=150, check=False)
+        [str(SUBMIT), "noop", "--framework", "noop", "--trace-level", "none", *flags, "--json"],
+        env=child_env(stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     doc: dict[str, Any] = json.loads(out.stdout)
     assert doc["status"] == "completed" and doc["errors"] == 0 and doc["not_issued"] == 0
@@ -48,12 +52,17 @@ def submit_json(stack: Stack, *flags: str) -> dict[str, Any]:
 
 def stored(stack: Stack, evaluation_id: str) -> np.ndarray:
     """(scheduled, issued, completed, ok) ns of every stored query, in index order."""
+
     async def go() -> list[list[Any]]:
         async with busmod.connect(stack.settings, name="test") as bus:
-            return (await remote.sql(
-                bus, "SELECT scheduled_ns, issued_ns, completed_ns, ok FROM queries FINAL "
-                "WHERE evaluation_id = {e:String} ORDER BY query_index",
-                {"e": evaluation_id}))[1]
+            return (
+                await remote.sql(
+                    bus,
+                    "SELECT scheduled_ns, issued_ns, completed_ns, ok FROM queries FINAL "
+                    "WHERE evaluation_id = {e:String} ORDER BY query_index",
+                    {"e": evaluation_id},
+                )
+            )[1]
 
     return np.asarray(anyio.run(go, backend="asyncio"), dtype=np.int64).reshape(-1, 4)
 
@@ -81,8 +90,9 @@ def test_single_stream(noop_stack: Stack) -> None:
 
 
 def test_concurrency(noop_stack: Stack) -> None:
-    doc = submit_json(noop_stack, "--scenario", "concurrency", "--concurrency", "4",
-                      "--duration", "1", *LOOSE)
+    doc = submit_json(
+        noop_stack, "--scenario", "concurrency", "--concurrency", "4", "--duration", "1", *LOOSE
+    )
     assert doc["scenario"]["name"] == "concurrency" and doc["scenario"]["concurrency"] == 4
     assert doc["requested_qps"] is None and doc["queries"] > 20
     assert only_early_stopping(doc), doc["invalid_reasons"]
@@ -90,8 +100,18 @@ def test_concurrency(noop_stack: Stack) -> None:
 
 
 def test_multi_stream(noop_stack: Stack) -> None:
-    doc = submit_json(noop_stack, "--scenario", "multi-stream", "--qps", "20",
-                      "--batch-size", "4", "--duration", "1", *LOOSE)
+    doc = submit_json(
+        noop_stack,
+        "--scenario",
+        "multi-stream",
+        "--qps",
+        "20",
+        "--batch-size",
+        "4",
+        "--duration",
+        "1",
+        *LOOSE,
+    )
     assert doc["scenario"]["name"] == "multi-stream" and doc["scenario"]["batch_size"] == 4
     assert doc["queries"] == 20 and doc["samples"] == 80 and doc["requested_qps"] == 20
     rows = stored(noop_stack, doc["evaluation_id"])
@@ -99,8 +119,9 @@ def test_multi_stream(noop_stack: Stack) -> None:
 
 
 def test_constant(noop_stack: Stack) -> None:
-    doc = submit_json(noop_stack, "--scenario", "constant", "--qps", "100", "--duration", "1",
-                      *LOOSE)
+    doc = submit_json(
+        noop_stack, "--scenario", "constant", "--qps", "100", "--duration", "1", *LOOSE
+    )
     assert doc["scenario"]["name"] == "constant" and doc["requested_qps"] == 100
     assert doc["queries"] == 100 and doc["samples"] == 100
     assert doc["scheduled_qps"] == pytest.approx(100, rel=0.02)
@@ -126,8 +147,10 @@ def test_latency_bound_on_an_online_run(noop_stack: Stack) -> None:
     tight = submit_json(noop_stack, *common, "--latency-bound-ms", "0.001")
     assert tight["scenario"]["latency_bound_ms"] == 0.001
     assert not tight["valid"]
-    assert any(r.startswith("p99 latency") and r.endswith("> bound 0.001 ms")
-               for r in tight["invalid_reasons"]), tight["invalid_reasons"]
+    assert any(
+        r.startswith("p99 latency") and r.endswith("> bound 0.001 ms")
+        for r in tight["invalid_reasons"]
+    ), tight["invalid_reasons"]
     # Reported p99 is the one judged against the bound.
     assert tight["latency_ms"]["p99"] > 0.001
     loose = submit_json(noop_stack, *common, "--latency-bound-ms", "1000")
@@ -140,8 +163,9 @@ def test_latency_bound_on_an_online_run(noop_stack: Stack) -> None:
 def test_peak_search(noop_stack: Stack) -> None:
     """From the default 100 QPS, which is too few queries in 1 s to show p99: the
     search starts at the lowest rate that can, and reports what it tried."""
-    doc = submit_json(noop_stack, "--scenario", "peak", "--latency-bound-ms", "50",
-                      "--duration", "1", *LOOSE)
+    doc = submit_json(
+        noop_stack, "--scenario", "peak", "--latency-bound-ms", "50", "--duration", "1", *LOOSE
+    )
     assert doc["scenario"]["name"] == "peak" and doc["scenario"]["latency_bound_ms"] == 50
     points = doc["points"]
     assert len(points) >= 2

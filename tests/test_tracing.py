@@ -65,8 +65,7 @@ def test_full_level_adds_pytorch_ops_under_their_layer(zoo_dir: Path) -> None:
     model.predictor.close()
 
 
-def test_onnxruntime_every_executed_node_is_a_layer_span(effnet_zoo: Path,
-                                                          tmp_path: Path) -> None:
+def test_onnxruntime_every_executed_node_is_a_layer_span(effnet_zoo: Path, tmp_path: Path) -> None:
     model = open_model(effnet_zoo, "efficientnet_lite0", "onnxruntime")
     rows = run_queries(model, TraceLevel.FRAMEWORK, 2)
     layers = check_tree(rows)
@@ -119,14 +118,15 @@ def test_sampler_reads_cpu_process_and_counters() -> None:
     finally:
         sampler.unwatch("ev")
     cols = buf.take()
-    got = {(m, d): v for m, d, v in zip(cols["metric"], cols["device"], cols["value"],
-                                         strict=True)}
+    got = {(m, d): v for m, d, v in zip(cols["metric"], cols["device"], cols["value"], strict=True)}
     assert got[("proc.rss_bytes", "proc")] > 10_000_000
     assert got[("proc.threads", "proc")] >= 1
     assert 0.0 <= got[("cpu.util", "all")] <= 100.0
     assert ("cpu.util", "cpu0") in got
     assert parse_perf_line("     0.100192116,1234.5,msec,task-clock,100,100.00,,") == (
-        "task-clock", 1234.5)
+        "task-clock",
+        1234.5,
+    )
     assert parse_perf_line("0.1,<not supported>,,cycles:u,0,100.00,,") is None
     assert parse_perf_line("0.2,42,,instructions:u,10,100.0,,") == ("instructions", 42.0)
 
@@ -138,8 +138,11 @@ def test_pytorch_cuda_kernels_hang_under_their_op(zoo_dir: Path) -> None:
     from tests.tracing_fixtures import Catalog, LoadedModel, default_manifest_dirs
 
     cat = Catalog.load(default_manifest_dirs(None))
-    entry = next(e for e in cat.entries if e.manifest.name == "digits_cnn"
-                 and e.manifest.framework.name == "pytorch")
+    entry = next(
+        e
+        for e in cat.entries
+        if e.manifest.name == "digits_cnn" and e.manifest.framework.name == "pytorch"
+    )
     model = LoadedModel.open(entry, entry.graph(zoo_dir), PredictorOptions(device="cuda:0"))
     for _ in range(3):
         model.warmup()
@@ -167,16 +170,34 @@ def test_tracer_drops_idle_buffers_and_never_reuses_span_ids(settings: Settings)
     async def main() -> tuple[list[int], Tracer]:
         async with busmod.connect(settings, name="test", provision=True) as bus:
             tracer = Tracer(bus, agent_id="a1", host="h", flush_s=0.01, idle_s=0.03)
-            ids = [tracer.buffer("ev-1").add(parent=0, query_index=i, level=TraceLevel.MODEL,
-                                              kind="query", name="q", start_ns=i, end_ns=i + 1)
-                   for i in range(3)]
+            ids = [
+                tracer.buffer("ev-1").add(
+                    parent=0,
+                    query_index=i,
+                    level=TraceLevel.MODEL,
+                    kind="query",
+                    name="q",
+                    start_ns=i,
+                    end_ns=i + 1,
+                )
+                for i in range(3)
+            ]
             await tracer.flush()
             assert "ev-1" in tracer.buffers  # just flushed: not idle yet
             for _ in range(3):
                 await tracer.flush()
             assert "ev-1" not in tracer.buffers
-            ids += [tracer.buffer("ev-1").add(parent=0, query_index=9, level=TraceLevel.MODEL,
-                                               kind="query", name="q", start_ns=9, end_ns=10)]
+            ids += [
+                tracer.buffer("ev-1").add(
+                    parent=0,
+                    query_index=9,
+                    level=TraceLevel.MODEL,
+                    kind="query",
+                    name="q",
+                    start_ns=9,
+                    end_ns=10,
+                )
+            ]
             await tracer.flush()
             return ids, tracer
 

@@ -54,9 +54,12 @@ def tstack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[
 
 
 def run_job(settings: Settings, model: str, level: str, queries: int) -> EvaluationSummary:
-    job = JobRequest(model=model, framework="onnxruntime", trace_level=level,
-                     scenario=ScenarioSpec(name="online", qps=20, duration_s=30,
-                                           max_queries=queries))
+    job = JobRequest(
+        model=model,
+        framework="onnxruntime",
+        trace_level=level,
+        scenario=ScenarioSpec(name="online", qps=20, duration_s=30, max_queries=queries),
+    )
     summary = anyio.run(lambda: submit(settings, job, timeout=120), backend="asyncio")
     assert summary.status == "completed" and summary.errors == 0, summary
     return summary
@@ -70,13 +73,19 @@ def sql(settings: Settings, query: str, **params: Any) -> list[list[Any]]:
     return anyio.run(go, backend="asyncio")
 
 
-def wait_count(settings: Settings, table: str, eval_id: str, want: int,
-               timeout: float = 30.0) -> int:
+def wait_count(
+    settings: Settings, table: str, eval_id: str, want: int, timeout: float = 30.0
+) -> int:
     """Rows of one evaluation in ``table`` (FINAL) once ``want`` arrived (or time is up)."""
     deadline = time.monotonic() + timeout
     while True:
-        n = int(sql(settings, f"SELECT count() FROM {table} FINAL "
-                    "WHERE evaluation_id = {e:String}", e=eval_id)[0][0])
+        n = int(
+            sql(
+                settings,
+                f"SELECT count() FROM {table} FINAL WHERE evaluation_id = {{e:String}}",
+                e=eval_id,
+            )[0][0]
+        )
         if n >= want or time.monotonic() > deadline:
             return n
         time.sleep(0.3)
@@ -87,14 +96,23 @@ def test_levels_end_to_end(tstack: Settings) -> None:
     model = run_job(tstack, "digits_cnn", "model", 6)
     assert wait_count(tstack, "spans", model.evaluation_id, 24) == 24
     assert wait_count(tstack, "spans", none.evaluation_id, 1, timeout=2) == 0
-    kinds = sql(tstack, "SELECT kind, name, count() FROM spans FINAL WHERE evaluation_id = "
-                "{e:String} GROUP BY kind, name ORDER BY kind, name", e=model.evaluation_id)
-    assert kinds == [["query", "query", 6], ["step", "postprocess", 6],
-                     ["step", "predict", 6], ["step", "preprocess", 6]]
+    kinds = sql(
+        tstack,
+        "SELECT kind, name, count() FROM spans FINAL WHERE evaluation_id = "
+        "{e:String} GROUP BY kind, name ORDER BY kind, name",
+        e=model.evaluation_id,
+    )
+    assert kinds == [
+        ["query", "query", 6],
+        ["step", "postprocess", 6],
+        ["step", "predict", 6],
+        ["step", "preprocess", 6],
+    ]
 
 
 def test_framework_trace_of_efficientnet_has_every_node_under_predict(
-        tstack: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tstack: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     queries = 3
     summary = run_job(tstack, "efficientnet_lite0", "framework", queries)
     eval_id = summary.evaluation_id
@@ -115,8 +133,9 @@ def test_framework_trace_of_efficientnet_has_every_node_under_predict(
     assert mlscope_main(["trace", "ev-nosuchthing", "-o", str(tmp_path / "x.json")]) == 1
     doc = json.loads(out.read_text())
     events = doc["traceEvents"]
-    predicts = {e["args"]["span_id"]: e for e in events
-                if e.get("ph") == "X" and e["name"] == "predict"}
+    predicts = {
+        e["args"]["span_id"]: e for e in events if e.get("ph") == "X" and e["name"] == "predict"
+    }
     assert len(predicts) == queries
     children: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
@@ -144,18 +163,33 @@ def test_system_level_samples_and_agent_history(tstack: Settings) -> None:
     summary = run_job(tstack, "digits_cnn", "system", 20)
     n = wait_count(tstack, "system_samples", summary.evaluation_id, 1)
     assert n > 0
-    metrics = {r[0] for r in sql(
-        tstack, "SELECT DISTINCT metric FROM system_samples FINAL "
-        "WHERE evaluation_id = {e:String}", e=summary.evaluation_id)}
+    metrics = {
+        r[0]
+        for r in sql(
+            tstack,
+            "SELECT DISTINCT metric FROM system_samples FINAL WHERE evaluation_id = {e:String}",
+            e=summary.evaluation_id,
+        )
+    }
     assert {"cpu.util", "proc.rss_bytes", "proc.threads"} <= metrics
     model = run_job(tstack, "digits_cnn", "model", 3)  # below system: no samples
     assert wait_count(tstack, "spans", model.evaluation_id, 12) == 12
     assert wait_count(tstack, "system_samples", model.evaluation_id, 1, timeout=1) == 0
     # The server records the agents' bucket: an agent that starts, beats and leaves.
-    assert int(sql(tstack, "SELECT count() FROM agent_history FINAL "
-                   "WHERE agent_id = {a:String}", a=summary.agent_id)[0][0]) >= 1
-    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "tflite",
-                              "--agent-id", "passing-by"], env=child_env(tstack))
+    assert (
+        int(
+            sql(
+                tstack,
+                "SELECT count() FROM agent_history FINAL WHERE agent_id = {a:String}",
+                a=summary.agent_id,
+            )[0][0]
+        )
+        >= 1
+    )
+    agent = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "tflite", "--agent-id", "passing-by"],
+        env=child_env(tstack),
+    )
     try:
         anyio.run(wait_agents, tstack, 2)
         time.sleep(2.5)  # a heartbeat or two
@@ -164,8 +198,14 @@ def test_system_level_samples_and_agent_history(tstack: Settings) -> None:
         agent.wait(20)
     deadline = time.monotonic() + 15
     while True:
-        events = [r[0] for r in sql(tstack, "SELECT event FROM agent_history FINAL "
-                                    "WHERE agent_id = 'passing-by' ORDER BY revision")]
+        events = [
+            r[0]
+            for r in sql(
+                tstack,
+                "SELECT event FROM agent_history FINAL "
+                "WHERE agent_id = 'passing-by' ORDER BY revision",
+            )
+        ]
         if events[-1:] == ["removed"] or time.monotonic() > deadline:
             break
         time.sleep(0.3)
@@ -186,18 +226,33 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
                 for b in range(first, last):
                     ids = list(range(b * per + 1, (b + 1) * per + 1))
                     batch = SpanBatch(
-                        evaluation_id=eval_id, agent_id="a1", host="h", batch_id=f"sb-{b}",
-                        columns={"span_id": ids, "parent_id": [0] * per, "query_index": ids,
-                                 "level": [1] * per, "kind": ["step"] * per,
-                                 "name": ["predict"] * per, "start_ns": ids, "end_ns": ids,
-                                 "attrs": [""] * per})
-                    await bus.js.publish(names.traces(eval_id), codec.encode_model(batch),
-                                         headers={"Nats-Msg-Id": batch.batch_id})
+                        evaluation_id=eval_id,
+                        agent_id="a1",
+                        host="h",
+                        batch_id=f"sb-{b}",
+                        columns={
+                            "span_id": ids,
+                            "parent_id": [0] * per,
+                            "query_index": ids,
+                            "level": [1] * per,
+                            "kind": ["step"] * per,
+                            "name": ["predict"] * per,
+                            "start_ns": ids,
+                            "end_ns": ids,
+                            "attrs": [""] * per,
+                        },
+                    )
+                    await bus.js.publish(
+                        names.traces(eval_id),
+                        codec.encode_model(batch),
+                        headers={"Nats-Msg-Id": batch.batch_id},
+                    )
                     await anyio.sleep(0.05)
 
         # The publisher keeps going through the kill and the restart.
         publisher = threading.Thread(
-            target=lambda: anyio.run(publish, 0, batches, backend="asyncio"))
+            target=lambda: anyio.run(publish, 0, batches, backend="asyncio")
+        )
         publisher.start()
         deadline = time.monotonic() + 30
         while wait_count(settings, "spans", eval_id, 1, timeout=0) == 0:
@@ -214,8 +269,12 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
         total = per * batches
         assert wait_count(settings, "spans", eval_id, total, timeout=60) == total
         time.sleep(1.0)  # anything redelivered late would show now
-        rows = sql(settings, "SELECT count(), uniqExact(span_id), min(span_id), max(span_id) "
-                   "FROM spans FINAL WHERE evaluation_id = {e:String}", e=eval_id)
+        rows = sql(
+            settings,
+            "SELECT count(), uniqExact(span_id), min(span_id), max(span_id) "
+            "FROM spans FINAL WHERE evaluation_id = {e:String}",
+            e=eval_id,
+        )
         publisher.join(30)
         assert rows == [[total, total, 1, total]]
         assert publishing_at_kill  # the kill really happened while spans were flowing
@@ -233,8 +292,7 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
 
 async def traces_consumer(settings: Settings) -> ConsumerInfo:
     async with busmod.connect(settings, name="test") as bus:
-        info: ConsumerInfo = await bus.js.consumer_info(names.TRACES_STREAM,
-                                                        names.TRACES_CONSUMER)
+        info: ConsumerInfo = await bus.js.consumer_info(names.TRACES_STREAM, names.TRACES_CONSUMER)
         return info
 
 

@@ -72,8 +72,12 @@ def run_tflite(path: Path) -> Runner:
     return run
 
 
-RUNNERS = {"onnxruntime": run_onnxruntime, "pytorch": run_pytorch,
-           "tensorflow": run_tensorflow, "tflite": run_tflite}
+RUNNERS = {
+    "onnxruntime": run_onnxruntime,
+    "pytorch": run_pytorch,
+    "tensorflow": run_tensorflow,
+    "tflite": run_tflite,
+}
 
 
 def entries(name: str) -> dict[str, Entry]:
@@ -99,8 +103,10 @@ def predictions(name: str, batch: int = 100) -> tuple[dict[str, np.ndarray], np.
         pre = compile_steps(m.inputs[0].steps)
         post = compile_steps(m.outputs[0].steps)
         run = RUNNERS[fw](entry.graph(zoo_dir()))
-        outs = [post(run(np.ascontiguousarray(pre(x[i : i + batch]), np.float32)))
-                for i in range(0, len(x), batch)]
+        outs = [
+            post(run(np.ascontiguousarray(pre(x[i : i + batch]), np.float32)))
+            for i in range(0, len(x), batch)
+        ]
         top1[fw] = np.concatenate(outs)[:, 0]
     return top1, labels
 
@@ -114,8 +120,9 @@ def test_same_top1_on_four_runtimes(name: str, floor: float) -> None:
     pins = entries(name)["onnxruntime"].manifest.build
     assert pins is not None and pins.behaviour is not None
     for fw, c in correct.items():
-        assert abs(c / len(y) - pins.behaviour.accuracy) <= \
-            pins.behaviour.accuracy_tolerance + 1e-9, fw
+        assert (
+            abs(c / len(y) - pins.behaviour.accuracy) <= pins.behaviour.accuracy_tolerance + 1e-9
+        ), fw
 
 
 def test_efficientnet_sanity_set_on_four_runtimes() -> None:
@@ -138,8 +145,9 @@ def test_face_detector_separates_faces() -> None:
     interp = Interpreter(model_path=str(entry.graph(zoo_dir())))
     interp.allocate_tensors()
     inp = interp.get_input_details()[0]["index"]
-    score_index = next(d["index"] for d in interp.get_output_details()
-                       if d["name"] == m.outputs[1].layer_name)
+    score_index = next(
+        d["index"] for d in interp.get_output_details() if d["name"] == m.outputs[1].layer_name
+    )
     scores = []
     for img in pre(data["x"]):
         interp.set_tensor(inp, img[None].astype(np.float32))
@@ -193,13 +201,21 @@ def test_committed_manifests_are_what_the_build_renders() -> None:
 
 
 def test_behaviour_check_flags_a_model_that_answers_differently() -> None:
-    pins = Behaviour(accuracy=0.9, accuracy_tolerance=0.02, probe_tolerance=0.05,
-                     probes=(Probe(sample=0, top5=((3, 0.9), (5, 0.05))),))
-    good = {"accuracy": {"onnxruntime": 0.91},
-            "probabilities": {"onnxruntime": {"0": [0.0, 0, 0, 0.88, 0, 0.07]}}}
+    pins = Behaviour(
+        accuracy=0.9,
+        accuracy_tolerance=0.02,
+        probe_tolerance=0.05,
+        probes=(Probe(sample=0, top5=((3, 0.9), (5, 0.05))),),
+    )
+    good = {
+        "accuracy": {"onnxruntime": 0.91},
+        "probabilities": {"onnxruntime": {"0": [0.0, 0, 0, 0.88, 0, 0.07]}},
+    }
     assert check_behaviour("m", good, pins) == []
-    bad = {"accuracy": {"onnxruntime": 0.85},
-           "probabilities": {"onnxruntime": {"0": [0.0, 0, 0, 0.2, 0, 0.8]}}}
+    bad = {
+        "accuracy": {"onnxruntime": 0.85},
+        "probabilities": {"onnxruntime": {"0": [0.0, 0, 0, 0.2, 0, 0.8]}},
+    }
     problems = check_behaviour("m", bad, pins)
     assert any("accuracy 0.8500" in p for p in problems)
     assert any("answers class 5, pinned 3" in p for p in problems)

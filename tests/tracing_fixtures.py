@@ -25,8 +25,11 @@ def ensure_built(zoo: Path, *models: str) -> None:
 
 def open_model(zoo: Path, model: str, framework: str) -> LoadedModel:
     cat = Catalog.load(default_manifest_dirs(None))
-    entry = next(e for e in cat.entries
-                 if e.manifest.name == model and e.manifest.framework.name == framework)
+    entry = next(
+        e
+        for e in cat.entries
+        if e.manifest.name == model and e.manifest.framework.name == framework
+    )
     return LoadedModel.open(entry, entry.graph(zoo), PredictorOptions(threads=1))
 
 
@@ -37,8 +40,9 @@ def sample(model: LoadedModel) -> np.ndarray:
     return np.zeros((1, *model.sample_shape), np.float32)
 
 
-def run_queries(model: LoadedModel, level: TraceLevel, n: int,
-                first_index: int = 0) -> list[dict[str, Any]]:
+def run_queries(
+    model: LoadedModel, level: TraceLevel, n: int, first_index: int = 0
+) -> list[dict[str, Any]]:
     """n queries through a real ModelWorker; the spans they produced, as rows."""
     worker = ModelWorker(model)
     buf = SpanBuffer()
@@ -46,16 +50,25 @@ def run_queries(model: LoadedModel, level: TraceLevel, n: int,
     try:
         for i in range(first_index, first_index + n):
             spans = buf if level > TraceLevel.NONE else None
-            assert worker.submit(Job(index=i, inputs=sample(model),
-                                     received_ns=time.perf_counter_ns(), level=level,
-                                     spans=spans, reply=replies.put))
+            assert worker.submit(
+                Job(
+                    index=i,
+                    inputs=sample(model),
+                    received_ns=time.perf_counter_ns(),
+                    level=level,
+                    spans=spans,
+                    reply=replies.put,
+                )
+            )
             reply = replies.get(timeout=60)
             assert reply.ok, reply.error
     finally:
         worker.stop(close=False)  # the model is reused by the next call
     cols = buf.take()
-    return [dict(zip(COLUMNS, row, strict=True)) for row in zip(*(cols[c] for c in COLUMNS),
-                                                                 strict=True)]
+    return [
+        dict(zip(COLUMNS, row, strict=True))
+        for row in zip(*(cols[c] for c in COLUMNS), strict=True)
+    ]
 
 
 def check_tree(rows: list[dict[str, Any]]) -> Counter[int]:

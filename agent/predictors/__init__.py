@@ -79,21 +79,22 @@ def accelerators(framework: str) -> tuple[Accelerator, ...]:
     return tuple(listed) if listed else tuple(sysinfo.nvml_gpus())
 
 
-def open_predictor(framework: str, model_path: Path, manifest: ModelManifest,
-                   options: PredictorOptions) -> Predictor:
+def open_predictor(
+    framework: str, model_path: Path, manifest: ModelManifest, options: PredictorOptions
+) -> Predictor:
     try:
         mod = module(framework)
     except ImportError as exc:
         raise FrameworkUnavailable(
             f"{framework} is not installed: pip install 'mlscope[{_extra(framework)}]'",
-            framework=framework) from exc
+            framework=framework,
+        ) from exc
     pred: Predictor = mod.open(model_path, manifest, options)
     return pred
 
 
 def _extra(framework: str) -> str:
-    return {"onnxruntime": "onnx", "pytorch": "torch", "tensorflow": "tf"}.get(
-        framework, framework)
+    return {"onnxruntime": "onnx", "pytorch": "torch", "tensorflow": "tf"}.get(framework, framework)
 
 
 @dataclass(frozen=True)
@@ -119,10 +120,15 @@ def manifest_signature(manifest: ModelManifest) -> list[TensorSig]:
     for i, spec in enumerate(manifest.inputs):
         shape: tuple[int | None, ...] = tuple(spec.shape)
         if spec.batch_axis is not None:
-            shape = (*shape[:spec.batch_axis], None, *shape[spec.batch_axis:])
-        out.append(TensorSig(name=spec.layer_name or f"input_{i}",
-                             dtype=np.dtype(spec.element_type), shape=shape,
-                             batch_axis=spec.batch_axis))
+            shape = (*shape[: spec.batch_axis], None, *shape[spec.batch_axis :])
+        out.append(
+            TensorSig(
+                name=spec.layer_name or f"input_{i}",
+                dtype=np.dtype(spec.element_type),
+                shape=shape,
+                batch_axis=spec.batch_axis,
+            )
+        )
     return out
 
 
@@ -131,12 +137,15 @@ def batch_axes(manifest: ModelManifest, names: Sequence[str]) -> list[int | None
     from the manifest input of that layer name, else of that position; 0 otherwise."""
     by_name = {s.layer_name: s.batch_axis for s in manifest.inputs if s.layer_name}
     specs = manifest.inputs
-    return [by_name[n] if n in by_name else specs[i].batch_axis if i < len(specs) else 0
-            for i, n in enumerate(names)]
+    return [
+        by_name[n] if n in by_name else specs[i].batch_axis if i < len(specs) else 0
+        for i, n in enumerate(names)
+    ]
 
 
-def check_inputs(inputs: Sequence[np.ndarray], sigs: Sequence[TensorSig], *, model: str,
-                 framework: str) -> None:
+def check_inputs(
+    inputs: Sequence[np.ndarray], sigs: Sequence[TensorSig], *, model: str, framework: str
+) -> None:
     """Raise InputMismatchError (model, framework, expected, actual) on the first mismatch.
 
     Checked in order: the number of inputs, each input's dtype, each input's rank and
@@ -146,29 +155,46 @@ def check_inputs(inputs: Sequence[np.ndarray], sigs: Sequence[TensorSig], *, mod
     if len(inputs) != len(sigs):
         raise InputMismatchError(
             f"{model} takes {len(sigs)} input(s), got {len(inputs)}",
-            model=model, framework=framework,
-            expected=[s.name for s in sigs], actual=len(inputs))
+            model=model,
+            framework=framework,
+            expected=[s.name for s in sigs],
+            actual=len(inputs),
+        )
     for sig, arr in zip(sigs, inputs, strict=True):
         dtype = getattr(arr, "dtype", None)
         if dtype != sig.dtype and dtype not in sig.accepts:
             raise InputMismatchError(
                 f"{model}: input {sig.name} wants {sig.dtype}, got {dtype}",
-                model=model, framework=framework, input=sig.name,
-                expected=str(sig.dtype), actual=str(dtype))
+                model=model,
+                framework=framework,
+                input=sig.name,
+                expected=str(sig.dtype),
+                actual=str(dtype),
+            )
         shape = tuple(arr.shape)
         fixed = zip(sig.shape, shape, strict=False)  # ranks compared first
         if len(shape) != len(sig.shape) or any(w is not None and w != g for w, g in fixed):
             raise InputMismatchError(
                 f"{model}: input {sig.name} wants shape {_fmt(sig.shape)}, got {list(shape)}",
-                model=model, framework=framework, input=sig.name,
-                expected=list(sig.shape), actual=list(shape))
-    batches = {int(a.shape[s.batch_axis]) for s, a in zip(sigs, inputs, strict=True)
-               if s.batch_axis is not None and a.ndim > s.batch_axis}
+                model=model,
+                framework=framework,
+                input=sig.name,
+                expected=list(sig.shape),
+                actual=list(shape),
+            )
+    batches = {
+        int(a.shape[s.batch_axis])
+        for s, a in zip(sigs, inputs, strict=True)
+        if s.batch_axis is not None and a.ndim > s.batch_axis
+    }
     if len(batches) > 1:
         raise InputMismatchError(
             f"{model}: inputs disagree on the batch size {sorted(batches)}",
-            model=model, framework=framework, expected="one batch size",
-            actual=sorted(batches))
+            model=model,
+            framework=framework,
+            expected="one batch size",
+            actual=sorted(batches),
+        )
 
 
 def device_index(device: str) -> int:

@@ -39,20 +39,25 @@ class NoopPredictor:
 
     def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         if self._closed:
-            raise InferenceError(f"{self.model}: predictor is closed", model=self.model,
-                                 framework=FRAMEWORK)
+            raise InferenceError(
+                f"{self.model}: predictor is closed", model=self.model, framework=FRAMEWORK
+            )
         if len(inputs) != self._n_inputs:
             raise InputMismatchError(
                 f"{self.model} takes {self._n_inputs} input(s), got {len(inputs)}",
-                model=self.model, framework=FRAMEWORK, expected=self._n_inputs,
-                actual=len(inputs))
+                model=self.model,
+                framework=FRAMEWORK,
+                expected=self._n_inputs,
+                actual=len(inputs),
+            )
         return list(inputs)
 
     def close(self) -> None:
         self._closed = True
 
 
-def open(model_path: Path | None, manifest: ModelManifest,
-         options: PredictorOptions) -> NoopPredictor:
+def open(
+    model_path: Path | None, manifest: ModelManifest, options: PredictorOptions
+) -> NoopPredictor:
     """``model_path`` is ignored: there is nothing to load."""
     return NoopPredictor(manifest.name, len(manifest.inputs), options.device)

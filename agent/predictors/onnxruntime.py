@@ -54,7 +54,8 @@ _OPT_LEVELS = {
 # that the CUDA provider really runs on a device rather than falling back to the CPU.
 _IDENTITY_ONNX = bytes.fromhex(
     "08083a3b0a100a017812017922084964656e74697479120570726f62655a0f0a0178120a0a0808"
-    "0112040a020801620f0a0179120a0a08080112040a02080142040a00100d")
+    "0112040a020801620f0a0179120a0a08080112040a02080142040a00100d"
+)
 _MAX_PROBED_GPUS = 16
 
 
@@ -72,8 +73,10 @@ def _count_cuda_devices() -> int:
     for idx in range(_MAX_PROBED_GPUS):
         try:
             sess = ort.InferenceSession(
-                _IDENTITY_ONNX, sess_options=so,
-                providers=[("CUDAExecutionProvider", {"device_id": idx}), "CPUExecutionProvider"])
+                _IDENTITY_ONNX,
+                sess_options=so,
+                providers=[("CUDAExecutionProvider", {"device_id": idx}), "CPUExecutionProvider"],
+            )
         except Exception:  # no such device or a broken CUDA install: stop counting
             return idx
         if sess.get_providers()[0] != "CUDAExecutionProvider":
@@ -95,35 +98,48 @@ class OnnxRuntimePredictor:
         self._names = [i.name for i in self._inputs]
         axes = batch_axes(manifest, self._names)
         self._sigs = [
-            TensorSig(name=i.name, dtype=_np_dtype(i.type),
-                      shape=tuple(d if isinstance(d, int) and d >= 0 else None for d in i.shape),
-                      batch_axis=axis)
-            for i, axis in zip(self._inputs, axes, strict=True)]
+            TensorSig(
+                name=i.name,
+                dtype=_np_dtype(i.type),
+                shape=tuple(d if isinstance(d, int) and d >= 0 else None for d in i.shape),
+                batch_axis=axis,
+            )
+            for i, axis in zip(self._inputs, axes, strict=True)
+        ]
 
     def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         session = self.session
         if session is None:
-            raise InferenceError(f"{self.model}: predictor is closed", model=self.model,
-                                 framework=FRAMEWORK)
+            raise InferenceError(
+                f"{self.model}: predictor is closed", model=self.model, framework=FRAMEWORK
+            )
         check_inputs(inputs, self._sigs, model=self.model, framework=FRAMEWORK)
         feed = dict(zip(self._names, inputs, strict=True))
         try:
             return list(session.run(None, feed))
         except ort.capi.onnxruntime_pybind11_state.InvalidArgument as exc:
             raise InputMismatchError(
-                f"{self.model}: {exc}", model=self.model, framework=FRAMEWORK,
+                f"{self.model}: {exc}",
+                model=self.model,
+                framework=FRAMEWORK,
                 expected=[s.describe() for s in self._sigs],
-                actual=[list(a.shape) for a in inputs]) from exc
+                actual=[list(a.shape) for a in inputs],
+            ) from exc
         except Exception as exc:  # the runtime's own error types; translated here only
-            raise InferenceError(f"{self.model}: {exc}", model=self.model,
-                                 framework=FRAMEWORK, batch_size=len(inputs[0])) from exc
+            raise InferenceError(
+                f"{self.model}: {exc}",
+                model=self.model,
+                framework=FRAMEWORK,
+                batch_size=len(inputs[0]),
+            ) from exc
 
     def close(self) -> None:
         self.session = None
 
 
-def open(model_path: Path, manifest: ModelManifest,
-         options: PredictorOptions) -> OnnxRuntimePredictor:
+def open(
+    model_path: Path, manifest: ModelManifest, options: PredictorOptions
+) -> OnnxRuntimePredictor:
     so = _session_options(options)
     if options.profile:
         so.enable_profiling = True
@@ -132,14 +148,21 @@ def open(model_path: Path, manifest: ModelManifest,
     try:
         session = ort.InferenceSession(str(model_path), sess_options=so, providers=providers)
     except Exception as exc:  # runtime-specific load errors, translated once
-        raise ModelLoadError(f"cannot load {model_path}: {exc}", model=manifest.name,
-                             framework=FRAMEWORK, device=options.device) from exc
+        raise ModelLoadError(
+            f"cannot load {model_path}: {exc}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        ) from exc
     wanted = providers[0][0]
     if wanted in _GPU_PROVIDERS and session.get_providers()[0] != wanted:
         raise ModelLoadError(
             f"onnxruntime could not start {wanted} on {options.device} "
             f"(it fell back to {session.get_providers()})",
-            model=manifest.name, framework=FRAMEWORK, device=options.device)
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     pred = OnnxRuntimePredictor(session, manifest, options.device if kind != "cpu" else "cpu")
     # What agent.profiling.onnxruntime needs to open a profiling twin of this session.
     pred.profile_args = (str(model_path), _session_options(options), providers)
@@ -154,25 +177,31 @@ def _session_options(options: PredictorOptions) -> ort.SessionOptions:
     if intra:
         so.intra_op_num_threads = intra
     so.inter_op_num_threads = int(rt.get("inter_op_threads", 1))
-    so.execution_mode = (ort.ExecutionMode.ORT_PARALLEL if rt.get("execution_mode") == "parallel"
-                         else ort.ExecutionMode.ORT_SEQUENTIAL)
+    so.execution_mode = (
+        ort.ExecutionMode.ORT_PARALLEL
+        if rt.get("execution_mode") == "parallel"
+        else ort.ExecutionMode.ORT_SEQUENTIAL
+    )
     level = str(rt.get("graph_optimization", "all"))
     if level not in _OPT_LEVELS:
-        raise ConfigError(f"onnxruntime graph_optimization must be one of {sorted(_OPT_LEVELS)}, "
-                          f"not {level!r}")
+        raise ConfigError(
+            f"onnxruntime graph_optimization must be one of {sorted(_OPT_LEVELS)}, not {level!r}"
+        )
     so.graph_optimization_level = _OPT_LEVELS[level]
     so.log_severity_level = 3
     return so
 
 
-def _providers(options: PredictorOptions,
-               manifest: ModelManifest) -> list[tuple[str, dict[str, Any]]]:
+def _providers(
+    options: PredictorOptions, manifest: ModelManifest
+) -> list[tuple[str, dict[str, Any]]]:
     """(name, options) pairs in priority order, checked against what ORT has here."""
     rt = options.runtime
     kind = options.device.split(":")[0]
     if rt.get("providers"):
-        chosen = [(p, {}) if isinstance(p, str) else (str(p[0]), dict(p[1]))
-                  for p in rt["providers"]]
+        chosen = [
+            (p, {}) if isinstance(p, str) else (str(p[0]), dict(p[1])) for p in rt["providers"]
+        ]
     elif kind == "cpu":
         chosen = [("CPUExecutionProvider", {})]
     elif kind in ("cuda", "tensorrt"):
@@ -181,13 +210,20 @@ def _providers(options: PredictorOptions,
             gpu.insert(0, "TensorrtExecutionProvider")
         chosen = [(p, {}) for p in gpu]
     else:
-        raise ModelLoadError(f"onnxruntime has no device {options.device!r}",
-                             model=manifest.name, framework=FRAMEWORK, device=options.device)
+        raise ModelLoadError(
+            f"onnxruntime has no device {options.device!r}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     if kind != "cpu" and not any(name in _GPU_PROVIDERS for name, _ in chosen):
         raise ModelLoadError(
             f"onnxruntime providers {[n for n, _ in chosen]} name no GPU provider for "
-            f"{options.device}: the run would measure the CPU", model=manifest.name,
-            framework=FRAMEWORK, device=options.device)
+            f"{options.device}: the run would measure the CPU",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     extra = rt.get("provider_options") or {}
     for name, opts in chosen:
         opts.update(extra.get(name, {}))
@@ -197,16 +233,24 @@ def _providers(options: PredictorOptions,
     missing = [name for name, _ in chosen if name not in available]
     if missing:
         raise ModelLoadError(
-            f"onnxruntime {ort.__version__} here lacks provider(s) {missing} "
-            f"(has {available})", model=manifest.name, framework=FRAMEWORK,
-            device=options.device)
+            f"onnxruntime {ort.__version__} here lacks provider(s) {missing} (has {available})",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     return chosen
 
 
 _DTYPES = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16,
-    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16,
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int16)": np.int16,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(uint16)": np.uint16,
     "tensor(bool)": np.bool_,
 }
 

@@ -43,8 +43,9 @@ def accelerators() -> list[Accelerator]:
     out = []
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
-        out.append(Accelerator(kind="gpu", model=props.name, index=i,
-                               memory_bytes=int(props.total_memory)))
+        out.append(
+            Accelerator(kind="gpu", model=props.name, index=i, memory_bytes=int(props.total_memory))
+        )
     return out
 
 
@@ -52,8 +53,9 @@ def probe() -> FrameworkInfo:
     devices = ["cpu"]
     if torch.cuda.is_available():
         devices += [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    return FrameworkInfo(name=FRAMEWORK, version=torch.__version__.split("+")[0],
-                         devices=tuple(devices))
+    return FrameworkInfo(
+        name=FRAMEWORK, version=torch.__version__.split("+")[0], devices=tuple(devices)
+    )
 
 
 class TorchPredictor:
@@ -71,8 +73,9 @@ class TorchPredictor:
     def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         module = self._module
         if module is None:
-            raise InferenceError(f"{self.model}: predictor is closed", model=self.model,
-                                 framework=FRAMEWORK)
+            raise InferenceError(
+                f"{self.model}: predictor is closed", model=self.model, framework=FRAMEWORK
+            )
         check_inputs(inputs, self._sigs, model=self.model, framework=FRAMEWORK)
         try:
             with torch.inference_mode():
@@ -83,8 +86,13 @@ class TorchPredictor:
                     torch.cuda.synchronize(self._device)
                 return [t.detach().cpu().numpy() for t in tensors]
         except Exception as exc:  # torch raises RuntimeError and friends; translated here
-            raise InferenceError(f"{self.model}: {exc}", model=self.model, framework=FRAMEWORK,
-                                 device=self.device, batch_size=len(inputs[0])) from exc
+            raise InferenceError(
+                f"{self.model}: {exc}",
+                model=self.model,
+                framework=FRAMEWORK,
+                device=self.device,
+                batch_size=len(inputs[0]),
+            ) from exc
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
         # torch.from_numpy warns on read-only memory (e.g. decoded from a bus message);
@@ -115,27 +123,31 @@ class TorchPredictor:
             torch.cuda.empty_cache()
 
 
-def open(model_path: Path, manifest: ModelManifest,
-         options: PredictorOptions) -> TorchPredictor:
+def open(model_path: Path, manifest: ModelManifest, options: PredictorOptions) -> TorchPredictor:
     device = _device(options, manifest)
     _set_threads(options)
     fmt = options.runtime.get("format") or (
-        "exported" if Path(model_path).suffix in _EXPORTED_SUFFIXES else "torchscript")
+        "exported" if Path(model_path).suffix in _EXPORTED_SUFFIXES else "torchscript"
+    )
     try:
         if fmt == "exported":
             module = torch.export.load(str(model_path)).module().to(device)
         elif fmt == "torchscript":
             module = torch.jit.load(  # type: ignore[no-untyped-call]
-                str(model_path), map_location=device).eval()
+                str(model_path), map_location=device
+            ).eval()
         else:
             raise ValueError(f"unknown format {fmt!r} (torchscript or exported)")
     except Exception as exc:  # torch's load errors are RuntimeError, ValueError, zip errors...
         hint = ""
         if fmt == "torchscript" and "constants.pkl" in str(exc):
             hint = " (a torch.save'd module or state dict is not TorchScript)"
-        raise ModelLoadError(f"cannot load {model_path} as {fmt}: {exc}{hint}",
-                             model=manifest.name, framework=FRAMEWORK,
-                             device=options.device) from exc
+        raise ModelLoadError(
+            f"cannot load {model_path} as {fmt}: {exc}{hint}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        ) from exc
     return TorchPredictor(module, manifest, device)
 
 
@@ -147,8 +159,11 @@ def _set_threads(options: PredictorOptions) -> None:
         try:
             torch.set_num_interop_threads(inter)
         except RuntimeError:  # parallel work already started: fixed for this process
-            log.warning("torch already runs %d inter-op threads; cannot use %d",
-                        torch.get_num_interop_threads(), inter)
+            log.warning(
+                "torch already runs %d inter-op threads; cannot use %d",
+                torch.get_num_interop_threads(),
+                inter,
+            )
 
 
 def _device(options: PredictorOptions, manifest: ModelManifest) -> torch.device:
@@ -156,13 +171,25 @@ def _device(options: PredictorOptions, manifest: ModelManifest) -> torch.device:
     if kind == "cpu":
         return torch.device("cpu")
     if kind != "cuda":
-        raise ModelLoadError(f"pytorch has no device {options.device!r}", model=manifest.name,
-                             framework=FRAMEWORK, device=options.device)
+        raise ModelLoadError(
+            f"pytorch has no device {options.device!r}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     if not torch.cuda.is_available():
-        raise ModelLoadError(f"no CUDA device for {options.device!r} (torch {torch.__version__})",
-                             model=manifest.name, framework=FRAMEWORK, device=options.device)
+        raise ModelLoadError(
+            f"no CUDA device for {options.device!r} (torch {torch.__version__})",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     dev = torch.device(options.device if ":" in options.device else "cuda:0")
     if dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ModelLoadError(f"{options.device} not present ({torch.cuda.device_count()} GPUs)",
-                             model=manifest.name, framework=FRAMEWORK, device=options.device)
+        raise ModelLoadError(
+            f"{options.device} not present ({torch.cuda.device_count()} GPUs)",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     return dev

@@ -56,29 +56,41 @@ def probe() -> FrameworkInfo:
 class TensorFlowPredictor:
     framework = FRAMEWORK
 
-    def __init__(self, loaded: Any, signature: Any, manifest: ModelManifest, device: str,
-                 tf_device: str) -> None:
+    def __init__(
+        self, loaded: Any, signature: Any, manifest: ModelManifest, device: str, tf_device: str
+    ) -> None:
         self._loaded = loaded  # the signature holds only weak references to its variables
         self._signature: Any = signature
         self.model = manifest.name
         self.device = device
         self._tf_device = tf_device
         specs: dict[str, Any] = signature.structured_input_signature[1]
-        self._input_names = _ordered([i.layer_name for i in manifest.inputs], specs,
-                                     "input", manifest)
+        self._input_names = _ordered(
+            [i.layer_name for i in manifest.inputs], specs, "input", manifest
+        )
         axes = batch_axes(manifest, self._input_names)
         self._sigs = [
-            TensorSig(name=n, dtype=np.dtype(specs[n].dtype.as_numpy_dtype),
-                      shape=tuple(specs[n].shape.as_list()), batch_axis=axis)
-            for n, axis in zip(self._input_names, axes, strict=True)]
-        self._output_names = _ordered([o.layer_name for o in manifest.outputs],
-                                      signature.structured_outputs, "output", manifest)
+            TensorSig(
+                name=n,
+                dtype=np.dtype(specs[n].dtype.as_numpy_dtype),
+                shape=tuple(specs[n].shape.as_list()),
+                batch_axis=axis,
+            )
+            for n, axis in zip(self._input_names, axes, strict=True)
+        ]
+        self._output_names = _ordered(
+            [o.layer_name for o in manifest.outputs],
+            signature.structured_outputs,
+            "output",
+            manifest,
+        )
 
     def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         signature = self._signature
         if signature is None:
-            raise InferenceError(f"{self.model}: predictor is closed", model=self.model,
-                                 framework=FRAMEWORK)
+            raise InferenceError(
+                f"{self.model}: predictor is closed", model=self.model, framework=FRAMEWORK
+            )
         check_inputs(inputs, self._sigs, model=self.model, framework=FRAMEWORK)
         try:
             with tf.device(self._tf_device):
@@ -86,8 +98,13 @@ class TensorFlowPredictor:
             # .numpy() copies to the host, which waits for the device: synchronized here.
             return [_host(out[name]) for name in self._output_names]
         except Exception as exc:  # tf.errors.* and friends; translated here only
-            raise InferenceError(f"{self.model}: {exc}", model=self.model, framework=FRAMEWORK,
-                                 device=self.device, batch_size=len(inputs[0])) from exc
+            raise InferenceError(
+                f"{self.model}: {exc}",
+                model=self.model,
+                framework=FRAMEWORK,
+                device=self.device,
+                batch_size=len(inputs[0]),
+            ) from exc
 
     def close(self) -> None:
         self._signature = None
@@ -117,22 +134,30 @@ class _V1Signature:
         sig = meta.signature_def[name]
         self._feeds = {k: v.name for k, v in sig.inputs.items()}
         self.structured_outputs = {k: v.name for k, v in sig.outputs.items()}
-        self.structured_input_signature = ((), {
-            k: tf.TensorSpec([d.size if d.size >= 0 else None for d in v.tensor_shape.dim],
-                             tf.as_dtype(v.dtype))
-            for k, v in sig.inputs.items()})
+        self.structured_input_signature = (
+            (),
+            {
+                k: tf.TensorSpec(
+                    [d.size if d.size >= 0 else None for d in v.tensor_shape.dim],
+                    tf.as_dtype(v.dtype),
+                )
+                for k, v in sig.inputs.items()
+            },
+        )
 
     def __call__(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = self._session.run(
-            self.structured_outputs, {self._feeds[k]: v for k, v in inputs.items()})
+            self.structured_outputs, {self._feeds[k]: v for k, v in inputs.items()}
+        )
         return out
 
     def close(self) -> None:
         self._session.close()
 
 
-def open(model_path: Path, manifest: ModelManifest,
-         options: PredictorOptions) -> TensorFlowPredictor:
+def open(
+    model_path: Path, manifest: ModelManifest, options: PredictorOptions
+) -> TensorFlowPredictor:
     device, tf_device = _device(options, manifest)
     _set_threads(options)
     name = str(options.runtime.get("signature", "serving_default"))
@@ -145,15 +170,22 @@ def open(model_path: Path, manifest: ModelManifest,
             with tf.device(tf_device):
                 v1 = _V1Signature(model_path, ["serve"], name)
         except Exception:
-            raise ModelLoadError(f"cannot load SavedModel {model_path}: {exc}",
-                                 model=manifest.name, framework=FRAMEWORK,
-                                 device=options.device) from exc
+            raise ModelLoadError(
+                f"cannot load SavedModel {model_path}: {exc}",
+                model=manifest.name,
+                framework=FRAMEWORK,
+                device=options.device,
+            ) from exc
         return TensorFlowPredictor(v1, v1, manifest, device, tf_device)
     signatures = getattr(loaded, "signatures", {})
     if name not in signatures:
-        raise ModelLoadError(f"{model_path} has no signature {name!r} (has {sorted(signatures)})",
-                             model=manifest.name, framework=FRAMEWORK,
-                             expected=name, actual=sorted(signatures))
+        raise ModelLoadError(
+            f"{model_path} has no signature {name!r} (has {sorted(signatures)})",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            expected=name,
+            actual=sorted(signatures),
+        )
     return TensorFlowPredictor(loaded, signatures[name], manifest, device, tf_device)
 
 
@@ -162,42 +194,63 @@ def _device(options: PredictorOptions, manifest: ModelManifest) -> tuple[str, st
     if kind == "cpu":
         return "cpu", "/CPU:0"
     if kind not in ("cuda", "gpu"):
-        raise ModelLoadError(f"tensorflow has no device {options.device!r}",
-                             model=manifest.name, framework=FRAMEWORK, device=options.device)
+        raise ModelLoadError(
+            f"tensorflow has no device {options.device!r}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     idx = device_index(options.device)
     gpus = tf.config.list_physical_devices("GPU")
     if idx >= len(gpus):
         raise ModelLoadError(
             f"tensorflow {tf.__version__} sees {len(gpus)} GPU(s); {options.device} is not one",
-            model=manifest.name, framework=FRAMEWORK, device=options.device)
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     return f"cuda:{idx}", f"/GPU:{idx}"
 
 
 def _set_threads(options: PredictorOptions) -> None:
     threading = tf.config.threading
-    wanted = [(options.intra_op_threads, threading.get_intra_op_parallelism_threads,
-               threading.set_intra_op_parallelism_threads),
-              (options.runtime.get("inter_op_threads"), threading.get_inter_op_parallelism_threads,
-               threading.set_inter_op_parallelism_threads)]
+    wanted = [
+        (
+            options.intra_op_threads,
+            threading.get_intra_op_parallelism_threads,
+            threading.set_intra_op_parallelism_threads,
+        ),
+        (
+            options.runtime.get("inter_op_threads"),
+            threading.get_inter_op_parallelism_threads,
+            threading.set_inter_op_parallelism_threads,
+        ),
+    ]
     for value, get, put in wanted:
         if not value or get() == int(value):
             continue
         try:
             put(int(value))
         except RuntimeError:  # the runtime already started: the setting is fixed for good
-            log.warning("tensorflow already initialized with %d threads; cannot use %s",
-                        get(), value)
+            log.warning(
+                "tensorflow already initialized with %d threads; cannot use %s", get(), value
+            )
 
 
-def _ordered(manifest_names: list[str | None], named: dict[str, Any], what: str,
-             manifest: ModelManifest) -> list[str]:
+def _ordered(
+    manifest_names: list[str | None], named: dict[str, Any], what: str, manifest: ModelManifest
+) -> list[str]:
     if manifest_names and all(n is not None for n in manifest_names):
         names = [n for n in manifest_names if n is not None]
         unknown = [n for n in names if n not in named]
         if unknown:
             raise ModelLoadError(
                 f"{manifest.name}: manifest {what}(s) {unknown} not in the signature "
-                f"(has {sorted(named)})", model=manifest.name, framework=FRAMEWORK,
-                expected=sorted(named), actual=names)
+                f"(has {sorted(named)})",
+                model=manifest.name,
+                framework=FRAMEWORK,
+                expected=sorted(named),
+                actual=names,
+            )
         return names
     return sorted(named)

@@ -82,8 +82,9 @@ class TFLitePredictor:
         self._in_index = [d["index"] for d in ins]
         self._in_quant = [_Quant(d) for d in ins]
         axes = batch_axes(manifest, [d["name"] for d in ins])
-        self._sigs = [_signature(d, q, axis)
-                      for d, q, axis in zip(ins, self._in_quant, axes, strict=True)]
+        self._sigs = [
+            _signature(d, q, axis) for d, q, axis in zip(ins, self._in_quant, axes, strict=True)
+        ]
         self._shapes = [tuple(int(s) for s in d["shape"]) for d in ins]
         outs = interp.get_output_details()
         self._out_index = [d["index"] for d in outs]
@@ -93,8 +94,9 @@ class TFLitePredictor:
         with self._lock:
             interp = self._interp
             if interp is None:
-                raise InferenceError(f"{self.model}: predictor is closed", model=self.model,
-                                     framework=FRAMEWORK)
+                raise InferenceError(
+                    f"{self.model}: predictor is closed", model=self.model, framework=FRAMEWORK
+                )
             check_inputs(inputs, self._sigs, model=self.model, framework=FRAMEWORK)
             try:
                 self._resize(interp, inputs)
@@ -105,10 +107,16 @@ class TFLitePredictor:
                 interp.invoke()
                 outs = [interp.get_tensor(i) for i in self._out_index]
             except Exception as exc:  # ValueError/RuntimeError from the interpreter
-                raise InferenceError(f"{self.model}: {exc}", model=self.model,
-                                     framework=FRAMEWORK, batch_size=len(inputs[0])) from exc
-        return [q.dequantize(o) if q is not None and q.on else o
-                for q, o in zip(self._out_quant, outs, strict=True)]
+                raise InferenceError(
+                    f"{self.model}: {exc}",
+                    model=self.model,
+                    framework=FRAMEWORK,
+                    batch_size=len(inputs[0]),
+                ) from exc
+        return [
+            q.dequantize(o) if q is not None and q.on else o
+            for q, o in zip(self._out_quant, outs, strict=True)
+        ]
 
     def _resize(self, interp: Interpreter, inputs: list[np.ndarray]) -> None:
         changed = False
@@ -130,26 +138,45 @@ def _signature(detail: dict[str, Any], quant: _Quant, batch_axis: int | None) ->
     dims = [int(d) for d in (sig if sig is not None and len(sig) else detail["shape"])]
     shape = tuple(None if i == batch_axis or d < 0 else d for i, d in enumerate(dims))
     if quant.on:
-        return TensorSig(name=detail["name"], dtype=np.dtype(np.float32), shape=shape,
-                         accepts=(quant.dtype,), batch_axis=batch_axis)
+        return TensorSig(
+            name=detail["name"],
+            dtype=np.dtype(np.float32),
+            shape=shape,
+            accepts=(quant.dtype,),
+            batch_axis=batch_axis,
+        )
     return TensorSig(name=detail["name"], dtype=quant.dtype, shape=shape, batch_axis=batch_axis)
 
 
-def open(model_path: Path, manifest: ModelManifest,
-         options: PredictorOptions) -> TFLitePredictor:
+def open(model_path: Path, manifest: ModelManifest, options: PredictorOptions) -> TFLitePredictor:
     if options.device.split(":")[0] != "cpu":
-        raise ModelLoadError(f"tflite runs on the cpu here, not {options.device!r}",
-                             model=manifest.name, framework=FRAMEWORK, device=options.device)
-    resolver = (OpResolverType.BUILTIN if options.runtime.get("xnnpack", True)
-                else OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+        raise ModelLoadError(
+            f"tflite runs on the cpu here, not {options.device!r}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
+    resolver = (
+        OpResolverType.BUILTIN
+        if options.runtime.get("xnnpack", True)
+        else OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+    )
     try:
-        interp = Interpreter(model_path=str(model_path), num_threads=options.intra_op_threads,
-                             experimental_op_resolver_type=resolver)
+        interp = Interpreter(
+            model_path=str(model_path),
+            num_threads=options.intra_op_threads,
+            experimental_op_resolver_type=resolver,
+        )
         interp.allocate_tensors()
     except Exception as exc:  # ValueError for a bad flatbuffer, RuntimeError for bad ops
-        raise ModelLoadError(f"cannot load {model_path}: {exc}", model=manifest.name,
-                             framework=FRAMEWORK, device=options.device) from exc
-    pred = TFLitePredictor(interp, manifest,
-                           dequantize=bool(options.runtime.get("dequantize", True)))
+        raise ModelLoadError(
+            f"cannot load {model_path}: {exc}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        ) from exc
+    pred = TFLitePredictor(
+        interp, manifest, dequantize=bool(options.runtime.get("dequantize", True))
+    )
     pred.num_threads = options.intra_op_threads
     return pred

@@ -53,7 +53,8 @@ FRAMEWORK = "xrt"
 INSTALL_HINT = (
     "pyxrt is not importable: install Xilinx/AMD XRT (https://xilinx.github.io/XRT/) and "
     "run `source /opt/xilinx/xrt/setup.sh` before starting the agent, so that "
-    "/opt/xilinx/xrt/python is on PYTHONPATH")
+    "/opt/xilinx/xrt/python is on PYTHONPATH"
+)
 
 
 def _pyxrt() -> ModuleType | None:
@@ -71,8 +72,9 @@ def probe() -> FrameworkInfo | None:
     count = int(pyxrt.enumerate_devices())
     if count == 0:
         return None
-    return FrameworkInfo(name=FRAMEWORK, version=_version(pyxrt),
-                         devices=tuple(f"fpga:{i}" for i in range(count)))
+    return FrameworkInfo(
+        name=FRAMEWORK, version=_version(pyxrt), devices=tuple(f"fpga:{i}" for i in range(count))
+    )
 
 
 def accelerators() -> list[Accelerator]:
@@ -117,9 +119,18 @@ class _Tensor:
 class XrtPredictor:
     framework = FRAMEWORK
 
-    def __init__(self, pyxrt: ModuleType, dev: Any, kernel: Any, manifest: ModelManifest,
-                 *, device: str, args: list[str | int], outputs: list[_Tensor],
-                 capacity: int) -> None:
+    def __init__(
+        self,
+        pyxrt: ModuleType,
+        dev: Any,
+        kernel: Any,
+        manifest: ModelManifest,
+        *,
+        device: str,
+        args: list[str | int],
+        outputs: list[_Tensor],
+        capacity: int,
+    ) -> None:
         self._pyxrt = pyxrt
         self._dev: Any = dev
         self._kernel: Any = kernel
@@ -140,10 +151,16 @@ class XrtPredictor:
 
     def _allocate(self, capacity: int) -> None:
         """Buffer objects for ``capacity`` samples, each in its argument's memory bank."""
+
         def make(kind: str, i: int, t: _Tensor) -> Any:
             pos = self._args.index(f"{kind}:{i}")
-            return self._pyxrt.bo(self._dev, capacity * t.sample_bytes, self._pyxrt.bo.normal,
-                                  self._kernel.group_id(pos))
+            return self._pyxrt.bo(
+                self._dev,
+                capacity * t.sample_bytes,
+                self._pyxrt.bo.normal,
+                self._kernel.group_id(pos),
+            )
+
         self._in_bos = [make("input", i, t) for i, t in enumerate(self._inputs)]
         self._out_bos = [make("output", i, t) for i, t in enumerate(self._outputs)]
         self._capacity = capacity
@@ -151,8 +168,9 @@ class XrtPredictor:
     def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
         with self._lock:
             if self._kernel is None:
-                raise InferenceError(f"{self.model}: predictor is closed", model=self.model,
-                                     framework=FRAMEWORK)
+                raise InferenceError(
+                    f"{self.model}: predictor is closed", model=self.model, framework=FRAMEWORK
+                )
             check_inputs(inputs, self._sigs, model=self.model, framework=FRAMEWORK)
             batch = len(inputs[0])
             try:
@@ -160,9 +178,13 @@ class XrtPredictor:
             except InferenceError:
                 raise
             except Exception as exc:  # pyxrt raises RuntimeError; translated here only
-                raise InferenceError(f"{self.model}: {exc}", model=self.model,
-                                     framework=FRAMEWORK, device=self.device,
-                                     batch_size=batch) from exc
+                raise InferenceError(
+                    f"{self.model}: {exc}",
+                    model=self.model,
+                    framework=FRAMEWORK,
+                    device=self.device,
+                    batch_size=batch,
+                ) from exc
 
     def _run(self, inputs: list[np.ndarray], batch: int) -> list[np.ndarray]:
         if batch > self._capacity:
@@ -174,9 +196,14 @@ class XrtPredictor:
         run = self._kernel(*self._call_args(batch))
         state = run.wait()
         if state != self._done:
-            raise InferenceError(f"{self.model}: kernel run ended in {state!r}",
-                                 model=self.model, framework=FRAMEWORK, device=self.device,
-                                 batch_size=batch, state=str(state))
+            raise InferenceError(
+                f"{self.model}: kernel run ended in {state!r}",
+                model=self.model,
+                framework=FRAMEWORK,
+                device=self.device,
+                batch_size=batch,
+                state=str(state),
+            )
         outs = []
         for bo, t in zip(self._out_bos, self._outputs, strict=True):
             nbytes = batch * t.sample_bytes
@@ -204,16 +231,19 @@ class XrtPredictor:
             self._dev = None
 
 
-def open(model_path: Path, manifest: ModelManifest,
-         options: PredictorOptions) -> XrtPredictor:
+def open(model_path: Path, manifest: ModelManifest, options: PredictorOptions) -> XrtPredictor:
     pyxrt = _pyxrt()
     if pyxrt is None:
         raise FrameworkUnavailable(INSTALL_HINT, framework=FRAMEWORK, model=manifest.name)
     cfg = {**dict(manifest.attributes.get("xrt") or {}), **options.runtime}
     kind = options.device.split(":")[0]
     if kind != "fpga":
-        raise ModelLoadError(f"xrt runs on fpga:N devices, not {options.device!r}",
-                             model=manifest.name, framework=FRAMEWORK, device=options.device)
+        raise ModelLoadError(
+            f"xrt runs on fpga:N devices, not {options.device!r}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        )
     outputs = _output_tensors(cfg, manifest)
     args = _arg_layout(cfg, manifest, len(outputs))
     try:
@@ -223,12 +253,23 @@ def open(model_path: Path, manifest: ModelManifest,
         name = cfg.get("kernel") or _only_kernel(xbin)
         mode = getattr(pyxrt.kernel.cu_access_mode, str(cfg.get("cu_access", "shared")))
         kernel = pyxrt.kernel(dev, uuid, name, mode)
-        return XrtPredictor(pyxrt, dev, kernel, manifest, device=options.device, args=args,
-                            outputs=outputs, capacity=max(1, options.batch_size))
+        return XrtPredictor(
+            pyxrt,
+            dev,
+            kernel,
+            manifest,
+            device=options.device,
+            args=args,
+            outputs=outputs,
+            capacity=max(1, options.batch_size),
+        )
     except Exception as exc:  # pyxrt raises RuntimeError for a bad xclbin, device or kernel
-        raise ModelLoadError(f"cannot load {model_path} on {options.device}: {exc}",
-                             model=manifest.name, framework=FRAMEWORK,
-                             device=options.device) from exc
+        raise ModelLoadError(
+            f"cannot load {model_path} on {options.device}: {exc}",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            device=options.device,
+        ) from exc
 
 
 def _only_kernel(xbin: Any) -> str:
@@ -244,16 +285,24 @@ def _output_tensors(cfg: dict[str, Any], manifest: ModelManifest) -> list[_Tenso
         raise ModelLoadError(
             f"{manifest.name}: xrt needs attributes.xrt.outputs with one "
             f"{{shape, element_type}} per output ({len(manifest.outputs)})",
-            model=manifest.name, framework=FRAMEWORK,
-            expected=len(manifest.outputs), actual=len(specs or []))
-    return [_Tensor(np.dtype(s.get("element_type", "float32")), tuple(int(d) for d in s["shape"]))
-            for s in specs]
+            model=manifest.name,
+            framework=FRAMEWORK,
+            expected=len(manifest.outputs),
+            actual=len(specs or []),
+        )
+    return [
+        _Tensor(np.dtype(s.get("element_type", "float32")), tuple(int(d) for d in s["shape"]))
+        for s in specs
+    ]
 
 
 def _arg_layout(cfg: dict[str, Any], manifest: ModelManifest, n_out: int) -> list[str | int]:
     n_in = len(manifest.inputs)
-    default: list[str | int] = [*(f"input:{i}" for i in range(n_in)),
-                                *(f"output:{i}" for i in range(n_out)), "batch"]
+    default: list[str | int] = [
+        *(f"input:{i}" for i in range(n_in)),
+        *(f"output:{i}" for i in range(n_out)),
+        "batch",
+    ]
     args: list[str | int] = list(cfg.get("args") or default)
     needed = {f"input:{i}" for i in range(n_in)} | {f"output:{i}" for i in range(n_out)}
     bad = [a for a in args if not isinstance(a, int) and a != "batch" and a not in needed]
@@ -261,6 +310,10 @@ def _arg_layout(cfg: dict[str, Any], manifest: ModelManifest, n_out: int) -> lis
     if bad or missing:
         raise ModelLoadError(
             f"{manifest.name}: bad xrt argument layout {args} (unknown {bad}, "
-            f"missing {sorted(missing)})", model=manifest.name, framework=FRAMEWORK,
-            expected=default, actual=args)
+            f"missing {sorted(missing)})",
+            model=manifest.name,
+            framework=FRAMEWORK,
+            expected=default,
+            actual=args,
+        )
     return args

@@ -43,10 +43,13 @@ __all__ = ["NULL", "Capture", "FrameworkProfiler", "capture", "flush", "profiler
 
 log = logging.getLogger(__name__)
 
-_MODULES = {"onnxruntime": "agent.profiling.onnxruntime", "pytorch": "agent.profiling.pytorch",
-            "tensorflow": "agent.profiling.tensorflow", "tflite": "agent.profiling.tflite"}
-_profilers: weakref.WeakKeyDictionary[Any, FrameworkProfiler | None] = (
-    weakref.WeakKeyDictionary())
+_MODULES = {
+    "onnxruntime": "agent.profiling.onnxruntime",
+    "pytorch": "agent.profiling.pytorch",
+    "tensorflow": "agent.profiling.tensorflow",
+    "tflite": "agent.profiling.tflite",
+}
+_profilers: weakref.WeakKeyDictionary[Any, FrameworkProfiler | None] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -60,8 +63,10 @@ def profiler_for(predictor: Any) -> FrameworkProfiler | None:
         if module is not None:
             prof = importlib.import_module(module).make(predictor)
         if prof is None:
-            log.info("no framework-level profiler for %s",
-                     getattr(predictor, "framework", type(predictor).__name__))
+            log.info(
+                "no framework-level profiler for %s",
+                getattr(predictor, "framework", type(predictor).__name__),
+            )
         _profilers[predictor] = prof
         return prof
 

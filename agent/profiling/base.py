@@ -44,15 +44,23 @@ class Capture:
         self.start_ns = time.perf_counter_ns()
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.end_ns = time.perf_counter_ns()
 
-    def emit(self, spans: SpanBuffer, *, parent: int, query_index: int,
-             window: tuple[int, int] | None = None) -> int:
+    def emit(
+        self,
+        spans: SpanBuffer,
+        *,
+        parent: int,
+        query_index: int,
+        window: tuple[int, int] | None = None,
+    ) -> int:
         """Add the collected events as spans under ``parent``; returns how many."""
-        return emit_events(spans, self.events, parent=parent, query_index=query_index,
-                           window=window)
+        return emit_events(
+            spans, self.events, parent=parent, query_index=query_index, window=window
+        )
 
 
 class NullCapture(Capture):
@@ -61,8 +69,9 @@ class NullCapture(Capture):
     def __enter__(self) -> Capture:
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         return None
 
 
@@ -73,8 +82,14 @@ class FrameworkProfiler(Protocol):
     def capture(self, *, full: bool = False) -> Capture: ...
 
 
-def emit_events(spans: SpanBuffer, events: list[LayerEvent], *, parent: int, query_index: int,
-                window: tuple[int, int] | None = None) -> int:
+def emit_events(
+    spans: SpanBuffer,
+    events: list[LayerEvent],
+    *,
+    parent: int,
+    query_index: int,
+    window: tuple[int, int] | None = None,
+) -> int:
     """Layer spans under ``parent``, kernels and ops under their layer; times clamped to
     ``window``.
 
@@ -93,6 +108,14 @@ def emit_events(spans: SpanBuffer, events: list[LayerEvent], *, parent: int, que
         owner = parent
         if e.kind in ("kernel", "op") and e.layer is not None and e.layer in ids:
             owner = ids[e.layer]
-        ids[pos] = spans.add(parent=owner, query_index=query_index, level=TraceLevel.FRAMEWORK,
-                             kind=e.kind, name=e.name, start_ns=start, end_ns=end, attrs=attrs)
+        ids[pos] = spans.add(
+            parent=owner,
+            query_index=query_index,
+            level=TraceLevel.FRAMEWORK,
+            kind=e.kind,
+            name=e.name,
+            start_ns=start,
+            end_ns=end,
+            attrs=attrs,
+        )
     return len(events)

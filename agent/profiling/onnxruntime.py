@@ -67,8 +67,9 @@ class OrtProfiler:
     a cold one.
     """
 
-    def __init__(self, predictor: Any, model_path: str, options: ort.SessionOptions,
-                 providers: list[Any]) -> None:
+    def __init__(
+        self, predictor: Any, model_path: str, options: ort.SessionOptions, providers: list[Any]
+    ) -> None:
         self.predictor, self.model_path = predictor, model_path
         self.options, self.providers = options, providers
         self.dir = Path(tempfile.mkdtemp(prefix="mlscope-ortprof-"))
@@ -92,7 +93,8 @@ class OrtProfiler:
         if self._session is None:
             try:
                 self._session = ort.InferenceSession(
-                    self.model_path, sess_options=self.options, providers=self.providers)
+                    self.model_path, sess_options=self.options, providers=self.providers
+                )
             except Exception as exc:  # ORT's own error types: profile nothing
                 log.warning("onnxruntime profiling session failed, no layer spans: %s", exc)
                 return None
@@ -122,14 +124,16 @@ class OrtProfiler:
         finally:
             Path(path).unlink(missing_ok=True)
         base = session.get_profiling_start_time_ns() - wall_minus_mono
-        events = sorted(node_events(raw, base_ns=base, device=self.device),
-                        key=lambda e: e.start_ns)
+        events = sorted(
+            node_events(raw, base_ns=base, device=self.device), key=lambda e: e.start_ns
+        )
         starts = np.asarray([e.start_ns for e in events], np.int64)
         emitted = 0
         for p in pending:  # a run's node events start inside its predict window
             lo, hi = np.searchsorted(starts, p.window[0]), np.searchsorted(starts, p.window[1])
-            emitted += emit_events(p.spans, events[lo:hi], parent=p.parent,
-                                   query_index=p.query_index, window=p.window)
+            emitted += emit_events(
+                p.spans, events[lo:hi], parent=p.parent, query_index=p.query_index, window=p.window
+            )
         return emitted
 
 
@@ -152,8 +156,9 @@ class OrtCapture(Capture):
             self.prof.predictor.session = self._session
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         super().__exit__(et, ev, tb)
         try:
             if self._session is not None:
@@ -161,8 +166,14 @@ class OrtCapture(Capture):
         finally:
             self.prof.lock.release()
 
-    def emit(self, spans: SpanBuffer, *, parent: int, query_index: int,
-             window: tuple[int, int] | None = None) -> int:
+    def emit(
+        self,
+        spans: SpanBuffer,
+        *,
+        parent: int,
+        query_index: int,
+        window: tuple[int, int] | None = None,
+    ) -> int:
         if self._session is not None and window is not None:
             self.prof.defer(_Pending(spans, parent, query_index, window))
         return 0
@@ -180,14 +191,23 @@ def node_events(raw: list[dict[str, Any]], *, base_ns: int, device: str) -> list
             continue
         args = e.get("args", {})
         start = base_ns + int(e["ts"]) * 1000
-        out.append(LayerEvent(
-            name=str(e["name"])[: -len(_SUFFIX)], op_type=str(args.get("op_name", "")),
-            start_ns=start, end_ns=start + int(e.get("dur", 0)) * 1000,
-            shape={"inputs": _shapes(args.get("input_type_shape")),
-                   "outputs": _shapes(args.get("output_type_shape"))},
-            device=device,
-            extra={"provider": args.get("provider", ""),
-                   "node_index": args.get("node_index", "")}))
+        out.append(
+            LayerEvent(
+                name=str(e["name"])[: -len(_SUFFIX)],
+                op_type=str(args.get("op_name", "")),
+                start_ns=start,
+                end_ns=start + int(e.get("dur", 0)) * 1000,
+                shape={
+                    "inputs": _shapes(args.get("input_type_shape")),
+                    "outputs": _shapes(args.get("output_type_shape")),
+                },
+                device=device,
+                extra={
+                    "provider": args.get("provider", ""),
+                    "node_index": args.get("node_index", ""),
+                },
+            )
+        )
     return out
 
 

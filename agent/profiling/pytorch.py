@@ -52,8 +52,9 @@ class TorchCapture(Capture):
         self._mark.__enter__()  # type: ignore[no-untyped-call]
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._mark.__exit__(et, ev, tb)
         super().__exit__(et, ev, tb)
         self._profile.__exit__(et, ev, tb)  # type: ignore[no-untyped-call]
@@ -72,12 +73,18 @@ class TorchCapture(Capture):
         shift = self.start_ns - int(mark.time_range.start * 1000)
         layers = [e for e in events if _is_layer(e)]
         layers.sort(key=lambda e: e.time_range.start)
-        out = [LayerEvent(name=e.name, op_type=e.name,
-                          start_ns=shift + int(e.time_range.start * 1000),
-                          end_ns=shift + int(e.time_range.end * 1000),
-                          shape={"inputs": list(e.input_shapes or [])}, device=self.prof.device,
-                          extra={"seq": i})
-               for i, e in enumerate(layers)]
+        out = [
+            LayerEvent(
+                name=e.name,
+                op_type=e.name,
+                start_ns=shift + int(e.time_range.start * 1000),
+                end_ns=shift + int(e.time_range.end * 1000),
+                shape={"inputs": list(e.input_shapes or [])},
+                device=self.prof.device,
+                extra={"seq": i},
+            )
+            for i, e in enumerate(layers)
+        ]
         if self.full:
             out += _nested_ops(events, layers, shift, self.prof.device)
         if self.prof.cuda:
@@ -100,8 +107,9 @@ def _is_layer(e: FunctionEvent) -> bool:
     return True
 
 
-def _nested_ops(events: list[FunctionEvent], layers: list[FunctionEvent], shift: int,
-                device: str) -> list[LayerEvent]:
+def _nested_ops(
+    events: list[FunctionEvent], layers: list[FunctionEvent], shift: int, device: str
+) -> list[LayerEvent]:
     """At level full: every op a layer op calls, as an ``op`` span under that layer."""
     index = {id(e): i for i, e in enumerate(layers)}
     out = []
@@ -113,11 +121,18 @@ def _nested_ops(events: list[FunctionEvent], layers: list[FunctionEvent], shift:
             top = top.cpu_parent
         if top is None:
             continue
-        out.append(LayerEvent(name=e.name, op_type=e.name, kind="op",
-                              start_ns=shift + int(e.time_range.start * 1000),
-                              end_ns=shift + int(e.time_range.end * 1000),
-                              shape={"inputs": list(e.input_shapes or [])}, device=device,
-                              layer=index[id(top)]))
+        out.append(
+            LayerEvent(
+                name=e.name,
+                op_type=e.name,
+                kind="op",
+                start_ns=shift + int(e.time_range.start * 1000),
+                end_ns=shift + int(e.time_range.end * 1000),
+                shape={"inputs": list(e.input_shapes or [])},
+                device=device,
+                layer=index[id(top)],
+            )
+        )
     return out
 
 
@@ -138,17 +153,26 @@ def _kernels(prof: Any, layers: list[FunctionEvent], shift: int) -> list[LayerEv
         if launch is None:
             continue
         t = (launch.start_ns() - base) / 1000.0
-        owner = next((i for i, op in enumerate(layers)
-                      if op.time_range.start <= t <= op.time_range.end), None)
+        owner = next(
+            (i for i, op in enumerate(layers) if op.time_range.start <= t <= op.time_range.end),
+            None,
+        )
         if owner is None:
             continue
         start = shift + int(k.start_ns()) - base
-        out.append(LayerEvent(name=k.name(), op_type=layers[owner].name, kind="kernel",
-                              start_ns=start, end_ns=start + int(k.duration_ns()),
-                              device=f"cuda:{k.device_index()}", layer=owner))
+        out.append(
+            LayerEvent(
+                name=k.name(),
+                op_type=layers[owner].name,
+                kind="kernel",
+                start_ns=start,
+                end_ns=start + int(k.duration_ns()),
+                device=f"cuda:{k.device_index()}",
+                layer=owner,
+            )
+        )
     return out
 
 
 def make(predictor: Any) -> TorchProfiler | None:
     return TorchProfiler(str(getattr(predictor, "device", "cpu")))
-

@@ -75,8 +75,9 @@ class TfCapture(Capture):
         self._trace.__enter__()
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if not self._dir:  # the profiler never started
             super().__exit__(et, ev, tb)
             return
@@ -127,8 +128,16 @@ def xspace_events(space: Any, *, mark_ns: int, device: str) -> list[LayerEvent]:
     out = []
     for start, end, name in raw:
         node, _, op_type = name.rpartition(":")
-        out.append(LayerEvent(name=node, op_type=op_type, start_ns=start + shift,
-                              end_ns=end + shift, shape=None, device=device))
+        out.append(
+            LayerEvent(
+                name=node,
+                op_type=op_type,
+                start_ns=start + shift,
+                end_ns=end + shift,
+                shape=None,
+                device=device,
+            )
+        )
     return out
 
 

@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 
 def make(predictor: Any) -> None:
-    log.warning("tflite: the LiteRT Python interpreter has no per-op timing; "
-                "framework level gives model-level spans only")
+    log.warning(
+        "tflite: the LiteRT Python interpreter has no per-op timing; "
+        "framework level gives model-level spans only"
+    )
     return None

@@ -23,14 +23,21 @@ for cand in cands:
     why = check_comparable(source(), [base[0], cand])
     if why:
         st.warning("Not comparable: " + "; ".join(why))
-    table = compare_runs(source(), base[0], cand, confidence=float(conf), n_boot=1000,
-                         check=False)
+    table = compare_runs(source(), base[0], cand, confidence=float(conf), n_boot=1000, check=False)
     for row in table.itertuples():
-        st.metric(f"{row.statistic} latency: {row.verdict}", f"{row.b:.3f} ms",
-                  delta=f"{row.rel:+.1%}", delta_color="inverse")
+        st.metric(
+            f"{row.statistic} latency: {row.verdict}",
+            f"{row.b:.3f} ms",
+            delta=f"{row.rel:+.1%}",
+            delta_color="inverse",
+        )
     st.dataframe(table, hide_index=True)
     st.caption(SINGLE_RUN_NOTE)
 q = queries(source(), [*base, *cands])
 q = q[q["ok"] & ~q["warmup"]]
-st.pyplot(plots.latency_cdf({e: g["latency_ns"].to_numpy(np.int64) / 1e6
-                             for e, g in q.groupby("evaluation_id")}), width=FIG_WIDTH)
+st.pyplot(
+    plots.latency_cdf(
+        {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
+    ),
+    width=FIG_WIDTH,
+)

@@ -17,11 +17,20 @@ for name, entries in tasks.items():
     if task not in ("(all)", name):
         continue
     st.subheader(name)
-    st.dataframe(pd.DataFrame([{
-        "model": e.manifest.name, "version": e.manifest.version,
-        "framework": e.manifest.framework.name,
-        "framework versions": e.manifest.framework.version,
-        "dataset": e.manifest.dataset.name if e.manifest.dataset else "-",
-        "latency only": e.manifest.latency_only,
-        "description": e.manifest.description,
-    } for e in entries]), hide_index=True)
+    st.dataframe(
+        pd.DataFrame(
+            [
+                {
+                    "model": e.manifest.name,
+                    "version": e.manifest.version,
+                    "framework": e.manifest.framework.name,
+                    "framework versions": e.manifest.framework.version,
+                    "dataset": e.manifest.dataset.name if e.manifest.dataset else "-",
+                    "latency only": e.manifest.latency_only,
+                    "description": e.manifest.description,
+                }
+                for e in entries
+            ]
+        ),
+        hide_index=True,
+    )

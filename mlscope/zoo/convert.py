@@ -58,14 +58,25 @@ def quiet_tf() -> None:
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
-def export_onnx(model: Any, example: Any, path: Path, *, input_name: str = "input",
-                output_name: str = "logits", opset: int = 17) -> Path:
+def export_onnx(
+    model: Any,
+    example: Any,
+    path: Path,
+    *,
+    input_name: str = "input",
+    output_name: str = "logits",
+    opset: int = 17,
+) -> Path:
     """A single-file ONNX graph with a dynamic batch dimension (legacy exporter)."""
     import torch
 
     torch.onnx.export(
-        model, (example,), str(path), dynamo=False,
-        input_names=[input_name], output_names=[output_name],
+        model,
+        (example,),
+        str(path),
+        dynamo=False,
+        input_names=[input_name],
+        output_names=[output_name],
         dynamic_axes={input_name: {0: "batch"}, output_name: {0: "batch"}},
         opset_version=opset,
     )
@@ -77,8 +88,7 @@ def export_torchscript(model: Any, example: Any, path: Path) -> Path:
     import torch
 
     with torch.no_grad():
-        traced = torch.jit.freeze(
-            torch.jit.trace(model, example).eval())  # type: ignore[no-untyped-call]
+        traced = torch.jit.freeze(torch.jit.trace(model, example).eval())  # type: ignore[no-untyped-call]
     buf = io.BytesIO()
     torch.jit.save(traced, buf)
     _strip_zip(buf.getvalue(), path, archive=path.stem)
@@ -96,8 +106,9 @@ def _strip_zip(data: bytes, path: Path, *, archive: str) -> None:
         _, _, rest = info.filename.partition("/")
         records.append((rest, src.read(info)))
     # .data/serialization_id is a per-save random number; derive it from the content
-    digest = hashlib.sha256(b"".join(n.encode() + d for n, d in records
-                                     if n != _SERIALIZATION_ID)).digest()
+    digest = hashlib.sha256(
+        b"".join(n.encode() + d for n, d in records if n != _SERIALIZATION_ID)
+    ).digest()
     fixed = str(int.from_bytes(digest[:16], "big")).zfill(40)[:40].encode()
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as dst:
@@ -126,8 +137,9 @@ def keras_from_sequential(seq: Any, input_shape: Sequence[int]) -> Any:
             pad = "same" if layer.padding == (layer.kernel_size[0] // 2,) * 2 else "valid"
             if layer.padding not in ((0, 0),) and pad == "valid":
                 raise ValueError(f"unsupported conv padding {layer.padding}")
-            k = keras.layers.Conv2D(layer.out_channels, layer.kernel_size,
-                                    strides=layer.stride, padding=pad)
+            k = keras.layers.Conv2D(
+                layer.out_channels, layer.kernel_size, strides=layer.stride, padding=pad
+            )
             x = k(x)
             weights.append((k, [_np(layer.weight).transpose(2, 3, 1, 0), _np(layer.bias)]))
         elif isinstance(layer, nn.ReLU):
@@ -173,8 +185,14 @@ tf.saved_model.save(module, sys.argv[2], signatures={"serving_default": module.s
 """
 
 
-def export_savedmodel(keras_path: Path, out_dir: Path, *, input_shape: Sequence[int],
-                      input_name: str = "input", output_name: str = "logits") -> Path:
+def export_savedmodel(
+    keras_path: Path,
+    out_dir: Path,
+    *,
+    input_shape: Sequence[int],
+    input_name: str = "input",
+    output_name: str = "logits",
+) -> Path:
     """Export a saved ``.keras`` model to a SavedModel dir, deterministically.
 
     ``keras.Model.export`` orders variables differently from run to run, so the model is
@@ -184,12 +202,21 @@ def export_savedmodel(keras_path: Path, out_dir: Path, *, input_shape: Sequence[
     """
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0",
-           "PYTHONHASHSEED": "0", "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+        "TF_ENABLE_ONEDNN_OPTS": "0",
+        "PYTHONHASHSEED": "0",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     spec = json.dumps([list(input_shape), input_name, output_name])
     proc = subprocess.run(
         [sys.executable, "-c", _SAVEDMODEL_CHILD, str(keras_path), str(out_dir), spec],
-        env=env, capture_output=True, text=True, check=False)
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"SavedModel export failed:\n{proc.stderr[-4000:]}")
     (out_dir / "fingerprint.pb").unlink(missing_ok=True)
@@ -213,9 +240,15 @@ def export_tflite(keras_model: Any, path: Path) -> Path:
     return path
 
 
-def predict_all(x: np.ndarray, *, onnx: Path | None = None, torchscript: Path | None = None,
-                savedmodel: Path | None = None, tflite: Path | None = None,
-                batch: int = 64) -> dict[str, np.ndarray]:
+def predict_all(
+    x: np.ndarray,
+    *,
+    onnx: Path | None = None,
+    torchscript: Path | None = None,
+    savedmodel: Path | None = None,
+    tflite: Path | None = None,
+    batch: int = 64,
+) -> dict[str, np.ndarray]:
     """Run ``x`` (float32, NCHW) through each given artifact; ``{format: outputs}``."""
     runners: dict[str, Callable[[np.ndarray], np.ndarray]] = {}
     if onnx is not None:

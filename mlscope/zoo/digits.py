@@ -31,8 +31,7 @@ def load_split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     digits = load_digits()
     x = digits.images.astype(np.uint8)
     y = digits.target.astype(np.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y, test_size=360, random_state=SEED, stratify=y)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=360, random_state=SEED, stratify=y)
     return x_tr, y_tr, x_te, y_te
 
 
@@ -48,9 +47,15 @@ def train() -> Any:
     xt = torch.from_numpy(x_tr.astype(np.float32) / 16.0).unsqueeze(1)
     yt = torch.from_numpy(y_tr)
     model = nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     gen = torch.Generator().manual_seed(SEED)
@@ -71,9 +76,14 @@ def build_onnx(model: Any, out: Path) -> Path:
 
     path = out / f"{NAME}.onnx"
     torch.onnx.export(
-        model, (torch.zeros(1, 1, 8, 8),), str(path), dynamo=False,
-        input_names=["input"], output_names=["logits"],
-        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17,
+        model,
+        (torch.zeros(1, 1, 8, 8),),
+        str(path),
+        dynamo=False,
+        input_names=["input"],
+        output_names=["logits"],
+        dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+        opset_version=17,
     )
     return path
 
@@ -95,8 +105,14 @@ def build(out: Path) -> dict[str, Any]:
     from mlscope.zoo.convert import keras_from_sequential
 
     model = train()
-    paths = export_formats(model, keras_from_sequential(model, (1, 8, 8)),
-                           torch.zeros(1, 1, 8, 8), out, NAME, input_shape=(1, 8, 8))
+    paths = export_formats(
+        model,
+        keras_from_sequential(model, (1, 8, 8)),
+        torch.zeros(1, 1, 8, 8),
+        out,
+        NAME,
+        input_shape=(1, 8, 8),
+    )
     write_holdout(out)
     _, _, x_te, y_te = load_split()
     return measure(NAME, paths, (x_te.astype(np.float32) / 16.0)[:, None], y_te, probes=PROBES)

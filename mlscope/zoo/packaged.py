@@ -28,8 +28,17 @@ __all__ = [
     "fetch_mediapipe_wheel",
 ]
 
-LIGHT_MODELS = ("bvlc_alexnet", "densenet121", "inception_v1", "inception_v2", "resnet50",
-                "shufflenet", "squeezenet", "vgg19", "zfnet512")
+LIGHT_MODELS = (
+    "bvlc_alexnet",
+    "densenet121",
+    "inception_v1",
+    "inception_v2",
+    "resnet50",
+    "shufflenet",
+    "squeezenet",
+    "vgg19",
+    "zfnet512",
+)
 
 MEDIAPIPE_VERSION = "0.10.21"
 MEDIAPIPE_WHEEL = (
@@ -45,9 +54,21 @@ def fetch_mediapipe_wheel(cache: Path) -> Path:
     wheel = cache / name
     if not wheel.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--python-version", "3.11", "--platform", "manylinux_2_28_x86_64",
-               "-d", str(cache), f"mediapipe=={MEDIAPIPE_VERSION}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--platform",
+            "manylinux_2_28_x86_64",
+            "-d",
+            str(cache),
+            f"mediapipe=={MEDIAPIPE_VERSION}",
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0 or not wheel.exists():
             raise RuntimeError(f"cannot download {name}: {proc.stderr[-2000:]}")

@@ -128,8 +128,9 @@ class device:
         if key == xrt_info_device.bdf:
             return f"0000:0{self.index}:00.1"
         if key == xrt_info_device.host:
-            return json.dumps({"os": {"sysname": "Linux"},
-                               "xrt": {"version": "2.17.0", "branch": "stand-in"}})
+            return json.dumps(
+                {"os": {"sysname": "Linux"}, "xrt": {"version": "2.17.0", "branch": "stand-in"}}
+            )
         raise RuntimeError(f"unsupported info {key!r}")
 
 
@@ -162,18 +163,17 @@ class bo:
         raw = np.frombuffer(memoryview(data).cast("B"), np.int8)
         if offset + raw.size > self._host.size:
             raise RuntimeError("write out of bounds")
-        self._host[offset:offset + raw.size] = raw
+        self._host[offset : offset + raw.size] = raw
 
     def read(self, size: int, offset: int) -> np.ndarray:
         if offset + size > self._host.size:
             raise RuntimeError("read out of bounds")
-        return self._host[offset:offset + size].copy()
+        return self._host[offset : offset + size].copy()
 
     def map(self) -> memoryview:
         return self._host.data
 
-    def sync(self, direction: xclBOSyncDirection, size: int | None = None,
-             offset: int = 0) -> None:
+    def sync(self, direction: xclBOSyncDirection, size: int | None = None, offset: int = 0) -> None:
         end = self._host.size if size is None else offset + size
         if direction == xclBOSyncDirection.XCL_BO_SYNC_BO_TO_DEVICE:
             self._device[offset:end] = self._host[offset:end]
@@ -205,16 +205,23 @@ class kernel:
     fail_next_run = False
     """Test hook (not in the real API): the next run ends in ERT_CMD_STATE_ERROR."""
 
-    def __init__(self, dev: device, xclbin_uuid: uuid, name: str,
-                 mode: kernel.cu_access_mode = cu_access_mode.shared) -> None:
+    def __init__(
+        self,
+        dev: device,
+        xclbin_uuid: uuid,
+        name: str,
+        mode: kernel.cu_access_mode = cu_access_mode.shared,
+    ) -> None:
         xb = dev._xclbins.get(xclbin_uuid)
         if xb is None:
             raise RuntimeError(f"xclbin {xclbin_uuid.to_string()} is not loaded on the device")
         if name != str(xb._data["kernel"]):
             raise RuntimeError(f"No compute units matching '{name}'")
         n = sum(1 for k in xb._data if k.startswith("w"))
-        self._layers = [(xb._data[f"w{i}"].astype(np.float32), xb._data[f"b{i}"]
-                         .astype(np.float32)) for i in range(n)]
+        self._layers = [
+            (xb._data[f"w{i}"].astype(np.float32), xb._data[f"b{i}"].astype(np.float32))
+            for i in range(n)
+        ]
         self.calls = 0
 
     def group_id(self, arg: int) -> int:
@@ -230,10 +237,10 @@ class kernel:
             return run(ert_cmd_state.ERT_CMD_STATE_ERROR)
         if batch * n_in * 4 > in_bo.size() or batch * n_out * 4 > out_bo.size():
             return run(ert_cmd_state.ERT_CMD_STATE_ERROR)
-        x = in_bo._device[:batch * n_in * 4].view(np.float32).reshape(batch, n_in)
+        x = in_bo._device[: batch * n_in * 4].view(np.float32).reshape(batch, n_in)
         for i, (w, b) in enumerate(self._layers):
             x = x @ w + b
             if i < len(self._layers) - 1:
                 x = np.maximum(x, 0)
-        out_bo._device[:x.nbytes] = np.ascontiguousarray(x, np.float32).view(np.int8).ravel()
+        out_bo._device[: x.nbytes] = np.ascontiguousarray(x, np.float32).view(np.int8).ravel()
         return run(ert_cmd_state.ERT_CMD_STATE_COMPLETED)
