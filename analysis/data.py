@@ -72,10 +72,12 @@ EVALUATION_FIELDS = (
     "role",
     "runs",
     "parallel",
+    "artifact_sha256",
 )
 """``role``: ``run`` (one measured run with its queries) or ``sweep`` (the parent of a
 batch-size sweep or rate search: the summary only, its runs stored on their own, their
-ids in ``runs``)."""
+ids in ``runs``). ``artifact_sha256``: the model file the agent loaded ("" when not
+recorded)."""
 
 
 def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
@@ -129,6 +131,7 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
         "role": "sweep" if runs else "run",
         "runs": runs,
         "parallel": bool(summary.get("parallel", False)),
+        "artifact_sha256": str(spec.get("artifact_sha256") or ""),
     }
 
 
