@@ -182,6 +182,7 @@ def compare_runs(
     tail_min_effect: float = 0.05,
     seed: int = 0,
     check: bool = True,
+    runs: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Median and p99 latency of ``candidate`` against ``baseline`` (ms), one row each:
     statistic, a, b, diff, rel, ci_low, ci_high, verdict, basis, note (the
@@ -189,12 +190,16 @@ def compare_runs(
 
     Runs that differ in model, scenario, rate or batch size are refused
     (:class:`~mlscope.errors.ConfigError`) unless ``check`` is False. The interval is
-    over queries of one run each (``basis`` says so): see :func:`compare_repeats`."""
+    over queries of one run each (``basis`` says so): see :func:`compare_repeats`.
+    ``runs``: the two evaluations' rows (of :func:`analysis.data.evaluations` or
+    :func:`analysis.summary.summary`) when the caller has them; read otherwise."""
+    if runs is None:
+        runs = evaluations(source, [baseline, candidate])
     if check:
-        why = check_comparable(source, [baseline, candidate])
+        why = mismatches(runs)
         if why:
             raise ConfigError(f"{baseline} and {candidate} are not comparable: " + "; ".join(why))
-    notes = artifact_notes(evaluations(source, [baseline, candidate]))
+    notes = artifact_notes(runs)
     q = queries(source, [baseline, candidate])
     q = q[q["ok"] & ~q["warmup"]]
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
@@ -363,6 +368,7 @@ def regressions(
                 min_effect=min_effect,
                 seed=seed,
                 check=False,
+                runs=summ[summ["evaluation_id"].isin([old["evaluation_id"], new["evaluation_id"]])],
             ).iloc[0]
             rows.append(
                 {

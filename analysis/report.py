@@ -136,7 +136,7 @@ def _comparison(source: Source, summ: pd.DataFrame, ids: Sequence[str]) -> Secti
         why = mismatches(pair)
         if why:
             sec.notes.append(f"{other} vs {base}: NOT COMPARABLE: " + "; ".join(why))
-        table = compare_runs(source, base, other, check=False)
+        table = compare_runs(source, base, other, check=False, runs=pair)
         sec.notes.extend(f"{other} vs {base}: {n}" for n in dict.fromkeys(table["note"]) if n)
         rows.append(table.assign(baseline=base, candidate=other, comparable=not why))
     sec.notes.append(f"Intervals: {SINGLE_RUN_NOTE}.")

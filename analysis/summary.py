@@ -48,6 +48,7 @@ SUMMARY_COLUMNS = (
     "role",
     "parallel",
     "requested_qps",
+    "artifact_sha256",
 )
 
 

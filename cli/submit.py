@@ -66,6 +66,12 @@ def parser() -> argparse.ArgumentParser:
         help="p99 bound (online: validity; peak: the search target)",
     )
     p.add_argument(
+        "--peak-trials",
+        type=int,
+        default=None,
+        help="peak: most runs the search makes (default 10)",
+    )
+    p.add_argument(
         "--schedule",
         type=Path,
         default=None,
@@ -166,6 +172,7 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         "max_queries": args.max_queries,
         "concurrency": args.concurrency,
         "latency_bound_ms": args.latency_bound_ms,
+        "peak_trials": getattr(args, "peak_trials", None),
         "loadgens": args.loadgens,
         "min_duration_s": args.min_duration,
         "min_queries": args.min_queries,
