@@ -274,6 +274,8 @@ class Agent:
             cpu_model=f["cpu_model"],
             cpu_cores=f["cpu_cores"],
             memory_bytes=f["memory_bytes"],
+            usable_cores=f.get("usable_cores"),
+            memory_limit_bytes=f.get("memory_limit_bytes"),
             accelerators=self.accelerators,
             frameworks=(info,),
             models=tuple(

@@ -30,7 +30,7 @@ from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
-from mlscope import codec, names
+from mlscope import codec, names, sysmatch
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
@@ -73,6 +73,8 @@ def resolve(
             framework=job.framework,
         )
 
+    system = sysmatch.effective(sysmatch.from_manifest(m.system), job.system)
+
     def fits(a: AgentDescription) -> bool:
         fw = next((f for f in a.frameworks if f.name == job.framework), None)
         return (
@@ -82,6 +84,7 @@ def resolve(
             and satisfies(fw.version, m.framework.version)
             and any(o.name == m.name and o.version == m.version for o in a.models)
             and (job.agent_id is None or a.agent_id == job.agent_id)
+            and not sysmatch.misses(system, a, framework=job.framework)
         )
 
     matches = [a for a in agents if fits(a)]
@@ -102,12 +105,17 @@ def resolve(
         why = "".join(f"; agent {aid} refuses it: {r.message}" for aid, r in refusals)
         fixes = sorted({r.fix for _, r in refusals if r.fix})
         fix = f"; to fix it, run {' and '.join(f'`{f}`' for f in fixes)}" if fixes else ""
+        missed = {a.agent_id: sysmatch.misses(system, a, framework=job.framework) for a in agents}
+        if system is not None:
+            want += f" on a system with {sysmatch.describe(system)}"
+            why += "".join(f"; agent {aid} misses {', '.join(v)}" for aid, v in missed.items() if v)
         raise ResolutionError(
             f"no live agent serves {want}{why}{fix}; live agents: {live}",
             model=m.name,
             framework=job.framework,
             refused=[r.model_dump() for _, r in refusals],
             fixes=fixes,
+            system_misses={aid: v for aid, v in missed.items() if v},
         )
     # Spread jobs over equal agents deterministically by job id.
     return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry

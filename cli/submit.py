@@ -15,6 +15,7 @@ import nats.errors
 import nats.js.errors
 
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
+from cli.system_opts import add_system_flags, system_from_args
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for, new_id
@@ -152,6 +153,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --all-agents: agents of every framework offering the model",
     )
+    add_system_flags(p)
     return p
 
 
@@ -191,6 +193,7 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         accuracy=getattr(args, "accuracy", False),
         accuracy_samples=getattr(args, "accuracy_samples", None),
         parallel=getattr(args, "parallel", False),
+        system=system_from_args(args),
     )
 
 
