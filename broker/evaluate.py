@@ -227,10 +227,11 @@ class Evaluator:
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
         acc = None if lost else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
+        released: dict[str, Any] = {}
         if not lost:
             # An agent gone since then ends its session with it.
             with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
-                await request(
+                released = await request(
                     self.bus,
                     names.agent_ctl(agent.agent_id),
                     codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
@@ -315,6 +316,7 @@ class Evaluator:
         if acc is not None:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
+        summary = summary.model_copy(update=memory_figures(released))
         spec_doc = _specification(job, agent, entry, prep)
         for run in separate:  # each run of a sweep or search, on its own
             await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
@@ -508,10 +510,24 @@ def _scored(
     return feeders if scored else (feeders[0], None)
 
 
+def memory_figures(released: dict[str, Any]) -> dict[str, float | None]:
+    """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes) from the agent's release
+    reply; None where the agent did not report them (an older agent, a lost one)."""
+    start, peak, end = (released.get(f"rss_{k}_bytes") for k in ("start", "peak", "end"))
+    return {
+        "peak_rss_mb": peak / 1e6 if peak is not None else None,
+        "rss_growth_mb": (end - start) / 1e6 if start is not None and end is not None else None,
+    }
+
+
 def _specification(
     job: JobRequest, agent: AgentDescription, entry: Entry, prep: dict[str, Any]
 ) -> dict[str, Any]:
-    """Everything needed to run this evaluation again (stored with its results)."""
+    """Everything needed to run this evaluation again (stored with its results).
+
+    ``mlscope_version`` and ``git_commit`` are the server's; ``agent_mlscope_version``,
+    ``agent_git_commit`` and ``agent_settings`` (runtime options, device, batching and
+    queue settings the model ran with) are what the agent reported when prepared."""
     return {
         "job": job.dump(),
         "manifest": entry.manifest.model_dump(mode="json"),
@@ -519,6 +535,9 @@ def _specification(
         "manifest_file": str(entry.path),
         "artifact_sha256": prep.get("sha256"),
         "agent": agent.dump(),
+        "agent_settings": prep.get("settings"),
+        "agent_mlscope_version": prep.get("mlscope_version"),
+        "agent_git_commit": prep.get("git_commit"),
         "mlscope_version": mlscope.__version__,
         "git_commit": _git_commit(),
     }

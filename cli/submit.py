@@ -352,6 +352,7 @@ def format_summary(s: EvaluationSummary) -> str:
             f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}",
         ),
         ("throughput", f"{f(s.throughput_ips, '', 1)} inputs/s"),
+        *_resource_rows(s),
     ]
     split = s.issue_lag_split_us or {}
     if split:
@@ -418,6 +419,17 @@ def format_summary(s: EvaluationSummary) -> str:
             )
         )
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
+
+
+def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """The agent's memory over the run and the energy used, or that it is unknown."""
+    rows = []
+    if s.peak_rss_mb is not None:
+        growth = "-" if s.rss_growth_mb is None else f"{s.rss_growth_mb:+.1f} MB"
+        rows.append(("memory", f"agent peak RSS {s.peak_rss_mb:.1f} MB, growth {growth}"))
+    energy = "not available (no power source readable)" if s.energy_j is None else None
+    rows.append(("energy", energy or f"{s.energy_j:.3f} J"))
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -454,6 +454,14 @@ class EvaluationSummary(_Message):
     mlperf: dict[str, Any] | None = None
     """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
     log, its verdict and early-stopping text, the log files kept, ``imported``."""
+    peak_rss_mb: float | None = None
+    """The agent process's peak resident memory while the evaluation was prepared (MB,
+    10⁶ bytes); None when the agent did not report it."""
+    rss_growth_mb: float | None = None
+    """Its resident memory at release minus at prepare (MB): what the run kept."""
+    energy_j: float | None = None
+    """Energy the evaluation used, joules; None when no power source was readable
+    (never 0 for "unknown")."""
     started_at: float
     finished_at: float
 
@@ -534,12 +542,27 @@ class PrepareReply(_Message):
     first_inference_ns: int
     sha256: str | None = None
     t_agent: int
+    settings: dict[str, Any] | None = None
+    """What the agent really ran the model with: its runtime options (threads,
+    execution providers, graph optimization, ...), device and pipeline settings
+    (batching, queue, pre-processing threads)."""
+    mlscope_version: str | None = None
+    """The agent's mlscope version (the server's may differ)."""
+    git_commit: str | None = None
+    """The agent's source commit, when it runs from a git checkout."""
 
 
 class ReleaseReply(_Message):
     kind: Literal["released"] = "released"
     ok: bool = True
     unloaded: bool = False
+    rss_start_bytes: int | None = None
+    """The agent process's resident memory when the evaluation was prepared."""
+    rss_peak_bytes: int | None = None
+    """The highest resident memory seen while it was prepared (sampled every 50 ms,
+    plus the kernel's high-water mark where it rose meanwhile)."""
+    rss_end_bytes: int | None = None
+    """Resident memory at its release."""
 
 
 ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply
