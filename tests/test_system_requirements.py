@@ -12,6 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from cli.all_agents import matching_agents
 from cli.submit import make_job, parser, submit
 from cli.system_opts import parse_size
 from mlscope import sysinfo, sysmatch
@@ -20,6 +21,7 @@ from mlscope.contracts import (
     AgentDescription,
     FrameworkInfo,
     JobRequest,
+    ModelOffer,
     ScenarioSpec,
     SystemRequirement,
 )
@@ -81,6 +83,18 @@ def test_the_matcher_on_this_machines_facts() -> None:
     assert sysmatch.misses(SystemRequirement(min_memory_bytes=2 << 30), capped) == [
         "memory 1.0 GiB < 2.0 GiB"
     ]
+
+
+def test_all_agents_runs_only_on_agents_that_meet_the_requirement() -> None:
+    offer = ModelOffer(name="noop", version="1.0.0", framework="noop")
+    wide, narrow = described("wide", models=(offer,)), described("narrow", models=(offer,))
+    narrow = narrow.model_copy(update={"usable_cores": 1})
+    cores = wide.usable_cores or wide.cpu_cores
+    job = JobRequest(model="noop", framework="noop")
+    assert [a.agent_id for a, _ in matching_agents(job, [wide, narrow])] == ["wide", "narrow"]
+    if cores > 1:
+        wanted = job.model_copy(update={"system": SystemRequirement(min_cores=cores)})
+        assert [a.agent_id for a, _ in matching_agents(wanted, [wide, narrow])] == ["wide"]
 
 
 def test_a_manifest_asks_only_for_what_it_sets_and_the_job_wins() -> None:
