@@ -159,3 +159,28 @@ def test_onnxruntime_layers_carry_their_memory_and_the_session_its_options(
         assert _mb(e.extra["output_bytes"]) == e.extra["output_bytes"] / 1e6
     assert any(e.extra.get("parameter_bytes", 0) > 0 for e in events)  # a conv's weights
     assert _mb(None) is None
+
+
+@pytest.mark.parametrize(
+    ("framework", "threads_key"),
+    [
+        ("onnxruntime", "intra_op_threads"),
+        ("pytorch", "intra_op_threads"),
+        ("tflite", "num_threads"),
+        ("tensorflow", "intra_op_threads"),
+    ],
+)
+def test_each_runtime_says_what_it_runs_with(
+    framework: str, threads_key: str, zoo_dir: Path
+) -> None:
+    pytest.importorskip({"tflite": "ai_edge_litert", "pytorch": "torch"}.get(framework, framework))
+    entry = Catalog.load(default_manifest_dirs()).find("digits_cnn", framework=framework)
+    pred: Any = open_predictor(
+        framework, entry.graph(zoo_dir), entry.manifest, PredictorOptions(threads=1)
+    )
+    try:
+        got = pred.effective_options()
+    finally:
+        pred.close()
+    assert got[threads_key] == 1, got
+    assert json.dumps(got)  # stored in the specification as JSON
