@@ -179,6 +179,15 @@ def _job(**system: object) -> JobRequest:
 
 def test_resolution_picks_the_one_agent_that_meets_the_requirement(two_agents: Settings) -> None:
     cores = len(os.sched_getaffinity(0))
+    listed = subprocess.run(
+        [python(), "-m", "cli.main", "agents"],
+        env=child_env(two_agents),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rows = {line.split()[0]: line.split() for line in listed.splitlines()[1:]}
+    assert rows["narrow"][3] == "1" and rows["wide"][3] == str(cores), listed
     # Several jobs: without the requirement they would spread over both agents.
     for _ in range(3):
         summary = anyio.run(
