@@ -214,3 +214,14 @@ def test_a_requirement_no_agent_meets_is_refused_with_each_agents_reasons(
     assert narrow.startswith("memory ") and f"1 usable cores < {cores}" in narrow, text
     misses = caught.value.fields["system_misses"]
     assert set(misses) == {"wide", "narrow"}
+
+
+def test_a_cgroup_memory_limit_is_read_from_either_cgroup_version(tmp_path: Path) -> None:
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    assert sysinfo.cgroup_memory_limit((v2, v1)) is None  # neither file: no cgroup
+    v1.write_text("2147483648\n")
+    assert sysinfo.cgroup_memory_limit((v2, v1)) == 2 << 30
+    v2.write_text("max\n")  # cgroup v2 without a limit wins over a stale v1 file
+    assert sysinfo.cgroup_memory_limit((v2, v1)) is None
+    v2.write_text("1073741824\n")
+    assert sysinfo.cgroup_memory_limit((v2, v1)) == 1 << 30
