@@ -6,6 +6,7 @@ original's host, saying what differs."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 import mlscope
 from agent.predictors import open_predictor
 from agent.profiling.onnxruntime import node_events
+from agent.sysmon import RssWatch
 from analysis.layers import _mb
 from cli.rerun_cmd import differences, rerun, rerun_job
 from cli.submit import format_summary, submit
@@ -184,3 +186,17 @@ def test_each_runtime_says_what_it_runs_with(
         pred.close()
     assert got[threads_key] == 1, got
     assert json.dumps(got)  # stored in the specification as JSON
+
+
+def test_the_rss_watch_sees_a_peak_that_is_gone_at_release() -> None:
+    watch = RssWatch(interval_s=0.01)
+    watch.start("ev-a")
+    block = np.ones(64 << 20, np.uint8)  # written, so resident
+    time.sleep(0.1)
+    del block  # a large numpy buffer goes back to the system at once
+    got = watch.stop("ev-a")
+    assert got is not None
+    start, peak, end = got
+    assert peak - start >= 60 << 20, got
+    assert end < peak - (32 << 20), got  # growth (end - start) is not the peak
+    assert watch.stop("ev-a") is None  # not watched any more
