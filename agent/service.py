@@ -23,10 +23,10 @@ import mlscope
 from agent import profiling
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
-from agent.sysmon import Sampler
+from agent.sysmon import RssWatch, Sampler
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
-from mlscope import artifact_bucket, codec, names, sysinfo
+from mlscope import artifact_bucket, codec, names, provenance, sysinfo
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
@@ -125,6 +125,11 @@ class Agent:
         )
         """Remembers verified files by size and mtime: re-checking one is a stat."""
         self.framework_manifest = self.catalog.framework(self.config.framework)
+        self.rss = RssWatch()
+        """Resident memory over each prepared evaluation (reported at release)."""
+        self.loaded_settings: dict[str, dict[str, Any]] = {}
+        """Per loaded model key: what it was opened with (reported by prepare)."""
+        self.git_commit: str | None = None
         host = str(sysinfo.host_facts()["host"])
         self.agent_id = self.config.agent_id or names.token(
             f"{host}-{self.config.framework}-{new_id('a')[2:8]}"
@@ -144,6 +149,7 @@ class Agent:
         # model this agent opens; an explicit --threads still wins (PredictorOptions).
         self.framework_manifest = self.catalog.framework(self.config.framework, info.version)
         self._facts: dict[str, Any] = sysinfo.host_facts()
+        self.git_commit = await anyio.to_thread.run_sync(provenance.git_commit)
         self.accelerators = accelerators(self.config.framework)
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.
@@ -274,6 +280,8 @@ class Agent:
             cpu_model=f["cpu_model"],
             cpu_cores=f["cpu_cores"],
             memory_bytes=f["memory_bytes"],
+            usable_cores=f.get("usable_cores"),
+            memory_limit_bytes=f.get("memory_limit_bytes"),
             accelerators=self.accelerators,
             frameworks=(info,),
             models=tuple(
@@ -347,6 +355,7 @@ class Agent:
             return await self._prepare(req)
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
+        rss = await anyio.to_thread.run_sync(self.rss.stop, req.evaluation_id)
         if session is not None and session.level >= TraceLevel.FRAMEWORK:
             await anyio.to_thread.run_sync(  # layer spans a profiler held back
                 profiling.flush, session.worker.model.predictor
@@ -354,7 +363,10 @@ class Agent:
         unloaded = False
         if session is not None and req.unload:
             unloaded = await self._unload(session.key)
-        return ReleaseReply(unloaded=unloaded)
+        start, peak, end = rss or (None, None, None)
+        return ReleaseReply(
+            unloaded=unloaded, rss_start_bytes=start, rss_peak_bytes=peak, rss_end_bytes=end
+        )
 
     async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""
@@ -401,6 +413,7 @@ class Agent:
                 model.close()
                 raise
             load_ns = model.load_ns
+            self.loaded_settings[key] = self._opened_with(opts, model)
             self.workers[key] = Executor(
                 model,
                 ExecutorConfig(
@@ -416,13 +429,37 @@ class Agent:
         self.sessions[eval_id] = Session(worker, level, key)
         if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
+        await anyio.to_thread.run_sync(self.rss.start, eval_id)
         return PrepareReply(
             cold=cold,
             load_ns=load_ns,
             first_inference_ns=first_ns,
             sha256=entry.graph_sha256(self.settings.zoo_dir),
             t_agent=now(),
+            settings={
+                **self.loaded_settings.get(key, {}),
+                "max_batch": worker.max_batch,
+                "batch_wait_us": self.config.batch_wait_us,
+                "queue_capacity": self.config.queue_capacity,
+                "pre_workers": self.config.pre_workers,
+            },
+            mlscope_version=mlscope.__version__,
+            git_commit=self.git_commit,
         )
+
+    def _opened_with(self, opts: PredictorOptions, model: LoadedModel) -> dict[str, Any]:
+        """The options a model was opened with, and what its runtime says it uses
+        (a predictor's optional ``effective_options()``: e.g. ORT's providers)."""
+        found = getattr(model.predictor, "effective_options", None)
+        return {
+            "device": opts.device,
+            "threads": opts.intra_op_threads,
+            "runtime": dict(opts.runtime),
+            "effective": found() if callable(found) else None,
+            "framework_manifest": (
+                self.framework_manifest.version if self.framework_manifest else None
+            ),
+        }
 
     def _labels(self, entry: Entry) -> list[str] | None:
         """The first output's labels file, when the manifest names one that is local
@@ -448,6 +485,7 @@ class Agent:
         if key not in self.workers or any(s.key == key for s in self.sessions.values()):
             return False
         worker = self.workers.pop(key)
+        self.loaded_settings.pop(key, None)
         await anyio.to_thread.run_sync(worker.stop)
         return True
 

@@ -73,11 +73,16 @@ EVALUATION_FIELDS = (
     "runs",
     "parallel",
     "artifact_sha256",
+    "peak_rss_mb",
+    "rss_growth_mb",
+    "energy_j",
 )
 """``role``: ``run`` (one measured run with its queries) or ``sweep`` (the parent of a
 batch-size sweep or rate search: the summary only, its runs stored on their own, their
 ids in ``runs``). ``artifact_sha256``: the model file the agent loaded ("" when not
-recorded)."""
+recorded). ``peak_rss_mb`` / ``rss_growth_mb``: the agent process's peak resident
+memory and its growth over the run (MB); ``energy_j``: None unless a power source was
+read."""
 
 
 def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
@@ -132,6 +137,9 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
         "runs": runs,
         "parallel": bool(summary.get("parallel", False)),
         "artifact_sha256": str(spec.get("artifact_sha256") or ""),
+        "peak_rss_mb": summary.get("peak_rss_mb"),
+        "rss_growth_mb": summary.get("rss_growth_mb"),
+        "energy_j": summary.get("energy_j"),
     }
 
 

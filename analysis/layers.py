@@ -42,7 +42,8 @@ def _layers_sql(kind: str) -> str:
 def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
     """The ``n`` layers with the most time: rank, layer, op_type, shape, calls, total_ms,
     mean_ms, share (of all layer time), dominant (kernel or op), dominant_ms (its total),
-    dominant_share (of the layer's kernel time)."""
+    dominant_share (of the layer's kernel time), alloc_mb (the memory its outputs take,
+    where the profiler reports it: ONNX Runtime; else None)."""
     cols = [
         "rank",
         "layer",
@@ -56,6 +57,7 @@ def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
         "dominant",
         "dominant_ms",
         "dominant_share",
+        "alloc_mb",
     ]
     kind = layer_kind(source, evaluation_id)
     if kind is None:
@@ -105,6 +107,7 @@ def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
                 "dominant": dom,
                 "dominant_ms": dom_ns / 1e6,
                 "dominant_share": dom_share,
+                "alloc_mb": _mb(attrs.get("output_bytes")),
             }
         )
     return pd.DataFrame(rows, columns=cols)
@@ -135,6 +138,11 @@ def layer_types(source: Source, evaluation_id: str) -> pd.DataFrame:
     out["mean_ms"] = out["total_ms"] / out["calls"]
     out["share"] = got["total_ns"].astype(float) / total
     return out[cols]
+
+
+def _mb(value: Any) -> float | None:
+    """Bytes -> MB (10⁶); None where the framework's profiler reports no memory."""
+    return int(value) / 1e6 if isinstance(value, int | float) else None
 
 
 def _attrs(raw: Any) -> dict[str, Any]:

@@ -58,6 +58,8 @@ SUMMARY_VIEW = [
     "p99_ms",
     "throughput_ips",
     "top1",
+    "peak_rss_mb",
+    "rss_growth_mb",
 ]
 
 
@@ -84,6 +86,16 @@ def build(
     sections[0].notes += [
         f"{r.evaluation_id} is INVALID: {r.invalid_reasons}" for r in invalid.itertuples()
     ]
+    sections[0].notes.append(
+        "Memory: peak_rss_mb is the agent process's peak resident memory while the "
+        "evaluation was prepared, rss_growth_mb its resident memory at release minus at "
+        "prepare (MB = 10^6 bytes; empty: not reported). Energy: "
+        + (
+            "not available (no power source was readable on the agents' hosts)."
+            if summ["energy_j"].isna().all()
+            else "energy_j per evaluation, where a power source was read."
+        )
+    )
     q = queries(source, list(ids))
     q = q[q["ok"] & ~q["warmup"]]
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}

@@ -48,6 +48,9 @@ SUMMARY_COLUMNS = (
     "role",
     "parallel",
     "requested_qps",
+    "peak_rss_mb",
+    "rss_growth_mb",
+    "energy_j",
     "artifact_sha256",
 )
 

@@ -30,7 +30,7 @@ from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
-from mlscope import codec, names
+from mlscope import codec, names, sysmatch
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
@@ -73,6 +73,8 @@ def resolve(
             framework=job.framework,
         )
 
+    system = sysmatch.effective(sysmatch.from_manifest(m.system), job.system)
+
     def fits(a: AgentDescription) -> bool:
         fw = next((f for f in a.frameworks if f.name == job.framework), None)
         return (
@@ -82,6 +84,7 @@ def resolve(
             and satisfies(fw.version, m.framework.version)
             and any(o.name == m.name and o.version == m.version for o in a.models)
             and (job.agent_id is None or a.agent_id == job.agent_id)
+            and not sysmatch.misses(system, a, framework=job.framework)
         )
 
     matches = [a for a in agents if fits(a)]
@@ -102,12 +105,17 @@ def resolve(
         why = "".join(f"; agent {aid} refuses it: {r.message}" for aid, r in refusals)
         fixes = sorted({r.fix for _, r in refusals if r.fix})
         fix = f"; to fix it, run {' and '.join(f'`{f}`' for f in fixes)}" if fixes else ""
+        missed = {a.agent_id: sysmatch.misses(system, a, framework=job.framework) for a in agents}
+        if system is not None:
+            want += f" on a system with {sysmatch.describe(system)}"
+            why += "".join(f"; agent {aid} misses {', '.join(v)}" for aid, v in missed.items() if v)
         raise ResolutionError(
             f"no live agent serves {want}{why}{fix}; live agents: {live}",
             model=m.name,
             framework=job.framework,
             refused=[r.model_dump() for _, r in refusals],
             fixes=fixes,
+            system_misses={aid: v for aid, v in missed.items() if v},
         )
     # Spread jobs over equal agents deterministically by job id.
     return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry
@@ -219,10 +227,11 @@ class Evaluator:
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
         acc = None if lost else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
+        released: dict[str, Any] = {}
         if not lost:
             # An agent gone since then ends its session with it.
             with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
-                await request(
+                released = await request(
                     self.bus,
                     names.agent_ctl(agent.agent_id),
                     codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
@@ -307,6 +316,7 @@ class Evaluator:
         if acc is not None:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
+        summary = summary.model_copy(update=memory_figures(released))
         spec_doc = _specification(job, agent, entry, prep)
         for run in separate:  # each run of a sweep or search, on its own
             await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
@@ -500,10 +510,24 @@ def _scored(
     return feeders if scored else (feeders[0], None)
 
 
+def memory_figures(released: dict[str, Any]) -> dict[str, float | None]:
+    """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes) from the agent's release
+    reply; None where the agent did not report them (an older agent, a lost one)."""
+    start, peak, end = (released.get(f"rss_{k}_bytes") for k in ("start", "peak", "end"))
+    return {
+        "peak_rss_mb": peak / 1e6 if peak is not None else None,
+        "rss_growth_mb": (end - start) / 1e6 if start is not None and end is not None else None,
+    }
+
+
 def _specification(
     job: JobRequest, agent: AgentDescription, entry: Entry, prep: dict[str, Any]
 ) -> dict[str, Any]:
-    """Everything needed to run this evaluation again (stored with its results)."""
+    """Everything needed to run this evaluation again (stored with its results).
+
+    ``mlscope_version`` and ``git_commit`` are the server's; ``agent_mlscope_version``,
+    ``agent_git_commit`` and ``agent_settings`` (runtime options, device, batching and
+    queue settings the model ran with) are what the agent reported when prepared."""
     return {
         "job": job.dump(),
         "manifest": entry.manifest.model_dump(mode="json"),
@@ -511,6 +535,9 @@ def _specification(
         "manifest_file": str(entry.path),
         "artifact_sha256": prep.get("sha256"),
         "agent": agent.dump(),
+        "agent_settings": prep.get("settings"),
+        "agent_mlscope_version": prep.get("mlscope_version"),
+        "agent_git_commit": prep.get("git_commit"),
         "mlscope_version": mlscope.__version__,
         "git_commit": _git_commit(),
     }

@@ -15,6 +15,7 @@ import nats.errors
 import nats.js.errors
 
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
+from cli.system_opts import add_system_flags, system_from_args
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for, new_id
@@ -158,6 +159,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --all-agents: agents of every framework offering the model",
     )
+    add_system_flags(p)
     return p
 
 
@@ -198,6 +200,7 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         accuracy=getattr(args, "accuracy", False),
         accuracy_samples=getattr(args, "accuracy_samples", None),
         parallel=getattr(args, "parallel", False),
+        system=system_from_args(args),
     )
 
 
@@ -356,6 +359,7 @@ def format_summary(s: EvaluationSummary) -> str:
             f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}",
         ),
         ("throughput", f"{f(s.throughput_ips, '', 1)} inputs/s"),
+        *_resource_rows(s),
     ]
     split = s.issue_lag_split_us or {}
     if split:
@@ -422,6 +426,17 @@ def format_summary(s: EvaluationSummary) -> str:
             )
         )
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
+
+
+def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """The agent's memory over the run and the energy used, or that it is unknown."""
+    rows = []
+    if s.peak_rss_mb is not None:
+        growth = "-" if s.rss_growth_mb is None else f"{s.rss_growth_mb:+.1f} MB"
+        rows.append(("memory", f"agent peak RSS {s.peak_rss_mb:.1f} MB, growth {growth}"))
+    energy = "not available (no power source was read)" if s.energy_j is None else None
+    rows.append(("energy", energy or f"{s.energy_j:.3f} J"))
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:

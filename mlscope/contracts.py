@@ -13,7 +13,11 @@ Schema history:
                and AgentDescription, JobRequest and ScenarioSpec refuse values no
                service can act on (a negative pid, a heartbeat in the far future, an
                unknown trace level, a malformed version constraint, batch size 0);
-               JobRequest.mlperf, JobRequest.mlperf_import, EvaluationSummary.mlperf.
+               JobRequest.mlperf, JobRequest.mlperf_import, EvaluationSummary.mlperf;
+               JobRequest.system (``SystemRequirement``), AgentDescription.usable_cores
+               and memory_limit_bytes, Accelerator.interconnect; ReleaseReply's RSS
+               figures and EvaluationSummary's peak_rss_mb, rss_growth_mb, energy_j;
+               PrepareReply.settings, mlscope_version and git_commit.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ __all__ = [
     "SpanBatch",
     "SqlReply",
     "SqlRequest",
+    "SystemRequirement",
     "TraceLevel",
     "evaluation_id_for",
     "new_id",
@@ -126,6 +131,9 @@ class Accelerator(BaseModel):
     model: str
     index: int = 0
     memory_bytes: int | None = None
+    interconnect: str | None = None
+    """How the device is attached, as the driver reports it (``pcie4``, ``nvlink``);
+    None when it does not say."""
 
 
 class FrameworkInfo(BaseModel):
@@ -183,6 +191,10 @@ class AgentDescription(_Message):
     cpu_model: str
     cpu_cores: int
     memory_bytes: int
+    usable_cores: int | None = Field(default=None, ge=1)
+    """Cores this agent may run on (its CPU affinity); ``cpu_cores`` is the machine's."""
+    memory_limit_bytes: int | None = Field(default=None, ge=0)
+    """The agent's memory limit (its cgroup's) when lower than ``memory_bytes``."""
     accelerators: tuple[Accelerator, ...] = ()
     frameworks: tuple[FrameworkInfo, ...]
     models: tuple[ModelOffer, ...] = ()
@@ -291,6 +303,31 @@ class MLPerfImport(BaseModel):
     """The submitter's system name (the results tree's ``<system>`` directory)."""
 
 
+class SystemRequirement(BaseModel):
+    """What an agent's machine must have to run a job (each field None: anything).
+
+    Matched against the agent's description by :mod:`mlscope.sysmatch`; from
+    ``mlscope-submit``'s flags or ``--system FILE``, merged over the model manifest's
+    ``system`` by the server."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    arch: str | None = None
+    """CPU architecture (``amd64`` and ``x86_64`` are one, as are ``arm64`` and
+    ``aarch64``)."""
+    device: Literal["cpu", "gpu", "fpga"] | None = None
+    """A device kind the agent's framework runs on (``cpu``: every agent)."""
+    accelerator: str | None = None
+    """Part of an accelerator's model name, case-insensitive (``H100``, ``u250``)."""
+    min_memory_bytes: int | None = Field(default=None, ge=0)
+    """Host memory the agent may use (its cgroup limit when lower)."""
+    min_cores: int | None = Field(default=None, ge=1)
+    """CPU cores the agent may run on (its affinity)."""
+    interconnect: str | None = None
+    """An accelerator attached so (``pcie4``, ``nvlink``)."""
+    host: str | None = None
+    """Exactly this host name (``mlscope rerun`` pins the original's)."""
+
+
 class JobRequest(_Message):
     """A request to evaluate one model on one framework (published by mlscope-submit)."""
 
@@ -320,6 +357,9 @@ class JobRequest(_Message):
     """Run MLPerf LoadGen as the load generator instead of ``scenario``."""
     mlperf_import: MLPerfImport | None = None
     """Store these MLPerf logs as an evaluation; no agent is involved."""
+    system: SystemRequirement | None = None
+    """What the agent's machine must have; the server merges it over the model
+    manifest's ``system`` (a field set here wins)."""
 
     @field_validator("trace_level")
     @classmethod
@@ -414,6 +454,14 @@ class EvaluationSummary(_Message):
     mlperf: dict[str, Any] | None = None
     """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
     log, its verdict and early-stopping text, the log files kept, ``imported``."""
+    peak_rss_mb: float | None = None
+    """The agent process's peak resident memory while the evaluation was prepared (MB,
+    10⁶ bytes); None when the agent did not report it."""
+    rss_growth_mb: float | None = None
+    """Its resident memory at release minus at prepare (MB): what the run kept."""
+    energy_j: float | None = None
+    """Energy the evaluation used, joules; None when no power source was readable
+    (never 0 for "unknown")."""
     started_at: float
     finished_at: float
 
@@ -494,12 +542,27 @@ class PrepareReply(_Message):
     first_inference_ns: int
     sha256: str | None = None
     t_agent: int
+    settings: dict[str, Any] | None = None
+    """What the agent really ran the model with: its runtime options (threads,
+    execution providers, graph optimization, ...), device and pipeline settings
+    (batching, queue, pre-processing threads)."""
+    mlscope_version: str | None = None
+    """The agent's mlscope version (the server's may differ)."""
+    git_commit: str | None = None
+    """The agent's source commit, when it runs from a git checkout."""
 
 
 class ReleaseReply(_Message):
     kind: Literal["released"] = "released"
     ok: bool = True
     unloaded: bool = False
+    rss_start_bytes: int | None = None
+    """The agent process's resident memory when the evaluation was prepared."""
+    rss_peak_bytes: int | None = None
+    """The highest resident memory seen while it was prepared (sampled every 50 ms,
+    plus the kernel's high-water mark where it rose meanwhile)."""
+    rss_end_bytes: int | None = None
+    """Resident memory at its release."""
 
 
 ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply

@@ -268,6 +268,8 @@ class SystemRequirements(_Strict):
     accelerator: str | None = None
     """Accelerator model, e.g. ``NVIDIA H100`` or ``xilinx_u250``."""
     min_memory_bytes: int | None = Field(default=None, ge=0)
+    min_cores: int | None = Field(default=None, ge=1)
+    """CPU cores the agent may run on."""
     interconnect: str | None = None
     """e.g. ``pcie4``, ``nvlink``."""
 
