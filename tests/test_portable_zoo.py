@@ -173,25 +173,7 @@ def test_an_agent_with_an_empty_data_dir_fetches_the_models_from_the_bus(
             lambda: push_zoo(stack.settings, zoo_dir, log=lambda _m: None), backend="asyncio"
         )
         assert sent >= 2  # digits_cnn and efficientnet_lite0 at least
-        remote = stack.settings.with_(data_dir=empty)
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "cli.main",
-                    "agent",
-                    "--framework",
-                    "onnxruntime",
-                    "--agent-id",
-                    "fresh-agent",
-                ],
-                env=child_env(remote),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(start_agent(stack.settings.with_(data_dir=empty), "fresh-agent"))
         fresh = wait_for_agent(stack, "fresh-agent")
         served = {o.name: o.sha256 for o in fresh.models}
         for name, graph in (
@@ -220,23 +202,7 @@ def test_a_comparison_says_when_the_runs_loaded_other_bytes(
     elsewhere.mkdir(parents=True)
     (elsewhere / "zoo").symlink_to(other_zoo)
     with running_stack(tmp_path / "stack", zoo_dir, ["onnxruntime"]) as stack:
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "cli.main",
-                    "agent",
-                    "--framework",
-                    "onnxruntime",
-                    "--agent-id",
-                    "other-cpu",
-                ],
-                env=child_env(stack.settings.with_(data_dir=elsewhere)),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
+        procs.append(start_agent(stack.settings.with_(data_dir=elsewhere), "other-cpu"))
         wait_for_agent(stack, "other-cpu")
         [ours_id] = [
             a.agent_id
@@ -260,6 +226,17 @@ def test_a_comparison_says_when_the_runs_loaded_other_bytes(
         assert set(same["note"]) == {""}
         text = report.to_markdown(report.build(BusSource(stack.settings), ids))
         assert "ran different model files" in text
+
+
+def start_agent(settings: Settings, agent_id: str) -> subprocess.Popen[bytes]:
+    """``mlscope agent`` for onnxruntime with its own data dir (``settings``)."""
+    argv = ["agent", "--framework", "onnxruntime", "--agent-id", agent_id]
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli.main", *argv],
+        env=child_env(settings),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def wait_for_agent(stack: Stack, agent_id: str, timeout: float = 120) -> AgentDescription:
