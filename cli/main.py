@@ -26,6 +26,8 @@ COMMAND_MODULES = (
     "cli.auth_cmd",
     "cli.edge_cmd",
     "cli.report_cmd",
+    "cli.runs_cmd",
+    "cli.export_cmd",
     "cli.dashboard_cmd",
     "cli.doctor_cmd",
     "cli.mlperf_cmd",
