@@ -206,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
     fmt = _format(args)
     if fmt is None:
         return 2
+    if args.output is not None:
+        from cli.trace_cmd import writable
+
+        writable(args.output)  # before the report is built
     from analysis import report
     from analysis.figures import model_sizes
     from analysis.source import open_source

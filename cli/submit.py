@@ -15,6 +15,7 @@ import nats.errors
 import nats.js.errors
 
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
+from cli.submit_errors import EXIT_FAILED, preflight, strict_code
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for, new_id
@@ -141,6 +142,11 @@ def parser() -> argparse.ArgumentParser:
         "statistics (mean and 95%% CI over runs)",
     )
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 3 when a run completes INVALID (exit codes: cli/submit_errors.py)",
+    )
     p.add_argument(
         "--all-agents",
         action="store_true",
@@ -418,8 +424,14 @@ def format_summary(s: EvaluationSummary) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     settings = Settings.from_env()
+    try:
+        preflight(p, args, make_job)
+    except MLScopeError as exc:
+        print(f"mlscope-submit: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     if args.all_agents:
         return _main_all_agents(args, settings)
     if "," in args.framework:
@@ -442,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:
         print(format_summary(summary))
-    return 0
+    return strict_code([summary]) if args.strict else 0
 
 
 def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, float | None]]:
@@ -487,7 +499,7 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
                 }
             )
         )
-        return 0
+        return strict_code(summaries) if args.strict else 0
     for s in summaries:
         print(format_summary(s))
         print()
@@ -497,7 +509,7 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
         mean = "-" if v["mean"] is None else f"{v['mean']:.3f}"
         print(f"  {name:<15} {mean}  {ci}")
     print("  compare repeated runs with analysis.compare.compare_repeats (CIs over runs)")
-    return 0
+    return strict_code(summaries) if args.strict else 0
 
 
 def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
@@ -527,7 +539,9 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
         )
     else:
         print(comparison_table(results))
-    return 0 if all(isinstance(r, EvaluationSummary) for r in results) else 1
+    if not all(isinstance(r, EvaluationSummary) for r in results):
+        return EXIT_FAILED
+    return strict_code(results) if args.strict else 0
 
 
 def _main_many(args: argparse.Namespace, settings: Settings) -> int:
@@ -556,13 +570,13 @@ def _main_many(args: argparse.Namespace, settings: Settings) -> int:
             "comparison": comparison.to_dict() if comparison else None,
         }
         print(json.dumps(doc))
-        return 0
+        return strict_code(summaries) if args.strict else 0
     for s in summaries:
         print(format_summary(s))
         print()
     if comparison is not None:
         print(format_comparison(comparison))
-    return 0
+    return strict_code(summaries) if args.strict else 0
 
 
 async def _run_many(
