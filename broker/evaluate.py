@@ -215,7 +215,21 @@ class Evaluator:
             prepare=prepare,
         )
         started = time.time()
-        outcome = await scenarios.execute(ctx, spec)
+        try:
+            outcome = await scenarios.execute(ctx, spec)
+        except anyio.get_cancelled_exc_class():  # cancelled: the agent's session ends too
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(5),
+                contextlib.suppress(MLScopeError),
+            ):
+                await request(
+                    self.bus,
+                    names.agent_ctl(agent.agent_id),
+                    codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
+                    timeout=5,
+                )
+            raise
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
         acc = None if lost else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()

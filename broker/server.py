@@ -14,6 +14,12 @@ redelivered job whose evaluation is stored gets that stored result, one that thi
 server is still running is only held (acknowledged with the run), and one whose
 first server was lost is run again with a ``restarted`` event to the submitter.
 
+Cancelling: every server hears ``mlscope.job.*.cancel``. The one running the job
+cancels the job's own cancel scope (the agent is released, shielded), stores the
+evaluation with status ``cancelled`` (never VALID; its summary says after how many
+queries) and replies; a job cancelled before any server took it is remembered and,
+when taken, stored as cancelled without running.
+
 Everything goes through the serving boundary (:mod:`mlscope.serving`): database
 requests, the job consumer, and every long-lived loop (watches, ingester, history).
 """
@@ -35,6 +41,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from broker.agent_history import AgentHistory
+from broker.cancel import cancelled_summary
 from broker.db import Database
 from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
@@ -45,6 +52,8 @@ from mlscope import codec, names
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.contracts import (
     AgentDescription,
+    CancelReply,
+    CancelRequest,
     EvaluationReply,
     EvaluationRequest,
     EvaluationSummary,
@@ -69,6 +78,8 @@ JOB_MAX_DELIVER = 5
 log = logging.getLogger("mlscope.server")
 MAX_PARALLEL_JOBS = 4
 DB_QUEUE = "mlscope-servers"
+CANCELS_REMEMBERED = 1024
+"""Ids of jobs cancelled before this server ran them, kept to refuse them when taken."""
 SQL_IN_FLIGHT = 16
 """Client SQL requests handled at once (they wait for the read pool's connections);
 more stay queued in the subscription."""
@@ -81,6 +92,14 @@ class Server:
     max_parallel_jobs: int = MAX_PARALLEL_JOBS
     running: dict[str, list[Msg]] = field(default_factory=dict)
     """Job id -> every delivery of it while this server runs it (all acked at the end)."""
+    scopes: dict[str, anyio.CancelScope] = field(default_factory=dict)
+    """Job id -> the cancel scope of its run here (``mlscope cancel``)."""
+    cancels: dict[str, str] = field(default_factory=dict)
+    """Job id -> reason, for jobs cancelled on request (bounded, oldest dropped)."""
+    finished: dict[str, anyio.Event] = field(default_factory=dict)
+    """Job id -> set once its cancelled evaluation is stored (the cancel's reply waits)."""
+    progress_of: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    """Job id -> (queries done, resolved (agent, entry) or None) while it runs here."""
     read_limits: ReadLimits | None = None
     """What one client query on ``mlscope.db.sql`` may use (broker.readonly); default:
     the stock limits with the settings' ``sql_timeout_s``."""
@@ -108,7 +127,9 @@ class Server:
                 subs = [
                     await serve(
                         names.EVALUATION_SUBJECT, EvaluationRequest, self._on_eval, queue=DB_QUEUE
-                    )
+                    ),
+                    # No queue group: the replica running the job must hear it.
+                    await serve(names.job_cancel_wildcard(), CancelRequest, self._on_cancel),
                 ]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT,
@@ -250,7 +271,7 @@ class Server:
                         note="job was restarted after server loss",
                     ),
                 )
-            summary = await self._evaluate(job, subject)
+            summary = await self._evaluate_cancellable(job, subject)
         except Exception as exc:  # every failure ends the job with its reason
             err = self.boundary.failed(exc, subject)
             await self._emit(
@@ -264,12 +285,67 @@ class Server:
             subject,
             JobEvent(
                 job_id=job.job_id,
-                event="done",
+                event="cancelled" if summary.status == "cancelled" else "done",
                 server_id=self.server_id,
                 evaluation_id=summary.evaluation_id,
                 summary=summary,
+                note=summary.invalid_reasons[0] if summary.status == "cancelled" else "",
             ),
         )
+        if job.job_id in self.finished:
+            self.finished.pop(job.job_id).set()
+
+    # ------------------------------------------------------------------ cancel
+
+    async def _on_cancel(self, req: CancelRequest, msg: Msg) -> CancelReply | None:
+        """Cancel the job if it runs here (reply once its cancelled run is stored);
+        otherwise remember it, unanswered, for a server that takes it later."""
+        self.cancels[req.job_id] = req.reason
+        while len(self.cancels) > CANCELS_REMEMBERED:
+            del self.cancels[next(iter(self.cancels))]
+        scope = self.scopes.get(req.job_id)
+        if scope is None:
+            return None
+        done = self.finished.setdefault(req.job_id, anyio.Event())
+        log.info("job %s: cancel requested (%s)", req.job_id, req.reason)
+        scope.cancel()
+        with anyio.move_on_after(10):
+            await done.wait()
+        return CancelReply(
+            job_id=req.job_id,
+            evaluation_id=evaluation_id_for(req.job_id),
+            server_id=self.server_id,
+        )
+
+    async def _evaluate_cancellable(self, job: JobRequest, subject: str) -> EvaluationSummary:
+        """:meth:`_evaluate` under the job's own cancel scope; cancelled (now or before
+        it was taken), its evaluation is stored as ``cancelled``."""
+        started = time.time()
+        self.progress_of[job.job_id] = (0, None)
+        try:
+            with anyio.CancelScope() as scope:
+                self.scopes[job.job_id] = scope
+                if job.job_id in self.cancels:
+                    scope.cancel()
+                return await self._evaluate(job, subject)
+            done, resolved = self.progress_of[job.job_id]
+        finally:
+            self.scopes.pop(job.job_id, None)
+            self.progress_of.pop(job.job_id, None)
+        summary = cancelled_summary(
+            job,
+            resolved,
+            reason=self.cancels.get(job.job_id, "cancelled"),
+            queries_done=done,
+            started_at=started,
+        )
+        spec_doc = {"job": job.model_dump(mode="json"), "cancelled": True}
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(
+                functools.partial(self.evaluator._store, summary, None, spec_doc, t0_ns=0)
+            )
+        log.info("job %s: cancelled after %d queries; stored", job.job_id, done)
+        return summary
 
     async def _evaluate(self, job: JobRequest, subject: str) -> EvaluationSummary:
         if job.mlperf_import is not None:  # logs made elsewhere: no agent to resolve
@@ -295,8 +371,10 @@ class Server:
                     exc.message,
                 )
                 gone.add(agent.agent_id)
+        self.progress_of[job.job_id] = (0, (agent, entry))
 
         async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
+            self.progress_of[job.job_id] = (rec.done, (agent, entry))
             await self._emit(
                 subject,
                 JobEvent(

@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "cli.edge_cmd",
     "cli.report_cmd",
     "cli.runs_cmd",
+    "cli.cancel_cmd",
     "cli.export_cmd",
     "cli.dashboard_cmd",
     "cli.doctor_cmd",

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import nats.errors
 import nats.js.errors
 
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
-from cli.submit_errors import EXIT_FAILED, preflight, strict_code
+from cli.submit_errors import EXIT_FAILED, EXIT_INTERRUPTED, interrupted, preflight, strict_code
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for, new_id
@@ -278,8 +278,8 @@ async def _await_summary(
             on_event(event)
         if event.event == "failed":
             raise error_from_wire(event.error or {"message": "job failed"})
-        if event.event == "done" and event.summary is not None:
-            return event.summary
+        if event.event in ("done", "cancelled") and event.summary is not None:
+            return event.summary  # cancelled: status "cancelled", stored as such
 
 
 def _notes(event: JobEvent) -> None:
@@ -311,7 +311,7 @@ def _progress(event: JobEvent) -> None:
             flush=True,
         )
     elif event.event == "accepted":
-        print(f"  accepted by {event.server_id}", file=sys.stderr, flush=True)
+        print(f"  job {event.job_id} accepted by {event.server_id}", file=sys.stderr, flush=True)
 
 
 def format_summary(s: EvaluationSummary) -> str:
@@ -423,6 +423,17 @@ def format_summary(s: EvaluationSummary) -> str:
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
 
 
+def _several_jobs(args: argparse.Namespace) -> Callable[[argparse.Namespace, Settings], int] | None:
+    """The path of a submission of several jobs, or None for one job."""
+    if args.all_agents:
+        return _main_all_agents
+    if "," in args.framework:
+        return _main_many
+    if args.repeat > 1:
+        return _main_repeat
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -432,16 +443,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if args.all_agents:
-        return _main_all_agents(args, settings)
-    if "," in args.framework:
-        return _main_many(args, settings)
-    if args.repeat > 1:
-        return _main_repeat(args, settings)
+    several = _several_jobs(args)
+    if several is not None:
+        try:
+            return several(args, settings)
+        except KeyboardInterrupt:  # one line, no traceback; the jobs are not cancelled
+            print(
+                "mlscope-submit: interrupted; a job already taken runs on "
+                "(`mlscope cancel JOB_ID` stops it)",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+    show = _notes if args.json or not sys.stderr.isatty() else _progress
+    job = make_job(args)  # preflight built it once already
     try:
-        job = make_job(args)
-        show = _notes if args.json or not sys.stderr.isatty() else _progress
         summary = anyio.run(lambda: submit(settings, job, on_event=show), backend="asyncio")
+    except KeyboardInterrupt:
+        return interrupted(settings, job.job_id, progress_shown=show is _progress)
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return 1
@@ -450,6 +468,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if show is _progress:
         print(file=sys.stderr)
+    if summary.status == "cancelled":  # by `mlscope cancel` elsewhere
+        print(
+            f"mlscope-submit: job {job.job_id} was cancelled; evaluation "
+            f"{summary.evaluation_id} stored as cancelled",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:

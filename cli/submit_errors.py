@@ -16,14 +16,17 @@ pydantic models the server uses, and a refusal names the flag, not the model fie
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import anyio
 from pydantic import ValidationError
 
 from mlscope.contracts import EvaluationSummary, JobRequest
 from mlscope.errors import MLScopeError
 from mlscope.manifest import FRAMEWORKS
+from mlscope.settings import Settings
 
 __all__ = [
     "EXIT_FAILED",
@@ -32,6 +35,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "flag_message",
+    "interrupted",
     "preflight",
     "strict_code",
 ]
@@ -115,6 +119,38 @@ def preflight(
             problem = f"invalid arguments: {exc}"
     if problem is not None:
         p.error(problem)
+
+
+CANCEL_WAIT_S = 1.2
+"""How long an interrupted submitter waits for the server to confirm the cancel: the
+user pressed Ctrl-C to get the terminal back, so well under two seconds in all."""
+
+
+def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False) -> int:
+    """Ctrl-C: cancel the job on the server and say so in one line (no traceback)."""
+    from cli.cancel_cmd import cancel_job
+
+    if progress_shown:
+        print(file=sys.stderr)  # end the progress line
+    try:
+        reply = anyio.run(
+            lambda: cancel_job(settings, job_id, timeout=CANCEL_WAIT_S), backend="asyncio"
+        )
+    except (MLScopeError, KeyboardInterrupt):
+        reply = None
+    if reply is None:
+        print(
+            f"mlscope-submit: interrupted; cancel of job {job_id} sent, not yet confirmed "
+            f"(`mlscope cancel {job_id}` to retry)",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"mlscope-submit: interrupted; job {job_id} cancelled, evaluation "
+            f"{reply.evaluation_id} stored as cancelled",
+            file=sys.stderr,
+        )
+    return EXIT_INTERRUPTED
 
 
 def strict_code(summaries: Iterable[Any]) -> int:
