@@ -13,31 +13,9 @@ import sys
 
 import anyio
 
-from mlscope import bus as busmod
-from mlscope import codec, names
-from mlscope.contracts import CancelReply, CancelRequest
-from mlscope.errors import BusError
-from mlscope.settings import Settings
+from mlscope.api import cancel_job
 
 __all__ = ["cancel_job", "register"]
-
-
-async def cancel_job(
-    settings: Settings, job_id: str, *, reason: str = "cancelled by the user", timeout: float
-) -> CancelReply | None:
-    """Ask the servers to cancel ``job_id``; the reply of the one that ran it, or None
-    when none answered within ``timeout`` (not running anywhere, or still stopping)."""
-    async with busmod.connect(settings, name="mlscope cancel") as bus:
-        try:
-            reply = await busmod.request(
-                bus,
-                names.job_cancel(job_id),
-                codec.encode_model(CancelRequest(job_id=job_id, reason=reason)),
-                timeout=timeout,
-            )
-        except BusError:  # no answer: no server runs it now
-            return None
-    return CancelReply.model_validate(reply)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
