@@ -1,15 +1,22 @@
 """What a cancelled job leaves in the database: one evaluation row, status
-``cancelled``, never VALID, with the reason and how far the run got.
+``cancelled``, never VALID, with the reason and how far the run got, and the raw rows
+of the queries it had issued.
 
 The server (:mod:`broker.server`) cancels a job's own cancel scope on a
-``CancelRequest``; the figures of a run stopped part-way would describe a different
-run than the one specified, so none are stored (no latency, no rates, no query rows).
+``CancelRequest``. The figures of a run stopped part-way would describe a different
+run than the one specified, so the summary holds none (no latency, no rates); the
+per-query rows issued before the cancel are kept as measured (a query still in flight
+is stored as lost, its error saying it was cancelled), so the partial run can be
+inspected. Of a sweep, only the run in progress is kept, under the job's id.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
+from broker.record import ARRAYS, RunRecord
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     AgentDescription,
@@ -19,7 +26,27 @@ from mlscope.contracts import (
     evaluation_id_for,
 )
 
-__all__ = ["cancelled_summary"]
+__all__ = ["IN_FLIGHT", "cancelled_summary", "issued_part"]
+
+IN_FLIGHT = "cancelled before its reply"
+"""The error of a query that was in flight when its job was cancelled."""
+
+
+def issued_part(rec: RunRecord) -> RunRecord:
+    """A copy of ``rec`` up to its last issued query (the rest were never due): the
+    rows a cancelled run stores."""
+    sent = np.flatnonzero((rec.issued > 0) | (rec.completed > 0))
+    count = int(sent[-1]) + 1 if sent.size else 0
+    part = RunRecord(
+        n=count, batch_size=rec.batch_size, t0_ns=rec.t0_ns, warmup=min(rec.warmup, count)
+    )
+    for name in ARRAYS:
+        getattr(part, name)[:] = getattr(rec, name)[:count]
+    part.errors = {i: e for i, e in rec.errors.items() if i < count}
+    for i in np.flatnonzero(part.completed == 0).tolist():
+        part.errors.setdefault(i, IN_FLIGHT)
+    part.done = int(np.count_nonzero(part.completed))
+    return part
 
 
 def cancelled_summary(
@@ -27,7 +54,8 @@ def cancelled_summary(
     resolved: tuple[AgentDescription, Entry] | None,
     *,
     reason: str,
-    queries_done: int,
+    issued: int,
+    answered: int,
     started_at: float,
 ) -> EvaluationSummary:
     """The stored summary of a cancelled job: no figures, never VALID, the reason and
@@ -42,7 +70,8 @@ def cancelled_summary(
         status="cancelled",
         valid=False,
         invalid_reasons=(
-            f"cancelled: {reason} after {now - started_at:.1f} s, {queries_done} queries done",
+            f"cancelled: {reason} after {now - started_at:.1f} s, "
+            f"{answered} of {issued} issued queries answered",
         ),
         model={
             "name": job.model,
@@ -57,9 +86,10 @@ def cancelled_summary(
         device=job.device,
         scenario=spec.model_dump(),
         trace_level=job.trace_level,
-        queries=queries_done,
+        queries=issued,
         samples=0,
-        errors=0,
+        errors=issued - answered,
+        lost=issued - answered,
         not_issued=0,
         duration_s=now - started_at,
         requested_qps=spec.qps if spec.name in ("online", "constant", "multi-stream") else None,

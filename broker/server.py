@@ -41,7 +41,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from broker.agent_history import AgentHistory
-from broker.cancel import cancelled_summary
+from broker.cancel import cancelled_summary, issued_part
 from broker.db import Database
 from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
@@ -98,8 +98,8 @@ class Server:
     """Job id -> reason, for jobs cancelled on request (bounded, oldest dropped)."""
     finished: dict[str, anyio.Event] = field(default_factory=dict)
     """Job id -> set once its cancelled evaluation is stored (the cancel's reply waits)."""
-    progress_of: dict[str, tuple[int, Any]] = field(default_factory=dict)
-    """Job id -> (queries done, resolved (agent, entry) or None) while it runs here."""
+    progress_of: dict[str, tuple[RunRecord | None, Any]] = field(default_factory=dict)
+    """Job id -> (its live run record, resolved (agent, entry)), None until known."""
     read_limits: ReadLimits | None = None
     """What one client query on ``mlscope.db.sql`` may use (broker.readonly); default:
     the stock limits with the settings' ``sql_timeout_s``."""
@@ -321,30 +321,32 @@ class Server:
         """:meth:`_evaluate` under the job's own cancel scope; cancelled (now or before
         it was taken), its evaluation is stored as ``cancelled``."""
         started = time.time()
-        self.progress_of[job.job_id] = (0, None)
+        self.progress_of[job.job_id] = (None, None)
         try:
             with anyio.CancelScope() as scope:
                 self.scopes[job.job_id] = scope
                 if job.job_id in self.cancels:
                     scope.cancel()
                 return await self._evaluate(job, subject)
-            done, resolved = self.progress_of[job.job_id]
+            live, resolved = self.progress_of[job.job_id]
         finally:
             self.scopes.pop(job.job_id, None)
             self.progress_of.pop(job.job_id, None)
+        rec = issued_part(live) if live is not None else None
         summary = cancelled_summary(
             job,
             resolved,
             reason=self.cancels.get(job.job_id, "cancelled"),
-            queries_done=done,
+            issued=rec.n if rec else 0,
+            answered=rec.done if rec else 0,
             started_at=started,
         )
         spec_doc = {"job": job.model_dump(mode="json"), "cancelled": True}
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(
-                functools.partial(self.evaluator._store, summary, None, spec_doc, t0_ns=0)
+                functools.partial(self.evaluator._store, summary, rec, spec_doc, t0_ns=None)
             )
-        log.info("job %s: cancelled after %d queries; stored", job.job_id, done)
+        log.info("job %s: cancelled after %d queries; stored", job.job_id, summary.queries)
         return summary
 
     async def _evaluate(self, job: JobRequest, subject: str) -> EvaluationSummary:
@@ -371,10 +373,10 @@ class Server:
                     exc.message,
                 )
                 gone.add(agent.agent_id)
-        self.progress_of[job.job_id] = (0, (agent, entry))
+        self.progress_of[job.job_id] = (None, (agent, entry))
 
         async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
-            self.progress_of[job.job_id] = (rec.done, (agent, entry))
+            self.progress_of[job.job_id] = (rec, (agent, entry))
             await self._emit(
                 subject,
                 JobEvent(

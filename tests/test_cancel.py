@@ -68,12 +68,34 @@ def wait_stored(stack: Stack, evaluation_id: str, timeout: float = 10.0) -> list
     raise AssertionError(f"{evaluation_id} not stored within {timeout} s")
 
 
+def query_rows(stack: Stack, evaluation_id: str) -> list[list[Any]]:
+    """(ok, completed_ns, error) of the stored queries of an evaluation."""
+
+    async def go() -> list[list[Any]]:
+        async with busmod.connect(stack.settings, name="test") as bus:
+            return (
+                await remote.sql(
+                    bus,
+                    "SELECT ok, completed_ns, error FROM queries FINAL "
+                    "WHERE evaluation_id = {e:String} ORDER BY query_index",
+                    {"e": evaluation_id},
+                )
+            )[1]
+
+    return anyio.run(go, backend="asyncio")
+
+
 def assert_cancelled(stack: Stack, evaluation_id: str) -> None:
     status, valid, summary = wait_stored(stack, evaluation_id)
     assert status == "cancelled" and not valid
     doc = json.loads(summary)
     assert doc["status"] == "cancelled" and doc["invalid_reasons"][0].startswith("cancelled")
     assert doc["duration_s"] < 15  # stopped, not run to its 20 s
+    # The partial run's issued queries are kept as measured: ~2-3 s at 50 QPS, not 1000.
+    rows = query_rows(stack, evaluation_id)
+    assert 20 < len(rows) == doc["queries"] < 500, (len(rows), doc["queries"])
+    assert sum(1 for ok, _, _ in rows if ok) == doc["queries"] - doc["lost"]
+    assert all(err == "cancelled before its reply" for ok, done, err in rows if not done)
     listed = subprocess.run(
         [sys.executable, "-m", "cli.main", "runs", "--valid", "--json"],
         env=child_env(stack.settings),
