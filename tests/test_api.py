@@ -98,3 +98,17 @@ def test_cancel_through_the_api(noop_stack: Stack) -> None:
             assert getattr(summary, "status", None) == "cancelled"
 
     anyio.run(go, backend="asyncio")
+
+
+def test_a_job_cancelled_before_a_server_takes_it_is_not_run(noop_stack: Stack) -> None:
+    async def go() -> None:
+        async with Client(noop_stack.settings) as client:
+            job = noop_job(name="online", qps=50, duration_s=20)
+            assert await client.cancel(job.job_id, timeout=0.5) is None  # runs nowhere yet
+            with anyio.fail_after(10):  # not run for its 20 s
+                summary = await client.submit(job)
+            assert summary.status == "cancelled" and not summary.valid
+            assert summary.queries == 0
+            assert len(await client.queries(summary.evaluation_id)) == 0
+
+    anyio.run(go, backend="asyncio")
