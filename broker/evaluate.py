@@ -383,6 +383,13 @@ class Evaluator:
             return f"agent {agent_id} lost after {answered} of {rec.n} queries"
         return ""
 
+    def store_unfinished(
+        self, s: EvaluationSummary, rec: RunRecord | None, spec_doc: dict[str, Any]
+    ) -> None:
+        """Store a run that did not finish (a cancelled one): its summary and the rows
+        of ``rec``, the queries it had issued."""
+        self._store(s, rec, spec_doc)
+
     def _store(
         self,
         s: EvaluationSummary,

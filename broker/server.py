@@ -204,6 +204,8 @@ class Server:
                 tg.cancel_scope.cancel()
         finally:
             msgs = self.running.pop(job.job_id, [])
+            if (stopped := self.finished.pop(job.job_id, None)) is not None:
+                stopped.set()  # a cancel waits for this: the run is stored, or failed
         for m in msgs:
             with anyio.move_on_after(5):
                 try:
@@ -292,8 +294,6 @@ class Server:
                 note=summary.invalid_reasons[0] if summary.status == "cancelled" else "",
             ),
         )
-        if job.job_id in self.finished:
-            self.finished.pop(job.job_id).set()
 
     # ------------------------------------------------------------------ cancel
 
@@ -343,9 +343,7 @@ class Server:
         )
         spec_doc = {"job": job.model_dump(mode="json"), "cancelled": True}
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(
-                functools.partial(self.evaluator._store, summary, rec, spec_doc, t0_ns=None)
-            )
+            await anyio.to_thread.run_sync(self.evaluator.store_unfinished, summary, rec, spec_doc)
         log.info("job %s: cancelled after %d queries; stored", job.job_id, summary.queries)
         return summary
 
