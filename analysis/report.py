@@ -239,8 +239,6 @@ def to_markdown(report: Report, figure_dir: Path | None = None) -> str:
     linked relative to its parent (the Markdown file's directory); without
     ``figure_dir`` each plot is named in one line (no image data in the text)."""
     lines = [f"# {report.title}", "", f"_generated {report.created}_", ""]
-    if figure_dir is not None:
-        figure_dir.mkdir(parents=True, exist_ok=True)
     number = 0
     for sec in report.sections:
         lines += [f"## {sec.title}", ""]
@@ -253,6 +251,7 @@ def to_markdown(report: Report, figure_dir: Path | None = None) -> str:
                 lines += [f"_figure {number}: {caption} (write the report with -o FILE.md)_", ""]
                 continue
             name = f"figure-{number:02d}-{_slug(caption)}.png"
+            figure_dir.mkdir(parents=True, exist_ok=True)
             (figure_dir / name).write_bytes(plots.png(fig))
             lines += [f"![{caption}]({figure_dir.name}/{name})", ""]
     return "\n".join(lines)

@@ -52,8 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mlscope {args.command}: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # a file the command was told to read or write
-        where = exc.filename if exc.filename is not None else ""
-        print(f"mlscope {args.command}: {where}: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"mlscope {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -80,7 +80,8 @@ def flag_message(exc: ValidationError) -> str:
         msg = str(err["msg"]).removeprefix("Value error, ")
         msg = msg.replace("Input should be", "must be")
         got = err.get("input")
-        shown = "" if isinstance(got, dict | list | tuple) or got is None else f" (got {got!r})"
+        plain = not isinstance(got, dict | list | tuple) and got is not None
+        shown = f" (got {got!r})" if plain and repr(got) not in msg else ""
         parts.append(f"argument {where}: {msg}{shown}")
     return "; ".join(parts)
 
