@@ -13,7 +13,12 @@ inspected. Of a sweep, only the run in progress is kept, under the job's id.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
+import anyio
 import numpy as np
 
 from broker.record import ARRAYS, RunRecord
@@ -26,10 +31,59 @@ from mlscope.contracts import (
     evaluation_id_for,
 )
 
-__all__ = ["IN_FLIGHT", "cancelled_summary", "issued_part"]
+__all__ = ["IN_FLIGHT", "REMEMBERED", "Cancels", "cancelled_summary", "issued_part"]
+
+REMEMBERED = 1024
+"""Ids of cancelled jobs a server keeps, to refuse one it takes after the request."""
 
 IN_FLIGHT = "cancelled before its reply"
 """The error of a query that was in flight when its job was cancelled."""
+
+
+@dataclass
+class Cancels:
+    """A server's cancel bookkeeping: which jobs run here under which cancel scope,
+    which were asked to stop, and how far each got (for what is stored)."""
+
+    scopes: dict[str, anyio.CancelScope] = field(default_factory=dict)
+    """Job id -> the cancel scope of its run here."""
+    requested: dict[str, str] = field(default_factory=dict)
+    """Job id -> reason, for every cancel heard (bounded: the oldest are dropped)."""
+    ended: dict[str, anyio.Event] = field(default_factory=dict)
+    """Job id -> set when the job has ended here (a cancel's reply waits for it)."""
+    progress: dict[str, tuple[RunRecord | None, Any]] = field(default_factory=dict)
+    """Job id -> (its live run record, its resolved (agent, entry)), None until known."""
+
+    def request(self, job_id: str, reason: str) -> anyio.Event | None:
+        """Remember a cancel and stop the job if it runs here: the event that is set
+        when it has ended, or None when it does not run here."""
+        self.requested[job_id] = reason
+        while len(self.requested) > REMEMBERED:
+            del self.requested[next(iter(self.requested))]
+        scope = self.scopes.get(job_id)
+        if scope is None:
+            return None
+        scope.cancel()
+        return self.ended.setdefault(job_id, anyio.Event())
+
+    @contextmanager
+    def running(self, job_id: str) -> Iterator[anyio.CancelScope]:
+        """The job's cancel scope, cancelled at once if a cancel came before it ran."""
+        self.progress[job_id] = (None, None)
+        try:
+            with anyio.CancelScope() as scope:
+                self.scopes[job_id] = scope
+                if job_id in self.requested:
+                    scope.cancel()
+                yield scope
+        finally:
+            self.scopes.pop(job_id, None)
+
+    def finish(self, job_id: str) -> tuple[RunRecord | None, Any]:
+        """The job ended here (however): wake a waiting cancel; (record, resolved)."""
+        if (ended := self.ended.pop(job_id, None)) is not None:
+            ended.set()
+        return self.progress.pop(job_id, (None, None))
 
 
 def issued_part(rec: RunRecord) -> RunRecord:

@@ -41,7 +41,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from broker.agent_history import AgentHistory
-from broker.cancel import cancelled_summary, issued_part
+from broker.cancel import Cancels, cancelled_summary, issued_part
 from broker.db import Database
 from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
@@ -78,8 +78,6 @@ JOB_MAX_DELIVER = 5
 log = logging.getLogger("mlscope.server")
 MAX_PARALLEL_JOBS = 4
 DB_QUEUE = "mlscope-servers"
-CANCELS_REMEMBERED = 1024
-"""Ids of jobs cancelled before this server ran them, kept to refuse them when taken."""
 SQL_IN_FLIGHT = 16
 """Client SQL requests handled at once (they wait for the read pool's connections);
 more stay queued in the subscription."""
@@ -92,14 +90,8 @@ class Server:
     max_parallel_jobs: int = MAX_PARALLEL_JOBS
     running: dict[str, list[Msg]] = field(default_factory=dict)
     """Job id -> every delivery of it while this server runs it (all acked at the end)."""
-    scopes: dict[str, anyio.CancelScope] = field(default_factory=dict)
-    """Job id -> the cancel scope of its run here (``mlscope cancel``)."""
-    cancels: dict[str, str] = field(default_factory=dict)
-    """Job id -> reason, for jobs cancelled on request (bounded, oldest dropped)."""
-    finished: dict[str, anyio.Event] = field(default_factory=dict)
-    """Job id -> set once its cancelled evaluation is stored (the cancel's reply waits)."""
-    progress_of: dict[str, tuple[RunRecord | None, Any]] = field(default_factory=dict)
-    """Job id -> (its live run record, resolved (agent, entry)), None until known."""
+    cancels: Cancels = field(default_factory=Cancels)
+    """Jobs running here under their cancel scopes, and the cancels heard."""
     read_limits: ReadLimits | None = None
     """What one client query on ``mlscope.db.sql`` may use (broker.readonly); default:
     the stock limits with the settings' ``sql_timeout_s``."""
@@ -204,8 +196,7 @@ class Server:
                 tg.cancel_scope.cancel()
         finally:
             msgs = self.running.pop(job.job_id, [])
-            if (stopped := self.finished.pop(job.job_id, None)) is not None:
-                stopped.set()  # a cancel waits for this: the run is stored, or failed
+            self.cancels.finish(job.job_id)  # a cancel waits for this
         for m in msgs:
             with anyio.move_on_after(5):
                 try:
@@ -300,17 +291,12 @@ class Server:
     async def _on_cancel(self, req: CancelRequest, msg: Msg) -> CancelReply | None:
         """Cancel the job if it runs here (reply once its cancelled run is stored);
         otherwise remember it, unanswered, for a server that takes it later."""
-        self.cancels[req.job_id] = req.reason
-        while len(self.cancels) > CANCELS_REMEMBERED:
-            del self.cancels[next(iter(self.cancels))]
-        scope = self.scopes.get(req.job_id)
-        if scope is None:
+        ended = self.cancels.request(req.job_id, req.reason)
+        if ended is None:
             return None
-        done = self.finished.setdefault(req.job_id, anyio.Event())
         log.info("job %s: cancel requested (%s)", req.job_id, req.reason)
-        scope.cancel()
         with anyio.move_on_after(10):
-            await done.wait()
+            await ended.wait()
         return CancelReply(
             job_id=req.job_id,
             evaluation_id=evaluation_id_for(req.job_id),
@@ -321,22 +307,14 @@ class Server:
         """:meth:`_evaluate` under the job's own cancel scope; cancelled (now or before
         it was taken), its evaluation is stored as ``cancelled``."""
         started = time.time()
-        self.progress_of[job.job_id] = (None, None)
-        try:
-            with anyio.CancelScope() as scope:
-                self.scopes[job.job_id] = scope
-                if job.job_id in self.cancels:
-                    scope.cancel()
-                return await self._evaluate(job, subject)
-            live, resolved = self.progress_of[job.job_id]
-        finally:
-            self.scopes.pop(job.job_id, None)
-            self.progress_of.pop(job.job_id, None)
+        with self.cancels.running(job.job_id):
+            return await self._evaluate(job, subject)
+        live, resolved = self.cancels.progress.get(job.job_id, (None, None))
         rec = issued_part(live) if live is not None else None
         summary = cancelled_summary(
             job,
             resolved,
-            reason=self.cancels.get(job.job_id, "cancelled"),
+            reason=self.cancels.requested.get(job.job_id, "cancelled"),
             issued=rec.n if rec else 0,
             answered=rec.done if rec else 0,
             started_at=started,
@@ -371,10 +349,10 @@ class Server:
                     exc.message,
                 )
                 gone.add(agent.agent_id)
-        self.progress_of[job.job_id] = (None, (agent, entry))
+        self.cancels.progress[job.job_id] = (None, (agent, entry))
 
         async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
-            self.progress_of[job.job_id] = (rec, (agent, entry))
+            self.cancels.progress[job.job_id] = (rec, (agent, entry))
             await self._emit(
                 subject,
                 JobEvent(

@@ -22,13 +22,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
+from broker.cancel import IN_FLIGHT, issued_part
+from broker.record import RunRecord
 from cli.services import Stack
 from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import JobRequest, ScenarioSpec, evaluation_id_for
+from mlscope.outcomes import Outcome
 from tests.conftest import child_env
 from tests.loadgen_fixtures import noop_stack
 
@@ -214,3 +218,18 @@ def test_cancel_of_no_running_job_says_so(noop_stack: Stack) -> None:
     )
     assert done.returncode == 1
     assert "no server is running job job-000000000000" in done.stderr
+
+
+def test_issued_part_keeps_what_was_sent() -> None:
+    """The stored rows of a cancelled run end at its last issued query; one in flight
+    is lost, saying it was cancelled; answered ones keep their times."""
+    rec = RunRecord(n=10, batch_size=1, t0_ns=123, warmup=2)
+    rec.scheduled[:] = np.arange(1, 11) * 1000
+    rec.issued[:4] = rec.scheduled[:4]
+    rec.completed[:3] = rec.issued[:3] + 50
+    rec.ok[:3] = 1
+    part = issued_part(rec)
+    assert part.n == 4 and part.t0_ns == 123 and part.warmup == 2 and part.done == 3
+    assert list(part.outcomes()) == [Outcome.OK] * 3 + [Outcome.LOST]
+    assert part.errors == {3: IN_FLIGHT}
+    assert issued_part(RunRecord(n=5, batch_size=1)).n == 0
