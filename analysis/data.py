@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import numpy as np
@@ -39,7 +41,16 @@ QUERY_FIELDS = {
 UNKNOWN_OUTCOME = 255
 """``queries.outcome`` of rows stored before outcomes were recorded."""
 
-__all__ = ["EVALUATION_FIELDS", "evaluations", "latest_per_key", "queries", "spans"]
+__all__ = [
+    "EVALUATION_FIELDS",
+    "RunFilter",
+    "evaluations",
+    "find_evaluations",
+    "latest_per_key",
+    "queries",
+    "spans",
+    "spans_of",
+]
 
 # Columns of :func:`evaluations` (the flattened summary and specification).
 EVALUATION_FIELDS = (
@@ -91,26 +102,80 @@ def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
     return " WHERE evaluation_id IN {ids:Array(String)}", {"ids": list(ids)}
 
 
+_EVALUATION_SELECT = (
+    "SELECT evaluation_id, created_at, model, model_version, framework, "
+    "framework_version, agent_id, host, device, scenario, trace_level, status, valid, "
+    "t0_ns, clock_offset_ns, rerun_of, spec, summary FROM evaluations FINAL"
+)
+
+
+def _frame_of(raw: pd.DataFrame) -> pd.DataFrame:
+    rows = [_flatten(r) for r in raw.to_dict("records")]
+    frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS))
+    frame["created_at"] = pd.to_datetime(frame["created_at"])
+    return frame
+
+
 def evaluations(source: Source, ids: Sequence[str] | None = None) -> pd.DataFrame:
     """One row per evaluation (all, or ``ids`` in the order given), newest first."""
     where, params = _ids_clause(ids)
     raw = source.frame(
-        "SELECT evaluation_id, created_at, model, model_version, framework, "
-        "framework_version, agent_id, host, device, scenario, trace_level, status, valid, "
-        "t0_ns, clock_offset_ns, rerun_of, spec, summary FROM evaluations FINAL"
-        + where
-        + " ORDER BY created_at DESC, evaluation_id",
-        params,
+        _EVALUATION_SELECT + where + " ORDER BY created_at DESC, evaluation_id", params
     )
-    rows = [_flatten(r) for r in raw.to_dict("records")]
-    frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS))
-    frame["created_at"] = pd.to_datetime(frame["created_at"])
+    frame = _frame_of(raw)
     if ids is not None:
         missing = [i for i in ids if i not in set(frame["evaluation_id"])]
         if missing:
             raise DatabaseError(f"no evaluation {', '.join(missing)}", evaluation_id=missing[0])
         frame = frame.set_index("evaluation_id").loc[list(ids)].reset_index()
     return frame
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFilter:
+    """Which evaluations :func:`find_evaluations` returns; ``None`` leaves a field open."""
+
+    model: str | None = None
+    """The model's name (any version)."""
+    framework: str | None = None
+    """The framework's name."""
+    scenario: str | None = None
+    """The scenario's name (``online``, ``batched``, ...)."""
+    valid: bool | None = None
+    """``True``: VALID completed runs only; ``False``: INVALID or not completed ones."""
+    since: datetime | None = None
+    """Created at or after this moment (UTC)."""
+    limit: int | None = None
+    """At most this many, the newest."""
+
+
+def find_evaluations(source: Source, which: RunFilter) -> pd.DataFrame:
+    """Evaluations matching ``which``, newest first (the columns of :func:`evaluations`).
+
+    The filter runs in the database, so listing a few recent runs reads a few rows.
+    A run is VALID only when it also completed: a cancelled run is never a valid one.
+    """
+    clauses: list[str] = []
+    params: dict[str, Any] = {}
+    for name in ("model", "framework", "scenario"):
+        value = getattr(which, name)
+        if value is not None:
+            clauses.append(f"{name} = {{{name}:String}}")
+            params[name] = value
+    if which.valid is True:
+        clauses.append("valid = 1 AND status = 'completed'")
+    elif which.valid is False:
+        clauses.append("NOT (valid = 1 AND status = 'completed')")
+    if which.since is not None:
+        clauses.append("created_at >= fromUnixTimestamp64Milli({since:Int64})")
+        params["since"] = int(which.since.timestamp() * 1000)
+    sql = _EVALUATION_SELECT
+    if clauses:
+        sql += " WHERE " + " AND ".join(clauses)
+    sql += " ORDER BY created_at DESC, evaluation_id"
+    if which.limit is not None:
+        sql += f" LIMIT {int(which.limit)}"
+    return _frame_of(source.frame(sql, params))
 
 
 def _flatten(r: dict[str, Any]) -> dict[str, Any]:
@@ -218,6 +283,17 @@ def spans(
         sql += " AND query_index = {q:Int64}"
         params["q"] = query_index
     return source.frame(sql + " ORDER BY start_ns, span_id", params)
+
+
+def spans_of(source: Source, ids: Sequence[str]) -> pd.DataFrame:
+    """Every span of evaluations ``ids`` (all stored columns but the batch bookkeeping),
+    by evaluation and start time: what an export writes."""
+    return source.frame(
+        "SELECT evaluation_id, agent_id, span_id, parent_id, query_index, level, kind, name, "
+        "start_ns, end_ns, host, attrs FROM spans FINAL WHERE evaluation_id IN "
+        "{ids:Array(String)} ORDER BY evaluation_id, start_ns, span_id",
+        {"ids": list(ids)},
+    )
 
 
 def latest_per_key(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:

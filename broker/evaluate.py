@@ -223,7 +223,21 @@ class Evaluator:
             prepare=prepare,
         )
         started = time.time()
-        outcome = await scenarios.execute(ctx, spec)
+        try:
+            outcome = await scenarios.execute(ctx, spec)
+        except anyio.get_cancelled_exc_class():  # cancelled: the agent's session ends too
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(5),
+                contextlib.suppress(MLScopeError),
+            ):
+                await request(
+                    self.bus,
+                    names.agent_ctl(agent.agent_id),
+                    codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
+                    timeout=5,
+                )
+            raise
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
         acc = None if lost else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
@@ -378,6 +392,13 @@ class Evaluator:
             answered = int(np.count_nonzero(np.asarray(rec.ok[: rec.n])))
             return f"agent {agent_id} lost after {answered} of {rec.n} queries"
         return ""
+
+    def store_unfinished(
+        self, s: EvaluationSummary, rec: RunRecord | None, spec_doc: dict[str, Any]
+    ) -> None:
+        """Store a run that did not finish (a cancelled one): its summary and the rows
+        of ``rec``, the queries it had issued."""
+        self._store(s, rec, spec_doc)
 
     def _store(
         self,

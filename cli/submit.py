@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import nats.errors
 import nats.js.errors
 
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
+from cli.submit_errors import EXIT_FAILED, EXIT_INTERRUPTED, interrupted, preflight, strict_code
 from cli.system_opts import add_system_flags, system_from_args
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
@@ -149,6 +150,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
     p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 3 when a run completes INVALID (exit codes: cli/submit_errors.py)",
+    )
+    p.add_argument(
         "--all-agents",
         action="store_true",
         help="one evaluation on every live agent that serves the model; "
@@ -282,8 +288,8 @@ async def _await_summary(
             on_event(event)
         if event.event == "failed":
             raise error_from_wire(event.error or {"message": "job failed"})
-        if event.event == "done" and event.summary is not None:
-            return event.summary
+        if event.event in ("done", "cancelled") and event.summary is not None:
+            return event.summary  # cancelled: status "cancelled", stored as such
 
 
 def _notes(event: JobEvent) -> None:
@@ -315,7 +321,7 @@ def _progress(event: JobEvent) -> None:
             flush=True,
         )
     elif event.event == "accepted":
-        print(f"  accepted by {event.server_id}", file=sys.stderr, flush=True)
+        print(f"  job {event.job_id} accepted by {event.server_id}", file=sys.stderr, flush=True)
 
 
 def format_summary(s: EvaluationSummary) -> str:
@@ -439,19 +445,43 @@ def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    settings = Settings.from_env()
+def _several_jobs(args: argparse.Namespace) -> Callable[[argparse.Namespace, Settings], int] | None:
+    """The path of a submission of several jobs, or None for one job."""
     if args.all_agents:
-        return _main_all_agents(args, settings)
+        return _main_all_agents
     if "," in args.framework:
-        return _main_many(args, settings)
+        return _main_many
     if args.repeat > 1:
-        return _main_repeat(args, settings)
+        return _main_repeat
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    settings = Settings.from_env()
     try:
-        job = make_job(args)
-        show = _notes if args.json or not sys.stderr.isatty() else _progress
+        preflight(p, args, make_job)
+    except MLScopeError as exc:
+        print(f"mlscope-submit: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    several = _several_jobs(args)
+    if several is not None:
+        try:
+            return several(args, settings)
+        except KeyboardInterrupt:  # one line, no traceback; the jobs are not cancelled
+            print(
+                "mlscope-submit: interrupted; a job already taken runs on "
+                "(`mlscope cancel JOB_ID` stops it)",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+    show = _notes if args.json or not sys.stderr.isatty() else _progress
+    job = make_job(args)  # preflight built it once already
+    try:
         summary = anyio.run(lambda: submit(settings, job, on_event=show), backend="asyncio")
+    except KeyboardInterrupt:
+        return interrupted(settings, job.job_id, progress_shown=show is _progress)
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return 1
@@ -460,11 +490,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if show is _progress:
         print(file=sys.stderr)
+    if summary.status == "cancelled":  # by `mlscope cancel` elsewhere
+        print(
+            f"mlscope-submit: job {job.job_id} was cancelled; evaluation "
+            f"{summary.evaluation_id} stored as cancelled",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:
         print(format_summary(summary))
-    return 0
+    return strict_code([summary]) if args.strict else 0
 
 
 def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, float | None]]:
@@ -509,7 +546,7 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
                 }
             )
         )
-        return 0
+        return strict_code(summaries) if args.strict else 0
     for s in summaries:
         print(format_summary(s))
         print()
@@ -519,7 +556,7 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
         mean = "-" if v["mean"] is None else f"{v['mean']:.3f}"
         print(f"  {name:<15} {mean}  {ci}")
     print("  compare repeated runs with analysis.compare.compare_repeats (CIs over runs)")
-    return 0
+    return strict_code(summaries) if args.strict else 0
 
 
 def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
@@ -549,7 +586,9 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
         )
     else:
         print(comparison_table(results))
-    return 0 if all(isinstance(r, EvaluationSummary) for r in results) else 1
+    if not all(isinstance(r, EvaluationSummary) for r in results):
+        return EXIT_FAILED
+    return strict_code(results) if args.strict else 0
 
 
 def _main_many(args: argparse.Namespace, settings: Settings) -> int:
@@ -578,13 +617,13 @@ def _main_many(args: argparse.Namespace, settings: Settings) -> int:
             "comparison": comparison.to_dict() if comparison else None,
         }
         print(json.dumps(doc))
-        return 0
+        return strict_code(summaries) if args.strict else 0
     for s in summaries:
         print(format_summary(s))
         print()
     if comparison is not None:
         print(format_comparison(comparison))
-    return 0
+    return strict_code(summaries) if args.strict else 0
 
 
 async def _run_many(

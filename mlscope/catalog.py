@@ -10,6 +10,7 @@ a zoo directory is given, downloads are cached beside it in ``<zoo_dir>/../artif
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,9 +214,12 @@ class Catalog:
         """The highest matching version; UnknownModelError says what exists."""
         named = [e for e in self.entries if e.manifest.name == name]
         if not named:
+            close = difflib.get_close_matches(name, self.models(), n=3, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
             raise UnknownModelError(
-                f"unknown model {name!r}; known models: {', '.join(self.models()) or 'none'}",
+                f"unknown model {name!r}{hint}; known models: {', '.join(self.models()) or 'none'}",
                 model=name,
+                suggestions=close,
             )
         hits = [
             e

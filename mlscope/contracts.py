@@ -17,7 +17,9 @@ Schema history:
                JobRequest.system (``SystemRequirement``), AgentDescription.usable_cores
                and memory_limit_bytes, Accelerator.interconnect; ReleaseReply's RSS
                figures and EvaluationSummary's peak_rss_mb, rss_growth_mb, energy_j;
-               PrepareReply.settings, mlscope_version and git_commit.
+               PrepareReply.settings, mlscope_version and git_commit;
+               CancelRequest / CancelReply, JobEvent "cancelled" and
+               EvaluationSummary status "cancelled".
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from mlscope.versions import parse_constraint
 __all__ = [
     "Accelerator",
     "AgentDescription",
+    "CancelReply",
+    "CancelRequest",
     "ControlReply",
     "ControlRequest",
     "DescribeOp",
@@ -389,7 +393,8 @@ class EvaluationSummary(_Message):
     kind: Literal["summary"] = "summary"
     evaluation_id: str
     job_id: str
-    status: Literal["completed", "failed"]
+    status: Literal["completed", "failed", "cancelled"]
+    """``cancelled``: stopped on request (``mlscope cancel``, Ctrl-C); never VALID."""
     valid: bool
     invalid_reasons: tuple[str, ...] = ()
     model: dict[str, str]
@@ -471,8 +476,9 @@ class JobEvent(_Message):
 
     kind: Literal["job_event"] = "job_event"
     job_id: str
-    event: Literal["accepted", "restarted", "progress", "done", "failed"]
-    """restarted: a server took the job again after the one running it was lost."""
+    event: Literal["accepted", "restarted", "progress", "done", "failed", "cancelled"]
+    """restarted: a server took the job again after the one running it was lost;
+    cancelled: stopped on request (``summary`` is the stored cancelled evaluation)."""
     note: str = ""
     server_id: str = ""
     evaluation_id: str | None = None
@@ -591,6 +597,24 @@ class SqlReply(_Message):
     kind: Literal["rows"] = "rows"
     columns: list[str]
     rows: list[list[Any]]
+
+
+class CancelRequest(_Message):
+    """Stop a job (``mlscope.job.<job_id>.cancel``): the server running it cancels the
+    run and stores it as ``cancelled``; a server that takes it later does not run it."""
+
+    kind: Literal["cancel_request"] = "cancel_request"
+    job_id: str = Field(max_length=256)
+    reason: str = Field(default="cancelled by the user", max_length=1024)
+
+
+class CancelReply(_Message):
+    """From the server that was running the job, once its cancelled run is stored."""
+
+    kind: Literal["cancel_reply"] = "cancel_reply"
+    job_id: str
+    evaluation_id: str
+    server_id: str
 
 
 class EvaluationRequest(_Message):

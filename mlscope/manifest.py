@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import yaml
 from pydantic import (
     AfterValidator,
@@ -107,6 +108,7 @@ class InputSpec(_Strict):
     type: str = "tensor"
     layer_name: str | None = None
     element_type: str = "float32"
+    """A numpy dtype name (float32, int64, uint8, ...)."""
     shape: tuple[int, ...]
     """Shape of one sample, without the batch dimension."""
     layout: str | None = None
@@ -119,6 +121,20 @@ class InputSpec(_Strict):
     """Value of every element of this input when a query does not carry it (inputs
     after the first only), e.g. a sample rate or a zeroed recurrent state; warm-up uses
     it too (zeros otherwise)."""
+
+    @field_validator("element_type")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        try:
+            dtype = np.dtype(v)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.kind not in "biuf":
+            raise ValueError(
+                f"unknown element_type {v!r}: a numpy dtype name such as "
+                "float32, float16, int64, int32, uint8 or bool"
+            )
+        return v
 
     @model_validator(mode="after")
     def _axis(self) -> InputSpec:

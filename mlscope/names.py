@@ -4,6 +4,7 @@ Subjects (core NATS unless marked JetStream):
 
     mlscope.jobs.submit                JetStream (stream JOBS, work queue): job requests
     mlscope.job.<job_id>.events        progress, accepted and done events of one job
+    mlscope.job.<job_id>.cancel        stop one job (every server hears it)
     mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
     mlscope.agent.<agent_id>.query     queries directed at one agent
     mlscope.agent.<agent_id>.ctl       control requests to one agent (ping, describe)
@@ -39,6 +40,8 @@ __all__ = [
     "capability",
     "dead_letter",
     "dead_letters_wildcard",
+    "job_cancel",
+    "job_cancel_wildcard",
     "job_events",
     "token",
     "traces",
@@ -86,6 +89,14 @@ def agent_ctl(agent_id: str) -> str:
 
 def job_events(job_id: str) -> str:
     return f"{PREFIX}.job.{token(job_id)}.events"
+
+
+def job_cancel(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id)}.cancel"
+
+
+def job_cancel_wildcard() -> str:
+    return f"{PREFIX}.job.*.cancel"
 
 
 def traces(eval_id: str) -> str:
