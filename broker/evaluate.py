@@ -274,7 +274,10 @@ class Evaluator:
                 completed_qps=f.completed_qps,
                 backlog_s=f.backlog_s,
                 issue_lag_split_us=f.issue_lag_split_us,
-                loadgen_cost=cost.facts(f),
+                loadgen_cost={
+                    **cost.facts(f),
+                    **({"services": list(run.record.sources)} if run.record.sources else {}),
+                },
                 parallel=job.parallel,
                 warnings=(
                     *cost.warnings(f, parallel=job.parallel),
