@@ -26,6 +26,7 @@ import anyio
 import numpy as np
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 import mlscope
 from broker.distributed import save_result
@@ -47,6 +48,7 @@ from mlscope.contracts import (
     TraceLevel,
 )
 from mlscope.errors import ConfigError, EvaluationError
+from mlscope.loadgens import ensure_bucket
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
 
@@ -81,7 +83,7 @@ class LoadgenService:
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with busmod.connect(self.settings, name=f"loadgen {self.loadgen_id}") as bus:
             self._connected = bus
-            await busmod.ensure_infrastructure(bus)
+            kv = await ensure_bucket(bus, replicas=self.settings.js_replicas)
             boundary = Boundary(bus, service=f"loadgen {self.loadgen_id}", logger=log)
             subs = [
                 await boundary.subscribe(
@@ -91,7 +93,6 @@ class LoadgenService:
                     names.loadgen_run(self.loadgen_id), LoadgenStartOp, self._start
                 ),
             ]
-            kv = await bus.kv(names.LOADGENS_BUCKET)
             desc = LoadgenDescription(
                 loadgen_id=self.loadgen_id,
                 host=socket.gethostname(),
@@ -108,7 +109,7 @@ class LoadgenService:
                     tg.start_soon(
                         boundary.keep_running,
                         "heartbeat",
-                        functools.partial(self._heartbeat, bus, desc),
+                        functools.partial(self._heartbeat, kv, desc),
                     )
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(3):
@@ -116,8 +117,7 @@ class LoadgenService:
                     for sub in subs:
                         await sub.unsubscribe()
 
-    async def _heartbeat(self, bus: Bus, desc: LoadgenDescription) -> None:
-        kv = await bus.kv(names.LOADGENS_BUCKET)
+    async def _heartbeat(self, kv: KeyValue, desc: LoadgenDescription) -> None:
         while True:
             await anyio.sleep(self.heartbeat_s)
             beat = desc.model_copy(update={"heartbeat_at": time.time()})

@@ -270,9 +270,6 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
                 bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas
             ),
             KeyValueConfig(bucket=names.MODELS_BUCKET, history=5, replicas=replicas),
-            KeyValueConfig(
-                bucket=names.LOADGENS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas
-            ),
         ):
             try:
                 await bus.js.key_value(kv.bucket)

@@ -2,7 +2,11 @@
 
 A load-generator service (``mlscope loadgen``, :mod:`broker.lgservice`) puts its
 :class:`LoadgenDescription` there once it is subscribed and refreshes it every
-heartbeat; the entry expires like an agent's (:data:`mlscope.bus.AGENT_TTL_S`).
+heartbeat; the entry expires like an agent's (:data:`mlscope.bus.AGENT_TTL_S`). The
+first service creates the bucket (:func:`ensure_bucket`), so a bus that never had a
+load-generator service has no such bucket and lists none; the stack's provisioning
+(``ensure_infrastructure``), which every role's permissions are written against, is
+left as it was.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import time
 
 import nats.errors
 import nats.js.errors
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KeyValue
 
 from mlscope import codec, names
 from mlscope.bus import AGENT_TTL_S, Bus
@@ -20,14 +26,34 @@ from mlscope.errors import BusError, WireError
 from mlscope.kvread import bucket_keys
 from mlscope.serving import MAX_VALUE_BYTES
 
-__all__ = ["list_loadgens"]
+__all__ = ["ensure_bucket", "list_loadgens"]
+
+
+async def ensure_bucket(bus: Bus, *, replicas: int = 1) -> KeyValue:
+    """The registry bucket, created when missing (TTL and history as the agents')."""
+    try:
+        try:
+            return await bus.js.key_value(names.LOADGENS_BUCKET)
+        except nats.js.errors.BucketNotFoundError:
+            return await bus.js.create_key_value(
+                KeyValueConfig(
+                    bucket=names.LOADGENS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas
+                )
+            )
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot open the load-generator registry: {exc!r}") from exc
 
 
 async def list_loadgens(bus: Bus, *, include_stale: bool = False) -> list[LoadgenDescription]:
     """Live load-generator services, sorted by id (an entry whose heartbeat is older
     than the TTL is left out even before the bucket expires it)."""
     try:
-        kv = await bus.kv(names.LOADGENS_BUCKET)
+        kv = await bus.js.key_value(names.LOADGENS_BUCKET)
+    except nats.js.errors.BucketNotFoundError:
+        return []  # no load-generator service ever joined this bus
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot read the load-generator registry: {exc!r}") from exc
+    try:
         keys = await bucket_keys(bus, names.LOADGENS_BUCKET)
 
         async def get(key: str) -> bytes | None:
