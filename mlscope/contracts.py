@@ -17,7 +17,9 @@ Schema history:
                JobRequest.system (``SystemRequirement``), AgentDescription.usable_cores
                and memory_limit_bytes, Accelerator.interconnect; ReleaseReply's RSS
                figures and EvaluationSummary's peak_rss_mb, rss_growth_mb, energy_j;
-               PrepareReply.settings, mlscope_version and git_commit.
+               PrepareReply.settings, mlscope_version and git_commit;
+               ScenarioSpec.loadgen_hosts and the load-generator service's messages
+               (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp and their replies).
 """
 
 from __future__ import annotations
