@@ -30,7 +30,7 @@ from nats.js.kv import KeyValue
 
 import mlscope
 from broker.distributed import save_result
-from broker.loadgen import Driver
+from broker.loadgen import Driver, RunRecord
 from broker.multihost import unpack_slice, work_bucket
 from broker.schedule import Schedule
 from mlscope import bus as busmod
@@ -42,6 +42,7 @@ from mlscope.contracts import (
     LoadgenDone,
     LoadgenLoaded,
     LoadgenLoadOp,
+    LoadgenProgress,
     LoadgenStartOp,
     PingOp,
     PingReply,
@@ -157,6 +158,14 @@ class LoadgenService:
             raise EvaluationError("payloads are prebuilt by the server")
 
         bus = self._bus()
+
+        async def progress(rec: RunRecord, _elapsed_s: float) -> None:
+            if op.progress_subject:
+                note = LoadgenProgress(
+                    run_id=op.run_id, result_object=op.result_object, done=rec.done
+                )
+                await bus.nc.publish(op.progress_subject, codec.encode_model(note))
+
         rec = await Driver(
             bus,
             evaluation_id=loaded.op.evaluation_id,
@@ -169,6 +178,7 @@ class LoadgenService:
             schedule=sched,
             start_ns=op.start_ns,
             payloads=loaded.payloads,
+            on_progress=progress,
         ).run()
         out = io.BytesIO()
         save_result(rec, out)

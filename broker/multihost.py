@@ -13,6 +13,7 @@ which may run on other machines::
       │   ─► object store mlscope_loadgen_work ──► fetched on "load"
       │ ctl load ───────────────────────────► LoadgenLoaded
       │ run start (start_ns + offset_j) ────► pacer + Driver, queries to the agent
+      │ ◄──────── LoadgenProgress (every 0.5 s: queries completed, summed into events)
       │ ◄─────────────── LoadgenDone (result .npz in the work bucket)
       └ merge by global index (:func:`broker.distributed.merge_results`) → one record
 
@@ -37,11 +38,12 @@ import anyio
 import nats.errors
 import nats.js.errors
 import numpy as np
+from nats.aio.msg import Msg
 from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.object_store import ObjectStore
 
 from broker import schedule
-from broker.distributed import START_LEAD_S, load_result, merge_results
+from broker.distributed import PROGRESS_S, START_LEAD_S, load_result, merge_results
 from broker.loadgen import RunRecord, encode_query, estimate_offset
 from broker.schedule import Schedule
 from mlscope import codec, names
@@ -50,11 +52,12 @@ from mlscope.contracts import (
     LoadgenDescription,
     LoadgenDone,
     LoadgenLoadOp,
+    LoadgenProgress,
     LoadgenStartOp,
     ScenarioSpec,
     new_id,
 )
-from mlscope.errors import BusError, EvaluationError, ResolutionError
+from mlscope.errors import BusError, EvaluationError, ResolutionError, WireError
 from mlscope.loadgens import list_loadgens
 
 if TYPE_CHECKING:
@@ -212,19 +215,46 @@ async def _start_all(
     """Start every loaded slice at once; each answers when its run is over."""
     timeout = spec.duration_s * 3 + 120
     done: list[Any] = [None] * len(services)
+    counts: dict[str, int] = {}
 
     async def one(j: int, svc: LoadgenDescription) -> None:
         op = LoadgenStartOp(
-            run_id=run_id, start_ns=start + offsets[j], result_object=f"{run_id}/result-{j}"
+            run_id=run_id,
+            start_ns=start + offsets[j],
+            result_object=f"{run_id}/result-{j}",
+            progress_subject=inbox,
         )
         reply = await request(
             ctx.bus, names.loadgen_run(svc.loadgen_id), codec.encode_model(op), timeout=timeout
         )
         done[j] = LoadgenDone.model_validate(reply)
 
-    async with anyio.create_task_group() as tg:
-        for j, svc in enumerate(services):
-            tg.start_soon(one, j, svc)
+    async def heard(msg: Msg) -> None:  # a malformed note is ignored: it is only display
+        with contextlib.suppress(WireError):
+            note = codec.decode_model(LoadgenProgress, msg.data)
+            if note.run_id == run_id:
+                counts[note.result_object] = note.done
+
+    async def report() -> None:
+        t0 = time.monotonic()
+        while ctx.on_progress is not None:
+            await anyio.sleep(PROGRESS_S)
+            rec = RunRecord(n=0, batch_size=spec.batch_size)
+            rec.done = sum(counts.values())
+            await ctx.on_progress(rec, time.monotonic() - t0)
+
+    inbox = ctx.bus.nc.new_inbox()
+    sub = await ctx.bus.nc.subscribe(inbox, cb=heard)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(report)
+            async with anyio.create_task_group() as runs:
+                for j, svc in enumerate(services):
+                    runs.start_soon(one, j, svc)
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await sub.unsubscribe()
     if any(d is None for d in done):
         raise EvaluationError(f"a load generator of run {run_id} did not report")
     return list(done)

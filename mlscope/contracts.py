@@ -19,7 +19,8 @@ Schema history:
                figures and EvaluationSummary's peak_rss_mb, rss_growth_mb, energy_j;
                PrepareReply.settings, mlscope_version and git_commit;
                ScenarioSpec.loadgen_hosts and the load-generator service's messages
-               (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp and their replies).
+               (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp, LoadgenProgress and
+               the replies).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ __all__ = [
     "LoadgenDone",
     "LoadgenLoadOp",
     "LoadgenLoaded",
+    "LoadgenProgress",
     "LoadgenStartOp",
     "MLPerfImport",
     "MLPerfSpec",
@@ -767,6 +769,16 @@ class LoadgenStartOp(_Message):
     run_id: str
     start_ns: int
     result_object: str
+    progress_subject: str | None = None
+    """Where to publish :class:`LoadgenProgress` about every half second while it runs."""
+
+
+class LoadgenProgress(_Message):
+    kind: Literal["loadgen-progress"] = "loadgen-progress"
+    run_id: str
+    result_object: str
+    """Which slice of the run (its result's name is unique per slice)."""
+    done: int
 
 
 class LoadgenDone(_Message):

@@ -17,7 +17,13 @@ from broker import schedule
 from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.contracts import EvaluationSummary, JobRequest, LoadgenDescription, ScenarioSpec
+from mlscope.contracts import (
+    EvaluationSummary,
+    JobEvent,
+    JobRequest,
+    LoadgenDescription,
+    ScenarioSpec,
+)
 from mlscope.errors import MLScopeError
 from mlscope.loadgens import list_loadgens
 from mlscope.settings import Settings
@@ -84,14 +90,21 @@ def rows(settings: Settings, evaluation_id: str) -> np.ndarray:
     return np.asarray(anyio.run(go, backend="asyncio"), dtype=np.int64)
 
 
-def run(settings: Settings, agent: str, hosts: tuple[str, ...]) -> EvaluationSummary:
+def run(
+    settings: Settings, agent: str, hosts: tuple[str, ...], progress: list[int] | None = None
+) -> EvaluationSummary:
     spec = ScenarioSpec(
         name="online", qps=300, duration_s=2.5, seed=5, loadgen_hosts=hosts, **LOOSE
     )
     job = JobRequest(
         model="noop", framework="noop", agent_id=agent, scenario=spec, trace_level="none"
     )
-    return anyio.run(lambda: submit(settings, job, timeout=120), backend="asyncio")
+
+    def seen(event: JobEvent) -> None:
+        if event.event == "progress" and progress is not None:
+            progress.append(event.queries_done)
+
+    return anyio.run(lambda: submit(settings, job, on_event=seen, timeout=120), backend="asyncio")
 
 
 def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
@@ -102,7 +115,8 @@ def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
     assert all(isinstance(d, LoadgenDescription) for d in listed)
     whole = schedule.poisson(300, duration_s=2.5, seed=5)  # enough for early stopping
     for agent in ("noop-a", "noop-b"):
-        s = run(settings, agent, LOADGENS)
+        progress: list[int] = []
+        s = run(settings, agent, LOADGENS, progress)
         assert s.agent_id == agent
         assert s.valid and s.errors == 0, s.invalid_reasons
         assert s.loadgens == 2 and s.queries == len(whole)
@@ -114,6 +128,9 @@ def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
         assert [r["pid"] for r in ran] == [services[lg].pid for lg in LOADGENS]
         assert [r["queries"] for r in ran] == [len(p) for p in schedule.deal(whole, 2)]
         assert all(r["completed"] == r["queries"] > 0 for r in ran)
+        # The services' counts, summed into the job's progress while they run.
+        assert progress == sorted(progress) and 0 < max(progress) <= len(whole), progress
+        assert any(0 < p < len(whole) for p in progress), progress
         # ... and the stored rows are the one global schedule, every query answered.
         got = rows(settings, s.evaluation_id)
         assert got.shape[0] == len(whole)
