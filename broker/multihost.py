@@ -57,7 +57,7 @@ from mlscope.contracts import (
     ScenarioSpec,
     new_id,
 )
-from mlscope.errors import BusError, EvaluationError, ResolutionError, WireError
+from mlscope.errors import BusError, ConfigError, EvaluationError, ResolutionError, WireError
 from mlscope.loadgens import list_loadgens
 
 if TYPE_CHECKING:
@@ -137,7 +137,8 @@ async def run_on_services(
 ) -> RunRecord:
     """Run ``sched`` dealt to the services ``spec.loadgen_hosts``; the merged record,
     with ``record.sources`` saying which service ran which slice."""
-    assert spec.loadgen_hosts is not None
+    if not spec.loadgen_hosts:
+        raise ConfigError("a run over load-generator services needs loadgen_hosts")
     bus = ctx.bus
     services = await _services(bus, spec.loadgen_hosts)
     parts = schedule.deal(sched, len(services))

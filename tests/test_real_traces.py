@@ -5,7 +5,9 @@ efficientnet_lite0, and the per-query labels of a run following the one sample o
 
 from __future__ import annotations
 
+import subprocess
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -19,8 +21,10 @@ from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
+from mlscope.loadgens import list_loadgens
 from mlscope.samples import sample_indices
 from mlscope.settings import Settings
+from tests.conftest import child_env, python
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -96,10 +100,58 @@ def test_top_layers_of_a_real_onnxruntime_trace_match_the_stored_spans(stack: Se
     assert 0.3 < covered <= 1.0, covered
 
 
+@pytest.fixture
+def two_loadgens(stack: Settings) -> Iterator[tuple[str, ...]]:
+    """Two load-generator services (``mlscope loadgen``) on the stack's bus."""
+    ids = ("lg-1", "lg-2")
+    procs = [
+        subprocess.Popen([python(), "-m", "cli.main", "loadgen", "--id", i], env=child_env(stack))
+        for i in ids
+    ]
+    try:
+
+        async def registered() -> None:
+            with anyio.fail_after(60):
+                async with busmod.connect(stack, name="test") as bus:
+                    while len(await list_loadgens(bus)) < len(ids):
+                        await anyio.sleep(0.2)
+
+        anyio.run(registered, backend="asyncio")
+        yield ids
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(20)
+
+
 def test_stored_labels_of_a_real_run_follow_the_sample_order(stack: Settings) -> None:
+    check_labels_follow_the_sample_order(stack, loadgen_hosts=None)
+
+
+def test_load_generator_services_send_and_score_the_same_samples(
+    stack: Settings, two_loadgens: tuple[str, ...]
+) -> None:
+    """The slices dealt to services carry the rows and labels of the one sample order."""
+    summary = check_labels_follow_the_sample_order(stack, loadgen_hosts=two_loadgens)
+    assert summary.loadgen_cost is not None
+    assert [r["loadgen_id"] for r in summary.loadgen_cost["services"]] == list(two_loadgens)
+
+
+def check_labels_follow_the_sample_order(
+    stack: Settings, *, loadgen_hosts: tuple[str, ...] | None
+) -> EvaluationSummary:
     seed, queries = 7, 800  # over two cycles of the 360-row holdout set
-    spec = ScenarioSpec(name="constant", qps=200, duration_s=4, max_queries=queries, seed=seed)
-    eval_id = run_job(stack, "digits_cnn", "none", spec).evaluation_id
+    spec = ScenarioSpec(
+        name="constant",
+        qps=200,
+        duration_s=4,
+        max_queries=queries,
+        seed=seed,
+        loadgen_hosts=loadgen_hosts,
+    )
+    summary = run_job(stack, "digits_cnn", "none", spec)
+    eval_id = summary.evaluation_id
     entry = Catalog.load(default_manifest_dirs(None)).find("digits_cnn", framework="onnxruntime")
     path = entry.dataset(stack.zoo_dir)
     assert path is not None
@@ -126,3 +178,4 @@ def test_stored_labels_of_a_real_run_follow_the_sample_order(stack: Settings) ->
     assert correct.mean() > 0.9
     other = y[sample_indices(queries, len(y), seed + 1)]
     assert (prediction == other).mean() < 0.3
+    return summary
