@@ -32,6 +32,7 @@ import contextlib
 import io
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -151,30 +152,8 @@ async def run_on_services(
     objects: list[str] = []
     try:
         for j, (svc, part) in enumerate(zip(services, parts, strict=True)):
-            glob = part.index.tolist()
-            payloads = [
-                encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level) for g in glob
-            ]
-            lab = np.stack([labels(g) for g in glob]) if labels is not None and glob else None
-            name = f"{run_id}/slice-{j}"
-            await obs.put(name, pack_slice(part, payloads, lab))
-            objects.append(name)
-            load = LoadgenLoadOp(
-                run_id=run_id,
-                evaluation_id=ctx.evaluation_id,
-                subject=ctx.subject,
-                spec=spec,
-                offset_ns=ctx.offset_ns - offsets[j],
-                trace_level=int(ctx.trace_level),
-                has_labels=lab is not None,
-                slice_object=name,
-            )
-            await request(
-                bus,
-                names.loadgen_ctl(svc.loadgen_id),
-                codec.encode_model(load),
-                timeout=LOAD_TIMEOUT_S,
-            )
+            slice_ = _Slice(run_id, j, part, ctx.offset_ns - offsets[j])
+            objects.append(await _load(ctx, spec, obs, svc, slice_, inputs, labels))
         start = time.perf_counter_ns() + int(START_LEAD_S * 1e9)
         done = await _start_all(ctx, spec, services, offsets, run_id, start)
         objects += [d.result_object for d in done]
@@ -203,6 +182,47 @@ async def run_on_services(
         for j, (svc, d) in enumerate(zip(services, done, strict=True))
     )
     return rec
+
+
+@dataclass(frozen=True)
+class _Slice:
+    run_id: str
+    j: int
+    part: Schedule
+    agent_offset_ns: int
+    """The agent's clock minus the service's."""
+
+
+async def _load(
+    ctx: Context,
+    spec: ScenarioSpec,
+    obs: ObjectStore,
+    svc: LoadgenDescription,
+    sl: _Slice,
+    inputs: Callable[[int], np.ndarray],
+    labels: Callable[[int], np.ndarray] | None,
+) -> str:
+    """Build one slice's queries, put them in the work bucket and have ``svc`` load
+    them; the object's name."""
+    glob = sl.part.index.tolist()
+    payloads = [encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level) for g in glob]
+    lab = np.stack([labels(g) for g in glob]) if labels is not None and glob else None
+    name = f"{sl.run_id}/slice-{sl.j}"
+    await obs.put(name, pack_slice(sl.part, payloads, lab))
+    load = LoadgenLoadOp(
+        run_id=sl.run_id,
+        evaluation_id=ctx.evaluation_id,
+        subject=ctx.subject,
+        spec=spec,
+        offset_ns=sl.agent_offset_ns,
+        trace_level=int(ctx.trace_level),
+        has_labels=lab is not None,
+        slice_object=name,
+    )
+    await request(
+        ctx.bus, names.loadgen_ctl(svc.loadgen_id), codec.encode_model(load), timeout=LOAD_TIMEOUT_S
+    )
+    return name
 
 
 async def _start_all(
