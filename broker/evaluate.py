@@ -30,7 +30,7 @@ from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
-from mlscope import codec, names, sysmatch
+from mlscope import codec, names, samples, sysmatch
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
@@ -55,6 +55,8 @@ PREPARE_TIMEOUT_S = 300.0
 PAYLOAD_HEADROOM = 1024
 """Bytes of a message left for the subject, reply inbox and headers."""
 LOST = "lost in transit: no reply before the run ended"
+FILL_ROWS = 64
+"""Synthetic rows a model without a data set cycles through."""
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]
 
 
@@ -286,7 +288,10 @@ class Evaluator:
                 completed_qps=f.completed_qps,
                 backlog_s=f.backlog_s,
                 issue_lag_split_us=f.issue_lag_split_us,
-                loadgen_cost=cost.facts(f),
+                loadgen_cost={
+                    **cost.facts(f),
+                    **({"services": list(run.record.sources)} if run.record.sources else {}),
+                },
                 parallel=job.parallel,
                 warnings=(
                     *cost.warnings(f, parallel=job.parallel),
@@ -505,21 +510,27 @@ def _dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | Non
 def _feeders(
     data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int, seed: int
 ) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
-    """Query i's raw inputs (and labels): a seeded permutation of the data set, cycled.
-
-    The sample order has its own seed stream, independent of the arrival schedule's.
-    """
-    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[1])
+    """Query i's raw inputs (and labels): the rows :class:`mlscope.samples.SampleOrder`
+    gives it (seeded permutations of the data set, a fresh one per cycle; the sample
+    order has its own seed stream, independent of the arrival schedule's). A model
+    with no data set gets 64 synthetic rows, drawn from the seed's fill stream."""
     if data is None:
-        fake = rng.standard_normal((64, *shape)).astype(np.float32)
-        return (lambda i: fake[[(i * batch + j) % 64 for j in range(batch)]]), None
+        x = samples.stream(seed, samples.FILL_STREAM).standard_normal((FILL_ROWS, *shape))
+        data, labelled = (x.astype(np.float32), np.zeros(FILL_ROWS, np.int64)), False
+    else:
+        labelled = True
     x, y = data
-    perm = rng.permutation(len(x))
+    order = samples.SampleOrder(len(x), seed)
 
-    def idx(i: int) -> np.ndarray:
-        return perm[(np.arange(batch) + i * batch) % len(perm)]
+    def inputs(i: int) -> np.ndarray:
+        rows: np.ndarray = x[order.rows(i, batch)]
+        return rows
 
-    return (lambda i: x[idx(i)]), (lambda i: y[idx(i)])
+    def labels(i: int) -> np.ndarray:
+        got: np.ndarray = y[order.rows(i, batch)]
+        return got
+
+    return inputs, (labels if labelled else None)
 
 
 def _scored(

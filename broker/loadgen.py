@@ -65,16 +65,19 @@ and nats-server (the system under test)."""
 CLOSED_LOOPS = frozenset({"single-stream", "concurrency", "batched"})
 
 
-async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[int, int]:
+async def estimate_offset(
+    bus: Bus, agent_id: str, *, rounds: int = 9, subject: str | None = None
+) -> tuple[int, int]:
     """(agent clock - our clock, round trip) in ns from the ping with the smallest RTT.
 
     NTP-style: offset = t_agent - (t_send + t_recv) / 2, error bounded by RTT / 2.
+    ``subject``: another responder's control subject (a load-generator service's).
     """
     best: tuple[int, int] | None = None
     payload = codec.encode({"op": "ping"})
     for _ in range(rounds):
         t1 = now()
-        reply = await request(bus, names.agent_ctl(agent_id), payload, timeout=5.0)
+        reply = await request(bus, subject or names.agent_ctl(agent_id), payload, timeout=5.0)
         t2 = now()
         rtt = t2 - t1
         offset = int(reply["t_agent"]) - (t1 + t2) // 2

@@ -19,7 +19,9 @@ cold-start      ``repetitions`` x (reload the model, ``warm_queries``):
 =============== ============================================================== ========
 
 Open loops run on one pacer, or with ``loadgens = K > 1`` on K load-generator
-processes that share one seeded global schedule (:mod:`broker.distributed`). A
+processes that share one seeded global schedule (:mod:`broker.distributed`), or with
+``loadgen_hosts`` on registered load-generator services on any host
+(:mod:`broker.multihost`). A
 ``batched`` sweep and a ``peak`` search make several runs: each is a :class:`Run`
 with its own evaluation id (``<parent>-<k>``), stored on its own, and listed in the
 parent summary's ``points``; the parent's own figures are those of the best run.
@@ -184,7 +186,11 @@ async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
         window = float(done.max()) / 1e9 if done.size else 0.0
     else:
         sched, window = build_schedule(spec)
-        if spec.loadgens > 1:
+        if spec.loadgen_hosts:
+            from broker.multihost import run_on_services
+
+            rec = await run_on_services(ctx, spec, sched, inputs, labels)
+        elif spec.loadgens > 1:
             from broker.distributed import run_dealt
 
             rec = await run_dealt(ctx, spec, sched, inputs, labels)

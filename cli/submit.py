@@ -86,6 +86,13 @@ def parser() -> argparse.ArgumentParser:
         help="open loops: load-generator processes sharing one schedule",
     )
     p.add_argument(
+        "--loadgen-hosts",
+        default=None,
+        metavar="ID,ID",
+        help="open loops: registered load-generator services (`mlscope loadgen --id ID`, "
+        "any host) the schedule is dealt to, instead of processes on the server's host",
+    )
+    p.add_argument(
         "--repetitions", type=int, default=None, help="cold-start: loads measured (default 5)"
     )
     p.add_argument(
@@ -182,6 +189,11 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         "latency_bound_ms": args.latency_bound_ms,
         "peak_trials": getattr(args, "peak_trials", None),
         "loadgens": args.loadgens,
+        "loadgen_hosts": (
+            tuple(h.strip() for h in args.loadgen_hosts.split(",") if h.strip())
+            if getattr(args, "loadgen_hosts", None)
+            else None
+        ),
         "min_duration_s": args.min_duration,
         "min_queries": args.min_queries,
         "max_issue_lag_us": args.max_issue_lag_us,
@@ -397,7 +409,10 @@ def format_summary(s: EvaluationSummary) -> str:
                 "  ".join(f"{k} {f(v.get('p50'))}" for k, v in s.latency_split_ms.items()),
             )
         )
-    if s.scenario.get("loadgens", 1) > 1:
+    if s.scenario.get("loadgen_hosts"):
+        hosts = ", ".join(s.scenario["loadgen_hosts"])
+        rows.append(("loadgens", f"services {hosts}, one schedule"))
+    elif s.scenario.get("loadgens", 1) > 1:
         rows.append(("loadgens", f"{s.scenario['loadgens']} processes, one schedule"))
     if s.scenario["name"] == "peak":
         rows.append(

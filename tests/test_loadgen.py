@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from broker import schedule
-from broker.distributed import ARRAYS, _merge
+from broker.distributed import ARRAYS, merge_results
 from broker.loadgen import RunRecord
 from broker.scenarios import (
     PEAK_PRECISION,
@@ -219,7 +219,7 @@ def test_merge_of_dealt_records_restores_global_order() -> None:
         rec = record(part.offsets_ns)
         rec.prediction[:] = part.index  # tag each query with its global index
         results.append((rec, {0: f"err {int(part.index[0])}"}))
-    merged = _merge(parts, results)
+    merged = merge_results(parts, results)
     assert merged.n == 101 and (merged.scheduled == whole.offsets_ns).all()
     assert (merged.prediction == np.arange(101)).all()
     assert merged.errors == {0: "err 0", 1: "err 1", 2: "err 2"}
