@@ -335,7 +335,7 @@ class Evaluator:
         if acc is not None:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
-        summary = summary.model_copy(update=memory_figures(released))
+        summary = summary.model_copy(update=memory_figures(released, summary.samples))
         spec_doc = _specification(job, agent, entry, prep)
         for run in separate:  # each run of a sweep or search, on its own
             await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
@@ -542,13 +542,17 @@ def _scored(
     return feeders if scored else (feeders[0], None)
 
 
-def memory_figures(released: dict[str, Any]) -> dict[str, float | None]:
-    """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes) from the agent's release
-    reply; None where the agent did not report them (an older agent, a lost one)."""
+def memory_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:
+    """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes), ``energy_j`` and
+    ``energy_per_inference_j`` from the agent's release reply; None where the agent did
+    not report them (no readable counter, an older agent, a lost one)."""
     start, peak, end = (released.get(f"rss_{k}_bytes") for k in ("start", "peak", "end"))
+    energy = released.get("energy_j")
     return {
         "peak_rss_mb": peak / 1e6 if peak is not None else None,
         "rss_growth_mb": (end - start) / 1e6 if start is not None and end is not None else None,
+        "energy_j": energy,
+        "energy_per_inference_j": energy / samples if energy is not None and samples else None,
     }
 
 

@@ -455,8 +455,12 @@ def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
     if s.peak_rss_mb is not None:
         growth = "-" if s.rss_growth_mb is None else f"{s.rss_growth_mb:+.1f} MB"
         rows.append(("memory", f"agent peak RSS {s.peak_rss_mb:.1f} MB, growth {growth}"))
-    energy = "not available (no power source was read)" if s.energy_j is None else None
-    rows.append(("energy", energy or f"{s.energy_j:.3f} J"))
+    if s.energy_j is None:
+        rows.append(("energy", "not available (no power source was read)"))
+        return rows
+    per = s.energy_per_inference_j
+    each = f" ({per * 1e3:.3f} mJ per inference)" if per is not None else ""
+    rows.append(("energy", f"{s.energy_j:.3f} J{each}"))
     return rows
 
 

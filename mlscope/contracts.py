@@ -499,7 +499,9 @@ class EvaluationSummary(_Message):
     """Its resident memory at release minus at prepare (MB): what the run kept."""
     energy_j: float | None = None
     """Energy the evaluation used, joules; None when no power source was readable
-    (never 0 for "unknown")."""
+    (never 0 for "unknown"). On a CPU it is the whole package's (RAPL)."""
+    energy_per_inference_j: float | None = None
+    """``energy_j`` over the run's samples (joules per inference); None with it."""
     started_at: float
     finished_at: float
 
@@ -602,6 +604,9 @@ class ReleaseReply(_Message):
     plus the kernel's high-water mark where it rose meanwhile)."""
     rss_end_bytes: int | None = None
     """Resident memory at its release."""
+    energy_j: float | None = None
+    """Energy of the agent's device between prepare and release (NVML on a GPU, RAPL
+    packages on the CPU); None when no counter was readable."""
 
 
 ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply
