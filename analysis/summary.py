@@ -91,7 +91,9 @@ def summary(source: Source, ids: Sequence[str] | None = None) -> pd.DataFrame:
     if ev.empty:
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
     q = queries(source, list(ev["evaluation_id"]))
-    by_id = dict(q.groupby("evaluation_id", sort=False))
+    # iter(): a GroupBy has a `keys` attribute (the grouping column), which dict() would
+    # take for a mapping's keys() method
+    by_id = dict(iter(q.groupby("evaluation_id", sort=False)))
     rows = []
     for e in ev.to_dict("records"):
         row = {k: e.get(k) for k in SUMMARY_COLUMNS}
