@@ -43,10 +43,10 @@ from broker.schedule import constant
 from broker.summary import figures
 from cli.demo import wait_for_agent
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import JobRequest, ScenarioSpec, TraceLevel
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 

@@ -36,9 +36,9 @@ from broker.loadgen import Driver, encode_query
 from broker.schedule import Schedule
 from cli.demo import wait_for_agent
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope.contracts import JobRequest, ScenarioSpec, TraceLevel
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 
 SINK = "bench.sink"

@@ -21,9 +21,9 @@ import numpy as np
 
 from cli.demo import wait_for_agent
 from cli.services import Stack
-from cli.submit import submit
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import JobRequest, ScenarioSpec
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.zoo.build import build
 

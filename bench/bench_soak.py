@@ -31,11 +31,11 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cli.submit import submit  # noqa: E402
 from mlscope import bus as busmod  # noqa: E402
 from mlscope import names  # noqa: E402
 from mlscope.contracts import JobRequest, ScenarioSpec  # noqa: E402
 from mlscope.errors import MLScopeError  # noqa: E402
+from mlscope.jobs import submit  # noqa: E402
 from mlscope.natsserver import NatsServer  # noqa: E402
 from mlscope.settings import Settings  # noqa: E402
 

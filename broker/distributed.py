@@ -30,12 +30,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import numpy as np
 
 from broker import schedule
+from broker.context import Context
 from broker.loadgen import ARRAYS, Driver, RunRecord, encode_query
 from broker.schedule import Schedule
 from mlscope import bus as busmod
@@ -43,9 +44,6 @@ from mlscope import codec
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
 from mlscope.settings import Settings
-
-if TYPE_CHECKING:
-    from broker.scenarios import Context
 
 __all__ = ["ARRAYS", "main", "run_dealt"]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import subprocess
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -25,9 +24,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-import mlscope
 from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
+from broker.evalspec import dataset, specification
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
 from mlscope import codec, names
@@ -183,7 +182,7 @@ class Evaluator:
         eval_id = evaluation_id_for(job.job_id)
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
-        data = _dataset(entry, self.zoo_dir)
+        data = dataset(entry, self.zoo_dir)
         check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
         prepare = PrepareOp(
             evaluation_id=eval_id,
@@ -307,14 +306,20 @@ class Evaluator:
         if acc is not None:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
-        spec_doc = _specification(job, agent, entry, prep)
+        spec_doc = specification(job, agent, entry, prep)
         for run in separate:  # each run of a sweep or search, on its own
-            await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
+            await anyio.to_thread.run_sync(
+                self.store_evaluation, summarize(run), run.record, spec_doc
+            )
         # The parent's t0 is its first run's: the runs' spans are stored under its id.
         t0 = separate[0].record.t0_ns if separate else main.record.t0_ns
         await anyio.to_thread.run_sync(
             functools.partial(
-                self._store, summary, None if separate else main.record, spec_doc, t0_ns=t0
+                self.store_evaluation,
+                summary,
+                None if separate else main.record,
+                spec_doc,
+                t0_ns=t0,
             )
         )
         if acc is not None:
@@ -369,7 +374,7 @@ class Evaluator:
             return f"agent {agent_id} lost after {answered} of {rec.n} queries"
         return ""
 
-    def _store(
+    def store_evaluation(
         self,
         s: EvaluationSummary,
         rec: RunRecord | None,
@@ -463,14 +468,6 @@ def check_query_size(
     )
 
 
-def _dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    path = entry.dataset(zoo_dir)
-    if path is None:
-        return None
-    with np.load(path) as npz:
-        return npz["x"], npz["y"]
-
-
 def _feeders(
     data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int, seed: int
 ) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
@@ -498,34 +495,3 @@ def _scored(
     top-1 would be a meaningless number (it shows none)."""
     scored = m.dataset is not None and m.dataset.metric in ("top1", "top5")
     return feeders if scored else (feeders[0], None)
-
-
-def _specification(
-    job: JobRequest, agent: AgentDescription, entry: Entry, prep: dict[str, Any]
-) -> dict[str, Any]:
-    """Everything needed to run this evaluation again (stored with its results)."""
-    return {
-        "job": job.dump(),
-        "manifest": entry.manifest.model_dump(mode="json"),
-        "manifest_sha256": entry.manifest.digest,
-        "manifest_file": str(entry.path),
-        "artifact_sha256": prep.get("sha256"),
-        "agent": agent.dump(),
-        "mlscope_version": mlscope.__version__,
-        "git_commit": _git_commit(),
-    }
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=5,
-            check=False,
-        )
-    except OSError:
-        return ""
-    return out.stdout.strip()

@@ -28,7 +28,6 @@ parent summary's ``points``; the parent's own figures are those of the best run.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,11 @@ from typing import Any
 import numpy as np
 
 from broker import coldstart, schedule
+from broker.context import Context
 from broker.loadgen import CLOSED_LOOPS, Driver, RunRecord
 from broker.schedule import Schedule
 from broker.summary import Figures, figures, judge, latency_split
-from mlscope.bus import Bus
-from mlscope.contracts import ScenarioSpec, TraceLevel
+from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.manifest import ScenarioFile, load_manifest
 from mlscope.validity import ValidityPolicy, Verdict, early_stopping_queries_needed
@@ -62,28 +61,6 @@ __all__ = [
 PEAK_PRECISION = 0.05
 """A peak search stops when the failing rate is within 5% of the passing one."""
 POISSON = frozenset({"online", "piecewise", "peak"})
-Feeders = Callable[[int], tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]]
-"""``feeders(batch_size)`` -> (inputs(i), labels(i) or None) for queries of that size."""
-
-
-@dataclass
-class Context:
-    """What a scenario needs to drive one prepared agent."""
-
-    bus: Bus
-    evaluation_id: str
-    """The id the agent was prepared for (every query carries it)."""
-    subject: str
-    trace_level: TraceLevel
-    offset_ns: int
-    feeders: Feeders
-    policy: ValidityPolicy
-    on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None
-    nats_url: str | None = None
-    """For load-generator processes (distributed load)."""
-    agent_id: str = ""
-    prepare: dict[str, Any] = field(default_factory=dict)
-    """The agent and its prepare request (cold-start prepares again, with reload)."""
 
 
 @dataclass

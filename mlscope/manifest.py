@@ -67,7 +67,7 @@ class _Strict(BaseModel):
 
 
 Step = dict[str, Any]
-"""One processing step: ``{operator_name: {options}}`` (see agent.operators)."""
+"""One processing step: ``{operator_name: {options}}`` (see mlscope.operators)."""
 
 
 def _known_framework(v: str) -> str:

@@ -17,11 +17,12 @@ import pytest
 
 from broker import coldstart
 from broker.compare import Outputs, compare, compare_evaluations
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import EvaluationError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.zoo.build import build
 from tests.conftest import child_env, python, running_stack

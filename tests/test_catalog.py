@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from agent.operators import compile_steps
 from cli import models_cmd
 from mlscope.bus import connect
 from mlscope.catalog import Catalog
@@ -24,6 +23,7 @@ from mlscope.model_registry import (
     publish_manifests,
 )
 from mlscope.natsserver import NatsServer
+from mlscope.operators import compile_steps
 from mlscope.settings import Settings
 from tests.zoo_fixtures import MANIFESTS
 

@@ -22,11 +22,11 @@ import msgpack
 import pytest
 
 from cli.doctor_cmd import diagnose
-from cli.submit import _stored_result, submit
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec, new_id
 from mlscope.errors import ConfigError, MLScopeError, error_from_wire
+from mlscope.jobs import stored_result, submit
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server
 
@@ -142,7 +142,7 @@ def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
 
     async def stored() -> EvaluationSummary | None:  # what a submitter that missed "done" reads
         async with busmod.connect(settings, name="hostile") as bus:
-            return await _stored_result(bus, normal.job_id)
+            return await stored_result(bus, normal.job_id)
 
     assert anyio.run(stored, backend="asyncio") == summary
     # The poison is visible to the operator, with its error.

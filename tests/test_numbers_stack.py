@@ -24,11 +24,11 @@ from broker.loadgen import Driver
 from broker.schedule import constant
 from broker.summary import figures
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import child_env, python

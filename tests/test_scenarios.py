@@ -21,11 +21,11 @@ import pytest
 from broker import schedule
 from broker.scenarios import build_schedule, next_rate, peak_floor_qps
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError, ConfigError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.stats import percentile
 from mlscope.validity import ValidityPolicy

@@ -11,13 +11,13 @@ import time
 import anyio
 import pytest
 
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.buildlock import BuildLock
 from mlscope.bus import AGENT_TTL_S
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import ResolutionError, UnknownModelError
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import yaml
 
-from agent.operators import compile_steps
 from mlscope.buildlock import BuildLock
 from mlscope.catalog import Catalog, Entry
 from mlscope.manifest import Behaviour, Probe
+from mlscope.operators import compile_steps
 from mlscope.zoo import specs
 from mlscope.zoo.build import BUILDERS, build, check_behaviour
 from tests.zoo_fixtures import MANIFESTS, built, zoo_dir
