@@ -10,6 +10,7 @@ duplicates.
 
 from __future__ import annotations
 
+from mlscope import schema
 from mlscope.database import Client
 
 __all__ = [
@@ -22,6 +23,10 @@ __all__ = [
     "Database",
 ]
 
+# The migrations are history: each is what it was when it was written, because databases
+# exist that ran it. Applied in order on a fresh database they build exactly the tables
+# of mlscope/schema.py (tests/test_db.py checks); the next change is a new migration,
+# written from the schema (schema.QUERIES.add_column("..."), schema.X.create()).
 MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (
         1,
@@ -107,82 +112,12 @@ RETAINED = (
     ("agent_history", "toDateTime(at)"),
 )
 
-SPAN_COLUMNS = (
-    "evaluation_id",
-    "agent_id",
-    "span_id",
-    "parent_id",
-    "query_index",
-    "level",
-    "kind",
-    "name",
-    "start_ns",
-    "end_ns",
-    "host",
-    "attrs",
-    "batch_id",
-)
-QUERY_COLUMNS = (
-    "evaluation_id",
-    "query_index",
-    "batch_size",
-    "scheduled_ns",
-    "issued_ns",
-    "completed_ns",
-    "agent_received_ns",
-    "predict_start_ns",
-    "predict_end_ns",
-    "agent_replied_ns",
-    "ok",
-    "error",
-    "label",
-    "prediction",
-    "outcome",
-    "warmup",
-    "paced_ns",
-)
-SAMPLE_COLUMNS = (
-    "evaluation_id",
-    "agent_id",
-    "host",
-    "ts_ns",
-    "metric",
-    "device",
-    "value",
-    "batch_id",
-)
-AGENT_HISTORY_COLUMNS = (
-    "agent_id",
-    "revision",
-    "at",
-    "event",
-    "host",
-    "pid",
-    "frameworks",
-    "models",
-    "description",
-)
-EVALUATION_COLUMNS = (
-    "evaluation_id",
-    "job_id",
-    "rerun_of",
-    "created_at",
-    "model",
-    "model_version",
-    "framework",
-    "framework_version",
-    "agent_id",
-    "host",
-    "device",
-    "scenario",
-    "trace_level",
-    "status",
-    "valid",
-    "t0_ns",
-    "clock_offset_ns",
-    "spec",
-    "summary",
-)
+# What writers insert, derived from the one definition (mlscope/schema.py).
+SPAN_COLUMNS = schema.SPANS.names
+QUERY_COLUMNS = schema.QUERIES.names
+SAMPLE_COLUMNS = schema.SYSTEM_SAMPLES.names
+AGENT_HISTORY_COLUMNS = schema.AGENT_HISTORY.names
+EVALUATION_COLUMNS = schema.EVALUATIONS.names
 
 
 class Database(Client):

@@ -34,7 +34,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from broker import loadgen
 from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
-from mlscope import codec, names
+from mlscope import codec, names, schema
 from mlscope.bus import Bus
 from mlscope.contracts import SampleBatch, SpanBatch
 from mlscope.errors import MLScopeError, WireError
@@ -42,18 +42,8 @@ from mlscope.serving import Boundary, delivered
 
 __all__ = ["Ingester"]
 
-_SPAN_FIELDS = (
-    "span_id",
-    "parent_id",
-    "query_index",
-    "level",
-    "kind",
-    "name",
-    "start_ns",
-    "end_ns",
-    "attrs",
-)
-_SAMPLE_FIELDS = ("ts_ns", "metric", "device", "value")
+_SPAN_FIELDS = tuple(c.name for c in schema.SPAN_FIELDS)
+_SAMPLE_FIELDS = tuple(c.name for c in schema.SAMPLE_FIELDS)
 FETCH_BYTES = 16 * 1024 * 1024
 """Bytes asked for per fetch: well under nats-py's 256 MiB pending limit per subscription."""
 _Decoded = tuple[
@@ -69,23 +59,16 @@ _I64 = Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)]
 _U8 = Annotated[int, Field(strict=True, ge=0, lt=256)]
 _STR = Annotated[str, Field(strict=True)]
 _F64 = Annotated[float, Field(allow_inf_nan=True)]
+_LIST_OF: dict[str, TypeAdapter[Any]] = {
+    "UInt64": TypeAdapter(list[_U64]),
+    "Int64": TypeAdapter(list[_I64]),
+    "UInt8": TypeAdapter(list[_U8]),
+    "String": TypeAdapter(list[_STR]),
+    "Float64": TypeAdapter(list[_F64]),
+}
+"""A column of each ClickHouse type, as the Python values that insert into it."""
 _COLUMN_TYPES: dict[str, TypeAdapter[Any]] = {
-    name: TypeAdapter(list[t])  # type: ignore[valid-type]
-    for name, t in (
-        ("span_id", _U64),
-        ("parent_id", _U64),
-        ("query_index", _I64),
-        ("level", _U8),
-        ("kind", _STR),
-        ("name", _STR),
-        ("start_ns", _I64),
-        ("end_ns", _I64),
-        ("attrs", _STR),
-        ("ts_ns", _I64),
-        ("metric", _STR),
-        ("device", _STR),
-        ("value", _F64),
-    )
+    c.name: _LIST_OF[c.base_type] for c in (*schema.SPAN_FIELDS, *schema.SAMPLE_FIELDS)
 }
 """Each column's type as its table stores it: a value that would fail the insert is
 refused at decoding, so it never takes a whole fetch down with it."""

@@ -41,7 +41,7 @@ from broker.db import Database
 from broker.evalspec import dataset, specification
 from broker.loadgen import RunRecord, estimate_offset
 from broker.mlperf_sut import ERROR, TIMING
-from mlscope import codec, names
+from mlscope import codec, names, schema
 from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
 from mlscope.contracts import (
@@ -82,12 +82,10 @@ class Host(Protocol):
 
 
 ACCURACY_FILE = "accuracy.txt"
-LOG_COLUMNS = ("evaluation_id", "name", "part", "text")
+LOG_COLUMNS = schema.MLPERF_LOGS.names
 LOG_PART_CHARS = 256_000
 """Log files are stored in parts this long, so each read fits one bus message."""
-LOGS_TABLE = """CREATE TABLE IF NOT EXISTS mlperf_logs (
-    evaluation_id String, name String, part UInt32, text String
-) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, name, part)"""
+LOGS_TABLE = schema.MLPERF_LOGS.create()
 PREPARE_TIMEOUT_S = 300.0
 
 

@@ -601,10 +601,10 @@ class _ColumnBatch(_Message):
 class SpanBatch(_ColumnBatch):
     """Many spans in one message, column by column (one list per field, same length).
 
-    Columns: span_id, parent_id, query_index, level, kind, name, start_ns, end_ns,
-    attrs (JSON text). Times are the agent's monotonic clock in ns and are stored so;
-    readers put them on the load generator's clock with the evaluation's stored
-    ``clock_offset_ns`` (``mlscope trace`` does).
+    Columns: :data:`mlscope.schema.SPAN_FIELDS` (span_id, parent_id, query_index, level,
+    kind, name, start_ns, end_ns, attrs as JSON text). Times are the agent's monotonic
+    clock in ns and are stored so; readers put them on the load generator's clock with
+    the evaluation's stored ``clock_offset_ns`` (``mlscope trace`` does).
     """
 
     kind: Literal["spans"] = "spans"
@@ -613,7 +613,8 @@ class SpanBatch(_ColumnBatch):
 class SampleBatch(_ColumnBatch):
     """System samples of one evaluation, column by column (trace level ``system``+).
 
-    Columns: ts_ns (agent monotonic clock, like spans), metric (``cpu.util``,
+    Columns: :data:`mlscope.schema.SAMPLE_FIELDS`: ts_ns (agent monotonic clock, like
+    spans), metric (``cpu.util``,
     ``proc.rss_bytes``, ``gpu.power_w``, ``perf.cycles`` ...), device (``all``,
     ``cpu3``, ``proc``, ``gpu0``), value (float). Published on the same stream as
     spans; the ingester stores them in ``system_samples``.
