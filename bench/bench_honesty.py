@@ -41,6 +41,7 @@ from bench.bench_pipeline import BareProcess
 from broker.loadgen import Driver
 from broker.schedule import constant
 from broker.summary import figures
+from broker.tuning import ProcessTuning
 from cli.demo import wait_for_agent
 from cli.services import Stack
 from mlscope import bus as busmod
@@ -192,6 +193,7 @@ async def _drive(settings: Settings, qps: float, seconds: float) -> Any:
             labels=None,
             trace_level=TraceLevel.NONE,
             schedule=sched,
+            tuning=ProcessTuning(),
         )
         return await driver.run(), agent.host
 

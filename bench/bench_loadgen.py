@@ -34,6 +34,7 @@ import numpy as np
 import broker.loadgen as loadgen
 from broker.loadgen import Driver, encode_query
 from broker.schedule import Schedule
+from broker.tuning import ProcessTuning
 from cli.demo import wait_for_agent
 from cli.services import Stack
 from mlscope import bus as busmod
@@ -59,6 +60,7 @@ async def issue_rate(settings: Settings, n: int) -> tuple[float, float]:
             labels=None,
             trace_level=TraceLevel.NONE,
             schedule=Schedule(np.zeros(n, np.int64)),
+            tuning=ProcessTuning(),
         )
         publish = bus.nc.publish
         done_at: list[int] = []

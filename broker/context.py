@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from broker.loadgen import RunRecord
+from broker.tuning import ProcessTuning
 from mlscope.bus import Bus
 from mlscope.contracts import TraceLevel
 from mlscope.validity import ValidityPolicy
@@ -32,6 +33,8 @@ class Context:
     offset_ns: int
     feeders: Feeders
     policy: ValidityPolicy
+    tuning: ProcessTuning
+    """The process's one owner of GC, switch interval and priority (jobs run at once)."""
     on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None
     nats_url: str | None = None
     """For load-generator processes (distributed load)."""

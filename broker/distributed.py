@@ -39,6 +39,7 @@ from broker import schedule
 from broker.context import Context
 from broker.loadgen import ARRAYS, Driver, RunRecord, encode_query
 from broker.schedule import Schedule
+from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.contracts import ScenarioSpec, TraceLevel
@@ -256,6 +257,7 @@ async def _child(cfg: dict[str, Any]) -> None:
             start_ns=start_ns,
             payloads=payloads,
             on_progress=_print_progress,
+            tuning=ProcessTuning(),  # this process runs one slice
         )
         rec = await driver.run()
     errs = sorted(rec.errors.items())

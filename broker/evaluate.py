@@ -29,6 +29,7 @@ from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.evalspec import dataset, specification
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
+from broker.tuning import ProcessTuning
 from mlscope import codec, names
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
@@ -155,6 +156,8 @@ class Evaluator:
     bus: Bus
     db: Database
     zoo_dir: Path
+    tuning: ProcessTuning
+    """The server's one owner of GC, switch interval and priority during runs."""
     policy: ValidityPolicy = field(default_factory=ValidityPolicy)
 
     host_lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -208,6 +211,7 @@ class Evaluator:
             offset_ns=offset,
             feeders=lambda b: _scored(_feeders(data, shape, b, spec.seed), m),
             policy=self.policy,
+            tuning=self.tuning,
             on_progress=lambda rec, el: progress(eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
             agent_id=agent.agent_id,

@@ -32,8 +32,8 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import Field, TypeAdapter, ValidationError
 
-from broker import loadgen
 from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
+from broker.tuning import ProcessTuning
 from mlscope import codec, names, schema
 from mlscope.bus import Bus
 from mlscope.contracts import SampleBatch, SpanBatch
@@ -89,11 +89,14 @@ class Ingester:
         ack_wait_s: float = 30.0,
         boundary: Boundary | None = None,
         trim_s: float = 10.0,
+        tuning: ProcessTuning | None = None,
     ) -> None:
         self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
         self.boundary = boundary or Boundary(bus, service="ingester", logger=log)
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
         self.trim_s = trim_s
+        self.tuning = tuning
+        """Whose loads the ingester waits out (None: it never waits)."""
         self.trimmed_below = 0
         """Stream sequence below which the traces stream has been purged."""
         self.ingested = 0
@@ -125,7 +128,8 @@ class Ingester:
             try:
                 avg = float(1 << 20)  # bytes per message, running estimate (start: max)
                 while True:
-                    await loadgen.wait_idle()  # during a load run spans wait in the stream
+                    if self.tuning is not None:  # during a load spans wait in the stream
+                        await self.tuning.wait_idle()
                     # Messages of one fetch land in the client's pending buffer at once;
                     # past its byte limit nats-py drops them (slow consumer) and they
                     # come back only after ack_wait. So a fetch asks for FETCH_BYTES.

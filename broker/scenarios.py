@@ -155,6 +155,7 @@ async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
             trace_level=ctx.trace_level,
             offset_ns=ctx.offset_ns,
             on_progress=ctx.on_progress,
+            tuning=ctx.tuning,
         )
         rec = await driver.run()
         done = rec.completed[rec.completed > 0]
@@ -176,6 +177,7 @@ async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
                 trace_level=ctx.trace_level,
                 offset_ns=ctx.offset_ns,
                 on_progress=ctx.on_progress,
+                tuning=ctx.tuning,
                 schedule=sched,
             )
             rec = await driver.run()
@@ -223,6 +225,7 @@ async def _cold_start(ctx: Context, spec: ScenarioSpec) -> Outcome:
             trace_level=ctx.trace_level,
             offset_ns=ctx.offset_ns,
             on_progress=ctx.on_progress,
+            tuning=ctx.tuning,
         ).run()
 
     rec, cold = await coldstart.run(ctx.bus, ctx.agent_id, ctx.prepare, spec, drive)

@@ -23,6 +23,7 @@ from analysis.summary import summary
 from broker.loadgen import Driver
 from broker.schedule import constant
 from broker.summary import figures
+from broker.tuning import ProcessTuning
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
@@ -207,6 +208,7 @@ def test_issue_lag_shows_a_blocked_event_loop(noop_stack: Stack) -> None:
                 labels=None,
                 trace_level=TraceLevel.NONE,
                 schedule=constant(200, duration_s=1.5),
+                tuning=ProcessTuning(),
             )
             asyncio.get_running_loop().call_later(0.6, time.sleep, block_s)
             return await driver.run()
