@@ -180,5 +180,5 @@ async def wait_server(settings: Settings, timeout: float = 60.0) -> None:
     raise TimeoutError(f"no server answered within {timeout}s")
 
 
-# Analysis, report and dashboard fixtures (issue 7): one stack with real runs per session.
+# Analysis, report and dashboard fixtures: one stack with real runs per test session.
 from tests.analysis_fixtures import analysis_runs, span_db  # noqa: E402, F401
