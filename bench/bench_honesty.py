@@ -73,19 +73,18 @@ def compute_vs_bare(zoo: Path, seconds: float, rounds: int = 3) -> None:
             for _ in range(rounds):  # alternated, so both see the same background load
                 bare_ms = 1e3 / bare.rate(seconds / rounds)
                 summ = anyio.run(
-                    lambda fw=fw: submit(
-                        live,
-                        JobRequest(
-                            model=MODEL,
-                            framework=fw,
-                            trace_level="none",
-                            scenario=ScenarioSpec(
-                                name="single-stream", duration_s=seconds / rounds, min_duration_s=0
-                            ),
+                    submit,
+                    live,
+                    JobRequest(
+                        model=MODEL,
+                        framework=fw,
+                        trace_level="none",
+                        scenario=ScenarioSpec(
+                            name="single-stream", duration_s=seconds / rounds, min_duration_s=0
                         ),
-                    )
+                    ),
                 )
-                comp = (summ.latency_split_ms or {})["compute"]["mean"]
+                comp = (summ.latency_split_ms or {})["compute"]["mean"] or float("nan")
                 ratios.append(comp / bare_ms)
                 pairs.append(f"{comp:.3f}/{bare_ms:.3f}")
             bare.close()

@@ -69,7 +69,7 @@ async def wait_ready(settings: Settings, timeout: float = 60.0) -> None:
 
 
 def rss_mb(pid: int) -> float:
-    return psutil.Process(pid).memory_info().rss / 1e6
+    return float(psutil.Process(pid).memory_info().rss) / 1e6
 
 
 def one_run(settings: Settings, args: argparse.Namespace, k: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -59,8 +60,8 @@ def evaluate(settings: Settings, model: str, samples: int | None = None) -> list
     return anyio.run(go, backend="asyncio")
 
 
-def comparison(settings: Settings, summaries: list[EvaluationSummary]) -> dict:
-    async def go() -> dict:
+def comparison(settings: Settings, summaries: list[EvaluationSummary]) -> dict[str, Any]:
+    async def go() -> dict[str, Any]:
         async with busmod.connect(settings, name="test") as bus:
             c = await compare_evaluations(
                 bus, [(s.framework["name"], s.evaluation_id, s.accuracy) for s in summaries]

@@ -16,6 +16,7 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgpack
@@ -187,7 +188,9 @@ async def _requests(bus: busmod.Bus) -> None:
 async def _buckets(bus: busmod.Bus, sock: Path) -> None:
     agents = await bus.kv(names.AGENTS_BUCKET)
     desc = await bus.kv(names.AGENTS_BUCKET)
-    live = codec.decode((await desc.get(AGENT)).value)
+    entry = await desc.get(AGENT)
+    assert entry.value is not None
+    live = codec.decode(entry.value)
     for key, changes in (
         ("neg-pid", {"pid": -1}),
         ("future", {"heartbeat_at": 1e20}),
@@ -237,19 +240,22 @@ def _socket_manifest(sock: Path) -> bytes:
 
 
 async def _streams(bus: busmod.Bus, refusals: dict[str, JobEvent]) -> None:
+    columns: dict[str, list[Any]] = {
+        c: [1] for c in ("parent_id", "query_index", "level", "start_ns", "end_ns")
+    }
+    columns.update(span_id=["abc"], kind=["k"], name=["n"], attrs=[""])
     span = {
         "kind": "spans",
         "evaluation_id": "ev-poison",
         "agent_id": "a",
         "host": "h",
         "batch_id": "b1",
-        "columns": {c: [1] for c in ("parent_id", "query_index", "level", "start_ns", "end_ns")},
+        "columns": columns,
     }
-    span["columns"].update(span_id=["abc"], kind=["k"], name=["n"], attrs=[""])
     for payload in [codec.encode(span), *bad_payloads()[:12], nested_msgpack(100_000)]:
         await bus.js.publish(names.traces("ev-poison"), payload)
     good = JobRequest(model="noop", framework="noop").dump()
-    jobs = {
+    jobs: dict[str, dict[str, Any]] = {
         "constraint": {"framework_version": ">>>1"},
         "level": {"trace_level": "bogus"},
         "batch0": {"scenario": {"name": "batched", "batch_sizes": [0]}},

@@ -69,7 +69,7 @@ def import_graph(sources: Mapping[str, tuple[bool, str]]) -> dict[str, set[str]]
 
     graph: dict[str, set[str]] = {}
     for module, (is_package, source) in sources.items():
-        targets = set()
+        targets: set[str] = set()
         for base, names in imported_names(module, is_package, source):
             subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in sources]
             targets.update(subs if len(subs) == len(names) and names else [nearest(base)])
@@ -80,7 +80,7 @@ def import_graph(sources: Mapping[str, tuple[bool, str]]) -> dict[str, set[str]]
 
 def violations(graph: Mapping[str, Iterable[str]]) -> list[str]:
     """Each import that breaks the package rule, as ``a.b -> c.d``."""
-    out = []
+    out: list[str] = []
     for module, targets in sorted(graph.items()):
         top = module.split(".")[0]
         allowed = ALLOWED.get(top, frozenset(PACKAGES))
