@@ -42,7 +42,6 @@ from mlscope.stats import percentile
 
 __all__ = [
     "ARRAYS",
-    "CLOSED_LOOPS",
     "TIME_ARRAYS",
     "Driver",
     "RunRecord",
@@ -58,7 +57,6 @@ LOOP_REALTIME_MAX_QPS = 5_000.0
 """Above this mean rate the event-loop thread keeps its normal priority: it is busy
 most of the time there, and a busy real-time thread would take a core from the agent
 and nats-server (the system under test)."""
-CLOSED_LOOPS = frozenset({"single-stream", "concurrency", "batched"})
 
 
 async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[int, int]:
@@ -211,10 +209,8 @@ class Driver:
             tg.start_soon(self._progress)
             if self.schedule is not None:
                 rec = await self._open_loop(self.schedule)
-            elif self.spec.name in CLOSED_LOOPS:
+            else:  # the scenario decided (broker.scenario.Scenario.closed_loop)
                 rec = await self._closed_loop()
-            else:
-                raise EvaluationError(f"scenario {self.spec.name!r} needs a schedule")
             tg.cancel_scope.cancel()
         return rec
 

@@ -55,6 +55,7 @@ __all__ = [
     "ReleaseOp",
     "ReleaseReply",
     "SampleBatch",
+    "ScenarioName",
     "ScenarioSpec",
     "SpanBatch",
     "SqlReply",
@@ -199,22 +200,26 @@ class AgentDescription(_Message):
 # --------------------------------------------------------------------------- jobs
 
 
+ScenarioName = Literal[
+    "online",
+    "single-stream",
+    "multi-stream",
+    "batched",
+    "concurrency",
+    "constant",
+    "replay",
+    "piecewise",
+    "peak",
+    "cold-start",
+]
+"""Every scenario a job may ask for; each has its strategy in ``broker.scenario_kinds``."""
+
+
 class ScenarioSpec(BaseModel):
     """How load is generated; latency always counts from each query's scheduled time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: Literal[
-        "online",
-        "single-stream",
-        "multi-stream",
-        "batched",
-        "concurrency",
-        "constant",
-        "replay",
-        "piecewise",
-        "peak",
-        "cold-start",
-    ] = "online"
+    name: ScenarioName = "online"
     """online: Poisson; constant: fixed interval; replay: ``arrivals_s``; piecewise:
     ``segments``; multi-stream: ``batch_size`` samples every ``1/qps`` s; single-stream
     and concurrency: closed loop with 1 / ``concurrency`` outstanding; batched: a sweep

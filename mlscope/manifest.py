@@ -29,6 +29,7 @@ from pydantic import (
 
 from mlscope.artifacts import check_relative
 from mlscope.bounded import load_yaml_bounded
+from mlscope.contracts import ScenarioName
 from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
@@ -428,20 +429,6 @@ class SystemManifest(SystemRequirements):
 
     kind: Literal["system"] = "system"
     name: str
-
-
-ScenarioName = Literal[
-    "online",
-    "single-stream",
-    "multi-stream",
-    "batched",
-    "concurrency",
-    "constant",
-    "replay",
-    "piecewise",
-    "peak",
-    "cold-start",
-]
 
 
 class ScenarioFile(_Strict):
