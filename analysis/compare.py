@@ -42,7 +42,7 @@ from analysis.data import evaluations, queries
 from analysis.figures import measured_runs, prefer_valid
 from analysis.source import Source
 from mlscope.errors import ConfigError
-from mlscope.stats import percentile, student_t_quantile
+from mlscope.stats import nearest_rank, percentile, student_t_quantile
 
 __all__ = [
     "COMPARED_FIELDS",
@@ -82,10 +82,8 @@ def resampled_percentile(samples: np.ndarray, q: float, idx: np.ndarray) -> np.n
     ``idx`` is (replicates, n) indices into ``samples``; row r's result equals
     ``mlscope.stats.percentile(samples[idx[r]], q)`` (tested), vectorized.
     """
-    n = idx.shape[1]
-    k = min(max(math.ceil(q / 100.0 * n), 1), n)
     rows = np.sort(samples[idx], axis=1)
-    return rows[:, k - 1]
+    return rows[:, nearest_rank(idx.shape[1], q) - 1]
 
 
 def bootstrap_difference(

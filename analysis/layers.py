@@ -1,6 +1,6 @@
 """Layer analysis (paper Table 3): where the time of one evaluation goes.
 
-Span convention (the tracing engineer's, issue 6): ``kind="layer"`` for a graph node
+Span convention (docs/ARCHITECTURE.md, "Tracing"): ``kind="layer"`` for a graph node
 or op (parent: the predict span), ``kind="kernel"`` for a device kernel (parent: its
 layer span), ``name`` the node name, ``attrs`` JSON with ``op_type``, ``shape`` and
 ``device``. Where a framework reports ops but no layers (``kind="op"`` only), the ops

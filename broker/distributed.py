@@ -30,22 +30,21 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 import anyio
 import numpy as np
 
 from broker import schedule
+from broker.context import Context
 from broker.loadgen import ARRAYS, Driver, RunRecord, encode_query
 from broker.schedule import Schedule
+from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
 from mlscope.settings import Settings
-
-if TYPE_CHECKING:
-    from broker.scenarios import Context
 
 __all__ = ["ARRAYS", "load_result", "main", "merge_results", "run_dealt", "save_result"]
 
@@ -263,6 +262,7 @@ async def _child(cfg: dict[str, Any]) -> None:
             start_ns=start_ns,
             payloads=payloads,
             on_progress=_print_progress,
+            tuning=ProcessTuning(),  # this process runs one slice
         )
         rec = await driver.run()
     save_result(rec, f"{base}-result.npz")

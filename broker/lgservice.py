@@ -33,6 +33,7 @@ from broker.distributed import save_result
 from broker.loadgen import Driver, RunRecord
 from broker.multihost import unpack_slice, work_bucket
 from broker.schedule import Schedule
+from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.bus import Bus
@@ -78,6 +79,8 @@ class LoadgenService:
     settings: Settings
     loadgen_id: str = field(default_factory=default_id)
     heartbeat_s: float = busmod.HEARTBEAT_S
+    tuning: ProcessTuning = field(default_factory=ProcessTuning)
+    """This process's GC / switch-interval / priority owner, shared by the slices it runs."""
     _loaded: dict[str, _Loaded] = field(default_factory=dict)
     _connected: Bus | None = None
 
@@ -178,6 +181,7 @@ class LoadgenService:
             start_ns=op.start_ns,
             payloads=loaded.payloads,
             on_progress=progress,
+            tuning=self.tuning,
         ).run()
         out = io.BytesIO()
         save_result(rec, out)

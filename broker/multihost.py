@@ -62,7 +62,7 @@ from mlscope.errors import BusError, ConfigError, EvaluationError, ResolutionErr
 from mlscope.loadgens import list_loadgens
 
 if TYPE_CHECKING:
-    from broker.scenarios import Context
+    from broker.context import Context
 
 __all__ = ["pack_slice", "run_on_services", "unpack_slice", "work_bucket"]
 

@@ -19,11 +19,12 @@ from typing import Any
 
 import anyio
 
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, SystemRequirement, new_id
 from mlscope.errors import EvaluationError
+from mlscope.jobs import submit
 from mlscope.manifest import manifest_digest
 from mlscope.settings import Settings
 

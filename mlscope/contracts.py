@@ -73,6 +73,7 @@ __all__ = [
     "ReleaseOp",
     "ReleaseReply",
     "SampleBatch",
+    "ScenarioName",
     "ScenarioSpec",
     "SpanBatch",
     "SqlReply",
@@ -225,22 +226,26 @@ class AgentDescription(_Message):
 # --------------------------------------------------------------------------- jobs
 
 
+ScenarioName = Literal[
+    "online",
+    "single-stream",
+    "multi-stream",
+    "batched",
+    "concurrency",
+    "constant",
+    "replay",
+    "piecewise",
+    "peak",
+    "cold-start",
+]
+"""Every scenario a job may ask for; each has its strategy in ``broker.scenario_kinds``."""
+
+
 class ScenarioSpec(BaseModel):
     """How load is generated; latency always counts from each query's scheduled time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: Literal[
-        "online",
-        "single-stream",
-        "multi-stream",
-        "batched",
-        "concurrency",
-        "constant",
-        "replay",
-        "piecewise",
-        "peak",
-        "cold-start",
-    ] = "online"
+    name: ScenarioName = "online"
     """online: Poisson; constant: fixed interval; replay: ``arrivals_s``; piecewise:
     ``segments``; multi-stream: ``batch_size`` samples every ``1/qps`` s; single-stream
     and concurrency: closed loop with 1 / ``concurrency`` outstanding; batched: a sweep
@@ -726,10 +731,10 @@ class _ColumnBatch(_Message):
 class SpanBatch(_ColumnBatch):
     """Many spans in one message, column by column (one list per field, same length).
 
-    Columns: span_id, parent_id, query_index, level, kind, name, start_ns, end_ns,
-    attrs (JSON text). Times are the agent's monotonic clock in ns and are stored so;
-    readers put them on the load generator's clock with the evaluation's stored
-    ``clock_offset_ns`` (``mlscope trace`` does).
+    Columns: :data:`mlscope.schema.SPAN_FIELDS` (span_id, parent_id, query_index, level,
+    kind, name, start_ns, end_ns, attrs as JSON text). Times are the agent's monotonic
+    clock in ns and are stored so; readers put them on the load generator's clock with
+    the evaluation's stored ``clock_offset_ns`` (``mlscope trace`` does).
     """
 
     kind: Literal["spans"] = "spans"
@@ -738,7 +743,8 @@ class SpanBatch(_ColumnBatch):
 class SampleBatch(_ColumnBatch):
     """System samples of one evaluation, column by column (trace level ``system``+).
 
-    Columns: ts_ns (agent monotonic clock, like spans), metric (``cpu.util``,
+    Columns: :data:`mlscope.schema.SAMPLE_FIELDS`: ts_ns (agent monotonic clock, like
+    spans), metric (``cpu.util``,
     ``proc.rss_bytes``, ``gpu.power_w``, ``perf.cycles`` ...), device (``all``,
     ``cpu3``, ``proc``, ``gpu0``), value (float). Published on the same stream as
     spans; the ingester stores them in ``system_samples``.

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from broker import schedule
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import (
@@ -25,6 +24,7 @@ from mlscope.contracts import (
     ScenarioSpec,
 )
 from mlscope.errors import MLScopeError
+from mlscope.jobs import submit
 from mlscope.loadgens import list_loadgens
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server

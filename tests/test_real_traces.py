@@ -16,11 +16,11 @@ import pytest
 
 from analysis.layers import top_layers
 from analysis.source import open_source
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
+from mlscope.jobs import submit
 from mlscope.loadgens import list_loadgens
 from mlscope.samples import sample_indices
 from mlscope.settings import Settings

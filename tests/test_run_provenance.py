@@ -23,12 +23,13 @@ from agent.profiling.onnxruntime import node_events
 from agent.sysmon import RssWatch
 from analysis.layers import _mb
 from cli.rerun_cmd import differences, rerun, rerun_job
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import provenance, remote
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import ResolutionError
+from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
