@@ -289,10 +289,13 @@ def test_rerun_reproduces_the_stored_specification(stack: Settings) -> None:
         "model_version",
         "manifest_sha256",
         "framework_version",
+        "system",
     }
     assert {k: v for k, v in b["job"].items() if k not in volatile} == {
         k: v for k, v in a["job"].items() if k not in volatile
     }
+    # a rerun is pinned to the original agent's host
+    assert b["job"]["system"]["host"] == a["agent"]["host"]
     assert b["job"]["model_version"] == a["manifest"]["version"]
     assert b["job"]["manifest_sha256"] == a["manifest_sha256"] == b["manifest_sha256"]
     (fw,) = [f for f in a["agent"]["frameworks"] if f["name"] == "onnxruntime"]
