@@ -90,7 +90,9 @@ def test_report_help_needs_no_extra(tmp_path: Path) -> None:
 def test_report_without_the_extra_says_which_to_install(tmp_path: Path) -> None:
     got = _core_only("report", "0123abcd", data_dir=tmp_path)
     assert got.returncode == 1
-    assert got.stderr.splitlines() == [f"mlscope report: a report with figures needs matplotlib: {REPORT_HINT}"]
+    assert got.stderr.splitlines() == [
+        f"mlscope report: a report with figures needs matplotlib: {REPORT_HINT}"
+    ]
 
 
 @pytest.mark.slow
