@@ -44,7 +44,7 @@ from analysis.data import evaluations, queries
 from analysis.figures import measured_runs, prefer_valid
 from analysis.source import Source
 from mlscope.errors import ConfigError
-from mlscope.stats import percentile, student_t_quantile
+from mlscope.stats import nearest_rank, percentile, student_t_quantile
 
 __all__ = [
     "COMPARED_FIELDS",
@@ -88,9 +88,9 @@ def resampled_percentile(samples: np.ndarray, q: float, idx: np.ndarray) -> np.n
 
 
 def _nearest_rank(x: np.ndarray, q: float, axis: int) -> np.ndarray:
-    """mlscope.stats' nearest-rank percentile along ``axis`` (rows of resamples)."""
-    n = x.shape[axis]
-    k = min(max(math.ceil(q / 100.0 * n), 1), n)
+    """:func:`mlscope.stats.nearest_rank`'s percentile along ``axis`` (rows of
+    resamples), vectorized."""
+    k = nearest_rank(x.shape[axis], q)
     return np.asarray(np.take(np.sort(x, axis=axis), k - 1, axis=axis))
 
 

@@ -116,7 +116,7 @@ def suite_jobs(
 
 
 def _run_jobs(settings: Settings, jobs: list[JobRequest]) -> list[str]:
-    from cli.submit import submit
+    from mlscope.jobs import submit
 
     async def go() -> list[str]:
         ids = []

@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 
 from cli.console import Bar, progress
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import (
@@ -32,6 +32,7 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.errors import EvaluationError
+from mlscope.jobs import submit
 from mlscope.manifest import manifest_digest
 from mlscope.settings import Settings
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import numpy as np
 import pytest
 from scipy import special
@@ -67,13 +69,21 @@ def test_queries_needed_for_a_bound() -> None:
 MS = 1_000_000
 
 
+class Timings(TypedDict):
+    """The per-query arrays of :func:`mlscope.validity.verdict`."""
+
+    scheduled_ns: np.ndarray
+    issued_ns: np.ndarray
+    latency_ns: np.ndarray
+
+
 def _run(
     rate: float = 1000.0, duration_s: float = 12.0, lag_ns: int = 20_000, seed: int = 1
-) -> dict[str, np.ndarray]:
+) -> Timings:
     s = sch.poisson(rate, duration_s=duration_s, seed=seed)
     issued = s.offsets_ns + lag_ns
     latency = np.full(len(s), 2 * MS, dtype=np.int64) + lag_ns
-    return {"scheduled_ns": s.offsets_ns, "issued_ns": issued, "latency_ns": latency}
+    return Timings(scheduled_ns=s.offsets_ns, issued_ns=issued, latency_ns=latency)
 
 
 def test_good_run_is_valid() -> None:
