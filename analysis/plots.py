@@ -9,16 +9,17 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display; must precede pyplot
-
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 
 from analysis.figures import measured_runs
+from mlscope.extras import require
+
+# matplotlib comes with the report extra: without it, importing this module says so
+require("matplotlib", extra="report", needed_for="a report with figures").use("Agg")
+# no display; "Agg" must be chosen before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 __all__ = [
     "accuracy_scatter",

@@ -11,7 +11,7 @@ from scipy import stats as sps
 
 from broker import schedule as sch
 from mlscope import validity as v
-from mlscope.stats import percentile, regularized_beta
+from mlscope.stats import percentile
 
 
 def test_mlperf_published_minimum_query_counts() -> None:
@@ -39,10 +39,12 @@ def test_min_passing_queries_is_the_least_passing_binomial_count(over: int, pct:
 
 
 @pytest.mark.parametrize(
-    ("a", "b", "x"), [(63, 2, 0.9), (661, 2, 0.99), (1e5, 900, 0.99), (3, 1000, 1e-3), (7, 7, 0.5)]
+    ("h", "t", "q"),
+    [(63, 1, 0.9), (661, 1, 0.99), (100_000, 899, 0.99), (3, 999, 1e-3), (7, 6, 0.5)],
 )
-def test_incomplete_beta_matches_scipy(a: float, b: float, x: float) -> None:
-    assert regularized_beta(a, b, x) == pytest.approx(special.betainc(a, b, x), rel=1e-9)
+def test_odds_are_the_incomplete_beta_of_the_docstring(h: int, t: int, q: float) -> None:
+    # P[Binomial(h + t, 1 - q) <= t] = I_q(h, t + 1)
+    assert v._odds(h, t, q) == pytest.approx(special.betainc(h, t + 1, q), rel=1e-9)
 
 
 def test_percentile_bound_is_conservative_and_none_when_too_few() -> None:
