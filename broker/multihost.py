@@ -40,7 +40,6 @@ import nats.errors
 import nats.js.errors
 import numpy as np
 from nats.aio.msg import Msg
-from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.object_store import ObjectStore
 
 from broker import schedule
@@ -48,7 +47,7 @@ from broker.distributed import PROGRESS_S, START_LEAD_S, load_result, merge_resu
 from broker.loadgen import RunRecord, encode_query, estimate_offset
 from broker.schedule import Schedule
 from mlscope import codec, names
-from mlscope.bus import Bus, request
+from mlscope.bus import Bus, object_store, request
 from mlscope.contracts import (
     LoadgenDescription,
     LoadgenDone,
@@ -58,7 +57,7 @@ from mlscope.contracts import (
     ScenarioSpec,
     new_id,
 )
-from mlscope.errors import BusError, ConfigError, EvaluationError, ResolutionError, WireError
+from mlscope.errors import ConfigError, EvaluationError, ResolutionError, WireError
 from mlscope.loadgens import list_loadgens
 
 if TYPE_CHECKING:
@@ -73,25 +72,12 @@ WORK_TTL_S = 3600.0
 
 async def work_bucket(bus: Bus) -> ObjectStore:
     """The object store that carries slices and results, created when missing."""
-    try:
-        return await bus.js.object_store(names.LOADGEN_WORK_BUCKET)
-    except nats.js.errors.NotFoundError:
-        pass
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot open the load-generator work bucket: {exc!r}") from exc
-    try:
-        # nats-py overwrites config.bucket with its ``bucket`` argument: give both.
-        return await bus.js.create_object_store(
-            names.LOADGEN_WORK_BUCKET,
-            ObjectStoreConfig(
-                bucket=names.LOADGEN_WORK_BUCKET,
-                storage=StorageType.FILE,
-                ttl=WORK_TTL_S,
-                description="dealt schedule slices and their results (distributed load)",
-            ),
-        )
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot create the load-generator work bucket: {exc!r}") from exc
+    return await object_store(
+        bus,
+        names.LOADGEN_WORK_BUCKET,
+        description="dealt schedule slices and their results (distributed load)",
+        ttl_s=WORK_TTL_S,
+    )
 
 
 def pack_slice(part: Schedule, payloads: list[bytes], labels: np.ndarray | None) -> bytes:
