@@ -115,8 +115,11 @@ def test_open_loop_scenarios_issue_their_schedule(noop_stack: Stack, spec: Scena
     s = run(noop_stack.settings, spec)
     expected, _ = build_schedule(spec)
     assert s.errors == 0 and s.not_issued == 0
-    # Too few queries for early stopping's p99 is the one rule such short runs break.
-    assert all(r.startswith("early stopping") for r in s.invalid_reasons), s.invalid_reasons
+    # Too few queries for early stopping's p99 is the rule such short runs break; on a
+    # loaded machine the completions of a sub-second half window can also trail its
+    # arrivals by a latency or two (the overload rule), which is not what is tested.
+    allowed = ("early stopping", "overloaded")
+    assert all(r.startswith(allowed) for r in s.invalid_reasons), s.invalid_reasons
     assert s.queries == len(expected) and s.samples == len(expected) * spec.batch_size
     got = rows(noop_stack.settings, s.evaluation_id)
     assert (got[:, 0] == np.arange(len(expected))).all()
