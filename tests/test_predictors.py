@@ -252,9 +252,25 @@ def test_wrong_input_count_is_input_mismatch(
     _assert_works(predictor, backend, models)
 
 
-def test_corrupt_model_is_load_error(backend: Backend, models: pm.ModelSet, tmp_path: Path) -> None:
-    if backend.artifact is None:
-        pytest.skip(f"{backend.id} loads no file")
+def _loads_a_file(param: Any) -> bool:
+    backend: Backend = param.values[0]
+    return backend.artifact is not None
+
+
+@pytest.fixture(params=[p for p in BACKENDS if _loads_a_file(p)])
+def file_backend(request: pytest.FixtureRequest) -> Backend:
+    """The backends that load a model file (the noop backend loads none)."""
+    b: Backend = request.param
+    if b.framework == "xrt":
+        request.getfixturevalue("fake_pyxrt")
+    return b
+
+
+def test_corrupt_model_is_load_error(
+    file_backend: Backend, models: pm.ModelSet, tmp_path: Path
+) -> None:
+    backend = file_backend
+    assert backend.artifact is not None
     good = models.paths[backend.artifact]
     bad = tmp_path / good.name
     garbage = b"\x00not a model\xff" * 64
