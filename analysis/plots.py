@@ -163,14 +163,15 @@ def throughput_by_batch(summ: pd.DataFrame) -> Figure:
 
 def throughput_latency(points: pd.DataFrame, bound_ms: float | None = None) -> Figure:
     """A peak search's runs: p99 latency against achieved throughput, labelled with the
-    offered rate, the latency bound drawn; ``points`` is a :func:`summary` of the runs."""
+    offered rate; a run over the bound (or invalid for another reason, as its
+    ``invalid_reasons`` say) is a red cross. ``points``: a :func:`summary` of the runs."""
     fig, ax = plt.subplots(figsize=(6, 3.2))
     pts = points[points["throughput_ips"].notna()].sort_values("requested_qps")
     x, y = pts["throughput_ips"].astype(float), pts["p99_ms"].astype(float)
     ok = pts["valid"].astype(bool).to_numpy()
     ax.plot(x, y, color="0.6", zorder=1)
-    ax.scatter(x[ok], y[ok], color="tab:green", label="met the bound", zorder=2)
-    ax.scatter(x[~ok], y[~ok], color="tab:red", marker="x", label="over the bound", zorder=2)
+    ax.scatter(x[ok], y[ok], color="tab:green", label="valid", zorder=2)
+    ax.scatter(x[~ok], y[~ok], color="tab:red", marker="x", label="INVALID", zorder=2)
     for xi, yi, q in zip(x, y, pts["requested_qps"], strict=True):
         if q is not None and not pd.isna(q):
             ax.annotate(

@@ -8,14 +8,18 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
 
 from analysis.source import BusSource
 from analysis.summary import summary
+from mlscope.contracts import JobRequest, ScenarioSpec
 from tests import chromium
 from tests.analysis_fixtures import BATCH_SIZES, AnalysisRuns
 
@@ -209,30 +213,156 @@ def dashboard_url(env: AnalysisRuns, tmp_path: Path) -> Iterator[str]:
         log.close()
 
 
-# Rendered: tables present and the script no longer running.
-READY = (
-    "document.querySelectorAll('[data-testid=stDataFrame]').length > 0 && "
-    "!document.querySelector('[data-testid=stStatusWidgetRunningIcon]') && "
-    "document.querySelectorAll('[data-testid=stImage], [data-testid=stImageContainer], "
-    "img').length > 0"
+# What is on the page once it has settled: Streamlit exception boxes, each visible
+# figure's share of coloured pixels (an empty matplotlib axes is black, grey and white
+# only; every figure of ours draws its data in colour) and markdown that no page writes
+# on purpose (alerts, captions, labels and tabs render markdown too).
+INSPECT = """(() => {
+  const main = document.querySelector('[data-testid=stMain]');
+  const out = {exceptions: main.querySelectorAll('[data-testid=stException]').length,
+               figures: [], stray: [], text: main.innerText};
+  for (const img of main.querySelectorAll('img')) {
+    if (img.offsetParent === null) continue;
+    if (!img.complete || !img.naturalWidth) { out.figures.push(-1); continue; }
+    const c = document.createElement('canvas');
+    c.width = img.naturalWidth; c.height = img.naturalHeight;
+    const g = c.getContext('2d'); g.drawImage(img, 0, 0);
+    const d = g.getImageData(0, 0, c.width, c.height).data;
+    let n = 0;
+    for (let i = 0; i < d.length; i += 4) {
+      const hi = Math.max(d[i], d[i + 1], d[i + 2]), lo = Math.min(d[i], d[i + 1], d[i + 2]);
+      if (hi - lo > 60) n++;
+    }
+    out.figures.push(n / (d.length / 4));
+  }
+  for (const m of main.querySelectorAll('[data-testid=stMarkdown]')) {
+    if (m.offsetParent === null || m.querySelector('[data-testid=stCaptionContainer]') ||
+        m.closest(
+      '[data-testid=stAlert], [data-testid=stCaptionContainer], label, summary, ' +
+      '[role=tab], [data-testid=stMetric], [data-testid=stHeading]')) continue;
+    const path = []; for (let e = m.parentElement; e && e !== main; e = e.parentElement)
+      if (e.dataset.testid) path.push(e.dataset.testid);
+    out.stray.push(m.innerText.slice(0, 200) + ' @ ' + path.slice(0, 4).join('<'));
+  }
+  return out;
+})()"""
+
+SHOTS_DIR = REPO / "docs" / "screenshots"
+
+
+@dataclass(frozen=True)
+class Shot:
+    name: str
+    """The PNG's name (docs/screenshots/NAME.png)."""
+    path: str
+    """Page and query, ``results?eval={online}``: filled in from :func:`tour_runs`."""
+    tab: str | None = None
+    radio: str | None = None
+    expect: str = ""
+    """Text the page must show (tables and charts are canvases: not their text)."""
+    absent: str = "No evaluations"
+    """Text it must not show."""
+    figures: int = 0
+    """Figures (st.pyplot) it must show at least."""
+
+
+TOUR = (
+    Shot("overview", "", expect="Newest evaluations"),
+    Shot("agents", "agents", expect="onnxruntime"),
+    Shot("models", "models", expect="image_classification"),
+    Shot("run", "run", expect="Validity and warm-up"),
+    Shot("results-latency", "results?eval={online}", "Latency", figures=2),
+    Shot("results-throughput", "results?eval={batched}", "Throughput", figures=2),
+    Shot("results-peak", "results?eval={peak}", "Peak search", figures=1),
+    Shot("results-accuracy", "results?eval={traced}", "Accuracy", figures=1),
+    Shot("results-over-time", "results?eval={online}", "Over time", figures=1),
+    Shot("results-layers", "results?eval={traced}", "Layers", figures=1),
+    Shot("results-systems", "results?eval={online}", "Across systems", expect="price per hour"),
+    Shot("results-regressions", "results?eval={online}", "Regressions", expect="versions"),
+    Shot("compare", "compare?eval={online}", expect="vs", figures=1),
+    Shot("trace", "trace?eval={online}", expect="in flight"),
+    Shot("trace-layers", "trace?eval={traced}", radio="layer", absent="No layer spans"),
+    Shot("trace-kernels", "trace?eval={traced}", radio="kernel", expect="No kernel spans"),
 )
 
 
-def test_dashboard_in_headless_chromium(
-    dashboard_url: str, env: AnalysisRuns, tmp_path: Path
+@pytest.fixture
+def tour_runs(env: AnalysisRuns) -> dict[str, str]:
+    """Besides the shared runs: a peak search, and an online run traced at the
+    framework level with its accuracy measured (through the Python API)."""
+    from mlscope.api import Client
+
+    async def run() -> dict[str, str]:
+        async with Client(env.settings) as client:
+
+            def job(**kw: Any) -> JobRequest:
+                return JobRequest(model="digits_cnn", framework="onnxruntime", **kw)
+
+            peak = await client.submit(
+                job(
+                    scenario=ScenarioSpec(
+                        name="peak",
+                        qps=50,
+                        duration_s=0.3,
+                        latency_bound_ms=50,
+                        peak_trials=3,
+                        min_duration_s=0.1,
+                        min_queries=10,
+                    )
+                )
+            )
+            traced = await client.submit(
+                job(
+                    scenario=ScenarioSpec(name="online", qps=150, duration_s=0.5, seed=3),
+                    trace_level="framework",
+                    accuracy=True,
+                    accuracy_samples=200,
+                )
+            )
+        return {"peak": peak.evaluation_id, "traced": traced.evaluation_id}
+
+    extra = anyio.run(run, backend="asyncio")
+    st.cache_data.clear()
+    return {"online": env.online[0], "batched": env.batched[BATCH_SIZES[-1]], **extra}
+
+
+def test_screenshots_of_every_page(
+    dashboard_url: str, tour_runs: dict[str, str], tmp_path: Path
 ) -> None:
+    """Every page and tab in headless Chromium after a fixed set of runs: no exception
+    box, no empty figure, no stray text; the screenshots go to MLSCOPE_SCREENSHOT_DIR
+    (``docs/screenshots`` to refresh the README's)."""
     if chromium.executable() is None:
         pytest.fail("chromium is not installed: run `make install` (as root it installs it)")
-    shot = Path(os.environ.get("MLSCOPE_SCREENSHOT_DIR", tmp_path)) / "dashboard.png"
-    url = f"{dashboard_url}/results?eval={env.online[0]}"
-    with chromium.open_page(url, tmp_path / "profile") as tab:
-        tab.wait_for(READY, timeout=90)
-        time.sleep(1.0)  # let the last frame paint
-        html = tab.dom()
-        tab.screenshot(shot)
-    # The page ran its script against the stack and rendered its tables and figures.
-    assert "Results" in html and "Summary" in html
-    assert html.count('data-testid="stDataFrame"') >= 1  # the summary
-    assert "digits_cnn" in html and env.online[0] in html
-    assert "Traceback" not in html and "stException" not in html
-    assert shot.stat().st_size > 20_000  # a rendered page, not a blank one
+    out = Path(os.environ.get("MLSCOPE_SCREENSHOT_DIR", tmp_path / "shots"))
+    out.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+    with chromium.open_page(f"{dashboard_url}/", tmp_path / "profile", size="1400,1050") as tab:
+        for shot in TOUR:
+            tab.goto(f"{dashboard_url}/{shot.path.format(**tour_runs)}")
+            tab.settle(TIMEOUT)
+            if shot.tab:
+                tab.click("[role=tab]", shot.tab)
+                tab.settle(TIMEOUT)
+            if shot.radio:
+                tab.click("[data-testid=stRadioOption]", shot.radio)
+                tab.settle(TIMEOUT)
+            seen = tab.evaluate(INSPECT)
+            tab.screenshot(out / f"{shot.name}.png")
+            problems += [f"{shot.name}: an exception box"] * bool(seen["exceptions"])
+            problems += [f"{shot.name}: stray text {t!r}" for t in seen["stray"]]
+            problems += [
+                f"{shot.name}: figure {i} is empty ({c:.4f} coloured)"
+                for i, c in enumerate(seen["figures"])
+                if c < 0.001
+            ]
+            if len(seen["figures"]) < shot.figures:
+                problems.append(f"{shot.name}: {len(seen['figures'])} figures < {shot.figures}")
+            if shot.expect not in seen["text"]:
+                problems.append(f"{shot.name}: no {shot.expect!r} on the page")
+            if shot.absent in seen["text"]:
+                problems.append(f"{shot.name}: {shot.absent!r} on the page")
+            if "Traceback" in seen["text"]:
+                problems.append(f"{shot.name}: a traceback")
+    assert not problems, "\n".join(problems)
+    assert all((out / f"{s.name}.png").stat().st_size > 20_000 for s in TOUR)

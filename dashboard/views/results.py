@@ -58,12 +58,15 @@ def throughput_tab(summ: pd.DataFrame) -> None:
 
 def peak_tab(ids: list[str]) -> None:
     ev = recent_evaluations()
-    peaks = ev[ev["evaluation_id"].isin(ids) & (ev["scenario"] == "peak") & ev["runs"].map(bool)]
-    if peaks.empty:
+    peaks = ev[ev["evaluation_id"].isin(ids) & (ev["scenario"] == "peak")]
+    trials = {r for runs in peaks["runs"] for r in runs}
+    searches = peaks[~peaks["evaluation_id"].isin(trials)]  # a search, not one of its runs
+    if searches.empty:
         st.info("No peak search among these evaluations (scenario `peak`).")
         return
-    for row in peaks.itertuples():
-        points = summary(source(), list(row.runs))
+    for row in searches.itertuples():
+        # A search that made one run is stored as that run.
+        points = summary(source(), list(row.runs) or [row.evaluation_id])
         st.caption(f"{row.evaluation_id}: {row.model}/{row.framework}, {len(points)} trials")
         st.pyplot(plots.throughput_latency(points), width=FIG_WIDTH)
         cols = ["evaluation_id", "requested_qps", "throughput_ips", "p99_ms", "valid"]
