@@ -6,6 +6,7 @@ Reads are cached for a few seconds (a page re-runs its script on every click).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -110,12 +111,15 @@ def comparable(ev: pd.DataFrame, anchor: str | None, *, limit: int = 12) -> list
     return ids[:limit]
 
 
-def evaluation_picker(label: str, *, key: str, multi: bool = False, link: bool = True) -> list[str]:
+def evaluation_picker(
+    label: str, *, key: str, multi: bool = False, link: bool = True, besides: Sequence[str] = ()
+) -> list[str]:
     """A select box (or multiselect) of the stored evaluations, newest first.
 
     ``?eval=EV_ID`` in the address picks that evaluation (``link``); a multiselect
-    starts with it and the runs comparable to it (:func:`comparable`), and a select
-    box writes its choice back to the address so that the page can be shared.
+    starts with it and the runs comparable to it (:func:`comparable`; those in
+    ``besides`` left out), and a select box writes its choice back to the address so
+    that the page can be shared.
     """
     try:
         ev = recent_evaluations()
@@ -135,7 +139,7 @@ def evaluation_picker(label: str, *, key: str, multi: bool = False, link: bool =
         picked = st.multiselect(
             label,
             ids,
-            default=comparable(ev, wanted),
+            default=[e for e in comparable(ev, wanted) if e not in besides],
             format_func=labels.__getitem__,
             key=key,
         )

@@ -274,7 +274,7 @@ TOUR = (
     Shot("results-latency", "results?eval={online}", "Latency", figures=2),
     Shot("results-throughput", "results?eval={batched}", "Throughput", figures=2),
     Shot("results-peak", "results?eval={peak}", "Peak search", figures=1),
-    Shot("results-accuracy", "results?eval={traced}", "Accuracy", figures=1),
+    Shot("results-accuracy", "results?eval={scored}", "Accuracy", figures=1),
     Shot("results-over-time", "results?eval={online}", "Over time", figures=1),
     Shot("results-layers", "results?eval={traced}", "Layers", figures=1),
     Shot("results-systems", "results?eval={online}", "Across systems", expect="price per hour"),
@@ -288,8 +288,8 @@ TOUR = (
 
 @pytest.fixture
 def tour_runs(env: AnalysisRuns) -> dict[str, str]:
-    """Besides the shared runs: a peak search, and an online run traced at the
-    framework level with its accuracy measured (through the Python API)."""
+    """Besides the shared runs: a peak search, an online run traced at the framework
+    level and one with its accuracy measured (through the Python API)."""
     from mlscope.api import Client
 
     async def run() -> dict[str, str]:
@@ -315,11 +315,21 @@ def tour_runs(env: AnalysisRuns) -> dict[str, str]:
                 job(
                     scenario=ScenarioSpec(name="online", qps=150, duration_s=0.5, seed=3),
                     trace_level="framework",
+                )
+            )
+            # Its own run: the accuracy pass's queries would share the trace's indices.
+            scored = await client.submit(
+                job(
+                    scenario=ScenarioSpec(name="online", qps=150, duration_s=0.3, seed=4),
                     accuracy=True,
                     accuracy_samples=200,
                 )
             )
-        return {"peak": peak.evaluation_id, "traced": traced.evaluation_id}
+        return {
+            "peak": peak.evaluation_id,
+            "traced": traced.evaluation_id,
+            "scored": scored.evaluation_id,
+        }
 
     extra = anyio.run(run, backend="asyncio")
     st.cache_data.clear()

@@ -12,7 +12,7 @@ from dashboard.common import FIG_WIDTH, evaluation_picker, recent_evaluations, s
 
 st.title("Compare runs")
 base = evaluation_picker("Baseline", key="compare_base")
-cands = evaluation_picker("Candidates", key="compare_cands", multi=True)
+cands = evaluation_picker("Candidates", key="compare_cands", multi=True, besides=base)
 cands = [c for c in cands if c not in base]
 # A sweep's parent (batch sizes, a peak search) holds a summary, not queries: its runs
 # are the ones to compare.
