@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pandas as pd
 import pytest
 import streamlit as st
 from streamlit.testing.v1 import AppTest
@@ -376,3 +377,66 @@ def test_screenshots_of_every_page(
                 problems.append(f"{shot.name}: a traceback")
     assert not problems, "\n".join(problems)
     assert all((out / f"{s.name}.png").stat().st_size > 20_000 for s in TOUR)
+
+
+# ------------------------------------------------------------------ pure helpers
+
+
+def test_comparable_runs_share_model_and_scenario() -> None:
+    from dashboard.common import comparable
+
+    ev = pd.DataFrame(
+        {
+            "evaluation_id": ["e5", "e4", "e3", "e2", "e1"],  # newest first
+            "model": ["a", "b", "a", "a", "a"],
+            "scenario": ["online", "online", "online", "batched", "online"],
+        }
+    )
+    assert comparable(ev, None) == ["e5", "e3", "e1"]
+    assert comparable(ev, "e2") == ["e2"]
+    assert comparable(ev, "e1") == ["e1", "e5", "e3"]
+    assert comparable(ev, "missing") == ["e5", "e3", "e1"]
+
+
+def test_accuracy_scatter_leaves_out_runs_without_accuracy() -> None:
+    from analysis import plots
+
+    points = pd.DataFrame(
+        {
+            "model": ["digits_cnn", "light_resnet50"],
+            "framework": ["onnxruntime", "onnxruntime"],
+            "top1": [0.97, None],
+            "online_latency_ms": [1.0, 5.0],
+            "size_bytes": [1000, 90000],
+        }
+    )
+    fig = plots.accuracy_scatter(points, "online_latency_ms")
+    drawn = fig.axes[0].collections[0].get_offsets()
+    assert len(drawn) == 1 and tuple(drawn[0]) == (1.0, 0.97)  # not light_resnet50 at 0
+
+
+def test_inflight_slots_stack_overlapping_queries() -> None:
+    from analysis.trace import inflight_slots
+
+    tl = pd.DataFrame(
+        {
+            "kind": ["query", "step", "query", "step", "query"],
+            "query_index": [0, 0, 1, 1, 2],
+            "start_ms": [0.0, 0.5, 1.0, 1.5, 5.0],
+            "end_ms": [4.0, 3.5, 6.0, 5.5, 7.0],
+        }
+    )
+    # 1 starts while 0 runs (queued: its own lane); 2 starts after 0 ended (lane 0 again).
+    assert inflight_slots(tl).tolist() == [0, 0, 1, 1, 0]
+
+
+def test_layer_shapes_read_as_dimensions() -> None:
+    from analysis.layers import shape_text
+
+    ort = {
+        "inputs": [{"dtype": "float", "shape": [1, 1, 8, 8]}],
+        "outputs": [{"dtype": "float", "shape": [1, 8, 6, 6]}],
+    }
+    assert shape_text(ort) == "1×1×8×8 → 1×8×6×6"
+    assert shape_text([[1, 10], [10]]) == "1×10, 10"
+    assert shape_text(None) == ""
