@@ -16,6 +16,7 @@ from analysis.summary import latency_windows, summary
 from dashboard.common import (
     FIG_WIDTH,
     catalog,
+    eval_label,
     evaluation_picker,
     recent_evaluations,
     settings,
@@ -24,7 +25,27 @@ from dashboard.common import (
 )
 from mlscope.errors import MLScopeError
 
+LAYER_LEVELS = frozenset({"framework", "system", "full"})
 MAX_CURVES = 8  # more lines than this on one figure cannot be told apart
+
+
+def one_of(ids: list[str], *, key: str, prefer: frozenset[str] = frozenset()) -> str:
+    """One of the picked evaluations, labelled; the first traced at a ``prefer`` level
+    is the default (the Layers tab starts on a run that has layers)."""
+    wanted = set(ids)
+    rows = {
+        r.evaluation_id: r for r in recent_evaluations().itertuples() if r.evaluation_id in wanted
+    }
+    first = next((i for i, e in enumerate(ids) if e in rows and rows[e].trace_level in prefer), 0)
+    return str(
+        st.selectbox(
+            "Evaluation",
+            ids,
+            index=first,
+            key=key,
+            format_func=lambda e: eval_label(rows[e]) if e in rows else e,
+        )
+    )
 
 
 def latency_tab(summ: pd.DataFrame) -> None:
@@ -91,7 +112,7 @@ def accuracy_tab(summ: pd.DataFrame) -> None:
 
 
 def over_time_tab(ids: list[str]) -> None:
-    one = st.selectbox("Evaluation", ids, key="results_window_eval")
+    one = one_of(ids, key="results_window_eval")
     window = st.number_input("Window (s)", min_value=0.05, value=0.25, key="results_window")
     w = latency_windows(source(), one, window_s=float(window))
     if len(w) > 1:
@@ -102,7 +123,7 @@ def over_time_tab(ids: list[str]) -> None:
 
 
 def layers_tab(ids: list[str]) -> None:
-    one = st.selectbox("Evaluation", ids, key="results_layers_eval")
+    one = one_of(ids, key="results_layers_eval", prefer=LAYER_LEVELS)
     n = st.number_input("Top N", min_value=1, value=10, key="results_top_n")
     top = layers.top_layers(source(), one, int(n))
     if top.empty:
