@@ -126,6 +126,16 @@ def test_run_page_runs_an_evaluation(env: AnalysisRuns) -> None:
     assert not stray_text(at), stray_text(at)
 
 
+def test_run_page_starts_from_a_linked_evaluation(env: AnalysisRuns) -> None:
+    at = page("run.py", eval=env.batched[4])
+    assert at.selectbox(key="run_model").value == "digits_cnn"
+    assert at.multiselect(key="run_frameworks").value == ["onnxruntime"]
+    assert at.selectbox(key="run_scenario").value == "batched"
+    assert at.number_input(key="run_batch").value == 4
+    at.number_input(key="run_batch").set_value(2).run()  # an edit is not undone
+    assert at.number_input(key="run_batch").value == 2
+
+
 def test_run_page_sweep_with_validity_knobs(env: AnalysisRuns) -> None:
     at = run_form("batched")
     at.text_input(key="run_sweep").set_value("1, 2").run()

@@ -10,7 +10,14 @@ import anyio
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import agents, catalog, settings, stop_on_error
+from dashboard.common import (
+    agents,
+    catalog,
+    deep_link,
+    recent_evaluations,
+    settings,
+    stop_on_error,
+)
 from mlscope.api import Client
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
@@ -192,7 +199,40 @@ def show(summaries: list[EvaluationSummary]) -> None:
     st.markdown(f"Open in Results: {links}")
 
 
+def prefill(evaluation_id: str) -> None:
+    """Start the form from a stored evaluation's settings (``?eval=EV_ID``: run it
+    again, or change one thing); once per evaluation, so that edits stick."""
+    if st.session_state.get("run_prefilled") == evaluation_id:
+        return
+    st.session_state["run_prefilled"] = evaluation_id
+    ev = recent_evaluations()
+    rows = ev[ev["evaluation_id"] == evaluation_id]
+    if rows.empty:
+        st.warning(f"No evaluation {evaluation_id} (from the address) to start from.")
+        return
+    r = rows.iloc[0]
+    task = next(
+        (t for t, es in catalog().tasks().items() if any(e.manifest.name == r.model for e in es)),
+        None,
+    )
+    values: dict[str, Any] = {
+        "run_task": task,
+        "run_model": r.model,
+        "run_version": r.model_version,
+        "run_frameworks": [r.framework],
+        "run_scenario": r.scenario,
+        "run_batch": int(r.batch_size),
+        "run_level": r.trace_level if r.trace_level in LEVELS else "model",
+    }
+    if r.requested_qps is not None and not pd.isna(r.requested_qps):
+        values["run_qps"] = float(r.requested_qps)
+    st.session_state.update({k: v for k, v in values.items() if v is not None})
+
+
 st.title("Run an evaluation")
+if (linked := deep_link()) is not None:
+    prefill(linked)
+    st.caption(f"Settings from {linked}.")
 tasks = catalog().tasks()
 c1, c2, c3 = st.columns(3)
 task = c1.selectbox("Task", list(tasks), key="run_task")
