@@ -36,6 +36,7 @@ table = pd.DataFrame(
         "created": pd.to_datetime(newest["created_at"]),
         "results": "results?eval=" + newest["evaluation_id"],
         "trace": "trace?eval=" + newest["evaluation_id"],
+        "again": "run?eval=" + newest["evaluation_id"],
     }
 )
 st.dataframe(
@@ -44,6 +45,7 @@ st.dataframe(
     column_config={
         "results": st.column_config.LinkColumn("results", display_text="open"),
         "trace": st.column_config.LinkColumn("trace", display_text="open"),
+        "again": st.column_config.LinkColumn("run again", display_text="settings"),
         "created": st.column_config.DatetimeColumn("created", format="MM-DD HH:mm:ss"),
     },
 )
