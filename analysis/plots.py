@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from analysis.figures import measured_runs
+from analysis.figures import KEY, measured_runs, prefer_valid
 
 __all__ = [
     "accuracy_scatter",
@@ -134,11 +134,14 @@ def latency_over_time(windows: pd.DataFrame, title: str = "") -> Figure:
 
 def throughput_by_batch(summ: pd.DataFrame) -> Figure:
     """Throughput against batch size (solid, left axis) with the p99 latency of a
-    batch (dashed, right axis), one colour per model/framework/system."""
+    batch (dashed, right axis), one colour per model/framework/system; ``summ`` newest
+    first, as :func:`analysis.summary.summary` orders it."""
     fig, ax = plt.subplots(figsize=(6.5, 3.4))
     lat_ax = ax.twinx()
     runs = measured_runs(summ)
-    runs = runs[runs["scenario"] == "batched"]
+    runs = runs[(runs["scenario"] == "batched") & runs["throughput_ips"].notna()]
+    # One point per batch size, as in analysis.figures: the newest valid run counts.
+    runs = prefer_valid(runs).drop_duplicates([*KEY, "batch_size"], keep="first")
     groups = runs.groupby(["model", "framework", "system"])
     for i, ((m, f, s), g) in enumerate(groups):
         g = g.sort_values("batch_size")

@@ -450,3 +450,18 @@ def test_layer_shapes_read_as_dimensions() -> None:
     assert shape_text(ort) == "1×1×8×8 → 1×8×6×6"
     assert shape_text([[1, 10], [10]]) == "1×10, 10"
     assert shape_text(None) == ""
+
+
+def test_throughput_plot_has_one_point_per_batch_size() -> None:
+    from analysis import plots
+
+    key = {"model_version": "1", "framework_version": "1", "system": "cpu", "role": "run"}
+    summ = pd.DataFrame(
+        [  # newest first; batch 1 measured twice, the newer run invalid
+            {"batch_size": 1, "throughput_ips": 90.0, "p99_ms": 9.0, "valid": False},
+            {"batch_size": 4, "throughput_ips": 300.0, "p99_ms": 4.0, "valid": True},
+            {"batch_size": 1, "throughput_ips": 100.0, "p99_ms": 1.0, "valid": True},
+        ]
+    ).assign(model="m", framework="f", scenario="batched", **key)
+    line = plots.throughput_by_batch(summ).axes[0].lines[0]
+    assert list(line.get_xdata()) == [1, 4] and list(line.get_ydata()) == [100.0, 300.0]
