@@ -21,9 +21,10 @@ from nats.aio.msg import Msg
 
 import mlscope
 from agent import profiling
+from agent.energy import EnergyMeter
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
-from agent.sysmon import RssWatch, Sampler
+from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
 from mlscope import artifact_bucket, codec, names, provenance, sysinfo
@@ -127,6 +128,8 @@ class Agent:
         self.framework_manifest = self.catalog.framework(self.config.framework)
         self.rss = RssWatch()
         """Resident memory over each prepared evaluation (reported at release)."""
+        self.energy = EnergyMeter(nvml=open_nvml() if self.config.device != "cpu" else None)
+        """Energy counters of this agent's device, read at prepare and at release."""
         self.loaded_settings: dict[str, dict[str, Any]] = {}
         """Per loaded model key: what it was opened with (reported by prepare)."""
         self.git_commit: str | None = None
@@ -356,6 +359,7 @@ class Agent:
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         rss = await anyio.to_thread.run_sync(self.rss.stop, req.evaluation_id)
+        energy_j = await anyio.to_thread.run_sync(self.energy.stop, req.evaluation_id)
         if session is not None and session.level >= TraceLevel.FRAMEWORK:
             await anyio.to_thread.run_sync(  # layer spans a profiler held back
                 profiling.flush, session.worker.model.predictor
@@ -365,7 +369,11 @@ class Agent:
             unloaded = await self._unload(session.key)
         start, peak, end = rss or (None, None, None)
         return ReleaseReply(
-            unloaded=unloaded, rss_start_bytes=start, rss_peak_bytes=peak, rss_end_bytes=end
+            unloaded=unloaded,
+            rss_start_bytes=start,
+            rss_peak_bytes=peak,
+            rss_end_bytes=end,
+            energy_j=energy_j,
         )
 
     async def _prepare(self, req: PrepareOp) -> PrepareReply:
@@ -430,6 +438,7 @@ class Agent:
         if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
         await anyio.to_thread.run_sync(self.rss.start, eval_id)
+        await anyio.to_thread.run_sync(self.energy.start, eval_id, self.config.device)
         return PrepareReply(
             cold=cold,
             load_ns=load_ns,

@@ -91,7 +91,7 @@ class Sampler:
         self.samples += 1
 
     def _run(self) -> None:
-        self._nvml = _open_nvml()
+        self._nvml = open_nvml()
         perf = self._start_perf() if self.use_perf else None
         psutil.cpu_percent(percpu=True)  # the first call only sets the baseline
         self._proc.cpu_percent()
@@ -197,7 +197,7 @@ def parse_perf_line(line: str) -> tuple[str, float] | None:
     return (event, value) if event else None
 
 
-def _open_nvml() -> Any:
+def open_nvml() -> Any:
     try:
         import pynvml  # type: ignore[import-not-found, unused-ignore]
 

@@ -15,29 +15,21 @@ import numpy as np
 import pandas as pd
 
 from analysis.source import Source
+from mlscope import schema
 from mlscope.errors import DatabaseError
 from mlscope.outcomes import classify
 
-QUERY_FIELDS = {
-    "evaluation_id": "object",
-    "query_index": "int64",
-    "batch_size": "int64",
-    "scheduled_ns": "int64",
-    "issued_ns": "int64",
-    "completed_ns": "int64",
-    "agent_received_ns": "int64",
-    "predict_start_ns": "int64",
-    "predict_end_ns": "int64",
-    "agent_replied_ns": "int64",
-    "ok": "bool",
-    "error": "object",
-    "label": "int64",
-    "prediction": "int64",
-    "outcome": "int64",
-    "warmup": "int64",
-    "paced_ns": "int64",
+_DTYPES = {
+    "String": "object",
+    "UInt8": "int64",
+    "UInt32": "int64",
+    "Int32": "int64",
+    "Int64": "int64",
 }
-"""The stored columns of ``queries`` (broker.db.QUERY_COLUMNS) and their dtypes."""
+QUERY_FIELDS = {
+    c.name: "bool" if c.name == "ok" else _DTYPES[c.base_type] for c in schema.QUERIES.columns
+}
+"""The stored columns of ``queries`` (:data:`mlscope.schema.QUERIES`) and their dtypes."""
 UNKNOWN_OUTCOME = 255
 """``queries.outcome`` of rows stored before outcomes were recorded."""
 

@@ -9,20 +9,20 @@ from __future__ import annotations
 import io
 from collections.abc import Mapping
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display; must precede pyplot
-
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 
 from analysis.figures import KEY, measured_runs, prefer_valid
+from mlscope.extras import require
+
+# matplotlib comes with the report extra: without it, importing this module says so
+require("matplotlib", extra="report", needed_for="a report with figures").use("Agg")
+# no display; "Agg" must be chosen before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 __all__ = [
     "accuracy_scatter",
-    "latency_cdf",
     "latency_histogram",
     "latency_over_time",
     "latency_percentiles",
@@ -79,11 +79,6 @@ def latency_percentiles(latencies_ms: Mapping[str, np.ndarray]) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig
-
-
-def latency_cdf(latencies_ms: Mapping[str, np.ndarray]) -> Figure:
-    """Kept for callers of the old name: the log-scale :func:`latency_percentiles`."""
-    return latency_percentiles(latencies_ms)
 
 
 def latency_histogram(latencies_ms: Mapping[str, np.ndarray], bins: int = 50) -> Figure:

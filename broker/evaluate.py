@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import subprocess
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -25,12 +24,13 @@ from typing import Any
 import anyio
 import numpy as np
 
-import mlscope
 from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
+from broker.evalspec import dataset, specification
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
-from mlscope import codec, names, sysmatch
+from broker.tuning import ProcessTuning
+from mlscope import codec, names, samples, sysmatch
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
@@ -55,6 +55,8 @@ PREPARE_TIMEOUT_S = 300.0
 PAYLOAD_HEADROOM = 1024
 """Bytes of a message left for the subject, reply inbox and headers."""
 LOST = "lost in transit: no reply before the run ended"
+FILL_ROWS = 64
+"""Synthetic rows a model without a data set cycles through."""
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]
 
 
@@ -164,6 +166,8 @@ class Evaluator:
     bus: Bus
     db: Database
     zoo_dir: Path
+    tuning: ProcessTuning
+    """The server's one owner of GC, switch interval and priority during runs."""
     policy: ValidityPolicy = field(default_factory=ValidityPolicy)
 
     host_lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -191,7 +195,7 @@ class Evaluator:
         eval_id = evaluation_id_for(job.job_id)
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
-        data = _dataset(entry, self.zoo_dir)
+        data = dataset(entry, self.zoo_dir)
         check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
         prepare = PrepareOp(
             evaluation_id=eval_id,
@@ -217,6 +221,7 @@ class Evaluator:
             offset_ns=offset,
             feeders=lambda b: _scored(_feeders(data, shape, b, spec.seed), m),
             policy=self.policy,
+            tuning=self.tuning,
             on_progress=lambda rec, el: progress(eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
             agent_id=agent.agent_id,
@@ -286,7 +291,10 @@ class Evaluator:
                 completed_qps=f.completed_qps,
                 backlog_s=f.backlog_s,
                 issue_lag_split_us=f.issue_lag_split_us,
-                loadgen_cost=cost.facts(f),
+                loadgen_cost={
+                    **cost.facts(f),
+                    **({"services": list(run.record.sources)} if run.record.sources else {}),
+                },
                 parallel=job.parallel,
                 warnings=(
                     *cost.warnings(f, parallel=job.parallel),
@@ -330,15 +338,21 @@ class Evaluator:
         if acc is not None:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
-        summary = summary.model_copy(update=memory_figures(released))
-        spec_doc = _specification(job, agent, entry, prep)
+        summary = summary.model_copy(update=memory_figures(released, summary.samples))
+        spec_doc = specification(job, agent, entry, prep)
         for run in separate:  # each run of a sweep or search, on its own
-            await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
+            await anyio.to_thread.run_sync(
+                self.store_evaluation, summarize(run), run.record, spec_doc
+            )
         # The parent's t0 is its first run's: the runs' spans are stored under its id.
         t0 = separate[0].record.t0_ns if separate else main.record.t0_ns
         await anyio.to_thread.run_sync(
             functools.partial(
-                self._store, summary, None if separate else main.record, spec_doc, t0_ns=t0
+                self.store_evaluation,
+                summary,
+                None if separate else main.record,
+                spec_doc,
+                t0_ns=t0,
             )
         )
         if acc is not None:
@@ -398,9 +412,9 @@ class Evaluator:
     ) -> None:
         """Store a run that did not finish (a cancelled one): its summary and the rows
         of ``rec``, the queries it had issued."""
-        self._store(s, rec, spec_doc)
+        self.store_evaluation(s, rec, spec_doc)
 
-    def _store(
+    def store_evaluation(
         self,
         s: EvaluationSummary,
         rec: RunRecord | None,
@@ -494,32 +508,30 @@ def check_query_size(
     )
 
 
-def _dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    path = entry.dataset(zoo_dir)
-    if path is None:
-        return None
-    with np.load(path) as npz:
-        return npz["x"], npz["y"]
-
-
 def _feeders(
     data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int, seed: int
 ) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
-    """Query i's raw inputs (and labels): a seeded permutation of the data set, cycled.
-
-    The sample order has its own seed stream, independent of the arrival schedule's.
-    """
-    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[1])
+    """Query i's raw inputs (and labels): the rows :class:`mlscope.samples.SampleOrder`
+    gives it (seeded permutations of the data set, a fresh one per cycle; the sample
+    order has its own seed stream, independent of the arrival schedule's). A model
+    with no data set gets 64 synthetic rows, drawn from the seed's fill stream."""
     if data is None:
-        fake = rng.standard_normal((64, *shape)).astype(np.float32)
-        return (lambda i: fake[[(i * batch + j) % 64 for j in range(batch)]]), None
+        x = samples.stream(seed, samples.FILL_STREAM).standard_normal((FILL_ROWS, *shape))
+        data, labelled = (x.astype(np.float32), np.zeros(FILL_ROWS, np.int64)), False
+    else:
+        labelled = True
     x, y = data
-    perm = rng.permutation(len(x))
+    order = samples.SampleOrder(len(x), seed)
 
-    def idx(i: int) -> np.ndarray:
-        return perm[(np.arange(batch) + i * batch) % len(perm)]
+    def inputs(i: int) -> np.ndarray:
+        rows: np.ndarray = x[order.rows(i, batch)]
+        return rows
 
-    return (lambda i: x[idx(i)]), (lambda i: y[idx(i)])
+    def labels(i: int) -> np.ndarray:
+        got: np.ndarray = y[order.rows(i, batch)]
+        return got
+
+    return inputs, (labels if labelled else None)
 
 
 def _scored(
@@ -531,49 +543,15 @@ def _scored(
     return feeders if scored else (feeders[0], None)
 
 
-def memory_figures(released: dict[str, Any]) -> dict[str, float | None]:
-    """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes) from the agent's release
-    reply; None where the agent did not report them (an older agent, a lost one)."""
+def memory_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:
+    """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes), ``energy_j`` and
+    ``energy_per_inference_j`` from the agent's release reply; None where the agent did
+    not report them (no readable counter, an older agent, a lost one)."""
     start, peak, end = (released.get(f"rss_{k}_bytes") for k in ("start", "peak", "end"))
+    energy = released.get("energy_j")
     return {
         "peak_rss_mb": peak / 1e6 if peak is not None else None,
         "rss_growth_mb": (end - start) / 1e6 if start is not None and end is not None else None,
+        "energy_j": energy,
+        "energy_per_inference_j": energy / samples if energy is not None and samples else None,
     }
-
-
-def _specification(
-    job: JobRequest, agent: AgentDescription, entry: Entry, prep: dict[str, Any]
-) -> dict[str, Any]:
-    """Everything needed to run this evaluation again (stored with its results).
-
-    ``mlscope_version`` and ``git_commit`` are the server's; ``agent_mlscope_version``,
-    ``agent_git_commit`` and ``agent_settings`` (runtime options, device, batching and
-    queue settings the model ran with) are what the agent reported when prepared."""
-    return {
-        "job": job.dump(),
-        "manifest": entry.manifest.model_dump(mode="json"),
-        "manifest_sha256": entry.manifest.digest,
-        "manifest_file": str(entry.path),
-        "artifact_sha256": prep.get("sha256"),
-        "agent": agent.dump(),
-        "agent_settings": prep.get("settings"),
-        "agent_mlscope_version": prep.get("mlscope_version"),
-        "agent_git_commit": prep.get("git_commit"),
-        "mlscope_version": mlscope.__version__,
-        "git_commit": _git_commit(),
-    }
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=5,
-            check=False,
-        )
-    except OSError:
-        return ""
-    return out.stdout.strip()

@@ -5,10 +5,9 @@ A schedule is a sorted ``int64`` array of offsets in nanoseconds from the run st
 and a run can be reproduced from its spec alone (F1).
 
 Randomness, MLPerf-style: each random dimension has its own stream, derived from the
-one user seed with ``np.random.SeedSequence(seed).spawn(2)``:
-
-* stream 0 draws arrival times (:func:`poisson`, :func:`piecewise`),
-* stream 1 draws sample selection (:func:`sample_indices`).
+one user seed (:mod:`mlscope.samples`): arrival times here (:func:`poisson`,
+:func:`piecewise`) come from its arrival stream, the sample order of every query
+(:class:`mlscope.samples.SampleOrder`) from its sample stream.
 
 Changing the rate therefore never changes which samples are sent, and Poisson schedules
 are drawn as unit-rate gaps scaled by ``1/rate``, so two rates with one seed share the
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from mlscope.errors import ConfigError
+from mlscope.samples import ARRIVAL_STREAM, SAMPLE_STREAM, stream
 
 __all__ = [
     "ARRIVAL_STREAM",
@@ -43,13 +43,10 @@ __all__ = [
     "piecewise",
     "poisson",
     "replay",
-    "sample_indices",
     "write_replay",
 ]
 
 NS_PER_S = 1_000_000_000
-ARRIVAL_STREAM = 0  # index of the arrival-time stream in SeedSequence(seed).spawn(2)
-SAMPLE_STREAM = 1  # index of the sample-selection stream
 _CHUNK = 65_536
 
 
@@ -91,9 +88,7 @@ class Schedule:
 
 
 def _stream(seed: int, which: int) -> np.random.Generator:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
-    return np.random.default_rng(np.random.SeedSequence(int(seed)).spawn(2)[which])
+    return stream(seed, which)
 
 
 def _check_rate(rate: float) -> float:
@@ -268,25 +263,6 @@ def write_replay(path: str | Path, schedule: Schedule) -> None:
     """Write a schedule's inter-arrival times, one float seconds per line (for :func:`replay`)."""
     gaps = np.diff(schedule.offsets_ns, prepend=np.int64(0))
     Path(path).write_text("".join(f"{g / NS_PER_S!r}\n" for g in gaps.tolist()), encoding="utf-8")
-
-
-def sample_indices(
-    n_queries: int, dataset_size: int, seed: int = 0, *, samples_per_query: int = 1
-) -> np.ndarray:
-    """Which dataset samples each query uses: ``n_queries * samples_per_query`` indices.
-
-    Query ``i`` uses ``out[i*spq:(i+1)*spq]``. Indices walk through seeded permutations of
-    ``range(dataset_size)``, a fresh one per cycle: no sample repeats until every sample
-    has been used (no replacement when the dataset is large enough).
-    """
-    if dataset_size < 1 or n_queries < 0 or samples_per_query < 1:
-        raise ConfigError("need dataset_size >= 1, n_queries >= 0 and samples_per_query >= 1")
-    rng = _stream(seed, SAMPLE_STREAM)
-    total = n_queries * samples_per_query
-    cycles = -(-total // dataset_size)
-    perms = [rng.permutation(dataset_size) for _ in range(cycles)]
-    flat = np.concatenate(perms) if perms else np.empty(0, np.int64)
-    return flat[:total].astype(np.int64, copy=False)
 
 
 def deal(schedule: Schedule, k: int) -> list[Schedule]:

@@ -47,6 +47,7 @@ from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
 from broker.readonly import ReadLimits, ReadOnlyDatabase
+from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
@@ -111,8 +112,11 @@ class Server:
             ) as bus:
                 self.bus = bus
                 self.boundary = Boundary(bus, service=f"server {self.server_id}", logger=log)
-                self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir)
-                self.ingester = Ingester(bus, self.db, boundary=self.boundary)
+                # One owner of what a run tunes process-wide (GC, switch interval, the
+                # loop's priority): runs overlap, and the ingester waits out each load.
+                tuning = ProcessTuning()
+                self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir, tuning)
+                self.ingester = Ingester(bus, self.db, boundary=self.boundary, tuning=tuning)
                 # Replicas share the database requests (a queue group): with a shared
                 # ClickHouse server any of them answers; jobs come from one work queue.
                 serve = self.boundary.subscribe

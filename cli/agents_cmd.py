@@ -7,6 +7,7 @@ import json
 
 import anyio
 
+from cli.console import print_table
 from mlscope import bus as busmod
 from mlscope.contracts import AgentDescription
 from mlscope.registry import list_agents
@@ -35,17 +36,21 @@ def run(args: argparse.Namespace) -> int:
     if not agents:
         print("no live agents")
         return 0
-    print(
+    heads = ("AGENT", "HOST", "ARCH", "CORES", "MEM GiB", "FRAMEWORKS", "MODELS")
+    lines = [
         f"{'AGENT':<40} {'HOST':<16} {'ARCH':<8} {'CORES':>5} {'MEM GiB':>7} "
         f"{'FRAMEWORKS':<32} MODELS"
-    )
+    ]
+    rows = []
     for a in agents:
         fws = ", ".join(f"{f.name} {f.version} [{'/'.join(f.devices)}]" for f in a.frameworks)
         models = ", ".join(sorted({f"{m.name}@{m.version}" for m in a.models})) or "-"
         # What the agent may use (its affinity, its cgroup limit): what requirements match.
         cores, mem = a.usable_cores or a.cpu_cores, usable_memory(a) / (1 << 30)
-        print(
+        rows.append((a.agent_id, a.host, a.arch, str(cores), f"{mem:.1f}", fws, models))
+        lines.append(
             f"{a.agent_id:<40} {a.host[:16]:<16} {a.arch:<8} {cores:>5} {mem:>7.1f} "
             f"{fws:<32} {models}"
         )
+    print_table(heads, rows, plain="\n".join(lines), right=("CORES", "MEM GiB"))
     return 0

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import anyio
 
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import sysmatch
 from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest, new_id
 from mlscope.errors import MLScopeError, ResolutionError
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 

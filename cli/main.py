@@ -32,6 +32,7 @@ COMMAND_MODULES = (
     "cli.dashboard_cmd",
     "cli.doctor_cmd",
     "cli.mlperf_cmd",
+    "cli.loadgen_cmd",
 )
 
 

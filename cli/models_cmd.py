@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 
+from cli.console import print_table
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
@@ -117,18 +118,30 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(tasks, indent=2))
         return 0
     for task, rows in tasks.items():
-        print(f"{task}:")
+        lines = [f"{task}:"]
+        cells = []
         for r in rows:
             size = f"{r['size_bytes'] / 1e6:8.2f} MB" if r["available"] else "   NOT BUILT"
             flag = " latency-only" if r["latency_only"] else ""
-            print(
+            lines.append(
                 f"  {r['name']:<22} {r['version']:<8} {r['framework']:<12} {size}  "
                 f"{r['path']}{flag}"
             )
+            note = flag.strip()
             if r.get("reason") == "missing":
-                print(f"      not built here: run `{r['fix']}`")
+                lines.append(f"      not built here: run `{r['fix']}`")
+                note = f"not built here: run `{r['fix']}`"
             elif r.get("reason"):
-                print(f"      refused: {r['why']}")
+                lines.append(f"      refused: {r['why']}")
+                note = f"refused: {r['why']}"
+            cells.append((r["name"], r["version"], r["framework"], size.strip(), r["path"], note))
+        print_table(
+            ("model", "version", "framework", "size", "path", "note"),
+            cells,
+            plain="\n".join(lines),
+            title=task,
+            right=("size",),
+        )
     return 0
 
 

@@ -15,13 +15,18 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
+from cli.console import Bar, progress
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
+
+if TYPE_CHECKING:
+    from analysis.report import Report
 
 __all__ = ["register", "suite_jobs"]
 
@@ -111,7 +116,7 @@ def suite_jobs(
 
 
 def _run_jobs(settings: Settings, jobs: list[JobRequest]) -> list[str]:
-    from cli.submit import submit
+    from mlscope.jobs import submit
 
     async def go() -> list[str]:
         ids = []
@@ -197,6 +202,25 @@ def _format(args: argparse.Namespace) -> str | None:
     return fmt
 
 
+def _build(args: argparse.Namespace, bar: Bar) -> Report:
+    """The report of ``args.evaluations``: reads the catalog, then the evaluations."""
+    from analysis import report
+    from analysis.figures import model_sizes
+    from analysis.source import open_source
+
+    settings: Settings = args.settings
+    catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
+    sizes = model_sizes(catalog, settings.zoo_dir)
+    n = len(args.evaluations)
+    bar.update(f"reading {n} evaluation{'s' if n != 1 else ''}", advance=1)
+    return report.build(
+        open_source(settings),
+        args.evaluations,
+        sizes=sizes,
+        prices_per_hour=_prices(args.price),
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.suite:
         return run_suite(args)
@@ -210,25 +234,19 @@ def run(args: argparse.Namespace) -> int:
         from cli.trace_cmd import writable
 
         writable(args.output)  # before the report is built
-    from analysis import report
-    from analysis.figures import model_sizes
-    from analysis.source import open_source
+    from analysis import report  # needs the report extra: say so before any work
 
-    settings: Settings = args.settings
-    catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
-    rep = report.build(
-        open_source(settings),
-        args.evaluations,
-        sizes=model_sizes(catalog, settings.zoo_dir),
-        prices_per_hour=_prices(args.price),
-    )
     out: Path | None = args.output
-    if fmt == "html":
-        text = report.to_html(rep)
-    elif fmt == "json":
-        text = json.dumps(report.to_json(rep), indent=1)
-    else:
-        text = report.to_markdown(rep, report.figure_dir_for(out) if out is not None else None)
+    with progress("reading the catalog", total=3) as bar:
+        rep = _build(args, bar)
+        bar.update(f"rendering {fmt}", advance=1)
+        if fmt == "html":
+            text = report.to_html(rep)
+        elif fmt == "json":
+            text = json.dumps(report.to_json(rep), indent=1)
+        else:
+            text = report.to_markdown(rep, report.figure_dir_for(out) if out is not None else None)
+        bar.update(advance=1)
     if out is None:
         print(text)
     else:

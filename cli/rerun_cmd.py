@@ -15,15 +15,24 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 
-from cli.submit import format_summary, submit
+from cli.console import Bar, progress
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.contracts import EvaluationSummary, JobRequest, SystemRequirement, new_id
+from mlscope.contracts import (
+    EvaluationSummary,
+    JobEvent,
+    JobRequest,
+    SystemRequirement,
+    new_id,
+)
 from mlscope.errors import EvaluationError
+from mlscope.jobs import submit
 from mlscope.manifest import manifest_digest
 from mlscope.settings import Settings
 
@@ -143,13 +152,19 @@ def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 
 async def rerun(
-    settings: Settings, evaluation_id: str, *, any_system: bool = False
+    settings: Settings,
+    evaluation_id: str,
+    *,
+    any_system: bool = False,
+    on_event: Callable[[JobEvent], None] | None = None,
 ) -> EvaluationSummary:
+    """Resubmit ``evaluation_id``'s specification; ``on_event`` hears the job's events."""
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         spec, _ = await remote.evaluation(bus, evaluation_id)
     job = rerun_job(spec, evaluation_id, any_system=any_system)
     # An MLPerf run lasts what its conf files say (10 minutes officially).
-    summary = await submit(settings, job, timeout=6 * 3600.0 if job.mlperf else None)
+    timeout = 6 * 3600.0 if job.mlperf else None
+    summary = await submit(settings, job, on_event=on_event, timeout=timeout)
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         again, _ = await remote.evaluation(bus, summary.evaluation_id)
     diff = differences(spec, again)
@@ -160,11 +175,30 @@ async def rerun(
     return summary
 
 
+def _shows(bar: Bar) -> Callable[[JobEvent], None]:
+    """The job's events on the progress bar: who took it, queries done, p50 so far."""
+
+    def show(event: JobEvent) -> None:
+        if event.event == "accepted":
+            bar.update(f"accepted by {event.server_id}")
+        elif event.event == "progress":
+            p50 = f"{event.p50_ms:.3f} ms" if event.p50_ms is not None else "-"
+            bar.update(f"{event.queries_done} queries, {event.elapsed_s:.1f} s, p50 {p50}")
+
+    return show
+
+
 def run(args: argparse.Namespace) -> int:
-    summary = anyio.run(
-        lambda: rerun(args.settings, args.evaluation_id, any_system=args.any_system),
-        backend="asyncio",
-    )
+    with progress(f"rerunning {args.evaluation_id}", enabled=not args.json) as bar:
+        summary = anyio.run(
+            lambda: rerun(
+                args.settings,
+                args.evaluation_id,
+                any_system=args.any_system,
+                on_event=_shows(bar),
+            ),
+            backend="asyncio",
+        )
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:

@@ -14,6 +14,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from cli.console import print_table
 from mlscope.settings import Settings
 
 __all__ = ["parse_since", "register"]
@@ -119,7 +120,10 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("no evaluations match", file=sys.stderr)
         return 0
-    print(_table(rows))
+    cells = [[_cell(k, r) for k, _ in COLUMNS] for r in rows]
+    print_table(
+        [h for _, h in COLUMNS], cells, plain=_table(rows), right=("batch", "queries", "inputs/s")
+    )
     return 0
 
 

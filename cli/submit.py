@@ -1,4 +1,5 @@
-"""``mlscope-submit MODEL[@VERSION] --framework F ...``: publish a job, wait, report."""
+"""``mlscope-submit MODEL[@VERSION] --framework F ...``: flags into a job, then the job
+client (:mod:`mlscope.jobs`) publishes it and waits; this module reports."""
 
 from __future__ import annotations
 
@@ -11,25 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import nats.errors
-import nats.js.errors
 
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
 from cli.submit_errors import EXIT_FAILED, EXIT_INTERRUPTED, interrupted, preflight, strict_code
 from cli.system_opts import add_system_flags, system_from_args
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for, new_id
-from mlscope.errors import BusError, ConfigError, MLScopeError, WireError, error_from_wire
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, new_id
+from mlscope.errors import MLScopeError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.stats import mean_ci
 
 __all__ = ["main", "submit"]
-
-ACCEPT_TIMEOUT_S = 10.0
-STORED_CHECK_S = 15.0
-"""After this long without an event the submitter asks for the job's stored evaluation
-(its id is derived from the job), so a missed "done" never leaves it waiting."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -84,6 +78,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="open loops: load-generator processes sharing one schedule",
+    )
+    p.add_argument(
+        "--loadgen-hosts",
+        default=None,
+        metavar="ID,ID",
+        help="open loops: registered load-generator services (`mlscope loadgen --id ID`, "
+        "any host) the schedule is dealt to, instead of processes on the server's host",
     )
     p.add_argument(
         "--repetitions", type=int, default=None, help="cold-start: loads measured (default 5)"
@@ -182,6 +183,11 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         "latency_bound_ms": args.latency_bound_ms,
         "peak_trials": getattr(args, "peak_trials", None),
         "loadgens": args.loadgens,
+        "loadgen_hosts": (
+            tuple(h.strip() for h in args.loadgen_hosts.split(",") if h.strip())
+            if getattr(args, "loadgen_hosts", None)
+            else None
+        ),
         "min_duration_s": args.min_duration,
         "min_queries": args.min_queries,
         "max_issue_lag_us": args.max_issue_lag_us,
@@ -210,88 +216,6 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
     )
 
 
-async def submit(
-    settings: Settings, job: JobRequest, *, on_event: object = None, timeout: float | None = None
-) -> EvaluationSummary:
-    """Publish ``job`` and wait for its summary; failures raise their typed error."""
-    sc = job.scenario
-    runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
-    span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
-    limit = timeout or (max(sc.duration_s, span) * 3 * runs + 360.0)
-    async with busmod.connect(settings, name="mlscope-submit") as bus:
-        sub = await bus.nc.subscribe(names.job_events(job.job_id))
-        await _publish_job(bus, job)
-        return await _await_summary(bus, sub, job.job_id, limit, on_event)
-
-
-async def _publish_job(bus: busmod.Bus, job: JobRequest) -> None:
-    """Put ``job`` on the job stream, refusing one over the bus's size limit."""
-    data = codec.encode_model(job)
-    sc = job.scenario
-    limit_bytes = min(busmod.JOB_MAX_BYTES, int(bus.nc.max_payload))
-    if len(data) > limit_bytes:
-        what = (
-            f" (its replay schedule has {len(sc.arrivals_s)} arrivals: split it)"
-            if sc.arrivals_s
-            else ""
-        )
-        raise ConfigError(
-            f"the job is {len(data)} bytes, over the {limit_bytes}-byte limit of a job{what}",
-            field="scenario",
-        )
-    try:
-        # Retried with the job id as message id: a cluster leader election or a
-        # reconnect does not lose the job, and a retry is not a second job.
-        await busmod.publish_persistent(
-            bus, names.JOBS_SUBJECT, data, msg_id=job.job_id, attempts=4
-        )
-    except BusError as exc:
-        if isinstance(exc.__cause__, (nats.js.errors.APIError, nats.errors.MaxPayloadError)):
-            raise  # the stream is there and refused the job: say why
-        raise BusError(
-            "the job stream does not exist: is an mlscope server running? "
-            "(`mlscope up` or `mlscope server`)"
-        ) from exc
-
-
-async def _await_summary(
-    bus: busmod.Bus, sub: Any, job_id: str, limit: float, on_event: object
-) -> EvaluationSummary:
-    """The job's summary from its events (or from the database when its "done" was
-    missed); its typed error when it failed."""
-    accepted = False
-    deadline = time.monotonic() + limit
-    while True:
-        wait = (
-            ACCEPT_TIMEOUT_S if not accepted else min(STORED_CHECK_S, deadline - time.monotonic())
-        )
-        try:
-            msg = await sub.next_msg(timeout=max(0.1, wait))
-        except (nats.errors.TimeoutError, TimeoutError) as exc:
-            if not accepted:
-                raise BusError(
-                    f"no server took job {job_id} within "
-                    f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
-                ) from exc
-            stored = await _stored_result(bus, job_id)
-            if stored is not None:  # its "done" was missed (a bus outage)
-                return stored
-            if time.monotonic() < deadline:
-                continue
-            raise BusError(f"job {job_id} did not finish within {limit:g} s") from exc
-        try:
-            event = codec.decode_model(JobEvent, msg.data)
-        except WireError:
-            continue  # not an event of ours: a stray or hostile message
-        accepted = True
-        if callable(on_event):
-            on_event(event)
-        if event.event == "failed":
-            raise error_from_wire(event.error or {"message": "job failed"})
-        if event.event in ("done", "cancelled") and event.summary is not None:
-            return event.summary  # cancelled: status "cancelled", stored as such
-
-
 def _notes(event: JobEvent) -> None:
     """What the submitter must hear even without a terminal (a restarted job)."""
     if event.event == "restarted":
@@ -300,14 +224,6 @@ def _notes(event: JobEvent) -> None:
             file=sys.stderr,
             flush=True,
         )
-
-
-async def _stored_result(bus: busmod.Bus, job_id: str) -> EvaluationSummary | None:
-    try:
-        _, summary = await remote.evaluation(bus, evaluation_id_for(job_id), timeout=5.0)
-    except MLScopeError:
-        return None  # not stored yet, or no server answering right now
-    return EvaluationSummary.model_validate(summary)
 
 
 def _progress(event: JobEvent) -> None:
@@ -397,7 +313,10 @@ def format_summary(s: EvaluationSummary) -> str:
                 "  ".join(f"{k} {f(v.get('p50'))}" for k, v in s.latency_split_ms.items()),
             )
         )
-    if s.scenario.get("loadgens", 1) > 1:
+    if s.scenario.get("loadgen_hosts"):
+        hosts = ", ".join(s.scenario["loadgen_hosts"])
+        rows.append(("loadgens", f"services {hosts}, one schedule"))
+    elif s.scenario.get("loadgens", 1) > 1:
         rows.append(("loadgens", f"{s.scenario['loadgens']} processes, one schedule"))
     if s.scenario["name"] == "peak":
         rows.append(
@@ -440,8 +359,12 @@ def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
     if s.peak_rss_mb is not None:
         growth = "-" if s.rss_growth_mb is None else f"{s.rss_growth_mb:+.1f} MB"
         rows.append(("memory", f"agent peak RSS {s.peak_rss_mb:.1f} MB, growth {growth}"))
-    energy = "not available (no power source was read)" if s.energy_j is None else None
-    rows.append(("energy", energy or f"{s.energy_j:.3f} J"))
+    if s.energy_j is None:
+        rows.append(("energy", "not available (no power source was read)"))
+        return rows
+    per = s.energy_per_inference_j
+    each = f" ({per * 1e3:.3f} mJ per inference)" if per is not None else ""
+    rows.append(("energy", f"{s.energy_j:.3f} J{each}"))
     return rows
 
 

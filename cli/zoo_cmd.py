@@ -10,6 +10,7 @@ from pathlib import Path
 import anyio
 
 from cli.artifacts_cmd import push_zoo
+from cli.console import progress
 from mlscope.errors import MLScopeError
 
 __all__ = ["register", "run"]
@@ -51,12 +52,19 @@ def run(args: argparse.Namespace) -> int:
 
     zoo_dir: Path = args.zoo_dir or args.settings.zoo_dir
     started = time.perf_counter()
+    names = list(args.only or zoo_build.BUILDERS)
     try:
-        zoo_build.build(
-            zoo_dir, only=args.only, force=args.force, log=lambda m: print(m, flush=True)
-        )
+        with progress("zoo build", total=len(names)) as bar:
+            done = iter(range(len(names)))
+
+            def on_model(name: str) -> None:
+                bar.update(f"building {name}", completed=next(done))
+
+            zoo_build.build(
+                zoo_dir, only=args.only, force=args.force, log=bar.print, on_model=on_model
+            )
     except (MLScopeError, KeyError, RuntimeError, OSError) as exc:
-        print(f"mlscope zoo build: {exc}", file=sys.stderr)
+        print(f"mlscope zoo build: {exc}{_install_hint(exc)}", file=sys.stderr)
         return 1
     print(f"built in {time.perf_counter() - started:.1f} s")
     if args.push:
@@ -64,6 +72,13 @@ def run(args: argparse.Namespace) -> int:
     if args.write_manifests is not None:
         return _write(zoo_dir, args.write_manifests, args.only)
     return 0
+
+
+def _install_hint(exc: BaseException) -> str:
+    """Where a package that the zoo reads is missing: which extras install it."""
+    if isinstance(exc, MLScopeError) and exc.fields.get("package"):
+        return "; the zoo build needs pip install 'mlscope[zoo,onnx,torch,tf,tflite]'"
+    return ""
 
 
 def _write(zoo_dir: Path, target: Path, only: list[str] | None) -> int:

@@ -31,16 +31,13 @@ uses; :meth:`Client.submit` follows the same protocol on the client's connection
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import nats.errors
-
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
+from mlscope import codec, jobs, names, remote
 from mlscope.contracts import (
     AgentDescription,
     CancelReply,
@@ -48,21 +45,16 @@ from mlscope.contracts import (
     EvaluationSummary,
     JobEvent,
     JobRequest,
-    evaluation_id_for,
 )
-from mlscope.errors import BusError, MLScopeError, WireError, error_from_wire
+from mlscope.errors import BusError, MLScopeError
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
 if TYPE_CHECKING:  # pandas loads when a frame is asked for, not on import
     import pandas as pd
 
-__all__ = ["ACCEPT_TIMEOUT_S", "PAGE_ROWS", "Client", "cancel_job"]
+__all__ = ["PAGE_ROWS", "Client", "cancel_job"]
 
-ACCEPT_TIMEOUT_S = 10.0
-"""A job that no server accepts within this long fails (no server running)."""
-STORED_CHECK_S = 15.0
-"""Without an event for this long, the client asks for the stored result."""
 PAGE_ROWS = 2000
 """Rows per SQL reply: a page of spans stays well under NATS' 1 MiB payload."""
 
@@ -125,47 +117,7 @@ class Client:
         """Publish ``job`` and await its summary; ``on_progress`` hears every event
         (accepted, progress, restarted, done). A failed job raises its typed error; a
         cancelled one returns its summary with ``status == "cancelled"``."""
-        sub = await self.bus.nc.subscribe(names.job_events(job.job_id))
-        try:
-            await busmod.publish_persistent(
-                self.bus,
-                names.JOBS_SUBJECT,
-                codec.encode_model(job),
-                msg_id=job.job_id,
-                attempts=4,
-            )
-            return await self._await(sub, job, on_progress, timeout or _limit(job))
-        finally:
-            await sub.unsubscribe()
-
-    async def _await(
-        self, sub: Any, job: JobRequest, on_progress: Progress | None, limit: float
-    ) -> EvaluationSummary:
-        accepted, deadline = False, time.monotonic() + limit
-        while True:
-            wait = ACCEPT_TIMEOUT_S if not accepted else STORED_CHECK_S
-            try:
-                msg = await sub.next_msg(timeout=max(0.1, min(wait, deadline - time.monotonic())))
-            except (nats.errors.TimeoutError, TimeoutError) as exc:
-                if not accepted:
-                    raise BusError(f"no server took job {job.job_id}: is one running?") from exc
-                stored = await self.stored(evaluation_id_for(job.job_id))
-                if stored is not None:
-                    return stored
-                if time.monotonic() >= deadline:
-                    raise BusError(f"job {job.job_id} did not finish within {limit:g} s") from exc
-                continue
-            try:
-                event = codec.decode_model(JobEvent, msg.data)
-            except WireError:
-                continue  # a stray message on the subject
-            accepted = True
-            if on_progress is not None:
-                on_progress(event)
-            if event.event == "failed":
-                raise error_from_wire(event.error or {"message": "job failed"})
-            if event.event in ("done", "cancelled") and event.summary is not None:
-                return event.summary
+        return await jobs.submit_on(self.bus, job, on_event=on_progress, timeout=timeout)
 
     async def cancel(
         self, job_id: str, *, reason: str = "cancelled by the user", timeout: float = 10.0
@@ -232,14 +184,6 @@ class Client:
             "SELECT * FROM spans FINAL WHERE evaluation_id = {e:String} ORDER BY start_ns, span_id",
             {"e": evaluation_id},
         )
-
-
-def _limit(job: JobRequest) -> float:
-    """How long a job may take before the client gives up (runs x 3 x duration + 6 min)."""
-    sc = job.scenario
-    runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
-    span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
-    return max(sc.duration_s, span) * 3 * runs + 360.0
 
 
 async def cancel_job(

@@ -31,19 +31,19 @@ from pathlib import Path
 import anyio
 import nats.errors
 import nats.js.errors
-from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.object_store import ObjectStore
 
 from mlscope import names
 from mlscope.artifacts import safe_join
 from mlscope.buildlock import LOCK_NAME, BuildLock
-from mlscope.bus import Bus
+from mlscope.bus import Bus, find_object_store, object_store
 from mlscope.errors import ArtifactError, BusError, ChecksumMismatch
 from mlscope.hashing import sha256_path
 
 __all__ = ["ensure_bucket", "fetch", "open_bucket", "push", "pushed_models"]
 
 Log = Callable[[str], None]
+_DESCRIPTION = "built zoo models (mlscope artifacts push)"
 
 
 def _quiet(_message: str) -> None:
@@ -52,32 +52,14 @@ def _quiet(_message: str) -> None:
 
 async def open_bucket(bus: Bus) -> ObjectStore | None:
     """The artifact bucket; None when nobody pushed anything yet."""
-    try:
-        return await bus.js.object_store(names.ARTIFACTS_BUCKET)
-    except nats.js.errors.NotFoundError:
-        return None
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot open the artifact bucket: {exc!r}") from exc
+    return await find_object_store(bus, names.ARTIFACTS_BUCKET)
 
 
 async def ensure_bucket(bus: Bus, *, replicas: int = 1) -> ObjectStore:
     """The artifact bucket, created when missing."""
-    obs = await open_bucket(bus)
-    if obs is not None:
-        return obs
-    try:
-        # nats-py overwrites config.bucket with its ``bucket`` argument: give both.
-        return await bus.js.create_object_store(
-            names.ARTIFACTS_BUCKET,
-            ObjectStoreConfig(
-                bucket=names.ARTIFACTS_BUCKET,
-                storage=StorageType.FILE,
-                replicas=replicas,
-                description="built zoo models (mlscope artifacts push)",
-            ),
-        )
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot create the artifact bucket: {exc!r}") from exc
+    return await object_store(
+        bus, names.ARTIFACTS_BUCKET, description=_DESCRIPTION, replicas=replicas
+    )
 
 
 def _object(name: str, version: str, relative: str) -> str:

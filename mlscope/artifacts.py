@@ -97,7 +97,9 @@ def resolve_package(url: str) -> Path:
     except (ImportError, ValueError) as exc:
         raise ArtifactError(f"cannot locate package {package!r} for {url}", url=url) from exc
     if spec is None or not spec.submodule_search_locations:
-        raise ArtifactError(f"package {package!r} is not installed (needed by {url})", url=url)
+        raise ArtifactError(
+            f"package {package!r} is not installed (needed by {url})", url=url, package=package
+        )
     root = Path(next(iter(spec.submodule_search_locations)))
     return safe_join(root, sub) if sub else root
 

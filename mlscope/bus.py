@@ -1,7 +1,10 @@
 """The NATS boundary: connecting, provisioning streams and buckets, typed requests.
 
-nats-py exceptions are translated into :class:`mlscope.errors.BusError` here and
-nowhere else.
+nats-py exceptions of connecting, provisioning and requests are translated into
+:class:`mlscope.errors.BusError` here. Modules that drive JetStream, buckets or the
+object store themselves (the serving boundary, registry and manifest watchers, the
+artifact bucket, the job client, the ingester) catch nats-py's errors where they call
+it and translate them or act on them (a missing key, a fetch timeout).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from nats.js.api import (
     DiscardPolicy,
     ExternalStream,
     KeyValueConfig,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
     StreamSource,
 )
 from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
 from mlscope import codec, names
@@ -44,6 +49,8 @@ __all__ = [
     "connect_options",
     "ensure_infrastructure",
     "error_reply",
+    "find_object_store",
+    "object_store",
     "publish_persistent",
     "request",
 ]
@@ -351,3 +358,33 @@ async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> 
     if isinstance(data, dict) and data.get("kind") == "error":
         raise error_from_wire(data["error"])
     return data
+
+
+async def find_object_store(bus: Bus, name: str) -> ObjectStore | None:
+    """The JetStream object store ``name``; None when it does not exist."""
+    try:
+        return await bus.js.object_store(name)
+    except nats.js.errors.NotFoundError:
+        return None
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot open the object store {name}: {exc!r}") from exc
+
+
+async def object_store(
+    bus: Bus, name: str, *, description: str, replicas: int = 1, ttl_s: float | None = None
+) -> ObjectStore:
+    """The JetStream object store ``name``, created when missing."""
+    found = await find_object_store(bus, name)
+    if found is not None:
+        return found
+    config = ObjectStoreConfig(  # nats-py overwrites config.bucket with its argument
+        bucket=name,
+        storage=StorageType.FILE,
+        replicas=replicas,
+        description=description,
+        ttl=ttl_s,
+    )
+    try:
+        return await bus.js.create_object_store(name, config)
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot create the object store {name}: {exc!r}") from exc

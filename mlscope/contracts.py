@@ -19,7 +19,10 @@ Schema history:
                figures and EvaluationSummary's peak_rss_mb, rss_growth_mb, energy_j;
                PrepareReply.settings, mlscope_version and git_commit;
                CancelRequest / CancelReply, JobEvent "cancelled" and
-               EvaluationSummary status "cancelled".
+               EvaluationSummary status "cancelled";
+               ScenarioSpec.loadgen_hosts and the load-generator service's messages
+               (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp, LoadgenProgress and
+               the replies).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, TypeAdapter, 
 from mlscope.versions import parse_constraint
 
 __all__ = [
+    "LOADGEN_CONTROL",
     "Accelerator",
     "AgentDescription",
     "CancelReply",
@@ -49,6 +53,12 @@ __all__ = [
     "JobEvent",
     "JobRequest",
     "LatencyStats",
+    "LoadgenDescription",
+    "LoadgenDone",
+    "LoadgenLoadOp",
+    "LoadgenLoaded",
+    "LoadgenProgress",
+    "LoadgenStartOp",
     "MLPerfImport",
     "MLPerfSpec",
     "ModelOffer",
@@ -63,6 +73,7 @@ __all__ = [
     "ReleaseOp",
     "ReleaseReply",
     "SampleBatch",
+    "ScenarioName",
     "ScenarioSpec",
     "SpanBatch",
     "SqlReply",
@@ -215,22 +226,26 @@ class AgentDescription(_Message):
 # --------------------------------------------------------------------------- jobs
 
 
+ScenarioName = Literal[
+    "online",
+    "single-stream",
+    "multi-stream",
+    "batched",
+    "concurrency",
+    "constant",
+    "replay",
+    "piecewise",
+    "peak",
+    "cold-start",
+]
+"""Every scenario a job may ask for; each has its strategy in ``broker.scenario_kinds``."""
+
+
 class ScenarioSpec(BaseModel):
     """How load is generated; latency always counts from each query's scheduled time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: Literal[
-        "online",
-        "single-stream",
-        "multi-stream",
-        "batched",
-        "concurrency",
-        "constant",
-        "replay",
-        "piecewise",
-        "peak",
-        "cold-start",
-    ] = "online"
+    name: ScenarioName = "online"
     """online: Poisson; constant: fixed interval; replay: ``arrivals_s``; piecewise:
     ``segments``; multi-stream: ``batch_size`` samples every ``1/qps`` s; single-stream
     and concurrency: closed loop with 1 / ``concurrency`` outstanding; batched: a sweep
@@ -258,6 +273,29 @@ class ScenarioSpec(BaseModel):
     """piecewise: ``(rate_start, rate_end, seconds)`` per segment (ramps and bursts)."""
     loadgens: int = Field(default=1, ge=1)
     """Open loops: load-generator processes the global schedule is dealt to."""
+    loadgen_hosts: tuple[Annotated[str, Field(min_length=1, max_length=128)], ...] | None = Field(
+        default=None, min_length=1
+    )
+    """Open loops: ids of registered load-generator services (``mlscope loadgen``,
+    possibly on other hosts) the global schedule is dealt to, slice ``j`` to the
+    ``j``-th; ``loadgens`` is then their number. None: ``loadgens`` child processes of
+    the server on its own host."""
+
+    @field_validator("loadgen_hosts")
+    @classmethod
+    def _distinct_hosts(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("loadgen_hosts names a load generator twice")
+        return v
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.loadgen_hosts is not None and self.loadgens != len(self.loadgen_hosts):
+            if "loadgens" in self.model_fields_set:
+                raise ValueError(
+                    f"loadgens={self.loadgens} but {len(self.loadgen_hosts)} loadgen_hosts"
+                )
+            object.__setattr__(self, "loadgens", len(self.loadgen_hosts))
+
     peak_trials: int = Field(default=10, ge=2)
     """peak: most runs the search makes."""
     max_issue_lag_us: float | None = Field(default=None, gt=0)
@@ -466,7 +504,9 @@ class EvaluationSummary(_Message):
     """Its resident memory at release minus at prepare (MB): what the run kept."""
     energy_j: float | None = None
     """Energy the evaluation used, joules; None when no power source was readable
-    (never 0 for "unknown")."""
+    (never 0 for "unknown"). On a CPU it is the whole package's (RAPL)."""
+    energy_per_inference_j: float | None = None
+    """``energy_j`` over the run's samples (joules per inference); None with it."""
     started_at: float
     finished_at: float
 
@@ -569,6 +609,9 @@ class ReleaseReply(_Message):
     plus the kernel's high-water mark where it rose meanwhile)."""
     rss_end_bytes: int | None = None
     """Resident memory at its release."""
+    energy_j: float | None = None
+    """Energy of the agent's device between prepare and release (NVML on a GPU, RAPL
+    packages on the CPU); None when no counter was readable."""
 
 
 ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply
@@ -688,10 +731,10 @@ class _ColumnBatch(_Message):
 class SpanBatch(_ColumnBatch):
     """Many spans in one message, column by column (one list per field, same length).
 
-    Columns: span_id, parent_id, query_index, level, kind, name, start_ns, end_ns,
-    attrs (JSON text). Times are the agent's monotonic clock in ns and are stored so;
-    readers put them on the load generator's clock with the evaluation's stored
-    ``clock_offset_ns`` (``mlscope trace`` does).
+    Columns: :data:`mlscope.schema.SPAN_FIELDS` (span_id, parent_id, query_index, level,
+    kind, name, start_ns, end_ns, attrs as JSON text). Times are the agent's monotonic
+    clock in ns and are stored so; readers put them on the load generator's clock with
+    the evaluation's stored ``clock_offset_ns`` (``mlscope trace`` does).
     """
 
     kind: Literal["spans"] = "spans"
@@ -700,10 +743,83 @@ class SpanBatch(_ColumnBatch):
 class SampleBatch(_ColumnBatch):
     """System samples of one evaluation, column by column (trace level ``system``+).
 
-    Columns: ts_ns (agent monotonic clock, like spans), metric (``cpu.util``,
+    Columns: :data:`mlscope.schema.SAMPLE_FIELDS`: ts_ns (agent monotonic clock, like
+    spans), metric (``cpu.util``,
     ``proc.rss_bytes``, ``gpu.power_w``, ``perf.cycles`` ...), device (``all``,
     ``cpu3``, ``proc``, ``gpu0``), value (float). Published on the same stream as
     spans; the ingester stores them in ``system_samples``.
     """
 
     kind: Literal["samples"] = "samples"
+
+
+# --------------------------------------------------------------- load-generator services
+
+
+class LoadgenDescription(_Message):
+    """A load-generator service's registry entry (bucket ``mlscope_loadgens``, kept
+    alive by a heartbeat like an agent's)."""
+
+    kind: Literal["loadgen"] = "loadgen"
+    loadgen_id: str = Field(min_length=1, max_length=128)
+    host: str
+    pid: int = Field(ge=1, le=2**32 - 1)
+    mlscope_version: str
+    started_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
+    heartbeat_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
+
+
+class LoadgenLoadOp(_Message):
+    """Fetch one dealt slice of a run from the work bucket and get ready to start it."""
+
+    op: Literal["load"] = "load"
+    run_id: str
+    evaluation_id: str
+    subject: str
+    """Where the queries go (the prepared agent's query subject)."""
+    spec: ScenarioSpec
+    offset_ns: int
+    """The agent's clock minus this load generator's (agent times are converted)."""
+    trace_level: int
+    has_labels: bool
+    slice_object: str
+
+
+class LoadgenLoaded(_Message):
+    kind: Literal["loaded"] = "loaded"
+    run_id: str
+    queries: int
+
+
+LoadgenControl = Annotated[PingOp | LoadgenLoadOp, Field(discriminator="op")]
+"""What ``mlscope.loadgen.<id>.ctl`` takes (decode with ``LOADGEN_CONTROL``)."""
+LOADGEN_CONTROL: TypeAdapter[PingOp | LoadgenLoadOp] = TypeAdapter(LoadgenControl)
+
+
+class LoadgenStartOp(_Message):
+    """Run a loaded slice from ``start_ns`` (this load generator's monotonic clock);
+    answered when the run is over and its raw arrays are in the work bucket."""
+
+    op: Literal["start"] = "start"
+    run_id: str
+    start_ns: int
+    result_object: str
+    progress_subject: str | None = None
+    """Where to publish :class:`LoadgenProgress` about every half second while it runs."""
+
+
+class LoadgenProgress(_Message):
+    kind: Literal["loadgen-progress"] = "loadgen-progress"
+    run_id: str
+    result_object: str
+    """Which slice of the run (its result's name is unique per slice)."""
+    done: int
+
+
+class LoadgenDone(_Message):
+    kind: Literal["loadgen-done"] = "loadgen-done"
+    run_id: str
+    result_object: str
+    queries: int
+    completed: int
+    cpu_s: float

@@ -30,6 +30,7 @@ from pydantic import (
 
 from mlscope.artifacts import check_relative
 from mlscope.bounded import load_yaml_bounded
+from mlscope.contracts import ScenarioName
 from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
@@ -68,7 +69,7 @@ class _Strict(BaseModel):
 
 
 Step = dict[str, Any]
-"""One processing step: ``{operator_name: {options}}`` (see agent.operators)."""
+"""One processing step: ``{operator_name: {options}}`` (see mlscope.operators)."""
 
 
 def _known_framework(v: str) -> str:
@@ -446,20 +447,6 @@ class SystemManifest(SystemRequirements):
 
     kind: Literal["system"] = "system"
     name: str
-
-
-ScenarioName = Literal[
-    "online",
-    "single-stream",
-    "multi-stream",
-    "batched",
-    "concurrency",
-    "constant",
-    "replay",
-    "piecewise",
-    "peak",
-    "cold-start",
-]
 
 
 class ScenarioFile(_Strict):

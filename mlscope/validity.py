@@ -8,7 +8,8 @@ met is the binomial CDF::
 
     odds(h, t) = P[Binomial(h + t, 1 - q) <= t] = I_q(h, t + 1)
 
-(``I`` is the regularized incomplete beta function). ``min_passing_queries(t)`` is the
+(``I`` is the regularized incomplete beta function; scipy's ``special.bdtr`` computes
+the binomial CDF through it). ``min_passing_queries(t)`` is the
 least ``h`` with ``odds(h, t) < 1 - confidence``; a run of ``n`` queries supports the
 claim "the percentile is at most the ``t``-th largest latency" for the largest ``t``
 with ``h(t) + t <= n``. The sample at rank ``n - t`` is itself counted as one of the
@@ -31,7 +32,6 @@ import numpy as np
 import numpy.typing as npt
 
 from mlscope.stats import percentile as nearest_rank
-from mlscope.stats import regularized_beta as _betainc
 
 __all__ = [
     "EarlyStoppingEstimate",
@@ -81,15 +81,23 @@ def min_passing_queries(
     alpha = 1.0 - confidence
     lo = max(1, math.floor(over * q / (1.0 - q)))  # below the mean count nothing passes
     hi = lo
-    while _betainc(hi, over + 1.0, q) >= alpha:
+    while _odds(hi, over, q) >= alpha:
         lo, hi = hi + 1, hi * 2
     while lo < hi:  # least h in [lo, hi] that passes; odds fall as h grows
         mid = (lo + hi) // 2
-        if _betainc(mid, over + 1.0, q) < alpha:
+        if _odds(mid, over, q) < alpha:
             hi = mid
         else:
             lo = mid + 1
     return hi
+
+
+def _odds(passing: int, over: int, q: float) -> float:
+    """``P[Binomial(passing + over, 1 - q) <= over]``: the chance of so few overs when the
+    percentile is not met (the module docstring's ``odds``)."""
+    from scipy import special  # ~0.25 s to import: only where a run is judged
+
+    return float(special.bdtr(over, passing + over, 1.0 - q))
 
 
 def early_stopping_min_queries(

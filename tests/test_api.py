@@ -13,17 +13,13 @@ from cli.services import Stack
 from mlscope.api import Client
 from mlscope.contracts import JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError, UnknownModelError
-from tests.loadgen_fixtures import noop_stack
-
-__all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def noop_job(**scenario: object) -> JobRequest:
-    return JobRequest(
-        model="noop", framework="noop", trace_level="model", scenario=ScenarioSpec(**scenario)
-    )
+    spec = ScenarioSpec.model_validate(scenario)
+    return JobRequest(model="noop", framework="noop", trace_level="model", scenario=spec)
 
 
 def test_agents_models_submit_and_frames(noop_stack: Stack) -> None:

@@ -14,12 +14,12 @@ import pytest
 
 from cli.main import main as mlscope_main
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.auth import INBOX_PREFIXES, REPLY_WINDOW_S, ROLES, inbox_prefix_for
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
+from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from mlscope.settings import Settings

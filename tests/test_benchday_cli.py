@@ -23,9 +23,6 @@ from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import remote
 from tests.conftest import child_env
-from tests.loadgen_fixtures import noop_stack
-
-__all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -28,15 +28,12 @@ import pytest
 from broker.cancel import IN_FLIGHT, issued_part
 from broker.record import RunRecord
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import JobRequest, ScenarioSpec, evaluation_id_for
+from mlscope.jobs import submit
 from mlscope.outcomes import Outcome
 from tests.conftest import child_env
-from tests.loadgen_fixtures import noop_stack
-
-__all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -189,7 +186,7 @@ def test_mlscope_cancel_stops_a_running_job(noop_stack: Stack) -> None:
     )
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(
-            anyio.run, lambda: submit(noop_stack.settings, job), backend="asyncio"
+            lambda: anyio.run(lambda: submit(noop_stack.settings, job), backend="asyncio")
         )
         time.sleep(3.0)
         done = subprocess.run(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pandas as pd
 import pytest
 import streamlit as st
@@ -421,7 +422,7 @@ def test_accuracy_scatter_leaves_out_runs_without_accuracy() -> None:
         }
     )
     fig = plots.accuracy_scatter(points, "online_latency_ms")
-    drawn = fig.axes[0].collections[0].get_offsets()
+    drawn = np.asarray(fig.axes[0].collections[0].get_offsets())
     assert len(drawn) == 1 and tuple(drawn[0]) == (1.0, 0.97)  # not light_resnet50 at 0
 
 
@@ -464,4 +465,5 @@ def test_throughput_plot_has_one_point_per_batch_size() -> None:
         ]
     ).assign(model="m", framework="f", scenario="batched", **key)
     line = plots.throughput_by_batch(summ).axes[0].lines[0]
-    assert list(line.get_xdata()) == [1, 4] and list(line.get_ydata()) == [100.0, 300.0]
+    xs, ys = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
+    assert xs.tolist() == [1, 4] and ys.tolist() == [100.0, 300.0]

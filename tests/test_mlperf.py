@@ -112,7 +112,9 @@ def summary_stats(text: str) -> dict[str, int]:
     """The summary file's latency lines, read independently of broker.mlperf_logs."""
     found = re.findall(r"^(\d+\.\d+) percentile latency \(ns\)\s*:\s*(\d+)$", text, re.M)
     stats = {q: int(v) for q, v in found}
-    stats["max"] = int(re.search(r"^Max latency \(ns\)\s*:\s*(\d+)$", text, re.M)[1])
+    top = re.search(r"^Max latency \(ns\)\s*:\s*(\d+)$", text, re.M)
+    assert top is not None, text
+    stats["max"] = int(top[1])
     return stats
 
 

@@ -337,7 +337,7 @@ def test_onnxruntime_options_from_framework_manifest(models: pm.ModelSet) -> Non
         pm.manifest("onnxruntime"),
         PredictorOptions(threads=1, runtime=runtime),
     )
-    so = pred.session.get_session_options()
+    so = pred.session.get_session_options()  # type: ignore[attr-defined]  # the ORT predictor's
     assert (so.intra_op_num_threads, so.inter_op_num_threads) == (1, 2)
     assert so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     x = pm.sample_inputs(4)

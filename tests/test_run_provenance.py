@@ -17,17 +17,19 @@ import onnxruntime as ort
 import pytest
 
 import mlscope
+from agent.energy import rapl_counters
 from agent.predictors import open_predictor
 from agent.profiling.onnxruntime import node_events
 from agent.sysmon import RssWatch
 from analysis.layers import _mb
 from cli.rerun_cmd import differences, rerun, rerun_job
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import provenance, remote
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import ResolutionError
+from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
@@ -75,10 +77,14 @@ def test_a_summary_has_the_agents_memory_and_no_made_up_energy(noop_agent: Setti
     # little of what it allocated.
     assert s.peak_rss_mb is not None and 20 < s.peak_rss_mb < 4000, s.peak_rss_mb
     assert s.rss_growth_mb is not None and abs(s.rss_growth_mb) < s.peak_rss_mb
-    assert s.energy_j is None  # no RAPL / NVML energy counter read: unknown, not 0
     text = format_summary(s)
     assert f"agent peak RSS {s.peak_rss_mb:.1f} MB" in text
-    assert "energy        not available" in text
+    if rapl_counters():  # this machine exposes a readable package counter
+        assert s.energy_j is not None and s.energy_j > 0
+        assert s.energy_per_inference_j == pytest.approx(s.energy_j / s.samples)
+    else:  # no RAPL counter readable: unknown, never 0
+        assert s.energy_j is None and s.energy_per_inference_j is None
+        assert "energy        not available" in text
 
 
 def test_the_specification_holds_the_agents_settings_and_own_versions(

@@ -24,9 +24,6 @@ from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.stats import percentile
 from tests.conftest import child_env
-from tests.loadgen_fixtures import noop_stack
-
-__all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -17,9 +17,6 @@ from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.errors import UnknownModelError
 from mlscope.settings import Settings
 from tests.conftest import child_env
-from tests.loadgen_fixtures import noop_stack
-
-__all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from cli.all_agents import matching_agents
-from cli.submit import make_job, parser, submit
+from cli.submit import make_job, parser
 from cli.system_opts import parse_size
 from mlscope import sysinfo, sysmatch
 from mlscope.catalog import Catalog, default_manifest_dirs
@@ -26,6 +26,7 @@ from mlscope.contracts import (
     SystemRequirement,
 )
 from mlscope.errors import ConfigError, ResolutionError
+from mlscope.jobs import submit
 from mlscope.manifest import SystemRequirements
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings

@@ -25,10 +25,10 @@ from analysis.source import open_source
 from cli import trace_cmd
 from cli.main import main as mlscope_main
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, SpanBatch, new_id
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from tests.conftest import REPO, child_env, make_data_dir, python, wait_agents, wait_server
 from tests.tracing_fixtures import ensure_built

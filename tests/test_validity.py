@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import numpy as np
 import pytest
 from scipy import special
@@ -37,10 +39,12 @@ def test_min_passing_queries_is_the_least_passing_binomial_count(over: int, pct:
 
 
 @pytest.mark.parametrize(
-    ("a", "b", "x"), [(63, 2, 0.9), (661, 2, 0.99), (1e5, 900, 0.99), (3, 1000, 1e-3), (7, 7, 0.5)]
+    ("h", "t", "q"),
+    [(63, 1, 0.9), (661, 1, 0.99), (100_000, 899, 0.99), (3, 999, 1e-3), (7, 6, 0.5)],
 )
-def test_incomplete_beta_matches_scipy(a: float, b: float, x: float) -> None:
-    assert v._betainc(a, b, x) == pytest.approx(special.betainc(a, b, x), rel=1e-9)
+def test_odds_are_the_incomplete_beta_of_the_docstring(h: int, t: int, q: float) -> None:
+    # P[Binomial(h + t, 1 - q) <= t] = I_q(h, t + 1)
+    assert v._odds(h, t, q) == pytest.approx(special.betainc(h, t + 1, q), rel=1e-9)
 
 
 def test_percentile_bound_is_conservative_and_none_when_too_few() -> None:
@@ -65,13 +69,21 @@ def test_queries_needed_for_a_bound() -> None:
 MS = 1_000_000
 
 
+class Timings(TypedDict):
+    """The per-query arrays of :func:`mlscope.validity.verdict`."""
+
+    scheduled_ns: np.ndarray
+    issued_ns: np.ndarray
+    latency_ns: np.ndarray
+
+
 def _run(
     rate: float = 1000.0, duration_s: float = 12.0, lag_ns: int = 20_000, seed: int = 1
-) -> dict[str, np.ndarray]:
+) -> Timings:
     s = sch.poisson(rate, duration_s=duration_s, seed=seed)
     issued = s.offsets_ns + lag_ns
     latency = np.full(len(s), 2 * MS, dtype=np.int64) + lag_ns
-    return {"scheduled_ns": s.offsets_ns, "issued_ns": issued, "latency_ns": latency}
+    return Timings(scheduled_ns=s.offsets_ns, issued_ns=issued, latency_ns=latency)
 
 
 def test_good_run_is_valid() -> None:

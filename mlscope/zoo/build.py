@@ -359,8 +359,12 @@ def build(
     log: Callable[[str], None] = print,
     pinned: Mapping[str, BuildSpec] | None = None,
     env: Mapping[str, str] | None = None,
+    on_model: Callable[[str], None] | None = None,
 ) -> dict[str, dict[str, str]]:
     """Build the selected models; returns ``{model: {file: sha256}}`` (their locks).
+
+    ``on_model`` hears each model's name before it is built or found up to date (a
+    progress bar).
 
     ``pinned`` (default: from the committed manifests) holds each model's pinned
     inputs and behaviour; a model without one is built unchecked. ``env`` is added to
@@ -377,6 +381,8 @@ def build(
     specs = pinned_specs() if pinned is None else pinned
     result: dict[str, dict[str, str]] = {}
     for name in wanted:
+        if on_model is not None:
+            on_model(name)
         b = BUILDERS[name]
         out = zoo_dir / b.name / b.version
         if force or not _up_to_date(out, b):

@@ -110,10 +110,8 @@ def _identity(x: Any) -> Any:
 
 
 def _pil() -> Any:
-    try:
-        from PIL import Image
-    except ImportError as exc:  # pragma: no cover - pillow ships with the zoo extra
-        raise ImportError("image operators need Pillow: pip install 'mlscope[zoo]'") from exc
+    from PIL import Image  # a core dependency, imported by the first image step only
+
     return Image
 
 
