@@ -153,6 +153,17 @@ def test_run_page_sweep_with_validity_knobs(env: AnalysisRuns) -> None:
     assert "minimum 10 s" not in verdict and "minimum 100" not in verdict
 
 
+def test_run_page_system_requirements_reach_resolution(env: AnalysisRuns) -> None:
+    """A requirement no live agent meets is refused by the server, per agent."""
+    at = run_form("online")
+    at.number_input(key="run_duration").set_value(0.4).run()
+    at.number_input(key="run_sys_cores").set_value(4096).run()
+    at.button(key="run_go").click().run(timeout=120)
+    assert not at.exception, [e.value for e in at.exception]
+    shown = " ".join(e.value for e in at.error)
+    assert "4096 cores" in shown and "misses" in shown, shown
+
+
 def test_compare_page(env: AnalysisRuns) -> None:
     at = page("compare.py")
     at.selectbox(key="compare_base").select(env.online[0]).run()

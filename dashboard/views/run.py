@@ -19,7 +19,13 @@ from dashboard.common import (
     stop_on_error,
 )
 from mlscope.api import Client
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
+from mlscope.contracts import (
+    EvaluationSummary,
+    JobEvent,
+    JobRequest,
+    ScenarioSpec,
+    SystemRequirement,
+)
 from mlscope.errors import MLScopeError
 
 LEVELS = ["none", "model", "framework", "system", "full"]
@@ -143,6 +149,29 @@ def validity_form() -> dict[str, Any]:
         }
 
 
+def system_form() -> SystemRequirement | None:
+    """What the agent's machine must have (empty: anything), as ``--system`` asks."""
+    with st.expander("System requirements"):
+        c1, c2, c3, c4, c5 = st.columns(5)
+        wanted: dict[str, Any] = {
+            "arch": c1.text_input("Architecture", "", key="run_sys_arch", placeholder="amd64")
+            or None,
+            "accelerator": c2.text_input("Accelerator", "", key="run_sys_acc", placeholder="H100")
+            or None,
+            "min_memory_bytes": int(
+                c3.number_input("Min memory (GiB)", min_value=0.0, value=0.0, key="run_sys_mem")
+                * (1 << 30)
+            )
+            or None,
+            "min_cores": c4.number_input("Min cores", min_value=0, value=0, key="run_sys_cores")
+            or None,
+            "host": c5.text_input("Host", "", key="run_sys_host") or None,
+        }
+    if not any(v is not None for v in wanted.values()):
+        return None
+    return SystemRequirement.model_validate(wanted)
+
+
 def run_jobs(jobs: list[JobRequest], duration: float) -> list[EvaluationSummary]:
     """Submit ``jobs`` one after another on one client, with a progress bar each."""
     done: list[EvaluationSummary] = []
@@ -263,6 +292,7 @@ if missing:
     st.warning(f"No live agent offers {', '.join(missing)}; the job would fail to resolve.")
 spec = scenario_form()
 validity = validity_form()
+system = system_form()
 c1, c2, c3 = st.columns([2, 1, 1])
 level = c1.select_slider("Trace level", LEVELS, value="model", key="run_level")
 accuracy = c2.checkbox(
@@ -291,6 +321,7 @@ if st.button("Run", type="primary", key="run_go", disabled=not (model and framew
             trace_level=str(level),
             accuracy=bool(accuracy),
             parallel=bool(parallel),
+            system=system,
             submitted_at=time.time(),
         )
         for fw in frameworks
