@@ -18,7 +18,7 @@ import pandas as pd
 
 from analysis.source import Source
 
-__all__ = ["layer_kind", "layer_types", "top_layers"]
+__all__ = ["layer_kind", "layer_types", "shape_text", "top_layers"]
 
 
 def layer_kind(source: Source, evaluation_id: str) -> str | None:
@@ -102,7 +102,7 @@ def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
                 "rank": i,
                 "layer": r["layer"],
                 "op_type": attrs.get("op_type", ""),
-                "shape": _shape(attrs.get("shape")),
+                "shape": shape_text(attrs.get("shape")),
                 "device": attrs.get("device", ""),
                 "calls": int(r["calls"]),
                 "total_ms": float(r["total_ns"]) / 1e6,
@@ -168,9 +168,17 @@ def _attrs(raw: Any) -> dict[str, Any]:
     return got if isinstance(got, dict) else {}
 
 
-def _shape(shape: Any) -> str:
+def shape_text(shape: Any) -> str:
+    """``1×8×26×26``; several tensors comma-separated; a profiler's
+    ``{"inputs": [...], "outputs": [...]}`` as ``1×1×8×8 → 1×8×6×6`` (the dtypes
+    dropped, as ``{"dtype": "float", "shape": [...]}`` reads ``1×8×6×6``)."""
+    if isinstance(shape, dict) and ("inputs" in shape or "outputs" in shape):
+        ins, outs = shape_text(shape.get("inputs")), shape_text(shape.get("outputs"))
+        return f"{ins} → {outs}" if ins and outs else ins or outs
+    if isinstance(shape, dict):
+        return shape_text(shape.get("shape"))
     if isinstance(shape, list | tuple):
-        if shape and all(isinstance(s, list | tuple) for s in shape):
-            return ", ".join(_shape(s) for s in shape)
+        if shape and all(isinstance(s, list | tuple | dict) for s in shape):
+            return ", ".join(shape_text(s) for s in shape)
         return "×".join(str(s) for s in shape)
     return "" if shape is None else str(shape)

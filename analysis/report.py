@@ -105,7 +105,7 @@ def build(
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
     latency = Section("Latency")
     if lat:
-        latency.plots.append(("Latency CDF", plots.latency_cdf(lat)))
+        latency.plots.append(("Latency by percentile (log scale)", plots.latency_percentiles(lat)))
     for e in ids:
         w = latency_windows(source, e, window_s=window_s)
         if len(w) > 1:

@@ -114,17 +114,29 @@ def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0
     """Latency in consecutive windows of scheduled time (warm-up, throttling, noise).
 
     Columns: window (index), start_s (from the first scheduled query), queries,
-    trimmed_mean_ms, p50_ms, p90_ms, p99_ms.
+    trimmed_mean_ms, p50_ms, p90_ms, p99_ms (of the queries scheduled in the window),
+    completed_per_s (queries that completed in the window, per second: the rate the
+    system delivered, which a stall drops while latency climbs).
     """
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
     q = queries(source, [evaluation_id])
     q = q[q["ok"] & ~q["warmup"]]
-    cols = ["window", "start_s", "queries", "trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms"]
+    cols = [
+        "window",
+        "start_s",
+        "queries",
+        "trimmed_mean_ms",
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "completed_per_s",
+    ]
     if q.empty:
         return pd.DataFrame(columns=cols)
-    t = (q["scheduled_ns"] - q["scheduled_ns"].min()) / 1e9
-    window = (t // window_s).astype(int)
+    t0 = q["scheduled_ns"].min()
+    window = ((q["scheduled_ns"] - t0) / 1e9 // window_s).astype(int)
+    done = ((q["completed_ns"] - t0) / 1e9 // window_s).astype(int).value_counts()
     rows = []
     for w, g in q.groupby(window):
         ms = g["latency_ns"].to_numpy(np.int64) / 1e6
@@ -138,6 +150,9 @@ def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0
                 "p50_ms": p50,
                 "p90_ms": p90,
                 "p99_ms": p99,
+                "completed_per_s": int(done.get(w, 0)) / window_s,
             }
         )
-    return pd.DataFrame(rows, columns=cols)
+    frame = pd.DataFrame(rows, columns=cols)
+    frame.attrs["window_s"] = window_s
+    return frame

@@ -13,10 +13,11 @@ import json
 import pandas as pd
 
 from analysis.data import spans
+from analysis.layers import shape_text
 from analysis.source import Source, table_exists
 from mlscope.errors import DatabaseError
 
-__all__ = ["DEPTHS", "system_samples", "timeline"]
+__all__ = ["DEPTHS", "inflight_slots", "system_samples", "timeline"]
 
 # Each depth shows its kinds and those above it.
 DEPTHS: dict[str, tuple[str, ...]] = {
@@ -73,11 +74,32 @@ def timeline(
             "dur_ms": (raw["end_ns"].astype("int64") - raw["start_ns"].astype("int64")).to_numpy()
             / 1e6,
             "op_type": [str(a.get("op_type", "")) for a in attrs],
-            "shape": [json.dumps(a["shape"]) if "shape" in a else "" for a in attrs],
+            "shape": [shape_text(a.get("shape")) for a in attrs],
             "parent_id": raw["parent_id"].astype("uint64").to_numpy(),
             "span_id": raw["span_id"].astype("uint64").to_numpy(),
         },
         columns=cols,
+    )
+
+
+def inflight_slots(tl: pd.DataFrame) -> pd.Series:
+    """A lane per query in flight: each query takes the lowest slot free at its start
+    (a slot frees when its query ends), and its spans share that slot. Queries that
+    overlap, that is queue behind one another, land on separate lanes; back-to-back
+    queries reuse lane 0. Indexed like ``tl``; a span whose query has no query span
+    goes to the slot of its query index's first span."""
+    queries = tl[tl["kind"] == "query"].sort_values("start_ms")
+    ends: list[float] = []  # ends[slot]: when that slot's query ends
+    slot_of: dict[int, int] = {}
+    for q in queries.itertuples():
+        free = next((i for i, end in enumerate(ends) if end <= q.start_ms), len(ends))
+        if free == len(ends):
+            ends.append(q.end_ms)
+        else:
+            ends[free] = q.end_ms
+        slot_of[int(q.query_index)] = free
+    return pd.Series(
+        [slot_of.get(int(i), 0) for i in tl["query_index"]], index=tl.index, dtype="int64"
     )
 
 

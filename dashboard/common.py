@@ -6,6 +6,7 @@ Reads are cached for a few seconds (a page re-runs its script on every click).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -23,6 +24,8 @@ __all__ = [
     "FIG_WIDTH",
     "agents",
     "catalog",
+    "comparable",
+    "deep_link",
     "eval_label",
     "evaluation_picker",
     "recent_evaluations",
@@ -87,10 +90,37 @@ def eval_label(row: Any) -> str:
     )
 
 
+def deep_link() -> str | None:
+    """The evaluation named in the page's address (``?eval=EV_ID``), if any."""
+    got = st.query_params.get("eval")
+    return str(got) if got else None
+
+
+def comparable(ev: pd.DataFrame, anchor: str | None, *, limit: int = 12) -> list[str]:
+    """``anchor`` (default: the newest run) and the newest runs sharing its model and
+    scenario: the runs a person most likely wants side by side, not the whole history."""
+    if ev.empty:
+        return []
+    rows = ev[ev["evaluation_id"] == anchor] if anchor else ev.head(1)
+    if rows.empty:
+        rows = ev.head(1)
+    first = rows.iloc[0]
+    same = ev[(ev["model"] == first["model"]) & (ev["scenario"] == first["scenario"])]
+    ids = [str(first["evaluation_id"])]
+    ids += [str(e) for e in same["evaluation_id"] if e != first["evaluation_id"]]
+    return ids[:limit]
+
+
 def evaluation_picker(
-    label: str, *, key: str, multi: bool = False, default_all: bool = False
+    label: str, *, key: str, multi: bool = False, link: bool = True, besides: Sequence[str] = ()
 ) -> list[str]:
-    """A select box (or multiselect) of the stored evaluations, newest first."""
+    """A select box (or multiselect) of the stored evaluations, newest first.
+
+    ``?eval=EV_ID`` in the address picks that evaluation (``link``); a multiselect
+    starts with it and the runs comparable to it (:func:`comparable`; those in
+    ``besides`` left out), and a select box writes its choice back to the address so
+    that the page can be shared.
+    """
     try:
         ev = recent_evaluations()
     except MLScopeError as exc:
@@ -101,14 +131,21 @@ def evaluation_picker(
         st.stop()
     labels = {r.evaluation_id: eval_label(r) for r in ev.itertuples()}
     ids = list(labels)
+    wanted = deep_link() if link else None
+    if wanted is not None and wanted not in labels:
+        st.warning(f"No evaluation {wanted} (from the address); showing the newest.")
+        wanted = None
     if multi:
         picked = st.multiselect(
             label,
             ids,
-            default=ids if default_all else ids[:1],
+            default=[e for e in comparable(ev, wanted) if e not in besides],
             format_func=labels.__getitem__,
             key=key,
         )
         return list(picked)
-    one = st.selectbox(label, ids, format_func=labels.__getitem__, key=key)
+    index = ids.index(wanted) if wanted else 0
+    one = st.selectbox(label, ids, index=index, format_func=labels.__getitem__, key=key)
+    if link and one and one != wanted:
+        st.query_params["eval"] = one
     return [one] if one else []

@@ -33,6 +33,15 @@ FLAGS = (
 )
 
 
+# The size of the rendered app while the script has finished (None while it runs).
+SETTLED = (
+    "(() => { const app = document.querySelector('[data-testid=stMain]'); "
+    "if (!app || document.querySelector('[data-testid=stStatusWidgetRunningIcon]') || "
+    "document.querySelector('[data-testid=stSkeleton]')) return null; "
+    "return app.innerHTML.length; })()"
+)
+
+
 def executable() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -62,6 +71,41 @@ class Page:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"page never satisfied {expression!r} in {timeout:g} s")
             time.sleep(0.5)
+
+    def goto(self, url: str) -> None:
+        self.call("Page.navigate", url=url)
+
+    def settle(self, timeout: float, *, quiet_s: float = 1.5) -> None:
+        """Wait until Streamlit has run the script and painted: the page has its app
+        view, no "running" status, and the DOM has not changed for ``quiet_s``."""
+        deadline = time.monotonic() + timeout
+        last, since = -1, time.monotonic()
+        while True:
+            size = self.evaluate(SETTLED)
+            now = time.monotonic()
+            if size != last or size is None:
+                last, since = size, now
+            elif now - since >= quiet_s:
+                return
+            if now > deadline:
+                raise TimeoutError(f"the page did not settle in {timeout:g} s")
+            time.sleep(0.25)
+
+    def click(self, selector: str, text: str) -> None:
+        """Click (a real mouse press, which React's handlers hear) the first visible
+        ``selector`` element whose text is ``text``."""
+        box = self.evaluate(
+            f"(() => {{ const el = [...document.querySelectorAll({json.dumps(selector)})]"
+            f".find(e => e.offsetParent !== null && e.innerText.trim() === {json.dumps(text)});"
+            " if (!el) return null; el.scrollIntoView({block: 'center'});"
+            " const r = el.getBoundingClientRect();"
+            " return [r.left + r.width / 2, r.top + r.height / 2]; })()"
+        )
+        if not box:
+            raise LookupError(f"no {selector} reading {text!r} on the page")
+        x, y = box
+        for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
     def dom(self) -> str:
         return str(self.evaluate("document.documentElement.outerHTML"))

@@ -48,4 +48,4 @@ st.dataframe(
 for a in found:
     with st.expander(f"{a['agent_id']}: models and capabilities"):
         st.dataframe(pd.DataFrame(a["models"]), hide_index=True)
-        st.write("capabilities:", ", ".join(a["capabilities"]) or "-")
+        st.caption("Capabilities: " + (", ".join(a["capabilities"]) or "-"))

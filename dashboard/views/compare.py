@@ -8,12 +8,21 @@ import streamlit as st
 from analysis import plots
 from analysis.compare import SINGLE_RUN_NOTE, check_comparable, compare_runs
 from analysis.data import queries
-from dashboard.common import FIG_WIDTH, evaluation_picker, source
+from dashboard.common import FIG_WIDTH, evaluation_picker, recent_evaluations, source
 
 st.title("Compare runs")
 base = evaluation_picker("Baseline", key="compare_base")
-cands = evaluation_picker("Candidates", key="compare_cands", multi=True)
+cands = evaluation_picker("Candidates", key="compare_cands", multi=True, besides=base)
 cands = [c for c in cands if c not in base]
+# A sweep's parent (batch sizes, a peak search) holds a summary, not queries: its runs
+# are the ones to compare.
+ev = recent_evaluations()
+runs_of = dict(zip(ev["evaluation_id"], ev["runs"], strict=True))
+for e in [*base, *cands]:
+    if runs_of.get(e):
+        st.info(f"{e} is a sweep of {len(runs_of[e])} runs, not a run: pick its runs.")
+base = [e for e in base if not runs_of.get(e)]
+cands = [e for e in cands if not runs_of.get(e)]
 if not base or not cands:
     st.info("Pick a baseline and at least one other evaluation.")
     st.stop()
@@ -38,8 +47,9 @@ for cand in cands:
     st.caption(SINGLE_RUN_NOTE)
 q = queries(source(), [*base, *cands])
 q = q[q["ok"] & ~q["warmup"]]
+st.subheader("Latency by percentile")
 st.pyplot(
-    plots.latency_cdf(
+    plots.latency_percentiles(
         {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
     ),
     width=FIG_WIDTH,

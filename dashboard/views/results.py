@@ -1,76 +1,141 @@
-"""Results: the tables and figures of analysis/ for the evaluations picked."""
+"""Results: the tables and figures of analysis/ for the evaluations picked (by default
+the newest run and the runs comparable to it; `?eval=EV_ID` picks another anchor)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+import pandas as pd
 import streamlit as st
 
 from analysis import figures, layers, plots
 from analysis.compare import regressions
+from analysis.data import queries
 from analysis.summary import latency_windows, summary
 from dashboard.common import (
     FIG_WIDTH,
     catalog,
+    eval_label,
     evaluation_picker,
+    recent_evaluations,
     settings,
     source,
     stop_on_error,
 )
 from mlscope.errors import MLScopeError
 
-st.title("Results")
-ids = evaluation_picker("Evaluations", key="results_ids", multi=True, default_all=True)
-if not ids:
-    st.stop()
-try:
-    summ = summary(source(), ids)
-except MLScopeError as exc:
-    stop_on_error(exc)
-st.subheader("Summary")
-st.dataframe(summ, hide_index=True)
+LAYER_LEVELS = frozenset({"framework", "system", "full"})
+MAX_CURVES = 8  # more lines than this on one figure cannot be told apart
 
-t_tput, t_acc, t_time, t_layers, t_sys, t_reg = st.tabs(
-    ["Throughput", "Accuracy", "Latency over time", "Layers", "Across systems", "Regressions"]
-)
-with t_tput:
+
+def one_of(ids: list[str], *, key: str, prefer: frozenset[str] = frozenset()) -> str:
+    """One of the picked evaluations, labelled; the first traced at a ``prefer`` level
+    is the default (the Layers tab starts on a run that has layers)."""
+    wanted = set(ids)
+    rows = {
+        r.evaluation_id: r for r in recent_evaluations().itertuples() if r.evaluation_id in wanted
+    }
+    first = next((i for i, e in enumerate(ids) if e in rows and rows[e].trace_level in prefer), 0)
+    return str(
+        st.selectbox(
+            "Evaluation",
+            ids,
+            index=first,
+            key=key,
+            format_func=lambda e: eval_label(rows[e]) if e in rows else e,
+        )
+    )
+
+
+def latency_tab(summ: pd.DataFrame) -> None:
+    runs = figures.measured_runs(summ).head(MAX_CURVES)
+    q = queries(source(), list(runs["evaluation_id"]))
+    q = q[q["ok"] & ~q["warmup"]]
+    ms = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
+    if not ms:
+        st.info("No completed queries among these evaluations.")
+        return
+    if len(figures.measured_runs(summ)) > MAX_CURVES:
+        st.caption(f"The newest {MAX_CURVES} runs.")
+    c1, c2 = st.columns(2)
+    c1.pyplot(plots.latency_percentiles(ms), width="stretch")
+    c2.pyplot(plots.latency_histogram(ms), width="stretch")
+
+
+def throughput_tab(summ: pd.DataFrame) -> None:
     best = figures.max_throughput(summ)
     if best.empty:
-        st.info("No batched runs among these evaluations.")
-    else:
-        st.dataframe(best, hide_index=True)
-        st.pyplot(plots.throughput_by_batch(summ), width=FIG_WIDTH)
-        heat = figures.speedup_heatmap(summ)
-        if heat.shape[1] > 1:
-            st.caption("Throughput speed-up over the smallest batch size (paper Fig. 6)")
-            st.dataframe(heat)
-            st.pyplot(plots.speedup_figure(heat), width=FIG_WIDTH)
-with t_acc:
+        st.info("No batched runs among these evaluations: run a batch-size sweep.")
+        return
+    st.dataframe(best, hide_index=True)
+    st.pyplot(plots.throughput_by_batch(summ), width=FIG_WIDTH)
+    heat = figures.speedup_heatmap(summ)
+    if heat.shape[1] > 1:
+        st.caption("Throughput speed-up over the smallest batch size (paper Fig. 6)")
+        st.dataframe(heat)
+        st.pyplot(plots.speedup_figure(heat), width=FIG_WIDTH)
+
+
+def peak_tab(ids: list[str]) -> None:
+    ev = recent_evaluations()
+    peaks = ev[ev["evaluation_id"].isin(ids) & (ev["scenario"] == "peak")]
+    trials = {r for runs in peaks["runs"] for r in runs}
+    searches = peaks[~peaks["evaluation_id"].isin(trials)]  # a search, not one of its runs
+    if searches.empty:
+        st.info("No peak search among these evaluations (scenario `peak`).")
+        return
+    for row in searches.itertuples():
+        # A search that made one run is stored as that run.
+        points = summary(source(), list(row.runs) or [row.evaluation_id])
+        st.caption(f"{row.evaluation_id}: {row.model}/{row.framework}, {len(points)} trials")
+        st.pyplot(plots.throughput_latency(points), width=FIG_WIDTH)
+        cols = ["evaluation_id", "requested_qps", "throughput_ips", "p99_ms", "valid"]
+        st.dataframe(points[cols].sort_values("requested_qps"), hide_index=True)
+
+
+def accuracy_tab(summ: pd.DataFrame) -> None:
+    latency_only = {e.manifest.name for e in catalog().entries if e.manifest.latency_only}
+    measured = summ[summ["top1"].notna() & ~summ["model"].isin(latency_only)]
     sizes = figures.model_sizes(catalog(), settings().zoo_dir)
-    acc = figures.accuracy_tradeoff(summ, sizes)
+    acc = figures.accuracy_tradeoff(measured, sizes)
     if acc.empty:
-        st.info("No runs with an accuracy among these evaluations.")
-    else:
-        st.dataframe(acc, hide_index=True)
-        for x in ("online_latency_ms", "max_throughput_ips"):
-            if acc[x].notna().any():
-                st.pyplot(plots.accuracy_scatter(acc, x), width=FIG_WIDTH)
-with t_time:
-    one = st.selectbox("Evaluation", ids, key="results_window_eval")
-    window = st.number_input("Window (s)", min_value=0.05, value=1.0, key="results_window")
+        st.info(
+            "No run among these measured accuracy (latency-only models have no labelled "
+            "data; tick “Also measure accuracy” on the Run page)."
+        )
+        return
+    st.dataframe(acc, hide_index=True)
+    for x in ("online_latency_ms", "max_throughput_ips"):
+        if acc[x].notna().any():
+            st.pyplot(plots.accuracy_scatter(acc, x), width=FIG_WIDTH)
+
+
+def over_time_tab(ids: list[str]) -> None:
+    one = one_of(ids, key="results_window_eval")
+    window = st.number_input("Window (s)", min_value=0.05, value=0.25, key="results_window")
     w = latency_windows(source(), one, window_s=float(window))
-    st.dataframe(w, hide_index=True)
     if len(w) > 1:
-        st.pyplot(plots.latency_over_time(w, one), width=FIG_WIDTH)
-with t_layers:
-    one = st.selectbox("Evaluation", ids, key="results_layers_eval")
+        st.pyplot(plots.latency_over_time(w, one), width="stretch")
+    else:
+        st.info("One window only: pick a shorter window or a longer run.")
+    st.dataframe(w, hide_index=True)
+
+
+def layers_tab(ids: list[str]) -> None:
+    one = one_of(ids, key="results_layers_eval", prefer=LAYER_LEVELS)
     n = st.number_input("Top N", min_value=1, value=10, key="results_top_n")
     top = layers.top_layers(source(), one, int(n))
     if top.empty:
-        st.info("No layer spans: run with trace level `framework` or above.")
-    else:
-        st.dataframe(top, hide_index=True)
-        st.caption("By layer type")
-        st.dataframe(layers.layer_types(source(), one), hide_index=True)
-with t_sys:
+        st.info("No layer spans in this run: run with trace level `framework` or above.")
+        return
+    st.pyplot(plots.layer_bars(top), width=FIG_WIDTH)
+    st.dataframe(top, hide_index=True)
+    st.caption("By layer type")
+    st.dataframe(layers.layer_types(source(), one), hide_index=True)
+
+
+def systems_tab(summ: pd.DataFrame) -> None:
     systems = sorted(set(summ["system"]))
     model = st.selectbox("Model", sorted(set(summ["model"])), key="results_sys_model")
     prices = {
@@ -80,7 +145,9 @@ with t_sys:
         for i, s in enumerate(systems)
     }
     st.dataframe(figures.across_systems(summ, str(model), prices), hide_index=True)
-with t_reg:
+
+
+def regressions_tab(summ: pd.DataFrame) -> None:
     axis = st.radio(
         "Across versions of",
         ["framework_version", "model_version"],
@@ -95,3 +162,30 @@ with t_reg:
         )
     else:
         st.dataframe(reg, hide_index=True)
+
+
+st.title("Results")
+ids = evaluation_picker("Evaluations", key="results_ids", multi=True)
+if not ids:
+    st.info("Pick at least one evaluation.")
+    st.stop()
+try:
+    summ = summary(source(), ids)
+except MLScopeError as exc:
+    stop_on_error(exc)
+st.subheader("Summary")
+st.dataframe(summ, hide_index=True)
+
+TABS: dict[str, Callable[[], None]] = {
+    "Latency": lambda: latency_tab(summ),
+    "Throughput": lambda: throughput_tab(summ),
+    "Peak search": lambda: peak_tab(ids),
+    "Accuracy": lambda: accuracy_tab(summ),
+    "Over time": lambda: over_time_tab(ids),
+    "Layers": lambda: layers_tab(ids),
+    "Across systems": lambda: systems_tab(summ),
+    "Regressions": lambda: regressions_tab(summ),
+}
+for tab, draw in zip(st.tabs(list(TABS)), TABS.values(), strict=True):
+    with tab:
+        draw()

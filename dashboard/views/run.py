@@ -1,25 +1,267 @@
-"""Run: push-button evaluation — task → model → framework → agent → scenario → trace
-level — with live progress from the server's job events."""
+"""Run: push-button evaluation (task → model → frameworks → agent → scenario → trace level)
+through the Python API (mlscope.api.Client), with live progress from the job events."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, get_args
 
 import anyio
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import agents, catalog, settings, stop_on_error
-from mlscope.contracts import JobEvent, JobRequest, ScenarioSpec
+from dashboard.common import (
+    agents,
+    catalog,
+    deep_link,
+    recent_evaluations,
+    settings,
+    stop_on_error,
+)
+from mlscope.api import Client
+from mlscope.contracts import (
+    EvaluationSummary,
+    JobEvent,
+    JobRequest,
+    ScenarioSpec,
+    SystemRequirement,
+)
 from mlscope.errors import MLScopeError
-from mlscope.jobs import submit
 
 LEVELS = ["none", "model", "framework", "system", "full"]
-SCENARIOS = ["online", "single-stream", "constant", "concurrency", "batched", "peak", "cold-start"]
-"""The scenarios that need no file (replay and piecewise: mlscope-submit --scenario-file)."""
+# Every scenario the CLI has, from the one definition (the contract). Comments here,
+# never a bare string after a statement: Streamlit "magic" would print it on the page.
+SCENARIOS: list[str] = list(get_args(ScenarioSpec.model_fields["name"].annotation))
+OPEN_LOOP = {"online", "constant", "multi-stream", "peak", "piecewise", "replay"}
+RATED = {"online", "constant", "multi-stream", "peak"}
+
+
+def _numbers(text: str, kind: type[float] | type[int]) -> tuple[Any, ...]:
+    """Comma- or whitespace-separated numbers ("1, 2, 4" → (1, 2, 4))."""
+    return tuple(kind(x) for x in text.replace(",", " ").split())
+
+
+def _segments(text: str) -> tuple[tuple[float, float, float], ...]:
+    """``start,end,seconds`` per line or per ``;`` (a piecewise rate schedule)."""
+    out = []
+    for part in text.replace("\n", ";").split(";"):
+        if part.strip():
+            a, b, c = _numbers(part, float)
+            out.append((a, b, c))
+    return tuple(out)
+
+
+def scenario_form() -> dict[str, Any]:
+    """The scenario's fields, as ScenarioSpec takes them (disabled where they do not apply)."""
+    c1, c2, c3, c4 = st.columns(4)
+    name = c1.selectbox("Scenario", SCENARIOS, key="run_scenario")
+    values: dict[str, Any] = {"name": name}
+    values["qps"] = c2.number_input(
+        "Rate (queries/s)", min_value=1.0, value=100.0, key="run_qps", disabled=name not in RATED
+    )
+    values["batch_size"] = c3.number_input(
+        "Batch size (multi-stream: samples per query)",
+        min_value=1,
+        value=1 if name in ("online", "single-stream") else 8,
+        key="run_batch",
+    )
+    values["duration_s"] = c4.number_input(
+        "Duration (s)", min_value=0.1, value=10.0, key="run_duration"
+    )
+    c1, c2, c3, c4 = st.columns(4)
+    sweep = c1.text_input(
+        "Batch sizes swept (batched)", "1, 2, 4, 8", key="run_sweep", disabled=name != "batched"
+    )
+    if name == "batched" and sweep.strip():
+        values["batch_sizes"] = _numbers(sweep, int)
+    values["concurrency"] = c2.number_input(
+        "Queries in flight",
+        min_value=1,
+        value=4,
+        key="run_concurrency",
+        disabled=name != "concurrency",
+    )
+    bound = c3.number_input(
+        "p99 latency bound (ms; peak: the target)",
+        min_value=0.0,
+        value=10.0 if name == "peak" else 0.0,
+        key="run_bound",
+    )
+    values["latency_bound_ms"] = float(bound) or None
+    values["peak_trials"] = c4.number_input(
+        "Peak: most trials", min_value=2, value=10, key="run_trials", disabled=name != "peak"
+    )
+    c1, c2, c3, c4 = st.columns(4)
+    values["repetitions"] = c1.number_input(
+        "Cold start: loads", min_value=1, value=5, key="run_reps", disabled=name != "cold-start"
+    )
+    values["warm_queries"] = c2.number_input(
+        "Cold start: warm queries",
+        min_value=1,
+        value=20,
+        key="run_warm",
+        disabled=name != "cold-start",
+    )
+    values["loadgens"] = c3.number_input(
+        "Load generators",
+        min_value=1,
+        value=1,
+        key="run_loadgens",
+        disabled=name not in OPEN_LOOP,
+    )
+    values["seed"] = c4.number_input("Seed", value=0, step=1, key="run_seed")
+    if name == "piecewise":
+        values["segments"] = _segments(
+            st.text_area(
+                "Segments: rate from, rate to, seconds; …",
+                "50,200,2; 200,200,2",
+                key="run_segments",
+            )
+        )
+    if name == "replay":
+        values["arrivals_s"] = _numbers(
+            st.text_area("Inter-arrival times (s)", "0.01 0.01 0.05 0.002", key="run_arrivals"),
+            float,
+        )
+    return values
+
+
+def validity_form() -> dict[str, Any]:
+    """Validity knobs and warm-up (0 / empty: the server's policy)."""
+    with st.expander("Validity and warm-up"):
+        c1, c2, c3, c4, c5 = st.columns(5)
+        return {
+            "min_duration_s": c1.number_input(
+                "Min duration (s)", min_value=0.0, value=0.0, key="run_min_duration"
+            )
+            or None,
+            "min_queries": c2.number_input("Min queries", min_value=0, value=0, key="run_min_q")
+            or None,
+            "max_issue_lag_us": c3.number_input(
+                "Max p99 issue lag (µs)", min_value=0.0, value=0.0, key="run_max_lag"
+            )
+            or None,
+            "max_queries": c4.number_input("Max queries", min_value=0, value=0, key="run_max_q")
+            or None,
+            "warmup_queries": c5.number_input(
+                "Warm-up queries", min_value=0, value=0, key="run_warmup"
+            ),
+        }
+
+
+def system_form() -> SystemRequirement | None:
+    """What the agent's machine must have (empty: anything), as ``--system`` asks."""
+    with st.expander("System requirements"):
+        c1, c2, c3, c4, c5 = st.columns(5)
+        wanted: dict[str, Any] = {
+            "arch": c1.text_input("Architecture", "", key="run_sys_arch", placeholder="amd64")
+            or None,
+            "accelerator": c2.text_input("Accelerator", "", key="run_sys_acc", placeholder="H100")
+            or None,
+            "min_memory_bytes": int(
+                c3.number_input("Min memory (GiB)", min_value=0.0, value=0.0, key="run_sys_mem")
+                * (1 << 30)
+            )
+            or None,
+            "min_cores": c4.number_input("Min cores", min_value=0, value=0, key="run_sys_cores")
+            or None,
+            "host": c5.text_input("Host", "", key="run_sys_host") or None,
+        }
+    if not any(v is not None for v in wanted.values()):
+        return None
+    return SystemRequirement.model_validate(wanted)
+
+
+def run_jobs(jobs: list[JobRequest], duration: float) -> list[EvaluationSummary]:
+    """Submit ``jobs`` one after another on one client, with a progress bar each."""
+    done: list[EvaluationSummary] = []
+
+    async def go() -> None:
+        async with Client(settings(), name="mlscope dashboard") as client:
+            for job in jobs:
+                bar = st.progress(0.0, text=f"{job.framework}: submitted")
+
+                def on_event(event: JobEvent, bar: Any = bar, fw: str = job.framework) -> None:
+                    if event.event == "accepted":
+                        bar.progress(0.0, text=f"{fw}: accepted by {event.server_id}")
+                    elif event.event == "progress":
+                        p50 = "-" if event.p50_ms is None else f"{event.p50_ms:.3f} ms"
+                        bar.progress(
+                            min(event.elapsed_s / duration, 1.0),
+                            text=f"{fw}: {event.queries_done} queries · "
+                            f"{event.elapsed_s:.1f} s · running p50 {p50}",
+                        )
+
+                done.append(await client.submit(job, on_progress=on_event))
+                bar.progress(1.0, text=f"{job.framework}: done")
+
+    anyio.run(go, backend="asyncio")
+    return done
+
+
+def show(summaries: list[EvaluationSummary]) -> None:
+    for s in summaries:
+        if s.valid:
+            st.success(f"{s.evaluation_id} ({s.framework['name']}): VALID")
+        else:
+            st.warning(
+                f"{s.evaluation_id} ({s.framework['name']}): INVALID\n\n"
+                + "\n".join(f"- {r}" for r in s.invalid_reasons or ("(no reason given)",))
+            )
+    rows = [
+        {
+            "evaluation": s.evaluation_id,
+            "framework": s.framework["name"],
+            "valid": s.valid,
+            "queries": s.queries,
+            "trimmed mean ms": s.latency_ms.trimmed_mean,
+            "p50 ms": s.latency_ms.p50,
+            "p90 ms": s.latency_ms.p90,
+            "p99 ms": s.latency_ms.p99,
+            "throughput /s": s.throughput_ips,
+            "top-1": (s.accuracy or {}).get("top1"),
+        }
+        for s in summaries
+    ]
+    st.dataframe(pd.DataFrame(rows), hide_index=True)
+    links = " · ".join(f"[{s.evaluation_id}](results?eval={s.evaluation_id})" for s in summaries)
+    st.markdown(f"Open in Results: {links}")
+
+
+def prefill(evaluation_id: str) -> None:
+    """Start the form from a stored evaluation's settings (``?eval=EV_ID``: run it
+    again, or change one thing); once per evaluation, so that edits stick."""
+    if st.session_state.get("run_prefilled") == evaluation_id:
+        return
+    st.session_state["run_prefilled"] = evaluation_id
+    ev = recent_evaluations()
+    rows = ev[ev["evaluation_id"] == evaluation_id]
+    if rows.empty:
+        st.warning(f"No evaluation {evaluation_id} (from the address) to start from.")
+        return
+    r = rows.iloc[0]
+    task = next(
+        (t for t, es in catalog().tasks().items() if any(e.manifest.name == r.model for e in es)),
+        None,
+    )
+    values: dict[str, Any] = {
+        "run_task": task,
+        "run_model": r.model,
+        "run_version": r.model_version,
+        "run_frameworks": [r.framework],
+        "run_scenario": r.scenario,
+        "run_batch": int(r.batch_size),
+        "run_level": r.trace_level if r.trace_level in LEVELS else "model",
+    }
+    if r.requested_qps is not None and not pd.isna(r.requested_qps):
+        values["run_qps"] = float(r.requested_qps)
+    st.session_state.update({k: v for k, v in values.items() if v is not None})
+
 
 st.title("Run an evaluation")
+if (linked := deep_link()) is not None:
+    prefill(linked)
+    st.caption(f"Settings from {linked}.")
 tasks = catalog().tasks()
 c1, c2, c3 = st.columns(3)
 task = c1.selectbox("Task", list(tasks), key="run_task")
@@ -27,114 +269,68 @@ entries = tasks.get(task, []) if task else []
 model = c2.selectbox("Model", sorted({e.manifest.name for e in entries}), key="run_model")
 versions = sorted({e.manifest.version for e in entries if e.manifest.name == model})
 version = c3.selectbox("Version", versions, key="run_version")
-frameworks = sorted(
-    {
-        e.manifest.framework.name
-        for e in entries
-        if e.manifest.name == model and e.manifest.version == version
-    }
-)
+mine = [e for e in entries if e.manifest.name == model and e.manifest.version == version]
+offered = sorted({e.manifest.framework.name for e in mine})
+latency_only = all(e.manifest.latency_only for e in mine)
 c1, c2, c3 = st.columns(3)
-framework = c1.selectbox("Framework", frameworks, key="run_framework")
+frameworks = c1.multiselect("Frameworks", offered, default=offered[:1], key="run_frameworks")
 try:
-    live = [a for a in agents() if any(f["name"] == framework for f in a["frameworks"])]
+    live = [a for a in agents() if any(f["name"] in frameworks for f in a["frameworks"])]
 except MLScopeError as exc:
     stop_on_error(exc)
     live = []
 devices = sorted(
-    {d for a in live for f in a["frameworks"] if f["name"] == framework for d in f["devices"]}
+    {d for a in live for f in a["frameworks"] if f["name"] in frameworks for d in f["devices"]}
 ) or ["cpu"]
 device = c2.selectbox("Device", devices, key="run_device")
 choices: dict[str, str | None] = {"any (the server picks)": None}
-choices |= {f"{a['agent_id']} ({a['host']}, {a['cpu_model']})": a["agent_id"] for a in live}
+if len(frameworks) == 1:
+    choices |= {f"{a['agent_id']} ({a['host']}, {a['cpu_model']})": a["agent_id"] for a in live}
 agent = c3.selectbox("Agent / system", list(choices), key="run_agent")
-if not live:
-    st.warning(f"No live agent offers {framework}; the job would fail to resolve.")
-c1, c2, c3, c4 = st.columns(4)
-scenario = c1.selectbox("Scenario", SCENARIOS, key="run_scenario")
-qps = c2.number_input(
-    "Rate (queries/s)",
-    min_value=1.0,
-    value=100.0,
-    key="run_qps",
-    disabled=scenario not in ("online", "constant", "peak"),
+missing = [f for f in frameworks if not any(x["name"] == f for a in live for x in a["frameworks"])]
+if missing:
+    st.warning(f"No live agent offers {', '.join(missing)}; the job would fail to resolve.")
+spec = scenario_form()
+validity = validity_form()
+system = system_form()
+c1, c2, c3 = st.columns([2, 1, 1])
+level = c1.select_slider("Trace level", LEVELS, value="model", key="run_level")
+accuracy = c2.checkbox(
+    "Also measure accuracy",
+    value=False,
+    key="run_accuracy",
+    disabled=latency_only,
+    help="latency-only model: no labelled data set" if latency_only else None,
 )
-batch = c3.number_input(
-    "Batch size", min_value=1, value=1 if scenario == "online" else 8, key="run_batch"
-)
-duration = c4.number_input("Duration (s)", min_value=0.5, value=10.0, key="run_duration")
-c1, c2 = st.columns(2)
-concurrency = c1.number_input(
-    "Queries in flight (concurrency)",
-    min_value=1,
-    value=4,
-    key="run_concurrency",
-    disabled=scenario != "concurrency",
-)
-bound = c2.number_input(
-    "p99 latency bound (ms, peak: the search target)",
-    min_value=0.0,
-    value=10.0 if scenario == "peak" else 0.0,
-    key="run_bound",
-)
-level = st.select_slider("Trace level", LEVELS, value="model", key="run_level")
+parallel = c3.checkbox("Run beside other jobs", value=False, key="run_parallel")
 
-if st.button("Run", type="primary", key="run_go", disabled=not (model and framework)):
-    job = JobRequest(
-        model=str(model),
-        model_version=version,
-        framework=str(framework),
-        device=str(device),
-        agent_id=choices[str(agent)],
-        scenario=ScenarioSpec.model_validate(
-            {
-                "name": scenario,
-                "qps": float(qps),
-                "batch_size": int(batch),
-                "duration_s": float(duration),
-                "concurrency": int(concurrency),
-                "latency_bound_ms": float(bound) or None,
-            }
-        ),
-        trace_level=str(level),
-        submitted_at=time.time(),
-    )
-    bar = st.progress(0.0, text="submitted")
-    status = st.empty()
-
-    def on_event(event: JobEvent) -> None:
-        if event.event == "accepted":
-            status.write(f"accepted by {event.server_id}")
-        elif event.event == "progress":
-            frac = min(event.elapsed_s / float(duration), 1.0)
-            p50 = "-" if event.p50_ms is None else f"{event.p50_ms:.3f} ms"
-            bar.progress(
-                frac,
-                text=f"{event.queries_done} queries · {event.elapsed_s:.1f} s · running p50 {p50}",
-            )
-
+if st.button("Run", type="primary", key="run_go", disabled=not (model and frameworks)):
     try:
-        summary = anyio.run(lambda: submit(settings(), job, on_event=on_event), backend="asyncio")
+        scenario = ScenarioSpec.model_validate({**spec, **validity})
+    except ValueError as exc:
+        st.error(f"The scenario is not valid: {exc}")
+        st.stop()
+    jobs = [
+        JobRequest(
+            model=str(model),
+            model_version=version,
+            framework=fw,
+            device=str(device),
+            agent_id=choices[str(agent)],
+            scenario=scenario,
+            trace_level=str(level),
+            accuracy=bool(accuracy),
+            parallel=bool(parallel),
+            system=system,
+            submitted_at=time.time(),
+        )
+        for fw in frameworks
+    ]
+    try:
+        summaries = run_jobs(jobs, float(spec["duration_s"]))
     except MLScopeError as exc:
-        bar.empty()
         st.error(f"{type(exc).__name__}: {exc}")
     else:
-        bar.progress(1.0, text="done")
-        st.session_state["last_evaluation"] = summary.evaluation_id
-        st.cache_data.clear()  # the new evaluation shows on the other pages now
-        st.success(
-            f"{summary.evaluation_id}: "
-            + ("VALID" if summary.valid else "INVALID: " + "; ".join(summary.invalid_reasons))
-        )
-        lat = summary.latency_ms
-        row: dict[str, Any] = {
-            "evaluation": summary.evaluation_id,
-            "queries": summary.queries,
-            "trimmed mean ms": lat.trimmed_mean,
-            "p50 ms": lat.p50,
-            "p90 ms": lat.p90,
-            "p99 ms": lat.p99,
-            "throughput /s": summary.throughput_ips,
-            "top-1": (summary.accuracy or {}).get("top1"),
-        }
-        st.dataframe(pd.DataFrame([row]), hide_index=True)
+        st.session_state["last_evaluation"] = summaries[-1].evaluation_id
+        st.cache_data.clear()  # the new evaluations show on the other pages now
+        show(summaries)
