@@ -23,7 +23,6 @@ the load-generator clock with the offset estimated over request/reply.
 from __future__ import annotations
 
 import asyncio
-import gc
 import sys
 import time
 from collections.abc import Callable
@@ -32,13 +31,13 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.pacer import OutstandingLimit, Pacer, RealtimeThread
-from broker.record import ARRAYS, TIME_ARRAYS, RunRecord
-from broker.schedule import Schedule
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.contracts import Query, ScenarioSpec, TraceLevel, new_id
 from mlscope.errors import EvaluationError, OverloadedError
+from mlscope.pacer import OutstandingLimit, Pacer, QuietGC, RealtimeThread
+from mlscope.record import ARRAYS, TIME_ARRAYS, RunRecord
+from mlscope.schedule import CLOSED_LOOPS, Schedule
 from mlscope.stats import percentile
 
 __all__ = [
@@ -62,7 +61,6 @@ LOOP_REALTIME_MAX_QPS = 5_000.0
 """Above this mean rate the event-loop thread keeps its normal priority: it is busy
 most of the time there, and a busy real-time thread would take a core from the agent
 and nats-server (the system under test)."""
-CLOSED_LOOPS = frozenset({"single-stream", "concurrency", "batched"})
 
 
 async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[int, int]:
@@ -129,26 +127,7 @@ def _leave() -> None:
         _idle.set()
 
 
-class _QuietGC:
-    """No cyclic garbage collection while a schedule runs.
-
-    A collection holds the GIL for its whole length (milliseconds with a large heap),
-    and the pacer thread cannot issue meanwhile: py-spy and the issue-lag tail showed
-    it. Objects alive at the start are frozen (never scanned again), collection is
-    off during the run (reference counting still frees nearly everything), and both
-    are undone afterwards.
-    """
-
-    def __init__(self) -> None:
-        self.was_enabled = gc.isenabled()
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-
-    def restore(self) -> None:
-        gc.unfreeze()
-        if self.was_enabled:
-            gc.enable()
+_QuietGC = QuietGC  # the name broker.mlperf_sut imports
 
 
 def encode_query(
