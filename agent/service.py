@@ -21,18 +21,20 @@ from nats.aio.msg import Msg
 
 import mlscope
 from agent import profiling
+from agent.localrun import LocalRun, rows_messages
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
 from agent.sysmon import Sampler
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
-from mlscope import artifact_bucket, codec, names, sysinfo
+from mlscope import artifact_bucket, codec, names, samples, sysinfo
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
     CONTROL,
+    LOCAL_RUN,
     AgentDescription,
     DescribeOp,
     ErrorReply,
@@ -46,6 +48,8 @@ from mlscope.contracts import (
     RefusedModel,
     ReleaseOp,
     ReleaseReply,
+    RunOp,
+    RunStarted,
     TraceLevel,
     new_id,
 )
@@ -63,7 +67,7 @@ from mlscope.fetchpolicy import FetchPolicy
 from mlscope.manifest import FrameworkManifest, is_built
 from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
-from mlscope.serving import Boundary
+from mlscope.serving import Boundary, as_error
 from mlscope.settings import Settings
 from mlscope.versions import satisfies
 
@@ -72,6 +76,8 @@ __all__ = ["Agent", "AgentConfig"]
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
 AGENT_SWITCH_INTERVAL_S = 0.0002
+SHIP_S = 0.25
+"""How often a local run's finished rows go to the server (also its sign of life)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +96,9 @@ class AgentConfig:
     heartbeat_s: float = busmod.HEARTBEAT_S
     sample_s: float = 0.1
     """System-sampler interval for evaluations traced at level ``system`` or more."""
+    local_runs: bool = True
+    """Run a scenario's load here when a job asks (``placement: agent``); advertised
+    as the feature :data:`mlscope.contracts.LOCAL_RUN`."""
 
 
 @dataclass
@@ -161,6 +170,7 @@ class Agent:
             subs: list[Any] = []
             try:
                 async with anyio.create_task_group() as tg:
+                    self.task_group = tg  # local runs (placement agent) run in it
                     keep = self.boundary.keep_running
                     await tg.start(keep, "models watch", self.remote.run)
                     await self._fetch_missing()
@@ -299,6 +309,7 @@ class Agent:
             started_at=time.time(),
             heartbeat_at=time.time(),
             heartbeat_s=self.config.heartbeat_s,
+            features=(LOCAL_RUN,) if self.config.local_runs else (),
         )
 
     async def _advertise(self, bus: Bus) -> None:
@@ -336,8 +347,8 @@ class Agent:
     # ------------------------------------------------------------------ requests
 
     async def _on_ctl(
-        self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp, msg: Msg
-    ) -> PingReply | AgentDescription | PrepareReply | ReleaseReply:
+        self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, msg: Msg
+    ) -> PingReply | AgentDescription | PrepareReply | ReleaseReply | RunStarted:
         """Control requests (the serving boundary replies to failures)."""
         if isinstance(req, PingOp):
             return PingReply(t_agent=now())
@@ -345,6 +356,8 @@ class Agent:
             return self.describe()
         if isinstance(req, PrepareOp):
             return await self._prepare(req)
+        if isinstance(req, RunOp):
+            return await self._start_run(req)
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         if session is not None and session.level >= TraceLevel.FRAMEWORK:
@@ -423,6 +436,90 @@ class Agent:
             sha256=entry.graph_sha256(self.settings.zoo_dir),
             t_agent=now(),
         )
+
+    async def _start_run(self, req: RunOp) -> RunStarted:
+        """Start a local run (placement agent) for a prepared evaluation: answered at
+        once with the run's t0; its rows follow on ``req.results``."""
+        if not self.config.local_runs:
+            raise ConfigError(
+                f"agent {self.agent_id} does not run load itself (placement agent is "
+                "off on it); use placement server",
+                field="placement",
+            )
+        session = self.sessions.get(req.evaluation_id)
+        if session is None:
+            raise EvaluationError(
+                f"agent {self.agent_id} was not prepared for evaluation {req.evaluation_id}"
+            )
+        entry = next(e for e, _ in self.offers if e.manifest.key == session.key)
+        spec, m = req.scenario, entry.manifest
+        data = await anyio.to_thread.run_sync(samples.dataset, entry, self.settings.zoo_dir)
+        inputs, _ = samples.feeders(data, m.inputs[0].shape, spec.batch_size, spec.seed)
+        level = TraceLevel(min(TraceLevel.parse(req.trace_level), session.level))
+        spans = self.tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None
+        busy = f"agent {self.agent_id} is overloaded"
+        run = LocalRun(
+            session.worker,
+            spec,
+            inputs=inputs,
+            level=level,
+            spans=spans,
+            overloaded=lambda _i: busy,
+        )
+        self.task_group.start_soon(self._local_run, run, req)
+        scheduled = len(run.schedule) if run.schedule is not None else 0
+        return RunStarted(t0_agent=run.rec.t0_ns, queries=scheduled)
+
+    async def _local_run(self, run: LocalRun, req: RunOp) -> None:
+        """Run it on a worker thread; ship its rows every :data:`SHIP_S` while it runs
+        and the rest, with the totals, when it ends (also when it fails)."""
+        seq = 0
+
+        async def ship(*, final: bool = False, **extra: Any) -> None:
+            nonlocal seq
+            start, cols, errors = run.take(final=final)
+            if not final and not len(cols["ok"]):
+                return
+            for data in rows_messages(
+                req.evaluation_id,
+                start,
+                cols,
+                errors,
+                seq=seq,
+                max_bytes=req.max_bytes,
+                issued=run.issued,
+                final=final,
+                **extra,
+            ):
+                await self.bus.nc.publish(req.results, data)
+                seq += 1
+
+        async def shipper() -> None:
+            while True:
+                await anyio.sleep(SHIP_S)
+                await ship()
+
+        error: dict[str, Any] | None = None
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(shipper)
+                try:
+                    await anyio.to_thread.run_sync(run.run, abandon_on_cancel=True)
+                finally:
+                    run.stop()
+                tg.cancel_scope.cancel()
+        except Exception as exc:  # the run's failure goes to the server in its rows
+            error = as_error(exc, service=f"agent {self.agent_id}").to_wire()
+            log.warning("agent %s: local run %s failed: %r", self.agent_id, req.evaluation_id, exc)
+        finally:  # also on shutdown: the server stores what was measured
+            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+                await ship(
+                    final=True,
+                    queries=run.rec.n,
+                    not_issued=run.rec.not_issued,
+                    cpu_s=run.cpu_s,
+                    error=error,
+                )
 
     def _labels(self, entry: Entry) -> list[str] | None:
         """The first output's labels file, when the manifest names one that is local

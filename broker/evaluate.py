@@ -30,10 +30,11 @@ from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
-from mlscope import codec, names
+from mlscope import codec, names, samples
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
+    LOCAL_RUN,
     AgentDescription,
     EvaluationSummary,
     JobRequest,
@@ -74,6 +75,9 @@ def resolve(
         )
 
     def fits(a: AgentDescription) -> bool:
+        return serves(a) and (job.placement == "server" or LOCAL_RUN in a.features)
+
+    def serves(a: AgentDescription) -> bool:
         fw = next((f for f in a.frameworks if f.name == job.framework), None)
         return (
             fw is not None
@@ -85,6 +89,17 @@ def resolve(
         )
 
     matches = [a for a in agents if fits(a)]
+    unable = [a.agent_id for a in agents if serves(a) and not fits(a)]
+    if not matches and unable:
+        raise ResolutionError(
+            f"placement agent: agent(s) {', '.join(unable)} serve {m.name}@{m.version} on "
+            f"{job.framework} but cannot run load themselves (no {LOCAL_RUN!r} feature: an "
+            "older mlscope, or started without it); submit with --placement server",
+            model=m.name,
+            framework=job.framework,
+            placement=job.placement,
+            agents=unable,
+        )
     if not matches:
         live = "; ".join(_describe(a) for a in agents) or "none"
         want = (
@@ -213,13 +228,16 @@ class Evaluator:
             nats_url=url.geturl() if url is not None else None,
             agent_id=agent.agent_id,
             prepare=prepare,
+            placement=job.placement,
         )
         started = time.time()
         outcome = await scenarios.execute(ctx, spec)
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
-        acc = None if lost else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
+        # A local run (placement agent) reports a lost agent in its own reasons.
+        gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
+        acc = None if gone else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
-        if not lost:
+        if not gone:
             # An agent gone since then ends its session with it.
             with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
                 await request(
@@ -229,7 +247,11 @@ class Evaluator:
                     timeout=5,
                 )
         fw = next(x for x in agent.frameworks if x.name == job.framework)
-        cost = LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
+        cost = (
+            LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
+            if job.placement == "server"
+            else LoadgenCost(agent_host=agent.host, host=agent.host, cores=agent.cpu_cores)
+        )
 
         def summarize(
             run: scenarios.Run, reasons: tuple[str, ...] = (), **extra: Any
@@ -283,6 +305,7 @@ class Evaluator:
                 },
                 latency_split_ms=run.split,
                 loadgens=run.spec.loadgens,
+                placement=job.placement,
                 started_at=started,
                 finished_at=finished,
                 **extra,
@@ -463,41 +486,9 @@ def check_query_size(
     )
 
 
-def _dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    path = entry.dataset(zoo_dir)
-    if path is None:
-        return None
-    with np.load(path) as npz:
-        return npz["x"], npz["y"]
-
-
-def _feeders(
-    data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int, seed: int
-) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
-    """Query i's raw inputs (and labels): a seeded permutation of the data set, cycled.
-
-    The sample order has its own seed stream, independent of the arrival schedule's.
-    """
-    rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[1])
-    if data is None:
-        fake = rng.standard_normal((64, *shape)).astype(np.float32)
-        return (lambda i: fake[[(i * batch + j) % 64 for j in range(batch)]]), None
-    x, y = data
-    perm = rng.permutation(len(x))
-
-    def idx(i: int) -> np.ndarray:
-        return perm[(np.arange(batch) + i * batch) % len(perm)]
-
-    return (lambda i: x[idx(i)]), (lambda i: y[idx(i)])
-
-
-def _scored(
-    feeders: tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None], m: Any
-) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
-    """Labels only for a model scored by top-k: a detector's or a latency-only model's
-    top-1 would be a meaningless number (it shows none)."""
-    scored = m.dataset is not None and m.dataset.metric in ("top1", "top5")
-    return feeders if scored else (feeders[0], None)
+_dataset = samples.dataset
+_feeders = samples.feeders
+_scored = samples.scored
 
 
 def _specification(

@@ -27,7 +27,6 @@ parent summary's ``points``; the parent's own figures are those of the best run.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,14 +34,14 @@ from typing import Any
 
 import numpy as np
 
-from broker import coldstart, schedule
+from broker import agentrun, coldstart, schedule
 from broker.loadgen import CLOSED_LOOPS, Driver, RunRecord
-from broker.schedule import Schedule
 from broker.summary import Figures, figures, judge, latency_split
 from mlscope.bus import Bus
-from mlscope.contracts import ScenarioSpec, TraceLevel
+from mlscope.contracts import Placement, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
 from mlscope.manifest import ScenarioFile, load_manifest
+from mlscope.schedule import Schedule, build_schedule
 from mlscope.validity import ValidityPolicy, Verdict, early_stopping_queries_needed
 
 __all__ = [
@@ -84,6 +83,9 @@ class Context:
     agent_id: str = ""
     prepare: dict[str, Any] = field(default_factory=dict)
     """The agent and its prepare request (cold-start prepares again, with reload)."""
+    placement: Placement = "server"
+    """Where the load is generated: by this server's Driver, or by the agent
+    (:mod:`broker.agentrun`)."""
 
 
 @dataclass
@@ -127,39 +129,6 @@ class Outcome:
     cold_start: dict[str, Any] | None = None
 
 
-def build_schedule(spec: ScenarioSpec) -> tuple[Schedule, float]:
-    """The open-loop schedule of ``spec`` and the window (s) the load covers."""
-    n = spec.name
-    if n in ("online", "peak"):
-        sched = schedule.poisson(spec.qps, duration_s=spec.duration_s, seed=spec.seed)
-        window = spec.duration_s
-    elif n == "constant":
-        sched, window = schedule.constant(spec.qps, duration_s=spec.duration_s), spec.duration_s
-    elif n == "multi-stream":
-        count = math.floor(spec.duration_s * spec.qps + 1e-9)
-        sched = schedule.multi_stream(1.0 / spec.qps, spec.batch_size, count)
-        window = spec.duration_s
-    elif n == "replay":
-        if not spec.arrivals_s:
-            raise ConfigError("scenario 'replay' needs arrivals (mlscope-submit --schedule FILE)")
-        gaps = np.rint(np.asarray(spec.arrivals_s, dtype=np.float64) * 1e9).astype(np.int64)
-        if gaps.size and gaps.min() < 0:
-            raise ConfigError("replay inter-arrival times must be >= 0")
-        sched = Schedule(np.cumsum(gaps))
-        window = sched.duration_s
-    elif n == "piecewise":
-        if not spec.segments:
-            raise ConfigError("scenario 'piecewise' needs segments (rate_start, rate_end, s)")
-        sched = schedule.piecewise(spec.segments, seed=spec.seed)
-        window = float(sum(s[2] for s in spec.segments))
-    else:
-        raise ConfigError(f"scenario {n!r} has no open-loop schedule")
-    if spec.max_queries is not None and spec.max_queries < len(sched):
-        sched = Schedule(sched.offsets_ns[: spec.max_queries], sched.samples_per_query)
-        window = sched.duration_s
-    return sched, window
-
-
 def _requested(spec: ScenarioSpec) -> float | None:
     return spec.qps if spec.name in ("online", "peak", "constant", "multi-stream") else None
 
@@ -167,21 +136,23 @@ def _requested(spec: ScenarioSpec) -> float | None:
 async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
     """One run of an open- or closed-loop scenario (no sweep, no search)."""
     inputs, labels = ctx.feeders(spec.batch_size)
-    if spec.name in CLOSED_LOOPS:
-        driver = Driver(
+    why: tuple[str, ...] = ()
+    closed = spec.name in CLOSED_LOOPS
+    if ctx.placement == "agent":
+        rec, why = await agentrun.drive(
             ctx.bus,
+            agent_id=ctx.agent_id,
             evaluation_id=ctx.evaluation_id,
-            subject=ctx.subject,
             spec=spec,
-            inputs=inputs,
-            labels=labels,
             trace_level=ctx.trace_level,
             offset_ns=ctx.offset_ns,
+            labels=labels,
             on_progress=ctx.on_progress,
         )
-        rec = await driver.run()
-        done = rec.completed[rec.completed > 0]
-        window = float(done.max()) / 1e9 if done.size else 0.0
+        window = _closed_window(rec) if closed else build_schedule(spec)[1]
+    elif closed:
+        rec = await _driver(ctx, spec, inputs, labels).run()
+        window = _closed_window(rec)
     else:
         sched, window = build_schedule(spec)
         if spec.loadgens > 1:
@@ -189,21 +160,9 @@ async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
 
             rec = await run_dealt(ctx, spec, sched, inputs, labels)
         else:
-            driver = Driver(
-                ctx.bus,
-                evaluation_id=ctx.evaluation_id,
-                subject=ctx.subject,
-                spec=spec,
-                inputs=inputs,
-                labels=labels,
-                trace_level=ctx.trace_level,
-                offset_ns=ctx.offset_ns,
-                on_progress=ctx.on_progress,
-                schedule=sched,
-            )
-            rec = await driver.run()
+            rec = await _driver(ctx, spec, inputs, labels, sched).run()
     rec.warmup = min(spec.warmup_queries, rec.n)
-    requested, closed = _requested(spec), spec.name in CLOSED_LOOPS
+    requested = _requested(spec)
     verdict = judge(
         rec,
         spec,
@@ -213,8 +172,37 @@ async def run_once(ctx: Context, spec: ScenarioSpec, evaluation_id: str) -> Run:
         poisson=spec.name in POISSON,
         open_loop=not closed,
     )
+    if why:  # the agent's own account of a local run that went wrong
+        verdict = Verdict(valid=False, reasons=(*verdict.reasons, *why))
     fig = figures(rec, has_labels=labels is not None, window_s=None if closed else window)
     return Run(evaluation_id, spec, rec, fig, verdict, latency_split(rec), requested)
+
+
+def _closed_window(rec: RunRecord) -> float:
+    done = rec.completed[rec.completed > 0]
+    return float(done.max()) / 1e9 if done.size else 0.0
+
+
+def _driver(
+    ctx: Context,
+    spec: ScenarioSpec,
+    inputs: Callable[[int], np.ndarray],
+    labels: Callable[[int], np.ndarray] | None,
+    sched: Schedule | None = None,
+) -> Driver:
+    """The server's load generator for one run against the prepared agent."""
+    return Driver(
+        ctx.bus,
+        evaluation_id=ctx.evaluation_id,
+        subject=ctx.subject,
+        spec=spec,
+        inputs=inputs,
+        labels=labels,
+        trace_level=ctx.trace_level,
+        offset_ns=ctx.offset_ns,
+        on_progress=ctx.on_progress,
+        schedule=sched,
+    )
 
 
 async def execute(ctx: Context, spec: ScenarioSpec) -> Outcome:
@@ -236,17 +224,7 @@ async def _cold_start(ctx: Context, spec: ScenarioSpec) -> Outcome:
 
     async def drive(warm: ScenarioSpec) -> RunRecord:
         inputs, labels = ctx.feeders(warm.batch_size)
-        return await Driver(
-            ctx.bus,
-            evaluation_id=ctx.evaluation_id,
-            subject=ctx.subject,
-            spec=warm,
-            inputs=inputs,
-            labels=labels,
-            trace_level=ctx.trace_level,
-            offset_ns=ctx.offset_ns,
-            on_progress=ctx.on_progress,
-        ).run()
+        return await _driver(ctx, warm, inputs, labels).run()
 
     rec, cold = await coldstart.run(ctx.bus, ctx.agent_id, ctx.prepare, spec, drive)
     failed = int(rec.n - int(rec.ok.sum()))

@@ -13,7 +13,10 @@ Schema history:
                and AgentDescription, JobRequest and ScenarioSpec refuse values no
                service can act on (a negative pid, a heartbeat in the far future, an
                unknown trace level, a malformed version constraint, batch size 0);
-               JobRequest.mlperf, JobRequest.mlperf_import, EvaluationSummary.mlperf.
+               JobRequest.mlperf, JobRequest.mlperf_import, EvaluationSummary.mlperf;
+               JobRequest.placement, EvaluationSummary.placement,
+               AgentDescription.features and the local run (``RunOp``,
+               ``RunStarted``, ``RunRows``).
 """
 
 from __future__ import annotations
@@ -23,11 +26,20 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, TypeAdapter, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 from mlscope.versions import parse_constraint
 
 __all__ = [
+    "LOCAL_RUN",
     "Accelerator",
     "AgentDescription",
     "ControlReply",
@@ -46,6 +58,7 @@ __all__ = [
     "ModelOffer",
     "PingOp",
     "PingReply",
+    "Placement",
     "PrepareOp",
     "PrepareReply",
     "Query",
@@ -54,6 +67,9 @@ __all__ = [
     "RefusedModel",
     "ReleaseOp",
     "ReleaseReply",
+    "RunOp",
+    "RunRows",
+    "RunStarted",
     "SampleBatch",
     "ScenarioSpec",
     "SpanBatch",
@@ -65,6 +81,12 @@ __all__ = [
 ]
 
 SCHEMA = 1
+LOCAL_RUN = "local-run"
+"""The feature an agent advertises when it can generate a run's load itself
+(``placement: agent``, :class:`RunOp`)."""
+Placement = Literal["server", "agent"]
+"""Where a run's load generator runs: on the server (every query crosses the bus to the
+agent and back: a *served* model) or in the agent (the model itself, no bus per query)."""
 
 
 def new_id(prefix: str) -> str:
@@ -194,6 +216,9 @@ class AgentDescription(_Message):
     started_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
     heartbeat_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
     heartbeat_s: float = Field(gt=0, le=3600, allow_inf_nan=False)
+    features: tuple[str, ...] = ()
+    """Optional abilities of this agent, e.g. :data:`LOCAL_RUN` (an agent that does
+    not list one is refused jobs that need it)."""
 
 
 # --------------------------------------------------------------------------- jobs
@@ -320,6 +345,10 @@ class JobRequest(_Message):
     """Run MLPerf LoadGen as the load generator instead of ``scenario``."""
     mlperf_import: MLPerfImport | None = None
     """Store these MLPerf logs as an evaluation; no agent is involved."""
+    placement: Placement = "server"
+    """Where the load generator runs: ``server`` (queries cross the bus; measures the
+    served model) or ``agent`` (the agent runs the scenario on its own copy of the
+    sample set and ships the per-query times back; measures the model itself)."""
 
     @field_validator("trace_level")
     @classmethod
@@ -332,6 +361,24 @@ class JobRequest(_Message):
     def _constraint(cls, value: str | None) -> str | None:
         parse_constraint(value)  # ValueError names the bad text
         return value
+
+    @model_validator(mode="after")
+    def _placement(self) -> JobRequest:
+        """A local run (placement agent) is one load generator driving one executor."""
+        if self.placement == "agent":
+            s = self.scenario
+            what = (
+                "an MLPerf LoadGen run"
+                if self.mlperf is not None or self.mlperf_import is not None
+                else f"scenario {s.name!r}"
+                if s.name == "cold-start"
+                else f"{s.loadgens} load generators"
+                if s.loadgens > 1
+                else ""
+            )
+            if what:
+                raise ValueError(f"{what} cannot run with placement agent; use placement server")
+        return self
 
 
 class LatencyStats(BaseModel):
@@ -411,6 +458,8 @@ class EvaluationSummary(_Message):
     points: tuple[dict[str, Any], ...] = ()
     """peak / batched: every run made (rate or batch size, latencies, verdict, its id)."""
     loadgens: int = 1
+    placement: Placement = "server"
+    """Where the load generator ran (the job's ``placement``)."""
     mlperf: dict[str, Any] | None = None
     """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
     log, its verdict and early-stopping text, the log files kept, ``imported``."""
@@ -476,9 +525,39 @@ class ReleaseOp(_Message):
     unload: bool = False
 
 
-ControlRequest = Annotated[PingOp | DescribeOp | PrepareOp | ReleaseOp, Field(discriminator="op")]
+class RunOp(_Message):
+    """Run a scenario in the agent (``placement: agent``) for a prepared evaluation.
+
+    The agent builds the same schedule and sample order the server would (from
+    ``scenario`` and its seed), answers :class:`RunStarted` at once, runs the load on
+    its own pipeline executor and publishes :class:`RunRows` to ``results`` while it
+    runs, the last one with ``final``.
+    """
+
+    op: Literal["run"] = "run"
+    evaluation_id: str
+    scenario: ScenarioSpec
+    trace_level: str = "model"
+    results: str = Field(min_length=1, max_length=256)
+    """Subject the rows go to (the server's inbox for this run)."""
+    max_bytes: int = Field(default=1 << 20, ge=4096)
+    """Largest message the agent may publish there (the bus's max payload, less room
+    for the subject and headers)."""
+
+    @field_validator("trace_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        TraceLevel.parse(value)
+        return value
+
+
+ControlRequest = Annotated[
+    PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, Field(discriminator="op")
+]
 """What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
-CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp] = TypeAdapter(ControlRequest)
+CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp] = TypeAdapter(
+    ControlRequest
+)
 
 
 class PingReply(_Message):
@@ -502,7 +581,46 @@ class ReleaseReply(_Message):
     unloaded: bool = False
 
 
-ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply
+class RunStarted(_Message):
+    """The agent took a :class:`RunOp`: offset 0 of the run is ``t0_agent`` (its clock)."""
+
+    kind: Literal["run_started"] = "run_started"
+    t0_agent: int
+    queries: int = 0
+    """Queries the open-loop schedule holds (0 for a closed loop: not known ahead)."""
+
+
+class RunRows(_Message):
+    """Per-query rows of a local run, column by column (numpy arrays, one length).
+
+    Columns are those of :data:`mlscope.record.ARRAYS` for the rows ``start`` ..
+    ``start + len - 1``, times in ns from the run's ``t0_agent``, plus ``top1``
+    (rows x batch size, int32: each sample's predicted class, -1 if none). The last
+    message of a run has ``final`` and the run's totals; its ``seq`` + 1 is the
+    number of messages the run sent (a gap means rows were lost).
+    """
+
+    kind: Literal["run_rows"] = "run_rows"
+    evaluation_id: str
+    seq: int = Field(ge=0)
+    start: int = Field(ge=0)
+    columns: dict[str, NDArray]
+    errors: dict[int, str] = Field(default_factory=dict)
+    """Row index -> error message, for rows that failed or were refused."""
+    issued: int = 0
+    """Queries issued so far (shipped or still in flight)."""
+    final: bool = False
+    queries: int = 0
+    """final: rows in the run."""
+    not_issued: int = 0
+    cpu_s: float = 0.0
+    """final: CPU time of the agent's process during the run (its load generator's and
+    its model's: they share it)."""
+    error: dict[str, Any] | None = None
+    """final: the typed error that ended the run early, if one did."""
+
+
+ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply | RunStarted
 
 
 class ErrorReply(_Message):

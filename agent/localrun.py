@@ -1,0 +1,315 @@
+"""The agent's local load generator (``placement: agent``): a scenario run here.
+
+::
+
+    RunOp ──► LocalRun (thread) ── open loop: mlscope.pacer.Pacer ── submit ──► Executor
+                 │                  closed loop: the k-th reply submits the next  │
+                 │                                                               ▼
+                 └── RunRecord (agent clock, ns from t0) ◄── reply callback (predict thread)
+                        │
+    shipper (event loop) ── RunRows (columns, under the max payload) ──► the server's inbox
+
+The schedule, the pacer and the sample order are the server's own code
+(:mod:`mlscope.schedule`, :mod:`mlscope.pacer`, :mod:`mlscope.samples`); the verdict is
+computed by the server from the rows, with the same code as for a server-placed run.
+What differs is only where queries come from: no query crosses the bus, so a run
+measures the model, not the model served over the bus.
+
+Times: ``scheduled`` (when the query was due; a closed loop's is its issue time),
+``paced`` (released by the pacer), ``issued`` (handed to the executor), ``completed``
+(its reply callback ran), the executor's received / predict start / predict end /
+replied. All are ns from ``t0`` on this agent's ``perf_counter_ns``; the server maps
+``t0`` onto its clock with the clock offset it measured (ping), so stored rows and
+spans share one timeline as in a server-placed run.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from agent.pipeline import Executor, Job
+from agent.tracer import SpanBuffer
+from mlscope import codec, samples
+from mlscope.contracts import QueryReply, RunRows, ScenarioSpec, TraceLevel
+from mlscope.errors import ConfigError
+from mlscope.pacer import OutstandingLimit, Pacer, QuietGC
+from mlscope.record import ARRAYS, RunRecord
+from mlscope.schedule import CLOSED_LOOPS, build_schedule
+
+__all__ = ["BATCHED_DEPTH", "LocalRun", "rows_messages"]
+
+now = time.perf_counter_ns
+START_LEAD_NS = 20_000_000
+"""Offset 0 is 20 ms after the run is set up, so the first query is on time."""
+DRAIN_TIMEOUT_S = 10.0
+BATCHED_DEPTH = 3
+"""Batches kept in flight by a ``batched`` run: one predicted, one pre-processed, one
+waiting, so the runtime never waits for the next batch (MLPerf Offline's intent)."""
+PREBUILD_BYTES = 64 << 20
+"""An open loop's inputs are built before the clock starts when they fit in this."""
+SWITCH_INTERVAL_S = 0.0001
+"""GIL switch interval while the pacer runs (as the server's load generator)."""
+UNSUPPORTED = frozenset({"cold-start"})
+
+
+class LocalRun:
+    """One scenario on one executor; :meth:`run` in a thread, :meth:`take` from another.
+
+    ``inputs(i)`` / ``labels`` come from :func:`mlscope.samples.feeders` with the run's
+    seed and batch size: the server's sample order.
+    """
+
+    def __init__(
+        self,
+        worker: Executor,
+        spec: ScenarioSpec,
+        *,
+        inputs: Callable[[int], np.ndarray],
+        level: TraceLevel,
+        spans: SpanBuffer | None,
+        overloaded: Callable[[int], str],
+    ) -> None:
+        if spec.name in UNSUPPORTED or spec.loadgens > 1:
+            raise ConfigError(
+                f"scenario {spec.name!r}"
+                + (f" with {spec.loadgens} load generators" if spec.loadgens > 1 else "")
+                + " cannot run in the agent (placement agent); use placement server",
+                field="placement",
+                scenario=spec.name,
+            )
+        self.worker, self.spec, self.inputs = worker, spec, inputs
+        self.level, self.spans, self._overloaded = level, spans, overloaded
+        self.closed = spec.name in CLOSED_LOOPS
+        self.schedule = None if self.closed else build_schedule(spec)[0]
+        n = len(self.schedule) if self.schedule is not None else self._closed_room()
+        self.rec = RunRecord(n=n, batch_size=spec.batch_size)
+        self.top1 = np.full((n, spec.batch_size), -1, np.int32)
+        self.rec.t0_ns = now() + START_LEAD_NS
+        self._lock = threading.Lock()  # record growth against snapshots
+        self._stop = threading.Event()
+        self._done = threading.Event()
+        self._outstanding = 0
+        self._pacing = not self.closed
+        """An open loop's pacer may still issue: no end while it does."""
+        self._issued = 0
+        self._shipped = 0
+        self._gate: OutstandingLimit | None = None
+        self._deadline = self.rec.t0_ns + int(spec.duration_s * 1e9)
+        self._cap = spec.max_queries or 2**31
+        self._cpu0 = 0.0
+        self.cpu_s = 0.0
+
+    def _closed_room(self) -> int:
+        s = self.spec
+        return min(s.max_queries or 2**31, max(s.concurrency, BATCHED_DEPTH, 1024))
+
+    @property
+    def depth(self) -> int:
+        """Queries a closed loop keeps in flight."""
+        s = self.spec
+        if s.name == "single-stream":
+            return 1
+        if s.name == "batched":
+            return max(s.concurrency, BATCHED_DEPTH)
+        return s.concurrency
+
+    # ------------------------------------------------------------------ running
+
+    def stop(self) -> None:
+        """End the run early (the agent shuts down): stop issuing, keep what was done."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """The whole run, in the calling thread; returns when every issued query is done
+        (or :data:`DRAIN_TIMEOUT_S` after the load ended)."""
+        self._cpu0 = time.process_time()
+        try:
+            if self.closed:
+                self._closed_loop()
+            else:
+                self._open_loop()
+        finally:
+            self.cpu_s = time.process_time() - self._cpu0
+
+    def _job(self, i: int, x: np.ndarray, t: int) -> Job:
+        return Job(
+            index=i,
+            inputs=x,
+            received_ns=t,
+            level=self.level,
+            spans=self.spans,
+            reply=self._on_reply,
+        )
+
+    def _submit(self, i: int, x: np.ndarray) -> None:
+        """Hand query ``i`` to the executor; an executor at capacity refuses it as the
+        agent's edge would ("overloaded"), and the run goes on."""
+        rec = self.rec
+        t = now()
+        rec.issued[i] = max(t - rec.t0_ns, 1)
+        with self._lock:
+            self._outstanding += 1
+            self._issued = max(self._issued, i + 1)
+        if not self.worker.submit(self._job(i, x, t)):
+            rec.refused[i] = 1
+            rec.errors[i] = self._overloaded(i)
+            self._complete(i)
+
+    def _closed_loop(self) -> None:
+        rec = self.rec
+        for _ in range(self.depth):
+            if not self._next_closed():
+                break
+        with self._lock:
+            if self._outstanding == 0:
+                self._done.set()
+        self._done.wait(self.spec.duration_s + DRAIN_TIMEOUT_S + START_LEAD_NS / 1e9)
+        with self._lock:
+            rec.trim(self._issued)
+            self.top1 = self.top1[: self._issued]
+
+    def _next_closed(self) -> bool:
+        """Issue the next closed-loop query; False once time or the count is up."""
+        rec = self.rec
+        with self._lock:
+            i = self._issued
+            if self._stop.is_set() or i >= self._cap or now() >= self._deadline:
+                return False
+            if i >= rec.n:  # the run outlasts the room: grow, never stop early
+                rec.grow()
+                grown = np.full((rec.n, self.spec.batch_size), -1, np.int32)
+                grown[: len(self.top1)] = self.top1
+                self.top1 = grown
+            self._issued = i + 1
+        while now() < rec.t0_ns:  # the first queries wait for offset 0
+            time.sleep(0.001)
+        x = self.inputs(i)
+        t = max(now() - rec.t0_ns, 1)
+        rec.scheduled[i] = rec.paced[i] = t
+        self._submit(i, x)
+        return True
+
+    def _open_loop(self) -> None:
+        rec, sched, s = self.rec, self.schedule, self.spec
+        assert sched is not None
+        rec.scheduled[:] = sched.offsets_ns
+        per = self.inputs(0).nbytes
+        prebuilt = [self.inputs(i) for i in range(rec.n)] if per * rec.n <= PREBUILD_BYTES else None
+        self._gate = gate = OutstandingLimit(s.max_outstanding)
+
+        def issue(i: int, _scheduled: int, paced: int) -> None:  # on the pacer thread
+            rec.paced[i] = paced
+            self._submit(i, prebuilt[i] if prebuilt is not None else self.inputs(i))
+
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        quiet_gc = QuietGC()
+        try:
+            pacer = Pacer(
+                sched, issue=issue, gate=gate, start_ns=rec.t0_ns, stop=self._stop, realtime=True
+            )
+            pacer.start()  # its own thread: the real-time priority ends with it
+            result = pacer.join()
+            rec.not_issued = len(result.not_issued)
+            with self._lock:
+                self._pacing = False
+                if self._outstanding == 0:
+                    self._done.set()
+            self._done.wait(DRAIN_TIMEOUT_S)
+        finally:
+            quiet_gc.restore()
+            sys.setswitchinterval(switch)
+
+    # ------------------------------------------------------------------ replies
+
+    def _on_reply(self, reply: QueryReply) -> None:
+        """A query's answer (on the predict thread): its times and top-1, then the next
+        closed-loop query."""
+        rec, i = self.rec, reply.index
+        t0 = rec.t0_ns
+        rec.agent_received[i] = reply.t_received - t0
+        if reply.ok:
+            rec.predict_start[i] = reply.t_predict_start - t0
+            rec.predict_end[i] = reply.t_predict_end - t0
+            rec.ok[i] = 1
+            top = samples.top1(reply.outputs)
+            if top is not None:
+                k = min(len(top), self.top1.shape[1])
+                self.top1[i, :k] = top[:k]
+        else:
+            rec.errors[i] = str((reply.error or {}).get("message", "error"))
+        rec.agent_replied[i] = reply.t_replied - t0
+        self._complete(i)
+
+    def _complete(self, i: int) -> None:
+        rec = self.rec
+        rec.completed[i] = max(now() - rec.t0_ns, 1)
+        rec.done += 1
+        if self._gate is not None:
+            self._gate.release()
+        more = self.closed and self._next_closed()
+        with self._lock:
+            self._outstanding -= 1
+            if self._outstanding == 0 and not more and not self._pacing:
+                self._done.set()
+
+    # ------------------------------------------------------------------ shipping
+
+    def take(self, *, final: bool = False) -> tuple[int, dict[str, np.ndarray], dict[int, str]]:
+        """Rows not shipped yet, as copied columns: every row up to the first one still
+        in flight (``final``: every row)."""
+        with self._lock:
+            rec, a = self.rec, self._shipped
+            hi = rec.n if final else min(self._issued, rec.n)
+            pending = np.flatnonzero(rec.completed[a:hi] == 0)
+            b = hi if final or not pending.size else a + int(pending[0])
+            cols = {name: getattr(rec, name)[a:b].copy() for name in ARRAYS}
+            cols["top1"] = self.top1[a:b].copy()
+            errors = {i: e for i, e in list(rec.errors.items()) if a <= i < b}
+            self._shipped = b
+        return a, cols, errors
+
+    @property
+    def issued(self) -> int:
+        return self._issued
+
+
+def rows_messages(
+    evaluation_id: str,
+    start: int,
+    columns: dict[str, np.ndarray],
+    errors: dict[int, str],
+    *,
+    seq: int,
+    max_bytes: int,
+    **extra: Any,
+) -> list[bytes]:
+    """``RunRows`` messages for these rows, each under ``max_bytes`` (split by rows;
+    ``extra`` goes on the last)."""
+    n = len(next(iter(columns.values()))) if columns else 0
+    per_row = sum(c[:1].nbytes for c in columns.values()) or 1
+    err_bytes = sum(len(e) + 8 for e in errors.values())
+    step = max(1, (max_bytes - 4096 - err_bytes) // per_row)
+    out: list[bytes] = []
+    a = 0
+    while True:
+        b = min(n, a + step)
+        last = b >= n
+        msg = RunRows(
+            evaluation_id=evaluation_id,
+            seq=seq + len(out),
+            start=start + a,
+            columns={k: v[a:b] for k, v in columns.items()},
+            errors={i: e for i, e in errors.items() if start + a <= i < start + b},
+            **(extra if last else {k: v for k, v in extra.items() if k == "issued"}),
+        )
+        out.append(codec.encode_model(msg))
+        if last:
+            return out
+        a = b
