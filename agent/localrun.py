@@ -45,8 +45,9 @@ from mlscope.schedule import CLOSED_LOOPS, build_schedule
 __all__ = ["BATCHED_DEPTH", "LocalRun", "rows_messages"]
 
 now = time.perf_counter_ns
-START_LEAD_NS = 20_000_000
-"""Offset 0 is 20 ms after the run is set up, so the first query is on time."""
+START_LEAD_NS = 50_000_000
+"""Offset 0 is 50 ms after :meth:`LocalRun.prepare` (the run request's reply and the
+start of the run's threads fit in it), so the first query is on time."""
 DRAIN_TIMEOUT_S = 10.0
 BATCHED_DEPTH = 3
 """Batches kept in flight by a ``batched`` run: one predicted, one pre-processed, one
@@ -90,7 +91,6 @@ class LocalRun:
         n = len(self.schedule) if self.schedule is not None else self._closed_room()
         self.rec = RunRecord(n=n, batch_size=spec.batch_size)
         self.top1 = np.full((n, spec.batch_size), -1, np.int32)
-        self.rec.t0_ns = now() + START_LEAD_NS
         self._lock = threading.Lock()  # record growth against snapshots
         self._stop = threading.Event()
         self._done = threading.Event()
@@ -100,7 +100,9 @@ class LocalRun:
         self._issued = 0
         self._shipped = 0
         self._gate: OutstandingLimit | None = None
-        self._deadline = self.rec.t0_ns + int(spec.duration_s * 1e9)
+        self._deadline = 0
+        self._prebuilt: list[np.ndarray] | None = None
+        self._quiet_gc: QuietGC | None = None
         self._cap = spec.max_queries or 2**31
         self._cpu0 = 0.0
         self.cpu_s = 0.0
@@ -125,9 +127,21 @@ class LocalRun:
         """End the run early (the agent shuts down): stop issuing, keep what was done."""
         self._stop.set()
 
+    def prepare(self) -> int:
+        """Everything that takes time before the clock starts (an open loop's inputs,
+        a full garbage collection), then offset 0: returns ``t0`` (agent clock)."""
+        if not self.closed:
+            per = self.inputs(0).nbytes
+            if per * self.rec.n <= PREBUILD_BYTES:
+                self._prebuilt = [self.inputs(i) for i in range(self.rec.n)]
+            self._quiet_gc = QuietGC()  # collected now; no collection until the end
+        self.rec.t0_ns = now() + START_LEAD_NS
+        self._deadline = self.rec.t0_ns + int(self.spec.duration_s * 1e9)
+        return self.rec.t0_ns
+
     def run(self) -> None:
-        """The whole run, in the calling thread; returns when every issued query is done
-        (or :data:`DRAIN_TIMEOUT_S` after the load ended)."""
+        """The whole run, in the calling thread, after :meth:`prepare`; returns when
+        every issued query is done (or :data:`DRAIN_TIMEOUT_S` after the load ended)."""
         self._cpu0 = time.process_time()
         try:
             if self.closed:
@@ -136,6 +150,13 @@ class LocalRun:
                 self._open_loop()
         finally:
             self.cpu_s = time.process_time() - self._cpu0
+            self.release()
+
+    def release(self) -> None:
+        """Give back what :meth:`prepare` took (garbage collection); idempotent."""
+        if self._quiet_gc is not None:
+            self._quiet_gc.restore()
+            self._quiet_gc = None
 
     def _job(self, i: int, x: np.ndarray, t: int) -> Job:
         return Job(
@@ -199,8 +220,7 @@ class LocalRun:
         rec, sched, s = self.rec, self.schedule, self.spec
         assert sched is not None
         rec.scheduled[:] = sched.offsets_ns
-        per = self.inputs(0).nbytes
-        prebuilt = [self.inputs(i) for i in range(rec.n)] if per * rec.n <= PREBUILD_BYTES else None
+        prebuilt = self._prebuilt
         self._gate = gate = OutstandingLimit(s.max_outstanding)
 
         def issue(i: int, _scheduled: int, paced: int) -> None:  # on the pacer thread
@@ -209,7 +229,6 @@ class LocalRun:
 
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        quiet_gc = QuietGC()
         try:
             pacer = Pacer(
                 sched, issue=issue, gate=gate, start_ns=rec.t0_ns, stop=self._stop, realtime=True
@@ -223,7 +242,6 @@ class LocalRun:
                     self._done.set()
             self._done.wait(DRAIN_TIMEOUT_S)
         finally:
-            quiet_gc.restore()
             sys.setswitchinterval(switch)
 
     # ------------------------------------------------------------------ replies

@@ -357,7 +357,7 @@ class Agent:
         if isinstance(req, PrepareOp):
             return await self._prepare(req)
         if isinstance(req, RunOp):
-            return await self._start_run(req)
+            return await self._start_run(req, msg.reply)
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         if session is not None and session.level >= TraceLevel.FRAMEWORK:
@@ -437,9 +437,11 @@ class Agent:
             t_agent=now(),
         )
 
-    async def _start_run(self, req: RunOp) -> RunStarted:
+    async def _start_run(self, req: RunOp, results: str) -> RunStarted:
         """Start a local run (placement agent) for a prepared evaluation: answered at
-        once with the run's t0; its rows follow on ``req.results``."""
+        once with the run's t0; its rows follow on the same reply subject."""
+        if not results:
+            raise ConfigError("a run request needs a reply subject for its rows")
         if not self.config.local_runs:
             raise ConfigError(
                 f"agent {self.agent_id} does not run load itself (placement agent is "
@@ -466,11 +468,16 @@ class Agent:
             spans=spans,
             overloaded=lambda _i: busy,
         )
-        self.task_group.start_soon(self._local_run, run, req)
+        t0 = await anyio.to_thread.run_sync(run.prepare)
+        try:
+            self.task_group.start_soon(self._local_run, run, req, results)
+        except BaseException:
+            run.release()
+            raise
         scheduled = len(run.schedule) if run.schedule is not None else 0
-        return RunStarted(t0_agent=run.rec.t0_ns, queries=scheduled)
+        return RunStarted(t0_agent=t0, queries=scheduled)
 
-    async def _local_run(self, run: LocalRun, req: RunOp) -> None:
+    async def _local_run(self, run: LocalRun, req: RunOp, results: str) -> None:
         """Run it on a worker thread; ship its rows every :data:`SHIP_S` while it runs
         and the rest, with the totals, when it ends (also when it fails)."""
         seq = 0
@@ -491,7 +498,7 @@ class Agent:
                 final=final,
                 **extra,
             ):
-                await self.bus.nc.publish(req.results, data)
+                await self.bus.nc.publish(results, data)
                 seq += 1
 
         async def shipper() -> None:
@@ -512,6 +519,7 @@ class Agent:
             error = as_error(exc, service=f"agent {self.agent_id}").to_wire()
             log.warning("agent %s: local run %s failed: %r", self.agent_id, req.evaluation_id, exc)
         finally:  # also on shutdown: the server stores what was measured
+            run.release()
             with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                 await ship(
                     final=True,

@@ -3,7 +3,7 @@
 ::
 
     server                                        agent (agent/localrun.py)
-      ctl RunOp {scenario, results inbox} ──────► schedule, sample order, pacer: local
+      ctl RunOp {scenario}, reply inbox ────────► schedule, sample order, pacer: local
       ◄──────────────────── RunStarted {t0_agent}
       ◄── RunRows (columns, every 0.25 s) ─────── rows done so far
       ◄── RunRows final {queries, not_issued} ─── the rest, and the totals
@@ -32,7 +32,7 @@ import numpy as np
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, TraceLevel, new_id
-from mlscope.errors import MLScopeError, error_from_wire
+from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
 
 __all__ = ["IDLE_S", "drive"]
@@ -65,22 +65,46 @@ async def drive(
             evaluation_id=evaluation_id,
             scenario=spec,
             trace_level=trace_level.name.lower(),
-            results=inbox,
             max_bytes=int(bus.nc.max_payload) - PAYLOAD_HEADROOM,
         )
-        started = RunStarted.model_validate(
-            await request(
-                bus, names.agent_ctl(agent_id), codec.encode_model(op), timeout=START_TIMEOUT_S
-            )
-        )
+        await bus.nc.publish(names.agent_ctl(agent_id), codec.encode_model(op), reply=inbox)
+        started, early = await _started(sub, agent_id)
         rec = RunRecord(n=max(started.queries, 1), batch_size=spec.batch_size)
         rec.t0_ns = started.t0_agent - offset_ns
         collector = _Collector(rec, labels, agent_id)
+        for rows in early:
+            collector.add(rows)
+        last = early[-1] if early and early[-1].final else None
         limit = spec.duration_s + 10.0 + END_SLACK_S
-        reasons = await collector.collect(bus, sub, limit, on_progress)
+        if last is not None:
+            reasons = collector.finish(last)
+        else:
+            reasons = await collector.collect(bus, sub, limit, on_progress)
     finally:
         await sub.unsubscribe()
     return collector.rec, reasons
+
+
+async def _started(sub: Any, agent_id: str) -> tuple[RunStarted, list[RunRows]]:
+    """The agent's answer to the run request (its typed error raised), and any rows
+    that overtook it."""
+    early: list[RunRows] = []
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=max(0.01, deadline - time.monotonic()))
+        except (TimeoutError, nats.errors.TimeoutError) as exc:
+            raise BusError(
+                f"agent {agent_id} did not start the local run within {START_TIMEOUT_S:.0f} s",
+                agent_id=agent_id,
+            ) from exc
+        data = codec.decode(msg.data)
+        kind = data.get("kind") if isinstance(data, dict) else None
+        if kind == "error":
+            raise error_from_wire(data["error"])
+        if kind == "run_started":
+            return RunStarted.model_validate(data), early
+        early.append(codec.decode_model(RunRows, msg.data))
 
 
 class _Collector:
@@ -120,7 +144,7 @@ class _Collector:
                 shown = time.monotonic()
                 await on_progress(self.rec, shown - began)
             if rows.final:
-                return self._final(rows)
+                return self.finish(rows)
 
     def add(self, rows: RunRows) -> None:
         """Copy one message's rows into the record (growing it as needed)."""
@@ -166,7 +190,8 @@ class _Collector:
             f"(placement agent: {issued - self.rows} issued queries were not reported)"
         )
 
-    def _final(self, rows: RunRows) -> tuple[str, ...]:
+    def finish(self, rows: RunRows) -> tuple[str, ...]:
+        """The run's end: its totals, and what went wrong on the way."""
         self._end(rows.queries)
         self.rec.not_issued = rows.not_issued
         why: list[str] = []

@@ -530,19 +530,18 @@ class RunOp(_Message):
 
     The agent builds the same schedule and sample order the server would (from
     ``scenario`` and its seed), answers :class:`RunStarted` at once, runs the load on
-    its own pipeline executor and publishes :class:`RunRows` to ``results`` while it
-    runs, the last one with ``final``.
+    its own pipeline executor and sends :class:`RunRows` to the same reply subject
+    while it runs, the last one with ``final`` (published, not requested: one
+    request, many replies, as ``allow_responses`` grants a responder).
     """
 
     op: Literal["run"] = "run"
     evaluation_id: str
     scenario: ScenarioSpec
     trace_level: str = "model"
-    results: str = Field(min_length=1, max_length=256)
-    """Subject the rows go to (the server's inbox for this run)."""
     max_bytes: int = Field(default=1 << 20, ge=4096)
-    """Largest message the agent may publish there (the bus's max payload, less room
-    for the subject and headers)."""
+    """Largest message the agent may send back (the bus's max payload, less room for
+    the subject and headers)."""
 
     @field_validator("trace_level")
     @classmethod
