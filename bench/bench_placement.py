@@ -214,6 +214,9 @@ def batched(zoo: Path, rounds: int, seconds: float) -> dict[str, Any]:
         "inputs_per_s": kept,
         "median_inputs_per_s": med,
         "median_ratio_to_bare": ratios,
+        "median_ratio_agent_to_server": statistics.median(
+            a / b for a, b in zip(kept["agent"], kept["server"], strict=True)
+        ),
     }
 
 

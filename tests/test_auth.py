@@ -266,6 +266,21 @@ def test_stack_runs_an_evaluation_under_role_credentials(
             backend="asyncio",
         )
         assert summary.status == "completed" and summary.errors == 0 and summary.queries >= 40
+        # Placement agent: the run's rows are many replies to one run request, which the
+        # agent's own user may send (allow_responses), and nothing else.
+        local = anyio.run(
+            lambda: submit(
+                client,
+                JobRequest(
+                    model="noop",
+                    framework="noop",
+                    scenario=ScenarioSpec(name="single-stream", duration_s=30, max_queries=300),
+                    placement="agent",
+                ),
+            ),
+            backend="asyncio",
+        )
+        assert (local.placement, local.errors, local.queries) == ("agent", 0, 300)
 
         async def read_back() -> dict[str, object]:
             # The dashboard's way: the server answers into the reader's own inbox.

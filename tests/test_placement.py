@@ -220,3 +220,33 @@ def test_submit_takes_placement() -> None:
     assert make_job(args).placement == "agent"
     args = parser().parse_args(["noop", "--framework", "noop"])
     assert make_job(args).placement == "server"
+
+
+def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
+    from agent.localrun import rows_messages
+    from broker.agentrun import _Collector
+    from mlscope import codec
+    from mlscope.contracts import RunRows
+    from mlscope.record import ARRAYS, RunRecord
+
+    n, batch = 5000, 4
+    src = RunRecord(n=n, batch_size=batch)
+    for k, name in enumerate(ARRAYS):
+        getattr(src, name)[:] = (np.arange(n) + k) % 2 if name in ("ok", "refused") else k + 1
+    cols = {name: getattr(src, name) for name in ARRAYS}
+    cols["top1"] = np.tile(np.arange(batch, dtype=np.int32), (n, 1))
+    errors = {7: "boom", 4999: "late"}
+    msgs = rows_messages("ev-x", 0, cols, errors, seq=0, max_bytes=64 << 10, final=True, queries=n)
+    assert len(msgs) > 5 and all(len(m) <= 64 << 10 for m in msgs)
+    labels = lambda i: np.arange(batch)  # noqa: E731  every sample right
+    got = _Collector(RunRecord(n=1, batch_size=batch), labels, "a")
+    for m in msgs:
+        got.add(codec.decode_model(RunRows, m))
+    last = codec.decode_model(RunRows, msgs[-1])
+    assert last.final and not codec.decode_model(RunRows, msgs[0]).final
+    assert got.finish(last) == ()
+    rec = got.rec
+    assert rec.n == n and rec.errors == errors
+    for name in ARRAYS[:-2]:  # correct and prediction are the server's own scoring
+        np.testing.assert_array_equal(getattr(rec, name), getattr(src, name), err_msg=name)
+    np.testing.assert_array_equal(rec.correct, np.where(src.ok == 1, batch, 0))
