@@ -25,26 +25,32 @@ spans share one timeline as in a server-placed run.
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import anyio
 import numpy as np
 
 from agent.pipeline import Executor, Job
 from agent.tracer import SpanBuffer
 from mlscope import codec, samples
-from mlscope.contracts import QueryReply, RunRows, ScenarioSpec, TraceLevel
+from mlscope.contracts import QueryReply, RunOp, RunRows, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
 from mlscope.pacer import OutstandingLimit, Pacer, QuietGC
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.schedule import CLOSED_LOOPS, build_schedule
+from mlscope.serving import as_error
 
-__all__ = ["BATCHED_DEPTH", "LocalRun", "rows_messages"]
+__all__ = ["BATCHED_DEPTH", "SHIP_S", "LocalRun", "rows_messages", "serve_run"]
 
 now = time.perf_counter_ns
+log = logging.getLogger("mlscope.agent")
+SHIP_S = 0.25
+"""How often a local run's finished rows go to the server (also its sign of life)."""
 START_LEAD_NS = 50_000_000
 """Offset 0 is 50 ms after :meth:`LocalRun.prepare` (the run request's reply and the
 start of the run's threads fit in it), so the first query is on time."""
@@ -180,7 +186,7 @@ class LocalRun:
         if not self.worker.submit(self._job(i, x, t)):
             rec.refused[i] = 1
             rec.errors[i] = self._overloaded(i)
-            self._complete(i)
+            self._complete(i, chain=False)  # a refused closed-loop stream ends here
 
     def _closed_loop(self) -> None:
         rec = self.rec
@@ -265,13 +271,15 @@ class LocalRun:
         rec.agent_replied[i] = reply.t_replied - t0
         self._complete(i)
 
-    def _complete(self, i: int) -> None:
+    def _complete(self, i: int, *, chain: bool = True) -> None:
+        """Query ``i`` is done; a closed loop's stream then issues its next query
+        (``chain``: not after a refusal, which would recurse as fast as it is refused)."""
         rec = self.rec
         rec.completed[i] = max(now() - rec.t0_ns, 1)
         rec.done += 1
         if self._gate is not None:
             self._gate.release()
-        more = self.closed and self._next_closed()
+        more = self.closed and chain and self._next_closed()
         with self._lock:
             self._outstanding -= 1
             if self._outstanding == 0 and not more and not self._pacing:
@@ -331,3 +339,59 @@ def rows_messages(
         if last:
             return out
         a = b
+
+
+async def serve_run(
+    run: LocalRun, req: RunOp, publish: Callable[[bytes], Awaitable[None]], service: str
+) -> None:
+    """Run ``run`` (prepared) on a worker thread; ship its rows every :data:`SHIP_S`
+    while it runs and the rest, with the totals, when it ends: also when it fails (its
+    typed error goes in the final rows) or the agent shuts down."""
+    seq = 0
+
+    async def ship(*, final: bool = False, **extra: Any) -> None:
+        nonlocal seq
+        start, cols, errors = run.take(final=final)
+        if not final and not len(cols["ok"]):
+            return
+        for data in rows_messages(
+            req.evaluation_id,
+            start,
+            cols,
+            errors,
+            seq=seq,
+            max_bytes=req.max_bytes,
+            issued=run.issued,
+            final=final,
+            **extra,
+        ):
+            await publish(data)
+            seq += 1
+
+    async def shipper() -> None:
+        while True:
+            await anyio.sleep(SHIP_S)
+            await ship()
+
+    error: dict[str, Any] | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(shipper)
+            try:
+                await anyio.to_thread.run_sync(run.run, abandon_on_cancel=True)
+            finally:
+                run.stop()
+            tg.cancel_scope.cancel()
+    except Exception as exc:  # the run's failure goes to the server in its rows
+        error = as_error(exc, service=service).to_wire()
+        log.warning("%s: local run %s failed: %r", service, req.evaluation_id, exc)
+    finally:  # also on shutdown: the server stores what was measured
+        run.release()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            await ship(
+                final=True,
+                queries=run.rec.n,
+                not_issued=run.rec.not_issued,
+                cpu_s=run.cpu_s,
+                error=error,
+            )

@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 
 import mlscope
 from agent import profiling
-from agent.localrun import LocalRun, rows_messages
+from agent.localrun import LocalRun, serve_run
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
 from agent.sysmon import Sampler
@@ -67,7 +67,7 @@ from mlscope.fetchpolicy import FetchPolicy
 from mlscope.manifest import FrameworkManifest, is_built
 from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
-from mlscope.serving import Boundary, as_error
+from mlscope.serving import Boundary
 from mlscope.settings import Settings
 from mlscope.versions import satisfies
 
@@ -76,8 +76,6 @@ __all__ = ["Agent", "AgentConfig"]
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
 AGENT_SWITCH_INTERVAL_S = 0.0002
-SHIP_S = 0.25
-"""How often a local run's finished rows go to the server (also its sign of life)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -470,64 +468,18 @@ class Agent:
         )
         t0 = await anyio.to_thread.run_sync(run.prepare)
         try:
-            self.task_group.start_soon(self._local_run, run, req, results)
+            self.task_group.start_soon(
+                serve_run,
+                run,
+                req,
+                functools.partial(self.bus.nc.publish, results),
+                f"agent {self.agent_id}",
+            )
         except BaseException:
             run.release()
             raise
         scheduled = len(run.schedule) if run.schedule is not None else 0
         return RunStarted(t0_agent=t0, queries=scheduled)
-
-    async def _local_run(self, run: LocalRun, req: RunOp, results: str) -> None:
-        """Run it on a worker thread; ship its rows every :data:`SHIP_S` while it runs
-        and the rest, with the totals, when it ends (also when it fails)."""
-        seq = 0
-
-        async def ship(*, final: bool = False, **extra: Any) -> None:
-            nonlocal seq
-            start, cols, errors = run.take(final=final)
-            if not final and not len(cols["ok"]):
-                return
-            for data in rows_messages(
-                req.evaluation_id,
-                start,
-                cols,
-                errors,
-                seq=seq,
-                max_bytes=req.max_bytes,
-                issued=run.issued,
-                final=final,
-                **extra,
-            ):
-                await self.bus.nc.publish(results, data)
-                seq += 1
-
-        async def shipper() -> None:
-            while True:
-                await anyio.sleep(SHIP_S)
-                await ship()
-
-        error: dict[str, Any] | None = None
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(shipper)
-                try:
-                    await anyio.to_thread.run_sync(run.run, abandon_on_cancel=True)
-                finally:
-                    run.stop()
-                tg.cancel_scope.cancel()
-        except Exception as exc:  # the run's failure goes to the server in its rows
-            error = as_error(exc, service=f"agent {self.agent_id}").to_wire()
-            log.warning("agent %s: local run %s failed: %r", self.agent_id, req.evaluation_id, exc)
-        finally:  # also on shutdown: the server stores what was measured
-            run.release()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-                await ship(
-                    final=True,
-                    queries=run.rec.n,
-                    not_issued=run.rec.not_issued,
-                    cpu_s=run.cpu_s,
-                    error=error,
-                )
 
     def _labels(self, entry: Entry) -> list[str] | None:
         """The first output's labels file, when the manifest names one that is local
