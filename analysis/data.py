@@ -72,6 +72,7 @@ EVALUATION_FIELDS = (
     "role",
     "runs",
     "parallel",
+    "placement",
 )
 """``role``: ``run`` (one measured run with its queries) or ``sweep`` (the parent of a
 batch-size sweep or rate search: the summary only, its runs stored on their own, their
@@ -129,6 +130,7 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
         "role": "sweep" if runs else "run",
         "runs": runs,
         "parallel": bool(summary.get("parallel", False)),
+        "placement": str(summary.get("placement", "server")),
     }
 
 
