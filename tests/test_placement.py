@@ -23,7 +23,7 @@ from cli.submit import format_summary, make_job, parser, submit
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
-from mlscope.errors import ResolutionError
+from mlscope.errors import ConfigError, ResolutionError
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, running_stack, wait_agents
@@ -250,3 +250,23 @@ def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     for name in ARRAYS[:-2]:  # correct and prediction are the server's own scoring
         np.testing.assert_array_equal(getattr(rec, name), getattr(src, name), err_msg=name)
     np.testing.assert_array_equal(rec.correct, np.where(src.ok == 1, batch, 0))
+
+
+def test_a_batch_over_the_bus_payload_runs_in_the_agent(placement_stack: Stack) -> None:
+    """efficientnet_lite0 at batch 8 is ~4.8 MB a query: refused through the bus (1 MiB
+    max payload), measured in the agent, where no query crosses it."""
+    spec = ScenarioSpec(name="batched", batch_size=8, max_queries=3, duration_s=60, **LOOSE)
+
+    def job(placement: str) -> JobRequest:
+        return JobRequest(
+            model="efficientnet_lite0",
+            framework="onnxruntime",
+            scenario=spec,
+            trace_level="none",
+            placement=placement,  # type: ignore[arg-type]
+        )
+
+    with pytest.raises(ConfigError, match="over the bus's max payload"):
+        run(placement_stack.settings, job("server"))
+    s = run(placement_stack.settings, job("agent"))
+    assert s.placement == "agent" and s.queries == 3 and s.samples == 24 and s.errors == 0
