@@ -9,7 +9,8 @@
 2. Latency of the noop model at ``--qps`` (1,000) Poisson with ``placement: agent``
    (the agent's own pacer and executor; no bus per query) against MLPerf LoadGen's
    Server scenario at the same rate with an in-process null SUT (each query completed
-   inside ``issue_query``), in a process of its own; alternated, medians of p50 / p99.
+   inside ``issue_query``), in a process of its own, and against ``placement: server``;
+   the three rotate in each round; medians of p50 / p99 and of the issue lag.
 
 Usage: PYTHONPATH=. python bench/bench_placement.py [--zoo DIR] [--rounds 3]
        [--seconds 5] [--qps 1000] [--online-seconds 10] [--only batched|online]
@@ -224,47 +225,55 @@ def online(zoo: Path, rounds: int, seconds: float, qps: float) -> dict[str, Any]
     s, live = stack(zoo, ["noop"])
     lg = Child("--null-sut-child")
     spec = ScenarioSpec(name="online", qps=qps, duration_s=seconds)
-    agent: list[dict[str, Any]] = []
-    null: list[dict[str, Any]] = []
+    got: dict[str, list[dict[str, Any]]] = {"agent": [], "null_sut": [], "server": []}
+    order = list(got)
     try:
-        for r in range(rounds):
-            for who in ("agent", "null") if r % 2 == 0 else ("null", "agent"):
-                if who == "null":
-                    null.append(json.loads(lg.ask(f"{qps} {seconds}")))
+        for _ in range(rounds):
+            for who in order:
+                if who == "null_sut":
+                    got[who].append(json.loads(lg.ask(f"{qps} {seconds}")))
                     continue
                 job = JobRequest(
                     model="noop",
                     framework="noop",
                     scenario=spec,
                     trace_level="none",
-                    placement="agent",
+                    placement=who,  # type: ignore[arg-type]
                 )
-                summ = run_job(live, job)
-                agent.append(
-                    {
-                        "p50_ms": summ.latency_ms.p50,
-                        "p99_ms": summ.latency_ms.p99,
-                        "issue_lag_p99_us": summ.issue_lag_us.get("p99"),
-                        "queries": summ.queries,
-                        "valid": summ.valid,
-                        "invalid_reasons": list(summ.invalid_reasons),
-                    }
-                )
+                got[who].append(_latency(run_job(live, job)))
+            order = order[1:] + order[:1]  # rotate: no path always runs first
     finally:
         lg.close()
         s.stop()
 
-    def med(rows: list[dict[str, Any]], key: str) -> float:
-        return statistics.median(float(r[key]) for r in rows)
+    def med(who: str, key: str) -> float:
+        return statistics.median(float(r[key]) for r in got[who])
 
     return {
         "qps": qps,
         "seconds_per_run": seconds,
         "rounds": rounds,
-        "agent_placement": agent,
-        "loadgen_null_sut": null,
-        "median_p50_ms": {"agent": med(agent, "p50_ms"), "null_sut": med(null, "p50_ms")},
-        "median_p99_ms": {"agent": med(agent, "p99_ms"), "null_sut": med(null, "p99_ms")},
+        "runs": got,
+        "median_p50_ms": {k: med(k, "p50_ms") for k in got},
+        "median_p99_ms": {k: med(k, "p99_ms") for k in got},
+        "median_issue_lag_us": {
+            k: {q: med(k, f"issue_lag_{q}_us") for q in ("p50", "p99")} for k in ("agent", "server")
+        },
+    }
+
+
+def _latency(summ: EvaluationSummary) -> dict[str, Any]:
+    split = summ.issue_lag_split_us or {}
+    return {
+        "p50_ms": summ.latency_ms.p50,
+        "p99_ms": summ.latency_ms.p99,
+        "issue_lag_p50_us": summ.issue_lag_us.get("p50"),
+        "issue_lag_p99_us": summ.issue_lag_us.get("p99"),
+        "pacer_p99_us": (split.get("pacer") or {}).get("p99"),
+        "handoff_p99_us": (split.get("loop") or {}).get("p99"),
+        "queries": summ.queries,
+        "valid": summ.valid,
+        "invalid_reasons": list(summ.invalid_reasons),
     }
 
 
