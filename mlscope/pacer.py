@@ -51,6 +51,7 @@ __all__ = [
     "PacerResult",
     "QuietGC",
     "RealtimeThread",
+    "RealtimeThreads",
 ]
 
 DEFAULT_SPIN_S = 300e-6
@@ -276,6 +277,39 @@ class Pacer:
 
 REALTIME_PRIORITY = 2
 """The pacer's SCHED_FIFO priority: above the event loop's (:class:`RealtimeThread`)."""
+
+
+class RealtimeThreads:
+    """Other threads (by native id) in SCHED_FIFO priority 1 until :meth:`restore`.
+
+    For the threads a pacer takes the GIL from in an agent's local run (its executor's
+    predict and pre-processing threads): one preempted while it holds the GIL stalls
+    the pacer until it runs again. No effect without CAP_SYS_NICE.
+    """
+
+    def __init__(self, thread_ids: list[int], *, enable: bool = True) -> None:
+        self.saved: list[tuple[int, int, os.sched_param]] = []
+        if not enable:
+            return
+        for tid in thread_ids:
+            try:
+                before = (tid, os.sched_getscheduler(tid), os.sched_getparam(tid))
+                os.sched_setscheduler(tid, os.SCHED_FIFO, os.sched_param(1))
+            except (OSError, AttributeError):
+                continue
+            self.saved.append(before)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.saved)
+
+    def restore(self) -> None:
+        for tid, policy, param in self.saved:
+            try:
+                os.sched_setscheduler(tid, policy, param)
+            except OSError:  # the thread has ended
+                continue
+        self.saved = []
 
 
 class RealtimeThread:
