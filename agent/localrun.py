@@ -251,9 +251,12 @@ class LocalRun:
     def _next_closed(self) -> bool:
         """Issue the next closed-loop query; False once time or the count is up."""
         rec = self.rec
-        with self._lock:
+        while now() < rec.t0_ns:  # the first queries wait for offset 0
+            time.sleep(0.001)
+        with self._lock:  # index and scheduled time together: both in issue order
             i = self._issued
-            if self._stop.is_set() or i >= self._cap or now() >= self._deadline:
+            t = now() - rec.t0_ns
+            if self._stop.is_set() or i >= self._cap or t >= self._deadline - rec.t0_ns:
                 return False
             if i >= rec.n:  # the run outlasts the room: grow, never stop early
                 rec.grow()
@@ -261,12 +264,8 @@ class LocalRun:
                 grown[: len(self.top1)] = self.top1
                 self.top1 = grown
             self._issued = i + 1
-        while now() < rec.t0_ns:  # the first queries wait for offset 0
-            time.sleep(0.001)
-        x = self.inputs(i)
-        t = max(now() - rec.t0_ns, 1)
-        rec.scheduled[i] = rec.paced[i] = t
-        self._submit(i, x)
+            rec.scheduled[i] = rec.paced[i] = max(t, 1)
+        self._submit(i, self.inputs(i))
         return True
 
     def _open_loop(self) -> None:
