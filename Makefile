@@ -3,6 +3,9 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Tests and benchmarks are type-checked too (the packages' strict settings, and the
+# bodies of any function without annotations); they are scripts, not packages.
+MYPY_TESTS := --check-untyped-defs --explicit-package-bases tests bench
 
 .PHONY: install demo test test-fast lint typecheck bench clean
 
@@ -27,11 +30,12 @@ install: $(STAMP)
 demo: install
 	$(VENV)/bin/mlscope demo
 
-## Format check, lint, type-check (strict), then the whole test suite against real services and runtimes.
+## Format check, lint, type-check (strict; tests and benchmarks too), then the whole test suite against real services and runtimes.
 test: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy $(MYPY_TESTS)
 	$(PY) -m pytest
 
 ## The fast part: pure unit tests only (seconds).
@@ -44,6 +48,7 @@ lint: install
 
 typecheck: install
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy $(MYPY_TESTS)
 
 bench: install
 	$(PY) bench/run_all.py

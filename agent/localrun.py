@@ -25,8 +25,8 @@ spans share one timeline as in a server-placed run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -40,9 +40,9 @@ from agent.tracer import SpanBuffer
 from mlscope import codec, samples
 from mlscope.contracts import QueryReply, RunOp, RunRows, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
-from mlscope.pacer import OutstandingLimit, Pacer, QuietGC, RealtimeThreads
+from mlscope.pacer import OutstandingLimit, Pacer, RealtimeThreads
 from mlscope.record import ARRAYS, RunRecord
-from mlscope.schedule import CLOSED_LOOPS, build_schedule
+from mlscope.schedule import ARRIVALS, build_schedule
 from mlscope.serving import as_error
 
 __all__ = ["BATCHED_DEPTH", "SHIP_S", "LocalRun", "rows_messages", "serve_run"]
@@ -60,8 +60,6 @@ BATCHED_DEPTH = 3
 waiting, so the runtime never waits for the next batch (MLPerf Offline's intent)."""
 PREBUILD_BYTES = 64 << 20
 """An open loop's inputs are built before the clock starts when they fit in this."""
-SWITCH_INTERVAL_S = 0.0001
-"""GIL switch interval while the pacer runs (as the server's load generator)."""
 UNSUPPORTED = frozenset({"cold-start"})
 REALTIME_MAX_QPS = 5_000.0
 """Above this mean rate an open loop's executor threads keep their normal priority (the
@@ -89,17 +87,19 @@ class LocalRun:
         spans: SpanBuffer | None,
         overloaded: Callable[[int], str],
     ) -> None:
-        if spec.name in UNSUPPORTED or spec.loadgens > 1:
+        if spec.name in UNSUPPORTED or spec.loadgens > 1 or spec.loadgen_hosts:
+            many = spec.loadgens > 1 or bool(spec.loadgen_hosts)
             raise ConfigError(
                 f"scenario {spec.name!r}"
-                + (f" with {spec.loadgens} load generators" if spec.loadgens > 1 else "")
+                + (" with several load generators" if many else "")
                 + " cannot run in the agent (placement agent); use placement server",
                 field="placement",
                 scenario=spec.name,
             )
         self.worker, self.spec, self.inputs = worker, spec, inputs
         self.level, self.spans, self._overloaded = level, spans, overloaded
-        self.closed = spec.name in CLOSED_LOOPS
+        self.closed = spec.name not in ARRIVALS
+        """A closed loop: the scenario has no arrivals (:data:`mlscope.schedule.ARRIVALS`)."""
         self.schedule = None if self.closed else build_schedule(spec)[0]
         n = len(self.schedule) if self.schedule is not None else self._closed_room()
         self.rec = RunRecord(n=n, batch_size=spec.batch_size)
@@ -115,7 +115,6 @@ class LocalRun:
         self._gate: OutstandingLimit | None = None
         self._deadline = 0
         self._prebuilt: list[np.ndarray] | None = None
-        self._quiet_gc: QuietGC | None = None
         self.realtime = False
         """Whether an open loop's executor threads run in SCHED_FIFO (see prepare)."""
         self._cap = spec.max_queries or 2**31
@@ -144,14 +143,16 @@ class LocalRun:
 
     def prepare(self) -> int:
         """Everything that takes time before the clock starts (an open loop's inputs,
-        a full garbage collection), then offset 0: returns ``t0`` (agent clock)."""
+        the probe of its predict time), then offset 0: returns ``t0`` (agent clock).
+
+        The process-wide tuning of an open loop (switch interval, no GC) is held by
+        the caller around the whole run (``mlscope.tuning.ProcessTuning``)."""
         if not self.closed:
             per = self.inputs(0).nbytes
             if per * self.rec.n <= PREBUILD_BYTES:
                 self._prebuilt = [self.inputs(i) for i in range(self.rec.n)]
             self.realtime = self._short_enough()
             log.info("local run: executor threads real-time: %s", self.realtime)
-            self._quiet_gc = QuietGC()  # collected now; no collection until the end
         self.rec.t0_ns = now() + START_LEAD_NS
         self._deadline = self.rec.t0_ns + int(self.spec.duration_s * 1e9)
         return self.rec.t0_ns
@@ -203,13 +204,6 @@ class LocalRun:
                 self._open_loop()
         finally:
             self.cpu_s = time.process_time() - self._cpu0
-            self.release()
-
-    def release(self) -> None:
-        """Give back what :meth:`prepare` took (garbage collection); idempotent."""
-        if self._quiet_gc is not None:
-            self._quiet_gc.restore()
-            self._quiet_gc = None
 
     def _job(self, i: int, x: np.ndarray, t: int) -> Job:
         return Job(
@@ -279,8 +273,6 @@ class LocalRun:
             rec.paced[i] = paced
             self._submit(i, prebuilt[i] if prebuilt is not None else self.inputs(i))
 
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         helpers = RealtimeThreads(self.worker.thread_ids(), enable=self.realtime)
         try:
             pacer = Pacer(
@@ -296,7 +288,6 @@ class LocalRun:
             self._done.wait(DRAIN_TIMEOUT_S)
         finally:
             helpers.restore()
-            sys.setswitchinterval(switch)
 
     # ------------------------------------------------------------------ replies
 
@@ -390,11 +381,17 @@ def rows_messages(
 
 
 async def serve_run(
-    run: LocalRun, req: RunOp, publish: Callable[[bytes], Awaitable[None]], service: str
+    run: LocalRun,
+    req: RunOp,
+    publish: Callable[[bytes], Awaitable[None]],
+    service: str,
+    *,
+    held: contextlib.ExitStack,
 ) -> None:
     """Run ``run`` (prepared) on a worker thread; ship its rows every :data:`SHIP_S`
     while it runs and the rest, with the totals, when it ends: also when it fails (its
-    typed error goes in the final rows) or the agent shuts down."""
+    typed error goes in the final rows) or the agent shuts down. ``held`` (the process
+    tuning taken for the run) is let go once the run has ended, on this event loop."""
     seq = 0
 
     async def ship(*, final: bool = False, **extra: Any) -> None:
@@ -434,7 +431,7 @@ async def serve_run(
         error = as_error(exc, service=service).to_wire()
         log.warning("%s: local run %s failed: %r", service, req.evaluation_id, exc)
     finally:  # also on shutdown: the server stores what was measured
-        run.release()
+        held.close()
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
             await ship(
                 final=True,

@@ -40,11 +40,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from agent import profiling
-from agent.operators import Pipeline
 from agent.profiling import NULL, Capture
 from agent.tracer import SpanBuffer
 from mlscope.contracts import QueryReply, TraceLevel
 from mlscope.errors import InferenceError, InputMismatchError, MLScopeError
+from mlscope.operators import Pipeline
 from mlscope.predictor import Predictor
 
 __all__ = ["Executor", "ExecutorConfig", "Job", "Model", "emit_spans"]
@@ -63,7 +63,7 @@ class Model(Protocol):
     post: Pipeline
     sample_shape: tuple[int, ...]
     labeler: Callable[[np.ndarray], np.ndarray] | None
-    """Class indices -> their labels (:func:`agent.operators.labeler`), or None."""
+    """Class indices -> their labels (:func:`mlscope.operators.labeler`), or None."""
     batch_axes: tuple[int | None, ...]
     """Per input, the axis merged batches are joined on (None: one value shared)."""
 

@@ -7,6 +7,7 @@ subscriptions are live, and only then is the description put into the registry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -21,13 +22,14 @@ from nats.aio.msg import Msg
 
 import mlscope
 from agent import profiling
+from agent.energy import EnergyMeter
 from agent.localrun import LocalRun, serve_run
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
-from agent.sysmon import Sampler
+from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
-from mlscope import artifact_bucket, codec, names, samples, sysinfo
+from mlscope import artifact_bucket, codec, names, provenance, samples, sysinfo
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
@@ -69,6 +71,7 @@ from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 from mlscope.versions import satisfies
 
 __all__ = ["Agent", "AgentConfig"]
@@ -132,6 +135,15 @@ class Agent:
         )
         """Remembers verified files by size and mtime: re-checking one is a stat."""
         self.framework_manifest = self.catalog.framework(self.config.framework)
+        self.rss = RssWatch()
+        """Resident memory over each prepared evaluation (reported at release)."""
+        self.energy = EnergyMeter(nvml=open_nvml() if self.config.device != "cpu" else None)
+        """Energy counters of this agent's device, read at prepare and at release."""
+        self.loaded_settings: dict[str, dict[str, Any]] = {}
+        """Per loaded model key: what it was opened with (reported by prepare)."""
+        self.git_commit: str | None = None
+        self.tuning = ProcessTuning()
+        """This process's one owner of GC and switch interval during local runs."""
         host = str(sysinfo.host_facts()["host"])
         self.agent_id = self.config.agent_id or names.token(
             f"{host}-{self.config.framework}-{new_id('a')[2:8]}"
@@ -151,6 +163,7 @@ class Agent:
         # model this agent opens; an explicit --threads still wins (PredictorOptions).
         self.framework_manifest = self.catalog.framework(self.config.framework, info.version)
         self._facts: dict[str, Any] = sysinfo.host_facts()
+        self.git_commit = await anyio.to_thread.run_sync(provenance.git_commit)
         self.accelerators = accelerators(self.config.framework)
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.
@@ -282,6 +295,8 @@ class Agent:
             cpu_model=f["cpu_model"],
             cpu_cores=f["cpu_cores"],
             memory_bytes=f["memory_bytes"],
+            usable_cores=f.get("usable_cores"),
+            memory_limit_bytes=f.get("memory_limit_bytes"),
             accelerators=self.accelerators,
             frameworks=(info,),
             models=tuple(
@@ -358,6 +373,8 @@ class Agent:
             return await self._start_run(req, msg.reply)
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
+        rss = await anyio.to_thread.run_sync(self.rss.stop, req.evaluation_id)
+        energy_j = await anyio.to_thread.run_sync(self.energy.stop, req.evaluation_id)
         if session is not None and session.level >= TraceLevel.FRAMEWORK:
             await anyio.to_thread.run_sync(  # layer spans a profiler held back
                 profiling.flush, session.worker.model.predictor
@@ -365,7 +382,14 @@ class Agent:
         unloaded = False
         if session is not None and req.unload:
             unloaded = await self._unload(session.key)
-        return ReleaseReply(unloaded=unloaded)
+        start, peak, end = rss or (None, None, None)
+        return ReleaseReply(
+            unloaded=unloaded,
+            rss_start_bytes=start,
+            rss_peak_bytes=peak,
+            rss_end_bytes=end,
+            energy_j=energy_j,
+        )
 
     async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""
@@ -412,6 +436,7 @@ class Agent:
                 model.close()
                 raise
             load_ns = model.load_ns
+            self.loaded_settings[key] = self._opened_with(opts, model)
             self.workers[key] = Executor(
                 model,
                 ExecutorConfig(
@@ -427,12 +452,23 @@ class Agent:
         self.sessions[eval_id] = Session(worker, level, key)
         if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
+        await anyio.to_thread.run_sync(self.rss.start, eval_id)
+        await anyio.to_thread.run_sync(self.energy.start, eval_id, self.config.device)
         return PrepareReply(
             cold=cold,
             load_ns=load_ns,
             first_inference_ns=first_ns,
             sha256=entry.graph_sha256(self.settings.zoo_dir),
             t_agent=now(),
+            settings={
+                **self.loaded_settings.get(key, {}),
+                "max_batch": worker.max_batch,
+                "batch_wait_us": self.config.batch_wait_us,
+                "queue_capacity": self.config.queue_capacity,
+                "pre_workers": self.config.pre_workers,
+            },
+            mlscope_version=mlscope.__version__,
+            git_commit=self.git_commit,
         )
 
     async def _start_run(self, req: RunOp, results: str) -> RunStarted:
@@ -466,20 +502,44 @@ class Agent:
             spans=spans,
             overloaded=lambda _i: busy,
         )
-        t0 = await anyio.to_thread.run_sync(run.prepare)
+        # An open loop is a timed measurement (switch interval, no GC: the process's
+        # one owner holds them, local runs of several evaluations may overlap), set
+        # before the clock starts; serve_run lets go when the run's rows are shipped.
+        held = contextlib.ExitStack()
+        held.enter_context(
+            self.tuning.load() if run.closed else self.tuning.measurement(realtime_loop=False)
+        )
         try:
+            t0 = await anyio.to_thread.run_sync(run.prepare)
             self.task_group.start_soon(
-                serve_run,
-                run,
-                req,
-                functools.partial(self.bus.nc.publish, results),
-                f"agent {self.agent_id}",
+                functools.partial(
+                    serve_run,
+                    run,
+                    req,
+                    functools.partial(self.bus.nc.publish, results),
+                    f"agent {self.agent_id}",
+                    held=held,
+                )
             )
         except BaseException:
-            run.release()
+            held.close()
             raise
         scheduled = len(run.schedule) if run.schedule is not None else 0
         return RunStarted(t0_agent=t0, queries=scheduled)
+
+    def _opened_with(self, opts: PredictorOptions, model: LoadedModel) -> dict[str, Any]:
+        """The options a model was opened with, and what its runtime says it uses
+        (a predictor's optional ``effective_options()``: e.g. ORT's providers)."""
+        found = getattr(model.predictor, "effective_options", None)
+        return {
+            "device": opts.device,
+            "threads": opts.intra_op_threads,
+            "runtime": dict(opts.runtime),
+            "effective": found() if callable(found) else None,
+            "framework_manifest": (
+                self.framework_manifest.version if self.framework_manifest else None
+            ),
+        }
 
     def _labels(self, entry: Entry) -> list[str] | None:
         """The first output's labels file, when the manifest names one that is local
@@ -505,6 +565,7 @@ class Agent:
         if key not in self.workers or any(s.key == key for s in self.sessions.values()):
             return False
         worker = self.workers.pop(key)
+        self.loaded_settings.pop(key, None)
         await anyio.to_thread.run_sync(worker.stop)
         return True
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["PERF_EVENTS", "Sampler"]
+__all__ = ["PERF_EVENTS", "RssWatch", "Sampler"]
 
 log = logging.getLogger(__name__)
 now = time.perf_counter_ns
@@ -91,7 +91,7 @@ class Sampler:
         self.samples += 1
 
     def _run(self) -> None:
-        self._nvml = _open_nvml()
+        self._nvml = open_nvml()
         perf = self._start_perf() if self.use_perf else None
         psutil.cpu_percent(percpu=True)  # the first call only sets the baseline
         self._proc.cpu_percent()
@@ -197,7 +197,7 @@ def parse_perf_line(line: str) -> tuple[str, float] | None:
     return (event, value) if event else None
 
 
-def _open_nvml() -> Any:
+def open_nvml() -> Any:
     try:
         import pynvml  # type: ignore[import-not-found, unused-ignore]
 
@@ -205,3 +205,78 @@ def _open_nvml() -> Any:
         return pynvml
     except Exception:  # not installed, no driver, no GPU: no GPU samples
         return None
+
+
+class RssWatch:
+    """The agent process's resident memory over each prepared evaluation, at every
+    trace level: RSS when it was prepared, the highest RSS seen while it ran, RSS when
+    it was released.
+
+    One thread reads the RSS (psutil: ``/proc/self/statm`` on Linux, a few µs) every
+    ``interval_s`` while any evaluation is watched, so a peak shorter than the
+    interval can be missed; on Linux the kernel's own high-water mark (``VmHWM``) is
+    folded in while it is above the start, which catches such peaks when the process
+    never went that high before. Evaluations prepared at once share one process, so
+    each one's figures include what the others use.
+    """
+
+    def __init__(self, *, interval_s: float = 0.05) -> None:
+        self.interval_s = interval_s
+        self._proc = psutil.Process(os.getpid())
+        self._lock = threading.Lock()
+        self._watched: dict[str, list[int]] = {}  # key -> [start, peak, hwm at start]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def rss(self) -> int:
+        return int(self._proc.memory_info().rss)
+
+    def start(self, key: str) -> None:
+        """Start watching ``key`` (a second start keeps the first baseline)."""
+        rss = self.rss()
+        with self._lock:
+            if key in self._watched:
+                return
+            self._watched[key] = [rss, rss, _high_water_mark() or 0]
+            if self._thread is None:
+                self._stop.clear()
+                self._thread = threading.Thread(target=self._run, name="rss", daemon=True)
+                self._thread.start()
+
+    def stop(self, key: str) -> tuple[int, int, int] | None:
+        """(start, peak, end) RSS in bytes of ``key``; None when it was not watched."""
+        end = self.rss()
+        hwm = _high_water_mark()
+        with self._lock:
+            got = self._watched.pop(key, None)
+            thread = self._thread if not self._watched else None
+            if thread is not None:
+                self._thread = None
+                self._stop.set()
+        if thread is not None:
+            thread.join(timeout=5)
+        if got is None:
+            return None
+        start, peak, hwm0 = got
+        if hwm is not None and hwm > hwm0:  # a new high for the process: during this run
+            peak = max(peak, hwm)
+        return start, max(peak, end), end
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            rss = self.rss()
+            with self._lock:
+                for v in self._watched.values():
+                    v[1] = max(v[1], rss)
+
+
+def _high_water_mark() -> int | None:
+    """The process's peak RSS so far (Linux ``VmHWM``), bytes; None elsewhere."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

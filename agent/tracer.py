@@ -23,24 +23,15 @@ from typing import Any
 
 import anyio
 
-from mlscope import codec, names
+from mlscope import codec, names, schema
 from mlscope.bus import Bus, publish_persistent
 from mlscope.contracts import SampleBatch, SpanBatch, TraceLevel, new_id
 
 __all__ = ["SAMPLE_COLUMNS", "SampleBuffer", "SpanBuffer", "Tracer"]
 
-COLUMNS = (
-    "span_id",
-    "parent_id",
-    "query_index",
-    "level",
-    "kind",
-    "name",
-    "start_ns",
-    "end_ns",
-    "attrs",
-)
-SAMPLE_COLUMNS = ("ts_ns", "metric", "device", "value")
+COLUMNS = tuple(c.name for c in schema.SPAN_FIELDS)
+"""The fields of one span (:class:`~mlscope.contracts.SpanBatch` columns)."""
+SAMPLE_COLUMNS = tuple(c.name for c in schema.SAMPLE_FIELDS)
 SPAN_ID_BLOCK = 1 << 32
 """Each buffer owns ids ``base + 1 .. base + 2**32`` with ``base`` a random multiple of this."""
 

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from agent.operators import Pipeline, compile_steps, labeler
 from agent.pipeline import Executor, Job
 from agent.predictors import open_predictor
 from mlscope.catalog import Entry
 from mlscope.errors import InputMismatchError, MLScopeError
+from mlscope.operators import Pipeline, compile_steps, labeler
 from mlscope.predictor import Predictor, PredictorOptions
 
 __all__ = ["Job", "LoadedModel", "ModelWorker", "compile_model"]

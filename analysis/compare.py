@@ -38,16 +38,17 @@ import numpy as np
 import pandas as pd
 from packaging.version import InvalidVersion, Version
 
-from analysis.data import queries
+from analysis.data import evaluations, queries
 from analysis.figures import measured_runs, prefer_valid
 from analysis.source import Source
 from mlscope.errors import ConfigError
-from mlscope.stats import percentile, student_t_quantile
+from mlscope.stats import nearest_rank, percentile, student_t_quantile
 
 __all__ = [
     "COMPARED_FIELDS",
     "SINGLE_RUN_NOTE",
     "Difference",
+    "artifact_notes",
     "bootstrap_difference",
     "check_comparable",
     "compare_repeats",
@@ -81,10 +82,8 @@ def resampled_percentile(samples: np.ndarray, q: float, idx: np.ndarray) -> np.n
     ``idx`` is (replicates, n) indices into ``samples``; row r's result equals
     ``mlscope.stats.percentile(samples[idx[r]], q)`` (tested), vectorized.
     """
-    n = idx.shape[1]
-    k = min(max(math.ceil(q / 100.0 * n), 1), n)
     rows = np.sort(samples[idx], axis=1)
-    return rows[:, k - 1]
+    return rows[:, nearest_rank(idx.shape[1], q) - 1]
 
 
 def bootstrap_difference(
@@ -145,10 +144,28 @@ def mismatches(summ: pd.DataFrame) -> list[str]:
     return out
 
 
+def artifact_notes(summ: pd.DataFrame) -> list[str]:
+    """Where runs of one model version on one framework loaded different model files
+    (another machine's build or a rebuild of the zoo): the numbers are still
+    comparable, but a difference may come from the bytes rather than the system."""
+    if "artifact_sha256" not in summ.columns:
+        return []
+    out = []
+    keys = ["model", "model_version", "framework"]
+    for (model, version, framework), group in summ.groupby(keys, sort=True):
+        shas = sorted({str(s) for s in group["artifact_sha256"] if isinstance(s, str) and s})
+        if len(shas) > 1:
+            out.append(
+                f"{model}@{version} on {framework} ran different model files (sha256 "
+                + ", ".join(s[:12] for s in shas)
+                + "): built on another machine or rebuilt; a difference may come from "
+                "the bytes, not the system"
+            )
+    return out
+
+
 def check_comparable(source: Source, ids: Sequence[str]) -> list[str]:
     """:func:`mismatches` of stored evaluations ``ids``."""
-    from analysis.data import evaluations
-
     return mismatches(evaluations(source, list(ids)))
 
 
@@ -163,17 +180,24 @@ def compare_runs(
     tail_min_effect: float = 0.05,
     seed: int = 0,
     check: bool = True,
+    runs: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
     """Median and p99 latency of ``candidate`` against ``baseline`` (ms), one row each:
-    statistic, a, b, diff, rel, ci_low, ci_high, verdict, basis.
+    statistic, a, b, diff, rel, ci_low, ci_high, verdict, basis, note (the
+    :func:`artifact_notes` of the pair, "" when they loaded the same file).
 
     Runs that differ in model, scenario, rate or batch size are refused
     (:class:`~mlscope.errors.ConfigError`) unless ``check`` is False. The interval is
-    over queries of one run each (``basis`` says so): see :func:`compare_repeats`."""
+    over queries of one run each (``basis`` says so): see :func:`compare_repeats`.
+    ``runs``: the two evaluations' rows (of :func:`analysis.data.evaluations` or
+    :func:`analysis.summary.summary`) when the caller has them; read otherwise."""
+    if runs is None:
+        runs = evaluations(source, [baseline, candidate])
     if check:
-        why = check_comparable(source, [baseline, candidate])
+        why = mismatches(runs)
         if why:
             raise ConfigError(f"{baseline} and {candidate} are not comparable: " + "; ".join(why))
+    notes = artifact_notes(runs)
     q = queries(source, [baseline, candidate])
     q = q[q["ok"] & ~q["warmup"]]
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
@@ -196,7 +220,7 @@ def compare_runs(
             ("p99", 99.0, max(min_effect, tail_min_effect)),
         )
     ]
-    return pd.DataFrame(rows).assign(basis=SINGLE_RUN_NOTE)
+    return pd.DataFrame(rows).assign(basis=SINGLE_RUN_NOTE, note="; ".join(notes))
 
 
 def run_level_difference(
@@ -342,6 +366,7 @@ def regressions(
                 min_effect=min_effect,
                 seed=seed,
                 check=False,
+                runs=summ[summ["evaluation_id"].isin([old["evaluation_id"], new["evaluation_id"]])],
             ).iloc[0]
             rows.append(
                 {

@@ -7,39 +7,42 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from analysis.source import Source
+from mlscope import schema
 from mlscope.errors import DatabaseError
 from mlscope.outcomes import classify
 
-QUERY_FIELDS = {
-    "evaluation_id": "object",
-    "query_index": "int64",
-    "batch_size": "int64",
-    "scheduled_ns": "int64",
-    "issued_ns": "int64",
-    "completed_ns": "int64",
-    "agent_received_ns": "int64",
-    "predict_start_ns": "int64",
-    "predict_end_ns": "int64",
-    "agent_replied_ns": "int64",
-    "ok": "bool",
-    "error": "object",
-    "label": "int64",
-    "prediction": "int64",
-    "outcome": "int64",
-    "warmup": "int64",
-    "paced_ns": "int64",
+_DTYPES = {
+    "String": "object",
+    "UInt8": "int64",
+    "UInt32": "int64",
+    "Int32": "int64",
+    "Int64": "int64",
 }
-"""The stored columns of ``queries`` (broker.db.QUERY_COLUMNS) and their dtypes."""
+QUERY_FIELDS = {
+    c.name: "bool" if c.name == "ok" else _DTYPES[c.base_type] for c in schema.QUERIES.columns
+}
+"""The stored columns of ``queries`` (:data:`mlscope.schema.QUERIES`) and their dtypes."""
 UNKNOWN_OUTCOME = 255
 """``queries.outcome`` of rows stored before outcomes were recorded."""
 
-__all__ = ["EVALUATION_FIELDS", "evaluations", "latest_per_key", "queries", "spans"]
+__all__ = [
+    "EVALUATION_FIELDS",
+    "RunFilter",
+    "evaluations",
+    "find_evaluations",
+    "latest_per_key",
+    "queries",
+    "spans",
+    "spans_of",
+]
 
 # Columns of :func:`evaluations` (the flattened summary and specification).
 EVALUATION_FIELDS = (
@@ -73,10 +76,17 @@ EVALUATION_FIELDS = (
     "runs",
     "parallel",
     "placement",
+    "artifact_sha256",
+    "peak_rss_mb",
+    "rss_growth_mb",
+    "energy_j",
 )
 """``role``: ``run`` (one measured run with its queries) or ``sweep`` (the parent of a
 batch-size sweep or rate search: the summary only, its runs stored on their own, their
-ids in ``runs``)."""
+ids in ``runs``). ``artifact_sha256``: the model file the agent loaded ("" when not
+recorded). ``peak_rss_mb`` / ``rss_growth_mb``: the agent process's peak resident
+memory and its growth over the run (MB); ``energy_j``: None unless a power source was
+read."""
 
 
 def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
@@ -85,26 +95,80 @@ def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
     return " WHERE evaluation_id IN {ids:Array(String)}", {"ids": list(ids)}
 
 
+_EVALUATION_SELECT = (
+    "SELECT evaluation_id, created_at, model, model_version, framework, "
+    "framework_version, agent_id, host, device, scenario, trace_level, status, valid, "
+    "t0_ns, clock_offset_ns, rerun_of, spec, summary FROM evaluations FINAL"
+)
+
+
+def _frame_of(raw: pd.DataFrame) -> pd.DataFrame:
+    rows = [_flatten(r) for r in raw.to_dict("records")]
+    frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS))
+    frame["created_at"] = pd.to_datetime(frame["created_at"])
+    return frame
+
+
 def evaluations(source: Source, ids: Sequence[str] | None = None) -> pd.DataFrame:
     """One row per evaluation (all, or ``ids`` in the order given), newest first."""
     where, params = _ids_clause(ids)
     raw = source.frame(
-        "SELECT evaluation_id, created_at, model, model_version, framework, "
-        "framework_version, agent_id, host, device, scenario, trace_level, status, valid, "
-        "t0_ns, clock_offset_ns, rerun_of, spec, summary FROM evaluations FINAL"
-        + where
-        + " ORDER BY created_at DESC, evaluation_id",
-        params,
+        _EVALUATION_SELECT + where + " ORDER BY created_at DESC, evaluation_id", params
     )
-    rows = [_flatten(r) for r in raw.to_dict("records")]
-    frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS))
-    frame["created_at"] = pd.to_datetime(frame["created_at"])
+    frame = _frame_of(raw)
     if ids is not None:
         missing = [i for i in ids if i not in set(frame["evaluation_id"])]
         if missing:
             raise DatabaseError(f"no evaluation {', '.join(missing)}", evaluation_id=missing[0])
         frame = frame.set_index("evaluation_id").loc[list(ids)].reset_index()
     return frame
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFilter:
+    """Which evaluations :func:`find_evaluations` returns; ``None`` leaves a field open."""
+
+    model: str | None = None
+    """The model's name (any version)."""
+    framework: str | None = None
+    """The framework's name."""
+    scenario: str | None = None
+    """The scenario's name (``online``, ``batched``, ...)."""
+    valid: bool | None = None
+    """``True``: VALID completed runs only; ``False``: INVALID or not completed ones."""
+    since: datetime | None = None
+    """Created at or after this moment (UTC)."""
+    limit: int | None = None
+    """At most this many, the newest."""
+
+
+def find_evaluations(source: Source, which: RunFilter) -> pd.DataFrame:
+    """Evaluations matching ``which``, newest first (the columns of :func:`evaluations`).
+
+    The filter runs in the database, so listing a few recent runs reads a few rows.
+    A run is VALID only when it also completed: a cancelled run is never a valid one.
+    """
+    clauses: list[str] = []
+    params: dict[str, Any] = {}
+    for name in ("model", "framework", "scenario"):
+        value = getattr(which, name)
+        if value is not None:
+            clauses.append(f"{name} = {{{name}:String}}")
+            params[name] = value
+    if which.valid is True:
+        clauses.append("valid = 1 AND status = 'completed'")
+    elif which.valid is False:
+        clauses.append("NOT (valid = 1 AND status = 'completed')")
+    if which.since is not None:
+        clauses.append("created_at >= fromUnixTimestamp64Milli({since:Int64})")
+        params["since"] = int(which.since.timestamp() * 1000)
+    sql = _EVALUATION_SELECT
+    if clauses:
+        sql += " WHERE " + " AND ".join(clauses)
+    sql += " ORDER BY created_at DESC, evaluation_id"
+    if which.limit is not None:
+        sql += f" LIMIT {int(which.limit)}"
+    return _frame_of(source.frame(sql, params))
 
 
 def _flatten(r: dict[str, Any]) -> dict[str, Any]:
@@ -131,6 +195,10 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
         "runs": runs,
         "parallel": bool(summary.get("parallel", False)),
         "placement": str(summary.get("placement", "server")),
+        "artifact_sha256": str(spec.get("artifact_sha256") or ""),
+        "peak_rss_mb": summary.get("peak_rss_mb"),
+        "rss_growth_mb": summary.get("rss_growth_mb"),
+        "energy_j": summary.get("energy_j"),
     }
 
 
@@ -209,6 +277,17 @@ def spans(
         sql += " AND query_index = {q:Int64}"
         params["q"] = query_index
     return source.frame(sql + " ORDER BY start_ns, span_id", params)
+
+
+def spans_of(source: Source, ids: Sequence[str]) -> pd.DataFrame:
+    """Every span of evaluations ``ids`` (all stored columns but the batch bookkeeping),
+    by evaluation and start time: what an export writes."""
+    return source.frame(
+        "SELECT evaluation_id, agent_id, span_id, parent_id, query_index, level, kind, name, "
+        "start_ns, end_ns, host, attrs FROM spans FINAL WHERE evaluation_id IN "
+        "{ids:Array(String)} ORDER BY evaluation_id, start_ns, span_id",
+        {"ids": list(ids)},
+    )
 
 
 def latest_per_key(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:

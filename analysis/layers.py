@@ -1,6 +1,6 @@
 """Layer analysis (paper Table 3): where the time of one evaluation goes.
 
-Span convention (the tracing engineer's, issue 6): ``kind="layer"`` for a graph node
+Span convention (docs/ARCHITECTURE.md, "Tracing"): ``kind="layer"`` for a graph node
 or op (parent: the predict span), ``kind="kernel"`` for a device kernel (parent: its
 layer span), ``name`` the node name, ``attrs`` JSON with ``op_type``, ``shape`` and
 ``device``. Where a framework reports ops but no layers (``kind="op"`` only), the ops
@@ -42,7 +42,10 @@ def _layers_sql(kind: str) -> str:
 def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
     """The ``n`` layers with the most time: rank, layer, op_type, shape, calls, total_ms,
     mean_ms, share (of all layer time), dominant (kernel or op), dominant_ms (its total),
-    dominant_share (of the layer's kernel time)."""
+    dominant_share (of the layer's kernel time), alloc_mb (the memory its outputs take,
+    where the profiler reports it: ONNX Runtime; else None), predict_share (of the time
+    of every predict span of the evaluation: how much of inference the layer explains;
+    None without predict spans)."""
     cols = [
         "rank",
         "layer",
@@ -56,6 +59,8 @@ def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
         "dominant",
         "dominant_ms",
         "dominant_share",
+        "alloc_mb",
+        "predict_share",
     ]
     kind = layer_kind(source, evaluation_id)
     if kind is None:
@@ -67,6 +72,7 @@ def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
         params,
     )
     total_all = float(layers["total_ns"].sum()) or 1.0
+    predict_ns = _predict_ns(source, evaluation_id)
     top = layers.head(n)
     kernels = source.frame(
         f"SELECT l.name AS layer, k.name AS child, sum(k.end_ns - k.start_ns) AS ns "
@@ -105,9 +111,21 @@ def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
                 "dominant": dom,
                 "dominant_ms": dom_ns / 1e6,
                 "dominant_share": dom_share,
+                "alloc_mb": _mb(attrs.get("output_bytes")),
+                "predict_share": float(r["total_ns"]) / predict_ns if predict_ns else None,
             }
         )
     return pd.DataFrame(rows, columns=cols)
+
+
+def _predict_ns(source: Source, evaluation_id: str) -> float:
+    """The summed duration of the evaluation's predict spans (0.0: none)."""
+    got = source.frame(
+        "SELECT sum(end_ns - start_ns) AS ns, count() AS n FROM spans FINAL "
+        "WHERE evaluation_id = {e:String} AND kind = 'step' AND name = 'predict'",
+        {"e": evaluation_id},
+    )
+    return float(got["ns"].iloc[0]) if len(got) and int(got["n"].iloc[0]) else 0.0
 
 
 def layer_types(source: Source, evaluation_id: str) -> pd.DataFrame:
@@ -135,6 +153,11 @@ def layer_types(source: Source, evaluation_id: str) -> pd.DataFrame:
     out["mean_ms"] = out["total_ms"] / out["calls"]
     out["share"] = got["total_ns"].astype(float) / total
     return out[cols]
+
+
+def _mb(value: Any) -> float | None:
+    """Bytes -> MB (10⁶); None where the framework's profiler reports no memory."""
+    return int(value) / 1e6 if isinstance(value, int | float) else None
 
 
 def _attrs(raw: Any) -> dict[str, Any]:

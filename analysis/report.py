@@ -1,17 +1,21 @@
 """Reports of evaluations: one self-contained HTML file or Markdown, plots inline.
 
 :func:`build` gathers the frames and figures; :func:`to_html` and :func:`to_markdown`
-render them. HTML embeds plots as inline SVG, Markdown as base64 PNG data URIs, so
-either file stands alone.
+render them. HTML embeds plots as inline SVG, so the file stands alone; Markdown
+writes each plot as a PNG file into a directory beside it (``report_files/``) and links
+it, or, with no directory (a terminal), names the plot in one line; :func:`to_json`
+gives the tables and notes as plain data (plots are named, not drawn).
 """
 
 from __future__ import annotations
 
-import base64
 import html
+import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +28,7 @@ from analysis.layers import layer_types, top_layers
 from analysis.source import Source
 from analysis.summary import latency_windows, summary
 
-__all__ = ["Report", "Section", "build", "to_html", "to_markdown"]
+__all__ = ["Report", "Section", "build", "figure_dir_for", "to_html", "to_json", "to_markdown"]
 
 
 @dataclass
@@ -58,6 +62,8 @@ SUMMARY_VIEW = [
     "p99_ms",
     "throughput_ips",
     "top1",
+    "peak_rss_mb",
+    "rss_growth_mb",
 ]
 
 
@@ -84,6 +90,16 @@ def build(
     sections[0].notes += [
         f"{r.evaluation_id} is INVALID: {r.invalid_reasons}" for r in invalid.itertuples()
     ]
+    sections[0].notes.append(
+        "Memory: peak_rss_mb is the agent process's peak resident memory while the "
+        "evaluation was prepared, rss_growth_mb its resident memory at release minus at "
+        "prepare (MB = 10^6 bytes; empty: not reported). Energy: "
+        + (
+            "not available (no power source was readable on the agents' hosts)."
+            if summ["energy_j"].isna().all()
+            else "energy_j per evaluation, where a power source was read."
+        )
+    )
     q = queries(source, list(ids))
     q = q[q["ok"] & ~q["warmup"]]
     lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
@@ -136,11 +152,9 @@ def _comparison(source: Source, summ: pd.DataFrame, ids: Sequence[str]) -> Secti
         why = mismatches(pair)
         if why:
             sec.notes.append(f"{other} vs {base}: NOT COMPARABLE: " + "; ".join(why))
-        rows.append(
-            compare_runs(source, base, other, check=False).assign(
-                baseline=base, candidate=other, comparable=not why
-            )
-        )
+        table = compare_runs(source, base, other, check=False, runs=pair)
+        sec.notes.extend(f"{other} vs {base}: {n}" for n in dict.fromkeys(table["note"]) if n)
+        rows.append(table.assign(baseline=base, candidate=other, comparable=not why))
     sec.notes.append(f"Intervals: {SINGLE_RUN_NOTE}.")
     sec.tables.append(
         (
@@ -225,18 +239,63 @@ def _html_table(df: pd.DataFrame) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def to_markdown(report: Report) -> str:
-    """Markdown with pipe tables; plots as base64 PNG data URIs."""
+def figure_dir_for(markdown_path: Path) -> Path:
+    """Where the PNG figures of a Markdown report at ``markdown_path`` go: ``NAME_files/``."""
+    return markdown_path.with_name(markdown_path.stem + "_files")
+
+
+def to_markdown(report: Report, figure_dir: Path | None = None) -> str:
+    """Markdown with pipe tables. Plots are PNG files written into ``figure_dir`` and
+    linked relative to its parent (the Markdown file's directory); without
+    ``figure_dir`` each plot is named in one line (no image data in the text)."""
     lines = [f"# {report.title}", "", f"_generated {report.created}_", ""]
+    number = 0
     for sec in report.sections:
         lines += [f"## {sec.title}", ""]
         lines += [f"> {n}" for n in sec.notes]
         for caption, df in sec.tables:
             lines += [f"### {caption}", "", markdown_table(df), ""]
         for caption, fig in sec.plots:
-            data = base64.b64encode(plots.png(fig)).decode()
-            lines += [f"![{caption}](data:image/png;base64,{data})", ""]
+            number += 1
+            if figure_dir is None:
+                lines += [f"_figure {number}: {caption} (write the report with -o FILE.md)_", ""]
+                continue
+            name = f"figure-{number:02d}-{_slug(caption)}.png"
+            figure_dir.mkdir(parents=True, exist_ok=True)
+            (figure_dir / name).write_bytes(plots.png(fig))
+            lines += [f"![{caption}]({figure_dir.name}/{name})", ""]
     return "\n".join(lines)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "plot"
+
+
+def to_json(report: Report) -> dict[str, Any]:
+    """The report as plain data: per section its notes, tables (lists of row objects)
+    and the captions of its plots."""
+    return {
+        "title": report.title,
+        "created": report.created,
+        "sections": [
+            {
+                "title": sec.title,
+                "notes": list(sec.notes),
+                "tables": [
+                    {"caption": caption, "rows": _records(df)} for caption, df in sec.tables
+                ],
+                "plots": [caption for caption, _ in sec.plots],
+            }
+            for sec in report.sections
+        ],
+    }
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows as JSON-ready objects: NaN and NaT become null, numpy scalars Python ones."""
+    text = df.to_json(orient="records", date_format="iso", default_handler=str)
+    rows: list[dict[str, Any]] = json.loads(text)
+    return rows
 
 
 def markdown_table(df: pd.DataFrame) -> str:

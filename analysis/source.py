@@ -3,8 +3,8 @@
 :class:`Source` has one method, ``frame(sql, parameters) -> DataFrame``. Two
 implementations:
 
-* :class:`DirectSource` wraps a :class:`broker.db.Database` (clickhouse-connect on a
-  ClickHouse server, or chDB when this process owns the data directory);
+* :class:`DirectSource` wraps a :class:`mlscope.database.Client` (clickhouse-connect on
+  a ClickHouse server, or chDB when this process owns the data directory);
 * :class:`BusSource` asks the process that owns chDB over the bus
   (:func:`mlscope.remote.sql`), one page of rows at a time so that no reply exceeds
   the NATS payload limit.
@@ -40,16 +40,16 @@ class Source(Protocol):
 
 
 class DirectSource:
-    """Straight through clickhouse-connect (a ``broker.db.Database``)."""
+    """Straight through clickhouse-connect (a :class:`mlscope.database.Client`)."""
 
     def __init__(self, db: Any) -> None:
         self.db = db
 
     @classmethod
     def open(cls, dsn: str) -> DirectSource:
-        from broker.db import Database
+        from mlscope.database import Client
 
-        return cls(Database(dsn))
+        return cls(Client(dsn))
 
     def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
         return pd.DataFrame(self.db.frame(sql, parameters))

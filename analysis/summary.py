@@ -48,6 +48,10 @@ SUMMARY_COLUMNS = (
     "role",
     "parallel",
     "requested_qps",
+    "peak_rss_mb",
+    "rss_growth_mb",
+    "energy_j",
+    "artifact_sha256",
 )
 
 
@@ -91,7 +95,8 @@ def summary(source: Source, ids: Sequence[str] | None = None) -> pd.DataFrame:
     if ev.empty:
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
     q = queries(source, list(ev["evaluation_id"]))
-    by_id = dict(q.groupby("evaluation_id", sort=False))
+    # not dict(groupby): dict() takes the groupby's `keys` attribute for a mapping's
+    by_id = {k: g for k, g in q.groupby("evaluation_id", sort=False)}  # noqa: C416
     rows = []
     for e in ev.to_dict("records"):
         row = {k: e.get(k) for k in SUMMARY_COLUMNS}

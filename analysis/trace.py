@@ -2,7 +2,8 @@
 
 Times are in milliseconds from the evaluation's first span, on the agent's clock
 (every span of one agent shares it; the load generator's offset is stored per
-evaluation and applied by the exporter of issue 6, not needed within one agent).
+evaluation and applied by ``mlscope trace`` (``cli/trace_cmd.py``), not needed within
+one agent).
 """
 
 from __future__ import annotations

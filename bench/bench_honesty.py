@@ -41,12 +41,13 @@ from bench.bench_pipeline import BareProcess
 from broker.loadgen import Driver
 from broker.schedule import constant
 from broker.summary import figures
+from broker.tuning import ProcessTuning
 from cli.demo import wait_for_agent
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import JobRequest, ScenarioSpec, TraceLevel
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
@@ -72,19 +73,18 @@ def compute_vs_bare(zoo: Path, seconds: float, rounds: int = 3) -> None:
             for _ in range(rounds):  # alternated, so both see the same background load
                 bare_ms = 1e3 / bare.rate(seconds / rounds)
                 summ = anyio.run(
-                    lambda fw=fw: submit(
-                        live,
-                        JobRequest(
-                            model=MODEL,
-                            framework=fw,
-                            trace_level="none",
-                            scenario=ScenarioSpec(
-                                name="single-stream", duration_s=seconds / rounds, min_duration_s=0
-                            ),
+                    submit,
+                    live,
+                    JobRequest(
+                        model=MODEL,
+                        framework=fw,
+                        trace_level="none",
+                        scenario=ScenarioSpec(
+                            name="single-stream", duration_s=seconds / rounds, min_duration_s=0
                         ),
-                    )
+                    ),
                 )
-                comp = (summ.latency_split_ms or {})["compute"]["mean"]
+                comp = (summ.latency_split_ms or {})["compute"]["mean"] or float("nan")
                 ratios.append(comp / bare_ms)
                 pairs.append(f"{comp:.3f}/{bare_ms:.3f}")
             bare.close()
@@ -192,6 +192,7 @@ async def _drive(settings: Settings, qps: float, seconds: float) -> Any:
             labels=None,
             trace_level=TraceLevel.NONE,
             schedule=sched,
+            tuning=ProcessTuning(),
         )
         return await driver.run(), agent.host
 

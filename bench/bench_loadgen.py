@@ -34,11 +34,12 @@ import numpy as np
 import broker.loadgen as loadgen
 from broker.loadgen import Driver, encode_query
 from broker.schedule import Schedule
+from broker.tuning import ProcessTuning
 from cli.demo import wait_for_agent
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope.contracts import JobRequest, ScenarioSpec, TraceLevel
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 
 SINK = "bench.sink"
@@ -59,6 +60,7 @@ async def issue_rate(settings: Settings, n: int) -> tuple[float, float]:
             labels=None,
             trace_level=TraceLevel.NONE,
             schedule=Schedule(np.zeros(n, np.int64)),
+            tuning=ProcessTuning(),
         )
         publish = bus.nc.publish
         done_at: list[int] = []
@@ -164,11 +166,12 @@ def main() -> None:
         f"({s.queries} queries): {'VALID' if s.valid else 'INVALID ' + str(s.invalid_reasons)}"
     )
     print(f"   issue lag us: p50 {lag['p50']:.1f}  p99 {lag['p99']:.1f}  max {lag['max']:.1f}")
+    achieved, scheduled = s.achieved_qps or 0.0, s.scheduled_qps or float("nan")
     print(
-        f"   rate: requested {s.requested_qps:g}  scheduled {s.scheduled_qps:.1f}  achieved "
-        f"{s.achieved_qps:.1f}  achieved/scheduled {s.achieved_qps / s.scheduled_qps:.5f}"  # type: ignore[operator]
-        f"  achieved/requested {s.achieved_qps / args.qps:.4f}"
-    )  # type: ignore[operator]
+        f"   rate: requested {s.requested_qps:g}  scheduled {scheduled:.1f}  achieved "
+        f"{achieved:.1f}  achieved/scheduled {achieved / scheduled:.5f}"
+        f"  achieved/requested {achieved / args.qps:.4f}"
+    )
     print(f"   latency ms: p50 {s.latency_ms.p50:.3f}  p99 {s.latency_ms.p99:.3f}")
     for name, v in split.items():
         print(
@@ -182,7 +185,7 @@ def main() -> None:
     )
     print(
         f"3. bare nats-py echo round trip at 1,000/s: p50 {echo50:.0f} us  p99 {echo99:.0f} us"
-        f"  (platform overhead p50 {split['overhead']['p50'] * 1e3:.0f} us)"
+        f"  (platform overhead p50 {(split['overhead']['p50'] or float('nan')) * 1e3:.0f} us)"
     )
 
 

@@ -26,7 +26,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -49,7 +49,7 @@ def _lag_us(result: PacerResult) -> tuple[float, float, float]:
     return float(p50 or 0), float(p99 or 0), float(lag.max())
 
 
-def _median_rows(rows: list[tuple[float, ...]]) -> tuple[float, ...]:
+def _median_rows(rows: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
     return tuple(statistics.median(col) for col in zip(*rows, strict=True))
 
 

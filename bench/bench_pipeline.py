@@ -1,4 +1,4 @@
-"""Streaming pipeline benchmark, in one run (issue 4):
+"""Streaming pipeline benchmark, in one run:
 
 1. Per-query in-process overhead of the pipeline executor: closed loop, one query
    at a time, ``end-to-end - predict`` where end-to-end runs from ``submit`` to the

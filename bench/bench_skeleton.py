@@ -14,6 +14,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import anyio
@@ -21,9 +22,9 @@ import numpy as np
 
 from cli.demo import wait_for_agent
 from cli.services import Stack
-from cli.submit import submit
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import JobRequest, ScenarioSpec
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.zoo.build import build
 
@@ -70,17 +71,16 @@ def main() -> None:
         anyio.run(wait_for_agent, live, "onnxruntime")
         online = [
             anyio.run(
-                lambda s=seed: submit(
-                    live,
-                    JobRequest(
-                        model="digits_cnn",
-                        framework="onnxruntime",
-                        trace_level="model",
-                        scenario=ScenarioSpec(
-                            name="online", qps=args.qps, duration_s=args.duration, seed=s
-                        ),
+                submit,
+                live,
+                JobRequest(
+                    model="digits_cnn",
+                    framework="onnxruntime",
+                    trace_level="model",
+                    scenario=ScenarioSpec(
+                        name="online", qps=args.qps, duration_s=args.duration, seed=seed
                     ),
-                )
+                ),
             )
             for seed in range(args.repeats)
         ]
@@ -104,7 +104,14 @@ def main() -> None:
     finally:
         stack.stop()
 
-    med = statistics.median
+    def _ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    def med(values: Iterable[float | None]) -> float:
+        """The median of the figures a run has (NaN when none has it)."""
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else float("nan")
+
     print(
         f"online digits_cnn @ {args.qps:g} QPS x {args.duration:g} s, {args.repeats} runs "
         "(median of runs)"
@@ -117,7 +124,7 @@ def main() -> None:
     print(
         f"  achieved {med(r.achieved_qps for r in online):.1f} QPS  scheduled "
         f"{med(r.scheduled_qps for r in online):.1f}  requested {args.qps:g}  "
-        f"achieved/scheduled {med(r.achieved_qps / r.scheduled_qps for r in online):.4f}"
+        f"achieved/scheduled {med(_ratio(r.achieved_qps, r.scheduled_qps) for r in online):.4f}"
     )
     print(
         f"  latency p50 {med(r.latency_ms.p50 for r in online):.3f} ms  "

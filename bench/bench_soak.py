@@ -31,11 +31,11 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cli.submit import submit  # noqa: E402
 from mlscope import bus as busmod  # noqa: E402
 from mlscope import names  # noqa: E402
 from mlscope.contracts import JobRequest, ScenarioSpec  # noqa: E402
 from mlscope.errors import MLScopeError  # noqa: E402
+from mlscope.jobs import submit  # noqa: E402
 from mlscope.natsserver import NatsServer  # noqa: E402
 from mlscope.settings import Settings  # noqa: E402
 
@@ -69,7 +69,7 @@ async def wait_ready(settings: Settings, timeout: float = 60.0) -> None:
 
 
 def rss_mb(pid: int) -> float:
-    return psutil.Process(pid).memory_info().rss / 1e6
+    return float(psutil.Process(pid).memory_info().rss) / 1e6
 
 
 def one_run(settings: Settings, args: argparse.Namespace, k: int) -> dict[str, Any]:

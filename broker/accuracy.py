@@ -28,7 +28,7 @@ import anyio
 import numpy as np
 
 from broker.db import Database
-from mlscope import codec
+from mlscope import codec, schema
 from mlscope.bus import Bus
 from mlscope.contracts import Query, QueryReply, new_id
 from mlscope.divergence import OutputKind
@@ -48,7 +48,7 @@ __all__ = [
 
 REPLY_TIMEOUT_S = 60.0
 MAX_QUERY_BYTES = 800_000
-OUTPUT_COLUMNS = ("evaluation_id", "sample", "label", "prediction", "kind", "shape", "raw")
+OUTPUT_COLUMNS = schema.OUTPUTS.names
 
 
 @dataclass

@@ -1,27 +1,32 @@
-"""The evaluation database, through clickhouse-connect: chDB or a ClickHouse server.
+"""The evaluation database as the server owns it: its schema and retention.
 
-Same code and SQL for both. Schema changes are numbered migrations recorded in
+The connection itself is :class:`mlscope.database.Client` (chDB or a ClickHouse server,
+same code and SQL for both). Schema changes are numbered migrations recorded in
 ``schema_migrations``; :meth:`Database.migrate` applies the missing ones in order.
 Tables use ReplacingMergeTree keyed by their natural ids, and every read that must
 not see a redelivered row twice uses FINAL, so at-least-once ingest never shows
-duplicates. clickhouse-connect errors are translated into DatabaseError here.
+duplicates.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from mlscope import schema
+from mlscope.database import Client
 
-import clickhouse_connect
-import pandas as pd
-from clickhouse_connect.driver.exceptions import ClickHouseError
+__all__ = [
+    "AGENT_HISTORY_COLUMNS",
+    "EVALUATION_COLUMNS",
+    "MIGRATIONS",
+    "QUERY_COLUMNS",
+    "SAMPLE_COLUMNS",
+    "SPAN_COLUMNS",
+    "Database",
+]
 
-from mlscope.errors import DatabaseError
-
-__all__ = ["AGENT_HISTORY_COLUMNS", "MIGRATIONS", "SAMPLE_COLUMNS", "SPAN_COLUMNS", "Database"]
-
+# The migrations are history: each is what it was when it was written, because databases
+# exist that ran it. Applied in order on a fresh database they build exactly the tables
+# of mlscope/schema.py (tests/test_db.py checks); the next change is a new migration,
+# written from the schema (schema.QUERIES.add_column("..."), schema.X.create()).
 MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
     (
         1,
@@ -100,7 +105,6 @@ MIGRATIONS: tuple[tuple[int, str, tuple[str, ...]], ...] = (
         ),
     ),
 )
-_T = TypeVar("_T")
 
 RETAINED = (
     ("spans", "ingested_at"),
@@ -108,109 +112,17 @@ RETAINED = (
     ("agent_history", "toDateTime(at)"),
 )
 
-SPAN_COLUMNS = (
-    "evaluation_id",
-    "agent_id",
-    "span_id",
-    "parent_id",
-    "query_index",
-    "level",
-    "kind",
-    "name",
-    "start_ns",
-    "end_ns",
-    "host",
-    "attrs",
-    "batch_id",
-)
-QUERY_COLUMNS = (
-    "evaluation_id",
-    "query_index",
-    "batch_size",
-    "scheduled_ns",
-    "issued_ns",
-    "completed_ns",
-    "agent_received_ns",
-    "predict_start_ns",
-    "predict_end_ns",
-    "agent_replied_ns",
-    "ok",
-    "error",
-    "label",
-    "prediction",
-    "outcome",
-    "warmup",
-    "paced_ns",
-)
-SAMPLE_COLUMNS = (
-    "evaluation_id",
-    "agent_id",
-    "host",
-    "ts_ns",
-    "metric",
-    "device",
-    "value",
-    "batch_id",
-)
-AGENT_HISTORY_COLUMNS = (
-    "agent_id",
-    "revision",
-    "at",
-    "event",
-    "host",
-    "pid",
-    "frameworks",
-    "models",
-    "description",
-)
-EVALUATION_COLUMNS = (
-    "evaluation_id",
-    "job_id",
-    "rerun_of",
-    "created_at",
-    "model",
-    "model_version",
-    "framework",
-    "framework_version",
-    "agent_id",
-    "host",
-    "device",
-    "scenario",
-    "trace_level",
-    "status",
-    "valid",
-    "t0_ns",
-    "clock_offset_ns",
-    "spec",
-    "summary",
-)
+# What writers insert, derived from the one definition (mlscope/schema.py).
+SPAN_COLUMNS = schema.SPANS.names
+QUERY_COLUMNS = schema.QUERIES.names
+SAMPLE_COLUMNS = schema.SYSTEM_SAMPLES.names
+AGENT_HISTORY_COLUMNS = schema.AGENT_HISTORY.names
+EVALUATION_COLUMNS = schema.EVALUATIONS.names
 
 
-class Database:
-    """One client; calls are serialized (chDB and the HTTP client are not re-entrant).
-
-    A call that fails replaces the client: a query cut off mid-stream can leave the
-    rest of its stream on a chDB handle, where the next query would read it as its own
-    answer, so a failed handle is never reused (:func:`fresh_client`)."""
-
-    def __init__(self, dsn: str) -> None:
-        self.dsn = dsn
-        try:
-            self.client = clickhouse_connect.get_client(dsn=dsn)
-        except (ClickHouseError, OSError, RuntimeError) as exc:
-            raise DatabaseError(f"cannot open evaluation database {dsn}: {exc}", dsn=dsn) from exc
-        self._lock = threading.Lock()
-
-    def _call(self, op: Callable[[Any], _T], message: str, **context: Any) -> _T:
-        with self._lock:
-            try:
-                return op(self.client)
-            except ClickHouseError as exc:
-                self.client = fresh_client(self.client, self.dsn)
-                raise DatabaseError(f"{message}{exc}", **context) from exc
-
-    def command(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
-        return self._call(lambda c: c.command(sql, parameters=parameters), "", sql=sql[:200])
+class Database(Client):
+    """The server's handle on the evaluation database: a :class:`~mlscope.database.Client`
+    that also applies the migrations and the retention (only the owner does that)."""
 
     def migrate(self) -> int:
         """Apply missing migrations; returns the schema version now in force."""
@@ -244,41 +156,3 @@ class Database:
             {"t": table},
         )
         return bool(rows) and " TTL " in str(rows[0][0])
-
-    def insert(self, table: str, columns: Sequence[Sequence[Any]], names: Sequence[str]) -> None:
-        """Insert column-oriented data (one sequence per column)."""
-        self._call(
-            lambda c: c.insert(
-                table,
-                [list(col) for col in columns],
-                column_names=list(names),
-                column_oriented=True,
-            ),
-            f"insert into {table} failed: ",
-            table=table,
-        )
-
-    def rows(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        return self._call(
-            lambda c: [tuple(r) for r in c.query(sql, parameters=parameters).result_rows],
-            "",
-            sql=sql[:200],
-        )
-
-    def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
-        return self._call(lambda c: c.query_df(sql, parameters=parameters), "", sql=sql[:200])
-
-    def close(self) -> None:
-        with self._lock:
-            self.client.close()
-
-
-def fresh_client(client: Any, dsn: str, settings: dict[str, Any] | None = None) -> Any:
-    """Close ``client`` (one whose call failed) and open a new one like it; the old one
-    when no new one can be opened now (its next call then fails, typed, and retries)."""
-    with contextlib.suppress(Exception):  # a broken handle may fail to close; dropped
-        client.close()
-    try:
-        return clickhouse_connect.get_client(dsn=dsn, settings=settings)
-    except (ClickHouseError, OSError, RuntimeError):
-        return client

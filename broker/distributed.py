@@ -30,24 +30,23 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, BinaryIO
 
 import anyio
 import numpy as np
 
 from broker import schedule
+from broker.context import Context
 from broker.loadgen import ARRAYS, Driver, RunRecord, encode_query
 from broker.schedule import Schedule
+from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
 from mlscope.settings import Settings
 
-if TYPE_CHECKING:
-    from broker.scenarios import Context
-
-__all__ = ["ARRAYS", "main", "run_dealt"]
+__all__ = ["ARRAYS", "load_result", "main", "merge_results", "run_dealt", "save_result"]
 
 START_LEAD_S = 0.2
 PROGRESS_S = 0.5
@@ -133,7 +132,9 @@ def _run_processes(
                     p.wait()
         if any(codes):
             raise EvaluationError(f"a load-generator process failed (exit codes {codes})")
-        return _merge(parts, [_load(Path(tmp) / f"lg{j}-result.npz") for j in range(len(parts))])
+        return merge_results(
+            parts, [load_result(Path(tmp) / f"lg{j}-result.npz") for j in range(len(parts))]
+        )
 
 
 def _child_env() -> dict[str, str]:
@@ -188,7 +189,8 @@ def _wait(
     return [int(p.returncode) for p in procs]
 
 
-def _load(path: Path) -> tuple[RunRecord, dict[int, str]]:
+def load_result(path: Path | BinaryIO) -> tuple[RunRecord, dict[int, str]]:
+    """A slice's record and its errors by local position (:func:`save_result`)."""
     with np.load(path) as z:
         rec = RunRecord(n=int(z["scheduled"].size), batch_size=int(z["batch_size"]))
         for name in ARRAYS:
@@ -200,7 +202,9 @@ def _load(path: Path) -> tuple[RunRecord, dict[int, str]]:
     return rec, errors
 
 
-def _merge(parts: list[Schedule], results: list[tuple[RunRecord, dict[int, str]]]) -> RunRecord:
+def merge_results(
+    parts: list[Schedule], results: list[tuple[RunRecord, dict[int, str]]]
+) -> RunRecord:
     """One record in global order from the slices' records."""
     recs = [r for r, _ in results]
     n = sum(r.n for r in recs)
@@ -258,11 +262,17 @@ async def _child(cfg: dict[str, Any]) -> None:
             start_ns=start_ns,
             payloads=payloads,
             on_progress=_print_progress,
+            tuning=ProcessTuning(),  # this process runs one slice
         )
         rec = await driver.run()
+    save_result(rec, f"{base}-result.npz")
+
+
+def save_result(rec: RunRecord, file: str | BinaryIO) -> None:
+    """A slice's raw arrays and errors as ``.npz`` (read back by :func:`load_result`)."""
     errs = sorted(rec.errors.items())
     np.savez(
-        f"{base}-result.npz",
+        file,
         **{name: getattr(rec, name) for name in ARRAYS},
         batch_size=rec.batch_size,
         t0_ns=rec.t0_ns,

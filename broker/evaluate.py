@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import subprocess
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -25,12 +24,13 @@ from typing import Any
 import anyio
 import numpy as np
 
-import mlscope
 from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
+from broker.evalspec import dataset, specification
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
-from mlscope import codec, names, samples
+from broker.tuning import ProcessTuning
+from mlscope import codec, names, samples, sysmatch
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
@@ -56,6 +56,7 @@ PREPARE_TIMEOUT_S = 300.0
 PAYLOAD_HEADROOM = 1024
 """Bytes of a message left for the subject, reply inbox and headers."""
 LOST = "lost in transit: no reply before the run ended"
+"""Synthetic rows a model without a data set cycles through."""
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]
 
 
@@ -74,6 +75,8 @@ def resolve(
             framework=job.framework,
         )
 
+    system = sysmatch.effective(sysmatch.from_manifest(m.system), job.system)
+
     def fits(a: AgentDescription) -> bool:
         return serves(a) and (job.placement == "server" or LOCAL_RUN in a.features)
 
@@ -86,6 +89,7 @@ def resolve(
             and satisfies(fw.version, m.framework.version)
             and any(o.name == m.name and o.version == m.version for o in a.models)
             and (job.agent_id is None or a.agent_id == job.agent_id)
+            and not sysmatch.misses(system, a, framework=job.framework)
         )
 
     matches = [a for a in agents if fits(a)]
@@ -117,12 +121,17 @@ def resolve(
         why = "".join(f"; agent {aid} refuses it: {r.message}" for aid, r in refusals)
         fixes = sorted({r.fix for _, r in refusals if r.fix})
         fix = f"; to fix it, run {' and '.join(f'`{f}`' for f in fixes)}" if fixes else ""
+        missed = {a.agent_id: sysmatch.misses(system, a, framework=job.framework) for a in agents}
+        if system is not None:
+            want += f" on a system with {sysmatch.describe(system)}"
+            why += "".join(f"; agent {aid} misses {', '.join(v)}" for aid, v in missed.items() if v)
         raise ResolutionError(
             f"no live agent serves {want}{why}{fix}; live agents: {live}",
             model=m.name,
             framework=job.framework,
             refused=[r.model_dump() for _, r in refusals],
             fixes=fixes,
+            system_misses={aid: v for aid, v in missed.items() if v},
         )
     # Spread jobs over equal agents deterministically by job id.
     return matches[zlib.crc32(job.job_id.encode()) % len(matches)], entry
@@ -171,6 +180,8 @@ class Evaluator:
     bus: Bus
     db: Database
     zoo_dir: Path
+    tuning: ProcessTuning
+    """The server's one owner of GC, switch interval and priority during runs."""
     policy: ValidityPolicy = field(default_factory=ValidityPolicy)
 
     host_lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -198,7 +209,7 @@ class Evaluator:
         eval_id = evaluation_id_for(job.job_id)
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
-        data = _dataset(entry, self.zoo_dir)
+        data = dataset(entry, self.zoo_dir)
         if job.placement == "server" or job.accuracy:  # only these send queries over the bus
             check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
         prepare = PrepareOp(
@@ -223,8 +234,9 @@ class Evaluator:
             subject=names.agent_query(agent.agent_id),
             trace_level=level,
             offset_ns=offset,
-            feeders=lambda b: _scored(_feeders(data, shape, b, spec.seed), m),
+            feeders=lambda b: samples.scored(samples.feeders(data, shape, b, spec.seed), m),
             policy=self.policy,
+            tuning=self.tuning,
             on_progress=lambda rec, el: progress(eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
             agent_id=agent.agent_id,
@@ -232,16 +244,31 @@ class Evaluator:
             placement=job.placement,
         )
         started = time.time()
-        outcome = await scenarios.execute(ctx, spec)
+        try:
+            outcome = await scenarios.execute(ctx, spec)
+        except anyio.get_cancelled_exc_class():  # cancelled: the agent's session ends too
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(5),
+                contextlib.suppress(MLScopeError),
+            ):
+                await request(
+                    self.bus,
+                    names.agent_ctl(agent.agent_id),
+                    codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
+                    timeout=5,
+                )
+            raise
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
         # A local run (placement agent) reports a lost agent in its own reasons.
         gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
         acc = None if gone else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
+        released: dict[str, Any] = {}
         if not gone:
             # An agent gone since then ends its session with it.
             with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
-                await request(
+                released = await request(
                     self.bus,
                     names.agent_ctl(agent.agent_id),
                     codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
@@ -286,7 +313,10 @@ class Evaluator:
                 completed_qps=f.completed_qps,
                 backlog_s=f.backlog_s,
                 issue_lag_split_us=f.issue_lag_split_us,
-                loadgen_cost=cost.facts(f),
+                loadgen_cost={
+                    **cost.facts(f),
+                    **({"services": list(run.record.sources)} if run.record.sources else {}),
+                },
                 parallel=job.parallel,
                 warnings=(
                     *cost.warnings(f, parallel=job.parallel),
@@ -331,14 +361,21 @@ class Evaluator:
         if acc is not None:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
-        spec_doc = _specification(job, agent, entry, prep)
+        summary = summary.model_copy(update=memory_figures(released, summary.samples))
+        spec_doc = specification(job, agent, entry, prep)
         for run in separate:  # each run of a sweep or search, on its own
-            await anyio.to_thread.run_sync(self._store, summarize(run), run.record, spec_doc)
+            await anyio.to_thread.run_sync(
+                self.store_evaluation, summarize(run), run.record, spec_doc
+            )
         # The parent's t0 is its first run's: the runs' spans are stored under its id.
         t0 = separate[0].record.t0_ns if separate else main.record.t0_ns
         await anyio.to_thread.run_sync(
             functools.partial(
-                self._store, summary, None if separate else main.record, spec_doc, t0_ns=t0
+                self.store_evaluation,
+                summary,
+                None if separate else main.record,
+                spec_doc,
+                t0_ns=t0,
             )
         )
         if acc is not None:
@@ -393,7 +430,14 @@ class Evaluator:
             return f"agent {agent_id} lost after {answered} of {rec.n} queries"
         return ""
 
-    def _store(
+    def store_unfinished(
+        self, s: EvaluationSummary, rec: RunRecord | None, spec_doc: dict[str, Any]
+    ) -> None:
+        """Store a run that did not finish (a cancelled one): its summary and the rows
+        of ``rec``, the queries it had issued."""
+        self.store_evaluation(s, rec, spec_doc)
+
+    def store_evaluation(
         self,
         s: EvaluationSummary,
         rec: RunRecord | None,
@@ -467,7 +511,7 @@ def check_query_size(
     limit = max_payload - PAYLOAD_HEADROOM
 
     def size(batch: int) -> int:
-        inputs = _feeders(data, shape, batch, spec.seed)[0](0)
+        inputs = samples.feeders(data, shape, batch, spec.seed)[0](0)
         return len(
             codec.encode_model(Query(evaluation_id="ev-000000000000", index=0, inputs=inputs))
         )
@@ -487,37 +531,15 @@ def check_query_size(
     )
 
 
-_dataset = samples.dataset
-_feeders = samples.feeders
-_scored = samples.scored
-
-
-def _specification(
-    job: JobRequest, agent: AgentDescription, entry: Entry, prep: dict[str, Any]
-) -> dict[str, Any]:
-    """Everything needed to run this evaluation again (stored with its results)."""
+def memory_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:
+    """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes), ``energy_j`` and
+    ``energy_per_inference_j`` from the agent's release reply; None where the agent did
+    not report them (no readable counter, an older agent, a lost one)."""
+    start, peak, end = (released.get(f"rss_{k}_bytes") for k in ("start", "peak", "end"))
+    energy = released.get("energy_j")
     return {
-        "job": job.dump(),
-        "manifest": entry.manifest.model_dump(mode="json"),
-        "manifest_sha256": entry.manifest.digest,
-        "manifest_file": str(entry.path),
-        "artifact_sha256": prep.get("sha256"),
-        "agent": agent.dump(),
-        "mlscope_version": mlscope.__version__,
-        "git_commit": _git_commit(),
+        "peak_rss_mb": peak / 1e6 if peak is not None else None,
+        "rss_growth_mb": (end - start) / 1e6 if start is not None and end is not None else None,
+        "energy_j": energy,
+        "energy_per_inference_j": energy / samples if energy is not None and samples else None,
     }
-
-
-def _git_commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=5,
-            check=False,
-        )
-    except OSError:
-        return ""
-    return out.stdout.strip()

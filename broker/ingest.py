@@ -32,9 +32,9 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import Field, TypeAdapter, ValidationError
 
-from broker import loadgen
 from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
-from mlscope import codec, names
+from broker.tuning import ProcessTuning
+from mlscope import codec, names, schema
 from mlscope.bus import Bus
 from mlscope.contracts import SampleBatch, SpanBatch
 from mlscope.errors import MLScopeError, WireError
@@ -42,18 +42,8 @@ from mlscope.serving import Boundary, delivered
 
 __all__ = ["Ingester"]
 
-_SPAN_FIELDS = (
-    "span_id",
-    "parent_id",
-    "query_index",
-    "level",
-    "kind",
-    "name",
-    "start_ns",
-    "end_ns",
-    "attrs",
-)
-_SAMPLE_FIELDS = ("ts_ns", "metric", "device", "value")
+_SPAN_FIELDS = tuple(c.name for c in schema.SPAN_FIELDS)
+_SAMPLE_FIELDS = tuple(c.name for c in schema.SAMPLE_FIELDS)
 FETCH_BYTES = 16 * 1024 * 1024
 """Bytes asked for per fetch: well under nats-py's 256 MiB pending limit per subscription."""
 _Decoded = tuple[
@@ -69,23 +59,16 @@ _I64 = Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)]
 _U8 = Annotated[int, Field(strict=True, ge=0, lt=256)]
 _STR = Annotated[str, Field(strict=True)]
 _F64 = Annotated[float, Field(allow_inf_nan=True)]
+_LIST_OF: dict[str, TypeAdapter[Any]] = {
+    "UInt64": TypeAdapter(list[_U64]),
+    "Int64": TypeAdapter(list[_I64]),
+    "UInt8": TypeAdapter(list[_U8]),
+    "String": TypeAdapter(list[_STR]),
+    "Float64": TypeAdapter(list[_F64]),
+}
+"""A column of each ClickHouse type, as the Python values that insert into it."""
 _COLUMN_TYPES: dict[str, TypeAdapter[Any]] = {
-    name: TypeAdapter(list[t])  # type: ignore[valid-type]
-    for name, t in (
-        ("span_id", _U64),
-        ("parent_id", _U64),
-        ("query_index", _I64),
-        ("level", _U8),
-        ("kind", _STR),
-        ("name", _STR),
-        ("start_ns", _I64),
-        ("end_ns", _I64),
-        ("attrs", _STR),
-        ("ts_ns", _I64),
-        ("metric", _STR),
-        ("device", _STR),
-        ("value", _F64),
-    )
+    c.name: _LIST_OF[c.base_type] for c in (*schema.SPAN_FIELDS, *schema.SAMPLE_FIELDS)
 }
 """Each column's type as its table stores it: a value that would fail the insert is
 refused at decoding, so it never takes a whole fetch down with it."""
@@ -106,11 +89,14 @@ class Ingester:
         ack_wait_s: float = 30.0,
         boundary: Boundary | None = None,
         trim_s: float = 10.0,
+        tuning: ProcessTuning | None = None,
     ) -> None:
         self.bus, self.db, self.ack_wait_s = bus, db, ack_wait_s
         self.boundary = boundary or Boundary(bus, service="ingester", logger=log)
         self.fetch_batch, self.fetch_timeout = fetch_batch, fetch_timeout
         self.trim_s = trim_s
+        self.tuning = tuning
+        """Whose loads the ingester waits out (None: it never waits)."""
         self.trimmed_below = 0
         """Stream sequence below which the traces stream has been purged."""
         self.ingested = 0
@@ -142,7 +128,8 @@ class Ingester:
             try:
                 avg = float(1 << 20)  # bytes per message, running estimate (start: max)
                 while True:
-                    await loadgen.wait_idle()  # during a load run spans wait in the stream
+                    if self.tuning is not None:  # during a load spans wait in the stream
+                        await self.tuning.wait_idle()
                     # Messages of one fetch land in the client's pending buffer at once;
                     # past its byte limit nats-py drops them (slow consumer) and they
                     # come back only after ack_wait. So a fetch asks for FETCH_BYTES.

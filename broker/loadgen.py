@@ -23,7 +23,6 @@ the load-generator clock with the offset estimated over request/reply.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,31 +30,28 @@ from typing import Any
 import anyio
 import numpy as np
 
+from broker.pacer import OutstandingLimit, Pacer
+from broker.record import ARRAYS, TIME_ARRAYS, RunRecord
+from broker.schedule import Schedule
+from broker.tuning import ProcessTuning
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.contracts import Query, ScenarioSpec, TraceLevel, new_id
 from mlscope.errors import EvaluationError, OverloadedError
-from mlscope.pacer import OutstandingLimit, Pacer, QuietGC, RealtimeThread
-from mlscope.record import ARRAYS, TIME_ARRAYS, RunRecord
-from mlscope.schedule import CLOSED_LOOPS, Schedule
 from mlscope.stats import percentile
 
 __all__ = [
     "ARRAYS",
-    "CLOSED_LOOPS",
     "TIME_ARRAYS",
     "Driver",
     "RunRecord",
     "encode_query",
     "estimate_offset",
-    "running",
     "running_p50_ms",
-    "wait_idle",
 ]
 
 now = time.perf_counter_ns
 DRAIN_TIMEOUT_S = 10.0
-PACER_SWITCH_INTERVAL_S = 0.0001
 START_LEAD_NS = 20_000_000  # start 20 ms out, so the first query is on time
 LOOP_REALTIME_MAX_QPS = 5_000.0
 """Above this mean rate the event-loop thread keeps its normal priority: it is busy
@@ -63,16 +59,19 @@ most of the time there, and a busy real-time thread would take a core from the a
 and nats-server (the system under test)."""
 
 
-async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[int, int]:
+async def estimate_offset(
+    bus: Bus, agent_id: str, *, rounds: int = 9, subject: str | None = None
+) -> tuple[int, int]:
     """(agent clock - our clock, round trip) in ns from the ping with the smallest RTT.
 
     NTP-style: offset = t_agent - (t_send + t_recv) / 2, error bounded by RTT / 2.
+    ``subject``: another responder's control subject (a load-generator service's).
     """
     best: tuple[int, int] | None = None
     payload = codec.encode({"op": "ping"})
     for _ in range(rounds):
         t1 = now()
-        reply = await request(bus, names.agent_ctl(agent_id), payload, timeout=5.0)
+        reply = await request(bus, subject or names.agent_ctl(agent_id), payload, timeout=5.0)
         t2 = now()
         rtt = t2 - t1
         offset = int(reply["t_agent"]) - (t1 + t2) // 2
@@ -82,52 +81,9 @@ async def estimate_offset(bus: Bus, agent_id: str, *, rounds: int = 9) -> tuple[
     return best
 
 
-_running = 0
-
-
-_idle: asyncio.Event | None = None
-
-
 def _mean_rate(offsets: np.ndarray) -> float:
     last = float(offsets[-1]) if offsets.size else 0.0
     return offsets.size / (last / 1e9) if last > 0 else float("inf")
-
-
-def running() -> bool:
-    """Whether a Driver of this process is running a load now."""
-    return _running > 0
-
-
-async def wait_idle() -> None:
-    """Return once no Driver of this process is running a load.
-
-    Work that can wait and would hold the GIL for long (the trace ingester's decoding
-    and database inserts) waits here: it delayed the pacer thread by tens of
-    milliseconds at 1,000 QPS (p99 issue lag 700-960 µs with tracing on against
-    130-145 µs with it off, same machine, same minute).
-    """
-    global _idle
-    while _running:
-        if _idle is None:
-            _idle = asyncio.Event()
-        await _idle.wait()
-
-
-def _enter() -> None:
-    global _running
-    _running += 1
-    if _idle is not None:
-        _idle.clear()
-
-
-def _leave() -> None:
-    global _running
-    _running -= 1
-    if _running == 0 and _idle is not None:
-        _idle.set()
-
-
-_QuietGC = QuietGC  # the name broker.mlperf_sut imports
 
 
 def encode_query(
@@ -162,11 +118,13 @@ class Driver:
         schedule: Schedule | None = None,
         start_ns: int | None = None,
         payloads: list[bytes] | None = None,
+        tuning: ProcessTuning,
     ) -> None:
         self.bus, self.evaluation_id, self.subject, self.spec = bus, evaluation_id, subject, spec
         self.inputs, self.labels, self.trace_level = inputs, labels, trace_level
         self.offset_ns, self.on_progress = offset_ns, on_progress
         self.schedule, self.start_ns, self.payloads = schedule, start_ns, payloads
+        self.tuning = tuning
         self.inbox = f"_INBOX.{new_id('lg')}"
         self._outstanding = 0
         self._all_done = asyncio.Event()
@@ -240,22 +198,23 @@ class Driver:
 
     async def run(self) -> RunRecord:
         sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_reply)
-        _enter()
         cpu0 = time.process_time()
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._progress)
-                if self.schedule is not None:
-                    rec = await self._open_loop(self.schedule)
-                elif self.spec.name in CLOSED_LOOPS:
-                    rec = await self._closed_loop()
-                else:
-                    raise EvaluationError(f"scenario {self.spec.name!r} needs a schedule")
-                tg.cancel_scope.cancel()
+            with self.tuning.load():
+                rec = await self._run()
             rec.cpu_s = time.process_time() - cpu0
         finally:
-            _leave()
             await sub.unsubscribe()
+        return rec
+
+    async def _run(self) -> RunRecord:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._progress)
+            if self.schedule is not None:
+                rec = await self._open_loop(self.schedule)
+            else:  # the scenario decided (broker.scenario.Scenario.closed_loop)
+                rec = await self._closed_loop()
+            tg.cancel_scope.cancel()
         return rec
 
     async def _progress(self) -> None:
@@ -311,14 +270,11 @@ class Driver:
         def hop(indices: range, _issued_ns: int) -> None:  # on the pacer thread
             loop.call_soon_threadsafe(issue, indices)
 
-        # The pacer thread needs the GIL the moment its sleep ends; with the default
-        # 5 ms switch interval the loop thread could hold it that long. GC and
-        # priorities are set before the clock starts (a full collection takes ms).
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(PACER_SWITCH_INTERVAL_S)
-        quiet_gc = _QuietGC()
-        loop_rt = RealtimeThread(enable=_mean_rate(offsets) <= LOOP_REALTIME_MAX_QPS)
-        try:
+        # The pacer thread needs the GIL the moment its sleep ends (a short switch
+        # interval), no GC pause may hold it, and the loop thread it hands the GIL to
+        # must not be preempted: all set before the clock starts (a full collection
+        # takes ms), by the process's one owner of them (jobs run concurrently).
+        with self.tuning.measurement(realtime_loop=_mean_rate(offsets) <= LOOP_REALTIME_MAX_QPS):
             rec.t0_ns = self.start_ns if self.start_ns is not None else now() + START_LEAD_NS
             rec.scheduled[:] = offsets
             pacer = Pacer(
@@ -336,10 +292,6 @@ class Driver:
                         await self._all_done.wait()
             finally:
                 pacer.stop()
-        finally:
-            loop_rt.restore()
-            quiet_gc.restore()
-            sys.setswitchinterval(switch)
         return rec
 
     async def _closed_loop(self) -> RunRecord:

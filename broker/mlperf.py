@@ -31,17 +31,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import anyio
 import numpy as np
 
 from broker import mlperf_logs as logs
 from broker.db import Database
+from broker.evalspec import dataset, specification
 from broker.loadgen import RunRecord, estimate_offset
 from broker.mlperf_sut import ERROR, TIMING
-from mlscope import codec, names
-from mlscope.bus import request
+from mlscope import codec, names, schema
+from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     AgentDescription,
@@ -54,32 +55,49 @@ from mlscope.contracts import (
 from mlscope.errors import ConfigError, EvaluationError, error_from_wire
 from mlscope.stats import percentiles, trimmed_mean
 
-if TYPE_CHECKING:
-    from broker.evaluate import Evaluator
+__all__ = [
+    "ACCURACY_FILE",
+    "LOG_COLUMNS",
+    "LOG_PART_CHARS",
+    "Host",
+    "import_logs",
+    "run",
+    "store_logs",
+]
 
-__all__ = ["ACCURACY_FILE", "LOG_COLUMNS", "LOG_PART_CHARS", "import_logs", "run", "store_logs"]
+
+class Host(Protocol):
+    """What an MLPerf run needs of the server's evaluator (``broker.evaluate.Evaluator``
+    is one; it calls this module, so this module names only what it uses)."""
+
+    bus: Bus
+    db: Database
+    zoo_dir: Path
+
+    def store_evaluation(
+        self, s: EvaluationSummary, rec: RunRecord | None, spec_doc: dict[str, Any]
+    ) -> None:
+        """The evaluation row and its query rows."""
+        ...
+
 
 ACCURACY_FILE = "accuracy.txt"
-LOG_COLUMNS = ("evaluation_id", "name", "part", "text")
+LOG_COLUMNS = schema.MLPERF_LOGS.names
 LOG_PART_CHARS = 256_000
 """Log files are stored in parts this long, so each read fits one bus message."""
-LOGS_TABLE = """CREATE TABLE IF NOT EXISTS mlperf_logs (
-    evaluation_id String, name String, part UInt32, text String
-) ENGINE = ReplacingMergeTree ORDER BY (evaluation_id, name, part)"""
+LOGS_TABLE = schema.MLPERF_LOGS.create()
 PREPARE_TIMEOUT_S = 300.0
 
 
 async def run(
-    ev: Evaluator, job: JobRequest, agent: AgentDescription, entry: Entry
+    ev: Host, job: JobRequest, agent: AgentDescription, entry: Entry
 ) -> EvaluationSummary:
-    """One LoadGen test against ``agent`` (``ev`` is the server's Evaluator)."""
-    from broker.evaluate import _dataset, _specification
-
+    """One LoadGen test against ``agent`` (``ev`` is the server's evaluator)."""
     spec = job.mlperf
     if spec is None:
         raise EvaluationError("not an MLPerf job")
     m = entry.manifest
-    data = _dataset(entry, ev.zoo_dir)
+    data = dataset(entry, ev.zoo_dir)
     if data is None:
         raise EvaluationError(
             f"{m.name} has no labelled data set in its manifest: it "
@@ -139,14 +157,14 @@ async def run(
             },
         }
     )
-    spec_doc = _specification(job, agent, entry, prep)
-    await anyio.to_thread.run_sync(ev._store, summary, rec, spec_doc)
+    spec_doc = specification(job, agent, entry, prep)
+    await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)
     return summary
 
 
 async def _test(
-    ev: Evaluator,
+    ev: Host,
     spec: MLPerfSpec,
     conf_model: str,
     eval_id: str,
@@ -362,7 +380,7 @@ def store_logs(db: Database, evaluation_id: str, files: dict[str, str]) -> None:
     db.insert("mlperf_logs", [list(c) for c in zip(*rows, strict=True)], LOG_COLUMNS)
 
 
-async def import_logs(ev: Evaluator, job: JobRequest) -> EvaluationSummary:
+async def import_logs(ev: Host, job: JobRequest) -> EvaluationSummary:
     """Store MLPerf logs written elsewhere as an evaluation tagged ``imported``."""
     imp = job.mlperf_import
     if imp is None:
@@ -388,6 +406,6 @@ async def import_logs(ev: Evaluator, job: JobRequest) -> EvaluationSummary:
         # what analysis shows as the system of a run
         "agent": {"cpu_model": imp.system or result.sut_name},
     }
-    await anyio.to_thread.run_sync(ev._store, summary, rec, spec_doc)
+    await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, dict(imp.files))
     return summary

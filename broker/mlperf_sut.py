@@ -48,8 +48,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.loadgen import LOOP_REALTIME_MAX_QPS, PACER_SWITCH_INTERVAL_S, _QuietGC, encode_query
-from broker.pacer import REALTIME_PRIORITY, RealtimeThread
+from broker.loadgen import LOOP_REALTIME_MAX_QPS, encode_query
+from broker.pacer import REALTIME_PRIORITY
+from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.bus import Bus
@@ -350,23 +351,16 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any], x: np.ndarray) -> Age
     # wakes (not after a 5 ms switch interval), no GC pause holds it, and it runs in
     # SCHED_FIFO like the pacer thread, the event loop too below the same rate
     # (no effect without CAP_SYS_NICE). This process runs one test, then exits.
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(PACER_SWITCH_INTERVAL_S)
-    quiet_gc = _QuietGC()
-    loop_rt = RealtimeThread(
-        enable=spec.scenario != "Offline" and (spec.target_qps or 0) <= LOOP_REALTIME_MAX_QPS
-    )
+    realtime_loop = spec.scenario != "Offline" and (spec.target_qps or 0) <= LOOP_REALTIME_MAX_QPS
     try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sut.serve)
-            await anyio.to_thread.run_sync(
-                _start_test, lg, handles, ts, log, str(work / "audit.config")
-            )
-            tg.cancel_scope.cancel()
+        with ProcessTuning().measurement(realtime_loop=realtime_loop):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sut.serve)
+                await anyio.to_thread.run_sync(
+                    _start_test, lg, handles, ts, log, str(work / "audit.config")
+                )
+                tg.cancel_scope.cancel()
     finally:
-        loop_rt.restore()
-        quiet_gc.restore()
-        sys.setswitchinterval(switch)
         lg.DestroyQSL(handles[1])
         lg.DestroySUT(handles[0])
     sut.check()

@@ -11,7 +11,6 @@ from mlscope.pacer import (
     OutstandingLimit,
     Pacer,
     PacerResult,
-    QuietGC,
     RealtimeThread,
 )
 
@@ -23,6 +22,5 @@ __all__ = [
     "OutstandingLimit",
     "Pacer",
     "PacerResult",
-    "QuietGC",
     "RealtimeThread",
 ]

@@ -39,7 +39,7 @@ import clickhouse_connect
 import pandas as pd
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
-from broker.db import fresh_client
+from mlscope.database import fresh_client
 from mlscope.errors import DatabaseError, QueryRefused
 
 __all__ = ["DENIED_FUNCTIONS", "ReadLimits", "ReadOnlyDatabase"]
@@ -189,7 +189,7 @@ class ReadOnlyDatabase:
         return clickhouse_connect.get_client(dsn=self.dsn, settings=self.limits.settings())
 
     def _replace(self, client: Any) -> Any:
-        """A failed handle is never reused (see :class:`broker.db.Database`)."""
+        """A failed handle is never reused (see :class:`mlscope.database.Client`)."""
         return fresh_client(client, self.dsn, self.limits.settings())
 
     def _take(self) -> Any:

@@ -15,7 +15,6 @@ from mlscope.schedule import (
     piecewise,
     poisson,
     replay,
-    sample_indices,
     write_replay,
 )
 
@@ -31,6 +30,5 @@ __all__ = [
     "piecewise",
     "poisson",
     "replay",
-    "sample_indices",
     "write_replay",
 ]

@@ -14,6 +14,12 @@ redelivered job whose evaluation is stored gets that stored result, one that thi
 server is still running is only held (acknowledged with the run), and one whose
 first server was lost is run again with a ``restarted`` event to the submitter.
 
+Cancelling: every server hears ``mlscope.job.*.cancel``. The one running the job
+cancels the job's own cancel scope (the agent is released, shielded), stores the
+evaluation with status ``cancelled`` (never VALID; its summary says after how many
+queries) and replies; a job cancelled before any server took it is remembered and,
+when taken, stored as cancelled without running.
+
 Everything goes through the serving boundary (:mod:`mlscope.serving`): database
 requests, the job consumer, and every long-lived loop (watches, ingester, history).
 """
@@ -35,16 +41,20 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from broker.agent_history import AgentHistory
+from broker.cancel import Cancels, cancelled_summary, issued_part
 from broker.db import Database
 from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
 from broker.readonly import ReadLimits, ReadOnlyDatabase
+from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.contracts import (
     AgentDescription,
+    CancelReply,
+    CancelRequest,
     EvaluationReply,
     EvaluationRequest,
     EvaluationSummary,
@@ -81,6 +91,8 @@ class Server:
     max_parallel_jobs: int = MAX_PARALLEL_JOBS
     running: dict[str, list[Msg]] = field(default_factory=dict)
     """Job id -> every delivery of it while this server runs it (all acked at the end)."""
+    cancels: Cancels = field(default_factory=Cancels)
+    """Jobs running here under their cancel scopes, and the cancels heard."""
     read_limits: ReadLimits | None = None
     """What one client query on ``mlscope.db.sql`` may use (broker.readonly); default:
     the stock limits with the settings' ``sql_timeout_s``."""
@@ -100,15 +112,20 @@ class Server:
             ) as bus:
                 self.bus = bus
                 self.boundary = Boundary(bus, service=f"server {self.server_id}", logger=log)
-                self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir)
-                self.ingester = Ingester(bus, self.db, boundary=self.boundary)
+                # One owner of what a run tunes process-wide (GC, switch interval, the
+                # loop's priority): runs overlap, and the ingester waits out each load.
+                tuning = ProcessTuning()
+                self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir, tuning)
+                self.ingester = Ingester(bus, self.db, boundary=self.boundary, tuning=tuning)
                 # Replicas share the database requests (a queue group): with a shared
                 # ClickHouse server any of them answers; jobs come from one work queue.
                 serve = self.boundary.subscribe
                 subs = [
                     await serve(
                         names.EVALUATION_SUBJECT, EvaluationRequest, self._on_eval, queue=DB_QUEUE
-                    )
+                    ),
+                    # No queue group: the replica running the job must hear it.
+                    await serve(names.job_cancel_wildcard(), CancelRequest, self._on_cancel),
                 ]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT,
@@ -183,6 +200,7 @@ class Server:
                 tg.cancel_scope.cancel()
         finally:
             msgs = self.running.pop(job.job_id, [])
+            self.cancels.finish(job.job_id)  # a cancel waits for this
         for m in msgs:
             with anyio.move_on_after(5):
                 try:
@@ -250,7 +268,7 @@ class Server:
                         note="job was restarted after server loss",
                     ),
                 )
-            summary = await self._evaluate(job, subject)
+            summary = await self._evaluate_cancellable(job, subject)
         except Exception as exc:  # every failure ends the job with its reason
             err = self.boundary.failed(exc, subject)
             await self._emit(
@@ -264,12 +282,52 @@ class Server:
             subject,
             JobEvent(
                 job_id=job.job_id,
-                event="done",
+                event="cancelled" if summary.status == "cancelled" else "done",
                 server_id=self.server_id,
                 evaluation_id=summary.evaluation_id,
                 summary=summary,
+                note=summary.invalid_reasons[0] if summary.status == "cancelled" else "",
             ),
         )
+
+    # ------------------------------------------------------------------ cancel
+
+    async def _on_cancel(self, req: CancelRequest, msg: Msg) -> CancelReply | None:
+        """Cancel the job if it runs here (reply once its cancelled run is stored);
+        otherwise remember it, unanswered, for a server that takes it later."""
+        ended = self.cancels.request(req.job_id, req.reason)
+        if ended is None:
+            return None
+        log.info("job %s: cancel requested (%s)", req.job_id, req.reason)
+        with anyio.move_on_after(10):
+            await ended.wait()
+        return CancelReply(
+            job_id=req.job_id,
+            evaluation_id=evaluation_id_for(req.job_id),
+            server_id=self.server_id,
+        )
+
+    async def _evaluate_cancellable(self, job: JobRequest, subject: str) -> EvaluationSummary:
+        """:meth:`_evaluate` under the job's own cancel scope; cancelled (now or before
+        it was taken), its evaluation is stored as ``cancelled``."""
+        started = time.time()
+        with self.cancels.running(job.job_id):
+            return await self._evaluate(job, subject)
+        live, resolved = self.cancels.progress.get(job.job_id, (None, None))
+        rec = issued_part(live) if live is not None else None
+        summary = cancelled_summary(
+            job,
+            resolved,
+            reason=self.cancels.requested.get(job.job_id, "cancelled"),
+            issued=rec.n if rec else 0,
+            answered=rec.done if rec else 0,
+            started_at=started,
+        )
+        spec_doc = {"job": job.model_dump(mode="json"), "cancelled": True}
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.evaluator.store_unfinished, summary, rec, spec_doc)
+        log.info("job %s: cancelled after %d queries; stored", job.job_id, summary.queries)
+        return summary
 
     async def _evaluate(self, job: JobRequest, subject: str) -> EvaluationSummary:
         if job.mlperf_import is not None:  # logs made elsewhere: no agent to resolve
@@ -295,8 +353,10 @@ class Server:
                     exc.message,
                 )
                 gone.add(agent.agent_id)
+        self.cancels.progress[job.job_id] = (None, (agent, entry))
 
         async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
+            self.cancels.progress[job.job_id] = (rec, (agent, entry))
             await self._emit(
                 subject,
                 JobEvent(

@@ -11,6 +11,7 @@ from mlscope import bus as busmod
 from mlscope.contracts import AgentDescription
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
+from mlscope.sysmatch import usable_memory
 
 __all__ = ["fetch_agents", "register"]
 
@@ -34,9 +35,17 @@ def run(args: argparse.Namespace) -> int:
     if not agents:
         print("no live agents")
         return 0
-    print(f"{'AGENT':<40} {'HOST':<16} {'ARCH':<8} {'FRAMEWORKS':<32} MODELS")
+    print(
+        f"{'AGENT':<40} {'HOST':<16} {'ARCH':<8} {'CORES':>5} {'MEM GiB':>7} "
+        f"{'FRAMEWORKS':<32} MODELS"
+    )
     for a in agents:
         fws = ", ".join(f"{f.name} {f.version} [{'/'.join(f.devices)}]" for f in a.frameworks)
         models = ", ".join(sorted({f"{m.name}@{m.version}" for m in a.models})) or "-"
-        print(f"{a.agent_id:<40} {a.host[:16]:<16} {a.arch:<8} {fws:<32} {models}")
+        # What the agent may use (its affinity, its cgroup limit): what requirements match.
+        cores, mem = a.usable_cores or a.cpu_cores, usable_memory(a) / (1 << 30)
+        print(
+            f"{a.agent_id:<40} {a.host[:16]:<16} {a.arch:<8} {cores:>5} {mem:>7.1f} "
+            f"{fws:<32} {models}"
+        )
     return 0

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import anyio
 
-from cli.submit import submit
 from mlscope import bus as busmod
+from mlscope import sysmatch
 from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest, new_id
 from mlscope.errors import MLScopeError, ResolutionError
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
@@ -22,7 +23,8 @@ __all__ = ["comparison_table", "matching_agents", "submit_all"]
 def matching_agents(
     job: JobRequest, agents: list[AgentDescription], *, any_framework: bool = False
 ) -> list[tuple[AgentDescription, str]]:
-    """(agent, framework) for every live agent that offers the job's model."""
+    """(agent, framework) for every live agent that offers the job's model and meets
+    the job's system requirements (the model manifest's are the server's to apply)."""
     out = []
     for a in agents:
         for offer in a.models:
@@ -36,6 +38,8 @@ def matching_agents(
             if fw is None or not any(
                 d.split(":")[0] == job.device.split(":")[0] for d in fw.devices
             ):
+                continue
+            if sysmatch.misses(job.system, a, framework=offer.framework):
                 continue
             out.append((a, offer.framework))
             break

@@ -10,9 +10,10 @@ import anyio
 
 from cli.agents_cmd import fetch_agents
 from cli.services import Stack
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.zoo.build import build
 

@@ -26,9 +26,13 @@ COMMAND_MODULES = (
     "cli.auth_cmd",
     "cli.edge_cmd",
     "cli.report_cmd",
+    "cli.runs_cmd",
+    "cli.cancel_cmd",
+    "cli.export_cmd",
     "cli.dashboard_cmd",
     "cli.doctor_cmd",
     "cli.mlperf_cmd",
+    "cli.loadgen_cmd",
 )
 
 
@@ -47,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except MLScopeError as exc:
         print(f"mlscope {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a file the command was told to read or write
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        print(f"mlscope {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -18,11 +18,12 @@ from typing import Any
 import anyio
 
 from broker import mlperf_logs as logs
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, MLPerfImport, MLPerfSpec
 from mlscope.errors import ConfigError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 
 __all__ = ["fetch_logs", "find_results", "import_job", "register"]

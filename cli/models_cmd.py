@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     rm.add_argument("--version", required=True)
     rm.add_argument("--framework", required=True)
     rm.set_defaults(func=run_remove)
+    from cli.models_init import register as register_init
+
+    register_init(sub)
 
 
 def _size(path: Path) -> int:

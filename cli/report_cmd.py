@@ -1,6 +1,9 @@
 """``mlscope report``: reports of evaluations, and the paper's Table 2 for the zoo.
 
-* ``mlscope report EVAL_ID... -o report.html`` (or ``.md``): one self-contained file;
+* ``mlscope report EVAL_ID... -o report.html`` (``.md``, ``.json``): the format from the
+  extension, any other refused; a Markdown report's figures are PNG files in
+  ``report_files/`` beside it. ``--json`` prints the JSON form, no ``-o``: Markdown
+  without images on stdout;
 * ``mlscope report --suite [--run] [--models digits_cnn/onnxruntime,...]``: Table 2 from
   the evaluations in the database; ``--run`` first submits, for each model, one online
   run and batched runs over ``--batch-sizes`` to the running server.
@@ -9,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -30,8 +34,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--output",
         type=Path,
         default=None,
-        help="report.html or report.md (default: Markdown on stdout)",
+        help="report.html, report.md (figures in report_files/) or report.json "
+        "(default: Markdown on stdout)",
     )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--suite", action="store_true", help="print the paper's Table 2")
     p.add_argument(
         "--run",
@@ -105,7 +111,7 @@ def suite_jobs(
 
 
 def _run_jobs(settings: Settings, jobs: list[JobRequest]) -> list[str]:
-    from cli.submit import submit
+    from mlscope.jobs import submit
 
     async def go() -> list[str]:
         ids = []
@@ -167,12 +173,43 @@ def _prices(items: list[str]) -> dict[str, float]:
     return out
 
 
+REPORT_FORMATS = {".html": "html", ".htm": "html", ".md": "markdown", ".json": "json"}
+"""Report formats by the extension of ``-o``."""
+
+
+def _format(args: argparse.Namespace) -> str | None:
+    """The format asked for, or None after saying why it cannot be (one line)."""
+    out: Path | None = args.output
+    if out is None:
+        return "json" if args.json else "markdown"
+    fmt = REPORT_FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        known = ", ".join(sorted(set(REPORT_FORMATS) - {".htm"}))
+        print(
+            f"mlscope report: cannot write {out.suffix or 'a file without extension'} "
+            f"({out}); -o takes {known}",
+            file=sys.stderr,
+        )
+        return None
+    if args.json and fmt != "json":
+        print(f"mlscope report: --json with -o {out}: use -o FILE.json", file=sys.stderr)
+        return None
+    return fmt
+
+
 def run(args: argparse.Namespace) -> int:
     if args.suite:
         return run_suite(args)
     if not args.evaluations:
         print("mlscope report: give EVAL_ID... or --suite", file=sys.stderr)
         return 2
+    fmt = _format(args)
+    if fmt is None:
+        return 2
+    if args.output is not None:
+        from cli.trace_cmd import writable
+
+        writable(args.output)  # before the report is built
     from analysis import report
     from analysis.figures import model_sizes
     from analysis.source import open_source
@@ -186,11 +223,12 @@ def run(args: argparse.Namespace) -> int:
         prices_per_hour=_prices(args.price),
     )
     out: Path | None = args.output
-    text = (
-        report.to_html(rep)
-        if out is not None and out.suffix in (".html", ".htm")
-        else report.to_markdown(rep)
-    )
+    if fmt == "html":
+        text = report.to_html(rep)
+    elif fmt == "json":
+        text = json.dumps(report.to_json(rep), indent=1)
+    else:
+        text = report.to_markdown(rep, report.figure_dir_for(out) if out is not None else None)
     if out is None:
         print(text)
     else:

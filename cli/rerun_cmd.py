@@ -3,8 +3,10 @@
 The stored job is resubmitted with a new job id, ``rerun_of`` pointing at the original,
 and pinned to what ran: the exact model version, the manifest's content (its sha256,
 which also covers the artifacts' checksums: a changed manifest is refused, not
-silently used) and the framework's exact version. The new evaluation stores its own
-full specification, so the two can be compared field by field.
+silently used), the framework's exact version and, unless ``--any-system``, the host
+the original agent ran on. The new evaluation stores its own full specification; the
+command then says what differs from the original's (host, agent, versions and commit
+of the agent, its runtime options and settings, the model's artifact).
 """
 
 from __future__ import annotations
@@ -13,28 +15,37 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 import anyio
 
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.contracts import EvaluationSummary, JobRequest, new_id
+from mlscope.contracts import EvaluationSummary, JobRequest, SystemRequirement, new_id
 from mlscope.errors import EvaluationError
+from mlscope.jobs import submit
 from mlscope.manifest import manifest_digest
 from mlscope.settings import Settings
 
-__all__ = ["register", "rerun", "rerun_job"]
+__all__ = ["artifact_note", "differences", "register", "rerun", "rerun_job"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("rerun", help="run a stored evaluation's specification again")
     p.add_argument("evaluation_id")
+    p.add_argument(
+        "--any-system",
+        action="store_true",
+        help="run on any agent that serves the job (default: the original agent's host)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 
 
-def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
+def rerun_job(
+    spec: dict[str, object], evaluation_id: str, *, any_system: bool = False
+) -> JobRequest:
     imported = spec.get("imported")
     if isinstance(imported, dict):
         raise EvaluationError(
@@ -59,6 +70,10 @@ def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
         ),
         None,
     )
+    host = ran.get("host") if isinstance(ran, dict) else None
+    system = job.system
+    if not any_system and host:
+        system = (system or SystemRequirement()).model_copy(update={"host": str(host)})
     return job.model_copy(
         update={
             "job_id": new_id("job"),
@@ -67,6 +82,7 @@ def rerun_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
             "manifest_sha256": str(spec.get("manifest_sha256") or manifest_digest(manifest)),
             "framework_version": f"=={version}" if version else job.framework_version,
             "submitted_at": time.time(),
+            "system": system,
         }
     )
 
@@ -84,22 +100,72 @@ def artifact_note(before: dict[str, object], after: dict[str, object]) -> str | 
     )
 
 
-async def rerun(settings: Settings, evaluation_id: str) -> EvaluationSummary:
+def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as ``a.b.c`` keys (lists kept whole)."""
+    if not isinstance(value, dict):
+        return {prefix: value} if prefix else {}
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _agent_facts(spec: dict[str, Any]) -> dict[str, Any]:
+    """The facts of a stored specification that a rerun reports when they differ."""
+    agent = spec.get("agent")
+    agent = agent if isinstance(agent, dict) else {}
+    fws = {f.get("name"): f.get("version") for f in agent.get("frameworks") or () if f}
+    return {
+        "host": agent.get("host"),
+        "agent": agent.get("agent_id"),
+        "cpu": agent.get("cpu_model"),
+        **{f"framework {k}": v for k, v in fws.items()},
+        "agent mlscope version": spec.get("agent_mlscope_version") or agent.get("mlscope_version"),
+        "agent git commit": spec.get("agent_git_commit"),
+        **{
+            f"agent setting {k}": "default" if v is None else v  # None: the runtime's choice
+            for k, v in _flat(spec.get("agent_settings") or {}).items()
+        },
+    }
+
+
+def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What differs between an original run's stored specification and its rerun's, one
+    line each (``host: b (original a)``); a fact that either run did not record is left
+    out. A different model artifact gets :func:`artifact_note`."""
+    old, new = _agent_facts(before), _agent_facts(after)
+    lines = [
+        f"{key}: {new[key]} (original {old[key]})"
+        for key in sorted(old.keys() & new.keys())
+        if old[key] is not None and new[key] is not None and old[key] != new[key]
+    ]
+    note = artifact_note(before, after)
+    return [*lines, *([note] if note else [])]
+
+
+async def rerun(
+    settings: Settings, evaluation_id: str, *, any_system: bool = False
+) -> EvaluationSummary:
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         spec, _ = await remote.evaluation(bus, evaluation_id)
-    job = rerun_job(spec, evaluation_id)
+    job = rerun_job(spec, evaluation_id, any_system=any_system)
     # An MLPerf run lasts what its conf files say (10 minutes officially).
     summary = await submit(settings, job, timeout=6 * 3600.0 if job.mlperf else None)
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         again, _ = await remote.evaluation(bus, summary.evaluation_id)
-    note = artifact_note(spec, again)
-    if note:
-        print(note, file=sys.stderr)
+    diff = differences(spec, again)
+    if diff:
+        print(f"differs from {evaluation_id}:", file=sys.stderr)
+        for line in diff:
+            print(f"  {line}", file=sys.stderr)
     return summary
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = anyio.run(rerun, args.settings, args.evaluation_id, backend="asyncio")
+    summary = anyio.run(
+        lambda: rerun(args.settings, args.evaluation_id, any_system=args.any_system),
+        backend="asyncio",
+    )
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:

@@ -1,4 +1,5 @@
-"""``mlscope-submit MODEL[@VERSION] --framework F ...``: publish a job, wait, report."""
+"""``mlscope-submit MODEL[@VERSION] --framework F ...``: flags into a job, then the job
+client (:mod:`mlscope.jobs`) publishes it and waits; this module reports."""
 
 from __future__ import annotations
 
@@ -6,28 +7,23 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
-import nats.errors
-import nats.js.errors
 
 from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
+from cli.submit_errors import EXIT_FAILED, EXIT_INTERRUPTED, interrupted, preflight, strict_code
+from cli.system_opts import add_system_flags, system_from_args
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for, new_id
-from mlscope.errors import BusError, ConfigError, MLScopeError, WireError, error_from_wire
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, new_id
+from mlscope.errors import MLScopeError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.stats import mean_ci
 
 __all__ = ["main", "submit"]
-
-ACCEPT_TIMEOUT_S = 10.0
-STORED_CHECK_S = 15.0
-"""After this long without an event the submitter asks for the job's stored evaluation
-(its id is derived from the job), so a missed "done" never leaves it waiting."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -66,6 +62,12 @@ def parser() -> argparse.ArgumentParser:
         help="p99 bound (online: validity; peak: the search target)",
     )
     p.add_argument(
+        "--peak-trials",
+        type=int,
+        default=None,
+        help="peak: most runs the search makes (default 10)",
+    )
+    p.add_argument(
         "--schedule",
         type=Path,
         default=None,
@@ -76,6 +78,13 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="open loops: load-generator processes sharing one schedule",
+    )
+    p.add_argument(
+        "--loadgen-hosts",
+        default=None,
+        metavar="ID,ID",
+        help="open loops: registered load-generator services (`mlscope loadgen --id ID`, "
+        "any host) the schedule is dealt to, instead of processes on the server's host",
     )
     p.add_argument(
         "--repetitions", type=int, default=None, help="cold-start: loads measured (default 5)"
@@ -149,6 +158,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
     p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 3 when a run completes INVALID (exit codes: cli/submit_errors.py)",
+    )
+    p.add_argument(
         "--all-agents",
         action="store_true",
         help="one evaluation on every live agent that serves the model; "
@@ -159,6 +173,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --all-agents: agents of every framework offering the model",
     )
+    add_system_flags(p)
     return p
 
 
@@ -173,7 +188,13 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         "max_queries": args.max_queries,
         "concurrency": args.concurrency,
         "latency_bound_ms": args.latency_bound_ms,
+        "peak_trials": getattr(args, "peak_trials", None),
         "loadgens": args.loadgens,
+        "loadgen_hosts": (
+            tuple(h.strip() for h in args.loadgen_hosts.split(",") if h.strip())
+            if getattr(args, "loadgen_hosts", None)
+            else None
+        ),
         "min_duration_s": args.min_duration,
         "min_queries": args.min_queries,
         "max_issue_lag_us": args.max_issue_lag_us,
@@ -199,89 +220,8 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         accuracy_samples=getattr(args, "accuracy_samples", None),
         parallel=getattr(args, "parallel", False),
         placement=getattr(args, "placement", "server"),
+        system=system_from_args(args),
     )
-
-
-async def submit(
-    settings: Settings, job: JobRequest, *, on_event: object = None, timeout: float | None = None
-) -> EvaluationSummary:
-    """Publish ``job`` and wait for its summary; failures raise their typed error."""
-    sc = job.scenario
-    runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
-    span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
-    limit = timeout or (max(sc.duration_s, span) * 3 * runs + 360.0)
-    async with busmod.connect(settings, name="mlscope-submit") as bus:
-        sub = await bus.nc.subscribe(names.job_events(job.job_id))
-        await _publish_job(bus, job)
-        return await _await_summary(bus, sub, job.job_id, limit, on_event)
-
-
-async def _publish_job(bus: busmod.Bus, job: JobRequest) -> None:
-    """Put ``job`` on the job stream, refusing one over the bus's size limit."""
-    data = codec.encode_model(job)
-    sc = job.scenario
-    limit_bytes = min(busmod.JOB_MAX_BYTES, int(bus.nc.max_payload))
-    if len(data) > limit_bytes:
-        what = (
-            f" (its replay schedule has {len(sc.arrivals_s)} arrivals: split it)"
-            if sc.arrivals_s
-            else ""
-        )
-        raise ConfigError(
-            f"the job is {len(data)} bytes, over the {limit_bytes}-byte limit of a job{what}",
-            field="scenario",
-        )
-    try:
-        # Retried with the job id as message id: a cluster leader election or a
-        # reconnect does not lose the job, and a retry is not a second job.
-        await busmod.publish_persistent(
-            bus, names.JOBS_SUBJECT, data, msg_id=job.job_id, attempts=4
-        )
-    except BusError as exc:
-        if isinstance(exc.__cause__, (nats.js.errors.APIError, nats.errors.MaxPayloadError)):
-            raise  # the stream is there and refused the job: say why
-        raise BusError(
-            "the job stream does not exist: is an mlscope server running? "
-            "(`mlscope up` or `mlscope server`)"
-        ) from exc
-
-
-async def _await_summary(
-    bus: busmod.Bus, sub: Any, job_id: str, limit: float, on_event: object
-) -> EvaluationSummary:
-    """The job's summary from its events (or from the database when its "done" was
-    missed); its typed error when it failed."""
-    accepted = False
-    deadline = time.monotonic() + limit
-    while True:
-        wait = (
-            ACCEPT_TIMEOUT_S if not accepted else min(STORED_CHECK_S, deadline - time.monotonic())
-        )
-        try:
-            msg = await sub.next_msg(timeout=max(0.1, wait))
-        except (nats.errors.TimeoutError, TimeoutError) as exc:
-            if not accepted:
-                raise BusError(
-                    f"no server took job {job_id} within "
-                    f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
-                ) from exc
-            stored = await _stored_result(bus, job_id)
-            if stored is not None:  # its "done" was missed (a bus outage)
-                return stored
-            if time.monotonic() < deadline:
-                continue
-            raise BusError(f"job {job_id} did not finish within {limit:g} s") from exc
-        try:
-            event = codec.decode_model(JobEvent, msg.data)
-        except WireError:
-            continue  # not an event of ours: a stray or hostile message
-        accepted = True
-        if callable(on_event):
-            on_event(event)
-        if event.event == "failed":
-            raise error_from_wire(event.error or {"message": "job failed"})
-        if event.event == "done" and event.summary is not None:
-            return event.summary
 
 
 def _notes(event: JobEvent) -> None:
@@ -292,14 +232,6 @@ def _notes(event: JobEvent) -> None:
             file=sys.stderr,
             flush=True,
         )
-
-
-async def _stored_result(bus: busmod.Bus, job_id: str) -> EvaluationSummary | None:
-    try:
-        _, summary = await remote.evaluation(bus, evaluation_id_for(job_id), timeout=5.0)
-    except MLScopeError:
-        return None  # not stored yet, or no server answering right now
-    return EvaluationSummary.model_validate(summary)
 
 
 def _progress(event: JobEvent) -> None:
@@ -313,7 +245,7 @@ def _progress(event: JobEvent) -> None:
             flush=True,
         )
     elif event.event == "accepted":
-        print(f"  accepted by {event.server_id}", file=sys.stderr, flush=True)
+        print(f"  job {event.job_id} accepted by {event.server_id}", file=sys.stderr, flush=True)
 
 
 def format_summary(s: EvaluationSummary) -> str:
@@ -358,6 +290,7 @@ def format_summary(s: EvaluationSummary) -> str:
             f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}",
         ),
         ("throughput", f"{f(s.throughput_ips, '', 1)} inputs/s"),
+        *_resource_rows(s),
     ]
     split = s.issue_lag_split_us or {}
     if split:
@@ -389,7 +322,10 @@ def format_summary(s: EvaluationSummary) -> str:
                 "  ".join(f"{k} {f(v.get('p50'))}" for k, v in s.latency_split_ms.items()),
             )
         )
-    if s.scenario.get("loadgens", 1) > 1:
+    if s.scenario.get("loadgen_hosts"):
+        hosts = ", ".join(s.scenario["loadgen_hosts"])
+        rows.append(("loadgens", f"services {hosts}, one schedule"))
+    elif s.scenario.get("loadgens", 1) > 1:
         rows.append(("loadgens", f"{s.scenario['loadgens']} processes, one schedule"))
     if s.scenario["name"] == "peak":
         rows.append(
@@ -426,19 +362,58 @@ def format_summary(s: EvaluationSummary) -> str:
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    settings = Settings.from_env()
+def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """The agent's memory over the run and the energy used, or that it is unknown."""
+    rows = []
+    if s.peak_rss_mb is not None:
+        growth = "-" if s.rss_growth_mb is None else f"{s.rss_growth_mb:+.1f} MB"
+        rows.append(("memory", f"agent peak RSS {s.peak_rss_mb:.1f} MB, growth {growth}"))
+    if s.energy_j is None:
+        rows.append(("energy", "not available (no power source was read)"))
+        return rows
+    per = s.energy_per_inference_j
+    each = f" ({per * 1e3:.3f} mJ per inference)" if per is not None else ""
+    rows.append(("energy", f"{s.energy_j:.3f} J{each}"))
+    return rows
+
+
+def _several_jobs(args: argparse.Namespace) -> Callable[[argparse.Namespace, Settings], int] | None:
+    """The path of a submission of several jobs, or None for one job."""
     if args.all_agents:
-        return _main_all_agents(args, settings)
+        return _main_all_agents
     if "," in args.framework:
-        return _main_many(args, settings)
+        return _main_many
     if args.repeat > 1:
-        return _main_repeat(args, settings)
+        return _main_repeat
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    settings = Settings.from_env()
     try:
-        job = make_job(args)
-        show = _notes if args.json or not sys.stderr.isatty() else _progress
+        preflight(p, args, make_job)
+    except MLScopeError as exc:
+        print(f"mlscope-submit: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    several = _several_jobs(args)
+    if several is not None:
+        try:
+            return several(args, settings)
+        except KeyboardInterrupt:  # one line, no traceback; the jobs are not cancelled
+            print(
+                "mlscope-submit: interrupted; a job already taken runs on "
+                "(`mlscope cancel JOB_ID` stops it)",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+    show = _notes if args.json or not sys.stderr.isatty() else _progress
+    job = make_job(args)  # preflight built it once already
+    try:
         summary = anyio.run(lambda: submit(settings, job, on_event=show), backend="asyncio")
+    except KeyboardInterrupt:
+        return interrupted(settings, job.job_id, progress_shown=show is _progress)
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return 1
@@ -447,11 +422,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if show is _progress:
         print(file=sys.stderr)
+    if summary.status == "cancelled":  # by `mlscope cancel` elsewhere
+        print(
+            f"mlscope-submit: job {job.job_id} was cancelled; evaluation "
+            f"{summary.evaluation_id} stored as cancelled",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:
         print(format_summary(summary))
-    return 0
+    return strict_code([summary]) if args.strict else 0
 
 
 def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, float | None]]:
@@ -496,7 +478,7 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
                 }
             )
         )
-        return 0
+        return strict_code(summaries) if args.strict else 0
     for s in summaries:
         print(format_summary(s))
         print()
@@ -506,7 +488,7 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
         mean = "-" if v["mean"] is None else f"{v['mean']:.3f}"
         print(f"  {name:<15} {mean}  {ci}")
     print("  compare repeated runs with analysis.compare.compare_repeats (CIs over runs)")
-    return 0
+    return strict_code(summaries) if args.strict else 0
 
 
 def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
@@ -536,7 +518,9 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
         )
     else:
         print(comparison_table(results))
-    return 0 if all(isinstance(r, EvaluationSummary) for r in results) else 1
+    if not all(isinstance(r, EvaluationSummary) for r in results):
+        return EXIT_FAILED
+    return strict_code(results) if args.strict else 0
 
 
 def _main_many(args: argparse.Namespace, settings: Settings) -> int:
@@ -565,13 +549,13 @@ def _main_many(args: argparse.Namespace, settings: Settings) -> int:
             "comparison": comparison.to_dict() if comparison else None,
         }
         print(json.dumps(doc))
-        return 0
+        return strict_code(summaries) if args.strict else 0
     for s in summaries:
         print(format_summary(s))
         print()
     if comparison is not None:
         print(format_comparison(comparison))
-    return 0
+    return strict_code(summaries) if args.strict else 0
 
 
 async def _run_many(

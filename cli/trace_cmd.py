@@ -33,7 +33,7 @@ import anyio
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.bus import Bus
-from mlscope.errors import DatabaseError
+from mlscope.errors import ConfigError, DatabaseError
 from mlscope.settings import Settings
 
 __all__ = ["chrome_trace", "export", "fetch", "register"]
@@ -54,6 +54,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = args.output or Path(f"{args.evaluation_id}.trace.json")
+    writable(out)  # before the fetch: a typo in -o costs no download
     doc = anyio.run(export, args.settings, args.evaluation_id, backend="asyncio")
     out.write_text(json.dumps(doc))
     print(
@@ -62,6 +63,15 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def writable(out: Path) -> None:
+    """Refuse, in one line naming it, an output file whose directory does not exist."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {out}: no directory {parent}", field="output")
+    if out.is_dir():
+        raise ConfigError(f"cannot write {out}: it is a directory", field="output")
 
 
 async def export(settings: Settings, evaluation_id: str) -> dict[str, Any]:

@@ -1,1 +1,1 @@
-"""The Streamlit dashboard (issue 7): a client of the server; computes no statistics."""
+"""The Streamlit dashboard: a client of the server; computes no statistics."""

@@ -10,7 +10,7 @@ nkey seed file per role (``submitter.creds``, ``server.creds``, ``agent.creds``,
 What each role may do (everything else is denied by the server):
 
 * server: the whole ``mlscope.>`` namespace, the JetStream API and every bucket.
-* submitter: publish jobs, ask the server's database responders, read the registry
+* submitter: publish (and cancel) jobs, ask the server's database responders, read the registry
   buckets, hear its jobs' events.
 * agent: serve its capability and agent subjects, answer requests,
   publish span batches, write registry keys, read stream information. This user may
@@ -128,6 +128,7 @@ def permissions(
             "publish": {
                 "allow": [
                     names.JOBS_SUBJECT,
+                    names.job_cancel_wildcard(),
                     db,
                     *_registry_read(),
                     f"$JS.API.STREAM.INFO.{names.JOBS_STREAM}",

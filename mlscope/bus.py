@@ -1,7 +1,10 @@
 """The NATS boundary: connecting, provisioning streams and buckets, typed requests.
 
-nats-py exceptions are translated into :class:`mlscope.errors.BusError` here and
-nowhere else.
+nats-py exceptions of connecting, provisioning and requests are translated into
+:class:`mlscope.errors.BusError` here. Modules that drive JetStream, buckets or the
+object store themselves (the serving boundary, registry and manifest watchers, the
+artifact bucket, the job client, the ingester) catch nats-py's errors where they call
+it and translate them or act on them (a missing key, a fetch timeout).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ a zoo directory is given, downloads are cached beside it in ``<zoo_dir>/../artif
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,11 @@ from packaging.version import Version
 
 from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
 from mlscope.buildlock import BuildLock
-from mlscope.errors import ArtifactError, ChecksumMismatch, UnknownModelError
+from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError, UnknownModelError
 from mlscope.manifest import (
     FrameworkManifest,
     ModelManifest,
+    SystemManifest,
     iter_manifest_files,
     load_manifest,
 )
@@ -142,28 +144,36 @@ class Entry:
 
 class Catalog:
     def __init__(
-        self, entries: Iterable[Entry], frameworks: Iterable[FrameworkManifest] = ()
+        self,
+        entries: Iterable[Entry],
+        frameworks: Iterable[FrameworkManifest] = (),
+        systems: Iterable[SystemManifest] = (),
     ) -> None:
         self.entries = list(entries)
         self.frameworks = list(frameworks)
+        self.systems = list(systems)
+        """``kind: system`` files: named system requirements (``--system NAME``)."""
 
     @classmethod
     def load(cls, dirs: Iterable[Path], *, trusted: bool = True) -> Catalog:
-        """Every model and framework manifest under ``dirs`` (other kinds are skipped)."""
-        entries, frameworks = [], []
+        """Every model, framework and system manifest under ``dirs`` (scenarios are
+        skipped)."""
+        entries, frameworks, systems = [], [], []
         for f in iter_manifest_files(dirs):
             m = load_manifest(f)
             if isinstance(m, ModelManifest):
                 entries.append(Entry(m, f, trusted=trusted))
             elif isinstance(m, FrameworkManifest):
                 frameworks.append(m)
-        return cls(entries, frameworks)
+            elif isinstance(m, SystemManifest):
+                systems.append(m)
+        return cls(entries, frameworks, systems)
 
     def merged(self, other: Iterable[Entry]) -> Catalog:
         """This catalog plus ``other``; a local entry wins over a remote one with its key."""
         have = {e.manifest.key for e in self.entries}
         extra = [e for e in other if e.manifest.key not in have]
-        return Catalog([*self.entries, *extra], self.frameworks)
+        return Catalog([*self.entries, *extra], self.frameworks, self.systems)
 
     def framework(self, name: str, version: str | None = None) -> FrameworkManifest | None:
         """The framework manifest for ``name``: the one of exactly ``version`` (the
@@ -173,6 +183,14 @@ class Catalog:
         if exact:
             return exact[0]
         return max(named, key=lambda f: Version(f.version), default=None)
+
+    def system(self, name: str) -> SystemManifest:
+        """The ``kind: system`` manifest called ``name``; ConfigError lists them."""
+        for s in self.systems:
+            if s.name == name:
+                return s
+        known = ", ".join(sorted(s.name for s in self.systems)) or "none"
+        raise ConfigError(f"unknown system {name!r}; known systems: {known}", field="system")
 
     def tasks(self) -> dict[str, list[Entry]]:
         """Entries grouped by task, each group sorted by name, version and framework."""
@@ -196,9 +214,12 @@ class Catalog:
         """The highest matching version; UnknownModelError says what exists."""
         named = [e for e in self.entries if e.manifest.name == name]
         if not named:
+            close = difflib.get_close_matches(name, self.models(), n=3, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
             raise UnknownModelError(
-                f"unknown model {name!r}; known models: {', '.join(self.models()) or 'none'}",
+                f"unknown model {name!r}{hint}; known models: {', '.join(self.models()) or 'none'}",
                 model=name,
+                suggestions=close,
             )
         hits = [
             e

@@ -16,7 +16,16 @@ Schema history:
                JobRequest.mlperf, JobRequest.mlperf_import, EvaluationSummary.mlperf;
                JobRequest.placement, EvaluationSummary.placement,
                AgentDescription.features and the local run (``RunOp``,
-               ``RunStarted``, ``RunRows``).
+               ``RunStarted``, ``RunRows``);
+               JobRequest.system (``SystemRequirement``), AgentDescription.usable_cores
+               and memory_limit_bytes, Accelerator.interconnect; ReleaseReply's RSS
+               figures and EvaluationSummary's peak_rss_mb, rss_growth_mb, energy_j;
+               PrepareReply.settings, mlscope_version and git_commit;
+               CancelRequest / CancelReply, JobEvent "cancelled" and
+               EvaluationSummary status "cancelled";
+               ScenarioSpec.loadgen_hosts and the load-generator service's messages
+               (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp, LoadgenProgress and
+               the replies).
 """
 
 from __future__ import annotations
@@ -39,9 +48,12 @@ from pydantic import (
 from mlscope.versions import parse_constraint
 
 __all__ = [
+    "LOADGEN_CONTROL",
     "LOCAL_RUN",
     "Accelerator",
     "AgentDescription",
+    "CancelReply",
+    "CancelRequest",
     "ControlReply",
     "ControlRequest",
     "DescribeOp",
@@ -53,6 +65,12 @@ __all__ = [
     "JobEvent",
     "JobRequest",
     "LatencyStats",
+    "LoadgenDescription",
+    "LoadgenDone",
+    "LoadgenLoadOp",
+    "LoadgenLoaded",
+    "LoadgenProgress",
+    "LoadgenStartOp",
     "MLPerfImport",
     "MLPerfSpec",
     "ModelOffer",
@@ -71,10 +89,12 @@ __all__ = [
     "RunRows",
     "RunStarted",
     "SampleBatch",
+    "ScenarioName",
     "ScenarioSpec",
     "SpanBatch",
     "SqlReply",
     "SqlRequest",
+    "SystemRequirement",
     "TraceLevel",
     "evaluation_id_for",
     "new_id",
@@ -148,6 +168,9 @@ class Accelerator(BaseModel):
     model: str
     index: int = 0
     memory_bytes: int | None = None
+    interconnect: str | None = None
+    """How the device is attached, as the driver reports it (``pcie4``, ``nvlink``);
+    None when it does not say."""
 
 
 class FrameworkInfo(BaseModel):
@@ -205,6 +228,10 @@ class AgentDescription(_Message):
     cpu_model: str
     cpu_cores: int
     memory_bytes: int
+    usable_cores: int | None = Field(default=None, ge=1)
+    """Cores this agent may run on (its CPU affinity); ``cpu_cores`` is the machine's."""
+    memory_limit_bytes: int | None = Field(default=None, ge=0)
+    """The agent's memory limit (its cgroup's) when lower than ``memory_bytes``."""
     accelerators: tuple[Accelerator, ...] = ()
     frameworks: tuple[FrameworkInfo, ...]
     models: tuple[ModelOffer, ...] = ()
@@ -224,22 +251,26 @@ class AgentDescription(_Message):
 # --------------------------------------------------------------------------- jobs
 
 
+ScenarioName = Literal[
+    "online",
+    "single-stream",
+    "multi-stream",
+    "batched",
+    "concurrency",
+    "constant",
+    "replay",
+    "piecewise",
+    "peak",
+    "cold-start",
+]
+"""Every scenario a job may ask for; each has its strategy in ``broker.scenario_kinds``."""
+
+
 class ScenarioSpec(BaseModel):
     """How load is generated; latency always counts from each query's scheduled time."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    name: Literal[
-        "online",
-        "single-stream",
-        "multi-stream",
-        "batched",
-        "concurrency",
-        "constant",
-        "replay",
-        "piecewise",
-        "peak",
-        "cold-start",
-    ] = "online"
+    name: ScenarioName = "online"
     """online: Poisson; constant: fixed interval; replay: ``arrivals_s``; piecewise:
     ``segments``; multi-stream: ``batch_size`` samples every ``1/qps`` s; single-stream
     and concurrency: closed loop with 1 / ``concurrency`` outstanding; batched: a sweep
@@ -267,6 +298,29 @@ class ScenarioSpec(BaseModel):
     """piecewise: ``(rate_start, rate_end, seconds)`` per segment (ramps and bursts)."""
     loadgens: int = Field(default=1, ge=1)
     """Open loops: load-generator processes the global schedule is dealt to."""
+    loadgen_hosts: tuple[Annotated[str, Field(min_length=1, max_length=128)], ...] | None = Field(
+        default=None, min_length=1
+    )
+    """Open loops: ids of registered load-generator services (``mlscope loadgen``,
+    possibly on other hosts) the global schedule is dealt to, slice ``j`` to the
+    ``j``-th; ``loadgens`` is then their number. None: ``loadgens`` child processes of
+    the server on its own host."""
+
+    @field_validator("loadgen_hosts")
+    @classmethod
+    def _distinct_hosts(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError("loadgen_hosts names a load generator twice")
+        return v
+
+    def model_post_init(self, _context: Any) -> None:
+        if self.loadgen_hosts is not None and self.loadgens != len(self.loadgen_hosts):
+            if "loadgens" in self.model_fields_set:
+                raise ValueError(
+                    f"loadgens={self.loadgens} but {len(self.loadgen_hosts)} loadgen_hosts"
+                )
+            object.__setattr__(self, "loadgens", len(self.loadgen_hosts))
+
     peak_trials: int = Field(default=10, ge=2)
     """peak: most runs the search makes."""
     max_issue_lag_us: float | None = Field(default=None, gt=0)
@@ -316,6 +370,31 @@ class MLPerfImport(BaseModel):
     """The submitter's system name (the results tree's ``<system>`` directory)."""
 
 
+class SystemRequirement(BaseModel):
+    """What an agent's machine must have to run a job (each field None: anything).
+
+    Matched against the agent's description by :mod:`mlscope.sysmatch`; from
+    ``mlscope-submit``'s flags or ``--system FILE``, merged over the model manifest's
+    ``system`` by the server."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    arch: str | None = None
+    """CPU architecture (``amd64`` and ``x86_64`` are one, as are ``arm64`` and
+    ``aarch64``)."""
+    device: Literal["cpu", "gpu", "fpga"] | None = None
+    """A device kind the agent's framework runs on (``cpu``: every agent)."""
+    accelerator: str | None = None
+    """Part of an accelerator's model name, case-insensitive (``H100``, ``u250``)."""
+    min_memory_bytes: int | None = Field(default=None, ge=0)
+    """Host memory the agent may use (its cgroup limit when lower)."""
+    min_cores: int | None = Field(default=None, ge=1)
+    """CPU cores the agent may run on (its affinity)."""
+    interconnect: str | None = None
+    """An accelerator attached so (``pcie4``, ``nvlink``)."""
+    host: str | None = None
+    """Exactly this host name (``mlscope rerun`` pins the original's)."""
+
+
 class JobRequest(_Message):
     """A request to evaluate one model on one framework (published by mlscope-submit)."""
 
@@ -345,6 +424,9 @@ class JobRequest(_Message):
     """Run MLPerf LoadGen as the load generator instead of ``scenario``."""
     mlperf_import: MLPerfImport | None = None
     """Store these MLPerf logs as an evaluation; no agent is involved."""
+    system: SystemRequirement | None = None
+    """What the agent's machine must have; the server merges it over the model
+    manifest's ``system`` (a field set here wins)."""
     placement: Placement = "server"
     """Where the load generator runs: ``server`` (queries cross the bus; measures the
     served model) or ``agent`` (the agent runs the scenario on its own copy of the
@@ -374,6 +456,8 @@ class JobRequest(_Message):
                 if s.name == "cold-start"
                 else f"{s.loadgens} load generators"
                 if s.loadgens > 1
+                else "load-generator hosts (loadgen_hosts)"
+                if s.loadgen_hosts
                 else ""
             )
             if what:
@@ -396,7 +480,8 @@ class EvaluationSummary(_Message):
     kind: Literal["summary"] = "summary"
     evaluation_id: str
     job_id: str
-    status: Literal["completed", "failed"]
+    status: Literal["completed", "failed", "cancelled"]
+    """``cancelled``: stopped on request (``mlscope cancel``, Ctrl-C); never VALID."""
     valid: bool
     invalid_reasons: tuple[str, ...] = ()
     model: dict[str, str]
@@ -463,6 +548,16 @@ class EvaluationSummary(_Message):
     mlperf: dict[str, Any] | None = None
     """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
     log, its verdict and early-stopping text, the log files kept, ``imported``."""
+    peak_rss_mb: float | None = None
+    """The agent process's peak resident memory while the evaluation was prepared (MB,
+    10⁶ bytes); None when the agent did not report it."""
+    rss_growth_mb: float | None = None
+    """Its resident memory at release minus at prepare (MB): what the run kept."""
+    energy_j: float | None = None
+    """Energy the evaluation used, joules; None when no power source was readable
+    (never 0 for "unknown"). On a CPU it is the whole package's (RAPL)."""
+    energy_per_inference_j: float | None = None
+    """``energy_j`` over the run's samples (joules per inference); None with it."""
     started_at: float
     finished_at: float
 
@@ -472,8 +567,9 @@ class JobEvent(_Message):
 
     kind: Literal["job_event"] = "job_event"
     job_id: str
-    event: Literal["accepted", "restarted", "progress", "done", "failed"]
-    """restarted: a server took the job again after the one running it was lost."""
+    event: Literal["accepted", "restarted", "progress", "done", "failed", "cancelled"]
+    """restarted: a server took the job again after the one running it was lost;
+    cancelled: stopped on request (``summary`` is the stored cancelled evaluation)."""
     note: str = ""
     server_id: str = ""
     evaluation_id: str | None = None
@@ -572,12 +668,30 @@ class PrepareReply(_Message):
     first_inference_ns: int
     sha256: str | None = None
     t_agent: int
+    settings: dict[str, Any] | None = None
+    """What the agent really ran the model with: its runtime options (threads,
+    execution providers, graph optimization, ...), device and pipeline settings
+    (batching, queue, pre-processing threads)."""
+    mlscope_version: str | None = None
+    """The agent's mlscope version (the server's may differ)."""
+    git_commit: str | None = None
+    """The agent's source commit, when it runs from a git checkout."""
 
 
 class ReleaseReply(_Message):
     kind: Literal["released"] = "released"
     ok: bool = True
     unloaded: bool = False
+    rss_start_bytes: int | None = None
+    """The agent process's resident memory when the evaluation was prepared."""
+    rss_peak_bytes: int | None = None
+    """The highest resident memory seen while it was prepared (sampled every 50 ms,
+    plus the kernel's high-water mark where it rose meanwhile)."""
+    rss_end_bytes: int | None = None
+    """Resident memory at its release."""
+    energy_j: float | None = None
+    """Energy of the agent's device between prepare and release (NVML on a GPU, RAPL
+    packages on the CPU); None when no counter was readable."""
 
 
 class RunStarted(_Message):
@@ -645,6 +759,24 @@ class SqlReply(_Message):
     kind: Literal["rows"] = "rows"
     columns: list[str]
     rows: list[list[Any]]
+
+
+class CancelRequest(_Message):
+    """Stop a job (``mlscope.job.<job_id>.cancel``): the server running it cancels the
+    run and stores it as ``cancelled``; a server that takes it later does not run it."""
+
+    kind: Literal["cancel_request"] = "cancel_request"
+    job_id: str = Field(max_length=256)
+    reason: str = Field(default="cancelled by the user", max_length=1024)
+
+
+class CancelReply(_Message):
+    """From the server that was running the job, once its cancelled run is stored."""
+
+    kind: Literal["cancel_reply"] = "cancel_reply"
+    job_id: str
+    evaluation_id: str
+    server_id: str
 
 
 class EvaluationRequest(_Message):
@@ -718,10 +850,10 @@ class _ColumnBatch(_Message):
 class SpanBatch(_ColumnBatch):
     """Many spans in one message, column by column (one list per field, same length).
 
-    Columns: span_id, parent_id, query_index, level, kind, name, start_ns, end_ns,
-    attrs (JSON text). Times are the agent's monotonic clock in ns and are stored so;
-    readers put them on the load generator's clock with the evaluation's stored
-    ``clock_offset_ns`` (``mlscope trace`` does).
+    Columns: :data:`mlscope.schema.SPAN_FIELDS` (span_id, parent_id, query_index, level,
+    kind, name, start_ns, end_ns, attrs as JSON text). Times are the agent's monotonic
+    clock in ns and are stored so; readers put them on the load generator's clock with
+    the evaluation's stored ``clock_offset_ns`` (``mlscope trace`` does).
     """
 
     kind: Literal["spans"] = "spans"
@@ -730,10 +862,83 @@ class SpanBatch(_ColumnBatch):
 class SampleBatch(_ColumnBatch):
     """System samples of one evaluation, column by column (trace level ``system``+).
 
-    Columns: ts_ns (agent monotonic clock, like spans), metric (``cpu.util``,
+    Columns: :data:`mlscope.schema.SAMPLE_FIELDS`: ts_ns (agent monotonic clock, like
+    spans), metric (``cpu.util``,
     ``proc.rss_bytes``, ``gpu.power_w``, ``perf.cycles`` ...), device (``all``,
     ``cpu3``, ``proc``, ``gpu0``), value (float). Published on the same stream as
     spans; the ingester stores them in ``system_samples``.
     """
 
     kind: Literal["samples"] = "samples"
+
+
+# --------------------------------------------------------------- load-generator services
+
+
+class LoadgenDescription(_Message):
+    """A load-generator service's registry entry (bucket ``mlscope_loadgens``, kept
+    alive by a heartbeat like an agent's)."""
+
+    kind: Literal["loadgen"] = "loadgen"
+    loadgen_id: str = Field(min_length=1, max_length=128)
+    host: str
+    pid: int = Field(ge=1, le=2**32 - 1)
+    mlscope_version: str
+    started_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
+    heartbeat_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
+
+
+class LoadgenLoadOp(_Message):
+    """Fetch one dealt slice of a run from the work bucket and get ready to start it."""
+
+    op: Literal["load"] = "load"
+    run_id: str
+    evaluation_id: str
+    subject: str
+    """Where the queries go (the prepared agent's query subject)."""
+    spec: ScenarioSpec
+    offset_ns: int
+    """The agent's clock minus this load generator's (agent times are converted)."""
+    trace_level: int
+    has_labels: bool
+    slice_object: str
+
+
+class LoadgenLoaded(_Message):
+    kind: Literal["loaded"] = "loaded"
+    run_id: str
+    queries: int
+
+
+LoadgenControl = Annotated[PingOp | LoadgenLoadOp, Field(discriminator="op")]
+"""What ``mlscope.loadgen.<id>.ctl`` takes (decode with ``LOADGEN_CONTROL``)."""
+LOADGEN_CONTROL: TypeAdapter[PingOp | LoadgenLoadOp] = TypeAdapter(LoadgenControl)
+
+
+class LoadgenStartOp(_Message):
+    """Run a loaded slice from ``start_ns`` (this load generator's monotonic clock);
+    answered when the run is over and its raw arrays are in the work bucket."""
+
+    op: Literal["start"] = "start"
+    run_id: str
+    start_ns: int
+    result_object: str
+    progress_subject: str | None = None
+    """Where to publish :class:`LoadgenProgress` about every half second while it runs."""
+
+
+class LoadgenProgress(_Message):
+    kind: Literal["loadgen-progress"] = "loadgen-progress"
+    run_id: str
+    result_object: str
+    """Which slice of the run (its result's name is unique per slice)."""
+    done: int
+
+
+class LoadgenDone(_Message):
+    kind: Literal["loadgen-done"] = "loadgen-done"
+    run_id: str
+    result_object: str
+    queries: int
+    completed: int
+    cpu_s: float

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import yaml
 from pydantic import (
     AfterValidator,
@@ -29,6 +30,7 @@ from pydantic import (
 
 from mlscope.artifacts import check_relative
 from mlscope.bounded import load_yaml_bounded
+from mlscope.contracts import ScenarioName
 from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
@@ -67,7 +69,7 @@ class _Strict(BaseModel):
 
 
 Step = dict[str, Any]
-"""One processing step: ``{operator_name: {options}}`` (see agent.operators)."""
+"""One processing step: ``{operator_name: {options}}`` (see mlscope.operators)."""
 
 
 def _known_framework(v: str) -> str:
@@ -107,6 +109,7 @@ class InputSpec(_Strict):
     type: str = "tensor"
     layer_name: str | None = None
     element_type: str = "float32"
+    """A numpy dtype name (float32, int64, uint8, ...)."""
     shape: tuple[int, ...]
     """Shape of one sample, without the batch dimension."""
     layout: str | None = None
@@ -119,6 +122,20 @@ class InputSpec(_Strict):
     """Value of every element of this input when a query does not carry it (inputs
     after the first only), e.g. a sample rate or a zeroed recurrent state; warm-up uses
     it too (zeros otherwise)."""
+
+    @field_validator("element_type")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        try:
+            dtype = np.dtype(v)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.kind not in "biuf":
+            raise ValueError(
+                f"unknown element_type {v!r}: a numpy dtype name such as "
+                "float32, float16, int64, int32, uint8 or bool"
+            )
+        return v
 
     @model_validator(mode="after")
     def _axis(self) -> InputSpec:
@@ -268,6 +285,8 @@ class SystemRequirements(_Strict):
     accelerator: str | None = None
     """Accelerator model, e.g. ``NVIDIA H100`` or ``xilinx_u250``."""
     min_memory_bytes: int | None = Field(default=None, ge=0)
+    min_cores: int | None = Field(default=None, ge=1)
+    """CPU cores the agent may run on."""
     interconnect: str | None = None
     """e.g. ``pcie4``, ``nvlink``."""
 
@@ -428,20 +447,6 @@ class SystemManifest(SystemRequirements):
 
     kind: Literal["system"] = "system"
     name: str
-
-
-ScenarioName = Literal[
-    "online",
-    "single-stream",
-    "multi-stream",
-    "batched",
-    "concurrency",
-    "constant",
-    "replay",
-    "piecewise",
-    "peak",
-    "cold-start",
-]
 
 
 class ScenarioFile(_Strict):

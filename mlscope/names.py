@@ -4,6 +4,7 @@ Subjects (core NATS unless marked JetStream):
 
     mlscope.jobs.submit                JetStream (stream JOBS, work queue): job requests
     mlscope.job.<job_id>.events        progress, accepted and done events of one job
+    mlscope.job.<job_id>.cancel        stop one job (every server hears it)
     mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
     mlscope.agent.<agent_id>.query     queries directed at one agent
     mlscope.agent.<agent_id>.ctl       control requests to one agent (ping, describe)
@@ -12,9 +13,13 @@ Subjects (core NATS unless marked JetStream):
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
     mlscope.dead.<stream>              JetStream (stream DEAD): messages a consumer gave
                                        up on, with the error in their headers
+    mlscope.loadgen.<id>.ctl           control requests to one load-generator service
+                                       (ping, load a dealt slice)
+    mlscope.loadgen.<id>.run           start a loaded slice; answered when it is done
 
 Buckets: ``mlscope_agents`` (agent descriptions, TTL-expired), ``mlscope_models``
-(published manifests).
+(published manifests), ``mlscope_loadgens`` (load-generator services, TTL-expired),
+object store ``mlscope_loadgen_work`` (dealt slices and their results).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ __all__ = [
     "JOBS_CONSUMER",
     "JOBS_STREAM",
     "JOBS_SUBJECT",
+    "LOADGENS_BUCKET",
+    "LOADGEN_WORK_BUCKET",
     "MODELS_BUCKET",
     "PREFIX",
     "SQL_SUBJECT",
@@ -39,7 +46,11 @@ __all__ = [
     "capability",
     "dead_letter",
     "dead_letters_wildcard",
+    "job_cancel",
+    "job_cancel_wildcard",
     "job_events",
+    "loadgen_ctl",
+    "loadgen_run",
     "token",
     "traces",
 ]
@@ -59,6 +70,11 @@ AGENTS_BUCKET = "mlscope_agents"
 MODELS_BUCKET = "mlscope_models"
 ARTIFACTS_BUCKET = "mlscope_artifacts"
 """Object store of built zoo models (mlscope.artifact_bucket)."""
+
+LOADGENS_BUCKET = "mlscope_loadgens"
+"""Registry of load-generator services (``mlscope loadgen``)."""
+LOADGEN_WORK_BUCKET = "mlscope_loadgen_work"
+"""Object store of dealt schedule slices and their raw results (distributed load)."""
 
 SQL_SUBJECT = f"{PREFIX}.db.sql"
 EVALUATION_SUBJECT = f"{PREFIX}.db.evaluation"
@@ -88,6 +104,14 @@ def job_events(job_id: str) -> str:
     return f"{PREFIX}.job.{token(job_id)}.events"
 
 
+def job_cancel(job_id: str) -> str:
+    return f"{PREFIX}.job.{token(job_id)}.cancel"
+
+
+def job_cancel_wildcard() -> str:
+    return f"{PREFIX}.job.*.cancel"
+
+
 def traces(eval_id: str) -> str:
     return f"{PREFIX}.traces.{token(eval_id)}"
 
@@ -103,3 +127,11 @@ def dead_letter(stream: str) -> str:
 
 def dead_letters_wildcard() -> str:
     return f"{PREFIX}.dead.>"
+
+
+def loadgen_ctl(loadgen_id: str) -> str:
+    return f"{PREFIX}.loadgen.{token(loadgen_id)}.ctl"
+
+
+def loadgen_run(loadgen_id: str) -> str:
+    return f"{PREFIX}.loadgen.{token(loadgen_id)}.run"

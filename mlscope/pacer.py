@@ -28,7 +28,6 @@ scheduled. ``issued_ns`` is 0 for a query that was not issued.
 
 from __future__ import annotations
 
-import gc
 import os
 import threading
 import time
@@ -49,7 +48,6 @@ __all__ = [
     "OutstandingLimit",
     "Pacer",
     "PacerResult",
-    "QuietGC",
     "RealtimeThread",
     "RealtimeThreads",
 ]
@@ -345,25 +343,3 @@ def _make_realtime(priority: int = REALTIME_PRIORITY) -> bool:
     except (OSError, AttributeError):
         return False
     return True
-
-
-class QuietGC:
-    """No cyclic garbage collection while a schedule runs.
-
-    A collection holds the GIL for its whole length (milliseconds with a large heap),
-    and the pacer thread cannot issue meanwhile: py-spy and the issue-lag tail showed
-    it. Objects alive at the start are frozen (never scanned again), collection is
-    off during the run (reference counting still frees nearly everything), and both
-    are undone afterwards.
-    """
-
-    def __init__(self) -> None:
-        self.was_enabled = gc.isenabled()
-        gc.collect()
-        gc.freeze()
-        gc.disable()
-
-    def restore(self) -> None:
-        gc.unfreeze()
-        if self.was_enabled:
-            gc.enable()

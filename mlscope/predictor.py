@@ -59,3 +59,8 @@ class Predictor(Protocol):
     def close(self) -> None:
         """Release the model and its device memory; idempotent."""
         ...
+
+
+# A predictor may also define ``effective_options() -> dict``: what its runtime says it
+# really runs with (providers after fallback, thread counts). The agent stores it with
+# each evaluation's specification; it is optional, not part of the interface above.

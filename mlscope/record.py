@@ -4,6 +4,7 @@ is derived (:mod:`broker.summary`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +59,8 @@ class RunRecord:
     done: int = 0
     cpu_s: float = 0.0
     """CPU time (s) the load generator's process used during the run."""
+    sources: tuple[dict[str, Any], ...] = ()
+    """Which load-generator service ran which slice (distributed load over services)."""
 
     def __post_init__(self) -> None:
         for name in ARRAYS:

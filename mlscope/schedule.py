@@ -5,10 +5,9 @@ A schedule is a sorted ``int64`` array of offsets in nanoseconds from the run st
 and a run can be reproduced from its spec alone (F1).
 
 Randomness, MLPerf-style: each random dimension has its own stream, derived from the
-one user seed with ``np.random.SeedSequence(seed).spawn(2)``:
-
-* stream 0 draws arrival times (:func:`poisson`, :func:`piecewise`),
-* stream 1 draws sample selection (:func:`sample_indices`).
+one user seed (:mod:`mlscope.samples`): arrival times here (:func:`poisson`,
+:func:`piecewise`) come from its arrival stream, the sample order of every query
+(:class:`mlscope.samples.SampleOrder`) from its sample stream.
 
 Changing the rate therefore never changes which samples are sent, and Poisson schedules
 are drawn as unit-rate gaps scaled by ``1/rate``, so two rates with one seed share the
@@ -23,7 +22,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,28 +30,33 @@ import numpy as np
 
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
+from mlscope.samples import ARRIVAL_STREAM, SAMPLE_STREAM, stream
 
 __all__ = [
+    "ARRIVALS",
     "ARRIVAL_STREAM",
-    "CLOSED_LOOPS",
     "SAMPLE_STREAM",
+    "Arrivals",
     "Schedule",
     "build_schedule",
     "constant",
+    "constant_arrivals",
+    "cut",
     "deal",
     "merge",
     "merge_values",
     "multi_stream",
+    "multi_stream_arrivals",
     "piecewise",
+    "piecewise_arrivals",
     "poisson",
+    "poisson_arrivals",
     "replay",
-    "sample_indices",
+    "replay_arrivals",
     "write_replay",
 ]
 
 NS_PER_S = 1_000_000_000
-ARRIVAL_STREAM = 0  # index of the arrival-time stream in SeedSequence(seed).spawn(2)
-SAMPLE_STREAM = 1  # index of the sample-selection stream
 _CHUNK = 65_536
 
 
@@ -94,9 +98,7 @@ class Schedule:
 
 
 def _stream(seed: int, which: int) -> np.random.Generator:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"seed must be a non-negative integer, got {seed!r}")
-    return np.random.default_rng(np.random.SeedSequence(int(seed)).spawn(2)[which])
+    return stream(seed, which)
 
 
 def _check_rate(rate: float) -> float:
@@ -273,25 +275,6 @@ def write_replay(path: str | Path, schedule: Schedule) -> None:
     Path(path).write_text("".join(f"{g / NS_PER_S!r}\n" for g in gaps.tolist()), encoding="utf-8")
 
 
-def sample_indices(
-    n_queries: int, dataset_size: int, seed: int = 0, *, samples_per_query: int = 1
-) -> np.ndarray:
-    """Which dataset samples each query uses: ``n_queries * samples_per_query`` indices.
-
-    Query ``i`` uses ``out[i*spq:(i+1)*spq]``. Indices walk through seeded permutations of
-    ``range(dataset_size)``, a fresh one per cycle: no sample repeats until every sample
-    has been used (no replacement when the dataset is large enough).
-    """
-    if dataset_size < 1 or n_queries < 0 or samples_per_query < 1:
-        raise ConfigError("need dataset_size >= 1, n_queries >= 0 and samples_per_query >= 1")
-    rng = _stream(seed, SAMPLE_STREAM)
-    total = n_queries * samples_per_query
-    cycles = -(-total // dataset_size)
-    perms = [rng.permutation(dataset_size) for _ in range(cycles)]
-    flat = np.concatenate(perms) if perms else np.empty(0, np.int64)
-    return flat[:total].astype(np.int64, copy=False)
-
-
 def deal(schedule: Schedule, k: int) -> list[Schedule]:
     """Deal one global schedule round-robin to ``k`` load generators (query i → slice i % k)."""
     if k < 1:
@@ -332,38 +315,78 @@ def _global_order(index: np.ndarray) -> np.ndarray:
     return order
 
 
-CLOSED_LOOPS = frozenset({"single-stream", "concurrency", "batched"})
-"""Scenarios whose load is a closed loop (a fixed number of queries in flight)."""
+# --------------------------------------------------------------- arrivals of a spec
+# One definition of each open-loop scenario's arrivals, shared by the server's scenario
+# registry (``broker.scenario_kinds``: each open-loop kind's ``arrivals`` is one of
+# these) and the agent's local load generator (``placement: agent``), which may not
+# import the broker.
+
+Arrivals = Callable[[ScenarioSpec], tuple[Schedule, float]]
+"""A spec's open-loop schedule and the window (s) its load covers."""
+
+
+def poisson_arrivals(spec: ScenarioSpec) -> tuple[Schedule, float]:
+    """Poisson arrivals at ``qps`` from the seed's arrival stream (online, peak)."""
+    return poisson(spec.qps, duration_s=spec.duration_s, seed=spec.seed), spec.duration_s
+
+
+def constant_arrivals(spec: ScenarioSpec) -> tuple[Schedule, float]:
+    """One query every ``1/qps`` s."""
+    return constant(spec.qps, duration_s=spec.duration_s), spec.duration_s
+
+
+def multi_stream_arrivals(spec: ScenarioSpec) -> tuple[Schedule, float]:
+    """``batch_size`` samples per query, one query every ``1/qps`` s."""
+    count = math.floor(spec.duration_s * spec.qps + 1e-9)
+    return multi_stream(1.0 / spec.qps, spec.batch_size, count), spec.duration_s
+
+
+def replay_arrivals(spec: ScenarioSpec) -> tuple[Schedule, float]:
+    """Recorded inter-arrival times (``arrivals_s``)."""
+    if not spec.arrivals_s:
+        raise ConfigError("scenario 'replay' needs arrivals (mlscope-submit --schedule FILE)")
+    gaps = np.rint(np.asarray(spec.arrivals_s, dtype=np.float64) * 1e9).astype(np.int64)
+    if gaps.size and gaps.min() < 0:
+        raise ConfigError("replay inter-arrival times must be >= 0")
+    sched = Schedule(np.cumsum(gaps))
+    return sched, sched.duration_s
+
+
+def piecewise_arrivals(spec: ScenarioSpec) -> tuple[Schedule, float]:
+    """Poisson with a rate that ramps and bursts (``segments``)."""
+    if not spec.segments:
+        raise ConfigError("scenario 'piecewise' needs segments (rate_start, rate_end, s)")
+    sched = piecewise(spec.segments, seed=spec.seed)
+    return sched, float(sum(s[2] for s in spec.segments))
+
+
+ARRIVALS: dict[str, Arrivals] = {
+    "online": poisson_arrivals,
+    "constant": constant_arrivals,
+    "multi-stream": multi_stream_arrivals,
+    "replay": replay_arrivals,
+    "piecewise": piecewise_arrivals,
+    "peak": poisson_arrivals,
+}
+"""The arrivals of every open-loop scenario by name; a scenario not here is a closed
+loop (or runs only on the server). ``tests/test_scenario_registry.py`` checks that the
+registry's open-loop kinds use exactly these."""
+
+
+def cut(sched: Schedule, window: float, max_queries: int | None) -> tuple[Schedule, float]:
+    """``sched`` and its window, cut to the first ``max_queries`` queries when set."""
+    if max_queries is not None and max_queries < len(sched):
+        sched = Schedule(sched.offsets_ns[:max_queries], sched.samples_per_query)
+        window = sched.duration_s
+    return sched, window
 
 
 def build_schedule(spec: ScenarioSpec) -> tuple[Schedule, float]:
-    """The open-loop schedule of ``spec`` and the window (s) the load covers."""
-    n = spec.name
-    if n in ("online", "peak"):
-        sched = poisson(spec.qps, duration_s=spec.duration_s, seed=spec.seed)
-        window = spec.duration_s
-    elif n == "constant":
-        sched, window = constant(spec.qps, duration_s=spec.duration_s), spec.duration_s
-    elif n == "multi-stream":
-        count = math.floor(spec.duration_s * spec.qps + 1e-9)
-        sched = multi_stream(1.0 / spec.qps, spec.batch_size, count)
-        window = spec.duration_s
-    elif n == "replay":
-        if not spec.arrivals_s:
-            raise ConfigError("scenario 'replay' needs arrivals (mlscope-submit --schedule FILE)")
-        gaps = np.rint(np.asarray(spec.arrivals_s, dtype=np.float64) * 1e9).astype(np.int64)
-        if gaps.size and gaps.min() < 0:
-            raise ConfigError("replay inter-arrival times must be >= 0")
-        sched = Schedule(np.cumsum(gaps))
-        window = sched.duration_s
-    elif n == "piecewise":
-        if not spec.segments:
-            raise ConfigError("scenario 'piecewise' needs segments (rate_start, rate_end, s)")
-        sched = piecewise(spec.segments, seed=spec.seed)
-        window = float(sum(s[2] for s in spec.segments))
-    else:
-        raise ConfigError(f"scenario {n!r} has no open-loop schedule")
-    if spec.max_queries is not None and spec.max_queries < len(sched):
-        sched = Schedule(sched.offsets_ns[: spec.max_queries], sched.samples_per_query)
-        window = sched.duration_s
-    return sched, window
+    """The open-loop schedule of ``spec`` (:data:`ARRIVALS`, cut to ``max_queries``)
+    and the window (s) the load covers: what the agent's local run follows. The
+    server asks its registry (``broker.scenarios.build_schedule``), which gives the
+    same schedule for these scenarios."""
+    arrivals = ARRIVALS.get(spec.name)
+    if arrivals is None:
+        raise ConfigError(f"scenario {spec.name!r} has no open-loop schedule")
+    return cut(*arrivals(spec), spec.max_queries)

@@ -20,6 +20,7 @@ __all__ = [
     "TRIM_FRACTION",
     "describe_ms",
     "mean_ci",
+    "nearest_rank",
     "percentile",
     "percentiles",
     "regularized_beta",
@@ -35,6 +36,14 @@ def _sorted(samples: Iterable[float] | np.ndarray) -> np.ndarray:
     return np.sort(arr[~np.isnan(arr)])
 
 
+def nearest_rank(n: int, q: float) -> int:
+    """The 1-based rank k of the nearest-rank q-th percentile of n sorted samples:
+    ceil(q/100 * n), clamped to [1, n] (n >= 1, 0 < q <= 100)."""
+    if not 0 < q <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {q}")
+    return min(max(math.ceil(q / 100.0 * n), 1), n)
+
+
 def percentile(samples: Iterable[float] | np.ndarray, q: float) -> float | None:
     """Nearest-rank q-th percentile (0 < q <= 100); None for no samples."""
     return percentiles(samples, [q])[0]
@@ -45,13 +54,7 @@ def percentiles(samples: Iterable[float] | np.ndarray, qs: Sequence[float]) -> l
     n = data.size
     if n == 0:
         return [None for _ in qs]
-    out: list[float | None] = []
-    for q in qs:
-        if not 0 < q <= 100:
-            raise ValueError(f"percentile must be in (0, 100], got {q}")
-        k = min(max(math.ceil(q / 100.0 * n), 1), n)
-        out.append(float(data[k - 1]))
-    return out
+    return [float(data[nearest_rank(n, q) - 1]) for q in qs]
 
 
 def trimmed_mean(

@@ -20,8 +20,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from cli.submit import submit
 from mlscope.contracts import JobRequest, ScenarioSpec
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,9 +15,15 @@ import anyio
 import pytest
 
 from cli.services import Stack
+from mlscope.contracts import AgentDescription
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
+
+pytest_plugins = ["tests.analysis_fixtures", "tests.loadgen_fixtures"]
+"""Fixture modules shared across test modules, registered here so tests name a fixture
+as a parameter and never import it: analysis, report and dashboard runs (one stack per
+test session), and a noop-agent stack per module."""
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,9 +77,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         costly = (
             PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
-            or item.get_closest_marker("slow")
             or item.get_closest_marker("gpu")
-            or getattr(item.module, "__name__", "") in PROCESS_MODULES
+            or getattr(getattr(item, "module", None), "__name__", "") in PROCESS_MODULES
         )
         item.add_marker(pytest.mark.integration if costly else pytest.mark.unit)
 
@@ -117,7 +122,9 @@ def child_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-async def wait_agents(settings: Settings, count: int, timeout: float = 60.0) -> list:
+async def wait_agents(
+    settings: Settings, count: int, timeout: float = 60.0
+) -> list[AgentDescription]:
     from mlscope import bus as busmod
 
     deadline = time.monotonic() + timeout
@@ -178,7 +185,3 @@ async def wait_server(settings: Settings, timeout: float = 60.0) -> None:
             except BusError:
                 await anyio.sleep(0.2)
     raise TimeoutError(f"no server answered within {timeout}s")
-
-
-# Analysis, report and dashboard fixtures (issue 7): one stack with real runs per session.
-from tests.analysis_fixtures import analysis_runs, span_db  # noqa: E402, F401

@@ -10,6 +10,7 @@ import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -17,11 +18,12 @@ import pytest
 
 from broker import coldstart
 from broker.compare import Outputs, compare, compare_evaluations
-from cli.submit import format_summary, submit
+from cli.submit import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import EvaluationError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.zoo.build import build
 from tests.conftest import child_env, python, running_stack
@@ -58,8 +60,8 @@ def evaluate(settings: Settings, model: str, samples: int | None = None) -> list
     return anyio.run(go, backend="asyncio")
 
 
-def comparison(settings: Settings, summaries: list[EvaluationSummary]) -> dict:
-    async def go() -> dict:
+def comparison(settings: Settings, summaries: list[EvaluationSummary]) -> dict[str, Any]:
+    async def go() -> dict[str, Any]:
         async with busmod.connect(settings, name="test") as bus:
             c = await compare_evaluations(
                 bus, [(s.framework["name"], s.evaluation_id, s.accuracy) for s in summaries]

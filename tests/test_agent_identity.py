@@ -16,12 +16,12 @@ import nats.errors
 import pytest
 
 from cli.main import main as mlscope_main
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.agentauth import add_agent, agent_creds, agent_inbox_prefix
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
+from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from tests.security_fixtures import auth_stack, role

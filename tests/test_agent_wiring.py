@@ -17,7 +17,6 @@ import onnxruntime as ort
 import pytest
 import yaml
 
-from agent.operators import labeler
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import probe
 from agent.service import Agent, AgentConfig
@@ -29,6 +28,7 @@ from mlscope.contracts import Query, QueryReply, TraceLevel
 from mlscope.errors import ConfigError, InputMismatchError, ManifestError, error_from_wire
 from mlscope.manifest import FrameworkManifest, load_manifest
 from mlscope.model_registry import publish_manifest
+from mlscope.operators import labeler
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 from tests.agent_fixtures import Ask, run_agent

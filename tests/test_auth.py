@@ -8,18 +8,19 @@ from pathlib import Path
 
 import anyio
 import nats
+import nats.aio.client
 import nats.aio.msg
 import nats.errors
 import pytest
 
 from cli.main import main as mlscope_main
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.auth import INBOX_PREFIXES, REPLY_WINDOW_S, ROLES, inbox_prefix_for
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
+from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
@@ -176,10 +177,13 @@ def test_auth_init_writes_one_seed_per_role(auth_dir: Path) -> None:
 
 def test_no_credentials_no_connection(secured: NatsServer) -> None:
     async def main() -> None:
-        nc = await nats.connect(
-            secured.url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0
-        )
-        await nc.close()
+        nc = nats.aio.client.Client()
+        try:
+            await nc.connect(
+                secured.url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0
+            )
+        finally:  # a refused connect leaves its transport open: closed here, not by GC
+            await nc.close()
 
     with pytest.raises(nats.errors.Error, match=r"(?i)authori"):
         anyio.run(main, backend="asyncio")

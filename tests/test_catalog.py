@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from agent.operators import compile_steps
 from cli import models_cmd
 from mlscope.bus import connect
 from mlscope.catalog import Catalog
@@ -24,6 +23,7 @@ from mlscope.model_registry import (
     publish_manifests,
 )
 from mlscope.natsserver import NatsServer
+from mlscope.operators import compile_steps
 from mlscope.settings import Settings
 from tests.zoo_fixtures import MANIFESTS
 
@@ -210,13 +210,13 @@ def test_a_pinned_manifest_that_changed_is_refused() -> None:
     catalog = Catalog.load([MANIFESTS])
     m = catalog.find("digits_cnn", framework="onnxruntime").manifest
     agent = digits_agent(catalog)
-    stored = {
+    stored: dict[str, object] = {
         "job": JobRequest(model="digits_cnn", framework="onnxruntime").dump(),
         "manifest": m.model_dump(mode="json"),
         "agent": agent.dump(),
     }
     job = rerun_job(stored, "ev-first")
-    assert job.manifest_sha256 == m.digest == manifest_digest(stored["manifest"])
+    assert job.manifest_sha256 == m.digest == manifest_digest(m.model_dump(mode="json"))
     assert job.framework_version == "==1.31.1" and job.rerun_of == "ev-first"
     assert resolve(job, [agent], catalog)[1].manifest == m  # unchanged: resolves
 

@@ -12,11 +12,11 @@ import anyio
 import nats.errors
 import pytest
 
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError
+from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, cluster_config, free_port
 from mlscope.settings import Settings
 from tests.conftest import make_data_dir, wait_agents, wait_server

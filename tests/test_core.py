@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +41,8 @@ def test_contract_messages_round_trip() -> None:
     back = codec.decode_model(Query, codec.encode_model(q))
     assert back.index == 7 and back.inputs.shape == (2, 8, 8)
     r = QueryReply(index=1, ok=True, outputs=np.array([[3, 1]], np.int32), t_received=5)
-    assert codec.decode_model(QueryReply, codec.encode_model(r)).outputs.tolist() == [[3, 1]]
+    outputs = codec.decode_model(QueryReply, codec.encode_model(r)).outputs
+    assert outputs is not None and outputs.tolist() == [[3, 1]]
     q = Query(
         evaluation_id="ev",
         index=8,
@@ -127,7 +129,7 @@ def test_trace_levels_are_ordered() -> None:
         TraceLevel.parse("verbose")
 
 
-def test_settings_come_from_the_environment(tmp_path) -> None:
+def test_settings_come_from_the_environment(tmp_path: Path) -> None:
     s = Settings.from_env({"MLSCOPE_NATS_URL": "nats://h:1", "MLSCOPE_DATA_DIR": str(tmp_path)})
     assert s.nats_url == "nats://h:1" and s.data_dir == tmp_path
     assert s.dsn == f"chdb:///{(tmp_path / 'chdb').resolve()}"

@@ -12,6 +12,7 @@ import pytest
 
 from broker import db as dbmod
 from broker.db import MIGRATIONS, RETAINED, Database
+from mlscope import schema
 
 LATEST = max(v for v, _, _ in MIGRATIONS)
 ALL_TABLES = ("evaluations", "queries", "spans", "system_samples", "agent_history", "outputs")
@@ -66,10 +67,10 @@ def test_migrating_twice_is_idempotent_and_recorded(db: Database) -> None:
     want = [(v, name) for v, name, _ in MIGRATIONS]
     assert versions(db) == want
     assert set(ALL_TABLES) <= tables(db)
-    schema = {t: create_query(db, t) for t in ALL_TABLES}
+    before = {t: create_query(db, t) for t in ALL_TABLES}
     assert db.migrate() == LATEST
     assert versions(db) == want  # no migration applied, nor recorded, a second time
-    assert {t: create_query(db, t) for t in ALL_TABLES} == schema
+    assert {t: create_query(db, t) for t in ALL_TABLES} == before
 
 
 def test_migrations_are_numbered_in_order() -> None:
@@ -180,3 +181,33 @@ def test_retention_expires_old_traces_and_keeps_old_results(db: Database) -> Non
         ("ev-old",),
     ]
     assert sorted(db.rows("SELECT evaluation_id FROM queries FINAL")) == [("ev-new",), ("ev-old",)]
+
+
+def described(db: Database, table: str) -> list[tuple[str, str, str]]:
+    """(name, type, default expression) of each column, in table order."""
+    return [
+        (str(n), str(t), str(d))
+        for n, t, d in db.rows(
+            "SELECT name, type, default_expression FROM system.columns WHERE database = "
+            "currentDatabase() AND table = {t:String} ORDER BY position",
+            {"t": table},
+        )
+    ]
+
+
+def test_the_migrations_build_the_schema_exactly(db: Database) -> None:
+    """mlscope/schema.py is the one definition; the migrations (history) must agree."""
+    db.migrate()
+    db.command(schema.MLPERF_LOGS.create())  # created on first use, not by a migration
+    for table in schema.TABLES:
+        want = sorted((c.name, c.type, c.default or "") for c in table.columns)
+        assert sorted(described(db, table.name)) == want, table.name
+        key = create_query(db, table.name).split("ORDER BY ", 1)[1]
+        assert key.split(" SETTINGS")[0].strip("()") == ", ".join(table.order_by), table.name
+
+
+def test_a_table_created_from_the_schema_matches_it(db: Database) -> None:
+    for table in schema.TABLES:
+        db.command(table.create().replace(f"EXISTS {table.name} ", f"EXISTS new_{table.name} "))
+        want = [(c.name, c.type, c.default or "") for c in table.columns]
+        assert described(db, f"new_{table.name}") == want

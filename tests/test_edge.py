@@ -13,11 +13,11 @@ import pytest
 
 from cli.edge_cmd import create_edge_stream, read_env
 from cli.main import main as mlscope_main
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.auth import INBOX_PREFIXES
 from mlscope.contracts import AgentDescription, JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch
+from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, free_port, hub_config
 from mlscope.settings import Settings
 from tests.conftest import make_data_dir, wait_agents, wait_server

@@ -135,7 +135,7 @@ def test_bus_manifests_make_no_agent_fetch_or_open_anything(
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
                     agents = await list_agents(bus)
-                    refused = {r.name: r.reason for a in agents for r in a.refused}
+                    refused: dict[str, str] = {r.name: r.reason for a in agents for r in a.refused}
                     offered = {o.name for a in agents for o in a.models}
                     if {m.name for m in hostile} <= set(refused):
                         assert not offered & set(refused)

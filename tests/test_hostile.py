@@ -16,17 +16,18 @@ import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgpack
 import pytest
 
 from cli.doctor_cmd import diagnose
-from cli.submit import _stored_result, submit
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec, new_id
 from mlscope.errors import ConfigError, MLScopeError, error_from_wire
+from mlscope.jobs import stored_result, submit
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server
 
@@ -142,7 +143,7 @@ def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
 
     async def stored() -> EvaluationSummary | None:  # what a submitter that missed "done" reads
         async with busmod.connect(settings, name="hostile") as bus:
-            return await _stored_result(bus, normal.job_id)
+            return await stored_result(bus, normal.job_id)
 
     assert anyio.run(stored, backend="asyncio") == summary
     # The poison is visible to the operator, with its error.
@@ -187,7 +188,9 @@ async def _requests(bus: busmod.Bus) -> None:
 async def _buckets(bus: busmod.Bus, sock: Path) -> None:
     agents = await bus.kv(names.AGENTS_BUCKET)
     desc = await bus.kv(names.AGENTS_BUCKET)
-    live = codec.decode((await desc.get(AGENT)).value)
+    entry = await desc.get(AGENT)
+    assert entry.value is not None
+    live = codec.decode(entry.value)
     for key, changes in (
         ("neg-pid", {"pid": -1}),
         ("future", {"heartbeat_at": 1e20}),
@@ -237,19 +240,22 @@ def _socket_manifest(sock: Path) -> bytes:
 
 
 async def _streams(bus: busmod.Bus, refusals: dict[str, JobEvent]) -> None:
+    columns: dict[str, list[Any]] = {
+        c: [1] for c in ("parent_id", "query_index", "level", "start_ns", "end_ns")
+    }
+    columns.update(span_id=["abc"], kind=["k"], name=["n"], attrs=[""])
     span = {
         "kind": "spans",
         "evaluation_id": "ev-poison",
         "agent_id": "a",
         "host": "h",
         "batch_id": "b1",
-        "columns": {c: [1] for c in ("parent_id", "query_index", "level", "start_ns", "end_ns")},
+        "columns": columns,
     }
-    span["columns"].update(span_id=["abc"], kind=["k"], name=["n"], attrs=[""])
     for payload in [codec.encode(span), *bad_payloads()[:12], nested_msgpack(100_000)]:
         await bus.js.publish(names.traces("ev-poison"), payload)
     good = JobRequest(model="noop", framework="noop").dump()
-    jobs = {
+    jobs: dict[str, dict[str, Any]] = {
         "constraint": {"framework_version": ">>>1"},
         "level": {"trace_level": "bogus"},
         "batch0": {"scenario": {"name": "batched", "batch_sizes": [0]}},

@@ -15,11 +15,11 @@ import anyio
 import pytest
 import yaml
 
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import UnknownModelError
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import REPO, child_env, python

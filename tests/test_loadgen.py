@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from broker import schedule
-from broker.distributed import ARRAYS, _merge
+from broker.distributed import ARRAYS, merge_results
 from broker.loadgen import RunRecord
 from broker.scenarios import (
     PEAK_PRECISION,
@@ -21,7 +21,7 @@ from broker.scenarios import (
 from broker.summary import figures, judge, latency_split, policy_for
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
-from mlscope.validity import ValidityPolicy
+from mlscope.validity import ValidityPolicy, Verdict
 
 REPO = Path(__file__).resolve().parent.parent
 MS = 1_000_000
@@ -100,11 +100,16 @@ def test_latency_bound_and_early_stopping() -> None:
 def test_scenario_targets_follow_mlperf() -> None:
     """Throughput sweeps have no latency target; single-stream estimates p90."""
     closed = record(np.arange(1, 201, dtype=np.int64) * 50 * MS)  # 200 queries over 10 s
-    ten = {"window_s": 10.0, "requested_rate": None, "poisson": False}
-    online = judge(closed, ScenarioSpec(name="online"), ValidityPolicy(), **ten)
+
+    def ten_s(spec: ScenarioSpec) -> Verdict:
+        return judge(
+            closed, spec, ValidityPolicy(), window_s=10.0, requested_rate=None, poisson=False
+        )
+
+    online = ten_s(ScenarioSpec(name="online"))
     assert any(r.startswith("early stopping") for r in online.reasons)
-    assert judge(closed, ScenarioSpec(name="batched"), ValidityPolicy(), **ten).valid
-    assert judge(closed, ScenarioSpec(name="single-stream"), ValidityPolicy(), **ten).valid
+    assert ten_s(ScenarioSpec(name="batched")).valid
+    assert ten_s(ScenarioSpec(name="single-stream")).valid
     assert policy_for(ScenarioSpec(name="single-stream"), ValidityPolicy()).percentile == 90
 
 
@@ -149,7 +154,9 @@ def test_latency_split_adds_up_and_transport_ignores_the_clock_offset() -> None:
         getattr(shifted, name)[:] += 40_000  # a wrong offset moves every agent time
     moved = latency_split(shifted)
     assert moved["transport"] == split["transport"] and moved["compute"] == split["compute"]
-    assert moved["to_agent"]["p50"] == pytest.approx(split["to_agent"]["p50"] + 0.04)
+    before = split["to_agent"]["p50"]
+    assert before is not None
+    assert moved["to_agent"]["p50"] == pytest.approx(before + 0.04)
 
 
 def test_peak_search_steps() -> None:
@@ -163,7 +170,7 @@ def test_peak_search_steps() -> None:
     rate: float | None = 100.0
     passed: float | None = None
     failed: float | None = None
-    tried = []
+    tried: list[float] = []
     while rate is not None and len(tried) < 20:
         tried.append(rate)
         if rate <= 730:
@@ -219,7 +226,7 @@ def test_merge_of_dealt_records_restores_global_order() -> None:
         rec = record(part.offsets_ns)
         rec.prediction[:] = part.index  # tag each query with its global index
         results.append((rec, {0: f"err {int(part.index[0])}"}))
-    merged = _merge(parts, results)
+    merged = merge_results(parts, results)
     assert merged.n == 101 and (merged.scheduled == whole.offsets_ns).all()
     assert (merged.prediction == np.arange(101)).all()
     assert merged.errors == {0: "err 0", 1: "err 1", 2: "err 2"}

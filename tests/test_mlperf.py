@@ -42,9 +42,11 @@ USER_CONF = """\
 # with none over the bound, so a few late ones (a neighbour's burst) are tolerated.
 *.Server.min_duration = 4000
 *.Server.min_query_count = 700
-# LoadGen's default Server bound is 10 ms; this machine's 2 cores are shared, so a
-# neighbour's burst can cost a run its p99 (measured alone: p99 ~5 ms at 200 QPS).
-*.Server.target_latency = 50
+# LoadGen's default Server bound is 10 ms (measured alone here: p99 ~5 ms at 200 QPS).
+# The test machine's 2 cores are shared with other work, which has pushed p99 to 90 ms:
+# the bound is one a loaded machine still meets, since what is tested is that LoadGen
+# accepts the run mlscope serves, not how fast the machine is.
+*.Server.target_latency = 1000
 *.SingleStream.min_duration = 500
 *.SingleStream.min_query_count = 100
 *.MultiStream.min_duration = 500
@@ -110,7 +112,9 @@ def summary_stats(text: str) -> dict[str, int]:
     """The summary file's latency lines, read independently of broker.mlperf_logs."""
     found = re.findall(r"^(\d+\.\d+) percentile latency \(ns\)\s*:\s*(\d+)$", text, re.M)
     stats = {q: int(v) for q, v in found}
-    stats["max"] = int(re.search(r"^Max latency \(ns\)\s*:\s*(\d+)$", text, re.M)[1])
+    top = re.search(r"^Max latency \(ns\)\s*:\s*(\d+)$", text, re.M)
+    assert top is not None, text
+    stats["max"] = int(top[1])
     return stats
 
 

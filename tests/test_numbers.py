@@ -308,7 +308,7 @@ def test_only_models_scored_by_top_k_get_labels() -> None:
     meaningless 0)."""
     from types import SimpleNamespace
 
-    from broker.evaluate import _scored
+    from mlscope.samples import scored as _scored
 
     def feeders() -> tuple[Any, Any]:
         return (lambda i: np.zeros(1)), (lambda i: np.zeros(1))

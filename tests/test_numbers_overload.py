@@ -10,8 +10,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from cli.submit import submit
 from mlscope.contracts import JobRequest, ScenarioSpec
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from tests.conftest import running_stack
 

@@ -23,18 +23,16 @@ from analysis.summary import summary
 from broker.loadgen import Driver
 from broker.schedule import constant
 from broker.summary import figures
+from broker.tuning import ProcessTuning
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import child_env, python
-from tests.loadgen_fixtures import noop_stack
-
-__all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -207,6 +205,7 @@ def test_issue_lag_shows_a_blocked_event_loop(noop_stack: Stack) -> None:
                 labels=None,
                 trace_level=TraceLevel.NONE,
                 schedule=constant(200, duration_s=1.5),
+                tuning=ProcessTuning(),
             )
             asyncio.get_running_loop().call_later(0.6, time.sleep, block_s)
             return await driver.run()

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from agent.operators import OPERATORS, compile_steps
 from mlscope.errors import ManifestError
+from mlscope.operators import OPERATORS, compile_steps
 
 
 def png_bytes(arr: np.ndarray) -> bytes:

@@ -176,7 +176,7 @@ def test_preprocessing_overlaps_inference(model: LoadedModel, samples: np.ndarra
         return pre(x)
 
     model.pre = [slow_pre]
-    model.predictor = Slow(model.predictor, sleep_s=0.03)  # type: ignore[assignment]
+    model.predictor = Slow(model.predictor, sleep_s=0.03)
     spans = SpanBuffer()
     ex = Executor(model, ExecutorConfig(pre_workers=2))
     replies = Replies()

@@ -207,8 +207,9 @@ def test_agent_killed_mid_local_run_is_invalid_with_the_reason(settings: Setting
     [
         {"scenario": ScenarioSpec(name="cold-start")},
         {"scenario": ScenarioSpec(name="online", loadgens=2)},
+        {"scenario": ScenarioSpec(name="online", loadgen_hosts=("lg-a",))},
     ],
-    ids=["cold-start", "loadgens"],
+    ids=["cold-start", "loadgens", "loadgen-hosts"],
 )
 def test_what_a_local_run_cannot_do_is_refused_at_intake(extra: dict[str, Any]) -> None:
     with pytest.raises(ValidationError, match="placement agent"):

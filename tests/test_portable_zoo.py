@@ -21,6 +21,9 @@ from typing import Any
 import anyio
 import pytest
 
+from analysis import report
+from analysis.compare import compare_runs
+from analysis.source import BusSource
 from cli.artifacts_cmd import push_zoo
 from cli.services import Stack
 from mlscope import bus as busmod
@@ -170,25 +173,7 @@ def test_an_agent_with_an_empty_data_dir_fetches_the_models_from_the_bus(
             lambda: push_zoo(stack.settings, zoo_dir, log=lambda _m: None), backend="asyncio"
         )
         assert sent >= 2  # digits_cnn and efficientnet_lite0 at least
-        remote = stack.settings.with_(data_dir=empty)
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "cli.main",
-                    "agent",
-                    "--framework",
-                    "onnxruntime",
-                    "--agent-id",
-                    "fresh-agent",
-                ],
-                env=child_env(remote),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        procs.append(start_agent(stack.settings.with_(data_dir=empty), "fresh-agent"))
         fresh = wait_for_agent(stack, "fresh-agent")
         served = {o.name: o.sha256 for o in fresh.models}
         for name, graph in (
@@ -203,6 +188,55 @@ def test_an_agent_with_an_empty_data_dir_fetches_the_models_from_the_bus(
         out = submit(stack.settings, "--agent", "fresh-agent")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["agent_id"] == "fresh-agent"
+
+
+def test_a_comparison_says_when_the_runs_loaded_other_bytes(
+    tmp_path: Path,
+    zoo_dir: Path,
+    other_zoo: Path,
+    fresh_agent: tuple[Settings, Path, list[Any]],
+) -> None:
+    """The same model and framework on two agents whose builds differ in bytes: the
+    comparison (API, report) says so and names both files' hashes."""
+    _, elsewhere, procs = fresh_agent
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "zoo").symlink_to(other_zoo)
+    with running_stack(tmp_path / "stack", zoo_dir, ["onnxruntime"]) as stack:
+        procs.append(start_agent(stack.settings.with_(data_dir=elsewhere), "other-cpu"))
+        wait_for_agent(stack, "other-cpu")
+        [ours_id] = [
+            a.agent_id
+            for a in anyio.run(agents, stack.settings, backend="asyncio")
+            if a.agent_id != "other-cpu"
+        ]
+        ids = []
+        for agent_id in (ours_id, "other-cpu"):
+            out = submit(stack.settings, "--agent", agent_id)
+            assert out.returncode == 0, out.stderr
+            ids.append(json.loads(out.stdout)["evaluation_id"])
+        table = compare_runs(BusSource(stack.settings), ids[0], ids[1], n_boot=200)
+        ours = BuildLock.read(zoo_dir / "digits_cnn" / "1.0.0")
+        theirs = BuildLock.read(other_zoo / "digits_cnn" / "1.0.0")
+        assert ours is not None and theirs is not None
+        [note] = set(table["note"])
+        assert "digits_cnn@1.0.0 on onnxruntime ran different model files" in note
+        for lock in (ours, theirs):
+            assert lock.artifacts["digits_cnn.onnx"][:12] in note
+        same = compare_runs(BusSource(stack.settings), ids[0], ids[0], n_boot=200)
+        assert set(same["note"]) == {""}
+        text = report.to_markdown(report.build(BusSource(stack.settings), ids))
+        assert "ran different model files" in text
+
+
+def start_agent(settings: Settings, agent_id: str) -> subprocess.Popen[bytes]:
+    """``mlscope agent`` for onnxruntime with its own data dir (``settings``)."""
+    argv = ["agent", "--framework", "onnxruntime", "--agent-id", agent_id]
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli.main", *argv],
+        env=child_env(settings),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def wait_for_agent(stack: Stack, agent_id: str, timeout: float = 120) -> AgentDescription:

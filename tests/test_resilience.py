@@ -15,7 +15,6 @@ from nats.aio.msg import Msg
 
 from broker.db import Database
 from broker.ingest import Ingester
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import (
@@ -28,6 +27,7 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
+from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, free_port
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings

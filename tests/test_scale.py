@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -26,7 +27,7 @@ AGENTS = 8
 
 
 @pytest.fixture(scope="module")
-def farm(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[dict]:
+def farm(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[dict[str, Any]]:
     """8 noop agents and 2 server replicas, each replica with its own chDB directory."""
     base = tmp_path_factory.mktemp("farm")
     with NatsServer(store_dir=base / "nats") as nats_server:
@@ -48,7 +49,7 @@ def farm(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[di
             stop(*agents, *servers)
 
 
-def test_agents_share_load_through_their_queue_group(farm: dict) -> None:
+def test_agents_share_load_through_their_queue_group(farm: dict[str, Any]) -> None:
     settings: Settings = farm["settings"]
     eval_id = "ev-queue-group"
 
@@ -108,7 +109,7 @@ def test_agents_share_load_through_their_queue_group(farm: dict) -> None:
 
 
 def test_all_agents_runs_one_evaluation_per_agent_and_replicas_run_each_once(
-    farm: dict, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    farm: dict[str, Any], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings: Settings = farm["settings"]
     for var, value in settings.as_env().items():

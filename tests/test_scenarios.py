@@ -21,18 +21,15 @@ import pytest
 from broker import schedule
 from broker.scenarios import build_schedule, next_rate, peak_floor_qps
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import names, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError, ConfigError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.stats import percentile
 from mlscope.validity import ValidityPolicy
 from tests.conftest import REPO, child_env, python
-from tests.loadgen_fixtures import noop_stack
-
-__all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -132,7 +129,9 @@ def test_open_loop_scenarios_issue_their_schedule(noop_stack: Stack, spec: Scena
 def test_closed_loops_keep_n_outstanding(noop_stack: Stack, name: str, concurrency: int) -> None:
     s = run(
         noop_stack.settings,
-        ScenarioSpec(name=name, concurrency=concurrency, duration_s=1.0, **LOOSE),
+        ScenarioSpec.model_validate(
+            {"name": name, "concurrency": concurrency, "duration_s": 1.0, **LOOSE}
+        ),
     )
     assert s.errors == 0 and s.queries > 50
     assert all(r.startswith("early stopping") for r in s.invalid_reasons), s.invalid_reasons
@@ -367,7 +366,7 @@ def test_an_oversized_job_is_refused_at_once_with_the_reason(settings: Settings)
     job = JobRequest(
         model="noop",
         framework="noop",
-        scenario=ScenarioSpec(name="replay", arrivals_s=[0.001] * 200_000),
+        scenario=ScenarioSpec(name="replay", arrivals_s=(0.001,) * 200_000),
     )
 
     async def main() -> None:

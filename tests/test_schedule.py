@@ -47,10 +47,6 @@ def test_rate_scales_one_pattern_and_leaves_samples_alone() -> None:
     slow = sch.poisson(100.0, n=1000, seed=9)
     fast = sch.poisson(200.0, n=1000, seed=9)
     np.testing.assert_allclose(fast.offsets_ns, slow.offsets_ns / 2, atol=1)
-    # the sample stream is independent of the arrival stream
-    samples = sch.sample_indices(50, 1000, seed=9)
-    np.testing.assert_array_equal(samples, sch.sample_indices(50, 1000, seed=9))
-    assert not np.array_equal(samples, sch.sample_indices(50, 1000, seed=10))
 
 
 def test_constant_and_multi_stream_are_periodic() -> None:
@@ -146,18 +142,6 @@ def test_deal_merge_round_trip() -> None:
     np.testing.assert_array_equal(sch.merge_values(parts, lat), s.offsets_ns * 2)
     with pytest.raises(ConfigError):
         sch.merge(parts[:2])
-
-
-def test_sample_indices_cycle_through_permutations() -> None:
-    idx = sch.sample_indices(25, 10, seed=4)
-    assert idx.dtype == np.int64 and idx.shape == (25,)
-    assert sorted(idx[:10].tolist()) == list(range(10))
-    assert sorted(idx[10:20].tolist()) == list(range(10))
-    assert not np.array_equal(idx[:10], idx[10:20])
-    few = sch.sample_indices(5, 1000, seed=4)
-    assert len(set(few.tolist())) == 5  # no replacement while the dataset lasts
-    multi = sch.sample_indices(4, 100, seed=4, samples_per_query=8)
-    assert multi.shape == (32,) and len(set(multi.tolist())) == 32
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "7", True])

@@ -12,7 +12,15 @@ from nats.aio.msg import Msg
 
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import CONTROL, PingOp, PingReply, SqlRequest
+from mlscope.contracts import (
+    CONTROL,
+    DescribeOp,
+    PingOp,
+    PingReply,
+    PrepareOp,
+    ReleaseOp,
+    RunOp,
+)
 from mlscope.errors import (
     DatabaseError,
     MLScopeError,
@@ -52,7 +60,9 @@ def test_a_failing_handler_answers_with_its_typed_error_and_keeps_serving(
 ) -> None:
     calls: list[str] = []
 
-    async def handler(req: PingOp | SqlRequest, msg: Msg) -> PingReply:
+    async def handler(
+        req: PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, msg: Msg
+    ) -> PingReply:
         calls.append(type(req).__name__)
         if len(calls) == 1:
             raise KeyError("first call fails")

@@ -7,17 +7,18 @@ import os
 import signal
 import subprocess
 import time
+from typing import Any
 
 import anyio
 import pytest
 
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.buildlock import BuildLock
 from mlscope.bus import AGENT_TTL_S
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import ResolutionError, UnknownModelError
+from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents
@@ -25,19 +26,19 @@ from tests.conftest import child_env, python, wait_agents
 pytestmark = pytest.mark.timeout(240)
 
 
-def run_job(settings: Settings, **kw: object) -> EvaluationSummary:
-    scenario = kw.pop("scenario", ScenarioSpec(name="online", qps=200, duration_s=2))
-    job = JobRequest(
-        model=kw.pop("model", "digits_cnn"),
-        framework=kw.pop("framework", "onnxruntime"),
-        scenario=scenario,
+def run_job(settings: Settings, **kw: Any) -> EvaluationSummary:
+    fields: dict[str, Any] = {
+        "model": "digits_cnn",
+        "framework": "onnxruntime",
+        "scenario": ScenarioSpec(name="online", qps=200, duration_s=2),
         **kw,
-    )  # type: ignore[arg-type]
+    }
+    job = JobRequest.model_validate(fields)
     return anyio.run(lambda: submit(settings, job, timeout=120), backend="asyncio")
 
 
-def query(settings: Settings, sql: str, **params: object) -> list[list[object]]:
-    async def go() -> list[list[object]]:
+def query(settings: Settings, sql: str, **params: object) -> list[list[Any]]:
+    async def go() -> list[list[Any]]:
         async with busmod.connect(settings, name="test") as bus:
             return (await remote.sql(bus, sql, params))[1]
 
@@ -114,7 +115,7 @@ def test_batched_reports_throughput_and_spec_is_stored(stack: Settings) -> None:
     assert s.samples == 16 * s.queries and s.throughput_ips and s.throughput_ips > 1000
     assert s.accuracy and s.accuracy["top1"] > 0.95
 
-    async def fetch() -> tuple[dict, dict]:
+    async def fetch() -> tuple[dict[str, Any], dict[str, Any]]:
         async with busmod.connect(stack, name="test") as bus:
             return await remote.evaluation(bus, s.evaluation_id)
 
@@ -273,7 +274,7 @@ def test_rerun_reproduces_the_stored_specification(stack: Settings) -> None:
     )
     second = anyio.run(rerun, stack, first.evaluation_id, backend="asyncio")
 
-    async def specs() -> tuple[dict, dict]:
+    async def specs() -> tuple[dict[str, Any], dict[str, Any]]:
         async with busmod.connect(stack, name="test") as bus:
             a, _ = await remote.evaluation(bus, first.evaluation_id)
             b, _ = await remote.evaluation(bus, second.evaluation_id)

@@ -98,7 +98,9 @@ def test_hostile_query_is_cut_off_while_others_are_answered(
         "SELECT count() FROM numbers(1e12) AS a, numbers(1e12) AS b",
     ]
 
-    async def attack(settings: Settings, sql: str, out: dict[str, object]) -> None:
+    async def attack(
+        settings: Settings, sql: str, out: dict[str, tuple[DatabaseError, float]]
+    ) -> None:
         async with busmod.connect(settings, name="attacker") as bus:
             t0 = time.monotonic()
             try:
@@ -106,8 +108,8 @@ def test_hostile_query_is_cut_off_while_others_are_answered(
             except DatabaseError as exc:
                 out[sql] = (exc, time.monotonic() - t0)
 
-    async def main() -> tuple[dict[str, object], list[float]]:
-        results: dict[str, object] = {}
+    async def main() -> tuple[dict[str, tuple[DatabaseError, float]], list[float]]:
+        results: dict[str, tuple[DatabaseError, float]] = {}
         latencies: list[float] = []
         async with anyio.create_task_group() as tg:
             for sql in hostile:
@@ -124,7 +126,7 @@ def test_hostile_query_is_cut_off_while_others_are_answered(
     results, latencies = anyio.run(main, backend="asyncio")
     assert max(latencies) < 1.0, latencies
     assert set(results) == set(hostile)
-    for sql, (exc, elapsed) in results.items():  # type: ignore[misc]
+    for sql, (exc, elapsed) in results.items():
         assert isinstance(exc, QueryRefused), (sql, exc)
         assert elapsed < SQL_TIMEOUT_S * 2 + 2, (sql, elapsed)
 

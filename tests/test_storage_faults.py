@@ -15,9 +15,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from cli.submit import submit
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server
 

@@ -24,9 +24,6 @@ from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.stats import percentile
 from tests.conftest import child_env
-from tests.loadgen_fixtures import noop_stack
-
-__all__ = ["noop_stack"]
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -162,13 +159,18 @@ def test_latency_bound_on_an_online_run(noop_stack: Stack) -> None:
 
 def test_peak_search(noop_stack: Stack) -> None:
     """From the default 100 QPS, which is too few queries in 1 s to show p99: the
-    search starts at the lowest rate that can, and reports what it tried."""
+    search starts at the lowest rate that can, and reports what it tried. The bound is
+    one no run of this machine's speed misses at the first rate, so the outcome does
+    not depend on how loaded the machine is; the search's steps have their own tests."""
+    bound = 20_000
     doc = submit_json(
-        noop_stack, "--scenario", "peak", "--latency-bound-ms", "50", "--duration", "1", *LOOSE
+        noop_stack,
+        *("--scenario", "peak", "--latency-bound-ms", str(bound), "--duration", "1"),
+        *("--peak-trials", "3", *LOOSE),
     )
-    assert doc["scenario"]["name"] == "peak" and doc["scenario"]["latency_bound_ms"] == 50
+    assert doc["scenario"]["name"] == "peak" and doc["scenario"]["latency_bound_ms"] == bound
     points = doc["points"]
-    assert len(points) >= 2
+    assert len(points) == 3
     assert points[0]["qps"] == pytest.approx(1.1 * 459)  # not 100
     passing = [p["qps"] for p in points if p["valid"]]
     assert passing, [p["invalid_reasons"] for p in points]
@@ -176,7 +178,7 @@ def test_peak_search(noop_stack: Stack) -> None:
     assert doc["valid"] and doc["requested_qps"] == doc["peak_qps"]
     best = next(p for p in points if p["qps"] == doc["peak_qps"])
     assert doc["evaluation_id"] != best["evaluation_id"]  # the parent, listing its runs
-    assert doc["latency_ms"]["p99"] == best["latency_ms"]["p99"] <= 50
+    assert doc["latency_ms"]["p99"] == best["latency_ms"]["p99"] <= bound
     for p in points:
         assert p["evaluation_id"].startswith(doc["evaluation_id"] + "-")
         lat = stored(noop_stack, p["evaluation_id"])
@@ -184,4 +186,4 @@ def test_peak_search(noop_stack: Stack) -> None:
         ok = lat[:, 3] == 1  # latencies of answered queries, from the schedule
         reported = percentile((lat[ok, 2] - lat[ok, 0]) / 1e6, 99)
         assert p["latency_ms"]["p99"] == pytest.approx(reported), (p, int((~ok).sum()))
-        assert p["valid"] == (p["latency_ms"]["p99"] <= 50 and not p["invalid_reasons"])
+        assert p["valid"] == (p["latency_ms"]["p99"] <= bound and not p["invalid_reasons"])

@@ -134,8 +134,9 @@ def test_sampler_reads_cpu_process_and_counters() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA device")
 def test_pytorch_cuda_kernels_hang_under_their_op(zoo_dir: Path) -> None:
+    from agent.worker import LoadedModel
+    from mlscope.catalog import Catalog, default_manifest_dirs
     from mlscope.predictor import PredictorOptions
-    from tests.tracing_fixtures import Catalog, LoadedModel, default_manifest_dirs
 
     cat = Catalog.load(default_manifest_dirs(None))
     entry = next(

@@ -20,13 +20,15 @@ import onnxruntime as ort
 import pytest
 from nats.js.api import ConsumerInfo
 
+from analysis.layers import top_layers
+from analysis.source import open_source
 from cli import trace_cmd
 from cli.main import main as mlscope_main
 from cli.services import Stack
-from cli.submit import submit
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, SpanBatch, new_id
+from mlscope.jobs import submit
 from mlscope.settings import Settings
 from tests.conftest import REPO, child_env, make_data_dir, python, wait_agents, wait_server
 from tests.tracing_fixtures import ensure_built
@@ -150,6 +152,10 @@ def test_framework_trace_of_efficientnet_has_every_node_under_predict(
             assert e["args"]["query_index"] == p["args"]["query_index"]
             assert p["ts"] - 1e-3 <= e["ts"] and e["ts"] + e["dur"] <= p["ts"] + p["dur"] + 1e-3
             assert e["args"]["attrs"]["op_type"] and "shape" in e["args"]["attrs"]
+            assert e["args"]["attrs"]["output_bytes"] >= 0  # ORT's memory per node
+    # Table 3's allocated memory per layer, from those attributes.
+    top = top_layers(open_source(tstack), eval_id, n=5)
+    assert len(top) == 5 and (top["alloc_mb"] > 0).all(), top
     # One timeline: the agent's predict spans sit inside the load generator's query.
     issued = {e["id"]: e["ts"] for e in events if e.get("cat") == "loadgen" and e["ph"] == "b"}
     done = {e["id"]: e["ts"] for e in events if e.get("cat") == "loadgen" and e["ph"] == "e"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import numpy as np
 import pytest
 from scipy import special
@@ -9,7 +11,7 @@ from scipy import stats as sps
 
 from broker import schedule as sch
 from mlscope import validity as v
-from mlscope.stats import percentile
+from mlscope.stats import percentile, regularized_beta
 
 
 def test_mlperf_published_minimum_query_counts() -> None:
@@ -40,7 +42,7 @@ def test_min_passing_queries_is_the_least_passing_binomial_count(over: int, pct:
     ("a", "b", "x"), [(63, 2, 0.9), (661, 2, 0.99), (1e5, 900, 0.99), (3, 1000, 1e-3), (7, 7, 0.5)]
 )
 def test_incomplete_beta_matches_scipy(a: float, b: float, x: float) -> None:
-    assert v._betainc(a, b, x) == pytest.approx(special.betainc(a, b, x), rel=1e-9)
+    assert regularized_beta(a, b, x) == pytest.approx(special.betainc(a, b, x), rel=1e-9)
 
 
 def test_percentile_bound_is_conservative_and_none_when_too_few() -> None:
@@ -65,13 +67,21 @@ def test_queries_needed_for_a_bound() -> None:
 MS = 1_000_000
 
 
+class Timings(TypedDict):
+    """The per-query arrays of :func:`mlscope.validity.verdict`."""
+
+    scheduled_ns: np.ndarray
+    issued_ns: np.ndarray
+    latency_ns: np.ndarray
+
+
 def _run(
     rate: float = 1000.0, duration_s: float = 12.0, lag_ns: int = 20_000, seed: int = 1
-) -> dict[str, np.ndarray]:
+) -> Timings:
     s = sch.poisson(rate, duration_s=duration_s, seed=seed)
     issued = s.offsets_ns + lag_ns
     latency = np.full(len(s), 2 * MS, dtype=np.int64) + lag_ns
-    return {"scheduled_ns": s.offsets_ns, "issued_ns": issued, "latency_ns": latency}
+    return Timings(scheduled_ns=s.offsets_ns, issued_ns=issued, latency_ns=latency)
 
 
 def test_good_run_is_valid() -> None:

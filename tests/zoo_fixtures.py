@@ -1,4 +1,4 @@
-"""Shared helpers for the zoo tests (no conftest: the lead owns tests/conftest.py).
+"""Shared helpers for the zoo tests (plain functions; tests/conftest.py builds on them).
 
 The zoo is built once per test session into a temporary directory, or reused from
 ``MLSCOPE_TEST_ZOO`` when that is set (CI can point several jobs at one build).

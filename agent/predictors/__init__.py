@@ -76,6 +76,15 @@ def accelerators(framework: str) -> tuple[Accelerator, ...]:
     except Exception:  # a runtime that fails here still serves: report no device
         log.warning("listing %s devices failed", framework, exc_info=True)
         listed = []
+    if any(a.kind == "gpu" and a.interconnect is None for a in listed):
+        # The runtime names its GPUs; NVML knows how they are attached.
+        links = {g.index: g.interconnect for g in sysinfo.nvml_gpus()}
+        listed = [
+            a.model_copy(update={"interconnect": links.get(a.index)})
+            if a.kind == "gpu" and a.interconnect is None
+            else a
+            for a in listed
+        ]
     return tuple(listed) if listed else tuple(sysinfo.nvml_gpus())
 
 

@@ -133,6 +133,22 @@ class OnnxRuntimePredictor:
                 batch_size=len(inputs[0]),
             ) from exc
 
+    def effective_options(self) -> dict[str, Any]:
+        """What the session really runs with: its providers (ORT falls back silently
+        when one cannot start), their options and its thread counts."""
+        session = self.session
+        if session is None:
+            return {}
+        so = session.get_session_options()
+        return {
+            "providers": list(session.get_providers()),
+            "provider_options": session.get_provider_options(),
+            "intra_op_threads": int(so.intra_op_num_threads),
+            "inter_op_threads": int(so.inter_op_num_threads),
+            "execution_mode": str(so.execution_mode).rsplit(".", 1)[-1],
+            "graph_optimization": str(so.graph_optimization_level).rsplit(".", 1)[-1],
+        }
+
     def close(self) -> None:
         self.session = None
 

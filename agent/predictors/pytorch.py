@@ -115,6 +115,14 @@ class TorchPredictor:
             return [t for item in out for t in self._flatten(item)]
         raise TypeError(f"model returned {type(out).__name__}, not tensors")
 
+    def effective_options(self) -> dict[str, Any]:
+        """What torch runs with now (its thread pools are process-wide)."""
+        return {
+            "device": self.device,
+            "intra_op_threads": int(torch.get_num_threads()),
+            "inter_op_threads": int(torch.get_num_interop_threads()),
+        }
+
     def close(self) -> None:
         if self._module is None:
             return

@@ -106,6 +106,15 @@ class TensorFlowPredictor:
                 batch_size=len(inputs[0]),
             ) from exc
 
+    def effective_options(self) -> dict[str, Any]:
+        """TensorFlow's process-wide thread pools (0: its default) and the device."""
+        threading = tf.config.threading
+        return {
+            "device": self.device,
+            "intra_op_threads": int(threading.get_intra_op_parallelism_threads()),
+            "inter_op_threads": int(threading.get_inter_op_parallelism_threads()),
+        }
+
     def close(self) -> None:
         self._signature = None
         loaded, self._loaded = self._loaded, None

@@ -128,6 +128,10 @@ class TFLitePredictor:
         if changed:
             interp.allocate_tensors()
 
+    def effective_options(self) -> dict[str, Any]:
+        """The interpreter's thread count (None: LiteRT's default)."""
+        return {"num_threads": self.num_threads}
+
     def close(self) -> None:
         with self._lock:
             self._interp = None

@@ -205,9 +205,30 @@ def node_events(raw: list[dict[str, Any]], *, base_ns: int, device: str) -> list
                 extra={
                     "provider": args.get("provider", ""),
                     "node_index": args.get("node_index", ""),
+                    **_memory(args),
                 },
             )
         )
+    return out
+
+
+_MEMORY_ARGS = {
+    "output_size": "output_bytes",
+    "parameter_size": "parameter_bytes",
+    "mem_in_use_delta": "mem_delta_bytes",
+}
+"""ORT's per-node memory figures (bytes, as text) -> span attributes: what the node's
+outputs take (the paper's "allocated memory" of a layer), its weights, and how much
+the arena's in-use memory changed during the node (newer ORT versions only)."""
+
+
+def _memory(args: dict[str, Any]) -> dict[str, int]:
+    out = {}
+    for key, attr in _MEMORY_ARGS.items():
+        try:
+            out[attr] = int(args[key])
+        except (KeyError, TypeError, ValueError):
+            continue
     return out
 
 

@@ -24,6 +24,9 @@ for cand in cands:
     if why:
         st.warning("Not comparable: " + "; ".join(why))
     table = compare_runs(source(), base[0], cand, confidence=float(conf), n_boot=1000, check=False)
+    for note in dict.fromkeys(table["note"]):
+        if note:
+            st.info(note)
     for row in table.itertuples():
         st.metric(
             f"{row.statistic} latency: {row.verdict}",

@@ -10,10 +10,10 @@ import anyio
 import pandas as pd
 import streamlit as st
 
-from cli.submit import submit
 from dashboard.common import agents, catalog, settings, stop_on_error
 from mlscope.contracts import JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
+from mlscope.jobs import submit
 
 LEVELS = ["none", "model", "framework", "system", "full"]
 SCENARIOS = ["online", "single-stream", "constant", "concurrency", "batched", "peak", "cold-start"]

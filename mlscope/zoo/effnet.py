@@ -150,7 +150,7 @@ def to_keras(model: Any) -> Any:
 
 def sanity_images() -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(x uint8 N x 256 x 256 x 3, ImageNet ids, file names) of the sanity photos."""
-    from agent.operators import OPERATORS
+    from mlscope.operators import OPERATORS
 
     images, ids, names = [], [], []
     for package, rel, label, _ in SANITY:
@@ -167,7 +167,7 @@ def sanity_images() -> tuple[np.ndarray, np.ndarray, list[str]]:
 
 def preprocess(x: np.ndarray) -> np.ndarray:
     """The manifest's steps after decode/resize: crop 224, (x-127)/128, HWC -> CHW."""
-    from agent.operators import compile_steps
+    from mlscope.operators import compile_steps
 
     return compile_steps(STEPS[2:])(x)  # type: ignore[no-any-return]
 

@@ -1,0 +1,157 @@
+"""What a cancelled job leaves in the database: one evaluation row, status
+``cancelled``, never VALID, with the reason and how far the run got, and the raw rows
+of the queries it had issued.
+
+The server (:mod:`broker.server`) cancels a job's own cancel scope on a
+``CancelRequest``. The figures of a run stopped part-way would describe a different
+run than the one specified, so the summary holds none (no latency, no rates); the
+per-query rows issued before the cancel are kept as measured (a query still in flight
+is stored as lost, its error saying it was cancelled), so the partial run can be
+inspected. Of a sweep, only the run in progress is kept, under the job's id.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+
+from broker.record import ARRAYS, RunRecord
+from mlscope.catalog import Entry
+from mlscope.contracts import (
+    AgentDescription,
+    EvaluationSummary,
+    JobRequest,
+    LatencyStats,
+    evaluation_id_for,
+)
+
+__all__ = ["IN_FLIGHT", "REMEMBERED", "Cancels", "cancelled_summary", "issued_part"]
+
+REMEMBERED = 1024
+"""Ids of cancelled jobs a server keeps, to refuse one it takes after the request."""
+
+IN_FLIGHT = "cancelled before its reply"
+"""The error of a query that was in flight when its job was cancelled."""
+
+
+@dataclass
+class Cancels:
+    """A server's cancel bookkeeping: which jobs run here under which cancel scope,
+    which were asked to stop, and how far each got (for what is stored)."""
+
+    scopes: dict[str, anyio.CancelScope] = field(default_factory=dict)
+    """Job id -> the cancel scope of its run here."""
+    requested: dict[str, str] = field(default_factory=dict)
+    """Job id -> reason, for every cancel heard (bounded: the oldest are dropped)."""
+    ended: dict[str, anyio.Event] = field(default_factory=dict)
+    """Job id -> set when the job has ended here (a cancel's reply waits for it)."""
+    progress: dict[str, tuple[RunRecord | None, Any]] = field(default_factory=dict)
+    """Job id -> (its live run record, its resolved (agent, entry)), None until known."""
+
+    def request(self, job_id: str, reason: str) -> anyio.Event | None:
+        """Remember a cancel and stop the job if it runs here: the event that is set
+        when it has ended, or None when it does not run here."""
+        self.requested[job_id] = reason
+        while len(self.requested) > REMEMBERED:
+            del self.requested[next(iter(self.requested))]
+        scope = self.scopes.get(job_id)
+        if scope is None:
+            return None
+        scope.cancel()
+        return self.ended.setdefault(job_id, anyio.Event())
+
+    @contextmanager
+    def running(self, job_id: str) -> Iterator[anyio.CancelScope]:
+        """The job's cancel scope, cancelled at once if a cancel came before it ran."""
+        self.progress[job_id] = (None, None)
+        try:
+            with anyio.CancelScope() as scope:
+                self.scopes[job_id] = scope
+                if job_id in self.requested:
+                    scope.cancel()
+                yield scope
+        finally:
+            self.scopes.pop(job_id, None)
+
+    def finish(self, job_id: str) -> tuple[RunRecord | None, Any]:
+        """The job ended here (however): wake a waiting cancel; (record, resolved)."""
+        if (ended := self.ended.pop(job_id, None)) is not None:
+            ended.set()
+        return self.progress.pop(job_id, (None, None))
+
+
+def issued_part(rec: RunRecord) -> RunRecord:
+    """A copy of ``rec`` up to its last issued query (the rest were never due): the
+    rows a cancelled run stores."""
+    sent = np.flatnonzero((rec.issued > 0) | (rec.completed > 0))
+    count = int(sent[-1]) + 1 if sent.size else 0
+    part = RunRecord(
+        n=count, batch_size=rec.batch_size, t0_ns=rec.t0_ns, warmup=min(rec.warmup, count)
+    )
+    for name in ARRAYS:
+        getattr(part, name)[:] = getattr(rec, name)[:count]
+    part.errors = {i: e for i, e in rec.errors.items() if i < count}
+    for i in np.flatnonzero(part.completed == 0).tolist():
+        part.errors.setdefault(i, IN_FLIGHT)
+    part.done = int(np.count_nonzero(part.completed))
+    return part
+
+
+def cancelled_summary(
+    job: JobRequest,
+    resolved: tuple[AgentDescription, Entry] | None,
+    *,
+    reason: str,
+    issued: int,
+    answered: int,
+    started_at: float,
+) -> EvaluationSummary:
+    """The stored summary of a cancelled job: no figures, never VALID, the reason and
+    how far it got (the agent and versions when it had been resolved)."""
+    now = time.time()
+    agent, entry = resolved if resolved is not None else (None, None)
+    fw = next((f for f in agent.frameworks if f.name == job.framework), None) if agent else None
+    spec = job.scenario
+    return EvaluationSummary(
+        evaluation_id=evaluation_id_for(job.job_id),
+        job_id=job.job_id,
+        status="cancelled",
+        valid=False,
+        invalid_reasons=(
+            f"cancelled: {reason} after {now - started_at:.1f} s, "
+            f"{answered} of {issued} issued queries answered",
+        ),
+        model={
+            "name": job.model,
+            "version": entry.manifest.version if entry else job.model_version or "",
+        },
+        framework={
+            "name": job.framework,
+            "version": fw.version if fw else job.framework_version or "",
+        },
+        agent_id=agent.agent_id if agent else "",
+        host=agent.host if agent else "",
+        device=job.device,
+        scenario=spec.model_dump(),
+        trace_level=job.trace_level,
+        queries=issued,
+        samples=0,
+        errors=issued - answered,
+        lost=issued - answered,
+        not_issued=0,
+        duration_s=now - started_at,
+        requested_qps=spec.qps if spec.name in ("online", "constant", "multi-stream") else None,
+        achieved_qps=None,
+        parallel=job.parallel,
+        latency_ms=LatencyStats(trimmed_mean=None, p50=None, p90=None, p99=None, max=None),
+        issue_lag_us={},
+        throughput_ips=None,
+        started_at=started_at,
+        finished_at=now,
+    )

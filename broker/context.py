@@ -1,0 +1,46 @@
+"""What a scenario needs to drive one prepared agent (shared by every scenario and by
+the distributed load generators, which :mod:`broker.scenarios` calls)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from broker.loadgen import RunRecord
+from broker.tuning import ProcessTuning
+from mlscope.bus import Bus
+from mlscope.contracts import Placement, TraceLevel
+from mlscope.validity import ValidityPolicy
+
+__all__ = ["Context", "Feeders"]
+
+Feeders = Callable[[int], tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]]
+"""``feeders(batch_size)`` -> (inputs(i), labels(i) or None) for queries of that size."""
+
+
+@dataclass
+class Context:
+    """What a scenario needs to drive one prepared agent."""
+
+    bus: Bus
+    evaluation_id: str
+    """The id the agent was prepared for (every query carries it)."""
+    subject: str
+    trace_level: TraceLevel
+    offset_ns: int
+    feeders: Feeders
+    policy: ValidityPolicy
+    tuning: ProcessTuning
+    """The process's one owner of GC, switch interval and priority (jobs run at once)."""
+    on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None
+    nats_url: str | None = None
+    """For load-generator processes (distributed load)."""
+    agent_id: str = ""
+    prepare: dict[str, Any] = field(default_factory=dict)
+    """The agent and its prepare request (cold-start prepares again, with reload)."""
+    placement: Placement = "server"
+    """Where the load is generated: by this server (its Driver, or load-generator
+    processes / services), or by the agent (:mod:`broker.agentrun`)."""

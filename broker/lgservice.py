@@ -1,0 +1,202 @@
+"""A load-generator service (``mlscope loadgen``): load from any host that joins the bus.
+
+One task group: the control responder (``ping`` for the clock estimate, ``load`` to
+fetch a dealt slice), the run responder (``start``: runs one slice, answers when it is
+over; one run at a time, as nats-py serves one subscription's messages in order) and
+the heartbeat. The service advertises itself in ``mlscope_loadgens`` only after both
+subscriptions are in place, so "registered" means "ready", and withdraws on exit.
+
+The server deals the schedule (:mod:`broker.multihost`); a slice arrives with its
+queries already encoded, so the service needs no model, data set or catalog: only the
+bus. It runs the slice with the same pacer and :class:`broker.loadgen.Driver` as the
+server's own load generator, so figures from either are the same measurement.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+from anyio.abc import TaskStatus
+from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
+
+import mlscope
+from broker.distributed import save_result
+from broker.loadgen import Driver, RunRecord
+from broker.multihost import unpack_slice, work_bucket
+from broker.schedule import Schedule
+from broker.tuning import ProcessTuning
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.bus import Bus
+from mlscope.contracts import (
+    LOADGEN_CONTROL,
+    LoadgenDescription,
+    LoadgenDone,
+    LoadgenLoaded,
+    LoadgenLoadOp,
+    LoadgenProgress,
+    LoadgenStartOp,
+    PingOp,
+    PingReply,
+    TraceLevel,
+)
+from mlscope.errors import ConfigError, EvaluationError
+from mlscope.loadgens import ensure_bucket
+from mlscope.serving import Boundary
+from mlscope.settings import Settings
+
+__all__ = ["LoadgenService", "default_id"]
+
+log = logging.getLogger("mlscope.loadgen")
+MAX_LOADED = 4
+"""Slices held loaded and not yet started (a server that died between the two)."""
+
+
+def default_id() -> str:
+    """``<host>-<pid>``: unique per process, readable in listings."""
+    return f"{names.token(socket.gethostname())}-{os.getpid()}"
+
+
+@dataclass
+class _Loaded:
+    op: LoadgenLoadOp
+    schedule: Schedule
+    payloads: list[bytes]
+    labels: np.ndarray | None
+
+
+@dataclass
+class LoadgenService:
+    settings: Settings
+    loadgen_id: str = field(default_factory=default_id)
+    heartbeat_s: float = busmod.HEARTBEAT_S
+    tuning: ProcessTuning = field(default_factory=ProcessTuning)
+    """This process's GC / switch-interval / priority owner, shared by the slices it runs."""
+    _loaded: dict[str, _Loaded] = field(default_factory=dict)
+    _connected: Bus | None = None
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with busmod.connect(self.settings, name=f"loadgen {self.loadgen_id}") as bus:
+            self._connected = bus
+            kv = await ensure_bucket(bus, replicas=self.settings.js_replicas)
+            boundary = Boundary(bus, service=f"loadgen {self.loadgen_id}", logger=log)
+            subs = [
+                await boundary.subscribe(
+                    names.loadgen_ctl(self.loadgen_id), LOADGEN_CONTROL, self._control
+                ),
+                await boundary.subscribe(
+                    names.loadgen_run(self.loadgen_id), LoadgenStartOp, self._start
+                ),
+            ]
+            desc = LoadgenDescription(
+                loadgen_id=self.loadgen_id,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                mlscope_version=mlscope.__version__,
+                started_at=time.time(),
+                heartbeat_at=time.time(),
+            )
+            await kv.put(self.loadgen_id, codec.encode_model(desc))
+            log.info("load generator %s ready", self.loadgen_id)
+            task_status.started()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(
+                        boundary.keep_running,
+                        "heartbeat",
+                        functools.partial(self._heartbeat, kv, desc),
+                    )
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(3):
+                    await kv.delete(self.loadgen_id)
+                    for sub in subs:
+                        await sub.unsubscribe()
+
+    async def _heartbeat(self, kv: KeyValue, desc: LoadgenDescription) -> None:
+        while True:
+            await anyio.sleep(self.heartbeat_s)
+            beat = desc.model_copy(update={"heartbeat_at": time.time()})
+            with anyio.move_on_after(self.heartbeat_s):  # one beat per put, as agents
+                await kv.put(self.loadgen_id, codec.encode_model(beat))
+
+    async def _control(self, op: PingOp | LoadgenLoadOp, msg: Msg) -> PingReply | LoadgenLoaded:
+        if isinstance(op, PingOp):
+            return PingReply(t_agent=time.perf_counter_ns())
+        if len(self._loaded) >= MAX_LOADED:
+            self._loaded.pop(next(iter(self._loaded)))  # the oldest was never started
+        obs = await work_bucket(self._bus())
+        got = await obs.get(op.slice_object)
+        sched, payloads, labels = await anyio.to_thread.run_sync(unpack_slice, got.data or b"")
+        if len(payloads) != len(sched):
+            raise ConfigError(
+                f"slice {op.slice_object}: {len(payloads)} payloads for {len(sched)} queries"
+            )
+        self._loaded[op.run_id] = _Loaded(op, sched, payloads, labels)
+        log.info("run %s: a slice of %d queries loaded", op.run_id, len(sched))
+        return LoadgenLoaded(run_id=op.run_id, queries=len(sched))
+
+    async def _start(self, op: LoadgenStartOp, msg: Msg) -> LoadgenDone:
+        loaded = self._loaded.pop(op.run_id, None)
+        if loaded is None:
+            raise EvaluationError(f"run {op.run_id} was not loaded on {self.loadgen_id}")
+        sched, lab = loaded.schedule, loaded.labels
+        first = int(sched.index[0]) if len(sched) else 0
+        stride = int(sched.index[1] - sched.index[0]) if len(sched) > 1 else 1
+
+        def labels(g: int) -> np.ndarray:  # only called when the slice has labels
+            row: np.ndarray = lab[(g - first) // stride]  # type: ignore[index]
+            return row
+
+        def no_inputs(g: int) -> np.ndarray:
+            raise EvaluationError("payloads are prebuilt by the server")
+
+        bus = self._bus()
+
+        async def progress(rec: RunRecord, _elapsed_s: float) -> None:
+            if op.progress_subject:
+                note = LoadgenProgress(
+                    run_id=op.run_id, result_object=op.result_object, done=rec.done
+                )
+                await bus.nc.publish(op.progress_subject, codec.encode_model(note))
+
+        rec = await Driver(
+            bus,
+            evaluation_id=loaded.op.evaluation_id,
+            subject=loaded.op.subject,
+            spec=loaded.op.spec,
+            inputs=no_inputs,
+            labels=labels if lab is not None else None,
+            trace_level=TraceLevel(loaded.op.trace_level),
+            offset_ns=loaded.op.offset_ns,
+            schedule=sched,
+            start_ns=op.start_ns,
+            payloads=loaded.payloads,
+            on_progress=progress,
+            tuning=self.tuning,
+        ).run()
+        out = io.BytesIO()
+        save_result(rec, out)
+        await (await work_bucket(bus)).put(op.result_object, out.getvalue())
+        completed = int(np.count_nonzero(rec.completed))
+        log.info("run %s: %d of %d queries completed", op.run_id, completed, rec.n)
+        return LoadgenDone(
+            run_id=op.run_id,
+            result_object=op.result_object,
+            queries=rec.n,
+            completed=completed,
+            cpu_s=rec.cpu_s,
+        )
+
+    def _bus(self) -> Bus:
+        if self._connected is None:
+            raise EvaluationError(f"load generator {self.loadgen_id} is not connected")
+        return self._connected

@@ -1,0 +1,281 @@
+"""Distributed load over load-generator services on any host (``loadgen_hosts``).
+
+The server side of ``mlscope-submit --loadgen-hosts a,b``: one seeded global schedule
+dealt round-robin (query ``i`` to service ``i % K``, :func:`broker.schedule.deal`) to
+registered load-generator services (``mlscope loadgen``, :mod:`broker.lgservice`),
+which may run on other machines::
+
+    server                                    load generator j (any host)
+      │ registry: every named service live?
+      │ ping ×9 on its ctl subject ─────────► PingReply (its monotonic clock)
+      │   → offset_j = its clock − ours (min RTT, error ≤ RTT/2)
+      │ slice j (offsets, global indices, encoded queries, labels)
+      │   ─► object store mlscope_loadgen_work ──► fetched on "load"
+      │ ctl load ───────────────────────────► LoadgenLoaded
+      │ run start (start_ns + offset_j) ────► pacer + Driver, queries to the agent
+      │ ◄──────── LoadgenProgress (every 0.5 s: queries completed, summed into events)
+      │ ◄─────────────── LoadgenDone (result .npz in the work bucket)
+      └ merge by global index (:func:`broker.distributed.merge_results`) → one record
+
+Clocks: processes on one host share CLOCK_MONOTONIC; across hosts they do not, so
+each service's clock is tied to the server's by the NTP-style ping estimate (the same
+one that ties the agent's), and the shared start is sent in each service's own
+clock. The merged record is on the server's clock (t0 = the start), agent times on
+each service's (its offset to the agent is the agent's offset minus its own).
+Payloads are built by the server from the one sample order (:mod:`mlscope.samples`),
+so a service needs no model, data set or catalog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import nats.errors
+import nats.js.errors
+import numpy as np
+from nats.aio.msg import Msg
+from nats.js.api import ObjectStoreConfig, StorageType
+from nats.js.object_store import ObjectStore
+
+from broker import schedule
+from broker.distributed import PROGRESS_S, START_LEAD_S, load_result, merge_results
+from broker.loadgen import RunRecord, encode_query, estimate_offset
+from broker.schedule import Schedule
+from mlscope import codec, names
+from mlscope.bus import Bus, request
+from mlscope.contracts import (
+    LoadgenDescription,
+    LoadgenDone,
+    LoadgenLoadOp,
+    LoadgenProgress,
+    LoadgenStartOp,
+    ScenarioSpec,
+    new_id,
+)
+from mlscope.errors import BusError, ConfigError, EvaluationError, ResolutionError, WireError
+from mlscope.loadgens import list_loadgens
+
+if TYPE_CHECKING:
+    from broker.context import Context
+
+__all__ = ["pack_slice", "run_on_services", "unpack_slice", "work_bucket"]
+
+LOAD_TIMEOUT_S = 120.0
+WORK_TTL_S = 3600.0
+"""Slices and results left behind by a run that died expire after this long."""
+
+
+async def work_bucket(bus: Bus) -> ObjectStore:
+    """The object store that carries slices and results, created when missing."""
+    try:
+        return await bus.js.object_store(names.LOADGEN_WORK_BUCKET)
+    except nats.js.errors.NotFoundError:
+        pass
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot open the load-generator work bucket: {exc!r}") from exc
+    try:
+        # nats-py overwrites config.bucket with its ``bucket`` argument: give both.
+        return await bus.js.create_object_store(
+            names.LOADGEN_WORK_BUCKET,
+            ObjectStoreConfig(
+                bucket=names.LOADGEN_WORK_BUCKET,
+                storage=StorageType.FILE,
+                ttl=WORK_TTL_S,
+                description="dealt schedule slices and their results (distributed load)",
+            ),
+        )
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"cannot create the load-generator work bucket: {exc!r}") from exc
+
+
+def pack_slice(part: Schedule, payloads: list[bytes], labels: np.ndarray | None) -> bytes:
+    """One dealt slice: offsets, global indices, each query's bytes, labels (or None)."""
+    return codec.encode(
+        {
+            "offsets": part.offsets_ns,
+            "index": part.index,
+            "samples_per_query": part.samples_per_query,
+            "payloads": payloads,
+            "labels": labels,
+        }
+    )
+
+
+def unpack_slice(data: bytes) -> tuple[Schedule, list[bytes], np.ndarray | None]:
+    doc = codec.decode(data)
+    sched = Schedule(
+        np.asarray(doc["offsets"]), int(doc["samples_per_query"]), np.asarray(doc["index"])
+    )
+    labels = doc["labels"]
+    return sched, list(doc["payloads"]), None if labels is None else np.asarray(labels)
+
+
+async def _services(bus: Bus, wanted: tuple[str, ...]) -> list[LoadgenDescription]:
+    live = {d.loadgen_id: d for d in await list_loadgens(bus)}
+    missing = [h for h in wanted if h not in live]
+    if missing:
+        raise ResolutionError(
+            f"no live load generator {', '.join(missing)} (start one with "
+            f"`mlscope loadgen --id NAME`); live load generators: {', '.join(live) or 'none'}",
+            loadgen_hosts=list(wanted),
+            missing=missing,
+        )
+    return [live[h] for h in wanted]
+
+
+async def run_on_services(
+    ctx: Context,
+    spec: ScenarioSpec,
+    sched: Schedule,
+    inputs: Callable[[int], np.ndarray],
+    labels: Callable[[int], np.ndarray] | None,
+) -> RunRecord:
+    """Run ``sched`` dealt to the services ``spec.loadgen_hosts``; the merged record,
+    with ``record.sources`` saying which service ran which slice."""
+    if not spec.loadgen_hosts:
+        raise ConfigError("a run over load-generator services needs loadgen_hosts")
+    bus = ctx.bus
+    services = await _services(bus, spec.loadgen_hosts)
+    parts = schedule.deal(sched, len(services))
+    run_id = new_id("lr")
+    obs = await work_bucket(bus)
+    offsets = [
+        (await estimate_offset(bus, s.loadgen_id, subject=names.loadgen_ctl(s.loadgen_id)))[0]
+        for s in services
+    ]
+    objects: list[str] = []
+    try:
+        for j, (svc, part) in enumerate(zip(services, parts, strict=True)):
+            slice_ = _Slice(run_id, j, part, ctx.offset_ns - offsets[j])
+            objects.append(await _load(ctx, spec, obs, svc, slice_, inputs, labels))
+        start = time.perf_counter_ns() + int(START_LEAD_S * 1e9)
+        done = await _start_all(ctx, spec, services, offsets, run_id, start)
+        objects += [d.result_object for d in done]
+        results = []
+        for d in done:
+            got = await obs.get(d.result_object)
+            results.append(load_result(io.BytesIO(got.data or b"")))
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            for name in objects:  # one left behind expires with the bucket's TTL
+                with contextlib.suppress(TimeoutError, nats.errors.Error):
+                    await obs.delete(name)
+    rec = merge_results(parts, results)
+    rec.t0_ns = start  # the shared start, on this server's clock
+    rec.sources = tuple(
+        {
+            "loadgen_id": svc.loadgen_id,
+            "host": svc.host,
+            "pid": svc.pid,
+            "slice": j,
+            "queries": d.queries,
+            "completed": d.completed,
+            "cpu_s": d.cpu_s,
+            "clock_offset_ns": offsets[j],
+        }
+        for j, (svc, d) in enumerate(zip(services, done, strict=True))
+    )
+    return rec
+
+
+@dataclass(frozen=True)
+class _Slice:
+    run_id: str
+    j: int
+    part: Schedule
+    agent_offset_ns: int
+    """The agent's clock minus the service's."""
+
+
+async def _load(
+    ctx: Context,
+    spec: ScenarioSpec,
+    obs: ObjectStore,
+    svc: LoadgenDescription,
+    sl: _Slice,
+    inputs: Callable[[int], np.ndarray],
+    labels: Callable[[int], np.ndarray] | None,
+) -> str:
+    """Build one slice's queries, put them in the work bucket and have ``svc`` load
+    them; the object's name."""
+    glob = sl.part.index.tolist()
+    payloads = [encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level) for g in glob]
+    lab = np.stack([labels(g) for g in glob]) if labels is not None and glob else None
+    name = f"{sl.run_id}/slice-{sl.j}"
+    await obs.put(name, pack_slice(sl.part, payloads, lab))
+    load = LoadgenLoadOp(
+        run_id=sl.run_id,
+        evaluation_id=ctx.evaluation_id,
+        subject=ctx.subject,
+        spec=spec,
+        offset_ns=sl.agent_offset_ns,
+        trace_level=int(ctx.trace_level),
+        has_labels=lab is not None,
+        slice_object=name,
+    )
+    await request(
+        ctx.bus, names.loadgen_ctl(svc.loadgen_id), codec.encode_model(load), timeout=LOAD_TIMEOUT_S
+    )
+    return name
+
+
+async def _start_all(
+    ctx: Context,
+    spec: ScenarioSpec,
+    services: list[LoadgenDescription],
+    offsets: list[int],
+    run_id: str,
+    start: int,
+) -> list[LoadgenDone]:
+    """Start every loaded slice at once; each answers when its run is over."""
+    timeout = spec.duration_s * 3 + 120
+    done: list[Any] = [None] * len(services)
+    counts: dict[str, int] = {}
+
+    async def one(j: int, svc: LoadgenDescription) -> None:
+        op = LoadgenStartOp(
+            run_id=run_id,
+            start_ns=start + offsets[j],
+            result_object=f"{run_id}/result-{j}",
+            progress_subject=inbox,
+        )
+        reply = await request(
+            ctx.bus, names.loadgen_run(svc.loadgen_id), codec.encode_model(op), timeout=timeout
+        )
+        done[j] = LoadgenDone.model_validate(reply)
+
+    async def heard(msg: Msg) -> None:  # a malformed note is ignored: it is only display
+        with contextlib.suppress(WireError):
+            note = codec.decode_model(LoadgenProgress, msg.data)
+            if note.run_id == run_id:
+                counts[note.result_object] = note.done
+
+    async def report() -> None:
+        t0 = time.monotonic()
+        while ctx.on_progress is not None:
+            await anyio.sleep(PROGRESS_S)
+            rec = RunRecord(n=0, batch_size=spec.batch_size)
+            rec.done = sum(counts.values())
+            await ctx.on_progress(rec, time.monotonic() - t0)
+
+    inbox = ctx.bus.nc.new_inbox()
+    sub = await ctx.bus.nc.subscribe(inbox, cb=heard)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(report)
+            async with anyio.create_task_group() as runs:
+                for j, svc in enumerate(services):
+                    runs.start_soon(one, j, svc)
+            tg.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await sub.unsubscribe()
+    if any(d is None for d in done):
+        raise EvaluationError(f"a load generator of run {run_id} did not report")
+    return list(done)

@@ -1,0 +1,185 @@
+"""What every scenario is made of: the :class:`Scenario` strategy, one run of it
+(:func:`run_once`), and what a scenario returns (:class:`Run`, :class:`Outcome`).
+
+A scenario is a strategy object found by name in the registry
+(:mod:`broker.scenario_kinds`). The base class runs one open- or closed-loop run and
+judges it; a scenario says how its load is generated (``arrivals`` for an open loop,
+``closed_loop`` for one that keeps queries outstanding) and, when it is more than one
+run (a sweep, a search, reloads), overrides ``execute``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from broker import agentrun
+from broker.context import Context
+from broker.loadgen import Driver, RunRecord
+from broker.schedule import Schedule
+from broker.summary import Figures, figures, judge, latency_split
+from mlscope import schedule
+from mlscope.contracts import ScenarioSpec
+from mlscope.errors import ConfigError
+from mlscope.validity import Verdict
+
+__all__ = ["Outcome", "Run", "Scenario", "driver", "run_once"]
+
+
+@dataclass
+class Run:
+    """One run: its raw record, figures, latency split and verdict."""
+
+    evaluation_id: str
+    spec: ScenarioSpec
+    record: RunRecord
+    figures: Figures
+    verdict: Verdict
+    split: dict[str, dict[str, float | None]]
+    requested_qps: float | None
+
+    def point(self) -> dict[str, Any]:
+        """This run as one entry of a summary's ``points``."""
+        f = self.figures
+        return {
+            "evaluation_id": self.evaluation_id,
+            "qps": self.requested_qps,
+            "batch_size": self.spec.batch_size,
+            "scheduled_qps": f.scheduled_qps,
+            "achieved_qps": f.achieved_qps,
+            "completed_qps": f.completed_qps,
+            "backlog_s": f.backlog_s,
+            "throughput_ips": f.throughput_ips,
+            "latency_ms": f.latency_ms.model_dump(),
+            "issue_lag_us": f.issue_lag_us,
+            "valid": self.verdict.valid,
+            "invalid_reasons": list(self.verdict.reasons),
+        }
+
+
+@dataclass
+class Outcome:
+    """What a scenario hands the evaluator: its main run and, for several runs, all
+    of them (``points``) with what the search or sweep found."""
+
+    main: Run
+    points: list[Run] = field(default_factory=list)
+    peak_qps: float | None = None
+    optimal_batch_size: int | None = None
+    extra_reasons: tuple[str, ...] = ()
+    cold_start: dict[str, Any] | None = None
+
+
+class Scenario:
+    """One way of generating load (a strategy); subclasses set ``name`` and either
+    ``arrivals`` (open loop) or ``closed_loop = True``."""
+
+    name: ClassVar[str]
+    """The ``ScenarioSpec.name`` this strategy runs (``mlscope.contracts.ScenarioName``)."""
+    closed_loop: ClassVar[bool] = False
+    """Keep ``concurrency`` queries outstanding instead of following a schedule."""
+    poisson: ClassVar[bool] = False
+    """Arrivals are Poisson: the verdict allows for the rate's sampling noise."""
+    rate_driven: ClassVar[bool] = False
+    """``qps`` is the rate the user asked for (judged against the achieved rate)."""
+
+    def requested_qps(self, spec: ScenarioSpec) -> float | None:
+        return spec.qps if self.rate_driven else None
+
+    def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
+        """The open-loop schedule of ``spec`` and the window (s) the load covers."""
+        raise ConfigError(f"scenario {self.name!r} has no open-loop schedule")
+
+    def schedule(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
+        """:meth:`arrivals`, cut to ``max_queries`` when the spec sets it."""
+        return schedule.cut(*self.arrivals(spec), spec.max_queries)
+
+    def adjust(self, spec: ScenarioSpec) -> ScenarioSpec:
+        """The spec as this scenario runs it (single-stream: one outstanding)."""
+        return spec
+
+    async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
+        """Run ``spec``: one run by default; sweeps, searches and reloads override."""
+        return Outcome(await run_once(ctx, self, self.adjust(spec), ctx.evaluation_id))
+
+
+def driver(
+    ctx: Context,
+    spec: ScenarioSpec,
+    inputs: Callable[[int], np.ndarray],
+    labels: Callable[[int], np.ndarray] | None,
+    schedule: Schedule | None = None,
+) -> Driver:
+    """A load-generator Driver for ``spec`` against the context's agent (a closed loop
+    without ``schedule``)."""
+    return Driver(
+        ctx.bus,
+        evaluation_id=ctx.evaluation_id,
+        subject=ctx.subject,
+        spec=spec,
+        inputs=inputs,
+        labels=labels,
+        trace_level=ctx.trace_level,
+        offset_ns=ctx.offset_ns,
+        on_progress=ctx.on_progress,
+        tuning=ctx.tuning,
+        schedule=schedule,
+    )
+
+
+async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluation_id: str) -> Run:
+    """One run of an open- or closed-loop scenario (no sweep, no search), judged."""
+    inputs, labels = ctx.feeders(spec.batch_size)
+    why: tuple[str, ...] = ()
+    closed = scenario.closed_loop
+    if ctx.placement == "agent":  # the agent generates the load itself
+        rec, why = await agentrun.drive(
+            ctx.bus,
+            agent_id=ctx.agent_id,
+            evaluation_id=ctx.evaluation_id,
+            spec=spec,
+            trace_level=ctx.trace_level,
+            offset_ns=ctx.offset_ns,
+            labels=labels,
+            on_progress=ctx.on_progress,
+        )
+        window = _closed_window(rec) if closed else scenario.schedule(spec)[1]
+    elif closed:
+        rec = await driver(ctx, spec, inputs, labels).run()
+        window = _closed_window(rec)
+    else:
+        sched, window = scenario.schedule(spec)
+        if spec.loadgen_hosts:
+            from broker.multihost import run_on_services  # load generators on the bus
+
+            rec = await run_on_services(ctx, spec, sched, inputs, labels)
+        elif spec.loadgens > 1:
+            from broker.distributed import run_dealt  # starts processes: loaded on use
+
+            rec = await run_dealt(ctx, spec, sched, inputs, labels)
+        else:
+            rec = await driver(ctx, spec, inputs, labels, sched).run()
+    rec.warmup = min(spec.warmup_queries, rec.n)
+    requested = scenario.requested_qps(spec)
+    verdict = judge(
+        rec,
+        spec,
+        ctx.policy,
+        window_s=window,
+        requested_rate=requested,
+        poisson=scenario.poisson,
+        open_loop=not closed,
+    )
+    if why:  # the agent's own account of a local run that went wrong
+        verdict = Verdict(valid=False, reasons=(*verdict.reasons, *why))
+    fig = figures(rec, has_labels=labels is not None, window_s=None if closed else window)
+    return Run(evaluation_id, spec, rec, fig, verdict, latency_split(rec), requested)
+
+
+def _closed_window(rec: RunRecord) -> float:
+    """A closed loop's window: until its last completion (s)."""
+    done = rec.completed[rec.completed > 0]
+    return float(done.max()) / 1e9 if done.size else 0.0

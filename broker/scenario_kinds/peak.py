@@ -1,0 +1,98 @@
+"""``peak``: the highest Poisson rate whose runs meet the latency bound (MLPerf's
+find-peak-performance), by a binary search of runs."""
+
+from __future__ import annotations
+
+from broker.context import Context
+from broker.scenario import Outcome, Run, Scenario, run_once
+from mlscope import schedule
+from mlscope.contracts import ScenarioSpec
+from mlscope.errors import ConfigError
+from mlscope.schedule import Schedule
+from mlscope.validity import ValidityPolicy, early_stopping_queries_needed
+
+__all__ = ["PEAK_PRECISION", "Peak", "next_rate", "peak_floor_qps"]
+
+PEAK_PRECISION = 0.05
+"""A peak search stops when the failing rate is within 5% of the passing one."""
+
+
+def next_rate(
+    rate: float, passed: float | None, failed: float | None, floor_qps: float
+) -> float | None:
+    """The next rate a peak search tries, or None when it is done.
+
+    Double while nothing failed; halve while nothing passed (down to ``floor_qps``,
+    below which a run has too few queries to show its percentile); then bisect until
+    the failing rate is within :data:`PEAK_PRECISION` of the passing one.
+    """
+    if failed is None:
+        return rate * 2
+    if passed is None:
+        return rate / 2 if rate / 2 >= floor_qps else None
+    if failed / passed - 1 <= PEAK_PRECISION:
+        return None
+    return (passed + failed) / 2
+
+
+def peak_floor_qps(spec: ScenarioSpec, policy: ValidityPolicy) -> float:
+    """The lowest rate a peak search tries: below it a run of ``spec.duration_s`` has
+    too few queries to show its percentile under the bound by early stopping (459 for
+    p99 at 99% confidence, none over), so it would fail for its length, not its
+    latency. 10% above the bare count, so that a Poisson run's count (sd sqrt(n),
+    under 5% of 459) reaches it."""
+    need = early_stopping_queries_needed(
+        [], 0.0, policy.percentile, policy.confidence, policy.tolerance
+    )
+    return 1.1 * max(need, spec.min_queries or 0) / spec.duration_s
+
+
+class Peak(Scenario):
+    """Each trial is an online run (Poisson at the trial's rate) with its own
+    evaluation id (``<parent>-<k>``), listed in the parent summary's ``points``."""
+
+    name = "peak"
+    poisson = True
+    rate_driven = True
+
+    def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
+        return schedule.poisson_arrivals(spec)
+
+    async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
+        """Binary search of the highest Poisson rate whose run is VALID under the bound.
+
+        From ``qps`` (raised to :func:`peak_floor_qps`), double until a rate fails (or
+        halve until one passes), then bisect until the failing rate is within
+        :data:`PEAK_PRECISION` of the passing one or ``peak_trials`` runs were made. Every
+        trial uses the same seed, so rates are compared on the same arrival pattern
+        (common random numbers). The peak is the highest rate whose run was VALID.
+        """
+        if spec.latency_bound_ms is None:
+            raise ConfigError("scenario 'peak' needs a latency bound (--latency-bound-ms B)")
+        floor_qps = peak_floor_qps(spec, ctx.policy)
+        rate: float | None = max(spec.qps, floor_qps)
+        passed: float | None = None
+        failed: float | None = None
+        runs: list[Run] = []
+        best: Run | None = None
+        while rate is not None and len(runs) < spec.peak_trials:
+            trial = spec.model_copy(update={"name": "peak", "qps": rate})
+            run = await run_once(ctx, self, trial, f"{ctx.evaluation_id}-{len(runs)}")
+            runs.append(run)
+            if run.verdict.valid:
+                if passed is None or rate > passed:
+                    passed, best = rate, run
+            elif failed is None or rate < failed:
+                failed = rate
+            rate = next_rate(rate, passed, failed, floor_qps)
+        if best is None:
+            return Outcome(
+                runs[-1],
+                runs,
+                extra_reasons=(
+                    f"peak search: no rate tried gave a VALID run under the "
+                    f"{spec.latency_bound_ms:g} ms bound "
+                    f"(lowest tried {min(r.requested_qps or 0 for r in runs):.1f} QPS)",
+                ),
+            )
+        return Outcome(best, runs, peak_qps=passed)

@@ -1,0 +1,174 @@
+"""``mlscope runs`` (alias ``ls``): past evaluations, newest first, filtered.
+
+``--since`` takes a duration back from now (``90s``, ``30m``, ``2h``, ``3d``, ``1w``) or
+an ISO date or date-time (UTC unless it names its zone). ``--valid`` lists VALID
+completed runs only; ``--invalid`` the others (INVALID, failed or cancelled ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from mlscope.settings import Settings
+
+__all__ = ["parse_since", "register"]
+
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+COLUMNS = (
+    ("evaluation_id", "evaluation"),
+    ("created_at", "created (UTC)"),
+    ("model", "model"),
+    ("framework", "framework"),
+    ("scenario", "scenario"),
+    ("batch_size", "batch"),
+    ("status", "status"),
+    ("valid", "verdict"),
+    ("queries", "queries"),
+    ("throughput_ips", "inputs/s"),
+)
+
+
+def parse_since(text: str, *, now: datetime | None = None) -> datetime:
+    """``2h`` / ``3d`` back from ``now``, or an ISO date (time); a ValueError that names
+    the forms accepted otherwise."""
+    now = now or datetime.now(UTC)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
+    if m:
+        return now - timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"--since {text!r}: give a duration (90s, 30m, 2h, 3d, 1w) or an ISO date "
+            "(2026-11-24 or 2026-11-24T08:00)"
+        ) from None
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _since(text: str) -> datetime:
+    try:
+        return parse_since(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--since {text!r}: ")) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return n
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "runs",
+        aliases=["ls"],
+        help="past evaluations, newest first (filters, --json)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default=None, help="only this model (any version)")
+    p.add_argument("--framework", default=None, help="only this framework")
+    p.add_argument("--scenario", default=None, help="only this scenario (online, batched, ...)")
+    verdict = p.add_mutually_exclusive_group()
+    verdict.add_argument(
+        "--valid", dest="valid", action="store_const", const=True, help="VALID completed runs"
+    )
+    verdict.add_argument(
+        "--invalid",
+        dest="valid",
+        action="store_const",
+        const=False,
+        help="INVALID, failed or cancelled runs",
+    )
+    p.add_argument("--since", type=_since, default=None, metavar="WHEN", help="2h, 3d, ISO date")
+    p.add_argument("--limit", type=_positive, default=20, help="at most N, newest (default 20)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=run, valid=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from analysis.data import RunFilter, find_evaluations
+    from analysis.source import open_source
+
+    settings: Settings = args.settings
+    frame = find_evaluations(
+        open_source(settings),
+        RunFilter(
+            model=args.model,
+            framework=args.framework,
+            scenario=args.scenario,
+            valid=args.valid,
+            since=args.since,
+            limit=args.limit,
+        ),
+    )
+    rows = [_row(r) for r in frame.to_dict("records")]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    if not rows:
+        print("no evaluations match", file=sys.stderr)
+        return 0
+    print(_table(rows))
+    return 0
+
+
+def _row(r: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        k: r[k]
+        for k in (
+            "evaluation_id",
+            "created_at",
+            "model",
+            "model_version",
+            "framework",
+            "framework_version",
+            "agent_id",
+            "scenario",
+            "batch_size",
+            "requested_qps",
+            "status",
+            "valid",
+            "invalid_reasons",
+            "queries",
+            "errors",
+            "duration_s",
+            "throughput_ips",
+            "rerun_of",
+            "role",
+        )
+    }
+    out["created_at"] = r["created_at"].isoformat()
+    return {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
+
+
+def _cell(key: str, row: dict[str, Any]) -> str:
+    v = row[key]
+    if key == "valid":
+        return "VALID" if v and row["status"] == "completed" else "INVALID"
+    if key == "created_at":
+        return str(v)[:19].replace("T", " ")
+    if key == "throughput_ips":
+        return "-" if v is None else f"{v:.1f}"
+    return "-" if v is None else str(v)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    cells = [[_cell(k, r) for k, _ in COLUMNS] for r in rows]
+    heads = [h for _, h in COLUMNS]
+    widths = [max(len(x) for x in col) for col in zip(heads, *cells, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)).rstrip()]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""The Python API: connect, see what can run, submit a job and await its summary,
+cancel one, and fetch results as pandas data frames.
+
+::
+
+    import anyio
+    from mlscope.api import Client
+    from mlscope.contracts import JobRequest, ScenarioSpec
+
+    async def main() -> None:
+        async with Client() as client:                 # settings from MLSCOPE_* variables
+            print([a.agent_id for a in await client.agents()])
+            print(await client.models())               # what live agents serve
+            job = JobRequest(model="noop", framework="noop",
+                             scenario=ScenarioSpec(name="online", qps=100, duration_s=2))
+            summary = await client.submit(job, on_progress=lambda e: print(e.event))
+            queries = await client.queries(summary.evaluation_id)   # a DataFrame
+            print(summary.latency_ms.p99, len(queries))
+
+    anyio.run(main)
+
+Everything goes over the bus, so it works wherever ``mlscope-submit`` does: results are
+read through the server's read-only SQL responder (:mod:`mlscope.remote`), in pages.
+Frames hold the rows as stored (times in ns); statistics over them belong to
+``analysis/`` (which reads the same tables).
+
+The job client proper (publish with the job id as message id, wait for events, fall
+back to the stored result when a "done" was missed) is the one ``mlscope-submit``
+uses; :meth:`Client.submit` follows the same protocol on the client's connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from mlscope import bus as busmod
+from mlscope import codec, jobs, names, remote
+from mlscope.contracts import (
+    AgentDescription,
+    CancelReply,
+    CancelRequest,
+    EvaluationSummary,
+    JobEvent,
+    JobRequest,
+)
+from mlscope.errors import BusError, MLScopeError
+from mlscope.registry import list_agents
+from mlscope.settings import Settings
+
+if TYPE_CHECKING:  # pandas loads when a frame is asked for, not on import
+    import pandas as pd
+
+__all__ = ["PAGE_ROWS", "Client", "cancel_job"]
+
+PAGE_ROWS = 2000
+"""Rows per SQL reply: a page of spans stays well under NATS' 1 MiB payload."""
+
+Progress = Callable[[JobEvent], object]
+
+
+class Client:
+    """One connection to an mlscope deployment; ``async with Client(settings)``."""
+
+    def __init__(self, settings: Settings | None = None, *, name: str = "mlscope api") -> None:
+        self.settings = settings or Settings.from_env()
+        self._name = name
+        self._stack = AsyncExitStack()
+        self._bus: busmod.Bus | None = None
+
+    async def __aenter__(self) -> Client:
+        self._bus = await self._stack.enter_async_context(
+            busmod.connect(self.settings, name=self._name)
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._bus = None
+        await self._stack.aclose()
+
+    @property
+    def bus(self) -> busmod.Bus:
+        if self._bus is None:
+            raise BusError("the client is not connected: use `async with Client(...)`")
+        return self._bus
+
+    # ------------------------------------------------------------------ registry
+
+    async def agents(self) -> list[AgentDescription]:
+        """The live agents, as they advertise themselves."""
+        return await list_agents(self.bus)
+
+    async def models(self) -> list[dict[str, Any]]:
+        """What live agents serve: one ``{name, version, framework, agents}`` per model
+        and framework, ``agents`` the ids serving it; sorted by name."""
+        served: dict[tuple[str, str, str], list[str]] = {}
+        for a in await self.agents():
+            for o in a.models:
+                served.setdefault((o.name, o.version, o.framework), []).append(a.agent_id)
+        return [
+            {"name": n, "version": v, "framework": f, "agents": sorted(ids)}
+            for (n, v, f), ids in sorted(served.items())
+        ]
+
+    # ------------------------------------------------------------------ jobs
+
+    async def submit(
+        self, job: JobRequest, *, on_progress: Progress | None = None, timeout: float | None = None
+    ) -> EvaluationSummary:
+        """Publish ``job`` and await its summary; ``on_progress`` hears every event
+        (accepted, progress, restarted, done). A failed job raises its typed error; a
+        cancelled one returns its summary with ``status == "cancelled"``."""
+        return await jobs.submit_on(self.bus, job, on_event=on_progress, timeout=timeout)
+
+    async def cancel(
+        self, job_id: str, *, reason: str = "cancelled by the user", timeout: float = 10.0
+    ) -> CancelReply | None:
+        """Cancel ``job_id``: the reply of the server that ran it, once the run is
+        stored as cancelled; None when no server runs it (a queued job is then not run)."""
+        try:
+            reply = await busmod.request(
+                self.bus,
+                names.job_cancel(job_id),
+                codec.encode_model(CancelRequest(job_id=job_id, reason=reason)),
+                timeout=timeout,
+            )
+        except BusError:
+            return None
+        return CancelReply.model_validate(reply)
+
+    async def stored(self, evaluation_id: str) -> EvaluationSummary | None:
+        """The stored summary of an evaluation, or None when there is none (yet)."""
+        try:
+            _, summary = await remote.evaluation(self.bus, evaluation_id, timeout=5.0)
+        except MLScopeError:
+            return None
+        return EvaluationSummary.model_validate(summary)
+
+    # ------------------------------------------------------------------ results
+
+    async def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
+        """One read-only SELECT as a data frame, fetched in pages of :data:`PAGE_ROWS`."""
+        import pandas as pd
+
+        inner = sql.strip().rstrip(";")
+        columns: list[str] = []
+        rows: list[list[Any]] = []
+        offset = 0
+        while True:
+            page = f"SELECT * FROM ({inner}) LIMIT {PAGE_ROWS} OFFSET {offset}"
+            got_columns, got = await remote.sql(self.bus, page, parameters or {})
+            columns = got_columns or columns  # an empty last page may name none
+            rows.extend(got)
+            if len(got) < PAGE_ROWS:
+                return pd.DataFrame(rows, columns=columns or None)
+            offset += PAGE_ROWS
+
+    async def evaluations(self, ids: Sequence[str] | None = None) -> pd.DataFrame:
+        """Stored evaluations (all, or ``ids``), newest first, with their ``summary``
+        and ``spec`` as JSON text."""
+        where = " WHERE evaluation_id IN {ids:Array(String)}" if ids is not None else ""
+        return await self.frame(
+            "SELECT * FROM evaluations FINAL" + where + " ORDER BY created_at DESC, evaluation_id",
+            {"ids": list(ids)} if ids is not None else {},
+        )
+
+    async def queries(self, evaluation_id: str) -> pd.DataFrame:
+        """The raw per-query records of one evaluation, by query index."""
+        return await self.frame(
+            "SELECT * FROM queries FINAL WHERE evaluation_id = {e:String} ORDER BY query_index",
+            {"e": evaluation_id},
+        )
+
+    async def spans(self, evaluation_id: str) -> pd.DataFrame:
+        """The trace spans of one evaluation, by start time."""
+        return await self.frame(
+            "SELECT * FROM spans FINAL WHERE evaluation_id = {e:String} ORDER BY start_ns, span_id",
+            {"e": evaluation_id},
+        )
+
+
+async def cancel_job(
+    settings: Settings, job_id: str, *, reason: str = "cancelled by the user", timeout: float
+) -> CancelReply | None:
+    """:meth:`Client.cancel` on a connection of its own."""
+    async with Client(settings, name="mlscope cancel") as client:
+        return await client.cancel(job_id, reason=reason, timeout=timeout)

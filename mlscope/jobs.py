@@ -1,0 +1,142 @@
+"""The job client: publish a job on the bus and wait for its summary.
+
+Every caller that submits jobs goes through here: ``mlscope-submit`` (``cli/submit.py``
+parses flags into a :class:`~mlscope.contracts.JobRequest` and prints), the dashboard's
+run page, ``mlscope demo``/``rerun``/``mlperf`` and the tests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+
+from mlscope import bus as busmod
+from mlscope import codec, names, remote
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for
+from mlscope.errors import BusError, ConfigError, MLScopeError, WireError, error_from_wire
+from mlscope.settings import Settings
+
+__all__ = [
+    "ACCEPT_TIMEOUT_S",
+    "STORED_CHECK_S",
+    "await_summary",
+    "publish_job",
+    "stored_result",
+    "submit",
+    "submit_on",
+    "time_limit",
+]
+
+ACCEPT_TIMEOUT_S = 10.0
+STORED_CHECK_S = 15.0
+"""After this long without an event the submitter asks for the job's stored evaluation
+(its id is derived from the job), so a missed "done" never leaves it waiting."""
+
+
+async def submit(
+    settings: Settings, job: JobRequest, *, on_event: object = None, timeout: float | None = None
+) -> EvaluationSummary:
+    """Publish ``job`` and wait for its summary; failures raise their typed error."""
+    async with busmod.connect(settings, name="mlscope-submit") as bus:
+        return await submit_on(bus, job, on_event=on_event, timeout=timeout)
+
+
+async def submit_on(
+    bus: busmod.Bus, job: JobRequest, *, on_event: object = None, timeout: float | None = None
+) -> EvaluationSummary:
+    """:func:`submit` on a connection the caller holds."""
+    sub = await bus.nc.subscribe(names.job_events(job.job_id))
+    try:
+        await publish_job(bus, job)
+        return await await_summary(bus, sub, job.job_id, timeout or time_limit(job), on_event)
+    finally:
+        await sub.unsubscribe()
+
+
+def time_limit(job: JobRequest) -> float:
+    """How long a job may take before its submitter gives up (runs x 3 x duration
+    + 6 min)."""
+    sc = job.scenario
+    runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
+    span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
+    return max(sc.duration_s, span) * 3 * runs + 360.0
+
+
+async def publish_job(bus: busmod.Bus, job: JobRequest) -> None:
+    """Put ``job`` on the job stream, refusing one over the bus's size limit."""
+    data = codec.encode_model(job)
+    sc = job.scenario
+    limit_bytes = min(busmod.JOB_MAX_BYTES, int(bus.nc.max_payload))
+    if len(data) > limit_bytes:
+        what = (
+            f" (its replay schedule has {len(sc.arrivals_s)} arrivals: split it)"
+            if sc.arrivals_s
+            else ""
+        )
+        raise ConfigError(
+            f"the job is {len(data)} bytes, over the {limit_bytes}-byte limit of a job{what}",
+            field="scenario",
+        )
+    try:
+        # Retried with the job id as message id: a cluster leader election or a
+        # reconnect does not lose the job, and a retry is not a second job.
+        await busmod.publish_persistent(
+            bus, names.JOBS_SUBJECT, data, msg_id=job.job_id, attempts=4
+        )
+    except BusError as exc:
+        if isinstance(exc.__cause__, (nats.js.errors.APIError, nats.errors.MaxPayloadError)):
+            raise  # the stream is there and refused the job: say why
+        raise BusError(
+            "the job stream does not exist: is an mlscope server running? "
+            "(`mlscope up` or `mlscope server`)"
+        ) from exc
+
+
+async def await_summary(
+    bus: busmod.Bus, sub: Any, job_id: str, limit: float, on_event: object
+) -> EvaluationSummary:
+    """The job's summary from its events (or from the database when its "done" was
+    missed); its typed error when it failed. A cancelled job's summary has status
+    "cancelled" (it is stored as such)."""
+    accepted = False
+    deadline = time.monotonic() + limit
+    while True:
+        wait = (
+            ACCEPT_TIMEOUT_S if not accepted else min(STORED_CHECK_S, deadline - time.monotonic())
+        )
+        try:
+            msg = await sub.next_msg(timeout=max(0.1, wait))
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            if not accepted:
+                raise BusError(
+                    f"no server took job {job_id} within "
+                    f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
+                ) from exc
+            stored = await stored_result(bus, job_id)
+            if stored is not None:  # its "done" was missed (a bus outage)
+                return stored
+            if time.monotonic() < deadline:
+                continue
+            raise BusError(f"job {job_id} did not finish within {limit:g} s") from exc
+        try:
+            event = codec.decode_model(JobEvent, msg.data)
+        except WireError:
+            continue  # not an event of ours: a stray or hostile message
+        accepted = True
+        if callable(on_event):
+            on_event(event)
+        if event.event == "failed":
+            raise error_from_wire(event.error or {"message": "job failed"})
+        if event.event in ("done", "cancelled") and event.summary is not None:
+            return event.summary
+
+
+async def stored_result(bus: busmod.Bus, job_id: str) -> EvaluationSummary | None:
+    try:
+        _, summary = await remote.evaluation(bus, evaluation_id_for(job_id), timeout=5.0)
+    except MLScopeError:
+        return None  # not stored yet, or no server answering right now
+    return EvaluationSummary.model_validate(summary)

@@ -1,0 +1,232 @@
+"""Cancelling a job: Ctrl-C in ``mlscope-submit`` and ``mlscope cancel JOB_ID`` stop
+the run on the server promptly; the run is stored as ``cancelled`` (never a VALID
+run, absent from ``mlscope runs --valid``) and the CLI says so in one line.
+
+Real stack (nats-server, server owning chDB, noop agent); the submitter is a child
+process interrupted the way a terminal does it (SIGINT; and ^C through a pty).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from broker.cancel import IN_FLIGHT, issued_part
+from broker.record import RunRecord
+from cli.services import Stack
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.contracts import JobRequest, ScenarioSpec, evaluation_id_for
+from mlscope.jobs import submit
+from mlscope.outcomes import Outcome
+from tests.conftest import child_env
+
+pytestmark = pytest.mark.timeout(180)
+
+SUBMIT = Path(sys.executable).parent / "mlscope-submit"
+LONG = ("noop", "--framework", "noop", "--qps", "50", "--duration", "20", "--trace-level", "none")
+
+
+def stored(stack: Stack, evaluation_id: str) -> list[Any] | None:
+    """(status, valid, summary) of the stored evaluation, or None."""
+
+    async def go() -> list[list[Any]]:
+        async with busmod.connect(stack.settings, name="test") as bus:
+            return (
+                await remote.sql(
+                    bus,
+                    "SELECT status, valid, summary FROM evaluations FINAL "
+                    "WHERE evaluation_id = {e:String}",
+                    {"e": evaluation_id},
+                )
+            )[1]
+
+    rows = anyio.run(go, backend="asyncio")
+    return rows[0] if rows else None
+
+
+def wait_stored(stack: Stack, evaluation_id: str, timeout: float = 10.0) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = stored(stack, evaluation_id)
+        if row is not None:
+            return row
+        time.sleep(0.2)
+    raise AssertionError(f"{evaluation_id} not stored within {timeout} s")
+
+
+def query_rows(stack: Stack, evaluation_id: str) -> list[list[Any]]:
+    """(ok, completed_ns, error) of the stored queries of an evaluation."""
+
+    async def go() -> list[list[Any]]:
+        async with busmod.connect(stack.settings, name="test") as bus:
+            return (
+                await remote.sql(
+                    bus,
+                    "SELECT ok, completed_ns, error FROM queries FINAL "
+                    "WHERE evaluation_id = {e:String} ORDER BY query_index",
+                    {"e": evaluation_id},
+                )
+            )[1]
+
+    return anyio.run(go, backend="asyncio")
+
+
+def assert_cancelled(stack: Stack, evaluation_id: str) -> None:
+    status, valid, summary = wait_stored(stack, evaluation_id)
+    assert status == "cancelled" and not valid
+    doc = json.loads(summary)
+    assert doc["status"] == "cancelled" and doc["invalid_reasons"][0].startswith("cancelled")
+    assert doc["duration_s"] < 15  # stopped, not run to its 20 s
+    # The partial run's issued queries are kept as measured: ~2-3 s at 50 QPS, not 1000.
+    rows = query_rows(stack, evaluation_id)
+    assert 20 < len(rows) == doc["queries"] < 500, (len(rows), doc["queries"])
+    assert sum(1 for ok, _, _ in rows if ok) == doc["queries"] - doc["lost"]
+    assert all(err == "cancelled before its reply" for ok, done, err in rows if not done)
+    listed = subprocess.run(
+        [sys.executable, "-m", "cli.main", "runs", "--valid", "--json"],
+        env=child_env(stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert evaluation_id not in listed.stdout
+
+
+def job_of(line: str) -> str:
+    m = re.search(r"job (job-[0-9a-f]+)", line)
+    assert m, line
+    return m.group(1)
+
+
+def test_sigint_cancels_the_job_on_the_server(noop_stack: Stack) -> None:
+    proc = subprocess.Popen(
+        [str(SUBMIT), *LONG, "--json"],
+        env=child_env(noop_stack.settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(3.0)
+    assert proc.poll() is None, proc.communicate()
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    took = time.monotonic() - sent
+    assert took < 2.0, (took, err)
+    assert proc.returncode == 130, err
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "cancelled" in lines[0] and "stored as cancelled" in lines[0], lines[0]
+    assert_cancelled(noop_stack, evaluation_id_for(job_of(lines[0])))
+
+
+def test_ctrl_c_on_a_terminal(noop_stack: Stack) -> None:
+    """^C typed into the submitter's terminal: the progress line, then one line."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: mlscope-submit on the pty as its controlling terminal
+        os.execve(str(SUBMIT), [str(SUBMIT), *LONG], child_env(noop_stack.settings))
+    output = b""
+
+    def read_for(seconds: float) -> None:
+        nonlocal output
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                return
+            if not chunk:
+                return
+            output += chunk
+
+    try:
+        read_for(3.0)
+        assert b"accepted by" in output, output
+        sent = time.monotonic()
+        os.write(fd, b"\x03")
+        read_for(4.0)
+        _, status = os.waitpid(pid, 0)
+        took = time.monotonic() - sent
+    finally:
+        os.close(fd)
+    text = output.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 130, text
+    assert took < 4.5 and "Traceback" not in text, text
+    last = [x for x in re.split(r"[\r\n]+", text) if x.strip()][-1]
+    assert last.startswith("mlscope-submit: interrupted; job "), text
+    assert_cancelled(noop_stack, evaluation_id_for(job_of(last)))
+
+
+def test_mlscope_cancel_stops_a_running_job(noop_stack: Stack) -> None:
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        trace_level="none",
+        scenario=ScenarioSpec(name="online", qps=50, duration_s=20),
+    )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(
+            lambda: anyio.run(lambda: submit(noop_stack.settings, job), backend="asyncio")
+        )
+        time.sleep(3.0)
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", "cancel", job.job_id],
+            env=child_env(noop_stack.settings),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"cancelled job {job.job_id}" in done.stdout
+        summary = waiting.result(timeout=10)  # the submitter hears "cancelled"
+    assert summary.status == "cancelled" and not summary.valid
+    assert_cancelled(noop_stack, evaluation_id_for(job.job_id))
+
+
+def test_cancel_of_no_running_job_says_so(noop_stack: Stack) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "cancel", "job-000000000000", "--timeout", "1"],
+        env=child_env(noop_stack.settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "no server is running job job-000000000000" in done.stderr
+
+
+def test_issued_part_keeps_what_was_sent() -> None:
+    """The stored rows of a cancelled run end at its last issued query; one in flight
+    is lost, saying it was cancelled; answered ones keep their times."""
+    rec = RunRecord(n=10, batch_size=1, t0_ns=123, warmup=2)
+    rec.scheduled[:] = np.arange(1, 11) * 1000
+    rec.issued[:4] = rec.scheduled[:4]
+    rec.completed[:3] = rec.issued[:3] + 50
+    rec.ok[:3] = 1
+    part = issued_part(rec)
+    assert part.n == 4 and part.t0_ns == 123 and part.warmup == 2 and part.done == 3
+    assert list(part.outcomes()) == [Outcome.OK] * 3 + [Outcome.LOST]
+    assert part.errors == {3: IN_FLIGHT}
+    assert issued_part(RunRecord(n=5, batch_size=1)).n == 0

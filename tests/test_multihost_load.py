@@ -1,0 +1,156 @@
+"""Distributed load over load-generator services: two ``mlscope loadgen`` processes,
+registered on the bus like agents, take one dealt schedule from the server and their
+results merge into one evaluation (two noop agents, each driven once)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from broker import schedule
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.contracts import (
+    EvaluationSummary,
+    JobEvent,
+    JobRequest,
+    LoadgenDescription,
+    ScenarioSpec,
+)
+from mlscope.errors import MLScopeError
+from mlscope.jobs import submit
+from mlscope.loadgens import list_loadgens
+from mlscope.settings import Settings
+from tests.conftest import child_env, python, wait_agents, wait_server
+
+pytestmark = pytest.mark.timeout(240)
+
+LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
+"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
+LOADGENS = ("lg-a", "lg-b")
+
+
+async def wait_loadgens(settings: Settings, count: int, timeout: float = 60.0) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    async with busmod.connect(settings, name="test") as bus:
+        while time.monotonic() < deadline:
+            try:
+                got = await list_loadgens(bus)
+            except MLScopeError:  # the bucket is not there yet
+                got = []
+            if len(got) >= count:
+                return got
+            await anyio.sleep(0.2)
+    raise TimeoutError(f"{count} load generator(s) did not register within {timeout}s")
+
+
+@pytest.fixture
+def services(settings: Settings) -> Iterator[dict[str, subprocess.Popen[bytes]]]:
+    """The server, two noop agents and two load-generator services, each a process."""
+    env = child_env(settings)
+    cmd = [python(), "-m", "cli.main"]
+    procs = {"server": subprocess.Popen([*cmd, "server"], env=env)}
+    try:
+        anyio.run(wait_server, settings)
+        for a in ("noop-a", "noop-b"):
+            procs[a] = subprocess.Popen(
+                [*cmd, "agent", "--framework", "noop", "--agent-id", a], env=env
+            )
+        for lg in LOADGENS:
+            procs[lg] = subprocess.Popen([*cmd, "loadgen", "--id", lg], env=env)
+        anyio.run(wait_agents, settings, 2)
+        anyio.run(wait_loadgens, settings, 2)
+        yield procs
+    finally:
+        for p in reversed(procs.values()):
+            p.terminate()
+        for p in procs.values():
+            p.wait(20)
+
+
+def rows(settings: Settings, evaluation_id: str) -> np.ndarray:
+    async def go() -> list[list[object]]:
+        async with busmod.connect(settings, name="test") as bus:
+            return (
+                await remote.sql(
+                    bus,
+                    "SELECT query_index, scheduled_ns, issued_ns, completed_ns, ok, "
+                    "agent_received_ns FROM queries FINAL WHERE evaluation_id = {e:String} "
+                    "ORDER BY query_index",
+                    {"e": evaluation_id},
+                )
+            )[1]
+
+    return np.asarray(anyio.run(go, backend="asyncio"), dtype=np.int64)
+
+
+def run(
+    settings: Settings, agent: str, hosts: tuple[str, ...], progress: list[int] | None = None
+) -> EvaluationSummary:
+    spec = ScenarioSpec(
+        name="online", qps=300, duration_s=2.5, seed=5, loadgen_hosts=hosts, **LOOSE
+    )
+    job = JobRequest(
+        model="noop", framework="noop", agent_id=agent, scenario=spec, trace_level="none"
+    )
+
+    def seen(event: JobEvent) -> None:
+        if event.event == "progress" and progress is not None:
+            progress.append(event.queries_done)
+
+    return anyio.run(lambda: submit(settings, job, on_event=seen, timeout=120), backend="asyncio")
+
+
+def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
+    settings: Settings, services: dict[str, subprocess.Popen[bytes]]
+) -> None:
+    listed = anyio.run(wait_loadgens, settings, 2)
+    assert [d.loadgen_id for d in listed] == list(LOADGENS)
+    assert all(isinstance(d, LoadgenDescription) for d in listed)
+    whole = schedule.poisson(300, duration_s=2.5, seed=5)  # enough for early stopping
+    for agent in ("noop-a", "noop-b"):
+        progress: list[int] = []
+        s = run(settings, agent, LOADGENS, progress)
+        assert s.agent_id == agent
+        assert s.valid and s.errors == 0, s.invalid_reasons
+        assert s.loadgens == 2 and s.queries == len(whole)
+        assert s.scenario["loadgen_hosts"] == list(LOADGENS)
+        # Each slice ran in its own service process ...
+        assert s.loadgen_cost is not None
+        ran = s.loadgen_cost["services"]
+        assert [r["loadgen_id"] for r in ran] == list(LOADGENS)
+        assert [r["pid"] for r in ran] == [services[lg].pid for lg in LOADGENS]
+        assert [r["queries"] for r in ran] == [len(p) for p in schedule.deal(whole, 2)]
+        assert all(r["completed"] == r["queries"] > 0 for r in ran)
+        # The services' counts, summed into the job's progress while they run.
+        assert progress == sorted(progress) and 0 < max(progress) <= len(whole), progress
+        assert any(0 < p < len(whole) for p in progress), progress
+        # ... and the stored rows are the one global schedule, every query answered.
+        got = rows(settings, s.evaluation_id)
+        assert got.shape[0] == len(whole)
+        np.testing.assert_array_equal(got[:, 0], np.arange(len(whole)))
+        np.testing.assert_array_equal(got[:, 1], whole.offsets_ns)
+        assert (got[:, 2] >= got[:, 1]).all() and (got[:, 3] > got[:, 2]).all()
+        assert got[:, 4].all()
+        # The agent's times, converted through each service's clock, fall between
+        # issue and completion on the merged clock (to within the offsets' error).
+        slack = 5_000_000
+        assert (got[:, 5] >= got[:, 2] - slack).all() and (got[:, 5] <= got[:, 3] + slack).all()
+    # A job naming a load generator that is not there fails and names the live ones.
+    with pytest.raises(MLScopeError, match=r"no live load generator lg-z.*lg-a, lg-b"):
+        run(settings, "noop-a", ("lg-a", "lg-z"))
+
+
+def test_loadgen_hosts_are_distinct_and_set_the_count() -> None:
+    spec = ScenarioSpec(name="online", qps=10, loadgen_hosts=("lg-a", "lg-b"))
+    assert spec.loadgens == 2
+    with pytest.raises(ValueError, match="twice"):
+        ScenarioSpec(name="online", qps=10, loadgen_hosts=("lg-a", "lg-a"))
+    with pytest.raises(ValueError, match="loadgen_hosts"):
+        ScenarioSpec(name="online", qps=10, loadgens=3, loadgen_hosts=("lg-a", "lg-b"))

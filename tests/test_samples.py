@@ -1,0 +1,79 @@
+"""The one sample order (mlscope.samples): properties of the helper itself, and that
+the per-query labels a real run stores follow it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from broker import schedule as sch
+from mlscope.errors import ConfigError
+from mlscope.samples import (
+    ARRIVAL_STREAM,
+    SAMPLE_STREAM,
+    SampleOrder,
+    feeders,
+    sample_indices,
+    stream,
+)
+
+
+def test_each_cycle_is_a_permutation_of_its_own() -> None:
+    idx = sample_indices(35, 10, seed=4)
+    assert idx.dtype == np.int64 and idx.shape == (35,)
+    cycles = [idx[k : k + 10] for k in range(0, 30, 10)]
+    for c in cycles:
+        assert sorted(c.tolist()) == list(range(10))
+    assert len({tuple(c.tolist()) for c in cycles}) == 3  # a fresh permutation per cycle
+    assert len(set(idx[30:].tolist())) == 5  # the fourth cycle has begun, no repeat
+    few = sample_indices(5, 1000, seed=4)
+    assert len(set(few.tolist())) == 5  # no replacement while the data set lasts
+    multi = sample_indices(4, 100, seed=4, samples_per_query=8)
+    assert multi.shape == (32,) and len(set(multi.tolist())) == 32
+
+
+def test_rows_of_a_query_depend_only_on_seed_size_batch_and_index() -> None:
+    whole = sample_indices(300, 37, seed=11, samples_per_query=3)
+    order = SampleOrder(37, 11)
+    # Asked for out of order (a dealt slice, a remote load generator), rows agree.
+    for i in (299, 0, 150, 13, 12):
+        np.testing.assert_array_equal(order.rows(i, 3), whole[3 * i : 3 * i + 3])
+    np.testing.assert_array_equal(SampleOrder(37, 11).rows(200, 3), whole[600:603])
+    np.testing.assert_array_equal(order.positions(5, 0), np.empty(0, np.int64))
+
+
+def test_seeded_and_independent_of_the_arrival_stream() -> None:
+    a = sample_indices(500, 1000, seed=9)
+    np.testing.assert_array_equal(a, sample_indices(500, 1000, seed=9))
+    assert not np.array_equal(a, sample_indices(500, 1000, seed=10))
+    # The first cycle is the sample stream's first permutation, not the arrival
+    # stream's: a schedule of any rate or scenario never moves the samples.
+    np.testing.assert_array_equal(a, stream(9, SAMPLE_STREAM).permutation(1000)[:500])
+    assert not np.array_equal(a, stream(9, ARRIVAL_STREAM).permutation(1000)[:500])
+    slow = sch.poisson(100.0, n=1000, seed=9)
+    fast = sch.poisson(200.0, n=1000, seed=9)
+    np.testing.assert_allclose(fast.offsets_ns, slow.offsets_ns / 2, atol=1)
+    np.testing.assert_array_equal(a, sample_indices(500, 1000, seed=9))
+
+
+def test_real_runs_feed_queries_by_the_helper() -> None:
+    x = np.arange(13 * 2, dtype=np.float32).reshape(13, 2)
+    y = np.arange(13) * 10
+    inputs, labels = feeders((x, y), (2,), 3, 5)
+    assert labels is not None
+    want = sample_indices(20, 13, seed=5, samples_per_query=3)
+    for i in (19, 0, 7):
+        rows = want[3 * i : 3 * i + 3]
+        np.testing.assert_array_equal(inputs(i), x[rows])
+        np.testing.assert_array_equal(labels(i), y[rows])
+    fill, none = feeders(None, (2,), 2, 5)
+    assert none is None and fill(0).shape == (2, 2) and fill(0).dtype == np.float32
+
+
+@pytest.mark.parametrize("bad", [{"dataset_size": 0}, {"samples_per_query": 0}])
+def test_misuse_is_config_error(bad: dict[str, int]) -> None:
+    args = {"n_queries": 3, "dataset_size": 5, "seed": 1, "samples_per_query": 1, **bad}
+    with pytest.raises(ConfigError):
+        sample_indices(**args)
+    with pytest.raises(ConfigError, match="seed"):
+        SampleOrder(5, -1)
