@@ -180,6 +180,11 @@ class Executor:
     def inflight(self) -> int:
         return self._inflight
 
+    def thread_ids(self) -> list[int]:
+        """Native ids of the executor's threads (pre-processing pool and predict), for
+        a caller that sets their scheduling (an agent's local open-loop run)."""
+        return [t.native_id for t in self._threads if t.native_id is not None]
+
     def stop(self, *, close: bool = True) -> None:
         """Answer what was admitted, stop the threads, emit the layer spans the
         framework profiler held back and (unless told not to, for a model that is

@@ -7,6 +7,7 @@ subscriptions are live, and only then is the description put into the registry.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -22,18 +23,20 @@ from nats.aio.msg import Msg
 import mlscope
 from agent import profiling
 from agent.energy import EnergyMeter
+from agent.localrun import LocalRun, serve_run
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
-from mlscope import artifact_bucket, codec, names, provenance, sysinfo
+from mlscope import artifact_bucket, codec, names, provenance, samples, sysinfo
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
     CONTROL,
+    LOCAL_RUN,
     AgentDescription,
     DescribeOp,
     ErrorReply,
@@ -47,6 +50,8 @@ from mlscope.contracts import (
     RefusedModel,
     ReleaseOp,
     ReleaseReply,
+    RunOp,
+    RunStarted,
     TraceLevel,
     new_id,
 )
@@ -66,6 +71,7 @@ from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 from mlscope.versions import satisfies
 
 __all__ = ["Agent", "AgentConfig"]
@@ -91,6 +97,9 @@ class AgentConfig:
     heartbeat_s: float = busmod.HEARTBEAT_S
     sample_s: float = 0.1
     """System-sampler interval for evaluations traced at level ``system`` or more."""
+    local_runs: bool = True
+    """Run a scenario's load here when a job asks (``placement: agent``); advertised
+    as the feature :data:`mlscope.contracts.LOCAL_RUN`."""
 
 
 @dataclass
@@ -133,6 +142,8 @@ class Agent:
         self.loaded_settings: dict[str, dict[str, Any]] = {}
         """Per loaded model key: what it was opened with (reported by prepare)."""
         self.git_commit: str | None = None
+        self.tuning = ProcessTuning()
+        """This process's one owner of GC and switch interval during local runs."""
         host = str(sysinfo.host_facts()["host"])
         self.agent_id = self.config.agent_id or names.token(
             f"{host}-{self.config.framework}-{new_id('a')[2:8]}"
@@ -170,6 +181,7 @@ class Agent:
             subs: list[Any] = []
             try:
                 async with anyio.create_task_group() as tg:
+                    self.task_group = tg  # local runs (placement agent) run in it
                     keep = self.boundary.keep_running
                     await tg.start(keep, "models watch", self.remote.run)
                     await self._fetch_missing()
@@ -310,6 +322,7 @@ class Agent:
             started_at=time.time(),
             heartbeat_at=time.time(),
             heartbeat_s=self.config.heartbeat_s,
+            features=(LOCAL_RUN,) if self.config.local_runs else (),
         )
 
     async def _advertise(self, bus: Bus) -> None:
@@ -347,8 +360,8 @@ class Agent:
     # ------------------------------------------------------------------ requests
 
     async def _on_ctl(
-        self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp, msg: Msg
-    ) -> PingReply | AgentDescription | PrepareReply | ReleaseReply:
+        self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, msg: Msg
+    ) -> PingReply | AgentDescription | PrepareReply | ReleaseReply | RunStarted:
         """Control requests (the serving boundary replies to failures)."""
         if isinstance(req, PingOp):
             return PingReply(t_agent=now())
@@ -356,6 +369,8 @@ class Agent:
             return self.describe()
         if isinstance(req, PrepareOp):
             return await self._prepare(req)
+        if isinstance(req, RunOp):
+            return await self._start_run(req, msg.reply)
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         rss = await anyio.to_thread.run_sync(self.rss.stop, req.evaluation_id)
@@ -455,6 +470,62 @@ class Agent:
             mlscope_version=mlscope.__version__,
             git_commit=self.git_commit,
         )
+
+    async def _start_run(self, req: RunOp, results: str) -> RunStarted:
+        """Start a local run (placement agent) for a prepared evaluation: answered at
+        once with the run's t0; its rows follow on the same reply subject."""
+        if not results:
+            raise ConfigError("a run request needs a reply subject for its rows")
+        if not self.config.local_runs:
+            raise ConfigError(
+                f"agent {self.agent_id} does not run load itself (placement agent is "
+                "off on it); use placement server",
+                field="placement",
+            )
+        session = self.sessions.get(req.evaluation_id)
+        if session is None:
+            raise EvaluationError(
+                f"agent {self.agent_id} was not prepared for evaluation {req.evaluation_id}"
+            )
+        entry = next(e for e, _ in self.offers if e.manifest.key == session.key)
+        spec, m = req.scenario, entry.manifest
+        data = await anyio.to_thread.run_sync(samples.dataset, entry, self.settings.zoo_dir)
+        inputs, _ = samples.feeders(data, m.inputs[0].shape, spec.batch_size, spec.seed)
+        level = TraceLevel(min(TraceLevel.parse(req.trace_level), session.level))
+        spans = self.tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None
+        busy = f"agent {self.agent_id} is overloaded"
+        run = LocalRun(
+            session.worker,
+            spec,
+            inputs=inputs,
+            level=level,
+            spans=spans,
+            overloaded=lambda _i: busy,
+        )
+        # An open loop is a timed measurement (switch interval, no GC: the process's
+        # one owner holds them, local runs of several evaluations may overlap), set
+        # before the clock starts; serve_run lets go when the run's rows are shipped.
+        held = contextlib.ExitStack()
+        held.enter_context(
+            self.tuning.load() if run.closed else self.tuning.measurement(realtime_loop=False)
+        )
+        try:
+            t0 = await anyio.to_thread.run_sync(run.prepare)
+            self.task_group.start_soon(
+                functools.partial(
+                    serve_run,
+                    run,
+                    req,
+                    functools.partial(self.bus.nc.publish, results),
+                    f"agent {self.agent_id}",
+                    held=held,
+                )
+            )
+        except BaseException:
+            held.close()
+            raise
+        scheduled = len(run.schedule) if run.schedule is not None else 0
+        return RunStarted(t0_agent=t0, queries=scheduled)
 
     def _opened_with(self, opts: PredictorOptions, model: LoadedModel) -> dict[str, Any]:
         """The options a model was opened with, and what its runtime says it uses

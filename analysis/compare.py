@@ -139,7 +139,7 @@ SINGLE_RUN_NOTE = (
     "one run each: the interval covers query-to-query noise within a run, "
     "not run-to-run variance (use --repeat for run-level statistics)"
 )
-COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size")
+COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size", "placement")
 """What two runs must share to be compared (framework, system or version may differ:
 that is what a comparison is for)."""
 

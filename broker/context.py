@@ -12,7 +12,7 @@ import numpy as np
 from broker.loadgen import RunRecord
 from broker.tuning import ProcessTuning
 from mlscope.bus import Bus
-from mlscope.contracts import TraceLevel
+from mlscope.contracts import Placement, TraceLevel
 from mlscope.validity import ValidityPolicy
 
 __all__ = ["Context", "Feeders"]
@@ -41,3 +41,6 @@ class Context:
     agent_id: str = ""
     prepare: dict[str, Any] = field(default_factory=dict)
     """The agent and its prepare request (cold-start prepares again, with reload)."""
+    placement: Placement = "server"
+    """Where the load is generated: by this server (its Driver, or load-generator
+    processes / services), or by the agent (:mod:`broker.agentrun`)."""

@@ -7,22 +7,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import mlscope
 from mlscope.catalog import Entry
 from mlscope.contracts import AgentDescription, JobRequest
+from mlscope.samples import dataset
 
 __all__ = ["dataset", "git_commit", "specification"]
-
-
-def dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
-    """The manifest's labelled data set (inputs, labels), or None when it names none."""
-    path = entry.dataset(zoo_dir)
-    if path is None:
-        return None
-    with np.load(path) as npz:
-        return npz["x"], npz["y"]
 
 
 def specification(

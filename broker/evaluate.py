@@ -34,6 +34,7 @@ from mlscope import codec, names, samples, sysmatch
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
+    LOCAL_RUN,
     AgentDescription,
     EvaluationSummary,
     JobRequest,
@@ -55,7 +56,6 @@ PREPARE_TIMEOUT_S = 300.0
 PAYLOAD_HEADROOM = 1024
 """Bytes of a message left for the subject, reply inbox and headers."""
 LOST = "lost in transit: no reply before the run ended"
-FILL_ROWS = 64
 """Synthetic rows a model without a data set cycles through."""
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]
 
@@ -78,6 +78,9 @@ def resolve(
     system = sysmatch.effective(sysmatch.from_manifest(m.system), job.system)
 
     def fits(a: AgentDescription) -> bool:
+        return serves(a) and (job.placement == "server" or LOCAL_RUN in a.features)
+
+    def serves(a: AgentDescription) -> bool:
         fw = next((f for f in a.frameworks if f.name == job.framework), None)
         return (
             fw is not None
@@ -90,6 +93,17 @@ def resolve(
         )
 
     matches = [a for a in agents if fits(a)]
+    unable = [a.agent_id for a in agents if serves(a) and not fits(a)]
+    if not matches and unable:
+        raise ResolutionError(
+            f"placement agent: agent(s) {', '.join(unable)} serve {m.name}@{m.version} on "
+            f"{job.framework} but cannot run load themselves (no {LOCAL_RUN!r} feature: an "
+            "older mlscope, or started without it); submit with --placement server",
+            model=m.name,
+            framework=job.framework,
+            placement=job.placement,
+            agents=unable,
+        )
     if not matches:
         live = "; ".join(_describe(a) for a in agents) or "none"
         want = (
@@ -196,7 +210,8 @@ class Evaluator:
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
         data = dataset(entry, self.zoo_dir)
-        check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
+        if job.placement == "server" or job.accuracy:  # only these send queries over the bus
+            check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
         prepare = PrepareOp(
             evaluation_id=eval_id,
             model=m.name,
@@ -219,13 +234,14 @@ class Evaluator:
             subject=names.agent_query(agent.agent_id),
             trace_level=level,
             offset_ns=offset,
-            feeders=lambda b: _scored(_feeders(data, shape, b, spec.seed), m),
+            feeders=lambda b: samples.scored(samples.feeders(data, shape, b, spec.seed), m),
             policy=self.policy,
             tuning=self.tuning,
             on_progress=lambda rec, el: progress(eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
             agent_id=agent.agent_id,
             prepare=prepare,
+            placement=job.placement,
         )
         started = time.time()
         try:
@@ -244,10 +260,12 @@ class Evaluator:
                 )
             raise
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
-        acc = None if lost else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
+        # A local run (placement agent) reports a lost agent in its own reasons.
+        gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
+        acc = None if gone else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
         released: dict[str, Any] = {}
-        if not lost:
+        if not gone:
             # An agent gone since then ends its session with it.
             with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
                 released = await request(
@@ -257,7 +275,11 @@ class Evaluator:
                     timeout=5,
                 )
         fw = next(x for x in agent.frameworks if x.name == job.framework)
-        cost = LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
+        cost = (
+            LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
+            if job.placement == "server"
+            else LoadgenCost(agent_host=agent.host, host=agent.host, cores=agent.cpu_cores)
+        )
 
         def summarize(
             run: scenarios.Run, reasons: tuple[str, ...] = (), **extra: Any
@@ -314,6 +336,7 @@ class Evaluator:
                 },
                 latency_split_ms=run.split,
                 loadgens=run.spec.loadgens,
+                placement=job.placement,
                 started_at=started,
                 finished_at=finished,
                 **extra,
@@ -488,7 +511,7 @@ def check_query_size(
     limit = max_payload - PAYLOAD_HEADROOM
 
     def size(batch: int) -> int:
-        inputs = _feeders(data, shape, batch, spec.seed)[0](0)
+        inputs = samples.feeders(data, shape, batch, spec.seed)[0](0)
         return len(
             codec.encode_model(Query(evaluation_id="ev-000000000000", index=0, inputs=inputs))
         )
@@ -506,41 +529,6 @@ def check_query_size(
         bytes=biggest,
         max_payload=max_payload,
     )
-
-
-def _feeders(
-    data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int, seed: int
-) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
-    """Query i's raw inputs (and labels): the rows :class:`mlscope.samples.SampleOrder`
-    gives it (seeded permutations of the data set, a fresh one per cycle; the sample
-    order has its own seed stream, independent of the arrival schedule's). A model
-    with no data set gets 64 synthetic rows, drawn from the seed's fill stream."""
-    if data is None:
-        x = samples.stream(seed, samples.FILL_STREAM).standard_normal((FILL_ROWS, *shape))
-        data, labelled = (x.astype(np.float32), np.zeros(FILL_ROWS, np.int64)), False
-    else:
-        labelled = True
-    x, y = data
-    order = samples.SampleOrder(len(x), seed)
-
-    def inputs(i: int) -> np.ndarray:
-        rows: np.ndarray = x[order.rows(i, batch)]
-        return rows
-
-    def labels(i: int) -> np.ndarray:
-        got: np.ndarray = y[order.rows(i, batch)]
-        return got
-
-    return inputs, (labels if labelled else None)
-
-
-def _scored(
-    feeders: tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None], m: Any
-) -> tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]:
-    """Labels only for a model scored by top-k: a detector's or a latency-only model's
-    top-1 would be a meaningless number (it shows none)."""
-    scored = m.dataset is not None and m.dataset.metric in ("top1", "top5")
-    return feeders if scored else (feeders[0], None)
 
 
 def memory_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:

@@ -16,10 +16,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from broker import agentrun
 from broker.context import Context
 from broker.loadgen import Driver, RunRecord
 from broker.schedule import Schedule
 from broker.summary import Figures, figures, judge, latency_split
+from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.validity import Verdict
@@ -93,11 +95,7 @@ class Scenario:
 
     def schedule(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
         """:meth:`arrivals`, cut to ``max_queries`` when the spec sets it."""
-        sched, window = self.arrivals(spec)
-        if spec.max_queries is not None and spec.max_queries < len(sched):
-            sched = Schedule(sched.offsets_ns[: spec.max_queries], sched.samples_per_query)
-            window = sched.duration_s
-        return sched, window
+        return schedule.cut(*self.arrivals(spec), spec.max_queries)
 
     def adjust(self, spec: ScenarioSpec) -> ScenarioSpec:
         """The spec as this scenario runs it (single-stream: one outstanding)."""
@@ -135,10 +133,23 @@ def driver(
 async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluation_id: str) -> Run:
     """One run of an open- or closed-loop scenario (no sweep, no search), judged."""
     inputs, labels = ctx.feeders(spec.batch_size)
-    if scenario.closed_loop:
+    why: tuple[str, ...] = ()
+    closed = scenario.closed_loop
+    if ctx.placement == "agent":  # the agent generates the load itself
+        rec, why = await agentrun.drive(
+            ctx.bus,
+            agent_id=ctx.agent_id,
+            evaluation_id=ctx.evaluation_id,
+            spec=spec,
+            trace_level=ctx.trace_level,
+            offset_ns=ctx.offset_ns,
+            labels=labels,
+            on_progress=ctx.on_progress,
+        )
+        window = _closed_window(rec) if closed else scenario.schedule(spec)[1]
+    elif closed:
         rec = await driver(ctx, spec, inputs, labels).run()
-        done = rec.completed[rec.completed > 0]
-        window = float(done.max()) / 1e9 if done.size else 0.0
+        window = _closed_window(rec)
     else:
         sched, window = scenario.schedule(spec)
         if spec.loadgen_hosts:
@@ -152,7 +163,7 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
         else:
             rec = await driver(ctx, spec, inputs, labels, sched).run()
     rec.warmup = min(spec.warmup_queries, rec.n)
-    requested, closed = scenario.requested_qps(spec), scenario.closed_loop
+    requested = scenario.requested_qps(spec)
     verdict = judge(
         rec,
         spec,
@@ -162,5 +173,13 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
         poisson=scenario.poisson,
         open_loop=not closed,
     )
+    if why:  # the agent's own account of a local run that went wrong
+        verdict = Verdict(valid=False, reasons=(*verdict.reasons, *why))
     fig = figures(rec, has_labels=labels is not None, window_s=None if closed else window)
     return Run(evaluation_id, spec, rec, fig, verdict, latency_split(rec), requested)
+
+
+def _closed_window(rec: RunRecord) -> float:
+    """A closed loop's window: until its last completion (s)."""
+    done = rec.completed[rec.completed > 0]
+    return float(done.max()) / 1e9 if done.size else 0.0

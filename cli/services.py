@@ -91,6 +91,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "directories (as MLSCOPE_ALLOW_CUSTOM_CODE=1; never bus manifests)",
     )
     ag.add_argument(
+        "--no-local-runs",
+        dest="local_runs",
+        action="store_false",
+        help="refuse to generate a run's load here (jobs with placement agent go elsewhere)",
+    )
+    ag.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="stderr log level (default info)"
     )
     ag.set_defaults(func=run_agent)
@@ -115,7 +121,11 @@ def run_agent(args: argparse.Namespace) -> int:
     if args.allow_custom_code:
         settings = settings.with_(allow_custom_code=True)
     config = AgentConfig(
-        framework=args.framework, agent_id=args.agent_id, device=args.device, threads=args.threads
+        framework=args.framework,
+        agent_id=args.agent_id,
+        device=args.device,
+        threads=args.threads,
+        local_runs=args.local_runs,
     )
     catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
     return _serve(Agent(settings, config, catalog).run)

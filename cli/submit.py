@@ -149,6 +149,13 @@ def parser() -> argparse.ArgumentParser:
         help="run the scenario N times, one after another; prints run-level "
         "statistics (mean and 95%% CI over runs)",
     )
+    p.add_argument(
+        "--placement",
+        choices=("server", "agent"),
+        default="server",
+        help="where the load generator runs: server (queries cross the bus: the served "
+        "model) or agent (the agent runs the scenario itself: the model)",
+    )
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
     p.add_argument(
         "--strict",
@@ -212,6 +219,7 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         accuracy=getattr(args, "accuracy", False),
         accuracy_samples=getattr(args, "accuracy_samples", None),
         parallel=getattr(args, "parallel", False),
+        placement=getattr(args, "placement", "server"),
         system=system_from_args(args),
     )
 
@@ -255,6 +263,7 @@ def format_summary(s: EvaluationSummary) -> str:
             "scenario",
             f"{s.scenario['name']} batch={s.scenario['batch_size']} seed={s.scenario['seed']}",
         ),
+        ("placement", f"load generated in the {s.placement}"),
         ("verdict", verdict),
         (
             "queries",

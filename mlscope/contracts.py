@@ -14,6 +14,9 @@ Schema history:
                service can act on (a negative pid, a heartbeat in the far future, an
                unknown trace level, a malformed version constraint, batch size 0);
                JobRequest.mlperf, JobRequest.mlperf_import, EvaluationSummary.mlperf;
+               JobRequest.placement, EvaluationSummary.placement,
+               AgentDescription.features and the local run (``RunOp``,
+               ``RunStarted``, ``RunRows``);
                JobRequest.system (``SystemRequirement``), AgentDescription.usable_cores
                and memory_limit_bytes, Accelerator.interconnect; ReleaseReply's RSS
                figures and EvaluationSummary's peak_rss_mb, rss_growth_mb, energy_j;
@@ -32,12 +35,21 @@ import uuid
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, TypeAdapter, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
 
 from mlscope.versions import parse_constraint
 
 __all__ = [
     "LOADGEN_CONTROL",
+    "LOCAL_RUN",
     "Accelerator",
     "AgentDescription",
     "CancelReply",
@@ -64,6 +76,7 @@ __all__ = [
     "ModelOffer",
     "PingOp",
     "PingReply",
+    "Placement",
     "PrepareOp",
     "PrepareReply",
     "Query",
@@ -72,6 +85,9 @@ __all__ = [
     "RefusedModel",
     "ReleaseOp",
     "ReleaseReply",
+    "RunOp",
+    "RunRows",
+    "RunStarted",
     "SampleBatch",
     "ScenarioName",
     "ScenarioSpec",
@@ -85,6 +101,12 @@ __all__ = [
 ]
 
 SCHEMA = 1
+LOCAL_RUN = "local-run"
+"""The feature an agent advertises when it can generate a run's load itself
+(``placement: agent``, :class:`RunOp`)."""
+Placement = Literal["server", "agent"]
+"""Where a run's load generator runs: on the server (every query crosses the bus to the
+agent and back: a *served* model) or in the agent (the model itself, no bus per query)."""
 
 
 def new_id(prefix: str) -> str:
@@ -221,6 +243,9 @@ class AgentDescription(_Message):
     started_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
     heartbeat_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
     heartbeat_s: float = Field(gt=0, le=3600, allow_inf_nan=False)
+    features: tuple[str, ...] = ()
+    """Optional abilities of this agent, e.g. :data:`LOCAL_RUN` (an agent that does
+    not list one is refused jobs that need it)."""
 
 
 # --------------------------------------------------------------------------- jobs
@@ -402,6 +427,10 @@ class JobRequest(_Message):
     system: SystemRequirement | None = None
     """What the agent's machine must have; the server merges it over the model
     manifest's ``system`` (a field set here wins)."""
+    placement: Placement = "server"
+    """Where the load generator runs: ``server`` (queries cross the bus; measures the
+    served model) or ``agent`` (the agent runs the scenario on its own copy of the
+    sample set and ships the per-query times back; measures the model itself)."""
 
     @field_validator("trace_level")
     @classmethod
@@ -414,6 +443,26 @@ class JobRequest(_Message):
     def _constraint(cls, value: str | None) -> str | None:
         parse_constraint(value)  # ValueError names the bad text
         return value
+
+    @model_validator(mode="after")
+    def _placement(self) -> JobRequest:
+        """A local run (placement agent) is one load generator driving one executor."""
+        if self.placement == "agent":
+            s = self.scenario
+            what = (
+                "an MLPerf LoadGen run"
+                if self.mlperf is not None or self.mlperf_import is not None
+                else f"scenario {s.name!r}"
+                if s.name == "cold-start"
+                else f"{s.loadgens} load generators"
+                if s.loadgens > 1
+                else "load-generator hosts (loadgen_hosts)"
+                if s.loadgen_hosts
+                else ""
+            )
+            if what:
+                raise ValueError(f"{what} cannot run with placement agent; use placement server")
+        return self
 
 
 class LatencyStats(BaseModel):
@@ -494,6 +543,8 @@ class EvaluationSummary(_Message):
     points: tuple[dict[str, Any], ...] = ()
     """peak / batched: every run made (rate or batch size, latencies, verdict, its id)."""
     loadgens: int = 1
+    placement: Placement = "server"
+    """Where the load generator ran (the job's ``placement``)."""
     mlperf: dict[str, Any] | None = None
     """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
     log, its verdict and early-stopping text, the log files kept, ``imported``."""
@@ -570,9 +621,38 @@ class ReleaseOp(_Message):
     unload: bool = False
 
 
-ControlRequest = Annotated[PingOp | DescribeOp | PrepareOp | ReleaseOp, Field(discriminator="op")]
+class RunOp(_Message):
+    """Run a scenario in the agent (``placement: agent``) for a prepared evaluation.
+
+    The agent builds the same schedule and sample order the server would (from
+    ``scenario`` and its seed), answers :class:`RunStarted` at once, runs the load on
+    its own pipeline executor and sends :class:`RunRows` to the same reply subject
+    while it runs, the last one with ``final`` (published, not requested: one
+    request, many replies, as ``allow_responses`` grants a responder).
+    """
+
+    op: Literal["run"] = "run"
+    evaluation_id: str
+    scenario: ScenarioSpec
+    trace_level: str = "model"
+    max_bytes: int = Field(default=1 << 20, ge=4096)
+    """Largest message the agent may send back (the bus's max payload, less room for
+    the subject and headers)."""
+
+    @field_validator("trace_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        TraceLevel.parse(value)
+        return value
+
+
+ControlRequest = Annotated[
+    PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, Field(discriminator="op")
+]
 """What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
-CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp] = TypeAdapter(ControlRequest)
+CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp] = TypeAdapter(
+    ControlRequest
+)
 
 
 class PingReply(_Message):
@@ -614,7 +694,46 @@ class ReleaseReply(_Message):
     packages on the CPU); None when no counter was readable."""
 
 
-ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply
+class RunStarted(_Message):
+    """The agent took a :class:`RunOp`: offset 0 of the run is ``t0_agent`` (its clock)."""
+
+    kind: Literal["run_started"] = "run_started"
+    t0_agent: int
+    queries: int = 0
+    """Queries the open-loop schedule holds (0 for a closed loop: not known ahead)."""
+
+
+class RunRows(_Message):
+    """Per-query rows of a local run, column by column (numpy arrays, one length).
+
+    Columns are those of :data:`mlscope.record.ARRAYS` for the rows ``start`` ..
+    ``start + len - 1``, times in ns from the run's ``t0_agent``, plus ``top1``
+    (rows x batch size, int32: each sample's predicted class, -1 if none). The last
+    message of a run has ``final`` and the run's totals; its ``seq`` + 1 is the
+    number of messages the run sent (a gap means rows were lost).
+    """
+
+    kind: Literal["run_rows"] = "run_rows"
+    evaluation_id: str
+    seq: int = Field(ge=0)
+    start: int = Field(ge=0)
+    columns: dict[str, NDArray]
+    errors: dict[int, str] = Field(default_factory=dict)
+    """Row index -> error message, for rows that failed or were refused."""
+    issued: int = 0
+    """Queries issued so far (shipped or still in flight)."""
+    final: bool = False
+    queries: int = 0
+    """final: rows in the run."""
+    not_issued: int = 0
+    cpu_s: float = 0.0
+    """final: CPU time of the agent's process during the run (its load generator's and
+    its model's: they share it)."""
+    error: dict[str, Any] | None = None
+    """final: the typed error that ended the run early, if one did."""
+
+
+ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply | RunStarted
 
 
 class ErrorReply(_Message):

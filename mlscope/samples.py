@@ -16,21 +16,39 @@ permutation of its own. Query ``i`` of ``b`` samples takes positions ``i*b .. i*
 of that endless sequence, so a query's rows depend only on the seed, the data-set
 size, the batch size and its global index: the server, a load-generator process on
 another host or an agent computes the same rows from those four numbers.
+
+What a run feeds is defined here too, once for every place a load is generated (the
+server's load generator, ``placement: server``, and the agent's local one,
+``placement: agent``): the data set (:func:`dataset`), query ``i``'s inputs and labels
+(:func:`feeders`), which models are scored (:func:`scored`) and how a reply's top-1 is
+read (:func:`top1`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 
+from mlscope.catalog import Entry
 from mlscope.errors import ConfigError
 
 __all__ = [
     "ARRIVAL_STREAM",
+    "FILL_ROWS",
     "FILL_STREAM",
     "SAMPLE_STREAM",
+    "Feeders",
     "SampleOrder",
+    "dataset",
+    "feeders",
     "sample_indices",
+    "scored",
     "stream",
+    "top1",
 ]
 
 ARRIVAL_STREAM = 0
@@ -40,6 +58,10 @@ SAMPLE_STREAM = 1
 FILL_STREAM = 2
 """Index of the stream synthetic inputs are drawn from (a model with no data set)."""
 _STREAMS = 3
+FILL_ROWS = 64
+"""Synthetic rows (from :data:`FILL_STREAM`) a model without a data set is fed."""
+Feeders = tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]
+"""(inputs(i), labels(i) or None) for the queries of one batch size."""
 
 
 def stream(seed: int, which: int) -> np.random.Generator:
@@ -96,3 +118,64 @@ def sample_indices(
     if dataset_size < 1 or n_queries < 0 or samples_per_query < 1:
         raise ConfigError("need dataset_size >= 1, n_queries >= 0 and samples_per_query >= 1")
     return SampleOrder(dataset_size, seed).positions(0, n_queries * samples_per_query)
+
+
+def dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """The manifest's labelled data set (inputs, labels), or None when it names none."""
+    path = entry.dataset(zoo_dir)
+    if path is None:
+        return None
+    with np.load(path) as npz:
+        return npz["x"], npz["y"]
+
+
+def feeders(
+    data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int, seed: int
+) -> Feeders:
+    """Query i's raw inputs (and labels): the rows :class:`SampleOrder` gives it (seeded
+    permutations of the data set, a fresh one per cycle; the sample order has its own
+    seed stream, independent of the arrival schedule's). A model with no data set gets
+    :data:`FILL_ROWS` synthetic rows, drawn from the seed's fill stream, and no labels.
+
+    Both functions may be called from several threads (an agent's local closed loop
+    issues from its predict threads): the order is drawn under a lock.
+    """
+    if data is None:
+        x = stream(seed, FILL_STREAM).standard_normal((FILL_ROWS, *shape))
+        data, labelled = (x.astype(np.float32), np.zeros(FILL_ROWS, np.int64)), False
+    else:
+        labelled = True
+    x, y = data
+    order = SampleOrder(len(x), seed)
+    lock = threading.Lock()
+
+    def rows(i: int) -> np.ndarray:
+        with lock:
+            return order.rows(i, batch)
+
+    def inputs(i: int) -> np.ndarray:
+        got: np.ndarray = x[rows(i)]
+        return got
+
+    def labels(i: int) -> np.ndarray:
+        got: np.ndarray = y[rows(i)]
+        return got
+
+    return inputs, (labels if labelled else None)
+
+
+def scored(feed: Feeders, manifest: Any) -> Feeders:
+    """Labels only for a model scored by top-k: a detector's or a latency-only model's
+    top-1 would be a meaningless number (it shows none)."""
+    ok = manifest.dataset is not None and manifest.dataset.metric in ("top1", "top5")
+    return feed if ok else (feed[0], None)
+
+
+def top1(outputs: Any) -> np.ndarray | None:
+    """Each sample's predicted class: the first value of its post-processed output
+    (argmax or the first of top-k), as the load generator scores it; None when the
+    outputs have no per-sample values."""
+    if isinstance(outputs, np.ndarray) and outputs.size and outputs.ndim >= 1:
+        first: np.ndarray = outputs.reshape(outputs.shape[0], -1)[:, 0]
+        return first
+    return None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import anyio
 import nats
+import nats.aio.client
 import nats.aio.msg
 import nats.errors
 import pytest
@@ -176,10 +177,13 @@ def test_auth_init_writes_one_seed_per_role(auth_dir: Path) -> None:
 
 def test_no_credentials_no_connection(secured: NatsServer) -> None:
     async def main() -> None:
-        nc = await nats.connect(
-            secured.url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0
-        )
-        await nc.close()
+        nc = nats.aio.client.Client()
+        try:
+            await nc.connect(
+                secured.url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0
+            )
+        finally:  # a refused connect leaves its transport open: closed here, not by GC
+            await nc.close()
 
     with pytest.raises(nats.errors.Error, match=r"(?i)authori"):
         anyio.run(main, backend="asyncio")
@@ -266,6 +270,21 @@ def test_stack_runs_an_evaluation_under_role_credentials(
             backend="asyncio",
         )
         assert summary.status == "completed" and summary.errors == 0 and summary.queries >= 40
+        # Placement agent: the run's rows are many replies to one run request, which the
+        # agent's own user may send (allow_responses), and nothing else.
+        local = anyio.run(
+            lambda: submit(
+                client,
+                JobRequest(
+                    model="noop",
+                    framework="noop",
+                    scenario=ScenarioSpec(name="single-stream", duration_s=30, max_queries=300),
+                    placement="agent",
+                ),
+            ),
+            backend="asyncio",
+        )
+        assert (local.placement, local.errors, local.queries) == ("agent", 0, 300)
 
         async def read_back() -> dict[str, object]:
             # The dashboard's way: the server answers into the reader's own inbox.

@@ -216,10 +216,13 @@ def test_comparisons_name_what_differs() -> None:
             "requested_qps": [100.0, 200.0],
             "batch_size": [1, 1],
             "parallel": [False, True],
+            "placement": ["server", "agent"],
         }
     )
     why = mismatches(rows)
     assert any("requested qps (100.0, 200.0)" in w for w in why)
+    # the model served over the bus and the model itself are different measurements
+    assert any("placement (agent, server)" in w for w in why)
     assert any("--parallel" in w for w in why)
     assert mismatches(rows.iloc[[0, 0]]) == []
 
@@ -305,7 +308,7 @@ def test_only_models_scored_by_top_k_get_labels() -> None:
     meaningless 0)."""
     from types import SimpleNamespace
 
-    from broker.evaluate import _scored
+    from mlscope.samples import scored as _scored
 
     def feeders() -> tuple[Any, Any]:
         return (lambda i: np.zeros(1)), (lambda i: np.zeros(1))

@@ -7,9 +7,15 @@ import numpy as np
 import pytest
 
 from broker import schedule as sch
-from broker.evaluate import _feeders
 from mlscope.errors import ConfigError
-from mlscope.samples import ARRIVAL_STREAM, SAMPLE_STREAM, SampleOrder, sample_indices, stream
+from mlscope.samples import (
+    ARRIVAL_STREAM,
+    SAMPLE_STREAM,
+    SampleOrder,
+    feeders,
+    sample_indices,
+    stream,
+)
 
 
 def test_each_cycle_is_a_permutation_of_its_own() -> None:
@@ -53,14 +59,14 @@ def test_seeded_and_independent_of_the_arrival_stream() -> None:
 def test_real_runs_feed_queries_by_the_helper() -> None:
     x = np.arange(13 * 2, dtype=np.float32).reshape(13, 2)
     y = np.arange(13) * 10
-    inputs, labels = _feeders((x, y), (2,), 3, 5)
+    inputs, labels = feeders((x, y), (2,), 3, 5)
     assert labels is not None
     want = sample_indices(20, 13, seed=5, samples_per_query=3)
     for i in (19, 0, 7):
         rows = want[3 * i : 3 * i + 3]
         np.testing.assert_array_equal(inputs(i), x[rows])
         np.testing.assert_array_equal(labels(i), y[rows])
-    fill, none = _feeders(None, (2,), 2, 5)
+    fill, none = feeders(None, (2,), 2, 5)
     assert none is None and fill(0).shape == (2, 2) and fill(0).dtype == np.float32
 
 

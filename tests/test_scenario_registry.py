@@ -79,3 +79,31 @@ def test_a_new_scenario_is_one_small_class() -> None:
     t = sched.offsets_ns / 1e9
     per_third = np.histogram(t, bins=[0, 2, 4, 6])[0]
     assert per_third[1] > 1.6 * per_third[0] and per_third[1] > 1.6 * per_third[2]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ScenarioSpec(name="online", qps=200, duration_s=2, seed=5),
+        ScenarioSpec(name="peak", qps=150, duration_s=2, seed=1),
+        ScenarioSpec(name="constant", qps=100, duration_s=2, max_queries=30),
+        ScenarioSpec(name="multi-stream", qps=50, duration_s=2, batch_size=4),
+        ScenarioSpec(name="replay", arrivals_s=(0.0, 0.01, 0.02)),
+        ScenarioSpec(name="piecewise", segments=((10.0, 100.0, 1.0), (100.0, 10.0, 1.0))),
+    ],
+    ids=lambda s: s.name,
+)
+def test_the_agent_and_the_registry_share_one_definition_of_arrivals(
+    spec: ScenarioSpec,
+) -> None:
+    """An agent's local run (placement agent) cannot import the broker: it reads a
+    spec's arrivals from mlscope.schedule, which the registry's open loops call."""
+    from mlscope import schedule as shared
+
+    assert set(shared.ARRIVALS) == {n for n, s in REGISTRY.items() if not s.closed_loop} - {
+        "cold-start"
+    }
+    ours, window = build_schedule(spec)
+    theirs, their_window = shared.build_schedule(spec)
+    np.testing.assert_array_equal(ours.offsets_ns, theirs.offsets_ns)
+    assert ours.samples_per_query == theirs.samples_per_query and window == their_window

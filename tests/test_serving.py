@@ -19,6 +19,7 @@ from mlscope.contracts import (
     PingReply,
     PrepareOp,
     ReleaseOp,
+    RunOp,
 )
 from mlscope.errors import (
     DatabaseError,
@@ -59,7 +60,9 @@ def test_a_failing_handler_answers_with_its_typed_error_and_keeps_serving(
 ) -> None:
     calls: list[str] = []
 
-    async def handler(req: PingOp | DescribeOp | PrepareOp | ReleaseOp, msg: Msg) -> PingReply:
+    async def handler(
+        req: PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, msg: Msg
+    ) -> PingReply:
         calls.append(type(req).__name__)
         if len(calls) == 1:
             raise KeyError("first call fails")

@@ -1,17 +1,13 @@
 """Open-loop scenarios: queries follow a schedule fixed before the clock starts, and a
-late query counts against the system (latency runs from its scheduled time)."""
+late query counts against the system (latency runs from its scheduled time). Their
+arrivals are defined in :mod:`mlscope.schedule` (the agent's local run uses them too)."""
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
-from broker import schedule
 from broker.scenario import Scenario
-from broker.schedule import Schedule
+from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
-from mlscope.errors import ConfigError
+from mlscope.schedule import Schedule
 
 __all__ = ["Constant", "MultiStream", "Online", "Piecewise", "Replay"]
 
@@ -24,8 +20,7 @@ class Online(Scenario):
     rate_driven = True
 
     def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        sched = schedule.poisson(spec.qps, duration_s=spec.duration_s, seed=spec.seed)
-        return sched, spec.duration_s
+        return schedule.poisson_arrivals(spec)
 
 
 class Constant(Scenario):
@@ -35,7 +30,7 @@ class Constant(Scenario):
     rate_driven = True
 
     def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        return schedule.constant(spec.qps, duration_s=spec.duration_s), spec.duration_s
+        return schedule.constant_arrivals(spec)
 
 
 class MultiStream(Scenario):
@@ -45,8 +40,7 @@ class MultiStream(Scenario):
     rate_driven = True
 
     def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        count = math.floor(spec.duration_s * spec.qps + 1e-9)
-        return schedule.multi_stream(1.0 / spec.qps, spec.batch_size, count), spec.duration_s
+        return schedule.multi_stream_arrivals(spec)
 
 
 class Replay(Scenario):
@@ -55,13 +49,7 @@ class Replay(Scenario):
     name = "replay"
 
     def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        if not spec.arrivals_s:
-            raise ConfigError("scenario 'replay' needs arrivals (mlscope-submit --schedule FILE)")
-        gaps = np.rint(np.asarray(spec.arrivals_s, dtype=np.float64) * 1e9).astype(np.int64)
-        if gaps.size and gaps.min() < 0:
-            raise ConfigError("replay inter-arrival times must be >= 0")
-        sched = Schedule(np.cumsum(gaps))
-        return sched, sched.duration_s
+        return schedule.replay_arrivals(spec)
 
 
 class Piecewise(Scenario):
@@ -71,7 +59,4 @@ class Piecewise(Scenario):
     poisson = True
 
     def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        if not spec.segments:
-            raise ConfigError("scenario 'piecewise' needs segments (rate_start, rate_end, s)")
-        sched = schedule.piecewise(spec.segments, seed=spec.seed)
-        return sched, float(sum(s[2] for s in spec.segments))
+        return schedule.piecewise_arrivals(spec)

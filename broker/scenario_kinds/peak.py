@@ -3,12 +3,12 @@ find-peak-performance), by a binary search of runs."""
 
 from __future__ import annotations
 
-from broker import schedule
 from broker.context import Context
 from broker.scenario import Outcome, Run, Scenario, run_once
-from broker.schedule import Schedule
+from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
+from mlscope.schedule import Schedule
 from mlscope.validity import ValidityPolicy, early_stopping_queries_needed
 
 __all__ = ["PEAK_PRECISION", "Peak", "next_rate", "peak_floor_qps"]
@@ -56,8 +56,7 @@ class Peak(Scenario):
     rate_driven = True
 
     def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        sched = schedule.poisson(spec.qps, duration_s=spec.duration_s, seed=spec.seed)
-        return sched, spec.duration_s
+        return schedule.poisson_arrivals(spec)
 
     async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
         """Binary search of the highest Poisson rate whose run is VALID under the bound.

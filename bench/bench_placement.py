@@ -1,0 +1,308 @@
+"""Placement agent against placement server, a bare loop and MLPerf LoadGen, in one run.
+
+1. Batched throughput of ``digits_cnn`` (ONNX Runtime, batch 32) through the platform
+   with ``placement: agent`` and with ``placement: server``, against a bare
+   ``predictor.predict`` loop over pre-processed batches of the same file with the
+   agent's thread settings, in a process of its own. The three are alternated in each
+   round (the order rotates), so all see the same background load; medians over
+   rounds, and each placement's ratio to the bare loop.
+2. Latency of the noop model at ``--qps`` (1,000) Poisson with ``placement: agent``
+   (the agent's own pacer and executor; no bus per query) against MLPerf LoadGen's
+   Server scenario at the same rate with an in-process null SUT (each query completed
+   inside ``issue_query``), in a process of its own, and against ``placement: server``;
+   the three rotate in each round; medians of p50 / p99 and of the issue lag.
+
+Usage: PYTHONPATH=. python bench/bench_placement.py [--zoo DIR] [--rounds 3]
+       [--seconds 5] [--qps 1000] [--online-seconds 10] [--only batched|online]
+Prints one JSON document per part; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+
+from cli.demo import wait_for_agent
+from cli.services import Stack
+from cli.submit import submit
+from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
+from mlscope.settings import Settings
+
+MODEL, FRAMEWORK, BATCH = "digits_cnn", "onnxruntime", 32
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def stack(zoo: Path, frameworks: list[str]) -> tuple[Stack, Settings]:
+    data = Path(tempfile.mkdtemp(prefix="mlscope-bench-placement-"))  # fresh: never ~/.mlscope
+    (data / "zoo").symlink_to(zoo, target_is_directory=True)
+    s = Stack(Settings(data_dir=data), nats_port=0, frameworks=frameworks)
+    live = s.start()
+    for fw in frameworks:
+        anyio.run(wait_for_agent, live, fw)
+    return s, live
+
+
+def run_job(settings: Settings, job: JobRequest) -> EvaluationSummary:
+    return anyio.run(lambda: submit(settings, job, timeout=600), backend="asyncio")
+
+
+def threads() -> int | None:
+    """The agent's intra-op threads for ONNX Runtime (its framework manifest's)."""
+    from mlscope.manifest import FrameworkManifest, load_manifest
+
+    doc = load_manifest(ROOT / "manifests" / "frameworks" / f"{FRAMEWORK}.yaml")
+    n = doc.options.intra_op_threads if isinstance(doc, FrameworkManifest) else None
+    return n or None
+
+
+# ----------------------------------------------------------------------- children
+
+
+class Child:
+    """A bench child process answering one float per request line."""
+
+    def __init__(self, *args: str) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.ask("ready")
+
+    def ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if line != "ready":
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        for out in self.proc.stdout:  # runtimes may print first
+            if out.startswith("@"):
+                return out[1:].strip()
+        raise RuntimeError("the bench child ended")
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def bare_child(zoo: Path, n_threads: int | None) -> None:
+    """predictor.predict over pre-processed batches of the agent's file; nothing else."""
+    from agent.predictors import open_predictor
+    from agent.worker import LoadedModel
+    from mlscope import samples
+    from mlscope.catalog import Catalog, default_manifest_dirs
+    from mlscope.predictor import PredictorOptions
+
+    entry = Catalog.load(default_manifest_dirs()).find(MODEL, framework=FRAMEWORK)
+    m = entry.manifest
+    inputs, _ = samples.feeders(samples.dataset(entry, zoo), m.inputs[0].shape, BATCH, 0)
+    shaper = LoadedModel(entry, open_predictor("noop", Path("none"), m, PredictorOptions()), 0)
+    batches = [np.ascontiguousarray(shaper.pre[0](inputs(i))) for i in range(16)]
+    pred = open_predictor(
+        FRAMEWORK, entry.graph(zoo), m, PredictorOptions(batch_size=BATCH, threads=n_threads)
+    )
+    pred.predict([np.zeros((1, *batches[0].shape[1:]), batches[0].dtype)])  # as the agent
+
+    def rate(seconds: float) -> float:
+        done, k, t0 = 0, 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            pred.predict([batches[k % len(batches)]])
+            done += BATCH
+            k += 1
+        return done / (time.perf_counter() - t0)
+
+    rate(2.0)  # warm-up
+    print("@ready", flush=True)
+    for line in sys.stdin:
+        print(f"@{rate(float(line))}", flush=True)
+    pred.close()
+
+
+def null_sut_child() -> None:
+    """MLPerf LoadGen Server scenario with a null SUT: every query completed at issue."""
+    import mlperf_loadgen as lg
+
+    from broker.mlperf_logs import parse_detail
+
+    def issue(queries: list[Any]) -> None:
+        lg.QuerySamplesComplete([lg.QuerySampleResponse(q.id, 0, 0) for q in queries])
+
+    print("@ready", flush=True)
+    for line in sys.stdin:
+        qps, seconds = (float(v) for v in line.split())
+        out = Path(tempfile.mkdtemp(prefix="mlscope-null-sut-"))
+        sut = lg.ConstructSUT(issue, lambda: None)
+        qsl = lg.ConstructQSL(1024, 1024, lambda _: None, lambda _: None)
+        ts = lg.TestSettings()
+        ts.scenario = lg.TestScenario.Server
+        ts.mode = lg.TestMode.PerformanceOnly
+        ts.server_target_qps = qps
+        ts.min_duration_ms = int(seconds * 1000)
+        ts.min_query_count = int(qps * seconds * 0.9)
+        log = lg.LogSettings()
+        log.log_output.outdir = str(out)
+        log.log_output.copy_summary_to_stdout = False
+        lg.StartTestWithLogSettings(sut, qsl, ts, log)
+        lg.DestroyQSL(qsl)
+        lg.DestroySUT(sut)
+        kv = parse_detail((out / "mlperf_log_detail.txt").read_text())
+        doc = {
+            "p50_ms": kv["result_50.00_percentile_latency_ns"] / 1e6,
+            "p99_ms": kv["result_99.00_percentile_latency_ns"] / 1e6,
+            "queries": kv.get("result_query_count"),
+        }
+        print("@" + json.dumps(doc), flush=True)
+
+
+# ----------------------------------------------------------------------- parts
+
+
+def batched(zoo: Path, rounds: int, seconds: float) -> dict[str, Any]:
+    s, live = stack(zoo, [FRAMEWORK])
+    bare = Child("--bare-child", "--zoo", str(zoo), "--threads", str(threads() or 0))
+    spec = ScenarioSpec(
+        name="batched", batch_size=BATCH, duration_s=seconds, min_duration_s=0, min_queries=1
+    )
+    got: dict[str, list[float]] = {"bare": [], "agent": [], "server": []}
+    order = ["bare", "agent", "server"]
+    try:
+        for _ in range(1 + rounds):  # the first round warms every path up, not kept
+            for who in order:
+                if who == "bare":
+                    ips = float(bare.ask(str(seconds)))
+                else:
+                    job = JobRequest(
+                        model=MODEL,
+                        framework=FRAMEWORK,
+                        scenario=spec,
+                        trace_level="none",
+                        placement=who,  # type: ignore[arg-type]
+                    )
+                    ips = run_job(live, job).throughput_ips or 0.0
+                got[who].append(ips)
+            order = order[1:] + order[:1]  # rotate: no path always runs first
+    finally:
+        bare.close()
+        s.stop()
+    kept = {k: v[1:] for k, v in got.items()}
+    med = {k: statistics.median(v) for k, v in kept.items()}
+    ratios = {
+        who: statistics.median(p / b for p, b in zip(kept[who], kept["bare"], strict=True))
+        for who in ("agent", "server")
+    }
+    return {
+        "model": f"{MODEL} {FRAMEWORK} batch {BATCH}",
+        "threads": threads(),
+        "seconds_per_run": seconds,
+        "rounds": rounds,
+        "inputs_per_s": kept,
+        "median_inputs_per_s": med,
+        "median_ratio_to_bare": ratios,
+        "median_ratio_agent_to_server": statistics.median(
+            a / b for a, b in zip(kept["agent"], kept["server"], strict=True)
+        ),
+    }
+
+
+def online(zoo: Path, rounds: int, seconds: float, qps: float) -> dict[str, Any]:
+    s, live = stack(zoo, ["noop"])
+    lg = Child("--null-sut-child")
+    spec = ScenarioSpec(name="online", qps=qps, duration_s=seconds)
+    got: dict[str, list[dict[str, Any]]] = {"agent": [], "null_sut": [], "server": []}
+    order = list(got)
+    try:
+        for _ in range(rounds):
+            for who in order:
+                if who == "null_sut":
+                    got[who].append(json.loads(lg.ask(f"{qps} {seconds}")))
+                    continue
+                job = JobRequest(
+                    model="noop",
+                    framework="noop",
+                    scenario=spec,
+                    trace_level="none",
+                    placement=who,  # type: ignore[arg-type]
+                )
+                got[who].append(_latency(run_job(live, job)))
+            order = order[1:] + order[:1]  # rotate: no path always runs first
+    finally:
+        lg.close()
+        s.stop()
+
+    def med(who: str, key: str) -> float:
+        return statistics.median(float(r[key]) for r in got[who])
+
+    return {
+        "qps": qps,
+        "seconds_per_run": seconds,
+        "rounds": rounds,
+        "runs": got,
+        "median_p50_ms": {k: med(k, "p50_ms") for k in got},
+        "median_p99_ms": {k: med(k, "p99_ms") for k in got},
+        "median_issue_lag_us": {
+            k: {q: med(k, f"issue_lag_{q}_us") for q in ("p50", "p99")} for k in ("agent", "server")
+        },
+    }
+
+
+def _latency(summ: EvaluationSummary) -> dict[str, Any]:
+    split = summ.issue_lag_split_us or {}
+    return {
+        "p50_ms": summ.latency_ms.p50,
+        "p99_ms": summ.latency_ms.p99,
+        "issue_lag_p50_us": summ.issue_lag_us.get("p50"),
+        "issue_lag_p99_us": summ.issue_lag_us.get("p99"),
+        "pacer_p99_us": (split.get("pacer") or {}).get("p99"),
+        "handoff_p99_us": (split.get("loop") or {}).get("p99"),
+        "queries": summ.queries,
+        "valid": summ.valid,
+        "invalid_reasons": list(summ.invalid_reasons),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--zoo", type=Path, default=Path(os.environ.get("MLSCOPE_TEST_ZOO", "/work/zoo"))
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--qps", type=float, default=1000.0)
+    p.add_argument("--online-seconds", type=float, default=10.0)
+    p.add_argument("--only", choices=("batched", "online"), default=None)
+    p.add_argument("--bare-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--null-sut-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.bare_child:
+        return bare_child(a.zoo, a.threads or None)
+    if a.null_sut_child:
+        return null_sut_child()
+    print(f"# load average at start: {os.getloadavg()}", flush=True)
+    if a.only in (None, "batched"):
+        print(json.dumps({"batched": batched(a.zoo, a.rounds, a.seconds)}, indent=1), flush=True)
+    if a.only in (None, "online"):
+        doc = online(a.zoo, a.rounds, a.online_seconds, a.qps)
+        print(json.dumps({"online": doc}, indent=1), flush=True)
+    print(f"# load average at end: {os.getloadavg()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

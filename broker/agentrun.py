@@ -1,0 +1,214 @@
+"""A run whose load is generated in the agent (``placement: agent``), seen from the server.
+
+::
+
+    server                                        agent (agent/localrun.py)
+      ctl RunOp {scenario}, reply inbox ────────► schedule, sample order, pacer: local
+      ◄──────────────────── RunStarted {t0_agent}
+      ◄── RunRows (columns, every 0.25 s) ─────── rows done so far
+      ◄── RunRows final {queries, not_issued} ─── the rest, and the totals
+
+The server fills the same :class:`mlscope.record.RunRecord` a server-placed run fills:
+the agent's times are ns from its ``t0``, and ``t0`` is mapped onto the server's clock
+with the offset measured by ping (``rec.t0_ns = t0_agent - offset``), so stored rows,
+spans and the trace timeline line up as for any run. The server scores each query's
+top-1 against its own labels (the same seeded order, :mod:`mlscope.samples`) and judges
+the run with the same code (:func:`broker.summary.judge`).
+
+An agent that goes silent is pinged; if it does not answer, the rows it shipped are
+kept and the run gets the reason "agent <id> lost after N of M queries"; rows it had
+not shipped are not stored (their times never left the agent).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import nats.errors
+import numpy as np
+
+from mlscope import codec, names
+from mlscope.bus import Bus, request
+from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, TraceLevel, new_id
+from mlscope.errors import BusError, MLScopeError, error_from_wire
+from mlscope.record import ARRAYS, RunRecord
+
+__all__ = ["IDLE_S", "drive"]
+
+IDLE_S = 3.0
+"""Silence (no rows) after which the server pings the agent: it ships every 0.25 s."""
+START_TIMEOUT_S = 30.0
+END_SLACK_S = 60.0
+"""Beyond the run's duration and drain, how long a live but silent agent is awaited."""
+PAYLOAD_HEADROOM = 1024
+Labels = Callable[[int], np.ndarray] | None
+
+
+async def drive(
+    bus: Bus,
+    *,
+    agent_id: str,
+    evaluation_id: str,
+    spec: ScenarioSpec,
+    trace_level: TraceLevel,
+    offset_ns: int,
+    labels: Labels,
+    on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None,
+) -> tuple[RunRecord, tuple[str, ...]]:
+    """Have the agent run ``spec``; the filled record and any reasons it is INVALID."""
+    inbox = f"_INBOX.{new_id('run')}"
+    sub = await bus.nc.subscribe(inbox)
+    try:
+        op = RunOp(
+            evaluation_id=evaluation_id,
+            scenario=spec,
+            trace_level=trace_level.name.lower(),
+            max_bytes=int(bus.nc.max_payload) - PAYLOAD_HEADROOM,
+        )
+        await bus.nc.publish(names.agent_ctl(agent_id), codec.encode_model(op), reply=inbox)
+        started, early = await _started(sub, agent_id)
+        rec = RunRecord(n=max(started.queries, 1), batch_size=spec.batch_size)
+        rec.t0_ns = started.t0_agent - offset_ns
+        collector = _Collector(rec, labels, agent_id)
+        for rows in early:
+            collector.add(rows)
+        last = early[-1] if early and early[-1].final else None
+        limit = spec.duration_s + 10.0 + END_SLACK_S
+        if last is not None:
+            reasons = collector.finish(last)
+        else:
+            reasons = await collector.collect(bus, sub, limit, on_progress)
+    finally:
+        await sub.unsubscribe()
+    return collector.rec, reasons
+
+
+async def _started(sub: Any, agent_id: str) -> tuple[RunStarted, list[RunRows]]:
+    """The agent's answer to the run request (its typed error raised), and any rows
+    that overtook it."""
+    early: list[RunRows] = []
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=max(0.01, deadline - time.monotonic()))
+        except (TimeoutError, nats.errors.TimeoutError) as exc:
+            raise BusError(
+                f"agent {agent_id} did not start the local run within {START_TIMEOUT_S:.0f} s",
+                agent_id=agent_id,
+            ) from exc
+        data = codec.decode(msg.data)
+        kind = data.get("kind") if isinstance(data, dict) else None
+        if kind == "error":
+            raise error_from_wire(data["error"])
+        if kind == "run_started":
+            return RunStarted.model_validate(data), early
+        early.append(codec.decode_model(RunRows, msg.data))
+
+
+class _Collector:
+    """RunRows into a RunRecord, scored with the server's labels."""
+
+    def __init__(self, rec: RunRecord, labels: Labels, agent_id: str) -> None:
+        self.rec, self.labels, self.agent_id = rec, labels, agent_id
+        self.messages = 0
+        self.issued = 0
+        self.rows = 0
+
+    async def collect(
+        self,
+        bus: Bus,
+        sub: Any,
+        limit_s: float,
+        on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None,
+    ) -> tuple[str, ...]:
+        began = time.monotonic()
+        shown = 0.0
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=IDLE_S)
+            except (TimeoutError, nats.errors.TimeoutError):
+                if not await _alive(bus, self.agent_id):
+                    return (self._lost(),)
+                if time.monotonic() - began > limit_s:
+                    self._end(self.rows)
+                    return (
+                        f"agent {self.agent_id} did not finish its local run within "
+                        f"{limit_s:.0f} s (answered {self.answered()} of {self.issued} queries)",
+                    )
+                continue
+            rows = codec.decode_model(RunRows, msg.data)
+            self.add(rows)
+            if on_progress is not None and time.monotonic() - shown > 0.5:
+                shown = time.monotonic()
+                await on_progress(self.rec, shown - began)
+            if rows.final:
+                return self.finish(rows)
+
+    def add(self, rows: RunRows) -> None:
+        """Copy one message's rows into the record (growing it as needed)."""
+        self.messages += 1
+        self.issued = max(self.issued, rows.issued)
+        cols = rows.columns
+        count = len(cols["ok"]) if "ok" in cols else 0
+        a, b = rows.start, rows.start + count
+        rec = self.rec
+        while b > rec.n:
+            rec.grow()
+        for name in ARRAYS:
+            if name in cols:
+                getattr(rec, name)[a:b] = cols[name]
+        for i, e in rows.errors.items():
+            rec.errors[int(i)] = e
+        top1 = cols.get("top1")
+        if top1 is not None and count:
+            top1 = top1.reshape(count, -1)
+            ok = rec.ok[a:b].astype(bool)
+            rec.prediction[a:b] = np.where(ok, top1[:, 0], -1)
+            if self.labels is not None:
+                want = np.stack([np.asarray(self.labels(i)).reshape(-1) for i in range(a, b)])
+                k = min(want.shape[1], top1.shape[1])
+                hits = np.count_nonzero(top1[:, :k] == want[:, :k], axis=1)
+                rec.correct[a:b] = np.where(ok, hits, 0)
+        self.rows = max(self.rows, b)
+        rec.done += int(np.count_nonzero(cols["completed"])) if "completed" in cols else 0
+
+    def answered(self) -> int:
+        return int(np.count_nonzero(self.rec.ok[: self.rows]))
+
+    def _end(self, n: int) -> None:
+        if n < self.rec.n:
+            self.rec.trim(n)
+
+    def _lost(self) -> str:
+        """The agent stopped answering: keep the rows it shipped."""
+        self._end(self.rows)
+        issued = max(self.issued, self.rows)
+        return (
+            f"agent {self.agent_id} lost after {self.answered()} of {issued} queries "
+            f"(placement agent: {issued - self.rows} issued queries were not reported)"
+        )
+
+    def finish(self, rows: RunRows) -> tuple[str, ...]:
+        """The run's end: its totals, and what went wrong on the way."""
+        self._end(rows.queries)
+        self.rec.not_issued = rows.not_issued
+        why: list[str] = []
+        if self.messages != rows.seq + 1:
+            why.append(
+                f"{rows.seq + 1 - self.messages} of {rows.seq + 1} row messages of the "
+                "local run were lost on the bus"
+            )
+        if rows.error is not None:
+            err = error_from_wire(rows.error)
+            why.append(f"the agent's local run failed: {err.message}")
+        return tuple(why)
+
+
+async def _alive(bus: Bus, agent_id: str) -> bool:
+    try:
+        await request(bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()), timeout=2.0)
+    except MLScopeError:
+        return False
+    return True

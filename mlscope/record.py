@@ -1,0 +1,96 @@
+"""The raw per-query record of one run: every timestamp, kept, from which every figure
+is derived (:mod:`broker.summary`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mlscope.outcomes import classify
+
+__all__ = ["ARRAYS", "TIME_ARRAYS", "RunRecord"]
+
+TIME_ARRAYS = (
+    "scheduled",
+    "paced",
+    "issued",
+    "completed",
+    "agent_received",
+    "predict_start",
+    "predict_end",
+    "agent_replied",
+)
+"""Per-query times (ns from t0, 0 where it did not happen)."""
+ARRAYS = (*TIME_ARRAYS, "ok", "refused", "correct", "prediction")
+"""Every per-query array of a :class:`RunRecord`."""
+_DTYPES = {"ok": np.uint8, "refused": np.uint8, "correct": np.int32, "prediction": np.int32}
+
+
+@dataclass
+class RunRecord:
+    """Raw per-query samples of one run (ns, load-generator clock, relative to t0).
+
+    ``paced``: when the pacer thread released the query; ``issued``: when the event
+    loop handed it to the bus client (the issue time every figure uses); a closed loop
+    stamps both at once. ``refused``: the agent answered "overloaded". The first
+    ``warmup`` queries are warm-up (kept, flagged, left out of statistics).
+    """
+
+    n: int
+    batch_size: int
+    t0_ns: int = 0
+    warmup: int = 0
+    scheduled: np.ndarray = field(init=False)
+    paced: np.ndarray = field(init=False)
+    issued: np.ndarray = field(init=False)
+    completed: np.ndarray = field(init=False)
+    agent_received: np.ndarray = field(init=False)
+    predict_start: np.ndarray = field(init=False)
+    predict_end: np.ndarray = field(init=False)
+    agent_replied: np.ndarray = field(init=False)
+    ok: np.ndarray = field(init=False)
+    refused: np.ndarray = field(init=False)
+    correct: np.ndarray = field(init=False)
+    prediction: np.ndarray = field(init=False)
+    errors: dict[int, str] = field(default_factory=dict)
+    not_issued: int = 0
+    done: int = 0
+    cpu_s: float = 0.0
+    """CPU time (s) the load generator's process used during the run."""
+    sources: tuple[dict[str, Any], ...] = ()
+    """Which load-generator service ran which slice (distributed load over services)."""
+
+    def __post_init__(self) -> None:
+        for name in ARRAYS:
+            setattr(self, name, np.zeros(self.n, _DTYPES.get(name, np.int64)))
+        self.prediction[:] = -1
+
+    def trim(self, count: int) -> None:
+        """Keep the first ``count`` queries (a closed loop stops when time is up)."""
+        for name in ARRAYS:
+            setattr(self, name, getattr(self, name)[:count])
+        self.n = count
+
+    def grow(self) -> None:
+        """Double the room for queries (a closed loop that outran its first estimate)."""
+        for name in ARRAYS:
+            old = getattr(self, name)
+            new = np.zeros(max(2 * self.n, 1), old.dtype)
+            if name == "prediction":
+                new[:] = -1
+            new[: self.n] = old
+            setattr(self, name, new)
+        self.n = max(2 * self.n, 1)
+
+    def outcomes(self) -> np.ndarray:
+        """Each query's :class:`mlscope.outcomes.Outcome`."""
+        return classify(
+            issued=self.issued, completed=self.completed, ok=self.ok, refused=self.refused
+        )
+
+    def measured(self) -> np.ndarray:
+        """Mask of the queries statistics count: all but the warm-up."""
+        mask: np.ndarray = np.arange(self.n) >= self.warmup
+        return mask

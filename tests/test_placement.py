@@ -1,0 +1,273 @@
+"""Placement agent: the agent generates the load itself; the server stores the same run.
+
+Real nats-server, server and agent processes (onnxruntime with digits_cnn, noop).
+Timing is never asserted (the machine is shared): counts, stored rows, their order,
+verdicts and accuracy are.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from cli.services import Stack
+from cli.submit import format_summary, make_job, parser, submit
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
+from mlscope.errors import ConfigError, ResolutionError
+from mlscope.schedule import build_schedule
+from mlscope.settings import Settings
+from tests.conftest import child_env, python, running_stack, wait_agents
+
+pytestmark = pytest.mark.timeout(300)
+
+LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
+"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
+QUERY_ROWS = (
+    "SELECT query_index, scheduled_ns, issued_ns, agent_received_ns, predict_start_ns, "
+    "predict_end_ns, completed_ns, ok, outcome FROM queries FINAL "
+    "WHERE evaluation_id = {e:String} ORDER BY query_index"
+)
+
+
+@pytest.fixture(scope="module")
+def placement_stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Stack]:
+    with running_stack(tmp_path_factory.mktemp("placement"), zoo_dir, ["onnxruntime", "noop"]) as s:
+        yield s
+
+
+def run(settings: Settings, job: JobRequest) -> EvaluationSummary:
+    return anyio.run(lambda: submit(settings, job, timeout=240), backend="asyncio")
+
+
+def sql(settings: Settings, query: str, evaluation_id: str) -> list[list[Any]]:
+    async def go() -> list[list[Any]]:
+        async with busmod.connect(settings, name="test") as bus:
+            return (await remote.sql(bus, query, {"e": evaluation_id}))[1]
+
+    return anyio.run(go, backend="asyncio")
+
+
+def digits(placement: str, n: int) -> JobRequest:
+    spec = ScenarioSpec(name="batched", batch_size=32, max_queries=n, duration_s=60, **LOOSE)
+    return JobRequest(
+        model="digits_cnn",
+        framework="onnxruntime",
+        scenario=spec,
+        trace_level="none",
+        placement=placement,  # type: ignore[arg-type]
+    )
+
+
+def test_batched_in_the_agent_stores_every_query_in_order_and_is_valid(
+    placement_stack: Stack,
+) -> None:
+    settings = placement_stack.settings
+    n = 40
+    agent = run(settings, digits("agent", n))
+    server = run(settings, digits("server", n))
+    assert agent.valid, agent.invalid_reasons
+    assert (agent.placement, server.placement) == ("agent", "server")
+    assert agent.queries == n and agent.samples == 32 * n
+    assert (agent.errors, agent.failed, agent.refused, agent.lost, agent.not_issued) == (
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
+    assert agent.throughput_ips and agent.throughput_ips > 0
+    assert "placement" in format_summary(agent) and "in the agent" in format_summary(agent)
+    # The same seeded samples in the same order through the same model: the same top-1.
+    assert agent.accuracy is not None and server.accuracy is not None
+    assert agent.accuracy["top1"] > 0.9
+    assert abs(agent.accuracy["top1"] - server.accuracy["top1"]) <= 0.01
+
+    rows = np.asarray(sql(settings, QUERY_ROWS, agent.evaluation_id), dtype=np.int64)
+    assert rows.shape == (n, 9)
+    assert (rows[:, 0] == np.arange(n)).all()
+    times = rows[:, 1:7]  # scheduled, issued, received, predict start/end, completed
+    assert (times > 0).all()
+    assert (np.diff(times, axis=1) >= 0).all(), times[:3]
+    assert (rows[:, 7] == 1).all()
+    # A closed loop: each query is scheduled when it is issued, in index order.
+    assert (np.diff(rows[:, 1]) >= 0).all()
+    stored = sql(
+        settings,
+        "SELECT valid, summary FROM evaluations FINAL WHERE evaluation_id = {e:String}",
+        agent.evaluation_id,
+    )
+    assert stored[0][0] == 1 and '"placement":"agent"' in stored[0][1].replace(" ", "")
+
+
+def test_online_in_the_agent_issues_the_servers_schedule(placement_stack: Stack) -> None:
+    spec = ScenarioSpec(name="online", qps=500, duration_s=2, seed=3, **LOOSE)
+    job = JobRequest(
+        model="noop", framework="noop", scenario=spec, trace_level="none", placement="agent"
+    )
+    s = run(placement_stack.settings, job)
+    expected, _ = build_schedule(spec)
+    assert s.valid, s.invalid_reasons
+    assert s.queries == len(expected) and s.errors == 0 and s.not_issued == 0
+    lag = s.issue_lag_us
+    assert lag["min"] is not None and lag["min"] >= 0
+    rows = np.asarray(sql(placement_stack.settings, QUERY_ROWS, s.evaluation_id), np.int64)
+    np.testing.assert_array_equal(rows[:, 1], expected.offsets_ns)  # scheduled = the schedule
+    assert (rows[:, 2] >= rows[:, 1]).all()  # never issued early
+
+
+def test_single_stream_in_the_agent_keeps_one_query_in_flight(placement_stack: Stack) -> None:
+    spec = ScenarioSpec(name="single-stream", duration_s=30, max_queries=200, **LOOSE)
+    job = JobRequest(
+        model="noop", framework="noop", scenario=spec, trace_level="model", placement="agent"
+    )
+    s = run(placement_stack.settings, job)
+    assert s.valid, s.invalid_reasons
+    assert s.queries == 200 and s.errors == 0
+    rows = np.asarray(sql(placement_stack.settings, QUERY_ROWS, s.evaluation_id), np.int64)
+    assert (rows[1:, 2] >= rows[:-1, 6]).all()  # each issued after the previous completed
+
+
+def test_an_agent_without_the_feature_is_refused_with_the_fix(settings: Settings) -> None:
+    env = child_env(settings)
+    agent = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--no-local-runs"], env=env
+    )
+    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=50, duration_s=1),
+            placement="agent",
+        )
+        with pytest.raises(ResolutionError, match="cannot run load themselves") as info:
+            run(settings, job)
+        assert "--placement server" in info.value.message
+    finally:
+        for p in (agent, server):
+            p.terminate()
+            p.wait(20)
+
+
+def test_agent_killed_mid_local_run_is_invalid_with_the_reason(settings: Settings) -> None:
+    env = child_env(settings)
+    agent = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "doomed"],
+        env=env,
+    )
+    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=200, duration_s=6),
+            placement="agent",
+        )
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
+                agent.send_signal(signal.SIGKILL)
+
+        summary = anyio.run(
+            lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+        )
+        assert agent.poll() is not None and not summary.valid
+        lost = [r for r in summary.invalid_reasons if r.startswith("agent doomed lost after")]
+        assert lost, summary.invalid_reasons
+        answered = int(lost[0].split(" after ")[1].split(" of ")[0])
+        assert 150 <= answered < len(build_schedule(job.scenario)[0])
+        rows = sql(
+            settings,
+            "SELECT countIf(ok = 1), count() FROM queries FINAL WHERE evaluation_id = {e:String}",
+            summary.evaluation_id,
+        )
+        assert rows[0] == [answered, summary.queries]
+        assert server.poll() is None
+    finally:
+        for p in (agent, server):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(20)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"scenario": ScenarioSpec(name="cold-start")},
+        {"scenario": ScenarioSpec(name="online", loadgens=2)},
+        {"scenario": ScenarioSpec(name="online", loadgen_hosts=("lg-a",))},
+    ],
+    ids=["cold-start", "loadgens", "loadgen-hosts"],
+)
+def test_what_a_local_run_cannot_do_is_refused_at_intake(extra: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="placement agent"):
+        JobRequest(model="noop", framework="noop", placement="agent", **extra)
+
+
+def test_submit_takes_placement() -> None:
+    args = parser().parse_args(["noop", "--framework", "noop", "--placement", "agent"])
+    assert make_job(args).placement == "agent"
+    args = parser().parse_args(["noop", "--framework", "noop"])
+    assert make_job(args).placement == "server"
+
+
+def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
+    from agent.localrun import rows_messages
+    from broker.agentrun import _Collector
+    from mlscope import codec
+    from mlscope.contracts import RunRows
+    from mlscope.record import ARRAYS, RunRecord
+
+    n, batch = 5000, 4
+    src = RunRecord(n=n, batch_size=batch)
+    for k, name in enumerate(ARRAYS):
+        getattr(src, name)[:] = (np.arange(n) + k) % 2 if name in ("ok", "refused") else k + 1
+    cols = {name: getattr(src, name) for name in ARRAYS}
+    cols["top1"] = np.tile(np.arange(batch, dtype=np.int32), (n, 1))
+    errors = {7: "boom", 4999: "late"}
+    msgs = rows_messages("ev-x", 0, cols, errors, seq=0, max_bytes=64 << 10, final=True, queries=n)
+    assert len(msgs) > 5 and all(len(m) <= 64 << 10 for m in msgs)
+    labels = lambda i: np.arange(batch)  # noqa: E731  every sample right
+    got = _Collector(RunRecord(n=1, batch_size=batch), labels, "a")
+    for m in msgs:
+        got.add(codec.decode_model(RunRows, m))
+    last = codec.decode_model(RunRows, msgs[-1])
+    assert last.final and not codec.decode_model(RunRows, msgs[0]).final
+    assert got.finish(last) == ()
+    rec = got.rec
+    assert rec.n == n and rec.errors == errors
+    for name in ARRAYS[:-2]:  # correct and prediction are the server's own scoring
+        np.testing.assert_array_equal(getattr(rec, name), getattr(src, name), err_msg=name)
+    np.testing.assert_array_equal(rec.correct, np.where(src.ok == 1, batch, 0))
+
+
+def test_a_batch_over_the_bus_payload_runs_in_the_agent(placement_stack: Stack) -> None:
+    """efficientnet_lite0 at batch 8 is ~4.8 MB a query: refused through the bus (1 MiB
+    max payload), measured in the agent, where no query crosses it."""
+    spec = ScenarioSpec(name="batched", batch_size=8, max_queries=3, duration_s=60, **LOOSE)
+
+    def job(placement: str) -> JobRequest:
+        return JobRequest(
+            model="efficientnet_lite0",
+            framework="onnxruntime",
+            scenario=spec,
+            trace_level="none",
+            placement=placement,  # type: ignore[arg-type]
+        )
+
+    with pytest.raises(ConfigError, match="over the bus's max payload"):
+        run(placement_stack.settings, job("server"))
+    s = run(placement_stack.settings, job("agent"))
+    assert s.placement == "agent" and s.queries == 3 and s.samples == 24 and s.errors == 0
