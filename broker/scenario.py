@@ -11,7 +11,7 @@ run (a sweep, a search, reloads), overrides ``execute``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -24,7 +24,7 @@ from broker.summary import Figures, figures, judge, latency_split
 from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
-from mlscope.validity import Verdict
+from mlscope.validity import ValidityPolicy, Verdict
 
 __all__ = ["Outcome", "Run", "Scenario", "driver", "run_once"]
 
@@ -85,6 +85,19 @@ class Scenario:
     """Arrivals are Poisson: the verdict allows for the rate's sampling noise."""
     rate_driven: ClassVar[bool] = False
     """``qps`` is the rate the user asked for (judged against the achieved rate)."""
+    early_stopping: ClassVar[bool] = True
+    """Its runs must show their latency percentile by early stopping (MLPerf: a
+    throughput scenario has no latency target, so no such requirement)."""
+    percentile: ClassVar[float | None] = None
+    """The latency percentile its verdict targets (None: the policy's, p99)."""
+
+    def policy(self, base: ValidityPolicy) -> ValidityPolicy:
+        """``base`` with this scenario's own validity rules."""
+        return replace(
+            base,
+            early_stopping=base.early_stopping and self.early_stopping,
+            percentile=self.percentile if self.percentile is not None else base.percentile,
+        )
 
     def requested_qps(self, spec: ScenarioSpec) -> float | None:
         return spec.qps if self.rate_driven else None
@@ -167,7 +180,7 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
     verdict = judge(
         rec,
         spec,
-        ctx.policy,
+        scenario.policy(ctx.policy),
         window_s=window,
         requested_rate=requested,
         poisson=scenario.poisson,

@@ -264,18 +264,14 @@ def latency_split(rec: RunRecord) -> dict[str, dict[str, float | None]]:
 
 
 def policy_for(spec: ScenarioSpec, base: ValidityPolicy) -> ValidityPolicy:
-    """``base`` with what the scenario asks for: its minimums and its latency bound.
-
-    As MLPerf: a throughput sweep (``batched``, MLPerf offline) has no latency target,
-    so no early-stopping requirement; ``single-stream`` targets p90.
-    """
+    """``base`` with what the job's scenario spec asks for: its minimums and its latency
+    bound (a scenario's own rules, such as its percentile, are its strategy's:
+    :meth:`broker.scenario.Scenario.policy`)."""
     from dataclasses import replace
 
     bound = spec.latency_bound_ms
     return replace(
         base,
-        early_stopping=base.early_stopping and spec.name != "batched",
-        percentile=90.0 if spec.name == "single-stream" else base.percentile,
         min_duration_s=spec.min_duration_s
         if spec.min_duration_s is not None
         else base.min_duration_s,

@@ -11,6 +11,7 @@ import pytest
 from broker import schedule
 from broker.distributed import ARRAYS, merge_results
 from broker.loadgen import RunRecord
+from broker.scenario_kinds import get
 from broker.scenarios import (
     PEAK_PRECISION,
     build_schedule,
@@ -102,15 +103,15 @@ def test_scenario_targets_follow_mlperf() -> None:
     closed = record(np.arange(1, 201, dtype=np.int64) * 50 * MS)  # 200 queries over 10 s
 
     def ten_s(spec: ScenarioSpec) -> Verdict:
-        return judge(
-            closed, spec, ValidityPolicy(), window_s=10.0, requested_rate=None, poisson=False
-        )
+        policy = get(spec.name).policy(ValidityPolicy())  # the scenario's own rules
+        return judge(closed, spec, policy, window_s=10.0, requested_rate=None, poisson=False)
 
     online = ten_s(ScenarioSpec(name="online"))
     assert any(r.startswith("early stopping") for r in online.reasons)
     assert ten_s(ScenarioSpec(name="batched")).valid
     assert ten_s(ScenarioSpec(name="single-stream")).valid
-    assert policy_for(ScenarioSpec(name="single-stream"), ValidityPolicy()).percentile == 90
+    assert get("single-stream").policy(ValidityPolicy()).percentile == 90
+    assert get("online").policy(ValidityPolicy()) == ValidityPolicy()
 
 
 def test_failed_and_unanswered_queries_are_errors() -> None:

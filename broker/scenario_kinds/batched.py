@@ -18,6 +18,7 @@ class Batched(Scenario):
 
     name = "batched"
     closed_loop = True
+    early_stopping = False  # a throughput sweep (MLPerf offline) has no latency target
 
     async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
         sizes = spec.batch_sizes or (spec.batch_size,)

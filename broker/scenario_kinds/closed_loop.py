@@ -14,6 +14,7 @@ class SingleStream(Scenario):
 
     name = "single-stream"
     closed_loop = True
+    percentile = 90.0  # MLPerf single-stream's target
 
     def adjust(self, spec: ScenarioSpec) -> ScenarioSpec:
         return spec.model_copy(update={"concurrency": 1})
