@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -168,6 +169,26 @@ def stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[S
 
 def python() -> str:
     return sys.executable
+
+
+@contextmanager
+def agent_and_server(
+    settings: Settings, *agent_args: str
+) -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]]:
+    """``mlscope agent AGENT_ARGS`` and ``mlscope server`` as child processes on
+    ``settings``' bus, once the agent is registered; both stopped after (a test may
+    have killed either)."""
+    env = child_env(settings)
+    agent = subprocess.Popen([python(), "-m", "cli.main", "agent", *agent_args], env=env)
+    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    try:
+        anyio.run(wait_agents, settings, 1)
+        yield agent, server
+    finally:
+        for p in (agent, server):
+            if p.poll() is None:
+                p.terminate()
+                p.wait(20)
 
 
 async def wait_server(settings: Settings, timeout: float = 60.0) -> None:

@@ -8,7 +8,6 @@ verdicts and accuracy are.
 from __future__ import annotations
 
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioS
 from mlscope.errors import ConfigError, ResolutionError
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
-from tests.conftest import child_env, python, running_stack, wait_agents
+from tests.conftest import agent_and_server, running_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -138,13 +137,7 @@ def test_single_stream_in_the_agent_keeps_one_query_in_flight(placement_stack: S
 
 
 def test_an_agent_without_the_feature_is_refused_with_the_fix(settings: Settings) -> None:
-    env = child_env(settings)
-    agent = subprocess.Popen(
-        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--no-local-runs"], env=env
-    )
-    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-    try:
-        anyio.run(wait_agents, settings, 1)
+    with agent_and_server(settings, "--framework", "noop", "--no-local-runs"):
         job = JobRequest(
             model="noop",
             framework="noop",
@@ -154,21 +147,11 @@ def test_an_agent_without_the_feature_is_refused_with_the_fix(settings: Settings
         with pytest.raises(ResolutionError, match="cannot run load themselves") as info:
             run(settings, job)
         assert "--placement server" in info.value.message
-    finally:
-        for p in (agent, server):
-            p.terminate()
-            p.wait(20)
 
 
 def test_agent_killed_mid_local_run_is_invalid_with_the_reason(settings: Settings) -> None:
-    env = child_env(settings)
-    agent = subprocess.Popen(
-        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "doomed"],
-        env=env,
-    )
-    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-    try:
-        anyio.run(wait_agents, settings, 1)
+    agent_args = ("--framework", "noop", "--agent-id", "doomed")
+    with agent_and_server(settings, *agent_args) as (agent, server):
         job = JobRequest(
             model="noop",
             framework="noop",
@@ -195,11 +178,6 @@ def test_agent_killed_mid_local_run_is_invalid_with_the_reason(settings: Setting
         )
         assert rows[0] == [answered, summary.queries]
         assert server.poll() is None
-    finally:
-        for p in (agent, server):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(20)
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,14 @@ from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, free_port
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings
-from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_server
+from tests.conftest import (
+    agent_and_server,
+    child_env,
+    make_data_dir,
+    python,
+    wait_agents,
+    wait_server,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -233,14 +240,10 @@ async def _evaluations_of(settings: Settings, job_id: str) -> list[str]:
 def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
     settings: Settings,
 ) -> None:
-    env = child_env(settings)
-    agent = subprocess.Popen(
-        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "doomed"],
-        env=env,
-    )
-    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-    try:
-        anyio.run(wait_agents, settings, 1)
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "doomed") as (
+        agent,
+        server,
+    ):
         job = JobRequest(
             model="noop",
             framework="noop",
@@ -276,22 +279,13 @@ def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
             summary.evaluation_id
         ]
         assert server.poll() is None
-    finally:
-        for p in (agent, server):
-            if p.poll() is None:
-                p.terminate()
-                p.wait(20)
 
 
 def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Settings) -> None:
-    env = child_env(settings)
-    agent = subprocess.Popen(
-        [python(), "-m", "cli.main", "agent", "--framework", "onnxruntime", "--agent-id", "sturdy"],
-        env=env,
-    )
-    server = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-    try:
-        anyio.run(wait_agents, settings, 1)
+    with agent_and_server(settings, "--framework", "onnxruntime", "--agent-id", "sturdy") as (
+        agent,
+        server,
+    ):
         anyio.run(wait_server, settings)
 
         async def main() -> None:
@@ -342,10 +336,6 @@ def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Set
         )
         assert summary.status == "completed" and summary.errors == 0
         assert agent.poll() is None and server.poll() is None
-    finally:
-        for p in (agent, server):
-            p.terminate()
-            p.wait(20)
 
 
 def test_submit_without_a_server_fails_within_seconds(settings: Settings) -> None:
