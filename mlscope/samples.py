@@ -99,7 +99,10 @@ class SampleOrder:
         if not count:
             return pos
         first = start // n
-        flat = np.concatenate(self._cycles[first : last_cycle + 1])
+        # A query within one cycle (the usual case, on every query's path) indexes
+        # that cycle; only one that spans a cycle's end joins the two.
+        cycles = self._cycles[first : last_cycle + 1]
+        flat = cycles[0] if len(cycles) == 1 else np.concatenate(cycles)
         rows: np.ndarray = flat[pos - first * n]
         return rows
 
