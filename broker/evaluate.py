@@ -247,33 +247,16 @@ class Evaluator:
         try:
             outcome = await scenarios.execute(ctx, spec)
         except anyio.get_cancelled_exc_class():  # cancelled: the agent's session ends too
-            with (
-                anyio.CancelScope(shield=True),
-                anyio.move_on_after(5),
-                contextlib.suppress(MLScopeError),
-            ):
-                await request(
-                    self.bus,
-                    names.agent_ctl(agent.agent_id),
-                    codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
-                    timeout=5,
-                )
+            with anyio.CancelScope(shield=True):
+                await self._release(agent.agent_id, eval_id)
             raise
         lost = await self._agent_lost(agent.agent_id, outcome.main.record)
         # A local run (placement agent) reports a lost agent in its own reasons.
         gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
         acc = None if gone else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
         finished = time.time()
-        released: dict[str, Any] = {}
-        if not gone:
-            # An agent gone since then ends its session with it.
-            with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
-                released = await request(
-                    self.bus,
-                    names.agent_ctl(agent.agent_id),
-                    codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
-                    timeout=5,
-                )
+        # An agent gone since then ended its session with it.
+        released = {} if gone else await self._release(agent.agent_id, eval_id)
         fw = next(x for x in agent.frameworks if x.name == job.framework)
         cost = (
             LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
@@ -281,66 +264,24 @@ class Evaluator:
             else LoadgenCost(agent_host=agent.host, host=agent.host, cores=agent.cpu_cores)
         )
 
-        def summarize(
-            run: scenarios.Run, reasons: tuple[str, ...] = (), **extra: Any
-        ) -> EvaluationSummary:
-            f, why = run.figures, (*run.verdict.reasons, *reasons)
-            return EvaluationSummary(
-                evaluation_id=run.evaluation_id,
-                job_id=job.job_id,
-                status="completed",
-                valid=not why,
-                invalid_reasons=why,
-                model={"name": m.name, "version": m.version},
-                framework={"name": fw.name, "version": fw.version},
-                agent_id=agent.agent_id,
-                host=agent.host,
-                device=job.device,
-                scenario=run.spec.model_dump(),
-                trace_level=level.name.lower(),
-                queries=f.queries,
-                samples=f.samples,
-                errors=f.errors,
-                not_issued=f.not_issued,
-                failed=f.outcomes["failed"],
-                refused=f.outcomes["refused"],
-                lost=f.outcomes["lost"],
-                warmup_queries=f.warmup_queries,
-                duration_s=f.duration_s,
-                requested_qps=run.requested_qps,
-                scheduled_qps=f.scheduled_qps,
-                achieved_qps=f.achieved_qps,
-                completed_qps=f.completed_qps,
-                backlog_s=f.backlog_s,
-                issue_lag_split_us=f.issue_lag_split_us,
-                loadgen_cost={
-                    **cost.facts(f),
-                    **({"services": list(run.record.sources)} if run.record.sources else {}),
-                },
-                parallel=job.parallel,
-                warnings=(
-                    *cost.warnings(f, parallel=job.parallel),
-                    *tracing_warnings(level.name.lower()),
-                ),
-                latency_ms=f.latency_ms,
-                issue_lag_us=f.issue_lag_us,
-                throughput_ips=f.throughput_ips,
-                accuracy=({"top1": f.top1} if f.top1 is not None else None),
-                clock_offset_ns=offset,
-                clock_rtt_ns=rtt,
-                cold_start=outcome.cold_start
-                or {
-                    "load_ms": prep["load_ns"] / 1e6,
-                    "first_inference_ms": prep["first_inference_ns"] / 1e6,
-                    "cold": bool(prep["cold"]),
-                },
-                latency_split_ms=run.split,
-                loadgens=run.spec.loadgens,
-                placement=job.placement,
-                started_at=started,
-                finished_at=finished,
-                **extra,
-            )
+        summarize = _Summarizer(
+            job=job,
+            manifest=m,
+            framework=fw,
+            agent=agent,
+            level=level.name.lower(),
+            cost=cost,
+            offset_ns=offset,
+            rtt_ns=rtt,
+            cold_start=outcome.cold_start
+            or {
+                "load_ms": prep["load_ns"] / 1e6,
+                "first_inference_ms": prep["first_inference_ns"] / 1e6,
+                "cold": bool(prep["cold"]),
+            },
+            started=started,
+            finished=finished,
+        )
 
         main = outcome.main
         # A sweep or search of one run is that run: it is stored once, as the parent.
@@ -414,6 +355,19 @@ class Evaluator:
         from broker import mlperf
 
         return await mlperf.import_logs(self, job)
+
+    async def _release(self, agent_id: str, eval_id: str) -> dict[str, Any]:
+        """End the agent's session of ``eval_id``: its release reply (memory, energy),
+        or {} when it does not answer within 5 s."""
+        with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
+            reply: dict[str, Any] = await request(
+                self.bus,
+                names.agent_ctl(agent_id),
+                codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
+                timeout=5,
+            )
+            return reply
+        return {}
 
     async def _agent_lost(self, agent_id: str, rec: RunRecord) -> str:
         """ "agent <id> lost after N of M queries" when queries went unanswered and the
@@ -500,6 +454,83 @@ class Evaluator:
             s.model_dump_json(by_alias=True),
         ]
         self.db.insert("evaluations", [[v] for v in row], EVALUATION_COLUMNS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Summarizer:
+    """What every run of one evaluation shares in its summary (a sweep's runs and
+    their parent alike)."""
+
+    job: JobRequest
+    manifest: Any
+    framework: Any
+    agent: AgentDescription
+    level: str
+    cost: LoadgenCost
+    offset_ns: int
+    rtt_ns: int
+    cold_start: dict[str, Any]
+    started: float
+    finished: float
+
+    def __call__(
+        self, run: scenarios.Run, reasons: tuple[str, ...] = (), **extra: Any
+    ) -> EvaluationSummary:
+        """The summary of ``run`` (``reasons``: more than its verdict's; ``extra``:
+        fields a sweep's or search's parent adds)."""
+        job, m, fw, agent, cost = self.job, self.manifest, self.framework, self.agent, self.cost
+        f, why = run.figures, (*run.verdict.reasons, *reasons)
+        return EvaluationSummary(
+            evaluation_id=run.evaluation_id,
+            job_id=job.job_id,
+            status="completed",
+            valid=not why,
+            invalid_reasons=why,
+            model={"name": m.name, "version": m.version},
+            framework={"name": fw.name, "version": fw.version},
+            agent_id=agent.agent_id,
+            host=agent.host,
+            device=job.device,
+            scenario=run.spec.model_dump(),
+            trace_level=self.level,
+            queries=f.queries,
+            samples=f.samples,
+            errors=f.errors,
+            not_issued=f.not_issued,
+            failed=f.outcomes["failed"],
+            refused=f.outcomes["refused"],
+            lost=f.outcomes["lost"],
+            warmup_queries=f.warmup_queries,
+            duration_s=f.duration_s,
+            requested_qps=run.requested_qps,
+            scheduled_qps=f.scheduled_qps,
+            achieved_qps=f.achieved_qps,
+            completed_qps=f.completed_qps,
+            backlog_s=f.backlog_s,
+            issue_lag_split_us=f.issue_lag_split_us,
+            loadgen_cost={
+                **cost.facts(f),
+                **({"services": list(run.record.sources)} if run.record.sources else {}),
+            },
+            parallel=job.parallel,
+            warnings=(
+                *cost.warnings(f, parallel=job.parallel),
+                *tracing_warnings(self.level),
+            ),
+            latency_ms=f.latency_ms,
+            issue_lag_us=f.issue_lag_us,
+            throughput_ips=f.throughput_ips,
+            accuracy=({"top1": f.top1} if f.top1 is not None else None),
+            clock_offset_ns=self.offset_ns,
+            clock_rtt_ns=self.rtt_ns,
+            cold_start=self.cold_start,
+            latency_split_ms=run.split,
+            loadgens=run.spec.loadgens,
+            placement=job.placement,
+            started_at=self.started,
+            finished_at=self.finished,
+            **extra,
+        )
 
 
 def check_query_size(
