@@ -14,7 +14,7 @@ import nats.errors
 import nats.js.errors
 
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
+from mlscope import codec, names, remote, scenario_traits
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for
 from mlscope.errors import BusError, ConfigError, MLScopeError, WireError, error_from_wire
 from mlscope.settings import Settings
@@ -60,7 +60,7 @@ def time_limit(job: JobRequest) -> float:
     """How long a job may take before its submitter gives up (runs x 3 x duration
     + 6 min)."""
     sc = job.scenario
-    runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
+    runs = scenario_traits.get(sc.name).runs(sc)
     span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
     return max(sc.duration_s, span) * 3 * runs + 360.0
 
