@@ -26,11 +26,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import nats.errors
 import numpy as np
 
 from mlscope import codec, names
-from mlscope.bus import Bus, request
+from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, TraceLevel, new_id
 from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
@@ -91,13 +90,12 @@ async def _started(sub: Any, agent_id: str) -> tuple[RunStarted, list[RunRows]]:
     early: list[RunRows] = []
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        try:
-            msg = await sub.next_msg(timeout=max(0.01, deadline - time.monotonic()))
-        except (TimeoutError, nats.errors.TimeoutError) as exc:
+        msg = await next_msg(sub, max(0.01, deadline - time.monotonic()))
+        if msg is None:
             raise BusError(
                 f"agent {agent_id} did not start the local run within {START_TIMEOUT_S:.0f} s",
                 agent_id=agent_id,
-            ) from exc
+            )
         data = codec.decode(msg.data)
         kind = data.get("kind") if isinstance(data, dict) else None
         if kind == "error":
@@ -126,9 +124,8 @@ class _Collector:
         began = time.monotonic()
         shown = 0.0
         while True:
-            try:
-                msg = await sub.next_msg(timeout=IDLE_S)
-            except (TimeoutError, nats.errors.TimeoutError):
+            msg = await next_msg(sub, IDLE_S)
+            if msg is None:
                 if not await _alive(bus, self.agent_id):
                     return (self._lost(),)
                 if time.monotonic() - began > limit_s:
