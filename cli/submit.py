@@ -106,6 +106,14 @@ def _scenario_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="replay: inter-arrival times in seconds, one per line",
     )
+    p.add_argument("--max-queries", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    _cold_start_flags(p)
+    _loadgen_flags(p)
+
+
+def _cold_start_flags(p: argparse.ArgumentParser) -> None:
+    """How a cold start reloads the model."""
     p.add_argument(
         "--repetitions", type=int, default=None, help="cold-start: loads measured (default 5)"
     )
@@ -115,9 +123,6 @@ def _scenario_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cold-start: warm queries after each load (default 20)",
     )
-    p.add_argument("--max-queries", type=int, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    _loadgen_flags(p)
 
 
 def _loadgen_flags(p: argparse.ArgumentParser) -> None:
@@ -200,6 +205,11 @@ def _submission_flags(p: argparse.ArgumentParser) -> None:
         help="run the scenario N times, one after another; prints run-level "
         "statistics (mean and 95%% CI over runs)",
     )
+    _fan_out_flags(p)
+
+
+def _fan_out_flags(p: argparse.ArgumentParser) -> None:
+    """One job on several agents, and what is printed."""
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
     p.add_argument(
         "--all-agents",
@@ -447,12 +457,21 @@ def _several_jobs(args: argparse.Namespace) -> Callable[[argparse.Namespace, Set
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _settings() -> Settings | None:
+    """The environment's settings, with its scenario modules loaded (before the
+    parser offers ``--scenario``'s choices); None, said on stderr, when they are bad."""
     try:
         settings = Settings.from_env()
-        scenario_traits.load_modules(settings.scenario_modules)  # before --scenario's choices
+        scenario_traits.load_modules(settings.scenario_modules)
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
+        return None
+    return settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings = _settings()
+    if settings is None:
         return EXIT_FAILED
     p = parser()
     args = p.parse_args(argv)

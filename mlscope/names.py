@@ -7,7 +7,8 @@ Subjects (core NATS unless marked JetStream):
     mlscope.job.<job_id>.cancel        stop one job (every server hears it)
     mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
     mlscope.agent.<agent_id>.query     queries directed at one agent
-    mlscope.agent.<agent_id>.ctl       control requests to one agent (ping, describe)
+    mlscope.agent.<agent_id>.ctl       control requests to one agent (``ControlRequest``:
+                                       ping, describe, prepare, release, run)
     mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
@@ -19,7 +20,8 @@ Subjects (core NATS unless marked JetStream):
 
 Buckets: ``mlscope_agents`` (agent descriptions, TTL-expired), ``mlscope_models``
 (published manifests), ``mlscope_loadgens`` (load-generator services, TTL-expired),
-object store ``mlscope_loadgen_work`` (dealt slices and their results).
+object stores ``mlscope_loadgen_work`` (dealt slices and their results) and
+``mlscope_artifacts`` (built zoo models and their build locks).
 """
 
 from __future__ import annotations
