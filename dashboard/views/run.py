@@ -53,6 +53,7 @@ def _segments(text: str) -> tuple[tuple[float, float, float], ...]:
 def scenario_form() -> dict[str, Any]:
     """The scenario's fields, as ScenarioSpec takes them (disabled where they do not apply)."""
     c1, c2, c3, c4 = st.columns(4)
+    scenario_traits.load_modules(settings().scenario_modules)  # scenarios of plug-ins too
     name = c1.selectbox("Scenario", scenario_traits.names(), key="run_scenario")
     traits = scenario_traits.get(name)
     off = {f: f not in traits.fields for f in ScenarioSpec.model_fields}
