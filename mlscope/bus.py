@@ -327,7 +327,8 @@ def bus_errors(what: str, **fields: Any) -> Iterator[None]:
     try:
         yield
     except nats.js.errors.NotFoundError as exc:
-        raise BusNotFound(f"{what}: {exc.description or 'not found'}", **fields) from exc
+        why = getattr(exc, "description", None) or "not found"
+        raise BusNotFound(f"{what}: {why}", **fields) from exc
     except (nats.errors.MaxPayloadError, nats.js.errors.APIError) as exc:
         raise BusRefused(f"{what}: {exc!r}", **fields) from exc
     except (TimeoutError, nats.errors.Error) as exc:
