@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,18 +103,22 @@ class ScenarioTraits:
 
 
 _KINDS: dict[str, ScenarioTraits] = {}
-"""The registry: filled from :mod:`mlscope.scenario_kinds` on first use."""
-_LOADED: list[bool] = []
+"""The registry, process-wide as the set of importable modules is: filled from
+:mod:`mlscope.scenario_kinds` on first use, then by :func:`register`."""
+_LOADING = threading.RLock()  # a module being loaded may ask for a name
+_LOADED = threading.Event()
 
 
 def _load() -> dict[str, ScenarioTraits]:
     """The registry, after importing every module of :mod:`mlscope.scenario_kinds` once
-    (each registers its scenarios when imported)."""
-    if not _LOADED:
-        _LOADED.append(True)
-        package = importlib.import_module("mlscope.scenario_kinds")
-        for info in pkgutil.iter_modules(package.__path__):
-            importlib.import_module(f"{package.__name__}.{info.name}")
+    (each registers its scenarios when imported); a second thread waits for the first."""
+    if not _LOADED.is_set():
+        with _LOADING:
+            if not _LOADED.is_set():
+                package = importlib.import_module("mlscope.scenario_kinds")
+                for info in pkgutil.iter_modules(package.__path__):
+                    importlib.import_module(f"{package.__name__}.{info.name}")
+                _LOADED.set()
     return _KINDS
 
 
