@@ -5,7 +5,7 @@ one nkey user per role with its permissions, a maximum payload, optional TLS) an
 nkey seed file per role (``submitter.creds``, ``server.creds``, ``agent.creds``,
 ``edge.creds``, ``reader.creds``). nats-py reads a seed file with ``nkeys_seed``;
 :func:`mlscope.bus.connect_options` picks that (or a JWT ``.creds`` file) from
-``MLSCOPE_NATS_CREDS``.
+``MLSCOPE_NATS_CREDS``; ``loadgen.creds`` too, for ``mlscope loadgen`` services.
 
 What each role may do (everything else is denied by the server):
 
@@ -20,6 +20,11 @@ What each role may do (everything else is denied by the server):
   and no path to submit jobs or read results.
 * reader (dashboard): read the registry buckets, ask the database responders (read-
   only SQL), hear job events; it cannot publish jobs, spans, queries or keys.
+* loadgen (``mlscope loadgen`` services): serve the load-generator control and run
+  subjects, send queries to agents (their own and capability subjects), report progress
+  on its progress subject, keep its registry key, and read and write the work object
+  store (dealt slices in, results out); it cannot submit jobs, read results or spans,
+  or write agents' keys.
 
 Replies. Every role has its own inbox prefix (:data:`INBOX_PREFIXES`): a client's
 replies (request/reply, JetStream API and KV answers, pull and push deliveries) arrive
@@ -56,7 +61,7 @@ __all__ = [
     "write_auth",
 ]
 
-ROLES = ("submitter", "server", "agent", "edge", "reader")
+ROLES = ("submitter", "server", "agent", "edge", "reader", "loadgen")
 Role = str
 ACCOUNT = "MLSCOPE"
 DEFAULT_MAX_PAYLOAD = 8 << 20
@@ -117,7 +122,7 @@ def permissions(
     db = f"{P}.db.>"
     inbox = f"{INBOX_PREFIXES[role]}.>"
     if role == "server":
-        subjects = [f"{P}.>", "$JS.>", "$KV.>"]
+        subjects = [f"{P}.>", "$JS.>", "$KV.>", "$O.>"]  # $O: object-store chunks
         return {
             "publish": {"allow": subjects},
             "subscribe": {"allow": [*subjects, inbox]},
@@ -143,6 +148,8 @@ def permissions(
         }
     if role == "agent":
         return _agent(inbox)
+    if role == "loadgen":
+        return _loadgen(inbox)
     return _edge(inbox, names.token(edge_id), edge_domain=edge_domain, hub_domain=hub_domain)
 
 
@@ -168,6 +175,33 @@ def _agent(inbox: str) -> dict[str, Any]:
         "subscribe": {
             "allow": [inbox, f"{P}.cap.> {P}.cap.>", f"{P}.agent.*.query", f"{P}.agent.*.ctl"]
         },
+        "allow_responses": RESPONSES,
+    }
+
+
+def _loadgen(inbox: str) -> dict[str, Any]:
+    registry, work = f"KV_{names.LOADGENS_BUCKET}", f"OBJ_{names.LOADGEN_WORK_BUCKET}"
+    return {
+        "publish": {
+            "allow": [
+                f"{P}.agent.*.query",
+                f"{P}.cap.>",
+                f"{P}.loadgen.*.progress",
+                f"$KV.{names.LOADGENS_BUCKET}.*",
+                f"$O.{names.LOADGEN_WORK_BUCKET}.>",
+                "$JS.API.INFO",
+                "$JS.API.STREAM.NAMES",  # an object get finds its stream by subject
+                *_kv_read(names.LOADGENS_BUCKET),
+                *_kv_read(names.LOADGEN_WORK_BUCKET, stream=work),
+                # The first service creates both when missing; a replaced result's old
+                # chunks are purged (object-store put).
+                f"$JS.API.STREAM.CREATE.{registry}",
+                f"$JS.API.STREAM.CREATE.{work}",
+                f"$JS.API.STREAM.PURGE.{work}",
+            ],
+            "deny": [names.JOBS_SUBJECT, f"{P}.db.>"],
+        },
+        "subscribe": {"allow": [inbox, f"{P}.loadgen.*.ctl", f"{P}.loadgen.*.run"]},
         "allow_responses": RESPONSES,
     }
 

@@ -16,6 +16,7 @@ Subjects (core NATS unless marked JetStream):
     mlscope.loadgen.<id>.ctl           control requests to one load-generator service
                                        (ping, load a dealt slice)
     mlscope.loadgen.<id>.run           start a loaded slice; answered when it is done
+    mlscope.loadgen.<id>.progress      queries done so far by one load-generator service
 
 Buckets: ``mlscope_agents`` (agent descriptions, TTL-expired), ``mlscope_models``
 (published manifests), ``mlscope_loadgens`` (load-generator services, TTL-expired),
@@ -50,6 +51,7 @@ __all__ = [
     "job_cancel_wildcard",
     "job_events",
     "loadgen_ctl",
+    "loadgen_progress",
     "loadgen_run",
     "token",
     "traces",
@@ -135,3 +137,7 @@ def loadgen_ctl(loadgen_id: str) -> str:
 
 def loadgen_run(loadgen_id: str) -> str:
     return f"{PREFIX}.loadgen.{token(loadgen_id)}.run"
+
+
+def loadgen_progress(loadgen_id: str) -> str:
+    return f"{PREFIX}.loadgen.{token(loadgen_id)}.progress"
