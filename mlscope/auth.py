@@ -158,6 +158,7 @@ def _agent_publish(key: str) -> list[str]:
         names.traces_wildcard(),
         key,
         "$JS.API.INFO",
+        "$JS.API.STREAM.NAMES",  # an object get finds its stream by subject
         "$JS.API.STREAM.INFO.*",
         *_kv_read(names.MODELS_BUCKET),
         *_kv_read(names.ARTIFACTS_BUCKET, stream=f"OBJ_{names.ARTIFACTS_BUCKET}"),

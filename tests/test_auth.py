@@ -16,8 +16,9 @@ import pytest
 
 from cli.main import main as mlscope_main
 from cli.services import Stack
+from mlscope import artifact_bucket, codec, names, remote
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
+from mlscope.agentauth import add_agent
 from mlscope.auth import INBOX_PREFIXES, REPLY_WINDOW_S, ROLES, inbox_prefix_for
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
@@ -318,6 +319,32 @@ def test_stack_runs_an_evaluation_under_role_credentials(
         assert not stack.dead()
     finally:
         stack.stop()
+
+
+def test_agents_fetch_artifacts_from_the_bus_under_their_own_users(
+    auth_dir: Path, zoo_dir: Path, tmp_path: Path
+) -> None:
+    """The server pushes a model's files to the artifact bucket; an agent of the
+    role-wide user and one issued by ``add-agent`` each fetch them into their zoo."""
+    users = {
+        "role-wide": auth_dir / "agent.creds",
+        "named": add_agent(auth_dir, "agent-fetch", frameworks=["onnxruntime"]),
+    }
+
+    async def main(url: str) -> None:
+        server = Settings(nats_url=url, nats_creds=auth_dir / "server.creds")
+        async with busmod.connect(server, name="server", provision=True) as bus:
+            assert await artifact_bucket.push(bus, zoo_dir / "digits_cnn" / "1.0.0")
+        for who, creds in users.items():
+            zoo = tmp_path / who
+            agent = Settings(nats_url=url, nats_creds=creds)
+            async with busmod.connect(agent, name=who) as bus:
+                lock = await artifact_bucket.fetch(bus, zoo, "digits_cnn", "1.0.0")
+            assert lock is not None and lock.origin["by"] == "bus", who
+            assert all((zoo / "digits_cnn" / "1.0.0" / f).is_file() for f in lock.files), who
+
+    with NatsServer(store_dir=tmp_path / "nats", config_file=auth_dir / "server.conf") as srv:
+        anyio.run(main, srv.url, backend="asyncio")
 
 
 def test_load_generator_services_run_under_their_own_user(
