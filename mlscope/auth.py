@@ -58,6 +58,7 @@ __all__ = [
     "inbox_prefix_for",
     "permissions",
     "read_roles",
+    "responses",
     "write_auth",
 ]
 
@@ -76,10 +77,18 @@ REPLY_WINDOW_S = 900
 """How long a responder may answer a request after receiving it (``allow_responses``
 ``expires``; nats-server's default is 2 minutes). It must outlive the longest request
 a responder serves: an agent's prepare (``PREPARE_TIMEOUT_S``, 300 s)."""
-RESPONSES: dict[str, Any] = {"max": -1, "expires": f"{REPLY_WINDOW_S}s"}
-"""Any number of replies per delivered request: the load generator sends all of a
-run's queries with one reply subject, and each delivery renews the grant (the default
-``max: 1`` refused all but one reply of queries that overlapped)."""
+
+
+def responses(window_s: float = REPLY_WINDOW_S) -> dict[str, Any]:
+    """A responder's ``allow_responses``: any number of replies per delivered request
+    (the load generator sends all of a run's queries with one reply subject, and each
+    delivery renews the grant; the default ``max: 1`` refused all but one reply of
+    queries that overlapped), for ``window_s`` after the delivery."""
+    if not window_s > 0:
+        raise ValueError(f"the reply window must be positive, not {window_s!r}")
+    return {"max": -1, "expires": f"{window_s:g}s"}
+
+
 EDGE_BUFFER_STREAM = "MLSCOPE_EDGE_TRACES"
 """= ``mlscope.bus.EDGE_TRACES_STREAM`` (bus imports this module, not the reverse)."""
 DEFAULT_EDGE_DOMAIN = "edge1"
@@ -114,6 +123,7 @@ def permissions(
     edge_id: str = "edge-1",
     edge_domain: str = DEFAULT_EDGE_DOMAIN,
     hub_domain: str = DEFAULT_HUB_DOMAIN,
+    reply_window_s: float = REPLY_WINDOW_S,
 ) -> dict[str, Any]:
     """The nats-server permissions block of one role."""
     if role not in ROLES:
@@ -121,12 +131,13 @@ def permissions(
     jobs_events = f"{P}.job.*.events"
     db = f"{P}.db.>"
     inbox = f"{INBOX_PREFIXES[role]}.>"
+    grant = responses(reply_window_s)
     if role == "server":
         subjects = [f"{P}.>", "$JS.>", "$KV.>", "$O.>"]  # $O: object-store chunks
         return {
             "publish": {"allow": subjects},
             "subscribe": {"allow": [*subjects, inbox]},
-            "allow_responses": RESPONSES,
+            "allow_responses": grant,
         }
     if role == "submitter":
         return {
@@ -147,16 +158,20 @@ def permissions(
             "subscribe": {"allow": [inbox, jobs_events]},
         }
     if role == "agent":
-        return _agent(inbox)
+        return _agent(inbox, grant)
     if role == "loadgen":
-        return _loadgen(inbox)
-    return _edge(inbox, names.token(edge_id), edge_domain=edge_domain, hub_domain=hub_domain)
+        return _loadgen(inbox, grant)
+    edge = _edge(inbox, names.token(edge_id), edge_domain=edge_domain, hub_domain=hub_domain)
+    return {**edge, "allow_responses": grant}
 
 
-def _agent_publish(key: str) -> list[str]:
+def _agent_publish(key: str, own: str = "*") -> list[str]:
+    """What an agent publishes: spans, its registry key ``key``, the rows of its local
+    runs (on agent ``own``'s subjects), and the JetStream API of the buckets it reads."""
     return [
         names.traces_wildcard(),
         key,
+        f"{P}.agent.{own}.rows.>",
         "$JS.API.INFO",
         "$JS.API.STREAM.NAMES",  # an object get finds its stream by subject
         "$JS.API.STREAM.INFO.*",
@@ -165,7 +180,7 @@ def _agent_publish(key: str) -> list[str]:
     ]
 
 
-def _agent(inbox: str) -> dict[str, Any]:
+def _agent(inbox: str, grant: dict[str, Any]) -> dict[str, Any]:
     return {
         "publish": {
             "allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.*"),
@@ -176,11 +191,11 @@ def _agent(inbox: str) -> dict[str, Any]:
         "subscribe": {
             "allow": [inbox, f"{P}.cap.> {P}.cap.>", f"{P}.agent.*.query", f"{P}.agent.*.ctl"]
         },
-        "allow_responses": RESPONSES,
+        "allow_responses": grant,
     }
 
 
-def _loadgen(inbox: str) -> dict[str, Any]:
+def _loadgen(inbox: str, grant: dict[str, Any]) -> dict[str, Any]:
     registry, work = f"KV_{names.LOADGENS_BUCKET}", f"OBJ_{names.LOADGEN_WORK_BUCKET}"
     return {
         "publish": {
@@ -203,7 +218,7 @@ def _loadgen(inbox: str) -> dict[str, Any]:
             "deny": [names.JOBS_SUBJECT, f"{P}.db.>"],
         },
         "subscribe": {"allow": [inbox, f"{P}.loadgen.*.ctl", f"{P}.loadgen.*.run"]},
-        "allow_responses": RESPONSES,
+        "allow_responses": grant,
     }
 
 
@@ -221,7 +236,7 @@ def _edge(inbox: str, own: str, *, edge_domain: str, hub_domain: str) -> dict[st
     """
     api = (f"$JS.{hub_domain}.API.", "$JS.API.")
     own_key = f"{names.AGENTS_BUCKET}.{own}"
-    publish = _agent_publish(f"$KV.{own_key}")
+    publish = _agent_publish(f"$KV.{own_key}", own)
     publish += [s.replace(api[1], api[0], 1) for s in publish if s.startswith(api[1])]
     return {
         "publish": {
@@ -244,7 +259,6 @@ def _edge(inbox: str, own: str, *, edge_domain: str, hub_domain: str) -> dict[st
                 f"$JS.FC.{EDGE_BUFFER_STREAM}.>",
             ]
         },
-        "allow_responses": RESPONSES,
     }
 
 
@@ -268,6 +282,7 @@ def write_auth(
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
     tls_ca: Path | None = None,
+    reply_window_s: float = REPLY_WINDOW_S,
 ) -> AuthFiles:
     """Create one nkey user per role and write the server config and seed files.
 
@@ -288,7 +303,11 @@ def write_auth(
             {
                 "nkey": public[role],
                 "permissions": permissions(
-                    role, edge_id=edge_id, edge_domain=edge_domain, hub_domain=hub_domain
+                    role,
+                    edge_id=edge_id,
+                    edge_domain=edge_domain,
+                    hub_domain=hub_domain,
+                    reply_window_s=reply_window_s,
                 ),
             }
         )
@@ -316,6 +335,7 @@ def write_auth(
                 "hub_domain": hub_domain,
                 "public_keys": public,
                 "inbox_prefixes": INBOX_PREFIXES,
+                "reply_window_s": reply_window_s,
             },
             indent=2,
         )

@@ -8,6 +8,8 @@ Subjects (core NATS unless marked JetStream):
     mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
     mlscope.agent.<agent_id>.query     queries directed at one agent
     mlscope.agent.<agent_id>.ctl       control requests to one agent (ping, describe)
+    mlscope.agent.<agent_id>.rows.<eval_id>
+                                       the rows of one agent's local run (placement agent)
     mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
@@ -44,6 +46,7 @@ __all__ = [
     "TRACES_STREAM",
     "agent_ctl",
     "agent_query",
+    "agent_rows",
     "capability",
     "dead_letter",
     "dead_letters_wildcard",
@@ -100,6 +103,10 @@ def agent_query(agent_id: str) -> str:
 
 def agent_ctl(agent_id: str) -> str:
     return f"{PREFIX}.agent.{token(agent_id)}.ctl"
+
+
+def agent_rows(agent_id: str, evaluation_id: str) -> str:
+    return f"{PREFIX}.agent.{token(agent_id)}.rows.{token(evaluation_id)}"
 
 
 def job_events(job_id: str) -> str:

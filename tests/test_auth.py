@@ -347,6 +347,30 @@ def test_agents_fetch_artifacts_from_the_bus_under_their_own_users(
         anyio.run(main, srv.url, backend="asyncio")
 
 
+def test_a_local_run_outlasts_the_reply_grant(tmp_path: Path, zoo_dir: Path) -> None:
+    """A local run's rows are answers to its one run request; with a reply grant of
+    3 s an 8 s run still delivers every row, because the server renews the grant."""
+    auth_dir = tmp_path / "auth-3s"
+    assert mlscope_main(["auth", "init", "--out", str(auth_dir), "--reply-window", "3"]) == 0
+    assert '"expires": "3s"' in (auth_dir / "server.conf").read_text()
+    data = make_data_dir(tmp_path / "data", zoo_dir)
+    stack = Stack(Settings(data_dir=data), nats_port=0, frameworks=["noop"], auth=auth_dir)
+    client = stack.start()
+    try:
+        anyio.run(wait_agents, client, 1)
+        spec = ScenarioSpec(name="online", qps=100, duration_s=8, min_duration_s=0, min_queries=1)
+        job = JobRequest(
+            model="noop", framework="noop", scenario=spec, placement="agent", trace_level="none"
+        )
+        summary = anyio.run(lambda: submit(client, job, timeout=120), backend="asyncio")
+        assert summary.placement == "agent" and summary.errors == 0
+        assert summary.queries >= 700, summary.invalid_reasons
+        assert not any("lost" in r for r in summary.invalid_reasons), summary.invalid_reasons
+        assert not stack.dead()
+    finally:
+        stack.stop()
+
+
 def test_load_generator_services_run_under_their_own_user(
     tmp_path: Path, auth_dir: Path, zoo_dir: Path
 ) -> None:
