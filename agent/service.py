@@ -471,11 +471,11 @@ class Agent:
             git_commit=self.git_commit,
         )
 
-    async def _start_run(self, req: RunOp, results: str) -> RunStarted:
+    async def _start_run(self, req: RunOp, reply: str) -> RunStarted:
         """Start a local run (placement agent) for a prepared evaluation: answered at
-        once with the run's t0; its rows follow on the same reply subject."""
-        if not results:
-            raise ConfigError("a run request needs a reply subject for its rows")
+        once with the run's t0; its rows follow on :func:`mlscope.names.agent_rows`."""
+        if not reply:
+            raise ConfigError("a run request needs a reply subject (its start is answered)")
         if not self.config.local_runs:
             raise ConfigError(
                 f"agent {self.agent_id} does not run load itself (placement agent is "
@@ -516,7 +516,12 @@ class Agent:
                     serve_run,
                     run,
                     req,
-                    functools.partial(self.bus.nc.publish, results),
+                    # Its own subject, not the request's reply subject: under
+                    # credentials an answer is allowed only for a while after the
+                    # request, and a run's rows go on for as long as the run.
+                    functools.partial(
+                        self.bus.nc.publish, names.agent_rows(self.agent_id, req.evaluation_id)
+                    ),
                     f"agent {self.agent_id}",
                     held=held,
                 )

@@ -229,7 +229,7 @@ async def _start_all(
             run_id=run_id,
             start_ns=start + offsets[j],
             result_object=f"{run_id}/result-{j}",
-            progress_subject=inbox,
+            progress_subject=names.loadgen_progress(svc.loadgen_id),
         )
         reply = await request(
             ctx.bus, names.loadgen_run(svc.loadgen_id), codec.encode_model(op), timeout=timeout
@@ -250,8 +250,12 @@ async def _start_all(
             rec.done = sum(counts.values())
             await ctx.on_progress(rec, time.monotonic() - t0)
 
-    inbox = ctx.bus.nc.new_inbox()
-    sub = await ctx.bus.nc.subscribe(inbox, cb=heard)
+    # Each service reports on its own subject (a load generator's user may publish
+    # there and to nobody's inbox); a note of another run is ignored.
+    subs = [
+        await ctx.bus.nc.subscribe(names.loadgen_progress(svc.loadgen_id), cb=heard)
+        for svc in services
+    ]
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(report)
@@ -261,7 +265,8 @@ async def _start_all(
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            await sub.unsubscribe()
+            for sub in subs:
+                await sub.unsubscribe()
     if any(d is None for d in done):
         raise EvaluationError(f"a load generator of run {run_id} did not report")
     return list(done)

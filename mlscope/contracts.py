@@ -930,7 +930,9 @@ class LoadgenStartOp(_Message):
     start_ns: int
     result_object: str
     progress_subject: str | None = None
-    """Where to publish :class:`LoadgenProgress` about every half second while it runs."""
+    """Where to publish :class:`LoadgenProgress` about every half second while it runs:
+    the service's own :func:`mlscope.names.loadgen_progress` subject, which its user may
+    publish to (no one may publish into another's inbox)."""
 
 
 class LoadgenProgress(_Message):

@@ -9,6 +9,8 @@ Subjects (core NATS unless marked JetStream):
     mlscope.agent.<agent_id>.query     queries directed at one agent
     mlscope.agent.<agent_id>.ctl       control requests to one agent (``ControlRequest``:
                                        ping, describe, prepare, release, run)
+    mlscope.agent.<agent_id>.rows.<eval_id>
+                                       the rows of one agent's local run (placement agent)
     mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
@@ -17,6 +19,7 @@ Subjects (core NATS unless marked JetStream):
     mlscope.loadgen.<id>.ctl           control requests to one load-generator service
                                        (ping, load a dealt slice)
     mlscope.loadgen.<id>.run           start a loaded slice; answered when it is done
+    mlscope.loadgen.<id>.progress      queries done so far by one load-generator service
 
 Buckets: ``mlscope_agents`` (agent descriptions, TTL-expired), ``mlscope_models``
 (published manifests), ``mlscope_loadgens`` (load-generator services, TTL-expired),
@@ -45,6 +48,7 @@ __all__ = [
     "TRACES_STREAM",
     "agent_ctl",
     "agent_query",
+    "agent_rows",
     "capability",
     "dead_letter",
     "dead_letters_wildcard",
@@ -52,6 +56,7 @@ __all__ = [
     "job_cancel_wildcard",
     "job_events",
     "loadgen_ctl",
+    "loadgen_progress",
     "loadgen_run",
     "token",
     "traces",
@@ -102,6 +107,10 @@ def agent_ctl(agent_id: str) -> str:
     return f"{PREFIX}.agent.{token(agent_id)}.ctl"
 
 
+def agent_rows(agent_id: str, evaluation_id: str) -> str:
+    return f"{PREFIX}.agent.{token(agent_id)}.rows.{token(evaluation_id)}"
+
+
 def job_events(job_id: str) -> str:
     return f"{PREFIX}.job.{token(job_id)}.events"
 
@@ -137,3 +146,7 @@ def loadgen_ctl(loadgen_id: str) -> str:
 
 def loadgen_run(loadgen_id: str) -> str:
     return f"{PREFIX}.loadgen.{token(loadgen_id)}.run"
+
+
+def loadgen_progress(loadgen_id: str) -> str:
+    return f"{PREFIX}.loadgen.{token(loadgen_id)}.progress"
