@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import anyio
 
+from cli.submit_errors import InFlight
 from mlscope import bus as busmod
 from mlscope import sysmatch
 from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest, new_id
 from mlscope.errors import MLScopeError, ResolutionError
-from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
@@ -52,10 +52,13 @@ async def submit_all(
     *,
     any_framework: bool = False,
     timeout: float | None = None,
+    in_flight: InFlight | None = None,
 ) -> list[EvaluationSummary | MLScopeError]:
     """Submit one copy of ``job`` per matching agent; one result each (the summary, or
     the typed error that evaluation failed with). Agents on different hosts run at once;
-    agents sharing a host one after another, unless ``job.parallel``."""
+    agents sharing a host one after another, unless ``job.parallel``. ``in_flight``
+    knows which jobs are running (Ctrl-C cancels those)."""
+    send = (in_flight or InFlight()).submit
     async with busmod.connect(settings, name="mlscope-submit --all-agents") as bus:
         agents = await list_agents(bus)
     targets = matching_agents(job, agents, any_framework=any_framework)
@@ -77,7 +80,7 @@ async def submit_all(
             }
         )
         try:
-            results[i] = await submit(settings, copy, timeout=timeout)
+            results[i] = await send(settings, copy, timeout=timeout)
         except MLScopeError as exc:
             results[i] = exc
 

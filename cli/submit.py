@@ -14,7 +14,14 @@ from typing import Any
 import anyio
 
 from broker.scenarios import read_arrivals, scenario_spec
-from cli.submit_errors import EXIT_FAILED, EXIT_INTERRUPTED, interrupted, preflight, strict_code
+from cli.submit_errors import (
+    EXIT_FAILED,
+    InFlight,
+    interrupted,
+    interrupted_many,
+    preflight,
+    strict_code,
+)
 from cli.system_opts import add_system_flags, system_from_args
 from mlscope import bus as busmod
 from mlscope import scenario_traits
@@ -446,7 +453,10 @@ def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
     return rows
 
 
-def _several_jobs(args: argparse.Namespace) -> Callable[[argparse.Namespace, Settings], int] | None:
+Several = Callable[[argparse.Namespace, Settings, InFlight], int]
+
+
+def _several_jobs(args: argparse.Namespace) -> Several | None:
     """The path of a submission of several jobs, or None for one job."""
     if args.all_agents:
         return _main_all_agents
@@ -482,15 +492,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     several = _several_jobs(args)
     if several is not None:
+        in_flight = InFlight()
         try:
-            return several(args, settings)
-        except KeyboardInterrupt:  # one line, no traceback; the jobs are not cancelled
-            print(
-                "mlscope-submit: interrupted; a job already taken runs on "
-                "(`mlscope cancel JOB_ID` stops it)",
-                file=sys.stderr,
-            )
-            return EXIT_INTERRUPTED
+            return several(args, settings, in_flight)
+        except KeyboardInterrupt:  # those running are cancelled; the rest never sent
+            return interrupted_many(settings, in_flight)
     show = _notes if args.json or not sys.stderr.isatty() else _progress
     job = make_job(args)  # preflight built it once already
     try:
@@ -533,14 +539,14 @@ def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, flo
     return out
 
 
-def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
+def _main_repeat(args: argparse.Namespace, settings: Settings, in_flight: InFlight) -> int:
     """The same job ``--repeat`` times, one after another; run-level statistics."""
     try:
         job = make_job(args)
 
         async def go() -> list[EvaluationSummary]:
             return [
-                await submit(settings, job.model_copy(update={"job_id": new_id("job")}))
+                await in_flight.submit(settings, job.model_copy(update={"job_id": new_id("job")}))
                 for _ in range(args.repeat)
             ]
 
@@ -574,13 +580,16 @@ def _main_repeat(args: argparse.Namespace, settings: Settings) -> int:
     return strict_code(summaries) if args.strict else 0
 
 
-def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
+def _main_all_agents(args: argparse.Namespace, settings: Settings, in_flight: InFlight) -> int:
     from cli.all_agents import comparison_table, submit_all
 
     try:
         job = make_job(args)
         results = anyio.run(
-            lambda: submit_all(settings, job, any_framework=args.any_framework), backend="asyncio"
+            lambda: submit_all(
+                settings, job, any_framework=args.any_framework, in_flight=in_flight
+            ),
+            backend="asyncio",
         )
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
@@ -606,7 +615,7 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings) -> int:
     return strict_code(results) if args.strict else 0
 
 
-def _main_many(args: argparse.Namespace, settings: Settings) -> int:
+def _main_many(args: argparse.Namespace, settings: Settings, in_flight: InFlight) -> int:
     """One evaluation per framework (one after another unless --parallel), then one
     comparison of their outputs."""
     from broker.compare import format_comparison
@@ -614,7 +623,9 @@ def _main_many(args: argparse.Namespace, settings: Settings) -> int:
     frameworks = [f.strip() for f in args.framework.split(",") if f.strip()]
     try:
         jobs = [make_job(args, fw) for fw in frameworks]
-        summaries, comparison = anyio.run(_run_many, args, settings, jobs, backend="asyncio")
+        summaries, comparison = anyio.run(
+            _run_many, args, settings, jobs, in_flight, backend="asyncio"
+        )
     except (MLScopeError, ValueError, ExceptionGroup) as caught:
         exc: BaseException = caught
         while isinstance(exc, BaseExceptionGroup):  # the first failure of the task group
@@ -642,7 +653,7 @@ def _main_many(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _run_many(
-    args: argparse.Namespace, settings: Settings, jobs: list[JobRequest]
+    args: argparse.Namespace, settings: Settings, jobs: list[JobRequest], in_flight: InFlight
 ) -> tuple[list[EvaluationSummary], Any]:
     """The jobs' summaries (and, with --accuracy, the comparison of their outputs)."""
     from broker.compare import compare_evaluations
@@ -650,7 +661,7 @@ async def _run_many(
     out: list[EvaluationSummary | None] = [None] * len(jobs)
 
     async def one(i: int) -> None:
-        out[i] = await submit(settings, jobs[i])
+        out[i] = await in_flight.submit(settings, jobs[i])
 
     if args.parallel:
         async with anyio.create_task_group() as tg:

@@ -7,7 +7,8 @@ Exit codes (README, "What mlscope-submit reports"):
          cannot be read, an evaluation that failed
     2    usage: bad arguments, in argparse's style (usage line + one message)
     3    with ``--strict``: it completed but is INVALID
-    130  interrupted (Ctrl-C): the job was cancelled on the server
+    130  interrupted (Ctrl-C): the job (with --repeat, several frameworks or
+         --all-agents: every job then running) was cancelled on the server
 
 Arguments are checked before anything connects: each flag goes through the same
 pydantic models the server uses, and a refusal names the flag, not the model field.
@@ -16,6 +17,7 @@ pydantic models the server uses, and a refusal names the flag, not the model fie
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,6 +27,7 @@ from pydantic import ValidationError
 
 from mlscope.contracts import EvaluationSummary, JobRequest
 from mlscope.errors import MLScopeError
+from mlscope.jobs import submit
 from mlscope.manifest import FRAMEWORKS
 from mlscope.settings import Settings
 
@@ -34,8 +37,10 @@ __all__ = [
     "EXIT_INVALID",
     "EXIT_OK",
     "EXIT_USAGE",
+    "InFlight",
     "flag_message",
     "interrupted",
+    "interrupted_many",
     "preflight",
     "strict_code",
 ]
@@ -149,6 +154,58 @@ def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False
         print(
             f"mlscope-submit: interrupted; job {job_id} cancelled, evaluation "
             f"{reply.evaluation_id} stored as cancelled",
+            file=sys.stderr,
+        )
+    return EXIT_INTERRUPTED
+
+
+class InFlight:
+    """The jobs a submission of several has sent and not yet seen end, so that Ctrl-C
+    cancels exactly those (the later ones are never sent). A job leaves when its summary
+    or its typed error came back; a cancelled wait (Ctrl-C) leaves it here."""
+
+    def __init__(self) -> None:
+        self.job_ids: dict[str, None] = {}
+
+    async def submit(self, settings: Settings, job: JobRequest, **kwargs: Any) -> EvaluationSummary:
+        self.job_ids[job.job_id] = None
+        try:
+            summary = await submit(settings, job, **kwargs)
+        except MLScopeError:
+            self.job_ids.pop(job.job_id, None)
+            raise
+        self.job_ids.pop(job.job_id, None)
+        return summary
+
+
+def interrupted_many(settings: Settings, in_flight: InFlight) -> int:
+    """Ctrl-C during several jobs: cancel the ones in flight at once, one line each."""
+    from mlscope.api import cancel_job
+
+    ids = list(in_flight.job_ids)
+    replies: dict[str, Any] = {}
+
+    async def one(job_id: str) -> None:
+        with contextlib.suppress(MLScopeError):
+            replies[job_id] = await cancel_job(settings, job_id, timeout=CANCEL_WAIT_S)
+
+    async def all_of() -> None:
+        async with anyio.create_task_group() as tg:
+            for job_id in ids:
+                tg.start_soon(one, job_id)
+
+    with contextlib.suppress(KeyboardInterrupt):
+        anyio.run(all_of, backend="asyncio")
+    if not ids:
+        print("mlscope-submit: interrupted; no job was running", file=sys.stderr)
+    for job_id in ids:
+        reply = replies.get(job_id)
+        print(
+            f"mlscope-submit: interrupted; job {job_id} cancelled, evaluation "
+            f"{reply.evaluation_id} stored as cancelled"
+            if reply is not None
+            else f"mlscope-submit: interrupted; cancel of job {job_id} sent, not yet "
+            f"confirmed (`mlscope cancel {job_id}` to retry)",
             file=sys.stderr,
         )
     return EXIT_INTERRUPTED

@@ -137,6 +137,40 @@ def test_sigint_cancels_the_job_on_the_server(noop_stack: Stack) -> None:
     assert_cancelled(noop_stack, evaluation_id_for(job_of(lines[0])))
 
 
+def evaluations_stored(stack: Stack) -> int:
+    async def go() -> list[list[Any]]:
+        async with busmod.connect(stack.settings, name="test") as bus:
+            return (await remote.sql(bus, "SELECT count() FROM evaluations FINAL"))[1]
+
+    return int(anyio.run(go, backend="asyncio")[0][0])
+
+
+@pytest.mark.parametrize("several", [("--repeat", "3"), ("--all-agents",)])
+def test_sigint_cancels_the_running_job_of_several(
+    noop_stack: Stack, several: tuple[str, ...]
+) -> None:
+    """With --repeat (or --all-agents) Ctrl-C cancels the job then running on the server
+    and sends none of the rest: one more evaluation, stored as cancelled."""
+    before = evaluations_stored(noop_stack)
+    proc = subprocess.Popen(
+        [str(SUBMIT), *LONG, *several, "--json"],
+        env=child_env(noop_stack.settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(3.0)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert out == "" and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "stored as cancelled" in lines[0], err
+    assert_cancelled(noop_stack, evaluation_id_for(job_of(lines[0])))
+    assert evaluations_stored(noop_stack) == before + 1  # nothing else was stored
+
+
 def test_ctrl_c_on_a_terminal(noop_stack: Stack) -> None:
     """^C typed into the submitter's terminal: the progress line, then one line."""
     pid, fd = pty.fork()
