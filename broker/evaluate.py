@@ -548,7 +548,8 @@ class _Summarizer:
     ) -> EvaluationSummary:
         """The summary of ``run`` (``reasons``: more than its verdict's; ``extra``:
         fields a sweep's or search's parent adds)."""
-        job, m, fw, agent, cost = self.job, self.manifest, self.framework, self.agent, self.cost
+        job, m, fw, agent = self.job, self.manifest, self.framework, self.agent
+        cost = self.cost.served_by(run.record.sources)
         f, why = run.figures, (*run.verdict.reasons, *reasons)
         return EvaluationSummary(
             evaluation_id=run.evaluation_id,

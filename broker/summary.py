@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -179,11 +180,21 @@ class LoadgenCost:
     agent_host: str
     loadgens: int = 1
     host: str = field(default_factory=socket.gethostname)
-    cores: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """Where the load was generated (hosts of load-generator services: comma-separated)."""
+    cores: int | None = field(default_factory=lambda: os.cpu_count() or 1)
+    """That host's cores (None for services, which do not report theirs)."""
+
+    def served_by(self, sources: Sequence[Mapping[str, Any]]) -> LoadgenCost:
+        """The cost of a run whose slices ran in load-generator services (``sources``:
+        ``RunRecord.sources``), not on this server's host; unchanged without any."""
+        if not sources:
+            return self
+        hosts = sorted({str(s.get("host")) for s in sources})
+        return replace(self, host=",".join(hosts), cores=None, loadgens=len(sources))
 
     @property
     def shared_host(self) -> bool:
-        return self.host == self.agent_host
+        return self.agent_host in self.host.split(",")
 
     def busy(self, f: Figures) -> float | None:
         """Cores the load generator kept busy on average (CPU per query × issue rate)."""
@@ -208,9 +219,10 @@ class LoadgenCost:
         out = []
         busy = self.busy(f)
         if self.shared_host and busy is not None and busy >= LOADGEN_BUSY_WARN:
+            cores = f", {self.cores} cores" if self.cores else ""
             out.append(
-                f"the load generator shared the agent's host ({self.host}, {self.cores} "
-                f"cores) and used {f.loadgen_cpu_us_per_query:.0f} µs CPU per query "
+                f"the load generator shared the agent's host ({self.agent_host}{cores}) and "
+                f"used {f.loadgen_cpu_us_per_query:.0f} µs CPU per query "
                 f"({busy:.0%} of a core): it may have slowed the system under test"
             )
         if parallel:

@@ -185,6 +185,15 @@ def test_loadgen_cost_is_recorded_and_warned_on_a_shared_host() -> None:
     apart = LoadgenCost(agent_host="edge", host="box", cores=2)
     assert apart.warnings(f, parallel=False) == ()
     assert any("--parallel" in w for w in apart.warnings(f, parallel=True))
+    # Load-generator services: their hosts, not the server's, and whether one is the agent's
+    server = LoadgenCost(agent_host="edge", host="server-box", cores=8)
+    assert server.served_by(()) is server
+    services = [{"host": "lg-2", "loadgen_id": "b"}, {"host": "edge", "loadgen_id": "a"}]
+    served = server.served_by(services).facts(f)
+    assert (served["host"], served["host_cores"], served["loadgens"]) == ("edge,lg-2", None, 2)
+    assert served["shared_host"]  # one slice ran on the agent's host
+    away = server.served_by([{"host": "lg-2"}])
+    assert not away.shared_host and away.warnings(f, parallel=False) == ()
 
 
 def test_an_identical_rerun_is_not_called_different_at_run_level() -> None:
