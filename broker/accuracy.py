@@ -30,9 +30,9 @@ import numpy as np
 from broker.db import Database
 from mlscope import codec, schema
 from mlscope.bus import Bus
-from mlscope.contracts import Query, QueryReply, new_id
+from mlscope.contracts import ErrorReply, Query, QueryReply, TraceLevel
 from mlscope.divergence import OutputKind
-from mlscope.errors import EvaluationError
+from mlscope.errors import EvaluationError, MLScopeError
 from mlscope.manifest import ModelManifest
 
 __all__ = [
@@ -91,30 +91,41 @@ async def dataset_pass(
     batch_size = max(1, min(batch_size, MAX_QUERY_BYTES // per_sample))  # NATS max payload
     starts = list(range(0, n, batch_size))
     replies: dict[int, QueryReply | str] = {}
-    inbox = f"_INBOX.{new_id('acc')}"
+    inbox = bus.nc.new_inbox()
     done = anyio.Event()
     slots = anyio.Semaphore(window)
 
+    anonymous: list[str] = []
+    """Errors that name no query of this pass: each still answered one."""
+
     async def on_reply(msg: Any) -> None:
-        data = codec.decode(msg.data)
-        if data.get("kind") == "error":
-            i = int(data["error"].get("fields", {}).get("index", -1))
-            replies[i] = str(data["error"]["message"])
+        try:
+            index, answer = _reply_of(msg.data)
+        except MLScopeError:
+            return  # not an answer at all
+        if 0 <= index < len(starts) and index not in replies:
+            replies[index] = answer
+        elif isinstance(answer, str):
+            anonymous.append(answer)
         else:
-            reply = QueryReply.model_validate(data)
-            replies[reply.index] = (
-                reply if reply.ok else str((reply.error or {}).get("message", "error"))
-            )
+            return  # a reply to no query of this pass
         slots.release()
-        if len(replies) >= len(starts):
+        if len(replies) + len(anonymous) >= len(starts):
             done.set()
 
     sub = await bus.nc.subscribe(inbox, cb=on_reply)
     try:
         for q, s in enumerate(starts):
-            await slots.acquire()
-            payload = Query(
-                evaluation_id=evaluation_id, index=q, inputs=x[s : min(s + batch_size, n)], raw=True
+            with anyio.move_on_after(REPLY_TIMEOUT_S) as waited:
+                await slots.acquire()
+            if waited.cancelled_caught:  # the agent stopped answering: the rest fail
+                break
+            payload = Query(  # untraced: the load run's spans are the evaluation's
+                evaluation_id=evaluation_id,
+                index=q,
+                inputs=x[s : min(s + batch_size, n)],
+                raw=True,
+                trace_level=int(TraceLevel.NONE),
             )
             await bus.nc.publish(subject, codec.encode_model(payload), reply=inbox)
         with anyio.move_on_after(REPLY_TIMEOUT_S):
@@ -122,6 +133,19 @@ async def dataset_pass(
     finally:
         await sub.unsubscribe()
     return _collect(replies, starts, n, y, kind, batch_size)
+
+
+def _reply_of(data: bytes) -> tuple[int, QueryReply | str]:
+    """(query index, its reply or its error message) of one answer; a WireError when
+    it is not one."""
+    doc = codec.decode(data)
+    if isinstance(doc, dict) and doc.get("kind") == "error":
+        err = codec.validate(ErrorReply, doc).error
+        fields = err.get("fields")
+        index = fields.get("index", -1) if isinstance(fields, dict) else -1
+        return (index if isinstance(index, int) else -1), str(err.get("message", "error"))
+    reply = codec.validate(QueryReply, doc)
+    return reply.index, (reply if reply.ok else str((reply.error or {}).get("message", "error")))
 
 
 def _collect(

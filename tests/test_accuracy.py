@@ -107,6 +107,61 @@ def test_digits_cnn_accuracy_and_divergence_on_four_frameworks(four: Settings) -
     assert right == round(summaries[0].accuracy["top1"] * 300)  # type: ignore[index]
 
 
+def test_a_traced_run_keeps_only_its_own_spans_when_it_also_measures_accuracy(
+    four: Settings,
+) -> None:
+    """The data-set pass shares the evaluation id but is not traced: each query of the
+    load run has exactly one predict span, and no other query index has one."""
+    job = JobRequest(
+        model="digits_cnn",
+        framework="onnxruntime",
+        scenario=QUICK,
+        accuracy=True,
+        accuracy_samples=100,  # 25 data-set queries of 4, more than the load run's 8
+        trace_level="model",
+    )
+    s = anyio.run(lambda: submit(four, job, timeout=240), backend="asyncio")
+    assert s.status == "completed" and (s.accuracy or {}).get("samples") == 100
+
+    async def predict_spans() -> list[list[Any]]:
+        async with busmod.connect(four, name="test") as bus:
+            for _ in range(50):  # spans are ingested after the summary is stored
+                _, rows = await remote.sql(
+                    bus,
+                    "SELECT query_index, count() FROM spans FINAL WHERE evaluation_id = "
+                    "{e:String} AND name = 'predict' GROUP BY query_index ORDER BY query_index",
+                    {"e": s.evaluation_id},
+                )
+                if len(rows) >= s.queries:
+                    return rows
+                await anyio.sleep(0.2)
+            return rows
+
+    rows = anyio.run(predict_spans, backend="asyncio")
+    assert [r[0] for r in rows] == list(range(s.queries)), rows
+    assert all(r[1] == 1 for r in rows), rows
+
+
+def test_a_data_set_pass_reads_any_answer_without_failing() -> None:
+    """What arrives on the pass's inbox: a reply, an error naming its query or none,
+    and bytes that are not an answer (a WireError, which the pass skips)."""
+    from broker.accuracy import _reply_of
+    from mlscope import codec
+    from mlscope.contracts import ErrorReply, QueryReply
+    from mlscope.errors import MLScopeError
+
+    ok = QueryReply(index=3, ok=True, outputs=np.zeros((1, 5), np.int32))
+    assert _reply_of(codec.encode_model(ok))[0] == 3
+    named = ErrorReply(error={"message": "bad", "fields": {"index": 2}})
+    assert _reply_of(codec.encode_model(named)) == (2, "bad")
+    for fields in (None, [1], {"index": "2"}, {"index": [2]}):
+        anon = ErrorReply(error={"message": "worse", "fields": fields})
+        assert _reply_of(codec.encode_model(anon)) == (-1, "worse")
+    for junk in (b"", b"\xc1", codec.encode([1, 2]), codec.encode({"kind": "reply"})):
+        with pytest.raises(MLScopeError):
+            _reply_of(junk)
+
+
 def test_efficientnet_lite0_accuracy_and_divergence_on_four_frameworks(four: Settings) -> None:
     summaries = evaluate(four, "efficientnet_lite0")
     for s in summaries:
