@@ -49,6 +49,7 @@ from broker.readonly import ReadLimits, ReadOnlyDatabase
 from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec, names
+from mlscope.bus import bus_errors, if_found
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.contracts import (
     AgentDescription,
@@ -297,6 +298,7 @@ class Server:
         otherwise remember it, unanswered, for a server that takes it later."""
         ended = self.cancels.request(req.job_id, req.reason)
         if ended is None:
+            await self._remember_cancel(req)
             return None
         log.info("job %s: cancel requested (%s)", req.job_id, req.reason)
         with anyio.move_on_after(10):
@@ -307,10 +309,36 @@ class Server:
             server_id=self.server_id,
         )
 
+    async def _remember_cancel(self, req: CancelRequest) -> None:
+        """A cancel of a job not running here, for whichever server takes it later:
+        this one remembers it, and the bus does (``mlscope_cancels``) for servers that
+        start after the request. Every server hears it, so every one writes it."""
+        try:
+            kv = await self.bus.kv(names.CANCELS_BUCKET)
+            with bus_errors("cannot remember a cancel"):
+                await kv.put(names.token(req.job_id), req.reason.encode()[:1024])
+        except BusError as exc:  # remembered here at least
+            log.warning("job %s: cancel not written to the bus: %s", req.job_id, exc)
+
+    async def _cancel_remembered(self, job_id: str) -> None:
+        """Whether a cancel of ``job_id`` came before this server started."""
+        if job_id in self.cancels.requested:
+            return
+        try:
+            kv = await self.bus.kv(names.CANCELS_BUCKET)
+            with bus_errors("cannot read the cancels"):
+                entry = await if_found(kv.get(names.token(job_id)))
+        except BusError as exc:  # a job runs rather than waits on the bus
+            log.warning("job %s: cancels not read: %s", job_id, exc)
+            return
+        if entry is not None:
+            self.cancels.request(job_id, (entry.value or b"cancelled").decode(errors="replace"))
+
     async def _evaluate_cancellable(self, job: JobRequest, subject: str) -> EvaluationSummary:
         """:meth:`_evaluate` under the job's own cancel scope; cancelled (now or before
-        it was taken), its evaluation is stored as ``cancelled``."""
+        it was taken, by any server), its evaluation is stored as ``cancelled``."""
         started = time.time()
+        await self._cancel_remembered(job.job_id)
         with self.cancels.running(job.job_id):
             return await self._evaluate(job, subject)
         live, resolved = self.cancels.progress.get(job.job_id, (None, None))

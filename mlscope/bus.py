@@ -223,6 +223,8 @@ async def _noop() -> None:
     return None
 
 
+CANCELS_TTL_S = 7 * 24 * 3600.0
+"""How long a cancel request of a job no server ran is kept (``mlscope_cancels``)."""
 JOB_MAX_BYTES = 1 << 20
 """The largest job the job stream stores (a replay schedule of ~100k arrivals)."""
 
@@ -286,6 +288,9 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
                 bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas
             ),
             KeyValueConfig(bucket=names.MODELS_BUCKET, history=5, replicas=replicas),
+            KeyValueConfig(
+                bucket=names.CANCELS_BUCKET, ttl=CANCELS_TTL_S, history=1, replicas=replicas
+            ),
         ):
             try:
                 await bus.js.key_value(kv.bucket)

@@ -22,7 +22,8 @@ Subjects (core NATS unless marked JetStream):
     mlscope.loadgen.<id>.progress      queries done so far by one load-generator service
 
 Buckets: ``mlscope_agents`` (agent descriptions, TTL-expired), ``mlscope_models``
-(published manifests), ``mlscope_loadgens`` (load-generator services, TTL-expired),
+(published manifests), ``mlscope_cancels`` (cancels of jobs no server ran, TTL-expired),
+``mlscope_loadgens`` (load-generator services, TTL-expired),
 object stores ``mlscope_loadgen_work`` (dealt slices and their results) and
 ``mlscope_artifacts`` (built zoo models and their build locks).
 """
@@ -34,6 +35,7 @@ import re
 __all__ = [
     "AGENTS_BUCKET",
     "ARTIFACTS_BUCKET",
+    "CANCELS_BUCKET",
     "DEAD_STREAM",
     "EVALUATION_SUBJECT",
     "JOBS_CONSUMER",
@@ -75,6 +77,10 @@ DEAD_STREAM = "MLSCOPE_DEAD"
 
 AGENTS_BUCKET = "mlscope_agents"
 MODELS_BUCKET = "mlscope_models"
+CANCELS_BUCKET = "mlscope_cancels"
+"""Cancel requests of jobs no server was running (key: job id, value: the reason), so
+that any server that takes such a job later, even one started after the request,
+stores it as cancelled without running it."""
 ARTIFACTS_BUCKET = "mlscope_artifacts"
 """Object store of built zoo models (mlscope.artifact_bucket)."""
 

@@ -30,10 +30,12 @@ from broker.record import RunRecord
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import remote
+from mlscope.api import cancel_job
 from mlscope.contracts import JobRequest, ScenarioSpec, evaluation_id_for
 from mlscope.jobs import submit
 from mlscope.outcomes import Outcome
-from tests.conftest import child_env
+from mlscope.settings import Settings
+from tests.conftest import agent_and_server, child_env, python, wait_server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -264,3 +266,32 @@ def test_issued_part_keeps_what_was_sent() -> None:
     assert list(part.outcomes()) == [Outcome.OK] * 3 + [Outcome.LOST]
     assert part.errors == {3: IN_FLIGHT}
     assert issued_part(RunRecord(n=5, batch_size=1)).n == 0
+
+
+def test_a_cancel_outlives_the_server_that_heard_it(settings: Settings) -> None:
+    """A job cancelled before any server took it is stored as cancelled, unrun, by a
+    server started after the request (the first one, which heard it, is gone)."""
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        trace_level="none",
+        scenario=ScenarioSpec(name="online", qps=50, duration_s=20),
+    )
+    with agent_and_server(settings, "--framework", "noop") as (_agent, first):
+        anyio.run(wait_server, settings)
+        reply = anyio.run(
+            lambda: cancel_job(settings, job.job_id, reason="not wanted", timeout=1.0),
+            backend="asyncio",
+        )
+        assert reply is None  # nobody runs it: heard, remembered, unanswered
+        first.terminate()
+        first.wait(20)
+        later = subprocess.Popen([python(), "-m", "cli.main", "server"], env=child_env(settings))
+        try:
+            anyio.run(wait_server, settings)
+            summary = anyio.run(lambda: submit(settings, job, timeout=60), backend="asyncio")
+        finally:
+            later.terminate()
+            later.wait(20)
+    assert summary.status == "cancelled" and not summary.valid
+    assert summary.queries == 0 and "not wanted" in summary.invalid_reasons[0]
