@@ -6,8 +6,7 @@ implementations:
 * :class:`DirectSource` wraps a :class:`mlscope.database.Client` (clickhouse-connect on
   a ClickHouse server, or chDB when this process owns the data directory);
 * :class:`BusSource` asks the process that owns chDB over the bus
-  (:func:`mlscope.remote.sql`), one page of rows at a time so that no reply exceeds
-  the NATS payload limit.
+  (:func:`mlscope.remote.arrow`): Arrow IPC pages, none over the NATS payload limit.
 
 :func:`open_source` picks one from :class:`~mlscope.settings.Settings`: a ClickHouse
 server DSN means direct access, chDB means through its owner.
@@ -25,10 +24,10 @@ from mlscope.bus import connect
 from mlscope.errors import DatabaseError
 from mlscope.settings import Settings
 
-__all__ = ["BusSource", "DirectSource", "Source", "open_source", "table_exists"]
+__all__ = ["BusSource", "DirectSource", "Source", "as_frame", "open_source", "table_exists"]
 
-# Rows per bus reply: a spans row is ~300 bytes of msgpack, NATS' default limit is 1 MiB.
-PAGE_ROWS = 2000
+PAGE_ROWS = remote.ARROW_PAGE_ROWS
+"""Rows asked for per bus reply (the server sends fewer where they would not fit)."""
 
 
 class Source(Protocol):
@@ -59,7 +58,8 @@ class DirectSource:
 
 
 class BusSource:
-    """Through the server that owns chDB: ``mlscope.db.sql`` requests, paged."""
+    """Through the server that owns chDB: ``mlscope.db.sql`` requests, the result in
+    Arrow IPC pages (:func:`mlscope.remote.arrow`), each under the max payload."""
 
     def __init__(
         self, settings: Settings, *, page_rows: int = PAGE_ROWS, timeout: float = 30.0
@@ -70,22 +70,22 @@ class BusSource:
         return anyio.run(self._frame, sql, parameters or {}, backend="asyncio")
 
     async def _frame(self, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:
-        inner = sql.strip().rstrip(";")
-        columns: list[str] = []
-        rows: list[list[Any]] = []
         async with connect(self.settings, name="mlscope analysis") as bus:
-            offset = 0
-            while True:
-                page = f"SELECT * FROM ({inner}) LIMIT {self.page_rows} OFFSET {offset}"
-                names, got = await remote.sql(bus, page, parameters, timeout=self.timeout)
-                # An empty last page (rows a multiple of the page size) may name no
-                # columns: the first page's names stand.
-                columns = names or columns
-                rows.extend(got)
-                if len(got) < self.page_rows:
-                    break
-                offset += self.page_rows
-        return pd.DataFrame(rows, columns=columns)
+            table = await remote.arrow(
+                bus, sql, parameters, page_rows=self.page_rows, timeout=self.timeout
+            )
+        return as_frame(table)
+
+
+def as_frame(table: Any) -> pd.DataFrame:
+    """A ``pyarrow.Table`` as the frame clickhouse-connect's ``query_df`` gives: times
+    without a zone (UTC), so both sources return the same columns and types."""
+    frame = table.to_pandas()
+    for name in frame.columns:
+        col = frame[name]
+        if isinstance(col.dtype, pd.DatetimeTZDtype):
+            frame[name] = col.dt.tz_convert("UTC").dt.tz_localize(None)
+    return frame
 
 
 def open_source(settings: Settings) -> DirectSource | BusSource:
