@@ -33,14 +33,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 from packaging.version import InvalidVersion, Version
 
-from analysis.data import evaluations, queries
+from analysis.data import evaluations, latencies_ms
 from analysis.figures import measured_runs, prefer_valid
 from analysis.source import Source
 from mlscope.errors import ConfigError
@@ -196,6 +196,7 @@ def compare_runs(
     seed: int = 0,
     check: bool = True,
     runs: pd.DataFrame | None = None,
+    latencies: Mapping[str, np.ndarray] | None = None,
 ) -> pd.DataFrame:
     """Median and p99 latency of ``candidate`` against ``baseline`` (ms), one row each:
     statistic, a, b, diff, rel, ci_low, ci_high, verdict, basis, note (the
@@ -205,7 +206,8 @@ def compare_runs(
     (:class:`~mlscope.errors.ConfigError`) unless ``check`` is False. The interval is
     over queries of one run each (``basis`` says so): see :func:`compare_repeats`.
     ``runs``: the two evaluations' rows (of :func:`analysis.data.evaluations` or
-    :func:`analysis.summary.summary`) when the caller has them; read otherwise."""
+    :func:`analysis.summary.summary`) when the caller has them; read otherwise.
+    ``latencies``: their samples by id (:func:`analysis.data.latencies_ms`), likewise."""
     if runs is None:
         runs = evaluations(source, [baseline, candidate])
     if check:
@@ -213,9 +215,7 @@ def compare_runs(
         if why:
             raise ConfigError(f"{baseline} and {candidate} are not comparable: " + "; ".join(why))
     notes = artifact_notes(runs)
-    q = queries(source, [baseline, candidate])
-    q = q[q["ok"] & ~q["warmup"]]
-    lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
+    lat = dict(latencies) if latencies is not None else latencies_ms(source, [baseline, candidate])
     for e in (baseline, candidate):
         if e not in lat:
             raise ValueError(f"evaluation {e} has no answered queries")
@@ -288,9 +288,7 @@ def compare_repeats(
         why = check_comparable(source, ids)
         if why:
             raise ConfigError("the runs are not comparable: " + "; ".join(why))
-    q = queries(source, ids)
-    q = q[q["ok"] & ~q["warmup"]]
-    per_run = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
+    per_run = latencies_ms(source, ids)
     missing = [e for e in ids if e not in per_run]
     if missing:
         raise ValueError(f"evaluation {missing[0]} has no answered queries")

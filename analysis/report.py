@@ -23,8 +23,8 @@ import pandas as pd
 
 from analysis import figures, plots
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
-from analysis.data import evaluations, queries
-from analysis.layers import layer_types, top_layers
+from analysis.data import evaluations, latencies_ms
+from analysis.layers import layer_kind, layer_types, top_layers
 from analysis.source import Source
 from analysis.summary import latency_windows, summary
 
@@ -78,19 +78,46 @@ def build(
 ) -> Report:
     """The report of evaluations ``ids``: summary, latency, throughput, accuracy,
     layers, and a comparison of each run against the first one."""
-    runs = _sweep_runs(source, ids)
-    summ = summary(source, [*ids, *runs])
-    sections = [Section("Summary", tables=[("Per-evaluation summary", summ[SUMMARY_VIEW])])]
-    sections[0].notes += [
+    shown = evaluations(source, ids)
+    runs = _sweep_runs(shown, ids)
+    summ = summary(
+        source, evaluated=pd.concat([shown, evaluations(source, runs)]) if runs else shown
+    )
+    sections = [_summary_section(summ)]
+    lat = latencies_ms(source, ids)
+    latency = Section("Latency")
+    if lat:
+        latency.plots.append(("Latency by percentile (log scale)", plots.latency_percentiles(lat)))
+    for e in ids:
+        w = latency_windows(source, e, window_s=window_s) if e in lat else None
+        if w is not None and len(w) > 1:
+            latency.plots.append(
+                (f"Latency over time, {e} ({window_s:g} s windows)", plots.latency_over_time(w, e))
+            )
+    sections.append(latency)
+    sections += _throughput_sections(summ, sizes, prices_per_hour)
+    sections += [s for s in (_layers_section(source, e, top_n) for e in ids) if s is not None]
+    # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
+    # parent is the sum of its steps, never a run of its own.
+    sweeps = set(summ.loc[summ["role"] == "sweep", "evaluation_id"])
+    measured = [e for e in ids if e in lat and e not in sweeps]
+    if len(measured) > 1:
+        sections.append(_comparison(source, summ, measured, lat))
+    return Report(f"mlscope report: {', '.join(ids)}", sections)
+
+
+def _summary_section(summ: pd.DataFrame) -> Section:
+    section = Section("Summary", tables=[("Per-evaluation summary", summ[SUMMARY_VIEW])])
+    section.notes += [
         f"{r.evaluation_id} is a sweep: its runs are listed beside it and counted once each"
         for r in summ.itertuples()
         if r.role == "sweep"
     ]
     invalid = summ[~summ["valid"].astype(bool)]
-    sections[0].notes += [
+    section.notes += [
         f"{r.evaluation_id} is INVALID: {r.invalid_reasons}" for r in invalid.itertuples()
     ]
-    sections[0].notes.append(
+    section.notes.append(
         "Memory: peak_rss_mb is the agent process's peak resident memory while the "
         "evaluation was prepared, rss_growth_mb its resident memory at release minus at "
         "prepare (MB = 10^6 bytes; empty: not reported). Energy: "
@@ -100,49 +127,33 @@ def build(
             else "energy_j per evaluation, where a power source was read."
         )
     )
-    q = queries(source, list(ids))
-    q = q[q["ok"] & ~q["warmup"]]
-    lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
-    latency = Section("Latency")
-    if lat:
-        latency.plots.append(("Latency by percentile (log scale)", plots.latency_percentiles(lat)))
-    for e in ids:
-        w = latency_windows(source, e, window_s=window_s)
-        if len(w) > 1:
-            latency.plots.append(
-                (f"Latency over time, {e} ({window_s:g} s windows)", plots.latency_over_time(w, e))
-            )
-    sections.append(latency)
-    sections += _throughput_sections(summ, sizes, prices_per_hour)
-    for e in ids:
-        top = top_layers(source, e, top_n)
-        if len(top):
-            sections.append(
-                Section(
-                    f"Layers of {e}",
-                    tables=[
-                        (f"Top {top_n} layers by time", top),
-                        ("By layer type", layer_types(source, e)),
-                    ],
-                )
-            )
-    # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
-    # parent is the sum of its steps, never a run of its own.
-    sweeps = set(summ.loc[summ["role"] == "sweep", "evaluation_id"])
-    measured = [e for e in ids if e in lat and e not in sweeps]
-    if len(measured) > 1:
-        sections.append(_comparison(source, summ, measured))
-    return Report(f"mlscope report: {', '.join(ids)}", sections)
+    return section
 
 
-def _sweep_runs(source: Source, ids: Sequence[str]) -> list[str]:
-    """The runs of the sweeps among ``ids`` that ``ids`` does not name itself."""
-    ev = evaluations(source, ids)
-    extra = [r for runs in ev["runs"] for r in runs]
+def _layers_section(source: Source, evaluation_id: str, top_n: int) -> Section | None:
+    """The layer tables of one evaluation; None when it has no layer spans."""
+    kind = layer_kind(source, evaluation_id)
+    if kind is None:
+        return None
+    top = top_layers(source, evaluation_id, top_n, kind=kind)
+    return Section(
+        f"Layers of {evaluation_id}",
+        tables=[
+            (f"Top {top_n} layers by time", top),
+            ("By layer type", layer_types(source, evaluation_id, kind=kind)),
+        ],
+    )
+
+
+def _sweep_runs(shown: pd.DataFrame, ids: Sequence[str]) -> list[str]:
+    """The runs of the sweeps among ``ids`` (rows ``shown``) that ``ids`` does not name."""
+    extra = [r for runs in shown["runs"] for r in runs]
     return [r for r in dict.fromkeys(extra) if r not in set(ids)]
 
 
-def _comparison(source: Source, summ: pd.DataFrame, ids: Sequence[str]) -> Section:
+def _comparison(
+    source: Source, summ: pd.DataFrame, ids: Sequence[str], lat: Mapping[str, np.ndarray]
+) -> Section:
     """Each run against the first, flagged where they are not comparable."""
     base = ids[0]
     sec = Section(f"Comparison against {base}")
@@ -152,7 +163,9 @@ def _comparison(source: Source, summ: pd.DataFrame, ids: Sequence[str]) -> Secti
         why = mismatches(pair)
         if why:
             sec.notes.append(f"{other} vs {base}: NOT COMPARABLE: " + "; ".join(why))
-        table = compare_runs(source, base, other, check=False, runs=pair)
+        table = compare_runs(
+            source, base, other, check=False, runs=pair, latencies={e: lat[e] for e in (base, other)}
+        )
         sec.notes.extend(f"{other} vs {base}: {n}" for n in dict.fromkeys(table["note"]) if n)
         rows.append(table.assign(baseline=base, candidate=other, comparable=not why))
     sec.notes.append(f"Intervals: {SINGLE_RUN_NOTE}.")

@@ -136,7 +136,6 @@ def _run_jobs(settings: Settings, jobs: list[JobRequest]) -> list[str]:
 
 def run_suite(args: argparse.Namespace) -> int:
     from analysis import suite
-    from analysis.data import evaluations
     from analysis.figures import model_sizes
     from analysis.source import open_source
     from analysis.summary import summary
@@ -150,13 +149,7 @@ def run_suite(args: argparse.Namespace) -> int:
             settings, suite_jobs(pairs, batch_sizes=sizes_, qps=args.qps, duration_s=args.duration)
         )
     source = open_source(settings)
-    ev = evaluations(source)
-    wanted = set(pairs)
-    ids = [
-        e
-        for e, m, f in zip(ev["evaluation_id"], ev["model"], ev["framework"], strict=True)
-        if (m, f) in wanted
-    ]
+    ids = suite.shown_evaluations(source, pairs)
     if not ids:
         print(
             "mlscope report --suite: no evaluations of these models yet (add --run to run them)",

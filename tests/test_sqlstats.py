@@ -3,16 +3,18 @@ computations analysis did on raw rows, on the same stored data (a real chDB)."""
 
 from __future__ import annotations
 
+import json
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import sqlstats
-from analysis.data import queries
+from analysis import sqlstats, suite
+from analysis.data import evaluations, queries
 from analysis.source import DirectSource
-from analysis.summary import latency_windows, sample_stats
+from analysis.summary import latency_windows, sample_stats, summary
 from broker.db import QUERY_COLUMNS, Database
 from mlscope.outcomes import Outcome, classify
 from mlscope.stats import percentiles, trimmed_mean
@@ -150,3 +152,74 @@ def test_latency_windows_in_sql_equal_the_pandas_computation(
         check_dtype=False,
     )
     assert got["trimmed_mean_ms"].tolist() == pytest.approx(want["trimmed_mean_ms"].tolist())
+
+
+def _store_evaluation(db: Database, eval_id: str, at_ms: int, **fields: Any) -> None:
+    summary = {
+        "scenario": {"name": fields["scenario"], "batch_size": fields["batch"]},
+        "throughput_ips": fields.get("tput"),
+        "accuracy": {"top1": fields.get("top1")},
+        "queries": 10,
+    }
+    spec = {"agent": {"cpu_model": fields.get("cpu", "cpu-a"), "cpu_cores": 2}}
+    row: dict[str, Any] = {
+        "evaluation_id": eval_id,
+        "job_id": eval_id,
+        "rerun_of": "",
+        "created_at": at_ms,
+        "model": fields["model"],
+        "model_version": "1.0.0",
+        "framework": fields["framework"],
+        "framework_version": "1",
+        "agent_id": "a",
+        "host": "h",
+        "device": "cpu",
+        "scenario": fields["scenario"],
+        "trace_level": "model",
+        "status": "completed",
+        "valid": int(fields.get("valid", True)),
+        "t0_ns": 0,
+        "clock_offset_ns": 0,
+        "spec": json.dumps(spec),
+        "summary": json.dumps(summary),
+    }
+    names = [n for n in row if n != "created_at"] + ["created_at"]
+    values = [[row[n]] for n in names[:-1]] + [
+        [datetime.fromtimestamp(at_ms / 1000, UTC).replace(tzinfo=None)]
+    ]
+    db.insert("evaluations", values, names)
+
+
+def test_the_suite_reads_only_the_runs_table_2_shows(span_db: DirectSource) -> None:
+    """Table 2 of the evaluations the database picks equals Table 2 of every stored
+    evaluation, while older runs and other models are never read."""
+    rng = np.random.default_rng(5)
+    at = 1_700_000_000_000
+    n = 0
+    for model, fw in [("m1", "onnxruntime"), ("m1", "pytorch"), ("m2", "onnxruntime"), ("x", "tf")]:
+        for _ in range(6):  # older and newer runs of every key, some invalid, some tied
+            for scenario, batch in [("online", 1), ("batched", 1), ("batched", 4)]:
+                n += 1
+                _store_evaluation(
+                    span_db.db,
+                    f"ev-suite-{n:03d}",
+                    at + int(rng.integers(0, 40)) * 1000,
+                    model=model,
+                    framework=fw,
+                    scenario=scenario,
+                    batch=batch,
+                    valid=rng.random() < 0.6,
+                    tput=None if rng.random() < 0.2 else float(rng.integers(100, 900)),
+                    top1=None if rng.random() < 0.5 else float(rng.random()),
+                    cpu=str(rng.choice(["cpu-a", "cpu-b"])),
+                )
+    pairs = [("m1", "onnxruntime"), ("m1", "pytorch"), ("m2", "onnxruntime")]
+    every = evaluations(span_db)
+    every = every[every["evaluation_id"].str.startswith("ev-suite-")]
+    every = every[[(m, f) in pairs for m, f in zip(every["model"], every["framework"], strict=True)]]
+    shown = suite.shown_evaluations(span_db, pairs)
+    assert 0 < len(shown) < len(every)
+    want = suite.table2(summary(span_db, list(every["evaluation_id"])))
+    got = suite.table2(summary(span_db, shown))
+    assert len(want) >= 3
+    pd.testing.assert_frame_equal(got, want)
