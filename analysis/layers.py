@@ -12,24 +12,37 @@ Sums and counts are done in SQL (one row per layer comes back, not one per span)
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
 
 from analysis.source import Source
 
-__all__ = ["layer_kind", "layer_types", "shape_text", "top_layers"]
+__all__ = ["layer_kind", "layer_kinds", "layer_types", "shape_text", "top_layers"]
 
 
 def layer_kind(source: Source, evaluation_id: str) -> str | None:
     """ "layer" or "op", whichever spans this evaluation has (None: neither)."""
-    got = source.frame(
-        "SELECT kind, count() AS n FROM spans FINAL WHERE evaluation_id = "
-        "{e:String} AND kind IN ('layer', 'op') GROUP BY kind",
-        {"e": evaluation_id},
+    return layer_kinds(source, [evaluation_id])[evaluation_id]
+
+
+def layer_kinds(source: Source, ids: Sequence[str]) -> dict[str, str | None]:
+    """:func:`layer_kind` of each of ``ids``, in one query."""
+    got = (
+        source.frame(
+            "SELECT evaluation_id, kind, count() AS n FROM spans FINAL WHERE evaluation_id "
+            "IN {ids:Array(String)} AND kind IN ('layer', 'op') GROUP BY evaluation_id, kind",
+            {"ids": list(ids)},
+        )
+        if ids
+        else pd.DataFrame()
     )
-    kinds = set(got["kind"]) if len(got) else set()
-    return "layer" if "layer" in kinds else "op" if "op" in kinds else None
+    found: dict[str, set[str]] = {}
+    for e, k in zip(got.get("evaluation_id", ()), got.get("kind", ()), strict=True):
+        found.setdefault(str(e), set()).add(str(k))
+    kinds = {e: found.get(e, set()) for e in ids}
+    return {e: "layer" if "layer" in k else "op" if "op" in k else None for e, k in kinds.items()}
 
 
 def _kind(source: Source, evaluation_id: str, kind: str | None) -> str | None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,9 @@ import pandas as pd
 from analysis import figures, plots
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
 from analysis.data import evaluations, latencies_ms
-from analysis.layers import layer_kind, layer_types, top_layers
+from analysis.layers import layer_kinds, layer_types, top_layers
 from analysis.source import Source
-from analysis.summary import latency_windows, summary
+from analysis.summary import latency_windows_of, summary
 
 __all__ = ["Report", "Section", "build", "figure_dir_for", "to_html", "to_json", "to_markdown"]
 
@@ -35,7 +36,9 @@ __all__ = ["Report", "Section", "build", "figure_dir_for", "to_html", "to_json",
 class Section:
     title: str
     tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
-    plots: list[tuple[str, Any]] = field(default_factory=list)  # matplotlib figures
+    plots: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
+    """Caption and what draws the matplotlib figure: only a format that shows figures
+    draws them (JSON and Markdown on a terminal name them)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -87,16 +90,19 @@ def build(
     lat = latencies_ms(source, ids)
     latency = Section("Latency")
     if lat:
-        latency.plots.append(("Latency by percentile (log scale)", plots.latency_percentiles(lat)))
-    for e in ids:
-        w = latency_windows(source, e, window_s=window_s) if e in lat else None
-        if w is not None and len(w) > 1:
+        latency.plots.append(
+            ("Latency by percentile (log scale)", partial(plots.latency_percentiles, lat))
+        )
+    windows = latency_windows_of(source, [e for e in ids if e in lat], window_s=window_s)
+    for e, w in windows.items():
+        if len(w) > 1:
             latency.plots.append(
-                (f"Latency over time, {e} ({window_s:g} s windows)", plots.latency_over_time(w, e))
+                (f"Latency over time, {e} ({window_s:g} s windows)", partial(plots.latency_over_time, w, e))
             )
     sections.append(latency)
     sections += _throughput_sections(summ, sizes, prices_per_hour)
-    sections += [s for s in (_layers_section(source, e, top_n) for e in ids) if s is not None]
+    kinds = layer_kinds(source, ids)
+    sections += [_layers_section(source, e, k, top_n) for e, k in kinds.items() if k is not None]
     # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
     # parent is the sum of its steps, never a run of its own.
     sweeps = set(summ.loc[summ["role"] == "sweep", "evaluation_id"])
@@ -130,16 +136,12 @@ def _summary_section(summ: pd.DataFrame) -> Section:
     return section
 
 
-def _layers_section(source: Source, evaluation_id: str, top_n: int) -> Section | None:
-    """The layer tables of one evaluation; None when it has no layer spans."""
-    kind = layer_kind(source, evaluation_id)
-    if kind is None:
-        return None
-    top = top_layers(source, evaluation_id, top_n, kind=kind)
+def _layers_section(source: Source, evaluation_id: str, kind: str, top_n: int) -> Section:
+    """The layer tables of one evaluation (``kind``: its :func:`layer_kind`)."""
     return Section(
         f"Layers of {evaluation_id}",
         tables=[
-            (f"Top {top_n} layers by time", top),
+            (f"Top {top_n} layers by time", top_layers(source, evaluation_id, top_n, kind=kind)),
             ("By layer type", layer_types(source, evaluation_id, kind=kind)),
         ],
     )
@@ -185,7 +187,7 @@ def _throughput_sections(
     tput = figures.max_throughput(summ)
     if len(tput):
         sec = Section("Throughput", tables=[("Maximum throughput and optimal batch size", tput)])
-        sec.plots.append(("Throughput by batch size", plots.throughput_by_batch(summ)))
+        sec.plots.append(("Throughput by batch size", partial(plots.throughput_by_batch, summ)))
         heat = figures.speedup_heatmap(summ)
         if heat.shape[1] > 1:
             sec.tables.append(
@@ -194,7 +196,7 @@ def _throughput_sections(
                     heat.reset_index(names="model/framework@system"),
                 )
             )
-            sec.plots.append(("Speed-up heatmap", plots.speedup_figure(heat)))
+            sec.plots.append(("Speed-up heatmap", partial(plots.speedup_figure, heat)))
         if prices:
             for model in sorted(set(tput["model"])):
                 sec.tables.append(
@@ -206,7 +208,7 @@ def _throughput_sections(
         sec = Section("Accuracy", tables=[("Accuracy, latency, throughput and size", acc)])
         for x in ("online_latency_ms", "max_throughput_ips"):
             if acc[x].notna().any():
-                sec.plots.append((f"Top-1 vs {x}", plots.accuracy_scatter(acc, x)))
+                sec.plots.append((f"Top-1 vs {x}", partial(plots.accuracy_scatter, acc, x)))
         out.append(sec)
     return out
 
@@ -235,9 +237,9 @@ def to_html(report: Report) -> str:
         parts += [f"<p class='note'>{html.escape(n)}</p>" for n in sec.notes]
         for caption, df in sec.tables:
             parts.append(f"<h3>{html.escape(caption)}</h3>{_html_table(df)}")
-        for caption, fig in sec.plots:
+        for caption, draw in sec.plots:
             parts.append(
-                f"<figure>{plots.svg(fig)}<figcaption>{html.escape(caption)}</figcaption></figure>"
+                f"<figure>{plots.svg(draw())}<figcaption>{html.escape(caption)}</figcaption></figure>"
             )
     parts.append("</body></html>")
     return "\n".join(parts)
@@ -268,14 +270,14 @@ def to_markdown(report: Report, figure_dir: Path | None = None) -> str:
         lines += [f"> {n}" for n in sec.notes]
         for caption, df in sec.tables:
             lines += [f"### {caption}", "", markdown_table(df), ""]
-        for caption, fig in sec.plots:
+        for caption, draw in sec.plots:
             number += 1
             if figure_dir is None:
                 lines += [f"_figure {number}: {caption} (write the report with -o FILE.md)_", ""]
                 continue
             name = f"figure-{number:02d}-{_slug(caption)}.png"
             figure_dir.mkdir(parents=True, exist_ok=True)
-            (figure_dir / name).write_bytes(plots.png(fig))
+            (figure_dir / name).write_bytes(plots.png(draw()))
             lines += [f"![{caption}]({figure_dir.name}/{name})", ""]
     return "\n".join(lines)
 

@@ -14,13 +14,15 @@ server DSN means direct access, chDB means through its owner.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import anyio
 import pandas as pd
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from mlscope import remote
-from mlscope.bus import connect
+from mlscope.bus import Bus, connect
 from mlscope.errors import DatabaseError
 from mlscope.settings import Settings
 
@@ -56,25 +58,59 @@ class DirectSource:
     def close(self) -> None:
         self.db.close()
 
+    def __enter__(self) -> DirectSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class BusSource:
     """Through the server that owns chDB: ``mlscope.db.sql`` requests, the result in
-    Arrow IPC pages (:func:`mlscope.remote.arrow`), each under the max payload."""
+    Arrow IPC pages (:func:`mlscope.remote.arrow`), each under the max payload.
+
+    Used as a context manager, it holds one bus connection (on an event loop thread
+    of its own) for every read inside the block, as a report's many reads want;
+    outside one, each read connects and disconnects."""
 
     def __init__(
         self, settings: Settings, *, page_rows: int = PAGE_ROWS, timeout: float = 30.0
     ) -> None:
         self.settings, self.page_rows, self.timeout = settings, page_rows, timeout
+        self._held: tuple[contextlib.ExitStack, BlockingPortal, Bus] | None = None
+
+    def __enter__(self) -> BusSource:
+        stack = contextlib.ExitStack()
+        try:
+            portal = stack.enter_context(start_blocking_portal(backend="asyncio"))
+            bus = stack.enter_context(
+                portal.wrap_async_context_manager(connect(self.settings, name="mlscope analysis"))
+            )
+        except BaseException:
+            stack.close()
+            raise
+        self._held = (stack, portal, bus)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held[0].close()
 
     def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
+        if self._held is not None:
+            _, portal, bus = self._held
+            return as_frame(portal.call(self._read, bus, sql, parameters or {}))
         return anyio.run(self._frame, sql, parameters or {}, backend="asyncio")
 
     async def _frame(self, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:
         async with connect(self.settings, name="mlscope analysis") as bus:
-            table = await remote.arrow(
-                bus, sql, parameters, page_rows=self.page_rows, timeout=self.timeout
-            )
-        return as_frame(table)
+            return as_frame(await self._read(bus, sql, parameters))
+
+    async def _read(self, bus: Bus, sql: str, parameters: dict[str, Any]) -> Any:
+        return await remote.arrow(
+            bus, sql, parameters, page_rows=self.page_rows, timeout=self.timeout
+        )
 
 
 def as_frame(table: Any) -> pd.DataFrame:

@@ -24,6 +24,7 @@ __all__ = [
     "SAMPLE_STATS_SQL",
     "SUMMARY_COLUMNS",
     "latency_windows",
+    "latency_windows_of",
     "sample_stats",
     "summary",
 ]
@@ -171,27 +172,27 @@ _WINDOW_COLUMNS = [
 
 
 def _windows_sql(window_s: float) -> str:
-    """Per window of scheduled time: the answered queries scheduled in it, their latency
+    """Per evaluation and window of scheduled time (from the evaluation's first
+    scheduled answered query): the answered queries scheduled in it, their latency
     figures, and how many answered queries completed in it. Each row is counted twice
     (``arrayJoin``): once in its scheduling window, once in its completion window."""
     w = repr(float(window_s))
-    t0 = (
-        "(SELECT min(scheduled_ns) FROM queries FINAL WHERE evaluation_id = {e:String} "
-        "AND ok != 0 AND warmup = 0)"
-    )
     rows = (
-        f"SELECT arrayJoin([(toInt64(floor((scheduled_ns - t0) / 1e9 / {w})), 1), "
-        f"(toInt64(floor((completed_ns - t0) / 1e9 / {w})), 0)]) AS at, "
-        "completed_ns - scheduled_ns AS latency_ns FROM queries FINAL "
-        "WHERE evaluation_id = {e:String} AND ok != 0 AND warmup = 0"
+        f"SELECT evaluation_id, arrayJoin([(toInt64(floor((scheduled_ns - t0) / 1e9 / {w})), "
+        f"1), (toInt64(floor((completed_ns - t0) / 1e9 / {w})), 0)]) AS at, latency_ns "
+        "FROM (SELECT evaluation_id, scheduled_ns, completed_ns, "
+        "completed_ns - scheduled_ns AS latency_ns, "
+        "min(scheduled_ns) OVER (PARTITION BY evaluation_id) AS t0 FROM queries FINAL "
+        "WHERE evaluation_id IN {ids:Array(String)} AND ok != 0 AND warmup = 0)"
     )
     return (
-        f"SELECT win, queries, completed, {trimmed_mean('lat')} AS trimmed_mean_ms, "
-        f"{percentile('lat', 50)} AS p50_ms, {percentile('lat', 90)} AS p90_ms, "
-        f"{percentile('lat', 99)} AS p99_ms FROM (SELECT tupleElement(at, 1) AS win, "
-        "sum(tupleElement(at, 2)) AS queries, count() - queries AS completed, "
-        f"{sorted_ms('latency_ns', 'tupleElement(at, 2) = 1')} AS lat "
-        f"FROM (WITH {t0} AS t0 {rows}) GROUP BY win HAVING queries > 0) ORDER BY win"
+        f"SELECT evaluation_id, win, queries, completed, {trimmed_mean('lat')} AS "
+        f"trimmed_mean_ms, {percentile('lat', 50)} AS p50_ms, {percentile('lat', 90)} AS "
+        f"p90_ms, {percentile('lat', 99)} AS p99_ms FROM (SELECT evaluation_id, "
+        "tupleElement(at, 1) AS win, sum(tupleElement(at, 2)) AS queries, "
+        "count() - queries AS completed, "
+        f"{sorted_ms('latency_ns', 'tupleElement(at, 2) = 1')} AS lat FROM ({rows}) "
+        "GROUP BY evaluation_id, win HAVING queries > 0) ORDER BY evaluation_id, win"
     )
 
 
@@ -204,23 +205,34 @@ def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0
     system delivered, which a stall drops while latency climbs). Computed by the
     database: one row per window comes back.
     """
+    return latency_windows_of(source, [evaluation_id], window_s=window_s)[evaluation_id]
+
+
+def latency_windows_of(
+    source: Source, ids: Sequence[str], *, window_s: float = 1.0
+) -> dict[str, pd.DataFrame]:
+    """:func:`latency_windows` of each of ``ids``, in one query (empty frames for
+    evaluations without answered queries)."""
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
-    got = source.frame(_windows_sql(window_s), {"e": evaluation_id})
-    if got.empty:
-        return pd.DataFrame(columns=_WINDOW_COLUMNS)
-    frame = pd.DataFrame(
-        {
-            "window": got["win"].astype(int),
-            "start_s": got["win"].astype(int) * window_s,
-            "queries": got["queries"].astype(int),
-            **{
-                c: [_float(v) for v in got[c]]
-                for c in ("trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms")
+    out = {e: pd.DataFrame(columns=_WINDOW_COLUMNS) for e in ids}
+    if not ids:
+        return out
+    got = source.frame(_windows_sql(window_s), {"ids": list(ids)})
+    for e, g in got.groupby("evaluation_id", sort=False) if len(got) else ():
+        frame = pd.DataFrame(
+            {
+                "window": g["win"].astype(int).to_numpy(),
+                "start_s": g["win"].astype(int).to_numpy() * window_s,
+                "queries": g["queries"].astype(int).to_numpy(),
+                **{
+                    c: [_float(v) for v in g[c]]
+                    for c in ("trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms")
+                },
+                "completed_per_s": g["completed"].astype(int).to_numpy() / window_s,
             },
-            "completed_per_s": got["completed"].astype(int) / window_s,
-        },
-        columns=_WINDOW_COLUMNS,
-    )
-    frame.attrs["window_s"] = window_s
-    return frame
+            columns=_WINDOW_COLUMNS,
+        )
+        frame.attrs["window_s"] = window_s
+        out[str(e)] = frame
+    return out
