@@ -152,9 +152,7 @@ def _predict_ns(source: Source, evaluation_id: str) -> float:
     return float(got["ns"].iloc[0]) if len(got) and int(got["n"].iloc[0]) else 0.0
 
 
-def layer_types(
-    source: Source, evaluation_id: str, *, kind: str | None = None
-) -> pd.DataFrame:
+def layer_types(source: Source, evaluation_id: str, *, kind: str | None = None) -> pd.DataFrame:
     """Aggregates by layer type: op_type, layers (distinct), calls, total_ms, mean_ms,
     share of all layer time; most time first. ``kind`` as in :func:`top_layers`."""
     cols = ["op_type", "layers", "calls", "total_ms", "mean_ms", "share"]

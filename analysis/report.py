@@ -97,7 +97,10 @@ def build(
     for e, w in windows.items():
         if len(w) > 1:
             latency.plots.append(
-                (f"Latency over time, {e} ({window_s:g} s windows)", partial(plots.latency_over_time, w, e))
+                (
+                    f"Latency over time, {e} ({window_s:g} s windows)",
+                    partial(plots.latency_over_time, w, e),
+                )
             )
     sections.append(latency)
     sections += _throughput_sections(summ, sizes, prices_per_hour)
@@ -166,7 +169,12 @@ def _comparison(
         if why:
             sec.notes.append(f"{other} vs {base}: NOT COMPARABLE: " + "; ".join(why))
         table = compare_runs(
-            source, base, other, check=False, runs=pair, latencies={e: lat[e] for e in (base, other)}
+            source,
+            base,
+            other,
+            check=False,
+            runs=pair,
+            latencies={e: lat[e] for e in (base, other)},
         )
         sec.notes.extend(f"{other} vs {base}: {n}" for n in dict.fromkeys(table["note"]) if n)
         rows.append(table.assign(baseline=base, candidate=other, comparable=not why))

@@ -46,6 +46,7 @@ def shown_evaluations(source: Source, pairs: Sequence[tuple[str, str]]) -> list[
     got = source.frame(SHOWN_SQL, {"m": [m for m, _ in pairs], "f": [f for _, f in pairs]})
     return [str(e) for e in got["evaluation_id"]] if len(got) else []
 
+
 TABLE2_COLUMNS = (
     "id",
     "model",

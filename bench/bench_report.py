@@ -13,9 +13,11 @@ rows are inserted straight into chDB by a child process while the server is stop
 (chDB allows one process per data directory), then the stack starts again.
 
 At each step it times the commands a user runs, as child processes (interpreter
-start and imports included): `mlscope report ID x20 -o report.html` and `mlscope
-report --suite --models ...`; and, for the split, `mlscope report` with no argument
-(start-up and imports only). Medians of --runs runs, with min and max.
+start and imports included): `mlscope report ID x20` (Markdown on stdout: tables, the
+figures named), `mlscope report ID x20 -o report.html` (25 figures drawn as SVG) and
+`mlscope report --suite --models ...`; and, for the split, `mlscope report` with no
+argument (start-up and imports only). Medians of --runs runs, with min and max; the
+commands alternate, so a change of load hits them alike.
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from cli.services import Stack  # noqa: E402
-from mlscope import remote  # noqa: E402
 from mlscope import bus as busmod  # noqa: E402
+from mlscope import remote  # noqa: E402
 from mlscope.settings import Settings  # noqa: E402
 
 PAIRS = [
@@ -59,7 +61,9 @@ T_BASE_MS = 1_750_000_000_000
 # ------------------------------------------------------------------ stored rows
 
 
-def _evaluation(eval_id: str, at_ms: int, model: str, fw: str, scenario: str, batch: int) -> dict[str, Any]:
+def _evaluation(
+    eval_id: str, at_ms: int, model: str, fw: str, scenario: str, batch: int
+) -> dict[str, Any]:
     summary = {
         "scenario": {"name": scenario, "batch_size": batch, "qps": 200.0},
         "requested_qps": 200.0 if scenario == "online" else None,
@@ -226,6 +230,7 @@ def measure(settings: Settings, out: Path, runs: int) -> dict[str, dict[str, flo
     models = ",".join(f"{m}/{f}" for m, f in PAIRS)
     cmds = {
         "start-up (mlscope report, no argument)": [*cli, "report"],
+        "report of 20 (Markdown on stdout)": [*cli, "report", *ids],
         "report of 20 (-o report.html)": [*cli, "report", *ids, "-o", str(out / "r.html")],
         "report --suite": [*cli, "report", "--suite", "--models", models],
     }
@@ -257,7 +262,16 @@ def main() -> None:
             last = -(-rows // ROWS_PER_UNRELATED)
             t0 = time.perf_counter()
             subprocess.run(
-                [sys.executable, __file__, "--fill", str(base), "--first", str(done), "--last", str(last)]
+                [
+                    sys.executable,
+                    __file__,
+                    "--fill",
+                    str(base),
+                    "--first",
+                    str(done),
+                    "--last",
+                    str(last),
+                ]
                 + (["--shown"] if i == 0 else []),
                 check=True,
                 env={**os.environ, "PYTHONPATH": str(REPO)},

@@ -97,13 +97,21 @@ def test_percentile_draws_follow_the_resampling_bootstrap(q: float) -> None:
 
     a, b = rng.lognormal(0.0, 0.2, 400), rng.lognormal(0.05, 0.2, 300)
 
+    def pick(y: np.ndarray, axis: int) -> np.ndarray:
+        k = nearest_rank(y.shape[axis], q)
+        return np.asarray(np.take(np.sort(y, axis=axis), k - 1, axis=axis))
+
     def stat(ya: np.ndarray, yb: np.ndarray, axis: int = -1) -> np.ndarray:
-        k = lambda y: np.take(np.sort(y, axis=axis), nearest_rank(y.shape[axis], q) - 1, axis=axis)  # noqa: E731
-        return np.asarray(k(yb) - k(ya))
+        return np.asarray(pick(yb, axis) - pick(ya, axis))
 
     ref = sps.bootstrap(
-        (a, b), stat, n_resamples=4000, vectorized=True, paired=False,
-        method="percentile", rng=np.random.default_rng(1),
+        (a, b),
+        stat,
+        n_resamples=4000,
+        vectorized=True,
+        paired=False,
+        method="percentile",
+        rng=np.random.default_rng(1),
     ).confidence_interval
     got = compare.bootstrap_difference(a, b, q, n_boot=4000, seed=1)
     width = ref.high - ref.low

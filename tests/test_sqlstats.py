@@ -216,7 +216,9 @@ def test_the_suite_reads_only_the_runs_table_2_shows(span_db: DirectSource) -> N
     pairs = [("m1", "onnxruntime"), ("m1", "pytorch"), ("m2", "onnxruntime")]
     every = evaluations(span_db)
     every = every[every["evaluation_id"].str.startswith("ev-suite-")]
-    every = every[[(m, f) in pairs for m, f in zip(every["model"], every["framework"], strict=True)]]
+    every = every[
+        [(m, f) in pairs for m, f in zip(every["model"], every["framework"], strict=True)]
+    ]
     shown = suite.shown_evaluations(span_db, pairs)
     assert 0 < len(shown) < len(every)
     want = suite.table2(summary(span_db, list(every["evaluation_id"])))
