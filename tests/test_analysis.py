@@ -285,6 +285,14 @@ def test_bus_and_direct_sources_agree(analysis_runs: AnalysisRuns) -> None:
     assert table_exists(bus, "queries") and not table_exists(bus, "no_such_table")
     with pytest.raises(DatabaseError):
         evaluations(bus, ["ev-does-not-exist"])
+    held = BusSource(analysis_runs.settings)
+    with held:  # one connection for every read of the block
+        q3 = queries(held, ids)
+        with pytest.raises(DatabaseError):  # a typed error, and the connection stays
+            evaluations(held, ["ev-does-not-exist"])
+        e3 = evaluations(held, ids)
+    pd.testing.assert_frame_equal(q1, q3)
+    pd.testing.assert_frame_equal(e3, evaluations(held, ids))  # per read again after it
 
 
 def test_summary_recomputes_the_stored_figures(analysis_runs: AnalysisRuns) -> None:
