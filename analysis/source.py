@@ -26,7 +26,7 @@ from mlscope.bus import Bus, connect
 from mlscope.errors import DatabaseError
 from mlscope.settings import Settings
 
-__all__ = ["BusSource", "DirectSource", "Source", "as_frame", "open_source", "table_exists"]
+__all__ = ["BusSource", "DirectSource", "Source", "open_source", "table_exists"]
 
 PAGE_ROWS = remote.ARROW_PAGE_ROWS
 """Rows asked for per bus reply (the server sends fewer where they would not fit)."""
@@ -100,28 +100,17 @@ class BusSource:
     def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
         if self._held is not None:
             _, portal, bus = self._held
-            return as_frame(portal.call(self._read, bus, sql, parameters or {}))
+            return remote.to_frame(portal.call(self._read, bus, sql, parameters or {}))
         return anyio.run(self._frame, sql, parameters or {}, backend="asyncio")
 
     async def _frame(self, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:
         async with connect(self.settings, name="mlscope analysis") as bus:
-            return as_frame(await self._read(bus, sql, parameters))
+            return remote.to_frame(await self._read(bus, sql, parameters))
 
     async def _read(self, bus: Bus, sql: str, parameters: dict[str, Any]) -> Any:
         return await remote.arrow(
             bus, sql, parameters, page_rows=self.page_rows, timeout=self.timeout
         )
-
-
-def as_frame(table: Any) -> pd.DataFrame:
-    """A ``pyarrow.Table`` as the frame clickhouse-connect's ``query_df`` gives: times
-    without a zone (UTC), so both sources return the same columns and types."""
-    frame = table.to_pandas()
-    for name in frame.columns:
-        col = frame[name]
-        if isinstance(col.dtype, pd.DatetimeTZDtype):
-            frame[name] = col.dt.tz_convert("UTC").dt.tz_localize(None)
-    return frame
 
 
 def open_source(settings: Settings) -> DirectSource | BusSource:

@@ -16,9 +16,10 @@ from mlscope import codec, names
 from mlscope.bus import Bus, request
 
 if TYPE_CHECKING:
+    import pandas as pd
     import pyarrow as pa
 
-__all__ = ["ARROW_PAGE_ROWS", "arrow", "evaluation", "read_ipc", "sql"]
+__all__ = ["ARROW_PAGE_ROWS", "arrow", "evaluation", "read_ipc", "sql", "to_frame"]
 
 ARROW_PAGE_ROWS = 100_000
 """Rows asked for per Arrow page; the server sends fewer when they would not fit one
@@ -84,6 +85,19 @@ def read_ipc(data: bytes) -> pa.Table:
 
     with pa.ipc.open_stream(pa.py_buffer(data)) as reader:
         return reader.read_all()
+
+
+def to_frame(table: pa.Table) -> pd.DataFrame:
+    """A result table as the frame clickhouse-connect's ``query_df`` gives: times
+    without a zone (UTC), so reads over the bus and direct reads look the same."""
+    import pandas as pd
+
+    frame = table.to_pandas()
+    for name in frame.columns:
+        col = frame[name]
+        if isinstance(col.dtype, pd.DatetimeTZDtype):
+            frame[name] = col.dt.tz_convert("UTC").dt.tz_localize(None)
+    return frame
 
 
 async def evaluation(
