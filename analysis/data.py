@@ -38,6 +38,7 @@ __all__ = [
     "RunFilter",
     "evaluations",
     "find_evaluations",
+    "latencies_ms",
     "latest_per_key",
     "queries",
     "spans",
@@ -288,6 +289,26 @@ def spans_of(source: Source, ids: Sequence[str]) -> pd.DataFrame:
         "{ids:Array(String)} ORDER BY evaluation_id, start_ns, span_id",
         {"ids": list(ids)},
     )
+
+
+def latencies_ms(source: Source, ids: Sequence[str]) -> dict[str, np.ndarray]:
+    """Latency (ms) of the answered, non-warm-up queries of each of ``ids`` (those with
+    any), in query order: the samples a percentile curve or a bootstrap needs, read
+    as one narrow column (an index into ``ids``, not the id, on every row)."""
+    if not ids:
+        return {}
+    got = source.frame(
+        "SELECT toUInt32(indexOf({ids:Array(String)}, evaluation_id)) AS i, "
+        "completed_ns - scheduled_ns AS ns FROM queries FINAL WHERE evaluation_id IN "
+        "{ids:Array(String)} AND ok != 0 AND warmup = 0 ORDER BY i, query_index",
+        {"ids": list(ids)},
+    )
+    index = got["i"].to_numpy(np.int64)
+    ns = got["ns"].to_numpy(np.int64)
+    bounds = np.flatnonzero(np.diff(index)) + 1
+    starts = [0, *bounds.tolist()]
+    ends = [*bounds.tolist(), index.size]
+    return {ids[index[a] - 1]: ns[a:b] / 1e6 for a, b in zip(starts, ends, strict=True) if b > a}
 
 
 def latest_per_key(frame: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:

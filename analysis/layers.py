@@ -12,24 +12,46 @@ Sums and counts are done in SQL (one row per layer comes back, not one per span)
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
 
 from analysis.source import Source
 
-__all__ = ["layer_kind", "layer_types", "shape_text", "top_layers"]
+__all__ = ["layer_kind", "layer_kinds", "layer_types", "shape_text", "top_layers"]
 
 
 def layer_kind(source: Source, evaluation_id: str) -> str | None:
     """ "layer" or "op", whichever spans this evaluation has (None: neither)."""
-    got = source.frame(
-        "SELECT kind, count() AS n FROM spans FINAL WHERE evaluation_id = "
-        "{e:String} AND kind IN ('layer', 'op') GROUP BY kind",
-        {"e": evaluation_id},
+    return layer_kinds(source, [evaluation_id])[evaluation_id]
+
+
+def layer_kinds(source: Source, ids: Sequence[str]) -> dict[str, str | None]:
+    """:func:`layer_kind` of each of ``ids``, in one query."""
+    got = (
+        source.frame(
+            "SELECT evaluation_id, kind, count() AS n FROM spans FINAL WHERE evaluation_id "
+            "IN {ids:Array(String)} AND kind IN ('layer', 'op') GROUP BY evaluation_id, kind",
+            {"ids": list(ids)},
+        )
+        if ids
+        else pd.DataFrame()
     )
-    kinds = set(got["kind"]) if len(got) else set()
-    return "layer" if "layer" in kinds else "op" if "op" in kinds else None
+    found: dict[str, set[str]] = {}
+    for e, k in zip(got.get("evaluation_id", ()), got.get("kind", ()), strict=True):
+        found.setdefault(str(e), set()).add(str(k))
+    kinds = {e: found.get(e, set()) for e in ids}
+    return {e: "layer" if "layer" in k else "op" if "op" in k else None for e, k in kinds.items()}
+
+
+def _kind(source: Source, evaluation_id: str, kind: str | None) -> str | None:
+    """``kind`` as given (it goes into SQL: "layer" or "op" only), else found."""
+    if kind is None:
+        return layer_kind(source, evaluation_id)
+    if kind not in ("layer", "op"):
+        raise ValueError(f"layer kind must be 'layer' or 'op', not {kind!r}")
+    return kind
 
 
 def _layers_sql(kind: str) -> str:
@@ -39,13 +61,15 @@ def _layers_sql(kind: str) -> str:
     )
 
 
-def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
+def top_layers(
+    source: Source, evaluation_id: str, n: int = 10, *, kind: str | None = None
+) -> pd.DataFrame:
     """The ``n`` layers with the most time: rank, layer, op_type, shape, calls, total_ms,
     mean_ms, share (of all layer time), dominant (kernel or op), dominant_ms (its total),
     dominant_share (of the layer's kernel time), alloc_mb (the memory its outputs take,
     where the profiler reports it: ONNX Runtime; else None), predict_share (of the time
     of every predict span of the evaluation: how much of inference the layer explains;
-    None without predict spans)."""
+    None without predict spans). ``kind``: :func:`layer_kind` when the caller knows it."""
     cols = [
         "rank",
         "layer",
@@ -62,7 +86,7 @@ def top_layers(source: Source, evaluation_id: str, n: int = 10) -> pd.DataFrame:
         "alloc_mb",
         "predict_share",
     ]
-    kind = layer_kind(source, evaluation_id)
+    kind = _kind(source, evaluation_id, kind)
     if kind is None:
         return pd.DataFrame(columns=cols)
     params = {"e": evaluation_id}
@@ -128,11 +152,11 @@ def _predict_ns(source: Source, evaluation_id: str) -> float:
     return float(got["ns"].iloc[0]) if len(got) and int(got["n"].iloc[0]) else 0.0
 
 
-def layer_types(source: Source, evaluation_id: str) -> pd.DataFrame:
+def layer_types(source: Source, evaluation_id: str, *, kind: str | None = None) -> pd.DataFrame:
     """Aggregates by layer type: op_type, layers (distinct), calls, total_ms, mean_ms,
-    share of all layer time; most time first."""
+    share of all layer time; most time first. ``kind`` as in :func:`top_layers`."""
     cols = ["op_type", "layers", "calls", "total_ms", "mean_ms", "share"]
-    kind = layer_kind(source, evaluation_id)
+    kind = _kind(source, evaluation_id, kind)
     if kind is None:
         return pd.DataFrame(columns=cols)
     got = source.frame(

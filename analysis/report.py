@@ -12,9 +12,10 @@ from __future__ import annotations
 import html
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,10 @@ import pandas as pd
 
 from analysis import figures, plots
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
-from analysis.data import evaluations, queries
-from analysis.layers import layer_types, top_layers
+from analysis.data import evaluations, latencies_ms
+from analysis.layers import layer_kinds, layer_types, top_layers
 from analysis.source import Source
-from analysis.summary import latency_windows, summary
+from analysis.summary import latency_windows_of, summary
 
 __all__ = ["Report", "Section", "build", "figure_dir_for", "to_html", "to_json", "to_markdown"]
 
@@ -35,7 +36,9 @@ __all__ = ["Report", "Section", "build", "figure_dir_for", "to_html", "to_json",
 class Section:
     title: str
     tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
-    plots: list[tuple[str, Any]] = field(default_factory=list)  # matplotlib figures
+    plots: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
+    """Caption and what draws the matplotlib figure: only a format that shows figures
+    draws them (JSON and Markdown on a terminal name them)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -78,19 +81,52 @@ def build(
 ) -> Report:
     """The report of evaluations ``ids``: summary, latency, throughput, accuracy,
     layers, and a comparison of each run against the first one."""
-    runs = _sweep_runs(source, ids)
-    summ = summary(source, [*ids, *runs])
-    sections = [Section("Summary", tables=[("Per-evaluation summary", summ[SUMMARY_VIEW])])]
-    sections[0].notes += [
+    shown = evaluations(source, ids)
+    runs = _sweep_runs(shown, ids)
+    summ = summary(
+        source, evaluated=pd.concat([shown, evaluations(source, runs)]) if runs else shown
+    )
+    sections = [_summary_section(summ)]
+    lat = latencies_ms(source, ids)
+    latency = Section("Latency")
+    if lat:
+        latency.plots.append(
+            ("Latency by percentile (log scale)", partial(plots.latency_percentiles, lat))
+        )
+    windows = latency_windows_of(source, [e for e in ids if e in lat], window_s=window_s)
+    for e, w in windows.items():
+        if len(w) > 1:
+            latency.plots.append(
+                (
+                    f"Latency over time, {e} ({window_s:g} s windows)",
+                    partial(plots.latency_over_time, w, e),
+                )
+            )
+    sections.append(latency)
+    sections += _throughput_sections(summ, sizes, prices_per_hour)
+    kinds = layer_kinds(source, ids)
+    sections += [_layers_section(source, e, k, top_n) for e, k in kinds.items() if k is not None]
+    # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
+    # parent is the sum of its steps, never a run of its own.
+    sweeps = set(summ.loc[summ["role"] == "sweep", "evaluation_id"])
+    measured = [e for e in ids if e in lat and e not in sweeps]
+    if len(measured) > 1:
+        sections.append(_comparison(source, summ, measured, lat))
+    return Report(f"mlscope report: {', '.join(ids)}", sections)
+
+
+def _summary_section(summ: pd.DataFrame) -> Section:
+    section = Section("Summary", tables=[("Per-evaluation summary", summ[SUMMARY_VIEW])])
+    section.notes += [
         f"{r.evaluation_id} is a sweep: its runs are listed beside it and counted once each"
         for r in summ.itertuples()
         if r.role == "sweep"
     ]
     invalid = summ[~summ["valid"].astype(bool)]
-    sections[0].notes += [
+    section.notes += [
         f"{r.evaluation_id} is INVALID: {r.invalid_reasons}" for r in invalid.itertuples()
     ]
-    sections[0].notes.append(
+    section.notes.append(
         "Memory: peak_rss_mb is the agent process's peak resident memory while the "
         "evaluation was prepared, rss_growth_mb its resident memory at release minus at "
         "prepare (MB = 10^6 bytes; empty: not reported). Energy: "
@@ -100,49 +136,29 @@ def build(
             else "energy_j per evaluation, where a power source was read."
         )
     )
-    q = queries(source, list(ids))
-    q = q[q["ok"] & ~q["warmup"]]
-    lat = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
-    latency = Section("Latency")
-    if lat:
-        latency.plots.append(("Latency by percentile (log scale)", plots.latency_percentiles(lat)))
-    for e in ids:
-        w = latency_windows(source, e, window_s=window_s)
-        if len(w) > 1:
-            latency.plots.append(
-                (f"Latency over time, {e} ({window_s:g} s windows)", plots.latency_over_time(w, e))
-            )
-    sections.append(latency)
-    sections += _throughput_sections(summ, sizes, prices_per_hour)
-    for e in ids:
-        top = top_layers(source, e, top_n)
-        if len(top):
-            sections.append(
-                Section(
-                    f"Layers of {e}",
-                    tables=[
-                        (f"Top {top_n} layers by time", top),
-                        ("By layer type", layer_types(source, e)),
-                    ],
-                )
-            )
-    # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
-    # parent is the sum of its steps, never a run of its own.
-    sweeps = set(summ.loc[summ["role"] == "sweep", "evaluation_id"])
-    measured = [e for e in ids if e in lat and e not in sweeps]
-    if len(measured) > 1:
-        sections.append(_comparison(source, summ, measured))
-    return Report(f"mlscope report: {', '.join(ids)}", sections)
+    return section
 
 
-def _sweep_runs(source: Source, ids: Sequence[str]) -> list[str]:
-    """The runs of the sweeps among ``ids`` that ``ids`` does not name itself."""
-    ev = evaluations(source, ids)
-    extra = [r for runs in ev["runs"] for r in runs]
+def _layers_section(source: Source, evaluation_id: str, kind: str, top_n: int) -> Section:
+    """The layer tables of one evaluation (``kind``: its :func:`layer_kind`)."""
+    return Section(
+        f"Layers of {evaluation_id}",
+        tables=[
+            (f"Top {top_n} layers by time", top_layers(source, evaluation_id, top_n, kind=kind)),
+            ("By layer type", layer_types(source, evaluation_id, kind=kind)),
+        ],
+    )
+
+
+def _sweep_runs(shown: pd.DataFrame, ids: Sequence[str]) -> list[str]:
+    """The runs of the sweeps among ``ids`` (rows ``shown``) that ``ids`` does not name."""
+    extra = [r for runs in shown["runs"] for r in runs]
     return [r for r in dict.fromkeys(extra) if r not in set(ids)]
 
 
-def _comparison(source: Source, summ: pd.DataFrame, ids: Sequence[str]) -> Section:
+def _comparison(
+    source: Source, summ: pd.DataFrame, ids: Sequence[str], lat: Mapping[str, np.ndarray]
+) -> Section:
     """Each run against the first, flagged where they are not comparable."""
     base = ids[0]
     sec = Section(f"Comparison against {base}")
@@ -152,7 +168,14 @@ def _comparison(source: Source, summ: pd.DataFrame, ids: Sequence[str]) -> Secti
         why = mismatches(pair)
         if why:
             sec.notes.append(f"{other} vs {base}: NOT COMPARABLE: " + "; ".join(why))
-        table = compare_runs(source, base, other, check=False, runs=pair)
+        table = compare_runs(
+            source,
+            base,
+            other,
+            check=False,
+            runs=pair,
+            latencies={e: lat[e] for e in (base, other)},
+        )
         sec.notes.extend(f"{other} vs {base}: {n}" for n in dict.fromkeys(table["note"]) if n)
         rows.append(table.assign(baseline=base, candidate=other, comparable=not why))
     sec.notes.append(f"Intervals: {SINGLE_RUN_NOTE}.")
@@ -172,7 +195,7 @@ def _throughput_sections(
     tput = figures.max_throughput(summ)
     if len(tput):
         sec = Section("Throughput", tables=[("Maximum throughput and optimal batch size", tput)])
-        sec.plots.append(("Throughput by batch size", plots.throughput_by_batch(summ)))
+        sec.plots.append(("Throughput by batch size", partial(plots.throughput_by_batch, summ)))
         heat = figures.speedup_heatmap(summ)
         if heat.shape[1] > 1:
             sec.tables.append(
@@ -181,7 +204,7 @@ def _throughput_sections(
                     heat.reset_index(names="model/framework@system"),
                 )
             )
-            sec.plots.append(("Speed-up heatmap", plots.speedup_figure(heat)))
+            sec.plots.append(("Speed-up heatmap", partial(plots.speedup_figure, heat)))
         if prices:
             for model in sorted(set(tput["model"])):
                 sec.tables.append(
@@ -193,7 +216,7 @@ def _throughput_sections(
         sec = Section("Accuracy", tables=[("Accuracy, latency, throughput and size", acc)])
         for x in ("online_latency_ms", "max_throughput_ips"):
             if acc[x].notna().any():
-                sec.plots.append((f"Top-1 vs {x}", plots.accuracy_scatter(acc, x)))
+                sec.plots.append((f"Top-1 vs {x}", partial(plots.accuracy_scatter, acc, x)))
         out.append(sec)
     return out
 
@@ -222,9 +245,9 @@ def to_html(report: Report) -> str:
         parts += [f"<p class='note'>{html.escape(n)}</p>" for n in sec.notes]
         for caption, df in sec.tables:
             parts.append(f"<h3>{html.escape(caption)}</h3>{_html_table(df)}")
-        for caption, fig in sec.plots:
+        for caption, draw in sec.plots:
             parts.append(
-                f"<figure>{plots.svg(fig)}<figcaption>{html.escape(caption)}</figcaption></figure>"
+                f"<figure>{plots.svg(draw())}<figcaption>{html.escape(caption)}</figcaption></figure>"
             )
     parts.append("</body></html>")
     return "\n".join(parts)
@@ -255,14 +278,14 @@ def to_markdown(report: Report, figure_dir: Path | None = None) -> str:
         lines += [f"> {n}" for n in sec.notes]
         for caption, df in sec.tables:
             lines += [f"### {caption}", "", markdown_table(df), ""]
-        for caption, fig in sec.plots:
+        for caption, draw in sec.plots:
             number += 1
             if figure_dir is None:
                 lines += [f"_figure {number}: {caption} (write the report with -o FILE.md)_", ""]
                 continue
             name = f"figure-{number:02d}-{_slug(caption)}.png"
             figure_dir.mkdir(parents=True, exist_ok=True)
-            (figure_dir / name).write_bytes(plots.png(fig))
+            (figure_dir / name).write_bytes(plots.png(draw()))
             lines += [f"![{caption}]({figure_dir.name}/{name})", ""]
     return "\n".join(lines)
 

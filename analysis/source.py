@@ -6,8 +6,7 @@ implementations:
 * :class:`DirectSource` wraps a :class:`mlscope.database.Client` (clickhouse-connect on
   a ClickHouse server, or chDB when this process owns the data directory);
 * :class:`BusSource` asks the process that owns chDB over the bus
-  (:func:`mlscope.remote.sql`), one page of rows at a time so that no reply exceeds
-  the NATS payload limit.
+  (:func:`mlscope.remote.arrow`): Arrow IPC pages, none over the NATS payload limit.
 
 :func:`open_source` picks one from :class:`~mlscope.settings.Settings`: a ClickHouse
 server DSN means direct access, chDB means through its owner.
@@ -15,20 +14,22 @@ server DSN means direct access, chDB means through its owner.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import anyio
 import pandas as pd
+from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from mlscope import remote
-from mlscope.bus import connect
+from mlscope.bus import Bus, connect
 from mlscope.errors import DatabaseError
 from mlscope.settings import Settings
 
 __all__ = ["BusSource", "DirectSource", "Source", "open_source", "table_exists"]
 
-# Rows per bus reply: a spans row is ~300 bytes of msgpack, NATS' default limit is 1 MiB.
-PAGE_ROWS = 2000
+PAGE_ROWS = remote.ARROW_PAGE_ROWS
+"""Rows asked for per bus reply (the server sends fewer where they would not fit)."""
 
 
 class Source(Protocol):
@@ -57,35 +58,59 @@ class DirectSource:
     def close(self) -> None:
         self.db.close()
 
+    def __enter__(self) -> DirectSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class BusSource:
-    """Through the server that owns chDB: ``mlscope.db.sql`` requests, paged."""
+    """Through the server that owns chDB: ``mlscope.db.sql`` requests, the result in
+    Arrow IPC pages (:func:`mlscope.remote.arrow`), each under the max payload.
+
+    Used as a context manager, it holds one bus connection (on an event loop thread
+    of its own) for every read inside the block, as a report's many reads want;
+    outside one, each read connects and disconnects."""
 
     def __init__(
         self, settings: Settings, *, page_rows: int = PAGE_ROWS, timeout: float = 30.0
     ) -> None:
         self.settings, self.page_rows, self.timeout = settings, page_rows, timeout
+        self._held: tuple[contextlib.ExitStack, BlockingPortal, Bus] | None = None
+
+    def __enter__(self) -> BusSource:
+        stack = contextlib.ExitStack()
+        try:
+            portal = stack.enter_context(start_blocking_portal(backend="asyncio"))
+            bus = stack.enter_context(
+                portal.wrap_async_context_manager(connect(self.settings, name="mlscope analysis"))
+            )
+        except BaseException:
+            stack.close()
+            raise
+        self._held = (stack, portal, bus)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held[0].close()
 
     def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
+        if self._held is not None:
+            _, portal, bus = self._held
+            return remote.to_frame(portal.call(self._read, bus, sql, parameters or {}))
         return anyio.run(self._frame, sql, parameters or {}, backend="asyncio")
 
     async def _frame(self, sql: str, parameters: dict[str, Any]) -> pd.DataFrame:
-        inner = sql.strip().rstrip(";")
-        columns: list[str] = []
-        rows: list[list[Any]] = []
         async with connect(self.settings, name="mlscope analysis") as bus:
-            offset = 0
-            while True:
-                page = f"SELECT * FROM ({inner}) LIMIT {self.page_rows} OFFSET {offset}"
-                names, got = await remote.sql(bus, page, parameters, timeout=self.timeout)
-                # An empty last page (rows a multiple of the page size) may name no
-                # columns: the first page's names stand.
-                columns = names or columns
-                rows.extend(got)
-                if len(got) < self.page_rows:
-                    break
-                offset += self.page_rows
-        return pd.DataFrame(rows, columns=columns)
+            return remote.to_frame(await self._read(bus, sql, parameters))
+
+    async def _read(self, bus: Bus, sql: str, parameters: dict[str, Any]) -> Any:
+        return await remote.arrow(
+            bus, sql, parameters, page_rows=self.page_rows, timeout=self.timeout
+        )
 
 
 def open_source(settings: Settings) -> DirectSource | BusSource:

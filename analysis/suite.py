@@ -6,13 +6,46 @@ maximum throughput and the optimal batch size; the newest valid runs count.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
 from analysis.figures import KEY, max_throughput, prefer_valid
+from analysis.source import Source
 
-__all__ = ["TABLE2_COLUMNS", "format_table", "table2"]
+__all__ = ["SHOWN_SQL", "TABLE2_COLUMNS", "format_table", "shown_evaluations", "table2"]
+
+_SHOWN_KEY = (
+    "model, model_version, framework, framework_version, device, "
+    "JSONExtractRaw(spec, 'agent', 'accelerators'), "
+    "JSONExtractString(spec, 'agent', 'cpu_model'), "
+    "JSONExtractRaw(spec, 'agent', 'cpu_cores'), scenario, "
+    "JSONExtractRaw(summary, 'scenario', 'batch_size'), valid, "
+    "JSONExtractRaw(summary, 'accuracy', 'top1') IN ('', 'null'), "
+    "JSONExtractRaw(summary, 'throughput_ips') IN ('', 'null'), "
+    "JSONLength(summary, 'points') > 0"
+)
+SHOWN_SQL = (
+    "SELECT evaluation_id FROM evaluations FINAL WHERE evaluation_id IN ("
+    "SELECT argMin(evaluation_id, (-toUnixTimestamp64Milli(created_at), evaluation_id)) "
+    "FROM evaluations FINAL WHERE has(arrayZip({m:Array(String)}, {f:Array(String)}), "
+    f"(model, framework)) GROUP BY {_SHOWN_KEY}) ORDER BY created_at DESC, evaluation_id"
+)
+"""The newest evaluation of every group that :func:`table2` may pick a row from,
+newest first. A group is finer than what the table tells apart (the system's parts
+rather than its name; whether a run has a top-1 or a throughput, is a sweep, is
+valid), so the run the table shows is always among them, and older runs, however
+many, are never read."""
+
+
+def shown_evaluations(source: Source, pairs: Sequence[tuple[str, str]]) -> list[str]:
+    """Ids of the evaluations Table 2 of ``pairs`` (model, framework) can show,
+    newest first; found by the database, not by reading every evaluation."""
+    if not pairs:
+        return []
+    got = source.frame(SHOWN_SQL, {"m": [m for m, _ in pairs], "f": [f for _, f in pairs]})
+    return [str(e) for e in got["evaluation_id"]] if len(got) else []
+
 
 TABLE2_COLUMNS = (
     "id",

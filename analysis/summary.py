@@ -4,7 +4,8 @@ Definitions (the same as the server's, ``broker/summary.py``): latency = complet
 scheduled; throughput = samples answered / (last completion - first issue); top-1 =
 correct answers / samples answered; errors = failed + refused + lost and not issued
 apart (:mod:`mlscope.outcomes`); warm-up rows are left out. Percentiles and trimmed
-means are :mod:`mlscope.stats`'.
+means are :mod:`mlscope.stats`' definitions, computed by the database
+(:mod:`analysis.sqlstats`): an evaluation's rows stay in it, its figures come back.
 """
 
 from __future__ import annotations
@@ -12,15 +13,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-from analysis.data import evaluations, queries
+from analysis.data import evaluations
 from analysis.source import Source
-from mlscope.outcomes import count
-from mlscope.stats import describe_ms, percentiles, trimmed_mean
+from analysis.sqlstats import OUTCOME, percentile, sorted_ms, trimmed_mean
+from mlscope.outcomes import ERROR_OUTCOMES, Outcome
 
-__all__ = ["SUMMARY_COLUMNS", "latency_windows", "summarize_samples", "summary"]
+__all__ = [
+    "SAMPLE_STATS_SQL",
+    "SUMMARY_COLUMNS",
+    "latency_windows",
+    "latency_windows_of",
+    "sample_stats",
+    "summary",
+]
+
+_OUTCOMES = (Outcome.NOT_ISSUED, Outcome.FAILED, Outcome.REFUSED, Outcome.LOST)
 
 SUMMARY_COLUMNS = (
     "evaluation_id",
@@ -55,59 +64,136 @@ SUMMARY_COLUMNS = (
 )
 
 
-def summarize_samples(q: pd.DataFrame) -> dict[str, Any]:
-    """Latency, throughput and accuracy of one evaluation's query rows (warm-up rows
-    left out; failed / refused / lost / not issued as :mod:`mlscope.outcomes`)."""
-    q = q[~q["warmup"].to_numpy(bool)] if "warmup" in q.columns else q
-    ok = q["ok"].to_numpy(bool)
-    lat = describe_ms(q["latency_ns"].to_numpy(np.int64)[ok])
-    batch = q["batch_size"].to_numpy(np.int64)
-    samples = int(batch[ok].sum())
-    issued = q["issued_ns"].to_numpy(np.int64)
-    issued = issued[issued > 0]
-    done = q["completed_ns"].to_numpy(np.int64)
-    done = done[done > 0]
-    counts = count(q["outcome"].to_numpy(np.uint8))
-    span_s = (float(done.max()) - float(issued.min())) / 1e9 if done.size and issued.size else 0.0
-    correct = int(q["correct"].to_numpy(np.int64)[ok].sum()) if "correct" in q else 0
+_STATS = (
+    "queries",
+    "errors",
+    "not_issued",
+    "failed",
+    "refused",
+    "lost",
+    "samples",
+    "first_issued_ns",
+    "issued",
+    "last_completed_ns",
+    "completed",
+    "correct",
+)
+_COUNTS = ", ".join(
+    [
+        "countIf(kept) AS queries",
+        f"countIf(kept AND o IN {tuple(int(x) for x in ERROR_OUTCOMES)}) AS errors",
+        *(f"countIf(kept AND o = {int(x)}) AS {x.label}" for x in _OUTCOMES),
+        "sumIf(batch_size, kept AND ok != 0) AS samples",
+        "minIf(issued_ns, kept AND issued_ns > 0) AS first_issued_ns",
+        "countIf(kept AND issued_ns > 0) AS issued",
+        "maxIf(completed_ns, kept AND completed_ns > 0) AS last_completed_ns",
+        "countIf(kept AND completed_ns > 0) AS completed",
+        "sumIf(label, kept AND ok != 0) AS correct",
+        f"{sorted_ms('completed_ns - scheduled_ns', 'kept AND ok != 0')} AS lat",
+    ]
+)
+SAMPLE_STATS_SQL = (
+    f"SELECT evaluation_id, {', '.join(_STATS)}, "
+    f"{trimmed_mean('lat')} AS trimmed_mean_ms, {percentile('lat', 50)} AS p50_ms, "
+    f"{percentile('lat', 90)} AS p90_ms, {percentile('lat', 99)} AS p99_ms, "
+    f"{percentile('lat', 100)} AS max_ms FROM (SELECT evaluation_id, {_COUNTS} FROM "
+    f"(SELECT *, {OUTCOME} AS o, warmup = 0 AS kept FROM queries FINAL WHERE "
+    "evaluation_id IN {ids:Array(String)}) GROUP BY evaluation_id)"
+)
+"""Per evaluation, the figures of its non-warm-up query rows, aggregated by the
+database (one row per evaluation comes back, whatever the rows it holds)."""
+
+
+def sample_stats(source: Source, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Latency, throughput and accuracy of each evaluation's query rows, by id
+    (warm-up rows left out; failed / refused / lost / not issued as
+    :mod:`mlscope.outcomes`); evaluations without query rows are absent."""
+    if not ids:
+        return {}
+    got = source.frame(SAMPLE_STATS_SQL, {"ids": list(ids)})
+    return {str(r["evaluation_id"]): _figures(r) for r in got.to_dict("records")}
+
+
+def _figures(r: dict[str, Any]) -> dict[str, Any]:
+    ints = {k: int(r[k]) for k in _STATS}
+    # throughput = samples answered / (last completion - first issue), as the server's
+    span_s = (
+        (float(ints["last_completed_ns"]) - float(ints["first_issued_ns"])) / 1e9
+        if ints["completed"] and ints["issued"]
+        else 0.0
+    )
+    figures = {k: _float(r[k]) for k in ("trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms")}
     return {
-        "queries": len(q),
-        "errors": counts["errors"],
-        "not_issued": counts["not_issued"],
-        "failed": counts["failed"],
-        "refused": counts["refused"],
-        "lost": counts["lost"],
-        "samples": samples,
-        "trimmed_mean_ms": lat["trimmed_mean"],
-        "p50_ms": lat["p50"],
-        "p90_ms": lat["p90"],
-        "p99_ms": lat["p99"],
-        "max_ms": lat["max"],
-        "throughput_ips": samples / span_s if span_s > 0 else None,
-        "correct": correct,
+        **{k: ints[k] for k in ("queries", "errors", "not_issued", "failed", "refused", "lost")},
+        "samples": ints["samples"],
+        **figures,
+        "throughput_ips": ints["samples"] / span_s if span_s > 0 else None,
+        "correct": ints["correct"],
     }
 
 
-def summary(source: Source, ids: Sequence[str] | None = None) -> pd.DataFrame:
+def _float(v: Any) -> float | None:
+    return None if v is None or pd.isna(v) else float(v)
+
+
+def summary(
+    source: Source, ids: Sequence[str] | None = None, *, evaluated: pd.DataFrame | None = None
+) -> pd.DataFrame:
     """One row per evaluation: the columns of :data:`SUMMARY_COLUMNS`, recomputed from
-    the raw samples (evaluations whose queries were lost keep their stored figures)."""
-    ev = evaluations(source, ids)
+    the raw samples by the database (evaluations whose queries were lost keep their
+    stored figures). ``evaluated``: the rows of :func:`analysis.data.evaluations` when
+    the caller has read them already (``ids`` is then ignored)."""
+    ev = evaluations(source, ids) if evaluated is None else evaluated
     if ev.empty:
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
-    q = queries(source, list(ev["evaluation_id"]))
-    # not dict(groupby): dict() takes the groupby's `keys` attribute for a mapping's
-    by_id = {k: g for k, g in q.groupby("evaluation_id", sort=False)}  # noqa: C416
+    stats = sample_stats(source, list(ev["evaluation_id"]))
     rows = []
     for e in ev.to_dict("records"):
         row = {k: e.get(k) for k in SUMMARY_COLUMNS}
-        g = by_id.get(e["evaluation_id"])
-        if g is not None:
-            s = summarize_samples(g)
+        s = stats.get(e["evaluation_id"])
+        if s is not None:
             has_labels = e.get("top1") is not None
             row.update({k: v for k, v in s.items() if k in SUMMARY_COLUMNS})
             row["top1"] = s["correct"] / s["samples"] if has_labels and s["samples"] else None
         rows.append(row)
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
+
+
+_WINDOW_COLUMNS = [
+    "window",
+    "start_s",
+    "queries",
+    "trimmed_mean_ms",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "completed_per_s",
+]
+
+
+def _windows_sql(window_s: float) -> str:
+    """Per evaluation and window of scheduled time (from the evaluation's first
+    scheduled answered query): the answered queries scheduled in it, their latency
+    figures, and how many answered queries completed in it. Each row is counted twice
+    (``arrayJoin``): once in its scheduling window, once in its completion window."""
+    w = repr(float(window_s))
+    rows = (
+        f"SELECT evaluation_id, arrayJoin([(toInt64(floor((scheduled_ns - t0) / 1e9 / {w})), "
+        f"1), (toInt64(floor((completed_ns - t0) / 1e9 / {w})), 0)]) AS at, latency_ns "
+        "FROM (SELECT evaluation_id, scheduled_ns, completed_ns, "
+        "completed_ns - scheduled_ns AS latency_ns, "
+        "min(scheduled_ns) OVER (PARTITION BY evaluation_id) AS t0 FROM queries FINAL "
+        "WHERE evaluation_id IN {ids:Array(String)} AND ok != 0 AND warmup = 0)"
+    )
+    return (
+        f"SELECT evaluation_id, win, queries, completed, {trimmed_mean('lat')} AS "
+        f"trimmed_mean_ms, {percentile('lat', 50)} AS p50_ms, {percentile('lat', 90)} AS "
+        f"p90_ms, {percentile('lat', 99)} AS p99_ms FROM (SELECT evaluation_id, "
+        "tupleElement(at, 1) AS win, sum(tupleElement(at, 2)) AS queries, "
+        "count() - queries AS completed, "
+        f"{sorted_ms('latency_ns', 'tupleElement(at, 2) = 1')} AS lat FROM ({rows}) "
+        "GROUP BY evaluation_id, win HAVING queries > 0) ORDER BY evaluation_id, win"
+    )
 
 
 def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0) -> pd.DataFrame:
@@ -116,43 +202,37 @@ def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0
     Columns: window (index), start_s (from the first scheduled query), queries,
     trimmed_mean_ms, p50_ms, p90_ms, p99_ms (of the queries scheduled in the window),
     completed_per_s (queries that completed in the window, per second: the rate the
-    system delivered, which a stall drops while latency climbs).
+    system delivered, which a stall drops while latency climbs). Computed by the
+    database: one row per window comes back.
     """
+    return latency_windows_of(source, [evaluation_id], window_s=window_s)[evaluation_id]
+
+
+def latency_windows_of(
+    source: Source, ids: Sequence[str], *, window_s: float = 1.0
+) -> dict[str, pd.DataFrame]:
+    """:func:`latency_windows` of each of ``ids``, in one query (empty frames for
+    evaluations without answered queries)."""
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
-    q = queries(source, [evaluation_id])
-    q = q[q["ok"] & ~q["warmup"]]
-    cols = [
-        "window",
-        "start_s",
-        "queries",
-        "trimmed_mean_ms",
-        "p50_ms",
-        "p90_ms",
-        "p99_ms",
-        "completed_per_s",
-    ]
-    if q.empty:
-        return pd.DataFrame(columns=cols)
-    t0 = q["scheduled_ns"].min()
-    window = ((q["scheduled_ns"] - t0) / 1e9 // window_s).astype(int)
-    done = ((q["completed_ns"] - t0) / 1e9 // window_s).astype(int).value_counts()
-    rows = []
-    for w, g in q.groupby(window):
-        ms = g["latency_ns"].to_numpy(np.int64) / 1e6
-        p50, p90, p99 = percentiles(ms, [50, 90, 99])
-        rows.append(
+    out = {e: pd.DataFrame(columns=_WINDOW_COLUMNS) for e in ids}
+    if not ids:
+        return out
+    got = source.frame(_windows_sql(window_s), {"ids": list(ids)})
+    for e, g in got.groupby("evaluation_id", sort=False) if len(got) else ():
+        frame = pd.DataFrame(
             {
-                "window": int(w),
-                "start_s": int(w) * window_s,
-                "queries": len(g),
-                "trimmed_mean_ms": trimmed_mean(ms),
-                "p50_ms": p50,
-                "p90_ms": p90,
-                "p99_ms": p99,
-                "completed_per_s": int(done.get(w, 0)) / window_s,
-            }
+                "window": g["win"].astype(int).to_numpy(),
+                "start_s": g["win"].astype(int).to_numpy() * window_s,
+                "queries": g["queries"].astype(int).to_numpy(),
+                **{
+                    c: [_float(v) for v in g[c]]
+                    for c in ("trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms")
+                },
+                "completed_per_s": g["completed"].astype(int).to_numpy() / window_s,
+            },
+            columns=_WINDOW_COLUMNS,
         )
-    frame = pd.DataFrame(rows, columns=cols)
-    frame.attrs["window_s"] = window_s
-    return frame
+        frame.attrs["window_s"] = window_s
+        out[str(e)] = frame
+    return out

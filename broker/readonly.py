@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import queue
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import clickhouse_connect
 import pandas as pd
@@ -42,7 +43,16 @@ from clickhouse_connect.driver.exceptions import ClickHouseError
 from mlscope.database import fresh_client
 from mlscope.errors import DatabaseError, QueryRefused
 
-__all__ = ["DENIED_FUNCTIONS", "ReadLimits", "ReadOnlyDatabase"]
+__all__ = [
+    "DENIED_FUNCTIONS",
+    "ArrowPage",
+    "ReadLimits",
+    "ReadOnlyDatabase",
+    "arrow_page",
+    "ipc_bytes",
+]
+
+_T = TypeVar("_T")
 
 DENIED_FUNCTIONS = frozenset(
     {
@@ -165,6 +175,30 @@ class ReadOnlyDatabase:
     def frame(self, sql: Any, parameters: Any = None) -> pd.DataFrame:
         """Run one client SELECT under the read rules; QueryRefused when it breaks one
         (``sql`` and ``parameters`` come off the wire: any type is refused cleanly)."""
+        frame: pd.DataFrame = self._run(
+            sql, parameters, lambda client, inner: client.query_df(inner, parameters=parameters)
+        )
+        return frame
+
+    def arrow_page(
+        self, sql: Any, parameters: Any = None, *, offset: int, limit: int, max_bytes: int
+    ) -> ArrowPage:
+        """Rows ``offset`` onwards of one client SELECT (at most ``limit``, and at most
+        what fits in ``max_bytes`` of Arrow IPC), under the same read rules as
+        :meth:`frame`. The engine runs the statement for every page (no cursor is
+        kept between requests), so a result should be in a stable order."""
+        rows = max(1, min(int(limit), self.limits.max_result_rows))
+
+        def query(client: Any, inner: str) -> Any:
+            paged = f"SELECT * FROM (\n{inner}\n) LIMIT {rows} OFFSET {int(offset)}"
+            return client.query_arrow(paged, parameters=parameters)
+
+        table = self._run(sql, parameters, query)
+        return arrow_page(table, more=table.num_rows == rows, max_bytes=max_bytes)
+
+    def _run(self, sql: Any, parameters: Any, query: Callable[[Any, str], _T]) -> _T:
+        """``query(client, statement)`` on a free read connection, the statement being
+        the client's SQL after every check; errors translated (:func:`_translate`)."""
         if not isinstance(sql, str) or len(sql) > self.limits.max_sql_chars:
             raise QueryRefused(
                 f"SQL must be a string of at most {self.limits.max_sql_chars} characters"
@@ -175,9 +209,9 @@ class ReadOnlyDatabase:
         healthy = False
         try:
             canonical = self._canonical(client, sql)
-            frame = client.query_df(f"SELECT * FROM (\n{canonical}\n)", parameters=parameters)
+            result = query(client, f"SELECT * FROM (\n{canonical}\n)")
             healthy = True
-            return frame
+            return result
         except ClickHouseError as exc:
             raise _translate(exc, sql) from exc
         except (TypeError, ValueError, KeyError) as exc:  # parameters it cannot bind
@@ -213,6 +247,44 @@ class ReadOnlyDatabase:
                 self._pool.get_nowait().close()
             except queue.Empty:
                 return
+
+
+@dataclass(frozen=True)
+class ArrowPage:
+    """One page of a result as an Arrow IPC stream."""
+
+    data: bytes
+    rows: int
+    more: bool
+    """Rows may follow this page."""
+
+
+def arrow_page(table: Any, *, more: bool, max_bytes: int) -> ArrowPage:
+    """``table`` (a ``pyarrow.Table``) as one IPC stream of at most ``max_bytes``: its
+    first rows that fit (``more`` then set), zstd-compressed buffers. QueryRefused when
+    not even one row fits."""
+    rows = table.num_rows
+    while True:
+        data = ipc_bytes(table.slice(0, rows))
+        if len(data) <= max_bytes:
+            return ArrowPage(data, rows, more or rows < table.num_rows)
+        if rows <= 1:
+            raise QueryRefused(
+                f"one row of the result is over {max_bytes} bytes", max_bytes=max_bytes
+            )
+        # Shrink in proportion, with a margin: the schema and framing do not shrink.
+        rows = max(1, min(rows - 1, int(rows * max_bytes / len(data) * 0.9)))
+
+
+def ipc_bytes(table: Any) -> bytes:
+    """``table`` as an Arrow IPC stream (what :func:`read_ipc` reads back)."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
+        writer.write_table(table)
+    return bytes(sink.getvalue().to_pybytes())
 
 
 def check_statement(canonical: str) -> None:

@@ -61,6 +61,7 @@ from mlscope.contracts import (
     JobEvent,
     JobRequest,
     PingOp,
+    SqlArrowReply,
     SqlReply,
     SqlRequest,
     evaluation_id_for,
@@ -82,6 +83,8 @@ DB_QUEUE = "mlscope-servers"
 SQL_IN_FLIGHT = 16
 """Client SQL requests handled at once (they wait for the read pool's connections);
 more stay queued in the subscription."""
+ARROW_REPLY_MARGIN = 4096
+"""Bytes of a max payload kept for the envelope of an Arrow page (its msgpack keys)."""
 
 
 @dataclass
@@ -471,9 +474,22 @@ class Server:
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()
 
-    async def _on_sql(self, req: SqlRequest, msg: Msg) -> SqlReply:
-        """Client SQL for other processes: {sql, parameters} -> {columns, rows}, run on
-        the read-only, limited connections (broker.readonly), never the writer's."""
+    async def _on_sql(self, req: SqlRequest, msg: Msg) -> SqlReply | SqlArrowReply:
+        """Client SQL for other processes: {sql, parameters} -> {columns, rows}, or one
+        Arrow page of the result under the max payload, run on the read-only, limited
+        connections (broker.readonly), never the writer's."""
+        if req.format == "arrow":
+            page = await anyio.to_thread.run_sync(
+                functools.partial(
+                    self.reader.arrow_page,
+                    req.sql,
+                    req.parameters,
+                    offset=req.offset,
+                    limit=req.limit,
+                    max_bytes=self.bus.nc.max_payload - ARROW_REPLY_MARGIN,
+                )
+            )
+            return SqlArrowReply(arrow=page.data, rows=page.rows, more=page.more)
         frame = await anyio.to_thread.run_sync(self.reader.frame, req.sql, req.parameters)
         rows = [[_plain(v) for v in row] for row in frame.itertuples(index=False)]
         return SqlReply(columns=[str(c) for c in frame.columns], rows=rows)

@@ -136,7 +136,6 @@ def _run_jobs(settings: Settings, jobs: list[JobRequest]) -> list[str]:
 
 def run_suite(args: argparse.Namespace) -> int:
     from analysis import suite
-    from analysis.data import evaluations
     from analysis.figures import model_sizes
     from analysis.source import open_source
     from analysis.summary import summary
@@ -149,21 +148,16 @@ def run_suite(args: argparse.Namespace) -> int:
         _run_jobs(
             settings, suite_jobs(pairs, batch_sizes=sizes_, qps=args.qps, duration_s=args.duration)
         )
-    source = open_source(settings)
-    ev = evaluations(source)
-    wanted = set(pairs)
-    ids = [
-        e
-        for e, m, f in zip(ev["evaluation_id"], ev["model"], ev["framework"], strict=True)
-        if (m, f) in wanted
-    ]
-    if not ids:
+    with open_source(settings) as source:
+        ids = suite.shown_evaluations(source, pairs)
+        summ = summary(source, ids) if ids else None
+    if summ is None:
         print(
             "mlscope report --suite: no evaluations of these models yet (add --run to run them)",
             file=sys.stderr,
         )
         return 1
-    table = suite.table2(summary(source, ids), model_sizes(catalog, settings.zoo_dir, pairs))
+    table = suite.table2(summ, model_sizes(catalog, settings.zoo_dir, pairs))
     print(suite.format_table(table))
     return 0
 
@@ -213,12 +207,10 @@ def _build(args: argparse.Namespace, bar: Bar) -> Report:
     sizes = model_sizes(catalog, settings.zoo_dir)
     n = len(args.evaluations)
     bar.update(f"reading {n} evaluation{'s' if n != 1 else ''}", advance=1)
-    return report.build(
-        open_source(settings),
-        args.evaluations,
-        sizes=sizes,
-        prices_per_hour=_prices(args.price),
-    )
+    with open_source(settings) as source:  # one connection for every read
+        return report.build(
+            source, args.evaluations, sizes=sizes, prices_per_hour=_prices(args.price)
+        )
 
 
 def run(args: argparse.Namespace) -> int:

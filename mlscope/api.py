@@ -55,8 +55,9 @@ if TYPE_CHECKING:  # pandas loads when a frame is asked for, not on import
 
 __all__ = ["PAGE_ROWS", "Client", "cancel_job"]
 
-PAGE_ROWS = 2000
-"""Rows per SQL reply: a page of spans stays well under NATS' 1 MiB payload."""
+PAGE_ROWS = remote.ARROW_PAGE_ROWS
+"""Rows asked for per SQL reply (the server sends fewer where they would not fit one
+message)."""
 
 Progress = Callable[[JobEvent], object]
 
@@ -146,21 +147,10 @@ class Client:
     # ------------------------------------------------------------------ results
 
     async def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
-        """One read-only SELECT as a data frame, fetched in pages of :data:`PAGE_ROWS`."""
-        import pandas as pd
-
-        inner = sql.strip().rstrip(";")
-        columns: list[str] = []
-        rows: list[list[Any]] = []
-        offset = 0
-        while True:
-            page = f"SELECT * FROM ({inner}) LIMIT {PAGE_ROWS} OFFSET {offset}"
-            got_columns, got = await remote.sql(self.bus, page, parameters or {})
-            columns = got_columns or columns  # an empty last page may name none
-            rows.extend(got)
-            if len(got) < PAGE_ROWS:
-                return pd.DataFrame(rows, columns=columns or None)
-            offset += PAGE_ROWS
+        """One read-only SELECT as a data frame, read in Arrow pages of at most
+        :data:`PAGE_ROWS` rows, each under the max payload (:func:`mlscope.remote.arrow`)."""
+        table = await remote.arrow(self.bus, sql, parameters or {}, page_rows=PAGE_ROWS)
+        return remote.to_frame(table)
 
     async def evaluations(self, ids: Sequence[str] | None = None) -> pd.DataFrame:
         """Stored evaluations (all, or ``ids``), newest first, with their ``summary``

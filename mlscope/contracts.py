@@ -25,7 +25,8 @@ Schema history:
                EvaluationSummary status "cancelled";
                ScenarioSpec.loadgen_hosts and the load-generator service's messages
                (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp, LoadgenProgress and
-               the replies).
+               the replies); SqlRequest.format, offset and limit, and SqlArrowReply
+               (Arrow IPC pages of a result).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ __all__ = [
     "ScenarioName",
     "ScenarioSpec",
     "SpanBatch",
+    "SqlArrowReply",
     "SqlReply",
     "SqlRequest",
     "SystemRequirement",
@@ -754,17 +756,34 @@ class ErrorReply(_Message):
 
 
 class SqlRequest(_Message):
-    """One read-only statement for the server that owns the evaluation database."""
+    """One read-only statement for the server that owns the evaluation database.
+
+    ``format="rows"``: the whole result as msgpack rows (:class:`SqlReply`);
+    ``format="arrow"``: one page of it, rows ``offset`` onwards, at most ``limit`` and
+    at most what fits one message, as Arrow IPC (:class:`SqlArrowReply`)."""
 
     kind: Literal["sql"] = "sql"
     sql: str = Field(max_length=1 << 20)
     parameters: dict[str, Any] | None = None
+    format: Literal["rows", "arrow"] = "rows"
+    offset: int = Field(default=0, ge=0, le=1 << 53)
+    limit: int = Field(default=100_000, ge=1, le=1 << 31)
 
 
 class SqlReply(_Message):
     kind: Literal["rows"] = "rows"
     columns: list[str]
     rows: list[list[Any]]
+
+
+class SqlArrowReply(_Message):
+    """One page of a result: an Arrow IPC stream of ``rows`` rows; ``more`` when rows
+    may follow (ask again from ``offset + rows``)."""
+
+    kind: Literal["arrow"] = "arrow"
+    arrow: bytes
+    rows: int = Field(ge=0)
+    more: bool
 
 
 class CancelRequest(_Message):

@@ -16,7 +16,7 @@ from analysis.summary import latency_windows, summary
 from broker.db import QUERY_COLUMNS, SAMPLE_COLUMNS, SPAN_COLUMNS, Database
 from mlscope.errors import DatabaseError
 from mlscope.settings import Settings
-from mlscope.stats import percentile, trimmed_mean
+from mlscope.stats import nearest_rank, percentile, trimmed_mean
 from tests.analysis_fixtures import BATCH_SIZES, LAYERS, QUERIES, SPAN_EVAL, AnalysisRuns
 
 # ------------------------------------------------------------------ comparison verdicts
@@ -72,6 +72,51 @@ def test_resampled_percentile_is_the_stats_definition() -> None:
     for q in (1, 50, 90, 99, 100):
         got = compare.resampled_percentile(x, q, idx)
         assert got.tolist() == [percentile(x[i], q) for i in idx]
+
+
+@pytest.mark.parametrize("q", [50.0, 90.0, 99.0, 100.0])
+def test_percentile_draws_follow_the_resampling_bootstrap(q: float) -> None:
+    """The drawn percentiles have the distribution of percentiles of real resamples
+    (ties, n = 1 and n = 2 included), and the interval of a difference agrees with
+    scipy's resampling bootstrap to within Monte Carlo noise."""
+    rng = np.random.default_rng(4)
+    for x in (
+        np.array([3.0]),
+        np.array([2.0, 5.0]),
+        rng.integers(1, 6, size=40).astype(float),  # heavy ties
+        rng.lognormal(size=61),
+    ):
+        xs = np.sort(x)
+        idx = rng.integers(0, x.size, size=(20_000, x.size))
+        brute = compare.resampled_percentile(xs, q, idx)
+        drawn = compare.bootstrap_percentiles(xs, q, 20_000, rng)
+        values = np.unique(xs)
+        freq = [(brute == v).mean() - (drawn == v).mean() for v in values]
+        assert np.abs(freq).max() < 0.02, (x.size, q)
+    from scipy import stats as sps
+
+    a, b = rng.lognormal(0.0, 0.2, 400), rng.lognormal(0.05, 0.2, 300)
+
+    def pick(y: np.ndarray, axis: int) -> np.ndarray:
+        k = nearest_rank(y.shape[axis], q)
+        return np.asarray(np.take(np.sort(y, axis=axis), k - 1, axis=axis))
+
+    def stat(ya: np.ndarray, yb: np.ndarray, axis: int = -1) -> np.ndarray:
+        return np.asarray(pick(yb, axis) - pick(ya, axis))
+
+    ref = sps.bootstrap(
+        (a, b),
+        stat,
+        n_resamples=4000,
+        vectorized=True,
+        paired=False,
+        method="percentile",
+        rng=np.random.default_rng(1),
+    ).confidence_interval
+    got = compare.bootstrap_difference(a, b, q, n_boot=4000, seed=1)
+    width = ref.high - ref.low
+    assert abs(got.ci_low - ref.low) < 0.2 * width + 1e-12
+    assert abs(got.ci_high - ref.high) < 0.2 * width + 1e-12
 
 
 # ------------------------------------------------------------------ regression flags
@@ -240,6 +285,14 @@ def test_bus_and_direct_sources_agree(analysis_runs: AnalysisRuns) -> None:
     assert table_exists(bus, "queries") and not table_exists(bus, "no_such_table")
     with pytest.raises(DatabaseError):
         evaluations(bus, ["ev-does-not-exist"])
+    held = BusSource(analysis_runs.settings)
+    with held:  # one connection for every read of the block
+        q3 = queries(held, ids)
+        with pytest.raises(DatabaseError):  # a typed error, and the connection stays
+            evaluations(held, ["ev-does-not-exist"])
+        e3 = evaluations(held, ids)
+    pd.testing.assert_frame_equal(q1, q3)
+    pd.testing.assert_frame_equal(e3, evaluations(held, ids))  # per read again after it
 
 
 def test_summary_recomputes_the_stored_figures(analysis_runs: AnalysisRuns) -> None:

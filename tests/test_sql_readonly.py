@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from broker.db import Database
 from broker.readonly import ReadLimits, ReadOnlyDatabase
 from mlscope import bus as busmod
-from mlscope import remote
+from mlscope import codec, names, remote
 from mlscope.errors import DatabaseError, QueryRefused
 from mlscope.settings import Settings
 from tests.security_fixtures import Recorder, auth_stack, role
@@ -84,6 +85,63 @@ def test_writes_files_and_urls_are_refused(secured: tuple[Settings, Settings, Pa
             assert "readonly" in str(errors["lift readonly"]).lower() or "SETTINGS" in str(
                 errors["lift readonly"]
             )
+        assert listener.requests == []
+    assert list(out.iterdir()) == []
+
+
+def test_arrow_pages_keep_every_rule(secured: tuple[Settings, Settings, Path, Path]) -> None:
+    """Bulk reads as Arrow pages go through the same checks and limits: every attack
+    refused alike, no page over the rows limit or the max payload, and a result too
+    wide for one message comes whole, in order, over several."""
+    reader, _, auth, base = secured
+    out = base / "outside-arrow"
+    out.mkdir()
+    # 960 incompressible bytes a row (raw SHA-256 digests): rows for ~3 messages
+    wide = (
+        "SELECT number, arrayStringConcat(arrayMap(i -> SHA256(toString(number * 100 + i)), "
+        "range(30))) AS s FROM numbers({n:UInt32}) ORDER BY number"
+    )
+
+    async def page(
+        bus: busmod.Bus, sql: str, offset: int, limit: int
+    ) -> tuple[int, dict[str, Any]]:
+        request = {"sql": sql, "format": "arrow", "offset": offset, "limit": limit}
+        msg = await bus.nc.request(names.SQL_SUBJECT, codec.encode(request), timeout=10)
+        return len(msg.data), codec.decode(msg.data)
+
+    async def main(url: str) -> dict[str, BaseException]:
+        errors: dict[str, BaseException] = {}
+        async with busmod.connect(reader, name="attacker") as bus:
+            for name, sql in _attacks(out, auth, url).items():
+                if name == "huge result":  # one page of it is within the limits
+                    continue
+                with pytest.raises(DatabaseError) as err:
+                    await remote.arrow(bus, sql, timeout=10)
+                errors[name] = err.value
+            size, first = await page(bus, "SELECT number FROM numbers(10000000)", 0, 1 << 30)
+            assert first["rows"] == ReadLimits().max_result_rows and first["more"]
+            assert size <= bus.nc.max_payload
+            n = 3 * bus.nc.max_payload // 960
+            wide_n = wide.replace("{n:UInt32}", str(n))
+            sizes, offset = [], 0
+            while True:
+                size, got = await page(bus, wide_n, offset, 100_000)
+                sizes.append(size)
+                offset += got["rows"]
+                if not got["more"]:
+                    break
+            assert len(sizes) > 2 and max(sizes) <= bus.nc.max_payload, sizes
+            assert offset == n
+            table = await remote.arrow(bus, wide, {"n": n})
+            assert table.column("number").to_pylist() == list(range(n))
+        return errors
+
+    with Recorder() as listener:
+        errors = anyio.run(main, listener.url, backend="asyncio")
+        refused = {n for n, e in errors.items() if isinstance(e, QueryRefused)}
+        assert refused == set(errors) - {"second statement", "outfile after a paren"}, {
+            n: repr(e) for n, e in errors.items()
+        }
         assert listener.requests == []
     assert list(out.iterdir()) == []
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import numpy as np
 import streamlit as st
 
 from analysis import plots
 from analysis.compare import SINGLE_RUN_NOTE, check_comparable, compare_runs
-from analysis.data import queries
+from analysis.data import latencies_ms
 from dashboard.common import FIG_WIDTH, evaluation_picker, recent_evaluations, source
 
 st.title("Compare runs")
@@ -45,12 +44,5 @@ for cand in cands:
         )
     st.dataframe(table, hide_index=True)
     st.caption(SINGLE_RUN_NOTE)
-q = queries(source(), [*base, *cands])
-q = q[q["ok"] & ~q["warmup"]]
 st.subheader("Latency by percentile")
-st.pyplot(
-    plots.latency_percentiles(
-        {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
-    ),
-    width=FIG_WIDTH,
-)
+st.pyplot(plots.latency_percentiles(latencies_ms(source(), [*base, *cands])), width=FIG_WIDTH)

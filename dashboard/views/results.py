@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import pandas as pd
 import streamlit as st
 
 from analysis import figures, layers, plots
 from analysis.compare import regressions
-from analysis.data import queries
+from analysis.data import latencies_ms
 from analysis.summary import latency_windows, summary
 from dashboard.common import (
     FIG_WIDTH,
@@ -50,9 +49,7 @@ def one_of(ids: list[str], *, key: str, prefer: frozenset[str] = frozenset()) ->
 
 def latency_tab(summ: pd.DataFrame) -> None:
     runs = figures.measured_runs(summ).head(MAX_CURVES)
-    q = queries(source(), list(runs["evaluation_id"]))
-    q = q[q["ok"] & ~q["warmup"]]
-    ms = {e: g["latency_ns"].to_numpy(np.int64) / 1e6 for e, g in q.groupby("evaluation_id")}
+    ms = latencies_ms(source(), list(runs["evaluation_id"]))
     if not ms:
         st.info("No completed queries among these evaluations.")
         return
