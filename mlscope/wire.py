@@ -80,8 +80,7 @@ def decode_query(data: bytes) -> QueryView:
     unknown = [k for k in raw if k not in _QUERY_FIELDS]
     if unknown:
         raise WireError(f"invalid Query: unexpected field(s) {_names(unknown)}")
-    if raw.get("schema", raw.get("schema_", SCHEMA)) != SCHEMA:
-        raise WireError(f"invalid Query: schema must be {SCHEMA}")
+    _int(raw.get("schema", raw.get("schema_", SCHEMA)), "schema")
     if raw.get("kind", "query") != "query":
         raise WireError("invalid Query: kind must be 'query'")
     ev, index, inputs = raw.get("evaluation_id"), raw.get("index"), raw.get("inputs")
