@@ -55,6 +55,14 @@ class Outbox:
         else:
             self._loop.call_soon_threadsafe(self._drain)
 
+    async def flush(self) -> None:
+        """Publish what is queued now, from a coroutine on the loop (a query answered
+        inline: its reply leaves in the same loop turn, as an echo's would)."""
+        with self._lock:
+            batch, self._queued = self._queued, []
+        if batch:
+            await self._send(batch)
+
     def _drain(self) -> None:  # on the loop
         with self._lock:
             batch, self._queued = self._queued, []

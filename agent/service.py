@@ -600,7 +600,10 @@ class Agent:
             more=query.more_inputs,
         )
         worker = session.worker
-        if not worker.try_inline(job) and not worker.submit(job):
+        if worker.try_inline(job):
+            await self.outbox.flush()
+            return None
+        if not worker.submit(job):
             busy = OverloadedError(f"agent {self.agent_id} is overloaded", index=query.index)
             return ErrorReply(error=busy.to_wire())
         return None

@@ -1,8 +1,12 @@
 """The load generator: drives one agent with a scenario and keeps every timestamp.
 
-Open loop (``online``): a seeded Poisson schedule is issued by a pacer thread that
-sleeps until shortly before each deadline and then spins, so the event loop's
-millisecond timer rounding never reaches the schedule and nothing is issued early.
+Open loop (``online``): a seeded Poisson schedule is released by a pacer thread, so
+the event loop's millisecond timer rounding never reaches the schedule. Up to
+``LEAD_MAX_QPS`` the pacer sleeps (no spin) until a tuned lead before each deadline
+and hands the due batch to the event loop, which holds each query until it is due
+(sleeping, then spinning the last stretch) and publishes it: the thread hop falls
+before the deadline, not into the issue lag, and nothing is issued early
+(:class:`LeadTuner`). Above that rate the pacer spins to each deadline itself.
 Latency counts from each query's *scheduled* time: a late issue counts against the
 system under test (no coordinated omission).
 
