@@ -78,7 +78,7 @@ class LeadTuner:
     event loop after its deadline.
 
     Released ``lead`` before its first query is due, a batch waits for the thread hop
-    to the loop (a wake-up: ~100 µs on a 2-core VM, a few µs on bare metal) and then
+    to the loop (a thread wake-up: ~100 µs on the 2-core VM of BENCHMARKS.md) and then
     spins on the loop to the deadline. Too short a lead puts the hop into the issue
     lag, too long a one spins the loop (CPU, and replies wait). The lead moves up by
     ``up_ns`` after a late arrival and down by a third of it after an early one: a
