@@ -2,10 +2,10 @@
 
 Open loop (``online``): a seeded Poisson schedule is released by a pacer thread, so
 the event loop's millisecond timer rounding never reaches the schedule. Up to
-``LEAD_MAX_QPS`` the pacer sleeps (no spin) until a tuned lead before each deadline
-and hands the due batch to the event loop, which holds each query until it is due
-(sleeping, then spinning the last stretch) and publishes it: the thread hop falls
-before the deadline, not into the issue lag, and nothing is issued early
+``LEAD_MAX_QPS`` (2,000/s) the pacer sleeps (no spin) until a tuned lead before each
+deadline and hands the due batch to the event loop, which holds each query until it
+is due (sleeping, then spinning the last stretch) and publishes it: the thread hop
+falls before the deadline, not into the issue lag, and nothing is issued early
 (:class:`LeadTuner`). Above that rate the pacer spins to each deadline itself.
 Latency counts from each query's *scheduled* time: a late issue counts against the
 system under test (no coordinated omission).
@@ -67,10 +67,12 @@ LOOP_SLEEP_NS = 80_000
 LOOP_SPIN_NS = 50_000
 """A batch that reaches the loop more than LOOP_SLEEP_NS before it is due sleeps until
 LOOP_SPIN_NS before (a real-time thread's sleep ends ~25 µs late, a spin is exact)."""
-LEAD_MAX_QPS = LOOP_REALTIME_MAX_QPS
-"""Up to this mean rate the pacer releases queries ahead and the loop spins to each
-deadline (:class:`LeadTuner`); above it queries come closer together than the lead and
-the loop would spin most of the time, so the pacer releases them when due."""
+LEAD_MAX_QPS = 2_000.0
+"""Up to this mean rate the pacer releases queries ahead and the loop holds each until
+its deadline (:class:`LeadTuner`): the loop is then blocked for at most the lead (≤ 400
+µs) per batch, a small share of the 500 µs mean gap. Above it the holds would take
+much of the loop's time, and replies would wait behind them, so the pacer spins and
+releases each query when due (the hop to the loop then counts in the issue lag)."""
 
 
 class LeadTuner:
