@@ -52,6 +52,8 @@ __all__ = ["Executor", "ExecutorConfig", "Job", "Model", "emit_spans"]
 now = time.perf_counter_ns
 
 _PENDING, _CLAIMED, _DONE = 0, 1, 2
+_INLINE_SEQ = -2
+"""The seq of a query run by :meth:`Executor.try_inline` (outside the ready stream)."""
 
 
 class Model(Protocol):
@@ -82,6 +84,10 @@ class ExecutorConfig:
     """Most samples in one ``predict`` call (queries are merged up to it)."""
     max_wait_us: int = 500
     """How long the first query of a partial batch waits for more (from its arrival)."""
+    inline_max_us: int = 150
+    """:meth:`Executor.try_inline` runs a query on the caller's thread when the pipeline
+    is idle and the last query took at most this long in the executor (pre-processing
+    to post-processing); 0 never does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +153,11 @@ class Executor:
         self._inflight = 0
         self._seq = 0
         self._idle_seq = -1  # the seq the predict thread is idly waiting for, else -1
+        self._predicting = threading.Lock()
+        """Held around every batch: the predict thread and an inline query never
+        call the predictor at once."""
+        self._last_ns = 1 << 62  # the last query's time in the executor (none yet: slow)
+        self._inline_ns = self.config.inline_max_us * 1000
         self._ready: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
         self._work: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
         self._threads = [
@@ -174,6 +185,31 @@ class Executor:
         self._ready.put(slot)
         if seq != self._idle_seq and self.config.pre_workers:
             self._work.put(slot)
+        return True
+
+    def try_inline(self, job: Job) -> bool:
+        """Run ``job`` to its reply on the calling thread, if that is cheap; False: it
+        was not run (submit it).
+
+        An idle pipeline whose last query took at most ``inline_max_us`` (a null or tiny
+        model) answers on the caller's thread, the event loop that received the query:
+        no hand-off to the predict thread and back, each a thread wake-up that costs
+        more than such a query's whole predict. Never below trace level framework
+        (profilers belong to the predict thread), never while anything is in flight
+        (replies stay in order)."""
+        if self._last_ns > self._inline_ns or job.level >= TraceLevel.FRAMEWORK:
+            return False
+        with self._lock:
+            if self._inflight or not self._predicting.acquire(blocking=False):
+                return False
+            self._inflight += 1
+        try:
+            slot = _Slot(job, _INLINE_SEQ, int(job.inputs.shape[0]) if job.inputs.ndim else 1)
+            self._preprocess(slot)
+            slot.state = _DONE
+            self._answer([slot])
+        finally:
+            self._predicting.release()
         return True
 
     @property
@@ -333,10 +369,18 @@ class Executor:
     def _run_batch(self, batch: list[_Slot], *, idle_next: bool) -> None:
         for slot in batch:
             self._ensure_preprocessed(slot)
+        with self._predicting:
+            self._answer(batch, idle_next=idle_next)
+
+    def _answer(self, batch: list[_Slot], *, idle_next: bool = False) -> None:
+        """Predict the pre-processed ``batch`` and reply to each of its queries."""
         good = [s for s in batch if s.error is None]
         outcomes: dict[int, _Outcome] = {}
         if good:
             self._infer(good, outcomes)
+            out = outcomes.get(good[-1].seq)
+            if out is not None and out.error is None:
+                self._last_ns = (out.t_post_end - good[0].t_pre) // len(good)
         if idle_next:
             # Before the replies go out: a query sent in answer to one of them finds
             # this thread about to be idle and is pre-processed inline, not by the pool.

@@ -24,12 +24,13 @@ import mlscope
 from agent import profiling
 from agent.energy import EnergyMeter
 from agent.localrun import LocalRun, serve_run
+from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
-from mlscope import artifact_bucket, codec, names, provenance, samples, sysinfo
+from mlscope import artifact_bucket, codec, names, provenance, samples, sysinfo, wire
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
@@ -45,7 +46,6 @@ from mlscope.contracts import (
     PingReply,
     PrepareOp,
     PrepareReply,
-    Query,
     QueryReply,
     RefusedModel,
     ReleaseOp,
@@ -174,6 +174,11 @@ class Agent:
             self.bus = bus
             self.boundary = Boundary(bus, service=f"agent {self.agent_id}", logger=log)
             self.loop = asyncio.get_running_loop()
+            self.outbox = Outbox(
+                self.loop,
+                bus.nc.publish,
+                lambda exc, subject: self.boundary.failed(exc, subject, what="reply to"),
+            )
             self.tracer = Tracer(bus, agent_id=self.agent_id, host=str(self._facts["host"]))
             self.sampler = Sampler(interval_s=self.config.sample_s)
             self.remote = ManifestWatcher(bus, on_change=self._models_changed)
@@ -576,9 +581,11 @@ class Agent:
 
     async def _on_query(self, data: bytes, msg: Msg) -> ErrorReply | None:
         """Admit one query (decoded here, after its arrival is stamped); the reply
-        comes from the predict thread. Failures are the serving boundary's."""
+        comes from the predict thread, or from this one when the executor runs the
+        query inline (an idle pipeline and a fast model: no thread hop at all).
+        Failures are the serving boundary's."""
         received = now()
-        query = codec.decode_model(Query, data)
+        query = wire.decode_query(data)  # a structural check: no pydantic per query
         session = self.sessions.get(query.evaluation_id)
         if session is None:
             raise EvaluationError(
@@ -597,17 +604,20 @@ class Agent:
             labels=query.labels,
             more=query.more_inputs,
         )
-        if not session.worker.submit(job):
+        worker = session.worker
+        if worker.try_inline(job):
+            await self.outbox.flush()
+            return None
+        if not worker.submit(job):
             busy = OverloadedError(f"agent {self.agent_id} is overloaded", index=query.index)
             return ErrorReply(error=busy.to_wire())
         return None
 
     def _replier(self, subject: str) -> Any:
-        loop, nc = self.loop, self.bus.nc
+        put = self.outbox.put
 
-        def send(reply: QueryReply) -> None:
-            data = codec.encode_model(reply)
-            loop.call_soon_threadsafe(loop.create_task, nc.publish(subject, data))
+        def send(reply: QueryReply) -> None:  # on the predict thread
+            put(subject, wire.encode_reply(reply))
 
         return send
 

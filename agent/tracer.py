@@ -2,8 +2,8 @@
 
 Spans are appended to column lists (no per-span objects) and published as one
 :class:`~mlscope.contracts.SpanBatch` per evaluation every ``flush_s`` seconds or
-``max_spans`` spans, over JetStream with a message id so that a retried publish is
-deduplicated by the stream.
+``max_spans`` spans, its repeating string columns dictionary-encoded, over JetStream
+with a message id so that a retried publish is deduplicated by the stream.
 
 Span ids start at a random base per buffer (below 2**53, so JSON viewers keep them
 exact): an agent restarted with the same ``--agent-id`` in the middle of an evaluation,
@@ -114,6 +114,29 @@ class SampleBuffer:
         return out
 
 
+_ENCODED: dict[type[SpanBatch] | type[SampleBatch], tuple[str, ...]] = {
+    SpanBatch: ("kind", "name", "attrs"),
+    SampleBatch: ("metric", "device"),
+}
+"""The string columns sent dictionary-encoded: their values repeat (a layer's name and
+attributes on every query, a metric's name on every sample)."""
+
+
+def dictionary_encode(
+    columns: dict[str, list[Any]], names_: tuple[str, ...]
+) -> tuple[dict[str, list[Any]], dict[str, list[str]]]:
+    """``columns`` with each of ``names_`` as indices into its distinct values
+    (:attr:`SpanBatch.dicts`): 5,000 spans, 90 % of them layer spans with ~300-byte
+    attributes, take 84 KB instead of ~1.5 MB (``bench/bench_tracing.py``), which the
+    bus, the ingester's decoding and chDB's insert all feel."""
+    out, dicts = dict(columns), {}
+    for name in names_:
+        index: dict[str, int] = {}
+        out[name] = [index.setdefault(v, len(index)) for v in columns[name]]
+        dicts[name] = list(index)
+    return out, dicts
+
+
 class Tracer:
     """Buffers spans per evaluation and publishes them in batches."""
 
@@ -188,12 +211,14 @@ class Tracer:
         self, cls: type[SpanBatch] | type[SampleBatch], eval_id: str, columns: dict[str, list[Any]]
     ) -> int:
         """Publish one batch, halved until each message fits the server's max payload."""
-        batch = cls(
+        wire, dicts = dictionary_encode(columns, _ENCODED[cls])
+        batch = cls.model_construct(  # built here from our own columns: no validation
             evaluation_id=eval_id,
             agent_id=self.agent_id,
             host=self.host,
             batch_id=new_id("sb" if cls is SpanBatch else "ss"),
-            columns=columns,
+            columns=wire,
+            dicts=dicts,
         )
         data = codec.encode_model(batch)
         n = len(batch)

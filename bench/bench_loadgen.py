@@ -10,11 +10,21 @@
    queries all due at once, sent to a subject nobody answers; rate = queries / time
    until the last one left nats-py. Beside it, nats-py's raw publish rate of the same
    payload in a plain loop on the same connection type.
-3. The floor under the bus-added latency: a bare nats-py echo (another Python process
-   that republishes each message to its reply subject) at 1,000 messages/s, round
-   trip p50/p99: what any Python client and agent on this bus pay at least.
+3. The served path against its floor, alternated over --rounds rounds (the order
+   rotates from round to round; medians, and the median of per-round ratios):
+   * ``echo``: a bare nats-py round trip through an echo process (another Python
+     process that republishes each message to its reply subject) at --qps on a
+     Poisson schedule: what any Python client and agent on this bus pay at least;
+   * ``served``: the real Driver in this process against the noop agent (server
+     placement, trace level none) at --qps Poisson for --served-s seconds:
+     end-to-end minus the agent's predict span p50/p99, from the scheduled time and
+     from the issue time; issue lag p50/p99; and the load generator's process CPU
+     time per issued query (this process runs nothing else meanwhile);
+   * ``served-uvloop``: the same with this process's event loop on uvloop, when
+     uvloop is importable (it is not a dependency: A/B only).
 
 Usage: PYTHONPATH=. python bench/bench_loadgen.py [--qps 1000] [--duration 30]
+       [--rounds 5] [--served-s 10] [--only served]
 Prints, asserts nothing.
 """
 
@@ -38,8 +48,11 @@ from broker.tuning import ProcessTuning
 from cli.demo import wait_for_agent
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope.contracts import JobRequest, ScenarioSpec, TraceLevel
+from mlscope import codec, names
+from mlscope.contracts import JobRequest, ReleaseOp, ScenarioSpec, TraceLevel, new_id
 from mlscope.jobs import submit
+from mlscope.registry import list_agents
+from mlscope.schedule import poisson
 from mlscope.settings import Settings
 
 SINK = "bench.sink"
@@ -104,31 +117,158 @@ asyncio.run(main())
 """
 
 
-async def echo_rtt(settings: Settings, n: int = 5000) -> tuple[float, float]:
-    """(p50, p99) µs of a bare nats-py round trip through an echo process, 1,000/s."""
+async def echo_rtt(settings: Settings, schedule: Schedule) -> dict[str, float]:
+    """A bare nats-py round trip through an echo process, sent on ``schedule``: p50/p99 µs."""
     proc = await anyio.open_process([sys.executable, "-c", ECHO, settings.nats_url])
+    offsets = schedule.offsets_ns
     try:
         assert proc.stdout is not None
         await proc.stdout.receive()  # "ready"
         payload = encode_query("ev-bench", 0, np.zeros((1, 16), np.float32), TraceLevel.NONE)
-        sent = np.zeros(n, np.int64)
+        sent = np.zeros(offsets.size, np.int64)
         rtt: list[int] = []
         async with busmod.connect(settings, name="bench-echo") as bus:
+            all_back = anyio.Event()
 
             async def back(msg: Any) -> None:
                 rtt.append(time.perf_counter_ns() - int(sent[int(msg.data[:8])]))
+                if len(rtt) == offsets.size:
+                    all_back.set()
 
             await bus.nc.subscribe("_INBOX.bench-echo", cb=back)
-            for i in range(n):
+            cpu0 = time.process_time()
+            t0 = time.perf_counter_ns() + 20_000_000
+            for i, off in enumerate(offsets.tolist()):
+                wait = (t0 + off - time.perf_counter_ns()) / 1e9
+                if wait > 0:
+                    await anyio.sleep(wait)
                 sent[i] = time.perf_counter_ns()
                 await bus.nc.publish("bench.echo", b"%08d" % i + payload, reply="_INBOX.bench-echo")
-                await anyio.sleep(0.001)
-            await anyio.sleep(0.5)
+            with anyio.move_on_after(2):
+                await all_back.wait()
+            cpu = time.process_time() - cpu0
     finally:
         proc.kill()
         await proc.wait()
     p50, p99 = np.percentile(np.asarray(rtt) / 1e3, [50, 99])
-    return float(p50), float(p99)
+    return {
+        "rtt_p50_us": float(p50),
+        "rtt_p99_us": float(p99),
+        "cpu_us_per_msg": cpu / offsets.size * 1e6,
+        "n": len(rtt),
+    }
+
+
+async def _noop_agent(bus: busmod.Bus) -> str:
+    agents = await list_agents(bus)
+    return next(a.agent_id for a in agents if any(f.name == "noop" for f in a.frameworks))
+
+
+async def served(settings: Settings, schedule: Schedule, qps: float) -> dict[str, float]:
+    """The real Driver against the noop agent (server placement): what the bus adds."""
+    evaluation_id = new_id("ev")
+    x = np.zeros((1, 16), np.float32)
+    async with busmod.connect(settings, name="bench-served") as bus:
+        agent_id = await _noop_agent(bus)
+        ctl = names.agent_ctl(agent_id)
+        prepare = {
+            "op": "prepare",
+            "evaluation_id": evaluation_id,
+            "model": "noop",
+            "model_version": "1.0.0",
+            "batch_size": 1,
+            "trace_level": "none",
+        }
+        await busmod.request(bus, ctl, codec.encode(prepare), timeout=60)
+        try:
+            driver = Driver(
+                bus,
+                evaluation_id=evaluation_id,
+                subject=names.agent_query(agent_id),
+                spec=ScenarioSpec(name="online", qps=qps, duration_s=1),
+                inputs=lambda g: x,
+                labels=None,
+                trace_level=TraceLevel.NONE,
+                schedule=schedule,
+                tuning=ProcessTuning(),
+            )
+            rec = await driver.run()
+        finally:
+            release = codec.encode_model(ReleaseOp(evaluation_id=evaluation_id))
+            await busmod.request(bus, ctl, release, timeout=10)
+    return _served_figures(rec)
+
+
+def _served_figures(rec: Any) -> dict[str, float]:
+    ok = rec.ok.astype(bool)
+    issued = rec.issued > 0
+    predict = (rec.predict_end - rec.predict_start)[ok]
+    from_sched = (rec.completed - rec.scheduled)[ok] - predict
+    from_issue = (rec.completed - rec.issued)[ok] - predict
+    lag = (rec.issued - rec.scheduled)[issued]
+    q = [50, 99]
+    s50, s99 = np.percentile(from_sched / 1e3, q)
+    i50, i99 = np.percentile(from_issue / 1e3, q)
+    l50, l99 = np.percentile(lag / 1e3, q)
+    return {
+        "bus_p50_us": float(s50),
+        "bus_p99_us": float(s99),
+        "bus_from_issue_p50_us": float(i50),
+        "bus_from_issue_p99_us": float(i99),
+        "lag_p50_us": float(l50),
+        "lag_p99_us": float(l99),
+        "lag_min_us": float(lag.min() / 1e3),
+        "cpu_us_per_query": rec.cpu_s / max(int(issued.sum()), 1) * 1e6,
+        "ok": int(ok.sum()),
+        "n": rec.n,
+    }
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def ab_rounds(live: Settings, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    """Echo floor and served path, alternated; the order rotates each round."""
+    paths = ["echo", "served"] + (["served-uvloop"] if _has_uvloop() else [])
+    out: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
+    for r in range(args.rounds):
+        sched = poisson(args.qps, duration_s=args.served_s, seed=r)
+        for k in range(len(paths)):
+            path = paths[(k + r) % len(paths)]
+            if path == "echo":
+                res = anyio.run(echo_rtt, live, sched)
+            else:
+                opts = {"use_uvloop": path == "served-uvloop"}
+                res = anyio.run(served, live, sched, args.qps, backend_options=opts)
+            res["load"] = os.getloadavg()[0]
+            out[path].append(res)
+            print(f"   round {r} {path:<14} " + _line(res), flush=True)
+    return out
+
+
+def _line(res: dict[str, float]) -> str:
+    return "  ".join(f"{k} {v:.1f}" for k, v in res.items())
+
+
+def report_ab(out: dict[str, list[dict[str, float]]]) -> None:
+    echo = [r["rtt_p50_us"] for r in out["echo"]]
+    print(f"3. echo round trip p50 us: median {np.median(echo):.0f}  per round {echo}")
+    for path in [p for p in out if p != "echo"]:
+        rounds = out[path]
+        med = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
+        ratio = [r["bus_p50_us"] / e for r, e in zip(rounds, echo, strict=True)]
+        ratio_i = [r["bus_from_issue_p50_us"] / e for r, e in zip(rounds, echo, strict=True)]
+        print(f"   {path}: medians " + _line(med))
+        print(
+            f"   {path}: (end-to-end - predict) p50 / echo p50, per round "
+            f"{[round(x, 2) for x in ratio]} median {np.median(ratio):.2f}; "
+            f"from issue {np.median(ratio_i):.2f}"
+        )
 
 
 def main() -> None:
@@ -136,31 +276,48 @@ def main() -> None:
     ap.add_argument("--qps", type=float, default=1000)
     ap.add_argument("--duration", type=float, default=30)
     ap.add_argument("--burst", type=int, default=100_000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--served-s", type=float, default=10)
+    ap.add_argument("--only", choices=["served"], default=None)
     args = ap.parse_args()
     data = Path(tempfile.mkdtemp(prefix="mlscope-bench-lg-"))
     stack = Stack(Settings(data_dir=data), nats_port=0, frameworks=["noop"])
     live = stack.start()
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
     try:
         anyio.run(wait_for_agent, live, "noop")
-        s = anyio.run(
-            lambda: submit(
-                live,
-                JobRequest(
-                    model="noop",
-                    framework="noop",
-                    trace_level="none",
-                    scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration),
-                ),
+        ab = ab_rounds(live, args)
+        if args.only is None:
+            s = anyio.run(
+                lambda: submit(
+                    live,
+                    JobRequest(
+                        model="noop",
+                        framework="noop",
+                        trace_level="none",
+                        scenario=ScenarioSpec(
+                            name="online", qps=args.qps, duration_s=args.duration
+                        ),
+                    ),
+                )
             )
-        )
-        lg, paced = anyio.run(issue_rate, live, args.burst)
-        raw = anyio.run(raw_publish_rate, live, args.burst)
-        echo50, echo99 = anyio.run(echo_rtt, live)
+            lg, paced = anyio.run(issue_rate, live, args.burst)
+            raw = anyio.run(raw_publish_rate, live, args.burst)
     finally:
         stack.stop()
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
+    report_ab(ab)
+    if args.only is None:
+        report_platform(s, args)
+        print(
+            f"2. one load-generator process, {args.burst:,} queries due at once: "
+            f"{lg:,.0f} queries/s published (pacer alone {paced:,.0f}/s); "
+            f"nats-py raw publish {raw:,.0f} msgs/s; ratio {lg / raw:.2f}"
+        )
 
+
+def report_platform(s: Any, args: argparse.Namespace) -> None:
     lag, split = s.issue_lag_us, s.latency_split_ms or {}
-    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print(
         f"1. noop online @ {args.qps:g} QPS Poisson x {args.duration:g} s "
         f"({s.queries} queries): {'VALID' if s.valid else 'INVALID ' + str(s.invalid_reasons)}"
@@ -173,20 +330,12 @@ def main() -> None:
         f"  achieved/requested {achieved / args.qps:.4f}"
     )
     print(f"   latency ms: p50 {s.latency_ms.p50:.3f}  p99 {s.latency_ms.p99:.3f}")
+    print(f"   loadgen cost: {s.loadgen_cost}")
     for name, v in split.items():
         print(
             f"   split {name:<10} p50 {v['p50']:.3f} ms  p99 {v['p99']:.3f} ms  "
             f"mean {v['mean']:.3f} ms"
         )
-    print(
-        f"2. one load-generator process, {args.burst:,} queries due at once: "
-        f"{lg:,.0f} queries/s published (pacer alone {paced:,.0f}/s); "
-        f"nats-py raw publish {raw:,.0f} msgs/s; ratio {lg / raw:.2f}"
-    )
-    print(
-        f"3. bare nats-py echo round trip at 1,000/s: p50 {echo50:.0f} us  p99 {echo99:.0f} us"
-        f"  (platform overhead p50 {(split['overhead']['p50'] or float('nan')) * 1e3:.0f} us)"
-    )
 
 
 if __name__ == "__main__":

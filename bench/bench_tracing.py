@@ -3,8 +3,13 @@
 1. Ingest: ``--spans`` spans (model-level shape: step spans with short names, no
    attributes, plus ``--layer-share`` of layer spans with ORT-like attribute JSON)
    are published to the traces stream in the tracer's batches of ``--batch`` spans
-   *before* the ingester starts; then one Ingester drains the stream into a fresh
-   chDB, and the rate is spans / (time until ``count()`` reaches the total).
+   (halved until one fits the max payload, as the tracer does) *before* the ingester
+   starts; then one Ingester drains the stream into a fresh chDB, and the rate is
+   spans / (time until every span is inserted; ``count()`` is checked after).
+   A/B in one run: the tracer's wire form (its repeating string columns
+   dictionary-encoded) against plain string lists (the older form, which the
+   ingester still takes), alternated over ``--rounds`` rounds, each run in a fresh
+   nats-server and chDB; medians.
 2. Overhead on ``efficientnet_lite0`` / ONNX Runtime through a real ModelWorker:
    per-query time at levels none, model and framework (``--queries`` each,
    interleaved in rounds so that machine noise hits all levels alike), reported as
@@ -12,6 +17,7 @@
    alone, as a share of the median predict time (the noise-free number).
 
 Usage: python bench/bench_tracing.py [--spans 1000000] [--queries 60]
+       python bench/bench_tracing.py --spans 500000 --layer-share 0.9 --rounds 3 --queries 0
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
 
-from agent.tracer import SpanBuffer
+from agent.tracer import SpanBuffer, dictionary_encode
 from agent.worker import Job, LoadedModel, ModelWorker
 from broker.db import Database
 from broker.ingest import Ingester
@@ -57,33 +64,42 @@ LAYER_ATTRS = json.dumps(
 )
 
 
-def make_batch(eval_id: str, first: int, n: int, layer_share: float) -> SpanBatch:
+def make_batch(
+    eval_id: str, first: int, n: int, layer_share: float, *, plain: bool = False
+) -> SpanBatch:
+    """``n`` spans as the agent's tracer publishes them (``plain``: without the
+    dictionary encoding of its string columns, the older wire form)."""
     ids = list(range(first, first + n))
     layers = int(n * layer_share)
     kinds = ["layer"] * layers + ["step"] * (n - layers)
     attrs = [LAYER_ATTRS] * layers + [""] * (n - layers)
     names_ = ["/_blocks.0/_depthwise_conv/Conv"] * layers + ["predict"] * (n - layers)
+    columns: dict[str, list[Any]] = {
+        "span_id": ids,
+        "parent_id": [0] * n,
+        "query_index": ids,
+        "level": [1] * n,
+        "kind": kinds,
+        "name": names_,
+        "start_ns": ids,
+        "end_ns": ids,
+        "attrs": attrs,
+    }
+    dicts: dict[str, list[str]] = {}
+    if not plain:
+        columns, dicts = dictionary_encode(columns, ("kind", "name", "attrs"))
     return SpanBatch(
         evaluation_id=eval_id,
         agent_id="bench-agent",
         host="bench",
         batch_id=new_id("sb"),
-        columns={
-            "span_id": ids,
-            "parent_id": [0] * n,
-            "query_index": ids,
-            "level": [1] * n,
-            "kind": kinds,
-            "name": names_,
-            "start_ns": ids,
-            "end_ns": ids,
-            "attrs": attrs,
-        },
+        columns=columns,
+        dicts=dicts,
     )
 
 
 async def ingest_rate(
-    settings: Settings, db: Database, total: int, batch: int, layer_share: float
+    settings: Settings, db: Database, total: int, batch: int, layer_share: float, plain: bool
 ) -> tuple[float, float]:
     """(spans/s ingested, spans/s published) for ``total`` spans."""
     eval_id = new_id("ev")
@@ -93,11 +109,12 @@ async def ingest_rate(
         limit = int(bus.nc.max_payload) - 4096
         while (
             batch > 1
-            and len(codec.encode_model(make_batch(eval_id, 1, batch, layer_share))) > limit
+            and len(codec.encode_model(make_batch(eval_id, 1, batch, layer_share, plain=plain)))
+            > limit
         ):
             batch //= 2  # what the tracer does: a message never exceeds the max payload
         for first in range(0, total, batch):
-            b = make_batch(eval_id, first + 1, min(batch, total - first), layer_share)
+            b = make_batch(eval_id, first + 1, min(batch, total - first), layer_share, plain=plain)
             acks.append(
                 await bus.js.publish_async(
                     names.traces(eval_id),
@@ -201,19 +218,13 @@ def overhead(zoo: Path, queries: int) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spans", type=int, default=1_000_000)
-    ap.add_argument("--batch", type=int, default=5000)
-    ap.add_argument("--layer-share", type=float, default=0.0)
-    ap.add_argument("--queries", type=int, default=60, help="0: ingest only")
-    ap.add_argument("--zoo", type=Path, default=None)
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        with NatsServer(store_dir=Path(tmp) / "nats") as nats:
-            settings = Settings(nats_url=nats.url, data_dir=Path(tmp))
-            db = Database(f"chdb:///{Path(tmp) / 'db'}")
-            db.migrate()
+def ingest_once(tmp: Path, args: argparse.Namespace, *, plain: bool) -> float:
+    """One ingest run into a fresh nats-server and chDB: spans/s."""
+    with NatsServer(store_dir=tmp / "nats") as nats:
+        settings = Settings(nats_url=nats.url, data_dir=tmp)
+        db = Database(f"chdb:///{tmp / 'db'}")
+        db.migrate()
+        try:
             rate, pub = anyio.run(
                 ingest_rate,
                 settings,
@@ -221,14 +232,41 @@ def main() -> None:
                 args.spans,
                 args.batch,
                 args.layer_share,
+                plain,
                 backend="asyncio",
             )
-            print(
-                f"ingest JetStream -> chDB: {rate:,.0f} spans/s "
-                f"({args.spans:,} spans, batches of {args.batch}, layer share "
-                f"{args.layer_share}); publish {pub:,.0f} spans/s"
-            )
+        finally:
             db.close()
+    print(
+        f"  {'plain' if plain else 'dictionary'} strings: ingest {rate:,.0f} spans/s; "
+        f"publish {pub:,.0f} spans/s",
+        flush=True,
+    )
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spans", type=int, default=1_000_000)
+    ap.add_argument("--batch", type=int, default=5000)
+    ap.add_argument("--layer-share", type=float, default=0.0)
+    ap.add_argument("--queries", type=int, default=60, help="0: ingest only")
+    ap.add_argument("--rounds", type=int, default=1, help="ingest runs per string form")
+    ap.add_argument("--zoo", type=Path, default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rates: dict[str, list[float]] = {"dictionary": [], "plain": []}
+        for r in range(args.rounds):
+            for k in range(2):
+                form = ("dictionary", "plain")[(k + r) % 2]
+                rate = ingest_once(Path(tmp) / f"{r}-{form}", args, plain=form == "plain")
+                rates[form].append(rate)
+        for form, v in rates.items():
+            print(
+                f"ingest JetStream -> chDB, {form} strings: median {statistics.median(v):,.0f} "
+                f"spans/s, per round {[round(x) for x in v]} ({args.spans:,} spans, "
+                f"layer share {args.layer_share})"
+            )
         if args.queries == 0:
             return
         zoo = args.zoo or Path(tmp) / "zoo"

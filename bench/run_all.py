@@ -30,7 +30,18 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
     "pacer": (["--runs", "3"], ["--runs", "1"], False),
     "loadgen": (
         ["--qps", "1000", "--duration", "30"],
-        ["--qps", "1000", "--duration", "3", "--burst", "10000"],
+        [
+            "--qps",
+            "1000",
+            "--duration",
+            "3",
+            "--burst",
+            "10000",
+            "--rounds",
+            "1",
+            "--served-s",
+            "2",
+        ],
         False,
     ),
     "skeleton": (

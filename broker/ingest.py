@@ -5,8 +5,9 @@ down wait in the stream. Messages are acknowledged only after their rows are
 inserted, so a crash between insert and ack redelivers them; each table's
 ReplacingMergeTree key ((evaluation_id, agent_id, span_id) for spans, (evaluation_id,
 agent_id, metric, device, ts_ns) for samples) and FINAL reads make that redelivery
-invisible. One fetch of up to ``fetch_batch`` messages becomes one insert per table,
-column by column (no per-span Python objects beyond the decoded lists).
+invisible. One fetch of up to ``fetch_batch`` messages (and about ``INSERT_ROWS`` rows) becomes
+one Arrow insert per table (:mod:`broker.ingest_columns`: numbers as typed arrays,
+strings dictionary-encoded as the tracer sends them).
 
 Poison is bounded (through the server's serving boundary): every column is checked
 against its table's type before anything is inserted, and a message that does not
@@ -28,11 +29,13 @@ from typing import Annotated, Any
 import anyio
 import anyio.abc
 import nats.errors
+import numpy as np
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from pydantic import Field, TypeAdapter, ValidationError
 
-from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
+from broker.db import Database
+from broker.ingest_columns import Columns, codes_of
 from broker.tuning import ProcessTuning
 from mlscope import codec, names, schema
 from mlscope.bus import Bus
@@ -46,10 +49,12 @@ _SPAN_FIELDS = tuple(c.name for c in schema.SPAN_FIELDS)
 _SAMPLE_FIELDS = tuple(c.name for c in schema.SAMPLE_FIELDS)
 FETCH_BYTES = 16 * 1024 * 1024
 """Bytes asked for per fetch: well under nats-py's 256 MiB pending limit per subscription."""
-_Decoded = tuple[
-    dict[str, list[Any]], dict[str, list[Any]], list[Msg], list[tuple[Msg, MLScopeError]]
-]
-"""(span columns, sample columns, messages to ack, messages to dead-letter with why)."""
+_Decoded = tuple[Columns, Columns, list[Msg], list[tuple[Msg, MLScopeError]]]
+"""(span rows, sample rows, messages to ack, messages to dead-letter with why)."""
+INSERT_ROWS = 50_000
+"""Rows asked for per fetch (estimated from the rows per message so far): each insert
+has a fixed cost of a few ms, so ~50k rows keep it small, and the next fetch is
+decoded while this one is inserted."""
 MAX_DELIVER = 20
 """Deliveries of a batch whose insert keeps failing before it is dead-lettered."""
 RETRY_S = 2.0
@@ -105,6 +110,8 @@ class Ingester:
         self.redelivered = 0
         """Messages stored that JetStream had delivered before (the dedup path ran)."""
         self._send: anyio.abc.ObjectSendStream[_Decoded] | None = None
+        self._rows_per_msg = 5000.0
+        """Rows per message, running estimate (start: a full tracer batch)."""
 
     async def run(self) -> None:
         sub = await self.bus.js.pull_subscribe(
@@ -133,7 +140,16 @@ class Ingester:
                     # Messages of one fetch land in the client's pending buffer at once;
                     # past its byte limit nats-py drops them (slow consumer) and they
                     # come back only after ack_wait. So a fetch asks for FETCH_BYTES.
-                    n = max(1, min(self.fetch_batch, int(FETCH_BYTES / avg)))
+                    # Rows per fetch are bounded too, so that the next fetch is decoded
+                    # while this one is inserted (one huge insert would serialize them).
+                    n = max(
+                        1,
+                        min(
+                            self.fetch_batch,
+                            int(FETCH_BYTES / avg),
+                            int(INSERT_ROWS / self._rows_per_msg),
+                        ),
+                    )
                     try:
                         msgs = await sub.fetch(n, timeout=self.fetch_timeout)
                     except (nats.errors.TimeoutError, TimeoutError):
@@ -178,23 +194,22 @@ class Ingester:
             await self._write(decoded)
 
     def _decode(self, msgs: list[Msg]) -> _Decoded:
-        spans: dict[str, list[Any]] = {c: [] for c in SPAN_COLUMNS}
-        samples: dict[str, list[Any]] = {c: [] for c in SAMPLE_COLUMNS}
+        spans, samples = Columns(schema.SPANS), Columns(schema.SYSTEM_SAMPLES)
         good: list[Msg] = []
         bad: list[tuple[Msg, MLScopeError]] = []
         for msg in msgs:
             if delivered(msg) > 1:
                 self.redelivered += 1
             try:
-                batch = _decode(msg.data)
+                batch, codes = _decode(msg.data)
+                (spans if isinstance(batch, SpanBatch) else samples).add(batch, codes)
             except Exception as exc:  # whatever the bytes: this message never stores
                 bad.append((msg, self.boundary.failed(exc, msg.subject)))
                 continue
-            if isinstance(batch, SpanBatch):
-                _extend(spans, batch, _SPAN_FIELDS)
-            else:
-                _extend(samples, batch, _SAMPLE_FIELDS)
             good.append(msg)
+        if good:
+            rows = (spans.rows + samples.rows) / len(good)
+            self._rows_per_msg = max(1.0, 0.5 * self._rows_per_msg + 0.5 * rows)
         return spans, samples, good, bad
 
     async def _write(self, decoded: _Decoded) -> None:
@@ -218,20 +233,13 @@ class Ingester:
             with anyio.move_on_after(5):
                 await _quiet(msg.ack())
 
-    async def _insert(self, spans: dict[str, list[Any]], samples: dict[str, list[Any]]) -> None:
-        if spans["span_id"]:
-            await anyio.to_thread.run_sync(
-                self.db.insert, "spans", [spans[c] for c in SPAN_COLUMNS], SPAN_COLUMNS
-            )
-            self.ingested += len(spans["span_id"])
-        if samples["ts_ns"]:
-            await anyio.to_thread.run_sync(
-                self.db.insert,
-                "system_samples",
-                [samples[c] for c in SAMPLE_COLUMNS],
-                SAMPLE_COLUMNS,
-            )
-            self.samples += len(samples["ts_ns"])
+    async def _insert(self, spans: Columns, samples: Columns) -> None:
+        if spans.rows:
+            await anyio.to_thread.run_sync(self.db.insert_arrow, "spans", spans.arrow())
+            self.ingested += spans.rows
+        if samples.rows:
+            await anyio.to_thread.run_sync(self.db.insert_arrow, "system_samples", samples.arrow())
+            self.samples += samples.rows
 
 
 async def _quiet(aw: Any) -> None:
@@ -241,7 +249,8 @@ async def _quiet(aw: Any) -> None:
         log.debug("ack or nak not sent; JetStream redelivers after ack_wait")
 
 
-def _decode(data: bytes) -> SpanBatch | SampleBatch:
+def _decode(data: bytes) -> tuple[SpanBatch | SampleBatch, dict[str, np.ndarray]]:
+    """A checked batch and its dictionary-encoded columns' indices (as arrays)."""
     raw = codec.decode(data)
     cls = _BATCHES.get(raw.get("kind", "")) if isinstance(raw, dict) else None
     if cls is None:
@@ -254,29 +263,38 @@ def _decode(data: bytes) -> SpanBatch | SampleBatch:
     n = len(batch)
     if any(len(batch.columns.get(f, ())) != n for f in fields):
         raise WireError(f"{cls.__name__} {batch.batch_id}: missing or ragged columns")
+    codes: dict[str, np.ndarray] = {}
     for f in fields:
-        try:
-            _COLUMN_TYPES[f].validate_python(batch.columns[f])
-        except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            raise WireError(
-                f"{cls.__name__} {batch.batch_id}: column {f}: "
-                f"{first['msg']} at row {first['loc'][0]}",
-                column=f,
-            ) from exc
-    return batch
+        if f in batch.dicts:
+            codes[f] = _dictionary_column(batch, f)
+        else:
+            _check(batch, f, batch.columns[f])
+    return batch, codes
 
 
-def _extend(
-    cols: dict[str, list[Any]], batch: SpanBatch | SampleBatch, fields: tuple[str, ...]
-) -> None:
-    n = len(batch)
-    for f in fields:
-        cols[f].extend(batch.columns[f])
-    for f, value in (
-        ("evaluation_id", batch.evaluation_id),
-        ("agent_id", batch.agent_id),
-        ("host", batch.host),
-        ("batch_id", batch.batch_id),
-    ):
-        cols[f].extend([value] * n)
+def _dictionary_column(batch: SpanBatch | SampleBatch, f: str) -> np.ndarray:
+    """A dictionary-encoded string column's indices, checked against its values."""
+    name = type(batch).__name__
+    if _COLUMN_TYPES[f] is not _LIST_OF["String"]:
+        raise WireError(f"{name} {batch.batch_id}: column {f} is not a string column", column=f)
+    values = batch.dicts[f]
+    _check(batch, f, values)
+    codes = codes_of(batch.columns[f], len(values))
+    if codes is None:
+        raise WireError(
+            f"{name} {batch.batch_id}: column {f}: indices must be integers below {len(values)}",
+            column=f,
+        )
+    return codes
+
+
+def _check(batch: SpanBatch | SampleBatch, f: str, values: list[Any]) -> None:
+    try:
+        _COLUMN_TYPES[f].validate_python(values)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        raise WireError(
+            f"{type(batch).__name__} {batch.batch_id}: column {f}: "
+            f"{first['msg']} at row {first['loc'][0]}",
+            column=f,
+        ) from exc

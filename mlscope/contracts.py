@@ -866,6 +866,10 @@ class _ColumnBatch(_Message):
     host: str
     batch_id: str
     columns: dict[str, list[Any]]
+    dicts: dict[str, list[str]] = Field(default_factory=dict)
+    """Dictionary-encoded string columns: a column named here holds, per row, the index
+    of its value in this list (a layer's name and attributes repeat on every query, so
+    a batch carries each distinct string once)."""
 
     def __len__(self) -> int:
         first = next(iter(self.columns.values()), [])

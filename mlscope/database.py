@@ -63,6 +63,15 @@ class Client:
             table=table,
         )
 
+    def insert_arrow(self, table: str, data: Any) -> None:
+        """Insert a ``pyarrow.Table`` whose column names and types match ``table``'s
+        (dictionary-encoded strings go in as they are, without a Python string each)."""
+        self._call(
+            lambda c: c.insert_arrow(table, data),
+            f"insert into {table} failed: ",
+            table=table,
+        )
+
     def rows(self, sql: str, parameters: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
         return self._call(
             lambda c: [tuple(r) for r in c.query(sql, parameters=parameters).result_rows],

@@ -1,0 +1,270 @@
+"""The served query path's short cuts keep every number honest.
+
+An idle executor answers a fast model's query on the caller's thread, replies go back
+to the loop in bursts, the pacer releases queries ahead of time by a tuned lead and
+the load generator's loop holds each one until it is due: never early, same answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from agent.outbox import Outbox
+from agent.pipeline import Executor, ExecutorConfig, Job
+from agent.worker import LoadedModel
+from broker.loadgen import Driver, LeadTuner
+from broker.schedule import constant, poisson
+from broker.tuning import ProcessTuning
+from cli.services import Stack
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.catalog import Catalog, default_manifest_dirs
+from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
+from mlscope.errors import ConfigError
+from mlscope.pacer import Pacer
+from mlscope.predictor import PredictorOptions
+from mlscope.registry import list_agents
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def model(zoo_dir: Path) -> LoadedModel:
+    e = Catalog.load(default_manifest_dirs()).find("digits_cnn", framework="onnxruntime")
+    return LoadedModel.open(e, e.graph(zoo_dir), PredictorOptions(threads=1))
+
+
+@pytest.fixture
+def samples(zoo_dir: Path) -> np.ndarray:
+    with np.load(zoo_dir / "digits_cnn" / "1.0.0" / "holdout.npz") as npz:
+        x: np.ndarray = npz["x"][:8]
+    return x
+
+
+class Answers:
+    """Replies with the thread each came from."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[QueryReply, int]] = []
+        self.done = threading.Event()
+
+    def __call__(self, r: QueryReply) -> None:
+        self.got.append((r, threading.get_ident()))
+        self.done.set()
+
+    def wait(self) -> tuple[QueryReply, int]:
+        assert self.done.wait(30)
+        self.done.clear()
+        return self.got[-1]
+
+
+def _job(i: int, x: np.ndarray, answers: Answers, level: TraceLevel = TraceLevel.NONE) -> Job:
+    return Job(
+        index=i,
+        inputs=x,
+        received_ns=time.perf_counter_ns(),
+        level=level,
+        spans=None,
+        reply=answers,
+    )
+
+
+def test_an_idle_executor_answers_a_fast_query_on_the_callers_thread(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    ex = Executor(model, ExecutorConfig(inline_max_us=10_000_000))
+    answers = Answers()
+    try:
+        x = samples[:1]
+        want = model.post(model.predictor.predict([model.pre[0](x)])[0])
+        # Nothing measured yet: the first query goes to the predict thread.
+        assert not ex.try_inline(_job(0, x, answers))
+        assert ex.submit(_job(0, x, answers))
+        first, tid = answers.wait()
+        assert tid != threading.get_ident()
+        # Now known to be fast and idle: answered here, before try_inline returns.
+        assert ex.try_inline(_job(1, x, answers))
+        second, tid = answers.got[-1]
+        assert tid == threading.get_ident() and ex.inflight == 0
+        for r in (first, second):
+            assert r.ok and r.outputs is not None and np.array_equal(r.outputs, want)
+            assert r.t_received <= r.t_predict_start <= r.t_predict_end <= r.t_replied
+        # Framework level belongs to the predict thread (its profiler).
+        assert not ex.try_inline(_job(2, x, answers, TraceLevel.FRAMEWORK))
+    finally:
+        ex.stop()
+
+
+def test_no_inline_answer_while_a_query_is_in_flight_or_for_a_slow_model(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    gate = threading.Event()
+    inner = model.predictor
+
+    class Gated:
+        framework, device = inner.framework, inner.device
+
+        def predict(self, xs: list[np.ndarray]) -> list[np.ndarray]:
+            gate.wait(30)
+            out: list[np.ndarray] = inner.predict(xs)
+            return out
+
+        def close(self) -> None:
+            inner.close()
+
+    model.predictor = Gated()
+    ex = Executor(model, ExecutorConfig(inline_max_us=10_000_000))
+    answers = Answers()
+    try:
+        gate.set()
+        assert ex.submit(_job(0, samples[:1], answers))
+        answers.wait()
+        gate.clear()
+        assert ex.submit(_job(1, samples[:1], answers))  # held in predict
+        assert not ex.try_inline(_job(2, samples[:1], answers))  # replies stay in order
+        gate.set()
+        answers.wait()
+    finally:
+        gate.set()
+        ex.stop()
+    slow = Executor(model, ExecutorConfig(inline_max_us=0))
+    try:
+        for i in range(2):
+            assert slow.submit(_job(i, samples[:1], answers))
+            answers.wait()
+        assert not slow.try_inline(_job(3, samples[:1], answers))  # 0: never inline
+    finally:
+        slow.stop(close=False)
+
+
+def test_the_outbox_sends_a_burst_in_order_after_one_wake_up() -> None:
+    sent: list[tuple[str, bytes]] = []
+    errors: list[tuple[BaseException, str]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        async def publish(subject: str, data: bytes) -> None:
+            if data == b"bad":
+                raise OSError("connection closed")
+            sent.append((subject, data))
+
+        box = Outbox(loop, publish, lambda exc, subject: errors.append((exc, subject)))
+        drains = 0
+        real = box._drain
+
+        def counted() -> None:
+            nonlocal drains
+            drains += 1
+            real()
+
+        box._drain = counted  # type: ignore[method-assign]
+
+        def producer() -> None:  # a predict thread, while the loop is busy elsewhere
+            for i in range(100):
+                box.put(f"r.{i % 3}", b"%d" % i)
+            box.put("r.x", b"bad")
+
+        t = threading.Thread(target=producer)
+        t.start()
+        t.join()  # the loop never ran meanwhile: everything is queued
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+        assert drains == 1
+        box.put("r.y", b"from the loop")
+        await box.flush()  # an inline answer leaves at once
+        assert sent[-1] == ("r.y", b"from the loop")
+        await asyncio.sleep(0.01)  # the drain scheduled by that put finds nothing
+
+    anyio.run(main, backend="asyncio")
+    assert [d for _, d in sent[:100]] == [b"%d" % i for i in range(100)]
+    assert sent[100:] == [("r.y", b"from the loop")]
+    assert len(errors) == 1 and errors[0][1] == "r.x" and "connection closed" in str(errors[0][0])
+
+
+def test_a_pacer_with_a_lead_releases_ahead_but_never_more_than_the_lead() -> None:
+    sched = constant(2000, duration_s=0.5)
+    offsets = sched.offsets_ns
+    released: list[tuple[range, int]] = []
+    lead = 300_000
+    pacer = Pacer(
+        sched,
+        issue_many=lambda idx, at: released.append((idx, at)),
+        lead_s=lead / 1e9,
+        spin_s=0,
+        busy_s=0,
+    )
+    result = pacer.run()
+    assert result.reached == offsets.size and not result.stopped
+    assert sum(len(r) for r, _ in released) == offsets.size
+    for idx, at in released:
+        assert at >= offsets[idx[0]] - lead  # released no earlier than the lead
+        assert offsets[idx[-1]] <= at + lead  # and holds only queries due within it
+    assert np.median(result.issued_ns - offsets) < 0  # ahead of the schedule, mostly
+    with pytest.raises(ConfigError, match="issue_many"):
+        Pacer(sched, issue=lambda i, s, t: None, lead_s=0.001)
+
+
+def test_the_lead_settles_where_one_batch_in_four_is_late() -> None:
+    rng = np.random.default_rng(1)
+    tuner = LeadTuner(start_ns=0)
+    late, leads = [], []
+    for hop in rng.uniform(50_000, 150_000, 20_000):
+        is_late = hop > tuner.lead_ns
+        tuner.observe(late=is_late)
+        late.append(is_late)
+        leads.append(tuner.lead_ns)
+    assert 115_000 <= np.mean(leads[5000:]) <= 135_000  # the hop's 75th percentile: 125 µs
+    assert 0.2 <= np.mean(late[5000:]) <= 0.3
+    spiky = LeadTuner(max_ns=200_000)
+    for _ in range(1000):
+        spiky.observe(late=True)
+    assert spiky.lead_ns == 200_000  # bounded: a stalled loop does not make it spin longer
+
+
+def test_a_served_run_with_the_lead_never_issues_early(noop_stack: Stack) -> None:
+    async def go() -> Any:
+        async with busmod.connect(noop_stack.settings, name="test lead") as bus:
+            agent = next(
+                a for a in await list_agents(bus) if any(f.name == "noop" for f in a.frameworks)
+            )
+            ctl = names.agent_ctl(agent.agent_id)
+            prepare = {
+                "op": "prepare",
+                "evaluation_id": "ev-lead",
+                "model": "noop",
+                "model_version": "1.0.0",
+                "batch_size": 1,
+                "trace_level": "none",
+            }
+            await busmod.request(bus, ctl, codec.encode(prepare), timeout=60)
+            driver = Driver(
+                bus,
+                evaluation_id="ev-lead",
+                subject=names.agent_query(agent.agent_id),
+                spec=ScenarioSpec(name="online", qps=500, duration_s=1.5),
+                inputs=lambda g: np.zeros((1, 4), np.float32),
+                labels=None,
+                trace_level=TraceLevel.NONE,
+                schedule=poisson(500, duration_s=1.5, seed=3),
+                tuning=ProcessTuning(),
+            )
+            rec = await driver.run()
+            release = codec.encode_model(ReleaseOp(evaluation_id="ev-lead"))
+            await busmod.request(bus, ctl, release, timeout=10)
+            return rec
+
+    rec = anyio.run(go, backend="asyncio")
+    assert rec.ok.all() and rec.not_issued == 0
+    assert (rec.issued >= rec.scheduled).all()  # never early, whatever the lead
+    assert (rec.completed > rec.issued).all()
+    assert (rec.paced < rec.scheduled).mean() > 0.5  # released ahead: the hop is hidden
+    assert rec.cpu_s > 0
