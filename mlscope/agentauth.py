@@ -67,6 +67,7 @@ def agent_permissions(agent_id: str, *, frameworks: Sequence[str] = ()) -> dict[
                 *(f"{c} {c}" for c in caps),  # only as its queue group
                 names.agent_query(own),
                 names.agent_ctl(own),
+                names.agent_samples(own),
             ]
         },
         "allow_responses": RESPONSES,

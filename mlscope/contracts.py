@@ -25,7 +25,11 @@ Schema history:
                EvaluationSummary status "cancelled";
                ScenarioSpec.loadgen_hosts and the load-generator service's messages
                (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp, LoadgenProgress and
-               the replies).
+               the replies);
+               the agent's sample library and MLPerf LoadGen in the agent
+               (``SamplesLoadOp``, ``SamplesUnloadOp``, ``SamplesReply``,
+               ``SamplesQuery``, ``MLPerfRunOp``, ``MLPerfStarted``, ``MLPerfFile``,
+               ``MLPerfDone``; AgentDescription feature ``mlperf-loadgen``).
 """
 
 from __future__ import annotations
@@ -50,10 +54,13 @@ from mlscope.versions import parse_constraint
 __all__ = [
     "LOADGEN_CONTROL",
     "LOCAL_RUN",
+    "MAX_SAMPLE_INDICES",
+    "MLPERF_LOADGEN",
     "Accelerator",
     "AgentDescription",
     "CancelReply",
     "CancelRequest",
+    "ControlOp",
     "ControlReply",
     "ControlRequest",
     "DescribeOp",
@@ -71,8 +78,12 @@ __all__ = [
     "LoadgenLoaded",
     "LoadgenProgress",
     "LoadgenStartOp",
+    "MLPerfDone",
+    "MLPerfFile",
     "MLPerfImport",
+    "MLPerfRunOp",
     "MLPerfSpec",
+    "MLPerfStarted",
     "ModelOffer",
     "PingOp",
     "PingReply",
@@ -89,6 +100,10 @@ __all__ = [
     "RunRows",
     "RunStarted",
     "SampleBatch",
+    "SamplesLoadOp",
+    "SamplesQuery",
+    "SamplesReply",
+    "SamplesUnloadOp",
     "ScenarioName",
     "ScenarioSpec",
     "SpanBatch",
@@ -104,6 +119,11 @@ SCHEMA = 1
 LOCAL_RUN = "local-run"
 """The feature an agent advertises when it can generate a run's load itself
 (``placement: agent``, :class:`RunOp`)."""
+MLPERF_LOADGEN = "mlperf-loadgen"
+"""The feature an agent advertises when it can run MLPerf LoadGen next to its model
+(``mlscope mlperf --placement agent``, :class:`MLPerfRunOp`)."""
+MAX_SAMPLE_INDICES = 262_144
+"""Most data-set indices one sample-library request may name."""
 Placement = Literal["server", "agent"]
 """Where a run's load generator runs: on the server (every query crosses the bus to the
 agent and back: a *served* model) or in the agent (the model itself, no bus per query)."""
@@ -450,8 +470,10 @@ class JobRequest(_Message):
         if self.placement == "agent":
             s = self.scenario
             what = (
-                "an MLPerf LoadGen run"
-                if self.mlperf is not None or self.mlperf_import is not None
+                "an MLPerf import"
+                if self.mlperf_import is not None
+                else ""
+                if self.mlperf is not None  # LoadGen runs in the agent's host
                 else f"scenario {s.name!r}"
                 if s.name == "cold-start"
                 else f"{s.loadgens} load generators"
@@ -646,13 +668,58 @@ class RunOp(_Message):
         return value
 
 
-ControlRequest = Annotated[
-    PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, Field(discriminator="op")
-]
-"""What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
-CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp] = TypeAdapter(
-    ControlRequest
+SampleIndex = Annotated[int, Field(strict=True, ge=0)]
+
+
+class SamplesLoadOp(_Message):
+    """Hold these data-set samples for a prepared evaluation (LoadGen's
+    ``load_samples``): the agent reads its own copy of the model's data set,
+    pre-processes the samples once where the pipeline allows, and keeps them until
+    they are unloaded or the evaluation is released. Queries then name samples by
+    index (:class:`SamplesQuery`)."""
+
+    op: Literal["load_samples"] = "load_samples"
+    evaluation_id: str = Field(max_length=256)
+    indices: tuple[SampleIndex, ...] = Field(max_length=MAX_SAMPLE_INDICES)
+
+
+class SamplesUnloadOp(_Message):
+    """Drop these samples (LoadGen's ``unload_samples``); unknown ones are ignored."""
+
+    op: Literal["unload_samples"] = "unload_samples"
+    evaluation_id: str = Field(max_length=256)
+    indices: tuple[SampleIndex, ...] = Field(max_length=MAX_SAMPLE_INDICES)
+
+
+class MLPerfRunOp(_Message):
+    """Run MLPerf LoadGen in the agent's host (``mlscope mlperf --placement agent``)
+    for a prepared evaluation: LoadGen in a child process of the agent whose system
+    under test calls the model in that process. Answered with :class:`MLPerfStarted`
+    at once; the log files follow on the same reply subject as :class:`MLPerfFile`
+    messages, then one :class:`MLPerfDone`."""
+
+    op: Literal["mlperf"] = "mlperf"
+    evaluation_id: str = Field(max_length=256)
+    spec: MLPerfSpec
+    conf_model: str = Field(max_length=256)
+    max_bytes: int = Field(default=1 << 20, ge=4096)
+    """Largest message the agent may send back."""
+
+
+ControlOp = (
+    PingOp
+    | DescribeOp
+    | PrepareOp
+    | ReleaseOp
+    | RunOp
+    | SamplesLoadOp
+    | SamplesUnloadOp
+    | MLPerfRunOp
 )
+"""Every control request an agent takes."""
+ControlRequest = Annotated[ControlOp, Field(discriminator="op")]
+"""What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
+CONTROL: TypeAdapter[ControlOp] = TypeAdapter(ControlRequest)
 
 
 class PingReply(_Message):
@@ -733,7 +800,56 @@ class RunRows(_Message):
     """final: the typed error that ended the run early, if one did."""
 
 
-ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply | RunStarted
+class SamplesReply(_Message):
+    """What an evaluation's sample library holds after a load or unload."""
+
+    kind: Literal["samples"] = "samples"
+    held: int
+    """Samples held now."""
+    bytes: int
+    """Memory they take (the agent's limit applies to all its libraries together)."""
+    preprocessed: bool
+    """Whether they are held pre-processed (queries then skip pre-processing)."""
+
+
+class MLPerfStarted(_Message):
+    """The agent started LoadGen for an :class:`MLPerfRunOp`."""
+
+    kind: Literal["mlperf_started"] = "mlperf_started"
+    pid: int
+
+
+class MLPerfFile(_Message):
+    """One part of a file LoadGen's process left (its logs, and what its system under
+    test saw: ``sut-timing.npz``), in order; ``seq`` counts every message of the run."""
+
+    kind: Literal["mlperf_file"] = "mlperf_file"
+    evaluation_id: str
+    seq: int = Field(ge=0)
+    name: str
+    data: bytes
+
+
+class MLPerfDone(_Message):
+    """The end of an MLPerf run in the agent: ``seq`` is the number of
+    :class:`MLPerfFile` messages sent before it; ``error`` the typed error that
+    ended the run, if one did."""
+
+    kind: Literal["mlperf_done"] = "mlperf_done"
+    evaluation_id: str
+    seq: int = Field(ge=0)
+    error: dict[str, Any] | None = None
+
+
+ControlReply = (
+    PingReply
+    | AgentDescription
+    | PrepareReply
+    | ReleaseReply
+    | RunStarted
+    | SamplesReply
+    | MLPerfStarted
+)
 
 
 class ErrorReply(_Message):
@@ -809,6 +925,18 @@ class Query(_Message):
     more_inputs: tuple[NDArray, ...] = ()
     """A multi-input model's further inputs, in manifest order, each batched on its own
     ``batch_axis``; the agent fills those left out from the manifest's ``fill``."""
+
+
+class SamplesQuery(_Message):
+    """A query naming samples of the evaluation's sample library by data-set index
+    (``mlscope.agent.<id>.samples``; MLPerf LoadGen's system under test): the agent
+    answers with a :class:`QueryReply` as for a :class:`Query`."""
+
+    kind: Literal["samples_query"] = "samples_query"
+    evaluation_id: str = Field(max_length=256)
+    index: int
+    samples: NDArray
+    """Data-set indices (int64, one per sample), all loaded (:class:`SamplesLoadOp`)."""
 
 
 class QueryReply(_Message):

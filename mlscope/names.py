@@ -8,6 +8,7 @@ Subjects (core NATS unless marked JetStream):
     mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
     mlscope.agent.<agent_id>.query     queries directed at one agent
     mlscope.agent.<agent_id>.ctl       control requests to one agent (ping, describe)
+    mlscope.agent.<agent_id>.samples   queries naming samples the agent holds (MLPerf)
     mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
@@ -43,6 +44,7 @@ __all__ = [
     "TRACES_STREAM",
     "agent_ctl",
     "agent_query",
+    "agent_samples",
     "capability",
     "dead_letter",
     "dead_letters_wildcard",
@@ -98,6 +100,10 @@ def agent_query(agent_id: str) -> str:
 
 def agent_ctl(agent_id: str) -> str:
     return f"{PREFIX}.agent.{token(agent_id)}.ctl"
+
+
+def agent_samples(agent_id: str) -> str:
+    return f"{PREFIX}.agent.{token(agent_id)}.samples"
 
 
 def job_events(job_id: str) -> str:

@@ -21,12 +21,11 @@ import numpy as np
 import pytest
 
 from broker import mlperf_logs as logs
-from broker.mlperf_sut import SampleLibrary
 from cli.mlperf_cmd import find_results, import_job
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.errors import ConfigError, EvaluationError
+from mlscope.errors import ConfigError
 from mlscope.stats import percentiles
 from tests.conftest import child_env, running_stack
 
@@ -424,12 +423,3 @@ def test_checker_counts_each_sample_once() -> None:
     entries = [(0, one), (1, one), (0, two), (2, b"")]
     assert logs.imagenet_top1(entries, np.array([1, 2, 0])) == (1, 3)
     assert logs.format_accuracy(1, 3) == "accuracy=33.333%, good=1, total=3\n"
-
-
-def test_library_refuses_samples_not_loaded() -> None:
-    lib = SampleLibrary(np.arange(12, dtype=np.float32).reshape(4, 3))
-    lib.load([1, 2])
-    assert lib.stack([2, 1]).tolist() == [[6, 7, 8], [3, 4, 5]]
-    lib.unload([1])
-    with pytest.raises(EvaluationError):
-        lib.stack([1])

@@ -1,0 +1,134 @@
+"""An MLPerf LoadGen run in the agent's host (``mlscope mlperf --placement agent``),
+seen from the server.
+
+::
+
+    server                                         agent (agent/mlperf_ops.py)
+      ctl MLPerfRunOp {spec}, reply inbox ───────► LoadGen in a child process, the model
+      ◄─────────────────────── MLPerfStarted {pid}  in that process (agent/mlperf_local.py)
+      ◄── MLPerfFile {name, data} ... ──────────── its logs and sut-timing.npz, in parts
+      ◄── MLPerfDone {seq, error} ──────────────── the end
+
+The files are what the server's own LoadGen process leaves (:mod:`broker.mlperf_sut`),
+so :mod:`broker.mlperf` parses and stores them with the same code; only the clock
+differs: the SUT's times are on the agent's clock (see :func:`broker.mlperf.run`).
+While the run is silent the server pings the agent every :data:`IDLE_S`: an agent that
+does not answer fails the run.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import nats.errors
+import numpy as np
+
+from mlscope import codec, names
+from mlscope.bus import Bus, request
+from mlscope.contracts import (
+    AgentDescription,
+    MLPerfDone,
+    MLPerfFile,
+    MLPerfRunOp,
+    MLPerfSpec,
+    PingOp,
+    new_id,
+)
+from mlscope.errors import BusError, EvaluationError, MLScopeError, error_from_wire
+from mlscope.mlperf import TIMING
+
+__all__ = ["IDLE_S", "RUN_LIMIT_S", "run_in_agent"]
+
+IDLE_S = 3.0
+"""Silence after which the server pings the agent (the run sends nothing until it ends)."""
+RUN_LIMIT_S = 6 * 3600.0
+"""The longest an agent's LoadGen run is awaited (an official run lasts >= 10 min)."""
+START_TIMEOUT_S = 30.0
+PAYLOAD_HEADROOM = 1024
+
+
+async def run_in_agent(
+    bus: Bus, spec: MLPerfSpec, conf_model: str, evaluation_id: str, agent: AgentDescription
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """Have the agent run the test; what its SUT saw and LoadGen's log files."""
+    inbox = f"_INBOX.{new_id('mlperf')}"
+    sub = await bus.nc.subscribe(inbox)
+    try:
+        op = MLPerfRunOp(
+            evaluation_id=evaluation_id,
+            spec=spec,
+            conf_model=conf_model,
+            max_bytes=int(bus.nc.max_payload) - PAYLOAD_HEADROOM,
+        )
+        await bus.nc.publish(names.agent_ctl(agent.agent_id), codec.encode_model(op), reply=inbox)
+        await _started(sub, agent.agent_id)
+        parts, done = await _collect(bus, sub, agent.agent_id)
+    finally:
+        await sub.unsubscribe()
+    if done.error is not None:
+        raise error_from_wire(done.error)
+    got = sum(len(p) for p in parts.values())
+    if got != done.seq:
+        raise EvaluationError(
+            f"{done.seq - got} of {done.seq} file messages of the agent's MLPerf run were "
+            "lost on the bus",
+            agent_id=agent.agent_id,
+        )
+    blob = b"".join(parts.pop(TIMING, []))
+    if not blob:
+        raise EvaluationError(f"the agent's LoadGen run sent no {TIMING}")
+    with np.load(io.BytesIO(blob)) as z:
+        timing = {k: z[k] for k in z.files}
+    files = {name: b"".join(p).decode(errors="replace") for name, p in parts.items()}
+    return timing, files
+
+
+async def _started(sub: Any, agent_id: str) -> None:
+    """The agent's answer to the run request (its typed error raised)."""
+    try:
+        msg = await sub.next_msg(timeout=START_TIMEOUT_S)
+    except (TimeoutError, nats.errors.TimeoutError) as exc:
+        raise BusError(
+            f"agent {agent_id} did not start LoadGen within {START_TIMEOUT_S:.0f} s",
+            agent_id=agent_id,
+        ) from exc
+    data = codec.decode(msg.data)
+    if isinstance(data, dict) and data.get("kind") == "error":
+        raise error_from_wire(data["error"])
+
+
+async def _collect(bus: Bus, sub: Any, agent_id: str) -> tuple[dict[str, list[bytes]], MLPerfDone]:
+    """File parts until the run's end, pinging the agent while it is silent."""
+    parts: dict[str, list[bytes]] = {}
+    began = time.monotonic()
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=IDLE_S)
+        except (TimeoutError, nats.errors.TimeoutError):
+            if not await _alive(bus, agent_id):
+                raise EvaluationError(
+                    f"agent {agent_id} was lost during its MLPerf LoadGen run", agent_id=agent_id
+                ) from None
+            if time.monotonic() - began > RUN_LIMIT_S:
+                raise EvaluationError(
+                    f"agent {agent_id} did not finish its LoadGen run within {RUN_LIMIT_S:.0f} s",
+                    agent_id=agent_id,
+                ) from None
+            continue
+        data = codec.decode(msg.data)
+        kind = data.get("kind") if isinstance(data, dict) else None
+        if kind == "mlperf_done":
+            return parts, MLPerfDone.model_validate(data)
+        if kind == "mlperf_file":
+            part = MLPerfFile.model_validate(data)
+            parts.setdefault(part.name, []).append(part.data)
+
+
+async def _alive(bus: Bus, agent_id: str) -> bool:
+    try:
+        await request(bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()), timeout=2.0)
+    except MLScopeError:
+        return False
+    return True
