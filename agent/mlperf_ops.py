@@ -28,6 +28,7 @@ from agent.samplelib import MemoryBudget, SampleLibrary
 from mlscope import samples
 from mlscope.catalog import Entry
 from mlscope.contracts import (
+    MLPERF_LOADGEN,
     MLPerfRunOp,
     MLPerfStarted,
     QueryReply,
@@ -116,14 +117,7 @@ class MLPerfOps:
         tg: TaskGroup,
     ) -> MLPerfStarted:
         """Start LoadGen in a child process of this agent for a prepared evaluation."""
-        if not self.runs_here:
-            raise ConfigError(
-                f"agent {self.agent_id} does not run MLPerf LoadGen itself (no "
-                "'mlperf-loadgen' feature: mlcommons-loadgen is not installed, or local "
-                "runs are off); use placement server",
-                field="placement",
-                agent_id=self.agent_id,
-            )
+        self.require()
         cfg = {
             "spec": op.spec.model_dump(),
             "conf_model": op.conf_model,
@@ -146,6 +140,17 @@ class MLPerfOps:
         pid, finish = await self.runner.start(op, cfg, publish, env=_child_env())
         tg.start_soon(finish)
         return MLPerfStarted(pid=pid)
+
+    def require(self) -> None:
+        """Refuse, by the feature's name, when this agent does not run LoadGen itself."""
+        if not self.runs_here:
+            raise ConfigError(
+                f"agent {self.agent_id} does not run MLPerf LoadGen itself (no "
+                f"{MLPERF_LOADGEN!r} feature: mlcommons-loadgen is not installed, or local "
+                "runs are off); use placement server",
+                field="placement",
+                agent_id=self.agent_id,
+            )
 
     def _library(self, evaluation_id: str) -> SampleLibrary:
         lib = self.libraries.get(evaluation_id)

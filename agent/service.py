@@ -447,6 +447,7 @@ class Agent:
         """LoadGen next to the model (placement agent): its files follow on ``results``."""
         if not results:
             raise ConfigError("an MLPerf run request needs a reply subject for its logs")
+        self.mlperf.require()
         _, entry = self._prepared(req.evaluation_id)
         graph = await anyio.to_thread.run_sync(self._check, entry)
         return await self.mlperf.run(
