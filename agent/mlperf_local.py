@@ -196,7 +196,8 @@ def run_child(cfg: dict[str, Any]) -> None:
     library = SampleLibrary(
         cfg["evaluation_id"], x, model, MemoryBudget(int(cfg["sample_memory_bytes"]))
     )
-    sut = LocalSUT(lg, worker, library, spec.batch_size, spec.window)
+    window = min(spec.window, int(cfg["executor"]["capacity"]))  # never past admission
+    sut = LocalSUT(lg, worker, library, spec.batch_size, window)
     try:
         settings = test_settings(lg, spec, cfg["conf_model"], work)
         with ProcessTuning().measurement(realtime_loop=False):

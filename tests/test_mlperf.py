@@ -264,7 +264,10 @@ def test_stream_scenarios(ort: Stack, user_conf: Path, tmp_path: Path, scenario:
         )
 
 
-def test_a_conf_loadgen_refuses_is_a_typed_error(ort: Stack, tmp_path: Path) -> None:
+@PLACEMENTS
+def test_a_conf_loadgen_refuses_is_a_typed_error(
+    ort: Stack, tmp_path: Path, placement: str
+) -> None:
     bad = tmp_path / "user.conf"
     bad.write_text("*.Server.target_qps = fast\n")
     out = subprocess.run(
@@ -280,6 +283,8 @@ def test_a_conf_loadgen_refuses_is_a_typed_error(ort: Stack, tmp_path: Path) -> 
             str(bad),
             "--output",
             str(tmp_path / "out"),
+            "--placement",
+            placement,
         ],
         env=child_env(ort.settings),
         capture_output=True,

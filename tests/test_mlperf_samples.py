@@ -7,6 +7,7 @@ gets a typed error reply and the agent goes on serving.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, samples
 from mlscope.catalog import Catalog, default_manifest_dirs
-from mlscope.contracts import MAX_SAMPLE_INDICES, new_id
+from mlscope.contracts import MAX_SAMPLE_INDICES, MLPerfRunOp, MLPerfSpec, new_id
 from mlscope.errors import ConfigError, EvaluationError, MLScopeError, error_from_wire
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
@@ -223,3 +224,40 @@ async def _refused_by_the_agent(settings: Settings) -> None:
         }
         err = assert_typed_error(await ask(bus, names.agent_ctl(agent.agent_id), op))
         assert isinstance(err, ConfigError) and "'mlperf-loadgen'" in err.message
+
+
+async def _released_mid_run(settings: Settings) -> None:
+    async with busmod.connect(settings, name="test") as bus:
+        agent = (await list_agents(bus))[0]
+        offer = next(o for o in agent.models if o.name == "digits_cnn")
+        ctl = names.agent_ctl(agent.agent_id)
+        ev = new_id("ev")
+        prepare = {"op": "prepare", "evaluation_id": ev, "model": "digits_cnn"}
+        await ask(bus, ctl, {**prepare, "model_version": offer.version})
+        inbox = f"_INBOX.{new_id('t')}"
+        sub = await bus.nc.subscribe(inbox)
+        run = MLPerfRunOp(
+            evaluation_id=ev,
+            spec=MLPerfSpec(
+                scenario="Server",
+                target_qps=50,
+                user_conf="*.Server.min_duration = 600000\n*.Server.target_latency = 1000\n",
+            ),
+            conf_model="digits_cnn",
+        )
+        await bus.nc.publish(ctl, codec.encode_model(run), reply=inbox)
+        started = codec.decode((await sub.next_msg(timeout=30)).data)
+        assert started["kind"] == "mlperf_started", started
+        again = assert_typed_error(await ask(bus, ctl, run.dump()))  # one run at a time
+        assert "already running" in again.message
+        await anyio.sleep(2)  # LoadGen is under way (a 10-minute test)
+        await ask(bus, ctl, {"op": "release", "evaluation_id": ev})
+        done = codec.decode((await sub.next_msg(timeout=30)).data)
+        assert done["kind"] == "mlperf_done" and done["error"] is not None, done
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(started["pid"]), 0)  # LoadGen's process is gone
+        assert (await ask(bus, ctl, {"op": "ping"}))["kind"] == "pong"
+
+
+def test_release_ends_the_agents_loadgen_run(ort: Stack) -> None:
+    anyio.run(_released_mid_run, ort.settings, backend="asyncio")
