@@ -46,7 +46,10 @@ __all__ = ["MLPerfOps", "loadgen_installed"]
 
 def loadgen_installed() -> bool:
     """Whether this host can run MLPerf LoadGen (``mlscope[mlperf]``)."""
-    return importlib.util.find_spec("mlperf_loadgen") is not None
+    try:
+        return importlib.util.find_spec("mlperf_loadgen") is not None
+    except (ImportError, ValueError):  # blocked, or a module without a spec
+        return False
 
 
 @dataclass

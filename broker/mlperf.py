@@ -3,9 +3,12 @@
 A job with ``JobRequest.mlperf`` is resolved, prepared and stored like any other job
 (:class:`broker.evaluate.Evaluator`); only the load generator differs: official
 LoadGen drives the agent through :class:`broker.mlperf_sut.AgentSUT`, with the
-model's labelled data set as the QuerySampleLibrary. Each test runs in its own child
-process (why: broker/mlperf_sut.py), so several MLPerf jobs may run at once and
-the server never imports LoadGen.
+model's labelled data set as the QuerySampleLibrary, which the agent holds. Each test
+runs in its own child process (why: broker/mlperf_sut.py), so several MLPerf jobs may
+run at once and the server never imports LoadGen. With ``placement: agent`` the agent
+runs that process next to the model and ships its files back
+(:mod:`broker.mlperf_agent`); they are parsed and stored with the same code, the
+SUT's clock being the agent's (mapped with the ping offset, as a local run's).
 
 What is stored (``evaluations`` + ``queries`` + ``mlperf_logs``):
 
