@@ -9,8 +9,9 @@
                                                 issue_query ─► chunks ≤ batch_size, ≤ window
                                                 in flight ─► Executor (pre-processed samples)
                                                 predict thread: QuerySamplesComplete
-      ◄── exit: mlperf_log_*, sut-timing.npz
-      ── MLPerfFile parts, MLPerfDone ──► the server, which stores them as for placement server
+      ◄── exit: mlperf_log_*, sut-timing.npz (kept until the evaluation is released)
+      ── MLPerfDone {files: sizes} ──► the server, which fetches them part by part
+         (ctl MLPerfFetchOp ─► MLPerfFile) and stores them as for placement server
 
 The test runs in a child process for the reason the server's does (LoadGen keeps
 process-wide state and cannot abort a test: a released or cancelled evaluation kills
@@ -44,6 +45,7 @@ from mlscope import codec, samples
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     MLPerfDone,
+    MLPerfFetchOp,
     MLPerfFile,
     MLPerfRunOp,
     MLPerfSpec,
@@ -63,7 +65,6 @@ from mlscope.mlperf import (
     test_settings,
 )
 from mlscope.predictor import PredictorOptions
-from mlscope.serving import as_error
 from mlscope.tuning import ProcessTuning
 
 __all__ = ["FILE_HEADROOM", "LocalSUT", "MLPerfRunner", "main"]
@@ -71,7 +72,9 @@ __all__ = ["FILE_HEADROOM", "LocalSUT", "MLPerfRunner", "main"]
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
 FILE_HEADROOM = 4096
-"""Room left in each file message for its envelope (evaluation id, name, seq)."""
+"""Room left in each file message for its envelope (name, offset)."""
+KEEP = 4
+"""Finished runs whose files an agent keeps for the server to fetch."""
 
 
 # --------------------------------------------------------------------------- the child
@@ -232,11 +235,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @dataclass
+class _Kept:
+    """The files a finished run left, until the server fetched them and released."""
+
+    tmp: tempfile.TemporaryDirectory[str]
+    files: dict[str, Path]
+
+
+@dataclass
 class MLPerfRunner:
-    """The agent's MLPerf runs in its host: one child process per evaluation."""
+    """The agent's MLPerf runs in its host: one child process per evaluation, its files
+    kept (at most :data:`KEEP` runs) until the evaluation is released."""
 
     service: str
     procs: dict[str, Any] = field(default_factory=dict)
+    kept: dict[str, _Kept] = field(default_factory=dict)
 
     async def start(
         self,
@@ -247,72 +260,99 @@ class MLPerfRunner:
         env: dict[str, str],
     ) -> tuple[int, Callable[[], Coroutine[Any, Any, None]]]:
         """Start LoadGen for ``op``; returns its pid and the task that waits for it and
-        ships its files (run it in the agent's task group)."""
-        if op.evaluation_id in self.procs:
+        says it is done (run it in the agent's task group)."""
+        ev = op.evaluation_id
+        if ev in self.procs or ev in self.kept:
             raise EvaluationError(
-                f"an MLPerf run of evaluation {op.evaluation_id} is already running here",
-                evaluation_id=op.evaluation_id,
+                f"an MLPerf run of evaluation {ev} is already running here", evaluation_id=ev
             )
         tmp = tempfile.TemporaryDirectory(prefix="mlperf-agent-")
         work = Path(tmp.name)
         (work / "logs").mkdir()
         cfg = {**cfg, "workdir": str(work), "logdir": str(work / "logs")}
         (work / "config.json").write_text(json.dumps(cfg))
-        err = (work / "stderr.txt").open("wb")
-        try:
-            proc = await anyio.open_process(
-                [sys.executable, "-m", "agent.mlperf_local", str(work / "config.json")],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
-        except BaseException:
-            err.close()
-            tmp.cleanup()
-            raise
-        self.procs[op.evaluation_id] = proc
+        with (work / "stderr.txt").open("wb") as err:
+            try:
+                proc = await anyio.open_process(
+                    [sys.executable, "-m", "agent.mlperf_local", str(work / "config.json")],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
+            except BaseException:
+                tmp.cleanup()
+                raise
+        self.procs[ev] = proc
 
         async def finish() -> None:
             try:
-                await self._finish(op, proc, work, publish)
+                await self._finish(ev, proc, tmp, publish)
             finally:
-                err.close()
-                self.procs.pop(op.evaluation_id, None)
-                tmp.cleanup()
+                self.procs.pop(ev, None)
 
         return int(proc.pid), finish
 
     async def stop(self, evaluation_id: str) -> None:
-        """End a run (its evaluation was released or cancelled): LoadGen has no abort."""
+        """The evaluation was released (or cancelled): end its LoadGen process (LoadGen
+        has no abort) and drop its files."""
         proc = self.procs.get(evaluation_id)
         if proc is not None and proc.returncode is None:
             proc.kill()
+        kept = self.kept.pop(evaluation_id, None)
+        if kept is not None:
+            kept.tmp.cleanup()
+
+    def fetch(self, op: MLPerfFetchOp) -> MLPerfFile:
+        """Part of a file a finished run left (only the names it listed)."""
+        kept = self.kept.get(op.evaluation_id)
+        path = kept.files.get(op.name) if kept is not None else None
+        if path is None:
+            raise EvaluationError(
+                f"no file {op.name!r} of an MLPerf run of evaluation {op.evaluation_id} here",
+                evaluation_id=op.evaluation_id,
+            )
+        with path.open("rb") as f:
+            f.seek(op.offset)
+            data = f.read(max(1, op.max_bytes - FILE_HEADROOM))
+        return MLPerfFile(name=op.name, offset=op.offset, data=data)
 
     async def _finish(
-        self, op: MLPerfRunOp, proc: Any, work: Path, publish: Callable[[bytes], Awaitable[None]]
+        self,
+        ev: str,
+        proc: Any,
+        tmp: tempfile.TemporaryDirectory[str],
+        publish: Callable[[bytes], Awaitable[None]],
     ) -> None:
-        seq = 0
-        error: dict[str, Any] | None = None
+        work = Path(tmp.name)
+        done = MLPerfDone(evaluation_id=ev)
         try:
-            code = await proc.wait()
-            error = _outcome(work, code)
+            error = _outcome(work, await proc.wait())
             if error is None:
-                for path in [work / TIMING, *sorted((work / "logs").iterdir())]:
-                    for data in _parts(op, path, seq):
-                        await publish(data)
-                        seq += 1
-        except Exception as exc:  # shipping failed: say so in the last message
-            error = as_error(exc, service=self.service).to_wire()
+                self._keep(ev, tmp, [work / TIMING, *sorted((work / "logs").iterdir())])
+                done = MLPerfDone(evaluation_id=ev, files=self._sizes(ev))
+            else:
+                done = MLPerfDone(evaluation_id=ev, error=error)
         finally:
             if proc.returncode is None:
                 proc.kill()  # the agent shuts down: LoadGen cannot be stopped otherwise
+            if ev not in self.kept:
+                tmp.cleanup()
             with anyio.CancelScope(shield=True), anyio.move_on_after(10):
                 if proc.returncode is None:
                     await proc.wait()
-                if error is None and proc.returncode is None:
-                    error = EvaluationError("the agent stopped during the run").to_wire()
-                done = MLPerfDone(evaluation_id=op.evaluation_id, seq=seq, error=error)
+                    done = MLPerfDone(
+                        evaluation_id=ev,
+                        error=EvaluationError("the agent stopped during the run").to_wire(),
+                    )
                 await publish(codec.encode_model(done))
+
+    def _keep(self, ev: str, tmp: tempfile.TemporaryDirectory[str], paths: list[Path]) -> None:
+        while len(self.kept) >= KEEP:  # a server that never released: oldest first
+            self.kept.pop(next(iter(self.kept))).tmp.cleanup()
+        self.kept[ev] = _Kept(tmp, {p.name: p for p in paths if p.is_file()})
+
+    def _sizes(self, ev: str) -> dict[str, int]:
+        return {name: p.stat().st_size for name, p in self.kept[ev].files.items()}
 
 
 def _outcome(work: Path, code: int) -> dict[str, Any] | None:
@@ -326,24 +366,6 @@ def _outcome(work: Path, code: int) -> dict[str, Any] | None:
             f"the agent's LoadGen process failed (exit code {code}): {tail}"
         ).to_wire()
     return None
-
-
-def _parts(op: MLPerfRunOp, path: Path, seq: int) -> list[bytes]:
-    """One file as MLPerfFile messages, each under the run's max message size."""
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    step = max(1, op.max_bytes - FILE_HEADROOM)
-    out: list[bytes] = []
-    for a in range(0, max(len(data), 1), step):
-        part = MLPerfFile(
-            evaluation_id=op.evaluation_id,
-            seq=seq + len(out),
-            name=path.name,
-            data=data[a : a + step],
-        )
-        out.append(codec.encode_model(part))
-    return out
 
 
 if __name__ == "__main__":

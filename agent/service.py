@@ -45,6 +45,7 @@ from mlscope.contracts import (
     ControlReply,
     DescribeOp,
     ErrorReply,
+    MLPerfFetchOp,
     MLPerfRunOp,
     MLPerfStarted,
     ModelOffer,
@@ -407,6 +408,8 @@ class Agent:
             return await self.mlperf.unload(req)
         if isinstance(req, MLPerfRunOp):
             return await self._start_mlperf(req, msg.reply)
+        if isinstance(req, MLPerfFetchOp):
+            return await anyio.to_thread.run_sync(self.mlperf.runner.fetch, req)
         return await self._release(req)
 
     async def _release(self, req: ReleaseOp) -> ReleaseReply:

@@ -6,14 +6,19 @@ seen from the server.
     server                                         agent (agent/mlperf_ops.py)
       ctl MLPerfRunOp {spec}, reply inbox ───────► LoadGen in a child process, the model
       ◄─────────────────────── MLPerfStarted {pid}  in that process (agent/mlperf_local.py)
-      ◄── MLPerfFile {name, data} ... ──────────── its logs and sut-timing.npz, in parts
-      ◄── MLPerfDone {seq, error} ──────────────── the end
+      ◄── MLPerfDone {files: sizes, error} ─────── the end; logs + sut-timing.npz kept
+      ctl MLPerfFetchOp {name, offset} ──────────► (request/reply, part by part)
+      ◄──────────────────── MLPerfFile {data}
 
 The files are what the server's own LoadGen process leaves (:mod:`broker.mlperf_sut`),
 so :mod:`broker.mlperf` parses and stores them with the same code; only the clock
 differs: the SUT's times are on the agent's clock (see :func:`broker.mlperf.run`).
+They are fetched by request/reply, one part at a time, because a trace log can be
+hundreds of MB (an Offline run of ~330 bytes per sample): pushed in a burst, a
+subscriber falls behind and nats-server drops messages (measured: 114 of 220 lost).
 While the run is silent the server pings the agent every :data:`IDLE_S`: an agent that
-does not answer fails the run.
+does not answer fails the run. The agent drops the files when the evaluation is
+released.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from mlscope.bus import Bus, request
 from mlscope.contracts import (
     AgentDescription,
     MLPerfDone,
+    MLPerfFetchOp,
     MLPerfFile,
     MLPerfRunOp,
     MLPerfSpec,
@@ -46,6 +52,7 @@ IDLE_S = 3.0
 RUN_LIMIT_S = 6 * 3600.0
 """The longest an agent's LoadGen run is awaited (an official run lasts >= 10 min)."""
 START_TIMEOUT_S = 30.0
+FETCH_TIMEOUT_S = 30.0
 PAYLOAD_HEADROOM = 1024
 
 
@@ -54,35 +61,45 @@ async def run_in_agent(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Have the agent run the test; what its SUT saw and LoadGen's log files."""
     inbox = f"_INBOX.{new_id('mlperf')}"
+    ctl = names.agent_ctl(agent.agent_id)
     sub = await bus.nc.subscribe(inbox)
     try:
-        op = MLPerfRunOp(
-            evaluation_id=evaluation_id,
-            spec=spec,
-            conf_model=conf_model,
-            max_bytes=int(bus.nc.max_payload) - PAYLOAD_HEADROOM,
-        )
-        await bus.nc.publish(names.agent_ctl(agent.agent_id), codec.encode_model(op), reply=inbox)
+        op = MLPerfRunOp(evaluation_id=evaluation_id, spec=spec, conf_model=conf_model)
+        await bus.nc.publish(ctl, codec.encode_model(op), reply=inbox)
         await _started(sub, agent.agent_id)
-        parts, done = await _collect(bus, sub, agent.agent_id)
+        done = await _wait_done(bus, sub, agent.agent_id)
     finally:
         await sub.unsubscribe()
     if done.error is not None:
         raise error_from_wire(done.error)
-    got = sum(len(p) for p in parts.values())
-    if got != done.seq:
-        raise EvaluationError(
-            f"{done.seq - got} of {done.seq} file messages of the agent's MLPerf run were "
-            "lost on the bus",
-            agent_id=agent.agent_id,
-        )
-    blob = b"".join(parts.pop(TIMING, []))
-    if not blob:
-        raise EvaluationError(f"the agent's LoadGen run sent no {TIMING}")
-    with np.load(io.BytesIO(blob)) as z:
+    if TIMING not in done.files:
+        raise EvaluationError(f"the agent's LoadGen run left no {TIMING}")
+    got = {
+        name: await _fetch(bus, ctl, evaluation_id, name, size) for name, size in done.files.items()
+    }
+    with np.load(io.BytesIO(got.pop(TIMING))) as z:
         timing = {k: z[k] for k in z.files}
-    files = {name: b"".join(p).decode(errors="replace") for name, p in parts.items()}
+    files = {name: data.decode(errors="replace") for name, data in got.items()}
     return timing, files
+
+
+async def _fetch(bus: Bus, ctl: str, evaluation_id: str, name: str, size: int) -> bytes:
+    """One file of the agent's run, part by part (each part one request)."""
+    chunks: list[bytes] = []
+    offset = 0
+    limit = int(bus.nc.max_payload) - PAYLOAD_HEADROOM
+    while offset < size:
+        op = MLPerfFetchOp(evaluation_id=evaluation_id, name=name, offset=offset, max_bytes=limit)
+        part = MLPerfFile.model_validate(
+            await request(bus, ctl, codec.encode_model(op), timeout=FETCH_TIMEOUT_S)
+        )
+        if not part.data:
+            raise EvaluationError(
+                f"the agent's {name} ended at {offset} of {size} bytes", evaluation_id=evaluation_id
+            )
+        chunks.append(part.data)
+        offset += len(part.data)
+    return b"".join(chunks)
 
 
 async def _started(sub: Any, agent_id: str) -> None:
@@ -99,9 +116,8 @@ async def _started(sub: Any, agent_id: str) -> None:
         raise error_from_wire(data["error"])
 
 
-async def _collect(bus: Bus, sub: Any, agent_id: str) -> tuple[dict[str, list[bytes]], MLPerfDone]:
-    """File parts until the run's end, pinging the agent while it is silent."""
-    parts: dict[str, list[bytes]] = {}
+async def _wait_done(bus: Bus, sub: Any, agent_id: str) -> MLPerfDone:
+    """The run's end, pinging the agent while it is silent."""
     began = time.monotonic()
     while True:
         try:
@@ -118,12 +134,8 @@ async def _collect(bus: Bus, sub: Any, agent_id: str) -> tuple[dict[str, list[by
                 ) from None
             continue
         data = codec.decode(msg.data)
-        kind = data.get("kind") if isinstance(data, dict) else None
-        if kind == "mlperf_done":
-            return parts, MLPerfDone.model_validate(data)
-        if kind == "mlperf_file":
-            part = MLPerfFile.model_validate(data)
-            parts.setdefault(part.name, []).append(part.data)
+        if isinstance(data, dict) and data.get("kind") == "mlperf_done":
+            return MLPerfDone.model_validate(data)
 
 
 async def _alive(bus: Bus, agent_id: str) -> bool:

@@ -28,8 +28,8 @@ Schema history:
                the replies);
                the agent's sample library and MLPerf LoadGen in the agent
                (``SamplesLoadOp``, ``SamplesUnloadOp``, ``SamplesReply``,
-               ``SamplesQuery``, ``MLPerfRunOp``, ``MLPerfStarted``, ``MLPerfFile``,
-               ``MLPerfDone``; AgentDescription feature ``mlperf-loadgen``).
+               ``SamplesQuery``, ``MLPerfRunOp``, ``MLPerfStarted``, ``MLPerfDone``,
+               ``MLPerfFetchOp``, ``MLPerfFile``; AgentDescription feature ``mlperf-loadgen``).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ __all__ = [
     "LoadgenProgress",
     "LoadgenStartOp",
     "MLPerfDone",
+    "MLPerfFetchOp",
     "MLPerfFile",
     "MLPerfImport",
     "MLPerfRunOp",
@@ -695,15 +696,25 @@ class MLPerfRunOp(_Message):
     """Run MLPerf LoadGen in the agent's host (``mlscope mlperf --placement agent``)
     for a prepared evaluation: LoadGen in a child process of the agent whose system
     under test calls the model in that process. Answered with :class:`MLPerfStarted`
-    at once; the log files follow on the same reply subject as :class:`MLPerfFile`
-    messages, then one :class:`MLPerfDone`."""
+    at once, then :class:`MLPerfDone` on the same reply subject when the test is
+    over; the server then fetches the files (:class:`MLPerfFetchOp`)."""
 
     op: Literal["mlperf"] = "mlperf"
     evaluation_id: str = Field(max_length=256)
     spec: MLPerfSpec
     conf_model: str = Field(max_length=256)
-    max_bytes: int = Field(default=1 << 20, ge=4096)
-    """Largest message the agent may send back."""
+
+
+class MLPerfFetchOp(_Message):
+    """Part of a file an agent's MLPerf run left (named in its :class:`MLPerfDone`):
+    at most ``max_bytes`` from ``offset``, answered with :class:`MLPerfFile`."""
+
+    op: Literal["mlperf_fetch"] = "mlperf_fetch"
+    evaluation_id: str = Field(max_length=256)
+    name: str = Field(max_length=256)
+    offset: int = Field(default=0, ge=0)
+    max_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
+    """The requester's max payload (nats-server's limit is 64 MiB at most)."""
 
 
 ControlOp = (
@@ -715,6 +726,7 @@ ControlOp = (
     | SamplesLoadOp
     | SamplesUnloadOp
     | MLPerfRunOp
+    | MLPerfFetchOp
 )
 """Every control request an agent takes."""
 ControlRequest = Annotated[ControlOp, Field(discriminator="op")]
@@ -820,24 +832,25 @@ class MLPerfStarted(_Message):
 
 
 class MLPerfFile(_Message):
-    """One part of a file LoadGen's process left (its logs, and what its system under
-    test saw: ``sut-timing.npz``), in order; ``seq`` counts every message of the run."""
+    """The answer to an :class:`MLPerfFetchOp`: ``data`` from ``offset`` of one file."""
 
     kind: Literal["mlperf_file"] = "mlperf_file"
-    evaluation_id: str
-    seq: int = Field(ge=0)
     name: str
+    offset: int = Field(ge=0)
     data: bytes
 
 
 class MLPerfDone(_Message):
-    """The end of an MLPerf run in the agent: ``seq`` is the number of
-    :class:`MLPerfFile` messages sent before it; ``error`` the typed error that
-    ended the run, if one did."""
+    """The end of an MLPerf run in the agent (on the :class:`MLPerfRunOp`'s reply
+    subject): the files LoadGen's process left (its logs, and what its system under
+    test saw: ``sut-timing.npz``) by name with their sizes, kept in the agent until
+    the evaluation is released and fetched part by part (:class:`MLPerfFetchOp`:
+    request/reply, so the server takes them at its own pace); ``error`` the typed
+    error that ended the run, if one did."""
 
     kind: Literal["mlperf_done"] = "mlperf_done"
     evaluation_id: str
-    seq: int = Field(ge=0)
+    files: dict[str, int] = Field(default_factory=dict)
     error: dict[str, Any] | None = None
 
 
@@ -849,6 +862,7 @@ ControlReply = (
     | RunStarted
     | SamplesReply
     | MLPerfStarted
+    | MLPerfFile
 )
 
 

@@ -133,6 +133,10 @@ def hostile_ops(ev: str, size: int) -> list[dict[str, Any]]:
         {**load, "indices": [1], "evaluation_id": {"x": 1}},
         {"op": "unload_samples", "evaluation_id": ev, "indices": [size + 5]},
         {"op": "unload_samples", "evaluation_id": "ev-never-prepared", "indices": [1]},
+        {"op": "mlperf_fetch", "evaluation_id": ev, "name": "../../etc/passwd"},
+        {"op": "mlperf_fetch", "evaluation_id": ev, "name": "mlperf_log_summary.txt"},
+        {"op": "mlperf_fetch", "evaluation_id": ev, "name": "x", "offset": -1},
+        {"op": "mlperf_fetch", "evaluation_id": ev, "name": "x", "max_bytes": 2**40},
     ]
 
 
