@@ -37,15 +37,15 @@ import numpy as np
 
 from agent.pipeline import Executor, Job
 from agent.tracer import SpanBuffer
-from mlscope import codec, samples
+from mlscope import codec, samples, scenario_traits
 from mlscope.contracts import QueryReply, RunOp, RunRows, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
 from mlscope.pacer import OutstandingLimit, Pacer, RealtimeThreads
 from mlscope.record import ARRAYS, RunRecord
-from mlscope.schedule import ARRIVALS, build_schedule
+from mlscope.schedule import build_schedule
 from mlscope.serving import as_error
 
-__all__ = ["BATCHED_DEPTH", "SHIP_S", "LocalRun", "rows_messages", "serve_run"]
+__all__ = ["SHIP_S", "LocalRun", "rows_messages", "serve_run"]
 
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
@@ -55,12 +55,8 @@ START_LEAD_NS = 50_000_000
 """Offset 0 is 50 ms after :meth:`LocalRun.prepare` (the run request's reply and the
 start of the run's threads fit in it), so the first query is on time."""
 DRAIN_TIMEOUT_S = 10.0
-BATCHED_DEPTH = 3
-"""Batches kept in flight by a ``batched`` run: one predicted, one pre-processed, one
-waiting, so the runtime never waits for the next batch (MLPerf Offline's intent)."""
 PREBUILD_BYTES = 64 << 20
 """An open loop's inputs are built before the clock starts when they fit in this."""
-UNSUPPORTED = frozenset({"cold-start"})
 REALTIME_MAX_QPS = 5_000.0
 """Above this mean rate an open loop's executor threads keep their normal priority (the
 server's rule for its event-loop thread: a busy real-time thread takes a core)."""
@@ -87,7 +83,8 @@ class LocalRun:
         spans: SpanBuffer | None,
         overloaded: Callable[[int], str],
     ) -> None:
-        if spec.name in UNSUPPORTED or spec.loadgens > 1 or spec.loadgen_hosts:
+        self.traits = scenario_traits.get(spec.name)
+        if not self.traits.local or spec.loadgens > 1 or spec.loadgen_hosts:
             many = spec.loadgens > 1 or bool(spec.loadgen_hosts)
             raise ConfigError(
                 f"scenario {spec.name!r}"
@@ -98,8 +95,8 @@ class LocalRun:
             )
         self.worker, self.spec, self.inputs = worker, spec, inputs
         self.level, self.spans, self._overloaded = level, spans, overloaded
-        self.closed = spec.name not in ARRIVALS
-        """A closed loop: the scenario has no arrivals (:data:`mlscope.schedule.ARRIVALS`)."""
+        self.closed = self.traits.closed_loop
+        """A closed loop: the scenario has no arrivals."""
         self.schedule = None if self.closed else build_schedule(spec)[0]
         n = len(self.schedule) if self.schedule is not None else self._closed_room()
         self.rec = RunRecord(n=n, batch_size=spec.batch_size)
@@ -123,17 +120,12 @@ class LocalRun:
 
     def _closed_room(self) -> int:
         s = self.spec
-        return min(s.max_queries or 2**31, max(s.concurrency, BATCHED_DEPTH, 1024))
+        return min(s.max_queries or 2**31, max(self.depth, 1024))
 
     @property
     def depth(self) -> int:
         """Queries a closed loop keeps in flight."""
-        s = self.spec
-        if s.name == "single-stream":
-            return 1
-        if s.name == "batched":
-            return max(s.concurrency, BATCHED_DEPTH)
-        return s.concurrency
+        return self.traits.depth(self.spec.concurrency, local=True)
 
     # ------------------------------------------------------------------ running
 

@@ -377,14 +377,12 @@ class Executor:
             )
             outcomes[slots[0].seq] = _Outcome(error=err)
             return
-        bounds = np.cumsum([s.samples for s in slots])[:-1]
-        parts = np.split(result, bounds) if len(slots) > 1 else [result]
-        raws = (
-            (np.split(out[0], bounds) if len(slots) > 1 else [out[0]])
-            if any(s.job.raw for s in slots)
-            else [None] * len(slots)
-        )
-        total = int(bounds[-1] + slots[-1].samples) if len(slots) > 1 else slots[0].samples
+        if len(slots) == 1:  # the common case: no split
+            parts, raws, total = [result], [out[0]], slots[0].samples
+        else:
+            bounds = np.cumsum([s.samples for s in slots])[:-1]
+            parts, raws = np.split(result, bounds), np.split(out[0], bounds)
+            total = int(bounds[-1] + slots[-1].samples)
         for s, part, raw in zip(slots, parts, raws, strict=True):
             outcomes[s.seq] = _Outcome(
                 result=part,

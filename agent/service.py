@@ -407,7 +407,7 @@ class Agent:
         if isinstance(req, SamplesUnloadOp):
             return await self.mlperf.unload(req)
         if isinstance(req, MLPerfRunOp):
-            return await self._start_mlperf(req, msg.reply)
+            return await self._start_mlperf(req)
         if isinstance(req, MLPerfFetchOp):
             return await anyio.to_thread.run_sync(self.mlperf.runner.fetch, req)
         return await self._release(req)
@@ -446,10 +446,10 @@ class Agent:
         entry = next(e for e, _ in self.offers if e.manifest.key == session.key)
         return session.worker, entry
 
-    async def _start_mlperf(self, req: MLPerfRunOp, results: str) -> MLPerfStarted:
-        """LoadGen next to the model (placement agent): its files follow on ``results``."""
-        if not results:
-            raise ConfigError("an MLPerf run request needs a reply subject for its logs")
+    async def _start_mlperf(self, req: MLPerfRunOp) -> MLPerfStarted:
+        """LoadGen next to the model (placement agent): answered once it started; its
+        end follows on :func:`mlscope.names.agent_rows` (a run may outlast the reply
+        window a responder has under credentials)."""
         self.mlperf.require()
         _, entry = self._prepared(req.evaluation_id)
         graph = await anyio.to_thread.run_sync(self._check, entry)
@@ -464,7 +464,9 @@ class Agent:
                 "max_wait_us": self.config.batch_wait_us,
             },
             allow_custom=self.settings.allow_custom_code,
-            publish=functools.partial(self.bus.nc.publish, results),
+            publish=functools.partial(
+                self.bus.nc.publish, names.agent_rows(self.agent_id, req.evaluation_id)
+            ),
             tg=self.task_group,
         )
 
@@ -559,11 +561,11 @@ class Agent:
             git_commit=self.git_commit,
         )
 
-    async def _start_run(self, req: RunOp, results: str) -> RunStarted:
+    async def _start_run(self, req: RunOp, reply: str) -> RunStarted:
         """Start a local run (placement agent) for a prepared evaluation: answered at
-        once with the run's t0; its rows follow on the same reply subject."""
-        if not results:
-            raise ConfigError("a run request needs a reply subject for its rows")
+        once with the run's t0; its rows follow on :func:`mlscope.names.agent_rows`."""
+        if not reply:
+            raise ConfigError("a run request needs a reply subject (its start is answered)")
         if not self.config.local_runs:
             raise ConfigError(
                 f"agent {self.agent_id} does not run load itself (placement agent is "
@@ -604,7 +606,12 @@ class Agent:
                     serve_run,
                     run,
                     req,
-                    functools.partial(self.bus.nc.publish, results),
+                    # Its own subject, not the request's reply subject: under
+                    # credentials an answer is allowed only for a while after the
+                    # request, and a run's rows go on for as long as the run.
+                    functools.partial(
+                        self.bus.nc.publish, names.agent_rows(self.agent_id, req.evaluation_id)
+                    ),
                     f"agent {self.agent_id}",
                     held=held,
                 )

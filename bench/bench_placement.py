@@ -1,20 +1,26 @@
 """Placement agent against placement server, a bare loop and MLPerf LoadGen, in one run.
 
-1. Batched throughput of ``digits_cnn`` (ONNX Runtime, batch 32) through the platform
-   with ``placement: agent`` and with ``placement: server``, against a bare
-   ``predictor.predict`` loop over pre-processed batches of the same file with the
-   agent's thread settings, in a process of its own. The three are alternated in each
-   round (the order rotates), so all see the same background load; medians over
-   rounds, and each placement's ratio to the bare loop.
-2. Latency of the noop model at ``--qps`` (1,000) Poisson with ``placement: agent``
+1. Batched throughput through the platform with ``placement: agent`` (and, with
+   ``--server``, ``placement: server``) against a bare ``predictor.predict`` loop over
+   pre-processed batches of the same file, opened with the agent's options (its
+   framework manifest's runtime and thread settings), in a process of its own. By
+   default the throughput goal's cases: ``digits_cnn`` ONNX Runtime batch 32 and
+   ``efficientnet_lite0`` batch 1 and 4 on ONNX Runtime, PyTorch, TensorFlow and
+   TFLite. The paths alternate in each round (the order rotates), so all see the same
+   background load; medians over rounds, and each placement's median per-round ratio
+   to the bare loop.
+2. Single-stream p50 of ``efficientnet_lite0`` (ONNX Runtime) in placement agent
+   against the median of single bare calls (same file and options), alternated.
+3. Latency of the noop model at ``--qps`` (1,000) Poisson with ``placement: agent``
    (the agent's own pacer and executor; no bus per query) against MLPerf LoadGen's
    Server scenario at the same rate with an in-process null SUT (each query completed
    inside ``issue_query``), in a process of its own, and against ``placement: server``;
    the three rotate in each round; medians of p50 / p99 and of the issue lag.
 
 Usage: PYTHONPATH=. python bench/bench_placement.py [--zoo DIR] [--rounds 3]
-       [--seconds 5] [--qps 1000] [--online-seconds 10] [--only batched|online]
-Prints one JSON document per part; asserts nothing.
+       [--seconds 5] [--cases M:F:B,...] [--server] [--queries 300] [--qps 1000]
+       [--online-seconds 10] [--only batched|single-stream|online]
+Prints one JSON document per part (and one line per batched case); asserts nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import numpy as np
@@ -37,10 +43,33 @@ from cli.demo import wait_for_agent
 from cli.services import Stack
 from cli.submit import submit
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
+from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 
-MODEL, FRAMEWORK, BATCH = "digits_cnn", "onnxruntime", 32
 ROOT = Path(__file__).resolve().parent.parent
+CASES = (
+    "digits_cnn:onnxruntime:32",
+    *(
+        f"efficientnet_lite0:{fw}:{b}"
+        for fw in ("onnxruntime", "pytorch", "tensorflow", "tflite")
+        for b in (1, 4)
+    ),
+)
+"""The model, framework and batch size of each batched comparison (the throughput goal's)."""
+
+
+class Case(NamedTuple):
+    model: str
+    framework: str
+    batch: int
+
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        model, framework, batch = text.split(":")
+        return cls(model, framework, int(batch))
+
+    def __str__(self) -> str:
+        return f"{self.model}:{self.framework}:{self.batch}"
 
 
 def stack(zoo: Path, frameworks: list[str]) -> tuple[Stack, Settings]:
@@ -57,20 +86,21 @@ def run_job(settings: Settings, job: JobRequest) -> EvaluationSummary:
     return anyio.run(lambda: submit(settings, job, timeout=600), backend="asyncio")
 
 
-def threads() -> int | None:
-    """The agent's intra-op threads for ONNX Runtime (its framework manifest's)."""
+def agent_options(framework: str, batch: int) -> PredictorOptions:
+    """How an agent with default settings opens a model of ``framework``: the runtime
+    options of its framework manifest (threads included), as the agent builds them."""
     from mlscope.manifest import FrameworkManifest, load_manifest
 
-    doc = load_manifest(ROOT / "manifests" / "frameworks" / f"{FRAMEWORK}.yaml")
-    n = doc.options.intra_op_threads if isinstance(doc, FrameworkManifest) else None
-    return n or None
+    doc = load_manifest(ROOT / "manifests" / "frameworks" / f"{framework}.yaml")
+    runtime = doc.runtime("cpu") if isinstance(doc, FrameworkManifest) else {}
+    return PredictorOptions(batch_size=batch, runtime=runtime)
 
 
 # ----------------------------------------------------------------------- children
 
 
 class Child:
-    """A bench child process answering one float per request line."""
+    """A bench child process answering one line per request line."""
 
     def __init__(self, *args: str) -> None:
         env = {
@@ -102,21 +132,22 @@ class Child:
         self.proc.wait(60)
 
 
-def bare_child(zoo: Path, n_threads: int | None) -> None:
-    """predictor.predict over pre-processed batches of the agent's file; nothing else."""
+def bare_child(zoo: Path, case: Case) -> None:
+    """``predictor.predict`` over pre-processed batches of the agent's file, opened with
+    the agent's options; nothing else. ``rate S`` answers inputs/s over S seconds,
+    ``latency N`` the median ms of N single calls."""
     from agent.predictors import open_predictor
     from agent.worker import LoadedModel
     from mlscope import samples
     from mlscope.catalog import Catalog, default_manifest_dirs
-    from mlscope.predictor import PredictorOptions
 
-    entry = Catalog.load(default_manifest_dirs()).find(MODEL, framework=FRAMEWORK)
+    entry = Catalog.load(default_manifest_dirs()).find(case.model, framework=case.framework)
     m = entry.manifest
-    inputs, _ = samples.feeders(samples.dataset(entry, zoo), m.inputs[0].shape, BATCH, 0)
+    inputs, _ = samples.feeders(samples.dataset(entry, zoo), m.inputs[0].shape, case.batch, 0)
     shaper = LoadedModel(entry, open_predictor("noop", Path("none"), m, PredictorOptions()), 0)
     batches = [np.ascontiguousarray(shaper.pre[0](inputs(i))) for i in range(16)]
     pred = open_predictor(
-        FRAMEWORK, entry.graph(zoo), m, PredictorOptions(batch_size=BATCH, threads=n_threads)
+        case.framework, entry.graph(zoo), m, agent_options(case.framework, case.batch)
     )
     pred.predict([np.zeros((1, *batches[0].shape[1:]), batches[0].dtype)])  # as the agent
 
@@ -124,14 +155,24 @@ def bare_child(zoo: Path, n_threads: int | None) -> None:
         done, k, t0 = 0, 0, time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             pred.predict([batches[k % len(batches)]])
-            done += BATCH
+            done += case.batch
             k += 1
         return done / (time.perf_counter() - t0)
+
+    def latency(n: int) -> float:
+        took = []
+        for k in range(n):
+            t = time.perf_counter_ns()
+            pred.predict([batches[k % len(batches)]])
+            took.append(time.perf_counter_ns() - t)
+        return statistics.median(took) / 1e6
 
     rate(2.0)  # warm-up
     print("@ready", flush=True)
     for line in sys.stdin:
-        print(f"@{rate(float(line))}", flush=True)
+        what, arg = line.split()
+        got = rate(float(arg)) if what == "rate" else latency(int(arg))
+        print(f"@{got}", flush=True)
     pred.close()
 
 
@@ -174,23 +215,35 @@ def null_sut_child() -> None:
 # ----------------------------------------------------------------------- parts
 
 
-def batched(zoo: Path, rounds: int, seconds: float) -> dict[str, Any]:
-    s, live = stack(zoo, [FRAMEWORK])
-    bare = Child("--bare-child", "--zoo", str(zoo), "--threads", str(threads() or 0))
+def batched(
+    zoo: Path, cases: list[Case], rounds: int, seconds: float, server: bool
+) -> list[dict[str, Any]]:
+    """Each case: the bare loop, placement agent (and server) alternated, rotating."""
+    s, live = stack(zoo, sorted({c.framework for c in cases}))
+    try:
+        return [_batched_case(live, zoo, c, rounds, seconds, server) for c in cases]
+    finally:
+        s.stop()
+
+
+def _batched_case(
+    live: Settings, zoo: Path, case: Case, rounds: int, seconds: float, server: bool
+) -> dict[str, Any]:
+    bare = Child("--bare-child", "--zoo", str(zoo), "--case", str(case))
     spec = ScenarioSpec(
-        name="batched", batch_size=BATCH, duration_s=seconds, min_duration_s=0, min_queries=1
+        name="batched", batch_size=case.batch, duration_s=seconds, min_duration_s=0, min_queries=1
     )
-    got: dict[str, list[float]] = {"bare": [], "agent": [], "server": []}
-    order = ["bare", "agent", "server"]
+    order = ["bare", "agent", *(["server"] if server else [])]
+    got: dict[str, list[float]] = {k: [] for k in order}
     try:
         for _ in range(1 + rounds):  # the first round warms every path up, not kept
             for who in order:
                 if who == "bare":
-                    ips = float(bare.ask(str(seconds)))
+                    ips = float(bare.ask(f"rate {seconds}"))
                 else:
                     job = JobRequest(
-                        model=MODEL,
-                        framework=FRAMEWORK,
+                        model=case.model,
+                        framework=case.framework,
                         scenario=spec,
                         trace_level="none",
                         placement=who,  # type: ignore[arg-type]
@@ -200,23 +253,57 @@ def batched(zoo: Path, rounds: int, seconds: float) -> dict[str, Any]:
             order = order[1:] + order[:1]  # rotate: no path always runs first
     finally:
         bare.close()
+    kept = {k: v[1:] for k, v in got.items()}
+    doc = {
+        "case": str(case),
+        "runtime_options": agent_options(case.framework, case.batch).runtime,
+        "inputs_per_s": kept,
+        "median_inputs_per_s": {k: statistics.median(v) for k, v in kept.items()},
+        "median_ratio_to_bare": {
+            who: statistics.median(p / b for p, b in zip(kept[who], kept["bare"], strict=True))
+            for who in kept
+            if who != "bare"
+        },
+    }
+    print(json.dumps({"batched_case": doc}), flush=True)
+    return doc
+
+
+def single_stream(zoo: Path, case: Case, rounds: int, queries: int) -> dict[str, Any]:
+    """Single-stream p50 in placement agent against the median of single bare calls."""
+    s, live = stack(zoo, [case.framework])
+    bare = Child("--bare-child", "--zoo", str(zoo), "--case", str(case))
+    spec = ScenarioSpec(
+        name="single-stream", max_queries=queries, duration_s=0, min_duration_s=0, min_queries=1
+    )
+    got: dict[str, list[float]] = {"bare": [], "agent": []}
+    order = list(got)
+    try:
+        for _ in range(1 + rounds):
+            for who in order:
+                if who == "bare":
+                    got[who].append(float(bare.ask(f"latency {queries}")))
+                    continue
+                job = JobRequest(
+                    model=case.model,
+                    framework=case.framework,
+                    scenario=spec,
+                    trace_level="none",
+                    placement="agent",
+                )
+                got[who].append(run_job(live, job).latency_ms.p50 or 0.0)
+            order = order[1:] + order[:1]
+    finally:
+        bare.close()
         s.stop()
     kept = {k: v[1:] for k, v in got.items()}
-    med = {k: statistics.median(v) for k, v in kept.items()}
-    ratios = {
-        who: statistics.median(p / b for p, b in zip(kept[who], kept["bare"], strict=True))
-        for who in ("agent", "server")
-    }
     return {
-        "model": f"{MODEL} {FRAMEWORK} batch {BATCH}",
-        "threads": threads(),
-        "seconds_per_run": seconds,
-        "rounds": rounds,
-        "inputs_per_s": kept,
-        "median_inputs_per_s": med,
-        "median_ratio_to_bare": ratios,
-        "median_ratio_agent_to_server": statistics.median(
-            a / b for a, b in zip(kept["agent"], kept["server"], strict=True)
+        "case": str(case),
+        "queries_per_run": queries,
+        "p50_ms": kept,
+        "median_p50_ms": {k: statistics.median(v) for k, v in kept.items()},
+        "median_ratio_to_bare": statistics.median(
+            a / b for a, b in zip(kept["agent"], kept["bare"], strict=True)
         ),
     }
 
@@ -286,18 +373,31 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--qps", type=float, default=1000.0)
     p.add_argument("--online-seconds", type=float, default=10.0)
-    p.add_argument("--only", choices=("batched", "online"), default=None)
+    p.add_argument("--queries", type=int, default=300, help="single-stream queries per run")
+    p.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help="batched comparisons, MODEL:FRAMEWORK:BATCH comma-separated",
+    )
+    p.add_argument("--server", action="store_true", help="batched: placement server too")
+    p.add_argument("--only", choices=("batched", "single-stream", "online"), default=None)
     p.add_argument("--bare-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--null-sut-child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--case", type=Case.parse, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.bare_child:
-        return bare_child(a.zoo, a.threads or None)
+        return bare_child(a.zoo, a.case)
     if a.null_sut_child:
         return null_sut_child()
     print(f"# load average at start: {os.getloadavg()}", flush=True)
     if a.only in (None, "batched"):
-        print(json.dumps({"batched": batched(a.zoo, a.rounds, a.seconds)}, indent=1), flush=True)
+        cases = [Case.parse(c) for c in a.cases.split(",")]
+        got = batched(a.zoo, cases, a.rounds, a.seconds, a.server)
+        print(json.dumps({"batched": got}, indent=1), flush=True)
+    if a.only in (None, "single-stream"):
+        case = Case("efficientnet_lite0", "onnxruntime", 1)
+        doc = single_stream(a.zoo, case, a.rounds, a.queries)
+        print(json.dumps({"single_stream": doc}, indent=1), flush=True)
     if a.only in (None, "online"):
         doc = online(a.zoo, a.rounds, a.online_seconds, a.qps)
         print(json.dumps({"online": doc}, indent=1), flush=True)

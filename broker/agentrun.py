@@ -5,8 +5,14 @@
     server                                        agent (agent/localrun.py)
       ctl RunOp {scenario}, reply inbox ────────► schedule, sample order, pacer: local
       ◄──────────────────── RunStarted {t0_agent}
+      on mlscope.agent.<id>.rows.<evaluation>:
       ◄── RunRows (columns, every 0.25 s) ─────── rows done so far
       ◄── RunRows final {queries, not_issued} ─── the rest, and the totals
+
+Rows travel on the agent's own rows subject, not as answers to the run request: on a
+bus with credentials a responder may answer only for a while after a request
+(``allow_responses``), and a run lasts as long as it lasts. The server subscribes
+before it sends the request, so no row is missed.
 
 The server fills the same :class:`mlscope.record.RunRecord` a server-placed run fills:
 the agent's times are ns from its ``t0``, and ``t0`` is mapped onto the server's clock
@@ -26,12 +32,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import nats.errors
 import numpy as np
 
 from mlscope import codec, names
-from mlscope.bus import Bus, request
-from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, TraceLevel, new_id
+from mlscope.bus import Bus, next_msg, request
+from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, TraceLevel
 from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
 
@@ -58,8 +63,9 @@ async def drive(
     on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None,
 ) -> tuple[RunRecord, tuple[str, ...]]:
     """Have the agent run ``spec``; the filled record and any reasons it is INVALID."""
-    inbox = f"_INBOX.{new_id('run')}"
+    inbox = bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox)
+    rows_sub = await bus.nc.subscribe(names.agent_rows(agent_id, evaluation_id))
     try:
         op = RunOp(
             evaluation_id=evaluation_id,
@@ -68,43 +74,30 @@ async def drive(
             max_bytes=int(bus.nc.max_payload) - PAYLOAD_HEADROOM,
         )
         await bus.nc.publish(names.agent_ctl(agent_id), codec.encode_model(op), reply=inbox)
-        started, early = await _started(sub, agent_id)
+        started = await _started(sub, agent_id)
         rec = RunRecord(n=max(started.queries, 1), batch_size=spec.batch_size)
         rec.t0_ns = started.t0_agent - offset_ns
         collector = _Collector(rec, labels, agent_id)
-        for rows in early:
-            collector.add(rows)
-        last = early[-1] if early and early[-1].final else None
         limit = spec.duration_s + 10.0 + END_SLACK_S
-        if last is not None:
-            reasons = collector.finish(last)
-        else:
-            reasons = await collector.collect(bus, sub, limit, on_progress)
+        reasons = await collector.collect(bus, rows_sub, limit, on_progress)
     finally:
-        await sub.unsubscribe()
+        for s in (sub, rows_sub):
+            await s.unsubscribe()
     return collector.rec, reasons
 
 
-async def _started(sub: Any, agent_id: str) -> tuple[RunStarted, list[RunRows]]:
-    """The agent's answer to the run request (its typed error raised), and any rows
-    that overtook it."""
-    early: list[RunRows] = []
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        try:
-            msg = await sub.next_msg(timeout=max(0.01, deadline - time.monotonic()))
-        except (TimeoutError, nats.errors.TimeoutError) as exc:
-            raise BusError(
-                f"agent {agent_id} did not start the local run within {START_TIMEOUT_S:.0f} s",
-                agent_id=agent_id,
-            ) from exc
-        data = codec.decode(msg.data)
-        kind = data.get("kind") if isinstance(data, dict) else None
-        if kind == "error":
-            raise error_from_wire(data["error"])
-        if kind == "run_started":
-            return RunStarted.model_validate(data), early
-        early.append(codec.decode_model(RunRows, msg.data))
+async def _started(sub: Any, agent_id: str) -> RunStarted:
+    """The agent's answer to the run request (its typed error raised)."""
+    msg = await next_msg(sub, START_TIMEOUT_S)
+    if msg is None:
+        raise BusError(
+            f"agent {agent_id} did not start the local run within {START_TIMEOUT_S:.0f} s",
+            agent_id=agent_id,
+        )
+    data = codec.decode(msg.data)
+    if isinstance(data, dict) and data.get("kind") == "error":
+        raise error_from_wire(data["error"])
+    return codec.validate(RunStarted, data)
 
 
 class _Collector:
@@ -126,9 +119,8 @@ class _Collector:
         began = time.monotonic()
         shown = 0.0
         while True:
-            try:
-                msg = await sub.next_msg(timeout=IDLE_S)
-            except (TimeoutError, nats.errors.TimeoutError):
+            msg = await next_msg(sub, IDLE_S)
+            if msg is None:
                 if not await _alive(bus, self.agent_id):
                     return (self._lost(),)
                 if time.monotonic() - began > limit_s:

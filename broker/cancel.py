@@ -22,6 +22,7 @@ import anyio
 import numpy as np
 
 from broker.record import ARRAYS, RunRecord
+from mlscope import scenario_traits
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     AgentDescription,
@@ -146,7 +147,7 @@ def cancelled_summary(
         lost=issued - answered,
         not_issued=0,
         duration_s=now - started_at,
-        requested_qps=spec.qps if spec.name in ("online", "constant", "multi-stream") else None,
+        requested_qps=spec.qps if scenario_traits.get(spec.name).rate_driven else None,
         achieved_qps=None,
         parallel=job.parallel,
         latency_ms=LatencyStats(trimmed_mean=None, p50=None, p90=None, p99=None, max=None),

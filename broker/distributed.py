@@ -41,7 +41,7 @@ from broker.loadgen import ARRAYS, Driver, RunRecord, encode_query
 from broker.schedule import Schedule
 from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
-from mlscope import codec
+from mlscope import codec, scenario_traits
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
 from mlscope.settings import Settings
@@ -231,6 +231,7 @@ def _read_slice(base: str) -> tuple[Schedule, list[bytes]]:
 async def _child(cfg: dict[str, Any]) -> None:
     base = cfg["base"]
     settings = Settings.from_env()
+    scenario_traits.load_modules(settings.scenario_modules)  # the spec may name one of theirs
     if cfg.get("nats_url"):
         settings = settings.with_(nats_url=cfg["nats_url"])
     sched, payloads = await anyio.to_thread.run_sync(_read_slice, base)

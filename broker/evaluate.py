@@ -211,6 +211,34 @@ class Evaluator:
             from broker import mlperf  # LoadGen runs in its own process
 
             return await mlperf.run(self, job, agent, entry)
+        p = await self._prepare_run(job, agent, entry)
+        started = time.time()
+        outcome = await self._execute(job, agent, entry, p, progress)
+        lost = await self._agent_lost(agent.agent_id, outcome.main.record)
+        # A local run (placement agent) reports a lost agent in its own reasons.
+        gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
+        acc = None if gone else await self._accuracy(job, entry, p.data, p.eval_id, agent.agent_id)
+        finished = time.time()
+        # An agent gone since then ended its session with it.
+        released = {} if gone else await self._release(agent.agent_id, p.eval_id)
+        summarize = self._summarizer(job, agent, entry, p, outcome, (started, finished))
+        summary = self._parent_summary(summarize, job, p.eval_id, outcome, lost)
+        if acc is not None:
+            m = entry.manifest
+            metric = m.dataset.metric if m.dataset else "top1"
+            summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
+        summary = summary.model_copy(update=memory_figures(released, summary.samples))
+        await self._store_runs(
+            summarize, summary, outcome, specification(job, agent, entry, p.prep)
+        )
+        if acc is not None:
+            await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, p.eval_id, acc)
+        return summary
+
+    async def _prepare_run(
+        self, job: JobRequest, agent: AgentDescription, entry: Entry
+    ) -> _Prepared:
+        """Intake's size check, the agent's prepare and its clock offset."""
         eval_id = evaluation_id_for(job.job_id)
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
@@ -231,89 +259,119 @@ class Evaluator:
             timeout=PREPARE_TIMEOUT_S,
         )
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
+        return _Prepared(eval_id, level, data, prepare, prep, offset, rtt)
+
+    async def _execute(
+        self,
+        job: JobRequest,
+        agent: AgentDescription,
+        entry: Entry,
+        p: _Prepared,
+        progress: Progress,
+    ) -> scenarios.Outcome:
+        """The job's scenario against the prepared agent (released when cancelled)."""
+        m, spec = entry.manifest, job.scenario
         shape = m.inputs[0].shape
         url = self.bus.nc.connected_url
         ctx = scenarios.Context(
             bus=self.bus,
-            evaluation_id=eval_id,
+            evaluation_id=p.eval_id,
             subject=names.agent_query(agent.agent_id),
-            trace_level=level,
-            offset_ns=offset,
-            feeders=lambda b: samples.scored(samples.feeders(data, shape, b, spec.seed), m),
+            trace_level=p.level,
+            offset_ns=p.offset,
+            feeders=lambda b: samples.scored(samples.feeders(p.data, shape, b, spec.seed), m),
             policy=self.policy,
             tuning=self.tuning,
-            on_progress=lambda rec, el: progress(eval_id, rec, el),
+            on_progress=lambda rec, el: progress(p.eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
             agent_id=agent.agent_id,
-            prepare=prepare,
+            prepare=p.prepare,
             placement=job.placement,
         )
-        started = time.time()
         try:
-            outcome = await scenarios.execute(ctx, spec)
+            return await scenarios.execute(ctx, spec)
         except anyio.get_cancelled_exc_class():  # cancelled: the agent's session ends too
             with anyio.CancelScope(shield=True):
-                await self._release(agent.agent_id, eval_id)
+                await self._release(agent.agent_id, p.eval_id)
             raise
-        lost = await self._agent_lost(agent.agent_id, outcome.main.record)
-        # A local run (placement agent) reports a lost agent in its own reasons.
-        gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
-        acc = None if gone else await self._accuracy(job, entry, data, eval_id, agent.agent_id)
-        finished = time.time()
-        # An agent gone since then ended its session with it.
-        released = {} if gone else await self._release(agent.agent_id, eval_id)
+
+    def _summarizer(
+        self,
+        job: JobRequest,
+        agent: AgentDescription,
+        entry: Entry,
+        p: _Prepared,
+        outcome: scenarios.Outcome,
+        span: tuple[float, float],
+    ) -> _Summarizer:
+        """What turns each run of this job into a summary."""
         fw = next(x for x in agent.frameworks if x.name == job.framework)
         cost = (
-            LoadgenCost(agent_host=agent.host, loadgens=spec.loadgens)
+            LoadgenCost(agent_host=agent.host, loadgens=job.scenario.loadgens)
             if job.placement == "server"
             else LoadgenCost(agent_host=agent.host, host=agent.host, cores=agent.cpu_cores)
         )
-
-        summarize = _Summarizer(
+        prep = p.prep
+        return _Summarizer(
             job=job,
-            manifest=m,
+            manifest=entry.manifest,
             framework=fw,
             agent=agent,
-            level=level.name.lower(),
+            level=p.level.name.lower(),
             cost=cost,
-            offset_ns=offset,
-            rtt_ns=rtt,
+            offset_ns=p.offset,
+            rtt_ns=p.rtt,
             cold_start=outcome.cold_start
             or {
                 "load_ms": prep["load_ns"] / 1e6,
                 "first_inference_ms": prep["first_inference_ns"] / 1e6,
                 "cold": bool(prep["cold"]),
             },
-            started=started,
-            finished=finished,
+            started=span[0],
+            finished=span[1],
         )
 
-        main = outcome.main
+    @staticmethod
+    def _parent_summary(
+        summarize: _Summarizer,
+        job: JobRequest,
+        eval_id: str,
+        outcome: scenarios.Outcome,
+        lost: str,
+    ) -> EvaluationSummary:
+        """The job's summary: its main run's, with what a sweep or search found."""
         # A sweep or search of one run is that run: it is stored once, as the parent.
         # Of several, each run is stored on its own and the parent holds only the
         # summary (its figures those of the best run, and no query rows).
-        separate = outcome.points if len(outcome.points) > 1 else []
+        separate = len(outcome.points) > 1
         points = [
             r.point() if separate else {**r.point(), "evaluation_id": eval_id}
             for r in outcome.points
         ]
-        summary = summarize(
-            main,
+        return summarize(
+            outcome.main,
             (*outcome.extra_reasons, *([lost] if lost else [])),
             peak_qps=outcome.peak_qps,
             optimal_batch_size=outcome.optimal_batch_size,
             points=tuple(points),
-        ).model_copy(update={"evaluation_id": eval_id, "scenario": spec.model_dump()})
-        if acc is not None:
-            metric = m.dataset.metric if m.dataset else "top1"
-            summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
-        summary = summary.model_copy(update=memory_figures(released, summary.samples))
-        spec_doc = specification(job, agent, entry, prep)
-        for run in separate:  # each run of a sweep or search, on its own
+        ).model_copy(update={"evaluation_id": eval_id, "scenario": job.scenario.model_dump()})
+
+    async def _store_runs(
+        self,
+        summarize: _Summarizer,
+        summary: EvaluationSummary,
+        outcome: scenarios.Outcome,
+        spec_doc: dict[str, Any],
+    ) -> None:
+        """Each run of a sweep or search on its own, then the parent (with the query
+        rows of a single run)."""
+        separate = outcome.points if len(outcome.points) > 1 else []
+        for run in separate:
             await anyio.to_thread.run_sync(
                 self.store_evaluation, summarize(run), run.record, spec_doc
             )
         # The parent's t0 is its first run's: the runs' spans are stored under its id.
+        main = outcome.main
         t0 = separate[0].record.t0_ns if separate else main.record.t0_ns
         await anyio.to_thread.run_sync(
             functools.partial(
@@ -324,9 +382,6 @@ class Evaluator:
                 t0_ns=t0,
             )
         )
-        if acc is not None:
-            await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, eval_id, acc)
-        return summary
 
     async def _accuracy(
         self,
@@ -459,6 +514,21 @@ class Evaluator:
             s.model_dump_json(by_alias=True),
         ]
         self.db.insert("evaluations", [[v] for v in row], EVALUATION_COLUMNS)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """An evaluation's agent, prepared: what its runs and summaries need of it."""
+
+    eval_id: str
+    level: TraceLevel
+    data: tuple[np.ndarray, np.ndarray] | None
+    """The model's data set (inputs, labels), None for synthetic inputs."""
+    prepare: dict[str, Any]
+    prep: Any
+    """The agent's prepare reply."""
+    offset: int
+    rtt: int
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -36,7 +36,7 @@ from broker.schedule import Schedule
 from broker.tuning import ProcessTuning
 from mlscope import codec, names
 from mlscope.bus import Bus, request
-from mlscope.contracts import Query, ScenarioSpec, TraceLevel, new_id
+from mlscope.contracts import Query, ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError, OverloadedError
 from mlscope.stats import percentile
 
@@ -125,7 +125,7 @@ class Driver:
         self.offset_ns, self.on_progress = offset_ns, on_progress
         self.schedule, self.start_ns, self.payloads = schedule, start_ns, payloads
         self.tuning = tuning
-        self.inbox = f"_INBOX.{new_id('lg')}"
+        self.inbox = bus.nc.new_inbox()  # under this connection's role's inbox prefix
         self._outstanding = 0
         self._all_done = asyncio.Event()
         self._waiters: dict[int, asyncio.Future[None]] = {}

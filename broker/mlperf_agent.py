@@ -4,9 +4,12 @@ seen from the server.
 ::
 
     server                                         agent (agent/mlperf_ops.py)
-      ctl MLPerfRunOp {spec}, reply inbox ───────► LoadGen in a child process, the model
+      ctl MLPerfRunOp {spec} ────────────────────► LoadGen in a child process, the model
       ◄─────────────────────── MLPerfStarted {pid}  in that process (agent/mlperf_local.py)
-      ◄── MLPerfDone {files: sizes, error} ─────── the end; logs + sut-timing.npz kept
+      ◄── MLPerfDone {files: sizes, error} ─────── the end, on the agent's own subject
+                                                    mlscope.agent.<id>.rows.<eval_id> (a
+                                                    run may outlast the reply window);
+                                                    logs + sut-timing.npz kept
       ctl MLPerfFetchOp {name, offset} ──────────► (request/reply, part by part)
       ◄──────────────────── MLPerfFile {data}
 
@@ -27,11 +30,10 @@ import io
 import time
 from typing import Any
 
-import nats.errors
 import numpy as np
 
 from mlscope import codec, names
-from mlscope.bus import Bus, request
+from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import (
     AgentDescription,
     MLPerfDone,
@@ -40,9 +42,8 @@ from mlscope.contracts import (
     MLPerfRunOp,
     MLPerfSpec,
     PingOp,
-    new_id,
 )
-from mlscope.errors import BusError, EvaluationError, MLScopeError, error_from_wire
+from mlscope.errors import EvaluationError, MLScopeError, error_from_wire
 from mlscope.mlperf import TIMING
 
 __all__ = ["IDLE_S", "RUN_LIMIT_S", "run_in_agent"]
@@ -60,13 +61,11 @@ async def run_in_agent(
     bus: Bus, spec: MLPerfSpec, conf_model: str, evaluation_id: str, agent: AgentDescription
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Have the agent run the test; what its SUT saw and LoadGen's log files."""
-    inbox = f"_INBOX.{new_id('mlperf')}"
     ctl = names.agent_ctl(agent.agent_id)
-    sub = await bus.nc.subscribe(inbox)
+    sub = await bus.nc.subscribe(names.agent_rows(agent.agent_id, evaluation_id))
     try:
         op = MLPerfRunOp(evaluation_id=evaluation_id, spec=spec, conf_model=conf_model)
-        await bus.nc.publish(ctl, codec.encode_model(op), reply=inbox)
-        await _started(sub, agent.agent_id)
+        await request(bus, ctl, codec.encode_model(op), timeout=START_TIMEOUT_S)
         done = await _wait_done(bus, sub, agent.agent_id)
     finally:
         await sub.unsubscribe()
@@ -102,36 +101,21 @@ async def _fetch(bus: Bus, ctl: str, evaluation_id: str, name: str, size: int) -
     return b"".join(chunks)
 
 
-async def _started(sub: Any, agent_id: str) -> None:
-    """The agent's answer to the run request (its typed error raised)."""
-    try:
-        msg = await sub.next_msg(timeout=START_TIMEOUT_S)
-    except (TimeoutError, nats.errors.TimeoutError) as exc:
-        raise BusError(
-            f"agent {agent_id} did not start LoadGen within {START_TIMEOUT_S:.0f} s",
-            agent_id=agent_id,
-        ) from exc
-    data = codec.decode(msg.data)
-    if isinstance(data, dict) and data.get("kind") == "error":
-        raise error_from_wire(data["error"])
-
-
 async def _wait_done(bus: Bus, sub: Any, agent_id: str) -> MLPerfDone:
     """The run's end, pinging the agent while it is silent."""
     began = time.monotonic()
     while True:
-        try:
-            msg = await sub.next_msg(timeout=IDLE_S)
-        except (TimeoutError, nats.errors.TimeoutError):
+        msg = await next_msg(sub, IDLE_S)
+        if msg is None:
             if not await _alive(bus, agent_id):
                 raise EvaluationError(
                     f"agent {agent_id} was lost during its MLPerf LoadGen run", agent_id=agent_id
-                ) from None
+                )
             if time.monotonic() - began > RUN_LIMIT_S:
                 raise EvaluationError(
                     f"agent {agent_id} did not finish its LoadGen run within {RUN_LIMIT_S:.0f} s",
                     agent_id=agent_id,
-                ) from None
+                )
             continue
         data = codec.decode(msg.data)
         if isinstance(data, dict) and data.get("kind") == "mlperf_done":

@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import nats.errors
-import nats.js.errors
 import numpy as np
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
@@ -47,7 +45,7 @@ from broker.distributed import PROGRESS_S, START_LEAD_S, load_result, merge_resu
 from broker.loadgen import RunRecord, encode_query, estimate_offset
 from broker.schedule import Schedule
 from mlscope import codec, names
-from mlscope.bus import Bus, object_store, request
+from mlscope.bus import Bus, bus_errors, object_store, request
 from mlscope.contracts import (
     LoadgenDescription,
     LoadgenDone,
@@ -57,7 +55,7 @@ from mlscope.contracts import (
     ScenarioSpec,
     new_id,
 )
-from mlscope.errors import ConfigError, EvaluationError, ResolutionError, WireError
+from mlscope.errors import BusError, ConfigError, EvaluationError, ResolutionError, WireError
 from mlscope.loadgens import list_loadgens
 
 if TYPE_CHECKING:
@@ -145,12 +143,13 @@ async def run_on_services(
         objects += [d.result_object for d in done]
         results = []
         for d in done:
-            got = await obs.get(d.result_object)
+            with bus_errors(f"cannot read {d.result_object}"):
+                got = await obs.get(d.result_object)
             results.append(load_result(io.BytesIO(got.data or b"")))
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             for name in objects:  # one left behind expires with the bucket's TTL
-                with contextlib.suppress(TimeoutError, nats.errors.Error):
+                with contextlib.suppress(BusError), bus_errors(f"cannot delete {name}"):
                     await obs.delete(name)
     rec = merge_results(parts, results)
     rec.t0_ns = start  # the shared start, on this server's clock
@@ -194,7 +193,8 @@ async def _load(
     payloads = [encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level) for g in glob]
     lab = np.stack([labels(g) for g in glob]) if labels is not None and glob else None
     name = f"{sl.run_id}/slice-{sl.j}"
-    await obs.put(name, pack_slice(sl.part, payloads, lab))
+    with bus_errors(f"cannot put {name}"):
+        await obs.put(name, pack_slice(sl.part, payloads, lab))
     load = LoadgenLoadOp(
         run_id=sl.run_id,
         evaluation_id=ctx.evaluation_id,
@@ -229,7 +229,7 @@ async def _start_all(
             run_id=run_id,
             start_ns=start + offsets[j],
             result_object=f"{run_id}/result-{j}",
-            progress_subject=inbox,
+            progress_subject=names.loadgen_progress(svc.loadgen_id),
         )
         reply = await request(
             ctx.bus, names.loadgen_run(svc.loadgen_id), codec.encode_model(op), timeout=timeout
@@ -250,8 +250,12 @@ async def _start_all(
             rec.done = sum(counts.values())
             await ctx.on_progress(rec, time.monotonic() - t0)
 
-    inbox = ctx.bus.nc.new_inbox()
-    sub = await ctx.bus.nc.subscribe(inbox, cb=heard)
+    # Each service reports on its own subject (a load generator's user may publish
+    # there and to nobody's inbox); a note of another run is ignored.
+    subs = [
+        await ctx.bus.nc.subscribe(names.loadgen_progress(svc.loadgen_id), cb=heard)
+        for svc in services
+    ]
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(report)
@@ -261,7 +265,8 @@ async def _start_all(
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            await sub.unsubscribe()
+            for sub in subs:
+                await sub.unsubscribe()
     if any(d is None for d in done):
         raise EvaluationError(f"a load generator of run {run_id} did not report")
     return list(done)

@@ -1,11 +1,11 @@
 """What every scenario is made of: the :class:`Scenario` strategy, one run of it
 (:func:`run_once`), and what a scenario returns (:class:`Run`, :class:`Outcome`).
 
-A scenario is a strategy object found by name in the registry
-(:mod:`broker.scenario_kinds`). The base class runs one open- or closed-loop run and
-judges it; a scenario says how its load is generated (``arrivals`` for an open loop,
-``closed_loop`` for one that keeps queries outstanding) and, when it is more than one
-run (a sweep, a search, reloads), overrides ``execute``.
+A scenario is declared by its traits (:mod:`mlscope.scenario_traits`: its arrivals or
+closed-loop depth, its validity rules) and run by a strategy found by name
+(:mod:`broker.scenario_kinds`). The base class runs one open- or closed-loop run as the
+traits say and judges it; a scenario of more than one run (a sweep, a search, reloads)
+subclasses it and overrides ``execute``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from broker.summary import Figures, figures, judge, latency_split
 from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
+from mlscope.scenario_traits import ScenarioTraits
 from mlscope.validity import ValidityPolicy, Verdict
 
 __all__ = ["Outcome", "Run", "Scenario", "driver", "run_once"]
@@ -74,45 +75,55 @@ class Outcome:
 
 
 class Scenario:
-    """One way of generating load (a strategy); subclasses set ``name`` and either
-    ``arrivals`` (open loop) or ``closed_loop = True``."""
+    """The server's strategy for one scenario: one open- or closed-loop run, judged,
+    as its :class:`~mlscope.scenario_traits.ScenarioTraits` declare. A scenario of
+    several runs subclasses it, sets ``kind`` and overrides :meth:`execute`."""
 
-    name: ClassVar[str]
-    """The ``ScenarioSpec.name`` this strategy runs (``mlscope.contracts.ScenarioName``)."""
-    closed_loop: ClassVar[bool] = False
-    """Keep ``concurrency`` queries outstanding instead of following a schedule."""
-    poisson: ClassVar[bool] = False
-    """Arrivals are Poisson: the verdict allows for the rate's sampling noise."""
-    rate_driven: ClassVar[bool] = False
-    """``qps`` is the rate the user asked for (judged against the achieved rate)."""
-    early_stopping: ClassVar[bool] = True
-    """Its runs must show their latency percentile by early stopping (MLPerf: a
-    throughput scenario has no latency target, so no such requirement)."""
-    percentile: ClassVar[float | None] = None
-    """The latency percentile its verdict targets (None: the policy's, p99)."""
+    kind: ClassVar[str] = ""
+    """The scenario a subclass runs (``broker.scenario_kinds`` finds it by this)."""
+
+    def __init__(self, traits: ScenarioTraits) -> None:
+        self.traits = traits
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
+
+    @property
+    def closed_loop(self) -> bool:
+        """Keep ``concurrency`` queries outstanding instead of following a schedule."""
+        return self.traits.closed_loop
+
+    @property
+    def poisson(self) -> bool:
+        """Arrivals are Poisson: the verdict allows for the rate's sampling noise."""
+        return self.traits.poisson
 
     def policy(self, base: ValidityPolicy) -> ValidityPolicy:
         """``base`` with this scenario's own validity rules."""
+        t = self.traits
         return replace(
             base,
-            early_stopping=base.early_stopping and self.early_stopping,
-            percentile=self.percentile if self.percentile is not None else base.percentile,
+            early_stopping=base.early_stopping and t.early_stopping,
+            percentile=t.percentile if t.percentile is not None else base.percentile,
         )
 
     def requested_qps(self, spec: ScenarioSpec) -> float | None:
-        return spec.qps if self.rate_driven else None
-
-    def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        """The open-loop schedule of ``spec`` and the window (s) the load covers."""
-        raise ConfigError(f"scenario {self.name!r} has no open-loop schedule")
+        return spec.qps if self.traits.rate_driven else None
 
     def schedule(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        """:meth:`arrivals`, cut to ``max_queries`` when the spec sets it."""
-        return schedule.cut(*self.arrivals(spec), spec.max_queries)
+        """The open-loop schedule of ``spec`` (cut to ``max_queries``) and the window
+        (s) the load covers."""
+        arrivals = self.traits.arrivals
+        if arrivals is None:
+            raise ConfigError(f"scenario {self.name!r} has no open-loop schedule")
+        sched, window = arrivals(spec)
+        return schedule.cut(sched, window, spec.max_queries)
 
     def adjust(self, spec: ScenarioSpec) -> ScenarioSpec:
-        """The spec as this scenario runs it (single-stream: one outstanding)."""
-        return spec
+        """The spec as this scenario runs it (a fixed depth: single-stream's one)."""
+        depth = self.traits.concurrency
+        return spec if depth is None else spec.model_copy(update={"concurrency": depth})
 
     async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
         """Run ``spec``: one run by default; sweeps, searches and reloads override."""

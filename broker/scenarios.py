@@ -1,25 +1,9 @@
 """Every benchmarking scenario: its schedule, its runs, its verdict (called by Evaluator.run).
 
-=============== ============================================================== ========
-scenario        load                                                           loop
-=============== ============================================================== ========
-online          Poisson arrivals at ``qps`` (seeded)                           open
-constant        one query every ``1/qps`` s                                    open
-multi-stream    ``batch_size`` samples per query, one query every ``1/qps`` s  open
-replay          recorded inter-arrival times (``arrivals_s``)                  open
-piecewise       Poisson with a rate that ramps / bursts (``segments``)         open
-single-stream   one query outstanding                                          closed
-concurrency     ``concurrency`` queries outstanding                            closed
-batched         a sweep of ``batch_sizes``, closed loop at each: max
-                throughput and the optimal batch size                          closed
-peak            binary search of the highest Poisson rate whose p99 meets
-                ``latency_bound_ms`` (MLPerf's find-peak-performance)          open
-cold-start      ``repetitions`` x (reload the model, ``warm_queries``):
-                load + first inference apart from warm (broker/coldstart.py)   closed
-=============== ============================================================== ========
-
-Each scenario is a strategy object in the registry (:mod:`broker.scenario_kinds`,
-which says how to add one); this module is the front door: :func:`execute` runs a
+Each scenario is declared by its traits, one module each in :mod:`mlscope.scenario_kinds`
+(``mlscope-submit --help`` lists them), and run by its strategy
+(:mod:`broker.scenario_kinds`, which says when a scenario needs one of its own).
+This module is the front door: :func:`execute` runs a
 spec with its scenario, :func:`build_schedule` gives an open loop's arrivals, and
 :func:`scenario_spec` builds a spec from a scenario file and flags.
 
@@ -42,16 +26,16 @@ import numpy as np
 from broker import schedule
 from broker.context import Context
 from broker.scenario import Outcome, Run, Scenario, run_once
-from broker.scenario_kinds import REGISTRY, get
+from broker.scenario_kinds import get
 from broker.scenario_kinds.peak import PEAK_PRECISION, next_rate, peak_floor_qps
 from broker.schedule import Schedule
+from mlscope import scenario_traits
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.manifest import ScenarioFile, load_manifest
 
 __all__ = [
     "PEAK_PRECISION",
-    "SCENARIOS",
     "Context",
     "Outcome",
     "Run",
@@ -64,9 +48,6 @@ __all__ = [
     "run_once",
     "scenario_spec",
 ]
-
-SCENARIOS = tuple(REGISTRY)
-"""Every scenario name (the registry's)."""
 
 
 async def execute(ctx: Context, spec: ScenarioSpec) -> Outcome:
@@ -89,9 +70,10 @@ def read_arrivals(path: Path) -> tuple[float, ...]:
 def scenario_spec(path: Path | None, flags: dict[str, Any]) -> ScenarioSpec:
     """A :class:`ScenarioSpec` from a scenario YAML (if any), overridden by ``flags``.
 
-    ``flags`` holds command-line values, None where not given. In the YAML,
-    ``concurrency`` means the samples per query for multi-stream and ``schedule_file``
-    is read here, relative to the YAML (the job carries the arrivals themselves).
+    ``flags`` holds command-line values, None where not given. In the YAML, a field may
+    mean another for one scenario (its traits' ``file_aliases``: ``concurrency`` is the
+    samples per query of multi-stream) and ``schedule_file`` is read here, relative to
+    the YAML (the job carries the arrivals themselves).
     """
     values: dict[str, Any] = {}
     if path is not None:
@@ -114,8 +96,9 @@ def scenario_spec(path: Path | None, flags: dict[str, Any]) -> ScenarioSpec:
             if getattr(doc, key) is not None:
                 values[key] = getattr(doc, key)
         values["name"] = doc.name
-        if doc.name == "multi-stream" and doc.concurrency is not None:
-            values.setdefault("batch_size", values.pop("concurrency"))
+        for ours, theirs in scenario_traits.get(doc.name).file_aliases:
+            if ours in values:
+                values.setdefault(theirs, values.pop(ours))
         if doc.schedule_file is not None:
             values["arrivals_s"] = read_arrivals(path.parent / doc.schedule_file)
     values.update({k: v for k, v in flags.items() if v is not None})

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import nats.errors
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -66,7 +65,7 @@ from mlscope.contracts import (
     evaluation_id_for,
     new_id,
 )
-from mlscope.errors import DatabaseError, MLScopeError, ResolutionError, WireError
+from mlscope.errors import BusError, DatabaseError, MLScopeError, ResolutionError, WireError
 from mlscope.model_registry import ManifestWatcher
 from mlscope.registry import AgentCache, list_agents
 from mlscope.serving import Boundary, delivered
@@ -163,15 +162,14 @@ class Server:
         while True:
             await slots.acquire()
             try:
-                msgs = await sub.fetch(1, timeout=1.0)
-            except (nats.errors.TimeoutError, TimeoutError):
+                msg = await busmod.fetch_one(sub, 1.0)
+            except BusError:
+                msg = None  # cluster failover: the consumer's leader moves
+                await anyio.sleep(0.5)
+            if msg is None:
                 slots.release()
                 continue
-            except nats.errors.Error:
-                slots.release()  # cluster failover: the consumer's leader moves
-                await anyio.sleep(0.5)
-                continue
-            tg.start_soon(self._job, msgs[0], slots)
+            tg.start_soon(self._job, msg, slots)
 
     async def _job(self, msg: Msg, slots: anyio.Semaphore) -> None:
         try:
@@ -204,8 +202,9 @@ class Server:
         for m in msgs:
             with anyio.move_on_after(5):
                 try:
-                    await m.ack()
-                except (TimeoutError, nats.errors.Error) as exc:
+                    with busmod.bus_errors("ack"):
+                        await m.ack()
+                except BusError as exc:
                     log.warning(
                         "job %s: ack lost (%r); its evaluation is stored, a "
                         "redelivery gets the stored result",
@@ -235,7 +234,8 @@ class Server:
             for m in list(self.running.get(job_id, [])):
                 with (
                     anyio.move_on_after(2),
-                    contextlib.suppress(TimeoutError, nats.errors.Error, OSError),
+                    contextlib.suppress(BusError, OSError),
+                    busmod.bus_errors("in progress"),
                 ):
                     await m.in_progress()
 

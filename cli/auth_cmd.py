@@ -12,6 +12,7 @@ from mlscope.auth import (
     DEFAULT_HUB_DOMAIN,
     DEFAULT_MAX_PAYLOAD,
     INBOX_PREFIXES,
+    REPLY_WINDOW_S,
     ROLES,
     write_auth,
 )
@@ -43,6 +44,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         default=DEFAULT_MAX_PAYLOAD,
         help="largest message in bytes the server accepts",
+    )
+    init.add_argument(
+        "--reply-window",
+        type=float,
+        default=REPLY_WINDOW_S,
+        metavar="SECONDS",
+        help="how long a responder (agent, load generator, server) may answer a request "
+        "after it was delivered; a local run's server renews it while the run lasts",
     )
     init.add_argument("--tls-cert", type=Path, default=None)
     init.add_argument("--tls-key", type=Path, default=None)
@@ -81,6 +90,7 @@ def run_init(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
+        reply_window_s=args.reply_window,
     )
     print(f"wrote {files.config}")
     for role in ROLES:

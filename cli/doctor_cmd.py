@@ -13,11 +13,10 @@ import json
 from typing import Any
 
 import anyio
-import nats.errors
-import nats.js.errors
 
 from mlscope import bus as busmod
 from mlscope import names
+from mlscope.errors import BusError
 from mlscope.serving import DeadLetter, dead_letters
 from mlscope.settings import Settings
 
@@ -39,8 +38,9 @@ async def diagnose(settings: Settings, *, limit: int = 50) -> dict[str, Any]:
         streams: dict[str, dict[str, int]] = {}
         for name in STREAMS:
             try:
-                state = (await bus.js.stream_info(name)).state
-            except (TimeoutError, nats.errors.Error, nats.js.errors.Error):
+                with busmod.bus_errors(f"cannot read stream {name}"):
+                    state = (await bus.js.stream_info(name)).state
+            except BusError:
                 continue
             streams[name] = {"messages": int(state.messages), "bytes": int(state.bytes)}
         kept, newest = await dead_letters(bus, limit=limit)

@@ -17,14 +17,12 @@ import sys
 from pathlib import Path
 
 import anyio
-import nats.errors
-import nats.js.errors
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
-from mlscope.errors import BusError, ConfigError
+from mlscope.errors import ConfigError
 from mlscope.natsserver import NatsServer, leaf_config
 from mlscope.settings import Settings
 
@@ -117,22 +115,18 @@ def read_env(directory: Path) -> dict[str, str]:
 async def create_edge_stream(leaf_url: str) -> None:
     """The leaf's own buffer of span batches (local JetStream, no domain prefix)."""
     settings = Settings(nats_url=leaf_url)
-    try:
-        async with busmod.connect(settings, name="mlscope edge") as bus:
-            cfg = StreamConfig(
-                name=busmod.EDGE_TRACES_STREAM,
-                subjects=[names.traces_wildcard()],
-                storage=StorageType.FILE,
-                discard=DiscardPolicy.OLD,
-                max_age=EDGE_BUFFER_MAX_AGE_S,
-                duplicate_window=120.0,
-            )
-            try:
-                await bus.js.stream_info(busmod.EDGE_TRACES_STREAM)
-            except nats.js.errors.NotFoundError:
+    async with busmod.connect(settings, name="mlscope edge") as bus:
+        cfg = StreamConfig(
+            name=busmod.EDGE_TRACES_STREAM,
+            subjects=[names.traces_wildcard()],
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=EDGE_BUFFER_MAX_AGE_S,
+            duplicate_window=120.0,
+        )
+        with busmod.bus_errors(f"cannot create the edge span buffer on {leaf_url}"):
+            if await busmod.if_found(bus.js.stream_info(busmod.EDGE_TRACES_STREAM)) is None:
                 await bus.js.add_stream(cfg)
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot create the edge span buffer on {leaf_url}: {exc!r}") from exc
 
 
 def run_up(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from mlscope import scenario_traits
 from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
 
@@ -46,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    args.settings = Settings.from_env()
     try:
+        args.settings = Settings.from_env()
+        scenario_traits.load_modules(args.settings.scenario_modules)
         code: int = args.func(args)
     except MLScopeError as exc:
         print(f"mlscope {args.command}: {exc}", file=sys.stderr)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import nats.errors
 
 from cli.artifacts_cmd import built_models, push_zoo
 from mlscope import names
@@ -277,11 +276,12 @@ async def wait_provisioned(settings: Settings, timeout: float = 60.0) -> None:
     while time.monotonic() < deadline:
         try:
             async with busmod.connect(settings, name="mlscope up") as bus:
-                await bus.js.stream_info(names.TRACES_STREAM)
+                with busmod.bus_errors("the server has not provisioned JetStream"):
+                    await bus.js.stream_info(names.TRACES_STREAM)
                 await bus.kv(names.AGENTS_BUCKET)
                 await bus.kv(names.MODELS_BUCKET)
                 return
-        except (BusError, nats.errors.Error, TimeoutError):
+        except BusError:
             await anyio.sleep(0.2)
     raise ConfigError(f"the server did not provision JetStream within {timeout:g} s")
 

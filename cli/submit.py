@@ -13,10 +13,11 @@ from typing import Any
 
 import anyio
 
-from broker.scenarios import SCENARIOS, read_arrivals, scenario_spec
+from broker.scenarios import read_arrivals, scenario_spec
 from cli.submit_errors import EXIT_FAILED, EXIT_INTERRUPTED, interrupted, preflight, strict_code
 from cli.system_opts import add_system_flags, system_from_args
 from mlscope import bus as busmod
+from mlscope import scenario_traits
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, new_id
 from mlscope.errors import MLScopeError
 from mlscope.jobs import submit
@@ -27,8 +28,29 @@ __all__ = ["main", "submit"]
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlscope-submit", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="mlscope-submit",
+        description=__doc__,
+        epilog=_scenarios_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("model", metavar="MODEL[@VERSION]")
+    _target_flags(p)
+    _scenario_flags(p)
+    _validity_flags(p)
+    _submission_flags(p)
+    add_system_flags(p)
+    return p
+
+
+def _scenarios_help() -> str:
+    """One line per registered scenario, for ``--help``."""
+    lines = [f"  {n:<14} {scenario_traits.get(n).summary}" for n in scenario_traits.names()]
+    return "scenarios:\n" + "\n".join(lines)
+
+
+def _target_flags(p: argparse.ArgumentParser) -> None:
+    """What is evaluated, and where."""
     p.add_argument(
         "--framework",
         required=True,
@@ -39,10 +61,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument("--agent", dest="agent_id", default=None)
     p.add_argument(
+        "--placement",
+        choices=("server", "agent"),
+        default="server",
+        help="where the load generator runs: server (queries cross the bus: the served "
+        "model) or agent (the agent runs the scenario itself: the model)",
+    )
+
+
+def _scenario_flags(p: argparse.ArgumentParser) -> None:
+    """The scenario and its load (each flag overrides the --scenario-file's value)."""
+    p.add_argument(
         "--scenario",
         default=None,
-        choices=list(SCENARIOS),
-        help="load scenario (default: online, or the --scenario-file's)",
+        choices=list(scenario_traits.names()),
+        help="load scenario (default: online, or the --scenario-file's; listed below)",
     )
     p.add_argument(
         "--scenario-file",
@@ -73,6 +106,27 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="replay: inter-arrival times in seconds, one per line",
     )
+    p.add_argument("--max-queries", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    _cold_start_flags(p)
+    _loadgen_flags(p)
+
+
+def _cold_start_flags(p: argparse.ArgumentParser) -> None:
+    """How a cold start reloads the model."""
+    p.add_argument(
+        "--repetitions", type=int, default=None, help="cold-start: loads measured (default 5)"
+    )
+    p.add_argument(
+        "--warm-queries",
+        type=int,
+        default=None,
+        help="cold-start: warm queries after each load (default 20)",
+    )
+
+
+def _loadgen_flags(p: argparse.ArgumentParser) -> None:
+    """Where an open loop's load generators run."""
     p.add_argument(
         "--loadgens",
         type=int,
@@ -86,27 +140,10 @@ def parser() -> argparse.ArgumentParser:
         help="open loops: registered load-generator services (`mlscope loadgen --id ID`, "
         "any host) the schedule is dealt to, instead of processes on the server's host",
     )
-    p.add_argument(
-        "--repetitions", type=int, default=None, help="cold-start: loads measured (default 5)"
-    )
-    p.add_argument(
-        "--warm-queries",
-        type=int,
-        default=None,
-        help="cold-start: warm queries after each load (default 20)",
-    )
-    p.add_argument(
-        "--accuracy",
-        action="store_true",
-        help="also run the labelled data set once (top-1/top-5, outputs kept)",
-    )
-    p.add_argument(
-        "--accuracy-samples",
-        type=int,
-        default=None,
-        help="at most this many data-set samples for --accuracy",
-    )
-    p.add_argument("--max-queries", type=int, default=None)
+
+
+def _validity_flags(p: argparse.ArgumentParser) -> None:
+    """What a run must show to be VALID, and what it leaves out of its figures."""
     p.add_argument(
         "--min-duration",
         type=float,
@@ -125,15 +162,34 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="validity: p99 issue lag tolerated (default 500)",
     )
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument(
-        "--trace-level", default="model", choices=["none", "model", "framework", "system", "full"]
-    )
     p.add_argument(
         "--warmup-queries",
         type=int,
         default=None,
         help="the first N queries warm up: run, stored (flagged), left out of every figure",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 3 when a run completes INVALID (exit codes: cli/submit_errors.py)",
+    )
+
+
+def _submission_flags(p: argparse.ArgumentParser) -> None:
+    """How many evaluations, what they also measure, and what is printed."""
+    p.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="also run the labelled data set once (top-1/top-5, outputs kept)",
+    )
+    p.add_argument(
+        "--accuracy-samples",
+        type=int,
+        default=None,
+        help="at most this many data-set samples for --accuracy",
+    )
+    p.add_argument(
+        "--trace-level", default="model", choices=["none", "model", "framework", "system", "full"]
     )
     p.add_argument(
         "--parallel",
@@ -149,19 +205,12 @@ def parser() -> argparse.ArgumentParser:
         help="run the scenario N times, one after another; prints run-level "
         "statistics (mean and 95%% CI over runs)",
     )
-    p.add_argument(
-        "--placement",
-        choices=("server", "agent"),
-        default="server",
-        help="where the load generator runs: server (queries cross the bus: the served "
-        "model) or agent (the agent runs the scenario itself: the model)",
-    )
+    _fan_out_flags(p)
+
+
+def _fan_out_flags(p: argparse.ArgumentParser) -> None:
+    """One job on several agents, and what is printed."""
     p.add_argument("--json", action="store_true", help="print only the summary as JSON")
-    p.add_argument(
-        "--strict",
-        action="store_true",
-        help="exit 3 when a run completes INVALID (exit codes: cli/submit_errors.py)",
-    )
     p.add_argument(
         "--all-agents",
         action="store_true",
@@ -173,8 +222,6 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --all-agents: agents of every framework offering the model",
     )
-    add_system_flags(p)
-    return p
 
 
 def make_job(args: argparse.Namespace, framework: str | None = None) -> JobRequest:
@@ -248,118 +295,140 @@ def _progress(event: JobEvent) -> None:
         print(f"  job {event.job_id} accepted by {event.server_id}", file=sys.stderr, flush=True)
 
 
-def format_summary(s: EvaluationSummary) -> str:
-    def f(v: float | None, unit: str = "", nd: int = 3) -> str:
-        return "-" if v is None else f"{v:.{nd}f}{unit}"
+def _f(v: float | None, unit: str = "", nd: int = 3) -> str:
+    """A figure with ``nd`` decimals, or "-" when there is none."""
+    return "-" if v is None else f"{v:.{nd}f}{unit}"
 
-    lat, lag = s.latency_ms, s.issue_lag_us
-    verdict = "VALID" if s.valid else "INVALID: " + "; ".join(s.invalid_reasons)
+
+def format_summary(s: EvaluationSummary) -> str:
+    """The summary as aligned ``label  value`` lines; each part says what it shows only
+    when the summary has it (a sweep's points, a search's peak, a cold start's loads)."""
     rows = [
+        *_identity_rows(s),
+        *_load_rows(s),
+        *_resource_rows(s),
+        *_detail_rows(s),
+        *_search_rows(s),
+        *_cold_start_rows(s),
+    ]
+    return "\n".join(f"  {k:<13} {v}" for k, v in rows)
+
+
+def _identity_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """What ran where, and its verdict."""
+    verdict = "VALID" if s.valid else "INVALID: " + "; ".join(s.invalid_reasons)
+    sc = s.scenario
+    return [
         ("evaluation", s.evaluation_id),
         ("model", f"{s.model['name']} {s.model['version']}"),
         ("framework", f"{s.framework['name']} {s.framework['version']} on {s.device}"),
         ("agent", f"{s.agent_id} ({s.host})"),
-        (
-            "scenario",
-            f"{s.scenario['name']} batch={s.scenario['batch_size']} seed={s.scenario['seed']}",
-        ),
+        ("scenario", f"{sc['name']} batch={sc['batch_size']} seed={sc['seed']}"),
         ("placement", f"load generated in the {s.placement}"),
         ("verdict", verdict),
+    ]
+
+
+def _load_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """Counts, rates, latency, issue lag and throughput."""
+    lat, lag = s.latency_ms, s.issue_lag_us
+    warm = f"; {s.warmup_queries} warm-up" if s.warmup_queries else ""
+    backlog = f"; backlog {s.backlog_s:.3g} s" if s.backlog_s is not None else ""
+    return [
         (
             "queries",
             f"{s.queries} ({s.samples} samples; {s.failed} failed, {s.refused} "
-            f"refused, {s.lost} lost, {s.not_issued} not issued"
-            + (f"; {s.warmup_queries} warm-up" if s.warmup_queries else "")
-            + f") in {s.duration_s:.2f} s",
+            f"refused, {s.lost} lost, {s.not_issued} not issued{warm}) in {s.duration_s:.2f} s",
         ),
         (
             "rate",
-            f"requested {f(s.requested_qps, '', 1)} / offered "
-            f"{f(s.scheduled_qps, '', 1)} / issued {f(s.achieved_qps, '', 1)} / "
-            f"completed {f(s.completed_qps, '', 1)} QPS"
-            + (f"; backlog {s.backlog_s:.3g} s" if s.backlog_s is not None else ""),
+            f"requested {_f(s.requested_qps, '', 1)} / offered "
+            f"{_f(s.scheduled_qps, '', 1)} / issued {_f(s.achieved_qps, '', 1)} / "
+            f"completed {_f(s.completed_qps, '', 1)} QPS{backlog}",
         ),
         (
             "latency ms",
-            f"trimmed mean {f(lat.trimmed_mean)}  p50 {f(lat.p50)}  p90 "
-            f"{f(lat.p90)}  p99 {f(lat.p99)}  max {f(lat.max)}",
+            f"trimmed mean {_f(lat.trimmed_mean)}  p50 {_f(lat.p50)}  p90 "
+            f"{_f(lat.p90)}  p99 {_f(lat.p99)}  max {_f(lat.max)}",
         ),
         (
             "issue lag µs",
-            f"p50 {f(lag.get('p50'), '', 1)}  p99 {f(lag.get('p99'), '', 1)}  "
-            f"p99.9 {f(lag.get('p99.9'), '', 1)}  max {f(lag.get('max'), '', 1)}",
+            f"p50 {_f(lag.get('p50'), '', 1)}  p99 {_f(lag.get('p99'), '', 1)}  "
+            f"p99.9 {_f(lag.get('p99.9'), '', 1)}  max {_f(lag.get('max'), '', 1)}",
         ),
-        ("throughput", f"{f(s.throughput_ips, '', 1)} inputs/s"),
-        *_resource_rows(s),
+        ("throughput", f"{_f(s.throughput_ips, '', 1)} inputs/s"),
     ]
-    split = s.issue_lag_split_us or {}
-    if split:
-        rows.append(
-            (
-                "  lag parts",
-                "  ".join(
-                    f"{k} p99 {f(v.get('p99'), '', 1)} max {f(v.get('max'), '', 1)}"
-                    for k, v in split.items()
-                ),
-            )
+
+
+def _detail_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """Issue-lag parts, load-generator cost, warnings, accuracy, latency split, hosts."""
+    rows: list[tuple[str, str]] = []
+    if split := s.issue_lag_split_us or {}:
+        parts = (
+            f"{k} p99 {_f(v.get('p99'), '', 1)} max {_f(v.get('max'), '', 1)}"
+            for k, v in split.items()
         )
+        rows.append(("  lag parts", "  ".join(parts)))
     cost = s.loadgen_cost or {}
     if cost.get("cpu_us_per_query") is not None:
+        shared = " (the agent's host)" if cost.get("shared_host") else ""
         rows.append(
             (
                 "loadgen",
-                f"{cost['cpu_us_per_query']:.0f} µs CPU per query on "
-                f"{cost.get('host')}" + (" (the agent's host)" if cost.get("shared_host") else ""),
+                f"{cost['cpu_us_per_query']:.0f} µs CPU per query on {cost.get('host')}{shared}",
             )
         )
     rows += [("WARNING", w) for w in s.warnings]
     if s.accuracy:
         rows.append(("accuracy", "  ".join(f"{k} {v:.4f}" for k, v in s.accuracy.items())))
     if s.latency_split_ms:
-        rows.append(
-            (
-                "split ms p50",
-                "  ".join(f"{k} {f(v.get('p50'))}" for k, v in s.latency_split_ms.items()),
-            )
-        )
+        parts = (f"{k} {_f(v.get('p50'))}" for k, v in s.latency_split_ms.items())
+        rows.append(("split ms p50", "  ".join(parts)))
     if s.scenario.get("loadgen_hosts"):
-        hosts = ", ".join(s.scenario["loadgen_hosts"])
-        rows.append(("loadgens", f"services {hosts}, one schedule"))
+        rows.append(
+            ("loadgens", f"services {', '.join(s.scenario['loadgen_hosts'])}, one schedule")
+        )
     elif s.scenario.get("loadgens", 1) > 1:
         rows.append(("loadgens", f"{s.scenario['loadgens']} processes, one schedule"))
-    if s.scenario["name"] == "peak":
-        rows.append(
-            (
-                "peak",
-                f"{f(s.peak_qps, ' QPS', 1)} with p99 <= {s.scenario.get('latency_bound_ms')} ms",
-            )
-        )
+    return rows
+
+
+def _search_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """What a run of several runs found (a peak rate, an optimal batch) and each run."""
+    rows: list[tuple[str, str]] = []
+    if s.peak_qps is not None:
+        bound = s.scenario.get("latency_bound_ms")
+        rows.append(("peak", f"{_f(s.peak_qps, ' QPS', 1)} with p99 <= {bound} ms"))
     if s.optimal_batch_size is not None:
         rows.append(("optimal batch", f"{s.optimal_batch_size}"))
     for pt in s.points:
-        lat_pt = pt["latency_ms"]
+        lat = pt["latency_ms"]
         rows.append(
             (
                 "  tried",
-                f"qps {f(pt['qps'], '', 1)} batch {pt['batch_size']}: p50 "
-                f"{f(lat_pt['p50'])} p99 {f(lat_pt['p99'])} ms, "
-                f"{f(pt['throughput_ips'], '', 1)} inputs/s, "
-                f"{'VALID' if pt['valid'] else 'INVALID'} "
-                f"({pt['evaluation_id']})",
+                f"qps {_f(pt['qps'], '', 1)} batch {pt['batch_size']}: p50 "
+                f"{_f(lat['p50'])} p99 {_f(lat['p99'])} ms, "
+                f"{_f(pt['throughput_ips'], '', 1)} inputs/s, "
+                f"{'VALID' if pt['valid'] else 'INVALID'} ({pt['evaluation_id']})",
             )
         )
+    return rows
+
+
+def _cold_start_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """Load and first inference apart from warm inference, when they were measured."""
     c = s.cold_start
-    if s.scenario["name"] == "cold-start" and c:
-        rows.append(
-            (
-                "cold start",
-                f"load {f(c.get('load_ms'))} ms  first inference "
-                f"{f(c.get('first_inference_ms'))} ms  warm predict "
-                f"{f(c.get('warm_predict_ms'))} ms  "
-                f"({c.get('cold_loads')}/{c.get('repetitions')} loads)",
-            )
+    if not c:
+        return []
+    return [
+        (
+            "cold start",
+            f"load {_f(c.get('load_ms'))} ms  first inference "
+            f"{_f(c.get('first_inference_ms'))} ms  warm predict "
+            f"{_f(c.get('warm_predict_ms'))} ms  "
+            f"({c.get('cold_loads')}/{c.get('repetitions')} loads)",
         )
-    return "\n".join(f"  {k:<13} {v}" for k, v in rows)
+    ]
 
 
 def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
@@ -388,10 +457,24 @@ def _several_jobs(args: argparse.Namespace) -> Callable[[argparse.Namespace, Set
     return None
 
 
+def _settings() -> Settings | None:
+    """The environment's settings, with its scenario modules loaded (before the
+    parser offers ``--scenario``'s choices); None, said on stderr, when they are bad."""
+    try:
+        settings = Settings.from_env()
+        scenario_traits.load_modules(settings.scenario_modules)
+    except MLScopeError as exc:
+        print(f"mlscope-submit: {exc}", file=sys.stderr)
+        return None
+    return settings
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    settings = _settings()
+    if settings is None:
+        return EXIT_FAILED
     p = parser()
     args = p.parse_args(argv)
-    settings = Settings.from_env()
     try:
         preflight(p, args, make_job)
     except MLScopeError as exc:

@@ -35,7 +35,14 @@ from typing import Any
 import nkeys
 
 from mlscope import names
-from mlscope.auth import ACCOUNT, INBOX_PREFIXES, RESPONSES, _agent_publish, read_roles
+from mlscope.auth import (
+    ACCOUNT,
+    INBOX_PREFIXES,
+    REPLY_WINDOW_S,
+    _agent_publish,
+    read_roles,
+    responses,
+)
 from mlscope.errors import ConfigError
 
 __all__ = ["add_agent", "agent_creds", "agent_inbox_prefix", "agent_permissions", "reload_server"]
@@ -52,13 +59,15 @@ def agent_creds(directory: Path, agent_id: str) -> Path:
     return directory / f"agent-{names.token(agent_id)}.creds"
 
 
-def agent_permissions(agent_id: str, *, frameworks: Sequence[str] = ()) -> dict[str, Any]:
+def agent_permissions(
+    agent_id: str, *, frameworks: Sequence[str] = (), reply_window_s: float = REPLY_WINDOW_S
+) -> dict[str, Any]:
     """The nats-server permissions of one agent's own user."""
     own = names.token(agent_id)
     caps = [f"{P}.cap.{names.token(fw)}.>" for fw in frameworks] or [f"{P}.cap.>"]
     return {
         "publish": {
-            "allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.{own}"),
+            "allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.{own}", own),
             "deny": [names.JOBS_SUBJECT, f"{P}.db.>"],
         },
         "subscribe": {
@@ -70,7 +79,7 @@ def agent_permissions(agent_id: str, *, frameworks: Sequence[str] = ()) -> dict[
                 names.agent_samples(own),
             ]
         },
-        "allow_responses": RESPONSES,
+        "allow_responses": responses(reply_window_s),
     }
 
 
@@ -95,8 +104,14 @@ def add_agent(directory: Path, agent_id: str, *, frameworks: Sequence[str] = ())
     agents: dict[str, Any] = roles.setdefault("agents", {})
     old = agents.get(agent_id, {}).get("public_key")
     users = [u for u in conf["accounts"][ACCOUNT]["users"] if u.get("nkey") != old]
+    window = float(roles.get("reply_window_s", REPLY_WINDOW_S))  # as `auth init` chose
     users.append(
-        {"nkey": public, "permissions": agent_permissions(agent_id, frameworks=frameworks)}
+        {
+            "nkey": public,
+            "permissions": agent_permissions(
+                agent_id, frameworks=frameworks, reply_window_s=window
+            ),
+        }
     )
     conf["accounts"][ACCOUNT]["users"] = users
     agents[agent_id] = {

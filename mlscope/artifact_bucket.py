@@ -29,15 +29,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import anyio
-import nats.errors
-import nats.js.errors
 from nats.js.object_store import ObjectStore
 
 from mlscope import names
 from mlscope.artifacts import safe_join
 from mlscope.buildlock import LOCK_NAME, BuildLock
-from mlscope.bus import Bus, find_object_store, object_store
-from mlscope.errors import ArtifactError, BusError, ChecksumMismatch
+from mlscope.bus import Bus, bus_errors, find_object_store, if_found, object_store
+from mlscope.errors import ArtifactError, BusNotFound, ChecksumMismatch
 from mlscope.hashing import sha256_path
 
 __all__ = ["ensure_bucket", "fetch", "open_bucket", "push", "pushed_models"]
@@ -75,15 +73,14 @@ def _hex(digest: str | None) -> str | None:
 
 async def _remote_lock(obs: ObjectStore, name: str, version: str) -> BuildLock | None:
     where = f"{names.ARTIFACTS_BUCKET}/{_object(name, version, LOCK_NAME)}"
-    try:
-        got = await obs.get(_object(name, version, LOCK_NAME))
-        doc = json.loads(got.data or b"")
-    except nats.js.errors.ObjectNotFoundError:
+    with bus_errors(f"cannot read {where}"):
+        got = await if_found(obs.get(_object(name, version, LOCK_NAME)))
+    if got is None:
         return None
+    try:
+        doc = json.loads(got.data or b"")
     except ValueError as exc:
         raise ArtifactError(f"invalid build lock {where}: {exc}", path=where) from exc
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot read {where}: {exc!r}") from exc
     return BuildLock.from_json(doc, where=where)
 
 
@@ -113,22 +110,17 @@ async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 
     if remote is not None and remote.same_bytes(lock):
         log(f"{lock.model} {lock.version}: already in the artifact bucket")
         return False
-    try:
+    with bus_errors(f"cannot push {lock.model} {lock.version}"):
         for relative, sha in sorted(lock.files.items()):
             name = _object(lock.model, lock.version, relative)
-            try:
-                have = _hex((await obs.get_info(name)).digest)
-            except nats.js.errors.ObjectNotFoundError:
-                have = None
-            if have != sha:
+            info = await if_found(obs.get_info(name))
+            if (None if info is None else _hex(info.digest)) != sha:
                 with (model_dir / relative).open("rb") as fh:
                     await obs.put(name, fh)
         await obs.put(
             _object(lock.model, lock.version, LOCK_NAME),
             json.dumps(lock.to_json(), sort_keys=True).encode(),
         )
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot push {lock.model} {lock.version}: {exc!r}") from exc
     log(f"{lock.model} {lock.version}: pushed {len(lock.files)} files to the artifact bucket")
     return True
 
@@ -179,15 +171,16 @@ async def _download(obs: ObjectStore, lock: BuildLock, scratch: Path) -> None:
         path = safe_join(scratch, relative)
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with path.open("wb") as fh:
+            with (
+                path.open("wb") as fh,
+                bus_errors(f"cannot fetch {relative} of {lock.model}", path=relative),
+            ):
                 await obs.get(_object(lock.model, lock.version, relative), writeinto=fh)
-        except nats.js.errors.ObjectNotFoundError as exc:
+        except BusNotFound as exc:
             raise ArtifactError(
                 f"the artifact bucket lacks {relative} of {lock.model} {lock.version}",
                 path=relative,
             ) from exc
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusError(f"cannot fetch {relative} of {lock.model}: {exc!r}") from exc
         actual = await anyio.to_thread.run_sync(sha256_path, path)
         if actual != sha:
             raise ChecksumMismatch(
@@ -214,12 +207,10 @@ async def pushed_models(bus: Bus) -> list[tuple[str, str]]:
     obs = await open_bucket(bus)
     if obs is None:
         return []
-    try:
-        infos = await obs.list(ignore_deletes=True)
-    except nats.js.errors.NotFoundError:
+    with bus_errors("cannot list the artifact bucket"):
+        infos = await if_found(obs.list(ignore_deletes=True))
+    if infos is None:
         return []
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot list the artifact bucket: {exc!r}") from exc
     out = []
     for info in infos:
         parts = (info.name or "").split("/")

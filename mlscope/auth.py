@@ -5,7 +5,7 @@ one nkey user per role with its permissions, a maximum payload, optional TLS) an
 nkey seed file per role (``submitter.creds``, ``server.creds``, ``agent.creds``,
 ``edge.creds``, ``reader.creds``). nats-py reads a seed file with ``nkeys_seed``;
 :func:`mlscope.bus.connect_options` picks that (or a JWT ``.creds`` file) from
-``MLSCOPE_NATS_CREDS``.
+``MLSCOPE_NATS_CREDS``; ``loadgen.creds`` too, for ``mlscope loadgen`` services.
 
 What each role may do (everything else is denied by the server):
 
@@ -20,6 +20,11 @@ What each role may do (everything else is denied by the server):
   and no path to submit jobs or read results.
 * reader (dashboard): read the registry buckets, ask the database responders (read-
   only SQL), hear job events; it cannot publish jobs, spans, queries or keys.
+* loadgen (``mlscope loadgen`` services): serve the load-generator control and run
+  subjects, send queries to agents (their own and capability subjects), report progress
+  on its progress subject, keep its registry key, and read and write the work object
+  store (dealt slices in, results out); it cannot submit jobs, read results or spans,
+  or write agents' keys.
 
 Replies. Every role has its own inbox prefix (:data:`INBOX_PREFIXES`): a client's
 replies (request/reply, JetStream API and KV answers, pull and push deliveries) arrive
@@ -53,10 +58,11 @@ __all__ = [
     "inbox_prefix_for",
     "permissions",
     "read_roles",
+    "responses",
     "write_auth",
 ]
 
-ROLES = ("submitter", "server", "agent", "edge", "reader")
+ROLES = ("submitter", "server", "agent", "edge", "reader", "loadgen")
 Role = str
 ACCOUNT = "MLSCOPE"
 DEFAULT_MAX_PAYLOAD = 8 << 20
@@ -71,10 +77,18 @@ REPLY_WINDOW_S = 900
 """How long a responder may answer a request after receiving it (``allow_responses``
 ``expires``; nats-server's default is 2 minutes). It must outlive the longest request
 a responder serves: an agent's prepare (``PREPARE_TIMEOUT_S``, 300 s)."""
-RESPONSES: dict[str, Any] = {"max": -1, "expires": f"{REPLY_WINDOW_S}s"}
-"""Any number of replies per delivered request: the load generator sends all of a
-run's queries with one reply subject, and each delivery renews the grant (the default
-``max: 1`` refused all but one reply of queries that overlapped)."""
+
+
+def responses(window_s: float = REPLY_WINDOW_S) -> dict[str, Any]:
+    """A responder's ``allow_responses``: any number of replies per delivered request
+    (the load generator sends all of a run's queries with one reply subject, and each
+    delivery renews the grant; the default ``max: 1`` refused all but one reply of
+    queries that overlapped), for ``window_s`` after the delivery."""
+    if not window_s > 0:
+        raise ValueError(f"the reply window must be positive, not {window_s!r}")
+    return {"max": -1, "expires": f"{window_s:g}s"}
+
+
 EDGE_BUFFER_STREAM = "MLSCOPE_EDGE_TRACES"
 """= ``mlscope.bus.EDGE_TRACES_STREAM`` (bus imports this module, not the reverse)."""
 DEFAULT_EDGE_DOMAIN = "edge1"
@@ -109,6 +123,7 @@ def permissions(
     edge_id: str = "edge-1",
     edge_domain: str = DEFAULT_EDGE_DOMAIN,
     hub_domain: str = DEFAULT_HUB_DOMAIN,
+    reply_window_s: float = REPLY_WINDOW_S,
 ) -> dict[str, Any]:
     """The nats-server permissions block of one role."""
     if role not in ROLES:
@@ -116,12 +131,13 @@ def permissions(
     jobs_events = f"{P}.job.*.events"
     db = f"{P}.db.>"
     inbox = f"{INBOX_PREFIXES[role]}.>"
+    grant = responses(reply_window_s)
     if role == "server":
-        subjects = [f"{P}.>", "$JS.>", "$KV.>"]
+        subjects = [f"{P}.>", "$JS.>", "$KV.>", "$O.>"]  # $O: object-store chunks
         return {
             "publish": {"allow": subjects},
             "subscribe": {"allow": [*subjects, inbox]},
-            "allow_responses": RESPONSES,
+            "allow_responses": grant,
         }
     if role == "submitter":
         return {
@@ -142,22 +158,29 @@ def permissions(
             "subscribe": {"allow": [inbox, jobs_events]},
         }
     if role == "agent":
-        return _agent(inbox)
-    return _edge(inbox, names.token(edge_id), edge_domain=edge_domain, hub_domain=hub_domain)
+        return _agent(inbox, grant)
+    if role == "loadgen":
+        return _loadgen(inbox, grant)
+    edge = _edge(inbox, names.token(edge_id), edge_domain=edge_domain, hub_domain=hub_domain)
+    return {**edge, "allow_responses": grant}
 
 
-def _agent_publish(key: str) -> list[str]:
+def _agent_publish(key: str, own: str = "*") -> list[str]:
+    """What an agent publishes: spans, its registry key ``key``, the rows of its local
+    runs (on agent ``own``'s subjects), and the JetStream API of the buckets it reads."""
     return [
         names.traces_wildcard(),
         key,
+        f"{P}.agent.{own}.rows.>",
         "$JS.API.INFO",
+        "$JS.API.STREAM.NAMES",  # an object get finds its stream by subject
         "$JS.API.STREAM.INFO.*",
         *_kv_read(names.MODELS_BUCKET),
         *_kv_read(names.ARTIFACTS_BUCKET, stream=f"OBJ_{names.ARTIFACTS_BUCKET}"),
     ]
 
 
-def _agent(inbox: str) -> dict[str, Any]:
+def _agent(inbox: str, grant: dict[str, Any]) -> dict[str, Any]:
     return {
         "publish": {
             "allow": _agent_publish(f"$KV.{names.AGENTS_BUCKET}.*"),
@@ -174,7 +197,34 @@ def _agent(inbox: str) -> dict[str, Any]:
                 f"{P}.agent.*.samples",
             ]
         },
-        "allow_responses": RESPONSES,
+        "allow_responses": grant,
+    }
+
+
+def _loadgen(inbox: str, grant: dict[str, Any]) -> dict[str, Any]:
+    registry, work = f"KV_{names.LOADGENS_BUCKET}", f"OBJ_{names.LOADGEN_WORK_BUCKET}"
+    return {
+        "publish": {
+            "allow": [
+                f"{P}.agent.*.query",
+                f"{P}.cap.>",
+                f"{P}.loadgen.*.progress",
+                f"$KV.{names.LOADGENS_BUCKET}.*",
+                f"$O.{names.LOADGEN_WORK_BUCKET}.>",
+                "$JS.API.INFO",
+                "$JS.API.STREAM.NAMES",  # an object get finds its stream by subject
+                *_kv_read(names.LOADGENS_BUCKET),
+                *_kv_read(names.LOADGEN_WORK_BUCKET, stream=work),
+                # The first service creates both when missing; a replaced result's old
+                # chunks are purged (object-store put).
+                f"$JS.API.STREAM.CREATE.{registry}",
+                f"$JS.API.STREAM.CREATE.{work}",
+                f"$JS.API.STREAM.PURGE.{work}",
+            ],
+            "deny": [names.JOBS_SUBJECT, f"{P}.db.>"],
+        },
+        "subscribe": {"allow": [inbox, f"{P}.loadgen.*.ctl", f"{P}.loadgen.*.run"]},
+        "allow_responses": grant,
     }
 
 
@@ -192,7 +242,7 @@ def _edge(inbox: str, own: str, *, edge_domain: str, hub_domain: str) -> dict[st
     """
     api = (f"$JS.{hub_domain}.API.", "$JS.API.")
     own_key = f"{names.AGENTS_BUCKET}.{own}"
-    publish = _agent_publish(f"$KV.{own_key}")
+    publish = _agent_publish(f"$KV.{own_key}", own)
     publish += [s.replace(api[1], api[0], 1) for s in publish if s.startswith(api[1])]
     return {
         "publish": {
@@ -216,7 +266,6 @@ def _edge(inbox: str, own: str, *, edge_domain: str, hub_domain: str) -> dict[st
                 f"$JS.FC.{EDGE_BUFFER_STREAM}.>",
             ]
         },
-        "allow_responses": RESPONSES,
     }
 
 
@@ -240,6 +289,7 @@ def write_auth(
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
     tls_ca: Path | None = None,
+    reply_window_s: float = REPLY_WINDOW_S,
 ) -> AuthFiles:
     """Create one nkey user per role and write the server config and seed files.
 
@@ -260,7 +310,11 @@ def write_auth(
             {
                 "nkey": public[role],
                 "permissions": permissions(
-                    role, edge_id=edge_id, edge_domain=edge_domain, hub_domain=hub_domain
+                    role,
+                    edge_id=edge_id,
+                    edge_domain=edge_domain,
+                    hub_domain=hub_domain,
+                    reply_window_s=reply_window_s,
                 ),
             }
         )
@@ -288,6 +342,7 @@ def write_auth(
                 "hub_domain": hub_domain,
                 "public_keys": public,
                 "inbox_prefixes": INBOX_PREFIXES,
+                "reply_window_s": reply_window_s,
             },
             indent=2,
         )

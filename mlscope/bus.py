@@ -1,17 +1,17 @@
 """The NATS boundary: connecting, provisioning streams and buckets, typed requests.
 
-nats-py exceptions of connecting, provisioning and requests are translated into
-:class:`mlscope.errors.BusError` here. Modules that drive JetStream, buckets or the
-object store themselves (the serving boundary, registry and manifest watchers, the
-artifact bucket, the job client, the ingester) catch nats-py's errors where they call
-it and translate them or act on them (a missing key, a fetch timeout).
+nats-py's exceptions become mlscope's here and nowhere else (:class:`BusError`, and
+its :class:`BusNotFound` and :class:`BusRefused`). A module that drives JetStream, a
+bucket or the object store itself wraps the calls in :func:`bus_errors`, reads an
+entry that may be missing with :func:`if_found` and a subscription with
+:func:`next_msg`; it catches mlscope's errors only.
 """
 
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
 
 import anyio
@@ -19,6 +19,8 @@ import nats
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -36,7 +38,7 @@ from pydantic import BaseModel
 
 from mlscope import codec, names
 from mlscope.auth import inbox_prefix_for
-from mlscope.errors import BusError, MLScopeError, error_from_wire
+from mlscope.errors import BusError, BusNotFound, BusRefused, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 
 __all__ = [
@@ -45,11 +47,15 @@ __all__ = [
     "HEARTBEAT_S",
     "Bus",
     "attach_edge",
+    "bus_errors",
     "connect",
     "connect_options",
     "ensure_infrastructure",
     "error_reply",
+    "fetch_one",
     "find_object_store",
+    "if_found",
+    "next_msg",
     "object_store",
     "publish_persistent",
     "request",
@@ -69,6 +75,7 @@ DEAD_MAX_AGE_S = 30 * 24 * 3600.0
 EDGE_TRACES_STREAM = "MLSCOPE_EDGE_TRACES"
 """The stream on an edge device's leaf node that buffers its span batches."""
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 class Bus:
@@ -85,9 +92,11 @@ class Bus:
             try:
                 kv = await self.js.key_value(bucket)
             except nats.js.errors.BucketNotFoundError as exc:
-                raise BusError(
+                raise BusNotFound(
                     f"bucket {bucket} does not exist; is an mlscope server up?", bucket=bucket
                 ) from exc
+            except (TimeoutError, nats.errors.Error) as exc:
+                raise BusError(f"cannot open bucket {bucket}: {exc!r}", bucket=bucket) from exc
             if self.domain:
                 # Behind a leaf node with its own JetStream, writes reach the hub's
                 # bucket only through the domain's API prefix (nats-py has no option).
@@ -308,6 +317,57 @@ async def attach_edge(bus: Bus, domain: str) -> None:
         raise BusError(f"cannot attach edge domain {domain}: {exc!r}", domain=domain) from exc
 
 
+@contextmanager
+def bus_errors(what: str, **fields: Any) -> Iterator[None]:
+    """NATS's exceptions inside the block as mlscope's, each message starting with
+    ``what`` ("cannot read the agent registry"): what the request named is not there
+    -> :class:`BusNotFound`; the server refused it (over the max payload, a JetStream
+    API error) -> :class:`BusRefused`; anything else, timeouts included ->
+    :class:`BusError`. mlscope's own errors pass through unchanged."""
+    try:
+        yield
+    except nats.js.errors.NotFoundError as exc:
+        why = getattr(exc, "description", None) or "not found"
+        raise BusNotFound(f"{what}: {why}", **fields) from exc
+    except (nats.errors.MaxPayloadError, nats.js.errors.APIError) as exc:
+        raise BusRefused(f"{what}: {exc!r}", **fields) from exc
+    except (TimeoutError, nats.errors.Error) as exc:
+        raise BusError(f"{what}: {exc!r}", **fields) from exc
+
+
+async def if_found(pending: Awaitable[T]) -> T | None:
+    """``await pending``; None when what it names (a key, a bucket, an object, a
+    stream) is not on the bus. Other NATS errors are raised as they are: call it
+    inside :func:`bus_errors`."""
+    try:
+        return await pending
+    except nats.js.errors.NotFoundError:
+        return None
+
+
+async def next_msg(sub: Subscription, timeout: float) -> Msg | None:
+    """The subscription's next message; None when none came within ``timeout`` s (a
+    closed connection or subscription is a BusError)."""
+    try:
+        return await sub.next_msg(timeout=timeout)
+    except TimeoutError:  # nats-py's TimeoutError is the builtin one too
+        return None
+    except nats.errors.Error as exc:
+        raise BusError(f"cannot read {sub.subject}: {exc!r}", subject=sub.subject) from exc
+
+
+async def fetch_one(sub: JetStreamContext.PullSubscription, timeout: float) -> Msg | None:
+    """One message of a pull consumer; None when none came within ``timeout`` s (any
+    other failure, a cluster failover moving the consumer's leader, is a BusError)."""
+    try:
+        msgs = await sub.fetch(1, timeout=timeout)
+    except TimeoutError:
+        return None
+    except nats.errors.Error as exc:
+        raise BusError(f"cannot fetch from the consumer: {exc!r}") from exc
+    return msgs[0] if msgs else None
+
+
 async def publish_persistent(
     bus: Bus, subject: str, payload: bytes, *, msg_id: str, attempts: int = 20, timeout: float = 2.0
 ) -> None:
@@ -322,7 +382,7 @@ async def publish_persistent(
             await bus.js.publish(subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
             return
         except nats.errors.MaxPayloadError as exc:
-            raise BusError(
+            raise BusRefused(
                 f"a message of {len(payload)} bytes on {subject} is over the "
                 f"server's max payload of {bus.nc.max_payload} bytes",
                 subject=subject,
@@ -331,7 +391,7 @@ async def publish_persistent(
             if isinstance(exc, nats.js.errors.ServiceUnavailableError):
                 last = exc  # no leader right now: retry
             else:  # the stream refused it (too large, wrong subject ...): final
-                raise BusError(
+                raise BusRefused(
                     f"JetStream refused a message on {subject}: {exc.description or exc!r}",
                     subject=subject,
                 ) from exc

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from mlscope.errors import WireError
 
-__all__ = ["decode", "decode_model", "encode", "encode_model"]
+__all__ = ["decode", "decode_model", "encode", "encode_model", "validate"]
 
 _NDARRAY = 1
 MAX_ERROR_CHARS = 2000
@@ -71,7 +71,11 @@ def encode_model(model: BaseModel) -> bytes:
 
 def decode_model(cls: type[M], data: bytes) -> M:
     """Decode and validate one contract message; every failure is a WireError."""
-    raw = decode(data)
+    return validate(cls, decode(data))
+
+
+def validate(cls: type[M], raw: Any) -> M:
+    """Validate one decoded contract message; a failure is a WireError."""
     try:
         return cls.model_validate(raw)
     except ValidationError as exc:

@@ -40,15 +40,20 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     PlainValidator,
     TypeAdapter,
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import core_schema
 
+from mlscope import scenario_traits
 from mlscope.versions import parse_constraint
 
 __all__ = [
@@ -272,19 +277,24 @@ class AgentDescription(_Message):
 # --------------------------------------------------------------------------- jobs
 
 
-ScenarioName = Literal[
-    "online",
-    "single-stream",
-    "multi-stream",
-    "batched",
-    "concurrency",
-    "constant",
-    "replay",
-    "piecewise",
-    "peak",
-    "cold-start",
+class _ListsScenarios:
+    """The JSON schema of a scenario name: an ``enum`` of the registered ones, read when
+    the schema is generated (scenarios register after this module is imported)."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core: core_schema.CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        schema = handler(core)
+        schema["enum"] = list(scenario_traits.names())
+        return schema
+
+
+ScenarioName = Annotated[
+    str, Field(max_length=64), AfterValidator(scenario_traits.check_name), _ListsScenarios
 ]
-"""Every scenario a job may ask for; each has its strategy in ``broker.scenario_kinds``."""
+"""A registered scenario (:mod:`mlscope.scenario_traits`; one module each in
+:mod:`mlscope.scenario_kinds`)."""
 
 
 class ScenarioSpec(BaseModel):
@@ -292,12 +302,8 @@ class ScenarioSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: ScenarioName = "online"
-    """online: Poisson; constant: fixed interval; replay: ``arrivals_s``; piecewise:
-    ``segments``; multi-stream: ``batch_size`` samples every ``1/qps`` s; single-stream
-    and concurrency: closed loop with 1 / ``concurrency`` outstanding; batched: a sweep
-    of ``batch_sizes`` (closed loop); peak: search of the highest Poisson rate whose
-    p99 meets ``latency_bound_ms`` (see broker/scenarios.py); cold-start: model load +
-    first inference, ``repetitions`` times, apart from warm inference (broker/coldstart.py)."""
+    """The scenario: each is declared in :mod:`mlscope.scenario_kinds` (``mlscope-submit
+    --help`` lists them with one line each)."""
     qps: float = Field(default=100.0, gt=0)
     duration_s: float = Field(default=10.0, gt=0)
     batch_size: int = Field(default=1, ge=1)
@@ -476,7 +482,7 @@ class JobRequest(_Message):
                 else ""
                 if self.mlperf is not None  # LoadGen runs in the agent's host
                 else f"scenario {s.name!r}"
-                if s.name == "cold-start"
+                if not scenario_traits.get(s.name).local
                 else f"{s.loadgens} load generators"
                 if s.loadgens > 1
                 else "load-generator hosts (loadgen_hosts)"
@@ -1066,7 +1072,9 @@ class LoadgenStartOp(_Message):
     start_ns: int
     result_object: str
     progress_subject: str | None = None
-    """Where to publish :class:`LoadgenProgress` about every half second while it runs."""
+    """Where to publish :class:`LoadgenProgress` about every half second while it runs:
+    the service's own :func:`mlscope.names.loadgen_progress` subject, which its user may
+    publish to (no one may publish into another's inbox)."""
 
 
 class LoadgenProgress(_Message):

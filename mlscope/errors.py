@@ -9,6 +9,9 @@
     │   └── ChecksumMismatch
     ├── WireError(ValueError)              a bus message could not be decoded / validated
     ├── BusError                           NATS is unreachable or a request timed out
+    │   ├── BusNotFound(LookupError)       a key, bucket, object or stream is not there
+    │   └── BusRefused                     the server refused a message (too large,
+    │                                      a JetStream API error): retrying will not help
     ├── ResolutionError(LookupError)       no live agent matches a job
     ├── UnknownModelError(LookupError)     the model is not in any manifest
     ├── PredictorError                     a framework failed (typed fields below)
@@ -23,7 +26,8 @@
     └── ServiceError                       a handler failed unexpectedly (any other
                                            exception, translated by mlscope.serving)
 
-Third-party exceptions are translated once, at the adapter that calls the library.
+Third-party exceptions are translated once, at the adapter that calls the library
+(NATS's in :mod:`mlscope.bus`: ``bus_errors`` and the helpers beside it).
 Every error has a stable ``code`` so that it survives the trip over the bus.
 """
 
@@ -34,6 +38,8 @@ from typing import Any, ClassVar
 __all__ = [
     "ArtifactError",
     "BusError",
+    "BusNotFound",
+    "BusRefused",
     "ChecksumMismatch",
     "ConfigError",
     "DatabaseError",
@@ -120,6 +126,14 @@ class WireError(MLScopeError, ValueError):
 
 class BusError(MLScopeError):
     code = "bus"
+
+
+class BusNotFound(BusError, LookupError):
+    code = "bus_not_found"
+
+
+class BusRefused(BusError):
+    code = "bus_refused"
 
 
 class ResolutionError(MLScopeError, LookupError):

@@ -10,13 +10,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import nats.errors
-import nats.js.errors
-
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
+from mlscope import codec, names, remote, scenario_traits
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for
-from mlscope.errors import BusError, ConfigError, MLScopeError, WireError, error_from_wire
+from mlscope.errors import (
+    BusError,
+    BusRefused,
+    ConfigError,
+    MLScopeError,
+    WireError,
+    error_from_wire,
+)
 from mlscope.settings import Settings
 
 __all__ = [
@@ -60,7 +64,7 @@ def time_limit(job: JobRequest) -> float:
     """How long a job may take before its submitter gives up (runs x 3 x duration
     + 6 min)."""
     sc = job.scenario
-    runs = sc.peak_trials if sc.name == "peak" else len(sc.batch_sizes or (1,))
+    runs = scenario_traits.get(sc.name).runs(sc)
     span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
     return max(sc.duration_s, span) * 3 * runs + 360.0
 
@@ -86,9 +90,9 @@ async def publish_job(bus: busmod.Bus, job: JobRequest) -> None:
         await busmod.publish_persistent(
             bus, names.JOBS_SUBJECT, data, msg_id=job.job_id, attempts=4
         )
+    except BusRefused:
+        raise  # the stream is there and refused the job: say why
     except BusError as exc:
-        if isinstance(exc.__cause__, (nats.js.errors.APIError, nats.errors.MaxPayloadError)):
-            raise  # the stream is there and refused the job: say why
         raise BusError(
             "the job stream does not exist: is an mlscope server running? "
             "(`mlscope up` or `mlscope server`)"
@@ -107,20 +111,19 @@ async def await_summary(
         wait = (
             ACCEPT_TIMEOUT_S if not accepted else min(STORED_CHECK_S, deadline - time.monotonic())
         )
-        try:
-            msg = await sub.next_msg(timeout=max(0.1, wait))
-        except (nats.errors.TimeoutError, TimeoutError) as exc:
+        msg = await busmod.next_msg(sub, max(0.1, wait))
+        if msg is None:
             if not accepted:
                 raise BusError(
                     f"no server took job {job_id} within "
                     f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
-                ) from exc
+                )
             stored = await stored_result(bus, job_id)
             if stored is not None:  # its "done" was missed (a bus outage)
                 return stored
             if time.monotonic() < deadline:
                 continue
-            raise BusError(f"job {job_id} did not finish within {limit:g} s") from exc
+            raise BusError(f"job {job_id} did not finish within {limit:g} s")
         try:
             event = codec.decode_model(JobEvent, msg.data)
         except WireError:

@@ -17,16 +17,17 @@ from typing import Any
 import anyio
 from nats.js.kv import KeyValue
 
-from mlscope.bus import Bus
+from mlscope.bus import Bus, bus_errors
 
 __all__ = ["BucketWatch", "bucket_keys"]
 
 
 async def bucket_keys(bus: Bus, bucket: str) -> list[str]:
     """The keys that have a message in ``bucket`` now, sorted. A key whose last message is
-    a delete marker is included: its ``get`` raises ``KeyNotFoundError``."""
+    a delete marker is included: its ``get`` finds nothing (:func:`mlscope.bus.if_found`)."""
     prefix = f"$KV.{bucket}."
-    info = await bus.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    with bus_errors(f"cannot list the keys of {bucket}", bucket=bucket):
+        info = await bus.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
     return sorted(s[len(prefix) :] for s in (info.state.subjects or {}))
 
 
@@ -44,7 +45,8 @@ class BucketWatch:
 
     async def __aenter__(self) -> BucketWatch:
         kv: KeyValue = await self.bus.kv(self.bucket)
-        self._watcher = await kv.watchall()
+        with bus_errors(f"cannot watch {self.bucket}", bucket=self.bucket):
+            self._watcher = await kv.watchall()
         return self
 
     async def __aexit__(
@@ -53,13 +55,22 @@ class BucketWatch:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(2),
+            bus_errors(f"cannot stop watching {self.bucket}"),
+        ):
             await self._watcher.stop()
 
     def __aiter__(self) -> AsyncIterator[KeyValue.Entry | None]:
         return self._entries()
 
     async def _entries(self) -> AsyncIterator[KeyValue.Entry | None]:
+        with bus_errors(f"cannot watch {self.bucket}", bucket=self.bucket):
+            async for entry in self._entries_raw():
+                yield entry
+
+    async def _entries_raw(self) -> AsyncIterator[KeyValue.Entry | None]:
         async for entry in self._watcher:
             if entry is None:  # nats-py's marker: trusted only for an empty bucket
                 if not self.caught_up and not await bucket_keys(self.bus, self.bucket):

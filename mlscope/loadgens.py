@@ -14,15 +14,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import nats.errors
-import nats.js.errors
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 from mlscope import codec, names
-from mlscope.bus import AGENT_TTL_S, Bus
+from mlscope.bus import AGENT_TTL_S, Bus, bus_errors, if_found
 from mlscope.contracts import LoadgenDescription
-from mlscope.errors import BusError, WireError
+from mlscope.errors import WireError
 from mlscope.kvread import bucket_keys
 from mlscope.serving import MAX_VALUE_BYTES
 
@@ -31,40 +29,31 @@ __all__ = ["ensure_bucket", "list_loadgens"]
 
 async def ensure_bucket(bus: Bus, *, replicas: int = 1) -> KeyValue:
     """The registry bucket, created when missing (TTL and history as the agents')."""
-    try:
-        try:
-            return await bus.js.key_value(names.LOADGENS_BUCKET)
-        except nats.js.errors.BucketNotFoundError:
-            return await bus.js.create_key_value(
-                KeyValueConfig(
-                    bucket=names.LOADGENS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas
-                )
+    with bus_errors("cannot open the load-generator registry"):
+        kv = await if_found(bus.js.key_value(names.LOADGENS_BUCKET))
+        if kv is not None:
+            return kv
+        return await bus.js.create_key_value(
+            KeyValueConfig(
+                bucket=names.LOADGENS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas
             )
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot open the load-generator registry: {exc!r}") from exc
+        )
 
 
 async def list_loadgens(bus: Bus, *, include_stale: bool = False) -> list[LoadgenDescription]:
     """Live load-generator services, sorted by id (an entry whose heartbeat is older
     than the TTL is left out even before the bucket expires it)."""
-    try:
-        kv = await bus.js.key_value(names.LOADGENS_BUCKET)
-    except nats.js.errors.BucketNotFoundError:
-        return []  # no load-generator service ever joined this bus
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot read the load-generator registry: {exc!r}") from exc
-    try:
+    with bus_errors("cannot read the load-generator registry"):
+        kv = await if_found(bus.js.key_value(names.LOADGENS_BUCKET))
+        if kv is None:
+            return []  # no load-generator service ever joined this bus
         keys = await bucket_keys(bus, names.LOADGENS_BUCKET)
 
         async def get(key: str) -> bytes | None:
-            try:
-                return (await kv.get(key)).value
-            except nats.js.errors.KeyNotFoundError:
-                return None  # withdrawn, or expired between listing and get()
+            entry = await if_found(kv.get(key))  # None: withdrawn, or expired since listed
+            return None if entry is None else entry.value
 
         values = await asyncio.gather(*(get(k) for k in keys))
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot read the load-generator registry: {exc!r}") from exc
     now = time.time()
     out = []
     for value in values:

@@ -28,6 +28,7 @@ from pydantic import (
     model_validator,
 )
 
+from mlscope import scenario_traits
 from mlscope.artifacts import check_relative
 from mlscope.bounded import load_yaml_bounded
 from mlscope.contracts import ScenarioName
@@ -489,16 +490,9 @@ class ScenarioFile(_Strict):
 
     @model_validator(mode="after")
     def _needs(self) -> ScenarioFile:
-        required = {
-            "online": "qps",
-            "constant": "qps",
-            "replay": "schedule_file",
-            "concurrency": "concurrency",
-            "piecewise": "segments",
-        }
-        field = required.get(self.name)
-        if field is not None and getattr(self, field) is None:
-            raise ValueError(f"scenario {self.name!r} needs {field}")
+        for field in scenario_traits.get(self.name).requires:
+            if getattr(self, field, None) is None:
+                raise ValueError(f"scenario {self.name!r} needs {field}")
         return self
 
 

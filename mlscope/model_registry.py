@@ -20,15 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import nats.errors
-import nats.js.errors
 from anyio.abc import TaskStatus
 
 from mlscope import names
 from mlscope.bounded import load_json
-from mlscope.bus import Bus
+from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.catalog import Catalog, Entry
-from mlscope.errors import BusError, ManifestError
+from mlscope.errors import ManifestError
 from mlscope.kvread import BucketWatch, bucket_keys
 from mlscope.manifest import ModelManifest, mark_untrusted, parse_manifest
 from mlscope.serving import as_error
@@ -64,10 +62,8 @@ async def publish_manifest(bus: Bus, manifest: ModelManifest) -> str:
     kv = await bus.kv(names.MODELS_BUCKET)
     key = manifest_key(manifest)
     payload = json.dumps(manifest.model_dump(mode="json"), sort_keys=True).encode()
-    try:
+    with bus_errors(f"cannot publish manifest {key}", key=key):
         await kv.put(key, payload)
-    except nats.errors.Error as exc:
-        raise BusError(f"cannot publish manifest {key}: {exc!r}", key=key) from exc
     return key
 
 
@@ -80,14 +76,10 @@ async def delete_manifest(bus: Bus, manifest: ModelManifest | str) -> bool:
     """Remove a manifest (or a key); False when there was none to remove."""
     key = manifest if isinstance(manifest, str) else manifest_key(manifest)
     kv = await bus.kv(names.MODELS_BUCKET)
-    try:
-        try:
-            await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
+    with bus_errors(f"cannot delete manifest {key}", key=key):
+        if await if_found(kv.get(key)) is None:
             return False
         await kv.delete(key)
-    except nats.errors.Error as exc:
-        raise BusError(f"cannot delete manifest {key}: {exc!r}", key=key) from exc
     return True
 
 
@@ -97,19 +89,14 @@ async def load_remote(bus: Bus) -> list[ModelManifest]:
     A value that does not validate raises ManifestError naming its key as the file.
     """
     kv = await bus.kv(names.MODELS_BUCKET)
-    try:
+    with bus_errors(f"cannot list {names.MODELS_BUCKET}"):
         keys = await bucket_keys(bus, names.MODELS_BUCKET)
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot list {names.MODELS_BUCKET}: {exc!r}") from exc
     out: list[ModelManifest] = []
     for key in keys:
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            continue  # removed (a delete marker), or deleted since the listing
-        except nats.errors.Error as exc:
-            raise BusError(f"cannot read manifest {key}: {exc!r}", key=key) from exc
-        out.append(_parse(key, entry.value))
+        with bus_errors(f"cannot read manifest {key}", key=key):
+            entry = await if_found(kv.get(key))
+        if entry is not None:  # else removed (a delete marker), or since the listing
+            out.append(_parse(key, entry.value))
     return out
 
 

@@ -7,8 +7,12 @@ Subjects (core NATS unless marked JetStream):
     mlscope.job.<job_id>.cancel        stop one job (every server hears it)
     mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
     mlscope.agent.<agent_id>.query     queries directed at one agent
-    mlscope.agent.<agent_id>.ctl       control requests to one agent (ping, describe)
+    mlscope.agent.<agent_id>.ctl       control requests to one agent (``ControlRequest``:
+                                       ping, describe, prepare, release, run, the
+                                       sample library's load/unload, mlperf)
     mlscope.agent.<agent_id>.samples   queries naming samples the agent holds (MLPerf)
+    mlscope.agent.<agent_id>.rows.<eval_id>
+                                       the rows of one agent's local run (placement agent)
     mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
@@ -17,10 +21,12 @@ Subjects (core NATS unless marked JetStream):
     mlscope.loadgen.<id>.ctl           control requests to one load-generator service
                                        (ping, load a dealt slice)
     mlscope.loadgen.<id>.run           start a loaded slice; answered when it is done
+    mlscope.loadgen.<id>.progress      queries done so far by one load-generator service
 
 Buckets: ``mlscope_agents`` (agent descriptions, TTL-expired), ``mlscope_models``
 (published manifests), ``mlscope_loadgens`` (load-generator services, TTL-expired),
-object store ``mlscope_loadgen_work`` (dealt slices and their results).
+object stores ``mlscope_loadgen_work`` (dealt slices and their results) and
+``mlscope_artifacts`` (built zoo models and their build locks).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ __all__ = [
     "TRACES_STREAM",
     "agent_ctl",
     "agent_query",
+    "agent_rows",
     "agent_samples",
     "capability",
     "dead_letter",
@@ -52,6 +59,7 @@ __all__ = [
     "job_cancel_wildcard",
     "job_events",
     "loadgen_ctl",
+    "loadgen_progress",
     "loadgen_run",
     "token",
     "traces",
@@ -106,6 +114,10 @@ def agent_samples(agent_id: str) -> str:
     return f"{PREFIX}.agent.{token(agent_id)}.samples"
 
 
+def agent_rows(agent_id: str, evaluation_id: str) -> str:
+    return f"{PREFIX}.agent.{token(agent_id)}.rows.{token(evaluation_id)}"
+
+
 def job_events(job_id: str) -> str:
     return f"{PREFIX}.job.{token(job_id)}.events"
 
@@ -141,3 +153,7 @@ def loadgen_ctl(loadgen_id: str) -> str:
 
 def loadgen_run(loadgen_id: str) -> str:
     return f"{PREFIX}.loadgen.{token(loadgen_id)}.run"
+
+
+def loadgen_progress(loadgen_id: str) -> str:
+    return f"{PREFIX}.loadgen.{token(loadgen_id)}.progress"

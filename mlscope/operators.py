@@ -73,11 +73,19 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
     return out
 
 
+SORT_BELOW = 64
+"""Rows shorter than this are fully sorted by :func:`_topk` (one call, cheaper than
+partitioning for a few classes); longer rows are partitioned first."""
+
+
 def _topk(x: np.ndarray, *, k: int = 5) -> np.ndarray:
-    """Indices of the k largest values per sample, best first (int32); their labels
-    come from :func:`labeler`, only when asked."""
+    """Indices of the k largest values per sample, best first (int32; equal values in
+    index order when rows are short); their labels come from :func:`labeler`, only when
+    asked."""
     flat = x.reshape(x.shape[0], -1)
     k = min(k, flat.shape[1])
+    if flat.shape[1] < SORT_BELOW:
+        return np.argsort(-flat, axis=1, kind="stable")[:, :k].astype(np.int32)
     part = np.argpartition(-flat, k - 1, axis=1)[:, :k]
     order = np.take_along_axis(flat, part, axis=1).argsort(axis=1)[:, ::-1]
     return np.take_along_axis(part, order, axis=1).astype(np.int32)
@@ -328,6 +336,8 @@ def compile_steps(
         if options is not None and not isinstance(options, dict):
             raise ManifestError(f"options of {name!r} must be a mapping", field=f"{where}.{i}")
         opts = dict(options or {})
+        if name in RANK_PRESERVING and _next_name(steps, i) in INDEX_STEPS:
+            op = RANK_PRESERVING[name]
         calls.append(functools.partial(op, **opts))
 
     def run(x: Any) -> Any:
@@ -340,6 +350,27 @@ def compile_steps(
 
 INDEX_STEPS = ("topk", "argmax")
 """Operators whose result is class indices, which a labels file can name."""
+
+
+def _softmax_unless_ranked(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    if isinstance(x, np.ndarray) and x.ndim == 2 and axis in (-1, 1):
+        return x  # one row of scores per sample: softmax keeps its ranking
+    return _softmax(x, axis=axis)
+
+
+RANK_PRESERVING: dict[str, Op] = {
+    "sigmoid": lambda x: x,
+    "softmax": _softmax_unless_ranked,
+}
+"""What a step becomes right before an index step, which keeps only the ranking: a
+sigmoid (monotone) is skipped, and a softmax over each sample's one row of scores.
+Besides saving work, ranking the logits keeps apart classes whose probabilities round
+to the same float."""
+
+
+def _next_name(steps: Sequence[dict[str, Any]], i: int) -> str | None:
+    nxt = steps[i + 1] if i + 1 < len(steps) else None
+    return next(iter(nxt), None) if isinstance(nxt, dict) else None
 
 
 def labeler(

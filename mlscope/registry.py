@@ -6,13 +6,11 @@ import asyncio
 import time
 
 import anyio
-import nats.errors
-import nats.js.errors
 
 from mlscope import codec, names
-from mlscope.bus import AGENT_TTL_S, Bus
+from mlscope.bus import AGENT_TTL_S, Bus, bus_errors, if_found
 from mlscope.contracts import AgentDescription
-from mlscope.errors import BusError, WireError
+from mlscope.errors import BusError, BusNotFound, WireError
 from mlscope.kvread import BucketWatch, bucket_keys
 from mlscope.serving import MAX_VALUE_BYTES
 
@@ -32,10 +30,11 @@ async def list_agents(
     Retried while the bucket does not answer (a cluster moving its leader)."""
     for attempt in range(attempts):
         try:
-            return await _list_agents(bus, include_stale)
-        except (TimeoutError, nats.errors.Error) as exc:
-            if isinstance(exc, nats.js.errors.BucketNotFoundError) or attempt == attempts - 1:
-                raise BusError(f"cannot read the agent registry: {exc!r}") from exc
+            with bus_errors("cannot read the agent registry"):
+                return await _list_agents(bus, include_stale)
+        except BusError as exc:
+            if isinstance(exc, BusNotFound) or attempt == attempts - 1:
+                raise
             await asyncio.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")
 
@@ -46,10 +45,8 @@ async def _list_agents(bus: Bus, include_stale: bool) -> list[AgentDescription]:
     out = []
 
     async def get(key: str) -> bytes | None:
-        try:
-            return (await kv.get(key)).value
-        except nats.js.errors.KeyNotFoundError:
-            return None  # withdrawn, or expired between listing and get()
+        entry = await if_found(kv.get(key))  # None: withdrawn, or expired since the listing
+        return None if entry is None else entry.value
 
     # All gets in flight at once: with 32 agents one round trip, not 32.
     values = await asyncio.gather(*(get(k) for k in keys))
@@ -95,7 +92,7 @@ class AgentCache:
                             self.ready.set()
                             continue
                         self._apply(entry.key, entry.value, entry.operation)
-            except (TimeoutError, nats.errors.Error, BusError):
+            except BusError:
                 await anyio.sleep(0.5)
 
     def _apply(self, key: str, value: bytes | None, operation: str | None) -> None:

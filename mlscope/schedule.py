@@ -28,12 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
+from mlscope import scenario_traits
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.samples import ARRIVAL_STREAM, SAMPLE_STREAM, stream
 
 __all__ = [
-    "ARRIVALS",
     "ARRIVAL_STREAM",
     "SAMPLE_STREAM",
     "Arrivals",
@@ -316,10 +316,9 @@ def _global_order(index: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------- arrivals of a spec
-# One definition of each open-loop scenario's arrivals, shared by the server's scenario
-# registry (``broker.scenario_kinds``: each open-loop kind's ``arrivals`` is one of
-# these) and the agent's local load generator (``placement: agent``), which may not
-# import the broker.
+# The arrivals of the built-in open-loop scenarios (:mod:`mlscope.scenario_kinds`
+# declares which scenario uses which), shared by the server and the agent's local load
+# generator (``placement: agent``), which may not import the broker.
 
 Arrivals = Callable[[ScenarioSpec], tuple[Schedule, float]]
 """A spec's open-loop schedule and the window (s) its load covers."""
@@ -360,19 +359,6 @@ def piecewise_arrivals(spec: ScenarioSpec) -> tuple[Schedule, float]:
     return sched, float(sum(s[2] for s in spec.segments))
 
 
-ARRIVALS: dict[str, Arrivals] = {
-    "online": poisson_arrivals,
-    "constant": constant_arrivals,
-    "multi-stream": multi_stream_arrivals,
-    "replay": replay_arrivals,
-    "piecewise": piecewise_arrivals,
-    "peak": poisson_arrivals,
-}
-"""The arrivals of every open-loop scenario by name; a scenario not here is a closed
-loop (or runs only on the server). ``tests/test_scenario_registry.py`` checks that the
-registry's open-loop kinds use exactly these."""
-
-
 def cut(sched: Schedule, window: float, max_queries: int | None) -> tuple[Schedule, float]:
     """``sched`` and its window, cut to the first ``max_queries`` queries when set."""
     if max_queries is not None and max_queries < len(sched):
@@ -382,11 +368,11 @@ def cut(sched: Schedule, window: float, max_queries: int | None) -> tuple[Schedu
 
 
 def build_schedule(spec: ScenarioSpec) -> tuple[Schedule, float]:
-    """The open-loop schedule of ``spec`` (:data:`ARRIVALS`, cut to ``max_queries``)
-    and the window (s) the load covers: what the agent's local run follows. The
-    server asks its registry (``broker.scenarios.build_schedule``), which gives the
-    same schedule for these scenarios."""
-    arrivals = ARRIVALS.get(spec.name)
+    """The open-loop schedule of ``spec`` (its scenario's arrivals, cut to
+    ``max_queries``) and the window (s) the load covers: what the server and the
+    agent's local run follow alike."""
+    arrivals = scenario_traits.get(spec.name).arrivals
     if arrivals is None:
         raise ConfigError(f"scenario {spec.name!r} has no open-loop schedule")
-    return cut(*arrivals(spec), spec.max_queries)
+    sched, window = arrivals(spec)
+    return cut(sched, window, spec.max_queries)

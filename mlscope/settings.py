@@ -69,6 +69,11 @@ class Settings:
     max_artifact_bytes: int = 4 << 30
     """Ceiling on any one download, whatever a manifest declares
     (``MLSCOPE_MAX_ARTIFACT_BYTES``; 4 GiB)."""
+    scenario_modules: tuple[str, ...] = ()
+    """Modules that declare scenarios of their own (``MLSCOPE_SCENARIO_MODULES``,
+    comma-separated import names), imported by every process the CLI starts so that
+    the submitter, the server and the agents know the same scenarios; see
+    mlscope.scenario_traits. None by default: the built-in ones only."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -99,12 +104,9 @@ class Settings:
             allow_custom_code=_flag(env, "MLSCOPE_ALLOW_CUSTOM_CODE"),
             clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
             sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
-            artifact_url_prefixes=tuple(
-                p.strip()
-                for p in env.get("MLSCOPE_ARTIFACT_URL_PREFIXES", "").split(",")
-                if p.strip()
-            ),
+            artifact_url_prefixes=_names(env, "MLSCOPE_ARTIFACT_URL_PREFIXES"),
             max_artifact_bytes=int(_number(env, "MLSCOPE_MAX_ARTIFACT_BYTES", 4 << 30)),
+            scenario_modules=_names(env, "MLSCOPE_SCENARIO_MODULES"),
         )
 
     def with_(self, **changes: object) -> Settings:
@@ -149,6 +151,7 @@ class Settings:
                 repr(self.sql_timeout_s) if self.sql_timeout_s != 10.0 else None,
             ),
             ("MLSCOPE_ARTIFACT_URL_PREFIXES", ",".join(self.artifact_url_prefixes)),
+            ("MLSCOPE_SCENARIO_MODULES", ",".join(self.scenario_modules)),
             (
                 "MLSCOPE_MAX_ARTIFACT_BYTES",
                 self.max_artifact_bytes if self.max_artifact_bytes != 4 << 30 else None,
@@ -160,6 +163,11 @@ class Settings:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def _names(env: Mapping[str, str], var: str) -> tuple[str, ...]:
+    """A comma-separated list (blanks dropped)."""
+    return tuple(p.strip() for p in env.get(var, "").split(",") if p.strip())
 
 
 def _flag(env: Mapping[str, str], var: str) -> bool:

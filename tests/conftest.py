@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from cli.services import Stack
-from mlscope.contracts import AgentDescription
+from mlscope.contracts import AgentDescription, LoadgenDescription
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
@@ -189,6 +189,27 @@ def agent_and_server(
             if p.poll() is None:
                 p.terminate()
                 p.wait(20)
+
+
+async def wait_loadgens(
+    settings: Settings, count: int, timeout: float = 60.0
+) -> list[LoadgenDescription]:
+    """Until ``count`` load-generator services are registered; their descriptions."""
+    from mlscope import bus as busmod
+    from mlscope.errors import MLScopeError
+    from mlscope.loadgens import list_loadgens
+
+    deadline = time.monotonic() + timeout
+    async with busmod.connect(settings, name="test") as bus:
+        while time.monotonic() < deadline:
+            try:
+                got = await list_loadgens(bus)
+            except MLScopeError:  # the bucket is not there yet
+                got = []
+            if len(got) >= count:
+                return got
+            await anyio.sleep(0.2)
+    raise TimeoutError(f"{count} load generator(s) did not register within {timeout}s")
 
 
 async def wait_server(settings: Settings, timeout: float = 60.0) -> None:

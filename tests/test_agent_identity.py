@@ -79,6 +79,9 @@ def test_an_agent_user_is_bound_to_its_own_subjects(server: NatsServer, auth_dir
             assert not await probe.denied_subscribe(names.agent_query("mallory"))
             assert not await probe.denied_subscribe(names.agent_ctl("mallory"))
             assert not await probe.denied_publish(f"$KV.{names.AGENTS_BUCKET}.mallory", b"{}")
+            # the rows of its own local runs only: no forged rows in alice's name
+            assert await probe.denied_publish(names.agent_rows("alice", "ev-1"))
+            assert not await probe.denied_publish(names.agent_rows("mallory", "ev-1"))
 
     anyio.run(main, backend="asyncio")
 

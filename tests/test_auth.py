@@ -3,6 +3,7 @@ configured by ``mlscope auth init``, and the whole stack runs under those users.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +16,9 @@ import pytest
 
 from cli.main import main as mlscope_main
 from cli.services import Stack
+from mlscope import artifact_bucket, codec, names, remote
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
+from mlscope.agentauth import add_agent
 from mlscope.auth import INBOX_PREFIXES, REPLY_WINDOW_S, ROLES, inbox_prefix_for
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
@@ -24,7 +26,7 @@ from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
-from tests.conftest import make_data_dir, wait_agents
+from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_loadgens
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -227,6 +229,27 @@ def test_each_role_is_denied_what_it_must_not_do(secured: NatsServer, auth_dir: 
             cap = names.capability("noop", "noop")
             assert await agent.denied_subscribe(cap)
             assert not await agent.denied_subscribe(cap, queue=cap)
+        async with Probe(url, auth_dir / "loadgen.creds") as loadgen:
+            for subject in (
+                names.JOBS_SUBJECT,
+                names.SQL_SUBJECT,
+                names.EVALUATION_SUBJECT,
+                names.traces("ev-1"),
+                f"$KV.{names.AGENTS_BUCKET}.x",
+                f"$JS.API.STREAM.MSG.GET.{names.TRACES_STREAM}",
+                f"$JS.API.STREAM.PURGE.{names.JOBS_STREAM}",
+                f"{INBOX_PREFIXES['server']}.x",
+                names.job_events("j"),
+            ):
+                assert await loadgen.denied_publish(subject, job), subject
+            assert await loadgen.denied_subscribe(names.traces_wildcard())
+            assert await loadgen.denied_subscribe(names.agent_query("a"))
+            assert await loadgen.denied_subscribe(names.job_events("j"))
+            # ... but may send queries, report progress and keep its own registry key
+            assert not await loadgen.denied_publish(names.agent_query("a"))
+            assert not await loadgen.denied_publish(names.capability("noop", "noop"))
+            assert not await loadgen.denied_publish(names.loadgen_progress("lg-1"))
+            assert not await loadgen.denied_subscribe(names.loadgen_run("lg-1"))
         async with Probe(url, auth_dir / "submitter.creds") as submitter:
             assert await submitter.denied_publish(names.traces("ev-1"))
             assert await submitter.denied_publish(f"$KV.{names.AGENTS_BUCKET}.x")
@@ -295,6 +318,106 @@ def test_stack_runs_an_evaluation_under_role_credentials(
         assert anyio.run(read_back, backend="asyncio")["queries"] == summary.queries
         assert not stack.dead()
     finally:
+        stack.stop()
+
+
+def test_agents_fetch_artifacts_from_the_bus_under_their_own_users(
+    auth_dir: Path, zoo_dir: Path, tmp_path: Path
+) -> None:
+    """The server pushes a model's files to the artifact bucket; an agent of the
+    role-wide user and one issued by ``add-agent`` each fetch them into their zoo."""
+    users = {
+        "role-wide": auth_dir / "agent.creds",
+        "named": add_agent(auth_dir, "agent-fetch", frameworks=["onnxruntime"]),
+    }
+
+    async def main(url: str) -> None:
+        server = Settings(nats_url=url, nats_creds=auth_dir / "server.creds")
+        async with busmod.connect(server, name="server", provision=True) as bus:
+            assert await artifact_bucket.push(bus, zoo_dir / "digits_cnn" / "1.0.0")
+        for who, creds in users.items():
+            zoo = tmp_path / who
+            agent = Settings(nats_url=url, nats_creds=creds)
+            async with busmod.connect(agent, name=who) as bus:
+                lock = await artifact_bucket.fetch(bus, zoo, "digits_cnn", "1.0.0")
+            assert lock is not None and lock.origin["by"] == "bus", who
+            assert all((zoo / "digits_cnn" / "1.0.0" / f).is_file() for f in lock.files), who
+
+    with NatsServer(store_dir=tmp_path / "nats", config_file=auth_dir / "server.conf") as srv:
+        anyio.run(main, srv.url, backend="asyncio")
+
+
+def test_a_local_run_outlasts_the_reply_grant(tmp_path: Path, zoo_dir: Path) -> None:
+    """A local run's rows are answers to its one run request; with a reply grant of
+    3 s an 8 s run still delivers every row, because the server renews the grant."""
+    auth_dir = tmp_path / "auth-3s"
+    assert mlscope_main(["auth", "init", "--out", str(auth_dir), "--reply-window", "3"]) == 0
+    assert '"expires": "3s"' in (auth_dir / "server.conf").read_text()
+    data = make_data_dir(tmp_path / "data", zoo_dir)
+    stack = Stack(Settings(data_dir=data), nats_port=0, frameworks=["noop"], auth=auth_dir)
+    client = stack.start()
+    try:
+        anyio.run(wait_agents, client, 1)
+        spec = ScenarioSpec(name="online", qps=100, duration_s=8, min_duration_s=0, min_queries=1)
+        job = JobRequest(
+            model="noop", framework="noop", scenario=spec, placement="agent", trace_level="none"
+        )
+        summary = anyio.run(lambda: submit(client, job, timeout=120), backend="asyncio")
+        assert summary.placement == "agent" and summary.errors == 0
+        assert summary.queries >= 700, summary.invalid_reasons
+        assert not any("lost" in r for r in summary.invalid_reasons), summary.invalid_reasons
+        assert not stack.dead()
+    finally:
+        stack.stop()
+
+
+def test_load_generator_services_run_under_their_own_user(
+    tmp_path: Path, auth_dir: Path, zoo_dir: Path
+) -> None:
+    """An ``mlscope loadgen`` with ``loadgen.creds`` registers, takes its dealt slice,
+    sends the queries, reports progress and stores its result; the run is whole."""
+    data = make_data_dir(tmp_path / "data", zoo_dir)
+    stack = Stack(Settings(data_dir=data), nats_port=0, frameworks=["noop"], auth=auth_dir)
+    client = stack.start()
+    as_loadgen = client.with_(nats_creds=(auth_dir / "loadgen.creds").resolve())
+    service = subprocess.Popen(
+        [python(), "-m", "cli.main", "loadgen", "--id", "lg-secure"], env=child_env(as_loadgen)
+    )
+    try:
+        anyio.run(wait_agents, client, 1)
+        assert [d.loadgen_id for d in anyio.run(wait_loadgens, as_loadgen, 1)] == ["lg-secure"]
+        progress: list[int] = []
+        spec = ScenarioSpec(
+            name="online",
+            qps=200,
+            duration_s=2.0,
+            loadgen_hosts=("lg-secure",),
+            min_duration_s=0,
+            min_queries=1,
+            max_issue_lag_us=1e6,
+        )
+        summary = anyio.run(
+            lambda: submit(
+                client,
+                JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none"),
+                on_event=lambda e: (
+                    progress.append(e.queries_done) if e.event == "progress" else None
+                ),
+                timeout=120,
+            ),
+            backend="asyncio",
+        )
+        assert summary.status == "completed" and summary.errors == 0, summary.invalid_reasons
+        assert summary.queries > 300
+        assert summary.loadgen_cost is not None
+        ran = summary.loadgen_cost["services"]
+        assert [(r["loadgen_id"], r["pid"]) for r in ran] == [("lg-secure", service.pid)]
+        assert ran[0]["completed"] == summary.queries
+        assert max(progress, default=0) > 0, progress  # its progress subject reached the job
+        assert service.poll() is None and not stack.dead()
+    finally:
+        service.terminate()
+        service.wait(20)
         stack.stop()
 
 

@@ -238,8 +238,7 @@ async def _released_mid_run(settings: Settings) -> None:
         ev = new_id("ev")
         prepare = {"op": "prepare", "evaluation_id": ev, "model": "digits_cnn"}
         await ask(bus, ctl, {**prepare, "model_version": offer.version})
-        inbox = f"_INBOX.{new_id('t')}"
-        sub = await bus.nc.subscribe(inbox)
+        sub = await bus.nc.subscribe(names.agent_rows(agent.agent_id, ev))
         run = MLPerfRunOp(
             evaluation_id=ev,
             spec=MLPerfSpec(
@@ -249,8 +248,7 @@ async def _released_mid_run(settings: Settings) -> None:
             ),
             conf_model="digits_cnn",
         )
-        await bus.nc.publish(ctl, codec.encode_model(run), reply=inbox)
-        started = codec.decode((await sub.next_msg(timeout=30)).data)
+        started = await ask(bus, ctl, run.dump())
         assert started["kind"] == "mlperf_started", started
         again = assert_typed_error(await ask(bus, ctl, run.dump()))  # one run at a time
         assert "already running" in again.message

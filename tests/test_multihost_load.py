@@ -5,7 +5,6 @@ results merge into one evaluation (two noop agents, each driven once)."""
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,29 +24,14 @@ from mlscope.contracts import (
 )
 from mlscope.errors import MLScopeError
 from mlscope.jobs import submit
-from mlscope.loadgens import list_loadgens
 from mlscope.settings import Settings
-from tests.conftest import child_env, python, wait_agents, wait_server
+from tests.conftest import child_env, python, wait_agents, wait_loadgens, wait_server
 
 pytestmark = pytest.mark.timeout(240)
 
 LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
 """Validity rules a short run on a shared machine can meet: what is tested is not speed."""
 LOADGENS = ("lg-a", "lg-b")
-
-
-async def wait_loadgens(settings: Settings, count: int, timeout: float = 60.0) -> list[Any]:
-    deadline = time.monotonic() + timeout
-    async with busmod.connect(settings, name="test") as bus:
-        while time.monotonic() < deadline:
-            try:
-                got = await list_loadgens(bus)
-            except MLScopeError:  # the bucket is not there yet
-                got = []
-            if len(got) >= count:
-                return got
-            await anyio.sleep(0.2)
-    raise TimeoutError(f"{count} load generator(s) did not register within {timeout}s")
 
 
 @pytest.fixture

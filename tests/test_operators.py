@@ -103,6 +103,39 @@ def test_postprocessing() -> None:
     assert compile_steps([{"identity": None}])(x) is x
 
 
+@pytest.mark.parametrize("classes", [3, 10, 63, 64, 1000])
+def test_index_steps_rank_the_scores_a_softmax_or_sigmoid_would_rank(classes: int) -> None:
+    """Before an index step a softmax (one row per sample) or a sigmoid is skipped: the
+    classes must come out as ranking the probabilities would, best first, for short
+    rows (fully sorted) and long ones (partitioned)."""
+    rng = np.random.default_rng(classes)
+    x = rng.normal(0, 3, (16, classes)).astype(np.float32)
+    k = min(5, classes)
+    for first in ("softmax", "sigmoid"):
+        out = compile_steps([{first: {}}, {"topk": {"k": k}}])(x)
+        probs = OPERATORS[first](x)
+        assert out.dtype == np.int32 and out.shape == (16, k)
+        ranked = np.take_along_axis(probs, out.astype(np.int64), axis=1)
+        assert np.all(np.diff(ranked, axis=1) <= 0)  # best first
+        assert np.allclose(ranked[:, 0], probs.max(axis=1))
+        assert (out[:, 0] == x.argmax(axis=1)).all()
+    # scores that round to equal probabilities still rank by logit
+    tied = np.array([[200.0, 0.0, -1.0, 1.0]], np.float32)
+    assert compile_steps([{"softmax": {}}, {"topk": {"k": 4}}])(tied).tolist() == [[0, 3, 1, 2]]
+
+
+def test_a_softmax_that_does_not_keep_ranking_is_not_skipped() -> None:
+    """Over the batch axis, or over rows of a 3-d output, a softmax changes which
+    values rank first in a flattened sample: it runs."""
+    x = np.array([[[0.0, 5.0], [10.0, 9.9]]], np.float32)  # one sample, two rows
+    rows = compile_steps([{"softmax": {}}, {"topk": {"k": 1}}])(x)
+    assert rows.tolist() == [[1]]  # per row: 0.993 (row 0) beats 0.525 (row 1)
+    assert x.reshape(1, -1).argmax() == 2  # the logits alone would say 2
+    y = np.array([[5.0, 4.0], [9.0, 0.0]], np.float32)
+    over_batch = compile_steps([{"softmax": {"axis": 0}}, {"topk": {"k": 1}}])(y)
+    assert over_batch[:, 0].tolist() == [1, 0]  # the logits alone would say [0, 0]
+
+
 def test_unknown_operator_and_bad_step() -> None:
     with pytest.raises(ManifestError, match="unknown operator 'sharpen'"):
         compile_steps([{"sharpen": {}}], where="inputs.0.steps")

@@ -1,47 +1,80 @@
-"""The scenario registry (broker/scenario_kinds): one strategy per name a job may ask
-for, and a new scenario is one small class (the documented example, built here)."""
+"""The scenario registry: every scenario declared once by its traits
+(mlscope/scenario_kinds), found without a list, and run by the server's strategy
+(broker/scenario_kinds) or, in the agent, from the same traits."""
 
 from __future__ import annotations
 
-from typing import get_args
+from typing import Any
 
 import numpy as np
 import pytest
 
 from broker import schedule
 from broker.scenario import Scenario
-from broker.scenario_kinds import REGISTRY, get
-from broker.scenarios import SCENARIOS, build_schedule
-from broker.schedule import Schedule
-from mlscope.contracts import ScenarioName, ScenarioSpec
+from broker.scenario_kinds import STRATEGIES, get, registry
+from broker.scenarios import build_schedule
+from mlscope import scenario_traits
+from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import ConfigError
+from mlscope.jobs import time_limit
+from mlscope.scenario_traits import ScenarioTraits
+
+BUILT_IN = (
+    "online",
+    "single-stream",
+    "multi-stream",
+    "batched",
+    "concurrency",
+    "constant",
+    "replay",
+    "piecewise",
+    "peak",
+    "cold-start",
+)
 
 
-def test_every_name_a_job_may_ask_for_has_its_strategy() -> None:
-    assert set(REGISTRY) == set(get_args(ScenarioName))
-    assert tuple(REGISTRY) == SCENARIOS
-    for name, scenario in REGISTRY.items():
+def test_every_declared_scenario_has_its_strategy_in_listing_order() -> None:
+    assert scenario_traits.names()[: len(BUILT_IN)] == BUILT_IN
+    for name, scenario in registry().items():
         assert scenario.name == name and isinstance(scenario, Scenario)
+    assert set(STRATEGIES) == {"batched", "peak", "cold-start"}  # the runs of several runs
+    assert type(get("online")) is Scenario
+
+
+def test_the_contract_and_its_schema_list_the_registry() -> None:
+    schema = ScenarioSpec.model_json_schema()["properties"]["name"]
+    assert tuple(schema["enum"]) == scenario_traits.names()
+    with pytest.raises(ValueError, match=r"unknown scenario 'bogus' \(known: online, "):
+        ScenarioSpec(name="bogus")
+    with pytest.raises(ValueError, match="at most 64 characters"):
+        ScenarioSpec(name="x" * 10_000)
 
 
 @pytest.mark.parametrize("name", ["online", "constant", "multi-stream", "peak"])
-def test_open_loops_build_their_schedule(name: ScenarioName) -> None:
+def test_open_loops_build_their_schedule(name: str) -> None:
     spec = ScenarioSpec(name=name, qps=200, duration_s=2, batch_size=2)
     sched, window = build_schedule(spec)
     assert window == 2 and 300 < len(sched) < 500
-    assert not REGISTRY[name].closed_loop and REGISTRY[name].requested_qps(spec) == 200
+    assert not get(name).closed_loop and get(name).requested_qps(spec) == 200
 
 
 @pytest.mark.parametrize("name", ["single-stream", "concurrency", "batched", "cold-start"])
-def test_closed_loops_and_multi_run_scenarios_have_no_schedule(name: ScenarioName) -> None:
+def test_closed_loops_and_multi_run_scenarios_have_no_schedule(name: str) -> None:
     with pytest.raises(ConfigError, match="no open-loop schedule"):
         build_schedule(ScenarioSpec(name=name))
-    assert REGISTRY[name].requested_qps(ScenarioSpec(name=name, qps=9)) is None
+    assert get(name).requested_qps(ScenarioSpec(name=name, qps=9)) is None
 
 
 def test_single_stream_runs_one_outstanding() -> None:
     spec = ScenarioSpec(name="single-stream", concurrency=4)
-    assert REGISTRY["single-stream"].adjust(spec).concurrency == 1
+    assert get("single-stream").adjust(spec).concurrency == 1
+    assert scenario_traits.get("single-stream").depth(4, local=True) == 1
+
+
+def test_a_batched_run_in_the_agent_keeps_batches_in_flight() -> None:
+    traits = scenario_traits.get("batched")
+    assert traits.depth(1) == 1 and traits.depth(1, local=True) == 3
+    assert traits.depth(8, local=True) == 8
 
 
 def test_max_queries_cuts_every_open_loop() -> None:
@@ -51,34 +84,50 @@ def test_max_queries_cuts_every_open_loop() -> None:
 
 
 def test_an_unknown_name_names_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"unknown scenario 'burst'.*online"):
-        get("burst")
+    with pytest.raises(ConfigError, match=r"unknown scenario 'bursty'.*online"):
+        get("bursty")
 
 
-class Burst(Scenario):
-    """The example of broker/scenario_kinds/__init__.py, as written there."""
+def test_a_job_time_limit_counts_the_runs_a_scenario_makes() -> None:
+    def limit(**scenario: Any) -> float:
+        return time_limit(JobRequest(model="m", framework="f", scenario=ScenarioSpec(**scenario)))
 
-    name = "burst"
-    poisson = True
-    rate_driven = True
-
-    def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        third = spec.duration_s / 3
-        segments = (
-            (spec.qps, spec.qps, third),
-            (2 * spec.qps, 2 * spec.qps, third),
-            (spec.qps, spec.qps, third),
-        )
-        return schedule.piecewise(segments, seed=spec.seed), spec.duration_s
+    one = limit(name="online", duration_s=10)
+    assert limit(name="peak", duration_s=10, peak_trials=4) - 360 == 4 * (one - 360)
+    assert limit(name="batched", duration_s=10, batch_sizes=(1, 2, 4)) - 360 == 3 * (one - 360)
 
 
-def test_a_new_scenario_is_one_small_class() -> None:
-    spec = ScenarioSpec(name="online", qps=300, duration_s=6, seed=3)
-    sched, window = Burst().schedule(spec)
-    assert window == 6
-    t = sched.offsets_ns / 1e9
-    per_third = np.histogram(t, bins=[0, 2, 4, 6])[0]
-    assert per_third[1] > 1.6 * per_third[0] and per_third[1] > 1.6 * per_third[2]
+def test_a_cold_start_cannot_run_in_the_agent() -> None:
+    spec = ScenarioSpec(name="cold-start")
+    with pytest.raises(ValueError, match="'cold-start' cannot run with placement agent"):
+        JobRequest(model="m", framework="f", scenario=spec, placement="agent")
+
+
+def _surge(spec: ScenarioSpec) -> tuple[schedule.Schedule, float]:
+    return schedule.constant(2 * spec.qps, duration_s=spec.duration_s), spec.duration_s
+
+
+SURGE = ScenarioTraits(
+    name="surge", summary="twice qps, periodic", arrivals=_surge, rate_driven=True
+)
+
+
+def test_a_scenario_registered_at_run_time_is_known_everywhere_until_removed() -> None:
+    with scenario_traits.registered(SURGE):
+        spec = ScenarioSpec(name="surge", qps=50, duration_s=2)
+        sched, window = build_schedule(spec)
+        assert len(sched) == 200 and window == 2
+        assert get("surge").requested_qps(spec) == 50 and type(get("surge")) is Scenario
+        assert "surge" in ScenarioSpec.model_json_schema()["properties"]["name"]["enum"]
+        with pytest.raises(ConfigError, match="registered twice"):
+            scenario_traits.register(ScenarioTraits(name="surge", summary="another"))
+    with pytest.raises(ValueError, match="unknown scenario 'surge'"):
+        ScenarioSpec(name="surge")
+
+
+def test_a_module_that_cannot_be_imported_is_named() -> None:
+    with pytest.raises(ConfigError, match="'no_such_scenarios' cannot be imported"):
+        scenario_traits.load_modules(["no_such_scenarios"])
 
 
 @pytest.mark.parametrize(
@@ -93,16 +142,13 @@ def test_a_new_scenario_is_one_small_class() -> None:
     ],
     ids=lambda s: s.name,
 )
-def test_the_agent_and_the_registry_share_one_definition_of_arrivals(
+def test_the_agent_and_the_server_share_one_definition_of_arrivals(
     spec: ScenarioSpec,
 ) -> None:
     """An agent's local run (placement agent) cannot import the broker: it reads a
-    spec's arrivals from mlscope.schedule, which the registry's open loops call."""
+    spec's arrivals from the traits, as the server's strategy does."""
     from mlscope import schedule as shared
 
-    assert set(shared.ARRIVALS) == {n for n, s in REGISTRY.items() if not s.closed_loop} - {
-        "cold-start"
-    }
     ours, window = build_schedule(spec)
     theirs, their_window = shared.build_schedule(spec)
     np.testing.assert_array_equal(ours.offsets_ns, theirs.offsets_ns)

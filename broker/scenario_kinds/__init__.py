@@ -1,66 +1,48 @@
-"""The registry of scenarios: one strategy object per ``ScenarioSpec.name``.
+"""The server's strategy for every scenario, by name.
 
-Adding a scenario is one module here plus its test:
-
-1. a :class:`broker.scenario.Scenario` subclass in its own module, e.g.
-   ``broker/scenario_kinds/burst.py``::
-
-       class Burst(Scenario):
-           \"\"\"``qps`` Poisson, doubled for the middle third of the run.\"\"\"
-
-           name = "burst"
-           poisson = True
-           rate_driven = True
-
-           def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-               third = spec.duration_s / 3
-               segments = ((spec.qps, spec.qps, third), (2 * spec.qps, 2 * spec.qps, third),
-                           (spec.qps, spec.qps, third))
-               return schedule.piecewise(segments, seed=spec.seed), spec.duration_s
-
-   (a closed loop sets ``closed_loop = True`` instead of ``arrivals``; several runs
-   override ``execute``, as :mod:`.batched` and :mod:`.peak` do);
-2. its instance in :data:`REGISTRY` below, and its name in the wire vocabulary
-   ``mlscope.contracts.ScenarioName`` (what a job may ask for; ``tests/test_scenario
-   _registry.py`` checks the two agree);
-3. its test: the schedule it builds (a unit test, as ``tests/test_loadgen.py`` does for
-   the others) and one run against the noop agent (``tests/test_scenarios.py``).
+A scenario is declared once, by its traits in :mod:`mlscope.scenario_kinds` (what the
+agent, the CLI and the contracts read too). One whose load is one run needs nothing
+here: :class:`broker.scenario.Scenario` runs it from its traits. One of several runs (a
+sweep, a search, reloads) adds a module here with a ``Scenario`` subclass that names it
+in ``kind`` and overrides ``execute``, as :mod:`.batched`, :mod:`.peak` and
+:mod:`.cold_start` do; the modules of this package are searched for such classes
+when it is imported, so there is no list to extend.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from broker.scenario import Scenario
-from broker.scenario_kinds.batched import Batched
-from broker.scenario_kinds.closed_loop import Concurrency, SingleStream
-from broker.scenario_kinds.cold_start import ColdStart
-from broker.scenario_kinds.open_loop import Constant, MultiStream, Online, Piecewise, Replay
-from broker.scenario_kinds.peak import Peak
-from mlscope.errors import ConfigError
+from mlscope import scenario_traits
 
-__all__ = ["REGISTRY", "get"]
+__all__ = ["STRATEGIES", "get", "registry"]
 
-REGISTRY: dict[str, Scenario] = {
-    s.name: s
-    for s in (
-        Online(),
-        SingleStream(),
-        MultiStream(),
-        Batched(),
-        Concurrency(),
-        Constant(),
-        Replay(),
-        Piecewise(),
-        Peak(),
-        ColdStart(),
-    )
-}
-"""Every scenario by name, in the order ``mlscope-submit --help`` lists them."""
+
+def _strategies() -> Mapping[str, type[Scenario]]:
+    """Every ``Scenario`` subclass with a ``kind`` in this package's modules."""
+    found: dict[str, type[Scenario]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, Scenario) and obj.kind:
+                found[obj.kind] = obj
+    return MappingProxyType(found)
+
+
+STRATEGIES = _strategies()
+"""Scenario name -> its own strategy class (the others use :class:`Scenario`)."""
 
 
 def get(name: str) -> Scenario:
-    """The scenario called ``name`` (a ConfigError names the known ones)."""
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        known = ", ".join(REGISTRY)
-        raise ConfigError(f"unknown scenario {name!r} (known: {known})", field="scenario") from None
+    """The strategy of the scenario called ``name`` (a ConfigError names the known ones)."""
+    traits = scenario_traits.get(name)
+    return STRATEGIES.get(name, Scenario)(traits)
+
+
+def registry() -> dict[str, Scenario]:
+    """Every registered scenario's strategy by name, in listing order."""
+    return {name: get(name) for name in scenario_traits.names()}

@@ -16,9 +16,7 @@ class Batched(Scenario):
     and listed in the parent summary's ``points``; the parent's figures are the best's.
     """
 
-    name = "batched"
-    closed_loop = True
-    early_stopping = False  # a throughput sweep (MLPerf offline) has no latency target
+    kind = "batched"
 
     async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
         sizes = spec.batch_sizes or (spec.batch_size,)

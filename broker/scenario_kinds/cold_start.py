@@ -17,7 +17,7 @@ __all__ = ["ColdStart"]
 class ColdStart(Scenario):
     """Load and first inference measured apart from warm inference."""
 
-    name = "cold-start"
+    kind = "cold-start"
 
     async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
         """Loads measured apart from warm inference; valid when every load really happened

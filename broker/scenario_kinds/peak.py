@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from broker.context import Context
 from broker.scenario import Outcome, Run, Scenario, run_once
-from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
-from mlscope.schedule import Schedule
 from mlscope.validity import ValidityPolicy, early_stopping_queries_needed
 
 __all__ = ["PEAK_PRECISION", "Peak", "next_rate", "peak_floor_qps"]
@@ -51,12 +49,7 @@ class Peak(Scenario):
     """Each trial is an online run (Poisson at the trial's rate) with its own
     evaluation id (``<parent>-<k>``), listed in the parent summary's ``points``."""
 
-    name = "peak"
-    poisson = True
-    rate_driven = True
-
-    def arrivals(self, spec: ScenarioSpec) -> tuple[Schedule, float]:
-        return schedule.poisson_arrivals(spec)
+    kind = "peak"
 
     async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
         """Binary search of the highest Poisson rate whose run is VALID under the bound.

@@ -4,7 +4,7 @@ through the Python API (mlscope.api.Client), with live progress from the job eve
 from __future__ import annotations
 
 import time
-from typing import Any, get_args
+from typing import Any
 
 import anyio
 import pandas as pd
@@ -18,6 +18,7 @@ from dashboard.common import (
     settings,
     stop_on_error,
 )
+from mlscope import scenario_traits
 from mlscope.api import Client
 from mlscope.contracts import (
     EvaluationSummary,
@@ -29,11 +30,9 @@ from mlscope.contracts import (
 from mlscope.errors import MLScopeError
 
 LEVELS = ["none", "model", "framework", "system", "full"]
-# Every scenario the CLI has, from the one definition (the contract). Comments here,
-# never a bare string after a statement: Streamlit "magic" would print it on the page.
-SCENARIOS: list[str] = list(get_args(ScenarioSpec.model_fields["name"].annotation))
-OPEN_LOOP = {"online", "constant", "multi-stream", "peak", "piecewise", "replay"}
-RATED = {"online", "constant", "multi-stream", "peak"}
+# Comments here, never a bare string after a statement: Streamlit "magic" would print
+# it on the page. Which inputs a scenario takes comes from its traits (the ``fields``
+# it reads), so a new scenario gets its form without an edit here.
 
 
 def _numbers(text: str, kind: type[float] | type[int]) -> tuple[Any, ...]:
@@ -54,15 +53,18 @@ def _segments(text: str) -> tuple[tuple[float, float, float], ...]:
 def scenario_form() -> dict[str, Any]:
     """The scenario's fields, as ScenarioSpec takes them (disabled where they do not apply)."""
     c1, c2, c3, c4 = st.columns(4)
-    name = c1.selectbox("Scenario", SCENARIOS, key="run_scenario")
+    scenario_traits.load_modules(settings().scenario_modules)  # scenarios of plug-ins too
+    name = c1.selectbox("Scenario", scenario_traits.names(), key="run_scenario")
+    traits = scenario_traits.get(name)
+    off = {f: f not in traits.fields for f in ScenarioSpec.model_fields}
     values: dict[str, Any] = {"name": name}
     values["qps"] = c2.number_input(
-        "Rate (queries/s)", min_value=1.0, value=100.0, key="run_qps", disabled=name not in RATED
+        "Rate (queries/s)", min_value=1.0, value=100.0, key="run_qps", disabled=off["qps"]
     )
     values["batch_size"] = c3.number_input(
         "Batch size (multi-stream: samples per query)",
         min_value=1,
-        value=1 if name in ("online", "single-stream") else 8,
+        value=8 if traits.fields & {"batch_size", "batch_sizes"} else 1,
         key="run_batch",
     )
     values["duration_s"] = c4.number_input(
@@ -70,47 +72,47 @@ def scenario_form() -> dict[str, Any]:
     )
     c1, c2, c3, c4 = st.columns(4)
     sweep = c1.text_input(
-        "Batch sizes swept (batched)", "1, 2, 4, 8", key="run_sweep", disabled=name != "batched"
+        "Batch sizes swept (batched)", "1, 2, 4, 8", key="run_sweep", disabled=off["batch_sizes"]
     )
-    if name == "batched" and sweep.strip():
+    if not off["batch_sizes"] and sweep.strip():
         values["batch_sizes"] = _numbers(sweep, int)
     values["concurrency"] = c2.number_input(
         "Queries in flight",
         min_value=1,
         value=4,
         key="run_concurrency",
-        disabled=name != "concurrency",
+        disabled=off["concurrency"],
     )
     bound = c3.number_input(
         "p99 latency bound (ms; peak: the target)",
         min_value=0.0,
-        value=10.0 if name == "peak" else 0.0,
+        value=10.0 if "peak_trials" in traits.fields else 0.0,
         key="run_bound",
     )
     values["latency_bound_ms"] = float(bound) or None
     values["peak_trials"] = c4.number_input(
-        "Peak: most trials", min_value=2, value=10, key="run_trials", disabled=name != "peak"
+        "Peak: most trials", min_value=2, value=10, key="run_trials", disabled=off["peak_trials"]
     )
     c1, c2, c3, c4 = st.columns(4)
     values["repetitions"] = c1.number_input(
-        "Cold start: loads", min_value=1, value=5, key="run_reps", disabled=name != "cold-start"
+        "Cold start: loads", min_value=1, value=5, key="run_reps", disabled=off["repetitions"]
     )
     values["warm_queries"] = c2.number_input(
         "Cold start: warm queries",
         min_value=1,
         value=20,
         key="run_warm",
-        disabled=name != "cold-start",
+        disabled=off["warm_queries"],
     )
     values["loadgens"] = c3.number_input(
         "Load generators",
         min_value=1,
         value=1,
         key="run_loadgens",
-        disabled=name not in OPEN_LOOP,
+        disabled=off["loadgens"],
     )
     values["seed"] = c4.number_input("Seed", value=0, step=1, key="run_seed")
-    if name == "piecewise":
+    if not off["segments"]:
         values["segments"] = _segments(
             st.text_area(
                 "Segments: rate from, rate to, seconds; …",
@@ -118,7 +120,7 @@ def scenario_form() -> dict[str, Any]:
                 key="run_segments",
             )
         )
-    if name == "replay":
+    if not off["arrivals_s"]:
         values["arrivals_s"] = _numbers(
             st.text_area("Inter-arrival times (s)", "0.01 0.01 0.05 0.002", key="run_arrivals"),
             float,
