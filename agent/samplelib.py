@@ -48,8 +48,8 @@ class MemoryBudget:
             if self.used + n > self.limit:
                 raise ConfigError(
                     f"the sample library would hold {self.used + n:,} bytes, over this "
-                    f"agent's limit of {self.limit:,} (--sample-memory); load fewer samples "
-                    "(LoadGen's performance_sample_count)",
+                    f"agent's limit of {self.limit:,} (mlscope agent --sample-memory); have "
+                    "LoadGen load fewer (user.conf: *.*.performance_sample_count_override)",
                     field="indices",
                     evaluation_id=evaluation_id,
                     limit_bytes=self.limit,

@@ -242,6 +242,26 @@ def test_accuracy_run_matches_the_zoo(
     assert again["evaluation_id"] != doc["evaluation_id"]
 
 
+@PLACEMENTS
+def test_samples_loaded_in_sets_as_loadgen_asks(
+    ort: Stack, user_conf: Path, tmp_path: Path, placement: str
+) -> None:
+    """LoadGen's load/unload callbacks honoured: with 100 samples in memory at a time,
+    an accuracy run loads the 360 in four sets (unloading each before the next) and
+    every answer comes from a loaded sample."""
+    conf = tmp_path / "user.conf"
+    conf.write_text(user_conf.read_text() + "*.Offline.performance_sample_count_override = 100\n")
+    out = tmp_path / "out"
+    doc = mlperf(
+        ort, out, conf, "--scenario", "Offline", "--mode", "AccuracyOnly", "--placement", placement
+    )
+    detail = (out / logs.DETAIL).read_text()
+    assert '"key": "effective_performance_sample_count", "value": 100' in detail
+    assert detail.count('"key": "loaded_qsl_set"') == 4  # 100 + 100 + 100 + 60
+    assert doc["errors"] == 0 and doc["accuracy"]["samples"] == 360
+    assert round(doc["accuracy"]["top1"], 4) == 0.9778
+
+
 @pytest.mark.parametrize("scenario", ["SingleStream", "MultiStream"])
 def test_stream_scenarios(ort: Stack, user_conf: Path, tmp_path: Path, scenario: str) -> None:
     doc = mlperf(ort, tmp_path, user_conf, "--scenario", scenario)
