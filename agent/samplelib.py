@@ -133,7 +133,7 @@ class SampleLibrary:
             raise EvaluationError(
                 f"sample {exc.args[0]} is not loaded for evaluation {self.evaluation_id}",
                 evaluation_id=self.evaluation_id,
-                index=exc.args[0],
+                sample=exc.args[0],
             ) from exc
 
     # ------------------------------------------------------------------ inside

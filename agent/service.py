@@ -475,7 +475,11 @@ class Agent:
         comes from the predict thread."""
         received = now()
         worker, _ = self._prepared(query.evaluation_id)
-        job = self.mlperf.job(query, received, self._replier(msg.reply))
+        try:
+            job = self.mlperf.job(query, received, self._replier(msg.reply))
+        except MLScopeError as exc:  # the SUT completes the query's samples by its index
+            wire = exc.to_wire()
+            return ErrorReply(error={**wire, "fields": {**wire["fields"], "index": query.index}})
         if not worker.submit(job):
             busy = OverloadedError(f"agent {self.agent_id} is overloaded", index=query.index)
             return ErrorReply(error=busy.to_wire())

@@ -167,6 +167,9 @@ async def _hostile(settings: Settings) -> None:
         assert held["held"] == 2 and held["preprocessed"]
         for q in hostile_queries(ev):
             assert_typed_error(await ask(bus, query, q))
+        missing = {"kind": "samples_query", "evaluation_id": ev, "index": 42}
+        err = assert_typed_error(await ask(bus, query, {**missing, "samples": np.array([5])}))
+        assert err.fields["index"] == 42 and err.fields["sample"] == 5  # the SUT's key
         # The agent goes on: a good query is answered from the held samples.
         good = {
             "kind": "samples_query",
