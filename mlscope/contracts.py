@@ -702,8 +702,9 @@ class MLPerfRunOp(_Message):
     """Run MLPerf LoadGen in the agent's host (``mlscope mlperf --placement agent``)
     for a prepared evaluation: LoadGen in a child process of the agent whose system
     under test calls the model in that process. Answered with :class:`MLPerfStarted`
-    at once, then :class:`MLPerfDone` on the same reply subject when the test is
-    over; the server then fetches the files (:class:`MLPerfFetchOp`)."""
+    at once; :class:`MLPerfDone` follows on the agent's rows subject
+    (``mlscope.agent.<id>.rows.<evaluation_id>``) when the test is over, and the
+    server then fetches the files (:class:`MLPerfFetchOp`)."""
 
     op: Literal["mlperf"] = "mlperf"
     evaluation_id: str = Field(max_length=256)
@@ -847,10 +848,10 @@ class MLPerfFile(_Message):
 
 
 class MLPerfDone(_Message):
-    """The end of an MLPerf run in the agent (on the :class:`MLPerfRunOp`'s reply
-    subject): the files LoadGen's process left (its logs, and what its system under
-    test saw: ``sut-timing.npz``) by name with their sizes, kept in the agent until
-    the evaluation is released and fetched part by part (:class:`MLPerfFetchOp`:
+    """The end of an MLPerf run in the agent (on its rows subject): the files
+    LoadGen's process left (its logs, and what its system under test saw:
+    ``sut-timing.npz``) by name with their sizes, kept in the agent until the
+    evaluation is released and fetched part by part (:class:`MLPerfFetchOp`:
     request/reply, so the server takes them at its own pace); ``error`` the typed
     error that ended the run, if one did."""
 
