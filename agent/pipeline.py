@@ -108,6 +108,9 @@ class Job:
     more: tuple[np.ndarray, ...] = ()
     """The further inputs of a multi-input model, in manifest order; those left out are
     filled (:meth:`Model.fill`)."""
+    preprocessed: bool = False
+    """``inputs`` is already the first input's pre-processed form (samples an agent
+    holds pre-processed: :mod:`agent.samplelib`); its pre-processing is skipped."""
 
 
 @dataclass(eq=False, slots=True)
@@ -262,7 +265,7 @@ class Executor:
                     expected="(batch, ...)",
                     actual=list(raw.shape),
                 )
-            slot.x = self._inputs(raw, slot.job.more)
+            slot.x = self._inputs(raw, slot.job.more, done=slot.job.preprocessed)
         except MLScopeError as exc:
             slot.error = exc
         except Exception as exc:  # an operator's own error: the query was malformed
@@ -276,8 +279,11 @@ class Executor:
             )
         slot.t_pre_end = now()
 
-    def _inputs(self, raw: np.ndarray, more: tuple[np.ndarray, ...]) -> list[np.ndarray]:
-        """Each input through its own pre-processing; inputs the query left out filled."""
+    def _inputs(
+        self, raw: np.ndarray, more: tuple[np.ndarray, ...], *, done: bool = False
+    ) -> list[np.ndarray]:
+        """Each input through its own pre-processing (the first not when ``done``);
+        inputs the query left out filled."""
         m = self.model
         pre = m.pre
         if len(more) >= len(pre):
@@ -292,7 +298,7 @@ class Executor:
             pre[n](more[n - 1]) if n <= len(more) else m.fill(n, len(raw))
             for n in range(1, len(pre))
         ]
-        return [pre[0](raw), *rest]
+        return [raw if done else pre[0](raw), *rest]
 
     def _merge(self, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
         """Several queries' inputs as one batch: each joined on its batch axis; an input

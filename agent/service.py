@@ -24,9 +24,11 @@ import mlscope
 from agent import profiling
 from agent.energy import EnergyMeter
 from agent.localrun import LocalRun, serve_run
+from agent.mlperf_ops import MLPerfOps, loadgen_installed
 from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
+from agent.samplelib import MemoryBudget
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
@@ -38,9 +40,15 @@ from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
     CONTROL,
     LOCAL_RUN,
+    MLPERF_LOADGEN,
     AgentDescription,
+    ControlOp,
+    ControlReply,
     DescribeOp,
     ErrorReply,
+    MLPerfFetchOp,
+    MLPerfRunOp,
+    MLPerfStarted,
     ModelOffer,
     PingOp,
     PingReply,
@@ -52,6 +60,9 @@ from mlscope.contracts import (
     ReleaseReply,
     RunOp,
     RunStarted,
+    SamplesLoadOp,
+    SamplesQuery,
+    SamplesUnloadOp,
     TraceLevel,
     new_id,
 )
@@ -99,7 +110,11 @@ class AgentConfig:
     """System-sampler interval for evaluations traced at level ``system`` or more."""
     local_runs: bool = True
     """Run a scenario's load here when a job asks (``placement: agent``); advertised
-    as the feature :data:`mlscope.contracts.LOCAL_RUN`."""
+    as the feature :data:`mlscope.contracts.LOCAL_RUN` (and, with MLPerf LoadGen
+    installed, :data:`mlscope.contracts.MLPERF_LOADGEN`)."""
+    sample_memory_bytes: int = 1 << 30
+    """Memory the samples this agent holds for MLPerf runs may take, all together
+    (a load beyond it is refused)."""
 
 
 @dataclass
@@ -148,6 +163,13 @@ class Agent:
         self.agent_id = self.config.agent_id or names.token(
             f"{host}-{self.config.framework}-{new_id('a')[2:8]}"
         )
+        self.mlperf = MLPerfOps(
+            self.agent_id,
+            self.settings.zoo_dir,
+            MemoryBudget(self.config.sample_memory_bytes),
+            runs_here=self.config.local_runs and loadgen_installed(),
+        )
+        """Sample libraries and LoadGen runs (``mlscope mlperf``)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -260,6 +282,9 @@ class Agent:
         subs = [
             await self.boundary.subscribe(names.agent_query(self.agent_id), bytes, self._on_query),
             await self.boundary.subscribe(names.agent_ctl(self.agent_id), CONTROL, self._on_ctl),
+            await self.boundary.subscribe(
+                names.agent_samples(self.agent_id), SamplesQuery, self._on_samples_query
+            ),
         ]
         await self._sync_capabilities(bus)
         return subs
@@ -327,7 +352,14 @@ class Agent:
             started_at=time.time(),
             heartbeat_at=time.time(),
             heartbeat_s=self.config.heartbeat_s,
-            features=(LOCAL_RUN,) if self.config.local_runs else (),
+            features=tuple(
+                f
+                for f, on in (
+                    (LOCAL_RUN, self.config.local_runs),
+                    (MLPERF_LOADGEN, self.mlperf.runs_here),
+                )
+                if on
+            ),
         )
 
     async def _advertise(self, bus: Bus) -> None:
@@ -364,9 +396,7 @@ class Agent:
 
     # ------------------------------------------------------------------ requests
 
-    async def _on_ctl(
-        self, req: PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, msg: Msg
-    ) -> PingReply | AgentDescription | PrepareReply | ReleaseReply | RunStarted:
+    async def _on_ctl(self, req: ControlOp, msg: Msg) -> ControlReply:
         """Control requests (the serving boundary replies to failures)."""
         if isinstance(req, PingOp):
             return PingReply(t_agent=now())
@@ -376,6 +406,20 @@ class Agent:
             return await self._prepare(req)
         if isinstance(req, RunOp):
             return await self._start_run(req, msg.reply)
+        if isinstance(req, SamplesLoadOp):
+            worker, entry = self._prepared(req.evaluation_id)
+            return await self.mlperf.load(req, worker, entry)
+        if isinstance(req, SamplesUnloadOp):
+            return await self.mlperf.unload(req)
+        if isinstance(req, MLPerfRunOp):
+            return await self._start_mlperf(req)
+        if isinstance(req, MLPerfFetchOp):
+            return await anyio.to_thread.run_sync(self.mlperf.runner.fetch, req)
+        return await self._release(req)
+
+    async def _release(self, req: ReleaseOp) -> ReleaseReply:
+        """An evaluation is over: its samples, LoadGen process and meters let go."""
+        await self.mlperf.release(req.evaluation_id)
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         rss = await anyio.to_thread.run_sync(self.rss.stop, req.evaluation_id)
@@ -395,6 +439,56 @@ class Agent:
             rss_end_bytes=end,
             energy_j=energy_j,
         )
+
+    def _prepared(self, evaluation_id: str) -> tuple[Executor, Entry]:
+        """The executor and model entry of a prepared evaluation (else a typed error)."""
+        session = self.sessions.get(evaluation_id)
+        if session is None:
+            raise EvaluationError(
+                f"agent {self.agent_id} was not prepared for evaluation {evaluation_id}",
+                evaluation_id=evaluation_id,
+            )
+        entry = next(e for e, _ in self.offers if e.manifest.key == session.key)
+        return session.worker, entry
+
+    async def _start_mlperf(self, req: MLPerfRunOp) -> MLPerfStarted:
+        """LoadGen next to the model (placement agent): answered once it started; its
+        end follows on :func:`mlscope.names.agent_rows` (a run may outlast the reply
+        window a responder has under credentials)."""
+        self.mlperf.require()
+        _, entry = self._prepared(req.evaluation_id)
+        graph = await anyio.to_thread.run_sync(self._check, entry)
+        return await self.mlperf.run(
+            req,
+            entry=entry,
+            graph=graph,
+            options=self.predictor_options(req.spec.batch_size),
+            executor={
+                "capacity": self.config.queue_capacity,
+                "pre_workers": self.config.pre_workers,
+                "max_wait_us": self.config.batch_wait_us,
+            },
+            allow_custom=self.settings.allow_custom_code,
+            publish=functools.partial(
+                self.bus.nc.publish, names.agent_rows(self.agent_id, req.evaluation_id)
+            ),
+            tg=self.task_group,
+        )
+
+    async def _on_samples_query(self, query: SamplesQuery, msg: Msg) -> ErrorReply | None:
+        """A query naming held samples (MLPerf's SUT): run like any query; the reply
+        comes from the predict thread."""
+        received = now()
+        worker, _ = self._prepared(query.evaluation_id)
+        try:
+            job = self.mlperf.job(query, received, self._replier(msg.reply))
+        except MLScopeError as exc:  # the SUT completes the query's samples by its index
+            wire = exc.to_wire()
+            return ErrorReply(error={**wire, "fields": {**wire["fields"], "index": query.index}})
+        if not worker.submit(job):
+            busy = OverloadedError(f"agent {self.agent_id} is overloaded", index=query.index)
+            return ErrorReply(error=busy.to_wire())
+        return None
 
     async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""

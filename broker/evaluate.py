@@ -35,6 +35,7 @@ from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
     LOCAL_RUN,
+    MLPERF_LOADGEN,
     AgentDescription,
     EvaluationSummary,
     JobRequest,
@@ -77,8 +78,11 @@ def resolve(
 
     system = sysmatch.effective(sysmatch.from_manifest(m.system), job.system)
 
+    # Placement agent needs the agent to generate the load: a local run, or LoadGen.
+    feature = MLPERF_LOADGEN if job.mlperf is not None else LOCAL_RUN
+
     def fits(a: AgentDescription) -> bool:
-        return serves(a) and (job.placement == "server" or LOCAL_RUN in a.features)
+        return serves(a) and (job.placement == "server" or feature in a.features)
 
     def serves(a: AgentDescription) -> bool:
         fw = next((f for f in a.frameworks if f.name == job.framework), None)
@@ -97,8 +101,9 @@ def resolve(
     if not matches and unable:
         raise ResolutionError(
             f"placement agent: agent(s) {', '.join(unable)} serve {m.name}@{m.version} on "
-            f"{job.framework} but cannot run load themselves (no {LOCAL_RUN!r} feature: an "
-            "older mlscope, or started without it); submit with --placement server",
+            f"{job.framework} but cannot run load themselves (no {feature!r} feature: an "
+            "older mlscope, started without it, or without mlcommons-loadgen for an MLPerf "
+            "run); submit with --placement server",
             model=m.name,
             framework=job.framework,
             placement=job.placement,

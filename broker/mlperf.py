@@ -3,9 +3,12 @@
 A job with ``JobRequest.mlperf`` is resolved, prepared and stored like any other job
 (:class:`broker.evaluate.Evaluator`); only the load generator differs: official
 LoadGen drives the agent through :class:`broker.mlperf_sut.AgentSUT`, with the
-model's labelled data set as the QuerySampleLibrary. Each test runs in its own child
-process (why: broker/mlperf_sut.py), so several MLPerf jobs may run at once and
-the server never imports LoadGen.
+model's labelled data set as the QuerySampleLibrary, which the agent holds. Each test
+runs in its own child process (why: broker/mlperf_sut.py), so several MLPerf jobs may
+run at once and the server never imports LoadGen. With ``placement: agent`` the agent
+runs that process next to the model and ships its files back
+(:mod:`broker.mlperf_agent`); they are parsed and stored with the same code, the
+SUT's clock being the agent's (mapped with the ping offset, as a local run's).
 
 What is stored (``evaluations`` + ``queries`` + ``mlperf_logs``):
 
@@ -40,7 +43,7 @@ from broker import mlperf_logs as logs
 from broker.db import Database
 from broker.evalspec import dataset, specification
 from broker.loadgen import RunRecord, estimate_offset
-from broker.mlperf_sut import ERROR, TIMING
+from broker.mlperf_agent import run_in_agent
 from mlscope import codec, names, schema
 from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
@@ -53,6 +56,7 @@ from mlscope.contracts import (
     evaluation_id_for,
 )
 from mlscope.errors import ConfigError, EvaluationError, error_from_wire
+from mlscope.mlperf import ERROR, TIMING
 from mlscope.stats import percentiles, trimmed_mean
 
 __all__ = [
@@ -117,15 +121,23 @@ async def run(
     prep = await request(ev.bus, ctl, codec.encode(prepare), timeout=PREPARE_TIMEOUT_S)
     offset, rtt = await estimate_offset(ev.bus, agent.agent_id)
     started = time.time()
+    conf_model = spec.conf_model or m.name
     try:
-        timing, files = await _test(ev, spec, spec.conf_model or m.name, eval_id, agent, data[0])
+        if job.placement == "agent":  # LoadGen next to the model, its clock the agent's
+            timing, files = await run_in_agent(ev.bus, spec, conf_model, eval_id, agent)
+        else:
+            timing, files = await _test(ev, spec, conf_model, eval_id, agent, len(data[0]))
     finally:
         with anyio.move_on_after(5, shield=True):
             await request(
                 ev.bus, ctl, codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5
             )
     result = logs.parse_result(files[logs.SUMMARY], files[logs.DETAIL])
-    rec = _record(logs.trace_samples(files.get(logs.TRACE, "")), timing, offset, data[1])
+    here = job.placement == "agent"
+    trace = logs.trace_samples(files.get(logs.TRACE, ""))
+    rec = _record(trace, timing, 0 if here else offset, data[1])
+    if here:  # tied to the agent's clock: onto ours, as a local run's t0
+        rec.t0_ns -= offset
     accuracy = _accuracy(result, files, data[1])
     fw = next(x for x in agent.frameworks if x.name == job.framework)
     failed = int(timing["errors"])  # answered to LoadGen with no data: not its errors
@@ -147,6 +159,7 @@ async def run(
             "model": {"name": m.name, "version": m.version},
             "agent_id": agent.agent_id,
             "host": agent.host,
+            "placement": job.placement,
             "clock_offset_ns": offset,
             "clock_rtt_ns": rtt,
             "errors": failed,
@@ -169,21 +182,23 @@ async def _test(
     conf_model: str,
     eval_id: str,
     agent: AgentDescription,
-    x: np.ndarray,
+    samples: int,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Run the test in a child process (see broker/mlperf_sut.py for why); return what
-    its SUT saw and LoadGen's log files."""
+    its SUT saw and LoadGen's log files (``samples``: the data set's size, which the
+    agent holds)."""
     url = ev.bus.nc.connected_url
     with tempfile.TemporaryDirectory(prefix="mlperf-") as tmp:
         work = Path(tmp)
         out = work / "logs"
         out.mkdir()
-        np.save(work / "samples.npy", x)
         cfg = {
             "spec": spec.model_dump(),
             "conf_model": conf_model,
             "evaluation_id": eval_id,
-            "subject": names.agent_query(agent.agent_id),
+            "samples": samples,
+            "subject": names.agent_samples(agent.agent_id),
+            "ctl": names.agent_ctl(agent.agent_id),
             "workdir": str(work),
             "logdir": str(out),
             "nats_url": url.geturl() if url is not None else None,

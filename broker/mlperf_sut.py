@@ -1,19 +1,23 @@
 """LoadGen's two interfaces over the bus: the sample library and the system under test.
 
 ```
+LoadGen thread ── load_samples / unload_samples ── ctl request ──► agent's sample library
 LoadGen thread ── issue_query(samples) ──call_soon_threadsafe──► event loop
                                                                   │ chunks of <= batch_size
                                                                   │ samples, <= window in flight
-        QuerySamplesComplete ◄── reply (outputs, agent times) ◄── agent (Query / QueryReply)
+        QuerySamplesComplete ◄── reply (outputs, agent times) ◄── agent (SamplesQuery / QueryReply)
 ```
 
-* :class:`SampleLibrary` is the QuerySampleLibrary: the model's labelled data set.
-  LoadGen's ``load_samples`` callback copies the rows it names into memory once (the
-  raw samples every query is built from), ``unload_samples`` drops them; a query for
-  a sample that is not loaded is LoadGen's misuse and fails the run.
+* The QuerySampleLibrary is held by the agent (:mod:`agent.samplelib`): LoadGen's
+  ``load_samples`` / ``unload_samples`` callbacks become ``load_samples`` /
+  ``unload_samples`` control requests, answered once the agent holds (or dropped)
+  the samples of its own copy of the data set, pre-processed once where the model's
+  pipeline allows. A load the agent refuses (its memory limit, an index out of
+  range) fails the run after LoadGen's test.
 * :class:`AgentSUT` is the system under test: each LoadGen query becomes one or more
-  ordinary agent queries (the same ``Query`` / ``QueryReply`` as mlscope's own load
-  generator), at most ``window`` in flight; the rest wait in a FIFO on our side, so
+  agent queries naming held samples by index (``SamplesQuery`` on
+  ``mlscope.agent.<id>.samples``, answered with the ``QueryReply`` of any query), at
+  most ``window`` in flight; the rest wait in a FIFO on our side, so
   an agent is never asked past its admission bound and the wait counts as latency,
   as it would inside any system under test. Each reply completes its samples at once
   with the response LoadGen logs in accuracy mode: the predicted classes as int64,
@@ -27,7 +31,7 @@ LoadGen keeps process-wide state (its logger, and a count of the conf files read
 which makes a second test in one process log "Multiple conf files are used" as an
 error), has no way to abort a test, and its threads would share the server's GIL
 with the trace ingester. The child connects to NATS itself (the server's URL and
-environment), reads the raw data set the parent wrote, runs the test, and leaves
+environment), runs the test, and leaves
 LoadGen's logs and what the SUT saw (:data:`TIMING`) in the parent's temporary
 directory. ``perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process of a
 host, so the parent's clock offset to the agent holds for the child.
@@ -48,77 +52,36 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.loadgen import LOOP_REALTIME_MAX_QPS, encode_query
-from broker.pacer import REALTIME_PRIORITY
+from broker.loadgen import LOOP_REALTIME_MAX_QPS
 from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec
-from mlscope.bus import Bus
-from mlscope.contracts import MLPerfSpec, TraceLevel, new_id
-from mlscope.errors import (
-    ConfigError,
-    EvaluationError,
-    FrameworkUnavailable,
-    MLScopeError,
-    WireError,
+from mlscope.bus import Bus, request
+from mlscope.contracts import (
+    MLPerfSpec,
+    SamplesLoadOp,
+    SamplesQuery,
+    SamplesUnloadOp,
+    new_id,
+)
+from mlscope.errors import MLScopeError, WireError
+from mlscope.mlperf import (
+    ERROR,
+    TIMING,
+    SampleTiming,
+    load_loadgen,
+    rankings,
+    save_timing,
+    start_test,
+    test_settings,
 )
 from mlscope.settings import Settings
 
-__all__ = [
-    "ERROR",
-    "TIMING",
-    "AgentSUT",
-    "SampleLibrary",
-    "SampleTiming",
-    "load_loadgen",
-    "main",
-    "test_settings",
-]
-
-TIMING = "sut-timing.npz"
-ERROR = "error.json"
+__all__ = ["ERROR", "TIMING", "AgentSUT", "main"]
 
 now = time.perf_counter_ns
-
-
-class SampleLibrary:
-    """The QuerySampleLibrary over a data set's raw rows ``x``."""
-
-    def __init__(self, x: np.ndarray) -> None:
-        self.x = x
-        self.loaded: dict[int, np.ndarray] = {}
-        self.loads = 0
-        self.unloads = 0
-
-    def load(self, indices: list[int]) -> None:
-        self.loads += 1
-        for i in indices:
-            self.loaded[int(i)] = np.array(self.x[int(i)])  # copied once
-
-    def unload(self, indices: list[int]) -> None:
-        self.unloads += 1
-        for i in indices:
-            self.loaded.pop(int(i), None)
-
-    def stack(self, indices: list[int]) -> np.ndarray:
-        try:
-            return np.stack([self.loaded[i] for i in indices])
-        except KeyError as exc:
-            raise EvaluationError(
-                f"LoadGen asked for sample {exc.args[0]}, which it did not load"
-            ) from exc
-
-
-@dataclass
-class SampleTiming:
-    """What the SUT saw of one sample (agent times on the agent's clock, ns)."""
-
-    agent: tuple[int, int, int, int] = (0, 0, 0, 0)
-    ok: bool = False
-    prediction: int = -1
-    error: str = ""
-
-
+SAMPLES_TIMEOUT_S = 300.0
+"""How long the agent may take to load (read and pre-process) the samples LoadGen names."""
 REPLY_TIMEOUT_S = 60.0
 """A chunk unanswered this long fails its samples: LoadGen waits for every sample, so
 an agent that died mid-test would otherwise hold the test (and the job) forever."""
@@ -139,9 +102,9 @@ class AgentSUT:
 
     bus: Bus
     lg: Any
-    subject: str
+    agent_subjects: tuple[str, str]
+    """The agent's samples and control subjects."""
     evaluation_id: str
-    library: SampleLibrary
     batch_size: int
     window: int
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.get_running_loop)
@@ -161,13 +124,28 @@ class AgentSUT:
 
     # ------------------------------------------------------------- LoadGen's thread
 
+    def load_samples(self, indices: list[int]) -> None:
+        """LoadGen's QSL callback: the agent holds these samples before it returns."""
+        self._library(SamplesLoadOp(evaluation_id=self.evaluation_id, indices=tuple(indices)))
+
+    def unload_samples(self, indices: list[int]) -> None:
+        self._library(SamplesUnloadOp(evaluation_id=self.evaluation_id, indices=tuple(indices)))
+
+    def _library(self, op: SamplesLoadOp | SamplesUnloadOp) -> None:
+        """One sample-library request, waited for on LoadGen's thread; a refusal is
+        kept (LoadGen cannot take an error) and fails the run after the test."""
+        call = request(
+            self.bus, self.agent_subjects[1], codec.encode_model(op), timeout=SAMPLES_TIMEOUT_S
+        )
+        try:
+            asyncio.run_coroutine_threadsafe(call, self.loop).result()
+        except MLScopeError as exc:
+            self._failure = self._failure or exc
+
     def issue_query(self, samples: list[Any]) -> None:
         t = now()
         items = [(int(s.id), int(s.index)) for s in samples]
         self.loop.call_soon_threadsafe(self._admit, t, items)
-
-    def flush_queries(self) -> None:
-        """Nothing is held back: every chunk is sent as soon as the window allows."""
 
     # ------------------------------------------------------------- event loop
 
@@ -205,14 +183,13 @@ class AgentSUT:
         self._next += 1
         chunk.sent_ns = now()
         self._inflight[i] = chunk
-        try:
-            x = self.library.stack([idx for _, idx in chunk.items])
-        except EvaluationError as exc:
-            self._failure = exc
-            self._complete(i, None, str(exc))
-            return
-        payload = encode_query(self.evaluation_id, i, x, TraceLevel.NONE)
-        await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
+        query = SamplesQuery(
+            evaluation_id=self.evaluation_id,
+            index=i,
+            samples=np.fromiter((idx for _, idx in chunk.items), np.int64, len(chunk.items)),
+        )
+        payload = codec.encode_model(query)
+        await self.bus.nc.publish(self.agent_subjects[0], payload, reply=self.inbox)
 
     async def _on_reply(self, msg: Any) -> None:
         try:
@@ -248,7 +225,7 @@ class AgentSUT:
                     int(reply["t_predict_end"]),
                     int(reply["t_replied"]),
                 )
-                ranks = _rankings(reply, len(chunk.items))
+                ranks = rankings(reply.get("outputs"), len(chunk.items))
             except (KeyError, TypeError, ValueError):
                 ranks = None
             error = error or ("" if ranks is not None else "malformed reply")
@@ -276,126 +253,44 @@ class AgentSUT:
             raise self._failure
 
 
-def _rankings(reply: dict[str, Any], n: int) -> np.ndarray | None:
-    """Per sample, the predicted classes best first (int64): the post-processed indices
-    when the model returns class indices, else the argmax of its output."""
-    out = reply.get("outputs")
-    if not isinstance(out, np.ndarray) or out.size == 0 or out.shape[0] != n:
-        return None
-    rows = out.reshape(n, -1)
-    if np.issubdtype(rows.dtype, np.integer):
-        return np.ascontiguousarray(rows, dtype=np.int64)
-    return np.ascontiguousarray(rows.argmax(axis=1)[:, None], dtype=np.int64)
-
-
-def load_loadgen() -> Any:
-    """The ``mlperf_loadgen`` module, or a typed error naming the extra to install."""
-    try:
-        import mlperf_loadgen
-    except ImportError as exc:
-        raise FrameworkUnavailable(
-            "MLPerf LoadGen is not installed: pip install 'mlscope[mlperf]' (mlcommons-loadgen)"
-        ) from exc
-    return mlperf_loadgen
-
-
-def test_settings(lg: Any, spec: MLPerfSpec, model: str, workdir: Path) -> Any:
-    """LoadGen's TestSettings: its mlperf.conf (or the job's), the user.conf, the flags."""
-    ts = lg.TestSettings()
-    ts.scenario = getattr(lg.TestScenario, spec.scenario)
-    ts.mode = getattr(lg.TestMode, spec.mode)
-    for name, text, user in (
-        ("mlperf.conf", spec.mlperf_conf, False),
-        ("user.conf", spec.user_conf, True),
-    ):
-        if text is None and user:
-            continue
-        path = workdir / name
-        if text is not None:
-            path.write_text(text)
-        # conf_type 0 loads LoadGen's built-in mlperf.conf; 1 reads the file given.
-        code = ts.FromConfig(str(path), model, spec.scenario, 1 if text is not None else 0)
-        if code != 0:
-            raise ConfigError(
-                f"LoadGen refused the {name} (FromConfig returned {code})", field=name
-            )
-    if spec.target_qps is not None:
-        if spec.scenario == "Server":
-            ts.server_target_qps = spec.target_qps
-        elif spec.scenario == "Offline":
-            ts.offline_expected_qps = spec.target_qps
-    if spec.seed is not None:
-        ts.qsl_rng_seed = ts.sample_index_rng_seed = ts.schedule_rng_seed = spec.seed
-    return ts
-
-
-async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any], x: np.ndarray) -> AgentSUT:
+async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any]) -> AgentSUT:
     """One LoadGen test in a worker thread while the SUT serves on the event loop."""
     spec = MLPerfSpec.model_validate(cfg["spec"])
     work = Path(cfg["workdir"])
-    library = SampleLibrary(x)
     sut = AgentSUT(
-        bus, lg, cfg["subject"], cfg["evaluation_id"], library, spec.batch_size, spec.window
+        bus,
+        lg,
+        (cfg["subject"], cfg["ctl"]),
+        cfg["evaluation_id"],
+        spec.batch_size,
+        spec.window,
     )
     ts = test_settings(lg, spec, cfg["conf_model"], work)
-    log = lg.LogSettings()
-    log.log_output.outdir = cfg["logdir"]
-    log.log_output.copy_summary_to_stdout = False
-    log.enable_trace = True  # the per-sample records
-    handles = (
-        lg.ConstructSUT(sut.issue_query, sut.flush_queries),
-        lg.ConstructQSL(len(x), len(x), library.load, library.unload),
-    )
     # The same conditions as mlscope's own pacer (broker/loadgen.py), so the two load
     # generators can be compared: LoadGen's issue thread gets the GIL the moment it
     # wakes (not after a 5 ms switch interval), no GC pause holds it, and it runs in
-    # SCHED_FIFO like the pacer thread, the event loop too below the same rate
-    # (no effect without CAP_SYS_NICE). This process runs one test, then exits.
+    # SCHED_FIFO like the pacer thread (mlscope.mlperf.start_test), the event loop too
+    # below the same rate (no effect without CAP_SYS_NICE). This process runs one
+    # test, then exits.
     realtime_loop = spec.scenario != "Offline" and (spec.target_qps or 0) <= LOOP_REALTIME_MAX_QPS
-    try:
-        with ProcessTuning().measurement(realtime_loop=realtime_loop):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(sut.serve)
-                await anyio.to_thread.run_sync(
-                    _start_test, lg, handles, ts, log, str(work / "audit.config")
+    with ProcessTuning().measurement(realtime_loop=realtime_loop):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sut.serve)
+            await anyio.to_thread.run_sync(
+                lambda: start_test(
+                    lg,
+                    issue=sut.issue_query,
+                    samples=int(cfg["samples"]),
+                    load=sut.load_samples,
+                    unload=sut.unload_samples,
+                    settings=ts,
+                    logdir=cfg["logdir"],
+                    workdir=work,
                 )
-                tg.cancel_scope.cancel()
-    finally:
-        lg.DestroyQSL(handles[1])
-        lg.DestroySUT(handles[0])
+            )
+            tg.cancel_scope.cancel()
     sut.check()
     return sut
-
-
-def _start_test(lg: Any, handles: tuple[int, int], ts: Any, log: Any, audit: str) -> None:
-    """StartTest on a real-time worker thread: LoadGen's own threads, created by it,
-    inherit its scheduling policy (pthreads' default)."""
-    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
-        realtime = True
-    except OSError:
-        realtime = False
-    try:
-        lg.StartTestWithLogSettings(handles[0], handles[1], ts, log, audit)
-    finally:
-        if realtime:
-            os.sched_setscheduler(0, policy, param)
-
-
-def save_timing(sut: AgentSUT, path: Path) -> None:
-    keys = sorted(sut.timing)
-    rows = [sut.timing[k] for k in keys]
-    np.savez(
-        path,
-        issue_ns=np.asarray(sut.issue_ns, np.int64),
-        key=np.asarray(keys, np.int64).reshape(-1, 2),
-        agent=np.asarray([t.agent for t in rows], np.int64).reshape(-1, 4),
-        ok=np.asarray([t.ok for t in rows], bool),
-        prediction=np.asarray([t.prediction for t in rows], np.int64),
-        error=np.asarray([t.error for t in rows], dtype=str),
-        errors=sut.errors,
-    )
 
 
 async def _child(cfg: dict[str, Any]) -> None:
@@ -403,10 +298,9 @@ async def _child(cfg: dict[str, Any]) -> None:
     settings = Settings.from_env()
     if cfg.get("nats_url"):
         settings = settings.with_(nats_url=cfg["nats_url"])
-    x = np.load(Path(cfg["workdir"]) / "samples.npy")
     async with busmod.connect(settings, name=f"mlperf loadgen {os.getpid()}") as bus:
-        sut = await run_test(bus, lg, cfg, x)
-    save_timing(sut, Path(cfg["workdir"]) / TIMING)
+        sut = await run_test(bus, lg, cfg)
+    save_timing(Path(cfg["workdir"]) / TIMING, sut.issue_ns, sut.timing, sut.errors)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -67,6 +67,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--window", type=int, default=8, help="agent queries in flight")
     p.add_argument("--seed", type=int, default=None, help="LoadGen's three RNG seeds")
+    p.add_argument(
+        "--placement",
+        choices=("server", "agent"),
+        default="server",
+        help="where LoadGen runs: on the server's host, its system under test sending "
+        "queries over the bus (default), or on the agent's host next to the model",
+    )
     p.add_argument("--output", type=Path, required=True, help="where LoadGen's logs go")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=_run)
@@ -103,6 +110,7 @@ def mlperf_job(args: argparse.Namespace) -> JobRequest:
         agent_id=args.agent_id,
         trace_level="none",
         mlperf=spec,
+        placement=args.placement,
     )
 
 

@@ -96,6 +96,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="refuse to generate a run's load here (jobs with placement agent go elsewhere)",
     )
     ag.add_argument(
+        "--sample-memory",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="memory the samples held for MLPerf runs may take (default 1024 MiB)",
+    )
+    ag.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="stderr log level (default info)"
     )
     ag.set_defaults(func=run_agent)
@@ -125,6 +132,7 @@ def run_agent(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads,
         local_runs=args.local_runs,
+        sample_memory_bytes=args.sample_memory << 20,
     )
     catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
     return _serve(Agent(settings, config, catalog).run)

@@ -76,6 +76,7 @@ def agent_permissions(
                 *(f"{c} {c}" for c in caps),  # only as its queue group
                 names.agent_query(own),
                 names.agent_ctl(own),
+                names.agent_samples(own),
             ]
         },
         "allow_responses": responses(reply_window_s),

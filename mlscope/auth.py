@@ -189,7 +189,13 @@ def _agent(inbox: str, grant: dict[str, Any]) -> dict[str, Any]:
         # Capability subjects only as a member of their queue group (the agent names
         # the group after the subject): a plain subscription would hear every query.
         "subscribe": {
-            "allow": [inbox, f"{P}.cap.> {P}.cap.>", f"{P}.agent.*.query", f"{P}.agent.*.ctl"]
+            "allow": [
+                inbox,
+                f"{P}.cap.> {P}.cap.>",
+                f"{P}.agent.*.query",
+                f"{P}.agent.*.ctl",
+                f"{P}.agent.*.samples",
+            ]
         },
         "allow_responses": grant,
     }
@@ -255,6 +261,7 @@ def _edge(inbox: str, own: str, *, edge_domain: str, hub_domain: str) -> dict[st
                 f"{P}.cap.>",
                 f"{P}.agent.{own}.query",
                 f"{P}.agent.{own}.ctl",
+                f"{P}.agent.{own}.samples",
                 f"$JS.{edge_domain}.API.>",
                 f"$JS.FC.{EDGE_BUFFER_STREAM}.>",
             ]

@@ -26,7 +26,11 @@ Schema history:
                ScenarioSpec.loadgen_hosts and the load-generator service's messages
                (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp, LoadgenProgress and
                the replies); SqlRequest.format, offset and limit, and SqlArrowReply
-               (Arrow IPC pages of a result).
+               (Arrow IPC pages of a result); the agent's sample library and MLPerf
+               LoadGen in the agent (``SamplesLoadOp``, ``SamplesUnloadOp``,
+               ``SamplesReply``, ``SamplesQuery``, ``MLPerfRunOp``, ``MLPerfStarted``,
+               ``MLPerfDone``, ``MLPerfFetchOp``, ``MLPerfFile``; AgentDescription
+               feature ``mlperf-loadgen``).
 """
 
 from __future__ import annotations
@@ -56,10 +60,13 @@ from mlscope.versions import parse_constraint
 __all__ = [
     "LOADGEN_CONTROL",
     "LOCAL_RUN",
+    "MAX_SAMPLE_INDICES",
+    "MLPERF_LOADGEN",
     "Accelerator",
     "AgentDescription",
     "CancelReply",
     "CancelRequest",
+    "ControlOp",
     "ControlReply",
     "ControlRequest",
     "DescribeOp",
@@ -77,8 +84,13 @@ __all__ = [
     "LoadgenLoaded",
     "LoadgenProgress",
     "LoadgenStartOp",
+    "MLPerfDone",
+    "MLPerfFetchOp",
+    "MLPerfFile",
     "MLPerfImport",
+    "MLPerfRunOp",
     "MLPerfSpec",
+    "MLPerfStarted",
     "ModelOffer",
     "PingOp",
     "PingReply",
@@ -95,6 +107,10 @@ __all__ = [
     "RunRows",
     "RunStarted",
     "SampleBatch",
+    "SamplesLoadOp",
+    "SamplesQuery",
+    "SamplesReply",
+    "SamplesUnloadOp",
     "ScenarioName",
     "ScenarioSpec",
     "SpanBatch",
@@ -111,6 +127,11 @@ SCHEMA = 1
 LOCAL_RUN = "local-run"
 """The feature an agent advertises when it can generate a run's load itself
 (``placement: agent``, :class:`RunOp`)."""
+MLPERF_LOADGEN = "mlperf-loadgen"
+"""The feature an agent advertises when it can run MLPerf LoadGen next to its model
+(``mlscope mlperf --placement agent``, :class:`MLPerfRunOp`)."""
+MAX_SAMPLE_INDICES = 262_144
+"""Most data-set indices one sample-library request may name."""
 Placement = Literal["server", "agent"]
 """Where a run's load generator runs: on the server (every query crosses the bus to the
 agent and back: a *served* model) or in the agent (the model itself, no bus per query)."""
@@ -458,8 +479,10 @@ class JobRequest(_Message):
         if self.placement == "agent":
             s = self.scenario
             what = (
-                "an MLPerf LoadGen run"
-                if self.mlperf is not None or self.mlperf_import is not None
+                "an MLPerf import"
+                if self.mlperf_import is not None
+                else ""
+                if self.mlperf is not None  # LoadGen runs in the agent's host
                 else f"scenario {s.name!r}"
                 if not scenario_traits.get(s.name).local
                 else f"{s.loadgens} load generators"
@@ -654,13 +677,70 @@ class RunOp(_Message):
         return value
 
 
-ControlRequest = Annotated[
-    PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, Field(discriminator="op")
-]
-"""What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
-CONTROL: TypeAdapter[PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp] = TypeAdapter(
-    ControlRequest
+SampleIndex = Annotated[int, Field(strict=True, ge=0)]
+
+
+class SamplesLoadOp(_Message):
+    """Hold these data-set samples for a prepared evaluation (LoadGen's
+    ``load_samples``): the agent reads its own copy of the model's data set,
+    pre-processes the samples once where the pipeline allows, and keeps them until
+    they are unloaded or the evaluation is released. Queries then name samples by
+    index (:class:`SamplesQuery`)."""
+
+    op: Literal["load_samples"] = "load_samples"
+    evaluation_id: str = Field(max_length=256)
+    indices: tuple[SampleIndex, ...] = Field(max_length=MAX_SAMPLE_INDICES)
+
+
+class SamplesUnloadOp(_Message):
+    """Drop these samples (LoadGen's ``unload_samples``); unknown ones are ignored."""
+
+    op: Literal["unload_samples"] = "unload_samples"
+    evaluation_id: str = Field(max_length=256)
+    indices: tuple[SampleIndex, ...] = Field(max_length=MAX_SAMPLE_INDICES)
+
+
+class MLPerfRunOp(_Message):
+    """Run MLPerf LoadGen in the agent's host (``mlscope mlperf --placement agent``)
+    for a prepared evaluation: LoadGen in a child process of the agent whose system
+    under test calls the model in that process. Answered with :class:`MLPerfStarted`
+    at once; :class:`MLPerfDone` follows on the agent's rows subject
+    (``mlscope.agent.<id>.rows.<evaluation_id>``) when the test is over, and the
+    server then fetches the files (:class:`MLPerfFetchOp`)."""
+
+    op: Literal["mlperf"] = "mlperf"
+    evaluation_id: str = Field(max_length=256)
+    spec: MLPerfSpec
+    conf_model: str = Field(max_length=256)
+
+
+class MLPerfFetchOp(_Message):
+    """Part of a file an agent's MLPerf run left (named in its :class:`MLPerfDone`):
+    at most ``max_bytes`` from ``offset``, answered with :class:`MLPerfFile`."""
+
+    op: Literal["mlperf_fetch"] = "mlperf_fetch"
+    evaluation_id: str = Field(max_length=256)
+    name: str = Field(max_length=256)
+    offset: int = Field(default=0, ge=0)
+    max_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
+    """The requester's max payload (nats-server's limit is 64 MiB at most)."""
+
+
+ControlOp = (
+    PingOp
+    | DescribeOp
+    | PrepareOp
+    | ReleaseOp
+    | RunOp
+    | SamplesLoadOp
+    | SamplesUnloadOp
+    | MLPerfRunOp
+    | MLPerfFetchOp
 )
+"""Every control request an agent takes."""
+ControlRequest = Annotated[ControlOp, Field(discriminator="op")]
+"""What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
+CONTROL: TypeAdapter[ControlOp] = TypeAdapter(ControlRequest)
 
 
 class PingReply(_Message):
@@ -741,7 +821,58 @@ class RunRows(_Message):
     """final: the typed error that ended the run early, if one did."""
 
 
-ControlReply = PingReply | AgentDescription | PrepareReply | ReleaseReply | RunStarted
+class SamplesReply(_Message):
+    """What an evaluation's sample library holds after a load or unload."""
+
+    kind: Literal["samples"] = "samples"
+    held: int
+    """Samples held now."""
+    bytes: int
+    """Memory they take (the agent's limit applies to all its libraries together)."""
+    preprocessed: bool
+    """Whether they are held pre-processed (queries then skip pre-processing)."""
+
+
+class MLPerfStarted(_Message):
+    """The agent started LoadGen for an :class:`MLPerfRunOp`."""
+
+    kind: Literal["mlperf_started"] = "mlperf_started"
+    pid: int
+
+
+class MLPerfFile(_Message):
+    """The answer to an :class:`MLPerfFetchOp`: ``data`` from ``offset`` of one file."""
+
+    kind: Literal["mlperf_file"] = "mlperf_file"
+    name: str
+    offset: int = Field(ge=0)
+    data: bytes
+
+
+class MLPerfDone(_Message):
+    """The end of an MLPerf run in the agent (on its rows subject): the files
+    LoadGen's process left (its logs, and what its system under test saw:
+    ``sut-timing.npz``) by name with their sizes, kept in the agent until the
+    evaluation is released and fetched part by part (:class:`MLPerfFetchOp`:
+    request/reply, so the server takes them at its own pace); ``error`` the typed
+    error that ended the run, if one did."""
+
+    kind: Literal["mlperf_done"] = "mlperf_done"
+    evaluation_id: str
+    files: dict[str, int] = Field(default_factory=dict)
+    error: dict[str, Any] | None = None
+
+
+ControlReply = (
+    PingReply
+    | AgentDescription
+    | PrepareReply
+    | ReleaseReply
+    | RunStarted
+    | SamplesReply
+    | MLPerfStarted
+    | MLPerfFile
+)
 
 
 class ErrorReply(_Message):
@@ -834,6 +965,18 @@ class Query(_Message):
     more_inputs: tuple[NDArray, ...] = ()
     """A multi-input model's further inputs, in manifest order, each batched on its own
     ``batch_axis``; the agent fills those left out from the manifest's ``fill``."""
+
+
+class SamplesQuery(_Message):
+    """A query naming samples of the evaluation's sample library by data-set index
+    (``mlscope.agent.<id>.samples``; MLPerf LoadGen's system under test): the agent
+    answers with a :class:`QueryReply` as for a :class:`Query`."""
+
+    kind: Literal["samples_query"] = "samples_query"
+    evaluation_id: str = Field(max_length=256)
+    index: int
+    samples: NDArray
+    """Data-set indices (int64, one per sample), all loaded (:class:`SamplesLoadOp`)."""
 
 
 class QueryReply(_Message):

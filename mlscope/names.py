@@ -8,7 +8,9 @@ Subjects (core NATS unless marked JetStream):
     mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
     mlscope.agent.<agent_id>.query     queries directed at one agent
     mlscope.agent.<agent_id>.ctl       control requests to one agent (``ControlRequest``:
-                                       ping, describe, prepare, release, run)
+                                       ping, describe, prepare, release, run, the
+                                       sample library's load/unload, mlperf)
+    mlscope.agent.<agent_id>.samples   queries naming samples the agent holds (MLPerf)
     mlscope.agent.<agent_id>.rows.<eval_id>
                                        the rows of one agent's local run (placement agent)
     mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
@@ -51,6 +53,7 @@ __all__ = [
     "agent_ctl",
     "agent_query",
     "agent_rows",
+    "agent_samples",
     "capability",
     "dead_letter",
     "dead_letters_wildcard",
@@ -111,6 +114,10 @@ def agent_query(agent_id: str) -> str:
 
 def agent_ctl(agent_id: str) -> str:
     return f"{PREFIX}.agent.{token(agent_id)}.ctl"
+
+
+def agent_samples(agent_id: str) -> str:
+    return f"{PREFIX}.agent.{token(agent_id)}.samples"
 
 
 def agent_rows(agent_id: str, evaluation_id: str) -> str:

@@ -175,6 +175,7 @@ async def _requests(bus: busmod.Bus) -> None:
     subjects = [
         names.agent_ctl(AGENT),
         names.agent_query(AGENT),
+        names.agent_samples(AGENT),
         names.capability("noop", "noop"),
         names.SQL_SUBJECT,
         names.EVALUATION_SUBJECT,

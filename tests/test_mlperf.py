@@ -21,12 +21,11 @@ import numpy as np
 import pytest
 
 from broker import mlperf_logs as logs
-from broker.mlperf_sut import SampleLibrary
 from cli.mlperf_cmd import find_results, import_job
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.errors import ConfigError, EvaluationError
+from mlscope.errors import ConfigError
 from mlscope.stats import percentiles
 from tests.conftest import child_env, running_stack
 
@@ -52,10 +51,11 @@ USER_CONF = """\
 *.MultiStream.min_duration = 500
 *.MultiStream.min_query_count = 100
 """
-OFFLINE_QPS = "50000"
+OFFLINE_QPS = "200000"
 """Offline: LoadGen issues 1.1 x this x min_duration samples in one query; the run is
 VALID only if answering them takes at least min_duration, so this is set well above
-the ~27k samples/s digits_cnn reaches through one agent here."""
+what digits_cnn reaches here: 35-50k samples/s over the bus from held samples, 50-64k
+with LoadGen next to the model."""
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +127,31 @@ def assert_stored_like_summary(doc: dict[str, Any], text: str) -> None:
     assert lat["max"] == stats["max"] / 1e6
 
 
-def test_offline_is_valid_by_loadgen(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
-    doc = mlperf(ort, tmp_path, user_conf, "--scenario", "Offline", "--target-qps", OFFLINE_QPS)
+PLACEMENTS = pytest.mark.parametrize("placement", ["server", "agent"])
+"""LoadGen on the server's host (its SUT sends queries over the bus) or on the agent's,
+next to the model (the logs are shipped back and stored alike)."""
+
+
+@PLACEMENTS
+def test_offline_is_valid_by_loadgen(
+    ort: Stack, user_conf: Path, tmp_path: Path, placement: str
+) -> None:
+    doc = mlperf(
+        ort,
+        tmp_path,
+        user_conf,
+        "--scenario",
+        "Offline",
+        "--target-qps",
+        OFFLINE_QPS,
+        "--placement",
+        placement,
+    )
     summary = (tmp_path / logs.SUMMARY).read_text()
     assert "Result is : VALID" in summary, summary
     assert {logs.DETAIL, logs.TRACE} <= {p.name for p in tmp_path.iterdir()}
     assert doc["valid"] and doc["mlperf"]["validity"] == "VALID" and doc["errors"] == 0
+    assert doc["placement"] == placement
     assert doc["scenario"]["name"] == "mlperf-offline"
     assert_stored_like_summary(doc, summary)
     rows = query(
@@ -142,15 +161,29 @@ def test_offline_is_valid_by_loadgen(ort: Stack, user_conf: Path, tmp_path: Path
         e=doc["evaluation_id"],
     )
     # One row per LoadGen sample, every one answered, agent times on LoadGen's clock.
-    assert rows[0][0] == rows[0][1] == doc["samples"] >= 27_500
+    assert rows[0][0] == rows[0][1] == doc["samples"] >= 11 * int(OFFLINE_QPS) // 20
     assert rows[0][2] > 0
 
 
-def test_server_200_qps_is_valid_by_loadgen(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
-    doc = mlperf(ort, tmp_path, user_conf, "--scenario", "Server", "--target-qps", "200")
+@PLACEMENTS
+def test_server_200_qps_is_valid_by_loadgen(
+    ort: Stack, user_conf: Path, tmp_path: Path, placement: str
+) -> None:
+    doc = mlperf(
+        ort,
+        tmp_path,
+        user_conf,
+        "--scenario",
+        "Server",
+        "--target-qps",
+        "200",
+        "--placement",
+        placement,
+    )
     summary = (tmp_path / logs.SUMMARY).read_text()
     assert "Result is : VALID" in summary, summary
     assert doc["valid"] and doc["mlperf"]["validity"] == "VALID"
+    assert doc["placement"] == placement
     assert doc["requested_qps"] == 200 and 180 < doc["achieved_qps"] < 220
     assert_stored_like_summary(doc, summary)
     rows = query(
@@ -182,8 +215,21 @@ def assert_reported(stack: Stack, tmp_path: Path, *ids: str) -> None:
     assert all(i in text for i in ids) and "mlperf-" in text
 
 
-def test_accuracy_run_matches_the_zoo(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
-    doc = mlperf(ort, tmp_path, user_conf, "--scenario", "Offline", "--mode", "AccuracyOnly")
+@PLACEMENTS
+def test_accuracy_run_matches_the_zoo(
+    ort: Stack, user_conf: Path, tmp_path: Path, placement: str
+) -> None:
+    doc = mlperf(
+        ort,
+        tmp_path,
+        user_conf,
+        "--scenario",
+        "Offline",
+        "--mode",
+        "AccuracyOnly",
+        "--placement",
+        placement,
+    )
     assert (tmp_path / "accuracy.txt").read_text() == "accuracy=97.778%, good=352, total=360\n"
     # The zoo records top1 0.9778 for digits_cnn on its 360-sample holdout.
     assert round(doc["accuracy"]["top1"], 4) == 0.9778 and doc["accuracy"]["samples"] == 360
@@ -192,7 +238,28 @@ def test_accuracy_run_matches_the_zoo(ort: Stack, user_conf: Path, tmp_path: Pat
     # The stored specification runs LoadGen again.
     again = mlscope(ort, "rerun", doc["evaluation_id"])
     assert again["mlperf"]["mode"] == "AccuracyOnly" and again["accuracy"] == doc["accuracy"]
+    assert again["placement"] == placement
     assert again["evaluation_id"] != doc["evaluation_id"]
+
+
+@PLACEMENTS
+def test_samples_loaded_in_sets_as_loadgen_asks(
+    ort: Stack, user_conf: Path, tmp_path: Path, placement: str
+) -> None:
+    """LoadGen's load/unload callbacks honoured: with 100 samples in memory at a time,
+    an accuracy run loads the 360 in four sets (unloading each before the next) and
+    every answer comes from a loaded sample."""
+    conf = tmp_path / "user.conf"
+    conf.write_text(user_conf.read_text() + "*.Offline.performance_sample_count_override = 100\n")
+    out = tmp_path / "out"
+    doc = mlperf(
+        ort, out, conf, "--scenario", "Offline", "--mode", "AccuracyOnly", "--placement", placement
+    )
+    detail = (out / logs.DETAIL).read_text()
+    assert '"key": "effective_performance_sample_count", "value": 100' in detail
+    assert detail.count('"key": "loaded_qsl_set"') == 4  # 100 + 100 + 100 + 60
+    assert doc["errors"] == 0 and doc["accuracy"]["samples"] == 360
+    assert round(doc["accuracy"]["top1"], 4) == 0.9778
 
 
 @pytest.mark.parametrize("scenario", ["SingleStream", "MultiStream"])
@@ -217,7 +284,10 @@ def test_stream_scenarios(ort: Stack, user_conf: Path, tmp_path: Path, scenario:
         )
 
 
-def test_a_conf_loadgen_refuses_is_a_typed_error(ort: Stack, tmp_path: Path) -> None:
+@PLACEMENTS
+def test_a_conf_loadgen_refuses_is_a_typed_error(
+    ort: Stack, tmp_path: Path, placement: str
+) -> None:
     bad = tmp_path / "user.conf"
     bad.write_text("*.Server.target_qps = fast\n")
     out = subprocess.run(
@@ -233,6 +303,8 @@ def test_a_conf_loadgen_refuses_is_a_typed_error(ort: Stack, tmp_path: Path) -> 
             str(bad),
             "--output",
             str(tmp_path / "out"),
+            "--placement",
+            placement,
         ],
         env=child_env(ort.settings),
         capture_output=True,
@@ -321,22 +393,53 @@ async def _evaluation(stack: Stack, eval_id: str) -> tuple[dict[str, Any], dict[
 # Cross-check: mlscope's open-loop Poisson generator (online) and LoadGen's Server
 # scenario, same model, agent, rate and seed (each generator draws its own Poisson
 # schedule from it), both measuring from the scheduled time in a process of the
-# server's host. Compared: the body of the two latency distributions, from the stored
-# per-query records -- p25, p50 and p75 must agree within
-# max(CROSS_FLOOR_MS, CROSS_FRACTION x the larger). A unit or clock error, latency
-# counted from the issue instead of the schedule under load, or a hop added on one
-# path, moves the body by more than that. The generators run alternately
-# CROSS_PAIRS times and each quantile is the median over a generator's runs: this
-# 2-core machine is shared, and one run caught in a neighbour's burst moved p50 from
-# 1 to 7 ms (measured with load average 4-6). The tails (p90 and above) are not
-# compared: they belong to the neighbours (the same generator's p90 ranged from 1.9 to
-# 62 ms between back-to-back 3 s runs). On a quiet machine the medians agreed within
-# 0.3 ms (LoadGen's path has one more thread hand-off per query).
+# server's host. Compared: the two latency distributions from the stored per-query
+# records, at p10, p25, p50, p75 and p90 (the quantile function over most of its
+# range, not one point). Each quantile must agree within
+# max(CROSS_FLOOR_MS, f(q) x the larger), where f grows linearly from 0.3 at p10 to
+# 0.7 at p90 (cross_tolerance): the body is where a real disagreement shows -- a unit
+# or clock error, latency counted from the issue instead of the schedule under load,
+# or a hop added on one path moves it by more than 30-45 % or 0.5 ms -- and the upper
+# quantiles belong more and more to the neighbours on this shared 2-core machine (the
+# same generator's p90 ranged from 1.9 to 62 ms between back-to-back 3 s runs), so
+# they get more room; p99 and above are not compared. The generators run alternately
+# CROSS_PAIRS times and each quantile is the median over a generator's runs, so two
+# runs of each caught in a neighbour's burst change nothing: one such run moved p50
+# from 1 to 7 ms (load average 4-6), and with 3 pairs one of 5 tries failed at load
+# average 5-8. Measured
+# here with load average ~3: p10..p75 within 0.35 ms, p90 2.2 vs 3.2 ms (tolerance
+# 2.3 ms). test_cross_check_catches_a_disagreement shows shifted, stretched and
+# heavier-tailed distributions fail the comparison.
 CROSS_QPS = "200"
-CROSS_PAIRS = 3
-CROSS_QUANTILES = (25, 50, 75)
+CROSS_PAIRS = 5
+CROSS_QUANTILES = (10, 25, 50, 75, 90)
 CROSS_FLOOR_MS = 0.5
-CROSS_FRACTION = 0.4
+CROSS_FRACTION = (0.3, 0.7)
+"""f(q) at p10 and at p90; linear between."""
+
+
+def cross_tolerance(q: float, x: float, y: float) -> float:
+    """How far apart two generators' q-th percentiles (ms) may be."""
+    lo, hi = CROSS_FRACTION
+    f = lo + (hi - lo) * (q - CROSS_QUANTILES[0]) / (CROSS_QUANTILES[-1] - CROSS_QUANTILES[0])
+    return max(CROSS_FLOOR_MS, f * max(x, y))
+
+
+def run_quantiles(latencies_ms: np.ndarray) -> list[float]:
+    found = percentiles(latencies_ms, CROSS_QUANTILES)
+    assert None not in found
+    return [float(q) for q in found if q is not None]
+
+
+def disagreements(a_runs: list[list[float]], b_runs: list[list[float]]) -> list[str]:
+    """Quantiles (medians over each generator's runs) that differ by more than
+    :func:`cross_tolerance`; empty when the distributions agree."""
+    a, b = (np.median(np.asarray(r), axis=0) for r in (a_runs, b_runs))
+    return [
+        f"p{q}: {x:.3f} vs {y:.3f} ms (tolerance {cross_tolerance(q, x, y):.3f})"
+        for q, x, y in zip(CROSS_QUANTILES, a, b, strict=True)
+        if abs(x - y) > cross_tolerance(q, x, y)
+    ]
 
 
 def stored_quantiles(stack: Stack, evaluation_id: str) -> list[float]:
@@ -346,9 +449,7 @@ def stored_quantiles(stack: Stack, evaluation_id: str) -> list[float]:
         "WHERE evaluation_id = {e:String} AND ok = 1",
         e=evaluation_id,
     )
-    found = percentiles(np.asarray([r[0] for r in rows], float) / 1e6, CROSS_QUANTILES)
-    assert None not in found, evaluation_id
-    return [float(q) for q in found if q is not None]
+    return run_quantiles(np.asarray([r[0] for r in rows], float) / 1e6)
 
 
 def test_cross_check_with_mlscope_loadgen(ort: Stack, user_conf: Path, tmp_path: Path) -> None:
@@ -395,11 +496,8 @@ def test_cross_check_with_mlscope_loadgen(ort: Stack, user_conf: Path, tmp_path:
         assert out.returncode == 0, out.stderr
         runs["LoadGen"].append(stored_quantiles(ort, lg_doc["evaluation_id"]))
         runs["mlscope"].append(stored_quantiles(ort, json.loads(out.stdout)["evaluation_id"]))
-    a, b = (np.median(np.asarray(runs[g]), axis=0) for g in ("LoadGen", "mlscope"))
-    for q, x, y in zip(CROSS_QUANTILES, a, b, strict=True):
-        assert abs(x - y) <= max(CROSS_FLOOR_MS, CROSS_FRACTION * max(x, y)), (
-            f"p{q}: LoadGen {x:.3f} ms, mlscope {y:.3f} ms (runs: {runs})"
-        )
+    found = disagreements(runs["LoadGen"], runs["mlscope"])
+    assert not found, f"{found}; per run (ms at {CROSS_QUANTILES}): {runs}"
 
 
 # ----------------------------------------------------------------- fast, no stack
@@ -426,10 +524,18 @@ def test_checker_counts_each_sample_once() -> None:
     assert logs.format_accuracy(1, 3) == "accuracy=33.333%, good=1, total=3\n"
 
 
-def test_library_refuses_samples_not_loaded() -> None:
-    lib = SampleLibrary(np.arange(12, dtype=np.float32).reshape(4, 3))
-    lib.load([1, 2])
-    assert lib.stack([2, 1]).tolist() == [[6, 7, 8], [3, 4, 5]]
-    lib.unload([1])
-    with pytest.raises(EvaluationError):
-        lib.stack([1])
+def test_cross_check_catches_a_disagreement() -> None:
+    """The comparison fails on distributions that differ as a bug would make them:
+    shifted by a constant, stretched, or with a heavier upper part; and passes on
+    independent draws of one distribution."""
+    rng = np.random.default_rng(7)
+
+    def runs(transform: Any = lambda x: x) -> list[list[float]]:
+        # A body like digits_cnn's at 200 QPS here: median ~1.2 ms, p90 ~2.5 ms.
+        return [run_quantiles(transform(rng.lognormal(np.log(1.2), 0.55, 800))) for _ in range(3)]
+
+    assert not disagreements(runs(), runs())
+    hop = disagreements(runs(), runs(lambda x: x + 1.0))  # a hop added: +1 ms
+    assert any(d.startswith("p10:") for d in hop)  # seen in the body, not only a tail
+    assert disagreements(runs(), runs(lambda x: x * 1.8))  # a clock or unit error
+    assert disagreements(runs(), runs(lambda x: np.where(x > 1.6, x * 4, x)))  # upper part

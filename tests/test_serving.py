@@ -12,15 +12,7 @@ from nats.aio.msg import Msg
 
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import (
-    CONTROL,
-    DescribeOp,
-    PingOp,
-    PingReply,
-    PrepareOp,
-    ReleaseOp,
-    RunOp,
-)
+from mlscope.contracts import CONTROL, ControlOp, PingReply
 from mlscope.errors import (
     DatabaseError,
     MLScopeError,
@@ -60,9 +52,7 @@ def test_a_failing_handler_answers_with_its_typed_error_and_keeps_serving(
 ) -> None:
     calls: list[str] = []
 
-    async def handler(
-        req: PingOp | DescribeOp | PrepareOp | ReleaseOp | RunOp, msg: Msg
-    ) -> PingReply:
+    async def handler(req: ControlOp, msg: Msg) -> PingReply:
         calls.append(type(req).__name__)
         if len(calls) == 1:
             raise KeyError("first call fails")
