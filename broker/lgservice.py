@@ -88,6 +88,7 @@ class LoadgenService:
         async with busmod.connect(self.settings, name=f"loadgen {self.loadgen_id}") as bus:
             self._connected = bus
             kv = await ensure_bucket(bus, replicas=self.settings.js_replicas)
+            await work_bucket(bus, replicas=self.settings.js_replicas)
             boundary = Boundary(bus, service=f"loadgen {self.loadgen_id}", logger=log)
             subs = [
                 await boundary.subscribe(

@@ -68,12 +68,15 @@ WORK_TTL_S = 3600.0
 """Slices and results left behind by a run that died expire after this long."""
 
 
-async def work_bucket(bus: Bus) -> ObjectStore:
-    """The object store that carries slices and results, created when missing."""
+async def work_bucket(bus: Bus, *, replicas: int = 1) -> ObjectStore:
+    """The object store that carries slices and results, created when missing with
+    ``replicas`` (``MLSCOPE_JS_REPLICAS``: the server makes it at start, a
+    load-generator service if it comes first)."""
     return await object_store(
         bus,
         names.LOADGEN_WORK_BUCKET,
         description="dealt schedule slices and their results (distributed load)",
+        replicas=replicas,
         ttl_s=WORK_TTL_S,
     )
 

@@ -45,6 +45,7 @@ from broker.db import Database
 from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
+from broker.multihost import work_bucket
 from broker.readonly import ReadLimits, ReadOnlyDatabase
 from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
@@ -114,6 +115,8 @@ class Server:
                 self.settings, name=f"server {self.server_id}", provision=True
             ) as bus:
                 self.bus = bus
+                # Slices of distributed load outlive a node on a cluster as jobs do.
+                await work_bucket(bus, replicas=self.settings.js_replicas)
                 self.boundary = Boundary(bus, service=f"server {self.server_id}", logger=log)
                 # One owner of what a run tunes process-wide (GC, switch interval, the
                 # loop's priority): runs overlap, and the ingester waits out each load.

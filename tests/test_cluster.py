@@ -121,6 +121,13 @@ def test_a_killed_node_loses_no_job_result_or_span(
     try:
         anyio.run(wait_server, client)
         anyio.run(wait_agents, client, 1)
+
+        async def work_replicas() -> int:  # the server made it, at the cluster's replicas
+            async with busmod.connect(client, name="test") as bus:
+                info = await bus.js.stream_info(f"OBJ_{names.LOADGEN_WORK_BUCKET}")
+                return int(info.config.num_replicas or 1)
+
+        assert anyio.run(work_replicas, backend="asyncio") == 3
         job = JobRequest(
             model="noop",
             framework="noop",
