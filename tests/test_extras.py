@@ -34,6 +34,7 @@ EXTRA_MODULES = (
     "streamlit",
     "altair",
     "mlperf_loadgen",
+    "pynvml",
 )
 """Top-level modules that only the extras of pyproject.toml install."""
 
