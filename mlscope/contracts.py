@@ -1018,6 +1018,13 @@ class _ColumnBatch(_Message):
         first = next(iter(self.columns.values()), [])
         return len(first)
 
+    def values(self, name: str) -> list[Any]:
+        """Column ``name`` with its values, dictionary-encoded or not (a reader's view;
+        the ingester checks the indices before it trusts them)."""
+        column = self.columns[name]
+        words = self.dicts.get(name)
+        return column if words is None else [words[int(i)] for i in column]
+
 
 class SpanBatch(_ColumnBatch):
     """Many spans in one message, column by column (one list per field, same length).

@@ -94,7 +94,7 @@ def test_agents_share_load_through_their_queue_group(farm: dict[str, Any]) -> No
                     roots = [
                         q
                         for q, k in zip(
-                            batch.columns["query_index"], batch.columns["kind"], strict=True
+                            batch.values("query_index"), batch.values("kind"), strict=True
                         )
                         if k == "query"
                     ]
