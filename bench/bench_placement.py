@@ -274,7 +274,7 @@ def single_stream(zoo: Path, case: Case, rounds: int, queries: int) -> dict[str,
     s, live = stack(zoo, [case.framework])
     bare = Child("--bare-child", "--zoo", str(zoo), "--case", str(case))
     spec = ScenarioSpec(
-        name="single-stream", max_queries=queries, duration_s=0, min_duration_s=0, min_queries=1
+        name="single-stream", max_queries=queries, duration_s=600, min_duration_s=0, min_queries=1
     )
     got: dict[str, list[float]] = {"bare": [], "agent": []}
     order = list(got)
