@@ -40,7 +40,7 @@ from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, 
 from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
 
-__all__ = ["IDLE_S", "drive"]
+__all__ = ["IDLE_S", "alive", "drive"]
 
 IDLE_S = 3.0
 """Silence (no rows) after which the server pings the agent: it ships every 0.25 s."""
@@ -121,7 +121,7 @@ class _Collector:
         while True:
             msg = await next_msg(sub, IDLE_S)
             if msg is None:
-                if not await _alive(bus, self.agent_id):
+                if not await alive(bus, self.agent_id):
                     return (self._lost(),)
                 if time.monotonic() - began > limit_s:
                     self._end(self.rows)
@@ -198,7 +198,8 @@ class _Collector:
         return tuple(why)
 
 
-async def _alive(bus: Bus, agent_id: str) -> bool:
+async def alive(bus: Bus, agent_id: str) -> bool:
+    """Whether the agent answers a ping within 2 s (a silent agent's run is given up)."""
     try:
         await request(bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()), timeout=2.0)
     except MLScopeError:

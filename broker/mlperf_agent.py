@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from broker.agentrun import alive
 from mlscope import codec, names
 from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import (
@@ -41,9 +42,8 @@ from mlscope.contracts import (
     MLPerfFile,
     MLPerfRunOp,
     MLPerfSpec,
-    PingOp,
 )
-from mlscope.errors import EvaluationError, MLScopeError, error_from_wire
+from mlscope.errors import EvaluationError, error_from_wire
 from mlscope.mlperf import TIMING
 
 __all__ = ["IDLE_S", "RUN_LIMIT_S", "run_in_agent"]
@@ -107,7 +107,7 @@ async def _wait_done(bus: Bus, sub: Any, agent_id: str) -> MLPerfDone:
     while True:
         msg = await next_msg(sub, IDLE_S)
         if msg is None:
-            if not await _alive(bus, agent_id):
+            if not await alive(bus, agent_id):
                 raise EvaluationError(
                     f"agent {agent_id} was lost during its MLPerf LoadGen run", agent_id=agent_id
                 )
@@ -120,11 +120,3 @@ async def _wait_done(bus: Bus, sub: Any, agent_id: str) -> MLPerfDone:
         data = codec.decode(msg.data)
         if isinstance(data, dict) and data.get("kind") == "mlperf_done":
             return MLPerfDone.model_validate(data)
-
-
-async def _alive(bus: Bus, agent_id: str) -> bool:
-    try:
-        await request(bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()), timeout=2.0)
-    except MLScopeError:
-        return False
-    return True
