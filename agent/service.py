@@ -529,14 +529,7 @@ class Agent:
                     allow_custom=self.settings.allow_custom_code,
                 )
             )
-            try:
-                first_ns = await anyio.to_thread.run_sync(model.warmup)
-            except MLScopeError:
-                model.close()
-                raise
-            load_ns = model.load_ns
-            self.loaded_settings[key] = self._opened_with(opts, model)
-            self.workers[key] = Executor(
+            executor = Executor(
                 model,
                 ExecutorConfig(
                     capacity=self.config.queue_capacity,
@@ -544,7 +537,16 @@ class Agent:
                     max_batch=batch,
                     max_wait_us=self.config.batch_wait_us,
                 ),
+                warm=True,  # the first inference on the thread that will predict
             )
+            try:
+                first_ns = await anyio.to_thread.run_sync(executor.first_inference_ns)
+            except MLScopeError:
+                await anyio.to_thread.run_sync(executor.stop)  # and closes the predictor
+                raise
+            load_ns = model.load_ns
+            self.loaded_settings[key] = self._opened_with(opts, model)
+            self.workers[key] = executor
         worker = self.workers[key]
         worker.max_batch = req.max_batch or batch
         level = TraceLevel.parse(req.trace_level)

@@ -265,6 +265,50 @@ def test_a_fault_in_the_pipeline_itself_answers_the_batch_and_keeps_serving(
     assert fine.ok and ex.inflight == 0
 
 
+def test_a_warm_executor_runs_the_first_inference_on_its_predict_thread(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """The thread that warms a model up is the one that predicts every query (a
+    TorchScript model is twice as slow on any other); the first inference's time and
+    a failed warm-up come back to the caller."""
+
+    class Where(Slow):
+        def __init__(self, inner: Any) -> None:
+            super().__init__(inner)
+            self.threads: list[int] = []
+
+        def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+            self.threads.append(threading.get_ident())
+            return super().predict(inputs)
+
+    where = Where(model.predictor)
+    model.predictor = where
+    ex = Executor(model, ExecutorConfig(pre_workers=0, inline_max_us=0), warm=True)
+    replies = Replies()
+    try:
+        first = ex.first_inference_ns()
+        for i in range(3):
+            ex.submit(job(i, samples[i : i + 1], replies))
+        assert all(r.ok for r in replies.take(3))
+    finally:
+        ex.stop()
+    assert first > 0 and where.batches[0] == 1  # the warm-up: one sample
+    assert len(where.threads) == 4 and len(set(where.threads)) == 1
+    assert where.threads[0] != threading.get_ident()
+
+    class Broken(Slow):
+        def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+            raise InferenceError("no", model="digits_cnn", framework="onnxruntime")
+
+    model.predictor = Broken(where.inner)
+    failed = Executor(model, warm=True)
+    try:
+        with pytest.raises(InferenceError, match="no"):
+            failed.first_inference_ns()
+    finally:
+        failed.stop(close=False)
+
+
 # --------------------------------------------------------------------------- live agent
 
 
