@@ -30,14 +30,17 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import anyio
 import numpy as np
 
-from agent.pipeline import Executor, Job
+from agent.pipeline import Executor, Job, Model
+from agent.samplelib import MemoryBudget, preprocess_all
 from agent.tracer import SpanBuffer
 from mlscope import codec, samples, scenario_traits
+from mlscope.catalog import Entry
 from mlscope.contracts import QueryReply, RunOp, RunRows, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
 from mlscope.pacer import OutstandingLimit, Pacer, RealtimeThreads
@@ -45,7 +48,7 @@ from mlscope.record import ARRAYS, RunRecord
 from mlscope.schedule import build_schedule
 from mlscope.serving import as_error
 
-__all__ = ["SHIP_S", "LocalRun", "rows_messages", "serve_run"]
+__all__ = ["SHIP_S", "LocalRun", "rows_messages", "run_inputs", "serve_run"]
 
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
@@ -69,8 +72,9 @@ would starve the rest of the host."""
 class LocalRun:
     """One scenario on one executor; :meth:`run` in a thread, :meth:`take` from another.
 
-    ``inputs(i)`` / ``labels`` come from :func:`mlscope.samples.feeders` with the run's
-    seed and batch size: the server's sample order.
+    ``inputs(i)`` comes from :func:`mlscope.samples.feed` with the run's seed and batch
+    size: the server's sample order, over the raw rows or (``preprocessed``) the rows
+    the agent pre-processed before the run.
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class LocalRun:
         level: TraceLevel,
         spans: SpanBuffer | None,
         overloaded: Callable[[int], str],
+        preprocessed: bool = False,
     ) -> None:
         self.traits = scenario_traits.get(spec.name)
         if not self.traits.local or spec.loadgens > 1 or spec.loadgen_hosts:
@@ -94,6 +99,8 @@ class LocalRun:
                 scenario=spec.name,
             )
         self.worker, self.spec, self.inputs = worker, spec, inputs
+        self.preprocessed = preprocessed
+        """``inputs`` gives pre-processed samples (held by the agent): queries skip that step."""
         self.level, self.spans, self._overloaded = level, spans, overloaded
         self.closed = self.traits.closed_loop
         """A closed loop: the scenario has no arrivals."""
@@ -180,6 +187,7 @@ class LocalRun:
             level=TraceLevel.NONE,
             spans=None,
             reply=reply,
+            preprocessed=self.preprocessed,
         )
         if not self.worker.submit(job) or not done.wait(10.0) or not got[0].ok:
             return float("inf")
@@ -205,6 +213,7 @@ class LocalRun:
             level=self.level,
             spans=self.spans,
             reply=self._on_reply,
+            preprocessed=self.preprocessed,
         )
 
     def _submit(self, i: int, x: np.ndarray) -> None:
@@ -335,6 +344,36 @@ class LocalRun:
     @property
     def issued(self) -> int:
         return self._issued
+
+
+def run_inputs(
+    entry: Entry, model: Model, req: RunOp, *, zoo_dir: Path, budget: MemoryBudget
+) -> tuple[Callable[[int], np.ndarray], int | None]:
+    """A local run's query inputs (the server's sample order) and, when its samples are
+    held pre-processed, the bytes they took of ``budget`` (else None; the caller gives
+    them back when the run's rows are shipped).
+
+    ``preprocess`` None holds them where the pipeline pre-processes sample by sample and
+    they fit; ``ahead`` insists (a typed error otherwise); ``timed`` never does."""
+    spec = req.scenario
+    data = samples.dataset(entry, zoo_dir)
+    x, _ = samples.table(data, entry.manifest.inputs[0].shape, spec.seed)
+    pre: np.ndarray | None = None
+    if spec.preprocess != "timed":
+        try:
+            pre = preprocess_all(req.evaluation_id, x, model, budget)
+        except ConfigError:
+            if spec.preprocess == "ahead":
+                raise
+            log.info("local run %s: samples over the sample memory: timed", req.evaluation_id)
+        if pre is None and spec.preprocess == "ahead":
+            raise ConfigError(
+                f"{entry.manifest.name}: its pre-processing does not run sample by sample, "
+                "so its samples cannot be held pre-processed; use preprocess timed",
+                field="preprocess",
+            )
+    inputs, _ = samples.feed(pre if pre is not None else x, None, spec.batch_size, spec.seed)
+    return inputs, (None if pre is None else pre.nbytes)
 
 
 def rows_messages(

@@ -14,7 +14,9 @@
   ``pre_workers`` threads, which pre-process it while the predict thread runs earlier
   batches (the runtimes release the GIL while they compute). A query that the predict
   thread is already idly waiting for is pre-processed inline instead: an idle pipeline
-  then costs one thread hand-off per query, like a plain worker thread.
+  then costs one thread hand-off per query, like a plain worker thread. A query whose
+  samples are held pre-processed (``Job.preprocessed``) is ready when it is submitted:
+  no pool thread wakes for it.
 * **Dynamic batching.** The predict thread takes queries in arrival order and merges
   consecutive ones into one ``predict`` call until ``max_batch`` samples are gathered
   or the first query is ``max_wait_us`` old; a query that would overflow the batch
@@ -194,8 +196,11 @@ class Executor:
             self._seq += 1
         samples = int(job.inputs.shape[0]) if job.inputs.ndim else 1
         slot = _Slot(job, seq, samples)
+        if job.preprocessed:  # nothing to overlap: ready now, no pool thread woken
+            self._preprocess(slot)
+            slot.state = _DONE
         self._ready.put(slot)
-        if seq != self._idle_seq and self.config.pre_workers:
+        if not job.preprocessed and seq != self._idle_seq and self.config.pre_workers:
             self._work.put(slot)
         return True
 

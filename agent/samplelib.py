@@ -1,4 +1,5 @@
-"""The samples an agent holds for MLPerf LoadGen (its QuerySampleLibrary).
+"""The samples an agent holds: for MLPerf LoadGen (its QuerySampleLibrary) and for its
+own runs (placement agent, ``preprocess: ahead``).
 
 ::
 
@@ -16,6 +17,10 @@ they are held raw and pre-processed per query as usual. Every library of an agen
 on one :class:`MemoryBudget`: a load that would pass it is refused with a typed error
 and leaves the library as it was. Requests are validated here (indices in range,
 loaded before use), so a hostile one gets a typed error and the agent goes on.
+
+A local run holds its whole data set (:func:`preprocess_all`: one array, pre-processed
+before the clock starts, reserved on the same budget until the run's rows are shipped),
+so its queries skip pre-processing as LoadGen's do.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import numpy as np
 from agent.pipeline import Model
 from mlscope.errors import ConfigError, EvaluationError
 
-__all__ = ["CHUNK", "MemoryBudget", "SampleLibrary"]
+__all__ = ["CHUNK", "MemoryBudget", "SampleLibrary", "per_sample", "preprocess_all"]
 
 CHUNK = 256
 """Samples pre-processed in one call at load (the memory check runs per chunk)."""
@@ -74,7 +79,7 @@ class SampleLibrary:
         self.held: dict[int, np.ndarray] = {}
         self.bytes = 0
         self._lock = threading.Lock()
-        self.preprocessed = self._probe()
+        self.preprocessed = per_sample(model, x)
         """Samples are held pre-processed (queries then skip that step)."""
 
     # ------------------------------------------------------------------ callbacks
@@ -152,33 +157,60 @@ class SampleLibrary:
             )
         return got
 
-    def _probe(self) -> bool:
-        """Whether samples can be held pre-processed: the first input's batch axis is 0
-        and its pre-processing of one row gives one row."""
-        if self.model.batch_axes[0] != 0 or not len(self.x):
-            return False
-        try:
-            out = self.model.pre[0](self.x[:1])
-        except Exception:  # the pipeline cannot run here alone: per query, then
-            return False
-        return isinstance(out, np.ndarray) and out.ndim >= 1 and out.shape[0] == 1
-
     def _prepare(self, rows: np.ndarray) -> list[np.ndarray]:
         """These rows as held: pre-processed when the pipeline allows, else raw copies."""
         raw = self.x[rows]
         if not self.preprocessed:
             return [np.array(r) for r in raw]
-        try:
-            out = self.model.pre[0](raw)
-        except Exception as exc:
-            raise EvaluationError(
-                f"{self.model.name}: pre-processing the loaded samples failed: {exc}",
-                evaluation_id=self.evaluation_id,
-            ) from exc
-        if not isinstance(out, np.ndarray) or out.shape[:1] != (len(rows),):
-            raise EvaluationError(
-                f"{self.model.name}: pre-processing {len(rows)} samples gave "
-                f"{getattr(out, 'shape', None)}",
-                evaluation_id=self.evaluation_id,
-            )
-        return [np.array(o) for o in out]
+        return list(_preprocessed(self.model, raw, self.evaluation_id))
+
+
+def per_sample(model: Model, x: np.ndarray) -> bool:
+    """Whether samples of ``x`` can be held pre-processed: the first input's batch axis
+    is 0 and its pre-processing of one row gives one row."""
+    if model.batch_axes[0] != 0 or not len(x):
+        return False
+    try:
+        out = model.pre[0](x[:1])
+    except Exception:  # the pipeline cannot run here alone: per query, then
+        return False
+    return isinstance(out, np.ndarray) and out.ndim >= 1 and out.shape[0] == 1
+
+
+def _preprocessed(model: Model, raw: np.ndarray, evaluation_id: str) -> np.ndarray:
+    """``raw`` rows through the first input's pre-processing, one row out per row in."""
+    try:
+        out = model.pre[0](raw)
+    except Exception as exc:
+        raise EvaluationError(
+            f"{model.name}: pre-processing the held samples failed: {exc}",
+            evaluation_id=evaluation_id,
+        ) from exc
+    if not isinstance(out, np.ndarray) or out.shape[:1] != (len(raw),):
+        raise EvaluationError(
+            f"{model.name}: pre-processing {len(raw)} samples gave {getattr(out, 'shape', None)}",
+            evaluation_id=evaluation_id,
+        )
+    return out
+
+
+def preprocess_all(
+    evaluation_id: str, x: np.ndarray, model: Model, budget: MemoryBudget
+) -> np.ndarray | None:
+    """Every row of ``x`` pre-processed, in one array, for a run that holds its samples
+    (placement agent, ``preprocess: ahead``); its bytes are reserved on ``budget`` (the
+    caller gives them back when the run ends). None when the pipeline does not
+    pre-process sample by sample; ConfigError when the rows would pass the budget."""
+    if not per_sample(model, x):
+        return None
+    first = _preprocessed(model, x[:CHUNK], evaluation_id)
+    out = np.empty((len(x), *first.shape[1:]), first.dtype)
+    budget.reserve(out.nbytes, evaluation_id=evaluation_id)
+    try:
+        out[: len(first)] = first
+        for a in range(len(first), len(x), CHUNK):
+            out[a : a + CHUNK] = _preprocessed(model, x[a : a + CHUNK], evaluation_id)
+    except BaseException:
+        budget.release(out.nbytes)
+        raise
+    return out

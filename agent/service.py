@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 import mlscope
 from agent import profiling
 from agent.energy import EnergyMeter
-from agent.localrun import LocalRun, serve_run
+from agent.localrun import LocalRun, run_inputs, serve_run
 from agent.mlperf_ops import MLPerfOps, loadgen_installed
 from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
@@ -32,7 +32,7 @@ from agent.samplelib import MemoryBudget
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
 from agent.worker import LoadedModel, compile_model
-from mlscope import artifact_bucket, codec, names, provenance, samples, sysinfo, wire
+from mlscope import artifact_bucket, codec, names, provenance, sysinfo, wire
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
@@ -163,10 +163,12 @@ class Agent:
         self.agent_id = self.config.agent_id or names.token(
             f"{host}-{self.config.framework}-{new_id('a')[2:8]}"
         )
+        self.sample_memory = MemoryBudget(self.config.sample_memory_bytes)
+        """What every sample library and every local run's held samples draw on."""
         self.mlperf = MLPerfOps(
             self.agent_id,
             self.settings.zoo_dir,
-            MemoryBudget(self.config.sample_memory_bytes),
+            self.sample_memory,
             runs_here=self.config.local_runs and loadgen_installed(),
         )
         """Sample libraries and LoadGen runs (``mlscope mlperf``)."""
@@ -588,29 +590,16 @@ class Agent:
             raise EvaluationError(
                 f"agent {self.agent_id} was not prepared for evaluation {req.evaluation_id}"
             )
-        entry = next(e for e, _ in self.offers if e.manifest.key == session.key)
-        spec, m = req.scenario, entry.manifest
-        data = await anyio.to_thread.run_sync(samples.dataset, entry, self.settings.zoo_dir)
-        inputs, _ = samples.feeders(data, m.inputs[0].shape, spec.batch_size, spec.seed)
-        level = TraceLevel(min(TraceLevel.parse(req.trace_level), session.level))
-        spans = self.tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None
-        busy = f"agent {self.agent_id} is overloaded"
-        run = LocalRun(
-            session.worker,
-            spec,
-            inputs=inputs,
-            level=level,
-            spans=spans,
-            overloaded=lambda _i: busy,
-        )
         # An open loop is a timed measurement (switch interval, no GC: the process's
         # one owner holds them, local runs of several evaluations may overlap), set
-        # before the clock starts; serve_run lets go when the run's rows are shipped.
+        # before the clock starts; serve_run lets go of it, and of the samples held,
+        # when the run's rows are shipped.
         held = contextlib.ExitStack()
-        held.enter_context(
-            self.tuning.load() if run.closed else self.tuning.measurement(realtime_loop=False)
-        )
         try:
+            run = await self._local_run(req, session, held)
+            held.enter_context(
+                self.tuning.load() if run.closed else self.tuning.measurement(realtime_loop=False)
+            )
             t0 = await anyio.to_thread.run_sync(run.prepare)
             self.task_group.start_soon(
                 functools.partial(
@@ -631,7 +620,39 @@ class Agent:
             held.close()
             raise
         scheduled = len(run.schedule) if run.schedule is not None else 0
-        return RunStarted(t0_agent=t0, queries=scheduled)
+        return RunStarted(
+            t0_agent=t0, queries=scheduled, preprocess="ahead" if run.preprocessed else "timed"
+        )
+
+    async def _local_run(
+        self, req: RunOp, session: Session, held: contextlib.ExitStack
+    ) -> LocalRun:
+        """The run ``req`` asks for on the session's executor, its inputs ready (held
+        pre-processed samples are given back when ``held`` closes)."""
+        entry = next(e for e, _ in self.offers if e.manifest.key == session.key)
+        inputs, held_bytes = await anyio.to_thread.run_sync(
+            functools.partial(
+                run_inputs,
+                entry,
+                session.worker.model,
+                req,
+                zoo_dir=self.settings.zoo_dir,
+                budget=self.sample_memory,
+            )
+        )
+        if held_bytes is not None:
+            held.callback(self.sample_memory.release, held_bytes)
+        level = TraceLevel(min(TraceLevel.parse(req.trace_level), session.level))
+        busy = f"agent {self.agent_id} is overloaded"
+        return LocalRun(
+            session.worker,
+            req.scenario,
+            inputs=inputs,
+            level=level,
+            spans=self.tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None,
+            overloaded=lambda _i: busy,
+            preprocessed=held_bytes is not None,
+        )
 
     def _opened_with(self, opts: PredictorOptions, model: LoadedModel) -> dict[str, Any]:
         """The options a model was opened with, and what its runtime says it uses

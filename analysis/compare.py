@@ -148,7 +148,7 @@ SINGLE_RUN_NOTE = (
     "one run each: the interval covers query-to-query noise within a run, "
     "not run-to-run variance (use --repeat for run-level statistics)"
 )
-COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size", "placement")
+COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size", "placement", "preprocess")
 """What two runs must share to be compared (framework, system or version may differ:
 that is what a comparison is for)."""
 

@@ -77,6 +77,7 @@ EVALUATION_FIELDS = (
     "runs",
     "parallel",
     "placement",
+    "preprocess",
     "artifact_sha256",
     "peak_rss_mb",
     "rss_growth_mb",
@@ -85,9 +86,10 @@ EVALUATION_FIELDS = (
 """``role``: ``run`` (one measured run with its queries) or ``sweep`` (the parent of a
 batch-size sweep or rate search: the summary only, its runs stored on their own, their
 ids in ``runs``). ``artifact_sha256``: the model file the agent loaded ("" when not
-recorded). ``peak_rss_mb`` / ``rss_growth_mb``: the agent process's peak resident
-memory and its growth over the run (MB); ``energy_j``: None unless a power source was
-read."""
+recorded). ``preprocess``: ``ahead`` when the samples were pre-processed before the
+clock started, ``timed`` when inside each query's time. ``peak_rss_mb`` /
+``rss_growth_mb``: the agent process's peak resident memory and its growth over the run
+(MB); ``energy_j``: None unless a power source was read."""
 
 
 def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
@@ -196,6 +198,7 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
         "runs": runs,
         "parallel": bool(summary.get("parallel", False)),
         "placement": str(summary.get("placement", "server")),
+        "preprocess": str(summary.get("preprocess", "timed")),
         "artifact_sha256": str(spec.get("artifact_sha256") or ""),
         "peak_rss_mb": summary.get("peak_rss_mb"),
         "rss_growth_mb": summary.get("rss_growth_mb"),

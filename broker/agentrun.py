@@ -77,6 +77,7 @@ async def drive(
         started = await _started(sub, agent_id)
         rec = RunRecord(n=max(started.queries, 1), batch_size=spec.batch_size)
         rec.t0_ns = started.t0_agent - offset_ns
+        rec.preprocessed = started.preprocess == "ahead"
         collector = _Collector(rec, labels, agent_id)
         limit = spec.duration_s + 10.0 + END_SLACK_S
         reasons = await collector.collect(bus, rows_sub, limit, on_progress)

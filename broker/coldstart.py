@@ -118,4 +118,5 @@ def concat(records: list[RunRecord]) -> RunRecord:
         out.cpu_s += r.cpu_s
         base += r.n
     out.done = sum(r.done for r in records)
+    out.preprocessed = all(r.preprocessed for r in records)
     return out

@@ -603,6 +603,7 @@ class _Summarizer:
             latency_split_ms=run.split,
             loadgens=run.spec.loadgens,
             placement=job.placement,
+            preprocess="ahead" if run.record.preprocessed else "timed",
             started_at=self.started,
             finished_at=self.finished,
             **extra,

@@ -100,7 +100,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         default=1024,
         metavar="MIB",
-        help="memory the samples held for MLPerf runs may take (default 1024 MiB)",
+        help="memory the samples this agent holds may take: MLPerf runs' sample libraries and "
+        "local runs' pre-processed data sets (default 1024 MiB)",
     )
     ag.add_argument(
         "--log-level", default="info", choices=LOG_LEVELS, help="stderr log level (default info)"

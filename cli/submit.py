@@ -74,6 +74,14 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
         help="where the load generator runs: server (queries cross the bus: the served "
         "model) or agent (the agent runs the scenario itself: the model)",
     )
+    p.add_argument(
+        "--preprocess",
+        choices=("ahead", "timed"),
+        default=None,
+        help="ahead: the agent pre-processes the samples once, before the clock starts "
+        "(placement agent; its default where they fit the agent's sample memory); "
+        "timed: inside each query's time (placement server always)",
+    )
 
 
 def _scenario_flags(p: argparse.ArgumentParser) -> None:
@@ -259,6 +267,7 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         "repetitions": getattr(args, "repetitions", None),
         "warm_queries": getattr(args, "warm_queries", None),
         "warmup_queries": getattr(args, "warmup_queries", None),
+        "preprocess": getattr(args, "preprocess", None),
     }
     return JobRequest(
         model=name,
@@ -321,6 +330,12 @@ def format_summary(s: EvaluationSummary) -> str:
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
 
 
+_PREPROCESS = {
+    "ahead": "samples pre-processed ahead (not timed)",
+    "timed": "pre-processing timed in each query",
+}
+
+
 def _identity_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
     """What ran where, and its verdict."""
     verdict = "VALID" if s.valid else "INVALID: " + "; ".join(s.invalid_reasons)
@@ -331,7 +346,7 @@ def _identity_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
         ("framework", f"{s.framework['name']} {s.framework['version']} on {s.device}"),
         ("agent", f"{s.agent_id} ({s.host})"),
         ("scenario", f"{sc['name']} batch={sc['batch_size']} seed={sc['seed']}"),
-        ("placement", f"load generated in the {s.placement}"),
+        ("placement", f"load generated in the {s.placement}; {_PREPROCESS[s.preprocess]}"),
         ("verdict", verdict),
     ]
 

@@ -135,6 +135,10 @@ MAX_SAMPLE_INDICES = 262_144
 Placement = Literal["server", "agent"]
 """Where a run's load generator runs: on the server (every query crosses the bus to the
 agent and back: a *served* model) or in the agent (the model itself, no bus per query)."""
+Preprocess = Literal["ahead", "timed"]
+"""When a query's samples are pre-processed: ``ahead`` (once, before the clock starts,
+and held by the agent like LoadGen's QuerySampleLibrary: a query's time is its predict
+and post-processing) or ``timed`` (in the pipeline, inside each query's time)."""
 
 
 def new_id(prefix: str) -> str:
@@ -334,6 +338,11 @@ class ScenarioSpec(BaseModel):
     possibly on other hosts) the global schedule is dealt to, slice ``j`` to the
     ``j``-th; ``loadgens`` is then their number. None: ``loadgens`` child processes of
     the server on its own host."""
+    preprocess: Preprocess | None = None
+    """When samples are pre-processed (:data:`Preprocess`). None: ``ahead`` with
+    placement agent where the pipeline pre-processes sample by sample and the data set
+    fits the agent's sample memory, else ``timed``. Placement server is always
+    ``timed``: raw samples cross the bus. The summary says which one ran."""
 
     @field_validator("loadgen_hosts")
     @classmethod
@@ -475,7 +484,13 @@ class JobRequest(_Message):
 
     @model_validator(mode="after")
     def _placement(self) -> JobRequest:
-        """A local run (placement agent) is one load generator driving one executor."""
+        """A local run (placement agent) is one load generator driving one executor;
+        samples are pre-processed ahead only where the agent holds them."""
+        if self.placement == "server" and self.scenario.preprocess == "ahead":
+            raise ValueError(
+                "preprocess ahead needs placement agent (with placement server raw samples "
+                "cross the bus and are pre-processed in each query's time)"
+            )
         if self.placement == "agent":
             s = self.scenario
             what = (
@@ -576,6 +591,9 @@ class EvaluationSummary(_Message):
     loadgens: int = 1
     placement: Placement = "server"
     """Where the load generator ran (the job's ``placement``)."""
+    preprocess: Preprocess = "timed"
+    """When the samples were pre-processed (``ahead``: before the clock started, not
+    part of any query's latency)."""
     mlperf: dict[str, Any] | None = None
     """MLPerf LoadGen's own result: scenario, mode, ``result_*`` keys of its detail
     log, its verdict and early-stopping text, the log files kept, ``imported``."""
@@ -789,6 +807,8 @@ class RunStarted(_Message):
     t0_agent: int
     queries: int = 0
     """Queries the open-loop schedule holds (0 for a closed loop: not known ahead)."""
+    preprocess: Preprocess = "timed"
+    """When the run's samples are pre-processed (``ahead``: before ``t0_agent``)."""
 
 
 class RunRows(_Message):

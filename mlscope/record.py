@@ -61,6 +61,9 @@ class RunRecord:
     """CPU time (s) the load generator's process used during the run."""
     sources: tuple[dict[str, Any], ...] = ()
     """Which load-generator service ran which slice (distributed load over services)."""
+    preprocessed: bool = False
+    """The samples were pre-processed before the clock started (held by the agent):
+    no query's time includes pre-processing."""
 
     def __post_init__(self) -> None:
         for name in ARRAYS:

@@ -19,9 +19,9 @@ another host or an agent computes the same rows from those four numbers.
 
 What a run feeds is defined here too, once for every place a load is generated (the
 server's load generator, ``placement: server``, and the agent's local one,
-``placement: agent``): the data set (:func:`dataset`), query ``i``'s inputs and labels
-(:func:`feeders`), which models are scored (:func:`scored`) and how a reply's top-1 is
-read (:func:`top1`).
+``placement: agent``): the data set (:func:`dataset`, :func:`table`), query ``i``'s
+inputs and labels (:func:`feeders`, :func:`feed`), which models are scored
+(:func:`scored`) and how a reply's top-1 is read (:func:`top1`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ __all__ = [
     "Feeders",
     "SampleOrder",
     "dataset",
+    "feed",
     "feeders",
     "sample_indices",
     "scored",
     "stream",
+    "table",
     "top1",
 ]
 
@@ -132,23 +134,35 @@ def dataset(entry: Entry, zoo_dir: Path) -> tuple[np.ndarray, np.ndarray] | None
         return npz["x"], npz["y"]
 
 
+def table(
+    data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], seed: int
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rows a run draws from: the data set (inputs, labels), or for a model with
+    none :data:`FILL_ROWS` synthetic rows from the seed's fill stream and no labels."""
+    if data is None:
+        x = stream(seed, FILL_STREAM).standard_normal((FILL_ROWS, *shape))
+        return x.astype(np.float32), None
+    return data
+
+
 def feeders(
     data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], batch: int, seed: int
 ) -> Feeders:
-    """Query i's raw inputs (and labels): the rows :class:`SampleOrder` gives it (seeded
-    permutations of the data set, a fresh one per cycle; the sample order has its own
-    seed stream, independent of the arrival schedule's). A model with no data set gets
-    :data:`FILL_ROWS` synthetic rows, drawn from the seed's fill stream, and no labels.
+    """Query i's raw inputs (and labels) from the run's rows (:func:`table`)."""
+    x, y = table(data, shape, seed)
+    return feed(x, y, batch, seed)
+
+
+def feed(x: np.ndarray, y: np.ndarray | None, batch: int, seed: int) -> Feeders:
+    """Query i's rows of ``x`` (and ``y``): the rows :class:`SampleOrder` gives it
+    (seeded permutations of the rows, a fresh one per cycle; the sample order has its
+    own seed stream, independent of the arrival schedule's). ``x`` may be the rows
+    pre-processed (an agent holding its samples): the order depends only on their
+    number, so it is the same.
 
     Both functions may be called from several threads (an agent's local closed loop
     issues from its predict threads): the order is drawn under a lock.
     """
-    if data is None:
-        x = stream(seed, FILL_STREAM).standard_normal((FILL_ROWS, *shape))
-        data, labelled = (x.astype(np.float32), np.zeros(FILL_ROWS, np.int64)), False
-    else:
-        labelled = True
-    x, y = data
     order = SampleOrder(len(x), seed)
     lock = threading.Lock()
 
@@ -160,11 +174,15 @@ def feeders(
         got: np.ndarray = x[rows(i)]
         return got
 
+    if y is None:
+        return inputs, None
+    labelled = y
+
     def labels(i: int) -> np.ndarray:
-        got: np.ndarray = y[rows(i)]
+        got: np.ndarray = labelled[rows(i)]
         return got
 
-    return inputs, (labels if labelled else None)
+    return inputs, labels
 
 
 def scored(feed: Feeders, manifest: Any) -> Feeders:

@@ -1,4 +1,5 @@
-"""The agent's sample library for MLPerf LoadGen, and what an agent refuses.
+"""The samples an agent holds (MLPerf LoadGen's sample library, a local run's data set),
+and what an agent refuses.
 
 The library alone (a real digits_cnn pipeline, compiled from its manifest), then a real
 stack (nats-server, server, onnxruntime agent) sent every hostile sample request: each
@@ -19,7 +20,7 @@ import anyio
 import numpy as np
 import pytest
 
-from agent.samplelib import CHUNK, MemoryBudget, SampleLibrary
+from agent.samplelib import CHUNK, MemoryBudget, SampleLibrary, preprocess_all
 from agent.worker import compile_model
 from cli.services import Stack
 from mlscope import bus as busmod
@@ -93,6 +94,36 @@ def test_raw_samples_when_the_pipeline_cannot_batch(zoo_dir: Path) -> None:
     lib.load([0, 1])
     assert not lib.preprocessed
     np.testing.assert_array_equal(lib.take(np.array([1, 0])), x[[1, 0]])
+
+
+def test_a_local_run_holds_its_whole_data_set_pre_processed_on_the_budget(
+    zoo_dir: Path,
+) -> None:
+    model, x = digits(zoo_dir)
+    per_sample = model.pre[0](x[:1]).nbytes
+    budget = MemoryBudget(limit=per_sample * len(x))
+    held = preprocess_all("ev-5", x, model, budget)
+    assert held is not None and held.shape[0] == len(x) and budget.used == held.nbytes
+    np.testing.assert_array_equal(held, model.pre[0](x))  # every chunk, in order
+    with pytest.raises(ConfigError, match="over this agent's limit"):
+        preprocess_all("ev-6", x, model, budget)  # the first one's bytes are still held
+    assert budget.used == held.nbytes  # the refused one took nothing
+    budget.release(held.nbytes)
+    model.batch_axes = (1,)  # cannot be held pre-processed: the caller runs timed
+    assert preprocess_all("ev-7", x, model, budget) is None and budget.used == 0
+
+
+def test_held_samples_follow_the_servers_sample_order(zoo_dir: Path) -> None:
+    """The agent feeds its pre-processed rows in the order the server scores: query i's
+    inputs are the pre-processing of the raw rows the server's feeders give it."""
+    model, x = digits(zoo_dir)
+    held = preprocess_all("ev-8", x, model, MemoryBudget(limit=1 << 30))
+    assert held is not None
+    raw, _ = samples.feeders((x, np.zeros(len(x))), x.shape[1:], 32, seed=7)
+    fed, labels = samples.feed(held, None, 32, seed=7)
+    assert labels is None
+    for i in (0, 1, 11, 12, 40):  # 360 rows: query 11 spans the first cycle's end
+        np.testing.assert_array_equal(fed(i), model.pre[0](raw(i)))
 
 
 # ----------------------------------------------------------------- a real stack

@@ -226,12 +226,15 @@ def test_comparisons_name_what_differs() -> None:
             "batch_size": [1, 1],
             "parallel": [False, True],
             "placement": ["server", "agent"],
+            "preprocess": ["timed", "ahead"],
         }
     )
     why = mismatches(rows)
     assert any("requested qps (100.0, 200.0)" in w for w in why)
     # the model served over the bus and the model itself are different measurements
     assert any("placement (agent, server)" in w for w in why)
+    # pre-processing inside each query's time or before the clock: not the same latency
+    assert any("preprocess (ahead, timed)" in w for w in why)
     assert any("--parallel" in w for w in why)
     assert mismatches(rows.iloc[[0, 0]]) == []
 

@@ -4,6 +4,7 @@ live agent over the bus (bad input, a model that fails to load, a runtime failur
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import queue
 import threading
@@ -374,3 +375,40 @@ def test_agent_answers_typed_errors_and_keeps_serving(settings: Settings, tmp_pa
         assert rel["unloaded"] is True and not agent.workers
 
     run_agent(settings, agent, body)
+
+
+def test_a_preprocessed_query_skips_pre_processing_and_wakes_no_pool_thread(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """Samples the agent holds pre-processed: the first input's pipeline never runs, the
+    query is ready when submitted (no pool thread takes it), and the answer is the one
+    the raw samples get."""
+    want = expected(model, samples[:8])
+    held = model.pre[0](samples[:8])
+    ran: list[int] = []
+
+    def counted(x: np.ndarray) -> Any:
+        ran.append(len(x))
+        raise AssertionError("pre-processed twice")
+
+    model.pre = [counted]
+    ex = Executor(model, ExecutorConfig(pre_workers=2))
+    where: list[str] = []
+    inner = ex._preprocess
+
+    def tracked(slot: Any) -> None:
+        where.append(threading.current_thread().name)
+        inner(slot)
+
+    ex._preprocess = tracked  # type: ignore[method-assign]
+    replies = Replies()
+    try:
+        for i in range(4):
+            j = job(i, held[2 * i : 2 * i + 2], replies)
+            assert ex.submit(dataclasses.replace(j, preprocessed=True))
+        got = replies.take(4)
+    finally:
+        ex.stop(close=False)
+    assert ran == [] and all(r.ok for r in got), [r.error for r in got]
+    np.testing.assert_array_equal(np.concatenate([r.outputs for r in got]), want)
+    assert where == [threading.current_thread().name] * 4  # never a pool thread

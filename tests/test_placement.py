@@ -21,7 +21,7 @@ from cli.services import Stack
 from cli.submit import format_summary, make_job, parser, submit
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, Preprocess, ScenarioSpec
 from mlscope.errors import ConfigError, ResolutionError
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
@@ -86,6 +86,9 @@ def test_batched_in_the_agent_stores_every_query_in_order_and_is_valid(
     )
     assert agent.throughput_ips and agent.throughput_ips > 0
     assert "placement" in format_summary(agent) and "in the agent" in format_summary(agent)
+    # The agent held its samples pre-processed (the default): not inside any query's time.
+    assert (agent.preprocess, server.preprocess) == ("ahead", "timed")
+    assert "pre-processed ahead" in format_summary(agent)
     # The same seeded samples in the same order through the same model: the same top-1.
     assert agent.accuracy is not None and server.accuracy is not None
     assert agent.accuracy["top1"] > 0.9
@@ -192,6 +195,52 @@ def test_agent_killed_mid_local_run_is_invalid_with_the_reason(settings: Setting
 def test_what_a_local_run_cannot_do_is_refused_at_intake(extra: dict[str, Any]) -> None:
     with pytest.raises(ValidationError, match="placement agent"):
         JobRequest(model="noop", framework="noop", placement="agent", **extra)
+
+
+def efficientnet(preprocess: Preprocess | None) -> JobRequest:
+    spec = ScenarioSpec(
+        name="batched", batch_size=2, max_queries=4, duration_s=60, preprocess=preprocess, **LOOSE
+    )
+    return JobRequest(
+        model="efficientnet_lite0",
+        framework="onnxruntime",
+        scenario=spec,
+        trace_level="none",
+        placement="agent",
+    )
+
+
+def test_held_samples_are_given_back_after_each_run(settings: Settings) -> None:
+    """efficientnet_lite0's six samples pre-processed take 3.6 MB: with 5 MiB of sample
+    memory, a second run holds them only if the first gave them back."""
+    with agent_and_server(settings, "--framework", "onnxruntime", "--sample-memory", "5"):
+        for _ in range(2):
+            s = run(settings, efficientnet("ahead"))
+            assert (s.preprocess, s.queries, s.errors) == ("ahead", 4, 0), s.invalid_reasons
+
+
+def test_samples_over_the_sample_memory_are_pre_processed_timed(settings: Settings) -> None:
+    """With 3 MiB the six samples do not fit: by default the run pre-processes them in
+    each query's time and says so; asked to hold them ahead, it is refused with the fix."""
+    with agent_and_server(settings, "--framework", "onnxruntime", "--sample-memory", "3"):
+        s = run(settings, efficientnet(None))
+        assert (s.preprocess, s.queries, s.errors) == ("timed", 4, 0), s.invalid_reasons
+        assert "pre-processing timed" in format_summary(s)
+        with pytest.raises(ConfigError, match="--sample-memory"):
+            run(settings, efficientnet("ahead"))
+
+
+def test_preprocess_ahead_needs_placement_agent() -> None:
+    with pytest.raises(ValidationError, match="needs placement agent"):
+        JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="batched", preprocess="ahead"),
+        )
+    args = parser().parse_args(
+        ["noop", "--framework", "noop", "--placement", "agent", "--preprocess", "timed"]
+    )
+    assert make_job(args).scenario.preprocess == "timed"
 
 
 def test_submit_takes_placement() -> None:
