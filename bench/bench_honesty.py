@@ -39,9 +39,7 @@ import numpy as np
 
 from bench.bench_pipeline import BareProcess
 from broker.loadgen import Driver
-from broker.schedule import constant
 from broker.summary import figures
-from broker.tuning import ProcessTuning
 from cli.demo import wait_for_agent
 from cli.services import Stack
 from mlscope import bus as busmod
@@ -49,7 +47,9 @@ from mlscope import codec, names
 from mlscope.contracts import JobRequest, ScenarioSpec, TraceLevel
 from mlscope.jobs import submit
 from mlscope.registry import list_agents
+from mlscope.schedule import constant
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 
 MODEL = "efficientnet_lite0"
 

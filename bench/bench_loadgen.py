@@ -43,8 +43,6 @@ import numpy as np
 
 import broker.loadgen as loadgen
 from broker.loadgen import Driver, encode_query
-from broker.schedule import Schedule
-from broker.tuning import ProcessTuning
 from cli.demo import wait_for_agent
 from cli.services import Stack
 from mlscope import bus as busmod
@@ -52,8 +50,9 @@ from mlscope import codec, names
 from mlscope.contracts import JobRequest, ReleaseOp, ScenarioSpec, TraceLevel, new_id
 from mlscope.jobs import submit
 from mlscope.registry import list_agents
-from mlscope.schedule import poisson
+from mlscope.schedule import Schedule, poisson
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 
 SINK = "bench.sink"
 

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from broker import schedule as sch
-from broker.pacer import Pacer, PacerResult
+from mlscope import schedule as sch
+from mlscope.pacer import Pacer, PacerResult
 from mlscope.stats import percentiles
 
 

@@ -21,7 +21,6 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.record import ARRAYS, RunRecord
 from mlscope import scenario_traits
 from mlscope.catalog import Entry
 from mlscope.contracts import (
@@ -31,6 +30,7 @@ from mlscope.contracts import (
     LatencyStats,
     evaluation_id_for,
 )
+from mlscope.record import ARRAYS, RunRecord
 
 __all__ = ["IN_FLIGHT", "REMEMBERED", "Cancels", "cancelled_summary", "issued_part"]
 

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from broker.loadgen import RunRecord
-from broker.tuning import ProcessTuning
 from mlscope.bus import Bus
 from mlscope.contracts import Placement, TraceLevel
+from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
 
 __all__ = ["Context", "Feeders"]

@@ -1,7 +1,7 @@
 """Distributed load: one seeded global schedule dealt to K load-generator processes.
 
 How they connect: the server (parent) builds the global schedule and every query's
-payload, deals the schedule round-robin (:func:`broker.schedule.deal`: query ``i`` goes
+payload, deals the schedule round-robin (:func:`mlscope.schedule.deal`: query ``i`` goes
 to process ``i % K``) and starts K processes ``python -m broker.distributed CONFIG``.
 Each child connects to NATS on its own (same URL and credentials as the server),
 reads its slice (offsets, global indices, payloads) from files the parent wrote in a
@@ -12,7 +12,7 @@ clock for every process of a host, so the K pacers share one time origin (the K
 processes must therefore run on the server's host). Each child runs its own pacer
 thread and :class:`broker.loadgen.Driver`, publishes straight to the agent with its own
 reply inbox, and writes its raw per-query arrays (``.npz``) when done. The parent
-merges them by global index (:func:`broker.schedule.merge_values`) into one
+merges them by global index (:func:`mlscope.schedule.merge_values`) into one
 :class:`RunRecord`, judged once. While they run, each child prints ``progress DONE``
 lines (queries completed in its slice); the parent sums them into the evaluation's
 progress events (without a running p50: the latencies stay in the children until the
@@ -35,16 +35,15 @@ from typing import Any, BinaryIO
 import anyio
 import numpy as np
 
-from broker import schedule
 from broker.context import Context
 from broker.loadgen import ARRAYS, Driver, RunRecord, encode_query
-from broker.schedule import Schedule
-from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
-from mlscope import codec, scenario_traits
+from mlscope import codec, scenario_traits, schedule
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
+from mlscope.schedule import Schedule
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 
 __all__ = ["ARRAYS", "load_result", "main", "merge_results", "run_dealt", "save_result"]
 

@@ -29,7 +29,6 @@ from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.evalspec import dataset, specification
 from broker.loadgen import RunRecord, estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
-from broker.tuning import ProcessTuning
 from mlscope import codec, names, samples, sysmatch
 from mlscope.bus import AGENT_TTL_S, Bus, request
 from mlscope.catalog import Catalog, Entry
@@ -48,6 +47,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError, EvaluationError, MLScopeError, ResolutionError
 from mlscope.outcomes import Outcome
+from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
 from mlscope.versions import satisfies
 

@@ -36,12 +36,12 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from broker.db import Database
 from broker.ingest_columns import Columns, codes_of
-from broker.tuning import ProcessTuning
 from mlscope import codec, names, schema
 from mlscope.bus import Bus
 from mlscope.contracts import SampleBatch, SpanBatch
 from mlscope.errors import MLScopeError, WireError
 from mlscope.serving import Boundary, delivered
+from mlscope.tuning import ProcessTuning
 
 __all__ = ["Ingester"]
 

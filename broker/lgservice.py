@@ -32,8 +32,6 @@ import mlscope
 from broker.distributed import save_result
 from broker.loadgen import Driver, RunRecord
 from broker.multihost import unpack_slice, work_bucket
-from broker.schedule import Schedule
-from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.bus import Bus
@@ -51,8 +49,10 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError, EvaluationError
 from mlscope.loadgens import ensure_bucket
+from mlscope.schedule import Schedule
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 
 __all__ = ["LoadgenService", "default_id"]
 

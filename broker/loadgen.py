@@ -14,7 +14,7 @@ Closed loop (``single-stream``, ``concurrency``, each point of ``batched``): a f
 number of queries in flight (``spec.concurrency``), each sent the moment a previous one
 completes; its scheduled time is its issue time.
 
-Open loops take any :class:`broker.schedule.Schedule` (Poisson, constant, multi-stream,
+Open loops take any :class:`mlscope.schedule.Schedule` (Poisson, constant, multi-stream,
 replay, piecewise, or one slice of a dealt global schedule): query ``i`` of the slice
 is sent with its *global* index ``schedule.index[i]``, so several drivers in several
 processes can share one global schedule and one start time (``start_ns``).
@@ -34,15 +34,15 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.pacer import DEFAULT_BUSY_S, DEFAULT_SPIN_S, OutstandingLimit, Pacer
-from broker.record import ARRAYS, TIME_ARRAYS, RunRecord
-from broker.schedule import Schedule
-from broker.tuning import ProcessTuning
 from mlscope import codec, names, wire
 from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError, OverloadedError
+from mlscope.pacer import DEFAULT_BUSY_S, DEFAULT_SPIN_S, OutstandingLimit, Pacer
+from mlscope.record import ARRAYS, TIME_ARRAYS, RunRecord
+from mlscope.schedule import Schedule
 from mlscope.stats import percentile
+from mlscope.tuning import ProcessTuning
 
 __all__ = [
     "ARRAYS",

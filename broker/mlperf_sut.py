@@ -53,7 +53,6 @@ import anyio
 import numpy as np
 
 from broker.loadgen import LOOP_REALTIME_MAX_QPS
-from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.bus import Bus, request
@@ -76,6 +75,7 @@ from mlscope.mlperf import (
     test_settings,
 )
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 
 __all__ = ["ERROR", "TIMING", "AgentSUT", "main"]
 

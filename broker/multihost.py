@@ -1,7 +1,7 @@
 """Distributed load over load-generator services on any host (``loadgen_hosts``).
 
 The server side of ``mlscope-submit --loadgen-hosts a,b``: one seeded global schedule
-dealt round-robin (query ``i`` to service ``i % K``, :func:`broker.schedule.deal`) to
+dealt round-robin (query ``i`` to service ``i % K``, :func:`mlscope.schedule.deal`) to
 registered load-generator services (``mlscope loadgen``, :mod:`broker.lgservice`),
 which may run on other machines::
 
@@ -40,11 +40,9 @@ import numpy as np
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
-from broker import schedule
 from broker.distributed import PROGRESS_S, START_LEAD_S, load_result, merge_results
 from broker.loadgen import RunRecord, encode_query, estimate_offset
-from broker.schedule import Schedule
-from mlscope import codec, names
+from mlscope import codec, names, schedule
 from mlscope.bus import Bus, bus_errors, object_store, request
 from mlscope.contracts import (
     LoadgenDescription,
@@ -57,6 +55,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import BusError, ConfigError, EvaluationError, ResolutionError, WireError
 from mlscope.loadgens import list_loadgens
+from mlscope.schedule import Schedule
 
 if TYPE_CHECKING:
     from broker.context import Context

@@ -23,16 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from broker import schedule
 from broker.context import Context
 from broker.scenario import Outcome, Run, Scenario, run_once
 from broker.scenario_kinds import get
 from broker.scenario_kinds.peak import PEAK_PRECISION, next_rate, peak_floor_qps
-from broker.schedule import Schedule
-from mlscope import scenario_traits
+from mlscope import scenario_traits, schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.manifest import ScenarioFile, load_manifest
+from mlscope.schedule import Schedule
 
 __all__ = [
     "PEAK_PRECISION",
@@ -61,7 +60,7 @@ def build_schedule(spec: ScenarioSpec) -> tuple[Schedule, float]:
 
 
 def read_arrivals(path: Path) -> tuple[float, ...]:
-    """Inter-arrival times (s) from a replay file (:func:`broker.schedule.replay`)."""
+    """Inter-arrival times (s) from a replay file (:func:`mlscope.schedule.replay`)."""
     offsets = schedule.replay(path).offsets_ns
     gaps = np.diff(offsets, prepend=np.int64(0))
     return tuple(float(g) / 1e9 for g in gaps.tolist())

@@ -47,7 +47,6 @@ from broker.ingest import Ingester
 from broker.loadgen import RunRecord, running_p50_ms
 from broker.multihost import work_bucket
 from broker.readonly import ReadLimits, ReadOnlyDatabase
-from broker.tuning import ProcessTuning
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.bus import bus_errors, if_found
@@ -73,6 +72,7 @@ from mlscope.model_registry import ManifestWatcher
 from mlscope.registry import AgentCache, list_agents
 from mlscope.serving import Boundary, delivered
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 
 __all__ = ["Server"]
 

@@ -4,7 +4,7 @@ Randomness, MLPerf-style: each random dimension of a run has its own stream, der
 from the one user seed with ``np.random.SeedSequence(seed).spawn(...)`` (a child's
 stream depends only on its index, so adding a stream never changes the others):
 
-* :data:`ARRIVAL_STREAM` draws arrival times (``broker.schedule``),
+* :data:`ARRIVAL_STREAM` draws arrival times (``mlscope.schedule``),
 * :data:`SAMPLE_STREAM` draws the sample order (:class:`SampleOrder`),
 * :data:`FILL_STREAM` draws synthetic inputs for a model without a data set.
 

@@ -26,7 +26,6 @@ import numpy as np
 import pytest
 
 from broker.cancel import IN_FLIGHT, issued_part
-from broker.record import RunRecord
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import remote
@@ -34,6 +33,7 @@ from mlscope.api import cancel_job
 from mlscope.contracts import JobRequest, ScenarioSpec, evaluation_id_for
 from mlscope.jobs import submit
 from mlscope.outcomes import Outcome
+from mlscope.record import RunRecord
 from mlscope.settings import Settings
 from tests.conftest import agent_and_server, child_env, python, wait_server
 

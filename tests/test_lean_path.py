@@ -21,8 +21,6 @@ from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.worker import LoadedModel
 from broker.loadgen import Driver, LeadTuner
-from broker.schedule import constant, poisson
-from broker.tuning import ProcessTuning
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
@@ -32,6 +30,8 @@ from mlscope.errors import ConfigError
 from mlscope.pacer import Pacer
 from mlscope.predictor import PredictorOptions
 from mlscope.registry import list_agents
+from mlscope.schedule import constant, poisson
+from mlscope.tuning import ProcessTuning
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker import schedule
 from broker.distributed import ARRAYS, merge_results
 from broker.loadgen import RunRecord
 from broker.scenario_kinds import get
@@ -20,6 +19,7 @@ from broker.scenarios import (
     scenario_spec,
 )
 from broker.summary import figures, judge, latency_split, policy_for
+from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.validity import ValidityPolicy, Verdict

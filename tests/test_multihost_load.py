@@ -12,9 +12,8 @@ import anyio
 import numpy as np
 import pytest
 
-from broker import schedule
 from mlscope import bus as busmod
-from mlscope import remote
+from mlscope import remote, schedule
 from mlscope.contracts import (
     EvaluationSummary,
     JobEvent,

@@ -21,9 +21,7 @@ from analysis.report import build, to_markdown
 from analysis.source import BusSource
 from analysis.summary import summary
 from broker.loadgen import Driver
-from broker.schedule import constant
 from broker.summary import figures
-from broker.tuning import ProcessTuning
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
@@ -31,7 +29,9 @@ from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, Trace
 from mlscope.errors import ConfigError
 from mlscope.jobs import submit
 from mlscope.registry import list_agents
+from mlscope.schedule import constant
 from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
 from tests.conftest import child_env, python
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from broker import schedule as sch
-from broker.pacer import OutstandingLimit, Pacer
+from mlscope import schedule as sch
 from mlscope.errors import ConfigError, EvaluationError
+from mlscope.pacer import OutstandingLimit, Pacer
 
 
 def test_per_query_callback_never_early_in_order_and_complete() -> None:

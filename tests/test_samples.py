@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker import schedule as sch
+from mlscope import schedule as sch
 from mlscope.errors import ConfigError
 from mlscope.samples import (
     ARRIVAL_STREAM,

@@ -9,11 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import schedule
 from broker.scenario import Scenario
 from broker.scenario_kinds import STRATEGIES, get, registry
 from broker.scenarios import build_schedule
-from mlscope import scenario_traits
+from mlscope import scenario_traits, schedule
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.jobs import time_limit

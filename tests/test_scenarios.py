@@ -18,11 +18,10 @@ import anyio
 import numpy as np
 import pytest
 
-from broker import schedule
 from broker.scenarios import build_schedule, next_rate, peak_floor_qps
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import names, remote
+from mlscope import names, remote, schedule
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError, ConfigError
 from mlscope.jobs import submit

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from broker import schedule as sch
+from mlscope import schedule as sch
 from mlscope.errors import ConfigError
 
 

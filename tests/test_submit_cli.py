@@ -18,10 +18,9 @@ import anyio
 import numpy as np
 import pytest
 
-from broker import schedule
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import remote
+from mlscope import remote, schedule
 from mlscope.stats import percentile
 from tests.conftest import child_env
 

@@ -1,4 +1,4 @@
-"""broker/tuning.py: one owner of the process-wide tuning, safe with concurrent jobs."""
+"""mlscope/tuning.py: one owner of the process-wide tuning, safe with concurrent jobs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import anyio
 import pytest
 
-from broker.tuning import ProcessTuning
+from mlscope.tuning import ProcessTuning
 
 
 @pytest.fixture

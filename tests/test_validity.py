@@ -9,7 +9,7 @@ import pytest
 from scipy import special
 from scipy import stats as sps
 
-from broker import schedule as sch
+from mlscope import schedule as sch
 from mlscope import validity as v
 from mlscope.stats import percentile
 
