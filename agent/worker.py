@@ -1,7 +1,6 @@
 """A loaded model: the predictor with its compiled pre- and post-processing.
 
-Queries run through :class:`agent.pipeline.Executor` (the streaming pipeline);
-``Job`` and ``ModelWorker`` stay importable from here under their old names.
+Queries run through :class:`agent.pipeline.Executor` (the streaming pipeline).
 """
 
 from __future__ import annotations
@@ -13,14 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from agent.pipeline import Executor, Job
 from agent.predictors import open_predictor
 from mlscope.catalog import Entry
 from mlscope.errors import InputMismatchError, MLScopeError
 from mlscope.operators import Pipeline, compile_steps, labeler
 from mlscope.predictor import Predictor, PredictorOptions
 
-__all__ = ["Job", "LoadedModel", "ModelWorker", "compile_model"]
+__all__ = ["LoadedModel", "compile_model"]
 
 now = time.perf_counter_ns
 
@@ -133,7 +131,3 @@ class LoadedModel:
 
     def close(self) -> None:
         self.predictor.close()
-
-
-ModelWorker = Executor
-"""The old name of the per-model executor."""

@@ -10,7 +10,7 @@
    dictionary-encoded) against plain string lists (the older form, which the
    ingester still takes), alternated over ``--rounds`` rounds, each run in a fresh
    nats-server and chDB; medians.
-2. Overhead on ``efficientnet_lite0`` / ONNX Runtime through a real ModelWorker:
+2. Overhead on ``efficientnet_lite0`` / ONNX Runtime through a real Executor:
    per-query time at levels none, model and framework (``--queries`` each,
    interleaved in rounds so that machine noise hits all levels alike), reported as
    medians; plus the cost of the model level's four ``SpanBuffer.add`` calls measured
@@ -34,8 +34,9 @@ from typing import Any
 import anyio
 import numpy as np
 
+from agent.pipeline import Executor, Job
 from agent.tracer import SpanBuffer, dictionary_encode
-from agent.worker import Job, LoadedModel, ModelWorker
+from agent.worker import LoadedModel
 from broker.db import Database
 from broker.ingest import Ingester
 from mlscope import bus as busmod
@@ -151,7 +152,7 @@ def overhead(zoo: Path, queries: int) -> dict[str, float]:
     )
     model = LoadedModel.open(entry, entry.graph(zoo), PredictorOptions())
     model.warmup()
-    worker = ModelWorker(model)
+    worker = Executor(model)
     x = np.zeros((1, 256, 256, 3), np.uint8)
     replies: queue.Queue[QueryReply] = queue.Queue()
     wall: dict[TraceLevel, list[int]] = {

@@ -1,4 +1,4 @@
-"""Trace levels and the span tree on real frameworks, driven through a real ModelWorker."""
+"""Trace levels and the span tree on real frameworks, driven through a real Executor."""
 
 from __future__ import annotations
 

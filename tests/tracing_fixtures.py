@@ -1,4 +1,4 @@
-"""Helpers for the tracing tests: a model worker driven directly, span-tree checks."""
+"""Helpers for the tracing tests: a model's executor driven directly, span-tree checks."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from agent.pipeline import Executor, Job
 from agent.tracer import COLUMNS, SpanBuffer
-from agent.worker import Job, LoadedModel, ModelWorker
+from agent.worker import LoadedModel
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import QueryReply, TraceLevel
 from mlscope.predictor import PredictorOptions
@@ -43,8 +44,8 @@ def sample(model: LoadedModel) -> np.ndarray:
 def run_queries(
     model: LoadedModel, level: TraceLevel, n: int, first_index: int = 0
 ) -> list[dict[str, Any]]:
-    """n queries through a real ModelWorker; the spans they produced, as rows."""
-    worker = ModelWorker(model)
+    """n queries through a real Executor; the spans they produced, as rows."""
+    worker = Executor(model)
     buf = SpanBuffer()
     replies: queue.Queue[QueryReply] = queue.Queue()
     try:
