@@ -92,7 +92,7 @@ def _figures(reps: list[dict[str, Any]]) -> dict[str, Any]:
         "warm_predict_ms": warm,
         "warm_latency_ms": med("warm_latency_ms_p50", reps),
         "first_over_warm": first / warm if first is not None and warm else None,
-        # the old one-shot keys, for readers of earlier summaries
+        # the keys of a one-repetition summary, which readers of stored ones use
         "cold": bool(cold),
         "runs": reps,
     }

@@ -18,8 +18,8 @@ With ``lead_s`` (``issue_many`` only) the pacer instead releases each batch that
 before its first query is due and never spins (``spin_s = busy_s = 0``): its caller
 holds every query until it is due. The load generator does this (its event loop
 spins the last stretch, ``broker.loadgen.LeadTuner``), so the thread hop to the loop,
-~100 µs on a 2-core VM, no longer lands after the deadline, and the pacer's thread,
-which spun ~300 µs of every millisecond at 1,000 QPS, sleeps instead.
+~100 µs on a 2-core VM, falls before the deadline rather than after it, and the pacer's
+thread, which would spin ~300 µs of every millisecond at 1,000 QPS, sleeps instead.
 
 Behind schedule it issues every query already due at once, in order, as one batch: with
 ``issue_many(indices, issued_ns)`` the caller makes one thread→event-loop hop per batch

@@ -1,5 +1,5 @@
-"""The pandas computations analysis did on raw rows before the database computed them:
-the reference the SQL path is checked against (same stored data, same figures)."""
+"""The analysis summaries computed in pandas from raw rows: the reference the SQL path
+is checked against (same stored data, same figures)."""
 
 from __future__ import annotations
 
