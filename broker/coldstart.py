@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from broker.loadgen import ARRAYS, TIME_ARRAYS, RunRecord
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec
+from mlscope.record import ARRAYS, TIME_ARRAYS, RunRecord
 from mlscope.stats import percentile
 
 __all__ = ["concat", "reasons", "run"]

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from broker.loadgen import RunRecord
 from mlscope.bus import Bus
 from mlscope.contracts import Placement, TraceLevel
+from mlscope.record import RunRecord
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
 

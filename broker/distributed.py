@@ -36,16 +36,17 @@ import anyio
 import numpy as np
 
 from broker.context import Context
-from broker.loadgen import ARRAYS, Driver, RunRecord, encode_query
+from broker.loadgen import Driver, encode_query
 from mlscope import bus as busmod
 from mlscope import codec, scenario_traits, schedule
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
+from mlscope.record import ARRAYS, RunRecord
 from mlscope.schedule import Schedule
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
 
-__all__ = ["ARRAYS", "load_result", "main", "merge_results", "run_dealt", "save_result"]
+__all__ = ["load_result", "main", "merge_results", "run_dealt", "save_result"]
 
 START_LEAD_S = 0.2
 PROGRESS_S = 0.5

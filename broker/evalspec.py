@@ -10,9 +10,8 @@ from typing import Any
 import mlscope
 from mlscope.catalog import Entry
 from mlscope.contracts import AgentDescription, JobRequest
-from mlscope.samples import dataset
 
-__all__ = ["dataset", "git_commit", "specification"]
+__all__ = ["git_commit", "specification"]
 
 
 def specification(

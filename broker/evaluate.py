@@ -26,8 +26,8 @@ import numpy as np
 
 from broker import accuracy, scenarios
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
-from broker.evalspec import dataset, specification
-from broker.loadgen import RunRecord, estimate_offset
+from broker.evalspec import specification
+from broker.loadgen import estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
 from mlscope import codec, names, samples, sysmatch
 from mlscope.bus import AGENT_TTL_S, Bus, request
@@ -47,6 +47,8 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError, EvaluationError, MLScopeError, ResolutionError
 from mlscope.outcomes import Outcome
+from mlscope.record import RunRecord
+from mlscope.samples import dataset
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
 from mlscope.versions import satisfies

@@ -30,7 +30,7 @@ from nats.js.kv import KeyValue
 
 import mlscope
 from broker.distributed import save_result
-from broker.loadgen import Driver, RunRecord
+from broker.loadgen import Driver
 from broker.multihost import unpack_slice, work_bucket
 from mlscope import bus as busmod
 from mlscope import codec, names
@@ -49,6 +49,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError, EvaluationError
 from mlscope.loadgens import ensure_bucket
+from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 from mlscope.serving import Boundary
 from mlscope.settings import Settings

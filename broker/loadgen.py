@@ -39,16 +39,13 @@ from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError, OverloadedError
 from mlscope.pacer import DEFAULT_BUSY_S, DEFAULT_SPIN_S, OutstandingLimit, Pacer
-from mlscope.record import ARRAYS, TIME_ARRAYS, RunRecord
+from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 from mlscope.stats import percentile
 from mlscope.tuning import ProcessTuning
 
 __all__ = [
-    "ARRAYS",
-    "TIME_ARRAYS",
     "Driver",
-    "RunRecord",
     "encode_query",
     "estimate_offset",
     "running_p50_ms",

@@ -41,8 +41,8 @@ import numpy as np
 
 from broker import mlperf_logs as logs
 from broker.db import Database
-from broker.evalspec import dataset, specification
-from broker.loadgen import RunRecord, estimate_offset
+from broker.evalspec import specification
+from broker.loadgen import estimate_offset
 from broker.mlperf_agent import run_in_agent
 from mlscope import codec, names, schema
 from mlscope.bus import Bus, request
@@ -57,6 +57,8 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError, EvaluationError, error_from_wire
 from mlscope.mlperf import ERROR, TIMING
+from mlscope.record import RunRecord
+from mlscope.samples import dataset
 from mlscope.stats import percentiles, trimmed_mean
 
 __all__ = [

@@ -41,7 +41,7 @@ from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
 from broker.distributed import PROGRESS_S, START_LEAD_S, load_result, merge_results
-from broker.loadgen import RunRecord, encode_query, estimate_offset
+from broker.loadgen import encode_query, estimate_offset
 from mlscope import codec, names, schedule
 from mlscope.bus import Bus, bus_errors, object_store, request
 from mlscope.contracts import (
@@ -55,6 +55,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import BusError, ConfigError, EvaluationError, ResolutionError, WireError
 from mlscope.loadgens import list_loadgens
+from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 
 if TYPE_CHECKING:

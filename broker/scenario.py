@@ -18,11 +18,12 @@ import numpy as np
 
 from broker import agentrun
 from broker.context import Context
-from broker.loadgen import Driver, RunRecord
+from broker.loadgen import Driver
 from broker.summary import Figures, figures, judge, latency_split
 from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
+from mlscope.record import RunRecord
 from mlscope.scenario_traits import ScenarioTraits
 from mlscope.schedule import Schedule
 from mlscope.validity import ValidityPolicy, Verdict

@@ -44,7 +44,7 @@ from broker.cancel import Cancels, cancelled_summary, issued_part
 from broker.db import Database
 from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
 from broker.ingest import Ingester
-from broker.loadgen import RunRecord, running_p50_ms
+from broker.loadgen import running_p50_ms
 from broker.multihost import work_bucket
 from broker.readonly import ReadLimits, ReadOnlyDatabase
 from mlscope import bus as busmod
@@ -69,6 +69,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import BusError, DatabaseError, MLScopeError, ResolutionError, WireError
 from mlscope.model_registry import ManifestWatcher
+from mlscope.record import RunRecord
 from mlscope.registry import AgentCache, list_agents
 from mlscope.serving import Boundary, delivered
 from mlscope.settings import Settings

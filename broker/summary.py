@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from broker.loadgen import RunRecord
 from mlscope.contracts import LatencyStats, ScenarioSpec
 from mlscope.outcomes import count
+from mlscope.record import RunRecord
 from mlscope.stats import describe_ms, percentiles
 from mlscope.validity import ValidityPolicy, Verdict, achieved_rate, backlog_s, verdict
 

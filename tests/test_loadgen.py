@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from broker.distributed import ARRAYS, merge_results
-from broker.loadgen import RunRecord
+from broker.distributed import merge_results
 from broker.scenario_kinds import get
 from broker.scenarios import (
     PEAK_PRECISION,
@@ -22,6 +21,7 @@ from broker.summary import figures, judge, latency_split, policy_for
 from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
+from mlscope.record import ARRAYS, RunRecord
 from mlscope.validity import ValidityPolicy, Verdict
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,12 +12,12 @@ import pytest
 
 from analysis.compare import SLOWER, mismatches, run_level_difference
 from analysis.figures import max_throughput, speedup_heatmap
-from broker.loadgen import RunRecord
 from broker.scenarios import build_schedule
 from broker.summary import LoadgenCost, figures, judge
 from cli.submit import run_level
 from mlscope.contracts import ScenarioSpec
 from mlscope.outcomes import Outcome, classify, count
+from mlscope.record import RunRecord
 from mlscope.stats import mean_ci
 from mlscope.validity import ValidityPolicy, backlog_s, completion_rates
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from broker import coldstart
 from broker.context import Context
-from broker.loadgen import RunRecord
 from broker.scenario import Outcome, Run, Scenario, driver
 from broker.summary import figures, latency_split
 from mlscope.contracts import ScenarioSpec
+from mlscope.record import RunRecord
 from mlscope.validity import Verdict
 
 __all__ = ["ColdStart"]
