@@ -1,2 +1,3 @@
 """Analysis over the evaluation database: the only place statistics across
-evaluations are computed, always through :mod:`mlscope.stats`."""
+evaluations are defined, with :mod:`mlscope.stats`' definitions, computed by the
+database where it can (:mod:`analysis.sqlstats`)."""

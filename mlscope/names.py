@@ -2,7 +2,7 @@
 
 Subjects (core NATS unless marked JetStream):
 
-    mlscope.jobs.submit                JetStream (stream JOBS, work queue): job requests
+    mlscope.jobs.submit                JetStream (stream MLSCOPE_JOBS, work queue): jobs
     mlscope.job.<job_id>.events        progress, accepted and done events of one job
     mlscope.job.<job_id>.cancel        stop one job (every server hears it)
     mlscope.cap.<framework>.<model>    capability subject; queue group of the same name
@@ -12,12 +12,13 @@ Subjects (core NATS unless marked JetStream):
                                        sample library's load/unload, mlperf)
     mlscope.agent.<agent_id>.samples   queries naming samples the agent holds (MLPerf)
     mlscope.agent.<agent_id>.rows.<eval_id>
-                                       the rows of one agent's local run (placement agent)
-    mlscope.traces.<eval_id>           JetStream (stream TRACES): span batches
+                                       the rows of one agent's local run (placement agent),
+                                       or its MLPerf run's MLPerfDone
+    mlscope.traces.<eval_id>           JetStream (stream MLSCOPE_TRACES): span batches
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
-    mlscope.dead.<stream>              JetStream (stream DEAD): messages a consumer gave
-                                       up on, with the error in their headers
+    mlscope.dead.<stream>              JetStream (stream MLSCOPE_DEAD): messages a consumer
+                                       gave up on, the error in their headers
     mlscope.loadgen.<id>.ctl           control requests to one load-generator service
                                        (ping, load a dealt slice)
     mlscope.loadgen.<id>.run           start a loaded slice; answered when it is done
