@@ -140,8 +140,9 @@ def test_responders_may_only_answer_what_they_were_asked(
             for i in range(20):
                 await server.nc.publish(names.agent_ctl("a1"), b"%d" % i, reply=shared)
             await server.nc.flush()
-            while len(asked) < 20:
-                await anyio.sleep(0.05)
+            with anyio.fail_after(30):  # a lost query fails here, not at the test's timeout
+                while len(asked) < 20:
+                    await anyio.sleep(0.05)
             for msg in asked:
                 await msg.respond(msg.data)
             await agent.nc.flush()

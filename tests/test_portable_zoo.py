@@ -38,21 +38,28 @@ from tests.conftest import child_env, running_stack
 pytestmark = pytest.mark.timeout(300)
 
 BIN = Path(sys.executable).parent
-OTHER_CPU = {
-    "ATEN_CPU_CAPABILITY": "avx512",
-    "ONEDNN_MAX_CPU_ISA": "ALL",
-    "MKL_CBWR": "AUTO",
-    "OMP_NUM_THREADS": "2",
-}
-"""Numeric settings of another machine (unsupported capabilities fall back to the
-best the CPU has, which still differs from the portable default)."""
+
+
+def other_cpu() -> dict[str, str]:
+    """Numeric settings of another machine: the fastest kernels this CPU runs
+    (PyTorch's own dispatch, AVX2 or AVX-512, unrestricted oneDNN, two threads)
+    instead of the zoo build's portable ones, which gives other bytes for the same
+    model. Forcing AVX-512 would kill the build on a CPU without it (SIGILL)."""
+    import torch
+
+    return {
+        "ATEN_CPU_CAPABILITY": torch.backends.cpu.get_cpu_capability().lower(),
+        "ONEDNN_MAX_CPU_ISA": "ALL",
+        "MKL_CBWR": "AUTO",
+        "OMP_NUM_THREADS": "2",
+    }
 
 
 @pytest.fixture(scope="module")
 def other_zoo(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Path:
     """digits_cnn built as another CPU builds it: other bytes, the pinned behaviour."""
     zoo = tmp_path_factory.mktemp("other-cpu-zoo")
-    build(zoo, only=["digits_cnn"], env=OTHER_CPU, log=lambda _m: None)
+    build(zoo, only=["digits_cnn"], env=other_cpu(), log=lambda _m: None)
     ours = BuildLock.read(zoo_dir / "digits_cnn" / "1.0.0")
     theirs = BuildLock.read(zoo / "digits_cnn" / "1.0.0")
     assert ours is not None and theirs is not None
