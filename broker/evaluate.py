@@ -24,7 +24,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker import accuracy, scenarios
+from broker import accuracy, scenario, scenarios
+from broker.context import Context
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.evalspec import specification
 from broker.loadgen import estimate_offset
@@ -270,12 +271,12 @@ class Evaluator:
         entry: Entry,
         p: _Prepared,
         progress: Progress,
-    ) -> scenarios.Outcome:
+    ) -> scenario.Outcome:
         """The job's scenario against the prepared agent (released when cancelled)."""
         m, spec = entry.manifest, job.scenario
         shape = m.inputs[0].shape
         url = self.bus.nc.connected_url
-        ctx = scenarios.Context(
+        ctx = Context(
             bus=self.bus,
             evaluation_id=p.eval_id,
             subject=names.agent_query(agent.agent_id),
@@ -303,7 +304,7 @@ class Evaluator:
         agent: AgentDescription,
         entry: Entry,
         p: _Prepared,
-        outcome: scenarios.Outcome,
+        outcome: scenario.Outcome,
         span: tuple[float, float],
     ) -> _Summarizer:
         """What turns each run of this job into a summary."""
@@ -338,7 +339,7 @@ class Evaluator:
         summarize: _Summarizer,
         job: JobRequest,
         eval_id: str,
-        outcome: scenarios.Outcome,
+        outcome: scenario.Outcome,
         lost: str,
     ) -> EvaluationSummary:
         """The job's summary: its main run's, with what a sweep or search found."""
@@ -362,7 +363,7 @@ class Evaluator:
         self,
         summarize: _Summarizer,
         summary: EvaluationSummary,
-        outcome: scenarios.Outcome,
+        outcome: scenario.Outcome,
         spec_doc: dict[str, Any],
     ) -> None:
         """Each run of a sweep or search on its own, then the parent (with the query
@@ -551,7 +552,7 @@ class _Summarizer:
     finished: float
 
     def __call__(
-        self, run: scenarios.Run, reasons: tuple[str, ...] = (), **extra: Any
+        self, run: scenario.Run, reasons: tuple[str, ...] = (), **extra: Any
     ) -> EvaluationSummary:
         """The summary of ``run`` (``reasons``: more than its verdict's; ``extra``:
         fields a sweep's or search's parent adds)."""

@@ -3,17 +3,17 @@
 Each scenario is declared by its traits, one module each in :mod:`mlscope.scenario_kinds`
 (``mlscope-submit --help`` lists them), and run by its strategy
 (:mod:`broker.scenario_kinds`, which says when a scenario needs one of its own).
-This module is the front door: :func:`execute` runs a
-spec with its scenario, :func:`build_schedule` gives an open loop's arrivals, and
-:func:`scenario_spec` builds a spec from a scenario file and flags.
+Here :func:`execute` runs a spec with its scenario, :func:`build_schedule` gives an
+open loop's arrivals, and :func:`scenario_spec` builds a spec from a scenario file and
+flags.
 
 Open loops run on one pacer, or with ``loadgens = K > 1`` on K load-generator
 processes that share one seeded global schedule (:mod:`broker.distributed`), or with
 ``loadgen_hosts`` on registered load-generator services on any host
-(:mod:`broker.multihost`). A
-``batched`` sweep and a ``peak`` search make several runs: each is a :class:`Run`
-with its own evaluation id (``<parent>-<k>``), stored on its own, and listed in the
-parent summary's ``points``; the parent's own figures are those of the best run.
+(:mod:`broker.multihost`). A ``batched`` sweep and a ``peak`` search make several
+runs: each is a :class:`broker.scenario.Run` with its own evaluation id
+(``<parent>-<k>``), stored on its own, and listed in the parent summary's ``points``;
+the parent's own figures are those of the best run.
 """
 
 from __future__ import annotations
@@ -24,29 +24,15 @@ from typing import Any
 import numpy as np
 
 from broker.context import Context
-from broker.scenario import Outcome, Run, Scenario, run_once
+from broker.scenario import Outcome
 from broker.scenario_kinds import get
-from broker.scenario_kinds.peak import PEAK_PRECISION, next_rate, peak_floor_qps
 from mlscope import scenario_traits, schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.manifest import ScenarioFile, load_manifest
 from mlscope.schedule import Schedule
 
-__all__ = [
-    "PEAK_PRECISION",
-    "Context",
-    "Outcome",
-    "Run",
-    "Scenario",
-    "build_schedule",
-    "execute",
-    "next_rate",
-    "peak_floor_qps",
-    "read_arrivals",
-    "run_once",
-    "scenario_spec",
-]
+__all__ = ["build_schedule", "execute", "read_arrivals", "scenario_spec"]
 
 
 async def execute(ctx: Context, spec: ScenarioSpec) -> Outcome:

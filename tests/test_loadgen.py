@@ -10,13 +10,8 @@ import pytest
 
 from broker.distributed import merge_results
 from broker.scenario_kinds import get
-from broker.scenarios import (
-    PEAK_PRECISION,
-    build_schedule,
-    next_rate,
-    peak_floor_qps,
-    scenario_spec,
-)
+from broker.scenario_kinds.peak import PEAK_PRECISION, next_rate, peak_floor_qps
+from broker.scenarios import build_schedule, scenario_spec
 from broker.summary import figures, judge, latency_split, policy_for
 from mlscope import schedule
 from mlscope.contracts import ScenarioSpec

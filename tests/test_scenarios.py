@@ -18,7 +18,8 @@ import anyio
 import numpy as np
 import pytest
 
-from broker.scenarios import build_schedule, next_rate, peak_floor_qps
+from broker.scenario_kinds.peak import next_rate, peak_floor_qps
+from broker.scenarios import build_schedule
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import names, remote, schedule
