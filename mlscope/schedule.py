@@ -31,11 +31,9 @@ import numpy as np
 from mlscope import scenario_traits
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
-from mlscope.samples import ARRIVAL_STREAM, SAMPLE_STREAM, stream
+from mlscope.samples import ARRIVAL_STREAM, stream
 
 __all__ = [
-    "ARRIVAL_STREAM",
-    "SAMPLE_STREAM",
     "Arrivals",
     "Schedule",
     "build_schedule",
@@ -97,10 +95,6 @@ class Schedule:
         return float(self.offsets_ns[-1]) / NS_PER_S if self.offsets_ns.size else 0.0
 
 
-def _stream(seed: int, which: int) -> np.random.Generator:
-    return stream(seed, which)
-
-
 def _check_rate(rate: float) -> float:
     if not (math.isfinite(rate) and rate > 0):
         raise ConfigError(f"rate must be a positive finite number, got {rate!r}")
@@ -149,7 +143,7 @@ def poisson(
     rate = _check_rate(rate)
     _one_bound(duration_s, n)
     until = None if duration_s is None else duration_s * rate
-    unit = _unit_arrivals(_stream(seed, ARRIVAL_STREAM), until=until, n=n)
+    unit = _unit_arrivals(stream(seed, ARRIVAL_STREAM), until=until, n=n)
     return Schedule(_to_ns(unit / rate))
 
 
@@ -195,7 +189,7 @@ def piecewise(segments: Sequence[tuple[float, float, float]], *, seed: int = 0) 
     mass = length * (a + c) / 2.0
     mass_end = np.cumsum(mass)
     time_start = np.concatenate(([0.0], np.cumsum(length)[:-1]))
-    unit = _unit_arrivals(_stream(seed, ARRIVAL_STREAM), until=float(mass_end[-1]), n=None)
+    unit = _unit_arrivals(stream(seed, ARRIVAL_STREAM), until=float(mass_end[-1]), n=None)
     j = np.minimum(np.searchsorted(mass_end, unit, side="left"), len(seg) - 1)
     u = unit - (mass_end[j] - mass[j])
     aj, bj = a[j], slope[j]
