@@ -41,8 +41,8 @@ import numpy as np
 
 from cli.demo import wait_for_agent
 from cli.services import Stack
-from cli.submit import submit
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
+from mlscope.jobs import submit
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 

@@ -15,7 +15,7 @@ import anyio
 
 from mlscope.api import cancel_job
 
-__all__ = ["cancel_job", "register"]
+__all__ = ["register"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -31,7 +31,7 @@ from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.stats import mean_ci
 
-__all__ = ["main", "submit"]
+__all__ = ["format_summary", "main", "make_job", "parser", "run_level"]
 
 
 def parser() -> argparse.ArgumentParser:

@@ -134,7 +134,7 @@ user pressed Ctrl-C to get the terminal back, so well under two seconds in all."
 
 def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False) -> int:
     """Ctrl-C: cancel the job on the server and say so in one line (no traceback)."""
-    from cli.cancel_cmd import cancel_job
+    from mlscope.api import cancel_job
 
     if progress_shown:
         print(file=sys.stderr)  # end the progress line

@@ -18,11 +18,12 @@ import pytest
 from pydantic import ValidationError
 
 from cli.services import Stack
-from cli.submit import format_summary, make_job, parser, submit
+from cli.submit import format_summary, make_job, parser
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, Preprocess, ScenarioSpec
 from mlscope.errors import ConfigError, ResolutionError
+from mlscope.jobs import submit
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
 from tests.conftest import agent_and_server, running_stack
