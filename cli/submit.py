@@ -70,9 +70,10 @@ def _target_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--placement",
         choices=("server", "agent"),
-        default="server",
+        default=None,
         help="where the load generator runs: server (queries cross the bus: the served "
-        "model) or agent (the agent runs the scenario itself: the model)",
+        "model) or agent (the agent runs the scenario itself: the model); default: the "
+        "scenario's (agent for batched, server for the others)",
     )
     p.add_argument(
         "--preprocess",
@@ -282,7 +283,8 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         accuracy=getattr(args, "accuracy", False),
         accuracy_samples=getattr(args, "accuracy_samples", None),
         parallel=getattr(args, "parallel", False),
-        placement=getattr(args, "placement", "server"),
+        # None: the scenario's own placement (JobRequest.placement)
+        **({"placement": placement} if (placement := getattr(args, "placement", None)) else {}),
         system=system_from_args(args),
     )
 

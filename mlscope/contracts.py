@@ -55,6 +55,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import core_schema
 
 from mlscope import scenario_traits
+from mlscope.errors import ConfigError
 from mlscope.versions import parse_constraint
 
 __all__ = [
@@ -433,6 +434,27 @@ class SystemRequirement(BaseModel):
     """Exactly this host name (``mlscope rerun`` pins the original's)."""
 
 
+def _scenario_placement(job: dict[str, Any]) -> Placement:
+    """The placement a job's scenario runs at by default (see ``JobRequest.placement``)."""
+    if job.get("mlperf") is not None or job.get("mlperf_import") is not None:
+        return "server"
+    spec = job.get("scenario")
+
+    def field(name: str, default: Any) -> Any:
+        if isinstance(spec, ScenarioSpec):
+            return getattr(spec, name)
+        return spec.get(name, default) if isinstance(spec, dict) else default
+
+    name = field("name", "online")
+    if not isinstance(name, str) or field("loadgens", 1) != 1 or field("loadgen_hosts", None):
+        return "server"  # the model's own validation then names what is wrong
+    try:
+        traits = scenario_traits.get(name)
+    except ConfigError:
+        return "server"
+    return "agent" if traits.placement == "agent" and traits.local else "server"
+
+
 class JobRequest(_Message):
     """A request to evaluate one model on one framework (published by mlscope-submit)."""
 
@@ -468,7 +490,18 @@ class JobRequest(_Message):
     placement: Placement = "server"
     """Where the load generator runs: ``server`` (queries cross the bus; measures the
     served model) or ``agent`` (the agent runs the scenario on its own copy of the
-    sample set and ships the per-query times back; measures the model itself)."""
+    sample set and ships the per-query times back; measures the model itself). Left
+    out (or None): the scenario's own default (``ScenarioTraits.placement``: ``agent``
+    for the batched throughput sweep, ``server`` for the rest); always ``server`` for
+    MLPerf jobs, imports and runs dealt to several load generators."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_placement(cls, data: Any) -> Any:
+        """A job that names no placement gets its scenario's."""
+        if not isinstance(data, dict) or data.get("placement") is not None:
+            return data
+        return {**data, "placement": _scenario_placement(data)}
 
     @field_validator("trace_level")
     @classmethod

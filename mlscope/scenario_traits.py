@@ -69,6 +69,10 @@ class ScenarioTraits:
     """A closed loop run in the agent keeps at least this many queries in flight."""
     local: bool = True
     """Whether the agent can run it (``placement: agent``)."""
+    placement: str = "server"
+    """Where its load is generated when a job does not say: ``agent`` for a scenario
+    that measures the model itself (a throughput sweep: no query need cross the bus),
+    ``server`` for one that measures the model as served over the bus."""
     poisson: bool = False
     """Arrivals are Poisson: the verdict allows for the rate's sampling noise."""
     rate_driven: bool = False

@@ -25,6 +25,7 @@ BATCHED = register(
         summary="a sweep of batch_sizes, closed loop at each: max throughput and the "
         "optimal batch size",
         local_depth=LOCAL_DEPTH,
+        placement="agent",  # max throughput is the model's, not the bus's
         early_stopping=False,  # a throughput sweep (MLPerf offline) has no latency target
         fields=frozenset({"batch_sizes", "concurrency"}),
         runs=_points,
