@@ -37,7 +37,7 @@ import numpy as np
 from mlscope import codec, names, wire
 from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec, TraceLevel
-from mlscope.errors import EvaluationError, OverloadedError
+from mlscope.errors import ConfigError, EvaluationError, OverloadedError
 from mlscope.pacer import DEFAULT_BUSY_S, DEFAULT_SPIN_S, OutstandingLimit, Pacer
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
@@ -108,23 +108,26 @@ class LeadTuner:
 async def estimate_offset(
     bus: Bus, agent_id: str, *, rounds: int = 9, subject: str | None = None
 ) -> tuple[int, int]:
-    """(agent clock - our clock, round trip) in ns from the ping with the smallest RTT.
+    """(agent clock - our clock, round trip) in ns from the ping with the smallest RTT
+    (the first of equals) among ``rounds`` pings (at least one).
 
     NTP-style: offset = t_agent - (t_send + t_recv) / 2, error bounded by RTT / 2.
     ``subject``: another responder's control subject (a load-generator service's).
     """
-    best: tuple[int, int] | None = None
+    if rounds < 1:
+        raise ConfigError(f"rounds must be at least 1, got {rounds}")
+    target = subject or names.agent_ctl(agent_id)
     payload = codec.encode({"op": "ping"})
-    for _ in range(rounds):
-        t1 = now()
-        reply = await request(bus, subject or names.agent_ctl(agent_id), payload, timeout=5.0)
-        t2 = now()
-        rtt = t2 - t1
-        offset = int(reply["t_agent"]) - (t1 + t2) // 2
-        if best is None or rtt < best[1]:
-            best = (offset, rtt)
-    assert best is not None
-    return best
+    pings = [await _ping(bus, target, payload) for _ in range(rounds)]
+    return min(pings, key=lambda ping: ping[1])
+
+
+async def _ping(bus: Bus, subject: str, payload: bytes) -> tuple[int, int]:
+    """One ping: (agent clock - our clock, round trip) in ns."""
+    t1 = now()
+    reply = await request(bus, subject, payload, timeout=5.0)
+    t2 = now()
+    return int(reply["t_agent"]) - (t1 + t2) // 2, t2 - t1
 
 
 def _hold_until(due: int, t: int) -> int:

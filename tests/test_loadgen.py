@@ -1,19 +1,24 @@
 """Load-generator pieces without a stack: verdicts on raw records, the latency split,
-the peak search's steps, scenario files, and the merge of dealt slices."""
+the peak search's steps, scenario files, the merge of dealt slices, and the clock
+offset's arguments."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
+import anyio
 import numpy as np
 import pytest
 
 from broker.distributed import merge_results
+from broker.loadgen import estimate_offset
 from broker.scenario_kinds import get
 from broker.scenario_kinds.peak import PEAK_PRECISION, next_rate, peak_floor_qps
 from broker.scenarios import build_schedule, scenario_spec
 from broker.summary import figures, judge, latency_split, policy_for
 from mlscope import schedule
+from mlscope.bus import Bus
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.record import ARRAYS, RunRecord
@@ -227,3 +232,9 @@ def test_merge_of_dealt_records_restores_global_order() -> None:
     assert (merged.prediction == np.arange(101)).all()
     assert merged.errors == {0: "err 0", 1: "err 1", 2: "err 2"}
     assert set(ARRAYS) <= set(vars(merged))
+
+
+def test_clock_offset_needs_at_least_one_ping() -> None:
+    """Zero rounds is a ConfigError, raised before anything is sent (no bus is used)."""
+    with pytest.raises(ConfigError, match="rounds must be at least 1, got 0"):
+        anyio.run(lambda: estimate_offset(cast(Bus, None), "agent-x", rounds=0))
