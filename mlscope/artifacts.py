@@ -55,7 +55,6 @@ __all__ = [
     "is_remote",
     "resolve_package",
     "safe_join",
-    "sha256_path",
     "verify",
     "zoo_coordinates",
 ]

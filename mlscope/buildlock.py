@@ -11,7 +11,7 @@ build records what it made, in ``<zoo_dir>/<name>/<version>/mlscope.lock``::
      "behaviour": {...what the build measured...}}
 
 ``artifacts`` holds every top-level file or directory (a directory's hash is
-:func:`mlscope.artifacts.sha256_path`'s tree hash); ``files`` every regular file below,
+:func:`mlscope.hashing.sha256_path`'s tree hash); ``files`` every regular file below,
 which is what the artifact bucket stores object by object. Agents verify every
 artifact they open against the lock, so a file changed or half-written after the build
 is refused; the lock is written last, atomically, so a build that stopped midway has

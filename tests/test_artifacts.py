@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from mlscope.artifacts import ArtifactStore, resolve_package, safe_join, sha256_path
+from mlscope.artifacts import ArtifactStore, resolve_package, safe_join
 from mlscope.catalog import Catalog
 from mlscope.errors import ArtifactError, ChecksumMismatch
+from mlscope.hashing import sha256_path
 
 PAYLOAD = b"weights " * 50_000
 

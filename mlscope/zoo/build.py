@@ -43,9 +43,10 @@ from typing import Any
 
 import mlscope
 from mlscope import sysinfo
-from mlscope.artifacts import resolve_package, sha256_path
+from mlscope.artifacts import resolve_package
 from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError
+from mlscope.hashing import sha256_path
 from mlscope.manifest import Behaviour, BuildSpec
 
 __all__ = [

@@ -17,8 +17,9 @@ from typing import Any
 
 import yaml
 
-from mlscope.artifacts import resolve_package, sha256_path
+from mlscope.artifacts import resolve_package
 from mlscope.buildlock import BuildLock
+from mlscope.hashing import sha256_path
 from mlscope.zoo import effnet
 from mlscope.zoo.build import BUILDERS, input_file
 from mlscope.zoo.packaged import LIGHT_MODELS
