@@ -31,10 +31,10 @@ LoadGen keeps process-wide state (its logger, and a count of the conf files read
 which makes a second test in one process log "Multiple conf files are used" as an
 error), has no way to abort a test, and its threads would share the server's GIL
 with the trace ingester. The child connects to NATS itself (the server's URL and
-environment), runs the test, and leaves
-LoadGen's logs and what the SUT saw (:data:`TIMING`) in the parent's temporary
-directory. ``perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process of a
-host, so the parent's clock offset to the agent holds for the child.
+environment), runs the test, and leaves LoadGen's logs and what the SUT saw
+(:data:`mlscope.mlperf.TIMING`) in the parent's temporary directory.
+``perf_counter_ns`` is CLOCK_MONOTONIC, one clock for every process of a host, so the
+parent's clock offset to the agent holds for the child.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from mlscope.mlperf import (
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
 
-__all__ = ["ERROR", "TIMING", "AgentSUT", "main"]
+__all__ = ["AgentSUT", "main"]
 
 now = time.perf_counter_ns
 SAMPLES_TIMEOUT_S = 300.0
