@@ -5,7 +5,10 @@ statement at any depth: module level, inside functions, under ``TYPE_CHECKING``)
 * ``agent`` and ``broker`` build on ``mlscope`` only (they do not import each other);
 * ``analysis`` imports only ``mlscope``; ``dashboard`` imports ``analysis`` and ``mlscope``;
 * nothing imports ``cli`` except ``cli``;
-* no two modules import each other, directly or around a longer loop.
+* no two modules import each other, directly or around a longer loop;
+* a module's ``__all__`` lists only names it defines, so each name is imported from
+  the module that defines it (a package's ``__init__`` may list its own submodules'
+  names as its API: :data:`PACKAGE_APIS`).
 
 Framework predictors are imported by name (``importlib``) and are not seen here; they
 are plain ``agent`` modules, held to the same rule.
@@ -14,7 +17,7 @@ are plain ``agent`` modules, held to the same rule.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,11 @@ ALLOWED: Mapping[str, frozenset[str]] = {
     "cli": frozenset(PACKAGES),
 }
 """Top-level package -> the top-level packages of ours it may import."""
+PACKAGE_APIS: Mapping[str, frozenset[str]] = {
+    "agent.profiling": frozenset({"NULL", "Capture", "FrameworkProfiler"}),
+}
+"""Package -> the names of its submodules its ``__init__`` lists as the package's API
+(``agent.profiling``: :func:`capture` gives a ``Capture``, ``NULL`` when no profiler)."""
 
 
 def module_name(path: Path, root: Path) -> tuple[str, bool]:
@@ -134,6 +142,37 @@ def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
     return found
 
 
+def module_level(tree: ast.Module) -> Iterator[ast.AST]:
+    """Every node of ``tree`` outside function and class bodies."""
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def reexported(source: str) -> list[str]:
+    """The names of ``__all__`` that the module binds only by importing them."""
+    listed: list[str] = []
+    imported: set[str] = set()
+    bound: set[str] = set()
+    for node in module_level(ast.parse(source)):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            imported.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+            and isinstance(node.value, ast.List | ast.Tuple)
+        ):
+            listed = [str(e.value) for e in node.value.elts if isinstance(e, ast.Constant)]
+    return [name for name in listed if name in imported and name not in bound]
+
+
 def our_sources() -> dict[str, tuple[bool, str]]:
     sources = {}
     for package in PACKAGES:
@@ -154,6 +193,13 @@ def test_packages_import_one_way(graph: dict[str, set[str]]) -> None:
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
     assert cycles(graph) == []
+
+
+def test_names_are_listed_where_they_are_defined() -> None:
+    found = {m: set(reexported(source)) for m, (_, source) in our_sources().items()}
+    extra = {m: sorted(names - PACKAGE_APIS.get(m, frozenset())) for m, names in found.items()}
+    assert {m: names for m, names in extra.items() if names} == {}
+    assert found["agent.profiling"] == PACKAGE_APIS["agent.profiling"]  # the check sees it
 
 
 def test_the_graph_sees_our_modules(graph: dict[str, set[str]]) -> None:
@@ -190,3 +236,11 @@ def test_the_checker_finds_a_cycle() -> None:
         ["agent.operators", "mlscope.zoo.build"],
         ["cli.helpers", "cli.submit"],
     ]
+
+
+def test_the_checker_finds_a_reexport() -> None:
+    source = (
+        "from a import b, c\nimport d.e\nfrom f import g as h\nc = 1\n"
+        "if True:\n    def i(): pass\n__all__ = ['b', 'c', 'd', 'h', 'i']\n"
+    )
+    assert reexported(source) == ["b", "d", "h"]
