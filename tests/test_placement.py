@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from cli.services import Stack
 from cli.submit import format_summary, make_job, parser
 from mlscope import bus as busmod
-from mlscope import remote
+from mlscope import codec, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, Preprocess, ScenarioSpec
 from mlscope.errors import ConfigError, ResolutionError
 from mlscope.jobs import submit
@@ -236,8 +236,39 @@ def test_preprocess_ahead_needs_placement_agent() -> None:
         JobRequest(
             model="noop",
             framework="noop",
-            scenario=ScenarioSpec(name="batched", preprocess="ahead"),
+            scenario=ScenarioSpec(name="online", preprocess="ahead"),
         )
+    with pytest.raises(ValidationError, match="needs placement agent"):
+        JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="batched", preprocess="ahead"),
+            placement="server",
+        )
+
+
+def test_a_job_without_placement_gets_its_scenarios() -> None:
+    """Batched measures the model's own throughput: in the agent unless the job says
+    otherwise; the rest, and what cannot run in the agent, on the server. Through the
+    contract, a decoded message and the CLI alike."""
+
+    def job(**kw: object) -> JobRequest:
+        return JobRequest.model_validate({"model": "noop", "framework": "noop", **kw})
+
+    assert job(scenario={"name": "batched"}).placement == "agent"
+    assert job(scenario={"name": "batched"}, placement=None).placement == "agent"
+    assert job(scenario={"name": "batched"}, placement="server").placement == "server"
+    assert job().placement == "server"  # online
+    for name in ("single-stream", "online", "peak", "cold-start"):
+        assert job(scenario={"name": name}).placement == "server", name
+    dealt = {"name": "batched", "loadgens": 2}
+    assert job(scenario=dealt).placement == "server"
+    wire = codec.decode(codec.encode_model(job(scenario={"name": "batched"})))
+    assert JobRequest.model_validate(wire).placement == "agent"  # stored as it ran
+    cli = ["noop", "--framework", "noop", "--scenario", "batched"]
+    assert make_job(parser().parse_args(cli)).placement == "agent"
+    assert make_job(parser().parse_args([*cli, "--placement", "server"])).placement == "server"
+    assert make_job(parser().parse_args(cli[:3])).placement == "server"
     args = parser().parse_args(
         ["noop", "--framework", "noop", "--placement", "agent", "--preprocess", "timed"]
     )
