@@ -5,10 +5,11 @@ Queries run through :class:`agent.pipeline.Executor` (the streaming pipeline).
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -21,6 +22,7 @@ from mlscope.predictor import Predictor, PredictorOptions
 __all__ = ["LoadedModel", "compile_model"]
 
 now = time.perf_counter_ns
+T = TypeVar("T")
 
 
 def compile_model(entry: Entry, *, allow_custom: bool = False) -> tuple[list[Pipeline], Pipeline]:
@@ -46,6 +48,34 @@ def compile_model(entry: Entry, *, allow_custom: bool = False) -> tuple[list[Pip
         compile_steps(i.steps, where=f"inputs.{n}.steps", **opts) for n, i in enumerate(m.inputs)
     ]
     return pre, compile_steps(m.outputs[0].steps, where="outputs.0.steps", **opts)
+
+
+def _on_own_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a new thread that ends when it returns.
+
+    A model is opened there, not on the caller's thread, because a runtime's OpenMP
+    workers belong to the thread that first ran a parallel region (PyTorch's loading
+    runs some), and libgomp keeps that team while its thread lives. Two live teams
+    outnumber two cores, and libgomp then cuts every team's spin-wait to almost
+    nothing: efficientnet_lite0 on PyTorch took 55-66 ms a call on the predict thread
+    against 25 ms when the thread that opened it had ended (2-core VM). The predict
+    thread's own team is then the only one (:class:`agent.pipeline.Executor` runs the
+    first inference there too)."""
+    out: list[T] = []
+    failed: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # raised again on the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=target, name="open-model", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out[0]
 
 
 class LoadedModel:
@@ -85,7 +115,9 @@ class LoadedModel:
         :meth:`Entry.labels`) names top-k results for queries that ask."""
         compile_model(entry, allow_custom=allow_custom)  # refused steps fail before loading
         t0 = now()
-        pred = open_predictor(entry.manifest.framework.name, graph, entry.manifest, options)
+        pred = _on_own_thread(
+            lambda: open_predictor(entry.manifest.framework.name, graph, entry.manifest, options)
+        )
         try:
             return cls(entry, pred, now() - t0, allow_custom=allow_custom, labels=labels)
         except MLScopeError:

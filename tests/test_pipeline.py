@@ -412,3 +412,31 @@ def test_a_preprocessed_query_skips_pre_processing_and_wakes_no_pool_thread(
     assert ran == [] and all(r.ok for r in got), [r.error for r in got]
     np.testing.assert_array_equal(np.concatenate([r.outputs for r in got]), want)
     assert where == [threading.current_thread().name] * 4  # never a pool thread
+
+
+def test_a_model_is_opened_on_a_thread_that_has_ended(
+    zoo_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No thread but the predict thread keeps a runtime's worker team alive: the one
+    that opened the model has ended when ``open`` returns (a live one halved PyTorch's
+    speed on two cores), and a load error still reaches the caller typed."""
+    import agent.worker as worker
+
+    real = worker.open_predictor
+    openers: list[threading.Thread] = []
+
+    def recording(*args: Any) -> Any:
+        openers.append(threading.current_thread())
+        return real(*args)
+
+    monkeypatch.setattr(worker, "open_predictor", recording)
+    entry = digits_entry()
+    m = LoadedModel.open(entry, entry.graph(zoo_dir), PredictorOptions(threads=1))
+    try:
+        (opener,) = openers
+        assert opener is not threading.current_thread()
+        assert not opener.is_alive()
+    finally:
+        m.predictor.close()
+    with pytest.raises(ModelLoadError):
+        LoadedModel.open(entry, zoo_dir / "missing.onnx", PredictorOptions(threads=1))
