@@ -420,16 +420,15 @@ def test_a_model_is_opened_on_a_thread_that_has_ended(
     """No thread but the predict thread keeps a runtime's worker team alive: the one
     that opened the model has ended when ``open`` returns (a live one halved PyTorch's
     speed on two cores), and a load error still reaches the caller typed."""
-    import agent.worker as worker
+    from agent.predictors import open_predictor as real
 
-    real = worker.open_predictor
     openers: list[threading.Thread] = []
 
     def recording(*args: Any) -> Any:
         openers.append(threading.current_thread())
         return real(*args)
 
-    monkeypatch.setattr(worker, "open_predictor", recording)
+    monkeypatch.setattr("agent.worker.open_predictor", recording)
     entry = digits_entry()
     m = LoadedModel.open(entry, entry.graph(zoo_dir), PredictorOptions(threads=1))
     try:
