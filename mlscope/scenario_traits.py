@@ -12,6 +12,7 @@ traits everything else is derived:
   class there;
 * the agent's local run (``placement: agent``), which may not import the broker: its
   arrivals or closed-loop depth, and whether it can run there at all;
+* where a job that names no placement runs (``JobRequest.placement``);
 * a scenario file's required fields, a job's time limit, the dashboard's form.
 
 The registry is filled once per process, when a name is first asked for. A scenario
