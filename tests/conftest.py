@@ -84,6 +84,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.integration if costly else pytest.mark.unit)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.zoo_fixtures import remove_session_zoo
+
+    remove_session_zoo()
+
+
 @pytest.fixture(scope="session")
 def zoo_dir() -> Path:
     """The zoo models that agents in the tests serve, built once per session (or reused

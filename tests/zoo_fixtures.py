@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,17 @@ def zoo_dir() -> Path:
     if _session_dir is None:
         _session_dir = Path(tempfile.mkdtemp(prefix="mlscope-test-zoo-"))
     return _session_dir
+
+
+def remove_session_zoo() -> None:
+    """Remove the zoo this session built in a temporary directory (one built for
+    ``MLSCOPE_TEST_ZOO`` stays): each is ~75 MB, and a machine that runs the suite
+    often would keep them all."""
+    global _session_dir
+    if _session_dir is not None:
+        shutil.rmtree(_session_dir, ignore_errors=True)
+        _session_dir = None
+        built.cache_clear()
 
 
 @functools.cache
