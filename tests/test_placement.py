@@ -330,3 +330,25 @@ def test_a_batch_over_the_bus_payload_runs_in_the_agent(placement_stack: Stack) 
         run(placement_stack.settings, job("server"))
     s = run(placement_stack.settings, job("agent"))
     assert s.placement == "agent" and s.queries == 3 and s.samples == 24 and s.errors == 0
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"scenario": "batched"},
+        {"scenario": {"name": ["batched"]}},
+        {"scenario": {"name": "x" * 100_000}},
+        {"scenario": {"name": "batched", "loadgens": "many"}},
+        {"scenario": {"name": "batched", "loadgen_hosts": {"a": 1}}},
+        {"scenario": {"name": "batched"}, "placement": 7},
+        {"scenario": {"name": "batched"}, "mlperf": [1, 2]},
+        {"scenario": None},
+    ],
+)
+def test_hostile_jobs_meet_the_default_placement_as_validation_errors(
+    fields: dict[str, Any],
+) -> None:
+    """Whatever a decoded job carries, choosing its default placement never raises
+    anything but the contract's own ValidationError."""
+    with pytest.raises(ValidationError):
+        JobRequest.model_validate({"model": "noop", "framework": "noop", **fields})
