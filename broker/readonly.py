@@ -34,7 +34,7 @@ import queue
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import clickhouse_connect
 import pandas as pd
@@ -247,6 +247,12 @@ class ReadOnlyDatabase:
                 self._pool.get_nowait().close()
             except queue.Empty:
                 return
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)

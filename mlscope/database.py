@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import clickhouse_connect
 import pandas as pd
@@ -85,6 +85,15 @@ class Client:
     def close(self) -> None:
         with self._lock:
             self.client.close()
+
+    def __enter__(self) -> Self:
+        """``with Database(dsn) as db``: closed however the block ends. chDB holds one
+        engine path per process until its last handle closes, so a client left open
+        by a failure would refuse every later database at another path."""
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def fresh_client(client: Any, dsn: str, settings: dict[str, Any] | None = None) -> Any:

@@ -13,6 +13,7 @@ import pytest
 from broker import db as dbmod
 from broker.db import MIGRATIONS, RETAINED, Database
 from mlscope import schema
+from mlscope.errors import DatabaseError
 
 LATEST = max(v for v, _, _ in MIGRATIONS)
 ALL_TABLES = ("evaluations", "queries", "spans", "system_samples", "agent_history", "outputs")
@@ -211,3 +212,16 @@ def test_a_table_created_from_the_schema_matches_it(db: Database) -> None:
         db.command(table.create().replace(f"EXISTS {table.name} ", f"EXISTS new_{table.name} "))
         want = [(c.name, c.type, c.default or "") for c in table.columns]
         assert described(db, f"new_{table.name}") == want
+
+
+def test_a_database_closed_by_its_with_block_frees_the_engine_path(tmp_path: Path) -> None:
+    """chDB holds one engine path per process until its last handle closes: a block
+    that fails must still let the next database, at another path, open."""
+    with pytest.raises(RuntimeError, match="mid-test"), Database(f"chdb:///{tmp_path / 'a'}") as a:
+        a.migrate()
+        raise RuntimeError("mid-test")
+    with Database(f"chdb:///{tmp_path / 'b'}") as b:
+        assert b.migrate() == LATEST
+    # the rule the block guards against: a second path while the first is open
+    with Database(f"chdb:///{tmp_path / 'c'}"), pytest.raises(DatabaseError, match="cannot open"):
+        Database(f"chdb:///{tmp_path / 'd'}")

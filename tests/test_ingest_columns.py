@@ -22,10 +22,9 @@ ATTRS = '{"op_type": "Conv", "shape": [1, 32, 112, 112]}'
 
 @pytest.fixture
 def db(tmp_path: Path) -> Iterator[Database]:
-    d = Database(f"chdb:///{tmp_path / 'db'}")
-    d.migrate()
-    yield d
-    d.close()
+    with Database(f"chdb:///{tmp_path / 'db'}") as d:
+        d.migrate()
+        yield d
 
 
 def spans(first: int, n: int) -> dict[str, list[Any]]:

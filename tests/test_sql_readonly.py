@@ -190,18 +190,23 @@ def test_hostile_query_is_cut_off_while_others_are_answered(
 
 
 @pytest.fixture
-def fresh_db(tmp_path: Path) -> str:
-    """A chDB directory of its own (a process may hold one engine path at a time)."""
-    return f"chdb:///{tmp_path / 'db'}"
+def fresh_db(tmp_path: Path) -> Iterator[Database]:
+    """The writer of a chDB directory of its own, migrated; closed however the test
+    ends (a process may hold one engine path at a time)."""
+    with Database(f"chdb:///{tmp_path / 'db'}") as db:
+        db.migrate()
+        yield db
 
 
-def test_a_client_query_never_waits_for_the_writer(fresh_db: str) -> None:
+def test_a_client_query_never_waits_for_the_writer(fresh_db: Database) -> None:
     """Read connections are separate from the writer's: an insert goes through while a
     hostile query runs, and the query is cancelled by the engine at its limit."""
-    dsn = fresh_db
-    db = Database(dsn)
-    db.migrate()
-    ro = ReadOnlyDatabase(dsn, ReadLimits(max_execution_time_s=1.0, readers=1))
+    db = fresh_db
+    with ReadOnlyDatabase(db.dsn, ReadLimits(max_execution_time_s=1.0, readers=1)) as ro:
+        writer_and_hostile_reader(db, ro)
+
+
+def writer_and_hostile_reader(db: Database, ro: ReadOnlyDatabase) -> None:
     done: list[float] = []
 
     def hostile() -> None:
@@ -222,20 +227,20 @@ def test_a_client_query_never_waits_for_the_writer(fresh_db: str) -> None:
     took = anyio.run(main, backend="asyncio")
     assert took < 0.5 and done and done[0] < 2.5
     assert ro.frame("SELECT count() AS n FROM schema_migrations WHERE version = 99")["n"][0] == 1
-    ro.close()
-    db.close()
 
 
-def test_a_query_cut_off_mid_stream_never_answers_the_next_one(fresh_db: str) -> None:
+def test_a_query_cut_off_mid_stream_never_answers_the_next_one(fresh_db: Database) -> None:
     """A query stopped by a limit while its result streams leaves the rest of that stream
     on its chDB handle; the next query must get its own answer, not those bytes. One read
     connection, so every query reuses the handle the failed one ran on."""
-    db = Database(fresh_db)
-    db.migrate()
+    db = fresh_db
     # the result limit is larger than one block, so the cut comes after blocks streamed
-    ro = ReadOnlyDatabase(
-        fresh_db, ReadLimits(max_execution_time_s=1.0, readers=1, max_result_rows=100_000)
-    )
+    limits = ReadLimits(max_execution_time_s=1.0, readers=1, max_result_rows=100_000)
+    with ReadOnlyDatabase(db.dsn, limits) as ro:
+        cut_off_queries(db, ro)
+
+
+def cut_off_queries(db: Database, ro: ReadOnlyDatabase) -> None:
     cut_off = [
         "SELECT number FROM numbers(10000000)",  # result limit, mid-stream
         "SELECT sleepEachRow(0.1) FROM numbers(29)",  # time limit
@@ -253,5 +258,3 @@ def test_a_query_cut_off_mid_stream_never_answers_the_next_one(fresh_db: str) ->
             "result_overflow_mode = 'throw'"
         )
     assert db.rows("SELECT 41 + 1") == [(42,)]
-    ro.close()
-    db.close()
