@@ -67,10 +67,14 @@ def span_batch(eval_id: str, start: int, n: int) -> SpanBatch:
 def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(
     settings: Settings, tmp_path: Path
 ) -> None:
-    db = Database(f"chdb:///{tmp_path / 'db'}")
-    db.migrate()
-    # No background merge may fold the duplicates away: the raw count must show them.
-    db.command("SYSTEM STOP MERGES spans")
+    with Database(f"chdb:///{tmp_path / 'db'}") as db:
+        db.migrate()
+        # No background merge may fold the duplicates away: the raw count must show them.
+        db.command("SYSTEM STOP MERGES spans")
+        ingester_killed_mid_stream(settings, db)
+
+
+def ingester_killed_mid_stream(settings: Settings, db: Database) -> None:
     eval_id = "ev-resilience"
     per, batches = 200, 60
     ingesters: list[Ingester] = []
@@ -113,9 +117,12 @@ def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(
             async with anyio.create_task_group() as tg:
                 ingesters.append(Ingester(bus, db, ack_wait_s=1.0))
                 tg.start_soon(ingesters[-1].run)
+                # Every span stored, and the crashed ingester's 20 batches back: they
+                # come after its ack wait, which may end after the last new batch.
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
-                    if _count(db, eval_id) >= per * batches:
+                    back = sum(i.redelivered for i in ingesters[1:])
+                    if _count(db, eval_id) >= per * batches and back >= 20:
                         break
                     await anyio.sleep(0.2)
                 tg.cancel_scope.cancel()
@@ -137,7 +144,6 @@ def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(
     assert raw == stored > total, (raw, stored, total)
     assert sum(i.redelivered for i in ingesters[1:]) >= 20  # the un-acked 20 batches
     assert _count(db, eval_id) == total
-    db.close()
 
 
 async def _noop() -> None:
@@ -147,8 +153,12 @@ async def _noop() -> None:
 def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
     settings: Settings, tmp_path: Path
 ) -> None:
-    db = Database(f"chdb:///{tmp_path / 'db'}")
-    db.migrate()
+    with Database(f"chdb:///{tmp_path / 'db'}") as db:
+        db.migrate()
+        ingested_batches_leave_the_stream(settings, db)
+
+
+def ingested_batches_leave_the_stream(settings: Settings, db: Database) -> None:
     eval_id = "ev-trim"
 
     async def main() -> tuple[int, int, list[str]]:
@@ -175,7 +185,6 @@ def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
     assert _count(db, eval_id) == 500  # the good batches, all of them
     assert left == 0 and rejected == 1
     assert len(dead) == 1 and "column span_id" in dead[0]
-    db.close()
 
 
 def _count(db: Database, eval_id: str) -> int:
