@@ -42,7 +42,7 @@ from agent.tracer import SpanBuffer
 from mlscope import codec, samples, scenario_traits
 from mlscope.catalog import Entry
 from mlscope.contracts import QueryReply, RunOp, RunRows, ScenarioSpec, TraceLevel
-from mlscope.errors import ConfigError
+from mlscope.errors import ConfigError, EvaluationError
 from mlscope.pacer import OutstandingLimit, Pacer, RealtimeThreads
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.schedule import build_schedule
@@ -265,7 +265,8 @@ class LocalRun:
 
     def _open_loop(self) -> None:
         rec, sched, s = self.rec, self.schedule, self.spec
-        assert sched is not None
+        if sched is None:
+            raise EvaluationError(f"scenario {s.name!r} is closed-loop: it has no schedule")
         rec.scheduled[:] = sched.offsets_ns
         prebuilt = self._prebuilt
         self._gate = gate = OutstandingLimit(s.max_outstanding)

@@ -177,7 +177,8 @@ class Sampler:
         return proc
 
     def _read_perf(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stderr is not None
+        if proc.stderr is None:  # started without a pipe: nothing to read
+            return
         for line in proc.stderr:
             parsed = parse_perf_line(line)
             if parsed is not None:

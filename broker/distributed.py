@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 import anyio
 import numpy as np
@@ -147,15 +147,21 @@ def _child_env() -> dict[str, str]:
 def _start(procs: list[subprocess.Popen[str]]) -> None:
     """Wait for every child's ``ready``, then give all of them one start time."""
     for p in procs:
-        assert p.stdout is not None
-        line = p.stdout.readline().strip()
+        line = _pipe(p, p.stdout).readline().strip()
         if line != "ready":
             raise EvaluationError(f"load-generator process {p.pid} did not start ({line!r})")
     start = time.perf_counter_ns() + int(START_LEAD_S * 1e9)
     for p in procs:
-        assert p.stdin is not None
-        p.stdin.write(f"{start}\n")
-        p.stdin.flush()
+        stdin = _pipe(p, p.stdin)
+        stdin.write(f"{start}\n")
+        stdin.flush()
+
+
+def _pipe(p: subprocess.Popen[str], stream: IO[str] | None) -> IO[str]:
+    """One of a child's pipes (each is opened with ``PIPE``)."""
+    if stream is None:
+        raise EvaluationError(f"load-generator process {p.pid} has no pipe to talk over")
+    return stream
 
 
 def _wait(
@@ -166,8 +172,7 @@ def _wait(
     done = [0] * len(procs)
 
     def follow(j: int, p: subprocess.Popen[str]) -> None:
-        assert p.stdout is not None
-        for line in p.stdout:
+        for line in _pipe(p, p.stdout):
             word, _, value = line.strip().partition(" ")
             if word == "progress" and value.isdigit():
                 done[j] = int(value)

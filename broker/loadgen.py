@@ -294,7 +294,8 @@ class Driver:
         (``paced`` -> ``issued``)."""
         publish, subject, inbox = self.bus.nc.publish, self.subject, self.inbox
         rec = self.record
-        assert rec is not None
+        if rec is None:
+            raise EvaluationError("queries sent before the run's record exists")
         issued, scheduled, t0 = rec.issued, rec.scheduled, rec.t0_ns
         first = True
         for i in indices:

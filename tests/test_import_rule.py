@@ -8,7 +8,9 @@ statement at any depth: module level, inside functions, under ``TYPE_CHECKING``)
 * no two modules import each other, directly or around a longer loop;
 * a module's ``__all__`` lists only names it defines, so each name is imported from
   the module that defines it (a package's ``__init__`` may list its own submodules'
-  names as its API: :data:`PACKAGE_APIS`).
+  names as its API: :data:`PACKAGE_APIS`);
+* product code checks what it relies on with typed errors, never ``assert`` (which
+  ``python -O`` strips and which no boundary translates).
 
 Framework predictors are imported by name (``importlib``) and are not seen here; they
 are plain ``agent`` modules, held to the same rule.
@@ -200,6 +202,17 @@ def test_names_are_listed_where_they_are_defined() -> None:
     extra = {m: sorted(names - PACKAGE_APIS.get(m, frozenset())) for m, names in found.items()}
     assert {m: names for m, names in extra.items() if names} == {}
     assert found["agent.profiling"] == PACKAGE_APIS["agent.profiling"]  # the check sees it
+
+
+def asserts(source: str) -> list[int]:
+    """Lines of the ``assert`` statements in ``source``."""
+    return [n.lineno for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Assert)]
+
+
+def test_product_code_has_no_assert() -> None:
+    found = {m: asserts(source) for m, (_, source) in our_sources().items()}
+    assert {m: lines for m, lines in found.items() if lines} == {}
+    assert asserts("def f(x):\n    if x:\n        assert x > 1\n") == [3]  # the check sees one
 
 
 def test_the_graph_sees_our_modules(graph: dict[str, set[str]]) -> None:
