@@ -223,6 +223,7 @@ class Agent:
             finally:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(self.sampler.close)
+                    await anyio.to_thread.run_sync(self.rss.close)
                     await self._withdraw(bus, [*subs, *self.capability_subs.values()])
 
     def _servable(self) -> list[tuple[Entry, Any]]:

@@ -263,6 +263,15 @@ class RssWatch:
             peak = max(peak, hwm)
         return start, max(peak, end), end
 
+    def close(self) -> None:
+        """Stop watching every evaluation (the agent is stopping; none is released)."""
+        with self._lock:
+            self._watched.clear()
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None:
+            thread.join(timeout=5)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             rss = self.rss()

@@ -6,6 +6,7 @@ original's host, saying what differs."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -206,3 +207,17 @@ def test_the_rss_watch_sees_a_peak_that_is_gone_at_release() -> None:
     assert peak - start >= 60 << 20, got
     assert end < peak - (32 << 20), got  # growth (end - start) is not the peak
     assert watch.stop("ev-a") is None  # not watched any more
+
+
+def test_a_closed_rss_watch_leaves_no_thread_behind() -> None:
+    """An agent that stops with evaluations never released ends the watch's thread."""
+    watch = RssWatch(interval_s=0.01)
+    watch.start("ev-a")
+    watch.start("ev-b")
+    (thread,) = [t for t in threading.enumerate() if t.name == "rss" and t is watch._thread]
+    watch.close()
+    assert not thread.is_alive()
+    assert watch.stop("ev-a") is None
+    watch.start("ev-c")  # a watch can start again after it closed
+    assert watch.stop("ev-c") is not None
+    assert watch._thread is None
