@@ -16,10 +16,15 @@
    Server scenario at the same rate with an in-process null SUT (each query completed
    inside ``issue_query``), in a process of its own, and against ``placement: server``;
    the three rotate in each round; medians of p50 / p99 and of the issue lag.
+4. (``--only gap``) The bare loop of each batched case with a fixed busy gap of
+   ``--gaps`` µs of the calling thread between calls, the gaps alternated in each
+   round: what a given amount of per-batch work on the predict thread costs a runtime
+   (its intra-op threads wait through it), the budget a placement's per-batch work has.
 
 Usage: PYTHONPATH=. python bench/bench_placement.py [--zoo DIR] [--rounds 3]
        [--seconds 5] [--cases M:F:B,...] [--server] [--queries 300] [--qps 1000]
-       [--online-seconds 10] [--only batched|single-stream|online]
+       [--online-seconds 10] [--gaps 0,30,60,120]
+       [--only batched|single-stream|online|gap]
 Prints one JSON document per part (and one line per batched case); asserts nothing.
 """
 
@@ -135,7 +140,8 @@ class Child:
 def bare_child(zoo: Path, case: Case) -> None:
     """``predictor.predict`` over pre-processed batches of the agent's file, opened with
     the agent's options; nothing else. ``rate S`` answers inputs/s over S seconds,
-    ``latency N`` the median ms of N single calls."""
+    ``latency N`` the median ms of N single calls, ``gap S G`` inputs/s over S seconds
+    with G µs of busy waiting on this thread after each call."""
     from agent.predictors import open_predictor
     from agent.worker import LoadedModel
     from mlscope import samples
@@ -151,12 +157,17 @@ def bare_child(zoo: Path, case: Case) -> None:
     )
     pred.predict([np.zeros((1, *batches[0].shape[1:]), batches[0].dtype)])  # as the agent
 
-    def rate(seconds: float) -> float:
+    def rate(seconds: float, gap_us: float = 0.0) -> float:
         done, k, t0 = 0, 0, time.perf_counter()
+        gap_ns = int(gap_us * 1e3)
         while time.perf_counter() - t0 < seconds:
             pred.predict([batches[k % len(batches)]])
             done += case.batch
             k += 1
+            if gap_ns:
+                until = time.perf_counter_ns() + gap_ns
+                while time.perf_counter_ns() < until:
+                    pass
         return done / (time.perf_counter() - t0)
 
     def latency(n: int) -> float:
@@ -170,8 +181,13 @@ def bare_child(zoo: Path, case: Case) -> None:
     rate(2.0)  # warm-up
     print("@ready", flush=True)
     for line in sys.stdin:
-        what, arg = line.split()
-        got = rate(float(arg)) if what == "rate" else latency(int(arg))
+        what, *args = line.split()
+        if what == "rate":
+            got = rate(float(args[0]))
+        elif what == "gap":
+            got = rate(float(args[0]), float(args[1]))
+        else:
+            got = latency(int(args[0]))
         print(f"@{got}", flush=True)
     pred.close()
 
@@ -364,6 +380,32 @@ def _latency(summ: EvaluationSummary) -> dict[str, Any]:
     }
 
 
+def gaps(
+    zoo: Path, case: Case, rounds: int, seconds: float, gaps_us: list[float]
+) -> dict[str, Any]:
+    """The bare loop of ``case`` with each busy gap between calls, alternated."""
+    bare = Child("--bare-child", "--zoo", str(zoo), "--case", str(case))
+    got: dict[float, list[float]] = {g: [] for g in gaps_us}
+    order = list(gaps_us)
+    try:
+        for _ in range(1 + rounds):  # the first round warms up, not kept
+            for g in order:
+                got[g].append(float(bare.ask(f"gap {seconds} {g}")))
+            order = order[1:] + order[:1]
+    finally:
+        bare.close()
+    kept = {g: v[1:] for g, v in got.items()}
+    base = kept[gaps_us[0]]
+    return {
+        "case": str(case),
+        "inputs_per_s": {f"{g:g} us": v for g, v in kept.items()},
+        "median_ratio_to_first": {
+            f"{g:g} us": statistics.median(x / b for x, b in zip(v, base, strict=True))
+            for g, v in kept.items()
+        },
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -380,7 +422,10 @@ def main() -> None:
         help="batched comparisons, MODEL:FRAMEWORK:BATCH comma-separated",
     )
     p.add_argument("--server", action="store_true", help="batched: placement server too")
-    p.add_argument("--only", choices=("batched", "single-stream", "online"), default=None)
+    p.add_argument("--only", choices=("batched", "single-stream", "online", "gap"), default=None)
+    p.add_argument(
+        "--gaps", default="0,30,60,120", help="gap: busy µs after each bare call, comma-separated"
+    )
     p.add_argument("--bare-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--null-sut-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--case", type=Case.parse, default=None, help=argparse.SUPPRESS)
@@ -401,6 +446,11 @@ def main() -> None:
     if a.only in (None, "online"):
         doc = online(a.zoo, a.rounds, a.online_seconds, a.qps)
         print(json.dumps({"online": doc}, indent=1), flush=True)
+    if a.only == "gap":
+        gap_list = [float(g) for g in a.gaps.split(",")]
+        for c in a.cases.split(","):
+            doc = gaps(a.zoo, Case.parse(c), a.rounds, a.seconds, gap_list)
+            print(json.dumps({"gap": doc}, indent=1), flush=True)
     print(f"# load average at end: {os.getloadavg()}", flush=True)
 
 
