@@ -39,6 +39,7 @@ from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, TraceLevel
 from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
+from mlscope.samples import QueryLabels
 
 __all__ = ["IDLE_S", "alive", "drive"]
 
@@ -48,7 +49,7 @@ START_TIMEOUT_S = 30.0
 END_SLACK_S = 60.0
 """Beyond the run's duration and drain, how long a live but silent agent is awaited."""
 PAYLOAD_HEADROOM = 1024
-Labels = Callable[[int], np.ndarray] | None
+Labels = QueryLabels | None
 
 
 async def drive(
@@ -160,7 +161,7 @@ class _Collector:
             ok = rec.ok[a:b].astype(bool)
             rec.prediction[a:b] = np.where(ok, top1[:, 0], -1)
             if self.labels is not None:
-                want = np.stack([np.asarray(self.labels(i)).reshape(-1) for i in range(a, b)])
+                want = self.labels.span(a, b)
                 k = min(want.shape[1], top1.shape[1])
                 hits = np.count_nonzero(top1[:, :k] == want[:, :k], axis=1)
                 rec.correct[a:b] = np.where(ok, hits, 0)

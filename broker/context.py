@@ -7,18 +7,17 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from mlscope.bus import Bus
 from mlscope.contracts import Placement, TraceLevel
 from mlscope.record import RunRecord
+from mlscope.samples import Feeders
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
 
-__all__ = ["Context", "Feeders"]
+__all__ = ["Context", "FeedersOf"]
 
-Feeders = Callable[[int], tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]]
-"""``feeders(batch_size)`` -> (inputs(i), labels(i) or None) for queries of that size."""
+FeedersOf = Callable[[int], Feeders]
+"""``feeders(batch_size)`` -> (inputs(i), labels or None) for queries of that size."""
 
 
 @dataclass
@@ -31,7 +30,7 @@ class Context:
     subject: str
     trace_level: TraceLevel
     offset_ns: int
-    feeders: Feeders
+    feeders: FeedersOf
     policy: ValidityPolicy
     tuning: ProcessTuning
     """The process's one owner of GC, switch interval and priority (jobs run at once)."""

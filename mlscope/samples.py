@@ -42,6 +42,7 @@ __all__ = [
     "FILL_STREAM",
     "SAMPLE_STREAM",
     "Feeders",
+    "QueryLabels",
     "SampleOrder",
     "dataset",
     "feed",
@@ -62,8 +63,34 @@ FILL_STREAM = 2
 _STREAMS = 3
 FILL_ROWS = 64
 """Synthetic rows (from :data:`FILL_STREAM`) a model without a data set is fed."""
-Feeders = tuple[Callable[[int], np.ndarray], Callable[[int], np.ndarray] | None]
-"""(inputs(i), labels(i) or None) for the queries of one batch size."""
+
+
+class QueryLabels:
+    """The labels of the queries of one batch size: ``labels(i)`` those of query ``i``
+    (one per sample), ``span(first, end)`` those of queries ``first .. end-1`` at once,
+    one row per query (a collector scores thousands of queries a second; one gather
+    instead of a call each). Thread-safe: the order is drawn under ``lock``."""
+
+    def __init__(self, y: np.ndarray, order: SampleOrder, lock: threading.Lock, batch: int) -> None:
+        self.y, self.order, self.lock, self.batch = y, order, lock, batch
+        self._width = batch * int(np.prod(y.shape[1:], dtype=np.int64))
+
+    def __call__(self, i: int) -> np.ndarray:
+        with self.lock:
+            rows = self.order.rows(i, self.batch)
+        got: np.ndarray = self.y[rows]
+        return got
+
+    def span(self, first: int, end: int) -> np.ndarray:
+        n = max(end - first, 0)
+        with self.lock:
+            rows = self.order.positions(first * self.batch, n * self.batch)
+        got: np.ndarray = self.y[rows].reshape(n, self._width)
+        return got
+
+
+Feeders = tuple[Callable[[int], np.ndarray], QueryLabels | None]
+"""(inputs(i), labels or None) for the queries of one batch size."""
 
 
 def stream(seed: int, which: int) -> np.random.Generator:
@@ -176,13 +203,7 @@ def feed(x: np.ndarray, y: np.ndarray | None, batch: int, seed: int) -> Feeders:
 
     if y is None:
         return inputs, None
-    labelled = y
-
-    def labels(i: int) -> np.ndarray:
-        got: np.ndarray = labelled[rows(i)]
-        return got
-
-    return inputs, labels
+    return inputs, QueryLabels(y, order, lock, batch)
 
 
 def scored(feed: Feeders, manifest: Any) -> Feeders:

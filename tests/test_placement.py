@@ -285,7 +285,7 @@ def test_submit_takes_placement() -> None:
 def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     from agent.localrun import rows_messages
     from broker.agentrun import _Collector
-    from mlscope import codec
+    from mlscope import codec, samples
     from mlscope.contracts import RunRows
     from mlscope.record import ARRAYS, RunRecord
 
@@ -294,11 +294,15 @@ def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     for k, name in enumerate(ARRAYS):
         getattr(src, name)[:] = (np.arange(n) + k) % 2 if name in ("ok", "refused") else k + 1
     cols = {name: getattr(src, name) for name in ARRAYS}
-    cols["top1"] = np.tile(np.arange(batch, dtype=np.int32), (n, 1))
+    _, labels = samples.feed(np.zeros((10, 1), np.float32), np.arange(10) * 3, batch, seed=1)
+    assert labels is not None
+    # every query's labels, its first sample predicted wrong
+    top1 = np.array([labels(i) for i in range(n)], np.int32)
+    top1[:, 0] += 1
+    cols["top1"] = top1
     errors = {7: "boom", 4999: "late"}
     msgs = rows_messages("ev-x", 0, cols, errors, seq=0, max_bytes=64 << 10, final=True, queries=n)
     assert len(msgs) > 5 and all(len(m) <= 64 << 10 for m in msgs)
-    labels = lambda i: np.arange(batch)  # noqa: E731  every sample right
     got = _Collector(RunRecord(n=1, batch_size=batch), labels, "a")
     for m in msgs:
         got.add(codec.decode_model(RunRows, m))
@@ -309,7 +313,8 @@ def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     assert rec.n == n and rec.errors == errors
     for name in ARRAYS[:-2]:  # correct and prediction are the server's own scoring
         np.testing.assert_array_equal(getattr(rec, name), getattr(src, name), err_msg=name)
-    np.testing.assert_array_equal(rec.correct, np.where(src.ok == 1, batch, 0))
+    np.testing.assert_array_equal(rec.correct, np.where(src.ok == 1, batch - 1, 0))
+    np.testing.assert_array_equal(rec.prediction, np.where(src.ok == 1, top1[:, 0], -1))
 
 
 def test_a_batch_over_the_bus_payload_runs_in_the_agent(placement_stack: Stack) -> None:

@@ -70,6 +70,21 @@ def test_real_runs_feed_queries_by_the_helper() -> None:
     assert none is None and fill(0).shape == (2, 2) and fill(0).dtype == np.float32
 
 
+@pytest.mark.parametrize("label_shape", [(), (2,)])
+def test_a_span_of_labels_is_each_querys_labels_at_once(label_shape: tuple[int, ...]) -> None:
+    """What a collector scores a shipped block with: one row per query, equal to the
+    per-query labels, across cycle ends (13 rows, 3 per query) and in any call order."""
+    x = np.zeros((13, 2), np.float32)
+    y = np.arange(13 * int(np.prod(label_shape, dtype=np.int64))).reshape(13, *label_shape)
+    _, labels = feeders((x, y), (2,), 3, 5)
+    assert labels is not None
+    for first, end in ((9, 30), (0, 4), (4, 5), (2, 2)):
+        got = labels.span(first, end)
+        want = [np.asarray(labels(i)).reshape(-1) for i in range(first, end)]
+        assert got.shape == (end - first, 3 * int(np.prod(label_shape, dtype=np.int64)))
+        np.testing.assert_array_equal(got, np.array(want).reshape(got.shape))
+
+
 @pytest.mark.parametrize("bad", [{"dataset_size": 0}, {"samples_per_query": 0}])
 def test_misuse_is_config_error(bad: dict[str, int]) -> None:
     args = {"n_queries": 3, "dataset_size": 5, "seed": 1, "samples_per_query": 1, **bad}
