@@ -216,15 +216,17 @@ class LocalRun:
             preprocessed=self.preprocessed,
         )
 
-    def _submit(self, i: int, x: np.ndarray) -> None:
+    def _submit(self, i: int, x: np.ndarray, *, reserved: bool = False) -> None:
         """Hand query ``i`` to the executor; an executor at capacity refuses it as the
-        agent's edge would ("overloaded"), and the run goes on."""
+        agent's edge would ("overloaded"), and the run goes on. ``reserved``: the
+        query already counts as outstanding (a closed loop counts it with its index)."""
         rec = self.rec
         t = now()
         rec.issued[i] = max(t - rec.t0_ns, 1)
-        with self._lock:
-            self._outstanding += 1
-            self._issued = max(self._issued, i + 1)
+        if not reserved:
+            with self._lock:
+                self._outstanding += 1
+                self._issued = max(self._issued, i + 1)
         if not self.worker.submit(self._job(i, x, t)):
             rec.refused[i] = 1
             rec.errors[i] = self._overloaded(i)
@@ -244,7 +246,11 @@ class LocalRun:
             self.top1 = self.top1[: self._issued]
 
     def _next_closed(self) -> bool:
-        """Issue the next closed-loop query; False once time or the count is up."""
+        """Issue the next closed-loop query; False once time or the count is up.
+
+        Its index is taken and counted as outstanding in one step: streams run on
+        several threads, and a query whose index was taken but not yet submitted must
+        keep the run from ending (else it is issued after the end, and lost)."""
         rec = self.rec
         while now() < rec.t0_ns:  # the first queries wait for offset 0
             time.sleep(0.001)
@@ -259,8 +265,9 @@ class LocalRun:
                 grown[: len(self.top1)] = self.top1
                 self.top1 = grown
             self._issued = i + 1
+            self._outstanding += 1
             rec.scheduled[i] = rec.paced[i] = max(t, 1)
-        self._submit(i, self.inputs(i))
+        self._submit(i, self.inputs(i), reserved=True)
         return True
 
     def _open_loop(self) -> None:

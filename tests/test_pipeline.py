@@ -439,3 +439,47 @@ def test_a_model_is_opened_on_a_thread_that_has_ended(
         m.predictor.close()
     with pytest.raises(ModelLoadError):
         LoadedModel.open(entry, zoo_dir / "missing.onnx", PredictorOptions(threads=1))
+
+
+def test_a_closed_loop_query_taken_late_still_ends_the_run_answered(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """Closed-loop streams take query indices on several threads (the run's own, and
+    the predict thread as each answer chains the next). A query whose index was taken
+    but which reaches the executor after every other query was answered still counts:
+    the run ends with it answered, not 'lost in transit'."""
+    from agent.localrun import LocalRun
+    from mlscope.contracts import ScenarioSpec
+
+    main = threading.current_thread()
+    pre: np.ndarray = model.pre[0](samples[:4])
+
+    def inputs(i: int) -> np.ndarray:
+        if i == 1 and threading.current_thread() is main:
+            time.sleep(0.3)  # descheduled between taking the index and submitting it
+        return pre
+
+    spec = ScenarioSpec(
+        name="batched", batch_size=4, max_queries=8, duration_s=30, min_duration_s=0, min_queries=1
+    )
+    ex = Executor(model, ExecutorConfig(pre_workers=0))
+    run = LocalRun(
+        ex,
+        spec,
+        inputs=inputs,
+        level=TraceLevel.NONE,
+        spans=None,
+        overloaded=lambda i: "overloaded",
+        preprocessed=True,
+    )
+    try:
+        run.prepare()
+        run.run()
+        rec = run.rec  # as the run left it when it returned (the agent ships it then)
+        completed, ok, errors = rec.completed.copy(), rec.ok.copy(), dict(rec.errors)
+    finally:
+        ex.stop()
+    assert rec.n == 8 and run.issued == 8
+    assert errors == {}
+    assert (ok == 1).all() and (completed > 0).all(), completed
+    assert completed[1] > completed[[0, 2, 3, 4, 5, 6, 7]].max()  # answered last
