@@ -216,17 +216,13 @@ class LocalRun:
             preprocessed=self.preprocessed,
         )
 
-    def _submit(self, i: int, x: np.ndarray, *, reserved: bool = False) -> None:
-        """Hand query ``i`` to the executor; an executor at capacity refuses it as the
-        agent's edge would ("overloaded"), and the run goes on. ``reserved``: the
-        query already counts as outstanding (a closed loop counts it with its index)."""
+    def _submit(self, i: int, x: np.ndarray) -> None:
+        """Hand query ``i`` (already counted as outstanding) to the executor; an
+        executor at capacity refuses it as the agent's edge would ("overloaded"), and
+        the run goes on."""
         rec = self.rec
         t = now()
         rec.issued[i] = max(t - rec.t0_ns, 1)
-        if not reserved:
-            with self._lock:
-                self._outstanding += 1
-                self._issued = max(self._issued, i + 1)
         if not self.worker.submit(self._job(i, x, t)):
             rec.refused[i] = 1
             rec.errors[i] = self._overloaded(i)
@@ -267,7 +263,7 @@ class LocalRun:
             self._issued = i + 1
             self._outstanding += 1
             rec.scheduled[i] = rec.paced[i] = max(t, 1)
-        self._submit(i, self.inputs(i), reserved=True)
+        self._submit(i, self.inputs(i))
         return True
 
     def _open_loop(self) -> None:
@@ -280,6 +276,9 @@ class LocalRun:
 
         def issue(i: int, _scheduled: int, paced: int) -> None:  # on the pacer thread
             rec.paced[i] = paced
+            with self._lock:
+                self._outstanding += 1
+                self._issued = max(self._issued, i + 1)
             self._submit(i, prebuilt[i] if prebuilt is not None else self.inputs(i))
 
         helpers = RealtimeThreads(self.worker.thread_ids(), enable=self.realtime)
