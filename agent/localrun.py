@@ -4,6 +4,7 @@
 
     RunOp ──► LocalRun (thread) ── open loop: mlscope.pacer.Pacer ── submit ──► Executor
                  │                  closed loop: the k-th reply submits the next  │
+                 │                  a stream: the predict thread takes each next  │
                  │                                                               ▼
                  └── RunRecord (agent clock, ns from t0) ◄── reply callback (predict thread)
                         │
@@ -13,7 +14,10 @@ The schedule, the pacer and the sample order are the server's own code
 (:mod:`mlscope.schedule`, :mod:`mlscope.pacer`, :mod:`mlscope.samples`); the verdict is
 computed by the server from the rows, with the same code as for a server-placed run.
 What differs is only where queries come from: no query crosses the bus, so a run
-measures the model, not the model served over the bus.
+measures the model, not the model served over the bus. A throughput scenario on samples
+held pre-processed (``ScenarioTraits.local_stream``: ``batched``) is one stream on the
+predict thread (:meth:`agent.pipeline.Executor.stream`): batches back to back, answers
+post-processed in blocks, nothing per query between two predicts but its rows and times.
 
 Times: ``scheduled`` (when the query was due; a closed loop's is its issue time),
 ``paced`` (released by the pacer), ``issued`` (handed to the executor), ``completed``
@@ -36,7 +40,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from agent.pipeline import Executor, Job, Model
+from agent.pipeline import Answered, Executor, Job, Model
 from agent.samplelib import MemoryBudget, preprocess_all
 from agent.tracer import SpanBuffer
 from mlscope import codec, samples, scenario_traits
@@ -60,6 +64,10 @@ start of the run's threads fit in it), so the first query is on time."""
 DRAIN_TIMEOUT_S = 10.0
 PREBUILD_BYTES = 64 << 20
 """An open loop's inputs are built before the clock starts when they fit in this."""
+AHEAD_BYTES = 4 << 20
+"""A stream gathers the inputs of the next queries at once, up to this many bytes."""
+AHEAD_QUERIES = 64
+"""... and at most this many queries."""
 REALTIME_MAX_QPS = 5_000.0
 """Above this mean rate an open loop's executor threads keep their normal priority (the
 server's rule for its event-loop thread: a busy real-time thread takes a core)."""
@@ -82,7 +90,7 @@ class LocalRun:
         worker: Executor,
         spec: ScenarioSpec,
         *,
-        inputs: Callable[[int], np.ndarray],
+        inputs: samples.QueryRows,
         level: TraceLevel,
         spans: SpanBuffer | None,
         overloaded: Callable[[int], str],
@@ -104,6 +112,16 @@ class LocalRun:
         self.level, self.spans, self._overloaded = level, spans, overloaded
         self.closed = self.traits.closed_loop
         """A closed loop: the scenario has no arrivals."""
+        self.streamed = (
+            self.closed
+            and self.traits.local_stream
+            and preprocessed
+            and level < TraceLevel.FRAMEWORK
+        )
+        """Run as one stream on the predict thread (:meth:`Executor.stream`): a
+        throughput scenario on samples held pre-processed, traced at most per query."""
+        self._ahead: np.ndarray = np.empty(0)
+        self._ahead_first = self._ahead_end = 0
         self.schedule = None if self.closed else build_schedule(spec)[0]
         n = len(self.schedule) if self.schedule is not None else self._closed_room()
         self.rec = RunRecord(n=n, batch_size=spec.batch_size)
@@ -198,7 +216,9 @@ class LocalRun:
         every issued query is done (or :data:`DRAIN_TIMEOUT_S` after the load ended)."""
         self._cpu0 = time.process_time()
         try:
-            if self.closed:
+            if self.streamed:
+                self._stream()
+            elif self.closed:
                 self._closed_loop()
             else:
                 self._open_loop()
@@ -255,16 +275,74 @@ class LocalRun:
             t = now() - rec.t0_ns
             if self._stop.is_set() or i >= self._cap or t >= self._deadline - rec.t0_ns:
                 return False
-            if i >= rec.n:  # the run outlasts the room: grow, never stop early
-                rec.grow()
-                grown = np.full((rec.n, self.spec.batch_size), -1, np.int32)
-                grown[: len(self.top1)] = self.top1
-                self.top1 = grown
+            if i >= rec.n:
+                self._grow()
             self._issued = i + 1
             self._outstanding += 1
             rec.scheduled[i] = rec.paced[i] = max(t, 1)
         self._submit(i, self.inputs(i))
         return True
+
+    def _stream(self) -> None:
+        while now() < self.rec.t0_ns:  # the first query waits for offset 0
+            time.sleep(0.001)
+        try:
+            self.worker.stream(self, timeout=self.spec.duration_s + DRAIN_TIMEOUT_S)
+        finally:
+            self._stop.set()  # a stream that outlived its time ends at its next query
+            with self._lock:
+                self.rec.trim(self._issued)
+                self.top1 = self.top1[: self._issued]
+
+    def next_query(self) -> tuple[int, np.ndarray] | None:
+        """A stream's next query (on the predict thread), its inputs a view of those
+        gathered ahead; None once time or the count is up. Its times are written when
+        it is answered (:meth:`answered`): in a stream a query is issued when the
+        predict thread takes it."""
+        i = self._issued
+        if self._stop.is_set() or i >= self._cap or now() >= self._deadline:
+            return None
+        if i >= self.rec.n:
+            with self._lock:
+                self._grow()
+        self._issued = i + 1
+        b = self.spec.batch_size
+        if i >= self._ahead_end:
+            per = max(int(self.inputs.a[:1].nbytes) * b, 1)
+            n = max(1, min(AHEAD_QUERIES, AHEAD_BYTES // per))
+            self._ahead = self.inputs.block(i, i + n)
+            self._ahead_first, self._ahead_end = i, i + n
+        k = (i - self._ahead_first) * b
+        return i, self._ahead[k : k + b]
+
+    def answered(self, block: Answered) -> None:
+        """A stream's answered queries (on the predict thread): their times and top-1;
+        ``completed`` is written last (a row ships once it is set)."""
+        rec, t0, idx, ok = self.rec, self.rec.t0_ns, block.index, block.ok
+        taken = np.maximum(block.received - t0, 1)
+        rec.scheduled[idx] = rec.paced[idx] = rec.issued[idx] = taken
+        rec.agent_received[idx] = taken
+        good = idx[ok]
+        rec.predict_start[good] = block.predict_start[ok] - t0
+        rec.predict_end[good] = block.predict_end[ok] - t0
+        rec.ok[good] = 1
+        top = samples.top1(block.outputs)
+        if top is not None and len(good) and top.size % len(good) == 0:
+            per = top.reshape(len(good), -1)
+            n = min(per.shape[1], self.top1.shape[1])
+            self.top1[good, :n] = per[:, :n]
+        for k, err in block.errors.items():
+            rec.errors[int(idx[k])] = err.message
+        rec.agent_replied[idx] = block.post_end - t0
+        rec.completed[idx] = max(now() - t0, 1)
+        rec.done += len(idx)
+
+    def _grow(self) -> None:
+        """The run outlasts the record's room: grow it, never stop early (under the lock)."""
+        self.rec.grow()
+        grown = np.full((self.rec.n, self.spec.batch_size), -1, np.int32)
+        grown[: len(self.top1)] = self.top1
+        self.top1 = grown
 
     def _open_loop(self) -> None:
         rec, sched, s = self.rec, self.schedule, self.spec
@@ -355,7 +433,7 @@ class LocalRun:
 
 def run_inputs(
     entry: Entry, model: Model, req: RunOp, *, zoo_dir: Path, budget: MemoryBudget
-) -> tuple[Callable[[int], np.ndarray], int | None]:
+) -> tuple[samples.QueryRows, int | None]:
     """A local run's query inputs (the server's sample order) and, when its samples are
     held pre-processed, the bytes they took of ``budget`` (else None; the caller gives
     them back when the run's rows are shipped).

@@ -39,7 +39,7 @@ from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, TraceLevel
 from mlscope.errors import BusError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
-from mlscope.samples import QueryLabels
+from mlscope.samples import QueryRows
 
 __all__ = ["IDLE_S", "alive", "drive"]
 
@@ -49,7 +49,7 @@ START_TIMEOUT_S = 30.0
 END_SLACK_S = 60.0
 """Beyond the run's duration and drain, how long a live but silent agent is awaited."""
 PAYLOAD_HEADROOM = 1024
-Labels = QueryLabels | None
+Labels = QueryRows | None
 
 
 async def drive(

@@ -27,7 +27,6 @@ inputs and labels (:func:`feeders`, :func:`feed`), which models are scored
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ __all__ = [
     "FILL_STREAM",
     "SAMPLE_STREAM",
     "Feeders",
-    "QueryLabels",
+    "QueryRows",
     "SampleOrder",
     "dataset",
     "feed",
@@ -65,31 +64,36 @@ FILL_ROWS = 64
 """Synthetic rows (from :data:`FILL_STREAM`) a model without a data set is fed."""
 
 
-class QueryLabels:
-    """The labels of the queries of one batch size: ``labels(i)`` those of query ``i``
-    (one per sample), ``span(first, end)`` those of queries ``first .. end-1`` at once,
-    one row per query (a collector scores thousands of queries a second; one gather
-    instead of a call each). Thread-safe: the order is drawn under ``lock``."""
+class QueryRows:
+    """The rows of an array (inputs or labels) the queries of one batch size carry:
+    ``rows(i)`` those of query ``i`` (one per sample); ``block(first, end)`` those of
+    queries ``first .. end-1`` at once, query after query on axis 0, and ``span(first,
+    end)`` the same as one row per query (a collector scores thousands of queries a
+    second, an agent's stream gathers its inputs ahead: one gather instead of a call
+    each). Thread-safe: the order is drawn under ``lock``."""
 
-    def __init__(self, y: np.ndarray, order: SampleOrder, lock: threading.Lock, batch: int) -> None:
-        self.y, self.order, self.lock, self.batch = y, order, lock, batch
-        self._width = batch * int(np.prod(y.shape[1:], dtype=np.int64))
+    def __init__(self, a: np.ndarray, order: SampleOrder, lock: threading.Lock, batch: int) -> None:
+        self.a, self.order, self.lock, self.batch = a, order, lock, batch
+        self._width = batch * int(np.prod(a.shape[1:], dtype=np.int64))
 
     def __call__(self, i: int) -> np.ndarray:
         with self.lock:
             rows = self.order.rows(i, self.batch)
-        got: np.ndarray = self.y[rows]
+        got: np.ndarray = self.a[rows]
         return got
 
-    def span(self, first: int, end: int) -> np.ndarray:
+    def block(self, first: int, end: int) -> np.ndarray:
         n = max(end - first, 0)
         with self.lock:
             rows = self.order.positions(first * self.batch, n * self.batch)
-        got: np.ndarray = self.y[rows].reshape(n, self._width)
+        got: np.ndarray = self.a[rows]
         return got
 
+    def span(self, first: int, end: int) -> np.ndarray:
+        return self.block(first, end).reshape(max(end - first, 0), self._width)
 
-Feeders = tuple[Callable[[int], np.ndarray], QueryLabels | None]
+
+Feeders = tuple[QueryRows, QueryRows | None]
 """(inputs(i), labels or None) for the queries of one batch size."""
 
 
@@ -192,18 +196,8 @@ def feed(x: np.ndarray, y: np.ndarray | None, batch: int, seed: int) -> Feeders:
     """
     order = SampleOrder(len(x), seed)
     lock = threading.Lock()
-
-    def rows(i: int) -> np.ndarray:
-        with lock:
-            return order.rows(i, batch)
-
-    def inputs(i: int) -> np.ndarray:
-        got: np.ndarray = x[rows(i)]
-        return got
-
-    if y is None:
-        return inputs, None
-    return inputs, QueryLabels(y, order, lock, batch)
+    inputs = QueryRows(x, order, lock, batch)
+    return inputs, (None if y is None else QueryRows(y, order, lock, batch))
 
 
 def scored(feed: Feeders, manifest: Any) -> Feeders:

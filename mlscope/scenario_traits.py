@@ -70,6 +70,11 @@ class ScenarioTraits:
     """A closed loop run in the agent keeps at least this many queries in flight."""
     local: bool = True
     """Whether the agent can run it (``placement: agent``)."""
+    local_stream: bool = False
+    """In the agent, on samples it holds pre-processed, it runs as one stream on the
+    model's predict thread (``agent.pipeline.Executor.stream``): batches back to back,
+    answers post-processed in blocks. For a throughput scenario, whose queries wait on
+    no one's answer: the runtime is never kept waiting by the platform."""
     placement: str = "server"
     """Where its load is generated when a job does not say: ``agent`` for a scenario
     that measures the model itself (a throughput sweep: no query need cross the bus),

@@ -450,17 +450,26 @@ def test_a_closed_loop_query_taken_late_still_ends_the_run_answered(
     the run ends with it answered, not 'lost in transit'."""
     from agent.localrun import LocalRun
     from mlscope.contracts import ScenarioSpec
+    from mlscope.samples import QueryRows, SampleOrder
 
     main = threading.current_thread()
     pre: np.ndarray = model.pre[0](samples[:4])
 
-    def inputs(i: int) -> np.ndarray:
-        if i == 1 and threading.current_thread() is main:
-            time.sleep(0.3)  # descheduled between taking the index and submitting it
-        return pre
+    class Late(QueryRows):
+        def __call__(self, i: int) -> np.ndarray:
+            if i == 1 and threading.current_thread() is main:
+                time.sleep(0.3)  # descheduled between taking the index and submitting it
+            return pre
 
+    inputs = Late(pre, SampleOrder(4, 0), threading.Lock(), 4)
     spec = ScenarioSpec(
-        name="batched", batch_size=4, max_queries=8, duration_s=30, min_duration_s=0, min_queries=1
+        name="concurrency",
+        batch_size=4,
+        concurrency=3,
+        max_queries=8,
+        duration_s=30,
+        min_duration_s=0,
+        min_queries=1,
     )
     ex = Executor(model, ExecutorConfig(pre_workers=0))
     run = LocalRun(
@@ -483,3 +492,198 @@ def test_a_closed_loop_query_taken_late_still_ends_the_run_answered(
     assert errors == {}
     assert (ok == 1).all() and (completed > 0).all(), completed
     assert completed[1] > completed[[0, 2, 3, 4, 5, 6, 7]].max()  # answered last
+
+
+class Stream:
+    """A stream over a list of pre-processed queries (None in the list: raise there)."""
+
+    def __init__(self, xs: list[np.ndarray | None], level: TraceLevel = TraceLevel.NONE) -> None:
+        self.xs, self.level, self.k = xs, level, 0
+        self.spans: SpanBuffer | None = SpanBuffer() if level >= TraceLevel.MODEL else None
+        self.blocks: list[Any] = []
+        self.threads: set[str] = set()
+
+    def next_query(self) -> tuple[int, np.ndarray] | None:
+        self.threads.add(threading.current_thread().name)
+        if self.k >= len(self.xs):
+            return None
+        x = self.xs[self.k]
+        if x is None:
+            raise RuntimeError("the stream's own fault")
+        self.k += 1
+        return self.k - 1, x
+
+    def answered(self, block: Any) -> None:
+        self.blocks.append(block)
+
+
+def test_a_stream_answers_every_query_in_order_on_the_predict_thread(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """Batches back to back on the predict thread, answers post-processed in blocks:
+    each query's output is what its own predict and post-processing give, its times in
+    order; a query whose predict fails gets its typed error and the stream goes on."""
+    slow = Slow(model.predictor)
+    model.predictor = slow
+    poisoned = samples[8:12].copy()
+    poisoned[0, 0, 0] = POISON
+    raws = [samples[4 * q : 4 * q + 4] for q in range(10)]
+    raws[3] = poisoned
+    xs: list[np.ndarray | None] = [model.pre[0](r) for r in raws]
+    s = Stream(xs, TraceLevel.MODEL)
+    want = np.concatenate([expected(model, raws[q]) for q in range(10) if q != 3])
+    ex = Executor(model, ExecutorConfig(max_batch=8))
+    try:
+        ex.stream(s, timeout=60)
+        after = Replies()
+        ex.submit(job(99, samples[:1], after))  # the executor serves queries after it
+        (r,) = after.take(1)
+    finally:
+        ex.stop()
+    assert r.ok and r.index == 99
+    assert s.threads == {f"infer-{model.name}"}
+    assert slow.batches[:10] == [4] * 10  # one predict per query: never merged
+    index = np.concatenate([b.index for b in s.blocks])
+    assert (index == np.arange(10)).all()
+    ok = np.concatenate([b.ok for b in s.blocks])
+    assert ok.tolist() == [k != 3 for k in range(10)]
+    errors = {int(b.index[k]): e for b in s.blocks for k, e in b.errors.items()}
+    assert set(errors) == {3} and isinstance(errors[3], InferenceError)
+    assert "poisoned" in str(errors[3])
+    outputs = np.concatenate([b.outputs for b in s.blocks if b.outputs is not None])
+    np.testing.assert_array_equal(outputs, want)
+    for b in s.blocks:
+        assert (b.received <= b.predict_start).all() and (b.predict_start <= b.predict_end).all()
+        assert b.post_end >= b.predict_end.max()
+    spans = s.spans.columns if s.spans is not None else {}
+    assert len(spans["name"]) == 4 * 9  # query, preprocess, predict, postprocess: each ok one
+    assert sorted(set(spans["query_index"])) == [q for q in range(10) if q != 3]
+
+
+def test_a_stream_post_processes_in_blocks_and_isolates_a_failing_query(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """A post-processing step that fails on one query's output fails the block's joined
+    call; the block is then post-processed query by query, and only that query fails."""
+    post = model.post
+    bad = np.float32(1e30)
+
+    class Marking(Slow):
+        def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+            out = super().predict(inputs)
+            if np.any(inputs[0][:, 0, 0, 0] == np.float32(7 / 16)):
+                out = [np.full_like(out[0], bad)]
+            return out
+
+    def picky(x: np.ndarray) -> np.ndarray:
+        if np.any(x == bad):
+            raise ValueError("cannot rank these scores")
+        got: np.ndarray = post(x)
+        return got
+
+    raws = [samples[2 * q : 2 * q + 2].copy() for q in range(6)]
+    raws[4][1, 0, 0] = 7
+    want = np.concatenate([expected(model, raws[q]) for q in range(6) if q != 4])
+    model.predictor = Marking(model.predictor)
+    model.post = picky
+    s = Stream([model.pre[0](r) for r in raws])
+    ex = Executor(model)
+    try:
+        ex.stream(s, timeout=60)
+    finally:
+        ex.stop()
+    assert any(len(b.index) > 1 for b in s.blocks)  # a small model's answers wait together
+    ok = np.concatenate([b.ok for b in s.blocks])
+    assert ok.tolist() == [q != 4 for q in range(6)]
+    (err,) = [e for b in s.blocks for e in b.errors.values()]
+    assert isinstance(err, InferenceError) and "cannot rank" in str(err)
+    outputs = np.concatenate([b.outputs for b in s.blocks if b.outputs is not None])
+    np.testing.assert_array_equal(outputs, want)
+
+
+def test_a_streams_own_fault_is_raised_to_its_caller_and_the_executor_goes_on(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    x = model.pre[0](samples[:2])
+    ex = Executor(model)
+    replies = Replies()
+    try:
+        with pytest.raises(RuntimeError, match="own fault"):
+            ex.stream(Stream([x, x, None, x]), timeout=60)
+        with pytest.raises(InferenceError, match="below trace level framework"):
+            ex.stream(Stream([x], TraceLevel.FRAMEWORK), timeout=60)
+        ex.submit(job(0, samples[:2], replies))
+        (r,) = replies.take(1)
+    finally:
+        ex.stop()
+    assert r.ok
+
+
+def test_queries_admitted_during_a_stream_are_answered_after_it(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    slow = Slow(model.predictor, sleep_s=0.01)
+    model.predictor = slow
+    x = model.pre[0](samples[:2])
+    s = Stream([x] * 20)
+    ex = Executor(model)
+    replies = Replies()
+    ended: list[int] = []
+    try:
+        runner = threading.Thread(
+            target=lambda: (ex.stream(s, timeout=60), ended.append(time.perf_counter_ns()))
+        )
+        runner.start()
+        while not s.k:
+            time.sleep(0.001)
+        ex.submit(job(0, samples[:2], replies))  # while the stream runs
+        (r,) = replies.take(1)
+        runner.join(30)
+    finally:
+        ex.stop()
+    assert r.ok and s.k == 20
+    assert r.t_predict_start >= max(int(b.post_end) for b in s.blocks)
+
+
+def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """The agent's batched run on samples held pre-processed: every query recorded,
+    issued when the predict thread took it, its top-1 that of the model on its rows."""
+    from agent.localrun import LocalRun
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec
+
+    held = model.pre[0](samples)
+    inputs, _ = samplesmod.feed(held, None, 4, 3)
+    spec = ScenarioSpec(
+        name="batched", batch_size=4, max_queries=50, duration_s=30, min_duration_s=0, min_queries=1
+    )
+    ex = Executor(model, ExecutorConfig(pre_workers=0))
+    run = LocalRun(
+        ex,
+        spec,
+        inputs=inputs,
+        level=TraceLevel.NONE,
+        spans=None,
+        overloaded=lambda i: "overloaded",
+        preprocessed=True,
+    )
+    scores = model.predictor.predict([inputs.block(0, 50)])[0]
+    try:
+        assert run.streamed
+        t0 = run.prepare()
+        run.run()
+        first, cols, errors = run.take(final=True)
+    finally:
+        ex.stop()
+    assert (first, run.issued, len(cols["ok"]), errors) == (0, 50, 50, {})
+    assert (cols["ok"] == 1).all()
+    assert (cols["scheduled"] == cols["issued"]).all()
+    steps = ["issued", "agent_received", "predict_start", "predict_end", "agent_replied"]
+    times = np.stack([cols[k] for k in [*steps, "completed"]], axis=1)
+    assert (times > 0).all() and (np.diff(times, axis=1) >= 0).all()
+    assert (np.diff(cols["issued"]) > 0).all()  # one after another
+    assert (cols["issued"][1:] >= cols["predict_end"][:-1]).all()
+    assert t0 > 0
+    np.testing.assert_array_equal(cols["top1"].reshape(-1), scores.argmax(axis=1))

@@ -85,6 +85,18 @@ def test_a_span_of_labels_is_each_querys_labels_at_once(label_shape: tuple[int, 
         np.testing.assert_array_equal(got, np.array(want).reshape(got.shape))
 
 
+def test_a_block_of_inputs_is_each_querys_inputs_one_after_another() -> None:
+    """What an agent's stream gathers ahead: queries' rows in query order on axis 0,
+    across cycle ends, whatever was drawn before."""
+    x = np.arange(13 * 2 * 2, dtype=np.float32).reshape(13, 2, 2)
+    inputs, _ = feeders((x, np.arange(13)), (2, 2), 3, 5)
+    for first, end in ((9, 30), (0, 4), (4, 5), (2, 2)):
+        got = inputs.block(first, end)
+        assert got.shape == (3 * (end - first), 2, 2)
+        for k, i in enumerate(range(first, end)):
+            np.testing.assert_array_equal(got[3 * k : 3 * k + 3], inputs(i))
+
+
 @pytest.mark.parametrize("bad", [{"dataset_size": 0}, {"samples_per_query": 0}])
 def test_misuse_is_config_error(bad: dict[str, int]) -> None:
     args = {"n_queries": 3, "dataset_size": 5, "seed": 1, "samples_per_query": 1, **bad}

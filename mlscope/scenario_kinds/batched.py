@@ -10,9 +10,10 @@ from mlscope.scenario_traits import ScenarioTraits, register
 __all__ = ["BATCHED", "LOCAL_DEPTH"]
 
 LOCAL_DEPTH = 3
-"""Batches kept in flight by a ``batched`` run in the agent: one predicted, one
-pre-processed, one waiting, so the runtime never waits for the next batch (MLPerf
-Offline's intent)."""
+"""Batches kept in flight by a ``batched`` run in the agent whose samples are
+pre-processed per query: one predicted, one pre-processed, one waiting, so the runtime
+never waits for the next batch (MLPerf Offline's intent). On samples held
+pre-processed it runs as a stream instead (``local_stream``)."""
 
 
 def _points(spec: Any) -> int:
@@ -25,6 +26,7 @@ BATCHED = register(
         summary="a sweep of batch_sizes, closed loop at each: max throughput and the "
         "optimal batch size",
         local_depth=LOCAL_DEPTH,
+        local_stream=True,
         placement="agent",  # max throughput is the model's, not the bus's
         early_stopping=False,  # a throughput sweep (MLPerf offline) has no latency target
         fields=frozenset({"batch_sizes", "concurrency"}),
