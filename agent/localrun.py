@@ -236,14 +236,21 @@ class LocalRun:
             preprocessed=self.preprocessed,
         )
 
-    def _submit(self, i: int, x: np.ndarray) -> None:
+    def _submit(self, i: int, x: np.ndarray, *, inline: bool = False) -> None:
         """Hand query ``i`` (already counted as outstanding) to the executor; an
         executor at capacity refuses it as the agent's edge would ("overloaded"), and
-        the run goes on."""
+        the run goes on. ``inline`` (an open loop's pacer): an idle executor whose
+        queries are fast answers it on this thread (:meth:`Executor.try_inline`, as the
+        agent's edge does for a query off the bus), with no hand-off to the predict
+        thread and back: each a thread wake-up, which on a busy host now and then takes
+        milliseconds."""
         rec = self.rec
         t = now()
         rec.issued[i] = max(t - rec.t0_ns, 1)
-        if not self.worker.submit(self._job(i, x, t)):
+        job = self._job(i, x, t)
+        if inline and self.worker.try_inline(job):
+            return
+        if not self.worker.submit(job):
             rec.refused[i] = 1
             rec.errors[i] = self._overloaded(i)
             self._complete(i, chain=False)  # a refused closed-loop stream ends here
@@ -357,7 +364,7 @@ class LocalRun:
             with self._lock:
                 self._outstanding += 1
                 self._issued = max(self._issued, i + 1)
-            self._submit(i, prebuilt[i] if prebuilt is not None else self.inputs(i))
+            self._submit(i, prebuilt[i] if prebuilt is not None else self.inputs(i), inline=True)
 
         helpers = RealtimeThreads(self.worker.thread_ids(), enable=self.realtime)
         try:

@@ -57,6 +57,7 @@ from mlscope.predictor import Predictor
 
 __all__ = [
     "STREAM_BLOCK",
+    "STREAM_BYTES",
     "STREAM_FLUSH_NS",
     "Answered",
     "Executor",
@@ -74,6 +75,9 @@ _INLINE_SEQ = -2
 """The seq of a query run by :meth:`Executor.try_inline` (outside the ready stream)."""
 STREAM_BLOCK = 64
 """Most queries of a stream post-processed in one call."""
+STREAM_BYTES = 16 << 20
+"""... and most bytes of raw outputs a stream keeps for it (a model with large outputs
+answers sooner)."""
 STREAM_FLUSH_NS = 5_000_000
 """A stream post-processes its answers before the oldest waiting one would be this late
 (its predict's end to its answer; a predict longer than this answers each query at
@@ -238,6 +242,7 @@ class Executor:
         self._last_ns = 1 << 62  # the last query's time in the executor (none yet: slow)
         self._inline_ns = self.config.inline_max_us * 1000
         self._warm = warm
+        self._stopping = False
         self._first: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[_Slot | _StreamCall | None] = queue.SimpleQueue()
         self._work: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
@@ -331,7 +336,8 @@ class Executor:
     def stop(self, *, close: bool = True) -> None:
         """Answer what was admitted, stop the threads, emit the layer spans the
         framework profiler held back and (unless told not to, for a model that is
-        reused) close the predictor."""
+        reused) close the predictor. A stream still running ends at its next query."""
+        self._stopping = True
         self._ready.put(None)
         for _ in range(self.config.pre_workers):
             self._work.put(None)
@@ -599,20 +605,23 @@ class Executor:
     def _stream_loop(self, s: Stream) -> None:
         times: list[tuple[int, int, int, int]] = []  # index, taken, predict start, end
         raw: list[np.ndarray | MLScopeError] = []  # each query's first output, or error
-        while (got := s.next_query()) is not None:
+        kept = 0
+        while not self._stopping and (got := s.next_query()) is not None:
             i, x = got
             t_in = now()
             try:
                 out, _, t0, t1 = self._predict(self._inputs(x, (), done=True), s.level)
                 raw.append(out[0])
+                kept += out[0].nbytes
             except Exception as exc:  # the query's error: the stream goes on
                 t0 = t1 = now()
                 raw.append(self._failed(exc, int(x.shape[0])))
             times.append((i, t_in, t0, t1))
             # Answer now if the next predict would make the oldest answer late.
-            if len(raw) >= STREAM_BLOCK or 2 * t1 - t0 - times[0][3] >= STREAM_FLUSH_NS:
+            late = 2 * t1 - t0 - times[0][3] >= STREAM_FLUSH_NS
+            if late or len(raw) >= STREAM_BLOCK or kept >= STREAM_BYTES:
                 self._stream_answer(s, times, raw)
-                times, raw = [], []
+                times, raw, kept = [], [], 0
         if raw:
             self._stream_answer(s, times, raw)
 

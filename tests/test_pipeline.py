@@ -687,3 +687,77 @@ def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
     assert (cols["issued"][1:] >= cols["predict_end"][:-1]).all()
     assert t0 > 0
     np.testing.assert_array_equal(cols["top1"].reshape(-1), scores.argmax(axis=1))
+
+
+@pytest.mark.parametrize(("inline_us", "where"), [(1_000_000, "mlscope-pacer"), (0, "infer-")])
+def test_an_open_loop_in_the_agent_answers_fast_queries_on_the_pacer_thread(
+    model: LoadedModel, samples: np.ndarray, inline_us: int, where: str
+) -> None:
+    """A fast model's queries are answered where the pacer issues them (no wake-up of
+    the predict thread and back), as the agent's edge answers one off the bus; a model
+    over the executor's inline limit is handed to the predict thread."""
+    from agent.localrun import LocalRun
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec
+
+    seen: list[str] = []
+
+    class Where(Slow):
+        def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+            seen.append(threading.current_thread().name)
+            return super().predict(inputs)
+
+    model.predictor = Where(model.predictor)
+    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 1, 0)
+    spec = ScenarioSpec(
+        name="constant", qps=200, duration_s=0.3, batch_size=1, min_duration_s=0, min_queries=1
+    )
+    ex = Executor(model, ExecutorConfig(pre_workers=0, inline_max_us=inline_us))
+    run = LocalRun(
+        ex,
+        spec,
+        inputs=inputs,
+        level=TraceLevel.NONE,
+        spans=None,
+        overloaded=lambda i: "overloaded",
+        preprocessed=True,
+    )
+    try:
+        run.prepare()  # two probe queries, through the predict thread
+        probes = len(seen)
+        run.run()
+    finally:
+        ex.stop()
+    n = len(run.rec.ok)
+    assert n == 60 and (run.rec.ok == 1).all() and run.rec.done == n
+    assert len(seen) == probes + n
+    assert all(name.startswith(where) for name in seen[probes:]), set(seen[probes:])
+
+
+def test_a_stream_answers_sooner_when_its_outputs_are_large_and_ends_when_stopped(
+    model: LoadedModel, samples: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept outputs are bounded in bytes (a model with large outputs answers query by
+    query), and an executor that stops ends a stream that would go on for ever."""
+    import agent.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "STREAM_BYTES", 1)
+    x = model.pre[0](samples[:2])
+
+    class Endless(Stream):
+        def next_query(self) -> tuple[int, np.ndarray] | None:
+            self.k += 1
+            return self.k - 1, x
+
+    s = Endless([])
+    ex = Executor(model)
+    runner = threading.Thread(target=ex.stream, args=(s,), kwargs={"timeout": 60})
+    runner.start()
+    while s.k < 20:
+        time.sleep(0.001)
+    ex.stop()
+    runner.join(30)
+    assert not runner.is_alive()
+    assert s.blocks and all(len(b.index) == 1 for b in s.blocks)
+    answered = np.concatenate([b.index for b in s.blocks])
+    assert (answered == np.arange(len(answered))).all() and len(answered) >= 20
