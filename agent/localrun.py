@@ -323,8 +323,13 @@ class LocalRun:
         return i, self._ahead[k : k + b]
 
     def answered(self, block: Answered) -> None:
-        """A stream's answered queries (on the predict thread): their times and top-1;
-        ``completed`` is written last (a row ships once it is set)."""
+        """A stream's answered queries (on the predict thread, or the thread answering
+        for it while it predicts: under the lock, against the record's growth): their
+        times and top-1; ``completed`` is written last (a row ships once it is set)."""
+        with self._lock:
+            self._answered(block)
+
+    def _answered(self, block: Answered) -> None:
         rec, t0, idx, ok = self.rec, self.rec.t0_ns, block.index, block.ok
         taken = np.maximum(block.received - t0, 1)
         rec.scheduled[idx] = rec.paced[idx] = rec.issued[idx] = taken

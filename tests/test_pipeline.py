@@ -502,6 +502,8 @@ class Stream:
         self.spans: SpanBuffer | None = SpanBuffer() if level >= TraceLevel.MODEL else None
         self.blocks: list[Any] = []
         self.threads: set[str] = set()
+        self.answered_on: set[str] = set()
+        self.fail_at = -1
 
     def next_query(self) -> tuple[int, np.ndarray] | None:
         self.threads.add(threading.current_thread().name)
@@ -514,6 +516,9 @@ class Stream:
         return self.k - 1, x
 
     def answered(self, block: Any) -> None:
+        self.answered_on.add(threading.current_thread().name)
+        if len(self.blocks) == self.fail_at:
+            raise RuntimeError("the stream's own fault in answering")
         self.blocks.append(block)
 
 
@@ -758,3 +763,37 @@ def test_a_stream_answers_sooner_when_its_outputs_are_large_and_ends_when_stoppe
     assert s.blocks and all(len(b.index) == 1 for b in s.blocks)
     answered = np.concatenate([b.index for b in s.blocks])
     assert (answered == np.arange(len(answered))).all() and len(answered) >= 20
+
+
+def test_a_stream_of_a_slow_model_answers_on_a_thread_of_its_own_in_order(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """A model whose predict is long: its answers are post-processed beside the next
+    predict, on one thread, in issue order, with the same outputs; a fault of the
+    stream's code there ends the stream and is raised to its caller."""
+    raws = [samples[2 * q : 2 * q + 2] for q in range(8)]
+    want = np.concatenate([expected(model, r) for r in raws])
+    model.predictor = Slow(model.predictor, sleep_s=0.002)
+    xs: list[np.ndarray | None] = [model.pre[0](r) for r in raws]
+    s = Stream(xs, TraceLevel.MODEL)
+    failing = Stream(xs * 4)
+    failing.fail_at = 2
+    ex = Executor(model)
+    replies = Replies()
+    try:
+        ex.stream(s, timeout=60)
+        with pytest.raises(RuntimeError, match="fault in answering"):
+            ex.stream(failing, timeout=60)
+        ex.submit(job(0, samples[:2], replies))
+        (r,) = replies.take(1)
+    finally:
+        ex.stop()
+    assert r.ok
+    assert s.answered_on == {f"post-{model.name}"} and s.threads == {f"infer-{model.name}"}
+    assert len(s.blocks) >= 3  # answered a few queries at a time, not at the end
+    assert np.concatenate([b.index for b in s.blocks]).tolist() == list(range(8))
+    outputs = np.concatenate([b.outputs for b in s.blocks if b.outputs is not None])
+    np.testing.assert_array_equal(outputs, want)
+    spans = s.spans.columns if s.spans is not None else {}
+    assert len(spans["name"]) == 4 * 8
+    assert len(failing.blocks) == 2 and failing.k < 32  # it stopped taking queries
