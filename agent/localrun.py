@@ -65,7 +65,8 @@ DRAIN_TIMEOUT_S = 10.0
 PREBUILD_BYTES = 64 << 20
 """An open loop's inputs are built before the clock starts when they fit in this."""
 AHEAD_BYTES = 4 << 20
-"""A stream gathers the inputs of the next queries at once, up to this many bytes."""
+"""A stream gathers the inputs of the next queries at once, up to this many bytes (a
+query of one sample is a view of the held samples instead)."""
 AHEAD_QUERIES = 64
 """... and at most this many queries."""
 REALTIME_MAX_QPS = 5_000.0
@@ -313,12 +314,18 @@ class LocalRun:
             with self._lock:
                 self._grow()
         self._issued = i + 1
-        b = self.spec.batch_size
+        b, held = self.spec.batch_size, self.inputs.a
         if i >= self._ahead_end:
-            per = max(int(self.inputs.a[:1].nbytes) * b, 1)
-            n = max(1, min(AHEAD_QUERIES, AHEAD_BYTES // per))
-            self._ahead = self.inputs.block(i, i + n)
+            if b == 1:  # one row a query: a view of the held samples, nothing copied
+                n = AHEAD_QUERIES
+                self._ahead = self.inputs.indices(i, i + n)
+            else:
+                n = max(1, min(AHEAD_QUERIES, AHEAD_BYTES // max(int(held[:1].nbytes) * b, 1)))
+                self._ahead = self.inputs.block(i, i + n)
             self._ahead_first, self._ahead_end = i, i + n
+        if b == 1:
+            row = int(self._ahead[i - self._ahead_first])
+            return i, held[row : row + 1]
         k = (i - self._ahead_first) * b
         return i, self._ahead[k : k + b]
 

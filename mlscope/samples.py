@@ -82,11 +82,14 @@ class QueryRows:
         got: np.ndarray = self.a[rows]
         return got
 
-    def block(self, first: int, end: int) -> np.ndarray:
+    def indices(self, first: int, end: int) -> np.ndarray:
+        """The rows of queries ``first .. end-1``, query after query."""
         n = max(end - first, 0)
         with self.lock:
-            rows = self.order.positions(first * self.batch, n * self.batch)
-        got: np.ndarray = self.a[rows]
+            return self.order.positions(first * self.batch, n * self.batch)
+
+    def block(self, first: int, end: int) -> np.ndarray:
+        got: np.ndarray = self.a[self.indices(first, end)]
         return got
 
     def span(self, first: int, end: int) -> np.ndarray:

@@ -647,8 +647,9 @@ def test_queries_admitted_during_a_stream_are_answered_after_it(
     assert r.t_predict_start >= max(int(b.post_end) for b in s.blocks)
 
 
+@pytest.mark.parametrize("batch", [4, 1])
 def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
-    model: LoadedModel, samples: np.ndarray
+    model: LoadedModel, samples: np.ndarray, batch: int
 ) -> None:
     """The agent's batched run on samples held pre-processed: every query recorded,
     issued when the predict thread took it, its top-1 that of the model on its rows."""
@@ -657,9 +658,14 @@ def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
     from mlscope.contracts import ScenarioSpec
 
     held = model.pre[0](samples)
-    inputs, _ = samplesmod.feed(held, None, 4, 3)
+    inputs, _ = samplesmod.feed(held, None, batch, 3)
     spec = ScenarioSpec(
-        name="batched", batch_size=4, max_queries=50, duration_s=30, min_duration_s=0, min_queries=1
+        name="batched",
+        batch_size=batch,
+        max_queries=50,
+        duration_s=30,
+        min_duration_s=0,
+        min_queries=1,
     )
     ex = Executor(model, ExecutorConfig(pre_workers=0))
     run = LocalRun(
@@ -689,6 +695,7 @@ def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
     assert (cols["issued"][1:] >= cols["predict_end"][:-1]).all()
     assert t0 > 0
     np.testing.assert_array_equal(cols["top1"].reshape(-1), scores.argmax(axis=1))
+    assert (held == model.pre[0](samples)).all()  # the held samples left as they were
 
 
 @pytest.mark.parametrize(("inline_us", "where"), [(1_000_000, "mlscope-pacer"), (0, "infer-")])
