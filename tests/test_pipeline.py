@@ -98,6 +98,21 @@ def job(
     )
 
 
+def local_run(ex: Executor, spec: Any, inputs: Any) -> Any:
+    """An agent's local run of ``spec`` on ``ex``, over samples held pre-processed."""
+    from agent.localrun import LocalRun
+
+    return LocalRun(
+        ex,
+        spec,
+        inputs=inputs,
+        level=TraceLevel.NONE,
+        spans=None,
+        overloaded=lambda i: "overloaded",
+        preprocessed=True,
+    )
+
+
 def expected(model: LoadedModel, x: np.ndarray) -> np.ndarray:
     out: np.ndarray = model.post(model.predictor.predict([model.pre[0](x)])[0])
     return out
@@ -448,7 +463,6 @@ def test_a_closed_loop_query_taken_late_still_ends_the_run_answered(
     the predict thread as each answer chains the next). A query whose index was taken
     but which reaches the executor after every other query was answered still counts:
     the run ends with it answered, not 'lost in transit'."""
-    from agent.localrun import LocalRun
     from mlscope.contracts import ScenarioSpec
     from mlscope.samples import QueryRows, SampleOrder
 
@@ -472,15 +486,7 @@ def test_a_closed_loop_query_taken_late_still_ends_the_run_answered(
         min_queries=1,
     )
     ex = Executor(model, ExecutorConfig(pre_workers=0))
-    run = LocalRun(
-        ex,
-        spec,
-        inputs=inputs,
-        level=TraceLevel.NONE,
-        spans=None,
-        overloaded=lambda i: "overloaded",
-        preprocessed=True,
-    )
+    run = local_run(ex, spec, inputs)
     try:
         run.prepare()
         run.run()
@@ -653,7 +659,6 @@ def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
 ) -> None:
     """The agent's batched run on samples held pre-processed: every query recorded,
     issued when the predict thread took it, its top-1 that of the model on its rows."""
-    from agent.localrun import LocalRun
     from mlscope import samples as samplesmod
     from mlscope.contracts import ScenarioSpec
 
@@ -668,15 +673,7 @@ def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
         min_queries=1,
     )
     ex = Executor(model, ExecutorConfig(pre_workers=0))
-    run = LocalRun(
-        ex,
-        spec,
-        inputs=inputs,
-        level=TraceLevel.NONE,
-        spans=None,
-        overloaded=lambda i: "overloaded",
-        preprocessed=True,
-    )
+    run = local_run(ex, spec, inputs)
     scores = model.predictor.predict([inputs.block(0, 50)])[0]
     try:
         assert run.streamed
@@ -705,7 +702,6 @@ def test_an_open_loop_in_the_agent_answers_fast_queries_on_the_pacer_thread(
     """A fast model's queries are answered where the pacer issues them (no wake-up of
     the predict thread and back), as the agent's edge answers one off the bus; a model
     over the executor's inline limit is handed to the predict thread."""
-    from agent.localrun import LocalRun
     from mlscope import samples as samplesmod
     from mlscope.contracts import ScenarioSpec
 
@@ -722,15 +718,7 @@ def test_an_open_loop_in_the_agent_answers_fast_queries_on_the_pacer_thread(
         name="constant", qps=200, duration_s=0.3, batch_size=1, min_duration_s=0, min_queries=1
     )
     ex = Executor(model, ExecutorConfig(pre_workers=0, inline_max_us=inline_us))
-    run = LocalRun(
-        ex,
-        spec,
-        inputs=inputs,
-        level=TraceLevel.NONE,
-        spans=None,
-        overloaded=lambda i: "overloaded",
-        preprocessed=True,
-    )
+    run = local_run(ex, spec, inputs)
     try:
         run.prepare()  # two probe queries, through the predict thread
         probes = len(seen)
