@@ -50,6 +50,7 @@ class Run:
             "evaluation_id": self.evaluation_id,
             "qps": self.requested_qps,
             "batch_size": self.spec.batch_size,
+            "queries": f.queries,
             "scheduled_qps": f.scheduled_qps,
             "achieved_qps": f.achieved_qps,
             "completed_qps": f.completed_qps,
