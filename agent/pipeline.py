@@ -181,7 +181,9 @@ class Stream(Protocol):
         ...
 
     def answered(self, block: Answered) -> None:
-        """Queries answered, on the predict thread."""
+        """Queries answered, in issue order: on the predict thread, or (a model whose
+        predict takes :data:`STREAM_HELPER_NS` or more) on one thread of its own while
+        :meth:`next_query` goes on being called on the predict thread."""
         ...
 
 
