@@ -188,7 +188,7 @@ class Agent:
         self.framework_manifest = self.catalog.framework(self.config.framework, info.version)
         self._facts: dict[str, Any] = sysinfo.host_facts()
         self.git_commit = await anyio.to_thread.run_sync(provenance.git_commit)
-        self.accelerators = accelerators(self.config.framework)
+        self.accelerators = accelerators(self.config.framework, info.devices)
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.
         sys.setswitchinterval(AGENT_SWITCH_INTERVAL_S)

@@ -27,7 +27,7 @@ import numpy as np
 from mlscope import sysinfo
 from mlscope.contracts import Accelerator, FrameworkInfo
 from mlscope.errors import ConfigError, FrameworkUnavailable, InputMismatchError
-from mlscope.manifest import FRAMEWORKS, ModelManifest
+from mlscope.manifest import FRAMEWORKS, ModelManifest, device_kind
 from mlscope.predictor import Predictor, PredictorOptions
 
 __all__ = [
@@ -67,15 +67,22 @@ def probe(framework: str) -> FrameworkInfo | None:
     return info
 
 
-def accelerators(framework: str) -> tuple[Accelerator, ...]:
-    """The devices this framework's runtime found (framework-specific where the runtime
-    names them: torch for GPUs, XRT for FPGAs), else the GPUs NVML reports, if any."""
+def accelerators(framework: str, devices: Sequence[str] = ()) -> tuple[Accelerator, ...]:
+    """The devices this framework can run on here: those its runtime names (torch for
+    GPUs, XRT for FPGAs), else the GPUs NVML reports for each ``cuda:N`` among
+    ``devices`` (the framework's probe). A GPU the framework cannot use (a CPU-only
+    ONNX Runtime or TensorFlow on a GPU host, TFLite) is not one of the agent's
+    devices, so a job that asks for a GPU is never placed where it would run on the
+    CPU."""
     try:
         found = getattr(module(framework), "accelerators", None)
         listed: list[Accelerator] = list(found()) if found is not None else []
     except Exception:  # a runtime that fails here still serves: report no device
         log.warning("listing %s devices failed", framework, exc_info=True)
         listed = []
+    if not listed:
+        usable = {d for d in devices if device_kind(d) == "gpu"}
+        return tuple(g for g in sysinfo.nvml_gpus() if f"cuda:{g.index}" in usable)
     if any(a.kind == "gpu" and a.interconnect is None for a in listed):
         # The runtime names its GPUs; NVML knows how they are attached.
         links = {g.index: g.interconnect for g in sysinfo.nvml_gpus()}
@@ -85,7 +92,7 @@ def accelerators(framework: str) -> tuple[Accelerator, ...]:
             else a
             for a in listed
         ]
-    return tuple(listed) if listed else tuple(sysinfo.nvml_gpus())
+    return tuple(listed)
 
 
 def open_predictor(
