@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import version as dist_version
 from pathlib import Path
@@ -162,15 +162,15 @@ def _assert_mismatch(err: InputMismatchError, backend: Backend) -> None:
 def test_probe_reports_real_version(backend: Backend) -> None:
     info = probe(backend.framework)
     assert info is not None and info.name == backend.framework
-    real = {
-        "onnxruntime": ort.__version__,
-        "pytorch": torch.__version__.split("+")[0],
-        "tensorflow": _tf_version(),
-        "tflite": dist_version("ai-edge-litert"),
-        "xrt": "2.17.0",  # from the stand-in's host report, as real XRT gives it
-        "noop": mlscope.__version__,
-    }[backend.framework]
-    assert info.version == real
+    real: dict[str, Callable[[], str]] = {  # each asks only its own runtime
+        "onnxruntime": lambda: str(ort.__version__),
+        "pytorch": lambda: str(torch.__version__).split("+")[0],
+        "tensorflow": _tf_version,
+        "tflite": lambda: dist_version("ai-edge-litert"),
+        "xrt": lambda: "2.17.0",  # from the stand-in's host report, as real XRT gives it
+        "noop": lambda: mlscope.__version__,
+    }
+    assert info.version == real[backend.framework]()
     assert backend.device in info.devices
 
 
@@ -513,3 +513,20 @@ def test_accelerators_are_found_through_the_runtime(fake_pyxrt: Any) -> None:
 
     gpus = accelerators("pytorch")
     assert len(gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def test_a_gpu_the_framework_cannot_use_is_not_the_agents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU host with a CPU-only runtime (onnxruntime without a GPU provider, TFLite)
+    lists no GPU for that framework, so a job asking for a GPU never lands there."""
+    from agent.predictors import accelerators
+    from mlscope import sysinfo
+    from mlscope.contracts import Accelerator
+
+    host = [
+        Accelerator(kind="gpu", model="NVIDIA H200", index=i, interconnect="pcie5") for i in (0, 1)
+    ]
+    monkeypatch.setattr(sysinfo, "nvml_gpus", lambda: list(host))
+    assert accelerators("onnxruntime", ("cpu",)) == ()
+    assert accelerators("tflite", ("cpu",)) == ()
+    assert accelerators("onnxruntime", ("cpu", "cuda:1")) == (host[1],)
+    assert accelerators("tensorflow", ("cpu", "cuda:0", "cuda:1")) == tuple(host)
