@@ -76,6 +76,11 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
         False,
     ),
     "soak": (["--duration", "1800"], ["--duration", "40", "--run-s", "10"], False),
+    "local_stream": (
+        [],
+        ["--rounds", "1", "--seconds", "0.5", "--cases", "digits_cnn:onnxruntime:32"],
+        True,
+    ),
 }
 
 
