@@ -40,8 +40,9 @@ from typing import Any
 import anyio
 import numpy as np
 
-from agent.pipeline import Answered, Executor, Job, Model
+from agent.pipeline import Executor, Job, Model
 from agent.samplelib import MemoryBudget, preprocess_all
+from agent.stream import Answered
 from agent.tracer import SpanBuffer
 from mlscope import codec, samples, scenario_traits
 from mlscope.catalog import Entry

@@ -24,16 +24,14 @@
 * **Order.** Replies leave in admission order, errors included.
 * **Streams.** A closed loop that only measures throughput (:meth:`Executor.stream`:
   an agent's ``batched`` run on samples it holds pre-processed) is run by the predict
-  thread itself: it takes the next query's inputs, predicts, and post-processes the
-  answers in blocks (at most :data:`STREAM_BLOCK` queries or :data:`STREAM_FLUSH_NS`
-  after the oldest one's predict ended), with no hand-off, reply object or queue per
-  query, so a small model's runtime is not kept waiting by the platform's Python.
+  thread itself, between the queries admitted before and after it (:mod:`agent.stream`).
 * **Errors are per query.** A query whose pre-processing fails gets its typed error
   and drops out of the batch; when a merged batch fails, its queries are retried one
   by one so that only the culprit gets the error. The thread never dies on a query.
 
 One call site runs ``predictor.predict`` (:meth:`Executor._predict`) and one function
-emits a query's spans (:func:`emit_spans`): framework-level profiling hooks go there.
+emits a query's spans (:func:`agent.queryspans.emit_spans`): framework-level profiling
+hooks go there.
 """
 
 from __future__ import annotations
@@ -48,47 +46,23 @@ from typing import Any, Protocol
 import numpy as np
 
 from agent import profiling
+from agent import stream as streams
 from agent.profiling import NULL, Capture
+from agent.queryspans import Outcome, emit_spans
+from agent.stream import Stream
 from agent.tracer import SpanBuffer
 from mlscope.contracts import QueryReply, TraceLevel
 from mlscope.errors import InferenceError, InputMismatchError, MLScopeError
 from mlscope.operators import Pipeline
 from mlscope.predictor import Predictor
 
-__all__ = [
-    "STREAM_BLOCK",
-    "STREAM_BYTES",
-    "STREAM_FLUSH_NS",
-    "STREAM_HELPER_NS",
-    "Answered",
-    "Executor",
-    "ExecutorConfig",
-    "Job",
-    "Model",
-    "Stream",
-    "emit_spans",
-]
+__all__ = ["Executor", "ExecutorConfig", "Job", "Model"]
 
 now = time.perf_counter_ns
 
 _PENDING, _CLAIMED, _DONE = 0, 1, 2
 _INLINE_SEQ = -2
 """The seq of a query run by :meth:`Executor.try_inline` (outside the ready stream)."""
-STREAM_BLOCK = 64
-"""Most queries of a stream post-processed in one call."""
-STREAM_HELPER_NS = 1_000_000
-"""A stream whose predict takes at least this long answers its blocks on a thread of its
-own (:class:`_Answerer`), while the next predict runs: right after a long predict, the
-post-processing of one query runs cold (efficientnet_lite0's top-5 of 1,000 scores:
-~215 µs, against 34 µs in a warm loop) and would keep the runtime waiting."""
-STREAM_BYTES = 16 << 20
-"""... and most bytes of raw outputs a stream keeps for it (a model with large outputs
-answers sooner)."""
-STREAM_FLUSH_NS = 5_000_000
-"""A stream post-processes its answers before the oldest waiting one would be this late
-(its predict's end to its answer; a predict longer than this answers each query at
-once). Post-processing a block costs ~100-200 µs on top of its rows on a 2-core VM,
-which a 0.2 ms batch of a small model could not afford per query."""
 
 
 class Model(Protocol):
@@ -148,45 +122,6 @@ class Job:
     holds pre-processed: :mod:`agent.samplelib`); its pre-processing is skipped."""
 
 
-@dataclass(slots=True)
-class Answered:
-    """Queries of a stream answered together, in issue order: one value per query in
-    each array; the outputs of those that succeeded, in order, in one array."""
-
-    index: np.ndarray
-    received: np.ndarray
-    """When the predict thread took each query (ns, ``perf_counter_ns``)."""
-    predict_start: np.ndarray
-    predict_end: np.ndarray
-    ok: np.ndarray
-    """Whether each query was answered (else its error is in :attr:`errors`)."""
-    outputs: np.ndarray | None
-    """The post-processed outputs of the queries answered, joined on axis 0."""
-    errors: dict[int, MLScopeError]
-    """Position in this block -> the query's typed error."""
-    post_end: int
-    """When the block's post-processing ended (its answers' time)."""
-
-
-class Stream(Protocol):
-    """A closed loop the predict thread runs itself (:meth:`Executor.stream`)."""
-
-    level: TraceLevel
-    """Below :attr:`TraceLevel.FRAMEWORK` (profilers need a query at a time)."""
-    spans: SpanBuffer | None
-
-    def next_query(self) -> tuple[int, np.ndarray] | None:
-        """The next query: its index and its first input, pre-processed (axis 0 the
-        batch); None ends the stream."""
-        ...
-
-    def answered(self, block: Answered) -> None:
-        """Queries answered, in issue order: on the predict thread, or (a model whose
-        predict takes :data:`STREAM_HELPER_NS` or more) on one thread of its own while
-        :meth:`next_query` goes on being called on the predict thread."""
-        ...
-
-
 @dataclass(eq=False, slots=True)
 class _StreamCall:
     stream: Stream
@@ -208,21 +143,6 @@ class _Slot:
     t_pre: int = 0
     t_pre_end: int = 0
     replied: bool = False
-
-
-@dataclass(slots=True)
-class _Outcome:
-    """What one query of a predicted batch gets back."""
-
-    result: np.ndarray | None = None
-    raw: np.ndarray | None = None
-    error: MLScopeError | None = None
-    t_predict: int = 0
-    t_predict_end: int = 0
-    t_post_end: int = 0
-    batch: int = 0
-    capture: Capture = NULL
-    """Framework-level profile of the predict call (empty below level framework)."""
 
 
 class Executor:
@@ -260,6 +180,13 @@ class Executor:
         ]
         self._threads.append(
             threading.Thread(target=self._predict_loop, name=f"infer-{model.name}", daemon=True)
+        )
+        self._stream_host = streams.Host(
+            name=model.name,
+            predict=self._predict_ready,
+            post=lambda raw: self.model.post(raw),
+            failed=self._failed,
+            stopping=lambda: self._stopping,
         )
         for t in self._threads:
             t.start()
@@ -493,7 +420,7 @@ class Executor:
                 )
                 for slot in batch:
                     if not slot.replied:
-                        self._finish(slot, _Outcome(error=err))
+                        self._finish(slot, Outcome(error=err))
 
     def _gather(self, first: _Slot) -> tuple[list[_Slot], _Slot | _StreamCall | None, bool]:
         """Consecutive queries up to ``max_batch`` samples or the first one's max wait."""
@@ -524,7 +451,7 @@ class Executor:
     def _answer(self, batch: list[_Slot], *, idle_next: bool = False) -> None:
         """Predict the pre-processed ``batch`` and reply to each of its queries."""
         good = [s for s in batch if s.error is None]
-        outcomes: dict[int, _Outcome] = {}
+        outcomes: dict[int, Outcome] = {}
         if good:
             self._infer(good, outcomes)
             out = outcomes.get(good[-1].seq)
@@ -536,10 +463,10 @@ class Executor:
             with self._lock:
                 self._idle_seq = self._seq if self._ready.empty() else -1
         for slot in batch:
-            out = outcomes.get(slot.seq) or _Outcome(error=slot.error)
+            out = outcomes.get(slot.seq) or Outcome(error=slot.error)
             self._finish(slot, out)
 
-    def _infer(self, slots: list[_Slot], outcomes: dict[int, _Outcome]) -> None:
+    def _infer(self, slots: list[_Slot], outcomes: dict[int, Outcome]) -> None:
         m = self.model
         try:
             xs = slots[0].x if len(slots) == 1 else self._merge([s.x for s in slots])
@@ -552,7 +479,7 @@ class Executor:
                 for s in slots:
                     self._infer([s], outcomes)
                 return
-            outcomes[slots[0].seq] = _Outcome(error=self._failed(exc, slots[0].samples))
+            outcomes[slots[0].seq] = Outcome(error=self._failed(exc, slots[0].samples))
             return
         if len(slots) == 1:  # the common case: no split
             parts, raws, total = [result], [out[0]], slots[0].samples
@@ -561,7 +488,7 @@ class Executor:
             parts, raws = np.split(result, bounds), np.split(out[0], bounds)
             total = int(bounds[-1] + slots[-1].samples)
         for s, part, raw in zip(slots, parts, raws, strict=True):
-            outcomes[s.seq] = _Outcome(
+            outcomes[s.seq] = Outcome(
                 result=part,
                 raw=raw if s.job.raw else None,
                 t_predict=t_pred,
@@ -604,101 +531,20 @@ class Executor:
         """A stream, to its end; its own code's exception is handed to the caller."""
         try:
             with self._predicting:
-                self._stream_loop(call.stream)
+                streams.run(self._stream_host, call.stream)
         except BaseException as exc:  # the stream's code: raised in Executor.stream
             call.error = exc
         finally:
             call.done.set()
 
-    def _stream_loop(self, s: Stream) -> None:
-        times: list[tuple[int, int, int, int]] = []  # index, taken, predict start, end
-        raw: list[np.ndarray | MLScopeError] = []  # each query's first output, or error
-        kept = 0
-        helper: _Answerer | None = None
-        try:
-            while not self._stopping and (got := s.next_query()) is not None:
-                i, x = got
-                t_in = now()
-                try:
-                    out, _, t0, t1 = self._predict(self._inputs(x, (), done=True), s.level)
-                    raw.append(out[0])
-                    kept += out[0].nbytes
-                except Exception as exc:  # the query's error: the stream goes on
-                    t0 = t1 = now()
-                    raw.append(self._failed(exc, int(x.shape[0])))
-                times.append((i, t_in, t0, t1))
-                # Answer now if the next predict would make the oldest answer late.
-                late = 2 * t1 - t0 - times[0][3] >= STREAM_FLUSH_NS
-                if late or len(raw) >= STREAM_BLOCK or kept >= STREAM_BYTES:
-                    if helper is None and t1 - t0 >= STREAM_HELPER_NS:
-                        helper = _Answerer(self, s)
-                    if helper is not None:  # from then on every block: they stay in order
-                        helper.put(times, raw)
-                    else:
-                        self._stream_answer(s, times, raw)
-                    times, raw, kept = [], [], 0
-                if helper is not None and helper.error is not None:
-                    break
-            if raw:
-                if helper is not None:
-                    helper.put(times, raw)
-                else:
-                    self._stream_answer(s, times, raw)
-        finally:
-            if helper is not None:
-                helper.close()  # its blocks answered; its error raised
-
-    def _stream_answer(
-        self,
-        s: Stream,
-        times: list[tuple[int, int, int, int]],
-        raw: list[np.ndarray | MLScopeError],
-    ) -> None:
-        """Post-process a block's outputs in one call (one by one when that fails, so
-        only the culprit gets the error), emit their spans, hand them to the stream."""
-        post = self.model.post
-        errors = {k: r for k, r in enumerate(raw) if isinstance(r, MLScopeError)}
-        good = [r for r in raw if not isinstance(r, MLScopeError)]
-        outputs: np.ndarray | None = None
-        try:
-            if good:
-                outputs = post(good[0] if len(good) == 1 else np.concatenate(good))
-        except Exception:
-            parts = []
-            for k, r in enumerate(raw):
-                if isinstance(r, MLScopeError):
-                    continue
-                try:
-                    parts.append(post(r))
-                except Exception as exc:
-                    errors[k] = self._failed(exc, len(r))
-            outputs = np.concatenate(parts) if parts else None
-        cols = np.array(times, dtype=np.int64).reshape(-1, 4)
-        ok = np.ones(len(raw), bool)
-        ok[list(errors)] = False
-        block = Answered(
-            index=cols[:, 0],
-            received=cols[:, 1],
-            predict_start=cols[:, 2],
-            predict_end=cols[:, 3],
-            ok=ok,
-            outputs=outputs,
-            errors=errors,
-            post_end=now(),
-        )
-        if s.spans is not None and s.level >= TraceLevel.MODEL:
-            for k, (i, t_in, t0, t1) in enumerate(times):
-                r = raw[k]
-                if not isinstance(r, MLScopeError) and k not in errors:
-                    done = _Outcome(
-                        t_predict=t0, t_predict_end=t1, t_post_end=block.post_end, batch=len(r)
-                    )
-                    emit_spans(s.spans, i, s.level, len(r), t_in, done, pre=(t_in, t_in))
-        s.answered(block)
+    def _predict_ready(self, x: np.ndarray, level: TraceLevel) -> tuple[np.ndarray, int, int]:
+        """A stream's query: its pre-processed first input predicted (others filled)."""
+        out, _, t0, t1 = self._predict(self._inputs(x, (), done=True), level)
+        return out[0], t0, t1
 
     # ------------------------------------------------------------------ replies
 
-    def _finish(self, slot: _Slot, out: _Outcome) -> None:
+    def _finish(self, slot: _Slot, out: Outcome) -> None:
         job = slot.job
         labels = self._labels(out) if job.labels and out.error is None else None
         if out.error is not None:
@@ -737,7 +583,7 @@ class Executor:
             self._inflight -= 1
         job.reply(reply)
 
-    def _labels(self, out: _Outcome) -> np.ndarray | None:
+    def _labels(self, out: Outcome) -> np.ndarray | None:
         """The labels of a query's result (only asked for outside load runs); a lookup
         that fails turns the outcome into the query's error."""
         m = self.model
@@ -750,91 +596,3 @@ class Executor:
                 f"{m.name}: labels: {exc}", model=m.name, framework=m.predictor.framework
             )
             return None
-
-
-def emit_spans(
-    spans: SpanBuffer,
-    index: int,
-    level: TraceLevel,
-    samples: int,
-    received_ns: int,
-    out: _Outcome,
-    *,
-    pre: tuple[int, int],
-) -> None:
-    """The model-level spans of one answered query (``samples`` of them, received at
-    ``received_ns``, pre-processed over ``pre``): query > preprocess, predict, post."""
-    t_pre, t_pre_end = pre
-    attrs: dict[str, Any] = {"batch_size": samples}
-    if out.batch != attrs["batch_size"]:
-        attrs["predict_batch"] = out.batch  # merged with other queries
-    root = spans.add(
-        parent=0,
-        query_index=index,
-        level=TraceLevel.MODEL,
-        kind="query",
-        name="query",
-        start_ns=received_ns,
-        end_ns=out.t_post_end,
-        attrs=attrs,
-    )
-    for name, a, b in (
-        ("preprocess", t_pre, t_pre_end),
-        ("predict", out.t_predict, out.t_predict_end),
-        ("postprocess", out.t_predict_end, out.t_post_end),
-    ):
-        cap = out.capture if name == "predict" else NULL
-        step_attrs = (
-            {"profiler_ns": max(cap.end_ns - cap.start_ns - (b - a), 0)}
-            if cap is not NULL and cap.end_ns
-            else None
-        )
-        sid = spans.add(
-            parent=root,
-            query_index=index,
-            level=TraceLevel.MODEL,
-            kind="step",
-            name=name,
-            start_ns=a,
-            end_ns=b,
-            attrs=step_attrs,
-        )
-        if cap is not NULL and level >= TraceLevel.FRAMEWORK:
-            cap.emit(spans, parent=sid, query_index=index, window=(a, b))
-
-
-class _Answerer:
-    """A stream's blocks answered on a thread of its own, in the order they were put
-    (:data:`STREAM_HELPER_NS`); the first error of the stream's code stops it and is
-    raised by :meth:`close`."""
-
-    def __init__(self, executor: Executor, stream: Stream) -> None:
-        self.executor, self.stream = executor, stream
-        self.error: BaseException | None = None
-        self._q: queue.SimpleQueue[
-            tuple[list[tuple[int, int, int, int]], list[np.ndarray | MLScopeError]] | None
-        ] = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=self._run, name=f"post-{executor.model.name}", daemon=True
-        )
-        self._thread.start()
-
-    def put(
-        self, times: list[tuple[int, int, int, int]], raw: list[np.ndarray | MLScopeError]
-    ) -> None:
-        self._q.put((times, raw))
-
-    def _run(self) -> None:
-        while (item := self._q.get()) is not None:
-            if self.error is not None:
-                continue  # the stream is ending: the rest go unanswered
-            try:
-                self.executor._stream_answer(self.stream, *item)
-            except BaseException as exc:  # the stream's code: raised by close()
-                self.error = exc
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
-        if self.error is not None:
-            raise self.error

@@ -736,9 +736,9 @@ def test_a_stream_answers_sooner_when_its_outputs_are_large_and_ends_when_stoppe
 ) -> None:
     """Kept outputs are bounded in bytes (a model with large outputs answers query by
     query), and an executor that stops ends a stream that would go on for ever."""
-    import agent.pipeline as pipeline
+    import agent.stream as streams
 
-    monkeypatch.setattr(pipeline, "STREAM_BYTES", 1)
+    monkeypatch.setattr(streams, "STREAM_BYTES", 1)
     x = model.pre[0](samples[:2])
 
     class Endless(Stream):
