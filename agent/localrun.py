@@ -136,6 +136,10 @@ class LocalRun:
         """An open loop's pacer may still issue: no end while it does."""
         self._issued = 0
         self._shipped = 0
+        self._base = 0
+        """The query whose times are the record's row 0: a closed loop that outruns its
+        record forgets the rows it has shipped (:meth:`_grow`) instead of growing for
+        ever (a tiny model's batched stream answers ~10^5 queries a second)."""
         self._gate: OutstandingLimit | None = None
         self._deadline = 0
         self._prebuilt: list[np.ndarray] | None = None
@@ -248,17 +252,16 @@ class LocalRun:
         milliseconds."""
         rec = self.rec
         t = now()
-        rec.issued[i] = max(t - rec.t0_ns, 1)
+        rec.issued[i - self._base] = max(t - rec.t0_ns, 1)
         job = self._job(i, x, t)
         if inline and self.worker.try_inline(job):
             return
         if not self.worker.submit(job):
-            rec.refused[i] = 1
+            rec.refused[i - self._base] = 1
             rec.errors[i] = self._overloaded(i)
             self._complete(i, chain=False)  # a refused closed-loop stream ends here
 
     def _closed_loop(self) -> None:
-        rec = self.rec
         for _ in range(self.depth):
             if not self._next_closed():
                 break
@@ -267,8 +270,7 @@ class LocalRun:
                 self._done.set()
         self._done.wait(self.spec.duration_s + DRAIN_TIMEOUT_S + START_LEAD_NS / 1e9)
         with self._lock:
-            rec.trim(self._issued)
-            self.top1 = self.top1[: self._issued]
+            self._trim()
 
     def _next_closed(self) -> bool:
         """Issue the next closed-loop query; False once time or the count is up.
@@ -284,11 +286,11 @@ class LocalRun:
             t = now() - rec.t0_ns
             if self._stop.is_set() or i >= self._cap or t >= self._deadline - rec.t0_ns:
                 return False
-            if i >= rec.n:
+            if i - self._base >= rec.n:
                 self._grow()
             self._issued = i + 1
             self._outstanding += 1
-            rec.scheduled[i] = rec.paced[i] = max(t, 1)
+            rec.scheduled[i - self._base] = rec.paced[i - self._base] = max(t, 1)
         self._submit(i, self.inputs(i))
         return True
 
@@ -300,8 +302,7 @@ class LocalRun:
         finally:
             self._stop.set()  # a stream that outlived its time ends at its next query
             with self._lock:
-                self.rec.trim(self._issued)
-                self.top1 = self.top1[: self._issued]
+                self._trim()
 
     def next_query(self) -> tuple[int, np.ndarray] | None:
         """A stream's next query (on the predict thread), its inputs a view of those
@@ -311,7 +312,7 @@ class LocalRun:
         i = self._issued
         if self._stop.is_set() or i >= self._cap or now() >= self._deadline:
             return None
-        if i >= self.rec.n:
+        if i - self._base >= self.rec.n:
             with self._lock:
                 self._grow()
         self._issued = i + 1
@@ -338,7 +339,8 @@ class LocalRun:
             self._answered(block)
 
     def _answered(self, block: Answered) -> None:
-        rec, t0, idx, ok = self.rec, self.rec.t0_ns, block.index, block.ok
+        rec, t0, ok = self.rec, self.rec.t0_ns, block.ok
+        idx = block.index - self._base
         taken = np.maximum(block.received - t0, 1)
         rec.scheduled[idx] = rec.paced[idx] = rec.issued[idx] = taken
         rec.agent_received[idx] = taken
@@ -352,17 +354,38 @@ class LocalRun:
             n = min(per.shape[1], self.top1.shape[1])
             self.top1[good, :n] = per[:, :n]
         for k, err in block.errors.items():
-            rec.errors[int(idx[k])] = err.message
+            rec.errors[int(block.index[k])] = err.message
         rec.agent_replied[idx] = block.post_end - t0
         rec.completed[idx] = max(now() - t0, 1)
         rec.done += len(idx)
 
     def _grow(self) -> None:
-        """The run outlasts the record's room: grow it, never stop early (under the lock)."""
-        self.rec.grow()
-        grown = np.full((self.rec.n, self.spec.batch_size), -1, np.int32)
+        """The run outlasts the record's room (under the lock, on the thread that writes
+        the record): when at least half of it is shipped, forget those rows; else double
+        it. Never stop early."""
+        rec, shipped = self.rec, self._shipped - self._base
+        if shipped >= rec.n // 2 > 0:
+            rec.drop(shipped)
+            kept = np.full_like(self.top1, -1)
+            kept[: rec.n - shipped] = self.top1[shipped:]
+            self.top1 = kept
+            self._base += shipped
+            rec.errors = {i: e for i, e in rec.errors.items() if i >= self._base}
+            return
+        rec.grow()
+        grown = np.full((rec.n, self.spec.batch_size), -1, np.int32)
         grown[: len(self.top1)] = self.top1
         self.top1 = grown
+
+    def _trim(self) -> None:
+        """The run ended: the record holds exactly the queries issued (under the lock)."""
+        self.rec.trim(self._issued - self._base)
+        self.top1 = self.top1[: self._issued - self._base]
+
+    @property
+    def queries(self) -> int:
+        """Queries the record has held, shipped ones included (after the run: issued)."""
+        return self._base + self.rec.n
 
     def _open_loop(self) -> None:
         rec, sched, s = self.rec, self.schedule, self.spec
@@ -373,7 +396,7 @@ class LocalRun:
         self._gate = gate = OutstandingLimit(s.max_outstanding)
 
         def issue(i: int, _scheduled: int, paced: int) -> None:  # on the pacer thread
-            rec.paced[i] = paced
+            rec.paced[i - self._base] = paced
             with self._lock:
                 self._outstanding += 1
                 self._issued = max(self._issued, i + 1)
@@ -400,7 +423,8 @@ class LocalRun:
     def _on_reply(self, reply: QueryReply) -> None:
         """A query's answer (on the predict thread): its times and top-1, then the next
         closed-loop query."""
-        rec, i = self.rec, reply.index
+        rec, q = self.rec, reply.index
+        i = q - self._base
         t0 = rec.t0_ns
         rec.agent_received[i] = reply.t_received - t0
         if reply.ok:
@@ -412,15 +436,15 @@ class LocalRun:
                 k = min(len(top), self.top1.shape[1])
                 self.top1[i, :k] = top[:k]
         else:
-            rec.errors[i] = str((reply.error or {}).get("message", "error"))
+            rec.errors[q] = str((reply.error or {}).get("message", "error"))
         rec.agent_replied[i] = reply.t_replied - t0
-        self._complete(i)
+        self._complete(q)
 
     def _complete(self, i: int, *, chain: bool = True) -> None:
         """Query ``i`` is done; a closed loop's stream then issues its next query
         (``chain``: not after a refusal, which would recurse as fast as it is refused)."""
         rec = self.rec
-        rec.completed[i] = max(now() - rec.t0_ns, 1)
+        rec.completed[i - self._base] = max(now() - rec.t0_ns, 1)
         rec.done += 1
         if self._gate is not None:
             self._gate.release()
@@ -436,12 +460,12 @@ class LocalRun:
         """Rows not shipped yet, as copied columns: every row up to the first one still
         in flight (``final``: every row)."""
         with self._lock:
-            rec, a = self.rec, self._shipped
-            hi = rec.n if final else min(self._issued, rec.n)
-            pending = np.flatnonzero(rec.completed[a:hi] == 0)
+            rec, a, base = self.rec, self._shipped, self._base
+            hi = base + (rec.n if final else min(self._issued - base, rec.n))
+            pending = np.flatnonzero(rec.completed[a - base : hi - base] == 0)
             b = hi if final or not pending.size else a + int(pending[0])
-            cols = {name: getattr(rec, name)[a:b].copy() for name in ARRAYS}
-            cols["top1"] = self.top1[a:b].copy()
+            cols = {name: getattr(rec, name)[a - base : b - base].copy() for name in ARRAYS}
+            cols["top1"] = self.top1[a - base : b - base].copy()
             errors = {i: e for i, e in list(rec.errors.items()) if a <= i < b}
             self._shipped = b
         return a, cols, errors
@@ -571,7 +595,7 @@ async def serve_run(
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
             await ship(
                 final=True,
-                queries=run.rec.n,
+                queries=run.queries,
                 not_issued=run.rec.not_issued,
                 cpu_s=run.cpu_s,
                 error=error,

@@ -87,6 +87,17 @@ class RunRecord:
             setattr(self, name, new)
         self.n = max(2 * self.n, 1)
 
+    def drop(self, count: int) -> None:
+        """Forget the first ``count`` queries (shipped), keeping the room: the rest move
+        to the front (an agent's long closed loop holds only what it has not shipped)."""
+        for name in ARRAYS:
+            old = getattr(self, name)
+            new = np.zeros(self.n, old.dtype)
+            if name == "prediction":
+                new[:] = -1
+            new[: self.n - count] = old[count:]
+            setattr(self, name, new)
+
     def outcomes(self) -> np.ndarray:
         """Each query's :class:`mlscope.outcomes.Outcome`."""
         return classify(

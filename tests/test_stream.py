@@ -298,3 +298,58 @@ def test_a_stream_of_a_slow_model_answers_on_a_thread_of_its_own_in_order(
     spans = s.spans.columns if s.spans is not None else {}
     assert len(spans["name"]) == 4 * 8
     assert len(failing.blocks) == 2 and failing.k < 32  # it stopped taking queries
+
+
+@pytest.mark.parametrize("scenario", ["batched", "concurrency"])
+def test_a_long_closed_loop_holds_only_the_rows_it_has_not_shipped(
+    model: LoadedModel, samples: np.ndarray, scenario: str
+) -> None:
+    """A closed loop in the agent (a batched stream; a concurrency loop through the
+    executor) that outruns its record forgets the rows it has shipped instead of
+    growing for ever: every row is shipped once, in order, with its own answer, and
+    the record's room stays a few shipments wide."""
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec
+
+    held = model.pre[0](samples)
+    inputs, _ = samplesmod.feed(held, None, 1, 11)
+    total = 12_000
+    spec = ScenarioSpec(
+        name=scenario,
+        batch_size=1,
+        concurrency=2,
+        max_queries=total,
+        duration_s=60,
+        min_duration_s=0,
+        min_queries=1,
+    )
+    want = model.predictor.predict([inputs.block(0, total)])[0].argmax(axis=1)
+    ex = Executor(model, ExecutorConfig(pre_workers=0))
+    run = local_run(ex, spec, inputs)
+    assert run.streamed == (scenario == "batched")
+    room: list[int] = []
+    shipped: list[tuple[int, dict[str, np.ndarray]]] = []
+    runner = threading.Thread(target=run.run)
+    try:
+        run.prepare()
+        runner.start()
+        while runner.is_alive():
+            first, cols, errors = run.take()
+            assert errors == {}
+            shipped.append((first, cols))
+            room.append(run.rec.n)
+            time.sleep(0.005)
+        runner.join()
+        shipped.append(run.take(final=True)[:2])
+    finally:
+        ex.stop()
+    starts = [first for first, _ in shipped]
+    sizes = [len(cols["ok"]) for _, cols in shipped]
+    assert starts == list(np.cumsum([0, *sizes[:-1]]))  # contiguous, each row once
+    assert sum(sizes) == total == run.issued == run.queries
+    ok = np.concatenate([cols["ok"] for _, cols in shipped])
+    done = np.concatenate([cols["completed"] for _, cols in shipped])
+    top1 = np.concatenate([cols["top1"] for _, cols in shipped]).reshape(-1)
+    assert (ok == 1).all() and (done > 0).all()
+    np.testing.assert_array_equal(top1, want)
+    assert max(room) < total // 2, max(room)  # it forgot shipped rows: never held them all
