@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -495,21 +496,8 @@ class Agent:
 
     async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""
-        eval_id, name, version = req.evaluation_id, req.model, req.model_version
-        match = [
-            (e, g)
-            for e, g in self.offers
-            if e.manifest.name == name and e.manifest.version == version
-        ]
-        if not match:
-            why = next((r for r in self.refused if (r.name, r.version) == (name, version)), None)
-            raise ConfigError(
-                f"agent {self.agent_id} does not serve {name}@{version}"
-                + (f": {why.message}" if why else ""),
-                model=name,
-                version=version,
-            )
-        entry, _ = match[0]
+        eval_id = req.evaluation_id
+        entry = self._offer(req.model, req.model_version)
         # Verified again (a stat when unchanged): a file changed since it was advertised
         # is refused with both hashes and the command that rebuilds it.
         graph = await anyio.to_thread.run_sync(self._check, entry)
@@ -521,35 +509,7 @@ class Agent:
         cold = key not in self.workers
         load_ns = first_ns = 0
         if cold:
-            opts = self.predictor_options(batch)
-            model = await anyio.to_thread.run_sync(
-                functools.partial(
-                    LoadedModel.open,
-                    entry,
-                    graph,
-                    opts,
-                    labels=self._labels(entry),
-                    allow_custom=self.settings.allow_custom_code,
-                )
-            )
-            executor = Executor(
-                model,
-                ExecutorConfig(
-                    capacity=self.config.queue_capacity,
-                    pre_workers=self.config.pre_workers,
-                    max_batch=batch,
-                    max_wait_us=self.config.batch_wait_us,
-                ),
-                warm=True,  # the first inference on the thread that will predict
-            )
-            try:
-                first_ns = await anyio.to_thread.run_sync(executor.first_inference_ns)
-            except MLScopeError:
-                await anyio.to_thread.run_sync(executor.stop)  # and closes the predictor
-                raise
-            load_ns = model.load_ns
-            self.loaded_settings[key] = self._opened_with(opts, model)
-            self.workers[key] = executor
+            load_ns, first_ns = await self._load(entry, graph, batch)
         worker = self.workers[key]
         worker.max_batch = req.max_batch or batch
         level = TraceLevel.parse(req.trace_level)
@@ -574,6 +534,55 @@ class Agent:
             mlscope_version=mlscope.__version__,
             git_commit=self.git_commit,
         )
+
+    def _offer(self, name: str, version: str) -> Entry:
+        """The entry this agent serves for ``name@version``; ConfigError (with the reason
+        it was refused at start, if it was) when it serves none."""
+        for e, _ in self.offers:
+            if e.manifest.name == name and e.manifest.version == version:
+                return e
+        why = next((r for r in self.refused if (r.name, r.version) == (name, version)), None)
+        raise ConfigError(
+            f"agent {self.agent_id} does not serve {name}@{version}"
+            + (f": {why.message}" if why else ""),
+            model=name,
+            version=version,
+        )
+
+    async def _load(self, entry: Entry, graph: Path, batch: int) -> tuple[int, int]:
+        """Open ``entry``'s model and its executor, whose predict thread runs the first
+        inference; returns (load ns, first inference ns). A model whose first inference
+        fails is closed and its error raised."""
+        key = entry.manifest.key
+        opts = self.predictor_options(batch)
+        model = await anyio.to_thread.run_sync(
+            functools.partial(
+                LoadedModel.open,
+                entry,
+                graph,
+                opts,
+                labels=self._labels(entry),
+                allow_custom=self.settings.allow_custom_code,
+            )
+        )
+        executor = Executor(
+            model,
+            ExecutorConfig(
+                capacity=self.config.queue_capacity,
+                pre_workers=self.config.pre_workers,
+                max_batch=batch,
+                max_wait_us=self.config.batch_wait_us,
+            ),
+            warm=True,  # the first inference on the thread that will predict
+        )
+        try:
+            first_ns = await anyio.to_thread.run_sync(executor.first_inference_ns)
+        except MLScopeError:
+            await anyio.to_thread.run_sync(executor.stop)  # and closes the predictor
+            raise
+        self.loaded_settings[key] = self._opened_with(opts, model)
+        self.workers[key] = executor
+        return model.load_ns, first_ns
 
     async def _start_run(self, req: RunOp, reply: str) -> RunStarted:
         """Start a local run (placement agent) for a prepared evaluation: answered at
