@@ -2,9 +2,10 @@
 
 :func:`build` gathers the frames and figures; :func:`to_html` and :func:`to_markdown`
 render them. HTML embeds plots as inline SVG, so the file stands alone; Markdown
-writes each plot as a PNG file into a directory beside it (``report_files/``) and links
+writes each plot as an SVG file into a directory beside it (``report_files/``) and links
 it, or, with no directory (a terminal), names the plot in one line; :func:`to_json`
-gives the tables and notes as plain data (plots are named, not drawn).
+gives the tables and notes as plain data (plots are named, not drawn). Plots are
+:class:`analysis.chart.Chart`s, drawn by :mod:`analysis.chart` (no plotting package).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import figures, plots
+from analysis.chart import Chart, svg
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
 from analysis.data import evaluations, latencies_ms
 from analysis.layers import layer_kinds, layer_types, top_layers
@@ -36,9 +38,9 @@ __all__ = ["Report", "Section", "build", "figure_dir_for", "to_html", "to_json",
 class Section:
     title: str
     tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
-    plots: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
-    """Caption and what draws the matplotlib figure: only a format that shows figures
-    draws them (JSON and Markdown on a terminal name them)."""
+    plots: list[tuple[str, Callable[[], Chart]]] = field(default_factory=list)
+    """Caption and what makes the chart: only a format that shows figures draws them
+    (JSON and Markdown on a terminal name them)."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -247,7 +249,7 @@ def to_html(report: Report) -> str:
             parts.append(f"<h3>{html.escape(caption)}</h3>{_html_table(df)}")
         for caption, draw in sec.plots:
             parts.append(
-                f"<figure>{plots.svg(draw())}<figcaption>{html.escape(caption)}</figcaption></figure>"
+                f"<figure>{svg(draw())}<figcaption>{html.escape(caption)}</figcaption></figure>"
             )
     parts.append("</body></html>")
     return "\n".join(parts)
@@ -263,12 +265,12 @@ def _html_table(df: pd.DataFrame) -> str:
 
 
 def figure_dir_for(markdown_path: Path) -> Path:
-    """Where the PNG figures of a Markdown report at ``markdown_path`` go: ``NAME_files/``."""
+    """Where the SVG figures of a Markdown report at ``markdown_path`` go: ``NAME_files/``."""
     return markdown_path.with_name(markdown_path.stem + "_files")
 
 
 def to_markdown(report: Report, figure_dir: Path | None = None) -> str:
-    """Markdown with pipe tables. Plots are PNG files written into ``figure_dir`` and
+    """Markdown with pipe tables. Plots are SVG files written into ``figure_dir`` and
     linked relative to its parent (the Markdown file's directory); without
     ``figure_dir`` each plot is named in one line (no image data in the text)."""
     lines = [f"# {report.title}", "", f"_generated {report.created}_", ""]
@@ -283,9 +285,9 @@ def to_markdown(report: Report, figure_dir: Path | None = None) -> str:
             if figure_dir is None:
                 lines += [f"_figure {number}: {caption} (write the report with -o FILE.md)_", ""]
                 continue
-            name = f"figure-{number:02d}-{_slug(caption)}.png"
+            name = f"figure-{number:02d}-{_slug(caption)}.svg"
             figure_dir.mkdir(parents=True, exist_ok=True)
-            (figure_dir / name).write_bytes(plots.png(draw()))
+            (figure_dir / name).write_text(svg(draw()), encoding="utf-8")
             lines += [f"![{caption}]({figure_dir.name}/{name})", ""]
     return "\n".join(lines)
 

@@ -1,7 +1,7 @@
 """``mlscope report``: reports of evaluations, and the paper's Table 2 for the zoo.
 
 * ``mlscope report EVAL_ID... -o report.html`` (``.md``, ``.json``): the format from the
-  extension, any other refused; a Markdown report's figures are PNG files in
+  extension, any other refused; a Markdown report's figures are SVG files in
   ``report_files/`` beside it. ``--json`` prints the JSON form, no ``-o``: Markdown
   without images on stdout;
 * ``mlscope report --suite [--run] [--models digits_cnn/onnxruntime,...]``: Table 2 from

@@ -7,12 +7,13 @@ Reads are cached for a few seconds (a page re-runs its script on every click).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import pandas as pd
 import streamlit as st
 
+from analysis.chart import Chart, svg
 from analysis.data import evaluations
 from analysis.source import BusSource, DirectSource, open_source
 from mlscope.catalog import Catalog, default_manifest_dirs
@@ -21,7 +22,6 @@ from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
 
 __all__ = [
-    "FIG_WIDTH",
     "agents",
     "catalog",
     "comparable",
@@ -30,12 +30,18 @@ __all__ = [
     "evaluation_picker",
     "recent_evaluations",
     "settings",
+    "show",
     "source",
     "stop_on_error",
 ]
 
 TTL_S = 3
-FIG_WIDTH = 760  # pixels: matplotlib figures stretched to a wide page are unreadable
+FIG_WIDTH = 760  # pixels: a figure stretched to a wide page is hard to read
+
+
+def show(chart: Chart, *, width: int | Literal["stretch"] = FIG_WIDTH, on: Any = st) -> None:
+    """Draw ``chart`` (an SVG image) on the page, or on ``on`` (a column)."""
+    on.image(svg(chart), width=width)
 
 
 @st.cache_resource

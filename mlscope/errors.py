@@ -2,8 +2,6 @@
 
     MLScopeError
     ├── ConfigError(ValueError)            bad settings or arguments
-    ├── MissingExtra(ImportError)          an optional dependency is not installed
-                                           (``extra`` names what to install)
     ├── ManifestError(ValueError)          a manifest file is invalid (file, line, field)
     ├── ArtifactError                      an asset is missing, unreachable or corrupt
     │   └── ChecksumMismatch
@@ -49,7 +47,6 @@ __all__ = [
     "InputMismatchError",
     "MLScopeError",
     "ManifestError",
-    "MissingExtra",
     "ModelLoadError",
     "OverloadedError",
     "PredictorError",
@@ -79,17 +76,6 @@ class MLScopeError(Exception):
 
 class ConfigError(MLScopeError, ValueError):
     code = "config"
-
-
-class MissingExtra(MLScopeError, ImportError):
-    """A feature needs a package of an optional extra: ``module`` is the import that
-    failed, ``extra`` the extra that installs it (``pip install 'mlscope[EXTRA]'``)."""
-
-    code = "missing_extra"
-
-    def __init__(self, message: str, *, module: str, extra: str) -> None:
-        super().__init__(message, module=module, extra=extra)
-        self.module, self.extra = module, extra
 
 
 class ManifestError(MLScopeError, ValueError):

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import anyio
 import pandas as pd
@@ -179,11 +180,12 @@ def test_markdown_figures_are_files_beside_it(
     done = cli(noop_stack, "report", *two_runs, "-o", str(out))
     assert done.returncode == 0, done.stderr
     md = out.read_text()
-    pngs = sorted((tmp_path / "day_files").glob("*.png"))
-    assert pngs and "base64" not in md
-    for png in pngs:
-        assert png.read_bytes().startswith(b"\x89PNG")
-        assert f"](day_files/{png.name})" in md
+    figures = sorted((tmp_path / "day_files").glob("*.svg"))
+    assert figures and "base64" not in md
+    for figure in figures:
+        root = ElementTree.fromstring(figure.read_text())
+        assert root.tag == "{http://www.w3.org/2000/svg}svg"
+        assert f"](day_files/{figure.name})" in md
     terminal = cli(noop_stack, "report", *two_runs)
     assert terminal.returncode == 0, terminal.stderr
     assert "base64" not in terminal.stdout and "figure 1:" in terminal.stdout

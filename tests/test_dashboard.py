@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 import pandas as pd
 import pytest
 import streamlit as st
@@ -237,8 +236,8 @@ def dashboard_url(env: AnalysisRuns, tmp_path: Path) -> Iterator[str]:
 
 
 # What is on the page once it has settled: Streamlit exception boxes, each visible
-# figure's share of coloured pixels (an empty matplotlib axes is black, grey and white
-# only; every figure of ours draws its data in colour) and markdown that no page writes
+# figure's share of coloured pixels (an empty chart is black, grey and white only; every
+# figure of ours draws its data in colour) and markdown that no page writes
 # on purpose (alerts, captions, labels and tabs render markdown too).
 INSPECT = """(() => {
   const main = document.querySelector('[data-testid=stMain]');
@@ -359,6 +358,7 @@ def tour_runs(env: AnalysisRuns) -> dict[str, str]:
     return {"online": env.online[0], "batched": env.batched[BATCH_SIZES[-1]], **extra}
 
 
+@pytest.mark.timeout(420)  # a stack's evaluations (~90 s here), then 17 pages in a browser
 def test_screenshots_of_every_page(
     dashboard_url: str, tour_runs: dict[str, str], tmp_path: Path
 ) -> None:
@@ -432,9 +432,8 @@ def test_accuracy_scatter_leaves_out_runs_without_accuracy() -> None:
             "size_bytes": [1000, 90000],
         }
     )
-    fig = plots.accuracy_scatter(points, "online_latency_ms")
-    drawn = np.asarray(fig.axes[0].collections[0].get_offsets())
-    assert len(drawn) == 1 and tuple(drawn[0]) == (1.0, 0.97)  # not light_resnet50 at 0
+    [drawn] = plots.accuracy_scatter(points, "online_latency_ms").marks
+    assert drawn.x.tolist() == [1.0] and drawn.y.tolist() == [0.97]  # not light_resnet50 at 0
 
 
 def test_inflight_slots_stack_overlapping_queries() -> None:
@@ -475,6 +474,6 @@ def test_throughput_plot_has_one_point_per_batch_size() -> None:
             {"batch_size": 1, "throughput_ips": 100.0, "p99_ms": 1.0, "valid": True},
         ]
     ).assign(model="m", framework="f", scenario="batched", **key)
-    line = plots.throughput_by_batch(summ).axes[0].lines[0]
-    xs, ys = np.asarray(line.get_xdata()), np.asarray(line.get_ydata())
-    assert xs.tolist() == [1, 4] and ys.tolist() == [100.0, 300.0]
+    throughput, p99 = plots.throughput_by_batch(summ).marks
+    assert throughput.x.tolist() == [1, 4] and throughput.y.tolist() == [100.0, 300.0]
+    assert p99.right and p99.y.tolist() == [1.0, 4.0]

@@ -7,7 +7,7 @@ import streamlit as st
 from analysis import plots
 from analysis.compare import SINGLE_RUN_NOTE, check_comparable, compare_runs
 from analysis.data import latencies_ms
-from dashboard.common import FIG_WIDTH, evaluation_picker, recent_evaluations, source
+from dashboard.common import evaluation_picker, recent_evaluations, show, source
 
 st.title("Compare runs")
 base = evaluation_picker("Baseline", key="compare_base")
@@ -45,4 +45,4 @@ for cand in cands:
     st.dataframe(table, hide_index=True)
     st.caption(SINGLE_RUN_NOTE)
 st.subheader("Latency by percentile")
-st.pyplot(plots.latency_percentiles(latencies_ms(source(), [*base, *cands])), width=FIG_WIDTH)
+show(plots.latency_percentiles(latencies_ms(source(), [*base, *cands])))

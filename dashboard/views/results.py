@@ -13,12 +13,12 @@ from analysis.compare import regressions
 from analysis.data import latencies_ms
 from analysis.summary import latency_windows, summary
 from dashboard.common import (
-    FIG_WIDTH,
     catalog,
     eval_label,
     evaluation_picker,
     recent_evaluations,
     settings,
+    show,
     source,
     stop_on_error,
 )
@@ -56,8 +56,8 @@ def latency_tab(summ: pd.DataFrame) -> None:
     if len(figures.measured_runs(summ)) > MAX_CURVES:
         st.caption(f"The newest {MAX_CURVES} runs.")
     c1, c2 = st.columns(2)
-    c1.pyplot(plots.latency_percentiles(ms), width="stretch")
-    c2.pyplot(plots.latency_histogram(ms), width="stretch")
+    show(plots.latency_percentiles(ms), width="stretch", on=c1)
+    show(plots.latency_histogram(ms), width="stretch", on=c2)
 
 
 def throughput_tab(summ: pd.DataFrame) -> None:
@@ -66,12 +66,12 @@ def throughput_tab(summ: pd.DataFrame) -> None:
         st.info("No batched runs among these evaluations: run a batch-size sweep.")
         return
     st.dataframe(best, hide_index=True)
-    st.pyplot(plots.throughput_by_batch(summ), width=FIG_WIDTH)
+    show(plots.throughput_by_batch(summ))
     heat = figures.speedup_heatmap(summ)
     if heat.shape[1] > 1:
         st.caption("Throughput speed-up over the smallest batch size (paper Fig. 6)")
         st.dataframe(heat)
-        st.pyplot(plots.speedup_figure(heat), width=FIG_WIDTH)
+        show(plots.speedup_figure(heat))
 
 
 def peak_tab(ids: list[str]) -> None:
@@ -86,7 +86,7 @@ def peak_tab(ids: list[str]) -> None:
         # A search that made one run is stored as that run.
         points = summary(source(), list(row.runs) or [row.evaluation_id])
         st.caption(f"{row.evaluation_id}: {row.model}/{row.framework}, {len(points)} trials")
-        st.pyplot(plots.throughput_latency(points), width=FIG_WIDTH)
+        show(plots.throughput_latency(points))
         cols = ["evaluation_id", "requested_qps", "throughput_ips", "p99_ms", "valid"]
         st.dataframe(points[cols].sort_values("requested_qps"), hide_index=True)
 
@@ -105,7 +105,7 @@ def accuracy_tab(summ: pd.DataFrame) -> None:
     st.dataframe(acc, hide_index=True)
     for x in ("online_latency_ms", "max_throughput_ips"):
         if acc[x].notna().any():
-            st.pyplot(plots.accuracy_scatter(acc, x), width=FIG_WIDTH)
+            show(plots.accuracy_scatter(acc, x))
 
 
 def over_time_tab(ids: list[str]) -> None:
@@ -113,7 +113,7 @@ def over_time_tab(ids: list[str]) -> None:
     window = st.number_input("Window (s)", min_value=0.05, value=0.25, key="results_window")
     w = latency_windows(source(), one, window_s=float(window))
     if len(w) > 1:
-        st.pyplot(plots.latency_over_time(w, one), width="stretch")
+        show(plots.latency_over_time(w, one), width="stretch")
     else:
         st.info("One window only: pick a shorter window or a longer run.")
     st.dataframe(w, hide_index=True)
@@ -126,7 +126,7 @@ def layers_tab(ids: list[str]) -> None:
     if top.empty:
         st.info("No layer spans in this run: run with trace level `framework` or above.")
         return
-    st.pyplot(plots.layer_bars(top), width=FIG_WIDTH)
+    show(plots.layer_bars(top))
     st.dataframe(top, hide_index=True)
     st.caption("By layer type")
     st.dataframe(layers.layer_types(source(), one), hide_index=True)
