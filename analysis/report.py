@@ -76,13 +76,15 @@ def build(
     source: Source,
     ids: Sequence[str],
     *,
-    sizes: Mapping[str, int] | None = None,
+    sizes: Mapping[str, int] | Callable[[], Mapping[str, int]] | None = None,
     prices_per_hour: Mapping[str, float] | None = None,
     window_s: float = 1.0,
     top_n: int = 10,
 ) -> Report:
     """The report of evaluations ``ids``: summary, latency, throughput, accuracy,
-    layers, and a comparison of each run against the first one."""
+    layers, and a comparison of each run against the first one. ``sizes``: the models'
+    sizes (``"model/framework"`` to bytes), or what gives them when the accuracy
+    section is reached (a catalog read while the evaluations are)."""
     shown = evaluations(source, ids)
     runs = _sweep_runs(shown, ids)
     summ = summary(
@@ -105,7 +107,7 @@ def build(
                 )
             )
     sections.append(latency)
-    sections += _throughput_sections(summ, sizes, prices_per_hour)
+    sections += _throughput_sections(summ, sizes() if callable(sizes) else sizes, prices_per_hour)
     kinds = layer_kinds(source, ids)
     sections += [_layers_section(source, e, k, top_n) for e, k in kinds.items() if k is not None]
     # Runs with per-query samples (an imported MLPerf run may have none); a sweep's

@@ -13,40 +13,51 @@ from mlscope.settings import Settings
 
 __all__ = ["main"]
 
-# Modules that add subcommands: each has register(subparsers) -> None.
-COMMAND_MODULES = (
-    "cli.services",
-    "cli.agents_cmd",
-    "cli.demo",
-    "cli.zoo_cmd",
-    "cli.models_cmd",
-    "cli.artifacts_cmd",
-    "cli.manifest_cmd",
-    "cli.rerun_cmd",
-    "cli.trace_cmd",
-    "cli.auth_cmd",
-    "cli.edge_cmd",
-    "cli.report_cmd",
-    "cli.runs_cmd",
-    "cli.cancel_cmd",
-    "cli.export_cmd",
-    "cli.dashboard_cmd",
-    "cli.doctor_cmd",
-    "cli.mlperf_cmd",
-    "cli.loadgen_cmd",
-)
+# The module that adds each subcommand (its register(subparsers) -> None adds every
+# command it names here, aliases included). Only the module of the command given is
+# imported: `mlscope report` does not pay for the agent's or the server's imports.
+COMMANDS: dict[str, str] = {
+    "up": "cli.services",
+    "server": "cli.services",
+    "agent": "cli.services",
+    "agents": "cli.agents_cmd",
+    "demo": "cli.demo",
+    "zoo": "cli.zoo_cmd",
+    "models": "cli.models_cmd",
+    "artifacts": "cli.artifacts_cmd",
+    "manifest": "cli.manifest_cmd",
+    "rerun": "cli.rerun_cmd",
+    "trace": "cli.trace_cmd",
+    "auth": "cli.auth_cmd",
+    "edge": "cli.edge_cmd",
+    "report": "cli.report_cmd",
+    "runs": "cli.runs_cmd",
+    "ls": "cli.runs_cmd",
+    "cancel": "cli.cancel_cmd",
+    "export": "cli.export_cmd",
+    "dashboard": "cli.dashboard_cmd",
+    "doctor": "cli.doctor_cmd",
+    "mlperf": "cli.mlperf_cmd",
+    "import": "cli.mlperf_cmd",
+    "loadgen": "cli.loadgen_cmd",
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of ``command``, or of every command (``None`` or not a command: the
+    full list, for ``mlscope --help`` and for an error that names the choices)."""
     parser = argparse.ArgumentParser(prog="mlscope", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    every = list(dict.fromkeys(COMMANDS.values()))
+    for name in [COMMANDS[command]] if command in COMMANDS else every:
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the command is the first word (mlscope itself takes no option but --help)
+    args = build_parser(next((a for a in argv if not a.startswith("-")), None)).parse_args(argv)
     try:
         args.settings = Settings.from_env()
         scenario_traits.load_modules(args.settings.scenario_modules)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -197,20 +198,30 @@ def _format(args: argparse.Namespace) -> str | None:
 
 
 def _build(args: argparse.Namespace, bar: Bar) -> Report:
-    """The report of ``args.evaluations``: reads the catalog, then the evaluations."""
+    """The report of ``args.evaluations``; the catalog (for the models' sizes) is read on
+    a thread of its own meanwhile, as the reads mostly wait on the server."""
     from analysis import report
-    from analysis.figures import model_sizes
     from analysis.source import open_source
 
     settings: Settings = args.settings
-    catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
-    sizes = model_sizes(catalog, settings.zoo_dir)
     n = len(args.evaluations)
     bar.update(f"reading {n} evaluation{'s' if n != 1 else ''}", advance=1)
-    with open_source(settings) as source:  # one connection for every read
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="catalog") as pool,
+        open_source(settings) as source,  # one connection for every read
+    ):
+        sizes = pool.submit(_model_sizes, settings)
         return report.build(
-            source, args.evaluations, sizes=sizes, prices_per_hour=_prices(args.price)
+            source, args.evaluations, sizes=sizes.result, prices_per_hour=_prices(args.price)
         )
+
+
+def _model_sizes(settings: Settings) -> dict[str, int]:
+    from analysis.figures import model_sizes
+
+    return model_sizes(
+        Catalog.load(default_manifest_dirs(settings.manifests_dir)), settings.zoo_dir
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,10 +237,10 @@ def run(args: argparse.Namespace) -> int:
         from cli.trace_cmd import writable
 
         writable(args.output)  # before the report is built
-    from analysis import report  # needs the report extra: say so before any work
+    from analysis import report
 
     out: Path | None = args.output
-    with progress("reading the catalog", total=3) as bar:
+    with progress("connecting", total=3) as bar:
         rep = _build(args, bar)
         bar.update(f"rendering {fmt}", advance=1)
         if fmt == "html":

@@ -1,0 +1,50 @@
+"""``mlscope``'s command table: each command's parser comes from the module that the
+table names (and only that module is imported for it), and the full parser lists every
+command the modules add, so the table can be neither stale nor incomplete."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from cli.main import COMMANDS, build_parser
+from tests.conftest import REPO
+
+
+def _added_by(module: str) -> set[str]:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    importlib.import_module(module).register(sub)
+    return set(sub.choices)
+
+
+def _choices(parser: argparse.ArgumentParser) -> set[str]:
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return set(sub.choices)
+
+
+def test_the_table_names_every_command_of_every_module() -> None:
+    for module in set(COMMANDS.values()):
+        assert _added_by(module) == {c for c, m in COMMANDS.items() if m == module}, module
+    assert _choices(build_parser()) == set(COMMANDS)
+    assert _choices(build_parser("no-such-command")) == set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_command_parses_with_its_module_alone(command: str) -> None:
+    assert _choices(build_parser(command)) == _added_by(COMMANDS[command])
+
+
+def test_a_report_imports_neither_the_agent_nor_the_server() -> None:
+    probe = (
+        "import sys; from cli.main import build_parser; build_parser('report'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('agent', 'broker')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout
