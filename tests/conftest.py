@@ -21,10 +21,15 @@ from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
-pytest_plugins = ["tests.analysis_fixtures", "tests.loadgen_fixtures"]
+pytest_plugins = [
+    "tests.analysis_fixtures",
+    "tests.loadgen_fixtures",
+    "tests.pipeline_fixtures",
+]
 """Fixture modules shared across test modules, registered here so tests name a fixture
 as a parameter and never import it: analysis, report and dashboard runs (one stack per
-test session), and a noop-agent stack per module."""
+test session), a noop-agent stack per module, and digits_cnn with its held-out samples
+(``model``, ``samples``)."""
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,6 @@
-"""Helpers of the executor and stream tests: digits_cnn on ONNX Runtime, its held-out
-samples, a predictor wrapper that can be slowed, blocked or poisoned, and query jobs."""
+"""Helpers of the executor and stream tests: digits_cnn on ONNX Runtime and its held-out
+samples (the fixtures ``model`` and ``samples``, registered in conftest), a predictor
+wrapper that can be slowed, blocked or poisoned, and query jobs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from agent.pipeline import Executor, Job
 from agent.tracer import SpanBuffer
@@ -26,13 +28,15 @@ def digits_entry() -> Entry:
     return Catalog.load(default_manifest_dirs()).find("digits_cnn", framework="onnxruntime")
 
 
-def open_digits(zoo_dir: Path) -> LoadedModel:
+@pytest.fixture
+def model(zoo_dir: Path) -> LoadedModel:
     """digits_cnn on ONNX Runtime, one thread (the model every test here drives)."""
     e = digits_entry()
     return LoadedModel.open(e, e.graph(zoo_dir), PredictorOptions(threads=1))
 
 
-def digits_samples(zoo_dir: Path) -> np.ndarray:
+@pytest.fixture
+def samples(zoo_dir: Path) -> np.ndarray:
     """64 of digits_cnn's held-out samples, raw (uint8 8x8 images)."""
     with np.load(zoo_dir / "digits_cnn" / "1.0.0" / "holdout.npz") as npz:
         x: np.ndarray = npz["x"][:64]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -24,11 +23,9 @@ from broker.loadgen import Driver, LeadTuner
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
 from mlscope.pacer import Pacer
-from mlscope.predictor import PredictorOptions
 from mlscope.registry import list_agents
 from mlscope.schedule import constant, poisson
 from mlscope.tuning import ProcessTuning
@@ -37,16 +34,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def model(zoo_dir: Path) -> LoadedModel:
-    e = Catalog.load(default_manifest_dirs()).find("digits_cnn", framework="onnxruntime")
-    return LoadedModel.open(e, e.graph(zoo_dir), PredictorOptions(threads=1))
-
-
-@pytest.fixture
-def samples(zoo_dir: Path) -> np.ndarray:
-    with np.load(zoo_dir / "digits_cnn" / "1.0.0" / "holdout.npz") as npz:
-        x: np.ndarray = npz["x"][:8]
-    return x
+def samples(samples: np.ndarray) -> np.ndarray:
+    """The first 8 of the shared held-out samples."""
+    return samples[:8]
 
 
 class Answers:

@@ -31,24 +31,12 @@ from tests.pipeline_fixtures import (
     Replies,
     Slow,
     digits_entry,
-    digits_samples,
     expected,
     job,
     local_run,
-    open_digits,
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def model(zoo_dir: Path) -> LoadedModel:
-    return open_digits(zoo_dir)
-
-
-@pytest.fixture
-def samples(zoo_dir: Path) -> np.ndarray:
-    return digits_samples(zoo_dir)
 
 
 def test_order_and_results_preserved_under_dynamic_batching(

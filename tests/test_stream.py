@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,24 +21,12 @@ from tests.pipeline_fixtures import (
     POISON,
     Replies,
     Slow,
-    digits_samples,
     expected,
     job,
     local_run,
-    open_digits,
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def model(zoo_dir: Path) -> LoadedModel:
-    return open_digits(zoo_dir)
-
-
-@pytest.fixture
-def samples(zoo_dir: Path) -> np.ndarray:
-    return digits_samples(zoo_dir)
 
 
 class Stream:
