@@ -27,6 +27,7 @@ import numpy.typing as npt
 __all__ = ["Axis", "Chart", "Heat", "Mark", "Panel", "colour", "svg"]
 
 Floats = npt.NDArray[np.float64]
+Kind = Literal["line", "step", "bars", "hbars", "points"]
 
 # matplotlib's "tab10" cycle: C0..C9 name these, in this order
 PALETTE = (
@@ -65,7 +66,7 @@ class Mark:
     bar's row, ``x`` its length) or ``points`` (``sizes``: each point's area in px²).
     """
 
-    kind: Literal["line", "step", "bars", "hbars", "points"]
+    kind: Kind
     x: Floats
     y: Floats
     label: str = ""
@@ -80,7 +81,7 @@ class Mark:
 
     @staticmethod
     def of(
-        kind: Literal["line", "step", "bars", "hbars", "points"],
+        kind: Kind,
         x: npt.ArrayLike,
         y: npt.ArrayLike,
         **options: object,

@@ -105,25 +105,10 @@ def throughput_by_batch(summ: pd.DataFrame) -> Chart:
     )
     for i, ((m, f, s), g) in enumerate(runs.groupby(["model", "framework", "system"])):
         g = g.sort_values("batch_size")
-        c = colour(i)
+        b, c = g["batch_size"], colour(i)
         panel.marks += [
-            Mark.of(
-                "line",
-                g["batch_size"],
-                g["throughput_ips"].astype(float),
-                marker="o",
-                colour=c,
-                label=f"{m}/{f} ({s})",
-            ),
-            Mark.of(
-                "line",
-                g["batch_size"],
-                g["p99_ms"].astype(float),
-                marker="x",
-                dashed=True,
-                colour=c,
-                right=True,
-            ),
+            Mark.of("line", b, g["throughput_ips"], marker="o", colour=c, label=f"{m}/{f} ({s})"),
+            Mark.of("line", b, g["p99_ms"], marker="x", dashed=True, colour=c, right=True),
         ]
     return Chart([panel], width=650, height=340)
 

@@ -212,7 +212,9 @@ async def _wait_server(settings: Settings, timeout: float = 60.0) -> None:
 
 def _timed(cmd: list[str], env: dict[str, str]) -> float:
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, check=False)
+    # cwd: `python -m` puts the working directory ahead of PYTHONPATH, so a bench of
+    # another checkout must run from it
+    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, check=False)
     took = time.perf_counter() - t0
     if done.returncode not in (0, 2):
         raise RuntimeError(f"{' '.join(cmd[:5])} failed: {done.stderr.decode()[-2000:]}")
