@@ -557,8 +557,9 @@ def svg(chart: Chart) -> str:
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{chart.width}" height="{height:.0f}" '
         f'viewBox="0 0 {chart.width} {height:.0f}" font-family="system-ui,sans-serif" '
-        f'style="max-width:100%;height:auto">'
-        f'<rect width="100%" height="100%" fill="#fff"/>'
+        f'style="max-width:100%;height:auto" role="img">'
+        + (f"<title>{escape(chart.title)}</title>" if chart.title else "")
+        + '<rect width="100%" height="100%" fill="#fff"/>'
     )
     title = [_text(chart.width / 2, 14, chart.title, size=12)] if chart.title else []
     return "".join([head, *title, *parts, "</svg>"])
