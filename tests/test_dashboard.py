@@ -358,7 +358,7 @@ def tour_runs(env: AnalysisRuns) -> dict[str, str]:
     return {"online": env.online[0], "batched": env.batched[BATCH_SIZES[-1]], **extra}
 
 
-@pytest.mark.timeout(420)  # a stack's evaluations (~90 s here), then 17 pages in a browser
+@pytest.mark.timeout(420)  # a stack's evaluations (~90 s here), then 16 pages in a browser
 def test_screenshots_of_every_page(
     dashboard_url: str, tour_runs: dict[str, str], tmp_path: Path
 ) -> None:
