@@ -1,17 +1,19 @@
 """``mlscope``'s command table: each command's parser comes from the module that the
 table names (and only that module is imported for it), and the full parser lists every
-command the modules add, so the table can be neither stale nor incomplete."""
+command the modules add, so the table can be neither stale nor incomplete. And the
+program against the in-process entry: only the program freezes the collector's view."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import subprocess
 import sys
 
 import pytest
 
-from cli.main import COMMANDS, build_parser
+from cli.main import COMMANDS, build_parser, main
 from tests.conftest import REPO
 
 
@@ -48,3 +50,23 @@ def test_a_report_imports_neither_the_agent_nor_the_server() -> None:
         [sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_the_program_freezes_what_it_imported_and_in_process_main_does_not() -> None:
+    """``program`` (the console script) moves the objects of its imports and of the
+    ended command out of the collector's sight; ``main``, which tests and other programs
+    call in a process that goes on, leaves the collector as it was."""
+    before = gc.get_freeze_count()
+    assert main(["report"]) == 2  # no evaluation named: a usage error, no server needed
+    assert gc.get_freeze_count() == before
+    probe = (
+        "import atexit, gc; atexit.register(lambda: print('frozen', gc.get_freeze_count())); "
+        "from cli.main import program; program()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "report"], cwd=REPO, capture_output=True, text=True
+    )
+    assert done.returncode == 2, done.stderr
+    assert "give EVAL_ID" in done.stderr
+    frozen = int(done.stdout.split()[-1])
+    assert frozen > 10_000, done.stdout  # the imports' objects, at the least
