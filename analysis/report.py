@@ -14,6 +14,7 @@ import html
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -72,6 +73,13 @@ SUMMARY_VIEW = [
 ]
 
 
+READS_AT_ONCE = 4
+"""Reads of one report in flight at once: those that do not need each other's results
+go out together (a server answers them side by side; :class:`~analysis.source.Source`
+is thread-safe). The server's read connections (``broker.readonly.ReadLimits.readers``)
+are as many."""
+
+
 def build(
     source: Source,
     ids: Sequence[str],
@@ -87,19 +95,28 @@ def build(
     section is reached (a catalog read while the evaluations are)."""
     shown = evaluations(source, ids)
     runs = _sweep_runs(shown, ids)
-    summ = summary(
-        source, evaluated=pd.concat([shown, evaluations(source, runs)]) if runs else shown
-    )
+    with ThreadPoolExecutor(READS_AT_ONCE - 1, thread_name_prefix="report-read") as pool:
+        # the windows of every id (one query either way); those without samples dropped
+        lat_read = pool.submit(latencies_ms, source, ids)
+        windows_read = pool.submit(latency_windows_of, source, ids, window_s=window_s)
+        layer_reads = [
+            pool.submit(_layers_section, source, e, k, top_n)
+            for e, k in layer_kinds(source, ids).items()
+            if k is not None
+        ]
+        summ = summary(
+            source, evaluated=pd.concat([shown, evaluations(source, runs)]) if runs else shown
+        )
+        lat, windows = lat_read.result(), windows_read.result()
+        layers = [r.result() for r in layer_reads]
     sections = [_summary_section(summ)]
-    lat = latencies_ms(source, ids)
     latency = Section("Latency")
     if lat:
         latency.plots.append(
             ("Latency by percentile (log scale)", partial(plots.latency_percentiles, lat))
         )
-    windows = latency_windows_of(source, [e for e in ids if e in lat], window_s=window_s)
     for e, w in windows.items():
-        if len(w) > 1:
+        if e in lat and len(w) > 1:
             latency.plots.append(
                 (
                     f"Latency over time, {e} ({window_s:g} s windows)",
@@ -108,8 +125,7 @@ def build(
             )
     sections.append(latency)
     sections += _throughput_sections(summ, sizes() if callable(sizes) else sizes, prices_per_hour)
-    kinds = layer_kinds(source, ids)
-    sections += [_layers_section(source, e, k, top_n) for e, k in kinds.items() if k is not None]
+    sections += layers
     # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
     # parent is the sum of its steps, never a run of its own.
     sweeps = set(summ.loc[summ["role"] == "sweep", "evaluation_id"])

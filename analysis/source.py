@@ -33,7 +33,8 @@ PAGE_ROWS = remote.ARROW_PAGE_ROWS
 
 
 class Source(Protocol):
-    """Read-only SQL over the evaluation database."""
+    """Read-only SQL over the evaluation database. ``frame`` may be called from several
+    threads at once (a report sends its independent reads together)."""
 
     def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> pd.DataFrame:
         """Run one SELECT; the result as a data frame (columns in SELECT order)."""
@@ -41,7 +42,9 @@ class Source(Protocol):
 
 
 class DirectSource:
-    """Straight through clickhouse-connect (a :class:`mlscope.database.Client`)."""
+    """Straight through clickhouse-connect (a :class:`mlscope.database.Client`). Reads
+    from several threads take turns: the client runs one call at a time (a session
+    refuses a second query while one runs)."""
 
     def __init__(self, db: Any) -> None:
         self.db = db
@@ -70,8 +73,9 @@ class BusSource:
     Arrow IPC pages (:func:`mlscope.remote.arrow`), each under the max payload.
 
     Used as a context manager, it holds one bus connection (on an event loop thread
-    of its own) for every read inside the block, as a report's many reads want;
-    outside one, each read connects and disconnects."""
+    of its own) for every read inside the block, as a report's many reads want, and
+    reads from several threads are in flight together; outside one, each read
+    connects and disconnects."""
 
     def __init__(
         self, settings: Settings, *, page_rows: int = PAGE_ROWS, timeout: float = 30.0

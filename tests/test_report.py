@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import re
 import subprocess
+import threading
 from pathlib import Path
+from typing import Any
 from xml.etree import ElementTree
 
 import pytest
 
+from analysis import report
+from analysis.source import BusSource, Source
 from mlscope.settings import Settings
 from tests.analysis_fixtures import AnalysisRuns
 from tests.conftest import child_env, python
@@ -18,9 +22,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 # A report draws its figures itself: no plotting package is imported (blocked here).
+# The program entry, as the console script runs it.
 _NO_PLOTTING = (
-    "import sys; sys.modules['matplotlib'] = None; from cli.main import main; "
-    "raise SystemExit(main(sys.argv[1:]))"
+    "import sys; sys.modules['matplotlib'] = None; from cli.main import program; program()"
 )
 
 
@@ -88,3 +92,55 @@ def test_report_of_an_unknown_evaluation_fails_clearly(
     done = mlscope(analysis_runs.settings, "report", "ev-nope", "-o", str(tmp_path / "r.md"))
     assert done.returncode != 0
     assert "ev-nope" in done.stderr
+
+
+class _Overlap:
+    """A Source around another that notes the most reads in flight at once. The first
+    read waits (at most 10 s, once) for a second one to start, so reads that overlap
+    are seen as overlapping however fast the machine; ``serial``: one at a time."""
+
+    def __init__(self, inner: Source, *, serial: bool) -> None:
+        self.inner, self.most, self._now = inner, 0, 0
+        self._lock, self._turn = threading.Lock(), threading.Lock() if serial else None
+        self._second = threading.Event()
+
+    def frame(self, sql: str, parameters: dict[str, Any] | None = None) -> Any:
+        if self._turn is not None:
+            with self._turn:
+                self._note(+1)
+                try:
+                    return self.inner.frame(sql, parameters)
+                finally:
+                    self._note(-1)
+        self._note(+1)
+        try:
+            self._second.wait(timeout=10.0)
+            self._second.set()  # waited once: the rest go straight through
+            return self.inner.frame(sql, parameters)
+        finally:
+            self._note(-1)
+
+    def _note(self, step: int) -> None:
+        with self._lock:
+            self._now += step
+            self.most = max(self.most, self._now)
+            if self._now > 1:
+                self._second.set()
+
+
+def test_a_report_sends_its_independent_reads_together_and_reads_the_same(
+    analysis_runs: AnalysisRuns,
+) -> None:
+    """The reads that do not need each other's results are in flight at once (a server
+    answers them side by side), and the report is the one a reader taking them one at a
+    time gets."""
+    ids = list(analysis_runs.all)
+    with BusSource(analysis_runs.settings) as bus:
+        together, one_by_one = _Overlap(bus, serial=False), _Overlap(bus, serial=True)
+        built = report.to_json(report.build(together, ids))
+        serial = report.to_json(report.build(one_by_one, ids))
+    assert one_by_one.most == 1
+    assert together.most >= 2, "every read waited for the one before it"
+    built.pop("created", None)
+    serial.pop("created", None)
+    assert built == serial
