@@ -26,13 +26,14 @@ from agent import profiling
 from agent.energy import EnergyMeter
 from agent.localrun import LocalRun, run_inputs, serve_run
 from agent.mlperf_ops import MLPerfOps, loadgen_installed
+from agent.offers import Offer, servable, verified_graph
 from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
 from agent.samplelib import MemoryBudget
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
-from agent.worker import LoadedModel, compile_model
+from agent.worker import LoadedModel
 from mlscope import artifact_bucket, codec, names, provenance, sysinfo, wire
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore, zoo_coordinates
@@ -67,9 +68,6 @@ from mlscope.contracts import (
     TraceLevel,
     new_id,
 )
-from mlscope.contracts import (
-    RefusalReason as Reason,
-)
 from mlscope.errors import (
     ConfigError,
     EvaluationError,
@@ -84,7 +82,6 @@ from mlscope.predictor import PredictorOptions
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
-from mlscope.versions import satisfies
 
 __all__ = ["Agent", "AgentConfig"]
 
@@ -133,7 +130,7 @@ class Agent:
     config: AgentConfig
     catalog: Catalog
     agent_id: str = ""
-    offers: list[tuple[Entry, Any]] = field(default_factory=list)
+    offers: list[Offer] = field(default_factory=list)
     sessions: dict[str, Session] = field(default_factory=dict)
     workers: dict[str, Executor] = field(default_factory=dict)
     capability_subs: dict[str, Any] = field(default_factory=dict)
@@ -215,7 +212,7 @@ class Agent:
                     keep = self.boundary.keep_running
                     await tg.start(keep, "models watch", self.remote.run)
                     await self._fetch_missing()
-                    self.offers = await anyio.to_thread.run_sync(self._servable)
+                    self.offers, self.refused = await anyio.to_thread.run_sync(self._servable)
                     subs = await self._subscribe(bus)
                     tg.start_soon(keep, "span flusher", self.tracer.run)
                     await self._advertise(bus)
@@ -227,25 +224,13 @@ class Agent:
                     await anyio.to_thread.run_sync(self.rss.close)
                     await self._withdraw(bus, [*subs, *self.capability_subs.values()])
 
-    def _servable(self) -> list[tuple[Entry, Any]]:
-        """Manifests for this framework (local or from the bus) that this runtime's
-        version satisfies, whose artifacts are present and verified here (against the
-        manifest's pin or the build lock) and whose steps may run here (custom Python
-        only from a trusted local manifest on an agent that allows it). Every other
-        manifest of the framework is recorded in ``refused`` with the reason."""
-        out, refused = [], []
-        for e in self.remote.catalog(self.catalog).entries:
-            if e.manifest.framework.name != self.config.framework:
-                continue
-            try:
-                out.append((e, self._check(e)))
-            except MLScopeError as exc:
-                refused.append(_refusal(e, exc))
-            except Exception as exc:  # one odd manifest (an asset that is a socket...)
-                refused.append(_refusal(e, MLScopeError(f"{type(exc).__name__}: {exc}")))
-                log.warning("not serving %s: %r", e.manifest.key, exc)
-        self.refused = refused
-        return out
+    def _servable(self) -> tuple[list[Offer], list[RefusedModel]]:
+        """What this agent may serve now, and what it refuses (:func:`agent.offers.servable`)."""
+        return servable(
+            self.remote.catalog(self.catalog).entries,
+            framework=self.config.framework,
+            check=self._check,
+        )
 
     async def _fetch_missing(self) -> None:
         """Built zoo models of this framework that the data dir lacks, fetched from the
@@ -269,18 +254,15 @@ class Agent:
     def _log(self, message: str) -> None:
         log.info("agent %s: %s", self.agent_id, message)
 
-    def _check(self, e: Entry) -> Any:
-        """The verified graph path of a servable entry; a typed error says why not."""
-        m = e.manifest
-        version = self.framework_info.version
-        if not satisfies(version, m.framework.version):
-            raise ConfigError(
-                f"{m.framework.name} {version} here is outside the manifest's "
-                f"{m.framework.version!r}",
-                reason="framework_version",
-            )
-        compile_model(e, allow_custom=self.settings.allow_custom_code)
-        return e.graph(self.settings.zoo_dir, store=self.store)
+    def _check(self, e: Entry) -> Path:
+        """The verified graph of ``e`` here (:func:`agent.offers.verified_graph`)."""
+        return verified_graph(
+            e,
+            runtime_version=self.framework_info.version,
+            zoo_dir=self.settings.zoo_dir,
+            store=self.store,
+            allow_custom=self.settings.allow_custom_code,
+        )
 
     async def _subscribe(self, bus: Bus) -> list[Any]:
         subs = [
@@ -308,13 +290,12 @@ class Agent:
         """The models bucket changed: serve what is servable now and say so at once."""
         async with self._changing:
             await self._fetch_missing()
-            refused = self.refused
-            offers = await anyio.to_thread.run_sync(self._servable)
-            if [(e.manifest.key, g) for e, g in offers] == [
+            served, refused = await anyio.to_thread.run_sync(self._servable)
+            if [(e.manifest.key, g) for e, g in served] == [
                 (e.manifest.key, g) for e, g in self.offers
             ] and refused == self.refused:
                 return
-            self.offers = offers
+            self.offers, self.refused = served, refused
             await self._sync_capabilities(self.bus)
             await self._advertise(self.bus)
 
@@ -747,31 +728,6 @@ class Agent:
             put(subject, wire.encode_reply(reply))
 
         return send
-
-
-_REASONS: dict[str, Reason] = {
-    "missing": "missing",
-    "checksum": "checksum",
-    "framework_version": "framework_version",
-    "policy": "policy",
-}
-
-
-def _refusal(e: Entry, exc: MLScopeError) -> RefusedModel:
-    """Why an entry is not served, from the typed error that refused it."""
-    m = e.manifest
-    reason = _REASONS.get(str(exc.fields.get("reason")))
-    if reason is None:
-        reason = "custom_code" if "custom Python" in exc.message else "invalid"
-    fix = exc.fields.get("fix") or None
-    return RefusedModel(
-        name=m.name,
-        version=m.version,
-        framework=m.framework.name,
-        reason=reason,
-        message=exc.message,
-        fix=str(fix) if fix else None,
-    )
 
 
 def _beat_logged(agent_id: str, failing: int, error: BaseException | None) -> int:
