@@ -64,12 +64,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def program() -> NoReturn:
     """``mlscope`` as a program of its own (its console script, ``python -m cli.main``).
 
-    The objects alive after the imports, and those left when the command ends, are
-    moved out of the cyclic collector's sight (:func:`gc.freeze`): a collection would
-    never free them, yet each full collection walked them all, and so did the
-    interpreter's exit. For a report that was 0.1-0.3 s of pandas' and pydantic's
-    objects (docs/BENCHMARKS.md). Not done by :func:`main`: a process that goes on
-    after the command (a test session) must keep collecting what it makes."""
+    The objects alive after the imports (modules, classes, tables: nearly all live as
+    long as the program), and those left when the command ends, are moved out of the
+    cyclic collector's sight (:func:`gc.freeze`): each full collection walked them all,
+    and so did the interpreter's exit; for a report that was 0.1-0.3 s of pandas' and
+    pydantic's objects (docs/BENCHMARKS.md). A service's measurement unfreezes them
+    (``mlscope.tuning``), which only returns them to the collector. Not done by
+    :func:`main`: a process that goes on after the command (a test session) must keep
+    collecting what it makes."""
     args = _parse(sys.argv[1:])
     gc.freeze()
     code = _execute(args)
