@@ -402,7 +402,7 @@ def _draw_heat(h: Heat, left: float, top: float, width: float, height: float) ->
         if not math.isfinite(v):
             continue
         t = (v - lo) / span
-        out.append(_rect(x, y, cw, ch, _viridis(t)))
+        out.append(_rect(x, y, cw, ch, _viridis(t), ' class="cell"'))
         ink = "#000" if t > 0.6 else "#fff"
         out.append(_text(x + cw / 2, y + ch / 2 + 4, f"{v:.1f}", size=10, fill=ink))
     for i, r in enumerate(h.rows):

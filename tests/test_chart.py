@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from analysis import plots
-from analysis.chart import Axis, Chart, Heat, Mark, Panel, svg, tick_text
+from analysis.chart import Axis, Chart, Heat, Mark, Panel, _viridis, svg, tick_text
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -152,14 +152,16 @@ def test_tick_labels_are_short() -> None:
 def test_a_heat_map_leaves_missing_cells_empty() -> None:
     heat = Heat(np.array([[1.0, 2.0], [np.nan, 4.0]]), rows=("a", "b"), columns=("1", "2"))
     root = parse(Chart([Panel(heat=heat)]))
-    cells = [
-        r
-        for r in root.iter(f"{SVG}rect")
-        if (r.get("fill") or "#fff")[:2] in ("#3", "#4", "#f") and r.get("fill") != "#fff"
-    ]
+    cells = [r for r in root.iter(f"{SVG}rect") if r.get("class") == "cell"]
     values = [t.text for t in root.iter(f"{SVG}text")]
     assert {"1.0", "2.0", "4.0"} <= set(values) and "nan" not in values
-    assert len(cells) == 3
+    assert len(cells) == 3  # row by row: a1, a2, b2 (b1 is missing)
+    [(x1, y1), (x2, _), (_, y3)] = [(float(c.get("x", "")), float(c.get("y", ""))) for c in cells]
+    assert x2 > x1 and y3 > y1
+    # the colour scale runs from the smallest value to the largest
+    low, mid, high = (c.get("fill") for c in cells)
+    assert len({low, mid, high}) == 3
+    assert (low, high) == (_viridis(0.0), _viridis(1.0))
 
 
 # --- the figures of the reports and the dashboard, from their frames -------------------
