@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import get_args
 
 from agent.worker import compile_model
 from mlscope.artifacts import ArtifactStore
@@ -25,12 +26,8 @@ log = logging.getLogger("mlscope.agent")
 Offer = tuple[Entry, Path]
 """A servable entry and its verified graph path."""
 
-_REASONS: dict[str, RefusalReason] = {
-    "missing": "missing",
-    "checksum": "checksum",
-    "framework_version": "framework_version",
-    "policy": "policy",
-}
+_REASONS: dict[str, RefusalReason] = {r: r for r in get_args(RefusalReason)}
+"""A typed error's ``reason`` field -> the refusal's reason (anything else: invalid)."""
 
 
 def servable(
@@ -75,9 +72,7 @@ def verified_graph(
 def refusal(e: Entry, exc: MLScopeError) -> RefusedModel:
     """Why an entry is not served, from the typed error that refused it."""
     m = e.manifest
-    reason = _REASONS.get(str(exc.fields.get("reason")))
-    if reason is None:
-        reason = "custom_code" if "custom Python" in exc.message else "invalid"
+    reason = _REASONS.get(str(exc.fields.get("reason")), "invalid")
     fix = exc.fields.get("fix") or None
     return RefusedModel(
         name=m.name,

@@ -79,7 +79,9 @@ class ConfigError(MLScopeError, ValueError):
 
 
 class ManifestError(MLScopeError, ValueError):
-    """A manifest failed validation; ``file``, ``line`` and ``field`` say where."""
+    """A manifest failed validation; ``file``, ``line`` and ``field`` say where;
+    ``reason``, where given, why an agent refuses to serve it (a
+    :data:`~mlscope.contracts.RefusalReason`)."""
 
     code = "manifest"
 
@@ -90,11 +92,13 @@ class ManifestError(MLScopeError, ValueError):
         file: str | None = None,
         field: str | None = None,
         line: int | None = None,
+        reason: str | None = None,
     ) -> None:
         where = ":".join(str(p) for p in (file, line) if p is not None)
         prefix = f"{where}: " if where else ""
         at = f"field '{field}': " if field else ""
-        super().__init__(f"{prefix}{at}{message}", file=file, field=field, line=line)
+        extra = {"reason": reason} if reason is not None else {}
+        super().__init__(f"{prefix}{at}{message}", file=file, field=field, line=line, **extra)
         self.file, self.field, self.line = file, field, line
 
 

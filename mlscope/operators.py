@@ -281,7 +281,11 @@ def _custom(
 ) -> Callable[[Any], Any]:
     if not (trusted and allow_custom):
         why = "the manifest is not trusted" if not trusted else "custom code is not allowed"
-        raise ManifestError(f"refusing custom Python step ({why}): {_CUSTOM_RULE}", field=where)
+        raise ManifestError(
+            f"refusing custom Python step ({why}): {_CUSTOM_RULE}",
+            field=where,
+            reason="custom_code",
+        )
     if not isinstance(options, dict) or set(options) != {"module", "function"}:
         raise ManifestError("a python step is {python: {module: M, function: F}}", field=where)
     try:

@@ -231,10 +231,12 @@ def test_custom_step_not_allowed_is_a_typed_refusal(
     with pytest.raises(ManifestError, match="custom code is not allowed") as info:
         LoadedModel.open(entry, entry.graph(zoo_dir), PredictorOptions())
     assert info.value.field == "inputs.0.steps.0"
+    assert info.value.fields["reason"] == "custom_code"
     agent = Agent(settings, AgentConfig(framework="onnxruntime"), catalog)
 
     async def body(bus: busmod.Bus, ask: Ask) -> None:
         assert agent.offers == []  # not advertised: it could not be prepared
+        assert [(r.name, r.reason) for r in agent.refused] == [("digits_custom", "custom_code")]
         rep = await ask(prepare("digits_custom", "1.0.0"))
         assert not rep["ok"] and "custom code is not allowed" in rep["why"], rep
 

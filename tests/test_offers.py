@@ -26,11 +26,12 @@ def test_every_entry_of_the_framework_is_served_or_refused_with_its_reason(
     entries: list[Entry],
 ) -> None:
     onnx = _onnx(entries)
-    assert len(onnx) >= 3
+    assert len(onnx) >= 4
     bad = {
         onnx[0].manifest.key: ConfigError("too old here", reason="framework_version"),
         onnx[1].manifest.key: OSError("a socket where the graph should be"),
-        onnx[2].manifest.key: MLScopeError("custom Python steps are not allowed here"),
+        onnx[2].manifest.key: MLScopeError("not here", reason="custom_code"),
+        onnx[3].manifest.key: MLScopeError("odd", reason="not-a-reason"),
     }
 
     def check(e: Entry) -> Path:
@@ -50,7 +51,8 @@ def test_every_entry_of_the_framework_is_served_or_refused_with_its_reason(
     first, second, third = (why[(e.manifest.name, e.manifest.version)] for e in onnx[:3])
     assert first.reason == "framework_version" and first.message == "too old here"
     assert second.reason == "invalid" and second.message.startswith("OSError: a socket")
-    assert third.reason == "custom_code"
+    assert third.reason == "custom_code" and third.message == "not here"
+    assert why[(onnx[3].manifest.name, onnx[3].manifest.version)].reason == "invalid"
     assert {r.framework for r in refused} == {"onnxruntime"}
 
 
