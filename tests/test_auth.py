@@ -140,9 +140,17 @@ def test_responders_may_only_answer_what_they_were_asked(
             for i in range(20):
                 await server.nc.publish(names.agent_ctl("a1"), b"%d" % i, reply=shared)
             await server.nc.flush()
-            with anyio.fail_after(30):  # a lost query fails here, not at the test's timeout
+            # a lost query fails here, not at the test's timeout, saying what was lost
+            with anyio.move_on_after(30):
                 while len(asked) < 20:
                     await anyio.sleep(0.05)
+            assert len(asked) == 20, (
+                f"the agent got {sorted(int(m.data) for m in asked)} of 0..19",
+                server.violations,
+                agent.violations,
+                server.nc.last_error,
+                agent.nc.last_error,
+            )
             for msg in asked:
                 await msg.respond(msg.data)
             await agent.nc.flush()
