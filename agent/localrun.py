@@ -70,6 +70,9 @@ AHEAD_BYTES = 4 << 20
 query of one sample is a view of the held samples instead)."""
 AHEAD_QUERIES = 64
 """... and at most this many queries."""
+FILL_BLOCKS = 256
+"""A stream's answered blocks are written into the record at the latest once this many
+wait (a run that nobody ships from during it keeps at most these)."""
 REALTIME_MAX_QPS = 5_000.0
 """Above this mean rate an open loop's executor threads keep their normal priority (the
 server's rule for its event-loop thread: a busy real-time thread takes a core)."""
@@ -122,8 +125,11 @@ class LocalRun:
         )
         """Run as one stream on the predict thread (:meth:`Executor.stream`): a
         throughput scenario on samples held pre-processed, traced at most per query."""
-        self._ahead: np.ndarray = np.empty(0)
-        self._ahead_first = self._ahead_end = 0
+        self._answers: list[Answered] = []
+        """A stream's answered blocks not yet written into the record (:meth:`_fill`)."""
+        self._views: list[np.ndarray] = []
+        """A stream's next queries' inputs, gathered ahead (query ``_ahead_first`` on)."""
+        self._ahead_first = 0
         self.schedule = None if self.closed else build_schedule(spec)[0]
         n = len(self.schedule) if self.schedule is not None else self._closed_room()
         self.rec = RunRecord(n=n, batch_size=spec.batch_size)
@@ -308,56 +314,105 @@ class LocalRun:
         """A stream's next query (on the predict thread), its inputs a view of those
         gathered ahead; None once time or the count is up. Its times are written when
         it is answered (:meth:`answered`): in a stream a query is issued when the
-        predict thread takes it."""
+        predict thread takes it. Between two predicts this is all the run's own work
+        for a query (one index, one clock read), so it stays short."""
         i = self._issued
+        k = i - self._ahead_first
+        if k < len(self._views) and now() < self._deadline and not self._stop.is_set():
+            self._issued = i + 1
+            return i, self._views[k]
+        return self._next_ahead(i)
+
+    def _next_ahead(self, i: int) -> tuple[int, np.ndarray] | None:
+        """Query ``i``, the first of the next queries gathered at once (their room in
+        the record made now); None once time, the count or a stop ends the stream."""
         if self._stop.is_set() or i >= self._cap or now() >= self._deadline:
             return None
-        if i - self._base >= self.rec.n:
-            with self._lock:
-                self._grow()
-        self._issued = i + 1
         b, held = self.spec.batch_size, self.inputs.a
-        if i >= self._ahead_end:
-            if b == 1:  # one row a query: a view of the held samples, nothing copied
-                n = AHEAD_QUERIES
-                self._ahead = self.inputs.indices(i, i + n)
-            else:
-                n = max(1, min(AHEAD_QUERIES, AHEAD_BYTES // max(int(held[:1].nbytes) * b, 1)))
-                self._ahead = self.inputs.block(i, i + n)
-            self._ahead_first, self._ahead_end = i, i + n
+        if b == 1:  # one row a query: views of the held samples, nothing copied
+            n = AHEAD_QUERIES
+        else:
+            n = max(1, min(AHEAD_QUERIES, AHEAD_BYTES // max(int(held[:1].nbytes) * b, 1)))
+        n = min(n, self._cap - i)
+        with self._lock:
+            while i + n - self._base > self.rec.n:
+                self._grow()
         if b == 1:
-            row = int(self._ahead[i - self._ahead_first])
-            return i, held[row : row + 1]
-        k = (i - self._ahead_first) * b
-        return i, self._ahead[k : k + b]
+            self._views = [held[r : r + 1] for r in self.inputs.indices(i, i + n).tolist()]
+        else:
+            block = self.inputs.block(i, i + n)
+            self._views = [block[k * b : (k + 1) * b] for k in range(n)]
+        self._ahead_first = i
+        self._issued = i + 1
+        return i, self._views[0]
 
     def answered(self, block: Answered) -> None:
         """A stream's answered queries (on the predict thread, or the thread answering
-        for it while it predicts: under the lock, against the record's growth): their
-        times and top-1; ``completed`` is written last (a row ships once it is set)."""
+        for it while it predicts): kept as they are. They are written into the record
+        many blocks at once (:meth:`_fill`) when rows are shipped, when the stream ends,
+        and every :data:`FILL_BLOCKS` blocks: off the predict thread, whose every
+        microsecond between two predicts is the runtime's."""
         with self._lock:
-            self._answered(block)
+            self._answers.append(block)
+            if len(self._answers) >= FILL_BLOCKS:
+                self._fill()
 
-    def _answered(self, block: Answered) -> None:
-        rec, t0, ok = self.rec, self.rec.t0_ns, block.ok
-        idx = block.index - self._base
-        taken = np.maximum(block.received - t0, 1)
+    def _fill(self) -> None:
+        """The stream's kept blocks into the record, in one pass (under the lock): their
+        times and top-1; each query completed when its block's post-processing ended.
+        ``completed`` is written last (a row ships once it is set)."""
+        blocks, self._answers = self._answers, []
+        if not blocks:
+            return
+        rec, t0 = self.rec, self.rec.t0_ns
+        times = np.concatenate([b.times for b in blocks]) if len(blocks) > 1 else blocks[0].times
+        sizes = [len(b.times) for b in blocks]
+        idx = times[:, 0] - self._base
+        taken = np.maximum(times[:, 1] - t0, 1)
         rec.scheduled[idx] = rec.paced[idx] = rec.issued[idx] = taken
         rec.agent_received[idx] = taken
+        ok = np.ones(len(idx), bool)
+        first = 0
+        for b, size in zip(blocks, sizes, strict=True):
+            for k, err in b.errors.items():
+                ok[first + k] = False
+                rec.errors[int(b.times[k, 0])] = err.message
+            first += size
         good = idx[ok]
-        rec.predict_start[good] = block.predict_start[ok] - t0
-        rec.predict_end[good] = block.predict_end[ok] - t0
+        rec.predict_start[good] = times[ok, 2] - t0
+        rec.predict_end[good] = times[ok, 3] - t0
         rec.ok[good] = 1
-        top = samples.top1(block.outputs)
-        if top is not None and len(good) and top.size % len(good) == 0:
-            per = top.reshape(len(good), -1)
-            n = min(per.shape[1], self.top1.shape[1])
-            self.top1[good, :n] = per[:, :n]
-        for k, err in block.errors.items():
-            rec.errors[int(block.index[k])] = err.message
-        rec.agent_replied[idx] = block.post_end - t0
-        rec.completed[idx] = max(now() - t0, 1)
+        self._top1(blocks, good)
+        ends = np.repeat(np.array([b.post_end for b in blocks], np.int64) - t0, sizes)
+        rec.agent_replied[idx] = ends
+        rec.completed[idx] = np.maximum(ends, 1)
         rec.done += len(idx)
+
+    def _top1(self, blocks: list[Answered], good: np.ndarray) -> None:
+        """Each answered sample's top-1 (the first value of its output), the blocks' rows
+        ``good`` of the record in order: in one step when every block's outputs have
+        the same shape past axis 0, else block by block; a block whose outputs have no
+        value per query leaves its rows unscored."""
+        outs = [b.outputs for b in blocks if b.outputs is not None]
+        if not outs:
+            return
+        if len({o.shape[1:] for o in outs}) == 1:
+            top = samples.top1(outs[0] if len(outs) == 1 else np.concatenate(outs))
+            if top is not None and len(good) and top.size % len(good) == 0:
+                self._write_top1(good, top)
+                return
+        first = 0
+        for b in blocks:
+            n = len(b.times) - len(b.errors)
+            top = samples.top1(b.outputs)
+            if top is not None and n and top.size % n == 0:
+                self._write_top1(good[first : first + n], top)
+            first += n
+
+    def _write_top1(self, rows: np.ndarray, top: np.ndarray) -> None:
+        per = top.reshape(len(rows), -1)
+        w = min(per.shape[1], self.top1.shape[1])
+        self.top1[rows, :w] = per[:, :w]
 
     def _grow(self) -> None:
         """The run outlasts the record's room (under the lock, on the thread that writes
@@ -379,6 +434,7 @@ class LocalRun:
 
     def _trim(self) -> None:
         """The run ended: the record holds exactly the queries issued (under the lock)."""
+        self._fill()
         self.rec.trim(self._issued - self._base)
         self.top1 = self.top1[: self._issued - self._base]
 
@@ -460,6 +516,7 @@ class LocalRun:
         """Rows not shipped yet, as copied columns: every row up to the first one still
         in flight (``final``: every row)."""
         with self._lock:
+            self._fill()
             rec, a, base = self.rec, self._shipped, self._base
             hi = base + (rec.n if final else min(self._issued - base, rec.n))
             pending = np.flatnonzero(rec.completed[a - base : hi - base] == 0)

@@ -38,6 +38,7 @@ class Stream:
         self.blocks: list[Any] = []
         self.threads: set[str] = set()
         self.answered_on: set[str] = set()
+        self.answered_by: list[str] = []  # each block's answering thread
         self.fail_at = -1
 
     def next_query(self) -> tuple[int, np.ndarray] | None:
@@ -52,6 +53,7 @@ class Stream:
 
     def answered(self, block: Any) -> None:
         self.answered_on.add(threading.current_thread().name)
+        self.answered_by.append(threading.current_thread().name)
         if len(self.blocks) == self.fail_at:
             raise RuntimeError("the stream's own fault in answering")
         self.blocks.append(block)
@@ -224,6 +226,58 @@ def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
     assert (held == model.pre[0](samples)).all()  # the held samples left as they were
 
 
+def test_a_local_run_writes_its_streams_blocks_into_the_record_many_at_once(
+    model: LoadedModel, samples: np.ndarray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocks a local run keeps and writes into its record several at a time (every
+    few blocks, when rows are shipped, at the end) land on their own rows: a failed
+    query's error and no top-1, an answered query's times and the model's top-1 on its
+    rows, each completed when its block's post-processing ended."""
+    import agent.localrun as localrun
+    import agent.stream as streams
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec
+
+    monkeypatch.setattr(localrun, "FILL_BLOCKS", 3)
+    monkeypatch.setattr(streams, "STREAM_BLOCK", 4)
+    raw = samples.copy()
+    raw[[5, 17, 40], 0, 0] = POISON
+    held = model.pre[0](raw)
+    inputs, _ = samplesmod.feed(held, None, 2, 3)
+    clean = model.predictor
+    model.predictor = Slow(clean)
+    spec = ScenarioSpec(
+        name="batched",
+        batch_size=2,
+        max_queries=60,
+        duration_s=30,
+        min_duration_s=0,
+        min_queries=1,
+    )
+    ex = Executor(model, ExecutorConfig(pre_workers=0))
+    run = local_run(ex, spec, inputs)
+    try:
+        assert run.streamed
+        run.prepare()
+        run.run()
+        first, cols, errors = run.take(final=True)
+    finally:
+        ex.stop(close=False)
+    bad = {i for i in range(60) if (inputs(i)[:, 0, 0, 0] == np.float32(POISON / 16)).any()}
+    good = [i for i in range(60) if i not in bad]
+    assert bad and (first, len(cols["ok"])) == (0, 60)
+    assert set(errors) == bad and all("poisoned" in e for e in errors.values())
+    assert cols["ok"].tolist() == [int(i not in bad) for i in range(60)]
+    want = np.stack([clean.predict([inputs(i)])[0].argmax(axis=1) for i in good])
+    np.testing.assert_array_equal(cols["top1"][good], want)
+    assert (cols["top1"][sorted(bad)] == -1).all()
+    assert (cols["predict_start"][good] <= cols["predict_end"][good]).all()
+    assert (cols["agent_replied"] >= cols["agent_received"]).all()
+    assert (cols["completed"][good] >= cols["predict_end"][good]).all()
+    assert (cols["completed"] == cols["agent_replied"]).all() and (cols["completed"] > 0).all()
+    assert len(set(cols["completed"].tolist())) > 3  # several blocks, each its own time
+
+
 def test_a_stream_answers_sooner_when_its_outputs_are_large_and_ends_when_stopped(
     model: LoadedModel, samples: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -256,16 +310,17 @@ def test_a_stream_answers_sooner_when_its_outputs_are_large_and_ends_when_stoppe
 def test_a_stream_of_a_slow_model_answers_on_a_thread_of_its_own_in_order(
     model: LoadedModel, samples: np.ndarray
 ) -> None:
-    """A model whose predict is long: its answers are post-processed beside the next
-    predict, on one thread, in issue order, with the same outputs; a fault of the
-    stream's code there ends the stream and is raised to its caller."""
-    raws = [samples[2 * q : 2 * q + 2] for q in range(8)]
+    """A model whose predicts are long: once its last few were, its answers are
+    post-processed beside the next predict, on one thread, in issue order, with the
+    same outputs; a fault of the stream's code there ends the stream and is raised to
+    its caller."""
+    raws = [samples[2 * q : 2 * q + 2] for q in range(24)]
     want = np.concatenate([expected(model, r) for r in raws])
     model.predictor = Slow(model.predictor, sleep_s=0.002)
     xs: list[np.ndarray | None] = [model.pre[0](r) for r in raws]
     s = Stream(xs, TraceLevel.MODEL)
-    failing = Stream(xs * 4)
-    failing.fail_at = 2
+    failing = Stream(xs * 2)
+    failing.fail_at = 6
     ex = Executor(model)
     replies = Replies()
     try:
@@ -277,14 +332,56 @@ def test_a_stream_of_a_slow_model_answers_on_a_thread_of_its_own_in_order(
     finally:
         ex.stop()
     assert r.ok
-    assert s.answered_on == {f"post-{model.name}"} and s.threads == {f"infer-{model.name}"}
-    assert len(s.blocks) >= 3  # answered a few queries at a time, not at the end
-    assert np.concatenate([b.index for b in s.blocks]).tolist() == list(range(8))
+    infer, post = f"infer-{model.name}", f"post-{model.name}"
+    assert s.threads == {infer}
+    # The first blocks on the predict thread (its last predicts not known yet), then
+    # every block on the answering thread: never back, so they stay in order.
+    first_post = s.answered_by.index(post)
+    assert set(s.answered_by[:first_post]) <= {infer}
+    assert set(s.answered_by[first_post:]) == {post} and len(s.answered_by[first_post:]) >= 3
+    assert np.concatenate([b.index for b in s.blocks]).tolist() == list(range(24))
     outputs = np.concatenate([b.outputs for b in s.blocks if b.outputs is not None])
     np.testing.assert_array_equal(outputs, want)
     spans = s.spans.columns if s.spans is not None else {}
-    assert len(spans["name"]) == 4 * 8
-    assert len(failing.blocks) == 2 and failing.k < 32  # it stopped taking queries
+    assert len(spans["name"]) == 4 * 24
+    assert post in failing.answered_by  # its fault was on the answering thread
+    assert len(failing.blocks) == 6 and failing.k < 48  # it stopped taking queries
+
+
+class Stray(Slow):
+    """A fast model whose chosen predicts stall (a preemption of the predict thread)."""
+
+    def __init__(self, inner: Any, stall: set[int]) -> None:
+        super().__init__(inner)
+        self.stall, self.calls = stall, 0
+
+    def predict(self, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        self.calls += 1
+        if self.calls in self.stall:
+            time.sleep(0.003)
+        return super().predict(inputs)
+
+
+@pytest.mark.parametrize("stall", [{1}, {2}, {40}, {40, 41}, {1, 2, 40}])
+def test_a_fast_model_answers_on_its_predict_thread_through_stray_slow_predicts(
+    model: LoadedModel, samples: np.ndarray, stall: set[int]
+) -> None:
+    """A stray slow predict (at the start, within a block, two in a row) does not move a
+    fast model's answers to a thread of their own, which would take the GIL and a core
+    from the runtime for the rest of the stream; its answers stay in order."""
+    raws = [samples[(2 * q) % 64 : (2 * q) % 64 + 2] for q in range(80)]
+    want = np.concatenate([expected(model, r) for r in raws])
+    model.predictor = Stray(model.predictor, stall)
+    s = Stream([model.pre[0](r) for r in raws])
+    ex = Executor(model)
+    try:
+        ex.stream(s, timeout=60)
+    finally:
+        ex.stop()
+    assert s.answered_on == {f"infer-{model.name}"}
+    assert np.concatenate([b.index for b in s.blocks]).tolist() == list(range(80))
+    outputs = np.concatenate([b.outputs for b in s.blocks if b.outputs is not None])
+    np.testing.assert_array_equal(outputs, want)
 
 
 @pytest.mark.parametrize("scenario", ["batched", "concurrency"])
