@@ -10,7 +10,10 @@ round warms up and is not kept):
   samples, on this thread, nothing else;
 - ``stream``: the agent's local run of ``batched`` at the case's batch size, its
   throughput as the platform reports it (answered inputs over the time from the run's
-  start to its last answer).
+  start to its last answer), and how much of that time the runtime was predicting
+  (``stream_runtime_busy``: the sum of the predict spans over it; the rest is the
+  platform's work between two predicts, which this VM's drift does not blur the way it
+  blurs a ratio of two runs).
 
 Then single-stream: the median latency of a local ``single-stream`` run against the
 median of single bare calls. The process runs with the agent's GIL switch interval
@@ -137,6 +140,7 @@ def case(zoo: Path, text: str, device: str, rounds: int, seconds: float) -> dict
         batches = [np.ascontiguousarray(order(i)) for i in range(8)]
         apart(lambda: [model.warmup() for _ in range(5)])
         got: dict[str, list[float]] = {"bare": [], "stream": []}
+        busy: list[float] = []
         for r in range(1 + rounds):
             for who in ("bare", "stream") if r % 2 else ("stream", "bare"):
                 if who == "bare":
@@ -147,6 +151,10 @@ def case(zoo: Path, text: str, device: str, rounds: int, seconds: float) -> dict
                     raise RuntimeError("the batched run did not stream")
                 n, done_ns = answered(run)
                 got[who].append(n * batch / (int(done_ns.max()) / 1e9))
+                rec = run.rec
+                busy.append(
+                    float((rec.predict_end[:n] - rec.predict_start[:n]).sum()) / int(done_ns.max())
+                )
         kept = {k: v[1:] for k, v in got.items()}
         single = local_run(model, rows, "single-stream", 1, seconds)
         n, done_ns = answered(single)
@@ -169,6 +177,7 @@ def case(zoo: Path, text: str, device: str, rounds: int, seconds: float) -> dict
             "median_ratio_to_bare": statistics.median(
                 s / b for s, b in zip(kept["stream"], kept["bare"], strict=True)
             ),
+            "stream_runtime_busy": statistics.median(busy[1:]),
             "single_stream_p50_us": float(np.median(lat)) / 1e3,
             "bare_call_p50_us": statistics.median(apart(calls)) / 1e3,
         }
