@@ -15,7 +15,7 @@ import pytest
 from agent.pipeline import Executor, ExecutorConfig
 from agent.tracer import SpanBuffer
 from agent.worker import LoadedModel
-from mlscope.contracts import TraceLevel
+from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import InferenceError
 from tests.pipeline_fixtures import (
     POISON,
@@ -184,6 +184,20 @@ def test_queries_admitted_during_a_stream_are_answered_after_it(
     assert r.t_predict_start >= max(int(b.post_end) for b in s.blocks)
 
 
+def batched_run(model: LoadedModel, inputs: Any, batch: int, queries: int) -> tuple[Executor, Any]:
+    """An agent's local batched run of ``queries`` on held samples, not started."""
+    spec = ScenarioSpec(
+        name="batched",
+        batch_size=batch,
+        max_queries=queries,
+        duration_s=30,
+        min_duration_s=0,
+        min_queries=1,
+    )
+    ex = Executor(model, ExecutorConfig(pre_workers=0))
+    return ex, local_run(ex, spec, inputs)
+
+
 @pytest.mark.parametrize("batch", [4, 1])
 def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
     model: LoadedModel, samples: np.ndarray, batch: int
@@ -191,20 +205,10 @@ def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
     """The agent's batched run on samples held pre-processed: every query recorded,
     issued when the predict thread took it, its top-1 that of the model on its rows."""
     from mlscope import samples as samplesmod
-    from mlscope.contracts import ScenarioSpec
 
     held = model.pre[0](samples)
     inputs, _ = samplesmod.feed(held, None, batch, 3)
-    spec = ScenarioSpec(
-        name="batched",
-        batch_size=batch,
-        max_queries=50,
-        duration_s=30,
-        min_duration_s=0,
-        min_queries=1,
-    )
-    ex = Executor(model, ExecutorConfig(pre_workers=0))
-    run = local_run(ex, spec, inputs)
+    ex, run = batched_run(model, inputs, batch, 50)
     scores = model.predictor.predict([inputs.block(0, 50)])[0]
     try:
         assert run.streamed
@@ -236,7 +240,6 @@ def test_a_local_run_writes_its_streams_blocks_into_the_record_many_at_once(
     import agent.localrun as localrun
     import agent.stream as streams
     from mlscope import samples as samplesmod
-    from mlscope.contracts import ScenarioSpec
 
     monkeypatch.setattr(localrun, "FILL_BLOCKS", 3)
     monkeypatch.setattr(streams, "STREAM_BLOCK", 4)
@@ -246,16 +249,7 @@ def test_a_local_run_writes_its_streams_blocks_into_the_record_many_at_once(
     inputs, _ = samplesmod.feed(held, None, 2, 3)
     clean = model.predictor
     model.predictor = Slow(clean)
-    spec = ScenarioSpec(
-        name="batched",
-        batch_size=2,
-        max_queries=60,
-        duration_s=30,
-        min_duration_s=0,
-        min_queries=1,
-    )
-    ex = Executor(model, ExecutorConfig(pre_workers=0))
-    run = local_run(ex, spec, inputs)
+    ex, run = batched_run(model, inputs, 2, 60)
     try:
         assert run.streamed
         run.prepare()
@@ -393,7 +387,6 @@ def test_a_long_closed_loop_holds_only_the_rows_it_has_not_shipped(
     growing for ever: every row is shipped once, in order, with its own answer, and
     the record's room stays a few shipments wide."""
     from mlscope import samples as samplesmod
-    from mlscope.contracts import ScenarioSpec
 
     held = model.pre[0](samples)
     inputs, _ = samplesmod.feed(held, None, 1, 11)
