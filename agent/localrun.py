@@ -390,14 +390,16 @@ class LocalRun:
 
     def _top1(self, blocks: list[Answered], good: np.ndarray) -> None:
         """Each answered sample's top-1 (the first value of its output), the blocks' rows
-        ``good`` of the record in order: in one step when every block's outputs have
-        the same shape past axis 0, else block by block; a block whose outputs have no
-        value per query leaves its rows unscored."""
-        outs = [b.outputs for b in blocks if b.outputs is not None]
+        ``good`` of the record in order: in one step when every block's outputs have the
+        same shape past axis 0 and as many rows per query, else block by block; a block
+        whose outputs have no value per query leaves its rows unscored."""
+        outs = [(b.outputs, len(b.times) - len(b.errors)) for b in blocks if b.outputs is not None]
         if not outs:
             return
-        if len({o.shape[1:] for o in outs}) == 1:
-            top = samples.top1(outs[0] if len(outs) == 1 else np.concatenate(outs))
+        shapes = {(o.shape[1:], o.shape[0] / n if n else -1.0) for o, n in outs}
+        if len(shapes) == 1:
+            joined = outs[0][0] if len(outs) == 1 else np.concatenate([o for o, _ in outs])
+            top = samples.top1(joined)
             if top is not None and len(good) and top.size % len(good) == 0:
                 self._write_top1(good, top)
                 return

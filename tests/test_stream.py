@@ -272,6 +272,38 @@ def test_a_local_run_writes_its_streams_blocks_into_the_record_many_at_once(
     assert len(set(cols["completed"].tolist())) > 3  # several blocks, each its own time
 
 
+def test_blocks_written_at_once_keep_each_querys_own_top1(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """Blocks whose outputs have a different number of rows per query are scored block
+    by block: joined, their first values would be split at the wrong places."""
+    from agent.stream import Answered
+    from mlscope import samples as samplesmod
+
+    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 5, 0)
+    ex, run = batched_run(model, inputs, 5, 4)
+    try:
+        t0 = run.prepare()
+
+        def block(first: int, rows_per_query: int) -> Answered:
+            n = 2 * rows_per_query
+            times = np.array([[first + q, t0 + 1, t0 + 2, t0 + 3] for q in range(2)], np.int64)
+            out = np.arange(100 * first, 100 * first + n, dtype=np.int32)[:, None]
+            return Answered(times=times, outputs=out, errors={}, post_end=t0 + 4)
+
+        run.answered(block(0, 3))  # 6 rows, then 10: 16 rows for 4 queries
+        run.answered(block(2, 5))
+        _, cols, _ = run.take(final=True)
+    finally:
+        ex.stop(close=False)
+    top1 = cols["top1"][:4]
+    assert top1[0, :3].tolist() == [0, 1, 2] and top1[1, :3].tolist() == [3, 4, 5]
+    assert top1[2].tolist() == [200, 201, 202, 203, 204]
+    assert top1[3].tolist() == [205, 206, 207, 208, 209]
+    assert (top1[:2, 3:] == -1).all()
+    assert cols["ok"][:4].tolist() == [1] * 4 and (cols["completed"][:4] == 4).all()
+
+
 def test_a_stream_answers_sooner_when_its_outputs_are_large_and_ends_when_stopped(
     model: LoadedModel, samples: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
