@@ -6,8 +6,9 @@ thread takes the next query (:meth:`Stream.next_query`), predicts, and post-proc
 the answers in blocks (at most :data:`STREAM_BLOCK` queries or :data:`STREAM_BYTES` of
 outputs, and before the oldest would be :data:`STREAM_FLUSH_NS` late), with no
 hand-off, reply object or queue per query, so a small model's runtime is not kept
-waiting by the platform's Python. A model whose predict typically takes :data:`STREAM_HELPER_NS`
-or more answers its blocks on a thread of its own while the next predict runs.
+waiting by the platform's Python. A model whose predicts take :data:`STREAM_HELPER_NS`
+or more (most of its last few) answers its blocks on a thread of its own while the
+next predict runs.
 
 A query's error is its own (the stream goes on); when a block's post-processing fails,
 the block is post-processed query by query so that only the culprit gets the error.

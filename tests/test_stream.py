@@ -59,6 +59,17 @@ class Stream:
         self.blocks.append(block)
 
 
+def streamed(model: LoadedModel, xs: list[np.ndarray | None]) -> Stream:
+    """A stream over ``xs``, run to its end on a new executor of ``model``."""
+    s = Stream(xs)
+    ex = Executor(model)
+    try:
+        ex.stream(s, timeout=60)
+    finally:
+        ex.stop()
+    return s
+
+
 def test_a_stream_answers_every_query_in_order_on_the_predict_thread(
     model: LoadedModel, samples: np.ndarray
 ) -> None:
@@ -128,12 +139,7 @@ def test_a_stream_post_processes_in_blocks_and_isolates_a_failing_query(
     want = np.concatenate([expected(model, raws[q]) for q in range(6) if q != 4])
     model.predictor = Marking(model.predictor)
     model.post = picky
-    s = Stream([model.pre[0](r) for r in raws])
-    ex = Executor(model)
-    try:
-        ex.stream(s, timeout=60)
-    finally:
-        ex.stop()
+    s = streamed(model, [model.pre[0](r) for r in raws])
     assert any(len(b.index) > 1 for b in s.blocks)  # a small model's answers wait together
     ok = np.concatenate([b.ok for b in s.blocks])
     assert ok.tolist() == [q != 4 for q in range(6)]
@@ -398,12 +404,7 @@ def test_a_fast_model_answers_on_its_predict_thread_through_stray_slow_predicts(
     raws = [samples[(2 * q) % 64 : (2 * q) % 64 + 2] for q in range(80)]
     want = np.concatenate([expected(model, r) for r in raws])
     model.predictor = Stray(model.predictor, stall)
-    s = Stream([model.pre[0](r) for r in raws])
-    ex = Executor(model)
-    try:
-        ex.stream(s, timeout=60)
-    finally:
-        ex.stop()
+    s = streamed(model, [model.pre[0](r) for r in raws])
     assert s.answered_on == {f"infer-{model.name}"}
     assert np.concatenate([b.index for b in s.blocks]).tolist() == list(range(80))
     outputs = np.concatenate([b.outputs for b in s.blocks if b.outputs is not None])
