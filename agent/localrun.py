@@ -72,7 +72,9 @@ AHEAD_QUERIES = 64
 """... and at most this many queries."""
 FILL_BLOCKS = 256
 """A stream's answered blocks are written into the record at the latest once this many
-wait (a run that nobody ships from during it keeps at most these)."""
+wait (a run that nobody ships from during it keeps at most these) ..."""
+FILL_BYTES = 64 << 20
+"""... or once their outputs hold this many bytes (a model with large outputs)."""
 REALTIME_MAX_QPS = 5_000.0
 """Above this mean rate an open loop's executor threads keep their normal priority (the
 server's rule for its event-loop thread: a busy real-time thread takes a core)."""
@@ -127,6 +129,7 @@ class LocalRun:
         throughput scenario on samples held pre-processed, traced at most per query."""
         self._answers: list[Answered] = []
         """A stream's answered blocks not yet written into the record (:meth:`_fill`)."""
+        self._answer_bytes = 0
         self._views: list[np.ndarray] = []
         """A stream's next queries' inputs, gathered ahead (query ``_ahead_first`` on)."""
         self._ahead_first = 0
@@ -350,18 +353,21 @@ class LocalRun:
         """A stream's answered queries (on the predict thread, or the thread answering
         for it while it predicts): kept as they are. They are written into the record
         many blocks at once (:meth:`_fill`) when rows are shipped, when the stream ends,
-        and every :data:`FILL_BLOCKS` blocks: off the predict thread, whose every
+        and at the latest every :data:`FILL_BLOCKS` blocks or :data:`FILL_BYTES` of
+        outputs: off the predict thread, whose every
         microsecond between two predicts is the runtime's."""
         with self._lock:
             self._answers.append(block)
-            if len(self._answers) >= FILL_BLOCKS:
+            if block.outputs is not None:
+                self._answer_bytes += block.outputs.nbytes
+            if len(self._answers) >= FILL_BLOCKS or self._answer_bytes >= FILL_BYTES:
                 self._fill()
 
     def _fill(self) -> None:
         """The stream's kept blocks into the record, in one pass (under the lock): their
         times and top-1; each query completed when its block's post-processing ended.
         ``completed`` is written last (a row ships once it is set)."""
-        blocks, self._answers = self._answers, []
+        blocks, self._answers, self._answer_bytes = self._answers, [], 0
         if not blocks:
             return
         rec, t0 = self.rec, self.rec.t0_ns

@@ -236,19 +236,31 @@ def test_a_batched_run_on_held_samples_is_one_stream_recorded_in_full(
     assert (held == model.pre[0](samples)).all()  # the held samples left as they were
 
 
+@pytest.mark.parametrize("bound", [("FILL_BLOCKS", 3), ("FILL_BYTES", 1)])
 def test_a_local_run_writes_its_streams_blocks_into_the_record_many_at_once(
-    model: LoadedModel, samples: np.ndarray, monkeypatch: pytest.MonkeyPatch
+    model: LoadedModel,
+    samples: np.ndarray,
+    monkeypatch: pytest.MonkeyPatch,
+    bound: tuple[str, int],
 ) -> None:
     """The blocks a local run keeps and writes into its record several at a time (every
-    few blocks, when rows are shipped, at the end) land on their own rows: a failed
-    query's error and no top-1, an answered query's times and the model's top-1 on its
-    rows, each completed when its block's post-processing ended."""
+    few blocks or bytes, when rows are shipped, at the end) land on their own rows: a
+    failed query's error and no top-1, an answered query's times and the model's top-1
+    on its rows, each completed when its block's post-processing ended."""
     import agent.localrun as localrun
     import agent.stream as streams
     from mlscope import samples as samplesmod
 
-    monkeypatch.setattr(localrun, "FILL_BLOCKS", 3)
+    monkeypatch.setattr(localrun, *bound)
     monkeypatch.setattr(streams, "STREAM_BLOCK", 4)
+    fills: list[int] = []
+    fill = localrun.LocalRun._fill
+
+    def counted(self: Any) -> None:
+        fills.append(len(self._answers))
+        fill(self)
+
+    monkeypatch.setattr(localrun.LocalRun, "_fill", counted)
     raw = samples.copy()
     raw[[5, 17, 40], 0, 0] = POISON
     held = model.pre[0](raw)
@@ -276,6 +288,7 @@ def test_a_local_run_writes_its_streams_blocks_into_the_record_many_at_once(
     assert (cols["completed"][good] >= cols["predict_end"][good]).all()
     assert (cols["completed"] == cols["agent_replied"]).all() and (cols["completed"] > 0).all()
     assert len(set(cols["completed"].tolist())) > 3  # several blocks, each its own time
+    assert len([f for f in fills if f]) > 3 and max(fills) <= 3  # bounded while it ran
 
 
 def test_blocks_written_at_once_keep_each_querys_own_top1(
