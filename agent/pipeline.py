@@ -538,10 +538,8 @@ class Executor:
             call.done.set()
 
     def _predict_ready(self, x: np.ndarray, level: TraceLevel) -> tuple[np.ndarray, int, int]:
-        """A stream's query: its pre-processed first input predicted (others filled;
-        a model of one input has none to fill)."""
-        xs = [x] if len(self.model.pre) == 1 else self._inputs(x, (), done=True)
-        out, _, t0, t1 = self._predict(xs, level)
+        """A stream's query: its pre-processed first input predicted (others filled)."""
+        out, _, t0, t1 = self._predict(self._inputs(x, (), done=True), level)
         return out[0], t0, t1
 
     # ------------------------------------------------------------------ replies

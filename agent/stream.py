@@ -149,10 +149,10 @@ class Host:
     """The executor is stopping: the stream ends at its next query."""
 
 
-Block = tuple[list[int], list[np.ndarray | MLScopeError], list[int]]
+Block = tuple[list[int], list[np.ndarray | MLScopeError]]
 """A block waiting for its answers: four numbers per query, one query after another
-(index, taken, predict start, predict end); each query's first output or its error;
-the positions of those that failed."""
+(index, taken, predict start, predict end), and each query's first output or its
+error."""
 
 
 def run(host: Host, s: Stream) -> None:
@@ -162,7 +162,6 @@ def run(host: Host, s: Stream) -> None:
     loop on a small machine, and every microsecond of it is the runtime's."""
     times: list[int] = []  # per query: index, taken, predict start, predict end
     raw: list[np.ndarray | MLScopeError] = []  # each query's first output, or error
-    failed: list[int] = []  # positions in raw of the errors
     kept = 0
     took: deque[int] = deque(maxlen=STREAM_HELPER_WINDOW)  # the last predicts' durations
     helper: _Answerer | None = None
@@ -177,7 +176,6 @@ def run(host: Host, s: Stream) -> None:
                 kept += out.nbytes
             except Exception as exc:  # the query's error: the stream goes on
                 t0 = t1 = now()
-                failed.append(len(raw))
                 raw.append(host.failed(exc, int(x.shape[0])))
             times += (i, t_in, t0, t1)
             took.append(t1 - t0)
@@ -187,17 +185,17 @@ def run(host: Host, s: Stream) -> None:
                 if helper is None and _slow(took):
                     helper = _Answerer(host, s)
                 if helper is not None:  # from then on every block: they stay in order
-                    helper.put((times, raw, failed))
+                    helper.put((times, raw))
                 else:
-                    answer(host, s, (times, raw, failed))
-                times, raw, failed, kept = [], [], [], 0
+                    answer(host, s, (times, raw))
+                times, raw, kept = [], [], 0
             if helper is not None and helper.error is not None:
                 break
         if raw:
             if helper is not None:
-                helper.put((times, raw, failed))
+                helper.put((times, raw))
             else:
-                answer(host, s, (times, raw, failed))
+                answer(host, s, (times, raw))
     finally:
         if helper is not None:
             helper.close()  # its blocks answered; its error raised
@@ -215,12 +213,12 @@ def _slow(took: deque[int]) -> bool:
 def answer(host: Host, s: Stream, block: Block) -> None:
     """Post-process a block's outputs in one call (one by one when that fails, so only
     the culprit gets the error), emit their spans, hand them to the stream."""
-    times, raw, failed = block
+    times, raw = block
     post = host.post
-    errors = {k: cast(MLScopeError, raw[k]) for k in failed}
+    errors = {k: r for k, r in enumerate(raw) if isinstance(r, MLScopeError)}
     good = (
         [r for r in raw if not isinstance(r, MLScopeError)]
-        if failed
+        if errors
         else cast(list[np.ndarray], raw)
     )
     outputs: np.ndarray | None = None

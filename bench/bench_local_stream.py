@@ -12,8 +12,10 @@ round warms up and is not kept):
   throughput as the platform reports it (answered inputs over the time from the run's
   start to its last answer), and how much of that time the runtime was predicting
   (``stream_runtime_busy``: the sum of the predict spans over it; the rest is the
-  platform's work between two predicts, which this VM's drift does not blur the way it
-  blurs a ratio of two runs).
+  platform's work between two predicts, which a machine's drift blurs less than a
+  ratio of two runs). A model whose answers go to a thread of their own (predicts of
+  1 ms or more) does its post-processing beside the predicts, so its share is near 1
+  and what that thread takes from the runtime shows only in the ratio.
 
 Then single-stream: the median latency of a local ``single-stream`` run against the
 median of single bare calls. The process runs with the agent's GIL switch interval
