@@ -5,11 +5,11 @@
    achieved / scheduled rate, the verdict, and the latency the platform adds to a
    model: end-to-end from issue minus the agent's predict span ("overhead"), with
    the other parts of the latency split.
-2. Maximum issue rate of one load-generator process: the real Driver (pacer thread,
-   one hop per batch to the event loop, nats-py publish) with a schedule of --burst
-   queries all due at once, sent to a subject nobody answers; rate = queries / time
-   until the last one left nats-py. Beside it, nats-py's raw publish rate of the same
-   payload in a plain loop on the same connection type.
+2. Maximum issue rate of one load-generator process: the real Driver (the pacer's
+   thread writes each batch of due queries to the run's query link) with a schedule
+   of --burst queries all due at once, sent to a subject nobody answers; rate =
+   queries / time until the last one was written. Beside it, nats-py's raw publish
+   rate of the same payload in a plain loop.
 3. The served path against its floor, alternated over --rounds rounds (the order
    rotates from round to round; medians, and the median of per-round ratios):
    * ``echo``: a bare nats-py round trip through an echo process (another Python
@@ -20,8 +20,6 @@
      end-to-end minus the agent's predict span p50/p99, from the scheduled time and
      from the issue time; issue lag p50/p99; and the load generator's process CPU
      time per issued query (this process runs nothing else meanwhile);
-   * ``served-uvloop``: the same with this process's event loop on uvloop, when
-     uvloop is importable (it is not a dependency: A/B only).
 
 Usage: PYTHONPATH=. python bench/bench_loadgen.py [--qps 1000] [--duration 30]
        [--rounds 5] [--served-s 10] [--only served]
@@ -57,8 +55,10 @@ from mlscope.tuning import ProcessTuning
 SINK = "bench.sink"
 
 
-async def issue_rate(settings: Settings, n: int) -> tuple[float, float]:
-    """(queries/s issued by one Driver, pacer-side queries/s) for n queries due at once."""
+async def issue_rate(settings: Settings, n: int) -> float:
+    """Queries/s issued by one Driver for n queries due at once: the pacer's thread
+    writes each batch to the query link as it stamps it, so the last stamp is when the
+    last query was handed to the socket."""
     loadgen.DRAIN_TIMEOUT_S = 0.2  # nobody answers the sink: do not wait for replies
     x = np.zeros((1, 16), np.float32)
     async with busmod.connect(settings, name="bench-lg") as bus:
@@ -74,21 +74,8 @@ async def issue_rate(settings: Settings, n: int) -> tuple[float, float]:
             schedule=Schedule(np.zeros(n, np.int64)),
             tuning=ProcessTuning(),
         )
-        publish = bus.nc.publish
-        done_at: list[int] = []
-
-        async def counted(*a: Any, **kw: Any) -> None:  # notes when the n-th query left
-            await publish(*a, **kw)
-            if bus.nc.stats["out_msgs"] - base == n:
-                done_at.append(time.perf_counter_ns())
-
-        base = bus.nc.stats["out_msgs"]
-        bus.nc.publish = counted  # type: ignore[method-assign]
         rec = await driver.run()
-        await bus.nc.flush()
-        sent = (done_at[0] - rec.t0_ns) / 1e9
-        paced = rec.issued.max() / 1e9 or 1e-9
-        return n / sent, n / paced
+        return n / (rec.issued.max() / 1e9 or 1e-9)
 
 
 async def raw_publish_rate(settings: Settings, n: int) -> float:
@@ -223,17 +210,9 @@ def _served_figures(rec: Any) -> dict[str, float]:
     }
 
 
-def _has_uvloop() -> bool:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def ab_rounds(live: Settings, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     """Echo floor and served path, alternated; the order rotates each round."""
-    paths = ["echo", "served"] + (["served-uvloop"] if _has_uvloop() else [])
+    paths = ["echo", "served"]
     out: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
     for r in range(args.rounds):
         sched = poisson(args.qps, duration_s=args.served_s, seed=r)
@@ -242,8 +221,7 @@ def ab_rounds(live: Settings, args: argparse.Namespace) -> dict[str, list[dict[s
             if path == "echo":
                 res = anyio.run(echo_rtt, live, sched)
             else:
-                opts = {"use_uvloop": path == "served-uvloop"}
-                res = anyio.run(served, live, sched, args.qps, backend_options=opts)
+                res = anyio.run(served, live, sched, args.qps)
             res["load"] = os.getloadavg()[0]
             out[path].append(res)
             print(f"   round {r} {path:<14} " + _line(res), flush=True)
@@ -300,7 +278,7 @@ def main() -> None:
                     ),
                 )
             )
-            lg, paced = anyio.run(issue_rate, live, args.burst)
+            lg = anyio.run(issue_rate, live, args.burst)
             raw = anyio.run(raw_publish_rate, live, args.burst)
     finally:
         stack.stop()
@@ -310,7 +288,7 @@ def main() -> None:
         report_platform(s, args)
         print(
             f"2. one load-generator process, {args.burst:,} queries due at once: "
-            f"{lg:,.0f} queries/s published (pacer alone {paced:,.0f}/s); "
+            f"{lg:,.0f} queries/s written to the query link; "
             f"nats-py raw publish {raw:,.0f} msgs/s; ratio {lg / raw:.2f}"
         )
 

@@ -1,14 +1,12 @@
 """The load generator: drives one agent with a scenario and keeps every timestamp.
 
 Open loop (``online``): a seeded Poisson schedule is released by a pacer thread, so
-the event loop's millisecond timer rounding never reaches the schedule. Up to
-``LEAD_MAX_QPS`` (2,000/s) the pacer sleeps (no spin) until a tuned lead before each
-deadline and hands the due batch to the event loop, which holds each query until it
-is due (sleeping, then spinning the last stretch) and publishes it: the thread hop
-falls before the deadline, not into the issue lag, and nothing is issued early
-(:class:`LeadTuner`). Above that rate the pacer spins to each deadline itself.
-Latency counts from each query's *scheduled* time: a late issue counts against the
-system under test (no coordinated omission).
+the event loop's millisecond timer rounding never reaches the schedule. The pacer's
+thread writes each query to a socket of the run's own (:class:`QueryLink`) the moment
+it is due, and the link's reader thread stamps each reply as it arrives: no query or
+reply waits for the event loop, which only reports progress. Latency counts from
+each query's *scheduled* time: a late issue counts against the system under test (no
+coordinated omission).
 
 Closed loop (``single-stream``, ``concurrency``, each point of ``batched``): a fixed
 number of queries in flight (``spec.concurrency``), each sent the moment a previous one
@@ -27,6 +25,8 @@ the load-generator clock with the offset estimated over request/reply.
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,8 +37,9 @@ import numpy as np
 from mlscope import codec, names, wire
 from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec, TraceLevel
-from mlscope.errors import ConfigError, EvaluationError, OverloadedError
-from mlscope.pacer import DEFAULT_BUSY_S, DEFAULT_SPIN_S, OutstandingLimit, Pacer
+from mlscope.errors import BusError, ConfigError, EvaluationError, OverloadedError
+from mlscope.pacer import OutstandingLimit, Pacer
+from mlscope.querylink import QueryLink
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 from mlscope.stats import percentile
@@ -51,58 +52,15 @@ __all__ = [
     "running_p50_ms",
 ]
 
+log = logging.getLogger(__name__)
 now = time.perf_counter_ns
 DRAIN_TIMEOUT_S = 10.0
 START_LEAD_NS = 20_000_000  # start 20 ms out, so the first query is on time
-LOOP_REALTIME_MAX_QPS = 5_000.0
-"""Above this mean rate the event-loop thread keeps its normal priority: it is busy
-most of the time there, and a busy real-time thread would take a core from the agent
-and nats-server (the system under test)."""
-
-
-LOOP_SLEEP_NS = 80_000
-LOOP_SPIN_NS = 50_000
-"""A batch that reaches the loop more than LOOP_SLEEP_NS before it is due sleeps until
-LOOP_SPIN_NS before (a real-time thread's sleep ends ~25 µs late, a spin is exact)."""
-LEAD_MAX_QPS = 2_000.0
-"""Up to this mean rate the pacer releases queries ahead and the loop holds each until
-its deadline (:class:`LeadTuner`): the loop is then blocked for at most the lead (≤ 400
-µs) per batch, a small share of the 500 µs mean gap. Above it the holds would take
-much of the loop's time, and replies would wait behind them, so the pacer spins and
-releases each query when due (the hop to the loop then counts in the issue lag)."""
-
-
-class LeadTuner:
-    """The pacer's lead, tuned while the run goes so that ~1 batch in 4 reaches the
-    event loop after its deadline.
-
-    Released ``lead`` before its first query is due, a batch waits for the thread hop
-    to the loop (a thread wake-up: ~100 µs on the 2-core VM of BENCHMARKS.md) and then
-    spins on the loop to the deadline. Too short a lead puts the hop into the issue
-    lag, too long a one spins the loop (CPU, and replies wait). The lead moves up by
-    ``up_ns`` after a late arrival and down by a third of it after an early one: a
-    stochastic approximation of the hop's 75th percentile (P(late) = 1/4 at balance),
-    bounded by ``max_ns``. The pacer then sleeps to ``deadline - lead`` without
-    spinning: its own lateness is part of what the lead absorbs.
-    """
-
-    def __init__(
-        self, *, start_ns: int = 150_000, up_ns: int = 6_000, max_ns: int = 400_000
-    ) -> None:
-        self.lead_ns, self.up_ns, self.max_ns = start_ns, up_ns, max_ns
-        self.pacer: Pacer | None = None
-        self.late = self.early = 0
-
-    def observe(self, *, late: bool) -> None:
-        """One batch's arrival on the loop (on the loop thread)."""
-        if late:
-            self.late += 1
-            self.lead_ns = min(self.lead_ns + self.up_ns, self.max_ns)
-        else:
-            self.early += 1
-            self.lead_ns = max(self.lead_ns - self.up_ns // 3, 0)
-        if self.pacer is not None:
-            self.pacer.lead_ns = self.lead_ns
+LINK_SPIN_S = 60e-6
+LINK_BUSY_S = 60e-6
+"""The pacer sleeps until LINK_SPIN_S before each query is due and spins the rest,
+holding the GIL: a sleep ends ~25-100 µs late, a spin is exact. At 1,000 QPS that is
+~60 µs of CPU per query (docs/BENCHMARKS.md, "Server placement: the query link")."""
 
 
 async def estimate_offset(
@@ -128,22 +86,6 @@ async def _ping(bus: Bus, subject: str, payload: bytes) -> tuple[int, int]:
     reply = await request(bus, subject, payload, timeout=5.0)
     t2 = now()
     return int(reply["t_agent"]) - (t1 + t2) // 2, t2 - t1
-
-
-def _hold_until(due: int, t: int) -> int:
-    """Block the calling (event-loop) thread until ``due``; returns the time then. Far
-    from it, sleep most of the way (a spin costs CPU), then spin (a sleep ends late)."""
-    if due - t > LOOP_SLEEP_NS:
-        time.sleep((due - t - LOOP_SPIN_NS) / 1e9)
-        t = now()
-    while t < due:
-        t = now()
-    return t
-
-
-def _mean_rate(offsets: np.ndarray) -> float:
-    last = float(offsets[-1]) if offsets.size else 0.0
-    return offsets.size / (last / 1e9) if last > 0 else float("inf")
 
 
 def encode_query(
@@ -185,14 +127,12 @@ class Driver:
         self.schedule, self.start_ns, self.payloads = schedule, start_ns, payloads
         self.tuning = tuning
         self.inbox = bus.nc.new_inbox()  # under this connection's role's inbox prefix
-        self._outstanding = 0
-        self._all_done = asyncio.Event()
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._first_global = 0
         self._stride = 1
         self.record: RunRecord | None = None
         self._gate: OutstandingLimit | None = None
-        self._lead: LeadTuner | None = None
+        self._idle = threading.Event()  # set when the gate's last outstanding query ends
         self._cpu0 = 0.0
 
     # ------------------------------------------------------------------ replies
@@ -209,12 +149,16 @@ class Driver:
             return -1
         return i
 
-    async def _on_reply(self, msg: Any) -> None:
-        t = now()
+    async def _on_msg(self, msg: Any) -> None:  # a closed loop's replies, via nats-py
+        self._on_reply(msg.data, now())
+
+    def _on_reply(self, payload: bytes, t: int) -> None:
+        """One reply that arrived at ``t``: on the query link's reader thread (an open
+        loop) or the event loop (a closed loop)."""
         rec = self.record
         if rec is None:  # a reply after the run's record was let go: nothing to fill
             return
-        data = codec.decode(msg.data)
+        data = codec.decode(payload)
         if data.get("kind") == "error":
             i = self._local(int(data["error"].get("fields", {}).get("index", -1)))
             if i >= 0 and rec.completed[i] == 0:
@@ -247,11 +191,11 @@ class Driver:
     def _complete(self, rec: RunRecord, i: int, t: int) -> None:
         rec.completed[i] = t - rec.t0_ns
         rec.done += 1
-        self._outstanding -= 1
-        if self._gate is not None:
-            self._gate.release()
-        if self._outstanding == 0:
-            self._all_done.set()
+        gate = self._gate
+        if gate is not None:
+            gate.release()
+            if gate.outstanding == 0:
+                self._idle.set()
         waiter = self._waiters.pop(i, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -259,16 +203,12 @@ class Driver:
     # ------------------------------------------------------------------ scenarios
 
     async def run(self) -> RunRecord:
-        sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_reply)
         self._cpu0 = time.process_time()
-        try:
-            with self.tuning.load():
-                rec = await self._run()
-            # The load's own cost: from the clock's start (an open loop's queries are
-            # all encoded before it) to the last reply.
-            rec.cpu_s = time.process_time() - self._cpu0
-        finally:
-            await sub.unsubscribe()
+        with self.tuning.load():
+            rec = await self._run()
+        # The load's own cost: from the clock's start (an open loop's queries are all
+        # encoded before it) to the last reply.
+        rec.cpu_s = time.process_time() - self._cpu0
         return rec
 
     async def _run(self) -> RunRecord:
@@ -287,28 +227,6 @@ class Driver:
             if self.record is not None and self.on_progress is not None:
                 await self.on_progress(self.record, (now() - self.record.t0_ns) / 1e9)
 
-    async def _send(self, indices: range, payloads: list[bytes]) -> None:
-        """Hand queries to the bus client, each once it is due (a batch released ahead
-        by the pacer's lead waits here, spinning: never early); each one's issue time
-        is stamped here, so issue lag holds the pacer's part and the event loop's
-        (``paced`` -> ``issued``)."""
-        publish, subject, inbox = self.bus.nc.publish, self.subject, self.inbox
-        rec = self.record
-        if rec is None:
-            raise EvaluationError("queries sent before the run's record exists")
-        issued, scheduled, t0 = rec.issued, rec.scheduled, rec.t0_ns
-        first = True
-        for i in indices:
-            due = t0 + int(scheduled[i])
-            t = now()
-            if first and self._lead is not None:
-                self._lead.observe(late=t > due)
-                first = False
-            if t < due:
-                t = _hold_until(due, t)
-            issued[i] = max(t - t0, 1)
-            await publish(subject, payloads[i], reply=inbox)
-
     def _index(self, sched: Schedule) -> None:
         """Remember how global indices map to positions (a dealt slice is strided)."""
         idx = sched.index
@@ -325,47 +243,65 @@ class Driver:
         if rec.n == 0:
             raise EvaluationError(f"scenario {s.name!r} schedules no query")
         self._index(sched)
-        glob = sched.index.tolist()
         # Every payload is built before the clock starts.
-        payloads = self.payloads if self.payloads is not None else [self.payload(g) for g in glob]
+        if self.payloads is None:
+            payloads = [self.payload(g) for g in sched.index.tolist()]
+        else:
+            payloads = self.payloads
         if len(payloads) != rec.n:
             raise EvaluationError(f"{len(payloads)} payloads for {rec.n} queries")
-        loop = asyncio.get_running_loop()
-        tasks: set[asyncio.Task[None]] = set()
+        link = await anyio.to_thread.run_sync(self._open_link)
+        failed: BaseException | None = None
+        try:
+            frames = [link.frame(self.subject, p) for p in payloads]
+            link.start(self._on_reply, on_end=self._idle.set)
+            await self._pace(rec, offsets, link, frames)
+        except EvaluationError as exc:  # the pacer's send failed: say why below
+            failed = exc
+        finally:
+            link.close()
+        if link.bad_replies:
+            log.warning("%d replies could not be read: %s", link.bad_replies, link.bad_reply)
+        if link.error is not None:
+            raise BusError(f"the run lost its query link: {link.error}") from failed
+        if failed is not None:
+            raise failed
+        return rec
 
-        def issue(indices: range) -> None:  # on the loop: one hop per batch of due queries
-            self._outstanding += len(indices)
-            self._all_done.clear()
-            task = loop.create_task(self._send(indices, payloads))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+    def _open_link(self) -> QueryLink:
+        return QueryLink.open(
+            self.bus.server_url(),
+            self.bus.options,
+            inbox=self.inbox,
+            name=f"mlscope loadgen {self.evaluation_id}",
+        )
 
-        self._gate = OutstandingLimit(s.max_outstanding)
-        rate = _mean_rate(offsets)
-        lead = self._lead = LeadTuner() if rate <= LEAD_MAX_QPS else None
+    async def _pace(
+        self, rec: RunRecord, offsets: np.ndarray, link: QueryLink, frames: list[bytes]
+    ) -> None:
+        """Issue every query at its time from the pacer's thread, then drain."""
+        gate = self._gate = OutstandingLimit(self.spec.max_outstanding)
 
-        def hop(indices: range, _issued_ns: int) -> None:  # on the pacer thread
-            loop.call_soon_threadsafe(issue, indices)
+        def issue(indices: range, _issued_ns: int) -> None:  # on the pacer thread
+            link.send(b"".join(frames[indices.start : indices.stop]))
 
         # The pacer thread needs the GIL the moment its sleep ends (a short switch
-        # interval), no GC pause may hold it, and the loop thread it hands the GIL to
-        # must not be preempted: all set before the clock starts (a full collection
-        # takes ms), by the process's one owner of them (jobs run concurrently).
-        with self.tuning.measurement(realtime_loop=rate <= LOOP_REALTIME_MAX_QPS):
+        # interval), no GC pause may hold it, and no thread that may hold it (the
+        # event loop's, the link's reader) may be preempted: all set before the clock
+        # starts (a full collection takes ms), by the process's one owner of them
+        # (jobs run concurrently).
+        with self.tuning.measurement():
             rec.t0_ns = self.start_ns if self.start_ns is not None else now() + START_LEAD_NS
             rec.scheduled[:] = offsets
             pacer = Pacer(
                 offsets,
-                gate=self._gate,
+                gate=gate,
                 start_ns=rec.t0_ns,
-                issue_many=hop,
+                issue_many=issue,
                 realtime=True,
-                lead_s=lead.lead_ns / 1e9 if lead is not None else 0.0,
-                spin_s=0.0 if lead is not None else DEFAULT_SPIN_S,
-                busy_s=0.0 if lead is not None else DEFAULT_BUSY_S,
+                spin_s=LINK_SPIN_S,
+                busy_s=LINK_BUSY_S,
             )
-            if lead is not None:
-                lead.pacer = pacer
             self._cpu0 = time.process_time()
             pacer.start()
             try:
@@ -373,13 +309,18 @@ class Driver:
                 # the pacer at once instead of waiting out the schedule.
                 result = await anyio.to_thread.run_sync(pacer.join, abandon_on_cancel=True)
                 rec.paced[:] = result.issued_ns
+                rec.issued[:] = result.issued_ns  # the pacer's thread sends as it stamps
                 rec.not_issued = len(result.not_issued)  # counted, never silently dropped
-                with anyio.move_on_after(DRAIN_TIMEOUT_S):
-                    if self._outstanding > 0:
-                        await self._all_done.wait()
+                await anyio.to_thread.run_sync(self._drain, gate, link, abandon_on_cancel=True)
             finally:
                 pacer.stop()
-        return rec
+
+    def _drain(self, gate: OutstandingLimit, link: QueryLink) -> None:
+        """Wait (in a worker thread) until every issued query is answered, the link
+        fails or DRAIN_TIMEOUT_S passes: queries still outstanding stay uncompleted."""
+        self._idle.clear()  # set again by the last answer or the link's end
+        if gate.outstanding > 0 and link.error is None:
+            self._idle.wait(DRAIN_TIMEOUT_S)
 
     async def _closed_loop(self) -> RunRecord:
         """``spec.concurrency`` queries in flight until ``duration_s`` (or max_queries)."""
@@ -404,16 +345,19 @@ class Driver:
                 self._waiters[i] = fut
                 t = now() - rec.t0_ns
                 rec.scheduled[i] = rec.paced[i] = rec.issued[i] = t
-                self._outstanding += 1
                 await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
                 with anyio.move_on_after(DRAIN_TIMEOUT_S):
                     await fut
                 if rec.completed[i] == 0:
                     stalled = True  # the agent stopped answering
 
-        async with anyio.create_task_group() as tg:
-            for _ in range(s.concurrency):
-                tg.start_soon(stream)
+        sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_msg)
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(s.concurrency):
+                    tg.start_soon(stream)
+        finally:
+            await sub.unsubscribe()
         rec.trim(count)
         return rec
 

@@ -52,7 +52,6 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.loadgen import LOOP_REALTIME_MAX_QPS
 from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.bus import Bus, request
@@ -85,6 +84,10 @@ SAMPLES_TIMEOUT_S = 300.0
 REPLY_TIMEOUT_S = 60.0
 """A chunk unanswered this long fails its samples: LoadGen waits for every sample, so
 an agent that died mid-test would otherwise hold the test (and the job) forever."""
+LOOP_REALTIME_MAX_QPS = 5_000.0
+"""Above this target rate the event loop, which publishes what LoadGen issues, keeps
+its normal priority: it is busy most of the time there, and a busy real-time thread
+would take a core from the agent and nats-server (the system under test)."""
 
 
 @dataclass
@@ -269,8 +272,9 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any]) -> AgentSUT:
     # The same conditions as mlscope's own pacer (broker/loadgen.py), so the two load
     # generators can be compared: LoadGen's issue thread gets the GIL the moment it
     # wakes (not after a 5 ms switch interval), no GC pause holds it, and it runs in
-    # SCHED_FIFO like the pacer thread (mlscope.mlperf.start_test), the event loop too
-    # below the same rate (no effect without CAP_SYS_NICE). This process runs one
+    # SCHED_FIFO like the pacer thread (mlscope.mlperf.start_test); the event loop,
+    # which publishes here, too below LOOP_REALTIME_MAX_QPS (no effect without
+    # CAP_SYS_NICE). This process runs one
     # test, then exits.
     realtime_loop = spec.scenario != "Offline" and (spec.target_qps or 0) <= LOOP_REALTIME_MAX_QPS
     with ProcessTuning().measurement(realtime_loop=realtime_loop):

@@ -5,9 +5,10 @@ Every statistic comes from :mod:`mlscope.stats`; every verdict from
 
 * latency = completed - scheduled (so a late issue counts against the system);
 * issue lag = issued - scheduled, over issued queries, where *issued* is when the
-  event loop handed the query to the bus client; its parts ``pacer`` (scheduled ->
-  released by the pacer thread) and ``loop`` (released -> handed over) are reported
-  apart (``issue_lag_split_us``);
+  query was handed on (written to the bus by the pacer thread in server placement;
+  given to the executor in an agent's local run); its parts ``pacer`` (scheduled ->
+  released by the pacer thread) and ``loop`` (released -> handed on; 0 where the
+  pacer thread sends itself) are reported apart (``issue_lag_split_us``);
 * offered (scheduled), issued (achieved) and completed rates = queries / last offset
   of their scheduled, issue and answer times (:func:`mlscope.validity.achieved_rate`);
   ``backlog_s``: queries arrived and unanswered at the end of an open loop's window,
@@ -112,7 +113,7 @@ def _lag_stats(lag_ns: np.ndarray) -> dict[str, float | None]:
 
 def issue_lag_split(rec: RunRecord) -> dict[str, dict[str, float | None]]:
     """Issue lag in its two parts (µs): ``pacer`` = scheduled -> released by the pacer
-    thread, ``loop`` = released -> handed to the bus client on the event loop."""
+    thread, ``loop`` = released -> handed on (0 where the pacer thread sends itself)."""
     m = rec.measured() & (rec.paced > 0) & (rec.issued > 0)
     return {
         "pacer": _lag_stats((rec.paced - rec.scheduled)[m]),

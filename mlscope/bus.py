@@ -13,6 +13,7 @@ import ssl
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
+from urllib.parse import ParseResult
 
 import anyio
 import nats
@@ -81,11 +82,26 @@ T = TypeVar("T")
 class Bus:
     """A connected client with its JetStream context and the registry buckets."""
 
-    def __init__(self, nc: Client, js: JetStreamContext, domain: str | None = None) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        domain: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         self.nc = nc
         self.js = js
         self.domain = domain
+        self.options = options or {}
+        """The options it connected with (:func:`connect_options`): credentials, TLS."""
         self._kv: dict[str, KeyValue] = {}
+
+    def server_url(self) -> ParseResult:
+        """The URL of the server the client is connected to now."""
+        url = self.nc.connected_url
+        if url is None:
+            raise BusError("not connected to a NATS server")
+        return url
 
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._kv:
@@ -194,7 +210,7 @@ async def connect(
     nc.options["max_reconnect_attempts"] = -1
     try:
         js = nc.jetstream(domain=settings.js_domain) if settings.js_domain else nc.jetstream()
-        bus = Bus(nc, js, settings.js_domain)
+        bus = Bus(nc, js, settings.js_domain, options)
         if provision:
             await ensure_infrastructure(bus, replicas=settings.js_replicas)
         yield bus

@@ -14,19 +14,13 @@ therefore a tight spin that holds the GIL: p50 lag fell from ~35 µs to ~0.3 µs
 ``bench/bench_pacer.py``, at the cost of holding the GIL for at most ``busy_s`` per
 query. ``busy_s=0`` gives the pure ``sleep(0)`` spin.
 
-With ``lead_s`` (``issue_many`` only) the pacer instead releases each batch that long
-before its first query is due and never spins (``spin_s = busy_s = 0``): its caller
-holds every query until it is due. The load generator does this (its event loop
-spins the last stretch, ``broker.loadgen.LeadTuner``), so the thread hop to the loop,
-~100 µs on a 2-core VM, falls before the deadline rather than after it, and the pacer's
-thread, which would spin ~300 µs of every millisecond at 1,000 QPS, sleeps instead.
-
 Behind schedule it issues every query already due at once, in order, as one batch: with
-``issue_many(indices, issued_ns)`` the caller makes one thread→event-loop hop per batch
-(``loop.call_soon_threadsafe``), which is what lets one process issue tens of thousands
-of queries per second. Outstanding queries are bounded by a *gate* the caller supplies
-(:class:`OutstandingLimit`, or anything with ``try_acquire``): a query the gate refuses
-is recorded as not issued, with its index, and the schedule moves on; it never blocks.
+``issue_many(indices, issued_ns)`` the caller handles a batch in one call (the load
+generator writes it to its socket in one system call), which is what lets one process
+issue tens of thousands of queries per second. Outstanding queries are bounded by a
+*gate* the caller supplies (:class:`OutstandingLimit`, or anything with
+``try_acquire``): a query the gate refuses is recorded as not issued, with its index,
+and the schedule moves on; it never blocks.
 
 Every time is an offset in ns from ``start_ns`` (a ``perf_counter_ns`` value), the same
 clock the caller must use for completions so that latency = completed - start_ns -
@@ -140,13 +134,6 @@ class Pacer:
     ``start_ns`` is the ``perf_counter_ns`` value of offset 0 (default: when the pacer
     starts running), so several pacers can share one start. ``max_batch`` caps one
     batch, so a long stall is issued in several hops rather than one huge one.
-
-    ``lead_s`` (``issue_many`` only): release each batch that long *before* its first
-    query is due, with every query due within the lead; the caller then holds each
-    query until it is due (the load generator's event loop spins the last stretch), so
-    the hop to the caller's thread falls before the deadline instead of after it. The
-    released times (``PacerResult.issued_ns``) are then up to ``lead_s`` ahead of the
-    schedule; the issue times that count are the caller's.
     """
 
     def __init__(
@@ -162,14 +149,11 @@ class Pacer:
         start_ns: int | None = None,
         stop: threading.Event | None = None,
         realtime: bool = False,
-        lead_s: float = 0.0,
     ) -> None:
         if (issue is None) == (issue_many is None):
             raise ConfigError("give exactly one of issue and issue_many")
-        if spin_s < 0 or busy_s < 0 or max_batch < 1 or lead_s < 0:
-            raise ConfigError("spin_s, busy_s and lead_s must be >= 0 and max_batch >= 1")
-        if lead_s and issue is not None:
-            raise ConfigError("lead_s needs issue_many (whose caller holds each query until due)")
+        if spin_s < 0 or busy_s < 0 or max_batch < 1:
+            raise ConfigError("spin_s and busy_s must be >= 0 and max_batch >= 1")
         offsets = schedule.offsets_ns if isinstance(schedule, Schedule) else schedule
         self._offsets = Schedule(offsets).offsets_ns  # validates: int64, sorted, >= 0
         self._issue, self._issue_many, self._gate = issue, issue_many, gate
@@ -184,9 +168,6 @@ class Pacer:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._realtime = realtime
-        self.lead_ns = int(lead_s * 1e9)
-        """How long before its first query is due a batch is released; the caller may
-        change it while the pacer runs (read once per batch)."""
         self.realtime = False
         """Whether the pacer thread got a real-time (SCHED_FIFO) priority."""
 
@@ -257,15 +238,13 @@ class Pacer:
         t0 = self._start_ns
         i = 0
         while i < n and not stop.is_set():
-            lead = self.lead_ns
-            due = t0 + offsets[i] - lead
+            due = t0 + offsets[i]
             now = clock()
             if now < due:
                 if not self._wait_until(due):
                     break
                 now = clock()
-            # Every j' < j is due (within the lead: its caller holds it until due).
-            j = bisect_right(offsets, now - t0 + lead, i, min(n, i + max_batch))
+            j = bisect_right(offsets, now - t0, i, min(n, i + max_batch))  # every j' < j is due
             self._issue_batch(offsets, i, j, now - t0 or 1)
             i = self._reached = j
 

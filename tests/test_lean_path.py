@@ -1,8 +1,8 @@
 """The served query path's short cuts keep every number honest.
 
 An idle executor answers a fast model's query on the caller's thread, replies go back
-to the loop in bursts, the pacer releases queries ahead of time by a tuned lead and
-the load generator's loop holds each one until it is due: never early, same answers.
+to the loop in bursts, and the load generator's pacer writes each query to its link
+the moment it is due: never early, same answers.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ import pytest
 from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.worker import LoadedModel
-from broker.loadgen import Driver, LeadTuner
+from broker.loadgen import Driver
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
-from mlscope.errors import ConfigError
-from mlscope.pacer import Pacer
 from mlscope.registry import list_agents
-from mlscope.schedule import constant, poisson
+from mlscope.schedule import poisson
 from mlscope.tuning import ProcessTuning
 
 pytestmark = pytest.mark.timeout(120)
@@ -180,47 +178,7 @@ def test_the_outbox_sends_a_burst_in_order_after_one_wake_up() -> None:
     assert len(errors) == 1 and errors[0][1] == "r.x" and "connection closed" in str(errors[0][0])
 
 
-def test_a_pacer_with_a_lead_releases_ahead_but_never_more_than_the_lead() -> None:
-    sched = constant(2000, duration_s=0.5)
-    offsets = sched.offsets_ns
-    released: list[tuple[range, int]] = []
-    lead = 300_000
-    pacer = Pacer(
-        sched,
-        issue_many=lambda idx, at: released.append((idx, at)),
-        lead_s=lead / 1e9,
-        spin_s=0,
-        busy_s=0,
-    )
-    result = pacer.run()
-    assert result.reached == offsets.size and not result.stopped
-    assert sum(len(r) for r, _ in released) == offsets.size
-    for idx, at in released:
-        assert at >= offsets[idx[0]] - lead  # released no earlier than the lead
-        assert offsets[idx[-1]] <= at + lead  # and holds only queries due within it
-    assert np.median(result.issued_ns - offsets) < 0  # ahead of the schedule, mostly
-    with pytest.raises(ConfigError, match="issue_many"):
-        Pacer(sched, issue=lambda i, s, t: None, lead_s=0.001)
-
-
-def test_the_lead_settles_where_one_batch_in_four_is_late() -> None:
-    rng = np.random.default_rng(1)
-    tuner = LeadTuner(start_ns=0)
-    late, leads = [], []
-    for hop in rng.uniform(50_000, 150_000, 20_000):
-        is_late = hop > tuner.lead_ns
-        tuner.observe(late=is_late)
-        late.append(is_late)
-        leads.append(tuner.lead_ns)
-    assert 115_000 <= np.mean(leads[5000:]) <= 135_000  # the hop's 75th percentile: 125 µs
-    assert 0.2 <= np.mean(late[5000:]) <= 0.3
-    spiky = LeadTuner(max_ns=200_000)
-    for _ in range(1000):
-        spiky.observe(late=True)
-    assert spiky.lead_ns == 200_000  # bounded: a stalled loop does not make it spin longer
-
-
-def test_a_served_run_with_the_lead_never_issues_early(noop_stack: Stack) -> None:
+def test_a_served_run_issues_from_the_pacers_thread_never_early(noop_stack: Stack) -> None:
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test lead") as bus:
             agent = next(
@@ -254,7 +212,8 @@ def test_a_served_run_with_the_lead_never_issues_early(noop_stack: Stack) -> Non
 
     rec = anyio.run(go, backend="asyncio")
     assert rec.ok.all() and rec.not_issued == 0
-    assert (rec.issued >= rec.scheduled).all()  # never early, whatever the lead
+    assert (rec.issued >= rec.scheduled).all()  # never early
+    assert (rec.paced == rec.issued).all()  # sent as stamped: no hop between
     assert (rec.completed > rec.issued).all()
-    assert (rec.paced < rec.scheduled).mean() > 0.5  # released ahead: the hop is hidden
+    assert (rec.agent_received > rec.issued).all()  # clock offset within the same host
     assert rec.cpu_s > 0

@@ -1,0 +1,310 @@
+"""A lean NATS connection for an open loop's queries and their replies.
+
+nats-py serves every message through the event loop: a publish wakes its flusher
+task; a reply passes its reader task, the subscription's queue and a callback task.
+At 1,000 QPS a load generator built on it spent ~430 µs of CPU per query on the
+2-core VM of docs/BENCHMARKS.md, and each hop stood between a reply's arrival and
+its timestamp.
+
+An open loop needs two things on its hot path: write a query's prebuilt bytes the
+moment it is due, and stamp each reply the moment it arrives. :class:`QueryLink`
+does both over a socket of its own, on plain threads: the pacer's thread writes (no
+hop to the event loop) and a reader thread parses the replies and hands each one,
+with the time its last byte was read, to the caller. It speaks the part of the NATS
+client protocol this needs: CONNECT with the bus's credentials (an nkey seed, a user
+JWT, a user and password or a token in the URL) and TLS, SUB, PUB, PING/PONG.
+
+It does not reconnect: a link that breaks during a run records why
+(:attr:`QueryLink.error`) and the run fails with it, rather than sending queries
+late after a reconnect. Over TLS one lock covers reads and writes (an OpenSSL
+connection is not used by two threads at once); the reader takes it only once the
+socket has bytes. Its failures are :class:`mlscope.errors.BusError`, raised here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+from urllib.parse import ParseResult
+
+import nkeys
+
+from mlscope.errors import BusError
+from mlscope.pacer import RealtimeThread
+
+__all__ = ["QueryLink"]
+
+OnReply = Callable[[bytes, int], None]
+"""``on_reply(data, t_ns)``: one reply's payload and its ``perf_counter_ns`` arrival."""
+MAX_LINE = 64 * 1024
+"""A protocol line longer than this (a MSG line holds two subjects) is a broken stream."""
+READ_SIZE = 256 * 1024
+SID = b"1"
+
+
+class QueryLink:
+    """One socket to one NATS server: ``send`` from any thread, replies to a callback.
+
+    Build with :meth:`open`; :meth:`start` the reader; :meth:`close` when done.
+    """
+
+    def __init__(self, sock: socket.socket, info: Mapping[str, Any], *, inbox: str) -> None:
+        self.inbox = inbox
+        self.max_payload = int(info.get("max_payload", 1 << 20))
+        self.error: str | None = None
+        """Why the link failed (first failure), or None."""
+        self.bad_replies = 0
+        """Replies the callback raised on (each skipped, the link goes on)."""
+        self.bad_reply: str | None = None
+        """Why the last of them could not be read."""
+        self._sock = sock
+        self._ssl = sock if isinstance(sock, ssl.SSLSocket) else None
+        self._lock = threading.Lock()
+        self._closing = False
+        self._reader: threading.Thread | None = None
+        self._buf = bytearray()
+
+    # ------------------------------------------------------------------ opening
+
+    @classmethod
+    def open(
+        cls,
+        url: ParseResult,
+        options: Mapping[str, Any],
+        *,
+        inbox: str,
+        name: str,
+        timeout: float = 5.0,
+    ) -> QueryLink:
+        """Connect to the server at ``url`` with the bus's connect ``options`` (as
+        :func:`mlscope.bus.connect_options` builds them) and subscribe to ``inbox``."""
+        host, port = url.hostname or "127.0.0.1", url.port or 4222
+        where = f"{host}:{port}"
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise BusError(f"no NATS server at {where} for the query link: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            link = cls(sock, {}, inbox=inbox)
+            info = json.loads(link._line(expect=b"INFO ")[5:])
+            tls = options.get("tls")
+            if info.get("tls_required") or url.scheme == "tls" or tls is not None:
+                ctx = tls if isinstance(tls, ssl.SSLContext) else ssl.create_default_context()
+                sock = ctx.wrap_socket(sock, server_hostname=host)
+                link = cls(sock, info, inbox=inbox)
+            else:
+                link = cls(sock, info, inbox=inbox)
+            fields = {
+                "verbose": False,
+                "pedantic": False,
+                "protocol": 1,
+                "headers": False,
+                "lang": "python3-mlscope",
+                "name": name,
+                **_credentials(info, url, options),
+            }
+            hello = b"CONNECT " + json.dumps(fields).encode() + b"\r\n"
+            sock.sendall(hello + b"SUB " + inbox.encode() + b" " + SID + b"\r\nPING\r\n")
+            link._until_pong(where)
+            sock.settimeout(None)
+        except BusError:
+            sock.close()
+            raise
+        except (OSError, ValueError, KeyError, nkeys.NkeysError) as exc:  # SSLError: OSError
+            sock.close()
+            raise BusError(f"the query link to {where} failed to open: {exc}") from exc
+        return link
+
+    def _line(self, *, expect: bytes = b"") -> bytes:
+        """One protocol line during the handshake (blocking, within the timeout)."""
+        while (end := self._buf.find(b"\r\n")) < 0:
+            if len(self._buf) > MAX_LINE:
+                raise BusError("the NATS server sent a line too long to be its protocol")
+            chunk = self._sock.recv(READ_SIZE)
+            if not chunk:
+                raise BusError("the NATS server closed the query link during its handshake")
+            self._buf += chunk
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 2]
+        if expect and not line.startswith(expect):
+            raise BusError(f"the NATS server sent {line[:200]!r} where {expect!r} was due")
+        return line
+
+    def _until_pong(self, where: str) -> None:
+        while True:
+            line = self._line()
+            if line == b"PONG":
+                return
+            if line.startswith(b"-ERR"):
+                raise BusError(f"{where} refused the query link: {_err(line)}")
+            if line == b"PING":
+                self._sock.sendall(b"PONG\r\n")
+
+    # ------------------------------------------------------------------ running
+
+    def frame(self, subject: str, payload: bytes) -> bytes:
+        """The bytes that publish ``payload`` to ``subject`` with this link's inbox."""
+        if len(payload) > self.max_payload:
+            raise BusError(
+                f"a query of {len(payload)} bytes exceeds the server's limit of "
+                f"{self.max_payload} (max_payload)"
+            )
+        head = f"PUB {subject} {self.inbox} {len(payload)}\r\n".encode()
+        return head + payload + b"\r\n"
+
+    def send(self, data: bytes) -> None:
+        """Write ``data`` (whole frames) now, from any thread."""
+        try:
+            with self._lock:
+                self._sock.sendall(data)
+        except OSError as exc:
+            self._fail(f"the query link broke while sending: {exc}")
+            raise BusError(self.error or str(exc)) from exc
+
+    def start(
+        self,
+        on_reply: OnReply,
+        *,
+        on_end: Callable[[], None] | None = None,
+        realtime: bool = True,
+    ) -> None:
+        """Start the reader thread: ``on_reply(data, t_ns)`` for each reply, in order,
+        and ``on_end()`` once it stops (closed, or failed: :attr:`error` is set first).
+
+        ``realtime``: the reader runs in SCHED_FIFO (no effect without CAP_SYS_NICE):
+        preempted while it holds the GIL, it would stall the pacer's thread too.
+        """
+        if self._reader is not None:
+            raise BusError("a query link's reader starts once")
+        self._reader = threading.Thread(
+            target=self._read,
+            args=(on_reply, on_end, realtime),
+            name="mlscope-replies",
+            daemon=True,
+        )
+        self._reader.start()
+
+    def close(self) -> None:
+        """Stop the reader and close the socket (what arrives after is dropped)."""
+        self._closing = True
+        with suppress(OSError):  # already down
+            self._sock.shutdown(socket.SHUT_RDWR)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        self._sock.close()
+
+    def _fail(self, why: str) -> None:
+        if self.error is None and not self._closing:
+            self.error = why
+
+    def _recv(self) -> bytes:
+        sock = self._ssl
+        if sock is None:
+            return self._sock.recv(READ_SIZE)
+        if not sock.pending():  # decrypted bytes already held need no wait
+            select.select([sock], [], [])
+        with self._lock:
+            return sock.recv(READ_SIZE)
+
+    def _read(self, on_reply: OnReply, on_end: Callable[[], None] | None, realtime: bool) -> None:
+        clock, buf = time.perf_counter_ns, self._buf
+        priority = RealtimeThread(enable=realtime)
+        try:
+            while True:
+                chunk = self._recv()
+                t = clock()
+                if not chunk:
+                    self._fail("the NATS server closed the query link")
+                    return
+                buf += chunk
+                pos = self._parse(buf, t, on_reply)
+                del buf[:pos]
+                if len(buf) > MAX_LINE and buf.find(b"\r\n") < 0:
+                    self._fail("the NATS server sent a line too long to be its protocol")
+                    return
+        except (OSError, ValueError, BusError) as exc:
+            self._fail(f"the query link broke while reading: {exc}")
+        finally:
+            priority.restore()
+            if on_end is not None:
+                on_end()
+
+    def _parse(self, buf: bytearray, t: int, on_reply: OnReply) -> int:
+        """Handle every whole message in ``buf``; return how many bytes they took."""
+        pos = 0
+        while (end := buf.find(b"\r\n", pos)) >= 0:
+            if buf.startswith(b"MSG ", pos):
+                size = int(buf[buf.rfind(b" ", pos, end) + 1 : end])
+                stop = end + 2 + size
+                if len(buf) < stop + 2:
+                    break  # the payload is still arriving
+                try:
+                    on_reply(bytes(buf[end + 2 : stop]), t)
+                except Exception as exc:  # one bad reply never stops the reader
+                    self.bad_replies += 1
+                    self.bad_reply = repr(exc)
+                pos = stop + 2
+                continue
+            line = bytes(buf[pos:end])
+            pos = end + 2
+            if line == b"PING":
+                self.send(b"PONG\r\n")
+            elif line.startswith(b"-ERR"):
+                self._fail(f"the NATS server said: {_err(line)}")
+        return pos
+
+
+def _err(line: bytes) -> str:
+    return line[4:].strip().strip(b"'").decode(errors="replace")
+
+
+def _credentials(
+    info: Mapping[str, Any], url: ParseResult, options: Mapping[str, Any]
+) -> dict[str, str]:
+    """CONNECT's auth fields for the bus's credentials, as nats-py sends them."""
+    creds, seed_file = options.get("user_credentials"), options.get("nkeys_seed")
+    nonce = info.get("nonce")
+    if nonce and (creds or seed_file):
+        fields: dict[str, str] = {}
+        if creds:
+            jwt, seed = _read_creds(Path(creds))
+            fields["jwt"] = jwt
+        else:
+            seed = Path(str(seed_file)).read_bytes().strip()
+        kp = nkeys.from_seed(bytearray(seed))
+        try:
+            if not creds:
+                fields["nkey"] = kp.public_key.decode()
+            fields["sig"] = base64.b64encode(kp.sign(str(nonce).encode())).decode()
+        finally:
+            kp.wipe()
+        return fields
+    if url.username and url.password is not None:
+        return {"user": url.username, "pass": url.password}
+    if url.username:
+        return {"auth_token": url.username}
+    return {}
+
+
+def _read_creds(path: Path) -> tuple[str, bytes]:
+    """The user JWT and the nkey seed of a ``.creds`` file."""
+    lines = path.read_text().splitlines()
+    jwt = seed = None
+    for k, line in enumerate(lines[:-1]):
+        if "BEGIN NATS USER JWT" in line:
+            jwt = lines[k + 1].strip()
+        elif "BEGIN USER NKEY SEED" in line:
+            seed = lines[k + 1].strip().encode()
+    if jwt is None or seed is None:
+        raise BusError(f"{path} holds no user JWT and nkey seed", path=str(path))
+    return jwt, seed

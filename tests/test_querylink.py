@@ -1,0 +1,405 @@
+"""The load generator's query link on a real nats-server: whole replies in order, the
+server's pings answered, credentials and TLS as the bus uses them, and a link that
+breaks or is refused says why; a served run survives hostile replies in its inbox."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import anyio
+import msgpack
+import nats
+import nkeys
+import numpy as np
+import pytest
+
+from broker import loadgen
+from broker.loadgen import Driver
+from cli.main import main as mlscope_main
+from cli.services import Stack
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for
+from mlscope.contracts import ReleaseOp, ScenarioSpec, TraceLevel
+from mlscope.errors import BusError
+from mlscope.natsserver import NatsServer
+from mlscope.querylink import QueryLink
+from mlscope.registry import list_agents
+from mlscope.schedule import poisson
+from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
+
+pytestmark = pytest.mark.timeout(120)
+
+SUBJECT = "test.link"
+
+
+class Replies:
+    """What a link's reader hands over, for a test thread to wait on."""
+
+    def __init__(self, *, poison: bytes = b"") -> None:
+        self.got: list[tuple[bytes, int]] = []
+        self.poison = poison
+        self.ended = threading.Event()
+        self._more = threading.Condition()
+
+    def __call__(self, data: bytes, t: int) -> None:
+        if self.poison and data.startswith(self.poison):
+            raise ValueError("poisoned reply")
+        with self._more:
+            self.got.append((data, t))
+            self._more.notify_all()
+
+    def wait(self, n: int, timeout: float = 10.0) -> list[tuple[bytes, int]]:
+        with self._more:
+            if not self._more.wait_for(lambda: len(self.got) >= n, timeout):
+                raise AssertionError(f"{len(self.got)} of {n} replies arrived")
+            return list(self.got)
+
+
+@asynccontextmanager
+async def echo(url: str, subject: str = SUBJECT, **options: Any) -> AsyncIterator[None]:
+    """A nats-py responder that answers each message with its own bytes."""
+    nc = await nats.connect(url, allow_reconnect=False, **options)
+
+    async def back(msg: Any) -> None:
+        await msg.respond(msg.data)
+
+    await nc.subscribe(subject, cb=back)
+    await nc.flush()
+    try:
+        yield
+    finally:
+        await nc.close()
+
+
+def open_link(url: str, options: dict[str, Any] | None = None, **kw: Any) -> QueryLink:
+    inbox = kw.pop("inbox", "_INBOX.test-link")
+    return QueryLink.open(urlparse(url), options or {}, inbox=inbox, name="test link", **kw)
+
+
+def served_by_echo(
+    url: str, link_options: dict[str, Any], subject: str = SUBJECT, **echo_options: Any
+) -> None:
+    """Open a link with ``link_options``, send three queries through an echo
+    responder, and check they come back whole."""
+
+    async def main() -> None:
+        async with echo(url, subject, **echo_options):
+            link = await anyio.to_thread.run_sync(
+                lambda: open_link(url, link_options, inbox=f"{prefix}.test-link")
+            )
+            replies = Replies()
+            link.start(replies)
+            try:
+                link.send(b"".join(link.frame(subject, b"q%d" % i) for i in range(3)))
+                got = await anyio.to_thread.run_sync(replies.wait, 3)
+            finally:
+                link.close()
+            assert [d for d, _ in got] == [b"q0", b"q1", b"q2"] and link.error is None
+
+    prefix = link_options.get("inbox_prefix", "_INBOX")
+    anyio.run(main, backend="asyncio")
+
+
+def test_replies_come_back_whole_in_order_and_stamped_after_the_send(
+    nats_server: NatsServer,
+) -> None:
+    sizes = [0, 1, 7, 64 << 10, 900 << 10, 3] * 20  # some span many reads, some share one
+    payloads = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+
+    async def main() -> tuple[list[tuple[bytes, int]], int]:
+        async with echo(nats_server.url):
+            link = await anyio.to_thread.run_sync(open_link, nats_server.url)
+            replies = Replies()
+            link.start(replies)
+            try:
+                sent = time.perf_counter_ns()
+                for k in range(0, len(payloads), 10):  # ten frames per write
+                    link.send(b"".join(link.frame(SUBJECT, p) for p in payloads[k : k + 10]))
+                got = await anyio.to_thread.run_sync(replies.wait, len(payloads))
+            finally:
+                link.close()
+            assert link.error is None and link.bad_replies == 0
+            return got, sent
+
+    got, sent = anyio.run(main, backend="asyncio")
+    assert [d for d, _ in got] == payloads
+    stamps = [t for _, t in got]
+    assert stamps == sorted(stamps) and stamps[0] > sent
+
+
+def test_a_reply_the_caller_cannot_read_is_counted_and_the_link_goes_on(
+    nats_server: NatsServer,
+) -> None:
+    async def main() -> None:
+        async with echo(nats_server.url):
+            link = await anyio.to_thread.run_sync(open_link, nats_server.url)
+            replies = Replies(poison=b"bad")
+            link.start(replies)
+            try:
+                frames = [
+                    link.frame(SUBJECT, b"bad%d" % i if i % 3 else b"ok%d" % i) for i in range(30)
+                ]
+                link.send(b"".join(frames))
+                got = await anyio.to_thread.run_sync(replies.wait, 10)
+                await anyio.sleep(0.2)
+            finally:
+                link.close()
+            assert [d for d, _ in got] == [b"ok%d" % i for i in range(0, 30, 3)]
+            assert link.bad_replies == 20 and "poisoned" in (link.bad_reply or "")
+            assert link.error is None
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_the_link_answers_the_servers_pings(tmp_path: Path) -> None:
+    """A server that pings every 100 ms drops a client that misses two pongs."""
+    conf = tmp_path / "ping.conf"
+    conf.write_text('ping_interval: "100ms"\nping_max: 2\n')
+    with NatsServer(store_dir=tmp_path / "nats", config_file=conf) as srv:
+
+        async def main() -> None:
+            async with echo(srv.url):
+                link = await anyio.to_thread.run_sync(open_link, srv.url)
+                replies = Replies()
+                link.start(replies)
+                try:
+                    await anyio.sleep(1.2)  # a dozen pings, no traffic of ours
+                    link.send(link.frame(SUBJECT, b"still here"))
+                    got = await anyio.to_thread.run_sync(replies.wait, 1)
+                finally:
+                    link.close()
+                assert got[0][0] == b"still here" and link.error is None
+
+        anyio.run(main, backend="asyncio")
+
+
+def test_a_link_that_loses_its_server_says_so_and_stops_sending(tmp_path: Path) -> None:
+    with NatsServer(store_dir=tmp_path / "nats") as srv:
+        link = open_link(srv.url)
+        ended = threading.Event()
+        link.start(Replies(), on_end=ended.set)
+        srv.kill()
+        assert ended.wait(10)
+        assert link.error is not None and "closed" in link.error
+        with pytest.raises(BusError):
+            for _ in range(100):  # the first writes may still reach the kernel's buffer
+                link.send(link.frame(SUBJECT, b"x" * 4096))
+                time.sleep(0.01)
+        link.close()
+
+
+def test_a_query_over_the_servers_limit_is_refused_before_it_is_sent(tmp_path: Path) -> None:
+    conf = tmp_path / "small.conf"
+    conf.write_text("max_payload: 1024\n")
+    with NatsServer(store_dir=tmp_path / "nats", config_file=conf) as srv:
+        link = open_link(srv.url)
+        try:
+            assert link.max_payload == 1024
+            link.frame(SUBJECT, b"x" * 1024)
+            with pytest.raises(BusError, match="1025 bytes exceeds"):
+                link.frame(SUBJECT, b"x" * 1025)
+        finally:
+            link.close()
+
+
+def test_no_server_and_a_server_that_is_not_nats_are_bus_errors(tmp_path: Path) -> None:
+    from mlscope.natsserver import free_port
+
+    with pytest.raises(BusError, match="no NATS server"):
+        open_link(f"nats://127.0.0.1:{free_port()}", timeout=1)
+    http = subprocess.Popen(
+        [sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port := free_port())],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                open_link(f"nats://127.0.0.1:{port}", timeout=1)
+            except BusError as exc:
+                if "no NATS server" in str(exc) and time.monotonic() < deadline:
+                    time.sleep(0.1)  # not listening yet
+                    continue
+                assert "failed to open" in str(exc) or "closed" in str(exc)
+                break
+            raise AssertionError("an HTTP server passed for NATS")
+    finally:
+        http.kill()
+        http.wait()
+
+
+# ---------------------------------------------------------------- credentials, TLS
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[tuple[NatsServer, Path]]:
+    auth = tmp_path / "auth"
+    assert mlscope_main(["auth", "init", "--out", str(auth)]) == 0
+    with NatsServer(store_dir=tmp_path / "nats", config_file=auth / "server.conf") as srv:
+        yield srv, auth
+
+
+def test_a_link_signs_in_with_the_bus_credentials_and_keeps_their_permissions(
+    secured: tuple[NatsServer, Path],
+) -> None:
+    srv, auth = secured
+    settings = Settings(nats_url=srv.url, nats_creds=auth / "server.creds")
+    options = busmod.connect_options(settings)
+    agent_creds = auth / "agent.creds"
+    query = names.agent_query("a1")
+    # The server role sends queries to an agent that answers under its own user.
+    served_by_echo(
+        srv.url,
+        options,
+        subject=query,
+        nkeys_seed=str(agent_creds),
+        inbox_prefix=inbox_prefix_for(agent_creds) or "_INBOX",
+    )
+    # What the role may not publish fails the link, with the server's words.
+    link = open_link(srv.url, options, inbox=f"{INBOX_PREFIXES['server']}.test-link")
+    ended = threading.Event()
+    link.start(Replies(), on_end=ended.set)
+    try:
+        link.send(link.frame(f"{INBOX_PREFIXES['submitter']}.x.1", b"forged"))
+        deadline = time.monotonic() + 5
+        while link.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.error is not None and "permissions violation" in link.error.lower()
+    finally:
+        link.close()
+    # A seed the server does not know is refused at once.
+    stranger = auth / "stranger.seed"
+    stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER) + b"\n")
+    with pytest.raises(BusError, match="refused the query link"):
+        open_link(srv.url, {"nkeys_seed": str(stranger)})
+    stranger.write_bytes(b"not a seed\n")
+    with pytest.raises(BusError, match="failed to open"):
+        open_link(srv.url, {"nkeys_seed": str(stranger)})
+
+
+def test_a_link_speaks_tls_when_the_bus_does(tmp_path: Path) -> None:
+    openssl = shutil.which("openssl")
+    assert openssl, "the TLS test needs the openssl command to make its certificate"
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    conf = tmp_path / "tls.conf"
+    conf.write_text(f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n}}\n')
+    with NatsServer(store_dir=tmp_path / "nats", config_file=conf) as srv:
+        options = busmod.connect_options(Settings(nats_url=srv.url, nats_tls_ca=cert))
+        served_by_echo(srv.url, options, tls=options["tls"])
+        with pytest.raises(BusError, match="failed to open"):
+            open_link(srv.url, {})  # the system's CAs do not know this certificate
+
+
+# ---------------------------------------------------------------- a served run
+
+
+def _noop_driver(bus: busmod.Bus, agent_id: str, evaluation_id: str, n_s: float) -> Driver:
+    return Driver(
+        bus,
+        evaluation_id=evaluation_id,
+        subject=names.agent_query(agent_id),
+        spec=ScenarioSpec(name="online", qps=300, duration_s=n_s),
+        inputs=lambda g: np.zeros((1, 4), np.float32),
+        labels=None,
+        trace_level=TraceLevel.NONE,
+        schedule=poisson(300, duration_s=n_s, seed=5),
+        tuning=ProcessTuning(),
+    )
+
+
+def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -> None:
+    """Wrong types, out-of-range and foreign indices, deep nesting, a huge reply and
+    plain garbage land in the run's inbox beside the agent's answers: each is skipped
+    or ignored, and every real query is answered once, with its own times."""
+    deep: Any = 1
+    for _ in range(200):
+        deep = [deep]
+    hostile = [
+        b"\xc1garbage",
+        codec.encode({"kind": "reply", "index": "seven", "ok": True}),
+        codec.encode({"kind": "reply", "index": 2**64 - 1, "ok": True}),
+        codec.encode({"kind": "reply", "index": -3, "ok": True}),
+        codec.encode({"kind": "error", "error": {"fields": {"index": "x"}}}),
+        codec.encode({"kind": "error", "error": "not a mapping"}),
+        codec.encode({"kind": "reply", "index": 0, "ok": True, "t_received": "late"}),
+        msgpack.packb(deep),
+        codec.encode({"kind": "reply", "index": 1, "ok": True, "pad": b"x" * (900 << 10)}),
+        codec.encode([1, 2, 3]),
+    ]
+
+    async def go() -> Any:
+        async with busmod.connect(noop_stack.settings, name="test hostile") as bus:
+            agent = next(
+                a for a in await list_agents(bus) if any(f.name == "noop" for f in a.frameworks)
+            )
+            ctl = names.agent_ctl(agent.agent_id)
+            prepare = {
+                "op": "prepare",
+                "evaluation_id": "ev-hostile",
+                "model": "noop",
+                "model_version": "1.0.0",
+                "batch_size": 1,
+                "trace_level": "none",
+            }
+            await busmod.request(bus, ctl, codec.encode(prepare), timeout=60)
+            driver = _noop_driver(bus, agent.agent_id, "ev-hostile", 1.5)
+            async with anyio.create_task_group() as tg:
+
+                async def attack() -> None:
+                    await anyio.sleep(0.3)
+                    for _ in range(5):
+                        for data in hostile:
+                            await bus.nc.publish(driver.inbox, data)
+                        await anyio.sleep(0.1)
+
+                tg.start_soon(attack)
+                rec = await driver.run()
+            release = codec.encode_model(ReleaseOp(evaluation_id="ev-hostile"))
+            await busmod.request(bus, ctl, release, timeout=10)
+            return rec
+
+    rec = anyio.run(go, backend="asyncio")
+    assert rec.ok.all() and not rec.errors and rec.done == rec.n
+    assert (rec.completed > rec.issued).all() and (rec.issued >= rec.scheduled).all()
+    assert (rec.predict_end >= rec.predict_start).all()
+
+
+def test_a_run_whose_link_breaks_fails_with_the_reason(tmp_path: Path) -> None:
+    with NatsServer(store_dir=tmp_path / "nats") as srv:
+        settings = Settings(nats_url=srv.url, data_dir=tmp_path / "data")
+
+        async def go() -> None:
+            async with busmod.connect(settings, name="test broken link") as bus:
+                driver = _noop_driver(bus, "nobody", "ev-broken", 3.0)
+                threading.Timer(0.5, srv.kill).start()
+                await driver.run()
+
+        started = time.monotonic()
+        with pytest.raises(BaseException) as caught:  # in the Driver's task group
+            anyio.run(go, backend="asyncio")
+        assert time.monotonic() - started < loadgen.DRAIN_TIMEOUT_S  # no wait for answers
+        exc = caught.value
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        assert isinstance(exc, BusError) and "lost its query link" in str(exc), exc
