@@ -20,6 +20,9 @@
      end-to-end minus the agent's predict span p50/p99, from the scheduled time and
      from the issue time; issue lag p50/p99; and the load generator's process CPU
      time per issued query (this process runs nothing else meanwhile);
+   * ``served-single``: the same Driver in a closed loop, one query in flight for
+     --served-s seconds (single-stream): each query is sent when the previous answer
+     arrives, so its round trip has no schedule to wait for.
 
 Usage: PYTHONPATH=. python bench/bench_loadgen.py [--qps 1000] [--duration 30]
        [--rounds 5] [--served-s 10] [--only served]
@@ -150,8 +153,11 @@ async def _noop_agent(bus: busmod.Bus) -> str:
     return next(a.agent_id for a in agents if any(f.name == "noop" for f in a.frameworks))
 
 
-async def served(settings: Settings, schedule: Schedule, qps: float) -> dict[str, float]:
-    """The real Driver against the noop agent (server placement): what the bus adds."""
+async def served(
+    settings: Settings, schedule: Schedule | None, qps: float, seconds: float = 1.0
+) -> dict[str, float]:
+    """The real Driver against the noop agent (server placement): what the bus adds.
+    ``schedule`` None: a closed loop, one query in flight for ``seconds``."""
     evaluation_id = new_id("ev")
     x = np.zeros((1, 16), np.float32)
     async with busmod.connect(settings, name="bench-served") as bus:
@@ -171,7 +177,9 @@ async def served(settings: Settings, schedule: Schedule, qps: float) -> dict[str
                 bus,
                 evaluation_id=evaluation_id,
                 subject=names.agent_query(agent_id),
-                spec=ScenarioSpec(name="online", qps=qps, duration_s=1),
+                spec=ScenarioSpec(name="online", qps=qps, duration_s=1)
+                if schedule is not None
+                else ScenarioSpec(name="single-stream", duration_s=seconds),
                 inputs=lambda g: x,
                 labels=None,
                 trace_level=TraceLevel.NONE,
@@ -212,7 +220,7 @@ def _served_figures(rec: Any) -> dict[str, float]:
 
 def ab_rounds(live: Settings, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
     """Echo floor and served path, alternated; the order rotates each round."""
-    paths = ["echo", "served"]
+    paths = ["echo", "served", "served-single"]
     out: dict[str, list[dict[str, float]]] = {p: [] for p in paths}
     for r in range(args.rounds):
         sched = poisson(args.qps, duration_s=args.served_s, seed=r)
@@ -220,8 +228,10 @@ def ab_rounds(live: Settings, args: argparse.Namespace) -> dict[str, list[dict[s
             path = paths[(k + r) % len(paths)]
             if path == "echo":
                 res = anyio.run(echo_rtt, live, sched)
-            else:
+            elif path == "served":
                 res = anyio.run(served, live, sched, args.qps)
+            else:
+                res = anyio.run(served, live, None, args.qps, args.served_s)
             res["load"] = os.getloadavg()[0]
             out[path].append(res)
             print(f"   round {r} {path:<14} " + _line(res), flush=True)

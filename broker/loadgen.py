@@ -10,7 +10,8 @@ coordinated omission).
 
 Closed loop (``single-stream``, ``concurrency``, each point of ``batched``): a fixed
 number of queries in flight (``spec.concurrency``), each sent the moment a previous one
-completes; its scheduled time is its issue time.
+completes, from the link's reader thread that stamped that answer; its scheduled time
+is its issue time.
 
 Open loops take any :class:`mlscope.schedule.Schedule` (Poisson, constant, multi-stream,
 replay, piecewise, or one slice of a dealt global schedule): query ``i`` of the slice
@@ -24,7 +25,6 @@ the load-generator clock with the offset estimated over request/reply.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -127,7 +127,7 @@ class Driver:
         self.schedule, self.start_ns, self.payloads = schedule, start_ns, payloads
         self.tuning = tuning
         self.inbox = bus.nc.new_inbox()  # under this connection's role's inbox prefix
-        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._answered: Callable[[], None] | None = None  # a closed loop's next send
         self._first_global = 0
         self._stride = 1
         self.record: RunRecord | None = None
@@ -149,12 +149,8 @@ class Driver:
             return -1
         return i
 
-    async def _on_msg(self, msg: Any) -> None:  # a closed loop's replies, via nats-py
-        self._on_reply(msg.data, now())
-
     def _on_reply(self, payload: bytes, t: int) -> None:
-        """One reply that arrived at ``t``: on the query link's reader thread (an open
-        loop) or the event loop (a closed loop)."""
+        """One reply that arrived at ``t`` (on the query link's reader thread)."""
         rec = self.record
         if rec is None:  # a reply after the run's record was let go: nothing to fill
             return
@@ -196,9 +192,8 @@ class Driver:
             gate.release()
             if gate.outstanding == 0:
                 self._idle.set()
-        waiter = self._waiters.pop(i, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self._answered is not None:
+            self._answered()
 
     # ------------------------------------------------------------------ scenarios
 
@@ -260,15 +255,15 @@ class Driver:
             failed = exc
         finally:
             link.close()
-        if link.bad_replies:
-            log.warning("%d replies could not be read: %s", link.bad_replies, link.bad_reply)
+        _report(link)
         if link.error is not None:
-            raise BusError(f"the run lost its query link: {link.error}") from failed
+            raise BusError(f"the bus refused the run's queries: {link.error}") from failed
         if failed is not None:
             raise failed
         return rec
 
     def _open_link(self) -> QueryLink:
+        """The run's own connection for its queries (opened in a worker thread)."""
         return QueryLink.open(
             self.bus.server_url(),
             self.bus.options,
@@ -283,7 +278,12 @@ class Driver:
         gate = self._gate = OutstandingLimit(self.spec.max_outstanding)
 
         def issue(indices: range, _issued_ns: int) -> None:  # on the pacer thread
-            link.send(b"".join(frames[indices.start : indices.stop]))
+            try:
+                link.send(b"".join(frames[indices.start : indices.stop]))
+            except BusError as exc:  # the bus is unreachable: these are lost, say why
+                for i in indices:
+                    rec.errors[i] = f"not sent: {exc}"
+                gate.release(len(indices))
 
         # The pacer thread needs the GIL the moment its sleep ends (a short switch
         # interval), no GC pause may hold it, and no thread that may hold it (the
@@ -323,43 +323,102 @@ class Driver:
             self._idle.wait(DRAIN_TIMEOUT_S)
 
     async def _closed_loop(self) -> RunRecord:
-        """``spec.concurrency`` queries in flight until ``duration_s`` (or max_queries)."""
+        """``spec.concurrency`` queries in flight until ``duration_s`` (or max_queries):
+        each answer sends the next query from the link's reader thread, at once."""
         s = self.spec
         cap = s.max_queries or 2**31
         rec = self.record = RunRecord(n=min(cap, max(s.concurrency, 1024)), batch_size=s.batch_size)
-        loop = asyncio.get_running_loop()
-        rec.t0_ns = now()
-        deadline = rec.t0_ns + int(s.duration_s * 1e9)
-        count = 0
-        stalled = False
+        link = await anyio.to_thread.run_sync(self._open_link)
+        streams = _Streams(rec, link, lambda i: link.frame(self.subject, self.payload(i)), cap)
+        self._answered = streams.answered
+        try:
+            link.start(self._on_reply, on_end=streams.finished.set)
+            rec.t0_ns = now()
+            streams.deadline = rec.t0_ns + int(s.duration_s * 1e9)
+            for _ in range(s.concurrency):
+                streams.send_next()
+            seen = rec.done
+            while not await anyio.to_thread.run_sync(
+                streams.finished.wait, DRAIN_TIMEOUT_S, abandon_on_cancel=True
+            ):
+                if rec.done == seen:
+                    break  # nothing answered in DRAIN_TIMEOUT_S: the agent stopped answering
+                seen = rec.done
+        finally:
+            streams.stop()
+            link.close()
+        _report(link)
+        if link.error is not None:
+            raise BusError(f"the bus refused the run's queries: {link.error}") from streams.failure
+        if streams.failure is not None:
+            raise streams.failure
+        rec.trim(streams.count)
+        return rec
 
-        async def stream() -> None:
-            nonlocal count, stalled
-            while count < cap and now() < deadline and not stalled:
-                i = count
-                count += 1
+
+class _Streams:
+    """A closed loop's queries in flight: the next one is sent on each answer, on the
+    link's reader thread (the first ones on the event loop), under one lock."""
+
+    def __init__(
+        self, rec: RunRecord, link: QueryLink, frame: Callable[[int], bytes], cap: int
+    ) -> None:
+        self.rec, self.link, self.frame, self.cap = rec, link, frame, cap
+        self.deadline = 0
+        self.count = 0
+        """Queries sent (or lost trying)."""
+        self.outstanding = 0
+        self.failure: Exception | None = None
+        """What failed building a query (raised by the run)."""
+        self.finished = threading.Event()
+        """Set once the last answer is in (or a query could not be built)."""
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+
+    def answered(self) -> None:
+        with self._lock:
+            self.outstanding -= 1
+        self.send_next()
+
+    def send_next(self) -> None:
+        rec = self.rec
+        with self._lock:
+            if self._stopped or self.count >= self.cap or now() >= self.deadline:
+                if self.outstanding == 0:
+                    self.finished.set()
+                return
+            i = self.count
+            try:
                 if i >= rec.n:  # the run outlasts the room: grow, never stop early
                     rec.grow()
-                payload = self.payload(i)
-                fut: asyncio.Future[None] = loop.create_future()
-                self._waiters[i] = fut
-                t = now() - rec.t0_ns
-                rec.scheduled[i] = rec.paced[i] = rec.issued[i] = t
-                await self.bus.nc.publish(self.subject, payload, reply=self.inbox)
-                with anyio.move_on_after(DRAIN_TIMEOUT_S):
-                    await fut
-                if rec.completed[i] == 0:
-                    stalled = True  # the agent stopped answering
+                frame = self.frame(i)
+            except Exception as exc:  # the query cannot be built: raised by the run
+                self.failure, self._stopped = exc, True
+                self.finished.set()
+                return
+            rec.scheduled[i] = rec.paced[i] = rec.issued[i] = now() - rec.t0_ns
+            try:
+                self.link.send(frame)
+                self.outstanding += 1
+            except BusError as exc:  # the bus is unreachable: lost, this stream ends
+                rec.errors[i] = f"not sent: {exc}"
+                if self.outstanding == 0:
+                    self.finished.set()
+            self.count += 1
 
-        sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_msg)
-        try:
-            async with anyio.create_task_group() as tg:
-                for _ in range(s.concurrency):
-                    tg.start_soon(stream)
-        finally:
-            await sub.unsubscribe()
-        rec.trim(count)
-        return rec
+
+def _report(link: QueryLink) -> None:
+    """Log what the run's link went through (its lost queries say why themselves)."""
+    if link.outages:
+        log.warning(
+            "the bus was unreachable %d time(s) during the run: %s", link.outages, link.outage
+        )
+    if link.bad_replies:
+        log.warning("%d replies could not be read: %s", link.bad_replies, link.bad_reply)
 
 
 def running_p50_ms(rec: RunRecord) -> float | None:

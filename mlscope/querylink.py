@@ -1,4 +1,4 @@
-"""A lean NATS connection for an open loop's queries and their replies.
+"""A lean NATS connection for a load generator's queries and their replies.
 
 nats-py serves every message through the event loop: a publish wakes its flusher
 task; a reply passes its reader task, the subscription's queue and a callback task.
@@ -14,9 +14,10 @@ with the time its last byte was read, to the caller. It speaks the part of the N
 client protocol this needs: CONNECT with the bus's credentials (an nkey seed, a user
 JWT, a user and password or a token in the URL) and TLS, SUB, PUB, PING/PONG.
 
-It does not reconnect: a link that breaks during a run records why
-(:attr:`QueryLink.error`) and the run fails with it, rather than sending queries
-late after a reconnect. Over TLS one lock covers reads and writes (an OpenSSL
+While the server is unreachable the link says so at once to whoever sends (the load
+generator records those queries as lost, with the reason) and connects again, to the
+same server or another of the bus's, as nats-py would; a query is never held back to
+be sent late. Over TLS one lock covers reads and writes (an OpenSSL
 connection is not used by two threads at once); the reader takes it only once the
 socket has bytes. Its failures are :class:`mlscope.errors.BusError`, raised here.
 """
@@ -24,6 +25,7 @@ socket has bytes. Its failures are :class:`mlscope.errors.BusError`, raised here
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import select
 import socket
@@ -34,7 +36,7 @@ from collections.abc import Callable, Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
-from urllib.parse import ParseResult
+from urllib.parse import ParseResult, urlparse
 
 import nkeys
 
@@ -45,6 +47,8 @@ __all__ = ["QueryLink"]
 
 OnReply = Callable[[bytes, int], None]
 """``on_reply(data, t_ns)``: one reply's payload and its ``perf_counter_ns`` arrival."""
+RECONNECT_WAIT_S = 0.25
+"""How long a lost link waits before each try to connect again."""
 MAX_LINE = 64 * 1024
 """A protocol line longer than this (a MSG line holds two subjects) is a broken stream."""
 READ_SIZE = 256 * 1024
@@ -54,24 +58,40 @@ SID = b"1"
 class QueryLink:
     """One socket to one NATS server: ``send`` from any thread, replies to a callback.
 
-    Build with :meth:`open`; :meth:`start` the reader; :meth:`close` when done.
+    Build with :meth:`open`; :meth:`start` the reader; :meth:`close` when done. While
+    the server is unreachable, :meth:`send` raises at once (the caller records those
+    queries as lost) and the reader connects again, to the same server or another of
+    the bus's, every RECONNECT_WAIT_S.
     """
 
-    def __init__(self, sock: socket.socket, info: Mapping[str, Any], *, inbox: str) -> None:
+    def __init__(
+        self,
+        connection: tuple[socket.socket, dict[str, Any], bytearray],
+        servers: list[ParseResult],
+        options: Mapping[str, Any],
+        *,
+        inbox: str,
+        name: str,
+        timeout: float,
+    ) -> None:
+        """Use :meth:`open`; ``connection`` is what :func:`_handshake` returned."""
         self.inbox = inbox
-        self.max_payload = int(info.get("max_payload", 1 << 20))
         self.error: str | None = None
-        """Why the link failed (first failure), or None."""
+        """Why the link failed for good (the server refused what it was sent), or None."""
+        self.outages = 0
+        """How many times the connection was lost (and connected again)."""
+        self.outage: str | None = None
+        """Why it was last lost."""
         self.bad_replies = 0
         """Replies the callback raised on (each skipped, the link goes on)."""
         self.bad_reply: str | None = None
         """Why the last of them could not be read."""
-        self._sock = sock
-        self._ssl = sock if isinstance(sock, ssl.SSLSocket) else None
+        self._servers, self._options, self._name = servers, options, name
+        self._timeout = timeout
         self._lock = threading.Lock()
-        self._closing = False
+        self._closed = threading.Event()
         self._reader: threading.Thread | None = None
-        self._buf = bytearray()
+        self._use(*connection)
 
     # ------------------------------------------------------------------ opening
 
@@ -86,69 +106,19 @@ class QueryLink:
         timeout: float = 5.0,
     ) -> QueryLink:
         """Connect to the server at ``url`` with the bus's connect ``options`` (as
-        :func:`mlscope.bus.connect_options` builds them) and subscribe to ``inbox``."""
-        host, port = url.hostname or "127.0.0.1", url.port or 4222
-        where = f"{host}:{port}"
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise BusError(f"no NATS server at {where} for the query link: {exc}") from exc
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            link = cls(sock, {}, inbox=inbox)
-            info = json.loads(link._line(expect=b"INFO ")[5:])
-            tls = options.get("tls")
-            if info.get("tls_required") or url.scheme == "tls" or tls is not None:
-                ctx = tls if isinstance(tls, ssl.SSLContext) else ssl.create_default_context()
-                sock = ctx.wrap_socket(sock, server_hostname=host)
-                link = cls(sock, info, inbox=inbox)
-            else:
-                link = cls(sock, info, inbox=inbox)
-            fields = {
-                "verbose": False,
-                "pedantic": False,
-                "protocol": 1,
-                "headers": False,
-                "lang": "python3-mlscope",
-                "name": name,
-                **_credentials(info, url, options),
-            }
-            hello = b"CONNECT " + json.dumps(fields).encode() + b"\r\n"
-            sock.sendall(hello + b"SUB " + inbox.encode() + b" " + SID + b"\r\nPING\r\n")
-            link._until_pong(where)
-            sock.settimeout(None)
-        except BusError:
-            sock.close()
-            raise
-        except (OSError, ValueError, KeyError, nkeys.NkeysError) as exc:  # SSLError: OSError
-            sock.close()
-            raise BusError(f"the query link to {where} failed to open: {exc}") from exc
-        return link
+        :func:`mlscope.bus.connect_options` builds them) and subscribe to ``inbox``;
+        the other servers of ``options["servers"]`` are where it reconnects next."""
+        others = [urlparse(str(u)) for u in options.get("servers") or ()]
+        servers = [url, *(u for u in others if (u.hostname, u.port) != (url.hostname, url.port))]
+        first = _handshake(url, options, inbox=inbox, name=name, timeout=timeout)
+        return cls(first, servers, options, inbox=inbox, name=name, timeout=timeout)
 
-    def _line(self, *, expect: bytes = b"") -> bytes:
-        """One protocol line during the handshake (blocking, within the timeout)."""
-        while (end := self._buf.find(b"\r\n")) < 0:
-            if len(self._buf) > MAX_LINE:
-                raise BusError("the NATS server sent a line too long to be its protocol")
-            chunk = self._sock.recv(READ_SIZE)
-            if not chunk:
-                raise BusError("the NATS server closed the query link during its handshake")
-            self._buf += chunk
-        line = bytes(self._buf[:end])
-        del self._buf[: end + 2]
-        if expect and not line.startswith(expect):
-            raise BusError(f"the NATS server sent {line[:200]!r} where {expect!r} was due")
-        return line
-
-    def _until_pong(self, where: str) -> None:
-        while True:
-            line = self._line()
-            if line == b"PONG":
-                return
-            if line.startswith(b"-ERR"):
-                raise BusError(f"{where} refused the query link: {_err(line)}")
-            if line == b"PING":
-                self._sock.sendall(b"PONG\r\n")
+    def _use(self, sock: socket.socket, info: dict[str, Any], rest: bytearray) -> None:
+        """Send and read through this connection from now on."""
+        self._sock, self._buf = sock, rest
+        self._ssl = sock if isinstance(sock, ssl.SSLSocket) else None
+        self.max_payload = int(info.get("max_payload", 1 << 20))
+        self._up = True
 
     # ------------------------------------------------------------------ running
 
@@ -163,13 +133,15 @@ class QueryLink:
         return head + payload + b"\r\n"
 
     def send(self, data: bytes) -> None:
-        """Write ``data`` (whole frames) now, from any thread."""
-        try:
-            with self._lock:
+        """Write ``data`` (whole frames) now, from any thread; BusError if it cannot."""
+        with self._lock:
+            if not self._up:
+                raise BusError(f"the bus was unreachable ({self.outage})")
+            try:
                 self._sock.sendall(data)
-        except OSError as exc:
-            self._fail(f"the query link broke while sending: {exc}")
-            raise BusError(self.error or str(exc)) from exc
+            except OSError as exc:
+                self._lost(f"the connection broke while sending: {exc}")
+                raise BusError(f"the bus was unreachable ({self.outage})") from exc
 
     def start(
         self,
@@ -187,7 +159,7 @@ class QueryLink:
         if self._reader is not None:
             raise BusError("a query link's reader starts once")
         self._reader = threading.Thread(
-            target=self._read,
+            target=self._run,
             args=(on_reply, on_end, realtime),
             name="mlscope-replies",
             daemon=True,
@@ -196,16 +168,53 @@ class QueryLink:
 
     def close(self) -> None:
         """Stop the reader and close the socket (what arrives after is dropped)."""
-        self._closing = True
+        self._closed.set()
         with suppress(OSError):  # already down
             self._sock.shutdown(socket.SHUT_RDWR)
         if self._reader is not None:
             self._reader.join(timeout=5)
         self._sock.close()
 
-    def _fail(self, why: str) -> None:
-        if self.error is None and not self._closing:
-            self.error = why
+    def _lost(self, why: str) -> None:
+        """The connection is gone (called with the send lock held, or by the reader)."""
+        if self._up and not self._closed.is_set():
+            self._up = False
+            self.outages += 1
+            self.outage = why
+            with suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # the reader's recv returns
+
+    def _run(self, on_reply: OnReply, on_end: Callable[[], None] | None, realtime: bool) -> None:
+        priority = RealtimeThread(enable=realtime)
+        try:
+            while not self._closed.is_set() and self.error is None:
+                why = self._read(on_reply)
+                with self._lock:
+                    self._lost(why)
+                self._reconnect()
+        finally:
+            priority.restore()
+            if on_end is not None:
+                on_end()
+
+    def _reconnect(self) -> None:
+        """Connect again, to each server in turn, until connected or closed."""
+        old = self._sock
+        for k in itertools.count():
+            if self._closed.wait(RECONNECT_WAIT_S):
+                return
+            url = self._servers[k % len(self._servers)]
+            try:
+                new = _handshake(
+                    url, self._options, inbox=self.inbox, name=self._name, timeout=self._timeout
+                )
+            except BusError as exc:
+                self.outage = str(exc)
+                continue
+            with self._lock:
+                self._use(*new)
+            old.close()
+            return
 
     def _recv(self) -> bytes:
         sock = self._ssl
@@ -216,28 +225,22 @@ class QueryLink:
         with self._lock:
             return sock.recv(READ_SIZE)
 
-    def _read(self, on_reply: OnReply, on_end: Callable[[], None] | None, realtime: bool) -> None:
-        clock, buf = time.perf_counter_ns, self._buf
-        priority = RealtimeThread(enable=realtime)
+    def _read(self, on_reply: OnReply) -> str:
+        """Read replies until the connection ends; return why it ended."""
+        clock, buf = time.perf_counter_ns, self._buf  # this connection's
         try:
             while True:
                 chunk = self._recv()
                 t = clock()
                 if not chunk:
-                    self._fail("the NATS server closed the query link")
-                    return
+                    return "the NATS server closed the connection"
                 buf += chunk
                 pos = self._parse(buf, t, on_reply)
                 del buf[:pos]
                 if len(buf) > MAX_LINE and buf.find(b"\r\n") < 0:
-                    self._fail("the NATS server sent a line too long to be its protocol")
-                    return
+                    return "the NATS server sent a line too long to be its protocol"
         except (OSError, ValueError, BusError) as exc:
-            self._fail(f"the query link broke while reading: {exc}")
-        finally:
-            priority.restore()
-            if on_end is not None:
-                on_end()
+            return f"the connection broke while reading: {exc}"
 
     def _parse(self, buf: bytearray, t: int, on_reply: OnReply) -> int:
         """Handle every whole message in ``buf``; return how many bytes they took."""
@@ -259,9 +262,70 @@ class QueryLink:
             pos = end + 2
             if line == b"PING":
                 self.send(b"PONG\r\n")
-            elif line.startswith(b"-ERR"):
-                self._fail(f"the NATS server said: {_err(line)}")
+            elif line.startswith(b"-ERR") and self.error is None:
+                self.error = f"the NATS server said: {_err(line)}"
         return pos
+
+
+def _handshake(
+    url: ParseResult, options: Mapping[str, Any], *, inbox: str, name: str, timeout: float
+) -> tuple[socket.socket, dict[str, Any], bytearray]:
+    """A new connection to ``url``, signed in and subscribed to ``inbox``: the socket,
+    the server's INFO, and what it sent beyond the handshake."""
+    host, port = url.hostname or "127.0.0.1", url.port or 4222
+    where = f"{host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise BusError(f"no NATS server at {where} for the query link: {exc}") from exc
+    buf = bytearray()
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        info = json.loads(_line(sock, buf, expect=b"INFO ")[5:])
+        tls = options.get("tls")
+        if info.get("tls_required") or url.scheme == "tls" or tls is not None:
+            ctx = tls if isinstance(tls, ssl.SSLContext) else ssl.create_default_context()
+            sock = ctx.wrap_socket(sock, server_hostname=host)
+        fields = {
+            "verbose": False,
+            "pedantic": False,
+            "protocol": 1,
+            "headers": False,
+            "lang": "python3-mlscope",
+            "name": name,
+            **_credentials(info, url, options),
+        }
+        hello = b"CONNECT " + json.dumps(fields).encode() + b"\r\n"
+        sock.sendall(hello + b"SUB " + inbox.encode() + b" " + SID + b"\r\nPING\r\n")
+        while (line := _line(sock, buf)) != b"PONG":
+            if line.startswith(b"-ERR"):
+                raise BusError(f"{where} refused the query link: {_err(line)}")
+            if line == b"PING":
+                sock.sendall(b"PONG\r\n")
+        sock.settimeout(None)
+    except BusError:
+        sock.close()
+        raise
+    except (OSError, ValueError, KeyError, nkeys.NkeysError) as exc:  # SSLError: OSError
+        sock.close()
+        raise BusError(f"the query link to {where} failed to open: {exc}") from exc
+    return sock, info, buf
+
+
+def _line(sock: socket.socket, buf: bytearray, *, expect: bytes = b"") -> bytes:
+    """One protocol line of a handshake (blocking, within the socket's timeout)."""
+    while (end := buf.find(b"\r\n")) < 0:
+        if len(buf) > MAX_LINE:
+            raise BusError("the NATS server sent a line too long to be its protocol")
+        chunk = sock.recv(READ_SIZE)
+        if not chunk:
+            raise BusError("the NATS server closed the query link during its handshake")
+        buf += chunk
+    line = bytes(buf[:end])
+    del buf[: end + 2]
+    if expect and not line.startswith(expect):
+        raise BusError(f"the NATS server sent {line[:200]!r} where {expect!r} was due")
+    return line
 
 
 def _err(line: bytes) -> str:

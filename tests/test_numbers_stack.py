@@ -186,10 +186,12 @@ async def _prepared_noop(bus: busmod.Bus, evaluation_id: str) -> str:
     return agent.agent_id
 
 
-def test_issue_lag_shows_a_blocked_event_loop(noop_stack: Stack) -> None:
-    """The pacer thread releases queries on time while the event loop is blocked for
-    250 ms: the issue lag (stamped at the hand-off to the bus client) shows the block,
-    in its loop part, not in the pacer's."""
+def test_a_blocked_event_loop_delays_neither_queries_nor_their_answers(
+    noop_stack: Stack,
+) -> None:
+    """The event loop blocked for 250 ms: the pacer thread still writes each query when
+    it is due and the link's reader still stamps each answer when it arrives, so
+    neither the issue lag nor the latency of the queries due meanwhile shows the block."""
     block_s = 0.25
 
     async def go() -> Any:
@@ -213,14 +215,13 @@ def test_issue_lag_shows_a_blocked_event_loop(noop_stack: Stack) -> None:
     rec = anyio.run(go, backend="asyncio")
     f = figures(rec, has_labels=False)
     assert f.errors == 0 and f.not_issued == 0
-    loop_max = f.issue_lag_split_us["loop"]["max"] or 0
-    pacer_p99 = f.issue_lag_split_us["pacer"]["p99"] or 0
-    assert (f.issue_lag_us["max"] or 0) >= 0.8 * block_s * 1e6
-    assert loop_max >= 0.8 * block_s * 1e6
-    assert pacer_p99 < 0.5 * block_s * 1e6  # the pacer itself was on time
-    lag = rec.issued - rec.scheduled
-    blocked = int(np.count_nonzero(lag > 0.1 * block_s * 1e9))
-    assert blocked >= 0.5 * block_s * 200  # every query due during the block waited
+    assert f.issue_lag_split_us["loop"]["max"] == 0  # the pacer's thread sends itself
+    during = (rec.scheduled >= 0.6e9) & (rec.scheduled < (0.6 + block_s) * 1e9)
+    assert during.sum() >= 0.8 * block_s * 200
+    # Issued when due, answered as fast as the rest: nothing waited out the block.
+    assert ((rec.issued - rec.scheduled)[during] < 0.5 * block_s * 1e9).all()
+    latency = rec.completed - rec.scheduled
+    assert latency[during].max() < 0.5 * block_s * 1e9
 
 
 def test_an_identical_rerun_is_not_called_different_with_repeats(noop_stack: Stack) -> None:

@@ -1,6 +1,8 @@
 """The load generator's query link on a real nats-server: whole replies in order, the
-server's pings answered, credentials and TLS as the bus uses them, and a link that
-breaks or is refused says why; a served run survives hostile replies in its inbox."""
+server's pings answered, credentials and TLS as the bus uses them, a link refused says
+why and one that loses its server connects again; a served run survives hostile
+replies in its inbox and records what a bus outage kept it from sending; a closed loop
+sends each query on an answer and ends when answers stop."""
 
 from __future__ import annotations
 
@@ -28,11 +30,11 @@ from broker.loadgen import Driver
 from cli.main import main as mlscope_main
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import codec, names
+from mlscope import codec, names, wire
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for
-from mlscope.contracts import ReleaseOp, ScenarioSpec, TraceLevel
-from mlscope.errors import BusError
-from mlscope.natsserver import NatsServer
+from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
+from mlscope.errors import BusError, EvaluationError
+from mlscope.natsserver import NatsServer, free_port
 from mlscope.querylink import QueryLink
 from mlscope.registry import list_agents
 from mlscope.schedule import poisson
@@ -70,7 +72,7 @@ class Replies:
 @asynccontextmanager
 async def echo(url: str, subject: str = SUBJECT, **options: Any) -> AsyncIterator[None]:
     """A nats-py responder that answers each message with its own bytes."""
-    nc = await nats.connect(url, allow_reconnect=False, **options)
+    nc = await nats.connect(url, **{"allow_reconnect": False, **options})
 
     async def back(msg: Any) -> None:
         await msg.respond(msg.data)
@@ -185,19 +187,43 @@ def test_the_link_answers_the_servers_pings(tmp_path: Path) -> None:
         anyio.run(main, backend="asyncio")
 
 
-def test_a_link_that_loses_its_server_says_so_and_stops_sending(tmp_path: Path) -> None:
-    with NatsServer(store_dir=tmp_path / "nats") as srv:
-        link = open_link(srv.url)
-        ended = threading.Event()
-        link.start(Replies(), on_end=ended.set)
-        srv.kill()
-        assert ended.wait(10)
-        assert link.error is not None and "closed" in link.error
-        with pytest.raises(BusError):
-            for _ in range(100):  # the first writes may still reach the kernel's buffer
-                link.send(link.frame(SUBJECT, b"x" * 4096))
-                time.sleep(0.01)
-        link.close()
+def test_a_link_that_loses_its_server_refuses_sends_and_connects_again(tmp_path: Path) -> None:
+    srv = NatsServer(store_dir=tmp_path / "nats", port=free_port()).start()
+    try:
+
+        async def main() -> None:
+            async with echo(srv.url, allow_reconnect=True, reconnect_time_wait=0.1):
+                link = await anyio.to_thread.run_sync(open_link, srv.url)
+                replies = Replies()
+                link.start(replies)
+                try:
+                    link.send(link.frame(SUBJECT, b"before"))
+                    await anyio.to_thread.run_sync(replies.wait, 1)
+                    srv.kill()
+                    with pytest.raises(BusError, match="unreachable"):
+                        for _ in range(200):  # the first writes may reach the kernel's buffer
+                            link.send(link.frame(SUBJECT, b"x" * 4096))
+                            await anyio.sleep(0.01)
+                    assert link.outages == 1 and link.outage
+                    srv.start()
+                    deadline = time.monotonic() + 10
+                    while True:  # the link and the echo both connect again
+                        try:
+                            link.send(link.frame(SUBJECT, b"after"))
+                            got = await anyio.to_thread.run_sync(replies.wait, 2, 0.5)
+                            break
+                        except (BusError, AssertionError):
+                            if time.monotonic() > deadline:
+                                raise
+                            await anyio.sleep(0.1)
+                finally:
+                    link.close()
+                assert got[0][0] == b"before" and got[-1][0] == b"after"
+                assert link.outages == 1 and link.error is None
+
+        anyio.run(main, backend="asyncio")
+    finally:
+        srv.stop()
 
 
 def test_a_query_over_the_servers_limit_is_refused_before_it_is_sent(tmp_path: Path) -> None:
@@ -215,8 +241,6 @@ def test_a_query_over_the_servers_limit_is_refused_before_it_is_sent(tmp_path: P
 
 
 def test_no_server_and_a_server_that_is_not_nats_are_bus_errors(tmp_path: Path) -> None:
-    from mlscope.natsserver import free_port
-
     with pytest.raises(BusError, match="no NATS server"):
         open_link(f"nats://127.0.0.1:{free_port()}", timeout=1)
     http = subprocess.Popen(
@@ -387,21 +411,143 @@ def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -
     assert (rec.predict_end >= rec.predict_start).all()
 
 
-def test_a_run_whose_link_breaks_fails_with_the_reason(tmp_path: Path) -> None:
-    with NatsServer(store_dir=tmp_path / "nats") as srv:
-        settings = Settings(nats_url=srv.url, data_dir=tmp_path / "data")
+def test_a_run_through_a_bus_outage_records_what_it_could_not_send_and_goes_on(
+    tmp_path: Path,
+) -> None:
+    srv = NatsServer(store_dir=tmp_path / "nats", port=free_port()).start()
+    settings = Settings(nats_url=srv.url, data_dir=tmp_path / "data")
 
-        async def go() -> None:
-            async with busmod.connect(settings, name="test broken link") as bus:
-                driver = _noop_driver(bus, "nobody", "ev-broken", 3.0)
-                threading.Timer(0.5, srv.kill).start()
-                await driver.run()
+    def outage() -> None:
+        srv.kill()
+        time.sleep(0.6)
+        srv.start()
 
-        started = time.monotonic()
-        with pytest.raises(BaseException) as caught:  # in the Driver's task group
-            anyio.run(go, backend="asyncio")
-        assert time.monotonic() - started < loadgen.DRAIN_TIMEOUT_S  # no wait for answers
-        exc = caught.value
-        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]
-        assert isinstance(exc, BusError) and "lost its query link" in str(exc), exc
+    async def go() -> Any:
+        async with (
+            answering(srv.url, SUBJECT, first=10**6),
+            busmod.connect(settings, name="test outage") as bus,
+        ):
+            driver = Driver(
+                bus,
+                evaluation_id="ev-outage",
+                subject=SUBJECT,
+                spec=ScenarioSpec(name="online", qps=200, duration_s=5),
+                inputs=lambda g: np.zeros((1, 4), np.float32),
+                labels=None,
+                trace_level=TraceLevel.NONE,
+                schedule=poisson(200, duration_s=5, seed=2),
+                tuning=ProcessTuning(),
+            )
+            threading.Timer(1.0, outage).start()
+            return await driver.run()
+
+    try:
+        rec = anyio.run(go, backend="asyncio")
+    finally:
+        srv.stop()
+    second = rec.scheduled / 1e9
+    assert rec.ok[second < 0.7].all()  # before the outage
+    unsent = [i for i, e in rec.errors.items() if e.startswith("not sent:")]
+    assert unsent and all("unreachable" in rec.errors[i] for i in unsent)
+    assert all(0.7 <= second[i] <= 4.0 for i in unsent)  # only while the bus was down
+    assert all(rec.completed[i] == 0 and rec.issued[i] > 0 for i in unsent)  # lost
+    assert rec.ok[second > 4.0].all()  # the link and the agent came back
+    assert rec.not_issued == 0
+
+
+# ---------------------------------------------------------------- a closed loop
+
+
+@asynccontextmanager
+async def answering(url: str, subject: str, first: int) -> AsyncIterator[list[int]]:
+    """An agent on the bus that answers the first ``first`` queries, then goes quiet."""
+    nc = await nats.connect(url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+    seen: list[int] = []
+
+    async def on_query(msg: Any) -> None:
+        query = wire.decode_query(msg.data)
+        seen.append(query.index)
+        if len(seen) <= first:
+            t = time.perf_counter_ns()
+            reply = QueryReply(
+                index=query.index,
+                ok=True,
+                outputs=np.zeros((1, 2), np.float32),
+                t_received=t,
+                t_predict_start=t,
+                t_predict_end=t,
+                t_replied=t,
+            )
+            await msg.respond(wire.encode_reply(reply))
+
+    await nc.subscribe(subject, cb=on_query)
+    await nc.flush()
+    try:
+        yield seen
+    finally:
+        await nc.close()
+
+
+def _closed_driver(bus: busmod.Bus, inputs: Any) -> Driver:
+    return Driver(
+        bus,
+        evaluation_id="ev-closed",
+        subject=SUBJECT,
+        spec=ScenarioSpec(name="concurrency", concurrency=3, duration_s=30),
+        inputs=inputs,
+        labels=None,
+        trace_level=TraceLevel.NONE,
+        tuning=ProcessTuning(),
+    )
+
+
+def test_a_closed_loop_sends_each_query_on_an_answer_and_ends_when_answers_stop(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loadgen, "DRAIN_TIMEOUT_S", 0.5)
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+
+    async def go() -> tuple[Any, list[int]]:
+        async with (
+            answering(nats_server.url, SUBJECT, first=12) as seen,
+            busmod.connect(settings, name="test closed loop") as bus,
+        ):
+            rec = await _closed_driver(bus, lambda g: np.zeros((1, 4), np.float32)).run()
+            return rec, seen
+
+    started = time.monotonic()
+    rec, seen = anyio.run(go, backend="asyncio")
+    assert time.monotonic() - started < 10  # ended by the stall, not by its 30 s
+    assert seen == list(range(15)) and rec.n == 15  # 3 in flight + one per answer
+    assert rec.ok[:12].all() and not rec.ok[12:].any() and (rec.completed[12:] == 0).all()
+    # Three in flight at most: query i + 3 left only once query i was answered.
+    assert (rec.issued[3:] >= rec.completed[:12]).all()
+    assert (rec.completed[:12] > rec.issued[:12]).all()
+    assert (rec.scheduled == rec.issued).all()
+
+
+def test_a_closed_loop_whose_inputs_fail_fails_with_their_error(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+
+    def inputs(g: int) -> np.ndarray:
+        if g == 7:  # sent from the reader thread, on the answer to query 4
+            raise EvaluationError("sample 7 cannot be read")
+        return np.zeros((1, 4), np.float32)
+
+    async def go() -> None:
+        async with (
+            answering(nats_server.url, SUBJECT, first=100),
+            busmod.connect(settings, name="test closed loop") as bus,
+        ):
+            await _closed_driver(bus, inputs).run()
+
+    started = time.monotonic()
+    with pytest.raises(BaseException) as caught:  # in the Driver's task group
+        anyio.run(go, backend="asyncio")
+    assert time.monotonic() - started < loadgen.DRAIN_TIMEOUT_S
+    exc = caught.value
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    assert isinstance(exc, EvaluationError) and "sample 7" in str(exc), exc
