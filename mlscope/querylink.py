@@ -171,9 +171,9 @@ class QueryLink:
         self._closed.set()
         with suppress(OSError):  # already down
             self._sock.shutdown(socket.SHUT_RDWR)
-        if self._reader is not None:
-            self._reader.join(timeout=5)
-        self._sock.close()
+        if self._reader is not None:  # past a handshake under way, if any
+            self._reader.join(timeout=self._timeout + RECONNECT_WAIT_S + 1)
+        self._sock.close()  # the last connection the reader made
 
     def _lost(self, why: str) -> None:
         """The connection is gone (called with the send lock held, or by the reader)."""
