@@ -48,7 +48,14 @@ from cli.demo import wait_for_agent
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import JobRequest, ReleaseOp, ScenarioSpec, TraceLevel, new_id
+from mlscope.contracts import (
+    JobRequest,
+    PrepareOp,
+    ReleaseOp,
+    ScenarioSpec,
+    TraceLevel,
+    new_id,
+)
 from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.schedule import Schedule, poisson
@@ -163,15 +170,10 @@ async def served(
     async with busmod.connect(settings, name="bench-served") as bus:
         agent_id = await _noop_agent(bus)
         ctl = names.agent_ctl(agent_id)
-        prepare = {
-            "op": "prepare",
-            "evaluation_id": evaluation_id,
-            "model": "noop",
-            "model_version": "1.0.0",
-            "batch_size": 1,
-            "trace_level": "none",
-        }
-        await busmod.request(bus, ctl, codec.encode(prepare), timeout=60)
+        prepare = PrepareOp(
+            evaluation_id=evaluation_id, model="noop", model_version="1.0.0", trace_level="none"
+        )
+        await busmod.request(bus, ctl, codec.encode_model(prepare), timeout=60)
         try:
             driver = Driver(
                 bus,

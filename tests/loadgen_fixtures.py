@@ -1,4 +1,5 @@
-"""A real stack with a noop agent (nats-server, server and agent processes), per module."""
+"""A real stack with a noop agent (nats-server, server and agent processes), per module,
+and the noop model prepared on it for a Driver of a test's own."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ from pathlib import Path
 import pytest
 
 from cli.services import Stack
+from mlscope import bus as busmod
+from mlscope import codec, names
+from mlscope.contracts import PrepareOp
+from mlscope.registry import list_agents
 from tests.conftest import running_stack
 
 
@@ -16,3 +21,14 @@ def noop_stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Itera
     """``mlscope up --frameworks noop`` as child processes; yields the running Stack."""
     with running_stack(tmp_path_factory.mktemp("noopstack"), zoo_dir, ["noop"]) as s:
         yield s
+
+
+async def prepared_noop(bus: busmod.Bus, evaluation_id: str) -> str:
+    """Load the noop model for ``evaluation_id`` on the stack's noop agent; its id."""
+    agent = next(a for a in await list_agents(bus) if any(f.name == "noop" for f in a.frameworks))
+    prepare = PrepareOp(
+        evaluation_id=evaluation_id, model="noop", model_version="1.0.0", trace_level="none"
+    )
+    ctl = names.agent_ctl(agent.agent_id)
+    await busmod.request(bus, ctl, codec.encode_model(prepare), timeout=60)
+    return agent.agent_id

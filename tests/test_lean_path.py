@@ -24,9 +24,9 @@ from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
-from mlscope.registry import list_agents
 from mlscope.schedule import poisson
 from mlscope.tuning import ProcessTuning
+from tests.loadgen_fixtures import prepared_noop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,23 +181,11 @@ def test_the_outbox_sends_a_burst_in_order_after_one_wake_up() -> None:
 def test_a_served_run_issues_from_the_pacers_thread_never_early(noop_stack: Stack) -> None:
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test lead") as bus:
-            agent = next(
-                a for a in await list_agents(bus) if any(f.name == "noop" for f in a.frameworks)
-            )
-            ctl = names.agent_ctl(agent.agent_id)
-            prepare = {
-                "op": "prepare",
-                "evaluation_id": "ev-lead",
-                "model": "noop",
-                "model_version": "1.0.0",
-                "batch_size": 1,
-                "trace_level": "none",
-            }
-            await busmod.request(bus, ctl, codec.encode(prepare), timeout=60)
+            agent_id = await prepared_noop(bus, "ev-lead")
             driver = Driver(
                 bus,
                 evaluation_id="ev-lead",
-                subject=names.agent_query(agent.agent_id),
+                subject=names.agent_query(agent_id),
                 spec=ScenarioSpec(name="online", qps=500, duration_s=1.5),
                 inputs=lambda g: np.zeros((1, 4), np.float32),
                 labels=None,
@@ -207,7 +195,7 @@ def test_a_served_run_issues_from_the_pacers_thread_never_early(noop_stack: Stac
             )
             rec = await driver.run()
             release = codec.encode_model(ReleaseOp(evaluation_id="ev-lead"))
-            await busmod.request(bus, ctl, release, timeout=10)
+            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
             return rec
 
     rec = anyio.run(go, backend="asyncio")

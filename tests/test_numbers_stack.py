@@ -24,15 +24,15 @@ from broker.loadgen import Driver
 from broker.summary import figures
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
+from mlscope import names, remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError
 from mlscope.jobs import submit
-from mlscope.registry import list_agents
 from mlscope.schedule import constant
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
 from tests.conftest import child_env, python
+from tests.loadgen_fixtures import prepared_noop
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -172,20 +172,6 @@ def test_warmup_queries_are_stored_flagged_and_left_out(noop_stack: Stack) -> No
     assert s.loadgen_cost["shared_host"]  # the test stack runs on one host
 
 
-async def _prepared_noop(bus: busmod.Bus, evaluation_id: str) -> str:
-    agent = next(a for a in await list_agents(bus) if any(f.name == "noop" for f in a.frameworks))
-    prepare = {
-        "op": "prepare",
-        "evaluation_id": evaluation_id,
-        "model": "noop",
-        "model_version": "1.0.0",
-        "batch_size": 1,
-        "trace_level": "none",
-    }
-    await busmod.request(bus, names.agent_ctl(agent.agent_id), codec.encode(prepare), timeout=60)
-    return agent.agent_id
-
-
 def test_a_blocked_event_loop_delays_neither_queries_nor_their_answers(
     noop_stack: Stack,
 ) -> None:
@@ -196,7 +182,7 @@ def test_a_blocked_event_loop_delays_neither_queries_nor_their_answers(
 
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test lag") as bus:
-            agent_id = await _prepared_noop(bus, "ev-blocked-loop")
+            agent_id = await prepared_noop(bus, "ev-blocked-loop")
             spec = ScenarioSpec(name="constant", qps=200, duration_s=1.5)
             driver = Driver(
                 bus,

@@ -36,10 +36,10 @@ from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
 from mlscope.errors import BusError, EvaluationError
 from mlscope.natsserver import NatsServer, free_port
 from mlscope.querylink import QueryLink
-from mlscope.registry import list_agents
 from mlscope.schedule import poisson
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
+from tests.loadgen_fixtures import prepared_noop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -376,20 +376,8 @@ def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -
 
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test hostile") as bus:
-            agent = next(
-                a for a in await list_agents(bus) if any(f.name == "noop" for f in a.frameworks)
-            )
-            ctl = names.agent_ctl(agent.agent_id)
-            prepare = {
-                "op": "prepare",
-                "evaluation_id": "ev-hostile",
-                "model": "noop",
-                "model_version": "1.0.0",
-                "batch_size": 1,
-                "trace_level": "none",
-            }
-            await busmod.request(bus, ctl, codec.encode(prepare), timeout=60)
-            driver = _noop_driver(bus, agent.agent_id, "ev-hostile", 1.5)
+            agent_id = await prepared_noop(bus, "ev-hostile")
+            driver = _noop_driver(bus, agent_id, "ev-hostile", 1.5)
             async with anyio.create_task_group() as tg:
 
                 async def attack() -> None:
@@ -402,7 +390,7 @@ def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -
                 tg.start_soon(attack)
                 rec = await driver.run()
             release = codec.encode_model(ReleaseOp(evaluation_id="ev-hostile"))
-            await busmod.request(bus, ctl, release, timeout=10)
+            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
             return rec
 
     rec = anyio.run(go, backend="asyncio")
