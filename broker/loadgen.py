@@ -238,20 +238,20 @@ class Driver:
         if rec.n == 0:
             raise EvaluationError(f"scenario {s.name!r} schedules no query")
         self._index(sched)
-        # Every payload is built before the clock starts.
-        if self.payloads is None:
-            payloads = [self.payload(g) for g in sched.index.tolist()]
-        else:
-            payloads = self.payloads
-        if len(payloads) != rec.n:
-            raise EvaluationError(f"{len(payloads)} payloads for {rec.n} queries")
         link = await anyio.to_thread.run_sync(self._open_link)
         failed: BaseException | None = None
         try:
-            frames = [link.frame(self.subject, p) for p in payloads]
-            link.start(self._on_reply, on_end=self._idle.set)
+            link.start(self._on_reply, on_end=self._idle.set)  # answers the server's pings
+            # Every query's bytes are built before the clock starts.
+            if self.payloads is None:
+                glob = sched.index.tolist()
+                frames = [link.frame(self.subject, self.payload(g)) for g in glob]
+            else:
+                frames = [link.frame(self.subject, p) for p in self.payloads]
+            if len(frames) != rec.n:
+                raise EvaluationError(f"{len(frames)} payloads for {rec.n} queries")
             await self._pace(rec, offsets, link, frames)
-        except EvaluationError as exc:  # the pacer's send failed: say why below
+        except EvaluationError as exc:  # raised below, after the link's own error if any
             failed = exc
         finally:
             link.close()
