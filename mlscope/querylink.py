@@ -66,7 +66,7 @@ class QueryLink:
 
     def __init__(
         self,
-        connection: tuple[socket.socket, dict[str, Any], bytearray],
+        connection: tuple[socket.socket, int, bytearray],
         servers: list[ParseResult],
         options: Mapping[str, Any],
         *,
@@ -113,11 +113,11 @@ class QueryLink:
         first = _handshake(url, options, inbox=inbox, name=name, timeout=timeout)
         return cls(first, servers, options, inbox=inbox, name=name, timeout=timeout)
 
-    def _use(self, sock: socket.socket, info: dict[str, Any], rest: bytearray) -> None:
+    def _use(self, sock: socket.socket, max_payload: int, rest: bytearray) -> None:
         """Send and read through this connection from now on."""
         self._sock, self._buf = sock, rest
         self._ssl = sock if isinstance(sock, ssl.SSLSocket) else None
-        self.max_payload = int(info.get("max_payload", 1 << 20))
+        self.max_payload = max_payload
         self._up = True
 
     # ------------------------------------------------------------------ running
@@ -192,6 +192,10 @@ class QueryLink:
                 with self._lock:
                     self._lost(why)
                 self._reconnect()
+        except Exception as exc:  # whatever it was, the run hears of it, the process goes on
+            self.error = self.error or f"the query link's reader failed: {exc!r}"
+            with self._lock:
+                self._lost(self.error)
         finally:
             priority.restore()
             if on_end is not None:
@@ -269,9 +273,9 @@ class QueryLink:
 
 def _handshake(
     url: ParseResult, options: Mapping[str, Any], *, inbox: str, name: str, timeout: float
-) -> tuple[socket.socket, dict[str, Any], bytearray]:
+) -> tuple[socket.socket, int, bytearray]:
     """A new connection to ``url``, signed in and subscribed to ``inbox``: the socket,
-    the server's INFO, and what it sent beyond the handshake."""
+    the server's max_payload, and what it sent beyond the handshake."""
     host, port = url.hostname or "127.0.0.1", url.port or 4222
     where = f"{host}:{port}"
     try:
@@ -282,6 +286,11 @@ def _handshake(
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         info = json.loads(_line(sock, buf, expect=b"INFO ")[5:])
+        if not isinstance(info, dict):
+            raise BusError(f"{where} sent an INFO that is not an object")
+        max_payload = info.get("max_payload", 1 << 20)
+        if not isinstance(max_payload, int) or isinstance(max_payload, bool) or max_payload < 1:
+            raise BusError(f"{where} sent an INFO with max_payload {max_payload!r}")
         tls = options.get("tls")
         if info.get("tls_required") or url.scheme == "tls" or tls is not None:
             ctx = tls if isinstance(tls, ssl.SSLContext) else ssl.create_default_context()
@@ -309,7 +318,7 @@ def _handshake(
     except (OSError, ValueError, KeyError, nkeys.NkeysError) as exc:  # SSLError: OSError
         sock.close()
         raise BusError(f"the query link to {where} failed to open: {exc}") from exc
-    return sock, info, buf
+    return sock, max_payload, buf
 
 
 def _line(sock: socket.socket, buf: bytearray, *, expect: bytes = b"") -> bytes:

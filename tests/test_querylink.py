@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -264,6 +265,40 @@ def test_no_server_and_a_server_that_is_not_nats_are_bus_errors(tmp_path: Path) 
     finally:
         http.kill()
         http.wait()
+
+
+@pytest.mark.parametrize(
+    "greeting",
+    [
+        b"INFO []\r\n",
+        b'INFO {"max_payload": "big"}\r\n',
+        b'INFO {"max_payload": -1}\r\n',
+        b"INFO {not json\r\n",
+        b"INFO " + b"x" * (70 << 10),
+        b"HELLO\r\n",
+        b"INFO {}\r\n",  # then silence: no PONG ever comes
+        b"INFO {}\r\n-ERR 'Authorization Violation'\r\n",
+        b"",  # closes at once
+    ],
+)
+def test_a_hostile_server_fails_the_handshake_with_a_bus_error(greeting: bytes) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(greeting)
+            time.sleep(1.5)  # longer than the client's timeout
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with pytest.raises(BusError):
+            open_link(f"nats://127.0.0.1:{port}", timeout=1)
+    finally:
+        server.join(5)
+        listener.close()
 
 
 # ---------------------------------------------------------------- credentials, TLS
