@@ -6,6 +6,9 @@ sends each query on an answer and ends when answers stop."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import os
 import shutil
 import socket
@@ -348,6 +351,99 @@ def test_a_link_signs_in_with_the_bus_credentials_and_keeps_their_permissions(
     stranger.write_bytes(b"not a seed\n")
     with pytest.raises(BusError, match="failed to open"):
         open_link(srv.url, {"nkeys_seed": str(stranger)})
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _jwt(subject: str, nats_claims: dict[str, Any], issuer: Any) -> str:
+    """A NATS JWT (v2) for ``subject``, signed by the ``issuer`` key pair."""
+    claims: dict[str, Any] = {
+        "iat": int(time.time()),
+        "iss": issuer.public_key.decode(),
+        "name": subject[:8],
+        "sub": subject,
+        "nats": {**nats_claims, "version": 2},
+    }
+    digest = hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).digest()
+    claims["jti"] = base64.b32encode(digest).decode().rstrip("=")
+    head = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    body = _b64(json.dumps(claims).encode())
+    return f"{head}.{body}.{_b64(issuer.sign(f'{head}.{body}'.encode()))}"
+
+
+def _keypair(prefix: int) -> Any:
+    return nkeys.from_seed(bytearray(nkeys.encode_seed(os.urandom(32), prefix)))
+
+
+def _user_creds(path: Path, account: Any, permissions: dict[str, Any]) -> Path:
+    """A ``.creds`` file: a new user of ``account`` with ``permissions``."""
+    user = _keypair(nkeys.PREFIX_BYTE_USER)
+    claims = {"type": "user", "subs": -1, "data": -1, "payload": -1, **permissions}
+    jwt = _jwt(user.public_key.decode(), claims, account)
+    path.write_text(
+        "-----BEGIN NATS USER JWT-----\n"
+        f"{jwt}\n"
+        "------END NATS USER JWT------\n\n"
+        "-----BEGIN USER NKEY SEED-----\n"
+        f"{user.seed.decode()}\n"
+        "------END USER NKEY SEED------\n"
+    )
+    return path
+
+
+def test_a_link_signs_in_with_a_user_jwt_as_the_bus_does(tmp_path: Path) -> None:
+    """Operator mode (decentralized JWT auth): the bus's ``.creds`` file signs the link
+    in, the user's permissions hold on it, and a user of an unknown account is refused."""
+    operator = _keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    account = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    account_id = account.public_key.decode()
+    limits = {"subs": -1, "conn": -1, "leaf": -1, "imports": -1, "exports": -1}
+    system_id = _keypair(nkeys.PREFIX_BYTE_ACCOUNT).public_key.decode()  # JetStream's own
+    accounts = {
+        key: _jwt(
+            key,
+            {"type": "account", "limits": {**limits, "data": -1, "payload": -1, "wildcards": True}},
+            operator,
+        )
+        for key in (account_id, system_id)
+    }
+    operator_jwt = _jwt(
+        operator.public_key.decode(), {"type": "operator", "system_account": system_id}, operator
+    )
+    conf = tmp_path / "operator.conf"
+    conf.write_text(
+        f"operator: {operator_jwt}\nsystem_account: {system_id}\nresolver: MEMORY\n"
+        "resolver_preload: {\n"
+        + "".join(f"  {key}: {jwt}\n" for key, jwt in accounts.items())
+        + "}\n"
+    )
+    server = _user_creds(
+        tmp_path / "server.creds",
+        account,
+        {"pub": {"allow": [SUBJECT]}, "sub": {"allow": ["_INBOX.>"]}},
+    )
+    responder = _user_creds(tmp_path / "agent.creds", account, {})
+    with NatsServer(store_dir=tmp_path / "nats", config_file=conf) as srv:
+        options = busmod.connect_options(Settings(nats_url=srv.url, nats_creds=server))
+        assert options["user_credentials"] == str(server)
+        served_by_echo(srv.url, options, user_credentials=str(responder))
+        # What the user may not publish fails the link, with the server's words.
+        link = open_link(srv.url, options)
+        link.start(Replies())
+        try:
+            link.send(link.frame("elsewhere", b"forbidden"))
+            deadline = time.monotonic() + 5
+            while link.error is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert link.error is not None and "permissions violation" in link.error.lower()
+        finally:
+            link.close()
+        # A user whose account the operator never signed is refused at the handshake.
+        rogue = _user_creds(tmp_path / "rogue.creds", _keypair(nkeys.PREFIX_BYTE_ACCOUNT), {})
+        with pytest.raises(BusError, match="refused the query link"):
+            open_link(srv.url, {"user_credentials": str(rogue)})
 
 
 def test_a_link_speaks_tls_when_the_bus_does(tmp_path: Path) -> None:
