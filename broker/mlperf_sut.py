@@ -2,10 +2,10 @@
 
 ```
 LoadGen thread ── load_samples / unload_samples ── ctl request ──► agent's sample library
-LoadGen thread ── issue_query(samples) ──call_soon_threadsafe──► event loop
-                                                                  │ chunks of <= batch_size
-                                                                  │ samples, <= window in flight
-        QuerySamplesComplete ◄── reply (outputs, agent times) ◄── agent (SamplesQuery / QueryReply)
+LoadGen thread ── issue_query(samples): chunks of <= batch_size samples, <= window in
+                  flight, written to the run's query link ──► agent
+link's reader ◄── reply (outputs, agent times) ◄── agent (SamplesQuery / QueryReply)
+      └── QuerySamplesComplete, then the waiting chunks the answer made room for
 ```
 
 * The QuerySampleLibrary is held by the agent (:mod:`agent.samplelib`): LoadGen's
@@ -23,8 +23,13 @@ LoadGen thread ── issue_query(samples) ──call_soon_threadsafe──► e
   with the response LoadGen logs in accuracy mode: the predicted classes as int64,
   best first (what MLPerf's ImageNet checker reads).
 
-LoadGen runs in its own thread (``StartTest`` releases the GIL); every state change
-here happens on the event loop, so nothing is locked.
+LoadGen runs in its own thread (``StartTest`` releases the GIL). Its queries go out
+on a :class:`mlscope.querylink.QueryLink` of the run's own, as the load generator's do
+(no hop to the event loop on the way out or back): LoadGen's thread writes what it
+issues, the link's reader completes each answered chunk and sends the chunks waiting
+for room, both under one lock; LoadGen hears of completed samples outside it. The
+event loop answers LoadGen's sample-library calls and, each second, fails chunks
+unanswered for REPLY_TIMEOUT_S or refused by the server.
 
 Each test runs in a child process of the server, ``python -m broker.mlperf_sut CFG``:
 LoadGen keeps process-wide state (its logger, and a count of the conf files read,
@@ -41,8 +46,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -53,16 +60,14 @@ import anyio
 import numpy as np
 
 from mlscope import bus as busmod
-from mlscope import codec
+from mlscope import codec, wire
 from mlscope.bus import Bus, request
 from mlscope.contracts import (
     MLPerfSpec,
     SamplesLoadOp,
-    SamplesQuery,
     SamplesUnloadOp,
-    new_id,
 )
-from mlscope.errors import MLScopeError, WireError
+from mlscope.errors import BusError, MLScopeError
 from mlscope.mlperf import (
     ERROR,
     TIMING,
@@ -73,10 +78,13 @@ from mlscope.mlperf import (
     start_test,
     test_settings,
 )
+from mlscope.querylink import QueryLink
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
 
 __all__ = ["AgentSUT", "main"]
+
+log = logging.getLogger(__name__)
 
 now = time.perf_counter_ns
 SAMPLES_TIMEOUT_S = 300.0
@@ -84,10 +92,6 @@ SAMPLES_TIMEOUT_S = 300.0
 REPLY_TIMEOUT_S = 60.0
 """A chunk unanswered this long fails its samples: LoadGen waits for every sample, so
 an agent that died mid-test would otherwise hold the test (and the job) forever."""
-LOOP_REALTIME_MAX_QPS = 5_000.0
-"""Above this target rate the event loop, which publishes what LoadGen issues, keeps
-its normal priority: it is busy most of the time there, and a busy real-time thread
-would take a core from the agent and nats-server (the system under test)."""
 
 
 @dataclass
@@ -118,11 +122,12 @@ class AgentSUT:
     errors: int = 0
 
     def __post_init__(self) -> None:
-        self.inbox = f"_INBOX.{new_id('mlperf')}"
+        self.inbox = self.bus.nc.new_inbox()  # under this connection's role's inbox prefix
+        self.link: QueryLink | None = None
+        self._lock = threading.Lock()  # LoadGen's issue thread, the link's reader, expiry
         self._backlog: deque[_Chunk] = deque()
         self._inflight: dict[int, _Chunk] = {}
         self._next = 0
-        self._work = asyncio.Event()
         self._failure: BaseException | None = None
 
     # ------------------------------------------------------------- LoadGen's thread
@@ -146,90 +151,104 @@ class AgentSUT:
             self._failure = self._failure or exc
 
     def issue_query(self, samples: list[Any]) -> None:
+        """LoadGen's issue: its chunks go out on the link from this thread, at once,
+        while fewer than ``window`` are in flight; the rest wait for answers."""
         t = now()
         items = [(int(s.id), int(s.index)) for s in samples]
-        self.loop.call_soon_threadsafe(self._admit, t, items)
+        with self._lock:
+            q = len(self.issue_ns)
+            self.issue_ns.append(t)
+            for start in range(0, len(items), self.batch_size):
+                self._backlog.append(_Chunk(q, start, items[start : start + self.batch_size]))
+            done = self._pump()
+        self._respond(done)
 
-    # ------------------------------------------------------------- event loop
+    # ------------------------------------------------------------- the link's reader
 
-    def _admit(self, t: int, items: list[tuple[int, int]]) -> None:
-        q = len(self.issue_ns)
-        self.issue_ns.append(t)
-        for start in range(0, len(items), self.batch_size):
-            self._backlog.append(_Chunk(q, start, items[start : start + self.batch_size]))
-        self._work.set()
+    def on_reply(self, payload: bytes, _t: int) -> None:
+        """One reply (on the link's reader thread): its chunk's samples complete, and
+        waiting chunks take its place. What cannot be read as a reply raises before it
+        touches a chunk (the link counts it; the chunk waits for its real answer)."""
+        data = codec.decode(payload)
+        answer: _Answer | None = None
+        if data.get("kind") == "error":
+            err = data.get("error") or {}
+            index = int(err.get("fields", {}).get("index", -1))
+            error = str(err.get("message", "error"))
+        elif data.get("ok"):
+            index, error = int(data["index"]), ""
+            agent = (
+                int(data["t_received"]),
+                int(data["t_predict_start"]),
+                int(data["t_predict_end"]),
+                int(data["t_replied"]),
+            )
+            answer = (data.get("outputs"), agent)
+        else:
+            index = int(data.get("index", -1))
+            error = str((data.get("error") or {}).get("message", "error"))
+        with self._lock:
+            done = [self._complete(index, answer, error)]
+            done += self._pump()
+        self._respond(done)
 
-    async def serve(self) -> None:
-        """Send waiting chunks while fewer than ``window`` are in flight (until cancelled)."""
-        sub = await self.bus.nc.subscribe(self.inbox, cb=self._on_reply)
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._expire)
-                while True:
-                    await self._work.wait()
-                    self._work.clear()
-                    while self._backlog and len(self._inflight) < self.window:
-                        await self._send(self._backlog.popleft())
-        finally:
-            with anyio.CancelScope(shield=True):
-                await sub.unsubscribe()
+    def fail_outstanding(self, why: str) -> None:
+        """Every chunk in flight or waiting fails with ``why`` (the link is gone)."""
+        with self._lock:
+            done = [self._complete(i, None, why) for i in list(self._inflight)]
+            while self._backlog:
+                done.append(self._settle(self._backlog.popleft(), None, why))
+        self._respond(done)
 
-    async def _expire(self, timeout_s: float = REPLY_TIMEOUT_S) -> None:
-        while True:
-            await anyio.sleep(1.0)
-            limit = now() - int(timeout_s * 1e9)
-            for i in [i for i, c in self._inflight.items() if c.sent_ns < limit]:
-                self._complete(i, None, f"no reply within {timeout_s:g} s")
+    def expire(self, timeout_s: float = REPLY_TIMEOUT_S) -> None:
+        """Chunks unanswered for ``timeout_s`` fail; waiting ones take their place."""
+        limit = now() - int(timeout_s * 1e9)
+        with self._lock:
+            late = [i for i, c in self._inflight.items() if c.sent_ns < limit]
+            done = [self._complete(i, None, f"no reply within {timeout_s:g} s") for i in late]
+            done += self._pump()
+        self._respond(done)
 
-    async def _send(self, chunk: _Chunk) -> None:
-        i = self._next
-        self._next += 1
-        chunk.sent_ns = now()
-        self._inflight[i] = chunk
-        query = SamplesQuery(
-            evaluation_id=self.evaluation_id,
-            index=i,
-            samples=np.fromiter((idx for _, idx in chunk.items), np.int64, len(chunk.items)),
-        )
-        payload = codec.encode_model(query)
-        await self.bus.nc.publish(self.agent_subjects[0], payload, reply=self.inbox)
+    # ------------------------------------------------------------- under the lock
 
-    async def _on_reply(self, msg: Any) -> None:
-        try:
-            data = codec.decode(msg.data)
-            if data.get("kind") == "error":
-                err = data.get("error") or {}
-                self._complete(
-                    int(err.get("fields", {}).get("index", -1)),
-                    None,
-                    str(err.get("message", "error")),
-                )
-            elif data.get("ok"):
-                self._complete(int(data["index"]), data, "")
-            else:
-                self._complete(
-                    int(data.get("index", -1)),
-                    None,
-                    str((data.get("error") or {}).get("message", "error")),
-                )
-        except (WireError, AttributeError, KeyError, TypeError, ValueError):
-            return  # not a reply: its chunk is answered by a real one, or expires
+    def _pump(self) -> list[_Done]:
+        """Send waiting chunks while fewer than ``window`` are in flight; what could
+        not be sent is answered with why."""
+        done: list[_Done] = []
+        link = self.link
+        while self._backlog and len(self._inflight) < self.window:
+            chunk = self._backlog.popleft()
+            if link is None or link.error is not None:
+                done.append(self._settle(chunk, None, f"not sent: {link and link.error}"))
+                continue
+            i = self._next
+            self._next += 1
+            samples = np.fromiter((idx for _, idx in chunk.items), np.int64, len(chunk.items))
+            query = wire.encode_samples_query(self.evaluation_id, i, samples)
+            chunk.sent_ns = now()
+            self._inflight[i] = chunk
+            try:
+                link.send(link.frame(self.agent_subjects[0], query))
+            except BusError as exc:  # the bus is unreachable: these samples are lost
+                done.append(self._complete(i, None, f"not sent: {exc}"))
+        return done
 
-    def _complete(self, i: int, reply: dict[str, Any] | None, error: str) -> None:
+    def _complete(self, i: int, answer: _Answer | None, error: str) -> _Done:
         chunk = self._inflight.pop(i, None)
         if chunk is None:
-            return  # not ours, or a duplicate
+            return [], []  # not ours, or a duplicate
+        return self._settle(chunk, answer, error)
+
+    def _settle(self, chunk: _Chunk, answer: _Answer | None, error: str) -> _Done:
+        """Record a chunk's outcome (``answer``: the agent's outputs and times, None
+        when it failed with ``error``); return LoadGen's responses and the arrays they
+        point into (alive until LoadGen has copied them)."""
         ranks, agent = None, (0, 0, 0, 0)
-        if reply is not None:
+        if answer is not None:
+            outputs, agent = answer
             try:
-                agent = (
-                    int(reply["t_received"]),
-                    int(reply["t_predict_start"]),
-                    int(reply["t_predict_end"]),
-                    int(reply["t_replied"]),
-                )
-                ranks = rankings(reply.get("outputs"), len(chunk.items))
-            except (KeyError, TypeError, ValueError):
+                ranks = rankings(outputs, len(chunk.items))
+            except Exception:  # whatever hostile outputs hold fails only their chunk
                 ranks = None
             error = error or ("" if ranks is not None else "malformed reply")
         keep: list[np.ndarray] = []
@@ -246,18 +265,46 @@ class AgentSUT:
                 self.errors += 1
                 responses.append(self.lg.QuerySampleResponse(sid, 0, 0))
             self.timing[(chunk.query_seq, chunk.first + pos)] = t
-        self.lg.QuerySamplesComplete(responses)  # copies the data before it returns
-        del keep
-        self._work.set()
+        return responses, keep
+
+    # ------------------------------------------------------------- outside the lock
+
+    def _respond(self, done: list[_Done]) -> None:
+        """Hand LoadGen its completed samples (never under our lock: LoadGen may hold
+        its own while it calls issue_query)."""
+        for responses, keep in done:
+            if responses:
+                self.lg.QuerySamplesComplete(responses)  # copies the data before it returns
+            del keep
 
     def check(self) -> None:
-        """Raise what made the run meaningless (LoadGen's misuse of its library)."""
+        """Raise what made the run meaningless (LoadGen's misuse of its library, or
+        the bus refusing the queries)."""
         if self._failure is not None:
             raise self._failure
+        if self.link is not None and self.link.error is not None:
+            raise BusError(f"the bus refused the run's queries: {self.link.error}")
+
+
+_Done = tuple[list[Any], list[np.ndarray]]
+"""LoadGen's responses for one chunk, and the arrays they point into."""
+_Answer = tuple[Any, tuple[int, int, int, int]]
+"""An agent's outputs for a chunk, and its received / predict / replied times."""
+
+
+async def _watch(sut: AgentSUT, link: QueryLink) -> None:
+    """Each second: chunks past REPLY_TIMEOUT_S fail, and once the server refuses the
+    link's queries, everything outstanding fails with its words (until cancelled)."""
+    while True:
+        await anyio.sleep(1.0)
+        if link.error is not None:
+            sut.fail_outstanding(f"the bus refused the query: {link.error}")
+        sut.expire()
 
 
 async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any]) -> AgentSUT:
-    """One LoadGen test in a worker thread while the SUT serves on the event loop."""
+    """One LoadGen test in a worker thread; its queries go out on a query link of
+    their own and the link's reader completes them."""
     spec = MLPerfSpec.model_validate(cfg["spec"])
     work = Path(cfg["workdir"])
     sut = AgentSUT(
@@ -268,31 +315,43 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any]) -> AgentSUT:
         spec.batch_size,
         spec.window,
     )
+    link = sut.link = await anyio.to_thread.run_sync(
+        lambda: QueryLink.open(
+            bus.server_url(),
+            bus.options,
+            inbox=sut.inbox,
+            name=f"mlscope mlperf {sut.evaluation_id}",
+        )
+    )
     ts = test_settings(lg, spec, cfg["conf_model"], work)
     # The same conditions as mlscope's own pacer (broker/loadgen.py), so the two load
     # generators can be compared: LoadGen's issue thread gets the GIL the moment it
     # wakes (not after a 5 ms switch interval), no GC pause holds it, and it runs in
-    # SCHED_FIFO like the pacer thread (mlscope.mlperf.start_test); the event loop,
-    # which publishes here, too below LOOP_REALTIME_MAX_QPS (no effect without
-    # CAP_SYS_NICE). This process runs one
-    # test, then exits.
-    realtime_loop = spec.scenario != "Offline" and (spec.target_qps or 0) <= LOOP_REALTIME_MAX_QPS
-    with ProcessTuning().measurement(realtime_loop=realtime_loop):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(sut.serve)
-            await anyio.to_thread.run_sync(
-                lambda: start_test(
-                    lg,
-                    issue=sut.issue_query,
-                    samples=int(cfg["samples"]),
-                    load=sut.load_samples,
-                    unload=sut.unload_samples,
-                    settings=ts,
-                    logdir=cfg["logdir"],
-                    workdir=work,
+    # SCHED_FIFO like the pacer thread (mlscope.mlperf.start_test), the link's reader
+    # too (no effect without CAP_SYS_NICE). The event loop only answers LoadGen's
+    # sample-library calls. This process runs one test, then exits.
+    try:
+        link.start(sut.on_reply)
+        with ProcessTuning().measurement(realtime_loop=False):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch, sut, link)
+                await anyio.to_thread.run_sync(
+                    lambda: start_test(
+                        lg,
+                        issue=sut.issue_query,
+                        samples=int(cfg["samples"]),
+                        load=sut.load_samples,
+                        unload=sut.unload_samples,
+                        settings=ts,
+                        logdir=cfg["logdir"],
+                        workdir=work,
+                    )
                 )
-            )
-            tg.cancel_scope.cancel()
+                tg.cancel_scope.cancel()
+    finally:
+        link.close()
+    if link.bad_replies:
+        log.warning("%d replies could not be read: %s", link.bad_replies, link.bad_reply)
     sut.check()
     return sut
 

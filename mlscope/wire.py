@@ -25,7 +25,7 @@ from mlscope import codec
 from mlscope.contracts import SCHEMA, QueryReply, TraceLevel
 from mlscope.errors import WireError
 
-__all__ = ["QueryView", "decode_query", "encode_query", "encode_reply"]
+__all__ = ["QueryView", "decode_query", "encode_query", "encode_reply", "encode_samples_query"]
 
 _QUERY_FIELDS = frozenset(("schema", "kind", "evaluation_id", "index", "inputs")) | frozenset(
     ("trace_level", "raw", "labels", "more_inputs", "schema_")
@@ -54,6 +54,20 @@ def encode_query(
     }
     if extra:
         raise WireError(f"a query has no field(s) {sorted(extra)}")
+    return codec.encode(msg)
+
+
+def encode_samples_query(evaluation_id: str, index: int, samples: np.ndarray) -> bytes:
+    """The wire bytes of a :class:`SamplesQuery` (``samples``: int64 data-set
+    indices), as ``codec.encode_model(SamplesQuery(...))`` makes them but without
+    validating."""
+    msg = {
+        "schema": SCHEMA,
+        "kind": "samples_query",
+        "evaluation_id": evaluation_id,
+        "index": index,
+        "samples": samples,
+    }
     return codec.encode(msg)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgpack
 import numpy as np
 import pytest
 
@@ -24,7 +25,7 @@ from broker import mlperf_logs as logs
 from cli.mlperf_cmd import find_results, import_job
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import remote
+from mlscope import codec, names, remote
 from mlscope.errors import ConfigError
 from mlscope.stats import percentiles
 from tests.conftest import child_env, running_stack
@@ -260,6 +261,58 @@ def test_samples_loaded_in_sets_as_loadgen_asks(
     assert detail.count('"key": "loaded_qsl_set"') == 4  # 100 + 100 + 100 + 60
     assert doc["errors"] == 0 and doc["accuracy"]["samples"] == 360
     assert round(doc["accuracy"]["top1"], 4) == 0.9778
+
+
+def test_a_server_placement_test_survives_hostile_replies_in_its_inbox(
+    ort: Stack, user_conf: Path, tmp_path: Path
+) -> None:
+    """Beside each real answer, the SUT's inbox gets garbage, wrong types, deep nesting,
+    foreign indices and an unreadable reply for the very chunk asked: none completes a
+    sample, and LoadGen's test is VALID with every sample answered by the agent."""
+    deep: Any = 1
+    for _ in range(200):
+        deep = [deep]
+    seen = threading.Event()
+    stop = threading.Event()
+
+    def hostile(index: int) -> list[bytes]:
+        return [  # the chunk's own index first, so it may beat the agent's answer
+            codec.encode({"kind": "reply", "index": index, "ok": True, "t_received": "late"}),
+            b"\xc1garbage",
+            msgpack.packb(deep),
+            codec.encode([1, 2, 3]),
+            codec.encode({"kind": "reply", "index": "seven", "ok": True}),
+            codec.encode({"kind": "reply", "index": 2**64 - 1, "ok": True}),
+            codec.encode({"kind": "error", "error": "not a mapping"}),
+            codec.encode({"kind": "reply", "index": index, "ok": True, "pad": b"x" * 4096}),
+        ]
+
+    async def attack() -> None:
+        async with busmod.connect(ort.settings, name="test attacker") as bus:
+
+            async def poison(msg: Any) -> None:
+                if msg.reply:
+                    seen.set()
+                    for data in hostile(int(codec.decode(msg.data)["index"])):
+                        await bus.nc.publish(msg.reply, data)
+
+            await bus.nc.subscribe(f"{names.PREFIX}.agent.*.samples", cb=poison)
+            await bus.nc.flush()
+            while not stop.is_set():
+                await anyio.sleep(0.05)
+
+    attacker = threading.Thread(target=anyio.run, args=(attack,), daemon=True)
+    attacker.start()
+    try:
+        flags = ["--scenario", "Server", "--target-qps", "200", "--placement", "server"]
+        doc = mlperf(ort, tmp_path, user_conf, *flags)
+    finally:
+        stop.set()
+        attacker.join(10)
+    assert seen.is_set(), "the attacker saw no query"
+    summary = (tmp_path / logs.SUMMARY).read_text()
+    assert "Result is : VALID" in summary, summary
+    assert doc["valid"] and doc["errors"] == 0 and doc["queries"] >= 700
 
 
 @pytest.mark.parametrize("scenario", ["SingleStream", "MultiStream"])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mlscope import codec, wire
-from mlscope.contracts import Query, QueryReply
+from mlscope.contracts import Query, QueryReply, SamplesQuery
 from mlscope.errors import WireError
 
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -28,6 +28,13 @@ def test_a_query_encodes_to_the_contracts_bytes() -> None:
         assert fast == slow
     with pytest.raises(WireError, match="no field"):
         wire.encode_query("ev-1", 7, X, 2, colour="red")
+
+
+def test_a_samples_query_encodes_to_the_contracts_bytes() -> None:
+    for samples in (np.array([3, 1, 4], np.int64), np.zeros(0, np.int64)):
+        fast = wire.encode_samples_query("ev-1", 9, samples)
+        slow = codec.encode_model(SamplesQuery(evaluation_id="ev-1", index=9, samples=samples))
+        assert fast == slow
 
 
 def test_a_reply_encodes_to_the_contracts_bytes() -> None:
