@@ -24,6 +24,13 @@
      --served-s seconds (single-stream): each query is sent when the previous answer
      arrives, so its round trip has no schedule to wait for.
 
+4. The machine's wake-up floor, before and after the rest: one thread sleeping to
+   deadlines 1 ms apart with libc's ``clock_nanosleep`` (through ctypes, the GIL
+   released), at normal and at real-time priority: its thread CPU time per
+   sleep-and-wake and how late each wake-up is (p50/p99). An open loop at 1,000 QPS
+   wakes two threads a query (the pacer to send, the link's reader to stamp the
+   reply), so twice the CPU per turn is the floor of its CPU per query on the machine.
+
 Usage: PYTHONPATH=. python bench/bench_loadgen.py [--qps 1000] [--duration 30]
        [--rounds 5] [--served-s 10] [--only served]
 Prints, asserts nothing.
@@ -32,9 +39,11 @@ Prints, asserts nothing.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +66,7 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.jobs import submit
+from mlscope.pacer import RealtimeThread
 from mlscope.registry import list_agents
 from mlscope.schedule import Schedule, poisson
 from mlscope.settings import Settings
@@ -260,6 +270,52 @@ def report_ab(out: dict[str, list[dict[str, float]]]) -> None:
         )
 
 
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def wake_floor(*, realtime: bool, turns: int = 3000, gap_ns: int = 1_000_000) -> dict[str, float]:
+    """One thread's sleep-and-wake to deadlines ``gap_ns`` apart, in C: its CPU time
+    per turn and each wake-up's lateness (see the module doc, 4)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    clock_monotonic, timer_abstime = 1, 1  # <time.h>; perf_counter_ns is CLOCK_MONOTONIC
+    late = np.zeros(turns, np.int64)
+    cpu = [0]
+
+    def run() -> None:
+        priority = RealtimeThread(enable=realtime)
+        try:
+            ts = _Timespec()
+            cpu0 = time.thread_time_ns()
+            due = time.perf_counter_ns() + gap_ns
+            for i in range(turns):
+                ts.tv_sec, ts.tv_nsec = divmod(due, 1_000_000_000)
+                libc.clock_nanosleep(clock_monotonic, timer_abstime, ctypes.byref(ts), None)
+                late[i] = time.perf_counter_ns() - due
+                due += gap_ns
+            cpu[0] = time.thread_time_ns() - cpu0
+        finally:
+            priority.restore()
+
+    thread = threading.Thread(target=run, name="wake-floor")
+    thread.start()
+    thread.join()
+    p50, p99 = np.percentile(late / 1e3, [50, 99])
+    return {"cpu_us_per_turn": cpu[0] / turns / 1e3, "late_p50_us": p50, "late_p99_us": p99}
+
+
+def report_floor(when: str) -> None:
+    for realtime in (False, True):
+        f = wake_floor(realtime=realtime)
+        print(
+            f"4. wake-up floor ({when}, {'real-time' if realtime else 'normal'} priority): "
+            f"CPU {f['cpu_us_per_turn']:.1f} us per sleep-and-wake (x2 = "
+            f"{2 * f['cpu_us_per_turn']:.1f} us per query), late p50 {f['late_p50_us']:.1f} "
+            f"us, p99 {f['late_p99_us']:.1f} us",
+            flush=True,
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--qps", type=float, default=1000)
@@ -273,6 +329,7 @@ def main() -> None:
     stack = Stack(Settings(data_dir=data), nats_port=0, frameworks=["noop"])
     live = stack.start()
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    report_floor("before")
     try:
         anyio.run(wait_for_agent, live, "noop")
         ab = ab_rounds(live, args)
@@ -292,6 +349,7 @@ def main() -> None:
             )
             lg = anyio.run(issue_rate, live, args.burst)
             raw = anyio.run(raw_publish_rate, live, args.burst)
+        report_floor("after")
     finally:
         stack.stop()
     print(f"load average {os.getloadavg()[0]:.2f} at the end")

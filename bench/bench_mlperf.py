@@ -9,7 +9,8 @@ short with a user.conf (Offline ``--seconds``, Server ``--seconds``; LoadGen's o
 verdict is printed, not asserted).
 
 Usage: PYTHONPATH=. python bench/bench_mlperf.py [--zoo DIR] [--rounds 3] [--seconds 3]
-       [--qps 200] [--offline-qps 200000]
+       [--qps 200] [--offline-qps 200000] [--scenarios Offline,Server]
+       [--placements server,agent]
 Prints one JSON document; asserts nothing.
 """
 
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--qps", type=float, default=200.0)
     ap.add_argument("--offline-qps", type=float, default=200_000.0)
+    ap.add_argument("--scenarios", default="Offline,Server", help="comma-separated")
+    ap.add_argument("--placements", default="server,agent", help="comma-separated")
     args = ap.parse_args()
     data = Path(tempfile.mkdtemp(prefix="mlscope-bench-mlperf-"))  # fresh: never ~/.mlscope
     (data / "zoo").symlink_to(args.zoo.resolve(), target_is_directory=True)
@@ -75,10 +78,10 @@ def main() -> None:
         "Offline": MLPerfSpec(scenario="Offline", target_qps=args.offline_qps, user_conf=conf),
         "Server": MLPerfSpec(scenario="Server", target_qps=args.qps, user_conf=conf, seed=7),
     }
-    both: tuple[Placement, Placement] = ("server", "agent")
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        sc: {"server": [], "agent": []} for sc in specs
-    }
+    specs = {sc: spec for sc, spec in specs.items() if sc in args.scenarios.split(",")}
+    placements: tuple[Placement, ...] = ("server", "agent")
+    both = [p for p in placements if p in args.placements.split(",")]
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {sc: {p: [] for p in both} for sc in specs}
     try:
         anyio.run(wait_for_agent, live, FRAMEWORK)
         for r in range(args.rounds):

@@ -44,6 +44,7 @@ from broker.db import Database
 from broker.evalspec import specification
 from broker.loadgen import estimate_offset
 from broker.mlperf_agent import run_in_agent
+from broker.summary import latency_split
 from mlscope import codec, names, schema
 from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
@@ -362,6 +363,7 @@ def _summary(
         else None,
         scheduled_qps=r.get("scheduled_samples_per_sec"),
         achieved_qps=rate,
+        latency_split_ms=None if imported else latency_split(rec) or None,
         latency_ms=LatencyStats(
             trimmed_mean=trimmed_mean(lat) if rec.n else None,
             p50=_ms(pct.get("50.00")),

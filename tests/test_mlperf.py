@@ -198,6 +198,20 @@ def test_server_200_qps_is_valid_by_loadgen(
     assert all(r[1] and r[2] for r in rows)
     # The stored per-query latencies are LoadGen's: its p50 is among them.
     assert int(summary_stats(summary)["50.00"]) in {int(r[0]) for r in rows}
+    # Where the time went, as for any run: each stage's p50 is the median of the
+    # stored rows' own differences (nearest rank, computed here with numpy).
+    stages = query(
+        ort,
+        "SELECT agent_received_ns - issued_ns, predict_start_ns - agent_received_ns, "
+        "predict_end_ns - predict_start_ns, completed_ns - agent_replied_ns "
+        "FROM queries FINAL WHERE evaluation_id = {e:String} AND ok",
+        e=doc["evaluation_id"],
+    )
+    split = doc["latency_split_ms"]
+    for k, name in enumerate(("to_agent", "queueing", "compute", "from_agent")):
+        ns = np.sort(np.array([r[k] for r in stages], np.int64))
+        assert split[name]["p50"] == pytest.approx(ns[(len(ns) + 1) // 2 - 1] / 1e6), name
+    assert split["compute"]["p50"] > 0 and split["transport"]["p50"] > 0
     assert_reported(ort, tmp_path, doc["evaluation_id"])
 
 
