@@ -94,6 +94,20 @@ def open_link(url: str, options: dict[str, Any] | None = None, **kw: Any) -> Que
     return QueryLink.open(urlparse(url), options or {}, inbox=inbox, name="test link", **kw)
 
 
+def assert_refused(link: QueryLink, subject: str) -> None:
+    """A publish to ``subject``, which the link's user may not make, fails the link
+    with the server's words; the link is closed after."""
+    link.start(Replies())
+    try:
+        link.send(link.frame(subject, b"forbidden"))
+        deadline = time.monotonic() + 5
+        while link.error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert link.error is not None and "permissions violation" in link.error.lower()
+    finally:
+        link.close()
+
+
 def served_by_echo(
     url: str, link_options: dict[str, Any], subject: str = SUBJECT, **echo_options: Any
 ) -> None:
@@ -333,16 +347,7 @@ def test_a_link_signs_in_with_the_bus_credentials_and_keeps_their_permissions(
     )
     # What the role may not publish fails the link, with the server's words.
     link = open_link(srv.url, options, inbox=f"{INBOX_PREFIXES['server']}.test-link")
-    ended = threading.Event()
-    link.start(Replies(), on_end=ended.set)
-    try:
-        link.send(link.frame(f"{INBOX_PREFIXES['submitter']}.x.1", b"forged"))
-        deadline = time.monotonic() + 5
-        while link.error is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert link.error is not None and "permissions violation" in link.error.lower()
-    finally:
-        link.close()
+    assert_refused(link, f"{INBOX_PREFIXES['submitter']}.x.1")
     # A seed the server does not know is refused at once.
     stranger = auth / "stranger.seed"
     stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER) + b"\n")
@@ -430,16 +435,7 @@ def test_a_link_signs_in_with_a_user_jwt_as_the_bus_does(tmp_path: Path) -> None
         assert options["user_credentials"] == str(server)
         served_by_echo(srv.url, options, user_credentials=str(responder))
         # What the user may not publish fails the link, with the server's words.
-        link = open_link(srv.url, options)
-        link.start(Replies())
-        try:
-            link.send(link.frame("elsewhere", b"forbidden"))
-            deadline = time.monotonic() + 5
-            while link.error is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert link.error is not None and "permissions violation" in link.error.lower()
-        finally:
-            link.close()
+        assert_refused(open_link(srv.url, options), "elsewhere")
         # A user whose account the operator never signed is refused at the handshake.
         rogue = _user_creds(tmp_path / "rogue.creds", _keypair(nkeys.PREFIX_BYTE_ACCOUNT), {})
         with pytest.raises(BusError, match="refused the query link"):
