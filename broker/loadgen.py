@@ -25,7 +25,6 @@ the load-generator clock with the offset estimated over request/reply.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -52,7 +51,6 @@ __all__ = [
     "running_p50_ms",
 ]
 
-log = logging.getLogger(__name__)
 now = time.perf_counter_ns
 DRAIN_TIMEOUT_S = 10.0
 START_LEAD_NS = 20_000_000  # start 20 ms out, so the first query is on time
@@ -255,7 +253,7 @@ class Driver:
             failed = exc
         finally:
             link.close()
-        _report(link)
+        link.report()
         if link.error is not None:
             raise BusError(f"the bus refused the run's queries: {link.error}") from failed
         if failed is not None:
@@ -347,7 +345,7 @@ class Driver:
         finally:
             streams.stop()
             link.close()
-        _report(link)
+        link.report()
         if link.error is not None:
             raise BusError(f"the bus refused the run's queries: {link.error}") from streams.failure
         if streams.failure is not None:
@@ -409,16 +407,6 @@ class _Streams:
                 if self.outstanding == 0:
                     self.finished.set()
             self.count += 1
-
-
-def _report(link: QueryLink) -> None:
-    """Log what the run's link went through (its lost queries say why themselves)."""
-    if link.outages:
-        log.warning(
-            "the bus was unreachable %d time(s) during the run: %s", link.outages, link.outage
-        )
-    if link.bad_replies:
-        log.warning("%d replies could not be read: %s", link.bad_replies, link.bad_reply)
 
 
 def running_p50_ms(rec: RunRecord) -> float | None:

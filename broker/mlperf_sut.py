@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import sys
 import threading
@@ -83,8 +82,6 @@ from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
 
 __all__ = ["AgentSUT", "main"]
-
-log = logging.getLogger(__name__)
 
 now = time.perf_counter_ns
 SAMPLES_TIMEOUT_S = 300.0
@@ -350,8 +347,7 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any]) -> AgentSUT:
                 tg.cancel_scope.cancel()
     finally:
         link.close()
-    if link.bad_replies:
-        log.warning("%d replies could not be read: %s", link.bad_replies, link.bad_reply)
+    link.report()
     sut.check()
     return sut
 

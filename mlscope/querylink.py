@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import logging
 import select
 import socket
 import ssl
@@ -44,6 +45,8 @@ from mlscope.errors import BusError
 from mlscope.pacer import RealtimeThread
 
 __all__ = ["QueryLink"]
+
+log = logging.getLogger(__name__)
 
 OnReply = Callable[[bytes, int], None]
 """``on_reply(data, t_ns)``: one reply's payload and its ``perf_counter_ns`` arrival."""
@@ -174,6 +177,15 @@ class QueryLink:
         if self._reader is not None:  # past a handshake under way, if any
             self._reader.join(timeout=self._timeout + RECONNECT_WAIT_S + 1)
         self._sock.close()  # the last connection the reader made
+
+    def report(self) -> None:
+        """Log what the link went through (its lost queries say why themselves)."""
+        if self.outages:
+            log.warning(
+                "the bus was unreachable %d time(s) during the run: %s", self.outages, self.outage
+            )
+        if self.bad_replies:
+            log.warning("%d replies could not be read: %s", self.bad_replies, self.bad_reply)
 
     def _lost(self, why: str) -> None:
         """The connection is gone (called with the send lock held, or by the reader)."""
