@@ -36,7 +36,7 @@ import numpy as np
 from mlscope import codec, names, wire
 from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec, TraceLevel
-from mlscope.errors import BusError, ConfigError, EvaluationError, OverloadedError
+from mlscope.errors import BusError, ConfigError, EvaluationError
 from mlscope.pacer import OutstandingLimit, Pacer
 from mlscope.querylink import QueryLink
 from mlscope.record import RunRecord
@@ -152,34 +152,27 @@ class Driver:
         rec = self.record
         if rec is None:  # a reply after the run's record was let go: nothing to fill
             return
-        data = codec.decode(payload)
-        if data.get("kind") == "error":
-            i = self._local(int(data["error"].get("fields", {}).get("index", -1)))
-            if i >= 0 and rec.completed[i] == 0:
-                rec.errors[i] = data["error"]["message"]
-                rec.refused[i] = data["error"].get("code") == OverloadedError.code
-                self._complete(rec, i, t)
-            return
-        # Hot path: the reply's fields read straight from the decoded mapping.
-        i = self._local(int(data["index"]))
+        reply = wire.read_reply(payload)
+        i = self._local(reply.index)
         if i < 0 or rec.completed[i] != 0:
             return  # not ours or a duplicate
-        if data.get("ok"):
+        if not reply.ok:
+            rec.errors[i] = reply.error
+            rec.refused[i] = reply.refused
+        else:
             off = self.offset_ns + rec.t0_ns
-            rec.agent_received[i] = int(data["t_received"]) - off
-            rec.predict_start[i] = int(data["t_predict_start"]) - off
-            rec.predict_end[i] = int(data["t_predict_end"]) - off
-            rec.agent_replied[i] = int(data["t_replied"]) - off
+            received, start, end, replied = reply.agent_ns
+            rec.agent_received[i] = received - off
+            rec.predict_start[i] = start - off
+            rec.predict_end[i] = end - off
+            rec.agent_replied[i] = replied - off
             rec.ok[i] = 1
-            out = data.get("outputs")
+            out = reply.outputs
             if isinstance(out, np.ndarray) and out.size and out.ndim >= 1:
                 top1 = out.reshape(out.shape[0], -1)[:, 0]
                 rec.prediction[i] = int(top1[0])
                 if self.labels is not None:
-                    g = int(data["index"])
-                    rec.correct[i] = int(np.count_nonzero(top1 == self.labels(g)))
-        else:
-            rec.errors[i] = str((data.get("error") or {}).get("message", "error"))
+                    rec.correct[i] = int(np.count_nonzero(top1 == self.labels(reply.index)))
         self._complete(rec, i, t)
 
     def _complete(self, rec: RunRecord, i: int, t: int) -> None:

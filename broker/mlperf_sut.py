@@ -106,6 +106,8 @@ class AgentSUT:
 
     bus: Bus
     lg: Any
+    link: QueryLink
+    """The run's own connection for its queries (replies arrive at its inbox)."""
     agent_subjects: tuple[str, str]
     """The agent's samples and control subjects."""
     evaluation_id: str
@@ -119,8 +121,6 @@ class AgentSUT:
     errors: int = 0
 
     def __post_init__(self) -> None:
-        self.inbox = self.bus.nc.new_inbox()  # under this connection's role's inbox prefix
-        self.link: QueryLink | None = None
         self._lock = threading.Lock()  # LoadGen's issue thread, the link's reader, expiry
         self._backlog: deque[_Chunk] = deque()
         self._inflight: dict[int, _Chunk] = {}
@@ -166,26 +166,10 @@ class AgentSUT:
         """One reply (on the link's reader thread): its chunk's samples complete, and
         waiting chunks take its place. What cannot be read as a reply raises before it
         touches a chunk (the link counts it; the chunk waits for its real answer)."""
-        data = codec.decode(payload)
-        answer: _Answer | None = None
-        if data.get("kind") == "error":
-            err = data.get("error") or {}
-            index = int(err.get("fields", {}).get("index", -1))
-            error = str(err.get("message", "error"))
-        elif data.get("ok"):
-            index, error = int(data["index"]), ""
-            agent = (
-                int(data["t_received"]),
-                int(data["t_predict_start"]),
-                int(data["t_predict_end"]),
-                int(data["t_replied"]),
-            )
-            answer = (data.get("outputs"), agent)
-        else:
-            index = int(data.get("index", -1))
-            error = str((data.get("error") or {}).get("message", "error"))
+        reply = wire.read_reply(payload)
+        answer = (reply.outputs, reply.agent_ns) if reply.ok else None
         with self._lock:
-            done = [self._complete(index, answer, error)]
+            done = [self._complete(reply.index, answer, reply.error)]
             done += self._pump()
         self._respond(done)
 
@@ -215,8 +199,8 @@ class AgentSUT:
         link = self.link
         while self._backlog and len(self._inflight) < self.window:
             chunk = self._backlog.popleft()
-            if link is None or link.error is not None:
-                done.append(self._settle(chunk, None, f"not sent: {link and link.error}"))
+            if link.error is not None:
+                done.append(self._settle(chunk, None, f"not sent: {link.error}"))
                 continue
             i = self._next
             self._next += 1
@@ -279,7 +263,7 @@ class AgentSUT:
         the bus refusing the queries)."""
         if self._failure is not None:
             raise self._failure
-        if self.link is not None and self.link.error is not None:
+        if self.link.error is not None:
             raise BusError(f"the bus refused the run's queries: {self.link.error}")
 
 
@@ -304,21 +288,15 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any]) -> AgentSUT:
     their own and the link's reader completes them."""
     spec = MLPerfSpec.model_validate(cfg["spec"])
     work = Path(cfg["workdir"])
-    sut = AgentSUT(
-        bus,
-        lg,
-        (cfg["subject"], cfg["ctl"]),
-        cfg["evaluation_id"],
-        spec.batch_size,
-        spec.window,
-    )
-    link = sut.link = await anyio.to_thread.run_sync(
+    evaluation_id = cfg["evaluation_id"]
+    inbox = bus.nc.new_inbox()  # under this connection's role's inbox prefix
+    link = await anyio.to_thread.run_sync(
         lambda: QueryLink.open(
-            bus.server_url(),
-            bus.options,
-            inbox=sut.inbox,
-            name=f"mlscope mlperf {sut.evaluation_id}",
+            bus.server_url(), bus.options, inbox=inbox, name=f"mlscope mlperf {evaluation_id}"
         )
+    )
+    sut = AgentSUT(
+        bus, lg, link, (cfg["subject"], cfg["ctl"]), evaluation_id, spec.batch_size, spec.window
     )
     ts = test_settings(lg, spec, cfg["conf_model"], work)
     # The same conditions as mlscope's own pacer (broker/loadgen.py), so the two load

@@ -23,9 +23,17 @@ import numpy as np
 
 from mlscope import codec
 from mlscope.contracts import SCHEMA, QueryReply, TraceLevel
-from mlscope.errors import WireError
+from mlscope.errors import OverloadedError, WireError
 
-__all__ = ["QueryView", "decode_query", "encode_query", "encode_reply", "encode_samples_query"]
+__all__ = [
+    "QueryView",
+    "ReplyView",
+    "decode_query",
+    "encode_query",
+    "encode_reply",
+    "encode_samples_query",
+    "read_reply",
+]
 
 _QUERY_FIELDS = frozenset(("schema", "kind", "evaluation_id", "index", "inputs")) | frozenset(
     ("trace_level", "raw", "labels", "more_inputs", "schema_")
@@ -137,6 +145,65 @@ def encode_reply(reply: QueryReply) -> bytes:
             "raw_outputs": reply.raw_outputs,
             "labels": reply.labels,
         }
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyView:
+    """What a load generator needs of one reply: a :class:`QueryReply` or an
+    :class:`ErrorReply` for one query."""
+
+    index: int
+    """The query's index (-1 when an error reply does not name one)."""
+    ok: bool
+    """The agent answered it."""
+    error: str
+    """Why it failed (never empty then); empty when the agent answered."""
+    refused: bool
+    """The agent refused it (an :class:`~mlscope.errors.OverloadedError`): never run."""
+    agent_ns: tuple[int, int, int, int]
+    """The agent's received, predict start, predict end and replied times (its clock;
+    zeros when it failed)."""
+    outputs: Any
+    """The answer's outputs as decoded, for the caller to check (None when it failed)."""
+
+
+_NO_TIMES = (0, 0, 0, 0)
+
+
+def read_reply(data: bytes) -> ReplyView:
+    """A reply read on the trusted side, without pydantic. What cannot be read as a
+    reply (not a map, fields of the wrong type) raises here, before the caller
+    touches the query it names, so a forged reply never settles a real query."""
+    raw = codec.decode(data)
+    if raw.get("kind") == "error":
+        err = raw["error"]
+        return ReplyView(
+            index=int(err.get("fields", {}).get("index", -1)),
+            ok=False,
+            error=str(err.get("message") or "error"),
+            refused=err.get("code") == OverloadedError.code,
+            agent_ns=_NO_TIMES,
+            outputs=None,
+        )
+    index = int(raw["index"])
+    if raw.get("ok"):
+        return ReplyView(
+            index=index,
+            ok=True,
+            error="",
+            refused=False,
+            agent_ns=(
+                int(raw["t_received"]),
+                int(raw["t_predict_start"]),
+                int(raw["t_predict_end"]),
+                int(raw["t_replied"]),
+            ),
+            outputs=raw.get("outputs"),
+        )
+    why = str((raw.get("error") or {}).get("message") or "error")
+    return ReplyView(
+        index=index, ok=False, error=why, refused=False, agent_ns=_NO_TIMES, outputs=None
     )
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from mlscope import codec, wire
-from mlscope.contracts import Query, QueryReply, SamplesQuery
-from mlscope.errors import WireError
+from mlscope.contracts import ErrorReply, Query, QueryReply, SamplesQuery
+from mlscope.errors import EvaluationError, OverloadedError, WireError
 
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -114,3 +114,63 @@ def test_the_check_is_stricter_than_the_contracts_lax_mode(extra: dict[str, Any]
     data = codec.encode({"evaluation_id": "e", "index": 0, "inputs": X, **extra})
     with pytest.raises(WireError, match=next(iter(extra))):
         wire.decode_query(data)
+
+
+def test_a_read_reply_has_the_contracts_values() -> None:
+    out = np.array([[3, 1, 2]], np.int64)
+    answered = QueryReply(
+        index=7,
+        ok=True,
+        outputs=out,
+        t_received=10,
+        t_predict_start=20,
+        t_predict_end=30,
+        t_replied=40,
+    )
+    view = wire.read_reply(wire.encode_reply(answered))
+    assert (view.index, view.ok, view.error, view.refused) == (7, True, "", False)
+    assert view.agent_ns == (10, 20, 30, 40)
+    np.testing.assert_array_equal(view.outputs, out)
+
+    failed = QueryReply(index=8, ok=False, error={"code": "predict_failed", "message": "boom"})
+    view = wire.read_reply(codec.encode_model(failed))
+    assert (view.index, view.ok, view.error, view.agent_ns) == (8, False, "boom", (0, 0, 0, 0))
+
+    for exc, refused in (
+        (OverloadedError("queue full", index=9), True),
+        (EvaluationError("no", index=9), False),
+    ):
+        view = wire.read_reply(codec.encode_model(ErrorReply(error=exc.to_wire())))
+        assert (view.index, view.ok, view.error, view.refused) == (9, False, exc.message, refused)
+
+
+def test_a_failure_without_words_is_still_a_failure() -> None:
+    """An empty message never reads as an answer."""
+    for msg in (
+        {"kind": "reply", "index": 1, "ok": False, "error": {"message": ""}},
+        {"kind": "reply", "index": 1, "ok": False},
+        {"kind": "error", "error": {"message": "", "fields": {"index": 1}}},
+    ):
+        view = wire.read_reply(codec.encode(msg))
+        assert (view.index, view.ok, view.error) == (1, False, "error")
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        [1, 2, 3],
+        "reply",
+        {"kind": "reply", "ok": True},
+        {"kind": "reply", "index": "x", "ok": True},
+        {"kind": "reply", "index": 1, "ok": True, "t_received": [1]},
+        {"kind": "reply", "index": 1, "ok": True},
+        {"kind": "reply", "index": 1, "ok": False, "error": "a string"},
+        {"kind": "error", "error": "a string"},
+        {"kind": "error", "error": {"fields": {"index": {"deep": 1}}}},
+        {"kind": "error"},
+    ],
+)
+def test_what_cannot_be_read_as_a_reply_raises(msg: Any) -> None:
+    """The caller's link counts it as unreadable; nothing is settled from it."""
+    with pytest.raises((KeyError, TypeError, ValueError, AttributeError)):
+        wire.read_reply(codec.encode(msg))
