@@ -112,16 +112,8 @@ async def run(
             model=m.name,
         )
     eval_id = evaluation_id_for(job.job_id)  # one evaluation per job
-    prepare = {
-        "op": "prepare",
-        "evaluation_id": eval_id,
-        "model": m.name,
-        "model_version": m.version,
-        "batch_size": spec.batch_size,
-        "trace_level": "none",
-    }
     ctl = names.agent_ctl(agent.agent_id)
-    prep = await request(ev.bus, ctl, codec.encode(prepare), timeout=PREPARE_TIMEOUT_S)
+    prep = await _prepare(ev.bus, ctl, eval_id, entry, spec)
     offset, rtt = await estimate_offset(ev.bus, agent.agent_id)
     started = time.time()
     conf_model = spec.conf_model or m.name
@@ -142,9 +134,47 @@ async def run(
     if here:  # tied to the agent's clock: onto ours, as a local run's t0
         rec.t0_ns -= offset
     accuracy = _accuracy(result, files, data[1])
-    fw = next(x for x in agent.frameworks if x.name == job.framework)
-    failed = int(timing["errors"])  # answered to LoadGen with no data: not its errors
     summary = _summary(result, rec, job, eval_id, started, accuracy=accuracy)
+    summary = _described(
+        summary, rec, int(timing["errors"]), job, agent, entry, (offset, rtt), prep
+    )
+    spec_doc = specification(job, agent, entry, prep)
+    await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
+    await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)
+    return summary
+
+
+async def _prepare(
+    bus: Bus, ctl: str, eval_id: str, entry: Entry, spec: MLPerfSpec
+) -> dict[str, Any]:
+    """The agent loads the model for the test (untraced); its answer (load and first
+    inference times, cold or not)."""
+    m = entry.manifest
+    prepare = {
+        "op": "prepare",
+        "evaluation_id": eval_id,
+        "model": m.name,
+        "model_version": m.version,
+        "batch_size": spec.batch_size,
+        "trace_level": "none",
+    }
+    prep: dict[str, Any] = await request(bus, ctl, codec.encode(prepare), timeout=PREPARE_TIMEOUT_S)
+    return prep
+
+
+def _described(
+    summary: EvaluationSummary,
+    rec: RunRecord,
+    failed: int,
+    job: JobRequest,
+    agent: AgentDescription,
+    entry: Entry,
+    clock: tuple[int, int],
+    prep: dict[str, Any],
+) -> EvaluationSummary:
+    """LoadGen's summary with what ran it (framework, model, agent, placement, clock,
+    cold start); ``failed`` samples answered to LoadGen with no data (not its errors)
+    make it INVALID."""
     if failed:
         summary = summary.model_copy(
             update={
@@ -156,15 +186,17 @@ async def run(
                 ),
             }
         )
-    summary = summary.model_copy(
+    m = entry.manifest
+    fw = next(x for x in agent.frameworks if x.name == job.framework)
+    return summary.model_copy(
         update={
             "framework": {"name": fw.name, "version": fw.version},
             "model": {"name": m.name, "version": m.version},
             "agent_id": agent.agent_id,
             "host": agent.host,
             "placement": job.placement,
-            "clock_offset_ns": offset,
-            "clock_rtt_ns": rtt,
+            "clock_offset_ns": clock[0],
+            "clock_rtt_ns": clock[1],
             "errors": failed,
             "cold_start": {
                 "load_ms": prep["load_ns"] / 1e6,
@@ -173,10 +205,6 @@ async def run(
             },
         }
     )
-    spec_doc = specification(job, agent, entry, prep)
-    await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
-    await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)
-    return summary
 
 
 async def _test(
