@@ -79,6 +79,7 @@ from mlscope.fetchpolicy import FetchPolicy
 from mlscope.manifest import FrameworkManifest, is_built
 from mlscope.model_registry import ManifestWatcher
 from mlscope.predictor import PredictorOptions
+from mlscope.presence import heartbeat
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
@@ -354,21 +355,18 @@ class Agent:
 
     async def _heartbeat(self, bus: Bus) -> None:
         kv = await bus.kv(names.AGENTS_BUCKET)
-        failing = 0
-        while True:
-            await anyio.sleep(self.config.heartbeat_s)
+
+        def beat() -> bytes:
             desc = self._description.model_copy(update={"heartbeat_at": time.time()})
-            # At most one beat per put: a put stuck in a leader election (cluster
-            # failover) or a cut edge link is abandoned, and the next beat tries again,
-            # so heartbeats resume as soon as the bucket answers, well inside the TTL.
-            error: BaseException | None = TimeoutError("no answer within a beat")
-            with anyio.move_on_after(self.config.heartbeat_s):
-                try:
-                    await kv.put(self.agent_id, codec.encode_model(desc))
-                    error = None
-                except Exception as exc:  # a full or read-only store, a lost link
-                    error = exc
-            failing = _beat_logged(self.agent_id, failing, error)
+            return codec.encode_model(desc)
+
+        await heartbeat(
+            kv,
+            self.agent_id,
+            beat,
+            interval_s=self.config.heartbeat_s,
+            who=f"agent {self.agent_id}",
+        )
 
     async def _withdraw(self, bus: Bus, subs: list[Any]) -> None:
         with anyio.move_on_after(3):
@@ -728,24 +726,3 @@ class Agent:
             put(subject, wire.encode_reply(reply))
 
         return send
-
-
-def _beat_logged(agent_id: str, failing: int, error: BaseException | None) -> int:
-    """Log a heartbeat that failed (first, then every 30th) and the first after; returns
-    the run of failed beats so far."""
-    if error is None:
-        if failing:
-            log.warning("agent %s: heartbeats stored again after %d failed", agent_id, failing)
-        return 0
-    if failing % 30 == 0:
-        log.error(
-            "agent %s: heartbeat not stored (%d in a row): %r; the registry drops "
-            "this agent after %.0f s without one. If nats-server's store ran out of "
-            "space, JetStream stays disabled after space returns until nats-server "
-            "is restarted",
-            agent_id,
-            failing + 1,
-            error,
-            busmod.AGENT_TTL_S,
-        )
-    return failing + 1

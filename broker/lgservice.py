@@ -49,6 +49,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError, EvaluationError
 from mlscope.loadgens import ensure_bucket
+from mlscope.presence import heartbeat
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 from mlscope.serving import Boundary
@@ -124,11 +125,16 @@ class LoadgenService:
                         await sub.unsubscribe()
 
     async def _heartbeat(self, kv: KeyValue, desc: LoadgenDescription) -> None:
-        while True:
-            await anyio.sleep(self.heartbeat_s)
-            beat = desc.model_copy(update={"heartbeat_at": time.time()})
-            with anyio.move_on_after(self.heartbeat_s):  # one beat per put, as agents
-                await kv.put(self.loadgen_id, codec.encode_model(beat))
+        def beat() -> bytes:
+            return codec.encode_model(desc.model_copy(update={"heartbeat_at": time.time()}))
+
+        await heartbeat(
+            kv,
+            self.loadgen_id,
+            beat,
+            interval_s=self.heartbeat_s,
+            who=f"load generator {self.loadgen_id}",
+        )
 
     async def _control(self, op: PingOp | LoadgenLoadOp, msg: Msg) -> PingReply | LoadgenLoaded:
         if isinstance(op, PingOp):
