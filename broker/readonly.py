@@ -21,6 +21,9 @@ writer's connection. Three layers, each of which holds on its own for what it co
    ``INTO OUTFILE`` itself, outside the engine's checks.
 3. **The canonical statement runs as a subquery** (``SELECT * FROM (...)``): a
    top-level ``INTO OUTFILE`` or ``FORMAT`` clause can only be a syntax error there.
+   Parameters bind only to ``{name:Type}`` placeholders, by the engine: the text that
+   runs is the text that was checked (the driver's own ``%(name)s`` formatting, which
+   would splice values into it after the checks, is refused).
 
 The read connections are separate from the writer's (chDB allows any number of
 handles to its one engine per process), so a client query never waits for, or makes
@@ -38,6 +41,7 @@ from typing import Any, Self, TypeVar
 
 import clickhouse_connect
 import pandas as pd
+from clickhouse_connect.driver.binding import bind_query
 from clickhouse_connect.driver.exceptions import ClickHouseError
 
 from mlscope.database import fresh_client
@@ -208,8 +212,9 @@ class ReadOnlyDatabase:
         client = self._take()
         healthy = False
         try:
-            canonical = self._canonical(client, sql)
-            result = query(client, f"SELECT * FROM (\n{canonical}\n)")
+            text = f"SELECT * FROM (\n{self._canonical(client, sql)}\n)"
+            _server_side_only(text, parameters)
+            result = query(client, text)
             healthy = True
             return result
         except ClickHouseError as exc:
@@ -311,6 +316,24 @@ def check_statement(canonical: str) -> None:
             raise QueryRefused(
                 f"function {name}() reaches outside the database and is not allowed", function=name
             )
+
+
+def _server_side_only(text: str, parameters: dict[str, Any] | None) -> None:
+    """Refuse parameters the driver would splice into ``text`` itself.
+
+    A ``{name:Type}`` placeholder is bound by the engine, as a typed value. Without
+    one, clickhouse-connect formats ``%(name)s`` into the text on the client, after
+    the checks above read it: a value could close a string literal and call ``file()``.
+    So the text that runs must be the text that was checked: binding it (as the
+    driver will) must not change it."""
+    if not parameters:
+        return
+    bound, _ = bind_query(text, parameters)
+    if bound != text:
+        raise QueryRefused(
+            "parameters bind only to {name:Type} placeholders (ClickHouse's own binding), "
+            "not %(name)s"
+        )
 
 
 def _translate(exc: ClickHouseError, sql: str) -> DatabaseError:

@@ -146,6 +146,35 @@ def test_arrow_pages_keep_every_rule(secured: tuple[Settings, Settings, Path, Pa
     assert list(out.iterdir()) == []
 
 
+def test_parameters_cannot_splice_sql_past_the_checks(
+    secured: tuple[Settings, Settings, Path, Path],
+) -> None:
+    """A parameter the driver would format into the text itself (``%(x)s``) could close
+    a string literal the checks saw and call ``file()``: refused, on both read paths;
+    the engine's own ``{name:Type}`` binding goes on working, ``%`` in a literal too."""
+    reader, _, auth, _ = secured
+    seed = ",".join(str(ord(c)) for c in str(auth / "server.creds"))
+    splice = {"x": ["", f" || file(char({seed})) || "]}
+    attacks = [
+        ("SELECT '%(x)s' AS v", splice),
+        ("SELECT 1 AS v /* {y:String} */ WHERE '%(x)s' != ''", {**splice, "y": "a"}),
+    ]
+
+    async def main() -> None:
+        async with busmod.connect(reader, name="attacker") as bus:
+            for sql, params in attacks:
+                for read in (remote.sql, remote.arrow):
+                    with pytest.raises(QueryRefused, match="placeholders") as err:
+                        await read(bus, sql, params, timeout=10)
+                    assert "NKEY" not in str(err.value) and "SEED" not in str(err.value)
+            _, rows = await remote.sql(
+                bus, "SELECT {s:String} AS v, '100%(x)s' AS w", {"s": "a'b", "x": "no"}
+            )
+            assert rows == [["a'b", "100%(x)s"]]
+
+    anyio.run(main, backend="asyncio")
+
+
 def test_hostile_query_is_cut_off_while_others_are_answered(
     secured: tuple[Settings, Settings, Path, Path],
 ) -> None:
