@@ -612,11 +612,15 @@ async def serve_run(
     service: str,
     *,
     held: contextlib.ExitStack,
+    max_bytes: int,
 ) -> None:
     """Run ``run`` (prepared) on a worker thread; ship its rows every :data:`SHIP_S`
     while it runs and the rest, with the totals, when it ends: also when it fails (its
     typed error goes in the final rows) or the agent shuts down. ``held`` (the process
-    tuning taken for the run) is let go once the run has ended, on this event loop."""
+    tuning taken for the run) is let go once the run has ended, on this event loop.
+    Messages are at most ``max_bytes`` (what the request asked, within the bus's max
+    payload). Nothing here ends the agent: rows that cannot be shipped are logged, and
+    the server, which never hears the run's end, fails it after its deadline."""
     seq = 0
 
     async def ship(*, final: bool = False, **extra: Any) -> None:
@@ -630,7 +634,7 @@ async def serve_run(
             cols,
             errors,
             seq=seq,
-            max_bytes=req.max_bytes,
+            max_bytes=max_bytes,
             issued=run.issued,
             final=final,
             **extra,
@@ -658,10 +662,13 @@ async def serve_run(
     finally:  # also on shutdown: the server stores what was measured
         held.close()
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            await ship(
-                final=True,
-                queries=run.queries,
-                not_issued=run.rec.not_issued,
-                cpu_s=run.cpu_s,
-                error=error,
-            )
+            try:
+                await ship(
+                    final=True,
+                    queries=run.queries,
+                    not_issued=run.rec.not_issued,
+                    cpu_s=run.cpu_s,
+                    error=error,
+                )
+            except Exception as exc:  # a lost link, a refused message: this run only
+                log.error("%s: local run %s: rows not shipped: %r", service, req.evaluation_id, exc)

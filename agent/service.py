@@ -603,6 +603,7 @@ class Agent:
                     ),
                     f"agent {self.agent_id}",
                     held=held,
+                    max_bytes=min(req.max_bytes, self.bus.payload_budget()),
                 )
             )
         except BaseException:
@@ -633,14 +634,17 @@ class Agent:
             held.callback(self.sample_memory.release, held_bytes)
         level = TraceLevel(min(TraceLevel.parse(req.trace_level), session.level))
         busy = f"agent {self.agent_id} is overloaded"
-        return LocalRun(
-            session.worker,
-            req.scenario,
-            inputs=inputs,
-            level=level,
-            spans=self.tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None,
-            overloaded=lambda _i: busy,
-            preprocessed=held_bytes is not None,
+        return await anyio.to_thread.run_sync(  # a long schedule takes seconds to draw
+            functools.partial(
+                LocalRun,
+                session.worker,
+                req.scenario,
+                inputs=inputs,
+                level=level,
+                spans=self.tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None,
+                overloaded=lambda _i: busy,
+                preprocessed=held_bytes is not None,
+            )
         )
 
     def _opened_with(self, opts: PredictorOptions, model: LoadedModel) -> dict[str, Any]:

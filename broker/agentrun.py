@@ -48,7 +48,6 @@ IDLE_S = 3.0
 START_TIMEOUT_S = 30.0
 END_SLACK_S = 60.0
 """Beyond the run's duration and drain, how long a live but silent agent is awaited."""
-PAYLOAD_HEADROOM = 1024
 Labels = QueryRows | None
 
 
@@ -72,7 +71,7 @@ async def drive(
             evaluation_id=evaluation_id,
             scenario=spec,
             trace_level=trace_level.name.lower(),
-            max_bytes=int(bus.nc.max_payload) - PAYLOAD_HEADROOM,
+            max_bytes=bus.payload_budget(),
         )
         await bus.nc.publish(names.agent_ctl(agent_id), codec.encode_model(op), reply=inbox)
         started = await _started(sub, agent_id)

@@ -31,7 +31,7 @@ from broker.evalspec import specification
 from broker.loadgen import estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
 from mlscope import codec, names, samples, sysmatch
-from mlscope.bus import AGENT_TTL_S, Bus, request
+from mlscope.bus import AGENT_TTL_S, PAYLOAD_HEADROOM, Bus, request
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
     LOCAL_RUN,
@@ -57,8 +57,6 @@ from mlscope.versions import satisfies
 __all__ = ["RESOLVE_GRACE_S", "Evaluator", "recently_alive", "resolve"]
 
 PREPARE_TIMEOUT_S = 300.0
-PAYLOAD_HEADROOM = 1024
-"""Bytes of a message left for the subject, reply inbox and headers."""
 LOST = "lost in transit: no reply before the run ended"
 """Synthetic rows a model without a data set cycles through."""
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]

@@ -54,7 +54,6 @@ RUN_LIMIT_S = 6 * 3600.0
 """The longest an agent's LoadGen run is awaited (an official run lasts >= 10 min)."""
 START_TIMEOUT_S = 30.0
 FETCH_TIMEOUT_S = 30.0
-PAYLOAD_HEADROOM = 1024
 
 
 async def run_in_agent(
@@ -86,7 +85,7 @@ async def _fetch(bus: Bus, ctl: str, evaluation_id: str, name: str, size: int) -
     """One file of the agent's run, part by part (each part one request)."""
     chunks: list[bytes] = []
     offset = 0
-    limit = int(bus.nc.max_payload) - PAYLOAD_HEADROOM
+    limit = bus.payload_budget()
     while offset < size:
         op = MLPerfFetchOp(evaluation_id=evaluation_id, name=name, offset=offset, max_bytes=limit)
         part = MLPerfFile.model_validate(

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+import anyio
 import numpy as np
 
 from broker import agentrun
@@ -172,12 +173,17 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
             labels=labels,
             on_progress=ctx.on_progress,
         )
-        window = _closed_window(rec) if closed else scenario.schedule(spec)[1]
+        window = (
+            _closed_window(rec)
+            if closed
+            else (await anyio.to_thread.run_sync(scenario.schedule, spec))[1]
+        )
     elif closed:
         rec = await driver(ctx, spec, inputs, labels).run()
         window = _closed_window(rec)
     else:
-        sched, window = scenario.schedule(spec)
+        # Off the event loop: a long schedule takes seconds to draw.
+        sched, window = await anyio.to_thread.run_sync(scenario.schedule, spec)
         if spec.loadgen_hosts:
             from broker.multihost import run_on_services  # load generators on the bus
 

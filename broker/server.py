@@ -52,6 +52,7 @@ from mlscope import codec, names
 from mlscope.bus import bus_errors, if_found
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.contracts import (
+    MAX_ID_CHARS,
     AgentDescription,
     CancelReply,
     CancelRequest,
@@ -226,7 +227,7 @@ class Server:
         except WireError:
             return
         job_id = raw.get("job_id") if isinstance(raw, dict) else None
-        if isinstance(job_id, str) and 0 < len(job_id) <= 128:
+        if isinstance(job_id, str) and 0 < len(job_id) <= MAX_ID_CHARS:
             await self._emit(
                 names.job_events(job_id),
                 JobEvent(

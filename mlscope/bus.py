@@ -46,6 +46,7 @@ __all__ = [
     "AGENT_TTL_S",
     "EDGE_TRACES_STREAM",
     "HEARTBEAT_S",
+    "PAYLOAD_HEADROOM",
     "Bus",
     "attach_edge",
     "bus_errors",
@@ -66,6 +67,8 @@ HEARTBEAT_S = 1.0
 """How often an agent refreshes its registry entry."""
 AGENT_TTL_S = 5.0
 """Registry entries expire this long after their last heartbeat (SIGKILL bound)."""
+PAYLOAD_HEADROOM = 1024
+"""Bytes of a message left for its subject, reply inbox and headers."""
 TRACES_MAX_AGE_S = 7 * 24 * 3600.0
 TRACES_MAX_BYTES = 2 << 30
 """Byte cap of the traces stream (oldest batches go first): ~5 h at 500 QPS traced at
@@ -95,6 +98,11 @@ class Bus:
         self.options = options or {}
         """The options it connected with (:func:`connect_options`): credentials, TLS."""
         self._kv: dict[str, KeyValue] = {}
+
+    def payload_budget(self) -> int:
+        """The most bytes one message body may take on this connection: the server's
+        max payload less :data:`PAYLOAD_HEADROOM`."""
+        return int(self.nc.max_payload) - PAYLOAD_HEADROOM
 
     def server_url(self) -> ParseResult:
         """The URL of the server the client is connected to now."""

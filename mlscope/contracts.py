@@ -61,8 +61,15 @@ from mlscope.versions import parse_constraint
 __all__ = [
     "LOADGEN_CONTROL",
     "LOCAL_RUN",
+    "MAX_BATCH",
+    "MAX_CONCURRENCY",
+    "MAX_DURATION_S",
+    "MAX_ID_CHARS",
+    "MAX_LOADGENS",
+    "MAX_QPS",
     "MAX_SAMPLE_INDICES",
     "MLPERF_LOADGEN",
+    "QUERY_INDEX_LIMIT",
     "Accelerator",
     "AgentDescription",
     "CancelReply",
@@ -76,6 +83,7 @@ __all__ = [
     "EvaluationRequest",
     "EvaluationSummary",
     "FrameworkInfo",
+    "Ident",
     "JobEvent",
     "JobRequest",
     "LatencyStats",
@@ -99,6 +107,7 @@ __all__ = [
     "PrepareOp",
     "PrepareReply",
     "Query",
+    "QueryIndex",
     "QueryReply",
     "RefusalReason",
     "RefusedModel",
@@ -133,6 +142,24 @@ MLPERF_LOADGEN = "mlperf-loadgen"
 (``mlscope mlperf --placement agent``, :class:`MLPerfRunOp`)."""
 MAX_SAMPLE_INDICES = 262_144
 """Most data-set indices one sample-library request may name."""
+MAX_ID_CHARS = 256
+"""Longest id (job, evaluation, agent, run...) a message may carry: ids become subject
+tokens and KV keys, and nats-server closes a connection that sends a subject longer
+than its control line, which would cut a service off the bus."""
+Ident = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+MAX_QPS = 1e6
+"""Fastest rate a run may ask for (one load generator issues ~10⁵ queries a second)."""
+MAX_DURATION_S = 7 * 24 * 3600.0
+"""Longest run a scenario may ask for."""
+MAX_BATCH = 65_536
+"""Largest batch a query may carry."""
+MAX_CONCURRENCY = 65_536
+"""Most queries a closed loop (or a load generator's window) may keep in flight."""
+MAX_LOADGENS = 256
+"""Most load-generator processes or services one run's schedule may be dealt to."""
+QUERY_INDEX_LIMIT = 2**63
+"""Query indices are 0 .. 2**63 - 1: they are stored as Int64 and travel as msgpack ints."""
+QueryIndex = Annotated[int, Field(ge=0, lt=QUERY_INDEX_LIMIT)]
 Placement = Literal["server", "agent"]
 """Where a run's load generator runs: on the server (every query crosses the bus to the
 agent and back: a *served* model) or in the agent (the model itself, no bus per query)."""
@@ -254,7 +281,7 @@ class AgentDescription(_Message):
     """What an agent puts in the registry bucket under its id (refreshed by heartbeat)."""
 
     kind: Literal["agent"] = "agent"
-    agent_id: str
+    agent_id: Ident
     host: str
     arch: str
     os: str
@@ -311,26 +338,28 @@ class ScenarioSpec(BaseModel):
     name: ScenarioName = "online"
     """The scenario: each is declared in :mod:`mlscope.scenario_kinds` (``mlscope-submit
     --help`` lists them with one line each)."""
-    qps: float = Field(default=100.0, gt=0)
-    duration_s: float = Field(default=10.0, gt=0)
-    batch_size: int = Field(default=1, ge=1)
+    qps: float = Field(default=100.0, gt=0, le=MAX_QPS)
+    duration_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
+    batch_size: int = Field(default=1, ge=1, le=MAX_BATCH)
     seed: int = 0
     max_queries: int | None = Field(default=None, ge=1)
-    min_duration_s: float | None = Field(default=None, ge=0)
+    min_duration_s: float | None = Field(default=None, ge=0, le=MAX_DURATION_S)
     min_queries: int | None = Field(default=None, ge=1)
-    max_outstanding: int = Field(default=1024, ge=1)
+    max_outstanding: int = Field(default=1024, ge=1, le=MAX_CONCURRENCY)
     warmup_queries: int = Field(default=0, ge=0)
-    concurrency: int = Field(default=1, ge=1)
+    concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
     """Closed loops: queries kept in flight."""
     latency_bound_ms: float | None = Field(default=None, gt=0)
     """Bound on the p99 latency (online, peak): a run over it is INVALID."""
-    batch_sizes: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(default=None, min_length=1)
+    batch_sizes: tuple[Annotated[int, Field(ge=1, le=MAX_BATCH)], ...] | None = Field(
+        default=None, min_length=1, max_length=64
+    )
     """batched: the batch sizes swept (default: just ``batch_size``)."""
     arrivals_s: tuple[float, ...] | None = None
     """replay: inter-arrival times in seconds (read from ``--schedule FILE``)."""
     segments: tuple[tuple[float, float, float], ...] | None = None
     """piecewise: ``(rate_start, rate_end, seconds)`` per segment (ramps and bursts)."""
-    loadgens: int = Field(default=1, ge=1)
+    loadgens: int = Field(default=1, ge=1, le=MAX_LOADGENS)
     """Open loops: load-generator processes the global schedule is dealt to."""
     loadgen_hosts: tuple[Annotated[str, Field(min_length=1, max_length=128)], ...] | None = Field(
         default=None, min_length=1
@@ -360,13 +389,13 @@ class ScenarioSpec(BaseModel):
                 )
             object.__setattr__(self, "loadgens", len(self.loadgen_hosts))
 
-    peak_trials: int = Field(default=10, ge=2)
+    peak_trials: int = Field(default=10, ge=2, le=100)
     """peak: most runs the search makes."""
     max_issue_lag_us: float | None = Field(default=None, gt=0)
     """Validity: p99 issue lag tolerated (default: the server's policy, 500 µs)."""
-    repetitions: int = Field(default=5, ge=1)
+    repetitions: int = Field(default=5, ge=1, le=1000)
     """cold-start: how many times the model is unloaded, loaded and run again."""
-    warm_queries: int = Field(default=20, ge=1)
+    warm_queries: int = Field(default=20, ge=1, le=1_000_000)
     """cold-start: warm queries after each load (closed loop, ``batch_size`` samples)."""
 
 
@@ -380,7 +409,7 @@ class MLPerfSpec(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     scenario: Literal["SingleStream", "MultiStream", "Server", "Offline"]
     mode: Literal["PerformanceOnly", "AccuracyOnly"] = "PerformanceOnly"
-    target_qps: float | None = Field(default=None, gt=0)
+    target_qps: float | None = Field(default=None, gt=0, le=MAX_QPS)
     """Server: ``server_target_qps``; Offline: ``offline_expected_qps``."""
     user_conf: str | None = None
     """The text of an MLPerf ``user.conf`` (``model.Scenario.key = value`` lines)."""
@@ -388,9 +417,9 @@ class MLPerfSpec(BaseModel):
     """The text of an ``mlperf.conf`` replacing the one LoadGen ships."""
     conf_model: str | None = None
     """The model name the conf files' lines use (default: the mlscope model's name)."""
-    batch_size: int = Field(default=32, ge=1)
+    batch_size: int = Field(default=32, ge=1, le=MAX_BATCH)
     """Most samples the system under test sends the agent in one query (Offline)."""
-    window: int = Field(default=8, ge=1)
+    window: int = Field(default=8, ge=1, le=MAX_CONCURRENCY)
     """Most agent queries the system under test keeps in flight (the rest wait in it)."""
     seed: int | None = None
     """LoadGen's sample, sample-index and schedule seeds (default: the conf files')."""
@@ -459,13 +488,13 @@ class JobRequest(_Message):
     """A request to evaluate one model on one framework (published by mlscope-submit)."""
 
     kind: Literal["job"] = "job"
-    job_id: str = Field(default_factory=lambda: new_id("job"))
+    job_id: Ident = Field(default_factory=lambda: new_id("job"))
     model: str
     model_version: str | None = None
     framework: str
     framework_version: str | None = None
     device: str = "cpu"
-    agent_id: str | None = None
+    agent_id: Ident | None = None
     scenario: ScenarioSpec = ScenarioSpec()
     trace_level: str = "model"
     submitted_at: float = 0.0
@@ -557,15 +586,15 @@ class EvaluationSummary(_Message):
     """The result of one evaluation; the JSON that ``mlscope-submit --json`` prints."""
 
     kind: Literal["summary"] = "summary"
-    evaluation_id: str
-    job_id: str
+    evaluation_id: Ident
+    job_id: Ident
     status: Literal["completed", "failed", "cancelled"]
     """``cancelled``: stopped on request (``mlscope cancel``, Ctrl-C); never VALID."""
     valid: bool
     invalid_reasons: tuple[str, ...] = ()
     model: dict[str, str]
     framework: dict[str, str]
-    agent_id: str
+    agent_id: Ident
     host: str = ""
     device: str = "cpu"
     scenario: dict[str, Any]
@@ -648,13 +677,13 @@ class JobEvent(_Message):
     """Progress of a job, published on ``mlscope.job.<job_id>.events``."""
 
     kind: Literal["job_event"] = "job_event"
-    job_id: str
+    job_id: Ident
     event: Literal["accepted", "restarted", "progress", "done", "failed", "cancelled"]
     """restarted: a server took the job again after the one running it was lost;
     cancelled: stopped on request (``summary`` is the stored cancelled evaluation)."""
     note: str = ""
-    server_id: str = ""
-    evaluation_id: str | None = None
+    server_id: Ident = ""
+    evaluation_id: Ident | None = None
     queries_done: int = 0
     elapsed_s: float = 0.0
     p50_ms: float | None = None
@@ -682,7 +711,7 @@ class PrepareOp(_Message):
     """Load (or reuse) a model for an evaluation; ``reload`` unloads it first."""
 
     op: Literal["prepare"] = "prepare"
-    evaluation_id: str
+    evaluation_id: Ident
     model: str
     model_version: str
     batch_size: int = Field(default=1, ge=1)
@@ -699,7 +728,7 @@ class PrepareOp(_Message):
 
 class ReleaseOp(_Message):
     op: Literal["release"] = "release"
-    evaluation_id: str
+    evaluation_id: Ident
     unload: bool = False
 
 
@@ -714,10 +743,10 @@ class RunOp(_Message):
     """
 
     op: Literal["run"] = "run"
-    evaluation_id: str
+    evaluation_id: Ident
     scenario: ScenarioSpec
     trace_level: str = "model"
-    max_bytes: int = Field(default=1 << 20, ge=4096)
+    max_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     """Largest message the agent may send back (the bus's max payload, less room for
     the subject and headers)."""
 
@@ -739,7 +768,7 @@ class SamplesLoadOp(_Message):
     index (:class:`SamplesQuery`)."""
 
     op: Literal["load_samples"] = "load_samples"
-    evaluation_id: str = Field(max_length=256)
+    evaluation_id: Ident
     indices: tuple[SampleIndex, ...] = Field(max_length=MAX_SAMPLE_INDICES)
 
 
@@ -747,7 +776,7 @@ class SamplesUnloadOp(_Message):
     """Drop these samples (LoadGen's ``unload_samples``); unknown ones are ignored."""
 
     op: Literal["unload_samples"] = "unload_samples"
-    evaluation_id: str = Field(max_length=256)
+    evaluation_id: Ident
     indices: tuple[SampleIndex, ...] = Field(max_length=MAX_SAMPLE_INDICES)
 
 
@@ -760,7 +789,7 @@ class MLPerfRunOp(_Message):
     server then fetches the files (:class:`MLPerfFetchOp`)."""
 
     op: Literal["mlperf"] = "mlperf"
-    evaluation_id: str = Field(max_length=256)
+    evaluation_id: Ident
     spec: MLPerfSpec
     conf_model: str = Field(max_length=256)
 
@@ -770,7 +799,7 @@ class MLPerfFetchOp(_Message):
     at most ``max_bytes`` from ``offset``, answered with :class:`MLPerfFile`."""
 
     op: Literal["mlperf_fetch"] = "mlperf_fetch"
-    evaluation_id: str = Field(max_length=256)
+    evaluation_id: Ident
     name: str = Field(max_length=256)
     offset: int = Field(default=0, ge=0)
     max_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
@@ -855,7 +884,7 @@ class RunRows(_Message):
     """
 
     kind: Literal["run_rows"] = "run_rows"
-    evaluation_id: str
+    evaluation_id: Ident
     seq: int = Field(ge=0)
     start: int = Field(ge=0)
     columns: dict[str, NDArray]
@@ -911,7 +940,7 @@ class MLPerfDone(_Message):
     error that ended the run, if one did."""
 
     kind: Literal["mlperf_done"] = "mlperf_done"
-    evaluation_id: str
+    evaluation_id: Ident
     files: dict[str, int] = Field(default_factory=dict)
     error: dict[str, Any] | None = None
 
@@ -975,7 +1004,7 @@ class CancelRequest(_Message):
     run and stores it as ``cancelled``; a server that takes it later does not run it."""
 
     kind: Literal["cancel_request"] = "cancel_request"
-    job_id: str = Field(max_length=256)
+    job_id: Ident
     reason: str = Field(default="cancelled by the user", max_length=1024)
 
 
@@ -983,14 +1012,14 @@ class CancelReply(_Message):
     """From the server that was running the job, once its cancelled run is stored."""
 
     kind: Literal["cancel_reply"] = "cancel_reply"
-    job_id: str
-    evaluation_id: str
-    server_id: str
+    job_id: Ident
+    evaluation_id: Ident
+    server_id: Ident
 
 
 class EvaluationRequest(_Message):
     kind: Literal["evaluation_request"] = "evaluation_request"
-    evaluation_id: str = Field(max_length=256)
+    evaluation_id: Ident
 
 
 class EvaluationReply(_Message):
@@ -1006,8 +1035,8 @@ class Query(_Message):
     """One query: a batch of raw samples for one agent (hot path: kept small)."""
 
     kind: Literal["query"] = "query"
-    evaluation_id: str
-    index: int
+    evaluation_id: Ident
+    index: QueryIndex
     inputs: NDArray
     trace_level: int = int(TraceLevel.MODEL)
     raw: bool = False
@@ -1026,8 +1055,8 @@ class SamplesQuery(_Message):
     answers with a :class:`QueryReply` as for a :class:`Query`."""
 
     kind: Literal["samples_query"] = "samples_query"
-    evaluation_id: str = Field(max_length=256)
-    index: int
+    evaluation_id: Ident
+    index: QueryIndex
     samples: NDArray
     """Data-set indices (int64, one per sample), all loaded (:class:`SamplesLoadOp`)."""
 
@@ -1057,10 +1086,10 @@ class QueryReply(_Message):
 class _ColumnBatch(_Message):
     """Rows of one evaluation from one agent, column by column (lists of one length)."""
 
-    evaluation_id: str
-    agent_id: str
+    evaluation_id: Ident
+    agent_id: Ident
     host: str
-    batch_id: str
+    batch_id: Ident
     columns: dict[str, list[Any]]
     dicts: dict[str, list[str]] = Field(default_factory=dict)
     """Dictionary-encoded string columns: a column named here holds, per row, the index
@@ -1124,8 +1153,8 @@ class LoadgenLoadOp(_Message):
     """Fetch one dealt slice of a run from the work bucket and get ready to start it."""
 
     op: Literal["load"] = "load"
-    run_id: str
-    evaluation_id: str
+    run_id: Ident
+    evaluation_id: Ident
     subject: str
     """Where the queries go (the prepared agent's query subject)."""
     spec: ScenarioSpec
@@ -1138,7 +1167,7 @@ class LoadgenLoadOp(_Message):
 
 class LoadgenLoaded(_Message):
     kind: Literal["loaded"] = "loaded"
-    run_id: str
+    run_id: Ident
     queries: int
 
 
@@ -1152,7 +1181,7 @@ class LoadgenStartOp(_Message):
     answered when the run is over and its raw arrays are in the work bucket."""
 
     op: Literal["start"] = "start"
-    run_id: str
+    run_id: Ident
     start_ns: int
     result_object: str
     progress_subject: str | None = None
@@ -1163,7 +1192,7 @@ class LoadgenStartOp(_Message):
 
 class LoadgenProgress(_Message):
     kind: Literal["loadgen-progress"] = "loadgen-progress"
-    run_id: str
+    run_id: Ident
     result_object: str
     """Which slice of the run (its result's name is unique per slice)."""
     done: int
@@ -1171,7 +1200,7 @@ class LoadgenProgress(_Message):
 
 class LoadgenDone(_Message):
     kind: Literal["loadgen-done"] = "loadgen-done"
-    run_id: str
+    run_id: Ident
     result_object: str
     queries: int
     completed: int

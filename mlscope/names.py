@@ -33,6 +33,7 @@ object stores ``mlscope_loadgen_work`` (dealt slices and their results) and
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "MODELS_BUCKET",
     "PREFIX",
     "SQL_SUBJECT",
+    "TOKEN_MAX_CHARS",
     "TRACES_CONSUMER",
     "TRACES_STREAM",
     "agent_ctl",
@@ -99,9 +101,21 @@ EVALUATION_SUBJECT = f"{PREFIX}.db.evaluation"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 
 
+TOKEN_MAX_CHARS = 128
+"""Longest subject token: a longer value keeps its start and a digest of the whole.
+nats-server closes the connection of a client that sends a subject longer than its
+control line (4 KiB), and nats-py then stays closed: one long id in a subject would
+cut a service off the bus."""
+
+
 def token(value: str) -> str:
-    """One subject token: NATS separators and wildcards become '_'."""
+    """One subject token: NATS separators and wildcards become '_'; a value longer than
+    :data:`TOKEN_MAX_CHARS` becomes its start and a digest of all of it (distinct
+    values stay distinct)."""
     cleaned = _UNSAFE.sub("_", value)
+    if len(cleaned) > TOKEN_MAX_CHARS:
+        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        cleaned = f"{cleaned[: TOKEN_MAX_CHARS - 25]}-{digest}"
     return cleaned or "_"
 
 

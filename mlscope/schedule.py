@@ -34,6 +34,7 @@ from mlscope.errors import ConfigError
 from mlscope.samples import ARRIVAL_STREAM, stream
 
 __all__ = [
+    "MAX_SCHEDULED_QUERIES",
     "Arrivals",
     "Schedule",
     "build_schedule",
@@ -56,6 +57,10 @@ __all__ = [
 
 NS_PER_S = 1_000_000_000
 _CHUNK = 65_536
+MAX_SCHEDULED_QUERIES = 50_000_000
+"""Most queries one open-loop schedule may hold (its arrivals and a run's record of
+them take ~150 bytes a query): a rate and duration asking for more are refused before
+anything is drawn, whatever ``max_queries`` cuts them to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,16 @@ def _one_bound(duration_s: float | None, n: int | None) -> None:
         raise ConfigError(f"duration_s must be a finite number >= 0, got {duration_s!r}")
 
 
+def _within_limit(expected: float) -> None:
+    """Refuse a schedule of about ``expected`` queries over :data:`MAX_SCHEDULED_QUERIES`."""
+    if expected > MAX_SCHEDULED_QUERIES:
+        raise ConfigError(
+            f"the schedule would hold about {expected:.3g} queries, over the "
+            f"{MAX_SCHEDULED_QUERIES:,} one run may have: lower the rate or the duration",
+            limit=MAX_SCHEDULED_QUERIES,
+        )
+
+
 def _to_ns(seconds: np.ndarray) -> np.ndarray:
     ns: np.ndarray = np.rint(seconds * NS_PER_S).astype(np.int64)
     return ns
@@ -121,6 +136,7 @@ def _unit_arrivals(rng: np.random.Generator, *, until: float | None, n: int | No
     Drawn in chunks from one generator, so a prefix never depends on how many arrivals
     were asked for (``until`` and ``n`` give the same leading arrivals).
     """
+    _within_limit(until if until is not None else n or 0)
     if until is None:
         return np.cumsum(rng.standard_exponential(n or 0))
     parts: list[np.ndarray] = []
@@ -151,6 +167,7 @@ def _periodic(period_s: float, *, duration_s: float | None, n: int | None) -> np
     _one_bound(duration_s, n)
     if duration_s is not None:
         n = math.floor(duration_s / period_s + 1e-9)
+    _within_limit(n or 0)
     return _to_ns((np.arange(n or 0, dtype=np.float64) + 1.0) * period_s)
 
 
@@ -369,4 +386,5 @@ def build_schedule(spec: ScenarioSpec) -> tuple[Schedule, float]:
     if arrivals is None:
         raise ConfigError(f"scenario {spec.name!r} has no open-loop schedule")
     sched, window = arrivals(spec)
+    _within_limit(len(sched))  # a scenario whose arrivals are not drawn here
     return cut(sched, window, spec.max_queries)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from mlscope import codec
-from mlscope.contracts import SCHEMA, QueryReply, TraceLevel
+from mlscope.contracts import MAX_ID_CHARS, QUERY_INDEX_LIMIT, SCHEMA, QueryReply, TraceLevel
 from mlscope.errors import OverloadedError, WireError
 
 __all__ = [
@@ -106,9 +106,11 @@ def decode_query(data: bytes) -> QueryView:
     if raw.get("kind", "query") != "query":
         raise WireError("invalid Query: kind must be 'query'")
     ev, index, inputs = raw.get("evaluation_id"), raw.get("index"), raw.get("inputs")
-    if not isinstance(ev, str):
-        raise WireError("invalid Query: evaluation_id must be a string")
+    if not isinstance(ev, str) or len(ev) > MAX_ID_CHARS:
+        raise WireError(f"invalid Query: evaluation_id must be a string of at most {MAX_ID_CHARS}")
     index = _int(index, "index")
+    if not 0 <= index < QUERY_INDEX_LIMIT:
+        raise WireError(f"invalid Query: index must be 0 .. {QUERY_INDEX_LIMIT - 1}")
     if not isinstance(inputs, np.ndarray):
         raise WireError("invalid Query: inputs must be a numpy array")
     more = raw.get("more_inputs", ())

@@ -25,7 +25,16 @@ import pytest
 from cli.doctor_cmd import diagnose
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec, new_id
+from mlscope.contracts import (
+    EvaluationSummary,
+    JobEvent,
+    JobRequest,
+    PrepareOp,
+    ReleaseOp,
+    RunOp,
+    ScenarioSpec,
+    new_id,
+)
 from mlscope.errors import ConfigError, MLScopeError, error_from_wire
 from mlscope.jobs import stored_result, submit
 from mlscope.settings import Settings
@@ -77,6 +86,17 @@ def bad_payloads() -> list[bytes]:
         codec.encode({"sql": "SELECT 1", "format": "arrow", "offset": 2**64 - 1}),
         codec.encode({"sql": "SELECT 1", "format": "parquet"}),
         codec.encode({"evaluation_id": {"a": 1}}),
+        # ids that would become subjects longer than nats-server's control line
+        codec.encode(
+            {
+                "op": "prepare",
+                "evaluation_id": "e" * 8000,
+                "model": "noop",
+                "model_version": "1.0.0",
+            }
+        ),
+        codec.encode({"op": "release", "evaluation_id": "e" * 8000}),
+        codec.encode({"kind": "query", "evaluation_id": "ev-x", "index": 2**64 - 1, "inputs": 1}),
         codec.encode({"x" * 100: "y" * 700_000}),
         nested_msgpack(200_000),
         msgpack.packb({"a": [{"b": [{"c": [[[[[[[[[[1]]]]]]]]]]}]}]}),
@@ -130,6 +150,7 @@ def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
             await _requests(bus)
             await _buckets(bus, sock)
             await _streams(bus, refusals)
+            await _rows_within_max_payload(bus)
 
     anyio.run(main, backend="asyncio")
     listener.close()
@@ -273,11 +294,39 @@ async def _streams(bus: busmod.Bus, refusals: dict[str, JobEvent]) -> None:
         await bus.js.publish(names.JOBS_SUBJECT, codec.encode({**good, **change, "job_id": job_id}))
     for payload in bad_payloads()[:12]:
         await bus.js.publish(names.JOBS_SUBJECT, payload)
+    for long_id in ("j" * 200, "j" * 5000):  # a valid id, and one past the contract's bound
+        short = {"name": "online", "qps": 50, "duration_s": 0.5}
+        job = {**good, "job_id": long_id, "scenario": short}
+        await bus.js.publish(names.JOBS_SUBJECT, codec.encode(job))
     for name, sub in subs.items():
         while name not in refusals:
             event = codec.decode_model(JobEvent, (await sub.next_msg(timeout=20)).data)
             if event.event == "failed":
                 refusals[name] = event
+
+
+async def _rows_within_max_payload(bus: busmod.Bus) -> None:
+    """A local run whose request asks for row messages larger than the bus carries gets
+    them within the max payload, its final one too; the agent goes on."""
+
+    async def ctl(op: Any) -> dict[str, Any]:
+        msg = await bus.nc.request(names.agent_ctl(AGENT), codec.encode_model(op), timeout=20)
+        reply: dict[str, Any] = codec.decode(msg.data)
+        assert reply.get("kind") != "error", reply
+        return reply
+
+    ev = "ev-bigrows"
+    await ctl(PrepareOp(evaluation_id=ev, model="noop", model_version="1.0.0", batch_size=4096))
+    sub = await bus.nc.subscribe(names.agent_rows(AGENT, ev))
+    spec = ScenarioSpec(name="concurrency", concurrency=4, duration_s=0.5, batch_size=4096)
+    await ctl(RunOp(evaluation_id=ev, scenario=spec, max_bytes=64 << 20))
+    sizes, final = [], False
+    while not final:
+        msg = await sub.next_msg(timeout=30)
+        sizes.append(len(msg.data))
+        final = bool(codec.decode(msg.data).get("final"))
+    assert max(sizes) <= bus.nc.max_payload, sizes
+    await ctl(ReleaseOp(evaluation_id=ev))
 
 
 def _job(*, batch_size: int = 1) -> JobRequest:

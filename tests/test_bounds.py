@@ -1,0 +1,79 @@
+"""Bounds on what a message may ask for, checked where it is read: ids short enough to
+be subject tokens, rates, durations and depths a run can hold, schedules refused
+before anything is drawn."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from mlscope import names
+from mlscope.contracts import (
+    MAX_ID_CHARS,
+    JobRequest,
+    MLPerfSpec,
+    PrepareOp,
+    RunOp,
+    ScenarioSpec,
+)
+from mlscope.errors import ConfigError
+from mlscope.schedule import MAX_SCHEDULED_QUERIES, build_schedule, constant, poisson
+
+
+def test_a_long_value_is_a_bounded_token_and_distinct_ones_stay_distinct() -> None:
+    assert names.token("ev-1f3a9c2b7d4e") == "ev-1f3a9c2b7d4e"  # short ids unchanged
+    assert names.token("a.b*c>") == "a_b_c_"
+    a, b = "x" * 5000 + "a", "x" * 5000 + "b"
+    assert len(names.token(a)) == names.TOKEN_MAX_CHARS
+    assert names.token(a) != names.token(b)
+    assert names.token(a) == names.token(a)
+    assert len(names.job_events("j" * 100_000)) < 200
+    assert names.token("\ud800" * 200)  # a lone surrogate hashes too
+
+
+@pytest.mark.parametrize(
+    ("model", "fields"),
+    [
+        (JobRequest, {"model": "m", "framework": "f", "job_id": "j" * (MAX_ID_CHARS + 1)}),
+        (JobRequest, {"model": "m", "framework": "f", "agent_id": "a" * 5000}),
+        (PrepareOp, {"evaluation_id": "e" * 8000, "model": "m", "model_version": "1"}),
+        (RunOp, {"evaluation_id": "ev", "scenario": ScenarioSpec(), "max_bytes": 1 << 40}),
+        (ScenarioSpec, {"qps": float("inf")}),
+        (ScenarioSpec, {"qps": float("nan")}),
+        (ScenarioSpec, {"qps": 1e9}),
+        (ScenarioSpec, {"duration_s": 1e300}),
+        (ScenarioSpec, {"concurrency": 2**31 - 1}),
+        (ScenarioSpec, {"batch_size": 10**9}),
+        (ScenarioSpec, {"batch_sizes": [1, 10**9]}),
+        (ScenarioSpec, {"batch_sizes": list(range(1, 1000))}),
+        (ScenarioSpec, {"loadgens": 100_000}),
+        (ScenarioSpec, {"max_outstanding": 10**12}),
+        (MLPerfSpec, {"scenario": "Server", "target_qps": 1e12}),
+        (MLPerfSpec, {"scenario": "Offline", "window": 10**9}),
+    ],
+)
+def test_what_no_run_could_hold_is_refused_by_the_contract(
+    model: Any, fields: dict[str, Any]
+) -> None:
+    with pytest.raises(ValidationError):
+        model(**fields)
+
+
+def test_the_largest_ids_the_contract_takes_still_make_short_subjects() -> None:
+    job = JobRequest(model="m", framework="f", job_id="j" * MAX_ID_CHARS)
+    assert len(names.job_events(job.job_id)) <= names.TOKEN_MAX_CHARS + 20
+
+
+def test_a_schedule_too_long_for_a_run_is_refused_before_it_is_drawn() -> None:
+    spec = ScenarioSpec(name="online", qps=1e6, duration_s=7 * 24 * 3600, max_queries=10)
+    with pytest.raises(ConfigError, match="queries"):
+        build_schedule(spec)  # would be 6e11 arrivals; max_queries cuts only after
+    with pytest.raises(ConfigError):
+        poisson(1e6, n=MAX_SCHEDULED_QUERIES + 1)
+    with pytest.raises(ConfigError):
+        constant(1e6, duration_s=1e5)
+    # the bound is not below what runs are made of: a 30-minute soak at 10,000 QPS
+    assert MAX_SCHEDULED_QUERIES > 10_000 * 1800
+    assert len(build_schedule(ScenarioSpec(name="online", qps=1000, duration_s=2))[0]) > 1500
