@@ -36,6 +36,7 @@ hooks go there.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -59,6 +60,7 @@ from mlscope.predictor import Predictor
 __all__ = ["Executor", "ExecutorConfig", "Job", "Model"]
 
 now = time.perf_counter_ns
+log = logging.getLogger("mlscope.agent")
 
 _PENDING, _CLAIMED, _DONE = 0, 1, 2
 _INLINE_SEQ = -2
@@ -420,7 +422,12 @@ class Executor:
                 )
                 for slot in batch:
                     if not slot.replied:
-                        self._finish(slot, Outcome(error=err))
+                        try:
+                            self._finish(slot, Outcome(error=err))
+                        except Exception as again:  # its replier failed: the next query goes on
+                            log.error(
+                                "%s: query %d not answered: %r", m.name, slot.job.index, again
+                            )
 
     def _gather(self, first: _Slot) -> tuple[list[_Slot], _Slot | _StreamCall | None, bool]:
         """Consecutive queries up to ``max_batch`` samples or the first one's max wait."""
@@ -545,6 +552,29 @@ class Executor:
     # ------------------------------------------------------------------ replies
 
     def _finish(self, slot: _Slot, out: Outcome) -> None:
+        """Answer one query. A reply that cannot be built is the query's error (built
+        without validation), never the predict thread's end."""
+        job = slot.job
+        try:
+            reply = self._reply(slot, out)
+        except Exception as exc:
+            m = self.model
+            err = InferenceError(
+                f"{m.name}: reply: {exc!r}", model=m.name, framework=m.predictor.framework
+            )
+            reply = QueryReply.model_construct(
+                index=job.index,
+                ok=False,
+                error=err.to_wire(),
+                t_received=job.received_ns,
+                t_replied=now(),
+            )
+        slot.replied = True
+        with self._lock:
+            self._inflight -= 1
+        job.reply(reply)
+
+    def _reply(self, slot: _Slot, out: Outcome) -> QueryReply:
         job = slot.job
         labels = self._labels(out) if job.labels and out.error is None else None
         if out.error is not None:
@@ -578,10 +608,7 @@ class Executor:
                 t_predict_end=out.t_predict_end,
                 t_replied=now(),
             )
-        slot.replied = True
-        with self._lock:
-            self._inflight -= 1
-        job.reply(reply)
+        return reply
 
     def _labels(self, out: Outcome) -> np.ndarray | None:
         """The labels of a query's result (only asked for outside load runs); a lookup

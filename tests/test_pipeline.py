@@ -202,6 +202,30 @@ def test_a_fault_in_the_pipeline_itself_answers_the_batch_and_keeps_serving(
     assert fine.ok and ex.inflight == 0
 
 
+def test_a_reply_that_cannot_be_built_or_sent_never_ends_the_predict_thread(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """A query whose reply fails validation is answered with its error; a replier that
+    raises loses only its own answer: the queries after both are answered."""
+    ex = Executor(model, ExecutorConfig(max_batch=1, pre_workers=0, inline_max_us=0))
+    replies = Replies()
+
+    def refusing(_r: QueryReply) -> None:
+        raise RuntimeError("the replier's own failure")
+
+    bad_index = dataclasses.replace(job(0, samples[:1], replies), index="zero")  # type: ignore[arg-type]
+    try:
+        ex.submit(bad_index)
+        (first,) = replies.take(1)
+        ex.submit(dataclasses.replace(job(1, samples[:1], replies), reply=refusing))
+        ex.submit(job(2, samples[:1], replies))
+        (after,) = replies.take(1)
+    finally:
+        ex.stop()
+    assert not first.ok and "reply" in str(error_from_wire(first.error or {}))
+    assert after.index == 2 and after.ok and ex.inflight == 0
+
+
 def test_a_warm_executor_runs_the_first_inference_on_its_predict_thread(
     model: LoadedModel, samples: np.ndarray
 ) -> None:
