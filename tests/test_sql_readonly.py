@@ -154,8 +154,8 @@ def test_parameters_cannot_splice_sql_past_the_checks(
     the engine's own ``{name:Type}`` binding goes on working, ``%`` in a literal too."""
     reader, _, auth, _ = secured
     seed = ",".join(str(ord(c)) for c in str(auth / "server.creds"))
-    splice = {"x": ["", f" || file(char({seed})) || "]}
-    attacks = [
+    splice: dict[str, Any] = {"x": ["", f" || file(char({seed})) || "]}
+    attacks: list[tuple[str, dict[str, Any]]] = [
         ("SELECT '%(x)s' AS v", splice),
         ("SELECT 1 AS v /* {y:String} */ WHERE '%(x)s' != ''", {**splice, "y": "a"}),
     ]
