@@ -159,9 +159,14 @@ class Agent:
         self.tuning = ProcessTuning()
         """This process's one owner of GC and switch interval during local runs."""
         host = str(sysinfo.host_facts()["host"])
-        self.agent_id = self.config.agent_id or names.token(
-            f"{host}-{self.config.framework}-{new_id('a')[2:8]}"
-        )
+        given = self.config.agent_id
+        if given is not None and (not given or names.token(given) != given):
+            raise ConfigError(
+                f"agent id {given[:40]!r}: use letters, digits, '-' and '_', at most "
+                f"{names.TOKEN_MAX_CHARS} characters (it names the agent's subjects)",
+                field="agent_id",
+            )
+        self.agent_id = given or names.token(f"{host}-{self.config.framework}-{new_id('a')[2:8]}")
         self.sample_memory = MemoryBudget(self.config.sample_memory_bytes)
         """What every sample library and every local run's held samples draw on."""
         self.mlperf = MLPerfOps(

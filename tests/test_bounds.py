@@ -4,12 +4,15 @@ before anything is drawn."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from agent.service import Agent, AgentConfig
 from mlscope import names
+from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import (
     MAX_ID_CHARS,
     JobRequest,
@@ -20,6 +23,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError
 from mlscope.schedule import MAX_SCHEDULED_QUERIES, build_schedule, constant, poisson
+from mlscope.settings import Settings
 
 
 def test_a_long_value_is_a_bounded_token_and_distinct_ones_stay_distinct() -> None:
@@ -77,3 +81,15 @@ def test_a_schedule_too_long_for_a_run_is_refused_before_it_is_drawn() -> None:
     # the bound is not below what runs are made of: a 30-minute soak at 10,000 QPS
     assert MAX_SCHEDULED_QUERIES > 10_000 * 1800
     assert len(build_schedule(ScenarioSpec(name="online", qps=1000, duration_s=2))[0]) > 1500
+
+
+@pytest.mark.parametrize("agent_id", ["bad.id", "a" * 300, "", "wild*card"])
+def test_an_agent_id_that_is_not_its_own_subject_token_is_refused_at_start(
+    agent_id: str, tmp_path: Path
+) -> None:
+    catalog = Catalog.load(default_manifest_dirs())
+    settings = Settings(nats_url="nats://127.0.0.1:1", data_dir=tmp_path)
+    with pytest.raises(ConfigError, match="agent id"):
+        Agent(settings, AgentConfig(framework="noop", agent_id=agent_id), catalog)
+    ok = Agent(settings, AgentConfig(framework="noop", agent_id="edge-7_b"), catalog)
+    assert ok.agent_id == "edge-7_b"
