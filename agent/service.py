@@ -240,22 +240,30 @@ class Agent:
 
     async def _fetch_missing(self) -> None:
         """Built zoo models of this framework that the data dir lacks, fetched from the
-        bus's artifact bucket (verified file by file; see mlscope.artifact_bucket)."""
+        bus's artifact bucket (verified file by file; see mlscope.artifact_bucket). The
+        bucket is written by other clients: whatever one model's fetch raises, that
+        model is not served (its refusal says why) and the agent goes on."""
         wanted = sorted(
             {
-                zoo_coordinates(str(e.manifest.assets.base_url))
+                str(e.manifest.assets.base_url)
                 for e in self.remote.catalog(self.catalog).entries
                 if e.manifest.framework.name == self.config.framework
                 and is_built(e.manifest.assets.base_url)
             }
         )
-        for name, version in wanted:
+        for url in wanted:
             try:
+                name, version = zoo_coordinates(url)
                 await artifact_bucket.fetch(
-                    self.bus, self.settings.zoo_dir, name, version, log=self._log
+                    self.bus,
+                    self.settings.zoo_dir,
+                    name,
+                    version,
+                    log=self._log,
+                    max_bytes=self.settings.max_artifact_bytes,
                 )
-            except MLScopeError as exc:  # not served then; the refusal says why
-                self._log(f"cannot fetch {name} {version} from the artifact bucket: {exc}")
+            except Exception as exc:  # not served then; the refusal says why
+                self._log(f"cannot fetch {url[:100]} from the artifact bucket: {exc!r}")
 
     def _log(self, message: str) -> None:
         log.info("agent %s: %s", self.agent_id, message)

@@ -32,7 +32,7 @@ import anyio
 from nats.js.object_store import ObjectStore
 
 from mlscope import names
-from mlscope.artifacts import safe_join
+from mlscope.artifacts import check_relative, safe_join, zoo_coordinates
 from mlscope.buildlock import LOCK_NAME, BuildLock
 from mlscope.bus import Bus, bus_errors, find_object_store, if_found, object_store
 from mlscope.errors import ArtifactError, BusNotFound, ChecksumMismatch
@@ -42,6 +42,10 @@ __all__ = ["ensure_bucket", "fetch", "open_bucket", "push", "pushed_models"]
 
 Log = Callable[[str], None]
 _DESCRIPTION = "built zoo models (mlscope artifacts push)"
+LOCK_MAX_BYTES = 4 << 20
+"""Largest build lock a fetch reads (a lock lists a model's files and their hashes)."""
+DEFAULT_MAX_FILE_BYTES = 4 << 30
+"""Largest file a fetch takes unless told (the agent passes MLSCOPE_MAX_ARTIFACT_BYTES)."""
 
 
 def _quiet(_message: str) -> None:
@@ -74,14 +78,40 @@ def _hex(digest: str | None) -> str | None:
 async def _remote_lock(obs: ObjectStore, name: str, version: str) -> BuildLock | None:
     where = f"{names.ARTIFACTS_BUCKET}/{_object(name, version, LOCK_NAME)}"
     with bus_errors(f"cannot read {where}"):
+        info = await if_found(obs.get_info(_object(name, version, LOCK_NAME)))
+        if info is None:
+            return None
+        if (info.size or 0) > LOCK_MAX_BYTES:
+            raise ArtifactError(
+                f"build lock {where} is {info.size} bytes (at most {LOCK_MAX_BYTES})", path=where
+            )
         got = await if_found(obs.get(_object(name, version, LOCK_NAME)))
     if got is None:
         return None
     try:
         doc = json.loads(got.data or b"")
-    except ValueError as exc:
-        raise ArtifactError(f"invalid build lock {where}: {exc}", path=where) from exc
+    except (ValueError, RecursionError) as exc:
+        raise ArtifactError(f"invalid build lock {where}: {exc!r}"[:300], path=where) from exc
     return BuildLock.from_json(doc, where=where)
+
+
+def _checked_layout(lock: BuildLock, where: str) -> None:
+    """The lock's files are distinct relative paths inside the model's directory (none
+    empty, none both a file and a directory), and each artifact is one of them or a
+    directory of them: nothing a fetch writes or hashes is outside its scratch
+    directory, or missing from it."""
+    files = {check_relative(relative) for relative in lock.files}
+    if len(files) != len(lock.files) or any(str(f) in ("", ".") for f in files):
+        raise ArtifactError(f"build lock {where} names one file twice, or none", path=where)
+    dirs = {parent for f in files for parent in f.parents if str(parent) != "."}
+    if files & dirs:
+        raise ArtifactError(f"build lock {where} names a file and a directory alike", path=where)
+    for artifact in lock.artifacts:
+        if check_relative(artifact) not in files | dirs:
+            raise ArtifactError(
+                f"build lock {where} names an artifact ({artifact[:80]!r}) none of its files make",
+                path=where,
+            )
 
 
 async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 1) -> bool:
@@ -126,14 +156,23 @@ async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 
 
 
 async def fetch(
-    bus: Bus, zoo_dir: Path, name: str, version: str, *, log: Log = _quiet
+    bus: Bus,
+    zoo_dir: Path,
+    name: str,
+    version: str,
+    *,
+    log: Log = _quiet,
+    max_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> BuildLock | None:
     """Fetch one model into ``<zoo_dir>/<name>/<version>`` unless it is there already.
 
     Returns the lock now in place, or None when neither the data dir nor the bucket
     has the model. A file whose bytes differ from the lock fails the whole fetch
-    (ChecksumMismatch) and nothing is put in place.
+    (ChecksumMismatch) and nothing is put in place. The bucket is not trusted: a lock
+    for another model, a layout that reaches outside the model's directory, a file
+    over ``max_bytes`` or anything else that cannot be fetched is an ArtifactError.
     """
+    zoo_coordinates(f"zoo://{name}/{version}")  # one directory two levels below zoo_dir
     target = safe_join(zoo_dir, f"{name}/{version}")
     local = BuildLock.read(target)
     if local is not None:
@@ -144,10 +183,16 @@ async def fetch(
     lock = await _remote_lock(obs, name, version)
     if lock is None:
         return None
+    where = f"{names.ARTIFACTS_BUCKET}/{_object(name, version, LOCK_NAME)}"
+    if (lock.model, lock.version) != (name, version):
+        raise ArtifactError(
+            f"build lock {where} is for {lock.model[:80]} {lock.version[:40]}", path=where
+        )
+    _checked_layout(lock, where)
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = target.parent / f".{version}.fetch-{uuid.uuid4().hex[:8]}"
     try:
-        await _download(obs, lock, scratch)
+        await _download(obs, lock, scratch, max_bytes)
         fetched = BuildLock(
             model=lock.model,
             version=lock.version,
@@ -160,22 +205,33 @@ async def fetch(
         if BuildLock.read(target) is None:  # another agent of this data dir may have won
             shutil.rmtree(target, ignore_errors=True)
             scratch.rename(target)
+    except (OSError, RecursionError) as exc:  # the disk, or what the checks let through
+        raise ArtifactError(f"cannot fetch {name} {version}: {exc!r}"[:300], path=where) from exc
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     log(f"{name} {version}: fetched {len(lock.files)} files from the artifact bucket")
     return BuildLock.read(target)
 
 
-async def _download(obs: ObjectStore, lock: BuildLock, scratch: Path) -> None:
+async def _download(obs: ObjectStore, lock: BuildLock, scratch: Path, max_bytes: int) -> None:
     for relative, sha in sorted(lock.files.items()):
         path = safe_join(scratch, relative)
         path.parent.mkdir(parents=True, exist_ok=True)
+        name = _object(lock.model, lock.version, relative)
+        with bus_errors(f"cannot fetch {relative} of {lock.model}", path=relative):
+            info = await if_found(obs.get_info(name))
+        if info is not None and (info.size or 0) > max_bytes:
+            raise ArtifactError(
+                f"{lock.model} {lock.version}: {relative} is {info.size} bytes, over the "
+                f"{max_bytes} an artifact may have (MLSCOPE_MAX_ARTIFACT_BYTES)",
+                path=relative,
+            )
         try:
             with (
                 path.open("wb") as fh,
                 bus_errors(f"cannot fetch {relative} of {lock.model}", path=relative),
             ):
-                await obs.get(_object(lock.model, lock.version, relative), writeinto=fh)
+                await obs.get(name, writeinto=fh)
         except BusNotFound as exc:
             raise ArtifactError(
                 f"the artifact bucket lacks {relative} of {lock.model} {lock.version}",
@@ -191,7 +247,7 @@ async def _download(obs: ObjectStore, lock: BuildLock, scratch: Path) -> None:
                 actual=actual,
             )
     for artifact, sha in lock.artifacts.items():
-        actual = await anyio.to_thread.run_sync(sha256_path, scratch / artifact)
+        actual = await anyio.to_thread.run_sync(sha256_path, safe_join(scratch, artifact))
         if actual != sha:
             raise ChecksumMismatch(
                 f"{lock.model} {lock.version}: fetched {artifact} has "

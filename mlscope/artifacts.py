@@ -35,6 +35,7 @@ import fcntl
 import hashlib
 import importlib.util
 import os
+import re
 import threading
 import urllib.error
 import urllib.parse
@@ -144,9 +145,20 @@ def verify(path: Path, expected: str, *, against: str = "manifest", fix: str = "
     return path
 
 
+_ZOO_NAME = re.compile(r"[A-Za-z0-9_\-]{1,128}")
+_ZOO_VERSION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+\-]{0,63}")
+
+
 def zoo_coordinates(base_url: str) -> tuple[str, str]:
-    """``zoo://NAME/VERSION`` -> (NAME, VERSION)."""
+    """``zoo://NAME/VERSION`` -> (NAME, VERSION): a model name as manifests have them
+    and a version that names one directory (no ``/``, no ``..``); ArtifactError for
+    anything else (the pair names ``<zoo_dir>/NAME/VERSION``, which a fetch replaces)."""
     name, _, version = base_url.removeprefix("zoo://").strip("/").partition("/")
+    if not _ZOO_NAME.fullmatch(name) or not _ZOO_VERSION.fullmatch(version) or ".." in version:
+        raise ArtifactError(
+            f"built asset location {base_url[:100]!r} is not zoo://NAME/VERSION",
+            path=base_url[:100],
+        )
     return name, version
 
 

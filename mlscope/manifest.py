@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from mlscope import scenario_traits
-from mlscope.artifacts import check_relative
+from mlscope.artifacts import check_relative, zoo_coordinates
 from mlscope.bounded import load_yaml_bounded
 from mlscope.contracts import ScenarioName
 from mlscope.errors import ArtifactError, ManifestError
@@ -199,6 +199,11 @@ class Assets(_Strict):
     def _scheme(cls, v: str | None) -> str | None:
         if v and "://" in v and not v.startswith(_SCHEMES):
             raise ValueError(f"unsupported asset location {v!r} (one of {', '.join(_SCHEMES)})")
+        if v and is_built(v):
+            try:
+                zoo_coordinates(v)
+            except ArtifactError as exc:
+                raise ValueError(exc.message) from exc
         if v and "://" not in v:
             _relative(v)
         return v
