@@ -21,6 +21,7 @@ Only LoadGen's own numbers are taken from these files (they are never recomputed
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,19 @@ _MLLOG = ":::MLLOG "
 _PCT = re.compile(r"^result_(\d+\.\d+)_percentile(_per_query)?_latency_ns$")
 _SATISFIED = re.compile(r"^\s*(.+?)\s*satisfied\s*:\s*NO\s*$", re.IGNORECASE | re.MULTILINE)
 _FIELD = re.compile(r"^(SUT name|Scenario|Mode|Result is)\s*:\s*(.*?)\s*$", re.MULTILINE)
+_MAX_NS = 2**63 - 1
+_NUMERIC_RESULTS = (
+    "query_count",
+    "scheduled_samples_per_sec",
+    "completed_samples_per_sec",
+    "samples_per_second",
+    "qps_with_loadgen_overhead",
+    "max_query_latency_ns",
+    "max_latency_ns",
+    "min_latency_ns",
+    "mean_latency_ns",
+)
+"""``result_*`` keys the summary reads as numbers: present, they must be numbers."""
 TRACE_DTYPE = np.dtype(
     [
         ("sample_seq", np.int64),
@@ -113,7 +127,7 @@ def parse_detail(text: str) -> dict[str, Any]:
         try:
             rec = json.loads(line[len(_MLLOG) :])
             out[str(rec["key"])] = rec.get("value")
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise ConfigError(
                 f"{DETAIL} line {n} is not a LoadGen MLLOG record: {exc}", field=DETAIL
             ) from exc
@@ -130,18 +144,27 @@ def parse_result(summary: str, detail: str) -> LoadGenResult:
     mode = str(kv.get("effective_test_mode") or head.get("Mode") or "")
     if not scenario or not mode:
         raise ConfigError("the logs name no scenario or test mode", field=SUMMARY)
-    result = {k[len("result_") :]: v for k, v in kv.items() if k.startswith("result_")}
+    result = {
+        k[len("result_") :]: _checked(v, k, k[len("result_") :] in _NUMERIC_RESULTS)
+        for k, v in kv.items()
+        if k.startswith("result_")
+    }
     pct: dict[str, int] = {}
     for key, value in kv.items():
         m = _PCT.match(key)
         if m and (m.group(1) not in pct or m.group(2)):  # per query wins (MultiStream)
-            pct[m.group(1)] = int(value)
+            pct[m.group(1)] = _count(value, key, DETAIL)
     validity = kv.get("result_validity") or head.get("Result is")
     reasons = [f"LoadGen: {r.strip()} not satisfied" for r in _SATISFIED.findall(summary)]
     why = str(kv.get("result_invalid_reason") or "").strip()
     if validity == "INVALID" and why:
         reasons.append(f"LoadGen: {why}")
-    errors = int(kv.get("num_errors") or 0)
+    errors = _count(kv.get("num_errors") or 0, "num_errors", DETAIL)
+    effective = {
+        k[len("effective_") :]: _checked(v, k, k == "effective_target_qps")
+        for k, v in kv.items()
+        if k.startswith("effective_")
+    }
     if errors:
         reasons.append(f"LoadGen: {errors} errors")
     return LoadGenResult(
@@ -152,7 +175,7 @@ def parse_result(summary: str, detail: str) -> LoadGenResult:
         reasons=tuple(reasons),
         percentiles_ns=pct,
         result=result,
-        effective={k[len("effective_") :]: v for k, v in kv.items() if k.startswith("effective_")},
+        effective=effective,
         errors=errors,
         loadgen_version=str(kv.get("loadgen_version") or ""),
     )
@@ -167,19 +190,23 @@ def trace_samples(text: str) -> np.ndarray:
         try:
             ev = json.loads(line.rstrip().rstrip(","))
             a = ev["args"]
-            scheduled = round(float(ev["ts"]) * 1000)
+            scheduled = _count(_number(ev["ts"], "ts", TRACE) * 1000, "ts", TRACE)
+            issued = _count(a["issue_start_ns"], "issue_start_ns", TRACE)
+            completed = _count(a["complete_ns"], "complete_ns", TRACE)
             rows.append(
                 (
-                    int(a["sample_seq"]),
-                    int(a["query_seq"]),
-                    int(a["sample_idx"]),
+                    _count(a["sample_seq"], "sample_seq", TRACE),
+                    _count(a["query_seq"], "query_seq", TRACE),
+                    _count(a["sample_idx"], "sample_idx", TRACE),
                     scheduled,
-                    scheduled + int(a["issue_start_ns"]),
-                    scheduled + int(a["complete_ns"]),
+                    _count(scheduled + issued, "ts + issue_start_ns", TRACE),
+                    _count(scheduled + completed, "ts + complete_ns", TRACE),
                 )
             )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"{TRACE}: a Sample event is malformed: {exc}", field=TRACE) from exc
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise ConfigError(
+                f"{TRACE}: a Sample event is malformed: {exc}"[:300], field=TRACE
+            ) from exc
     out = np.array(rows, dtype=TRACE_DTYPE)
     return np.sort(out, order="sample_seq")
 
@@ -188,8 +215,10 @@ def accuracy_entries(text: str) -> list[tuple[int, bytes]]:
     """(qsl_idx, response bytes) of every entry of an accuracy log."""
     try:
         doc = json.loads(text) if text.strip() else []
-        return [(int(e["qsl_idx"]), bytes.fromhex(str(e["data"]))) for e in doc]
-    except (ValueError, KeyError, TypeError) as exc:
+        return [
+            (_count(e["qsl_idx"], "qsl_idx", ACCURACY), bytes.fromhex(str(e["data"]))) for e in doc
+        ]
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise ConfigError(
             f"{ACCURACY} is not a LoadGen accuracy log: {exc}", field=ACCURACY
         ) from exc
@@ -206,10 +235,58 @@ def imagenet_top1(
         if idx in seen:
             continue  # LoadGen may send a sample more than once
         seen.add(idx)
+        if idx >= len(labels):
+            raise ConfigError(
+                f"{ACCURACY}: qsl_idx {idx} is past the data set's {len(labels)} samples",
+                field=ACCURACY,
+            )
+        if len(data) % np.dtype(dtype).itemsize:
+            raise ConfigError(
+                f"{ACCURACY}: the response of qsl_idx {idx} is {len(data)} bytes, not whole "
+                f"{dtype} values",
+                field=ACCURACY,
+            )
         values = np.frombuffer(data, dtype=np.dtype(dtype))
         if values.size and int(values[0]) == int(labels[idx]):
             good += 1
     return good, len(seen)
+
+
+def _number(value: Any, what: str, file: str) -> float:
+    """A finite number >= 0 that LoadGen wrote; ConfigError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{file}: {what} is {str(value)[:40]!r}, not a number", field=file)
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"{file}: {what} is {number}, not a finite number >= 0", field=file)
+    return number
+
+
+def _count(value: Any, what: str, file: str) -> int:
+    """A whole number 0 .. 2**63 - 1 (a count, an index or ns) that LoadGen wrote."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, float) and math.isfinite(value):
+        number = round(value)
+    else:
+        raise ConfigError(f"{file}: {what} is {str(value)[:40]!r}, not a whole number", field=file)
+    if not 0 <= number <= _MAX_NS:
+        raise ConfigError(f"{file}: {what} is {number}, out of 0 .. 2**63 - 1"[:200], field=file)
+    return number
+
+
+def _checked(value: Any, key: str, numeric: bool) -> Any:
+    """A detail log's value as stored: where the summary reads a number (``numeric``)
+    it must be one, finite, 0 .. 2**63 - 1; any other float must be finite; the rest
+    is kept as LoadGen wrote it."""
+    if numeric:
+        number = _number(value, key, DETAIL)
+        if number > _MAX_NS:
+            raise ConfigError(f"{DETAIL}: {key} is {number:g}, past 2**63 - 1", field=DETAIL)
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{DETAIL}: {key} is {value}, not a finite number", field=DETAIL)
+    return value
 
 
 def format_accuracy(good: int, total: int) -> str:

@@ -599,6 +599,95 @@ def test_malformed_logs_are_typed_errors(tmp_path: Path) -> None:
         import_job(tmp_path, model=None, framework="mlperf", system=None)
 
 
+def _detail(**values: Any) -> str:
+    base = {"effective_scenario": "Server", "effective_test_mode": "PerformanceOnly"}
+    return "".join(
+        f":::MLLOG {json.dumps({'key': k, 'value': v})}\n" for k, v in {**base, **values}.items()
+    )
+
+
+def _sample(**change: Any) -> str:
+    ev = {
+        "name": "Sample",
+        "ph": "b",
+        "ts": 10.0,
+        "args": {
+            "sample_seq": 0,
+            "query_seq": 0,
+            "sample_idx": 0,
+            "issue_start_ns": 5,
+            "complete_ns": 900,
+        },
+    }
+    ev["args"].update({k: v for k, v in change.items() if k != "ts"})
+    if "ts" in change:
+        ev["ts"] = change["ts"]
+    return json.dumps(ev, separators=(",", ":")) + ",\n"
+
+
+@pytest.mark.parametrize(
+    "detail",
+    [
+        _detail(**{"result_99.00_percentile_latency_ns": float("nan")}),
+        _detail(**{"result_99.00_percentile_latency_ns": float("inf")}),
+        _detail(**{"result_99.00_percentile_latency_ns": -5_000_000}),
+        _detail(**{"result_99.00_percentile_latency_ns": "abc"}),
+        _detail(**{"result_99.00_percentile_latency_ns": None}),
+        _detail(**{"result_99.00_percentile_latency_ns": 2**70}),
+        _detail(num_errors="x"),
+        _detail(num_errors=-3),
+        _detail(result_query_count=2**70),
+        _detail(result_scheduled_samples_per_sec=float("nan")),
+        _detail(result_completed_samples_per_sec=-1.0),
+        _detail(result_completed_samples_per_sec="fast"),
+        _detail(effective_target_qps=float("inf")),
+        _detail(result_anything=float("-inf")),
+        ":::MLLOG " + "[" * 100_000 + "]" * 100_000 + "\n",
+        ":::MLLOG [1, 2]\n",
+    ],
+)
+def test_impossible_numbers_in_a_detail_log_are_refused_by_name(detail: str) -> None:
+    """LoadGen's numbers are taken as written, so what no run can produce (negative,
+    NaN, infinite, past Int64, not a number) is refused, never stored as a result."""
+    with pytest.raises(ConfigError, match=logs.DETAIL):
+        logs.parse_result("", detail)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        _sample(ts=1e400),
+        _sample(ts=1e20),
+        _sample(ts=-1.0),
+        _sample(sample_seq=2**63),
+        _sample(complete_ns=-900),
+        _sample(complete_ns=2**63 - 1),
+        _sample(issue_start_ns=True),
+        '{"name":"Sample","ph":"b",' + '"x":' + "[" * 5000 + "]" * 5000 + "},\n",
+    ],
+)
+def test_impossible_times_in_a_trace_are_refused(line: str) -> None:
+    assert len(logs.trace_samples(_sample())) == 1  # the same event, well formed
+    with pytest.raises(ConfigError, match=logs.TRACE):
+        logs.trace_samples(line)
+
+
+def test_accuracy_entries_that_name_no_sample_are_refused() -> None:
+    labels = np.array([1, 2, 0])
+    one = np.int64(1).tobytes().hex()
+    for doc in (
+        f'[{{"qsl_idx": -1, "data": "{one}"}}]',
+        f'[{{"qsl_idx": 1e400, "data": "{one}"}}]',
+        "[" * 100_000 + "]" * 100_000,
+    ):
+        with pytest.raises(ConfigError, match=logs.ACCURACY):
+            logs.accuracy_entries(doc)
+    with pytest.raises(ConfigError, match="past the data set"):
+        logs.imagenet_top1(logs.accuracy_entries(f'[{{"qsl_idx": 3, "data": "{one}"}}]'), labels)
+    with pytest.raises(ConfigError, match="not whole"):
+        logs.imagenet_top1([(0, b"\x01\x02\x03")], labels)
+
+
 def test_checker_counts_each_sample_once() -> None:
     one, two = np.int64(1).tobytes(), np.int64(2).tobytes()
     entries = [(0, one), (1, one), (0, two), (2, b"")]
