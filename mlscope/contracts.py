@@ -36,6 +36,7 @@ Schema history:
 from __future__ import annotations
 
 import enum
+import math
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -68,6 +69,7 @@ __all__ = [
     "MAX_LOADGENS",
     "MAX_QPS",
     "MAX_SAMPLE_INDICES",
+    "MAX_SEGMENTS",
     "MLPERF_LOADGEN",
     "QUERY_INDEX_LIMIT",
     "Accelerator",
@@ -155,6 +157,8 @@ MAX_BATCH = 65_536
 """Largest batch a query may carry."""
 MAX_CONCURRENCY = 65_536
 """Most queries a closed loop (or a load generator's window) may keep in flight."""
+MAX_SEGMENTS = 10_000
+"""Most segments a piecewise schedule may have."""
 MAX_LOADGENS = 256
 """Most load-generator processes or services one run's schedule may be dealt to."""
 QUERY_INDEX_LIMIT = 2**63
@@ -373,6 +377,33 @@ class ScenarioSpec(BaseModel):
     placement agent where the pipeline pre-processes sample by sample and the data set
     fits the agent's sample memory, else ``timed``. Placement server is always
     ``timed``: raw samples cross the bus. The summary says which one ran."""
+
+    @field_validator("arrivals_s")
+    @classmethod
+    def _arrivals_within_a_run(cls, v: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if v is not None:
+            if not all(math.isfinite(g) and g >= 0 for g in v):
+                raise ValueError("arrivals_s must be finite times >= 0")
+            if math.fsum(v) > MAX_DURATION_S:
+                raise ValueError(f"arrivals_s reach past {MAX_DURATION_S:.0f} s, the longest run")
+        return v
+
+    @field_validator("segments")
+    @classmethod
+    def _segments_within_a_run(
+        cls, v: tuple[tuple[float, float, float], ...] | None
+    ) -> tuple[tuple[float, float, float], ...] | None:
+        if v is not None:
+            if len(v) > MAX_SEGMENTS:
+                raise ValueError(f"at most {MAX_SEGMENTS} segments")
+            for a, b, seconds in v:
+                if not (0 <= a <= MAX_QPS and 0 <= b <= MAX_QPS and seconds > 0):
+                    raise ValueError(
+                        f"a segment's rates must be 0 .. {MAX_QPS:g} and its seconds > 0"
+                    )
+            if math.fsum(seconds for _, _, seconds in v) > MAX_DURATION_S:
+                raise ValueError(f"segments last past {MAX_DURATION_S:.0f} s, the longest run")
+        return v
 
     @field_validator("loadgen_hosts")
     @classmethod

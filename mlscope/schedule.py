@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from mlscope import scenario_traits
-from mlscope.contracts import ScenarioSpec
+from mlscope.contracts import MAX_DURATION_S, ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.samples import ARRIVAL_STREAM, stream
 
@@ -231,8 +231,17 @@ def replay(path: str | Path, *, column: str | int | None = None) -> Schedule:
         raise ConfigError(f"{p}: cannot read replay file: {exc}", file=str(p)) from exc
     cells = _csv_cells(p, text, column) if column is not None else _plain_cells(text)
     gaps = np.empty(len(cells), dtype=np.int64)
+    total, limit = 0, int(MAX_DURATION_S * NS_PER_S)
     for k, (line, cell) in enumerate(cells):
-        gaps[k] = _parse_gap(p, line, cell)
+        gaps[k] = gap = _parse_gap(p, line, cell)
+        total += gap
+        if total > limit:
+            raise ConfigError(
+                f"{p}:{line}: the arrivals reach past {MAX_DURATION_S:.0f} s, the longest run",
+                file=str(p),
+                line=line,
+            )
+    _within_limit(len(gaps))
     return Schedule(np.cumsum(gaps))
 
 
@@ -271,9 +280,10 @@ def _parse_gap(p: Path, line: int, cell: str) -> int:
         raise ConfigError(
             f"{p}:{line}: not a number of seconds: {cell!r}", file=str(p), line=line
         ) from None
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value) or not 0 <= value <= MAX_DURATION_S:
         raise ConfigError(
-            f"{p}:{line}: inter-arrival time must be finite and >= 0, got {cell!r}",
+            f"{p}:{line}: inter-arrival time must be 0 .. {MAX_DURATION_S:.0f} s, got "
+            f"{cell[:40]!r}",
             file=str(p),
             line=line,
         )

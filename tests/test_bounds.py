@@ -22,7 +22,7 @@ from mlscope.contracts import (
     ScenarioSpec,
 )
 from mlscope.errors import ConfigError
-from mlscope.schedule import MAX_SCHEDULED_QUERIES, build_schedule, constant, poisson
+from mlscope.schedule import MAX_SCHEDULED_QUERIES, build_schedule, constant, poisson, replay
 from mlscope.settings import Settings
 
 
@@ -93,3 +93,32 @@ def test_an_agent_id_that_is_not_its_own_subject_token_is_refused_at_start(
         Agent(settings, AgentConfig(framework="noop", agent_id=agent_id), catalog)
     ok = Agent(settings, AgentConfig(framework="noop", agent_id="edge-7_b"), catalog)
     assert ok.agent_id == "edge-7_b"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"arrivals_s": (9e9, 9e9)},
+        {"arrivals_s": (1e6,)},
+        {"arrivals_s": (0.1, float("nan"))},
+        {"arrivals_s": (0.1, -0.1)},
+        {"segments": ((1e-6, 1e-6, 1e12),)},
+        {"segments": ((1e9, 1.0, 1.0),)},
+        {"segments": ((1.0, 1.0, float("inf")),)},
+        {"segments": tuple((1.0, 1.0, 1.0) for _ in range(20_000))},
+    ],
+)
+def test_replayed_and_piecewise_schedules_stay_within_a_run(fields: dict[str, Any]) -> None:
+    """A job on the bus is checked as a file is: no schedule past the longest run."""
+    with pytest.raises(ValidationError):
+        ScenarioSpec(name="replay" if "arrivals_s" in fields else "piecewise", **fields)
+
+
+@pytest.mark.parametrize("text", ["0.1\n1e300\n", "0.1\n1e12\n", "inf\n", "9e5\n" * 1000])
+def test_a_replay_file_past_the_longest_run_is_refused_with_its_line(
+    tmp_path: Path, text: str
+) -> None:
+    path = tmp_path / "arrivals.txt"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"arrivals\.txt:\d+"):
+        replay(path)
