@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -37,10 +38,32 @@ def find_binary() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (for routes and leaf listeners, which need one up front)."""
+    """A TCP port free right now (for routes and leaf listeners, which need one up front).
+
+    Picked below the kernel's ephemeral range when it can be: a port from that range is
+    handed to the next outgoing connection of any process, which can take it in the
+    moment between this check and the server's bind."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(50):
+        port = rng.randrange(max(1024, low - 12_000), low) if low > 2048 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
     with socket.socket() as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux), else 0."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _conf(doc: dict[str, object], *, include: Path | None = None, note: str = "") -> str:
