@@ -607,7 +607,7 @@ def _detail(**values: Any) -> str:
 
 
 def _sample(**change: Any) -> str:
-    ev = {
+    ev: dict[str, Any] = {
         "name": "Sample",
         "ph": "b",
         "ts": 10.0,
