@@ -382,11 +382,16 @@ class Agent:
         )
 
     async def _withdraw(self, bus: Bus, subs: list[Any]) -> None:
-        with anyio.move_on_after(3):
-            kv = await bus.kv(names.AGENTS_BUCKET)
-            await kv.delete(self.agent_id)
-            for sub in subs:
-                await sub.unsubscribe()
+        """Leave the registry and stop the models. With the bus gone the entry expires
+        by itself (its TTL), and the models are stopped all the same."""
+        try:
+            with anyio.move_on_after(3):
+                kv = await bus.kv(names.AGENTS_BUCKET)
+                await kv.delete(self.agent_id)
+                for sub in subs:
+                    await sub.unsubscribe()
+        except Exception as exc:  # a lost or closed connection: the TTL removes the entry
+            log.warning("agent %s: not withdrawn from the registry: %r", self.agent_id, exc)
         for worker in self.workers.values():
             await anyio.to_thread.run_sync(worker.stop)
 

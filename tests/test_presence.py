@@ -10,7 +10,9 @@ import anyio
 import pytest
 from nats.js.api import KeyValueConfig
 
+from agent.service import Agent, AgentConfig
 from mlscope import bus as busmod
+from mlscope.catalog import Catalog
 from mlscope.natsserver import NatsServer
 from mlscope.presence import heartbeat
 from mlscope.settings import Settings
@@ -53,3 +55,21 @@ def test_a_refused_beat_is_logged_and_the_next_one_is_stored(
     assert "service svc: heartbeat not stored (1 in a row)" in errors[0].getMessage()
     again = [r.getMessage() for r in caplog.records if "stored again" in r.getMessage()]
     assert again == ["service svc: heartbeats stored again after 3 failed"]
+
+
+def test_an_agent_whose_connection_is_closed_still_shuts_down(
+    nats_server: NatsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Withdrawing from the registry over a closed connection is logged (the entry
+    expires by its TTL) and the shutdown goes on."""
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+    agent = Agent(settings, AgentConfig(framework="noop", agent_id="leaving"), Catalog.load([]))
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="agent", provision=True) as bus:
+            await bus.nc.close()
+            await agent._withdraw(bus, [])
+
+    with caplog.at_level(logging.WARNING, logger="mlscope.agent"):
+        anyio.run(main, backend="asyncio")
+    assert any("not withdrawn" in r.getMessage() for r in caplog.records)
