@@ -81,13 +81,13 @@ def flag_message(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         field = next((str(x) for x in reversed(err["loc"]) if isinstance(x, str)), "")
-        where = FIELD_FLAGS.get(field, field.replace("_", "-") or "arguments")
+        where = FIELD_FLAGS.get(field, field.replace("_", "-"))
         msg = str(err["msg"]).removeprefix("Value error, ")
         msg = msg.replace("Input should be", "must be")
         got = err.get("input")
         plain = not isinstance(got, dict | list | tuple) and got is not None
         shown = f" (got {got!r})" if plain and repr(got) not in msg else ""
-        parts.append(f"argument {where}: {msg}{shown}")
+        parts.append(f"argument {where}: {msg}{shown}" if where else f"{msg}{shown}")
     return "; ".join(parts)
 
 

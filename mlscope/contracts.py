@@ -69,6 +69,7 @@ __all__ = [
     "MAX_LOADGENS",
     "MAX_QPS",
     "MAX_SAMPLE_INDICES",
+    "MAX_SCHEDULED_QUERIES",
     "MAX_SEGMENTS",
     "MLPERF_LOADGEN",
     "QUERY_INDEX_LIMIT",
@@ -157,6 +158,10 @@ MAX_BATCH = 65_536
 """Largest batch a query may carry."""
 MAX_CONCURRENCY = 65_536
 """Most queries a closed loop (or a load generator's window) may keep in flight."""
+MAX_SCHEDULED_QUERIES = 50_000_000
+"""Most queries one open-loop schedule may hold (its arrivals and a run's record of
+them take ~150 bytes a query): a rate and duration asking for more are refused before
+anything is drawn, whatever ``max_queries`` cuts them to."""
 MAX_SEGMENTS = 10_000
 """Most segments a piecewise schedule may have."""
 MAX_LOADGENS = 256
@@ -411,6 +416,18 @@ class ScenarioSpec(BaseModel):
         if v is not None and len(set(v)) != len(v):
             raise ValueError("loadgen_hosts names a load generator twice")
         return v
+
+    @model_validator(mode="after")
+    def _a_schedule_a_run_can_hold(self) -> ScenarioSpec:
+        """A rate-driven scenario's queries (rate x duration) within what one run holds,
+        refused here rather than when the server draws the schedule."""
+        expected = self.qps * self.duration_s
+        if scenario_traits.get(self.name).rate_driven and expected > MAX_SCHEDULED_QUERIES:
+            raise ValueError(
+                f"qps x duration_s is {expected:.3g} queries, over the "
+                f"{MAX_SCHEDULED_QUERIES:,} one run may have"
+            )
+        return self
 
     def model_post_init(self, _context: Any) -> None:
         if self.loadgen_hosts is not None and self.loadgens != len(self.loadgen_hosts):

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from mlscope import scenario_traits
-from mlscope.contracts import MAX_DURATION_S, ScenarioSpec
+from mlscope.contracts import MAX_DURATION_S, MAX_SCHEDULED_QUERIES, ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.samples import ARRIVAL_STREAM, stream
 
@@ -57,10 +57,6 @@ __all__ = [
 
 NS_PER_S = 1_000_000_000
 _CHUNK = 65_536
-MAX_SCHEDULED_QUERIES = 50_000_000
-"""Most queries one open-loop schedule may hold (its arrivals and a run's record of
-them take ~150 bytes a query): a rate and duration asking for more are refused before
-anything is drawn, whatever ``max_queries`` cuts them to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,8 +278,8 @@ def _parse_gap(p: Path, line: int, cell: str) -> int:
         ) from None
     if not math.isfinite(value) or not 0 <= value <= MAX_DURATION_S:
         raise ConfigError(
-            f"{p}:{line}: inter-arrival time must be 0 .. {MAX_DURATION_S:.0f} s, got "
-            f"{cell[:40]!r}",
+            f"{p}:{line}: inter-arrival time must be finite, >= 0 and at most "
+            f"{MAX_DURATION_S:.0f} s, got {cell[:40]!r}",
             file=str(p),
             line=line,
         )

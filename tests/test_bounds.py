@@ -71,9 +71,15 @@ def test_the_largest_ids_the_contract_takes_still_make_short_subjects() -> None:
 
 
 def test_a_schedule_too_long_for_a_run_is_refused_before_it_is_drawn() -> None:
-    spec = ScenarioSpec(name="online", qps=1e6, duration_s=7 * 24 * 3600, max_queries=10)
+    with pytest.raises(ValidationError, match="queries"):  # 6e11 arrivals, cut only after
+        ScenarioSpec(name="online", qps=1e6, duration_s=7 * 24 * 3600, max_queries=10)
+    closed = ScenarioSpec(name="concurrency", qps=1e6, duration_s=7 * 24 * 3600)
+    assert closed.duration_s == 7 * 24 * 3600  # a closed loop's qps is not its rate
+    spec = ScenarioSpec.model_construct(  # past the contract (a spec built in code)
+        **{**ScenarioSpec().model_dump(), "qps": 1e6, "duration_s": 1e5, "max_queries": 10}
+    )
     with pytest.raises(ConfigError, match="queries"):
-        build_schedule(spec)  # would be 6e11 arrivals; max_queries cuts only after
+        build_schedule(spec)  # the builder's own bound holds too
     with pytest.raises(ConfigError):
         poisson(1e6, n=MAX_SCHEDULED_QUERIES + 1)
     with pytest.raises(ConfigError):

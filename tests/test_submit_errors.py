@@ -53,6 +53,13 @@ def last_line(stderr: str) -> str:
         (("--duration", "0"), "argument --duration: must be greater than 0"),
         (("--batch-sizes", "1,x"), "argument --batch-sizes: 'x' is not a whole number"),
         (("--repeat", "0"), "argument --repeat: must be at least 1"),
+        (("--qps", "nan"), "argument --qps: must be"),
+        (("--duration", "inf"), "argument --duration: must be less than or equal to 604800"),
+        (
+            ("--scenario", "concurrency", "--concurrency", "1000000000"),
+            "argument --concurrency: must be less than or equal to 65536",
+        ),
+        (("--qps", "1e6", "--duration", "1e5"), "error: qps x duration_s is 1e+11 queries"),
     ],
 )
 def test_bad_arguments_are_usage_errors(flags: tuple[str, ...], message: str) -> None:
