@@ -210,13 +210,18 @@ def import_job(
     run_dir: Path, *, model: str | None, framework: str, system: str | None
 ) -> JobRequest:
     """The import job for one result directory (the trace is left out if too large)."""
-    files: dict[str, str] = {}
-    for name in logs.LOG_FILES:
-        path = run_dir / name
-        if path.is_file():
-            files[name] = path.read_text(errors="replace")
-    if logs.DETAIL not in files:
+    sizes = {n: (run_dir / n).stat().st_size for n in logs.LOG_FILES if (run_dir / n).is_file()}
+    if logs.DETAIL not in sizes:
         raise ConfigError(f"{run_dir} has a summary but no {logs.DETAIL}", field="directory")
+    for optional in (logs.TRACE, logs.ACCURACY):  # sized before they are read
+        if optional in sizes and sum(sizes.values()) > IMPORT_MAX_BYTES:
+            del sizes[optional]
+    if sum(sizes.values()) > IMPORT_MAX_BYTES:
+        raise ConfigError(
+            f"{run_dir}: the summary and detail logs exceed {IMPORT_MAX_BYTES} bytes",
+            field="directory",
+        )
+    files = {name: (run_dir / name).read_text(errors="replace") for name in sizes}
     if sum(len(t) for t in files.values()) > IMPORT_MAX_BYTES:
         files.pop(logs.TRACE, None)  # per-sample records are optional; LoadGen's numbers not
         if logs.ACCURACY in files and sum(len(t) for t in files.values()) > IMPORT_MAX_BYTES:

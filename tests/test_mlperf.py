@@ -688,6 +688,23 @@ def test_accuracy_entries_that_name_no_sample_are_refused() -> None:
         logs.imagenet_top1([(0, b"\x01\x02\x03")], labels)
 
 
+def test_an_import_sizes_the_logs_before_it_reads_them(tmp_path: Path) -> None:
+    """A trace too large for the job is left out unread, and summary and detail logs
+    too large are refused by name, whatever their size (1 TiB, sparse: reading one
+    would fail for memory)."""
+    (tmp_path / logs.SUMMARY).write_text("Scenario : Server\n")
+    (tmp_path / logs.DETAIL).write_text(_detail(**{"result_99.00_percentile_latency_ns": 5}))
+    with (tmp_path / logs.TRACE).open("wb") as fh:
+        fh.truncate(1 << 40)
+    job = import_job(tmp_path, model="m", framework="mlperf", system=None)
+    assert job.mlperf_import is not None
+    assert set(job.mlperf_import.files) == {logs.SUMMARY, logs.DETAIL}
+    with (tmp_path / logs.DETAIL).open("wb") as fh:
+        fh.truncate(1 << 40)
+    with pytest.raises(ConfigError, match="exceed"):
+        import_job(tmp_path, model="m", framework="mlperf", system=None)
+
+
 def test_checker_counts_each_sample_once() -> None:
     one, two = np.int64(1).tobytes(), np.int64(2).tobytes()
     entries = [(0, one), (1, one), (0, two), (2, b"")]
