@@ -34,7 +34,6 @@ from mlscope.errors import ConfigError
 from mlscope.samples import ARRIVAL_STREAM, stream
 
 __all__ = [
-    "MAX_SCHEDULED_QUERIES",
     "Arrivals",
     "Schedule",
     "build_schedule",

@@ -15,6 +15,7 @@ from mlscope import names
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import (
     MAX_ID_CHARS,
+    MAX_SCHEDULED_QUERIES,
     JobRequest,
     MLPerfSpec,
     PrepareOp,
@@ -22,7 +23,7 @@ from mlscope.contracts import (
     ScenarioSpec,
 )
 from mlscope.errors import ConfigError
-from mlscope.schedule import MAX_SCHEDULED_QUERIES, build_schedule, constant, poisson, replay
+from mlscope.schedule import build_schedule, constant, poisson, replay
 from mlscope.settings import Settings
 
 
