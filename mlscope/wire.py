@@ -79,10 +79,11 @@ def encode_samples_query(evaluation_id: str, index: int, samples: np.ndarray) ->
     return codec.encode(msg)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class QueryView:
     """A checked :class:`Query`'s fields (building the model itself costs more than
-    checking them: ``model_construct`` ~4 µs against ~0.5 µs for this)."""
+    checking them: ``model_construct`` ~4 µs against ~0.3 µs for this; not frozen,
+    whose construction alone costs ~1.3 µs)."""
 
     evaluation_id: str
     index: int
@@ -150,10 +151,12 @@ def encode_reply(reply: QueryReply) -> bytes:
     )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplyView:
     """What a load generator needs of one reply: a :class:`QueryReply` or an
-    :class:`ErrorReply` for one query."""
+    :class:`ErrorReply` for one query. One is built for every reply on a load
+    generator's reader thread: not frozen, whose construction costs ~1.3 µs against
+    ~0.3 µs; nothing changes it once read."""
 
     index: int
     """The query's index (-1 when an error reply does not name one)."""
@@ -181,32 +184,24 @@ def read_reply(data: bytes) -> ReplyView:
     if raw.get("kind") == "error":
         err = raw["error"]
         return ReplyView(
-            index=int(err.get("fields", {}).get("index", -1)),
-            ok=False,
-            error=str(err.get("message") or "error"),
-            refused=err.get("code") == OverloadedError.code,
-            agent_ns=_NO_TIMES,
-            outputs=None,
+            int(err.get("fields", {}).get("index", -1)),
+            False,
+            str(err.get("message") or "error"),
+            err.get("code") == OverloadedError.code,
+            _NO_TIMES,
+            None,
         )
     index = int(raw["index"])
     if raw.get("ok"):
-        return ReplyView(
-            index=index,
-            ok=True,
-            error="",
-            refused=False,
-            agent_ns=(
-                int(raw["t_received"]),
-                int(raw["t_predict_start"]),
-                int(raw["t_predict_end"]),
-                int(raw["t_replied"]),
-            ),
-            outputs=raw.get("outputs"),
+        times = (
+            int(raw["t_received"]),
+            int(raw["t_predict_start"]),
+            int(raw["t_predict_end"]),
+            int(raw["t_replied"]),
         )
+        return ReplyView(index, True, "", False, times, raw.get("outputs"))
     why = str((raw.get("error") or {}).get("message") or "error")
-    return ReplyView(
-        index=index, ok=False, error=why, refused=False, agent_ns=_NO_TIMES, outputs=None
-    )
+    return ReplyView(index, False, why, False, _NO_TIMES, None)
 
 
 def _int(value: Any, field: str) -> int:
