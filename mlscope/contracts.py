@@ -422,8 +422,7 @@ class ScenarioSpec(BaseModel):
         """A rate-driven scenario's queries (rate x duration) within what one run holds,
         refused here rather than when the server draws the schedule."""
         expected = self.qps * self.duration_s
-        # The traits only past the bound: a spec built while the modules load (a
-        # default) must not load the scenario kinds, which import this module.
+        # The traits only past the bound: the product is cheap, the lookup is not.
         if expected > MAX_SCHEDULED_QUERIES and scenario_traits.get(self.name).rate_driven:
             raise ValueError(
                 f"qps x duration_s is {expected:.3g} queries, over the "
@@ -545,7 +544,7 @@ class JobRequest(_Message):
     framework_version: str | None = None
     device: str = "cpu"
     agent_id: Ident | None = None
-    scenario: ScenarioSpec = ScenarioSpec()
+    scenario: ScenarioSpec = Field(default_factory=ScenarioSpec)
     trace_level: str = "model"
     submitted_at: float = 0.0
     rerun_of: str | None = None
