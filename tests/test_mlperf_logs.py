@@ -1,0 +1,144 @@
+"""MLPerf LoadGen's logs read by ``mlscope import mlperf`` (``broker/mlperf_logs.py``):
+what a log can say that no run produces is refused by file and key, never stored as a
+result. Fast: no stack, no LoadGen run (``tests/test_mlperf.py`` has those).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker import mlperf_logs as logs
+from cli.mlperf_cmd import import_job
+from mlscope.errors import ConfigError
+
+
+def test_malformed_logs_are_typed_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError):
+        logs.parse_detail(":::MLLOG {not json\n")
+    with pytest.raises(ConfigError):
+        logs.parse_detail("no records at all")
+    with pytest.raises(ConfigError):
+        logs.accuracy_entries('[{"qsl_idx": 1, "data": "zz"}]')
+    with pytest.raises(ConfigError):
+        logs.trace_samples('{"name":"Sample","cat":"default","ph":"b","ts":"x","args":{}},')
+    (tmp_path / logs.SUMMARY).write_text("")
+    with pytest.raises(ConfigError):
+        import_job(tmp_path, model=None, framework="mlperf", system=None)
+
+
+def _detail(**values: Any) -> str:
+    base = {"effective_scenario": "Server", "effective_test_mode": "PerformanceOnly"}
+    return "".join(
+        f":::MLLOG {json.dumps({'key': k, 'value': v})}\n" for k, v in {**base, **values}.items()
+    )
+
+
+def _sample(**change: Any) -> str:
+    ev: dict[str, Any] = {
+        "name": "Sample",
+        "ph": "b",
+        "ts": 10.0,
+        "args": {
+            "sample_seq": 0,
+            "query_seq": 0,
+            "sample_idx": 0,
+            "issue_start_ns": 5,
+            "complete_ns": 900,
+        },
+    }
+    ev["args"].update({k: v for k, v in change.items() if k != "ts"})
+    if "ts" in change:
+        ev["ts"] = change["ts"]
+    return json.dumps(ev, separators=(",", ":")) + ",\n"
+
+
+@pytest.mark.parametrize(
+    "detail",
+    [
+        _detail(**{"result_99.00_percentile_latency_ns": float("nan")}),
+        _detail(**{"result_99.00_percentile_latency_ns": float("inf")}),
+        _detail(**{"result_99.00_percentile_latency_ns": -5_000_000}),
+        _detail(**{"result_99.00_percentile_latency_ns": "abc"}),
+        _detail(**{"result_99.00_percentile_latency_ns": None}),
+        _detail(**{"result_99.00_percentile_latency_ns": 2**70}),
+        _detail(num_errors="x"),
+        _detail(num_errors=-3),
+        _detail(result_query_count=2**70),
+        _detail(result_scheduled_samples_per_sec=float("nan")),
+        _detail(result_completed_samples_per_sec=-1.0),
+        _detail(result_completed_samples_per_sec="fast"),
+        _detail(effective_target_qps=float("inf")),
+        _detail(result_anything=float("-inf")),
+        ":::MLLOG " + "[" * 100_000 + "]" * 100_000 + "\n",
+        ":::MLLOG [1, 2]\n",
+    ],
+)
+def test_impossible_numbers_in_a_detail_log_are_refused_by_name(detail: str) -> None:
+    """LoadGen's numbers are taken as written, so what no run can produce (negative,
+    NaN, infinite, past Int64, not a number) is refused, never stored as a result."""
+    with pytest.raises(ConfigError, match=logs.DETAIL):
+        logs.parse_result("", detail)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        _sample(ts=1e400),
+        _sample(ts=1e20),
+        _sample(ts=-1.0),
+        _sample(sample_seq=2**63),
+        _sample(complete_ns=-900),
+        _sample(complete_ns=2**63 - 1),
+        _sample(issue_start_ns=True),
+        '{"name":"Sample","ph":"b",' + '"x":' + "[" * 5000 + "]" * 5000 + "},\n",
+    ],
+)
+def test_impossible_times_in_a_trace_are_refused(line: str) -> None:
+    assert len(logs.trace_samples(_sample())) == 1  # the same event, well formed
+    with pytest.raises(ConfigError, match=logs.TRACE):
+        logs.trace_samples(line)
+
+
+def test_accuracy_entries_that_name_no_sample_are_refused() -> None:
+    labels = np.array([1, 2, 0])
+    one = np.int64(1).tobytes().hex()
+    for doc in (
+        f'[{{"qsl_idx": -1, "data": "{one}"}}]',
+        f'[{{"qsl_idx": 1e400, "data": "{one}"}}]',
+        "[" * 100_000 + "]" * 100_000,
+    ):
+        with pytest.raises(ConfigError, match=logs.ACCURACY):
+            logs.accuracy_entries(doc)
+    with pytest.raises(ConfigError, match="past the data set"):
+        logs.imagenet_top1(logs.accuracy_entries(f'[{{"qsl_idx": 3, "data": "{one}"}}]'), labels)
+    with pytest.raises(ConfigError, match="not whole"):
+        logs.imagenet_top1([(0, b"\x01\x02\x03")], labels)
+
+
+def test_an_import_sizes_the_logs_before_it_reads_them(tmp_path: Path) -> None:
+    """A trace too large for the job is left out unread, and summary and detail logs
+    too large are refused by name, whatever their size (1 TiB, sparse: reading one
+    would fail for memory)."""
+    (tmp_path / logs.SUMMARY).write_text("Scenario : Server\n")
+    (tmp_path / logs.DETAIL).write_text(_detail(**{"result_99.00_percentile_latency_ns": 5}))
+    with (tmp_path / logs.TRACE).open("wb") as fh:
+        fh.truncate(1 << 40)
+    job = import_job(tmp_path, model="m", framework="mlperf", system=None)
+    assert job.mlperf_import is not None
+    assert set(job.mlperf_import.files) == {logs.SUMMARY, logs.DETAIL}
+    with (tmp_path / logs.DETAIL).open("wb") as fh:
+        fh.truncate(1 << 40)
+    with pytest.raises(ConfigError, match="exceed"):
+        import_job(tmp_path, model="m", framework="mlperf", system=None)
+
+
+def test_checker_counts_each_sample_once() -> None:
+    one, two = np.int64(1).tobytes(), np.int64(2).tobytes()
+    entries = [(0, one), (1, one), (0, two), (2, b"")]
+    assert logs.imagenet_top1(entries, np.array([1, 2, 0])) == (1, 3)
+    assert logs.format_accuracy(1, 3) == "accuracy=33.333%, good=1, total=3\n"
