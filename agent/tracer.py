@@ -227,7 +227,9 @@ class Tracer:
             return await self._publish(
                 cls, eval_id, {k: v[:half] for k, v in columns.items()}
             ) + await self._publish(cls, eval_id, {k: v[half:] for k, v in columns.items()})
-        await publish_persistent(self.bus, names.traces(eval_id), data, msg_id=batch.batch_id)
+        await publish_persistent(
+            self.bus, names.traces(eval_id, self.agent_id), data, msg_id=batch.batch_id
+        )
         return n
 
     def max_bytes(self) -> int:

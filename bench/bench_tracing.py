@@ -118,7 +118,7 @@ async def ingest_rate(
             b = make_batch(eval_id, first + 1, min(batch, total - first), layer_share, plain=plain)
             acks.append(
                 await bus.js.publish_async(
-                    names.traces(eval_id),
+                    names.traces(eval_id, b.agent_id),
                     codec.encode_model(b),
                     headers={"Nats-Msg-Id": b.batch_id},
                 )

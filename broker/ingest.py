@@ -58,6 +58,8 @@ decoded while this one is inserted."""
 MAX_DELIVER = 20
 """Deliveries of a batch whose insert keeps failing before it is dead-lettered."""
 RETRY_S = 2.0
+TIME_LIMIT_NS = 1 << 62
+"""Span and sample times are below this (an agent's monotonic clock, ns)."""
 log = logging.getLogger("mlscope.ingest")
 _U64 = Annotated[int, Field(strict=True, ge=0, lt=1 << 64)]
 _I64 = Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)]
@@ -186,8 +188,10 @@ class Ingester:
                 await self._write(decoded)
 
     async def _store(self, msgs: list[Msg]) -> None:
-        """Decode one fetch; hand it to the writer (inside run) or write it now."""
-        decoded = self._decode(msgs)
+        """Decode one fetch; hand it to the writer (inside run) or write it now. Off the
+        event loop: checking a fetch of large batches takes a second of CPU, which the
+        server's other services on the loop must not wait for."""
+        decoded = await anyio.to_thread.run_sync(self._decode, msgs)
         if self._send is not None:
             await self._send.send(decoded)
         else:
@@ -201,7 +205,7 @@ class Ingester:
             if delivered(msg) > 1:
                 self.redelivered += 1
             try:
-                batch, codes = _decode(msg.data)
+                batch, codes = _decode(msg.data, msg.subject)
                 (spans if isinstance(batch, SpanBatch) else samples).add(batch, codes)
             except Exception as exc:  # whatever the bytes: this message never stores
                 bad.append((msg, self.boundary.failed(exc, msg.subject)))
@@ -234,12 +238,15 @@ class Ingester:
                 await _quiet(msg.ack())
 
     async def _insert(self, spans: Columns, samples: Columns) -> None:
-        if spans.rows:
-            await anyio.to_thread.run_sync(self.db.insert_arrow, "spans", spans.arrow())
-            self.ingested += spans.rows
-        if samples.rows:
-            await anyio.to_thread.run_sync(self.db.insert_arrow, "system_samples", samples.arrow())
-            self.samples += samples.rows
+        """Each table's rows, built into Arrow and inserted off the event loop."""
+        for table, rows in (("spans", spans), ("system_samples", samples)):
+            if rows.rows:
+                await anyio.to_thread.run_sync(self._insert_rows, table, rows)
+        self.ingested += spans.rows
+        self.samples += samples.rows
+
+    def _insert_rows(self, table: str, rows: Columns) -> None:
+        self.db.insert_arrow(table, rows.arrow())
 
 
 async def _quiet(aw: Any) -> None:
@@ -249,8 +256,13 @@ async def _quiet(aw: Any) -> None:
         log.debug("ack or nak not sent; JetStream redelivers after ack_wait")
 
 
-def _decode(data: bytes) -> tuple[SpanBatch | SampleBatch, dict[str, np.ndarray]]:
-    """A checked batch and its dictionary-encoded columns' indices (as arrays)."""
+def _decode(data: bytes, subject: str) -> tuple[SpanBatch | SampleBatch, dict[str, np.ndarray]]:
+    """A checked batch and its dictionary-encoded columns' indices (as arrays).
+
+    A batch is stored only from its own subject (:func:`mlscope.names.traces` of the
+    evaluation and agent it names): an agent's own user may publish only on its own
+    trace subjects, so it cannot write rows in another agent's name, and no batch
+    lands in an evaluation other than the one it was published for."""
     raw = codec.decode(data)
     cls = _BATCHES.get(raw.get("kind", "")) if isinstance(raw, dict) else None
     if cls is None:
@@ -259,6 +271,11 @@ def _decode(data: bytes) -> tuple[SpanBatch | SampleBatch, dict[str, np.ndarray]
         batch = cls.model_validate(raw)
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise WireError(f"invalid {cls.__name__}: {exc}") from exc
+    if subject != names.traces(batch.evaluation_id, batch.agent_id):
+        raise WireError(
+            f"{cls.__name__} {batch.batch_id}: published on {subject[:300]!r}, not on the "
+            "trace subject of the evaluation and agent it names"
+        )
     fields = _SPAN_FIELDS if cls is SpanBatch else _SAMPLE_FIELDS
     n = len(batch)
     if any(len(batch.columns.get(f, ())) != n for f in fields):
@@ -269,7 +286,25 @@ def _decode(data: bytes) -> tuple[SpanBatch | SampleBatch, dict[str, np.ndarray]
             codes[f] = _dictionary_column(batch, f)
         else:
             _check(batch, f, batch.columns[f])
+    _check_times(batch)
     return batch, codes
+
+
+def _check_times(batch: SpanBatch | SampleBatch) -> None:
+    """Times on an agent's monotonic clock: ``0 <= start <= end < 2**62`` ns (146 years
+    since its boot), so no stored duration is negative or wraps when taken."""
+    if isinstance(batch, SpanBatch):
+        start = np.asarray(batch.columns["start_ns"], np.int64)
+        end = np.asarray(batch.columns["end_ns"], np.int64)
+        bad = (start < 0) | (end < start) | (end >= TIME_LIMIT_NS)
+        what = "times must be 0 <= start_ns <= end_ns < 2**62"
+    else:
+        ts = np.asarray(batch.columns["ts_ns"], np.int64)
+        bad = (ts < 0) | (ts >= TIME_LIMIT_NS)
+        what = "ts_ns must be 0 <= ts_ns < 2**62"
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise WireError(f"{type(batch).__name__} {batch.batch_id}: {what} at row {row}")
 
 
 def _dictionary_column(batch: SpanBatch | SampleBatch, f: str) -> np.ndarray:

@@ -169,7 +169,7 @@ def _agent_publish(key: str, own: str = "*") -> list[str]:
     """What an agent publishes: spans, its registry key ``key``, the rows of its local
     runs (on agent ``own``'s subjects), and the JetStream API of the buckets it reads."""
     return [
-        names.traces_wildcard(),
+        names.agent_traces(own),
         key,
         f"{P}.agent.{own}.rows.>",
         "$JS.API.INFO",

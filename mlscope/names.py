@@ -14,7 +14,12 @@ Subjects (core NATS unless marked JetStream):
     mlscope.agent.<agent_id>.rows.<eval_id>
                                        the rows of one agent's local run (placement agent),
                                        or its MLPerf run's MLPerfDone
-    mlscope.traces.<eval_id>           JetStream (stream MLSCOPE_TRACES): span batches
+    mlscope.traces.<eval_id>.<agent_id>
+                                       JetStream (stream MLSCOPE_TRACES): span and sample
+                                       batches of one agent in one evaluation (the
+                                       ingester stores a batch only from the subject its
+                                       own fields name; an agent's own user publishes
+                                       only under its id)
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
     mlscope.dead.<stream>              JetStream (stream MLSCOPE_DEAD): messages a consumer
@@ -57,9 +62,11 @@ __all__ = [
     "agent_query",
     "agent_rows",
     "agent_samples",
+    "agent_traces",
     "capability",
     "dead_letter",
     "dead_letters_wildcard",
+    "evaluation_traces",
     "job_cancel",
     "job_cancel_wildcard",
     "job_events",
@@ -151,8 +158,18 @@ def job_cancel_wildcard() -> str:
     return f"{PREFIX}.job.*.cancel"
 
 
-def traces(eval_id: str) -> str:
-    return f"{PREFIX}.traces.{token(eval_id)}"
+def traces(eval_id: str, agent_id: str) -> str:
+    return f"{PREFIX}.traces.{token(eval_id)}.{token(agent_id)}"
+
+
+def agent_traces(agent: str) -> str:
+    """Every evaluation's trace subject of one agent (a token, or ``*`` for any)."""
+    return f"{PREFIX}.traces.*.{agent}"
+
+
+def evaluation_traces(eval_id: str) -> str:
+    """Every agent's trace subject of one evaluation."""
+    return f"{PREFIX}.traces.{token(eval_id)}.*"
 
 
 def traces_wildcard() -> str:

@@ -16,8 +16,9 @@ import nats.errors
 import pytest
 
 from cli.main import main as mlscope_main
+from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import names
+from mlscope import codec, names, remote
 from mlscope.agentauth import add_agent, agent_creds, agent_inbox_prefix
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
@@ -190,4 +191,53 @@ def test_a_rogue_agent_cannot_take_another_agents_queries(
         assert heard == []
         assert summary.status == "completed" and summary.errors == 0
         assert summary.queries >= 80
+        assert anyio.run(_forge_spans, stack, auth, rogue, summary, backend="asyncio") == [
+            "their own"
+        ]
         assert not stack.dead()
+
+
+async def _forge_spans(
+    stack: Stack, auth: Path, rogue: Path, summary: EvaluationSummary
+) -> list[str]:
+    """The rogue rewrites one of the victim's stored spans, on the victim's trace subject
+    (refused by the server) and on its own (refused by the ingester); then an honest
+    batch of its own follows, as a control. Returns the control span's stored names,
+    once it landed, after checking that the victim's span is as it was."""
+    ev, victim = summary.evaluation_id, summary.agent_id
+    one = (
+        "SELECT span_id, name FROM spans FINAL WHERE evaluation_id = {e:String} "
+        "AND agent_id = {a:String} AND span_id >= {s:UInt64} ORDER BY span_id LIMIT 1"
+    )
+
+    def batch(agent_id: str, span_id: int, name: str, batch_id: str) -> bytes:
+        cols: dict[str, list[object]] = {"span_id": [span_id], "parent_id": [0]}
+        cols |= {
+            "query_index": [0],
+            "level": [1],
+            "kind": ["query"],
+            "name": [name],
+            "start_ns": [1],
+            "end_ns": [2],
+            "attrs": [""],
+        }
+        msg = {"kind": "spans", "evaluation_id": ev, "agent_id": agent_id, "host": "h"}
+        return codec.encode({**msg, "batch_id": batch_id, "columns": cols})
+
+    async with busmod.connect(role(stack, auth, "reader"), name="test") as reader:
+        _, rows = await remote.sql(reader, one, {"e": ev, "a": victim, "s": 0})
+        (span_id, name), *_ = rows
+        async with Probe(stack.settings.nats_url, rogue) as probe:
+            forged = batch(victim, span_id, "FORGED", "sb-forged-1")
+            assert await probe.denied_publish(names.traces(ev, victim), forged)
+            assert not await probe.denied_publish(names.traces(ev, "rogue"), forged)
+            own = batch("rogue", 1, "their own", "sb-own-1")
+            assert not await probe.denied_publish(names.traces(ev, "rogue"), own)
+        control: list[list[object]] = []
+        with anyio.fail_after(60):  # batches are stored in order: the forged one was seen
+            while not control:
+                _, control = await remote.sql(reader, one, {"e": ev, "a": "rogue", "s": 0})
+                await anyio.sleep(0.2)
+        _, after = await remote.sql(reader, one, {"e": ev, "a": victim, "s": span_id})
+        assert after == [[span_id, name]]
+        return [str(r[1]) for r in control]

@@ -218,10 +218,13 @@ def test_each_role_is_denied_what_it_must_not_do(secured: NatsServer, auth_dir: 
             # ... but may write its own key and serve its own subjects
             assert not await edge.denied_publish(f"$KV.{names.AGENTS_BUCKET}.edge-7", b"{}")
             assert not await edge.denied_subscribe(names.agent_query("edge-7"))
+            # ... and publish spans only on its own trace subjects
+            assert not await edge.denied_publish(names.traces("ev-1", "edge-7"))
+            assert await edge.denied_publish(names.traces("ev-1", "other-agent"))
         async with Probe(url, auth_dir / "reader.creds") as reader:
             for subject in (
                 names.JOBS_SUBJECT,
-                names.traces("ev-1"),
+                names.traces("ev-1", "a"),
                 f"$KV.{names.AGENTS_BUCKET}.x",
                 names.agent_query("a"),
                 names.capability("noop", "noop"),
@@ -243,7 +246,7 @@ def test_each_role_is_denied_what_it_must_not_do(secured: NatsServer, auth_dir: 
                 names.JOBS_SUBJECT,
                 names.SQL_SUBJECT,
                 names.EVALUATION_SUBJECT,
-                names.traces("ev-1"),
+                names.traces("ev-1", "a"),
                 f"$KV.{names.AGENTS_BUCKET}.x",
                 f"$JS.API.STREAM.MSG.GET.{names.TRACES_STREAM}",
                 f"$JS.API.STREAM.PURGE.{names.JOBS_STREAM}",
@@ -260,7 +263,7 @@ def test_each_role_is_denied_what_it_must_not_do(secured: NatsServer, auth_dir: 
             assert not await loadgen.denied_publish(names.loadgen_progress("lg-1"))
             assert not await loadgen.denied_subscribe(names.loadgen_run("lg-1"))
         async with Probe(url, auth_dir / "submitter.creds") as submitter:
-            assert await submitter.denied_publish(names.traces("ev-1"))
+            assert await submitter.denied_publish(names.traces("ev-1", "a"))
             assert await submitter.denied_publish(f"$KV.{names.AGENTS_BUCKET}.x")
             assert await submitter.denied_subscribe(names.capability("noop", "noop"))
             assert not await submitter.denied_publish(names.JOBS_SUBJECT, job)

@@ -13,7 +13,7 @@ from agent.tracer import COLUMNS, dictionary_encode
 from broker import ingest
 from broker.db import Database
 from broker.ingest_columns import Columns
-from mlscope import codec, schema
+from mlscope import codec, names, schema
 from mlscope.contracts import SampleBatch
 from mlscope.errors import WireError
 
@@ -58,6 +58,12 @@ def batch(columns: dict[str, list[Any]], dicts: dict[str, Any], eid: str = "ev-a
     )
 
 
+def decode(data: bytes, subject: str | None = None) -> Any:
+    """``ingest._decode`` of a batch published on ``subject`` (default: its own)."""
+    raw = codec.decode(data)
+    return ingest._decode(data, subject or names.traces(raw["evaluation_id"], raw["agent_id"]))
+
+
 def stored(db: Database, eid: str) -> list[tuple[Any, ...]]:
     cols = ", ".join(c for c in schema.SPANS.names if c != "batch_id")
     return db.rows(
@@ -70,14 +76,14 @@ def test_dictionary_and_plain_batches_store_the_same_rows(db: Database) -> None:
     plain, encoded = Columns(schema.SPANS), Columns(schema.SPANS)
     for first in (1, 101, 201):  # several messages, each with its own dictionary
         cols = spans(first, 100)
-        plain.add(*ingest._decode(batch(cols, {}, "ev-plain")))
+        plain.add(*decode(batch(cols, {}, "ev-plain")))
         wire, dicts = dictionary_encode(cols, ("kind", "name", "attrs"))
         assert sorted(dicts["attrs"]) == ["", ATTRS] and max(wire["attrs"]) == 1
-        encoded.add(*ingest._decode(batch(wire, dicts, "ev-dict")))
+        encoded.add(*decode(batch(wire, dicts, "ev-dict")))
     mixed = Columns(schema.SPANS)  # one fetch of both forms
-    mixed.add(*ingest._decode(batch(spans(1, 50), {}, "ev-mixed")))
+    mixed.add(*decode(batch(spans(1, 50), {}, "ev-mixed")))
     wire, dicts = dictionary_encode(spans(51, 250), ("kind", "name", "attrs"))
-    mixed.add(*ingest._decode(batch(wire, dicts, "ev-mixed")))
+    mixed.add(*decode(batch(wire, dicts, "ev-mixed")))
     for c in (plain, encoded, mixed):
         assert c.rows == 300
         db.insert_arrow("spans", c.arrow())
@@ -99,7 +105,7 @@ def test_samples_go_in_as_arrow_too(db: Database) -> None:
     b = SampleBatch(evaluation_id="ev-s", agent_id="ag", host="h", batch_id="ss-1", columns=wire)
     b = b.model_copy(update={"dicts": dicts})
     c = Columns(schema.SYSTEM_SAMPLES)
-    c.add(*ingest._decode(codec.encode_model(b)))
+    c.add(*decode(codec.encode_model(b)))
     db.insert_arrow("system_samples", c.arrow())
     got = db.rows(
         "SELECT ts_ns, metric, device, value FROM system_samples FINAL "
@@ -139,4 +145,49 @@ def _bad(**change: Any) -> bytes:
 )
 def test_a_malformed_dictionary_is_a_wire_error(data: bytes, why: str) -> None:
     with pytest.raises(WireError, match=why):
-        ingest._decode(data)
+        decode(data)
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        names.traces("ev-other", "ag"),  # another evaluation's subject
+        names.traces("ev-a", "other-agent"),  # another agent's: its own user's only
+        "mlscope.traces.ev-a",  # no agent
+        "mlscope.traces.ev-a.ag.more",
+    ],
+)
+def test_a_batch_is_stored_only_from_its_own_subject(subject: str) -> None:
+    """Published elsewhere, a batch could write rows in another agent's name, or into
+    another evaluation, through that evaluation's or agent's subject."""
+    data = batch(spans(1, 10), {})
+    decode(data)  # from its own subject: stored
+    with pytest.raises(WireError, match="trace subject"):
+        decode(data, subject)
+
+
+@pytest.mark.parametrize(
+    ("change", "row"),
+    [
+        ({"start_ns": [-1] + list(range(2, 11))}, 0),  # before the clock starts
+        ({"end_ns": [1, 2, 1] + list(range(9, 16))}, 2),  # ends before it starts
+        ({"start_ns": [0] * 10, "end_ns": [2**63 - 1] * 10}, 0),  # a duration that wraps sums
+        ({"start_ns": [-(2**63)] * 10, "end_ns": [2**63 - 1] * 10}, 0),
+    ],
+)
+def test_span_times_no_clock_makes_are_refused(change: dict[str, Any], row: int) -> None:
+    cols = {**spans(1, 10), **change}
+    with pytest.raises(WireError, match=f"start_ns <= end_ns < 2\\*\\*62 at row {row}"):
+        decode(batch(cols, {}))
+
+
+def test_sample_times_no_clock_makes_are_refused() -> None:
+    cols: dict[str, list[Any]] = {
+        "ts_ns": [1, -5],
+        "metric": ["cpu.util"] * 2,
+        "device": ["all"] * 2,
+        "value": [0.5, 0.25],
+    }
+    b = SampleBatch(evaluation_id="ev-s", agent_id="ag", host="h", batch_id="ss-1", columns=cols)
+    with pytest.raises(WireError, match="ts_ns .* at row 1"):
+        decode(codec.encode_model(b))

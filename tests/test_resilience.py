@@ -85,7 +85,8 @@ def ingester_killed_mid_stream(settings: Settings, db: Database) -> None:
             async def publish(first: int, last: int) -> None:
                 for b in range(first, last):
                     await bus.js.publish(
-                        names.traces(eval_id), codec.encode_model(span_batch(eval_id, b * per, per))
+                        names.traces(eval_id, "a1"),
+                        codec.encode_model(span_batch(eval_id, b * per, per)),
                     )
 
             # 1) An ingester that inserts but dies before acknowledging (crash window).
@@ -165,11 +166,11 @@ def ingested_batches_leave_the_stream(settings: Settings, db: Database) -> None:
         async with busmod.connect(settings, name="test", provision=True) as bus:
             for b in range(10):
                 await bus.js.publish(
-                    names.traces(eval_id), codec.encode_model(span_batch(eval_id, b * 50, 50))
+                    names.traces(eval_id, "a1"), codec.encode_model(span_batch(eval_id, b * 50, 50))
                 )
             poison = span_batch(eval_id, 10_000, 2).dump()
             poison["columns"]["span_id"] = ["abc", "def"]  # a string in a UInt64 column
-            await bus.js.publish(names.traces(eval_id), codec.encode(poison))
+            await bus.js.publish(names.traces(eval_id, "a1"), codec.encode(poison))
             ingester = Ingester(bus, db, trim_s=0.2)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ingester.run)

@@ -56,7 +56,7 @@ def test_agents_share_load_through_their_queue_group(farm: dict[str, Any]) -> No
     async def main() -> Counter[str]:
         per_agent: Counter[str] = Counter()
         async with busmod.connect(settings, name="test") as bus:
-            spans = await bus.nc.subscribe(names.traces(eval_id))
+            spans = await bus.nc.subscribe(names.evaluation_traces(eval_id))
             for i in range(AGENTS):
                 await busmod.request(
                     bus,

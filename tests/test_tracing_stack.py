@@ -249,7 +249,7 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
                         },
                     )
                     await bus.js.publish(
-                        names.traces(eval_id),
+                        names.traces(eval_id, batch.agent_id),
                         codec.encode_model(batch),
                         headers={"Nats-Msg-Id": batch.batch_id},
                     )
