@@ -56,13 +56,15 @@ async def list_loadgens(bus: Bus, *, include_stale: bool = False) -> list[Loadge
         values = await asyncio.gather(*(get(k) for k in keys))
     now = time.time()
     out = []
-    for value in values:
+    for key, value in zip(keys, values, strict=True):
         if not value or len(value) > MAX_VALUE_BYTES:
             continue
         try:
             desc = codec.decode_model(LoadgenDescription, value)
         except (WireError, RecursionError):
             continue  # a foreign or hostile entry
+        if desc.loadgen_id != key:
+            continue  # a service describes itself under its own id only
         if include_stale or abs(now - desc.heartbeat_at) <= AGENT_TTL_S:
             out.append(desc)
     return sorted(out, key=lambda d: d.loadgen_id)

@@ -50,8 +50,8 @@ async def _list_agents(bus: Bus, include_stale: bool) -> list[AgentDescription]:
 
     # All gets in flight at once: with 32 agents one round trip, not 32.
     values = await asyncio.gather(*(get(k) for k in keys))
-    for value in values:
-        desc = _description(value)
+    for key, value in zip(keys, values, strict=True):
+        desc = _description(key, value)
         if desc is None:
             continue  # a foreign, older or hostile entry: not an agent we can use
         if include_stale or time.time() - desc.heartbeat_at <= AGENT_TTL_S:
@@ -99,20 +99,25 @@ class AgentCache:
         if operation in ("DEL", "PURGE") or not value:
             self._entries.pop(key, None)
             return
-        desc = _description(value)
+        desc = _description(key, value)
         if desc is None:
             self._entries.pop(key, None)
         else:
             self._entries[key] = desc
 
 
-def _description(value: bytes | None) -> AgentDescription | None:
+def _description(key: str, value: bytes | None) -> AgentDescription | None:
     """A registry value as a description; None for one that is not (size-limited
-    before decoding; the contract refuses a negative pid, a heartbeat in the future)."""
+    before decoding; the contract refuses a negative pid, a heartbeat in the future),
+    or that describes an agent other than its key names: an agent's own user writes
+    only its own key, so a description under another key is a forgery (one agent
+    listed twice, or a dead one kept alive)."""
     if not value or len(value) > MAX_VALUE_BYTES:
         return None
     try:
         desc = codec.decode_model(AgentDescription, value)
     except (WireError, RecursionError):
+        return None
+    if desc.agent_id != key:
         return None
     return desc if desc.heartbeat_at <= time.time() + FUTURE_TOLERANCE_S else None

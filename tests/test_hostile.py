@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError, MLScopeError, error_from_wire
 from mlscope.jobs import stored_result, submit
+from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_server
 
@@ -225,6 +227,9 @@ async def _buckets(bus: busmod.Bus, sock: Path) -> None:
         ("types", {"frameworks": "noop", "cpu_cores": "many"}),
     ):
         await agents.put(key, codec.encode({**live, "agent_id": key, **changes}))
+    # A live agent's description under another key: the agent listed twice, or kept
+    # listed after it died, by whoever may write that key.
+    await agents.put("imposter", codec.encode({**live, "heartbeat_at": time.time()}))
     for key, value in (
         ("nested", nested_msgpack(300_000)),
         ("random", os.urandom(512)),
@@ -241,6 +246,7 @@ async def _buckets(bus: busmod.Bus, sock: Path) -> None:
     ):
         await models.put(key, value)
     await anyio.sleep(2.0)  # every watcher has seen them
+    assert [d.agent_id for d in await list_agents(bus)] == [AGENT]
 
 
 def _socket_manifest(sock: Path) -> bytes:
@@ -280,7 +286,7 @@ async def _streams(bus: busmod.Bus, refusals: dict[str, JobEvent]) -> None:
         "columns": columns,
     }
     for payload in [codec.encode(span), *bad_payloads()[:12], nested_msgpack(100_000)]:
-        await bus.js.publish(names.traces("ev-poison"), payload)
+        await bus.js.publish(names.traces("ev-poison", "a"), payload)
     good = JobRequest(model="noop", framework="noop").dump()
     jobs: dict[str, dict[str, Any]] = {
         "constraint": {"framework_version": ">>>1"},
