@@ -51,6 +51,7 @@ __all__ = [
     "OverloadedError",
     "PredictorError",
     "QueryRefused",
+    "ReplyTooLarge",
     "ResolutionError",
     "ServiceError",
     "UnknownModelError",
@@ -183,6 +184,13 @@ class QueryRefused(DatabaseError):
     it went past a read limit (time, rows, bytes, memory)."""
 
     code = "query_refused"
+
+
+class ReplyTooLarge(MLScopeError):
+    """An answer would not fit one message of the bus (the server's max payload): the
+    request must ask for less (fewer rows, a page at a time)."""
+
+    code = "reply_too_large"
 
 
 _BY_CODE: dict[str, type[MLScopeError]] = {}

@@ -47,7 +47,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from mlscope import codec, names
 from mlscope.bus import Bus
 from mlscope.contracts import ErrorReply
-from mlscope.errors import BusError, MLScopeError, ServiceError, WireError
+from mlscope.errors import BusError, MLScopeError, ReplyTooLarge, ServiceError, WireError
 
 __all__ = [
     "MAX_VALUE_BYTES",
@@ -204,8 +204,19 @@ class Boundary:
                 if isinstance(result, BaseModel)
                 else codec.encode(result)
             )
+            limit = int(getattr(self.bus.nc, "max_payload", 0) or 0)
+            if limit and len(data) > limit:  # the requester hears why, not a timeout
+                err = self.failed(
+                    ReplyTooLarge(
+                        f"the reply would be {len(data):,} bytes, over the bus's max payload "
+                        f"of {limit:,}: ask for less (fewer rows, or a page at a time)"
+                    ),
+                    msg.subject,
+                    what="reply to",
+                )
+                data = codec.encode_model(ErrorReply(error=err.to_wire()))
             await msg.respond(data)
-        except Exception as exc:  # too large, connection closed: the requester times out
+        except Exception as exc:  # connection closed: the requester times out
             self.failed(exc, msg.subject, what="reply to")
 
     def failed(self, exc: BaseException, subject: str, *, what: str = "message on") -> MLScopeError:

@@ -12,10 +12,11 @@ from nats.aio.msg import Msg
 
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import CONTROL, ControlOp, PingReply
+from mlscope.contracts import CONTROL, ControlOp, PingOp, PingReply
 from mlscope.errors import (
     DatabaseError,
     MLScopeError,
+    ReplyTooLarge,
     ServiceError,
     WireError,
     error_from_wire,
@@ -74,6 +75,31 @@ def test_a_failing_handler_answers_with_its_typed_error_and_keeps_serving(
             assert codes == ["service", "database", "wire", "wire"]
             assert boundary.failures == {"service": 1, "database": 1, "wire": 2}
             assert boundary.handled == 1 and calls == ["PingOp"] * 3
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_a_reply_too_large_for_the_bus_is_a_typed_error_not_silence(
+    settings: Settings,
+) -> None:
+    """The requester hears why at once, instead of waiting out its timeout."""
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+            size = int(bus.nc.max_payload)
+
+            async def handler(req: ControlOp, msg: Msg) -> bytes:
+                return b"x" * (size + (1 if isinstance(req, PingOp) else -100_000))
+
+            boundary = Boundary(bus, service="test")
+            await boundary.subscribe("t.big", CONTROL, handler)
+            with anyio.fail_after(5):
+                reply = await bus.nc.request("t.big", codec.encode({"op": "ping"}), timeout=5)
+            err = error_from_wire(codec.decode(reply.data)["error"])
+            assert isinstance(err, ReplyTooLarge) and f"{size:,}" in err.message
+            fits = await bus.nc.request("t.big", codec.encode({"op": "describe"}), timeout=5)
+            assert len(fits.data) == size - 100_000  # one that fits is sent as it is
+            assert boundary.failures == {"reply_too_large": 1}
 
     anyio.run(main, backend="asyncio")
 
