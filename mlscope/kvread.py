@@ -10,6 +10,7 @@ with nothing left pending (or when the bucket is really empty).
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
@@ -22,13 +23,21 @@ from mlscope.bus import Bus, bus_errors
 __all__ = ["BucketWatch", "bucket_keys"]
 
 
+_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")
+"""A key a KV client may read: letters, digits, ``-/_=``, dots between them."""
+
+
 async def bucket_keys(bus: Bus, bucket: str) -> list[str]:
     """The keys that have a message in ``bucket`` now, sorted. A key whose last message is
-    a delete marker is included: its ``get`` finds nothing (:func:`mlscope.bus.if_found`)."""
+    a delete marker is included: its ``get`` finds nothing (:func:`mlscope.bus.if_found`).
+    A subject no KV client can read as a key (published into the bucket's stream by
+    whoever may write there, e.g. ``bad#key``) is left out: a ``get`` of it raises,
+    and one such key would fail the whole listing."""
     prefix = f"$KV.{bucket}."
     with bus_errors(f"cannot list the keys of {bucket}", bucket=bucket):
         info = await bus.js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
-    return sorted(s[len(prefix) :] for s in (info.state.subjects or {}))
+    keys = (s[len(prefix) :] for s in (info.state.subjects or {}))
+    return sorted(k for k in keys if _KEY.fullmatch(k))
 
 
 class BucketWatch:

@@ -10,6 +10,8 @@ import anyio
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.kvread import BucketWatch, bucket_keys
+from mlscope.loadgens import ensure_bucket as ensure_loadgens_bucket
+from mlscope.loadgens import list_loadgens
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
@@ -34,6 +36,26 @@ def test_bucket_keys_lists_every_key_and_the_deleted_ones(settings: Settings) ->
             await kv.delete("k001")
             keys = await bucket_keys(bus, BUCKET)
             assert keys == [f"k{i:03d}" for i in range(N)]  # k001 as a delete marker
+
+
+def test_a_key_no_client_can_read_does_not_fail_a_listing(settings: Settings) -> None:
+    """Whoever may write into a bucket's stream may publish any subject under it; such
+    a key is left out, and every readable entry is still listed."""
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="test", provision=True) as bus:
+            await ensure_loadgens_bucket(bus)
+            for bucket in (names.AGENTS_BUCKET, names.LOADGENS_BUCKET, BUCKET):
+                await bus.kv(bucket)
+                for key in ("bad#key", "per%cent", "t\u00e9"):
+                    await bus.nc.publish(f"$KV.{bucket}.{key}", b"x")
+                await (await bus.kv(bucket)).put("good", b"v")
+                await bus.nc.flush()
+                assert await bucket_keys(bus, bucket) == ["good"], bucket
+            assert await list_agents(bus) == []  # "good" is not an agent: no error either
+            assert await list_loadgens(bus) == []
+
+    anyio.run(main, backend="asyncio")
 
     anyio.run(main, backend="asyncio")
 
