@@ -207,7 +207,8 @@ async def connect(
         "allow_reconnect": True,
     }
     try:
-        nc = await nats.connect(
+        nc = _Client()
+        await nc.connect(
             **options, error_cb=_quiet, disconnected_cb=_noop, reconnected_cb=_noop, closed_cb=_noop
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
@@ -229,6 +230,36 @@ async def connect(
             with anyio.move_on_after(3), suppress(TimeoutError, nats.errors.Error, OSError):
                 await nc.flush(timeout=2)
             await nc.close()
+
+
+class _Client(Client):
+    """nats-py's client, reading any subject a message arrives on.
+
+    nats-py decodes a message's subject and reply subject as strict UTF-8 in its read
+    loop, and a byte that is not UTF-8 ends that loop for good: the connection stays
+    open but hears nothing more until the server's ping timeout. Any user may publish
+    such a subject where its permissions allow (``mlscope.job.\\xff.cancel``), and a
+    stream would redeliver it to a consumer after every restart. Here the bytes that
+    are not UTF-8 read as U+FFFD: the message is delivered under a subject that no
+    handler accepts (a trace batch's subject names its own evaluation, a job's
+    cancel subject its job), and the loop goes on."""
+
+    def _build_message(
+        self,
+        sid: int,
+        subject: bytes,
+        reply: bytes,
+        data: bytes,
+        headers: dict[str, str] | None,
+    ) -> Msg:
+        return self.msg_class(
+            subject=subject.decode(errors="replace"),
+            reply=reply.decode(errors="replace"),
+            data=data,
+            headers=headers,
+            _client=self,
+            _sid=sid,
+        )
 
 
 def _reason(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import anyio
 import msgpack
@@ -25,7 +26,7 @@ import pytest
 
 from cli.doctor_cmd import diagnose
 from mlscope import bus as busmod
-from mlscope import codec, names
+from mlscope import codec, names, remote
 from mlscope.contracts import (
     EvaluationSummary,
     JobEvent,
@@ -152,6 +153,7 @@ def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
             await _requests(bus)
             await _buckets(bus, sock)
             await _streams(bus, refusals)
+            await _subjects_not_utf8(bus, settings)
             await _rows_within_max_payload(bus)
 
     anyio.run(main, backend="asyncio")
@@ -270,6 +272,29 @@ def _socket_manifest(sock: Path) -> bytes:
             "latency_only": True,
         }
     ).encode()
+
+
+async def _subjects_not_utf8(bus: busmod.Bus, settings: Settings) -> None:
+    """Subjects and reply subjects with bytes that are not UTF-8, written on a raw socket
+    (no client library sends them), where a submitter, reader or agent may publish: a
+    job's cancel, the agents' bucket, the traces stream (redelivered to the ingester
+    until dead-lettered), the SQL subject's reply. The server hears on afterwards."""
+    url = urlparse(settings.nats_url)
+    frames = [
+        b"PUB mlscope.job.\xff.cancel 1\r\nx\r\n",
+        b"PUB $KV.mlscope_agents.\xfe\xff 1\r\nx\r\n",
+        b"PUB " + names.traces("ev-bytes", "a").encode() + b".\xff 1\r\nx\r\n",
+        b"PUB mlscope.traces.\xc3\x28.a 1\r\nx\r\n",
+        b"PUB mlscope.db.sql _INBOX.\xff 2\r\n\x80\x80\r\n",
+    ]
+    with socket.create_connection((url.hostname or "127.0.0.1", url.port or 4222)) as raw:
+        raw.recv(4096)  # INFO
+        raw.sendall(b"CONNECT {}\r\n" + b"".join(frames) + b"PING\r\n")
+        assert b"PONG" in raw.recv(4096)
+    await anyio.sleep(3.0)  # the ingester has fetched the batch
+    with anyio.fail_after(20):
+        assert (await remote.sql(bus, "SELECT 1", timeout=10))[1] == [[1]]
+        assert [d.agent_id for d in await list_agents(bus)] == [AGENT]
 
 
 async def _streams(bus: busmod.Bus, refusals: dict[str, JobEvent]) -> None:
