@@ -133,7 +133,11 @@ def _run_processes(
         if any(codes):
             raise EvaluationError(f"a load-generator process failed (exit codes {codes})")
         return merge_results(
-            parts, [load_result(Path(tmp) / f"lg{j}-result.npz") for j in range(len(parts))]
+            parts,
+            [
+                load_result(Path(tmp) / f"lg{j}-result.npz", len(part))
+                for j, part in enumerate(parts)
+            ],
         )
 
 
@@ -194,9 +198,49 @@ def _wait(
     return [int(p.returncode) for p in procs]
 
 
-def load_result(path: Path | BinaryIO) -> tuple[RunRecord, dict[int, str]]:
-    """A slice's record and its errors by local position (:func:`save_result`)."""
+def _result_layout(queries: int) -> dict[str, tuple[str, int | None]]:
+    """Each array of a slice of ``queries`` queries: (dtype kinds it may have, length;
+    None for a scalar, -1 for at most ``queries``)."""
+    layout: dict[str, tuple[str, int | None]] = dict.fromkeys(ARRAYS, ("iufb", queries))
+    layout.update(batch_size=("iu", None), t0_ns=("iu", None), not_issued=("iu", None))
+    layout.update(cpu_s=("f", None), error_index=("iu", -1), error_message=("U", -1))
+    return layout
+
+
+def _check_result(z: Any, queries: int) -> None:
+    """Every array of a result read from its header, before any is decompressed: a
+    result is what a load-generator service wrote into the work bucket, and a small
+    compressed object can claim gigabytes."""
+    layout = _result_layout(queries)
+    members = {name.removesuffix(".npy"): name for name in z.zip.namelist()}
+    if set(members) != set(layout):
+        raise EvaluationError(f"a slice's result has arrays {sorted(members)[:20]}")
+    for name, (kinds, length) in layout.items():
+        with z.zip.open(members[name]) as fh:
+            version = np.lib.format.read_magic(fh)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read(fh)
+        ok = dtype.kind in kinds and (
+            shape == () if length is None else len(shape) == 1 and shape[0] <= queries
+        )
+        ok = ok and (length != queries or shape == (queries,))
+        ok = ok and (dtype.kind != "U" or dtype.itemsize <= 4 * codec.MAX_ERROR_CHARS)
+        if not ok:
+            raise EvaluationError(
+                f"a slice's result array {name} is {dtype} {shape}, not one a slice of "
+                f"{queries} queries has"
+            )
+
+
+def load_result(path: Path | BinaryIO, queries: int) -> tuple[RunRecord, dict[int, str]]:
+    """A slice's record and its errors by local position (:func:`save_result`), for a
+    slice of ``queries`` queries: arrays of any other shape are refused unread."""
     with np.load(path) as z:
+        _check_result(z, queries)
         rec = RunRecord(n=int(z["scheduled"].size), batch_size=int(z["batch_size"]))
         for name in ARRAYS:
             setattr(rec, name, z[name])
@@ -285,7 +329,7 @@ def save_result(rec: RunRecord, file: str | BinaryIO) -> None:
         not_issued=rec.not_issued,
         cpu_s=rec.cpu_s,
         error_index=np.asarray([i for i, _ in errs], np.int64),
-        error_message=np.asarray([m for _, m in errs], dtype=str),
+        error_message=np.asarray([m[: codec.MAX_ERROR_CHARS] for _, m in errs], dtype=str),
     )
 
 

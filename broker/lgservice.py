@@ -61,11 +61,14 @@ __all__ = ["LoadgenService", "default_id"]
 log = logging.getLogger("mlscope.loadgen")
 MAX_LOADED = 4
 """Slices held loaded and not yet started (a server that died between the two)."""
+MAX_START_AHEAD_S = 60.0
+"""How far ahead of now a run may be asked to start (a server asks for well under a
+second ahead, on this service's clock)."""
 
 
 def default_id() -> str:
     """``<host>-<pid>``: unique per process, readable in listings."""
-    return f"{names.token(socket.gethostname())}-{os.getpid()}"
+    return names.token(f"{socket.gethostname()}-{os.getpid()}")
 
 
 @dataclass
@@ -85,6 +88,16 @@ class LoadgenService:
     """This process's GC / switch-interval / priority owner, shared by the slices it runs."""
     _loaded: dict[str, _Loaded] = field(default_factory=dict)
     _connected: Bus | None = None
+
+    def __post_init__(self) -> None:
+        given = self.loadgen_id
+        if not given or names.token(given) != given:
+            raise ConfigError(
+                f"load generator id {given[:40]!r}: use letters, digits, '-' and '_', at "
+                f"most {names.TOKEN_MAX_CHARS} characters (it names the service's subjects "
+                "and registry key)",
+                field="loadgen_id",
+            )
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with busmod.connect(self.settings, name=f"loadgen {self.loadgen_id}") as bus:
@@ -156,6 +169,12 @@ class LoadgenService:
         loaded = self._loaded.pop(op.run_id, None)
         if loaded is None:
             raise EvaluationError(f"run {op.run_id} was not loaded on {self.loadgen_id}")
+        ahead_s = (op.start_ns - time.perf_counter_ns()) / 1e9
+        if ahead_s > MAX_START_AHEAD_S:  # the service serves one start at a time
+            raise EvaluationError(
+                f"run {op.run_id} would start in {ahead_s:.3g} s; a server starts a "
+                f"loaded run within {MAX_START_AHEAD_S:.0f} s"
+            )
         sched, lab = loaded.schedule, loaded.labels
         first = int(sched.index[0]) if len(sched) else 0
         stride = int(sched.index[1] - sched.index[0]) if len(sched) > 1 else 1

@@ -45,6 +45,9 @@ from broker.loadgen import encode_query, estimate_offset
 from mlscope import codec, names, schedule
 from mlscope.bus import Bus, bus_errors, object_store, request
 from mlscope.contracts import (
+    MAX_BATCH,
+    MAX_DURATION_S,
+    MAX_SCHEDULED_QUERIES,
     LoadgenDescription,
     LoadgenDone,
     LoadgenLoadOp,
@@ -95,10 +98,21 @@ def pack_slice(part: Schedule, payloads: list[bytes], labels: np.ndarray | None)
 
 
 def unpack_slice(data: bytes) -> tuple[Schedule, list[bytes], np.ndarray | None]:
+    """A dealt slice as the server packed it, refused unless a run could have it: at
+    most a run's queries, spread over at most a run's duration (anyone who may write
+    the work bucket can put a slice there, and one whose last query is years away
+    would hold its service for good)."""
     doc = codec.decode(data)
     sched = Schedule(
         np.asarray(doc["offsets"]), int(doc["samples_per_query"]), np.asarray(doc["index"])
     )
+    if len(sched) > MAX_SCHEDULED_QUERIES or sched.duration_s > MAX_DURATION_S:
+        raise ConfigError(
+            f"a slice of {len(sched):,} queries over {sched.duration_s:.3g} s: over what one "
+            f"run may have ({MAX_SCHEDULED_QUERIES:,} queries, {MAX_DURATION_S:.0f} s)"
+        )
+    if sched.samples_per_query > MAX_BATCH:
+        raise ConfigError(f"a slice's samples_per_query is over {MAX_BATCH:,}")
     labels = doc["labels"]
     return sched, list(doc["payloads"]), None if labels is None else np.asarray(labels)
 
@@ -145,10 +159,11 @@ async def run_on_services(
         done = await _start_all(ctx, spec, services, offsets, run_id, start)
         objects += [d.result_object for d in done]
         results = []
-        for d in done:
+        for d, part in zip(done, parts, strict=True):
             with bus_errors(f"cannot read {d.result_object}"):
                 got = await obs.get(d.result_object)
-            results.append(load_result(io.BytesIO(got.data or b"")))
+            data = io.BytesIO(got.data or b"")
+            results.append(await anyio.to_thread.run_sync(load_result, data, len(part)))
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             for name in objects:  # one left behind expires with the bucket's TTL
@@ -225,13 +240,15 @@ async def _start_all(
     """Start every loaded slice at once; each answers when its run is over."""
     timeout = spec.duration_s * 3 + 120
     done: list[Any] = [None] * len(services)
+    results = [f"{run_id}/result-{j}" for j in range(len(services))]
     counts: dict[str, int] = {}
+    """Queries done by each slice (keyed by its result's name), as its service reports."""
 
     async def one(j: int, svc: LoadgenDescription) -> None:
         op = LoadgenStartOp(
             run_id=run_id,
             start_ns=start + offsets[j],
-            result_object=f"{run_id}/result-{j}",
+            result_object=results[j],
             progress_subject=names.loadgen_progress(svc.loadgen_id),
         )
         reply = await request(
@@ -242,8 +259,8 @@ async def _start_all(
     async def heard(msg: Msg) -> None:  # a malformed note is ignored: it is only display
         with contextlib.suppress(WireError):
             note = codec.decode_model(LoadgenProgress, msg.data)
-            if note.run_id == run_id:
-                counts[note.result_object] = note.done
+            if note.run_id == run_id and note.result_object in results:  # ours only
+                counts[note.result_object] = max(0, note.done)
 
     async def report() -> None:
         t0 = time.monotonic()

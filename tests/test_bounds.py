@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from agent.service import Agent, AgentConfig
+from broker.lgservice import LoadgenService, default_id
 from mlscope import names
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import (
@@ -100,6 +101,17 @@ def test_an_agent_id_that_is_not_its_own_subject_token_is_refused_at_start(
         Agent(settings, AgentConfig(framework="noop", agent_id=agent_id), catalog)
     ok = Agent(settings, AgentConfig(framework="noop", agent_id="edge-7_b"), catalog)
     assert ok.agent_id == "edge-7_b"
+
+
+@pytest.mark.parametrize("loadgen_id", ["bad.id", "a" * 300, "", "wild*card"])
+def test_a_load_generator_id_that_is_not_its_own_subject_token_is_refused(
+    loadgen_id: str, tmp_path: Path
+) -> None:
+    settings = Settings(nats_url="nats://127.0.0.1:1", data_dir=tmp_path)
+    with pytest.raises(ConfigError, match="load generator id"):
+        LoadgenService(settings, loadgen_id=loadgen_id)
+    assert LoadgenService(settings, loadgen_id="lg-7_b").loadgen_id == "lg-7_b"
+    assert names.token(default_id()) == default_id()
 
 
 @pytest.mark.parametrize(

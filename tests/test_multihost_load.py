@@ -4,7 +4,10 @@ results merge into one evaluation (two noop agents, each driven once)."""
 
 from __future__ import annotations
 
+import io
 import subprocess
+import time
+import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,17 +15,24 @@ import anyio
 import numpy as np
 import pytest
 
+from broker.distributed import load_result, save_result
+from broker.lgservice import LoadgenService
+from broker.multihost import pack_slice, work_bucket
 from mlscope import bus as busmod
-from mlscope import remote, schedule
+from mlscope import codec, names, remote, schedule
 from mlscope.contracts import (
     EvaluationSummary,
     JobEvent,
     JobRequest,
     LoadgenDescription,
+    LoadgenLoadOp,
+    LoadgenStartOp,
     ScenarioSpec,
 )
-from mlscope.errors import MLScopeError
+from mlscope.errors import ConfigError, EvaluationError, MLScopeError
 from mlscope.jobs import submit
+from mlscope.record import RunRecord
+from mlscope.schedule import Schedule
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents, wait_loadgens, wait_server
 
@@ -137,3 +147,90 @@ def test_loadgen_hosts_are_distinct_and_set_the_count() -> None:
         ScenarioSpec(name="online", qps=10, loadgen_hosts=("lg-a", "lg-a"))
     with pytest.raises(ValueError, match="loadgen_hosts"):
         ScenarioSpec(name="online", qps=10, loadgens=3, loadgen_hosts=("lg-a", "lg-b"))
+
+
+def test_a_service_refuses_slices_and_starts_no_run_could_have(settings: Settings) -> None:
+    """Anyone who may write the work bucket or send a start: a slice whose last query is
+    years away, or a start far in the future, would hold the service (it runs one start
+    at a time); each is refused with its typed error, and the service goes on."""
+    spec = ScenarioSpec(name="online", qps=10, duration_s=1)
+    service = LoadgenService(settings, loadgen_id="lg-bounds")
+
+    def load_op(run_id: str, obj: str) -> bytes:
+        op = LoadgenLoadOp(
+            run_id=run_id,
+            evaluation_id="ev-bounds",
+            subject=names.agent_query("nobody"),
+            spec=spec,
+            offset_ns=0,
+            trace_level=0,
+            has_labels=False,
+            slice_object=obj,
+        )
+        return codec.encode_model(op)
+
+    async def main() -> None:
+        async with (
+            busmod.connect(settings, name="test", provision=True) as bus,
+            anyio.create_task_group() as tg,
+        ):
+            await tg.start(service.run)
+            ctl, start = names.loadgen_ctl("lg-bounds"), names.loadgen_run("lg-bounds")
+            obs = await work_bucket(bus)
+            far = Schedule(np.array([0, 10**17], np.int64))
+            await obs.put("far", pack_slice(far, [b"q", b"q"], None))
+            with pytest.raises(ConfigError, match="over what one run may have"):
+                await busmod.request(bus, ctl, load_op("lr-far", "far"), timeout=30)
+            near = Schedule(np.array([0, 1000], np.int64))
+            await obs.put("near", pack_slice(near, [b"q", b"q"], None))
+            await busmod.request(bus, ctl, load_op("lr-near", "near"), timeout=30)
+            op = LoadgenStartOp(
+                run_id="lr-near", start_ns=time.perf_counter_ns() + 10**17, result_object="r"
+            )
+            with anyio.fail_after(20), pytest.raises(EvaluationError, match="would start"):
+                await busmod.request(bus, start, codec.encode_model(op), timeout=15)
+            ping = await busmod.request(bus, ctl, codec.encode({"op": "ping"}), timeout=10)
+            assert ping["kind"] == "pong"
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
+
+
+def _result(queries: int, **arrays: np.ndarray) -> io.BytesIO:
+    rec = RunRecord(n=queries, batch_size=1)
+    rec.errors = {1: "x" * 5000}
+    buf = io.BytesIO()
+    save_result(rec, buf)
+    if arrays:  # the same members, some replaced
+        with np.load(io.BytesIO(buf.getvalue())) as z:
+            members = {name: z[name] for name in z.files}
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **{**members, **arrays})
+    buf.seek(0)
+    return buf
+
+
+def test_a_slices_result_is_read_only_in_the_shape_its_slice_has() -> None:
+    """A result comes from the work bucket: a small compressed object that claims
+    gigabytes is refused from its headers, before anything is allocated."""
+    rec, errors = load_result(_result(5), 5)
+    assert rec.n == 5 and len(errors[1]) == codec.MAX_ERROR_CHARS  # cut when saved
+    with pytest.raises(EvaluationError, match="slice of 4 queries"):
+        load_result(_result(5), 4)
+    bombs = [
+        _result(5, **bomb)
+        for bomb in (
+            {"scheduled": np.zeros(25_000_000, np.int64)},  # 200 MB of zeros
+            {"error_message": np.array(["y" * 100_000])},
+            {"t0_ns": np.zeros((5000, 5000), np.int64)},
+            {"ok": np.array(["text"] * 5)},
+        )
+    ]
+    tracemalloc.start()
+    try:
+        for data in bombs:
+            with pytest.raises(EvaluationError, match="result array"):
+                load_result(data, 5)
+        assert tracemalloc.get_traced_memory()[1] < 20_000_000
+    finally:
+        tracemalloc.stop()
