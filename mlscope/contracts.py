@@ -130,6 +130,7 @@ __all__ = [
     "SqlArrowReply",
     "SqlReply",
     "SqlRequest",
+    "Subject",
     "SystemRequirement",
     "TraceLevel",
     "evaluation_id_for",
@@ -150,6 +151,9 @@ MAX_ID_CHARS = 256
 tokens and KV keys, and nats-server closes a connection that sends a subject longer
 than its control line, which would cut a service off the bus."""
 Ident = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+Subject = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[!-~]+$")]
+"""A NATS subject a message names for another to publish on: printable ASCII without
+spaces (a space or line break would end the protocol line it is written into)."""
 MAX_QPS = 1e6
 """Fastest rate a run may ask for (one load generator issues ~10⁵ queries a second)."""
 MAX_DURATION_S = 7 * 24 * 3600.0
@@ -1204,7 +1208,7 @@ class LoadgenLoadOp(_Message):
     op: Literal["load"] = "load"
     run_id: Ident
     evaluation_id: Ident
-    subject: str
+    subject: Subject
     """Where the queries go (the prepared agent's query subject)."""
     spec: ScenarioSpec
     offset_ns: int
@@ -1233,7 +1237,7 @@ class LoadgenStartOp(_Message):
     run_id: Ident
     start_ns: int
     result_object: str
-    progress_subject: str | None = None
+    progress_subject: Subject | None = None
     """Where to publish :class:`LoadgenProgress` about every half second while it runs:
     the service's own :func:`mlscope.names.loadgen_progress` subject, which its user may
     publish to (no one may publish into another's inbox)."""

@@ -18,6 +18,8 @@ from mlscope.contracts import (
     MAX_ID_CHARS,
     MAX_SCHEDULED_QUERIES,
     JobRequest,
+    LoadgenLoadOp,
+    LoadgenStartOp,
     MLPerfSpec,
     PrepareOp,
     RunOp,
@@ -141,3 +143,19 @@ def test_a_replay_file_past_the_longest_run_is_refused_with_its_line(
     path.write_text(text)
     with pytest.raises(ConfigError, match=r"arrivals\.txt:\d+"):
         replay(path)
+
+
+@pytest.mark.parametrize(
+    "subject", ["mlscope.agent.a.query\r\nPUB x 1", "a b", "", "t\u00e9", "a" * 300]
+)
+def test_a_subject_a_message_names_is_one_protocol_token(subject: str) -> None:
+    """A load generator writes the subject into its own protocol lines: a space or a
+    line break would inject commands on its connection."""
+    spec = ScenarioSpec(name="online", qps=10, duration_s=1).model_dump()
+    fields = {"run_id": "r", "evaluation_id": "e", "spec": spec, "offset_ns": 0}
+    fields |= {"trace_level": 0, "has_labels": False, "slice_object": "o"}
+    assert LoadgenLoadOp.model_validate({**fields, "subject": "mlscope.agent.a-1_b.query"})
+    with pytest.raises(ValidationError):
+        LoadgenLoadOp.model_validate({**fields, "subject": subject})
+    with pytest.raises(ValidationError):
+        LoadgenStartOp(run_id="r", start_ns=0, result_object="o", progress_subject=subject)
