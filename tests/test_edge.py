@@ -32,7 +32,9 @@ async def leaf_spans(leaf_url: str, eval_id: str) -> int:
     total = 0
     async with busmod.connect(Settings(nats_url=leaf_url), name="test-leaf") as bus:
         sub = await bus.js.subscribe(
-            names.evaluation_traces(eval_id), stream=busmod.EDGE_TRACES_STREAM, ordered_consumer=True
+            names.evaluation_traces(eval_id),
+            stream=busmod.EDGE_TRACES_STREAM,
+            ordered_consumer=True,
         )
         pending = (await bus.js.stream_info(busmod.EDGE_TRACES_STREAM)).state.messages
         for _ in range(pending):

@@ -169,8 +169,8 @@ def test_a_batch_is_stored_only_from_its_own_subject(subject: str) -> None:
 @pytest.mark.parametrize(
     ("change", "row"),
     [
-        ({"start_ns": [-1] + list(range(2, 11))}, 0),  # before the clock starts
-        ({"end_ns": [1, 2, 1] + list(range(9, 16))}, 2),  # ends before it starts
+        ({"start_ns": [-1, *range(2, 11)]}, 0),  # before the clock starts
+        ({"end_ns": [1, 2, 1, *range(9, 16)]}, 2),  # ends before it starts
         ({"start_ns": [0] * 10, "end_ns": [2**63 - 1] * 10}, 0),  # a duration that wraps sums
         ({"start_ns": [-(2**63)] * 10, "end_ns": [2**63 - 1] * 10}, 0),
     ],
@@ -189,5 +189,5 @@ def test_sample_times_no_clock_makes_are_refused() -> None:
         "value": [0.5, 0.25],
     }
     b = SampleBatch(evaluation_id="ev-s", agent_id="ag", host="h", batch_id="ss-1", columns=cols)
-    with pytest.raises(WireError, match="ts_ns .* at row 1"):
+    with pytest.raises(WireError, match=r"ts_ns .* at row 1"):
         decode(codec.encode_model(b))
