@@ -7,19 +7,63 @@ layer span), ``name`` the node name, ``attrs`` JSON with ``op_type``, ``shape`` 
 are the layers.
 
 Sums and counts are done in SQL (one row per layer comes back, not one per span).
+
+Spans are written by agents, which are not trusted, and a ClickHouse server may hold
+any rows, so nothing here assumes a span is well formed:
+
+* :func:`span_attrs` is the one reader of a span's ``attrs``, for every reader of spans;
+* durations and their sums are taken in 128-bit integers (two Int64 times may be 2⁶⁴
+  apart), and a span that ends before it starts is left out of the tables
+  (:func:`layer_spans_left_out` counts them);
+* :func:`shape_text` is bounded whatever the shape it is given.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from analysis.source import Source
 
-__all__ = ["layer_kind", "layer_kinds", "layer_types", "shape_text", "top_layers"]
+__all__ = [
+    "ATTRS_MAX_CHARS",
+    "ATTRS_MAX_DEPTH",
+    "ATTR_TEXT_MAX_CHARS",
+    "SHAPE_MAX_CHARS",
+    "attr_text",
+    "layer_kind",
+    "layer_kinds",
+    "layer_spans_left_out",
+    "layer_types",
+    "shape_text",
+    "span_attrs",
+    "top_layers",
+]
+
+ATTRS_MAX_CHARS = 1 << 20
+"""The longest ``attrs`` text read (the bus's default max payload: an agent's span batch
+holds no longer one); a longer one reads as no attributes."""
+ATTRS_MAX_DEPTH = 16
+"""How deeply ``attrs`` may nest (a profiler's shapes take four levels); deeper text
+reads as no attributes, before any parser recurses into it."""
+ATTR_TEXT_MAX_CHARS = 200
+"""The longest attribute text shown (``op_type``, ``device``); a longer one is not."""
+SHAPE_MAX_CHARS = 200
+"""The longest text :func:`shape_text` gives (cut with "…")."""
+_SHAPE_MAX_DEPTH = 8
+"""Levels of nesting :func:`shape_text` follows ("…" below them)."""
+_INT_LIMIT = 1 << 64
+"""Integers in attributes are read within ±2⁶⁴ (a byte count, a dimension)."""
+_STRINGS = re.compile(r'"(?:[^"\\]++|\\[\s\S])*+(?:"|\\?\Z)')
+"""A JSON string (one left open runs to the end, so a scan stays linear whatever the
+text)."""
+_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 
 
 def layer_kind(source: Source, evaluation_id: str) -> str | None:
@@ -54,11 +98,37 @@ def _kind(source: Source, evaluation_id: str, kind: str | None) -> str | None:
     return kind
 
 
+_DURATION = "toInt128(end_ns) - toInt128(start_ns)"
+"""A span's duration in ns, exact whatever its two Int64 times (65 bits at most); its
+sums are taken in Int128 too and read as Float64 (:func:`_sum`)."""
+_FORWARD = "end_ns >= start_ns"
+"""The spans the layer tables count: one that ends before it starts has no duration."""
+
+
+def _sum(expr: str) -> str:
+    """``sum(expr)`` of Int128 durations, as a float (never wrapped)."""
+    return f"toFloat64(sum({expr}))"
+
+
 def _layers_sql(kind: str) -> str:
     return (
-        "SELECT agent_id, span_id, name, end_ns - start_ns AS ns, attrs FROM spans FINAL "
-        f"WHERE evaluation_id = {{e:String}} AND kind = '{kind}'"
+        f"SELECT agent_id, span_id, name, {_DURATION} AS ns, attrs FROM spans FINAL "
+        f"WHERE evaluation_id = {{e:String}} AND kind = '{kind}' AND {_FORWARD}"
     )
+
+
+def layer_spans_left_out(source: Source, evaluation_id: str, *, kind: str | None = None) -> int:
+    """How many of the evaluation's layer spans the layer tables leave out: those whose
+    stored end is before their start. ``kind`` as in :func:`top_layers`."""
+    kind = _kind(source, evaluation_id, kind)
+    if kind is None:
+        return 0
+    got = source.frame(
+        "SELECT count() AS n FROM spans FINAL WHERE evaluation_id = {e:String} "
+        f"AND kind = '{kind}' AND NOT ({_FORWARD})",
+        {"e": evaluation_id},
+    )
+    return int(got["n"].iloc[0]) if len(got) else 0
 
 
 def top_layers(
@@ -69,7 +139,9 @@ def top_layers(
     dominant_share (of the layer's kernel time), alloc_mb (the memory its outputs take,
     where the profiler reports it: ONNX Runtime; else None), predict_share (of the time
     of every predict span of the evaluation: how much of inference the layer explains;
-    None without predict spans). ``kind``: :func:`layer_kind` when the caller knows it."""
+    None without predict spans). ``kind``: :func:`layer_kind` when the caller knows it.
+    Spans that end before they start are left out (:func:`layer_spans_left_out`), and
+    attributes that cannot be read are not shown (:func:`span_attrs`)."""
     cols = [
         "rank",
         "layer",
@@ -91,7 +163,7 @@ def top_layers(
         return pd.DataFrame(columns=cols)
     params = {"e": evaluation_id}
     layers = source.frame(
-        f"SELECT name AS layer, count() AS calls, sum(ns) AS total_ns, any(attrs) AS attrs "
+        f"SELECT name AS layer, count() AS calls, {_sum('ns')} AS total_ns, any(attrs) AS attrs "
         f"FROM ({_layers_sql(kind)}) GROUP BY layer ORDER BY total_ns DESC, layer",
         params,
     )
@@ -99,10 +171,10 @@ def top_layers(
     predict_ns = _predict_ns(source, evaluation_id)
     top = layers.head(n)
     kernels = source.frame(
-        f"SELECT l.name AS layer, k.name AS child, sum(k.end_ns - k.start_ns) AS ns "
-        f"FROM (SELECT agent_id, parent_id, name, start_ns, end_ns FROM spans FINAL "
+        f"SELECT l.name AS layer, k.name AS child, {_sum('k.ns')} AS ns "
+        f"FROM (SELECT agent_id, parent_id, name, {_DURATION} AS ns FROM spans FINAL "
         f"WHERE evaluation_id = {{e:String}} AND kind IN ('kernel', 'op') "
-        f"AND kind != '{kind}') AS k "
+        f"AND kind != '{kind}' AND {_FORWARD}) AS k "
         f"INNER JOIN ({_layers_sql(kind)}) AS l "
         f"ON k.parent_id = l.span_id AND k.agent_id = l.agent_id "
         f"WHERE l.name IN {{names:Array(String)}} GROUP BY layer, child "
@@ -111,23 +183,22 @@ def top_layers(
     )
     rows = []
     for i, r in enumerate(top.to_dict("records"), start=1):
-        attrs = _attrs(r["attrs"])
+        attrs = span_attrs(r["attrs"])
+        op_type = attr_text(attrs, "op_type")
         mine = kernels[kernels["layer"] == r["layer"]] if len(kernels) else kernels
         if len(mine):
-            dom, dom_ns, dom_share = (
-                str(mine["child"].iloc[0]),
-                float(mine["ns"].iloc[0]),
-                float(mine["ns"].iloc[0]) / float(mine["ns"].sum()),
-            )
+            dom_ns = float(mine["ns"].iloc[0])
+            # kernels of no time at all: the first of them is all there is
+            dom, dom_share = str(mine["child"].iloc[0]), dom_ns / (float(mine["ns"].sum()) or 1.0)
         else:  # no kernel below this layer: its op is what dominates
-            dom, dom_ns, dom_share = (attrs.get("op_type") or r["layer"], float(r["total_ns"]), 1.0)
+            dom, dom_ns, dom_share = (op_type or r["layer"], float(r["total_ns"]), 1.0)
         rows.append(
             {
                 "rank": i,
                 "layer": r["layer"],
-                "op_type": attrs.get("op_type", ""),
+                "op_type": op_type,
                 "shape": shape_text(attrs.get("shape")),
-                "device": attrs.get("device", ""),
+                "device": attr_text(attrs, "device"),
                 "calls": int(r["calls"]),
                 "total_ms": float(r["total_ns"]) / 1e6,
                 "mean_ms": float(r["total_ns"]) / int(r["calls"]) / 1e6,
@@ -145,8 +216,9 @@ def top_layers(
 def _predict_ns(source: Source, evaluation_id: str) -> float:
     """The summed duration of the evaluation's predict spans (0.0: none)."""
     got = source.frame(
-        "SELECT sum(end_ns - start_ns) AS ns, count() AS n FROM spans FINAL "
-        "WHERE evaluation_id = {e:String} AND kind = 'step' AND name = 'predict'",
+        f"SELECT {_sum(_DURATION)} AS ns, count() AS n FROM spans FINAL "
+        "WHERE evaluation_id = {e:String} AND kind = 'step' AND name = 'predict' "
+        f"AND {_FORWARD}",
         {"e": evaluation_id},
     )
     return float(got["ns"].iloc[0]) if len(got) and int(got["n"].iloc[0]) else 0.0
@@ -159,9 +231,12 @@ def layer_types(source: Source, evaluation_id: str, *, kind: str | None = None) 
     kind = _kind(source, evaluation_id, kind)
     if kind is None:
         return pd.DataFrame(columns=cols)
+    # ClickHouse's JSON reader is bounded and reads text it cannot parse as no value
     got = source.frame(
-        f"SELECT JSONExtractString(attrs, 'op_type') AS op_type, uniqExact(name) AS layers, "
-        f"count() AS calls, sum(ns) AS total_ns FROM ({_layers_sql(kind)}) "
+        f"SELECT op_type, uniqExact(name) AS layers, count() AS calls, "
+        f"{_sum('ns')} AS total_ns FROM (SELECT name, ns, "
+        f"JSONExtractString(attrs, 'op_type') AS t, "
+        f"if(length(t) <= {ATTR_TEXT_MAX_CHARS}, t, '') AS op_type FROM ({_layers_sql(kind)})) "
         f"GROUP BY op_type ORDER BY total_ns DESC, op_type",
         {"e": evaluation_id},
     )
@@ -180,29 +255,109 @@ def layer_types(source: Source, evaluation_id: str, *, kind: str | None = None) 
 
 
 def _mb(value: Any) -> float | None:
-    """Bytes -> MB (10⁶); None where the framework's profiler reports no memory."""
-    return int(value) / 1e6 if isinstance(value, int | float) else None
+    """Bytes -> MB (10⁶); None where the framework's profiler reports no memory, or no
+    count of bytes (not a number, negative, not finite, past 2⁶³)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not 0 <= value < 1 << 63:  # NaN fails every comparison
+        return None
+    return int(value) / 1e6
 
 
-def _attrs(raw: Any) -> dict[str, Any]:
+def span_attrs(raw: object) -> dict[str, Any]:
+    """A span's ``attrs`` (JSON text an agent wrote, not trusted) as a dict: what every
+    reader of spans reads them with. It never raises: text that is not a JSON object,
+    longer than :data:`ATTRS_MAX_CHARS` or nested deeper than :data:`ATTRS_MAX_DEPTH`
+    reads as ``{}``; a number that is not finite (``NaN``, ``Infinity``, ``1e999``) or an
+    integer beyond ±2⁶⁴ reads as None, so that whoever shows a number gets one it can
+    use, and whoever writes the attributes again writes valid JSON."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode()
+        except UnicodeDecodeError:
+            return {}
+    if not isinstance(raw, str) or not raw or len(raw) > ATTRS_MAX_CHARS:
+        return {}
+    if _too_deep(raw):
+        return {}
     try:
-        got = json.loads(raw) if raw else {}
-    except (TypeError, ValueError):
+        got = json.loads(
+            raw, parse_constant=_no_number, parse_float=_finite, parse_int=_bounded_int
+        )
+    except (ValueError, RecursionError):
         return {}
     return got if isinstance(got, dict) else {}
+
+
+def _too_deep(text: str) -> bool:
+    """Whether JSON text nests deeper than :data:`ATTRS_MAX_DEPTH` (brackets inside its
+    strings do not count), found without parsing it. Where closing brackets outnumber
+    opening ones the text is not JSON, and a parser stops there."""
+    plain = _STRINGS.sub("", text)
+    if plain.count("[") + plain.count("{") <= ATTRS_MAX_DEPTH:
+        return False
+    codes = np.frombuffer(plain.encode(), np.uint8)
+    steps = np.isin(codes, _OPEN).astype(np.int64) - np.isin(codes, _CLOSE)
+    return int(np.cumsum(steps).max()) > ATTRS_MAX_DEPTH
+
+
+def _no_number(_: str) -> None:
+    """``NaN``, ``Infinity`` and ``-Infinity``: JSON has no such numbers."""
+    return None
+
+
+def _finite(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _bounded_int(text: str) -> int | None:
+    if len(text) > 21:  # ±2⁶⁴ has 20 digits; never convert a longer run of them
+        return None
+    value = int(text)
+    return value if -_INT_LIMIT < value < _INT_LIMIT else None
+
+
+def attr_text(attrs: dict[str, Any], key: str) -> str:
+    """The text attribute ``key`` (``op_type``, ``device``) of :func:`span_attrs`' dict;
+    "" where it is missing, not text, or longer than :data:`ATTR_TEXT_MAX_CHARS`."""
+    value = attrs.get(key)
+    return value if isinstance(value, str) and len(value) <= ATTR_TEXT_MAX_CHARS else ""
 
 
 def shape_text(shape: Any) -> str:
     """``1×8×26×26``; several tensors comma-separated; a profiler's
     ``{"inputs": [...], "outputs": [...]}`` as ``1×1×8×8 → 1×8×6×6`` (the dtypes
-    dropped, as ``{"dtype": "float", "shape": [...]}`` reads ``1×8×6×6``)."""
+    dropped, as ``{"dtype": "float", "shape": [...]}`` reads ``1×8×6×6``). Whatever
+    ``shape`` holds, the text is at most :data:`SHAPE_MAX_CHARS` characters (cut with
+    "…"), nesting is followed a few levels deep ("…" below), and a dimension that is
+    neither a number nor a name reads "?"."""
+    text = _shape_text(shape, _SHAPE_MAX_DEPTH)
+    return text if len(text) <= SHAPE_MAX_CHARS else text[: SHAPE_MAX_CHARS - 1] + "…"
+
+
+def _shape_text(shape: Any, depth: int) -> str:
+    if depth == 0:
+        return "…"
     if isinstance(shape, dict) and ("inputs" in shape or "outputs" in shape):
-        ins, outs = shape_text(shape.get("inputs")), shape_text(shape.get("outputs"))
+        ins = _shape_text(shape.get("inputs"), depth - 1)
+        outs = _shape_text(shape.get("outputs"), depth - 1)
         return f"{ins} → {outs}" if ins and outs else ins or outs
     if isinstance(shape, dict):
-        return shape_text(shape.get("shape"))
+        return _shape_text(shape.get("shape"), depth - 1)
     if isinstance(shape, list | tuple):
-        if shape and all(isinstance(s, list | tuple | dict) for s in shape):
-            return ", ".join(shape_text(s) for s in shape)
-        return "×".join(str(s) for s in shape)
-    return "" if shape is None else str(shape)
+        # each item shows at least one character: more than fit are never looked at
+        items = shape[: SHAPE_MAX_CHARS + 1]
+        if items and all(isinstance(s, list | tuple | dict) for s in items):
+            return ", ".join(_shape_text(s, depth - 1) for s in items)
+        return "×".join(_dimension(s) for s in items)
+    return "" if shape is None else _dimension(shape)
+
+
+def _dimension(value: Any) -> str:
+    """One dimension: a size, or a symbolic name (``batch``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < _INT_LIMIT:
+        return str(value)
+    if isinstance(value, str):
+        return value[: SHAPE_MAX_CHARS + 1]
+    return "?"

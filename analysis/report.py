@@ -28,7 +28,7 @@ from analysis import figures, plots
 from analysis.chart import Chart, svg
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
 from analysis.data import evaluations, latencies_ms
-from analysis.layers import layer_kinds, layer_types, top_layers
+from analysis.layers import layer_kinds, layer_spans_left_out, layer_types, top_layers
 from analysis.source import Source
 from analysis.summary import latency_windows_of, summary
 
@@ -160,14 +160,22 @@ def _summary_section(summ: pd.DataFrame) -> Section:
 
 
 def _layers_section(source: Source, evaluation_id: str, kind: str, top_n: int) -> Section:
-    """The layer tables of one evaluation (``kind``: its :func:`layer_kind`)."""
-    return Section(
+    """The layer tables of one evaluation (``kind``: its :func:`layer_kind`), and a note
+    of the spans they leave out."""
+    section = Section(
         f"Layers of {evaluation_id}",
         tables=[
             (f"Top {top_n} layers by time", top_layers(source, evaluation_id, top_n, kind=kind)),
             ("By layer type", layer_types(source, evaluation_id, kind=kind)),
         ],
     )
+    left_out = layer_spans_left_out(source, evaluation_id, kind=kind)
+    if left_out:
+        section.notes.append(
+            f"{left_out} {kind} span(s) of {evaluation_id} end before they start: "
+            "left out of these tables"
+        )
+    return section
 
 
 def _sweep_runs(shown: pd.DataFrame, ids: Sequence[str]) -> list[str]:

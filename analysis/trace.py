@@ -3,17 +3,19 @@
 Times are in milliseconds from the evaluation's first span, on the agent's clock
 (every span of one agent shares it; the load generator's offset is stored per
 evaluation and applied by ``mlscope trace`` (``cli/trace_cmd.py``), not needed within
-one agent).
+one agent). They are taken exactly, in Python integers, before they become floats:
+two stored Int64 times may be further apart than an Int64 holds.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterable
 
+import numpy as np
 import pandas as pd
 
 from analysis.data import spans
-from analysis.layers import shape_text
+from analysis.layers import attr_text, shape_text, span_attrs
 from analysis.source import Source, table_exists
 from mlscope.errors import DatabaseError
 
@@ -61,19 +63,19 @@ def timeline(
     raw = raw[(qi >= first_query) & (qi < first_query + queries)]
     if raw.empty:
         return pd.DataFrame(columns=cols)
-    t0 = int(raw["start_ns"].min())
-    attrs = [_json(a) for a in raw["attrs"]]
+    start, end = _ints(raw["start_ns"]), _ints(raw["end_ns"])
+    t0 = min(start)
+    attrs = [span_attrs(a) for a in raw["attrs"]]
     return pd.DataFrame(
         {
             "kind": raw["kind"].astype(str).to_numpy(),
             "name": raw["name"].to_numpy(),
             "lane": [_ROW.get(k, 4) for k in raw["kind"]],
             "query_index": raw["query_index"].astype(int).to_numpy(),
-            "start_ms": (raw["start_ns"].astype("int64") - t0).to_numpy() / 1e6,
-            "end_ms": (raw["end_ns"].astype("int64") - t0).to_numpy() / 1e6,
-            "dur_ms": (raw["end_ns"].astype("int64") - raw["start_ns"].astype("int64")).to_numpy()
-            / 1e6,
-            "op_type": [str(a.get("op_type", "")) for a in attrs],
+            "start_ms": _ms(s - t0 for s in start),
+            "end_ms": _ms(e - t0 for e in end),
+            "dur_ms": _ms(e - s for s, e in zip(start, end, strict=True)),
+            "op_type": [attr_text(a, "op_type") for a in attrs],
             "shape": [shape_text(a.get("shape")) for a in attrs],
             "parent_id": raw["parent_id"].astype("uint64").to_numpy(),
             "span_id": raw["span_id"].astype("uint64").to_numpy(),
@@ -120,9 +122,11 @@ def system_samples(source: Source, evaluation_id: str) -> pd.DataFrame:
         return pd.DataFrame()
 
 
-def _json(raw: object) -> dict[str, object]:
-    try:
-        got = json.loads(str(raw)) if raw else {}
-    except ValueError:
-        return {}
-    return got if isinstance(got, dict) else {}
+def _ints(column: pd.Series) -> list[int]:
+    """A column of stored times as Python integers (which never wrap)."""
+    return [int(v) for v in column]
+
+
+def _ms(ns: Iterable[int]) -> np.ndarray:
+    """Exact nanosecond differences as milliseconds."""
+    return np.fromiter((v / 1e6 for v in ns), np.float64)

@@ -1,8 +1,15 @@
 """``mlscope trace EVAL_ID -o trace.json``: one evaluation as a Chrome trace / Perfetto JSON.
 
 Everything is read through the server's SQL responder (``mlscope.db.sql``): with
-chDB only the server process may open the database. Rows come in pages so that a
-framework-level run with millions of spans never needs one huge bus message.
+chDB only the server process may open the database. Rows come in pages of at most
+:data:`PAGE` rows, each read as Arrow pages that fit the bus's max payload
+(:func:`mlscope.remote.arrow`), so a framework-level run with millions of spans, or
+spans with large attributes, never needs a reply larger than one message.
+
+Rows are written by agents, which are not trusted: a span's attributes are read with
+:func:`analysis.layers.span_attrs` (what cannot be read is left out), a sample that is
+not a finite number is left out, and the document is written as strict JSON (no
+``NaN`` or ``Infinity``, which Chrome and Perfetto refuse).
 
 One timeline, the load generator's: zero is the evaluation's ``t0_ns``, and agent
 times (spans, system samples) are shifted by the evaluation's stored clock offset
@@ -24,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from analysis.layers import span_attrs
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.bus import Bus
@@ -38,7 +47,8 @@ from mlscope.settings import Settings
 
 __all__ = ["chrome_trace", "export", "fetch", "register"]
 
-PAGE = 1_000  # rows per request: a page of layer spans stays well under 1 MB
+PAGE = 1_000
+"""Rows per keyset page (each comes in as many Arrow pages as fit the max payload)."""
 LOADGEN_PID = 1
 TID_QUERIES, TID_WORKER, TID_DEVICE = 1, 2, 3
 
@@ -56,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.output or Path(f"{args.evaluation_id}.trace.json")
     writable(out)  # before the fetch: a typo in -o costs no download
     doc = anyio.run(export, args.settings, args.evaluation_id, backend="asyncio")
-    out.write_text(json.dumps(doc))
+    out.write_text(json.dumps(doc, allow_nan=False))
     print(
         f"{out}: {len(doc['traceEvents'])} events "
         f"(open in https://ui.perfetto.dev or chrome://tracing)",
@@ -102,11 +112,11 @@ async def _rows(
                 + ", ".join(f"{{k{i}:{t}}}" for i, (_, t) in enumerate(key))
                 + ")"
             )
-        columns, rows = await remote.sql(
-            bus, f"{select}{after} ORDER BY {cols} LIMIT {PAGE}", params
+        page = await remote.arrow(
+            bus, f"{select}{after} ORDER BY {cols} LIMIT {PAGE}", params, page_rows=PAGE
         )
-        out.extend(dict(zip(columns, r, strict=True)) for r in rows)
-        if len(rows) < PAGE:
+        out.extend(page.to_pylist())
+        if page.num_rows < PAGE:
             return out
 
 
@@ -197,8 +207,9 @@ def chrome_trace(
             "query_index": int(s["query_index"]),
             "level": int(s["level"]),
         }
-        if s["attrs"]:
-            args["attrs"] = json.loads(s["attrs"])
+        attrs = span_attrs(s["attrs"])
+        if attrs:
+            args["attrs"] = attrs
         if s["kind"] == "query":
             common = {
                 "cat": "query",
@@ -223,6 +234,9 @@ def chrome_trace(
             }
         )
     for r in samples:
+        value = r["value"]
+        if not isinstance(value, int | float) or not math.isfinite(value):
+            continue  # NaN, ±inf (or what a reply made of them): no value to draw
         pid = pid_of(str(r["agent_id"]), "")
         events.append(
             {
@@ -230,7 +244,7 @@ def chrome_trace(
                 "name": str(r["metric"]),
                 "pid": pid,
                 "ts": (int(r["ts_ns"]) - base) / 1000,
-                "args": {str(r["device"]): float(r["value"])},
+                "args": {str(r["device"]): float(value)},
             }
         )
     return {

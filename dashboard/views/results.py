@@ -130,6 +130,9 @@ def layers_tab(ids: list[str]) -> None:
     st.dataframe(top, hide_index=True)
     st.caption("By layer type")
     st.dataframe(layers.layer_types(source(), one), hide_index=True)
+    left_out = layers.layer_spans_left_out(source(), one)
+    if left_out:
+        st.caption(f"{left_out} layer span(s) end before they start: left out of these tables")
 
 
 def systems_tab(summ: pd.DataFrame) -> None:
