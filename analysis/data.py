@@ -1,6 +1,9 @@
 """Loading evaluations and their raw per-query samples into data frames.
 
-No statistics here: rows as stored, the summary JSON flattened into columns.
+No statistics here: rows as stored, the summary JSON flattened into columns. A stored
+``spec`` or ``summary`` is read by :func:`stored_json` alone: a listing
+(:func:`find_evaluations`, :func:`evaluations` of all) shows a row whose JSON cannot be
+read with what its columns say; a read of evaluations by id names the row instead.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ __all__ = [
     "queries",
     "spans",
     "spans_of",
+    "stored_json",
 ]
 
 # Columns of :func:`evaluations` (the flattened summary and specification).
@@ -105,8 +109,10 @@ _EVALUATION_SELECT = (
 )
 
 
-def _frame_of(raw: pd.DataFrame) -> pd.DataFrame:
-    rows = [_flatten(r) for r in raw.to_dict("records")]
+def _frame_of(raw: pd.DataFrame, *, named: bool = False) -> pd.DataFrame:
+    """The rows of :data:`_EVALUATION_SELECT` flattened; ``named``: the caller named
+    these evaluations, so one whose stored JSON cannot be read is a DatabaseError."""
+    rows = [_flatten(r, named=named) for r in raw.to_dict("records")]
     frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS))
     frame["created_at"] = pd.to_datetime(frame["created_at"])
     return frame
@@ -118,7 +124,7 @@ def evaluations(source: Source, ids: Sequence[str] | None = None) -> pd.DataFram
     raw = source.frame(
         _EVALUATION_SELECT + where + " ORDER BY created_at DESC, evaluation_id", params
     )
-    frame = _frame_of(raw)
+    frame = _frame_of(raw, named=ids is not None)
     if ids is not None:
         missing = [i for i in ids if i not in set(frame["evaluation_id"])]
         if missing:
@@ -174,20 +180,67 @@ def find_evaluations(source: Source, which: RunFilter) -> pd.DataFrame:
     return _frame_of(source.frame(sql, params))
 
 
-def _flatten(r: dict[str, Any]) -> dict[str, Any]:
-    summary = json.loads(r.pop("summary") or "{}")
-    spec = json.loads(r.pop("spec") or "{}")
-    scenario = summary.get("scenario") or {}
-    agent = spec.get("agent") or {}
-    accuracy = summary.get("accuracy") or {}
+_JSON_TYPES = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+
+
+def stored_json(evaluation_id: str, column: str, text: object) -> dict[str, Any]:
+    """An evaluation's stored ``spec`` or ``summary`` (``column``: JSON text) as a
+    mapping; empty text is an empty one. Anything else that is not a JSON object is a
+    DatabaseError naming the evaluation, the column and what is wrong, in one line."""
+    if text is None or text in ("", b""):
+        return {}
+    try:
+        value = json.loads(text) if isinstance(text, str | bytes) else text
+    except RecursionError:
+        problem = "is JSON nested too deeply to read"
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        problem = f"is not JSON ({exc})"
+    else:
+        if isinstance(value, dict):
+            return value
+        problem = f"is {_JSON_TYPES.get(type(value), 'a number')}, not a JSON object"
+    raise DatabaseError(
+        f"evaluation {evaluation_id}: its stored {column} {problem}",
+        evaluation_id=evaluation_id,
+        column=column,
+    )
+
+
+def _readable(r: dict[str, Any], column: str, *, named: bool) -> dict[str, Any]:
+    """``r[column]`` by :func:`stored_json`; where unreadable and not ``named``, {}."""
+    try:
+        return stored_json(str(r["evaluation_id"]), column, r.pop(column))
+    except DatabaseError:
+        if named:
+            raise
+        return {}
+
+
+def _mapping(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _whole(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _flatten(r: dict[str, Any], *, named: bool) -> dict[str, Any]:
+    summary = _readable(r, "summary", named=named)
+    spec = _readable(r, "spec", named=named)
+    scenario = _mapping(summary.get("scenario"))
+    agent = _mapping(spec.get("agent"))
+    accuracy = _mapping(summary.get("accuracy"))
+    reasons = summary.get("invalid_reasons")
     runs = _runs_of(str(r["evaluation_id"]), summary)
     return {
         **r,
         "valid": bool(r["valid"]),
         "system": _system_name(agent, r.get("device", "cpu")),
-        "batch_size": int(scenario.get("batch_size", 1)),
+        "batch_size": _whole(scenario.get("batch_size"), 1),
         "requested_qps": summary.get("requested_qps"),
-        "invalid_reasons": "; ".join(summary.get("invalid_reasons") or ()),
+        "invalid_reasons": "; ".join(map(str, reasons))
+        if isinstance(reasons, list | tuple)
+        else "",
         "queries": summary.get("queries"),
         "samples": summary.get("samples"),
         "errors": summary.get("errors"),
@@ -208,18 +261,21 @@ def _flatten(r: dict[str, Any]) -> dict[str, Any]:
 
 def _runs_of(evaluation_id: str, summary: dict[str, Any]) -> list[str]:
     """The runs a sweep's summary lists under other ids (its points); [] for a run."""
-    points = summary.get("points") or ()
+    points = summary.get("points")
     ids = [
-        str(p["evaluation_id"]) for p in points if isinstance(p, dict) and p.get("evaluation_id")
+        str(p["evaluation_id"])
+        for p in (points if isinstance(points, list | tuple) else ())
+        if isinstance(p, dict) and p.get("evaluation_id")
     ]
     return ids if any(i != evaluation_id for i in ids) else []
 
 
 def _system_name(agent: dict[str, Any], device: str) -> str:
     """A readable system: the accelerator when the run used one, else the CPU."""
-    if device != "cpu":
-        for acc in agent.get("accelerators") or ():
-            return f"{acc.get('model', device)}"
+    accelerators = agent.get("accelerators")
+    if device != "cpu" and isinstance(accelerators, list | tuple):
+        for acc in accelerators:
+            return str(_mapping(acc).get("model", device))
     cpu = str(agent.get("cpu_model") or "cpu")
     cores = agent.get("cpu_cores")
     return f"{cpu} ({cores} cores)" if cores else cpu

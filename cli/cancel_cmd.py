@@ -13,6 +13,7 @@ import sys
 
 import anyio
 
+from cli.submit_errors import identifier, wait_seconds
 from mlscope.api import cancel_job
 
 __all__ = ["register"]
@@ -20,8 +21,12 @@ __all__ = ["register"]
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("cancel", help="stop a running job (stored as cancelled)")
-    p.add_argument("job_id", metavar="JOB_ID", help="as mlscope-submit prints it (job-...)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
+    p.add_argument(
+        "job_id", type=identifier, metavar="JOB_ID", help="as mlscope-submit prints it (job-...)"
+    )
+    p.add_argument(
+        "--timeout", type=wait_seconds, default=10.0, help="seconds to wait for the server"
+    )
     p.set_defaults(func=run)
 
 

@@ -11,6 +11,7 @@ import anyio
 from cli.agents_cmd import fetch_agents
 from cli.services import Stack
 from cli.submit import format_summary
+from cli.submit_errors import positive_float, positive_int
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
 from mlscope.jobs import submit
@@ -24,14 +25,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="run the local stack and evaluate digits_cnn")
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--qps", type=float, default=200.0)
+    p.add_argument("--qps", type=positive_float, default=200.0)
     p.add_argument(
         "--duration",
-        type=float,
+        type=positive_float,
         default=10.0,
         help="seconds per run (10 s is the shortest VALID run by default)",
     )
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=positive_int, default=32)
     p.set_defaults(func=run)
 
 
@@ -52,24 +53,24 @@ def run(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     if args.data_dir is not None:
         settings = settings.with_(data_dir=args.data_dir.expanduser())
+    jobs = [  # before anything starts: a value the contracts refuse stops here
+        JobRequest(
+            model="digits_cnn",
+            framework="onnxruntime",
+            scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration),
+        ),
+        JobRequest(
+            model="digits_cnn",
+            framework="onnxruntime",
+            scenario=ScenarioSpec(
+                name="batched", batch_size=args.batch_size, duration_s=args.duration
+            ),
+        ),
+    ]
     build(settings.zoo_dir, only=["digits_cnn"])  # idempotent: skipped when present
     stack = Stack(settings, nats_port=args.nats_port, frameworks=["onnxruntime"])
     live = stack.start()
     try:
-        jobs = [
-            JobRequest(
-                model="digits_cnn",
-                framework="onnxruntime",
-                scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration),
-            ),
-            JobRequest(
-                model="digits_cnn",
-                framework="onnxruntime",
-                scenario=ScenarioSpec(
-                    name="batched", batch_size=args.batch_size, duration_s=args.duration
-                ),
-            ),
-        ]
 
         async def go() -> None:
             await wait_for_agent(live, "onnxruntime")

@@ -19,6 +19,7 @@ import anyio
 
 from broker import mlperf_logs as logs
 from cli.submit import format_summary
+from cli.submit_errors import identifier, positive_float, positive_int
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, MLPerfImport, MLPerfSpec
@@ -46,11 +47,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--framework", required=True)
     p.add_argument("--framework-version", default=None)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--agent", dest="agent_id", default=None)
+    p.add_argument("--agent", dest="agent_id", type=identifier, default=None)
     p.add_argument("--scenario", required=True, choices=SCENARIOS)
     p.add_argument("--mode", default="PerformanceOnly", choices=MODES)
     p.add_argument(
-        "--target-qps", type=float, default=None, help="Server: target QPS; Offline: expected QPS"
+        "--target-qps",
+        type=positive_float,
+        default=None,
+        help="Server: target QPS; Offline: expected QPS",
     )
     p.add_argument("--user-conf", type=Path, default=None, help="an MLPerf user.conf")
     p.add_argument(
@@ -63,9 +67,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--conf-model", default=None, help="the model name the conf files use (default: MODEL)"
     )
     p.add_argument(
-        "--batch-size", type=int, default=32, help="most samples per agent query (Offline)"
+        "--batch-size", type=positive_int, default=32, help="most samples per agent query (Offline)"
     )
-    p.add_argument("--window", type=int, default=8, help="agent queries in flight")
+    p.add_argument("--window", type=positive_int, default=8, help="agent queries in flight")
     p.add_argument("--seed", type=int, default=None, help="LoadGen's three RNG seeds")
     p.add_argument(
         "--placement",

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from cli.console import Bar, progress
+from cli.submit_errors import positive_float, positive_ints
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
@@ -57,15 +58,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--batch-sizes",
+        type=positive_ints,
         default="1,2,4,8,16,32",
         help="with --suite --run: batched runs at these batch sizes",
     )
-    p.add_argument("--qps", type=float, default=100.0, help="with --suite --run: online rate")
     p.add_argument(
-        "--duration", type=float, default=5.0, help="with --suite --run: seconds per run"
+        "--qps", type=positive_float, default=100.0, help="with --suite --run: online rate"
+    )
+    p.add_argument(
+        "--duration", type=positive_float, default=5.0, help="with --suite --run: seconds per run"
     )
     p.add_argument(
         "--price",
+        type=_price,
         action="append",
         default=[],
         metavar="SYSTEM=USD_PER_HOUR",
@@ -145,10 +150,10 @@ def run_suite(args: argparse.Namespace) -> int:
     catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
     pairs = _pairs(settings, catalog, args.models)
     if args.run:
-        sizes_ = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-        _run_jobs(
-            settings, suite_jobs(pairs, batch_sizes=sizes_, qps=args.qps, duration_s=args.duration)
+        jobs = suite_jobs(
+            pairs, batch_sizes=args.batch_sizes, qps=args.qps, duration_s=args.duration
         )
+        _run_jobs(settings, jobs)
     with open_source(settings) as source:
         ids = suite.shown_evaluations(source, pairs)
         summ = summary(source, ids) if ids else None
@@ -163,14 +168,16 @@ def run_suite(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prices(items: list[str]) -> dict[str, float]:
-    out = {}
-    for item in items:
-        system, sep, price = item.rpartition("=")
-        if not sep:
-            raise SystemExit(f"--price wants SYSTEM=USD_PER_HOUR, not {item!r}")
-        out[system] = float(price)
-    return out
+def _price(text: str) -> tuple[str, float]:
+    """An argparse type: ``SYSTEM=USD_PER_HOUR`` (the system as reports name it, which
+    may itself hold ``=``), the price a finite number above 0."""
+    system, sep, price = text.rpartition("=")
+    if not sep or not system.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not SYSTEM=USD_PER_HOUR")
+    try:
+        return system, positive_float(price)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: the price {exc}") from None
 
 
 REPORT_FORMATS = {".html": "html", ".htm": "html", ".md": "markdown", ".json": "json"}
@@ -212,7 +219,7 @@ def _build(args: argparse.Namespace, bar: Bar) -> Report:
     ):
         sizes = pool.submit(_model_sizes, settings)
         return report.build(
-            source, args.evaluations, sizes=sizes.result, prices_per_hour=_prices(args.price)
+            source, args.evaluations, sizes=sizes.result, prices_per_hour=dict(args.price)
         )
 
 

@@ -15,13 +15,15 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+from pydantic import ValidationError
 
 from cli.console import Bar, progress
 from cli.submit import format_summary
+from cli.submit_errors import field_message, identifier
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import (
@@ -31,17 +33,17 @@ from mlscope.contracts import (
     SystemRequirement,
     new_id,
 )
-from mlscope.errors import EvaluationError
+from mlscope.errors import DatabaseError, EvaluationError
 from mlscope.jobs import submit
 from mlscope.manifest import manifest_digest
 from mlscope.settings import Settings
 
-__all__ = ["artifact_note", "differences", "register", "rerun", "rerun_job"]
+__all__ = ["artifact_note", "differences", "register", "rerun", "rerun_job", "stored_spec"]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("rerun", help="run a stored evaluation's specification again")
-    p.add_argument("evaluation_id")
+    p.add_argument("evaluation_id", type=identifier, metavar="EVAL_ID")
     p.add_argument(
         "--any-system",
         action="store_true",
@@ -61,7 +63,7 @@ def rerun_job(
             f"({imported.get('source')}): there is no job to rerun",
             evaluation_id=evaluation_id,
         )
-    job = JobRequest.model_validate(spec["job"])
+    job = _stored_job(spec, evaluation_id)
     manifest = spec.get("manifest")
     if not isinstance(manifest, dict) or "version" not in manifest:
         raise EvaluationError(
@@ -69,7 +71,7 @@ def rerun_job(
             evaluation_id=evaluation_id,
         )
     ran = spec.get("agent")
-    frameworks = ran.get("frameworks", []) if isinstance(ran, dict) else []
+    frameworks = _listed(ran.get("frameworks") if isinstance(ran, dict) else None)
     version = next(
         (
             f.get("version")
@@ -93,6 +95,44 @@ def rerun_job(
             "system": system,
         }
     )
+
+
+def _stored_job(spec: dict[str, object], evaluation_id: str) -> JobRequest:
+    """The job a stored specification ran; an EvaluationError naming what is wrong with
+    it when it cannot be run again (none stored, or fields this version refuses)."""
+    if "job" not in spec:
+        raise EvaluationError(
+            f"evaluation {evaluation_id}: its stored spec has no job to rerun",
+            evaluation_id=evaluation_id,
+        )
+    try:
+        return JobRequest.model_validate(spec["job"])
+    except ValidationError as exc:
+        raise EvaluationError(
+            f"evaluation {evaluation_id}: its stored job cannot run again: {field_message(exc)}",
+            evaluation_id=evaluation_id,
+        ) from None
+
+
+def _listed(value: object) -> Sequence[Any]:
+    """A stored list, or () where the specification holds something else."""
+    return value if isinstance(value, list | tuple) else ()
+
+
+async def stored_spec(bus: busmod.Bus, evaluation_id: str) -> dict[str, Any]:
+    """The stored specification of ``evaluation_id``, read as every reader of the
+    database reads it (:func:`analysis.data.stored_json`: a DatabaseError naming the
+    evaluation when it is not a JSON object)."""
+    from analysis.data import stored_json
+
+    _, rows = await remote.sql(
+        bus,
+        "SELECT spec FROM evaluations FINAL WHERE evaluation_id = {id:String}",
+        {"id": evaluation_id},
+    )
+    if not rows:
+        raise DatabaseError(f"no evaluation {evaluation_id!r}", evaluation_id=evaluation_id)
+    return stored_json(evaluation_id, "spec", rows[0][0])
 
 
 def artifact_note(before: dict[str, object], after: dict[str, object]) -> str | None:
@@ -122,7 +162,11 @@ def _agent_facts(spec: dict[str, Any]) -> dict[str, Any]:
     """The facts of a stored specification that a rerun reports when they differ."""
     agent = spec.get("agent")
     agent = agent if isinstance(agent, dict) else {}
-    fws = {f.get("name"): f.get("version") for f in agent.get("frameworks") or () if f}
+    fws = {
+        f.get("name"): f.get("version")
+        for f in _listed(agent.get("frameworks"))
+        if isinstance(f, dict)
+    }
     return {
         "host": agent.get("host"),
         "agent": agent.get("agent_id"),
@@ -160,13 +204,13 @@ async def rerun(
 ) -> EvaluationSummary:
     """Resubmit ``evaluation_id``'s specification; ``on_event`` hears the job's events."""
     async with busmod.connect(settings, name="mlscope rerun") as bus:
-        spec, _ = await remote.evaluation(bus, evaluation_id)
+        spec = await stored_spec(bus, evaluation_id)
     job = rerun_job(spec, evaluation_id, any_system=any_system)
     # An MLPerf run lasts what its conf files say (10 minutes officially).
     timeout = 6 * 3600.0 if job.mlperf else None
     summary = await submit(settings, job, on_event=on_event, timeout=timeout)
     async with busmod.connect(settings, name="mlscope rerun") as bus:
-        again, _ = await remote.evaluation(bus, summary.evaluation_id)
+        again = await stored_spec(bus, summary.evaluation_id)
     diff = differences(spec, again)
     if diff:
         print(f"differs from {evaluation_id}:", file=sys.stderr)

@@ -15,6 +15,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from cli.console import print_table
+from cli.submit_errors import positive_int
 from mlscope.settings import Settings
 
 __all__ = ["parse_since", "register"]
@@ -40,7 +41,10 @@ def parse_since(text: str, *, now: datetime | None = None) -> datetime:
     now = now or datetime.now(UTC)
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
     if m:
-        return now - timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+        try:
+            return now - timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+        except OverflowError:  # before year 1, or more days than a timedelta holds
+            raise ValueError(f"--since {text!r}: further back than the calendar goes") from None
     try:
         at = datetime.fromisoformat(text.strip())
     except ValueError:
@@ -56,16 +60,6 @@ def _since(text: str) -> datetime:
         return parse_since(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--since {text!r}: ")) from None
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
-    return n
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -91,7 +85,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="INVALID, failed or cancelled runs",
     )
     p.add_argument("--since", type=_since, default=None, metavar="WHEN", help="2h, 3d, ISO date")
-    p.add_argument("--limit", type=_positive, default=20, help="at most N, newest (default 20)")
+    p.add_argument("--limit", type=positive_int, default=20, help="at most N, newest (default 20)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=run, valid=None)
 
@@ -153,7 +147,18 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         )
     }
     out["created_at"] = r["created_at"].isoformat()
-    return {k: (None if isinstance(v, float) and v != v else v) for k, v in out.items()}
+    return {k: _plain(k, v) for k, v in out.items()}
+
+
+def _plain(key: str, value: Any) -> Any:
+    """None for a value not stored (NaN in the frame); a count as a whole number (the
+    frame holds counts as floats when a row has none)."""
+    if isinstance(value, float) and value != value:
+        return None
+    counts = ("batch_size", "queries", "errors")
+    if key in counts and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _cell(key: str, row: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""What ``mlscope-submit`` says when it cannot run, and its exit codes.
+"""What ``mlscope-submit`` and ``mlscope`` say when their arguments cannot run, and
+``mlscope-submit``'s exit codes.
 
 Exit codes (README, "What mlscope-submit reports"):
 
@@ -10,26 +11,31 @@ Exit codes (README, "What mlscope-submit reports"):
     130  interrupted (Ctrl-C): the job (with --repeat, several frameworks or
          --all-agents: every job then running) was cancelled on the server
 
-Arguments are checked before anything connects: each flag goes through the same
-pydantic models the server uses, and a refusal names the flag, not the model field.
+Arguments are checked before anything connects: each number, list and id flag of either
+program goes through one of the argparse types here (:func:`positive_int`,
+:func:`positive_float`, :func:`wait_seconds`, :func:`positive_ints`,
+:func:`identifier`), and then through the same pydantic models the server uses; a
+refusal names the flag, not the model field (:func:`flag_message`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-from pydantic import ValidationError
 
-from mlscope.contracts import EvaluationSummary, JobRequest
 from mlscope.errors import MLScopeError
-from mlscope.jobs import submit
-from mlscope.manifest import FRAMEWORKS
 from mlscope.settings import Settings
+
+if TYPE_CHECKING:  # the contracts load when a job is built, not when a flag is read
+    from pydantic import ValidationError
+
+    from mlscope.contracts import EvaluationSummary, JobRequest
 
 __all__ = [
     "EXIT_FAILED",
@@ -37,12 +43,20 @@ __all__ = [
     "EXIT_INVALID",
     "EXIT_OK",
     "EXIT_USAGE",
+    "MAX_COUNT",
+    "MAX_WAIT_S",
     "InFlight",
+    "field_message",
     "flag_message",
+    "identifier",
     "interrupted",
     "interrupted_many",
+    "positive_float",
+    "positive_int",
+    "positive_ints",
     "preflight",
     "strict_code",
+    "wait_seconds",
 ]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INVALID, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -77,21 +91,106 @@ FIELD_FLAGS = {
 
 
 def flag_message(exc: ValidationError) -> str:
-    """``argument --qps: must be greater than 0 (got -5.0)``, one per refused field."""
+    """``argument --qps: must be greater than 0 (got -5.0)``, one per refused field: a
+    field is named by the flag that sets it (:data:`FIELD_FLAGS`, else ``--field-name``
+    as argparse names an option after its destination)."""
+    return _problems(exc, _argument)
+
+
+def field_message(exc: ValidationError) -> str:
+    """``scenario.qps: must be greater than 0 (got -5.0)``: the refusal of stored or
+    received fields (no flag set them), each named by its path in the model."""
+    return _problems(exc, lambda loc: ".".join(str(x) for x in loc))
+
+
+def _argument(loc: tuple[int | str, ...]) -> str:
+    field = next((str(x) for x in reversed(loc) if isinstance(x, str)), "")
+    if not field:
+        return ""
+    return f"argument {FIELD_FLAGS.get(field, '--' + field.replace('_', '-'))}"
+
+
+def _problems(exc: ValidationError, name: Callable[[tuple[int | str, ...]], str]) -> str:
+    """Each error of ``exc`` as ``NAME: why (got value)`` (just ``why`` where ``name``
+    gives nothing: a check of the model as a whole), joined by ``; ``."""
     parts = []
     for err in exc.errors():
-        field = next((str(x) for x in reversed(err["loc"]) if isinstance(x, str)), "")
-        where = FIELD_FLAGS.get(field, field.replace("_", "-"))
+        where = name(tuple(err["loc"]))
         msg = str(err["msg"]).removeprefix("Value error, ")
         msg = msg.replace("Input should be", "must be")
         got = err.get("input")
         plain = not isinstance(got, dict | list | tuple) and got is not None
         shown = f" (got {got!r})" if plain and repr(got) not in msg else ""
-        parts.append(f"argument {where}: {msg}{shown}" if where else f"{msg}{shown}")
+        parts.append(f"{where}: {msg}{shown}" if where else f"{msg}{shown}")
     return "; ".join(parts)
 
 
+MAX_COUNT = 2**63 - 1
+"""The largest whole number a flag takes: what the database and the wire carry (Int64);
+the models bound most counts well below it."""
+MAX_WAIT_S = 3600.0
+"""The longest a command waits for a reply it was told to wait for (``--timeout``)."""
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number from 1 to :data:`MAX_COUNT` (a count, a limit,
+    a batch size)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number above 0")
+    if n > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most {MAX_COUNT})")
+    return n
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (a rate, a duration, a price)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number above 0")
+    return x
+
+
+def wait_seconds(text: str) -> float:
+    """An argparse type: how long to wait, in seconds: above 0 and at most
+    :data:`MAX_WAIT_S` (a wait with no end is Ctrl-C's job, not a flag's)."""
+    x = positive_float(text)
+    if x > MAX_WAIT_S:
+        raise argparse.ArgumentTypeError(f"{text!r} is longer than {MAX_WAIT_S:g} s")
+    return x
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: ``1,8,32``, whole numbers from 1 (a sweep's batch sizes)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"{text!r} names no number (e.g. 1,8,32)")
+    return [positive_int(t) for t in items]
+
+
+def identifier(text: str) -> str:
+    """An argparse type: an id as mlscope prints them (``job-1f3a9c2b7d4e``): at most
+    :data:`~mlscope.contracts.MAX_ID_CHARS` characters, none of them blank."""
+    from mlscope.contracts import MAX_ID_CHARS
+
+    if len(text) > MAX_ID_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"{text[:20]!r}... is {len(text)} characters long; an id has at most {MAX_ID_CHARS}"
+        )
+    if not text or any(c.isspace() or not c.isprintable() for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an id (job-..., ev-...)")
+    return text
+
+
 def _check_frameworks(names: Iterable[str]) -> str | None:
+    from mlscope.manifest import FRAMEWORKS
+
     for name in names:
         if name not in FRAMEWORKS:
             return f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}"
@@ -110,10 +209,13 @@ def preflight(
     if problem is None and args.repeat < 1:
         problem = f"argument --repeat: must be at least 1 (got {args.repeat})"
     if problem is None and args.batch_sizes:
-        bad = [b for b in args.batch_sizes.split(",") if not b.strip().isdigit()]
-        if bad:
-            problem = f"argument --batch-sizes: {bad[0]!r} is not a whole number (e.g. 1,8,32)"
+        try:
+            positive_ints(args.batch_sizes)
+        except argparse.ArgumentTypeError as exc:
+            problem = f"argument --batch-sizes: {exc}"
     if problem is None:
+        from pydantic import ValidationError
+
         try:
             for fw in frameworks:
                 make_job(args, fw)
@@ -168,6 +270,8 @@ class InFlight:
         self.job_ids: dict[str, None] = {}
 
     async def submit(self, settings: Settings, job: JobRequest, **kwargs: Any) -> EvaluationSummary:
+        from mlscope.jobs import submit
+
         self.job_ids[job.job_id] = None
         try:
             summary = await submit(settings, job, **kwargs)
@@ -213,6 +317,8 @@ def interrupted_many(settings: Settings, in_flight: InFlight) -> int:
 
 def strict_code(summaries: Iterable[Any]) -> int:
     """``EXIT_INVALID`` when any result is not a VALID completed run, else ``EXIT_OK``."""
+    from mlscope.contracts import EvaluationSummary
+
     ok = all(
         isinstance(s, EvaluationSummary) and s.valid and s.status == "completed" for s in summaries
     )
