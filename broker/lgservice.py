@@ -43,6 +43,8 @@ from mlscope.contracts import (
     LoadgenLoadOp,
     LoadgenProgress,
     LoadgenStartOp,
+    LoadgenStopOp,
+    LoadgenStopped,
     PingOp,
     PingReply,
     TraceLevel,
@@ -87,6 +89,8 @@ class LoadgenService:
     tuning: ProcessTuning = field(default_factory=ProcessTuning)
     """This process's GC / switch-interval / priority owner, shared by the slices it runs."""
     _loaded: dict[str, _Loaded] = field(default_factory=dict)
+    _running: dict[str, anyio.CancelScope] = field(default_factory=dict)
+    """The run now running (its cancel scope), by run id."""
     _connected: Bus | None = None
 
     def __post_init__(self) -> None:
@@ -149,9 +153,18 @@ class LoadgenService:
             who=f"load generator {self.loadgen_id}",
         )
 
-    async def _control(self, op: PingOp | LoadgenLoadOp, msg: Msg) -> PingReply | LoadgenLoaded:
+    async def _control(
+        self, op: PingOp | LoadgenLoadOp | LoadgenStopOp, msg: Msg
+    ) -> PingReply | LoadgenLoaded | LoadgenStopped:
         if isinstance(op, PingOp):
             return PingReply(t_agent=time.perf_counter_ns())
+        if isinstance(op, LoadgenStopOp):
+            self._loaded.pop(op.run_id, None)
+            scope = self._running.get(op.run_id)
+            if scope is not None:
+                scope.cancel()
+                log.info("run %s: stopped by its server", op.run_id)
+            return LoadgenStopped(run_id=op.run_id, running=scope is not None)
         if len(self._loaded) >= MAX_LOADED:
             self._loaded.pop(next(iter(self._loaded)))  # the oldest was never started
         obs = await work_bucket(self._bus())
@@ -195,21 +208,28 @@ class LoadgenService:
                 )
                 await bus.nc.publish(op.progress_subject, codec.encode_model(note))
 
-        rec = await Driver(
-            bus,
-            evaluation_id=loaded.op.evaluation_id,
-            subject=loaded.op.subject,
-            spec=loaded.op.spec,
-            inputs=no_inputs,
-            labels=labels if lab is not None else None,
-            trace_level=TraceLevel(loaded.op.trace_level),
-            offset_ns=loaded.op.offset_ns,
-            schedule=sched,
-            start_ns=op.start_ns,
-            payloads=loaded.payloads,
-            on_progress=progress,
-            tuning=self.tuning,
-        ).run()
+        with anyio.CancelScope() as scope:
+            self._running[op.run_id] = scope
+            try:
+                rec = await Driver(
+                    bus,
+                    evaluation_id=loaded.op.evaluation_id,
+                    subject=loaded.op.subject,
+                    spec=loaded.op.spec,
+                    inputs=no_inputs,
+                    labels=labels if lab is not None else None,
+                    trace_level=TraceLevel(loaded.op.trace_level),
+                    offset_ns=loaded.op.offset_ns,
+                    schedule=sched,
+                    start_ns=op.start_ns,
+                    payloads=loaded.payloads,
+                    on_progress=progress,
+                    tuning=self.tuning,
+                ).run()
+            finally:
+                self._running.pop(op.run_id, None)
+        if scope.cancelled_caught:
+            raise EvaluationError(f"run {op.run_id} was stopped by its server")
         out = io.BytesIO()
         save_result(rec, out)
         await (await work_bucket(bus)).put(op.result_object, out.getvalue())

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import nats.errors
 import numpy as np
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
@@ -53,10 +55,18 @@ from mlscope.contracts import (
     LoadgenLoadOp,
     LoadgenProgress,
     LoadgenStartOp,
+    LoadgenStopOp,
     ScenarioSpec,
     new_id,
 )
-from mlscope.errors import BusError, ConfigError, EvaluationError, ResolutionError, WireError
+from mlscope.errors import (
+    BusError,
+    ConfigError,
+    EvaluationError,
+    MLScopeError,
+    ResolutionError,
+    WireError,
+)
 from mlscope.loadgens import list_loadgens
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
@@ -65,6 +75,8 @@ if TYPE_CHECKING:
     from broker.context import Context
 
 __all__ = ["pack_slice", "run_on_services", "unpack_slice", "work_bucket"]
+
+log = logging.getLogger("mlscope.multihost")
 
 LOAD_TIMEOUT_S = 120.0
 WORK_TTL_S = 3600.0
@@ -151,6 +163,7 @@ async def run_on_services(
         for s in services
     ]
     objects: list[str] = []
+    finished = False
     try:
         for j, (svc, part) in enumerate(zip(services, parts, strict=True)):
             slice_ = _Slice(run_id, j, part, ctx.offset_ns - offsets[j])
@@ -164,8 +177,11 @@ async def run_on_services(
                 got = await obs.get(d.result_object)
             data = io.BytesIO(got.data or b"")
             results.append(await anyio.to_thread.run_sync(load_result, data, len(part)))
+        finished = True
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+            if not finished:  # cancelled or failed: no service goes on sending queries
+                await _stop_all(bus, services, run_id)
             for name in objects:  # one left behind expires with the bucket's TTL
                 with contextlib.suppress(BusError), bus_errors(f"cannot delete {name}"):
                     await obs.delete(name)
@@ -227,6 +243,22 @@ async def _load(
         ctx.bus, names.loadgen_ctl(svc.loadgen_id), codec.encode_model(load), timeout=LOAD_TIMEOUT_S
     )
     return name
+
+
+async def _stop_all(bus: Bus, services: list[LoadgenDescription], run_id: str) -> None:
+    """Stop ``run_id`` on every service at once (loaded or running); a service that does
+    not answer is logged: its slice ends with its schedule."""
+
+    async def one(svc: LoadgenDescription) -> None:
+        stop = codec.encode_model(LoadgenStopOp(run_id=run_id))
+        try:
+            await request(bus, names.loadgen_ctl(svc.loadgen_id), stop, timeout=3)
+        except (MLScopeError, nats.errors.Error) as exc:
+            log.warning("run %s not stopped on %s: %s", run_id, svc.loadgen_id, exc)
+
+    async with anyio.create_task_group() as tg:
+        for svc in services:
+            tg.start_soon(one, svc)
 
 
 async def _start_all(

@@ -96,6 +96,8 @@ __all__ = [
     "LoadgenLoaded",
     "LoadgenProgress",
     "LoadgenStartOp",
+    "LoadgenStopOp",
+    "LoadgenStopped",
     "MLPerfDone",
     "MLPerfFetchOp",
     "MLPerfFile",
@@ -1224,9 +1226,24 @@ class LoadgenLoaded(_Message):
     queries: int
 
 
-LoadgenControl = Annotated[PingOp | LoadgenLoadOp, Field(discriminator="op")]
+class LoadgenStopOp(_Message):
+    """Stop a run of this service, loaded or running (its job was cancelled or failed):
+    its queries stop at once, not at the end of its slice."""
+
+    op: Literal["stop"] = "stop"
+    run_id: Ident
+
+
+class LoadgenStopped(_Message):
+    kind: Literal["stopped"] = "stopped"
+    run_id: Ident
+    running: bool
+    """The run was running (else it was only loaded, or not known here)."""
+
+
+LoadgenControl = Annotated[PingOp | LoadgenLoadOp | LoadgenStopOp, Field(discriminator="op")]
 """What ``mlscope.loadgen.<id>.ctl`` takes (decode with ``LOADGEN_CONTROL``)."""
-LOADGEN_CONTROL: TypeAdapter[PingOp | LoadgenLoadOp] = TypeAdapter(LoadgenControl)
+LOADGEN_CONTROL: TypeAdapter[PingOp | LoadgenLoadOp | LoadgenStopOp] = TypeAdapter(LoadgenControl)
 
 
 class LoadgenStartOp(_Message):

@@ -4,8 +4,10 @@ results merge into one evaluation (two noop agents, each driven once)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import subprocess
+import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from broker.lgservice import LoadgenService
 from broker.multihost import pack_slice, work_bucket
 from mlscope import bus as busmod
 from mlscope import codec, names, remote, schedule
+from mlscope.api import cancel_job
 from mlscope.contracts import (
     EvaluationSummary,
     JobEvent,
@@ -27,6 +30,7 @@ from mlscope.contracts import (
     LoadgenDescription,
     LoadgenLoadOp,
     LoadgenStartOp,
+    LoadgenStopOp,
     ScenarioSpec,
 )
 from mlscope.errors import ConfigError, EvaluationError, MLScopeError
@@ -100,6 +104,7 @@ def run(
     return anyio.run(lambda: submit(settings, job, on_event=seen, timeout=120), backend="asyncio")
 
 
+@pytest.mark.timeout(420)
 def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
     settings: Settings, services: dict[str, subprocess.Popen[bytes]]
 ) -> None:
@@ -138,6 +143,28 @@ def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
     # A job naming a load generator that is not there fails and names the live ones.
     with pytest.raises(MLScopeError, match=r"no live load generator lg-z.*lg-a, lg-b"):
         run(settings, "noop-a", ("lg-a", "lg-z"))
+    # A cancelled job stops its slices: the services take the next job at once (each
+    # runs one slice at a time, and the cancelled one had ten minutes to go).
+    long = ScenarioSpec(name="online", qps=50, duration_s=600, seed=5, loadgen_hosts=LOADGENS)
+    job = JobRequest(model="noop", framework="noop", agent_id="noop-a", scenario=long)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        started = threading.Event()
+
+        def seen(event: JobEvent) -> None:
+            if event.event == "progress" and event.queries_done > 0:
+                started.set()
+
+        waiting = pool.submit(
+            lambda: anyio.run(
+                lambda: submit(settings, job, on_event=seen, timeout=900), backend="asyncio"
+            )
+        )
+        assert started.wait(120)
+        reply = anyio.run(lambda: cancel_job(settings, job.job_id, timeout=30), backend="asyncio")
+        assert reply is not None
+        assert waiting.result(timeout=60).status == "cancelled"
+    s = run(settings, "noop-b", LOADGENS)
+    assert s.status == "completed" and s.errors == 0
 
 
 def test_loadgen_hosts_are_distinct_and_set_the_count() -> None:
@@ -234,3 +261,60 @@ def test_a_slices_result_is_read_only_in_the_shape_its_slice_has() -> None:
         assert tracemalloc.get_traced_memory()[1] < 20_000_000
     finally:
         tracemalloc.stop()
+
+
+def test_a_stopped_run_ends_at_once_and_the_service_goes_on(settings: Settings) -> None:
+    """A server whose job was cancelled stops its services' slices: the running one
+    ends now (its start is answered with why), not at the end of its schedule."""
+    service = LoadgenService(settings, loadgen_id="lg-stop")
+    spec = ScenarioSpec(name="online", qps=10, duration_s=600)
+    long = Schedule(np.arange(0, 600 * 10**9, 10**8, dtype=np.int64))  # 10 min at 10/s
+
+    async def main() -> None:
+        async with (
+            busmod.connect(settings, name="test", provision=True) as bus,
+            anyio.create_task_group() as tg,
+        ):
+            await tg.start(service.run)
+            ctl = names.loadgen_ctl("lg-stop")
+            obs = await work_bucket(bus)
+            await obs.put("long", pack_slice(long, [b"q"] * len(long), None))
+            load = LoadgenLoadOp(
+                run_id="lr-long",
+                evaluation_id="ev-stop",
+                subject=names.agent_query("nobody"),
+                spec=spec,
+                offset_ns=0,
+                trace_level=0,
+                has_labels=False,
+                slice_object="long",
+            )
+            await busmod.request(bus, ctl, codec.encode_model(load), timeout=30)
+            start = LoadgenStartOp(
+                run_id="lr-long", start_ns=time.perf_counter_ns(), result_object="r-long"
+            )
+            answer: list[BaseException] = []
+
+            async def run() -> None:
+                try:
+                    await busmod.request(
+                        bus, names.loadgen_run("lg-stop"), codec.encode_model(start), timeout=600
+                    )
+                except MLScopeError as exc:
+                    answer.append(exc)
+
+            async with anyio.create_task_group() as runs:
+                runs.start_soon(run)
+                await anyio.sleep(1.0)
+                stop = codec.encode_model(LoadgenStopOp(run_id="lr-long"))
+                stopped = await busmod.request(bus, ctl, stop, timeout=10)
+                assert stopped["running"] is True
+                with anyio.fail_after(60):  # far less than the slice's 10 minutes
+                    while not answer:
+                        await anyio.sleep(0.1)
+            assert isinstance(answer[0], EvaluationError) and "stopped" in str(answer[0])
+            again = await busmod.request(bus, ctl, stop, timeout=10)
+            assert again["running"] is False
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
