@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import nats.errors
 import numpy as np
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
@@ -252,8 +251,9 @@ async def _stop_all(bus: Bus, services: list[LoadgenDescription], run_id: str) -
     async def one(svc: LoadgenDescription) -> None:
         stop = codec.encode_model(LoadgenStopOp(run_id=run_id))
         try:
-            await request(bus, names.loadgen_ctl(svc.loadgen_id), stop, timeout=3)
-        except (MLScopeError, nats.errors.Error) as exc:
+            with bus_errors(f"cannot stop run {run_id}"):
+                await request(bus, names.loadgen_ctl(svc.loadgen_id), stop, timeout=3)
+        except MLScopeError as exc:
             log.warning("run %s not stopped on %s: %s", run_id, svc.loadgen_id, exc)
 
     async with anyio.create_task_group() as tg:
