@@ -430,8 +430,10 @@ async def fetch_one(sub: JetStreamContext.PullSubscription, timeout: float) -> M
 
 async def publish_persistent(
     bus: Bus, subject: str, payload: bytes, *, msg_id: str, attempts: int = 20, timeout: float = 2.0
-) -> None:
-    """JetStream publish that retries until the stream acknowledges it.
+) -> bool:
+    """JetStream publish that retries until the stream acknowledges it. False when the
+    stream already held ``msg_id`` before this call (its first attempt was answered as a
+    duplicate): the message was not stored again.
 
     The message id makes a retry after a lost acknowledgement harmless (the stream
     deduplicates it); retries ride out a reconnect or a cluster leader election.
@@ -439,8 +441,10 @@ async def publish_persistent(
     last: Exception | None = None
     for attempt in range(attempts):
         try:
-            await bus.js.publish(subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id})
-            return
+            ack = await bus.js.publish(
+                subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id}
+            )
+            return attempt > 0 or not ack.duplicate
         except nats.errors.MaxPayloadError as exc:
             raise BusRefused(
                 f"a message of {len(payload)} bytes on {subject} is over the "

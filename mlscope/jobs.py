@@ -87,7 +87,7 @@ async def publish_job(bus: busmod.Bus, job: JobRequest) -> None:
     try:
         # Retried with the job id as message id: a cluster leader election or a
         # reconnect does not lose the job, and a retry is not a second job.
-        await busmod.publish_persistent(
+        stored = await busmod.publish_persistent(
             bus, names.JOBS_SUBJECT, data, msg_id=job.job_id, attempts=4
         )
     except BusRefused:
@@ -97,6 +97,12 @@ async def publish_job(bus: busmod.Bus, job: JobRequest) -> None:
             "the job stream does not exist: is an mlscope server running? "
             "(`mlscope up` or `mlscope server`)"
         ) from exc
+    if not stored:  # the stream dropped it as a repeat: no server will take it again
+        raise ConfigError(
+            f"job {job.job_id} was submitted before: a job id names one job (a new "
+            "JobRequest gets a new id)",
+            field="job_id",
+        )
 
 
 async def await_summary(

@@ -12,7 +12,9 @@ import pytest
 
 from mlscope import bus as busmod
 from mlscope import names
-from mlscope.errors import BusError, BusNotFound, BusRefused
+from mlscope.contracts import JobRequest
+from mlscope.errors import BusError, BusNotFound, BusRefused, ConfigError
+from mlscope.jobs import publish_job
 from mlscope.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,3 +103,17 @@ def test_the_check_sees_a_catch() -> None:
     assert catches_nats("try:\n    pass\nexcept nats.errors.TimeoutError:\n    pass\n")
     assert catches_nats("with contextlib.suppress(TimeoutError, nats.errors.Error):\n    pass\n")
     assert not catches_nats("try:\n    pass\nexcept BusError:\n    pass\n")
+
+
+def test_a_job_submitted_again_is_refused_at_once(settings: Settings) -> None:
+    """The job stream drops a message whose id it holds: a second submission of one job
+    would wait for a server that never takes it; it is refused, naming the id."""
+
+    async def body(bus: busmod.Bus) -> None:
+        job = JobRequest(model="noop", framework="noop")
+        await publish_job(bus, job)
+        with pytest.raises(ConfigError, match=f"job {job.job_id} was submitted before"):
+            await publish_job(bus, job)
+        await publish_job(bus, JobRequest(model="noop", framework="noop"))  # a new id: taken
+
+    run(settings, body)
