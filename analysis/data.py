@@ -362,6 +362,8 @@ def latencies_ms(source: Source, ids: Sequence[str]) -> dict[str, np.ndarray]:
         "{ids:Array(String)} AND ok != 0 AND warmup = 0 ORDER BY i, query_index",
         {"ids": list(ids)},
     )
+    if got.empty:  # a direct read of no rows has no columns either
+        return {}
     index = got["i"].to_numpy(np.int64)
     ns = got["ns"].to_numpy(np.int64)
     bounds = np.flatnonzero(np.diff(index)) + 1

@@ -267,6 +267,7 @@ def test_readers_show_a_redelivered_batch_once(fresh_db: Database) -> None:
     assert len(trace.timeline(src, eval_id, depth="model", queries=n)) == n
     got = trace.system_samples(src, eval_id)
     assert len(got) == n and got["ts_ns"].tolist() == list(range(n))
+    assert data.latencies_ms(src, ["ev-no-such-run"]) == {}  # no rows: nothing, no error
 
 
 # ------------------------------------------------------------------ on real runs
