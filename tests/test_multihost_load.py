@@ -176,25 +176,27 @@ def test_loadgen_hosts_are_distinct_and_set_the_count() -> None:
         ScenarioSpec(name="online", qps=10, loadgens=3, loadgen_hosts=("lg-a", "lg-b"))
 
 
+def _load_op(run_id: str, slice_object: str, spec: ScenarioSpec) -> bytes:
+    """A load of ``slice_object`` whose queries go to an agent nobody serves."""
+    op = LoadgenLoadOp(
+        run_id=run_id,
+        evaluation_id=f"ev-{run_id}",
+        subject=names.agent_query("nobody"),
+        spec=spec,
+        offset_ns=0,
+        trace_level=0,
+        has_labels=False,
+        slice_object=slice_object,
+    )
+    return codec.encode_model(op)
+
+
 def test_a_service_refuses_slices_and_starts_no_run_could_have(settings: Settings) -> None:
     """Anyone who may write the work bucket or send a start: a slice whose last query is
     years away, or a start far in the future, would hold the service (it runs one start
     at a time); each is refused with its typed error, and the service goes on."""
     spec = ScenarioSpec(name="online", qps=10, duration_s=1)
     service = LoadgenService(settings, loadgen_id="lg-bounds")
-
-    def load_op(run_id: str, obj: str) -> bytes:
-        op = LoadgenLoadOp(
-            run_id=run_id,
-            evaluation_id="ev-bounds",
-            subject=names.agent_query("nobody"),
-            spec=spec,
-            offset_ns=0,
-            trace_level=0,
-            has_labels=False,
-            slice_object=obj,
-        )
-        return codec.encode_model(op)
 
     async def main() -> None:
         async with (
@@ -207,10 +209,10 @@ def test_a_service_refuses_slices_and_starts_no_run_could_have(settings: Setting
             far = Schedule(np.array([0, 10**17], np.int64))
             await obs.put("far", pack_slice(far, [b"q", b"q"], None))
             with pytest.raises(ConfigError, match="over what one run may have"):
-                await busmod.request(bus, ctl, load_op("lr-far", "far"), timeout=30)
+                await busmod.request(bus, ctl, _load_op("lr-far", "far", spec), timeout=30)
             near = Schedule(np.array([0, 1000], np.int64))
             await obs.put("near", pack_slice(near, [b"q", b"q"], None))
-            await busmod.request(bus, ctl, load_op("lr-near", "near"), timeout=30)
+            await busmod.request(bus, ctl, _load_op("lr-near", "near", spec), timeout=30)
             op = LoadgenStartOp(
                 run_id="lr-near", start_ns=time.perf_counter_ns() + 10**17, result_object="r"
             )
@@ -279,17 +281,7 @@ def test_a_stopped_run_ends_at_once_and_the_service_goes_on(settings: Settings) 
             ctl = names.loadgen_ctl("lg-stop")
             obs = await work_bucket(bus)
             await obs.put("long", pack_slice(long, [b"q"] * len(long), None))
-            load = LoadgenLoadOp(
-                run_id="lr-long",
-                evaluation_id="ev-stop",
-                subject=names.agent_query("nobody"),
-                spec=spec,
-                offset_ns=0,
-                trace_level=0,
-                has_labels=False,
-                slice_object="long",
-            )
-            await busmod.request(bus, ctl, codec.encode_model(load), timeout=30)
+            await busmod.request(bus, ctl, _load_op("lr-long", "long", spec), timeout=30)
             start = LoadgenStartOp(
                 run_id="lr-long", start_ns=time.perf_counter_ns(), result_object="r-long"
             )
