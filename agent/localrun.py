@@ -46,7 +46,14 @@ from agent.stream import Answered
 from agent.tracer import SpanBuffer
 from mlscope import codec, samples, scenario_traits
 from mlscope.catalog import Entry
-from mlscope.contracts import QueryReply, RunOp, RunRows, ScenarioSpec, TraceLevel
+from mlscope.contracts import (
+    MAX_SCHEDULED_QUERIES,
+    QueryReply,
+    RunOp,
+    RunRows,
+    ScenarioSpec,
+    TraceLevel,
+)
 from mlscope.errors import ConfigError, EvaluationError
 from mlscope.pacer import OutstandingLimit, Pacer, RealtimeThreads
 from mlscope.record import ARRAYS, RunRecord
@@ -135,6 +142,13 @@ class LocalRun:
         self._ahead_first = 0
         self.schedule = None if self.closed else build_schedule(spec)[0]
         n = len(self.schedule) if self.schedule is not None else self._closed_room()
+        if n * spec.batch_size > MAX_SCHEDULED_QUERIES:  # each sample's answer is kept
+            raise ConfigError(
+                f"a run of {n:,} queries of batch {spec.batch_size:,} holds "
+                f"{n * spec.batch_size:,} samples' answers, over the "
+                f"{MAX_SCHEDULED_QUERIES:,} one run may have",
+                field="batch_size",
+            )
         self.rec = RunRecord(n=n, batch_size=spec.batch_size)
         self.top1 = np.full((n, spec.batch_size), -1, np.int32)
         self._lock = threading.Lock()  # record growth against snapshots

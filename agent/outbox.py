@@ -16,7 +16,9 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 
-from mlscope.errors import BusError
+from mlscope import codec
+from mlscope.contracts import ErrorReply
+from mlscope.errors import BusError, ReplyTooLarge
 
 __all__ = ["Outbox"]
 
@@ -27,7 +29,9 @@ class Outbox:
     """Thread-safe queue of (subject, bytes) that the event loop publishes in bursts.
 
     ``on_error(exc, subject)`` is called on the loop for a reply that could not be
-    published (connection closed, payload too large): the requester times out.
+    published (the connection closed: the requester times out). A reply over
+    ``max_bytes`` (the bus's max payload) is replaced by a :class:`ReplyTooLarge` error
+    reply naming its query, so the requester hears why at once.
     """
 
     def __init__(
@@ -35,8 +39,11 @@ class Outbox:
         loop: asyncio.AbstractEventLoop,
         publish: Publish,
         on_error: Callable[[BaseException, str], object],
+        *,
+        max_bytes: int,
     ) -> None:
         self._loop, self._publish, self._on_error = loop, publish, on_error
+        self._max_bytes = max_bytes
         self._lock = threading.Lock()
         self._queued: list[tuple[str, bytes]] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -74,6 +81,20 @@ class Outbox:
     async def _send(self, batch: list[tuple[str, bytes]]) -> None:
         for subject, data in batch:
             try:
+                if len(data) > self._max_bytes:
+                    data = self._too_large(subject, data)
                 await self._publish(subject, data)
             except Exception as exc:  # one reply lost; the rest still go
                 self._on_error(BusError(f"reply not published: {exc!r}"), subject)
+
+    def _too_large(self, subject: str, data: bytes) -> bytes:
+        """The error reply that replaces ``data``, naming its query (as a reply does)."""
+        raw = codec.decode(data)
+        index = raw.get("index") if isinstance(raw, dict) else None
+        err = ReplyTooLarge(
+            f"the answer is {len(data):,} bytes, over the bus's max payload of "
+            f"{self._max_bytes:,}: ask for smaller batches or fewer outputs",
+            **({"index": index} if isinstance(index, int) else {}),
+        )
+        self._on_error(err, subject)
+        return codec.encode_model(ErrorReply(error=err.to_wire()))

@@ -132,6 +132,14 @@ class SampleLibrary:
                 f"sample indices must be integers, got {indices.dtype}", field="samples"
             )
         held = self.held
+        per = next(iter(held.values()), None)
+        if per is not None and indices.size * per.nbytes > self.budget.limit:
+            raise ConfigError(
+                f"a samples query of {indices.size:,} samples would take "
+                f"{indices.size * per.nbytes:,} bytes, over the agent's sample memory of "
+                f"{self.budget.limit:,}",
+                field="samples",
+            )
         try:
             return np.stack([held[int(i)] for i in indices.tolist()])
         except KeyError as exc:

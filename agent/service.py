@@ -158,6 +158,9 @@ class Agent:
         self.git_commit: str | None = None
         self.tuning = ProcessTuning()
         """This process's one owner of GC and switch interval during local runs."""
+        self.running: dict[str, anyio.CancelScope] = {}
+        """Each evaluation's local run now running (placement agent), by evaluation id:
+        releasing the evaluation (its job ended, or was cancelled) stops it."""
         host = str(sysinfo.host_facts()["host"])
         given = self.config.agent_id
         if given is not None and (not given or names.token(given) != given):
@@ -206,6 +209,7 @@ class Agent:
                 self.loop,
                 bus.nc.publish,
                 lambda exc, subject: self.boundary.failed(exc, subject, what="reply to"),
+                max_bytes=int(bus.nc.max_payload),
             )
             self.tracer = Tracer(bus, agent_id=self.agent_id, host=str(self._facts["host"]))
             self.sampler = Sampler(interval_s=self.config.sample_s)
@@ -419,7 +423,11 @@ class Agent:
         return await self._release(req)
 
     async def _release(self, req: ReleaseOp) -> ReleaseReply:
-        """An evaluation is over: its samples, LoadGen process and meters let go."""
+        """An evaluation is over: its local run stopped (its final rows still shipped),
+        its samples, LoadGen process and meters let go."""
+        run = self.running.pop(req.evaluation_id, None)
+        if run is not None:
+            run.cancel()
         await self.mlperf.release(req.evaluation_id)
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
@@ -597,6 +605,11 @@ class Agent:
             raise EvaluationError(
                 f"agent {self.agent_id} was not prepared for evaluation {req.evaluation_id}"
             )
+        if req.evaluation_id in self.running:
+            raise EvaluationError(
+                f"evaluation {req.evaluation_id} already has a run on agent {self.agent_id}",
+                evaluation_id=req.evaluation_id,
+            )
         # An open loop is a timed measurement (switch interval, no GC: the process's
         # one owner holds them, local runs of several evaluations may overlap), set
         # before the clock starts; serve_run lets go of it, and of the samples held,
@@ -610,7 +623,8 @@ class Agent:
             t0 = await anyio.to_thread.run_sync(run.prepare)
             self.task_group.start_soon(
                 functools.partial(
-                    serve_run,
+                    self._serve,
+                    req.evaluation_id,
                     run,
                     req,
                     # Its own subject, not the request's reply subject: under
@@ -631,6 +645,16 @@ class Agent:
         return RunStarted(
             t0_agent=t0, queries=scheduled, preprocess="ahead" if run.preprocessed else "timed"
         )
+
+    async def _serve(self, evaluation_id: str, *args: Any, **kwargs: Any) -> None:
+        """:func:`serve_run` in a scope the evaluation's release cancels."""
+        with anyio.CancelScope() as scope:
+            self.running[evaluation_id] = scope
+            try:
+                await serve_run(*args, **kwargs)
+            finally:
+                if self.running.get(evaluation_id) is scope:
+                    del self.running[evaluation_id]
 
     async def _local_run(
         self, req: RunOp, session: Session, held: contextlib.ExitStack

@@ -22,8 +22,9 @@ from agent.worker import LoadedModel
 from broker.loadgen import Driver
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import codec, names
+from mlscope import codec, names, wire
 from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
+from mlscope.errors import ReplyTooLarge
 from mlscope.schedule import poisson
 from mlscope.tuning import ProcessTuning
 from tests.loadgen_fixtures import prepared_noop
@@ -145,7 +146,9 @@ def test_the_outbox_sends_a_burst_in_order_after_one_wake_up() -> None:
                 raise OSError("connection closed")
             sent.append((subject, data))
 
-        box = Outbox(loop, publish, lambda exc, subject: errors.append((exc, subject)))
+        box = Outbox(
+            loop, publish, lambda exc, subject: errors.append((exc, subject)), max_bytes=1 << 20
+        )
         drains = 0
         real = box._drain
 
@@ -176,6 +179,35 @@ def test_the_outbox_sends_a_burst_in_order_after_one_wake_up() -> None:
     assert [d for _, d in sent[:100]] == [b"%d" % i for i in range(100)]
     assert sent[100:] == [("r.y", b"from the loop")]
     assert len(errors) == 1 and errors[0][1] == "r.x" and "connection closed" in str(errors[0][0])
+
+
+def test_an_answer_too_large_for_the_bus_is_an_error_reply_naming_its_query() -> None:
+    """The requester hears why at once, for that query, instead of timing out."""
+    sent: list[tuple[str, bytes]] = []
+    errors: list[tuple[BaseException, str]] = []
+
+    async def main() -> None:
+        async def publish(subject: str, data: bytes) -> None:
+            sent.append((subject, data))
+
+        box = Outbox(
+            asyncio.get_running_loop(),
+            publish,
+            lambda exc, subject: errors.append((exc, subject)),
+            max_bytes=10_000,
+        )
+        big = QueryReply(index=7, ok=True, outputs=np.zeros(5000, np.float32))
+        small = QueryReply(index=8, ok=True, outputs=np.zeros(10, np.float32))
+        box.put("r.big", wire.encode_reply(big))
+        box.put("r.small", wire.encode_reply(small))
+        await box.flush()
+
+    anyio.run(main, backend="asyncio")
+    assert [s for s, _ in sent] == ["r.big", "r.small"]
+    refused, answered = (wire.read_reply(d) for _, d in sent)
+    assert (refused.index, refused.ok) == (7, False) and "max payload" in refused.error
+    assert (answered.index, answered.ok) == (8, True)
+    assert len(sent[0][1]) < 10_000 and isinstance(errors[0][0], ReplyTooLarge)
 
 
 def test_a_served_run_issues_from_the_pacers_thread_never_early(noop_stack: Stack) -> None:
