@@ -218,7 +218,8 @@ def compare_runs(
     over queries of one run each (``basis`` says so): see :func:`compare_repeats`.
     ``runs``: the two evaluations' rows (of :func:`analysis.data.evaluations` or
     :func:`analysis.summary.summary`) when the caller has them; read otherwise.
-    ``latencies``: their samples by id (:func:`analysis.data.latencies_ms`), likewise."""
+    ``latencies``: their samples by id (:func:`analysis.data.latencies_ms`), likewise.
+    A run that answered no query is a ConfigError naming it."""
     if runs is None:
         runs = evaluations(source, [baseline, candidate])
     if check:
@@ -229,7 +230,7 @@ def compare_runs(
     lat = dict(latencies) if latencies is not None else latencies_ms(source, [baseline, candidate])
     for e in (baseline, candidate):
         if e not in lat:
-            raise ValueError(f"evaluation {e} has no answered queries")
+            raise ConfigError(f"evaluation {e} has no answered queries", evaluation_id=e)
     rows = [
         bootstrap_difference(
             lat[baseline],
@@ -302,7 +303,9 @@ def compare_repeats(
     per_run = latencies_ms(source, ids)
     missing = [e for e in ids if e not in per_run]
     if missing:
-        raise ValueError(f"evaluation {missing[0]} has no answered queries")
+        raise ConfigError(
+            f"evaluation {missing[0]} has no answered queries", evaluation_id=missing[0]
+        )
     rows = []
     for name, q_, floor in (
         ("median", 50.0, min_effect),
@@ -370,10 +373,16 @@ def regressions(
         "regression",
     ]
     # Runs at different requested rates are different measurements (-1: no rate).
-    rate = summ["requested_qps"].astype(float).fillna(-1.0) if "requested_qps" in summ else -1.0
+    rate = (
+        pd.to_numeric(summ["requested_qps"], errors="coerce").fillna(-1.0)
+        if "requested_qps" in summ
+        else -1.0
+    )
     runs = prefer_valid(measured_runs(summ).assign(_rate=rate)).drop_duplicates(
         [*fixed, "_rate", axis], keep="first"
     )
+    # A run that answered no query has no latency to compare: its pairs are left out.
+    lat = latencies_ms(source, [str(e) for e in runs["evaluation_id"]])
     rows = []
     for group, g in runs.groupby([*fixed, "_rate"], sort=True):
         key = group[: len(fixed)]
@@ -382,6 +391,8 @@ def regressions(
         g = g.sort_values(axis, key=lambda s: s.map(_version_key))
         recs = g.to_dict("records")
         for old, new in itertools.pairwise(recs):
+            if old["evaluation_id"] not in lat or new["evaluation_id"] not in lat:
+                continue
             d = compare_runs(
                 source,
                 old["evaluation_id"],
@@ -391,6 +402,7 @@ def regressions(
                 seed=seed,
                 check=False,
                 runs=summ[summ["evaluation_id"].isin([old["evaluation_id"], new["evaluation_id"]])],
+                latencies=lat,
             ).iloc[0]
             rows.append(
                 {

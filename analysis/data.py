@@ -4,11 +4,16 @@ No statistics here: rows as stored, the summary JSON flattened into columns. A s
 ``spec`` or ``summary`` is read by :func:`stored_json` alone: a listing
 (:func:`find_evaluations`, :func:`evaluations` of all) shows a row whose JSON cannot be
 read with what its columns say; a read of evaluations by id names the row instead.
+Every figure flattened from a summary (a rate, a count, a duration, top-1) is a finite
+float within :data:`MAX_FIGURE` or None, and ``batch_size`` a whole number in
+1..:data:`MAX_BATCH` (1 otherwise): a string, a mapping or a huge integer in a stored
+summary is missing, never a value that a page or a figure has to convert.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -220,8 +225,33 @@ def _mapping(value: object) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+MAX_BATCH = 2**31 - 1
+"""The largest batch size a stored summary may name (``Int32``, like the scenario's)."""
+MAX_FIGURE = 1e15
+"""The largest magnitude a stored figure (a rate, a duration, a count) may have."""
+
+
 def _whole(value: object, default: int) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else default
+    """``value`` when it is a batch size (an int in 1..:data:`MAX_BATCH`), else default."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_BATCH:
+        return value
+    return default
+
+
+def _figure(value: object) -> float | None:
+    """``value`` as a float when it is a finite number within :data:`MAX_FIGURE` (an int
+    or a float, not a bool); None for anything else, so that no reader of the flattened
+    columns converts a string, a mapping or a huge integer from a stored summary."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value) if abs(value) <= MAX_FIGURE else math.nan
+    return number if math.isfinite(number) else None
+
+
+def _count(value: object) -> float | None:
+    """:func:`_figure` of a count: None where negative."""
+    number = _figure(value)
+    return number if number is not None and number >= 0 else None
 
 
 def _flatten(r: dict[str, Any], *, named: bool) -> dict[str, Any]:
@@ -237,25 +267,25 @@ def _flatten(r: dict[str, Any], *, named: bool) -> dict[str, Any]:
         "valid": bool(r["valid"]),
         "system": _system_name(agent, r.get("device", "cpu")),
         "batch_size": _whole(scenario.get("batch_size"), 1),
-        "requested_qps": summary.get("requested_qps"),
+        "requested_qps": _figure(summary.get("requested_qps")),
         "invalid_reasons": "; ".join(map(str, reasons))
         if isinstance(reasons, list | tuple)
         else "",
-        "queries": summary.get("queries"),
-        "samples": summary.get("samples"),
-        "errors": summary.get("errors"),
-        "duration_s": summary.get("duration_s"),
-        "throughput_ips": summary.get("throughput_ips"),
-        "top1": accuracy.get("top1"),
+        "queries": _count(summary.get("queries")),
+        "samples": _count(summary.get("samples")),
+        "errors": _count(summary.get("errors")),
+        "duration_s": _figure(summary.get("duration_s")),
+        "throughput_ips": _figure(summary.get("throughput_ips")),
+        "top1": _figure(accuracy.get("top1")),
         "role": "sweep" if runs else "run",
         "runs": runs,
         "parallel": bool(summary.get("parallel", False)),
         "placement": str(summary.get("placement", "server")),
         "preprocess": str(summary.get("preprocess", "timed")),
         "artifact_sha256": str(spec.get("artifact_sha256") or ""),
-        "peak_rss_mb": summary.get("peak_rss_mb"),
-        "rss_growth_mb": summary.get("rss_growth_mb"),
-        "energy_j": summary.get("energy_j"),
+        "peak_rss_mb": _figure(summary.get("peak_rss_mb")),
+        "rss_growth_mb": _figure(summary.get("rss_growth_mb")),
+        "energy_j": _figure(summary.get("energy_j")),
     }
 
 
@@ -263,9 +293,9 @@ def _runs_of(evaluation_id: str, summary: dict[str, Any]) -> list[str]:
     """The runs a sweep's summary lists under other ids (its points); [] for a run."""
     points = summary.get("points")
     ids = [
-        str(p["evaluation_id"])
+        p["evaluation_id"]
         for p in (points if isinstance(points, list | tuple) else ())
-        if isinstance(p, dict) and p.get("evaluation_id")
+        if isinstance(p, dict) and isinstance(p.get("evaluation_id"), str) and p["evaluation_id"]
     ]
     return ids if any(i != evaluation_id for i in ids) else []
 

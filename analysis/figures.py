@@ -57,6 +57,8 @@ def _runs(summ: pd.DataFrame, scenario: str, *, valid_only: bool) -> pd.DataFram
     summ = measured_runs(summ)
     runs = summ[summ["scenario"] == scenario]
     runs = runs[runs["valid"].astype(bool)] if valid_only else prefer_valid(runs)
+    # A figure that is not a number (a row from older code) is missing, not an error.
+    runs = runs.assign(throughput_ips=pd.to_numeric(runs["throughput_ips"], errors="coerce"))
     runs = runs[runs["throughput_ips"].notna()] if scenario == "batched" else runs
     return runs.drop_duplicates([*KEY, "batch_size"], keep="first")
 

@@ -36,9 +36,12 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from mlscope import bus as busmod
 from mlscope import codec, jobs, names, remote
 from mlscope.contracts import (
+    MAX_ID_CHARS,
     AgentDescription,
     CancelReply,
     CancelRequest,
@@ -46,7 +49,7 @@ from mlscope.contracts import (
     JobEvent,
     JobRequest,
 )
-from mlscope.errors import BusError, MLScopeError
+from mlscope.errors import BusError, ConfigError, MLScopeError
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
@@ -60,6 +63,32 @@ PAGE_ROWS = remote.ARROW_PAGE_ROWS
 message)."""
 
 Progress = Callable[[JobEvent], object]
+
+
+def _ident(argument: str, value: object) -> str:
+    """``value`` when it is an id (a string of at most MAX_ID_CHARS characters); else a
+    ConfigError naming ``argument``: a misused call fails at the API's edge, typed."""
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"{argument} must be a string id, not {type(value).__name__}", argument=argument
+        )
+    if not value or len(value) > MAX_ID_CHARS:
+        raise ConfigError(
+            f"{argument} must be 1 to {MAX_ID_CHARS} characters, not {len(value)}",
+            argument=argument,
+        )
+    return value
+
+
+def _idents(argument: str, values: object) -> list[str]:
+    """A list of ids (:func:`_ident` each); a lone string is refused, not split into
+    one-character ids."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise ConfigError(
+            f"{argument} must be a list of evaluation ids, not {type(values).__name__}",
+            argument=argument,
+        )
+    return [_ident(argument, v) for v in values]
 
 
 class Client:
@@ -118,6 +147,12 @@ class Client:
         """Publish ``job`` and await its summary; ``on_progress`` hears every event
         (accepted, progress, restarted, done). A failed job raises its typed error; a
         cancelled one returns its summary with ``status == "cancelled"``."""
+        if not isinstance(job, JobRequest):
+            raise ConfigError(
+                f"job must be a JobRequest, not {type(job).__name__} "
+                "(JobRequest.model_validate(...) reads a mapping)",
+                argument="job",
+            )
         return await jobs.submit_on(self.bus, job, on_event=on_progress, timeout=timeout)
 
     async def cancel(
@@ -125,12 +160,17 @@ class Client:
     ) -> CancelReply | None:
         """Cancel ``job_id``: the reply of the server that ran it, once the run is
         stored as cancelled; None when no server runs it (a queued job is then not run)."""
+        _ident("job_id", job_id)
+        try:
+            request = CancelRequest(job_id=job_id, reason=reason)
+        except ValidationError as exc:
+            where = ".".join(str(p) for p in exc.errors()[0]["loc"]) or "arguments"
+            raise ConfigError(
+                f"cancel: {where}: {exc.errors()[0]['msg']}", argument=where
+            ) from None
         try:
             reply = await busmod.request(
-                self.bus,
-                names.job_cancel(job_id),
-                codec.encode_model(CancelRequest(job_id=job_id, reason=reason)),
-                timeout=timeout,
+                self.bus, names.job_cancel(job_id), codec.encode_model(request), timeout=timeout
             )
         except BusError:
             return None
@@ -138,6 +178,7 @@ class Client:
 
     async def stored(self, evaluation_id: str) -> EvaluationSummary | None:
         """The stored summary of an evaluation, or None when there is none (yet)."""
+        _ident("evaluation_id", evaluation_id)
         try:
             _, summary = await remote.evaluation(self.bus, evaluation_id, timeout=5.0)
         except MLScopeError:
@@ -155,6 +196,7 @@ class Client:
     async def evaluations(self, ids: Sequence[str] | None = None) -> pd.DataFrame:
         """Stored evaluations (all, or ``ids``), newest first, with their ``summary``
         and ``spec`` as JSON text."""
+        ids = _idents("ids", ids) if ids is not None else None
         where = " WHERE evaluation_id IN {ids:Array(String)}" if ids is not None else ""
         return await self.frame(
             "SELECT * FROM evaluations FINAL" + where + " ORDER BY created_at DESC, evaluation_id",
@@ -163,6 +205,7 @@ class Client:
 
     async def queries(self, evaluation_id: str) -> pd.DataFrame:
         """The raw per-query records of one evaluation, by query index."""
+        _ident("evaluation_id", evaluation_id)
         return await self.frame(
             "SELECT * FROM queries FINAL WHERE evaluation_id = {e:String} ORDER BY query_index",
             {"e": evaluation_id},
@@ -170,6 +213,7 @@ class Client:
 
     async def spans(self, evaluation_id: str) -> pd.DataFrame:
         """The trace spans of one evaluation, by start time."""
+        _ident("evaluation_id", evaluation_id)
         return await self.frame(
             "SELECT * FROM spans FINAL WHERE evaluation_id = {e:String} ORDER BY start_ns, span_id",
             {"e": evaluation_id},

@@ -82,9 +82,17 @@ def peak_tab(ids: list[str]) -> None:
     if searches.empty:
         st.info("No peak search among these evaluations (scenario `peak`).")
         return
+    stored = set(ev["evaluation_id"])
     for row in searches.itertuples():
-        # A search that made one run is stored as that run.
-        points = summary(source(), list(row.runs) or [row.evaluation_id])
+        # A search that made one run is stored as that run; a point naming a run that is
+        # not stored (deleted, or a summary from elsewhere) is named and left out.
+        named = list(row.runs) or [row.evaluation_id]
+        lost = [r for r in named if r not in stored]
+        if lost:
+            st.caption(f"{row.evaluation_id}: not stored, left out: {', '.join(lost[:5])}")
+        points = summary(source(), evaluated=ev[ev["evaluation_id"].isin(named)])
+        if points.empty:
+            continue
         st.caption(f"{row.evaluation_id}: {row.model}/{row.framework}, {len(points)} trials")
         show(plots.throughput_latency(points))
         cols = ["evaluation_id", "requested_qps", "throughput_ips", "p99_ms", "valid"]
@@ -170,7 +178,11 @@ if not ids:
     st.info("Pick at least one evaluation.")
     st.stop()
 try:
-    summ = summary(source(), ids)
+    # The listing's rows: one whose stored JSON cannot be read shows what its columns say
+    # instead of stopping the page for every other run.
+    listed = recent_evaluations().set_index("evaluation_id")
+    picked = [i for i in ids if i in listed.index]
+    summ = summary(source(), evaluated=listed.loc[picked].reset_index())
 except MLScopeError as exc:
     stop_on_error(exc)
 st.subheader("Summary")

@@ -255,7 +255,8 @@ def prefill(evaluation_id: str) -> None:
         "run_batch": int(r.batch_size),
         "run_level": r.trace_level if r.trace_level in LEVELS else "model",
     }
-    if r.requested_qps is not None and not pd.isna(r.requested_qps):
+    # The rate box takes at least 1 query/s: a stored rate below that is not prefilled.
+    if r.requested_qps is not None and not pd.isna(r.requested_qps) and r.requested_qps >= 1:
         values["run_qps"] = float(r.requested_qps)
     st.session_state.update({k: v for k, v in values.items() if v is not None})
 
