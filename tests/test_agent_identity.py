@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import nats
@@ -225,7 +226,11 @@ async def _forge_spans(
         return codec.encode({**msg, "batch_id": batch_id, "columns": cols})
 
     async with busmod.connect(role(stack, auth, "reader"), name="test") as reader:
-        _, rows = await remote.sql(reader, one, {"e": ev, "a": victim, "s": 0})
+        rows: list[list[Any]] = []
+        with anyio.fail_after(60):  # the victim's spans are stored after its summary
+            while not rows:
+                _, rows = await remote.sql(reader, one, {"e": ev, "a": victim, "s": 0})
+                await anyio.sleep(0.2)
         (span_id, name), *_ = rows
         async with Probe(stack.settings.nats_url, rogue) as probe:
             forged = batch(victim, span_id, "FORGED", "sb-forged-1")
