@@ -161,10 +161,12 @@ def test_a_rogue_agent_cannot_take_another_agents_queries(
             await msg.respond(b"forged")  # it would answer first if it could hear
 
         async def main() -> EvaluationSummary:
+            # The reload is over once the new user is admitted: a connection made while
+            # nats-server reloads its users may be closed by it.
+            await _admitted(stack.settings.nats_url, rogue)
             async with busmod.connect(submitter, name="test") as bus:
                 (victim,) = await list_agents(bus)
             assert victim.agent_id.endswith("-noop")  # its own identity, from `up --auth`
-            await _admitted(stack.settings.nats_url, rogue)
             async with Probe(stack.settings.nats_url, rogue) as probe:
                 for subject in (
                     names.agent_query(victim.agent_id),
