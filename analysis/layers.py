@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from analysis.source import Source
+from mlscope.bounded import json_depth
 
 __all__ = [
     "ATTRS_MAX_CHARS",
@@ -60,10 +59,6 @@ _SHAPE_MAX_DEPTH = 8
 """Levels of nesting :func:`shape_text` follows ("…" below them)."""
 _INT_LIMIT = 1 << 64
 """Integers in attributes are read within ±2⁶⁴ (a byte count, a dimension)."""
-_STRINGS = re.compile(r'"(?:[^"\\]++|\\[\s\S])*+(?:"|\\?\Z)')
-"""A JSON string (one left open runs to the end, so a scan stays linear whatever the
-text)."""
-_OPEN, _CLOSE = np.frombuffer(b"[{", np.uint8), np.frombuffer(b"]}", np.uint8)
 
 
 def layer_kind(source: Source, evaluation_id: str) -> str | None:
@@ -278,7 +273,7 @@ def span_attrs(raw: object) -> dict[str, Any]:
             return {}
     if not isinstance(raw, str) or not raw or len(raw) > ATTRS_MAX_CHARS:
         return {}
-    if _too_deep(raw):
+    if raw.count("[") + raw.count("{") > ATTRS_MAX_DEPTH and json_depth(raw) > ATTRS_MAX_DEPTH:
         return {}
     try:
         got = json.loads(
@@ -287,18 +282,6 @@ def span_attrs(raw: object) -> dict[str, Any]:
     except (ValueError, RecursionError):
         return {}
     return got if isinstance(got, dict) else {}
-
-
-def _too_deep(text: str) -> bool:
-    """Whether JSON text nests deeper than :data:`ATTRS_MAX_DEPTH` (brackets inside its
-    strings do not count), found without parsing it. Where closing brackets outnumber
-    opening ones the text is not JSON, and a parser stops there."""
-    plain = _STRINGS.sub("", text)
-    if plain.count("[") + plain.count("{") <= ATTRS_MAX_DEPTH:
-        return False
-    codes = np.frombuffer(plain.encode(), np.uint8)
-    steps = np.isin(codes, _OPEN).astype(np.int64) - np.isin(codes, _CLOSE)
-    return int(np.cumsum(steps).max()) > ATTRS_MAX_DEPTH
 
 
 def _no_number(_: str) -> None:

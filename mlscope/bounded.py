@@ -36,6 +36,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_DOCUMENT_BYTES",
     "MAX_NODES",
+    "json_depth",
     "load_json",
     "load_yaml_bounded",
 ]
@@ -224,7 +225,7 @@ def load_json(raw: bytes, *, file: str) -> Any:
             f"is {len(raw)} bytes; a manifest may have at most {MAX_DOCUMENT_BYTES}", file=file
         )
     text = decode_utf8(raw, file=file)
-    if _bracket_depth(text) > MAX_DEPTH and _json_depth(text) > MAX_DEPTH:
+    if _bracket_depth(text) > MAX_DEPTH and json_depth(text) > MAX_DEPTH:
         raise ManifestError(f"nested deeper than {MAX_DEPTH} levels", file=file)
     try:
         return json.loads(text, object_pairs_hook=_unique_pairs)
@@ -234,8 +235,9 @@ def load_json(raw: bytes, *, file: str) -> Any:
         raise ManifestError(f"not valid JSON: {exc}", file=file) from None
 
 
-def _json_depth(text: str) -> int:
-    """Deepest bracket nesting outside strings (before json's recursive parser runs)."""
+def json_depth(text: str) -> int:
+    """Deepest bracket nesting outside strings (before json's recursive parser runs):
+    the one check of every reader of JSON it does not trust."""
     depth = deepest = 0
     in_string = escaped = False
     for ch in text:

@@ -45,6 +45,7 @@ from nats.aio.subscription import Subscription
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from mlscope import codec, names
+from mlscope.bounded import json_depth
 from mlscope.bus import Bus
 from mlscope.contracts import ErrorReply
 from mlscope.errors import BusError, MLScopeError, ReplyTooLarge, ServiceError, WireError
@@ -71,7 +72,6 @@ LOG_WINDOW_S = 10.0
 """Failure log lines: at most LOG_BURST per LOG_WINDOW_S per service (all are counted)."""
 DEAD_HEADER_LIMIT = 1000
 """Characters of an error kept in a dead letter's header."""
-_BRACKETS = re.compile(rb'"(?:\\.|[^"\\])*"|[\[\]{}]')
 
 
 def configure_logging(level: str = "info") -> None:
@@ -110,16 +110,14 @@ def decode_json(
         raise WireError(
             f"a value of {len(data)} bytes is over the {max_bytes}-byte limit", size=len(data)
         )
-    depth = 0
-    for token in _BRACKETS.findall(data):
-        if token in (b"[", b"{"):
-            depth += 1
-            if depth > max_depth:
-                raise WireError(f"a value nested deeper than {max_depth} levels")
-        elif token in (b"]", b"}"):
-            depth -= 1
     try:
-        return json.loads(data)
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise WireError(f"not valid JSON: {exc}") from exc
+    if json_depth(text) > max_depth:
+        raise WireError(f"a value nested deeper than {max_depth} levels")
+    try:
+        return json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise WireError(f"not valid JSON: {exc}") from exc
 
