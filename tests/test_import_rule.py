@@ -8,7 +8,9 @@ statement at any depth: module level, inside functions, under ``TYPE_CHECKING``)
 * no two modules import each other, directly or around a longer loop;
 * a module's ``__all__`` lists only names it defines, so each name is imported from
   the module that defines it (a package's ``__init__`` may list its own submodules'
-  names as its API: :data:`PACKAGE_APIS`);
+  names as its API: :data:`PACKAGE_APIS`, and a package of private submodules,
+  :data:`PRIVATE_PARTS`, lists every name they define and is the one place they are
+  imported from);
 * product code checks what it relies on with typed errors, never ``assert`` (which
   ``python -O`` strips and which no boundary translates).
 
@@ -40,6 +42,9 @@ PACKAGE_APIS: Mapping[str, frozenset[str]] = {
 }
 """Package -> the names of its submodules its ``__init__`` lists as the package's API
 (``agent.profiling``: :func:`capture` gives a ``Capture``, ``NULL`` when no profiler)."""
+PRIVATE_PARTS = frozenset({"mlscope.contracts"})
+"""Packages split into private submodules (``_jobs``, ``_control``...): the package is
+the one name everything else imports from."""
 
 
 def module_name(path: Path, root: Path) -> tuple[str, bool]:
@@ -197,11 +202,45 @@ def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
     assert cycles(graph) == []
 
 
+def defined_names(source: str) -> set[str]:
+    """The names a module binds at its top level by a definition or an assignment."""
+    bound: set[str] = set()
+    for node in module_level(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+    return bound
+
+
+def private_parts_api(sources: Mapping[str, tuple[bool, str]], package: str) -> set[str]:
+    """Every name the private submodules of ``package`` define."""
+    prefix = f"{package}._"
+    return set().union(*(defined_names(s) for m, (_, s) in sources.items() if m.startswith(prefix)))
+
+
 def test_names_are_listed_where_they_are_defined() -> None:
-    found = {m: set(reexported(source)) for m, (_, source) in our_sources().items()}
-    extra = {m: sorted(names - PACKAGE_APIS.get(m, frozenset())) for m, names in found.items()}
+    sources = our_sources()
+    apis = {**PACKAGE_APIS, **{p: frozenset(private_parts_api(sources, p)) for p in PRIVATE_PARTS}}
+    found = {m: set(reexported(source)) for m, (_, source) in sources.items()}
+    extra = {m: sorted(names - apis.get(m, frozenset())) for m, names in found.items()}
     assert {m: names for m, names in extra.items() if names} == {}
     assert found["agent.profiling"] == PACKAGE_APIS["agent.profiling"]  # the check sees it
+
+
+def test_private_parts_are_imported_from_their_package(graph: dict[str, set[str]]) -> None:
+    """Only a package's own modules import its private submodules; everything else
+    imports the package (``from mlscope.contracts import JobRequest``)."""
+    outside = {
+        (m, target)
+        for m, targets in graph.items()
+        for target in targets
+        for package in PRIVATE_PARTS
+        if target.startswith(f"{package}._") and not (m == package or m.startswith(f"{package}."))
+    }
+    assert outside == set()
+    assert "mlscope.contracts._jobs" in graph["mlscope.contracts"]  # the check sees them
+    assert private_parts_api(our_sources(), "mlscope.contracts") >= {"JobRequest", "SCHEMA"}
 
 
 def asserts(source: str) -> list[int]:

@@ -1,0 +1,109 @@
+"""What every message shares: its schema number, ids, the limits it may carry, trace levels."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+)
+
+SCHEMA = 1
+LOCAL_RUN = "local-run"
+"""The feature an agent advertises when it can generate a run's load itself
+(``placement: agent``, :class:`RunOp`)."""
+MLPERF_LOADGEN = "mlperf-loadgen"
+"""The feature an agent advertises when it can run MLPerf LoadGen next to its model
+(``mlscope mlperf --placement agent``, :class:`MLPerfRunOp`)."""
+MAX_SAMPLE_INDICES = 262_144
+"""Most data-set indices one sample-library request may name."""
+MAX_ID_CHARS = 256
+"""Longest id (job, evaluation, agent, run...) a message may carry: ids become subject
+tokens and KV keys, and nats-server closes a connection that sends a subject longer
+than its control line, which would cut a service off the bus."""
+Ident = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+Subject = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[!-~]+$")]
+"""A NATS subject a message names for another to publish on: printable ASCII without
+spaces (a space or line break would end the protocol line it is written into)."""
+MAX_QPS = 1e6
+"""Fastest rate a run may ask for (one load generator issues ~10⁵ queries a second)."""
+MAX_DURATION_S = 7 * 24 * 3600.0
+"""Longest run a scenario may ask for."""
+MAX_BATCH = 65_536
+"""Largest batch a query may carry."""
+MAX_CONCURRENCY = 65_536
+"""Most queries a closed loop (or a load generator's window) may keep in flight."""
+MAX_SCHEDULED_QUERIES = 50_000_000
+"""Most queries one open-loop schedule may hold (its arrivals and a run's record of
+them take ~150 bytes a query): a rate and duration asking for more are refused before
+anything is drawn, whatever ``max_queries`` cuts them to."""
+MAX_SEGMENTS = 10_000
+"""Most segments a piecewise schedule may have."""
+MAX_LOADGENS = 256
+"""Most load-generator processes or services one run's schedule may be dealt to."""
+QUERY_INDEX_LIMIT = 2**63
+"""Query indices are 0 .. 2**63 - 1: they are stored as Int64 and travel as msgpack ints."""
+QueryIndex = Annotated[int, Field(ge=0, lt=QUERY_INDEX_LIMIT)]
+Placement = Literal["server", "agent"]
+"""Where a run's load generator runs: on the server (every query crosses the bus to the
+agent and back: a *served* model) or in the agent (the model itself, no bus per query)."""
+Preprocess = Literal["ahead", "timed"]
+"""When a query's samples are pre-processed: ``ahead`` (once, before the clock starts,
+and held by the agent like LoadGen's QuerySampleLibrary: a query's time is its predict
+and post-processing) or ``timed`` (in the pipeline, inside each query's time)."""
+
+
+def new_id(prefix: str) -> str:
+    """A short unique id such as ``ev-1f3a9c2b7d4e``."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def evaluation_id_for(job_id: str) -> str:
+    """The evaluation id of a job: derived from it, so a redelivered job finds the
+    evaluation its first delivery stored (or is storing) instead of making a second."""
+    return f"ev-{uuid.uuid5(uuid.NAMESPACE_URL, f'mlscope:job:{job_id}').hex[:12]}"
+
+
+def _ndarray(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    raise ValueError(f"expected a numpy array, got {type(value).__name__}")
+
+
+NDArray = Annotated[np.ndarray, PlainValidator(_ndarray)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", arbitrary_types_allowed=True, populate_by_name=True
+    )
+    schema_: int = Field(default=SCHEMA, alias="schema")
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="python", by_alias=True)
+
+
+class TraceLevel(enum.IntEnum):
+    """How much an evaluation traces (paper Listing 4); a span is kept at or below it."""
+
+    NONE = 0
+    MODEL = 1
+    FRAMEWORK = 2
+    SYSTEM = 3
+    FULL = 4
+
+    @classmethod
+    def parse(cls, value: str | int | TraceLevel) -> TraceLevel:
+        if isinstance(value, str):
+            try:
+                return cls[value.strip().upper()]
+            except KeyError as exc:
+                names = ", ".join(m.name.lower() for m in cls)
+                raise ValueError(f"unknown trace level {value!r} (one of {names})") from exc
+        return cls(value)

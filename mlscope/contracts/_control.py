@@ -1,0 +1,292 @@
+"""An agent's control requests (``mlscope.agent.<id>.ctl``) and their replies."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    Field,
+    TypeAdapter,
+    field_validator,
+)
+
+from mlscope.contracts._base import (
+    MAX_SAMPLE_INDICES,
+    Ident,
+    NDArray,
+    Preprocess,
+    TraceLevel,
+    _Message,
+)
+from mlscope.contracts._jobs import MLPerfSpec, ScenarioSpec
+from mlscope.contracts._registry import AgentDescription
+
+# --------------------------------------------------------------------------- control
+
+
+class PingOp(_Message):
+    """Clock probe: the agent answers with its monotonic clock."""
+
+    op: Literal["ping"] = "ping"
+
+
+class DescribeOp(_Message):
+    op: Literal["describe"] = "describe"
+
+
+class PrepareOp(_Message):
+    """Load (or reuse) a model for an evaluation; ``reload`` unloads it first."""
+
+    op: Literal["prepare"] = "prepare"
+    evaluation_id: Ident
+    model: str
+    model_version: str
+    batch_size: int = Field(default=1, ge=1)
+    max_batch: int | None = Field(default=None, ge=1)
+    trace_level: str = "model"
+    reload: bool = False
+
+    @field_validator("trace_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        TraceLevel.parse(value)
+        return value
+
+
+class ReleaseOp(_Message):
+    op: Literal["release"] = "release"
+    evaluation_id: Ident
+    unload: bool = False
+
+
+class RunOp(_Message):
+    """Run a scenario in the agent (``placement: agent``) for a prepared evaluation.
+
+    The agent builds the same schedule and sample order the server would (from
+    ``scenario`` and its seed), answers :class:`RunStarted` at once, runs the load on
+    its own pipeline executor and sends :class:`RunRows` to the same reply subject
+    while it runs, the last one with ``final`` (published, not requested: one
+    request, many replies, as ``allow_responses`` grants a responder).
+    """
+
+    op: Literal["run"] = "run"
+    evaluation_id: Ident
+    scenario: ScenarioSpec
+    trace_level: str = "model"
+    max_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
+    """Largest message the agent may send back (the bus's max payload, less room for
+    the subject and headers)."""
+
+    @field_validator("trace_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        TraceLevel.parse(value)
+        return value
+
+
+SampleIndex = Annotated[int, Field(strict=True, ge=0)]
+
+
+class SamplesLoadOp(_Message):
+    """Hold these data-set samples for a prepared evaluation (LoadGen's
+    ``load_samples``): the agent reads its own copy of the model's data set,
+    pre-processes the samples once where the pipeline allows, and keeps them until
+    they are unloaded or the evaluation is released. Queries then name samples by
+    index (:class:`SamplesQuery`)."""
+
+    op: Literal["load_samples"] = "load_samples"
+    evaluation_id: Ident
+    indices: tuple[SampleIndex, ...] = Field(max_length=MAX_SAMPLE_INDICES)
+
+
+class SamplesUnloadOp(_Message):
+    """Drop these samples (LoadGen's ``unload_samples``); unknown ones are ignored."""
+
+    op: Literal["unload_samples"] = "unload_samples"
+    evaluation_id: Ident
+    indices: tuple[SampleIndex, ...] = Field(max_length=MAX_SAMPLE_INDICES)
+
+
+class MLPerfRunOp(_Message):
+    """Run MLPerf LoadGen in the agent's host (``mlscope mlperf --placement agent``)
+    for a prepared evaluation: LoadGen in a child process of the agent whose system
+    under test calls the model in that process. Answered with :class:`MLPerfStarted`
+    at once; :class:`MLPerfDone` follows on the agent's rows subject
+    (``mlscope.agent.<id>.rows.<evaluation_id>``) when the test is over, and the
+    server then fetches the files (:class:`MLPerfFetchOp`)."""
+
+    op: Literal["mlperf"] = "mlperf"
+    evaluation_id: Ident
+    spec: MLPerfSpec
+    conf_model: str = Field(max_length=256)
+
+
+class MLPerfFetchOp(_Message):
+    """Part of a file an agent's MLPerf run left (named in its :class:`MLPerfDone`):
+    at most ``max_bytes`` from ``offset``, answered with :class:`MLPerfFile`."""
+
+    op: Literal["mlperf_fetch"] = "mlperf_fetch"
+    evaluation_id: Ident
+    name: str = Field(max_length=256)
+    offset: int = Field(default=0, ge=0)
+    max_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
+    """The requester's max payload (nats-server's limit is 64 MiB at most)."""
+
+
+ControlOp = (
+    PingOp
+    | DescribeOp
+    | PrepareOp
+    | ReleaseOp
+    | RunOp
+    | SamplesLoadOp
+    | SamplesUnloadOp
+    | MLPerfRunOp
+    | MLPerfFetchOp
+)
+"""Every control request an agent takes."""
+ControlRequest = Annotated[ControlOp, Field(discriminator="op")]
+"""What ``mlscope.agent.<id>.ctl`` takes (decode with ``CONTROL``)."""
+CONTROL: TypeAdapter[ControlOp] = TypeAdapter(ControlRequest)
+
+
+class PingReply(_Message):
+    kind: Literal["pong"] = "pong"
+    t_agent: int
+
+
+class PrepareReply(_Message):
+    kind: Literal["prepared"] = "prepared"
+    ok: bool = True
+    cold: bool
+    load_ns: int
+    first_inference_ns: int
+    sha256: str | None = None
+    t_agent: int
+    settings: dict[str, Any] | None = None
+    """What the agent really ran the model with: its runtime options (threads,
+    execution providers, graph optimization, ...), device and pipeline settings
+    (batching, queue, pre-processing threads)."""
+    mlscope_version: str | None = None
+    """The agent's mlscope version (the server's may differ)."""
+    git_commit: str | None = None
+    """The agent's source commit, when it runs from a git checkout."""
+
+
+class ReleaseReply(_Message):
+    kind: Literal["released"] = "released"
+    ok: bool = True
+    unloaded: bool = False
+    rss_start_bytes: int | None = None
+    """The agent process's resident memory when the evaluation was prepared."""
+    rss_peak_bytes: int | None = None
+    """The highest resident memory seen while it was prepared (sampled every 50 ms,
+    plus the kernel's high-water mark where it rose meanwhile)."""
+    rss_end_bytes: int | None = None
+    """Resident memory at its release."""
+    energy_j: float | None = None
+    """Energy of the agent's device between prepare and release (NVML on a GPU, RAPL
+    packages on the CPU); None when no counter was readable."""
+
+
+class RunStarted(_Message):
+    """The agent took a :class:`RunOp`: offset 0 of the run is ``t0_agent`` (its clock)."""
+
+    kind: Literal["run_started"] = "run_started"
+    t0_agent: int
+    queries: int = 0
+    """Queries the open-loop schedule holds (0 for a closed loop: not known ahead)."""
+    preprocess: Preprocess = "timed"
+    """When the run's samples are pre-processed (``ahead``: before ``t0_agent``)."""
+
+
+class RunRows(_Message):
+    """Per-query rows of a local run, column by column (numpy arrays, one length).
+
+    Columns are those of :data:`mlscope.record.ARRAYS` for the rows ``start`` ..
+    ``start + len - 1``, times in ns from the run's ``t0_agent``, plus ``top1``
+    (rows x batch size, int32: each sample's predicted class, -1 if none). The last
+    message of a run has ``final`` and the run's totals; its ``seq`` + 1 is the
+    number of messages the run sent (a gap means rows were lost).
+    """
+
+    kind: Literal["run_rows"] = "run_rows"
+    evaluation_id: Ident
+    seq: int = Field(ge=0)
+    start: int = Field(ge=0)
+    columns: dict[str, NDArray]
+    errors: dict[int, str] = Field(default_factory=dict)
+    """Row index -> error message, for rows that failed or were refused."""
+    issued: int = 0
+    """Queries issued so far (shipped or still in flight)."""
+    final: bool = False
+    queries: int = 0
+    """final: rows in the run."""
+    not_issued: int = 0
+    cpu_s: float = 0.0
+    """final: CPU time of the agent's process during the run (its load generator's and
+    its model's: they share it)."""
+    error: dict[str, Any] | None = None
+    """final: the typed error that ended the run early, if one did."""
+
+
+class SamplesReply(_Message):
+    """What an evaluation's sample library holds after a load or unload."""
+
+    kind: Literal["samples"] = "samples"
+    held: int
+    """Samples held now."""
+    bytes: int
+    """Memory they take (the agent's limit applies to all its libraries together)."""
+    preprocessed: bool
+    """Whether they are held pre-processed (queries then skip pre-processing)."""
+
+
+class MLPerfStarted(_Message):
+    """The agent started LoadGen for an :class:`MLPerfRunOp`."""
+
+    kind: Literal["mlperf_started"] = "mlperf_started"
+    pid: int
+
+
+class MLPerfFile(_Message):
+    """The answer to an :class:`MLPerfFetchOp`: ``data`` from ``offset`` of one file."""
+
+    kind: Literal["mlperf_file"] = "mlperf_file"
+    name: str
+    offset: int = Field(ge=0)
+    data: bytes
+
+
+class MLPerfDone(_Message):
+    """The end of an MLPerf run in the agent (on its rows subject): the files
+    LoadGen's process left (its logs, and what its system under test saw:
+    ``sut-timing.npz``) by name with their sizes, kept in the agent until the
+    evaluation is released and fetched part by part (:class:`MLPerfFetchOp`:
+    request/reply, so the server takes them at its own pace); ``error`` the typed
+    error that ended the run, if one did."""
+
+    kind: Literal["mlperf_done"] = "mlperf_done"
+    evaluation_id: Ident
+    files: dict[str, int] = Field(default_factory=dict)
+    error: dict[str, Any] | None = None
+
+
+ControlReply = (
+    PingReply
+    | AgentDescription
+    | PrepareReply
+    | ReleaseReply
+    | RunStarted
+    | SamplesReply
+    | MLPerfStarted
+    | MLPerfFile
+)
+
+
+class ErrorReply(_Message):
+    """Any request's failure: ``error`` is ``MLScopeError.to_wire()`` (code, message,
+    fields), rebuilt into the same typed exception by ``errors.error_from_wire``."""
+
+    kind: Literal["error"] = "error"
+    error: dict[str, Any]

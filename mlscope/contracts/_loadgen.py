@@ -1,0 +1,101 @@
+"""A load-generator service's registry entry, control requests and replies."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import (
+    Field,
+    TypeAdapter,
+)
+
+from mlscope.contracts._base import Ident, Subject, _Message
+from mlscope.contracts._control import PingOp
+from mlscope.contracts._jobs import ScenarioSpec
+from mlscope.contracts._registry import EPOCH_LIMIT_S
+
+
+class LoadgenDescription(_Message):
+    """A load-generator service's registry entry (bucket ``mlscope_loadgens``, kept
+    alive by a heartbeat like an agent's)."""
+
+    kind: Literal["loadgen"] = "loadgen"
+    loadgen_id: str = Field(min_length=1, max_length=128)
+    host: str
+    pid: int = Field(ge=1, le=2**32 - 1)
+    mlscope_version: str
+    started_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
+    heartbeat_at: float = Field(ge=0, le=EPOCH_LIMIT_S, allow_inf_nan=False)
+
+
+class LoadgenLoadOp(_Message):
+    """Fetch one dealt slice of a run from the work bucket and get ready to start it."""
+
+    op: Literal["load"] = "load"
+    run_id: Ident
+    evaluation_id: Ident
+    subject: Subject
+    """Where the queries go (the prepared agent's query subject)."""
+    spec: ScenarioSpec
+    offset_ns: int
+    """The agent's clock minus this load generator's (agent times are converted)."""
+    trace_level: int
+    has_labels: bool
+    slice_object: str
+
+
+class LoadgenLoaded(_Message):
+    kind: Literal["loaded"] = "loaded"
+    run_id: Ident
+    queries: int
+
+
+class LoadgenStopOp(_Message):
+    """Stop a run of this service, loaded or running (its job was cancelled or failed):
+    its queries stop at once, not at the end of its slice."""
+
+    op: Literal["stop"] = "stop"
+    run_id: Ident
+
+
+class LoadgenStopped(_Message):
+    kind: Literal["stopped"] = "stopped"
+    run_id: Ident
+    running: bool
+    """The run was running (else it was only loaded, or not known here)."""
+
+
+LoadgenControl = Annotated[PingOp | LoadgenLoadOp | LoadgenStopOp, Field(discriminator="op")]
+"""What ``mlscope.loadgen.<id>.ctl`` takes (decode with ``LOADGEN_CONTROL``)."""
+LOADGEN_CONTROL: TypeAdapter[PingOp | LoadgenLoadOp | LoadgenStopOp] = TypeAdapter(LoadgenControl)
+
+
+class LoadgenStartOp(_Message):
+    """Run a loaded slice from ``start_ns`` (this load generator's monotonic clock);
+    answered when the run is over and its raw arrays are in the work bucket."""
+
+    op: Literal["start"] = "start"
+    run_id: Ident
+    start_ns: int
+    result_object: str
+    progress_subject: Subject | None = None
+    """Where to publish :class:`LoadgenProgress` about every half second while it runs:
+    the service's own :func:`mlscope.names.loadgen_progress` subject, which its user may
+    publish to (no one may publish into another's inbox)."""
+
+
+class LoadgenProgress(_Message):
+    kind: Literal["loadgen-progress"] = "loadgen-progress"
+    run_id: Ident
+    result_object: str
+    """Which slice of the run (its result's name is unique per slice)."""
+    done: int
+
+
+class LoadgenDone(_Message):
+    kind: Literal["loadgen-done"] = "loadgen-done"
+    run_id: Ident
+    result_object: str
+    queries: int
+    completed: int
+    cpu_s: float
