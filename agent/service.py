@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -26,17 +25,15 @@ from agent import profiling
 from agent.energy import EnergyMeter
 from agent.localrun import LocalRun, run_inputs, serve_run
 from agent.mlperf_ops import MLPerfOps, loadgen_installed
-from agent.offers import Offer, servable, verified_graph
+from agent.models import ModelHost
 from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
 from agent.samplelib import MemoryBudget
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
-from agent.worker import LoadedModel
-from mlscope import artifact_bucket, codec, names, provenance, sysinfo, wire
 from mlscope import bus as busmod
-from mlscope.artifacts import ArtifactStore, zoo_coordinates
+from mlscope import codec, names, provenance, sysinfo, wire
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
@@ -57,7 +54,6 @@ from mlscope.contracts import (
     PrepareOp,
     PrepareReply,
     QueryReply,
-    RefusedModel,
     ReleaseOp,
     ReleaseReply,
     RunOp,
@@ -75,10 +71,7 @@ from mlscope.errors import (
     MLScopeError,
     OverloadedError,
 )
-from mlscope.fetchpolicy import FetchPolicy
-from mlscope.manifest import FrameworkManifest, is_built
 from mlscope.model_registry import ManifestWatcher
-from mlscope.predictor import PredictorOptions
 from mlscope.presence import heartbeat
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
@@ -131,30 +124,14 @@ class Agent:
     config: AgentConfig
     catalog: Catalog
     agent_id: str = ""
-    offers: list[Offer] = field(default_factory=list)
     sessions: dict[str, Session] = field(default_factory=dict)
-    workers: dict[str, Executor] = field(default_factory=dict)
     capability_subs: dict[str, Any] = field(default_factory=dict)
-    refused: list[RefusedModel] = field(default_factory=list)
-    """Manifests of this framework not served here, and why (advertised too)."""
-    framework_manifest: FrameworkManifest | None = None
-    """The framework manifest whose runtime options the predictors get (the one of
-    the probed version when the catalog has it)."""
 
     def __post_init__(self) -> None:
-        self.store = ArtifactStore(
-            self.settings.data_dir,
-            zoo_dir=self.settings.zoo_dir,
-            policy=FetchPolicy.from_settings(self.settings),
-        )
-        """Remembers verified files by size and mtime: re-checking one is a stat."""
-        self.framework_manifest = self.catalog.framework(self.config.framework)
         self.rss = RssWatch()
         """Resident memory over each prepared evaluation (reported at release)."""
         self.energy = EnergyMeter(nvml=open_nvml() if self.config.device != "cpu" else None)
         """Energy counters of this agent's device, read at prepare and at release."""
-        self.loaded_settings: dict[str, dict[str, Any]] = {}
-        """Per loaded model key: what it was opened with (reported by prepare)."""
         self.git_commit: str | None = None
         self.tuning = ProcessTuning()
         """This process's one owner of GC and switch interval during local runs."""
@@ -170,6 +147,20 @@ class Agent:
                 field="agent_id",
             )
         self.agent_id = given or names.token(f"{host}-{self.config.framework}-{new_id('a')[2:8]}")
+        self.models = ModelHost(
+            settings=self.settings,
+            framework=self.config.framework,
+            who=f"agent {self.agent_id}",
+            device=self.config.device,
+            threads=self.config.threads,
+            executor=ExecutorConfig(
+                capacity=self.config.queue_capacity,
+                pre_workers=self.config.pre_workers,
+                max_wait_us=self.config.batch_wait_us,
+            ),
+            framework_manifest=self.catalog.framework(self.config.framework),
+        )
+        """What this agent offers, refuses and has loaded."""
         self.sample_memory = MemoryBudget(self.config.sample_memory_bytes)
         """What every sample library and every local run's held samples draw on."""
         self.mlperf = MLPerfOps(
@@ -192,7 +183,8 @@ class Agent:
         self.framework_info = info
         # Runtime options of the framework manifest (threads, providers...) for every
         # model this agent opens; an explicit --threads still wins (PredictorOptions).
-        self.framework_manifest = self.catalog.framework(self.config.framework, info.version)
+        self.models.framework_manifest = self.catalog.framework(self.config.framework, info.version)
+        self.models.runtime_version = info.version
         self._facts: dict[str, Any] = sysinfo.host_facts()
         self.git_commit = await anyio.to_thread.run_sync(provenance.git_commit)
         self.accelerators = accelerators(self.config.framework, info.devices)
@@ -221,8 +213,7 @@ class Agent:
                     self.task_group = tg  # local runs (placement agent) run in it
                     keep = self.boundary.keep_running
                     await tg.start(keep, "models watch", self.remote.run)
-                    await self._fetch_missing()
-                    self.offers, self.refused = await anyio.to_thread.run_sync(self._servable)
+                    await self._refresh_offers()
                     subs = await self._subscribe(bus)
                     tg.start_soon(keep, "span flusher", self.tracer.run)
                     await self._advertise(bus)
@@ -233,54 +224,6 @@ class Agent:
                     await anyio.to_thread.run_sync(self.sampler.close)
                     await anyio.to_thread.run_sync(self.rss.close)
                     await self._withdraw(bus, [*subs, *self.capability_subs.values()])
-
-    def _servable(self) -> tuple[list[Offer], list[RefusedModel]]:
-        """What this agent may serve now, and what it refuses (:func:`agent.offers.servable`)."""
-        return servable(
-            self.remote.catalog(self.catalog).entries,
-            framework=self.config.framework,
-            check=self._check,
-        )
-
-    async def _fetch_missing(self) -> None:
-        """Built zoo models of this framework that the data dir lacks, fetched from the
-        bus's artifact bucket (verified file by file; see mlscope.artifact_bucket). The
-        bucket is written by other clients: whatever one model's fetch raises, that
-        model is not served (its refusal says why) and the agent goes on."""
-        wanted = sorted(
-            {
-                str(e.manifest.assets.base_url)
-                for e in self.remote.catalog(self.catalog).entries
-                if e.manifest.framework.name == self.config.framework
-                and is_built(e.manifest.assets.base_url)
-            }
-        )
-        for url in wanted:
-            try:
-                name, version = zoo_coordinates(url)
-                await artifact_bucket.fetch(
-                    self.bus,
-                    self.settings.zoo_dir,
-                    name,
-                    version,
-                    log=self._log,
-                    max_bytes=self.settings.max_artifact_bytes,
-                )
-            except Exception as exc:  # not served then; the refusal says why
-                self._log(f"cannot fetch {url[:100]} from the artifact bucket: {exc!r}")
-
-    def _log(self, message: str) -> None:
-        log.info("agent %s: %s", self.agent_id, message)
-
-    def _check(self, e: Entry) -> Path:
-        """The verified graph of ``e`` here (:func:`agent.offers.verified_graph`)."""
-        return verified_graph(
-            e,
-            runtime_version=self.framework_info.version,
-            zoo_dir=self.settings.zoo_dir,
-            store=self.store,
-            allow_custom=self.settings.allow_custom_code,
-        )
 
     async def _subscribe(self, bus: Bus) -> list[Any]:
         subs = [
@@ -295,7 +238,8 @@ class Agent:
 
     async def _sync_capabilities(self, bus: Bus) -> None:
         """One queue-group subscription per served model, no more, no fewer."""
-        wanted = {names.capability(self.config.framework, e.manifest.name) for e, _ in self.offers}
+        offers = self.models.offers
+        wanted = {names.capability(self.config.framework, e.manifest.name) for e, _ in offers}
         for subject in sorted(set(self.capability_subs) - wanted):
             await self.capability_subs.pop(subject).unsubscribe()
         for subject in sorted(wanted - set(self.capability_subs)):
@@ -307,19 +251,27 @@ class Agent:
     async def _models_changed(self) -> None:
         """The models bucket changed: serve what is servable now and say so at once."""
         async with self._changing:
-            await self._fetch_missing()
-            served, refused = await anyio.to_thread.run_sync(self._servable)
-            if [(e.manifest.key, g) for e, g in served] == [
-                (e.manifest.key, g) for e, g in self.offers
-            ] and refused == self.refused:
-                return
-            self.offers, self.refused = served, refused
-            await self._sync_capabilities(self.bus)
-            await self._advertise(self.bus)
+            if await self._refresh_offers():
+                await self._sync_capabilities(self.bus)
+                await self._advertise(self.bus)
+
+    async def _refresh_offers(self) -> bool:
+        """Fetch what is missing and decide again what is served; True if that changed."""
+        catalog = self.remote.catalog(self.catalog)
+        await self.models.fetch_missing(self.bus, catalog)
+        served, refused = await anyio.to_thread.run_sync(self.models.servable, catalog)
+        m = self.models
+        if [(e.manifest.key, g) for e, g in served] == [
+            (e.manifest.key, g) for e, g in m.offers
+        ] and refused == m.refused:
+            return False
+        m.offers, m.refused = served, refused
+        return True
 
     def describe(self) -> AgentDescription:
         f = self._facts
         info = self.framework_info
+        offers = self.models.offers
         return AgentDescription(
             agent_id=self.agent_id,
             host=f["host"],
@@ -339,15 +291,12 @@ class Agent:
                     framework=e.manifest.framework.name,
                     sha256=e.graph_sha256(self.settings.zoo_dir),
                 )
-                for e, _ in self.offers
+                for e, _ in offers
             ),
-            refused=tuple(self.refused),
+            refused=tuple(self.models.refused),
             capabilities=tuple(
                 sorted(
-                    {
-                        names.capability(self.config.framework, e.manifest.name)
-                        for e, _ in self.offers
-                    }
+                    {names.capability(self.config.framework, e.manifest.name) for e, _ in offers}
                 )
             ),
             pid=os.getpid(),
@@ -396,8 +345,7 @@ class Agent:
                     await sub.unsubscribe()
         except Exception as exc:  # a lost or closed connection: the TTL removes the entry
             log.warning("agent %s: not withdrawn from the registry: %r", self.agent_id, exc)
-        for worker in self.workers.values():
-            await anyio.to_thread.run_sync(worker.stop)
+        await self.models.stop_all()
 
     # ------------------------------------------------------------------ requests
 
@@ -457,8 +405,7 @@ class Agent:
                 f"agent {self.agent_id} was not prepared for evaluation {evaluation_id}",
                 evaluation_id=evaluation_id,
             )
-        entry = next(e for e, _ in self.offers if e.manifest.key == session.key)
-        return session.worker, entry
+        return session.worker, self.models.entry(session.key)
 
     async def _start_mlperf(self, req: MLPerfRunOp) -> MLPerfStarted:
         """LoadGen next to the model (placement agent): answered once it started; its
@@ -466,12 +413,12 @@ class Agent:
         window a responder has under credentials)."""
         self.mlperf.require()
         _, entry = self._prepared(req.evaluation_id)
-        graph = await anyio.to_thread.run_sync(self._check, entry)
+        graph = await anyio.to_thread.run_sync(self.models.check, entry)
         return await self.mlperf.run(
             req,
             entry=entry,
             graph=graph,
-            options=self.predictor_options(req.spec.batch_size),
+            options=self.models.options(req.spec.batch_size),
             executor={
                 "capacity": self.config.queue_capacity,
                 "pre_workers": self.config.pre_workers,
@@ -502,20 +449,21 @@ class Agent:
     async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""
         eval_id = req.evaluation_id
-        entry = self._offer(req.model, req.model_version)
+        models = self.models
+        entry = models.offer(req.model, req.model_version)
         # Verified again (a stat when unchanged): a file changed since it was advertised
         # is refused with both hashes and the command that rebuilds it.
-        graph = await anyio.to_thread.run_sync(self._check, entry)
+        graph = await anyio.to_thread.run_sync(models.check, entry)
         key = entry.manifest.key
         batch = req.batch_size
         if req.reload:  # cold start: load again unless another evaluation uses it
             self.sessions.pop(eval_id, None)
             await self._unload(key)
-        cold = key not in self.workers
+        cold = key not in models.workers
         load_ns = first_ns = 0
         if cold:
-            load_ns, first_ns = await self._load(entry, graph, batch)
-        worker = self.workers[key]
+            load_ns, first_ns = await models.load(entry, graph, batch)
+        worker = models.workers[key]
         worker.max_batch = req.max_batch or batch
         level = TraceLevel.parse(req.trace_level)
         self.sessions[eval_id] = Session(worker, level, key)
@@ -530,7 +478,7 @@ class Agent:
             sha256=entry.graph_sha256(self.settings.zoo_dir),
             t_agent=now(),
             settings={
-                **self.loaded_settings.get(key, {}),
+                **models.loaded_settings.get(key, {}),
                 "max_batch": worker.max_batch,
                 "batch_wait_us": self.config.batch_wait_us,
                 "queue_capacity": self.config.queue_capacity,
@@ -539,55 +487,6 @@ class Agent:
             mlscope_version=mlscope.__version__,
             git_commit=self.git_commit,
         )
-
-    def _offer(self, name: str, version: str) -> Entry:
-        """The entry this agent serves for ``name@version``; ConfigError (with the reason
-        it was refused at start, if it was) when it serves none."""
-        for e, _ in self.offers:
-            if e.manifest.name == name and e.manifest.version == version:
-                return e
-        why = next((r for r in self.refused if (r.name, r.version) == (name, version)), None)
-        raise ConfigError(
-            f"agent {self.agent_id} does not serve {name}@{version}"
-            + (f": {why.message}" if why else ""),
-            model=name,
-            version=version,
-        )
-
-    async def _load(self, entry: Entry, graph: Path, batch: int) -> tuple[int, int]:
-        """Open ``entry``'s model and its executor, whose predict thread runs the first
-        inference; returns (load ns, first inference ns). A model whose first inference
-        fails is closed and its error raised."""
-        key = entry.manifest.key
-        opts = self.predictor_options(batch)
-        model = await anyio.to_thread.run_sync(
-            functools.partial(
-                LoadedModel.open,
-                entry,
-                graph,
-                opts,
-                labels=self._labels(entry),
-                allow_custom=self.settings.allow_custom_code,
-            )
-        )
-        executor = Executor(
-            model,
-            ExecutorConfig(
-                capacity=self.config.queue_capacity,
-                pre_workers=self.config.pre_workers,
-                max_batch=batch,
-                max_wait_us=self.config.batch_wait_us,
-            ),
-            warm=True,  # the first inference on the thread that will predict
-        )
-        try:
-            first_ns = await anyio.to_thread.run_sync(executor.first_inference_ns)
-        except MLScopeError:
-            await anyio.to_thread.run_sync(executor.stop)  # and closes the predictor
-            raise
-        self.loaded_settings[key] = self._opened_with(opts, model)
-        self.workers[key] = executor
-        return model.load_ns, first_ns
 
     async def _start_run(self, req: RunOp, reply: str) -> RunStarted:
         """Start a local run (placement agent) for a prepared evaluation: answered at
@@ -661,7 +560,7 @@ class Agent:
     ) -> LocalRun:
         """The run ``req`` asks for on the session's executor, its inputs ready (held
         pre-processed samples are given back when ``held`` closes)."""
-        entry = next(e for e, _ in self.offers if e.manifest.key == session.key)
+        entry = self.models.entry(session.key)
         inputs, held_bytes = await anyio.to_thread.run_sync(
             functools.partial(
                 run_inputs,
@@ -689,47 +588,9 @@ class Agent:
             )
         )
 
-    def _opened_with(self, opts: PredictorOptions, model: LoadedModel) -> dict[str, Any]:
-        """The options a model was opened with, and what its runtime says it uses
-        (a predictor's optional ``effective_options()``: e.g. ORT's providers)."""
-        found = getattr(model.predictor, "effective_options", None)
-        return {
-            "device": opts.device,
-            "threads": opts.intra_op_threads,
-            "runtime": dict(opts.runtime),
-            "effective": found() if callable(found) else None,
-            "framework_manifest": (
-                self.framework_manifest.version if self.framework_manifest else None
-            ),
-        }
-
-    def _labels(self, entry: Entry) -> list[str] | None:
-        """The first output's labels file, when the manifest names one that is local
-        (labels name top-k results for queries that ask; remote assets have none)."""
-        try:
-            return entry.labels(self.settings.zoo_dir)
-        except MLScopeError:
-            return None
-
-    def predictor_options(self, batch_size: int = 1) -> PredictorOptions:
-        """How this agent opens a model: its device and ``--threads``, and the runtime
-        options its framework manifest gives for that device."""
-        fm = self.framework_manifest
-        return PredictorOptions(
-            device=self.config.device,
-            threads=self.config.threads,
-            batch_size=batch_size,
-            runtime=fm.runtime(self.config.device) if fm else {},
-        )
-
     async def _unload(self, key: str) -> bool:
-        """Stop and close a loaded model no other evaluation uses; True if it was."""
-        if key not in self.workers or any(s.key == key for s in self.sessions.values()):
-            return False
-        worker = self.workers.pop(key)
-        self.loaded_settings.pop(key, None)
-        await anyio.to_thread.run_sync(worker.stop)
-        return True
+        """Close a loaded model no prepared evaluation uses; True if it was."""
+        return await self.models.unload(key, in_use={s.key for s in self.sessions.values()})
 
     async def _on_query(self, data: bytes, msg: Msg) -> ErrorReply | None:
         """Admit one query (decoded here, after its arrival is stamped); the reply

@@ -57,7 +57,7 @@ def prepare(model: str, version: str, evaluation_id: str = "ev-1") -> dict[str, 
 
 def loaded(agent: Agent, name: str) -> Any:
     """The predictor the agent opened for model ``name``."""
-    (worker,) = [w for k, w in agent.workers.items() if k.startswith(f"{name}@")]
+    (worker,) = [w for k, w in agent.models.workers.items() if k.startswith(f"{name}@")]
     return worker.model.predictor
 
 
@@ -235,8 +235,10 @@ def test_custom_step_not_allowed_is_a_typed_refusal(
     agent = Agent(settings, AgentConfig(framework="onnxruntime"), catalog)
 
     async def body(bus: busmod.Bus, ask: Ask) -> None:
-        assert agent.offers == []  # not advertised: it could not be prepared
-        assert [(r.name, r.reason) for r in agent.refused] == [("digits_custom", "custom_code")]
+        assert agent.models.offers == []  # not advertised: it could not be prepared
+        assert [(r.name, r.reason) for r in agent.models.refused] == [
+            ("digits_custom", "custom_code")
+        ]
         rep = await ask(prepare("digits_custom", "1.0.0"))
         assert not rep["ok"] and "custom code is not allowed" in rep["why"], rep
 

@@ -332,7 +332,7 @@ def test_agent_answers_typed_errors_and_keeps_serving(settings: Settings, tmp_pa
         rel = await ask(
             bus, ctl, codec.encode({"op": "release", "evaluation_id": "ev-1", "unload": True})
         )
-        assert rel["unloaded"] is True and not agent.workers
+        assert rel["unloaded"] is True and not agent.models.workers
 
     run_agent(settings, agent, body)
 
