@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from agent.predictors import probe  # noqa: E402
-from broker.evaluate import resolve  # noqa: E402
+from broker.resolve import resolve  # noqa: E402
 from mlscope import bus as busmod  # noqa: E402
 from mlscope import codec, names  # noqa: E402
 from mlscope.catalog import Catalog, default_manifest_dirs  # noqa: E402

@@ -42,11 +42,12 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from broker.agent_history import AgentHistory
 from broker.cancel import Cancels, cancelled_summary, issued_part
 from broker.db import Database
-from broker.evaluate import RESOLVE_GRACE_S, Evaluator, recently_alive, resolve
+from broker.evaluate import Evaluator
 from broker.ingest import Ingester
 from broker.loadgen import running_p50_ms
 from broker.multihost import work_bucket
 from broker.readonly import ReadLimits, ReadOnlyDatabase
+from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.bus import bus_errors, if_found

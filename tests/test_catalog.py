@@ -186,7 +186,7 @@ def digits_agent(catalog: Catalog, *, heartbeat_at: float = 0.0) -> AgentDescrip
 def test_a_job_waits_only_for_an_agent_seen_moments_ago() -> None:
     """A failover can hold heartbeats back: the server waits for an agent that matched
     a few seconds ago, never for one gone long ago or one that never matched."""
-    from broker.evaluate import RESOLVE_GRACE_S, recently_alive
+    from broker.resolve import RESOLVE_GRACE_S, recently_alive
 
     catalog = Catalog.load([MANIFESTS])
     now = 1000.0
@@ -202,7 +202,7 @@ def test_a_job_waits_only_for_an_agent_seen_moments_ago() -> None:
 
 def test_a_pinned_manifest_that_changed_is_refused() -> None:
     """``mlscope rerun`` pins the manifest's content: resolution refuses another one."""
-    from broker.evaluate import resolve
+    from broker.resolve import resolve
     from cli.rerun_cmd import rerun_job
     from mlscope.errors import ResolutionError
     from mlscope.manifest import manifest_digest
