@@ -11,7 +11,7 @@ import anyio
 from cli.agents_cmd import fetch_agents
 from cli.services import Stack
 from cli.submit import format_summary
-from cli.submit_errors import positive_float, positive_int
+from cli.submit_errors import flags_contract, positive_float, positive_int
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
 from mlscope.jobs import submit
@@ -53,20 +53,21 @@ def run(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     if args.data_dir is not None:
         settings = settings.with_(data_dir=args.data_dir.expanduser())
-    jobs = [  # before anything starts: a value the contracts refuse stops here
-        JobRequest(
-            model="digits_cnn",
-            framework="onnxruntime",
-            scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration),
-        ),
-        JobRequest(
-            model="digits_cnn",
-            framework="onnxruntime",
-            scenario=ScenarioSpec(
-                name="batched", batch_size=args.batch_size, duration_s=args.duration
+    with flags_contract():  # before anything starts: a value the contracts refuse stops here
+        jobs = [
+            JobRequest(
+                model="digits_cnn",
+                framework="onnxruntime",
+                scenario=ScenarioSpec(name="online", qps=args.qps, duration_s=args.duration),
             ),
-        ),
-    ]
+            JobRequest(
+                model="digits_cnn",
+                framework="onnxruntime",
+                scenario=ScenarioSpec(
+                    name="batched", batch_size=args.batch_size, duration_s=args.duration
+                ),
+            ),
+        ]
     build(settings.zoo_dir, only=["digits_cnn"])  # idempotent: skipped when present
     stack = Stack(settings, nats_port=args.nats_port, frameworks=["onnxruntime"])
     live = stack.start()

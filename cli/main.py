@@ -6,11 +6,10 @@ import argparse
 import gc
 import importlib
 import sys
-import traceback
 from collections.abc import Sequence
-from pathlib import Path
 from typing import NoReturn
 
+from cli.submit_errors import FlagError
 from mlscope import scenario_traits
 from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
@@ -89,15 +88,18 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _execute(args: argparse.Namespace) -> int:
     """Run the parsed command: the one place its failures become a line and a code.
 
-    Exit 1: an MLScopeError or an OSError (a file the command was told to read or
-    write). Exit 2: a contract the command built from its flags refused a value (the
-    flags' argparse types catch most first): argparse's ``error:`` line naming the flag.
-    Every other exception, a pydantic refusal raised anywhere else included, is a bug
-    and keeps its traceback."""
+    Exit 2: a FlagError, a contract the command built from its flags refused a value
+    (the flags' argparse types catch most first): argparse's ``error:`` line naming the
+    flag. Exit 1: any other MLScopeError, or an OSError (a file the command was told to
+    read or write). Every other exception, a pydantic refusal of a reply or a stored
+    record included, is a bug and keeps its traceback."""
     try:
         args.settings = Settings.from_env()
         scenario_traits.load_modules(args.settings.scenario_modules)
         code: int = args.func(args)
+    except FlagError as exc:
+        print(f"mlscope {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except MLScopeError as exc:
         print(f"mlscope {args.command}: {exc}", file=sys.stderr)
         return 1
@@ -105,36 +107,9 @@ def _execute(args: argparse.Namespace) -> int:
         where = f"{exc.filename}: " if exc.filename is not None else ""
         print(f"mlscope {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # pydantic's ValidationError is one
-        problem = _flag_refusal(exc)
-        if problem is None:
-            raise
-        print(f"mlscope {args.command}: error: {problem}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
     return code
-
-
-def _flag_refusal(exc: ValueError) -> str | None:
-    """What a contract built by a command of ``cli/`` refused (``argument --qps: must be
-    greater than 0 (got -1.0)``), or None for any other error: the innermost frame that
-    called into pydantic must be a ``cli/`` module's, where the flags become a contract
-    (a reply that fails its model, or a library's own check, is not the user's doing)."""
-    from pydantic import ValidationError  # a ValueError was raised: imported by now, or moot
-
-    if not isinstance(exc, ValidationError):
-        return None
-    frames = traceback.extract_tb(exc.__traceback__)
-    callers = [f for f in frames if "pydantic" not in Path(f.filename).parts]
-    if not callers or Path(callers[-1].filename).resolve().parent != _CLI_DIR:
-        return None
-    from cli.submit_errors import flag_message
-
-    return flag_message(exc)
-
-
-_CLI_DIR = Path(__file__).resolve().parent
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import anyio
 
 from broker import mlperf_logs as logs
 from cli.submit import format_summary
-from cli.submit_errors import identifier, positive_float, positive_int
+from cli.submit_errors import flags_contract, identifier, positive_float, positive_int
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, MLPerfImport, MLPerfSpec
@@ -94,28 +94,30 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def mlperf_job(args: argparse.Namespace) -> JobRequest:
     name, _, version = args.model.partition("@")
-    spec = MLPerfSpec(
-        scenario=args.scenario,
-        mode=args.mode,
-        target_qps=args.target_qps,
-        user_conf=_read(args.user_conf),
-        mlperf_conf=_read(args.mlperf_conf),
-        conf_model=args.conf_model,
-        batch_size=args.batch_size,
-        window=args.window,
-        seed=args.seed,
-    )
-    return JobRequest(
-        model=name,
-        model_version=version or None,
-        framework=args.framework,
-        framework_version=args.framework_version,
-        device=args.device,
-        agent_id=args.agent_id,
-        trace_level="none",
-        mlperf=spec,
-        placement=args.placement,
-    )
+    user_conf, mlperf_conf = _read(args.user_conf), _read(args.mlperf_conf)
+    with flags_contract():
+        spec = MLPerfSpec(
+            scenario=args.scenario,
+            mode=args.mode,
+            target_qps=args.target_qps,
+            user_conf=user_conf,
+            mlperf_conf=mlperf_conf,
+            conf_model=args.conf_model,
+            batch_size=args.batch_size,
+            window=args.window,
+            seed=args.seed,
+        )
+        return JobRequest(
+            model=name,
+            model_version=version or None,
+            framework=args.framework,
+            framework_version=args.framework_version,
+            device=args.device,
+            agent_id=args.agent_id,
+            trace_level="none",
+            mlperf=spec,
+            placement=args.placement,
+        )
 
 
 def _read(path: Path | None) -> str | None:
@@ -236,14 +238,15 @@ def import_job(
             field="directory",
         )
     tree_model, tree_system = _tree_names(run_dir)
-    return JobRequest(
-        model=model or tree_model or run_dir.name,
-        framework=framework,
-        trace_level="none",
-        mlperf_import=MLPerfImport(
-            files=files, source=str(run_dir.resolve()), system=system or tree_system or ""
-        ),
-    )
+    with flags_contract():
+        return JobRequest(
+            model=model or tree_model or run_dir.name,
+            framework=framework,
+            trace_level="none",
+            mlperf_import=MLPerfImport(
+                files=files, source=str(run_dir.resolve()), system=system or tree_system or ""
+            ),
+        )
 
 
 async def import_dirs(settings: Settings, jobs: list[JobRequest]) -> list[EvaluationSummary]:

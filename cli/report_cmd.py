@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from cli.console import Bar, progress
-from cli.submit_errors import positive_float, positive_ints
+from cli.submit_errors import flags_contract, positive_float, positive_ints
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
@@ -102,22 +102,23 @@ def suite_jobs(
 ) -> list[JobRequest]:
     """One online run (batch 1) and one batched run per batch size, per model."""
     jobs = []
-    for model, fw in pairs:
-        jobs.append(
-            JobRequest(
-                model=model,
-                framework=fw,
-                scenario=ScenarioSpec(name="online", qps=qps, duration_s=duration_s),
+    with flags_contract():
+        for model, fw in pairs:
+            jobs.append(
+                JobRequest(
+                    model=model,
+                    framework=fw,
+                    scenario=ScenarioSpec(name="online", qps=qps, duration_s=duration_s),
+                )
             )
-        )
-        jobs += [
-            JobRequest(
-                model=model,
-                framework=fw,
-                scenario=ScenarioSpec(name="batched", batch_size=b, duration_s=duration_s),
-            )
-            for b in batch_sizes
-        ]
+            jobs += [
+                JobRequest(
+                    model=model,
+                    framework=fw,
+                    scenario=ScenarioSpec(name="batched", batch_size=b, duration_s=duration_s),
+                )
+                for b in batch_sizes
+            ]
     return jobs
 
 

@@ -17,6 +17,7 @@ from broker.scenarios import read_arrivals, scenario_spec
 from cli.submit_errors import (
     EXIT_FAILED,
     InFlight,
+    flags_contract,
     interrupted,
     interrupted_many,
     preflight,
@@ -270,23 +271,24 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         "warmup_queries": getattr(args, "warmup_queries", None),
         "preprocess": getattr(args, "preprocess", None),
     }
-    return JobRequest(
-        model=name,
-        model_version=version or None,
-        framework=framework or args.framework,
-        framework_version=args.framework_version,
-        device=args.device,
-        agent_id=args.agent_id,
-        scenario=scenario_spec(args.scenario_file, flags),
-        trace_level=args.trace_level,
-        submitted_at=time.time(),
-        accuracy=getattr(args, "accuracy", False),
-        accuracy_samples=getattr(args, "accuracy_samples", None),
-        parallel=getattr(args, "parallel", False),
-        # None: the scenario's own placement (JobRequest.placement)
-        **({"placement": placement} if (placement := getattr(args, "placement", None)) else {}),
-        system=system_from_args(args),
-    )
+    with flags_contract():
+        return JobRequest(
+            model=name,
+            model_version=version or None,
+            framework=framework or args.framework,
+            framework_version=args.framework_version,
+            device=args.device,
+            agent_id=args.agent_id,
+            scenario=scenario_spec(args.scenario_file, flags),
+            trace_level=args.trace_level,
+            submitted_at=time.time(),
+            accuracy=getattr(args, "accuracy", False),
+            accuracy_samples=getattr(args, "accuracy_samples", None),
+            parallel=getattr(args, "parallel", False),
+            # None: the scenario's own placement (JobRequest.placement)
+            **({"placement": p} if (p := getattr(args, "placement", None)) else {}),
+            system=system_from_args(args),
+        )
 
 
 def _notes(event: JobEvent) -> None:

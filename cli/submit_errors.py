@@ -14,8 +14,11 @@ Exit codes (README, "What mlscope-submit reports"):
 Arguments are checked before anything connects: each number, list and id flag of either
 program goes through one of the argparse types here (:func:`positive_int`,
 :func:`positive_float`, :func:`wait_seconds`, :func:`positive_ints`,
-:func:`identifier`), and then through the same pydantic models the server uses; a
-refusal names the flag, not the model field (:func:`flag_message`).
+:func:`identifier`), and then through the same pydantic models the server uses. A
+command builds those models from its flags inside :func:`flags_contract`, the one place
+a refusal becomes a :class:`FlagError` that names the flag, not the model field
+(:func:`flag_message`); a refusal anywhere else (a reply, a stored record) is not the
+user's doing and stays what it was.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import argparse
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from mlscope.errors import MLScopeError
+from mlscope.errors import ConfigError, MLScopeError
 from mlscope.settings import Settings
 
 if TYPE_CHECKING:  # the contracts load when a job is built, not when a flag is read
@@ -45,9 +48,11 @@ __all__ = [
     "EXIT_USAGE",
     "MAX_COUNT",
     "MAX_WAIT_S",
+    "FlagError",
     "InFlight",
     "field_message",
     "flag_message",
+    "flags_contract",
     "identifier",
     "interrupted",
     "interrupted_many",
@@ -95,6 +100,23 @@ def flag_message(exc: ValidationError) -> str:
     field is named by the flag that sets it (:data:`FIELD_FLAGS`, else ``--field-name``
     as argparse names an option after its destination)."""
     return _problems(exc, _argument)
+
+
+class FlagError(ConfigError):
+    """A contract a command built from its flags refused them; the message names each
+    flag (``argument --qps: must be greater than 0 (got -1.0)``): a usage error, exit 2."""
+
+
+@contextlib.contextmanager
+def flags_contract() -> Iterator[None]:
+    """Where a command's flags become a contract: a pydantic refusal inside is raised
+    as a :class:`FlagError` (:func:`flag_message`); nothing else is translated."""
+    from pydantic import ValidationError  # loaded with the contracts built inside
+
+    try:
+        yield
+    except ValidationError as exc:
+        raise FlagError(flag_message(exc)) from exc
 
 
 def field_message(exc: ValidationError) -> str:
@@ -214,13 +236,11 @@ def preflight(
         except argparse.ArgumentTypeError as exc:
             problem = f"argument --batch-sizes: {exc}"
     if problem is None:
-        from pydantic import ValidationError
-
         try:
             for fw in frameworks:
                 make_job(args, fw)
-        except ValidationError as exc:
-            problem = flag_message(exc)
+        except FlagError as exc:
+            problem = exc.message
         except MLScopeError:
             raise  # a file that cannot be read: its own one-line message
         except ValueError as exc:  # int('x') in --batch-sizes and the like
