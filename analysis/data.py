@@ -24,6 +24,7 @@ import pandas as pd
 
 from analysis.source import Source
 from mlscope import schema
+from mlscope.bounded import MAX_DEPTH, json_depth
 from mlscope.errors import DatabaseError
 from mlscope.outcomes import classify
 
@@ -194,13 +195,8 @@ def stored_json(evaluation_id: str, column: str, text: object) -> dict[str, Any]
     DatabaseError naming the evaluation, the column and what is wrong, in one line."""
     if text is None or text in ("", b""):
         return {}
-    try:
-        value = json.loads(text) if isinstance(text, str | bytes) else text
-    except RecursionError:
-        problem = "is JSON nested too deeply to read"
-    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
-        problem = f"is not JSON ({exc})"
-    else:
+    value, problem = _json_value(text)
+    if problem is None:
         if isinstance(value, dict):
             return value
         problem = f"is {_JSON_TYPES.get(type(value), 'a number')}, not a JSON object"
@@ -209,6 +205,29 @@ def stored_json(evaluation_id: str, column: str, text: object) -> dict[str, Any]
         evaluation_id=evaluation_id,
         column=column,
     )
+
+
+def _json_value(text: object) -> tuple[object, str | None]:
+    """``text`` read as JSON (anything but text or bytes: as it is), or None and why it
+    cannot be read. Its nesting is checked first (:func:`mlscope.bounded.json_depth`):
+    json's parser recurses, and a deep enough text would overflow the stack."""
+    if not isinstance(text, str | bytes):
+        return text, None
+    try:  # bytes decoded as json.loads decodes them
+        raw = (
+            text
+            if isinstance(text, str)
+            else text.decode(json.detect_encoding(text), "surrogatepass")
+        )
+    except UnicodeDecodeError as exc:
+        return None, f"is not JSON ({exc})"
+    # Only a text with more brackets than the limit can nest past it (counting is cheap).
+    if raw.count("[") + raw.count("{") > MAX_DEPTH and json_depth(raw) > MAX_DEPTH:
+        return None, f"is JSON nested deeper than {MAX_DEPTH} levels"
+    try:
+        return json.loads(raw), None
+    except ValueError as exc:  # json.JSONDecodeError
+        return None, f"is not JSON ({exc})"
 
 
 def _readable(r: dict[str, Any], column: str, *, named: bool) -> dict[str, Any]:
