@@ -57,8 +57,7 @@ def _runs(summ: pd.DataFrame, scenario: str, *, valid_only: bool) -> pd.DataFram
     summ = measured_runs(summ)
     runs = summ[summ["scenario"] == scenario]
     runs = runs[runs["valid"].astype(bool)] if valid_only else prefer_valid(runs)
-    # A figure that is not a number (a row from older code) is missing, not an error.
-    runs = runs.assign(throughput_ips=pd.to_numeric(runs["throughput_ips"], errors="coerce"))
+    # A figure a stored summary got wrong is already None (analysis.data): only missing.
     runs = runs[runs["throughput_ips"].notna()] if scenario == "batched" else runs
     return runs.drop_duplicates([*KEY, "batch_size"], keep="first")
 
@@ -71,13 +70,13 @@ def max_throughput(summ: pd.DataFrame, *, valid_only: bool = False) -> pd.DataFr
         return pd.DataFrame(columns=cols)
     rows = []
     for key, g in runs.groupby(KEY, sort=True):
-        best = g.loc[g["throughput_ips"].astype(float).idxmax()]
+        best = g.loc[g["throughput_ips"].idxmax()]
         rows.append(
             {
                 **dict(zip(KEY, key, strict=True)),
-                "max_throughput_ips": float(best["throughput_ips"]),
-                "optimal_batch_size": int(best["batch_size"]),
-                "batch_sizes": sorted(int(b) for b in g["batch_size"]),
+                "max_throughput_ips": best["throughput_ips"],
+                "optimal_batch_size": best["batch_size"],
+                "batch_sizes": sorted(g["batch_size"]),
                 "all_valid": bool(g["valid"].astype(bool).all()),
             }
         )

@@ -166,78 +166,17 @@ def chrome_trace(
     base = int(ev["t0_ns"]) + int(ev["clock_offset_ns"])  # agent clock -> timeline zero
     events: list[dict[str, Any]] = [_meta(LOADGEN_PID, None, "load generator")]
     for q in queries:
-        if not q["completed_ns"]:
-            continue
-        common = {
-            "cat": "loadgen",
-            "name": f"query {q['query_index']}",
-            "pid": LOADGEN_PID,
-            "tid": TID_QUERIES,
-            "id": int(q["query_index"]),
-        }
-        events.append(
-            {
-                **common,
-                "ph": "b",
-                "ts": int(q["issued_ns"]) / 1000,
-                "args": {"scheduled_us": int(q["scheduled_ns"]) / 1000, "ok": bool(q["ok"])},
-            }
-        )
-        events.append({**common, "ph": "e", "ts": int(q["completed_ns"]) / 1000})
-    pids: dict[str, int] = {}
-
-    def pid_of(agent: str, host: str) -> int:
-        if agent not in pids:
-            pids[agent] = pid = LOADGEN_PID + 1 + len(pids)
-            events.append(_meta(pid, None, f"agent {agent} ({host})"))
-            for tid, name in (
-                (TID_QUERIES, "queries"),
-                (TID_WORKER, "worker"),
-                (TID_DEVICE, "device"),
-            ):
-                events.append(_meta(pid, tid, name))
-        return pids[agent]
-
+        if q["completed_ns"]:
+            events.extend(_query_events(q))
+    agents = _Agents(events)
     for s in spans:
-        pid = pid_of(str(s["agent_id"]), str(s["host"]))
-        start = (int(s["start_ns"]) - base) / 1000
-        args: dict[str, Any] = {
-            "span_id": int(s["span_id"]),
-            "parent_id": int(s["parent_id"]),
-            "query_index": int(s["query_index"]),
-            "level": int(s["level"]),
-        }
-        attrs = span_attrs(s["attrs"])
-        if attrs:
-            args["attrs"] = attrs
-        if s["kind"] == "query":
-            common = {
-                "cat": "query",
-                "name": str(s["name"]),
-                "pid": pid,
-                "tid": TID_QUERIES,
-                "id": f"{s['agent_id']}:{s['span_id']}",
-            }
-            events.append({**common, "ph": "b", "ts": start, "args": args})
-            events.append({**common, "ph": "e", "ts": (int(s["end_ns"]) - base) / 1000})
-            continue
-        events.append(
-            {
-                "ph": "X",
-                "cat": str(s["kind"]),
-                "name": str(s["name"]),
-                "pid": pid,
-                "tid": TID_DEVICE if s["kind"] == "kernel" else TID_WORKER,
-                "ts": start,
-                "dur": (int(s["end_ns"]) - int(s["start_ns"])) / 1000,
-                "args": args,
-            }
-        )
+        pid = agents.pid(str(s["agent_id"]), str(s["host"]))
+        events.extend(_span_events(s, pid, base))
     for r in samples:
         value = r["value"]
         if not isinstance(value, int | float) or not math.isfinite(value):
             continue  # NaN, ±inf (or what a reply made of them): no value to draw
-        pid = pid_of(str(r["agent_id"]), "")
+        pid = agents.pid(str(r["agent_id"]), "")
         events.append(
             {
                 "ph": "C",
@@ -247,17 +186,97 @@ def chrome_trace(
                 "args": {str(r["device"]): float(value)},
             }
         )
-    return {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "metadata": {
-            "evaluation_id": ev["evaluation_id"],
-            "model": ev["model"],
-            "framework": ev["framework"],
-            "trace_level": ev["trace_level"],
-            "clock_offset_ns": int(ev["clock_offset_ns"]),
-            "t0_ns": int(ev["t0_ns"]),
+    return {"traceEvents": events, "displayTimeUnit": "ms", "metadata": _metadata(ev)}
+
+
+def _query_events(q: dict[str, Any]) -> list[dict[str, Any]]:
+    """A completed query as the load generator saw it: an async slice, issued ->
+    completed (load-generator clock)."""
+    common = {
+        "cat": "loadgen",
+        "name": f"query {q['query_index']}",
+        "pid": LOADGEN_PID,
+        "tid": TID_QUERIES,
+        "id": int(q["query_index"]),
+    }
+    return [
+        {
+            **common,
+            "ph": "b",
+            "ts": int(q["issued_ns"]) / 1000,
+            "args": {"scheduled_us": int(q["scheduled_ns"]) / 1000, "ok": bool(q["ok"])},
         },
+        {**common, "ph": "e", "ts": int(q["completed_ns"]) / 1000},
+    ]
+
+
+class _Agents:
+    """The process of each agent, numbered in the order agents first appear; the
+    process's and its threads' names are added to ``events`` then."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = events
+        self.pids: dict[str, int] = {}
+
+    def pid(self, agent: str, host: str) -> int:
+        if agent not in self.pids:
+            self.pids[agent] = pid = LOADGEN_PID + 1 + len(self.pids)
+            self.events.append(_meta(pid, None, f"agent {agent} ({host})"))
+            for tid, name in (
+                (TID_QUERIES, "queries"),
+                (TID_WORKER, "worker"),
+                (TID_DEVICE, "device"),
+            ):
+                self.events.append(_meta(pid, tid, name))
+        return self.pids[agent]
+
+
+def _span_events(s: dict[str, Any], pid: int, base: int) -> list[dict[str, Any]]:
+    """A span on its agent's process: a query span as an async slice (thread
+    "queries"), any other as a complete event (a kernel on "device", else "worker")."""
+    start = (int(s["start_ns"]) - base) / 1000
+    args: dict[str, Any] = {
+        "span_id": int(s["span_id"]),
+        "parent_id": int(s["parent_id"]),
+        "query_index": int(s["query_index"]),
+        "level": int(s["level"]),
+    }
+    attrs = span_attrs(s["attrs"])
+    if attrs:
+        args["attrs"] = attrs
+    if s["kind"] == "query":
+        common = {
+            "cat": "query",
+            "name": str(s["name"]),
+            "pid": pid,
+            "tid": TID_QUERIES,
+            "id": f"{s['agent_id']}:{s['span_id']}",
+        }
+        end = (int(s["end_ns"]) - base) / 1000
+        return [{**common, "ph": "b", "ts": start, "args": args}, {**common, "ph": "e", "ts": end}]
+    return [
+        {
+            "ph": "X",
+            "cat": str(s["kind"]),
+            "name": str(s["name"]),
+            "pid": pid,
+            "tid": TID_DEVICE if s["kind"] == "kernel" else TID_WORKER,
+            "ts": start,
+            "dur": (int(s["end_ns"]) - int(s["start_ns"])) / 1000,
+            "args": args,
+        }
+    ]
+
+
+def _metadata(ev: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation the trace shows, and its clocks."""
+    return {
+        "evaluation_id": ev["evaluation_id"],
+        "model": ev["model"],
+        "framework": ev["framework"],
+        "trace_level": ev["trace_level"],
+        "clock_offset_ns": int(ev["clock_offset_ns"]),
+        "t0_ns": int(ev["t0_ns"]),
     }
 
 

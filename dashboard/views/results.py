@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from analysis import figures, layers, plots
-from analysis.compare import regressions
+from analysis.compare import NOT_COMPARED, regressions
 from analysis.data import latencies_ms
 from analysis.summary import latency_windows, summary
 from dashboard.common import (
@@ -168,8 +168,15 @@ def regressions_tab(summ: pd.DataFrame) -> None:
             "No two versions to compare among these evaluations (same model, "
             "framework, system, scenario and batch size)."
         )
-    else:
-        st.dataframe(reg, hide_index=True)
+        return
+    # A step with a run that answered no query has no latency to compare: named, left out.
+    skipped = reg[reg["verdict"] == NOT_COMPARED]
+    if not skipped.empty:
+        steps = [f"{r.from_version} → {r.to_version} ({r.skipped})" for r in skipped.itertuples()]
+        st.info(f"Not compared, left out: {'; '.join(steps)}")
+    compared = reg[reg["verdict"] != NOT_COMPARED]
+    if not compared.empty:
+        st.dataframe(compared.drop(columns="skipped"), hide_index=True)
 
 
 st.title("Results")
