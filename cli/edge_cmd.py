@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import anyio
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
@@ -130,6 +132,10 @@ async def create_edge_stream(leaf_url: str) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    """The leaf, then the agent, until the agent exits or this process is told to stop:
+    Ctrl-C, or SIGTERM (systemd, ``docker stop``, ``kill``), which unwinds the same way,
+    so that the agent and then the leaf (its own session: no signal of ours reaches it)
+    are stopped before this process ends."""
     env = read_env(args.dir)
     settings: Settings = args.settings
     leaf = NatsServer(
@@ -137,34 +143,61 @@ def run_up(args: argparse.Namespace) -> int:
         port=int(env.get("MLSCOPE_EDGE_PORT", "4222")),
         config_file=args.dir / "leaf.conf",
     )
-    leaf.start()
+    agent: subprocess.Popen[bytes] | None = None
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
+        leaf.start()
         anyio.run(create_edge_stream, leaf.url, backend="asyncio")
-        cmd = [sys.executable, "-m", "cli.main", "agent", "--framework", args.framework]
-        if args.agent_id:
-            cmd += ["--agent-id", args.agent_id]
-        child_env = {
-            **os.environ,
-            **settings.as_env(),
-            "MLSCOPE_NATS_URL": leaf.url,
-            "MLSCOPE_JS_DOMAIN": env.get("MLSCOPE_JS_DOMAIN", "hub"),
-        }
-        if env.get("MLSCOPE_NATS_INBOX_PREFIX"):
-            child_env["MLSCOPE_NATS_INBOX_PREFIX"] = env["MLSCOPE_NATS_INBOX_PREFIX"]
         print(
             f"mlscope edge: leaf {leaf.url} (domain {env.get('MLSCOPE_EDGE_DOMAIN')}), "
             f"agent {args.framework}",
             flush=True,
         )
-        agent = subprocess.Popen(cmd, env=child_env)
-        try:
-            return agent.wait()
-        except KeyboardInterrupt:
-            agent.terminate()
-            agent.wait(20)
-            return 130
+        agent = subprocess.Popen(_agent_command(args), env=_agent_env(settings, env, leaf.url))
+        return agent.wait()
+    except KeyboardInterrupt:
+        return 130
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut this short
+        _stop(agent)
         leaf.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated(signum: int, _frame: object) -> NoReturn:
+    """SIGTERM as an exit that unwinds (its default ends the process where it stands)."""
+    raise SystemExit(128 + signum)
+
+
+def _agent_command(args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "cli.main", "agent", "--framework", args.framework]
+    return [*cmd, "--agent-id", args.agent_id] if args.agent_id else cmd
+
+
+def _agent_env(settings: Settings, env: dict[str, str], leaf_url: str) -> dict[str, str]:
+    """The agent's environment: this one's settings, on the leaf, in the hub's domain."""
+    child_env = {
+        **os.environ,
+        **settings.as_env(),
+        "MLSCOPE_NATS_URL": leaf_url,
+        "MLSCOPE_JS_DOMAIN": env.get("MLSCOPE_JS_DOMAIN", "hub"),
+    }
+    if env.get("MLSCOPE_NATS_INBOX_PREFIX"):
+        child_env["MLSCOPE_NATS_INBOX_PREFIX"] = env["MLSCOPE_NATS_INBOX_PREFIX"]
+    return child_env
+
+
+def _stop(agent: subprocess.Popen[bytes] | None, timeout: float = 20.0) -> None:
+    """SIGTERM to the agent (it deregisters and flushes its spans), SIGKILL if it has
+    not exited within ``timeout`` s."""
+    if agent is None or agent.poll() is not None:
+        return
+    agent.terminate()
+    try:
+        agent.wait(timeout)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
 
 
 def run_attach(args: argparse.Namespace) -> int:

@@ -16,10 +16,12 @@ from typing import Any
 
 import anyio
 
-from cli.artifacts_cmd import built_models, push_zoo
-from mlscope import names
+from cli.artifacts_cmd import built_models
+from cli.submit_errors import positive_int
+from mlscope import artifact_bucket, names
+from mlscope import bus as busmod
 from mlscope.agentauth import add_agent
-from mlscope.errors import ConfigError, MLScopeError
+from mlscope.errors import ArtifactError, ConfigError, MLScopeError
 from mlscope.natsserver import NatsServer
 from mlscope.serving import configure_logging
 from mlscope.settings import Settings
@@ -39,6 +41,19 @@ FRAMEWORK_MODULES = {
 
 LOOPBACK = "127.0.0.1"
 """Where ``mlscope up`` binds nats-server unless ``--host`` says otherwise."""
+MAX_AGENTS_PER_FRAMEWORK = 64
+"""Most agents ``mlscope up`` starts for one framework: each is a process holding its
+models and runtime on this one machine; more is a typo, not a deployment."""
+
+
+def agent_count(text: str) -> int:
+    """An argparse type: agents per framework, 1 to :data:`MAX_AGENTS_PER_FRAMEWORK`."""
+    n = positive_int(text)
+    if n > MAX_AGENTS_PER_FRAMEWORK:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is more than {MAX_AGENTS_PER_FRAMEWORK} agents per framework"
+        )
+    return n
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,9 +81,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     up.add_argument(
         "--agents-per-framework",
-        type=int,
+        type=agent_count,
         default=1,
-        help="agents started for each framework (they share its queue groups)",
+        help="agents started for each framework (they share its queue groups; "
+        f"1 to {MAX_AGENTS_PER_FRAMEWORK})",
     )
     up.set_defaults(func=run_up)
 
@@ -289,7 +305,9 @@ async def wait_provisioned(settings: Settings, timeout: float = 60.0) -> None:
 
 def _share_zoo(settings: Settings) -> None:
     """Say which zoo models are not built here, and push the built ones to the bus's
-    artifact bucket so that agents joining from other machines can fetch them."""
+    artifact bucket so that agents joining from other machines can fetch them. Nothing
+    here stops the stack: a model directory that does not match its lock is skipped
+    with a notice, and a bus that refuses the push costs the push only."""
     have = {d.parent.name for d in built_models(settings.zoo_dir)}
     missing = [name for name in BUILDERS if name not in have]
     if missing:
@@ -299,15 +317,31 @@ def _share_zoo(settings: Settings) -> None:
             flush=True,
         )
     try:
-        anyio.run(
-            lambda: push_zoo(settings, settings.zoo_dir, log=lambda _m: None), backend="asyncio"
-        )
+        anyio.run(_push_each, settings, backend="asyncio")
     except MLScopeError as exc:
         print(
             f"mlscope up: the built zoo was not pushed to the artifact bucket: {exc}",
             file=sys.stderr,
             flush=True,
         )
+
+
+async def _push_each(settings: Settings) -> None:
+    """Push each built model on its own, so one broken directory does not keep the
+    others from the bucket."""
+    dirs = built_models(settings.zoo_dir)
+    if not dirs:
+        return
+    async with busmod.connect(settings, name="mlscope up") as bus:
+        for d in dirs:
+            try:
+                await artifact_bucket.push(bus, d, replicas=settings.js_replicas)
+            except ArtifactError as exc:
+                print(
+                    f"mlscope up: {d.parent.name} {d.name} not pushed: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def listen_notice(host: str, *, auth: bool) -> str:

@@ -5,8 +5,10 @@ replacing another model, or stopping."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +18,7 @@ import anyio
 import pytest
 from pydantic import ValidationError
 
-from mlscope import artifact_bucket
+from mlscope import artifact_bucket, names
 from mlscope import bus as busmod
 from mlscope.buildlock import LOCK_NAME, BuildLock
 from mlscope.errors import ArtifactError
@@ -65,6 +67,32 @@ async def fetch(settings: Settings, zoo: Path, name: str, version: str, **kw: An
     async with busmod.connect(settings, name="agent") as bus:
         with anyio.fail_after(30):
             return await artifact_bucket.fetch(bus, zoo, name, version, **kw)
+
+
+def b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def digest(data: bytes) -> str:
+    return "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
+
+
+async def put_meta(settings: Settings, name: str, meta: dict[str, Any] | bytes) -> None:
+    """An object's meta as any client that may put objects can publish it by hand,
+    naming chunks it never wrote, or another object's."""
+    bucket = names.ARTIFACTS_BUCKET
+    if isinstance(meta, dict):
+        meta = json.dumps({"name": name, "bucket": bucket, **meta}).encode()
+    async with busmod.connect(settings, name="forger") as bus:
+        await artifact_bucket.ensure_bucket(bus)
+        await bus.js.publish(f"$O.{bucket}.M.{b64(name)}", meta)
+
+
+async def put_donor(settings: Settings, data: bytes) -> dict[str, Any]:
+    """Object ``donor`` (real chunks); the fields of a meta that tells its truth."""
+    async with busmod.connect(settings, name="pusher") as bus:
+        info = await (await artifact_bucket.ensure_bucket(bus)).put("donor", data)
+    return {"nuid": info.nuid, "size": info.size, "chunks": info.chunks, "digest": info.digest}
 
 
 def everything(root: Path) -> set[str]:
@@ -135,11 +163,25 @@ def test_a_file_over_the_limit_is_refused_before_it_is_downloaded(
     assert not (zoo / "big" / "1").exists()
 
 
+async def put_hostile(settings: Settings, hostile: str) -> None:
+    """Build evil 1.0.0 in the bucket, made hostile in one way."""
+    if hostile == "a lock naming an artifact no file makes":
+        bad = lock("evil", "1.0.0", artifacts={"nothere": "0" * 64})
+        await put(settings, {"evil/1.0.0/g.onnx": DATA, f"evil/1.0.0/{LOCK_NAME}": bad})
+        return
+    truth = await put_donor(settings, DATA)
+    await put(settings, {f"evil/1.0.0/{LOCK_NAME}": lock("evil", "1.0.0")})
+    await put_meta(settings, "evil/1.0.0/g.onnx", {**truth, "nuid": "NOCHUNKS"})
+
+
+@pytest.mark.parametrize(
+    "hostile", ["a lock naming an artifact no file makes", "a file whose chunks never come"]
+)
 def test_an_agent_starts_and_serves_beside_a_hostile_build(
-    bucket: tuple[Settings, Path],
+    bucket: tuple[Settings, Path], hostile: str
 ) -> None:
-    """A published manifest whose build lock is hostile: the agent starts, registers
-    and refuses that model; it did not stop (before: a traceback at every start)."""
+    """A published manifest whose build is hostile: the agent starts, registers and
+    refuses that model; it neither stops nor waits on that model for ever."""
     settings, _ = bucket
     manifest = {
         "kind": "model",
@@ -160,8 +202,7 @@ def test_an_agent_starts_and_serves_beside_a_hostile_build(
             model = parse_manifest(manifest, file="evil")
             assert isinstance(model, ModelManifest)
             await publish_manifest(bus, model)
-        bad = lock("evil", "1.0.0", artifacts={"nothere": "0" * 64})
-        await put(settings, {"evil/1.0.0/g.onnx": DATA, f"evil/1.0.0/{LOCK_NAME}": bad})
+        await put_hostile(settings, hostile)
 
     async def registered() -> list[Any]:
         async with busmod.connect(settings, name="probe") as bus:
@@ -184,3 +225,111 @@ def test_an_agent_starts_and_serves_beside_a_hostile_build(
     finally:
         agent.terminate()
         agent.wait(20)
+
+
+LINK = {"options": {"link": {"bucket": names.ARTIFACTS_BUCKET, "name": "donor"}}}
+FORGED: dict[str, tuple[dict[str, Any] | bytes, str]] = {
+    "no chunks on its subject": ({"nuid": "NOCHUNKS"}, "sent no chunk within"),
+    "more bytes than it declares": ({"size": 5}, "more than the 5 bytes"),
+    "fewer bytes than it declares": ({"size": len(DATA) + 1000}, f"has {len(DATA)} of the"),
+    "no bytes over real chunks": ({"chunks": 0, "size": 0}, "do not match its meta"),
+    "a link": (LINK, "is a link"),
+    "deleted": ({"deleted": True}, "lacks g.onnx"),
+    "an empty nuid": ({"nuid": ""}, "no valid chunk subject"),
+    "a wildcard nuid": ({"nuid": ">"}, "no valid chunk subject"),
+    "no digest": ({"digest": None}, "no valid SHA-256 digest"),
+    "a digest that is no sha256": ({"digest": "SHA-256=AAAA"}, "no valid SHA-256 digest"),
+    "another object's digest": ({"digest": digest(b"other")}, "do not match its meta"),
+    "a size that is no count": ({"size": "17"}, "malformed meta"),
+    "no JSON": (b"{", "cannot fetch g.onnx of forged 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORGED))
+def test_a_forged_object_meta_is_refused_without_waiting_on_it(
+    bucket: tuple[Settings, Path], case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The meta of g.onnx is published by hand over the donor's real chunks (the
+    lock is genuine): whatever it claims, the fetch ends promptly with an
+    ArtifactError that names the model and the file, and puts nothing in place."""
+    monkeypatch.setattr(artifact_bucket, "CHUNK_IDLE_S", 0.5)
+    settings, zoo = bucket
+    change, expected = FORGED[case]
+    truth = anyio.run(put_donor, settings, DATA)
+    meta = change if isinstance(change, bytes) else {**truth, **change}
+    anyio.run(put, settings, {f"forged/1/{LOCK_NAME}": lock("forged", "1")})
+    anyio.run(put_meta, settings, "forged/1/g.onnx", meta)
+    with pytest.raises(ArtifactError, match=r"g\.onnx") as caught:
+        anyio.run(fetch, settings, zoo, "forged", "1")
+    assert "forged" in str(caught.value) and expected in str(caught.value)
+    assert not (zoo / "forged" / "1").exists()
+
+
+def test_a_lock_whose_chunks_never_come_is_refused(
+    bucket: tuple[Settings, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(artifact_bucket, "CHUNK_IDLE_S", 0.5)
+    settings, zoo = bucket
+    truth = anyio.run(put_donor, settings, lock("forged", "1"))
+    anyio.run(put_meta, settings, f"forged/1/{LOCK_NAME}", {**truth, "nuid": "NOCHUNKS"})
+    with pytest.raises(ArtifactError, match=f"forged/1/{LOCK_NAME}.*sent no chunk"):
+        anyio.run(fetch, settings, zoo, "forged", "1")
+
+
+def test_a_meta_that_understates_its_size_writes_no_more_than_it_declares(
+    bucket: tuple[Settings, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A meta of 10 bytes over 1 MiB of real chunks: the limit is checked against what
+    arrives, not only against what the meta declares, so next to nothing is written."""
+    settings, zoo = bucket
+    truth = anyio.run(put_donor, settings, b"x" * (1 << 20))
+    anyio.run(put, settings, {f"forged/1/{LOCK_NAME}": lock("forged", "1")})
+    anyio.run(put_meta, settings, "forged/1/g.onnx", {**truth, "size": 10})
+    written: list[int] = []
+    real_open = Path.open
+
+    def counting_open(self: Path, *args: Any, **kwargs: Any) -> Any:
+        fh = real_open(self, *args, **kwargs)
+        if ".fetch-" in str(self.parent):
+            write = fh.write
+
+            def counted(data: bytes) -> int:
+                written.append(len(data))
+                return int(write(data))
+
+            fh.write = counted
+        return fh
+
+    monkeypatch.setattr(Path, "open", counting_open)
+    with pytest.raises(ArtifactError, match="more than the 10 bytes"):
+        anyio.run(lambda: fetch(settings, zoo, "forged", "1", max_bytes=1000))
+    assert sum(written) <= 10
+
+
+@pytest.mark.parametrize("broken", ["missing", "a directory", "a fifo", "a fifo lock"])
+def test_push_refuses_a_file_the_lock_lists_that_is_not_a_regular_file(
+    bucket: tuple[Settings, Path], tmp_path: Path, broken: str
+) -> None:
+    """A lock naming a file that is gone, a directory or a FIFO (whose hash would
+    block forever), or a lock that is a FIFO itself, is the model's ArtifactError,
+    not an OSError or a hang."""
+    settings, _ = bucket
+    model = tmp_path / "broken" / "1"
+    model.mkdir(parents=True)
+    if broken == "a directory":
+        (model / "g.onnx").mkdir()
+    elif broken == "a fifo":
+        os.mkfifo(model / "g.onnx")
+    if broken == "a fifo lock":
+        (model / "g.onnx").write_bytes(DATA)
+        os.mkfifo(model / LOCK_NAME)
+    else:
+        BuildLock("broken", "1", {"g.onnx": SHA}, {"g.onnx": SHA}, {}, {}).write(model)
+
+    async def push() -> None:
+        async with busmod.connect(settings, name="pusher") as bus:
+            with anyio.fail_after(20):
+                await artifact_bucket.push(bus, model)
+
+    with pytest.raises(ArtifactError, match=LOCK_NAME if "lock" in broken else r"g\.onnx"):
+        anyio.run(push)

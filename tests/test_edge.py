@@ -1,14 +1,18 @@
 """An edge agent behind a leaf node: its link to the hub is cut for 10 seconds in the
-middle of an evaluation, and every span it recorded reaches the hub's database."""
+middle of an evaluation, and every span it recorded reaches the hub's database; and
+``mlscope edge up`` stopped by SIGTERM leaves neither its leaf nor its agent behind."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
 import numpy as np
+import psutil
 import pytest
 
 from cli.edge_cmd import create_edge_stream, read_env
@@ -20,7 +24,7 @@ from mlscope.contracts import AgentDescription, JobEvent, JobRequest, Query, Sce
 from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, free_port, hub_config
 from mlscope.settings import Settings
-from tests.conftest import make_data_dir, wait_agents, wait_server
+from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_server
 from tests.scale_fixtures import CuttableLink, start, stop
 
 pytestmark = pytest.mark.timeout(200)
@@ -257,3 +261,46 @@ def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(
     finally:
         leaf.stop()
         hub.stop()
+
+
+def test_edge_up_stopped_by_sigterm_stops_its_agent_and_its_leaf(tmp_path: Path) -> None:
+    """systemd, ``docker stop`` and ``kill`` send SIGTERM: ``edge up`` stops its agent
+    and its leaf (a session of its own, which no signal to ``edge up`` reaches) first."""
+    leaf_port = free_port()
+    (tmp_path / "hub.conf").write_text(hub_config(leaf_port=leaf_port, host="127.0.0.1"))
+    edge_dir = tmp_path / "edge"
+    hub_link = f"nats-leaf://127.0.0.1:{leaf_port}"
+    init = ["edge", "init", "--hub", hub_link, "--out", str(edge_dir), "--domain", "e1"]
+    assert mlscope_main([*init, "--port", str(free_port())]) == 0
+    hub = NatsServer(store_dir=tmp_path / "hub", config_file=tmp_path / "hub.conf").start()
+    hub_settings = Settings(nats_url=hub.url, data_dir=tmp_path / "hubdata")
+    edge = None
+    children: list[psutil.Process] = []
+    try:
+        anyio.run(_provision, hub_settings)
+        up = ["edge", "up", "--dir", str(edge_dir), "--framework", "noop", "--agent-id", "edge-1"]
+        edge = subprocess.Popen(
+            [python(), "-m", "cli.main", *up],
+            env=child_env(Settings(data_dir=tmp_path / "edgedata")),
+        )
+        anyio.run(wait_agents, hub_settings, 1)
+        children = psutil.Process(edge.pid).children()
+        assert len(children) == 2  # the leaf and the agent
+        edge.send_signal(signal.SIGTERM)
+        assert edge.wait(40) == 128 + signal.SIGTERM
+        _, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, f"left running: {[p.cmdline()[:4] for p in alive]}"
+    finally:
+        for p in children:
+            if p.is_running():
+                p.kill()
+        if edge is not None and edge.poll() is None:
+            edge.kill()
+            edge.wait()
+        hub.stop()
+
+
+async def _provision(settings: Settings) -> None:
+    """The hub's streams and buckets, as its server would create them."""
+    async with busmod.connect(settings, name="test", provision=True):
+        pass
