@@ -18,7 +18,7 @@ import anyio
 import pytest
 from pydantic import ValidationError
 
-from mlscope import artifact_bucket, names
+from mlscope import artifact_bucket, names, objects
 from mlscope import bus as busmod
 from mlscope.buildlock import LOCK_NAME, BuildLock
 from mlscope.errors import ArtifactError
@@ -252,7 +252,7 @@ def test_a_forged_object_meta_is_refused_without_waiting_on_it(
     """The meta of g.onnx is published by hand over the donor's real chunks (the
     lock is genuine): whatever it claims, the fetch ends promptly with an
     ArtifactError that names the model and the file, and puts nothing in place."""
-    monkeypatch.setattr(artifact_bucket, "CHUNK_IDLE_S", 0.5)
+    monkeypatch.setattr(objects, "CHUNK_IDLE_S", 0.5)
     settings, zoo = bucket
     change, expected = FORGED[case]
     truth = anyio.run(put_donor, settings, DATA)
@@ -268,7 +268,7 @@ def test_a_forged_object_meta_is_refused_without_waiting_on_it(
 def test_a_lock_whose_chunks_never_come_is_refused(
     bucket: tuple[Settings, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(artifact_bucket, "CHUNK_IDLE_S", 0.5)
+    monkeypatch.setattr(objects, "CHUNK_IDLE_S", 0.5)
     settings, zoo = bucket
     truth = anyio.run(put_donor, settings, lock("forged", "1"))
     anyio.run(put_meta, settings, f"forged/1/{LOCK_NAME}", {**truth, "nuid": "NOCHUNKS"})
