@@ -26,7 +26,7 @@ from mlscope import artifact_bucket
 from mlscope.artifacts import ArtifactStore, zoo_coordinates
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog, Entry
-from mlscope.contracts import RefusedModel
+from mlscope.contracts import MAX_REFUSALS, REFUSAL_MESSAGE_MAX_CHARS, RefusedModel
 from mlscope.errors import ConfigError, MLScopeError
 from mlscope.fetchpolicy import FetchPolicy
 from mlscope.manifest import FrameworkManifest, is_built
@@ -130,6 +130,22 @@ class ModelHost:
             model=name,
             version=version,
         )
+
+    def advertised_refusals(self) -> tuple[tuple[RefusedModel, ...], int]:
+        """The refusals the agent's registry entry lists, and how many more there are:
+        the first :data:`~mlscope.contracts.MAX_REFUSALS`, each message cut to
+        :data:`~mlscope.contracts.REFUSAL_MESSAGE_MAX_CHARS`. The bus may hold any number
+        of manifests this agent cannot serve; its entry must still fit one message
+        (:meth:`offer` keeps naming the whole reason)."""
+        listed = tuple(
+            r
+            if len(r.message) <= REFUSAL_MESSAGE_MAX_CHARS
+            else r.model_copy(
+                update={"message": r.message[: REFUSAL_MESSAGE_MAX_CHARS - 3] + "..."}
+            )
+            for r in self.refused[:MAX_REFUSALS]
+        )
+        return listed, len(self.refused) - len(listed)
 
     def entry(self, key: str) -> Entry:
         """The offered entry of model key ``key`` (a prepared evaluation's model)."""

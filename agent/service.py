@@ -1,7 +1,10 @@
 """The agent service: one task group with heartbeat, query servers and span flusher.
 
 Start-up order makes "advertised" mean "ready": models are verified and loadable,
-subscriptions are live, and only then is the description put into the registry.
+subscriptions are live, and only then is the description put into the registry. The
+description is fitted to one bus message (:func:`fit_description`); a put that still
+fails is logged and retried by the heartbeat, never fatal: the models bucket is written
+by others, and what it holds must not stop an agent.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.errors import (
+    BusRefused,
     ConfigError,
     EvaluationError,
     FrameworkUnavailable,
@@ -77,7 +81,7 @@ from mlscope.serving import Boundary
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
 
-__all__ = ["Agent", "AgentConfig"]
+__all__ = ["Agent", "AgentConfig", "fit_description"]
 
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
@@ -133,6 +137,8 @@ class Agent:
         self.energy = EnergyMeter(nvml=open_nvml() if self.config.device != "cpu" else None)
         """Energy counters of this agent's device, read at prepare and at release."""
         self.git_commit: str | None = None
+        self._description: AgentDescription | None = None
+        """What the last advertise stored in the registry (None: it was not stored)."""
         self.tuning = ProcessTuning()
         """This process's one owner of GC and switch interval during local runs."""
         self.running: dict[str, anyio.CancelScope] = {}
@@ -272,6 +278,7 @@ class Agent:
         f = self._facts
         info = self.framework_info
         offers = self.models.offers
+        refused, refused_more = self.models.advertised_refusals()
         return AgentDescription(
             agent_id=self.agent_id,
             host=f["host"],
@@ -293,7 +300,8 @@ class Agent:
                 )
                 for e, _ in offers
             ),
-            refused=tuple(self.models.refused),
+            refused=refused,
+            refused_more=refused_more,
             capabilities=tuple(
                 sorted(
                     {names.capability(self.config.framework, e.manifest.name) for e, _ in offers}
@@ -315,14 +323,30 @@ class Agent:
         )
 
     async def _advertise(self, bus: Bus) -> None:
+        """Put this agent's description in the registry. A failure is logged, never
+        raised: the agent goes on serving, and until an advertise is stored again each
+        heartbeat describes the agent afresh (see :meth:`_heartbeat`)."""
         kv = await bus.kv(names.AGENTS_BUCKET)
-        self._description = self.describe()
-        await kv.put(self.agent_id, codec.encode_model(self._description))
+        try:
+            desc, payload = fit_description(self.describe(), bus.payload_budget())
+            with busmod.bus_errors(f"cannot advertise agent {self.agent_id}"):
+                await kv.put(self.agent_id, payload)
+        except MLScopeError as exc:
+            self._description = None
+            log.error("agent %s: not advertised (the heartbeat retries): %s", self.agent_id, exc)
+            return
+        self._description = desc
 
     async def _heartbeat(self, bus: Bus) -> None:
+        """Refresh the registry entry: the description last stored, with a new
+        ``heartbeat_at``; a fresh one while the last advertise is not stored (a failed
+        beat is logged by :func:`mlscope.presence.heartbeat` and tried again)."""
         kv = await bus.kv(names.AGENTS_BUCKET)
+        budget = bus.payload_budget()
 
         def beat() -> bytes:
+            if self._description is None:
+                return fit_description(self.describe(), budget)[1]
             desc = self._description.model_copy(update={"heartbeat_at": time.time()})
             return codec.encode_model(desc)
 
@@ -354,7 +378,7 @@ class Agent:
         if isinstance(req, PingOp):
             return PingReply(t_agent=now())
         if isinstance(req, DescribeOp):
-            return self.describe()
+            return fit_description(self.describe(), self.bus.payload_budget())[0]
         if isinstance(req, PrepareOp):
             return await self._prepare(req)
         if isinstance(req, RunOp):
@@ -633,3 +657,29 @@ class Agent:
             put(subject, wire.encode_reply(reply))
 
         return send
+
+
+def fit_description(desc: AgentDescription, max_bytes: int) -> tuple[AgentDescription, bytes]:
+    """``desc`` and its encoding, at most ``max_bytes`` long: refusals are dropped (the
+    later half each time, counted in ``refused_more``) until it fits. BusRefused when
+    it does not fit even without them: a put over the bus's max payload is refused, and
+    an agent whose entry is never stored is invisible while it runs."""
+    payload = codec.encode_model(desc)
+    while len(payload) > max_bytes and desc.refused:
+        keep = len(desc.refused) // 2
+        desc = desc.model_copy(
+            update={
+                "refused": desc.refused[:keep],
+                "refused_more": desc.refused_more + len(desc.refused) - keep,
+            }
+        )
+        payload = codec.encode_model(desc)
+    if len(payload) > max_bytes:
+        raise BusRefused(
+            f"agent {desc.agent_id}'s description of its {len(desc.models)} models is "
+            f"{len(payload)} bytes, over the {max_bytes} a registry entry may take",
+            agent_id=desc.agent_id,
+            bytes=len(payload),
+            max_bytes=max_bytes,
+        )
+    return desc, payload

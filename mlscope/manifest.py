@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -28,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from mlscope import scenario_traits
+from mlscope import names, scenario_traits
 from mlscope.artifacts import check_relative, zoo_coordinates
 from mlscope.bounded import load_yaml_bounded
 from mlscope.contracts import ScenarioName
@@ -37,6 +38,10 @@ from mlscope.versions import parse_constraint, parse_version
 
 __all__ = [
     "FRAMEWORKS",
+    "MAX_SAMPLE_DIMS",
+    "MAX_SAMPLE_ELEMENTS",
+    "NAME_MAX_CHARS",
+    "VERSION_MAX_CHARS",
     "Assets",
     "Behaviour",
     "BuildInput",
@@ -63,6 +68,21 @@ __all__ = [
 ]
 
 FRAMEWORKS = ("onnxruntime", "pytorch", "tensorflow", "tflite", "xrt", "noop")
+
+NAME_MAX_CHARS = names.TOKEN_MAX_CHARS
+"""Longest model name. A name becomes a subject token (kept whole up to this length),
+a zoo directory (``zoo://NAME/VERSION``, see :func:`mlscope.artifacts.zoo_coordinates`)
+and part of a models-bucket key, and every agent's registry entry repeats it per model
+offered or refused: an unbounded name from the bus would make that entry too large
+for the bus."""
+VERSION_MAX_CHARS = 64
+"""Longest model version, as long as a zoo directory's version may be."""
+MAX_SAMPLE_DIMS = 32
+"""Most dimensions of one input sample (numpy's own limit is 64 with the batch axis)."""
+MAX_SAMPLE_ELEMENTS = 1 << 26
+"""Most elements of one input sample: 64 MiB of ``uint8``, the largest max payload a
+nats-server accepts, so a larger sample could never travel in a query. Services
+allocate sample tensors from a manifest's shape, and bus manifests are untrusted."""
 
 
 class _Strict(BaseModel):
@@ -112,7 +132,9 @@ class InputSpec(_Strict):
     element_type: str = "float32"
     """A numpy dtype name (float32, int64, uint8, ...)."""
     shape: tuple[int, ...]
-    """Shape of one sample, without the batch dimension."""
+    """Shape of one sample, without the batch dimension: every dimension fixed and at
+    least 1 (``[]`` for a scalar), at most :data:`MAX_SAMPLE_DIMS` of them and at most
+    :data:`MAX_SAMPLE_ELEMENTS` elements in all."""
     layout: str | None = None
     steps: tuple[Step, ...] = ()
     batch_axis: int | None = Field(default=0, ge=0)
@@ -135,6 +157,19 @@ class InputSpec(_Strict):
             raise ValueError(
                 f"unknown element_type {v!r}: a numpy dtype name such as "
                 "float32, float16, int64, int32, uint8 or bool"
+            )
+        return v
+
+    @field_validator("shape")
+    @classmethod
+    def _bounded(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if len(v) > MAX_SAMPLE_DIMS:
+            raise ValueError(f"a sample has at most {MAX_SAMPLE_DIMS} dimensions, not {len(v)}")
+        if any(d < 1 for d in v):
+            raise ValueError(f"every dimension of a sample is at least 1 (got {list(v)})")
+        if math.prod(v) > MAX_SAMPLE_ELEMENTS:
+            raise ValueError(
+                f"a sample has at most {MAX_SAMPLE_ELEMENTS} elements, not {math.prod(v)}"
             )
         return v
 
@@ -301,8 +336,8 @@ class ModelManifest(_Strict):
     """One model version on one framework (paper Listing 1)."""
 
     kind: Literal["model"] = "model"
-    name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
-    version: str
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$", max_length=NAME_MAX_CHARS)
+    version: str = Field(max_length=VERSION_MAX_CHARS)
     description: str = ""
     task: str
     license: str = "unknown"
@@ -583,8 +618,19 @@ def _problem(err: Any, node: yaml.Node | None) -> tuple[int | None, str | None, 
     else:
         text = str(err["msg"]).removeprefix("Value error, ")
         if "input" in err and not isinstance(err["input"], (dict, list)):
-            text += f" (got {err['input']!r})"
+            text += f" (got {_clipped(repr(err['input']))})"
     return _line_of(node, loc), field, text
+
+
+GOT_MAX_CHARS = 200
+"""Longest quote of a rejected value in an error: a bus manifest may hold a
+megabyte-long string, and its errors are logged and kept by every watcher."""
+
+
+def _clipped(text: str) -> str:
+    if len(text) <= GOT_MAX_CHARS:
+        return text
+    return f"{text[:GOT_MAX_CHARS]}... ({len(text)} characters)"
 
 
 def load_manifest(path: Path) -> BaseModel:

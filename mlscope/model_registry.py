@@ -32,6 +32,7 @@ from mlscope.manifest import ModelManifest, mark_untrusted, parse_manifest
 from mlscope.serving import as_error
 
 __all__ = [
+    "MAX_REMOTE_MANIFESTS",
     "ManifestWatcher",
     "delete_manifest",
     "key_for",
@@ -44,6 +45,10 @@ __all__ = [
 
 _KEY_UNSAFE = re.compile(r"[^-/_=.a-zA-Z0-9]")
 log = logging.getLogger("mlscope.models")
+MAX_REMOTE_MANIFESTS = 1000
+"""Most manifests a :class:`ManifestWatcher` holds: every agent and the server keep
+each one, and an agent's registry entry lists each model it serves. Past it, a
+manifest is rejected until others are removed and it is published again."""
 REMOTE_ROOT = Path("/nonexistent/mlscope-bus")
 """Stand-in manifest directory of remote entries: relative assets never resolve."""
 
@@ -114,6 +119,13 @@ def _parse(key: str, value: bytes | None) -> ModelManifest:
         raise ManifestError(
             "only model manifests belong in the models bucket", file=where, field="kind"
         )
+    if key != manifest_key(manifest):  # else one model could hold several keys
+        raise ManifestError(
+            f"a manifest of {manifest.key} belongs under the key {manifest_key(manifest)}, "
+            "not under this one",
+            file=where,
+            field="name",
+        )
     return mark_untrusted(manifest)
 
 
@@ -133,8 +145,11 @@ class ManifestWatcher:
     ``run`` watches the bucket (last value per key, then every change); it reports
     started once the initial snapshot is in, so a process that starts it first never
     acts on a half-read registry. After that, ``on_change`` is awaited after each change.
-    A value that does not validate is kept out of ``entries`` and recorded in
-    ``rejected`` with its error: a bad manifest on the bus never stops the watcher.
+    A value that does not validate, that is stored under a key other than its
+    manifest's (:func:`manifest_key`), or that arrives while :data:`MAX_REMOTE_MANIFESTS`
+    are held, is kept out of ``entries`` and recorded in ``rejected`` with its error
+    (at most as many again are recorded): a bad manifest on the bus never stops the
+    watcher.
     """
 
     def __init__(
@@ -170,9 +185,16 @@ class ManifestWatcher:
         if deleted:
             return
         try:
+            if len(self.entries) >= MAX_REMOTE_MANIFESTS:
+                raise ManifestError(
+                    f"the models bucket holds more than {MAX_REMOTE_MANIFESTS} manifests: "
+                    "remove some, then publish this one again",
+                    file=f"{names.MODELS_BUCKET}/{key}",
+                )
             m = _parse(key, value)
         except ManifestError as exc:
-            self.rejected[key] = exc
+            if len(self.rejected) < MAX_REMOTE_MANIFESTS:
+                self.rejected[key] = exc
             self.log(f"ignoring a manifest on the bus: {exc}")
             return
         self.entries[key] = remote_entry(m)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import io
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,8 +27,18 @@ from typing import Any
 import numpy as np
 
 from mlscope.errors import ManifestError
+from mlscope.manifest import MAX_SAMPLE_DIMS, MAX_SAMPLE_ELEMENTS
 
-__all__ = ["CUSTOM_STEP", "INDEX_STEPS", "OPERATORS", "Pipeline", "compile_steps", "labeler"]
+__all__ = [
+    "CUSTOM_STEP",
+    "INDEX_STEPS",
+    "MAX_IMAGE_PIXELS",
+    "MAX_IMAGE_SIDE",
+    "OPERATORS",
+    "Pipeline",
+    "compile_steps",
+    "labeler",
+]
 
 Op = Callable[..., Any]
 Pipeline = Callable[[Any], Any]
@@ -35,6 +46,13 @@ CUSTOM_STEP = "python"
 """Name of the custom-code step (gated, see :func:`compile_steps`)."""
 
 Images = np.ndarray | list[np.ndarray]
+
+MAX_IMAGE_SIDE = 16384
+"""Longest side of an image a step makes (``resize``, ``center_crop``)."""
+MAX_IMAGE_PIXELS = MAX_SAMPLE_ELEMENTS // 4
+"""Most pixels of an image ``resize`` makes (4096 x 4096): with four channels, the
+largest sample a manifest may declare. Steps come from manifests, which may come from
+the bus, and a resize allocates its target size for every image of every query."""
 
 
 def _cast(x: np.ndarray, *, dtype: str) -> np.ndarray:
@@ -96,17 +114,19 @@ def _argmax(x: np.ndarray) -> np.ndarray:
     return best[:, None]
 
 
+_REDUCTIONS: dict[str, Callable[..., Any]] = {
+    "max": np.max,
+    "min": np.min,
+    "mean": np.mean,
+    "sum": np.sum,
+}
+
+
 def _reduce(x: np.ndarray, *, op: str = "max") -> np.ndarray:
     """Reduce every per-sample value to one (``max``, ``min``, ``mean``, ``sum``)."""
-    funcs: dict[str, Callable[..., Any]] = {
-        "max": np.max,
-        "min": np.min,
-        "mean": np.mean,
-        "sum": np.sum,
-    }
-    if op not in funcs:
-        raise ValueError(f"reduce op must be one of {sorted(funcs)}")
-    reduced: np.ndarray = funcs[op](x.reshape(x.shape[0], -1), axis=1)
+    if op not in _REDUCTIONS:
+        raise ValueError(f"reduce op must be one of {sorted(_REDUCTIONS)}")
+    reduced: np.ndarray = _REDUCTIONS[op](x.reshape(x.shape[0], -1), axis=1)
     return reduced[:, None]
 
 
@@ -182,6 +202,8 @@ def _resize_one(
 ) -> np.ndarray:
     h, w = img.shape[:2]
     th, tw = _target_size(h, w, size, keep_aspect)
+    if th * tw > MAX_IMAGE_PIXELS:  # keep_aspect scales the longer side with the image
+        raise ValueError(f"resizing a {h}x{w} image to {th}x{tw} is over {MAX_IMAGE_PIXELS} pixels")
     if (th, tw) == (h, w):
         return img
     image = _pil()
@@ -244,11 +266,13 @@ def _color_one(img: np.ndarray, source: str, target: str) -> np.ndarray:
     return np.ascontiguousarray(rgb[..., ::-1]) if target == "BGR" else np.ascontiguousarray(rgb)
 
 
+_COLOR_MODES = ("RGB", "BGR", "GRAY")
+
+
 def _color_mode(x: Images, *, target: str, source: str = "RGB") -> Images:
     """Convert channel order/colour: RGB, BGR or GRAY (GRAY keeps a 1-channel axis)."""
-    modes = ("RGB", "BGR", "GRAY")
-    if source not in modes or target not in modes:
-        raise ValueError(f"color modes are {', '.join(modes)}")
+    if source not in _COLOR_MODES or target not in _COLOR_MODES:
+        raise ValueError(f"color modes are {', '.join(_COLOR_MODES)}")
     return _stack([_color_one(np.asarray(i), source, target) for i in x])
 
 
@@ -268,6 +292,113 @@ OPERATORS: dict[str, Op] = {
     "reduce": _reduce,
     "identity": _identity,
 }
+
+# --- option checks: run once when steps compile, so a manifest's options never make a
+# query allocate without bound, and a bad one is refused before the model is served.
+
+
+def _whole(value: Any, what: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} is a whole number from {low} to {high}, not {value!r:.40}")
+    return value
+
+
+def _image_size(value: Any) -> tuple[int, int]:
+    """``size``: one side or ``[height, width]``, each within :data:`MAX_IMAGE_SIDE`."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 2:
+            raise ValueError(f"size is one number or [height, width], not {len(value)} numbers")
+        return (
+            _whole(value[0], "size", 1, MAX_IMAGE_SIDE),
+            _whole(value[1], "size", 1, MAX_IMAGE_SIDE),
+        )
+    side = _whole(value, "size", 1, MAX_IMAGE_SIDE)
+    return side, side
+
+
+def _check_resize(opts: dict[str, Any]) -> None:
+    h, w = _image_size(opts["size"])
+    if h * w > MAX_IMAGE_PIXELS:
+        raise ValueError(f"size {h}x{w} is over {MAX_IMAGE_PIXELS} pixels")
+    if opts.get("method", "bilinear") not in _RESAMPLE:
+        raise ValueError(f"method must be one of {sorted(_RESAMPLE)}")
+
+
+def _check_reshape(opts: dict[str, Any]) -> None:
+    shape = opts["shape"]
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_SAMPLE_DIMS:
+        raise ValueError(f"shape is a list of at most {MAX_SAMPLE_DIMS} dimensions")
+    dims = [_whole(d, "a dimension", -1, MAX_SAMPLE_ELEMENTS) for d in shape]
+    if 0 in dims or dims.count(-1) > 1:
+        raise ValueError("every dimension is at least 1, except one that may be -1")
+
+
+def _check_cast(opts: dict[str, Any]) -> None:
+    if np.dtype(opts["dtype"]).kind not in "biuf":
+        raise ValueError(f"dtype {opts['dtype']!r:.40} is not a numeric type")
+
+
+def _check_layout(opts: dict[str, Any]) -> None:
+    source, target = opts["source"], opts["target"]
+    if not (isinstance(source, str) and isinstance(target, str)):
+        raise ValueError("source and target are layouts such as HWC and CHW")
+    if len(set(source)) != len(source) or len(source) > MAX_SAMPLE_DIMS:
+        raise ValueError(f"layout {source:.40} names each axis once, at most {MAX_SAMPLE_DIMS}")
+    if sorted(source) != sorted(target):
+        raise ValueError(f"cannot convert layout {source:.40} to {target:.40}")
+
+
+def _check_crop(opts: dict[str, Any]) -> None:
+    _image_size(opts["size"])
+
+
+def _check_topk(opts: dict[str, Any]) -> None:
+    _whole(opts.get("k", 5), "k", 1, MAX_SAMPLE_ELEMENTS)
+
+
+def _check_reduce(opts: dict[str, Any]) -> None:
+    if opts.get("op", "max") not in _REDUCTIONS:
+        raise ValueError(f"op must be one of {', '.join(_REDUCTIONS)}")
+
+
+def _check_color(opts: dict[str, Any]) -> None:
+    if opts["target"] not in _COLOR_MODES or opts.get("source", "RGB") not in _COLOR_MODES:
+        raise ValueError(f"color modes are {', '.join(_COLOR_MODES)}")
+
+
+_OPTION_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "resize": _check_resize,
+    "center_crop": _check_crop,
+    "reshape": _check_reshape,
+    "cast": _check_cast,
+    "layout": _check_layout,
+    "topk": _check_topk,
+    "reduce": _check_reduce,
+    "color_mode": _check_color,
+}
+"""Bounds on an operator's options beyond its signature (which is checked for all)."""
+
+
+def _operator(name: str, options: Any, where: str) -> tuple[Op, dict[str, Any]]:
+    """The operator ``name`` and its options, checked now rather than per query: an
+    unknown operator, unknown or missing options and values past the bounds above are
+    ManifestErrors naming the step."""
+    op = OPERATORS.get(name)
+    if op is None:
+        known = ", ".join([*OPERATORS, CUSTOM_STEP])
+        raise ManifestError(f"unknown operator {name!r} (known: {known})", field=where)
+    if options is not None and not isinstance(options, dict):
+        raise ManifestError(f"options of {name!r} must be a mapping", field=where)
+    opts = dict(options or {})
+    try:
+        inspect.signature(op).bind(None, **opts)
+        check = _OPTION_CHECKS.get(name)
+        if check is not None:
+            check(opts)
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(f"options of {name!r}: {exc}", field=where) from exc
+    return op, opts
+
 
 _CUSTOM_RULE = (
     "custom Python steps run only for a manifest loaded from a trusted local directory "
@@ -333,13 +464,7 @@ def compile_steps(
                 )
             )
             continue
-        op = OPERATORS.get(name)
-        if op is None:
-            known = ", ".join([*OPERATORS, CUSTOM_STEP])
-            raise ManifestError(f"unknown operator {name!r} (known: {known})", field=f"{where}.{i}")
-        if options is not None and not isinstance(options, dict):
-            raise ManifestError(f"options of {name!r} must be a mapping", field=f"{where}.{i}")
-        opts = dict(options or {})
+        op, opts = _operator(name, options, f"{where}.{i}")
         if name in RANK_PRESERVING and _next_name(steps, i) in INDEX_STEPS:
             op = RANK_PRESERVING[name]
         calls.append(functools.partial(op, **opts))

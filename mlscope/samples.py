@@ -26,6 +26,7 @@ inputs and labels (:func:`feeders`, :func:`feed`), which models are scored
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,9 @@ FILL_STREAM = 2
 _STREAMS = 3
 FILL_ROWS = 64
 """Synthetic rows (from :data:`FILL_STREAM`) a model without a data set is fed."""
+FILL_MAX_BYTES = 256 << 20
+"""Most memory the synthetic rows' draw may take (float64): a manifest with a large
+input gets fewer rows, the first ones of the same stream, rather than GBs."""
 
 
 class QueryRows:
@@ -172,9 +176,12 @@ def table(
     data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], seed: int
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """The rows a run draws from: the data set (inputs, labels), or for a model with
-    none :data:`FILL_ROWS` synthetic rows from the seed's fill stream and no labels."""
+    none :data:`FILL_ROWS` synthetic rows from the seed's fill stream (fewer for an input
+    so large their draw would pass :data:`FILL_MAX_BYTES`) and no labels."""
     if data is None:
-        x = stream(seed, FILL_STREAM).standard_normal((FILL_ROWS, *shape))
+        per_row = math.prod(shape) * np.dtype(np.float64).itemsize
+        rows = max(1, min(FILL_ROWS, FILL_MAX_BYTES // max(1, per_row)))
+        x = stream(seed, FILL_STREAM).standard_normal((rows, *shape))
         return x.astype(np.float32), None
     return data
 

@@ -244,7 +244,7 @@ async def _buckets(bus: busmod.Bus, sock: Path) -> None:
         ("deep.1.noop", nested_json(200_000)),
         ("random.1.noop", os.urandom(300)),
         ("types.1.noop", json.dumps({"kind": "model", "name": 5}).encode()),
-        ("socket.1.noop", _socket_manifest(sock)),
+        ("sockety.1.0.0.noop", _socket_manifest(sock)),  # under its own key
     ):
         await models.put(key, value)
     await anyio.sleep(2.0)  # every watcher has seen them

@@ -7,6 +7,7 @@ and removing it withdraws it again. Nothing is restarted.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -82,10 +83,15 @@ def test_a_model_published_at_run_time_is_served_then_withdrawn(
         run_job(stack, LIVE)
 
     # A broken value in the bucket is reported and ignored; it must not stop the watchers.
+    # Nor may the model be published under a key that is not its own: `models remove`
+    # would leave that copy serving.
+    impostor = yaml.safe_load(live_manifest(tmp_path).read_text())
+
     async def put_garbage() -> None:
         async with busmod.connect(stack, name="test") as bus:
             kv = await bus.kv(names.MODELS_BUCKET)
             await kv.put("garbage.1.onnxruntime", b"{not json")
+            await kv.put("impostor", json.dumps(impostor).encode())
 
     anyio.run(put_garbage, backend="asyncio")
 

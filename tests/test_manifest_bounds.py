@@ -4,6 +4,7 @@ publish`), and the bus path refuses the same shapes in JSON."""
 
 from __future__ import annotations
 
+import json
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -13,10 +14,19 @@ import pytest
 import yaml
 
 from cli.main import main as mlscope_main
-from mlscope import bounded
+from mlscope import bounded, names
+from mlscope.artifacts import zoo_coordinates
 from mlscope.catalog import default_manifest_dirs
 from mlscope.errors import ManifestError
-from mlscope.manifest import load_manifest
+from mlscope.manifest import (
+    MAX_SAMPLE_DIMS,
+    MAX_SAMPLE_ELEMENTS,
+    NAME_MAX_CHARS,
+    VERSION_MAX_CHARS,
+    ModelManifest,
+    load_manifest,
+    parse_manifest,
+)
 from mlscope.model_registry import _parse
 
 pytestmark = pytest.mark.timeout(60)
@@ -173,3 +183,65 @@ def test_libyaml_parses_and_the_bounded_composer_composes_the_same_documents() -
             finally:
                 loader.dispose()
         assert got[0] == got[1], path
+
+
+# ------------------------------------------------------------------ model manifests
+
+
+def _model(**changes: object) -> dict[str, object]:
+    doc: dict[str, object] = {
+        "kind": "model",
+        "task": "platform_overhead",
+        "name": "m",
+        "version": "1.0.0",
+        "framework": {"name": "noop", "version": "*"},
+        "inputs": [{"shape": [16]}],
+        "outputs": [{}],
+        "assets": {"base_url": "zoo://m/1.0.0", "graph_path": "g.onnx"},
+        "latency_only": True,
+    }
+    return {**doc, **changes}
+
+
+@pytest.mark.parametrize(
+    ("shape", "text"),
+    [
+        ([-5], "at least 1"),
+        ([0, 3], "at least 1"),
+        ([1] * (MAX_SAMPLE_DIMS + 1), f"at most {MAX_SAMPLE_DIMS} dimensions"),
+        ([10**12], f"at most {MAX_SAMPLE_ELEMENTS} elements"),
+        ([1 << 13, 1 << 13, 2], f"at most {MAX_SAMPLE_ELEMENTS} elements"),
+    ],
+)
+def test_an_input_shape_is_bounded(shape: list[int], text: str) -> None:
+    with pytest.raises(ManifestError, match=text) as err:
+        parse_manifest(_model(inputs=[{"shape": shape}]), file="m.yaml")
+    assert err.value.field == "inputs.0.shape"
+
+
+def test_input_shapes_within_the_bounds_parse() -> None:
+    for shape in ([], [1] * MAX_SAMPLE_DIMS, [MAX_SAMPLE_ELEMENTS], [3, 224, 224]):
+        m = parse_manifest(_model(inputs=[{"shape": shape}]), file="m.yaml")
+        assert isinstance(m, ModelManifest) and list(m.inputs[0].shape) == shape
+
+
+def test_a_model_name_is_bounded_like_a_subject_token_and_a_zoo_directory() -> None:
+    longest = "n" * NAME_MAX_CHARS
+    assert NAME_MAX_CHARS == names.TOKEN_MAX_CHARS
+    assert names.token(longest) == longest  # kept whole in its subjects
+    assert zoo_coordinates(f"zoo://{longest}/1.0.0") == (longest, "1.0.0")
+    m = parse_manifest(_model(name=longest), file="m.yaml")
+    assert isinstance(m, ModelManifest)
+    with pytest.raises(ManifestError, match=f"at most {NAME_MAX_CHARS} characters") as err:
+        parse_manifest(_model(name="n" * 3000), file="m.yaml")
+    assert err.value.field == "name"
+    assert len(err.value.message) < 400  # the rejected value is quoted, not repeated
+    with pytest.raises(ManifestError, match=f"at most {VERSION_MAX_CHARS} characters"):
+        parse_manifest(_model(version="1.0.0+" + "a" * VERSION_MAX_CHARS), file="m.yaml")
+
+
+def test_a_bus_value_with_an_absurd_shape_is_a_manifest_error() -> None:
+    raw = json.dumps(_model(inputs=[{"shape": [3_000_000_000]}])).encode()
+    with pytest.raises(ManifestError, match="elements") as err:
+        _parse("m.1.0.0.noop", raw)
+    assert err.value.file == "mlscope_models/m.1.0.0.noop"

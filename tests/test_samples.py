@@ -104,3 +104,25 @@ def test_misuse_is_config_error(bad: dict[str, int]) -> None:
         sample_indices(**args)
     with pytest.raises(ConfigError, match="seed"):
         SampleOrder(5, -1)
+
+
+def test_synthetic_rows_of_a_large_input_are_fewer_and_the_same_stream() -> None:
+    """A model without a data set gets FILL_ROWS rows from the seed's fill stream; an
+    input so large that drawing them would take GBs (a manifest from the bus sets its
+    shape) gets fewer: the first rows of the same stream, so server and agent agree."""
+    import tracemalloc
+
+    from mlscope import samples
+
+    small, labels = samples.table(None, (28, 28), 3)
+    assert small.shape == (samples.FILL_ROWS, 28, 28) and labels is None
+    tracemalloc.start()
+    try:
+        big, _ = samples.table(None, (3_000_000,), 3)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert 1 <= len(big) < samples.FILL_ROWS
+    assert peak <= samples.FILL_MAX_BYTES * 1.6  # the draw and its float32 copy
+    head = samples.stream(3, samples.FILL_STREAM).standard_normal((2, 3_000_000))
+    np.testing.assert_array_equal(big[:2], head.astype(np.float32))

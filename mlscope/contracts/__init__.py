@@ -37,7 +37,8 @@ Schema history:
                LoadGen in the agent (``SamplesLoadOp``, ``SamplesUnloadOp``,
                ``SamplesReply``, ``SamplesQuery``, ``MLPerfRunOp``, ``MLPerfStarted``,
                ``MLPerfDone``, ``MLPerfFetchOp``, ``MLPerfFile``; AgentDescription
-               feature ``mlperf-loadgen``).
+               feature ``mlperf-loadgen``); AgentDescription.refused_more, and
+               AgentDescription.refused lists at most ``MAX_REFUSALS`` models.
 """
 
 from __future__ import annotations
@@ -117,6 +118,8 @@ from mlscope.contracts._queries import (
 )
 from mlscope.contracts._registry import (
     EPOCH_LIMIT_S,
+    MAX_REFUSALS,
+    REFUSAL_MESSAGE_MAX_CHARS,
     Accelerator,
     AgentDescription,
     FrameworkInfo,
@@ -154,11 +157,13 @@ __all__ = [
     "MAX_ID_CHARS",
     "MAX_LOADGENS",
     "MAX_QPS",
+    "MAX_REFUSALS",
     "MAX_SAMPLE_INDICES",
     "MAX_SCHEDULED_QUERIES",
     "MAX_SEGMENTS",
     "MLPERF_LOADGEN",
     "QUERY_INDEX_LIMIT",
+    "REFUSAL_MESSAGE_MAX_CHARS",
     "SCHEMA",
     "Accelerator",
     "AgentDescription",

@@ -64,6 +64,13 @@ class RefusedModel(BaseModel):
     """The command that mends it, when there is one."""
 
 
+MAX_REFUSALS = 32
+"""Most refusals an agent's entry lists; the rest are only counted
+(``AgentDescription.refused_more``). Every manifest of the agent's framework on the
+bus that it cannot serve is one refusal, and the entry must fit one message."""
+REFUSAL_MESSAGE_MAX_CHARS = 400
+"""Longest refusal message an agent's entry carries (writers cut longer ones)."""
+
 EPOCH_LIMIT_S = 4.1e9
 """The latest wall-clock time (s since the epoch, year 2099) a registry entry may carry."""
 
@@ -86,8 +93,13 @@ class AgentDescription(_Message):
     accelerators: tuple[Accelerator, ...] = ()
     frameworks: tuple[FrameworkInfo, ...]
     models: tuple[ModelOffer, ...] = ()
-    refused: tuple[RefusedModel, ...] = ()
-    """Models of this framework that the agent does not serve, with the reason."""
+    refused: tuple[RefusedModel, ...] = Field(default=(), max_length=MAX_REFUSALS)
+    """Models of this framework that the agent does not serve, with the reason (the
+    first :data:`MAX_REFUSALS` of them, each message at most
+    :data:`REFUSAL_MESSAGE_MAX_CHARS` long)."""
+    refused_more: int = Field(default=0, ge=0)
+    """Refused models left out of ``refused`` (over :data:`MAX_REFUSALS`, or dropped so
+    that the entry fits the bus's max payload)."""
     capabilities: tuple[str, ...] = ()
     pid: int = Field(ge=1, lt=1 << 32)
     mlscope_version: str
