@@ -44,6 +44,9 @@ from agent.worker import LoadedModel
 from mlscope import codec, samples
 from mlscope.catalog import Entry
 from mlscope.contracts import (
+    MAX_MLPERF_FILE_BYTES,
+    MAX_MLPERF_FILES_BYTES,
+    MLPERF_FILE_NAMES,
     MLPerfDone,
     MLPerfFetchOp,
     MLPerfFile,
@@ -204,7 +207,7 @@ def run_child(cfg: dict[str, Any]) -> None:
     window = min(spec.window, int(cfg["executor"]["capacity"]))  # never past admission
     sut = LocalSUT(lg, worker, library, spec.batch_size, window)
     try:
-        settings = test_settings(lg, spec, cfg["conf_model"], work)
+        settings = test_settings(lg, spec, cfg["conf_model"], work, samples=len(x))
         with ProcessTuning().measurement(realtime_loop=False):
             start_test(
                 lg,
@@ -331,7 +334,7 @@ class MLPerfRunner:
             error = _outcome(work, await proc.wait())
             if error is None:
                 self._keep(ev, tmp, [work / TIMING, *sorted((work / "logs").iterdir())])
-                done = MLPerfDone(evaluation_id=ev, files=self._sizes(ev))
+                done = self._done(ev)
             else:
                 done = MLPerfDone(evaluation_id=ev, error=error)
         finally:
@@ -349,12 +352,27 @@ class MLPerfRunner:
                 await publish(codec.encode_model(done))
 
     def _keep(self, ev: str, tmp: tempfile.TemporaryDirectory[str], paths: list[Path]) -> None:
+        """Keep the files the server may fetch (only the names MLPerfDone allows)."""
         while len(self.kept) >= KEEP:  # a server that never released: oldest first
             self.kept.pop(next(iter(self.kept))).tmp.cleanup()
-        self.kept[ev] = _Kept(tmp, {p.name: p for p in paths if p.is_file()})
+        files = {p.name: p for p in paths if p.name in MLPERF_FILE_NAMES and p.is_file()}
+        self.kept[ev] = _Kept(tmp, files)
 
-    def _sizes(self, ev: str) -> dict[str, int]:
-        return {name: p.stat().st_size for name, p in self.kept[ev].files.items()}
+    def _done(self, ev: str) -> MLPerfDone:
+        """The run's end with its files' sizes; a typed error when they are past what
+        the server takes (MLPerfDone's limits), which it would refuse unread."""
+        sizes = {name: p.stat().st_size for name, p in self.kept[ev].files.items()}
+        limit = MAX_MLPERF_FILE_BYTES
+        big = [f"{name} ({size:,} bytes)" for name, size in sizes.items() if size > limit]
+        if big or sum(sizes.values()) > MAX_MLPERF_FILES_BYTES:
+            error = EvaluationError(
+                f"the LoadGen run left more than the server takes: {', '.join(big) or 'in all'} "
+                f"(at most {MAX_MLPERF_FILE_BYTES:,} bytes a file, "
+                f"{MAX_MLPERF_FILES_BYTES:,} in all): lower the run's duration or rate",
+                evaluation_id=ev,
+            )
+            return MLPerfDone(evaluation_id=ev, error=error.to_wire())
+        return MLPerfDone(evaluation_id=ev, files=sizes)
 
 
 def _outcome(work: Path, code: int) -> dict[str, Any] | None:

@@ -54,10 +54,11 @@ from mlscope.contracts import (
     JobRequest,
     LatencyStats,
     MLPerfSpec,
+    PrepareReply,
     evaluation_id_for,
 )
 from mlscope.errors import ConfigError, EvaluationError, error_from_wire
-from mlscope.mlperf import ERROR, TIMING
+from mlscope.mlperf import ERROR, TIMING, load_timing
 from mlscope.record import RunRecord
 from mlscope.samples import dataset
 from mlscope.stats import percentiles, trimmed_mean
@@ -127,6 +128,9 @@ async def run(
             await request(
                 ev.bus, ctl, codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5
             )
+    missing = logs.missing(files)
+    if missing:
+        raise EvaluationError(f"LoadGen wrote no {', '.join(missing)}", evaluation_id=eval_id)
     result = logs.parse_result(files[logs.SUMMARY], files[logs.DETAIL])
     here = job.placement == "agent"
     trace = logs.trace_samples(files.get(logs.TRACE, ""))
@@ -138,7 +142,7 @@ async def run(
     summary = _described(
         summary, rec, int(timing["errors"]), job, agent, entry, (offset, rtt), prep
     )
-    spec_doc = specification(job, agent, entry, prep)
+    spec_doc = specification(job, agent, entry, prep.dump())
     await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)
     return summary
@@ -146,9 +150,10 @@ async def run(
 
 async def _prepare(
     bus: Bus, ctl: str, eval_id: str, entry: Entry, spec: MLPerfSpec
-) -> dict[str, Any]:
+) -> PrepareReply:
     """The agent loads the model for the test (untraced); its answer (load and first
-    inference times, cold or not)."""
+    inference times, cold or not), checked now: a reply that lacks them is a typed
+    error before the test, not a failure after it."""
     m = entry.manifest
     prepare = {
         "op": "prepare",
@@ -158,8 +163,8 @@ async def _prepare(
         "batch_size": spec.batch_size,
         "trace_level": "none",
     }
-    prep: dict[str, Any] = await request(bus, ctl, codec.encode(prepare), timeout=PREPARE_TIMEOUT_S)
-    return prep
+    reply = await request(bus, ctl, codec.encode(prepare), timeout=PREPARE_TIMEOUT_S)
+    return codec.validate(PrepareReply, reply)
 
 
 def _described(
@@ -170,11 +175,12 @@ def _described(
     agent: AgentDescription,
     entry: Entry,
     clock: tuple[int, int],
-    prep: dict[str, Any],
+    prep: PrepareReply,
 ) -> EvaluationSummary:
     """LoadGen's summary with what ran it (framework, model, agent, placement, clock,
-    cold start); ``failed`` samples answered to LoadGen with no data (not its errors)
-    make it INVALID."""
+    cold start); ``failed`` samples answered to LoadGen with no data make it INVALID.
+    Its errors are LoadGen's own (``num_errors``) and those samples, as its reasons
+    count them."""
     if failed:
         summary = summary.model_copy(
             update={
@@ -197,11 +203,11 @@ def _described(
             "placement": job.placement,
             "clock_offset_ns": clock[0],
             "clock_rtt_ns": clock[1],
-            "errors": failed,
+            "errors": summary.errors + failed,
             "cold_start": {
-                "load_ms": prep["load_ns"] / 1e6,
-                "first_inference_ms": prep["first_inference_ns"] / 1e6,
-                "cold": bool(prep["cold"]),
+                "load_ms": prep.load_ns / 1e6,
+                "first_inference_ms": prep.first_inference_ns / 1e6,
+                "cold": prep.cold,
             },
         }
     )
@@ -254,12 +260,8 @@ async def _test(
         if code != 0:
             tail = (work / "stderr.txt").read_text(errors="replace")[-500:]
             raise EvaluationError(f"the LoadGen process failed (exit code {code}): {tail}")
-        with np.load(work / TIMING) as z:
-            timing = {k: z[k] for k in z.files}
+        timing = load_timing(work / TIMING)
         files = {p.name: p.read_text(errors="replace") for p in out.iterdir() if p.is_file()}
-    for required in (logs.SUMMARY, logs.DETAIL):
-        if required not in files:
-            raise EvaluationError(f"LoadGen wrote no {required}")
     return timing, files
 
 
@@ -275,7 +277,8 @@ def _record(
 ) -> RunRecord:
     """One row per LoadGen sample (see the module doc for the clocks)."""
     n = len(samples)
-    per_query = int(np.bincount(samples["query_seq"]).max()) if n else 1
+    # Counted by value, not by index: a trace's query_seq may be any int64 (imported).
+    per_query = int(np.unique(samples["query_seq"], return_counts=True)[1].max()) if n else 1
     rec = RunRecord(n=n, batch_size=per_query)
     if n == 0:
         return rec
@@ -432,7 +435,7 @@ async def import_logs(ev: Host, job: JobRequest) -> EvaluationSummary:
     imp = job.mlperf_import
     if imp is None:
         raise EvaluationError("not an MLPerf import job")
-    missing = [f for f in (logs.SUMMARY, logs.DETAIL) if f not in imp.files]
+    missing = logs.missing(imp.files)
     if missing:
         raise ConfigError(f"{imp.source or 'the import'} lacks {', '.join(missing)}", field="files")
     result = logs.parse_result(imp.files[logs.SUMMARY], imp.files[logs.DETAIL])

@@ -20,7 +20,12 @@ They are fetched by request/reply, one part at a time, because a trace log can b
 hundreds of MB (an Offline run of ~330 bytes per sample): pushed in a burst, a
 subscriber falls behind and nats-server drops messages (measured: 114 of 220 lost).
 While the run is silent the server pings the agent every :data:`IDLE_S`: an agent that
-does not answer fails the run. The agent drops the files when the evaluation is
+does not answer fails the run, as does one that has not ended it within
+:data:`RUN_LIMIT_S` (whatever else it sends meanwhile). What the agent says it left is
+bounded by :class:`~mlscope.contracts.MLPerfDone` (known names, bytes a file and in
+all) before anything is fetched, no part may run past the size it claimed, and
+``sut-timing.npz`` is read only once its arrays' headers are what a run writes
+(:func:`mlscope.mlperf.load_timing`). The agent drops the files when the evaluation is
 released.
 """
 
@@ -29,8 +34,6 @@ from __future__ import annotations
 import io
 import time
 from typing import Any
-
-import numpy as np
 
 from broker.agentrun import alive
 from mlscope import codec, names
@@ -44,14 +47,17 @@ from mlscope.contracts import (
     MLPerfSpec,
 )
 from mlscope.errors import EvaluationError, error_from_wire
-from mlscope.mlperf import TIMING
+from mlscope.mlperf import TIMING, load_timing
 
-__all__ = ["IDLE_S", "RUN_LIMIT_S", "run_in_agent"]
+__all__ = ["FETCH_LIMIT_S", "IDLE_S", "RUN_LIMIT_S", "run_in_agent"]
 
 IDLE_S = 3.0
 """Silence after which the server pings the agent (the run sends nothing until it ends)."""
 RUN_LIMIT_S = 6 * 3600.0
 """The longest an agent's LoadGen run is awaited (an official run lasts >= 10 min)."""
+FETCH_LIMIT_S = 1800.0
+"""The longest the files of one run may take to arrive (their 3 GiB limit at ~2 MB/s):
+an agent answering each part in tiny pieces must not hold the evaluation forever."""
 START_TIMEOUT_S = 30.0
 FETCH_TIMEOUT_S = 30.0
 
@@ -72,28 +78,43 @@ async def run_in_agent(
         raise error_from_wire(done.error)
     if TIMING not in done.files:
         raise EvaluationError(f"the agent's LoadGen run left no {TIMING}")
+    deadline = time.monotonic() + FETCH_LIMIT_S
     got = {
-        name: await _fetch(bus, ctl, evaluation_id, name, size) for name, size in done.files.items()
+        name: await _fetch(bus, ctl, evaluation_id, (name, size), deadline)
+        for name, size in done.files.items()
     }
-    with np.load(io.BytesIO(got.pop(TIMING))) as z:
-        timing = {k: z[k] for k in z.files}
+    timing = load_timing(io.BytesIO(got.pop(TIMING)))
     files = {name: data.decode(errors="replace") for name, data in got.items()}
     return timing, files
 
 
-async def _fetch(bus: Bus, ctl: str, evaluation_id: str, name: str, size: int) -> bytes:
-    """One file of the agent's run, part by part (each part one request)."""
+async def _fetch(
+    bus: Bus, ctl: str, evaluation_id: str, file: tuple[str, int], deadline: float
+) -> bytes:
+    """One file of the agent's run (its name and claimed size), part by part (each part
+    one request); a part that is not the one asked for, or runs past the claimed
+    size, fails the run."""
+    name, size = file
     chunks: list[bytes] = []
     offset = 0
     limit = bus.payload_budget()
     while offset < size:
+        if time.monotonic() > deadline:
+            raise EvaluationError(
+                f"the agent's files did not arrive within {FETCH_LIMIT_S:.0f} s",
+                evaluation_id=evaluation_id,
+            )
         op = MLPerfFetchOp(evaluation_id=evaluation_id, name=name, offset=offset, max_bytes=limit)
-        part = MLPerfFile.model_validate(
-            await request(bus, ctl, codec.encode_model(op), timeout=FETCH_TIMEOUT_S)
-        )
-        if not part.data:
+        reply = await request(bus, ctl, codec.encode_model(op), timeout=FETCH_TIMEOUT_S)
+        part = codec.validate(MLPerfFile, reply)
+        if not part.data or part.name != name or part.offset != offset:
             raise EvaluationError(
                 f"the agent's {name} ended at {offset} of {size} bytes", evaluation_id=evaluation_id
+            )
+        if offset + len(part.data) > size:
+            raise EvaluationError(
+                f"the agent's {name} runs past the {size} bytes it claimed",
+                evaluation_id=evaluation_id,
             )
         chunks.append(part.data)
         offset += len(part.data)
@@ -101,21 +122,24 @@ async def _fetch(bus: Bus, ctl: str, evaluation_id: str, name: str, size: int) -
 
 
 async def _wait_done(bus: Bus, sub: Any, agent_id: str) -> MLPerfDone:
-    """The run's end, pinging the agent while it is silent."""
-    began = time.monotonic()
+    """The run's end, pinging the agent while it is silent; given up after
+    :data:`RUN_LIMIT_S`, checked on every message (an agent that sends anything but
+    the end must not be awaited forever)."""
+    deadline = time.monotonic() + RUN_LIMIT_S
     while True:
-        msg = await next_msg(sub, IDLE_S)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise EvaluationError(
+                f"agent {agent_id} did not finish its LoadGen run within {RUN_LIMIT_S:.0f} s",
+                agent_id=agent_id,
+            )
+        msg = await next_msg(sub, min(IDLE_S, left))
         if msg is None:
             if not await alive(bus, agent_id):
                 raise EvaluationError(
                     f"agent {agent_id} was lost during its MLPerf LoadGen run", agent_id=agent_id
                 )
-            if time.monotonic() - began > RUN_LIMIT_S:
-                raise EvaluationError(
-                    f"agent {agent_id} did not finish its LoadGen run within {RUN_LIMIT_S:.0f} s",
-                    agent_id=agent_id,
-                )
             continue
         data = codec.decode(msg.data)
         if isinstance(data, dict) and data.get("kind") == "mlperf_done":
-            return MLPerfDone.model_validate(data)
+            return codec.validate(MLPerfDone, data)

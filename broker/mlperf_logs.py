@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,12 +35,14 @@ __all__ = [
     "ACCURACY",
     "DETAIL",
     "LOG_FILES",
+    "REQUIRED",
     "SUMMARY",
     "TRACE",
     "LoadGenResult",
     "accuracy_entries",
     "format_accuracy",
     "imagenet_top1",
+    "missing",
     "parse_detail",
     "parse_result",
     "trace_samples",
@@ -50,6 +53,9 @@ DETAIL = "mlperf_log_detail.txt"
 ACCURACY = "mlperf_log_accuracy.json"
 TRACE = "mlperf_log_trace.json"
 LOG_FILES = (SUMMARY, DETAIL, ACCURACY, TRACE)
+REQUIRED = (SUMMARY, DETAIL)
+"""The logs a result is read from (:func:`parse_result`): a run or import without
+them has no result."""
 _MLLOG = ":::MLLOG "
 _PCT = re.compile(r"^result_(\d+\.\d+)_percentile(_per_query)?_latency_ns$")
 _SATISFIED = re.compile(r"^\s*(.+?)\s*satisfied\s*:\s*NO\s*$", re.IGNORECASE | re.MULTILINE)
@@ -116,6 +122,12 @@ class LoadGenResult:
             "errors": self.errors,
             "loadgen_version": self.loadgen_version,
         }
+
+
+def missing(names: Iterable[str]) -> list[str]:
+    """Those of :data:`REQUIRED` that ``names`` (a run's or an import's files) lack."""
+    have = set(names)
+    return [name for name in REQUIRED if name not in have]
 
 
 def parse_detail(text: str) -> dict[str, Any]:

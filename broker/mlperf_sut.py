@@ -298,7 +298,7 @@ async def run_test(bus: Bus, lg: Any, cfg: dict[str, Any]) -> AgentSUT:
     sut = AgentSUT(
         bus, lg, link, (cfg["subject"], cfg["ctl"]), evaluation_id, spec.batch_size, spec.window
     )
-    ts = test_settings(lg, spec, cfg["conf_model"], work)
+    ts = test_settings(lg, spec, cfg["conf_model"], work, samples=int(cfg["samples"]))
     # The same conditions as mlscope's own pacer (broker/loadgen.py), so the two load
     # generators can be compared: LoadGen's issue thread gets the GIL the moment it
     # wakes (not after a 5 ms switch interval), no GC pause holds it, and it runs in

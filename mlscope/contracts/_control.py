@@ -12,6 +12,8 @@ from pydantic import (
 
 from mlscope.contracts._base import (
     MAX_SAMPLE_INDICES,
+    MAX_SCHEDULED_QUERIES,
+    QUERY_INDEX_LIMIT,
     Ident,
     NDArray,
     Preprocess,
@@ -158,9 +160,11 @@ class PingReply(_Message):
 class PrepareReply(_Message):
     kind: Literal["prepared"] = "prepared"
     ok: bool = True
-    cold: bool
-    load_ns: int
-    first_inference_ns: int
+    cold: bool = Field(strict=True)
+    """Whether the model was loaded for this evaluation (a real bool: ``"no"`` is not
+    read as one)."""
+    load_ns: int = Field(ge=0)
+    first_inference_ns: int = Field(ge=0)
     sha256: str | None = None
     t_agent: int
     settings: dict[str, Any] | None = None
@@ -193,8 +197,9 @@ class RunStarted(_Message):
     """The agent took a :class:`RunOp`: offset 0 of the run is ``t0_agent`` (its clock)."""
 
     kind: Literal["run_started"] = "run_started"
-    t0_agent: int
-    queries: int = 0
+    t0_agent: int = Field(ge=0, lt=QUERY_INDEX_LIMIT)
+    """The agent's monotonic clock, ns (stored as Int64)."""
+    queries: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
     """Queries the open-loop schedule holds (0 for a closed loop: not known ahead)."""
     preprocess: Preprocess = "timed"
     """When the run's samples are pre-processed (``ahead``: before ``t0_agent``)."""
@@ -212,18 +217,20 @@ class RunRows(_Message):
 
     kind: Literal["run_rows"] = "run_rows"
     evaluation_id: Ident
-    seq: int = Field(ge=0)
-    start: int = Field(ge=0)
+    seq: int = Field(ge=0, le=MAX_SCHEDULED_QUERIES)
+    start: int = Field(ge=0, le=MAX_SCHEDULED_QUERIES)
     columns: dict[str, NDArray]
-    errors: dict[int, str] = Field(default_factory=dict)
+    errors: dict[Annotated[int, Field(ge=0, lt=MAX_SCHEDULED_QUERIES)], str] = Field(
+        default_factory=dict
+    )
     """Row index -> error message, for rows that failed or were refused."""
-    issued: int = 0
+    issued: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
     """Queries issued so far (shipped or still in flight)."""
     final: bool = False
-    queries: int = 0
+    queries: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
     """final: rows in the run."""
-    not_issued: int = 0
-    cpu_s: float = 0.0
+    not_issued: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
+    cpu_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """final: CPU time of the agent's process during the run (its load generator's and
     its model's: they share it)."""
     error: dict[str, Any] | None = None
@@ -258,18 +265,54 @@ class MLPerfFile(_Message):
     data: bytes
 
 
+MLPERF_FILE_NAMES = frozenset(
+    (
+        "mlperf_log_summary.txt",
+        "mlperf_log_detail.txt",
+        "mlperf_log_accuracy.json",
+        "mlperf_log_trace.json",
+        "sut-timing.npz",
+    )
+)
+"""The files an agent's MLPerf run may leave for the server: LoadGen's four logs
+(``broker.mlperf_logs.LOG_FILES``) and what its system under test saw
+(``mlscope.mlperf.TIMING``)."""
+MAX_MLPERF_FILE_BYTES = 2 << 30
+"""Largest file an agent's MLPerf run may leave. The server holds each file in memory
+while it parses and stores it; the trace log is the large one, at ~270 bytes a sample
+(Offline) to ~780 a query (Server): 2 GiB is ~8 M Offline samples or ~2.7 M Server
+queries."""
+MAX_MLPERF_FILES_BYTES = 3 << 30
+"""Most bytes all the files of one agent's MLPerf run may take together."""
+
+
 class MLPerfDone(_Message):
     """The end of an MLPerf run in the agent (on its rows subject): the files
     LoadGen's process left (its logs, and what its system under test saw:
     ``sut-timing.npz``) by name with their sizes, kept in the agent until the
     evaluation is released and fetched part by part (:class:`MLPerfFetchOp`:
     request/reply, so the server takes them at its own pace); ``error`` the typed
-    error that ended the run, if one did."""
+    error that ended the run, if one did. Only :data:`MLPERF_FILE_NAMES`, and sizes
+    past :data:`MAX_MLPERF_FILE_BYTES` a file or :data:`MAX_MLPERF_FILES_BYTES` in all
+    are refused, before the server fetches anything."""
 
     kind: Literal["mlperf_done"] = "mlperf_done"
     evaluation_id: Ident
-    files: dict[str, int] = Field(default_factory=dict)
+    files: dict[str, Annotated[int, Field(ge=0, le=MAX_MLPERF_FILE_BYTES)]] = Field(
+        default_factory=dict
+    )
     error: dict[str, Any] | None = None
+
+    @field_validator("files")
+    @classmethod
+    def _known(cls, files: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(files) - MLPERF_FILE_NAMES)
+        if unknown:
+            raise ValueError(f"files not of an MLPerf run: {[n[:64] for n in unknown[:5]]}")
+        total = sum(files.values())
+        if total > MAX_MLPERF_FILES_BYTES:
+            raise ValueError(f"the files take {total:,} bytes, over {MAX_MLPERF_FILES_BYTES:,}")
+        return files
 
 
 ControlReply = (
