@@ -28,16 +28,25 @@ not shipped are not stored (their times never left the agent).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 
-from mlscope import codec, names
+from mlscope import codec, names, wire
 from mlscope.bus import Bus, next_msg, request
-from mlscope.contracts import PingOp, RunOp, RunRows, RunStarted, ScenarioSpec, TraceLevel
-from mlscope.errors import BusError, MLScopeError, error_from_wire
+from mlscope.contracts import (
+    MAX_SCHEDULED_QUERIES,
+    PingOp,
+    RunOp,
+    RunRows,
+    RunStarted,
+    ScenarioSpec,
+    TraceLevel,
+)
+from mlscope.errors import BusError, EvaluationError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.samples import QueryRows
 
@@ -49,6 +58,8 @@ START_TIMEOUT_S = 30.0
 END_SLACK_S = 60.0
 """Beyond the run's duration and drain, how long a live but silent agent is awaited."""
 Labels = QueryRows | None
+AGENT_TIMES = ("agent_received", "predict_start", "predict_end", "agent_replied")
+"""An answered query's agent times, in the order they happen."""
 
 
 async def drive(
@@ -120,16 +131,18 @@ class _Collector:
         began = time.monotonic()
         shown = 0.0
         while True:
+            # The deadline holds whether the agent is silent or not: one that keeps
+            # sending rows and never a final one is given up all the same.
+            if time.monotonic() - began > limit_s:
+                self._end(self.rows)
+                return (
+                    f"agent {self.agent_id} did not finish its local run within "
+                    f"{limit_s:.0f} s (answered {self.answered()} of {self.issued} queries)",
+                )
             msg = await next_msg(sub, IDLE_S)
             if msg is None:
                 if not await alive(bus, self.agent_id):
                     return (self._lost(),)
-                if time.monotonic() - began > limit_s:
-                    self._end(self.rows)
-                    return (
-                        f"agent {self.agent_id} did not finish its local run within "
-                        f"{limit_s:.0f} s (answered {self.answered()} of {self.issued} queries)",
-                    )
                 continue
             rows = codec.decode_model(RunRows, msg.data)
             self.add(rows)
@@ -140,10 +153,13 @@ class _Collector:
                 return self.finish(rows)
 
     def add(self, rows: RunRows) -> None:
-        """Copy one message's rows into the record (growing it as needed)."""
+        """Copy one message's rows into the record (growing it as needed). Rows that
+        are not columns of one length and of numbers, or that reach past the most
+        queries a run may hold, are an EvaluationError naming the agent; answered
+        rows whose times no clock can produce count as failed queries."""
+        cols = _checked_columns(rows, self.agent_id)
         self.messages += 1
         self.issued = max(self.issued, rows.issued)
-        cols = rows.columns
         count = len(cols["ok"]) if "ok" in cols else 0
         a, b = rows.start, rows.start + count
         rec = self.rec
@@ -154,6 +170,7 @@ class _Collector:
                 getattr(rec, name)[a:b] = cols[name]
         for i, e in rows.errors.items():
             rec.errors[int(i)] = e
+        self._fail_disordered(a, b)
         top1 = cols.get("top1")
         if top1 is not None and count:
             top1 = top1.reshape(count, -1)
@@ -166,6 +183,16 @@ class _Collector:
                 rec.correct[a:b] = np.where(ok, hits, 0)
         self.rows = max(self.rows, b)
         rec.done += int(np.count_nonzero(cols["completed"])) if "completed" in cols else 0
+
+    def _fail_disordered(self, a: int, b: int) -> None:
+        """Answered rows ``a .. b - 1`` whose agent times are out of order (a negative
+        queueing or compute) become failed queries, as a served run's would."""
+        rec = self.rec
+        times = [getattr(rec, name)[a:b] for name in AGENT_TIMES]
+        ordered = np.logical_and.reduce([x <= y for x, y in itertools.pairwise(times)])
+        for i in np.flatnonzero((rec.ok[a:b] != 0) & ~ordered):
+            rec.ok[a + i] = 0
+            rec.errors[a + int(i)] = wire.DISORDERED_TIMES
 
     def answered(self) -> int:
         return int(np.count_nonzero(self.rec.ok[: self.rows]))
@@ -197,6 +224,34 @@ class _Collector:
             err = error_from_wire(rows.error)
             why.append(f"the agent's local run failed: {err.message}")
         return tuple(why)
+
+
+def _checked_columns(rows: RunRows, agent_id: str) -> dict[str, np.ndarray]:
+    """``rows``' columns once each is a known one, of integers, one per row (``top1``:
+    a row each), and the rows end within the most queries a run may hold."""
+    cols = rows.columns
+    count = len(cols["ok"]) if "ok" in cols else 0
+    problem = ""
+    unknown = sorted(set(cols) - {*ARRAYS, "top1"})
+    if unknown:
+        problem = f"unknown columns {', '.join(repr(n)[:40] for n in unknown[:5])}"
+    elif rows.start + count > MAX_SCHEDULED_QUERIES:
+        problem = f"rows past {MAX_SCHEDULED_QUERIES} queries"
+    else:
+        for name, col in cols.items():
+            if col.dtype.kind not in "biu" or col.ndim != (2 if name == "top1" else 1):
+                problem = f"column {name!r} is not integers, one per row"
+            elif len(col) != count:
+                problem = f"column {name!r} has {len(col)} rows, 'ok' {count}"
+            if problem:
+                break
+    if problem:
+        raise EvaluationError(
+            f"agent {agent_id} sent malformed local-run rows: {problem}",
+            agent_id=agent_id,
+            evaluation_id=rows.evaluation_id,
+        )
+    return cols
 
 
 async def alive(bus: Bus, agent_id: str) -> bool:

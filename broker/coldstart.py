@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from mlscope import codec, names
-from mlscope.bus import Bus, request
-from mlscope.contracts import ScenarioSpec
+from mlscope.bus import Bus, request_model
+from mlscope.contracts import PrepareReply, ScenarioSpec
 from mlscope.record import ARRAYS, TIME_ARRAYS, RunRecord
 from mlscope.stats import percentile
 
@@ -43,10 +43,11 @@ async def run(
     reps: list[dict[str, Any]] = []
     records: list[RunRecord] = []
     for r in range(spec.repetitions):
-        prep = await request(
+        prep = await request_model(
             bus,
             names.agent_ctl(agent_id),
             codec.encode({**prepare, "reload": True}),
+            PrepareReply,
             timeout=PREPARE_TIMEOUT_S,
         )
         rec = await drive(warm_spec)
@@ -57,9 +58,9 @@ async def run(
         reps.append(
             {
                 "repetition": r,
-                "cold": bool(prep["cold"]),
-                "load_ms": prep["load_ns"] / 1e6,
-                "first_inference_ms": prep["first_inference_ns"] / 1e6,
+                "cold": prep.cold,
+                "load_ms": prep.load_ns / 1e6,
+                "first_inference_ms": prep.first_inference_ns / 1e6,
                 "warm_predict_ms_p50": percentile(predict_ms, 50),
                 "warm_latency_ms_p50": percentile(e2e_ms, 50),
             }

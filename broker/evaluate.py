@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from broker.evalspec import specification
 from broker.loadgen import estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
 from mlscope import codec, names, samples
-from mlscope.bus import PAYLOAD_HEADROOM, Bus, request
+from mlscope.bus import PAYLOAD_HEADROOM, Bus, request, request_model
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     AgentDescription,
@@ -38,6 +39,7 @@ from mlscope.contracts import (
     JobRequest,
     PingOp,
     PrepareOp,
+    PrepareReply,
     Query,
     ReleaseOp,
     TraceLevel,
@@ -107,7 +109,7 @@ class Evaluator:
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
         summary = summary.model_copy(update=memory_figures(released, summary.samples))
         await self._store_runs(
-            summarize, summary, outcome, specification(job, agent, entry, p.prep)
+            summarize, summary, outcome, specification(job, agent, entry, p.prep.dump())
         )
         if acc is not None:
             await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, p.eval_id, acc)
@@ -120,9 +122,12 @@ class Evaluator:
         eval_id = evaluation_id_for(job.job_id)
         m, spec = entry.manifest, job.scenario
         level = TraceLevel.parse(job.trace_level)
-        data = dataset(entry, self.zoo_dir)
+        # Off the event loop: a data set is read from disk, and a query may be encoded.
+        data = await anyio.to_thread.run_sync(dataset, entry, self.zoo_dir)
         if job.placement == "server" or job.accuracy:  # only these send queries over the bus
-            check_query_size(data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload))
+            await anyio.to_thread.run_sync(
+                check_query_size, data, m.inputs[0].shape, spec, int(self.bus.nc.max_payload)
+            )
         prepare = PrepareOp(
             evaluation_id=eval_id,
             model=m.name,
@@ -130,10 +135,11 @@ class Evaluator:
             batch_size=spec.batch_size,
             trace_level=level.name.lower(),
         ).dump()
-        prep = await request(
+        prep = await request_model(
             self.bus,
             names.agent_ctl(agent.agent_id),
             codec.encode(prepare),
+            PrepareReply,
             timeout=PREPARE_TIMEOUT_S,
         )
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
@@ -201,9 +207,9 @@ class Evaluator:
             rtt_ns=p.rtt,
             cold_start=outcome.cold_start
             or {
-                "load_ms": prep["load_ns"] / 1e6,
-                "first_inference_ms": prep["first_inference_ns"] / 1e6,
-                "cold": bool(prep["cold"]),
+                "load_ms": prep.load_ns / 1e6,
+                "first_inference_ms": prep.first_inference_ns / 1e6,
+                "cold": prep.cold,
             },
             started=span[0],
             finished=span[1],
@@ -403,7 +409,7 @@ class _Prepared:
     data: tuple[np.ndarray, np.ndarray] | None
     """The model's data set (inputs, labels), None for synthetic inputs."""
     prepare: dict[str, Any]
-    prep: Any
+    prep: PrepareReply
     """The agent's prepare reply."""
     offset: int
     rtt: int
@@ -492,24 +498,33 @@ def check_query_size(
     data: tuple[np.ndarray, np.ndarray] | None, shape: tuple[int, ...], spec: Any, max_payload: int
 ) -> None:
     """Refuse a job whose query of its largest batch size is over the bus's max payload,
-    naming the largest batch size that fits (measured on a real encoded query)."""
+    naming the largest batch size that fits. A query whose raw inputs alone are over it
+    is refused by arithmetic (a manifest's shape must not make the server build what it
+    is about to refuse); one that may fit is measured on a real encoded query."""
     sizes = sorted({spec.batch_size, *(spec.batch_sizes or ())})
     limit = max_payload - PAYLOAD_HEADROOM
+    row_bytes = (
+        data[0][0].nbytes
+        if data is not None and len(data[0])
+        else math.prod(shape) * np.dtype(np.float32).itemsize
+    )
+    if sizes[-1] * row_bytes > limit:
+        biggest, per_sample, at_least = sizes[-1] * row_bytes, row_bytes, "at least "
+    else:
 
-    def size(batch: int) -> int:
-        inputs = samples.feeders(data, shape, batch, spec.seed)[0](0)
-        return len(
-            codec.encode_model(Query(evaluation_id="ev-000000000000", index=0, inputs=inputs))
-        )
+        def size(batch: int) -> int:
+            inputs = samples.feeders(data, shape, batch, spec.seed)[0](0)
+            query = Query(evaluation_id="ev-000000000000", index=0, inputs=inputs)
+            return len(codec.encode_model(query))
 
-    biggest = size(sizes[-1])
-    if biggest <= limit:
-        return
-    per_sample = max(1, size(1))
-    fits = max(0, limit // per_sample)
+        biggest, at_least = size(sizes[-1]), ""
+        if biggest <= limit:
+            return
+        per_sample = size(1)
+    fits = max(0, limit // max(1, per_sample))
     raise ConfigError(
-        f"a query of batch size {sizes[-1]} is {biggest} bytes, over the bus's max payload "
-        f"of {max_payload} bytes; the largest batch size that fits is about {fits}",
+        f"a query of batch size {sizes[-1]} is {at_least}{biggest} bytes, over the bus's max "
+        f"payload of {max_payload} bytes; the largest batch size that fits is about {fits}",
         field="batch_size",
         batch_size=sizes[-1],
         bytes=biggest,

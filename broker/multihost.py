@@ -261,6 +261,19 @@ async def _stop_all(bus: Bus, services: list[LoadgenDescription], run_id: str) -
             tg.start_soon(one, svc)
 
 
+def _own_result(d: LoadgenDone, run_id: str, result: str, svc: LoadgenDescription) -> LoadgenDone:
+    """``d`` once it answers for this run's slice: a service that names another run or
+    another slice's result (which the server would then read as this slice's, and
+    delete) is an EvaluationError naming it."""
+    if d.run_id != run_id or d.result_object != result:
+        raise EvaluationError(
+            f"load-generator service {svc.loadgen_id} answered for run {d.run_id[:64]!r}, "
+            f"result {d.result_object[:128]!r}; it was given run {run_id}, result {result}",
+            loadgen_id=svc.loadgen_id,
+        )
+    return d
+
+
 async def _start_all(
     ctx: Context,
     spec: ScenarioSpec,
@@ -286,7 +299,7 @@ async def _start_all(
         reply = await request(
             ctx.bus, names.loadgen_run(svc.loadgen_id), codec.encode_model(op), timeout=timeout
         )
-        done[j] = LoadgenDone.model_validate(reply)
+        done[j] = _own_result(codec.validate(LoadgenDone, reply), run_id, results[j], svc)
 
     async def heard(msg: Msg) -> None:  # a malformed note is ignored: it is only display
         with contextlib.suppress(WireError):

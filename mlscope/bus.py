@@ -61,6 +61,7 @@ __all__ = [
     "object_store",
     "publish_persistent",
     "request",
+    "request_model",
 ]
 
 HEARTBEAT_S = 1.0
@@ -280,6 +281,12 @@ async def _noop() -> None:
 
 CANCELS_TTL_S = 7 * 24 * 3600.0
 """How long a cancel request of a job no server ran is kept (``mlscope_cancels``)."""
+CANCELS_MAX_BYTES = 32 << 20
+"""Most bytes the remembered cancels take together (~100k of them); past it the
+oldest are forgotten first: any submitter may cancel any id, so a storm of cancels of
+jobs that never existed would otherwise grow the bucket for a week."""
+CANCEL_MAX_MSG_BYTES = 4096
+"""Largest remembered cancel (its reason is cut at 1,024 bytes)."""
 JOB_MAX_BYTES = 1 << 20
 """The largest job the job stream stores (a replay schedule of ~100k arrivals)."""
 
@@ -351,8 +358,24 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
                 await bus.js.key_value(kv.bucket)
             except nats.js.errors.BucketNotFoundError:
                 await bus.js.create_key_value(kv)
+        await _bound_cancels(bus)
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"cannot provision JetStream: {exc!r}") from exc
+
+
+async def _bound_cancels(bus: Bus) -> None:
+    """The cancels bucket's stream keeps at most :data:`CANCELS_MAX_BYTES`, dropping
+    the oldest (a key-value bucket refuses new values when full, which would refuse
+    the next real cancel instead); updated only when it differs."""
+    cfg = (await bus.js.stream_info(f"KV_{names.CANCELS_BUCKET}")).config
+    if (
+        cfg.max_bytes != CANCELS_MAX_BYTES
+        or cfg.discard != DiscardPolicy.OLD
+        or cfg.max_msg_size != CANCEL_MAX_MSG_BYTES
+    ):
+        cfg.max_bytes, cfg.discard = CANCELS_MAX_BYTES, DiscardPolicy.OLD
+        cfg.max_msg_size = CANCEL_MAX_MSG_BYTES
+        await bus.js.update_stream(cfg)
 
 
 async def attach_edge(bus: Bus, domain: str) -> None:
@@ -482,6 +505,15 @@ async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> 
     if isinstance(data, dict) and data.get("kind") == "error":
         raise error_from_wire(data["error"])
     return data
+
+
+async def request_model(
+    bus: Bus, subject: str, payload: bytes, model: type[M], *, timeout: float
+) -> M:
+    """:func:`request` whose answer must be a ``model`` (else a WireError naming what
+    is wrong with it): a peer's reply is checked where it arrives, not where a field
+    of it is first read."""
+    return codec.validate(model, await request(bus, subject, payload, timeout=timeout))
 
 
 async def find_object_store(bus: Bus, name: str) -> ObjectStore | None:

@@ -26,6 +26,8 @@ from mlscope.contracts import MAX_ID_CHARS, QUERY_INDEX_LIMIT, SCHEMA, QueryRepl
 from mlscope.errors import OverloadedError, WireError
 
 __all__ = [
+    "AGENT_TIME_LIMIT",
+    "DISORDERED_TIMES",
     "QueryView",
     "ReplyView",
     "decode_query",
@@ -174,6 +176,14 @@ class ReplyView:
 
 
 _NO_TIMES = (0, 0, 0, 0)
+AGENT_TIME_LIMIT = 2**63
+"""An agent's times are its monotonic clock in ns, stored as Int64."""
+DISORDERED_TIMES = (
+    "the agent's times are out of order or out of range (received <= predict start "
+    "<= predict end <= replied, each 0 .. 2**63 - 1)"
+)
+"""Why an answer whose times no agent can produce counts as a failed query: its
+compute, queueing and transport would be negative or past the columns that store them."""
 
 
 def read_reply(data: bytes) -> ReplyView:
@@ -199,6 +209,8 @@ def read_reply(data: bytes) -> ReplyView:
             int(raw["t_predict_end"]),
             int(raw["t_replied"]),
         )
+        if not 0 <= times[0] <= times[1] <= times[2] <= times[3] < AGENT_TIME_LIMIT:
+            return ReplyView(index, False, DISORDERED_TIMES, False, _NO_TIMES, None)
         return ReplyView(index, True, "", False, times, raw.get("outputs"))
     why = str((raw.get("error") or {}).get("message") or "error")
     return ReplyView(index, False, why, False, _NO_TIMES, None)

@@ -159,3 +159,30 @@ def test_a_subject_a_message_names_is_one_protocol_token(subject: str) -> None:
         LoadgenLoadOp.model_validate({**fields, "subject": subject})
     with pytest.raises(ValidationError):
         LoadgenStartOp(run_id="r", start_ns=0, result_object="o", progress_subject=subject)
+
+
+def test_a_query_over_the_payload_is_refused_without_building_it() -> None:
+    """A manifest's input shape sets a query's size: one whose raw inputs alone are over
+    the bus's max payload is refused by arithmetic (3M floats per sample, 64 fill rows:
+    the old measurement built 2.3 GB to refuse it); one that may fit is measured."""
+    import tracemalloc
+
+    import numpy as np
+
+    from broker.evaluate import check_query_size
+
+    spec = ScenarioSpec(batch_size=4)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ConfigError, match="is at least 48000000 bytes, over") as err:
+            check_query_size(None, (3_000_000,), spec, 1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20 and err.value.fields["bytes"] == 48_000_000
+    assert "the largest batch size that fits is about 0" in err.value.message
+    rows = (np.zeros((10, 28, 28), np.float32), np.zeros(10, np.int64))
+    check_query_size(rows, (28, 28), ScenarioSpec(batch_size=300), 1 << 20)  # measured: fits
+    with pytest.raises(ConfigError, match=r"batch size 300 is at least 940800 bytes") as err:
+        check_query_size(rows, (28, 28), ScenarioSpec(batch_size=300), 1 << 19)
+    assert "the largest batch size that fits is about 166" in err.value.message

@@ -295,3 +295,30 @@ def test_a_cancel_outlives_the_server_that_heard_it(settings: Settings) -> None:
             later.wait(20)
     assert summary.status == "cancelled" and not summary.valid
     assert summary.queries == 0 and "not wanted" in summary.invalid_reasons[0]
+
+
+def test_remembered_cancels_are_bounded_and_forget_the_oldest(tmp_path: Path) -> None:
+    """Any submitter may cancel any id, and cancels of jobs no server runs are kept for
+    a week: the bucket keeps at most CANCELS_MAX_BYTES, drops the oldest when full (a
+    full key-value bucket would refuse the next real cancel instead), and refuses a
+    value larger than any cancel; provisioning twice changes nothing."""
+    from mlscope import names
+    from mlscope.natsserver import NatsServer
+    from mlscope.settings import Settings
+
+    async def main() -> None:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            for _ in range(2):
+                async with busmod.connect(settings, name="t", provision=True) as bus:
+                    info = await bus.js.stream_info(f"KV_{names.CANCELS_BUCKET}")
+                    cfg = info.config
+                    assert cfg.max_bytes == busmod.CANCELS_MAX_BYTES
+                    assert cfg.discard == "old"  # DiscardPolicy.OLD, as the server reports it
+                    assert cfg.max_msg_size == busmod.CANCEL_MAX_MSG_BYTES
+                    kv = await bus.kv(names.CANCELS_BUCKET)
+                    await kv.put("job-1", b"x" * 1024)  # the longest reason a server writes
+                    with pytest.raises(Exception, match="message size exceeds maximum"):
+                        await kv.put("job-2", b"x" * 8192)
+
+    anyio.run(main)

@@ -149,6 +149,44 @@ def test_a_read_reply_has_the_contracts_values() -> None:
         assert (view.index, view.ok, view.error, view.refused) == (9, False, exc.message, refused)
 
 
+@pytest.mark.parametrize(
+    "times",
+    [
+        (10, 20, 5, 40),  # predict ends before it starts: negative compute
+        (30, 20, 25, 40),  # predicted before it arrived: negative queueing
+        (10, 20, 30, 25),  # replied before the predict ended
+        (-5, 20, 30, 40),  # before the clock's zero
+        (10, 20, 30, 2**63),  # past the Int64 columns that store them
+        (10**15, 0, -(10**15), -(10**15)),
+    ],
+)
+def test_an_answer_with_impossible_times_is_a_failed_query(times: tuple[int, ...]) -> None:
+    """Times no agent's clock can produce (out of order, negative, past Int64) would
+    become negative compute or transport in a VALID summary, or overflow the columns:
+    the query counts as failed, with the reason, and its outputs are not read."""
+    t_received, t_start, t_end, t_replied = times
+    msg = {
+        "kind": "reply",
+        "index": 3,
+        "ok": True,
+        "outputs": np.zeros((1, 1), np.int64),
+        "t_received": t_received,
+        "t_predict_start": t_start,
+        "t_predict_end": t_end,
+        "t_replied": t_replied,
+    }
+    view = wire.read_reply(codec.encode(msg))
+    assert (view.index, view.ok, view.error, view.refused) == (
+        3,
+        False,
+        wire.DISORDERED_TIMES,
+        False,
+    )
+    assert (view.agent_ns, view.outputs) == ((0, 0, 0, 0), None)
+    equal = {**msg, "t_received": 7, "t_predict_start": 7, "t_predict_end": 7, "t_replied": 7}
+    assert wire.read_reply(codec.encode(equal)).ok  # equal times are possible (a fast model)
+
+
 def test_a_failure_without_words_is_still_a_failure() -> None:
     """An empty message never reads as an answer."""
     for msg in (

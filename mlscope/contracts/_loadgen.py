@@ -9,7 +9,7 @@ from pydantic import (
     TypeAdapter,
 )
 
-from mlscope.contracts._base import Ident, Subject, _Message
+from mlscope.contracts._base import MAX_SCHEDULED_QUERIES, Ident, Subject, _Message
 from mlscope.contracts._control import PingOp
 from mlscope.contracts._jobs import ScenarioSpec
 from mlscope.contracts._registry import EPOCH_LIMIT_S
@@ -95,7 +95,7 @@ class LoadgenProgress(_Message):
 class LoadgenDone(_Message):
     kind: Literal["loadgen-done"] = "loadgen-done"
     run_id: Ident
-    result_object: str
-    queries: int
-    completed: int
-    cpu_s: float
+    result_object: Ident
+    queries: int = Field(ge=0, le=MAX_SCHEDULED_QUERIES)
+    completed: int = Field(ge=0, le=MAX_SCHEDULED_QUERIES)
+    cpu_s: float = Field(ge=0, allow_inf_nan=False)

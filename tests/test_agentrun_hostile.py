@@ -1,0 +1,178 @@
+"""A local run's rows (placement agent) as the server takes them from an agent that
+lies: rows that are not columns of numbers, rows that would make the server hold more
+queries than any run may, times no clock produces, and an agent that keeps talking
+without ever ending its run. Each is a typed error, a failed query or a given-up run;
+the server never grows without bound nor waits forever."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from broker.agentrun import _Collector
+from mlscope import bus as busmod
+from mlscope import codec, names, wire
+from mlscope.contracts import MAX_SCHEDULED_QUERIES, PrepareReply, RunRows, RunStarted
+from mlscope.errors import EvaluationError, WireError
+from mlscope.natsserver import NatsServer
+from mlscope.record import ARRAYS, RunRecord
+from mlscope.settings import Settings
+
+
+def good_columns(n: int, start_ns: int = 1000) -> dict[str, np.ndarray]:
+    """``n`` answered rows with times in the order they happen."""
+    base = start_ns + np.arange(n, dtype=np.int64) * 100
+    cols = {name: np.zeros(n, np.int64) for name in ARRAYS}
+    for k, name in enumerate(
+        ("scheduled", "paced", "issued", "agent_received", "predict_start", "predict_end")
+    ):
+        cols[name] = base + k
+    cols["agent_replied"] = base + 7
+    cols["completed"] = base + 8
+    cols["ok"] = np.ones(n, np.uint8)
+    cols["refused"] = np.zeros(n, np.uint8)
+    cols["top1"] = np.zeros((n, 1), np.int32)
+    return cols
+
+
+def collector() -> _Collector:
+    return _Collector(RunRecord(n=4, batch_size=1), None, "rogue")
+
+
+def rows(cols: dict[str, np.ndarray], start: int = 0, **extra: object) -> RunRows:
+    fields: dict[str, object] = {"seq": 0, **extra}
+    return RunRows(evaluation_id="ev-x", start=start, columns=cols, **fields)  # type: ignore[arg-type]
+
+
+def test_honest_rows_are_taken_whole() -> None:
+    got = collector()
+    got.add(rows(good_columns(6)))
+    assert got.rec.n >= 6 and got.answered() == 6 and got.rec.errors == {}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda c: {**c, "evil": np.zeros(3, np.int64)}, "unknown columns 'evil'"),
+        (lambda c: {**c, "predict_end": c["predict_end"].astype(float)}, "'predict_end'"),
+        (lambda c: {**c, "ok": np.ones((3, 2), np.uint8)}, "'ok' is not integers"),
+        (lambda c: {**c, "issued": c["issued"][:2]}, "'issued' has 2 rows"),
+        (lambda c: {**c, "top1": np.zeros(3, np.int32)}, "'top1' is not integers"),
+        (lambda c: {**c, "scheduled": np.array(["a", "b", "c"])}, "'scheduled'"),
+    ],
+)
+def test_rows_that_are_not_columns_of_numbers_are_a_typed_error(change, problem) -> None:  # type: ignore[no-untyped-def]
+    got = collector()
+    with pytest.raises(
+        EvaluationError, match=f"agent rogue sent malformed local-run rows.*{problem}"
+    ):
+        got.add(rows(change(good_columns(3))))
+    assert got.answered() == 0 and got.messages == 0
+
+
+def test_rows_past_the_most_queries_a_run_holds_are_refused_before_any_memory() -> None:
+    """A start near the bound with a few rows would make the record grow to it (GBs)."""
+    got = collector()
+    with pytest.raises(EvaluationError, match=f"rows past {MAX_SCHEDULED_QUERIES} queries"):
+        got.add(rows(good_columns(3), start=MAX_SCHEDULED_QUERIES - 1))
+    assert got.rec.n == 4
+    with pytest.raises(ValidationError):
+        rows(good_columns(3), start=10**12)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"issued": -1},
+        {"queries": 10**12},
+        {"not_issued": -5},
+        {"cpu_s": float("nan")},
+        {"cpu_s": -1.0},
+        {"errors": {-1: "x"}},
+        {"errors": {10**12: "x"}},
+        {"seq": -1},
+    ],
+)
+def test_run_rows_refuse_counts_no_run_has(fields: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        rows(good_columns(1), 0, **fields)
+
+
+@pytest.mark.parametrize("fields", [{"queries": 10**12}, {"queries": -1}, {"t0_agent": -1}])
+def test_a_run_start_refuses_a_schedule_no_run_has(fields: dict[str, int]) -> None:
+    """The server sizes its record by ``queries``: 10**12 would be terabytes."""
+    with pytest.raises(ValidationError):
+        RunStarted(**{"t0_agent": 5, **fields})  # type: ignore[arg-type]
+
+
+def test_answered_rows_with_impossible_times_count_as_failed() -> None:
+    cols = good_columns(4)
+    cols["predict_end"][1] = cols["predict_start"][1] - 10**9  # a negative compute
+    cols["agent_received"][2] = cols["predict_start"][2] + 50  # a negative queueing
+    cols["ok"][3] = 0  # a failed row's zeros are no lie
+    cols["predict_start"][3] = cols["predict_end"][3] = 0
+    got = collector()
+    got.add(rows(cols, errors={3: "boom"}))
+    assert got.rec.ok[:4].tolist() == [1, 0, 0, 0]
+    assert got.rec.errors == {1: wire.DISORDERED_TIMES, 2: wire.DISORDERED_TIMES, 3: "boom"}
+
+
+def test_an_agent_that_talks_but_never_ends_its_run_is_given_up(tmp_path: Path) -> None:
+    """Rows every 50 ms, never a final one: the run's deadline still ends the wait."""
+
+    async def main() -> tuple[str, ...]:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with busmod.connect(settings, name="server") as bus:
+                subject = names.agent_rows("rogue", "ev-x")
+                sub = await bus.nc.subscribe(subject)
+                payload = codec.encode_model(rows(good_columns(1)))
+
+                async def chatter() -> None:
+                    while True:
+                        await bus.nc.publish(subject, payload)
+                        await anyio.sleep(0.05)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(chatter)
+                    with anyio.fail_after(20):  # the old wait never ended
+                        reasons = await collector().collect(bus, sub, 1.0, None)
+                    tg.cancel_scope.cancel()
+                return reasons
+
+    reasons = anyio.run(main)
+    assert len(reasons) == 1 and "did not finish its local run within 1 s" in reasons[0]
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"kind": "prepared", "cold": "no", "t_agent": 0},  # no load times
+        {"kind": "prepared", "cold": True, "load_ns": -1, "first_inference_ns": 0, "t_agent": 0},
+        {"kind": "prepared", "cold": [1], "load_ns": 1, "first_inference_ns": 1, "t_agent": 0},
+        [1, 2, 3],
+    ],
+)
+def test_a_prepare_reply_that_is_not_one_is_a_typed_error_at_once(
+    tmp_path: Path, reply: object
+) -> None:
+    """The server reads an agent's prepare reply where it arrives (before any load runs),
+    not where a field of it is first used after the run."""
+
+    async def main() -> None:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with busmod.connect(settings, name="server") as bus:
+
+                async def answer(msg: object) -> None:
+                    await msg.respond(codec.encode(reply))  # type: ignore[attr-defined]
+
+                await bus.nc.subscribe("prep.test", cb=answer)
+                with pytest.raises(WireError, match="invalid PrepareReply"):
+                    await busmod.request_model(bus, "prep.test", b"", PrepareReply, timeout=5)
+
+    anyio.run(main)

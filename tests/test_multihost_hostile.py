@@ -1,0 +1,158 @@
+"""A hostile load-generator service in a distributed run (``run_on_services``), on a
+real nats-server with the real work bucket: service ``good`` runs its slice honestly;
+service ``evil`` answers its start with a LoadgenDone that names an object the server
+did not give it (the good service's result, then someone else's object). The server
+refuses the answer by name; it neither reads another slice's times as its own nor
+deletes an object it did not make."""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from broker import multihost
+from broker.distributed import save_result
+from mlscope import bus as busmod
+from mlscope import codec, loadgens, names
+from mlscope.bus import ensure_infrastructure
+from mlscope.contracts import LoadgenDescription, LoadgenDone, LoadgenLoaded, ScenarioSpec
+from mlscope.errors import EvaluationError
+from mlscope.natsserver import NatsServer
+from mlscope.record import RunRecord
+from mlscope.schedule import Schedule
+from mlscope.settings import Settings
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 8  # queries: 4 per slice
+OTHER = "someone-else/slice-0"
+Names = Callable[[dict[str, Any], Any], Awaitable[str]]
+"""A service's answer to a start: the result object it names (given the op, the bucket)."""
+
+
+async def _service(bus: busmod.Bus, lg_id: str, result_for: Names, obs: Any) -> None:
+    kv = await loadgens.ensure_bucket(bus)
+    now = time.time()
+    desc = LoadgenDescription(
+        loadgen_id=lg_id, host="h", pid=1, mlscope_version="0", started_at=now, heartbeat_at=now
+    )
+    await kv.put(names.token(lg_id), codec.encode_model(desc))
+
+    async def ctl(msg: Any) -> None:
+        op = codec.decode(msg.data)
+        if op.get("op") == "ping":
+            out: Any = {"kind": "pong", "t_agent": time.perf_counter_ns()}
+        elif op.get("op") == "load":
+            out = LoadgenLoaded(run_id=op["run_id"], queries=N // 2).dump()
+        else:
+            out = {"kind": "stopped"}
+        await msg.respond(codec.encode(out))
+
+    async def run(msg: Any) -> None:
+        op = codec.decode(msg.data)
+        name = await result_for(op, obs)
+        done = LoadgenDone(
+            run_id=op["run_id"], result_object=name, queries=N // 2, completed=N // 2, cpu_s=0.0
+        )
+        await msg.respond(codec.encode_model(done))
+
+    await bus.nc.subscribe(names.loadgen_ctl(lg_id), cb=ctl)
+    await bus.nc.subscribe(names.loadgen_run(lg_id), cb=run)
+    await bus.nc.flush()
+
+
+def _result(latency_ns: int) -> bytes:
+    rec = RunRecord(n=N // 2, batch_size=1)
+    rec.scheduled[:] = np.arange(1, N // 2 + 1) * 1000
+    rec.issued[:] = rec.scheduled
+    rec.completed[:] = rec.scheduled + latency_ns
+    rec.ok[:] = 1
+    rec.done = N // 2
+    buf = io.BytesIO()
+    save_result(rec, buf)
+    return buf.getvalue()
+
+
+def _only(exc: BaseException) -> BaseException:
+    """The one error a task group raised, out of its groups."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def run_with(tmp_path: Path, evil: Names) -> tuple[BaseException | None, bool]:
+    """A run dealt to ``good`` and ``evil``: its error (None if it ran) and whether
+    someone else's object in the work bucket is still there afterwards."""
+    got: list[tuple[BaseException | None, bool]] = []
+    good_done = anyio.Event()
+
+    async def good(op: dict[str, Any], obs: Any) -> str:
+        await obs.put(op["result_object"], _result(latency_ns=5_000_000))
+        good_done.set()
+        return str(op["result_object"])
+
+    async def main() -> None:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="services") as sb,
+                busmod.connect(settings, name="server") as bus,
+            ):
+                await ensure_infrastructure(bus)
+                obs = await multihost.work_bucket(bus)
+                await obs.put(OTHER, b"another run's slice")
+                await _service(sb, "good", good, obs)
+                await _service(sb, "evil", evil, good_done)
+                ctx: Any = SimpleNamespace(
+                    bus=bus,
+                    evaluation_id="ev-1",
+                    subject="mlscope.agent.a.query",
+                    trace_level=0,
+                    offset_ns=0,
+                    on_progress=None,
+                )
+                spec = ScenarioSpec(name="batched", loadgen_hosts=("good", "evil"))
+                sched = Schedule(np.arange(N, dtype=np.int64) * 1000, 1, np.arange(N))
+                error: BaseException | None = None
+                try:
+                    await multihost.run_on_services(
+                        ctx, spec, sched, lambda g: np.zeros((1, 4), np.float32), None
+                    )
+                except Exception as exc:  # the test judges it
+                    error = _only(exc)
+                kept = (await obs.get(OTHER)).data == b"another run's slice"
+                got.append((error, kept))
+
+    anyio.run(main)
+    return got[0]
+
+
+def test_a_service_that_names_another_slice_s_result_is_refused(tmp_path: Path) -> None:
+    """Its own slice never ran; it names the good service's result, which the server
+    would read as its slice too (8 of 8 answered, slice 1 holding slice 0's times)."""
+
+    async def evil(op: dict[str, Any], good_done: Any) -> str:
+        await good_done.wait()
+        return f"{op['run_id']}/result-0"
+
+    error, kept = run_with(tmp_path, evil)
+    assert isinstance(error, EvaluationError), error
+    assert "load-generator service evil answered for run" in error.message
+    assert error.fields["loadgen_id"] == "evil" and kept
+
+
+def test_a_service_cannot_make_the_server_delete_another_object(tmp_path: Path) -> None:
+    async def evil(op: dict[str, Any], good_done: Any) -> str:
+        return OTHER
+
+    error, kept = run_with(tmp_path, evil)
+    assert isinstance(error, EvaluationError) and OTHER in error.message
+    assert kept, "the server deleted an object a load generator named"
