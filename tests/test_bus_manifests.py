@@ -15,9 +15,10 @@ import pytest
 from mlscope import bus as busmod
 from mlscope import model_registry, names
 from mlscope.errors import ManifestError
+from mlscope.image_ops import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 from mlscope.model_registry import ManifestWatcher, delete_manifest, key_for
 from mlscope.natsserver import NatsServer
-from mlscope.operators import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, compile_steps
+from mlscope.operators import compile_steps
 from mlscope.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
