@@ -39,6 +39,7 @@ from broker.context import Context
 from broker.loadgen import Driver, encode_query
 from mlscope import bus as busmod
 from mlscope import codec, scenario_traits, schedule
+from mlscope.bounded import npz_headers
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
 from mlscope.record import ARRAYS, RunRecord
@@ -212,18 +213,11 @@ def _check_result(z: Any, queries: int) -> None:
     result is what a load-generator service wrote into the work bucket, and a small
     compressed object can claim gigabytes."""
     layout = _result_layout(queries)
-    members = {name.removesuffix(".npy"): name for name in z.zip.namelist()}
-    if set(members) != set(layout):
-        raise EvaluationError(f"a slice's result has arrays {sorted(members)[:20]}")
+    headers = npz_headers(z)
+    if set(headers) != set(layout):
+        raise EvaluationError(f"a slice's result has arrays {sorted(headers)[:20]}")
     for name, (kinds, length) in layout.items():
-        with z.zip.open(members[name]) as fh:
-            version = np.lib.format.read_magic(fh)
-            read = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            shape, _, dtype = read(fh)
+        shape, dtype = headers[name]
         ok = dtype.kind in kinds and (
             shape == () if length is None else len(shape) == 1 and shape[0] <= queries
         )

@@ -14,6 +14,10 @@ never a traceback:
   validate quickly (aliases share objects) and explode when it is serialized;
 * **duplicate keys** are an error (YAML says keys are unique; PyYAML keeps the
   last one silently, so a second ``sha256:`` would quietly win).
+
+Arrays another process wrote (an ``.npz`` of a load generator's or LoadGen's run) are
+read by their headers first (:func:`npz_headers`): a small compressed file can claim
+gigabytes, and the caller checks shapes and types before anything is decompressed.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 from yaml.composer import Composer
 from yaml.constructor import SafeConstructor
@@ -39,6 +44,7 @@ __all__ = [
     "json_depth",
     "load_json",
     "load_yaml_bounded",
+    "npz_headers",
 ]
 
 MAX_DOCUMENT_BYTES = 1 << 20
@@ -291,3 +297,20 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise _Limit(f"duplicate key {key!r}", None)
         out[key] = value
     return out
+
+
+def npz_headers(z: Any) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+    """Each ``.npy`` member of the open npz ``z`` (``np.load``'s NpzFile) by its array
+    name: its shape and dtype, read from its header, nothing decompressed past it."""
+    headers: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+    for member in z.zip.namelist():
+        with z.zip.open(member) as fh:
+            version = np.lib.format.read_magic(fh)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, dtype = read(fh)
+        headers[member.removesuffix(".npy")] = (tuple(shape), dtype)
+    return headers

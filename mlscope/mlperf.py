@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from mlscope import codec
+from mlscope.bounded import npz_headers
 from mlscope.contracts import MAX_MLPERF_FILE_BYTES, MAX_SCHEDULED_QUERIES, MLPerfSpec
 from mlscope.errors import ConfigError, EvaluationError, FrameworkUnavailable
 from mlscope.pacer import REALTIME_PRIORITY
@@ -250,7 +251,7 @@ def load_timing(source: Path | BinaryIO) -> dict[str, np.ndarray]:
     gigabytes (EvaluationError when it is not what ``save_timing`` writes)."""
     try:
         with np.load(source) as z:
-            headers = {name.removesuffix(".npy"): _header(z, name) for name in z.zip.namelist()}
+            headers = npz_headers(z)
             _check_timing(headers)
             timing: dict[str, np.ndarray] = {k: z[k] for k in z.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
@@ -259,19 +260,6 @@ def load_timing(source: Path | BinaryIO) -> dict[str, np.ndarray]:
     if predicted.size and (predicted.min() < -MAX_CLASS - 1 or predicted.max() > MAX_CLASS):
         raise EvaluationError(f"{TIMING} holds a prediction past class {MAX_CLASS}")
     return timing
-
-
-def _header(z: Any, member: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    """The shape and dtype of one ``.npy`` member of an open npz, from its header."""
-    with z.zip.open(member) as fh:
-        version = np.lib.format.read_magic(fh)
-        read = (
-            np.lib.format.read_array_header_1_0
-            if version == (1, 0)
-            else np.lib.format.read_array_header_2_0
-        )
-        shape, _, dtype = read(fh)
-    return tuple(shape), dtype
 
 
 def _check_timing(headers: dict[str, tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
