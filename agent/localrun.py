@@ -29,28 +29,24 @@ spans share one timeline as in a server-placed run.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import anyio
 import numpy as np
 
 from agent.pipeline import Executor, Job, Model
 from agent.samplelib import MemoryBudget, preprocess_all
 from agent.stream import Answered
 from agent.tracer import SpanBuffer
-from mlscope import codec, samples, scenario_traits
+from mlscope import samples, scenario_traits
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
     QueryReply,
     RunOp,
-    RunRows,
     ScenarioSpec,
     TraceLevel,
 )
@@ -58,14 +54,11 @@ from mlscope.errors import ConfigError, EvaluationError
 from mlscope.pacer import OutstandingLimit, Pacer, RealtimeThreads
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.schedule import build_schedule
-from mlscope.serving import as_error
 
-__all__ = ["SHIP_S", "LocalRun", "rows_messages", "run_inputs", "serve_run"]
+__all__ = ["LocalRun", "run_inputs"]
 
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
-SHIP_S = 0.25
-"""How often a local run's finished rows go to the server (also its sign of life)."""
 START_LEAD_NS = 50_000_000
 """Offset 0 is 50 ms after :meth:`LocalRun.prepare` (the run request's reply and the
 start of the run's threads fit in it), so the first query is on time."""
@@ -582,107 +575,3 @@ def run_inputs(
             )
     inputs, _ = samples.feed(pre if pre is not None else x, None, spec.batch_size, spec.seed)
     return inputs, (None if pre is None else pre.nbytes)
-
-
-def rows_messages(
-    evaluation_id: str,
-    start: int,
-    columns: dict[str, np.ndarray],
-    errors: dict[int, str],
-    *,
-    seq: int,
-    max_bytes: int,
-    **extra: Any,
-) -> list[bytes]:
-    """``RunRows`` messages for these rows, each under ``max_bytes`` (split by rows;
-    ``extra`` goes on the last)."""
-    n = len(next(iter(columns.values()))) if columns else 0
-    per_row = sum(c[:1].nbytes for c in columns.values()) or 1
-    err_bytes = sum(len(e) + 8 for e in errors.values())
-    step = max(1, (max_bytes - 4096 - err_bytes) // per_row)
-    out: list[bytes] = []
-    a = 0
-    while True:
-        b = min(n, a + step)
-        last = b >= n
-        msg = RunRows(
-            evaluation_id=evaluation_id,
-            seq=seq + len(out),
-            start=start + a,
-            columns={k: v[a:b] for k, v in columns.items()},
-            errors={i: e for i, e in errors.items() if start + a <= i < start + b},
-            **(extra if last else {k: v for k, v in extra.items() if k == "issued"}),
-        )
-        out.append(codec.encode_model(msg))
-        if last:
-            return out
-        a = b
-
-
-async def serve_run(
-    run: LocalRun,
-    req: RunOp,
-    publish: Callable[[bytes], Awaitable[None]],
-    service: str,
-    *,
-    held: contextlib.ExitStack,
-    max_bytes: int,
-) -> None:
-    """Run ``run`` (prepared) on a worker thread; ship its rows every :data:`SHIP_S`
-    while it runs and the rest, with the totals, when it ends: also when it fails (its
-    typed error goes in the final rows) or the agent shuts down. ``held`` (the process
-    tuning taken for the run) is let go once the run has ended, on this event loop.
-    Messages are at most ``max_bytes`` (what the request asked, within the bus's max
-    payload). Nothing here ends the agent: rows that cannot be shipped are logged, and
-    the server, which never hears the run's end, fails it after its deadline."""
-    seq = 0
-
-    async def ship(*, final: bool = False, **extra: Any) -> None:
-        nonlocal seq
-        start, cols, errors = run.take(final=final)
-        if not final and not len(cols["ok"]):
-            return
-        for data in rows_messages(
-            req.evaluation_id,
-            start,
-            cols,
-            errors,
-            seq=seq,
-            max_bytes=max_bytes,
-            issued=run.issued,
-            final=final,
-            **extra,
-        ):
-            await publish(data)
-            seq += 1
-
-    async def shipper() -> None:
-        while True:
-            await anyio.sleep(SHIP_S)
-            await ship()
-
-    error: dict[str, Any] | None = None
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(shipper)
-            try:
-                await anyio.to_thread.run_sync(run.run, abandon_on_cancel=True)
-            finally:
-                run.stop()
-            tg.cancel_scope.cancel()
-    except Exception as exc:  # the run's failure goes to the server in its rows
-        error = as_error(exc, service=service).to_wire()
-        log.warning("%s: local run %s failed: %r", service, req.evaluation_id, exc)
-    finally:  # also on shutdown: the server stores what was measured
-        held.close()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
-            try:
-                await ship(
-                    final=True,
-                    queries=run.queries,
-                    not_issued=run.rec.not_issued,
-                    cpu_s=run.cpu_s,
-                    error=error,
-                )
-            except Exception as exc:  # a lost link, a refused message: this run only
-                log.error("%s: local run %s: rows not shipped: %r", service, req.evaluation_id, exc)

@@ -26,12 +26,13 @@ from nats.aio.msg import Msg
 import mlscope
 from agent import profiling
 from agent.energy import EnergyMeter
-from agent.localrun import LocalRun, run_inputs, serve_run
+from agent.localrun import LocalRun, run_inputs
 from agent.mlperf_ops import MLPerfOps, loadgen_installed
 from agent.models import ModelHost
 from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
+from agent.runrows import serve_run
 from agent.samplelib import MemoryBudget
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
@@ -544,22 +545,9 @@ class Agent:
                 self.tuning.load() if run.closed else self.tuning.measurement(realtime_loop=False)
             )
             t0 = await anyio.to_thread.run_sync(run.prepare)
+            budget = self.bus.payload_budget()
             self.task_group.start_soon(
-                functools.partial(
-                    self._serve,
-                    req.evaluation_id,
-                    run,
-                    req,
-                    # Its own subject, not the request's reply subject: under
-                    # credentials an answer is allowed only for a while after the
-                    # request, and a run's rows go on for as long as the run.
-                    functools.partial(
-                        self.bus.nc.publish, names.agent_rows(self.agent_id, req.evaluation_id)
-                    ),
-                    f"agent {self.agent_id}",
-                    held=held,
-                    max_bytes=min(req.max_bytes, self.bus.payload_budget()),
-                )
+                functools.partial(self._serve, run, req, held, min(req.max_bytes, budget))
             )
         except BaseException:
             held.close()
@@ -569,15 +557,28 @@ class Agent:
             t0_agent=t0, queries=scheduled, preprocess="ahead" if run.preprocessed else "timed"
         )
 
-    async def _serve(self, evaluation_id: str, *args: Any, **kwargs: Any) -> None:
-        """:func:`serve_run` in a scope the evaluation's release cancels."""
+    async def _serve(
+        self, run: LocalRun, req: RunOp, held: contextlib.ExitStack, max_bytes: int
+    ) -> None:
+        """:func:`serve_run` in a scope the evaluation's release cancels. The rows go on
+        the agent's own rows subject, not the request's reply subject: under credentials
+        an answer is allowed only for a while after the request, and a run's rows go on
+        for as long as the run."""
+        rows = names.agent_rows(self.agent_id, req.evaluation_id)
         with anyio.CancelScope() as scope:
-            self.running[evaluation_id] = scope
+            self.running[req.evaluation_id] = scope
             try:
-                await serve_run(*args, **kwargs)
+                await serve_run(
+                    run,
+                    req,
+                    functools.partial(self.bus.nc.publish, rows),
+                    f"agent {self.agent_id}",
+                    held=held,
+                    max_bytes=max_bytes,
+                )
             finally:
-                if self.running.get(evaluation_id) is scope:
-                    del self.running[evaluation_id]
+                if self.running.get(req.evaluation_id) is scope:
+                    del self.running[req.evaluation_id]
 
     async def _local_run(
         self, req: RunOp, session: Session, held: contextlib.ExitStack

@@ -283,7 +283,7 @@ def test_submit_takes_placement() -> None:
 
 
 def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
-    from agent.localrun import rows_messages
+    from agent.runrows import rows_messages
     from broker.agentrun import _Collector
     from mlscope import codec, samples
     from mlscope.contracts import RunRows

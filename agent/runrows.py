@@ -1,0 +1,131 @@
+"""Shipping a local run's rows (placement agent): :func:`serve_run` runs a prepared
+:class:`~agent.localrun.LocalRun` on a worker thread and sends its rows to the server
+every :data:`SHIP_S` while it runs, then the rest with the run's totals, as
+:class:`~mlscope.contracts.RunRows` messages each within the max payload
+(:func:`rows_messages`). The server side is ``broker/agentrun.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+from agent.localrun import LocalRun
+from mlscope import codec
+from mlscope.contracts import RunOp, RunRows
+from mlscope.serving import as_error
+
+__all__ = ["SHIP_S", "rows_messages", "serve_run"]
+
+log = logging.getLogger("mlscope.agent")
+SHIP_S = 0.25
+"""How often a local run's finished rows go to the server (also its sign of life)."""
+
+
+def rows_messages(
+    evaluation_id: str,
+    start: int,
+    columns: dict[str, np.ndarray],
+    errors: dict[int, str],
+    *,
+    seq: int,
+    max_bytes: int,
+    **extra: Any,
+) -> list[bytes]:
+    """``RunRows`` messages for these rows, each under ``max_bytes`` (split by rows;
+    ``extra`` goes on the last)."""
+    n = len(next(iter(columns.values()))) if columns else 0
+    per_row = sum(c[:1].nbytes for c in columns.values()) or 1
+    err_bytes = sum(len(e) + 8 for e in errors.values())
+    step = max(1, (max_bytes - 4096 - err_bytes) // per_row)
+    out: list[bytes] = []
+    a = 0
+    while True:
+        b = min(n, a + step)
+        last = b >= n
+        msg = RunRows(
+            evaluation_id=evaluation_id,
+            seq=seq + len(out),
+            start=start + a,
+            columns={k: v[a:b] for k, v in columns.items()},
+            errors={i: e for i, e in errors.items() if start + a <= i < start + b},
+            **(extra if last else {k: v for k, v in extra.items() if k == "issued"}),
+        )
+        out.append(codec.encode_model(msg))
+        if last:
+            return out
+        a = b
+
+
+async def serve_run(
+    run: LocalRun,
+    req: RunOp,
+    publish: Callable[[bytes], Awaitable[None]],
+    service: str,
+    *,
+    held: contextlib.ExitStack,
+    max_bytes: int,
+) -> None:
+    """Run ``run`` (prepared) on a worker thread; ship its rows every :data:`SHIP_S`
+    while it runs and the rest, with the totals, when it ends: also when it fails (its
+    typed error goes in the final rows) or the agent shuts down. ``held`` (the process
+    tuning taken for the run) is let go once the run has ended, on this event loop.
+    Messages are at most ``max_bytes`` (what the request asked, within the bus's max
+    payload). Nothing here ends the agent: rows that cannot be shipped are logged, and
+    the server, which never hears the run's end, fails it after its deadline."""
+    seq = 0
+
+    async def ship(*, final: bool = False, **extra: Any) -> None:
+        nonlocal seq
+        start, cols, errors = run.take(final=final)
+        if not final and not len(cols["ok"]):
+            return
+        for data in rows_messages(
+            req.evaluation_id,
+            start,
+            cols,
+            errors,
+            seq=seq,
+            max_bytes=max_bytes,
+            issued=run.issued,
+            final=final,
+            **extra,
+        ):
+            await publish(data)
+            seq += 1
+
+    async def shipper() -> None:
+        while True:
+            await anyio.sleep(SHIP_S)
+            await ship()
+
+    error: dict[str, Any] | None = None
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(shipper)
+            try:
+                await anyio.to_thread.run_sync(run.run, abandon_on_cancel=True)
+            finally:
+                run.stop()
+            tg.cancel_scope.cancel()
+    except Exception as exc:  # the run's failure goes to the server in its rows
+        error = as_error(exc, service=service).to_wire()
+        log.warning("%s: local run %s failed: %r", service, req.evaluation_id, exc)
+    finally:  # also on shutdown: the server stores what was measured
+        held.close()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            try:
+                await ship(
+                    final=True,
+                    queries=run.queries,
+                    not_issued=run.rec.not_issued,
+                    cpu_s=run.cpu_s,
+                    error=error,
+                )
+            except Exception as exc:  # a lost link, a refused message: this run only
+                log.error("%s: local run %s: rows not shipped: %r", service, req.evaluation_id, exc)
