@@ -10,8 +10,8 @@ import anyio
 
 from cli.agents_cmd import fetch_agents
 from cli.services import Stack
-from cli.submit import format_summary
 from cli.submit_errors import flags_contract, positive_float, positive_int
+from cli.summary_text import format_summary
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
 from mlscope.jobs import submit

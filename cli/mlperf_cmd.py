@@ -18,8 +18,8 @@ from typing import Any
 import anyio
 
 from broker import mlperf_logs as logs
-from cli.submit import format_summary
 from cli.submit_errors import flags_contract, identifier, positive_float, positive_int
+from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, MLPerfImport, MLPerfSpec

@@ -22,8 +22,8 @@ import anyio
 from pydantic import ValidationError
 
 from cli.console import Bar, progress
-from cli.submit import format_summary
 from cli.submit_errors import field_message, identifier
+from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import (

@@ -18,7 +18,7 @@ import pytest
 
 from broker import coldstart
 from broker.compare import Outputs, compare, compare_evaluations
-from cli.submit import format_summary
+from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec

@@ -18,7 +18,8 @@ import pytest
 from pydantic import ValidationError
 
 from cli.services import Stack
-from cli.submit import format_summary, make_job, parser
+from cli.submit import make_job, parser
+from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import codec, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, Preprocess, ScenarioSpec

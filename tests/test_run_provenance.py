@@ -24,7 +24,7 @@ from agent.profiling.onnxruntime import node_events
 from agent.sysmon import RssWatch
 from analysis.layers import _mb
 from cli.rerun_cmd import differences, rerun, rerun_job
-from cli.submit import format_summary
+from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import provenance, remote
 from mlscope.catalog import Catalog, default_manifest_dirs
