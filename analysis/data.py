@@ -207,6 +207,12 @@ def stored_json(evaluation_id: str, column: str, text: object) -> dict[str, Any]
     )
 
 
+STORED_MAX_DEPTH = 4 * MAX_DEPTH
+"""Deepest stored spec or summary read: a spec embeds the run's manifest (itself up to
+:data:`mlscope.bounded.MAX_DEPTH` deep) a level or two down, and json's parser
+recurses about a thousand levels before the stack gives out."""
+
+
 def _json_value(text: object) -> tuple[object, str | None]:
     """``text`` read as JSON (anything but text or bytes: as it is), or None and why it
     cannot be read. Its nesting is checked first (:func:`mlscope.bounded.json_depth`):
@@ -222,8 +228,8 @@ def _json_value(text: object) -> tuple[object, str | None]:
     except UnicodeDecodeError as exc:
         return None, f"is not JSON ({exc})"
     # Only a text with more brackets than the limit can nest past it (counting is cheap).
-    if raw.count("[") + raw.count("{") > MAX_DEPTH and json_depth(raw) > MAX_DEPTH:
-        return None, f"is JSON nested deeper than {MAX_DEPTH} levels"
+    if raw.count("[") + raw.count("{") > STORED_MAX_DEPTH and json_depth(raw) > STORED_MAX_DEPTH:
+        return None, f"is JSON nested deeper than {STORED_MAX_DEPTH} levels"
     try:
         return json.loads(raw), None
     except ValueError as exc:  # json.JSONDecodeError

@@ -1,6 +1,6 @@
 """:func:`analysis.data.stored_json`, the one reader of a stored ``spec`` or ``summary``:
 a JSON object comes back as it is; anything else, text nested past
-:data:`mlscope.bounded.MAX_DEPTH` included (refused before json's recursive parser
+:data:`analysis.data.STORED_MAX_DEPTH` included (refused before json's recursive parser
 runs), is one DatabaseError line naming the evaluation and the column."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import json
 
 import pytest
 
+from analysis.data import STORED_MAX_DEPTH as MAX_DEPTH
 from analysis.data import stored_json
-from mlscope.bounded import MAX_DEPTH
+from mlscope import bounded
 from mlscope.errors import DatabaseError
 
 
@@ -21,6 +22,12 @@ def nested(depth: int) -> str:
 
 def test_an_object_at_the_limit_is_read() -> None:
     assert stored_json("ev-1", "spec", nested(MAX_DEPTH)) == json.loads(nested(MAX_DEPTH))
+
+
+def test_a_spec_holding_the_deepest_manifest_is_read() -> None:
+    """A manifest may nest bounded.MAX_DEPTH levels; the spec that stores it is deeper."""
+    spec = json.dumps({"job": {}, "manifest": json.loads(nested(bounded.MAX_DEPTH))})
+    assert stored_json("ev-1", "spec", spec)["manifest"] == json.loads(nested(bounded.MAX_DEPTH))
 
 
 @pytest.mark.parametrize("depth", [MAX_DEPTH + 1, 100_000])
