@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli.submit_errors import port
 from mlscope.settings import Settings
 
 __all__ = ["APP", "command", "register"]
@@ -23,7 +24,7 @@ APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("dashboard", help="run the web dashboard (Streamlit)")
-    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--port", type=port, default=8501)
     p.add_argument("--address", default="127.0.0.1")
     p.set_defaults(func=run)
 

@@ -10,7 +10,7 @@ import anyio
 
 from cli.agents_cmd import fetch_agents
 from cli.services import Stack
-from cli.submit_errors import flags_contract, positive_float, positive_int
+from cli.submit_errors import flags_contract, port_or_zero, positive_float, positive_int
 from cli.summary_text import format_summary
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
@@ -24,7 +24,7 @@ __all__ = ["register"]
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="run the local stack and evaluate digits_cnn")
     p.add_argument("--data-dir", type=Path, default=None)
-    p.add_argument("--nats-port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--nats-port", type=port_or_zero, default=0, help="0 picks a free port")
     p.add_argument("--qps", type=positive_float, default=200.0)
     p.add_argument(
         "--duration",

@@ -21,6 +21,7 @@ from typing import NoReturn
 import anyio
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
+from cli.submit_errors import port
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
@@ -51,7 +52,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="edge.creds of `mlscope auth init` for the link to the hub",
     )
-    init.add_argument("--port", type=int, default=4222, help="local client port of the leaf")
+    init.add_argument("--port", type=port, default=4222, help="local client port of the leaf")
     init.set_defaults(func=run_init)
 
     up = cmds.add_parser("up", help="run the leaf node and an agent on this device")

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from cli.artifacts_cmd import built_models
-from cli.submit_errors import positive_int
+from cli.submit_errors import port, positive_int
 from mlscope import artifact_bucket, names
 from mlscope import bus as busmod
 from mlscope.agentauth import add_agent
@@ -58,7 +58,7 @@ def agent_count(text: str) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = sub.add_parser("up", help="run nats-server, the server and one agent per framework")
-    up.add_argument("--nats-port", type=int, default=4222)
+    up.add_argument("--nats-port", type=port, default=4222)
     up.add_argument(
         "--host",
         default=LOOPBACK,

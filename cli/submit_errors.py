@@ -56,6 +56,8 @@ __all__ = [
     "identifier",
     "interrupted",
     "interrupted_many",
+    "port",
+    "port_or_zero",
     "positive_float",
     "positive_int",
     "positive_ints",
@@ -166,6 +168,30 @@ def positive_int(text: str) -> int:
     if n > MAX_COUNT:
         raise argparse.ArgumentTypeError(f"{text!r} is too large (at most {MAX_COUNT})")
     return n
+
+
+def port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    n = _whole_number(text)
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1 to 65535)")
+    return n
+
+
+def port_or_zero(text: str) -> int:
+    """An argparse type: a TCP port, or 0 for any free one."""
+    n = _whole_number(text)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 for any, or 1 to 65535)")
+    return n
+
+
+def _whole_number(text: str) -> int:
+    """``text`` as an int; -1 when it is not one (every caller refuses -1)."""
+    try:
+        return int(text)
+    except ValueError:
+        return -1
 
 
 def positive_float(text: str) -> float:

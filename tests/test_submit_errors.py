@@ -124,3 +124,29 @@ def test_an_unwritable_output_names_its_path(tmp_path: Path) -> None:
         assert len(done.stderr.strip().splitlines()) == 1
         line = last_line(done.stderr)
         assert str(target) in line and "no directory" in line, line
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--nats-port", "-1"], "'-1' is not a port (0 for any, or 1 to 65535)"),
+        (["up", "--nats-port", "70000"], "'70000' is not a port (1 to 65535)"),
+        (["up", "--nats-port", "0"], "'0' is not a port (1 to 65535)"),
+        (["dashboard", "--port", "http"], "'http' is not a port (1 to 65535)"),
+        (
+            ["edge", "init", "--hub", "nats-leaf://h:7422", "--out", "x", "--port", "65536"],
+            "'65536' is not a port (1 to 65535)",
+        ),
+    ],
+)
+def test_a_port_flag_takes_ports_only(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A port is checked where it is read, not by the nats-server or Streamlit it is
+    passed to (-1 made nats-server pick a random port the command never printed)."""
+    from cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(message)
