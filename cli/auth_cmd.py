@@ -14,10 +14,19 @@ from mlscope.auth import (
     INBOX_PREFIXES,
     REPLY_WINDOW_S,
     ROLES,
+    token_problem,
     write_auth,
 )
 
-__all__ = ["register"]
+__all__ = ["register", "subject_token"]
+
+
+def subject_token(value: str) -> str:
+    """An argparse type: one NATS subject token, refused (never rewritten) otherwise,
+    because the value becomes part of permission subjects (see ``token_problem``)."""
+    if problem := token_problem(value):
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,12 +39,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     init.add_argument(
         "--edge-domain",
+        type=subject_token,
         default=DEFAULT_EDGE_DOMAIN,
         help="JetStream domain of the edge leaf node (`mlscope edge init "
         "--domain`), whose span buffer the hub sources",
     )
     init.add_argument(
         "--hub-domain",
+        type=subject_token,
         default=DEFAULT_HUB_DOMAIN,
         help="JetStream domain of the hub (`mlscope edge init --hub-domain`)",
     )
@@ -56,6 +67,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     init.add_argument("--tls-cert", type=Path, default=None)
     init.add_argument("--tls-key", type=Path, default=None)
     init.add_argument("--tls-ca", type=Path, default=None)
+    init.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing server.conf/roles.json: every role gets a new key, and "
+        "the agents `auth add-agent` added are dropped",
+    )
     init.set_defaults(func=run_init)
     add = cmds.add_parser(
         "add-agent",
@@ -91,6 +108,7 @@ def run_init(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
         reply_window_s=args.reply_window,
+        force=args.force,
     )
     print(f"wrote {files.config}")
     for role in ROLES:

@@ -1,7 +1,8 @@
 """``mlscope edge``: an edge device behind a leaf-node nats-server.
 
 ``mlscope edge init --hub URL --out DIR`` writes ``DIR/leaf.conf`` (outbound to the
-hub's leaf port, its own JetStream domain) and ``DIR/edge.env`` (what ``mlscope agent``
+hub's leaf port, its own JetStream domain; readable by its owner only, since with
+``--creds`` it holds the edge user's seed) and ``DIR/edge.env`` (what ``mlscope agent``
 on the device needs). ``mlscope edge up --dir DIR --framework tflite`` runs the leaf,
 creates its span buffer stream, and runs the agent against it. ``mlscope edge attach
 DOMAIN`` (on the hub side, server credentials) makes the hub's trace stream source that
@@ -21,12 +22,14 @@ from typing import NoReturn
 import anyio
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
-from cli.submit_errors import port
+from cli.auth_cmd import subject_token
+from cli.submit_errors import port_or_zero
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
 from mlscope.errors import ConfigError
 from mlscope.natsserver import NatsServer, leaf_config
+from mlscope.secrets_io import write_atomic, write_secret
 from mlscope.settings import Settings
 
 __all__ = ["create_edge_stream", "register"]
@@ -43,16 +46,24 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     init.add_argument("--out", type=Path, required=True)
     init.add_argument(
-        "--domain", default="edge1", help="JetStream domain of this device (unique per device)"
+        "--domain",
+        type=subject_token,
+        default="edge1",
+        help="JetStream domain of this device (unique per device)",
     )
-    init.add_argument("--hub-domain", default="hub")
+    init.add_argument("--hub-domain", type=subject_token, default="hub")
     init.add_argument(
         "--creds",
         type=Path,
         default=None,
         help="edge.creds of `mlscope auth init` for the link to the hub",
     )
-    init.add_argument("--port", type=port, default=4222, help="local client port of the leaf")
+    init.add_argument(
+        "--port",
+        type=port_or_zero,
+        default=4222,
+        help="local client port of the leaf (0: any free one, chosen by `edge up`)",
+    )
     init.set_defaults(func=run_init)
 
     up = cmds.add_parser("up", help="run the leaf node and an agent on this device")
@@ -71,8 +82,9 @@ def run_init(args: argparse.Namespace) -> int:
     if args.creds is not None:
         _check_domains(args.creds, domain=args.domain, hub_domain=args.hub_domain)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "leaf.conf").write_text(
-        leaf_config(hub_url=args.hub, domain=args.domain, seed_file=args.creds)
+    # With --creds the config carries the edge user's seed: private from the start.
+    write_secret(
+        out / "leaf.conf", leaf_config(hub_url=args.hub, domain=args.domain, seed_file=args.creds)
     )
     env = (
         f"MLSCOPE_NATS_URL=nats://127.0.0.1:{args.port}\n"
@@ -85,7 +97,7 @@ def run_init(args: argparse.Namespace) -> int:
         # replies must arrive under the inbox prefix that user may subscribe to.
         prefix = inbox_prefix_for(args.creds) or INBOX_PREFIXES["edge"]
         env += f"MLSCOPE_NATS_INBOX_PREFIX={prefix}\n"
-    (out / "edge.env").write_text(env)
+    write_atomic(out / "edge.env", env)
     print(f"wrote {out / 'leaf.conf'} and {out / 'edge.env'}")
     print(f"on the hub (server credentials): mlscope edge attach {args.domain}")
     print(f"on this device: mlscope edge up --dir {out}")

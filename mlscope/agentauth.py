@@ -44,6 +44,7 @@ from mlscope.auth import (
     responses,
 )
 from mlscope.errors import ConfigError
+from mlscope.secrets_io import write_atomic, write_secret
 
 __all__ = ["add_agent", "agent_creds", "agent_inbox_prefix", "agent_permissions", "reload_server"]
 
@@ -120,10 +121,9 @@ def add_agent(directory: Path, agent_id: str, *, frameworks: Sequence[str] = ())
         "frameworks": list(frameworks),
     }
     path = agent_creds(directory, agent_id)
-    path.write_bytes(seed + b"\n")
-    path.chmod(0o600)
-    _write_atomic(config, header + json.dumps(conf, indent=2) + "\n")
-    _write_atomic(directory / "roles.json", json.dumps(roles, indent=2) + "\n")
+    write_secret(path, seed + b"\n")
+    write_atomic(config, header + json.dumps(conf, indent=2) + "\n")
+    write_atomic(directory / "roles.json", json.dumps(roles, indent=2) + "\n")
     return path
 
 
@@ -134,18 +134,18 @@ def _read_conf(config: Path) -> tuple[str, dict[str, Any]]:
     header = "".join(line for line in lines if line.startswith("#"))
     try:
         conf = json.loads("".join(line for line in lines if not line.startswith("#")))
-        conf["accounts"][ACCOUNT]["users"]
+        users = conf["accounts"][ACCOUNT]["users"]
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{config} is not a config `mlscope auth init` wrote: {exc}", field="server.conf"
         ) from exc
+    if not isinstance(users, list) or not all(isinstance(u, dict) for u in users):
+        raise ConfigError(
+            f"{config} is not a config `mlscope auth init` wrote: its users are not a list "
+            "of objects",
+            field="server.conf",
+        )
     return header, conf
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def reload_server(pid: int) -> None:

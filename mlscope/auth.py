@@ -3,9 +3,12 @@
 ``mlscope auth init --out DIR`` writes ``DIR/server.conf`` (one account with JetStream,
 one nkey user per role with its permissions, a maximum payload, optional TLS) and one
 nkey seed file per role (``submitter.creds``, ``server.creds``, ``agent.creds``,
-``edge.creds``, ``reader.creds``). nats-py reads a seed file with ``nkeys_seed``;
-:func:`mlscope.bus.connect_options` picks that (or a JWT ``.creds`` file) from
-``MLSCOPE_NATS_CREDS``; ``loadgen.creds`` too, for ``mlscope loadgen`` services.
+``edge.creds``, ``reader.creds``), each readable by its owner only from the moment it
+exists. A directory that already holds a config is refused without ``--force``: new
+keys would lock out every client, and every agent ``auth add-agent`` added. nats-py
+reads a seed file with ``nkeys_seed``; :func:`mlscope.bus.connect_options` picks that
+(or a JWT ``.creds`` file) from ``MLSCOPE_NATS_CREDS``; ``loadgen.creds`` too, for
+``mlscope loadgen`` services.
 
 What each role may do (everything else is denied by the server):
 
@@ -41,7 +44,9 @@ connection publish only to the reply subjects of messages delivered to it.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,8 @@ from typing import Any
 import nkeys
 
 from mlscope import names
+from mlscope.errors import ConfigError
+from mlscope.secrets_io import write_atomic, write_secret
 
 __all__ = [
     "INBOX_PREFIXES",
@@ -59,6 +66,7 @@ __all__ = [
     "permissions",
     "read_roles",
     "responses",
+    "token_problem",
     "write_auth",
 ]
 
@@ -94,6 +102,20 @@ EDGE_BUFFER_STREAM = "MLSCOPE_EDGE_TRACES"
 DEFAULT_EDGE_DOMAIN = "edge1"
 DEFAULT_HUB_DOMAIN = "hub"
 P = names.PREFIX
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def token_problem(value: str) -> str | None:
+    """Why ``value`` cannot be one subject token, or None when it can.
+
+    Domains go into permission subjects verbatim (``$JS.<domain>.API.>``): a ``*``
+    there grants every domain's JetStream API, a ``>`` or a ``.`` makes a subject the
+    server refuses or one that means something else. Such a value is refused, not
+    rewritten, so that both sides of the link agree on the name the user typed.
+    """
+    if _TOKEN.fullmatch(value):
+        return None
+    return f"must be one subject token (letters, digits, '-', '_'), not {value!r}"
 
 
 def _kv_read(bucket: str, *, stream: str | None = None) -> list[str]:
@@ -290,80 +312,127 @@ def write_auth(
     tls_key: Path | None = None,
     tls_ca: Path | None = None,
     reply_window_s: float = REPLY_WINDOW_S,
+    force: bool = False,
 ) -> AuthFiles:
     """Create one nkey user per role and write the server config and seed files.
 
     The config is JSON (a subset of the nats-server format) so that it can be included
-    from a cluster or leaf config with ``include``.
+    from a cluster or leaf config with ``include``. Seeds are created private (0600)
+    and replace any file or link at their names. A directory that already holds a
+    config is refused unless ``force``: new keys for every role would lock out every
+    client and every agent added since, at the server's next reload.
     """
+    for what, value in (("edge domain", edge_domain), ("hub domain", hub_domain)):
+        if problem := token_problem(value):
+            raise ConfigError(f"the {what} {problem}", field=what.replace(" ", "_"))
+    _refuse_existing(out, force=force)
     out.mkdir(parents=True, exist_ok=True)
     users, creds, public = [], {}, {}
     for role in ROLES:
         seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
-        kp = nkeys.from_seed(bytearray(seed))
-        public[role] = kp.public_key.decode()
-        path = out / f"{role}.creds"
-        path.write_bytes(seed + b"\n")
-        path.chmod(0o600)
-        creds[role] = path
-        users.append(
-            {
-                "nkey": public[role],
-                "permissions": permissions(
-                    role,
-                    edge_id=edge_id,
-                    edge_domain=edge_domain,
-                    hub_domain=hub_domain,
-                    reply_window_s=reply_window_s,
-                ),
-            }
+        public[role] = nkeys.from_seed(bytearray(seed)).public_key.decode()
+        creds[role] = out / f"{role}.creds"
+        write_secret(creds[role], seed + b"\n")
+        perms = permissions(
+            role,
+            edge_id=edge_id,
+            edge_domain=edge_domain,
+            hub_domain=hub_domain,
+            reply_window_s=reply_window_s,
         )
+        users.append({"nkey": public[role], "permissions": perms})
     conf: dict[str, Any] = {
         "max_payload": max_payload,
         "accounts": {ACCOUNT: {"jetstream": "enabled", "users": users}},
     }
     if tls_cert and tls_key:
-        tls: dict[str, Any] = {"cert_file": str(tls_cert), "key_file": str(tls_key)}
-        if tls_ca:
-            tls["ca_file"] = str(tls_ca)
-        conf["tls"] = tls
+        conf["tls"] = _tls(tls_cert, tls_key, tls_ca)
     config = out / "server.conf"
     roles = "\n".join(f"#   {r:<9} {public[r]}" for r in ROLES)
-    config.write_text(
-        f"# Written by `mlscope auth init`: one nkey user per role.\n{roles}\n"
-        + json.dumps(conf, indent=2)
-        + "\n"
-    )
-    (out / "roles.json").write_text(
-        json.dumps(
-            {
-                "edge_id": edge_id,
-                "edge_domain": edge_domain,
-                "hub_domain": hub_domain,
-                "public_keys": public,
-                "inbox_prefixes": INBOX_PREFIXES,
-                "reply_window_s": reply_window_s,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    header = f"# Written by `mlscope auth init`: one nkey user per role.\n{roles}\n"
+    write_atomic(config, header + json.dumps(conf, indent=2) + "\n")
+    record = {
+        "edge_id": edge_id,
+        "edge_domain": edge_domain,
+        "hub_domain": hub_domain,
+        "public_keys": public,
+        "inbox_prefixes": INBOX_PREFIXES,
+        "reply_window_s": reply_window_s,
+    }
+    write_atomic(out / "roles.json", json.dumps(record, indent=2) + "\n")
     return AuthFiles(out, config, creds, public)
 
 
+def _refuse_existing(out: Path, *, force: bool) -> None:
+    found = [name for name in ("server.conf", "roles.json") if os.path.lexists(out / name)]
+    if found and not force:
+        raise ConfigError(
+            f"{out} already holds {' and '.join(found)}: --force issues every role a new "
+            "key (clients and agents added since lose access)",
+            field="out",
+        )
+
+
+def _tls(cert: Path, key: Path, ca: Path | None) -> dict[str, Any]:
+    tls: dict[str, Any] = {"cert_file": str(cert), "key_file": str(key)}
+    if ca:
+        tls["ca_file"] = str(ca)
+    return tls
+
+
 def read_roles(directory: Path) -> dict[str, Any]:
-    """``roles.json`` of an auth directory (empty when there is none)."""
-    try:
-        data = json.loads((directory / "roles.json").read_text())
-    except (OSError, ValueError):
+    """``roles.json`` of an auth directory (empty when there is none).
+
+    A damaged one is a ConfigError that names it: it decides inbox prefixes and reply
+    windows, and a guess would surface later as a refused subscription far from here.
+    """
+    path = directory / "roles.json"
+    if not path.exists():
         return {}
-    return data if isinstance(data, dict) else {}
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a regular file", field="roles.json")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}", field="roles.json") from exc
+    if problem := _roles_problem(data):
+        raise ConfigError(
+            f"{path} is damaged: {problem} (`mlscope auth init --force` rewrites it)",
+            field="roles.json",
+        )
+    return dict(data)
+
+
+def _roles_problem(data: object) -> str | None:
+    """What makes ``data`` not a ``roles.json`` as :func:`write_auth` and
+    ``add_agent`` write it, or None."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    for key in ("edge_id", "edge_domain", "hub_domain"):
+        if key in data and not isinstance(data[key], str):
+            return f'"{key}" is not a string'
+    for key in ("public_keys", "inbox_prefixes"):
+        value = data.get(key, {})
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            return f'"{key}" is not an object of strings'
+    agents = data.get("agents", {})
+    if not isinstance(agents, dict) or not all(
+        isinstance(a, dict) and isinstance(a.get("public_key"), str) for a in agents.values()
+    ):
+        return '"agents" is not an object of {"public_key": ...} entries'
+    window = data.get("reply_window_s", REPLY_WINDOW_S)
+    if isinstance(window, bool) or not isinstance(window, int | float):
+        return '"reply_window_s" is not a number'
+    if not 0 < window < math.inf:
+        return '"reply_window_s" is not a positive number of seconds'
+    return None
 
 
 def inbox_prefix_for(creds: Path) -> str | None:
     """The inbox prefix of the role whose nkey seed ``creds`` is, from ``roles.json``
     in the same directory; None when that file does not name this key (a JWT ``.creds``
-    file, a seed from elsewhere: NATS's default prefix then applies)."""
+    file, a seed from elsewhere: NATS's default prefix then applies). A damaged
+    ``roles.json`` is a ConfigError (see :func:`read_roles`)."""
     roles = read_roles(creds.parent)
     if not roles:
         return None
@@ -376,7 +445,7 @@ def inbox_prefix_for(creds: Path) -> str | None:
             prefix = roles.get("inbox_prefixes", {}).get(role)
             return str(prefix) if prefix else None
     for entry in roles.get("agents", {}).values():  # users of `auth add-agent`
-        if isinstance(entry, dict) and entry.get("public_key") == public:
+        if entry["public_key"] == public:
             prefix = entry.get("inbox_prefix")
             return str(prefix) if prefix else None
     return None

@@ -139,6 +139,12 @@ def leaf_config(
     the leaf's own stream and the hub sources that stream through the domain, so they
     survive a link that is down. Everything else (queries, control, registry) crosses
     the link as usual.
+
+    The seed in ``seed_file`` is copied into the text: a remote's ``credentials`` file
+    must hold a user JWT as well (nats-server calls a bare seed file malformed and the
+    link never authenticates), and ``auth init`` issues nkey users without JWTs. So
+    this text is a secret whenever ``seed_file`` is given; write it with
+    :func:`mlscope.secrets_io.write_secret`.
     """
     remote: dict[str, object] = {"urls": [hub_url], "deny_exports": ["mlscope.traces.>"]}
     if seed_file is not None:

@@ -5,6 +5,7 @@ middle of an evaluation, and every span it recorded reaches the hub's database; 
 from __future__ import annotations
 
 import signal
+import stat
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -227,6 +228,8 @@ def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(
     )
     edge_env = read_env(edge_dir)
     assert edge_env["MLSCOPE_NATS_INBOX_PREFIX"] == INBOX_PREFIXES["edge"]
+    # leaf.conf carries the edge seed, so only its owner (and the leaf it runs) reads it
+    assert stat.S_IMODE((edge_dir / "leaf.conf").stat().st_mode) == 0o600
     hub_log = tmp_path / "hub.log"
     hub = NatsServer(
         store_dir=tmp_path / "hub", config_file=tmp_path / "hub.conf", log_file=hub_log

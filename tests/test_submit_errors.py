@@ -135,7 +135,7 @@ def test_an_unwritable_output_names_its_path(tmp_path: Path) -> None:
         (["dashboard", "--port", "http"], "'http' is not a port (1 to 65535)"),
         (
             ["edge", "init", "--hub", "nats-leaf://h:7422", "--out", "x", "--port", "65536"],
-            "'65536' is not a port (1 to 65535)",
+            "'65536' is not a port (0 for any, or 1 to 65535)",
         ),
     ],
 )
