@@ -87,6 +87,9 @@ __all__ = ["Agent", "AgentConfig", "fit_description"]
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
 AGENT_SWITCH_INTERVAL_S = 0.0002
+STOP_WAIT_S = 15.0
+"""How long stopping a local run waits for its final rows (shipping them gives up
+after 10 s)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,6 +115,15 @@ class AgentConfig:
     sample_memory_bytes: int = 1 << 30
     """Memory the samples this agent holds for MLPerf runs may take, all together
     (a load beyond it is refused)."""
+
+
+@dataclass
+class _Running:
+    """A local run's task: its scope (cancelled to stop it) and the event set once it
+    has ended, its final rows shipped."""
+
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    done: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass
@@ -142,9 +154,10 @@ class Agent:
         """What the last advertise stored in the registry (None: it was not stored)."""
         self.tuning = ProcessTuning()
         """This process's one owner of GC and switch interval during local runs."""
-        self.running: dict[str, anyio.CancelScope] = {}
+        self.running: dict[str, _Running] = {}
         """Each evaluation's local run now running (placement agent), by evaluation id:
-        releasing the evaluation (its job ended, or was cancelled) stops it."""
+        releasing the evaluation (its job ended, or was cancelled) or preparing it again
+        (its job restarted on another server) stops it."""
         host = str(sysinfo.host_facts()["host"])
         given = self.config.agent_id
         if given is not None and (not given or names.token(given) != given):
@@ -398,10 +411,7 @@ class Agent:
     async def _release(self, req: ReleaseOp) -> ReleaseReply:
         """An evaluation is over: its local run stopped (its final rows still shipped),
         its samples, LoadGen process and meters let go."""
-        run = self.running.pop(req.evaluation_id, None)
-        if run is not None:
-            run.cancel()
-        await self.mlperf.release(req.evaluation_id)
+        await self._stop_runs(req.evaluation_id)
         session = self.sessions.pop(req.evaluation_id, None)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         rss = await anyio.to_thread.run_sync(self.rss.stop, req.evaluation_id)
@@ -421,6 +431,16 @@ class Agent:
             rss_end_bytes=end,
             energy_j=energy_j,
         )
+
+    async def _stop_runs(self, evaluation_id: str) -> None:
+        """Stop the evaluation's local run, once its final rows are shipped (so none
+        reaches a run started after this), and its MLPerf run and sample libraries."""
+        running = self.running.pop(evaluation_id, None)
+        if running is not None:
+            running.scope.cancel()
+            with anyio.move_on_after(STOP_WAIT_S):
+                await running.done.wait()
+        await self.mlperf.release(evaluation_id)
 
     def _prepared(self, evaluation_id: str) -> tuple[Executor, Entry]:
         """The executor and model entry of a prepared evaluation (else a typed error)."""
@@ -474,6 +494,9 @@ class Agent:
     async def _prepare(self, req: PrepareOp) -> PrepareReply:
         """Load (or reuse) the model for an evaluation; report load and first-run times."""
         eval_id = req.evaluation_id
+        # A job restarted after its server was lost prepares its evaluation again here:
+        # what the lost server started for it ends first.
+        await self._stop_runs(eval_id)
         models = self.models
         entry = models.offer(req.model, req.model_version)
         # Verified again (a stat when unchanged): a file changed since it was advertised
@@ -546,8 +569,9 @@ class Agent:
             )
             t0 = await anyio.to_thread.run_sync(run.prepare)
             budget = self.bus.payload_budget()
+            running = self.running[req.evaluation_id] = _Running()
             self.task_group.start_soon(
-                functools.partial(self._serve, run, req, held, min(req.max_bytes, budget))
+                functools.partial(self._serve, running, run, req, held, min(req.max_bytes, budget))
             )
         except BaseException:
             held.close()
@@ -558,16 +582,20 @@ class Agent:
         )
 
     async def _serve(
-        self, run: LocalRun, req: RunOp, held: contextlib.ExitStack, max_bytes: int
+        self,
+        running: _Running,
+        run: LocalRun,
+        req: RunOp,
+        held: contextlib.ExitStack,
+        max_bytes: int,
     ) -> None:
-        """:func:`serve_run` in a scope the evaluation's release cancels. The rows go on
-        the agent's own rows subject, not the request's reply subject: under credentials
-        an answer is allowed only for a while after the request, and a run's rows go on
-        for as long as the run."""
+        """:func:`serve_run` in the scope of ``running``, which the evaluation's release
+        cancels. The rows go on the agent's own rows subject, not the request's reply
+        subject: under credentials an answer is allowed only for a while after the
+        request, and a run's rows go on for as long as the run."""
         rows = names.agent_rows(self.agent_id, req.evaluation_id)
-        with anyio.CancelScope() as scope:
-            self.running[req.evaluation_id] = scope
-            try:
+        try:
+            with running.scope:
                 await serve_run(
                     run,
                     req,
@@ -576,9 +604,10 @@ class Agent:
                     held=held,
                     max_bytes=max_bytes,
                 )
-            finally:
-                if self.running.get(req.evaluation_id) is scope:
-                    del self.running[req.evaluation_id]
+        finally:
+            running.done.set()
+            if self.running.get(req.evaluation_id) is running:
+                del self.running[req.evaluation_id]
 
     async def _local_run(
         self, req: RunOp, session: Session, held: contextlib.ExitStack

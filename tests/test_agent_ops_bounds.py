@@ -72,6 +72,38 @@ def test_releasing_an_evaluation_stops_its_local_run(settings: Settings, zoo_dir
     run_agent(settings, agent, body)
 
 
+def test_preparing_an_evaluation_again_takes_over_its_local_run(
+    settings: Settings, zoo_dir: Path
+) -> None:
+    """A job restarted after its server was lost prepares its evaluation again: the
+    lost server's local run ends (its final rows shipped before the prepare is
+    answered, so none reaches the new run's subscriber) and the new run starts."""
+    agent = _agent(settings)
+
+    async def body(bus: busmod.Bus, ask: Ask) -> None:
+        assert (await ask(_prepare("ev-1")))["ok"]
+        long = {"name": "single-stream", "duration_s": 30}
+        await ask(_run("ev-1", **long))
+        await anyio.sleep(0.5)
+        assert (await ask(_prepare("ev-1")))["ok"]  # the restarted job's server
+        assert not agent.running
+        rows = await bus.nc.subscribe(names.agent_rows(AGENT, "ev-1"))
+        again = await ask(_run("ev-1", **{**long, "duration_s": 0.5}))
+        assert again.get("kind") == "run_started", again
+        got: list[dict[str, Any]] = []
+        with anyio.fail_after(20):
+            while not (got and got[-1].get("final")):
+                got.append(codec.decode((await rows.next_msg(timeout=20)).data))
+        # Only the new run's messages, from its first: the old run's final rows went
+        # out before the prepare was answered.
+        assert (got[0]["seq"], got[0]["start"]) == (0, 0)
+        assert [m["seq"] for m in got] == list(range(len(got)))
+        with pytest.raises(TimeoutError):
+            await rows.next_msg(timeout=1.0)
+
+    run_agent(settings, agent, body)
+
+
 def test_a_samples_query_takes_no_more_than_the_agents_sample_memory(
     settings: Settings, zoo_dir: Path
 ) -> None:
