@@ -122,18 +122,17 @@ def run(args: argparse.Namespace) -> int:
         cells = []
         for r in rows:
             size = f"{r['size_bytes'] / 1e6:8.2f} MB" if r["available"] else "   NOT BUILT"
+            if r.get("reason") == "missing" and not r["fix"]:  # nothing here builds it
+                size = "     MISSING"
             flag = " latency-only" if r["latency_only"] else ""
             lines.append(
                 f"  {r['name']:<22} {r['version']:<8} {r['framework']:<12} {size}  "
                 f"{r['path']}{flag}"
             )
             note = flag.strip()
-            if r.get("reason") == "missing":
-                lines.append(f"      not built here: run `{r['fix']}`")
-                note = f"not built here: run `{r['fix']}`"
-            elif r.get("reason"):
-                lines.append(f"      refused: {r['why']}")
-                note = f"refused: {r['why']}"
+            if r.get("reason"):
+                note = _why_not(r)
+                lines.append(f"      {note}")
             cells.append((r["name"], r["version"], r["framework"], size.strip(), r["path"], note))
         print_table(
             ("model", "version", "framework", "size", "path", "note"),
@@ -143,6 +142,16 @@ def run(args: argparse.Namespace) -> int:
             right=("size",),
         )
     return 0
+
+
+def _why_not(row: dict[str, Any]) -> str:
+    """Why a row's graph is not available, with the command that fixes it if there is
+    one: a missing file that no build makes (a ``file://`` model) says only why."""
+    if row.get("reason") == "missing" and row["fix"]:
+        return f"not built here: run `{row['fix']}`"
+    if row.get("reason") == "missing":
+        return f"missing: {row['why']}"
+    return f"refused: {row['why']}"
 
 
 async def _remote_entries(settings: Settings) -> list[Entry]:

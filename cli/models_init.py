@@ -7,22 +7,33 @@ filled in. The first dimension of the first input is taken as the batch (a fixed
 of N is recorded as ``attributes.fixed_batch_size``); other dynamic dimensions become 1
 and are listed in ``attributes.note``. What the file cannot say (task, licence,
 pre-/post-processing steps, labels) is left for the user, and the manifest says so.
+
+Nothing is written until the manifest validates: it is rendered and checked in memory
+(schema, :data:`~mlscope.bounded.MAX_DOCUMENT_BYTES`), then put in place by a rename, so
+a refused model leaves no file behind to block the retry or break ``mlscope models``.
+An existing ``-o`` (a symbolic link included, dangling or not) is refused unless
+``--force``, which replaces the link itself, never the file it points at.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import secrets
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
-from mlscope.errors import ConfigError
+from cli.submit_errors import FlagError
+from mlscope.bounded import MAX_DOCUMENT_BYTES
+from mlscope.errors import ConfigError, ManifestError
 from mlscope.hashing import sha256_path
-from mlscope.manifest import load_manifest
+from mlscope.manifest import NAME_MAX_CHARS, parse_manifest
 
 __all__ = ["Tensor", "register", "starter_manifest"]
 
@@ -32,6 +43,12 @@ HEADER = (
     "# Check task, version, licence and description; add the pre-processing steps\n"
     "# (cast, normalize, reshape, ...) and the outputs' type, steps and labels.\n"
 )
+MAX_TENSORS = 1024
+"""Most inputs (and most outputs) a starter manifest lists, checked before anything is
+rendered: 20,000 inputs take seconds to render and validate, only to exceed the
+manifest size limit. Models with KV caches have a few hundred."""
+FLAGS = {"name": "--name", "version": "--version"}
+"""The manifest fields a flag of ``models init`` sets."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,13 @@ def starter_manifest(
 ) -> dict[str, Any]:
     """The manifest document for the model file ``path``, to be written at ``out``."""
     framework, inputs, outputs = read_tensors(path)
+    for what, tensors in (("inputs", inputs), ("outputs", outputs)):
+        if len(tensors) > MAX_TENSORS:
+            raise ConfigError(
+                f"{path}: the model declares {len(tensors)} {what}; a starter manifest "
+                f"lists at most {MAX_TENSORS}",
+                field="file",
+            )
     attributes: dict[str, Any] = {}
     notes: list[str] = []
     specs = []
@@ -142,15 +166,21 @@ def starter_manifest(
 
 
 def _name(stem: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_\-]+", "_", stem).strip("_") or "model"
+    name = re.sub(r"[^A-Za-z0-9_\-]+", "_", stem).strip("_")[:NAME_MAX_CHARS]
+    return name.strip("_") or "model"
 
 
 def _location(path: Path, out: Path) -> dict[str, str]:
-    """Beside the manifest: a relative graph path; elsewhere: a ``file://`` base."""
-    here, there = path.resolve().parent, out.resolve().parent
+    """Beside the manifest: a relative graph path; elsewhere: a ``file://`` base.
+
+    A symbolic link is followed, and directory and name are both the target's (the
+    artifact store refuses a graph path that leaves its directory through a link;
+    the target's directory with the link's name would point at nothing)."""
+    real = path.resolve()
+    here, there = real.parent, out.parent.resolve()
     if here == there:
-        return {"graph_path": path.name}
-    return {"base_url": "file://" + urllib.parse.quote(str(here)), "graph_path": path.name}
+        return {"graph_path": real.name}
+    return {"base_url": "file://" + urllib.parse.quote(str(here)), "graph_path": real.name}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -174,13 +204,78 @@ def run(args: argparse.Namespace) -> int:
     path: Path = args.file
     framework = FRAMEWORK_BY_SUFFIX.get(path.suffix.lower(), "unknown")
     out: Path = args.output or path.with_name(f"{_name(path.stem)}.{framework}.yaml")
-    if out.exists() and not args.force:
-        raise ConfigError(f"{out} exists (--force overwrites it)", field="output")
+    _check_output(out, force=args.force)
     doc = starter_manifest(path, out=out, name=args.name, version=args.version)
-    text = HEADER.format(file=path.name) + yaml.safe_dump(
-        doc, sort_keys=False, default_flow_style=None, width=100
-    )
-    out.write_text(text)
-    load_manifest(out)  # what we write must validate
+    given = {"name": args.name is not None, "version": True}
+    text = _render(doc, file=path.name, out=out, flags=given)
+    _write_replacing(out, text)
     print(f"wrote {out} ({doc['framework']['name']}, {len(doc['inputs'])} input(s))")
     return 0
+
+
+def _check_output(out: Path, *, force: bool) -> None:
+    """Refuse an ``out`` that exists (a dangling symbolic link included) unless
+    ``force``, and one in no directory, before the model is read."""
+    if os.path.lexists(out) and not force:
+        what = "is a symbolic link (--force replaces the link, not its target)"
+        if not out.is_symlink():
+            what = "exists (--force overwrites it)"
+        raise ConfigError(f"{out} {what}", field="output")
+    if not out.parent.is_dir():
+        raise ConfigError(f"{out}: no such directory {out.parent}", field="output")
+
+
+def _render(doc: dict[str, Any], *, file: str, out: Path, flags: dict[str, bool]) -> str:
+    """The manifest's text, validated as it will be read back from ``out``.
+
+    A refusal of a field a flag set (``flags``: field -> given on the command line) is
+    the flag's: a FlagError (exit 2) naming it."""
+    try:
+        parse_manifest(doc, file=str(out))
+    except ManifestError as exc:
+        blamed = _flag_problems(exc, flags)
+        if blamed:
+            raise FlagError(blamed) from exc
+        raise
+    body: str = yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=100)
+    text = HEADER.format(file=file) + body
+    size = len(text.encode())
+    if size > MAX_DOCUMENT_BYTES:
+        raise ManifestError(
+            f"would be {size} bytes; a manifest may have at most {MAX_DOCUMENT_BYTES}",
+            file=str(out),
+        )
+    return text
+
+
+def _flag_problems(exc: ManifestError, flags: dict[str, bool]) -> str:
+    """``argument --name: why (got ...)`` for each refused field a given flag set."""
+    cause = exc.__cause__
+    errors = cause.errors(include_url=False) if isinstance(cause, ValidationError) else []
+    parts = []
+    for err in errors:
+        field = next((str(p) for p in err["loc"] if isinstance(p, str)), "")
+        if field in FLAGS and flags.get(field):
+            why = str(err["msg"]).removeprefix("Value error, ")
+            got = repr(err.get("input"))
+            got = got if len(got) <= 80 else f"{got[:60]}... ({len(got)} characters)"
+            parts.append(
+                f"argument {FLAGS[field]}: {why}" + ("" if got in why else f" (got {got})")
+            )
+    return "; ".join(parts)
+
+
+def _write_replacing(out: Path, text: str) -> None:
+    """Write ``text`` at ``out`` all at once: a file beside it, renamed over ``out``.
+
+    The rename replaces whatever ``out`` is, a symbolic link included, and never
+    writes through a link; a reader sees the old file or the whole new one."""
+    tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -6,11 +6,13 @@ an element type numpy does not know."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -96,3 +98,126 @@ def test_validate_refuses_an_unknown_element_type(tmp_path: Path) -> None:
     done = mlscope("manifest", "validate", str(bad))
     assert done.returncode == 1
     assert "unknown element_type 'flaot32'" in done.stderr and "Traceback" not in done.stderr
+
+
+# ---- what init writes, and where: small ONNX files made here, the command run in process
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No bus, a data directory of its own, no extra manifests directory."""
+    monkeypatch.setenv("MLSCOPE_NATS_URL", "nats://127.0.0.1:1")
+    monkeypatch.setenv("MLSCOPE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.delenv("MLSCOPE_MANIFESTS", raising=False)
+    return tmp_path
+
+
+def onnx_file(
+    path: Path, dims: list[int], *, elem: int = 1, inputs: int = 1, name: str = "x"
+) -> Path:
+    """An ONNX graph with no nodes: only its declared inputs and one output matter here."""
+    import onnx
+    from onnx import helper
+
+    xs = [helper.make_tensor_value_info(f"{name}{i}", elem, dims) for i in range(inputs)]
+    y = helper.make_tensor_value_info("y", 1, [1])
+    onnx.save(helper.make_model(helper.make_graph([], "g", xs, [y])), str(path))
+    return path
+
+
+def init(*args: str) -> int:
+    from cli.main import main
+
+    return main(["models", "init", *args])
+
+
+def manifests_in(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if ".yaml" in p.name)
+
+
+INVALID_MODELS: dict[str, dict[str, Any]] = {
+    "dims_below_one": {"dims": [1, -1, 0]},
+    "bfloat16": {"dims": [1, 3], "elem": 16},
+    "strings": {"dims": [1, 3], "elem": 8},
+    "forty_dims": {"dims": [1] * 40},
+    "two_thousand_inputs": {"dims": [1, 3], "inputs": 2000},
+    "over_the_manifest_size_limit": {"dims": [1, 3], "inputs": 1000, "name": "x" * 1100},
+}
+
+
+@pytest.mark.parametrize("case", sorted(INVALID_MODELS))
+def test_init_of_a_model_no_manifest_can_describe_writes_nothing(
+    isolated: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = onnx_file(isolated / "m.onnx", **INVALID_MODELS[case])
+    assert init(str(model)) == 1
+    assert manifests_in(isolated) == []
+    first = capsys.readouterr().err
+    assert init(str(model)) == 1  # the retry meets the same refusal, not "exists"
+    assert capsys.readouterr().err == first and "exists" not in first
+
+
+@pytest.mark.parametrize(
+    "flags", [["--name", "bad name"], ["--version", "1" * 100], ["--version", "not a version"]]
+)
+def test_a_refused_name_or_version_is_a_usage_error(
+    isolated: Path, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = onnx_file(isolated / "m.onnx", [1, 3])
+    assert init(str(model), *flags) == 2
+    assert f"argument {flags[0]}:" in capsys.readouterr().err
+    assert manifests_in(isolated) == []
+
+
+def test_init_never_writes_through_a_symlink(isolated: Path) -> None:
+    model = onnx_file(isolated / "ok.onnx", [1, 3])
+    target = isolated / "elsewhere" / "planted"
+    target.parent.mkdir()
+    out = isolated / "out.yaml"
+    out.symlink_to(target)  # dangling: out.exists() is False
+    assert init(str(model), "-o", str(out)) == 1
+    assert out.is_symlink() and not target.exists()
+    assert init(str(model), "-o", str(out), "--force") == 0  # replaces the link itself
+    assert not out.is_symlink() and "kind: model" in out.read_text()
+    assert not target.exists()
+
+
+def test_init_of_a_symlinked_model_names_the_file_it_points_at(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = isolated / "store" / "resnet_v3_final.onnx"
+    real.parent.mkdir()
+    onnx_file(real, [1, 3])
+    models = isolated / "models"
+    models.mkdir()
+    (models / "resnet.onnx").symlink_to(real)
+    assert init(str(models / "resnet.onnx")) == 0
+    assets = yaml.safe_load((models / "resnet.onnxruntime.yaml").read_text())["assets"]
+    assert assets["graph_path"] == real.name and assets["base_url"].endswith("/store")
+    from cli.main import main
+
+    monkeypatch.setenv("MLSCOPE_MANIFESTS", str(models))
+    capsys.readouterr()
+    assert main(["models", "--json"]) == 0
+    rows = [r for rs in json.loads(capsys.readouterr().out).values() for r in rs]
+    row = next(r for r in rows if r["name"] == "resnet")
+    assert row["available"] and row["path"] == str(real)
+
+
+def test_models_says_why_a_missing_file_model_is_missing(
+    isolated: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ``file://`` model whose file is gone has no command that fixes it: the listing
+    says what is missing instead of advising to run ``None``."""
+    from cli.main import main
+
+    model = onnx_file(isolated / "gone.onnx", [1, 3])
+    (isolated / "manifests").mkdir()
+    assert init(str(model), "-o", str(isolated / "manifests" / "gone.yaml")) == 0
+    model.unlink()
+    monkeypatch.setenv("MLSCOPE_MANIFESTS", str(isolated / "manifests"))
+    capsys.readouterr()
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "run `None`" not in out
+    assert "gone.onnx" in out and "missing:" in out

