@@ -30,7 +30,7 @@ from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.evalspec import specification
 from broker.loadgen import estimate_offset
 from broker.summary import LoadgenCost, tracing_warnings
-from mlscope import codec, names, samples
+from mlscope import codec, names, samples, schema
 from mlscope.bus import PAYLOAD_HEADROOM, Bus, request, request_model
 from mlscope.catalog import Entry
 from mlscope.contracts import (
@@ -55,6 +55,18 @@ from mlscope.validity import ValidityPolicy
 __all__ = ["Evaluator"]
 
 PREPARE_TIMEOUT_S = 300.0
+ATTEMPT_TABLES = tuple(
+    t.name
+    for t in (
+        schema.QUERIES,
+        schema.SPANS,
+        schema.SYSTEM_SAMPLES,
+        schema.OUTPUTS,
+        schema.MLPERF_LOGS,
+        schema.EVALUATIONS,
+    )
+)
+"""Every table that holds an evaluation's rows under its id."""
 LOST = "lost in transit: no reply before the run ended"
 """Synthetic rows a model without a data set cycles through."""
 Progress = Callable[[str, RunRecord, float], Awaitable[None]]
@@ -108,11 +120,13 @@ class Evaluator:
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
         summary = summary.model_copy(update=memory_figures(released, summary.samples))
+        # Every row an evaluation has before its evaluation row, which goes last: a
+        # server that finds that row takes the evaluation as stored whole.
+        if acc is not None:
+            await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, p.eval_id, acc)
         await self._store_runs(
             summarize, summary, outcome, specification(job, agent, entry, p.prep.dump())
         )
-        if acc is not None:
-            await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, p.eval_id, acc)
         return summary
 
     async def _prepare_run(
@@ -335,6 +349,27 @@ class Evaluator:
         of ``rec``, the queries it had issued."""
         self.store_evaluation(s, rec, spec_doc)
 
+    def forget_attempt(self, eval_id: str) -> None:
+        """Delete what an earlier, unfinished attempt of ``eval_id`` stored (its job
+        was redelivered after the server running it was lost): its query rows, spans,
+        samples, outputs and logs, and the stored runs of its sweep or search
+        (``<eval_id>-<k>``). A run stores rows by query index, so the indices the new
+        attempt does not reach would otherwise keep the lost attempt's rows."""
+        present = {
+            str(r[0])
+            for r in self.db.rows(  # some are made by their first row (MLPerf's logs)
+                "SELECT name FROM system.tables WHERE database = currentDatabase() "
+                "AND name IN {t:Array(String)}",
+                {"t": list(ATTEMPT_TABLES)},
+            )
+        }
+        for table in (t for t in ATTEMPT_TABLES if t in present):
+            self.db.command(
+                f"DELETE FROM {table} WHERE evaluation_id = {{e:String}} "
+                "OR startsWith(evaluation_id, {p:String})",
+                {"e": eval_id, "p": f"{eval_id}-"},
+            )
+
     def store_evaluation(
         self,
         s: EvaluationSummary,
@@ -345,7 +380,8 @@ class Evaluator:
     ) -> None:
         """The evaluation row, and its query rows when ``rec`` is given (a sweep's
         parent has none: its runs are stored on their own; ``t0_ns`` is then its
-        first run's). A lost query's error names the lost agent when it was."""
+        first run's). A lost query's error names the lost agent when it was. The
+        query rows go first: a stored evaluation row means its evaluation is whole."""
         if rec is not None and rec.n:
             outcomes = rec.outcomes()
             lost = next(

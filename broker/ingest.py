@@ -60,6 +60,8 @@ MAX_DELIVER = 20
 RETRY_S = 2.0
 TIME_LIMIT_NS = 1 << 62
 """Span and sample times are below this (an agent's monotonic clock, ns)."""
+DRAIN_POLL_S = 0.2
+"""How often :meth:`Ingester.drained` asks the consumer what is left."""
 log = logging.getLogger("mlscope.ingest")
 _U64 = Annotated[int, Field(strict=True, ge=0, lt=1 << 64)]
 _I64 = Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)]
@@ -181,6 +183,24 @@ class Ingester:
         if floor + 1 > self.trimmed_below:
             await self.bus.js.purge_stream(names.TRACES_STREAM, seq=floor + 1)
             self.trimmed_below = floor + 1
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until every trace batch published so far is
+        stored: the consumer has nothing pending nor awaiting its ack. False when it
+        was not within the time, or the stream cannot be asked."""
+        with anyio.move_on_after(timeout_s):
+            while True:
+                try:
+                    info = await self.bus.js.consumer_info(
+                        names.TRACES_STREAM, names.TRACES_CONSUMER
+                    )
+                except (TimeoutError, nats.errors.Error) as exc:
+                    log.warning("trace ingest not checked: %r", exc)
+                    return False
+                if not info.num_pending and not info.num_ack_pending:
+                    return True
+                await anyio.sleep(DRAIN_POLL_S)
+        return False
 
     async def _writer(self, receive: anyio.abc.ObjectReceiveStream[_Decoded]) -> None:
         async with receive:

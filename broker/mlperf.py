@@ -143,8 +143,9 @@ async def run(
         summary, rec, int(timing["errors"]), job, agent, entry, (offset, rtt), prep
     )
     spec_doc = specification(job, agent, entry, prep.dump())
-    await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
+    # The evaluation row last: a server that sees it takes the evaluation as stored whole.
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)
+    await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
     return summary
 
 
@@ -456,6 +457,6 @@ async def import_logs(ev: Host, job: JobRequest) -> EvaluationSummary:
         # what analysis shows as the system of a run
         "agent": {"cpu_model": imp.system or result.sut_name},
     }
-    await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, dict(imp.files))
+    await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
     return summary

@@ -81,6 +81,9 @@ __all__ = ["Server"]
 
 JOB_ACK_WAIT_S = 15.0
 JOB_MAX_DELIVER = 5
+ATTEMPT_DRAIN_S = 20.0
+"""How long a restarted job waits for the lost attempt's spans to be stored before
+it deletes that attempt's rows."""
 log = logging.getLogger("mlscope.server")
 MAX_PARALLEL_JOBS = 4
 DB_QUEUE = "mlscope-servers"
@@ -278,6 +281,7 @@ class Server:
                         note="job was restarted after server loss",
                     ),
                 )
+                await self._forget_attempt(evaluation_id_for(job.job_id))
             summary = await self._evaluate_cancellable(job, subject)
         except Exception as exc:  # every failure ends the job with its reason
             err = self.boundary.failed(exc, subject)
@@ -408,6 +412,17 @@ class Server:
             )
 
         return await self.evaluator.run(job, agent, entry, progress)
+
+    async def _forget_attempt(self, eval_id: str) -> None:
+        """Before a restarted job runs again: let the lost attempt's spans already on
+        the trace stream be stored, then delete every row it left (its evaluation row
+        was never stored, or the job would not run again)."""
+        if not await self.ingester.drained(ATTEMPT_DRAIN_S):
+            log.warning("evaluation %s: traces not all stored; late spans may stay", eval_id)
+        try:
+            await anyio.to_thread.run_sync(self.evaluator.forget_attempt, eval_id)
+        except MLScopeError as exc:  # the job runs all the same; the rows may mix
+            log.error("evaluation %s: a lost attempt's rows not deleted: %s", eval_id, exc)
 
     async def _stored(self, eval_id: str) -> EvaluationSummary | None:
         rows = await anyio.to_thread.run_sync(

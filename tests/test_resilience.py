@@ -217,6 +217,8 @@ def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
             nonlocal second
             if e.event == "progress" and second is None:
                 first.send_signal(signal.SIGKILL)  # dies mid-job, without acknowledging
+                first.wait(20)
+                _rows_of_a_lost_attempt(settings, evaluation_id_for(job.job_id))
                 second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
 
         summary = anyio.run(
@@ -230,11 +232,48 @@ def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
         assert summary.evaluation_id == evaluation_id_for(job.job_id)
         stored = anyio.run(_evaluations_of, settings, job.job_id, backend="asyncio")
         assert stored == [summary.evaluation_id]
+        # What the lost attempt stored is gone: the rows are the new attempt's only.
+        left = anyio.run(_attempt_rows, settings, summary.evaluation_id, backend="asyncio")
+        assert left == {"queries": summary.queries + summary.not_issued, "lost": 0, "runs": 0}
     finally:
         for p in (agent, first, second):
             if p is not None and p.poll() is None:
                 p.terminate()
                 p.wait(20)
+
+
+def _rows_of_a_lost_attempt(settings: Settings, eval_id: str) -> None:
+    """What a server that died while storing leaves: query rows past any index the
+    next attempt reaches, a lost attempt's spans, a stored run of its sweep."""
+    with Database(settings.dsn) as db:
+        db.command(
+            "INSERT INTO queries (evaluation_id, query_index) "
+            "SELECT {e:String}, 100000 + number FROM numbers(50)",
+            {"e": eval_id},
+        )
+        db.command(
+            "INSERT INTO spans (evaluation_id, agent_id, span_id) "
+            "SELECT {e:String}, 'lost-attempt', number FROM numbers(20)",
+            {"e": eval_id},
+        )
+        db.command(
+            "INSERT INTO evaluations (evaluation_id, job_id) VALUES ({p:String}, 'lost')",
+            {"p": f"{eval_id}-0"},
+        )
+
+
+async def _attempt_rows(settings: Settings, eval_id: str) -> dict[str, int]:
+    async with busmod.connect(settings, name="test") as bus:
+        _, rows = await remote.sql(
+            bus,
+            "SELECT (SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}), "
+            "(SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String} "
+            "AND agent_id = 'lost-attempt'), "
+            "(SELECT count() FROM evaluations FINAL WHERE evaluation_id = {p:String})",
+            {"e": eval_id, "p": f"{eval_id}-0"},
+        )
+    queries, lost, runs = rows[0]
+    return {"queries": int(queries), "lost": int(lost), "runs": int(runs)}
 
 
 async def _evaluations_of(settings: Settings, job_id: str) -> list[str]:
