@@ -78,6 +78,9 @@ __all__ = ["pack_slice", "run_on_services", "unpack_slice", "work_bucket"]
 log = logging.getLogger("mlscope.multihost")
 
 LOAD_TIMEOUT_S = 120.0
+WATCH_S = 2.0
+"""How often a running distributed run checks that its services are alive (their
+registry entries expire :data:`mlscope.bus.AGENT_TTL_S` after their last heartbeat)."""
 WORK_TTL_S = 3600.0
 """Slices and results left behind by a run that died expire after this long."""
 
@@ -126,6 +129,51 @@ def unpack_slice(data: bytes) -> tuple[Schedule, list[bytes], np.ndarray | None]
         raise ConfigError(f"a slice's samples_per_query is over {MAX_BATCH:,}")
     labels = doc["labels"]
     return sched, list(doc["payloads"]), None if labels is None else np.asarray(labels)
+
+
+async def _watch(
+    bus: Bus, services: list[LoadgenDescription], done: list[Any], run_id: str
+) -> None:
+    """End the run (an EvaluationError naming them) when services whose slice is not
+    done are lost: a killed service would otherwise be waited on until its request's
+    timeout, minutes away."""
+    while True:
+        await anyio.sleep(WATCH_S)
+        lost = await _lost_services(bus, services, done)
+        if lost:
+            raise EvaluationError(
+                f"load-generator service {', '.join(lost)} was lost during run {run_id} "
+                "(its registry entry expired, or it restarted)",
+                loadgen_ids=lost,
+            )
+
+
+async def _lost_services(
+    bus: Bus, services: list[LoadgenDescription], done: list[Any]
+) -> list[str]:
+    """The services whose slice is not done and whose registry entry is gone, stale
+    or another process's (restarted); none when the registry cannot be read now."""
+    try:
+        live = {d.loadgen_id: d for d in await list_loadgens(bus)}
+    except BusError:
+        return []
+    return [
+        s.loadgen_id
+        for s, d in zip(services, done, strict=True)
+        if d is None
+        and (
+            (now := live.get(s.loadgen_id)) is None
+            or (now.pid, now.started_at) != (s.pid, s.started_at)
+        )
+    ]
+
+
+def _first(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The first exception of ``group`` that is not a group, however deep."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
 
 
 async def _services(bus: Bus, wanted: tuple[str, ...]) -> list[LoadgenDescription]:
@@ -324,10 +372,13 @@ async def _start_all(
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(report)
+            tg.start_soon(_watch, ctx.bus, services, done, run_id)
             async with anyio.create_task_group() as runs:
                 for j, svc in enumerate(services):
                     runs.start_soon(one, j, svc)
             tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the first failure, as it was raised
+        raise _first(group) from group
     finally:
         with anyio.CancelScope(shield=True):
             for sub in subs:

@@ -167,6 +167,27 @@ def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
     assert s.status == "completed" and s.errors == 0
 
 
+def test_a_service_killed_mid_slice_ends_the_run_in_seconds_naming_it(
+    settings: Settings, services: dict[str, subprocess.Popen[bytes]]
+) -> None:
+    """A killed service's slice request would be waited on until its timeout (duration
+    x 3 + 2 min): its registry entry expiring ends the run, with an error naming it."""
+    spec = ScenarioSpec(name="online", qps=100, duration_s=20, seed=5, loadgen_hosts=LOADGENS)
+    job = JobRequest(
+        model="noop", framework="noop", agent_id="noop-a", scenario=spec, trace_level="none"
+    )
+    killed: list[float] = []
+
+    def seen(event: JobEvent) -> None:
+        if event.event == "progress" and event.queries_done >= 50 and not killed:
+            services["lg-a"].kill()
+            killed.append(time.monotonic())
+
+    with pytest.raises(EvaluationError, match="load-generator service lg-a was lost"):
+        anyio.run(lambda: submit(settings, job, on_event=seen, timeout=120), backend="asyncio")
+    assert killed and time.monotonic() - killed[0] < 40  # its 20 s run not waited out
+
+
 def test_loadgen_hosts_are_distinct_and_set_the_count() -> None:
     spec = ScenarioSpec(name="online", qps=10, loadgen_hosts=("lg-a", "lg-b"))
     assert spec.loadgens == 2
