@@ -655,8 +655,10 @@ class Agent:
         query = wire.decode_query(data)  # a structural check: no pydantic per query
         session = self.sessions.get(query.evaluation_id)
         if session is None:
-            raise EvaluationError(
-                f"agent {self.agent_id} was not prepared for evaluation {query.evaluation_id}"
+            raise EvaluationError(  # its index: the load generator fails that query
+                f"agent {self.agent_id} was not prepared for evaluation {query.evaluation_id}",
+                evaluation_id=query.evaluation_id,
+                index=query.index,
             )
         level = TraceLevel(min(query.trace_level, session.level))
         spans = self.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None

@@ -48,6 +48,7 @@ from mlscope.contracts import (
 from mlscope.errors import ConfigError, EvaluationError, MLScopeError
 from mlscope.outcomes import Outcome
 from mlscope.record import RunRecord
+from mlscope.registry import list_agents
 from mlscope.samples import dataset
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
@@ -106,7 +107,7 @@ class Evaluator:
         p = await self._prepare_run(job, agent, entry)
         started = time.time()
         outcome = await self._execute(job, agent, entry, p, progress)
-        lost = await self._agent_lost(agent.agent_id, outcome.main.record)
+        lost = await self._agent_lost(agent, outcome.main.record)
         # A local run (placement agent) reports a lost agent in its own reasons.
         gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
         acc = None if gone else await self._accuracy(job, entry, p.data, p.eval_id, agent.agent_id)
@@ -327,19 +328,25 @@ class Evaluator:
             return reply
         return {}
 
-    async def _agent_lost(self, agent_id: str, rec: RunRecord) -> str:
+    async def _agent_lost(self, agent: AgentDescription, rec: RunRecord) -> str:
         """ "agent <id> lost after N of M queries" when queries went unanswered and the
-        agent no longer answers a ping; "" while it is there."""
+        agent that ran them is gone: it no longer answers a ping, or another process
+        answers under its id (it restarted: its registry entry's pid or start differs);
+        "" while it is there."""
         unanswered = int(np.count_nonzero(np.asarray(rec.completed[: rec.n]) == 0))
         if rec.n == 0 or not unanswered:
             return ""
+        answered = int(np.count_nonzero(np.asarray(rec.ok[: rec.n])))
+        lost = f"agent {agent.agent_id} lost after {answered} of {rec.n} queries"
         try:
             await request(
-                self.bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()), timeout=2.0
+                self.bus, names.agent_ctl(agent.agent_id), codec.encode_model(PingOp()), timeout=2.0
             )
+            now = {a.agent_id: a for a in await list_agents(self.bus)}.get(agent.agent_id)
         except MLScopeError:
-            answered = int(np.count_nonzero(np.asarray(rec.ok[: rec.n])))
-            return f"agent {agent_id} lost after {answered} of {rec.n} queries"
+            return lost
+        if now is not None and (now.pid, now.started_at) != (agent.pid, agent.started_at):
+            return f"{lost} (it restarted)"
         return ""
 
     def store_unfinished(

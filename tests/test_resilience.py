@@ -330,6 +330,44 @@ def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
         assert server.poll() is None
 
 
+def test_an_agent_restarted_under_its_id_mid_run_is_lost_not_overloaded(
+    settings: Settings,
+) -> None:
+    """Another process answering under the agent's id is not the agent that ran the
+    queries: the run says it lost that agent (which restarted), and the queries the
+    new process refused fail with its reason instead of counting as lost in transit."""
+    env = child_env(settings)
+    cmd = [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "phoenix"]
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "phoenix") as (
+        agent,
+        _server,
+    ):
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=100, duration_s=12),  # time to restart
+        )
+        reborn: list[subprocess.Popen[bytes]] = []
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 100 and not reborn:
+                agent.send_signal(signal.SIGKILL)
+                agent.wait(20)
+                reborn.append(subprocess.Popen(cmd, env=env))
+
+        try:
+            summary = anyio.run(
+                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+            )
+        finally:
+            for p in reborn:
+                p.terminate()
+                p.wait(20)
+        assert not summary.valid
+        lost = [r for r in summary.invalid_reasons if r.startswith("agent phoenix lost after")]
+        assert lost and lost[0].endswith("(it restarted)"), summary.invalid_reasons
+
+
 def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Settings) -> None:
     with agent_and_server(settings, "--framework", "onnxruntime", "--agent-id", "sturdy") as (
         agent,
