@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from broker.context import Context
 from broker.scenario import Outcome
@@ -29,10 +30,10 @@ from broker.scenario_kinds import get
 from mlscope import scenario_traits, schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
-from mlscope.manifest import ScenarioFile, load_manifest
+from mlscope.manifest import ScenarioFile, load_yaml, parse_manifest, scenario_refusal
 from mlscope.schedule import Schedule
 
-__all__ = ["build_schedule", "execute", "read_arrivals", "scenario_spec"]
+__all__ = ["build_schedule", "execute", "file_values", "read_arrivals", "scenario_spec"]
 
 
 async def execute(ctx: Context, spec: ScenarioSpec) -> Outcome:
@@ -46,45 +47,65 @@ def build_schedule(spec: ScenarioSpec) -> tuple[Schedule, float]:
 
 
 def read_arrivals(path: Path) -> tuple[float, ...]:
-    """Inter-arrival times (s) from a replay file (:func:`mlscope.schedule.replay`)."""
-    offsets = schedule.replay(path).offsets_ns
-    gaps = np.diff(offsets, prepend=np.int64(0))
-    return tuple(float(g) / 1e9 for g in gaps.tolist())
+    """Inter-arrival times (s) from a replay file (:func:`mlscope.schedule.replay`),
+    as the job carries them."""
+    gaps = np.diff(schedule.replay(path).offsets_ns, prepend=np.int64(0)) / 1e9
+    return tuple(gaps.tolist())
+
+
+_FILE_FIELDS = (
+    "qps",
+    "duration_s",
+    "batch_size",
+    "batch_sizes",
+    "seed",
+    "latency_bound_ms",
+    "segments",
+    "loadgens",
+    "concurrency",
+    "repetitions",
+    "warm_queries",
+)
+"""The fields a scenario file sets by the name a spec gives them."""
 
 
 def scenario_spec(path: Path | None, flags: dict[str, Any]) -> ScenarioSpec:
     """A :class:`ScenarioSpec` from a scenario YAML (if any), overridden by ``flags``.
 
-    ``flags`` holds command-line values, None where not given. In the YAML, a field may
-    mean another for one scenario (its traits' ``file_aliases``: ``concurrency`` is the
-    samples per query of multi-stream) and ``schedule_file`` is read here, relative to
-    the YAML (the job carries the arrivals themselves).
+    ``flags`` holds command-line values, None where not given. The file's values are
+    checked as a spec on their own first (:func:`file_values`), so that a value the
+    file holds is refused as the file's, on its line, and one the flags set as theirs.
     """
-    values: dict[str, Any] = {}
-    if path is not None:
-        doc = load_manifest(path)
-        if not isinstance(doc, ScenarioFile):
-            raise ConfigError(f"{path} is a {type(doc).__name__}, not a scenario", file=str(path))
-        for key in (
-            "qps",
-            "duration_s",
-            "batch_size",
-            "batch_sizes",
-            "seed",
-            "latency_bound_ms",
-            "segments",
-            "loadgens",
-            "concurrency",
-            "repetitions",
-            "warm_queries",
-        ):
-            if getattr(doc, key) is not None:
-                values[key] = getattr(doc, key)
-        values["name"] = doc.name
-        for ours, theirs in scenario_traits.get(doc.name).file_aliases:
-            if ours in values:
-                values.setdefault(theirs, values.pop(ours))
-        if doc.schedule_file is not None:
-            values["arrivals_s"] = read_arrivals(path.parent / doc.schedule_file)
+    values = file_values(path) if path is not None else {}
     values.update({k: v for k, v in flags.items() if v is not None})
     return ScenarioSpec(**values)
+
+
+def file_values(path: Path) -> dict[str, Any]:
+    """The spec fields the scenario file ``path`` sets, refused as a
+    :class:`ManifestError` naming the file and line where they make no spec.
+
+    In the YAML, a field may mean another for one scenario (its traits'
+    ``file_aliases``: ``concurrency`` is the samples per query of multi-stream) and
+    ``schedule_file`` is read here, relative to the YAML (the job carries the arrivals
+    themselves).
+    """
+    data, node = load_yaml(path)
+    doc = parse_manifest(data, file=str(path), node=node)
+    if not isinstance(doc, ScenarioFile):
+        raise ConfigError(f"{path} is a {type(doc).__name__}, not a scenario", file=str(path))
+    values: dict[str, Any] = {k: getattr(doc, k) for k in _FILE_FIELDS}
+    values = {k: v for k, v in values.items() if v is not None} | {"name": doc.name}
+    keys: dict[str, str] = {}  # spec field -> the file key that set it
+    for ours, theirs in scenario_traits.get(doc.name).file_aliases:
+        if ours in values and theirs not in values:
+            values[theirs], keys[theirs] = values.pop(ours), ours
+        values.pop(ours, None)
+    if doc.schedule_file is not None:
+        values["arrivals_s"] = read_arrivals(path.parent / doc.schedule_file)
+        keys["arrivals_s"] = "schedule_file"
+    try:
+        ScenarioSpec(**values)
+    except ValidationError as exc:
+        raise scenario_refusal(exc, file=str(path), node=node, keys=keys) from exc
+    return values

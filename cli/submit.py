@@ -316,7 +316,7 @@ def _progress(event: JobEvent) -> None:
         print(f"  job {event.job_id} accepted by {event.server_id}", file=sys.stderr, flush=True)
 
 
-Several = Callable[[argparse.Namespace, Settings, InFlight], int]
+Several = Callable[[argparse.Namespace, Settings, list[JobRequest], InFlight], int]
 
 
 def _several_jobs(args: argparse.Namespace) -> Several | None:
@@ -342,6 +342,19 @@ def _settings() -> Settings | None:
     return settings
 
 
+def _checked_jobs(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[JobRequest]:
+    """The job of each framework, built once, by the preflight that checks them: a job
+    reads its files (a replay schedule, a scenario or system file) as it is built."""
+    jobs: list[JobRequest] = []
+
+    def build(a: argparse.Namespace, framework: str | None = None) -> JobRequest:
+        jobs.append(make_job(a, framework))
+        return jobs[-1]
+
+    preflight(p, args, build)
+    return jobs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings = _settings()
     if settings is None:
@@ -349,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
-        preflight(p, args, make_job)
+        jobs = _checked_jobs(p, args)
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -357,11 +370,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if several is not None:
         in_flight = InFlight()
         try:
-            return several(args, settings, in_flight)
+            return several(args, settings, jobs, in_flight)
         except KeyboardInterrupt:  # those running are cancelled; the rest never sent
             return interrupted_many(settings, in_flight)
     show = _notes if args.json or not sys.stderr.isatty() else _progress
-    job = make_job(args)  # preflight built it once already
+    job = jobs[0]
     try:
         summary = anyio.run(lambda: submit(settings, job, on_event=show), backend="asyncio")
     except KeyboardInterrupt:
@@ -402,17 +415,19 @@ def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, flo
     return out
 
 
-def _main_repeat(args: argparse.Namespace, settings: Settings, in_flight: InFlight) -> int:
+def _main_repeat(
+    args: argparse.Namespace, settings: Settings, jobs: list[JobRequest], in_flight: InFlight
+) -> int:
     """The same job ``--repeat`` times, one after another; run-level statistics."""
+    job = jobs[0]
+
+    async def go() -> list[EvaluationSummary]:
+        return [
+            await in_flight.submit(settings, job.model_copy(update={"job_id": new_id("job")}))
+            for _ in range(args.repeat)
+        ]
+
     try:
-        job = make_job(args)
-
-        async def go() -> list[EvaluationSummary]:
-            return [
-                await in_flight.submit(settings, job.model_copy(update={"job_id": new_id("job")}))
-                for _ in range(args.repeat)
-            ]
-
         summaries = anyio.run(go, backend="asyncio")
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
@@ -443,11 +458,13 @@ def _main_repeat(args: argparse.Namespace, settings: Settings, in_flight: InFlig
     return strict_code(summaries) if args.strict else 0
 
 
-def _main_all_agents(args: argparse.Namespace, settings: Settings, in_flight: InFlight) -> int:
+def _main_all_agents(
+    args: argparse.Namespace, settings: Settings, jobs: list[JobRequest], in_flight: InFlight
+) -> int:
     from cli.all_agents import comparison_table, submit_all
 
+    job = jobs[0]
     try:
-        job = make_job(args)
         results = anyio.run(
             lambda: submit_all(
                 settings, job, any_framework=args.any_framework, in_flight=in_flight
@@ -478,14 +495,14 @@ def _main_all_agents(args: argparse.Namespace, settings: Settings, in_flight: In
     return strict_code(results) if args.strict else 0
 
 
-def _main_many(args: argparse.Namespace, settings: Settings, in_flight: InFlight) -> int:
+def _main_many(
+    args: argparse.Namespace, settings: Settings, jobs: list[JobRequest], in_flight: InFlight
+) -> int:
     """One evaluation per framework (one after another unless --parallel), then one
     comparison of their outputs."""
     from broker.compare import format_comparison
 
-    frameworks = [f.strip() for f in args.framework.split(",") if f.strip()]
     try:
-        jobs = [make_job(args, fw) for fw in frameworks]
         summaries, comparison = anyio.run(
             _run_many, args, settings, jobs, in_flight, backend="asyncio"
         )

@@ -13,7 +13,14 @@ never a traceback:
   :data:`MAX_NODES` nodes: a kilobyte "billion laughs" file would otherwise
   validate quickly (aliases share objects) and explode when it is serialized;
 * **duplicate keys** are an error (YAML says keys are unique; PyYAML keeps the
-  last one silently, so a second ``sha256:`` would quietly win).
+  last one silently, so a second ``sha256:`` would quietly win);
+* **values PyYAML cannot build** (``2001-02-30``, ``!!int abc``, an int of more
+  digits than Python converts) are an error on their line, not a ValueError from
+  deep inside the constructor.
+
+Every file is read through :func:`read_regular` (or opened by :func:`open_regular`):
+a FIFO, device or directory named as an input is refused at once, where a plain
+``open`` would wait forever for a writer or read without end.
 
 Arrays another process wrote (an ``.npz`` of a load generator's or LoadGen's run) are
 read by their headers first (:func:`npz_headers`): a small compressed file can claim
@@ -22,10 +29,13 @@ gigabytes, and the caller checks shapes and types before anything is decompresse
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import stat
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import yaml
@@ -41,10 +51,14 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_DOCUMENT_BYTES",
     "MAX_NODES",
+    "FileTooLarge",
+    "NotRegularFile",
     "json_depth",
     "load_json",
     "load_yaml_bounded",
     "npz_headers",
+    "open_regular",
+    "read_regular",
 ]
 
 MAX_DOCUMENT_BYTES = 1 << 20
@@ -60,6 +74,65 @@ class _Limit(Exception):
     def __init__(self, message: str, line: int | None) -> None:
         super().__init__(message)
         self.message, self.line = message, line
+
+
+class NotRegularFile(OSError):
+    """A path names a FIFO, socket, device or directory, not a file: reading it could
+    block until a writer comes, or never end. An OSError, so that each reader's own
+    ``except OSError`` turns it into that reader's typed error."""
+
+    def __init__(self, path: Path, mode: int) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file ({_file_kind(mode)})", str(path))
+
+
+class FileTooLarge(OSError):
+    """A regular file holds more bytes than its reader accepts (``size`` is at least
+    ``limit + 1``: the reader stops there)."""
+
+    def __init__(self, path: Path, size: int, limit: int) -> None:
+        super().__init__(errno.EFBIG, f"is {size} bytes, over the {limit}-byte limit", str(path))
+        self.size, self.limit = size, limit
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a file of another kind")
+
+
+def open_regular(path: Path) -> IO[bytes]:
+    """``path`` opened for binary reading, refused (:class:`NotRegularFile`) unless it is
+    a regular file: opened non-blocking and checked by ``fstat`` on the open descriptor,
+    since checking the path first and then opening it would still block on a FIFO (and
+    races a rename)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, mode)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """Every byte of the regular file ``path``, at most ``limit`` of them: refused by its
+    size before anything is read, and again if it grew past ``limit`` since."""
+    with open_regular(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise FileTooLarge(path, size, limit)
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise FileTooLarge(path, len(raw), limit)
+    return raw
 
 
 class _BoundedComposer(Composer):  # type: ignore[misc]
@@ -104,21 +177,44 @@ class _BoundedComposer(Composer):  # type: ignore[misc]
         return node
 
 
+class _BoundedConstructor(SafeConstructor):  # type: ignore[misc]
+    """PyYAML's safe constructor, with a value it cannot build (``2001-02-30``,
+    ``!!float abc``, an int past Python's digit limit) refused on its own line: those
+    raise plain ValueError and kin from the constructor, with no mark."""
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return SafeConstructor.construct_object(self, node, deep)
+        except (ValueError, TypeError, AttributeError, OverflowError) as exc:
+            kind = str(node.tag).rpartition(":")[2] or "value"
+            # ValueError says why (``day is out of range for month``); the others
+            # only say where inside PyYAML it broke.
+            why = f" ({str(exc).split(';', 1)[0]})" if isinstance(exc, ValueError) else ""
+            raise _Limit(
+                f"not a valid {kind}: {_clip(str(node.value))!r}{why}",
+                int(node.start_mark.line) + 1,
+            ) from None
+
+
+def _clip(text: str, at: int = 40) -> str:
+    return text if len(text) <= at else f"{text[:at]}... ({len(text)} characters)"
+
+
 try:
     # libyaml scans and parses (in C: a quarter of the pure-Python time on the catalog's
     # manifests); the bounded composer above still builds the nodes from its events.
     from yaml._yaml import CParser
 
-    class _BoundedLoader(_BoundedComposer, CParser, SafeConstructor, Resolver):  # type: ignore[misc]
+    class _BoundedLoader(_BoundedComposer, CParser, _BoundedConstructor, Resolver):  # type: ignore[misc]
         def __init__(self, stream: str) -> None:
             CParser.__init__(self, stream)
             Composer.__init__(self)
-            SafeConstructor.__init__(self)
+            _BoundedConstructor.__init__(self)
             Resolver.__init__(self)
 
 except ImportError:  # a PyYAML built without libyaml
 
-    class _BoundedLoader(_BoundedComposer, yaml.SafeLoader):  # type: ignore[misc,no-redef]
+    class _BoundedLoader(_BoundedComposer, _BoundedConstructor, yaml.SafeLoader):  # type: ignore[misc,no-redef]
         pass
 
 
@@ -165,17 +261,15 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
 def _read_text(path: Path) -> str:
     file = str(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_DOCUMENT_BYTES:
-            raise ManifestError(
-                f"is {size} bytes; a manifest may have at most {MAX_DOCUMENT_BYTES}", file=file
-            )
-        with path.open("rb") as fh:
-            raw = fh.read(MAX_DOCUMENT_BYTES + 1)
+        raw = read_regular(path, MAX_DOCUMENT_BYTES)
+    except FileTooLarge as exc:
+        raise ManifestError(
+            f"is {exc.size} bytes; a manifest may have at most {MAX_DOCUMENT_BYTES}", file=file
+        ) from None
+    except NotRegularFile as exc:
+        raise ManifestError(str(exc.strerror), file=file) from None
     except OSError as exc:
         raise ManifestError(f"cannot read: {exc.strerror or exc}", file=file) from exc
-    if len(raw) > MAX_DOCUMENT_BYTES:  # grew after stat, or not a regular file
-        raise ManifestError(f"has more than {MAX_DOCUMENT_BYTES} bytes", file=file)
     return decode_utf8(raw, file=file)
 
 

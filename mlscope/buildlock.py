@@ -28,12 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mlscope.bounded import read_regular
 from mlscope.errors import ArtifactError
 from mlscope.hashing import sha256_path
 
 __all__ = ["LOCK_NAME", "BuildLock"]
 
 LOCK_NAME = "mlscope.lock"
+MAX_LOCK_BYTES = 16 << 20
+"""Largest build lock read: a line of about 100 bytes per built file, so some 160,000
+files; a lock past it was not written by a build."""
 FORMAT = 1
 """History: 1 — artifacts, files, origin, behaviour."""
 
@@ -84,10 +88,13 @@ class BuildLock:
         """The lock of the model directory ``root``; None when there is none."""
         path = root / LOCK_NAME
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(read_regular(path, MAX_LOCK_BYTES))
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as exc:
+        except OSError as exc:  # a FIFO or a directory too: refused, never waited on
+            why = exc.strerror or str(exc)
+            raise ArtifactError(f"unreadable build lock {path}: {why}", path=str(path)) from exc
+        except ValueError as exc:
             raise ArtifactError(f"unreadable build lock {path}: {exc}", path=str(path)) from exc
         return cls.from_json(doc, where=str(path))
 

@@ -32,7 +32,15 @@ from pydantic import (
 from mlscope import names, scenario_traits
 from mlscope.artifacts import check_relative, zoo_coordinates
 from mlscope.bounded import load_yaml_bounded
-from mlscope.contracts import ScenarioName
+from mlscope.contracts import (
+    MAX_BATCH,
+    MAX_CONCURRENCY,
+    MAX_DURATION_S,
+    MAX_LOADGENS,
+    MAX_QPS,
+    ScenarioName,
+    ScenarioSpec,
+)
 from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
@@ -65,6 +73,7 @@ __all__ = [
     "manifest_digest",
     "mark_untrusted",
     "parse_manifest",
+    "scenario_refusal",
 ]
 
 FRAMEWORKS = ("onnxruntime", "pytorch", "tensorflow", "tflite", "xrt", "noop")
@@ -490,18 +499,34 @@ class SystemManifest(SystemRequirements):
     name: str
 
 
+def _spec_bound(field: str, bound: str) -> Any:
+    """:class:`ScenarioSpec`'s own ``bound`` (``le``, ``max_length``) of ``field``, for
+    the limits it writes out rather than names: a scenario file is held to the bounds
+    of the spec it becomes, defined once, there."""
+    for constraint in ScenarioSpec.model_fields[field].metadata:
+        if hasattr(constraint, bound):
+            return getattr(constraint, bound)
+    raise LookupError(f"ScenarioSpec.{field} has no {bound}")
+
+
 class ScenarioFile(_Strict):
-    """A benchmarking scenario as YAML (``kind: scenario``); see docs for each name."""
+    """A benchmarking scenario as YAML (``kind: scenario``); see docs for each name.
+
+    Each value has the bounds of the :class:`ScenarioSpec` field it sets, so that
+    ``mlscope manifest validate`` refuses what a submission would.
+    """
 
     kind: Literal["scenario"] = "scenario"
     name: ScenarioName
-    qps: float | None = Field(default=None, gt=0)
+    qps: float | None = Field(default=None, gt=0, le=MAX_QPS)
     """Target arrival rate (online: Poisson mean; constant: fixed interval)."""
-    duration_s: float | None = Field(default=None, gt=0)
-    batch_size: int | None = Field(default=None, ge=1)
-    batch_sizes: tuple[int, ...] | None = None
+    duration_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
+    batch_size: int | None = Field(default=None, ge=1, le=MAX_BATCH)
+    batch_sizes: tuple[int, ...] | None = Field(
+        default=None, max_length=_spec_bound("batch_sizes", "max_length")
+    )
     """batched: the batch sizes to sweep."""
-    concurrency: int | None = Field(default=None, ge=1)
+    concurrency: int | None = Field(default=None, ge=1, le=MAX_CONCURRENCY)
     """concurrency: requests kept in flight (closed loop); multi-stream: streams."""
     seed: int = 0
     latency_bound_ms: float | None = Field(default=None, gt=0)
@@ -509,11 +534,11 @@ class ScenarioFile(_Strict):
     """replay: a recorded trace, relative to the scenario file."""
     segments: tuple[tuple[float, float, float], ...] | None = None
     """piecewise: ``[rate_start, rate_end, seconds]`` per segment (ramps and bursts)."""
-    loadgens: int | None = Field(default=None, ge=1)
+    loadgens: int | None = Field(default=None, ge=1, le=MAX_LOADGENS)
     """Open loops: load-generator processes sharing one global schedule."""
-    repetitions: int | None = Field(default=None, ge=1)
+    repetitions: int | None = Field(default=None, ge=1, le=_spec_bound("repetitions", "le"))
     """cold-start: how many times the model is unloaded, loaded and run again."""
-    warm_queries: int | None = Field(default=None, ge=1)
+    warm_queries: int | None = Field(default=None, ge=1, le=_spec_bound("warm_queries", "le"))
     """cold-start: warm queries after each load."""
 
     @field_validator("batch_sizes")
@@ -521,6 +546,23 @@ class ScenarioFile(_Strict):
     def _positive(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
         if v is not None and (not v or min(v) < 1):
             raise ValueError("batch_sizes must be a non-empty list of positive integers")
+        if v is not None and max(v) > MAX_BATCH:
+            raise ValueError(f"a batch size may be at most {MAX_BATCH} (got {max(v)})")
+        return v
+
+    @field_validator("segments")
+    @classmethod
+    def _segments_as_the_spec_takes_them(
+        cls, v: tuple[tuple[float, float, float], ...] | None
+    ) -> tuple[tuple[float, float, float], ...] | None:
+        """The spec's own segment rules (count, rates, the longest run), not a copy."""
+        if v is not None:
+            try:
+                ScenarioSpec(name="piecewise", segments=v)
+            except ValidationError as exc:
+                raise ValueError(
+                    str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
+                ) from None
         return v
 
     @field_validator("schedule_file")
@@ -534,6 +576,19 @@ class ScenarioFile(_Strict):
             if getattr(self, field, None) is None:
                 raise ValueError(f"scenario {self.name!r} needs {field}")
         return self
+
+
+def scenario_refusal(
+    exc: ValidationError, *, file: str, node: yaml.Node | None, keys: Mapping[str, str]
+) -> ManifestError:
+    """A :class:`ScenarioSpec`'s refusal of the values a scenario file gave it, as that
+    file's error: each problem on the line of the key that set the field (``keys``:
+    spec field -> file key, where they differ)."""
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = tuple(keys.get(p, p) if isinstance(p, str) else p for p in err["loc"])
+        problems.append(_problem({**err, "loc": loc}, node))
+    return _refusal(problems, file)
 
 
 _KINDS: dict[str, type[BaseModel]] = {
@@ -597,13 +652,16 @@ def parse_manifest(data: Any, *, file: str, node: yaml.Node | None = None) -> Ba
         return cls.model_validate(data)
     except ValidationError as exc:
         problems = [_problem(err, node) for err in exc.errors(include_url=False)]
-        (line, field, text), rest = problems[0], problems[1:]
-        for r_line, r_field, r_text in rest:
-            where = f"{file}:{r_line}" if r_line is not None else file
-            text += (
-                f"\n  {where}: field '{r_field}': {r_text}" if r_field else f"\n  {where}: {r_text}"
-            )
-        raise ManifestError(text, file=file, field=field, line=line) from exc
+        raise _refusal(problems, file) from exc
+
+
+def _refusal(problems: list[tuple[int | None, str | None, str]], file: str) -> ManifestError:
+    """One error for every problem: the first's line and field, then one line each."""
+    (line, field, text), rest = problems[0], problems[1:]
+    for r_line, r_field, r_text in rest:
+        where = f"{file}:{r_line}" if r_line is not None else file
+        text += f"\n  {where}: field '{r_field}': {r_text}" if r_field else f"\n  {where}: {r_text}"
+    return ManifestError(text, file=file, field=field, line=line)
 
 
 def _problem(err: Any, node: yaml.Node | None) -> tuple[int | None, str | None, str]:

@@ -5,6 +5,7 @@ publish`), and the bus path refuses the same shapes in JSON."""
 from __future__ import annotations
 
 import json
+import os
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -16,8 +17,9 @@ import yaml
 from cli.main import main as mlscope_main
 from mlscope import bounded, names
 from mlscope.artifacts import zoo_coordinates
-from mlscope.catalog import default_manifest_dirs
-from mlscope.errors import ManifestError
+from mlscope.buildlock import LOCK_NAME, BuildLock
+from mlscope.catalog import Catalog, default_manifest_dirs
+from mlscope.errors import ArtifactError, ManifestError
 from mlscope.manifest import (
     MAX_SAMPLE_DIMS,
     MAX_SAMPLE_ELEMENTS,
@@ -245,3 +247,95 @@ def test_a_bus_value_with_an_absurd_shape_is_a_manifest_error() -> None:
     with pytest.raises(ManifestError, match="elements") as err:
         _parse("m.1.0.0.noop", raw)
     assert err.value.file == "mlscope_models/m.1.0.0.noop"
+
+
+UNBUILDABLE = {
+    "impossible date": ("version: 2001-02-30", "day is out of range for month"),
+    "tagged int": ("version: !!int abc", "not a valid int: 'abc'"),
+    "tagged float": ("version: !!float abc", "not a valid float: 'abc'"),
+    "tagged timestamp": ("version: !!timestamp abc", "not a valid timestamp: 'abc'"),
+    "int past Python's digits": ("version: 1" + "0" * 5000, "not a valid int: '10000"),
+    "nested": ("x: {y: [1, !!float q]}", "not a valid float: 'q'"),
+    "a key": ("? !!int k\n: 1", "not a valid int: 'k'"),
+}
+"""Scalars that PyYAML resolves but cannot build: each raised a bare ValueError or
+AttributeError from inside its constructor."""
+
+
+@pytest.mark.parametrize("case", list(UNBUILDABLE))
+def test_a_value_yaml_cannot_build_is_refused_on_its_line(tmp_path: Path, case: str) -> None:
+    line, text = UNBUILDABLE[case]
+    path = tmp_path / "m.yaml"
+    path.write_text(f"kind: model\n{line}\n")
+    with pytest.raises(ManifestError) as err:
+        load_manifest(path)
+    assert text in err.value.message and len(err.value.message) < 300
+    assert err.value.file == str(path) and err.value.line == 2
+
+
+def test_the_cli_and_the_catalog_report_an_unbuildable_value_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "manifests" / "bad.yaml"
+    bad.parent.mkdir()
+    bad.write_text("kind: model\nversion: 2001-02-30\n")
+    for command in (["manifest", "validate"], ["models", "publish"]):
+        assert mlscope_main([*command, str(bad)]) == 1
+        err = capsys.readouterr().err
+        assert f"{bad}:2: " in err and "Traceback" not in err
+    with pytest.raises(ManifestError, match="day is out of range"):
+        Catalog.load([bad.parent])
+
+
+@pytest.mark.timeout(15)  # the old reader blocked in open() until a writer came
+def test_a_fifo_named_as_a_manifest_is_refused_not_waited_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fifo = tmp_path / "m.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(ManifestError, match=r"not a regular file \(a FIFO\)") as err:
+        load_manifest(fifo)
+    assert err.value.file == str(fifo)
+    for command in (["manifest", "validate"], ["models", "publish"]):
+        assert mlscope_main([*command, str(fifo)]) == 1
+        assert f"{fifo}: not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(15)
+def test_a_directory_walk_refuses_a_fifo_among_manifests_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "ok.yaml").write_text("kind: scenario\nname: online\nqps: 10\nduration_s: 1\n")
+    os.mkfifo(tmp_path / "pipe.yaml")
+    assert mlscope_main(["manifest", "validate", str(tmp_path)]) == 1
+    out = capsys.readouterr()
+    assert f"{tmp_path / 'ok.yaml'}: ok" in out.out
+    assert f"{tmp_path / 'pipe.yaml'}: not a regular file (a FIFO)" in out.err
+    assert "Traceback" not in out.err
+
+
+def test_read_regular_refuses_what_is_not_a_file_or_too_large(tmp_path: Path) -> None:
+    with pytest.raises(bounded.NotRegularFile, match=r"a directory"):
+        bounded.read_regular(tmp_path, 10)
+    big = tmp_path / "big"
+    big.write_bytes(b"x" * 11)
+    with pytest.raises(bounded.FileTooLarge) as err:
+        bounded.read_regular(big, 10)
+    assert (err.value.size, err.value.limit) == (11, 10)
+    assert bounded.read_regular(big, 11) == b"x" * 11
+
+
+@pytest.mark.timeout(15)  # the old reader blocked in open() until a writer came
+def test_a_fifo_build_lock_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model_dir = tmp_path / "data" / "zoo" / "digits_cnn" / "1.0.0"
+    model_dir.mkdir(parents=True)
+    (model_dir / "digits_cnn.onnx").write_text("junk")
+    os.mkfifo(model_dir / LOCK_NAME)
+    with pytest.raises(ArtifactError, match=r"not a regular file \(a FIFO\)"):
+        BuildLock.read(model_dir)
+    monkeypatch.setenv("MLSCOPE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("MLSCOPE_NATS_URL", "nats://127.0.0.1:9")
+    mlscope_main(["models"])
+    assert "Traceback" not in capsys.readouterr().err

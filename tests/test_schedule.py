@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +129,53 @@ def test_replay_malformed_names_file_and_line(
 def test_replay_missing_file_is_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         sch.replay(tmp_path / "absent.txt")
+
+
+@pytest.mark.timeout(15)  # the old reader blocked in open() until a writer came
+def test_replay_refuses_a_fifo_rather_than_wait_for_a_writer(tmp_path: Path) -> None:
+    fifo = tmp_path / "arrivals.txt"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"not a regular file \(a FIFO\)") as info:
+        sch.replay(fifo)
+    assert info.value.fields["file"] == str(fifo)
+
+
+def test_replay_stops_at_the_first_arrival_a_run_cannot_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sch, "MAX_SCHEDULED_QUERIES", 3)
+    path = tmp_path / "arrivals.txt"
+    path.write_text("0.1\n# note\n0.1\n0.1\n0.1\nnever read\n")
+    with pytest.raises(ConfigError, match="more than the 3 arrivals") as info:
+        sch.replay(path)
+    assert f"{path}:5:" in str(info.value) and info.value.fields["line"] == 5
+    path.write_text("0.1\n0.1\n0.1\n")
+    assert len(sch.replay(path)) == 3
+
+
+@pytest.mark.parametrize("column", [None, 0])
+def test_replay_refuses_a_file_past_its_byte_limit_before_parsing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, column: int | None
+) -> None:
+    monkeypatch.setattr(sch, "MAX_REPLAY_BYTES", 64)
+    path = tmp_path / "arrivals.txt"
+    path.write_text("0.001\n" * 10 + "not a number\n" * 10)
+    with pytest.raises(ConfigError, match="at most 64 bytes") as info:
+        sch.replay(path, column=column)
+    assert info.value.fields["limit"] == 64
+    path.write_text("0.001\n" * 10)
+    assert len(sch.replay(path, column=column)) == 10
+
+
+def test_replay_grows_its_gaps_past_one_chunk_and_names_csv_lines(tmp_path: Path) -> None:
+    plain = tmp_path / "many.txt"
+    plain.write_text("0.000001\n" * 70_000)
+    offsets = sch.replay(plain).offsets_ns
+    assert offsets.dtype == np.int64 and offsets.tolist() == list(range(1000, 70_001_000, 1000))
+    quoted = tmp_path / "quoted.csv"
+    quoted.write_text('note,gap\n"two\nlines",0.1\nx,fast\n')
+    with pytest.raises(ConfigError, match=r"quoted\.csv:4: not a number"):
+        sch.replay(quoted, column="gap")
 
 
 def test_deal_merge_round_trip() -> None:
