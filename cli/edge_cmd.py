@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.set_defaults(func=run_up)
 
     attach = cmds.add_parser("attach", help="(hub side) pull an edge domain's span buffer")
-    attach.add_argument("domain")
+    attach.add_argument("domain", type=subject_token)
     attach.set_defaults(func=run_attach)
 
 

@@ -241,6 +241,16 @@ def test_edge_init_refuses_a_domain_that_is_not_one_token(
     assert f"argument {flag}: must be one subject token" in capsys.readouterr().err
 
 
+def test_edge_attach_refuses_a_domain_that_is_not_one_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The domain becomes the source's API prefix ``$JS.<domain>.API``."""
+    with pytest.raises(SystemExit) as info:
+        mlscope_main(["edge", "attach", "edge.*"])
+    assert info.value.code == 2
+    assert "argument domain: must be one subject token" in capsys.readouterr().err
+
+
 def test_write_auth_refuses_a_wildcard_domain_itself(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="hub domain must be one subject token"):
         write_auth(tmp_path / "auth", hub_domain="*")
