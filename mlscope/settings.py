@@ -5,6 +5,7 @@ Nothing reads the environment elsewhere; settings are passed down explicitly.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -93,13 +94,11 @@ class Settings:
             nats_creds=Path(creds).expanduser() if creds else None,
             nats_inbox_prefix=env.get("MLSCOPE_NATS_INBOX_PREFIX") or None,
             manifests_dir=Path(manifests).expanduser() if manifests else None,
-            trace_retention_days=int(env["MLSCOPE_TRACE_RETENTION_DAYS"])
-            if env.get("MLSCOPE_TRACE_RETENTION_DAYS")
-            else None,
+            trace_retention_days=_whole(env, "MLSCOPE_TRACE_RETENTION_DAYS", None, low=0),
             nats_tls_ca=path("MLSCOPE_NATS_TLS_CA"),
             nats_tls_cert=path("MLSCOPE_NATS_TLS_CERT"),
             nats_tls_key=path("MLSCOPE_NATS_TLS_KEY"),
-            js_replicas=int(env.get("MLSCOPE_JS_REPLICAS") or 1),
+            js_replicas=_whole(env, "MLSCOPE_JS_REPLICAS", 1, low=1) or 1,
             js_domain=env.get("MLSCOPE_JS_DOMAIN") or None,
             allow_custom_code=_flag(env, "MLSCOPE_ALLOW_CUSTOM_CODE"),
             clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
@@ -187,6 +186,20 @@ def _number(env: Mapping[str, str], var: str, default: float) -> float:
         number = float(value)
     except ValueError:
         raise ConfigError(f"{var}={value!r}: want a number", field=var) from None
-    if not number > 0:
+    if not 0 < number < math.inf:
         raise ConfigError(f"{var}={value!r}: want a positive number", field=var)
+    return number
+
+
+def _whole(env: Mapping[str, str], var: str, default: int | None, *, low: int) -> int | None:
+    """A whole number from ``low``, or ``default`` when the variable is unset or empty."""
+    value = env.get(var, "").strip()
+    if not value:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{var}={value!r}: want a whole number", field=var) from None
+    if number < low:
+        raise ConfigError(f"{var}={value!r}: want a whole number from {low}", field=var)
     return number

@@ -11,6 +11,7 @@ import pytest
 from mlscope import codec, names, stats
 from mlscope.contracts import JobRequest, Query, QueryReply, TraceLevel
 from mlscope.errors import (
+    ConfigError,
     InputMismatchError,
     MLScopeError,
     ResolutionError,
@@ -127,6 +128,27 @@ def test_trace_levels_are_ordered() -> None:
     assert TraceLevel.parse("Framework") is TraceLevel.FRAMEWORK
     with pytest.raises(ValueError, match="unknown trace level"):
         TraceLevel.parse("verbose")
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "says"),
+    [
+        ("MLSCOPE_JS_REPLICAS", "three", "want a whole number"),
+        ("MLSCOPE_JS_REPLICAS", "0", "want a whole number from 1"),
+        ("MLSCOPE_TRACE_RETENTION_DAYS", "7.5", "want a whole number"),
+        ("MLSCOPE_TRACE_RETENTION_DAYS", "-1", "want a whole number from 0"),
+        ("MLSCOPE_MAX_ARTIFACT_BYTES", "inf", "want a positive number"),
+        ("MLSCOPE_SQL_TIMEOUT_S", "nan", "want a positive number"),
+    ],
+)
+def test_a_bad_setting_is_one_line_naming_its_variable(var: str, value: str, says: str) -> None:
+    """Every command reads its settings first: a bad value is a ConfigError naming the
+    variable (exit 1), never a traceback from int() or float()."""
+    with pytest.raises(ConfigError, match=f"{var}={value!r}: {says}") as err:
+        Settings.from_env({var: value})
+    assert err.value.fields["field"] == var
+    good = Settings.from_env({"MLSCOPE_JS_REPLICAS": "3", "MLSCOPE_TRACE_RETENTION_DAYS": "0"})
+    assert (good.js_replicas, good.trace_retention_days) == (3, 0)
 
 
 def test_settings_come_from_the_environment(tmp_path: Path) -> None:
