@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import secrets
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from mlscope.bounded import MAX_DOCUMENT_BYTES
 from mlscope.errors import ConfigError, ManifestError
 from mlscope.hashing import sha256_path
 from mlscope.manifest import NAME_MAX_CHARS, parse_manifest
+from mlscope.secrets_io import write_atomic
 
 __all__ = ["Tensor", "register", "starter_manifest"]
 
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     doc = starter_manifest(path, out=out, name=args.name, version=args.version)
     given = {"name": args.name is not None, "version": True}
     text = _render(doc, file=path.name, out=out, flags=given)
-    _write_replacing(out, text)
+    write_atomic(out, text, mode=0o666)  # a rename: never through a link
     print(f"wrote {out} ({doc['framework']['name']}, {len(doc['inputs'])} input(s))")
     return 0
 
@@ -263,19 +263,3 @@ def _flag_problems(exc: ManifestError, flags: dict[str, bool]) -> str:
                 f"argument {FLAGS[field]}: {why}" + ("" if got in why else f" (got {got})")
             )
     return "; ".join(parts)
-
-
-def _write_replacing(out: Path, text: str) -> None:
-    """Write ``text`` at ``out`` all at once: a file beside it, renamed over ``out``.
-
-    The rename replaces whatever ``out`` is, a symbolic link included, and never
-    writes through a link; a reader sees the old file or the whole new one."""
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
