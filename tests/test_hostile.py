@@ -290,11 +290,24 @@ async def _subjects_not_utf8(bus: busmod.Bus, settings: Settings) -> None:
     with socket.create_connection((url.hostname or "127.0.0.1", url.port or 4222)) as raw:
         raw.recv(4096)  # INFO
         raw.sendall(b"CONNECT {}\r\n" + b"".join(frames) + b"PING\r\n")
-        assert b"PONG" in raw.recv(4096)
+        assert b"PONG" in _read_until(raw, b"PONG")
     await anyio.sleep(3.0)  # the ingester has fetched the batch
     with anyio.fail_after(20):
         assert (await remote.sql(bus, "SELECT 1", timeout=10))[1] == [[1]]
         assert [d.agent_id for d in await list_agents(bus)] == [AGENT]
+
+
+def _read_until(raw: socket.socket, end: bytes, timeout_s: float = 10.0) -> bytes:
+    """What the server sent until ``end`` (one recv may hold only part of it: the
+    ``+OK`` of each frame can come apart from the ``PONG``), or until it closes."""
+    raw.settimeout(timeout_s)
+    got = b""
+    while end not in got:
+        chunk = raw.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    return got
 
 
 async def _streams(bus: busmod.Bus, refusals: dict[str, JobEvent]) -> None:
