@@ -42,7 +42,7 @@ from mlscope.contracts import (
     QueryReply,
     SamplesReply,
 )
-from mlscope.errors import ConfigError, EvaluationError, MLScopeError
+from mlscope.errors import BusError, ConfigError, EvaluationError, MLScopeError
 from mlscope.mlperf import (
     MAX_CLASS,
     TIMING,
@@ -125,6 +125,20 @@ async def _fake_agent(
     await bus.nc.flush()
 
 
+async def _answers_pings(bus: busmod.Bus, agent_id: str) -> None:
+    """Until the agent answers a ping on this connection (the server resolves an agent
+    by pinging it before it runs anything there)."""
+    with anyio.fail_after(10):
+        while True:
+            try:
+                await busmod.request(
+                    bus, names.agent_ctl(agent_id), codec.encode({"op": "ping"}), timeout=1
+                )
+                return
+            except BusError:
+                await anyio.sleep(0.1)
+
+
 def _agent_run(tmp_path: Path, **agent_kw: Any) -> BaseException | None:
     """run_in_agent against a fake agent; what it raised."""
     got: list[BaseException | None] = []
@@ -137,6 +151,7 @@ def _agent_run(tmp_path: Path, **agent_kw: Any) -> BaseException | None:
                 busmod.connect(settings, name="server side") as bus,
             ):
                 await _fake_agent(agent_bus, "agent-x", **agent_kw)
+                await _answers_pings(bus, "agent-x")  # as the server sees it, before a run
                 agent = SimpleNamespace(agent_id="agent-x")
                 try:
                     with anyio.fail_after(20):
