@@ -28,7 +28,6 @@ not shipped are not stored (their times never left the agent).
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -185,11 +184,11 @@ class _Collector:
         rec.done += int(np.count_nonzero(cols["completed"])) if "completed" in cols else 0
 
     def _fail_disordered(self, a: int, b: int) -> None:
-        """Answered rows ``a .. b - 1`` whose agent times are out of order (a negative
-        queueing or compute) become failed queries, as a served run's would."""
+        """Answered rows ``a .. b - 1`` whose agent times break
+        :func:`mlscope.wire.agent_times_ordered` (a negative queueing or compute) become
+        failed queries, as a served run's would."""
         rec = self.rec
-        times = [getattr(rec, name)[a:b] for name in AGENT_TIMES]
-        ordered = np.logical_and.reduce([x <= y for x, y in itertools.pairwise(times)])
+        ordered = wire.agent_times_ordered(*(getattr(rec, name)[a:b] for name in AGENT_TIMES))
         for i in np.flatnonzero((rec.ok[a:b] != 0) & ~ordered):
             rec.ok[a + i] = 0
             rec.errors[a + int(i)] = wire.DISORDERED_TIMES

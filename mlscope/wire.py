@@ -30,6 +30,7 @@ __all__ = [
     "DISORDERED_TIMES",
     "QueryView",
     "ReplyView",
+    "agent_times_ordered",
     "decode_query",
     "encode_query",
     "encode_reply",
@@ -186,6 +187,20 @@ DISORDERED_TIMES = (
 compute, queueing and transport would be negative or past the columns that store them."""
 
 
+def agent_times_ordered(received: Any, start: Any, end: Any, replied: Any) -> Any:
+    """The rule an agent's four times must keep (0 <= received <= predict start <=
+    predict end <= replied < 2**63), for one answer's ints or, element by element, for
+    columns of many (numpy arrays): the one definition both load generators and a local
+    run's rows are judged by. Returns a bool, or an array of them."""
+    return (
+        (received >= 0)
+        & (received <= start)
+        & (start <= end)
+        & (end <= replied)
+        & (replied < AGENT_TIME_LIMIT)
+    )
+
+
 def read_reply(data: bytes) -> ReplyView:
     """A reply read on the trusted side, without pydantic. What cannot be read as a
     reply (not a map, fields of the wrong type) raises here, before the caller
@@ -209,7 +224,7 @@ def read_reply(data: bytes) -> ReplyView:
             int(raw["t_predict_end"]),
             int(raw["t_replied"]),
         )
-        if not 0 <= times[0] <= times[1] <= times[2] <= times[3] < AGENT_TIME_LIMIT:
+        if not agent_times_ordered(*times):
             return ReplyView(index, False, DISORDERED_TIMES, False, _NO_TIMES, None)
         return ReplyView(index, True, "", False, times, raw.get("outputs"))
     why = str((raw.get("error") or {}).get("message") or "error")

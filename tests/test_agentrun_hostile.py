@@ -110,15 +110,22 @@ def test_a_run_start_refuses_a_schedule_no_run_has(fields: dict[str, int]) -> No
 
 
 def test_answered_rows_with_impossible_times_count_as_failed() -> None:
-    cols = good_columns(4)
+    """The rule a served answer's times keep (``wire.agent_times_ordered``), row by row."""
+    cols = good_columns(5)
     cols["predict_end"][1] = cols["predict_start"][1] - 10**9  # a negative compute
     cols["agent_received"][2] = cols["predict_start"][2] + 50  # a negative queueing
     cols["ok"][3] = 0  # a failed row's zeros are no lie
     cols["predict_start"][3] = cols["predict_end"][3] = 0
+    cols["agent_received"][4] = -1  # in order, but before any monotonic clock's zero
     got = collector()
     got.add(rows(cols, errors={3: "boom"}))
-    assert got.rec.ok[:4].tolist() == [1, 0, 0, 0]
-    assert got.rec.errors == {1: wire.DISORDERED_TIMES, 2: wire.DISORDERED_TIMES, 3: "boom"}
+    assert got.rec.ok[:5].tolist() == [1, 0, 0, 0, 0]
+    assert got.rec.errors == {
+        1: wire.DISORDERED_TIMES,
+        2: wire.DISORDERED_TIMES,
+        3: "boom",
+        4: wire.DISORDERED_TIMES,
+    }
 
 
 def test_an_agent_that_talks_but_never_ends_its_run_is_given_up(tmp_path: Path) -> None:
