@@ -21,16 +21,17 @@ spans and the trace timeline line up as for any run. The server scores each quer
 top-1 against its own labels (the same seeded order, :mod:`mlscope.samples`) and judges
 the run with the same code (:func:`broker.summary.judge`).
 
-An agent that goes silent is pinged; if it does not answer, the rows it shipped are
-kept and the run gets the reason "agent <id> lost after N of M queries"; rows it had
-not shipped are not stored (their times never left the agent).
+An agent that goes silent is pinged; if it does not answer, or another process now
+answers under its id (:func:`gone`), the rows it shipped are kept and the run gets the
+reason "agent <id> lost after N of M queries" ("(it restarted)" for the latter); rows
+it had not shipped are not stored (their times never left the agent).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -38,6 +39,7 @@ from mlscope import codec, names, wire
 from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
+    AgentDescription,
     PingOp,
     RunOp,
     RunRows,
@@ -47,9 +49,10 @@ from mlscope.contracts import (
 )
 from mlscope.errors import BusError, EvaluationError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
+from mlscope.registry import list_agents
 from mlscope.samples import QueryRows
 
-__all__ = ["IDLE_S", "alive", "drive"]
+__all__ = ["IDLE_S", "Absence", "drive", "gone"]
 
 IDLE_S = 3.0
 """Silence (no rows) after which the server pings the agent: it ships every 0.25 s."""
@@ -64,7 +67,7 @@ AGENT_TIMES = ("agent_received", "predict_start", "predict_end", "agent_replied"
 async def drive(
     bus: Bus,
     *,
-    agent_id: str,
+    agent: AgentDescription,
     evaluation_id: str,
     spec: ScenarioSpec,
     trace_level: TraceLevel,
@@ -73,6 +76,7 @@ async def drive(
     on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None,
 ) -> tuple[RunRecord, tuple[str, ...]]:
     """Have the agent run ``spec``; the filled record and any reasons it is INVALID."""
+    agent_id = agent.agent_id
     inbox = bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox)
     rows_sub = await bus.nc.subscribe(names.agent_rows(agent_id, evaluation_id))
@@ -88,7 +92,7 @@ async def drive(
         rec = RunRecord(n=max(started.queries, 1), batch_size=spec.batch_size)
         rec.t0_ns = started.t0_agent - offset_ns
         rec.preprocessed = started.preprocess == "ahead"
-        collector = _Collector(rec, labels, agent_id)
+        collector = _Collector(rec, labels, agent)
         limit = spec.duration_s + 10.0 + END_SLACK_S
         reasons = await collector.collect(bus, rows_sub, limit, on_progress)
     finally:
@@ -114,8 +118,9 @@ async def _started(sub: Any, agent_id: str) -> RunStarted:
 class _Collector:
     """RunRows into a RunRecord, scored with the server's labels."""
 
-    def __init__(self, rec: RunRecord, labels: Labels, agent_id: str) -> None:
-        self.rec, self.labels, self.agent_id = rec, labels, agent_id
+    def __init__(self, rec: RunRecord, labels: Labels, agent: AgentDescription) -> None:
+        self.rec, self.labels, self.agent = rec, labels, agent
+        self.agent_id = agent.agent_id
         self.messages = 0
         self.issued = 0
         self.rows = 0
@@ -140,8 +145,8 @@ class _Collector:
                 )
             msg = await next_msg(sub, IDLE_S)
             if msg is None:
-                if not await alive(bus, self.agent_id):
-                    return (self._lost(),)
+                if absence := await gone(bus, self.agent):
+                    return (self._lost(absence),)
                 continue
             rows = codec.decode_model(RunRows, msg.data)
             self.add(rows)
@@ -200,13 +205,15 @@ class _Collector:
         if n < self.rec.n:
             self.rec.trim(n)
 
-    def _lost(self) -> str:
-        """The agent stopped answering: keep the rows it shipped."""
+    def _lost(self, absence: Absence) -> str:
+        """The agent is gone: keep the rows it shipped."""
         self._end(self.rows)
         issued = max(self.issued, self.rows)
+        restarted = " (it restarted)" if absence == "restarted" else ""
         return (
-            f"agent {self.agent_id} lost after {self.answered()} of {issued} queries "
-            f"(placement agent: {issued - self.rows} issued queries were not reported)"
+            f"agent {self.agent_id} lost after {self.answered()} of {issued} queries"
+            f"{restarted} (placement agent: {issued - self.rows} issued queries were not "
+            "reported)"
         )
 
     def finish(self, rows: RunRows) -> tuple[str, ...]:
@@ -253,10 +260,26 @@ def _checked_columns(rows: RunRows, agent_id: str) -> dict[str, np.ndarray]:
     return cols
 
 
-async def alive(bus: Bus, agent_id: str) -> bool:
-    """Whether the agent answers a ping within 2 s (a silent agent's run is given up)."""
+Absence = Literal["", "silent", "restarted"]
+"""Why the agent process given a run is gone (:func:`gone`); "" while it is there."""
+
+
+async def gone(bus: Bus, agent: AgentDescription) -> Absence:
+    """Whether the agent process that was given a run is gone: ``"silent"`` when its id
+    answers no ping within 2 s; ``"restarted"`` when it answers but its registry entry
+    names another process (pid or start time differ: an agent restarted under its id
+    knows nothing of the lost one's run, and would answer pings until a deadline);
+    ``""`` while it is there, or while the registry cannot tell."""
     try:
-        await request(bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()), timeout=2.0)
+        await request(
+            bus, names.agent_ctl(agent.agent_id), codec.encode_model(PingOp()), timeout=2.0
+        )
     except MLScopeError:
-        return False
-    return True
+        return "silent"
+    try:
+        now = {a.agent_id: a for a in await list_agents(bus)}.get(agent.agent_id)
+    except MLScopeError:
+        return ""
+    if now is not None and (now.pid, now.started_at) != (agent.pid, agent.started_at):
+        return "restarted"
+    return ""

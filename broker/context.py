@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlscope.bus import Bus
-from mlscope.contracts import Placement, TraceLevel
+from mlscope.contracts import AgentDescription, Placement, TraceLevel
 from mlscope.record import RunRecord
 from mlscope.samples import Feeders
 from mlscope.tuning import ProcessTuning
@@ -37,9 +37,14 @@ class Context:
     on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None
     nats_url: str | None = None
     """For load-generator processes (distributed load)."""
-    agent_id: str = ""
+    agent: AgentDescription | None = None
+    """The agent prepared for the run (its pid and start time tell a restart), and ..."""
     prepare: dict[str, Any] = field(default_factory=dict)
-    """The agent and its prepare request (cold-start prepares again, with reload)."""
+    """... its prepare request (cold-start prepares again, with reload)."""
     placement: Placement = "server"
     """Where the load is generated: by this server (its Driver, or load-generator
     processes / services), or by the agent (:mod:`broker.agentrun`)."""
+
+    @property
+    def agent_id(self) -> str:
+        return "" if self.agent is None else self.agent.agent_id

@@ -24,7 +24,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker import accuracy, scenario, scenarios
+from broker import accuracy, agentrun, scenario, scenarios
 from broker.context import Context
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.evalspec import specification
@@ -37,7 +37,6 @@ from mlscope.contracts import (
     AgentDescription,
     EvaluationSummary,
     JobRequest,
-    PingOp,
     PrepareOp,
     PrepareReply,
     Query,
@@ -48,7 +47,6 @@ from mlscope.contracts import (
 from mlscope.errors import ConfigError, EvaluationError, MLScopeError
 from mlscope.outcomes import Outcome
 from mlscope.record import RunRecord
-from mlscope.registry import list_agents
 from mlscope.samples import dataset
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
@@ -183,7 +181,7 @@ class Evaluator:
             tuning=self.tuning,
             on_progress=lambda rec, el: progress(p.eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
-            agent_id=agent.agent_id,
+            agent=agent,
             prepare=p.prepare,
             placement=job.placement,
         )
@@ -330,24 +328,17 @@ class Evaluator:
 
     async def _agent_lost(self, agent: AgentDescription, rec: RunRecord) -> str:
         """ "agent <id> lost after N of M queries" when queries went unanswered and the
-        agent that ran them is gone: it no longer answers a ping, or another process
-        answers under its id (it restarted: its registry entry's pid or start differs);
-        "" while it is there."""
+        agent that ran them is gone (:func:`broker.agentrun.gone`: silent, or restarted
+        under its id); "" while it is there."""
         unanswered = int(np.count_nonzero(np.asarray(rec.completed[: rec.n]) == 0))
         if rec.n == 0 or not unanswered:
             return ""
+        absence = await agentrun.gone(self.bus, agent)
+        if not absence:
+            return ""
         answered = int(np.count_nonzero(np.asarray(rec.ok[: rec.n])))
         lost = f"agent {agent.agent_id} lost after {answered} of {rec.n} queries"
-        try:
-            await request(
-                self.bus, names.agent_ctl(agent.agent_id), codec.encode_model(PingOp()), timeout=2.0
-            )
-            now = {a.agent_id: a for a in await list_agents(self.bus)}.get(agent.agent_id)
-        except MLScopeError:
-            return lost
-        if now is not None and (now.pid, now.started_at) != (agent.pid, agent.started_at):
-            return f"{lost} (it restarted)"
-        return ""
+        return f"{lost} (it restarted)" if absence == "restarted" else lost
 
     def store_unfinished(
         self, s: EvaluationSummary, rec: RunRecord | None, spec_doc: dict[str, Any]

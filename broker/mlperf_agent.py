@@ -35,7 +35,7 @@ import io
 import time
 from typing import Any
 
-from broker.agentrun import alive
+from broker.agentrun import gone
 from mlscope import codec, names
 from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import (
@@ -71,7 +71,7 @@ async def run_in_agent(
     try:
         op = MLPerfRunOp(evaluation_id=evaluation_id, spec=spec, conf_model=conf_model)
         await request(bus, ctl, codec.encode_model(op), timeout=START_TIMEOUT_S)
-        done = await _wait_done(bus, sub, agent.agent_id)
+        done = await _wait_done(bus, sub, agent)
     finally:
         await sub.unsubscribe()
     if done.error is not None:
@@ -121,10 +121,11 @@ async def _fetch(
     return b"".join(chunks)
 
 
-async def _wait_done(bus: Bus, sub: Any, agent_id: str) -> MLPerfDone:
-    """The run's end, pinging the agent while it is silent; given up after
-    :data:`RUN_LIMIT_S`, checked on every message (an agent that sends anything but
-    the end must not be awaited forever)."""
+async def _wait_done(bus: Bus, sub: Any, agent: AgentDescription) -> MLPerfDone:
+    """The run's end, pinging the agent while it is silent (given up when it is gone:
+    :func:`broker.agentrun.gone`); given up after :data:`RUN_LIMIT_S`, checked on every
+    message (an agent that sends anything but the end must not be awaited forever)."""
+    agent_id = agent.agent_id
     deadline = time.monotonic() + RUN_LIMIT_S
     while True:
         left = deadline - time.monotonic()
@@ -135,9 +136,11 @@ async def _wait_done(bus: Bus, sub: Any, agent_id: str) -> MLPerfDone:
             )
         msg = await next_msg(sub, min(IDLE_S, left))
         if msg is None:
-            if not await alive(bus, agent_id):
+            if absence := await gone(bus, agent):
+                restarted = " (it restarted)" if absence == "restarted" else ""
                 raise EvaluationError(
-                    f"agent {agent_id} was lost during its MLPerf LoadGen run", agent_id=agent_id
+                    f"agent {agent_id} was lost during its MLPerf LoadGen run{restarted}",
+                    agent_id=agent_id,
                 )
             continue
         data = codec.decode(msg.data)

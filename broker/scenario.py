@@ -23,7 +23,7 @@ from broker.loadgen import Driver
 from broker.summary import Figures, figures, judge, latency_split
 from mlscope import schedule
 from mlscope.contracts import ScenarioSpec
-from mlscope.errors import ConfigError
+from mlscope.errors import ConfigError, EvaluationError
 from mlscope.record import RunRecord
 from mlscope.scenario_traits import ScenarioTraits
 from mlscope.schedule import Schedule
@@ -163,9 +163,11 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
     why: tuple[str, ...] = ()
     closed = scenario.closed_loop
     if ctx.placement == "agent":  # the agent generates the load itself
+        if ctx.agent is None:
+            raise EvaluationError("a placement-agent run needs its agent's description")
         rec, why = await agentrun.drive(
             ctx.bus,
-            agent_id=ctx.agent_id,
+            agent=ctx.agent,
             evaluation_id=ctx.evaluation_id,
             spec=spec,
             trace_level=ctx.trace_level,

@@ -11,12 +11,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 from cli.services import Stack
-from mlscope.contracts import AgentDescription, LoadgenDescription
+from mlscope.contracts import AgentDescription, FrameworkInfo, LoadgenDescription
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
@@ -180,6 +181,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[S
 
 def python() -> str:
     return sys.executable
+
+
+def agent_description(agent_id: str = "a1", **fields: Any) -> AgentDescription:
+    """An agent's registry entry with plain facts (``fields`` override any of them)."""
+    facts: dict[str, Any] = {
+        "host": "h",
+        "arch": "x86_64",
+        "os": "linux",
+        "cpu_model": "cpu",
+        "cpu_cores": 2,
+        "memory_bytes": 1 << 30,
+        "frameworks": (FrameworkInfo(name="noop", version="0"),),
+        "pid": 1,
+        "mlscope_version": "0",
+        "started_at": 0.0,
+        "heartbeat_at": 0.0,
+        "heartbeat_s": 1.0,
+    }
+    return AgentDescription(agent_id=agent_id, **{**facts, **fields})
 
 
 @contextmanager

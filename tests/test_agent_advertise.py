@@ -25,7 +25,6 @@ from mlscope.contracts import (
     MAX_REFUSALS,
     REFUSAL_MESSAGE_MAX_CHARS,
     AgentDescription,
-    FrameworkInfo,
     RefusedModel,
 )
 from mlscope.errors import BusRefused
@@ -34,6 +33,7 @@ from mlscope.model_registry import publish_manifest
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
 from tests.agent_fixtures import Ask, run_agent
+from tests.conftest import agent_description
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,22 +52,7 @@ def refusal(i: int, message_chars: int = 100) -> RefusedModel:
 
 
 def description(refused: tuple[RefusedModel, ...] = ()) -> AgentDescription:
-    return AgentDescription(
-        agent_id="a1",
-        host="h",
-        arch="x86_64",
-        os="linux",
-        cpu_model="cpu",
-        cpu_cores=2,
-        memory_bytes=1 << 30,
-        frameworks=(FrameworkInfo(name="noop", version="0"),),
-        refused=refused,
-        pid=1,
-        mlscope_version="0",
-        started_at=0.0,
-        heartbeat_at=0.0,
-        heartbeat_s=1.0,
-    )
+    return agent_description("a1", refused=refused)
 
 
 def test_refusals_are_listed_up_to_a_bound_with_messages_cut(tmp_path: Path) -> None:

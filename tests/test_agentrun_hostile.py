@@ -6,6 +6,7 @@ the server never grows without bound nor waits forever."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import anyio
@@ -13,14 +14,21 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from broker.agentrun import _Collector
+from broker.agentrun import Absence, _Collector, gone
 from mlscope import bus as busmod
 from mlscope import codec, names, wire
-from mlscope.contracts import MAX_SCHEDULED_QUERIES, PrepareReply, RunRows, RunStarted
+from mlscope.contracts import (
+    MAX_SCHEDULED_QUERIES,
+    PingReply,
+    PrepareReply,
+    RunRows,
+    RunStarted,
+)
 from mlscope.errors import EvaluationError, WireError
 from mlscope.natsserver import NatsServer
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.settings import Settings
+from tests.conftest import agent_description
 
 
 def good_columns(n: int, start_ns: int = 1000) -> dict[str, np.ndarray]:
@@ -40,7 +48,7 @@ def good_columns(n: int, start_ns: int = 1000) -> dict[str, np.ndarray]:
 
 
 def collector() -> _Collector:
-    return _Collector(RunRecord(n=4, batch_size=1), None, "rogue")
+    return _Collector(RunRecord(n=4, batch_size=1), None, agent_description("rogue"))
 
 
 def rows(cols: dict[str, np.ndarray], start: int = 0, **extra: object) -> RunRows:
@@ -183,3 +191,41 @@ def test_a_prepare_reply_that_is_not_one_is_a_typed_error_at_once(
                     await busmod.request_model(bus, "prep.test", b"", PrepareReply, timeout=5)
 
     anyio.run(main)
+
+
+def test_an_agent_is_gone_when_silent_or_another_process_answers_under_its_id(
+    tmp_path: Path,
+) -> None:
+    """A run's agent is the process that was given it: an agent restarted under its id
+    answers pings, yet knows nothing of the run (it would be awaited to the deadline)."""
+
+    async def main() -> list[Absence]:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="server") as bus,
+                busmod.connect(settings, name="agent") as agent_bus,
+            ):
+                await busmod.ensure_infrastructure(bus)
+                kv = await bus.kv(names.AGENTS_BUCKET)
+                ran = agent_description(
+                    "phoenix", pid=4242, started_at=5.0, heartbeat_at=time.time()
+                )
+                seen = [await gone(bus, ran)]  # nobody answers under its id
+
+                async def pong(msg: object) -> None:
+                    await msg.respond(codec.encode(PingReply(t_agent=1).dump()))  # type: ignore[attr-defined]
+
+                await agent_bus.nc.subscribe(names.agent_ctl("phoenix"), cb=pong)
+                await agent_bus.nc.flush()
+                seen.append(await gone(bus, ran))  # answers; no registry entry to tell
+                for entry in (
+                    ran,
+                    ran.model_copy(update={"pid": 4243}),
+                    ran.model_copy(update={"started_at": 6.0}),
+                ):
+                    await kv.put("phoenix", codec.encode_model(entry))
+                    seen.append(await gone(bus, ran))
+                return seen
+
+    assert anyio.run(main) == ["silent", "", "", "restarted", "restarted"]

@@ -25,6 +25,7 @@ from mlscope.model_registry import (
 from mlscope.natsserver import NatsServer
 from mlscope.operators import compile_steps
 from mlscope.settings import Settings
+from tests.conftest import agent_description
 from tests.zoo_fixtures import MANIFESTS
 
 
@@ -165,21 +166,11 @@ def test_manifest_key_sanitizes() -> None:
 def digits_agent(catalog: Catalog, *, heartbeat_at: float = 0.0) -> AgentDescription:
     """An onnxruntime 1.31.1 agent serving digits_cnn, as the registry holds it."""
     m = catalog.find("digits_cnn", framework="onnxruntime").manifest
-    return AgentDescription(
-        agent_id="a1",
-        host="h",
-        arch="x86_64",
-        os="linux",
-        cpu_model="cpu",
-        cpu_cores=2,
-        memory_bytes=1 << 30,
+    return agent_description(
+        "a1",
         frameworks=(FrameworkInfo(name="onnxruntime", version="1.31.1"),),
         models=(ModelOffer(name=m.name, version=m.version, framework="onnxruntime"),),
-        pid=1,
-        mlscope_version="0",
-        started_at=0.0,
         heartbeat_at=heartbeat_at,
-        heartbeat_s=1.0,
     )
 
 

@@ -57,6 +57,7 @@ from mlscope.mlperf import (
 )
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
+from tests.conftest import agent_description
 from tests.zoo_fixtures import built
 
 pytestmark = pytest.mark.timeout(240)
@@ -86,6 +87,7 @@ async def _fake_agent(
     claims: dict[str, int] | None = None,
     served: list[int] | None = None,
     chatter: bool = False,
+    mute: bool = False,
 ) -> None:
     """An agent's ctl for a placement-agent run: it claims ``claims`` (default: the
     sizes of ``files``) and serves ``files`` (past their end: more ``x``)."""
@@ -107,7 +109,7 @@ async def _fake_agent(
             subject = names.agent_rows(agent_id, op["evaluation_id"])
             if chatter:
                 asyncio.get_running_loop().create_task(noise(subject))
-            else:
+            elif not mute:
                 sizes = claims if claims is not None else {k: len(v) for k, v in files.items()}
                 done = MLPerfDone.model_construct(evaluation_id=op["evaluation_id"], files=sizes)
                 await bus.nc.publish(subject, codec.encode(done.dump()))
@@ -204,6 +206,34 @@ def test_an_agent_that_chatters_but_never_ends_its_run_is_given_up(
     monkeypatch.setattr(mlperf_agent, "IDLE_S", 0.5)
     err = _agent_run(tmp_path, files={}, chatter=True)
     assert isinstance(err, EvaluationError) and "within" in err.message, err
+
+
+def test_a_run_whose_agent_restarted_under_its_id_is_given_up_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The process answering pings under the agent's id is not the one that started the
+    run (its registry entry says so): the run is lost, not awaited for hours."""
+    monkeypatch.setattr(mlperf_agent, "IDLE_S", 0.5)
+    ran = agent_description("agent-x", pid=4242, started_at=5.0, heartbeat_at=time.time())
+
+    async def main() -> None:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="fake agent") as agent_bus,
+                busmod.connect(settings, name="server side") as bus,
+            ):
+                await busmod.ensure_infrastructure(bus)
+                kv = await bus.kv(names.AGENTS_BUCKET)
+                await kv.put("agent-x", codec.encode_model(ran.model_copy(update={"pid": 4243})))
+                await _fake_agent(agent_bus, "agent-x", {}, mute=True)
+                await _answers_pings(bus, "agent-x")
+                with anyio.fail_after(20), pytest.raises(EvaluationError, match="it restarted"):
+                    await mlperf_agent.run_in_agent(
+                        bus, MLPerfSpec(scenario="Offline"), "m", "e", ran
+                    )
+
+    anyio.run(main)
 
 
 def _npz(members: dict[str, np.ndarray], *, header_shape: tuple[int, ...] | None = None) -> bytes:

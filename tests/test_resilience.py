@@ -29,6 +29,7 @@ from mlscope.contracts import (
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
 from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, free_port
+from mlscope.registry import list_agents
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 from tests.conftest import (
@@ -366,6 +367,63 @@ def test_an_agent_restarted_under_its_id_mid_run_is_lost_not_overloaded(
         assert not summary.valid
         lost = [r for r in summary.invalid_reasons if r.startswith("agent phoenix lost after")]
         assert lost and lost[0].endswith("(it restarted)"), summary.invalid_reasons
+
+
+def test_a_local_run_whose_agent_restarted_under_its_id_is_lost_at_once(
+    settings: Settings,
+) -> None:
+    """Placement agent: a new process under the run's agent id answers pings but knows
+    nothing of the run. The server says it lost the agent that ran it (which
+    restarted) once that agent goes silent, not after the run's deadline as a run that
+    "did not finish"."""
+    env = child_env(settings)
+    cmd = [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "phoenix"]
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "phoenix") as (
+        agent,
+        _server,
+    ):
+        first = agent.pid
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            placement="agent",
+            scenario=ScenarioSpec(name="online", qps=50, duration_s=60),
+        )
+        twin: list[subprocess.Popen[bytes]] = []
+
+        def restart() -> None:
+            """The twin registers under the id, then the first process falls silent."""
+            twin.append(subprocess.Popen(cmd, env=env))
+
+            async def registered() -> None:
+                async with busmod.connect(settings, name="test") as bus:
+                    while True:
+                        now = {a.agent_id: a for a in await list_agents(bus)}.get("phoenix")
+                        if now is not None and now.pid != first:
+                            return
+                        await anyio.sleep(0.2)
+
+            anyio.run(registered, backend="asyncio")
+            agent.send_signal(signal.SIGSTOP)
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 50 and not twin:
+                threading.Thread(target=restart, daemon=True).start()
+
+        try:
+            summary = anyio.run(
+                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+            )
+        finally:
+            agent.kill()
+            agent.wait(20)
+            for p in twin:
+                p.terminate()
+                p.wait(20)
+        assert not summary.valid
+        lost = [r for r in summary.invalid_reasons if r.startswith("agent phoenix lost after")]
+        assert lost and "(it restarted)" in lost[0], summary.invalid_reasons
+        assert summary.queries < 50 * 60 // 2, summary.queries  # the run ended with the agent
 
 
 def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Settings) -> None:
