@@ -10,7 +10,6 @@ by others, and what it holds must not stop an agent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -26,13 +25,12 @@ from nats.aio.msg import Msg
 import mlscope
 from agent import profiling
 from agent.energy import EnergyMeter
-from agent.localrun import LocalRun, run_inputs
 from agent.mlperf_ops import MLPerfOps, loadgen_installed
 from agent.models import ModelHost
 from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig, Job
 from agent.predictors import accelerators, probe
-from agent.runrows import serve_run
+from agent.runs import LocalRuns, Prepared
 from agent.samplelib import MemoryBudget
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
@@ -61,7 +59,6 @@ from mlscope.contracts import (
     ReleaseOp,
     ReleaseReply,
     RunOp,
-    RunStarted,
     SamplesLoadOp,
     SamplesQuery,
     SamplesUnloadOp,
@@ -87,9 +84,6 @@ __all__ = ["Agent", "AgentConfig", "fit_description"]
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
 AGENT_SWITCH_INTERVAL_S = 0.0002
-STOP_WAIT_S = 15.0
-"""How long stopping a local run waits for its final rows (shipping them gives up
-after 10 s)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,15 +109,6 @@ class AgentConfig:
     sample_memory_bytes: int = 1 << 30
     """Memory the samples this agent holds for MLPerf runs may take, all together
     (a load beyond it is refused)."""
-
-
-@dataclass
-class _Running:
-    """A local run's task: its scope (cancelled to stop it) and the event set once it
-    has ended, its final rows shipped."""
-
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    done: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass
@@ -154,10 +139,6 @@ class Agent:
         """What the last advertise stored in the registry (None: it was not stored)."""
         self.tuning = ProcessTuning()
         """This process's one owner of GC and switch interval during local runs."""
-        self.running: dict[str, _Running] = {}
-        """Each evaluation's local run now running (placement agent), by evaluation id:
-        releasing the evaluation (its job ended, or was cancelled) or preparing it again
-        (its job restarted on another server) stops it."""
         host = str(sysinfo.host_facts()["host"])
         given = self.config.agent_id
         if given is not None and (not given or names.token(given) != given):
@@ -190,6 +171,16 @@ class Agent:
             runs_here=self.config.local_runs and loadgen_installed(),
         )
         """Sample libraries and LoadGen runs (``mlscope mlperf``)."""
+        self.runs = LocalRuns(
+            self.agent_id,
+            self.config.local_runs,
+            self.settings.zoo_dir,
+            self.sample_memory,
+            self.tuning,
+        )
+        """Each evaluation's local run (placement agent): releasing the evaluation (its
+        job ended, or was cancelled) or preparing it again (its job restarted on another
+        server) stops it."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -396,7 +387,15 @@ class Agent:
         if isinstance(req, PrepareOp):
             return await self._prepare(req)
         if isinstance(req, RunOp):
-            return await self._start_run(req, msg.reply)
+            session = self.sessions.get(req.evaluation_id)
+            prepared = (
+                None
+                if session is None
+                else Prepared(session.worker, session.level, self.models.entry(session.key))
+            )
+            return await self.runs.start(
+                req, msg.reply, prepared, bus=self.bus, tracer=self.tracer, tg=self.task_group
+            )
         if isinstance(req, SamplesLoadOp):
             worker, entry = self._prepared(req.evaluation_id)
             return await self.mlperf.load(req, worker, entry)
@@ -435,11 +434,7 @@ class Agent:
     async def _stop_runs(self, evaluation_id: str) -> None:
         """Stop the evaluation's local run, once its final rows are shipped (so none
         reaches a run started after this), and its MLPerf run and sample libraries."""
-        running = self.running.pop(evaluation_id, None)
-        if running is not None:
-            running.scope.cancel()
-            with anyio.move_on_after(STOP_WAIT_S):
-                await running.done.wait()
+        await self.runs.stop(evaluation_id)
         await self.mlperf.release(evaluation_id)
 
     def _prepared(self, evaluation_id: str) -> tuple[Executor, Entry]:
@@ -534,112 +529,6 @@ class Agent:
             },
             mlscope_version=mlscope.__version__,
             git_commit=self.git_commit,
-        )
-
-    async def _start_run(self, req: RunOp, reply: str) -> RunStarted:
-        """Start a local run (placement agent) for a prepared evaluation: answered at
-        once with the run's t0; its rows follow on :func:`mlscope.names.agent_rows`."""
-        if not reply:
-            raise ConfigError("a run request needs a reply subject (its start is answered)")
-        if not self.config.local_runs:
-            raise ConfigError(
-                f"agent {self.agent_id} does not run load itself (placement agent is "
-                "off on it); use placement server",
-                field="placement",
-            )
-        session = self.sessions.get(req.evaluation_id)
-        if session is None:
-            raise EvaluationError(
-                f"agent {self.agent_id} was not prepared for evaluation {req.evaluation_id}"
-            )
-        if req.evaluation_id in self.running:
-            raise EvaluationError(
-                f"evaluation {req.evaluation_id} already has a run on agent {self.agent_id}",
-                evaluation_id=req.evaluation_id,
-            )
-        # An open loop is a timed measurement (switch interval, no GC: the process's
-        # one owner holds them, local runs of several evaluations may overlap), set
-        # before the clock starts; serve_run lets go of it, and of the samples held,
-        # when the run's rows are shipped.
-        held = contextlib.ExitStack()
-        try:
-            run = await self._local_run(req, session, held)
-            held.enter_context(
-                self.tuning.load() if run.closed else self.tuning.measurement(realtime_loop=False)
-            )
-            t0 = await anyio.to_thread.run_sync(run.prepare)
-            budget = self.bus.payload_budget()
-            running = self.running[req.evaluation_id] = _Running()
-            self.task_group.start_soon(
-                functools.partial(self._serve, running, run, req, held, min(req.max_bytes, budget))
-            )
-        except BaseException:
-            held.close()
-            raise
-        scheduled = len(run.schedule) if run.schedule is not None else 0
-        return RunStarted(
-            t0_agent=t0, queries=scheduled, preprocess="ahead" if run.preprocessed else "timed"
-        )
-
-    async def _serve(
-        self,
-        running: _Running,
-        run: LocalRun,
-        req: RunOp,
-        held: contextlib.ExitStack,
-        max_bytes: int,
-    ) -> None:
-        """:func:`serve_run` in the scope of ``running``, which the evaluation's release
-        cancels. The rows go on the agent's own rows subject, not the request's reply
-        subject: under credentials an answer is allowed only for a while after the
-        request, and a run's rows go on for as long as the run."""
-        rows = names.agent_rows(self.agent_id, req.evaluation_id)
-        try:
-            with running.scope:
-                await serve_run(
-                    run,
-                    req,
-                    functools.partial(self.bus.nc.publish, rows),
-                    f"agent {self.agent_id}",
-                    held=held,
-                    max_bytes=max_bytes,
-                )
-        finally:
-            running.done.set()
-            if self.running.get(req.evaluation_id) is running:
-                del self.running[req.evaluation_id]
-
-    async def _local_run(
-        self, req: RunOp, session: Session, held: contextlib.ExitStack
-    ) -> LocalRun:
-        """The run ``req`` asks for on the session's executor, its inputs ready (held
-        pre-processed samples are given back when ``held`` closes)."""
-        entry = self.models.entry(session.key)
-        inputs, held_bytes = await anyio.to_thread.run_sync(
-            functools.partial(
-                run_inputs,
-                entry,
-                session.worker.model,
-                req,
-                zoo_dir=self.settings.zoo_dir,
-                budget=self.sample_memory,
-            )
-        )
-        if held_bytes is not None:
-            held.callback(self.sample_memory.release, held_bytes)
-        level = TraceLevel(min(TraceLevel.parse(req.trace_level), session.level))
-        busy = f"agent {self.agent_id} is overloaded"
-        return await anyio.to_thread.run_sync(  # a long schedule takes seconds to draw
-            functools.partial(
-                LocalRun,
-                session.worker,
-                req.scenario,
-                inputs=inputs,
-                level=level,
-                spans=self.tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None,
-                overloaded=lambda _i: busy,
-                preprocessed=held_bytes is not None,
-            )
         )
 
     async def _unload(self, key: str) -> bool:

@@ -64,7 +64,7 @@ def test_releasing_an_evaluation_stops_its_local_run(settings: Settings, zoo_dir
                 final = codec.decode((await rows.next_msg(timeout=20)).data)
         with pytest.raises(TimeoutError):  # nothing after the final rows
             await rows.next_msg(timeout=1.0)
-        assert agent.sample_memory.used == 0 and not agent.running
+        assert agent.sample_memory.used == 0 and not agent.runs.running
         assert (await ask(_prepare("ev-2")))["ok"]
         again = await ask(_run("ev-2", **{**long, "duration_s": 0.5}))
         assert again["preprocess"] == "ahead", again
@@ -86,7 +86,7 @@ def test_preparing_an_evaluation_again_takes_over_its_local_run(
         await ask(_run("ev-1", **long))
         await anyio.sleep(0.5)
         assert (await ask(_prepare("ev-1")))["ok"]  # the restarted job's server
-        assert not agent.running
+        assert not agent.runs.running
         rows = await bus.nc.subscribe(names.agent_rows(AGENT, "ev-1"))
         again = await ask(_run("ev-1", **{**long, "duration_s": 0.5}))
         assert again.get("kind") == "run_started", again
