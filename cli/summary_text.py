@@ -135,17 +135,29 @@ def _search_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
 
 
 def _cold_start_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
-    """Load and first inference apart from warm inference, when they were measured."""
+    """Load and first inference apart from warm inference, when they were measured: a
+    cold-start scenario's repetitions, or the one prepare of any other run (whose model
+    may have been loaded already by an earlier evaluation: then nothing was measured)."""
     c = s.cold_start
     if not c:
         return []
+    if "repetitions" not in c:
+        if not c.get("cold"):
+            return [("cold start", "not measured: the model was already loaded (warm)")]
+        return [
+            (
+                "cold start",
+                f"load {_f(c.get('load_ms'))} ms  first inference "
+                f"{_f(c.get('first_inference_ms'))} ms",
+            )
+        ]
     return [
         (
             "cold start",
             f"load {_f(c.get('load_ms'))} ms  first inference "
             f"{_f(c.get('first_inference_ms'))} ms  warm predict "
             f"{_f(c.get('warm_predict_ms'))} ms  "
-            f"({c.get('cold_loads')}/{c.get('repetitions')} loads)",
+            f"({c.get('cold_loads')}/{c['repetitions']} loads)",
         )
     ]
 
