@@ -419,6 +419,9 @@ class Agent:
             await anyio.to_thread.run_sync(  # layer spans a profiler held back
                 profiling.flush, session.worker.model.predictor
             )
+        # Every span of the evaluation published before the answer: a restarted job's
+        # server releases a lost attempt here, then deletes what that attempt stored.
+        await self.tracer.flush()
         unloaded = False
         if session is not None and req.unload:
             unloaded = await self._unload(session.key)

@@ -111,7 +111,7 @@ class Evaluator:
         acc = None if gone else await self._accuracy(job, entry, p.data, p.eval_id, agent.agent_id)
         finished = time.time()
         # An agent gone since then ended its session with it.
-        released = {} if gone else await self._release(agent.agent_id, p.eval_id)
+        released = {} if gone else await self.release(agent.agent_id, p.eval_id)
         summarize = self._summarizer(job, agent, entry, p, outcome, (started, finished))
         summary = self._parent_summary(summarize, job, p.eval_id, outcome, lost)
         if acc is not None:
@@ -189,7 +189,7 @@ class Evaluator:
             return await scenarios.execute(ctx, spec)
         except anyio.get_cancelled_exc_class():  # cancelled: the agent's session ends too
             with anyio.CancelScope(shield=True):
-                await self._release(agent.agent_id, p.eval_id)
+                await self.release(agent.agent_id, p.eval_id)
             raise
 
     def _summarizer(
@@ -313,15 +313,16 @@ class Evaluator:
 
         return await mlperf.import_logs(self, job)
 
-    async def _release(self, agent_id: str, eval_id: str) -> dict[str, Any]:
-        """End the agent's session of ``eval_id``: its release reply (memory, energy),
-        or {} when it does not answer within 5 s."""
-        with anyio.move_on_after(5), contextlib.suppress(MLScopeError):
+    async def release(self, agent_id: str, eval_id: str, *, timeout: float = 5.0) -> dict[str, Any]:
+        """End the agent's session of ``eval_id`` (a run it runs for it stopped, its
+        spans published): its release reply (memory, energy), or {} when it does not
+        answer within ``timeout`` seconds."""
+        with anyio.move_on_after(timeout), contextlib.suppress(MLScopeError):
             reply: dict[str, Any] = await request(
                 self.bus,
                 names.agent_ctl(agent_id),
                 codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
-                timeout=5,
+                timeout=timeout,
             )
             return reply
         return {}

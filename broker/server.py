@@ -81,6 +81,9 @@ __all__ = ["Server"]
 
 JOB_ACK_WAIT_S = 15.0
 JOB_MAX_DELIVER = 5
+ATTEMPT_RELEASE_S = 20.0
+"""How long a restarted job waits for each agent to stop what a lost attempt left
+running there (an agent waits up to 15 s for a stopped run's final rows)."""
 ATTEMPT_DRAIN_S = 20.0
 """How long a restarted job waits for the lost attempt's spans to be stored before
 it deletes that attempt's rows."""
@@ -414,9 +417,20 @@ class Server:
         return await self.evaluator.run(job, agent, entry, progress)
 
     async def _forget_attempt(self, eval_id: str) -> None:
-        """Before a restarted job runs again: let the lost attempt's spans already on
-        the trace stream be stored, then delete every row it left (its evaluation row
-        was never stored, or the job would not run again)."""
+        """Before a restarted job runs again: stop what the lost attempt left running
+        on any agent (a placement-agent or LoadGen run goes on without its server, and
+        its spans would keep landing under the evaluation), let its spans on the trace
+        stream be stored, then delete every row it left (its evaluation row was never
+        stored, or the job would not run again)."""
+        try:
+            agents = await list_agents(self.bus)
+        except MLScopeError as exc:
+            log.warning("evaluation %s: agents not read; a lost run may go on: %s", eval_id, exc)
+            agents = []
+        async with anyio.create_task_group() as tg:  # a release answers once spans are out
+            for a in agents:
+                release = functools.partial(self.evaluator.release, timeout=ATTEMPT_RELEASE_S)
+                tg.start_soon(release, a.agent_id, eval_id)
         if not await self.ingester.drained(ATTEMPT_DRAIN_S):
             log.warning("evaluation %s: traces not all stored; late spans may stay", eval_id)
         try:

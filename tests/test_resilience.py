@@ -243,6 +243,64 @@ def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
                 p.wait(20)
 
 
+def test_a_restarted_placement_agent_job_keeps_no_span_of_its_lost_run(
+    settings: Settings,
+) -> None:
+    """A placement-agent run goes on in the agent after its server dies. The next
+    server stops it before it deletes what the lost attempt stored, so none of the
+    lost run's spans lands under the evaluation afterwards: one root span per query,
+    the new run's."""
+    env = child_env(settings)
+    agent = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "keeper"],
+        env=env,
+    )
+    first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            placement="agent",
+            # Longer than the job's redelivery (its ack wait): the lost run still runs.
+            scenario=ScenarioSpec(name="online", qps=50, duration_s=30),
+        )
+        events: list[str] = []
+
+        def on_event(e: JobEvent) -> None:
+            events.append(e.event)
+            nonlocal second
+            if e.event == "progress" and second is None:
+                first.send_signal(signal.SIGKILL)
+                first.wait(20)
+                second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+
+        summary = anyio.run(
+            lambda: submit(settings, job, on_event=on_event, timeout=200), backend="asyncio"
+        )
+        assert "restarted" in events and summary.status == "completed", events
+
+        async def roots() -> list[int]:
+            async with busmod.connect(settings, name="test") as bus:
+                _, rows = await remote.sql(
+                    bus,
+                    "SELECT count(), uniqExact(query_index), max(query_index) FROM spans FINAL "
+                    "WHERE evaluation_id = {e:String} AND kind = 'query'",
+                    {"e": summary.evaluation_id},
+                )
+            return [int(x) for x in rows[0]]
+
+        count, queries, last = anyio.run(roots, backend="asyncio")
+        assert count == queries, (count, queries)  # no query answered twice
+        assert queries > 0 and last < summary.queries + summary.not_issued
+    finally:
+        for p in (agent, first, second):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(20)
+
+
 def _rows_of_a_lost_attempt(settings: Settings, eval_id: str) -> None:
     """What a server that died while storing leaves: query rows past any index the
     next attempt reaches, a lost attempt's spans, a stored run of its sweep."""
