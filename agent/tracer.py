@@ -11,10 +11,17 @@ or a buffer evicted and created again, never reuses the ids under which the data
 already keeps (evaluation, agent, span) rows. A buffer that has been empty for
 ``idle_s`` seconds is dropped, so a long-running agent does not keep one per past
 evaluation.
+
+Every string is fitted to its bound (:data:`mlscope.schema.STRING_BOUNDS`) as it is
+buffered, since the ingester dead-letters a batch with a longer one: a name past the
+bound keeps its start and end around a hash of the whole (:func:`fit`), attributes past
+theirs lose their largest values (:func:`attrs_text`). A span is never dropped for its
+strings; the cost of a string within its bound is one length check.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import threading
@@ -27,13 +34,54 @@ from mlscope import codec, names, schema
 from mlscope.bus import Bus, publish_persistent
 from mlscope.contracts import SampleBatch, SpanBatch, TraceLevel, new_id
 
-__all__ = ["SAMPLE_COLUMNS", "SampleBuffer", "SpanBuffer", "Tracer"]
+__all__ = ["SAMPLE_COLUMNS", "SampleBuffer", "SpanBuffer", "Tracer", "attrs_text", "fit"]
 
 COLUMNS = tuple(c.name for c in schema.SPAN_FIELDS)
 """The fields of one span (:class:`~mlscope.contracts.SpanBatch` columns)."""
 SAMPLE_COLUMNS = tuple(c.name for c in schema.SAMPLE_FIELDS)
 SPAN_ID_BLOCK = 1 << 32
 """Each buffer owns ids ``base + 1 .. base + 2**32`` with ``base`` a random multiple of this."""
+
+
+_NAME = schema.STRING_BOUNDS["name"]
+_KIND = schema.STRING_BOUNDS["kind"]
+_ATTRS = schema.STRING_BOUNDS["attrs"]
+_METRIC = schema.STRING_BOUNDS["metric"]
+_DEVICE = schema.STRING_BOUNDS["device"]
+
+
+def fit(text: str, limit: int) -> str:
+    """``text`` when it has at most ``limit`` characters, else its start and its end
+    joined by ``…<hash>…``, ``limit`` characters in all: the start names the scope (a
+    node path, a kernel's template), the end the op, and the 8 hex digits of the whole
+    name's BLAKE2b keep two long names that share both ends distinct."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+    marker = f"…{digest}…"
+    keep = max(limit - len(marker), 0)
+    head = keep - keep // 2
+    return (text[:head] + marker + (text[-(keep - head) :] if keep > head else ""))[:limit]
+
+
+def attrs_text(attrs: dict[str, Any] | None) -> str:
+    """A span's attributes as JSON text within their bound: when they would not fit,
+    their largest values are left out, largest first, and their keys listed under
+    ``attrs_cut`` (``true`` instead when even that list would not fit)."""
+    if not attrs:
+        return ""
+    text = json.dumps(attrs)
+    if len(text) <= _ATTRS:
+        return text
+    kept = dict(attrs)
+    cut: list[str] = []
+    for key in sorted(kept, key=lambda k: len(json.dumps(kept[k])), reverse=True):
+        del kept[key]
+        cut.append(fit(str(key), _KIND))
+        text = json.dumps({**kept, "attrs_cut": cut})
+        if len(text) <= _ATTRS:
+            return text
+    return json.dumps({"attrs_cut": True})
 
 
 def span_id_base() -> int:
@@ -62,16 +110,17 @@ class SpanBuffer:
         end_ns: int,
         attrs: dict[str, Any] | None = None,
     ) -> int:
-        """Append one span; returns its id (unique within this agent and evaluation)."""
+        """Append one span; returns its id (unique within this agent and evaluation).
+        Its strings are fitted to their bounds (:func:`fit`, :func:`attrs_text`)."""
         row = (
             parent,
             query_index,
             int(level),
-            kind,
-            name,
+            kind if len(kind) <= _KIND else fit(kind, _KIND),
+            name if len(name) <= _NAME else fit(name, _NAME),
             start_ns,
             end_ns,
-            json.dumps(attrs) if attrs else "",
+            attrs_text(attrs),
         )
         with self.lock:
             sid = self.next_id
@@ -98,6 +147,9 @@ class SampleBuffer:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, ts_ns: int, metric: str, device: str, value: float) -> None:
+        """Append one sample; ``metric`` and ``device`` fitted to their bounds."""
+        if len(metric) > _METRIC or len(device) > _DEVICE:
+            metric, device = fit(metric, _METRIC), fit(device, _DEVICE)
         with self.lock:
             c = self.columns
             c["ts_ns"].append(ts_ns)
@@ -150,7 +202,8 @@ class Tracer:
         max_spans: int = 5000,
         idle_s: float = 300.0,
     ) -> None:
-        self.bus, self.agent_id, self.host = bus, agent_id, host
+        self.bus, self.agent_id = bus, agent_id
+        self.host = fit(host, schema.STRING_BOUNDS["host"])
         self.flush_s, self.max_spans = flush_s, max_spans
         self.idle_flushes = max(2, round(idle_s / flush_s))
         """Empty flushes in a row after which a buffer is dropped. ``buffer()`` and the

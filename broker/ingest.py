@@ -10,8 +10,10 @@ one Arrow insert per table (:mod:`broker.ingest_columns`: numbers as typed array
 strings dictionary-encoded as the tracer sends them).
 
 Poison is bounded (through the server's serving boundary): every column is checked
-against its table's type before anything is inserted, and a message that does not
-decode or validate is dead-lettered at once; a batch whose insert fails (a full or
+against its table's type before anything is inserted, every string against its bound
+(:data:`mlscope.schema.STRING_BOUNDS`: a dictionary's words once each, a plain column
+in pydantic's own loop, so an over-long name costs no per-row Python), and a message
+that does not decode or validate is dead-lettered at once; a batch whose insert fails (a full or
 read-only disk) is redelivered after a pause, and dead-lettered after
 ``MAX_DELIVER`` deliveries. The stream is never blocked and the server never stops.
 
@@ -66,21 +68,29 @@ log = logging.getLogger("mlscope.ingest")
 _U64 = Annotated[int, Field(strict=True, ge=0, lt=1 << 64)]
 _I64 = Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)]
 _U8 = Annotated[int, Field(strict=True, ge=0, lt=256)]
-_STR = Annotated[str, Field(strict=True)]
 _F64 = Annotated[float, Field(allow_inf_nan=True)]
 _LIST_OF: dict[str, TypeAdapter[Any]] = {
     "UInt64": TypeAdapter(list[_U64]),
     "Int64": TypeAdapter(list[_I64]),
     "UInt8": TypeAdapter(list[_U8]),
-    "String": TypeAdapter(list[_STR]),
     "Float64": TypeAdapter(list[_F64]),
 }
-"""A column of each ClickHouse type, as the Python values that insert into it."""
-_COLUMN_TYPES: dict[str, TypeAdapter[Any]] = {
-    c.name: _LIST_OF[c.base_type] for c in (*schema.SPAN_FIELDS, *schema.SAMPLE_FIELDS)
-}
-"""Each column's type as its table stores it: a value that would fail the insert is
-refused at decoding, so it never takes a whole fetch down with it."""
+"""A numeric column of each ClickHouse type, as the Python values that insert into it."""
+
+
+def _column_type(c: schema.Column) -> TypeAdapter[Any]:
+    if c.base_type != "String":
+        return _LIST_OF[c.base_type]
+    bound = schema.STRING_BOUNDS[c.name]  # every string an agent writes has one
+    return TypeAdapter(list[Annotated[str, Field(strict=True, max_length=bound)]])
+
+
+_FIELDS = (*schema.SPAN_FIELDS, *schema.SAMPLE_FIELDS)
+_COLUMN_TYPES: dict[str, TypeAdapter[Any]] = {c.name: _column_type(c) for c in _FIELDS}
+"""Each column's type as its table stores it, strings within their bound: a value that
+would fail the insert (or store a megabyte per row) is refused at decoding, so it never
+takes a whole fetch down with it."""
+_STRINGS = frozenset(c.name for c in _FIELDS if c.base_type == "String")
 _BATCHES: dict[str, type[SpanBatch] | type[SampleBatch]] = {
     "spans": SpanBatch,
     "samples": SampleBatch,
@@ -305,7 +315,7 @@ def _decode(data: bytes, subject: str) -> tuple[SpanBatch | SampleBatch, dict[st
         if f in batch.dicts:
             codes[f] = _dictionary_column(batch, f)
         else:
-            _check(batch, f, batch.columns[f])
+            _check(batch, f, batch.columns[f], what="row")
     _check_times(batch)
     return batch, codes
 
@@ -330,10 +340,10 @@ def _check_times(batch: SpanBatch | SampleBatch) -> None:
 def _dictionary_column(batch: SpanBatch | SampleBatch, f: str) -> np.ndarray:
     """A dictionary-encoded string column's indices, checked against its values."""
     name = type(batch).__name__
-    if _COLUMN_TYPES[f] is not _LIST_OF["String"]:
+    if f not in _STRINGS:
         raise WireError(f"{name} {batch.batch_id}: column {f} is not a string column", column=f)
     values = batch.dicts[f]
-    _check(batch, f, values)
+    _check(batch, f, values, what="dictionary word")
     codes = codes_of(batch.columns[f], len(values))
     if codes is None:
         raise WireError(
@@ -343,13 +353,22 @@ def _dictionary_column(batch: SpanBatch | SampleBatch, f: str) -> np.ndarray:
     return codes
 
 
-def _check(batch: SpanBatch | SampleBatch, f: str, values: list[Any]) -> None:
+def _check(batch: SpanBatch | SampleBatch, f: str, values: list[Any], *, what: str) -> None:
+    """``values`` (a column's rows, or its dictionary's words: ``what``) are of the
+    column's type, strings within its bound."""
     try:
         _COLUMN_TYPES[f].validate_python(values)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        raise WireError(
-            f"{type(batch).__name__} {batch.batch_id}: column {f}: "
-            f"{first['msg']} at row {first['loc'][0]}",
-            column=f,
-        ) from exc
+        first = exc.errors(include_url=False, include_input=False)[0]
+        at = f"{type(batch).__name__} {batch.batch_id}: column {f}: {what} {first['loc'][0]}"
+        if first["type"] == "string_too_long":
+            bound = schema.STRING_BOUNDS[f]
+            chars = len(values[int(first["loc"][0])])
+            raise WireError(
+                f"{at}: {chars} characters, over the bound of {bound} "
+                f"(mlscope.schema.STRING_BOUNDS[{f!r}])",
+                column=f,
+                bound=bound,
+                chars=chars,
+            ) from exc
+        raise WireError(f"{at}: {first['msg']}", column=f) from exc

@@ -19,12 +19,16 @@ from dataclasses import dataclass
 __all__ = [
     "AGENT_HISTORY",
     "EVALUATIONS",
+    "MAX_ATTRS_CHARS",
+    "MAX_LABEL_CHARS",
+    "MAX_NAME_CHARS",
     "MLPERF_LOGS",
     "OUTPUTS",
     "QUERIES",
     "SAMPLE_FIELDS",
     "SPANS",
     "SPAN_FIELDS",
+    "STRING_BOUNDS",
     "SYSTEM_SAMPLES",
     "TABLES",
     "Column",
@@ -142,6 +146,44 @@ SPAN_FIELDS = _cols(
     "kind LowCardinality(String), name String, start_ns Int64, end_ns Int64, attrs String"
 )
 """The columns of a :class:`~mlscope.contracts.SpanBatch`: what an agent records per span."""
+
+MAX_NAME_CHARS = 1024
+"""Longest span name (a layer's, an op's, a kernel's) an agent sends, in characters.
+
+Real names are far shorter: the zoo's ONNX graphs name nodes in at most 58 characters
+(``/_blocks.10/_depthwise_conv/static_padding/ConstantOfShape``), exported transformers'
+ONNX Runtime and TensorFlow node paths and PyTorch's ``aten::`` ops a few hundred at
+most. Only demangled C++ template kernels (Eigen, CUTLASS) run past it, and the agent
+fits those (:func:`agent.tracer.fit`: start and end kept, a hash between) rather than
+lose the span. Every row repeats its name, so without a bound one hostile agent's
+megabyte names would land on every row it stores and in every table that lists layers."""
+
+MAX_LABEL_CHARS = 256
+"""Longest span ``kind``, sample ``metric`` and ``device``, and batch ``host``, in
+characters: short words (``layer``, ``perf.cycles``, ``gpu0``) and a host name (253 at
+most in DNS); the same bound as an id (:data:`mlscope.contracts.MAX_ID_CHARS`)."""
+
+MAX_ATTRS_CHARS = 64 * 1024
+"""Longest span attributes (JSON text), in characters. A layer's are ~300 (op type,
+input and output shapes, provider, memory figures); 64 Ki leaves room for a node with
+hundreds of inputs (a large ``Concat``) while bounding what one row can store. An agent
+whose attributes would not fit drops the largest values, named in ``attrs_cut``
+(:func:`agent.tracer.attrs_text`)."""
+
+STRING_BOUNDS: dict[str, int] = {
+    "kind": MAX_LABEL_CHARS,
+    "name": MAX_NAME_CHARS,
+    "attrs": MAX_ATTRS_CHARS,
+    "metric": MAX_LABEL_CHARS,
+    "device": MAX_LABEL_CHARS,
+    "host": MAX_LABEL_CHARS,
+}
+"""The bound of every string column an agent writes (:data:`SPAN_FIELDS`,
+:data:`SAMPLE_FIELDS` and the batch's ``host``), in characters (at most 4 bytes each in
+UTF-8): the agent fits what it sends to them (``agent/tracer.py``), and the ingester
+dead-letters a batch with a longer string, dictionary words included
+(``broker/ingest.py``). Each one is far above any real value, so no honest agent meets
+it; together they cap what one batch can make the database store per row."""
 
 SPANS = Table(
     "spans",

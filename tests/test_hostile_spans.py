@@ -146,7 +146,8 @@ def _batches(ids: tuple[str, str, str]) -> list[Any]:
 
 def _large(eval_id: str) -> list[Any]:
     """1,000 honest layer spans of ~1.2 KB of attrs each (random: they do not compress),
-    200 a batch, and three of ~900 KB, one a batch (each batch under the max payload)."""
+    200 a batch, 1.2 MB in all (over the max payload), and three with attrs of ~60 KB,
+    near their bound (``mlscope.schema.STRING_BOUNDS``), one a batch."""
     rows = [
         (
             1 + i,
@@ -160,7 +161,7 @@ def _large(eval_id: str) -> list[Any]:
     ]
     out = [_span_batch(eval_id, f"hs-c-{i}", rows[i : i + 200]) for i in range(0, 1000, 200)]
     for j in range(3):
-        big = json.dumps({"op_type": "Conv", "blob": os.urandom(450_000).hex()})
+        big = json.dumps({"op_type": "Conv", "blob": os.urandom(30_000).hex()})
         row = (5000 + j, "layer", f"big{j}", T0, T0 + MS, big)
         out.append(_span_batch(eval_id, f"hs-c-big-{j}", [row]))
     return out
@@ -313,7 +314,7 @@ def test_trace_of_spans_with_large_attributes_is_read_within_the_max_payload(
     assert len(mine) == 1000
     assert all(len(e["args"]["attrs"]["note"]) == 1200 for e in mine)
     big = [e for e in layers if e["name"].startswith("big")]
-    assert len(big) == 3 and all(len(e["args"]["attrs"]["blob"]) == 900_000 for e in big)
+    assert len(big) == 3 and all(len(e["args"]["attrs"]["blob"]) == 60_000 for e in big)
 
 
 # ------------------------------------------------------------- times no ingester takes

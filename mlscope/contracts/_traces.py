@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
 )
 
 from mlscope.contracts._base import Ident, _Message
+from mlscope.schema import STRING_BOUNDS
 
 
 class _ColumnBatch(_Message):
-    """Rows of one evaluation from one agent, column by column (lists of one length)."""
+    """Rows of one evaluation from one agent, column by column (lists of one length).
+
+    Every string column is bounded (:data:`mlscope.schema.STRING_BOUNDS`, dictionary
+    words included): the ingester dead-letters a batch with a longer string, so an
+    agent fits its strings before it sends them (``agent/tracer.py``)."""
 
     evaluation_id: Ident
     agent_id: Ident
-    host: str
+    host: Annotated[str, Field(max_length=STRING_BOUNDS["host"])]
     batch_id: Ident
     columns: dict[str, list[Any]]
     dicts: dict[str, list[str]] = Field(default_factory=dict)
