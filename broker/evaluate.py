@@ -113,7 +113,7 @@ class Evaluator:
         # An agent gone since then ended its session with it.
         released = {} if gone else await self.release(agent.agent_id, p.eval_id)
         summarize = self._summarizer(job, agent, entry, p, outcome, (started, finished))
-        summary = self._parent_summary(summarize, job, p.eval_id, outcome, lost)
+        summary = self._parent_summary(summarize, p.eval_id, outcome, lost)
         if acc is not None:
             m = entry.manifest
             metric = m.dataset.metric if m.dataset else "top1"
@@ -231,7 +231,6 @@ class Evaluator:
     @staticmethod
     def _parent_summary(
         summarize: _Summarizer,
-        job: JobRequest,
         eval_id: str,
         outcome: scenario.Outcome,
         lost: str,
@@ -239,7 +238,10 @@ class Evaluator:
         """The job's summary: its main run's, with what a sweep or search found."""
         # A sweep or search of one run is that run: it is stored once, as the parent.
         # Of several, each run is stored on its own and the parent holds only the
-        # summary (its figures those of the best run, and no query rows).
+        # summary (its figures those of the best run, and no query rows). Either way
+        # its scenario is the main run's (the batch size or rate its figures and rows
+        # come from; the sweep's list stays in it), and the job's own spec is in the
+        # stored specification.
         separate = len(outcome.points) > 1
         points = [
             r.point() if separate else {**r.point(), "evaluation_id": eval_id}
@@ -251,7 +253,7 @@ class Evaluator:
             peak_qps=outcome.peak_qps,
             optimal_batch_size=outcome.optimal_batch_size,
             points=tuple(points),
-        ).model_copy(update={"evaluation_id": eval_id, "scenario": job.scenario.model_dump()})
+        ).model_copy(update={"evaluation_id": eval_id})
 
     async def _store_runs(
         self,

@@ -175,6 +175,32 @@ def test_batched_sweep_stores_every_point(noop_stack: Stack) -> None:
     for p in s.points:  # every query of every point stored (a noop stream: ~10^5 a point)
         stored = stored_count(noop_stack.settings, p["evaluation_id"])
         assert stored == p["queries"] > 0, (stored, p)
+    # The job's figures are its best point's, and so is the batch size it is shown under.
+    assert s.scenario["batch_size"] == s.optimal_batch_size
+    assert s.scenario["batch_sizes"] == list(sizes)
+
+
+def test_a_sweep_of_one_point_is_stored_under_that_points_batch_size(noop_stack: Stack) -> None:
+    """One point is stored once, as the job's evaluation, with its rows: its summary
+    names the batch size its rows have, not the spec's default of 1."""
+    s = run(
+        noop_stack.settings,
+        ScenarioSpec(name="batched", batch_sizes=(16,), duration_s=0.5, **LOOSE),
+    )
+    assert s.scenario["batch_size"] == s.optimal_batch_size == 16
+
+    async def sizes() -> list[list[object]]:
+        async with busmod.connect(noop_stack.settings, name="test") as bus:
+            return (
+                await remote.sql(
+                    bus,
+                    "SELECT DISTINCT batch_size FROM queries FINAL "
+                    "WHERE evaluation_id = {e:String}",
+                    {"e": s.evaluation_id},
+                )
+            )[1]
+
+    assert anyio.run(sizes, backend="asyncio") == [[16]]
 
 
 def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Stack) -> None:
@@ -215,7 +241,7 @@ def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Sta
     for p in s.points:
         if p["qps"] > s.peak_qps:  # nothing above the peak passed
             assert not p["valid"] and p["invalid_reasons"], p
-    assert s.valid and s.requested_qps == s.peak_qps
+    assert s.valid and s.requested_qps == s.peak_qps == s.scenario["qps"]
     best = next(p for p in s.points if p["qps"] == s.peak_qps)
     assert s.latency_ms.p99 == best["latency_ms"]["p99"] <= spec.latency_bound_ms
     for p in s.points:  # every trial stored with its own latencies
