@@ -150,7 +150,7 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
         achieved_qps=ach_rate or None,
         completed_qps=done_rate or None,
         backlog_s=(
-            backlog_s(rec.scheduled, np.where(rec.ok.astype(bool), rec.completed, 0), window_s)
+            backlog_s(rec.scheduled, rec.answered_ns(), window_s)
             if window_s is not None
             else None
         ),
@@ -322,7 +322,7 @@ def judge(
         issued_ns=issued,
         latency_ns=(rec.completed - rec.scheduled)[ok & meas],
         outcomes=count(rec.outcomes()[meas]),
-        completed_ns=np.where(ok, rec.completed, 0) if open_loop else None,
+        completed_ns=rec.answered_ns() if open_loop else None,
         requested_rate=requested_rate,
         poisson=poisson,
         duration_s=window_s,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from mlscope.outcomes import classify
+from mlscope.outcomes import Outcome, classify
 
 __all__ = ["ARRAYS", "TIME_ARRAYS", "RunRecord"]
 
@@ -103,6 +103,16 @@ class RunRecord:
         return classify(
             issued=self.issued, completed=self.completed, ok=self.ok, refused=self.refused
         )
+
+    def answered_ns(self) -> np.ndarray:
+        """Each query's completion offset when the system answered it (with outputs or
+        with an error), else 0: what the overload rule and the backlog count. A query
+        refused as "overloaded" is not answered (it was never run), nor is a lost one;
+        a failed one was (its failure is judged on its own)."""
+        out = self.outcomes()
+        answered = (out == Outcome.OK) | (out == Outcome.FAILED)
+        done: np.ndarray = np.where(answered, self.completed, 0)
+        return done
 
     def measured(self) -> np.ndarray:
         """Mask of the queries statistics count: all but the warm-up."""

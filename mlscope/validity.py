@@ -239,10 +239,11 @@ def completion_rates(
 ) -> tuple[float, float]:
     """(offered, completed) queries/s over the second half of a ``window_s`` window.
 
-    ``completed_ns``: the completion offset of each query answered with outputs (0 for
-    the others). Arrivals and completions are counted in ``(window/2, window]``: the
-    first half lets a stable system reach its steady state, and a system that keeps
-    up completes there as many queries as arrive.
+    ``completed_ns``: the completion offset of each query the system answered, with
+    outputs or an error (0 for the others: refused, lost, not issued). Arrivals and
+    completions are counted in ``(window/2, window]``: the first half lets a stable
+    system reach its steady state, and a system that keeps up completes there as many
+    queries as arrive.
     """
     sched = np.asarray(scheduled_ns, np.int64)
     done = np.asarray(completed_ns, np.int64)
@@ -289,8 +290,9 @@ def verdict(
     schedule (``issued_ns`` 0 for a query not issued). ``latency_ns``: latency from the
     scheduled time of each query that completed without error. ``outcomes``: the
     counts of :func:`mlscope.outcomes.count` (else ``errors`` is taken as failures).
-    ``completed_ns``: an open loop's completion offset per query answered with outputs
-    (0 otherwise), for the overload rule (None: a closed loop, which cannot overload).
+    ``completed_ns``: an open loop's completion offset per query answered, with outputs
+    or an error (0 otherwise: :meth:`mlscope.record.RunRecord.answered_ns`), for the
+    overload rule (None: a closed loop, which cannot overload).
     ``requested_rate``: the rate the user asked for (None for closed loops and
     replays). ``poisson``: the schedule is random, so its realized rate may differ
     from the request by Poisson noise. ``duration_s`` defaults to the last scheduled

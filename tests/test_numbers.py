@@ -78,6 +78,24 @@ def test_a_system_that_keeps_up_is_not_overloaded() -> None:
     assert f.backlog_s is not None and f.backlog_s < 0.05
 
 
+def test_a_system_that_answers_every_query_with_an_error_is_not_overloaded() -> None:
+    """Failed answers are answers: a model that fails every query at once keeps up with
+    its arrivals (INVALID for its failures, with no overload reason and no backlog); a
+    refusal is not an answer (the query never ran), so refusals still show a backlog."""
+    spec = ScenarioSpec(name="online", qps=75, duration_s=10, seed=3)
+    rec = open_record(spec, 1 / 1000)
+    rec.ok[:] = 0
+    reasons = verdict(rec, spec)
+    assert any("failed" in r for r in reasons), reasons
+    assert not any(r.startswith("overloaded") for r in reasons), reasons
+    f = figures(rec, has_labels=False, window_s=10.0)
+    assert f.backlog_s is not None and f.backlog_s < 0.05
+    rec.refused[:] = 1
+    assert any(r.startswith("overloaded") for r in verdict(rec, spec))
+    refused = figures(rec, has_labels=False, window_s=10.0)
+    assert refused.backlog_s is not None and refused.backlog_s > 9
+
+
 def test_each_query_has_one_outcome() -> None:
     issued = [5, 5, 5, 5, 0, 0]
     completed = [9, 9, 9, 0, 0, 7]  # the last: a closed loop's first query at offset 0
