@@ -150,9 +150,7 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
         achieved_qps=ach_rate or None,
         completed_qps=done_rate or None,
         backlog_s=(
-            backlog_s(rec.scheduled, rec.answered_ns(), window_s)
-            if window_s is not None
-            else None
+            backlog_s(rec.scheduled, rec.answered_ns(), window_s) if window_s is not None else None
         ),
         latency_ms=LatencyStats(**describe_ms(lat_ns)),
         issue_lag_us=_lag_stats((rec.issued - rec.scheduled)[issued_mask]),
@@ -327,4 +325,5 @@ def judge(
         poisson=poisson,
         duration_s=window_s,
         policy=policy_for(spec, policy),
+        warmup=int(rec.n - meas.sum()),
     )

@@ -283,6 +283,7 @@ def verdict(
     poisson: bool = True,
     duration_s: float | None = None,
     policy: ValidityPolicy | None = None,
+    warmup: int = 0,
 ) -> Verdict:
     """Judge a run from its per-query arrays.
 
@@ -296,7 +297,9 @@ def verdict(
     ``requested_rate``: the rate the user asked for (None for closed loops and
     replays). ``poisson``: the schedule is random, so its realized rate may differ
     from the request by Poisson noise. ``duration_s`` defaults to the last scheduled
-    offset (MLPerf's server rule); every rule compares un-rounded values.
+    offset (MLPerf's server rule); every rule compares un-rounded values. ``warmup``:
+    how many queries ran as warm-up before those ``latency_ns`` holds (named when no
+    measured query completed).
     """
     pol = policy or ValidityPolicy()
     sched = np.asarray(scheduled_ns, dtype=np.int64)
@@ -312,7 +315,7 @@ def verdict(
     counts.setdefault("not_issued", sched.size - n_issued)
     reasons = [
         *_size_reasons(pol, run_s, n_issued),
-        *_latency_reasons(pol, lat),
+        *_latency_reasons(pol, lat, warmup),
         *_lag_reasons(pol, issue_lag_ns(sched, issued)),
         *_rate_reasons(pol, sched, issued, requested_rate, poisson),
         *(_overload_reasons(pol, sched, completed_ns, run_s) if completed_ns is not None else []),
@@ -347,10 +350,14 @@ def _size_reasons(pol: ValidityPolicy, run_s: float, n_issued: int) -> list[str]
     return out
 
 
-def _latency_reasons(pol: ValidityPolicy, lat: npt.NDArray[np.float64]) -> list[str]:
+def _latency_reasons(pol: ValidityPolicy, lat: npt.NDArray[np.float64], warmup: int) -> list[str]:
     p = f"p{pol.percentile:g}"
     if lat.size == 0:
-        return ["no query completed"]
+        return [
+            f"no query completed after the {warmup} warm-up queries"
+            if warmup
+            else "no query completed"
+        ]
     if pol.latency_bound_ns is None:
         if not pol.early_stopping:
             return []

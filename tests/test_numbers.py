@@ -96,6 +96,14 @@ def test_a_system_that_answers_every_query_with_an_error_is_not_overloaded() -> 
     assert refused.backlog_s is not None and refused.backlog_s > 9
 
 
+def test_a_run_of_warm_up_queries_only_says_so() -> None:
+    spec = ScenarioSpec(name="online", qps=75, duration_s=10, seed=3)
+    rec = open_record(spec, 1 / 400)
+    rec.warmup = rec.n
+    reasons = verdict(rec, spec)
+    assert f"no query completed after the {rec.n} warm-up queries" in reasons, reasons
+
+
 def test_each_query_has_one_outcome() -> None:
     issued = [5, 5, 5, 5, 0, 0]
     completed = [9, 9, 9, 0, 0, 7]  # the last: a closed loop's first query at offset 0

@@ -169,6 +169,11 @@ def test_nothing_completed() -> None:
     run = _run()
     got = v.verdict(scheduled_ns=run["scheduled_ns"], issued_ns=run["issued_ns"], latency_ns=[])
     assert "no query completed" in got.reasons
+    # Every answer a warm-up one: the reason says so, not that nothing was answered.
+    warm = v.verdict(
+        scheduled_ns=run["scheduled_ns"], issued_ns=run["issued_ns"], latency_ns=[], warmup=97
+    )
+    assert "no query completed after the 97 warm-up queries" in warm.reasons
 
 
 def test_achieved_rate() -> None:
