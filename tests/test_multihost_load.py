@@ -185,7 +185,8 @@ def test_a_service_killed_mid_slice_ends_the_run_in_seconds_naming_it(
 
     with pytest.raises(EvaluationError, match="load-generator service lg-a was lost"):
         anyio.run(lambda: submit(settings, job, on_event=seen, timeout=120), backend="asyncio")
-    assert killed and time.monotonic() - killed[0] < 40  # its 20 s run not waited out
+    # Its slice was not waited out (its request timeout: 20 s x 3 + 2 min), on any load.
+    assert killed and time.monotonic() - killed[0] < 90
 
 
 def test_loadgen_hosts_are_distinct_and_set_the_count() -> None:

@@ -404,7 +404,7 @@ def test_an_agent_restarted_under_its_id_mid_run_is_lost_not_overloaded(
         job = JobRequest(
             model="noop",
             framework="noop",
-            scenario=ScenarioSpec(name="online", qps=100, duration_s=12),  # time to restart
+            scenario=ScenarioSpec(name="online", qps=100, duration_s=20),  # time to restart
         )
         reborn: list[subprocess.Popen[bytes]] = []
 
