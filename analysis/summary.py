@@ -6,11 +6,15 @@ correct answers / samples answered; errors = failed + refused + lost and not iss
 apart (:mod:`mlscope.outcomes`); warm-up rows are left out. Percentiles and trimmed
 means are :mod:`mlscope.stats`' definitions, computed by the database
 (:mod:`analysis.sqlstats`): an evaluation's rows stay in it, its figures come back.
+
+A row is a query of ``batch_size`` samples; an MLPerf evaluation's row is one LoadGen
+sample (stored with batch size 1, and counted as one sample whatever its
+``batch_size``: rows stored before 2026-11-27 carry LoadGen's samples per query there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import pandas as pd
@@ -72,6 +76,7 @@ _STATS = (
     "refused",
     "lost",
     "samples",
+    "answered",
     "first_issued_ns",
     "issued",
     "last_completed_ns",
@@ -84,6 +89,7 @@ _COUNTS = ", ".join(
         f"countIf(kept AND o IN {tuple(int(x) for x in ERROR_OUTCOMES)}) AS errors",
         *(f"countIf(kept AND o = {int(x)}) AS {x.label}" for x in _OUTCOMES),
         "sumIf(batch_size, kept AND ok != 0) AS samples",
+        "countIf(kept AND ok != 0) AS answered",
         "minIf(issued_ns, kept AND issued_ns > 0) AS first_issued_ns",
         "countIf(kept AND issued_ns > 0) AS issued",
         "maxIf(completed_ns, kept AND completed_ns > 0) AS last_completed_ns",
@@ -104,18 +110,26 @@ SAMPLE_STATS_SQL = (
 database (one row per evaluation comes back, whatever the rows it holds)."""
 
 
-def sample_stats(source: Source, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+def sample_stats(
+    source: Source, ids: Sequence[str], *, sample_rows: Collection[str] = ()
+) -> dict[str, dict[str, Any]]:
     """Latency, throughput and accuracy of each evaluation's query rows, by id
     (warm-up rows left out; failed / refused / lost / not issued as
-    :mod:`mlscope.outcomes`); evaluations without query rows are absent."""
+    :mod:`mlscope.outcomes`); evaluations without query rows are absent.
+    ``sample_rows``: evaluations whose every row is one sample (MLPerf's)."""
     if not ids:
         return {}
     got = source.frame(SAMPLE_STATS_SQL, {"ids": list(ids)})
-    return {str(r["evaluation_id"]): _figures(r) for r in got.to_dict("records")}
+    return {
+        str(r["evaluation_id"]): _figures(r, one_sample=str(r["evaluation_id"]) in sample_rows)
+        for r in got.to_dict("records")
+    }
 
 
-def _figures(r: dict[str, Any]) -> dict[str, Any]:
+def _figures(r: dict[str, Any], *, one_sample: bool = False) -> dict[str, Any]:
     ints = {k: int(r[k]) for k in _STATS}
+    if one_sample:
+        ints["samples"] = ints["answered"]
     # throughput = samples answered / (last completion - first issue), as the server's
     span_s = (
         (float(ints["last_completed_ns"]) - float(ints["first_issued_ns"])) / 1e9
@@ -146,7 +160,10 @@ def summary(
     ev = evaluations(source, ids) if evaluated is None else evaluated
     if ev.empty:
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
-    stats = sample_stats(source, list(ev["evaluation_id"]))
+    mlperf = ev["scenario"].astype(str).str.startswith("mlperf-")
+    stats = sample_stats(
+        source, list(ev["evaluation_id"]), sample_rows=set(ev.loc[mlperf, "evaluation_id"])
+    )
     rows = []
     for e in ev.to_dict("records"):
         row = {k: e.get(k) for k in SUMMARY_COLUMNS}

@@ -12,15 +12,20 @@ SUT's clock being the agent's (mapped with the ping offset, as a local run's).
 
 What is stored (``evaluations`` + ``queries`` + ``mlperf_logs``):
 
-* the summary's verdict, reasons, percentiles, rates and counts are LoadGen's own, read
-  back from its detail and summary logs (:mod:`broker.mlperf_logs`) -- never
-  recomputed, so they equal the summary file's; the trimmed mean and issue lag, which
-  LoadGen does not report, come from the per-sample records with mlscope's one
-  definition (:mod:`mlscope.stats`);
 * one ``queries`` row per LoadGen sample from its trace log (scheduled, issued,
-  completed on LoadGen's clock), with the agent's timestamps of the query that
-  carried the sample; LoadGen's clock is tied to ours by the median difference
-  between each query's issue in the trace and the moment ``issue_query`` ran here;
+  completed on LoadGen's clock, from its start of the test), with the agent's
+  timestamps of the query that carried the sample; LoadGen's clock is tied to ours by
+  the median difference between each query's issue in the trace and the moment
+  ``issue_query`` ran here. A row is one sample (``batch_size`` 1), as every reader of
+  the rows takes a row of batch size 1 to be;
+* the summary's figures (counts, errors, rates, latency, throughput) are mlscope's,
+  from those rows with the definitions every evaluation has (:func:`broker.summary.figures`),
+  so ``mlscope report`` recomputes the same; its verdict is LoadGen's (and no sample
+  failed in the agent). LoadGen's own figures, read back from its detail and summary
+  logs (:mod:`broker.mlperf_logs`) and never recomputed, are kept apart under
+  ``summary.mlperf``: its percentiles (per query in MultiStream), rate, query count,
+  samples per query and runtime errors (``num_errors``). An import without a trace
+  has no rows: its figures are then LoadGen's;
 * every log file verbatim (``mlperf_logs``, in parts), so ``mlscope mlperf`` can
   write them where the user asked and an imported run keeps its originals.
 """
@@ -44,7 +49,7 @@ from broker.db import Database
 from broker.evalspec import specification
 from broker.loadgen import estimate_offset
 from broker.mlperf_agent import run_in_agent
-from broker.summary import latency_split
+from broker.summary import figures, latency_split
 from mlscope import codec, names, schema
 from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
@@ -61,7 +66,6 @@ from mlscope.errors import ConfigError, EvaluationError, error_from_wire
 from mlscope.mlperf import ERROR, TIMING, load_timing
 from mlscope.record import RunRecord
 from mlscope.samples import dataset
-from mlscope.stats import percentiles, trimmed_mean
 
 __all__ = [
     "ACCURACY_FILE",
@@ -179,9 +183,8 @@ def _described(
     prep: PrepareReply,
 ) -> EvaluationSummary:
     """LoadGen's summary with what ran it (framework, model, agent, placement, clock,
-    cold start); ``failed`` samples answered to LoadGen with no data make it INVALID.
-    Its errors are LoadGen's own (``num_errors``) and those samples, as its reasons
-    count them."""
+    cold start); ``failed`` samples answered to LoadGen with no data make it INVALID
+    (the summary's ``errors`` counts them already, from the rows)."""
     if failed:
         summary = summary.model_copy(
             update={
@@ -204,7 +207,6 @@ def _described(
             "placement": job.placement,
             "clock_offset_ns": clock[0],
             "clock_rtt_ns": clock[1],
-            "errors": summary.errors + failed,
             "cold_start": {
                 "load_ms": prep.load_ns / 1e6,
                 "first_inference_ms": prep.first_inference_ns / 1e6,
@@ -276,11 +278,10 @@ def _child_env() -> dict[str, str]:
 def _record(
     samples: np.ndarray, timing: dict[str, Any] | None, offset_ns: int, labels: np.ndarray | None
 ) -> RunRecord:
-    """One row per LoadGen sample (see the module doc for the clocks)."""
+    """One row per LoadGen sample, each of batch size 1 (see the module doc for the
+    clocks); its times count from LoadGen's start of the test, as a run's from its start."""
     n = len(samples)
-    # Counted by value, not by index: a trace's query_seq may be any int64 (imported).
-    per_query = int(np.unique(samples["query_seq"], return_counts=True)[1].max()) if n else 1
-    rec = RunRecord(n=n, batch_size=per_query)
+    rec = RunRecord(n=n, batch_size=1)
     if n == 0:
         return rec
     rec.scheduled[:] = samples["scheduled_ns"]
@@ -347,25 +348,8 @@ def _summary(
     accuracy: dict[str, float] | None,
     imported: bool = False,
 ) -> EvaluationSummary:
-    r, pct = result.result, result.percentiles_ns
-    lat = (rec.completed - rec.scheduled) / 1e6
-    lag = (rec.issued - rec.scheduled) / 1e3
-    span = float(rec.completed.max() - rec.scheduled.min()) / 1e9 if rec.n else 0.0
-    p50, p99, p999 = percentiles(lag, [50, 99, 99.9])
-    max_ns = r.get("max_query_latency_ns", r.get("max_latency_ns"))
-    rate = next(
-        (
-            float(r[k])
-            for k in (
-                "completed_samples_per_sec",
-                "samples_per_second",
-                "qps_with_loadgen_overhead",
-            )
-            if k in r
-        ),
-        None,
-    )
-    samples = rec.n or int(r.get("query_count", 0)) * max(1, rec.batch_size)
+    """The figures of the rows (mlscope's definitions, :func:`broker.summary.figures`)
+    with LoadGen's verdict; LoadGen's own figures stay in ``mlperf`` (its ``doc``)."""
     target = result.effective.get("target_qps")
     return EvaluationSummary(
         evaluation_id=eval_id,
@@ -381,40 +365,68 @@ def _summary(
             "name": f"mlperf-{result.scenario.lower()}",
             "mlperf_scenario": result.scenario,
             "mode": result.mode,
-            "batch_size": rec.batch_size,
+            "batch_size": rec.batch_size,  # a row, and so a query here, is one sample
+            "sut_batch_size": job.mlperf.batch_size if job.mlperf else None,
             "seed": result.effective.get("schedule_rng_seed", 0),
         },
         trace_level="none",
-        queries=int(r.get("query_count", rec.n)),
-        samples=samples,
-        errors=result.errors,
-        not_issued=0,
-        duration_s=span,
         requested_qps=float(target)
         if target is not None and result.scenario in ("Server", "Offline")
         else None,
-        scheduled_qps=r.get("scheduled_samples_per_sec"),
-        achieved_qps=rate,
         latency_split_ms=None if imported else latency_split(rec) or None,
-        latency_ms=LatencyStats(
-            trimmed_mean=trimmed_mean(lat) if rec.n else None,
-            p50=_ms(pct.get("50.00")),
-            p90=_ms(pct.get("90.00")),
-            p99=_ms(pct.get("99.00")),
-            max=_ms(max_ns),
-        ),
-        issue_lag_us={
-            "p50": p50,
-            "p99": p99,
-            "p99.9": p999,
-            "max": float(lag.max()) if rec.n else None,
-        },
-        throughput_ips=rate,
         accuracy=accuracy,
         mlperf={**result.doc(), "imported": imported},
         started_at=started,
         finished_at=time.time(),
+        **(_figures(rec) if rec.n else _loadgen_figures(result)),
     )
+
+
+def _figures(rec: RunRecord) -> dict[str, Any]:
+    """The summary's figures from the rows (:func:`broker.summary.figures`); a rate over
+    offsets that all fall at one instant (Offline's one query, scheduled and issued at
+    once) is no rate: None."""
+    f = figures(rec, has_labels=False)
+    at_once = int(np.ptp(rec.scheduled)) == 0 and int(np.ptp(rec.issued)) == 0
+    return {
+        "queries": f.queries,
+        "samples": f.samples,
+        "errors": f.errors,
+        "not_issued": f.not_issued,
+        **{k: f.outcomes[k] for k in ("failed", "refused", "lost")},
+        "duration_s": f.duration_s,
+        "scheduled_qps": None if at_once else f.scheduled_qps,
+        "achieved_qps": None if at_once else f.achieved_qps,
+        "completed_qps": f.completed_qps,
+        "latency_ms": f.latency_ms,
+        "issue_lag_us": f.issue_lag_us,
+        "throughput_ips": f.throughput_ips,
+    }
+
+
+def _loadgen_figures(result: logs.LoadGenResult) -> dict[str, Any]:
+    """An import without a trace has no rows: its figures are LoadGen's (a query here
+    is one sample, as a row would be)."""
+    r, pct = result.result, result.percentiles_ns
+    samples = int(r.get("query_count", 0)) * result.samples_per_query
+    return {
+        "queries": samples,
+        "samples": samples,
+        "errors": 0,
+        "not_issued": 0,
+        "duration_s": 0.0,
+        "scheduled_qps": r.get("scheduled_samples_per_sec"),
+        "achieved_qps": result.throughput_ips,
+        "latency_ms": LatencyStats(
+            trimmed_mean=None,
+            p50=_ms(pct.get("50.00")),
+            p90=_ms(pct.get("90.00")),
+            p99=_ms(pct.get("99.00")),
+            max=_ms(r.get("max_query_latency_ns", r.get("max_latency_ns"))),
+        ),
+        "issue_lag_us": {},
+        "throughput_ips": result.throughput_ips,
+    }
 
 
 def _ms(ns: Any) -> float | None:

@@ -73,6 +73,7 @@ _NUMERIC_RESULTS = (
     "mean_latency_ns",
 )
 """``result_*`` keys the summary reads as numbers: present, they must be numbers."""
+_RATES = ("completed_samples_per_sec", "samples_per_second", "qps_with_loadgen_overhead")
 TRACE_DTYPE = np.dtype(
     [
         ("sample_seq", np.int64),
@@ -102,14 +103,31 @@ class LoadGenResult:
     effective: dict[str, Any]
     """Every ``effective_*`` setting of the detail log, without the prefix."""
     errors: int
+    """LoadGen's runtime errors (``num_errors``), stored as ``num_errors``."""
     loadgen_version: str
 
     @property
     def valid(self) -> bool:
         return self.errors == 0 and self.validity in (None, "VALID")
 
+    @property
+    def throughput_ips(self) -> float | None:
+        """LoadGen's own rate, samples/s: Offline's ``samples_per_second``, the others'
+        completed samples per second (``qps_with_loadgen_overhead`` where neither)."""
+        return next((float(self.result[k]) for k in _RATES if k in self.result), None)
+
+    @property
+    def samples_per_query(self) -> int:
+        """LoadGen's samples per query (Offline: all of them; MultiStream: 8 by default)."""
+        value = self.effective.get("samples_per_query")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return 1
+        return value
+
     def doc(self) -> dict[str, Any]:
-        """The JSON kept in an evaluation's summary (``EvaluationSummary.mlperf``)."""
+        """The JSON kept in an evaluation's summary (``EvaluationSummary.mlperf``):
+        LoadGen's own figures, as its logs state them, under LoadGen's names
+        (``num_errors``: its runtime errors, such as running out of generated queries)."""
         return {
             "scenario": self.scenario,
             "mode": self.mode,
@@ -117,9 +135,11 @@ class LoadGenResult:
             "validity": self.validity,
             "reasons": list(self.reasons),
             "percentiles_ns": self.percentiles_ns,
+            "throughput_ips": self.throughput_ips,
+            "samples_per_query": self.samples_per_query,
             "result": self.result,
             "effective": self.effective,
-            "errors": self.errors,
+            "num_errors": self.errors,
             "loadgen_version": self.loadgen_version,
         }
 

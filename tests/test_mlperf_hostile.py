@@ -416,8 +416,10 @@ class _Summary(SimpleNamespace):
         return _Summary(**{**vars(self), **update})
 
 
-def test_stored_errors_count_loadgens_and_the_failed_samples() -> None:
-    summary = _Summary(errors=3, invalid_reasons=("LoadGen: 3 errors",))
+def test_failed_samples_make_the_run_invalid_and_are_counted_once() -> None:
+    """The summary's errors are the rows' (failed samples among them, counted there);
+    LoadGen's own runtime errors stay in ``mlperf.num_errors``, not added to them."""
+    summary = _Summary(errors=2, invalid_reasons=("LoadGen: 3 errors",))
     rec = SimpleNamespace(errors={0: "no response", 1: "no response"})
     job = SimpleNamespace(framework="onnxruntime", placement="server")
     agent = SimpleNamespace(
@@ -426,7 +428,7 @@ def test_stored_errors_count_loadgens_and_the_failed_samples() -> None:
     entry = SimpleNamespace(manifest=SimpleNamespace(name="m", version="1"))
     prep = PrepareReply.model_validate(GOOD_PREP)
     out = mlperf._described(summary, rec, 2, job, agent, entry, (0, 0), prep)  # type: ignore[arg-type]
-    assert out.errors == 5
+    assert out.errors == 2 and not out.valid
     assert out.invalid_reasons[-1].startswith("2 samples failed")
 
 
