@@ -23,6 +23,7 @@ def format_summary(s: EvaluationSummary) -> str:
         *_detail_rows(s),
         *_search_rows(s),
         *_cold_start_rows(s),
+        *_mlperf_rows(s),
     ]
     return "\n".join(f"  {k:<13} {v}" for k, v in rows)
 
@@ -158,6 +159,29 @@ def _cold_start_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
             f"{_f(c.get('first_inference_ms'))} ms  warm predict "
             f"{_f(c.get('warm_predict_ms'))} ms  "
             f"({c.get('cold_loads')}/{c['repetitions']} loads)",
+        )
+    ]
+
+
+def _mlperf_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
+    """LoadGen's own figures of an MLPerf run, apart from mlscope's (which the lines
+    above compute from its rows, one per sample): its rate, its percentiles (per query
+    in MultiStream) and its runtime errors."""
+    m = s.mlperf
+    if not m:
+        return []
+    pct = m.get("percentiles_ns") or {}
+    shown = "  ".join(
+        f"p{float(q):g} {_f(ns / 1e6)}"
+        for q, ns in sorted(pct.items(), key=lambda kv: float(kv[0]))
+        if float(q) in (50.0, 90.0, 99.0)
+    )
+    return [
+        (
+            "LoadGen",
+            f"{_f(m.get('throughput_ips'), '', 1)} samples/s; latency ms {shown or '-'}; "
+            f"{m.get('samples_per_query', '-')} samples per query; "
+            f"{m.get('num_errors', 0)} runtime errors",
         )
     ]
 

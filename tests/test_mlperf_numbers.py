@@ -27,8 +27,10 @@ from analysis.source import BusSource
 from analysis.summary import sample_stats
 from analysis.summary import summary as analysis_summary
 from cli.services import Stack
+from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
+from mlscope.contracts import EvaluationSummary
 from tests.conftest import child_env, running_stack
 
 pytestmark = pytest.mark.timeout(240)
@@ -153,6 +155,12 @@ def test_summary_is_the_rows_figures(ort: Stack, runs: dict[str, Any], scenario:
     )
     summary_txt = (logs / "mlperf_log_summary.txt").read_text()
     assert doc["valid"] == ("Result is : VALID" in summary_txt and doc["errors"] == 0)
+    # The printed summary shows both: mlscope's figures, and LoadGen's on a line of its own.
+    text = format_summary(EvaluationSummary.model_validate(doc))
+    loadgen = next(line for line in text.splitlines() if line.strip().startswith("LoadGen "))
+    assert f"{'-' if rate is None else f'{rate:.1f}'} samples/s" in loadgen
+    assert f"p99 {lg['percentiles_ns']['99.00'] / 1e6:.3f}" in loadgen
+    assert f"{per_query} samples per query; {kv['num_errors']} runtime errors" in loadgen
 
 
 def test_report_and_analysis_agree_with_the_summary(ort: Stack, runs: dict[str, Any]) -> None:
