@@ -143,6 +143,8 @@ class LocalRun:
                 field="batch_size",
             )
         self.rec = RunRecord(n=n, batch_size=spec.batch_size)
+        if self.schedule is not None:  # known before the run starts (a stop may come first)
+            self.rec.scheduled[:] = self.schedule.offsets_ns
         self.top1 = np.full((n, spec.batch_size), -1, np.int32)
         self._lock = threading.Lock()  # record growth against snapshots
         self._stop = threading.Event()
@@ -462,7 +464,6 @@ class LocalRun:
         rec, sched, s = self.rec, self.schedule, self.spec
         if sched is None:
             raise EvaluationError(f"scenario {s.name!r} is closed-loop: it has no schedule")
-        rec.scheduled[:] = sched.offsets_ns
         prebuilt = self._prebuilt
         self._gate = gate = OutstandingLimit(s.max_outstanding)
 
@@ -529,11 +530,14 @@ class LocalRun:
 
     def take(self, *, final: bool = False) -> tuple[int, dict[str, np.ndarray], dict[int, str]]:
         """Rows not shipped yet, as copied columns: every row up to the first one still
-        in flight (``final``: every row)."""
+        in flight; ``final``: every row of the run, in flight ones included (a run
+        stopped early, as when its job is cancelled, reports every query it issued:
+        a query in flight ships without its completion, and those never due are not
+        rows of the run)."""
         with self._lock:
             self._fill()
             rec, a, base = self.rec, self._shipped, self._base
-            hi = base + (rec.n if final else min(self._issued - base, rec.n))
+            hi = base + (self._final_rows() if final else min(self._issued - base, rec.n))
             pending = np.flatnonzero(rec.completed[a - base : hi - base] == 0)
             b = hi if final or not pending.size else a + int(pending[0])
             cols = {name: getattr(rec, name)[a - base : b - base].copy() for name in ARRAYS}
@@ -541,6 +545,18 @@ class LocalRun:
             errors = {i: e for i, e in list(rec.errors.items()) if a <= i < b}
             self._shipped = b
         return a, cols, errors
+
+    def _final_rows(self) -> int:
+        """How many of the record's rows the run has (under the lock): those issued or
+        answered (a closed loop's record may have room past them) and, of an open
+        loop, those due, every one once the schedule is over (one due and not issued:
+        refused by the outstanding bound, or the run stopped before it)."""
+        rec = self.rec
+        answered = np.flatnonzero(rec.completed)
+        rows = max(self._issued - self._base, int(answered[-1]) + 1 if answered.size else 0)
+        if not self.closed:
+            rows = max(rows, int(np.searchsorted(rec.scheduled, now() - rec.t0_ns, "right")))
+        return min(rows, rec.n)
 
     @property
     def issued(self) -> int:

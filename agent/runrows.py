@@ -1,6 +1,8 @@
 """Shipping a local run's rows (placement agent): :func:`serve_run` runs a prepared
 :class:`~agent.localrun.LocalRun` on a worker thread and sends its rows to the server
-every :data:`SHIP_S` while it runs, then the rest with the run's totals, as
+every :data:`SHIP_S` while it runs (each up to its first query still in flight), then
+the rest with the run's totals: a run stopped early (its evaluation released, as when
+its job is cancelled) ships every query it issued, those in flight included, as
 :class:`~mlscope.contracts.RunRows` messages each within the max payload
 (:func:`rows_messages`). The server side is ``broker/agentrun.py``.
 """
@@ -83,7 +85,9 @@ async def serve_run(
     async def ship(*, final: bool = False, **extra: Any) -> None:
         nonlocal seq
         start, cols, errors = run.take(final=final)
-        if not final and not len(cols["ok"]):
+        if final:  # the run's rows: every one it has (a stopped run's issued ones)
+            extra["queries"] = start + len(cols["ok"])
+        elif not len(cols["ok"]):
             return
         for data in rows_messages(
             req.evaluation_id,
@@ -122,7 +126,6 @@ async def serve_run(
             try:
                 await ship(
                     final=True,
-                    queries=run.queries,
                     not_issued=run.rec.not_issued,
                     cpu_s=run.cpu_s,
                     error=error,

@@ -25,14 +25,21 @@ An agent that goes silent is pinged; if it does not answer, or another process n
 answers under its id (:func:`gone`), the rows it shipped are kept and the run gets the
 reason "agent <id> lost after N of M queries" ("(it restarted)" for the latter); rows
 it had not shipped are not stored (their times never left the agent).
+
+A cancelled job (:mod:`broker.cancel`) releases the agent's evaluation at once, which
+stops the run there; the agent then ships its final rows, every query it issued (one
+still in flight without its completion), and those are what the cancelled run stores.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
+import anyio
 import numpy as np
 
 from mlscope import codec, names, wire
@@ -41,6 +48,7 @@ from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
     AgentDescription,
     PingOp,
+    ReleaseOp,
     RunOp,
     RunRows,
     RunStarted,
@@ -54,9 +62,13 @@ from mlscope.samples import QueryRows
 
 __all__ = ["IDLE_S", "Absence", "drive", "gone"]
 
+log = logging.getLogger("mlscope.server")
+
 IDLE_S = 3.0
 """Silence (no rows) after which the server pings the agent: it ships every 0.25 s."""
 START_TIMEOUT_S = 30.0
+STOP_WAIT_S = 5.0
+"""How long a cancelled run waits for the agent's final rows."""
 END_SLACK_S = 60.0
 """Beyond the run's duration and drain, how long a live but silent agent is awaited."""
 Labels = QueryRows | None
@@ -94,7 +106,12 @@ async def drive(
         rec.preprocessed = started.preprocess == "ahead"
         collector = _Collector(rec, labels, agent)
         limit = spec.duration_s + 10.0 + END_SLACK_S
-        reasons = await collector.collect(bus, rows_sub, limit, on_progress)
+        try:
+            reasons = await collector.collect(bus, rows_sub, limit, on_progress)
+        except anyio.get_cancelled_exc_class():  # the job is cancelled: keep what ran
+            with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_WAIT_S):
+                await collector.stopped(bus, evaluation_id, rows_sub, on_progress)
+            raise
     finally:
         for s in (sub, rows_sub):
             await s.unsubscribe()
@@ -155,6 +172,34 @@ class _Collector:
                 await on_progress(self.rec, shown - began)
             if rows.final:
                 return self.finish(rows)
+
+    async def stopped(
+        self,
+        bus: Bus,
+        evaluation_id: str,
+        sub: Any,
+        on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None,
+    ) -> None:
+        """The run is cancelled here: release the agent's evaluation, which stops its
+        run and ships its final rows (every query it issued, those still in flight
+        included), and add them; then report the record (what a cancelled job
+        stores). Only the rows shipped so far when the agent does not answer; its
+        evaluation is released again by the evaluator, which finds nothing left."""
+        began = time.monotonic()
+        release = codec.encode_model(ReleaseOp(evaluation_id=evaluation_id))
+        await bus.nc.publish(names.agent_ctl(self.agent_id), release, reply=bus.nc.new_inbox())
+        try:
+            while (msg := await next_msg(sub, STOP_WAIT_S)) is not None:
+                rows = codec.decode_model(RunRows, msg.data)
+                self.add(rows)
+                if rows.final:
+                    self.finish(rows)
+                    break
+        except MLScopeError as exc:  # bad rows: the cancel goes on with those added
+            log.warning("agent %s: cancelled run's final rows: %s", self.agent_id, exc)
+        if on_progress is not None:
+            with contextlib.suppress(MLScopeError):
+                await on_progress(self.rec, time.monotonic() - began)
 
     def add(self, rows: RunRows) -> None:
         """Copy one message's rows into the record (growing it as needed). Rows that

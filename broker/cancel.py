@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from mlscope import scenario_traits
+from mlscope import outcomes, scenario_traits
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     AgentDescription,
@@ -88,19 +88,26 @@ class Cancels:
 
 
 def issued_part(rec: RunRecord) -> RunRecord:
-    """A copy of ``rec`` up to its last issued query (the rest were never due): the
-    rows a cancelled run stores."""
-    sent = np.flatnonzero((rec.issued > 0) | (rec.completed > 0))
-    count = int(sent[-1]) + 1 if sent.size else 0
+    """A copy of ``rec`` up to its last issued query (the rest were never sent): the
+    rows a cancelled run stores. An issued query without a reply is lost, its error
+    :data:`IN_FLIGHT`; one the outstanding bound kept from being sent stays not issued.
+
+    Every load generator stamps a query's issue time as it sends it (the server's
+    :class:`broker.loadgen.Driver`, the agent's :class:`agent.localrun.LocalRun`), so
+    the live record holds every query sent up to the cancel."""
+    sent = (rec.issued > 0) | (rec.completed > 0)
+    last = np.flatnonzero(sent)
+    count = int(last[-1]) + 1 if last.size else 0
     part = RunRecord(
         n=count, batch_size=rec.batch_size, t0_ns=rec.t0_ns, warmup=min(rec.warmup, count)
     )
     for name in ARRAYS:
         getattr(part, name)[:] = getattr(rec, name)[:count]
     part.errors = {i: e for i, e in rec.errors.items() if i < count}
-    for i in np.flatnonzero(part.completed == 0).tolist():
+    for i in np.flatnonzero(sent[:count] & (part.completed == 0)).tolist():
         part.errors.setdefault(i, IN_FLIGHT)
     part.done = int(np.count_nonzero(part.completed))
+    part.preprocessed, part.sources = rec.preprocessed, rec.sources
     return part
 
 
@@ -109,13 +116,18 @@ def cancelled_summary(
     resolved: tuple[AgentDescription, Entry] | None,
     *,
     reason: str,
-    issued: int,
-    answered: int,
     started_at: float,
+    rec: RunRecord | None = None,
 ) -> EvaluationSummary:
     """The stored summary of a cancelled job: no figures, never VALID, the reason and
-    how far it got (the agent and versions when it had been resolved)."""
+    how far it got (the agent and versions when it had been resolved).
+
+    ``rec``: the rows stored (:func:`issued_part`); its counts are those of its rows'
+    outcomes (:mod:`mlscope.outcomes`, warm-up included: a cancelled run has no
+    statistics to leave it out of); None when no query was issued."""
     now = time.time()
+    counts = _counts(rec) if rec is not None else dict.fromkeys(_NONE, 0)
+    sent = counts["queries"] - counts["not_issued"]
     agent, entry = resolved if resolved is not None else (None, None)
     fw = next((f for f in agent.frameworks if f.name == job.framework), None) if agent else None
     spec = job.scenario
@@ -126,7 +138,7 @@ def cancelled_summary(
         valid=False,
         invalid_reasons=(
             f"cancelled: {reason} after {now - started_at:.1f} s, "
-            f"{answered} of {issued} issued queries answered",
+            f"{sent - counts['lost']} of {sent} issued queries answered",
         ),
         model={
             "name": job.model,
@@ -141,11 +153,13 @@ def cancelled_summary(
         device=job.device,
         scenario=spec.model_dump(),
         trace_level=job.trace_level,
-        queries=issued,
+        queries=counts["queries"],
         samples=0,
-        errors=issued - answered,
-        lost=issued - answered,
-        not_issued=0,
+        errors=counts["errors"],
+        failed=counts["failed"],
+        refused=counts["refused"],
+        lost=counts["lost"],
+        not_issued=counts["not_issued"],
         duration_s=now - started_at,
         requested_qps=spec.qps if scenario_traits.get(spec.name).rate_driven else None,
         achieved_qps=None,
@@ -156,3 +170,12 @@ def cancelled_summary(
         started_at=started_at,
         finished_at=now,
     )
+
+
+def _counts(rec: RunRecord) -> dict[str, int]:
+    """Rows and outcomes of a cancelled run's stored rows."""
+    return {"queries": rec.n, **outcomes.count(rec.outcomes())}
+
+
+_NONE = ("queries", "errors", "failed", "refused", "lost", "not_issued")
+"""The counts of a cancelled job that issued nothing (all 0)."""

@@ -20,11 +20,16 @@ processes can share one global schedule and one start time (``start_ns``).
 
 Every query keeps scheduled, issued and completed times (load-generator clock) and
 the agent's received / predict-start / predict-end / replied times, converted to
-the load-generator clock with the offset estimated over request/reply.
+the load-generator clock with the offset estimated over request/reply. Issue times
+are written into the record as each query is sent, so a run cancelled part-way (its
+job cancelled: :mod:`broker.cancel`) leaves a record that holds every query it issued.
+A schedule of no query (a duration shorter than its first arrival) is a run that
+issued nothing, judged INVALID as such, as a closed loop's or an agent's would be.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +41,7 @@ import numpy as np
 from mlscope import codec, names, wire
 from mlscope.bus import Bus, request
 from mlscope.contracts import ScenarioSpec, TraceLevel
-from mlscope.errors import BusError, ConfigError, EvaluationError
+from mlscope.errors import BusError, ConfigError, EvaluationError, MLScopeError
 from mlscope.pacer import OutstandingLimit, Pacer
 from mlscope.querylink import QueryLink
 from mlscope.record import RunRecord
@@ -53,6 +58,10 @@ __all__ = [
 
 now = time.perf_counter_ns
 DRAIN_TIMEOUT_S = 10.0
+PACER_STOP_S = 2.0
+"""How long a stopped pacer's thread is awaited (it ends within its current batch)."""
+LAST_PROGRESS_S = 2.0
+"""How long a cancelled run's last progress report may take."""
 START_LEAD_NS = 20_000_000  # start 20 ms out, so the first query is on time
 LINK_SPIN_S = 60e-6
 LINK_BUSY_S = 60e-6
@@ -189,23 +198,48 @@ class Driver:
     # ------------------------------------------------------------------ scenarios
 
     async def run(self) -> RunRecord:
+        """The run, its record filled. Cancelled (a cancelled job), the record it
+        leaves holds every query issued so far, reported to ``on_progress`` once more
+        before the cancellation goes on (what a cancelled job stores)."""
         self._cpu0 = time.process_time()
-        with self.tuning.load():
-            rec = await self._run()
+        try:
+            with self.tuning.load():
+                rec = await self._run()
+        except anyio.get_cancelled_exc_class():
+            await self._last_progress()
+            raise
         # The load's own cost: from the clock's start (an open loop's queries are all
         # encoded before it) to the last reply.
         rec.cpu_s = time.process_time() - self._cpu0
         return rec
 
     async def _run(self) -> RunRecord:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._progress)
-            if self.schedule is not None:
-                rec = await self._open_loop(self.schedule)
-            else:  # the scenario decided (broker.scenario.Scenario.closed_loop)
-                rec = await self._closed_loop()
-            tg.cancel_scope.cancel()
+        """The scenario's loop beside the progress reporter; a failure of either is
+        raised as itself, not as the task group's ExceptionGroup."""
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._progress)
+                if self.schedule is not None:
+                    rec = await self._open_loop(self.schedule)
+                else:  # the scenario decided (broker.scenario.Scenario.closed_loop)
+                    rec = await self._closed_loop()
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            exc = _sole(group)
+            raise exc from exc.__cause__  # as it was raised (its own cause kept)
         return rec
+
+    async def _last_progress(self) -> None:
+        """Report the record as it is now (shielded: the run is being cancelled)."""
+        rec, report = self.record, self.on_progress
+        if rec is None or report is None:
+            return
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(LAST_PROGRESS_S),
+            contextlib.suppress(MLScopeError),
+        ):
+            await report(rec, (now() - rec.t0_ns) / 1e9 if rec.t0_ns else 0.0)
 
     async def _progress(self) -> None:
         while True:
@@ -226,8 +260,8 @@ class Driver:
         s = self.spec
         offsets = sched.offsets_ns
         rec = self.record = RunRecord(n=len(offsets), batch_size=s.batch_size)
-        if rec.n == 0:
-            raise EvaluationError(f"scenario {s.name!r} schedules no query")
+        if rec.n == 0:  # judged as any run that issued nothing: INVALID, with why
+            return rec
         self._index(sched)
         link = await anyio.to_thread.run_sync(self._open_link)
         failed: BaseException | None = None
@@ -268,7 +302,11 @@ class Driver:
         """Issue every query at its time from the pacer's thread, then drain."""
         gate = self._gate = OutstandingLimit(self.spec.max_outstanding)
 
-        def issue(indices: range, _issued_ns: int) -> None:  # on the pacer thread
+        def issue(indices: range, issued_ns: int) -> None:  # on the pacer thread
+            # Stamped in the live record before the bytes leave (a reply cannot beat
+            # its issue time), so a run cancelled mid-schedule keeps every issue time.
+            rec.paced[indices.start : indices.stop] = issued_ns
+            rec.issued[indices.start : indices.stop] = issued_ns
             try:
                 link.send(b"".join(frames[indices.start : indices.stop]))
             except BusError as exc:  # the bus is unreachable: these are lost, say why
@@ -296,15 +334,18 @@ class Driver:
             self._cpu0 = time.process_time()
             pacer.start()
             try:
-                # Abandoned on cancellation (SIGTERM, Ctrl-C): the finally below stops
-                # the pacer at once instead of waiting out the schedule.
+                # Abandoned on cancellation (SIGTERM, Ctrl-C, a cancelled job): the
+                # finally below stops the pacer at once instead of waiting out the
+                # schedule.
                 result = await anyio.to_thread.run_sync(pacer.join, abandon_on_cancel=True)
-                rec.paced[:] = result.issued_ns
-                rec.issued[:] = result.issued_ns  # the pacer's thread sends as it stamps
                 rec.not_issued = len(result.not_issued)  # counted, never silently dropped
                 await anyio.to_thread.run_sync(self._drain, gate, link, abandon_on_cancel=True)
             finally:
                 pacer.stop()
+                # The pacer's thread ends within its current batch: once it has, no
+                # issue time changes (a cancelled run's rows are read right after).
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(_stopped, pacer)
 
     def _drain(self, gate: OutstandingLimit, link: QueryLink) -> None:
         """Wait (in a worker thread) until every issued query is answered, the link
@@ -400,6 +441,21 @@ class _Streams:
                 if self.outstanding == 0:
                     self.finished.set()
             self.count += 1
+
+
+def _stopped(pacer: Pacer) -> None:
+    """Wait (in a worker thread) until a stopped pacer's thread has ended; what its
+    callback raised is the run's to report, not this wait's."""
+    with contextlib.suppress(Exception):
+        pacer.join(PACER_STOP_S)
+
+
+def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one failure a task group wraps (the first, should there be several)."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 def running_p50_ms(rec: RunRecord) -> float | None:

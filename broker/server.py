@@ -363,8 +363,7 @@ class Server:
             job,
             resolved,
             reason=self.cancels.requested.get(job.job_id, "cancelled"),
-            issued=rec.n if rec else 0,
-            answered=rec.done if rec else 0,
+            rec=rec,
             started_at=started,
         )
         spec_doc = {"job": job.model_dump(mode="json"), "cancelled": True}
