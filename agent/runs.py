@@ -126,7 +126,10 @@ class LocalRuns:
             raise
         scheduled = len(run.schedule) if run.schedule is not None else 0
         return RunStarted(
-            t0_agent=t0, queries=scheduled, preprocess="ahead" if run.preprocessed else "timed"
+            t0_agent=t0,
+            queries=scheduled,
+            preprocess="ahead" if run.preprocessed else "timed",
+            streamed=run.streamed,
         )
 
     async def stop(self, evaluation_id: str) -> None:

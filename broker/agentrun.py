@@ -104,6 +104,7 @@ async def drive(
         rec = RunRecord(n=max(started.queries, 1), batch_size=spec.batch_size)
         rec.t0_ns = started.t0_agent - offset_ns
         rec.preprocessed = started.preprocess == "ahead"
+        rec.streamed = started.streamed
         collector = _Collector(rec, labels, agent)
         limit = spec.duration_s + 10.0 + END_SLACK_S
         try:

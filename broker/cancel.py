@@ -107,7 +107,7 @@ def issued_part(rec: RunRecord) -> RunRecord:
     for i in np.flatnonzero(sent[:count] & (part.completed == 0)).tolist():
         part.errors.setdefault(i, IN_FLIGHT)
     part.done = int(np.count_nonzero(part.completed))
-    part.preprocessed, part.sources = rec.preprocessed, rec.sources
+    part.preprocessed, part.streamed, part.sources = rec.preprocessed, rec.streamed, rec.sources
     return part
 
 

@@ -29,7 +29,7 @@ from broker.context import Context
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.evalspec import specification
 from broker.loadgen import estimate_offset
-from broker.summary import LoadgenCost, tracing_warnings
+from broker.summary import LoadgenCost, stream_warnings, tracing_warnings
 from mlscope import codec, names, samples, schema
 from mlscope.bus import PAYLOAD_HEADROOM, Bus, request, request_model
 from mlscope.catalog import Entry
@@ -513,6 +513,7 @@ class _Summarizer:
             warnings=(
                 *cost.warnings(f, parallel=job.parallel),
                 *tracing_warnings(self.level),
+                *stream_warnings(run.record),
             ),
             latency_ms=f.latency_ms,
             issue_lag_us=f.issue_lag_us,

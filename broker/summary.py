@@ -60,6 +60,7 @@ __all__ = [
     "judge",
     "latency_split",
     "policy_for",
+    "stream_warnings",
     "tracing_warnings",
 ]
 
@@ -229,6 +230,18 @@ class LoadgenCost:
                 "run with --parallel: other evaluations may have shared its hosts while it ran"
             )
         return tuple(out)
+
+
+def stream_warnings(rec: RunRecord) -> tuple[str, ...]:
+    """A run answered in blocks says that its latencies include the block's wait."""
+    if not rec.streamed:
+        return ()
+    return (
+        "answered in blocks (a stream on the model's predict thread, for throughput): "
+        "each query's latency includes the wait for its block's post-processing, a few "
+        "ms at most (the split's 'reply'); measure latency with an online or "
+        "single-stream run",
+    )
 
 
 def tracing_warnings(level: str) -> tuple[str, ...]:

@@ -64,6 +64,9 @@ class RunRecord:
     preprocessed: bool = False
     """The samples were pre-processed before the clock started (held by the agent):
     no query's time includes pre-processing."""
+    streamed: bool = False
+    """The queries ran as one stream whose answers were post-processed in blocks: each
+    query's completion waited for its block (``RunStarted.streamed``)."""
 
     def __post_init__(self) -> None:
         for name in ARRAYS:

@@ -91,6 +91,10 @@ def test_batched_in_the_agent_stores_every_query_in_order_and_is_valid(
     # The agent held its samples pre-processed (the default): not inside any query's time.
     assert (agent.preprocess, server.preprocess) == ("ahead", "timed")
     assert "pre-processed ahead" in format_summary(agent)
+    # Answered as one stream, in blocks: its latencies say they include a block's wait.
+    blocks = [w for w in agent.warnings if w.startswith("answered in blocks")]
+    assert len(blocks) == 1 and blocks[0] in format_summary(agent), agent.warnings
+    assert not any(w.startswith("answered in blocks") for w in server.warnings)
     # The same seeded samples in the same order through the same model: the same top-1.
     assert agent.accuracy is not None and server.accuracy is not None
     assert agent.accuracy["top1"] > 0.9
@@ -122,6 +126,7 @@ def test_online_in_the_agent_issues_the_servers_schedule(placement_stack: Stack)
     expected, _ = build_schedule(spec)
     assert s.valid, s.invalid_reasons
     assert s.queries == len(expected) and s.errors == 0 and s.not_issued == 0
+    assert not any(w.startswith("answered in blocks") for w in s.warnings)  # one at a time
     lag = s.issue_lag_us
     assert lag["min"] is not None and lag["min"] >= 0
     rows = np.asarray(sql(placement_stack.settings, QUERY_ROWS, s.evaluation_id), np.int64)

@@ -203,6 +203,10 @@ class RunStarted(_Message):
     """Queries the open-loop schedule holds (0 for a closed loop: not known ahead)."""
     preprocess: Preprocess = "timed"
     """When the run's samples are pre-processed (``ahead``: before ``t0_agent``)."""
+    streamed: bool = False
+    """The run is one stream on the model's predict thread: its answers are
+    post-processed in blocks, each query's answer waiting for its block (a throughput
+    run; ``agent.stream``)."""
 
 
 class RunRows(_Message):
