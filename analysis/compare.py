@@ -28,8 +28,9 @@ each cannot show a change smaller than that (``basis`` says so). With repeated r
 (``mlscope-submit --repeat N``), :func:`compare_repeats` takes each run's statistic as
 one sample and gives Welch's t interval of the difference of the means over runs.
 
-Runs are compared only when they share model, scenario, requested rate and batch size
-(:func:`mismatches`); otherwise they are refused, or flagged where a report shows them.
+Runs are compared only when they share model, scenario, requested rate, batch size,
+placement and preprocessing (:data:`COMPARED_FIELDS`, :func:`mismatches`); otherwise
+they are refused, or flagged where a report or the dashboard shows them.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ import numpy as np
 import pandas as pd
 from packaging.version import InvalidVersion, Version
 
-from analysis.data import evaluations, latencies_ms
-from analysis.figures import measured_runs, prefer_valid
+from analysis.data import MEASURED_AS, evaluations, latencies_ms
+from analysis.figures import measured_runs, prefer_valid, with_measurement
 from analysis.source import Source
 from mlscope.errors import ConfigError
 from mlscope.stats import nearest_rank, percentile, student_t_quantile
@@ -153,15 +154,19 @@ SINGLE_RUN_NOTE = (
     "one run each: the interval covers query-to-query noise within a run, "
     "not run-to-run variance (use --repeat for run-level statistics)"
 )
-COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size", "placement", "preprocess")
+COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size", *MEASURED_AS)
 """What two runs must share to be compared (framework, system or version may differ:
-that is what a comparison is for)."""
+that is what a comparison is for). The one definition of "comparable" for every
+surface: :func:`compare_runs`, the report's comparison and the dashboard's Compare page
+call :func:`mismatches` on rows that carry these columns (those of
+:func:`analysis.data.evaluations` and of :func:`analysis.summary.summary` do)."""
 
 
 def mismatches(summ: pd.DataFrame) -> list[str]:
     """How the runs of ``summ`` (rows of :func:`analysis.summary.summary`) differ in
     :data:`COMPARED_FIELDS`, and which ran with ``--parallel``; [] when comparable."""
     out = []
+    summ = with_measurement(summ)  # a frame that does not say: measured the default way
     for col in COMPARED_FIELDS:
         if col in summ.columns:
             values = {None if pd.isna(v) else v for v in summ[col]}
@@ -218,7 +223,8 @@ def compare_runs(
     statistic, a, b, diff, rel, ci_low, ci_high, verdict, basis, note (the
     :func:`artifact_notes` of the pair, "" when they loaded the same file).
 
-    Runs that differ in model, scenario, rate or batch size are refused
+    Runs that differ in a :data:`COMPARED_FIELDS` (model, scenario, rate, batch size,
+    placement, preprocessing) are refused
     (:class:`~mlscope.errors.ConfigError`) unless ``check`` is False. The interval is
     over queries of one run each (``basis`` says so): see :func:`compare_repeats`.
     ``runs``: the two evaluations' rows (of :func:`analysis.data.evaluations` or
@@ -344,8 +350,10 @@ REGRESSION_KEYS = (
     "system",
     "scenario",
     "batch_size",
+    *MEASURED_AS,
 )
-"""What the runs of one step share, its axis aside (and the requested rate)."""
+"""What the runs of one step share, its axis aside (and the requested rate): a step
+never crosses a change of placement or preprocessing (:data:`COMPARED_FIELDS`)."""
 STEP_COLUMNS = (
     "from_version",
     "to_version",

@@ -44,6 +44,7 @@ UNKNOWN_OUTCOME = 255
 
 __all__ = [
     "EVALUATION_FIELDS",
+    "MEASURED_AS",
     "RunFilter",
     "evaluations",
     "find_evaluations",
@@ -75,6 +76,7 @@ EVALUATION_FIELDS = (
     "valid",
     "invalid_reasons",
     "queries",
+    "warmup_queries",
     "samples",
     "errors",
     "duration_s",
@@ -99,7 +101,15 @@ ids in ``runs``). ``artifact_sha256``: the model file the agent loaded ("" when 
 recorded). ``preprocess``: ``ahead`` when the samples were pre-processed before the
 clock started, ``timed`` when inside each query's time. ``peak_rss_mb`` /
 ``rss_growth_mb``: the agent process's peak resident memory and its growth over the run
-(MB); ``energy_j``: None unless a power source was read."""
+(MB); ``energy_j``: None unless a power source was read. ``queries``: every query the
+run sent, as the server stored it, warm-up included (``warmup_queries`` of them; the
+figures of :func:`analysis.summary.summary` count the others only)."""
+
+MEASURED_AS = {"placement": "server", "preprocess": "timed"}
+"""How a run was measured, beyond its scenario, and the value of each where a stored
+summary does not say: ``placement`` (``server``: the server's load generator times
+each query; ``agent``: the agent's own) and ``preprocess``. Runs that differ in
+either are different measurements (not compared, never one row of a figure)."""
 
 
 def _ids_clause(ids: Sequence[str] | None) -> tuple[str, dict[str, Any]]:
@@ -297,6 +307,7 @@ def _flatten(r: dict[str, Any], *, named: bool) -> dict[str, Any]:
         if isinstance(reasons, list | tuple)
         else "",
         "queries": _count(summary.get("queries")),
+        "warmup_queries": _count(summary.get("warmup_queries")),
         "samples": _count(summary.get("samples")),
         "errors": _count(summary.get("errors")),
         "duration_s": _figure(summary.get("duration_s")),
@@ -305,8 +316,7 @@ def _flatten(r: dict[str, Any], *, named: bool) -> dict[str, Any]:
         "role": "sweep" if runs else "run",
         "runs": runs,
         "parallel": bool(summary.get("parallel", False)),
-        "placement": str(summary.get("placement", "server")),
-        "preprocess": str(summary.get("preprocess", "timed")),
+        **{k: str(summary.get(k, default)) for k, default in MEASURED_AS.items()},
         "artifact_sha256": str(spec.get("artifact_sha256") or ""),
         "peak_rss_mb": _figure(summary.get("peak_rss_mb")),
         "rss_growth_mb": _figure(summary.get("rss_growth_mb")),

@@ -7,6 +7,8 @@ layer span), ``name`` the node name, ``attrs`` JSON with ``op_type``, ``shape`` 
 are the layers.
 
 Sums and counts are done in SQL (one row per layer comes back, not one per span).
+The spans of warm-up queries (flagged in ``queries``) are left out of every table, as
+their latency is left out of the summary.
 
 Spans are written by agents, which are not trusted, and a ClickHouse server may hold
 any rows, so nothing here assumes a span is well formed:
@@ -98,6 +100,12 @@ _DURATION = "toInt128(end_ns) - toInt128(start_ns)"
 sums are taken in Int128 too and read as Float64 (:func:`_sum`)."""
 _FORWARD = "end_ns >= start_ns"
 """The spans the layer tables count: one that ends before it starts has no duration."""
+_MEASURED = (
+    "query_index NOT IN (SELECT query_index FROM queries FINAL "
+    "WHERE evaluation_id = {e:String} AND warmup != 0)"
+)
+"""The spans of measured queries: a warm-up query's spans (its row in ``queries`` says
+so) are left out of the layer tables, as its latency is left out of every figure."""
 
 
 def _sum(expr: str) -> str:
@@ -108,19 +116,21 @@ def _sum(expr: str) -> str:
 def _layers_sql(kind: str) -> str:
     return (
         f"SELECT agent_id, span_id, name, {_DURATION} AS ns, attrs FROM spans FINAL "
-        f"WHERE evaluation_id = {{e:String}} AND kind = '{kind}' AND {_FORWARD}"
+        f"WHERE evaluation_id = {{e:String}} AND kind = '{kind}' AND {_FORWARD} "
+        f"AND {_MEASURED}"
     )
 
 
 def layer_spans_left_out(source: Source, evaluation_id: str, *, kind: str | None = None) -> int:
-    """How many of the evaluation's layer spans the layer tables leave out: those whose
-    stored end is before their start. ``kind`` as in :func:`top_layers`."""
+    """How many of the measured queries' layer spans the layer tables leave out: those
+    whose stored end is before their start (warm-up queries' spans are left out of
+    the tables anyway). ``kind`` as in :func:`top_layers`."""
     kind = _kind(source, evaluation_id, kind)
     if kind is None:
         return 0
     got = source.frame(
         "SELECT count() AS n FROM spans FINAL WHERE evaluation_id = {e:String} "
-        f"AND kind = '{kind}' AND NOT ({_FORWARD})",
+        f"AND kind = '{kind}' AND NOT ({_FORWARD}) AND {_MEASURED}",
         {"e": evaluation_id},
     )
     return int(got["n"].iloc[0]) if len(got) else 0
@@ -135,6 +145,8 @@ def top_layers(
     where the profiler reports it: ONNX Runtime; else None), predict_share (of the time
     of every predict span of the evaluation: how much of inference the layer explains;
     None without predict spans). ``kind``: :func:`layer_kind` when the caller knows it.
+    Only the spans of measured queries count: a warm-up query's are left out, as in
+    every other figure (:data:`_MEASURED`).
     Spans that end before they start are left out (:func:`layer_spans_left_out`), and
     attributes that cannot be read are not shown (:func:`span_attrs`)."""
     cols = [
@@ -209,11 +221,11 @@ def top_layers(
 
 
 def _predict_ns(source: Source, evaluation_id: str) -> float:
-    """The summed duration of the evaluation's predict spans (0.0: none)."""
+    """The summed duration of the measured queries' predict spans (0.0: none)."""
     got = source.frame(
         f"SELECT {_sum(_DURATION)} AS ns, count() AS n FROM spans FINAL "
         "WHERE evaluation_id = {e:String} AND kind = 'step' AND name = 'predict' "
-        f"AND {_FORWARD}",
+        f"AND {_FORWARD} AND {_MEASURED}",
         {"e": evaluation_id},
     )
     return float(got["ns"].iloc[0]) if len(got) and int(got["n"].iloc[0]) else 0.0
@@ -221,7 +233,8 @@ def _predict_ns(source: Source, evaluation_id: str) -> float:
 
 def layer_types(source: Source, evaluation_id: str, *, kind: str | None = None) -> pd.DataFrame:
     """Aggregates by layer type: op_type, layers (distinct), calls, total_ms, mean_ms,
-    share of all layer time; most time first. ``kind`` as in :func:`top_layers`."""
+    share of all layer time; most time first (warm-up queries' spans left out).
+    ``kind`` as in :func:`top_layers`."""
     cols = ["op_type", "layers", "calls", "total_ms", "mean_ms", "share"]
     kind = _kind(source, evaluation_id, kind)
     if kind is None:

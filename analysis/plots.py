@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.chart import Axis, Chart, Heat, Mark, Panel, colour
-from analysis.figures import KEY, measured_runs, prefer_valid
+from analysis.figures import SERIES_KEY, measured_runs, prefer_valid, series_label
 
 __all__ = [
     "accuracy_scatter",
@@ -21,28 +21,41 @@ __all__ = [
     "latency_over_time",
     "latency_percentiles",
     "layer_bars",
+    "percentile_curve",
     "speedup_figure",
     "throughput_by_batch",
     "throughput_latency",
 ]
 
 
-def _quantile_positions(n: int) -> np.ndarray:
-    """1 / (1 - q) of each sorted sample (q = (i + 0.5) / n): the x of a percentile
-    curve on a log axis, where 50%, 90%, 99%, 99.9% are evenly spaced."""
-    q = (np.arange(n) + 0.5) / max(n, 1)
-    return 1.0 / (1.0 - q)
+def percentile_curve(sorted_ms: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The step of a percentile curve of ``sorted_ms`` (ascending, n values) on a log
+    axis of 1 / (1 - q), where 50 %, 90 %, 99 %, 99.9 % are evenly spaced.
+
+    Sample i (0-based) is the nearest-rank percentile (:mod:`mlscope.stats`: rank
+    ceil(q n)) of every q in (i / n, (i + 1) / n], so its level starts at
+    x = n / (n - i) and holds up to the next sample's: the level that reaches the tick
+    of q is the percentile every table shows for q (at q = k / n the step rises there,
+    after sample k - 1). The last sample holds to x = 2n, as far as the ticks go.
+    """
+    y = np.asarray(sorted_ms, float)
+    n = y.size
+    if n == 0:
+        return np.empty(0), np.empty(0)
+    x = n / (n - np.arange(n, dtype=float))  # exact at whole ticks (n / (n - i) = 10.0)
+    return np.r_[x, 2.0 * n], np.r_[y, y[-1]]
 
 
 def latency_percentiles(latencies_ms: Mapping[str, np.ndarray]) -> Chart:
     """Latency against percentile, on a log axis of 1/(1-q): the tail (p99, p99.9)
     gets as much room as the median, unlike a linear CDF that squeezes it into a line
-    at the top. One line per evaluation (the sorted samples, drawn)."""
+    at the top. One line per evaluation (the sorted samples, drawn as
+    :func:`percentile_curve`: nearest-rank at every tick)."""
     marks, widest = [], 1
     for label, ms in latencies_ms.items():
         y = np.sort(np.asarray(ms, float))
         if y.size:
-            marks.append(Mark.of("step", _quantile_positions(y.size), y, label=label))
+            marks.append(Mark.of("step", *percentile_curve(y), label=label))
             widest = max(widest, y.size)
     ticks = [(50, 2.0), (90, 10.0), (99, 100.0), (99.9, 1000.0), (99.99, 10000.0)]
     shown = tuple((x, f"p{p:g}") for p, x in ticks if x <= 2 * widest)
@@ -92,22 +105,25 @@ def latency_over_time(windows: pd.DataFrame, title: str = "") -> Chart:
 
 def throughput_by_batch(summ: pd.DataFrame) -> Chart:
     """Throughput against batch size (solid, left axis) with the p99 latency of a
-    batch (dashed, right axis), one colour per model/framework/system; ``summ`` newest
-    first, as :func:`analysis.summary.summary` orders it."""
+    batch (dashed, right axis), one colour per row of
+    :func:`analysis.figures.max_throughput` (labelled :func:`~analysis.figures.series_label`);
+    the newest valid run of each batch size counts."""
     runs = measured_runs(summ)
     runs = runs[(runs["scenario"] == "batched") & runs["throughput_ips"].notna()]
     # One point per batch size, as in analysis.figures: the newest valid run counts.
-    runs = prefer_valid(runs).drop_duplicates([*KEY, "batch_size"], keep="first")
+    runs = prefer_valid(runs).drop_duplicates([*SERIES_KEY, "batch_size"], keep="first")
     panel = Panel(
         x=Axis("batch size", scale="log", base=2),
         y=Axis("throughput (inputs/s), solid"),
         y2=Axis("p99 latency per batch (ms), dashed"),
     )
-    for i, ((m, f, s), g) in enumerate(runs.groupby(["model", "framework", "system"])):
+    # One series per row of figures.max_throughput: runs measured differently apart.
+    for i, (_, g) in enumerate(runs.groupby(SERIES_KEY, sort=True)):
         g = g.sort_values("batch_size")
         b, c = g["batch_size"], colour(i)
+        label = series_label(g.iloc[0].to_dict())
         panel.marks += [
-            Mark.of("line", b, g["throughput_ips"], marker="o", colour=c, label=f"{m}/{f} ({s})"),
+            Mark.of("line", b, g["throughput_ips"], marker="o", colour=c, label=label),
             Mark.of("line", b, g["p99_ms"], marker="x", dashed=True, colour=c, right=True),
         ]
     return Chart([panel], width=650, height=340)

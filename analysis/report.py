@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,8 +61,11 @@ SUMMARY_VIEW = [
     "system",
     "scenario",
     "batch_size",
+    "placement",
+    "preprocess",
     "valid",
     "queries",
+    "warmup_queries",
     "trimmed_mean_ms",
     "p50_ms",
     "p90_ms",
@@ -147,6 +151,11 @@ def _summary_section(summ: pd.DataFrame) -> Section:
         f"{r.evaluation_id} is INVALID: {r.invalid_reasons}" for r in invalid.itertuples()
     ]
     section.notes.append(
+        "queries: the measured queries, whose latency every figure counts; "
+        "warmup_queries: the warm-up queries sent before them, left out of every figure "
+        "(`mlscope runs` counts both)."
+    )
+    section.notes.append(
         "Memory: peak_rss_mb is the agent process's peak resident memory while the "
         "evaluation was prepared, rss_growth_mb its resident memory at release minus at "
         "prepare (MB = 10^6 bytes; empty: not reported). Energy: "
@@ -209,7 +218,8 @@ def _comparison(
     sec.notes.append(f"Intervals: {SINGLE_RUN_NOTE}.")
     sec.tables.append(
         (
-            "Bootstrap 95% CIs of latency differences (candidate − baseline, ms)",
+            "Bootstrap 95% CIs of latency differences (candidate − baseline; a, b, "
+            "diff, ci_low, ci_high in ms, rel a fraction of the baseline's)",
             pd.concat(rows, ignore_index=True),
         )
     )
@@ -250,13 +260,27 @@ def _throughput_sections(
 
 
 def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and np.isnan(v)):
+    """A table cell as text: a whole number (a count, a batch size) as an integer; any
+    other number in fixed point with four significant digits, more where it is large
+    (a rate of 12345.7/s reads ``12346``), never in scientific notation unless
+    smaller than 0.001."""
+    if v is None or (isinstance(v, float | np.floating) and np.isnan(v)):
         return "–"
+    if isinstance(v, bool | np.bool_):
+        return str(bool(v))
+    if isinstance(v, int | np.integer):
+        return str(int(v))
     if isinstance(v, float | np.floating):
         x = float(v)
-        return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.0f}"
+        if math.isinf(x):
+            return str(x)
+        if x.is_integer() and abs(x) < 1e18:
+            return str(int(x))
+        if abs(x) < 1e-3:
+            return f"{x:.4g}"
+        return f"{x:.{max(0, 3 - math.floor(math.log10(abs(x))))}f}"
     if isinstance(v, list | tuple):
-        return ", ".join(str(x) for x in v)
+        return ", ".join(_fmt(x) for x in v)
     return str(v)
 
 

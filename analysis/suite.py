@@ -1,7 +1,10 @@
 """The paper's Table 2 for our zoo: one row per model and framework.
 
 id, model, framework, top-1, size, online latency (trimmed mean and p90, batch 1),
-maximum throughput and the optimal batch size; the newest valid runs count.
+maximum throughput and the optimal batch size; the newest valid runs count. Each
+column is one way of measuring: the newest online run's (``online_placement``), and the
+maximum over the batched runs measured like the newest one (``throughput_placement``),
+never a maximum across placements.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from analysis.figures import KEY, max_throughput, prefer_valid
+from analysis.figures import KEY, prefer_valid, throughput_per_key
 from analysis.source import Source
 
 __all__ = ["SHOWN_SQL", "TABLE2_COLUMNS", "format_table", "shown_evaluations", "table2"]
@@ -23,7 +26,9 @@ _SHOWN_KEY = (
     "JSONExtractRaw(summary, 'scenario', 'batch_size'), valid, "
     "JSONExtractRaw(summary, 'accuracy', 'top1') IN ('', 'null'), "
     "JSONExtractRaw(summary, 'throughput_ips') IN ('', 'null'), "
-    "JSONLength(summary, 'points') > 0"
+    "JSONLength(summary, 'points') > 0, "
+    # how the run was measured (analysis.data.MEASURED_AS): a key of every figure
+    "JSONExtractString(summary, 'placement'), JSONExtractString(summary, 'preprocess')"
 )
 SHOWN_SQL = (
     "SELECT evaluation_id FROM evaluations FINAL WHERE evaluation_id IN ("
@@ -58,6 +63,8 @@ TABLE2_COLUMNS = (
     "online_p90_ms",
     "max_throughput_ips",
     "optimal_batch_size",
+    "online_placement",
+    "throughput_placement",
     "all_valid",
 )
 
@@ -67,22 +74,34 @@ def table2(
 ) -> pd.DataFrame:
     """Table 2 from a :func:`analysis.summary.summary` frame (ids numbered from 1).
 
-    The newest valid run counts; without ``valid_only`` an invalid run stands in where
-    none is valid, and ``all_valid`` is False on that row."""
-    valid = summ[summ["valid"].astype(bool)] if valid_only else prefer_valid(summ)
+    One row per :data:`analysis.figures.KEY`; the online columns come from one run, the
+    throughput from runs measured alike (their placements in ``online_placement`` and
+    ``throughput_placement``). The newest valid run counts; without
+    ``valid_only`` an invalid run stands in where none is valid, and ``all_valid`` is
+    False on that row."""
+    valid = prefer_valid(summ)  # newest first, by created_at
+    valid = valid[valid["valid"].astype(bool)] if valid_only else valid
     if valid.empty:
         return pd.DataFrame(columns=list(TABLE2_COLUMNS))
     online = valid[(valid["scenario"] == "online") & (valid["batch_size"] == 1)]
     online = online.drop_duplicates(KEY, keep="first")[
-        [*KEY, "trimmed_mean_ms", "p90_ms", "valid"]
-    ].rename(columns={"valid": "online_ok"})
+        [*KEY, "trimmed_mean_ms", "p90_ms", "valid", "placement"]
+    ].rename(columns={"valid": "online_ok", "placement": "online_placement"})
     acc = valid[valid["top1"].notna()].drop_duplicates(KEY, keep="first")[[*KEY, "top1"]]
     keys = valid.drop_duplicates(KEY)[KEY]
     out = (
         keys.merge(acc, on=KEY, how="left")
         .merge(online, on=KEY, how="left")
         .merge(
-            max_throughput(valid)[[*KEY, "max_throughput_ips", "optimal_batch_size", "all_valid"]],
+            throughput_per_key(valid)[
+                [
+                    *KEY,
+                    "max_throughput_ips",
+                    "optimal_batch_size",
+                    "all_valid",
+                    "throughput_placement",
+                ]
+            ],
             on=KEY,
             how="left",
         )
@@ -109,8 +128,14 @@ def _false(v: object) -> bool:
     return v is not None and not pd.isna(v) and not bool(v)
 
 
+def _placed(placement: object) -> str:
+    """`` (server)``: where a figure's runs were placed; "" where none was measured."""
+    return "" if placement is None or pd.isna(placement) else f" ({placement})"
+
+
 def format_table(table: pd.DataFrame) -> str:
-    """Table 2 as aligned text for a terminal."""
+    """Table 2 as aligned text for a terminal; the placement of each measurement after
+    its figure (``1.234 (server)``, ``5000.0 (agent)``)."""
     heads = [
         "ID",
         "MODEL",
@@ -133,9 +158,9 @@ def format_table(table: pd.DataFrame) -> str:
             str(r.framework),
             f(r.top1, ".4f"),
             f(r.size_mb, ".2f"),
-            f(r.online_trimmed_mean_ms, ".3f"),
+            f(r.online_trimmed_mean_ms, ".3f") + _placed(r.online_placement),
             f(r.online_p90_ms, ".3f"),
-            f(r.max_throughput_ips, ".1f"),
+            f(r.max_throughput_ips, ".1f") + _placed(r.throughput_placement),
             "-" if pd.isna(r.optimal_batch_size) else str(int(r.optimal_batch_size)),
         ]
         for r in table.itertuples()

@@ -3,13 +3,15 @@
 Definitions (the same as the server's, ``broker/summary.py``): latency = completed -
 scheduled; throughput = samples answered / (last completion - first issue); top-1 =
 correct answers / samples answered; errors = failed + refused + lost and not issued
-apart (:mod:`mlscope.outcomes`); warm-up rows are left out. Percentiles and trimmed
+apart (:mod:`mlscope.outcomes`); warm-up rows are left out (``queries`` counts the
+measured queries, ``warmup_queries`` the others; the stored summary's ``queries`` of
+:func:`analysis.data.evaluations` counts both). Percentiles and trimmed
 means are :mod:`mlscope.stats`' definitions, computed by the database
 (:mod:`analysis.sqlstats`): an evaluation's rows stay in it, its figures come back.
 
 A row is a query of ``batch_size`` samples; an MLPerf evaluation's row is one LoadGen
 sample (stored with batch size 1, and counted as one sample whatever its
-``batch_size``: rows stored before 2026-11-27 carry LoadGen's samples per query there).
+``batch_size``: rows stored by earlier versions carry LoadGen's samples per query there).
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ __all__ = [
 ]
 
 _OUTCOMES = (Outcome.NOT_ISSUED, Outcome.FAILED, Outcome.REFUSED, Outcome.LOST)
+_OUTCOME_NAMES = tuple(x.label for x in _OUTCOMES)
 
 SUMMARY_COLUMNS = (
     "evaluation_id",
+    "created_at",
     "model",
     "model_version",
     "framework",
@@ -47,6 +51,7 @@ SUMMARY_COLUMNS = (
     "trace_level",
     "valid",
     "queries",
+    "warmup_queries",
     "errors",
     "not_issued",
     "samples",
@@ -60,6 +65,8 @@ SUMMARY_COLUMNS = (
     "invalid_reasons",
     "role",
     "parallel",
+    "placement",
+    "preprocess",
     "requested_qps",
     "peak_rss_mb",
     "rss_growth_mb",
@@ -70,6 +77,7 @@ SUMMARY_COLUMNS = (
 
 _STATS = (
     "queries",
+    "warmup_queries",
     "errors",
     "not_issued",
     "failed",
@@ -86,6 +94,7 @@ _STATS = (
 _COUNTS = ", ".join(
     [
         "countIf(kept) AS queries",
+        "countIf(NOT kept) AS warmup_queries",
         f"countIf(kept AND o IN {tuple(int(x) for x in ERROR_OUTCOMES)}) AS errors",
         *(f"countIf(kept AND o = {int(x)}) AS {x.label}" for x in _OUTCOMES),
         "sumIf(batch_size, kept AND ok != 0) AS samples",
@@ -138,7 +147,7 @@ def _figures(r: dict[str, Any], *, one_sample: bool = False) -> dict[str, Any]:
     )
     figures = {k: _float(r[k]) for k in ("trimmed_mean_ms", "p50_ms", "p90_ms", "p99_ms", "max_ms")}
     return {
-        **{k: ints[k] for k in ("queries", "errors", "not_issued", "failed", "refused", "lost")},
+        **{k: ints[k] for k in ("queries", "warmup_queries", "errors", *_OUTCOME_NAMES)},
         "samples": ints["samples"],
         **figures,
         "throughput_ips": ints["samples"] / span_s if span_s > 0 else None,
@@ -150,13 +159,20 @@ def _float(v: Any) -> float | None:
     return None if v is None or pd.isna(v) else float(v)
 
 
+def _missing_as_none(v: Any) -> Any:
+    """A frame's cell with NaN / NaT / None read as None (lists and text as they are)."""
+    return None if v is None or (pd.api.types.is_scalar(v) and pd.isna(v)) else v
+
+
 def summary(
     source: Source, ids: Sequence[str] | None = None, *, evaluated: pd.DataFrame | None = None
 ) -> pd.DataFrame:
     """One row per evaluation: the columns of :data:`SUMMARY_COLUMNS`, recomputed from
     the raw samples by the database (evaluations whose queries were lost keep their
-    stored figures). ``evaluated``: the rows of :func:`analysis.data.evaluations` when
-    the caller has read them already (``ids`` is then ignored)."""
+    stored figures, ``queries`` less the warm-up ones there too). ``evaluated``: the
+    rows of :func:`analysis.data.evaluations` when the caller has read them already
+    (``ids`` is then ignored). ``top1`` is None for a run without labels (its stored
+    summary has no top-1), whatever the other rows of ``evaluated`` hold."""
     ev = evaluations(source, ids) if evaluated is None else evaluated
     if ev.empty:
         return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
@@ -166,12 +182,16 @@ def summary(
     )
     rows = []
     for e in ev.to_dict("records"):
-        row = {k: e.get(k) for k in SUMMARY_COLUMNS}
+        row = {k: _missing_as_none(e.get(k)) for k in SUMMARY_COLUMNS}
         s = stats.get(e["evaluation_id"])
         if s is not None:
-            has_labels = e.get("top1") is not None
+            # A frame's missing value is NaN where another row has one (a float column):
+            # only a stored top-1 means the run had labels.
+            has_labels = row["top1"] is not None
             row.update({k: v for k, v in s.items() if k in SUMMARY_COLUMNS})
             row["top1"] = s["correct"] / s["samples"] if has_labels and s["samples"] else None
+        elif row["queries"] is not None:  # stored figures: the measured queries only
+            row["queries"] = max(row["queries"] - (row["warmup_queries"] or 0), 0)
         rows.append(row)
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
 
@@ -192,7 +212,9 @@ def _windows_sql(window_s: float) -> str:
     """Per evaluation and window of scheduled time (from the evaluation's first
     scheduled answered query): the answered queries scheduled in it, their latency
     figures, and how many answered queries completed in it. Each row is counted twice
-    (``arrayJoin``): once in its scheduling window, once in its completion window."""
+    (``arrayJoin``): once in its scheduling window, once in its completion window; a
+    window in which queries only completed (the tail of a run) is a row too, with no
+    latency figures, so that the completions add up to the answered queries."""
     w = repr(float(window_s))
     rows = (
         f"SELECT evaluation_id, arrayJoin([(toInt64(floor((scheduled_ns - t0) / 1e9 / {w})), "
@@ -209,7 +231,7 @@ def _windows_sql(window_s: float) -> str:
         "tupleElement(at, 1) AS win, sum(tupleElement(at, 2)) AS queries, "
         "count() - queries AS completed, "
         f"{sorted_ms('latency_ns', 'tupleElement(at, 2) = 1')} AS lat FROM ({rows}) "
-        "GROUP BY evaluation_id, win HAVING queries > 0) ORDER BY evaluation_id, win"
+        "GROUP BY evaluation_id, win) ORDER BY evaluation_id, win"
     )
 
 
@@ -219,8 +241,10 @@ def latency_windows(source: Source, evaluation_id: str, *, window_s: float = 1.0
     Columns: window (index), start_s (from the first scheduled query), queries,
     trimmed_mean_ms, p50_ms, p90_ms, p99_ms (of the queries scheduled in the window),
     completed_per_s (queries that completed in the window, per second: the rate the
-    system delivered, which a stall drops while latency climbs). Computed by the
-    database: one row per window comes back.
+    system delivered, which a stall drops while latency climbs). A window with
+    completions but no query scheduled in it has queries 0 and no latency figures; a
+    window with neither is absent. Computed by the database: one row per window comes
+    back.
     """
     return latency_windows_of(source, [evaluation_id], window_s=window_s)[evaluation_id]
 

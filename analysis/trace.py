@@ -1,6 +1,7 @@
 """The timeline of one evaluation, at a chosen depth: model → layer → kernel.
 
-Times are in milliseconds from the evaluation's first span, on the agent's clock
+Times are in milliseconds from the first span of the queries shown (``first_query`` on,
+not the evaluation's first span), on the agent's clock
 (every span of one agent shares it; the load generator's offset is stored per
 evaluation and applied by ``mlscope trace`` (``cli/trace_cmd.py``), not needed within
 one agent). They are taken exactly, in Python integers, before they become floats:
@@ -40,7 +41,7 @@ def timeline(
 ) -> pd.DataFrame:
     """Spans of queries ``first_query .. first_query+queries-1`` down to ``depth``:
     kind, name, lane (0 query, 1 step, 2 layer/op, 3 kernel), query_index, start_ms,
-    end_ms, dur_ms, op_type, shape, parent_id, span_id."""
+    end_ms (from the first of these spans), dur_ms, op_type, shape, parent_id, span_id."""
     if depth not in DEPTHS:
         raise ValueError(f"depth must be one of {', '.join(DEPTHS)}, not {depth!r}")
     cols = [

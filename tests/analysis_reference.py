@@ -15,6 +15,7 @@ from mlscope.stats import describe_ms, percentiles, trimmed_mean
 def summarize_samples(q: pd.DataFrame) -> dict[str, Any]:
     """Latency, throughput and accuracy of one evaluation's query rows (of
     :func:`analysis.data.queries`), warm-up rows left out."""
+    warmup = int(q["warmup"].to_numpy(bool).sum())
     q = q[~q["warmup"].to_numpy(bool)]
     ok = q["ok"].to_numpy(bool)
     lat = describe_ms(q["latency_ns"].to_numpy(np.int64)[ok])
@@ -27,6 +28,7 @@ def summarize_samples(q: pd.DataFrame) -> dict[str, Any]:
     span_s = (float(done.max()) - float(issued.min())) / 1e9 if done.size and issued.size else 0.0
     return {
         "queries": len(q),
+        "warmup_queries": warmup,
         "errors": counts["errors"],
         "not_issued": counts["not_issued"],
         "failed": counts["failed"],
@@ -50,15 +52,18 @@ def latency_windows(q: pd.DataFrame, window_s: float) -> pd.DataFrame:
     window = ((q["scheduled_ns"] - t0) / 1e9 // window_s).astype(int)
     done = ((q["completed_ns"] - t0) / 1e9 // window_s).astype(int).value_counts()
     rows = []
-    for w, g in q.groupby(window):
+    groups = dict(list(q.groupby(window)))
+    # a window in which queries only completed (the run's tail) is a row too
+    for w in sorted({*groups, *(int(x) for x in done.index)}):
+        g = groups.get(w, q.iloc[:0])
         ms = g["latency_ns"].to_numpy(np.int64) / 1e6
-        p50, p90, p99 = percentiles(ms, [50, 90, 99])
+        p50, p90, p99 = percentiles(ms, [50, 90, 99]) if ms.size else (None, None, None)
         rows.append(
             {
                 "window": int(w),
                 "start_s": int(w) * window_s,
                 "queries": len(g),
-                "trimmed_mean_ms": trimmed_mean(ms),
+                "trimmed_mean_ms": trimmed_mean(ms) if ms.size else None,
                 "p50_ms": p50,
                 "p90_ms": p90,
                 "p99_ms": p99,

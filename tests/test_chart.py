@@ -184,9 +184,10 @@ def windows() -> pd.DataFrame:
 def test_each_figure_is_drawn_from_its_frames() -> None:
     lat = {"ev-a": np.array([1.0, 2.0, 3.0, 4.0]), "ev-b": np.array([2.0, 3.0])}
     pct = plots.latency_percentiles(lat)
-    assert [m.y.tolist() for m in pct.marks] == [[1.0, 2.0, 3.0, 4.0], [2.0, 3.0]]
+    # sample i from q = i / n (nearest rank over (i/n, (i+1)/n]), the last held to 2n
+    assert [m.y.tolist() for m in pct.marks] == [[1.0, 2.0, 3.0, 4.0, 4.0], [2.0, 3.0, 3.0]]
     assert pct.marks[0].x.tolist() == pytest.approx(
-        [1 / (1 - q) for q in (0.125, 0.375, 0.625, 0.875)]
+        [1 / (1 - q) for q in (0, 0.25, 0.5, 0.75)] + [8]
     )
     hist = plots.latency_histogram(lat, bins=4)
     assert [int(m.y.sum()) for m in hist.marks] == [4, 2]  # every sample counted once

@@ -204,10 +204,12 @@ class _OneEvaluation:
 
 
 def test_rows_stored_with_samples_per_query_count_as_one_sample_each() -> None:
-    """MLPerf rows stored before the fix carry LoadGen's samples per query in
+    """MLPerf rows stored by earlier versions carry LoadGen's samples per query in
     ``batch_size``: analysis still counts each as the one sample it is."""
     row = {
-        **dict.fromkeys(("errors", "not_issued", "failed", "refused", "lost", "correct"), 0),
+        **dict.fromkeys(
+            ("warmup_queries", "errors", "not_issued", "failed", "refused", "lost", "correct"), 0
+        ),
         **dict.fromkeys(("queries", "answered", "issued", "completed"), 100),
         "evaluation_id": "ev-old",
         "samples": 100 * 4400,
