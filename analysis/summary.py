@@ -91,6 +91,21 @@ _STATS = (
     "completed",
     "correct",
 )
+_SENT = f"o != {int(Outcome.NOT_ISSUED)}"
+"""A query that was sent, by its outcome (:mod:`mlscope.outcomes`: a closed loop may
+issue its first at offset 0, and a query with a completion was sent), as the server
+counts it."""
+_LATENCY_FIGURES = (
+    "trimmed_mean_ms",
+    "p50_ms",
+    "p90_ms",
+    "p99_ms",
+    "max_ms",
+    "throughput_ips",
+    "top1",
+)
+"""What a cancelled run has none of (its summary's, and so its report's): it stopped
+part-way, so its rows measure no steady load."""
 _COUNTS = ", ".join(
     [
         "countIf(kept) AS queries",
@@ -99,8 +114,8 @@ _COUNTS = ", ".join(
         *(f"countIf(kept AND o = {int(x)}) AS {x.label}" for x in _OUTCOMES),
         "sumIf(batch_size, kept AND ok != 0) AS samples",
         "countIf(kept AND ok != 0) AS answered",
-        "minIf(issued_ns, kept AND issued_ns > 0) AS first_issued_ns",
-        "countIf(kept AND issued_ns > 0) AS issued",
+        f"minIf(issued_ns, kept AND {_SENT}) AS first_issued_ns",
+        f"countIf(kept AND {_SENT}) AS issued",
         "maxIf(completed_ns, kept AND completed_ns > 0) AS last_completed_ns",
         "countIf(kept AND completed_ns > 0) AS completed",
         "sumIf(label, kept AND ok != 0) AS correct",
@@ -190,6 +205,8 @@ def summary(
             has_labels = row["top1"] is not None
             row.update({k: v for k, v in s.items() if k in SUMMARY_COLUMNS})
             row["top1"] = s["correct"] / s["samples"] if has_labels and s["samples"] else None
+            if e.get("status") == "cancelled":  # counts from its rows, no figures
+                row.update(dict.fromkeys(_LATENCY_FIGURES))
         elif row["queries"] is not None:  # stored figures: the measured queries only
             row["queries"] = max(row["queries"] - (row["warmup_queries"] or 0), 0)
         rows.append(row)

@@ -25,6 +25,8 @@ import numpy as np
 import pytest
 import yaml
 
+from analysis.source import BusSource
+from analysis.summary import summary as analysis_summary
 from broker.cancel import IN_FLIGHT, cancelled_summary, issued_part
 from cli.services import Stack
 from mlscope import bus as busmod
@@ -179,6 +181,13 @@ def test_a_cancelled_run_stores_every_query_it_issued(slow_stack: Stack, placeme
         n_sent = int(sent.sum())
         answered = n_sent - counts[Outcome.LOST]
         assert f"{answered} of {n_sent} issued queries answered" in doc["invalid_reasons"][0]
+    # Analysis (report, dashboard) counts the same rows and shows no figure for it.
+    with BusSource(settings) as source:
+        row = analysis_summary(source, [summary.evaluation_id]).iloc[0]
+    assert row["queries"] == len(rows)
+    assert row["errors"] == sum(counts[o] for o in ERROR_OUTCOMES)
+    for figure in ("p50_ms", "p99_ms", "trimmed_mean_ms", "throughput_ips"):
+        assert row[figure] is None, (figure, row[figure])
 
 
 def test_a_schedule_of_no_query_is_the_same_invalid_run_in_either_placement(
