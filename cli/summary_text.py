@@ -43,10 +43,16 @@ def _identity_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
         ("model", f"{s.model['name']} {s.model['version']}"),
         ("framework", f"{s.framework['name']} {s.framework['version']} on {s.device}"),
         ("agent", f"{s.agent_id} ({s.host})"),
-        ("scenario", f"{sc['name']} batch={sc['batch_size']} seed={sc['seed']}"),
+        ("scenario", f"{sc['name']} batch={sc['batch_size']}{_sut(sc)} seed={sc['seed']}"),
         ("placement", f"load generated in the {s.placement}; {_PREPROCESS[s.preprocess]}"),
         ("verdict", verdict),
     ]
+
+
+def _sut(scenario: dict[str, object]) -> str:
+    """An MLPerf run's SUT batch (its rows are one sample each: batch 1)."""
+    sut = scenario.get("sut_batch_size")
+    return f" (SUT batch {sut})" if sut else ""
 
 
 def _load_rows(s: EvaluationSummary) -> list[tuple[str, str]]:

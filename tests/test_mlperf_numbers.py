@@ -157,6 +157,8 @@ def test_summary_is_the_rows_figures(ort: Stack, runs: dict[str, Any], scenario:
     assert doc["valid"] == ("Result is : VALID" in summary_txt and doc["errors"] == 0)
     # The printed summary shows both: mlscope's figures, and LoadGen's on a line of its own.
     text = format_summary(EvaluationSummary.model_validate(doc))
+    sut = doc["scenario"]["sut_batch_size"]
+    assert f"batch=1 (SUT batch {sut}) seed=" in text
     loadgen = next(line for line in text.splitlines() if line.strip().startswith("LoadGen "))
     assert f"{'-' if rate is None else f'{rate:.1f}'} samples/s" in loadgen
     assert f"p99 {lg['percentiles_ns']['99.00'] / 1e6:.3f}" in loadgen
