@@ -9,8 +9,9 @@ entry that may be missing with :func:`if_found` and a subscription with
 
 from __future__ import annotations
 
+import functools
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
 from urllib.parse import ParseResult
@@ -334,7 +335,10 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
             try:
                 have = (await bus.js.stream_info(str(cfg.name))).config
             except nats.js.errors.NotFoundError:
-                await bus.js.add_stream(cfg)
+                await _create_once(
+                    functools.partial(bus.js.add_stream, cfg),
+                    functools.partial(bus.js.stream_info, str(cfg.name)),
+                )
                 continue
             if (
                 sorted(have.subjects or []) != sorted(cfg.subjects or [])
@@ -357,10 +361,27 @@ async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
             try:
                 await bus.js.key_value(kv.bucket)
             except nats.js.errors.BucketNotFoundError:
-                await bus.js.create_key_value(kv)
+                await _create_once(
+                    functools.partial(bus.js.create_key_value, kv),
+                    functools.partial(bus.js.key_value, kv.bucket),
+                )
         await _bound_cancels(bus)
     except (TimeoutError, nats.errors.Error) as exc:
         raise BusError(f"cannot provision JetStream: {exc!r}") from exc
+
+
+async def _create_once(
+    create: Callable[[], Awaitable[Any]], exists: Callable[[], Awaitable[Any]]
+) -> None:
+    """Create a stream or bucket found missing, or take it as created when another
+    process provisioning the same bus at the same time got there first (``mlscope up``
+    starts the server and its agents at once): JetStream refuses the second create
+    when the first one's stream was updated since (the cancels bucket's bound), and
+    then ``exists`` must find it (else the refusal stands)."""
+    try:
+        await create()
+    except nats.js.errors.BadRequestError:
+        await exists()
 
 
 async def _bound_cancels(bus: Bus) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import ast
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
+import nats.js.errors
 import pytest
 
 from mlscope import bus as busmod
@@ -15,6 +17,7 @@ from mlscope import names
 from mlscope.contracts import JobRequest
 from mlscope.errors import BusError, BusNotFound, BusRefused, ConfigError
 from mlscope.jobs import publish_job
+from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,3 +120,43 @@ def test_a_job_submitted_again_is_refused_at_once(settings: Settings) -> None:
         await publish_job(bus, JobRequest(model="noop", framework="noop"))  # a new id: taken
 
     run(settings, body)
+
+
+def test_provisioners_started_together_all_succeed(tmp_path: Path) -> None:
+    """``mlscope up`` starts the server and its agents at once, and each provisions the
+    bus. One that found a bucket missing and then creates it after another process
+    created and bounded it (the cancels bucket's stream is updated after its creation)
+    is refused by JetStream: it takes the bucket as created. Also six at once."""
+
+    async def go() -> None:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="first") as first,
+                busmod.connect(settings, name="late") as late,
+            ):
+                await busmod.ensure_infrastructure(first)
+                looked: set[str] = set()
+                real = late.js.key_value
+
+                async def before_it_was_made(bucket: str) -> Any:
+                    if bucket not in looked:  # its first look predates the creation
+                        looked.add(bucket)
+                        raise nats.js.errors.BucketNotFoundError()
+                    return await real(bucket)
+
+                late.js.key_value = before_it_was_made  # type: ignore[method-assign]
+                await busmod.ensure_infrastructure(late)
+                assert names.CANCELS_BUCKET in looked
+        with NatsServer(store_dir=tmp_path / "nats6") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data6")
+
+            async def provision(k: int) -> None:
+                async with busmod.connect(settings, name=f"p{k}") as bus:
+                    await busmod.ensure_infrastructure(bus)
+
+            async with anyio.create_task_group() as tg:
+                for k in range(6):
+                    tg.start_soon(provision, k)
+
+    anyio.run(go, backend="asyncio")
