@@ -264,7 +264,7 @@ def test_a_restarted_placement_agent_job_keeps_no_span_of_its_lost_run(
             framework="noop",
             placement="agent",
             # Longer than the job's redelivery (its ack wait): the lost run still runs.
-            scenario=ScenarioSpec(name="online", qps=50, duration_s=30),
+            scenario=ScenarioSpec(name="online", qps=50, duration_s=24),
         )
         events: list[str] = []
 
