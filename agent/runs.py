@@ -32,9 +32,9 @@ from mlscope.contracts import RunOp, RunStarted, TraceLevel
 from mlscope.errors import ConfigError, EvaluationError
 from mlscope.tuning import ProcessTuning
 
-__all__ = ["STOP_WAIT_S", "LocalRuns"]
+__all__ = ["FINAL_ROWS_WAIT_S", "LocalRuns"]
 
-STOP_WAIT_S = 15.0
+FINAL_ROWS_WAIT_S = 15.0
 """How long stopping a local run waits for its final rows (shipping them gives up
 after 10 s)."""
 
@@ -138,7 +138,7 @@ class LocalRuns:
         running = self.running.pop(evaluation_id, None)
         if running is not None:
             running.scope.cancel()
-            with anyio.move_on_after(STOP_WAIT_S):
+            with anyio.move_on_after(FINAL_ROWS_WAIT_S):
                 await running.done.wait()
 
     async def _serve(

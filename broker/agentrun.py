@@ -67,7 +67,7 @@ log = logging.getLogger("mlscope.server")
 IDLE_S = 3.0
 """Silence (no rows) after which the server pings the agent: it ships every 0.25 s."""
 START_TIMEOUT_S = 30.0
-STOP_WAIT_S = 5.0
+CANCEL_ROWS_WAIT_S = 5.0
 """How long a cancelled run waits for the agent's final rows."""
 END_SLACK_S = 60.0
 """Beyond the run's duration and drain, how long a live but silent agent is awaited."""
@@ -110,7 +110,7 @@ async def drive(
         try:
             reasons = await collector.collect(bus, rows_sub, limit, on_progress)
         except anyio.get_cancelled_exc_class():  # the job is cancelled: keep what ran
-            with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_WAIT_S):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_ROWS_WAIT_S):
                 await collector.stopped(bus, evaluation_id, rows_sub, on_progress)
             raise
     finally:
@@ -184,13 +184,14 @@ class _Collector:
         """The run is cancelled here: release the agent's evaluation, which stops its
         run and ships its final rows (every query it issued, those still in flight
         included), and add them; then report the record (what a cancelled job
-        stores). Only the rows shipped so far when the agent does not answer; its
-        evaluation is released again by the evaluator, which finds nothing left."""
+        stores). Only the rows shipped so far when the agent does not answer. The
+        rows are the answer, so the release asks for no reply; the evaluator's own
+        release on its way out then finds the session ended."""
         began = time.monotonic()
         release = codec.encode_model(ReleaseOp(evaluation_id=evaluation_id))
-        await bus.nc.publish(names.agent_ctl(self.agent_id), release, reply=bus.nc.new_inbox())
+        await bus.nc.publish(names.agent_ctl(self.agent_id), release)
         try:
-            while (msg := await next_msg(sub, STOP_WAIT_S)) is not None:
+            while (msg := await next_msg(sub, CANCEL_ROWS_WAIT_S)) is not None:
                 rows = codec.decode_model(RunRows, msg.data)
                 self.add(rows)
                 if rows.final:
