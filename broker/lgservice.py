@@ -89,7 +89,8 @@ class LoadgenService:
     tuning: ProcessTuning = field(default_factory=ProcessTuning)
     """This process's GC / switch-interval / priority owner, shared by the slices it runs."""
     _loaded: dict[str, _Loaded] = field(default_factory=dict)
-    _running: dict[str, anyio.CancelScope] = field(default_factory=dict)
+    _running: dict[str, tuple[str, anyio.CancelScope]] = field(default_factory=dict)
+    """Each running run's evaluation and scope, by run id."""
     """The run now running (its cancel scope), by run id."""
     _connected: Bus | None = None
 
@@ -159,12 +160,7 @@ class LoadgenService:
         if isinstance(op, PingOp):
             return PingReply(t_agent=time.perf_counter_ns())
         if isinstance(op, LoadgenStopOp):
-            self._loaded.pop(op.run_id, None)
-            scope = self._running.get(op.run_id)
-            if scope is not None:
-                scope.cancel()
-                log.info("run %s: stopped by its server", op.run_id)
-            return LoadgenStopped(run_id=op.run_id, running=scope is not None)
+            return self._stop(op)
         if len(self._loaded) >= MAX_LOADED:
             self._loaded.pop(next(iter(self._loaded)))  # the oldest was never started
         obs = await work_bucket(self._bus())
@@ -177,6 +173,21 @@ class LoadgenService:
         self._loaded[op.run_id] = _Loaded(op, sched, payloads, labels)
         log.info("run %s: a slice of %d queries loaded", op.run_id, len(sched))
         return LoadgenLoaded(run_id=op.run_id, queries=len(sched))
+
+    def _stop(self, op: LoadgenStopOp) -> LoadgenStopped:
+        """Let go of the run ``op`` names, or of every run of its evaluation."""
+
+        def named(run_id: str, evaluation_id: str) -> bool:
+            return run_id == op.run_id or evaluation_id == op.evaluation_id
+
+        loaded = [r for r, got in self._loaded.items() if named(r, got.op.evaluation_id)]
+        for r in loaded:
+            del self._loaded[r]
+        running = [r for r, (e, _) in self._running.items() if named(r, e)]
+        for r in running:
+            self._running[r][1].cancel()
+            log.info("run %s: stopped by its server", r)
+        return LoadgenStopped(run_ids=loaded + running, running=bool(running))
 
     async def _start(self, op: LoadgenStartOp, msg: Msg) -> LoadgenDone:
         loaded = self._loaded.pop(op.run_id, None)
@@ -209,7 +220,7 @@ class LoadgenService:
                 await bus.nc.publish(op.progress_subject, codec.encode_model(note))
 
         with anyio.CancelScope() as scope:
-            self._running[op.run_id] = scope
+            self._running[op.run_id] = (loaded.op.evaluation_id, scope)
             try:
                 rec = await Driver(
                     bus,

@@ -73,7 +73,7 @@ from mlscope.schedule import Schedule
 if TYPE_CHECKING:
     from broker.context import Context
 
-__all__ = ["pack_slice", "run_on_services", "unpack_slice", "work_bucket"]
+__all__ = ["pack_slice", "run_on_services", "stop_runs", "unpack_slice", "work_bucket"]
 
 log = logging.getLogger("mlscope.multihost")
 
@@ -228,7 +228,7 @@ async def run_on_services(
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(5):
             if not finished:  # cancelled or failed: no service goes on sending queries
-                await _stop_all(bus, services, run_id)
+                await stop_runs(bus, services, LoadgenStopOp(run_id=run_id))
             for name in objects:  # one left behind expires with the bucket's TTL
                 with contextlib.suppress(BusError), bus_errors(f"cannot delete {name}"):
                     await obs.delete(name)
@@ -292,17 +292,19 @@ async def _load(
     return name
 
 
-async def _stop_all(bus: Bus, services: list[LoadgenDescription], run_id: str) -> None:
-    """Stop ``run_id`` on every service at once (loaded or running); a service that does
-    not answer is logged: its slice ends with its schedule."""
+async def stop_runs(bus: Bus, services: list[LoadgenDescription], stop: LoadgenStopOp) -> None:
+    """Send ``stop`` (a run, or every run of an evaluation) to every service at once,
+    loaded or running; a service that does not answer is logged: its slice ends with
+    its schedule."""
+    what = f"run {stop.run_id}" if stop.run_id else f"evaluation {stop.evaluation_id}"
+    data = codec.encode_model(stop)
 
     async def one(svc: LoadgenDescription) -> None:
-        stop = codec.encode_model(LoadgenStopOp(run_id=run_id))
         try:
-            with bus_errors(f"cannot stop run {run_id}"):
-                await request(bus, names.loadgen_ctl(svc.loadgen_id), stop, timeout=3)
+            with bus_errors(f"cannot stop {what}"):
+                await request(bus, names.loadgen_ctl(svc.loadgen_id), data, timeout=3)
         except MLScopeError as exc:
-            log.warning("run %s not stopped on %s: %s", run_id, svc.loadgen_id, exc)
+            log.warning("%s not stopped on %s: %s", what, svc.loadgen_id, exc)
 
     async with anyio.create_task_group() as tg:
         for svc in services:

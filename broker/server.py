@@ -45,7 +45,7 @@ from broker.db import Database
 from broker.evaluate import Evaluator
 from broker.ingest import Ingester
 from broker.loadgen import running_p50_ms
-from broker.multihost import work_bucket
+from broker.multihost import stop_runs, work_bucket
 from broker.readonly import ReadLimits, ReadOnlyDatabase
 from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
 from mlscope import bus as busmod
@@ -62,6 +62,7 @@ from mlscope.contracts import (
     EvaluationSummary,
     JobEvent,
     JobRequest,
+    LoadgenStopOp,
     PingOp,
     SqlArrowReply,
     SqlReply,
@@ -70,6 +71,7 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.errors import BusError, DatabaseError, MLScopeError, ResolutionError, WireError
+from mlscope.loadgens import list_loadgens
 from mlscope.model_registry import ManifestWatcher
 from mlscope.record import RunRecord
 from mlscope.registry import AgentCache, list_agents
@@ -417,10 +419,18 @@ class Server:
 
     async def _forget_attempt(self, eval_id: str) -> None:
         """Before a restarted job runs again: stop what the lost attempt left running
-        on any agent (a placement-agent or LoadGen run goes on without its server, and
-        its spans would keep landing under the evaluation), let its spans on the trace
-        stream be stored, then delete every row it left (its evaluation row was never
-        stored, or the job would not run again)."""
+        on any load-generator service or agent (their slices, and a placement-agent or
+        LoadGen run, go on without their server: their queries would reach the new
+        attempt's agent and their spans land under the evaluation), let its spans on
+        the trace stream be stored, then delete every row it left (its evaluation row
+        was never stored, or the job would not run again)."""
+        try:  # load generators first: their queries would reach a released agent
+            services = await list_loadgens(self.bus)
+            await stop_runs(self.bus, services, LoadgenStopOp(evaluation_id=eval_id))
+        except MLScopeError as exc:
+            log.warning(
+                "evaluation %s: load generators not read; a slice may go on: %s", eval_id, exc
+            )
         try:
             agents = await list_agents(self.bus)
         except MLScopeError as exc:

@@ -33,7 +33,7 @@ from mlscope.contracts import (
     LoadgenStopOp,
     ScenarioSpec,
 )
-from mlscope.errors import ConfigError, EvaluationError, MLScopeError
+from mlscope.errors import ConfigError, EvaluationError, MLScopeError, WireError
 from mlscope.jobs import submit
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
@@ -198,6 +198,10 @@ def test_loadgen_hosts_are_distinct_and_set_the_count() -> None:
         ScenarioSpec(name="online", qps=10, loadgens=3, loadgen_hosts=("lg-a", "lg-b"))
 
 
+def _stop(run_id: str) -> bytes:
+    return codec.encode_model(LoadgenStopOp(run_id=run_id))
+
+
 def _load_op(run_id: str, slice_object: str, spec: ScenarioSpec) -> bytes:
     """A load of ``slice_object`` whose queries go to an agent nobody serves."""
     op = LoadgenLoadOp(
@@ -320,7 +324,7 @@ def test_a_stopped_run_ends_at_once_and_the_service_goes_on(settings: Settings) 
             async with anyio.create_task_group() as runs:
                 runs.start_soon(run)
                 await anyio.sleep(1.0)
-                stop = codec.encode_model(LoadgenStopOp(run_id="lr-long"))
+                stop = _stop("lr-long")
                 stopped = await busmod.request(bus, ctl, stop, timeout=10)
                 assert stopped["running"] is True
                 with anyio.fail_after(60):  # far less than the slice's 10 minutes
@@ -328,7 +332,20 @@ def test_a_stopped_run_ends_at_once_and_the_service_goes_on(settings: Settings) 
                         await anyio.sleep(0.1)
             assert isinstance(answer[0], EvaluationError) and "stopped" in str(answer[0])
             again = await busmod.request(bus, ctl, stop, timeout=10)
-            assert again["running"] is False
+            assert again["running"] is False and again["run_ids"] == []
+            # A restarted job's server stops every run of its evaluation, only those.
+            for run_id in ("lr-a", "lr-b"):
+                await busmod.request(bus, ctl, _load_op(run_id, "long", spec), timeout=30)
+            by_eval = codec.encode_model(LoadgenStopOp(evaluation_id="ev-lr-a"))
+            stopped = await busmod.request(bus, ctl, by_eval, timeout=10)
+            assert stopped["run_ids"] == ["lr-a"] and stopped["running"] is False
+            left = await busmod.request(bus, ctl, _stop("lr-b"), timeout=10)
+            assert left["run_ids"] == ["lr-b"]
+            for neither_or_both in ({}, {"run_id": "lr-a", "evaluation_id": "ev-lr-a"}):
+                with pytest.raises(WireError, match="either a run_id or an evaluation_id"):
+                    await busmod.request(
+                        bus, ctl, codec.encode({"op": "stop", **neither_or_both}), timeout=10
+                    )
             tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")

@@ -281,17 +281,9 @@ def test_a_restarted_placement_agent_job_keeps_no_span_of_its_lost_run(
         )
         assert "restarted" in events and summary.status == "completed", events
 
-        async def roots() -> list[int]:
-            async with busmod.connect(settings, name="test") as bus:
-                _, rows = await remote.sql(
-                    bus,
-                    "SELECT count(), uniqExact(query_index), max(query_index) FROM spans FINAL "
-                    "WHERE evaluation_id = {e:String} AND kind = 'query'",
-                    {"e": summary.evaluation_id},
-                )
-            return [int(x) for x in rows[0]]
-
-        count, queries, last = anyio.run(roots, backend="asyncio")
+        count, queries, last = anyio.run(
+            _query_roots, settings, summary.evaluation_id, backend="asyncio"
+        )
         assert count == queries, (count, queries)  # no query answered twice
         assert queries > 0 and last < summary.queries + summary.not_issued
     finally:
@@ -299,6 +291,67 @@ def test_a_restarted_placement_agent_job_keeps_no_span_of_its_lost_run(
             if p is not None and p.poll() is None:
                 p.terminate()
                 p.wait(20)
+
+
+def test_a_restarted_jobs_lost_load_generator_slice_is_stopped(settings: Settings) -> None:
+    """A load-generator service's slice goes on after its server dies, sending the
+    lost attempt's queries to the agent. The next server stops every run of the
+    evaluation on every service before it runs the job again, so the new attempt
+    is not measured beside them: one root span per query, the new run's."""
+    env = child_env(settings)
+    procs = [
+        subprocess.Popen(
+            [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "held"],
+            env=env,
+        ),
+        subprocess.Popen([python(), "-m", "cli.main", "loadgen", "--id", "lg-held"], env=env),
+    ]
+    first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        anyio.run(wait_agents, settings, 1)
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            # Longer than the job's redelivery (its ack wait): the lost slice still runs.
+            scenario=ScenarioSpec(name="online", qps=50, duration_s=24, loadgen_hosts=("lg-held",)),
+        )
+        events: list[str] = []
+
+        def on_event(e: JobEvent) -> None:
+            events.append(e.event)
+            nonlocal second
+            if e.event == "progress" and second is None:
+                first.send_signal(signal.SIGKILL)
+                first.wait(20)
+                second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
+
+        summary = anyio.run(
+            lambda: submit(settings, job, on_event=on_event, timeout=200), backend="asyncio"
+        )
+        assert "restarted" in events and summary.status == "completed", events
+        count, queries, last = anyio.run(
+            _query_roots, settings, summary.evaluation_id, backend="asyncio"
+        )
+        assert count == queries, (count, queries)  # no query answered twice
+        assert queries > 0 and last < summary.queries + summary.not_issued
+    finally:
+        for p in (*procs, first, second):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                p.wait(20)
+
+
+async def _query_roots(settings: Settings, eval_id: str) -> list[int]:
+    """The evaluation's query spans: how many, over how many indices, the last index."""
+    async with busmod.connect(settings, name="test") as bus:
+        _, rows = await remote.sql(
+            bus,
+            "SELECT count(), uniqExact(query_index), max(query_index) FROM spans FINAL "
+            "WHERE evaluation_id = {e:String} AND kind = 'query'",
+            {"e": eval_id},
+        )
+    return [int(x) for x in rows[0]]
 
 
 def _rows_of_a_lost_attempt(settings: Settings, eval_id: str) -> None:

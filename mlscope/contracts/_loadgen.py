@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import (
     Field,
     TypeAdapter,
+    model_validator,
 )
 
 from mlscope.contracts._base import MAX_SCHEDULED_QUERIES, Ident, Subject, _Message
@@ -51,18 +52,28 @@ class LoadgenLoaded(_Message):
 
 
 class LoadgenStopOp(_Message):
-    """Stop a run of this service, loaded or running (its job was cancelled or failed):
-    its queries stop at once, not at the end of its slice."""
+    """Stop runs of this service, loaded or running, at once rather than at the end of
+    their slices: one run (``run_id``: its job was cancelled or failed), or every run of
+    an evaluation (``evaluation_id``: a restarted job's server stops what its lost
+    attempt left running before it runs the job again)."""
 
     op: Literal["stop"] = "stop"
-    run_id: Ident
+    run_id: Ident | None = None
+    evaluation_id: Ident | None = None
+
+    @model_validator(mode="after")
+    def _names_one(self) -> LoadgenStopOp:
+        if (self.run_id is None) == (self.evaluation_id is None):
+            raise ValueError("a stop names either a run_id or an evaluation_id")
+        return self
 
 
 class LoadgenStopped(_Message):
     kind: Literal["stopped"] = "stopped"
-    run_id: Ident
+    run_ids: list[Ident]
+    """The runs let go, loaded or running."""
     running: bool
-    """The run was running (else it was only loaded, or not known here)."""
+    """One of them was running (else they were only loaded, or none was known here)."""
 
 
 LoadgenControl = Annotated[PingOp | LoadgenLoadOp | LoadgenStopOp, Field(discriminator="op")]
