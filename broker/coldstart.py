@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from broker.summary import figures
 from mlscope import codec, names
 from mlscope.bus import Bus, request_model
 from mlscope.contracts import PrepareReply, ScenarioSpec
@@ -65,7 +66,21 @@ async def run(
                 "warm_latency_ms_p50": percentile(e2e_ms, 50),
             }
         )
-    return concat(records), _figures(reps)
+    return concat(records), {**_figures(reps), "warm_throughput_ips": warm_throughput(records)}
+
+
+def warm_throughput(records: list[RunRecord]) -> float | None:
+    """Samples answered per second of the repetitions' warm queries: each
+    repetition's throughput span (:func:`broker.summary.figures`' definition) summed,
+    not the span of the record they are joined into, which holds the reloads between
+    them (load time is the figure beside it)."""
+    samples, span_s = 0, 0.0
+    for r in records:
+        f = figures(r, has_labels=False)
+        if f.throughput_ips:
+            samples += f.samples
+            span_s += f.samples / f.throughput_ips
+    return samples / span_s if span_s > 0 else None
 
 
 def reasons(cold: dict[str, Any]) -> tuple[str, ...]:

@@ -402,7 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, float | None]]:
-    """Mean and 95% CI over runs (Student's t) of each run's p50, p99 and throughput."""
+    """Mean and 95% CI over runs (Student's t) of each run's p50, p99 and throughput;
+    none of them is negative, so neither is an interval's low end."""
     stats = {
         "p50_ms": [s.latency_ms.p50 for s in summaries],
         "p99_ms": [s.latency_ms.p99 for s in summaries],
@@ -410,7 +411,7 @@ def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, flo
     }
     out = {}
     for name, values in stats.items():
-        mean, lo, hi = mean_ci([v for v in values if v is not None])
+        mean, lo, hi = mean_ci([v for v in values if v is not None], floor=0.0)
         out[name] = {"mean": mean, "ci_low": lo, "ci_high": hi}
     return out
 

@@ -95,10 +95,18 @@ def student_t_quantile(p: float, df: float) -> float:
 
 
 def mean_ci(
-    values: Iterable[float] | np.ndarray, confidence: float = 0.95
+    values: Iterable[float] | np.ndarray,
+    confidence: float = 0.95,
+    *,
+    floor: float | None = None,
 ) -> tuple[float | None, float | None, float | None]:
     """(mean, low, high): Student's t interval of the mean of independent runs' values;
-    None bounds for fewer than two values (one run cannot show run-to-run noise)."""
+    None bounds for fewer than two values (one run cannot show run-to-run noise).
+
+    ``floor``: the least value the quantity can take (0 for a latency or a
+    throughput). The t interval is symmetric, so over two or three noisy runs its low
+    end can fall below it (a negative p99); it is then cut at ``floor``, which keeps
+    its coverage (the true mean is never below it)."""
     data = _sorted(values)
     if data.size == 0:
         return None, None, None
@@ -110,4 +118,5 @@ def mean_ci(
         * float(data.std(ddof=1))
         / math.sqrt(data.size)
     )
-    return mean, mean - half, mean + half
+    low = mean - half if floor is None else max(floor, mean - half)
+    return mean, low, mean + half

@@ -4,20 +4,25 @@ run-level comparison and the load generator's cost."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import numpy as np
 import pandas as pd
 import pytest
 
 from analysis.compare import SLOWER, mismatches, run_level_difference
 from analysis.figures import max_throughput, speedup_heatmap
+from broker import coldstart
+from broker.scenario_kinds import cold_start
 from broker.scenarios import build_schedule
 from broker.summary import LoadgenCost, figures, judge
 from cli.submit import run_level
-from mlscope.contracts import ScenarioSpec
+from mlscope.contracts import PrepareReply, ScenarioSpec
 from mlscope.outcomes import Outcome, classify, count
 from mlscope.record import RunRecord
+from mlscope.scenario_kinds.cold_start import COLD_START
 from mlscope.stats import mean_ci
 from mlscope.validity import ValidityPolicy, backlog_s, completion_rates
 
@@ -344,8 +349,6 @@ def test_run_level_summary_of_repeats() -> None:
 def test_only_models_scored_by_top_k_get_labels() -> None:
     """A detector scored by AUC, or a model without a data set, shows no top-1 (it was a
     meaningless 0)."""
-    from types import SimpleNamespace
-
     from mlscope.samples import scored as _scored
 
     def feeders() -> tuple[Any, Any]:
@@ -360,3 +363,59 @@ def test_only_models_scored_by_top_k_get_labels() -> None:
     assert _scored(feeders(), manifest(None))[1] is None
     rec = open_record(ScenarioSpec(name="constant", qps=100, duration_s=1), 0.001)
     assert figures(rec, has_labels=False).top1 is None
+
+
+def test_run_level_interval_of_a_positive_figure_is_never_negative() -> None:
+    """Two noisy runs (p99 5 and 20 ms) give a Student's t half-width of 95 ms: the
+    interval of a latency or a throughput is cut at 0 instead of reaching -83 ms."""
+
+    def one(p99: float) -> Any:
+        lat = SimpleNamespace(p50=p99 / 4, p99=p99)
+        return SimpleNamespace(latency_ms=lat, throughput_ips=1000.0 / p99)
+
+    got = run_level([one(5.0), one(20.0)])
+    for name in ("p50_ms", "p99_ms", "throughput_ips"):
+        v = got[name]
+        assert v["ci_low"] is not None and 0.0 <= v["ci_low"] <= v["mean"] <= v["ci_high"]
+    assert got["p99_ms"]["ci_low"] == 0.0
+    assert got["p99_ms"]["ci_high"] == pytest.approx(mean_ci([5.0, 20.0])[2])
+    assert mean_ci([5.0, 20.0])[1] < 0  # the bare t interval, unbounded
+    assert mean_ci([5.0, 20.0], floor=0.0)[1] == 0.0
+    assert mean_ci([1.0, 2.0, 3.0, 4.0], floor=0.0) == mean_ci([1.0, 2.0, 3.0, 4.0])
+
+
+def test_cold_start_throughput_leaves_out_the_reloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two repetitions of 10 warm queries, 1 ms apart, with a 1 s reload between them:
+    20 samples in 20 ms of warm inference are 1000 inputs/s, not 20 / 1.01 s."""
+
+    async def prepared(*_a: Any, **_k: Any) -> PrepareReply:
+        return PrepareReply(cold=True, load_ns=5 * MS, first_inference_ns=MS, t_agent=0)
+
+    def record(t0: int) -> RunRecord:
+        rec = RunRecord(n=10, batch_size=1, t0_ns=t0)
+        starts = np.arange(10, dtype=np.int64) * MS + 1
+        rec.scheduled[:] = rec.paced[:] = rec.issued[:] = starts
+        rec.agent_received[:] = rec.predict_start[:] = starts + 100
+        rec.predict_end[:] = rec.agent_replied[:] = starts + MS // 2
+        rec.completed[:] = starts + MS - 1
+        rec.ok[:] = 1
+        return rec
+
+    records = iter([record(10**12), record(10**12 + 10**9)])
+
+    class FakeDriver:
+        async def run(self) -> RunRecord:
+            return next(records)
+
+    monkeypatch.setattr(coldstart, "request_model", prepared)
+    monkeypatch.setattr(cold_start, "driver", lambda *_a, **_k: FakeDriver())
+    ctx = SimpleNamespace(
+        bus=None, agent_id="a", prepare={}, feeders=lambda _b: (None, None), evaluation_id="ev-1"
+    )
+    spec = ScenarioSpec(name="cold-start", repetitions=2, warm_queries=10, batch_size=1)
+    strategy = cold_start.ColdStart(COLD_START)
+    out = anyio.run(strategy.execute, ctx, spec)
+    assert out.main.record.n == 20 and out.main.verdict.valid
+    assert out.main.figures.throughput_ips == pytest.approx(20 / 0.02, rel=1e-6)
+    assert out.cold_start is not None
+    assert out.cold_start["warm_throughput_ips"] == out.main.figures.throughput_ips
