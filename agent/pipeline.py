@@ -53,7 +53,7 @@ from agent.queryspans import Outcome, emit_spans
 from agent.stream import Stream
 from agent.tracer import SpanBuffer
 from mlscope.contracts import QueryReply, TraceLevel
-from mlscope.errors import InferenceError, InputMismatchError, MLScopeError
+from mlscope.errors import EvaluationError, InferenceError, InputMismatchError, MLScopeError
 from mlscope.operators import Pipeline
 from mlscope.predictor import Predictor
 
@@ -122,6 +122,10 @@ class Job:
     preprocessed: bool = False
     """``inputs`` is already the first input's pre-processed form (samples an agent
     holds pre-processed: :mod:`agent.samplelib`); its pre-processing is skipped."""
+    released: threading.Event | None = None
+    """Set when the query's evaluation is released (its job ended or was cancelled): a
+    query still queued then is answered with an error and never run, so a cancelled
+    run's backlog does not keep the host busy under the next measurement."""
 
 
 @dataclass(eq=False, slots=True)
@@ -373,6 +377,21 @@ class Executor:
             slot.latch.acquire()  # released by the pool thread when it is done
             slot.latch.release()
 
+    def _drop(self, slot: _Slot) -> None:
+        """A query of a released evaluation: not pre-processed (a pool thread already at
+        it is waited for), not predicted; answered with an error."""
+        with self._lock:
+            mine = slot.state == _PENDING
+            if mine:
+                slot.state = _DONE
+        if not mine and slot.state != _DONE and slot.latch is not None:
+            slot.latch.acquire()
+            slot.latch.release()
+        slot.error = EvaluationError(
+            f"{self.model.name}: evaluation released before query {slot.job.index} ran",
+            index=slot.job.index,
+        )
+
     # ------------------------------------------------------------------ batching
 
     def first_inference_ns(self) -> int:
@@ -451,7 +470,11 @@ class Executor:
 
     def _run_batch(self, batch: list[_Slot], *, idle_next: bool) -> None:
         for slot in batch:
-            self._ensure_preprocessed(slot)
+            released = slot.job.released
+            if released is not None and released.is_set():
+                self._drop(slot)
+            else:
+                self._ensure_preprocessed(slot)
         with self._predicting:
             self._answer(batch, idle_next=idle_next)
 

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +119,9 @@ class Session:
     worker: Executor
     level: TraceLevel
     key: str = ""
+    released: threading.Event = field(default_factory=threading.Event)
+    """Set at release: the evaluation's queries still queued in the executor are
+    answered with an error, never run (:attr:`agent.pipeline.Job.released`)."""
 
 
 @dataclass
@@ -410,8 +414,10 @@ class Agent:
     async def _release(self, req: ReleaseOp) -> ReleaseReply:
         """An evaluation is over: its local run stopped (its final rows still shipped),
         its samples, LoadGen process and meters let go."""
-        await self._stop_runs(req.evaluation_id)
         session = self.sessions.pop(req.evaluation_id, None)
+        if session is not None:  # its queries still queued are not run
+            session.released.set()
+        await self._stop_runs(req.evaluation_id)
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         rss = await anyio.to_thread.run_sync(self.rss.stop, req.evaluation_id)
         energy_j = await anyio.to_thread.run_sync(self.energy.stop, req.evaluation_id)
@@ -564,6 +570,7 @@ class Agent:
             raw=query.raw,
             labels=query.labels,
             more=query.more_inputs,
+            released=session.released,
         )
         worker = session.worker
         if worker.try_inline(job):

@@ -479,3 +479,34 @@ def test_an_open_loop_in_the_agent_answers_fast_queries_on_the_pacer_thread(
     assert n == 60 and (run.rec.ok == 1).all() and run.rec.done == n
     assert len(seen) == probes + n
     assert all(name.startswith(where) for name in seen[probes:]), set(seen[probes:])
+
+
+def test_queries_of_a_released_evaluation_still_queued_are_answered_not_run(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """A cancelled run's backlog: the queries its agent admitted but had not run when
+    the evaluation was released are answered with an error and never predicted, so
+    the host is idle for the next measurement (a cancelled, overloaded run kept
+    predicting for 11 s under the next evaluation)."""
+    slow = Slow(model.predictor)
+    model.predictor = slow
+    ex = Executor(model, ExecutorConfig(capacity=32))
+    replies = Replies()
+    released = threading.Event()
+    slow.gate.clear()  # the first query blocks in predict; the rest queue behind it
+    try:
+        for i in range(10):
+            q = dataclasses.replace(job(i, samples[i : i + 1], replies), released=released)
+            assert ex.submit(q)
+        time.sleep(0.2)
+        released.set()
+        slow.gate.set()
+        got = replies.take(10)
+    finally:
+        ex.stop()
+    assert [r.index for r in got] == list(range(10))  # every query answered, in order
+    assert sum(slow.batches) <= 1, slow.batches  # only the one already in predict ran
+    dropped = [r for r in got if not r.ok]
+    assert len(dropped) >= 9
+    assert all("released" in (r.error or {}).get("message", "") for r in dropped)
+    assert ex.inflight == 0
