@@ -223,7 +223,9 @@ def _shows(bar: Bar) -> Callable[[JobEvent], None]:
     """The job's events on the progress bar: who took it, queries done, p50 so far."""
 
     def show(event: JobEvent) -> None:
-        if event.event == "accepted":
+        if event.event == "queued":
+            bar.update("queued: every server is busy")
+        elif event.event == "accepted":
             bar.update(f"accepted by {event.server_id}")
         elif event.event == "progress":
             p50 = f"{event.p50_ms:.3f} ms" if event.p50_ms is not None else "-"

@@ -314,6 +314,8 @@ def _progress(event: JobEvent) -> None:
         )
     elif event.event == "accepted":
         print(f"  job {event.job_id} accepted by {event.server_id}", file=sys.stderr, flush=True)
+    elif event.event == "queued":
+        print(f"  job {event.job_id}: {event.note}", file=sys.stderr, flush=True)
 
 
 Several = Callable[[argparse.Namespace, Settings, list[JobRequest], InFlight], int]

@@ -145,7 +145,7 @@ class Client:
         self, job: JobRequest, *, on_progress: Progress | None = None, timeout: float | None = None
     ) -> EvaluationSummary:
         """Publish ``job`` and await its summary; ``on_progress`` hears every event
-        (accepted, progress, restarted, done). A failed job raises its typed error; a
+        (queued, accepted, progress, restarted, done). A failed job raises its typed error; a
         cancelled one returns its summary with ``status == "cancelled"``."""
         if not isinstance(job, JobRequest):
             raise ConfigError(

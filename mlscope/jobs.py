@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 ACCEPT_TIMEOUT_S = 10.0
+QUEUED_NOTE = "every server is busy with other jobs: queued, it starts when one is free"
 STORED_CHECK_S = 15.0
 """After this long without an event the submitter asks for the job's stored evaluation
 (its id is derived from the job), so a missed "done" never leaves it waiting."""
@@ -111,7 +112,7 @@ async def await_summary(
     """The job's summary from its events (or from the database when its "done" was
     missed); its typed error when it failed. A cancelled job's summary has status
     "cancelled" (it is stored as such)."""
-    accepted = False
+    accepted = queued = False
     deadline = time.monotonic() + limit
     while True:
         wait = (
@@ -120,10 +121,13 @@ async def await_summary(
         msg = await busmod.next_msg(sub, max(0.1, wait))
         if msg is None:
             if not accepted:
-                raise BusError(
-                    f"no server took job {job_id} within "
-                    f"{ACCEPT_TIMEOUT_S:g} s: is `mlscope server` running?"
+                stored = await _not_taken(
+                    bus, job_id, limit, deadline, None if queued else on_event
                 )
+                if stored is not None:  # run and stored while its events were missed
+                    return stored
+                queued = True
+                continue
             stored = await stored_result(bus, job_id)
             if stored is not None:  # its "done" was missed (a bus outage)
                 return stored
@@ -141,6 +145,46 @@ async def await_summary(
             raise error_from_wire(event.error or {"message": "job failed"})
         if event.event in ("done", "cancelled") and event.summary is not None:
             return event.summary
+
+
+async def _not_taken(
+    bus: busmod.Bus, job_id: str, limit: float, deadline: float, on_event: object
+) -> EvaluationSummary | None:
+    """No server took the job yet: its stored summary if it has one; None while it is
+    queued (servers answer, each busy with as many jobs as it runs at a time; ``on_event``
+    then hears "queued"); a BusError when no server answers or ``deadline`` passed."""
+    answers, stored = await _servers_answer(bus, job_id)
+    if stored is not None:
+        return stored
+    if not answers:
+        raise BusError(
+            f"no server took job {job_id} within {ACCEPT_TIMEOUT_S:g} s and none answers: "
+            "is `mlscope server` running? The job stays on the bus's job queue and runs "
+            "when a server starts",
+            job_id=job_id,
+        )
+    if time.monotonic() >= deadline:
+        raise BusError(
+            f"job {job_id} was not started within {limit:g} s: every server stayed busy "
+            "with other jobs (it stays queued)",
+            job_id=job_id,
+        )
+    if callable(on_event):
+        on_event(JobEvent(job_id=job_id, event="queued", note=QUEUED_NOTE))
+    return None
+
+
+async def _servers_answer(bus: busmod.Bus, job_id: str) -> tuple[bool, EvaluationSummary | None]:
+    """Whether a server answers on the bus (its database responder), and the job's
+    stored summary when it has one: a job not taken while a server answers waits in
+    the job queue behind others (a server runs a few jobs at a time)."""
+    try:
+        _, summary = await remote.evaluation(bus, evaluation_id_for(job_id), timeout=5.0)
+    except BusError:  # nobody serves the database, or no answer in time
+        return False, None
+    except MLScopeError:  # a server answered: not stored
+        return True, None
+    return True, EvaluationSummary.model_validate(summary)
 
 
 async def stored_result(bus: busmod.Bus, job_id: str) -> EvaluationSummary | None:

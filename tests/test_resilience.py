@@ -7,6 +7,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -15,6 +16,7 @@ from nats.aio.msg import Msg
 
 from broker.db import Database
 from broker.ingest import Ingester
+from broker.server import MAX_PARALLEL_JOBS
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import (
@@ -27,7 +29,7 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
-from mlscope.jobs import submit
+from mlscope.jobs import submit, submit_on
 from mlscope.natsserver import NatsServer, free_port
 from mlscope.registry import list_agents
 from mlscope.serving import dead_letters
@@ -602,6 +604,45 @@ def test_submit_without_a_server_fails_within_seconds(settings: Settings) -> Non
             backend="asyncio",
         )
     assert time.monotonic() - t < 15
+
+
+def test_a_job_behind_busy_servers_is_queued_not_failed(settings: Settings) -> None:
+    """A server runs a few jobs at a time; one more waits on the job queue. Its
+    submitter hears "queued" and gets the summary, instead of "no server took the
+    job" while the server runs it later."""
+
+    def job(duration_s: float) -> JobRequest:
+        spec = ScenarioSpec(name="online", qps=20, duration_s=duration_s)
+        return JobRequest(model="noop", framework="noop", scenario=spec)
+
+    long = [job(14.0), *(job(1.0) for _ in range(MAX_PARALLEL_JOBS - 1))]
+    last = job(1.0)
+    events: list[str] = []
+    summaries: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="test") as bus:
+
+            async def one(j: JobRequest) -> None:
+                summaries[j.job_id] = await submit_on(bus, j, on_event=on_event, timeout=120)
+
+            def on_event(e: JobEvent) -> None:
+                events.append(f"{e.job_id}:{e.event}")
+
+            async with anyio.create_task_group() as tg:
+                for j in long:
+                    tg.start_soon(one, j)
+                with anyio.fail_after(30):  # every job slot taken
+                    while sum(e.endswith(":accepted") for e in events) < len(long):
+                        await anyio.sleep(0.1)
+                tg.start_soon(one, last)
+
+    with agent_and_server(settings, "--framework", "noop"):
+        anyio.run(main, backend="asyncio")
+    mine = [e.split(":")[1] for e in events if e.startswith(last.job_id)]
+    assert mine[0] == "queued" and "accepted" in mine, mine
+    assert summaries[last.job_id].status == "completed"
+    assert len(summaries) == len(long) + 1
 
 
 def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(

@@ -117,8 +117,10 @@ class JobEvent(_Message):
 
     kind: Literal["job_event"] = "job_event"
     job_id: Ident
-    event: Literal["accepted", "restarted", "progress", "done", "failed", "cancelled"]
-    """restarted: a server took the job again after the one running it was lost;
+    event: Literal["queued", "accepted", "restarted", "progress", "done", "failed", "cancelled"]
+    """queued: said by the submitter itself, when no server took the job at once but
+    servers answer (each runs a few jobs at a time; the job waits its turn);
+    restarted: a server took the job again after the one running it was lost;
     cancelled: stopped on request (``summary`` is the stored cancelled evaluation)."""
     note: str = ""
     server_id: Ident = ""
