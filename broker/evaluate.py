@@ -102,16 +102,28 @@ class Evaluator:
             from broker import mlperf  # LoadGen runs in its own process
 
             return await mlperf.run(self, job, agent, entry)
-        p = await self._prepare_run(job, agent, entry)
-        started = time.time()
-        outcome = await self._execute(job, agent, entry, p, progress)
-        lost = await self._agent_lost(agent, outcome.main.record)
-        # A local run (placement agent) reports a lost agent in its own reasons.
-        gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
-        acc = None if gone else await self._accuracy(job, entry, p.data, p.eval_id, agent.agent_id)
-        finished = time.time()
-        # An agent gone since then ended its session with it.
-        released = {} if gone else await self.release(agent.agent_id, p.eval_id)
+        released: dict[str, Any] | None = None
+        try:
+            p = await self._prepare_run(job, agent, entry)
+            started = time.time()
+            outcome = await scenarios.execute(
+                self._context(job, agent, entry, p, progress), job.scenario
+            )
+            lost = await self._agent_lost(agent, outcome.main.record)
+            # A local run (placement agent) reports a lost agent in its own reasons.
+            gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
+            acc = (
+                None
+                if gone
+                else await self._accuracy(job, entry, p.data, p.eval_id, agent.agent_id)
+            )
+            finished = time.time()
+            # An agent gone since then ended its session with it.
+            released = {} if gone else await self.release(agent.agent_id, p.eval_id)
+        finally:
+            if released is None:  # failed or cancelled on the way: its session ends too
+                with anyio.CancelScope(shield=True):
+                    await self.release(agent.agent_id, evaluation_id_for(job.job_id))
         summarize = self._summarizer(job, agent, entry, p, outcome, (started, finished))
         summary = self._parent_summary(summarize, p.eval_id, outcome, lost)
         if acc is not None:
@@ -158,19 +170,20 @@ class Evaluator:
         offset, rtt = await estimate_offset(self.bus, agent.agent_id)
         return _Prepared(eval_id, level, data, prepare, prep, offset, rtt)
 
-    async def _execute(
+    def _context(
         self,
         job: JobRequest,
         agent: AgentDescription,
         entry: Entry,
         p: _Prepared,
         progress: Progress,
-    ) -> scenario.Outcome:
-        """The job's scenario against the prepared agent (released when cancelled)."""
+    ) -> Context:
+        """What the job's scenario runs against: the prepared agent, its data, this
+        server's bus and settings."""
         m, spec = entry.manifest, job.scenario
         shape = m.inputs[0].shape
         url = self.bus.nc.connected_url
-        ctx = Context(
+        return Context(
             bus=self.bus,
             evaluation_id=p.eval_id,
             subject=names.agent_query(agent.agent_id),
@@ -185,12 +198,6 @@ class Evaluator:
             prepare=p.prepare,
             placement=job.placement,
         )
-        try:
-            return await scenarios.execute(ctx, spec)
-        except anyio.get_cancelled_exc_class():  # cancelled: the agent's session ends too
-            with anyio.CancelScope(shield=True):
-                await self.release(agent.agent_id, p.eval_id)
-            raise
 
     def _summarizer(
         self,

@@ -23,12 +23,13 @@ from mlscope.contracts import (
     JobEvent,
     JobRequest,
     Query,
+    ReleaseOp,
     ScenarioSpec,
     SpanBatch,
     evaluation_id_for,
     new_id,
 )
-from mlscope.errors import BusError, EvaluationError, WireError, error_from_wire
+from mlscope.errors import BusError, EvaluationError, MLScopeError, WireError, error_from_wire
 from mlscope.jobs import submit, submit_on
 from mlscope.natsserver import NatsServer, free_port
 from mlscope.registry import list_agents
@@ -643,6 +644,29 @@ def test_a_job_behind_busy_servers_is_queued_not_failed(settings: Settings) -> N
     assert mine[0] == "queued" and "accepted" in mine, mine
     assert summaries[last.job_id].status == "completed"
     assert len(summaries) == len(long) + 1
+
+
+def test_a_job_that_fails_after_its_agent_was_prepared_ends_the_agents_session(
+    settings: Settings,
+) -> None:
+    """The agent's session (its executor, memory watch) ends with the job however the
+    job ends: here its scenario fails after the prepare (no such load generator)."""
+    spec = ScenarioSpec(name="online", qps=20, duration_s=2, loadgen_hosts=("nobody",))
+    job = JobRequest(model="noop", framework="noop", scenario=spec)
+
+    async def main() -> dict[str, Any]:
+        with pytest.raises(MLScopeError, match="nobody"):
+            await submit(settings, job, timeout=60)
+        async with busmod.connect(settings, name="test") as bus:
+            release = ReleaseOp(evaluation_id=evaluation_id_for(job.job_id))
+            reply: dict[str, Any] = await busmod.request(
+                bus, names.agent_ctl("sess"), codec.encode_model(release), timeout=10
+            )
+            return reply
+
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "sess"):
+        again = anyio.run(main, backend="asyncio")
+    assert again["rss_start_bytes"] is None, again  # nothing was left to release
 
 
 def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(
