@@ -55,16 +55,19 @@ class Cancels:
     progress: dict[str, tuple[RunRecord | None, Any]] = field(default_factory=dict)
     """Job id -> (its live run record, its resolved (agent, entry)), None until known."""
 
-    def request(self, job_id: str, reason: str) -> anyio.Event | None:
+    def request(self, job_id: str, reason: str, *, taken: bool = False) -> anyio.Event | None:
         """Remember a cancel and stop the job if it runs here: the event that is set
-        when it has ended, or None when it does not run here."""
+        when it has ended, or None when it does not run here. ``taken``: the server
+        took the job and has not started its run yet (it checks for a stored result,
+        or cleans up a lost attempt): its run is cancelled as it starts."""
         self.requested[job_id] = reason
         while len(self.requested) > REMEMBERED:
             del self.requested[next(iter(self.requested))]
         scope = self.scopes.get(job_id)
-        if scope is None:
+        if scope is None and not taken:
             return None
-        scope.cancel()
+        if scope is not None:
+            scope.cancel()
         return self.ended.setdefault(job_id, anyio.Event())
 
     @contextmanager

@@ -314,7 +314,7 @@ class Server:
     async def _on_cancel(self, req: CancelRequest, msg: Msg) -> CancelReply | None:
         """Cancel the job if it runs here (reply once its cancelled run is stored);
         otherwise remember it, unanswered, for a server that takes it later."""
-        ended = self.cancels.request(req.job_id, req.reason)
+        ended = self.cancels.request(req.job_id, req.reason, taken=req.job_id in self.running)
         if ended is None:
             await self._remember_cancel(req)
             return None

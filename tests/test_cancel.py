@@ -25,7 +25,7 @@ import anyio
 import numpy as np
 import pytest
 
-from broker.cancel import IN_FLIGHT, issued_part
+from broker.cancel import IN_FLIGHT, Cancels, issued_part
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import remote
@@ -320,5 +320,24 @@ def test_remembered_cancels_are_bounded_and_forget_the_oldest(tmp_path: Path) ->
                     await kv.put("job-1", b"x" * 1024)  # the longest reason a server writes
                     with pytest.raises(Exception, match="message size exceeds maximum"):
                         await kv.put("job-2", b"x" * 8192)
+
+    anyio.run(main)
+
+
+def test_a_cancel_of_a_job_taken_but_not_yet_running_waits_for_its_end() -> None:
+    """A server takes a job, then checks for a stored result (or cleans up a lost
+    attempt) before its run starts. A cancel heard then is answered once the job has
+    ended, cancelled as its run starts, not with "no server runs it"."""
+    cancels = Cancels()
+    assert cancels.request("job-free", "stop") is None  # not taken here: not answered
+
+    async def main() -> None:
+        ended = cancels.request("job-1", "stop", taken=True)
+        assert ended is not None and not ended.is_set()
+        with cancels.running("job-1") as scope:
+            await anyio.sleep(5)  # a run: cancelled at once
+        assert scope.cancelled_caught
+        cancels.finish("job-1")
+        assert ended.is_set()
 
     anyio.run(main)
