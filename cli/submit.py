@@ -33,7 +33,7 @@ from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.stats import mean_ci
 
-__all__ = ["main", "make_job", "parser", "run_level"]
+__all__ = ["main", "make_job", "measured_runs", "parser", "run_level"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -403,6 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return strict_code([summary]) if args.strict else 0
 
 
+def measured_runs(summaries: Sequence[EvaluationSummary]) -> list[EvaluationSummary]:
+    """The runs whose figures count at run level: completed and VALID (an overloaded or
+    cut-short run's figures describe another load than the one specified)."""
+    return [s for s in summaries if s.status == "completed" and s.valid]
+
+
 def run_level(summaries: Sequence[EvaluationSummary]) -> dict[str, dict[str, float | None]]:
     """Mean and 95% CI over runs (Student's t) of each run's p50, p99 and throughput;
     none of them is negative, so neither is an interval's low end."""
@@ -438,13 +444,15 @@ def _main_repeat(
     except ValueError as exc:
         print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
         return 2
-    stats = run_level(summaries)
+    kept = measured_runs(summaries)
+    stats = run_level(kept)
     if args.json:
         print(
             json.dumps(
                 {
                     "summaries": [s.model_dump(mode="json", by_alias=True) for s in summaries],
                     "run_level": stats,
+                    "run_level_over": [s.evaluation_id for s in kept],
                 }
             )
         )
@@ -452,7 +460,11 @@ def _main_repeat(
     for s in summaries:
         print(format_summary(s))
         print()
-    print(f"  run level over {len(summaries)} runs (mean, 95% CI over runs):")
+    left = [s.evaluation_id for s in summaries if s not in kept]
+    print(
+        f"  run level over {len(kept)} VALID runs of {len(summaries)} (mean, 95% CI over runs)"
+        + (f"; left out, not VALID: {', '.join(left)}:" if left else ":")
+    )
     for name, v in stats.items():
         ci = "-" if v["ci_low"] is None else f"[{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
         mean = "-" if v["mean"] is None else f"{v['mean']:.3f}"

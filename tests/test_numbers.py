@@ -18,7 +18,7 @@ from broker import coldstart
 from broker.scenario_kinds import cold_start
 from broker.scenarios import build_schedule
 from broker.summary import LoadgenCost, figures, judge
-from cli.submit import run_level
+from cli.submit import measured_runs, run_level
 from mlscope.contracts import PrepareReply, ScenarioSpec
 from mlscope.outcomes import Outcome, classify, count
 from mlscope.record import RunRecord
@@ -315,12 +315,12 @@ def test_sweep_parents_are_not_counted_as_a_batch_size() -> None:
 def test_run_level_summary_of_repeats() -> None:
     from mlscope.contracts import EvaluationSummary, LatencyStats
 
-    def one(p50: float) -> EvaluationSummary:
+    def one(p50: float, *, valid: bool = True, status: str = "completed") -> EvaluationSummary:
         return EvaluationSummary(
-            evaluation_id="e",
+            evaluation_id=f"e-{p50:g}",
             job_id="j",
-            status="completed",
-            valid=True,
+            status=status,  # type: ignore[arg-type]
+            valid=valid,
             model={"name": "m", "version": "1"},
             framework={"name": "f", "version": "1"},
             agent_id="a",
@@ -344,6 +344,11 @@ def test_run_level_summary_of_repeats() -> None:
     assert got["p50_ms"]["mean"] == 2.5
     assert got["p50_ms"]["ci_low"] == pytest.approx(mean_ci([1, 2, 3, 4])[1])
     assert got["throughput_ips"]["mean"] is None
+    # Only completed VALID runs count: an overloaded run's p50 describes another load.
+    runs = [one(1.0), one(90.0, valid=False), one(3.0), one(5.0, status="cancelled")]
+    kept = measured_runs(runs)
+    assert [s.evaluation_id for s in kept] == ["e-1", "e-3"]
+    assert run_level(kept)["p50_ms"]["mean"] == 2.0
 
 
 def test_only_models_scored_by_top_k_get_labels() -> None:
