@@ -102,6 +102,7 @@ class LocalRun:
         spans: SpanBuffer | None,
         overloaded: Callable[[int], str],
         preprocessed: bool = False,
+        released: threading.Event | None = None,
     ) -> None:
         self.traits = scenario_traits.get(spec.name)
         if not self.traits.local or spec.loadgens > 1 or spec.loadgen_hosts:
@@ -117,6 +118,8 @@ class LocalRun:
         self.preprocessed = preprocessed
         """``inputs`` gives pre-processed samples (held by the agent): queries skip that step."""
         self.level, self.spans, self._overloaded = level, spans, overloaded
+        self.released = released
+        """Set when the evaluation is released: its queries still queued are not run."""
         self.closed = self.traits.closed_loop
         """A closed loop: the scenario has no arrivals."""
         self.streamed = (
@@ -258,6 +261,7 @@ class LocalRun:
             spans=self.spans,
             reply=self._on_reply,
             preprocessed=self.preprocessed,
+            released=self.released,
         )
 
     def _submit(self, i: int, x: np.ndarray, *, inline: bool = False) -> None:

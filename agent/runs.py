@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,9 @@ class Prepared:
     level: TraceLevel
     """The evaluation's trace level (a run traces at most this much)."""
     entry: Entry
+    released: threading.Event | None = None
+    """Set when the evaluation is released: the run's queries still queued are not run
+    (:attr:`agent.pipeline.Job.released`)."""
 
 
 @dataclass
@@ -190,5 +194,6 @@ class LocalRuns:
                 spans=tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None,
                 overloaded=lambda _i: busy,
                 preprocessed=held_bytes is not None,
+                released=prepared.released,
             )
         )

@@ -395,7 +395,12 @@ class Agent:
             prepared = (
                 None
                 if session is None
-                else Prepared(session.worker, session.level, self.models.entry(session.key))
+                else Prepared(
+                    session.worker,
+                    session.level,
+                    self.models.entry(session.key),
+                    released=session.released,
+                )
             )
             return await self.runs.start(
                 req, msg.reply, prepared, bus=self.bus, tracer=self.tracer, tg=self.task_group

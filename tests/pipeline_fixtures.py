@@ -91,7 +91,7 @@ def job(
     )
 
 
-def local_run(ex: Executor, spec: Any, inputs: Any) -> Any:
+def local_run(ex: Executor, spec: Any, inputs: Any, released: threading.Event | None = None) -> Any:
     """An agent's local run of ``spec`` on ``ex``, over samples held pre-processed."""
     from agent.localrun import LocalRun
 
@@ -103,6 +103,7 @@ def local_run(ex: Executor, spec: Any, inputs: Any) -> Any:
         spans=None,
         overloaded=lambda i: "overloaded",
         preprocessed=True,
+        released=released,
     )
 
 

@@ -510,3 +510,38 @@ def test_queries_of_a_released_evaluation_still_queued_are_answered_not_run(
     assert len(dropped) >= 9
     assert all("released" in (r.error or {}).get("message", "") for r in dropped)
     assert ex.inflight == 0
+
+
+def test_a_local_runs_queued_queries_are_not_run_once_its_evaluation_is_released(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """An overloaded open loop in the agent (200 QPS on a 20 ms model) holds a queue;
+    when its evaluation is released (its job cancelled), what is queued is answered
+    with an error, not predicted under the next evaluation."""
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec
+
+    slow = Slow(model.predictor, sleep_s=0.02)
+    model.predictor = slow
+    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 1, 0)
+    spec = ScenarioSpec(
+        name="constant", qps=200, duration_s=0.6, batch_size=1, min_duration_s=0, min_queries=1
+    )
+    released = threading.Event()
+    ex = Executor(model, ExecutorConfig(pre_workers=0, inline_max_us=0, max_batch=1))
+    run = local_run(ex, spec, inputs, released)
+    try:
+        run.prepare()
+        runner = threading.Thread(target=run.run)
+        runner.start()
+        time.sleep(0.8)  # the schedule is over; dozens of queries wait in the queue
+        released.set()
+        at_release = len(slow.batches)
+        runner.join(30)
+        after = len(slow.batches)
+    finally:
+        ex.stop()
+    dropped = [m for m in run.rec.errors.values() if "released" in m]
+    assert after - at_release <= 1, (at_release, after)
+    assert len(dropped) >= 20, run.rec.errors
+    assert len(dropped) + int(run.rec.ok.sum()) == run.issued
