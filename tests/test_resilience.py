@@ -616,6 +616,7 @@ def test_a_job_behind_busy_servers_is_queued_not_failed(settings: Settings) -> N
         spec = ScenarioSpec(name="online", qps=20, duration_s=duration_s)
         return JobRequest(model="noop", framework="noop", scenario=spec)
 
+    # The long job takes the host first; the others wait for it, holding their slots.
     long = [job(14.0), *(job(1.0) for _ in range(MAX_PARALLEL_JOBS - 1))]
     last = job(1.0)
     events: list[str] = []
@@ -631,7 +632,11 @@ def test_a_job_behind_busy_servers_is_queued_not_failed(settings: Settings) -> N
                 events.append(f"{e.job_id}:{e.event}")
 
             async with anyio.create_task_group() as tg:
-                for j in long:
+                tg.start_soon(one, long[0])
+                with anyio.fail_after(30):  # the long job runs: it holds the host
+                    while f"{long[0].job_id}:progress" not in events:
+                        await anyio.sleep(0.1)
+                for j in long[1:]:
                     tg.start_soon(one, j)
                 with anyio.fail_after(30):  # every job slot taken
                     while sum(e.endswith(":accepted") for e in events) < len(long):
