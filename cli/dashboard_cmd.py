@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 from cli.submit_errors import port
 from mlscope.settings import Settings
 
-__all__ = ["APP", "command", "register"]
+__all__ = ["APP", "command", "register", "serve"]
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 
@@ -67,7 +68,30 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    return serve(command(args.port, args.address), env)
+
+
+def serve(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the Streamlit process until it ends; Ctrl-C or SIGTERM on this process stops
+    it too (a SIGTERM alone would otherwise leave it serving the port, orphaned)."""
+    child = subprocess.Popen(cmd, env=env)
+
+    def stop(signum: int, _frame: object) -> None:
+        child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
-        return subprocess.run(command(args.port, args.address), env=env, check=False).returncode
+        return child.wait()
     except KeyboardInterrupt:
+        child.send_signal(signal.SIGINT)  # a Ctrl-C in a terminal reached it already
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if child.poll() is None:
+            child.terminate()
+            child.wait()

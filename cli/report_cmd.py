@@ -232,7 +232,39 @@ def _model_sizes(settings: Settings) -> dict[str, int]:
     )
 
 
+SUITE_ONLY = (("run", "--run"), ("models", "--models"))
+"""Flags that only ``--suite`` reads (attribute, flag)."""
+
+
+def _misused(args: argparse.Namespace) -> str | None:
+    """Why the flags given cannot go together (a usage error), or None: ``--suite``
+    prints its table on stdout only, so ``-o``, ``--json``, ``--price`` and EVAL_IDs
+    would be ignored; the suite's own flags mean nothing without it."""
+    if args.suite:
+        given = [
+            flag
+            for flag, on in (
+                ("EVAL_ID", bool(args.evaluations)),
+                ("-o", args.output is not None),
+                ("--json", args.json),
+                ("--price", bool(args.price)),
+            )
+            if on
+        ]
+        if given:
+            return f"--suite prints its table on stdout; it takes no {', '.join(given)}"
+        return None
+    given = [flag for attr, flag in SUITE_ONLY if getattr(args, attr, None) not in (None, False)]
+    if given:
+        return f"{', '.join(given)}: only with --suite"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = _misused(args)
+    if problem is not None:
+        print(f"mlscope report: {problem}", file=sys.stderr)
+        return 2
     if args.suite:
         return run_suite(args)
     if not args.evaluations:

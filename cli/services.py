@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from cli.artifacts_cmd import built_models
-from cli.submit_errors import port, positive_int
+from cli.submit_errors import framework_name, framework_names, port, positive_int
 from mlscope import artifact_bucket, names
 from mlscope import bus as busmod
 from mlscope.agentauth import add_agent
@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up.add_argument("--data-dir", type=Path, default=None)
     up.add_argument(
         "--frameworks",
+        type=framework_names,
         default=None,
         help="comma-separated frameworks (default: every installed one)",
     )
@@ -95,7 +96,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     srv.set_defaults(func=run_server)
 
     ag = sub.add_parser("agent", help="run one agent against MLSCOPE_NATS_URL")
-    ag.add_argument("--framework", required=True)
+    ag.add_argument("--framework", type=framework_name, required=True)
     ag.add_argument("--device", default="cpu")
     ag.add_argument("--threads", type=int, default=None)
     ag.add_argument("--agent-id", default=None)

@@ -53,6 +53,8 @@ __all__ = [
     "field_message",
     "flag_message",
     "flags_contract",
+    "framework_name",
+    "framework_names",
     "identifier",
     "interrupted",
     "interrupted_many",
@@ -176,6 +178,23 @@ def port(text: str) -> int:
     if not 1 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port (1 to 65535)")
     return n
+
+
+def framework_name(text: str) -> str:
+    """An argparse type: one framework name (``mlscope agent --framework``)."""
+    problem = _check_frameworks([text.strip()])
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text.strip()
+
+
+def framework_names(text: str) -> str:
+    """An argparse type: comma-separated framework names (``mlscope up --frameworks``)."""
+    names = [f.strip() for f in text.split(",") if f.strip()]
+    problem = _check_frameworks(names) if names else f"{text!r} names no framework"
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return ",".join(names)
 
 
 def port_or_zero(text: str) -> int:
