@@ -12,16 +12,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import anyio
 
 from cli.console import print_table
+from mlscope import artifact_bucket
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.errors import ManifestError, MLScopeError
+from mlscope.fetchpolicy import BUS_SCHEMES
+from mlscope.hashing import sha256_path
 from mlscope.manifest import ModelManifest, iter_manifest_files, load_manifest
 from mlscope.model_registry import (
     ManifestWatcher,
@@ -164,22 +167,85 @@ async def _remote_entries(settings: Settings) -> list[Entry]:
 
 
 def publishable(path: Path) -> ModelManifest:
-    """A model manifest whose assets any agent can locate (not relative to its file)."""
+    """A model manifest whose assets any agent can locate: built (``zoo://``), on an
+    http(s) server, or files beside the manifest (a relative ``base_url``, as
+    ``mlscope models init`` writes), which publishing puts into the artifact bucket."""
     m = load_manifest(path)
     if not isinstance(m, ModelManifest):
         raise ManifestError("only model manifests can be published", file=str(path), field="kind")
     base = m.assets.base_url or ""
-    if "://" not in base:
+    if "://" in base and not base.startswith((*BUS_SCHEMES, "http://", "https://")):
+        # agents refuse every other location in a manifest from the bus (fetchpolicy)
         raise ManifestError(
-            f"assets.base_url {base!r} is relative to the manifest's directory, which agents "
-            "reading the bus do not have; use zoo://, pkg://, file:///abs or http(s)://",
+            f"assets.base_url {base!r}: agents never fetch a bus manifest's files from "
+            "file:// or pkg:// locations; use files beside the manifest (a relative "
+            "base_url: they are put into the artifact bucket), zoo:// or an http(s):// "
+            "URL under the agents' MLSCOPE_ARTIFACT_URL_PREFIXES",
             file=str(path),
             field="assets.base_url",
         )
     return m
 
 
+def own_files(m: ModelManifest) -> list[str]:
+    """The top-level files or directories a manifest's assets name, relative to its
+    asset directory: the graph, weights, labels and data set."""
+    named = [
+        m.assets.graph_path,
+        m.assets.weights_path,
+        m.dataset.path if m.dataset else None,
+        *(o.labels for o in m.outputs),
+    ]
+    return sorted({PurePosixPath(f).parts[0] for f in named if f})
+
+
+def _pinned(path: Path, m: ModelManifest) -> None:
+    """The manifest's checksums are its files' (a file changed since the manifest was
+    written is refused here, not by every agent after the push)."""
+    source = path.parent / (m.assets.base_url or "")
+    pins = (
+        (m.assets.graph_path, m.assets.sha256),
+        (m.assets.weights_path, m.assets.weights_sha256),
+    )
+    for relative, pinned in pins:
+        file = source / relative if relative else None
+        if file is None or pinned is None or not file.is_file():
+            continue
+        if sha256_path(file) != pinned:
+            raise ManifestError(
+                f"{file} does not have the sha256 the manifest pins ({pinned[:12]}...): "
+                "it changed since the manifest was written",
+                file=str(path),
+                field="assets.sha256",
+            )
+
+
+async def with_files_on_bus(
+    bus: busmod.Bus, path: Path, m: ModelManifest, *, replicas: int = 1
+) -> ModelManifest:
+    """``m`` as agents anywhere can serve it: a manifest whose files sit beside it has
+    them put into the artifact bucket as ``zoo://NAME/VERSION`` (verified file by file
+    when an agent fetches them) and points there; any other is returned as it is."""
+    if "://" in (m.assets.base_url or ""):
+        return m
+    await anyio.to_thread.run_sync(_pinned, path, m)
+    await artifact_bucket.push_files(
+        bus,
+        path.parent / (m.assets.base_url or ""),
+        name=m.name,
+        version=m.version,
+        artifacts=own_files(m),
+        origin={"published": path.name},
+        replicas=replicas,
+        log=lambda line: print(line, file=sys.stderr),
+    )
+    doc = m.model_dump(mode="json")
+    doc["assets"] = {**doc["assets"], "base_url": f"zoo://{m.name}/{m.version}"}
+    return ModelManifest.model_validate(doc)
+
+
 def run_publish(args: argparse.Namespace) -> int:
+    settings: Settings = args.settings
     files: list[Path] = []
     for f in args.files:
         files.extend(iter_manifest_files([f]) if f.is_dir() else [f])
@@ -188,9 +254,13 @@ def run_publish(args: argparse.Namespace) -> int:
 
         async def go() -> list[str]:
             async with busmod.connect(
-                args.settings, name="mlscope models publish", provision=True
+                settings, name="mlscope models publish", provision=True
             ) as bus:
-                return [await publish_manifest(bus, m) for m in manifests]
+                keys = []
+                for f, m in zip(files, manifests, strict=True):
+                    m = await with_files_on_bus(bus, f, m, replicas=settings.js_replicas)
+                    keys.append(await publish_manifest(bus, m))
+                return keys
 
         keys = anyio.run(go, backend="asyncio")
     except MLScopeError as exc:

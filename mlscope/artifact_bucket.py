@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import shutil
 import stat
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,7 +45,7 @@ from mlscope.bus import Bus, bus_errors, find_object_store, if_found, object_sto
 from mlscope.errors import ArtifactError, BusError, ChecksumMismatch
 from mlscope.hashing import sha256_path
 
-__all__ = ["ensure_bucket", "fetch", "open_bucket", "push", "pushed_models"]
+__all__ = ["ensure_bucket", "fetch", "open_bucket", "push", "push_files", "pushed_models"]
 
 Log = Callable[[str], None]
 _DESCRIPTION = "built zoo models (mlscope artifacts push)"
@@ -160,13 +161,16 @@ def _local_build(model_dir: Path) -> BuildLock:
     return lock
 
 
-async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 1) -> bool:
+async def push(
+    bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 1, replace: bool = True
+) -> bool:
     """Put one built model (a directory with a build lock) into the bucket.
 
     Files the bucket already holds with the same sha256 are not sent again; the lock
     goes last, so a reader never sees a lock whose files are not all there. Returns
     False when the bucket already had exactly this build. A model directory that does
-    not match its lock (a file gone, changed, or not a regular file) is an ArtifactError.
+    not match its lock (a file gone, changed, or not a regular file) is an ArtifactError;
+    so is, unless ``replace``, other bytes under the same name and version.
     """
     lock = await anyio.to_thread.run_sync(_local_build, model_dir)
     obs = await ensure_bucket(bus, replicas=replicas)
@@ -174,6 +178,13 @@ async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 
     if remote is not None and remote.same_bytes(lock):
         log(f"{lock.model} {lock.version}: already in the artifact bucket")
         return False
+    if remote is not None and not replace:
+        raise ArtifactError(
+            f"the artifact bucket holds other files as {lock.model} {lock.version}: "
+            "give the model a new version",
+            model=lock.model,
+            version=lock.version,
+        )
     with bus_errors(f"cannot push {lock.model} {lock.version}"):
         for relative, sha in sorted(lock.files.items()):
             name = _object(lock.model, lock.version, relative)
@@ -186,6 +197,50 @@ async def push(bus: Bus, model_dir: Path, *, log: Log = _quiet, replicas: int = 
         )
     log(f"{lock.model} {lock.version}: pushed {len(lock.files)} files to the artifact bucket")
     return True
+
+
+async def push_files(
+    bus: Bus,
+    source: Path,
+    *,
+    name: str,
+    version: str,
+    artifacts: list[str],
+    origin: dict[str, Any],
+    log: Log = _quiet,
+    replicas: int = 1,
+) -> BuildLock:
+    """Put a model's own files (``artifacts``: top-level files or directories under
+    ``source``, such as a manifest's graph and labels) into the bucket as
+    ``zoo://name/version``, with a build lock made of them; its lock. The files are
+    copied to a scratch directory first, so ``source`` gets no lock and a file changed
+    meanwhile is not pushed under an old hash. Other bytes already in the bucket under
+    that name and version are an ArtifactError (a new version publishes new bytes)."""
+    zoo_coordinates(f"zoo://{name}/{version}")
+    with tempfile.TemporaryDirectory(prefix="mlscope-publish-") as tmp:
+        root = Path(tmp)
+
+        def stage() -> BuildLock:
+            for relative in artifacts:
+                src = safe_join(source, relative)
+                try:
+                    if src.is_dir():
+                        shutil.copytree(src, root / relative, symlinks=False)
+                    else:
+                        shutil.copyfile(src, root / relative)
+                except OSError as exc:
+                    raise ArtifactError(
+                        f"cannot read {src}: {exc.strerror or exc!r}", path=str(src)
+                    ) from exc
+            lock = BuildLock.of(
+                root, model=name, version=version, artifacts=artifacts, origin=origin
+            )
+            lock.write(root)
+            return lock
+
+        lock = await anyio.to_thread.run_sync(stage)
+        await push(bus, root, log=log, replicas=replicas, replace=False)
+    return lock
 
 
 async def _put_file(obs: ObjectStore, name: str, path: Path) -> None:
