@@ -253,47 +253,15 @@ def test_a_restarted_placement_agent_job_keeps_no_span_of_its_lost_run(
     server stops it before it deletes what the lost attempt stored, so none of the
     lost run's spans lands under the evaluation afterwards: one root span per query,
     the new run's."""
-    env = child_env(settings)
-    agent = subprocess.Popen(
-        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "keeper"],
-        env=env,
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        placement="agent",
+        # Longer than the job's redelivery (its ack wait): the lost run still runs.
+        scenario=ScenarioSpec(name="online", qps=50, duration_s=24),
     )
-    first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-    second: subprocess.Popen[bytes] | None = None
-    try:
-        anyio.run(wait_agents, settings, 1)
-        job = JobRequest(
-            model="noop",
-            framework="noop",
-            placement="agent",
-            # Longer than the job's redelivery (its ack wait): the lost run still runs.
-            scenario=ScenarioSpec(name="online", qps=50, duration_s=24),
-        )
-        events: list[str] = []
-
-        def on_event(e: JobEvent) -> None:
-            events.append(e.event)
-            nonlocal second
-            if e.event == "progress" and second is None:
-                first.send_signal(signal.SIGKILL)
-                first.wait(20)
-                second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-
-        summary = anyio.run(
-            lambda: submit(settings, job, on_event=on_event, timeout=200), backend="asyncio"
-        )
-        assert "restarted" in events and summary.status == "completed", events
-
-        count, queries, last = anyio.run(
-            _query_roots, settings, summary.evaluation_id, backend="asyncio"
-        )
-        assert count == queries, (count, queries)  # no query answered twice
-        assert queries > 0 and last < summary.queries + summary.not_issued
-    finally:
-        for p in (agent, first, second):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                p.wait(20)
+    agent = ["agent", "--framework", "noop", "--agent-id", "keeper"]
+    _across_a_server_loss(settings, job, [agent])
 
 
 def test_a_restarted_jobs_lost_load_generator_slice_is_stopped(settings: Settings) -> None:
@@ -301,24 +269,29 @@ def test_a_restarted_jobs_lost_load_generator_slice_is_stopped(settings: Setting
     lost attempt's queries to the agent. The next server stops every run of the
     evaluation on every service before it runs the job again, so the new attempt
     is not measured beside them: one root span per query, the new run's."""
-    env = child_env(settings)
-    procs = [
-        subprocess.Popen(
-            [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "held"],
-            env=env,
-        ),
-        subprocess.Popen([python(), "-m", "cli.main", "loadgen", "--id", "lg-held"], env=env),
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        # Longer than the job's redelivery (its ack wait): the lost slice still runs.
+        scenario=ScenarioSpec(name="online", qps=50, duration_s=24, loadgen_hosts=("lg-held",)),
+    )
+    services = [
+        ["agent", "--framework", "noop", "--agent-id", "held"],
+        ["loadgen", "--id", "lg-held"],
     ]
+    _across_a_server_loss(settings, job, services)
+
+
+def _across_a_server_loss(settings: Settings, job: JobRequest, services: list[list[str]]) -> None:
+    """``job`` on ``services`` (``mlscope`` argument lists) and a server SIGKILLed at
+    the job's first progress, a second server started then: the job is restarted and
+    completed, and its evaluation holds one root span per query, the new attempt's."""
+    env = child_env(settings)
+    procs = [subprocess.Popen([python(), "-m", "cli.main", *args], env=env) for args in services]
     first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
     second: subprocess.Popen[bytes] | None = None
     try:
         anyio.run(wait_agents, settings, 1)
-        job = JobRequest(
-            model="noop",
-            framework="noop",
-            # Longer than the job's redelivery (its ack wait): the lost slice still runs.
-            scenario=ScenarioSpec(name="online", qps=50, duration_s=24, loadgen_hosts=("lg-held",)),
-        )
         events: list[str] = []
 
         def on_event(e: JobEvent) -> None:
