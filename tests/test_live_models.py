@@ -57,10 +57,13 @@ def wait_offered(settings: Settings, model: str, present: bool, timeout: float =
     raise AssertionError(f"{model} {'never appeared' if present else 'stayed'} in the registry")
 
 
-def mlscope(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+def mlscope(
+    settings: Settings, *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [python(), "-m", "cli.main", *args],
         env=child_env(settings),
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=60,
@@ -133,15 +136,7 @@ def test_a_model_file_of_ones_own_is_initialised_published_and_served(
     on the bus, and an agent fetches, verifies and serves it, with nothing restarted."""
     built = next((stack.zoo_dir / "digits_cnn").glob("*/digits_cnn.onnx"))
     (tmp_path / "own_cnn.onnx").write_bytes(built.read_bytes())
-    init = subprocess.run(
-        [python(), "-m", "cli.main", "models", "init", "own_cnn.onnx"],
-        env=child_env(stack),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    init = mlscope(stack, "models", "init", "own_cnn.onnx", cwd=tmp_path)
     assert init.returncode == 0, init.stderr
     manifest = tmp_path / "own_cnn.onnxruntime.yaml"
     out = mlscope(stack, "models", "publish", str(manifest))
