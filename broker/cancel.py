@@ -98,7 +98,7 @@ def issued_part(rec: RunRecord) -> RunRecord:
     Every load generator stamps a query's issue time as it sends it (the server's
     :class:`broker.loadgen.Driver`, the agent's :class:`agent.localrun.LocalRun`), so
     the live record holds every query sent up to the cancel."""
-    sent = (rec.issued > 0) | (rec.completed > 0)
+    sent = outcomes.was_sent(rec.issued, rec.completed)
     last = np.flatnonzero(sent)
     count = int(last[-1]) + 1 if last.size else 0
     part = RunRecord(

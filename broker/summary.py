@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from mlscope.contracts import LatencyStats, ScenarioSpec
-from mlscope.outcomes import count
+from mlscope.outcomes import count, was_sent
 from mlscope.record import RunRecord
 from mlscope.stats import describe_ms, percentiles
 from mlscope.validity import ValidityPolicy, Verdict, achieved_rate, backlog_s, verdict
@@ -94,11 +94,6 @@ class Figures:
         return self.outcomes["not_issued"]
 
 
-def _issued_mask(rec: RunRecord) -> np.ndarray:
-    mask: np.ndarray = (rec.issued > 0) | (rec.completed > 0)
-    return mask
-
-
 def _lag_stats(lag_ns: np.ndarray) -> dict[str, float | None]:
     us = lag_ns / 1e3
     p50, p90, p99, p999 = percentiles(us, [50, 90, 99, 99.9])
@@ -128,7 +123,7 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
     the rates (offered, issued, completed: the load generator's, over the whole run)."""
     meas = rec.measured()
     ok = rec.ok.astype(bool) & meas
-    issued_mask = _issued_mask(rec) & meas
+    issued_mask = was_sent(rec.issued, rec.completed) & meas
     issued = rec.issued[issued_mask]
     lat_ns = (rec.completed - rec.scheduled)[ok]
     samples = int(ok.sum()) * rec.batch_size
@@ -137,7 +132,7 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
     first_issue = float(issued.min()) if issued.size else 0.0
     tput_span = (float(end.max()) - first_issue) / 1e9 if end.size else 0.0
     # Rates are the load generator's: every query counts, warm-up included.
-    all_issued = rec.issued[_issued_mask(rec)]
+    all_issued = rec.issued[was_sent(rec.issued, rec.completed)]
     sched_rate, ach_rate = achieved_rate(rec.scheduled), achieved_rate(all_issued)
     done_rate = achieved_rate(rec.completed[rec.ok.astype(bool)])
     counts = count(rec.outcomes()[meas])
@@ -327,7 +322,7 @@ def judge(
     """
     meas = rec.measured()
     ok = rec.ok.astype(bool)
-    issued = np.where(_issued_mask(rec), np.maximum(rec.issued, 1), 0)
+    issued = np.where(was_sent(rec.issued, rec.completed), np.maximum(rec.issued, 1), 0)
     return verdict(
         scheduled_ns=rec.scheduled,
         issued_ns=issued,

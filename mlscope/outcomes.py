@@ -29,7 +29,7 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ERROR_OUTCOMES", "Outcome", "classify", "count"]
+__all__ = ["ERROR_OUTCOMES", "Outcome", "classify", "count", "was_sent"]
 
 
 class Outcome(IntEnum):
@@ -64,17 +64,25 @@ def classify(
     with outputs. ``refused``: answered "overloaded" (None: no refusals known, as in
     rows stored before refusals were told apart, which then count as failed).
     """
-    iss = np.asarray(issued, np.int64)
     done = np.asarray(completed, np.int64)
     good = np.asarray(ok).astype(bool)
-    out = np.full(iss.shape, Outcome.NOT_ISSUED, np.uint8)
-    sent = (iss > 0) | (done > 0)
+    out = np.full(done.shape, Outcome.NOT_ISSUED, np.uint8)
+    sent = was_sent(issued, done)
     out[sent & (done == 0)] = Outcome.LOST
     out[sent & (done > 0)] = Outcome.FAILED
     if refused is not None:
         out[sent & (done > 0) & np.asarray(refused).astype(bool)] = Outcome.REFUSED
     out[sent & (done > 0) & good] = Outcome.OK
     return out
+
+
+def was_sent(issued: npt.ArrayLike, completed: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+    """Which queries were sent: an issue time, or a completion (a closed loop may issue
+    its first query at offset 0, so a completion alone says it was sent)."""
+    sent: npt.NDArray[np.bool_] = (np.asarray(issued, np.int64) > 0) | (
+        np.asarray(completed, np.int64) > 0
+    )
+    return sent
 
 
 def count(outcomes: npt.ArrayLike) -> dict[str, int]:
