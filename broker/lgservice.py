@@ -90,8 +90,7 @@ class LoadgenService:
     """This process's GC / switch-interval / priority owner, shared by the slices it runs."""
     _loaded: dict[str, _Loaded] = field(default_factory=dict)
     _running: dict[str, tuple[str, anyio.CancelScope]] = field(default_factory=dict)
-    """Each running run's evaluation and scope, by run id."""
-    """The run now running (its cancel scope), by run id."""
+    """Each running run's evaluation and cancel scope, by run id."""
     _connected: Bus | None = None
 
     def __post_init__(self) -> None:
