@@ -184,7 +184,9 @@ def run_jobs(jobs: list[JobRequest], duration: float) -> list[EvaluationSummary]
                 bar = st.progress(0.0, text=f"{job.framework}: submitted")
 
                 def on_event(event: JobEvent, bar: Any = bar, fw: str = job.framework) -> None:
-                    if event.event == "accepted":
+                    if event.event == "queued":
+                        bar.progress(0.0, text=f"{fw}: queued, every server is busy")
+                    elif event.event == "accepted":
                         bar.progress(0.0, text=f"{fw}: accepted by {event.server_id}")
                     elif event.event == "progress":
                         p50 = "-" if event.p50_ms is None else f"{event.p50_ms:.3f} ms"
