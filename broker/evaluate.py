@@ -102,6 +102,8 @@ class Evaluator:
             from broker import mlperf  # LoadGen runs in its own process
 
             return await mlperf.run(self, job, agent, entry)
+        # Intake: a spec the scenario cannot use fails here, no agent prepared.
+        scenarios.refuse(job.scenario, self.policy)
         released: dict[str, Any] | None = None
         try:
             p = await self._prepare_run(job, agent, entry)

@@ -111,6 +111,15 @@ class Scenario:
             percentile=t.percentile if t.percentile is not None else base.percentile,
         )
 
+    def refuse(self, spec: ScenarioSpec, base: ValidityPolicy) -> None:
+        """Refuse at intake, before an agent is prepared, a ``spec`` this scenario
+        cannot give a result for: a :class:`ConfigError` whose ``field`` names what to
+        change. One rule for every scenario: a search whose steps follow its runs'
+        verdicts (peak) refuses runs that no step could make VALID; a single run, and
+        a sweep ranked by throughput (batched), runs and is reported INVALID with its
+        reasons (a short run's figures are still figures). The default refuses
+        nothing."""
+
     def requested_qps(self, spec: ScenarioSpec) -> float | None:
         return spec.qps if self.traits.rate_driven else None
 

@@ -32,8 +32,23 @@ from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.manifest import ScenarioFile, load_yaml, parse_manifest, scenario_refusal
 from mlscope.schedule import Schedule
+from mlscope.validity import ValidityPolicy
 
-__all__ = ["build_schedule", "execute", "file_values", "read_arrivals", "scenario_spec"]
+__all__ = [
+    "build_schedule",
+    "execute",
+    "file_values",
+    "read_arrivals",
+    "refuse",
+    "scenario_spec",
+]
+
+
+def refuse(spec: ScenarioSpec, policy: ValidityPolicy) -> None:
+    """Refuse ``spec`` when its scenario cannot give a result for it under ``policy``
+    (:meth:`broker.scenario.Scenario.refuse`): at intake on the server, and in
+    ``mlscope-submit`` before anything connects."""
+    get(spec.name).refuse(spec, policy)
 
 
 async def execute(ctx: Context, spec: ScenarioSpec) -> Outcome:

@@ -265,16 +265,7 @@ class Server:
         try:
             stored = await self._stored(evaluation_id_for(job.job_id))
             if stored is not None:  # its first run finished; only the ack was lost
-                await self._emit(
-                    subject,
-                    JobEvent(
-                        job_id=job.job_id,
-                        event="done",
-                        server_id=self.server_id,
-                        evaluation_id=stored.evaluation_id,
-                        summary=stored,
-                    ),
-                )
+                await self._emit(subject, JobEvent.ended(stored, server_id=self.server_id))
                 return
             if restarted:
                 await self._emit(
@@ -297,17 +288,7 @@ class Server:
                 ),
             )
             return
-        await self._emit(
-            subject,
-            JobEvent(
-                job_id=job.job_id,
-                event="cancelled" if summary.status == "cancelled" else "done",
-                server_id=self.server_id,
-                evaluation_id=summary.evaluation_id,
-                summary=summary,
-                note=summary.invalid_reasons[0] if summary.status == "cancelled" else "",
-            ),
-        )
+        await self._emit(subject, JobEvent.ended(summary, server_id=self.server_id))
 
     # ------------------------------------------------------------------ cancel
 

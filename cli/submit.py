@@ -13,10 +13,12 @@ from typing import Any
 
 import anyio
 
-from broker.scenarios import read_arrivals, scenario_spec
+from broker.scenarios import read_arrivals, refuse, scenario_spec
 from cli.submit_errors import (
     EXIT_FAILED,
+    FlagError,
     InFlight,
+    flag_for,
     flags_contract,
     interrupted,
     interrupted_many,
@@ -27,11 +29,12 @@ from cli.summary_text import format_summary
 from cli.system_opts import add_system_flags, system_from_args
 from mlscope import bus as busmod
 from mlscope import scenario_traits
-from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, new_id
-from mlscope.errors import MLScopeError
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec, new_id
+from mlscope.errors import ConfigError, MLScopeError
 from mlscope.jobs import submit
 from mlscope.settings import Settings
 from mlscope.stats import mean_ci
+from mlscope.validity import ValidityPolicy
 
 __all__ = ["main", "make_job", "measured_runs", "parser", "run_level"]
 
@@ -273,7 +276,7 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
         "preprocess": getattr(args, "preprocess", None),
     }
     with flags_contract():
-        return JobRequest(
+        job = JobRequest(
             model=name,
             model_version=version or None,
             framework=framework or args.framework,
@@ -290,6 +293,28 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
             **({"placement": p} if (p := getattr(args, "placement", None)) else {}),
             system=system_from_args(args),
         )
+    _refuse_what_cannot_run(job.scenario, flags)
+    return job
+
+
+def _refuse_what_cannot_run(spec: ScenarioSpec, flags: dict[str, Any]) -> None:
+    """A flag the scenario does not read, or a spec its strategy refuses at intake
+    (:meth:`broker.scenario.Scenario.refuse`, held to the server's default validity
+    policy), as a usage error naming the flag: refused here, before anything runs,
+    rather than ignored or found out after a run."""
+    traits = scenario_traits.get(spec.name)
+    for field, value in flags.items():
+        if field != "name" and value is not None and not traits.reads(field):
+            raise FlagError(
+                f"argument {flag_for(field)}: scenario {spec.name!r} does not read it: "
+                f"{traits.unread(field)}"
+            )
+    try:
+        refuse(spec, ValidityPolicy())
+    except ConfigError as exc:
+        named = exc.fields.get("field")
+        where = f"argument {flag_for(named)}: " if isinstance(named, str) else ""
+        raise FlagError(f"{where}{exc.message}") from exc
 
 
 def _notes(event: JobEvent) -> None:

@@ -51,6 +51,7 @@ __all__ = [
     "FlagError",
     "InFlight",
     "field_message",
+    "flag_for",
     "flag_message",
     "flags_contract",
     "framework_name",
@@ -129,11 +130,17 @@ def field_message(exc: ValidationError) -> str:
     return _problems(exc, lambda loc: ".".join(str(x) for x in loc))
 
 
+def flag_for(field: str) -> str:
+    """The flag that sets ``field`` (:data:`FIELD_FLAGS`, else ``--field-name`` as
+    argparse names an option after its destination)."""
+    return FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
 def _argument(loc: tuple[int | str, ...]) -> str:
     field = next((str(x) for x in reversed(loc) if isinstance(x, str)), "")
     if not field:
         return ""
-    return f"argument {FIELD_FLAGS.get(field, '--' + field.replace('_', '-'))}"
+    return f"argument {flag_for(field)}"
 
 
 def _problems(exc: ValidationError, name: Callable[[tuple[int | str, ...]], str]) -> str:

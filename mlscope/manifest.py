@@ -572,9 +572,17 @@ class ScenarioFile(_Strict):
 
     @model_validator(mode="after")
     def _needs(self) -> ScenarioFile:
-        for field in scenario_traits.get(self.name).requires:
+        traits = scenario_traits.get(self.name)
+        for field in traits.requires:
             if getattr(self, field, None) is None:
                 raise ValueError(f"scenario {self.name!r} needs {field}")
+        # A value the scenario would ignore is refused, as mlscope-submit refuses its flag.
+        read_as = {"schedule_file": "arrivals_s", **dict(traits.file_aliases)}
+        for key in sorted(self.model_fields_set - {"kind", "name"}):
+            if not traits.reads(field := read_as.get(key, key)):
+                raise ValueError(
+                    f"scenario {self.name!r} does not read {key}: {traits.unread(field)}"
+                )
         return self
 
 

@@ -35,6 +35,7 @@ from typing import Any
 from mlscope.errors import ConfigError
 
 __all__ = [
+    "OWN_FIELDS",
     "ScenarioTraits",
     "check_name",
     "get",
@@ -52,6 +53,26 @@ gives them their types; this module sits below the contracts and cannot name the
 
 def _one_run(spec: Any) -> int:
     return 1
+
+
+OWN_FIELDS = frozenset(
+    {
+        "qps",
+        "concurrency",
+        "batch_sizes",
+        "peak_trials",
+        "arrivals_s",
+        "segments",
+        "repetitions",
+        "warm_queries",
+        "loadgens",
+        "loadgen_hosts",
+    }
+)
+"""The ``ScenarioSpec`` fields that shape the load of some scenarios only: a scenario
+reads one when its ``fields`` name it (``loadgen_hosts`` goes with ``loadgens``).
+Every scenario reads the others (batch size, seed, warm-up, the validity settings),
+and ``duration_s`` unless its ``length`` comes from elsewhere."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +116,9 @@ class ScenarioTraits:
     """Fields a scenario file must set."""
     file_aliases: tuple[tuple[str, str], ...] = ()
     """``(file field, spec field)``: a scenario file's field read as another."""
+    length: str | None = None
+    """What sets how long it runs when ``duration_s`` does not (piecewise: its
+    segments); it then does not read ``duration_s`` (:meth:`reads`)."""
     runs: Callable[[Any], int] = _one_run
     """``spec -> `` the most runs it makes (a sweep's points, a search's trials)."""
     position: int = 1000
@@ -104,6 +128,23 @@ class ScenarioTraits:
     def closed_loop(self) -> bool:
         """No schedule: queries are kept outstanding instead."""
         return self.arrivals is None
+
+    def reads(self, field: str) -> bool:
+        """Whether its runs read the ``ScenarioSpec`` field ``field``. Where a user sets
+        one it does not read (a flag, a scenario file) the job is refused rather than
+        run with the value ignored: a run of another length or load than asked for."""
+        if field == "duration_s":
+            return self.length is None
+        if field == "loadgen_hosts":
+            field = "loadgens"
+        return field not in OWN_FIELDS or field in self.fields
+
+    def unread(self, field: str) -> str:
+        """Why it does not read ``field`` (for a refusal): what it reads instead."""
+        if field == "duration_s" and self.length is not None:
+            return f"its length is set by {self.length}"
+        own = sorted(self.fields & OWN_FIELDS)
+        return f"its own settings are {', '.join(own)}" if own else "it has no settings of its own"
 
     def depth(self, concurrency: int, *, local: bool = False) -> int:
         """Queries a closed loop keeps in flight for a spec's ``concurrency``."""

@@ -50,6 +50,13 @@ def test_agents_models_submit_and_frames(noop_stack: Stack) -> None:
     anyio.run(go, backend="asyncio")
     kinds = [e.event for e in events]
     assert kinds[0] == "accepted" and kinds[-1] == "done", kinds
+    done = events[-1]  # the run's final figures, as progress events give them
+    assert done.summary is not None and done.evaluation_id == done.summary.evaluation_id
+    assert done.queries_done == done.summary.queries == 100
+    assert done.elapsed_s == done.summary.duration_s > 0.9
+    assert done.p50_ms == done.summary.latency_ms.p50
+    shown = [e.queries_done for e in events if e.event == "progress"]
+    assert all(n <= done.queries_done for n in shown), shown
 
 
 def test_a_frame_spans_several_pages(noop_stack: Stack) -> None:

@@ -250,6 +250,31 @@ def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Sta
         assert p["latency_ms"]["p99"] is not None
 
 
+def test_a_peak_search_that_finds_no_rate_names_why_its_lowest_failed(
+    noop_stack: Stack,
+) -> None:
+    """A bound no run meets: the search's last word gives the lowest rate's own
+    reasons (here its latency), not only that no rate passed."""
+    spec = ScenarioSpec(name="peak", duration_s=1.0, latency_bound_ms=1e-6, peak_trials=3, **LOOSE)
+    s = run(noop_stack.settings, spec)
+    assert not s.valid and s.peak_qps is None
+    (search,) = [r for r in s.invalid_reasons if r.startswith("peak search:")]
+    lowest = min(s.points, key=lambda p: p["qps"])
+    assert lowest["invalid_reasons"] and "p99 latency" in search, search
+    assert search.endswith(f"QPS: {'; '.join(lowest['invalid_reasons'])})"), search
+
+
+def test_a_peak_search_no_rate_can_make_valid_fails_at_intake(noop_stack: Stack) -> None:
+    """Submitted without the CLI (which refuses it first), the server refuses it
+    before preparing an agent: a typed ConfigError naming the field, no trial run."""
+    spec = ScenarioSpec(name="peak", duration_s=1.0, latency_bound_ms=20, peak_trials=3)
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match="minimum run length of 10 s") as err:
+        run(noop_stack.settings, spec)
+    assert err.value.fields.get("field") == "duration_s"
+    assert time.monotonic() - began < 5  # not one 1 s trial per rate
+
+
 def test_distributed_load_merges_one_global_schedule(noop_stack: Stack) -> None:
     spec = ScenarioSpec(name="online", qps=300, duration_s=2.5, seed=11, loadgens=2, **LOOSE)
     job = JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from broker.context import Context
 from broker.scenario import Outcome, Run, Scenario, run_once
+from broker.summary import policy_for
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.validity import ValidityPolicy, early_stopping_queries_needed
 
-__all__ = ["PEAK_PRECISION", "Peak", "next_rate", "peak_floor_qps"]
+__all__ = ["PEAK_PRECISION", "Peak", "next_rate", "peak_floor_qps", "trial_min_queries"]
 
 PEAK_PRECISION = 0.05
 """A peak search stops when the failing rate is within 5% of the passing one."""
@@ -33,16 +34,21 @@ def next_rate(
     return (passed + failed) / 2
 
 
+def trial_min_queries(spec: ScenarioSpec, policy: ValidityPolicy) -> int:
+    """Queries a trial needs whatever its latencies: enough to show its percentile
+    under the bound by early stopping (459 for p99 at 99% confidence, none over) and
+    the minimum count (``policy`` with the spec's own minimums: :func:`policy_for`)."""
+    pol = policy_for(spec, policy)
+    need = early_stopping_queries_needed([], 0.0, pol.percentile, pol.confidence, pol.tolerance)
+    return max(need, pol.min_queries)
+
+
 def peak_floor_qps(spec: ScenarioSpec, policy: ValidityPolicy) -> float:
     """The lowest rate a peak search tries: below it a run of ``spec.duration_s`` has
-    too few queries to show its percentile under the bound by early stopping (459 for
-    p99 at 99% confidence, none over), so it would fail for its length, not its
+    fewer than :func:`trial_min_queries`, so it would fail for its length, not its
     latency. 10% above the bare count, so that a Poisson run's count (sd sqrt(n),
     under 5% of 459) reaches it."""
-    need = early_stopping_queries_needed(
-        [], 0.0, policy.percentile, policy.confidence, policy.tolerance
-    )
-    return 1.1 * max(need, spec.min_queries or 0) / spec.duration_s
+    return 1.1 * trial_min_queries(spec, policy) / spec.duration_s
 
 
 class Peak(Scenario):
@@ -50,6 +56,32 @@ class Peak(Scenario):
     evaluation id (``<parent>-<k>``), listed in the parent summary's ``points``."""
 
     kind = "peak"
+
+    def refuse(self, spec: ScenarioSpec, base: ValidityPolicy) -> None:
+        """A search needs a bound, and trials that some rate could make VALID: a trial
+        shorter than the minimum run length, or cut by ``max_queries`` below the
+        queries it needs, is INVALID at every rate, so the search could only end
+        saying that no rate met the bound, whatever the system's latency."""
+        if spec.latency_bound_ms is None:
+            raise ConfigError(
+                "scenario 'peak' needs a latency bound (--latency-bound-ms B)",
+                field="latency_bound_ms",
+            )
+        pol = policy_for(spec, self.policy(base))
+        cannot = "peak search: no trial could be VALID at any rate"
+        if spec.duration_s < pol.min_duration_s:
+            raise ConfigError(
+                f"{cannot}: each runs {spec.duration_s:g} s, under the minimum run length "
+                f"of {pol.min_duration_s:g} s (a longer --duration, or a lower --min-duration)",
+                field="duration_s",
+            )
+        need = trial_min_queries(spec, pol)
+        if spec.max_queries is not None and spec.max_queries < need:
+            raise ConfigError(
+                f"{cannot}: each stops after {spec.max_queries} queries, under the {need} "
+                f"a run needs to show p{pol.percentile:g} under the bound",
+                field="max_queries",
+            )
 
     async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
         """Binary search of the highest Poisson rate whose run is VALID under the bound.
@@ -60,9 +92,8 @@ class Peak(Scenario):
         trial uses the same seed, so rates are compared on the same arrival pattern
         (common random numbers). The peak is the highest rate whose run was VALID.
         """
-        if spec.latency_bound_ms is None:
-            raise ConfigError("scenario 'peak' needs a latency bound (--latency-bound-ms B)")
-        floor_qps = peak_floor_qps(spec, ctx.policy)
+        self.refuse(spec, ctx.policy)
+        floor_qps = peak_floor_qps(spec, self.policy(ctx.policy))
         rate: float | None = max(spec.qps, floor_qps)
         passed: float | None = None
         failed: float | None = None
@@ -79,13 +110,15 @@ class Peak(Scenario):
                 failed = rate
             rate = next_rate(rate, passed, failed, floor_qps)
         if best is None:
+            lowest = min(runs, key=lambda r: r.requested_qps or 0)
             return Outcome(
                 runs[-1],
                 runs,
                 extra_reasons=(
                     f"peak search: no rate tried gave a VALID run under the "
-                    f"{spec.latency_bound_ms:g} ms bound "
-                    f"(lowest tried {min(r.requested_qps or 0 for r in runs):.1f} QPS)",
+                    f"{spec.latency_bound_ms:g} ms bound (lowest tried "
+                    f"{lowest.requested_qps or 0:.1f} QPS: "
+                    f"{'; '.join(lowest.verdict.reasons)})",
                 ),
             )
         return Outcome(best, runs, peak_qps=passed)

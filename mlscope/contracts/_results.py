@@ -126,7 +126,31 @@ class JobEvent(_Message):
     server_id: Ident = ""
     evaluation_id: Ident | None = None
     queries_done: int = 0
+    """progress: queries answered so far (with outputs, an error or a refusal) in the
+    run named by ``evaluation_id``; done and cancelled: the same count for the run the
+    summary describes, at its end (:meth:`ended`)."""
     elapsed_s: float = 0.0
+    """progress: seconds since that run's clock started; done and cancelled: the
+    summary's ``duration_s``."""
     p50_ms: float | None = None
     summary: EvaluationSummary | None = None
     error: dict[str, Any] | None = None
+
+    @classmethod
+    def ended(cls, summary: EvaluationSummary, *, server_id: str) -> JobEvent:
+        """A job's last event: ``done`` (``cancelled`` for a cancelled run) with its
+        summary, and that summary's run's final figures in the fields progress events
+        fill, so that a callback that shows ``queries_done`` ends on the true count.
+        Answered queries are those neither left unissued nor lost."""
+        cancelled = summary.status == "cancelled"
+        return cls(
+            job_id=summary.job_id,
+            event="cancelled" if cancelled else "done",
+            server_id=server_id,
+            evaluation_id=summary.evaluation_id,
+            queries_done=max(0, summary.queries - summary.not_issued - summary.lost),
+            elapsed_s=summary.duration_s,
+            p50_ms=summary.latency_ms.p50,
+            summary=summary,
+            note=summary.invalid_reasons[0] if cancelled and summary.invalid_reasons else "",
+        )

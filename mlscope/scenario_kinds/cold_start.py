@@ -15,6 +15,7 @@ COLD_START = register(
         "apart from warm inference",
         local=False,  # the server reloads the model between its runs
         fields=frozenset({"repetitions", "warm_queries"}),
+        length="repetitions x warm_queries",
         position=9,
     )
 )

@@ -49,6 +49,7 @@ REPLAY = register(
         arrivals=schedule.replay_arrivals,
         fields=frozenset({"arrivals_s", "latency_bound_ms", "loadgens"}),
         requires=("schedule_file",),
+        length="its recorded arrivals",
         position=6,
     )
 )
@@ -60,6 +61,7 @@ PIECEWISE = register(
         poisson=True,
         fields=frozenset({"segments", "latency_bound_ms", "loadgens"}),
         requires=("segments",),
+        length="its segments' seconds",
         position=7,
     )
 )
