@@ -380,11 +380,13 @@ def test_run_level_interval_of_a_positive_figure_is_never_negative() -> None:
 
     got = run_level([one(5.0), one(20.0)])
     for name in ("p50_ms", "p99_ms", "throughput_ips"):
-        v = got[name]
-        assert v["ci_low"] is not None and 0.0 <= v["ci_low"] <= v["mean"] <= v["ci_high"]
+        low, mean, high = got[name]["ci_low"], got[name]["mean"], got[name]["ci_high"]
+        assert low is not None and mean is not None and high is not None
+        assert 0.0 <= low <= mean <= high
     assert got["p99_ms"]["ci_low"] == 0.0
     assert got["p99_ms"]["ci_high"] == pytest.approx(mean_ci([5.0, 20.0])[2])
-    assert mean_ci([5.0, 20.0])[1] < 0  # the bare t interval, unbounded
+    bare_low = mean_ci([5.0, 20.0])[1]
+    assert bare_low is not None and bare_low < 0  # the bare t interval, unbounded
     assert mean_ci([5.0, 20.0], floor=0.0)[1] == 0.0
     assert mean_ci([1.0, 2.0, 3.0, 4.0], floor=0.0) == mean_ci([1.0, 2.0, 3.0, 4.0])
 
@@ -414,7 +416,7 @@ def test_cold_start_throughput_leaves_out_the_reloads(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(coldstart, "request_model", prepared)
     monkeypatch.setattr(cold_start, "driver", lambda *_a, **_k: FakeDriver())
-    ctx = SimpleNamespace(
+    ctx: Any = SimpleNamespace(
         bus=None, agent_id="a", prepare={}, feeders=lambda _b: (None, None), evaluation_id="ev-1"
     )
     spec = ScenarioSpec(name="cold-start", repetitions=2, warm_queries=10, batch_size=1)
