@@ -33,7 +33,16 @@ from analysis.layers import layer_kinds, layer_spans_left_out, layer_types, top_
 from analysis.source import Source
 from analysis.summary import latency_windows_of, summary
 
-__all__ = ["Report", "Section", "build", "figure_dir_for", "to_html", "to_json", "to_markdown"]
+__all__ = [
+    "Report",
+    "Section",
+    "build",
+    "figure_dir_for",
+    "price_warnings",
+    "to_html",
+    "to_json",
+    "to_markdown",
+]
 
 
 @dataclass
@@ -51,6 +60,9 @@ class Report:
     title: str
     sections: list[Section]
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    warnings: list[str] = field(default_factory=list)
+    """What was asked of the report and could not be shown (:func:`price_warnings`): a
+    caller says it beside the report (``mlscope report``: on stderr)."""
 
 
 SUMMARY_VIEW = [
@@ -136,7 +148,34 @@ def build(
     measured = [e for e in ids if e in lat and e not in sweeps]
     if len(measured) > 1:
         sections.append(_comparison(source, summ, measured, lat))
-    return Report(f"mlscope report: {', '.join(ids)}", sections)
+    return Report(
+        f"mlscope report: {', '.join(ids)}",
+        sections,
+        warnings=price_warnings(summ, prices_per_hour),
+    )
+
+
+def price_warnings(summ: pd.DataFrame, prices: Mapping[str, float] | None) -> list[str]:
+    """Prices that cost nothing in the report, one line each. A system's cost per million
+    inferences comes from its maximum throughput over batched runs
+    (:func:`analysis.figures.across_systems`), so a price names a system of a batched
+    run or it is unused: a misspelt system, one measured online only, or runs none of
+    which is batched."""
+    if not prices:
+        return []
+    batched = sorted(set(figures.max_throughput(summ)["system"]))
+    if not batched:
+        return [
+            "prices ignored: a cost per million inferences comes from batched "
+            "(throughput) runs, and none of these runs is batched"
+        ]
+    unused = sorted(set(prices) - set(batched))
+    if not unused:
+        return []
+    return [
+        f"no cost for {', '.join(map(repr, unused))}: prices apply to batched runs, "
+        f"and these are on {', '.join(map(repr, batched))} only"
+    ]
 
 
 def _summary_section(summ: pd.DataFrame) -> Section:

@@ -18,7 +18,13 @@ from typing import Any
 import anyio
 
 from broker import mlperf_logs as logs
-from cli.submit_errors import flags_contract, identifier, positive_float, positive_int
+from cli.submit_errors import (
+    flags_contract,
+    framework_name,
+    identifier,
+    positive_float,
+    positive_int,
+)
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
@@ -44,7 +50,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "under test; write LoadGen's logs to --output",
     )
     p.add_argument("model", metavar="MODEL[@VERSION]")
-    p.add_argument("--framework", required=True)
+    p.add_argument("--framework", type=framework_name, required=True)
     p.add_argument("--framework-version", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--agent", dest="agent_id", type=identifier, default=None)

@@ -290,6 +290,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             text = report.to_markdown(rep, report.figure_dir_for(out) if out is not None else None)
         bar.update(advance=1)
+    for warning in rep.warnings:  # after the progress bar, before the report
+        print(f"mlscope report: warning: {warning}", file=sys.stderr)
     if out is None:
         print(text)
     else:

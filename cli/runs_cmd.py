@@ -3,6 +3,8 @@
 ``--since`` takes a duration back from now (``90s``, ``30m``, ``2h``, ``3d``, ``1w``) or
 an ISO date or date-time (UTC unless it names its zone). ``--valid`` lists VALID
 completed runs only; ``--invalid`` the others (INVALID, failed or cancelled ones).
+``--framework`` and ``--scenario`` take a name mlscope knows, or one a stored run has
+(an MLPerf run's scenario, an import's framework); any other is refused as misspelt.
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ import json
 import re
 import sys
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cli.console import print_table
-from cli.submit_errors import positive_int
+from cli.submit_errors import FlagError, positive_int
+from mlscope import scenario_traits
 from mlscope.settings import Settings
 
-__all__ = ["parse_since", "register"]
+if TYPE_CHECKING:  # analysis loads pandas: only when the command runs
+    from analysis.source import Source
+
+__all__ = ["check_names", "parse_since", "register"]
 
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 COLUMNS = (
@@ -95,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
     from analysis.source import open_source
 
     settings: Settings = args.settings
+    source = open_source(settings)
+    check_names(source, framework=args.framework, scenario=args.scenario)
     frame = find_evaluations(
-        open_source(settings),
+        source,
         RunFilter(
             model=args.model,
             framework=args.framework,
@@ -119,6 +127,27 @@ def run(args: argparse.Namespace) -> int:
         [h for _, h in COLUMNS], cells, plain=_table(rows), right=("batch", "queries", "inputs/s")
     )
     return 0
+
+
+def check_names(source: Source, *, framework: str | None, scenario: str | None) -> None:
+    """Refuse a misspelt ``--framework`` or ``--scenario`` (a :class:`FlagError`, exit 2,
+    naming the known ones) rather than list nothing. A name is known when it is one of
+    :data:`mlscope.manifest.FRAMEWORKS` or a registered scenario, or when a stored run
+    has it: an MLPerf run's scenario (``mlperf-offline``) or an import's recorded
+    framework."""
+    from analysis.data import RunFilter, find_evaluations
+    from mlscope.manifest import FRAMEWORKS
+
+    for what, value, known, stored in (
+        ("framework", framework, FRAMEWORKS, RunFilter(framework=framework, limit=1)),
+        ("scenario", scenario, scenario_traits.names(), RunFilter(scenario=scenario, limit=1)),
+    ):
+        if value is None or value in known or len(find_evaluations(source, stored)):
+            continue
+        raise FlagError(
+            f"argument --{what}: unknown {what} {value!r} (no run has it); "
+            f"known: {', '.join(known)}"
+        )
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from cli.artifacts_cmd import built_models
-from cli.submit_errors import framework_name, framework_names, port, positive_int
+from cli.submit_errors import device_name, framework_name, framework_names, port, positive_int
 from mlscope import artifact_bucket, names
 from mlscope import bus as busmod
 from mlscope.agentauth import add_agent
@@ -97,8 +97,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     ag = sub.add_parser("agent", help="run one agent against MLSCOPE_NATS_URL")
     ag.add_argument("--framework", type=framework_name, required=True)
-    ag.add_argument("--device", default="cpu")
-    ag.add_argument("--threads", type=int, default=None)
+    ag.add_argument(
+        "--device",
+        type=device_name,
+        default="cpu",
+        help="where models run: cpu (default), cuda, cuda:N, tensorrt, fpga:N...",
+    )
+    ag.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="intra-op threads per model (default: the framework manifest's, else the "
+        "runtime's choice)",
+    )
     ag.add_argument("--agent-id", default=None)
     ag.add_argument(
         "--allow-custom-code",
@@ -114,7 +125,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     ag.add_argument(
         "--sample-memory",
-        type=int,
+        type=positive_int,
         default=1024,
         metavar="MIB",
         help="memory the samples this agent holds may take: MLPerf runs' sample libraries and "

@@ -318,16 +318,24 @@ def _refuse_what_cannot_run(spec: ScenarioSpec, flags: dict[str, Any]) -> None:
 
 
 def _notes(event: JobEvent) -> None:
-    """What the submitter must hear even without a terminal (a restarted job)."""
+    """What the submitter must hear even without a terminal (a script, CI, ``--json``):
+    the job's id as soon as a server accepts or queues it (``mlscope cancel JOB_ID``
+    needs it while the job runs), and a restart; one line each, on stderr, so that
+    stdout holds the result alone."""
     if event.event == "restarted":
         print(
             f"\n  {event.note or 'job restarted'} (now on {event.server_id})",
             file=sys.stderr,
             flush=True,
         )
+    elif event.event == "accepted":
+        print(f"  job {event.job_id} accepted by {event.server_id}", file=sys.stderr, flush=True)
+    elif event.event == "queued":
+        print(f"  job {event.job_id}: {event.note}", file=sys.stderr, flush=True)
 
 
 def _progress(event: JobEvent) -> None:
+    """:func:`_notes`, and on a terminal the live progress line, rewritten in place."""
     _notes(event)
     if event.event == "progress":
         p50 = f"{event.p50_ms:.3f} ms" if event.p50_ms is not None else "-"
@@ -337,10 +345,6 @@ def _progress(event: JobEvent) -> None:
             file=sys.stderr,
             flush=True,
         )
-    elif event.event == "accepted":
-        print(f"  job {event.job_id} accepted by {event.server_id}", file=sys.stderr, flush=True)
-    elif event.event == "queued":
-        print(f"  job {event.job_id}: {event.note}", file=sys.stderr, flush=True)
 
 
 Several = Callable[[argparse.Namespace, Settings, list[JobRequest], InFlight], int]
@@ -395,7 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     several = _several_jobs(args)
     if several is not None:
-        in_flight = InFlight()
+        in_flight = InFlight(on_event=_notes)
         try:
             return several(args, settings, jobs, in_flight)
         except KeyboardInterrupt:  # those running are cancelled; the rest never sent

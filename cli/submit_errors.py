@@ -14,11 +14,12 @@ Exit codes (README, "What mlscope-submit reports"):
 Arguments are checked before anything connects: each number, list and id flag of either
 program goes through one of the argparse types here (:func:`positive_int`,
 :func:`positive_float`, :func:`wait_seconds`, :func:`positive_ints`,
-:func:`identifier`), and then through the same pydantic models the server uses. A
-command builds those models from its flags inside :func:`flags_contract`, the one place
-a refusal becomes a :class:`FlagError` that names the flag, not the model field
-(:func:`flag_message`); a refusal anywhere else (a reply, a stored record) is not the
-user's doing and stays what it was.
+:func:`identifier`; a framework through :func:`framework_name`, an agent's device
+through :func:`device_name`), and then through the same pydantic models the server
+uses. A command builds those models from its flags inside :func:`flags_contract`, the
+one place a refusal becomes a :class:`FlagError` that names the flag, not the model
+field (:func:`flag_message`); a refusal anywhere else (a reply, a stored record) is not
+the user's doing and stays what it was.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "MAX_WAIT_S",
     "FlagError",
     "InFlight",
+    "device_name",
     "field_message",
     "flag_for",
     "flag_message",
@@ -190,6 +192,17 @@ def port(text: str) -> int:
 def framework_name(text: str) -> str:
     """An argparse type: one framework name (``mlscope agent --framework``)."""
     problem = _check_frameworks([text.strip()])
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text.strip()
+
+
+def device_name(text: str) -> str:
+    """An argparse type: a device a predictor opens models on (``mlscope agent
+    --device``): ``cpu``, ``cuda``, ``cuda:1``... (:data:`mlscope.manifest.DEVICE_KINDS`)."""
+    from mlscope.manifest import device_problem
+
+    problem = device_problem(text.strip())
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
     return text.strip()
@@ -336,15 +349,18 @@ def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False
 class InFlight:
     """The jobs a submission of several has sent and not yet seen end, so that Ctrl-C
     cancels exactly those (the later ones are never sent). A job leaves when its summary
-    or its typed error came back; a cancelled wait (Ctrl-C) leaves it here."""
+    or its typed error came back; a cancelled wait (Ctrl-C) leaves it here. ``on_event``
+    hears each job's events (the submitter's one-line notes: each job's id)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, on_event: Callable[[Any], None] | None = None) -> None:
         self.job_ids: dict[str, None] = {}
+        self.on_event = on_event
 
     async def submit(self, settings: Settings, job: JobRequest, **kwargs: Any) -> EvaluationSummary:
         from mlscope.jobs import submit
 
         self.job_ids[job.job_id] = None
+        kwargs.setdefault("on_event", self.on_event)
         try:
             summary = await submit(settings, job, **kwargs)
         except MLScopeError:

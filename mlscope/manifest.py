@@ -45,6 +45,7 @@ from mlscope.errors import ArtifactError, ManifestError
 from mlscope.versions import parse_constraint, parse_version
 
 __all__ = [
+    "DEVICE_KINDS",
     "FRAMEWORKS",
     "MAX_SAMPLE_DIMS",
     "MAX_SAMPLE_ELEMENTS",
@@ -66,6 +67,7 @@ __all__ = [
     "SystemManifest",
     "SystemRequirements",
     "device_kind",
+    "device_problem",
     "is_built",
     "is_trusted",
     "load_manifest",
@@ -484,12 +486,32 @@ class FrameworkManifest(_Strict):
         return {**extra, **{k: v for k, v in fields.items() if v is not None}}
 
 
+DEVICE_KINDS: dict[str, Device] = {
+    "cpu": "cpu",
+    "cuda": "gpu",
+    "gpu": "gpu",
+    "tensorrt": "gpu",
+    "fpga": "fpga",
+}
+"""The device names a predictor opens a model on, ``NAME`` or ``NAME:N`` (the N-th such
+device), and the kind of device each is: ``cpu``; ``cuda`` (ONNX Runtime's CUDA
+provider, PyTorch, TensorFlow), ``tensorrt`` (ONNX Runtime's TensorRT provider in front
+of CUDA) and ``gpu`` name a GPU; ``fpga`` an XRT device."""
+
+
 def device_kind(device: str) -> Device:
     """``cuda:1`` / ``tensorrt`` / ``gpu`` -> ``gpu``; ``fpga:0`` -> ``fpga``; else cpu."""
-    kind = device.split(":")[0]
-    if kind in ("cuda", "gpu", "tensorrt"):
-        return "gpu"
-    return "fpga" if kind == "fpga" else "cpu"
+    return DEVICE_KINDS.get(device.split(":")[0], "cpu")
+
+
+def device_problem(device: str) -> str | None:
+    """Why ``device`` names no device a predictor opens (:data:`DEVICE_KINDS`, with an
+    optional ``:N``), or None when it names one."""
+    name, sep, index = device.partition(":")
+    if name in DEVICE_KINDS and (not sep or (index.isascii() and index.isdigit())):
+        return None
+    known = ", ".join(DEVICE_KINDS)
+    return f"unknown device {device!r}; known: {known}, each optionally :N (cuda:1)"
 
 
 class SystemManifest(SystemRequirements):

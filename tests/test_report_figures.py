@@ -357,3 +357,32 @@ def test_queries_are_the_measured_ones_and_warm_up_is_counted_apart(src: DirectS
     summary_section = section(rep, "Summary")
     assert "warmup_queries" in summary_section.tables[0][1].columns
     assert any(n.startswith("queries: the measured queries") for n in summary_section.notes)
+
+
+# ------------------------------------------------------------------ 9. prices
+
+
+def test_a_price_that_costs_nothing_is_said(src: DirectSource) -> None:
+    """A cost per million inferences comes from a system's batched runs: a price for a
+    system no batched run is on, or prices for runs none of which is batched, are said
+    (``mlscope report`` prints them on stderr) rather than left as empty columns."""
+    store(src, "ev-pr-batched", age_s=4, model="pr", scenario="batched", batch=4, tput=400.0)
+    store(src, "ev-pr-online", age_s=3, model="pr", latency_ms=ms(10))
+    system = str(summary(src, ["ev-pr-batched"])["system"].iloc[0])
+    both = ["ev-pr-batched", "ev-pr-online"]
+
+    rep = report.build(src, both, prices_per_hour={system: 0.5, "NoSuchSystem": 0.1})
+    assert rep.warnings == [
+        f"no cost for 'NoSuchSystem': prices apply to batched runs, and these are on "
+        f"{system!r} only"
+    ]
+    costs = dict(section(rep, "Throughput").tables)["pr across systems"]
+    assert costs["cost_per_million"].tolist() == [pytest.approx(0.5 / (400.0 * 3600) * 1e6)]
+
+    assert report.build(src, both, prices_per_hour={system: 0.5}).warnings == []
+    assert report.build(src, both).warnings == []
+    online_only = report.build(src, ["ev-pr-online"], prices_per_hour={system: 0.5})
+    assert online_only.warnings == [
+        "prices ignored: a cost per million inferences comes from batched (throughput) "
+        "runs, and none of these runs is batched"
+    ]

@@ -50,6 +50,11 @@ MAX_LOADGENS = 256
 QUERY_INDEX_LIMIT = 2**63
 """Query indices are 0 .. 2**63 - 1: they are stored as Int64 and travel as msgpack ints."""
 QueryIndex = Annotated[int, Field(ge=0, lt=QUERY_INDEX_LIMIT)]
+MAX_SEED = 2**64 - 1
+"""The largest seed: LoadGen's seeds are unsigned 64-bit, and so is the largest int a
+message carries (msgpack); numpy's ``SeedSequence`` takes any of 0 .. MAX_SEED."""
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+"""A random seed (a job's ``--seed``): a whole number from 0 to :data:`MAX_SEED`."""
 Placement = Literal["server", "agent"]
 """Where a run's load generator runs: on the server (every query crosses the bus to the
 agent and back: a *served* model) or in the agent (the model itself, no bus per query)."""

@@ -29,6 +29,7 @@ from mlscope.contracts._base import (
     Ident,
     Placement,
     Preprocess,
+    Seed,
     TraceLevel,
     _Message,
     new_id,
@@ -67,7 +68,7 @@ class ScenarioSpec(BaseModel):
     qps: float = Field(default=100.0, gt=0, le=MAX_QPS)
     duration_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
     batch_size: int = Field(default=1, ge=1, le=MAX_BATCH)
-    seed: int = 0
+    seed: Seed = 0
     max_queries: int | None = Field(default=None, ge=1)
     min_duration_s: float | None = Field(default=None, ge=0, le=MAX_DURATION_S)
     min_queries: int | None = Field(default=None, ge=1)
@@ -187,7 +188,7 @@ class MLPerfSpec(BaseModel):
     """Most samples the system under test sends the agent in one query (Offline)."""
     window: int = Field(default=8, ge=1, le=MAX_CONCURRENCY)
     """Most agent queries the system under test keeps in flight (the rest wait in it)."""
-    seed: int | None = None
+    seed: Seed | None = None
     """LoadGen's sample, sample-index and schedule seeds (default: the conf files')."""
 
 
