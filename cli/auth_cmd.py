@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from cli.submit_errors import framework_name
 from mlscope.agentauth import add_agent, agent_inbox_prefix, reload_server
 from mlscope.auth import (
     DEFAULT_EDGE_DOMAIN,
@@ -83,6 +84,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add.add_argument(
         "--framework",
         action="append",
+        type=framework_name,
         default=[],
         help="capability subjects it may serve (repeatable; default: all)",
     )

@@ -23,7 +23,7 @@ import anyio
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from cli.auth_cmd import subject_token
-from cli.submit_errors import port_or_zero
+from cli.submit_errors import framework_name, port_or_zero
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
@@ -68,7 +68,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     up = cmds.add_parser("up", help="run the leaf node and an agent on this device")
     up.add_argument("--dir", type=Path, required=True, help="the directory of `edge init`")
-    up.add_argument("--framework", default="tflite")
+    up.add_argument("--framework", type=framework_name, default="tflite")
     up.add_argument("--agent-id", default=None)
     up.set_defaults(func=run_up)
 

@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from cli.console import print_table
+from cli.submit_errors import framework_name
 from mlscope import artifact_bucket
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore
@@ -51,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     rm = sub.add_parser("remove", help="remove a model manifest from the bus registry")
     rm.add_argument("name")
     rm.add_argument("--version", required=True)
-    rm.add_argument("--framework", required=True)
+    rm.add_argument("--framework", type=framework_name, required=True)
     rm.set_defaults(func=run_remove)
     from cli.models_init import register as register_init
 

@@ -37,6 +37,9 @@ def nowhere(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     [
         ["agent", "--framework", "pytroch"],
         ["up", "--frameworks", "onnxruntime,pytroch"],
+        ["edge", "up", "--framework", "pytroch"],
+        ["auth", "add-agent", "a1", "--out", "creds", "--framework", "pytroch"],
+        ["models", "remove", "m", "--version", "1", "--framework", "pytroch"],
     ],
 )
 def test_a_misspelt_framework_is_a_usage_error(
