@@ -153,8 +153,9 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
         issue_lag_split_us=issue_lag_split(rec),
         throughput_ips=samples / tput_span if tput_span > 0 else None,
         top1=float(rec.correct[ok].sum()) / samples if has_labels and samples else None,
+        # The load's CPU time covers every query it sent, warm-up included.
         loadgen_cpu_us_per_query=(
-            rec.cpu_s / issued.size * 1e6 if issued.size and rec.cpu_s > 0 else None
+            rec.cpu_s / all_issued.size * 1e6 if all_issued.size and rec.cpu_s > 0 else None
         ),
     )
 

@@ -203,6 +203,19 @@ def test_issue_lag_has_its_pacer_and_loop_parts() -> None:
     assert f.issue_lag_us["p99"] == pytest.approx(210)
 
 
+def test_loadgen_cpu_per_query_counts_the_warm_up_queries_it_sent() -> None:
+    """The load's CPU time covers every query it sent, warm-up included: per query it is
+    that time over all of them, and busy cores are that rate times the issue rate."""
+    spec = ScenarioSpec(name="constant", qps=1000, duration_s=2)
+    rec = open_record(spec, 0.0001)
+    rec.warmup = rec.n // 2
+    rec.cpu_s = 0.51e-3 * rec.n  # 0.51 ms of CPU per query sent
+    f = figures(rec, has_labels=False)
+    assert f.loadgen_cpu_us_per_query == pytest.approx(510)
+    facts = LoadgenCost(agent_host="box", host="box", cores=2).facts(f)
+    assert facts["busy_cores"] == pytest.approx(0.51, rel=0.02)
+
+
 def test_loadgen_cost_is_recorded_and_warned_on_a_shared_host() -> None:
     spec = ScenarioSpec(name="constant", qps=1000, duration_s=2)
     rec = open_record(spec, 0.0001)
