@@ -22,6 +22,10 @@ Layout (``ph`` is the Chrome trace event phase):
   done, which overlap when queries queue), thread "worker" the nested complete
   events preprocess / predict / postprocess and, inside predict, the framework's
   layer spans; thread "device" the kernel spans; system samples are counters.
+  Complete events on one thread must nest, so the spans of queries in flight at the
+  same time (one query's preprocess while another predicts) take a lane each: the
+  query takes the lowest lane free at its first step, and lane N > 0 has its own
+  threads "worker N" and "device N" (:func:`_lanes`).
 
 Every event's ``args`` keep span_id, parent_id, query_index, level and the span's
 attributes, so a consumer can rebuild the exact tree.
@@ -169,9 +173,11 @@ def chrome_trace(
         if q["completed_ns"]:
             events.extend(_query_events(q))
     agents = _Agents(events)
+    lanes = _lanes(spans)
     for s in spans:
         pid = agents.pid(str(s["agent_id"]), str(s["host"]))
-        events.extend(_span_events(s, pid, base))
+        lane = lanes[(str(s["agent_id"]), int(s["query_index"]))]
+        events.extend(_span_events(s, pid, base, agents.threads(pid, lane)))
     for r in samples:
         value = r["value"]
         if not isinstance(value, int | float) or not math.isfinite(value):
@@ -210,6 +216,33 @@ def _query_events(q: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def _lanes(spans: list[dict[str, Any]]) -> dict[tuple[str, int], int]:
+    """The lane of each (agent, query index): per agent, each query (the extent of its
+    complete events, first start to last end; its query span is an async slice and
+    takes no lane) takes the lowest lane whose previous query has ended, so the spans
+    of queries worked on at the same time never share a thread."""
+    extent: dict[tuple[str, int], tuple[int, int]] = {}
+    out: dict[tuple[str, int], int] = {}
+    for s in spans:
+        key = (str(s["agent_id"]), int(s["query_index"]))
+        if s["kind"] == "query":
+            out.setdefault(key, 0)  # a query with no other span: lane 0 (unused)
+            continue
+        start, end = int(s["start_ns"]), int(s["end_ns"])
+        lo, hi = extent.get(key, (start, end))
+        extent[key] = (min(lo, start), max(hi, end, start))
+    ends: dict[str, list[int]] = {}  # per agent, ends[lane]: when its last query ended
+    for key, (start, end) in sorted(extent.items(), key=lambda kv: (kv[0][0], kv[1], kv[0][1])):
+        lane_ends = ends.setdefault(key[0], [])
+        free = next((i for i, e in enumerate(lane_ends) if e <= start), len(lane_ends))
+        if free == len(lane_ends):
+            lane_ends.append(end)
+        else:
+            lane_ends[free] = end
+        out[key] = free
+    return out
+
+
 class _Agents:
     """The process of each agent, numbered in the order agents first appear; the
     process's and its threads' names are added to ``events`` then."""
@@ -217,6 +250,7 @@ class _Agents:
     def __init__(self, events: list[dict[str, Any]]) -> None:
         self.events = events
         self.pids: dict[str, int] = {}
+        self.named: set[tuple[int, int]] = set()
 
     def pid(self, agent: str, host: str) -> int:
         if agent not in self.pids:
@@ -230,10 +264,28 @@ class _Agents:
                 self.events.append(_meta(pid, tid, name))
         return self.pids[agent]
 
+    def threads(self, pid: int, lane: int) -> tuple[int, int]:
+        """(worker, device) thread ids of ``lane`` on process ``pid``, named on first use
+        (lane 0: the threads "worker" and "device")."""
+        if lane == 0:
+            return TID_WORKER, TID_DEVICE
+        worker, device = TID_DEVICE + 2 * lane - 1, TID_DEVICE + 2 * lane
+        if (pid, lane) not in self.named:
+            self.named.add((pid, lane))
+            self.events.append(_meta(pid, worker, f"worker {lane}"))
+            self.events.append(_meta(pid, device, f"device {lane}"))
+        return worker, device
 
-def _span_events(s: dict[str, Any], pid: int, base: int) -> list[dict[str, Any]]:
+
+def _span_events(
+    s: dict[str, Any],
+    pid: int,
+    base: int,
+    threads: tuple[int, int] = (TID_WORKER, TID_DEVICE),
+) -> list[dict[str, Any]]:
     """A span on its agent's process: a query span as an async slice (thread
-    "queries"), any other as a complete event (a kernel on "device", else "worker")."""
+    "queries"), any other as a complete event on its query's lane (``threads``: its
+    worker and device threads; a kernel on the device one)."""
     start = (int(s["start_ns"]) - base) / 1000
     args: dict[str, Any] = {
         "span_id": int(s["span_id"]),
@@ -260,7 +312,7 @@ def _span_events(s: dict[str, Any], pid: int, base: int) -> list[dict[str, Any]]
             "cat": str(s["kind"]),
             "name": str(s["name"]),
             "pid": pid,
-            "tid": TID_DEVICE if s["kind"] == "kernel" else TID_WORKER,
+            "tid": threads[1] if s["kind"] == "kernel" else threads[0],
             "ts": start,
             "dur": (int(s["end_ns"]) - int(s["start_ns"])) / 1000,
             "args": args,
