@@ -210,7 +210,9 @@ def test_cli_submit_json_and_agents(stack: Settings) -> None:
         check=False,
     )
     assert bad.returncode != 0 and "unknown model 'nope'" in bad.stderr
-    assert len(bad.stderr.strip().splitlines()) == 1
+    # The job's id as a server took it, then its error in one line.
+    said = bad.stderr.strip().splitlines()
+    assert len(said) == 2 and said[0].strip().startswith("job "), said
     agents = subprocess.run(
         [python(), "-m", "cli.main", "agents", "--json"],
         env=env,
