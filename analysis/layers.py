@@ -73,7 +73,8 @@ def layer_kinds(source: Source, ids: Sequence[str]) -> dict[str, str | None]:
     got = (
         source.frame(
             "SELECT evaluation_id, kind, count() AS n FROM spans FINAL WHERE evaluation_id "
-            "IN {ids:Array(String)} AND kind IN ('layer', 'op') GROUP BY evaluation_id, kind",
+            "IN {ids:Array(String)} AND kind IN ('layer', 'op') GROUP BY evaluation_id, kind "
+            "ORDER BY evaluation_id, kind",
             {"ids": list(ids)},
         )
         if ids

@@ -128,7 +128,7 @@ SAMPLE_STATS_SQL = (
     f"{percentile('lat', 90)} AS p90_ms, {percentile('lat', 99)} AS p99_ms, "
     f"{percentile('lat', 100)} AS max_ms FROM (SELECT evaluation_id, {_COUNTS} FROM "
     f"(SELECT *, {OUTCOME} AS o, warmup = 0 AS kept FROM queries FINAL WHERE "
-    "evaluation_id IN {ids:Array(String)}) GROUP BY evaluation_id)"
+    "evaluation_id IN {ids:Array(String)}) GROUP BY evaluation_id) ORDER BY evaluation_id"
 )
 """Per evaluation, the figures of its non-warm-up query rows, aggregated by the
 database (one row per evaluation comes back, whatever the rows it holds)."""

@@ -60,7 +60,7 @@ def tables(source: Source, ids: list[str]) -> dict[str, pd.DataFrame]:
     ev = evaluations(source, ids)
     raw = source.frame(
         "SELECT evaluation_id, spec, summary FROM evaluations FINAL "
-        "WHERE evaluation_id IN {ids:Array(String)}",
+        "WHERE evaluation_id IN {ids:Array(String)} ORDER BY evaluation_id",
         {"ids": ids},
     )
     ev = ev.merge(raw, on="evaluation_id", how="left")

@@ -10,16 +10,26 @@ Arrow IPC pages, each under the bus's max payload.
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 from mlscope import codec, names
 from mlscope.bus import Bus, request
+from mlscope.errors import ConfigError
 
 if TYPE_CHECKING:
     import pandas as pd
     import pyarrow as pa
 
-__all__ = ["ARROW_PAGE_ROWS", "arrow", "evaluation", "read_ipc", "sql", "to_frame"]
+__all__ = [
+    "ARROW_PAGE_ROWS",
+    "arrow",
+    "evaluation",
+    "orders_rows",
+    "read_ipc",
+    "sql",
+    "to_frame",
+]
 
 ARROW_PAGE_ROWS = 100_000
 """Rows asked for per Arrow page; the server sends fewer when they would not fit one
@@ -49,7 +59,10 @@ async def arrow(
 ) -> pa.Table:
     """Run one read-only statement; the whole result as one ``pyarrow.Table``, read in
     Arrow IPC pages that each fit one message. The statement runs once per page, so
-    a result longer than a page needs an ORDER BY that makes its order stable."""
+    a result longer than a page needs an ORDER BY that makes its order stable: one
+    without any is refused (a ConfigError) once a second page is needed, since
+    ClickHouse may give its rows in another order each time and the pages would
+    repeat some rows and miss others."""
     import pyarrow as pa
 
     tables: list[pa.Table] = []
@@ -74,9 +87,32 @@ async def arrow(
         rows = int(reply["rows"])
         if not reply["more"] or rows == 0:
             break
+        if not orders_rows(query):
+            raise ConfigError(
+                f"the result is longer than one page ({rows:,} rows) and the statement "
+                "has no ORDER BY: it runs again for each page, so unordered pages would "
+                "repeat some rows and miss others; add an ORDER BY on a unique key "
+                "(queries: evaluation_id, query_index; spans: evaluation_id, span_id)",
+                argument="sql",
+            )
         offset += rows
         limit = rows if rows < limit else limit  # what fits one message: ask for that
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|`[^`]*`|\"[^\"]*\"|--[^\n]*|/\*.*?\*/", re.S)
+_PARENS = re.compile(r"\([^()]*\)")
+_ORDER_BY = re.compile(r"\border\s+by\b", re.I)
+
+
+def orders_rows(query: str) -> bool:
+    """Whether ``query`` orders its result: an ORDER BY outside any parentheses (one in
+    a subquery or a window orders nothing of the outer result), quotes and comments
+    set aside."""
+    text = _QUOTED.sub(" ", query)
+    while (flat := _PARENS.sub(" ", text)) != text:
+        text = flat
+    return _ORDER_BY.search(text) is not None
 
 
 def read_ipc(data: bytes) -> pa.Table:
