@@ -121,16 +121,25 @@ def cancelled_summary(
     reason: str,
     started_at: float,
     rec: RunRecord | None = None,
+    tallied: int = 0,
 ) -> EvaluationSummary:
     """The stored summary of a cancelled job: no figures, never VALID, the reason and
     how far it got (the agent and versions when it had been resolved).
 
     ``rec``: the rows stored (:func:`issued_part`); its counts are those of its rows'
     outcomes (:mod:`mlscope.outcomes`, warm-up included: a cancelled run has no
-    statistics to leave it out of); None when no query was issued."""
+    statistics to leave it out of); None when no query was issued. ``tallied``: the
+    queries answered so far by load generators of their own (``loadgens`` > 1,
+    ``loadgen_hosts``), whose rows are theirs until the run ends and are not kept."""
     now = time.time()
     counts = _counts(rec) if rec is not None else dict.fromkeys(_NONE, 0)
     sent = counts["queries"] - counts["not_issued"]
+    how_far = (
+        f"{tallied} queries answered by its load generators, whose rows a cancelled run "
+        "does not keep"
+        if tallied and not sent
+        else f"{sent - counts['lost']} of {sent} issued queries answered"
+    )
     agent, entry = resolved if resolved is not None else (None, None)
     fw = next((f for f in agent.frameworks if f.name == job.framework), None) if agent else None
     spec = job.scenario
@@ -139,10 +148,7 @@ def cancelled_summary(
         job_id=job.job_id,
         status="cancelled",
         valid=False,
-        invalid_reasons=(
-            f"cancelled: {reason} after {now - started_at:.1f} s, "
-            f"{sent - counts['lost']} of {sent} issued queries answered",
-        ),
+        invalid_reasons=(f"cancelled: {reason} after {now - started_at:.1f} s, {how_far}",),
         model={
             "name": job.model,
             "version": entry.manifest.version if entry else job.model_version or "",

@@ -78,10 +78,12 @@ async def run_dealt(
     timeout = spec.duration_s * 3 + 120
     on_progress = ctx.on_progress
 
+    stop = threading.Event()
+
     def report(done: int, elapsed_s: float) -> None:  # from the waiting thread
-        if on_progress is None:
+        if on_progress is None or stop.is_set():
             return
-        rec = RunRecord(n=0, batch_size=spec.batch_size)
+        rec = RunRecord(n=0, batch_size=spec.batch_size)  # a count: the rows are theirs
         rec.done = done
 
         async def emit() -> None:
@@ -89,9 +91,16 @@ async def run_dealt(
 
         anyio.from_thread.run(emit)
 
-    return await anyio.to_thread.run_sync(
-        lambda: _run_processes(cfg, parts, payloads, labels, timeout, report)
-    )
+    try:
+        # Abandoned when cancelled: the thread then sees ``stop``, kills the processes
+        # within a progress interval and returns, instead of the job waiting them out.
+        return await anyio.to_thread.run_sync(
+            lambda: _run_processes(cfg, parts, payloads, labels, timeout, report, stop),
+            abandon_on_cancel=True,
+        )
+    except anyio.get_cancelled_exc_class():
+        stop.set()
+        raise
 
 
 def _run_processes(
@@ -101,8 +110,10 @@ def _run_processes(
     labels: Callable[[int], np.ndarray] | None,
     timeout: float,
     report: Callable[[int, float], None],
+    stop: threading.Event,
 ) -> RunRecord:
-    """Write each slice, start one process per slice, start them together, merge."""
+    """Write each slice, start one process per slice, start them together, merge;
+    ``stop`` (the job was cancelled) kills them and ends the run without a result."""
     with tempfile.TemporaryDirectory(prefix="mlscope-lg-") as tmp:
         procs = []
         try:
@@ -125,7 +136,7 @@ def _run_processes(
                     )
                 )
             _start(procs)
-            codes = _wait(procs, timeout, report)
+            codes = _wait(procs, timeout, report, stop)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -170,10 +181,14 @@ def _pipe(p: subprocess.Popen[str], stream: IO[str] | None) -> IO[str]:
 
 
 def _wait(
-    procs: list[subprocess.Popen[str]], timeout: float, report: Callable[[int, float], None]
+    procs: list[subprocess.Popen[str]],
+    timeout: float,
+    report: Callable[[int, float], None],
+    stop: threading.Event,
 ) -> list[int]:
     """Exit codes of every child; their ``progress`` lines summed into ``report`` about
-    every half second while they run."""
+    every half second while they run. ``stop`` set: an EvaluationError at once (the
+    caller kills the children)."""
     done = [0] * len(procs)
 
     def follow(j: int, p: subprocess.Popen[str]) -> None:
@@ -192,7 +207,8 @@ def _wait(
     while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
             raise EvaluationError(f"load-generator processes still running after {timeout:g} s")
-        time.sleep(PROGRESS_S)
+        if stop.wait(PROGRESS_S):
+            raise EvaluationError("the run was stopped: its job was cancelled")
         report(sum(done), time.monotonic() - t0)
     for r in readers:
         r.join(5)

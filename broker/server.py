@@ -348,6 +348,8 @@ class Server:
             reason=self.cancels.requested.get(job.job_id, "cancelled"),
             rec=rec,
             started_at=started,
+            # Load generators of their own report a count; their rows are theirs.
+            tallied=live.done if live is not None and live.n == 0 else 0,
         )
         spec_doc = {"job": job.model_dump(mode="json"), "cancelled": True}
         with anyio.CancelScope(shield=True):

@@ -162,7 +162,9 @@ def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
         assert started.wait(120)
         reply = anyio.run(lambda: cancel_job(settings, job.job_id, timeout=30), backend="asyncio")
         assert reply is not None
-        assert waiting.result(timeout=60).status == "cancelled"
+        cancelled = waiting.result(timeout=60)
+        assert cancelled.status == "cancelled"
+        assert "answered by its load generators" in cancelled.invalid_reasons[0]
     s = run(settings, "noop-b", LOADGENS)
     assert s.status == "completed" and s.errors == 0
 

@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from broker.scenarios import build_schedule
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import names, remote, schedule
+from mlscope.api import cancel_job
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError, ConfigError
 from mlscope.jobs import submit
@@ -273,6 +275,32 @@ def test_a_peak_search_no_rate_can_make_valid_fails_at_intake(noop_stack: Stack)
         run(noop_stack.settings, spec)
     assert err.value.fields.get("field") == "duration_s"
     assert time.monotonic() - began < 5  # not one 1 s trial per rate
+
+
+def test_a_cancelled_run_over_several_load_generators_stops_at_once(noop_stack: Stack) -> None:
+    """A cancel reaches the load-generator processes: the run ends within seconds, not
+    after its 60 s schedule, and its summary says what it had answered and that the
+    processes' rows are not kept."""
+    spec = ScenarioSpec(name="online", qps=100, duration_s=60, seed=11, loadgens=2, **LOOSE)
+    job = JobRequest(model="noop", framework="noop", scenario=spec, trace_level="none")
+    cancelled: list[float] = []
+
+    def seen(event: JobEvent) -> None:
+        if event.event == "progress" and event.queries_done > 0 and not cancelled:
+            cancelled.append(time.monotonic())
+            threading.Thread(
+                target=lambda: anyio.run(
+                    lambda: cancel_job(noop_stack.settings, job.job_id, timeout=30),
+                    backend="asyncio",
+                )
+            ).start()
+
+    s = anyio.run(
+        lambda: submit(noop_stack.settings, job, on_event=seen, timeout=180), backend="asyncio"
+    )
+    assert s.status == "cancelled" and cancelled
+    assert time.monotonic() - cancelled[0] < 30, "the processes ran their schedule out"
+    assert "answered by its load generators" in s.invalid_reasons[0], s.invalid_reasons
 
 
 def test_distributed_load_merges_one_global_schedule(noop_stack: Stack) -> None:
