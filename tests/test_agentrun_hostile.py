@@ -19,12 +19,13 @@ from mlscope import bus as busmod
 from mlscope import codec, names, wire
 from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
+    PingOp,
     PingReply,
     PrepareReply,
     RunRows,
     RunStarted,
 )
-from mlscope.errors import EvaluationError, WireError
+from mlscope.errors import EvaluationError, MLScopeError, WireError
 from mlscope.natsserver import NatsServer
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.settings import Settings
@@ -218,6 +219,18 @@ def test_an_agent_is_gone_when_silent_or_another_process_answers_under_its_id(
 
                 await agent_bus.nc.subscribe(names.agent_ctl("phoenix"), cb=pong)
                 await agent_bus.nc.flush()
+                with anyio.fail_after(20):  # its interest reaches the server's connection
+                    while True:
+                        try:
+                            await busmod.request(
+                                bus,
+                                names.agent_ctl("phoenix"),
+                                codec.encode_model(PingOp()),
+                                timeout=2,
+                            )
+                            break
+                        except MLScopeError:
+                            await anyio.sleep(0.1)
                 seen.append(await gone(bus, ran))  # answers; no registry entry to tell
                 for entry in (
                     ran,
