@@ -25,12 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from analysis.data import MEASURED_AS
-from mlscope.catalog import Catalog
 from mlscope.errors import MLScopeError
+
+if TYPE_CHECKING:  # the catalog's manifests are read only where sizes are wanted
+    from mlscope.catalog import Catalog
 
 __all__ = [
     "KEY",

@@ -123,6 +123,10 @@ def build(
         summ = summary(
             source, evaluated=pd.concat([shown, evaluations(source, runs)]) if runs else shown
         )
+        # drawn from the summary alone, while the other reads still run
+        throughput = _throughput_sections(
+            summ, sizes() if callable(sizes) else sizes, prices_per_hour
+        )
         lat, windows = lat_read.result(), windows_read.result()
         layers = [r.result() for r in layer_reads]
     sections = [_summary_section(summ)]
@@ -140,7 +144,7 @@ def build(
                 )
             )
     sections.append(latency)
-    sections += _throughput_sections(summ, sizes() if callable(sizes) else sizes, prices_per_hour)
+    sections += throughput
     sections += layers
     # Runs with per-query samples (an imported MLPerf run may have none); a sweep's
     # parent is the sum of its steps, never a run of its own.

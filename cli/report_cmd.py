@@ -22,13 +22,13 @@ import anyio
 
 from cli.console import Bar, progress
 from cli.submit_errors import flags_contract, positive_float, positive_ints
-from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
 
 if TYPE_CHECKING:
     from analysis.report import Report
+    from mlscope.catalog import Catalog
 
 __all__ = ["register", "suite_jobs"]
 
@@ -146,6 +146,7 @@ def run_suite(args: argparse.Namespace) -> int:
     from analysis.figures import model_sizes
     from analysis.source import open_source
     from analysis.summary import summary
+    from mlscope.catalog import Catalog, default_manifest_dirs
 
     settings: Settings = args.settings
     catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
@@ -225,7 +226,10 @@ def _build(args: argparse.Namespace, bar: Bar) -> Report:
 
 
 def _model_sizes(settings: Settings) -> dict[str, int]:
+    # imported here, on the catalog's thread: the manifests' models load while the
+    # report's reads wait on the server
     from analysis.figures import model_sizes
+    from mlscope.catalog import Catalog, default_manifest_dirs
 
     return model_sizes(
         Catalog.load(default_manifest_dirs(settings.manifests_dir)), settings.zoo_dir
