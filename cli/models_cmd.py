@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -22,10 +23,10 @@ from cli.submit_errors import framework_name
 from mlscope import artifact_bucket
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore
+from mlscope.buildlock import BuildLock
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.errors import ManifestError, MLScopeError
 from mlscope.fetchpolicy import BUS_SCHEMES
-from mlscope.hashing import sha256_path
 from mlscope.manifest import ModelManifest, iter_manifest_files, load_manifest
 from mlscope.model_registry import (
     ManifestWatcher,
@@ -200,22 +201,23 @@ def own_files(m: ModelManifest) -> list[str]:
     return sorted({PurePosixPath(f).parts[0] for f in named if f})
 
 
-def _pinned(path: Path, m: ModelManifest) -> None:
+def _pinned(path: Path, m: ModelManifest, lock: BuildLock) -> None:
     """The manifest's checksums are its files' (a file changed since the manifest was
-    written is refused here, not by every agent after the push)."""
+    written is refused here, not by every agent after the push). ``lock``: the files as
+    they were copied for the push, each hashed once."""
     source = path.parent / (m.assets.base_url or "")
     pins = (
         (m.assets.graph_path, m.assets.sha256),
         (m.assets.weights_path, m.assets.weights_sha256),
     )
     for relative, pinned in pins:
-        file = source / relative if relative else None
-        if file is None or pinned is None or not file.is_file():
+        if relative is None or pinned is None:
             continue
-        if sha256_path(file) != pinned:
+        got = lock.files.get(PurePosixPath(relative).as_posix())
+        if got is not None and got != pinned:
             raise ManifestError(
-                f"{file} does not have the sha256 the manifest pins ({pinned[:12]}...): "
-                "it changed since the manifest was written",
+                f"{source / relative} does not have the sha256 the manifest pins "
+                f"({pinned[:12]}...): it changed since the manifest was written",
                 file=str(path),
                 field="assets.sha256",
             )
@@ -229,7 +231,6 @@ async def with_files_on_bus(
     when an agent fetches them) and points there; any other is returned as it is."""
     if "://" in (m.assets.base_url or ""):
         return m
-    await anyio.to_thread.run_sync(_pinned, path, m)
     await artifact_bucket.push_files(
         bus,
         path.parent / (m.assets.base_url or ""),
@@ -237,6 +238,7 @@ async def with_files_on_bus(
         version=m.version,
         artifacts=own_files(m),
         origin={"published": path.name},
+        check=partial(_pinned, path, m),
         replicas=replicas,
         log=lambda line: print(line, file=sys.stderr),
     )

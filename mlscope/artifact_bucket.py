@@ -173,6 +173,14 @@ async def push(
     so is, unless ``replace``, other bytes under the same name and version.
     """
     lock = await anyio.to_thread.run_sync(_local_build, model_dir)
+    return await _send(bus, model_dir, lock, log=log, replicas=replicas, replace=replace)
+
+
+async def _send(
+    bus: Bus, model_dir: Path, lock: BuildLock, *, log: Log, replicas: int, replace: bool
+) -> bool:
+    """Put ``model_dir``'s files, which ``lock`` lists with their sha256, and then the
+    lock into the bucket (see :func:`push`)."""
     obs = await ensure_bucket(bus, replicas=replicas)
     remote = await _remote_lock(bus, obs, lock.model, lock.version)
     if remote is not None and remote.same_bytes(lock):
@@ -207,15 +215,18 @@ async def push_files(
     version: str,
     artifacts: list[str],
     origin: dict[str, Any],
+    check: Callable[[BuildLock], None] | None = None,
     log: Log = _quiet,
     replicas: int = 1,
 ) -> BuildLock:
     """Put a model's own files (``artifacts``: top-level files or directories under
     ``source``, such as a manifest's graph and labels) into the bucket as
     ``zoo://name/version``, with a build lock made of them; its lock. The files are
-    copied to a scratch directory first, so ``source`` gets no lock and a file changed
-    meanwhile is not pushed under an old hash. Other bytes already in the bucket under
-    that name and version are an ArtifactError (a new version publishes new bytes)."""
+    copied to a scratch directory first and hashed there once, so ``source`` gets no
+    lock and a file changed meanwhile is not pushed under an old hash. ``check`` sees
+    that lock before anything is sent (a caller's pinned checksums; it raises to stop
+    the push). Other bytes already in the bucket under that name and version are an
+    ArtifactError (a new version publishes new bytes)."""
     zoo_coordinates(f"zoo://{name}/{version}")
     with tempfile.TemporaryDirectory(prefix="mlscope-publish-") as tmp:
         root = Path(tmp)
@@ -239,7 +250,10 @@ async def push_files(
             return lock
 
         lock = await anyio.to_thread.run_sync(stage)
-        await push(bus, root, log=log, replicas=replicas, replace=False)
+        if check is not None:
+            check(lock)
+        # the scratch directory is this call's own: its files are the lock's
+        await _send(bus, root, lock, log=log, replicas=replicas, replace=False)
     return lock
 
 

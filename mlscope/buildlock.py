@@ -30,7 +30,7 @@ from typing import Any
 
 from mlscope.bounded import read_regular
 from mlscope.errors import ArtifactError
-from mlscope.hashing import sha256_path
+from mlscope.hashing import sha256_path, tree_files, tree_sha256
 
 __all__ = ["LOCK_NAME", "BuildLock"]
 
@@ -67,17 +67,21 @@ class BuildLock:
         behaviour: Mapping[str, Any] | None = None,
     ) -> BuildLock:
         """Hash what is in ``root`` now."""
-        names = sorted(artifacts)
         files: dict[str, str] = {}
-        for name in names:
+        tops: dict[str, str] = {}
+        for name in sorted(artifacts):  # each file read once
             path = root / name
-            subs = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-            for f in subs:
-                files[f.relative_to(root).as_posix()] = sha256_path(f)
+            key = path.relative_to(root).as_posix()
+            if not path.is_dir():
+                files[key] = tops[name] = sha256_path(path)
+                continue
+            tree = [(f.relative_to(path).as_posix(), sha256_path(f)) for f in tree_files(path)]
+            files.update((f"{key}/{relative}", sha) for relative, sha in tree)
+            tops[name] = tree_sha256(tree)
         return cls(
             model=model,
             version=version,
-            artifacts={n: sha256_path(root / n) for n in names},
+            artifacts=tops,
             files=files,
             origin={"at": time.time(), **origin},
             behaviour=dict(behaviour or {}),
