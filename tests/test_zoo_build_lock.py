@@ -134,3 +134,40 @@ def test_a_failed_build_leaves_no_scratch_and_lets_the_next_one_run(
     monkeypatch.setattr(zoo_build, "_run_child", HeldChild())
     zoo_build.build(tmp_path, only=[MODEL.name], pinned={}, log=lambda _line: None)
     assert installed_writers(tmp_path / MODEL.name / MODEL.version) == {"MainThread"}
+
+
+def test_a_lock_hashes_each_file_once_and_its_trees_as_sha256_path_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build lock's hash of a directory artifact (a SavedModel) is made from its files'
+    hashes, the same digest ``sha256_path`` gives the tree; no file is read twice."""
+    from mlscope import buildlock
+
+    (tmp_path / "m.savedmodel" / "variables").mkdir(parents=True)
+    (tmp_path / "m.savedmodel" / "saved_model.pb").write_bytes(b"graph")
+    (tmp_path / "m.savedmodel" / "variables" / "v.data").write_bytes(b"\0" * 3000)
+    (tmp_path / "m.savedmodel" / "variables" / "v.index").write_bytes(b"index")
+    (tmp_path / "m.onnx").write_bytes(b"onnx")
+    expected = {a: sha256_path(tmp_path / a) for a in ("m.savedmodel", "m.onnx")}
+    read: list[Path] = []
+
+    def counted(path: Path) -> str:
+        if path.is_file():
+            read.append(path)
+        return sha256_path(path)
+
+    monkeypatch.setattr(buildlock, "sha256_path", counted)
+    lock = BuildLock.of(
+        tmp_path, model="m", version="1", artifacts=["m.savedmodel", "m.onnx"], origin={}
+    )
+    assert lock.artifacts == expected
+    assert sorted(lock.files) == [
+        "m.onnx",
+        "m.savedmodel/saved_model.pb",
+        "m.savedmodel/variables/v.data",
+        "m.savedmodel/variables/v.index",
+    ]
+    assert lock.files["m.savedmodel/variables/v.data"] == sha256_path(
+        tmp_path / "m.savedmodel/variables/v.data"
+    )
+    assert sorted(read) == sorted(p for p in tmp_path.rglob("*") if p.is_file())
