@@ -16,11 +16,14 @@ merges them by global index (:func:`mlscope.schedule.merge_values`) into one
 :class:`RunRecord`, judged once. While they run, each child prints ``progress DONE``
 lines (queries completed in its slice); the parent sums them into the evaluation's
 progress events (without a running p50: the latencies stay in the children until the
-end).
+end). A cancelled job's parent writes ``stop`` to every child: each stops its load,
+writes the arrays of what it had issued and answered, and ends; the merged record is
+what the cancelled run stores, as a run on one load generator does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -34,6 +37,7 @@ from typing import IO, Any, BinaryIO
 
 import anyio
 import numpy as np
+from anyio.lowlevel import current_token
 
 from broker.context import Context
 from broker.loadgen import Driver, encode_query
@@ -52,6 +56,8 @@ __all__ = ["load_result", "main", "merge_results", "run_dealt", "save_result"]
 START_LEAD_S = 0.2
 PROGRESS_S = 0.5
 READY_TIMEOUT_S = 60.0
+STOP_WAIT_S = 5.0
+"""How long stopped processes have to write what they had sent and end."""
 
 
 async def run_dealt(
@@ -79,6 +85,8 @@ async def run_dealt(
     on_progress = ctx.on_progress
 
     stop = threading.Event()
+    kept: list[RunRecord] = []  # a stopped run's merged record
+    finished = threading.Event()
 
     def report(done: int, elapsed_s: float) -> None:  # from the waiting thread
         if on_progress is None or stop.is_set():
@@ -91,15 +99,25 @@ async def run_dealt(
 
         anyio.from_thread.run(emit)
 
+    def work() -> RunRecord:
+        try:
+            return _run_processes(cfg, parts, payloads, labels, timeout, report, stop, kept)
+        finally:
+            finished.set()
+
+    t0 = time.monotonic()
     try:
-        # Abandoned when cancelled: the thread then sees ``stop``, kills the processes
+        # Abandoned when cancelled: the thread then sees ``stop``, stops the processes
         # within a progress interval and returns, instead of the job waiting them out.
-        return await anyio.to_thread.run_sync(
-            lambda: _run_processes(cfg, parts, payloads, labels, timeout, report, stop),
-            abandon_on_cancel=True,
-        )
+        return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
     except anyio.get_cancelled_exc_class():
         stop.set()
+        with anyio.CancelScope(shield=True):
+            # what the processes had issued and answered, as the cancelled run's record
+            await anyio.to_thread.run_sync(finished.wait, PROGRESS_S + STOP_WAIT_S + 5)
+            if kept and on_progress is not None:
+                kept[0].warmup = min(spec.warmup_queries, kept[0].n)
+                await on_progress(kept[0], time.monotonic() - t0)
         raise
 
 
@@ -111,9 +129,12 @@ def _run_processes(
     timeout: float,
     report: Callable[[int, float], None],
     stop: threading.Event,
+    kept: list[RunRecord],
 ) -> RunRecord:
-    """Write each slice, start one process per slice, start them together, merge;
-    ``stop`` (the job was cancelled) kills them and ends the run without a result."""
+    """Write each slice, start one process per slice, start them together, merge.
+    ``stop`` (the job was cancelled) stops them: their merged record of what they had
+    sent goes into ``kept`` (when every one wrote it), and the run ends without a
+    result."""
     with tempfile.TemporaryDirectory(prefix="mlscope-lg-") as tmp:
         procs = []
         try:
@@ -142,15 +163,20 @@ def _run_processes(
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+        if stop.is_set():
+            written = all((Path(tmp) / f"lg{j}-result.npz").is_file() for j in range(len(parts)))
+            if written and not any(codes):  # a slice stopped before its start has none
+                kept.append(_merged(Path(tmp), parts))
+            raise EvaluationError("the run was stopped: its job was cancelled")
         if any(codes):
             raise EvaluationError(f"a load-generator process failed (exit codes {codes})")
-        return merge_results(
-            parts,
-            [
-                load_result(Path(tmp) / f"lg{j}-result.npz", len(part))
-                for j, part in enumerate(parts)
-            ],
-        )
+        return _merged(Path(tmp), parts)
+
+
+def _merged(tmp: Path, parts: list[Schedule]) -> RunRecord:
+    return merge_results(
+        parts, [load_result(tmp / f"lg{j}-result.npz", len(part)) for j, part in enumerate(parts)]
+    )
 
 
 def _child_env() -> dict[str, str]:
@@ -187,8 +213,8 @@ def _wait(
     stop: threading.Event,
 ) -> list[int]:
     """Exit codes of every child; their ``progress`` lines summed into ``report`` about
-    every half second while they run. ``stop`` set: an EvaluationError at once (the
-    caller kills the children)."""
+    every half second while they run. ``stop`` set: each child is told to stop and has
+    :data:`STOP_WAIT_S` to end (the caller kills those that did not; their code is -1)."""
     done = [0] * len(procs)
 
     def follow(j: int, p: subprocess.Popen[str]) -> None:
@@ -208,11 +234,26 @@ def _wait(
         if time.monotonic() > deadline:
             raise EvaluationError(f"load-generator processes still running after {timeout:g} s")
         if stop.wait(PROGRESS_S):
-            raise EvaluationError("the run was stopped: its job was cancelled")
+            return _stopped(procs)
         report(sum(done), time.monotonic() - t0)
     for r in readers:
         r.join(5)
     return [int(p.returncode) for p in procs]
+
+
+def _stopped(procs: list[subprocess.Popen[str]]) -> list[int]:
+    """Tell every child still running to stop; the exit codes of all of them after at
+    most :data:`STOP_WAIT_S` (-1 for one still running)."""
+    for p in procs:
+        with contextlib.suppress(OSError):  # ended meanwhile: its pipe is closed
+            stdin = _pipe(p, p.stdin)
+            stdin.write("stop\n")
+            stdin.flush()
+    deadline = time.monotonic() + STOP_WAIT_S
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+    return [-1 if p.returncode is None else int(p.returncode) for p in procs]
 
 
 def _result_layout(queries: int) -> dict[str, tuple[str, int | None]]:
@@ -324,8 +365,24 @@ async def _child(cfg: dict[str, Any]) -> None:
             on_progress=_print_progress,
             tuning=ProcessTuning(),  # this process runs one slice
         )
-        rec = await driver.run()
-    save_result(rec, f"{base}-result.npz")
+        with anyio.CancelScope() as scope:
+            _stop_on_stdin(scope)
+            await driver.run()
+    if driver.record is not None:  # cancelled: every query issued up to the stop
+        save_result(driver.record, f"{base}-result.npz")
+
+
+def _stop_on_stdin(scope: anyio.CancelScope) -> None:
+    """The parent's next line on stdin (``stop``, or the end of the pipe: the parent is
+    gone) cancels ``scope``. A daemon thread: a blocked read must not keep the process."""
+    token = current_token()
+
+    def watch() -> None:
+        sys.stdin.readline()
+        with contextlib.suppress(Exception):  # the run ended first: nothing to stop
+            anyio.from_thread.run_sync(scope.cancel, token=token)
+
+    threading.Thread(target=watch, name="stop-on-stdin", daemon=True).start()
 
 
 def save_result(rec: RunRecord, file: str | BinaryIO) -> None:
