@@ -30,7 +30,8 @@ from broker.scenario_kinds import get
 from mlscope import scenario_traits, schedule
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
-from mlscope.manifest import ScenarioFile, load_yaml, parse_manifest, scenario_refusal
+from mlscope.manifest_files import load_yaml, parse_manifest, scenario_refusal
+from mlscope.scenario_file import ScenarioFile
 from mlscope.schedule import Schedule
 from mlscope.validity import ValidityPolicy
 

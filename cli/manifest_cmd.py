@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from mlscope.errors import ManifestError
-from mlscope.manifest import iter_manifest_files, load_manifest
+from mlscope.manifest_files import iter_manifest_files, load_manifest
 
 __all__ = ["register", "run"]
 

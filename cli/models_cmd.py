@@ -27,7 +27,8 @@ from mlscope.buildlock import BuildLock
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs
 from mlscope.errors import ManifestError, MLScopeError
 from mlscope.fetchpolicy import BUS_SCHEMES
-from mlscope.manifest import ModelManifest, iter_manifest_files, load_manifest
+from mlscope.manifest import ModelManifest
+from mlscope.manifest_files import iter_manifest_files, load_manifest
 from mlscope.model_registry import (
     ManifestWatcher,
     delete_manifest,

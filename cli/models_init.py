@@ -32,7 +32,8 @@ from cli.submit_errors import FlagError
 from mlscope.bounded import MAX_DOCUMENT_BYTES
 from mlscope.errors import ConfigError, ManifestError
 from mlscope.hashing import sha256_path
-from mlscope.manifest import NAME_MAX_CHARS, parse_manifest
+from mlscope.manifest import NAME_MAX_CHARS
+from mlscope.manifest_files import parse_manifest
 from mlscope.secrets_io import write_atomic
 
 __all__ = ["Tensor", "register", "starter_manifest"]

@@ -199,8 +199,8 @@ def framework_name(text: str) -> str:
 
 def device_name(text: str) -> str:
     """An argparse type: a device a predictor opens models on (``mlscope agent
-    --device``): ``cpu``, ``cuda``, ``cuda:1``... (:data:`mlscope.manifest.DEVICE_KINDS`)."""
-    from mlscope.manifest import device_problem
+    --device``): ``cpu``, ``cuda``, ``cuda:1``... (:data:`mlscope.devices.DEVICE_KINDS`)."""
+    from mlscope.devices import device_problem
 
     problem = device_problem(text.strip())
     if problem is not None:

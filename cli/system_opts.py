@@ -15,7 +15,8 @@ from pathlib import Path
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import SystemRequirement
 from mlscope.errors import ConfigError
-from mlscope.manifest import SystemManifest, load_manifest
+from mlscope.manifest import SystemManifest
+from mlscope.manifest_files import load_manifest
 from mlscope.settings import Settings
 from mlscope.sysmatch import from_manifest
 

@@ -20,13 +20,8 @@ from packaging.version import Version
 from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
 from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError, UnknownModelError
-from mlscope.manifest import (
-    FrameworkManifest,
-    ModelManifest,
-    SystemManifest,
-    iter_manifest_files,
-    load_manifest,
-)
+from mlscope.manifest import FrameworkManifest, ModelManifest, SystemManifest
+from mlscope.manifest_files import iter_manifest_files, load_manifest
 from mlscope.versions import satisfies
 
 __all__ = ["Catalog", "Entry", "default_manifest_dirs"]

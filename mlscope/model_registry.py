@@ -28,7 +28,8 @@ from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.catalog import Catalog, Entry
 from mlscope.errors import ManifestError
 from mlscope.kvread import BucketWatch, bucket_keys
-from mlscope.manifest import ModelManifest, mark_untrusted, parse_manifest
+from mlscope.manifest import ModelManifest, mark_untrusted
+from mlscope.manifest_files import parse_manifest
 from mlscope.serving import as_error
 
 __all__ = [

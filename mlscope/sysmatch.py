@@ -16,7 +16,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from mlscope.contracts import AgentDescription, SystemRequirement
-from mlscope.manifest import device_kind
+from mlscope.devices import device_kind
 
 __all__ = ["describe", "effective", "from_manifest", "misses", "usable_memory"]
 

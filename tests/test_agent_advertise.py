@@ -28,7 +28,8 @@ from mlscope.contracts import (
     RefusedModel,
 )
 from mlscope.errors import BusRefused
-from mlscope.manifest import NAME_MAX_CHARS, ModelManifest, parse_manifest
+from mlscope.manifest import NAME_MAX_CHARS, ModelManifest
+from mlscope.manifest_files import parse_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings

@@ -22,7 +22,8 @@ from mlscope import artifact_bucket, names, objects
 from mlscope import bus as busmod
 from mlscope.buildlock import LOCK_NAME, BuildLock
 from mlscope.errors import ArtifactError
-from mlscope.manifest import Assets, ModelManifest, parse_manifest
+from mlscope.manifest import Assets, ModelManifest
+from mlscope.manifest_files import parse_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents

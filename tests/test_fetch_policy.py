@@ -18,7 +18,8 @@ from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore
 from mlscope.errors import ArtifactError, ChecksumMismatch
 from mlscope.fetchpolicy import FetchPolicy
-from mlscope.manifest import ModelManifest, parse_manifest
+from mlscope.manifest import ModelManifest
+from mlscope.manifest_files import parse_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.registry import list_agents
 from tests.conftest import REPO

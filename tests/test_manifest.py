@@ -10,15 +10,9 @@ import pytest
 
 from cli import manifest_cmd
 from mlscope.errors import ManifestError
-from mlscope.manifest import (
-    FrameworkManifest,
-    ModelManifest,
-    ScenarioFile,
-    SystemManifest,
-    iter_manifest_files,
-    load_manifest,
-    mark_untrusted,
-)
+from mlscope.manifest import FrameworkManifest, ModelManifest, SystemManifest, mark_untrusted
+from mlscope.manifest_files import iter_manifest_files, load_manifest
+from mlscope.scenario_file import ScenarioFile
 from mlscope.settings import Settings
 from tests.zoo_fixtures import MANIFESTS
 

@@ -26,9 +26,8 @@ from mlscope.manifest import (
     NAME_MAX_CHARS,
     VERSION_MAX_CHARS,
     ModelManifest,
-    load_manifest,
-    parse_manifest,
 )
+from mlscope.manifest_files import load_manifest, parse_manifest
 from mlscope.model_registry import _parse
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ from broker.scenario_kinds.peak import Peak
 from mlscope import scenario_traits
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError, ManifestError
-from mlscope.manifest import load_manifest
+from mlscope.manifest_files import load_manifest
 from mlscope.validity import ValidityPolicy
 from tests.conftest import REPO
 

@@ -14,7 +14,7 @@ import pytest
 import cli.submit
 from broker.scenarios import read_arrivals, scenario_spec
 from mlscope.errors import BusError, ManifestError
-from mlscope.manifest import load_manifest
+from mlscope.manifest_files import load_manifest
 
 pytestmark = pytest.mark.timeout(30)
 

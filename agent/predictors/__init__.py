@@ -26,8 +26,9 @@ import numpy as np
 
 from mlscope import sysinfo
 from mlscope.contracts import Accelerator, FrameworkInfo
+from mlscope.devices import device_kind
 from mlscope.errors import ConfigError, FrameworkUnavailable, InputMismatchError
-from mlscope.manifest import FRAMEWORKS, ModelManifest, device_kind
+from mlscope.manifest import FRAMEWORKS, ModelManifest
 from mlscope.predictor import Predictor, PredictorOptions
 
 __all__ = [
