@@ -44,52 +44,28 @@ def run(settings: Settings, spec: ScenarioSpec) -> EvaluationSummary:
     return anyio.run(lambda: submit(settings, job, timeout=180), backend="asyncio")
 
 
+def stored(settings: Settings, sql: str, evaluation_id: str) -> list[list[object]]:
+    """The rows of ``sql`` (its parameter ``e``: the evaluation) read through the server."""
+
+    async def go() -> list[list[object]]:
+        async with busmod.connect(settings, name="test") as bus:
+            return (await remote.sql(bus, sql, {"e": evaluation_id}))[1]
+
+    return anyio.run(go, backend="asyncio")
+
+
 def stored_count(settings: Settings, evaluation_id: str) -> int:
-    async def go() -> list[list[object]]:
-        async with busmod.connect(settings, name="test") as bus:
-            return (
-                await remote.sql(
-                    bus,
-                    "SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}",
-                    {"e": evaluation_id},
-                )
-            )[1]
-
-    return int(str(anyio.run(go, backend="asyncio")[0][0]))
-
-
-def stored_indices(settings: Settings, evaluation_id: str) -> list[int]:
-    """The query indices stored for an evaluation, in order."""
-
-    async def go() -> list[list[object]]:
-        async with busmod.connect(settings, name="test") as bus:
-            return (
-                await remote.sql(
-                    bus,
-                    "SELECT query_index FROM queries FINAL WHERE evaluation_id = {e:String} "
-                    "ORDER BY query_index",
-                    {"e": evaluation_id},
-                )
-            )[1]
-
-    return [int(str(r[0])) for r in anyio.run(go, backend="asyncio")]
+    sql = "SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}"
+    return int(str(stored(settings, sql, evaluation_id)[0][0]))
 
 
 def rows(settings: Settings, evaluation_id: str) -> np.ndarray:
     """(index, scheduled, issued, completed) ns of every stored query, in index order."""
-
-    async def go() -> list[list[object]]:
-        async with busmod.connect(settings, name="test") as bus:
-            return (
-                await remote.sql(
-                    bus,
-                    "SELECT query_index, scheduled_ns, issued_ns, completed_ns FROM queries "
-                    "FINAL WHERE evaluation_id = {e:String} ORDER BY query_index",
-                    {"e": evaluation_id},
-                )
-            )[1]
-
-    return np.asarray(anyio.run(go, backend="asyncio"), dtype=np.int64).reshape(-1, 4)
+    sql = (
+        "SELECT query_index, scheduled_ns, issued_ns, completed_ns FROM queries "
+        "FINAL WHERE evaluation_id = {e:String} ORDER BY query_index"
+    )
+    return np.asarray(stored(settings, sql, evaluation_id), dtype=np.int64).reshape(-1, 4)
 
 
 def test_cli_noop_online_json_has_issue_lag_and_split(noop_stack: Stack) -> None:
@@ -323,7 +299,7 @@ def test_a_cancelled_run_over_several_load_generators_stops_at_once(noop_stack: 
     assert answered > 0, s
     assert f"{answered} of {sent} issued queries answered" in s.invalid_reasons[0], s
     # both processes' slices are in the rows: queries dealt round-robin, i % 2
-    indices = stored_indices(noop_stack.settings, s.evaluation_id)
+    indices = rows(noop_stack.settings, s.evaluation_id)[:, 0].tolist()
     assert indices == list(range(s.queries)), indices[:20]
 
 
