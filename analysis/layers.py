@@ -37,6 +37,7 @@ __all__ = [
     "ATTRS_MAX_DEPTH",
     "ATTR_TEXT_MAX_CHARS",
     "SHAPE_MAX_CHARS",
+    "TOP_LAYER_COLUMNS",
     "attr_text",
     "layer_kind",
     "layer_kinds",
@@ -137,6 +138,25 @@ def layer_spans_left_out(source: Source, evaluation_id: str, *, kind: str | None
     return int(got["n"].iloc[0]) if len(got) else 0
 
 
+TOP_LAYER_COLUMNS = [
+    "rank",
+    "layer",
+    "op_type",
+    "shape",
+    "device",
+    "calls",
+    "total_ms",
+    "mean_ms",
+    "share",
+    "dominant",
+    "dominant_ms",
+    "dominant_share",
+    "alloc_mb",
+    "predict_share",
+]
+"""The columns of :func:`top_layers`."""
+
+
 def top_layers(
     source: Source, evaluation_id: str, n: int = 10, *, kind: str | None = None
 ) -> pd.DataFrame:
@@ -150,35 +170,31 @@ def top_layers(
     every other figure (:data:`_MEASURED`).
     Spans that end before they start are left out (:func:`layer_spans_left_out`), and
     attributes that cannot be read are not shown (:func:`span_attrs`)."""
-    cols = [
-        "rank",
-        "layer",
-        "op_type",
-        "shape",
-        "device",
-        "calls",
-        "total_ms",
-        "mean_ms",
-        "share",
-        "dominant",
-        "dominant_ms",
-        "dominant_share",
-        "alloc_mb",
-        "predict_share",
-    ]
     kind = _kind(source, evaluation_id, kind)
     if kind is None:
-        return pd.DataFrame(columns=cols)
-    params = {"e": evaluation_id}
+        return pd.DataFrame(columns=TOP_LAYER_COLUMNS)
     layers = source.frame(
         f"SELECT name AS layer, count() AS calls, {_sum('ns')} AS total_ns, any(attrs) AS attrs "
         f"FROM ({_layers_sql(kind)}) GROUP BY layer ORDER BY total_ns DESC, layer",
-        params,
+        {"e": evaluation_id},
     )
     total_all = float(layers["total_ns"].sum()) or 1.0
     predict_ns = _predict_ns(source, evaluation_id)
     top = layers.head(n)
-    kernels = source.frame(
+    kernels = _kernels_below(source, evaluation_id, kind, list(top["layer"]))
+    rows = [
+        _layer_row(i, r, kernels, total_all=total_all, predict_ns=predict_ns)
+        for i, r in enumerate(top.to_dict("records"), start=1)
+    ]
+    return pd.DataFrame(rows, columns=TOP_LAYER_COLUMNS)
+
+
+def _kernels_below(
+    source: Source, evaluation_id: str, kind: str, layers: list[str]
+) -> pd.DataFrame:
+    """layer, child, ns: the time of each kernel (or op) below each of ``layers``, most
+    first within a layer."""
+    return source.frame(
         f"SELECT l.name AS layer, k.name AS child, {_sum('k.ns')} AS ns "
         f"FROM (SELECT agent_id, parent_id, name, {_DURATION} AS ns FROM spans FINAL "
         f"WHERE evaluation_id = {{e:String}} AND kind IN ('kernel', 'op') "
@@ -187,38 +203,44 @@ def top_layers(
         f"ON k.parent_id = l.span_id AND k.agent_id = l.agent_id "
         f"WHERE l.name IN {{names:Array(String)}} GROUP BY layer, child "
         f"ORDER BY layer, ns DESC, child",
-        {**params, "names": list(top["layer"])},
+        {"e": evaluation_id, "names": layers},
     )
-    rows = []
-    for i, r in enumerate(top.to_dict("records"), start=1):
-        attrs = span_attrs(r["attrs"])
-        op_type = attr_text(attrs, "op_type")
-        mine = kernels[kernels["layer"] == r["layer"]] if len(kernels) else kernels
-        if len(mine):
-            dom_ns = float(mine["ns"].iloc[0])
-            # kernels of no time at all: the first of them is all there is
-            dom, dom_share = str(mine["child"].iloc[0]), dom_ns / (float(mine["ns"].sum()) or 1.0)
-        else:  # no kernel below this layer: its op is what dominates
-            dom, dom_ns, dom_share = (op_type or r["layer"], float(r["total_ns"]), 1.0)
-        rows.append(
-            {
-                "rank": i,
-                "layer": r["layer"],
-                "op_type": op_type,
-                "shape": shape_text(attrs.get("shape")),
-                "device": attr_text(attrs, "device"),
-                "calls": int(r["calls"]),
-                "total_ms": float(r["total_ns"]) / 1e6,
-                "mean_ms": float(r["total_ns"]) / int(r["calls"]) / 1e6,
-                "share": float(r["total_ns"]) / total_all,
-                "dominant": dom,
-                "dominant_ms": dom_ns / 1e6,
-                "dominant_share": dom_share,
-                "alloc_mb": _mb(attrs.get("output_bytes")),
-                "predict_share": float(r["total_ns"]) / predict_ns if predict_ns else None,
-            }
-        )
-    return pd.DataFrame(rows, columns=cols)
+
+
+def _layer_row(
+    rank: int,
+    r: dict[str, Any],
+    kernels: pd.DataFrame,
+    *,
+    total_all: float,
+    predict_ns: float,
+) -> dict[str, Any]:
+    """One row of :func:`top_layers` from the layer's aggregate ``r``."""
+    attrs = span_attrs(r["attrs"])
+    op_type = attr_text(attrs, "op_type")
+    mine = kernels[kernels["layer"] == r["layer"]] if len(kernels) else kernels
+    if len(mine):
+        dom_ns = float(mine["ns"].iloc[0])
+        # kernels of no time at all: the first of them is all there is
+        dom, dom_share = str(mine["child"].iloc[0]), dom_ns / (float(mine["ns"].sum()) or 1.0)
+    else:  # no kernel below this layer: its op is what dominates
+        dom, dom_ns, dom_share = (op_type or r["layer"], float(r["total_ns"]), 1.0)
+    return {
+        "rank": rank,
+        "layer": r["layer"],
+        "op_type": op_type,
+        "shape": shape_text(attrs.get("shape")),
+        "device": attr_text(attrs, "device"),
+        "calls": int(r["calls"]),
+        "total_ms": float(r["total_ns"]) / 1e6,
+        "mean_ms": float(r["total_ns"]) / int(r["calls"]) / 1e6,
+        "share": float(r["total_ns"]) / total_all,
+        "dominant": dom,
+        "dominant_ms": dom_ns / 1e6,
+        "dominant_share": dom_share,
+        "alloc_mb": _mb(attrs.get("output_bytes")),
+        "predict_share": float(r["total_ns"]) / predict_ns if predict_ns else None,
+    }
 
 
 def _predict_ns(source: Source, evaluation_id: str) -> float:
