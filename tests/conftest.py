@@ -243,6 +243,20 @@ async def wait_loadgens(
     raise TimeoutError(f"{count} load generator(s) did not register within {timeout}s")
 
 
+async def evaluations_of(settings: Settings, job_id: str) -> list[str]:
+    """The evaluations stored for a job (one, however often it was run)."""
+    from mlscope import bus as busmod
+    from mlscope import remote
+
+    async with busmod.connect(settings, name="test") as bus:
+        _, rows = await remote.sql(
+            bus,
+            "SELECT evaluation_id FROM evaluations FINAL WHERE job_id = {j:String}",
+            {"j": job_id},
+        )
+    return [r[0] for r in rows]
+
+
 async def wait_server(settings: Settings, timeout: float = 60.0) -> None:
     """Until a server answers database requests."""
     from mlscope import bus as busmod

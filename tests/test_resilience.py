@@ -1,10 +1,10 @@
-"""Failure behaviour: ingester restarts, server death mid-job, malformed messages."""
+"""Failure behaviour: ingester restarts, poison span batches, malformed messages, no server,
+busy servers, a failed job's agent session, SIGTERM during a load."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from broker.db import Database
 from broker.ingest import Ingester
 from broker.server import MAX_PARALLEL_JOBS
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
+from mlscope import codec, names
 from mlscope.contracts import (
     JobEvent,
     JobRequest,
@@ -31,14 +31,11 @@ from mlscope.contracts import (
 )
 from mlscope.errors import BusError, EvaluationError, MLScopeError, WireError, error_from_wire
 from mlscope.jobs import submit, submit_on
-from mlscope.natsserver import NatsServer, free_port
-from mlscope.registry import list_agents
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 from tests.conftest import (
     agent_and_server,
     child_env,
-    make_data_dir,
     python,
     wait_agents,
     wait_server,
@@ -200,319 +197,6 @@ def _count(db: Database, eval_id: str) -> int:
     )
 
 
-def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
-    env = child_env(settings)
-    agent = subprocess.Popen(
-        [python(), "-m", "cli.main", "agent", "--framework", "onnxruntime"], env=env
-    )
-    first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-    second = None
-    try:
-        anyio.run(wait_agents, settings, 1)
-        job = JobRequest(
-            model="digits_cnn",
-            framework="onnxruntime",
-            scenario=ScenarioSpec(name="online", qps=100, duration_s=4),
-        )
-        events: list[str] = []
-
-        def on_event(e: JobEvent) -> None:
-            events.append(f"{e.event}:{e.server_id}")
-            nonlocal second
-            if e.event == "progress" and second is None:
-                first.send_signal(signal.SIGKILL)  # dies mid-job, without acknowledging
-                first.wait(20)
-                _rows_of_a_lost_attempt(settings, evaluation_id_for(job.job_id))
-                second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-
-        summary = anyio.run(
-            lambda: submit(settings, job, on_event=on_event, timeout=150), backend="asyncio"
-        )
-        servers = {e.split(":")[1] for e in events if e.startswith("accepted")}
-        assert len(servers) == 2, events  # taken by the first, run again by the second
-        assert any(e.startswith("restarted") for e in events), events  # and said so
-        assert summary.status == "completed" and summary.queries > 100
-        # Exactly one evaluation, under the id the job determines.
-        assert summary.evaluation_id == evaluation_id_for(job.job_id)
-        stored = anyio.run(_evaluations_of, settings, job.job_id, backend="asyncio")
-        assert stored == [summary.evaluation_id]
-        # What the lost attempt stored is gone: the rows are the new attempt's only.
-        left = anyio.run(_attempt_rows, settings, summary.evaluation_id, backend="asyncio")
-        assert left == {"queries": summary.queries + summary.not_issued, "lost": 0, "runs": 0}
-    finally:
-        for p in (agent, first, second):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                p.wait(20)
-
-
-def test_a_restarted_placement_agent_job_keeps_no_span_of_its_lost_run(
-    settings: Settings,
-) -> None:
-    """A placement-agent run goes on in the agent after its server dies. The next
-    server stops it before it deletes what the lost attempt stored, so none of the
-    lost run's spans lands under the evaluation afterwards: one root span per query,
-    the new run's."""
-    job = JobRequest(
-        model="noop",
-        framework="noop",
-        placement="agent",
-        # Longer than the job's redelivery (its ack wait): the lost run still runs.
-        scenario=ScenarioSpec(name="online", qps=50, duration_s=24),
-    )
-    agent = ["agent", "--framework", "noop", "--agent-id", "keeper"]
-    _across_a_server_loss(settings, job, [agent])
-
-
-def test_a_restarted_jobs_lost_load_generator_slice_is_stopped(settings: Settings) -> None:
-    """A load-generator service's slice goes on after its server dies, sending the
-    lost attempt's queries to the agent. The next server stops every run of the
-    evaluation on every service before it runs the job again, so the new attempt
-    is not measured beside them: one root span per query, the new run's."""
-    job = JobRequest(
-        model="noop",
-        framework="noop",
-        # Longer than the job's redelivery (its ack wait): the lost slice still runs.
-        scenario=ScenarioSpec(name="online", qps=50, duration_s=24, loadgen_hosts=("lg-held",)),
-    )
-    services = [
-        ["agent", "--framework", "noop", "--agent-id", "held"],
-        ["loadgen", "--id", "lg-held"],
-    ]
-    _across_a_server_loss(settings, job, services)
-
-
-def _across_a_server_loss(settings: Settings, job: JobRequest, services: list[list[str]]) -> None:
-    """``job`` on ``services`` (``mlscope`` argument lists) and a server SIGKILLed at
-    the job's first progress, a second server started then: the job is restarted and
-    completed, and its evaluation holds one root span per query, the new attempt's."""
-    env = child_env(settings)
-    procs = [subprocess.Popen([python(), "-m", "cli.main", *args], env=env) for args in services]
-    first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-    second: subprocess.Popen[bytes] | None = None
-    try:
-        anyio.run(wait_agents, settings, 1)
-        events: list[str] = []
-
-        def on_event(e: JobEvent) -> None:
-            events.append(e.event)
-            nonlocal second
-            if e.event == "progress" and second is None:
-                first.send_signal(signal.SIGKILL)
-                first.wait(20)
-                second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
-
-        summary = anyio.run(
-            lambda: submit(settings, job, on_event=on_event, timeout=200), backend="asyncio"
-        )
-        assert "restarted" in events and summary.status == "completed", events
-        count, queries, last = anyio.run(
-            _query_roots, settings, summary.evaluation_id, backend="asyncio"
-        )
-        assert count == queries, (count, queries)  # no query answered twice
-        assert queries > 0 and last < summary.queries + summary.not_issued
-    finally:
-        for p in (*procs, first, second):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                p.wait(20)
-
-
-async def _query_roots(settings: Settings, eval_id: str) -> list[int]:
-    """The evaluation's query spans: how many, over how many indices, the last index."""
-    async with busmod.connect(settings, name="test") as bus:
-        _, rows = await remote.sql(
-            bus,
-            "SELECT count(), uniqExact(query_index), max(query_index) FROM spans FINAL "
-            "WHERE evaluation_id = {e:String} AND kind = 'query'",
-            {"e": eval_id},
-        )
-    return [int(x) for x in rows[0]]
-
-
-def _rows_of_a_lost_attempt(settings: Settings, eval_id: str) -> None:
-    """What a server that died while storing leaves: query rows past any index the
-    next attempt reaches, a lost attempt's spans, a stored run of its sweep."""
-    with Database(settings.dsn) as db:
-        db.command(
-            "INSERT INTO queries (evaluation_id, query_index) "
-            "SELECT {e:String}, 100000 + number FROM numbers(50)",
-            {"e": eval_id},
-        )
-        db.command(
-            "INSERT INTO spans (evaluation_id, agent_id, span_id) "
-            "SELECT {e:String}, 'lost-attempt', number FROM numbers(20)",
-            {"e": eval_id},
-        )
-        db.command(
-            "INSERT INTO evaluations (evaluation_id, job_id) VALUES ({p:String}, 'lost')",
-            {"p": f"{eval_id}-0"},
-        )
-
-
-async def _attempt_rows(settings: Settings, eval_id: str) -> dict[str, int]:
-    async with busmod.connect(settings, name="test") as bus:
-        _, rows = await remote.sql(
-            bus,
-            "SELECT (SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}), "
-            "(SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String} "
-            "AND agent_id = 'lost-attempt'), "
-            "(SELECT count() FROM evaluations FINAL WHERE evaluation_id = {p:String})",
-            {"e": eval_id, "p": f"{eval_id}-0"},
-        )
-    queries, lost, runs = rows[0]
-    return {"queries": int(queries), "lost": int(lost), "runs": int(runs)}
-
-
-async def _evaluations_of(settings: Settings, job_id: str) -> list[str]:
-    async with busmod.connect(settings, name="test") as bus:
-        _, rows = await remote.sql(
-            bus,
-            "SELECT evaluation_id FROM evaluations FINAL WHERE job_id = {j:String}",
-            {"j": job_id},
-        )
-    return [r[0] for r in rows]
-
-
-def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
-    settings: Settings,
-) -> None:
-    with agent_and_server(settings, "--framework", "noop", "--agent-id", "doomed") as (
-        agent,
-        server,
-    ):
-        job = JobRequest(
-            model="noop",
-            framework="noop",
-            scenario=ScenarioSpec(name="online", qps=200, duration_s=4),
-        )
-
-        def on_event(e: JobEvent) -> None:
-            if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
-                agent.send_signal(signal.SIGKILL)
-
-        summary = anyio.run(
-            lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
-        )
-        assert not summary.valid and agent.poll() is not None
-        lost = [r for r in summary.invalid_reasons if r.startswith("agent doomed lost after")]
-        assert lost, summary.invalid_reasons
-        answered = int(lost[0].split(" after ")[1].split(" of ")[0])
-        total = int(lost[0].split(" of ")[1].split()[0])
-        assert 150 <= answered < total
-
-        async def stored() -> tuple[list[str], list[list[object]]]:
-            async with busmod.connect(settings, name="test") as bus:
-                return await remote.sql(
-                    bus,
-                    "SELECT countIf(ok = 1), countIf(ok = 0 AND error LIKE 'lost: %'), "
-                    "count() FROM queries FINAL WHERE evaluation_id = {e:String}",
-                    {"e": summary.evaluation_id},
-                )
-
-        _, rows = anyio.run(stored, backend="asyncio")
-        assert rows[0] == [answered, total - answered, total]  # every query, each explained
-        assert anyio.run(_evaluations_of, settings, job.job_id, backend="asyncio") == [
-            summary.evaluation_id
-        ]
-        assert server.poll() is None
-
-
-def test_an_agent_restarted_under_its_id_mid_run_is_lost_not_overloaded(
-    settings: Settings,
-) -> None:
-    """Another process answering under the agent's id is not the agent that ran the
-    queries: the run says it lost that agent (which restarted), and the queries the
-    new process refused fail with its reason instead of counting as lost in transit."""
-    env = child_env(settings)
-    cmd = [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "phoenix"]
-    with agent_and_server(settings, "--framework", "noop", "--agent-id", "phoenix") as (
-        agent,
-        _server,
-    ):
-        job = JobRequest(
-            model="noop",
-            framework="noop",
-            scenario=ScenarioSpec(name="online", qps=100, duration_s=20),  # time to restart
-        )
-        reborn: list[subprocess.Popen[bytes]] = []
-
-        def on_event(e: JobEvent) -> None:
-            if e.event == "progress" and e.queries_done >= 100 and not reborn:
-                agent.send_signal(signal.SIGKILL)
-                agent.wait(20)
-                reborn.append(subprocess.Popen(cmd, env=env))
-
-        try:
-            summary = anyio.run(
-                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
-            )
-        finally:
-            for p in reborn:
-                p.terminate()
-                p.wait(20)
-        assert not summary.valid
-        lost = [r for r in summary.invalid_reasons if r.startswith("agent phoenix lost after")]
-        assert lost and lost[0].endswith("(it restarted)"), summary.invalid_reasons
-
-
-def test_a_local_run_whose_agent_restarted_under_its_id_is_lost_at_once(
-    settings: Settings,
-) -> None:
-    """Placement agent: a new process under the run's agent id answers pings but knows
-    nothing of the run. The server says it lost the agent that ran it (which
-    restarted) once that agent goes silent, not after the run's deadline as a run that
-    "did not finish"."""
-    env = child_env(settings)
-    cmd = [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "phoenix"]
-    with agent_and_server(settings, "--framework", "noop", "--agent-id", "phoenix") as (
-        agent,
-        _server,
-    ):
-        first = agent.pid
-        job = JobRequest(
-            model="noop",
-            framework="noop",
-            placement="agent",
-            scenario=ScenarioSpec(name="online", qps=50, duration_s=60),
-        )
-        twin: list[subprocess.Popen[bytes]] = []
-
-        def restart() -> None:
-            """The twin registers under the id, then the first process falls silent."""
-            twin.append(subprocess.Popen(cmd, env=env))
-
-            async def registered() -> None:
-                async with busmod.connect(settings, name="test") as bus:
-                    while True:
-                        now = {a.agent_id: a for a in await list_agents(bus)}.get("phoenix")
-                        if now is not None and now.pid != first:
-                            return
-                        await anyio.sleep(0.2)
-
-            anyio.run(registered, backend="asyncio")
-            agent.send_signal(signal.SIGSTOP)
-
-        def on_event(e: JobEvent) -> None:
-            if e.event == "progress" and e.queries_done >= 50 and not twin:
-                threading.Thread(target=restart, daemon=True).start()
-
-        try:
-            summary = anyio.run(
-                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
-            )
-        finally:
-            agent.kill()
-            agent.wait(20)
-            for p in twin:
-                p.terminate()
-                p.wait(20)
-        assert not summary.valid
-        lost = [r for r in summary.invalid_reasons if r.startswith("agent phoenix lost after")]
-        assert lost and "(it restarted)" in lost[0], summary.invalid_reasons
-        assert summary.queries < 50 * 60 // 2, summary.queries  # the run ended with the agent
-
-
 def test_malformed_messages_get_error_replies_and_services_stay_up(settings: Settings) -> None:
     with agent_and_server(settings, "--framework", "onnxruntime", "--agent-id", "sturdy") as (
         agent,
@@ -645,54 +329,6 @@ def test_a_job_that_fails_after_its_agent_was_prepared_ends_the_agents_session(
     with agent_and_server(settings, "--framework", "noop", "--agent-id", "sess"):
         again = anyio.run(main, backend="asyncio")
     assert again["rss_start_bytes"] is None, again  # nothing was left to release
-
-
-def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(
-    tmp_path: Path, zoo_dir: Path
-) -> None:
-    nats = NatsServer(store_dir=tmp_path / "nats", port=free_port()).start()
-    settings = Settings(nats_url=nats.url, data_dir=make_data_dir(tmp_path / "data", zoo_dir))
-    env = child_env(settings)
-    procs = [
-        subprocess.Popen([python(), "-m", "cli.main", "server"], env=env),
-        subprocess.Popen([python(), "-m", "cli.main", "agent", "--framework", "noop"], env=env),
-    ]
-    outage: list[threading.Thread] = []
-
-    def down_and_up() -> None:
-        nats.kill()
-        time.sleep(20)  # longer than the job's ack wait (15 s)
-        nats.start()
-
-    def on_event(e: JobEvent) -> None:
-        if e.event == "progress" and e.queries_done >= 200 and not outage:
-            outage.append(threading.Thread(target=down_and_up))
-            outage[0].start()
-
-    try:
-        anyio.run(wait_agents, settings, 1)
-        job = JobRequest(
-            model="noop",
-            framework="noop",
-            scenario=ScenarioSpec(name="online", qps=100, duration_s=30),
-        )
-        summary = anyio.run(
-            lambda: submit(settings, job, on_event=on_event, timeout=170), backend="asyncio"
-        )
-        assert outage and not outage[0].is_alive()
-        assert summary.evaluation_id == evaluation_id_for(job.job_id)
-        assert anyio.run(_evaluations_of, settings, job.job_id, backend="asyncio") == [
-            summary.evaluation_id
-        ]
-        assert [p.poll() for p in procs] == [None, None]
-    finally:
-        for t in outage:
-            t.join(30)
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                p.wait(20)
-        nats.stop()
 
 
 def test_sigterm_stops_a_running_load_at_once(settings: Settings) -> None:

@@ -1,0 +1,169 @@
+"""An agent lost mid-run: killed, or restarted under its id, the run is one INVALID
+evaluation with its queries, lost rather than overloaded."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+
+import anyio
+import pytest
+
+from mlscope import bus as busmod
+from mlscope import remote
+from mlscope.contracts import (
+    JobEvent,
+    JobRequest,
+    ScenarioSpec,
+)
+from mlscope.jobs import submit
+from mlscope.registry import list_agents
+from mlscope.settings import Settings
+from tests.conftest import (
+    agent_and_server,
+    child_env,
+    evaluations_of,
+    python,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
+    settings: Settings,
+) -> None:
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "doomed") as (
+        agent,
+        server,
+    ):
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=200, duration_s=4),
+        )
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
+                agent.send_signal(signal.SIGKILL)
+
+        summary = anyio.run(
+            lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+        )
+        assert not summary.valid and agent.poll() is not None
+        lost = [r for r in summary.invalid_reasons if r.startswith("agent doomed lost after")]
+        assert lost, summary.invalid_reasons
+        answered = int(lost[0].split(" after ")[1].split(" of ")[0])
+        total = int(lost[0].split(" of ")[1].split()[0])
+        assert 150 <= answered < total
+
+        async def stored() -> tuple[list[str], list[list[object]]]:
+            async with busmod.connect(settings, name="test") as bus:
+                return await remote.sql(
+                    bus,
+                    "SELECT countIf(ok = 1), countIf(ok = 0 AND error LIKE 'lost: %'), "
+                    "count() FROM queries FINAL WHERE evaluation_id = {e:String}",
+                    {"e": summary.evaluation_id},
+                )
+
+        _, rows = anyio.run(stored, backend="asyncio")
+        assert rows[0] == [answered, total - answered, total]  # every query, each explained
+        assert anyio.run(evaluations_of, settings, job.job_id, backend="asyncio") == [
+            summary.evaluation_id
+        ]
+        assert server.poll() is None
+
+
+def test_an_agent_restarted_under_its_id_mid_run_is_lost_not_overloaded(
+    settings: Settings,
+) -> None:
+    """Another process answering under the agent's id is not the agent that ran the
+    queries: the run says it lost that agent (which restarted), and the queries the
+    new process refused fail with its reason instead of counting as lost in transit."""
+    env = child_env(settings)
+    cmd = [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "phoenix"]
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "phoenix") as (
+        agent,
+        _server,
+    ):
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=100, duration_s=20),  # time to restart
+        )
+        reborn: list[subprocess.Popen[bytes]] = []
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 100 and not reborn:
+                agent.send_signal(signal.SIGKILL)
+                agent.wait(20)
+                reborn.append(subprocess.Popen(cmd, env=env))
+
+        try:
+            summary = anyio.run(
+                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+            )
+        finally:
+            for p in reborn:
+                p.terminate()
+                p.wait(20)
+        assert not summary.valid
+        lost = [r for r in summary.invalid_reasons if r.startswith("agent phoenix lost after")]
+        assert lost and lost[0].endswith("(it restarted)"), summary.invalid_reasons
+
+
+def test_a_local_run_whose_agent_restarted_under_its_id_is_lost_at_once(
+    settings: Settings,
+) -> None:
+    """Placement agent: a new process under the run's agent id answers pings but knows
+    nothing of the run. The server says it lost the agent that ran it (which
+    restarted) once that agent goes silent, not after the run's deadline as a run that
+    "did not finish"."""
+    env = child_env(settings)
+    cmd = [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "phoenix"]
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "phoenix") as (
+        agent,
+        _server,
+    ):
+        first = agent.pid
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            placement="agent",
+            scenario=ScenarioSpec(name="online", qps=50, duration_s=60),
+        )
+        twin: list[subprocess.Popen[bytes]] = []
+
+        def restart() -> None:
+            """The twin registers under the id, then the first process falls silent."""
+            twin.append(subprocess.Popen(cmd, env=env))
+
+            async def registered() -> None:
+                async with busmod.connect(settings, name="test") as bus:
+                    while True:
+                        now = {a.agent_id: a for a in await list_agents(bus)}.get("phoenix")
+                        if now is not None and now.pid != first:
+                            return
+                        await anyio.sleep(0.2)
+
+            anyio.run(registered, backend="asyncio")
+            agent.send_signal(signal.SIGSTOP)
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 50 and not twin:
+                threading.Thread(target=restart, daemon=True).start()
+
+        try:
+            summary = anyio.run(
+                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+            )
+        finally:
+            agent.kill()
+            agent.wait(20)
+            for p in twin:
+                p.terminate()
+                p.wait(20)
+        assert not summary.valid
+        lost = [r for r in summary.invalid_reasons if r.startswith("agent phoenix lost after")]
+        assert lost and "(it restarted)" in lost[0], summary.invalid_reasons
+        assert summary.queries < 50 * 60 // 2, summary.queries  # the run ended with the agent
