@@ -1,8 +1,8 @@
 """The job client: publish a job on the bus and wait for its summary.
 
-Every caller that submits jobs goes through here: ``mlscope-submit`` (``cli/submit.py``
-parses flags into a :class:`~mlscope.contracts.JobRequest` and prints), the dashboard's
-run page, ``mlscope demo``/``rerun``/``mlperf`` and the tests.
+Every caller that submits jobs goes through here: ``mlscope-submit`` (``cli/submit.py``;
+``cli/submit_flags.py`` makes its flags a :class:`~mlscope.contracts.JobRequest`), the
+dashboard's run page, ``mlscope demo``/``rerun``/``mlperf`` and the tests.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ async def await_summary(
                     return stored
                 queued = True
                 continue
-            stored = await stored_result(bus, job_id)
+            _, stored = await stored_result(bus, job_id)
             if stored is not None:  # its "done" was missed (a bus outage)
                 return stored
             if time.monotonic() < deadline:
@@ -153,7 +153,7 @@ async def _not_taken(
     """No server took the job yet: its stored summary if it has one; None while it is
     queued (servers answer, each busy with as many jobs as it runs at a time; ``on_event``
     then hears "queued"); a BusError when no server answers or ``deadline`` passed."""
-    answers, stored = await _servers_answer(bus, job_id)
+    answers, stored = await stored_result(bus, job_id)
     if stored is not None:
         return stored
     if not answers:
@@ -174,10 +174,11 @@ async def _not_taken(
     return None
 
 
-async def _servers_answer(bus: busmod.Bus, job_id: str) -> tuple[bool, EvaluationSummary | None]:
+async def stored_result(bus: busmod.Bus, job_id: str) -> tuple[bool, EvaluationSummary | None]:
     """Whether a server answers on the bus (its database responder), and the job's
-    stored summary when it has one: a job not taken while a server answers waits in
-    the job queue behind others (a server runs a few jobs at a time)."""
+    stored summary when it has one (None: not stored yet, or no server answering right
+    now): a job not taken while a server answers waits in the job queue behind others
+    (a server runs a few jobs at a time)."""
     try:
         _, summary = await remote.evaluation(bus, evaluation_id_for(job_id), timeout=5.0)
     except BusError:  # nobody serves the database, or no answer in time
@@ -185,11 +186,3 @@ async def _servers_answer(bus: busmod.Bus, job_id: str) -> tuple[bool, Evaluatio
     except MLScopeError:  # a server answered: not stored
         return True, None
     return True, EvaluationSummary.model_validate(summary)
-
-
-async def stored_result(bus: busmod.Bus, job_id: str) -> EvaluationSummary | None:
-    try:
-        _, summary = await remote.evaluation(bus, evaluation_id_for(job_id), timeout=5.0)
-    except MLScopeError:
-        return None  # not stored yet, or no server answering right now
-    return EvaluationSummary.model_validate(summary)

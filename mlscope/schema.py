@@ -1,7 +1,7 @@
 """The run record's tables, defined once: each table's columns with their ClickHouse types.
 
 Everything else derives from here: the column tuples the server inserts with
-(``broker/db.py``, ``broker/evaluate.py``), the span and sample fields an agent sends
+(``broker/db.py``, ``broker/evalstore.py``), the span and sample fields an agent sends
 (``agent/tracer.py``, :class:`~mlscope.contracts.SpanBatch`) and the ingester checks
 against their stored types (``broker/ingest.py``), the data frame types analysis reads
 into (``analysis/data.py``), and the DDL of tables created on first use.

@@ -169,7 +169,7 @@ def test_a_query_over_the_payload_is_refused_without_building_it() -> None:
 
     import numpy as np
 
-    from broker.evaluate import check_query_size
+    from broker.evalprep import check_query_size
 
     spec = ScenarioSpec(batch_size=4)
     tracemalloc.start()

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import cli.submit
+import cli.submit_flags
 from analysis.source import DirectSource
 from broker.db import EVALUATION_COLUMNS, Database
 from cli.main import _parse as parse
@@ -92,8 +93,8 @@ def test_submit_refuses_a_seed_out_of_range_as_usage(
 
 
 def test_submit_takes_seed_zero(nowhere: None) -> None:
-    args = cli.submit.parser().parse_args(["noop", "--framework", "noop", "--seed", "0"])
-    assert cli.submit.make_job(args).scenario.seed == 0
+    args = cli.submit_flags.parser().parse_args(["noop", "--framework", "noop", "--seed", "0"])
+    assert cli.submit_flags.make_job(args).scenario.seed == 0
 
 
 # ------------------------------------------------------------ mlscope mlperf

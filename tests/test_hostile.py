@@ -173,7 +173,8 @@ def test_every_bad_input_gets_a_typed_error_and_every_service_stays_up(
 
     async def stored() -> EvaluationSummary | None:  # what a submitter that missed "done" reads
         async with busmod.connect(settings, name="hostile") as bus:
-            return await stored_result(bus, normal.job_id)
+            _, found = await stored_result(bus, normal.job_id)
+            return found
 
     assert anyio.run(stored, backend="asyncio") == summary
     # The poison is visible to the operator, with its error.

@@ -18,7 +18,7 @@ from broker import coldstart
 from broker.scenario_kinds import cold_start
 from broker.scenarios import build_schedule
 from broker.summary import LoadgenCost, figures, judge
-from cli.submit import measured_runs, run_level
+from cli.submit_repeat import measured_runs, run_level
 from mlscope.contracts import PrepareReply, ScenarioSpec
 from mlscope.outcomes import Outcome, classify, count
 from mlscope.record import RunRecord

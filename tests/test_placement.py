@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 
 from cli.services import Stack
-from cli.submit import make_job, parser
+from cli.submit_flags import make_job, parser
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import codec, remote

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import cli.submit
+import cli.submit_flags
 from broker.scenarios import read_arrivals, scenario_spec
 from mlscope.errors import BusError, ManifestError
 from mlscope.manifest_files import load_manifest
@@ -140,7 +141,7 @@ def test_the_job_is_built_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         sent.append(job)
         raise BusError("no bus here")
 
-    monkeypatch.setattr(cli.submit, "read_arrivals", counted)
+    monkeypatch.setattr(cli.submit_flags, "read_arrivals", counted)
     monkeypatch.setattr(cli.submit, "submit", no_bus)
     argv = ["m", "--framework", "onnxruntime", "--scenario", "replay", "--schedule", str(path)]
     assert cli.submit.main(argv) == 1

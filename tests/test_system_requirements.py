@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from cli.all_agents import matching_agents
-from cli.submit import make_job, parser
+from cli.submit_flags import make_job, parser
 from cli.system_opts import parse_size
 from mlscope import sysinfo, sysmatch
 from mlscope.catalog import Catalog, default_manifest_dirs

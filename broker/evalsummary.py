@@ -1,0 +1,173 @@
+"""An evaluation's summaries: what every run of one evaluation shares in its summary
+(:class:`Summarizer`), the summary of a sweep or search (:func:`parent_summary`), and
+the agent's memory and energy figures (:func:`memory_figures`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from broker import scenario
+from broker.evalprep import Prepared
+from broker.summary import LoadgenCost, stream_warnings, tracing_warnings
+from mlscope.catalog import Entry
+from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest
+
+__all__ = ["Summarizer", "memory_figures", "parent_summary"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Summarizer:
+    """What every run of one evaluation shares in its summary (a sweep's runs and
+    their parent alike)."""
+
+    job: JobRequest
+    manifest: Any
+    framework: Any
+    agent: AgentDescription
+    level: str
+    cost: LoadgenCost
+    offset_ns: int
+    rtt_ns: int
+    cold_start: dict[str, Any]
+    started: float
+    finished: float
+
+    @classmethod
+    def of(
+        cls,
+        job: JobRequest,
+        agent: AgentDescription,
+        entry: Entry,
+        p: Prepared,
+        outcome: scenario.Outcome,
+        span: tuple[float, float],
+    ) -> Summarizer:
+        """What turns each run of this job into a summary."""
+        fw = next(x for x in agent.frameworks if x.name == job.framework)
+        cost = (
+            LoadgenCost(agent_host=agent.host, loadgens=job.scenario.loadgens)
+            if job.placement == "server"
+            else LoadgenCost(agent_host=agent.host, host=agent.host, cores=agent.cpu_cores)
+        )
+        prep = p.prep
+        return cls(
+            job=job,
+            manifest=entry.manifest,
+            framework=fw,
+            agent=agent,
+            level=p.level.name.lower(),
+            cost=cost,
+            offset_ns=p.offset,
+            rtt_ns=p.rtt,
+            cold_start=outcome.cold_start
+            or {
+                "load_ms": prep.load_ns / 1e6,
+                "first_inference_ms": prep.first_inference_ns / 1e6,
+                "cold": prep.cold,
+            },
+            started=span[0],
+            finished=span[1],
+        )
+
+    def __call__(
+        self, run: scenario.Run, reasons: tuple[str, ...] = (), **extra: Any
+    ) -> EvaluationSummary:
+        """The summary of ``run`` (``reasons``: more than its verdict's; ``extra``:
+        fields a sweep's or search's parent adds)."""
+        job, m, fw, agent = self.job, self.manifest, self.framework, self.agent
+        cost = self.cost.served_by(run.record.sources)
+        f, why = run.figures, (*run.verdict.reasons, *reasons)
+        return EvaluationSummary(
+            evaluation_id=run.evaluation_id,
+            job_id=job.job_id,
+            status="completed",
+            valid=not why,
+            invalid_reasons=why,
+            model={"name": m.name, "version": m.version},
+            framework={"name": fw.name, "version": fw.version},
+            agent_id=agent.agent_id,
+            host=agent.host,
+            device=job.device,
+            scenario=run.spec.model_dump(),
+            trace_level=self.level,
+            queries=f.queries,
+            samples=f.samples,
+            errors=f.errors,
+            not_issued=f.not_issued,
+            failed=f.outcomes["failed"],
+            refused=f.outcomes["refused"],
+            lost=f.outcomes["lost"],
+            warmup_queries=f.warmup_queries,
+            duration_s=f.duration_s,
+            requested_qps=run.requested_qps,
+            scheduled_qps=f.scheduled_qps,
+            achieved_qps=f.achieved_qps,
+            completed_qps=f.completed_qps,
+            backlog_s=f.backlog_s,
+            issue_lag_split_us=f.issue_lag_split_us,
+            loadgen_cost={
+                **cost.facts(f),
+                **({"services": list(run.record.sources)} if run.record.sources else {}),
+            },
+            parallel=job.parallel,
+            warnings=(
+                *cost.warnings(f, parallel=job.parallel),
+                *tracing_warnings(self.level),
+                *stream_warnings(run.record),
+            ),
+            latency_ms=f.latency_ms,
+            issue_lag_us=f.issue_lag_us,
+            throughput_ips=f.throughput_ips,
+            accuracy=({"top1": f.top1} if f.top1 is not None else None),
+            clock_offset_ns=self.offset_ns,
+            clock_rtt_ns=self.rtt_ns,
+            cold_start=self.cold_start,
+            latency_split_ms=run.split,
+            loadgens=run.spec.loadgens,
+            placement=job.placement,
+            preprocess="ahead" if run.record.preprocessed else "timed",
+            started_at=self.started,
+            finished_at=self.finished,
+            **extra,
+        )
+
+
+def parent_summary(
+    summarize: Summarizer,
+    eval_id: str,
+    outcome: scenario.Outcome,
+    lost: str,
+) -> EvaluationSummary:
+    """The job's summary: its main run's, with what a sweep or search found."""
+    # A sweep or search of one run is that run: it is stored once, as the parent.
+    # Of several, each run is stored on its own and the parent holds only the
+    # summary (its figures those of the best run, and no query rows). Either way
+    # its scenario is the main run's (the batch size or rate its figures and rows
+    # come from; the sweep's list stays in it), and the job's own spec is in the
+    # stored specification.
+    separate = len(outcome.points) > 1
+    points = [
+        r.point() if separate else {**r.point(), "evaluation_id": eval_id} for r in outcome.points
+    ]
+    return summarize(
+        outcome.main,
+        (*outcome.extra_reasons, *([lost] if lost else [])),
+        peak_qps=outcome.peak_qps,
+        optimal_batch_size=outcome.optimal_batch_size,
+        points=tuple(points),
+    ).model_copy(update={"evaluation_id": eval_id})
+
+
+def memory_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:
+    """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes), ``energy_j`` and
+    ``energy_per_inference_j`` from the agent's release reply; None where the agent did
+    not report them (no readable counter, an older agent, a lost one)."""
+    start, peak, end = (released.get(f"rss_{k}_bytes") for k in ("start", "peak", "end"))
+    energy = released.get("energy_j")
+    return {
+        "peak_rss_mb": peak / 1e6 if peak is not None else None,
+        "rss_growth_mb": (end - start) / 1e6 if start is not None and end is not None else None,
+        "energy_j": energy,
+        "energy_per_inference_j": energy / samples if energy is not None and samples else None,
+    }
