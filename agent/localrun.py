@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from agent.pipeline import Executor, Job, Model
+from agent.job import Job, Model
+from agent.pipeline import Executor
 from agent.samplelib import MemoryBudget, preprocess_all
 from agent.stream import Answered
 from agent.tracer import SpanBuffer

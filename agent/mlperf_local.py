@@ -38,7 +38,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from agent.pipeline import Executor, ExecutorConfig, Job
+from agent.job import Job
+from agent.pipeline import Executor, ExecutorConfig
 from agent.samplelib import MemoryBudget, SampleLibrary
 from agent.worker import LoadedModel
 from mlscope import codec, samples

@@ -22,8 +22,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from agent.job import Job
 from agent.mlperf_local import MLPerfRunner
-from agent.pipeline import Executor, Job
+from agent.pipeline import Executor
 from agent.samplelib import MemoryBudget, SampleLibrary
 from mlscope import samples
 from mlscope.catalog import Entry

@@ -29,60 +29,52 @@
   and drops out of the batch; when a merged batch fails, its queries are retried one
   by one so that only the culprit gets the error. The thread never dies on a query.
 
-One call site runs ``predictor.predict`` (:meth:`Executor._predict`) and one function
-emits a query's spans (:func:`agent.queryspans.emit_spans`): framework-level profiling
-hooks go there.
+The threads and their order are here; what is done to a query (its inputs, its batch's
+predict, its reply) is :mod:`agent.job`, and the pool's claim on each query
+:mod:`agent.prepool`. One call site runs ``predictor.predict`` (:func:`agent.job.predict`)
+and one function emits a query's spans (:func:`agent.queryspans.emit_spans`):
+framework-level profiling hooks go there.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 
 from agent import profiling
 from agent import stream as streams
-from agent.profiling import NULL, Capture
-from agent.queryspans import Outcome, emit_spans
+from agent.job import (
+    DONE,
+    Job,
+    Model,
+    Slot,
+    build_reply,
+    infer,
+    inference_error,
+    model_inputs,
+    predict,
+    query_inputs,
+    unbuilt_reply,
+)
+from agent.prepool import PrePool
+from agent.queryspans import Outcome
 from agent.stream import Stream
-from agent.tracer import SpanBuffer
-from mlscope.contracts import QueryReply, TraceLevel
-from mlscope.errors import EvaluationError, InferenceError, InputMismatchError, MLScopeError
-from mlscope.operators import Pipeline
-from mlscope.predictor import Predictor
+from mlscope.contracts import TraceLevel
+from mlscope.errors import EvaluationError, InferenceError, MLScopeError
 
-__all__ = ["Executor", "ExecutorConfig", "Job", "Model"]
+__all__ = ["Executor", "ExecutorConfig"]
 
 now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
 
-_PENDING, _CLAIMED, _DONE = 0, 1, 2
 _INLINE_SEQ = -2
 """The seq of a query run by :meth:`Executor.try_inline` (outside the ready stream)."""
-
-
-class Model(Protocol):
-    """What the executor needs of a loaded model (:class:`agent.worker.LoadedModel`)."""
-
-    name: str
-    predictor: Predictor
-    pre: list[Pipeline]
-    post: Pipeline
-    sample_shape: tuple[int, ...]
-    labeler: Callable[[np.ndarray], np.ndarray] | None
-    """Class indices -> their labels (:func:`mlscope.operators.labeler`), or None."""
-    batch_axes: tuple[int | None, ...]
-    """Per input, the axis merged batches are joined on (None: one value shared)."""
-
-    def fill(self, n: int, batch: int) -> np.ndarray:
-        """Input ``n`` (n >= 1) for a query that did not carry it."""
-        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,54 +93,11 @@ class ExecutorConfig:
     to post-processing); 0 never does."""
 
 
-@dataclass(frozen=True, slots=True)
-class Job:
-    """One query as the executor sees it."""
-
-    index: int
-    inputs: np.ndarray
-    """The first input: a batch of raw samples (its axis 0 is the batch)."""
-    received_ns: int
-    level: TraceLevel
-    spans: SpanBuffer | None
-    reply: Callable[[QueryReply], None]
-    raw: bool = False
-    """Also return the model's raw first output (for accuracy and divergence runs)."""
-    labels: bool = False
-    """Also return the labels of the post-processed class indices (when the model has them)."""
-    more: tuple[np.ndarray, ...] = ()
-    """The further inputs of a multi-input model, in manifest order; those left out are
-    filled (:meth:`Model.fill`)."""
-    preprocessed: bool = False
-    """``inputs`` is already the first input's pre-processed form (samples an agent
-    holds pre-processed: :mod:`agent.samplelib`); its pre-processing is skipped."""
-    released: threading.Event | None = None
-    """Set when the query's evaluation is released (its job ended or was cancelled): a
-    query still queued then is answered with an error and never run, so a cancelled
-    run's backlog does not keep the host busy under the next measurement."""
-
-
 @dataclass(eq=False, slots=True)
 class _StreamCall:
     stream: Stream
     done: threading.Event
     error: BaseException | None = None
-
-
-@dataclass(eq=False, slots=True)
-class _Slot:
-    job: Job
-    seq: int
-    samples: int
-    state: int = _PENDING
-    latch: threading.Lock | None = None
-    x: Any = None
-    """The model's inputs for this query (a list), pre-processed, filled where not
-    carried; None until then."""
-    error: MLScopeError | None = None
-    t_pre: int = 0
-    t_pre_end: int = 0
-    replied: bool = False
 
 
 class Executor:
@@ -178,20 +127,23 @@ class Executor:
         self._warm = warm
         self._stopping = False
         self._first: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
-        self._ready: queue.SimpleQueue[_Slot | _StreamCall | None] = queue.SimpleQueue()
-        self._work: queue.SimpleQueue[_Slot | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._pre_loop, name=f"pre-{model.name}-{i}", daemon=True)
-            for i in range(self.config.pre_workers)
-        ]
-        self._threads.append(
-            threading.Thread(target=self._predict_loop, name=f"infer-{model.name}", daemon=True)
+        self._ready: queue.SimpleQueue[Slot | _StreamCall | None] = queue.SimpleQueue()
+        self._pool = PrePool(
+            model.name,
+            self.config.pre_workers,
+            lock=self._lock,
+            preprocess=lambda slot: self._preprocess(slot),
+            idle_seq=lambda: self._idle_seq,
         )
+        self._threads = [
+            *self._pool.threads,
+            threading.Thread(target=self._predict_loop, name=f"infer-{model.name}", daemon=True),
+        ]
         self._stream_host = streams.Host(
             name=model.name,
             predict=self._predict_ready,
             post=lambda raw: self.model.post(raw),
-            failed=self._failed,
+            failed=functools.partial(inference_error, model),
             stopping=lambda: self._stopping,
         )
         for t in self._threads:
@@ -208,13 +160,13 @@ class Executor:
             seq = self._seq
             self._seq += 1
         samples = int(job.inputs.shape[0]) if job.inputs.ndim else 1
-        slot = _Slot(job, seq, samples)
+        slot = Slot(job, seq, samples)
         if job.preprocessed:  # nothing to overlap: ready now, no pool thread woken
             self._preprocess(slot)
-            slot.state = _DONE
+            slot.state = DONE
         self._ready.put(slot)
         if not job.preprocessed and seq != self._idle_seq and self.config.pre_workers:
-            self._work.put(slot)
+            self._pool.offer(slot)
         return True
 
     def try_inline(self, job: Job) -> bool:
@@ -234,9 +186,9 @@ class Executor:
                 return False
             self._inflight += 1
         try:
-            slot = _Slot(job, _INLINE_SEQ, int(job.inputs.shape[0]) if job.inputs.ndim else 1)
+            slot = Slot(job, _INLINE_SEQ, int(job.inputs.shape[0]) if job.inputs.ndim else 1)
             self._preprocess(slot)
-            slot.state = _DONE
+            slot.state = DONE
             self._answer([slot])
         finally:
             self._predicting.release()
@@ -280,8 +232,7 @@ class Executor:
         reused) close the predictor. A stream still running ends at its next query."""
         self._stopping = True
         self._ready.put(None)
-        for _ in range(self.config.pre_workers):
-            self._work.put(None)
+        self._pool.stop()
         for t in self._threads:
             t.join(timeout=10)
         profiling.flush(self.model.predictor)  # layer spans a profiler still holds
@@ -290,103 +241,18 @@ class Executor:
 
     # ------------------------------------------------------------------ pre-processing
 
-    def _pre_loop(self) -> None:
-        while (slot := self._work.get()) is not None:
-            if slot.seq == self._idle_seq:
-                continue  # the idle predict thread does it inline: no hand-off
-            with self._lock:
-                if slot.state != _PENDING:
-                    continue
-                slot.state = _CLAIMED
-                slot.latch = latch = threading.Lock()
-                latch.acquire()
-            self._preprocess(slot)
-            slot.state = _DONE
-            latch.release()
-
-    def _preprocess(self, slot: _Slot) -> None:
-        m, raw = self.model, slot.job.inputs
+    def _preprocess(self, slot: Slot) -> None:
         slot.t_pre = now()
         try:
-            if raw.ndim < 1 or raw.shape[0] < 1:
-                raise InputMismatchError(
-                    f"{m.name}: a query needs a batch of at least one sample",
-                    model=m.name,
-                    framework=m.predictor.framework,
-                    expected="(batch, ...)",
-                    actual=list(raw.shape),
-                )
-            slot.x = self._inputs(raw, slot.job.more, done=slot.job.preprocessed)
+            slot.x = query_inputs(self.model, slot.job)
         except MLScopeError as exc:
             slot.error = exc
-        except Exception as exc:  # an operator's own error: the query was malformed
-            slot.error = InputMismatchError(
-                f"{m.name}: pre-processing failed: {exc}",
-                model=m.name,
-                framework=m.predictor.framework,
-                index=slot.job.index,
-                expected=[None, *m.sample_shape],
-                actual={"shape": list(raw.shape), "dtype": str(raw.dtype)},
-            )
         slot.t_pre_end = now()
 
-    def _inputs(
-        self, raw: np.ndarray, more: tuple[np.ndarray, ...], *, done: bool = False
-    ) -> list[np.ndarray]:
-        """Each input through its own pre-processing (the first not when ``done``);
-        inputs the query left out filled."""
-        m = self.model
-        pre = m.pre
-        if len(more) >= len(pre):
-            raise InputMismatchError(
-                f"{m.name} takes {len(pre)} input(s), the query carried {1 + len(more)}",
-                model=m.name,
-                framework=m.predictor.framework,
-                expected=len(pre),
-                actual=1 + len(more),
-            )
-        rest = [
-            pre[n](more[n - 1]) if n <= len(more) else m.fill(n, len(raw))
-            for n in range(1, len(pre))
-        ]
-        return [raw if done else pre[0](raw), *rest]
-
-    def _merge(self, parts: list[list[np.ndarray]]) -> list[np.ndarray]:
-        """Several queries' inputs as one batch: each joined on its batch axis; an input
-        shared by the batch must be equal in all (else ValueError: run them one by one)."""
-        out = []
-        for n, axis in enumerate(self.model.batch_axes):
-            arrays = [p[n] for p in parts]
-            if axis is not None:
-                out.append(np.concatenate(arrays, axis=axis))
-            elif all(np.array_equal(a, arrays[0]) for a in arrays[1:]):
-                out.append(arrays[0])
-            else:
-                raise ValueError(f"queries disagree on shared input {n}")
-        return out
-
-    def _ensure_preprocessed(self, slot: _Slot) -> None:
-        with self._lock:
-            mine = slot.state == _PENDING
-            if mine:
-                slot.state = _CLAIMED
-        if mine:
-            self._preprocess(slot)
-            slot.state = _DONE
-        elif slot.state != _DONE and slot.latch is not None:
-            slot.latch.acquire()  # released by the pool thread when it is done
-            slot.latch.release()
-
-    def _drop(self, slot: _Slot) -> None:
+    def _drop(self, slot: Slot) -> None:
         """A query of a released evaluation: not pre-processed (a pool thread already at
         it is waited for), not predicted; answered with an error."""
-        with self._lock:
-            mine = slot.state == _PENDING
-            if mine:
-                slot.state = _DONE
-        if not mine and slot.state != _DONE and slot.latch is not None:
-            slot.latch.acquire()
-            slot.latch.release()
+        self._pool.skip(slot)
         slot.error = EvaluationError(
             f"{self.model.name}: evaluation released before query {slot.job.index} ran",
             index=slot.job.index,
@@ -416,7 +282,7 @@ class Executor:
     def _predict_loop(self) -> None:
         if self._warm:
             self._first_inference()
-        held: _Slot | _StreamCall | None = None
+        held: Slot | _StreamCall | None = None
         stopping = False
         while not stopping:
             first = held
@@ -448,7 +314,7 @@ class Executor:
                                 "%s: query %d not answered: %r", m.name, slot.job.index, again
                             )
 
-    def _gather(self, first: _Slot) -> tuple[list[_Slot], _Slot | _StreamCall | None, bool]:
+    def _gather(self, first: Slot) -> tuple[list[Slot], Slot | _StreamCall | None, bool]:
         """Consecutive queries up to ``max_batch`` samples or the first one's max wait."""
         batch, n, limit = [first], first.samples, self.max_batch
         deadline = first.job.received_ns + self._max_wait_ns
@@ -468,22 +334,22 @@ class Executor:
 
     # ------------------------------------------------------------------ inference
 
-    def _run_batch(self, batch: list[_Slot], *, idle_next: bool) -> None:
+    def _run_batch(self, batch: list[Slot], *, idle_next: bool) -> None:
         for slot in batch:
             released = slot.job.released
             if released is not None and released.is_set():
                 self._drop(slot)
             else:
-                self._ensure_preprocessed(slot)
+                self._pool.ensure(slot)
         with self._predicting:
             self._answer(batch, idle_next=idle_next)
 
-    def _answer(self, batch: list[_Slot], *, idle_next: bool = False) -> None:
+    def _answer(self, batch: list[Slot], *, idle_next: bool = False) -> None:
         """Predict the pre-processed ``batch`` and reply to each of its queries."""
         good = [s for s in batch if s.error is None]
         outcomes: dict[int, Outcome] = {}
         if good:
-            self._infer(good, outcomes)
+            infer(self.model, good, outcomes)
             out = outcomes.get(good[-1].seq)
             if out is not None and out.error is None:
                 self._last_ns = (out.t_post_end - good[0].t_pre) // len(good)
@@ -495,65 +361,6 @@ class Executor:
         for slot in batch:
             out = outcomes.get(slot.seq) or Outcome(error=slot.error)
             self._finish(slot, out)
-
-    def _infer(self, slots: list[_Slot], outcomes: dict[int, Outcome]) -> None:
-        m = self.model
-        try:
-            xs = slots[0].x if len(slots) == 1 else self._merge([s.x for s in slots])
-            level = max(s.job.level for s in slots)
-            out, cap, t_pred, t_post = self._predict(xs, level)
-            result = m.post(out[0])
-            t_end = now()
-        except Exception as exc:
-            if len(slots) > 1:  # isolate the culprit: one query at a time
-                for s in slots:
-                    self._infer([s], outcomes)
-                return
-            outcomes[slots[0].seq] = Outcome(error=self._failed(exc, slots[0].samples))
-            return
-        if len(slots) == 1:  # the common case: no split
-            parts, raws, total = [result], [out[0]], slots[0].samples
-        else:
-            bounds = np.cumsum([s.samples for s in slots])[:-1]
-            parts, raws = np.split(result, bounds), np.split(out[0], bounds)
-            total = int(bounds[-1] + slots[-1].samples)
-        for s, part, raw in zip(slots, parts, raws, strict=True):
-            outcomes[s.seq] = Outcome(
-                result=part,
-                raw=raw if s.job.raw else None,
-                t_predict=t_pred,
-                t_predict_end=t_post,
-                t_post_end=t_end,
-                batch=total,
-                capture=cap,
-            )
-
-    def _failed(self, exc: Exception, samples: int) -> MLScopeError:
-        """A query's predict or post-processing failed: its typed error."""
-        if isinstance(exc, MLScopeError):
-            return exc
-        m = self.model
-        return InferenceError(
-            f"{m.name}: {exc}", model=m.name, framework=m.predictor.framework, batch_size=samples
-        )
-
-    def _predict(
-        self, xs: list[np.ndarray], level: TraceLevel
-    ) -> tuple[list[np.ndarray], Capture, int, int]:
-        """The one call site of ``predictor.predict``: (outputs, capture, start, end).
-        At level framework or more it runs under the framework's own profiler (its
-        layer spans go under each query's predict); start and end are taken inside the
-        capture, so the profiler's own start and stop stay out of the predict span."""
-        predictor = self.model.predictor
-        if level < TraceLevel.FRAMEWORK:
-            t0 = now()
-            out = predictor.predict(xs)
-            return out, NULL, t0, now()
-        with profiling.capture(predictor, full=level >= TraceLevel.FULL) as cap:
-            t0 = now()
-            out = predictor.predict(xs)
-            t1 = now()
-        return out, cap, t0, t1
 
     # ------------------------------------------------------------------ streams
 
@@ -569,80 +376,20 @@ class Executor:
 
     def _predict_ready(self, x: np.ndarray, level: TraceLevel) -> tuple[np.ndarray, int, int]:
         """A stream's query: its pre-processed first input predicted (others filled)."""
-        out, _, t0, t1 = self._predict(self._inputs(x, (), done=True), level)
+        out, _, t0, t1 = predict(self.model, model_inputs(self.model, x, (), done=True), level)
         return out[0], t0, t1
 
     # ------------------------------------------------------------------ replies
 
-    def _finish(self, slot: _Slot, out: Outcome) -> None:
-        """Answer one query. A reply that cannot be built is the query's error (built
-        without validation), never the predict thread's end."""
+    def _finish(self, slot: Slot, out: Outcome) -> None:
+        """Answer one query. A reply that cannot be built is the query's error, never
+        the predict thread's end."""
         job = slot.job
         try:
-            reply = self._reply(slot, out)
+            reply = build_reply(self.model, job, out, pre=(slot.t_pre, slot.t_pre_end))
         except Exception as exc:
-            m = self.model
-            err = InferenceError(
-                f"{m.name}: reply: {exc!r}", model=m.name, framework=m.predictor.framework
-            )
-            reply = QueryReply.model_construct(
-                index=job.index,
-                ok=False,
-                error=err.to_wire(),
-                t_received=job.received_ns,
-                t_replied=now(),
-            )
+            reply = unbuilt_reply(self.model, job, exc)
         slot.replied = True
         with self._lock:
             self._inflight -= 1
         job.reply(reply)
-
-    def _reply(self, slot: _Slot, out: Outcome) -> QueryReply:
-        job = slot.job
-        labels = self._labels(out) if job.labels and out.error is None else None
-        if out.error is not None:
-            reply = QueryReply(
-                index=job.index,
-                ok=False,
-                error=out.error.to_wire(),
-                t_received=job.received_ns,
-                t_replied=now(),
-            )
-        else:
-            if job.spans is not None and job.level >= TraceLevel.MODEL:
-                samples = int(job.inputs.shape[0])
-                emit_spans(
-                    job.spans,
-                    job.index,
-                    job.level,
-                    samples,
-                    job.received_ns,
-                    out,
-                    pre=(slot.t_pre, slot.t_pre_end),
-                )
-            reply = QueryReply(
-                index=job.index,
-                ok=True,
-                outputs=np.ascontiguousarray(out.result),
-                raw_outputs=None if out.raw is None else np.ascontiguousarray(out.raw),
-                labels=labels,
-                t_received=job.received_ns,
-                t_predict_start=out.t_predict,
-                t_predict_end=out.t_predict_end,
-                t_replied=now(),
-            )
-        return reply
-
-    def _labels(self, out: Outcome) -> np.ndarray | None:
-        """The labels of a query's result (only asked for outside load runs); a lookup
-        that fails turns the outcome into the query's error."""
-        m = self.model
-        if m.labeler is None or out.result is None:
-            return None
-        try:
-            return m.labeler(out.result)
-        except (ValueError, IndexError, TypeError) as exc:
-            out.error = InferenceError(
-                f"{m.name}: labels: {exc}", model=m.name, framework=m.predictor.framework
-            )
-            return None

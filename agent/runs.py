@@ -59,7 +59,7 @@ class Prepared:
     entry: Entry
     released: threading.Event | None = None
     """Set when the evaluation is released: the run's queries still queued are not run
-    (:attr:`agent.pipeline.Job.released`)."""
+    (:attr:`agent.job.Job.released`)."""
 
 
 @dataclass

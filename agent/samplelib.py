@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from agent.pipeline import Model
+from agent.job import Model
 from mlscope.errors import ConfigError, EvaluationError
 
 __all__ = ["CHUNK", "MemoryBudget", "SampleLibrary", "per_sample", "preprocess_all"]

@@ -32,7 +32,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from agent.pipeline import Executor, ExecutorConfig, Job
+from agent.job import Job
+from agent.pipeline import Executor, ExecutorConfig
 from agent.predictors import open_predictor
 from agent.tracer import SpanBuffer
 from agent.worker import LoadedModel

@@ -34,7 +34,8 @@ from typing import Any
 import anyio
 import numpy as np
 
-from agent.pipeline import Executor, Job
+from agent.job import Job
+from agent.pipeline import Executor
 from agent.tracer import SpanBuffer, dictionary_encode
 from agent.worker import LoadedModel
 from broker.db import Database

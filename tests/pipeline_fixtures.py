@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.pipeline import Executor, Job
+from agent.job import Job
+from agent.pipeline import Executor
 from agent.tracer import SpanBuffer
 from agent.worker import LoadedModel
 from mlscope.catalog import Catalog, Entry, default_manifest_dirs

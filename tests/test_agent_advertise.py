@@ -16,7 +16,8 @@ import anyio
 import pytest
 
 from agent.models import ModelHost
-from agent.service import Agent, AgentConfig, fit_description
+from agent.registration import fit_description
+from agent.service import Agent, AgentConfig
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.bus import if_found

@@ -17,7 +17,8 @@ import onnxruntime as ort
 import pytest
 import yaml
 
-from agent.pipeline import Executor, ExecutorConfig, Job
+from agent.job import Job
+from agent.pipeline import Executor, ExecutorConfig
 from agent.predictors import probe
 from agent.service import Agent, AgentConfig
 from agent.worker import LoadedModel, compile_model

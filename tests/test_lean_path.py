@@ -16,8 +16,9 @@ import anyio
 import numpy as np
 import pytest
 
+from agent.job import Job
 from agent.outbox import Outbox
-from agent.pipeline import Executor, ExecutorConfig, Job
+from agent.pipeline import Executor, ExecutorConfig
 from agent.worker import LoadedModel
 from broker.loadgen import Driver
 from cli.services import Stack

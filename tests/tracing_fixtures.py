@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from agent.pipeline import Executor, Job
+from agent.job import Job
+from agent.pipeline import Executor
 from agent.tracer import COLUMNS, SpanBuffer
 from agent.worker import LoadedModel
 from mlscope.catalog import Catalog, default_manifest_dirs
