@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from broker.evalprep import PREPARE_TIMEOUT_S
 from broker.summary import figures
 from mlscope import codec, names
 from mlscope.bus import Bus, request_model
@@ -26,7 +27,6 @@ from mlscope.stats import percentile
 
 __all__ = ["concat", "reasons", "run"]
 
-PREPARE_TIMEOUT_S = 300.0
 Drive = Callable[[ScenarioSpec], Awaitable[RunRecord]]
 
 

@@ -34,6 +34,8 @@ from mlscope.samples import dataset
 __all__ = ["PREPARE_TIMEOUT_S", "Prepared", "check_query_size", "prepare_agent"]
 
 PREPARE_TIMEOUT_S = 300.0
+"""How long an agent has to answer a prepare (opening a model, MLPerf's sample library,
+a cold start's reload): the one limit for every prepare a server sends."""
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ import numpy as np
 
 from broker import mlperf_logs as logs
 from broker.db import Database
+from broker.evalprep import PREPARE_TIMEOUT_S
 from broker.evalspec import specification
 from broker.loadgen import estimate_offset
 from broker.mlperf_agent import run_in_agent
@@ -98,7 +99,6 @@ LOG_COLUMNS = schema.MLPERF_LOGS.names
 LOG_PART_CHARS = 256_000
 """Log files are stored in parts this long, so each read fits one bus message."""
 LOGS_TABLE = schema.MLPERF_LOGS.create()
-PREPARE_TIMEOUT_S = 300.0
 
 
 async def run(
