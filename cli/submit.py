@@ -12,7 +12,9 @@ import anyio
 
 from cli.submit_errors import (
     EXIT_FAILED,
+    SUBMIT_FAILURES,
     InFlight,
+    failed,
     interrupted,
     interrupted_many,
     preflight,
@@ -109,12 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = anyio.run(lambda: submit(settings, job, on_event=show), backend="asyncio")
     except KeyboardInterrupt:
         return interrupted(settings, job.job_id, progress_shown=show is _progress)
-    except MLScopeError as exc:
-        print(f"mlscope-submit: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:  # pydantic validation of the arguments and the scenario
-        print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
-        return 2
+    except SUBMIT_FAILURES as exc:
+        return failed(exc)
     if show is _progress:
         print(file=sys.stderr)
     if summary.status == "cancelled":  # by `mlscope cancel` elsewhere

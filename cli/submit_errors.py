@@ -49,9 +49,11 @@ __all__ = [
     "EXIT_USAGE",
     "MAX_COUNT",
     "MAX_WAIT_S",
+    "SUBMIT_FAILURES",
     "FlagError",
     "InFlight",
     "device_name",
+    "failed",
     "field_message",
     "flag_for",
     "flag_message",
@@ -411,3 +413,24 @@ def strict_code(summaries: Iterable[Any]) -> int:
         isinstance(s, EvaluationSummary) and s.valid and s.status == "completed" for s in summaries
     )
     return EXIT_OK if ok else EXIT_INVALID
+
+
+SUBMIT_FAILURES = (MLScopeError, ValueError, ExceptionGroup)
+"""What a submission's wait raises that :func:`failed` turns into an exit status."""
+
+
+def failed(exc: BaseException) -> int:
+    """Say on stderr, in one line, why a submission failed; its exit status:
+    ``EXIT_FAILED`` for an MLScopeError, ``EXIT_USAGE`` for invalid arguments (a
+    ValueError: pydantic's validation of the arguments and the scenario). Of a task
+    group's failures, the first counts; any other exception is raised again."""
+    first = exc
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    if isinstance(first, MLScopeError):
+        print(f"mlscope-submit: {first}", file=sys.stderr)
+        return EXIT_FAILED
+    if isinstance(first, ValueError):
+        print(f"mlscope-submit: invalid arguments: {first}", file=sys.stderr)
+        return EXIT_USAGE
+    raise exc

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 
 import anyio
 
-from cli.submit_errors import InFlight, strict_code
+from cli.submit_errors import SUBMIT_FAILURES, InFlight, failed, strict_code
 from cli.summary_text import format_summary
 from mlscope.contracts import EvaluationSummary, JobRequest, new_id
-from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
 from mlscope.stats import mean_ci
 
@@ -55,12 +53,8 @@ def main_repeat(
 
     try:
         summaries = anyio.run(go, backend="asyncio")
-    except MLScopeError as exc:
-        print(f"mlscope-submit: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:
-        print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
-        return 2
+    except SUBMIT_FAILURES as exc:
+        return failed(exc)
     kept = measured_runs(summaries)
     stats = run_level(kept)
     if args.json:

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 
-from cli.submit_errors import EXIT_FAILED, InFlight, strict_code
+from cli.submit_errors import EXIT_FAILED, SUBMIT_FAILURES, InFlight, failed, strict_code
 from cli.submit_repeat import main_repeat
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope.contracts import EvaluationSummary, JobRequest
-from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
 
 __all__ = ["main_all_agents", "main_many", "several_jobs"]
@@ -54,12 +52,8 @@ def main_all_agents(
             ),
             backend="asyncio",
         )
-    except MLScopeError as exc:
-        print(f"mlscope-submit: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:
-        print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
-        return 2
+    except SUBMIT_FAILURES as exc:
+        return failed(exc)
     if args.json:
         print(
             json.dumps(
@@ -89,17 +83,8 @@ def main_many(
         summaries, comparison = anyio.run(
             _run_many, args, settings, jobs, in_flight, backend="asyncio"
         )
-    except (MLScopeError, ValueError, ExceptionGroup) as caught:
-        exc: BaseException = caught
-        while isinstance(exc, BaseExceptionGroup):  # the first failure of the task group
-            exc = exc.exceptions[0]
-        if isinstance(exc, MLScopeError):
-            print(f"mlscope-submit: {exc}", file=sys.stderr)
-            return 1
-        if isinstance(exc, ValueError):
-            print(f"mlscope-submit: invalid arguments: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except SUBMIT_FAILURES as exc:  # of the task group, its first failure
+        return failed(exc)
     if args.json:
         doc = {
             "summaries": [s.model_dump(mode="json", by_alias=True) for s in summaries],

@@ -150,3 +150,24 @@ def test_a_port_flag_takes_ports_only(
         main(argv)
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().endswith(message)
+
+
+def test_a_failed_submission_is_one_line_and_its_exit_status(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every mlscope-submit path says why it failed the same way: 1 for a failure, 2 for
+    invalid arguments, a task group's first failure counted, anything else raised."""
+    from cli.submit_errors import EXIT_FAILED, EXIT_USAGE, failed
+    from mlscope.errors import BusError
+
+    assert failed(BusError("no NATS server")) == EXIT_FAILED
+    assert capsys.readouterr().err == "mlscope-submit: no NATS server\n"
+    assert failed(ValueError("qps must be > 0")) == EXIT_USAGE
+    assert capsys.readouterr().err == "mlscope-submit: invalid arguments: qps must be > 0\n"
+    group = ExceptionGroup("jobs", [ExceptionGroup("inner", [BusError("first")]), ValueError()])
+    assert failed(group) == EXIT_FAILED
+    assert capsys.readouterr().err == "mlscope-submit: first\n"
+    other = ExceptionGroup("jobs", [RuntimeError("a bug")])
+    with pytest.raises(ExceptionGroup) as raised:
+        failed(other)
+    assert raised.value is other
