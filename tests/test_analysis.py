@@ -13,12 +13,13 @@ from analysis import compare, data, figures, layers, suite, trace
 from analysis.data import evaluations, queries
 from analysis.source import BusSource, DirectSource, open_source, table_exists
 from analysis.summary import latency_windows, summary
-from broker.db import QUERY_COLUMNS, SAMPLE_COLUMNS, SPAN_COLUMNS, Database
+from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
 from mlscope.errors import ConfigError, DatabaseError
 from mlscope.remote import orders_rows
 from mlscope.settings import Settings
 from mlscope.stats import nearest_rank, percentile, trimmed_mean
 from tests.analysis_fixtures import BATCH_SIZES, LAYERS, QUERIES, SPAN_EVAL, AnalysisRuns
+from tests.stored_rows import insert_queries, query_columns
 
 # ------------------------------------------------------------------ comparison verdicts
 
@@ -135,29 +136,9 @@ def fresh_db(span_db: DirectSource) -> Database:
 
 
 def _store_latencies(db: Database, eval_id: str, latency_ms: np.ndarray) -> None:
-    n = latency_ms.size
-    scheduled = np.arange(n, dtype=np.int64) * 10_000_000
+    scheduled = np.arange(latency_ms.size, dtype=np.int64) * 10_000_000
     completed = scheduled + (latency_ms * 1e6).astype(np.int64)
-    cols: dict[str, list[Any]] = {
-        "evaluation_id": [eval_id] * n,
-        "query_index": list(range(n)),
-        "batch_size": [1] * n,
-        "scheduled_ns": scheduled.tolist(),
-        "issued_ns": scheduled.tolist(),
-        "completed_ns": completed.tolist(),
-        "agent_received_ns": scheduled.tolist(),
-        "predict_start_ns": scheduled.tolist(),
-        "predict_end_ns": completed.tolist(),
-        "agent_replied_ns": completed.tolist(),
-        "ok": [1] * n,
-        "error": [""] * n,
-        "label": [0] * n,
-        "prediction": [0] * n,
-        "outcome": [0] * n,
-        "warmup": [0] * n,
-        "paced_ns": scheduled.tolist(),
-    }
-    db.insert("queries", [cols[c] for c in QUERY_COLUMNS], QUERY_COLUMNS)
+    insert_queries(db, query_columns(eval_id, scheduled, completed))
 
 
 def test_regression_flags_exactly_the_slower_version(fresh_db: Database) -> None:

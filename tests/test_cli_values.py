@@ -19,12 +19,13 @@ import pytest
 import cli.submit
 import cli.submit_flags
 from analysis.source import DirectSource
-from broker.db import EVALUATION_COLUMNS, Database
+from broker.db import Database
 from cli.main import _parse as parse
 from cli.main import main as mlscope_main
 from mlscope.contracts import JobEvent
 from mlscope.errors import BusError
 from mlscope.settings import Settings
+from tests.stored_rows import evaluation_row, insert_evaluation
 
 NOWHERE = Settings(nats_url="nats://127.0.0.1:9")
 """No server listens there: nothing in these tests may connect."""
@@ -155,28 +156,20 @@ def db(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DirectSource]:
     a stored run has."""
     database = Database(f"chdb:///{tmp_path_factory.mktemp('runs-names') / 'chdb'}")
     database.migrate()
-    row: dict[str, Any] = {
-        "evaluation_id": "ev-imported",
-        "job_id": "job-imported",
-        "rerun_of": "",
-        "created_at": datetime(2026, 1, 2, 3, 4, 5),
-        "model": "resnet50",
-        "model_version": "",
-        "framework": "mlperf",
-        "framework_version": "",
-        "agent_id": "imported",
-        "host": "",
-        "device": "cpu",
-        "scenario": "mlperf-offline",
-        "trace_level": "none",
-        "status": "completed",
-        "valid": 1,
-        "t0_ns": 0,
-        "clock_offset_ns": 0,
-        "spec": "{}",
-        "summary": json.dumps({"scenario": {"name": "mlperf-offline", "batch_size": 1}}),
-    }
-    database.insert("evaluations", [[row[c]] for c in EVALUATION_COLUMNS], EVALUATION_COLUMNS)
+    row = evaluation_row(
+        "ev-imported",
+        job_id="job-imported",
+        created_at=datetime(2026, 1, 2, 3, 4, 5),
+        model="resnet50",
+        model_version="",
+        framework="mlperf",
+        framework_version="",
+        agent_id="imported",
+        host="",
+        scenario="mlperf-offline",
+        summary=json.dumps({"scenario": {"name": "mlperf-offline", "batch_size": 1}}),
+    )
+    insert_evaluation(database, row)
     try:
         yield DirectSource(database)
     finally:

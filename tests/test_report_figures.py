@@ -20,8 +20,9 @@ import pytest
 from analysis import compare, figures, layers, plots, report, suite
 from analysis.source import DirectSource
 from analysis.summary import SUMMARY_COLUMNS, latency_windows, summary
-from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, SPAN_COLUMNS, Database
+from broker.db import SPAN_COLUMNS, Database
 from mlscope.stats import nearest_rank
+from tests.stored_rows import evaluation_row, insert_evaluation, insert_queries, query_columns
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,53 +76,31 @@ def store(
     }
     summ.update({k: v for k, v in extra.items() if v is not None})
     created = datetime.fromtimestamp((T0 + (1000 - age_s) * 1000) / 1000, UTC)
-    row = {
-        "evaluation_id": ev,
-        "job_id": ev,
-        "rerun_of": "",
-        "created_at": created.replace(tzinfo=None),
-        "model": model,
-        "model_version": "1.0.0",
-        "framework": "onnxruntime",
-        "framework_version": framework_version,
-        "agent_id": "a",
-        "host": "h",
-        "device": "cpu",
-        "scenario": scenario,
-        "trace_level": "framework",
-        "status": "completed",
-        "valid": 1,
-        "t0_ns": 0,
-        "clock_offset_ns": 0,
-        "spec": json.dumps({"agent": {"cpu_model": "cpu-a", "cpu_cores": 2}}),
-        "summary": json.dumps(summ),
-    }
-    src.db.insert("evaluations", [[row[c]] for c in EVALUATION_COLUMNS], EVALUATION_COLUMNS)
+    row = evaluation_row(
+        ev,
+        created_at=created.replace(tzinfo=None),
+        model=model,
+        framework_version=framework_version,
+        scenario=scenario,
+        trace_level="framework",
+        spec=json.dumps({"agent": {"cpu_model": "cpu-a", "cpu_cores": 2}}),
+        summary=json.dumps(summ),
+    )
+    insert_evaluation(src.db, row)
     if latency_ms is None:
         return
     n = latency_ms.size
     scheduled = (np.arange(n) * gap_ms * 1e6).astype(np.int64)
     completed = scheduled + (latency_ms * 1e6).astype(np.int64)
-    cols: dict[str, list[Any]] = {
-        "evaluation_id": [ev] * n,
-        "query_index": list(range(n)),
-        "batch_size": [batch] * n,
-        "scheduled_ns": scheduled.tolist(),
-        "issued_ns": scheduled.tolist(),
-        "completed_ns": completed.tolist(),
-        "agent_received_ns": scheduled.tolist(),
-        "predict_start_ns": scheduled.tolist(),
-        "predict_end_ns": completed.tolist(),
-        "agent_replied_ns": completed.tolist(),
-        "ok": [1] * n,
-        "error": [""] * n,
-        "label": [correct] * n,
-        "prediction": [0] * n,
-        "outcome": [0] * n,
-        "warmup": [int(i < warmup) for i in range(n)],
-        "paced_ns": scheduled.tolist(),
-    }
-    src.db.insert("queries", [cols[c] for c in QUERY_COLUMNS], QUERY_COLUMNS)
+    cols = query_columns(
+        ev,
+        scheduled,
+        completed,
+        batch_size=[batch] * n,
+        label=[correct] * n,
+        warmup=[int(i < warmup) for i in range(n)],
+    )
+    insert_queries(src.db, cols)
 
 
 def ms(n: int, value: float = 2.0) -> np.ndarray:

@@ -15,10 +15,11 @@ from analysis import sqlstats, suite
 from analysis.data import evaluations, queries
 from analysis.source import DirectSource
 from analysis.summary import latency_windows, sample_stats, summary
-from broker.db import QUERY_COLUMNS, Database
+from broker.db import Database
 from mlscope.outcomes import Outcome, classify
 from mlscope.stats import percentiles, trimmed_mean
 from tests import analysis_reference as reference
+from tests.stored_rows import evaluation_row, insert_evaluation, insert_queries, query_columns
 
 QS = (0.5, 1.0, 50.0, 90.0, 99.0, 99.9, 100.0)
 
@@ -80,26 +81,21 @@ def _store(db: Database, eval_id: str, rng: np.random.Generator, n: int) -> None
     ok = (outcome == 0) | ((outcome == 255) & (rng.random(n) < 0.8))
     issued[outcome == 4] = 0
     completed[(outcome == 4) | (outcome == 3)] = 0
-    cols: dict[str, Any] = {
-        "evaluation_id": [eval_id] * n,
-        "query_index": list(range(n)),
-        "batch_size": rng.choice([1, 4, 8], size=n).tolist(),
-        "scheduled_ns": scheduled.tolist(),
-        "issued_ns": issued.tolist(),
-        "completed_ns": completed.tolist(),
-        "agent_received_ns": issued.tolist(),
-        "predict_start_ns": issued.tolist(),
-        "predict_end_ns": completed.tolist(),
-        "agent_replied_ns": completed.tolist(),
-        "ok": ok.astype(int).tolist(),
-        "error": [""] * n,
-        "label": rng.integers(0, 4, size=n).tolist(),
-        "prediction": [0] * n,
-        "outcome": outcome.tolist(),
-        "warmup": (np.arange(n) < 15).astype(int).tolist(),
-        "paced_ns": issued.tolist(),
-    }
-    db.insert("queries", [cols[c] for c in QUERY_COLUMNS], QUERY_COLUMNS)
+    cols = query_columns(
+        eval_id,
+        scheduled,
+        completed,
+        batch_size=rng.choice([1, 4, 8], size=n),
+        issued_ns=issued,
+        agent_received_ns=issued,
+        predict_start_ns=issued,
+        paced_ns=issued,
+        ok=ok.astype(int),
+        label=rng.integers(0, 4, size=n),
+        outcome=outcome,
+        warmup=(np.arange(n) < 15).astype(int),
+    )
+    insert_queries(db, cols)
 
 
 @pytest.fixture(scope="module")
@@ -164,32 +160,18 @@ def _store_evaluation(db: Database, eval_id: str, at_ms: int, **fields: Any) -> 
         "queries": 10,
     }
     spec = {"agent": {"cpu_model": fields.get("cpu", "cpu-a"), "cpu_cores": 2}}
-    row: dict[str, Any] = {
-        "evaluation_id": eval_id,
-        "job_id": eval_id,
-        "rerun_of": "",
-        "created_at": at_ms,
-        "model": fields["model"],
-        "model_version": "1.0.0",
-        "framework": fields["framework"],
-        "framework_version": "1",
-        "agent_id": "a",
-        "host": "h",
-        "device": "cpu",
-        "scenario": fields["scenario"],
-        "trace_level": "model",
-        "status": "completed",
-        "valid": int(fields.get("valid", True)),
-        "t0_ns": 0,
-        "clock_offset_ns": 0,
-        "spec": json.dumps(spec),
-        "summary": json.dumps(summary),
-    }
-    names = [n for n in row if n != "created_at"] + ["created_at"]
-    values = [[row[n]] for n in names[:-1]] + [
-        [datetime.fromtimestamp(at_ms / 1000, UTC).replace(tzinfo=None)]
-    ]
-    db.insert("evaluations", values, names)
+    row = evaluation_row(
+        eval_id,
+        created_at=datetime.fromtimestamp(at_ms / 1000, UTC).replace(tzinfo=None),
+        model=fields["model"],
+        framework=fields["framework"],
+        scenario=fields["scenario"],
+        trace_level="model",
+        valid=int(fields.get("valid", True)),
+        spec=json.dumps(spec),
+        summary=json.dumps(summary),
+    )
+    insert_evaluation(db, row)
 
 
 def test_the_suite_reads_only_the_runs_table_2_shows(span_db: DirectSource) -> None:
