@@ -119,6 +119,10 @@ class ScenarioTraits:
     length: str | None = None
     """What sets how long it runs when ``duration_s`` does not (piecewise: its
     segments); it then does not read ``duration_s`` (:meth:`reads`)."""
+    ignores: tuple[tuple[str, str], ...] = ()
+    """``(field, why)``: common ``ScenarioSpec`` fields its runs do not read (cold-start
+    runs a fixed count of warm queries after each load and judges the loads, not a
+    timed run's latency), and what it does instead."""
     runs: Callable[[Any], int] = _one_run
     """``spec -> `` the most runs it makes (a sweep's points, a search's trials)."""
     position: int = 1000
@@ -135,6 +139,8 @@ class ScenarioTraits:
         run with the value ignored: a run of another length or load than asked for."""
         if field == "duration_s":
             return self.length is None
+        if any(field == f for f, _ in self.ignores):
+            return False
         if field == "loadgen_hosts":
             field = "loadgens"
         return field not in OWN_FIELDS or field in self.fields
@@ -143,6 +149,9 @@ class ScenarioTraits:
         """Why it does not read ``field`` (for a refusal): what it reads instead."""
         if field == "duration_s" and self.length is not None:
             return f"its length is set by {self.length}"
+        why = next((w for f, w in self.ignores if f == field), None)
+        if why is not None:
+            return why
         own = sorted(self.fields & OWN_FIELDS)
         return f"its own settings are {', '.join(own)}" if own else "it has no settings of its own"
 

@@ -58,6 +58,16 @@ UNREAD = {
         "argument --duration: scenario 'cold-start' does not read it: its length is set "
         "by repetitions x warm_queries",
     ),
+    "cold-start-max-queries": (
+        ("--scenario", "cold-start", "--max-queries", "5"),
+        "argument --max-queries: scenario 'cold-start' does not read it: each load is "
+        "followed by warm_queries queries",
+    ),
+    "cold-start-latency-bound": (
+        ("--scenario", "cold-start", "--latency-bound-ms", "20"),
+        "argument --latency-bound-ms: scenario 'cold-start' does not read it: its verdict "
+        "is whether every load happened and no query failed",
+    ),
     "single-stream-concurrency": (
         ("--scenario", "single-stream", "--concurrency", "4"),
         "argument --concurrency: scenario 'single-stream' does not read it",
@@ -90,7 +100,11 @@ def test_what_every_scenario_reads() -> None:
     fields of each only where its traits name them."""
     for name in scenario_traits.names():
         t = scenario_traits.get(name)
-        assert t.reads("seed") and t.reads("min_duration_s") and t.reads("batch_size")
+        assert t.reads("seed") and t.reads("batch_size")
+        # cold-start judges its loads and runs a fixed count of warm queries after each
+        timed = name != "cold-start"
+        for common in ("min_duration_s", "latency_bound_ms", "max_queries", "warmup_queries"):
+            assert t.reads(common) == timed, (name, common)
         assert t.reads("duration_s") == (name not in {"piecewise", "replay", "cold-start"})
         assert t.reads("peak_trials") == (name == "peak")
         assert t.reads("loadgen_hosts") == t.reads("loadgens")
@@ -104,6 +118,9 @@ def test_a_scenario_file_value_the_scenario_does_not_read_is_the_files_error(
     with pytest.raises(ManifestError, match="does not read duration_s: its length") as err:
         load_manifest(path)
     assert err.value.file == str(path)
+    path.write_text("kind: scenario\nname: cold-start\nrepetitions: 2\nlatency_bound_ms: 50\n")
+    with pytest.raises(ManifestError, match="does not read latency_bound_ms: its verdict"):
+        load_manifest(path)
     # A multi-stream file's concurrency is its samples per query: read, as batch_size.
     path.write_text("kind: scenario\nname: multi-stream\nqps: 10\nconcurrency: 4\n")
     load_manifest(path)
