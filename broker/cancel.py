@@ -129,9 +129,9 @@ def cancelled_summary(
     ``rec``: the rows stored (:func:`issued_part`); its counts are those of its rows'
     outcomes (:mod:`mlscope.outcomes`, warm-up included: a cancelled run has no
     statistics to leave it out of); None when no query was issued. ``tallied``: the
-    queries answered so far by load-generator services (``loadgen_hosts``; or processes,
-    ``loadgens`` > 1, that did not write their rows when stopped), whose rows are
-    theirs until the run ends and are not kept."""
+    queries answered so far by load generators of their own (``loadgens`` > 1,
+    ``loadgen_hosts``) when one of them kept no record of its slice when stopped: the
+    run then keeps no rows."""
     now = time.time()
     counts = _counts(rec) if rec is not None else dict.fromkeys(_NONE, 0)
     sent = counts["queries"] - counts["not_issued"]

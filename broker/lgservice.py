@@ -31,10 +31,10 @@ from nats.js.kv import KeyValue
 import mlscope
 from broker.distributed import save_result
 from broker.loadgen import Driver
-from broker.multihost import unpack_slice, work_bucket
+from broker.multihost import STOP_SAVE_S, unpack_slice, work_bucket
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.bus import Bus
+from mlscope.bus import Bus, bus_errors
 from mlscope.contracts import (
     LOADGEN_CONTROL,
     LoadgenDescription,
@@ -49,7 +49,7 @@ from mlscope.contracts import (
     PingReply,
     TraceLevel,
 )
-from mlscope.errors import ConfigError, EvaluationError
+from mlscope.errors import ConfigError, EvaluationError, MLScopeError
 from mlscope.loadgens import ensure_bucket
 from mlscope.presence import heartbeat
 from mlscope.record import RunRecord
@@ -82,6 +82,18 @@ class _Loaded:
 
 
 @dataclass
+class _Running:
+    """A run in progress: stopped through ``scope``; ``saved`` is set once it ended,
+    ``kept`` when a stopped run put what it had issued at ``result_object``."""
+
+    evaluation_id: str
+    result_object: str
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    saved: anyio.Event = field(default_factory=anyio.Event)
+    kept: bool = False
+
+
+@dataclass
 class LoadgenService:
     settings: Settings
     loadgen_id: str = field(default_factory=default_id)
@@ -89,8 +101,8 @@ class LoadgenService:
     tuning: ProcessTuning = field(default_factory=ProcessTuning)
     """This process's GC / switch-interval / priority owner, shared by the slices it runs."""
     _loaded: dict[str, _Loaded] = field(default_factory=dict)
-    _running: dict[str, tuple[str, anyio.CancelScope]] = field(default_factory=dict)
-    """Each running run's evaluation and cancel scope, by run id."""
+    _running: dict[str, _Running] = field(default_factory=dict)
+    """Each running run, by run id."""
     _connected: Bus | None = None
 
     def __post_init__(self) -> None:
@@ -159,7 +171,7 @@ class LoadgenService:
         if isinstance(op, PingOp):
             return PingReply(t_agent=time.perf_counter_ns())
         if isinstance(op, LoadgenStopOp):
-            return self._stop(op)
+            return await self._stop(op)
         if len(self._loaded) >= MAX_LOADED:
             self._loaded.pop(next(iter(self._loaded)))  # the oldest was never started
         obs = await work_bucket(self._bus())
@@ -173,8 +185,10 @@ class LoadgenService:
         log.info("run %s: a slice of %d queries loaded", op.run_id, len(sched))
         return LoadgenLoaded(run_id=op.run_id, queries=len(sched))
 
-    def _stop(self, op: LoadgenStopOp) -> LoadgenStopped:
-        """Let go of the run ``op`` names, or of every run of its evaluation."""
+    async def _stop(self, op: LoadgenStopOp) -> LoadgenStopped:
+        """Let go of the run ``op`` names, or of every run of its evaluation; answered
+        once a stopped run put what it had issued into the work bucket (at most
+        :data:`STOP_SAVE_S`), naming the results so kept."""
 
         def named(run_id: str, evaluation_id: str) -> bool:
             return run_id == op.run_id or evaluation_id == op.evaluation_id
@@ -182,11 +196,18 @@ class LoadgenService:
         loaded = [r for r, got in self._loaded.items() if named(r, got.op.evaluation_id)]
         for r in loaded:
             del self._loaded[r]
-        running = [r for r, (e, _) in self._running.items() if named(r, e)]
-        for r in running:
-            self._running[r][1].cancel()
+        running = {r: got for r, got in self._running.items() if named(r, got.evaluation_id)}
+        for r, got in running.items():
+            got.scope.cancel()
             log.info("run %s: stopped by its server", r)
-        return LoadgenStopped(run_ids=loaded + running, running=bool(running))
+        with anyio.move_on_after(STOP_SAVE_S):
+            for got in running.values():
+                await got.saved.wait()
+        return LoadgenStopped(
+            run_ids=loaded + list(running),
+            running=bool(running),
+            kept=[got.result_object for got in running.values() if got.kept],
+        )
 
     async def _start(self, op: LoadgenStartOp, msg: Msg) -> LoadgenDone:
         loaded = self._loaded.pop(op.run_id, None)
@@ -218,31 +239,33 @@ class LoadgenService:
                 )
                 await bus.nc.publish(op.progress_subject, codec.encode_model(note))
 
-        with anyio.CancelScope() as scope:
-            self._running[op.run_id] = (loaded.op.evaluation_id, scope)
-            try:
-                rec = await Driver(
-                    bus,
-                    evaluation_id=loaded.op.evaluation_id,
-                    subject=loaded.op.subject,
-                    spec=loaded.op.spec,
-                    inputs=no_inputs,
-                    labels=labels if lab is not None else None,
-                    trace_level=TraceLevel(loaded.op.trace_level),
-                    offset_ns=loaded.op.offset_ns,
-                    schedule=sched,
-                    start_ns=op.start_ns,
-                    payloads=loaded.payloads,
-                    on_progress=progress,
-                    tuning=self.tuning,
-                ).run()
-            finally:
-                self._running.pop(op.run_id, None)
-        if scope.cancelled_caught:
-            raise EvaluationError(f"run {op.run_id} was stopped by its server")
-        out = io.BytesIO()
-        save_result(rec, out)
-        await (await work_bucket(bus)).put(op.result_object, out.getvalue())
+        driver = Driver(
+            bus,
+            evaluation_id=loaded.op.evaluation_id,
+            subject=loaded.op.subject,
+            spec=loaded.op.spec,
+            inputs=no_inputs,
+            labels=labels if lab is not None else None,
+            trace_level=TraceLevel(loaded.op.trace_level),
+            offset_ns=loaded.op.offset_ns,
+            schedule=sched,
+            start_ns=op.start_ns,
+            payloads=loaded.payloads,
+            on_progress=progress,
+            tuning=self.tuning,
+        )
+        run = self._running[op.run_id] = _Running(loaded.op.evaluation_id, op.result_object)
+        try:
+            with run.scope:
+                rec = await driver.run()
+            if run.scope.cancelled_caught:  # what it had issued: a cancelled run's rows
+                if driver.record is not None:
+                    run.kept = await self._keep(bus, op.result_object, driver.record)
+                raise EvaluationError(f"run {op.run_id} was stopped by its server")
+        finally:
+            self._running.pop(op.run_id, None)
+            run.saved.set()
+        await _put_result(bus, op.result_object, rec)
         completed = int(np.count_nonzero(rec.completed))
         log.info("run %s: %d of %d queries completed", op.run_id, completed, rec.n)
         return LoadgenDone(
@@ -253,7 +276,27 @@ class LoadgenService:
             cpu_s=rec.cpu_s,
         )
 
+    async def _keep(self, bus: Bus, result_object: str, rec: RunRecord) -> bool:
+        """Put a stopped run's record; whether it is there (shielded: the run was
+        stopped, not this)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_SAVE_S):
+            try:
+                await _put_result(bus, result_object, rec)
+            except MLScopeError as exc:
+                log.warning("%s: what the stopped run issued not kept: %s", result_object, exc)
+                return False
+            return True
+        return False
+
     def _bus(self) -> Bus:
         if self._connected is None:
             raise EvaluationError(f"load generator {self.loadgen_id} is not connected")
         return self._connected
+
+
+async def _put_result(bus: Bus, result_object: str, rec: RunRecord) -> None:
+    """A run's raw arrays into the work bucket, where its server reads them."""
+    out = io.BytesIO()
+    save_result(rec, out)
+    with bus_errors(f"cannot put {result_object}"):
+        await (await work_bucket(bus)).put(result_object, out.getvalue())

@@ -55,6 +55,7 @@ from mlscope.contracts import (
     LoadgenProgress,
     LoadgenStartOp,
     LoadgenStopOp,
+    LoadgenStopped,
     ScenarioSpec,
     new_id,
 )
@@ -73,7 +74,15 @@ from mlscope.schedule import Schedule
 if TYPE_CHECKING:
     from broker.context import Context
 
-__all__ = ["pack_slice", "run_on_services", "stop_runs", "unpack_slice", "work_bucket"]
+__all__ = [
+    "STOP_SAVE_S",
+    "pack_slice",
+    "result_name",
+    "run_on_services",
+    "stop_runs",
+    "unpack_slice",
+    "work_bucket",
+]
 
 log = logging.getLogger("mlscope.multihost")
 
@@ -83,6 +92,14 @@ WATCH_S = 2.0
 registry entries expire :data:`mlscope.bus.AGENT_TTL_S` after their last heartbeat)."""
 WORK_TTL_S = 3600.0
 """Slices and results left behind by a run that died expire after this long."""
+STOP_SAVE_S = 5.0
+"""How long a service's stop waits for a stopped run to put what it had issued into
+the work bucket (the rows of its cancelled evaluation) before it answers."""
+STOP_ANSWER_S = STOP_SAVE_S + 3.0
+"""How long a server waits for a service's answer to a stop."""
+STOP_WAIT_S = STOP_ANSWER_S + 5.0
+"""The most a stopped run's server spends on it: the stop, reading what its services
+kept, deleting the run's objects."""
 
 
 async def work_bucket(bus: Bus, *, replicas: int = 1) -> ObjectStore:
@@ -210,7 +227,8 @@ async def run_on_services(
         for s in services
     ]
     objects: list[str] = []
-    finished = False
+    finished = cancelled = False
+    start: int | None = None
     try:
         for j, (svc, part) in enumerate(zip(services, parts, strict=True)):
             slice_ = _Slice(run_id, j, part, ctx.offset_ns - offsets[j])
@@ -218,21 +236,26 @@ async def run_on_services(
         start = time.perf_counter_ns() + int(START_LEAD_S * 1e9)
         done = await _start_all(ctx, spec, services, offsets, run_id, start)
         objects += [d.result_object for d in done]
-        results = []
-        for d, part in zip(done, parts, strict=True):
-            with bus_errors(f"cannot read {d.result_object}"):
-                got = await obs.get(d.result_object)
-            data = io.BytesIO(got.data or b"")
-            results.append(await anyio.to_thread.run_sync(load_result, data, len(part)))
+        read = [
+            await _read_result(obs, d.result_object, len(p))
+            for d, p in zip(done, parts, strict=True)
+        ]
         finished = True
+    except anyio.get_cancelled_exc_class():
+        cancelled = True
+        raise
     finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(STOP_WAIT_S):
             if not finished:  # cancelled or failed: no service goes on sending queries
-                await stop_runs(bus, services, LoadgenStopOp(run_id=run_id))
+                stopped = await stop_runs(bus, services, LoadgenStopOp(run_id=run_id))
+                results = [result_name(run_id, j) for j in range(len(parts))]
+                if cancelled and start is not None:
+                    await _keep_stopped(ctx, spec, obs, parts, stopped, results, start)
+                objects += results
             for name in objects:  # one left behind expires with the bucket's TTL
                 with contextlib.suppress(BusError), bus_errors(f"cannot delete {name}"):
                     await obs.delete(name)
-    rec = merge_results(parts, results)
+    rec = merge_results(parts, read)
     rec.t0_ns = start  # the shared start, on this server's clock
     rec.sources = tuple(
         {
@@ -292,23 +315,75 @@ async def _load(
     return name
 
 
-async def stop_runs(bus: Bus, services: list[LoadgenDescription], stop: LoadgenStopOp) -> None:
+async def stop_runs(
+    bus: Bus, services: list[LoadgenDescription], stop: LoadgenStopOp
+) -> list[LoadgenStopped | None]:
     """Send ``stop`` (a run, or every run of an evaluation) to every service at once,
-    loaded or running; a service that does not answer is logged: its slice ends with
-    its schedule."""
+    loaded or running; each one's answer, in order. A service that does not answer (or
+    answers with no :class:`LoadgenStopped`) is logged, its answer None: its slice ends
+    with its schedule."""
     what = f"run {stop.run_id}" if stop.run_id else f"evaluation {stop.evaluation_id}"
     data = codec.encode_model(stop)
+    answers: list[LoadgenStopped | None] = [None] * len(services)
 
-    async def one(svc: LoadgenDescription) -> None:
+    async def one(j: int, svc: LoadgenDescription) -> None:
         try:
             with bus_errors(f"cannot stop {what}"):
-                await request(bus, names.loadgen_ctl(svc.loadgen_id), data, timeout=3)
+                reply = await request(
+                    bus, names.loadgen_ctl(svc.loadgen_id), data, timeout=STOP_ANSWER_S
+                )
+            answers[j] = codec.validate(LoadgenStopped, reply)
         except MLScopeError as exc:
             log.warning("%s not stopped on %s: %s", what, svc.loadgen_id, exc)
 
     async with anyio.create_task_group() as tg:
-        for svc in services:
-            tg.start_soon(one, svc)
+        for j, svc in enumerate(services):
+            tg.start_soon(one, j, svc)
+    return answers
+
+
+def result_name(run_id: str, j: int) -> str:
+    """The work-bucket object in which slice ``j`` of run ``run_id`` puts its arrays."""
+    return f"{run_id}/result-{j}"
+
+
+async def _keep_stopped(
+    ctx: Context,
+    spec: ScenarioSpec,
+    obs: ObjectStore,
+    parts: list[Schedule],
+    stopped: list[LoadgenStopped | None],
+    results: list[str],
+    start: int,
+) -> None:
+    """A cancelled run's merged record of what its services had issued, reported as its
+    progress: the rows its evaluation stores (:func:`broker.cancel.issued_part`). Only
+    when every service kept its slice's; else the run keeps none, as before a service
+    kept any."""
+    kept = {name for s in stopped if s is not None for name in s.kept}
+    if ctx.on_progress is None or not set(results) <= kept:
+        return
+    try:
+        got = [
+            await _read_result(obs, name, len(part))
+            for name, part in zip(results, parts, strict=True)
+        ]
+    except MLScopeError as exc:
+        log.warning("%s: the stopped slices' rows not read: %s", ctx.evaluation_id, exc)
+        return
+    rec = merge_results(parts, got)
+    rec.t0_ns = start
+    rec.warmup = min(spec.warmup_queries, rec.n)
+    await ctx.on_progress(rec, (time.perf_counter_ns() - start) / 1e9)
+
+
+async def _read_result(
+    obs: ObjectStore, name: str, queries: int
+) -> tuple[RunRecord, dict[int, str]]:
+    """A slice's result as its service put it (shapes checked before anything is read)."""
+    with bus_errors(f"cannot read {name}"):
+        got = await obs.get(name)
+    return await anyio.to_thread.run_sync(load_result, io.BytesIO(got.data or b""), queries)
 
 
 def _own_result(d: LoadgenDone, run_id: str, result: str, svc: LoadgenDescription) -> LoadgenDone:
@@ -335,7 +410,7 @@ async def _start_all(
     """Start every loaded slice at once; each answers when its run is over."""
     timeout = spec.duration_s * 3 + 120
     done: list[Any] = [None] * len(services)
-    results = [f"{run_id}/result-{j}" for j in range(len(services))]
+    results = [result_name(run_id, j) for j in range(len(services))]
     counts: dict[str, int] = {}
     """Queries done by each slice (keyed by its result's name), as its service reports."""
 

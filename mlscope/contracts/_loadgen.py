@@ -74,6 +74,9 @@ class LoadgenStopped(_Message):
     """The runs let go, loaded or running."""
     running: bool
     """One of them was running (else they were only loaded, or none was known here)."""
+    kept: list[str] = Field(default_factory=list)
+    """The result objects in which stopped running runs put what they had issued (the
+    rows of a cancelled evaluation); empty from a service that keeps none."""
 
 
 LoadgenControl = Annotated[PingOp | LoadgenLoadOp | LoadgenStopOp, Field(discriminator="op")]
