@@ -219,41 +219,8 @@ class LoadgenService:
                 f"run {op.run_id} would start in {ahead_s:.3g} s; a server starts a "
                 f"loaded run within {MAX_START_AHEAD_S:.0f} s"
             )
-        sched, lab = loaded.schedule, loaded.labels
-        first = int(sched.index[0]) if len(sched) else 0
-        stride = int(sched.index[1] - sched.index[0]) if len(sched) > 1 else 1
-
-        def labels(g: int) -> np.ndarray:  # only called when the slice has labels
-            row: np.ndarray = lab[(g - first) // stride]  # type: ignore[index]
-            return row
-
-        def no_inputs(g: int) -> np.ndarray:
-            raise EvaluationError("payloads are prebuilt by the server")
-
         bus = self._bus()
-
-        async def progress(rec: RunRecord, _elapsed_s: float) -> None:
-            if op.progress_subject:
-                note = LoadgenProgress(
-                    run_id=op.run_id, result_object=op.result_object, done=rec.done
-                )
-                await bus.nc.publish(op.progress_subject, codec.encode_model(note))
-
-        driver = Driver(
-            bus,
-            evaluation_id=loaded.op.evaluation_id,
-            subject=loaded.op.subject,
-            spec=loaded.op.spec,
-            inputs=no_inputs,
-            labels=labels if lab is not None else None,
-            trace_level=TraceLevel(loaded.op.trace_level),
-            offset_ns=loaded.op.offset_ns,
-            schedule=sched,
-            start_ns=op.start_ns,
-            payloads=loaded.payloads,
-            on_progress=progress,
-            tuning=self.tuning,
-        )
+        driver = self._driver(bus, op, loaded)
         run = self._running[op.run_id] = _Running(loaded.op.evaluation_id, op.result_object)
         try:
             with run.scope:
@@ -274,6 +241,43 @@ class LoadgenService:
             queries=rec.n,
             completed=completed,
             cpu_s=rec.cpu_s,
+        )
+
+    def _driver(self, bus: Bus, op: LoadgenStartOp, loaded: _Loaded) -> Driver:
+        """The Driver of a loaded slice, started by ``op``: its queries prebuilt, its
+        labels by global index, its progress published where ``op`` says."""
+        sched, lab = loaded.schedule, loaded.labels
+        first = int(sched.index[0]) if len(sched) else 0
+        stride = int(sched.index[1] - sched.index[0]) if len(sched) > 1 else 1
+
+        def labels(g: int) -> np.ndarray:  # only called when the slice has labels
+            row: np.ndarray = lab[(g - first) // stride]  # type: ignore[index]
+            return row
+
+        def no_inputs(g: int) -> np.ndarray:
+            raise EvaluationError("payloads are prebuilt by the server")
+
+        async def progress(rec: RunRecord, _elapsed_s: float) -> None:
+            if op.progress_subject:
+                note = LoadgenProgress(
+                    run_id=op.run_id, result_object=op.result_object, done=rec.done
+                )
+                await bus.nc.publish(op.progress_subject, codec.encode_model(note))
+
+        return Driver(
+            bus,
+            evaluation_id=loaded.op.evaluation_id,
+            subject=loaded.op.subject,
+            spec=loaded.op.spec,
+            inputs=no_inputs,
+            labels=labels if lab is not None else None,
+            trace_level=TraceLevel(loaded.op.trace_level),
+            offset_ns=loaded.op.offset_ns,
+            schedule=sched,
+            start_ns=op.start_ns,
+            payloads=loaded.payloads,
+            on_progress=progress,
+            tuning=self.tuning,
         )
 
     async def _keep(self, bus: Bus, result_object: str, rec: RunRecord) -> bool:
