@@ -154,6 +154,9 @@ SINGLE_RUN_NOTE = (
     "one run each: the interval covers query-to-query noise within a run, "
     "not run-to-run variance (use --repeat for run-level statistics)"
 )
+NO_LATENCY = "has no latency to compare: no answered query, or it was cancelled"
+"""Why a run is not compared (:func:`analysis.data.latencies_ms` has no samples of it)."""
+
 COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size", *MEASURED_AS)
 """What two runs must share to be compared (framework, system or version may differ:
 that is what a comparison is for). The one definition of "comparable" for every
@@ -230,7 +233,7 @@ def compare_runs(
     ``runs``: the two evaluations' rows (of :func:`analysis.data.evaluations` or
     :func:`analysis.summary.summary`) when the caller has them; read otherwise.
     ``latencies``: their samples by id (:func:`analysis.data.latencies_ms`), likewise.
-    A run that answered no query is a ConfigError naming it."""
+    A run that answered no query, or was cancelled, is a ConfigError naming it."""
     if runs is None:
         runs = evaluations(source, [baseline, candidate])
     if check:
@@ -241,7 +244,7 @@ def compare_runs(
     lat = dict(latencies) if latencies is not None else latencies_ms(source, [baseline, candidate])
     for e in (baseline, candidate):
         if e not in lat:
-            raise ConfigError(f"evaluation {e} has no answered queries", evaluation_id=e)
+            raise ConfigError(f"evaluation {e} {NO_LATENCY}", evaluation_id=e)
     rows = [
         bootstrap_difference(
             lat[baseline],
@@ -314,9 +317,7 @@ def compare_repeats(
     per_run = latencies_ms(source, ids)
     missing = [e for e in ids if e not in per_run]
     if missing:
-        raise ConfigError(
-            f"evaluation {missing[0]} has no answered queries", evaluation_id=missing[0]
-        )
+        raise ConfigError(f"evaluation {missing[0]} {NO_LATENCY}", evaluation_id=missing[0])
     rows = []
     for name, q_, floor in (
         ("median", 50.0, min_effect),

@@ -43,6 +43,7 @@ UNKNOWN_OUTCOME = 255
 """``queries.outcome`` of rows stored before outcomes were recorded."""
 
 __all__ = [
+    "COUNT_TYPES",
     "EVALUATION_FIELDS",
     "MEASURED_AS",
     "RunFilter",
@@ -105,6 +106,10 @@ clock started, ``timed`` when inside each query's time. ``peak_rss_mb`` /
 run sent, as the server stored it, warm-up included (``warmup_queries`` of them; the
 figures of :func:`analysis.summary.summary` count the others only)."""
 
+COUNT_TYPES = dict.fromkeys(("queries", "warmup_queries", "samples", "errors"), "Int64")
+"""The counts of :data:`EVALUATION_FIELDS`, as nullable integers: whole numbers in every
+row (``17``, never ``17.0``), missing where a stored summary has none."""
+
 MEASURED_AS = {"placement": "server", "preprocess": "timed"}
 """How a run was measured, beyond its scenario, and the value of each where a stored
 summary does not say: ``placement`` (``server``: the server's load generator times
@@ -129,7 +134,7 @@ def _frame_of(raw: pd.DataFrame, *, named: bool = False) -> pd.DataFrame:
     """The rows of :data:`_EVALUATION_SELECT` flattened; ``named``: the caller named
     these evaluations, so one whose stored JSON cannot be read is a DatabaseError."""
     rows = [_flatten(r, named=named) for r in raw.to_dict("records")]
-    frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS))
+    frame = pd.DataFrame(rows, columns=list(EVALUATION_FIELDS)).astype(COUNT_TYPES)
     frame["created_at"] = pd.to_datetime(frame["created_at"])
     return frame
 
@@ -283,10 +288,10 @@ def _figure(value: object) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _count(value: object) -> float | None:
-    """:func:`_figure` of a count: None where negative."""
+def _count(value: object) -> int | None:
+    """:func:`_figure` of a count, as an int: None where negative or not whole."""
     number = _figure(value)
-    return number if number is not None and number >= 0 else None
+    return int(number) if number is not None and number >= 0 and number.is_integer() else None
 
 
 def _flatten(r: dict[str, Any], *, named: bool) -> dict[str, Any]:
@@ -418,13 +423,17 @@ def spans_of(source: Source, ids: Sequence[str]) -> pd.DataFrame:
 def latencies_ms(source: Source, ids: Sequence[str]) -> dict[str, np.ndarray]:
     """Latency (ms) of the answered, non-warm-up queries of each of ``ids`` (those with
     any), in query order: the samples a percentile curve or a bootstrap needs, read
-    as one narrow column (an index into ``ids``, not the id, on every row)."""
+    as one narrow column (an index into ``ids``, not the id, on every row). A cancelled
+    run has none: it stopped part-way, so its rows measure no steady load (its summary
+    has no latency figures either, :func:`analysis.summary.summary`)."""
     if not ids:
         return {}
     got = source.frame(
         "SELECT toUInt32(indexOf({ids:Array(String)}, evaluation_id)) AS i, "
         "completed_ns - scheduled_ns AS ns FROM queries FINAL WHERE evaluation_id IN "
-        "{ids:Array(String)} AND ok != 0 AND warmup = 0 ORDER BY i, query_index",
+        "{ids:Array(String)} AND ok != 0 AND warmup = 0 AND evaluation_id NOT IN "
+        "(SELECT evaluation_id FROM evaluations FINAL WHERE evaluation_id IN "
+        "{ids:Array(String)} AND status = 'cancelled') ORDER BY i, query_index",
         {"ids": list(ids)},
     )
     if got.empty:  # a direct read of no rows has no columns either

@@ -11,7 +11,6 @@ gives the tables and notes as plain data (plots are named, not drawn). Plots are
 from __future__ import annotations
 
 import html
-import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -30,6 +29,7 @@ from analysis.chart import Chart, svg
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
 from analysis.data import evaluations, latencies_ms
 from analysis.layers import layer_kinds, layer_spans_left_out, layer_types, top_layers
+from analysis.records import json_records
 from analysis.source import Source
 from analysis.summary import latency_windows_of, summary
 
@@ -109,6 +109,7 @@ def build(
     layers, and a comparison of each run against the first one. ``sizes``: the models'
     sizes (``"model/framework"`` to bytes), or what gives them when the accuracy
     section is reached (a catalog read while the evaluations are)."""
+    ids = list(dict.fromkeys(ids))  # an id named twice is one run: one row, not compared
     shown = evaluations(source, ids)
     runs = _sweep_runs(shown, ids)
     with ThreadPoolExecutor(READS_AT_ONCE - 1, thread_name_prefix="report-read") as pool:
@@ -307,7 +308,7 @@ def _fmt(v: Any) -> str:
     other number in fixed point with four significant digits, more where it is large
     (a rate of 12345.7/s reads ``12346``), never in scientific notation unless
     smaller than 0.001."""
-    if v is None or (isinstance(v, float | np.floating) and np.isnan(v)):
+    if v is None or v is pd.NA or (isinstance(v, float | np.floating) and np.isnan(v)):
         return "–"
     if isinstance(v, bool | np.bool_):
         return str(bool(v))
@@ -400,20 +401,13 @@ def to_json(report: Report) -> dict[str, Any]:
                 "title": sec.title,
                 "notes": list(sec.notes),
                 "tables": [
-                    {"caption": caption, "rows": _records(df)} for caption, df in sec.tables
+                    {"caption": caption, "rows": json_records(df)} for caption, df in sec.tables
                 ],
                 "plots": [caption for caption, _ in sec.plots],
             }
             for sec in report.sections
         ],
     }
-
-
-def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
-    """Rows as JSON-ready objects: NaN and NaT become null, numpy scalars Python ones."""
-    text = df.to_json(orient="records", date_format="iso", default_handler=str)
-    rows: list[dict[str, Any]] = json.loads(text)
-    return rows
 
 
 def markdown_table(df: pd.DataFrame) -> str:

@@ -27,6 +27,7 @@ from analysis.sqlstats import OUTCOME, percentile, sorted_ms, trimmed_mean
 from mlscope.outcomes import ERROR_OUTCOMES, Outcome
 
 __all__ = [
+    "COUNT_TYPES",
     "SAMPLE_STATS_SQL",
     "SUMMARY_COLUMNS",
     "latency_windows",
@@ -74,6 +75,11 @@ SUMMARY_COLUMNS = (
     "artifact_sha256",
 )
 
+COUNT_TYPES = dict.fromkeys(
+    ("batch_size", "queries", "warmup_queries", "errors", "not_issued", "samples"), "Int64"
+)
+"""The whole-number columns of :data:`SUMMARY_COLUMNS`, as nullable integers: a count is
+whole (``17``, never ``17.0``) in every row, also beside a row that has none."""
 
 _STATS = (
     "queries",
@@ -190,7 +196,7 @@ def summary(
     summary has no top-1), whatever the other rows of ``evaluated`` hold."""
     ev = evaluations(source, ids) if evaluated is None else evaluated
     if ev.empty:
-        return pd.DataFrame(columns=list(SUMMARY_COLUMNS))
+        return pd.DataFrame(columns=list(SUMMARY_COLUMNS)).astype(COUNT_TYPES)
     mlperf = ev["scenario"].astype(str).str.startswith("mlperf-")
     stats = sample_stats(
         source, list(ev["evaluation_id"]), sample_rows=set(ev.loc[mlperf, "evaluation_id"])
@@ -210,7 +216,7 @@ def summary(
         elif row["queries"] is not None:  # stored figures: the measured queries only
             row["queries"] = max(row["queries"] - (row["warmup_queries"] or 0), 0)
         rows.append(row)
-    return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
+    return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS)).astype(COUNT_TYPES)
 
 
 _WINDOW_COLUMNS = [

@@ -1,7 +1,8 @@
 """``mlscope export EVAL_ID... --format csv|parquet|json -o DIR``: evaluations as files.
 
-``DIR`` is a directory (created if missing; existing files of the same names are
-replaced) with one file per table, each holding the rows of every evaluation named:
+``DIR`` is a directory (created if missing, refused before anything is read where a
+file is in the way; existing files of the same names are replaced) with one file per
+table, each holding the rows of every evaluation named:
 
 * ``evaluations.<ext>``: one row per evaluation, the summary flattened into columns
   (as ``mlscope runs``) plus the stored ``spec`` and ``summary`` as JSON text;
@@ -18,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlscope.errors import ConfigError
 from mlscope.settings import Settings
 
 if TYPE_CHECKING:  # pandas and the analysis package load only when a command runs
@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pandas and the analysis package load only when a command ru
 
     from analysis.source import Source
 
-__all__ = ["EXTENSIONS", "TABLES", "register", "write_tables"]
+__all__ = ["EXTENSIONS", "TABLES", "creatable", "register", "write_tables"]
 
 EXTENSIONS = {"csv": "csv", "parquet": "parquet", "json": "jsonl"}
 """File extension per ``--format``."""
@@ -90,38 +90,24 @@ def write_tables(frames: dict[str, pd.DataFrame], out: Path, fmt: str) -> list[P
 
 
 def write_json_lines(frame: pd.DataFrame, path: Path) -> None:
-    """``frame`` as JSON Lines, one object per row. Not ``DataFrame.to_json``: it
-    writes floats with 10 significant digits (a throughput of 46.781144406638106 comes
-    back as 46.7811444066), so an exported figure would differ from the stored one."""
+    """``frame`` as JSON Lines, one object per row, every number as stored
+    (:func:`analysis.records.json_records`)."""
+    from analysis.records import json_records
+
     with path.open("w", encoding="utf-8") as f:
-        for row in frame.to_dict("records"):
-            f.write(json.dumps({str(k): _json_value(v) for k, v in row.items()}, allow_nan=False))
+        for row in json_records(frame):
+            f.write(json.dumps(row, allow_nan=False))
             f.write("\n")
 
 
-def _json_value(v: object) -> object:
-    """One cell as a JSON value: numpy scalars as Python numbers, NaN / None / NaT as
-    null, a time as ISO 8601 text (milliseconds, as ``to_json(date_format="iso")``)."""
-    import numpy as np
-    import pandas as pd
-
-    if v is None or v is pd.NaT:
-        return None
-    if isinstance(v, pd.Timestamp | datetime):
-        return v.isoformat(timespec="milliseconds")
-    if isinstance(v, np.generic):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, np.ndarray):
-        return [_json_value(x) for x in v.tolist()]
-    if isinstance(v, list | tuple):
-        return [_json_value(x) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _json_value(x) for k, x in v.items()}
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "replace")
-    return v
+def creatable(out: Path) -> None:
+    """Refuse, in one line naming it, a ``-o`` that is not and cannot become a
+    directory: a file, or a path through one."""
+    at = out
+    while not at.exists() and at != at.parent:
+        at = at.parent
+    if at.exists() and not at.is_dir():
+        raise ConfigError(f"cannot write into {out}: {at} is not a directory", field="output")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings: Settings = args.settings
     ids = list(dict.fromkeys(args.evaluations))
+    creatable(args.output)  # before the tables are read
     frames = tables(open_source(settings), ids)
     for path in write_tables(frames, args.output, args.format):
         print(f"wrote {path} ({len(frames[path.stem])} rows)", file=sys.stderr)

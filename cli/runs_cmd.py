@@ -151,6 +151,8 @@ def check_names(source: Source, *, framework: str | None, scenario: str | None) 
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:
+    from analysis.records import json_value
+
     out = {
         k: r[k]
         for k in (
@@ -176,18 +178,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         )
     }
     out["created_at"] = r["created_at"].isoformat()
-    return {k: _plain(k, v) for k, v in out.items()}
-
-
-def _plain(key: str, value: Any) -> Any:
-    """None for a value not stored (NaN in the frame); a count as a whole number (the
-    frame holds counts as floats when a row has none)."""
-    if isinstance(value, float) and value != value:
-        return None
-    counts = ("batch_size", "queries", "errors")
-    if key in counts and isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
+    return {k: json_value(v) for k, v in out.items()}
 
 
 def _cell(key: str, row: dict[str, Any]) -> str:

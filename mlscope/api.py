@@ -49,7 +49,7 @@ from mlscope.contracts import (
     JobEvent,
     JobRequest,
 )
-from mlscope.errors import BusError, ConfigError, MLScopeError
+from mlscope.errors import BusError, ConfigError, DatabaseError
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
@@ -177,11 +177,13 @@ class Client:
         return CancelReply.model_validate(reply)
 
     async def stored(self, evaluation_id: str) -> EvaluationSummary | None:
-        """The stored summary of an evaluation, or None when there is none (yet)."""
+        """The stored summary of an evaluation, or None when the database has none
+        (yet). Where no server answers, its BusError: "none stored" is the database's
+        answer, not the lack of one."""
         _ident("evaluation_id", evaluation_id)
         try:
             _, summary = await remote.evaluation(self.bus, evaluation_id, timeout=5.0)
-        except MLScopeError:
+        except DatabaseError:
             return None
         return EvaluationSummary.model_validate(summary)
 
