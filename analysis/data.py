@@ -55,6 +55,8 @@ __all__ = [
     "spans",
     "spans_of",
     "stored_json",
+    "stored_spec",
+    "with_sweep_runs",
 ]
 
 # Columns of :func:`evaluations` (the flattened summary and specification).
@@ -154,6 +156,27 @@ def evaluations(source: Source, ids: Sequence[str] | None = None) -> pd.DataFram
     return frame
 
 
+def with_sweep_runs(
+    source: Source, shown: pd.DataFrame, *, listed: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """``shown`` (rows of :func:`evaluations`) and, after them, the runs of the sweeps
+    among them that ``shown`` lacks: a sweep's parent holds its summary only, its batch
+    sizes or rates are its runs', so every surface that shows a sweep (``mlscope
+    report``, the dashboard's Results page) shows them with it. ``listed``: rows of
+    :func:`evaluations` already read (a listing of every evaluation): the runs are taken
+    from there, and one that is not stored is left out; without it they are read, and
+    one that is not stored is a :class:`~mlscope.errors.DatabaseError` naming it."""
+    have = set(shown["evaluation_id"])
+    extra = [r for r in dict.fromkeys(r for runs in shown["runs"] for r in runs) if r not in have]
+    if not extra:
+        return shown
+    if listed is None:
+        runs = evaluations(source, extra)
+    else:
+        runs = listed[listed["evaluation_id"].isin(extra)].drop_duplicates("evaluation_id")
+    return pd.concat([shown, runs], ignore_index=True) if len(runs) else shown
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunFilter:
     """Which evaluations :func:`find_evaluations` returns; ``None`` leaves a field open."""
@@ -220,6 +243,18 @@ def stored_json(evaluation_id: str, column: str, text: object) -> dict[str, Any]
         evaluation_id=evaluation_id,
         column=column,
     )
+
+
+def stored_spec(source: Source, evaluation_id: str) -> dict[str, Any]:
+    """The stored specification of ``evaluation_id`` (its ``job``, manifest, agent...):
+    what ``mlscope rerun`` runs again; a DatabaseError names an evaluation not stored."""
+    raw = source.frame(
+        "SELECT spec FROM evaluations FINAL WHERE evaluation_id = {id:String}",
+        {"id": evaluation_id},
+    )
+    if raw.empty:
+        raise DatabaseError(f"no evaluation {evaluation_id}", evaluation_id=evaluation_id)
+    return stored_json(evaluation_id, "spec", raw.iloc[0, 0])
 
 
 STORED_MAX_DEPTH = 4 * MAX_DEPTH

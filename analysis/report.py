@@ -27,7 +27,7 @@ import pandas as pd
 from analysis import figures, plots
 from analysis.chart import Chart, svg
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
-from analysis.data import evaluations, latencies_ms
+from analysis.data import evaluations, latencies_ms, with_sweep_runs
 from analysis.layers import layer_kinds, layer_spans_left_out, layer_types, top_layers
 from analysis.records import json_records
 from analysis.source import Source
@@ -111,7 +111,6 @@ def build(
     section is reached (a catalog read while the evaluations are)."""
     ids = list(dict.fromkeys(ids))  # an id named twice is one run: one row, not compared
     shown = evaluations(source, ids)
-    runs = _sweep_runs(shown, ids)
     with ThreadPoolExecutor(READS_AT_ONCE - 1, thread_name_prefix="report-read") as pool:
         # the windows of every id (one query either way); those without samples dropped
         lat_read = pool.submit(latencies_ms, source, ids)
@@ -121,9 +120,7 @@ def build(
             for e, k in layer_kinds(source, ids).items()
             if k is not None
         ]
-        summ = summary(
-            source, evaluated=pd.concat([shown, evaluations(source, runs)]) if runs else shown
-        )
+        summ = summary(source, evaluated=with_sweep_runs(source, shown))
         # drawn from the summary alone, while the other reads still run
         throughput = _throughput_sections(
             summ, sizes() if callable(sizes) else sizes, prices_per_hour
@@ -229,12 +226,6 @@ def _layers_section(source: Source, evaluation_id: str, kind: str, top_n: int) -
             "left out of these tables"
         )
     return section
-
-
-def _sweep_runs(shown: pd.DataFrame, ids: Sequence[str]) -> list[str]:
-    """The runs of the sweeps among ``ids`` (rows ``shown``) that ``ids`` does not name."""
-    extra = [r for runs in shown["runs"] for r in runs]
-    return [r for r in dict.fromkeys(extra) if r not in set(ids)]
 
 
 def _comparison(

@@ -132,6 +132,7 @@ def test_run_page_starts_from_a_linked_evaluation(env: AnalysisRuns) -> None:
     assert at.multiselect(key="run_frameworks").value == ["onnxruntime"]
     assert at.selectbox(key="run_scenario").value == "batched"
     assert at.number_input(key="run_batch").value == 4
+    assert at.text_input(key="run_sweep").value == ""  # batch 4 alone, not a sweep
     at.number_input(key="run_batch").set_value(2).run()  # an edit is not undone
     assert at.number_input(key="run_batch").value == 2
 

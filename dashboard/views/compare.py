@@ -48,7 +48,6 @@ for cand in cands:
             base[0],
             cand,
             confidence=float(conf),
-            n_boot=1000,
             check=False,
             runs=pair,
             latencies=lat,

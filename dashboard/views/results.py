@@ -10,7 +10,7 @@ import streamlit as st
 
 from analysis import figures, layers, plots
 from analysis.compare import NOT_COMPARED, regressions
-from analysis.data import latencies_ms
+from analysis.data import latencies_ms, with_sweep_runs
 from analysis.summary import latency_windows, summary
 from dashboard.common import (
     catalog,
@@ -100,10 +100,10 @@ def peak_tab(ids: list[str]) -> None:
 
 
 def accuracy_tab(summ: pd.DataFrame) -> None:
-    latency_only = {e.manifest.name for e in catalog().entries if e.manifest.latency_only}
-    measured = summ[summ["top1"].notna() & ~summ["model"].isin(latency_only)]
+    # The report's table: top-1 where measured, beside the online latency and maximum
+    # throughput of the same model (from runs that need not have measured top-1).
     sizes = figures.model_sizes(catalog(), settings().zoo_dir)
-    acc = figures.accuracy_tradeoff(measured, sizes)
+    acc = figures.accuracy_tradeoff(summ, sizes)
     if acc.empty:
         st.info(
             "No run among these measured accuracy (latency-only models have no labelled "
@@ -186,10 +186,12 @@ if not ids:
     st.stop()
 try:
     # The listing's rows: one whose stored JSON cannot be read shows what its columns say
-    # instead of stopping the page for every other run.
-    listed = recent_evaluations().set_index("evaluation_id")
-    picked = [i for i in ids if i in listed.index]
-    summ = summary(source(), evaluated=listed.loc[picked].reset_index())
+    # instead of stopping the page for every other run. A sweep comes with its runs, as
+    # in `mlscope report`: its batch sizes and rates are theirs.
+    listed = recent_evaluations()
+    by_id = listed.set_index("evaluation_id")
+    picked = by_id.loc[[i for i in ids if i in by_id.index]].reset_index()
+    summ = summary(source(), evaluated=with_sweep_runs(source(), picked, listed=listed))
 except MLScopeError as exc:
     stop_on_error(exc)
 st.subheader("Summary")

@@ -4,6 +4,7 @@ through the Python API (mlscope.api.Client), with live progress from the job eve
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -14,10 +15,10 @@ from dashboard.common import (
     agents,
     catalog,
     deep_link,
-    recent_evaluations,
     settings,
     stop_on_error,
 )
+from dashboard.prefill import LEVELS, notes, prefill
 from mlscope import scenario_traits
 from mlscope.api import Client
 from mlscope.contracts import (
@@ -29,15 +30,22 @@ from mlscope.contracts import (
 )
 from mlscope.errors import MLScopeError
 
-LEVELS = ["none", "model", "framework", "system", "full"]
 # Comments here, never a bare string after a statement: Streamlit "magic" would print
 # it on the page. Which inputs a scenario takes comes from its traits (the ``fields``
 # it reads), so a new scenario gets its form without an edit here.
 
 
 def _numbers(text: str, kind: type[float] | type[int]) -> tuple[Any, ...]:
-    """Comma- or whitespace-separated numbers ("1, 2, 4" → (1, 2, 4))."""
-    return tuple(kind(x) for x in text.replace(",", " ").split())
+    """Comma- or whitespace-separated numbers ("1, 2, 4" → (1, 2, 4)); a ValueError
+    names the first word that is not one."""
+    out = []
+    for word in text.replace(",", " ").split():
+        try:
+            out.append(kind(word))
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise ValueError(f"{word!r} is not {what}") from None
+    return tuple(out)
 
 
 def _segments(text: str) -> tuple[tuple[float, float, float], ...]:
@@ -45,18 +53,33 @@ def _segments(text: str) -> tuple[tuple[float, float, float], ...]:
     out = []
     for part in text.replace("\n", ";").split(";"):
         if part.strip():
-            a, b, c = _numbers(part, float)
-            out.append((a, b, c))
+            numbers = _numbers(part, float)
+            if len(numbers) != 3:
+                raise ValueError(f"{part.strip()!r} is not three numbers: from, to, seconds")
+            out.append((numbers[0], numbers[1], numbers[2]))
     return tuple(out)
 
 
-def scenario_form() -> dict[str, Any]:
-    """The scenario's fields, as ScenarioSpec takes them (disabled where they do not apply)."""
+def _read(label: str, text: str, parse: Callable[[str], Any], unread: list[str]) -> Any:
+    """``parse(text)``; where it cannot, None, and why (under the box and in ``unread``)."""
+    try:
+        return parse(text)
+    except ValueError as exc:
+        unread.append(f"{label}: {exc}")
+        st.error(unread[-1])
+        return None
+
+
+def scenario_form(unread: list[str]) -> dict[str, Any]:
+    """The scenario's fields, as ScenarioSpec takes them: those it does not read
+    (:meth:`~mlscope.scenario_traits.ScenarioTraits.reads`) are disabled and never sent,
+    as ``mlscope-submit`` refuses their flags (a disabled box still holds a value). A
+    text box that cannot be read is said and added to ``unread`` (nothing runs then)."""
     c1, c2, c3, c4 = st.columns(4)
     scenario_traits.load_modules(settings().scenario_modules)  # scenarios of plug-ins too
     name = c1.selectbox("Scenario", scenario_traits.names(), key="run_scenario")
     traits = scenario_traits.get(name)
-    off = {f: f not in traits.fields for f in ScenarioSpec.model_fields}
+    off = {f: not traits.reads(f) for f in ScenarioSpec.model_fields}
     values: dict[str, Any] = {"name": name}
     values["qps"] = c2.number_input(
         "Rate (queries/s)", min_value=1.0, value=100.0, key="run_qps", disabled=off["qps"]
@@ -68,14 +91,21 @@ def scenario_form() -> dict[str, Any]:
         key="run_batch",
     )
     values["duration_s"] = c4.number_input(
-        "Duration (s)", min_value=0.1, value=10.0, key="run_duration"
+        "Duration (s)",
+        min_value=0.1,
+        value=10.0,
+        key="run_duration",
+        disabled=off["duration_s"],
+        help=f"{name}: {traits.unread('duration_s')}" if off["duration_s"] else None,
     )
     c1, c2, c3, c4 = st.columns(4)
     sweep = c1.text_input(
         "Batch sizes swept (batched)", "1, 2, 4, 8", key="run_sweep", disabled=off["batch_sizes"]
     )
     if not off["batch_sizes"] and sweep.strip():
-        values["batch_sizes"] = _numbers(sweep, int)
+        values["batch_sizes"] = _read(
+            "Batch sizes swept", sweep, lambda t: _numbers(t, int), unread
+        )
     values["concurrency"] = c2.number_input(
         "Queries in flight",
         min_value=1,
@@ -113,19 +143,16 @@ def scenario_form() -> dict[str, Any]:
     )
     values["seed"] = c4.number_input("Seed", value=0, step=1, key="run_seed")
     if not off["segments"]:
-        values["segments"] = _segments(
-            st.text_area(
-                "Segments: rate from, rate to, seconds; …",
-                "50,200,2; 200,200,2",
-                key="run_segments",
-            )
+        text = st.text_area(
+            "Segments: rate from, rate to, seconds; …", "50,200,2; 200,200,2", key="run_segments"
         )
+        values["segments"] = _read("Segments", text, _segments, unread)
     if not off["arrivals_s"]:
-        values["arrivals_s"] = _numbers(
-            st.text_area("Inter-arrival times (s)", "0.01 0.01 0.05 0.002", key="run_arrivals"),
-            float,
+        text = st.text_area("Inter-arrival times (s)", "0.01 0.01 0.05 0.002", key="run_arrivals")
+        values["arrivals_s"] = _read(
+            "Inter-arrival times", text, lambda t: _numbers(t, float), unread
         )
-    return values
+    return {k: v for k, v in values.items() if k == "name" or not off[k]}
 
 
 def validity_form() -> dict[str, Any]:
@@ -232,41 +259,14 @@ def show(summaries: list[EvaluationSummary]) -> None:
     st.markdown(f"Open in Results: {links}")
 
 
-def prefill(evaluation_id: str) -> None:
-    """Start the form from a stored evaluation's settings (``?eval=EV_ID``: run it
-    again, or change one thing); once per evaluation, so that edits stick."""
-    if st.session_state.get("run_prefilled") == evaluation_id:
-        return
-    st.session_state["run_prefilled"] = evaluation_id
-    ev = recent_evaluations()
-    rows = ev[ev["evaluation_id"] == evaluation_id]
-    if rows.empty:
-        st.warning(f"No evaluation {evaluation_id} (from the address) to start from.")
-        return
-    r = rows.iloc[0]
-    task = next(
-        (t for t, es in catalog().tasks().items() if any(e.manifest.name == r.model for e in es)),
-        None,
-    )
-    values: dict[str, Any] = {
-        "run_task": task,
-        "run_model": r.model,
-        "run_version": r.model_version,
-        "run_frameworks": [r.framework],
-        "run_scenario": r.scenario,
-        "run_batch": int(r.batch_size),
-        "run_level": r.trace_level if r.trace_level in LEVELS else "model",
-    }
-    # The rate box takes at least 1 query/s: a stored rate below that is not prefilled.
-    if r.requested_qps is not None and not pd.isna(r.requested_qps) and r.requested_qps >= 1:
-        values["run_qps"] = float(r.requested_qps)
-    st.session_state.update({k: v for k, v in values.items() if v is not None})
-
-
 st.title("Run an evaluation")
 if (linked := deep_link()) is not None:
     prefill(linked)
-    st.caption(f"Settings from {linked}.")
+    started, unheld = notes()
+    if started:
+        st.caption(started)
+    if unheld:
+        st.warning(unheld)
 tasks = catalog().tasks()
 c1, c2, c3 = st.columns(3)
 task = c1.selectbox("Task", list(tasks), key="run_task")
@@ -295,7 +295,8 @@ agent = c3.selectbox("Agent / system", list(choices), key="run_agent")
 missing = [f for f in frameworks if not any(x["name"] == f for a in live for x in a["frameworks"])]
 if missing:
     st.warning(f"No live agent offers {', '.join(missing)}; the job would fail to resolve.")
-spec = scenario_form()
+unread: list[str] = []
+spec = scenario_form(unread)
 validity = validity_form()
 system = system_form()
 c1, c2, c3 = st.columns([2, 1, 1])
@@ -310,6 +311,9 @@ accuracy = c2.checkbox(
 parallel = c3.checkbox("Run beside other jobs", value=False, key="run_parallel")
 
 if st.button("Run", type="primary", key="run_go", disabled=not (model and frameworks)):
+    if unread:
+        st.error("Not run: " + "; ".join(unread))
+        st.stop()
     try:
         scenario = ScenarioSpec.model_validate({**spec, **validity})
     except ValueError as exc:
@@ -332,7 +336,7 @@ if st.button("Run", type="primary", key="run_go", disabled=not (model and framew
         for fw in frameworks
     ]
     try:
-        summaries = run_jobs(jobs, float(spec["duration_s"]))
+        summaries = run_jobs(jobs, scenario.duration_s)
     except MLScopeError as exc:
         st.error(f"{type(exc).__name__}: {exc}")
     else:
