@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -45,6 +46,9 @@ COMMANDS: dict[str, str] = {
     "loadgen": "cli.loadgen_cmd",
 }
 
+EXIT_PIPE = 128 + 13
+"""The exit code of a command whose stdout reader left: 128 + SIGPIPE, as a shell has it."""
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of ``command``, or of every command (``None`` or not a command: the
@@ -77,6 +81,12 @@ def program() -> NoReturn:
     gc.freeze()
     code = _execute(args)
     gc.freeze()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = EXIT_PIPE
+    if code == EXIT_PIPE:  # nothing left to write to: the exit's own flush must not say so
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     raise SystemExit(code)
 
 
@@ -91,8 +101,9 @@ def _execute(args: argparse.Namespace) -> int:
     Exit 2: a FlagError, a contract the command built from its flags refused a value
     (the flags' argparse types catch most first): argparse's ``error:`` line naming the
     flag. Exit 1: any other MLScopeError, or an OSError (a file the command was told to
-    read or write). Every other exception, a pydantic refusal of a reply or a stored
-    record included, is a bug and keeps its traceback."""
+    read or write). Exit 141 (a shell's code for SIGPIPE), silently: stdout's reader
+    left before the output ended (``| head``). Every other exception, a pydantic
+    refusal of a reply or a stored record included, is a bug and keeps its traceback."""
     try:
         args.settings = Settings.from_env()
         scenario_traits.load_modules(args.settings.scenario_modules)
@@ -103,6 +114,8 @@ def _execute(args: argparse.Namespace) -> int:
     except MLScopeError as exc:
         print(f"mlscope {args.command}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader of stdout left (`mlscope runs | head`): quiet
+        return EXIT_PIPE
     except OSError as exc:  # a file the command was told to read or write
         where = f"{exc.filename}: " if exc.filename is not None else ""
         print(f"mlscope {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)

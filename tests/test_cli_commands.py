@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +72,28 @@ def test_the_program_freezes_what_it_imported_and_in_process_main_does_not() -> 
     assert "give EVAL_ID" in done.stderr
     frozen = int(done.stdout.split()[-1])
     assert frozen > 10_000, done.stdout  # the imports' objects, at the least
+
+
+def test_a_reader_that_leaves_early_ends_the_program_quietly(tmp_path: Path) -> None:
+    """``mlscope ... | head``: once the reader has gone, the command stops with the
+    shell's SIGPIPE code and says nothing (no 'Broken pipe' line, no traceback)."""
+    env = {
+        **os.environ,
+        "MLSCOPE_DATA_DIR": str(tmp_path / "data"),
+        "MLSCOPE_NATS_URL": "nats://127.0.0.1:9",  # nothing answers: none is needed
+    }
+    many = [str(REPO / "manifests")] * 60  # far more output than a pipe holds
+    child = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "manifest", "validate", *many],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert child.stdout is not None and child.stderr is not None
+    assert child.stdout.readline().endswith(b": ok (framework)\n")
+    child.stdout.close()  # as head does after its first line
+    with child.stderr:
+        err = child.stderr.read().decode()
+    assert child.wait(60) == 141, err
+    assert err == ""
