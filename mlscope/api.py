@@ -182,10 +182,9 @@ class Client:
         answer, not the lack of one."""
         _ident("evaluation_id", evaluation_id)
         try:
-            _, summary = await remote.evaluation(self.bus, evaluation_id, timeout=5.0)
+            return await remote.stored_summary(self.bus, evaluation_id, timeout=5.0)
         except DatabaseError:
             return None
-        return EvaluationSummary.model_validate(summary)
 
     # ------------------------------------------------------------------ results
 

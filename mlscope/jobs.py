@@ -17,7 +17,7 @@ from mlscope.errors import (
     BusError,
     BusRefused,
     ConfigError,
-    MLScopeError,
+    DatabaseError,
     WireError,
     error_from_wire,
 )
@@ -180,9 +180,9 @@ async def stored_result(bus: busmod.Bus, job_id: str) -> tuple[bool, EvaluationS
     now): a job not taken while a server answers waits in the job queue behind others
     (a server runs a few jobs at a time)."""
     try:
-        _, summary = await remote.evaluation(bus, evaluation_id_for(job_id), timeout=5.0)
+        summary = await remote.stored_summary(bus, evaluation_id_for(job_id), timeout=5.0)
     except BusError:  # nobody serves the database, or no answer in time
         return False, None
-    except MLScopeError:  # a server answered: not stored
+    except DatabaseError:  # a server answered: not stored
         return True, None
-    return True, EvaluationSummary.model_validate(summary)
+    return True, summary

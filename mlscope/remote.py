@@ -13,9 +13,12 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from mlscope import codec, names
 from mlscope.bus import Bus, request
-from mlscope.errors import ConfigError
+from mlscope.contracts import EvaluationReply, EvaluationSummary
+from mlscope.errors import ConfigError, WireError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -139,11 +142,37 @@ def to_frame(table: pa.Table) -> pd.DataFrame:
 async def evaluation(
     bus: Bus, evaluation_id: str, *, timeout: float = 10.0
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(specification, summary) of one stored evaluation."""
-    reply = await request(
-        bus,
-        names.EVALUATION_SUBJECT,
-        codec.encode({"evaluation_id": evaluation_id}),
-        timeout=timeout,
+    """(specification, summary) of one stored evaluation: a DatabaseError when none is
+    stored, a WireError when the reply or its JSON is not what the server sends."""
+    reply = codec.validate(
+        EvaluationReply,
+        await request(
+            bus,
+            names.EVALUATION_SUBJECT,
+            codec.encode({"evaluation_id": evaluation_id}),
+            timeout=timeout,
+        ),
     )
-    return json.loads(reply["spec"]), json.loads(reply["summary"])
+    try:
+        spec, summary = json.loads(reply.spec), json.loads(reply.summary)
+    except ValueError as exc:
+        raise WireError(f"evaluation {evaluation_id}: stored JSON unreadable: {exc}") from exc
+    if not isinstance(spec, dict) or not isinstance(summary, dict):
+        raise WireError(f"evaluation {evaluation_id}: its stored spec or summary is no object")
+    return spec, summary
+
+
+async def stored_summary(
+    bus: Bus, evaluation_id: str, *, timeout: float = 10.0
+) -> EvaluationSummary:
+    """The stored summary of one evaluation: a DatabaseError when none is stored, a
+    WireError when the stored one is not a summary this version reads."""
+    _, summary = await evaluation(bus, evaluation_id, timeout=timeout)
+    try:
+        return EvaluationSummary.model_validate(summary)
+    except ValidationError as exc:
+        why = str(exc.errors(include_url=False, include_input=False))[: codec.MAX_ERROR_CHARS]
+        raise WireError(
+            f"evaluation {evaluation_id}: its stored summary is not one this version of "
+            f"mlscope reads: {why}"
+        ) from exc

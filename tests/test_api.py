@@ -8,11 +8,13 @@ import json
 
 import anyio
 import pytest
+from nats.aio.msg import Msg
 
 from cli.services import Stack
 from mlscope.api import Client
 from mlscope.contracts import JobEvent, JobRequest, ScenarioSpec
-from mlscope.errors import BusError, UnknownModelError
+from mlscope.errors import BusError, UnknownModelError, WireError
+from mlscope.settings import Settings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,5 +115,43 @@ def test_a_job_cancelled_before_a_server_takes_it_is_not_run(noop_stack: Stack) 
             assert summary.status == "cancelled" and not summary.valid
             assert summary.queries == 0
             assert len(await client.queries(summary.evaluation_id)) == 0
+
+    anyio.run(go, backend="asyncio")
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"kind": "evaluation", "spec": "{}", "summary": '{"status": 5}'},
+        {"kind": "evaluation", "spec": "{}", "summary": "{not json"},
+        {"kind": "evaluation", "spec": "[]", "summary": "[]"},
+        {"spec": 7},
+        [1, 2, 3],
+    ],
+    ids=["not-a-summary", "not-json", "not-objects", "wrong-reply", "no-reply-object"],
+)
+def test_a_stored_summary_this_version_cannot_read_is_a_wire_error(
+    settings: Settings, reply: object
+) -> None:
+    """A stored summary of another shape (written by another version, or a responder
+    that is not a server) is a WireError naming the evaluation, from the API and from a
+    submitter that looks for its result: not None ("not stored yet", waited on for
+    ever), nor a pydantic traceback."""
+    from mlscope import bus as busmod
+    from mlscope import codec, names
+    from mlscope.jobs import stored_result
+
+    async def go() -> None:
+        async with busmod.connect(settings, name="stand-in server") as bus:
+
+            async def answer(msg: Msg) -> None:
+                await msg.respond(codec.encode(reply))
+
+            await bus.nc.subscribe(names.EVALUATION_SUBJECT, cb=answer)
+            async with Client(settings) as client:
+                with pytest.raises(WireError):
+                    await client.stored("ev-odd")
+            with pytest.raises(WireError):
+                await stored_result(bus, "job-odd")
 
     anyio.run(go, backend="asyncio")
