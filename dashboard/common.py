@@ -102,6 +102,16 @@ def deep_link() -> str | None:
     return str(got) if got else None
 
 
+SHOWN_MAX_CHARS = 80
+"""An address's value is shown at most this long (the rest elided): it may be anything."""
+
+
+def shown(text: str) -> str:
+    """``text`` from the page's address as a page may show it: quoted, cut short."""
+    cut = text if len(text) <= SHOWN_MAX_CHARS else text[:SHOWN_MAX_CHARS] + "…"
+    return repr(cut)
+
+
 def comparable(ev: pd.DataFrame, anchor: str | None, *, limit: int = 12) -> list[str]:
     """``anchor`` (default: the newest run) and the newest runs sharing its model and
     scenario: the runs a person most likely wants side by side, not the whole history."""
@@ -139,7 +149,7 @@ def evaluation_picker(
     ids = list(labels)
     wanted = deep_link() if link else None
     if wanted is not None and wanted not in labels:
-        st.warning(f"No evaluation {wanted} (from the address); showing the newest.")
+        st.warning(f"No evaluation {shown(wanted)} (from the address); showing the newest.")
         wanted = None
     if multi:
         picked = st.multiselect(

@@ -42,7 +42,10 @@ def _fill(evaluation_id: str) -> tuple[str | None, str | None]:
     ev = common.recent_evaluations()
     rows = ev[ev["evaluation_id"] == evaluation_id]
     if rows.empty:
-        return None, f"No evaluation {evaluation_id} (from the address) to start from."
+        return (
+            None,
+            f"No evaluation {common.shown(evaluation_id)} (from the address) to start from.",
+        )
     try:
         spec = stored_spec(common.source(), evaluation_id)
         raw = spec.get("job")

@@ -223,3 +223,15 @@ def test_api_misuse_is_a_config_error_naming_the_argument(call: str, argument: s
     assert isinstance(err, MLScopeError) and isinstance(err, ValueError)
     assert err.fields["argument"] == argument
     assert argument in str(err)
+
+
+@pytest.mark.parametrize("view", ["results.py", "run.py"])
+def test_an_address_naming_no_evaluation_is_shown_cut_short(dash: Database, view: str) -> None:
+    """``?eval=`` is whatever the address holds: a page names it in its warning, quoted
+    and cut short, not echoed whole (200 KB here)."""
+    fill(dash, [row("ev-honest", "online", HONEST)], query_rows("ev-honest", 40))
+    huge = "x" * 200_000
+    at = page(view, eval=huge)
+    warned = [str(w.value) for w in at.warning if "No evaluation" in str(w.value)]
+    assert warned, shown_text(at)[:500]
+    assert all(len(w) < 300 and "…" in w for w in warned), [len(w) for w in warned]
