@@ -16,9 +16,11 @@ merges them by global index (:func:`mlscope.schedule.merge_values`) into one
 :class:`RunRecord`, judged once. While they run, each child prints ``progress DONE``
 lines (queries completed in its slice); the parent sums them into the evaluation's
 progress events (without a running p50: the latencies stay in the children until the
-end). A cancelled job's parent writes ``stop`` to every child: each stops its load,
-writes the arrays of what it had issued and answered, and ends; the merged record is
-what the cancelled run stores, as a run on one load generator does.
+end). A child that is not ready within :data:`READY_TIMEOUT_S`, or that fails while
+the others run, ends the run at once, named by its slice. A cancelled job's parent
+writes ``stop`` to every child: each stops its load, writes the arrays of what it had
+issued and answered, and ends; the merged record, up to where the first child stopped,
+is what the cancelled run stores, as a run on one load generator does.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from anyio.lowlevel import current_token
 from broker.context import Context
 from broker.loadgen import Driver, encode_query
 from mlscope import bus as busmod
-from mlscope import codec, scenario_traits, schedule
+from mlscope import codec, outcomes, scenario_traits, schedule
 from mlscope.bounded import npz_headers
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
@@ -51,7 +53,14 @@ from mlscope.schedule import Schedule
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
 
-__all__ = ["load_result", "main", "merge_results", "run_dealt", "save_result"]
+__all__ = [
+    "load_result",
+    "main",
+    "merge_results",
+    "run_dealt",
+    "save_result",
+    "until_first_stop",
+]
 
 START_LEAD_S = 0.2
 PROGRESS_S = 0.5
@@ -136,7 +145,7 @@ def _run_processes(
     sent goes into ``kept`` (when every one wrote it), and the run ends without a
     result."""
     with tempfile.TemporaryDirectory(prefix="mlscope-lg-") as tmp:
-        procs = []
+        children: list[_Child] = []
         try:
             for j, part in enumerate(parts):
                 base = Path(tmp) / f"lg{j}"
@@ -147,26 +156,25 @@ def _run_processes(
                 if labels is not None:
                     np.save(f"{base}-labels.npy", np.stack([labels(int(g)) for g in part.index]))
                 Path(f"{base}.json").write_text(json.dumps({**cfg, "base": str(base)}))
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "broker.distributed", f"{base}.json"],
-                        stdin=subprocess.PIPE,
-                        stdout=subprocess.PIPE,
-                        env=_child_env(),
-                        text=True,
-                    )
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "broker.distributed", f"{base}.json"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env=_child_env(),
+                    text=True,
                 )
-            _start(procs)
-            codes = _wait(procs, timeout, report, stop)
+                children.append(_Child(j, proc))
+            started = _start(children, stop)
+            codes = _wait(children, timeout, report, stop) if started else []
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            for c in children:
+                if c.proc.poll() is None:
+                    c.proc.kill()
+                    c.proc.wait()
         if stop.is_set():
             written = all((Path(tmp) / f"lg{j}-result.npz").is_file() for j in range(len(parts)))
             if written and not any(codes):  # a slice stopped before its start has none
-                kept.append(_merged(Path(tmp), parts))
+                kept.append(until_first_stop(_merged(Path(tmp), parts), parts))
             raise EvaluationError("the run was stopped: its job was cancelled")
         if any(codes):
             raise EvaluationError(f"a load-generator process failed (exit codes {codes})")
@@ -179,6 +187,28 @@ def _merged(tmp: Path, parts: list[Schedule]) -> RunRecord:
     )
 
 
+def until_first_stop(rec: RunRecord, parts: list[Schedule]) -> RunRecord:
+    """A stopped run's merged record, up to where the first of its load generators
+    (processes, or services: :mod:`broker.multihost`) stopped.
+
+    The processes hear ``stop`` a few milliseconds apart. Past the first one's stop, its
+    queries were never due while another process still sent its own: kept, they would
+    be stored as not issued, which says the outstanding bound held them. Cut there, the
+    record is what one load generator stopped at that moment leaves (the later queries
+    of the others were sent only because the stop reached them later)."""
+    sent = outcomes.was_sent(rec.issued, rec.completed)
+    cut = rec.n
+    for part in parts:
+        mine = np.flatnonzero(sent[part.index])
+        after = int(mine[-1]) + 1 if mine.size else 0  # its first query never sent
+        if after < len(part):
+            cut = min(cut, int(part.index[after]))
+    rec.trim(cut)
+    rec.errors = {i: m for i, m in rec.errors.items() if i < cut}
+    rec.done = int(np.count_nonzero(rec.completed))
+    return rec
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parent.parent)
@@ -186,17 +216,67 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def _start(procs: list[subprocess.Popen[str]]) -> None:
-    """Wait for every child's ``ready``, then give all of them one start time."""
-    for p in procs:
-        line = _pipe(p, p.stdout).readline().strip()
-        if line != "ready":
-            raise EvaluationError(f"load-generator process {p.pid} did not start ({line!r})")
+class _Child:
+    """One load-generator process and what it said on stdout, read by a thread of its
+    own from the moment it starts: ``ready`` (then its start time is due) and
+    ``progress DONE`` lines (queries completed in its slice)."""
+
+    def __init__(self, j: int, proc: subprocess.Popen[str]) -> None:
+        self.j, self.proc = j, proc
+        self.first = ""
+        """Its first line (``ready``, or what it said instead)."""
+        self.done = 0
+        self.heard = threading.Event()
+        """Set by its first line, or by the end of its output (it exited)."""
+        self._reader = threading.Thread(target=self._read, name=f"lg{j}-out", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for line in _pipe(self.proc, self.proc.stdout):
+                word, _, value = line.strip().partition(" ")
+                if not self.heard.is_set():
+                    self.first = line.strip()[:200]
+                    self.heard.set()
+                elif word == "progress" and value.isdigit():
+                    self.done = int(value)
+        finally:
+            self.heard.set()
+
+    def join(self) -> None:
+        self._reader.join(5)
+
+
+def _start(children: list[_Child], stop: threading.Event) -> bool:
+    """Wait for every child's ``ready`` (at most :data:`READY_TIMEOUT_S` in all), then
+    give all of them one start time; False (nothing started) when ``stop`` came first.
+    A child that ends or says anything else first, or is not ready in time, is an
+    EvaluationError naming it: the run cannot start without its slice."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for c in children:
+        while not c.heard.wait(min(PROGRESS_S, max(0.0, deadline - time.monotonic()))):
+            if stop.is_set():
+                return False
+            if time.monotonic() >= deadline:
+                raise EvaluationError(
+                    f"load-generator process {c.proc.pid} (slice {c.j}) was not ready "
+                    f"after {READY_TIMEOUT_S:g} s",
+                    slice=c.j,
+                )
+        if c.first != "ready":
+            raise EvaluationError(
+                f"load-generator process {c.proc.pid} (slice {c.j}) did not start "
+                f"({c.first!r}, exit code {c.proc.poll()})",
+                slice=c.j,
+            )
+    if stop.is_set():
+        return False
     start = time.perf_counter_ns() + int(START_LEAD_S * 1e9)
-    for p in procs:
-        stdin = _pipe(p, p.stdin)
+    for c in children:
+        stdin = _pipe(c.proc, c.proc.stdin)
         stdin.write(f"{start}\n")
         stdin.flush()
+    return True
 
 
 def _pipe(p: subprocess.Popen[str], stream: IO[str] | None) -> IO[str]:
@@ -207,37 +287,36 @@ def _pipe(p: subprocess.Popen[str], stream: IO[str] | None) -> IO[str]:
 
 
 def _wait(
-    procs: list[subprocess.Popen[str]],
+    children: list[_Child],
     timeout: float,
     report: Callable[[int, float], None],
     stop: threading.Event,
 ) -> list[int]:
     """Exit codes of every child; their ``progress`` lines summed into ``report`` about
     every half second while they run. ``stop`` set: each child is told to stop and has
-    :data:`STOP_WAIT_S` to end (the caller kills those that did not; their code is -1)."""
-    done = [0] * len(procs)
-
-    def follow(j: int, p: subprocess.Popen[str]) -> None:
-        for line in _pipe(p, p.stdout):
-            word, _, value = line.strip().partition(" ")
-            if word == "progress" and value.isdigit():
-                done[j] = int(value)
-
-    readers = [
-        threading.Thread(target=follow, args=(j, p), daemon=True) for j, p in enumerate(procs)
-    ]
-    for r in readers:
-        r.start()
+    :data:`STOP_WAIT_S` to end (the caller kills those that did not; their code is -1).
+    A child that fails while the others run ends the run at once (an EvaluationError
+    naming it): the merged run cannot be whole, and the others' load would go on to the
+    end of their schedules for nothing."""
+    procs = [c.proc for c in children]
     t0 = time.monotonic()
     deadline = t0 + timeout
-    while any(p.poll() is None for p in procs):
+    while None in [p.poll() for p in procs]:  # every one polled: any of them may have failed
+        failed = next((c for c in children if c.proc.returncode not in (None, 0)), None)
+        if failed is not None:
+            raise EvaluationError(
+                f"load-generator process {failed.proc.pid} (slice {failed.j}) failed during "
+                f"the run (exit code {failed.proc.returncode})",
+                slice=failed.j,
+                exit_code=failed.proc.returncode,
+            )
         if time.monotonic() > deadline:
             raise EvaluationError(f"load-generator processes still running after {timeout:g} s")
         if stop.wait(PROGRESS_S):
             return _stopped(procs)
-        report(sum(done), time.monotonic() - t0)
-    for r in readers:
-        r.join(5)
+        report(sum(c.done for c in children), time.monotonic() - t0)
+    for c in children:
+        c.join()
     return [int(p.returncode) for p in procs]
 
 
@@ -305,8 +384,16 @@ def load_result(path: Path | BinaryIO, queries: int) -> tuple[RunRecord, dict[in
 def merge_results(
     parts: list[Schedule], results: list[tuple[RunRecord, dict[int, str]]]
 ) -> RunRecord:
-    """One record in global order from the slices' records."""
+    """One record in global order from the slices' records. A slice whose scheduled
+    times are not its schedule's is refused (an EvaluationError naming it): every
+    latency counts from the schedule the server dealt, not from what a load generator
+    says it was."""
     recs = [r for r, _ in results]
+    for j, (part, rec) in enumerate(zip(parts, recs, strict=True)):
+        if not np.array_equal(rec.scheduled, part.offsets_ns):
+            raise EvaluationError(
+                f"slice {j}'s result has scheduled times other than its slice's", slice=j
+            )
     n = sum(r.n for r in recs)
     out = RunRecord(n=n, batch_size=recs[0].batch_size, t0_ns=recs[0].t0_ns)
     for name in ARRAYS:

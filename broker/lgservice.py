@@ -175,12 +175,9 @@ class LoadgenService:
         if len(self._loaded) >= MAX_LOADED:
             self._loaded.pop(next(iter(self._loaded)))  # the oldest was never started
         obs = await work_bucket(self._bus())
-        got = await obs.get(op.slice_object)
+        with bus_errors(f"cannot read slice {op.slice_object[:128]!r}"):
+            got = await obs.get(op.slice_object)
         sched, payloads, labels = await anyio.to_thread.run_sync(unpack_slice, got.data or b"")
-        if len(payloads) != len(sched):
-            raise ConfigError(
-                f"slice {op.slice_object}: {len(payloads)} payloads for {len(sched)} queries"
-            )
         self._loaded[op.run_id] = _Loaded(op, sched, payloads, labels)
         log.info("run %s: a slice of %d queries loaded", op.run_id, len(sched))
         return LoadgenLoaded(run_id=op.run_id, queries=len(sched))

@@ -40,8 +40,8 @@ import numpy as np
 
 from mlscope import codec, names, wire
 from mlscope.bus import Bus, request
-from mlscope.contracts import ScenarioSpec, TraceLevel
-from mlscope.errors import BusError, ConfigError, EvaluationError, MLScopeError
+from mlscope.contracts import PingReply, ScenarioSpec, TraceLevel
+from mlscope.errors import BusError, ConfigError, EvaluationError, MLScopeError, WireError
 from mlscope.pacer import OutstandingLimit, Pacer
 from mlscope.querylink import QueryLink
 from mlscope.record import RunRecord
@@ -88,11 +88,17 @@ async def estimate_offset(
 
 
 async def _ping(bus: Bus, subject: str, payload: bytes) -> tuple[int, int]:
-    """One ping: (agent clock - our clock, round trip) in ns."""
+    """One ping: (agent clock - our clock, round trip) in ns. The reply is checked
+    once it is timed: anything but a :class:`PingReply` is a WireError naming where
+    it came from (a load-generator service is a peer on any host)."""
     t1 = now()
-    reply = await request(bus, subject, payload, timeout=5.0)
+    raw = await request(bus, subject, payload, timeout=5.0)
     t2 = now()
-    return int(reply["t_agent"]) - (t1 + t2) // 2, t2 - t1
+    try:
+        reply = codec.validate(PingReply, raw)
+    except WireError as exc:
+        raise WireError(f"the ping reply on {subject}: {exc.message}", subject=subject) from exc
+    return reply.t_agent - (t1 + t2) // 2, t2 - t1
 
 
 def encode_query(

@@ -41,7 +41,13 @@ import numpy as np
 from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
-from broker.distributed import PROGRESS_S, START_LEAD_S, load_result, merge_results
+from broker.distributed import (
+    PROGRESS_S,
+    START_LEAD_S,
+    load_result,
+    merge_results,
+    until_first_stop,
+)
 from broker.loadgen import encode_query, estimate_offset
 from mlscope import codec, names, schedule
 from mlscope.bus import Bus, bus_errors, object_store, request
@@ -75,6 +81,7 @@ if TYPE_CHECKING:
     from broker.context import Context
 
 __all__ = [
+    "SLICE_KEYS",
     "STOP_SAVE_S",
     "pack_slice",
     "result_name",
@@ -128,15 +135,27 @@ def pack_slice(part: Schedule, payloads: list[bytes], labels: np.ndarray | None)
     )
 
 
+SLICE_KEYS = frozenset({"offsets", "index", "samples_per_query", "payloads", "labels"})
+"""The members of a packed slice (:func:`pack_slice`)."""
+
+
 def unpack_slice(data: bytes) -> tuple[Schedule, list[bytes], np.ndarray | None]:
-    """A dealt slice as the server packed it, refused unless a run could have it: at
-    most a run's queries, spread over at most a run's duration (anyone who may write
-    the work bucket can put a slice there, and one whose last query is years away
-    would hold its service for good)."""
+    """A dealt slice as the server packed it, refused unless a run could have it.
+
+    Anyone who may write the work bucket can put a slice there: one not shaped as
+    :func:`pack_slice` makes it (members, integer offsets and indices, a payload of
+    bytes and a label row per query) is a WireError; one with more than a run's queries,
+    or spread over more than a run's duration (its last query years away would hold its
+    service for good), is a ConfigError."""
     doc = codec.decode(data)
-    sched = Schedule(
-        np.asarray(doc["offsets"]), int(doc["samples_per_query"]), np.asarray(doc["index"])
-    )
+    if not isinstance(doc, dict) or set(doc) != SLICE_KEYS:
+        raise WireError(f"a slice is a map of {', '.join(sorted(SLICE_KEYS))}")
+    spq, payloads = doc["samples_per_query"], doc["payloads"]
+    if type(spq) is not int:
+        raise WireError("a slice's samples_per_query is not an integer")
+    if not isinstance(payloads, list) or not all(isinstance(p, bytes) for p in payloads):
+        raise WireError("a slice's payloads are not a list of bytes")
+    sched = Schedule(_integers(doc, "offsets"), spq, _integers(doc, "index"))
     if len(sched) > MAX_SCHEDULED_QUERIES or sched.duration_s > MAX_DURATION_S:
         raise ConfigError(
             f"a slice of {len(sched):,} queries over {sched.duration_s:.3g} s: over what one "
@@ -144,8 +163,30 @@ def unpack_slice(data: bytes) -> tuple[Schedule, list[bytes], np.ndarray | None]
         )
     if sched.samples_per_query > MAX_BATCH:
         raise ConfigError(f"a slice's samples_per_query is over {MAX_BATCH:,}")
+    if len(payloads) != len(sched):
+        raise ConfigError(f"a slice of {len(payloads)} payloads for {len(sched)} queries")
     labels = doc["labels"]
-    return sched, list(doc["payloads"]), None if labels is None else np.asarray(labels)
+    if labels is None:
+        return sched, payloads, None
+    if not (
+        isinstance(labels, np.ndarray)
+        and labels.ndim >= 1
+        and labels.shape[0] == len(sched)
+        and labels.dtype.kind in "iufb"
+    ):
+        raise WireError(
+            f"a slice's labels are not a numeric row for each of its {len(sched)} queries"
+        )
+    return sched, payloads, labels
+
+
+def _integers(doc: dict[str, Any], name: str) -> np.ndarray:
+    """``doc[name]`` as a one-dimensional array of integers (a WireError otherwise)."""
+    value = doc[name]
+    arr = value if isinstance(value, np.ndarray) else None
+    if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise WireError(f"a slice's {name} are not a one-dimensional array of integers")
+    return arr
 
 
 async def _watch(
@@ -371,7 +412,7 @@ async def _keep_stopped(
     except MLScopeError as exc:
         log.warning("%s: the stopped slices' rows not read: %s", ctx.evaluation_id, exc)
         return
-    rec = merge_results(parts, got)
+    rec = until_first_stop(merge_results(parts, got), parts)
     rec.t0_ns = start
     rec.warmup = min(spec.warmup_queries, rec.n)
     await ctx.on_progress(rec, (time.perf_counter_ns() - start) / 1e9)

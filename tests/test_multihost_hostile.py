@@ -24,7 +24,7 @@ from mlscope import bus as busmod
 from mlscope import codec, loadgens, names
 from mlscope.bus import ensure_infrastructure
 from mlscope.contracts import LoadgenDescription, LoadgenDone, LoadgenLoaded, ScenarioSpec
-from mlscope.errors import EvaluationError
+from mlscope.errors import EvaluationError, WireError
 from mlscope.natsserver import NatsServer
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
@@ -38,7 +38,9 @@ Names = Callable[[dict[str, Any], Any], Awaitable[str]]
 """A service's answer to a start: the result object it names (given the op, the bucket)."""
 
 
-async def _service(bus: busmod.Bus, lg_id: str, result_for: Names, obs: Any) -> None:
+async def _service(
+    bus: busmod.Bus, lg_id: str, result_for: Names, obs: Any, pong: Any = None
+) -> None:
     kv = await loadgens.ensure_bucket(bus)
     now = time.time()
     desc = LoadgenDescription(
@@ -49,7 +51,7 @@ async def _service(bus: busmod.Bus, lg_id: str, result_for: Names, obs: Any) -> 
     async def ctl(msg: Any) -> None:
         op = codec.decode(msg.data)
         if op.get("op") == "ping":
-            out: Any = {"kind": "pong", "t_agent": time.perf_counter_ns()}
+            out: Any = {"kind": "pong", "t_agent": time.perf_counter_ns()} if pong is None else pong
         elif op.get("op") == "load":
             out = LoadgenLoaded(run_id=op["run_id"], queries=N // 2).dump()
         else:
@@ -88,9 +90,12 @@ def _only(exc: BaseException) -> BaseException:
     return exc
 
 
-def run_with(tmp_path: Path, evil: Names) -> tuple[BaseException | None, bool]:
-    """A run dealt to ``good`` and ``evil``: its error (None if it ran) and whether
-    someone else's object in the work bucket is still there afterwards."""
+def run_with(
+    tmp_path: Path, evil: Names, evil_pong: Any = None
+) -> tuple[BaseException | None, bool]:
+    """A run dealt to ``good`` and ``evil`` (which answers a ping with ``evil_pong``
+    when given): its error (None if it ran) and whether someone else's object in the
+    work bucket is still there afterwards."""
     got: list[tuple[BaseException | None, bool]] = []
     good_done = anyio.Event()
 
@@ -110,7 +115,7 @@ def run_with(tmp_path: Path, evil: Names) -> tuple[BaseException | None, bool]:
                 obs = await multihost.work_bucket(bus)
                 await obs.put(OTHER, b"another run's slice")
                 await _service(sb, "good", good, obs)
-                await _service(sb, "evil", evil, good_done)
+                await _service(sb, "evil", evil, good_done, evil_pong)
                 ctx: Any = SimpleNamespace(
                     bus=bus,
                     evaluation_id="ev-1",
@@ -156,3 +161,79 @@ def test_a_service_cannot_make_the_server_delete_another_object(tmp_path: Path) 
     error, kept = run_with(tmp_path, evil)
     assert isinstance(error, EvaluationError) and OTHER in error.message
     assert kept, "the server deleted an object a load generator named"
+
+
+@pytest.mark.parametrize(
+    "pong",
+    [
+        {},
+        [1, 2],
+        {"kind": "pong", "t_agent": "soon"},
+        {"kind": "pong", "t_agent": None},
+        {"kind": "pong", "t_agent": -1},
+        {"kind": "pong", "t_agent": 1e300},
+    ],
+)
+def test_a_service_whose_ping_reply_is_malformed_fails_the_run_naming_it(
+    tmp_path: Path, pong: Any
+) -> None:
+    """The clock estimate reads a service's answer as a PingReply: anything else is a
+    WireError naming the service's subject, not a KeyError or TypeError of the server."""
+
+    async def evil(op: dict[str, Any], good_done: Any) -> str:
+        raise AssertionError("a service whose clock is unknown is never started")
+
+    error, kept = run_with(tmp_path, evil, evil_pong=pong)
+    assert isinstance(error, WireError), repr(error)
+    assert names.loadgen_ctl("evil") in error.message and kept
+
+
+def test_a_service_cannot_move_its_queries_scheduled_times(tmp_path: Path) -> None:
+    """Latency counts from the schedule the server dealt: a result that claims each
+    query was scheduled 49 ms later (turning 50 ms into 1 ms) is refused."""
+
+    async def main() -> BaseException | None:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="services") as sb,
+                busmod.connect(settings, name="server") as bus,
+            ):
+                await ensure_infrastructure(bus)
+                obs = await multihost.work_bucket(bus)
+
+                async def moved(op: dict[str, Any], obs: Any) -> str:
+                    j = int(str(op["result_object"]).rsplit("-", 1)[1])
+                    rec = RunRecord(n=N // 2, batch_size=1)
+                    rec.scheduled[:] = rec.issued[:] = np.arange(j, N, 2) * 1000
+                    rec.completed[:] = rec.scheduled + 50_000_000
+                    rec.scheduled[:] += 49_000_000
+                    rec.ok[:] = 1
+                    buf = io.BytesIO()
+                    save_result(rec, buf)
+                    await obs.put(op["result_object"], buf.getvalue())
+                    return str(op["result_object"])
+
+                await _service(sb, "good", moved, obs)
+                await _service(sb, "evil", moved, obs)
+                ctx: Any = SimpleNamespace(
+                    bus=bus,
+                    evaluation_id="ev-1",
+                    subject="mlscope.agent.a.query",
+                    trace_level=0,
+                    offset_ns=0,
+                    on_progress=None,
+                )
+                spec = ScenarioSpec(name="batched", loadgen_hosts=("good", "evil"))
+                sched = Schedule(np.arange(N, dtype=np.int64) * 1000, 1, np.arange(N))
+                try:
+                    await multihost.run_on_services(
+                        ctx, spec, sched, lambda g: np.zeros((1, 4), np.float32), None
+                    )
+                except Exception as exc:  # the test judges it
+                    return _only(exc)
+                return None
+
+    error = anyio.run(main)
+    assert isinstance(error, EvaluationError), repr(error)
+    assert "scheduled times" in error.message and error.fields["slice"] == 0

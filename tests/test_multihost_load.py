@@ -33,7 +33,7 @@ from mlscope.contracts import (
     LoadgenStopOp,
     ScenarioSpec,
 )
-from mlscope.errors import ConfigError, EvaluationError, MLScopeError, WireError
+from mlscope.errors import BusNotFound, ConfigError, EvaluationError, MLScopeError, WireError
 from mlscope.jobs import submit
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
@@ -255,6 +255,50 @@ def test_a_service_refuses_slices_and_starts_no_run_could_have(settings: Setting
                 await busmod.request(bus, start, codec.encode_model(op), timeout=15)
             ping = await busmod.request(bus, ctl, codec.encode({"op": "ping"}), timeout=10)
             assert ping["kind"] == "pong"
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_a_malformed_slice_is_refused_as_such_and_the_service_goes_on(settings: Settings) -> None:
+    """A slice not shaped as the server packs it (or not there at all) is refused at
+    ``load`` with what is wrong with it (a WireError, BusNotFound), not as a failure of
+    the service (a TypeError from deep inside), nor loaded to fail at its start."""
+    spec = ScenarioSpec(name="online", qps=10, duration_s=1)
+    service = LoadgenService(settings, loadgen_id="lg-slices")
+    good: dict[str, Any] = {
+        "offsets": np.array([0, 1000], np.int64),
+        "index": np.array([0, 1], np.int64),
+        "samples_per_query": 1,
+        "payloads": [b"q", b"q"],
+        "labels": None,
+    }
+    bad: dict[str, tuple[Any, type[MLScopeError]]] = {
+        "never-put": (None, BusNotFound),
+        "a-list": ([1, 2, 3], WireError),
+        "text-offsets": ({**good, "offsets": np.array(["a", "b"])}, WireError),
+        "int-payloads": ({**good, "payloads": [1, 2]}, WireError),
+        "short-labels": ({**good, "labels": np.zeros((1, 1), np.int64)}, WireError),
+        "text-spq": ({**good, "samples_per_query": "1"}, WireError),
+        "more-payloads": ({**good, "payloads": [b"q"] * 3}, ConfigError),
+    }
+
+    async def main() -> None:
+        async with (
+            busmod.connect(settings, name="test", provision=True) as bus,
+            anyio.create_task_group() as tg,
+        ):
+            await tg.start(service.run)
+            ctl = names.loadgen_ctl("lg-slices")
+            obs = await work_bucket(bus)
+            for name, (doc, error) in bad.items():
+                if doc is not None:
+                    await obs.put(name, codec.encode(doc))
+                with pytest.raises(error):
+                    await busmod.request(bus, ctl, _load_op(f"lr-{name}", name, spec), timeout=30)
+            await obs.put("good", codec.encode(good))
+            loaded = await busmod.request(bus, ctl, _load_op("lr-good", "good", spec), timeout=30)
+            assert loaded["queries"] == 2
             tg.cancel_scope.cancel()
 
     anyio.run(main, backend="asyncio")

@@ -154,7 +154,8 @@ CONTROL: TypeAdapter[ControlOp] = TypeAdapter(ControlRequest)
 
 class PingReply(_Message):
     kind: Literal["pong"] = "pong"
-    t_agent: int
+    t_agent: int = Field(ge=0, le=2**63 - 1)
+    """The responder's ``perf_counter_ns`` (CLOCK_MONOTONIC) when it answered."""
 
 
 class PrepareReply(_Message):
