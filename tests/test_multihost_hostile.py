@@ -38,6 +38,21 @@ Names = Callable[[dict[str, Any], Any], Awaitable[str]]
 """A service's answer to a start: the result object it names (given the op, the bucket)."""
 
 
+def _run_on_good_and_evil(bus: busmod.Bus) -> tuple[Any, ScenarioSpec, Schedule]:
+    """What a server hands run_on_services for a run dealt to services good and evil:
+    its context (only the fields the run reads), spec and schedule of N queries."""
+    ctx = SimpleNamespace(
+        bus=bus,
+        evaluation_id="ev-1",
+        subject="mlscope.agent.a.query",
+        trace_level=0,
+        offset_ns=0,
+        on_progress=None,
+    )
+    spec = ScenarioSpec(name="batched", loadgen_hosts=("good", "evil"))
+    return ctx, spec, Schedule(np.arange(N, dtype=np.int64) * 1000, 1, np.arange(N))
+
+
 async def _service(
     bus: busmod.Bus, lg_id: str, result_for: Names, obs: Any, pong: Any = None
 ) -> None:
@@ -116,16 +131,7 @@ def run_with(
                 await obs.put(OTHER, b"another run's slice")
                 await _service(sb, "good", good, obs)
                 await _service(sb, "evil", evil, good_done, evil_pong)
-                ctx: Any = SimpleNamespace(
-                    bus=bus,
-                    evaluation_id="ev-1",
-                    subject="mlscope.agent.a.query",
-                    trace_level=0,
-                    offset_ns=0,
-                    on_progress=None,
-                )
-                spec = ScenarioSpec(name="batched", loadgen_hosts=("good", "evil"))
-                sched = Schedule(np.arange(N, dtype=np.int64) * 1000, 1, np.arange(N))
+                ctx, spec, sched = _run_on_good_and_evil(bus)
                 error: BaseException | None = None
                 try:
                     await multihost.run_on_services(
@@ -216,16 +222,7 @@ def test_a_service_cannot_move_its_queries_scheduled_times(tmp_path: Path) -> No
 
                 await _service(sb, "good", moved, obs)
                 await _service(sb, "evil", moved, obs)
-                ctx: Any = SimpleNamespace(
-                    bus=bus,
-                    evaluation_id="ev-1",
-                    subject="mlscope.agent.a.query",
-                    trace_level=0,
-                    offset_ns=0,
-                    on_progress=None,
-                )
-                spec = ScenarioSpec(name="batched", loadgen_hosts=("good", "evil"))
-                sched = Schedule(np.arange(N, dtype=np.int64) * 1000, 1, np.arange(N))
+                ctx, spec, sched = _run_on_good_and_evil(bus)
                 try:
                     await multihost.run_on_services(
                         ctx, spec, sched, lambda g: np.zeros((1, 4), np.float32), None
