@@ -98,7 +98,19 @@ def scenario_form(unread: list[str]) -> dict[str, Any]:
         disabled=off["duration_s"],
         help=f"{name}: {traits.unread('duration_s')}" if off["duration_s"] else None,
     )
+    values.update(_load_row(traits, off, unread))
+    values.update(_cold_start_row(off))
+    values.update(_lists(off, unread))
+    return {k: v for k, v in values.items() if k == "name" or not off[k]}
+
+
+def _load_row(
+    traits: scenario_traits.ScenarioTraits, off: dict[str, bool], unread: list[str]
+) -> dict[str, Any]:
+    """The second row: a sweep's batch sizes, queries in flight, a latency bound, a
+    peak search's trials."""
     c1, c2, c3, c4 = st.columns(4)
+    values: dict[str, Any] = {}
     sweep = c1.text_input(
         "Batch sizes swept (batched)", "1, 2, 4, 8", key="run_sweep", disabled=off["batch_sizes"]
     )
@@ -118,30 +130,39 @@ def scenario_form(unread: list[str]) -> dict[str, Any]:
         min_value=0.0,
         value=10.0 if "peak_trials" in traits.fields else 0.0,
         key="run_bound",
+        disabled=off["latency_bound_ms"],
     )
     values["latency_bound_ms"] = float(bound) or None
     values["peak_trials"] = c4.number_input(
         "Peak: most trials", min_value=2, value=10, key="run_trials", disabled=off["peak_trials"]
     )
+    return values
+
+
+def _cold_start_row(off: dict[str, bool]) -> dict[str, Any]:
+    """The third row: cold start's loads and warm queries, load generators, the seed."""
     c1, c2, c3, c4 = st.columns(4)
-    values["repetitions"] = c1.number_input(
-        "Cold start: loads", min_value=1, value=5, key="run_reps", disabled=off["repetitions"]
-    )
-    values["warm_queries"] = c2.number_input(
-        "Cold start: warm queries",
-        min_value=1,
-        value=20,
-        key="run_warm",
-        disabled=off["warm_queries"],
-    )
-    values["loadgens"] = c3.number_input(
-        "Load generators",
-        min_value=1,
-        value=1,
-        key="run_loadgens",
-        disabled=off["loadgens"],
-    )
-    values["seed"] = c4.number_input("Seed", value=0, step=1, key="run_seed")
+    return {
+        "repetitions": c1.number_input(
+            "Cold start: loads", min_value=1, value=5, key="run_reps", disabled=off["repetitions"]
+        ),
+        "warm_queries": c2.number_input(
+            "Cold start: warm queries",
+            min_value=1,
+            value=20,
+            key="run_warm",
+            disabled=off["warm_queries"],
+        ),
+        "loadgens": c3.number_input(
+            "Load generators", min_value=1, value=1, key="run_loadgens", disabled=off["loadgens"]
+        ),
+        "seed": c4.number_input("Seed", value=0, step=1, key="run_seed"),
+    }
+
+
+def _lists(off: dict[str, bool], unread: list[str]) -> dict[str, Any]:
+    """A piecewise run's segments and a replay's inter-arrival times, where read."""
+    values: dict[str, Any] = {}
     if not off["segments"]:
         text = st.text_area(
             "Segments: rate from, rate to, seconds; …", "50,200,2; 200,200,2", key="run_segments"
@@ -152,7 +173,7 @@ def scenario_form(unread: list[str]) -> dict[str, Any]:
         values["arrivals_s"] = _read(
             "Inter-arrival times", text, lambda t: _numbers(t, float), unread
         )
-    return {k: v for k, v in values.items() if k == "name" or not off[k]}
+    return values
 
 
 def validity_form() -> dict[str, Any]:
