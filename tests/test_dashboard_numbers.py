@@ -130,6 +130,12 @@ BOXES = {
     "repetitions": "run_reps",
     "warm_queries": "run_warm",
     "loadgens": "run_loadgens",
+    "latency_bound_ms": "run_bound",
+    "min_duration_s": "run_min_duration",
+    "min_queries": "run_min_q",
+    "max_issue_lag_us": "run_max_lag",
+    "max_queries": "run_max_q",
+    "warmup_queries": "run_warmup",
 }
 
 

@@ -176,27 +176,46 @@ def _lists(off: dict[str, bool], unread: list[str]) -> dict[str, Any]:
     return values
 
 
-def validity_form() -> dict[str, Any]:
-    """Validity knobs and warm-up (0 / empty: the server's policy)."""
+def validity_form(name: str) -> dict[str, Any]:
+    """Validity knobs and warm-up (0 / empty: the server's policy), for scenario
+    ``name``: those it does not read (cold-start judges its loads) disabled and not sent."""
+    off = {f: not scenario_traits.get(name).reads(f) for f in ScenarioSpec.model_fields}
     with st.expander("Validity and warm-up"):
         c1, c2, c3, c4, c5 = st.columns(5)
-        return {
+        values = {
             "min_duration_s": c1.number_input(
-                "Min duration (s)", min_value=0.0, value=0.0, key="run_min_duration"
+                "Min duration (s)",
+                min_value=0.0,
+                value=0.0,
+                key="run_min_duration",
+                disabled=off["min_duration_s"],
             )
             or None,
-            "min_queries": c2.number_input("Min queries", min_value=0, value=0, key="run_min_q")
+            "min_queries": c2.number_input(
+                "Min queries", min_value=0, value=0, key="run_min_q", disabled=off["min_queries"]
+            )
             or None,
             "max_issue_lag_us": c3.number_input(
-                "Max p99 issue lag (µs)", min_value=0.0, value=0.0, key="run_max_lag"
+                "Max p99 issue lag (µs)",
+                min_value=0.0,
+                value=0.0,
+                key="run_max_lag",
+                disabled=off["max_issue_lag_us"],
             )
             or None,
-            "max_queries": c4.number_input("Max queries", min_value=0, value=0, key="run_max_q")
+            "max_queries": c4.number_input(
+                "Max queries", min_value=0, value=0, key="run_max_q", disabled=off["max_queries"]
+            )
             or None,
             "warmup_queries": c5.number_input(
-                "Warm-up queries", min_value=0, value=0, key="run_warmup"
+                "Warm-up queries",
+                min_value=0,
+                value=0,
+                key="run_warmup",
+                disabled=off["warmup_queries"],
             ),
         }
+    return {k: v for k, v in values.items() if not off[k]}
 
 
 def system_form() -> SystemRequirement | None:
@@ -318,7 +337,7 @@ if missing:
     st.warning(f"No live agent offers {', '.join(missing)}; the job would fail to resolve.")
 unread: list[str] = []
 spec = scenario_form(unread)
-validity = validity_form()
+validity = validity_form(spec["name"])
 system = system_form()
 c1, c2, c3 = st.columns([2, 1, 1])
 level = c1.select_slider("Trace level", LEVELS, value="model", key="run_level")
