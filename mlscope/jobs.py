@@ -65,9 +65,8 @@ def time_limit(job: JobRequest) -> float:
     """How long a job may take before its submitter gives up (runs x 3 x duration
     + 6 min)."""
     sc = job.scenario
-    runs = scenario_traits.get(sc.name).runs(sc)
-    span = sum(seg[2] for seg in sc.segments or ()) + sum(sc.arrivals_s or ())
-    return max(sc.duration_s, span) * 3 * runs + 360.0
+    traits = scenario_traits.get(sc.name)
+    return max(sc.duration_s, traits.extent(sc).seconds or 0.0) * 3 * traits.runs(sc) + 360.0
 
 
 async def publish_job(bus: busmod.Bus, job: JobRequest) -> None:

@@ -36,6 +36,7 @@ from mlscope.errors import ConfigError
 
 __all__ = [
     "OWN_FIELDS",
+    "Extent",
     "ScenarioTraits",
     "check_name",
     "get",
@@ -53,6 +54,30 @@ gives them their types; this module sits below the contracts and cannot name the
 
 def _one_run(spec: Any) -> int:
     return 1
+
+
+@dataclass(frozen=True)
+class Extent:
+    """How long one run of a scenario is planned to last: seconds of its clock, a count
+    of answered queries, or both (whichever it reaches first ends it); None where the
+    spec does not say."""
+
+    seconds: float | None = None
+    queries: int | None = None
+
+    def fraction(self, queries_done: int, elapsed_s: float) -> float | None:
+        """How far a run is, 0 to 1, from a progress event's figures; None when the
+        extent is unknown (a progress display then shows only the figures)."""
+        parts = []
+        if self.seconds:
+            parts.append(elapsed_s / self.seconds)
+        if self.queries:
+            parts.append(queries_done / self.queries)
+        return min(max(max(parts), 0.0), 1.0) if parts else None
+
+
+def _timed(spec: Any) -> Extent:
+    return Extent(seconds=spec.duration_s, queries=spec.max_queries)
 
 
 OWN_FIELDS = frozenset(
@@ -123,6 +148,9 @@ class ScenarioTraits:
     """``(field, why)``: common ``ScenarioSpec`` fields its runs do not read (cold-start
     runs a fixed count of warm queries after each load and judges the loads, not a
     timed run's latency), and what it does instead."""
+    extent: Callable[[Any], Extent] = _timed
+    """``spec ->`` how long each of its runs is planned to last (default: ``duration_s``
+    or ``max_queries``); it says the same as ``length`` where that is set."""
     runs: Callable[[Any], int] = _one_run
     """``spec -> `` the most runs it makes (a sweep's points, a search's trials)."""
     position: int = 1000

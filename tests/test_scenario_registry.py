@@ -96,6 +96,33 @@ def test_a_job_time_limit_counts_the_runs_a_scenario_makes() -> None:
     assert limit(name="batched", duration_s=10, batch_sizes=(1, 2, 4)) - 360 == 3 * (one - 360)
 
 
+@pytest.mark.parametrize(
+    ("spec", "seconds"),
+    [
+        (ScenarioSpec(name="online", qps=50, duration_s=7), 7.0),
+        (ScenarioSpec(name="replay", arrivals_s=(0.5, 1.25, 2.0)), 3.75),
+        (ScenarioSpec(name="piecewise", segments=((10, 50, 2.0), (50, 50, 3.5))), 5.5),
+    ],
+)
+def test_an_open_loop_extent_is_its_schedule_window(spec: ScenarioSpec, seconds: float) -> None:
+    extent = scenario_traits.get(spec.name).extent(spec)
+    assert extent.seconds == seconds == build_schedule(spec)[1]
+    assert extent.fraction(0, seconds / 2) == 0.5  # not against the default 10 s
+
+
+def test_an_extent_ends_at_whichever_limit_comes_first() -> None:
+    timed = scenario_traits.get("single-stream").extent(
+        ScenarioSpec(name="single-stream", duration_s=20, max_queries=100)
+    )
+    assert timed.fraction(50, 1.0) == 0.5 and timed.fraction(10, 15.0) == 0.75
+    assert timed.fraction(500, 99.0) == 1.0
+    cold = scenario_traits.get("cold-start").extent(
+        ScenarioSpec(name="cold-start", repetitions=3, warm_queries=40)
+    )
+    assert cold.seconds is None and cold.fraction(10, 55.0) == 0.25  # each reload's run
+    assert scenario_traits.Extent().fraction(10, 1.0) is None
+
+
 def test_a_cold_start_cannot_run_in_the_agent() -> None:
     spec = ScenarioSpec(name="cold-start")
     with pytest.raises(ValueError, match="'cold-start' cannot run with placement agent"):

@@ -241,16 +241,21 @@ def system_form() -> SystemRequirement | None:
     return SystemRequirement.model_validate(wanted)
 
 
-def run_jobs(jobs: list[JobRequest], duration: float) -> list[EvaluationSummary]:
-    """Submit ``jobs`` one after another on one client, with a progress bar each."""
+def run_jobs(jobs: list[JobRequest]) -> list[EvaluationSummary]:
+    """Submit ``jobs`` one after another on one client, with a progress bar each: how
+    far the running run is against its scenario's planned extent (a sweep's bar starts
+    again with each of its runs), empty where the extent is unknown."""
     done: list[EvaluationSummary] = []
 
     async def go() -> None:
         async with Client(settings(), name="mlscope dashboard") as client:
             for job in jobs:
                 bar = st.progress(0.0, text=f"{job.framework}: submitted")
+                extent = scenario_traits.get(job.scenario.name).extent(job.scenario)
 
-                def on_event(event: JobEvent, bar: Any = bar, fw: str = job.framework) -> None:
+                def on_event(
+                    event: JobEvent, bar: Any = bar, fw: str = job.framework, extent: Any = extent
+                ) -> None:
                     if event.event == "queued":
                         bar.progress(0.0, text=f"{fw}: queued, every server is busy")
                     elif event.event == "accepted":
@@ -258,8 +263,8 @@ def run_jobs(jobs: list[JobRequest], duration: float) -> list[EvaluationSummary]
                     elif event.event == "progress":
                         p50 = "-" if event.p50_ms is None else f"{event.p50_ms:.3f} ms"
                         bar.progress(
-                            min(event.elapsed_s / duration, 1.0),
-                            text=f"{fw}: {event.queries_done} queries · "
+                            extent.fraction(event.queries_done, event.elapsed_s) or 0.0,
+                            text=f"{fw}: {event.evaluation_id}: {event.queries_done} queries · "
                             f"{event.elapsed_s:.1f} s · running p50 {p50}",
                         )
 
@@ -376,7 +381,7 @@ if st.button("Run", type="primary", key="run_go", disabled=not (model and framew
         for fw in frameworks
     ]
     try:
-        summaries = run_jobs(jobs, scenario.duration_s)
+        summaries = run_jobs(jobs)
     except MLScopeError as exc:
         st.error(f"{type(exc).__name__}: {exc}")
     else:

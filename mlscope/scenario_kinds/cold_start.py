@@ -4,7 +4,7 @@ followed by ``warm_queries`` closed-loop queries (the server's strategy:
 
 from __future__ import annotations
 
-from mlscope.scenario_traits import ScenarioTraits, register
+from mlscope.scenario_traits import Extent, ScenarioTraits, register
 
 __all__ = ["COLD_START"]
 
@@ -16,6 +16,7 @@ COLD_START = register(
         local=False,  # the server reloads the model between its runs
         fields=frozenset({"repetitions", "warm_queries"}),
         length="repetitions x warm_queries",
+        extent=lambda spec: Extent(queries=spec.warm_queries),  # each reload's run
         ignores=(
             ("max_queries", "each load is followed by warm_queries queries"),
             ("warmup_queries", "each load's first inference is measured apart"),

@@ -3,8 +3,10 @@ query counts against the system (latency runs from its scheduled time)."""
 
 from __future__ import annotations
 
+import math
+
 from mlscope import schedule
-from mlscope.scenario_traits import ScenarioTraits, register
+from mlscope.scenario_traits import Extent, ScenarioTraits, register
 
 __all__ = ["CONSTANT", "MULTI_STREAM", "ONLINE", "PIECEWISE", "REPLAY"]
 
@@ -50,6 +52,7 @@ REPLAY = register(
         fields=frozenset({"arrivals_s", "latency_bound_ms", "loadgens"}),
         requires=("schedule_file",),
         length="its recorded arrivals",
+        extent=lambda spec: Extent(math.fsum(spec.arrivals_s or ()), spec.max_queries),
         position=6,
     )
 )
@@ -62,6 +65,9 @@ PIECEWISE = register(
         fields=frozenset({"segments", "latency_bound_ms", "loadgens"}),
         requires=("segments",),
         length="its segments' seconds",
+        extent=lambda spec: Extent(
+            math.fsum(seconds for _, _, seconds in spec.segments or ()), spec.max_queries
+        ),
         position=7,
     )
 )
