@@ -41,8 +41,10 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
-def noop_agent(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Settings]:
-    """nats-server, a server and one noop agent, as processes."""
+def noop_agent_process(
+    tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path
+) -> Iterator[tuple[Settings, int]]:
+    """nats-server, a server and one noop agent, as processes; the agent's pid."""
     base = tmp_path_factory.mktemp("provenance")
     with NatsServer(store_dir=base / "nats") as nats_server:
         settings = Settings(nats_url=nats_server.url, data_dir=make_data_dir(base / "d", zoo_dir))
@@ -51,9 +53,14 @@ def noop_agent(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Itera
             anyio.run(wait_server, settings)
             procs.append(start(settings, "agent", "--framework", "noop", "--agent-id", "n0"))
             anyio.run(wait_agents, settings, 1, 120.0)
-            yield settings
+            yield settings, procs[-1].pid
         finally:
             stop(*procs)
+
+
+@pytest.fixture(scope="module")
+def noop_agent(noop_agent_process: tuple[Settings, int]) -> Settings:
+    return noop_agent_process[0]
 
 
 def _run(settings: Settings) -> EvaluationSummary:
@@ -86,6 +93,38 @@ def test_a_summary_has_the_agents_memory_and_no_made_up_energy(noop_agent: Setti
     else:  # no RAPL counter readable: unknown, never 0
         assert s.energy_j is None and s.energy_per_inference_j is None
         assert "energy        not available" in text
+
+
+def _proc_status_bytes(pid: int, field: str) -> int:
+    """``field`` (VmRSS, VmHWM) of /proc/PID/status, in bytes (the kernel says kB: KiB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
+def test_the_peak_rss_agrees_with_the_kernels_view_of_the_agent(
+    noop_agent_process: tuple[Settings, int],
+) -> None:
+    """The reported peak, checked from outside the agent: at least every resident size
+    the kernel showed while the run went on, at most the process's lifetime high-water
+    mark (MB are 10^6 bytes: a MiB figure would fall below the samples)."""
+    settings, pid = noop_agent_process
+    seen: list[int] = []
+
+    def sample(event: Any) -> None:
+        if event.event == "progress":
+            seen.append(_proc_status_bytes(pid, "VmRSS"))
+
+    job = JobRequest(
+        model="noop", framework="noop", scenario=ScenarioSpec(name="online", qps=50, duration_s=3)
+    )
+    s = anyio.run(lambda: submit(settings, job, on_event=sample, timeout=90), backend="asyncio")
+    assert seen and s.peak_rss_mb is not None
+    peak = s.peak_rss_mb * 1e6
+    assert peak >= max(seen) * 0.995, (peak, seen)  # a page or two of slack between reads
+    assert peak <= _proc_status_bytes(pid, "VmHWM") * 1.005, peak
 
 
 def test_the_specification_holds_the_agents_settings_and_own_versions(
