@@ -2,7 +2,7 @@
 
 Plots draw frames that :mod:`analysis` computed; they compute nothing themselves (a
 percentile curve is the sorted samples, drawn; a histogram counts them into bins).
-:func:`analysis.chart.svg` draws any of them (no plotting package needed).
+:func:`analysis.chartsvg.svg` draws any of them (no plotting package needed).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ render them. HTML embeds plots as inline SVG, so the file stands alone; Markdown
 writes each plot as an SVG file into a directory beside it (``report_files/``) and links
 it, or, with no directory (a terminal), names the plot in one line; :func:`to_json`
 gives the tables and notes as plain data (plots are named, not drawn). Plots are
-:class:`analysis.chart.Chart`s, drawn by :mod:`analysis.chart` (no plotting package).
+:class:`analysis.chart.Chart`s, drawn by :mod:`analysis.chartsvg` (no plotting package).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import numpy as np
 import pandas as pd
 
 from analysis import figures, plots
-from analysis.chart import Chart, svg
+from analysis.chart import Chart
+from analysis.chartsvg import svg
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
 from analysis.data import evaluations, latencies_ms, with_sweep_runs
 from analysis.layers import layer_kinds, layer_spans_left_out, layer_types, top_layers

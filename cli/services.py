@@ -57,6 +57,13 @@ def agent_count(text: str) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    _register_up(sub)
+    _register_server(sub)
+    _register_agent(sub)
+
+
+def _register_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``mlscope up``: the whole stack on this machine."""
     up = sub.add_parser("up", help="run nats-server, the server and one agent per framework")
     up.add_argument("--nats-port", type=port, default=4222)
     up.add_argument(
@@ -89,12 +96,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     up.set_defaults(func=run_up)
 
+
+def _register_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``mlscope server``: one server against the bus."""
     srv = sub.add_parser("server", help="run the server against MLSCOPE_NATS_URL")
-    srv.add_argument(
-        "--log-level", default="info", choices=LOG_LEVELS, help="stderr log level (default info)"
-    )
+    _log_level(srv)
     srv.set_defaults(func=run_server)
 
+
+def _register_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``mlscope agent``: one agent against the bus."""
     ag = sub.add_parser("agent", help="run one agent against MLSCOPE_NATS_URL")
     ag.add_argument("--framework", type=framework_name, required=True)
     ag.add_argument(
@@ -111,6 +122,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "runtime's choice)",
     )
     ag.add_argument("--agent-id", default=None)
+    _agent_limits(ag)
+    _log_level(ag)
+    ag.set_defaults(func=run_agent)
+
+
+def _agent_limits(ag: argparse.ArgumentParser) -> None:
+    """What an agent accepts: custom code, local runs, the memory its samples take."""
     ag.add_argument(
         "--allow-custom-code",
         action="store_true",
@@ -131,13 +149,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="memory the samples this agent holds may take: MLPerf runs' sample libraries and "
         "local runs' pre-processed data sets (default 1024 MiB)",
     )
-    ag.add_argument(
-        "--log-level", default="info", choices=LOG_LEVELS, help="stderr log level (default info)"
-    )
-    ag.set_defaults(func=run_agent)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-level", default="info", choices=LOG_LEVELS, help="stderr log level (default info)"
+    )
 
 
 def run_server(args: argparse.Namespace) -> int:

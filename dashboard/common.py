@@ -13,7 +13,8 @@ import anyio
 import pandas as pd
 import streamlit as st
 
-from analysis.chart import Chart, svg
+from analysis.chart import Chart
+from analysis.chartsvg import svg
 from analysis.data import evaluations
 from analysis.source import BusSource, DirectSource, open_source
 from mlscope.catalog import Catalog, default_manifest_dirs

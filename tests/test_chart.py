@@ -12,7 +12,10 @@ import pandas as pd
 import pytest
 
 from analysis import plots
-from analysis.chart import Axis, Chart, Heat, Mark, Panel, _viridis, svg, tick_text
+from analysis.chart import Axis, Chart, Heat, Mark, Panel
+from analysis.chartdraw import viridis
+from analysis.chartscale import tick_text
+from analysis.chartsvg import svg
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -161,7 +164,7 @@ def test_a_heat_map_leaves_missing_cells_empty() -> None:
     # the colour scale runs from the smallest value to the largest
     low, mid, high = (c.get("fill") for c in cells)
     assert len({low, mid, high}) == 3
-    assert (low, high) == (_viridis(0.0), _viridis(1.0))
+    assert (low, high) == (viridis(0.0), viridis(1.0))
 
 
 # --- the figures of the reports and the dashboard, from their frames -------------------
