@@ -56,6 +56,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import ConfigError, FrameworkUnavailable
 from mlscope.model_registry import ManifestWatcher
+from mlscope.provision import provisioned
 from mlscope.serving import Boundary
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
@@ -175,9 +176,7 @@ class Agent:
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.
         sys.setswitchinterval(AGENT_SWITCH_INTERVAL_S)
-        async with busmod.connect(
-            self.settings, name=f"agent {self.agent_id}", provision=True
-        ) as bus:
+        async with provisioned(self.settings, name=f"agent {self.agent_id}") as bus:
             self.bus = bus
             self.boundary = Boundary(bus, service=f"agent {self.agent_id}", logger=log)
             self.loop = asyncio.get_running_loop()

@@ -29,6 +29,7 @@ from mlscope import codec, names  # noqa: E402
 from mlscope.catalog import Catalog, default_manifest_dirs  # noqa: E402
 from mlscope.contracts import AgentDescription, JobRequest, ModelOffer, Query  # noqa: E402
 from mlscope.natsserver import NatsServer  # noqa: E402
+from mlscope.provision import provisioned  # noqa: E402
 from mlscope.registry import AgentCache, list_agents  # noqa: E402
 from mlscope.settings import Settings  # noqa: E402
 
@@ -44,7 +45,7 @@ async def resolution(settings: Settings, n_agents: int, rounds: int) -> dict[str
     entry = catalog.find("noop", framework="noop")
     info = probe("noop")
     assert info is not None
-    async with busmod.connect(settings, name="bench", provision=True) as bus:
+    async with provisioned(settings, name="bench") as bus:
         kv = await bus.kv(names.AGENTS_BUCKET)
 
         async def register() -> None:

@@ -40,12 +40,12 @@ from agent.tracer import SpanBuffer, dictionary_encode
 from agent.worker import LoadedModel
 from broker.db import Database
 from broker.ingest import Ingester
-from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import QueryReply, SpanBatch, TraceLevel, new_id
 from mlscope.natsserver import NatsServer
 from mlscope.predictor import PredictorOptions
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from mlscope.zoo.build import build
 
@@ -105,7 +105,7 @@ async def ingest_rate(
 ) -> tuple[float, float]:
     """(spans/s ingested, spans/s published) for ``total`` spans."""
     eval_id = new_id("ev")
-    async with busmod.connect(settings, name="bench", provision=True) as bus:
+    async with provisioned(settings, name="bench") as bus:
         t0 = time.perf_counter()
         acks = []
         limit = int(bus.nc.max_payload) - 4096

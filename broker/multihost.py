@@ -50,7 +50,7 @@ from broker.distributed import (
 )
 from broker.loadgen import encode_query, estimate_offset
 from mlscope import codec, names, schedule
-from mlscope.bus import Bus, bus_errors, object_store, request
+from mlscope.bus import Bus, bus_errors, request
 from mlscope.contracts import (
     MAX_BATCH,
     MAX_DURATION_S,
@@ -74,6 +74,7 @@ from mlscope.errors import (
     WireError,
 )
 from mlscope.loadgens import list_loadgens
+from mlscope.provision import object_store
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 
@@ -96,7 +97,7 @@ log = logging.getLogger("mlscope.multihost")
 LOAD_TIMEOUT_S = 120.0
 WATCH_S = 2.0
 """How often a running distributed run checks that its services are alive (their
-registry entries expire :data:`mlscope.bus.AGENT_TTL_S` after their last heartbeat)."""
+registry entries expire :data:`mlscope.provision.AGENT_TTL_S` after their last heartbeat)."""
 WORK_TTL_S = 3600.0
 """Slices and results left behind by a run that died expire after this long."""
 STOP_SAVE_S = 5.0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import zlib
 
 from mlscope import sysmatch
-from mlscope.bus import AGENT_TTL_S
 from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import (
     LOCAL_RUN,
@@ -22,6 +21,7 @@ from mlscope.contracts import (
     SystemRequirement,
 )
 from mlscope.errors import MLScopeError, ResolutionError
+from mlscope.provision import AGENT_TTL_S
 from mlscope.versions import satisfies
 
 __all__ = ["RESOLVE_GRACE_S", "recently_alive", "resolve"]

@@ -73,6 +73,7 @@ from mlscope.contracts import (
 from mlscope.errors import BusError, DatabaseError, MLScopeError, ResolutionError, WireError
 from mlscope.loadgens import list_loadgens
 from mlscope.model_registry import ManifestWatcher
+from mlscope.provision import provisioned
 from mlscope.record import RunRecord
 from mlscope.registry import AgentCache, list_agents
 from mlscope.serving import Boundary, delivered
@@ -122,9 +123,7 @@ class Server:
             self.settings.clickhouse_read_dsn or self.settings.dsn, limits
         )
         try:
-            async with busmod.connect(
-                self.settings, name=f"server {self.server_id}", provision=True
-            ) as bus:
+            async with provisioned(self.settings, name=f"server {self.server_id}") as bus:
                 self.bus = bus
                 # Slices of distributed load outlive a node on a cluster as jobs do.
                 await work_bucket(bus, replicas=self.settings.js_replicas)

@@ -25,7 +25,7 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from cli.auth_cmd import subject_token
 from cli.submit_errors import framework_name, port_or_zero
 from mlscope import bus as busmod
-from mlscope import names
+from mlscope import names, provision
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
 from mlscope.errors import ConfigError
 from mlscope.natsserver import NatsServer, leaf_config
@@ -132,7 +132,7 @@ async def create_edge_stream(leaf_url: str) -> None:
     settings = Settings(nats_url=leaf_url)
     async with busmod.connect(settings, name="mlscope edge") as bus:
         cfg = StreamConfig(
-            name=busmod.EDGE_TRACES_STREAM,
+            name=provision.EDGE_TRACES_STREAM,
             subjects=[names.traces_wildcard()],
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,
@@ -140,7 +140,7 @@ async def create_edge_stream(leaf_url: str) -> None:
             duplicate_window=120.0,
         )
         with busmod.bus_errors(f"cannot create the edge span buffer on {leaf_url}"):
-            if await busmod.if_found(bus.js.stream_info(busmod.EDGE_TRACES_STREAM)) is None:
+            if await busmod.if_found(bus.js.stream_info(provision.EDGE_TRACES_STREAM)) is None:
                 await bus.js.add_stream(cfg)
 
 
@@ -216,7 +216,7 @@ def _stop(agent: subprocess.Popen[bytes] | None, timeout: float = 20.0) -> None:
 def run_attach(args: argparse.Namespace) -> int:
     async def main() -> None:
         async with busmod.connect(args.settings, name="mlscope edge attach") as bus:
-            await busmod.attach_edge(bus, args.domain)
+            await provision.attach_edge(bus, args.domain)
 
     anyio.run(main, backend="asyncio")
     print(f"hub trace stream now sources edge domain {args.domain}")

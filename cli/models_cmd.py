@@ -35,6 +35,7 @@ from mlscope.model_registry import (
     key_for,
     publish_manifest,
 )
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 
 __all__ = ["describe", "register", "run"]
@@ -257,9 +258,7 @@ def run_publish(args: argparse.Namespace) -> int:
         manifests = [publishable(f) for f in files]
 
         async def go() -> list[str]:
-            async with busmod.connect(
-                settings, name="mlscope models publish", provision=True
-            ) as bus:
+            async with provisioned(settings, name="mlscope models publish") as bus:
                 keys = []
                 for f, m in zip(files, manifests, strict=True):
                     m = await with_files_on_bus(bus, f, m, replicas=settings.js_replicas)

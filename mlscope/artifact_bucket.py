@@ -41,9 +41,10 @@ from nats.js.object_store import ObjectStore
 from mlscope import names, objects
 from mlscope.artifacts import check_relative, safe_join, zoo_coordinates
 from mlscope.buildlock import LOCK_NAME, BuildLock
-from mlscope.bus import Bus, bus_errors, find_object_store, if_found, object_store
+from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.errors import ArtifactError, BusError, ChecksumMismatch
 from mlscope.hashing import sha256_path
+from mlscope.provision import find_object_store, object_store
 
 __all__ = ["ensure_bucket", "fetch", "open_bucket", "push", "push_files", "pushed_models"]
 

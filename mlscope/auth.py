@@ -98,7 +98,7 @@ def responses(window_s: float = REPLY_WINDOW_S) -> dict[str, Any]:
 
 
 EDGE_BUFFER_STREAM = "MLSCOPE_EDGE_TRACES"
-"""= ``mlscope.bus.EDGE_TRACES_STREAM`` (bus imports this module, not the reverse)."""
+"""= ``mlscope.provision.EDGE_TRACES_STREAM`` (the bus client imports this module)."""
 DEFAULT_EDGE_DOMAIN = "edge1"
 DEFAULT_HUB_DOMAIN = "hub"
 P = names.PREFIX

@@ -1,17 +1,18 @@
-"""The NATS boundary: connecting, provisioning streams and buckets, typed requests.
+"""The NATS boundary: connecting, typed requests, reading and publishing.
 
 nats-py's exceptions become mlscope's here and nowhere else (:class:`BusError`, and
 its :class:`BusNotFound` and :class:`BusRefused`). A module that drives JetStream, a
 bucket or the object store itself wraps the calls in :func:`bus_errors`, reads an
 entry that may be missing with :func:`if_found` and a subscription with
-:func:`next_msg`; it catches mlscope's errors only.
+:func:`next_msg`; it catches mlscope's errors only. What the stack keeps on JetStream
+(streams, buckets, object stores) is made by :mod:`mlscope.provision`, inside
+:func:`bus_errors`.
 """
 
 from __future__ import annotations
 
-import functools
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
 from urllib.parse import ParseResult
@@ -24,62 +25,35 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import (
-    DiscardPolicy,
-    ExternalStream,
-    KeyValueConfig,
-    ObjectStoreConfig,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-    StreamSource,
-)
 from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
 from pydantic import BaseModel
 
-from mlscope import codec, names
+from mlscope import codec
 from mlscope.auth import inbox_prefix_for
 from mlscope.errors import BusError, BusNotFound, BusRefused, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 
 __all__ = [
-    "AGENT_TTL_S",
-    "EDGE_TRACES_STREAM",
     "HEARTBEAT_S",
     "PAYLOAD_HEADROOM",
     "Bus",
-    "attach_edge",
     "bus_errors",
     "connect",
     "connect_options",
-    "ensure_infrastructure",
     "error_reply",
     "fetch_one",
-    "find_object_store",
     "if_found",
     "next_msg",
-    "object_store",
     "publish_persistent",
     "request",
     "request_model",
 ]
 
 HEARTBEAT_S = 1.0
-"""How often an agent refreshes its registry entry."""
-AGENT_TTL_S = 5.0
-"""Registry entries expire this long after their last heartbeat (SIGKILL bound)."""
+"""How often an agent refreshes its registry entry (which expires
+:data:`mlscope.provision.AGENT_TTL_S` after the last)."""
 PAYLOAD_HEADROOM = 1024
 """Bytes of a message left for its subject, reply inbox and headers."""
-TRACES_MAX_AGE_S = 7 * 24 * 3600.0
-TRACES_MAX_BYTES = 2 << 30
-"""Byte cap of the traces stream (oldest batches go first): ~5 h at 500 QPS traced at
-model level; the ingester normally takes batches within a second."""
-DEAD_MAX_BYTES = 256 << 20
-DEAD_MAX_AGE_S = 30 * 24 * 3600.0
-"""Dead letters are kept for the operator (``mlscope doctor``) a month, 256 MiB at most."""
-EDGE_TRACES_STREAM = "MLSCOPE_EDGE_TRACES"
-"""The stream on an edge device's leaf node that buffers its span batches."""
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
@@ -187,9 +161,10 @@ nothing listens): a command run with no bus says so at once instead of retrying.
 
 @asynccontextmanager
 async def connect(
-    settings: Settings, *, name: str, provision: bool = False, connect_timeout: float = 2.0
+    settings: Settings, *, name: str, connect_timeout: float = 2.0
 ) -> AsyncIterator[Bus]:
-    """Connect to NATS (and optionally create streams/buckets); drain on exit.
+    """Connect to NATS; drain on exit (a service then makes what is missing of the
+    stack's streams and buckets: :func:`mlscope.provision.ensure_infrastructure`).
 
     ``nats_url`` may list several servers (a cluster); the client fails over between
     them. ``js_domain`` addresses the hub's JetStream from behind a leaf node.
@@ -221,10 +196,7 @@ async def connect(
     nc.options["max_reconnect_attempts"] = -1
     try:
         js = nc.jetstream(domain=settings.js_domain) if settings.js_domain else nc.jetstream()
-        bus = Bus(nc, js, settings.js_domain, options)
-        if provision:
-            await ensure_infrastructure(bus, replicas=settings.js_replicas)
-        yield bus
+        yield Bus(nc, js, settings.js_domain, options)
     finally:
         # Shielded: a cancelled service must still flush what it published and close
         # the client, or nats-py's reader tasks outlive the event loop.
@@ -278,147 +250,6 @@ async def _quiet(exc: Exception) -> None:
 
 async def _noop() -> None:
     return None
-
-
-CANCELS_TTL_S = 7 * 24 * 3600.0
-"""How long a cancel request of a job no server ran is kept (``mlscope_cancels``)."""
-CANCELS_MAX_BYTES = 32 << 20
-"""Most bytes the remembered cancels take together (~100k of them); past it the
-oldest are forgotten first: any submitter may cancel any id, so a storm of cancels of
-jobs that never existed would otherwise grow the bucket for a week."""
-CANCEL_MAX_MSG_BYTES = 4096
-"""Largest remembered cancel (its reason is cut at 1,024 bytes)."""
-JOB_MAX_BYTES = 1 << 20
-"""The largest job the job stream stores (a replay schedule of ~100k arrivals)."""
-
-
-async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
-    """Create what is missing of every stream and bucket; idempotent.
-
-    An existing stream is updated only when its subjects, limits or replicas differ
-    (its edge sources are kept), so a process whose credentials may only read stream
-    information (an agent) passes through without touching anything.
-    """
-    streams = [
-        StreamConfig(
-            name=names.JOBS_STREAM,
-            subjects=[names.JOBS_SUBJECT],
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE,
-            num_replicas=replicas,
-            max_msg_size=JOB_MAX_BYTES,
-        ),
-        StreamConfig(
-            name=names.TRACES_STREAM,
-            subjects=[names.traces_wildcard()],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD,
-            max_age=TRACES_MAX_AGE_S,
-            max_bytes=TRACES_MAX_BYTES,
-            num_replicas=replicas,
-            duplicate_window=120.0,
-        ),
-        StreamConfig(
-            name=names.DEAD_STREAM,
-            subjects=[names.dead_letters_wildcard()],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD,
-            max_age=DEAD_MAX_AGE_S,
-            max_bytes=DEAD_MAX_BYTES,
-            num_replicas=replicas,
-        ),
-    ]
-    try:
-        for cfg in streams:
-            try:
-                have = (await bus.js.stream_info(str(cfg.name))).config
-            except nats.js.errors.NotFoundError:
-                await _create_once(
-                    functools.partial(bus.js.add_stream, cfg),
-                    functools.partial(bus.js.stream_info, str(cfg.name)),
-                )
-                continue
-            if (
-                sorted(have.subjects or []) != sorted(cfg.subjects or [])
-                or (have.num_replicas or 1) != (cfg.num_replicas or 1)
-                or (have.max_msg_size or -1) != (cfg.max_msg_size or -1)
-                or (have.max_age or 0.0) != (cfg.max_age or 0.0)
-                or (have.max_bytes or -1) != (cfg.max_bytes or -1)
-            ):
-                cfg.sources = have.sources
-                await bus.js.update_stream(cfg)
-        for kv in (
-            KeyValueConfig(
-                bucket=names.AGENTS_BUCKET, ttl=AGENT_TTL_S, history=1, replicas=replicas
-            ),
-            KeyValueConfig(bucket=names.MODELS_BUCKET, history=5, replicas=replicas),
-            KeyValueConfig(
-                bucket=names.CANCELS_BUCKET, ttl=CANCELS_TTL_S, history=1, replicas=replicas
-            ),
-        ):
-            try:
-                await bus.js.key_value(kv.bucket)
-            except nats.js.errors.BucketNotFoundError:
-                await _create_once(
-                    functools.partial(bus.js.create_key_value, kv),
-                    functools.partial(bus.js.key_value, kv.bucket),
-                )
-        await _bound_cancels(bus)
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot provision JetStream: {exc!r}") from exc
-
-
-async def _create_once(
-    create: Callable[[], Awaitable[Any]], exists: Callable[[], Awaitable[Any]]
-) -> None:
-    """Create a stream or bucket found missing, or take it as created when another
-    process provisioning the same bus at the same time got there first (``mlscope up``
-    starts the server and its agents at once): JetStream refuses the second create
-    when the first one's stream was updated since (the cancels bucket's bound), and
-    then ``exists`` must find it (else the refusal stands)."""
-    try:
-        await create()
-    except nats.js.errors.BadRequestError:
-        await exists()
-
-
-async def _bound_cancels(bus: Bus) -> None:
-    """The cancels bucket's stream keeps at most :data:`CANCELS_MAX_BYTES`, dropping
-    the oldest (a key-value bucket refuses new values when full, which would refuse
-    the next real cancel instead); updated only when it differs."""
-    cfg = (await bus.js.stream_info(f"KV_{names.CANCELS_BUCKET}")).config
-    if (
-        cfg.max_bytes != CANCELS_MAX_BYTES
-        or cfg.discard != DiscardPolicy.OLD
-        or cfg.max_msg_size != CANCEL_MAX_MSG_BYTES
-    ):
-        cfg.max_bytes, cfg.discard = CANCELS_MAX_BYTES, DiscardPolicy.OLD
-        cfg.max_msg_size = CANCEL_MAX_MSG_BYTES
-        await bus.js.update_stream(cfg)
-
-
-async def attach_edge(bus: Bus, domain: str) -> None:
-    """Make the hub's trace stream source the span buffer of the edge leaf ``domain``.
-
-    The hub pulls from the leaf's ``MLSCOPE_EDGE_TRACES`` stream through the JetStream
-    domain ``domain``; while the link is down the leaf keeps the batches, and the
-    source resumes where it stopped when the link returns. Idempotent.
-    """
-    source = StreamSource(name=EDGE_TRACES_STREAM, external=ExternalStream(api=f"$JS.{domain}.API"))
-    try:
-        cfg = (await bus.js.stream_info(names.TRACES_STREAM)).config
-        sources = list(cfg.sources or [])
-        if any(
-            s.external and s.external.api == source.external.api  # type: ignore[union-attr]
-            for s in sources
-        ):
-            return
-        cfg.sources = [*sources, source]
-        await bus.js.update_stream(cfg)
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot attach edge domain {domain}: {exc!r}", domain=domain) from exc
 
 
 @contextmanager
@@ -535,33 +366,3 @@ async def request_model(
     is wrong with it): a peer's reply is checked where it arrives, not where a field
     of it is first read."""
     return codec.validate(model, await request(bus, subject, payload, timeout=timeout))
-
-
-async def find_object_store(bus: Bus, name: str) -> ObjectStore | None:
-    """The JetStream object store ``name``; None when it does not exist."""
-    try:
-        return await bus.js.object_store(name)
-    except nats.js.errors.NotFoundError:
-        return None
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot open the object store {name}: {exc!r}") from exc
-
-
-async def object_store(
-    bus: Bus, name: str, *, description: str, replicas: int = 1, ttl_s: float | None = None
-) -> ObjectStore:
-    """The JetStream object store ``name``, created when missing."""
-    found = await find_object_store(bus, name)
-    if found is not None:
-        return found
-    config = ObjectStoreConfig(  # nats-py overwrites config.bucket with its argument
-        bucket=name,
-        storage=StorageType.FILE,
-        replicas=replicas,
-        description=description,
-        ttl=ttl_s,
-    )
-    try:
-        return await bus.js.create_object_store(name, config)
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot create the object store {name}: {exc!r}") from exc

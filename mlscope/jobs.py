@@ -21,6 +21,7 @@ from mlscope.errors import (
     WireError,
     error_from_wire,
 )
+from mlscope.provision import JOB_MAX_BYTES
 from mlscope.settings import Settings
 
 __all__ = [
@@ -73,7 +74,7 @@ async def publish_job(bus: busmod.Bus, job: JobRequest) -> None:
     """Put ``job`` on the job stream, refusing one over the bus's size limit."""
     data = codec.encode_model(job)
     sc = job.scenario
-    limit_bytes = min(busmod.JOB_MAX_BYTES, int(bus.nc.max_payload))
+    limit_bytes = min(JOB_MAX_BYTES, int(bus.nc.max_payload))
     if len(data) > limit_bytes:
         what = (
             f" (its replay schedule has {len(sc.arrivals_s)} arrivals: split it)"

@@ -2,7 +2,7 @@
 
 A load-generator service (``mlscope loadgen``, :mod:`broker.lgservice`) puts its
 :class:`LoadgenDescription` there once it is subscribed and refreshes it every
-heartbeat; the entry expires like an agent's (:data:`mlscope.bus.AGENT_TTL_S`). The
+heartbeat; the entry expires like an agent's (:data:`mlscope.provision.AGENT_TTL_S`). The
 first service creates the bucket (:func:`ensure_bucket`), so a bus that never had a
 load-generator service has no such bucket and lists none; the stack's provisioning
 (``ensure_infrastructure``), which every role's permissions are written against, is
@@ -18,10 +18,11 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 from mlscope import codec, names
-from mlscope.bus import AGENT_TTL_S, Bus, bus_errors, if_found
+from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.contracts import LoadgenDescription
 from mlscope.errors import WireError
 from mlscope.kvread import bucket_keys
+from mlscope.provision import AGENT_TTL_S
 from mlscope.serving import MAX_VALUE_BYTES
 
 __all__ = ["ensure_bucket", "list_loadgens"]

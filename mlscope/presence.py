@@ -3,7 +3,7 @@
 
 The service puts its description once it is ready; :func:`heartbeat` puts it again
 every interval with a fresh ``heartbeat_at``, so the entry lives while the service
-does and expires :data:`mlscope.bus.AGENT_TTL_S` after it stops beating.
+does and expires :data:`mlscope.provision.AGENT_TTL_S` after it stops beating.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 import anyio
 from nats.js.kv import KeyValue
 
-from mlscope.bus import AGENT_TTL_S
+from mlscope.provision import AGENT_TTL_S
 
 __all__ = ["heartbeat"]
 

@@ -8,10 +8,11 @@ import time
 import anyio
 
 from mlscope import codec, names
-from mlscope.bus import AGENT_TTL_S, Bus, bus_errors, if_found
+from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.contracts import AgentDescription
 from mlscope.errors import BusError, BusNotFound, WireError
 from mlscope.kvread import BucketWatch, bucket_keys
+from mlscope.provision import AGENT_TTL_S
 from mlscope.serving import MAX_VALUE_BYTES
 
 __all__ = ["AgentCache", "list_agents"]

@@ -63,7 +63,7 @@ NS_PER_S = 1_000_000_000
 _CHUNK = 65_536
 MAX_REPLAY_BYTES = 16 << 20
 """Largest replay file read: some million arrivals at :func:`write_replay`'s ~16 bytes
-a line, ten times what one job carries (:data:`mlscope.bus.JOB_MAX_BYTES`, ~100,000
+a line, ten times what one job carries (:data:`mlscope.provision.JOB_MAX_BYTES`, ~100,000
 arrivals). A larger file is refused by its size before a line is parsed."""
 
 

@@ -33,6 +33,7 @@ from mlscope.manifest import NAME_MAX_CHARS, ModelManifest
 from mlscope.manifest_files import parse_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.natsserver import NatsServer
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from tests.agent_fixtures import Ask, run_agent
 from tests.conftest import agent_description
@@ -114,7 +115,7 @@ def long_named(i: int) -> ModelManifest:
 
 
 async def publish(settings: Settings, count: int) -> None:
-    async with busmod.connect(settings, name="publisher", provision=True) as bus:
+    async with provisioned(settings, name="publisher") as bus:
         for i in range(count):
             await publish_manifest(bus, long_named(i))
 

@@ -32,6 +32,7 @@ from mlscope.manifest_files import load_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.operators import labeler
 from mlscope.predictor import PredictorOptions
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from tests.agent_fixtures import Ask, run_agent
 from tests.zoo_fixtures import MANIFESTS
@@ -255,7 +256,7 @@ def test_the_same_manifest_from_the_bus_never_runs_custom_code(
     (entry,) = local.entries
 
     async def publish() -> None:
-        async with busmod.connect(settings, name="publisher", provision=True) as bus:
+        async with provisioned(settings, name="publisher") as bus:
             await publish_manifest(bus, entry.manifest)
 
     anyio.run(publish, backend="asyncio")

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from broker.agentrun import Absence, _Collector, gone
 from mlscope import bus as busmod
-from mlscope import codec, names, wire
+from mlscope import codec, names, provision, wire
 from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
     PingOp,
@@ -207,7 +207,7 @@ def test_an_agent_is_gone_when_silent_or_another_process_answers_under_its_id(
                 busmod.connect(settings, name="server") as bus,
                 busmod.connect(settings, name="agent") as agent_bus,
             ):
-                await busmod.ensure_infrastructure(bus)
+                await provision.ensure_infrastructure(bus)
                 kv = await bus.kv(names.AGENTS_BUCKET)
                 ran = agent_description(
                     "phoenix", pid=4242, started_at=5.0, heartbeat_at=time.time()

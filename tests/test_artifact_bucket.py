@@ -26,6 +26,7 @@ from mlscope.manifest import Assets, ModelManifest
 from mlscope.manifest_files import parse_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.natsserver import NatsServer
+from mlscope.provision import provisioned
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import child_env, python
@@ -199,7 +200,7 @@ def test_an_agent_starts_and_serves_beside_a_hostile_build(
     }
 
     async def publish() -> None:
-        async with busmod.connect(settings, name="publisher", provision=True) as bus:
+        async with provisioned(settings, name="publisher") as bus:
             model = parse_manifest(manifest, file="evil")
             assert isinstance(model, ModelManifest)
             await publish_manifest(bus, model)

@@ -24,6 +24,7 @@ from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
 from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer
+from mlscope.provision import provisioned
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_loadgens
@@ -44,7 +45,7 @@ def secured(tmp_path: Path, auth_dir: Path) -> Iterator[NatsServer]:
         settings = Settings(nats_url=srv.url, nats_creds=auth_dir / "server.creds")
 
         async def provision() -> None:
-            async with busmod.connect(settings, name="test", provision=True):
+            async with provisioned(settings, name="test"):
                 pass
 
         anyio.run(provision, backend="asyncio")
@@ -345,7 +346,7 @@ def test_agents_fetch_artifacts_from_the_bus_under_their_own_users(
 
     async def main(url: str) -> None:
         server = Settings(nats_url=url, nats_creds=auth_dir / "server.creds")
-        async with busmod.connect(server, name="server", provision=True) as bus:
+        async with provisioned(server, name="server") as bus:
             assert await artifact_bucket.push(bus, zoo_dir / "digits_cnn" / "1.0.0")
         for who, creds in users.items():
             zoo = tmp_path / who

@@ -18,6 +18,7 @@ from mlscope.contracts import JobRequest
 from mlscope.errors import BusError, BusNotFound, BusRefused, ConfigError
 from mlscope.jobs import publish_job
 from mlscope.natsserver import NatsServer
+from mlscope.provision import ensure_infrastructure
 from mlscope.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +29,7 @@ STILL_CATCHING = frozenset({"mlscope/serving.py", "broker/ingest.py"})
 def run(settings: Settings, body: Callable[[busmod.Bus], Awaitable[None]]) -> None:
     async def go() -> None:
         async with busmod.connect(settings, name="test") as bus:
-            await busmod.ensure_infrastructure(bus)
+            await ensure_infrastructure(bus)
             await body(bus)
 
     anyio.run(go, backend="asyncio")
@@ -135,7 +136,7 @@ def test_provisioners_started_together_all_succeed(tmp_path: Path) -> None:
                 busmod.connect(settings, name="first") as first,
                 busmod.connect(settings, name="late") as late,
             ):
-                await busmod.ensure_infrastructure(first)
+                await ensure_infrastructure(first)
                 looked: set[str] = set()
                 real = late.js.key_value
 
@@ -146,14 +147,14 @@ def test_provisioners_started_together_all_succeed(tmp_path: Path) -> None:
                     return await real(bucket)
 
                 late.js.key_value = before_it_was_made  # type: ignore[method-assign]
-                await busmod.ensure_infrastructure(late)
+                await ensure_infrastructure(late)
                 assert names.CANCELS_BUCKET in looked
         with NatsServer(store_dir=tmp_path / "nats6") as ns:
             settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data6")
 
             async def provision(k: int) -> None:
                 async with busmod.connect(settings, name=f"p{k}") as bus:
-                    await busmod.ensure_infrastructure(bus)
+                    await ensure_infrastructure(bus)
 
             async with anyio.create_task_group() as tg:
                 for k in range(6):

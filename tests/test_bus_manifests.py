@@ -12,13 +12,13 @@ import anyio
 import numpy as np
 import pytest
 
-from mlscope import bus as busmod
 from mlscope import model_registry, names
 from mlscope.errors import ManifestError
 from mlscope.image_ops import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
 from mlscope.model_registry import ManifestWatcher, delete_manifest, key_for
 from mlscope.natsserver import NatsServer
 from mlscope.operators import compile_steps
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,7 +48,7 @@ def snapshot_after(
     settings = Settings(nats_url=server.url, data_dir=tmp_path / "d")
 
     async def go() -> ManifestWatcher:
-        async with busmod.connect(settings, name="t", provision=True) as bus:
+        async with provisioned(settings, name="t") as bus:
             kv = await bus.kv(names.MODELS_BUCKET)
             for key, value in puts.items():
                 await kv.put(key, value)

@@ -28,11 +28,12 @@ import pytest
 from broker.cancel import IN_FLIGHT, Cancels, issued_part
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import remote
+from mlscope import provision, remote
 from mlscope.api import cancel_job
 from mlscope.contracts import JobRequest, ScenarioSpec, evaluation_id_for
 from mlscope.jobs import submit
 from mlscope.outcomes import Outcome
+from mlscope.provision import provisioned
 from mlscope.record import RunRecord
 from mlscope.settings import Settings
 from tests.conftest import agent_and_server, child_env, python, wait_server
@@ -320,12 +321,12 @@ def test_remembered_cancels_are_bounded_and_forget_the_oldest(tmp_path: Path) ->
         with NatsServer(store_dir=tmp_path / "nats") as ns:
             settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
             for _ in range(2):
-                async with busmod.connect(settings, name="t", provision=True) as bus:
+                async with provisioned(settings, name="t") as bus:
                     info = await bus.js.stream_info(f"KV_{names.CANCELS_BUCKET}")
                     cfg = info.config
-                    assert cfg.max_bytes == busmod.CANCELS_MAX_BYTES
+                    assert cfg.max_bytes == provision.CANCELS_MAX_BYTES
                     assert cfg.discard == "old"  # DiscardPolicy.OLD, as the server reports it
-                    assert cfg.max_msg_size == busmod.CANCEL_MAX_MSG_BYTES
+                    assert cfg.max_msg_size == provision.CANCEL_MAX_MSG_BYTES
                     kv = await bus.kv(names.CANCELS_BUCKET)
                     await kv.put("job-1", b"x" * 1024)  # the longest reason a server writes
                     with pytest.raises(Exception, match="message size exceeds maximum"):

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from cli import models_cmd
-from mlscope.bus import connect
 from mlscope.catalog import Catalog
 from mlscope.contracts import AgentDescription, FrameworkInfo, JobRequest, ModelOffer
 from mlscope.errors import ArtifactError, ManifestError, UnknownModelError
@@ -24,6 +23,7 @@ from mlscope.model_registry import (
 )
 from mlscope.natsserver import NatsServer
 from mlscope.operators import compile_steps
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from tests.conftest import agent_description
 from tests.zoo_fixtures import MANIFESTS
@@ -101,7 +101,7 @@ def test_registry_round_trip_is_untrusted(tmp_path: Path) -> None:
     async def scenario() -> None:
         with NatsServer(store_dir=tmp_path / "nats") as server:
             settings = Settings(nats_url=server.url, data_dir=tmp_path)
-            async with connect(settings, name="test", provision=True) as bus:
+            async with provisioned(settings, name="test") as bus:
                 keys = await publish_manifests(bus, cat)
                 assert len(keys) == len(cat.entries) == len(set(keys))
                 assert "digits_cnn.1.0.0.onnxruntime" in keys

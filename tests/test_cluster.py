@@ -18,6 +18,7 @@ from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioS
 from mlscope.errors import BusError
 from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, cluster_config, free_port
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from tests.conftest import make_data_dir, wait_agents, wait_server
 from tests.scale_fixtures import start, stop
@@ -55,7 +56,7 @@ async def provision(settings: Settings, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            async with busmod.connect(settings, name="test", provision=True) as bus:
+            async with provisioned(settings, name="test") as bus:
                 info = await bus.js.stream_info(names.TRACES_STREAM)
                 assert info.config.num_replicas == 3
                 return

@@ -19,11 +19,12 @@ import pytest
 from cli.edge_cmd import create_edge_stream, read_env
 from cli.main import main as mlscope_main
 from mlscope import bus as busmod
-from mlscope import codec, names, remote
+from mlscope import codec, names, provision, remote
 from mlscope.auth import INBOX_PREFIXES
 from mlscope.contracts import AgentDescription, JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch
 from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, free_port, hub_config
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_server
 from tests.scale_fixtures import CuttableLink, start, stop
@@ -38,10 +39,10 @@ async def leaf_spans(leaf_url: str, eval_id: str) -> int:
     async with busmod.connect(Settings(nats_url=leaf_url), name="test-leaf") as bus:
         sub = await bus.js.subscribe(
             names.evaluation_traces(eval_id),
-            stream=busmod.EDGE_TRACES_STREAM,
+            stream=provision.EDGE_TRACES_STREAM,
             ordered_consumer=True,
         )
-        pending = (await bus.js.stream_info(busmod.EDGE_TRACES_STREAM)).state.messages
+        pending = (await bus.js.stream_info(provision.EDGE_TRACES_STREAM)).state.messages
         for _ in range(pending):
             try:
                 msg = await sub.next_msg(timeout=2)
@@ -182,7 +183,7 @@ def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path, zoo_
 
 async def _attach(settings: Settings) -> None:
     async with busmod.connect(settings, name="test") as bus:
-        await busmod.attach_edge(bus, "e1")
+        await provision.attach_edge(bus, "e1")
 
 
 def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(
@@ -305,5 +306,5 @@ def test_edge_up_stopped_by_sigterm_stops_its_agent_and_its_leaf(tmp_path: Path)
 
 async def _provision(settings: Settings) -> None:
     """The hub's streams and buckets, as its server would create them."""
-    async with busmod.connect(settings, name="test", provision=True):
+    async with provisioned(settings, name="test"):
         pass

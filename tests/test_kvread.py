@@ -12,6 +12,7 @@ from mlscope import names
 from mlscope.kvread import BucketWatch, bucket_keys
 from mlscope.loadgens import ensure_bucket as ensure_loadgens_bucket
 from mlscope.loadgens import list_loadgens
+from mlscope.provision import provisioned
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 
@@ -27,7 +28,7 @@ async def _fill(bus: busmod.Bus) -> None:
 
 def test_bucket_keys_lists_every_key_and_the_deleted_ones(settings: Settings) -> None:
     async def main() -> None:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             assert await bucket_keys(bus, BUCKET) == []
             assert await list_agents(bus) == []
             await _fill(bus)
@@ -43,7 +44,7 @@ def test_a_key_no_client_can_read_does_not_fail_a_listing(settings: Settings) ->
     a key is left out, and every readable entry is still listed."""
 
     async def main() -> None:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             await ensure_loadgens_bucket(bus)
             for bucket in (names.AGENTS_BUCKET, names.LOADGENS_BUCKET, BUCKET):
                 await bus.kv(bucket)
@@ -62,7 +63,7 @@ def test_a_key_no_client_can_read_does_not_fail_a_listing(settings: Settings) ->
 
 def test_watch_reports_caught_up_once_after_every_initial_value(settings: Settings) -> None:
     async def main() -> None:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             async with BucketWatch(bus, BUCKET) as watch:  # empty: caught up at once
                 assert await watch.__aiter__().__anext__() is None
             await _fill(bus)

@@ -27,7 +27,7 @@ import pytest
 from broker import mlperf, mlperf_agent
 from broker import mlperf_logs as logs
 from mlscope import bus as busmod
-from mlscope import codec, names, wire
+from mlscope import codec, names, provision, wire
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import (
     MAX_MLPERF_FILE_BYTES,
@@ -223,7 +223,7 @@ def test_a_run_whose_agent_restarted_under_its_id_is_given_up_at_once(
                 busmod.connect(settings, name="fake agent") as agent_bus,
                 busmod.connect(settings, name="server side") as bus,
             ):
-                await busmod.ensure_infrastructure(bus)
+                await provision.ensure_infrastructure(bus)
                 kv = await bus.kv(names.AGENTS_BUCKET)
                 await kv.put("agent-x", codec.encode_model(ran.model_copy(update={"pid": 4243})))
                 await _fake_agent(agent_bus, "agent-x", {}, mute=True)

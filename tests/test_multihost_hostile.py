@@ -22,10 +22,10 @@ from broker import multihost
 from broker.distributed import save_result
 from mlscope import bus as busmod
 from mlscope import codec, loadgens, names
-from mlscope.bus import ensure_infrastructure
 from mlscope.contracts import LoadgenDescription, LoadgenDone, LoadgenLoaded, ScenarioSpec
 from mlscope.errors import EvaluationError, WireError
 from mlscope.natsserver import NatsServer
+from mlscope.provision import ensure_infrastructure
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 from mlscope.settings import Settings

@@ -35,6 +35,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import BusNotFound, ConfigError, EvaluationError, MLScopeError, WireError
 from mlscope.jobs import submit
+from mlscope.provision import provisioned
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 from mlscope.settings import Settings
@@ -235,7 +236,7 @@ def test_a_service_refuses_slices_and_starts_no_run_could_have(settings: Setting
 
     async def main() -> None:
         async with (
-            busmod.connect(settings, name="test", provision=True) as bus,
+            provisioned(settings, name="test") as bus,
             anyio.create_task_group() as tg,
         ):
             await tg.start(service.run)
@@ -285,7 +286,7 @@ def test_a_malformed_slice_is_refused_as_such_and_the_service_goes_on(settings: 
 
     async def main() -> None:
         async with (
-            busmod.connect(settings, name="test", provision=True) as bus,
+            provisioned(settings, name="test") as bus,
             anyio.create_task_group() as tg,
         ):
             await tg.start(service.run)
@@ -353,7 +354,7 @@ def test_a_stopped_run_ends_at_once_and_the_service_goes_on(settings: Settings) 
 
     async def main() -> None:
         async with (
-            busmod.connect(settings, name="test", provision=True) as bus,
+            provisioned(settings, name="test") as bus,
             anyio.create_task_group() as tg,
         ):
             await tg.start(service.run)

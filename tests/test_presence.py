@@ -15,6 +15,7 @@ from mlscope import bus as busmod
 from mlscope.catalog import Catalog
 from mlscope.natsserver import NatsServer
 from mlscope.presence import heartbeat
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 
 
@@ -66,7 +67,7 @@ def test_an_agent_whose_connection_is_closed_still_shuts_down(
     agent = Agent(settings, AgentConfig(framework="noop", agent_id="leaving"), Catalog.load([]))
 
     async def main() -> None:
-        async with busmod.connect(settings, name="agent", provision=True) as bus:
+        async with provisioned(settings, name="agent") as bus:
             await bus.nc.close()
             await agent._withdraw(bus, [])
 

@@ -31,6 +31,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import BusError, EvaluationError, MLScopeError, WireError, error_from_wire
 from mlscope.jobs import submit, submit_on
+from mlscope.provision import provisioned
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 from tests.conftest import (
@@ -81,7 +82,7 @@ def ingester_killed_mid_stream(settings: Settings, db: Database) -> None:
     ingesters: list[Ingester] = []
 
     async def main() -> None:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
 
             async def publish(first: int, last: int) -> None:
                 for b in range(first, last):
@@ -164,7 +165,7 @@ def ingested_batches_leave_the_stream(settings: Settings, db: Database) -> None:
     eval_id = "ev-trim"
 
     async def main() -> tuple[int, int, list[str]]:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             for b in range(10):
                 await bus.js.publish(
                     names.traces(eval_id, "a1"), codec.encode_model(span_batch(eval_id, b * 50, 50))

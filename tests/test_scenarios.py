@@ -28,6 +28,7 @@ from mlscope.api import cancel_job
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError, ConfigError
 from mlscope.jobs import submit
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from mlscope.stats import percentile
 from mlscope.validity import ValidityPolicy
@@ -466,7 +467,7 @@ def test_an_oversized_job_is_refused_at_once_with_the_reason(settings: Settings)
     )
 
     async def main() -> None:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             t0 = time.monotonic()
             with pytest.raises(BusError, match="over the server's max payload"):
                 await busmod.publish_persistent(

@@ -21,6 +21,7 @@ from mlscope.errors import (
     WireError,
     error_from_wire,
 )
+from mlscope.provision import provisioned
 from mlscope.serving import LOG_BURST, Boundary, as_error, dead_letters, decode_json
 from mlscope.settings import Settings
 
@@ -62,7 +63,7 @@ def test_a_failing_handler_answers_with_its_typed_error_and_keeps_serving(
         return PingReply(t_agent=7)
 
     async def main() -> None:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             boundary = Boundary(bus, service="test")
             await boundary.subscribe("t.ctl", CONTROL, handler)
             replies = [
@@ -85,7 +86,7 @@ def test_a_reply_too_large_for_the_bus_is_a_typed_error_not_silence(
     """The requester hears why at once, instead of waiting out its timeout."""
 
     async def main() -> None:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             size = int(bus.nc.max_payload)
 
             async def handler(req: ControlOp, msg: Msg) -> bytes:
@@ -106,7 +107,7 @@ def test_a_reply_too_large_for_the_bus_is_a_typed_error_not_silence(
 
 def test_a_message_that_keeps_failing_is_dead_lettered(settings: Settings) -> None:
     async def main() -> None:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             boundary = Boundary(bus, service="test")
             sub = await bus.js.pull_subscribe(
                 names.JOBS_SUBJECT, durable="t", stream=names.JOBS_STREAM

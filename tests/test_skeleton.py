@@ -15,10 +15,10 @@ import pytest
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.buildlock import BuildLock
-from mlscope.bus import AGENT_TTL_S
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import ResolutionError, UnknownModelError
 from mlscope.jobs import submit
+from mlscope.provision import AGENT_TTL_S
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from tests.conftest import child_env, python, wait_agents

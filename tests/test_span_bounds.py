@@ -24,11 +24,11 @@ from broker import ingest
 from broker.db import Database
 from broker.ingest import Ingester
 from broker.ingest_columns import Columns
-from mlscope import bus as busmod
 from mlscope import codec, names, schema
 from mlscope.contracts import TraceLevel, new_id
 from mlscope.errors import WireError
 from mlscope.natsserver import NatsServer
+from mlscope.provision import provisioned
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 
@@ -201,7 +201,7 @@ def test_hostile_batches_are_dead_lettered_and_the_next_good_batch_stored(
     good = [raw(spans(1000)), raw(spans(2000)), raw(samples(), kind="samples")]
 
     async def main() -> tuple[Ingester, list[str]]:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             for batch in [good[0], *hostile, good[1], good[2]]:
                 await bus.js.publish(names.traces(eval_id, AGENT), codec.encode(batch))
             ingester = Ingester(bus, db)
@@ -286,7 +286,7 @@ def test_a_long_profiler_name_is_fitted_and_stored(settings: Settings, db: Datab
     metric = "perf." + "cpu/event=0x3c,umask=0x00/" * 20
 
     async def main() -> Ingester:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             t = tracer.Tracer(bus, agent_id=AGENT, host="h" * 300)
             emit_events(t.buffer(eval_id), events, parent=0, query_index=0, window=(0, 100))
             t.samples(eval_id).add(5, metric, "cpu0", 1.0)

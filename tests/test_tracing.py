@@ -14,8 +14,8 @@ import pytest
 from agent import profiling
 from agent.sysmon import Sampler, parse_perf_line
 from agent.tracer import SampleBuffer, Tracer
-from mlscope import bus as busmod
 from mlscope.contracts import TraceLevel
+from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from tests.tracing_fixtures import check_tree, ensure_built, open_model, run_queries
 
@@ -179,7 +179,7 @@ def test_tracer_drops_idle_buffers_and_never_reuses_span_ids(settings: Settings)
     processes with one id) publish disjoint span ids; an idle buffer is dropped."""
 
     async def main() -> tuple[list[int], Tracer]:
-        async with busmod.connect(settings, name="test", provision=True) as bus:
+        async with provisioned(settings, name="test") as bus:
             tracer = Tracer(bus, agent_id="a1", host="h", flush_s=0.01, idle_s=0.03)
             ids = [
                 tracer.buffer("ev-1").add(
