@@ -8,6 +8,15 @@ run than the one specified, so the summary holds none (no latency, no rates); th
 per-query rows issued before the cancel are kept as measured (a query still in flight
 is stored as lost, its error saying it was cancelled), so the partial run can be
 inspected. Of a sweep, only the run in progress is kept, under the job's id.
+
+The load generators' CPU time up to the cancel is kept too (``loadgen_cost``:
+``cpu_s``, ``cpu_us_per_query``, ``loadgens``, and ``services`` for load-generator
+services), where they report it: a server's own load generator, every process of a
+run dealt to several (``loadgens``), every service (``loadgen_hosts``). A dealt run
+keeps rows and CPU time only when every load generator wrote what it had issued when
+stopped (else it keeps neither, its progress count aside); its record is cut where the
+first of them stopped (:func:`broker.distributed.until_first_stop`), while each one's
+CPU time runs to its own stop, so the time per query is over the queries kept.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from broker.summary import cpu_us_per_query
 from mlscope import outcomes, scenario_traits
 from mlscope.catalog import Entry
 from mlscope.contracts import (
@@ -111,6 +121,7 @@ def issued_part(rec: RunRecord) -> RunRecord:
         part.errors.setdefault(i, IN_FLIGHT)
     part.done = int(np.count_nonzero(part.completed))
     part.preprocessed, part.streamed, part.sources = rec.preprocessed, rec.streamed, rec.sources
+    part.cpu_s = rec.cpu_s
     return part
 
 
@@ -177,9 +188,23 @@ def cancelled_summary(
         latency_ms=LatencyStats(trimmed_mean=None, p50=None, p90=None, p99=None, max=None),
         issue_lag_us={},
         throughput_ips=None,
+        loadgen_cost=_loadgen_cost(rec, spec.loadgens),
         started_at=started_at,
         finished_at=now,
     )
+
+
+def _loadgen_cost(rec: RunRecord | None, loadgens: int) -> dict[str, Any] | None:
+    """The CPU time the run's load generators report up to the cancel (None where they
+    report none)."""
+    if rec is None or rec.cpu_s <= 0:
+        return None
+    return {
+        "cpu_s": rec.cpu_s,
+        "cpu_us_per_query": cpu_us_per_query(rec),
+        "loadgens": loadgens,
+        **({"services": list(rec.sources)} if rec.sources else {}),
+    }
 
 
 def _counts(rec: RunRecord) -> dict[str, int]:

@@ -205,13 +205,16 @@ class Driver:
 
     async def run(self) -> RunRecord:
         """The run, its record filled. Cancelled (a cancelled job), the record it
-        leaves holds every query issued so far, reported to ``on_progress`` once more
-        before the cancellation goes on (what a cancelled job stores)."""
+        leaves holds every query issued so far and the CPU time used up to the stop,
+        reported to ``on_progress`` once more before the cancellation goes on (what a
+        cancelled job stores)."""
         self._cpu0 = time.process_time()
         try:
             with self.tuning.load():
                 rec = await self._run()
         except anyio.get_cancelled_exc_class():
+            if self.record is not None:
+                self.record.cpu_s = time.process_time() - self._cpu0
             await self._last_progress()
             raise
         # The load's own cost: from the clock's start (an open loop's queries are all

@@ -279,8 +279,8 @@ async def run_on_services(
         done = await _start_all(ctx, spec, services, offsets, run_id, start)
         objects += [d.result_object for d in done]
         read = [
-            await _read_result(obs, d.result_object, len(p))
-            for d, p in zip(done, parts, strict=True)
+            _as_reported(await _read_result(obs, d.result_object, len(p)), d, svc)
+            for d, p, svc in zip(done, parts, services, strict=True)
         ]
         finished = True
     except anyio.get_cancelled_exc_class():
@@ -292,27 +292,63 @@ async def run_on_services(
                 stopped = await stop_runs(bus, services, LoadgenStopOp(run_id=run_id))
                 results = [result_name(run_id, j) for j in range(len(parts))]
                 if cancelled and start is not None:
-                    await _keep_stopped(ctx, spec, obs, parts, stopped, results, start)
+                    where = _Where(services, offsets, start)
+                    await _keep_stopped(ctx, spec, obs, parts, stopped, results, where)
                 objects += results
             for name in objects:  # one left behind expires with the bucket's TTL
                 with contextlib.suppress(BusError), bus_errors(f"cannot delete {name}"):
                     await obs.delete(name)
     rec = merge_results(parts, read)
     rec.t0_ns = start  # the shared start, on this server's clock
-    rec.sources = tuple(
-        {
-            "loadgen_id": svc.loadgen_id,
-            "host": svc.host,
-            "pid": svc.pid,
-            "slice": j,
-            "queries": d.queries,
-            "completed": d.completed,
-            "cpu_s": d.cpu_s,
-            "clock_offset_ns": offsets[j],
-        }
-        for j, (svc, d) in enumerate(zip(services, done, strict=True))
-    )
+    rec.sources = _Where(services, offsets, start).sources(read)
     return rec
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where a run's slices ran: the services, their clocks, the shared start."""
+
+    services: list[LoadgenDescription]
+    offsets: list[int]
+    """Each service's clock minus this server's."""
+    start: int
+    """The shared start, on this server's clock."""
+
+    def sources(self, read: list[tuple[RunRecord, dict[int, str]]]) -> tuple[dict[str, Any], ...]:
+        """``RunRecord.sources``: which service ran which slice, with the counts and
+        the CPU time its result holds."""
+        return tuple(
+            {
+                "loadgen_id": svc.loadgen_id,
+                "host": svc.host,
+                "pid": svc.pid,
+                "slice": j,
+                "queries": rec.n,
+                "completed": int(np.count_nonzero(rec.completed)),
+                "cpu_s": rec.cpu_s,
+                "clock_offset_ns": self.offsets[j],
+            }
+            for j, (svc, (rec, _)) in enumerate(zip(self.services, read, strict=True))
+        )
+
+
+def _as_reported(
+    got: tuple[RunRecord, dict[int, str]], d: LoadgenDone, svc: LoadgenDescription
+) -> tuple[RunRecord, dict[int, str]]:
+    """A slice's result once the service's :class:`LoadgenDone` tells the same story:
+    its queries, the queries completed and the CPU time are the result's own. A service
+    whose answer and arrays disagree is a WireError naming it (which of the two is
+    false cannot be told, and the summary would show the other)."""
+    rec = got[0]
+    held = (rec.n, int(np.count_nonzero(rec.completed)), rec.cpu_s)
+    if (d.queries, d.completed, d.cpu_s) != held:
+        raise WireError(
+            f"load-generator service {svc.loadgen_id} reported {d.queries} queries, "
+            f"{d.completed} completed, {d.cpu_s:.6g} s CPU; its result "
+            f"{d.result_object} holds {held[0]}, {held[1]}, {held[2]:.6g} s",
+            loadgen_id=svc.loadgen_id,
+        )
+    return got
 
 
 @dataclass(frozen=True)
@@ -396,12 +432,13 @@ async def _keep_stopped(
     parts: list[Schedule],
     stopped: list[LoadgenStopped | None],
     results: list[str],
-    start: int,
+    where: _Where,
 ) -> None:
     """A cancelled run's merged record of what its services had issued, reported as its
-    progress: the rows its evaluation stores (:func:`broker.cancel.issued_part`). Only
-    when every service kept its slice's; else the run keeps none, as before a service
-    kept any."""
+    progress: the rows its evaluation stores (:func:`broker.cancel.issued_part`), with
+    the CPU time each service's load used up to its stop (its result's ``cpu_s``) and
+    ``sources`` as a finished run has them. Only when every service kept its slice's;
+    else the run keeps none (no rows, no CPU time), as before a service kept any."""
     kept = {name for s in stopped if s is not None for name in s.kept}
     if ctx.on_progress is None or not set(results) <= kept:
         return
@@ -414,9 +451,10 @@ async def _keep_stopped(
         log.warning("%s: the stopped slices' rows not read: %s", ctx.evaluation_id, exc)
         return
     rec = until_first_stop(merge_results(parts, got), parts)
-    rec.t0_ns = start
+    rec.t0_ns = where.start
+    rec.sources = where.sources(got)
     rec.warmup = min(spec.warmup_queries, rec.n)
-    await ctx.on_progress(rec, (time.perf_counter_ns() - start) / 1e9)
+    await ctx.on_progress(rec, (time.perf_counter_ns() - where.start) / 1e9)
 
 
 async def _read_result(

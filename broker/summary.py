@@ -12,7 +12,9 @@ Every statistic comes from :mod:`mlscope.stats`; every verdict from
 * offered (scheduled), issued (achieved) and completed rates = queries / last offset
   of their scheduled, issue and answer times (:func:`mlscope.validity.achieved_rate`);
   ``backlog_s``: queries arrived and unanswered at the end of an open loop's window,
-  in seconds of offered load (:func:`mlscope.validity.backlog_s`);
+  in seconds of offered load (:func:`mlscope.validity.backlog_s`); the window ends at
+  the last reply when the agent stopped answering (:func:`stopped`: what it was sent
+  after that is lost, not queued);
 * failed / refused / lost / not issued: :mod:`mlscope.outcomes` (``errors`` is the
   first three);
 * throughput = samples answered / (last completion - first issue);
@@ -49,17 +51,28 @@ from mlscope.contracts import LatencyStats, ScenarioSpec
 from mlscope.outcomes import count, was_sent
 from mlscope.record import RunRecord
 from mlscope.stats import describe_ms, percentiles
-from mlscope.validity import ValidityPolicy, Verdict, achieved_rate, backlog_s, verdict
+from mlscope.validity import (
+    Silence,
+    ValidityPolicy,
+    Verdict,
+    achieved_rate,
+    answering_window_s,
+    backlog_s,
+    silence,
+    verdict,
+)
 
 __all__ = [
     "LOADGEN_BUSY_WARN",
     "Figures",
     "LoadgenCost",
+    "cpu_us_per_query",
     "figures",
     "issue_lag_split",
     "judge",
     "latency_split",
     "policy_for",
+    "stopped",
     "stream_warnings",
     "tracing_warnings",
 ]
@@ -146,17 +159,16 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
         achieved_qps=ach_rate or None,
         completed_qps=done_rate or None,
         backlog_s=(
-            backlog_s(rec.scheduled, rec.answered_ns(), window_s) if window_s is not None else None
+            backlog_s(rec.scheduled, rec.answered_ns(), answering_window_s(window_s, stopped(rec)))
+            if window_s is not None
+            else None
         ),
         latency_ms=LatencyStats(**describe_ms(lat_ns)),
         issue_lag_us=_lag_stats((rec.issued - rec.scheduled)[issued_mask]),
         issue_lag_split_us=issue_lag_split(rec),
         throughput_ips=samples / tput_span if tput_span > 0 else None,
         top1=float(rec.correct[ok].sum()) / samples if has_labels and samples else None,
-        # The load's CPU time covers every query it sent, warm-up included.
-        loadgen_cpu_us_per_query=(
-            rec.cpu_s / all_issued.size * 1e6 if all_issued.size and rec.cpu_s > 0 else None
-        ),
+        loadgen_cpu_us_per_query=cpu_us_per_query(rec),
     )
 
 
@@ -303,6 +315,26 @@ def policy_for(spec: ScenarioSpec, base: ValidityPolicy) -> ValidityPolicy:
     )
 
 
+def cpu_us_per_query(rec: RunRecord) -> float | None:
+    """The load generators' CPU time (µs) per query they sent; None without one. Their
+    CPU time covers every query sent, warm-up included, so every one counts."""
+    sent = int(np.count_nonzero(was_sent(rec.issued, rec.completed)))
+    return rec.cpu_s / sent * 1e6 if sent and rec.cpu_s > 0 else None
+
+
+def _issued(rec: RunRecord) -> np.ndarray:
+    """Each query's issue offset, at least 1 for every query sent (a closed loop may
+    issue at offset 0), 0 for the others: what the verdict reads as sent."""
+    issued: np.ndarray = np.where(was_sent(rec.issued, rec.completed), np.maximum(rec.issued, 1), 0)
+    return issued
+
+
+def stopped(rec: RunRecord) -> Silence | None:
+    """Whether the run's agent stopped answering (:func:`mlscope.validity.silence`):
+    queries sent after its last reply of any kind got none."""
+    return silence(_issued(rec), rec.completed)
+
+
 def judge(
     rec: RunRecord,
     spec: ScenarioSpec,
@@ -323,13 +355,13 @@ def judge(
     """
     meas = rec.measured()
     ok = rec.ok.astype(bool)
-    issued = np.where(was_sent(rec.issued, rec.completed), np.maximum(rec.issued, 1), 0)
     return verdict(
         scheduled_ns=rec.scheduled,
-        issued_ns=issued,
+        issued_ns=_issued(rec),
         latency_ns=(rec.completed - rec.scheduled)[ok & meas],
         outcomes=count(rec.outcomes()[meas]),
         completed_ns=rec.answered_ns() if open_loop else None,
+        replied_ns=rec.completed,
         requested_rate=requested_rate,
         poisson=poisson,
         duration_s=window_s,

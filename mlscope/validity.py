@@ -35,9 +35,11 @@ from mlscope.stats import percentile as nearest_rank
 
 __all__ = [
     "EarlyStoppingEstimate",
+    "Silence",
     "ValidityPolicy",
     "Verdict",
     "achieved_rate",
+    "answering_window_s",
     "backlog_s",
     "completion_rates",
     "early_stopping_min_queries",
@@ -45,6 +47,7 @@ __all__ = [
     "early_stopping_queries_needed",
     "issue_lag_ns",
     "min_passing_queries",
+    "silence",
     "verdict",
 ]
 
@@ -271,6 +274,43 @@ def backlog_s(scheduled_ns: Array, completed_ns: Array, window_s: float) -> floa
     return max(waiting, 0) / (arrived / window_s)
 
 
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """No reply of any kind came after ``last_reply_ns`` (an offset from the run start;
+    0: none came at all), and ``unanswered`` queries sent after it got none."""
+
+    last_reply_ns: int
+    unanswered: int
+
+
+def silence(issued_ns: Array, replied_ns: Array) -> Silence | None:
+    """Whether the agent stopped answering: queries sent after its last reply got none
+    (None when every query sent after it was answered: the replies went on to the end).
+
+    ``issued_ns``: each query's issue offset (0: not sent); ``replied_ns``: the offset
+    of its reply, any reply (outputs, an error, a refusal "overloaded"), 0 where none
+    came. A backlogged system answers every query it took, ever later, and goes on
+    answering after the load ends while the load generator waits for it: its last reply
+    comes after the last query was sent. A system that stopped (killed, paused, cut off
+    by the network) leaves every query sent after its last reply unanswered.
+    """
+    issued = np.asarray(issued_ns, np.int64)
+    replied = np.asarray(replied_ns, np.int64)
+    last = int(replied.max()) if replied.size else 0
+    after = int(np.count_nonzero((issued > last) & (replied == 0)))
+    return Silence(last, after) if after else None
+
+
+def answering_window_s(window_s: float, stop: Silence | None) -> float:
+    """The part of a ``window_s`` load window in which the system answered: up to its
+    last reply when it stopped answering (``stop``), the whole window otherwise. What
+    is judged for overload and counted as backlog: queries sent to a system that had
+    stopped are lost, not queued."""
+    if stop is None:
+        return window_s
+    return min(window_s, stop.last_reply_ns / 1e9)
+
+
 def verdict(
     *,
     scheduled_ns: Array,
@@ -279,6 +319,7 @@ def verdict(
     errors: int = 0,
     outcomes: Mapping[str, int] | None = None,
     completed_ns: Array | None = None,
+    replied_ns: Array | None = None,
     requested_rate: float | None = None,
     poisson: bool = True,
     duration_s: float | None = None,
@@ -293,7 +334,10 @@ def verdict(
     counts of :func:`mlscope.outcomes.count` (else ``errors`` is taken as failures).
     ``completed_ns``: an open loop's completion offset per query answered, with outputs
     or an error (0 otherwise: :meth:`mlscope.record.RunRecord.answered_ns`), for the
-    overload rule (None: a closed loop, which cannot overload).
+    overload rule (None: a closed loop, which cannot overload). ``replied_ns``: the
+    offset of every query's reply of any kind, a refusal included (0 where none came:
+    :attr:`mlscope.record.RunRecord.completed`), for the silence rule
+    (:func:`silence`; default ``completed_ns``).
     ``requested_rate``: the rate the user asked for (None for closed loops and
     replays). ``poisson``: the schedule is random, so its realized rate may differ
     from the request by Poisson noise. ``duration_s`` defaults to the last scheduled
@@ -318,24 +362,62 @@ def verdict(
         *_latency_reasons(pol, lat, warmup),
         *_lag_reasons(pol, issue_lag_ns(sched, issued)),
         *_rate_reasons(pol, sched, issued, requested_rate, poisson),
-        *(_overload_reasons(pol, sched, completed_ns, run_s) if completed_ns is not None else []),
+        *(
+            _open_loop_reasons(pol, sched, issued, completed_ns, replied_ns, run_s)
+            if completed_ns is not None
+            else []
+        ),
         *_failure_reasons(pol, counts),
     ]
     return Verdict(not reasons, tuple(reasons))
 
 
+def _open_loop_reasons(
+    pol: ValidityPolicy,
+    sched: npt.NDArray[np.int64],
+    issued: npt.NDArray[np.int64],
+    completed: Array,
+    replied: Array | None,
+    window_s: float,
+) -> list[str]:
+    """An open loop's answers: whether they stopped (:func:`silence`), and whether they
+    kept up with the arrivals while they came (overload)."""
+    stop = silence(issued, completed if replied is None else replied)
+    out = [] if stop is None else [_silence_reason(stop)]
+    window = answering_window_s(window_s, stop)
+    return [*out, *_overload_reasons(pol, sched, completed, window, cut=stop is not None)]
+
+
+def _silence_reason(stop: Silence) -> str:
+    why = "(the agent or its link went silent: lost, not a backlog)"
+    if stop.last_reply_ns == 0:
+        return (
+            f"stopped answering: no query was answered; {stop.unanswered} sent got no answer {why}"
+        )
+    return (
+        f"stopped answering at t={stop.last_reply_ns / 1e9:.3f} s (its last answer): "
+        f"{stop.unanswered} queries sent after it got no answer {why}"
+    )
+
+
 def _overload_reasons(
-    pol: ValidityPolicy, sched: npt.NDArray[np.int64], completed: Array, window_s: float
+    pol: ValidityPolicy,
+    sched: npt.NDArray[np.int64],
+    completed: Array,
+    window_s: float,
+    *,
+    cut: bool = False,
 ) -> list[str]:
     offered, answered = completion_rates(sched, completed, window_s)
     if offered * window_s / 2 < pol.overload_min_queries:
         return []
     if answered >= offered * (1 - pol.completion_tolerance):
         return []
+    until = " (up to its last answer)" if cut else ""
     return [
         f"overloaded: completed {answered:.1f}/s of {offered:.1f}/s offered, backlog "
         f"{backlog_s(sched, completed, window_s):.3g} s (second half of the "
-        f"{window_s:g} s window; tolerance {pol.completion_tolerance:.0%})"
+        f"{window_s:g} s window{until}; tolerance {pol.completion_tolerance:.0%})"
     ]
 
 

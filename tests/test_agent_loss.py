@@ -3,6 +3,8 @@ evaluation with its queries, lost rather than overloaded."""
 
 from __future__ import annotations
 
+import json
+import re
 import signal
 import subprocess
 import threading
@@ -10,6 +12,7 @@ import threading
 import anyio
 import pytest
 
+from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.contracts import (
@@ -56,6 +59,9 @@ def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
         answered = int(lost[0].split(" after ")[1].split(" of ")[0])
         total = int(lost[0].split(" of ")[1].split()[0])
         assert 150 <= answered < total
+        # Its queries went unanswered because it was gone, not because it was slow.
+        assert not any(r.startswith("overloaded") for r in summary.invalid_reasons)
+        assert any(r.startswith("stopped answering at t=") for r in summary.invalid_reasons)
 
         async def stored() -> tuple[list[str], list[list[object]]]:
             async with busmod.connect(settings, name="test") as bus:
@@ -72,6 +78,57 @@ def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
             summary.evaluation_id
         ]
         assert server.poll() is None
+
+
+def test_a_paused_agent_is_said_to_have_stopped_answering_not_to_be_overloaded(
+    settings: Settings,
+) -> None:
+    """SIGSTOP part way through a Poisson run: no answer comes after the pause. What the
+    user reads (the summary printed by mlscope-submit, the stored run listed by
+    ``mlscope runs``) says when the agent stopped answering and how many queries it
+    left unanswered; "overloaded" would blame the speed of a system that was not there."""
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "frozen") as (
+        agent,
+        _server,
+    ):
+        job = JobRequest(
+            model="noop",
+            framework="noop",
+            scenario=ScenarioSpec(name="online", qps=200, duration_s=4),
+        )
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
+                agent.send_signal(signal.SIGSTOP)
+
+        try:
+            summary = anyio.run(
+                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+            )
+        finally:
+            agent.kill()  # a stopped process dies of SIGKILL
+            agent.wait(20)
+        text = format_summary(summary)
+        assert "INVALID" in text and "stopped answering at t=" in text, text
+        assert "overloaded" not in text, text
+        listed = subprocess.run(
+            [python(), "-m", "cli.main", "runs", "--json"],
+            env=child_env(settings),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        rows = [json.loads(line) for line in listed.stdout.splitlines()]
+        (row,) = [r for r in rows if r["evaluation_id"] == summary.evaluation_id]
+        reasons = row["invalid_reasons"]  # as listed: joined with "; "
+        assert "overloaded" not in reasons, reasons
+        stopped = re.search(
+            r"stopped answering at t=([\d.]+) s \(its last answer\): (\d+) ", reasons
+        )
+        assert stopped is not None, reasons
+        at_s, unanswered = float(stopped[1]), int(stopped[2])
+        assert 0.5 < at_s < 4 and 0 < unanswered <= summary.lost, (stopped, summary.lost)
 
 
 def test_an_agent_restarted_under_its_id_mid_run_is_lost_not_overloaded(

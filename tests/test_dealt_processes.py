@@ -194,3 +194,7 @@ def test_a_cancel_heard_late_by_one_process_stores_no_query_as_not_issued(
     assert (s.lost, s.errors) == (kinds[Outcome.LOST], kinds[1:4].sum()), (s, kinds)
     sent = s.queries - s.not_issued
     assert f"{sent - s.lost} of {sent} issued queries answered" in s.invalid_reasons[0], s
+    # The CPU time the processes used up to their stop, as each wrote it with its rows.
+    cost = s.loadgen_cost
+    assert cost is not None and cost["loadgens"] == 2 and cost["cpu_s"] > 0, cost
+    assert cost["cpu_us_per_query"] == pytest.approx(cost["cpu_s"] / sent * 1e6), cost

@@ -54,8 +54,15 @@ def _run_on_good_and_evil(bus: busmod.Bus) -> tuple[Any, ScenarioSpec, Schedule]
 
 
 async def _service(
-    bus: busmod.Bus, lg_id: str, result_for: Names, obs: Any, pong: Any = None
+    bus: busmod.Bus,
+    lg_id: str,
+    result_for: Names,
+    obs: Any,
+    pong: Any = None,
+    says: dict[str, Any] | None = None,
 ) -> None:
+    """A load-generator service on the bus whose start answers name ``result_for``'s
+    object and report a whole slice answered (``says``: other counts to report)."""
     kv = await loadgens.ensure_bucket(bus)
     now = time.time()
     desc = LoadgenDescription(
@@ -76,9 +83,8 @@ async def _service(
     async def run(msg: Any) -> None:
         op = codec.decode(msg.data)
         name = await result_for(op, obs)
-        done = LoadgenDone(
-            run_id=op["run_id"], result_object=name, queries=N // 2, completed=N // 2, cpu_s=0.0
-        )
+        counts = {"queries": N // 2, "completed": N // 2, "cpu_s": 0.0, **(says or {})}
+        done = LoadgenDone(run_id=op["run_id"], result_object=name, **counts)
         await msg.respond(codec.encode_model(done))
 
     await bus.nc.subscribe(names.loadgen_ctl(lg_id), cb=ctl)
@@ -234,3 +240,79 @@ def test_a_service_cannot_move_its_queries_scheduled_times(tmp_path: Path) -> No
     error = anyio.run(main)
     assert isinstance(error, EvaluationError), repr(error)
     assert "scheduled times" in error.message and error.fields["slice"] == 0
+
+
+def _slice_result(j: int, *, answered: int, cpu_s: float) -> bytes:
+    """Slice ``j``'s result (of 2): its own scheduled times, the first ``answered`` of
+    its queries answered 5 ms later, ``cpu_s`` of CPU time."""
+    rec = RunRecord(n=N // 2, batch_size=1)
+    rec.scheduled[:] = rec.issued[:] = np.arange(j, N, 2) * 1000
+    rec.completed[:answered] = rec.scheduled[:answered] + 5_000_000
+    rec.ok[:answered] = 1
+    rec.cpu_s = cpu_s
+    buf = io.BytesIO()
+    save_result(rec, buf)
+    return buf.getvalue()
+
+
+def run_reporting(tmp_path: Path, says: dict[str, Any]) -> RunRecord | BaseException:
+    """A run over two services whose results hold 3 of 4 answered and 0.25 s of CPU
+    each; service ``evil`` reports ``says`` in its LoadgenDone. The merged record, or
+    the run's error."""
+
+    async def main() -> RunRecord | BaseException:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="services") as sb,
+                busmod.connect(settings, name="server") as bus,
+            ):
+                await ensure_infrastructure(bus)
+                obs = await multihost.work_bucket(bus)
+
+                async def honest(op: dict[str, Any], obs: Any) -> str:
+                    j = int(str(op["result_object"]).rsplit("-", 1)[1])
+                    await obs.put(op["result_object"], _slice_result(j, answered=3, cpu_s=0.25))
+                    return str(op["result_object"])
+
+                held = {"queries": N // 2, "completed": 3, "cpu_s": 0.25}
+                await _service(sb, "good", honest, obs, says=held)
+                await _service(sb, "evil", honest, obs, says={**held, **says})
+                ctx, spec, sched = _run_on_good_and_evil(bus)
+                try:
+                    return await multihost.run_on_services(
+                        ctx, spec, sched, lambda g: np.zeros((1, 4), np.float32), None
+                    )
+                except Exception as exc:  # the test judges it
+                    return _only(exc)
+
+    return anyio.run(main)
+
+
+def test_a_service_whose_counts_are_its_results_runs_and_shows_them(tmp_path: Path) -> None:
+    rec = run_reporting(tmp_path, {})
+    assert isinstance(rec, RunRecord), repr(rec)
+    assert rec.cpu_s == 0.5 and int(np.count_nonzero(rec.completed)) == 6
+    assert [(s["queries"], s["completed"], s["cpu_s"]) for s in rec.sources] == [(4, 3, 0.25)] * 2
+
+
+@pytest.mark.parametrize(
+    "says",
+    [
+        {"completed": N // 2},
+        {"completed": 0},
+        {"queries": N // 2 - 1},
+        {"cpu_s": 0.0},
+        {"cpu_s": 7.5},
+    ],
+)
+def test_a_service_whose_counts_are_not_its_results_is_refused(
+    tmp_path: Path, says: dict[str, Any]
+) -> None:
+    """The LoadgenDone a service answers with is shown (``loadgen_cost.services``) beside
+    the arrays its result holds: a service that says 4 of 4 answered, or no CPU time,
+    where its arrays hold 3 and 0.25 s, is refused naming it."""
+    error = run_reporting(tmp_path, says)
+    assert isinstance(error, WireError), repr(error)
+    assert "load-generator service evil reported" in error.message, error.message
+    assert error.fields["loadgen_id"] == "evil"

@@ -173,6 +173,12 @@ def test_loadgen_services_share_one_schedule_and_merge_into_one_evaluation(
     answered = sent - cancelled.lost
     assert answered > 0, cancelled
     assert f"{answered} of {sent} issued queries answered" in cancelled.invalid_reasons[0]
+    # ... and the CPU time each service's load used up to its stop.
+    cost = cancelled.loadgen_cost
+    assert cost is not None and cost["loadgens"] == 2, cost
+    assert [r["loadgen_id"] for r in cost["services"]] == list(LOADGENS), cost
+    assert all(r["cpu_s"] > 0 for r in cost["services"]), cost
+    assert cost["cpu_s"] == pytest.approx(sum(r["cpu_s"] for r in cost["services"]))
     s = run(settings, "noop-b", LOADGENS)
     assert s.status == "completed" and s.errors == 0
 

@@ -71,8 +71,62 @@ def test_an_overloaded_run_is_invalid_with_the_overload_reason() -> None:
     # Backlog at the window's end: ~(75 - 61.6) x 10 s of queries, at 75/s.
     assert f.backlog_s == pytest.approx(backlog_s(rec.scheduled, rec.completed, 10.0))
     assert 1.0 < (f.backlog_s or 0) < 3.0
+    assert not any(r.startswith("stopped answering") for r in reasons)  # it kept answering
     assert f.completed_qps is not None and f.achieved_qps is not None
     assert f.completed_qps < 0.9 * f.achieved_qps  # issued and completed told apart
+
+
+def stop_answering(rec: RunRecord, at_s: float) -> int:
+    """No reply after ``at_s``: every query not answered by then is lost (the agent was
+    killed, paused or cut off); the queries sent after its last reply."""
+    gone = rec.completed > int(at_s * 1e9)
+    rec.completed[gone] = 0
+    rec.ok[gone] = 0
+    return int(np.count_nonzero(rec.issued > rec.completed.max()))
+
+
+def test_an_agent_that_stopped_answering_is_not_called_overloaded() -> None:
+    """A system that kept up until it went silent at t=6 s: its queries sent after its
+    last answer are lost, not a backlog; the reason says when it stopped and how many
+    got no answer, and the backlog is that of the answering part of the run."""
+    spec = ScenarioSpec(name="online", qps=75, duration_s=10, seed=3)
+    rec = open_record(spec, 1 / 400)
+    after = stop_answering(rec, 6.0)
+    last = rec.completed.max() / 1e9
+    reasons = verdict(rec, spec)
+    assert not any(r.startswith("overloaded") for r in reasons), reasons
+    stopped = [r for r in reasons if r.startswith("stopped answering")]
+    assert stopped == [
+        f"stopped answering at t={last:.3f} s (its last answer): {after} queries sent after "
+        "it got no answer (the agent or its link went silent: lost, not a backlog)"
+    ], reasons
+    assert 5.9 < last <= 6.0 and after > 200
+    assert any(r.startswith(f"{count(rec.outcomes())['lost']} queries lost") for r in reasons)
+    f = figures(rec, has_labels=False, window_s=10.0)
+    assert f.backlog_s is not None and f.backlog_s < 0.05
+
+
+def test_an_overloaded_agent_that_then_stopped_answering_is_both() -> None:
+    """Behind by ~13.6/s until it went silent at t=8 s: overloaded up to its last
+    answer, and stopped answering after it."""
+    spec = ScenarioSpec(name="online", qps=75, duration_s=10, seed=3)
+    rec = open_record(spec, 1 / 61.6)
+    stop_answering(rec, 8.0)
+    reasons = verdict(rec, spec)
+    assert any(r.startswith("stopped answering at t=") for r in reasons), reasons
+    over = [r for r in reasons if r.startswith("overloaded")]
+    assert len(over) == 1 and "(up to its last answer)" in over[0], reasons
+
+
+def test_an_agent_that_answered_nothing_stopped_answering() -> None:
+    spec = ScenarioSpec(name="online", qps=75, duration_s=10, seed=3)
+    rec = open_record(spec, 1 / 400)
+    stop_answering(rec, 0.0)
+    reasons = verdict(rec, spec)
+    assert f"stopped answering: no query was answered; {rec.n} sent got no answer" in " ".join(
+        reasons
+    )
+    assert not any(r.startswith("overloaded") for r in reasons), reasons
 
 
 def test_a_system_that_keeps_up_is_not_overloaded() -> None:
@@ -96,7 +150,9 @@ def test_a_system_that_answers_every_query_with_an_error_is_not_overloaded() -> 
     f = figures(rec, has_labels=False, window_s=10.0)
     assert f.backlog_s is not None and f.backlog_s < 0.05
     rec.refused[:] = 1
-    assert any(r.startswith("overloaded") for r in verdict(rec, spec))
+    refusing = verdict(rec, spec)
+    assert any(r.startswith("overloaded") for r in refusing)
+    assert not any(r.startswith("stopped answering") for r in refusing)  # refusals are replies
     refused = figures(rec, has_labels=False, window_s=10.0)
     assert refused.backlog_s is not None and refused.backlog_s > 9
 
