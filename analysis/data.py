@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.source import Source
+from analysis.source import FRAME_ROWS, Source, joined, pages
 from mlscope import schema
 from mlscope.bounded import MAX_DEPTH, json_depth
 from mlscope.errors import DatabaseError
@@ -52,6 +52,7 @@ __all__ = [
     "latencies_ms",
     "latest_per_key",
     "queries",
+    "queries_of",
     "spans",
     "spans_of",
     "stored_json",
@@ -387,12 +388,9 @@ def _system_name(agent: dict[str, Any], device: str) -> str:
 
 
 def queries(source: Source, ids: Sequence[str]) -> pd.DataFrame:
-    """Raw per-query rows of ``ids`` with latency (completed - scheduled) in ns."""
-    frame = source.frame(
-        "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)} "
-        "ORDER BY evaluation_id, query_index",
-        {"ids": list(ids)},
-    )
+    """Raw per-query rows of ``ids`` with latency (completed - scheduled) in ns, by
+    evaluation and query index, read a bounded frame at a time (:func:`queries_of`)."""
+    frame = joined(queries_of(source, ids))
     if frame.empty:  # an empty answer over the bus names no columns
         frame = pd.DataFrame({c: pd.Series(dtype=t) for c, t in QUERY_FIELDS.items()})
     if "correct" not in frame.columns and "label" in frame.columns:
@@ -429,7 +427,8 @@ def spans(
     kinds: Sequence[str] | None = None,
     query_index: int | None = None,
 ) -> pd.DataFrame:
-    """Spans of one evaluation (optionally some kinds, or one query), by start time."""
+    """Spans of one evaluation (optionally some kinds, or one query), by start time
+    (then agent and span id), read a bounded frame at a time (:func:`pages`)."""
     sql = (
         "SELECT agent_id, span_id, parent_id, query_index, level, kind, name, start_ns, "
         "end_ns, host, attrs FROM spans FINAL WHERE evaluation_id = {e:String}"
@@ -441,17 +440,43 @@ def spans(
     if query_index is not None:
         sql += " AND query_index = {q:Int64}"
         params["q"] = query_index
-    return source.frame(sql + " ORDER BY start_ns, span_id", params)
+    key = (("start_ns", "Int64"), ("agent_id", "String"), ("span_id", "UInt64"))
+    return joined(pages(source, sql, params, key))
 
 
-def spans_of(source: Source, ids: Sequence[str]) -> pd.DataFrame:
+def spans_of(
+    source: Source, ids: Sequence[str], *, rows: int = FRAME_ROWS
+) -> Iterator[pd.DataFrame]:
     """Every span of evaluations ``ids`` (all stored columns but the batch bookkeeping),
-    by evaluation and start time: what an export writes."""
-    return source.frame(
+    by evaluation and start time (then agent and span id, which are unique), in frames
+    of at most ``rows`` (:func:`analysis.source.pages`): what an export writes."""
+    return pages(
+        source,
         "SELECT evaluation_id, agent_id, span_id, parent_id, query_index, level, kind, name, "
         "start_ns, end_ns, host, attrs FROM spans FINAL WHERE evaluation_id IN "
-        "{ids:Array(String)} ORDER BY evaluation_id, start_ns, span_id",
+        "{ids:Array(String)}",
         {"ids": list(ids)},
+        (
+            ("evaluation_id", "String"),
+            ("start_ns", "Int64"),
+            ("agent_id", "String"),
+            ("span_id", "UInt64"),
+        ),
+        rows=rows,
+    )
+
+
+def queries_of(
+    source: Source, ids: Sequence[str], *, rows: int = FRAME_ROWS
+) -> Iterator[pd.DataFrame]:
+    """Every stored per-query record of evaluations ``ids``, as stored, by evaluation and
+    query index, in frames of at most ``rows``: what an export writes."""
+    return pages(
+        source,
+        "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)}",
+        {"ids": list(ids)},
+        (("evaluation_id", "String"), ("query_index", "UInt32")),
+        rows=rows,
     )
 
 

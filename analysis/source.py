@@ -15,6 +15,7 @@ server DSN means direct access, chDB means through its owner.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -23,13 +24,24 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from mlscope import remote
 from mlscope.bus import Bus, connect
-from mlscope.errors import DatabaseError
+from mlscope.errors import DatabaseError, QueryRefused
 from mlscope.settings import Settings
 
-__all__ = ["BusSource", "DirectSource", "Source", "open_source", "table_exists"]
+__all__ = [
+    "FRAME_ROWS",
+    "BusSource",
+    "DirectSource",
+    "Source",
+    "joined",
+    "open_source",
+    "pages",
+    "table_exists",
+]
 
 PAGE_ROWS = remote.ARROW_PAGE_ROWS
 """Rows asked for per bus reply (the server sends fewer where they would not fit)."""
+FRAME_ROWS = remote.KEYSET_ROWS
+"""Rows per statement of :func:`pages`."""
 
 
 class Source(Protocol):
@@ -123,6 +135,44 @@ def open_source(settings: Settings) -> DirectSource | BusSource:
     if dsn and not dsn.startswith("chdb"):
         return DirectSource.open(dsn)
     return BusSource(settings)
+
+
+def pages(
+    source: Source,
+    select: str,
+    parameters: dict[str, Any],
+    key: Sequence[tuple[str, str]],
+    *,
+    rows: int = FRAME_ROWS,
+) -> Iterator[pd.DataFrame]:
+    """Every row of ``select`` in frames of at most ``rows``, each a statement of its
+    own (:func:`mlscope.remote.keyset_sql`): a table of any length is read without this
+    process or the server holding more than a frame of it. A frame over what the server
+    holds for one result is asked for again in half as many rows. At least one frame,
+    which may be empty."""
+    last: Any = None
+    while True:
+        sql, bound = remote.keyset_sql(select, key, rows=rows, last=last)
+        try:
+            frame = source.frame(sql, {**parameters, **bound})
+        except QueryRefused as exc:
+            rows = remote.fewer_rows(exc, rows)
+            continue
+        yield frame
+        if len(frame) < rows:
+            return
+        last = frame.iloc[-1]
+
+
+def joined(frames: Iterable[pd.DataFrame]) -> pd.DataFrame:
+    """The frames of one read (:func:`pages`) as one frame: an empty one adds nothing
+    (a direct read of no rows names no columns), and a read of no rows is its one
+    empty frame."""
+    every = list(frames)
+    kept = [f for f in every if len(f)] or every[:1]
+    if len(kept) == 1:
+        return kept[0].reset_index(drop=True)
+    return pd.concat(kept, ignore_index=True)
 
 
 def table_exists(source: Source, table: str) -> bool:

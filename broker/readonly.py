@@ -29,6 +29,15 @@ The read connections are separate from the writer's (chDB allows any number of
 handles to its one engine per process), so a client query never waits for, or makes
 wait, an insert or the server's own reads; a pool of ``readers`` connections lets one
 hostile query occupy one of them for at most ``max_execution_time``.
+
+Results read in pages (Arrow) run once, on a pool of their own (``paged_readers``)
+whose connections carry the same settings but for the result caps: no cap on rows,
+and ``max_paged_bytes`` on bytes, since the whole result of one execution is then
+held by the server for its pages (:mod:`broker.cursors`). The result is streamed from
+the engine in record batches (``query_arrow_stream``; chDB's ``send_query``) and the
+stream read to its end at once: an engine stream left open between a client's page
+requests would hold its connection (and the engine's pipeline) for as long as that
+client waits.
 """
 
 from __future__ import annotations
@@ -146,15 +155,25 @@ class ReadLimits:
     lookups, which use the server's own connection)."""
     max_sql_chars: int = 100_000
     """Longest statement accepted (checked before anything parses it)."""
+    max_paged_bytes: int = 64 << 20
+    """Bytes the result of a statement read in pages may have: the engine's count
+    (``max_result_bytes`` on the paged connections, rows uncapped there) and the
+    Arrow batches the server holds for its pages, both. A longer result is refused
+    (QueryRefused naming this limit): read it in several statements (a key range
+    each)."""
+    paged_readers: int = 4
+    """Read connections for statements read in pages (Arrow): what ``readers`` is for
+    results answered whole. Each holds its result whole while it runs."""
 
-    def settings(self) -> dict[str, Any]:
-        """Session settings of a read connection, ``readonly`` last: once it is set,
-        nothing else may change, a query's own ``SETTINGS`` clause included."""
+    def settings(self, *, paged: bool = False) -> dict[str, Any]:
+        """Session settings of a read connection (``paged``: one whose results are
+        read in pages), ``readonly`` last: once it is set, nothing else may change, a
+        query's own ``SETTINGS`` clause included."""
         return {
             "max_execution_time": self.max_execution_time_s,
             "timeout_overflow_mode": "throw",
-            "max_result_rows": self.max_result_rows,
-            "max_result_bytes": self.max_result_bytes,
+            "max_result_rows": 0 if paged else self.max_result_rows,
+            "max_result_bytes": self.max_paged_bytes if paged else self.max_result_bytes,
             "result_overflow_mode": "throw",
             "max_memory_usage": self.max_memory_usage,
             "max_threads": self.max_threads,
@@ -163,15 +182,19 @@ class ReadLimits:
 
 
 class ReadOnlyDatabase:
-    """A pool of read-only, limited connections for client-supplied SQL."""
+    """Pools of read-only, limited connections for client-supplied SQL: one for
+    results answered whole, one for results read in pages."""
 
     def __init__(self, dsn: str, limits: ReadLimits | None = None) -> None:
         self.dsn = dsn
         self.limits = limits or ReadLimits()
         self._pool: queue.Queue[Any] = queue.Queue()
+        self._paged: queue.Queue[Any] = queue.Queue()
         try:
             for _ in range(max(1, self.limits.readers)):
-                self._pool.put(self._connect())
+                self._pool.put(self._connect(self.limits.settings()))
+            for _ in range(max(1, self.limits.paged_readers)):
+                self._paged.put(self._connect(self.limits.settings(paged=True)))
         except (ClickHouseError, OSError, RuntimeError) as exc:
             self.close()
             raise DatabaseError(f"cannot open read connection to {dsn}: {exc}", dsn=dsn) from exc
@@ -180,36 +203,48 @@ class ReadOnlyDatabase:
         """Run one client SELECT under the read rules; QueryRefused when it breaks one
         (``sql`` and ``parameters`` come off the wire: any type is refused cleanly)."""
         frame: pd.DataFrame = self._run(
-            sql, parameters, lambda client, inner: client.query_df(inner, parameters=parameters)
+            self._pool,
+            sql,
+            parameters,
+            lambda client, inner: client.query_df(inner, parameters=parameters),
         )
         return frame
 
-    def arrow_page(
-        self, sql: Any, parameters: Any = None, *, offset: int, limit: int, max_bytes: int
-    ) -> ArrowPage:
-        """Rows ``offset`` onwards of one client SELECT (at most ``limit``, and at most
-        what fits in ``max_bytes`` of Arrow IPC), under the same read rules as
-        :meth:`frame`. The engine runs the statement for every page (no cursor is
-        kept between requests), so a result should be in a stable order."""
-        rows = max(1, min(int(limit), self.limits.max_result_rows))
+    def arrow(self, sql: Any, parameters: Any = None) -> Any:
+        """The whole result of one client SELECT, run once, as a ``pyarrow.Table`` to
+        be read in pages; under the same read rules as :meth:`frame`, with the result
+        capped at ``max_paged_bytes`` rather than ``max_result_rows``. The engine's
+        record batches are counted as they come, and a result over the cap is refused
+        (QueryRefused, ``limit="max_paged_bytes"``) without being held whole."""
+        import pyarrow as pa
+
+        cap = self.limits.max_paged_bytes
 
         def query(client: Any, inner: str) -> Any:
-            paged = f"SELECT * FROM (\n{inner}\n) LIMIT {rows} OFFSET {int(offset)}"
-            return client.query_arrow(paged, parameters=parameters)
+            batches, held = [], 0
+            with client.query_arrow_stream(inner, parameters=parameters) as stream:
+                schema = stream.gen.schema  # the IPC reader's: an empty result has one too
+                for batch in stream:
+                    held += batch.nbytes
+                    if held > cap:  # the handle is replaced: its stream is cut off
+                        raise _over_paged_bytes(cap)
+                    batches.append(batch)
+            return pa.Table.from_batches(batches, schema=schema)
 
-        table = self._run(sql, parameters, query)
-        return arrow_page(table, more=table.num_rows == rows, max_bytes=max_bytes)
+        return self._run(self._paged, sql, parameters, query)
 
-    def _run(self, sql: Any, parameters: Any, query: Callable[[Any, str], _T]) -> _T:
-        """``query(client, statement)`` on a free read connection, the statement being
-        the client's SQL after every check; errors translated (:func:`_translate`)."""
+    def _run(
+        self, pool: queue.Queue[Any], sql: Any, parameters: Any, query: Callable[[Any, str], _T]
+    ) -> _T:
+        """``query(client, statement)`` on a free connection of ``pool``, the statement
+        being the client's SQL after every check; errors translated (:func:`_translate`)."""
         if not isinstance(sql, str) or len(sql) > self.limits.max_sql_chars:
             raise QueryRefused(
                 f"SQL must be a string of at most {self.limits.max_sql_chars} characters"
             )
         if parameters is not None and not isinstance(parameters, dict):
             raise QueryRefused("parameters must be a mapping")
-        client = self._take()
+        client = self._take(pool)
         healthy = False
         try:
             text = f"SELECT * FROM (\n{self._canonical(client, sql)}\n)"
@@ -218,25 +253,28 @@ class ReadOnlyDatabase:
             healthy = True
             return result
         except ClickHouseError as exc:
-            raise _translate(exc, sql) from exc
+            paged_cap = self.limits.max_paged_bytes if pool is self._paged else None
+            raise _translate(exc, sql, paged_cap=paged_cap) from exc
         except (TypeError, ValueError, KeyError) as exc:  # parameters it cannot bind
             raise QueryRefused(f"cannot bind the query's parameters: {exc}", sql=sql[:200]) from exc
         finally:
-            self._pool.put(client if healthy else self._replace(client))
+            settings = self.limits.settings(paged=pool is self._paged)
+            pool.put(client if healthy else self._replace(client, settings))
 
-    def _connect(self) -> Any:
-        return clickhouse_connect.get_client(dsn=self.dsn, settings=self.limits.settings())
+    def _connect(self, settings: dict[str, Any]) -> Any:
+        return clickhouse_connect.get_client(dsn=self.dsn, settings=settings)
 
-    def _replace(self, client: Any) -> Any:
+    def _replace(self, client: Any, settings: dict[str, Any]) -> Any:
         """A failed handle is never reused (see :class:`mlscope.database.Client`)."""
-        return fresh_client(client, self.dsn, self.limits.settings())
+        return fresh_client(client, self.dsn, settings)
 
-    def _take(self) -> Any:
+    def _take(self, pool: queue.Queue[Any]) -> Any:
         try:
-            return self._pool.get(timeout=self.limits.max_execution_time_s + 1.0)
+            return pool.get(timeout=self.limits.max_execution_time_s + 1.0)
         except queue.Empty:
+            readers = self.limits.paged_readers if pool is self._paged else self.limits.readers
             raise QueryRefused(
-                "every read connection is busy; try again", readers=self.limits.readers
+                "every read connection is busy; try again", readers=readers
             ) from None
 
     def _canonical(self, client: Any, sql: str) -> str:
@@ -247,11 +285,12 @@ class ReadOnlyDatabase:
         return canonical
 
     def close(self) -> None:
-        while True:
-            try:
-                self._pool.get_nowait().close()
-            except queue.Empty:
-                return
+        for pool in (self._pool, self._paged):
+            while True:
+                try:
+                    pool.get_nowait().close()
+                except queue.Empty:
+                    break
 
     def __enter__(self) -> Self:
         return self
@@ -336,10 +375,23 @@ def _server_side_only(text: str, parameters: dict[str, Any] | None) -> None:
         )
 
 
-def _translate(exc: ClickHouseError, sql: str) -> DatabaseError:
+def _over_paged_bytes(cap: int) -> QueryRefused:
+    return QueryRefused(
+        f"the result is over {cap:,} bytes, the most the server holds for a result read "
+        "in pages (max_paged_bytes): read it in several statements, a key range each",
+        limit="max_paged_bytes",
+        max_bytes=cap,
+    )
+
+
+def _translate(exc: ClickHouseError, sql: str, *, paged_cap: int | None = None) -> DatabaseError:
+    """A ClickHouse error as a typed one; ``paged_cap``: the result cap of the paged
+    connection it came from, named when the result went past it."""
     text = str(exc)
     code = next((c for c in _LIMIT_CODES if f"({c})" in text), None)
     first = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    if paged_cap is not None and code in ("TOO_MANY_ROWS_OR_BYTES", "TOO_MANY_BYTES"):
+        return _over_paged_bytes(paged_cap)
     if code:
         return QueryRefused(first, limit=code, sql=sql[:200])
     return DatabaseError(first, sql=sql[:200])

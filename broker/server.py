@@ -41,12 +41,13 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from broker.agent_history import AgentHistory
 from broker.cancel import Cancels, cancelled_summary, issued_part
+from broker.cursors import CursorLimits, Cursors
 from broker.db import Database
 from broker.evaluate import Evaluator
 from broker.ingest import Ingester
 from broker.loadgen import running_p50_ms
 from broker.multihost import stop_runs, work_bucket
-from broker.readonly import ReadLimits, ReadOnlyDatabase
+from broker.readonly import ArrowPage, ReadLimits, ReadOnlyDatabase
 from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
 from mlscope import bus as busmod
 from mlscope import codec, names
@@ -65,6 +66,7 @@ from mlscope.contracts import (
     LoadgenStopOp,
     PingOp,
     SqlArrowReply,
+    SqlPageRequest,
     SqlReply,
     SqlRequest,
     evaluation_id_for,
@@ -97,7 +99,8 @@ SQL_IN_FLIGHT = 16
 """Client SQL requests handled at once (they wait for the read pool's connections);
 more stay queued in the subscription."""
 ARROW_REPLY_MARGIN = 4096
-"""Bytes of a max payload kept for the envelope of an Arrow page (its msgpack keys)."""
+"""Bytes of a max payload kept for the envelope of an Arrow page (its msgpack keys,
+cursor and server id)."""
 
 
 @dataclass
@@ -112,6 +115,8 @@ class Server:
     read_limits: ReadLimits | None = None
     """What one client query on ``mlscope.db.sql`` may use (broker.readonly); default:
     the stock limits with the settings' ``sql_timeout_s``."""
+    cursor_limits: CursorLimits = field(default_factory=CursorLimits)
+    """How many results read in pages this server holds, and how long unread."""
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.catalog = Catalog.load(default_manifest_dirs(self.settings.manifests_dir))
@@ -122,6 +127,7 @@ class Server:
         self.reader = ReadOnlyDatabase(
             self.settings.clickhouse_read_dsn or self.settings.dsn, limits
         )
+        self.cursors = Cursors(self.cursor_limits)
         try:
             async with provisioned(self.settings, name=f"server {self.server_id}") as bus:
                 self.bus = bus
@@ -142,6 +148,8 @@ class Server:
                     ),
                     # No queue group: the replica running the job must hear it.
                     await serve(names.job_cancel_wildcard(), CancelRequest, self._on_cancel),
+                    # Nor here: only this replica holds its cursors.
+                    await serve(names.sql_pages(self.server_id), SqlPageRequest, self._on_page),
                 ]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT,
@@ -162,6 +170,7 @@ class Server:
                     tg.start_soon(keep, "agents watch", self.agent_cache.run)
                     tg.start_soon(keep, "trace ingester", self.ingester.run)
                     tg.start_soon(keep, "agent history", AgentHistory(bus, self.db).run)
+                    tg.start_soon(keep, "cursor expiry", self.cursors.run)
                     tg.start_soon(
                         keep, "job consumer", functools.partial(self._take_jobs, jobs, tg)
                     )
@@ -501,24 +510,45 @@ class Server:
                 await sub.unsubscribe()
 
     async def _on_sql(self, req: SqlRequest, msg: Msg) -> SqlReply | SqlArrowReply:
-        """Client SQL for other processes: {sql, parameters} -> {columns, rows}, or one
-        Arrow page of the result under the max payload, run on the read-only, limited
-        connections (broker.readonly), never the writer's."""
+        """Client SQL for other processes: {sql, parameters} -> {columns, rows}, or the
+        first Arrow page of the result under the max payload (the rest held for
+        :meth:`_on_page`), run on the read-only, limited connections
+        (broker.readonly), never the writer's."""
         if req.format == "arrow":
-            page = await anyio.to_thread.run_sync(
+            table = await anyio.to_thread.run_sync(self.reader.arrow, req.sql, req.parameters)
+            page, cursor = await anyio.to_thread.run_sync(
                 functools.partial(
-                    self.reader.arrow_page,
-                    req.sql,
-                    req.parameters,
-                    offset=req.offset,
-                    limit=req.limit,
+                    self.cursors.first_page,
+                    table,
+                    rows=req.page_rows,
                     max_bytes=self.bus.nc.max_payload - ARROW_REPLY_MARGIN,
                 )
             )
-            return SqlArrowReply(arrow=page.data, rows=page.rows, more=page.more)
+            return self._arrow_reply(page, cursor)
         frame = await anyio.to_thread.run_sync(self.reader.frame, req.sql, req.parameters)
         rows = [[_plain(v) for v in row] for row in frame.itertuples(index=False)]
         return SqlReply(columns=[str(c) for c in frame.columns], rows=rows)
+
+    async def _on_page(self, req: SqlPageRequest, msg: Msg) -> SqlArrowReply:
+        """The next page of a result this server holds (broker.cursors)."""
+        page = await anyio.to_thread.run_sync(
+            functools.partial(
+                self.cursors.next_page,
+                req.cursor,
+                rows=req.page_rows,
+                max_bytes=self.bus.nc.max_payload - ARROW_REPLY_MARGIN,
+            )
+        )
+        return self._arrow_reply(page, req.cursor if page.more else None)
+
+    def _arrow_reply(self, page: ArrowPage, cursor: str | None) -> SqlArrowReply:
+        return SqlArrowReply(
+            arrow=page.data,
+            rows=page.rows,
+            more=page.more,
+            cursor=cursor,
+            server_id=self.server_id if cursor else None,
+        )
 
     async def _on_eval(self, req: EvaluationRequest, msg: Msg) -> EvaluationReply:
         rows = await anyio.to_thread.run_sync(

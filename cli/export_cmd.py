@@ -13,13 +13,19 @@ table, each holding the rows of every evaluation named:
 precise_float=True)``), every number as stored (a float as the shortest text that
 reads back to the same value, an integer whole) and a missing value as ``null``;
 ``csv`` has a header row; ``parquet`` keeps the column types.
+
+Tables are written as they are read, a bounded number of rows at a time (each read
+one statement starting after the previous one's last key): an export of any size
+holds one such frame in memory, and so does the server that answers it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,9 +59,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
-def tables(source: Source, ids: list[str]) -> dict[str, pd.DataFrame]:
-    """The three tables of evaluations ``ids`` (a DatabaseError names a missing one)."""
-    from analysis.data import evaluations, spans_of
+def tables(source: Source, ids: list[str]) -> dict[str, Iterable[pd.DataFrame]]:
+    """The three tables of evaluations ``ids``, each as frames to write one after the
+    other (a DatabaseError names a missing evaluation): ``queries`` and ``spans`` a
+    bounded number of rows at a time (:func:`analysis.source.pages`), so a table of
+    any length is never held whole, here or by the server."""
+    from analysis.data import evaluations, queries_of, spans_of
 
     ev = evaluations(source, ids)
     raw = source.frame(
@@ -65,36 +74,56 @@ def tables(source: Source, ids: list[str]) -> dict[str, pd.DataFrame]:
     )
     ev = ev.merge(raw, on="evaluation_id", how="left")
     ev["runs"] = ev["runs"].map(json.dumps)  # a list: text in every format
-    queries = source.frame(
-        "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)} "
-        "ORDER BY evaluation_id, query_index",
-        {"ids": ids},
-    )
-    return {"evaluations": ev, "queries": queries, "spans": spans_of(source, ids)}
+    return {"evaluations": [ev], "queries": queries_of(source, ids), "spans": spans_of(source, ids)}
 
 
-def write_tables(frames: dict[str, pd.DataFrame], out: Path, fmt: str) -> list[Path]:
-    """Write each frame as ``out/<table>.<ext>``; the paths written."""
+def write_tables(
+    frames: Mapping[str, pd.DataFrame | Iterable[pd.DataFrame]], out: Path, fmt: str
+) -> dict[Path, int]:
+    """Write each table (one frame, or frames of its rows in order, written as they
+    come) as ``out/<table>.<ext>``; the paths written and their rows."""
+    import pandas as pd
+
     out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, frame in frames.items():
+    written = {}
+    for name, table in frames.items():
         path = out / f"{name}.{EXTENSIONS[fmt]}"
-        if fmt == "csv":
-            frame.to_csv(path, index=False)
-        elif fmt == "parquet":
-            frame.to_parquet(path, index=False)
-        else:
-            write_json_lines(frame, path)
-        written.append(path)
+        parts = [table] if isinstance(table, pd.DataFrame) else table
+        written[path] = _write(parts, path, fmt)
     return written
 
 
-def write_json_lines(frame: pd.DataFrame, path: Path) -> None:
-    """``frame`` as JSON Lines, one object per row, every number as stored
-    (:func:`analysis.records.json_records`)."""
+def _write(frames: Iterable[pd.DataFrame], path: Path, fmt: str) -> int:
+    """``frames`` into one file at ``path``, one after the other; the rows written."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 0
+    with contextlib.ExitStack() as stack:
+        parquet: pq.ParquetWriter | None = None
+        schema: pa.Schema | None = None
+        for i, frame in enumerate(frames):
+            if fmt == "csv":
+                frame.to_csv(path, index=False, mode="w" if i == 0 else "a", header=i == 0)
+            elif fmt == "parquet":
+                # the first frame's types for every one (a column all null in one)
+                table = pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
+                if parquet is None:
+                    schema = table.schema
+                    parquet = stack.enter_context(pq.ParquetWriter(path, schema))
+                parquet.write_table(table)
+            else:
+                write_json_lines(frame, path, append=i > 0)
+            rows += len(frame)
+    return rows
+
+
+def write_json_lines(frame: pd.DataFrame, path: Path, *, append: bool = False) -> None:
+    """``frame`` as JSON Lines (after what ``path`` holds, with ``append``), one object
+    per row, every number as stored (:func:`analysis.records.json_records`)."""
     from analysis.records import json_records
 
-    with path.open("w", encoding="utf-8") as f:
+    with path.open("a" if append else "w", encoding="utf-8") as f:
         for row in json_records(frame):
             f.write(json.dumps(row, allow_nan=False))
             f.write("\n")
@@ -116,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     settings: Settings = args.settings
     ids = list(dict.fromkeys(args.evaluations))
     creatable(args.output)  # before the tables are read
-    frames = tables(open_source(settings), ids)
-    for path in write_tables(frames, args.output, args.format):
-        print(f"wrote {path} ({len(frames[path.stem])} rows)", file=sys.stderr)
+    written = write_tables(tables(open_source(settings), ids), args.output, args.format)
+    for path, rows in written.items():
+        print(f"wrote {path} ({rows} rows)", file=sys.stderr)
     return 0

@@ -4,7 +4,10 @@ Everything is read through the server's SQL responder (``mlscope.db.sql``): with
 chDB only the server process may open the database. Rows come in pages of at most
 :data:`PAGE` rows, each read as Arrow pages that fit the bus's max payload
 (:func:`mlscope.remote.arrow`), so a framework-level run with millions of spans, or
-spans with large attributes, never needs a reply larger than one message.
+spans with large attributes, never needs a reply larger than one message. The
+document itself is built in memory, so an evaluation with more than ``--max-spans``
+spans (:data:`MAX_SPANS`) is refused, with its count, before any span is read
+(``mlscope export`` writes any number of them as files, page by page).
 
 Rows are written by agents, which are not trusted: a span's attributes are read with
 :func:`analysis.layers.span_attrs` (what cannot be read is left out), a sample that is
@@ -34,6 +37,7 @@ attributes, so a consumer can rebuild the exact tree.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -53,6 +57,11 @@ __all__ = ["chrome_trace", "export", "fetch", "register"]
 
 PAGE = 1_000
 """Rows per keyset page (each comes in as many Arrow pages as fit the max payload)."""
+MAX_SPANS = 1_000_000
+"""Spans a trace export takes at most (``--max-spans``): the Chrome trace is one JSON
+document, built in memory with its rows (a few KB a span), so an evaluation with more
+is refused, naming its count, before any span is read. ``mlscope export`` writes any
+number of spans as files, page by page."""
 LOADGEN_PID = 1
 TID_QUERIES, TID_WORKER, TID_DEVICE = 1, 2, 3
 
@@ -63,13 +72,28 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "-o", "--output", type=Path, default=None, help="output file (default: EVAL_ID.trace.json)"
     )
+    p.add_argument(
+        "--max-spans",
+        type=int,
+        default=MAX_SPANS,
+        metavar="N",
+        help=f"refuse an evaluation with more spans (default {MAX_SPANS:,}; "
+        "the trace is built in memory, a few KB a span)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     out = args.output or Path(f"{args.evaluation_id}.trace.json")
     writable(out)  # before the fetch: a typo in -o costs no download
-    doc = anyio.run(export, args.settings, args.evaluation_id, backend="asyncio")
+    if args.max_spans < 1:
+        raise ConfigError(
+            f"--max-spans must be at least 1, not {args.max_spans}", field="max_spans"
+        )
+    doc = anyio.run(
+        functools.partial(export, args.settings, args.evaluation_id, max_spans=args.max_spans),
+        backend="asyncio",
+    )
     out.write_text(json.dumps(doc, allow_nan=False))
     print(
         f"{out}: {len(doc['traceEvents'])} events "
@@ -88,46 +112,30 @@ def writable(out: Path) -> None:
         raise ConfigError(f"cannot write {out}: it is a directory", field="output")
 
 
-async def export(settings: Settings, evaluation_id: str) -> dict[str, Any]:
+async def export(
+    settings: Settings, evaluation_id: str, *, max_spans: int = MAX_SPANS
+) -> dict[str, Any]:
     async with busmod.connect(settings, name="mlscope trace") as bus:
-        return chrome_trace(*(await fetch(bus, evaluation_id)))
+        return chrome_trace(*(await fetch(bus, evaluation_id, max_spans=max_spans)))
 
 
 async def _rows(
     bus: Bus, select: str, eval_id: str, key: tuple[tuple[str, str], ...]
 ) -> list[dict[str, Any]]:
-    """All rows of ``select`` (one evaluation), paged on the table's sorting key.
-
-    ``key`` is the sorting key after ``evaluation_id`` as (column, ClickHouse type); it
-    is unique under FINAL, so each page starts right after the previous page's last
-    row and costs the same however deep into the evaluation it is (an OFFSET would
-    re-read every earlier row on each page).
-    """
-    cols = ", ".join(c for c, _ in key)
+    """All rows of ``select`` (one evaluation), in keyset pages of :data:`PAGE` rows on
+    the table's sorting key after ``evaluation_id`` (unique under FINAL), each starting
+    right after the previous page's last row (:func:`mlscope.remote.keyset_pages`)."""
     out: list[dict[str, Any]] = []
-    while True:
-        params: dict[str, Any] = {"e": eval_id}
-        after = ""
-        if out:
-            last = out[-1]
-            params.update({f"k{i}": last[c] for i, (c, _) in enumerate(key)})
-            after = (
-                f" AND ({cols}) > ("
-                + ", ".join(f"{{k{i}:{t}}}" for i, (_, t) in enumerate(key))
-                + ")"
-            )
-        page = await remote.arrow(
-            bus, f"{select}{after} ORDER BY {cols} LIMIT {PAGE}", params, page_rows=PAGE
-        )
+    async for page in remote.keyset_pages(bus, select, {"e": eval_id}, key, rows=PAGE):
         out.extend(page.to_pylist())
-        if page.num_rows < PAGE:
-            return out
+    return out
 
 
 async def fetch(
-    bus: Bus, eval_id: str
+    bus: Bus, eval_id: str, *, max_spans: int = MAX_SPANS
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(evaluation, queries, spans, samples) rows of one evaluation."""
+    """(evaluation, queries, spans, samples) rows of one evaluation; a ConfigError,
+    before any span is read, when it has more than ``max_spans`` spans."""
     where = "FINAL WHERE evaluation_id = {e:String}"
     ev = await _rows(
         bus,
@@ -138,6 +146,17 @@ async def fetch(
     )
     if not ev:
         raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
+    _, [[count]] = await remote.sql(
+        bus, f"SELECT count() FROM spans {where}", {"e": eval_id}, timeout=60
+    )
+    if int(count) > max_spans:
+        raise ConfigError(
+            f"evaluation {eval_id} has {int(count):,} spans, more than the {max_spans:,} a "
+            "trace export builds in memory (--max-spans): raise it where the memory is "
+            "there (a few KB a span), or write the spans as files with `mlscope export`",
+            field="max_spans",
+            spans=int(count),
+        )
     queries = await _rows(
         bus,
         f"SELECT query_index, scheduled_ns, issued_ns, completed_ns, ok FROM queries {where}",

@@ -207,18 +207,31 @@ class Client:
     async def queries(self, evaluation_id: str) -> pd.DataFrame:
         """The raw per-query records of one evaluation, by query index."""
         _ident("evaluation_id", evaluation_id)
-        return await self.frame(
-            "SELECT * FROM queries FINAL WHERE evaluation_id = {e:String} ORDER BY query_index",
+        return await self._keyset(
+            "SELECT * FROM queries FINAL WHERE evaluation_id = {e:String}",
             {"e": evaluation_id},
+            (("query_index", "UInt32"),),
         )
 
     async def spans(self, evaluation_id: str) -> pd.DataFrame:
-        """The trace spans of one evaluation, by start time."""
+        """The trace spans of one evaluation, by start time (then agent and span id)."""
         _ident("evaluation_id", evaluation_id)
-        return await self.frame(
-            "SELECT * FROM spans FINAL WHERE evaluation_id = {e:String} ORDER BY start_ns, span_id",
+        return await self._keyset(
+            "SELECT * FROM spans FINAL WHERE evaluation_id = {e:String}",
             {"e": evaluation_id},
+            (("start_ns", "Int64"), ("agent_id", "String"), ("span_id", "UInt64")),
         )
+
+    async def _keyset(
+        self, select: str, parameters: dict[str, Any], key: tuple[tuple[str, str], ...]
+    ) -> pd.DataFrame:
+        """Every row of ``select`` as one frame, read in keyset frames
+        (:func:`mlscope.remote.keyset_pages`): the server holds one frame at a time,
+        whatever the table's length."""
+        import pyarrow as pa
+
+        tables = [t async for t in remote.keyset_pages(self.bus, select, parameters, key)]
+        return remote.to_frame(pa.concat_tables(tables))
 
 
 async def cancel_job(

@@ -20,7 +20,8 @@
     ├── EvaluationError                    an evaluation could not complete
     │   └── OverloadedError                an agent's queue was full: the query was refused
     ├── DatabaseError                      the evaluation database rejected a request
-    │   └── QueryRefused                   a client's SQL is not one bounded read
+    │   ├── QueryRefused                   a client's SQL is not one bounded read
+    │   └── CursorNotFound(LookupError)    no paged result of that id on this server
     └── ServiceError                       a handler failed unexpectedly (any other
                                            exception, translated by mlscope.serving)
 
@@ -40,6 +41,7 @@ __all__ = [
     "BusRefused",
     "ChecksumMismatch",
     "ConfigError",
+    "CursorNotFound",
     "DatabaseError",
     "EvaluationError",
     "FrameworkUnavailable",
@@ -184,6 +186,14 @@ class QueryRefused(DatabaseError):
     it went past a read limit (time, rows, bytes, memory)."""
 
     code = "query_refused"
+
+
+class CursorNotFound(DatabaseError, LookupError):
+    """A page was asked of a result that the server does not hold: never opened there,
+    read to its end, expired after sitting idle, or another request is reading it.
+    The statement must be run again."""
+
+    code = "cursor_not_found"
 
 
 class ReplyTooLarge(MLScopeError):

@@ -21,6 +21,9 @@ Subjects (core NATS unless marked JetStream):
                                        own fields name; an agent's own user publishes
                                        only under its id)
     mlscope.db.sql                     read-only SQL against the evaluation database
+    mlscope.db.sql.page.<server_id>    the next page of a result that server holds
+                                       (no queue group: only the replica that ran the
+                                       statement has it)
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
     mlscope.dead.<stream>              JetStream (stream MLSCOPE_DEAD): messages a consumer
                                        gave up on, the error in their headers
@@ -73,6 +76,7 @@ __all__ = [
     "loadgen_ctl",
     "loadgen_progress",
     "loadgen_run",
+    "sql_pages",
     "token",
     "traces",
 ]
@@ -124,6 +128,11 @@ def token(value: str) -> str:
         digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         cleaned = f"{cleaned[: TOKEN_MAX_CHARS - 25]}-{digest}"
     return cleaned or "_"
+
+
+def sql_pages(server_id: str) -> str:
+    """Where server ``server_id`` serves the pages of the results it holds."""
+    return f"{SQL_SUBJECT}.page.{token(server_id)}"
 
 
 def capability(framework: str, model: str) -> str:

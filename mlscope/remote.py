@@ -3,22 +3,23 @@
 chDB allows one process per data directory; the server owns it and answers
 read-only SQL on ``mlscope.db.sql``. With a ClickHouse server, clients may instead
 connect directly with clickhouse-connect; these functions work in both cases.
-:func:`sql` returns msgpack rows (small results); :func:`arrow` reads bulk results as
-Arrow IPC pages, each under the bus's max payload.
+:func:`sql` returns msgpack rows (small results); :func:`arrow` and
+:func:`arrow_pages` read bulk results as Arrow IPC pages, each under the bus's max
+payload, of one execution of the statement held by the server between pages.
 """
 
 from __future__ import annotations
 
 import json
-import re
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from mlscope import codec, names
 from mlscope.bus import Bus, request
-from mlscope.contracts import EvaluationReply, EvaluationSummary
-from mlscope.errors import ConfigError, WireError
+from mlscope.contracts import EvaluationReply, EvaluationSummary, SqlArrowReply
+from mlscope.errors import BusError, CursorNotFound, QueryRefused, WireError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -26,9 +27,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARROW_PAGE_ROWS",
+    "KEYSET_ROWS",
     "arrow",
+    "arrow_pages",
     "evaluation",
-    "orders_rows",
+    "fewer_rows",
+    "keyset_pages",
+    "keyset_sql",
     "read_ipc",
     "sql",
     "to_frame",
@@ -36,7 +41,7 @@ __all__ = [
 
 ARROW_PAGE_ROWS = 100_000
 """Rows asked for per Arrow page; the server sends fewer when they would not fit one
-message, and never more than its ``max_result_rows``."""
+message."""
 
 
 async def sql(
@@ -52,6 +57,47 @@ async def sql(
     return list(reply["columns"]), [list(r) for r in reply["rows"]]
 
 
+async def arrow_pages(
+    bus: Bus,
+    query: str,
+    parameters: dict[str, Any] | None = None,
+    *,
+    page_rows: int = ARROW_PAGE_ROWS,
+    timeout: float = 30.0,
+) -> AsyncIterator[pa.Table]:
+    """Run one read-only statement once; its result page by page, each page an Arrow
+    IPC message under the bus's max payload (at least one page, with the result's
+    columns, even when it has no rows).
+
+    The server holds the result of that one execution for its pages (a cursor on the
+    replica that ran it), so the pages are consistent for any statement, ordered or
+    not. A consumer that stops early leaves the rest to expire on the server; a
+    DatabaseError (:class:`~mlscope.errors.CursorNotFound`) when the rest expired
+    first, or the server holding it is gone."""
+    reply = await _arrow_reply(
+        bus,
+        names.SQL_SUBJECT,
+        {"sql": query, "parameters": parameters or {}, "format": "arrow", "page_rows": page_rows},
+        timeout,
+    )
+    yield read_ipc(reply.arrow)
+    while reply.more:
+        if reply.cursor is None or reply.server_id is None:
+            raise WireError("an Arrow page says more rows follow but names no cursor")
+        subject = names.sql_pages(reply.server_id)
+        try:
+            reply = await _arrow_reply(
+                bus, subject, {"cursor": reply.cursor, "page_rows": page_rows}, timeout
+            )
+        except BusError as exc:
+            raise CursorNotFound(
+                f"the server holding the rest of the result ({reply.server_id}) does not "
+                f"answer: {exc.message}; run the statement again",
+                server_id=reply.server_id,
+            ) from exc
+        yield read_ipc(reply.arrow)
+
+
 async def arrow(
     bus: Bus,
     query: str,
@@ -60,62 +106,94 @@ async def arrow(
     page_rows: int = ARROW_PAGE_ROWS,
     timeout: float = 30.0,
 ) -> pa.Table:
-    """Run one read-only statement; the whole result as one ``pyarrow.Table``, read in
-    Arrow IPC pages that each fit one message. The statement runs once per page, so
-    a result longer than a page needs an ORDER BY that makes its order stable: one
-    without any is refused (a ConfigError) once a second page is needed, since
-    ClickHouse may give its rows in another order each time and the pages would
-    repeat some rows and miss others."""
+    """Run one read-only statement once; the whole result as one ``pyarrow.Table``,
+    read in pages (:func:`arrow_pages`)."""
     import pyarrow as pa
 
-    tables: list[pa.Table] = []
-    offset, limit = 0, page_rows
-    while True:
-        reply = await request(
-            bus,
-            names.SQL_SUBJECT,
-            codec.encode(
-                {
-                    "sql": query,
-                    "parameters": parameters or {},
-                    "format": "arrow",
-                    "offset": offset,
-                    "limit": limit,
-                }
-            ),
-            timeout=timeout,
-        )
-        page = read_ipc(reply["arrow"])
-        tables.append(page)
-        rows = int(reply["rows"])
-        if not reply["more"] or rows == 0:
-            break
-        if not orders_rows(query):
-            raise ConfigError(
-                f"the result is longer than one page ({rows:,} rows) and the statement "
-                "has no ORDER BY: it runs again for each page, so unordered pages would "
-                "repeat some rows and miss others; add an ORDER BY on a unique key "
-                "(queries: evaluation_id, query_index; spans: evaluation_id, span_id)",
-                argument="sql",
-            )
-        offset += rows
-        limit = rows if rows < limit else limit  # what fits one message: ask for that
+    tables = [
+        page
+        async for page in arrow_pages(bus, query, parameters, page_rows=page_rows, timeout=timeout)
+    ]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
-_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|`[^`]*`|\"[^\"]*\"|--[^\n]*|/\*.*?\*/", re.S)
-_PARENS = re.compile(r"\([^()]*\)")
-_ORDER_BY = re.compile(r"\border\s+by\b", re.I)
+async def _arrow_reply(
+    bus: Bus, subject: str, body: dict[str, Any], timeout: float
+) -> SqlArrowReply:
+    reply = await request(bus, subject, codec.encode(body), timeout=timeout)
+    return codec.validate(SqlArrowReply, reply)
 
 
-def orders_rows(query: str) -> bool:
-    """Whether ``query`` orders its result: an ORDER BY outside any parentheses (one in
-    a subquery or a window orders nothing of the outer result), quotes and comments
-    set aside."""
-    text = _QUOTED.sub(" ", query)
-    while (flat := _PARENS.sub(" ", text)) != text:
-        text = flat
-    return _ORDER_BY.search(text) is not None
+KEYSET_ROWS = 50_000
+"""Rows per statement of a keyset read (halved while a frame is over what the server
+holds for one result, ``max_paged_bytes``)."""
+
+
+def keyset_sql(
+    select: str,
+    key: Sequence[tuple[str, str]],
+    *,
+    rows: int,
+    last: Mapping[str, Any] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """One frame of a keyset read, and the parameters it adds: ``select`` (a SELECT
+    ending in its WHERE clause: no ORDER BY or LIMIT) ordered by ``key`` ((column,
+    ClickHouse type) pairs, unique over its rows, each a column of its result), at most
+    ``rows`` rows, starting right after row ``last`` (None: from the first). Each frame
+    is a statement of its own and costs the same however deep into the table it starts
+    (an OFFSET would read every earlier row again), so a table of any length is read
+    without the server or the reader holding more than a frame of it."""
+    cols = ", ".join(c for c, _ in key)
+    tail = f" ORDER BY {cols} LIMIT {int(rows)}"
+    if last is None:
+        return select + tail, {}
+    bound = ", ".join(f"{{_k{i}:{t}}}" for i, (_, t) in enumerate(key))
+    params = {f"_k{i}": _scalar(last[c]) for i, (c, _) in enumerate(key)}
+    return f"{select} AND ({cols}) > ({bound}){tail}", params
+
+
+def fewer_rows(exc: QueryRefused, rows: int) -> int:
+    """Rows to ask a keyset frame again in after ``exc``: half as many where the frame
+    was over what the server holds for one result; ``exc`` itself otherwise."""
+    if exc.fields.get("limit") != "max_paged_bytes" or rows <= 1:
+        raise exc
+    return rows // 2
+
+
+async def keyset_pages(
+    bus: Bus,
+    select: str,
+    parameters: dict[str, Any],
+    key: Sequence[tuple[str, str]],
+    *,
+    rows: int = KEYSET_ROWS,
+    timeout: float = 30.0,
+) -> AsyncIterator[pa.Table]:
+    """Every row of ``select`` in frames of at most ``rows`` (:func:`keyset_sql`), each
+    read with :func:`arrow`; at least one frame, which may be empty."""
+    last: dict[str, Any] | None = None
+    while True:
+        sql, bound = keyset_sql(select, key, rows=rows, last=last)
+        try:
+            table = await arrow(
+                bus,
+                sql,
+                {**parameters, **bound},
+                page_rows=min(rows, ARROW_PAGE_ROWS),
+                timeout=timeout,
+            )
+        except QueryRefused as exc:
+            rows = fewer_rows(exc, rows)
+            continue
+        yield table
+        if table.num_rows < rows:
+            return
+        last = table.slice(table.num_rows - 1).to_pylist()[0]
+
+
+def _scalar(value: Any) -> Any:
+    """A value of a row (numpy's or Arrow's) as a plain Python one: a parameter."""
+    return value.item() if hasattr(value, "item") else value
 
 
 def read_ipc(data: bytes) -> pa.Table:

@@ -14,8 +14,7 @@ from analysis.data import evaluations, queries
 from analysis.source import BusSource, DirectSource, open_source, table_exists
 from analysis.summary import latency_windows, summary
 from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
-from mlscope.errors import ConfigError, DatabaseError
-from mlscope.remote import orders_rows
+from mlscope.errors import DatabaseError
 from mlscope.settings import Settings
 from mlscope.stats import nearest_rank, percentile, trimmed_mean
 from tests.analysis_fixtures import BATCH_SIZES, LAYERS, QUERIES, SPAN_EVAL, AnalysisRuns
@@ -266,11 +265,11 @@ def test_bus_and_direct_sources_agree(analysis_runs: AnalysisRuns) -> None:
         q1.reset_index(drop=True), q2.reset_index(drop=True), check_dtype=False
     )
     assert table_exists(bus, "queries") and not table_exists(bus, "no_such_table")
-    # Each page runs the statement again: unordered pages would repeat and miss rows.
+    # The statement runs once and its pages come from that one result: any order.
     unordered = "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)}"
-    with pytest.raises(ConfigError, match="no ORDER BY"):
-        small.frame(unordered, {"ids": ids})
-    assert len(bus.frame(unordered, {"ids": ids})) == len(q1)  # one page: any order
+    paged = small.frame(unordered, {"ids": ids})
+    key = ["evaluation_id", "query_index"]
+    assert len(paged) == len(q1) and not paged.duplicated(key).any()
     with pytest.raises(DatabaseError):
         evaluations(bus, ["ev-does-not-exist"])
     held = BusSource(analysis_runs.settings)
@@ -281,23 +280,6 @@ def test_bus_and_direct_sources_agree(analysis_runs: AnalysisRuns) -> None:
         e3 = evaluations(held, ids)
     pd.testing.assert_frame_equal(q1, q3)
     pd.testing.assert_frame_equal(e3, evaluations(held, ids))  # per read again after it
-
-
-@pytest.mark.parametrize(
-    ("sql", "ordered"),
-    [
-        ("SELECT * FROM spans", False),
-        ("select * from q order by a", True),
-        ("SELECT * FROM q ORDER\n BY x", True),
-        ("SELECT * FROM (SELECT * FROM q ORDER BY a)", False),
-        ("SELECT row_number() OVER (ORDER BY a) FROM q", False),
-        ("SELECT 'order by' FROM q", False),
-        ("SELECT * FROM q -- order by x", False),
-        ("SELECT * FROM q WHERE x IN (SELECT y FROM z ORDER BY y) ORDER BY x", True),
-    ],
-)
-def test_a_paged_read_knows_whether_its_statement_orders_its_rows(sql: str, ordered: bool) -> None:
-    assert orders_rows(sql) is ordered
 
 
 def test_summary_recomputes_the_stored_figures(analysis_runs: AnalysisRuns) -> None:

@@ -32,9 +32,10 @@ Schema history:
                EvaluationSummary status "cancelled";
                ScenarioSpec.loadgen_hosts and the load-generator service's messages
                (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp, LoadgenProgress and
-               the replies); SqlRequest.format, offset and limit, and SqlArrowReply
-               (Arrow IPC pages of a result); the agent's sample library and MLPerf
-               LoadGen in the agent (``SamplesLoadOp``, ``SamplesUnloadOp``,
+               the replies); SqlRequest.format and page_rows, SqlArrowReply (Arrow IPC
+               pages of one execution's result) and its cursor, SqlPageRequest; the
+               agent's sample library and MLPerf LoadGen in the agent
+               (``SamplesLoadOp``, ``SamplesUnloadOp``,
                ``SamplesReply``, ``SamplesQuery``, ``MLPerfRunOp``, ``MLPerfStarted``,
                ``MLPerfDone``, ``MLPerfFetchOp``, ``MLPerfFile``; AgentDescription
                feature ``mlperf-loadgen``); AgentDescription.refused_more, and
@@ -44,6 +45,7 @@ Schema history:
 from __future__ import annotations
 
 from mlscope.contracts._base import (
+    CURSOR_ID_CHARS,
     LOCAL_RUN,
     MAX_BATCH,
     MAX_CONCURRENCY,
@@ -57,6 +59,7 @@ from mlscope.contracts._base import (
     MLPERF_LOADGEN,
     QUERY_INDEX_LIMIT,
     SCHEMA,
+    CursorId,
     Ident,
     NDArray,
     Placement,
@@ -141,6 +144,7 @@ from mlscope.contracts._server import (
     EvaluationReply,
     EvaluationRequest,
     SqlArrowReply,
+    SqlPageRequest,
     SqlReply,
     SqlRequest,
 )
@@ -151,6 +155,7 @@ from mlscope.contracts._traces import (
 
 __all__ = [
     "CONTROL",
+    "CURSOR_ID_CHARS",
     "EPOCH_LIMIT_S",
     "LOADGEN_CONTROL",
     "LOCAL_RUN",
@@ -178,6 +183,7 @@ __all__ = [
     "ControlOp",
     "ControlReply",
     "ControlRequest",
+    "CursorId",
     "DescribeOp",
     "ErrorReply",
     "EvaluationReply",
@@ -230,6 +236,7 @@ __all__ = [
     "ScenarioSpec",
     "SpanBatch",
     "SqlArrowReply",
+    "SqlPageRequest",
     "SqlReply",
     "SqlRequest",
     "Subject",

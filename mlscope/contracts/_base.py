@@ -28,6 +28,12 @@ MAX_ID_CHARS = 256
 tokens and KV keys, and nats-server closes a connection that sends a subject longer
 than its control line, which would cut a service off the bus."""
 Ident = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+CURSOR_ID_CHARS = 32
+CursorId = Annotated[
+    str, Field(min_length=CURSOR_ID_CHARS, max_length=CURSOR_ID_CHARS, pattern=r"^[A-Za-z0-9_-]+$")
+]
+"""The id of a result held for paging: 24 random bytes, URL-safe base64 (unguessable;
+anything else is refused before any lookup)."""
 Subject = Annotated[str, Field(min_length=1, max_length=MAX_ID_CHARS, pattern=r"^[!-~]+$")]
 """A NATS subject a message names for another to publish on: printable ASCII without
 spaces (a space or line break would end the protocol line it is written into)."""

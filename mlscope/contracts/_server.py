@@ -8,22 +8,23 @@ from pydantic import (
     Field,
 )
 
-from mlscope.contracts._base import Ident, _Message
+from mlscope.contracts._base import CursorId, Ident, _Message
 
 
 class SqlRequest(_Message):
     """One read-only statement for the server that owns the evaluation database.
 
     ``format="rows"``: the whole result as msgpack rows (:class:`SqlReply`);
-    ``format="arrow"``: one page of it, rows ``offset`` onwards, at most ``limit`` and
-    at most what fits one message, as Arrow IPC (:class:`SqlArrowReply`)."""
+    ``format="arrow"``: the statement runs once and its result comes in pages, each
+    at most ``page_rows`` rows and at most what fits one message, as Arrow IPC: the
+    first in the reply (:class:`SqlArrowReply`), the rest by cursor
+    (:class:`SqlPageRequest`)."""
 
     kind: Literal["sql"] = "sql"
     sql: str = Field(max_length=1 << 20)
     parameters: dict[str, Any] | None = None
     format: Literal["rows", "arrow"] = "rows"
-    offset: int = Field(default=0, ge=0, le=1 << 53)
-    limit: int = Field(default=100_000, ge=1, le=1 << 31)
+    page_rows: int = Field(default=100_000, ge=1, le=1 << 31)
 
 
 class SqlReply(_Message):
@@ -33,13 +34,26 @@ class SqlReply(_Message):
 
 
 class SqlArrowReply(_Message):
-    """One page of a result: an Arrow IPC stream of ``rows`` rows; ``more`` when rows
-    may follow (ask again from ``offset + rows``)."""
+    """One page of a result: an Arrow IPC stream of ``rows`` rows. ``more`` when rows
+    follow: then ``cursor`` names the rest of this one execution's result, held by
+    server ``server_id``, whose page subject (``mlscope.names.sql_pages``) serves it."""
 
     kind: Literal["arrow"] = "arrow"
     arrow: bytes
     rows: int = Field(ge=0)
     more: bool
+    cursor: CursorId | None = None
+    server_id: Ident | None = None
+
+
+class SqlPageRequest(_Message):
+    """The next page of a held result (``mlscope.db.sql.page.<server_id>``), at most
+    ``page_rows`` rows and at most what fits one message; answered with a
+    :class:`SqlArrowReply` (its ``cursor`` set while rows follow)."""
+
+    kind: Literal["sql_page"] = "sql_page"
+    cursor: CursorId
+    page_rows: int = Field(default=100_000, ge=1, le=1 << 31)
 
 
 class CancelRequest(_Message):
