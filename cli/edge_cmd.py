@@ -32,9 +32,12 @@ from mlscope.natsserver import NatsServer, leaf_config
 from mlscope.secrets_io import write_atomic, write_secret
 from mlscope.settings import Settings
 
-__all__ = ["create_edge_stream", "register"]
+__all__ = ["EDGE_AGENT_ID", "create_edge_stream", "edge_agent_id", "register"]
 
 EDGE_BUFFER_MAX_AGE_S = 7 * 24 * 3600.0
+EDGE_AGENT_ID = "MLSCOPE_EDGE_AGENT_ID"
+"""``edge.env``'s record of the agent id the edge credentials are bound to
+(``mlscope auth init --edge-id``)."""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -69,7 +72,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = cmds.add_parser("up", help="run the leaf node and an agent on this device")
     up.add_argument("--dir", type=Path, required=True, help="the directory of `edge init`")
     up.add_argument("--framework", type=framework_name, default="tflite")
-    up.add_argument("--agent-id", default=None)
+    up.add_argument(
+        "--agent-id",
+        default=None,
+        help="the agent's id (default: the edge id `edge init --creds` recorded, else "
+        "HOST-FRAMEWORK)",
+    )
     up.set_defaults(func=run_up)
 
     attach = cmds.add_parser("attach", help="(hub side) pull an edge domain's span buffer")
@@ -79,8 +87,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run_init(args: argparse.Namespace) -> int:
     out: Path = args.out
+    edge_id = None
     if args.creds is not None:
         _check_domains(args.creds, domain=args.domain, hub_domain=args.hub_domain)
+        edge_id = read_roles(args.creds.parent).get("edge_id")
     out.mkdir(parents=True, exist_ok=True)
     # With --creds the config carries the edge user's seed: private from the start.
     write_secret(
@@ -97,6 +107,10 @@ def run_init(args: argparse.Namespace) -> int:
         # replies must arrive under the inbox prefix that user may subscribe to.
         prefix = inbox_prefix_for(args.creds) or INBOX_PREFIXES["edge"]
         env += f"MLSCOPE_NATS_INBOX_PREFIX={prefix}\n"
+    if edge_id:
+        # The edge user may write only this id's registry key and spans: an agent
+        # under any other id is never advertised.
+        env += f"{EDGE_AGENT_ID}={edge_id}\n"
     write_atomic(out / "edge.env", env)
     print(f"wrote {out / 'leaf.conf'} and {out / 'edge.env'}")
     print(f"on the hub (server credentials): mlscope edge attach {args.domain}")
@@ -150,6 +164,7 @@ def run_up(args: argparse.Namespace) -> int:
     so that the agent and then the leaf (its own session: no signal of ours reaches it)
     are stopped before this process ends."""
     env = read_env(args.dir)
+    agent_id = edge_agent_id(args.agent_id, env, args.dir)
     settings: Settings = args.settings
     leaf = NatsServer(
         store_dir=settings.data_dir / "edge-nats",
@@ -166,7 +181,9 @@ def run_up(args: argparse.Namespace) -> int:
             f"agent {args.framework}",
             flush=True,
         )
-        agent = subprocess.Popen(_agent_command(args), env=_agent_env(settings, env, leaf.url))
+        agent = subprocess.Popen(
+            _agent_command(args.framework, agent_id), env=_agent_env(settings, env, leaf.url)
+        )
         return agent.wait()
     except KeyboardInterrupt:
         return 130
@@ -182,9 +199,24 @@ def _terminated(signum: int, _frame: object) -> NoReturn:
     raise SystemExit(128 + signum)
 
 
-def _agent_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "cli.main", "agent", "--framework", args.framework]
-    return [*cmd, "--agent-id", args.agent_id] if args.agent_id else cmd
+def edge_agent_id(requested: str | None, env: dict[str, str], directory: Path) -> str | None:
+    """The agent's id: the one the edge credentials are bound to (recorded in
+    ``edge.env``), which ``--agent-id`` may only repeat; without credentials,
+    ``--agent-id`` or the agent's default (None)."""
+    bound = env.get(EDGE_AGENT_ID)
+    if bound and requested and requested != bound:
+        raise ConfigError(
+            f"the edge credentials of {directory} are bound to agent id {bound!r} "
+            f"(`mlscope auth init --edge-id`): the hub would refuse every registry write "
+            f"and span of {requested!r}; run without --agent-id or with --agent-id {bound}",
+            field="agent_id",
+        )
+    return bound or requested
+
+
+def _agent_command(framework: str, agent_id: str | None) -> list[str]:
+    cmd = [sys.executable, "-m", "cli.main", "agent", "--framework", framework]
+    return [*cmd, "--agent-id", agent_id] if agent_id else cmd
 
 
 def _agent_env(settings: Settings, env: dict[str, str], leaf_url: str) -> dict[str, str]:

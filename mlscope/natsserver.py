@@ -66,18 +66,25 @@ def _ephemeral_low() -> int:
         return 0
 
 
-def _conf(doc: dict[str, object], *, include: Path | None = None, note: str = "") -> str:
+def _conf(
+    doc: dict[str, object], *, include: Path | None = None, at: Path | None = None, note: str = ""
+) -> str:
     """nats-server configuration text (JSON, a subset of its format).
 
     ``include`` names a config that ``mlscope auth init`` wrote (accounts, users, TLS,
-    max_payload): its settings are merged in.
+    max_payload). It is included, not copied: ``mlscope auth add-agent --reload PID``
+    rewrites that file and a reload must see the new user (and lose a replaced key). The
+    server resolves an include from the directory of the file that names it, so ``at``,
+    where this text will be written, is required with ``include``. Settings in ``doc``
+    come after the include and take precedence.
     """
+    head = f"# {note}\n" if note else ""
     if include is not None:
-        text = "\n".join(
-            line for line in include.read_text().splitlines() if not line.lstrip().startswith("#")
-        )
-        doc = {**json.loads(text), **doc}
-    return (f"# {note}\n" if note else "") + json.dumps(doc, indent=2) + "\n"
+        if at is None:
+            raise ValueError("a config that includes another needs `at`, the path it is written to")
+        relative = os.path.relpath(include.resolve(), at.resolve().parent)
+        head += f"include {json.dumps(relative)}\n"
+    return head + json.dumps(doc, indent=2) + "\n"
 
 
 def cluster_config(
@@ -92,11 +99,13 @@ def cluster_config(
     monitor_port: int | None = None,
     max_payload: int | None = None,
     include: Path | None = None,
+    at: Path | None = None,
 ) -> str:
     """One node of a JetStream cluster: its route listener and the routes to its peers.
 
     Streams and buckets on it are created with ``MLSCOPE_JS_REPLICAS=3`` (R3 survives
-    the loss of one node). ``include`` adds an auth file of ``mlscope auth init``.
+    the loss of one node). ``include`` includes the ``server.conf`` of ``mlscope auth
+    init`` (``at``: where this text is written; see :func:`_conf`).
     """
     doc: dict[str, object] = {
         "server_name": node,
@@ -109,7 +118,7 @@ def cluster_config(
         doc["http_port"] = monitor_port
     if max_payload is not None:
         doc["max_payload"] = max_payload
-    return _conf(doc, include=include, note=f"mlscope NATS cluster {name}, node {node}")
+    return _conf(doc, include=include, at=at, note=f"mlscope NATS cluster {name}, node {node}")
 
 
 def hub_config(
@@ -118,16 +127,20 @@ def hub_config(
     domain: str = "hub",
     host: str = "0.0.0.0",
     include: Path | None = None,
+    at: Path | None = None,
     max_payload: int | None = None,
 ) -> str:
-    """A single hub server that accepts edge leaf nodes, with its own JetStream domain."""
+    """A single hub server that accepts edge leaf nodes, with its own JetStream domain.
+
+    ``include`` includes the ``server.conf`` of ``mlscope auth init`` (``at``: where
+    this text is written; see :func:`_conf`)."""
     doc: dict[str, object] = {
         "jetstream": {"domain": domain},
         "leafnodes": {"listen": f"{host}:{leaf_port}"},
     }
     if max_payload is not None:
         doc["max_payload"] = max_payload
-    return _conf(doc, include=include, note="mlscope hub (accepts edge leaf nodes)")
+    return _conf(doc, include=include, at=at, note="mlscope hub (accepts edge leaf nodes)")
 
 
 def leaf_config(

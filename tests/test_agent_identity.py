@@ -20,11 +20,11 @@ from cli.main import main as mlscope_main
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
-from mlscope.agentauth import add_agent, agent_creds, agent_inbox_prefix
+from mlscope.agentauth import add_agent, agent_creds, agent_inbox_prefix, reload_server
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.jobs import submit
-from mlscope.natsserver import NatsServer
+from mlscope.natsserver import NatsServer, cluster_config, free_port, hub_config
 from mlscope.registry import list_agents
 from tests.security_fixtures import auth_stack, role
 from tests.test_auth import Probe
@@ -128,6 +128,50 @@ def test_a_new_agent_is_admitted_on_reload(server: NatsServer, auth_dir: Path) -
     assert set(roles["agents"]) == {"alice", "mallory", "carol"}
     with pytest.raises(ValueError, match="one subject token"):
         add_agent(auth_dir, "a.b")
+
+
+def test_a_hub_or_cluster_node_follows_add_agent_on_reload(tmp_path: Path, auth_dir: Path) -> None:
+    """A hub (edge leaf listener) or a cluster node runs a config of its own that
+    includes the auth directory's server.conf: a reload admits an agent added since,
+    and a key replaced by adding the name again stops working (revocation)."""
+    hub_conf = tmp_path / "hub" / "hub.conf"
+    hub_conf.parent.mkdir()
+    hub_conf.write_text(
+        hub_config(
+            leaf_port=free_port(), host="127.0.0.1", include=auth_dir / "server.conf", at=hub_conf
+        )
+    )
+    node_conf, route_port = tmp_path / "node.conf", free_port()
+    node_conf.write_text(
+        cluster_config(
+            name="c",
+            node="n1",
+            cluster_port=route_port,
+            routes=[f"nats-route://127.0.0.1:{route_port}"],  # itself: JetStream needs one
+            host="127.0.0.1",
+            include=auth_dir / "server.conf",
+            at=node_conf,
+        )
+    )
+    with pytest.raises(ValueError, match="at"):
+        hub_config(leaf_port=1, include=auth_dir / "server.conf")
+    for i, conf in enumerate((hub_conf, node_conf)):
+        with NatsServer(store_dir=tmp_path / f"nats{i}", config_file=conf) as srv:
+            assert srv.proc is not None
+            old = (agent_creds(auth_dir, "alice")).read_bytes()
+            anyio.run(_connect, srv.url, agent_creds(auth_dir, "alice"), backend="asyncio")
+            name = f"dave{i}"
+            add_agent(auth_dir, name)
+            reload_server(srv.proc.pid)
+            anyio.run(_admitted, srv.url, agent_creds(auth_dir, name), backend="asyncio")
+            stale = tmp_path / f"stale{i}" / "alice.creds"  # the key alice held before
+            stale.parent.mkdir()
+            stale.write_bytes(old)
+            add_agent(auth_dir, "alice")  # re-issued: the old key must stop working
+            reload_server(srv.proc.pid)
+            anyio.run(_admitted, srv.url, agent_creds(auth_dir, "alice"), backend="asyncio")
+            with pytest.raises((nats.errors.Error, OSError)):
+                anyio.run(_connect, srv.url, stale, backend="asyncio")
 
 
 def test_a_rogue_agent_cannot_take_another_agents_queries(

@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
-from cli.edge_cmd import create_edge_stream, read_env
+from cli.edge_cmd import EDGE_AGENT_ID, create_edge_stream, read_env
 from cli.main import main as mlscope_main
 from mlscope import bus as busmod
 from mlscope import codec, names, provision, remote
@@ -205,7 +205,12 @@ def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(
     )
     leaf_port = free_port()
     (tmp_path / "hub.conf").write_text(
-        hub_config(leaf_port=leaf_port, host="127.0.0.1", include=auth / "server.conf")
+        hub_config(
+            leaf_port=leaf_port,
+            host="127.0.0.1",
+            include=auth / "server.conf",
+            at=tmp_path / "hub.conf",
+        )
     )
     edge_dir = tmp_path / "edge"
     assert (
@@ -308,3 +313,46 @@ async def _provision(settings: Settings) -> None:
     """The hub's streams and buckets, as its server would create them."""
     async with provisioned(settings, name="test"):
         pass
+
+
+def test_edge_up_under_edge_credentials_runs_the_agent_under_their_id(tmp_path: Path) -> None:
+    """The edge user may write only its own id's registry key and spans: ``edge init
+    --creds`` records that id and ``edge up`` runs the agent under it, as its printed
+    hint (``mlscope edge up --dir DIR``) says; another ``--agent-id`` is refused before
+    anything starts, instead of an agent that is never advertised."""
+    auth = tmp_path / "auth"
+    init_auth = ["auth", "init", "--out", str(auth), "--edge-id", "dev-7", "--edge-domain", "e1"]
+    assert mlscope_main(init_auth) == 0
+    leaf_port = free_port()
+    hub_conf = tmp_path / "hub.conf"
+    hub_conf.write_text(
+        hub_config(leaf_port=leaf_port, host="127.0.0.1", include=auth / "server.conf", at=hub_conf)
+    )
+    edge_dir = tmp_path / "edge"
+    hub_link = f"nats-leaf://127.0.0.1:{leaf_port}"
+    init = ["edge", "init", "--hub", hub_link, "--out", str(edge_dir), "--domain", "e1"]
+    assert (
+        mlscope_main([*init, "--port", str(free_port()), "--creds", str(auth / "edge.creds")]) == 0
+    )
+    assert read_env(edge_dir)[EDGE_AGENT_ID] == "dev-7"
+    up = ["edge", "up", "--dir", str(edge_dir), "--framework", "noop"]
+    assert mlscope_main([*up, "--agent-id", "dev-8"]) == 1  # refused, nothing started
+    hub = NatsServer(store_dir=tmp_path / "hub", config_file=hub_conf).start()
+    server = Settings(
+        nats_url=hub.url, data_dir=tmp_path / "hubdata", nats_creds=auth / "server.creds"
+    )
+    edge = None
+    try:
+        anyio.run(_provision, server)
+        edge = subprocess.Popen(
+            [python(), "-m", "cli.main", *up],
+            env=child_env(Settings(data_dir=tmp_path / "edgedata")),
+        )
+        reader = server.with_(nats_creds=auth / "reader.creds")
+        (agent,) = anyio.run(wait_agents, reader, 1)
+        assert agent.agent_id == "dev-7"
+    finally:
+        if edge is not None:
+            edge.send_signal(signal.SIGTERM)
+            edge.wait(40)
+        hub.stop()
