@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,11 +42,12 @@ from broker.agent_history import AgentHistory
 from broker.cancel import Cancels, cancelled_summary, issued_part
 from broker.cursors import CursorLimits, Cursors
 from broker.db import Database
+from broker.dbresponder import DatabaseResponder
 from broker.evaluate import Evaluator
 from broker.ingest import Ingester
 from broker.loadgen import running_p50_ms
 from broker.multihost import stop_runs, work_bucket
-from broker.readonly import ArrowPage, ReadLimits, ReadOnlyDatabase
+from broker.readonly import ReadLimits, ReadOnlyDatabase
 from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
 from mlscope import bus as busmod
 from mlscope import codec, names
@@ -58,21 +58,15 @@ from mlscope.contracts import (
     AgentDescription,
     CancelReply,
     CancelRequest,
-    EvaluationReply,
-    EvaluationRequest,
     EvaluationSummary,
     JobEvent,
     JobRequest,
     LoadgenStopOp,
     PingOp,
-    SqlArrowReply,
-    SqlPageRequest,
-    SqlReply,
-    SqlRequest,
     evaluation_id_for,
     new_id,
 )
-from mlscope.errors import BusError, DatabaseError, MLScopeError, ResolutionError, WireError
+from mlscope.errors import BusError, MLScopeError, ResolutionError, WireError
 from mlscope.loadgens import list_loadgens
 from mlscope.model_registry import ManifestWatcher
 from mlscope.provision import provisioned
@@ -94,13 +88,6 @@ ATTEMPT_DRAIN_S = 20.0
 it deletes that attempt's rows."""
 log = logging.getLogger("mlscope.server")
 MAX_PARALLEL_JOBS = 4
-DB_QUEUE = "mlscope-servers"
-SQL_IN_FLIGHT = 16
-"""Client SQL requests handled at once (they wait for the read pool's connections);
-more stay queued in the subscription."""
-ARROW_REPLY_MARGIN = 4096
-"""Bytes of a max payload kept for the envelope of an Arrow page (its msgpack keys,
-cursor and server id)."""
 
 
 @dataclass
@@ -127,7 +114,6 @@ class Server:
         self.reader = ReadOnlyDatabase(
             self.settings.clickhouse_read_dsn or self.settings.dsn, limits
         )
-        self.cursors = Cursors(self.cursor_limits)
         try:
             async with provisioned(self.settings, name=f"server {self.server_id}") as bus:
                 self.bus = bus
@@ -141,15 +127,16 @@ class Server:
                 self.ingester = Ingester(bus, self.db, boundary=self.boundary, tuning=tuning)
                 # Replicas share the database requests (a queue group): with a shared
                 # ClickHouse server any of them answers; jobs come from one work queue.
-                serve = self.boundary.subscribe
+                self.cursors = Cursors(self.cursor_limits)
+                responder = DatabaseResponder(
+                    bus, self.boundary, self.db, self.reader, self.cursors, self.server_id
+                )
                 subs = [
-                    await serve(
-                        names.EVALUATION_SUBJECT, EvaluationRequest, self._on_eval, queue=DB_QUEUE
-                    ),
+                    *await responder.subscribe(),
                     # No queue group: the replica running the job must hear it.
-                    await serve(names.job_cancel_wildcard(), CancelRequest, self._on_cancel),
-                    # Nor here: only this replica holds its cursors.
-                    await serve(names.sql_pages(self.server_id), SqlPageRequest, self._on_page),
+                    await self.boundary.subscribe(
+                        names.job_cancel_wildcard(), CancelRequest, self._on_cancel
+                    ),
                 ]
                 jobs = await bus.js.pull_subscribe(
                     names.JOBS_SUBJECT,
@@ -165,7 +152,7 @@ class Server:
                 self.agent_cache = AgentCache(bus)
                 keep = self.boundary.keep_running
                 async with anyio.create_task_group() as tg:
-                    await tg.start(keep, "sql responder", self._serve_sql)
+                    await tg.start(keep, "sql responder", responder.serve_sql)
                     await tg.start(keep, "models watch", self.remote.run)
                     tg.start_soon(keep, "agents watch", self.agent_cache.run)
                     tg.start_soon(keep, "trace ingester", self.ingester.run)
@@ -480,94 +467,3 @@ class Server:
             await self.bus.nc.publish(subject, codec.encode_model(event))
         except Exception as exc:  # events are best effort; the job goes on
             self.boundary.failed(exc, subject, what="event on")
-
-    # ------------------------------------------------------------------ database
-
-    async def _serve_sql(
-        self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Answer client SQL concurrently: a subscription callback runs one message at
-        a time, and one slow query would make every other client wait for it. Each
-        request goes through the serving boundary (typed contract, typed error reply)."""
-        respond = self.boundary.responder(SqlRequest, self._on_sql)
-        sub = await self.bus.nc.subscribe(names.SQL_SUBJECT, queue=DB_QUEUE)
-        slots = anyio.Semaphore(SQL_IN_FLIGHT)
-
-        async def answer(msg: Msg) -> None:
-            try:
-                await respond(msg)
-            finally:
-                slots.release()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                task_status.started()
-                async for msg in sub.messages:
-                    await slots.acquire()
-                    tg.start_soon(answer, msg)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await sub.unsubscribe()
-
-    async def _on_sql(self, req: SqlRequest, msg: Msg) -> SqlReply | SqlArrowReply:
-        """Client SQL for other processes: {sql, parameters} -> {columns, rows}, or the
-        first Arrow page of the result under the max payload (the rest held for
-        :meth:`_on_page`), run on the read-only, limited connections
-        (broker.readonly), never the writer's."""
-        if req.format == "arrow":
-            table = await anyio.to_thread.run_sync(self.reader.arrow, req.sql, req.parameters)
-            page, cursor = await anyio.to_thread.run_sync(
-                functools.partial(
-                    self.cursors.first_page,
-                    table,
-                    rows=req.page_rows,
-                    max_bytes=self.bus.nc.max_payload - ARROW_REPLY_MARGIN,
-                )
-            )
-            return self._arrow_reply(page, cursor)
-        frame = await anyio.to_thread.run_sync(self.reader.frame, req.sql, req.parameters)
-        rows = [[_plain(v) for v in row] for row in frame.itertuples(index=False)]
-        return SqlReply(columns=[str(c) for c in frame.columns], rows=rows)
-
-    async def _on_page(self, req: SqlPageRequest, msg: Msg) -> SqlArrowReply:
-        """The next page of a result this server holds (broker.cursors)."""
-        page = await anyio.to_thread.run_sync(
-            functools.partial(
-                self.cursors.next_page,
-                req.cursor,
-                rows=req.page_rows,
-                max_bytes=self.bus.nc.max_payload - ARROW_REPLY_MARGIN,
-            )
-        )
-        return self._arrow_reply(page, req.cursor if page.more else None)
-
-    def _arrow_reply(self, page: ArrowPage, cursor: str | None) -> SqlArrowReply:
-        return SqlArrowReply(
-            arrow=page.data,
-            rows=page.rows,
-            more=page.more,
-            cursor=cursor,
-            server_id=self.server_id if cursor else None,
-        )
-
-    async def _on_eval(self, req: EvaluationRequest, msg: Msg) -> EvaluationReply:
-        rows = await anyio.to_thread.run_sync(
-            self.db.rows,
-            "SELECT spec, summary FROM evaluations FINAL WHERE evaluation_id = {id:String}",
-            {"id": req.evaluation_id},
-        )
-        if not rows:
-            raise DatabaseError(
-                f"no evaluation {req.evaluation_id!r}", evaluation_id=req.evaluation_id
-            )
-        return EvaluationReply(spec=rows[0][0], summary=rows[0][1])
-
-
-def _plain(v: Any) -> Any:
-    if hasattr(v, "item"):
-        v = v.item()
-    if isinstance(v, float) and math.isnan(v):
-        return None
-    if isinstance(v, (str, int, float, bool)) or v is None:
-        return v
-    return str(v)
