@@ -9,6 +9,7 @@ import pytest
 from scipy import special
 from scipy import stats as sps
 
+from mlscope import early_stopping as es
 from mlscope import schedule as sch
 from mlscope import validity as v
 from mlscope.stats import percentile
@@ -16,14 +17,14 @@ from mlscope.stats import percentile
 
 def test_mlperf_published_minimum_query_counts() -> None:
     # "Processed at least 64 queries" (p90) and 662 (p99), none above the estimate
-    assert v.early_stopping_min_queries(90) == 64
-    assert v.early_stopping_min_queries(99) == 662
+    assert es.early_stopping_min_queries(90) == 64
+    assert es.early_stopping_min_queries(99) == 662
 
 
 @pytest.mark.parametrize(("n", "discarded"), [(2048, 172), (2116, 178), (7469, 685)])
 def test_discard_counts_match_mlperf_single_stream_logs(n: int, discarded: int) -> None:
     # MLPerf single-stream summaries: "Would discard 172 highest latency queries" at n=2048
-    est = v.early_stopping_percentile_bound(np.arange(n, dtype=float), 90)
+    est = es.early_stopping_percentile_bound(np.arange(n, dtype=float), 90)
     assert est is not None
     assert est.discarded == discarded and est.estimate == n - 1 - discarded
     assert est.min_queries == 64 and est.queries == n
@@ -32,7 +33,7 @@ def test_discard_counts_match_mlperf_single_stream_logs(n: int, discarded: int) 
 @pytest.mark.parametrize("over", [0, 1, 2, 7, 40])
 @pytest.mark.parametrize("pct", [90.0, 99.0])
 def test_min_passing_queries_is_the_least_passing_binomial_count(over: int, pct: float) -> None:
-    h = v.min_passing_queries(over, pct)
+    h = es.min_passing_queries(over, pct)
     q = pct / 100
     assert sps.binom.cdf(over, h + over, 1 - q) < 0.01
     assert sps.binom.cdf(over, h - 1 + over, 1 - q) >= 0.01
@@ -44,13 +45,13 @@ def test_min_passing_queries_is_the_least_passing_binomial_count(over: int, pct:
 )
 def test_odds_are_the_incomplete_beta_of_the_docstring(h: int, t: int, q: float) -> None:
     # P[Binomial(h + t, 1 - q) <= t] = I_q(h, t + 1)
-    assert v._odds(h, t, q) == pytest.approx(special.betainc(h, t + 1, q), rel=1e-9)
+    assert es._odds(h, t, q) == pytest.approx(special.betainc(h, t + 1, q), rel=1e-9)
 
 
 def test_percentile_bound_is_conservative_and_none_when_too_few() -> None:
-    assert v.early_stopping_percentile_bound(np.ones(661), 99) is None
+    assert es.early_stopping_percentile_bound(np.ones(661), 99) is None
     lat = np.random.default_rng(0).lognormal(size=20_000)
-    est = v.early_stopping_percentile_bound(lat, 99)
+    est = es.early_stopping_percentile_bound(lat, 99)
     assert est is not None
     p99 = percentile(lat, 99)
     assert p99 is not None and est.estimate >= p99
@@ -59,9 +60,9 @@ def test_percentile_bound_is_conservative_and_none_when_too_few() -> None:
 
 def test_queries_needed_for_a_bound() -> None:
     lat = np.full(1000, 1.0)
-    assert v.early_stopping_queries_needed(lat, 2.0, 99) == 459  # none over: h(0)
+    assert es.early_stopping_queries_needed(lat, 2.0, 99) == 459  # none over: h(0)
     lat[:5] = 3.0
-    assert v.early_stopping_queries_needed(lat, 2.0, 99) == v.min_passing_queries(5, 99) + 5
+    assert es.early_stopping_queries_needed(lat, 2.0, 99) == es.min_passing_queries(5, 99) + 5
 
 
 # --- verdicts --------------------------------------------------------------------------

@@ -7,8 +7,9 @@ from broker.context import Context
 from broker.scenario import Outcome, Run, Scenario, run_once
 from broker.summary import policy_for
 from mlscope.contracts import ScenarioSpec
+from mlscope.early_stopping import early_stopping_queries_needed
 from mlscope.errors import ConfigError
-from mlscope.validity import ValidityPolicy, early_stopping_queries_needed
+from mlscope.validity import ValidityPolicy
 
 __all__ = ["PEAK_PRECISION", "Peak", "next_rate", "peak_floor_qps", "trial_min_queries"]
 
