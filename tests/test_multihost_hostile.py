@@ -111,19 +111,15 @@ def _only(exc: BaseException) -> BaseException:
     return exc
 
 
-def run_with(
-    tmp_path: Path, evil: Names, evil_pong: Any = None
-) -> tuple[BaseException | None, bool]:
-    """A run dealt to ``good`` and ``evil`` (which answers a ping with ``evil_pong``
-    when given): its error (None if it ran) and whether someone else's object in the
-    work bucket is still there afterwards."""
-    got: list[tuple[BaseException | None, bool]] = []
-    good_done = anyio.Event()
+SetUp = Callable[[busmod.Bus, Any], Awaitable[None]]
+"""Starts the stand-in services (given their connection and the work bucket)."""
 
-    async def good(op: dict[str, Any], obs: Any) -> str:
-        await obs.put(op["result_object"], _result(latency_ns=5_000_000))
-        good_done.set()
-        return str(op["result_object"])
+
+def dealt_run(tmp_path: Path, set_up: SetUp) -> tuple[RunRecord | BaseException, bool]:
+    """A run dealt to services ``good`` and ``evil``, which ``set_up`` starts, on a real
+    nats-server and work bucket: the merged record or the run's error, and whether
+    someone else's object in the work bucket is still there afterwards."""
+    got: list[tuple[RunRecord | BaseException, bool]] = []
 
     async def main() -> None:
         with NatsServer(store_dir=tmp_path / "nats") as ns:
@@ -135,21 +131,41 @@ def run_with(
                 await ensure_infrastructure(bus)
                 obs = await multihost.work_bucket(bus)
                 await obs.put(OTHER, b"another run's slice")
-                await _service(sb, "good", good, obs)
-                await _service(sb, "evil", evil, good_done, evil_pong)
+                await set_up(sb, obs)
                 ctx, spec, sched = _run_on_good_and_evil(bus)
-                error: BaseException | None = None
+                outcome: RunRecord | BaseException
                 try:
-                    await multihost.run_on_services(
+                    outcome = await multihost.run_on_services(
                         ctx, spec, sched, lambda g: np.zeros((1, 4), np.float32), None
                     )
                 except Exception as exc:  # the test judges it
-                    error = _only(exc)
+                    outcome = _only(exc)
                 kept = (await obs.get(OTHER)).data == b"another run's slice"
-                got.append((error, kept))
+                got.append((outcome, kept))
 
     anyio.run(main)
     return got[0]
+
+
+def run_with(
+    tmp_path: Path, evil: Names, evil_pong: Any = None
+) -> tuple[BaseException | None, bool]:
+    """A run dealt to ``good`` and ``evil`` (which answers a ping with ``evil_pong``
+    when given, and is handed the event of good's result stored rather than the
+    bucket): its error (None if it ran) and whether someone else's object is kept."""
+    good_done = anyio.Event()
+
+    async def good(op: dict[str, Any], obs: Any) -> str:
+        await obs.put(op["result_object"], _result(latency_ns=5_000_000))
+        good_done.set()
+        return str(op["result_object"])
+
+    async def set_up(sb: busmod.Bus, obs: Any) -> None:
+        await _service(sb, "good", good, obs)
+        await _service(sb, "evil", evil, good_done, evil_pong)
+
+    outcome, kept = dealt_run(tmp_path, set_up)
+    return (None if isinstance(outcome, RunRecord) else outcome), kept
 
 
 def test_a_service_that_names_another_slice_s_result_is_refused(tmp_path: Path) -> None:
@@ -204,40 +220,23 @@ def test_a_service_cannot_move_its_queries_scheduled_times(tmp_path: Path) -> No
     """Latency counts from the schedule the server dealt: a result that claims each
     query was scheduled 49 ms later (turning 50 ms into 1 ms) is refused."""
 
-    async def main() -> BaseException | None:
-        with NatsServer(store_dir=tmp_path / "nats") as ns:
-            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
-            async with (
-                busmod.connect(settings, name="services") as sb,
-                busmod.connect(settings, name="server") as bus,
-            ):
-                await ensure_infrastructure(bus)
-                obs = await multihost.work_bucket(bus)
+    async def moved(op: dict[str, Any], obs: Any) -> str:
+        j = int(str(op["result_object"]).rsplit("-", 1)[1])
+        rec = RunRecord(n=N // 2, batch_size=1)
+        rec.scheduled[:] = rec.issued[:] = np.arange(j, N, 2) * 1000
+        rec.completed[:] = rec.scheduled + 50_000_000
+        rec.scheduled[:] += 49_000_000
+        rec.ok[:] = 1
+        buf = io.BytesIO()
+        save_result(rec, buf)
+        await obs.put(op["result_object"], buf.getvalue())
+        return str(op["result_object"])
 
-                async def moved(op: dict[str, Any], obs: Any) -> str:
-                    j = int(str(op["result_object"]).rsplit("-", 1)[1])
-                    rec = RunRecord(n=N // 2, batch_size=1)
-                    rec.scheduled[:] = rec.issued[:] = np.arange(j, N, 2) * 1000
-                    rec.completed[:] = rec.scheduled + 50_000_000
-                    rec.scheduled[:] += 49_000_000
-                    rec.ok[:] = 1
-                    buf = io.BytesIO()
-                    save_result(rec, buf)
-                    await obs.put(op["result_object"], buf.getvalue())
-                    return str(op["result_object"])
+    async def set_up(sb: busmod.Bus, obs: Any) -> None:
+        await _service(sb, "good", moved, obs)
+        await _service(sb, "evil", moved, obs)
 
-                await _service(sb, "good", moved, obs)
-                await _service(sb, "evil", moved, obs)
-                ctx, spec, sched = _run_on_good_and_evil(bus)
-                try:
-                    await multihost.run_on_services(
-                        ctx, spec, sched, lambda g: np.zeros((1, 4), np.float32), None
-                    )
-                except Exception as exc:  # the test judges it
-                    return _only(exc)
-                return None
-
-    error = anyio.run(main)
+    error, _ = dealt_run(tmp_path, set_up)
     assert isinstance(error, EvaluationError), repr(error)
     assert "scheduled times" in error.message and error.fields["slice"] == 0
 
@@ -260,33 +259,17 @@ def run_reporting(tmp_path: Path, says: dict[str, Any]) -> RunRecord | BaseExcep
     each; service ``evil`` reports ``says`` in its LoadgenDone. The merged record, or
     the run's error."""
 
-    async def main() -> RunRecord | BaseException:
-        with NatsServer(store_dir=tmp_path / "nats") as ns:
-            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
-            async with (
-                busmod.connect(settings, name="services") as sb,
-                busmod.connect(settings, name="server") as bus,
-            ):
-                await ensure_infrastructure(bus)
-                obs = await multihost.work_bucket(bus)
+    async def honest(op: dict[str, Any], obs: Any) -> str:
+        j = int(str(op["result_object"]).rsplit("-", 1)[1])
+        await obs.put(op["result_object"], _slice_result(j, answered=3, cpu_s=0.25))
+        return str(op["result_object"])
 
-                async def honest(op: dict[str, Any], obs: Any) -> str:
-                    j = int(str(op["result_object"]).rsplit("-", 1)[1])
-                    await obs.put(op["result_object"], _slice_result(j, answered=3, cpu_s=0.25))
-                    return str(op["result_object"])
+    async def set_up(sb: busmod.Bus, obs: Any) -> None:
+        held = {"queries": N // 2, "completed": 3, "cpu_s": 0.25}
+        await _service(sb, "good", honest, obs, says=held)
+        await _service(sb, "evil", honest, obs, says={**held, **says})
 
-                held = {"queries": N // 2, "completed": 3, "cpu_s": 0.25}
-                await _service(sb, "good", honest, obs, says=held)
-                await _service(sb, "evil", honest, obs, says={**held, **says})
-                ctx, spec, sched = _run_on_good_and_evil(bus)
-                try:
-                    return await multihost.run_on_services(
-                        ctx, spec, sched, lambda g: np.zeros((1, 4), np.float32), None
-                    )
-                except Exception as exc:  # the test judges it
-                    return _only(exc)
-
-    return anyio.run(main)
+    return dealt_run(tmp_path, set_up)[0]
 
 
 def test_a_service_whose_counts_are_its_results_runs_and_shows_them(tmp_path: Path) -> None:
