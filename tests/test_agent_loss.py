@@ -15,11 +15,7 @@ import pytest
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.contracts import (
-    JobEvent,
-    JobRequest,
-    ScenarioSpec,
-)
+from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioSpec
 from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
@@ -33,6 +29,27 @@ from tests.conftest import (
 pytestmark = pytest.mark.timeout(240)
 
 
+def signalled_mid_run(
+    settings: Settings, agent: subprocess.Popen[bytes], sig: signal.Signals
+) -> tuple[JobRequest, EvaluationSummary]:
+    """A 4 s Poisson run of the noop agent, which gets ``sig`` once 150 queries are
+    answered: the job and its summary."""
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        scenario=ScenarioSpec(name="online", qps=200, duration_s=4),
+    )
+
+    def on_event(e: JobEvent) -> None:
+        if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
+            agent.send_signal(sig)
+
+    summary = anyio.run(
+        lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+    )
+    return job, summary
+
+
 def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
     settings: Settings,
 ) -> None:
@@ -40,19 +57,7 @@ def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
         agent,
         server,
     ):
-        job = JobRequest(
-            model="noop",
-            framework="noop",
-            scenario=ScenarioSpec(name="online", qps=200, duration_s=4),
-        )
-
-        def on_event(e: JobEvent) -> None:
-            if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
-                agent.send_signal(signal.SIGKILL)
-
-        summary = anyio.run(
-            lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
-        )
+        job, summary = signalled_mid_run(settings, agent, signal.SIGKILL)
         assert not summary.valid and agent.poll() is not None
         lost = [r for r in summary.invalid_reasons if r.startswith("agent doomed lost after")]
         assert lost, summary.invalid_reasons
@@ -91,20 +96,8 @@ def test_a_paused_agent_is_said_to_have_stopped_answering_not_to_be_overloaded(
         agent,
         _server,
     ):
-        job = JobRequest(
-            model="noop",
-            framework="noop",
-            scenario=ScenarioSpec(name="online", qps=200, duration_s=4),
-        )
-
-        def on_event(e: JobEvent) -> None:
-            if e.event == "progress" and e.queries_done >= 150 and agent.poll() is None:
-                agent.send_signal(signal.SIGSTOP)
-
         try:
-            summary = anyio.run(
-                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
-            )
+            _, summary = signalled_mid_run(settings, agent, signal.SIGSTOP)
         finally:
             agent.kill()  # a stopped process dies of SIGKILL
             agent.wait(20)
