@@ -161,6 +161,7 @@ class Evaluations:
             rss_peak_bytes=peak,
             rss_end_bytes=end,
             energy_j=energy_j,
+            span_batches_refused=self.tracer.refused.pop(req.evaluation_id, 0),
         )
 
     async def _stop_runs(self, evaluation_id: str) -> None:

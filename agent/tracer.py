@@ -3,7 +3,9 @@
 Spans are appended to column lists (no per-span objects) and published as one
 :class:`~mlscope.contracts.SpanBatch` per evaluation every ``flush_s`` seconds or
 ``max_spans`` spans, its repeating string columns dictionary-encoded, over JetStream
-with a message id so that a retried publish is deduplicated by the stream.
+with a message id so that a retried publish is deduplicated by the stream. A batch the
+stream refuses (the agent's trace budget is full) is counted per evaluation
+(:attr:`Tracer.refused`) and the next one tried as usual.
 
 Span ids start at a random base per buffer (below 2**53, so JSON viewers keep them
 exact): an agent restarted with the same ``--agent-id`` in the middle of an evaluation,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -33,9 +36,12 @@ import anyio
 from mlscope import codec, names, schema
 from mlscope.bus import Bus, publish_persistent
 from mlscope.contracts import SampleBatch, SpanBatch, TraceLevel, new_id
+from mlscope.errors import BusRefused
+from mlscope.provision import AGENT_TRACE_BATCHES, TRACE_BATCH_MAX_BYTES
 
 __all__ = ["SAMPLE_COLUMNS", "SampleBuffer", "SpanBuffer", "Tracer", "attrs_text", "fit"]
 
+log = logging.getLogger("mlscope.tracer")
 COLUMNS = tuple(c.name for c in schema.SPAN_FIELDS)
 """The fields of one span (:class:`~mlscope.contracts.SpanBatch` columns)."""
 SAMPLE_COLUMNS = tuple(c.name for c in schema.SAMPLE_FIELDS)
@@ -215,6 +221,10 @@ class Tracer:
         self._wake = anyio.Event()
         self.published = 0
         self.samples_published = 0
+        self.refused: dict[str, int] = {}
+        """Batches per evaluation that the traces stream refused (the agent's trace
+        budget was full, :data:`mlscope.provision.AGENT_TRACE_BATCHES`): their rows are
+        not stored; the evaluation's release reports the count."""
 
     def buffer(self, evaluation_id: str) -> SpanBuffer:
         buf = self.buffers.get(evaluation_id)
@@ -280,11 +290,25 @@ class Tracer:
             return await self._publish(
                 cls, eval_id, {k: v[:half] for k, v in columns.items()}
             ) + await self._publish(cls, eval_id, {k: v[half:] for k, v in columns.items()})
-        await publish_persistent(
-            self.bus, names.traces(eval_id, self.agent_id), data, msg_id=batch.batch_id
-        )
+        try:
+            await publish_persistent(
+                self.bus, names.traces(eval_id, self.agent_id), data, msg_id=batch.batch_id
+            )
+        except BusRefused as exc:  # a full budget: the next batches may fit again
+            self.refused[eval_id] = self.refused.get(eval_id, 0) + 1
+            if self.refused[eval_id] == 1:
+                log.warning(
+                    "evaluation %s: %s; its refused span batches are counted, not stored "
+                    "(trace budget %d batches not yet stored)",
+                    eval_id,
+                    exc,
+                    AGENT_TRACE_BATCHES,
+                )
+            return 0
         return n
 
     def max_bytes(self) -> int:
-        """The largest message to publish: the server's max payload less headroom."""
-        return int(getattr(self.bus.nc, "max_payload", 1 << 20)) - 4096
+        """The largest message to publish: the server's max payload, or the traces
+        stream's largest batch where that is smaller, less headroom for headers."""
+        payload = int(getattr(self.bus.nc, "max_payload", 1 << 20))
+        return min(payload, TRACE_BATCH_MAX_BYTES) - 4096

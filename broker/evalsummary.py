@@ -1,6 +1,7 @@
 """An evaluation's summaries: what every run of one evaluation shares in its summary
 (:class:`Summarizer`), the summary of a sweep or search (:func:`parent_summary`), and
-the agent's memory and energy figures (:func:`memory_figures`)."""
+the agent's memory and energy figures (:func:`memory_figures`) and the span batches its
+trace budget refused (:func:`budget_warnings`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from broker.evalprep import Prepared
 from broker.summary import LoadgenCost, stream_warnings, tracing_warnings
 from mlscope.catalog import Entry
 from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest
+from mlscope.provision import AGENT_TRACE_BATCHES
 
-__all__ = ["Summarizer", "memory_figures", "parent_summary"]
+__all__ = ["Summarizer", "budget_warnings", "memory_figures", "parent_summary"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +159,17 @@ def parent_summary(
         optimal_batch_size=outcome.optimal_batch_size,
         points=tuple(points),
     ).model_copy(update={"evaluation_id": eval_id})
+
+
+def budget_warnings(released: dict[str, Any]) -> tuple[str, ...]:
+    """What the agent's release says of span batches the traces stream refused."""
+    refused = int(released.get("span_batches_refused") or 0)
+    if not refused:
+        return ()
+    return (
+        f"{refused} span batches refused: the agent's trace budget "
+        f"({AGENT_TRACE_BATCHES} batches not yet stored) was full; their spans are missing",
+    )
 
 
 def memory_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:

@@ -25,7 +25,7 @@ from broker.context import Context
 from broker.db import Database
 from broker.evalprep import Prepared, prepare_agent
 from broker.evalspec import specification
-from broker.evalsummary import Summarizer, memory_figures, parent_summary
+from broker.evalsummary import Summarizer, budget_warnings, memory_figures, parent_summary
 from mlscope import codec, names, samples
 from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
@@ -107,7 +107,12 @@ class Evaluator:
             m = entry.manifest
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
-        summary = summary.model_copy(update=memory_figures(released, summary.samples))
+        summary = summary.model_copy(
+            update={
+                **memory_figures(released, summary.samples),
+                "warnings": (*summary.warnings, *budget_warnings(released)),
+            }
+        )
         # Every row an evaluation has before its evaluation row, which goes last: a
         # server that finds that row takes the evaluation as stored whole.
         if acc is not None:

@@ -289,10 +289,13 @@ async def _quiet(aw: Any) -> None:
 def _decode(data: bytes, subject: str) -> tuple[SpanBatch | SampleBatch, dict[str, np.ndarray]]:
     """A checked batch and its dictionary-encoded columns' indices (as arrays).
 
-    A batch is stored only from its own subject (:func:`mlscope.names.traces` of the
-    evaluation and agent it names): an agent's own user may publish only on its own
-    trace subjects, so it cannot write rows in another agent's name, and no batch
-    lands in an evaluation other than the one it was published for."""
+    A batch is stored only from its own agent's subject: the stream keeps it under
+    :func:`mlscope.names.stored_traces` of the agent whose subject it was published on
+    (or, stored before the stream had that transform, under
+    :func:`mlscope.names.traces` of the evaluation and agent). An agent's own user may
+    publish only on its own trace subjects, and the hub sources an edge buffer's
+    batches of the edge's agent only, keeping their subject, so no batch writes rows
+    in another agent's name."""
     raw = codec.decode(data)
     cls = _BATCHES.get(raw.get("kind", "")) if isinstance(raw, dict) else None
     if cls is None:
@@ -301,10 +304,13 @@ def _decode(data: bytes, subject: str) -> tuple[SpanBatch | SampleBatch, dict[st
         batch = cls.model_validate(raw)
     except ValueError as exc:  # pydantic's ValidationError is a ValueError
         raise WireError(f"invalid {cls.__name__}: {exc}") from exc
-    if subject != names.traces(batch.evaluation_id, batch.agent_id):
+    if subject not in (
+        names.stored_traces(batch.agent_id),
+        names.traces(batch.evaluation_id, batch.agent_id),
+    ):
         raise WireError(
-            f"{cls.__name__} {batch.batch_id}: published on {subject[:300]!r}, not on the "
-            "trace subject of the evaluation and agent it names"
+            f"{cls.__name__} {batch.batch_id}: stored as {subject[:300]!r}, not under the "
+            "trace subject of the agent it names"
         )
     fields = _SPAN_FIELDS if cls is SpanBatch else _SAMPLE_FIELDS
     n = len(batch)

@@ -32,7 +32,7 @@ from mlscope.natsserver import NatsServer, leaf_config
 from mlscope.secrets_io import write_atomic, write_secret
 from mlscope.settings import Settings
 
-__all__ = ["EDGE_AGENT_ID", "create_edge_stream", "edge_agent_id", "register"]
+__all__ = ["EDGE_AGENT_ID", "attach_agent_id", "create_edge_stream", "edge_agent_id", "register"]
 
 EDGE_BUFFER_MAX_AGE_S = 7 * 24 * 3600.0
 EDGE_AGENT_ID = "MLSCOPE_EDGE_AGENT_ID"
@@ -82,6 +82,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     attach = cmds.add_parser("attach", help="(hub side) pull an edge domain's span buffer")
     attach.add_argument("domain", type=subject_token)
+    attach.add_argument(
+        "--agent-id",
+        type=subject_token,
+        default=None,
+        help="the agent id the device's edge credentials are bound to: the hub stores "
+        "spans from its buffer under this id only (default: edge_id of the roles.json "
+        "beside MLSCOPE_NATS_CREDS)",
+    )
     attach.set_defaults(func=run_attach)
 
 
@@ -113,7 +121,8 @@ def run_init(args: argparse.Namespace) -> int:
         env += f"{EDGE_AGENT_ID}={edge_id}\n"
     write_atomic(out / "edge.env", env)
     print(f"wrote {out / 'leaf.conf'} and {out / 'edge.env'}")
-    print(f"on the hub (server credentials): mlscope edge attach {args.domain}")
+    attach = f"mlscope edge attach {args.domain}"
+    print(f"on the hub (server credentials): {attach} --agent-id {edge_id or 'AGENT_ID'}")
     print(f"on this device: mlscope edge up --dir {out}")
     return 0
 
@@ -246,10 +255,34 @@ def _stop(agent: subprocess.Popen[bytes] | None, timeout: float = 20.0) -> None:
 
 
 def run_attach(args: argparse.Namespace) -> int:
+    agent_id = attach_agent_id(args.agent_id, args.settings)
+
     async def main() -> None:
         async with busmod.connect(args.settings, name="mlscope edge attach") as bus:
-            await provision.attach_edge(bus, args.domain)
+            await provision.attach_edge(bus, args.domain, agent_id)
 
     anyio.run(main, backend="asyncio")
-    print(f"hub trace stream now sources edge domain {args.domain}")
+    whose = f"agent {agent_id}" if agent_id else "any agent"
+    print(f"hub trace stream now sources edge domain {args.domain} ({whose})")
     return 0
+
+
+def attach_agent_id(requested: str | None, settings: Settings) -> str | None:
+    """The agent whose spans the hub takes from an edge buffer: ``--agent-id``, else
+    the edge id ``mlscope auth init`` recorded beside the credentials in use. The
+    device owns its buffer, so under credentials an id is required (nothing else binds
+    what the device sends); without them (None: any agent's spans) no user is bound to
+    an id anyway."""
+    if requested:
+        return requested
+    creds = settings.nats_creds
+    if creds is None:
+        return None
+    edge_id = read_roles(creds.parent).get("edge_id")
+    if not edge_id:
+        raise ConfigError(
+            f"mlscope edge attach needs the agent id of the device ({creds.parent}/roles.json "
+            "records no edge_id): pass --agent-id, the --edge-id of `mlscope auth init`",
+            field="agent_id",
+        )
+    return str(edge_id)

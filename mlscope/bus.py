@@ -303,6 +303,11 @@ async def fetch_one(sub: JetStreamContext.PullSubscription, timeout: float) -> M
     return msgs[0] if msgs else None
 
 
+MAX_PER_SUBJECT_ERR_CODE = 10077
+"""JetStream's ``maximum messages per subject exceeded`` (a 503 like "no leader", but
+final: the subject's budget is full until a consumer's messages are purged)."""
+
+
 async def publish_persistent(
     bus: Bus, subject: str, payload: bytes, *, msg_id: str, attempts: int = 20, timeout: float = 2.0
 ) -> bool:
@@ -327,7 +332,10 @@ async def publish_persistent(
                 subject=subject,
             ) from exc
         except nats.js.errors.APIError as exc:
-            if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+            if (
+                isinstance(exc, nats.js.errors.ServiceUnavailableError)
+                and exc.err_code != MAX_PER_SUBJECT_ERR_CODE
+            ):
                 last = exc  # no leader right now: retry
             else:  # the stream refused it (too large, wrong subject ...): final
                 raise BusRefused(

@@ -19,7 +19,8 @@ Subjects (core NATS unless marked JetStream):
                                        batches of one agent in one evaluation (the
                                        ingester stores a batch only from the subject its
                                        own fields name; an agent's own user publishes
-                                       only under its id)
+                                       only under its id); stored as
+                                       mlscope.traces.<agent_id> (one budget per agent)
     mlscope.db.sql                     read-only SQL against the evaluation database
     mlscope.db.sql.page.<server_id>    the next page of a result that server holds
                                        (no queue group: only the replica that ran the
@@ -58,6 +59,7 @@ __all__ = [
     "MODELS_BUCKET",
     "PREFIX",
     "SQL_SUBJECT",
+    "STORED_TRACES_TRANSFORM",
     "TOKEN_MAX_CHARS",
     "TRACES_CONSUMER",
     "TRACES_STREAM",
@@ -77,6 +79,7 @@ __all__ = [
     "loadgen_progress",
     "loadgen_run",
     "sql_pages",
+    "stored_traces",
     "token",
     "traces",
 ]
@@ -183,6 +186,22 @@ def evaluation_traces(eval_id: str) -> str:
 
 def traces_wildcard() -> str:
     return f"{PREFIX}.traces.>"
+
+
+def stored_traces(agent_id: str) -> str:
+    """The subject under which ``MLSCOPE_TRACES`` keeps an agent's batches (of every
+    evaluation): the stream's subject transform (:data:`STORED_TRACES_TRANSFORM`)
+    drops the evaluation token, so its per-subject limit is a per-agent budget."""
+    return f"{PREFIX}.traces.{token(agent_id)}"
+
+
+STORED_TRACES_TRANSFORM = (
+    agent_traces("*"),
+    f"{PREFIX}.traces.{{{{wildcard(2)}}}}",
+)
+"""(source, destination) of ``MLSCOPE_TRACES``'s subject transform: a batch published
+on :func:`traces` of (evaluation, agent) is stored on :func:`stored_traces` of the
+agent (the batch names its evaluation itself)."""
 
 
 def dead_letter(stream: str) -> str:

@@ -23,6 +23,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
     StreamSource,
+    SubjectTransform,
 )
 from nats.js.object_store import ObjectStore
 
@@ -32,11 +33,13 @@ from mlscope.errors import BusRefused
 from mlscope.settings import Settings
 
 __all__ = [
+    "AGENT_TRACE_BATCHES",
     "AGENT_TTL_S",
     "CANCELS_MAX_BYTES",
     "CANCEL_MAX_MSG_BYTES",
     "EDGE_TRACES_STREAM",
     "JOB_MAX_BYTES",
+    "TRACE_BATCH_MAX_BYTES",
     "attach_edge",
     "ensure_infrastructure",
     "find_object_store",
@@ -48,8 +51,22 @@ AGENT_TTL_S = 5.0
 """Registry entries expire this long after their last heartbeat (SIGKILL bound)."""
 TRACES_MAX_AGE_S = 7 * 24 * 3600.0
 TRACES_MAX_BYTES = 2 << 30
-"""Byte cap of the traces stream (oldest batches go first): ~5 h at 500 QPS traced at
-model level; the ingester normally takes batches within a second."""
+"""Byte cap of the traces stream: ~5 h at 500 QPS traced at model level; the ingester
+normally takes batches within a second. Past it new batches are refused (never an
+older batch not yet stored)."""
+TRACE_BATCH_MAX_BYTES = 1 << 20
+"""The largest span or sample batch the traces stream takes (nats-server's default max
+payload; the tracer splits a batch to fit)."""
+AGENT_TRACE_BATCHES = 8192
+"""Each agent's trace budget: batches of its own not yet stored that the traces stream
+holds (the ingester purges what it stored every ~10 s, which frees the budget). One
+more is refused, to that agent only: an agent flooding its own subject with small
+batches cannot push out another's spans. The server's ingester waits out each load, so
+a traced run's batches wait in the stream while it runs: 8,192 batches are ~34 min of
+one evaluation's spans (a batch per 0.25 s flush), ~800 MB at model level. The budget
+counts batches, not bytes: at full size (:data:`TRACE_BATCH_MAX_BYTES`) one agent can
+fill :data:`TRACES_MAX_BYTES`, and then every agent's new batches are refused, counted
+and reported, never older ones dropped."""
 DEAD_MAX_BYTES = 256 << 20
 DEAD_MAX_AGE_S = 30 * 24 * 3600.0
 """Dead letters are kept for the operator (``mlscope doctor``) a month, 256 MiB at most."""
@@ -80,7 +97,8 @@ async def provisioned(settings: Settings, *, name: str) -> AsyncIterator[Bus]:
 async def ensure_infrastructure(bus: Bus, *, replicas: int = 1) -> None:
     """Create what is missing of every stream and bucket; idempotent.
 
-    An existing stream is updated only when its subjects, limits or replicas differ
+    An existing stream is updated only when its subjects, subject transform, limits,
+    discard policy or replicas differ
     (its edge sources are kept), so a process whose credentials may only read stream
     information (an agent) passes through without touching anything.
     """
@@ -103,17 +121,7 @@ def _streams(replicas: int) -> list[StreamConfig]:
             num_replicas=replicas,
             max_msg_size=JOB_MAX_BYTES,
         ),
-        StreamConfig(
-            name=names.TRACES_STREAM,
-            subjects=[names.traces_wildcard()],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            discard=DiscardPolicy.OLD,
-            max_age=TRACES_MAX_AGE_S,
-            max_bytes=TRACES_MAX_BYTES,
-            num_replicas=replicas,
-            duplicate_window=120.0,
-        ),
+        _traces_stream(replicas),
         StreamConfig(
             name=names.DEAD_STREAM,
             subjects=[names.dead_letters_wildcard()],
@@ -125,6 +133,27 @@ def _streams(replicas: int) -> list[StreamConfig]:
             num_replicas=replicas,
         ),
     ]
+
+
+def _traces_stream(replicas: int) -> StreamConfig:
+    """Span and sample batches, stored per agent (:func:`mlscope.names.stored_traces`)
+    within each agent's budget (:data:`AGENT_TRACE_BATCHES`)."""
+    src, dest = names.STORED_TRACES_TRANSFORM
+    return StreamConfig(
+        name=names.TRACES_STREAM,
+        subjects=[src],
+        subject_transform=SubjectTransform(src=src, dest=dest),
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.NEW,
+        discard_new_per_subject=True,
+        max_msgs_per_subject=AGENT_TRACE_BATCHES,
+        max_msg_size=TRACE_BATCH_MAX_BYTES,
+        max_age=TRACES_MAX_AGE_S,
+        max_bytes=TRACES_MAX_BYTES,
+        num_replicas=replicas,
+        duplicate_window=120.0,
+    )
 
 
 def _buckets(replicas: int) -> list[KeyValueConfig]:
@@ -139,8 +168,9 @@ def _buckets(replicas: int) -> list[KeyValueConfig]:
 
 
 async def _ensure_stream(bus: Bus, cfg: StreamConfig) -> None:
-    """Create the stream, or update it where its subjects, limits or replicas differ
-    from ``cfg`` (keeping its sources)."""
+    """Create the stream, or update it where its subjects, transform, limits, discard
+    policy or replicas differ from ``cfg`` (keeping its sources: the stream's transform
+    applies to sourced batches as well)."""
     info = await if_found(bus.js.stream_info(str(cfg.name)))
     if info is None:
         await _create_once(
@@ -155,9 +185,18 @@ async def _ensure_stream(bus: Bus, cfg: StreamConfig) -> None:
         or (have.max_msg_size or -1) != (cfg.max_msg_size or -1)
         or (have.max_age or 0.0) != (cfg.max_age or 0.0)
         or (have.max_bytes or -1) != (cfg.max_bytes or -1)
+        or (have.discard or DiscardPolicy.OLD) != (cfg.discard or DiscardPolicy.OLD)
+        or bool(have.discard_new_per_subject) != bool(cfg.discard_new_per_subject)
+        or (have.max_msgs_per_subject or -1) != (cfg.max_msgs_per_subject or -1)
+        or _transform(have) != _transform(cfg)
     ):
         cfg.sources = have.sources
         await bus.js.update_stream(cfg)
+
+
+def _transform(cfg: StreamConfig) -> tuple[str, str] | None:
+    t = cfg.subject_transform
+    return None if t is None else (t.src, t.dest)
 
 
 async def _ensure_bucket(bus: Bus, kv: KeyValueConfig) -> None:
@@ -200,23 +239,37 @@ async def _bound_cancels(bus: Bus) -> None:
         await bus.js.update_stream(cfg)
 
 
-async def attach_edge(bus: Bus, domain: str) -> None:
-    """Make the hub's trace stream source the span buffer of the edge leaf ``domain``.
+async def attach_edge(bus: Bus, domain: str, agent_id: str | None) -> None:
+    """Make the hub's trace stream source the span buffer of the edge leaf ``domain``,
+    whose agent runs as ``agent_id``.
 
     The hub pulls from the leaf's ``MLSCOPE_EDGE_TRACES`` stream through the JetStream
     domain ``domain``; while the link is down the leaf keeps the batches, and the
-    source resumes where it stopped when the link returns. Idempotent.
+    source resumes where it stopped when the link returns. The device owns its leaf, so
+    its buffer takes any subject published there: the source takes only
+    ``agent_id``'s trace subjects (:func:`mlscope.names.agent_traces`), the ones its
+    edge user may publish, so the device cannot store spans under another agent's id
+    (None, on a bus without credentials where no user is bound to an id: any agent's).
+    Idempotent; an existing source of ``domain`` that takes anything else (unfiltered,
+    or another agent) is replaced.
     """
-    source = StreamSource(name=EDGE_TRACES_STREAM, external=ExternalStream(api=f"$JS.{domain}.API"))
+    api = f"$JS.{domain}.API"
+    source = StreamSource(
+        name=EDGE_TRACES_STREAM,
+        filter_subject=names.agent_traces(names.token(agent_id) if agent_id else "*"),
+        external=ExternalStream(api=api),
+    )
     with bus_errors(f"cannot attach edge domain {domain}", domain=domain):
         cfg = (await bus.js.stream_info(names.TRACES_STREAM)).config
         sources = list(cfg.sources or [])
-        if any(
-            s.external and s.external.api == source.external.api  # type: ignore[union-attr]
+        others = [s for s in sources if not (s.external and s.external.api == api)]
+        if len(others) < len(sources) and all(
+            s.filter_subject == source.filter_subject and not s.subject_transforms
             for s in sources
+            if s not in others
         ):
             return
-        cfg.sources = [*sources, source]
+        cfg.sources = [*others, source]
         await bus.js.update_stream(cfg)
 
 

@@ -10,21 +10,35 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
 import psutil
 import pytest
+from nats.js.api import ExternalStream, StreamSource
 
-from cli.edge_cmd import EDGE_AGENT_ID, create_edge_stream, read_env
+from broker.db import Database
+from broker.ingest import Ingester
+from cli.edge_cmd import EDGE_AGENT_ID, attach_agent_id, create_edge_stream, read_env
 from cli.main import main as mlscope_main
 from mlscope import bus as busmod
 from mlscope import codec, names, provision, remote
 from mlscope.auth import INBOX_PREFIXES
-from mlscope.contracts import AgentDescription, JobEvent, JobRequest, Query, ScenarioSpec, SpanBatch
+from mlscope.contracts import (
+    AgentDescription,
+    JobEvent,
+    JobRequest,
+    Query,
+    ScenarioSpec,
+    SpanBatch,
+    new_id,
+)
+from mlscope.errors import ConfigError
 from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, free_port, hub_config
 from mlscope.provision import provisioned
+from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_server
 from tests.scale_fixtures import CuttableLink, start, stop
@@ -183,7 +197,7 @@ def test_spans_recorded_while_the_link_is_down_arrive_after(tmp_path: Path, zoo_
 
 async def _attach(settings: Settings) -> None:
     async with busmod.connect(settings, name="test") as bus:
-        await provision.attach_edge(bus, "e1")
+        await provision.attach_edge(bus, "e1", "edge-1")
 
 
 def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(
@@ -356,3 +370,127 @@ def test_edge_up_under_edge_credentials_runs_the_agent_under_their_id(tmp_path: 
             edge.send_signal(signal.SIGTERM)
             edge.wait(40)
         hub.stop()
+
+
+def _batch(eval_id: str, agent_id: str, first: int, n: int = 3) -> bytes:
+    ids = list(range(first, first + n))
+    return codec.encode_model(
+        SpanBatch(
+            evaluation_id=eval_id,
+            agent_id=agent_id,
+            host="device",
+            batch_id=new_id("sb"),
+            columns={
+                "span_id": ids,
+                "parent_id": [0] * n,
+                "query_index": ids,
+                "level": [1] * n,
+                "kind": ["model"] * n,
+                "name": ["predict"] * n,
+                "start_ns": ids,
+                "end_ns": ids,
+                "attrs": [""] * n,
+            },
+        )
+    )
+
+
+async def _forge(leaf_url: str, eval_id: str) -> None:
+    """What a hostile device can put in its own buffer: its leaf takes any subject."""
+    async with busmod.connect(Settings(nats_url=leaf_url), name="device") as bus:
+        for subject, agent_id, first in (
+            (names.traces(eval_id, "victim-agent"), "victim-agent", 100),  # another's subject
+            (names.traces(eval_id, "edge-1"), "edge-1", 1),  # its own, honest
+            (names.traces(eval_id, "edge-1"), "victim-agent", 200),  # its own, naming another
+        ):
+            await bus.js.publish(subject, _batch(eval_id, agent_id, first))
+
+
+async def _ingest(settings: Settings, db: Database, eval_id: str) -> tuple[list[Any], list[str]]:
+    """Run the hub's ingester until the honest batch is stored and one batch is
+    dead-lettered (or 30 s passed); (rows per agent, dead letters' reasons)."""
+    query = "SELECT agent_id, count() FROM spans FINAL WHERE evaluation_id = {e:String}"
+    async with busmod.connect(settings, name="test") as bus:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(Ingester(bus, db).run)
+            with anyio.move_on_after(30):
+                while (
+                    not db.rows(query + " GROUP BY agent_id", {"e": eval_id})
+                    or not (await dead_letters(bus))[0]
+                ):
+                    await anyio.sleep(0.2)
+            await anyio.sleep(1.0)  # a forged batch sourced late would be stored by now
+            tg.cancel_scope.cancel()
+        _, dead = await dead_letters(bus)
+    return db.rows(query + " GROUP BY agent_id ORDER BY agent_id", {"e": eval_id}), [
+        d.error for d in dead
+    ]
+
+
+def test_an_edge_device_cannot_store_spans_under_another_agents_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device owns its leaf, so its span buffer takes batches on any agent's
+    subject; ``mlscope edge attach`` sources only the subjects of the agent its
+    credentials are bound to (from ``roles.json``), replacing the unfiltered source of
+    an older install. A batch on the edge's own subject that names another agent is
+    dead-lettered by the hub's ingester; the honest batch is stored."""
+    auth = tmp_path / "auth"
+    init_auth = ["auth", "init", "--out", str(auth), "--edge-id", "edge-1", "--edge-domain", "e1"]
+    assert mlscope_main(init_auth) == 0
+    leaf_port = free_port()
+    hub_conf = tmp_path / "hub.conf"
+    hub_conf.write_text(
+        hub_config(leaf_port=leaf_port, host="127.0.0.1", include=auth / "server.conf", at=hub_conf)
+    )
+    edge_dir = tmp_path / "edge"
+    init = ["edge", "init", "--hub", f"nats-leaf://127.0.0.1:{leaf_port}", "--out", str(edge_dir)]
+    assert mlscope_main([*init, "--domain", "e1", "--creds", str(auth / "edge.creds")]) == 0
+    hub = NatsServer(store_dir=tmp_path / "hub", config_file=hub_conf).start()
+    leaf = NatsServer(store_dir=tmp_path / "leaf", config_file=edge_dir / "leaf.conf").start()
+    server = Settings(nats_url=hub.url, data_dir=tmp_path / "d", nats_creds=auth / "server.creds")
+    try:
+        anyio.run(_provision, server)
+        anyio.run(create_edge_stream, leaf.url)
+        anyio.run(_attach_unfiltered, server)  # as an older install attached it
+        monkeypatch.setenv("MLSCOPE_NATS_URL", hub.url)
+        monkeypatch.setenv("MLSCOPE_NATS_CREDS", str(auth / "server.creds"))
+        assert mlscope_main(["edge", "attach", "e1"]) == 0
+        (source,) = anyio.run(_sources, server)
+        assert source.filter_subject == names.agent_traces("edge-1")
+        anyio.run(_forge, leaf.url, "ev-forged")
+        with Database(f"chdb:///{tmp_path / 'db'}") as db:
+            db.migrate()
+            rows, reasons = anyio.run(_ingest, server, db, "ev-forged")
+        assert rows == [("edge-1", 3)]
+        assert len(reasons) == 1 and "not under the trace subject of the agent" in reasons[0]
+    finally:
+        leaf.stop()
+        hub.stop()
+
+
+async def _attach_unfiltered(settings: Settings) -> None:
+    """The source an older ``mlscope edge attach e1`` added: the whole buffer."""
+    async with busmod.connect(settings, name="test") as bus:
+        cfg = (await bus.js.stream_info(names.TRACES_STREAM)).config
+        cfg.sources = [
+            StreamSource(
+                name=provision.EDGE_TRACES_STREAM, external=ExternalStream(api="$JS.e1.API")
+            )
+        ]
+        await bus.js.update_stream(cfg)
+
+
+async def _sources(settings: Settings) -> list[Any]:
+    async with busmod.connect(settings, name="test") as bus:
+        return list((await bus.js.stream_info(names.TRACES_STREAM)).config.sources or [])
+
+
+def test_edge_attach_under_credentials_needs_the_devices_agent_id(tmp_path: Path) -> None:
+    """Credentials without a recorded edge id and no ``--agent-id``: refused, since
+    nothing would bind what the device's buffer holds."""
+    creds = tmp_path / "server.creds"
+    with pytest.raises(ConfigError, match="--agent-id"):
+        attach_agent_id(None, Settings(nats_creds=creds))
+    assert attach_agent_id("dev-7", Settings(nats_creds=creds)) == "dev-7"
+    assert attach_agent_id(None, Settings()) is None

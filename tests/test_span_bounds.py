@@ -5,8 +5,9 @@ goes on storing the next batches; an honest agent fits its strings first, so a r
 profiler's long name is stored (cut, marked, still distinct) rather than lost.
 
 Batches reach a real nats-server (its max payload raised to the 8 MiB that
-``mlscope auth init`` configures, so a 2 MB name fits in a message) and are stored in a
-real chDB by the server's ingester."""
+``mlscope auth init`` configures, so a 2 MB name fits in a message, which the traces
+stream then refuses: it takes batches of at most 1 MiB) and are stored in a real chDB
+by the server's ingester."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from broker.db import Database
 from broker.ingest import Ingester
 from broker.ingest_columns import Columns
 from mlscope import codec, names, schema
+from mlscope.bus import publish_persistent
 from mlscope.contracts import TraceLevel, new_id
-from mlscope.errors import WireError
+from mlscope.errors import BusRefused, WireError
 from mlscope.natsserver import NatsServer
-from mlscope.provision import provisioned
+from mlscope.provision import TRACE_BATCH_MAX_BYTES, provisioned
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 
@@ -144,6 +146,10 @@ WRONG_TYPE = {
 }
 
 
+def _size(batch: dict[str, Any]) -> int:
+    return len(codec.encode(batch))
+
+
 def decode(batch: dict[str, Any]) -> Any:
     return ingest._decode(codec.encode(batch), names.traces(batch["evaluation_id"], AGENT))
 
@@ -196,12 +202,22 @@ def test_strings_at_their_bounds_are_stored(db: Database) -> None:
 def test_hostile_batches_are_dead_lettered_and_the_next_good_batch_stored(
     settings: Settings, db: Database
 ) -> None:
+    """A batch over the stream's largest (:data:`TRACE_BATCH_MAX_BYTES`) is refused at
+    its publish; every other hostile one reaches the ingester and is dead-lettered."""
     eval_id = "ev-bounds"
-    hostile = [b for b, _ in OVER_BOUND.values()] + [b for b, _ in WRONG_TYPE.values()]
+    over = {k: v for k, v in OVER_BOUND.items() if _size(v[0]) <= TRACE_BATCH_MAX_BYTES}
+    hostile = [b for b, _ in over.values()] + [b for b, _ in WRONG_TYPE.values()]
+    too_large = [b for b, _ in OVER_BOUND.values() if _size(b) > TRACE_BATCH_MAX_BYTES]
+    assert too_large and over  # both paths are exercised
     good = [raw(spans(1000)), raw(spans(2000)), raw(samples(), kind="samples")]
 
     async def main() -> tuple[Ingester, list[str]]:
         async with provisioned(settings, name="test") as bus:
+            for batch in too_large:
+                with pytest.raises(BusRefused, match="message size exceeds maximum"):
+                    await publish_persistent(
+                        bus, names.traces(eval_id, AGENT), codec.encode(batch), msg_id=new_id("m")
+                    )
             for batch in [good[0], *hostile, good[1], good[2]]:
                 await bus.js.publish(names.traces(eval_id, AGENT), codec.encode(batch))
             ingester = Ingester(bus, db)
@@ -224,10 +240,10 @@ def test_hostile_batches_are_dead_lettered_and_the_next_good_batch_stored(
     assert stored == [(1000, 2000 + ROWS - 1, 2 * ROWS, len("/conv1/Conv"), 19)]
     assert db.rows("SELECT count(), max(length(metric)) FROM system_samples FINAL") == [(ROWS, 8)]
     assert ingester.rejected == len(hostile) == len(reasons)
-    for reason, (_, column) in zip(reasons, OVER_BOUND.values(), strict=False):
+    for reason, (_, column) in zip(reasons, over.values(), strict=False):
         assert f"column {column}" in reason
         assert f"over the bound of {schema.STRING_BOUNDS[column]}" in reason
-    for reason, (_, what) in zip(reasons[len(OVER_BOUND) :], WRONG_TYPE.values(), strict=True):
+    for reason, (_, what) in zip(reasons[len(over) :], WRONG_TYPE.values(), strict=True):
         assert what in reason
 
 

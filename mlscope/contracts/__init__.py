@@ -39,7 +39,8 @@ Schema history:
                ``SamplesReply``, ``SamplesQuery``, ``MLPerfRunOp``, ``MLPerfStarted``,
                ``MLPerfDone``, ``MLPerfFetchOp``, ``MLPerfFile``; AgentDescription
                feature ``mlperf-loadgen``); AgentDescription.refused_more, and
-               AgentDescription.refused lists at most ``MAX_REFUSALS`` models.
+               AgentDescription.refused lists at most ``MAX_REFUSALS`` models;
+               ReleaseReply.span_batches_refused.
 """
 
 from __future__ import annotations

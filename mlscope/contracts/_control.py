@@ -192,6 +192,10 @@ class ReleaseReply(_Message):
     energy_j: float | None = None
     """Energy of the agent's device between prepare and release (NVML on a GPU, RAPL
     packages on the CPU); None when no counter was readable."""
+    span_batches_refused: int = 0
+    """Span and sample batches of the evaluation the traces stream refused: the
+    agent's trace budget (:data:`mlscope.provision.AGENT_TRACE_BATCHES` batches not
+    yet stored) was full, so their rows are missing."""
 
 
 class RunStarted(_Message):
