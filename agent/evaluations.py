@@ -7,6 +7,13 @@ queries still queued are then answered with an error, never run, its local run s
 and its samples, LoadGen process and meters are let go. A job restarted after its
 server was lost prepares its evaluation again: what the lost server started for it
 ends first. Failures are the serving boundary's (:class:`mlscope.serving.Boundary`).
+
+An evaluation of several runs (a sweep's points, a search's trials: ``PrepareOp.runs``)
+has its runs traced apart: a query (or a local run, ``RunOp.run_id``) names
+``<evaluation_id>-<k>`` for ``k`` below ``runs``, its spans are kept under that id,
+and the system samples follow the id the evaluation's latest query named (the
+evaluation's own before its first run). Any other id is refused as an evaluation this
+agent was not prepared for: an agent traces only what it was given.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from mlscope.contracts import (
     SamplesLoadOp,
     SamplesUnloadOp,
     TraceLevel,
+    run_evaluation_id,
 )
 from mlscope.errors import EvaluationError
 from mlscope.settings import Settings
@@ -69,6 +77,12 @@ class Session:
     released: threading.Event = field(default_factory=threading.Event)
     """Set at release: the evaluation's queries still queued in the executor are
     answered with an error, never run (:attr:`agent.job.Job.released`)."""
+    evaluation_id: str = ""
+    ids: tuple[str, ...] = ()
+    """Every id its queries may name: the evaluation's own, then its runs'
+    (``<evaluation_id>-<k>``, ``k`` below ``PrepareOp.runs``, when more than one)."""
+    sampled_as: str = ""
+    """The id its system samples are kept under now (:meth:`Evaluations.follow`)."""
 
 
 @dataclass(kw_only=True)
@@ -92,6 +106,9 @@ class Evaluations:
     git_commit: str | None
     sessions: dict[str, Session] = field(default_factory=dict)
     """The evaluations prepared here and not yet released, by evaluation id."""
+    by_id: dict[str, Session] = field(default_factory=dict)
+    """The same sessions by every id a query may name (:attr:`Session.ids`): one
+    lookup per query, whether it names its evaluation or one of its runs."""
 
     async def handle(self, req: EvaluationOp, msg: Msg) -> ControlReply:
         """A control request about an evaluation (the serving boundary replies to
@@ -99,20 +116,7 @@ class Evaluations:
         if isinstance(req, PrepareOp):
             return await self._prepare(req)
         if isinstance(req, RunOp):
-            session = self.sessions.get(req.evaluation_id)
-            prepared = (
-                None
-                if session is None
-                else Prepared(
-                    session.worker,
-                    session.level,
-                    self.models.entry(session.key),
-                    released=session.released,
-                )
-            )
-            return await self.runs.start(
-                req, msg.reply, prepared, bus=self.bus, tracer=self.tracer, tg=self.task_group
-            )
+            return await self._start_run(req, msg.reply)
         if isinstance(req, SamplesLoadOp):
             worker, entry = self.prepared(req.evaluation_id)
             return await self.mlperf.load(req, worker, entry)
@@ -123,6 +127,66 @@ class Evaluations:
         if isinstance(req, MLPerfFetchOp):
             return await anyio.to_thread.run_sync(self.mlperf.runner.fetch, req)
         return await self._release(req)
+
+    async def _start_run(self, req: RunOp, reply: str) -> ControlReply:
+        """A local run (placement agent) of a prepared evaluation, traced under its run
+        id when it names one of the evaluation's runs (any other is refused)."""
+        session = self.sessions.get(req.evaluation_id)
+        trace_id = req.run_id or req.evaluation_id
+        if session is not None and self.by_id.get(trace_id) is not session:
+            raise EvaluationError(
+                f"agent {self.agent_id}: {trace_id} is not a run of evaluation "
+                f"{req.evaluation_id} (its runs: {_runs_text(session)})",
+                evaluation_id=req.evaluation_id,
+            )
+        prepared = (
+            None
+            if session is None
+            else Prepared(
+                session.worker,
+                session.level,
+                self.models.entry(session.key),
+                released=session.released,
+                trace_id=trace_id,
+            )
+        )
+        started = await self.runs.start(
+            req, reply, prepared, bus=self.bus, tracer=self.tracer, tg=self.task_group
+        )
+        if session is not None:
+            self.follow(session, trace_id)
+        return started
+
+    def follow(self, session: Session, trace_id: str) -> None:
+        """Keep ``session``'s system samples under ``trace_id`` from now on (one of its
+        :attr:`Session.ids`, which its latest query named): each run of a sweep has
+        the samples taken while it ran. On the event loop, once per run."""
+        session.sampled_as = trace_id
+        if (
+            session.level >= TraceLevel.SYSTEM
+            and self.sessions.get(session.evaluation_id) is session
+        ):
+            self.sampler.watch(session.evaluation_id, self.tracer.samples(trace_id).add)
+
+    def _open(self, eval_id: str, session: Session, runs: int) -> None:
+        """Hold ``session`` for ``eval_id`` and its runs' ids (those of an earlier
+        session of it let go); their span buffers are kept until its release."""
+        self._close(eval_id)
+        more = [run_evaluation_id(eval_id, k) for k in range(runs)] if runs > 1 else []
+        session.evaluation_id, session.ids = eval_id, (eval_id, *more)
+        session.sampled_as = eval_id
+        self.sessions[eval_id] = session
+        self.by_id.update(dict.fromkeys(session.ids, session))
+        self.tracer.hold(eval_id)
+
+    def _close(self, eval_id: str) -> Session | None:
+        """Let go of ``eval_id``'s session and its runs' ids (None: there was none)."""
+        session = self.sessions.pop(eval_id, None)
+        if session is not None:
+            for i in session.ids:
+                if self.by_id.get(i) is session:
+                    del self.by_id[i]
+        return session
 
     def prepared(self, evaluation_id: str) -> tuple[Executor, Entry]:
         """The executor and model entry of a prepared evaluation (else a typed error)."""
@@ -137,7 +201,7 @@ class Evaluations:
     async def _release(self, req: ReleaseOp) -> ReleaseReply:
         """An evaluation is over: its local run stopped (its final rows still shipped),
         its samples, LoadGen process and meters let go."""
-        session = self.sessions.pop(req.evaluation_id, None)
+        session = self._close(req.evaluation_id)
         if session is not None:  # its queries still queued are not run
             session.released.set()
         await self._stop_runs(req.evaluation_id)
@@ -148,9 +212,11 @@ class Evaluations:
             await anyio.to_thread.run_sync(  # layer spans a profiler held back
                 profiling.flush, session.worker.model.predictor
             )
-        # Every span of the evaluation published before the answer: a restarted job's
-        # server releases a lost attempt here, then deletes what that attempt stored.
+        # Every span of the evaluation (and of its runs) published before the answer:
+        # a restarted job's server releases a lost attempt here, then deletes what
+        # that attempt stored.
         await self.tracer.flush()
+        self.tracer.let_go(req.evaluation_id)
         unloaded = False
         if session is not None and req.unload:
             unloaded = await self._unload(session.key)
@@ -209,7 +275,7 @@ class Evaluations:
         key = entry.manifest.key
         batch = req.batch_size
         if req.reload:  # cold start: load again unless another evaluation uses it
-            self.sessions.pop(eval_id, None)
+            self._close(eval_id)
             await self._unload(key)
         cold = key not in models.workers
         load_ns = first_ns = 0
@@ -218,7 +284,7 @@ class Evaluations:
         worker = models.workers[key]
         worker.max_batch = req.max_batch or batch
         level = TraceLevel.parse(req.trace_level)
-        self.sessions[eval_id] = Session(worker, level, key)
+        self._open(eval_id, Session(worker, level, key), req.runs)
         if level >= TraceLevel.SYSTEM:  # system samples on the same timeline as the spans
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
         await anyio.to_thread.run_sync(self.rss.start, eval_id)
@@ -243,3 +309,9 @@ class Evaluations:
     async def _unload(self, key: str) -> bool:
         """Close a loaded model no prepared evaluation uses; True if it was."""
         return await self.models.unload(key, in_use={s.key for s in self.sessions.values()})
+
+
+def _runs_text(session: Session) -> str:
+    """The run ids a session takes, for an error (``<id>-0 .. <id>-N``, or none)."""
+    runs = session.ids[1:]
+    return f"{runs[0]} .. {runs[-1]}" if runs else "none: it makes one run"

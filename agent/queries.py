@@ -2,8 +2,9 @@
 serves (one queue group per served model), and a query naming samples the agent holds
 (MLPerf's system under test).
 
-A query names its evaluation, which must be prepared here
-(:class:`agent.evaluations.Evaluations`); it is admitted to that evaluation's executor
+A query names its evaluation, which must be prepared here, or one of its runs
+(:class:`agent.evaluations.Evaluations`: its spans are kept under the id it names);
+it is admitted to that evaluation's executor
 (:mod:`agent.pipeline`), whose threads reply through the outbox; one that its
 executor cannot admit is answered "overloaded" at once. Failures are the serving
 boundary's
@@ -46,13 +47,15 @@ class Queries:
         received = now()
         query = wire.decode_query(data)  # a structural check: no pydantic per query
         ev = self.evaluations
-        session = ev.sessions.get(query.evaluation_id)
+        session = ev.by_id.get(query.evaluation_id)  # the evaluation's id, or a run's
         if session is None:
             raise EvaluationError(  # its index: the load generator fails that query
                 f"agent {ev.agent_id} was not prepared for evaluation {query.evaluation_id}",
                 evaluation_id=query.evaluation_id,
                 index=query.index,
             )
+        if query.evaluation_id != session.sampled_as:  # a sweep's next run: once a run
+            ev.follow(session, query.evaluation_id)
         level = TraceLevel(min(query.trace_level, session.level))
         spans = ev.tracer.buffer(query.evaluation_id) if level > TraceLevel.NONE else None
         job = Job(

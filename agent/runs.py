@@ -60,6 +60,9 @@ class Prepared:
     released: threading.Event | None = None
     """Set when the evaluation is released: the run's queries still queued are not run
     (:attr:`agent.job.Job.released`)."""
+    trace_id: str = ""
+    """The id the run's spans are kept under: its run's (``RunOp.run_id``) when the
+    evaluation makes several, else the evaluation's ("" too)."""
 
 
 @dataclass
@@ -191,7 +194,11 @@ class LocalRuns:
                 req.scenario,
                 inputs=inputs,
                 level=level,
-                spans=tracer.buffer(req.evaluation_id) if level > TraceLevel.NONE else None,
+                spans=(
+                    tracer.buffer(prepared.trace_id or req.evaluation_id)
+                    if level > TraceLevel.NONE
+                    else None
+                ),
                 overloaded=lambda _i: busy,
                 preprocessed=held_bytes is not None,
                 released=prepared.released,

@@ -12,7 +12,8 @@ exact): an agent restarted with the same ``--agent-id`` in the middle of an eval
 or a buffer evicted and created again, never reuses the ids under which the database
 already keeps (evaluation, agent, span) rows. A buffer that has been empty for
 ``idle_s`` seconds is dropped, so a long-running agent does not keep one per past
-evaluation.
+evaluation, unless its id is held (:meth:`Tracer.hold`: an evaluation still prepared,
+and its runs, whose buffers a profiler may write into when it is released).
 
 Every string is fitted to its bound (:data:`mlscope.schema.STRING_BOUNDS`) as it is
 buffered, since the ingester dead-letters a batch with a longer one: a name past the
@@ -218,6 +219,9 @@ class Tracer:
         than ``idle_s``."""
         self.buffers: dict[str, SpanBuffer] = {}
         self.sample_buffers: dict[str, SampleBuffer] = {}
+        self.held: set[str] = set()
+        """Evaluations whose buffers (and their runs') are kept however long they are
+        empty (:meth:`hold`)."""
         self._wake = anyio.Event()
         self.published = 0
         self.samples_published = 0
@@ -225,6 +229,17 @@ class Tracer:
         """Batches per evaluation that the traces stream refused (the agent's trace
         budget was full, :data:`mlscope.provision.AGENT_TRACE_BATCHES`): their rows are
         not stored; the evaluation's release reports the count."""
+
+    def hold(self, evaluation_id: str) -> None:
+        """Keep the buffers of ``evaluation_id`` and of its runs (``<id>-<k>``) until
+        :meth:`let_go`: a sweep's earlier run is idle while the later ones run, and a
+        profiler that holds back layer spans (ONNX Runtime's) writes them into its
+        run's buffer when the evaluation is released."""
+        self.held.add(evaluation_id)
+
+    def let_go(self, evaluation_id: str) -> None:
+        """The buffers of ``evaluation_id`` and its runs are dropped once idle."""
+        self.held.discard(evaluation_id)
 
     def buffer(self, evaluation_id: str) -> SpanBuffer:
         buf = self.buffers.get(evaluation_id)
@@ -257,18 +272,20 @@ class Tracer:
             if len(buf):
                 buf.idle_flushes = 0
                 self.published += await self._publish(SpanBatch, eval_id, buf.take())
-            elif self._idle(buf):
+            elif self._idle(buf, eval_id):
                 del self.buffers[eval_id]
         for eval_id, sbuf in list(self.sample_buffers.items()):
             if len(sbuf):
                 sbuf.idle_flushes = 0
                 self.samples_published += await self._publish(SampleBatch, eval_id, sbuf.take())
-            elif self._idle(sbuf):
+            elif self._idle(sbuf, eval_id):
                 del self.sample_buffers[eval_id]
 
-    def _idle(self, buf: SpanBuffer | SampleBuffer) -> bool:
+    def _idle(self, buf: SpanBuffer | SampleBuffer, eval_id: str) -> bool:
         buf.idle_flushes += 1
-        return buf.idle_flushes >= self.idle_flushes
+        if buf.idle_flushes < self.idle_flushes:
+            return False
+        return eval_id not in self.held and eval_id.rpartition("-")[0] not in self.held
 
     async def _publish(
         self, cls: type[SpanBatch] | type[SampleBatch], eval_id: str, columns: dict[str, list[Any]]

@@ -86,8 +86,11 @@ async def drive(
     offset_ns: int,
     labels: Labels,
     on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None,
+    run_id: str | None = None,
 ) -> tuple[RunRecord, tuple[str, ...]]:
-    """Have the agent run ``spec``; the filled record and any reasons it is INVALID."""
+    """Have the agent run ``spec`` for ``evaluation_id`` (``run_id``: which of its
+    runs, when it makes several: the agent keeps the run's spans under it); the filled
+    record and any reasons it is INVALID."""
     agent_id = agent.agent_id
     inbox = bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox)
@@ -95,6 +98,7 @@ async def drive(
     try:
         op = RunOp(
             evaluation_id=evaluation_id,
+            run_id=run_id,
             scenario=spec,
             trace_level=trace_level.name.lower(),
             max_bytes=bus.payload_budget(),

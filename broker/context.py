@@ -4,7 +4,7 @@ the distributed load generators, which :mod:`broker.scenarios` calls)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlscope.bus import Bus
@@ -26,7 +26,7 @@ class Context:
 
     bus: Bus
     evaluation_id: str
-    """The id the agent was prepared for (every query carries it)."""
+    """The id the agent was prepared for."""
     subject: str
     trace_level: TraceLevel
     offset_ns: int
@@ -44,6 +44,20 @@ class Context:
     placement: Placement = "server"
     """Where the load is generated: by this server (its Driver, or load-generator
     processes / services), or by the agent (:mod:`broker.agentrun`)."""
+
+    run_id: str | None = None
+    """The run this context drives when the evaluation makes several (a sweep's point,
+    a search's trial: ``<evaluation_id>-<k>``, :meth:`for_run`); None for its one run."""
+
+    @property
+    def query_id(self) -> str:
+        """The id every query of this run names: its run's when it has one (the agent
+        keeps the query's spans under it), else the evaluation's."""
+        return self.run_id or self.evaluation_id
+
+    def for_run(self, run_id: str) -> Context:
+        """This context driving the run ``run_id`` (the evaluation's own id: its one run)."""
+        return replace(self, run_id=None if run_id == self.evaluation_id else run_id)
 
     @property
     def agent_id(self) -> str:

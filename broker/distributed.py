@@ -79,7 +79,7 @@ async def run_dealt(
     """Run ``sched`` on ``spec.loadgens`` processes; the merged record of all of them."""
     parts = schedule.deal(sched, spec.loadgens)
     payloads = [
-        encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level) for g in range(len(sched))
+        encode_query(ctx.query_id, g, inputs(g), ctx.trace_level) for g in range(len(sched))
     ]
     cfg = {
         "evaluation_id": ctx.evaluation_id,

@@ -16,7 +16,7 @@ import anyio
 import numpy as np
 
 from broker.loadgen import estimate_offset
-from mlscope import codec, names, samples
+from mlscope import codec, names, samples, scenario_traits
 from mlscope.bus import PAYLOAD_HEADROOM, Bus, request_model
 from mlscope.catalog import Entry
 from mlscope.contracts import (
@@ -72,6 +72,7 @@ async def prepare_agent(
         model_version=m.version,
         batch_size=spec.batch_size,
         trace_level=level.name.lower(),
+        runs=scenario_traits.get(spec.name).runs(spec),  # each traced under its own id
     ).dump()
     prep = await request_model(
         bus,

@@ -1,6 +1,7 @@
 """What an evaluation leaves in the database: its query rows, then its evaluation row
 (a stored evaluation row means its evaluation is whole); each run of a sweep or search
-on its own; and the removal of what an unfinished attempt stored."""
+on its own, under the id its queries named (so its spans are its own); and the
+removal of what an unfinished attempt stored."""
 
 from __future__ import annotations
 
@@ -113,12 +114,15 @@ async def store_runs(
     outcome: scenario.Outcome,
     spec_doc: dict[str, Any],
 ) -> None:
-    """Each run of a sweep or search on its own, then the parent (with the query
-    rows of a single run)."""
-    separate = outcome.points if len(outcome.points) > 1 else []
+    """Each run of a sweep or search that has its own id on its own (its spans are
+    under that id too), then the parent (with the query rows of a single run)."""
+    separate = outcome.separate(summary.evaluation_id)
     for run in separate:
         await anyio.to_thread.run_sync(store_evaluation, db, summarize(run), run.record, spec_doc)
-    # The parent's t0 is its first run's: the runs' spans are stored under its id.
+    # A parent of several runs has no query rows and no spans of its runs (each run's
+    # are under its own id); its t0 is its first run's, the zero of its own timeline:
+    # the system samples its agent took before the first run's first query (and
+    # during an accuracy pass after the last), on the clock its runs' rows share.
     main = outcome.main
     t0 = separate[0].record.t0_ns if separate else main.record.t0_ns
     await anyio.to_thread.run_sync(
@@ -136,9 +140,11 @@ async def store_runs(
 def forget_attempt(db: Database, eval_id: str) -> None:
     """Delete what an earlier, unfinished attempt of ``eval_id`` stored (its job
     was redelivered after the server running it was lost): its query rows, spans,
-    samples, outputs and logs, and the stored runs of its sweep or search
-    (``<eval_id>-<k>``). A run stores rows by query index, so the indices the new
-    attempt does not reach would otherwise keep the lost attempt's rows."""
+    samples, outputs and logs, and those of its sweep's or search's runs
+    (``<eval_id>-<k>``: their query rows and spans, samples the agent took during
+    them, their evaluation rows when stored). A run stores rows by query index, so
+    the indices the new attempt does not reach would otherwise keep the lost
+    attempt's rows."""
     present = {
         str(r[0])
         for r in db.rows(  # some are made by their first row (MLPerf's logs)

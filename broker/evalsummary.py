@@ -142,13 +142,14 @@ def parent_summary(
     lost: str,
 ) -> EvaluationSummary:
     """The job's summary: its main run's, with what a sweep or search found."""
-    # A sweep or search of one run is that run: it is stored once, as the parent.
-    # Of several, each run is stored on its own and the parent holds only the
-    # summary (its figures those of the best run, and no query rows). Either way
-    # its scenario is the main run's (the batch size or rate its figures and rows
-    # come from; the sweep's list stays in it), and the job's own spec is in the
-    # stored specification.
-    separate = len(outcome.points) > 1
+    # A sweep of one point is that run: it is stored once, as the parent. Of a sweep
+    # of several, and of a search (however many trials it made), each run has its own
+    # id (:meth:`broker.scenario.Outcome.separate`) and is stored on its own, and the
+    # parent holds only the summary (its figures those of the best run, and no query
+    # rows). Either way its scenario is the main run's (the batch size or rate its
+    # figures and rows come from; the sweep's list stays in it), and the job's own
+    # spec is in the stored specification.
+    separate = bool(outcome.separate(eval_id))
     points = [
         r.point() if separate else {**r.point(), "evaluation_id": eval_id} for r in outcome.points
     ]

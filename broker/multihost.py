@@ -372,7 +372,7 @@ async def _load(
     """Build one slice's queries, put them in the work bucket and have ``svc`` load
     them; the object's name."""
     glob = sl.part.index.tolist()
-    payloads = [encode_query(ctx.evaluation_id, g, inputs(g), ctx.trace_level) for g in glob]
+    payloads = [encode_query(ctx.query_id, g, inputs(g), ctx.trace_level) for g in glob]
     lab = np.stack([labels(g) for g in glob]) if labels is not None and glob else None
     name = f"{sl.run_id}/slice-{sl.j}"
     with bus_errors(f"cannot put {name}"):

@@ -22,7 +22,7 @@ from broker.context import Context
 from broker.loadgen import Driver
 from broker.summary import Figures, figures, judge, latency_split
 from mlscope import schedule
-from mlscope.contracts import ScenarioSpec
+from mlscope.contracts import ScenarioSpec, run_evaluation_id
 from mlscope.errors import ConfigError, EvaluationError
 from mlscope.record import RunRecord
 from mlscope.scenario_traits import ScenarioTraits
@@ -76,11 +76,20 @@ class Outcome:
     extra_reasons: tuple[str, ...] = ()
     cold_start: dict[str, Any] | None = None
 
+    def separate(self, evaluation_id: str) -> list[Run]:
+        """The runs stored on their own, each under its own id: those the scenario gave
+        one (:meth:`Scenario.run_id`; their queries named it, so their spans are kept
+        under it). A scenario of one run, a sweep of one point included, is that run,
+        stored once as the evaluation ``evaluation_id``."""
+        return [r for r in self.points if r.evaluation_id != evaluation_id]
+
 
 class Scenario:
     """The server's strategy for one scenario: one open- or closed-loop run, judged,
     as its :class:`~mlscope.scenario_traits.ScenarioTraits` declare. A scenario of
-    several runs subclasses it, sets ``kind`` and overrides :meth:`execute`."""
+    several runs subclasses it, sets ``kind``, declares how many it makes at most (its
+    traits' ``runs``: the agent is prepared for that many) and overrides
+    :meth:`execute`, naming each run by :meth:`run_id`."""
 
     kind: ClassVar[str] = ""
     """The scenario a subclass runs (``broker.scenario_kinds`` finds it by this)."""
@@ -137,6 +146,14 @@ class Scenario:
         depth = self.traits.concurrency
         return spec if depth is None else spec.model_copy(update={"concurrency": depth})
 
+    def run_id(self, ctx: Context, spec: ScenarioSpec, k: int) -> str:
+        """The id of run ``k`` of ``spec``: ``<evaluation_id>-<k>`` when the spec makes
+        more than one run (its traits' ``runs``: what the agent was prepared for,
+        :attr:`~mlscope.contracts.PrepareOp.runs`), else the evaluation's own."""
+        if self.traits.runs(spec) > 1:
+            return run_evaluation_id(ctx.evaluation_id, k)
+        return ctx.evaluation_id
+
     async def execute(self, ctx: Context, spec: ScenarioSpec) -> Outcome:
         """Run ``spec``: one run by default; sweeps, searches and reloads override."""
         return Outcome(await run_once(ctx, self, self.adjust(spec), ctx.evaluation_id))
@@ -153,7 +170,7 @@ def driver(
     without ``schedule``)."""
     return Driver(
         ctx.bus,
-        evaluation_id=ctx.evaluation_id,
+        evaluation_id=ctx.query_id,
         subject=ctx.subject,
         spec=spec,
         inputs=inputs,
@@ -167,7 +184,10 @@ def driver(
 
 
 async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluation_id: str) -> Run:
-    """One run of an open- or closed-loop scenario (no sweep, no search), judged."""
+    """One run of an open- or closed-loop scenario (no sweep, no search), judged;
+    ``evaluation_id``: the run's (its queries name it; a sweep's point or a search's
+    trial has its own, :meth:`Scenario.run_id`)."""
+    ctx = ctx.for_run(evaluation_id)
     inputs, labels = ctx.feeders(spec.batch_size)
     why: tuple[str, ...] = ()
     closed = scenario.closed_loop
@@ -178,6 +198,7 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
             ctx.bus,
             agent=ctx.agent,
             evaluation_id=ctx.evaluation_id,
+            run_id=ctx.run_id,
             spec=spec,
             trace_level=ctx.trace_level,
             offset_ns=ctx.offset_ns,

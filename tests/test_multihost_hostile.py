@@ -44,6 +44,7 @@ def _run_on_good_and_evil(bus: busmod.Bus) -> tuple[Any, ScenarioSpec, Schedule]
     ctx = SimpleNamespace(
         bus=bus,
         evaluation_id="ev-1",
+        query_id="ev-1",
         subject="mlscope.agent.a.query",
         trace_level=0,
         offset_ns=0,

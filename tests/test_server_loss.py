@@ -168,18 +168,20 @@ async def _query_roots(settings: Settings, eval_id: str) -> list[int]:
 
 def _rows_of_a_lost_attempt(settings: Settings, eval_id: str) -> None:
     """What a server that died while storing leaves: query rows past any index the
-    next attempt reaches, a lost attempt's spans, a stored run of its sweep."""
+    next attempt reaches, a lost attempt's spans, a stored run of its sweep and that
+    run's spans (a sweep's runs are traced under their own ids)."""
     with Database(settings.dsn) as db:
         db.command(
             "INSERT INTO queries (evaluation_id, query_index) "
             "SELECT {e:String}, 100000 + number FROM numbers(50)",
             {"e": eval_id},
         )
-        db.command(
-            "INSERT INTO spans (evaluation_id, agent_id, span_id) "
-            "SELECT {e:String}, 'lost-attempt', number FROM numbers(20)",
-            {"e": eval_id},
-        )
+        for e in (eval_id, f"{eval_id}-0"):
+            db.command(
+                "INSERT INTO spans (evaluation_id, agent_id, span_id) "
+                "SELECT {e:String}, 'lost-attempt', number FROM numbers(20)",
+                {"e": e},
+            )
         db.command(
             "INSERT INTO evaluations (evaluation_id, job_id) VALUES ({p:String}, 'lost')",
             {"p": f"{eval_id}-0"},
@@ -191,8 +193,8 @@ async def _attempt_rows(settings: Settings, eval_id: str) -> dict[str, int]:
         _, rows = await remote.sql(
             bus,
             "SELECT (SELECT count() FROM queries FINAL WHERE evaluation_id = {e:String}), "
-            "(SELECT count() FROM spans FINAL WHERE evaluation_id = {e:String} "
-            "AND agent_id = 'lost-attempt'), "
+            "(SELECT count() FROM spans FINAL WHERE evaluation_id IN ({e:String}, "
+            "{p:String}) AND agent_id = 'lost-attempt'), "
             "(SELECT count() FROM evaluations FINAL WHERE evaluation_id = {p:String})",
             {"e": eval_id, "p": f"{eval_id}-0"},
         )

@@ -216,3 +216,29 @@ def test_tracer_drops_idle_buffers_and_never_reuses_span_ids(settings: Settings)
     assert tracer.published == 4 and len(set(ids)) == 4
     assert ids[1] == ids[0] + 1 and ids[2] == ids[1] + 1
     assert all(0 < i < 2**53 for i in ids)
+
+
+def test_a_held_evaluations_buffers_and_its_runs_outlast_idleness(settings: Settings) -> None:
+    """A prepared sweep's earlier run is idle while later ones run, and a profiler may
+    write its held-back layer spans into that run's buffer at the release: buffers of
+    a held evaluation and of its runs (``<id>-<k>``) are kept, others' dropped, and
+    once let go they are dropped too."""
+
+    async def main() -> None:
+        async with provisioned(settings, name="test") as bus:
+            tracer = Tracer(bus, agent_id="a1", host="h", flush_s=0.01, idle_s=0.03)
+            tracer.hold("ev-s")
+            ids = ("ev-s", "ev-s-0", "ev-s-1", "ev-other", "ev-other-0")
+            for eval_id in ids:
+                tracer.buffer(eval_id)
+                tracer.samples(eval_id)
+            for _ in range(4):
+                await tracer.flush()
+            kept = {"ev-s", "ev-s-0", "ev-s-1"}
+            assert set(tracer.buffers) == set(tracer.sample_buffers) == kept
+            tracer.let_go("ev-s")
+            for _ in range(4):
+                await tracer.flush()
+            assert not tracer.buffers and not tracer.sample_buffers
+
+    anyio.run(main, backend="asyncio")

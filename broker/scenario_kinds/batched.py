@@ -12,8 +12,10 @@ __all__ = ["Batched"]
 class Batched(Scenario):
     """Closed loop at each of ``batch_sizes``: max throughput and the optimal batch size.
 
-    Each point is a run with its own evaluation id (``<parent>-<k>``), stored on its own
-    and listed in the parent summary's ``points``; the parent's figures are the best's.
+    Of several sizes, each point is a run with its own evaluation id (``<parent>-<k>``:
+    its queries and spans), stored on its own and listed in the parent summary's
+    ``points``; the parent's figures are the best's. A sweep of one size is one run,
+    the evaluation itself.
     """
 
     kind = "batched"
@@ -23,6 +25,6 @@ class Batched(Scenario):
         runs = []
         for k, b in enumerate(sizes):
             point = spec.model_copy(update={"batch_size": b})
-            runs.append(await run_once(ctx, self, point, f"{ctx.evaluation_id}-{k}"))
+            runs.append(await run_once(ctx, self, point, self.run_id(ctx, spec, k)))
         best = max(runs, key=lambda r: r.figures.throughput_ips or 0.0)
         return Outcome(best, runs, optimal_batch_size=best.spec.batch_size)

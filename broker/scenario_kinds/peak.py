@@ -54,7 +54,8 @@ def peak_floor_qps(spec: ScenarioSpec, policy: ValidityPolicy) -> float:
 
 class Peak(Scenario):
     """Each trial is an online run (Poisson at the trial's rate) with its own
-    evaluation id (``<parent>-<k>``), listed in the parent summary's ``points``."""
+    evaluation id (``<parent>-<k>``: its queries and spans), stored on its own (even
+    when the search ends after one) and listed in the parent summary's ``points``."""
 
     kind = "peak"
 
@@ -102,7 +103,7 @@ class Peak(Scenario):
         best: Run | None = None
         while rate is not None and len(runs) < spec.peak_trials:
             trial = spec.model_copy(update={"name": "peak", "qps": rate})
-            run = await run_once(ctx, self, trial, f"{ctx.evaluation_id}-{len(runs)}")
+            run = await run_once(ctx, self, trial, self.run_id(ctx, spec, len(runs)))
             runs.append(run)
             if run.verdict.valid:
                 if passed is None or rate > passed:

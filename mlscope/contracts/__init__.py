@@ -40,7 +40,9 @@ Schema history:
                ``MLPerfDone``, ``MLPerfFetchOp``, ``MLPerfFile``; AgentDescription
                feature ``mlperf-loadgen``); AgentDescription.refused_more, and
                AgentDescription.refused lists at most ``MAX_REFUSALS`` models;
-               ReleaseReply.span_batches_refused.
+               ReleaseReply.span_batches_refused; PrepareOp.runs and RunOp.run_id,
+               and a Query's ``evaluation_id`` may name one of its evaluation's runs
+               (``<evaluation_id>-<k>``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from mlscope.contracts._base import (
     MAX_ID_CHARS,
     MAX_LOADGENS,
     MAX_QPS,
+    MAX_RUNS,
     MAX_SAMPLE_INDICES,
     MAX_SCHEDULED_QUERIES,
     MAX_SEGMENTS,
@@ -70,6 +73,7 @@ from mlscope.contracts._base import (
     TraceLevel,
     evaluation_id_for,
     new_id,
+    run_evaluation_id,
 )
 from mlscope.contracts._control import (
     CONTROL,
@@ -169,6 +173,7 @@ __all__ = [
     "MAX_MLPERF_FILE_BYTES",
     "MAX_QPS",
     "MAX_REFUSALS",
+    "MAX_RUNS",
     "MAX_SAMPLE_INDICES",
     "MAX_SCHEDULED_QUERIES",
     "MAX_SEGMENTS",
@@ -245,4 +250,5 @@ __all__ = [
     "TraceLevel",
     "evaluation_id_for",
     "new_id",
+    "run_evaluation_id",
 ]

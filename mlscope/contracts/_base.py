@@ -56,6 +56,9 @@ MAX_LOADGENS = 256
 QUERY_INDEX_LIMIT = 2**63
 """Query indices are 0 .. 2**63 - 1: they are stored as Int64 and travel as msgpack ints."""
 QueryIndex = Annotated[int, Field(ge=0, lt=QUERY_INDEX_LIMIT)]
+MAX_RUNS = 1000
+"""Most runs one evaluation may make (a sweep's points, a search's trials: each run
+``k`` of several is traced and stored under :func:`run_evaluation_id`)."""
 MAX_SEED = 2**64 - 1
 """The largest seed: LoadGen's seeds are unsigned 64-bit, and so is the largest int a
 message carries (msgpack); numpy's ``SeedSequence`` takes any of 0 .. MAX_SEED."""
@@ -79,6 +82,14 @@ def evaluation_id_for(job_id: str) -> str:
     """The evaluation id of a job: derived from it, so a redelivered job finds the
     evaluation its first delivery stored (or is storing) instead of making a second."""
     return f"ev-{uuid.uuid5(uuid.NAMESPACE_URL, f'mlscope:job:{job_id}').hex[:12]}"
+
+
+def run_evaluation_id(evaluation_id: str, k: int) -> str:
+    """The id of run ``k`` (from 0) of an evaluation of several runs (a sweep's point, a
+    search's trial): ``<evaluation_id>-<k>``. The run is stored as an evaluation of its
+    own under it, and its queries name it, so that the agent keeps their spans under it
+    (:attr:`PrepareOp.runs` says which runs an agent accepts)."""
+    return f"{evaluation_id}-{k}"
 
 
 def _ndarray(value: Any) -> np.ndarray:

@@ -8,9 +8,12 @@ from pydantic import (
     Field,
     TypeAdapter,
     field_validator,
+    model_validator,
 )
 
 from mlscope.contracts._base import (
+    MAX_ID_CHARS,
+    MAX_RUNS,
     MAX_SAMPLE_INDICES,
     MAX_SCHEDULED_QUERIES,
     QUERY_INDEX_LIMIT,
@@ -47,12 +50,25 @@ class PrepareOp(_Message):
     max_batch: int | None = Field(default=None, ge=1)
     trace_level: str = "model"
     reload: bool = False
+    runs: int = Field(default=1, ge=1, le=MAX_RUNS)
+    """The most runs the job makes (``ScenarioTraits.runs``: a sweep's points, a
+    search's trials). Of more than one, each run ``k`` is traced under its own id
+    (:func:`~mlscope.contracts.run_evaluation_id`, ``<evaluation_id>-<k>``): the agent
+    takes a query or :class:`RunOp` naming ``<evaluation_id>-<k>`` for ``k`` below
+    ``runs`` as one of this evaluation's, and refuses any other id."""
 
     @field_validator("trace_level")
     @classmethod
     def _level(cls, value: str) -> str:
         TraceLevel.parse(value)
         return value
+
+    @model_validator(mode="after")
+    def _run_ids_fit(self) -> PrepareOp:
+        """Every run's id fits where an id goes (a query, a subject token)."""
+        if self.runs > 1 and len(f"{self.evaluation_id}-{self.runs - 1}") > MAX_ID_CHARS:
+            raise ValueError(f"the ids of {self.runs} runs are over {MAX_ID_CHARS} characters")
+        return self
 
 
 class ReleaseOp(_Message):
@@ -74,6 +90,10 @@ class RunOp(_Message):
     op: Literal["run"] = "run"
     evaluation_id: Ident
     scenario: ScenarioSpec
+    run_id: Ident | None = None
+    """Which of the evaluation's runs this is when it makes several
+    (``<evaluation_id>-<k>``, :attr:`PrepareOp.runs`): the agent keeps the run's spans
+    under it. None: the evaluation's one run, traced under ``evaluation_id``."""
     trace_level: str = "model"
     max_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     """Largest message the agent may send back (the bus's max payload, less room for

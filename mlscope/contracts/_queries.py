@@ -12,6 +12,9 @@ class Query(_Message):
 
     kind: Literal["query"] = "query"
     evaluation_id: Ident
+    """The prepared evaluation, or the run of it the query belongs to when it makes
+    several (``<evaluation_id>-<k>``, :attr:`PrepareOp.runs`): the agent keeps the
+    query's spans under the id named here."""
     index: QueryIndex
     inputs: NDArray
     trace_level: int = int(TraceLevel.MODEL)
