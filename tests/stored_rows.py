@@ -1,5 +1,6 @@
 """Rows of the evaluations and queries tables as a test stores them straight into a
-database: every column with a plain default, the ones a test is about given."""
+database, and span batches as an agent publishes them: every column with a plain
+default, the ones a test is about given."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ from typing import Any
 import numpy as np
 
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
+from mlscope.contracts import SpanBatch, new_id
 
-__all__ = ["evaluation_row", "insert_evaluation", "insert_queries", "query_columns"]
+__all__ = [
+    "evaluation_row",
+    "insert_evaluation",
+    "insert_queries",
+    "query_columns",
+    "span_batch",
+]
 
 
 def evaluation_row(evaluation_id: str, **fields: Any) -> dict[str, Any]:
@@ -87,3 +95,28 @@ def query_columns(
 
 def insert_queries(db: Database, cols: dict[str, list[Any]]) -> None:
     db.insert("queries", [cols[c] for c in QUERY_COLUMNS], QUERY_COLUMNS)
+
+
+def span_batch(
+    eval_id: str, start: int, n: int, *, agent_id: str = "a1", host: str = "h"
+) -> SpanBatch:
+    """``n`` one-nanosecond ``predict`` spans of queries ``start`` .. ``start + n - 1``
+    (their span ids and times the query index), as agent ``agent_id`` publishes them."""
+    ids = list(range(start, start + n))
+    return SpanBatch(
+        evaluation_id=eval_id,
+        agent_id=agent_id,
+        host=host,
+        batch_id=new_id("sb"),
+        columns={
+            "span_id": ids,
+            "parent_id": [0] * n,
+            "query_index": ids,
+            "level": [1] * n,
+            "kind": ["step"] * n,
+            "name": ["predict"] * n,
+            "start_ns": ids,
+            "end_ns": ids,
+            "attrs": [""] * n,
+        },
+    )

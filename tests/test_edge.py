@@ -32,7 +32,6 @@ from mlscope.contracts import (
     Query,
     ScenarioSpec,
     SpanBatch,
-    new_id,
 )
 from mlscope.errors import ConfigError
 from mlscope.jobs import submit
@@ -42,6 +41,7 @@ from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 from tests.conftest import child_env, make_data_dir, python, wait_agents, wait_server
 from tests.scale_fixtures import CuttableLink, start, stop
+from tests.stored_rows import span_batch
 
 pytestmark = pytest.mark.timeout(200)
 CUT_S = 10.0
@@ -329,19 +329,26 @@ async def _provision(settings: Settings) -> None:
         pass
 
 
-def test_edge_up_under_edge_credentials_runs_the_agent_under_their_id(tmp_path: Path) -> None:
-    """The edge user may write only its own id's registry key and spans: ``edge init
-    --creds`` records that id and ``edge up`` runs the agent under it, as its printed
-    hint (``mlscope edge up --dir DIR``) says; another ``--agent-id`` is refused before
-    anything starts, instead of an agent that is never advertised."""
+def _secured_hub(tmp_path: Path, edge_id: str) -> tuple[Path, int, Path]:
+    """``mlscope auth init`` for edge ``edge_id`` of domain e1, and a hub config that
+    includes its server.conf: the auth directory, the hub's leaf port, its config."""
     auth = tmp_path / "auth"
-    init_auth = ["auth", "init", "--out", str(auth), "--edge-id", "dev-7", "--edge-domain", "e1"]
+    init_auth = ["auth", "init", "--out", str(auth), "--edge-id", edge_id, "--edge-domain", "e1"]
     assert mlscope_main(init_auth) == 0
     leaf_port = free_port()
     hub_conf = tmp_path / "hub.conf"
     hub_conf.write_text(
         hub_config(leaf_port=leaf_port, host="127.0.0.1", include=auth / "server.conf", at=hub_conf)
     )
+    return auth, leaf_port, hub_conf
+
+
+def test_edge_up_under_edge_credentials_runs_the_agent_under_their_id(tmp_path: Path) -> None:
+    """The edge user may write only its own id's registry key and spans: ``edge init
+    --creds`` records that id and ``edge up`` runs the agent under it, as its printed
+    hint (``mlscope edge up --dir DIR``) says; another ``--agent-id`` is refused before
+    anything starts, instead of an agent that is never advertised."""
+    auth, leaf_port, hub_conf = _secured_hub(tmp_path, "dev-7")
     edge_dir = tmp_path / "edge"
     hub_link = f"nats-leaf://127.0.0.1:{leaf_port}"
     init = ["edge", "init", "--hub", hub_link, "--out", str(edge_dir), "--domain", "e1"]
@@ -373,26 +380,7 @@ def test_edge_up_under_edge_credentials_runs_the_agent_under_their_id(tmp_path: 
 
 
 def _batch(eval_id: str, agent_id: str, first: int, n: int = 3) -> bytes:
-    ids = list(range(first, first + n))
-    return codec.encode_model(
-        SpanBatch(
-            evaluation_id=eval_id,
-            agent_id=agent_id,
-            host="device",
-            batch_id=new_id("sb"),
-            columns={
-                "span_id": ids,
-                "parent_id": [0] * n,
-                "query_index": ids,
-                "level": [1] * n,
-                "kind": ["model"] * n,
-                "name": ["predict"] * n,
-                "start_ns": ids,
-                "end_ns": ids,
-                "attrs": [""] * n,
-            },
-        )
-    )
+    return codec.encode_model(span_batch(eval_id, first, n, agent_id=agent_id, host="device"))
 
 
 async def _forge(leaf_url: str, eval_id: str) -> None:
@@ -435,14 +423,7 @@ def test_an_edge_device_cannot_store_spans_under_another_agents_id(
     credentials are bound to (from ``roles.json``), replacing the unfiltered source of
     an older install. A batch on the edge's own subject that names another agent is
     dead-lettered by the hub's ingester; the honest batch is stored."""
-    auth = tmp_path / "auth"
-    init_auth = ["auth", "init", "--out", str(auth), "--edge-id", "edge-1", "--edge-domain", "e1"]
-    assert mlscope_main(init_auth) == 0
-    leaf_port = free_port()
-    hub_conf = tmp_path / "hub.conf"
-    hub_conf.write_text(
-        hub_config(leaf_port=leaf_port, host="127.0.0.1", include=auth / "server.conf", at=hub_conf)
-    )
+    auth, leaf_port, hub_conf = _secured_hub(tmp_path, "edge-1")
     edge_dir = tmp_path / "edge"
     init = ["edge", "init", "--hub", f"nats-leaf://127.0.0.1:{leaf_port}", "--out", str(edge_dir)]
     assert mlscope_main([*init, "--domain", "e1", "--creds", str(auth / "edge.creds")]) == 0

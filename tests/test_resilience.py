@@ -25,9 +25,7 @@ from mlscope.contracts import (
     Query,
     ReleaseOp,
     ScenarioSpec,
-    SpanBatch,
     evaluation_id_for,
-    new_id,
 )
 from mlscope.errors import BusError, EvaluationError, MLScopeError, WireError, error_from_wire
 from mlscope.jobs import submit, submit_on
@@ -41,29 +39,9 @@ from tests.conftest import (
     wait_agents,
     wait_server,
 )
+from tests.stored_rows import span_batch
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def span_batch(eval_id: str, start: int, n: int) -> SpanBatch:
-    ids = list(range(start, start + n))
-    return SpanBatch(
-        evaluation_id=eval_id,
-        agent_id="a1",
-        host="h",
-        batch_id=new_id("sb"),
-        columns={
-            "span_id": ids,
-            "parent_id": [0] * n,
-            "query_index": ids,
-            "level": [1] * n,
-            "kind": ["step"] * n,
-            "name": ["predict"] * n,
-            "start_ns": ids,
-            "end_ns": ids,
-            "attrs": [""] * n,
-        },
-    )
 
 
 def test_ingester_killed_mid_stream_loses_and_duplicates_nothing(
