@@ -27,10 +27,11 @@ from cli.main import main as mlscope_main
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
-from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, SpanBatch, new_id
+from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, new_id
 from mlscope.jobs import submit
 from mlscope.settings import Settings
 from tests.conftest import REPO, child_env, make_data_dir, python, wait_agents, wait_server
+from tests.stored_rows import span_batch
 from tests.tracing_fixtures import ensure_built
 
 pytestmark = pytest.mark.timeout(300)
@@ -230,24 +231,7 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
         async def publish(first: int, last: int) -> None:
             async with busmod.connect(settings, name="test") as bus:
                 for b in range(first, last):
-                    ids = list(range(b * per + 1, (b + 1) * per + 1))
-                    batch = SpanBatch(
-                        evaluation_id=eval_id,
-                        agent_id="a1",
-                        host="h",
-                        batch_id=f"sb-{b}",
-                        columns={
-                            "span_id": ids,
-                            "parent_id": [0] * per,
-                            "query_index": ids,
-                            "level": [1] * per,
-                            "kind": ["step"] * per,
-                            "name": ["predict"] * per,
-                            "start_ns": ids,
-                            "end_ns": ids,
-                            "attrs": [""] * per,
-                        },
-                    )
+                    batch = span_batch(eval_id, b * per + 1, per)
                     await bus.js.publish(
                         names.traces(eval_id, batch.agent_id),
                         codec.encode_model(batch),
