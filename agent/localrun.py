@@ -25,6 +25,11 @@ Times: ``scheduled`` (when the query was due; a closed loop's is its issue time)
 replied. All are ns from ``t0`` on this agent's ``perf_counter_ns``; the server maps
 ``t0`` onto its clock with the clock offset it measured (ping), so stored rows and
 spans share one timeline as in a server-placed run.
+
+This module issues a run's queries and takes their replies. The record they are
+written into, a stream's answered blocks and the rows the shipper takes are
+:mod:`agent.localrecord`'s; the run's inputs are :mod:`agent.localinputs`'s; whether an
+open loop's executor threads run real-time is :mod:`agent.localprobe`'s.
 """
 
 from __future__ import annotations
@@ -33,32 +38,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
-from agent.job import Job, Model
+from agent.job import Job
+from agent.localprobe import short_enough
+from agent.localrecord import LocalRecord, now
 from agent.pipeline import Executor
-from agent.samplelib import MemoryBudget, preprocess_all
-from agent.stream import Answered
 from agent.tracer import SpanBuffer
 from mlscope import samples, scenario_traits
-from mlscope.catalog import Entry
-from mlscope.contracts import (
-    MAX_SCHEDULED_QUERIES,
-    QueryReply,
-    RunOp,
-    ScenarioSpec,
-    TraceLevel,
-)
+from mlscope.contracts import QueryReply, ScenarioSpec, TraceLevel
 from mlscope.errors import ConfigError, EvaluationError
 from mlscope.pacer import OutstandingLimit, Pacer, RealtimeThreads
-from mlscope.record import ARRAYS, RunRecord
 from mlscope.schedule import build_schedule
 
-__all__ = ["LocalRun", "run_inputs"]
+__all__ = ["LocalRun"]
 
-now = time.perf_counter_ns
 log = logging.getLogger("mlscope.agent")
 START_LEAD_NS = 50_000_000
 """Offset 0 is 50 ms after :meth:`LocalRun.prepare` (the run request's reply and the
@@ -71,21 +66,9 @@ AHEAD_BYTES = 4 << 20
 query of one sample is a view of the held samples instead)."""
 AHEAD_QUERIES = 64
 """... and at most this many queries."""
-FILL_BLOCKS = 256
-"""A stream's answered blocks are written into the record at the latest once this many
-wait (a run that nobody ships from during it keeps at most these) ..."""
-FILL_BYTES = 64 << 20
-"""... or once their outputs hold this many bytes (a model with large outputs)."""
-REALTIME_MAX_QPS = 5_000.0
-"""Above this mean rate an open loop's executor threads keep their normal priority (the
-server's rule for its event-loop thread: a busy real-time thread takes a core)."""
-REALTIME_MAX_BUSY = 0.5
-"""Nor when the model would keep its predict thread busier than this (mean rate x a
-warm predict of the run's batch): a real-time thread that computes most of the time
-would starve the rest of the host."""
 
 
-class LocalRun:
+class LocalRun(LocalRecord):
     """One scenario on one executor; :meth:`run` in a thread, :meth:`take` from another.
 
     ``inputs(i)`` comes from :func:`mlscope.samples.feed` with the run's seed and batch
@@ -131,37 +114,17 @@ class LocalRun:
         )
         """Run as one stream on the predict thread (:meth:`Executor.stream`): a
         throughput scenario on samples held pre-processed, traced at most per query."""
-        self._answers: list[Answered] = []
-        """A stream's answered blocks not yet written into the record (:meth:`_fill`)."""
-        self._answer_bytes = 0
         self._views: list[np.ndarray] = []
         """A stream's next queries' inputs, gathered ahead (query ``_ahead_first`` on)."""
         self._ahead_first = 0
         self.schedule = None if self.closed else build_schedule(spec)[0]
         n = len(self.schedule) if self.schedule is not None else self._closed_room()
-        if n * spec.batch_size > MAX_SCHEDULED_QUERIES:  # each sample's answer is kept
-            raise ConfigError(
-                f"a run of {n:,} queries of batch {spec.batch_size:,} holds "
-                f"{n * spec.batch_size:,} samples' answers, over the "
-                f"{MAX_SCHEDULED_QUERIES:,} one run may have",
-                field="batch_size",
-            )
-        self.rec = RunRecord(n=n, batch_size=spec.batch_size)
-        if self.schedule is not None:  # known before the run starts (a stop may come first)
-            self.rec.scheduled[:] = self.schedule.offsets_ns
-        self.top1 = np.full((n, spec.batch_size), -1, np.int32)
-        self._lock = threading.Lock()  # record growth against snapshots
+        super().__init__(n)
         self._stop = threading.Event()
         self._done = threading.Event()
         self._outstanding = 0
         self._pacing = not self.closed
         """An open loop's pacer may still issue: no end while it does."""
-        self._issued = 0
-        self._shipped = 0
-        self._base = 0
-        """The query whose times are the record's row 0: a closed loop that outruns its
-        record forgets the rows it has shipped (:meth:`_grow`) instead of growing for
-        ever (a tiny model's batched stream answers ~10^5 queries a second)."""
         self._gate: OutstandingLimit | None = None
         self._deadline = 0
         self._prebuilt: list[np.ndarray] | None = None
@@ -196,48 +159,13 @@ class LocalRun:
             per = self.inputs(0).nbytes
             if per * self.rec.n <= PREBUILD_BYTES:
                 self._prebuilt = [self.inputs(i) for i in range(self.rec.n)]
-            self.realtime = self._short_enough()
+            self.realtime = short_enough(
+                self.schedule, self.worker, self.inputs, preprocessed=self.preprocessed
+            )
             log.info("local run: executor threads real-time: %s", self.realtime)
         self.rec.t0_ns = now() + START_LEAD_NS
         self._deadline = self.rec.t0_ns + int(self.spec.duration_s * 1e9)
         return self.rec.t0_ns
-
-    def _short_enough(self) -> bool:
-        """Whether the executor's threads may run real-time during this open loop: the
-        pacer takes the GIL from them after each query, and one preempted by another
-        process while it holds the GIL stalls the pacer (p99 issue lag 0.5-1.9 ms
-        against 85-90 µs with them real-time, noop at 1,000 QPS on a loaded 2-core VM).
-        Only at a mean rate and a warm predict time (two probe queries of the run's
-        batch, outside the record) that keep the predict thread mostly idle."""
-        sched = self.schedule
-        if sched is None or not len(sched) or sched.duration_s <= 0:
-            return False
-        rate = len(sched) / sched.duration_s
-        predict = min(self._probe() for _ in range(2))
-        return rate <= REALTIME_MAX_QPS and rate * predict / 1e9 <= REALTIME_MAX_BUSY
-
-    def _probe(self) -> float:
-        """One query of the run's batch through the executor: its predict time (ns;
-        infinite when it fails or is refused)."""
-        done = threading.Event()
-        got: list[QueryReply] = []
-
-        def reply(r: QueryReply) -> None:
-            got.append(r)
-            done.set()
-
-        job = Job(
-            index=-1,
-            inputs=self.inputs(0),
-            received_ns=now(),
-            level=TraceLevel.NONE,
-            spans=None,
-            reply=reply,
-            preprocessed=self.preprocessed,
-        )
-        if not self.worker.submit(job) or not done.wait(10.0) or not got[0].ok:
-            return float("inf")
-        return float(got[0].t_predict_end - got[0].t_predict_start)
 
     def run(self) -> None:
         """The whole run, in the calling thread, after :meth:`prepare`; returns when
@@ -363,108 +291,6 @@ class LocalRun:
         self._issued = i + 1
         return i, self._views[0]
 
-    def answered(self, block: Answered) -> None:
-        """A stream's answered queries (on the predict thread, or the thread answering
-        for it while it predicts): kept as they are. They are written into the record
-        many blocks at once (:meth:`_fill`) when rows are shipped, when the stream ends,
-        and at the latest every :data:`FILL_BLOCKS` blocks or :data:`FILL_BYTES` of
-        outputs: off the predict thread, whose every
-        microsecond between two predicts is the runtime's."""
-        with self._lock:
-            self._answers.append(block)
-            if block.outputs is not None:
-                self._answer_bytes += block.outputs.nbytes
-            if len(self._answers) >= FILL_BLOCKS or self._answer_bytes >= FILL_BYTES:
-                self._fill()
-
-    def _fill(self) -> None:
-        """The stream's kept blocks into the record, in one pass (under the lock): their
-        times and top-1; each query completed when its block's post-processing ended.
-        ``completed`` is written last (a row ships once it is set)."""
-        blocks, self._answers, self._answer_bytes = self._answers, [], 0
-        if not blocks:
-            return
-        rec, t0 = self.rec, self.rec.t0_ns
-        times = np.concatenate([b.times for b in blocks]) if len(blocks) > 1 else blocks[0].times
-        sizes = [len(b.times) for b in blocks]
-        idx = times[:, 0] - self._base
-        taken = np.maximum(times[:, 1] - t0, 1)
-        rec.scheduled[idx] = rec.paced[idx] = rec.issued[idx] = taken
-        rec.agent_received[idx] = taken
-        ok = np.ones(len(idx), bool)
-        first = 0
-        for b, size in zip(blocks, sizes, strict=True):
-            for k, err in b.errors.items():
-                ok[first + k] = False
-                rec.errors[int(b.times[k, 0])] = err.message
-            first += size
-        good = idx[ok]
-        rec.predict_start[good] = times[ok, 2] - t0
-        rec.predict_end[good] = times[ok, 3] - t0
-        rec.ok[good] = 1
-        self._top1(blocks, good)
-        ends = np.repeat(np.array([b.post_end for b in blocks], np.int64) - t0, sizes)
-        rec.agent_replied[idx] = ends
-        rec.completed[idx] = np.maximum(ends, 1)
-        rec.done += len(idx)
-
-    def _top1(self, blocks: list[Answered], good: np.ndarray) -> None:
-        """Each answered sample's top-1 (the first value of its output), the blocks' rows
-        ``good`` of the record in order: in one step when every block's outputs have the
-        same shape past axis 0 and as many rows per query, else block by block; a block
-        whose outputs have no value per query leaves its rows unscored."""
-        outs = [(b.outputs, len(b.times) - len(b.errors)) for b in blocks if b.outputs is not None]
-        if not outs:
-            return
-        shapes = {(o.shape[1:], o.shape[0] / n if n else -1.0) for o, n in outs}
-        if len(shapes) == 1:
-            joined = outs[0][0] if len(outs) == 1 else np.concatenate([o for o, _ in outs])
-            top = samples.top1(joined)
-            if top is not None and len(good) and top.size % len(good) == 0:
-                self._write_top1(good, top)
-                return
-        first = 0
-        for b in blocks:
-            n = len(b.times) - len(b.errors)
-            top = samples.top1(b.outputs)
-            if top is not None and n and top.size % n == 0:
-                self._write_top1(good[first : first + n], top)
-            first += n
-
-    def _write_top1(self, rows: np.ndarray, top: np.ndarray) -> None:
-        per = top.reshape(len(rows), -1)
-        w = min(per.shape[1], self.top1.shape[1])
-        self.top1[rows, :w] = per[:, :w]
-
-    def _grow(self) -> None:
-        """The run outlasts the record's room (under the lock, on the thread that writes
-        the record): when at least half of it is shipped, forget those rows; else double
-        it. Never stop early."""
-        rec, shipped = self.rec, self._shipped - self._base
-        if shipped >= rec.n // 2 > 0:
-            rec.drop(shipped)
-            kept = np.full_like(self.top1, -1)
-            kept[: rec.n - shipped] = self.top1[shipped:]
-            self.top1 = kept
-            self._base += shipped
-            rec.errors = {i: e for i, e in rec.errors.items() if i >= self._base}
-            return
-        rec.grow()
-        grown = np.full((rec.n, self.spec.batch_size), -1, np.int32)
-        grown[: len(self.top1)] = self.top1
-        self.top1 = grown
-
-    def _trim(self) -> None:
-        """The run ended: the record holds exactly the queries issued (under the lock)."""
-        self._fill()
-        self.rec.trim(self._issued - self._base)
-        self.top1 = self.top1[: self._issued - self._base]
-
-    @property
-    def queries(self) -> int:
-        """Queries the record has held, shipped ones included (after the run: issued)."""
-        return self._base + self.rec.n
-
     def _open_loop(self) -> None:
         rec, sched, s = self.rec, self.schedule, self.spec
         if sched is None:
@@ -530,69 +356,3 @@ class LocalRun:
             self._outstanding -= 1
             if self._outstanding == 0 and not more and not self._pacing:
                 self._done.set()
-
-    # ------------------------------------------------------------------ shipping
-
-    def take(self, *, final: bool = False) -> tuple[int, dict[str, np.ndarray], dict[int, str]]:
-        """Rows not shipped yet, as copied columns: every row up to the first one still
-        in flight; ``final``: every row of the run, in flight ones included (a run
-        stopped early, as when its job is cancelled, reports every query it issued:
-        a query in flight ships without its completion, and those never due are not
-        rows of the run)."""
-        with self._lock:
-            self._fill()
-            rec, a, base = self.rec, self._shipped, self._base
-            hi = base + (self._final_rows() if final else min(self._issued - base, rec.n))
-            pending = np.flatnonzero(rec.completed[a - base : hi - base] == 0)
-            b = hi if final or not pending.size else a + int(pending[0])
-            cols = {name: getattr(rec, name)[a - base : b - base].copy() for name in ARRAYS}
-            cols["top1"] = self.top1[a - base : b - base].copy()
-            errors = {i: e for i, e in list(rec.errors.items()) if a <= i < b}
-            self._shipped = b
-        return a, cols, errors
-
-    def _final_rows(self) -> int:
-        """How many of the record's rows the run has (under the lock): those issued or
-        answered (a closed loop's record may have room past them) and, of an open
-        loop, those due, every one once the schedule is over (one due and not issued:
-        refused by the outstanding bound, or the run stopped before it)."""
-        rec = self.rec
-        answered = np.flatnonzero(rec.completed)
-        rows = max(self._issued - self._base, int(answered[-1]) + 1 if answered.size else 0)
-        if not self.closed:
-            rows = max(rows, int(np.searchsorted(rec.scheduled, now() - rec.t0_ns, "right")))
-        return min(rows, rec.n)
-
-    @property
-    def issued(self) -> int:
-        return self._issued
-
-
-def run_inputs(
-    entry: Entry, model: Model, req: RunOp, *, zoo_dir: Path, budget: MemoryBudget
-) -> tuple[samples.QueryRows, int | None]:
-    """A local run's query inputs (the server's sample order) and, when its samples are
-    held pre-processed, the bytes they took of ``budget`` (else None; the caller gives
-    them back when the run's rows are shipped).
-
-    ``preprocess`` None holds them where the pipeline pre-processes sample by sample and
-    they fit; ``ahead`` insists (a typed error otherwise); ``timed`` never does."""
-    spec = req.scenario
-    data = samples.dataset(entry, zoo_dir)
-    x, _ = samples.table(data, entry.manifest.inputs[0].shape, spec.seed)
-    pre: np.ndarray | None = None
-    if spec.preprocess != "timed":
-        try:
-            pre = preprocess_all(req.evaluation_id, x, model, budget)
-        except ConfigError:
-            if spec.preprocess == "ahead":
-                raise
-            log.info("local run %s: samples over the sample memory: timed", req.evaluation_id)
-        if pre is None and spec.preprocess == "ahead":
-            raise ConfigError(
-                f"{entry.manifest.name}: its pre-processing does not run sample by sample, "
-                "so its samples cannot be held pre-processed; use preprocess timed",
-                field="preprocess",
-            )
-    inputs, _ = samples.feed(pre if pre is not None else x, None, spec.batch_size, spec.seed)
-    return inputs, (None if pre is None else pre.nbytes)

@@ -21,7 +21,8 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from agent.localrun import LocalRun, run_inputs
+from agent.localinputs import run_inputs
+from agent.localrun import LocalRun
 from agent.pipeline import Executor
 from agent.runrows import serve_run
 from agent.samplelib import MemoryBudget

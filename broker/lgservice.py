@@ -30,8 +30,9 @@ from nats.js.kv import KeyValue
 
 import mlscope
 from broker.distributed import save_result
+from broker.lgcontrol import STOP_SAVE_S
+from broker.lgwork import unpack_slice, work_bucket
 from broker.loadgen import Driver
-from broker.multihost import STOP_SAVE_S, unpack_slice, work_bucket
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.bus import Bus, bus_errors

@@ -24,6 +24,10 @@ clock. The merged record is on the server's clock (t0 = the start), agent times 
 each service's (its offset to the agent is the agent's offset minus its own).
 Payloads are built by the server from the one sample order (:mod:`mlscope.samples`),
 so a service needs no model, data set or catalog.
+
+This module owns one run end to end: dealing, loading, the merged record, and what a
+cancelled run keeps. The work bucket and the slice format are :mod:`broker.lgwork`'s;
+the requests to the services (find, start and watch, stop) are :mod:`broker.lgcontrol`'s.
 """
 
 from __future__ import annotations
@@ -38,214 +42,38 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
-from nats.aio.msg import Msg
 from nats.js.object_store import ObjectStore
 
-from broker.distributed import (
-    PROGRESS_S,
-    START_LEAD_S,
-    load_result,
-    merge_results,
-    until_first_stop,
-)
+from broker.distributed import START_LEAD_S, load_result, merge_results, until_first_stop
+from broker.lgcontrol import STOP_ANSWER_S, live_services, start_all, stop_runs
+from broker.lgwork import pack_slice, result_name, work_bucket
 from broker.loadgen import encode_query, estimate_offset
 from mlscope import codec, names, schedule
-from mlscope.bus import Bus, bus_errors, request
+from mlscope.bus import bus_errors, request
 from mlscope.contracts import (
-    MAX_BATCH,
-    MAX_DURATION_S,
-    MAX_SCHEDULED_QUERIES,
     LoadgenDescription,
     LoadgenDone,
     LoadgenLoadOp,
-    LoadgenProgress,
-    LoadgenStartOp,
     LoadgenStopOp,
     LoadgenStopped,
     ScenarioSpec,
     new_id,
 )
-from mlscope.errors import (
-    BusError,
-    ConfigError,
-    EvaluationError,
-    MLScopeError,
-    ResolutionError,
-    WireError,
-)
-from mlscope.loadgens import list_loadgens
-from mlscope.provision import object_store
+from mlscope.errors import BusError, ConfigError, MLScopeError, WireError
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 
 if TYPE_CHECKING:
     from broker.context import Context
 
-__all__ = [
-    "SLICE_KEYS",
-    "STOP_SAVE_S",
-    "pack_slice",
-    "result_name",
-    "run_on_services",
-    "stop_runs",
-    "unpack_slice",
-    "work_bucket",
-]
+__all__ = ["STOP_WAIT_S", "run_on_services"]
 
 log = logging.getLogger("mlscope.multihost")
 
 LOAD_TIMEOUT_S = 120.0
-WATCH_S = 2.0
-"""How often a running distributed run checks that its services are alive (their
-registry entries expire :data:`mlscope.provision.AGENT_TTL_S` after their last heartbeat)."""
-WORK_TTL_S = 3600.0
-"""Slices and results left behind by a run that died expire after this long."""
-STOP_SAVE_S = 5.0
-"""How long a service's stop waits for a stopped run to put what it had issued into
-the work bucket (the rows of its cancelled evaluation) before it answers."""
-STOP_ANSWER_S = STOP_SAVE_S + 3.0
-"""How long a server waits for a service's answer to a stop."""
 STOP_WAIT_S = STOP_ANSWER_S + 5.0
 """The most a stopped run's server spends on it: the stop, reading what its services
 kept, deleting the run's objects."""
-
-
-async def work_bucket(bus: Bus, *, replicas: int = 1) -> ObjectStore:
-    """The object store that carries slices and results, created when missing with
-    ``replicas`` (``MLSCOPE_JS_REPLICAS``: the server makes it at start, a
-    load-generator service if it comes first)."""
-    return await object_store(
-        bus,
-        names.LOADGEN_WORK_BUCKET,
-        description="dealt schedule slices and their results (distributed load)",
-        replicas=replicas,
-        ttl_s=WORK_TTL_S,
-    )
-
-
-def pack_slice(part: Schedule, payloads: list[bytes], labels: np.ndarray | None) -> bytes:
-    """One dealt slice: offsets, global indices, each query's bytes, labels (or None)."""
-    return codec.encode(
-        {
-            "offsets": part.offsets_ns,
-            "index": part.index,
-            "samples_per_query": part.samples_per_query,
-            "payloads": payloads,
-            "labels": labels,
-        }
-    )
-
-
-SLICE_KEYS = frozenset({"offsets", "index", "samples_per_query", "payloads", "labels"})
-"""The members of a packed slice (:func:`pack_slice`)."""
-
-
-def unpack_slice(data: bytes) -> tuple[Schedule, list[bytes], np.ndarray | None]:
-    """A dealt slice as the server packed it, refused unless a run could have it.
-
-    Anyone who may write the work bucket can put a slice there: one not shaped as
-    :func:`pack_slice` makes it (members, integer offsets and indices, a payload of
-    bytes and a label row per query) is a WireError; one with more than a run's queries,
-    or spread over more than a run's duration (its last query years away would hold its
-    service for good), is a ConfigError."""
-    doc = codec.decode(data)
-    if not isinstance(doc, dict) or set(doc) != SLICE_KEYS:
-        raise WireError(f"a slice is a map of {', '.join(sorted(SLICE_KEYS))}")
-    spq, payloads = doc["samples_per_query"], doc["payloads"]
-    if type(spq) is not int:
-        raise WireError("a slice's samples_per_query is not an integer")
-    if not isinstance(payloads, list) or not all(isinstance(p, bytes) for p in payloads):
-        raise WireError("a slice's payloads are not a list of bytes")
-    sched = Schedule(_integers(doc, "offsets"), spq, _integers(doc, "index"))
-    if len(sched) > MAX_SCHEDULED_QUERIES or sched.duration_s > MAX_DURATION_S:
-        raise ConfigError(
-            f"a slice of {len(sched):,} queries over {sched.duration_s:.3g} s: over what one "
-            f"run may have ({MAX_SCHEDULED_QUERIES:,} queries, {MAX_DURATION_S:.0f} s)"
-        )
-    if sched.samples_per_query > MAX_BATCH:
-        raise ConfigError(f"a slice's samples_per_query is over {MAX_BATCH:,}")
-    if len(payloads) != len(sched):
-        raise ConfigError(f"a slice of {len(payloads)} payloads for {len(sched)} queries")
-    labels = doc["labels"]
-    if labels is None:
-        return sched, payloads, None
-    if not (
-        isinstance(labels, np.ndarray)
-        and labels.ndim >= 1
-        and labels.shape[0] == len(sched)
-        and labels.dtype.kind in "iufb"
-    ):
-        raise WireError(
-            f"a slice's labels are not a numeric row for each of its {len(sched)} queries"
-        )
-    return sched, payloads, labels
-
-
-def _integers(doc: dict[str, Any], name: str) -> np.ndarray:
-    """``doc[name]`` as a one-dimensional array of integers (a WireError otherwise)."""
-    value = doc[name]
-    arr = value if isinstance(value, np.ndarray) else None
-    if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise WireError(f"a slice's {name} are not a one-dimensional array of integers")
-    return arr
-
-
-async def _watch(
-    bus: Bus, services: list[LoadgenDescription], done: list[Any], run_id: str
-) -> None:
-    """End the run (an EvaluationError naming them) when services whose slice is not
-    done are lost: a killed service would otherwise be waited on until its request's
-    timeout, minutes away."""
-    while True:
-        await anyio.sleep(WATCH_S)
-        lost = await _lost_services(bus, services, done)
-        if lost:
-            raise EvaluationError(
-                f"load-generator service {', '.join(lost)} was lost during run {run_id} "
-                "(its registry entry expired, or it restarted)",
-                loadgen_ids=lost,
-            )
-
-
-async def _lost_services(
-    bus: Bus, services: list[LoadgenDescription], done: list[Any]
-) -> list[str]:
-    """The services whose slice is not done and whose registry entry is gone, stale
-    or another process's (restarted); none when the registry cannot be read now."""
-    try:
-        live = {d.loadgen_id: d for d in await list_loadgens(bus)}
-    except BusError:
-        return []
-    return [
-        s.loadgen_id
-        for s, d in zip(services, done, strict=True)
-        if d is None
-        and (
-            (now := live.get(s.loadgen_id)) is None
-            or (now.pid, now.started_at) != (s.pid, s.started_at)
-        )
-    ]
-
-
-def _first(group: BaseExceptionGroup[Any]) -> BaseException:
-    """The first exception of ``group`` that is not a group, however deep."""
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first
-
-
-async def _services(bus: Bus, wanted: tuple[str, ...]) -> list[LoadgenDescription]:
-    live = {d.loadgen_id: d for d in await list_loadgens(bus)}
-    missing = [h for h in wanted if h not in live]
-    if missing:
-        raise ResolutionError(
-            f"no live load generator {', '.join(missing)} (start one with "
-            f"`mlscope loadgen --id NAME`); live load generators: {', '.join(live) or 'none'}",
-            loadgen_hosts=list(wanted),
-            missing=missing,
-        )
-    return [live[h] for h in wanted]
 
 
 async def run_on_services(
@@ -260,7 +88,7 @@ async def run_on_services(
     if not spec.loadgen_hosts:
         raise ConfigError("a run over load-generator services needs loadgen_hosts")
     bus = ctx.bus
-    services = await _services(bus, spec.loadgen_hosts)
+    services = await live_services(bus, spec.loadgen_hosts)
     parts = schedule.deal(sched, len(services))
     run_id = new_id("lr")
     obs = await work_bucket(bus)
@@ -276,7 +104,7 @@ async def run_on_services(
             slice_ = _Slice(run_id, j, part, ctx.offset_ns - offsets[j])
             objects.append(await _load(ctx, spec, obs, svc, slice_, inputs, labels))
         start = time.perf_counter_ns() + int(START_LEAD_S * 1e9)
-        done = await _start_all(ctx, spec, services, offsets, run_id, start)
+        done = await start_all(ctx, spec, services, offsets, run_id, start)
         objects += [d.result_object for d in done]
         read = [
             _as_reported(await _read_result(obs, d.result_object, len(p)), d, svc)
@@ -393,38 +221,6 @@ async def _load(
     return name
 
 
-async def stop_runs(
-    bus: Bus, services: list[LoadgenDescription], stop: LoadgenStopOp
-) -> list[LoadgenStopped | None]:
-    """Send ``stop`` (a run, or every run of an evaluation) to every service at once,
-    loaded or running; each one's answer, in order. A service that does not answer (or
-    answers with no :class:`LoadgenStopped`) is logged, its answer None: its slice ends
-    with its schedule."""
-    what = f"run {stop.run_id}" if stop.run_id else f"evaluation {stop.evaluation_id}"
-    data = codec.encode_model(stop)
-    answers: list[LoadgenStopped | None] = [None] * len(services)
-
-    async def one(j: int, svc: LoadgenDescription) -> None:
-        try:
-            with bus_errors(f"cannot stop {what}"):
-                reply = await request(
-                    bus, names.loadgen_ctl(svc.loadgen_id), data, timeout=STOP_ANSWER_S
-                )
-            answers[j] = codec.validate(LoadgenStopped, reply)
-        except MLScopeError as exc:
-            log.warning("%s not stopped on %s: %s", what, svc.loadgen_id, exc)
-
-    async with anyio.create_task_group() as tg:
-        for j, svc in enumerate(services):
-            tg.start_soon(one, j, svc)
-    return answers
-
-
-def result_name(run_id: str, j: int) -> str:
-    """The work-bucket object in which slice ``j`` of run ``run_id`` puts its arrays."""
-    return f"{run_id}/result-{j}"
-
-
 async def _keep_stopped(
     ctx: Context,
     spec: ScenarioSpec,
@@ -464,82 +260,3 @@ async def _read_result(
     with bus_errors(f"cannot read {name}"):
         got = await obs.get(name)
     return await anyio.to_thread.run_sync(load_result, io.BytesIO(got.data or b""), queries)
-
-
-def _own_result(d: LoadgenDone, run_id: str, result: str, svc: LoadgenDescription) -> LoadgenDone:
-    """``d`` once it answers for this run's slice: a service that names another run or
-    another slice's result (which the server would then read as this slice's, and
-    delete) is an EvaluationError naming it."""
-    if d.run_id != run_id or d.result_object != result:
-        raise EvaluationError(
-            f"load-generator service {svc.loadgen_id} answered for run {d.run_id[:64]!r}, "
-            f"result {d.result_object[:128]!r}; it was given run {run_id}, result {result}",
-            loadgen_id=svc.loadgen_id,
-        )
-    return d
-
-
-async def _start_all(
-    ctx: Context,
-    spec: ScenarioSpec,
-    services: list[LoadgenDescription],
-    offsets: list[int],
-    run_id: str,
-    start: int,
-) -> list[LoadgenDone]:
-    """Start every loaded slice at once; each answers when its run is over."""
-    timeout = spec.duration_s * 3 + 120
-    done: list[Any] = [None] * len(services)
-    results = [result_name(run_id, j) for j in range(len(services))]
-    counts: dict[str, int] = {}
-    """Queries done by each slice (keyed by its result's name), as its service reports."""
-
-    async def one(j: int, svc: LoadgenDescription) -> None:
-        op = LoadgenStartOp(
-            run_id=run_id,
-            start_ns=start + offsets[j],
-            result_object=results[j],
-            progress_subject=names.loadgen_progress(svc.loadgen_id),
-        )
-        reply = await request(
-            ctx.bus, names.loadgen_run(svc.loadgen_id), codec.encode_model(op), timeout=timeout
-        )
-        done[j] = _own_result(codec.validate(LoadgenDone, reply), run_id, results[j], svc)
-
-    async def heard(msg: Msg) -> None:  # a malformed note is ignored: it is only display
-        with contextlib.suppress(WireError):
-            note = codec.decode_model(LoadgenProgress, msg.data)
-            if note.run_id == run_id and note.result_object in results:  # ours only
-                counts[note.result_object] = max(0, note.done)
-
-    async def report() -> None:
-        t0 = time.monotonic()
-        while ctx.on_progress is not None:
-            await anyio.sleep(PROGRESS_S)
-            rec = RunRecord(n=0, batch_size=spec.batch_size)
-            rec.done = sum(counts.values())
-            await ctx.on_progress(rec, time.monotonic() - t0)
-
-    # Each service reports on its own subject (a load generator's user may publish
-    # there and to nobody's inbox); a note of another run is ignored.
-    subs = [
-        await ctx.bus.nc.subscribe(names.loadgen_progress(svc.loadgen_id), cb=heard)
-        for svc in services
-    ]
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(report)
-            tg.start_soon(_watch, ctx.bus, services, done, run_id)
-            async with anyio.create_task_group() as runs:
-                for j, svc in enumerate(services):
-                    runs.start_soon(one, j, svc)
-            tg.cancel_scope.cancel()
-    except BaseExceptionGroup as group:  # the first failure, as it was raised
-        raise _first(group) from group
-    finally:
-        with anyio.CancelScope(shield=True):
-            for sub in subs:
-                await sub.unsubscribe()
-    if any(d is None for d in done):
-        raise EvaluationError(f"a load generator of run {run_id} did not report")
-    return list(done)

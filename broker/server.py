@@ -45,8 +45,9 @@ from broker.db import Database
 from broker.dbresponder import DatabaseResponder
 from broker.evaluate import Evaluator
 from broker.ingest import Ingester
+from broker.lgcontrol import stop_runs
+from broker.lgwork import work_bucket
 from broker.loadgen import running_p50_ms
-from broker.multihost import stop_runs, work_bucket
 from broker.readonly import ReadLimits, ReadOnlyDatabase
 from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
 from mlscope import bus as busmod

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import compare, data, figures, layers, suite, trace
+from analysis import compare, data, difference, figures, layers, regression, suite, trace
 from analysis.data import evaluations, queries
 from analysis.source import BusSource, DirectSource, open_source, table_exists
 from analysis.summary import latency_windows, summary
@@ -27,13 +27,13 @@ def test_verdict_detects_a_ten_percent_shift() -> None:
     rng = np.random.default_rng(7)
     a = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=800)
     b = rng.lognormal(mean=np.log(2.2), sigma=0.15, size=800)  # 10% slower
-    slower = compare.bootstrap_difference(a, b, 50, n_boot=1000)
+    slower = difference.bootstrap_difference(a, b, 50, n_boot=1000)
     assert slower.verdict == "slower"
     assert 0.05 < slower.rel < 0.15
     assert slower.ci_low > 0
-    tail = compare.bootstrap_difference(a, b, 99, n_boot=1000, min_effect=0.05)
+    tail = difference.bootstrap_difference(a, b, 99, n_boot=1000, min_effect=0.05)
     assert tail.verdict == "slower"
-    faster = compare.bootstrap_difference(b, a, 50, n_boot=1000)
+    faster = difference.bootstrap_difference(b, a, 50, n_boot=1000)
     assert faster.verdict == "faster" and faster.ci_high < 0
 
 
@@ -43,14 +43,14 @@ def test_identical_distributions_are_judged_equal() -> None:
         a = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=2000)
         b = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=2000)
         for q, floor in ((50, 0.02), (99, 0.05)):  # compare_runs' floors
-            d = compare.bootstrap_difference(a, b, q, n_boot=1000, seed=trial, min_effect=floor)
+            d = difference.bootstrap_difference(a, b, q, n_boot=1000, seed=trial, min_effect=floor)
             assert d.verdict == "no significant change", (trial, q, d)
             assert abs(d.rel) < floor
     # The same samples in another order: the two bootstrap distributions are the same,
     # so the differences are symmetric about 0 and the interval must contain it.
     a = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=2000)
     for q in (50, 99):
-        d = compare.bootstrap_difference(a, rng.permutation(a), q, n_boot=1000)
+        d = difference.bootstrap_difference(a, rng.permutation(a), q, n_boot=1000)
         assert d.diff == 0 and d.ci_low < 0 < d.ci_high, (q, d)
     # Independent samples of one distribution: a 95% interval misses 0 in about 1 run
     # of 20 by design (so no single run may be required to cover it), but it must cover
@@ -61,7 +61,7 @@ def test_identical_distributions_are_judged_equal() -> None:
         a = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=500)
         b = rng.lognormal(mean=np.log(2.0), sigma=0.15, size=500)
         for q in covered:
-            d = compare.bootstrap_difference(a, b, q, n_boot=500, seed=trial)
+            d = difference.bootstrap_difference(a, b, q, n_boot=500, seed=trial)
             covered[q] += d.ci_low <= 0.0 <= d.ci_high
     assert all(c >= 0.87 * trials for c in covered.values()), covered
 
@@ -71,7 +71,7 @@ def test_resampled_percentile_is_the_stats_definition() -> None:
     x = rng.exponential(size=37)
     idx = rng.integers(0, x.size, size=(20, x.size))
     for q in (1, 50, 90, 99, 100):
-        got = compare.resampled_percentile(x, q, idx)
+        got = difference.resampled_percentile(x, q, idx)
         assert got.tolist() == [percentile(x[i], q) for i in idx]
 
 
@@ -89,8 +89,8 @@ def test_percentile_draws_follow_the_resampling_bootstrap(q: float) -> None:
     ):
         xs = np.sort(x)
         idx = rng.integers(0, x.size, size=(20_000, x.size))
-        brute = compare.resampled_percentile(xs, q, idx)
-        drawn = compare.bootstrap_percentiles(xs, q, 20_000, rng)
+        brute = difference.resampled_percentile(xs, q, idx)
+        drawn = difference.bootstrap_percentiles(xs, q, 20_000, rng)
         values = np.unique(xs)
         freq = [(brute == v).mean() - (drawn == v).mean() for v in values]
         assert np.abs(freq).max() < 0.02, (x.size, q)
@@ -114,7 +114,7 @@ def test_percentile_draws_follow_the_resampling_bootstrap(q: float) -> None:
         method="percentile",
         rng=np.random.default_rng(1),
     ).confidence_interval
-    got = compare.bootstrap_difference(a, b, q, n_boot=4000, seed=1)
+    got = difference.bootstrap_difference(a, b, q, n_boot=4000, seed=1)
     width = ref.high - ref.low
     assert abs(got.ci_low - ref.low) < 0.2 * width + 1e-12
     assert abs(got.ci_high - ref.high) < 0.2 * width + 1e-12
@@ -167,7 +167,7 @@ def test_regression_flags_exactly_the_slower_version(fresh_db: Database) -> None
     # A run on another system with no slowdown at all: never compared with the others.
     _store_latencies(fresh_db, "ev-other", rng.lognormal(np.log(base), 0.1, 600))
     rows.append({**rows[0], "evaluation_id": "ev-other", "system": "gpu"})
-    flags = compare.regressions(DirectSource(fresh_db), pd.DataFrame(rows), n_boot=400)
+    flags = regression.regressions(DirectSource(fresh_db), pd.DataFrame(rows), n_boot=400)
     steps = list(zip(flags["from_version"], flags["to_version"], strict=True))
     assert steps == [("1.9", "1.10"), ("1.10", "1.11"), ("1.11", "1.12")]
     assert flags["regression"].tolist() == [True, False, False]
@@ -352,12 +352,12 @@ def test_compare_runs_and_regressions(analysis_runs: AnalysisRuns) -> None:
     # Pretend the second online run used a newer framework: one step to judge.
     fake = summ.copy()
     fake.loc[fake["evaluation_id"] == b, "framework_version"] = "99.0"
-    flags = compare.regressions(src, fake, n_boot=300)
+    flags = regression.regressions(src, fake, n_boot=300)
     assert len(flags) == 1
     assert flags["from_version"].iloc[0] != "99.0" and flags["to_version"].iloc[0] == "99.0"
     assert flags["regression"].iloc[0] == (flags["verdict"].iloc[0] == "slower")
     with pytest.raises(ValueError):
-        compare.regressions(src, summ, axis="nonsense")
+        regression.regressions(src, summ, axis="nonsense")
 
 
 def test_model_level_timeline(analysis_runs: AnalysisRuns) -> None:

@@ -18,7 +18,7 @@ import anyio
 import numpy as np
 import pytest
 
-from broker import multihost
+from broker import lgwork, multihost
 from broker.distributed import save_result
 from mlscope import bus as busmod
 from mlscope import codec, loadgens, names
@@ -130,7 +130,7 @@ def dealt_run(tmp_path: Path, set_up: SetUp) -> tuple[RunRecord | BaseException,
                 busmod.connect(settings, name="server") as bus,
             ):
                 await ensure_infrastructure(bus)
-                obs = await multihost.work_bucket(bus)
+                obs = await lgwork.work_bucket(bus)
                 await obs.put(OTHER, b"another run's slice")
                 await set_up(sb, obs)
                 ctx, spec, sched = _run_on_good_and_evil(bus)

@@ -19,7 +19,7 @@ import pytest
 
 from broker.distributed import load_result, save_result
 from broker.lgservice import LoadgenService
-from broker.multihost import pack_slice, work_bucket
+from broker.lgwork import pack_slice, work_bucket
 from mlscope import bus as busmod
 from mlscope import codec, names, remote, schedule
 from mlscope.api import cancel_job

@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.compare import SLOWER, mismatches, run_level_difference
+from analysis.compare import mismatches
+from analysis.difference import SLOWER, run_level_difference
 from analysis.figures import max_throughput, speedup_heatmap
 from broker import coldstart
 from broker.scenario_kinds import cold_start

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import compare, figures, layers, plots, report, suite
+from analysis import compare, figures, layers, plots, regression, report, suite
 from analysis.source import DirectSource
 from analysis.summary import SUMMARY_COLUMNS, latency_windows, summary
 from broker.db import SPAN_COLUMNS, Database
@@ -189,7 +189,7 @@ def test_suite_and_regressions_keep_placements_apart(src: DirectSource) -> None:
     table = suite.table2(summary(src, shown))
     assert sorted(table["online_placement"]) == ["agent", "server"]  # two versions: two rows
     assert " (agent)" in suite.format_table(table)
-    steps = compare.regressions(src, summary(src, shown), n_boot=200)
+    steps = regression.regressions(src, summary(src, shown), n_boot=200)
     assert steps.empty  # version 1 on the server, 2 on the agent: no step to judge
 
 

@@ -247,11 +247,12 @@ def test_a_local_run_writes_its_streams_blocks_into_the_record_many_at_once(
     few blocks or bytes, when rows are shipped, at the end) land on their own rows: a
     failed query's error and no top-1, an answered query's times and the model's top-1
     on its rows, each completed when its block's post-processing ended."""
+    import agent.localrecord as localrecord
     import agent.localrun as localrun
     import agent.stream as streams
     from mlscope import samples as samplesmod
 
-    monkeypatch.setattr(localrun, *bound)
+    monkeypatch.setattr(localrecord, *bound)
     monkeypatch.setattr(streams, "STREAM_BLOCK", 4)
     fills: list[int] = []
     fill = localrun.LocalRun._fill

@@ -9,8 +9,8 @@ import pandas as pd
 import streamlit as st
 
 from analysis import figures, layers, plots
-from analysis.compare import NOT_COMPARED, regressions
 from analysis.data import latencies_ms, with_sweep_runs
+from analysis.regression import NOT_COMPARED, regressions
 from analysis.summary import latency_windows, summary
 from dashboard.common import (
     catalog,
