@@ -1,13 +1,24 @@
-"""What a cancelled job leaves in the database: one evaluation row, status
+"""What a cancelled job leaves in the database: an evaluation row with status
 ``cancelled``, never VALID, with the reason and how far the run got, and the raw rows
-of the queries it had issued.
+of the queries it had issued; of a sweep or search, also every run it finished.
 
 The server (:mod:`broker.server`) cancels a job's own cancel scope on a
 ``CancelRequest``. The figures of a run stopped part-way would describe a different
 run than the one specified, so the summary holds none (no latency, no rates); the
 per-query rows issued before the cancel are kept as measured (a query still in flight
 is stored as lost, its error saying it was cancelled), so the partial run can be
-inspected. Of a sweep, only the run in progress is kept, under the job's id.
+inspected.
+
+A job of one run (a sweep of one point included) is that run, stored under the job's
+id. A sweep or search (several runs, each traced under its own id ``<job>-<k>``) is
+stored as a finished one is, as far as it got (:func:`cancelled_rows`): each run that
+finished before the cancel as its own evaluation with its verdict (stored by
+:class:`broker.evaluate.Evaluator`, :func:`broker.evalstore.store_separate`); the run
+in progress under its own id as ``cancelled`` (no figures, its issued query rows, so
+its spans have their evaluation); then the parent under the job's id, ``cancelled``,
+its ``points`` naming every run (the one in progress with ``status`` ``cancelled``)
+and a reason saying which run was in progress. How far the scenario got is its
+:class:`broker.scenario.RunsSoFar`.
 
 The load generators' CPU time up to the cancel is kept too (``loadgen_cost``:
 ``cpu_s``, ``cpu_us_per_query``, ``loadgens``, and ``services`` for load-generator
@@ -30,6 +41,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from broker.scenario import Run, RunsSoFar
 from broker.summary import cpu_us_per_query
 from mlscope import outcomes, scenario_traits
 from mlscope.catalog import Entry
@@ -42,7 +54,14 @@ from mlscope.contracts import (
 )
 from mlscope.record import ARRAYS, RunRecord
 
-__all__ = ["IN_FLIGHT", "REMEMBERED", "Cancels", "cancelled_summary", "issued_part"]
+__all__ = [
+    "IN_FLIGHT",
+    "REMEMBERED",
+    "Cancels",
+    "cancelled_rows",
+    "cancelled_summary",
+    "issued_part",
+]
 
 REMEMBERED = 1024
 """Ids of cancelled jobs a server keeps, to refuse one it takes after the request."""
@@ -62,8 +81,9 @@ class Cancels:
     """Job id -> reason, for every cancel heard (bounded: the oldest are dropped)."""
     ended: dict[str, anyio.Event] = field(default_factory=dict)
     """Job id -> set when the job has ended here (a cancel's reply waits for it)."""
-    progress: dict[str, tuple[RunRecord | None, Any]] = field(default_factory=dict)
-    """Job id -> (its live run record, its resolved (agent, entry)), None until known."""
+    progress: dict[str, tuple[RunsSoFar, Any]] = field(default_factory=dict)
+    """Job id -> (how far its scenario got: its live run record, a sweep's runs; its
+    resolved (agent, entry), None until known)."""
 
     def request(self, job_id: str, reason: str, *, taken: bool = False) -> anyio.Event | None:
         """Remember a cancel and stop the job if it runs here: the event that is set
@@ -83,7 +103,7 @@ class Cancels:
     @contextmanager
     def running(self, job_id: str) -> Iterator[anyio.CancelScope]:
         """The job's cancel scope, cancelled at once if a cancel came before it ran."""
-        self.progress[job_id] = (None, None)
+        self.progress[job_id] = (RunsSoFar(), None)
         try:
             with anyio.CancelScope() as scope:
                 self.scopes[job_id] = scope
@@ -93,11 +113,11 @@ class Cancels:
         finally:
             self.scopes.pop(job_id, None)
 
-    def finish(self, job_id: str) -> tuple[RunRecord | None, Any]:
-        """The job ended here (however): wake a waiting cancel; (record, resolved)."""
+    def finish(self, job_id: str) -> tuple[RunsSoFar, Any] | None:
+        """The job ended here (however): wake a waiting cancel; (runs, resolved)."""
         if (ended := self.ended.pop(job_id, None)) is not None:
             ended.set()
-        return self.progress.pop(job_id, (None, None))
+        return self.progress.pop(job_id, None)
 
 
 def issued_part(rec: RunRecord) -> RunRecord:
@@ -192,6 +212,43 @@ def cancelled_summary(
         started_at=started_at,
         finished_at=now,
     )
+
+
+def cancelled_rows(
+    summary: EvaluationSummary, runs: RunsSoFar, rec: RunRecord | None
+) -> list[tuple[EvaluationSummary, RunRecord | None]]:
+    """What a cancelled job stores, in order (its evaluation row last): each
+    (summary, query rows). ``summary``: :func:`cancelled_summary` of the run in
+    progress with ``rec``, its rows. A job of one run is that run, under the job's id.
+    Of a sweep or search (``runs`` holds runs of their own), the run in progress goes
+    under its own id and the parent, with no rows, names every run in its ``points``
+    (those that finished are stored already, :func:`broker.evalstore.store_separate`)."""
+    if runs.current is None and not runs.finished:
+        return [(summary, rec)]
+    rows: list[tuple[EvaluationSummary, RunRecord | None]] = []
+    points = [r.point() for r in runs.finished]
+    during = f"after {_named(runs.finished)} finished"
+    if runs.current is not None:
+        run_id, spec, qps = runs.current
+        run = summary.model_copy(
+            update={"evaluation_id": run_id, "scenario": spec.model_dump(), "requested_qps": qps}
+        )
+        rows.append((run, rec))
+        points.append(Run.cancelled_point(run_id, spec, qps, run.queries, run.invalid_reasons[0]))
+        during = f"during run {run_id}, {during}"
+    why = f"cancelled {during}"
+    parent = summary.model_copy(
+        update={"invalid_reasons": (*summary.invalid_reasons, why), "points": tuple(points)}
+    )
+    return [*rows, (parent, None)]
+
+
+def _named(finished: list[Run]) -> str:
+    """The runs that finished, as a reason names them."""
+    if not finished:
+        return "no run"
+    ids = ", ".join(r.evaluation_id for r in finished)
+    return f"run {ids}" if len(finished) == 1 else f"runs {ids}"
 
 
 def _loadgen_cost(rec: RunRecord | None, loadgens: int) -> dict[str, Any] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlscope.bus import Bus
 from mlscope.contracts import AgentDescription, Placement, TraceLevel
@@ -13,6 +13,9 @@ from mlscope.record import RunRecord
 from mlscope.samples import Feeders
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
+
+if TYPE_CHECKING:
+    from broker.scenario import RunsSoFar
 
 __all__ = ["Context", "FeedersOf"]
 
@@ -44,6 +47,10 @@ class Context:
     placement: Placement = "server"
     """Where the load is generated: by this server (its Driver, or load-generator
     processes / services), or by the agent (:mod:`broker.agentrun`)."""
+
+    runs: RunsSoFar | None = None
+    """Where the runs of several (a sweep's, a search's) record how far they got, for
+    what a cancelled job stores (:class:`broker.scenario.RunsSoFar`); None: untracked."""
 
     run_id: str | None = None
     """The run this context drives when the evaluation makes several (a sweep's point,

@@ -1,7 +1,8 @@
 """What an evaluation leaves in the database: its query rows, then its evaluation row
 (a stored evaluation row means its evaluation is whole); each run of a sweep or search
-on its own, under the id its queries named (so its spans are its own); and the
-removal of what an unfinished attempt stored."""
+on its own, under the id its queries named (so its spans are its own), a cancelled
+one's too as far as it got (:mod:`broker.cancel`); and the removal of what an
+unfinished attempt stored."""
 
 from __future__ import annotations
 
@@ -21,7 +22,14 @@ from mlscope.contracts import EvaluationSummary
 from mlscope.outcomes import Outcome
 from mlscope.record import RunRecord
 
-__all__ = ["ATTEMPT_TABLES", "LOST", "forget_attempt", "store_evaluation", "store_runs"]
+__all__ = [
+    "ATTEMPT_TABLES",
+    "LOST",
+    "forget_attempt",
+    "store_evaluation",
+    "store_runs",
+    "store_separate",
+]
 
 ATTEMPT_TABLES = tuple(
     t.name
@@ -117,8 +125,7 @@ async def store_runs(
     """Each run of a sweep or search that has its own id on its own (its spans are
     under that id too), then the parent (with the query rows of a single run)."""
     separate = outcome.separate(summary.evaluation_id)
-    for run in separate:
-        await anyio.to_thread.run_sync(store_evaluation, db, summarize(run), run.record, spec_doc)
+    await store_separate(db, summarize, separate, spec_doc)
     # A parent of several runs has no query rows and no spans of its runs (each run's
     # are under its own id); its t0 is its first run's, the zero of its own timeline:
     # the system samples its agent took before the first run's first query (and
@@ -135,6 +142,16 @@ async def store_runs(
             t0_ns=t0,
         )
     )
+
+
+async def store_separate(
+    db: Database, summarize: Summarizer, runs: list[scenario.Run], spec_doc: dict[str, Any]
+) -> None:
+    """Each of ``runs`` (runs with their own id: a sweep's, a search's) as its own
+    evaluation, with its verdict and its query rows: every run of a finished one, and
+    those a cancelled one finished before its cancel (:mod:`broker.cancel`)."""
+    for run in runs:
+        await anyio.to_thread.run_sync(store_evaluation, db, summarize(run), run.record, spec_doc)
 
 
 def forget_attempt(db: Database, eval_id: str) -> None:

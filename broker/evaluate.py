@@ -20,12 +20,13 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker import accuracy, agentrun, evalstore, scenarios
+from broker import accuracy, agentrun, evalstore, scenario, scenarios
 from broker.context import Context
 from broker.db import Database
 from broker.evalprep import Prepared, prepare_agent
 from broker.evalspec import specification
 from broker.evalsummary import Summarizer, budget_warnings, memory_figures, parent_summary
+from broker.scenario import RunsSoFar
 from mlscope import codec, names, samples
 from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
@@ -61,17 +62,31 @@ class Evaluator:
     ``parallel`` (and are marked so)."""
 
     async def run(
-        self, job: JobRequest, agent: AgentDescription, entry: Entry, progress: Progress
+        self,
+        job: JobRequest,
+        agent: AgentDescription,
+        entry: Entry,
+        progress: Progress,
+        runs: RunsSoFar | None = None,
     ) -> EvaluationSummary:
         """Prepare the agent, drive the scenario, summarize and store (serialized with
-        this server's other runs unless ``job.parallel``)."""
+        this server's other runs unless ``job.parallel``). ``runs``: where a sweep's or
+        search's runs record how far they got; cancelled, the runs it finished are
+        stored before the cancel goes on (the rest is the canceller's,
+        :mod:`broker.cancel`)."""
+        runs = runs if runs is not None else RunsSoFar()
         if job.parallel:
-            return await self._run(job, agent, entry, progress)
+            return await self._run(job, agent, entry, progress, runs)
         async with self.host_lock:
-            return await self._run(job, agent, entry, progress)
+            return await self._run(job, agent, entry, progress, runs)
 
     async def _run(
-        self, job: JobRequest, agent: AgentDescription, entry: Entry, progress: Progress
+        self,
+        job: JobRequest,
+        agent: AgentDescription,
+        entry: Entry,
+        progress: Progress,
+        runs: RunsSoFar,
     ) -> EvaluationSummary:
         if job.mlperf is not None:
             from broker import mlperf  # LoadGen runs in its own process
@@ -83,20 +98,26 @@ class Evaluator:
         try:
             p = await prepare_agent(self.bus, self.zoo_dir, job, agent, entry)
             started = time.time()
-            outcome = await scenarios.execute(
-                self._context(job, agent, entry, p, progress), job.scenario
-            )
-            lost = await self._agent_lost(agent, outcome.main.record)
-            # A local run (placement agent) reports a lost agent in its own reasons.
-            gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
-            acc = (
-                None
-                if gone
-                else await self._accuracy(job, entry, p.data, p.eval_id, agent.agent_id)
-            )
-            finished = time.time()
-            # An agent gone since then ended its session with it.
-            released = {} if gone else await self.release(agent.agent_id, p.eval_id)
+            # Cancelled, a sweep's or search's finished runs are stored as they are.
+            try:
+                outcome = await scenarios.execute(
+                    self._context(job, agent, entry, p, progress, runs), job.scenario
+                )
+                lost = await self._agent_lost(agent, outcome.main.record)
+                # A local run (placement agent) reports a lost agent in its own reasons.
+                gone = bool(lost) or any(" lost after " in r for r in outcome.main.verdict.reasons)
+                acc = (
+                    None
+                    if gone
+                    else await self._accuracy(job, entry, p.data, p.eval_id, agent.agent_id)
+                )
+                finished = time.time()
+                # An agent gone since then ended its session with it.
+                released = {} if gone else await self.release(agent.agent_id, p.eval_id)
+            except anyio.get_cancelled_exc_class():
+                with anyio.CancelScope(shield=True):
+                    await self._store_finished(job, agent, entry, p, runs, started)
+                raise
         finally:
             if released is None:  # failed or cancelled on the way: its session ends too
                 with anyio.CancelScope(shield=True):
@@ -129,6 +150,7 @@ class Evaluator:
         entry: Entry,
         p: Prepared,
         progress: Progress,
+        runs: RunsSoFar,
     ) -> Context:
         """What the job's scenario runs against: the prepared agent, its data, this
         server's bus and settings."""
@@ -149,7 +171,26 @@ class Evaluator:
             agent=agent,
             prepare=p.prepare,
             placement=job.placement,
+            runs=runs,
         )
+
+    async def _store_finished(
+        self,
+        job: JobRequest,
+        agent: AgentDescription,
+        entry: Entry,
+        p: Prepared,
+        runs: RunsSoFar,
+        started: float,
+    ) -> None:
+        """The runs a cancelled sweep or search finished, each stored as a finished
+        one's (:func:`broker.evalstore.store_separate`)."""
+        if not runs.finished:
+            return
+        so_far = scenario.Outcome(runs.finished[0], list(runs.finished))
+        summarize = Summarizer.of(job, agent, entry, p, so_far, (started, time.time()))
+        spec_doc = specification(job, agent, entry, p.prep.dump())
+        await evalstore.store_separate(self.db, summarize, runs.finished, spec_doc)
 
     async def _accuracy(
         self,

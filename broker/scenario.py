@@ -22,14 +22,14 @@ from broker.context import Context
 from broker.loadgen import Driver
 from broker.summary import Figures, figures, judge, latency_split
 from mlscope import schedule
-from mlscope.contracts import ScenarioSpec, run_evaluation_id
+from mlscope.contracts import LatencyStats, ScenarioSpec, run_evaluation_id
 from mlscope.errors import ConfigError, EvaluationError
 from mlscope.record import RunRecord
 from mlscope.scenario_traits import ScenarioTraits
 from mlscope.schedule import Schedule
 from mlscope.validity import ValidityPolicy, Verdict
 
-__all__ = ["Outcome", "Run", "Scenario", "driver", "run_once"]
+__all__ = ["Outcome", "Run", "RunsSoFar", "Scenario", "driver", "run_once"]
 
 
 @dataclass
@@ -62,6 +62,55 @@ class Run:
             "valid": self.verdict.valid,
             "invalid_reasons": list(self.verdict.reasons),
         }
+
+    @staticmethod
+    def cancelled_point(
+        evaluation_id: str, spec: ScenarioSpec, requested_qps: float | None, queries: int, why: str
+    ) -> dict[str, Any]:
+        """A run stopped by its job's cancel as one entry of its parent's ``points``:
+        the keys of :meth:`point`, no figures, never valid, ``status`` ``cancelled``."""
+        none = LatencyStats(trimmed_mean=None, p50=None, p90=None, p99=None, max=None)
+        return {
+            "evaluation_id": evaluation_id,
+            "qps": requested_qps,
+            "batch_size": spec.batch_size,
+            "queries": queries,
+            "scheduled_qps": None,
+            "achieved_qps": None,
+            "completed_qps": None,
+            "backlog_s": None,
+            "throughput_ips": None,
+            "latency_ms": none.model_dump(),
+            "issue_lag_us": {},
+            "valid": False,
+            "invalid_reasons": [why],
+            "status": "cancelled",
+        }
+
+
+@dataclass
+class RunsSoFar:
+    """How far a scenario of several runs got, for what its job stores when cancelled
+    (:mod:`broker.cancel`): the runs with their own id that ended, the one in progress
+    and the live record of the run being measured (as last reported as progress).
+    A scenario of one run (a sweep of one point included) leaves ``finished`` empty and
+    ``current`` None: a cancel stores it as the evaluation itself."""
+
+    finished: list[Run] = field(default_factory=list)
+    """The runs that ended, each under its own id, in the order they ran."""
+    current: tuple[str, ScenarioSpec, float | None] | None = None
+    """The run in progress: its id, spec and requested rate; None between runs."""
+    record: RunRecord | None = None
+    """The live record of the run being measured (its progress reports')."""
+
+    def begin(self, evaluation_id: str, spec: ScenarioSpec, requested_qps: float | None) -> None:
+        """Run ``evaluation_id`` starts: no record of it yet (an earlier run's is not its)."""
+        self.current, self.record = (evaluation_id, spec, requested_qps), None
+
+    def end(self, run: Run) -> None:
+        """``run`` ended (judged): it is stored on its own whatever comes next."""
+        self.finished.append(run)
+        self.current, self.record = None, None
 
 
 @dataclass
@@ -188,6 +237,10 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
     ``evaluation_id``: the run's (its queries name it; a sweep's point or a search's
     trial has its own, :meth:`Scenario.run_id`)."""
     ctx = ctx.for_run(evaluation_id)
+    # A run of several under its own id is tracked, for what a cancel stores.
+    tracked = ctx.runs if ctx.run_id is not None else None
+    if tracked is not None:
+        tracked.begin(evaluation_id, spec, scenario.requested_qps(spec))
     inputs, labels = ctx.feeders(spec.batch_size)
     why: tuple[str, ...] = ()
     closed = scenario.closed_loop
@@ -240,7 +293,10 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
     if why:  # the agent's own account of a local run that went wrong
         verdict = Verdict(valid=False, reasons=(*verdict.reasons, *why))
     fig = figures(rec, has_labels=labels is not None, window_s=None if closed else window)
-    return Run(evaluation_id, spec, rec, fig, verdict, latency_split(rec), requested)
+    run = Run(evaluation_id, spec, rec, fig, verdict, latency_split(rec), requested)
+    if tracked is not None:
+        tracked.end(run)
+    return run
 
 
 def _closed_window(rec: RunRecord) -> float:

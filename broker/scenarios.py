@@ -15,7 +15,8 @@ search make several runs: each is a :class:`broker.scenario.Run` with its own
 evaluation id (``<parent>-<k>``, :meth:`broker.scenario.Scenario.run_id`), which its
 queries name (so the agent keeps its spans under it), stored on its own, and listed
 in the parent summary's ``points``; the parent's own figures are those of the best
-run.
+run. A cancelled one is stored the same way as far as it got (its runs record how far
+in a :class:`broker.scenario.RunsSoFar`; :mod:`broker.cancel`).
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ first server was lost is run again with a ``restarted`` event to the submitter.
 Cancelling: every server hears ``mlscope.job.*.cancel``. The one running the job
 cancels the job's own cancel scope (the agent is released, shielded), stores the
 evaluation with status ``cancelled`` (never VALID; its summary says after how many
-queries) and replies; a job cancelled before any server took it is remembered and,
-when taken, stored as cancelled without running.
+queries; a sweep or search keeps each run it finished and the one in progress under
+their own ids, :mod:`broker.cancel`) and replies; a job cancelled before any server
+took it is remembered and, when taken, stored as cancelled without running.
 
 Everything goes through the serving boundary (:mod:`mlscope.serving`): database
 requests, the job consumer, and every long-lived loop (watches, ingester, history).
@@ -39,7 +40,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from broker.agent_history import AgentHistory
-from broker.cancel import Cancels, cancelled_summary, issued_part
+from broker.cancel import Cancels, cancelled_rows, cancelled_summary, issued_part
 from broker.cursors import CursorLimits, Cursors
 from broker.db import Database
 from broker.dbresponder import DatabaseResponder
@@ -50,6 +51,7 @@ from broker.lgwork import work_bucket
 from broker.loadgen import running_p50_ms
 from broker.readonly import ReadLimits, ReadOnlyDatabase
 from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
+from broker.scenario import RunsSoFar
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.bus import bus_errors, if_found
@@ -336,7 +338,8 @@ class Server:
         await self._cancel_remembered(job.job_id)
         with self.cancels.running(job.job_id):
             return await self._evaluate(job, subject)
-        live, resolved = self.cancels.progress.get(job.job_id, (None, None))
+        runs, resolved = self.cancels.progress.get(job.job_id, (RunsSoFar(), None))
+        live = runs.record
         rec = issued_part(live) if live is not None else None
         summary = cancelled_summary(
             job,
@@ -348,10 +351,13 @@ class Server:
             tallied=live.done if live is not None and live.n == 0 else 0,
         )
         spec_doc = {"job": job.model_dump(mode="json"), "cancelled": True}
+        # A sweep's or search's finished runs are stored already; the job's row last.
+        rows = cancelled_rows(summary, runs, rec)
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.evaluator.store_unfinished, summary, rec, spec_doc)
+            for s, r in rows:
+                await anyio.to_thread.run_sync(self.evaluator.store_unfinished, s, r, spec_doc)
         log.info("job %s: cancelled after %d queries; stored", job.job_id, summary.queries)
-        return summary
+        return rows[-1][0]
 
     async def _evaluate(self, job: JobRequest, subject: str) -> EvaluationSummary:
         if job.mlperf_import is not None:  # logs made elsewhere: no agent to resolve
@@ -377,10 +383,11 @@ class Server:
                     exc.message,
                 )
                 gone.add(agent.agent_id)
-        self.cancels.progress[job.job_id] = (None, (agent, entry))
+        runs = RunsSoFar()
+        self.cancels.progress[job.job_id] = (runs, (agent, entry))
 
         async def progress(eval_id: str, rec: RunRecord, elapsed: float) -> None:
-            self.cancels.progress[job.job_id] = (rec, (agent, entry))
+            runs.record = rec
             await self._emit(
                 subject,
                 JobEvent(
@@ -394,7 +401,7 @@ class Server:
                 ),
             )
 
-        return await self.evaluator.run(job, agent, entry, progress)
+        return await self.evaluator.run(job, agent, entry, progress, runs)
 
     async def _forget_attempt(self, eval_id: str) -> None:
         """Before a restarted job runs again: stop what the lost attempt left running
