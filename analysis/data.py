@@ -27,6 +27,7 @@ from mlscope import schema
 from mlscope.bounded import MAX_DEPTH, json_depth
 from mlscope.errors import DatabaseError
 from mlscope.outcomes import classify
+from mlscope.tracerows import MANY, trace_rows
 
 _DTYPES = {
     "String": "object",
@@ -428,10 +429,11 @@ def spans(
     query_index: int | None = None,
 ) -> pd.DataFrame:
     """Spans of one evaluation (optionally some kinds, or one query), by start time
-    (then agent and span id), read a bounded frame at a time (:func:`pages`)."""
+    (then agent and span id), read a bounded frame at a time (:func:`pages`): those of
+    the agent it ran on (:func:`mlscope.tracerows.trace_rows`)."""
     sql = (
         "SELECT agent_id, span_id, parent_id, query_index, level, kind, name, start_ns, "
-        "end_ns, host, attrs FROM spans FINAL WHERE evaluation_id = {e:String}"
+        f"end_ns, host, attrs FROM {trace_rows('spans')}"
     )
     params: dict[str, Any] = {"e": evaluation_id}
     if kinds is not None:
@@ -447,14 +449,14 @@ def spans(
 def spans_of(
     source: Source, ids: Sequence[str], *, rows: int = FRAME_ROWS
 ) -> Iterator[pd.DataFrame]:
-    """Every span of evaluations ``ids`` (all stored columns but the batch bookkeeping),
-    by evaluation and start time (then agent and span id, which are unique), in frames
-    of at most ``rows`` (:func:`analysis.source.pages`): what an export writes."""
+    """Every span of evaluations ``ids`` (all stored columns but the batch bookkeeping;
+    each evaluation's of the agent it ran on), by evaluation and start time (then agent
+    and span id, which are unique), in frames of at most ``rows``
+    (:func:`analysis.source.pages`): what an export writes."""
     return pages(
         source,
         "SELECT evaluation_id, agent_id, span_id, parent_id, query_index, level, kind, name, "
-        "start_ns, end_ns, host, attrs FROM spans FINAL WHERE evaluation_id IN "
-        "{ids:Array(String)}",
+        f"start_ns, end_ns, host, attrs FROM {trace_rows('spans', MANY)}",
         {"ids": list(ids)},
         (
             ("evaluation_id", "String"),

@@ -13,6 +13,9 @@ their latency is left out of the summary.
 Spans are written by agents, which are not trusted, and a ClickHouse server may hold
 any rows, so nothing here assumes a span is well formed:
 
+* an evaluation's spans are those of the agent it ran on: every table reads them
+  through :func:`mlscope.tracerows.trace_rows` (another agent's, published under its
+  id, are not counted);
 * :func:`span_attrs` is the one reader of a span's ``attrs``, for every reader of spans;
 * durations and their sums are taken in 128-bit integers (two Int64 times may be 2⁶⁴
   apart), and a span that ends before it starts is left out of the tables
@@ -31,6 +34,7 @@ import pandas as pd
 
 from analysis.source import Source
 from mlscope.bounded import json_depth
+from mlscope.tracerows import MANY, trace_rows
 
 __all__ = [
     "ATTRS_MAX_CHARS",
@@ -73,8 +77,8 @@ def layer_kinds(source: Source, ids: Sequence[str]) -> dict[str, str | None]:
     """:func:`layer_kind` of each of ``ids``, in one query."""
     got = (
         source.frame(
-            "SELECT evaluation_id, kind, count() AS n FROM spans FINAL WHERE evaluation_id "
-            "IN {ids:Array(String)} AND kind IN ('layer', 'op') GROUP BY evaluation_id, kind "
+            f"SELECT evaluation_id, kind, count() AS n FROM {trace_rows('spans', MANY)} "
+            "AND kind IN ('layer', 'op') GROUP BY evaluation_id, kind "
             "ORDER BY evaluation_id, kind",
             {"ids": list(ids)},
         )
@@ -117,9 +121,8 @@ def _sum(expr: str) -> str:
 
 def _layers_sql(kind: str) -> str:
     return (
-        f"SELECT agent_id, span_id, name, {_DURATION} AS ns, attrs FROM spans FINAL "
-        f"WHERE evaluation_id = {{e:String}} AND kind = '{kind}' AND {_FORWARD} "
-        f"AND {_MEASURED}"
+        f"SELECT agent_id, span_id, name, {_DURATION} AS ns, attrs FROM {trace_rows('spans')} "
+        f"AND kind = '{kind}' AND {_FORWARD} AND {_MEASURED}"
     )
 
 
@@ -131,7 +134,7 @@ def layer_spans_left_out(source: Source, evaluation_id: str, *, kind: str | None
     if kind is None:
         return 0
     got = source.frame(
-        "SELECT count() AS n FROM spans FINAL WHERE evaluation_id = {e:String} "
+        f"SELECT count() AS n FROM {trace_rows('spans')} "
         f"AND kind = '{kind}' AND NOT ({_FORWARD}) AND {_MEASURED}",
         {"e": evaluation_id},
     )
@@ -196,9 +199,8 @@ def _kernels_below(
     first within a layer."""
     return source.frame(
         f"SELECT l.name AS layer, k.name AS child, {_sum('k.ns')} AS ns "
-        f"FROM (SELECT agent_id, parent_id, name, {_DURATION} AS ns FROM spans FINAL "
-        f"WHERE evaluation_id = {{e:String}} AND kind IN ('kernel', 'op') "
-        f"AND kind != '{kind}' AND {_FORWARD}) AS k "
+        f"FROM (SELECT agent_id, parent_id, name, {_DURATION} AS ns FROM {trace_rows('spans')} "
+        f"AND kind IN ('kernel', 'op') AND kind != '{kind}' AND {_FORWARD}) AS k "
         f"INNER JOIN ({_layers_sql(kind)}) AS l "
         f"ON k.parent_id = l.span_id AND k.agent_id = l.agent_id "
         f"WHERE l.name IN {{names:Array(String)}} GROUP BY layer, child "
@@ -246,9 +248,8 @@ def _layer_row(
 def _predict_ns(source: Source, evaluation_id: str) -> float:
     """The summed duration of the measured queries' predict spans (0.0: none)."""
     got = source.frame(
-        f"SELECT {_sum(_DURATION)} AS ns, count() AS n FROM spans FINAL "
-        "WHERE evaluation_id = {e:String} AND kind = 'step' AND name = 'predict' "
-        f"AND {_FORWARD} AND {_MEASURED}",
+        f"SELECT {_sum(_DURATION)} AS ns, count() AS n FROM {trace_rows('spans')} "
+        f"AND kind = 'step' AND name = 'predict' AND {_FORWARD} AND {_MEASURED}",
         {"e": evaluation_id},
     )
     return float(got["ns"].iloc[0]) if len(got) and int(got["n"].iloc[0]) else 0.0

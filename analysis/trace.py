@@ -19,6 +19,7 @@ from analysis.data import spans
 from analysis.layers import attr_text, shape_text, span_attrs
 from analysis.source import Source, table_exists
 from mlscope.errors import DatabaseError
+from mlscope.tracerows import trace_rows
 
 __all__ = ["DEPTHS", "inflight_slots", "system_samples", "timeline"]
 
@@ -107,16 +108,17 @@ def inflight_slots(tl: pd.DataFrame) -> pd.Series:
 
 
 def system_samples(source: Source, evaluation_id: str) -> pd.DataFrame:
-    """The evaluation's system samples (CPU, memory, GPU...), empty where the table or
-    the samples do not exist (system tracing is off below the ``system`` level)."""
+    """The evaluation's system samples (CPU, memory, GPU...), those of the agent it ran
+    on (:func:`mlscope.tracerows.trace_rows`), empty where the table or the samples do
+    not exist (system tracing is off below the ``system`` level)."""
     if not table_exists(source, "system_samples"):
         return pd.DataFrame()
     try:
         # FINAL: a redelivered sample batch must not show twice. The full sorting key
         # orders the rows, so that a paged read (BusSource) neither skips nor repeats.
         return source.frame(
-            "SELECT * FROM system_samples FINAL WHERE evaluation_id = "
-            "{e:String} ORDER BY agent_id, metric, device, ts_ns",
+            f"SELECT * FROM {trace_rows('system_samples')} "
+            "ORDER BY agent_id, metric, device, ts_ns",
             {"e": evaluation_id},
         )
     except DatabaseError:

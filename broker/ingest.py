@@ -17,6 +17,12 @@ that does not decode or validate is dead-lettered at once; a batch whose insert 
 read-only disk) is redelivered after a pause, and dead-lettered after
 ``MAX_DELIVER`` deliveries. The stream is never blocked and the server never stops.
 
+A batch is stored only in the name of the agent whose subject it came on, and not
+under an evaluation stored as run on another agent (the id a batch names is the
+agent's word: :data:`mlscope.tracerows.RAN_ON`, read once per fetch). One still
+running has no row yet and takes any agent's; once stored, its readers take its own
+agent's rows only (:func:`mlscope.tracerows.trace_rows`).
+
 Once stored, batches leave the stream: every ``trim_s`` the ingester purges the traces
 stream below its consumer's ack floor (every message before it is stored), so the
 stream holds what is not yet ingested, not seven days of spans (its byte cap is the
@@ -38,7 +44,7 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from broker.db import Database
 from broker.ingest_columns import Columns, codes_of
-from mlscope import codec, names, schema
+from mlscope import codec, names, schema, tracerows
 from mlscope.bus import Bus
 from mlscope.contracts import SampleBatch, SpanBatch
 from mlscope.errors import MLScopeError, WireError
@@ -231,13 +237,20 @@ class Ingester:
         spans, samples = Columns(schema.SPANS), Columns(schema.SYSTEM_SAMPLES)
         good: list[Msg] = []
         bad: list[tuple[Msg, MLScopeError]] = []
+        checked: list[tuple[Msg, SpanBatch | SampleBatch, dict[str, np.ndarray]]] = []
         for msg in msgs:
             if delivered(msg) > 1:
                 self.redelivered += 1
             try:
-                batch, codes = _decode(msg.data, msg.subject)
-                (spans if isinstance(batch, SpanBatch) else samples).add(batch, codes)
+                checked.append((msg, *_decode(msg.data, msg.subject)))
             except Exception as exc:  # whatever the bytes: this message never stores
+                bad.append((msg, self.boundary.failed(exc, msg.subject)))
+        ran_on = self._ran_on({batch.evaluation_id for _, batch, _ in checked})
+        for msg, batch, codes in checked:
+            try:
+                _check_agent(batch, ran_on)
+                (spans if isinstance(batch, SpanBatch) else samples).add(batch, codes)
+            except Exception as exc:  # another agent's evaluation, or rows that never store
                 bad.append((msg, self.boundary.failed(exc, msg.subject)))
                 continue
             good.append(msg)
@@ -245,6 +258,20 @@ class Ingester:
             rows = (spans.rows + samples.rows) / len(good)
             self._rows_per_msg = max(1.0, 0.5 * self._rows_per_msg + 0.5 * rows)
         return spans, samples, good, bad
+
+    def _ran_on(self, ids: set[str]) -> dict[str, str]:
+        """The agent each stored evaluation of ``ids`` ran on (not stored: not listed).
+        Read per fetch, never cached: a lost attempt's runs are stored again by the
+        next, maybe on another agent. Where the database does not answer, none (what is
+        then stored unchecked, readers still take by agent)."""
+        if not ids:
+            return {}
+        try:
+            rows = self.db.rows(tracerows.RAN_ON, {"ids": sorted(ids)})
+        except MLScopeError as exc:
+            log.warning("evaluations' agents not read; batches not checked: %s", exc)
+            return {}
+        return {str(e): str(a) for e, a in rows}
 
     async def _write(self, decoded: _Decoded) -> None:
         spans, samples, good, bad = decoded
@@ -324,6 +351,21 @@ def _decode(data: bytes, subject: str) -> tuple[SpanBatch | SampleBatch, dict[st
             _check(batch, f, batch.columns[f], what="row")
     _check_times(batch)
     return batch, codes
+
+
+def _check_agent(batch: SpanBatch | SampleBatch, ran_on: dict[str, str]) -> None:
+    """A batch naming a stored evaluation is stored only from the agent it ran on
+    (``ran_on``: :meth:`Ingester._ran_on`): an agent's credentials let it publish under
+    any evaluation id, in its own name."""
+    agent = ran_on.get(batch.evaluation_id)
+    if agent is not None and agent != batch.agent_id:
+        raise WireError(
+            f"{type(batch).__name__} {batch.batch_id}: evaluation {batch.evaluation_id} ran "
+            f"on agent {agent}, not on {batch.agent_id}, which sent it",
+            evaluation_id=batch.evaluation_id,
+            agent_id=batch.agent_id,
+            ran_on=agent,
+        )
 
 
 def _check_times(batch: SpanBatch | SampleBatch) -> None:

@@ -52,6 +52,7 @@ from mlscope import remote
 from mlscope.bus import Bus
 from mlscope.errors import ConfigError, DatabaseError
 from mlscope.settings import Settings
+from mlscope.tracerows import trace_rows
 
 __all__ = ["chrome_trace", "export", "fetch", "register"]
 
@@ -134,8 +135,9 @@ async def _rows(
 async def fetch(
     bus: Bus, eval_id: str, *, max_spans: int = MAX_SPANS
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(evaluation, queries, spans, samples) rows of one evaluation; a ConfigError,
-    before any span is read, when it has more than ``max_spans`` spans."""
+    """(evaluation, queries, spans, samples) rows of one evaluation (its spans and
+    samples those of the agent it ran on: :func:`mlscope.tracerows.trace_rows`); a
+    ConfigError, before any span is read, when it has more than ``max_spans`` spans."""
     where = "FINAL WHERE evaluation_id = {e:String}"
     ev = await _rows(
         bus,
@@ -147,7 +149,7 @@ async def fetch(
     if not ev:
         raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
     _, [[count]] = await remote.sql(
-        bus, f"SELECT count() FROM spans {where}", {"e": eval_id}, timeout=60
+        bus, f"SELECT count() FROM {trace_rows('spans')}", {"e": eval_id}, timeout=60
     )
     if int(count) > max_spans:
         raise ConfigError(
@@ -166,13 +168,13 @@ async def fetch(
     spans = await _rows(
         bus,
         "SELECT agent_id, host, span_id, parent_id, query_index, level, "
-        f"kind, name, start_ns, end_ns, attrs FROM spans {where}",
+        f"kind, name, start_ns, end_ns, attrs FROM {trace_rows('spans')}",
         eval_id,
         (("agent_id", "String"), ("span_id", "UInt64")),
     )
     samples = await _rows(
         bus,
-        f"SELECT agent_id, ts_ns, metric, device, value FROM system_samples {where}",
+        f"SELECT agent_id, ts_ns, metric, device, value FROM {trace_rows('system_samples')}",
         eval_id,
         (("agent_id", "String"), ("metric", "String"), ("device", "String"), ("ts_ns", "Int64")),
     )

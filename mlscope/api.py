@@ -52,6 +52,7 @@ from mlscope.contracts import (
 from mlscope.errors import BusError, ConfigError, DatabaseError
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
+from mlscope.tracerows import trace_rows
 
 if TYPE_CHECKING:  # pandas loads when a frame is asked for, not on import
     import pandas as pd
@@ -214,10 +215,11 @@ class Client:
         )
 
     async def spans(self, evaluation_id: str) -> pd.DataFrame:
-        """The trace spans of one evaluation, by start time (then agent and span id)."""
+        """The trace spans of one evaluation, by start time (then agent and span id):
+        those of the agent it ran on (:func:`mlscope.tracerows.trace_rows`)."""
         _ident("evaluation_id", evaluation_id)
         return await self._keyset(
-            "SELECT * FROM spans FINAL WHERE evaluation_id = {e:String}",
+            f"SELECT * FROM {trace_rows('spans')}",
             {"e": evaluation_id},
             (("start_ns", "Int64"), ("agent_id", "String"), ("span_id", "UInt64")),
         )

@@ -249,15 +249,17 @@ async def _forge_spans(
 ) -> list[str]:
     """The rogue rewrites one of the victim's stored spans, on the victim's trace subject
     (refused by the server) and on its own (refused by the ingester); then an honest
-    batch of its own follows, as a control. Returns the control span's stored names,
-    once it landed, after checking that the victim's span is as it was."""
+    batch of its own, under an evaluation of its own (the victim's, stored as run on the
+    victim, takes no other agent's), follows as a control. Returns the control span's
+    stored names, once it landed, after checking that the victim's span is as it was."""
     ev, victim = summary.evaluation_id, summary.agent_id
+    own_ev = f"{ev}-rogue"
     one = (
         "SELECT span_id, name FROM spans FINAL WHERE evaluation_id = {e:String} "
         "AND agent_id = {a:String} AND span_id >= {s:UInt64} ORDER BY span_id LIMIT 1"
     )
 
-    def batch(agent_id: str, span_id: int, name: str, batch_id: str) -> bytes:
+    def batch(agent_id: str, span_id: int, name: str, batch_id: str, e: str = ev) -> bytes:
         cols: dict[str, list[object]] = {"span_id": [span_id], "parent_id": [0]}
         cols |= {
             "query_index": [0],
@@ -268,7 +270,7 @@ async def _forge_spans(
             "end_ns": [2],
             "attrs": [""],
         }
-        msg = {"kind": "spans", "evaluation_id": ev, "agent_id": agent_id, "host": "h"}
+        msg = {"kind": "spans", "evaluation_id": e, "agent_id": agent_id, "host": "h"}
         return codec.encode({**msg, "batch_id": batch_id, "columns": cols})
 
     async with busmod.connect(role(stack, auth, "reader"), name="test") as reader:
@@ -282,12 +284,12 @@ async def _forge_spans(
             forged = batch(victim, span_id, "FORGED", "sb-forged-1")
             assert await probe.denied_publish(names.traces(ev, victim), forged)
             assert not await probe.denied_publish(names.traces(ev, "rogue"), forged)
-            own = batch("rogue", 1, "their own", "sb-own-1")
-            assert not await probe.denied_publish(names.traces(ev, "rogue"), own)
+            own = batch("rogue", 1, "their own", "sb-own-1", own_ev)
+            assert not await probe.denied_publish(names.traces(own_ev, "rogue"), own)
         control: list[list[object]] = []
         with anyio.fail_after(60):  # batches are stored in order: the forged one was seen
             while not control:
-                _, control = await remote.sql(reader, one, {"e": ev, "a": "rogue", "s": 0})
+                _, control = await remote.sql(reader, one, {"e": own_ev, "a": "rogue", "s": 0})
                 await anyio.sleep(0.2)
         _, after = await remote.sql(reader, one, {"e": ev, "a": victim, "s": span_id})
         assert after == [[span_id, name]]

@@ -203,7 +203,7 @@ def test_readers_show_a_redelivered_batch_once(fresh_db: Database) -> None:
         ),
         "",
     )
-    evaluation.update(evaluation_id=eval_id, device="cpu", spec="{}", summary="{}")
+    evaluation.update(evaluation_id=eval_id, agent_id="a1", device="cpu", spec="{}", summary="{}")
     names = [*evaluation, "valid", "t0_ns", "clock_offset_ns"]
     values = [[v] for v in evaluation.values()] + [[1], [0], [0]]
     for _ in range(2):
