@@ -9,7 +9,7 @@ row): the batches' dictionaries are merged (each distinct string looked at once 
 message), their indices remapped with numpy, and chDB receives Arrow dictionary
 arrays. A batch from a tracer that sends plain strings is encoded here (by Arrow, in
 C). Numbers go in as typed Arrow arrays. The columns were checked against their
-table's types before they get here (:func:`broker.ingest._decode`).
+table's types before they get here (:func:`broker.ingest_batch.decode`).
 """
 
 from __future__ import annotations

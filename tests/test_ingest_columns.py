@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from agent.tracer import COLUMNS, dictionary_encode
-from broker import ingest
+from broker import ingest_batch
 from broker.db import Database
 from broker.ingest_columns import Columns
 from mlscope import codec, names, schema
@@ -59,9 +59,9 @@ def batch(columns: dict[str, list[Any]], dicts: dict[str, Any], eid: str = "ev-a
 
 
 def decode(data: bytes, subject: str | None = None) -> Any:
-    """``ingest._decode`` of a batch published on ``subject`` (default: its own)."""
+    """``ingest_batch.decode`` of a batch published on ``subject`` (default: its own)."""
     raw = codec.decode(data)
-    return ingest._decode(data, subject or names.traces(raw["evaluation_id"], raw["agent_id"]))
+    return ingest_batch.decode(data, subject or names.traces(raw["evaluation_id"], raw["agent_id"]))
 
 
 def stored(db: Database, eid: str) -> list[tuple[Any, ...]]:

@@ -21,7 +21,7 @@ import pytest
 
 from agent import tracer
 from agent.profiling.base import LayerEvent, emit_events
-from broker import ingest
+from broker import ingest_batch
 from broker.db import Database
 from broker.ingest import Ingester
 from broker.ingest_columns import Columns
@@ -151,7 +151,7 @@ def _size(batch: dict[str, Any]) -> int:
 
 
 def decode(batch: dict[str, Any]) -> Any:
-    return ingest._decode(codec.encode(batch), names.traces(batch["evaluation_id"], AGENT))
+    return ingest_batch.decode(codec.encode(batch), names.traces(batch["evaluation_id"], AGENT))
 
 
 # ------------------------------------------------------------------ the ingester's check
