@@ -58,6 +58,7 @@ __all__ = [
     "spans_of",
     "stored_json",
     "stored_spec",
+    "stored_summary",
     "with_sweep_runs",
 ]
 
@@ -250,13 +251,23 @@ def stored_json(evaluation_id: str, column: str, text: object) -> dict[str, Any]
 def stored_spec(source: Source, evaluation_id: str) -> dict[str, Any]:
     """The stored specification of ``evaluation_id`` (its ``job``, manifest, agent...):
     what ``mlscope rerun`` runs again; a DatabaseError names an evaluation not stored."""
+    return _stored(source, evaluation_id, "spec")
+
+
+def stored_summary(source: Source, evaluation_id: str) -> dict[str, Any]:
+    """The stored summary of ``evaluation_id`` (of a sweep's run: its own ``scenario``,
+    the point it ran); a DatabaseError names an evaluation not stored."""
+    return _stored(source, evaluation_id, "summary")
+
+
+def _stored(source: Source, evaluation_id: str, column: str) -> dict[str, Any]:
     raw = source.frame(
-        "SELECT spec FROM evaluations FINAL WHERE evaluation_id = {id:String}",
+        f"SELECT {column} FROM evaluations FINAL WHERE evaluation_id = {{id:String}}",
         {"id": evaluation_id},
     )
     if raw.empty:
         raise DatabaseError(f"no evaluation {evaluation_id}", evaluation_id=evaluation_id)
-    return stored_json(evaluation_id, "spec", raw.iloc[0, 0])
+    return stored_json(evaluation_id, column, raw.iloc[0, 0])
 
 
 STORED_MAX_DEPTH = 4 * MAX_DEPTH

@@ -14,9 +14,10 @@ Bounds, so that clients cannot make the server hold memory:
 - at most ``CursorLimits.max_open`` results are held at once: one more is refused
   with a :class:`~mlscope.errors.QueryRefused` naming ``max_open_cursors`` (a result
   that fits its first page needs no cursor and is never refused for this);
-- a result is released when its last page is read, and one that no page was asked
-  of for ``CursorLimits.idle_s`` is dropped (:meth:`Cursors.run` sweeps them), so a
-  client that stops reading leaks nothing.
+- a result is released when its last page is read or its reader closes it
+  (:meth:`Cursors.close`: a reader that stops early says so), and one that no page
+  was asked of for ``CursorLimits.idle_s`` is dropped (:meth:`Cursors.run` sweeps
+  them), so even a client that vanishes without closing leaks nothing for long.
 
 So the server holds at most ``max_open × max_paged_bytes`` for paged results, plus
 the ones running (one per paged read connection).
@@ -64,6 +65,8 @@ class _Cursor:
     touched: float
     busy: bool = False
     """A request is paging it now (another one for it is refused, not interleaved)."""
+    closed: bool = False
+    """Closed while a page of it was being made: released when that page is."""
 
 
 @dataclass
@@ -127,10 +130,24 @@ class Cursors:
             return ArrowPage(page.data, page.rows, more=not done)
         finally:
             with self._lock:
-                if done:
+                if done or cursor.closed:
                     self._held.pop(cursor_id, None)
                 else:
                     cursor.busy, cursor.touched = False, self.clock()
+
+    def close(self, cursor_id: str) -> bool:
+        """Release a held result now (its reader stopped before its last page): whether
+        one was held. An id not held (never opened, read to its end, expired, closed
+        already) is no error; one being paged is released with that page."""
+        with self._lock:
+            cursor = self._held.get(cursor_id)
+            if cursor is None:
+                return False
+            if cursor.busy:
+                cursor.closed = True
+            else:
+                del self._held[cursor_id]
+            return True
 
     def expire(self) -> int:
         """Drop the results idle for over ``idle_s``; how many were dropped."""

@@ -5,7 +5,9 @@ database through it (``mlscope.db.*``), on read-only, limited connections
 ``mlscope.db.sql`` (a queue group: any replica answers) runs client SQL and answers
 rows, or the first Arrow page of the result with the rest held under a cursor
 (:mod:`broker.cursors`); the later pages are asked of the replica holding them on its
-own subject (``mlscope.db.sql.page.<server id>``, no queue group).
+own subject (``mlscope.db.sql.page.<server id>``, no queue group), and a reader that
+stops before the last page releases the rest there too (``mlscope.db.sql.close.<server
+id>``).
 ``mlscope.db.evaluation`` answers one stored evaluation's specification and summary.
 """
 
@@ -30,6 +32,8 @@ from mlscope.contracts import (
     EvaluationReply,
     EvaluationRequest,
     SqlArrowReply,
+    SqlCloseReply,
+    SqlCloseRequest,
     SqlPageRequest,
     SqlReply,
     SqlRequest,
@@ -61,13 +65,14 @@ class DatabaseResponder:
 
     async def subscribe(self) -> list[Subscription]:
         """The request subscriptions answered one at a time (the evaluation request,
-        in the replicas' queue group; this replica's cursor pages); the client SQL is
-        :meth:`serve_sql`'s."""
+        in the replicas' queue group; this replica's cursor pages and closes); the
+        client SQL is :meth:`serve_sql`'s."""
         serve = self.boundary.subscribe
         return [
             await serve(names.EVALUATION_SUBJECT, EvaluationRequest, self._on_eval, queue=DB_QUEUE),
             # No queue group: only this replica holds its cursors.
             await serve(names.sql_pages(self.server_id), SqlPageRequest, self._on_page),
+            await serve(names.sql_close(self.server_id), SqlCloseRequest, self._on_close),
         ]
 
     async def serve_sql(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -123,6 +128,10 @@ class DatabaseResponder:
             )
         )
         return self._arrow_reply(page, req.cursor if page.more else None)
+
+    async def _on_close(self, req: SqlCloseRequest, msg: Msg) -> SqlCloseReply:
+        """Release a result this server holds before its last page (broker.cursors)."""
+        return SqlCloseReply(released=self.cursors.close(req.cursor))
 
     def _arrow_reply(self, page: ArrowPage, cursor: str | None) -> SqlArrowReply:
         return SqlArrowReply(

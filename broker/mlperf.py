@@ -48,6 +48,7 @@ from broker import mlperf_logs as logs
 from broker.db import Database
 from broker.evalprep import PREPARE_TIMEOUT_S
 from broker.evalspec import specification
+from broker.evalsummary import budget_warnings
 from broker.loadgen import estimate_offset
 from broker.mlperf_agent import run_in_agent
 from broker.summary import figures, latency_split
@@ -122,6 +123,7 @@ async def run(
     offset, rtt = await estimate_offset(ev.bus, agent.agent_id)
     started = time.time()
     conf_model = spec.conf_model or m.name
+    released: dict[str, Any] = {}  # the agent's release reply: {} when it did not answer
     try:
         if job.placement == "agent":  # LoadGen next to the model, its clock the agent's
             timing, files = await run_in_agent(ev.bus, spec, conf_model, eval_id, agent)
@@ -129,7 +131,7 @@ async def run(
             timing, files = await _test(ev, spec, conf_model, eval_id, agent, len(data[0]))
     finally:
         with anyio.move_on_after(5, shield=True):
-            await request(
+            released = await request(
                 ev.bus, ctl, codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5
             )
     missing = logs.missing(files)
@@ -146,6 +148,9 @@ async def run(
     summary = _described(
         summary, rec, int(timing["errors"]), job, agent, entry, (offset, rtt), prep
     )
+    # What the agent's release says of its spans, as every run's summary says it.
+    warnings = (*summary.warnings, *budget_warnings(released))
+    summary = summary.model_copy(update={"warnings": warnings})
     spec_doc = specification(job, agent, entry, prep.dump())
     # The evaluation row last: a server that sees it takes the evaluation as stored whole.
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)

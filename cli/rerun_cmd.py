@@ -1,6 +1,7 @@
 """``mlscope rerun EVAL_ID``: run a stored evaluation's specification again.
 
-The stored job is resubmitted with a new job id, ``rerun_of`` pointing at the original,
+The stored job (of one run of a sweep or search, ``<id>-<k>``, that run's point alone:
+:mod:`mlscope.reproduce`) is resubmitted with a new job id, ``rerun_of`` pointing at the original,
 and pinned to what ran: the exact model version, the manifest's content (its sha256,
 which also covers the artifacts' checksums: a changed manifest is refused, not
 silently used), the framework's exact version and, unless ``--any-system``, the host
@@ -15,7 +16,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -36,9 +37,18 @@ from mlscope.contracts import (
 from mlscope.errors import DatabaseError, EvaluationError
 from mlscope.jobs import submit
 from mlscope.manifest import manifest_digest
+from mlscope.reproduce import evaluation_job
 from mlscope.settings import Settings
 
-__all__ = ["artifact_note", "differences", "register", "rerun", "rerun_job", "stored_spec"]
+__all__ = [
+    "artifact_note",
+    "differences",
+    "register",
+    "rerun",
+    "rerun_job",
+    "stored_scenario",
+    "stored_spec",
+]
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,8 +64,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def rerun_job(
-    spec: dict[str, object], evaluation_id: str, *, any_system: bool = False
+    spec: dict[str, object],
+    evaluation_id: str,
+    *,
+    any_system: bool = False,
+    point: Mapping[str, Any] | None = None,
 ) -> JobRequest:
+    """The job that runs ``evaluation_id`` again (:func:`mlscope.reproduce.evaluation_job`:
+    of one run of a sweep or search, that run alone, the scenario its stored summary
+    says it ran: ``point``), pinned to what ran."""
     imported = spec.get("imported")
     if isinstance(imported, dict):
         raise EvaluationError(
@@ -63,7 +80,7 @@ def rerun_job(
             f"({imported.get('source')}): there is no job to rerun",
             evaluation_id=evaluation_id,
         )
-    job = _stored_job(spec, evaluation_id)
+    job = evaluation_job(_stored_job(spec, evaluation_id), evaluation_id, point)
     manifest = spec.get("manifest")
     if not isinstance(manifest, dict) or "version" not in manifest:
         raise EvaluationError(
@@ -133,6 +150,23 @@ async def stored_spec(bus: busmod.Bus, evaluation_id: str) -> dict[str, Any]:
     if not rows:
         raise DatabaseError(f"no evaluation {evaluation_id!r}", evaluation_id=evaluation_id)
     return stored_json(evaluation_id, "spec", rows[0][0])
+
+
+async def stored_scenario(bus: busmod.Bus, evaluation_id: str) -> dict[str, Any] | None:
+    """The scenario ``evaluation_id`` ran, as its stored summary says (a sweep's run:
+    its own point); None where the summary holds none this can read."""
+    from analysis.data import stored_json
+
+    _, rows = await remote.sql(
+        bus,
+        "SELECT summary FROM evaluations FINAL WHERE evaluation_id = {id:String}",
+        {"id": evaluation_id},
+    )
+    try:
+        scenario = stored_json(evaluation_id, "summary", rows[0][0]).get("scenario")
+    except (IndexError, DatabaseError):
+        return None
+    return scenario if isinstance(scenario, dict) else None
 
 
 def artifact_note(before: dict[str, object], after: dict[str, object]) -> str | None:
@@ -205,7 +239,8 @@ async def rerun(
     """Resubmit ``evaluation_id``'s specification; ``on_event`` hears the job's events."""
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         spec = await stored_spec(bus, evaluation_id)
-    job = rerun_job(spec, evaluation_id, any_system=any_system)
+        point = await stored_scenario(bus, evaluation_id)
+    job = rerun_job(spec, evaluation_id, any_system=any_system, point=point)
     # An MLPerf run lasts what its conf files say (10 minutes officially).
     timeout = 6 * 3600.0 if job.mlperf else None
     summary = await submit(settings, job, on_event=on_event, timeout=timeout)

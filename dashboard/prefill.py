@@ -1,5 +1,6 @@
 """The Run page's form started from a stored evaluation (``/run?eval=EV_ID``): every box
-from the evaluation's stored job, and a warning for what no box can hold."""
+from the job that reproduces it (:mod:`mlscope.reproduce`, as ``mlscope rerun`` runs it:
+of one run of a sweep, that run's point alone), and a warning for what no box can hold."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from analysis.data import stored_spec
+from analysis.data import stored_spec, stored_summary
 from dashboard import common  # common.source() at each call, as the pages read it
 from mlscope.contracts import JobRequest
 from mlscope.errors import MLScopeError
+from mlscope.reproduce import evaluation_job, is_run_of
 
 __all__ = ["LEVELS", "form_values", "listed_values", "notes", "prefill"]
 
@@ -51,7 +53,7 @@ def _fill(evaluation_id: str) -> tuple[str | None, str | None]:
         raw = spec.get("job")
         # An MLPerf job is LoadGen's, not a scenario (an import keeps its files' names only).
         mlperf = isinstance(raw, dict) and bool(raw.get("mlperf") or raw.get("mlperf_import"))
-        job = None if raw is None or mlperf else JobRequest.model_validate(raw)
+        job = None if raw is None or mlperf else _job(evaluation_id, raw)
     except (MLScopeError, ValueError) as exc:
         return None, f"{evaluation_id}: its stored job cannot be read, not started from ({exc})."
     if mlperf or "imported" in spec:
@@ -72,6 +74,16 @@ def _fill(evaluation_id: str) -> tuple[str | None, str | None]:
         else None
     )
     return f"Settings from {evaluation_id}.", warning
+
+
+def _job(evaluation_id: str, raw: object) -> JobRequest:
+    """The job that reproduces ``evaluation_id`` (:func:`mlscope.reproduce.evaluation_job`,
+    as ``mlscope rerun`` runs it): of one run of a sweep or search, that run alone."""
+    job = JobRequest.model_validate(raw)
+    if not is_run_of(job, evaluation_id):
+        return job
+    ran = stored_summary(common.source(), evaluation_id).get("scenario")
+    return evaluation_job(job, evaluation_id, ran if isinstance(ran, dict) else None)
 
 
 def listed_values(r: Any) -> tuple[dict[str, Any], list[str]]:

@@ -25,6 +25,8 @@ Subjects (core NATS unless marked JetStream):
     mlscope.db.sql.page.<server_id>    the next page of a result that server holds
                                        (no queue group: only the replica that ran the
                                        statement has it)
+    mlscope.db.sql.close.<server_id>   release a result that server holds (a reader
+                                       that stops before its last page)
     mlscope.db.evaluation              fetch one stored evaluation (spec + summary)
     mlscope.dead.<stream>              JetStream (stream MLSCOPE_DEAD): messages a consumer
                                        gave up on, the error in their headers
@@ -78,6 +80,7 @@ __all__ = [
     "loadgen_ctl",
     "loadgen_progress",
     "loadgen_run",
+    "sql_close",
     "sql_pages",
     "stored_traces",
     "token",
@@ -136,6 +139,11 @@ def token(value: str) -> str:
 def sql_pages(server_id: str) -> str:
     """Where server ``server_id`` serves the pages of the results it holds."""
     return f"{SQL_SUBJECT}.page.{token(server_id)}"
+
+
+def sql_close(server_id: str) -> str:
+    """Where server ``server_id`` releases a result it holds before its last page."""
+    return f"{SQL_SUBJECT}.close.{token(server_id)}"
 
 
 def capability(framework: str, model: str) -> str:

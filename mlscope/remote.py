@@ -5,21 +5,30 @@ read-only SQL on ``mlscope.db.sql``. With a ClickHouse server, clients may inste
 connect directly with clickhouse-connect; these functions work in both cases.
 :func:`sql` returns msgpack rows (small results); :func:`arrow` and
 :func:`arrow_pages` read bulk results as Arrow IPC pages, each under the bus's max
-payload, of one execution of the statement held by the server between pages.
+payload, of one execution of the statement held by the server between pages (and
+released as soon as a reader stops before the last one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from pydantic import ValidationError
 
 from mlscope import codec, names
 from mlscope.bus import Bus, request
-from mlscope.contracts import EvaluationReply, EvaluationSummary, SqlArrowReply
-from mlscope.errors import BusError, CursorNotFound, QueryRefused, WireError
+from mlscope.contracts import (
+    EvaluationReply,
+    EvaluationSummary,
+    SqlArrowReply,
+    SqlCloseReply,
+    SqlCloseRequest,
+)
+from mlscope.errors import BusError, CursorNotFound, MLScopeError, QueryRefused, WireError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -27,9 +36,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARROW_PAGE_ROWS",
+    "CLOSE_TIMEOUT_S",
     "KEYSET_ROWS",
     "arrow",
     "arrow_pages",
+    "close_cursor",
     "evaluation",
     "fewer_rows",
     "keyset_pages",
@@ -64,38 +75,72 @@ async def arrow_pages(
     *,
     page_rows: int = ARROW_PAGE_ROWS,
     timeout: float = 30.0,
-) -> AsyncIterator[pa.Table]:
+) -> AsyncGenerator[pa.Table, None]:
     """Run one read-only statement once; its result page by page, each page an Arrow
     IPC message under the bus's max payload (at least one page, with the result's
     columns, even when it has no rows).
 
     The server holds the result of that one execution for its pages (a cursor on the
     replica that ran it), so the pages are consistent for any statement, ordered or
-    not. A consumer that stops early leaves the rest to expire on the server; a
-    DatabaseError (:class:`~mlscope.errors.CursorNotFound`) when the rest expired
-    first, or the server holding it is gone."""
+    not. A consumer that stops early should close the iterator
+    (``contextlib.aclosing``, or ``await pages.aclose()``): stopping before the last
+    page, however (closed, failed, cancelled), releases the rest on the server at once
+    (:func:`close_cursor`) rather than leave it held until it expires. A DatabaseError
+    (:class:`~mlscope.errors.CursorNotFound`) when the rest expired first, or the
+    server holding it is gone."""
     reply = await _arrow_reply(
         bus,
         names.SQL_SUBJECT,
         {"sql": query, "parameters": parameters or {}, "format": "arrow", "page_rows": page_rows},
         timeout,
     )
-    yield read_ipc(reply.arrow)
-    while reply.more:
-        if reply.cursor is None or reply.server_id is None:
-            raise WireError("an Arrow page says more rows follow but names no cursor")
-        subject = names.sql_pages(reply.server_id)
-        try:
-            reply = await _arrow_reply(
-                bus, subject, {"cursor": reply.cursor, "page_rows": page_rows}, timeout
-            )
-        except BusError as exc:
-            raise CursorNotFound(
-                f"the server holding the rest of the result ({reply.server_id}) does not "
-                f"answer: {exc.message}; run the statement again",
-                server_id=reply.server_id,
-            ) from exc
+    try:
         yield read_ipc(reply.arrow)
+        while reply.more:
+            reply = await _next_page(bus, reply, page_rows, timeout)
+            yield read_ipc(reply.arrow)
+    finally:
+        if reply.more and reply.cursor is not None and reply.server_id is not None:
+            await close_cursor(bus, reply.server_id, reply.cursor)
+
+
+async def _next_page(
+    bus: Bus, reply: SqlArrowReply, page_rows: int, timeout: float
+) -> SqlArrowReply:
+    """The page after ``reply``, asked of the server holding the rest."""
+    if reply.cursor is None or reply.server_id is None:
+        raise WireError("an Arrow page says more rows follow but names no cursor")
+    subject = names.sql_pages(reply.server_id)
+    try:
+        return await _arrow_reply(
+            bus, subject, {"cursor": reply.cursor, "page_rows": page_rows}, timeout
+        )
+    except BusError as exc:
+        raise CursorNotFound(
+            f"the server holding the rest of the result ({reply.server_id}) does not "
+            f"answer: {exc.message}; run the statement again",
+            server_id=reply.server_id,
+        ) from exc
+
+
+CLOSE_TIMEOUT_S = 2.0
+"""Longest a reader that stops early waits for the server to release its cursor."""
+
+
+async def close_cursor(bus: Bus, server_id: str, cursor: str) -> bool:
+    """Ask server ``server_id`` to release the result it holds under ``cursor`` (its
+    reader stopped before the last page); whether it held it. Shielded, so that a
+    cancelled reader still releases it, and never raises: a server that does not answer
+    drops the result anyway when it has been idle for its expiry."""
+    with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True), contextlib.suppress(MLScopeError):
+        reply = await request(
+            bus,
+            names.sql_close(server_id),
+            codec.encode_model(SqlCloseRequest(cursor=cursor)),
+            timeout=CLOSE_TIMEOUT_S,
+        )
+        return codec.validate(SqlCloseReply, reply).released
+    return False
 
 
 async def arrow(
@@ -110,10 +155,9 @@ async def arrow(
     read in pages (:func:`arrow_pages`)."""
     import pyarrow as pa
 
-    tables = [
-        page
-        async for page in arrow_pages(bus, query, parameters, page_rows=page_rows, timeout=timeout)
-    ]
+    pages = arrow_pages(bus, query, parameters, page_rows=page_rows, timeout=timeout)
+    async with contextlib.aclosing(pages):
+        tables = [page async for page in pages]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 

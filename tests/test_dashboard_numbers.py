@@ -182,6 +182,25 @@ def test_run_page_starts_from_a_sweeps_job(env: Runs) -> None:
     assert "Settings from" in at.caption[0].value and not at.warning
 
 
+def test_one_run_of_a_sweep_is_rerun_and_prefilled_as_that_run_alone(env: Runs) -> None:
+    """A sweep's run (``<id>-<k>``) is reproduced by its own point, not the whole sweep:
+    the Run page starts from it and ``mlscope rerun`` runs it (one definition:
+    :func:`mlscope.reproduce.evaluation_job`)."""
+    from cli.rerun_cmd import rerun
+
+    run = f"{env.sweep}-1"  # batch size 8 of the sweep of 1 and 8
+    at = page("run.py", eval=run)
+    assert at.selectbox(key="run_scenario").value == "batched"
+    assert at.number_input(key="run_batch").value == 8
+    assert at.text_input(key="run_sweep").value == ""  # batch 8 alone, not the sweep
+    assert at.number_input(key="run_duration").value == 0.3
+    assert f"Settings from {run}" in at.caption[0].value and not at.warning
+
+    again = anyio.run(lambda: rerun(env.settings, run, any_system=True), backend="asyncio")
+    assert again.scenario["batch_size"] == 8 and not again.scenario["batch_sizes"]
+    assert not again.points or [p["batch_size"] for p in again.points] == [8]
+
+
 def test_run_page_does_not_start_from_an_mlperf_run(env: Runs, tmp_path: Path) -> None:
     """An MLPerf LoadGen run is no scenario of the form: said, and nothing prefilled
     (its target rate is not an online run's)."""

@@ -26,6 +26,7 @@ import pytest
 
 from broker import mlperf, mlperf_agent
 from broker import mlperf_logs as logs
+from broker.evalsummary import budget_warnings
 from mlscope import bus as busmod
 from mlscope import codec, names, provision, wire
 from mlscope.catalog import Catalog, default_manifest_dirs
@@ -40,6 +41,7 @@ from mlscope.contracts import (
     PingReply,
     PrepareReply,
     QueryReply,
+    ReleaseReply,
     SamplesReply,
 )
 from mlscope.errors import BusError, ConfigError, EvaluationError, MLScopeError
@@ -287,10 +289,16 @@ class _Host:
 
 
 async def _served_agent(
-    bus: busmod.Bus, agent_id: str, first: dict[str, Any], prep: dict[str, Any], files: Any
+    bus: busmod.Bus,
+    agent_id: str,
+    first: dict[str, Any],
+    prep: dict[str, Any],
+    files: Any,
+    released: dict[str, Any],
 ) -> None:
     """ping / prepare / samples; the first samples query answered with ``first`` over
-    an honest reply; ``mlperf`` (placement agent) answered with ``files``."""
+    an honest reply; ``mlperf`` (placement agent) answered with ``files``; release with
+    ``released``."""
 
     async def ctl(msg: Any) -> None:
         op = codec.decode(msg.data)
@@ -311,7 +319,7 @@ async def _served_agent(
             data = files[op["name"]][op["offset"] :]
             out = MLPerfFile(name=op["name"], offset=op["offset"], data=data).dump()
         else:
-            out = {"kind": "released", "ok": True}
+            out = released
         await msg.respond(codec.encode(out))
 
     async def samples(msg: Any) -> None:
@@ -343,6 +351,7 @@ def _mlperf_run(
     prep: dict[str, Any] = GOOD_PREP,
     placement: str = "server",
     files: dict[str, bytes] | None = None,
+    released: ReleaseReply | None = None,
 ) -> tuple[_Host, BaseException | None]:
     """broker.mlperf.run (its real LoadGen child) against a fake agent."""
     zoo = built("digits_cnn").parent.parent
@@ -356,7 +365,9 @@ def _mlperf_run(
                 busmod.connect(settings, name="fake agent") as agent_bus,
                 busmod.connect(settings, name="server") as bus,
             ):
-                await _served_agent(agent_bus, "agent-x", first, prep, files or {})
+                reply = (released or ReleaseReply()).dump()
+                await _served_agent(agent_bus, "agent-x", first, prep, files or {}, reply)
+                await _answers_pings(bus, "agent-x")  # as the server sees it, before a run
                 host = _Host(bus, zoo)
                 job = JobRequest(
                     model="digits_cnn",
@@ -394,6 +405,15 @@ def test_an_out_of_range_class_index_fails_its_samples_not_the_run(tmp_path: Pat
     summary = host.stored[0][0]
     assert not summary.valid and summary.errors > 0
     assert any("samples failed in the agent" in r for r in summary.invalid_reasons)
+
+
+def test_span_batches_refused_are_a_warning_of_an_mlperf_run(tmp_path: Path) -> None:
+    """An MLPerf run's summary says what the agent's release says of span batches the
+    traces stream refused, as every other run's does (the same warning)."""
+    host, err = _mlperf_run(tmp_path, {}, released=ReleaseReply(span_batches_refused=3))
+    assert err is None, err
+    summary = host.stored[0][0]
+    assert budget_warnings({"span_batches_refused": 3})[0] in summary.warnings
 
 
 def test_a_prepare_reply_without_load_times_is_refused_before_the_test(tmp_path: Path) -> None:

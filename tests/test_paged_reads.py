@@ -7,11 +7,13 @@ end; hostile page requests get typed errors and the server goes on."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -172,6 +174,104 @@ def test_held_results_are_capped(settings: Settings) -> None:
     anyio.run(main, backend="asyncio")
 
 
+def test_a_reader_that_stops_early_releases_its_result_at_once(settings: Settings) -> None:
+    """Closed, failed or cancelled before its last page, a read releases the rest on
+    the server at once (not after ``idle_s``): more abandoned reads in a row than the
+    server holds results all succeed, and nothing stays held."""
+    fill(settings)
+    sql = STATEMENTS["no ORDER BY"]
+
+    async def stop_after_one_page(bus: busmod.Bus, how: str) -> None:
+        with anyio.CancelScope() as scope:
+            async with contextlib.aclosing(remote.arrow_pages(bus, sql, page_rows=PAGE)) as pages:
+                async for page in pages:
+                    assert page.num_rows == PAGE
+                    if how == "fail":
+                        raise LookupError("the reader fails")
+                    if how == "cancel":
+                        scope.cancel()
+                        await anyio.sleep(3600)
+                    break
+        assert how != "cancel" or scope.cancelled_caught
+
+    async def main() -> None:
+        # idle_s: no expiry while the test runs, however slow the machine.
+        async with replicas(settings, max_open=2, idle_s=3600) as ([server], bus):
+            pages = remote.arrow_pages(bus, sql, page_rows=PAGE)
+            assert (await anext(pages)).num_rows == PAGE and len(server.cursors) == 1
+            await pages.aclose()
+            assert len(server.cursors) == 0
+            for how in ("break", "fail", "cancel") * 2:  # 6 reads: over max_open
+                if how == "fail":
+                    with pytest.raises(LookupError):
+                        await stop_after_one_page(bus, how)
+                else:
+                    await stop_after_one_page(bus, how)
+                assert len(server.cursors) == 0, how
+            assert (await remote.arrow(bus, sql, page_rows=PAGE)).num_rows == ROWS
+
+    anyio.run(main, backend="asyncio")
+
+
+def test_a_cursor_closed_while_a_page_is_made_is_released_with_that_page() -> None:
+    import pyarrow as pa
+
+    from broker.cursors import Cursors
+
+    cursors = Cursors()
+    table = pa.table({"n": list(range(100))})
+    _, cursor = cursors.first_page(table, rows=10, max_bytes=1 << 20)
+    assert cursor is not None and len(cursors) == 1
+    closed: list[bool] = []
+
+    def slice_and_close(*args: Any, **kw: Any) -> Any:  # the page is being made
+        closed.append(cursors.close(cursor))  # held (busy): released once its page is made
+        return pa.Table.slice(table, *args, **kw)
+
+    held = cursors._held[cursor]
+    held.table = SimpleNamespace(num_rows=100, slice=slice_and_close)
+    page = cursors.next_page(cursor, rows=10, max_bytes=1 << 20)
+    assert closed == [True] and page.rows == 10 and len(cursors) == 0
+    assert not cursors.close(cursor)  # not held any more: no error
+    with pytest.raises(errors.CursorNotFound):
+        cursors.next_page(cursor, rows=10, max_bytes=1 << 20)
+
+
+def test_only_the_holder_releases_a_cursor_and_an_unknown_one_is_no_error(
+    settings: Settings,
+) -> None:
+    fill(settings)
+    sql = STATEMENTS["no ORDER BY"]
+
+    async def close(bus: busmod.Bus, server_id: str, payload: bytes) -> Any:
+        return await busmod.request(bus, names.sql_close(server_id), payload, timeout=10)
+
+    async def main() -> None:
+        async with replicas(settings, 2) as (servers, bus):
+            ask = codec.encode({"sql": sql, "format": "arrow", "page_rows": PAGE})
+            reply = codec.decode((await bus.nc.request(names.SQL_SUBJECT, ask, timeout=10)).data)
+            holder = next(s for s in servers if s.server_id == reply["server_id"])
+            other = next(s for s in servers if s is not holder)
+            cursor = codec.encode({"cursor": reply["cursor"]})
+            assert (await close(bus, other.server_id, cursor))["released"] is False
+            assert len(holder.cursors) == 1  # another replica's close frees nothing here
+            assert (await close(bus, holder.server_id, cursor))["released"] is True
+            assert len(holder.cursors) == 0
+            assert (await close(bus, holder.server_id, cursor))["released"] is False
+            page = codec.encode({"cursor": reply["cursor"], "page_rows": PAGE})
+            with pytest.raises(errors.CursorNotFound):
+                await busmod.request(bus, names.sql_pages(holder.server_id), page, timeout=10)
+            for payload in _hostile_pages()[:13]:  # not a cursor id: refused, typed
+                with pytest.raises(WireError):
+                    await close(bus, holder.server_id, payload)
+            unknown = secrets.token_urlsafe(24)
+            assert not await remote.close_cursor(bus, holder.server_id, unknown)
+            assert not await remote.close_cursor(bus, "srv-gone", unknown)  # never raises
+            assert (await remote.arrow(bus, sql, page_rows=PAGE)).num_rows == ROWS
+
+    anyio.run(main, backend="asyncio")
+
+
 def _hostile_pages() -> list[bytes]:
     good = secrets.token_urlsafe(24)
     return [
@@ -289,8 +389,8 @@ def test_trace_export_refuses_more_spans_than_its_cap(settings: Settings) -> Non
         async with replicas(settings) as (_, bus):
             with Client(settings.dsn) as db:
                 db.command(
-                    "INSERT INTO evaluations (evaluation_id, model, framework, t0_ns) "
-                    "VALUES ('ev-capped', 'm', 'onnxruntime', 0)"
+                    "INSERT INTO evaluations (evaluation_id, agent_id, model, framework, t0_ns) "
+                    "VALUES ('ev-capped', 'a', 'm', 'onnxruntime', 0)"
                 )
                 db.command(
                     "INSERT INTO spans (evaluation_id, agent_id, span_id, query_index, kind, "

@@ -33,7 +33,8 @@ Schema history:
                ScenarioSpec.loadgen_hosts and the load-generator service's messages
                (LoadgenDescription, LoadgenLoadOp, LoadgenStartOp, LoadgenProgress and
                the replies); SqlRequest.format and page_rows, SqlArrowReply (Arrow IPC
-               pages of one execution's result) and its cursor, SqlPageRequest; the
+               pages of one execution's result) and its cursor, SqlPageRequest,
+               SqlCloseRequest / SqlCloseReply; the
                agent's sample library and MLPerf LoadGen in the agent
                (``SamplesLoadOp``, ``SamplesUnloadOp``,
                ``SamplesReply``, ``SamplesQuery``, ``MLPerfRunOp``, ``MLPerfStarted``,
@@ -149,6 +150,8 @@ from mlscope.contracts._server import (
     EvaluationReply,
     EvaluationRequest,
     SqlArrowReply,
+    SqlCloseReply,
+    SqlCloseRequest,
     SqlPageRequest,
     SqlReply,
     SqlRequest,
@@ -242,6 +245,8 @@ __all__ = [
     "ScenarioSpec",
     "SpanBatch",
     "SqlArrowReply",
+    "SqlCloseReply",
+    "SqlCloseRequest",
     "SqlPageRequest",
     "SqlReply",
     "SqlRequest",

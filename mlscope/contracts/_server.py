@@ -56,6 +56,22 @@ class SqlPageRequest(_Message):
     page_rows: int = Field(default=100_000, ge=1, le=1 << 31)
 
 
+class SqlCloseRequest(_Message):
+    """Release a held result before its last page (``mlscope.db.sql.close.<server_id>``,
+    the server holding it): a reader that stops early frees it at once instead of
+    leaving it to expire. Answered with a :class:`SqlCloseReply`; a cursor that is not
+    held (never opened there, read to its end, expired, closed already) is no error."""
+
+    kind: Literal["sql_close"] = "sql_close"
+    cursor: CursorId
+
+
+class SqlCloseReply(_Message):
+    kind: Literal["sql_closed"] = "sql_closed"
+    released: bool
+    """Whether the server held the result (False: there was nothing to release)."""
+
+
 class CancelRequest(_Message):
     """Stop a job (``mlscope.job.<job_id>.cancel``): the server running it cancels the
     run and stores it as ``cancelled``; a server that takes it later does not run it."""
