@@ -28,6 +28,7 @@ from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.stats import percentiles
 from tests.conftest import child_env, running_stack
+from tests.procfs import proc_status_bytes
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,6 +156,11 @@ def test_offline_is_valid_by_loadgen(
     assert doc["valid"] and doc["mlperf"]["validity"] == "VALID" and doc["errors"] == 0
     assert doc["placement"] == placement
     assert doc["scenario"]["name"] == "mlperf-offline"
+    # The agent's peak memory, as every run reports it: at most the kernel's
+    # high-water mark of the agent process (MB are 10^6 bytes).
+    agent = next(p for name, p in ort.children.items() if name != "server")
+    assert doc["peak_rss_mb"] is not None and doc["peak_rss_mb"] > 0
+    assert doc["peak_rss_mb"] * 1e6 <= proc_status_bytes(agent.pid, "VmHWM") * 1.005
     assert_stored_like_summary(doc, summary)
     rows = query(
         ort,

@@ -35,6 +35,7 @@ from mlscope.natsserver import NatsServer
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 from tests.conftest import make_data_dir, wait_agents, wait_server
+from tests.procfs import proc_status_bytes
 from tests.scale_fixtures import start, stop
 
 pytestmark = pytest.mark.timeout(180)
@@ -95,14 +96,6 @@ def test_a_summary_has_the_agents_memory_and_no_made_up_energy(noop_agent: Setti
         assert "energy        not available" in text
 
 
-def _proc_status_bytes(pid: int, field: str) -> int:
-    """``field`` (VmRSS, VmHWM) of /proc/PID/status, in bytes (the kernel says kB: KiB)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/{pid}/status")
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's /proc")
 def test_the_peak_rss_agrees_with_the_kernels_view_of_the_agent(
     noop_agent_process: tuple[Settings, int],
@@ -115,7 +108,7 @@ def test_the_peak_rss_agrees_with_the_kernels_view_of_the_agent(
 
     def sample(event: Any) -> None:
         if event.event == "progress":
-            seen.append(_proc_status_bytes(pid, "VmRSS"))
+            seen.append(proc_status_bytes(pid, "VmRSS"))
 
     job = JobRequest(
         model="noop", framework="noop", scenario=ScenarioSpec(name="online", qps=50, duration_s=3)
@@ -124,7 +117,7 @@ def test_the_peak_rss_agrees_with_the_kernels_view_of_the_agent(
     assert seen and s.peak_rss_mb is not None
     peak = s.peak_rss_mb * 1e6
     assert peak >= max(seen) * 0.995, (peak, seen)  # a page or two of slack between reads
-    assert peak <= _proc_status_bytes(pid, "VmHWM") * 1.005, peak
+    assert peak <= proc_status_bytes(pid, "VmHWM") * 1.005, peak
 
 
 def test_the_specification_holds_the_agents_settings_and_own_versions(
