@@ -135,12 +135,19 @@ class Evaluator:
             }
         )
         # Every row an evaluation has before its evaluation row, which goes last: a
-        # server that finds that row takes the evaluation as stored whole.
-        if acc is not None:
-            await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, p.eval_id, acc)
-        await evalstore.store_runs(
-            self.db, summarize, summary, outcome, specification(job, agent, entry, p.prep.dump())
-        )
+        # server that finds that row takes the evaluation as stored whole. The runs are
+        # over: a cancel heard now comes too late to stop them, and must not cut their
+        # storing short (a sweep's runs stored in part under a cancelled parent).
+        with anyio.CancelScope(shield=True):
+            if acc is not None:
+                await anyio.to_thread.run_sync(accuracy.store_outputs, self.db, p.eval_id, acc)
+            await evalstore.store_runs(
+                self.db,
+                summarize,
+                summary,
+                outcome,
+                specification(job, agent, entry, p.prep.dump()),
+            )
         return summary
 
     def _context(

@@ -16,6 +16,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,8 +39,9 @@ from mlscope.contracts import (
     ScenarioSpec,
     evaluation_id_for,
 )
+from mlscope.jobs import submit
 from mlscope.settings import Settings
-from tests.conftest import REPO, make_data_dir, wait_agents, wait_server
+from tests.conftest import REPO, child_env, make_data_dir, python, wait_agents, wait_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -269,3 +271,60 @@ def test_a_cancelled_single_run_is_stored_under_its_job() -> None:
     )
     s = cancelled_summary(job, None, reason="test", started_at=time.time())
     assert cancelled_rows(s, RunsSoFar(), None) == [(s, None)]
+
+
+def test_a_cancel_heard_while_a_finished_sweep_is_stored_comes_too_late(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a sweep's runs are over, a cancel does not cut their storing short: every
+    run and the parent are stored as a finished sweep's, not some runs under a
+    cancelled parent. The cancel is made to land exactly when the runs are being
+    stored (the server's own store, wrapped), whatever the machine's speed."""
+    from broker import evalstore
+    from broker.server import Server
+
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        trace_level="none",
+        scenario=ScenarioSpec(
+            name="batched", batch_sizes=SIZES, duration_s=120, max_queries=QUERIES, **LOOSE
+        ),
+    )
+    server = Server(settings)
+    store_separate = evalstore.store_separate
+
+    async def cancelled_while_storing(*args: Any) -> None:
+        server.cancels.request(job.job_id, "too late", taken=True)
+        await store_separate(*args)
+
+    monkeypatch.setattr(evalstore, "store_separate", cancelled_while_storing)
+    agent = subprocess.Popen(
+        [python(), "-m", "cli.main", "agent", "--framework", "noop"], env=child_env(settings)
+    )
+
+    async def main() -> tuple[EvaluationSummary, list[list[Any]]]:
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.run)
+            await wait_agents(settings, 1)
+            summary = await submit(settings, job, timeout=120)
+            async with busmod.connect(settings, name="test") as bus:
+                _, got = await remote.sql(
+                    bus,
+                    "SELECT evaluation_id, status FROM evaluations FINAL "
+                    "WHERE evaluation_id LIKE {p:String} ORDER BY evaluation_id",
+                    {"p": f"{summary.evaluation_id}%"},
+                )
+            tg.cancel_scope.cancel()
+        return summary, got
+
+    try:
+        summary, got = anyio.run(main, backend="asyncio")
+    finally:
+        agent.terminate()
+        agent.wait(20)
+    ev = evaluation_id_for(job.job_id)
+    assert summary.status != "cancelled" and summary.evaluation_id == ev
+    runs = [f"{ev}-{k}" for k in range(len(SIZES))]
+    assert [p["evaluation_id"] for p in summary.points] == runs
+    assert [(str(e), str(s)) for e, s in got] == [(e, summary.status) for e in [ev, *runs]]
