@@ -26,7 +26,7 @@ services), where they report it: a server's own load generator, every process of
 run dealt to several (``loadgens``), every service (``loadgen_hosts``). A dealt run
 keeps rows and CPU time only when every load generator wrote what it had issued when
 stopped (else it keeps neither, its progress count aside); its record is cut where the
-first of them stopped (:func:`broker.distributed.until_first_stop`), while each one's
+first of them stopped (:func:`broker.lgresults.until_first_stop`), while each one's
 CPU time runs to its own stop, so the time per query is over the queries kept.
 """
 

@@ -12,8 +12,8 @@ clock for every process of a host, so the K pacers share one time origin (the K
 processes must therefore run on the server's host). Each child runs its own pacer
 thread and :class:`broker.loadgen.Driver`, publishes straight to the agent with its own
 reply inbox, and writes its raw per-query arrays (``.npz``) when done. The parent
-merges them by global index (:func:`mlscope.schedule.merge_values`) into one
-:class:`RunRecord`, judged once. While they run, each child prints ``progress DONE``
+merges them by global index into one :class:`RunRecord`, judged once (the result
+files and their merge: :mod:`broker.lgresults`). While they run, each child prints ``progress DONE``
 lines (queries completed in its slice); the parent sums them into the evaluation's
 progress events (without a running p50: the latencies stay in the children until the
 end). A child that is not ready within :data:`READY_TIMEOUT_S`, or that fails while
@@ -35,32 +35,25 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any
 
 import anyio
 import numpy as np
 from anyio.lowlevel import current_token
 
 from broker.context import Context
+from broker.lgresults import load_result, merge_results, save_result, until_first_stop
 from broker.loadgen import Driver, encode_query
 from mlscope import bus as busmod
-from mlscope import codec, outcomes, scenario_traits, schedule
-from mlscope.bounded import npz_headers
+from mlscope import codec, scenario_traits, schedule
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
-from mlscope.record import ARRAYS, RunRecord
+from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
 
-__all__ = [
-    "load_result",
-    "main",
-    "merge_results",
-    "run_dealt",
-    "save_result",
-    "until_first_stop",
-]
+__all__ = ["main", "run_dealt"]
 
 START_LEAD_S = 0.2
 PROGRESS_S = 0.5
@@ -185,28 +178,6 @@ def _merged(tmp: Path, parts: list[Schedule]) -> RunRecord:
     return merge_results(
         parts, [load_result(tmp / f"lg{j}-result.npz", len(part)) for j, part in enumerate(parts)]
     )
-
-
-def until_first_stop(rec: RunRecord, parts: list[Schedule]) -> RunRecord:
-    """A stopped run's merged record, up to where the first of its load generators
-    (processes, or services: :mod:`broker.multihost`) stopped.
-
-    The processes hear ``stop`` a few milliseconds apart. Past the first one's stop, its
-    queries were never due while another process still sent its own: kept, they would
-    be stored as not issued, which says the outstanding bound held them. Cut there, the
-    record is what one load generator stopped at that moment leaves (the later queries
-    of the others were sent only because the stop reached them later)."""
-    sent = outcomes.was_sent(rec.issued, rec.completed)
-    cut = rec.n
-    for part in parts:
-        mine = np.flatnonzero(sent[part.index])
-        after = int(mine[-1]) + 1 if mine.size else 0  # its first query never sent
-        if after < len(part):
-            cut = min(cut, int(part.index[after]))
-    rec.trim(cut)
-    rec.errors = {i: m for i, m in rec.errors.items() if i < cut}
-    rec.done = int(np.count_nonzero(rec.completed))
-    return rec
 
 
 def _child_env() -> dict[str, str]:
@@ -335,77 +306,6 @@ def _stopped(procs: list[subprocess.Popen[str]]) -> list[int]:
     return [-1 if p.returncode is None else int(p.returncode) for p in procs]
 
 
-def _result_layout(queries: int) -> dict[str, tuple[str, int | None]]:
-    """Each array of a slice of ``queries`` queries: (dtype kinds it may have, length;
-    None for a scalar, -1 for at most ``queries``)."""
-    layout: dict[str, tuple[str, int | None]] = dict.fromkeys(ARRAYS, ("iufb", queries))
-    layout.update(batch_size=("iu", None), t0_ns=("iu", None), not_issued=("iu", None))
-    layout.update(cpu_s=("f", None), error_index=("iu", -1), error_message=("U", -1))
-    return layout
-
-
-def _check_result(z: Any, queries: int) -> None:
-    """Every array of a result read from its header, before any is decompressed: a
-    result is what a load-generator service wrote into the work bucket, and a small
-    compressed object can claim gigabytes."""
-    layout = _result_layout(queries)
-    headers = npz_headers(z)
-    if set(headers) != set(layout):
-        raise EvaluationError(f"a slice's result has arrays {sorted(headers)[:20]}")
-    for name, (kinds, length) in layout.items():
-        shape, dtype = headers[name]
-        ok = dtype.kind in kinds and (
-            shape == () if length is None else len(shape) == 1 and shape[0] <= queries
-        )
-        ok = ok and (length != queries or shape == (queries,))
-        ok = ok and (dtype.kind != "U" or dtype.itemsize <= 4 * codec.MAX_ERROR_CHARS)
-        if not ok:
-            raise EvaluationError(
-                f"a slice's result array {name} is {dtype} {shape}, not one a slice of "
-                f"{queries} queries has"
-            )
-
-
-def load_result(path: Path | BinaryIO, queries: int) -> tuple[RunRecord, dict[int, str]]:
-    """A slice's record and its errors by local position (:func:`save_result`), for a
-    slice of ``queries`` queries: arrays of any other shape are refused unread."""
-    with np.load(path) as z:
-        _check_result(z, queries)
-        rec = RunRecord(n=int(z["scheduled"].size), batch_size=int(z["batch_size"]))
-        for name in ARRAYS:
-            setattr(rec, name, z[name])
-        rec.t0_ns, rec.not_issued = int(z["t0_ns"]), int(z["not_issued"])
-        rec.cpu_s = float(z["cpu_s"])
-        errors = {int(i): str(m) for i, m in zip(z["error_index"], z["error_message"], strict=True)}
-    rec.errors = errors
-    return rec, errors
-
-
-def merge_results(
-    parts: list[Schedule], results: list[tuple[RunRecord, dict[int, str]]]
-) -> RunRecord:
-    """One record in global order from the slices' records. A slice whose scheduled
-    times are not its schedule's is refused (an EvaluationError naming it): every
-    latency counts from the schedule the server dealt, not from what a load generator
-    says it was."""
-    recs = [r for r, _ in results]
-    for j, (part, rec) in enumerate(zip(parts, recs, strict=True)):
-        if not np.array_equal(rec.scheduled, part.offsets_ns):
-            raise EvaluationError(
-                f"slice {j}'s result has scheduled times other than its slice's", slice=j
-            )
-    n = sum(r.n for r in recs)
-    out = RunRecord(n=n, batch_size=recs[0].batch_size, t0_ns=recs[0].t0_ns)
-    for name in ARRAYS:
-        setattr(out, name, schedule.merge_values(parts, [getattr(r, name) for r in recs]))
-    out.not_issued = sum(r.not_issued for r in recs)
-    out.cpu_s = sum(r.cpu_s for r in recs)
-    out.done = sum(int(np.count_nonzero(r.completed)) for r in recs)
-    for part, (_, errs) in zip(parts, results, strict=True):
-        out.errors.update({int(part.index[i]): m for i, m in errs.items()})
-    return out
-
-
 # --------------------------------------------------------------------------- child
 
 
@@ -470,21 +370,6 @@ def _stop_on_stdin(scope: anyio.CancelScope) -> None:
             anyio.from_thread.run_sync(scope.cancel, token=token)
 
     threading.Thread(target=watch, name="stop-on-stdin", daemon=True).start()
-
-
-def save_result(rec: RunRecord, file: str | BinaryIO) -> None:
-    """A slice's raw arrays and errors as ``.npz`` (read back by :func:`load_result`)."""
-    errs = sorted(rec.errors.items())
-    np.savez(
-        file,
-        **{name: getattr(rec, name) for name in ARRAYS},
-        batch_size=rec.batch_size,
-        t0_ns=rec.t0_ns,
-        not_issued=rec.not_issued,
-        cpu_s=rec.cpu_s,
-        error_index=np.asarray([i for i, _ in errs], np.int64),
-        error_message=np.asarray([m[: codec.MAX_ERROR_CHARS] for _, m in errs], dtype=str),
-    )
 
 
 async def _print_progress(rec: RunRecord, elapsed_s: float) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.loadgen import estimate_offset
+from broker.lgclock import estimate_offset
 from mlscope import codec, names, samples, scenario_traits
 from mlscope.bus import PAYLOAD_HEADROOM, Bus, request_model
 from mlscope.catalog import Entry

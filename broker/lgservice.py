@@ -29,8 +29,8 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 import mlscope
-from broker.distributed import save_result
 from broker.lgcontrol import STOP_SAVE_S
+from broker.lgresults import save_result
 from broker.lgwork import unpack_slice, work_bucket
 from broker.loadgen import Driver
 from mlscope import bus as busmod

@@ -11,7 +11,7 @@ coordinated omission).
 Closed loop (``single-stream``, ``concurrency``, each point of ``batched``): a fixed
 number of queries in flight (``spec.concurrency``), each sent the moment a previous one
 completes, from the link's reader thread that stamped that answer; its scheduled time
-is its issue time.
+is its issue time (the streams in flight: :mod:`broker.closedloop`).
 
 Open loops take any :class:`mlscope.schedule.Schedule` (Poisson, constant, multi-stream,
 replay, piecewise, or one slice of a dealt global schedule): query ``i`` of the slice
@@ -20,9 +20,10 @@ processes can share one global schedule and one start time (``start_ns``).
 
 Every query keeps scheduled, issued and completed times (load-generator clock) and
 the agent's received / predict-start / predict-end / replied times, converted to
-the load-generator clock with the offset estimated over request/reply. Issue times
-are written into the record as each query is sent, so a run cancelled part-way (its
-job cancelled: :mod:`broker.cancel`) leaves a record that holds every query it issued.
+the load-generator clock with the offset estimated over request/reply
+(:mod:`broker.lgclock`). Issue times are written into the record as each query is
+sent, so a run cancelled part-way (its job cancelled: :mod:`broker.cancel`) leaves a
+record that holds every query it issued.
 A schedule of no query (a duration shorter than its first arrival) is a run that
 issued nothing, judged INVALID as such, as a closed loop's or an agent's would be.
 """
@@ -38,10 +39,12 @@ from typing import Any
 import anyio
 import numpy as np
 
-from mlscope import codec, names, wire
-from mlscope.bus import Bus, request
-from mlscope.contracts import PingReply, ScenarioSpec, TraceLevel
-from mlscope.errors import BusError, ConfigError, EvaluationError, MLScopeError, WireError
+from broker.closedloop import Streams
+from broker.lgclock import now
+from mlscope import wire
+from mlscope.bus import Bus
+from mlscope.contracts import ScenarioSpec, TraceLevel
+from mlscope.errors import BusError, EvaluationError, MLScopeError
 from mlscope.pacer import OutstandingLimit, Pacer
 from mlscope.querylink import QueryLink
 from mlscope.record import RunRecord
@@ -52,11 +55,9 @@ from mlscope.tuning import ProcessTuning
 __all__ = [
     "Driver",
     "encode_query",
-    "estimate_offset",
     "running_p50_ms",
 ]
 
-now = time.perf_counter_ns
 DRAIN_TIMEOUT_S = 10.0
 PACER_STOP_S = 2.0
 """How long a stopped pacer's thread is awaited (it ends within its current batch)."""
@@ -68,37 +69,6 @@ LINK_BUSY_S = 60e-6
 """The pacer sleeps until LINK_SPIN_S before each query is due and spins the rest,
 holding the GIL: a sleep ends ~25-100 µs late, a spin is exact. At 1,000 QPS that is
 ~60 µs of CPU per query (docs/BENCHMARKS.md, "Server placement: the query link")."""
-
-
-async def estimate_offset(
-    bus: Bus, agent_id: str, *, rounds: int = 9, subject: str | None = None
-) -> tuple[int, int]:
-    """(agent clock - our clock, round trip) in ns from the ping with the smallest RTT
-    (the first of equals) among ``rounds`` pings (at least one).
-
-    NTP-style: offset = t_agent - (t_send + t_recv) / 2, error bounded by RTT / 2.
-    ``subject``: another responder's control subject (a load-generator service's).
-    """
-    if rounds < 1:
-        raise ConfigError(f"rounds must be at least 1, got {rounds}")
-    target = subject or names.agent_ctl(agent_id)
-    payload = codec.encode({"op": "ping"})
-    pings = [await _ping(bus, target, payload) for _ in range(rounds)]
-    return min(pings, key=lambda ping: ping[1])
-
-
-async def _ping(bus: Bus, subject: str, payload: bytes) -> tuple[int, int]:
-    """One ping: (agent clock - our clock, round trip) in ns. The reply is checked
-    once it is timed: anything but a :class:`PingReply` is a WireError naming where
-    it came from (a load-generator service is a peer on any host)."""
-    t1 = now()
-    raw = await request(bus, subject, payload, timeout=5.0)
-    t2 = now()
-    try:
-        reply = codec.validate(PingReply, raw)
-    except WireError as exc:
-        raise WireError(f"the ping reply on {subject}: {exc.message}", subject=subject) from exc
-    return reply.t_agent - (t1 + t2) // 2, t2 - t1
 
 
 def encode_query(
@@ -370,7 +340,7 @@ class Driver:
         cap = s.max_queries or 2**31
         rec = self.record = RunRecord(n=min(cap, max(s.concurrency, 1024)), batch_size=s.batch_size)
         link = await anyio.to_thread.run_sync(self._open_link)
-        streams = _Streams(rec, link, lambda i: link.frame(self.subject, self.payload(i)), cap)
+        streams = Streams(rec, link, lambda i: link.frame(self.subject, self.payload(i)), cap)
         self._answered = streams.answered
         try:
             link.start(self._on_reply, on_end=streams.finished.set)
@@ -395,61 +365,6 @@ class Driver:
             raise streams.failure
         rec.trim(streams.count)
         return rec
-
-
-class _Streams:
-    """A closed loop's queries in flight: the next one is sent on each answer, on the
-    link's reader thread (the first ones on the event loop), under one lock."""
-
-    def __init__(
-        self, rec: RunRecord, link: QueryLink, frame: Callable[[int], bytes], cap: int
-    ) -> None:
-        self.rec, self.link, self.frame, self.cap = rec, link, frame, cap
-        self.deadline = 0
-        self.count = 0
-        """Queries sent (or lost trying)."""
-        self.outstanding = 0
-        self.failure: Exception | None = None
-        """What failed building a query (raised by the run)."""
-        self.finished = threading.Event()
-        """Set once the last answer is in (or a query could not be built)."""
-        self._lock = threading.Lock()
-        self._stopped = False
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopped = True
-
-    def answered(self) -> None:
-        with self._lock:
-            self.outstanding -= 1
-        self.send_next()
-
-    def send_next(self) -> None:
-        rec = self.rec
-        with self._lock:
-            if self._stopped or self.count >= self.cap or now() >= self.deadline:
-                if self.outstanding == 0:
-                    self.finished.set()
-                return
-            i = self.count
-            try:
-                if i >= rec.n:  # the run outlasts the room: grow, never stop early
-                    rec.grow()
-                frame = self.frame(i)
-            except Exception as exc:  # the query cannot be built: raised by the run
-                self.failure, self._stopped = exc, True
-                self.finished.set()
-                return
-            rec.scheduled[i] = rec.paced[i] = rec.issued[i] = now() - rec.t0_ns
-            try:
-                self.link.send(frame)
-                self.outstanding += 1
-            except BusError as exc:  # the bus is unreachable: lost, this stream ends
-                rec.errors[i] = f"not sent: {exc}"
-                if self.outstanding == 0:
-                    self.finished.set()
-            self.count += 1
 
 
 def _stopped(pacer: Pacer) -> None:

@@ -49,7 +49,7 @@ from broker.db import Database
 from broker.evalprep import PREPARE_TIMEOUT_S
 from broker.evalspec import specification
 from broker.evalsummary import budget_warnings, memory_figures
-from broker.loadgen import estimate_offset
+from broker.lgclock import estimate_offset
 from broker.mlperf_agent import run_in_agent
 from broker.summary import figures, latency_split
 from mlscope import codec, names, schema

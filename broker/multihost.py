@@ -15,7 +15,7 @@ which may run on other machines::
       │ run start (start_ns + offset_j) ────► pacer + Driver, queries to the agent
       │ ◄──────── LoadgenProgress (every 0.5 s: queries completed, summed into events)
       │ ◄─────────────── LoadgenDone (result .npz in the work bucket)
-      └ merge by global index (:func:`broker.distributed.merge_results`) → one record
+      └ merge by global index (:func:`broker.lgresults.merge_results`) → one record
 
 Clocks: processes on one host share CLOCK_MONOTONIC; across hosts they do not, so
 each service's clock is tied to the server's by the NTP-style ping estimate (the same
@@ -44,10 +44,12 @@ import anyio
 import numpy as np
 from nats.js.object_store import ObjectStore
 
-from broker.distributed import START_LEAD_S, load_result, merge_results, until_first_stop
+from broker.distributed import START_LEAD_S
+from broker.lgclock import estimate_offset
 from broker.lgcontrol import STOP_ANSWER_S, live_services, start_all, stop_runs
+from broker.lgresults import load_result, merge_results, until_first_stop
 from broker.lgwork import pack_slice, result_name, work_bucket
-from broker.loadgen import encode_query, estimate_offset
+from broker.loadgen import encode_query
 from mlscope import codec, names, schedule
 from mlscope.bus import bus_errors, request
 from mlscope.contracts import (

@@ -11,8 +11,8 @@ import anyio
 import numpy as np
 import pytest
 
-from broker.distributed import merge_results
-from broker.loadgen import estimate_offset
+from broker.lgclock import estimate_offset
+from broker.lgresults import merge_results
 from broker.scenario_kinds import get
 from broker.scenario_kinds.peak import PEAK_PRECISION, next_rate, peak_floor_qps
 from broker.scenarios import build_schedule, scenario_spec

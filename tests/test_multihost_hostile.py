@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from broker import lgwork, multihost
-from broker.distributed import save_result
+from broker.lgresults import save_result
 from mlscope import bus as busmod
 from mlscope import codec, loadgens, names
 from mlscope.contracts import LoadgenDescription, LoadgenDone, LoadgenLoaded, ScenarioSpec

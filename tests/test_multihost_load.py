@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 import pytest
 
-from broker.distributed import load_result, save_result
+from broker.lgresults import load_result, save_result
 from broker.lgservice import LoadgenService
 from broker.lgwork import pack_slice, work_bucket
 from mlscope import bus as busmod

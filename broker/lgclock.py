@@ -1,0 +1,51 @@
+"""The load generator's clock, and its offset to another process's clock.
+
+``now`` is the clock every load generator stamps queries with (``perf_counter_ns``);
+:func:`estimate_offset` measures an agent's (or a load-generator service's) clock
+against it over request/reply pings, so the agent's timestamps of a query can be read
+in the load generator's clock.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mlscope import codec, names
+from mlscope.bus import Bus, request
+from mlscope.contracts import PingReply
+from mlscope.errors import ConfigError, WireError
+
+__all__ = ["estimate_offset", "now"]
+
+now = time.perf_counter_ns
+
+
+async def estimate_offset(
+    bus: Bus, agent_id: str, *, rounds: int = 9, subject: str | None = None
+) -> tuple[int, int]:
+    """(agent clock - our clock, round trip) in ns from the ping with the smallest RTT
+    (the first of equals) among ``rounds`` pings (at least one).
+
+    NTP-style: offset = t_agent - (t_send + t_recv) / 2, error bounded by RTT / 2.
+    ``subject``: another responder's control subject (a load-generator service's).
+    """
+    if rounds < 1:
+        raise ConfigError(f"rounds must be at least 1, got {rounds}")
+    target = subject or names.agent_ctl(agent_id)
+    payload = codec.encode({"op": "ping"})
+    pings = [await _ping(bus, target, payload) for _ in range(rounds)]
+    return min(pings, key=lambda ping: ping[1])
+
+
+async def _ping(bus: Bus, subject: str, payload: bytes) -> tuple[int, int]:
+    """One ping: (agent clock - our clock, round trip) in ns. The reply is checked
+    once it is timed: anything but a :class:`PingReply` is a WireError naming where
+    it came from (a load-generator service is a peer on any host)."""
+    t1 = now()
+    raw = await request(bus, subject, payload, timeout=5.0)
+    t2 = now()
+    try:
+        reply = codec.validate(PingReply, raw)
+    except WireError as exc:
+        raise WireError(f"the ping reply on {subject}: {exc.message}", subject=subject) from exc
+    return reply.t_agent - (t1 + t2) // 2, t2 - t1
