@@ -18,7 +18,7 @@ in progress under its own id as ``cancelled`` (no figures, its issued query rows
 its spans have their evaluation); then the parent under the job's id, ``cancelled``,
 its ``points`` naming every run (the one in progress with ``status`` ``cancelled``)
 and a reason saying which run was in progress. How far the scenario got is its
-:class:`broker.scenario.RunsSoFar`.
+:class:`broker.run.RunsSoFar`.
 
 The load generators' CPU time up to the cancel is kept too (``loadgen_cost``:
 ``cpu_s``, ``cpu_us_per_query``, ``loadgens``, and ``services`` for load-generator
@@ -41,7 +41,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from broker.scenario import Run, RunsSoFar
+from broker.run import Run, RunsSoFar
 from broker.summary import cpu_us_per_query
 from mlscope import outcomes, scenario_traits
 from mlscope.catalog import Entry

@@ -15,7 +15,7 @@ from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
 
 if TYPE_CHECKING:
-    from broker.scenario import RunsSoFar
+    from broker.run import RunsSoFar
 
 __all__ = ["Context", "FeedersOf"]
 
@@ -50,7 +50,7 @@ class Context:
 
     runs: RunsSoFar | None = None
     """Where the runs of several (a sweep's, a search's) record how far they got, for
-    what a cancelled job stores (:class:`broker.scenario.RunsSoFar`); None: untracked."""
+    what a cancelled job stores (:class:`broker.run.RunsSoFar`); None: untracked."""
 
     run_id: str | None = None
     """The run this context drives when the evaluation makes several (a sweep's point,

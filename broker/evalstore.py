@@ -17,6 +17,7 @@ import numpy as np
 from broker import scenario
 from broker.db import EVALUATION_COLUMNS, QUERY_COLUMNS, Database
 from broker.evalsummary import Summarizer
+from broker.run import Run
 from mlscope import schema
 from mlscope.contracts import EvaluationSummary
 from mlscope.outcomes import Outcome
@@ -145,7 +146,7 @@ async def store_runs(
 
 
 async def store_separate(
-    db: Database, summarize: Summarizer, runs: list[scenario.Run], spec_doc: dict[str, Any]
+    db: Database, summarize: Summarizer, runs: list[Run], spec_doc: dict[str, Any]
 ) -> None:
     """Each of ``runs`` (runs with their own id: a sweep's, a search's) as its own
     evaluation, with its verdict and its query rows: every run of a finished one, and

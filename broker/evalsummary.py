@@ -10,6 +10,7 @@ from typing import Any
 
 from broker import scenario
 from broker.evalprep import Prepared
+from broker.run import Run
 from broker.summary import LoadgenCost, stream_warnings, tracing_warnings
 from mlscope.catalog import Entry
 from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest
@@ -72,9 +73,7 @@ class Summarizer:
             finished=span[1],
         )
 
-    def __call__(
-        self, run: scenario.Run, reasons: tuple[str, ...] = (), **extra: Any
-    ) -> EvaluationSummary:
+    def __call__(self, run: Run, reasons: tuple[str, ...] = (), **extra: Any) -> EvaluationSummary:
         """The summary of ``run`` (``reasons``: more than its verdict's; ``extra``:
         fields a sweep's or search's parent adds)."""
         job, m, fw, agent = self.job, self.manifest, self.framework, self.agent

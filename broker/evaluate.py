@@ -26,7 +26,7 @@ from broker.db import Database
 from broker.evalprep import Prepared, prepare_agent
 from broker.evalspec import specification
 from broker.evalsummary import Summarizer, budget_warnings, memory_figures, parent_summary
-from broker.scenario import RunsSoFar
+from broker.run import RunsSoFar
 from mlscope import codec, names, samples
 from mlscope.bus import Bus, request
 from mlscope.catalog import Entry

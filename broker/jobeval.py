@@ -26,7 +26,7 @@ from broker.ingest import Ingester
 from broker.lgcontrol import stop_runs
 from broker.loadgen import running_p50_ms
 from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
-from broker.scenario import RunsSoFar
+from broker.run import RunsSoFar
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.bus import Bus, bus_errors, if_found

@@ -11,12 +11,12 @@ Open loops run on one pacer, or with ``loadgens = K > 1`` on K load-generator
 processes that share one seeded global schedule (:mod:`broker.distributed`), or with
 ``loadgen_hosts`` on registered load-generator services on any host
 (:mod:`broker.multihost`). A ``batched`` sweep (of several sizes) and a ``peak``
-search make several runs: each is a :class:`broker.scenario.Run` with its own
+search make several runs: each is a :class:`broker.run.Run` with its own
 evaluation id (``<parent>-<k>``, :meth:`broker.scenario.Scenario.run_id`), which its
 queries name (so the agent keeps its spans under it), stored on its own, and listed
 in the parent summary's ``points``; the parent's own figures are those of the best
 run. A cancelled one is stored the same way as far as it got (its runs record how far
-in a :class:`broker.scenario.RunsSoFar`; :mod:`broker.cancel`).
+in a :class:`broker.run.RunsSoFar`; :mod:`broker.cancel`).
 """
 
 from __future__ import annotations

@@ -264,7 +264,7 @@ def test_a_cancelled_single_run_is_stored_under_its_job() -> None:
     """A job of one run (a sweep of one point included) tracks no runs: what a cancel
     stores is that run alone, under the job's id, as it was."""
     from broker.cancel import cancelled_rows
-    from broker.scenario import RunsSoFar
+    from broker.run import RunsSoFar
 
     job = JobRequest(
         model="noop", framework="noop", scenario=ScenarioSpec(name="batched", batch_sizes=(4,))

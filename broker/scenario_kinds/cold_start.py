@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from broker import coldstart
 from broker.context import Context
-from broker.scenario import Outcome, Run, Scenario, driver
+from broker.run import Run
+from broker.scenario import Outcome, Scenario, driver
 from broker.summary import figures, latency_split
 from mlscope.contracts import ScenarioSpec
 from mlscope.record import RunRecord

@@ -4,7 +4,8 @@ find-peak-performance), by a binary search of runs."""
 from __future__ import annotations
 
 from broker.context import Context
-from broker.scenario import Outcome, Run, Scenario, run_once
+from broker.run import Run
+from broker.scenario import Outcome, Scenario, run_once
 from broker.summary import policy_for
 from mlscope.contracts import ScenarioSpec
 from mlscope.early_stopping import early_stopping_queries_needed
