@@ -29,7 +29,8 @@ spans share one timeline as in a server-placed run.
 This module issues a run's queries and takes their replies. The record they are
 written into, a stream's answered blocks and the rows the shipper takes are
 :mod:`agent.localrecord`'s; the run's inputs are :mod:`agent.localinputs`'s; whether an
-open loop's executor threads run real-time is :mod:`agent.localprobe`'s.
+open loop's executor threads run real-time is :mod:`agent.localprobe`'s; the run's CPU
+time (the agent process's, and its load generator's own) is :mod:`agent.localcpu`'s.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from collections.abc import Callable
 import numpy as np
 
 from agent.job import Job
+from agent.localcpu import RunCpu
 from agent.localprobe import short_enough
 from agent.localrecord import LocalRecord, now
 from agent.pipeline import Executor
@@ -131,8 +133,8 @@ class LocalRun(LocalRecord):
         self.realtime = False
         """Whether an open loop's executor threads run in SCHED_FIFO (see prepare)."""
         self._cap = spec.max_queries or 2**31
-        self._cpu0 = 0.0
-        self.cpu_s = 0.0
+        self.cpu = RunCpu(separable=not self.closed)
+        """The run's CPU time: the agent process's, and its load generator's own."""
 
     def _closed_room(self) -> int:
         s = self.spec
@@ -170,7 +172,7 @@ class LocalRun(LocalRecord):
     def run(self) -> None:
         """The whole run, in the calling thread, after :meth:`prepare`; returns when
         every issued query is done (or :data:`DRAIN_TIMEOUT_S` after the load ended)."""
-        self._cpu0 = time.process_time()
+        self.cpu.start()
         try:
             if self.streamed:
                 self._stream()
@@ -179,7 +181,7 @@ class LocalRun(LocalRecord):
             else:
                 self._open_loop()
         finally:
-            self.cpu_s = time.process_time() - self._cpu0
+            self.cpu.end()
 
     def _job(self, i: int, x: np.ndarray, t: int) -> Job:
         return Job(
@@ -310,8 +312,7 @@ class LocalRun(LocalRecord):
             pacer = Pacer(
                 sched, issue=issue, gate=gate, start_ns=rec.t0_ns, stop=self._stop, realtime=True
             )
-            pacer.start()  # its own thread: the real-time priority ends with it
-            result = pacer.join()
+            result = self.cpu.paced(pacer)  # its own thread: the real-time priority ends with it
             rec.not_issued = len(result.not_issued)
             with self._lock:
                 self._pacing = False

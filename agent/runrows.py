@@ -1,10 +1,11 @@
 """Shipping a local run's rows (placement agent): :func:`serve_run` runs a prepared
 :class:`~agent.localrun.LocalRun` on a worker thread and sends its rows to the server
 every :data:`SHIP_S` while it runs (each up to its first query still in flight), then
-the rest with the run's totals: a run stopped early (its evaluation released, as when
-its job is cancelled) ships every query it issued, those in flight included, as
-:class:`~mlscope.contracts.RunRows` messages each within the max payload
-(:func:`rows_messages`). The server side is ``broker/agentrun.py``.
+the rest with the run's totals (its CPU time among them, :mod:`agent.localcpu`): a run
+stopped early (its evaluation released, as when its job is cancelled) ships every
+query it issued, those in flight included, as :class:`~mlscope.contracts.RunRows`
+messages each within the max payload (:func:`rows_messages`). The server side is
+``broker/agentrun.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ __all__ = ["SHIP_S", "rows_messages", "serve_run"]
 log = logging.getLogger("mlscope.agent")
 SHIP_S = 0.25
 """How often a local run's finished rows go to the server (also its sign of life)."""
+PACER_STOP_S = 1.0
+"""How long the final rows of a stopped run wait for its pacer to stop (it does within
+a few ms), so that they carry its load generator's CPU time."""
 
 
 def rows_messages(
@@ -123,11 +127,15 @@ async def serve_run(
     finally:  # also on shutdown: the server stores what was measured
         held.close()
         with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+            # A stopped run's thread may still drain: its pacer's time once it stopped.
+            await anyio.to_thread.run_sync(run.cpu.wait_stopped, PACER_STOP_S)
+            process_cpu_s, loadgen_cpu_s = run.cpu.spent()
             try:
                 await ship(
                     final=True,
                     not_issued=run.rec.not_issued,
-                    cpu_s=run.cpu_s,
+                    process_cpu_s=process_cpu_s,
+                    loadgen_cpu_s=loadgen_cpu_s,
                     error=error,
                 )
             except Exception as exc:  # a lost link, a refused message: this run only

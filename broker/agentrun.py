@@ -7,7 +7,8 @@
       ◄──────────────────── RunStarted {t0_agent}
       on mlscope.agent.<id>.rows.<evaluation>:
       ◄── RunRows (columns, every 0.25 s) ─────── rows done so far
-      ◄── RunRows final {queries, not_issued} ─── the rest, and the totals
+      ◄── RunRows final {queries, not_issued,  ─── the rest, and the totals
+                        loadgen_cpu_s, process_cpu_s}
 
 Rows travel on the agent's own rows subject, not as answers to the run request: on a
 bus with credentials a responder may answer only for a while after a request
@@ -19,7 +20,10 @@ the agent's times are ns from its ``t0``, and ``t0`` is mapped onto the server's
 with the offset measured by ping (``rec.t0_ns = t0_agent - offset``), so stored rows,
 spans and the trace timeline line up as for any run. The server scores each query's
 top-1 against its own labels (the same seeded order, :mod:`mlscope.samples`) and judges
-the run with the same code (:func:`broker.summary.judge`).
+the run with the same code (:func:`broker.summary.judge`). The final rows' CPU times
+go into the record as well: the load generator's own threads' as ``cpu_s`` (what a
+server-placed run's load generator reports, read by the summary's ``loadgen_cost`` the
+same way) and the agent process's as ``process_cpu_s`` (:mod:`agent.localcpu`).
 
 An agent that goes silent is pinged; if it does not answer, or another process now
 answers under its id (:func:`gone`), the rows it shipped are kept and the run gets the
@@ -271,6 +275,10 @@ class _Collector:
         """The run's end: its totals, and what went wrong on the way."""
         self._end(rows.queries)
         self.rec.not_issued = rows.not_issued
+        # The load generator's CPU (its threads' in the agent) and the agent process's:
+        # the summary's loadgen_cost (broker.summary), as for any run.
+        self.rec.cpu_s = rows.loadgen_cpu_s or 0.0
+        self.rec.process_cpu_s = rows.process_cpu_s
         why: list[str] = []
         if self.messages != rows.seq + 1:
             why.append(

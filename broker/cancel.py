@@ -42,7 +42,7 @@ import anyio
 import numpy as np
 
 from broker.run import Run, RunsSoFar
-from broker.summary import cpu_us_per_query
+from broker.summary import cpu_us_per_query, process_cpu
 from mlscope import outcomes, scenario_traits
 from mlscope.catalog import Entry
 from mlscope.contracts import (
@@ -50,6 +50,7 @@ from mlscope.contracts import (
     EvaluationSummary,
     JobRequest,
     LatencyStats,
+    Placement,
     evaluation_id_for,
 )
 from mlscope.record import ARRAYS, RunRecord
@@ -141,7 +142,7 @@ def issued_part(rec: RunRecord) -> RunRecord:
         part.errors.setdefault(i, IN_FLIGHT)
     part.done = int(np.count_nonzero(part.completed))
     part.preprocessed, part.streamed, part.sources = rec.preprocessed, rec.streamed, rec.sources
-    part.cpu_s = rec.cpu_s
+    part.cpu_s, part.process_cpu_s = rec.cpu_s, rec.process_cpu_s
     return part
 
 
@@ -205,10 +206,11 @@ def cancelled_summary(
         requested_qps=spec.qps if scenario_traits.get(spec.name).rate_driven else None,
         achieved_qps=None,
         parallel=job.parallel,
+        placement=job.placement,
         latency_ms=LatencyStats(trimmed_mean=None, p50=None, p90=None, p99=None, max=None),
         issue_lag_us={},
         throughput_ips=None,
-        loadgen_cost=_loadgen_cost(rec, spec.loadgens),
+        loadgen_cost=_loadgen_cost(rec, spec.loadgens, job.placement),
         started_at=started_at,
         finished_at=now,
     )
@@ -251,16 +253,21 @@ def _named(finished: list[Run]) -> str:
     return f"run {ids}" if len(finished) == 1 else f"runs {ids}"
 
 
-def _loadgen_cost(rec: RunRecord | None, loadgens: int) -> dict[str, Any] | None:
-    """The CPU time the run's load generators report up to the cancel (None where they
-    report none)."""
-    if rec is None or rec.cpu_s <= 0:
+def _loadgen_cost(
+    rec: RunRecord | None, loadgens: int, placement: Placement
+) -> dict[str, Any] | None:
+    """The CPU time the run's load generators report up to the cancel, and an agent's
+    local run's process CPU time (:func:`broker.summary.process_cpu`); None where they
+    report none."""
+    if rec is None or (rec.cpu_s <= 0 and rec.process_cpu_s is None):
         return None
     return {
         "cpu_s": rec.cpu_s,
         "cpu_us_per_query": cpu_us_per_query(rec),
         "loadgens": loadgens,
         **({"services": list(rec.sources)} if rec.sources else {}),
+        "placement": placement,
+        **process_cpu(rec),
     }
 
 

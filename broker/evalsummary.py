@@ -51,7 +51,9 @@ class Summarizer:
         cost = (
             LoadgenCost(agent_host=agent.host, loadgens=job.scenario.loadgens)
             if job.placement == "server"
-            else LoadgenCost(agent_host=agent.host, host=agent.host, cores=agent.cpu_cores)
+            else LoadgenCost(
+                agent_host=agent.host, placement="agent", host=agent.host, cores=agent.cpu_cores
+            )
         )
         prep = p.prep
         return cls(

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from mlscope.contracts import LatencyStats, ScenarioSpec
+from mlscope.contracts import LatencyStats, Placement, ScenarioSpec
 from mlscope.outcomes import count, was_sent
 from mlscope.record import RunRecord
 from mlscope.stats import describe_ms, percentiles
@@ -72,6 +72,7 @@ __all__ = [
     "judge",
     "latency_split",
     "policy_for",
+    "process_cpu",
     "stopped",
     "stream_warnings",
     "tracing_warnings",
@@ -97,6 +98,10 @@ class Figures:
     throughput_ips: float | None
     top1: float | None
     loadgen_cpu_us_per_query: float | None
+    loadgen_cpu_s: float | None = None
+    """The load generators' CPU time (``RunRecord.cpu_s``); None where they report none."""
+    process_cpu: dict[str, float | None] = field(default_factory=dict)
+    """An agent's local run: its process's CPU time (:func:`process_cpu`)."""
 
     @property
     def errors(self) -> int:
@@ -169,6 +174,8 @@ def figures(rec: RunRecord, *, has_labels: bool, window_s: float | None = None) 
         throughput_ips=samples / tput_span if tput_span > 0 else None,
         top1=float(rec.correct[ok].sum()) / samples if has_labels and samples else None,
         loadgen_cpu_us_per_query=cpu_us_per_query(rec),
+        loadgen_cpu_s=rec.cpu_s if rec.cpu_s > 0 else None,
+        process_cpu=process_cpu(rec),
     )
 
 
@@ -183,9 +190,15 @@ LOADGEN_BUSY_WARN = 0.05
 
 @dataclass(frozen=True, kw_only=True)
 class LoadgenCost:
-    """The load generator's own cost, and whether it shared the agent's cores."""
+    """The load generator's own cost, and whether it shared the agent's cores.
+
+    ``placement``: where it ran. In the server (or its processes, or services) its CPU
+    time is its process's; in the agent (a local run), its own threads' (an open
+    loop's pacer; none for a closed loop or a stream, whose queries are issued on the
+    model's predict thread), beside the agent process's (:func:`process_cpu`)."""
 
     agent_host: str
+    placement: Placement = "server"
     loadgens: int = 1
     host: str = field(default_factory=socket.gethostname)
     """Where the load was generated (hosts of load-generator services: comma-separated)."""
@@ -214,20 +227,30 @@ class LoadgenCost:
     def facts(self, f: Figures) -> dict[str, Any]:
         """The summary's ``loadgen_cost``."""
         return {
+            "cpu_s": f.loadgen_cpu_s,
             "cpu_us_per_query": f.loadgen_cpu_us_per_query,
             "busy_cores": self.busy(f),
             "host": self.host,
             "host_cores": self.cores,
             "loadgens": self.loadgens,
             "shared_host": self.shared_host,
+            "placement": self.placement,
+            **f.process_cpu,
         }
 
     def warnings(self, f: Figures, *, parallel: bool) -> tuple[str, ...]:
         """What may have disturbed the measurement (the summary's ``warnings``)."""
         out = []
         busy = self.busy(f)
-        if self.shared_host and busy is not None and busy >= LOADGEN_BUSY_WARN:
-            cores = f", {self.cores} cores" if self.cores else ""
+        cores = f", {self.cores} cores" if self.cores else ""
+        if self.placement == "agent" and busy is not None and busy >= LOADGEN_BUSY_WARN:
+            out.append(  # the job chose to share the agent's process: what it cost
+                f"the load was generated in the agent's process (placement agent, "
+                f"{self.agent_host}{cores}): its load generator used "
+                f"{f.loadgen_cpu_us_per_query:.0f} µs CPU per query ({busy:.0%} of a "
+                "core), CPU time the model's threads did not have"
+            )
+        elif self.shared_host and busy is not None and busy >= LOADGEN_BUSY_WARN:
             out.append(
                 f"the load generator shared the agent's host ({self.agent_host}{cores}) and "
                 f"used {f.loadgen_cpu_us_per_query:.0f} µs CPU per query "
@@ -318,8 +341,26 @@ def policy_for(spec: ScenarioSpec, base: ValidityPolicy) -> ValidityPolicy:
 def cpu_us_per_query(rec: RunRecord) -> float | None:
     """The load generators' CPU time (µs) per query they sent; None without one. Their
     CPU time covers every query sent, warm-up included, so every one counts."""
-    sent = int(np.count_nonzero(was_sent(rec.issued, rec.completed)))
+    sent = _sent(rec)
     return rec.cpu_s / sent * 1e6 if sent and rec.cpu_s > 0 else None
+
+
+def process_cpu(rec: RunRecord) -> dict[str, float | None]:
+    """An agent's local run (placement agent): ``process_cpu_s``, the agent process's
+    CPU time during the run (model, load generator and the agent's own work together),
+    and ``process_cpu_us_per_query``, per query sent (as :func:`cpu_us_per_query`);
+    empty for a run whose load the agent did not generate."""
+    if rec.process_cpu_s is None:
+        return {}
+    sent = _sent(rec)
+    return {
+        "process_cpu_s": rec.process_cpu_s,
+        "process_cpu_us_per_query": rec.process_cpu_s / sent * 1e6 if sent else None,
+    }
+
+
+def _sent(rec: RunRecord) -> int:
+    return int(np.count_nonzero(was_sent(rec.issued, rec.completed)))
 
 
 def _issued(rec: RunRecord) -> np.ndarray:

@@ -97,11 +97,17 @@ def _detail_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
         rows.append(("  lag parts", "  ".join(parts)))
     cost = s.loadgen_cost or {}
     if cost.get("cpu_us_per_query") is not None:
-        shared = " (the agent's host)" if cost.get("shared_host") else ""
+        where = (
+            " in the agent's process"
+            if cost.get("placement") == "agent"
+            else " (the agent's host)"
+            if cost.get("shared_host")
+            else ""
+        )
         rows.append(
             (
                 "loadgen",
-                f"{cost['cpu_us_per_query']:.0f} µs CPU per query on {cost.get('host')}{shared}",
+                f"{cost['cpu_us_per_query']:.0f} µs CPU per query on {cost.get('host')}{where}",
             )
         )
     rows += [("WARNING", w) for w in s.warnings]

@@ -58,7 +58,11 @@ class RunRecord:
     not_issued: int = 0
     done: int = 0
     cpu_s: float = 0.0
-    """CPU time (s) the load generator's process used during the run."""
+    """CPU time (s) the load generator used during the run: its process's (placement
+    server), or its own threads' in an agent's local run (0 where not told apart)."""
+    process_cpu_s: float | None = None
+    """An agent's local run (placement agent): CPU time (s) of the agent's process
+    during the run, model and load generator together; None for other runs."""
     sources: tuple[dict[str, Any], ...] = ()
     """Which load-generator service ran which slice (distributed load over services)."""
     preprocessed: bool = False

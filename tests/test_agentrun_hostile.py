@@ -63,6 +63,21 @@ def test_honest_rows_are_taken_whole() -> None:
     assert got.rec.n >= 6 and got.answered() == 6 and got.rec.errors == {}
 
 
+def test_the_final_rows_cpu_times_are_kept_in_the_record() -> None:
+    """The load generator's CPU time is the record's ``cpu_s`` (what the summary's
+    ``loadgen_cost`` reads in any placement), the agent process's beside it."""
+    got = collector()
+    got.add(
+        last := rows(good_columns(3), final=True, queries=3, loadgen_cpu_s=0.25, process_cpu_s=2.5)
+    )
+    assert got.finish(last) == ()
+    assert (got.rec.cpu_s, got.rec.process_cpu_s) == (0.25, 2.5)
+    closed = collector()  # a closed loop's load generator is not told apart
+    closed.add(last := rows(good_columns(2), final=True, queries=2, process_cpu_s=1.0))
+    closed.finish(last)
+    assert (closed.rec.cpu_s, closed.rec.process_cpu_s) == (0.0, 1.0)
+
+
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
@@ -99,8 +114,10 @@ def test_rows_past_the_most_queries_a_run_holds_are_refused_before_any_memory() 
         {"issued": -1},
         {"queries": 10**12},
         {"not_issued": -5},
-        {"cpu_s": float("nan")},
-        {"cpu_s": -1.0},
+        {"process_cpu_s": float("nan")},
+        {"process_cpu_s": -1.0},
+        {"loadgen_cpu_s": float("inf")},
+        {"loadgen_cpu_s": -1.0},
         {"errors": {-1: "x"}},
         {"errors": {10**12: "x"}},
         {"seq": -1},

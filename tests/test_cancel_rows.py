@@ -181,9 +181,11 @@ def test_a_cancelled_run_stores_every_query_it_issued(slow_stack: Stack, placeme
         n_sent = int(sent.sum())
         answered = n_sent - counts[Outcome.LOST]
         assert f"{answered} of {n_sent} issued queries answered" in doc["invalid_reasons"][0]
-        if placement == "server":  # the server's load generator's CPU time up to the cancel
-            cost = doc["loadgen_cost"]
-            assert cost is not None and cost["cpu_s"] > 0 and cost["loadgens"] == 1, cost
+        cost = doc["loadgen_cost"]  # the load generator's CPU time up to the cancel
+        assert cost is not None and cost["cpu_s"] > 0 and cost["loadgens"] == 1, cost
+        assert doc["placement"] == cost["placement"] == placement, (doc["placement"], cost)
+        if placement == "agent":  # its pacer's, in the agent, beside the agent process's
+            assert cost["process_cpu_s"] >= cost["cpu_s"], cost
     # Analysis (report, dashboard) counts the same rows and shows no figure for it.
     with BusSource(settings) as source:
         row = analysis_summary(source, [summary.evaluation_id]).iloc[0]

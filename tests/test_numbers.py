@@ -297,6 +297,37 @@ def test_loadgen_cost_is_recorded_and_warned_on_a_shared_host() -> None:
     assert not away.shared_host and away.warnings(f, parallel=False) == ()
 
 
+def test_an_agents_local_run_reports_its_load_generator_and_its_process_apart() -> None:
+    """Placement agent: the load generator's own CPU time (``cpu_s``, per query as in
+    server placement) beside the agent process's, and a warning that says what the
+    load generator took from the model rather than that it shared a host by mistake."""
+    spec = ScenarioSpec(name="constant", qps=1000, duration_s=2)
+    rec = open_record(spec, 0.0001)
+    rec.cpu_s, rec.process_cpu_s = 0.2e-3 * rec.n, 1.5e-3 * rec.n
+    f = figures(rec, has_labels=False)
+    cost = LoadgenCost(agent_host="box", placement="agent", host="box", cores=2)
+    facts = cost.facts(f)
+    assert facts["placement"] == "agent" and facts["shared_host"]
+    assert facts["cpu_s"] == pytest.approx(rec.cpu_s)
+    assert facts["cpu_us_per_query"] == pytest.approx(200)
+    assert facts["process_cpu_s"] == pytest.approx(rec.process_cpu_s)
+    assert facts["process_cpu_us_per_query"] == pytest.approx(1500)
+    (warning,) = cost.warnings(f, parallel=False)
+    assert warning.startswith("the load was generated in the agent's process"), warning
+    # A closed loop's load is issued on the model's thread: only the process's time.
+    rec.cpu_s = 0.0
+    facts = cost.facts(figures(rec, has_labels=False))
+    assert facts["cpu_s"] is None and facts["cpu_us_per_query"] is None
+    assert facts["process_cpu_us_per_query"] == pytest.approx(1500)
+    assert cost.warnings(figures(rec, has_labels=False), parallel=False) == ()
+    # A server-placed run has no process figure of an agent.
+    rec.cpu_s, rec.process_cpu_s = 0.2e-3 * rec.n, None
+    served = LoadgenCost(agent_host="box", host="box", cores=2).facts(
+        figures(rec, has_labels=False)
+    )
+    assert served["placement"] == "server" and "process_cpu_s" not in served
+
+
 def test_an_identical_rerun_is_not_called_different_at_run_level() -> None:
     """Run-to-run noise (±4 % between runs) is what a single-run bootstrap misses; over
     repeats the interval holds it and the verdict is no change."""

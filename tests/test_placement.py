@@ -7,6 +7,7 @@ verdicts and accuracy are.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from mlscope import codec, remote
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, Preprocess, ScenarioSpec
 from mlscope.errors import ConfigError, ResolutionError
 from mlscope.jobs import submit
+from mlscope.registry import list_agents
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
 from tests.conftest import agent_and_server, agent_description, running_stack
@@ -132,6 +134,45 @@ def test_online_in_the_agent_issues_the_servers_schedule(placement_stack: Stack)
     rows = np.asarray(sql(placement_stack.settings, QUERY_ROWS, s.evaluation_id), np.int64)
     np.testing.assert_array_equal(rows[:, 1], expected.offsets_ns)  # scheduled = the schedule
     assert (rows[:, 2] >= rows[:, 1]).all()  # never issued early
+
+
+def agent_cpu_s(settings: Settings, framework: str) -> tuple[float, float]:
+    """CPU time (utime + stime, s) the kernel counted for the process of the agent that
+    serves ``framework`` (``/proc/<pid>/stat``), and that clock's resolution (s)."""
+
+    async def pid() -> int:
+        async with busmod.connect(settings, name="test") as bus:
+            agents = await list_agents(bus)
+        return next(a.pid for a in agents if any(f.name == framework for f in a.frameworks))
+
+    fields = Path(f"/proc/{anyio.run(pid, backend='asyncio')}/stat").read_text()
+    utime, stime = fields.rsplit(")", 1)[1].split()[11:13]  # fields 14 and 15
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(utime) + int(stime)) / tick, 1 / tick
+
+
+def test_online_in_the_agent_reports_its_load_generators_cpu(placement_stack: Stack) -> None:
+    """The in-agent load generator's CPU time (its pacer's thread) is in the summary's
+    ``loadgen_cost`` as a server-placed run's is, beside the agent process's; the kernel,
+    asked apart, counted at least that much for the agent process over the run."""
+    settings = placement_stack.settings
+    spec = ScenarioSpec(name="online", qps=100, duration_s=2, seed=5, **LOOSE)
+    job = JobRequest(
+        model="noop", framework="noop", scenario=spec, trace_level="none", placement="agent"
+    )
+    before, tick = agent_cpu_s(settings, "noop")
+    s = run(settings, job)
+    after, _ = agent_cpu_s(settings, "noop")
+    cost = s.loadgen_cost
+    assert cost is not None and cost["placement"] == "agent" and cost["shared_host"], cost
+    sent = s.queries - s.not_issued
+    assert cost["cpu_s"] > 0, cost
+    assert cost["cpu_us_per_query"] == pytest.approx(cost["cpu_s"] / sent * 1e6), cost
+    assert cost["process_cpu_s"] >= cost["cpu_s"], cost
+    # /proc counts in clock ticks: each reading's utime and stime are each up to one
+    # tick short.
+    assert after - before + 2 * tick >= cost["process_cpu_s"], (before, after, cost)
+    assert "µs CPU per query on" in (text := format_summary(s)) and "in the agent's process" in text
 
 
 def test_single_stream_in_the_agent_keeps_one_query_in_flight(placement_stack: Stack) -> None:

@@ -259,9 +259,13 @@ class RunRows(_Message):
     queries: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
     """final: rows in the run."""
     not_issued: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
-    cpu_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
-    """final: CPU time of the agent's process during the run (its load generator's and
-    its model's: they share it)."""
+    process_cpu_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    """final: CPU time (s) of the agent's process during the run: its model's, its load
+    generator's and the agent's own work together."""
+    loadgen_cpu_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """final: CPU time (s) of the load generator's own threads during the run (an open
+    loop's: its pacer's thread and the one that runs it); None where its work is done
+    on the model's predict thread (a closed loop, a stream) and cannot be told apart."""
     error: dict[str, Any] | None = None
     """final: the typed error that ended the run early, if one did."""
 

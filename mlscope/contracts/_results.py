@@ -67,9 +67,11 @@ class EvaluationSummary(_Message):
     """Issue lag's two parts: ``pacer`` (scheduled -> released by the pacer thread) and
     ``loop`` (released -> handed to the bus client by the event loop)."""
     loadgen_cost: dict[str, Any] | None = None
-    """The load generator's own cost: ``cpu_us_per_query`` (its process's CPU time per
-    issued query), ``host``, ``shared_host`` (it ran on the agent's host, sharing its
-    cores)."""
+    """The load generator's own cost: ``cpu_us_per_query`` (its CPU time per issued
+    query: its process's in placement server, its own threads' in placement agent),
+    ``host``, ``shared_host`` (it ran on the agent's host, sharing its cores),
+    ``placement``; placement agent adds the agent process's ``process_cpu_s`` and
+    ``process_cpu_us_per_query`` (model and load generator together)."""
     parallel: bool = False
     """Run with ``--parallel``: other evaluations may have shared its hosts meanwhile."""
     warnings: tuple[str, ...] = ()
