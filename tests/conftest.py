@@ -172,6 +172,39 @@ def running_stack(
         shutil.rmtree(base / "nats", ignore_errors=True)
 
 
+@contextmanager
+def noop_step_stack(base: Path, zoo_dir: Path, *, name: str, steps: str) -> Iterator[Stack]:
+    """nats-server, server and a noop agent (custom code allowed) serving ``name``: the
+    built-in noop model whose first input step is ``step(env, data)`` of the module
+    ``steps`` (its source), written under ``base``."""
+    import yaml
+
+    module = f"{name}_steps"
+    (base / "steps").mkdir()
+    (base / "steps" / f"{module}.py").write_text(steps)
+    builtin = REPO / "manifests" / "models" / "builtin"
+    doc = yaml.safe_load((builtin / "noop.yaml").read_text())
+    doc["name"] = name
+    doc["inputs"][0]["steps"] = [{"python": {"module": module, "function": "step"}}]
+    (base / "manifests").mkdir()
+    (base / "manifests" / f"{name}.yaml").write_text(yaml.safe_dump(doc))
+    shutil.copytree(builtin / "noop", base / "manifests" / "noop")
+    make_data_dir(base / "data", zoo_dir)
+    settings = Settings(
+        data_dir=base / "data", manifests_dir=base / "manifests", allow_custom_code=True
+    )
+    with pytest.MonkeyPatch.context() as mp:  # the step's module, for the agent
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(base / "steps"), str(REPO)]))
+        s = Stack(settings, nats_port=0, frameworks=["noop"])
+        s.start()
+    try:
+        anyio.run(wait_agents, s.settings, 1, 60.0)
+        anyio.run(wait_server, s.settings, 60.0)
+        yield s
+    finally:
+        s.stop()
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Settings]:
     """A real local stack: nats-server, the server process and an onnxruntime agent."""

@@ -12,8 +12,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import json
-import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +21,6 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-import yaml
 
 from analysis.source import BusSource
 from analysis.summary import summary as analysis_summary
@@ -38,7 +35,7 @@ from mlscope.outcomes import ERROR_OUTCOMES, Outcome, classify
 from mlscope.record import RunRecord
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
-from tests.conftest import REPO, make_data_dir, wait_agents, wait_server
+from tests.conftest import noop_step_stack
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,45 +44,20 @@ STEP_S = 0.05
 QPS = 80.0
 """Twice what the agent answers: a backlog of ~40 queries a second, under the agent's
 queue capacity (256) for the seconds before the cancel."""
-STEPS = f"import time\n\n\ndef slow(env, data):\n    time.sleep({STEP_S})\n    return data\n"
+STEPS = f"import time\n\n\ndef step(env, data):\n    time.sleep({STEP_S})\n    return data\n"
 ROWS = (
     "SELECT query_index, scheduled_ns, issued_ns, completed_ns, ok, outcome, error "
     "FROM queries FINAL WHERE evaluation_id = {e:String} ORDER BY query_index"
 )
 
 
-def slow_manifest(folder: Path) -> None:
-    """``noop_slow``: the built-in noop model with a sleeping custom step first."""
-    builtin = REPO / "manifests" / "models" / "builtin"
-    doc = yaml.safe_load((builtin / "noop.yaml").read_text())
-    doc["name"] = "noop_slow"
-    doc["inputs"][0]["steps"] = [{"python": {"module": "cancel_rows_steps", "function": "slow"}}]
-    folder.mkdir()
-    (folder / "noop_slow.yaml").write_text(yaml.safe_dump(doc))
-    shutil.copytree(builtin / "noop", folder / "noop")
-
-
 @pytest.fixture(scope="module")
 def slow_stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Stack]:
-    """nats-server, server and a noop agent (custom code allowed) serving noop_slow."""
+    """nats-server, server and a noop agent (custom code allowed) serving noop_slow:
+    the built-in noop model with a sleeping custom step first."""
     base = tmp_path_factory.mktemp("cancelrows")
-    (base / "steps").mkdir()
-    (base / "steps" / "cancel_rows_steps.py").write_text(STEPS)
-    slow_manifest(base / "manifests")
-    make_data_dir(base / "data", zoo_dir)
-    settings = Settings(
-        data_dir=base / "data", manifests_dir=base / "manifests", allow_custom_code=True
-    )
-    with pytest.MonkeyPatch.context() as mp:  # the step's module, for the agent
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(base / "steps"), str(REPO)]))
-        s = Stack(settings, nats_port=0, frameworks=["noop"])
-        s.start()
-    try:
-        anyio.run(wait_agents, s.settings, 1, 60.0)
-        anyio.run(wait_server, s.settings, 60.0)
+    with noop_step_stack(base, zoo_dir, name="noop_slow", steps=STEPS) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def online(placement: str, *, duration_s: float = 20.0, qps: float = QPS) -> JobRequest:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,7 +22,6 @@ from typing import Any
 
 import anyio
 import pytest
-import yaml
 
 from broker.cancel import IN_FLIGHT, cancelled_summary
 from cli.main import main as mlscope_main
@@ -41,7 +38,7 @@ from mlscope.contracts import (
 )
 from mlscope.jobs import submit
 from mlscope.settings import Settings
-from tests.conftest import REPO, child_env, make_data_dir, python, wait_agents, wait_server
+from tests.conftest import child_env, noop_step_stack, python, wait_agents
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,7 +57,7 @@ _lock = threading.Lock()
 _seen = 0
 
 
-def gate(env, data):
+def step(env, data):
     \"\"\"Armed (GATE/armed), hold the {HELD}th query of batch size {SIZES[-1]} until GATE/go.\"\"\"
     global _seen
     if len(data) != {SIZES[-1]} or not (GATE / "armed").exists():
@@ -85,30 +82,12 @@ def gate_stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Itera
     """nats-server, server and a noop agent (custom code allowed) serving noop_gate."""
     base = tmp_path_factory.mktemp("cancelsweep")
     (base / "gate").mkdir()
-    (base / "steps").mkdir()
-    (base / "steps" / "cancel_sweep_steps.py").write_text(STEPS.format(gate=str(base / "gate")))
-    builtin = REPO / "manifests" / "models" / "builtin"
-    doc = yaml.safe_load((builtin / "noop.yaml").read_text())
-    doc["name"] = "noop_gate"
-    doc["inputs"][0]["steps"] = [{"python": {"module": "cancel_sweep_steps", "function": "gate"}}]
-    (base / "manifests").mkdir()
-    (base / "manifests" / "noop_gate.yaml").write_text(yaml.safe_dump(doc))
-    shutil.copytree(builtin / "noop", base / "manifests" / "noop")
-    make_data_dir(base / "data", zoo_dir)
-    settings = Settings(
-        data_dir=base / "data", manifests_dir=base / "manifests", allow_custom_code=True
-    )
-    with pytest.MonkeyPatch.context() as mp:  # the step's module, for the agent
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(base / "steps"), str(REPO)]))
-        s = Stack(settings, nats_port=0, frameworks=["noop"])
-        s.start()
-    try:
-        anyio.run(wait_agents, s.settings, 1, 60.0)
-        anyio.run(wait_server, s.settings, 60.0)
-        yield s
-    finally:
-        (base / "gate" / "go").touch()
-        s.stop()
+    steps = STEPS.format(gate=str(base / "gate"))
+    with noop_step_stack(base, zoo_dir, name="noop_gate", steps=steps) as s:
+        try:
+            yield s
+        finally:  # a step still held lets go before the agent stops
+            (base / "gate" / "go").touch()
 
 
 def sql(settings: Settings, query: str, evaluation_id: str) -> list[list[Any]]:
