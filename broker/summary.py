@@ -12,7 +12,7 @@ Every statistic comes from :mod:`mlscope.stats`; every verdict from
 * offered (scheduled), issued (achieved) and completed rates = queries / last offset
   of their scheduled, issue and answer times (:func:`mlscope.validity.achieved_rate`);
   ``backlog_s``: queries arrived and unanswered at the end of an open loop's window,
-  in seconds of offered load (:func:`mlscope.validity.backlog_s`); the window ends at
+  in seconds of offered load (:func:`mlscope.answering.backlog_s`); the window ends at
   the last reply when the agent stopped answering (:func:`stopped`: what it was sent
   after that is lost, not queued);
 * failed / refused / lost / not issued: :mod:`mlscope.outcomes` (``errors`` is the
@@ -47,20 +47,12 @@ from typing import Any
 
 import numpy as np
 
+from mlscope.answering import Silence, answering_window_s, backlog_s, silence
 from mlscope.contracts import LatencyStats, Placement, ScenarioSpec
 from mlscope.outcomes import count, was_sent
 from mlscope.record import RunRecord
 from mlscope.stats import describe_ms, percentiles
-from mlscope.validity import (
-    Silence,
-    ValidityPolicy,
-    Verdict,
-    achieved_rate,
-    answering_window_s,
-    backlog_s,
-    silence,
-    verdict,
-)
+from mlscope.validity import ValidityPolicy, Verdict, achieved_rate, verdict
 
 __all__ = [
     "LOADGEN_BUSY_WARN",
@@ -371,7 +363,7 @@ def _issued(rec: RunRecord) -> np.ndarray:
 
 
 def stopped(rec: RunRecord) -> Silence | None:
-    """Whether the run's agent stopped answering (:func:`mlscope.validity.silence`):
+    """Whether the run's agent stopped answering (:func:`mlscope.answering.silence`):
     queries sent after its last reply of any kind got none."""
     return silence(_issued(rec), rec.completed)
 
@@ -390,9 +382,10 @@ def judge(
 
     ``window_s``: how long the load ran (the schedule's window for an open loop, the
     time to the last completion for a closed one), held to ``min_duration_s``. An open
-    loop is also judged for overload. Warm-up queries are left out of the latency and
-    failure rules; the load rules (duration, count, issue lag, rates, overload) are the
-    load generator's and count every query.
+    loop is also judged for gaps and a final silence in its answers, and for overload
+    outside them. Warm-up queries are left out of the latency and failure rules; the
+    load rules (duration, count, issue lag, rates, gaps, overload) are the load
+    generator's and count every query.
     """
     meas = rec.measured()
     ok = rec.ok.astype(bool)

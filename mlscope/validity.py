@@ -1,6 +1,7 @@
-"""Is a run valid? Pure functions over a run's per-query arrays: its rates, backlog and
-silence, and the verdict with its reasons; the latency percentile by MLPerf early
-stopping (:mod:`mlscope.early_stopping`).
+"""Is a run valid? Pure functions over a run's per-query arrays: its rates and issue lag,
+and the verdict with its reasons; the latency percentile by MLPerf early stopping
+(:mod:`mlscope.early_stopping`), an open loop's answers (backlog, gaps, silence) by
+:mod:`mlscope.answering`.
 
 Percentiles are given in percent (90, 99) as in :mod:`mlscope.stats`, whose nearest-rank
 percentile is the one used here.
@@ -15,6 +16,16 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from mlscope.answering import (
+    Gap,
+    Silence,
+    answering_window_s,
+    backlog_s,
+    completion_rates,
+    gaps,
+    second_half_s,
+    silence,
+)
 from mlscope.early_stopping import (
     early_stopping_min_queries,
     early_stopping_queries_needed,
@@ -23,15 +34,10 @@ from mlscope.early_stopping import (
 from mlscope.stats import percentile as nearest_rank
 
 __all__ = [
-    "Silence",
     "ValidityPolicy",
     "Verdict",
     "achieved_rate",
-    "answering_window_s",
-    "backlog_s",
-    "completion_rates",
     "issue_lag_ns",
-    "silence",
     "verdict",
 ]
 
@@ -90,6 +96,18 @@ class ValidityPolicy:
     overload_min_queries: int = 20
     """Below this many arrivals in the second half the overload rule is not applied
     (one query more or less would be 5 %)."""
+    max_silence_s: float = 1.0
+    """Gap: an open loop whose queries waited this long with no reply of any kind, and
+    then got replies again, was paused (the agent, its host or its link), which makes
+    the run INVALID and is kept out of the overload rule
+    (:func:`~mlscope.answering.gaps`). A healthy agent at millisecond latencies never
+    waits a second between replies with work queued (a collection or a scheduling delay
+    costs milliseconds)."""
+    gap_factor: float = 5.0
+    """A gap must also last this many times a wait without replies that three quarters
+    of the answered queries sat through (:func:`~mlscope.answering.gaps`), so that a
+    slow model's ordinary wait between replies (one predict call: a batch may take
+    seconds) is not one."""
 
 
 def issue_lag_ns(scheduled_ns: Array, issued_ns: Array) -> npt.NDArray[np.int64]:
@@ -110,80 +128,6 @@ def achieved_rate(offsets_ns: Array) -> float:
     if arr.size == 0 or arr.max() <= 0:
         return 0.0
     return float(arr.size / (arr.max() / 1e9))
-
-
-def completion_rates(
-    scheduled_ns: Array, completed_ns: Array, window_s: float
-) -> tuple[float, float]:
-    """(offered, completed) queries/s over the second half of a ``window_s`` window.
-
-    ``completed_ns``: the completion offset of each query the system answered, with
-    outputs or an error (0 for the others: refused, lost, not issued). Arrivals and
-    completions are counted in ``(window/2, window]``: the first half lets a stable
-    system reach its steady state, and a system that keeps up completes there as many
-    queries as arrive.
-    """
-    sched = np.asarray(scheduled_ns, np.int64)
-    done = np.asarray(completed_ns, np.int64)
-    end = int(window_s * 1e9)
-    if end <= 0:
-        return 0.0, 0.0
-    lo, half_s = end // 2, window_s / 2
-    arrived = int(np.count_nonzero((sched > lo) & (sched <= end)))
-    answered = int(np.count_nonzero((done > lo) & (done <= end)))
-    return arrived / half_s, answered / half_s
-
-
-def backlog_s(scheduled_ns: Array, completed_ns: Array, window_s: float) -> float:
-    """Work queued at the end of the load window, in seconds of offered load: queries
-    that arrived by then and were not answered, over the run's offered rate. A stable
-    system's backlog is about one mean latency (Little's law); an overloaded one's
-    grows with the length of the run."""
-    sched = np.asarray(scheduled_ns, np.int64)
-    done = np.asarray(completed_ns, np.int64)
-    end = int(window_s * 1e9)
-    arrived = int(np.count_nonzero(sched <= end))
-    if end <= 0 or arrived == 0:
-        return 0.0
-    waiting = arrived - int(np.count_nonzero((done > 0) & (done <= end)))
-    return max(waiting, 0) / (arrived / window_s)
-
-
-@dataclass(frozen=True, slots=True)
-class Silence:
-    """No reply of any kind came after ``last_reply_ns`` (an offset from the run start;
-    0: none came at all), and ``unanswered`` queries sent after it got none."""
-
-    last_reply_ns: int
-    unanswered: int
-
-
-def silence(issued_ns: Array, replied_ns: Array) -> Silence | None:
-    """Whether the agent stopped answering: queries sent after its last reply got none
-    (None when every query sent after it was answered: the replies went on to the end).
-
-    ``issued_ns``: each query's issue offset (0: not sent); ``replied_ns``: the offset
-    of its reply, any reply (outputs, an error, a refusal "overloaded"), 0 where none
-    came. A backlogged system answers every query it took, ever later, and goes on
-    answering after the load ends while the load generator waits for it: its last reply
-    comes after the last query was sent. A system that stopped (killed, paused, cut off
-    by the network) leaves every query sent after its last reply unanswered.
-    """
-    issued = np.asarray(issued_ns, np.int64)
-    replied = np.asarray(replied_ns, np.int64)
-    last = int(replied.max()) if replied.size else 0
-    after = int(np.count_nonzero((issued > last) & (replied == 0)))
-    return Silence(last, after) if after else None
-
-
-def answering_window_s(window_s: float, stop: Silence | None) -> float:
-    """The part of a ``window_s`` load window in which the system answered: up to its
-    last reply when it stopped answering (``stop``), the whole window otherwise. What
-    is judged for overload and counted as backlog: queries sent to a system that had
-    stopped are lost, not queued."""
-    if stop is None:
-        return window_s
-    return min(window_s, stop.last_reply_ns / 1e9)
 
 
 def verdict(
@@ -211,8 +155,8 @@ def verdict(
     or an error (0 otherwise: :meth:`mlscope.record.RunRecord.answered_ns`), for the
     overload rule (None: a closed loop, which cannot overload). ``replied_ns``: the
     offset of every query's reply of any kind, a refusal included (0 where none came:
-    :attr:`mlscope.record.RunRecord.completed`), for the silence rule
-    (:func:`silence`; default ``completed_ns``).
+    :attr:`mlscope.record.RunRecord.completed`), for the gap and silence rules
+    (:func:`~mlscope.answering.gaps`, :func:`~mlscope.answering.silence`; default ``completed_ns``).
     ``requested_rate``: the rate the user asked for (None for closed loops and
     replays). ``poisson``: the schedule is random, so its realized rate may differ
     from the request by Poisson noise. ``duration_s`` defaults to the last scheduled
@@ -255,12 +199,24 @@ def _open_loop_reasons(
     replied: Array | None,
     window_s: float,
 ) -> list[str]:
-    """An open loop's answers: whether they stopped (:func:`silence`), and whether they
-    kept up with the arrivals while they came (overload)."""
-    stop = silence(issued, completed if replied is None else replied)
-    out = [] if stop is None else [_silence_reason(stop)]
+    """An open loop's answers: whether they paused (:func:`~mlscope.answering.gaps`) or stopped
+    (:func:`~mlscope.answering.silence`), and whether they kept up with the arrivals while they came
+    (overload, judged outside the gaps and up to the silence)."""
+    anything = completed if replied is None else replied
+    least = max(1, math.ceil(pol.max_silence_s * 1e9))
+    paused = gaps(issued, anything, min_ns=least, factor=pol.gap_factor)
+    stop = silence(issued, anything)
+    out = [*map(_gap_reason, paused), *([] if stop is None else [_silence_reason(stop)])]
     window = answering_window_s(window_s, stop)
-    return [*out, *_overload_reasons(pol, sched, completed, window, cut=stop is not None)]
+    return [*out, *_overload_reasons(pol, sched, completed, window, paused, cut=stop is not None)]
+
+
+def _gap_reason(gap: Gap) -> str:
+    return (
+        f"did not answer from t={gap.start_ns / 1e9:.3f} s to t={gap.end_ns / 1e9:.3f} s "
+        f"({gap.sent} queries sent in that time): the agent, its host or its link "
+        "paused (answers came again: not a backlog)"
+    )
 
 
 def _silence_reason(stop: Silence) -> str:
@@ -280,19 +236,23 @@ def _overload_reasons(
     sched: npt.NDArray[np.int64],
     completed: Array,
     window_s: float,
+    paused: tuple[Gap, ...] = (),
     *,
     cut: bool = False,
 ) -> list[str]:
-    offered, answered = completion_rates(sched, completed, window_s)
-    if offered * window_s / 2 < pol.overload_min_queries:
+    offered, answered = completion_rates(sched, completed, window_s, paused)
+    span_s = second_half_s(window_s, paused)
+    if offered * span_s < pol.overload_min_queries:
         return []
     if answered >= offered * (1 - pol.completion_tolerance):
         return []
     until = " (up to its last answer)" if cut else ""
+    less = window_s / 2 - span_s
+    outside = f", less {less:.3g} s without answers" if less > 0 else ""
     return [
         f"overloaded: completed {answered:.1f}/s of {offered:.1f}/s offered, backlog "
         f"{backlog_s(sched, completed, window_s):.3g} s (second half of the "
-        f"{window_s:g} s window{until}; tolerance {pol.completion_tolerance:.0%})"
+        f"{window_s:g} s window{until}{outside}; tolerance {pol.completion_tolerance:.0%})"
     ]
 
 

@@ -124,6 +124,58 @@ def test_a_paused_agent_is_said_to_have_stopped_answering_not_to_be_overloaded(
         assert 0.5 < at_s < 4 and 0 < unanswered <= summary.lost, (stopped, summary.lost)
 
 
+@pytest.mark.parametrize(
+    ("duration_s", "stop_after"), [(8, 100), (4, 180)], ids=["mid-run", "across-the-end"]
+)
+def test_an_agent_paused_mid_run_is_said_to_have_paused_not_to_be_overloaded(
+    settings: Settings, duration_s: float, stop_after: int
+) -> None:
+    """SIGSTOP for 3 s once ``stop_after`` queries of a 60 QPS Poisson run are answered,
+    then SIGCONT: the agent answers every query, late (the ~180 sent in the pause fit
+    its admission bound), mid-run or, across the end of the load, while the load
+    generator waits. The verdict says when it did not answer and how many queries were
+    sent then (look at the host or the link); "overloaded" would send the user to tune
+    a model that kept up whenever it ran."""
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        scenario=ScenarioSpec(name="online", qps=60, duration_s=duration_s),
+    )
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "napping") as (
+        agent,
+        _server,
+    ):
+        woken = threading.Timer(3.0, agent.send_signal, (signal.SIGCONT,))
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= stop_after and not woken.ident:
+                agent.send_signal(signal.SIGSTOP)
+                woken.start()
+
+        try:
+            summary = anyio.run(
+                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+            )
+        finally:
+            if woken.is_alive():
+                woken.join(10)
+            agent.send_signal(signal.SIGCONT)
+        assert woken.finished.is_set(), "the agent was never paused"
+        reasons = summary.invalid_reasons
+        assert not summary.valid and summary.errors == 0, reasons
+        paused = [r for r in reasons if r.startswith("did not answer from t=")]
+        assert len(paused) == 1, reasons
+        when = re.match(
+            r"did not answer from t=([\d.]+) s to t=([\d.]+) s \((\d+) queries", paused[0]
+        )
+        assert when is not None, paused
+        start, end, sent = float(when[1]), float(when[2]), int(when[3])
+        # About 3 s; 60 QPS were sent in it up to the end of the load.
+        assert 2.5 < end - start < 8 and 20 <= sent <= 100 * (end - start), paused
+        assert not any("overloaded" in r for r in reasons), reasons
+        assert not any(r.startswith("stopped answering") for r in reasons), reasons
+
+
 def test_an_agent_restarted_under_its_id_mid_run_is_lost_not_overloaded(
     settings: Settings,
 ) -> None:

@@ -20,12 +20,13 @@ from broker.scenario_kinds import cold_start
 from broker.scenarios import build_schedule
 from broker.summary import LoadgenCost, figures, judge
 from cli.submit_repeat import measured_runs, run_level
+from mlscope.answering import backlog_s, completion_rates
 from mlscope.contracts import PrepareReply, ScenarioSpec
 from mlscope.outcomes import Outcome, classify, count
 from mlscope.record import RunRecord
 from mlscope.scenario_kinds.cold_start import COLD_START
 from mlscope.stats import mean_ci
-from mlscope.validity import ValidityPolicy, backlog_s, completion_rates
+from mlscope.validity import ValidityPolicy
 
 MS = 1_000_000
 

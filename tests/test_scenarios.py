@@ -127,8 +127,9 @@ def test_open_loop_scenarios_issue_their_schedule(noop_stack: Stack, spec: Scena
     assert s.errors == 0 and s.not_issued == 0
     # Too few queries for early stopping's p99 is the rule such short runs break; on a
     # loaded machine the completions of a sub-second half window can also trail its
-    # arrivals by a latency or two (the overload rule), which is not what is tested.
-    allowed = ("early stopping", "overloaded")
+    # arrivals by a latency or two (the overload rule), or the agent's process wait a
+    # second for a core (a gap in its answers), which is not what is tested.
+    allowed = ("early stopping", "overloaded", "did not answer")
     assert all(r.startswith(allowed) for r in s.invalid_reasons), s.invalid_reasons
     assert s.queries == len(expected) and s.samples == len(expected) * spec.batch_size
     got = rows(noop_stack.settings, s.evaluation_id)
