@@ -24,7 +24,7 @@ import anyio
 import numpy as np
 import pytest
 
-from broker import mlperf, mlperf_agent
+from broker import mlperf, mlperf_agent, mlperf_record
 from broker import mlperf_logs as logs
 from broker.evalsummary import budget_warnings
 from mlscope import bus as busmod
@@ -540,5 +540,5 @@ LINE = (
 @pytest.mark.parametrize("query_seq", [2**40, 2**62])
 def test_a_huge_query_seq_in_an_imported_trace_is_one_sample(query_seq: int) -> None:
     trace = logs.trace_samples(LINE % query_seq)
-    rec = mlperf._record(trace, None, 0, None)
+    rec = mlperf_record.sample_record(trace, None, 0, None)
     assert (rec.n, rec.batch_size) == (1, 1)
