@@ -34,13 +34,14 @@ SHOWN_SQL = (
     "SELECT evaluation_id FROM evaluations FINAL WHERE evaluation_id IN ("
     "SELECT argMin(evaluation_id, (-toUnixTimestamp64Milli(created_at), evaluation_id)) "
     "FROM evaluations FINAL WHERE has(arrayZip({m:Array(String)}, {f:Array(String)}), "
-    f"(model, framework)) GROUP BY {_SHOWN_KEY}) ORDER BY created_at DESC, evaluation_id"
+    "(model, framework)) AND status != 'cancelled' "
+    f"GROUP BY {_SHOWN_KEY}) ORDER BY created_at DESC, evaluation_id"
 )
 """The newest evaluation of every group that :func:`table2` may pick a row from,
 newest first. A group is finer than what the table tells apart (the system's parts
 rather than its name; whether a run has a top-1 or a throughput, is a sweep, is
 valid), so the run the table shows is always among them, and older runs, however
-many, are never read."""
+many, are never read. A cancelled run has no figures to show and is never one."""
 
 
 def shown_evaluations(source: Source, pairs: Sequence[tuple[str, str]]) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 
+from cli.submit_errors import positive_int
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.errors import BusError
@@ -27,7 +28,9 @@ STREAMS = (names.JOBS_STREAM, names.TRACES_STREAM, names.DEAD_STREAM)
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="list dead letters and stream sizes")
-    p.add_argument("--limit", type=int, default=50, help="newest dead letters shown")
+    p.add_argument(
+        "--limit", type=positive_int, default=50, help="newest dead letters shown (default 50)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
 

@@ -24,8 +24,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     files: list[Path] = []
+    empty = 0
     for f in args.files:
-        files.extend(iter_manifest_files([f]) if f.is_dir() else [f])
+        found = iter_manifest_files([f]) if f.is_dir() else [f]
+        if not found:  # a directory that holds none: said, not a silent failure
+            empty += 1
+            print(f"{f}: no manifest files (*.yaml, *.yml) in this directory", file=sys.stderr)
+        files.extend(found)
     failed = 0
     for f in files:
         try:
@@ -37,4 +42,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"{f}: ok ({getattr(m, 'kind', '?')})")
     if failed:
         print(f"{failed} of {len(files)} manifest(s) invalid", file=sys.stderr)
-    return 1 if failed or not files else 0
+    return 1 if failed or empty else 0

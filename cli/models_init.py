@@ -102,7 +102,9 @@ def read_tensors(path: Path) -> tuple[str, list[Tensor], list[Tensor]]:
             field="file",
         )
     if not path.is_file():
-        raise ConfigError(f"{path}: no such file", field="file")
+        what = "not a regular file" if path.exists() else "no such file"
+        what += " (a directory)" if path.is_dir() else ""
+        raise ConfigError(f"{path}: {what}", field="file")
     reader = _onnx_tensors if framework == "onnxruntime" else _tflite_tensors
     extra = "onnx" if framework == "onnxruntime" else "tflite"
     try:
@@ -216,7 +218,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_output(out: Path, *, force: bool) -> None:
     """Refuse an ``out`` that exists (a dangling symbolic link included) unless
-    ``force``, and one in no directory, before the model is read."""
+    ``force``, a directory even then, and one in no directory, before the model is
+    read."""
+    if out.is_dir():  # --force replaces a file or a link, never a directory
+        raise ConfigError(f"{out} is a directory; -o names the manifest file", field="output")
     if os.path.lexists(out) and not force:
         what = "is a symbolic link (--force replaces the link, not its target)"
         if not out.is_symlink():

@@ -156,6 +156,8 @@ def _problems(exc: ValidationError, name: Callable[[tuple[int | str, ...]], str]
         msg = str(err["msg"]).removeprefix("Value error, ")
         msg = msg.replace("Input should be", "must be")
         got = err.get("input")
+        if isinstance(got, float) and math.isnan(got):  # no bound holds NaN: say what it is
+            msg = "must be a number"
         plain = not isinstance(got, dict | list | tuple) and got is not None
         shown = f" (got {got!r})" if plain and repr(got) not in msg else ""
         parts.append(f"{where}: {msg}{shown}" if where else f"{msg}{shown}")

@@ -278,15 +278,18 @@ def make_job(args: argparse.Namespace, framework: str | None = None) -> JobReque
             **({"placement": p} if (p := getattr(args, "placement", None)) else {}),
             system=system_from_args(args),
         )
-    _refuse_what_cannot_run(job.scenario, flags)
+    _refuse_what_cannot_run(job.scenario, flags, scenario_file=args.scenario_file)
     return job
 
 
-def _refuse_what_cannot_run(spec: ScenarioSpec, flags: dict[str, Any]) -> None:
-    """A flag the scenario does not read, or a spec its strategy refuses at intake
-    (:meth:`broker.scenario.Scenario.refuse`, held to the server's default validity
-    policy), as a usage error naming the flag: refused here, before anything runs,
-    rather than ignored or found out after a run."""
+def _refuse_what_cannot_run(
+    spec: ScenarioSpec, flags: dict[str, Any], *, scenario_file: Path | None = None
+) -> None:
+    """A flag the scenario does not read, a value of the ``--scenario-file`` it does not
+    read (the file names another scenario and ``--scenario`` changed it), or a spec its
+    strategy refuses at intake (:meth:`broker.scenario.Scenario.refuse`, held to the
+    server's default validity policy), as a usage error naming the flag: refused here,
+    before anything runs, rather than ignored or found out after a run."""
     traits = scenario_traits.get(spec.name)
     for field, value in flags.items():
         if field != "name" and value is not None and not traits.reads(field):
@@ -294,9 +297,19 @@ def _refuse_what_cannot_run(spec: ScenarioSpec, flags: dict[str, Any]) -> None:
                 f"argument {flag_for(field)}: scenario {spec.name!r} does not read it: "
                 f"{traits.unread(field)}"
             )
+    for field in sorted(spec.model_fields_set - {"name"} - _given(flags)):
+        if not traits.reads(field):  # set by the file, for the scenario it names
+            raise FlagError(
+                f"argument --scenario: {scenario_file} sets {field}, which scenario "
+                f"{spec.name!r} does not read: {traits.unread(field)}"
+            )
     try:
         refuse(spec, ValidityPolicy())
     except ConfigError as exc:
         named = exc.fields.get("field")
         where = f"argument {flag_for(named)}: " if isinstance(named, str) else ""
         raise FlagError(f"{where}{exc.message}") from exc
+
+
+def _given(flags: dict[str, Any]) -> set[str]:
+    return {field for field, value in flags.items() if value is not None}

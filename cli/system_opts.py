@@ -12,6 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
+from cli.submit_errors import MAX_COUNT
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import SystemRequirement
 from mlscope.errors import ConfigError
@@ -33,6 +34,18 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _size_flag(text: str) -> int:
+    """:func:`parse_size` as an argparse type: a refusal is the flag's usage error, in
+    its own words (argparse would print ``invalid parse_size value``)."""
+    try:
+        size = parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from exc
+    if size > MAX_COUNT:  # what the wire carries
+        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most {MAX_COUNT} bytes)")
+    return size
+
+
 def add_system_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("system requirements (the agent's machine must meet them)")
     g.add_argument(
@@ -44,7 +57,7 @@ def add_system_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arch", default=None, help="CPU architecture, e.g. amd64, arm64")
     g.add_argument("--accelerator", default=None, help="accelerator model, e.g. H100, u250")
     g.add_argument(
-        "--min-memory", type=parse_size, default=None, help="memory the agent may use, e.g. 8G"
+        "--min-memory", type=_size_flag, default=None, help="memory the agent may use, e.g. 8G"
     )
     g.add_argument("--min-cores", type=int, default=None, help="cores the agent may run on")
     g.add_argument("--interconnect", default=None, help="accelerator link, e.g. pcie4, nvlink")

@@ -47,6 +47,7 @@ from typing import Any
 import anyio
 
 from analysis.layers import span_attrs
+from cli.submit_errors import positive_int
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.bus import Bus
@@ -75,7 +76,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--max-spans",
-        type=int,
+        type=positive_int,
         default=MAX_SPANS,
         metavar="N",
         help=f"refuse an evaluation with more spans (default {MAX_SPANS:,}; "
@@ -87,11 +88,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     out = args.output or Path(f"{args.evaluation_id}.trace.json")
     writable(out)  # before the fetch: a typo in -o costs no download
-    if args.max_spans < 1:
-        raise ConfigError(
-            f"--max-spans must be at least 1, not {args.max_spans}", field="max_spans"
-        )
-    doc = anyio.run(
+    doc, runs = anyio.run(
         functools.partial(export, args.settings, args.evaluation_id, max_spans=args.max_spans),
         backend="asyncio",
     )
@@ -101,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
         f"(open in https://ui.perfetto.dev or chrome://tracing)",
         file=sys.stderr,
     )
+    if runs:  # a sweep's or search's own evaluation: its runs hold the queries and spans
+        print(
+            f"{args.evaluation_id} is a sweep or search: its runs are traced apart "
+            f"(mlscope trace {runs[0]}); its runs: {', '.join(runs)}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -115,9 +118,12 @@ def writable(out: Path) -> None:
 
 async def export(
     settings: Settings, evaluation_id: str, *, max_spans: int = MAX_SPANS
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], list[str]]:
+    """The Chrome trace document of ``evaluation_id`` and, of a sweep or search (whose
+    own evaluation holds no query), the ids of the runs that hold them."""
     async with busmod.connect(settings, name="mlscope trace") as bus:
-        return chrome_trace(*(await fetch(bus, evaluation_id, max_spans=max_spans)))
+        rows = await fetch(bus, evaluation_id, max_spans=max_spans)
+    return chrome_trace(*rows), list(rows[0]["runs"])
 
 
 async def _rows(
@@ -132,22 +138,31 @@ async def _rows(
     return out
 
 
+_RUNS = (
+    "arrayMap(p -> JSONExtractString(p, 'evaluation_id'), "
+    "JSONExtractArrayRaw(summary, 'points')) AS runs"
+)
+"""The evaluation ids of a stored summary's ``points``: a sweep's or search's runs."""
+
+
 async def fetch(
     bus: Bus, eval_id: str, *, max_spans: int = MAX_SPANS
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """(evaluation, queries, spans, samples) rows of one evaluation (its spans and
-    samples those of the agent it ran on: :func:`mlscope.tracerows.trace_rows`); a
+    samples those of the agent it ran on: :func:`mlscope.tracerows.trace_rows`; the
+    evaluation's ``runs``: of a sweep or search, the runs that hold them); a
     ConfigError, before any span is read, when it has more than ``max_spans`` spans."""
     where = "FINAL WHERE evaluation_id = {e:String}"
     ev = await _rows(
         bus,
         "SELECT evaluation_id, model, framework, agent_id, host, t0_ns, "
-        f"clock_offset_ns, trace_level FROM evaluations {where}",
+        f"clock_offset_ns, trace_level, {_RUNS} FROM evaluations {where}",
         eval_id,
         (("evaluation_id", "String"),),
     )
     if not ev:
         raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
+    ev[0]["runs"] = [r for r in ev[0]["runs"] or () if r and r != eval_id]
     _, [[count]] = await remote.sql(
         bus, f"SELECT count() FROM {trace_rows('spans')}", {"e": eval_id}, timeout=60
     )

@@ -155,6 +155,13 @@ def form_values(job: JobRequest, row: Any) -> tuple[dict[str, Any], list[str]]:
         "load generator hosts": sc.loadgen_hosts,
         "preprocess": sc.preprocess,
         "max outstanding": None if sc.max_outstanding == 1024 else sc.max_outstanding,
+        # The form has no placement box: its jobs run where their scenario places them.
+        "placement": None if job.placement == _own_placement(job) else job.placement,
     }
     left += [f"{k} {v}" for k, v in unboxed.items() if v is not None]
     return {k: v for k, v in values.items() if v is not None}, left
+
+
+def _own_placement(job: JobRequest) -> str:
+    """Where the form's job of ``job``'s scenario runs (it names no placement)."""
+    return JobRequest(model=job.model, framework=job.framework, scenario=job.scenario).placement

@@ -267,6 +267,8 @@ BAD_FLAGS = [
     (("rerun", LONG_ID), "argument EVAL_ID: 'job-xxxx"),
     (("runs", "--since", "99999999999d"), "argument --since: further back than"),
     (("runs", "--limit", "100000000000000000000"), "argument --limit: '1000"),
+    (("trace", "ev-1", "--max-spans", "0"), "argument --max-spans: '0' is not a whole number"),
+    (("doctor", "--limit", "-5"), "argument --limit: '-5' is not a whole number above 0"),
     (("report", "--price", "x=abc", "ev-1"), "argument --price: 'x=abc': the price 'abc'"),
     (("report", "--price", "=", "ev-1"), "argument --price: '=' is not SYSTEM=USD_PER_HOUR"),
     (("report", "--price", "x=inf", "ev-1"), "argument --price: 'x=inf': the price"),

@@ -193,3 +193,19 @@ def test_cli_validate_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert args.func(args) == 1
     err = capsys.readouterr().err
     assert f"{bad}:1: field 'task': is required" in err
+
+
+def test_cli_validate_names_a_directory_without_manifests(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory that holds no manifest fails with its name said, never in silence."""
+    parser = argparse.ArgumentParser()
+    manifest_cmd.register(parser.add_subparsers())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    args = parser.parse_args(["manifest", "validate", str(empty)])
+    args.settings = Settings()
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert f"{empty}: no manifest files" in err
+    assert "of 0 manifest(s)" not in err

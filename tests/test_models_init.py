@@ -221,3 +221,21 @@ def test_models_says_why_a_missing_file_model_is_missing(
     out = capsys.readouterr().out
     assert "run `None`" not in out
     assert "gone.onnx" in out and "missing:" in out
+
+
+def test_init_says_a_directory_is_no_file(
+    isolated: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A directory given as the model or as ``-o`` is named as one, refused before any
+    work (``--force`` replaces a file or a link, never a directory), and nothing written."""
+    (isolated / "dir.onnx").mkdir()
+    assert init(str(isolated / "dir.onnx")) == 1
+    assert "not a regular file (a directory)" in capsys.readouterr().err
+    model = onnx_file(isolated / "m.onnx", [1, 3])
+    out = isolated / "out.yaml"
+    (out / "inside").mkdir(parents=True)
+    for force in ([], ["--force"]):
+        assert init(str(model), "-o", str(out), *force) == 1
+        err = capsys.readouterr().err
+        assert f"{out} is a directory" in err and ".tmp" not in err, err
+    assert manifests_in(isolated) == ["out.yaml"] and out.is_dir()

@@ -406,6 +406,30 @@ def test_trace_export_refuses_more_spans_than_its_cap(settings: Settings) -> Non
     anyio.run(main, backend="asyncio")
 
 
+def test_trace_export_of_a_sweep_names_its_runs(settings: Settings) -> None:
+    """A sweep's own evaluation holds no queries or spans (its runs do): its rows name
+    the runs to trace, so that its empty timeline is not all a user gets."""
+    from cli import trace_cmd
+
+    points = '{"points": [{"evaluation_id": "ev-sw-0"}, {"evaluation_id": "ev-sw-1"}]}'
+
+    async def main() -> None:
+        async with replicas(settings) as (_, bus):
+            with Client(settings.dsn) as db:
+                db.command(
+                    "INSERT INTO evaluations (evaluation_id, agent_id, model, framework, t0_ns, "
+                    f"summary) VALUES ('ev-sw', 'a', 'm', 'onnxruntime', 0, '{points}'), "
+                    "('ev-sw-1', 'a', 'm', 'onnxruntime', 0, "
+                    '\'{"points": [{"evaluation_id": "ev-sw-1"}]}\')'
+                )
+            ev, queries, _, _ = await trace_cmd.fetch(bus, "ev-sw")
+            assert ev["runs"] == ["ev-sw-0", "ev-sw-1"] and not queries
+            ev, _, _, _ = await trace_cmd.fetch(bus, "ev-sw-1")  # a run lists itself alone
+            assert ev["evaluation_id"] == "ev-sw-1" and ev["runs"] == []
+
+    anyio.run(main, backend="asyncio")
+
+
 def test_a_page_of_a_replica_that_is_gone_is_cursor_not_found(settings: Settings) -> None:
     fill(settings)
 

@@ -58,6 +58,8 @@ def store(
     warmup: int = 0,
     correct: int = 0,
     gap_ms: float = 10.0,
+    status: str = "completed",
+    valid: int = 1,
 ) -> None:
     """An evaluation row (created ``age_s`` seconds before T0 + 1000 s) and, with
     ``latency_ms``, its query rows (the first ``warmup`` of them warm-up, one every
@@ -83,6 +85,8 @@ def store(
         framework_version=framework_version,
         scenario=scenario,
         trace_level="framework",
+        status=status,
+        valid=valid,
         spec=json.dumps({"agent": {"cpu_model": "cpu-a", "cpu_cores": 2}}),
         summary=json.dumps(summ),
     )
@@ -191,6 +195,17 @@ def test_suite_and_regressions_keep_placements_apart(src: DirectSource) -> None:
     assert " (agent)" in suite.format_table(table)
     steps = regression.regressions(src, summary(src, shown), n_boot=200)
     assert steps.empty  # version 1 on the server, 2 on the agent: no step to judge
+
+
+def test_suite_never_shows_a_cancelled_run_in_place_of_a_measured_one(src: DirectSource) -> None:
+    """An INVALID online run, then a newer one of the same model cancelled early: Table 2
+    shows the measured run's figures, not the cancelled run's none."""
+    store(src, "ev-cx-done", age_s=40, model="cx", valid=0, latency_ms=ms(30, 3.0))
+    store(src, "ev-cx-stop", age_s=30, model="cx", valid=0, status="cancelled", latency_ms=ms(5))
+    shown = suite.shown_evaluations(src, [("cx", "onnxruntime")])
+    assert shown == ["ev-cx-done"]
+    table = suite.table2(summary(src, shown))
+    assert len(table) == 1 and table["online_trimmed_mean_ms"].iloc[0] == pytest.approx(3.0)
 
 
 # ------------------------------------------------------------------ 3. comparable runs

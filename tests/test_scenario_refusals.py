@@ -126,6 +126,19 @@ def test_a_scenario_file_value_the_scenario_does_not_read_is_the_files_error(
     load_manifest(path)
 
 
+def test_a_file_value_the_scenario_named_by_flag_does_not_read_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--scenario`` overrides the file's scenario; a value the file set for its own
+    scenario that the new one does not read is refused, not dropped."""
+    path = tmp_path / "sc.yaml"
+    path.write_text("kind: scenario\nname: online\nqps: 10\nduration_s: 1\n")
+    message = usage_error(capsys, "--scenario-file", str(path), "--scenario", "batched")
+    assert message.startswith(
+        f"argument --scenario: {path} sets qps, which scenario 'batched' does not read"
+    ), message
+
+
 def test_a_peak_search_no_rate_can_make_valid_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -53,7 +53,10 @@ def last_line(stderr: str) -> str:
         (("--duration", "0"), "argument --duration: must be greater than 0"),
         (("--batch-sizes", "1,x"), "argument --batch-sizes: 'x' is not a whole number"),
         (("--repeat", "0"), "argument --repeat: must be at least 1"),
-        (("--qps", "nan"), "argument --qps: must be"),
+        (("--qps", "nan"), "argument --qps: must be a number (got nan)"),
+        (("--duration", "nan"), "argument --duration: must be a number (got nan)"),
+        (("--min-memory", "1.5.5G"), "argument --min-memory: not a size: '1.5.5G'"),
+        (("--min-memory", "99999999999999999999T"), "argument --min-memory: '9999"),
         (("--duration", "inf"), "argument --duration: must be less than or equal to 604800"),
         (
             ("--scenario", "concurrency", "--concurrency", "1000000000"),
