@@ -40,6 +40,9 @@ QUERY_FIELDS = {
     c.name: "bool" if c.name == "ok" else _DTYPES[c.base_type] for c in schema.QUERIES.columns
 }
 """The stored columns of ``queries`` (:data:`mlscope.schema.QUERIES`) and their dtypes."""
+_QUERY_NAMES = {"label": "correct"}
+"""Stored ``queries`` columns as readers name them: ``label`` holds a query's number of
+correct samples."""
 UNKNOWN_OUTCOME = 255
 """``queries.outcome`` of rows stored before outcomes were recorded."""
 
@@ -405,9 +408,7 @@ def queries(source: Source, ids: Sequence[str]) -> pd.DataFrame:
     frame = joined(queries_of(source, ids))
     if frame.empty:  # an empty answer over the bus names no columns
         frame = pd.DataFrame({c: pd.Series(dtype=t) for c, t in QUERY_FIELDS.items()})
-    if "correct" not in frame.columns and "label" in frame.columns:
-        # Schema v1 stores the number of correct top-1 answers of a query in `label`.
-        frame = frame.rename(columns={"label": "correct"})
+        frame = frame.rename(columns=_QUERY_NAMES)
     for col in ("scheduled_ns", "issued_ns", "completed_ns"):
         frame[col] = frame[col].astype(np.int64)
     frame["ok"] = frame["ok"].astype(bool)
@@ -483,14 +484,17 @@ def queries_of(
     source: Source, ids: Sequence[str], *, rows: int = FRAME_ROWS
 ) -> Iterator[pd.DataFrame]:
     """Every stored per-query record of evaluations ``ids``, as stored, by evaluation and
-    query index, in frames of at most ``rows``: what an export writes."""
-    return pages(
+    query index, in frames of at most ``rows``: what an export writes. The stored
+    ``label`` column holds a query's number of correct samples: it is named
+    ``correct`` here (a reader would take ``label`` for the expected class)."""
+    frames = pages(
         source,
         "SELECT * FROM queries FINAL WHERE evaluation_id IN {ids:Array(String)}",
         {"ids": list(ids)},
         (("evaluation_id", "String"), ("query_index", "UInt32")),
         rows=rows,
     )
+    return (frame.rename(columns=_QUERY_NAMES) for frame in frames)
 
 
 def latencies_ms(source: Source, ids: Sequence[str]) -> dict[str, np.ndarray]:

@@ -142,6 +142,9 @@ def test_export_reloads_with_the_databases_row_counts(
         expected = count(noop_stack, table, ids)
         assert expected > 0 and len(frame) == expected, (table, len(frame), expected)
         assert set(frame["evaluation_id"]) == set(ids)
+    # A query's correct samples are named so, not "label" (read as the expected class).
+    queries = read(out / f"queries.{ext}")
+    assert "correct" in queries.columns and "label" not in queries.columns
 
 
 def test_export_of_an_unknown_evaluation_fails_in_one_line(
