@@ -21,6 +21,7 @@ import anyio
 
 from broker.cancel import Cancels, cancelled_rows, cancelled_summary, issued_part
 from broker.db import Database
+from broker.evalspec import specification
 from broker.evaluate import Evaluator
 from broker.ingest import Ingester
 from broker.lgcontrol import stop_runs
@@ -117,7 +118,15 @@ class JobEvaluation:
             # Load generators of their own report a count; their rows are theirs.
             tallied=live.done if live is not None and live.n == 0 else 0,
         )
-        spec_doc = {"job": job.model_dump(mode="json"), "cancelled": True}
+        # What it ran on, once resolved (a report names its system, a rerun its model).
+        spec_doc = {
+            **(
+                specification(job, *resolved, {})
+                if resolved is not None
+                else {"job": job.model_dump(mode="json")}
+            ),
+            "cancelled": True,
+        }
         # A sweep's or search's finished runs are stored already; the job's row last.
         rows = cancelled_rows(summary, runs, rec)
         with anyio.CancelScope(shield=True):

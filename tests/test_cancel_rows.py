@@ -45,6 +45,7 @@ QPS = 80.0
 """Twice what the agent answers: a backlog of ~40 queries a second, under the agent's
 queue capacity (256) for the seconds before the cancel."""
 STEPS = f"import time\n\n\ndef step(env, data):\n    time.sleep({STEP_S})\n    return data\n"
+SPEC = "SELECT spec FROM evaluations FINAL WHERE evaluation_id = {e:String}"
 ROWS = (
     "SELECT query_index, scheduled_ns, issued_ns, completed_ns, ok, outcome, error "
     "FROM queries FINAL WHERE evaluation_id = {e:String} ORDER BY query_index"
@@ -123,6 +124,11 @@ def test_a_cancelled_run_stores_every_query_it_issued(slow_stack: Stack, placeme
     summary = cancelled_after(settings, job, 2.0)
     rows = stored(settings, ROWS, summary.evaluation_id)
     assert rows, "no query row stored"
+    # What it ran on is stored as a finished run's is (reports name its system).
+    spec = stored(settings, SPEC, summary.evaluation_id)[0][0]
+    doc = json.loads(spec)
+    assert doc["cancelled"] and doc["manifest"]["name"] == "noop_slow", doc.keys()
+    assert doc["agent"]["agent_id"] == summary.agent_id and doc["agent"]["cpu_model"], doc["agent"]
     index, scheduled, issued, completed, ok, outcome = (
         np.asarray([r[k] for r in rows], np.int64) for k in range(6)
     )
