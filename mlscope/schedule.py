@@ -231,7 +231,8 @@ def replay(path: str | Path, *, column: str | int | None = None) -> Schedule:
     and line) at its first bad value, at the first arrival past
     :data:`~mlscope.contracts.MAX_SCHEDULED_QUERIES` or the longest run, and past
     :data:`MAX_REPLAY_BYTES`: what it costs is bounded by what a run may hold, not by
-    the file. A FIFO or a directory is refused, not waited on.
+    the file. A FIFO or a directory is refused, not waited on, and so is a file of no
+    arrival.
     """
     p = Path(path)
     try:
@@ -246,6 +247,8 @@ def replay(path: str | Path, *, column: str | int | None = None) -> Schedule:
         raise ConfigError(
             f"{p}: cannot read replay file: {exc.strerror or exc}", file=str(p)
         ) from exc
+    if not len(gaps):  # a replay of nothing would run nothing
+        raise ConfigError(f"{p}: a replay file needs at least one arrival (none)", file=str(p))
     return Schedule(np.cumsum(gaps))
 
 

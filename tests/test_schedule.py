@@ -131,6 +131,17 @@ def test_replay_missing_file_is_config_error(tmp_path: Path) -> None:
         sch.replay(tmp_path / "absent.txt")
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n\n"])
+def test_replay_of_no_arrival_is_refused_naming_the_file(tmp_path: Path, text: str) -> None:
+    """Refused where it is read (``mlscope-submit --schedule``), not after the job went
+    to a server that then asks for the flag it was given."""
+    path = tmp_path / "empty.txt"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="at least one arrival") as info:
+        sch.replay(path)
+    assert info.value.fields["file"] == str(path)
+
+
 @pytest.mark.timeout(15)  # the old reader blocked in open() until a writer came
 def test_replay_refuses_a_fifo_rather_than_wait_for_a_writer(tmp_path: Path) -> None:
     fifo = tmp_path / "arrivals.txt"
