@@ -282,9 +282,13 @@ def identifier(text: str) -> str:
 def _check_frameworks(names: Iterable[str]) -> str | None:
     from mlscope.manifest import FRAMEWORKS
 
+    seen: set[str] = set()
     for name in names:
         if name not in FRAMEWORKS:
             return f"unknown framework {name!r}; known: {', '.join(FRAMEWORKS)}"
+        if name in seen:
+            return f"framework {name!r} named twice"
+        seen.add(name)
     return None
 
 

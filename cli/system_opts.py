@@ -12,7 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
-from cli.submit_errors import MAX_COUNT
+from cli.submit_errors import MAX_COUNT, positive_int
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import SystemRequirement
 from mlscope.errors import ConfigError
@@ -46,6 +46,14 @@ def _size_flag(text: str) -> int:
     return size
 
 
+def _name(text: str) -> str:
+    """An argparse type: a requirement's value (an architecture, a model, a host), not
+    blank: a blank one would be matched against agents as a name nobody has."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text.strip()
+
+
 def add_system_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("system requirements (the agent's machine must meet them)")
     g.add_argument(
@@ -54,14 +62,20 @@ def add_system_flags(p: argparse.ArgumentParser) -> None:
         metavar="FILE|NAME",
         help="a kind: system manifest (manifests/systems/NAME.yaml, or its NAME)",
     )
-    g.add_argument("--arch", default=None, help="CPU architecture, e.g. amd64, arm64")
-    g.add_argument("--accelerator", default=None, help="accelerator model, e.g. H100, u250")
+    g.add_argument("--arch", type=_name, default=None, help="CPU architecture, e.g. amd64, arm64")
+    g.add_argument(
+        "--accelerator", type=_name, default=None, help="accelerator model, e.g. H100, u250"
+    )
     g.add_argument(
         "--min-memory", type=_size_flag, default=None, help="memory the agent may use, e.g. 8G"
     )
-    g.add_argument("--min-cores", type=int, default=None, help="cores the agent may run on")
-    g.add_argument("--interconnect", default=None, help="accelerator link, e.g. pcie4, nvlink")
-    g.add_argument("--host", dest="system_host", default=None, help="exactly this host")
+    g.add_argument(
+        "--min-cores", type=positive_int, default=None, help="cores the agent may run on"
+    )
+    g.add_argument(
+        "--interconnect", type=_name, default=None, help="accelerator link, e.g. pcie4, nvlink"
+    )
+    g.add_argument("--host", dest="system_host", type=_name, default=None, help="exactly this host")
 
 
 def _system_file(ref: str) -> SystemManifest:

@@ -63,6 +63,10 @@ def last_line(stderr: str) -> str:
             "argument --concurrency: must be less than or equal to 65536",
         ),
         (("--qps", "1e6", "--duration", "1e5"), "error: qps x duration_s is 1e+11 queries"),
+        (("--arch", ""), "argument --arch: must not be empty"),
+        (("--host", " "), "argument --host: must not be empty"),
+        (("--min-cores", "0"), "argument --min-cores: '0' is not a whole number above 0"),
+        (("--framework", "noop,noop"), "framework 'noop' named twice"),
     ],
 )
 def test_bad_arguments_are_usage_errors(flags: tuple[str, ...], message: str) -> None:
