@@ -142,6 +142,8 @@ def build(
                     partial(plots.latency_over_time, w, e),
                 )
             )
+    if not latency.plots:
+        latency.notes.append(_no_latency(shown))
     sections.append(latency)
     sections += throughput
     sections += layers
@@ -155,6 +157,17 @@ def build(
         f"mlscope report: {', '.join(ids)}",
         sections,
         warnings=price_warnings(summ, prices_per_hour),
+    )
+
+
+def _no_latency(shown: pd.DataFrame) -> str:
+    """Why the latency section is empty: no evaluation has answered queries of its own
+    (a sweep's or search's keeps them in its runs, named)."""
+    runs = [r for rs in shown["runs"] for r in rs] if "runs" in shown else []
+    where = f": its runs do ({', '.join(runs)})" if runs else ""
+    return (
+        "No latency to show: none of these evaluations has answered queries of its own "
+        f"(a sweep's or search's evaluation keeps none{where})."
     )
 
 

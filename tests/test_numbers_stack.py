@@ -95,6 +95,9 @@ def test_a_sweep_stores_one_run_per_batch_size_and_a_summary_parent(noop_stack: 
     # A report of the parent alone reads the sweep's runs.
     report = to_markdown(build(source, [s.evaluation_id]))
     assert all(c in report for c in children)
+    # Its latency section says why it is empty, naming the runs that hold the queries.
+    latency = report.split("## Latency", 1)[1].split("\n## ", 1)[0]
+    assert "No latency to show" in latency and all(c in latency for c in children), latency
 
 
 def _window(settings: Settings, evaluation_id: str) -> tuple[int, int]:
