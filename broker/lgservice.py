@@ -35,6 +35,7 @@ from broker.lgwork import unpack_slice, work_bucket
 from broker.loadgen import Driver
 from mlscope import bus as busmod
 from mlscope import codec, names
+from mlscope.agentauth import bound_id
 from mlscope.bus import Bus, bus_errors
 from mlscope.contracts import (
     LOADGEN_CONTROL,
@@ -113,6 +114,13 @@ class LoadgenService:
                 f"load generator id {given[:40]!r}: use letters, digits, '-' and '_', at "
                 f"most {names.TOKEN_MAX_CHARS} characters (it names the service's subjects "
                 "and registry key)",
+                field="loadgen_id",
+            )
+        creds = self.settings.nats_creds
+        if creds is not None and (own := bound_id(creds, "loadgen")) not in (None, given):
+            raise ConfigError(
+                f"{creds} are load generator {own!r}'s own credentials (`mlscope auth "
+                f"add-loadgen {own}`): run it as `mlscope loadgen --id {own}`, not {given!r}",
                 field="loadgen_id",
             )
 

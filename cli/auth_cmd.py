@@ -1,5 +1,6 @@
 """``mlscope auth init --out DIR``: least-privilege users per role (see mlscope.auth);
-``mlscope auth add-agent NAME --out DIR``: one agent's own user (mlscope.agentauth)."""
+``mlscope auth add-agent NAME --out DIR`` / ``add-loadgen NAME --out DIR``: one agent's
+or load-generator service's own user (mlscope.agentauth)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import argparse
 from pathlib import Path
 
 from cli.submit_errors import framework_name
-from mlscope.agentauth import add_agent, agent_inbox_prefix, reload_server
+from mlscope.agentauth import (
+    add_agent,
+    add_loadgen,
+    agent_inbox_prefix,
+    loadgen_inbox_prefix,
+    reload_server,
+)
 from mlscope.auth import (
     DEFAULT_EDGE_DOMAIN,
     DEFAULT_HUB_DOMAIN,
@@ -72,7 +79,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--force",
         action="store_true",
         help="replace an existing server.conf/roles.json: every role gets a new key, and "
-        "the agents `auth add-agent` added are dropped",
+        "the agents and load generators `auth add-agent` / `add-loadgen` added are dropped",
     )
     init.set_defaults(func=run_init)
     add = cmds.add_parser(
@@ -88,7 +95,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=[],
         help="capability subjects it may serve (repeatable; default: all)",
     )
-    add.add_argument(
+    _reload_flag(add)
+    add.set_defaults(func=run_add_agent)
+    lg = cmds.add_parser(
+        "add-loadgen",
+        help="issue one load-generator service its own credentials, bound to its own "
+        "subjects and registry key",
+    )
+    lg.add_argument("name", help="the service id (run it with `mlscope loadgen --id NAME`)")
+    lg.add_argument("--out", type=Path, required=True, help="the `auth init` directory")
+    _reload_flag(lg)
+    lg.set_defaults(func=run_add_loadgen)
+
+
+def _reload_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
         "--reload",
         type=int,
         default=None,
@@ -96,7 +117,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="make the running nats-server PID reload its configuration "
         "(as `nats-server --signal reload=PID`)",
     )
-    add.set_defaults(func=run_add_agent)
 
 
 def run_init(args: argparse.Namespace) -> int:
@@ -125,10 +145,22 @@ def run_init(args: argparse.Namespace) -> int:
 def run_add_agent(args: argparse.Namespace) -> int:
     creds = add_agent(args.out, args.name, frameworks=args.framework)
     print(f"wrote {creds}  (replies under {agent_inbox_prefix(args.name)}.)")
+    _reload(args)
+    print(f"run: MLSCOPE_NATS_CREDS={creds} mlscope agent --agent-id {args.name} --framework F")
+    return 0
+
+
+def run_add_loadgen(args: argparse.Namespace) -> int:
+    creds = add_loadgen(args.out, args.name)
+    print(f"wrote {creds}  (replies under {loadgen_inbox_prefix(args.name)}.)")
+    _reload(args)
+    print(f"run: MLSCOPE_NATS_CREDS={creds} mlscope loadgen --id {args.name}")
+    return 0
+
+
+def _reload(args: argparse.Namespace) -> None:
     if args.reload is not None:
         reload_server(args.reload)
         print(f"nats-server {args.reload} reloads {args.out / 'server.conf'}")
     else:
         print("reload the server's configuration: nats-server --signal reload=PID")
-    print(f"run: MLSCOPE_NATS_CREDS={creds} mlscope agent --agent-id {args.name} --framework F")
-    return 0

@@ -1,4 +1,5 @@
-"""Per-agent identities: one nkey user per agent, bound to that agent's own subjects.
+"""Per-service identities: one nkey user per agent or load-generator service, bound
+to that service's own subjects.
 
 The role-wide ``agent`` user of ``mlscope auth init`` may serve any agent id: a process
 holding it could subscribe to another agent's query subject and answer first (its
@@ -17,9 +18,20 @@ may hear, with a reply subject unique to the run, which only a connection that w
 delivered a message carrying it may publish to. Capability subjects carry inputs,
 not results: a member of a queue group answers only the requests it was handed.
 
+Likewise the role-wide ``loadgen`` user may serve, report progress for and register
+any load-generator id; a user made by ``mlscope auth add-loadgen NAME`` hears only
+``mlscope.loadgen.NAME.ctl`` / ``.run`` and its inbox prefix ``_INBOX_loadgen_NAME``,
+and publishes only ``mlscope.loadgen.NAME.progress`` and the registry key
+``$KV.mlscope_loadgens.NAME``; ``mlscope loadgen`` refuses to run with it under
+another id (:func:`bound_id`). The work object store ``mlscope_loadgen_work`` stays
+shared by every load-generator user: its objects are named after runs
+(``<run>/result-<j>``) and their chunks after random ids, so no subject names the
+service a slice was dealt to; a service checks each slice it reads
+(:func:`broker.lgwork.unpack_slice`).
+
 Users are added to the ``server.conf`` that ``auth init`` wrote (its JSON body) and to
-``roles.json`` (public key, inbox prefix, frameworks), and take effect when the
-running nats-server reloads its configuration (:func:`reload_server`, the same as
+``roles.json`` (public key, inbox prefix; an agent's frameworks), and take effect when
+the running nats-server reloads its configuration (:func:`reload_server`, the same as
 ``nats-server --signal reload``); adding a name again replaces its key.
 """
 
@@ -28,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,25 +51,68 @@ from mlscope.auth import (
     ACCOUNT,
     INBOX_PREFIXES,
     REPLY_WINDOW_S,
+    SERVICE_SECTIONS,
+    Role,
     _agent_publish,
+    _loadgen,
     read_roles,
     responses,
 )
 from mlscope.errors import ConfigError
 from mlscope.secrets_io import write_atomic, write_secret
 
-__all__ = ["add_agent", "agent_creds", "agent_inbox_prefix", "agent_permissions", "reload_server"]
+__all__ = [
+    "add_agent",
+    "add_loadgen",
+    "agent_creds",
+    "agent_inbox_prefix",
+    "agent_permissions",
+    "bound_id",
+    "loadgen_creds",
+    "loadgen_inbox_prefix",
+    "loadgen_permissions",
+    "own_inbox_prefix",
+    "reload_server",
+    "service_creds",
+]
 
 P = names.PREFIX
 
 
+def own_inbox_prefix(role: Role, service_id: str) -> str:
+    """The inbox prefix of ``service_id``'s own ``role`` user: ``_INBOX_<role>_<id>``."""
+    return f"{INBOX_PREFIXES[role]}_{names.token(service_id)}"
+
+
+def service_creds(directory: Path, role: Role, service_id: str) -> Path:
+    """Where ``service_id``'s own ``role`` user's seed is written: ``<role>-<id>.creds``."""
+    return directory / f"{role}-{names.token(service_id)}.creds"
+
+
 def agent_inbox_prefix(agent_id: str) -> str:
-    return f"{INBOX_PREFIXES['agent']}_{names.token(agent_id)}"
+    return own_inbox_prefix("agent", agent_id)
 
 
 def agent_creds(directory: Path, agent_id: str) -> Path:
     """Where ``add_agent`` writes the seed of ``agent_id``."""
-    return directory / f"agent-{names.token(agent_id)}.creds"
+    return service_creds(directory, "agent", agent_id)
+
+
+def loadgen_inbox_prefix(loadgen_id: str) -> str:
+    return own_inbox_prefix("loadgen", loadgen_id)
+
+
+def loadgen_creds(directory: Path, loadgen_id: str) -> Path:
+    """Where ``add_loadgen`` writes the seed of ``loadgen_id``."""
+    return service_creds(directory, "loadgen", loadgen_id)
+
+
+def loadgen_permissions(
+    loadgen_id: str, *, reply_window_s: float = REPLY_WINDOW_S
+) -> dict[str, Any]:
+    """The nats-server permissions of one load-generator service's own user."""
+    own = names.token(loadgen_id)
+    return _loadgen(f"{loadgen_inbox_prefix(own)}.>", responses(reply_window_s), own)
 
 
 def agent_permissions(
@@ -86,10 +141,60 @@ def agent_permissions(
 
 def add_agent(directory: Path, agent_id: str, *, frameworks: Sequence[str] = ()) -> Path:
     """Issue (or re-issue) ``agent_id``'s nkey user; returns its seed file."""
-    if names.token(agent_id) != agent_id or not agent_id:
+    return _add_user(
+        directory,
+        "agent",
+        agent_id,
+        lambda window: agent_permissions(agent_id, frameworks=frameworks, reply_window_s=window),
+        {"frameworks": list(frameworks)},
+    )
+
+
+def add_loadgen(directory: Path, loadgen_id: str) -> Path:
+    """Issue (or re-issue) load-generator service ``loadgen_id``'s nkey user; returns
+    its seed file."""
+    return _add_user(
+        directory,
+        "loadgen",
+        loadgen_id,
+        lambda window: loadgen_permissions(loadgen_id, reply_window_s=window),
+        {},
+    )
+
+
+def bound_id(creds: Path, role: Role) -> str | None:
+    """The id whose own ``role`` user (``auth add-agent`` / ``add-loadgen``) the seed
+    ``creds`` is, from ``roles.json`` beside it; None for any other credentials (a
+    role-wide user, a JWT ``.creds`` file). A damaged ``roles.json`` is a ConfigError."""
+    roles = read_roles(creds.parent)
+    users = roles.get(_section(role), {})
+    if not users:
+        return None
+    try:
+        public = nkeys.from_seed(bytearray(creds.read_bytes().strip())).public_key.decode()
+    except (OSError, ValueError, nkeys.NkeysError):
+        return None
+    return next((name for name, u in users.items() if u["public_key"] == public), None)
+
+
+def _section(role: Role) -> str:
+    return next(s for s, r in SERVICE_SECTIONS.items() if r == role)
+
+
+def _add_user(
+    directory: Path,
+    role: Role,
+    service_id: str,
+    permissions: Callable[[float], dict[str, Any]],
+    entry: dict[str, Any],
+) -> Path:
+    """Add ``role`` user of ``service_id`` with ``permissions(reply window)`` to
+    ``server.conf`` and ``roles.json`` (``entry`` besides its key and inbox prefix),
+    replacing an earlier key of that id; returns its seed file."""
+    if names.token(service_id) != service_id or not service_id:
         raise ConfigError(
-            f"agent id {agent_id!r} must be one subject token (no '.', '*', '>' or spaces)",
-            field="agent_id",
+            f"{role} id {service_id!r} must be one subject token (no '.', '*', '>' or spaces)",
+            field=f"{role}_id",
         )
     config = directory / "server.conf"
     roles = read_roles(directory)
@@ -102,25 +207,18 @@ def add_agent(directory: Path, agent_id: str, *, frameworks: Sequence[str] = ())
     header, conf = _read_conf(config)
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
     public = nkeys.from_seed(bytearray(seed)).public_key.decode()
-    agents: dict[str, Any] = roles.setdefault("agents", {})
-    old = agents.get(agent_id, {}).get("public_key")
+    issued: dict[str, Any] = roles.setdefault(_section(role), {})
+    old = issued.get(service_id, {}).get("public_key")
     users = [u for u in conf["accounts"][ACCOUNT]["users"] if u.get("nkey") != old]
     window = float(roles.get("reply_window_s", REPLY_WINDOW_S))  # as `auth init` chose
-    users.append(
-        {
-            "nkey": public,
-            "permissions": agent_permissions(
-                agent_id, frameworks=frameworks, reply_window_s=window
-            ),
-        }
-    )
+    users.append({"nkey": public, "permissions": permissions(window)})
     conf["accounts"][ACCOUNT]["users"] = users
-    agents[agent_id] = {
+    issued[service_id] = {
         "public_key": public,
-        "inbox_prefix": agent_inbox_prefix(agent_id),
-        "frameworks": list(frameworks),
+        "inbox_prefix": own_inbox_prefix(role, service_id),
+        **entry,
     }
-    path = agent_creds(directory, agent_id)
+    path = service_creds(directory, role, service_id)
     write_secret(path, seed + b"\n")
     write_atomic(config, header + json.dumps(conf, indent=2) + "\n")
     write_atomic(directory / "roles.json", json.dumps(roles, indent=2) + "\n")

@@ -60,6 +60,7 @@ from mlscope.secrets_io import write_atomic, write_secret
 __all__ = [
     "INBOX_PREFIXES",
     "ROLES",
+    "SERVICE_SECTIONS",
     "AuthFiles",
     "Role",
     "inbox_prefix_for",
@@ -72,6 +73,9 @@ __all__ = [
 
 ROLES = ("submitter", "server", "agent", "edge", "reader", "loadgen")
 Role = str
+SERVICE_SECTIONS = {"agents": "agent", "loadgens": "loadgen"}
+"""``roles.json`` sections of per-service users (``auth add-agent`` / ``add-loadgen``),
+each with the role whose permissions its users narrow to their own id."""
 ACCOUNT = "MLSCOPE"
 DEFAULT_MAX_PAYLOAD = 8 << 20
 """8 MiB: a batch of full-size images in one query; JetStream streams keep their own
@@ -223,15 +227,19 @@ def _agent(inbox: str, grant: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _loadgen(inbox: str, grant: dict[str, Any]) -> dict[str, Any]:
+def _loadgen(inbox: str, grant: dict[str, Any], own: str = "*") -> dict[str, Any]:
+    """A load-generator service's user: any service id's subjects and registry key
+    (``own`` ``*``), or service ``own``'s only (``mlscope auth add-loadgen``). The work
+    object store stays shared: its objects are named after runs and its chunks after
+    random ids, so no subject belongs to one service."""
     registry, work = f"KV_{names.LOADGENS_BUCKET}", f"OBJ_{names.LOADGEN_WORK_BUCKET}"
     return {
         "publish": {
             "allow": [
                 f"{P}.agent.*.query",
                 f"{P}.cap.>",
-                f"{P}.loadgen.*.progress",
-                f"$KV.{names.LOADGENS_BUCKET}.*",
+                f"{P}.loadgen.{own}.progress",
+                f"$KV.{names.LOADGENS_BUCKET}.{own}",
                 f"$O.{names.LOADGEN_WORK_BUCKET}.>",
                 "$JS.API.INFO",
                 "$JS.API.STREAM.NAMES",  # an object get finds its stream by subject
@@ -245,7 +253,7 @@ def _loadgen(inbox: str, grant: dict[str, Any]) -> dict[str, Any]:
             ],
             "deny": [names.JOBS_SUBJECT, f"{P}.db.>"],
         },
-        "subscribe": {"allow": [inbox, f"{P}.loadgen.*.ctl", f"{P}.loadgen.*.run"]},
+        "subscribe": {"allow": [inbox, f"{P}.loadgen.{own}.ctl", f"{P}.loadgen.{own}.run"]},
         "allow_responses": grant,
     }
 
@@ -405,7 +413,7 @@ def read_roles(directory: Path) -> dict[str, Any]:
 
 def _roles_problem(data: object) -> str | None:
     """What makes ``data`` not a ``roles.json`` as :func:`write_auth` and
-    ``add_agent`` write it, or None."""
+    ``add_agent`` / ``add_loadgen`` write it, or None."""
     if not isinstance(data, dict):
         return "not a JSON object"
     for key in ("edge_id", "edge_domain", "hub_domain"):
@@ -415,11 +423,12 @@ def _roles_problem(data: object) -> str | None:
         value = data.get(key, {})
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             return f'"{key}" is not an object of strings'
-    agents = data.get("agents", {})
-    if not isinstance(agents, dict) or not all(
-        isinstance(a, dict) and isinstance(a.get("public_key"), str) for a in agents.values()
-    ):
-        return '"agents" is not an object of {"public_key": ...} entries'
+    for section in SERVICE_SECTIONS:
+        users = data.get(section, {})
+        if not isinstance(users, dict) or not all(
+            isinstance(a, dict) and isinstance(a.get("public_key"), str) for a in users.values()
+        ):
+            return f'"{section}" is not an object of {{"public_key": ...}} entries'
     window = data.get("reply_window_s", REPLY_WINDOW_S)
     if isinstance(window, bool) or not isinstance(window, int | float):
         return '"reply_window_s" is not a number'
@@ -444,8 +453,9 @@ def inbox_prefix_for(creds: Path) -> str | None:
         if key == public:
             prefix = roles.get("inbox_prefixes", {}).get(role)
             return str(prefix) if prefix else None
-    for entry in roles.get("agents", {}).values():  # users of `auth add-agent`
-        if entry["public_key"] == public:
-            prefix = entry.get("inbox_prefix")
-            return str(prefix) if prefix else None
+    for section in SERVICE_SECTIONS:  # users of `auth add-agent` / `add-loadgen`
+        for entry in roles.get(section, {}).values():
+            if entry["public_key"] == public:
+                prefix = entry.get("inbox_prefix")
+                return str(prefix) if prefix else None
     return None

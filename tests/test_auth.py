@@ -389,22 +389,28 @@ def test_load_generator_services_run_under_their_own_user(
 ) -> None:
     """An ``mlscope loadgen`` with ``loadgen.creds`` registers, takes its dealt slice,
     sends the queries, reports progress and stores its result; the run is whole."""
+    dealt_run(tmp_path, auth_dir, zoo_dir, auth_dir / "loadgen.creds", "lg-secure")
+
+
+def dealt_run(tmp_path: Path, auth_dir: Path, zoo_dir: Path, creds: Path, lg_id: str) -> None:
+    """A stack with ``--auth auth_dir`` runs a job dealt whole to one ``mlscope loadgen
+    --id lg_id`` service connected with ``creds``."""
     data = make_data_dir(tmp_path / "data", zoo_dir)
     stack = Stack(Settings(data_dir=data), nats_port=0, frameworks=["noop"], auth=auth_dir)
     client = stack.start()
-    as_loadgen = client.with_(nats_creds=(auth_dir / "loadgen.creds").resolve())
+    as_loadgen = client.with_(nats_creds=creds.resolve())
     service = subprocess.Popen(
-        [python(), "-m", "cli.main", "loadgen", "--id", "lg-secure"], env=child_env(as_loadgen)
+        [python(), "-m", "cli.main", "loadgen", "--id", lg_id], env=child_env(as_loadgen)
     )
     try:
         anyio.run(wait_agents, client, 1)
-        assert [d.loadgen_id for d in anyio.run(wait_loadgens, as_loadgen, 1)] == ["lg-secure"]
+        assert [d.loadgen_id for d in anyio.run(wait_loadgens, as_loadgen, 1)] == [lg_id]
         progress: list[int] = []
         spec = ScenarioSpec(
             name="online",
             qps=200,
             duration_s=2.0,
-            loadgen_hosts=("lg-secure",),
+            loadgen_hosts=(lg_id,),
             min_duration_s=0,
             min_queries=1,
             max_issue_lag_us=1e6,
@@ -424,7 +430,7 @@ def test_load_generator_services_run_under_their_own_user(
         assert summary.queries > 300
         assert summary.loadgen_cost is not None
         ran = summary.loadgen_cost["services"]
-        assert [(r["loadgen_id"], r["pid"]) for r in ran] == [("lg-secure", service.pid)]
+        assert [(r["loadgen_id"], r["pid"]) for r in ran] == [(lg_id, service.pid)]
         assert ran[0]["completed"] == summary.queries
         assert max(progress, default=0) > 0, progress  # its progress subject reached the job
         assert service.poll() is None and not stack.dead()
