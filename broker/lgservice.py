@@ -70,8 +70,15 @@ MAX_START_AHEAD_S = 60.0
 second ahead, on this service's clock)."""
 
 
-def default_id() -> str:
-    """``<host>-<pid>``: unique per process, readable in listings."""
+def default_id(settings: Settings) -> str:
+    """The id of the service's own credentials (``mlscope auth add-loadgen NAME``), or
+    ``<host>-<pid>``: unique per process, readable in listings."""
+    creds = settings.nats_creds
+    own = bound_id(creds, "loadgen") if creds is not None else None
+    return own or _host_pid()
+
+
+def _host_pid() -> str:
     return names.token(f"{socket.gethostname()}-{os.getpid()}")
 
 
@@ -98,7 +105,7 @@ class _Running:
 @dataclass
 class LoadgenService:
     settings: Settings
-    loadgen_id: str = field(default_factory=default_id)
+    loadgen_id: str = field(default_factory=_host_pid)
     heartbeat_s: float = busmod.HEARTBEAT_S
     tuning: ProcessTuning = field(default_factory=ProcessTuning)
     """This process's GC / switch-interval / priority owner, shared by the slices it runs."""

@@ -113,7 +113,7 @@ def test_a_load_generator_id_that_is_not_its_own_subject_token_is_refused(
     with pytest.raises(ConfigError, match="load generator id"):
         LoadgenService(settings, loadgen_id=loadgen_id)
     assert LoadgenService(settings, loadgen_id="lg-7_b").loadgen_id == "lg-7_b"
-    assert names.token(default_id()) == default_id()
+    assert names.token(default_id(settings)) == default_id(settings)
 
 
 @pytest.mark.parametrize(

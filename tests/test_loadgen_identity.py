@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from broker.lgservice import LoadgenService
+from broker.lgservice import LoadgenService, default_id
 from cli.main import main as mlscope_main
 from mlscope import names
 from mlscope.agentauth import bound_id, loadgen_creds, loadgen_inbox_prefix
@@ -96,6 +96,9 @@ def test_a_loadgen_refuses_an_id_other_than_its_credentials(auth_dir: Path) -> N
     )
     assert refused.returncode != 0
     assert "mlscope loadgen --id lg-a" in refused.stderr
+    # With no --id, a service takes its own credentials' id; others their HOST-PID.
+    assert default_id(as_a) == "lg-a"
+    assert default_id(shared) == names.token(default_id(shared)) != "lg-a"
 
 
 def test_a_loadgen_runs_its_dealt_slice_under_its_own_user(
