@@ -38,6 +38,7 @@ from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
 from mlscope import bus as busmod
 from mlscope import names, provenance, sysinfo
+from mlscope.agentauth import bound_id
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog
 from mlscope.contracts import (
@@ -117,7 +118,17 @@ class Agent:
                 f"{names.TOKEN_MAX_CHARS} characters (it names the agent's subjects)",
                 field="agent_id",
             )
-        self.agent_id = given or names.token(f"{host}-{self.config.framework}-{new_id('a')[2:8]}")
+        creds = self.settings.nats_creds
+        own = bound_id(creds, "agent") if creds is not None else None
+        if own is not None and given not in (None, own):
+            raise ConfigError(
+                f"{creds} are agent {own!r}'s own credentials (`mlscope auth add-agent "
+                f"{own}`): run it as `--agent-id {own}`, not {given!r}",
+                field="agent_id",
+            )
+        self.agent_id = (
+            given or own or names.token(f"{host}-{self.config.framework}-{new_id('a')[2:8]}")
+        )
         self.registration = Registration(
             self.agent_id, self.describe, heartbeat_s=self.config.heartbeat_s
         )

@@ -294,3 +294,25 @@ async def _forge_spans(
         _, after = await remote.sql(reader, one, {"e": ev, "a": victim, "s": span_id})
         assert after == [[span_id, name]]
         return [str(r[1]) for r in control]
+
+
+def test_an_agent_takes_its_credentials_id_and_refuses_another(auth_dir: Path) -> None:
+    """Before it connects: an agent run with another agent's own credentials is
+    refused naming the id they belong to; with no --agent-id it takes theirs."""
+    from agent.service import Agent, AgentConfig
+    from mlscope.catalog import Catalog, default_manifest_dirs
+    from mlscope.errors import ConfigError
+    from mlscope.settings import Settings
+
+    catalog = Catalog.load(default_manifest_dirs())
+    as_alice = Settings(nats_url="nats://127.0.0.1:1", nats_creds=agent_creds(auth_dir, "alice"))
+    with pytest.raises(ConfigError, match="--agent-id alice"):
+        Agent(as_alice, AgentConfig(framework="noop", agent_id="mallory"), catalog)
+    assert Agent(as_alice, AgentConfig(framework="noop", agent_id="alice"), catalog).agent_id == (
+        "alice"
+    )
+    assert Agent(as_alice, AgentConfig(framework="noop"), catalog).agent_id == "alice"
+    shared = as_alice.with_(nats_creds=auth_dir / "agent.creds")  # the role-wide user
+    assert Agent(shared, AgentConfig(framework="noop", agent_id="mallory"), catalog).agent_id == (
+        "mallory"
+    )
