@@ -24,9 +24,10 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.data import MEASURED_AS, evaluations, latencies_ms
+from analysis.data import MEASURED_AS, evaluations
 from analysis.difference import bootstrap_difference, run_level_difference
 from analysis.figures import with_measurement
+from analysis.rows import latencies_ms
 from analysis.source import Source
 from mlscope.errors import ConfigError
 from mlscope.stats import percentile
@@ -46,7 +47,7 @@ SINGLE_RUN_NOTE = (
     "not run-to-run variance (use --repeat for run-level statistics)"
 )
 NO_LATENCY = "has no latency to compare: no answered query, or it was cancelled"
-"""Why a run is not compared (:func:`analysis.data.latencies_ms` has no samples of it)."""
+"""Why a run is not compared (:func:`analysis.rows.latencies_ms` has no samples of it)."""
 
 COMPARED_FIELDS = ("model", "scenario", "requested_qps", "batch_size", *MEASURED_AS)
 """What two runs must share to be compared (framework, system or version may differ:
@@ -123,7 +124,7 @@ def compare_runs(
     over queries of one run each (``basis`` says so): see :func:`compare_repeats`.
     ``runs``: the two evaluations' rows (of :func:`analysis.data.evaluations` or
     :func:`analysis.summary.summary`) when the caller has them; read otherwise.
-    ``latencies``: their samples by id (:func:`analysis.data.latencies_ms`), likewise.
+    ``latencies``: their samples by id (:func:`analysis.rows.latencies_ms`), likewise.
     A run that answered no query, or was cancelled, is a ConfigError naming it."""
     if runs is None:
         runs = evaluations(source, [baseline, candidate])

@@ -13,9 +13,10 @@ import pandas as pd
 from packaging.version import InvalidVersion, Version
 
 from analysis.compare import compare_runs
-from analysis.data import MEASURED_AS, latencies_ms
+from analysis.data import MEASURED_AS
 from analysis.difference import SLOWER
 from analysis.figures import measured_runs, prefer_valid
+from analysis.rows import latencies_ms
 from analysis.source import Source
 
 __all__ = ["NOT_COMPARED", "REGRESSION_KEYS", "STEP_COLUMNS", "VERSION_AXES", "regressions"]

@@ -28,9 +28,10 @@ from analysis import figures, plots
 from analysis.chart import Chart
 from analysis.chartsvg import svg
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
-from analysis.data import evaluations, latencies_ms, with_sweep_runs
+from analysis.data import evaluations, with_sweep_runs
 from analysis.layers import layer_kinds, layer_spans_left_out, layer_types, top_layers
 from analysis.records import json_records
+from analysis.rows import latencies_ms
 from analysis.source import Source
 from analysis.summary import latency_windows_of, summary
 

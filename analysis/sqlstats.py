@@ -21,12 +21,10 @@ query sorts the samples of a group once and reads every statistic from that arra
 
 from __future__ import annotations
 
-from mlscope.outcomes import Outcome
+from mlscope.outcomes import UNKNOWN_OUTCOME, Outcome
 from mlscope.stats import TRIM_FRACTION
 
 __all__ = ["OUTCOME", "percentile", "sorted_ms", "trimmed_mean"]
-
-UNKNOWN_OUTCOME = 255
 
 OUTCOME = (
     f"if(outcome != {UNKNOWN_OUTCOME}, outcome, "

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from analysis.data import spans
 from analysis.layers import attr_text, shape_text, span_attrs
+from analysis.rows import spans
 from analysis.source import Source, table_exists
 from mlscope.errors import DatabaseError
 from mlscope.tracerows import trace_rows

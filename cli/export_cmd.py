@@ -64,7 +64,8 @@ def tables(source: Source, ids: list[str]) -> dict[str, Iterable[pd.DataFrame]]:
     other (a DatabaseError names a missing evaluation): ``queries`` and ``spans`` a
     bounded number of rows at a time (:func:`analysis.source.pages`), so a table of
     any length is never held whole, here or by the server."""
-    from analysis.data import evaluations, queries_of, spans_of
+    from analysis.data import evaluations
+    from analysis.rows import queries_of, spans_of
 
     ev = evaluations(source, ids)
     raw = source.frame(

@@ -29,7 +29,12 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ERROR_OUTCOMES", "Outcome", "classify", "count", "was_sent"]
+__all__ = ["ERROR_OUTCOMES", "UNKNOWN_OUTCOME", "Outcome", "classify", "count", "was_sent"]
+
+
+UNKNOWN_OUTCOME = 255
+"""The stored ``queries.outcome`` of rows stored before outcomes were recorded: readers
+classify those from their times (:func:`classify`)."""
 
 
 class Outcome(IntEnum):

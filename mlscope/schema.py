@@ -129,7 +129,7 @@ QUERIES = Table(
             "agent_received_ns Int64, predict_start_ns Int64, predict_end_ns Int64, "
             "agent_replied_ns Int64, ok UInt8, error String, label Int32, prediction Int32"
         ),
-        # mlscope.outcomes.Outcome; 255 for rows stored before outcomes were recorded
+        # mlscope.outcomes.Outcome; 255 (UNKNOWN_OUTCOME) for rows stored before outcomes
         Column("outcome", "UInt8", default="255"),
         # 1: a warm-up query, left out of statistics
         Column("warmup", "UInt8", default="0"),

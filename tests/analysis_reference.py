@@ -14,7 +14,7 @@ from mlscope.stats import describe_ms, percentiles, trimmed_mean
 
 def summarize_samples(q: pd.DataFrame) -> dict[str, Any]:
     """Latency, throughput and accuracy of one evaluation's query rows (of
-    :func:`analysis.data.queries`), warm-up rows left out."""
+    :func:`analysis.rows.queries`), warm-up rows left out."""
     warmup = int(q["warmup"].to_numpy(bool).sum())
     q = q[~q["warmup"].to_numpy(bool)]
     ok = q["ok"].to_numpy(bool)

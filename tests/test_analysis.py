@@ -9,8 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import compare, data, difference, figures, layers, regression, suite, trace
-from analysis.data import evaluations, queries
+from analysis import compare, difference, figures, layers, regression, rows, suite, trace
+from analysis.data import evaluations
+from analysis.rows import queries
 from analysis.source import BusSource, DirectSource, open_source, table_exists
 from analysis.summary import latency_windows, summary
 from broker.db import SAMPLE_COLUMNS, SPAN_COLUMNS, Database
@@ -244,11 +245,11 @@ def test_readers_show_a_redelivered_batch_once(fresh_db: Database) -> None:
     src = DirectSource(fresh_db)
     assert len(evaluations(src, [eval_id])) == 1
     assert len(queries(src, [eval_id])) == n
-    assert len(data.spans(src, eval_id)) == n
+    assert len(rows.spans(src, eval_id)) == n
     assert len(trace.timeline(src, eval_id, depth="model", queries=n)) == n
     got = trace.system_samples(src, eval_id)
     assert len(got) == n and got["ts_ns"].tolist() == list(range(n))
-    assert data.latencies_ms(src, ["ev-no-such-run"]) == {}  # no rows: nothing, no error
+    assert rows.latencies_ms(src, ["ev-no-such-run"]) == {}  # no rows: nothing, no error
 
 
 # ------------------------------------------------------------------ on real runs

@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from analysis import sqlstats, suite
-from analysis.data import evaluations, queries
+from analysis.data import evaluations
+from analysis.rows import queries
 from analysis.source import DirectSource
 from analysis.summary import latency_windows, sample_stats, summary
 from broker.db import Database

@@ -19,8 +19,8 @@ import pandas as pd
 import pytest
 
 from agent.tracer import Tracer
-from analysis.data import spans, spans_of
 from analysis.layers import layer_kinds, layer_spans_left_out, layer_types, top_layers
+from analysis.rows import spans, spans_of
 from analysis.source import BusSource, joined
 from analysis.trace import system_samples, timeline
 from broker.db import Database

@@ -6,7 +6,7 @@ import streamlit as st
 
 from analysis import plots
 from analysis.compare import SINGLE_RUN_NOTE, compare_runs, mismatches
-from analysis.data import latencies_ms
+from analysis.rows import latencies_ms
 from dashboard.common import evaluation_picker, recent_evaluations, show, source
 from mlscope.errors import MLScopeError
 

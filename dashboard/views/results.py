@@ -9,8 +9,9 @@ import pandas as pd
 import streamlit as st
 
 from analysis import figures, layers, plots
-from analysis.data import latencies_ms, with_sweep_runs
+from analysis.data import with_sweep_runs
 from analysis.regression import NOT_COMPARED, regressions
+from analysis.rows import latencies_ms
 from analysis.summary import latency_windows, summary
 from dashboard.common import (
     catalog,
