@@ -13,6 +13,7 @@ import anyio
 
 from cli.main import main as mlscope_main
 from cli.services import Stack
+from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
 from tests.conftest import make_data_dir, wait_agents, wait_server
 
@@ -85,3 +86,20 @@ def auth_stack(
 def role(stack: Stack, auth: Path, name: str) -> Settings:
     """The client settings of one role of an ``auth_stack``."""
     return stack.settings.with_(nats_creds=(auth / f"{name}.creds").resolve())
+
+
+def issued_auth(out: Path, *users: tuple[str, ...]) -> Path:
+    """``mlscope auth init`` into ``out``, then each of ``users``: the arguments of one
+    ``mlscope auth`` command (``("add-agent", "alice")``, ``("add-loadgen", "lg-a")``,
+    with any flags after the name)."""
+    assert mlscope_main(["auth", "init", "--out", str(out)]) == 0
+    for command, name, *flags in users:
+        assert mlscope_main(["auth", command, name, "--out", str(out), *flags]) == 0
+    return out
+
+
+@contextmanager
+def secured_nats(store: Path, auth: Path) -> Iterator[NatsServer]:
+    """A nats-server under the configuration ``auth init`` wrote into ``auth``."""
+    with NatsServer(store_dir=store, config_file=auth / "server.conf") as srv:
+        yield srv

@@ -26,7 +26,7 @@ from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, cluster_config, free_port, hub_config
 from mlscope.registry import list_agents
-from tests.security_fixtures import auth_stack, role
+from tests.security_fixtures import auth_stack, issued_auth, role, secured_nats
 from tests.test_auth import Probe
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,19 +34,13 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture
 def auth_dir(tmp_path: Path) -> Path:
-    out = tmp_path / "auth"
-    assert mlscope_main(["auth", "init", "--out", str(out)]) == 0
-    assert mlscope_main(["auth", "add-agent", "alice", "--out", str(out)]) == 0
-    assert (
-        mlscope_main(["auth", "add-agent", "mallory", "--out", str(out), "--framework", "noop"])
-        == 0
-    )
-    return out
+    mallory = ("add-agent", "mallory", "--framework", "noop")
+    return issued_auth(tmp_path / "auth", ("add-agent", "alice"), mallory)
 
 
 @pytest.fixture
 def server(tmp_path: Path, auth_dir: Path) -> Iterator[NatsServer]:
-    with NatsServer(store_dir=tmp_path / "nats", config_file=auth_dir / "server.conf") as srv:
+    with secured_nats(tmp_path / "nats", auth_dir) as srv:
         yield srv
 
 

@@ -13,7 +13,6 @@ import anyio
 import pytest
 
 from broker.lgservice import LoadgenService, default_id
-from cli.main import main as mlscope_main
 from mlscope import names
 from mlscope.agentauth import bound_id, loadgen_creds, loadgen_inbox_prefix
 from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
@@ -21,6 +20,7 @@ from mlscope.errors import ConfigError
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
 from tests.conftest import child_env, python
+from tests.security_fixtures import issued_auth, secured_nats
 from tests.test_auth import Probe, dealt_run
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,16 +28,12 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture
 def auth_dir(tmp_path: Path) -> Path:
-    out = tmp_path / "auth"
-    assert mlscope_main(["auth", "init", "--out", str(out)]) == 0
-    for lg in ("lg-a", "lg-b"):
-        assert mlscope_main(["auth", "add-loadgen", lg, "--out", str(out)]) == 0
-    return out
+    return issued_auth(tmp_path / "auth", ("add-loadgen", "lg-a"), ("add-loadgen", "lg-b"))
 
 
 @pytest.fixture
 def server(tmp_path: Path, auth_dir: Path) -> Iterator[NatsServer]:
-    with NatsServer(store_dir=tmp_path / "nats", config_file=auth_dir / "server.conf") as srv:
+    with secured_nats(tmp_path / "nats", auth_dir) as srv:
         yield srv
 
 

@@ -26,7 +26,6 @@ from analysis.trace import system_samples, timeline
 from broker.db import Database
 from broker.server import Server
 from cli import trace_cmd
-from cli.main import main as mlscope_main
 from mlscope import api
 from mlscope import bus as busmod
 from mlscope.agentauth import agent_creds
@@ -36,6 +35,7 @@ from mlscope.serving import dead_letters
 from mlscope.settings import Settings
 from mlscope.tracerows import trace_rows
 from tests.conftest import make_data_dir
+from tests.security_fixtures import issued_auth, secured_nats
 from tests.stored_rows import evaluation_row, insert_evaluation
 
 pytestmark = pytest.mark.timeout(180)
@@ -48,16 +48,12 @@ LAYERS = ("conv1", "relu1", "fc1")
 
 @pytest.fixture
 def auth(tmp_path: Path) -> Path:
-    out = tmp_path / "auth"
-    assert mlscope_main(["auth", "init", "--out", str(out)]) == 0
-    for agent in ("alice", "mallory"):
-        assert mlscope_main(["auth", "add-agent", agent, "--out", str(out)]) == 0
-    return out
+    return issued_auth(tmp_path / "auth", ("add-agent", "alice"), ("add-agent", "mallory"))
 
 
 @pytest.fixture
 def hub(tmp_path: Path, auth: Path) -> Iterator[NatsServer]:
-    with NatsServer(store_dir=tmp_path / "nats", config_file=auth / "server.conf") as srv:
+    with secured_nats(tmp_path / "nats", auth) as srv:
         yield srv
 
 
