@@ -44,7 +44,8 @@ __all__ = [
 
 SINGLE_RUN_NOTE = (
     "one run each: the interval covers query-to-query noise within a run, "
-    "not run-to-run variance (use --repeat for run-level statistics)"
+    "not run-to-run variance (for that, repeat each side with mlscope-submit --repeat N "
+    "and compare the repeats: analysis.compare.compare_repeats)"
 )
 NO_LATENCY = "has no latency to compare: no answered query, or it was cancelled"
 """Why a run is not compared (:func:`analysis.rows.latencies_ms` has no samples of it)."""
