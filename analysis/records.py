@@ -7,13 +7,14 @@ Not ``DataFrame.to_json``: it writes floats with 10 significant digits (a throug
 differ from the stored one and from a recomputation over the raw rows. Here a float is
 written as the shortest text that reads back to the same value (``json.dumps``), an
 integer whole (a nullable integer column's missing value as null), NaN / None / NaT /
-NA as null, and a time as ISO 8601 text (milliseconds; times without a zone are UTC).
+NA as null, and a time as ISO 8601 text with its zone (milliseconds; mlscope stores
+times without a zone, in UTC, so those are written with ``+00:00``).
 """
 
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import numpy as np
@@ -29,11 +30,14 @@ def json_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
 
 def json_value(v: object) -> object:
     """One cell as a JSON value: numpy scalars as Python numbers, NaN / None / NaT / NA
-    as null, a time as ISO 8601 text, arrays and mappings element by element, bytes as
-    UTF-8 text, anything else that JSON has no type for as its text."""
+    as null, a time as ISO 8601 text with its zone (UTC where it has none), arrays and
+    mappings element by element, bytes as UTF-8 text, anything else that JSON has no
+    type for as its text."""
     if v is None or v is pd.NaT or v is pd.NA:
         return None
     if isinstance(v, pd.Timestamp | datetime):
+        if v.tzinfo is None:
+            v = v.replace(tzinfo=UTC)
         return v.isoformat(timespec="milliseconds")
     if isinstance(v, np.generic):
         v = v.item()

@@ -177,7 +177,6 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
             "role",
         )
     }
-    out["created_at"] = r["created_at"].isoformat()
     return {k: json_value(v) for k, v in out.items()}
 
 

@@ -212,6 +212,8 @@ def test_runs_takes_names_a_stored_run_has(
     out, err = capsys.readouterr()
     assert err == ""
     assert [json.loads(line)["evaluation_id"] for line in out.splitlines()] == ["ev-imported"]
+    # stored in UTC, and its JSON says so
+    assert json.loads(out)["created_at"] == "2026-01-02T03:04:05.000+00:00"
     assert mlscope_main(["runs", "--framework", "pytorch", "--scenario", "online"]) == 0
     assert capsys.readouterr().err == "no evaluations match\n"
 

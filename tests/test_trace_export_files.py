@@ -101,6 +101,6 @@ def test_json_export_keeps_every_float_and_integer(tmp_path: Path) -> None:
     assert rows[1]["throughput_ips"] is None and rows[1]["top1"] is None
     assert rows[0]["issued_ns"] == 9_007_199_254_740_993
     assert rows[0]["span_id"] == 2**64 - 1
-    assert rows[0]["created_at"] == "2026-11-27T17:13:43.983"
+    assert rows[0]["created_at"] == "2026-11-27T17:13:43.983+00:00"  # stored times are UTC
     back = pd.read_json(tmp_path / "evaluations.jsonl", lines=True, precise_float=True)
     assert back["throughput_ips"][0] == 46.781144406638106
