@@ -381,11 +381,12 @@ def judge(
     """The verdict on one run (:func:`mlscope.validity.verdict` over its raw arrays).
 
     ``window_s``: how long the load ran (the schedule's window for an open loop, the
-    time to the last completion for a closed one), held to ``min_duration_s``. An open
-    loop is also judged for gaps and a final silence in its answers, and for overload
-    outside them. Warm-up queries are left out of the latency and failure rules; the
-    load rules (duration, count, issue lag, rates, gaps, overload) are the load
-    generator's and count every query.
+    time to the last completion for a closed one), held to ``min_duration_s``. Every
+    run is also judged for gaps and a final silence in its answers (a closed loop's
+    wait for its first reply is not a gap), and an open loop for overload outside
+    them. Warm-up queries are left out of the latency and failure rules; the load rules
+    (duration, count, issue lag, rates, gaps, overload) are the load generator's and
+    count every query.
     """
     meas = rec.measured()
     ok = rec.ok.astype(bool)

@@ -1,4 +1,4 @@
-"""Did an open loop's system keep answering? Pure functions over its per-query offsets
+"""Did a run's system keep answering? Pure functions over its per-query offsets
 from the run start (ns; 0 where a query was not sent or got no reply): the rates at
 which it answered, its backlog, the gaps in its answers and the silence that ends
 them. What :func:`mlscope.validity.verdict` reads for its overload, gap and silence

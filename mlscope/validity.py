@@ -1,7 +1,7 @@
 """Is a run valid? Pure functions over a run's per-query arrays: its rates and issue lag,
 and the verdict with its reasons; the latency percentile by MLPerf early stopping
-(:mod:`mlscope.early_stopping`), an open loop's answers (backlog, gaps, silence) by
-:mod:`mlscope.answering`.
+(:mod:`mlscope.early_stopping`), a run's answers (an open loop's backlog, any loop's
+gaps and final silence) by :mod:`mlscope.answering`.
 
 Percentiles are given in percent (90, 99) as in :mod:`mlscope.stats`, whose nearest-rank
 percentile is the one used here.
@@ -97,7 +97,7 @@ class ValidityPolicy:
     """Below this many arrivals in the second half the overload rule is not applied
     (one query more or less would be 5 %)."""
     max_silence_s: float = 1.0
-    """Gap: an open loop whose queries waited this long with no reply of any kind, and
+    """Gap: an open or closed loop whose queries waited this long with no reply of any kind, and
     then got replies again, was paused (the agent, its host or its link), which makes
     the run INVALID and is kept out of the overload rule
     (:func:`~mlscope.answering.gaps`). A healthy agent at millisecond latencies never
@@ -155,8 +155,9 @@ def verdict(
     or an error (0 otherwise: :meth:`mlscope.record.RunRecord.answered_ns`), for the
     overload rule (None: a closed loop, which cannot overload). ``replied_ns``: the
     offset of every query's reply of any kind, a refusal included (0 where none came:
-    :attr:`mlscope.record.RunRecord.completed`), for the gap and silence rules
-    (:func:`~mlscope.answering.gaps`, :func:`~mlscope.answering.silence`; default ``completed_ns``).
+    :attr:`mlscope.record.RunRecord.completed`), for the gap and silence rules of open
+    and closed loops (:func:`~mlscope.answering.gaps`, :func:`~mlscope.answering.silence`;
+    default ``completed_ns``; a closed loop's wait for its first reply is not a gap).
     ``requested_rate``: the rate the user asked for (None for closed loops and
     replays). ``poisson``: the schedule is random, so its realized rate may differ
     from the request by Poisson noise. ``duration_s`` defaults to the last scheduled
@@ -184,6 +185,8 @@ def verdict(
         *(
             _open_loop_reasons(pol, sched, issued, completed_ns, replied_ns, run_s)
             if completed_ns is not None
+            else _closed_loop_reasons(pol, issued, replied_ns)
+            if replied_ns is not None
             else []
         ),
         *_failure_reasons(pol, counts),
@@ -209,6 +212,25 @@ def _open_loop_reasons(
     out = [*map(_gap_reason, paused), *([] if stop is None else [_silence_reason(stop)])]
     window = answering_window_s(window_s, stop)
     return [*out, *_overload_reasons(pol, sched, completed, window, paused, cut=stop is not None)]
+
+
+def _closed_loop_reasons(
+    pol: ValidityPolicy, issued: npt.NDArray[np.int64], replied: Array
+) -> list[str]:
+    """A closed loop's answers: whether they paused or stopped, as an open loop's
+    (:func:`~mlscope.answering.gaps`, :func:`~mlscope.answering.silence`). A closed loop
+    cannot overload (it sends on answers), but a paused agent holds its queries and
+    its clock: one query waits out the pause and the percentiles hardly move. The wait
+    before the run's first reply is its start (a first call at a batch size the model
+    has not run yet may take seconds), not a pause."""
+    replies = np.asarray(replied, np.int64)
+    least = max(1, math.ceil(pol.max_silence_s * 1e9))
+    first = int(replies[replies > 0].min()) if np.any(replies > 0) else 0
+    paused = [
+        g for g in gaps(issued, replies, min_ns=least, factor=pol.gap_factor) if g.end_ns > first
+    ]
+    stop = silence(issued, replies)
+    return [*map(_gap_reason, paused), *([] if stop is None else [_silence_reason(stop)])]
 
 
 def _gap_reason(gap: Gap) -> str:

@@ -176,6 +176,48 @@ def test_an_agent_paused_mid_run_is_said_to_have_paused_not_to_be_overloaded(
         assert not any(r.startswith("stopped answering") for r in reasons), reasons
 
 
+@pytest.mark.parametrize("placement", ["server", "agent"])
+def test_an_agent_paused_in_a_closed_loop_is_said_to_have_paused(
+    settings: Settings, placement: str
+) -> None:
+    """Single-stream: SIGSTOP for 3 s once 500 queries are answered, then SIGCONT. The
+    one query in flight waits out the pause and the loop goes on, so no percentile the
+    verdict reads moves; the verdict says when the agent did not answer."""
+    job = JobRequest(
+        model="noop",
+        framework="noop",
+        scenario=ScenarioSpec(name="single-stream", duration_s=6),
+        placement=placement,  # type: ignore[arg-type]
+    )
+    with agent_and_server(settings, "--framework", "noop", "--agent-id", "dozing") as (
+        agent,
+        _server,
+    ):
+        woken = threading.Timer(3.0, agent.send_signal, (signal.SIGCONT,))
+
+        def on_event(e: JobEvent) -> None:
+            if e.event == "progress" and e.queries_done >= 500 and not woken.ident:
+                agent.send_signal(signal.SIGSTOP)
+                woken.start()
+
+        try:
+            summary = anyio.run(
+                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+            )
+        finally:
+            if woken.is_alive():
+                woken.join(10)
+            agent.send_signal(signal.SIGCONT)
+        assert woken.finished.is_set(), "the agent was never paused"
+        reasons = summary.invalid_reasons
+        assert not summary.valid and summary.errors == 0, reasons
+        (paused,) = [r for r in reasons if r.startswith("did not answer from t=")]
+        when = re.match(r"did not answer from t=([\d.]+) s to t=([\d.]+) s \((\d+) queries", paused)
+        assert when is not None, paused
+        assert 2.5 < float(when[2]) - float(when[1]) < 8 and int(when[3]) <= 1, paused
+        assert not any(r.startswith("stopped answering") for r in reasons), reasons
+
+
 def test_an_agent_restarted_under_its_id_mid_run_is_lost_not_overloaded(
     settings: Settings,
 ) -> None:

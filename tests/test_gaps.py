@@ -238,3 +238,72 @@ def test_judge_reads_a_stored_run_s_pause() -> None:
         rec, spec, v.ValidityPolicy(), window_s=10.0, requested_rate=75.0, poisson=True
     ).reasons
     assert starting(got, "did not answer from t=") and not starting(got, "overloaded"), got
+
+
+# --- closed loops ----------------------------------------------------------------------
+
+
+def closed_loop(
+    service_s: Sequence[float], concurrency: int = 1, pauses: Sequence[tuple[float, float]] = ()
+) -> RunRecord:
+    """A closed loop's record: ``concurrency`` streams, each sending its next query the
+    moment its last is answered; query k takes ``service_s[k]`` on one server (FIFO),
+    frozen during each ``(from_s, to_s)`` of ``pauses``."""
+    n = len(service_s)
+    rec = RunRecord(n=n, batch_size=1, t0_ns=10**12)
+    free, ready = 0, [1] * concurrency  # when the server is free; each stream's next send
+    for k, took in enumerate(service_s):
+        s = k % concurrency
+        sent = ready[s]
+        start = max(sent, free)
+        end = start + int(took * S)
+        for a, b in ((int(a * S), int(b * S)) for a, b in pauses):
+            if start < a < end:
+                end += b - a
+            elif a <= start < b:
+                start, end = b, b + (end - start)
+        rec.scheduled[k] = rec.paced[k] = rec.issued[k] = sent
+        rec.completed[k] = free = end
+        ready[s] = end + 20_000  # its next query, sent on the answer
+    rec.ok[:] = 1
+    return rec
+
+
+def judged_closed(rec: RunRecord) -> tuple[str, ...]:
+    spec = ScenarioSpec(name="single-stream", duration_s=1)
+    window = float(rec.completed.max()) / S
+    policy = v.ValidityPolicy(min_duration_s=0, min_queries=1, early_stopping=False)
+    return judge(
+        rec, spec, policy, window_s=window, requested_rate=None, poisson=False, open_loop=False
+    ).reasons
+
+
+def test_a_closed_loop_paused_mid_run_is_said_to_have_paused() -> None:
+    """Single-stream at 2.5 ms a query, the agent frozen from 2 s to 5 s: one query waits
+    out the pause, which no percentile shows; the verdict names it."""
+    rec = closed_loop([0.0025] * 3000, pauses=[(2.0, 5.0)])
+    reasons = judged_closed(rec)
+    (paused,) = starting(reasons, "did not answer from t=1.99")  # the query sent then
+    assert "to t=5.00" in paused and "(1 queries sent in that time)" in paused, reasons
+    assert not starting(reasons, "overloaded") and not starting(reasons, "stopped"), reasons
+    # Concurrency 4: the four queries in flight all wait it out.
+    reasons = judged_closed(closed_loop([0.0025] * 3000, concurrency=4, pauses=[(2.0, 5.0)]))
+    assert starting(reasons, "did not answer from t=1.99"), reasons
+
+
+def test_a_closed_loop_s_slow_start_or_slow_model_is_not_a_pause() -> None:
+    """The first call at a new batch size may take seconds (before any reply: the run's
+    start); a model whose every call takes seconds waits that long every time."""
+    assert judged_closed(closed_loop([3.0] + [0.0025] * 2000)) == ()
+    assert judged_closed(closed_loop([2.0] * 40)) == ()
+    assert judged_closed(closed_loop([0.0025] * 2000)) == ()
+
+
+def test_a_closed_loop_whose_agent_stopped_says_so() -> None:
+    rec = closed_loop([0.0025] * 2000, concurrency=2)
+    rec.completed[-2:] = 0  # the two in flight got no answer
+    rec.ok[-2:] = 0
+    reasons = judged_closed(rec)
+    assert starting(reasons, "stopped answering at t="), reasons
+    # one was sent after the last answer, the other before it and still unanswered
+    assert "1 queries sent after it got no answer" in " ".join(reasons), reasons
