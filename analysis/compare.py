@@ -58,16 +58,19 @@ call :func:`mismatches` on rows that carry these columns (those of
 :func:`analysis.data.evaluations` and of :func:`analysis.summary.summary` do)."""
 
 
-def mismatches(summ: pd.DataFrame) -> list[str]:
+def mismatches(summ: pd.DataFrame, baseline: str | None = None) -> list[str]:
     """How the runs of ``summ`` (rows of :func:`analysis.summary.summary`) differ in
-    :data:`COMPARED_FIELDS`, and which ran with ``--parallel``; [] when comparable."""
+    :data:`COMPARED_FIELDS`, and which ran with ``--parallel``; [] when comparable.
+    Each field's values are named in the rows' order, ``baseline``'s first."""
     out = []
     summ = with_measurement(summ)  # a frame that does not say: measured the default way
+    if baseline is not None and "evaluation_id" in summ.columns:
+        summ = summ.iloc[np.argsort(summ["evaluation_id"].to_numpy() != baseline, kind="stable")]
     for col in COMPARED_FIELDS:
         if col in summ.columns:
-            values = {None if pd.isna(v) else v for v in summ[col]}
+            values = dict.fromkeys(None if pd.isna(v) else v for v in summ[col])
             if len(values) > 1:
-                shown = ", ".join(sorted(str(v) for v in values))
+                shown = ", ".join(str(v) for v in values)
                 out.append(f"they differ in {col.replace('_', ' ')} ({shown})")
     if "parallel" in summ.columns and summ["parallel"].any():
         out.append("some ran with --parallel (other evaluations shared their hosts)")
@@ -98,7 +101,7 @@ def artifact_notes(summ: pd.DataFrame) -> list[str]:
 
 def check_comparable(source: Source, ids: Sequence[str]) -> list[str]:
     """:func:`mismatches` of stored evaluations ``ids``."""
-    return mismatches(evaluations(source, list(ids)))
+    return mismatches(evaluations(source, list(ids)), ids[0] if ids else None)
 
 
 def compare_runs(
@@ -130,7 +133,7 @@ def compare_runs(
     if runs is None:
         runs = evaluations(source, [baseline, candidate])
     if check:
-        why = mismatches(runs)
+        why = mismatches(runs, baseline)
         if why:
             raise ConfigError(f"{baseline} and {candidate} are not comparable: " + "; ".join(why))
     notes = artifact_notes(runs)

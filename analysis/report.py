@@ -252,7 +252,7 @@ def _comparison(
     rows = []
     for other in ids[1:]:
         pair = summ[summ["evaluation_id"].isin([base, other])]
-        why = mismatches(pair)
+        why = mismatches(pair, base)
         if why:
             sec.notes.append(f"{other} vs {base}: NOT COMPARABLE: " + "; ".join(why))
         table = compare_runs(

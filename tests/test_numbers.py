@@ -365,11 +365,16 @@ def test_comparisons_name_what_differs() -> None:
     why = mismatches(rows)
     assert any("requested qps (100.0, 200.0)" in w for w in why)
     # the model served over the bus and the model itself are different measurements
-    assert any("placement (agent, server)" in w for w in why)
+    assert any("placement (server, agent)" in w for w in why)
     # pre-processing inside each query's time or before the clock: not the same latency
-    assert any("preprocess (ahead, timed)" in w for w in why)
+    assert any("preprocess (timed, ahead)" in w for w in why)
     assert any("--parallel" in w for w in why)
     assert mismatches(rows.iloc[[0, 0]]) == []
+    # the baseline's values first, whatever order the rows were read in
+    rows["evaluation_id"] = ["ev-old", "ev-new"]
+    why = mismatches(rows, "ev-new")
+    assert any("requested qps (200.0, 100.0)" in w for w in why), why
+    assert any("placement (agent, server)" in w for w in why), why
 
 
 def test_sweep_parents_are_not_counted_as_a_batch_size() -> None:

@@ -39,7 +39,7 @@ for cand in cands:
     st.subheader(f"{cand} vs {base[0]}")
     # The listing's rows: a run whose stored JSON cannot be read shows what its columns say.
     pair = ev[ev["evaluation_id"].isin([base[0], cand])]
-    why = mismatches(pair)
+    why = mismatches(pair, base[0])
     if why:
         st.warning("Not comparable: " + "; ".join(why))
     try:
