@@ -50,6 +50,30 @@ def signalled_mid_run(
     return job, summary
 
 
+def paused_for_3_s(
+    settings: Settings, agent: subprocess.Popen[bytes], job: JobRequest, after: int
+) -> EvaluationSummary:
+    """``job``'s summary, its agent stopped (SIGSTOP) for 3 s once ``after`` queries
+    are answered, then continued."""
+    woken = threading.Timer(3.0, agent.send_signal, (signal.SIGCONT,))
+
+    def on_event(e: JobEvent) -> None:
+        if e.event == "progress" and e.queries_done >= after and not woken.ident:
+            agent.send_signal(signal.SIGSTOP)
+            woken.start()
+
+    try:
+        summary = anyio.run(
+            lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
+        )
+    finally:
+        if woken.is_alive():
+            woken.join(10)
+        agent.send_signal(signal.SIGCONT)
+    assert woken.finished.is_set(), "the agent was never paused"
+    return summary
+
+
 def test_agent_killed_mid_run_gives_one_invalid_evaluation_with_its_queries(
     settings: Settings,
 ) -> None:
@@ -145,22 +169,7 @@ def test_an_agent_paused_mid_run_is_said_to_have_paused_not_to_be_overloaded(
         agent,
         _server,
     ):
-        woken = threading.Timer(3.0, agent.send_signal, (signal.SIGCONT,))
-
-        def on_event(e: JobEvent) -> None:
-            if e.event == "progress" and e.queries_done >= stop_after and not woken.ident:
-                agent.send_signal(signal.SIGSTOP)
-                woken.start()
-
-        try:
-            summary = anyio.run(
-                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
-            )
-        finally:
-            if woken.is_alive():
-                woken.join(10)
-            agent.send_signal(signal.SIGCONT)
-        assert woken.finished.is_set(), "the agent was never paused"
+        summary = paused_for_3_s(settings, agent, job, stop_after)
         reasons = summary.invalid_reasons
         assert not summary.valid and summary.errors == 0, reasons
         paused = [r for r in reasons if r.startswith("did not answer from t=")]
@@ -193,22 +202,7 @@ def test_an_agent_paused_in_a_closed_loop_is_said_to_have_paused(
         agent,
         _server,
     ):
-        woken = threading.Timer(3.0, agent.send_signal, (signal.SIGCONT,))
-
-        def on_event(e: JobEvent) -> None:
-            if e.event == "progress" and e.queries_done >= 500 and not woken.ident:
-                agent.send_signal(signal.SIGSTOP)
-                woken.start()
-
-        try:
-            summary = anyio.run(
-                lambda: submit(settings, job, on_event=on_event, timeout=120), backend="asyncio"
-            )
-        finally:
-            if woken.is_alive():
-                woken.join(10)
-            agent.send_signal(signal.SIGCONT)
-        assert woken.finished.is_set(), "the agent was never paused"
+        summary = paused_for_3_s(settings, agent, job, 500)
         reasons = summary.invalid_reasons
         assert not summary.valid and summary.errors == 0, reasons
         (paused,) = [r for r in reasons if r.startswith("did not answer from t=")]
