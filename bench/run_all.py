@@ -81,6 +81,7 @@ BENCHES: dict[str, tuple[list[str], list[str], bool]] = {
         ["--rounds", "1", "--seconds", "0.5", "--cases", "digits_cnn:onnxruntime:32"],
         True,
     ),
+    "verdict": ([], ["--sizes", "100000", "--repeat", "1"], False),
 }
 
 
