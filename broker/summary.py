@@ -383,10 +383,10 @@ def judge(
     ``window_s``: how long the load ran (the schedule's window for an open loop, the
     time to the last completion for a closed one), held to ``min_duration_s``. Every
     run is also judged for gaps and a final silence in its answers (a closed loop's
-    wait for its first reply is not a gap), and an open loop for overload outside
-    them. Warm-up queries are left out of the latency and failure rules; the load rules
-    (duration, count, issue lag, rates, gaps, overload) are the load generator's and
-    count every query.
+    wait for its first reply only for the part not spent predicting), and an open loop
+    for overload outside them. Warm-up queries are left out of the latency and failure
+    rules; the load rules (duration, count, issue lag, rates, gaps, overload) are the
+    load generator's and count every query.
     """
     meas = rec.measured()
     ok = rec.ok.astype(bool)
@@ -397,6 +397,7 @@ def judge(
         outcomes=count(rec.outcomes()[meas]),
         completed_ns=rec.answered_ns() if open_loop else None,
         replied_ns=rec.completed,
+        predict_ns=np.where(rec.ok != 0, rec.predict_end - rec.predict_start, 0),
         requested_rate=requested_rate,
         poisson=poisson,
         duration_s=window_s,

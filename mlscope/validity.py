@@ -139,6 +139,7 @@ def verdict(
     outcomes: Mapping[str, int] | None = None,
     completed_ns: Array | None = None,
     replied_ns: Array | None = None,
+    predict_ns: Array | None = None,
     requested_rate: float | None = None,
     poisson: bool = True,
     duration_s: float | None = None,
@@ -157,7 +158,9 @@ def verdict(
     offset of every query's reply of any kind, a refusal included (0 where none came:
     :attr:`mlscope.record.RunRecord.completed`), for the gap and silence rules of open
     and closed loops (:func:`~mlscope.answering.gaps`, :func:`~mlscope.answering.silence`;
-    default ``completed_ns``; a closed loop's wait for its first reply is not a gap).
+    default ``completed_ns``). ``predict_ns``: each query's predict time (0 where none
+    was recorded): a closed loop's wait for its first reply is a gap only for the part
+    of it that the first answered query did not spend predicting (None: never a gap).
     ``requested_rate``: the rate the user asked for (None for closed loops and
     replays). ``poisson``: the schedule is random, so its realized rate may differ
     from the request by Poisson noise. ``duration_s`` defaults to the last scheduled
@@ -185,7 +188,7 @@ def verdict(
         *(
             _open_loop_reasons(pol, sched, issued, completed_ns, replied_ns, run_s)
             if completed_ns is not None
-            else _closed_loop_reasons(pol, issued, replied_ns)
+            else _closed_loop_reasons(pol, issued, replied_ns, predict_ns)
             if replied_ns is not None
             else []
         ),
@@ -215,19 +218,30 @@ def _open_loop_reasons(
 
 
 def _closed_loop_reasons(
-    pol: ValidityPolicy, issued: npt.NDArray[np.int64], replied: Array
+    pol: ValidityPolicy,
+    issued: npt.NDArray[np.int64],
+    replied: Array,
+    predict: Array | None,
 ) -> list[str]:
     """A closed loop's answers: whether they paused or stopped, as an open loop's
     (:func:`~mlscope.answering.gaps`, :func:`~mlscope.answering.silence`). A closed loop
     cannot overload (it sends on answers), but a paused agent holds its queries and
     its clock: one query waits out the pause and the percentiles hardly move. The wait
-    before the run's first reply is its start (a first call at a batch size the model
-    has not run yet may take seconds), not a pause."""
+    for the run's first reply is its start, and a first call at a batch size the model
+    has not run yet may take seconds: that wait is a gap only when at least
+    ``max_silence_s`` of it was not spent predicting the query answered first."""
     replies = np.asarray(replied, np.int64)
     least = max(1, math.ceil(pol.max_silence_s * 1e9))
     first = int(replies[replies > 0].min()) if np.any(replies > 0) else 0
+    took = (
+        int(np.asarray(predict, np.int64)[replies == first].max())
+        if predict is not None and first > 0
+        else 0
+    )
     paused = [
-        g for g in gaps(issued, replies, min_ns=least, factor=pol.gap_factor) if g.end_ns > first
+        g
+        for g in gaps(issued, replies, min_ns=least, factor=pol.gap_factor)
+        if g.end_ns > first or (predict is not None and g.end_ns - g.start_ns - took >= least)
     ]
     stop = silence(issued, replies)
     return [*map(_gap_reason, paused), *([] if stop is None else [_silence_reason(stop)])]

@@ -185,18 +185,17 @@ def test_an_agent_paused_mid_run_is_said_to_have_paused_not_to_be_overloaded(
         assert not any(r.startswith("stopped answering") for r in reasons), reasons
 
 
-@pytest.mark.parametrize("placement", ["server", "agent"])
-def test_an_agent_paused_in_a_closed_loop_is_said_to_have_paused(
-    settings: Settings, placement: str
-) -> None:
+def test_an_agent_paused_in_a_closed_loop_is_said_to_have_paused(settings: Settings) -> None:
     """Single-stream: SIGSTOP for 3 s once 500 queries are answered, then SIGCONT. The
     one query in flight waits out the pause and the loop goes on, so no percentile the
-    verdict reads moves; the verdict says when the agent did not answer."""
+    verdict reads moves; the verdict says when the agent did not answer. (In placement
+    agent the loop is frozen with the agent: a pause between two queries leaves none
+    waiting, so only the pure tests pin that placement's rule.)"""
     job = JobRequest(
         model="noop",
         framework="noop",
         scenario=ScenarioSpec(name="single-stream", duration_s=6),
-        placement=placement,  # type: ignore[arg-type]
+        placement="server",
     )
     with agent_and_server(settings, "--framework", "noop", "--agent-id", "dozing") as (
         agent,

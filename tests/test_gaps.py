@@ -248,7 +248,8 @@ def closed_loop(
 ) -> RunRecord:
     """A closed loop's record: ``concurrency`` streams, each sending its next query the
     moment its last is answered; query k takes ``service_s[k]`` on one server (FIFO),
-    frozen during each ``(from_s, to_s)`` of ``pauses``."""
+    frozen during each ``(from_s, to_s)`` of ``pauses`` (a predict under way then is
+    stretched by it, as a frozen process's clock keeps running)."""
     n = len(service_s)
     rec = RunRecord(n=n, batch_size=1, t0_ns=10**12)
     free, ready = 0, [1] * concurrency  # when the server is free; each stream's next send
@@ -263,6 +264,7 @@ def closed_loop(
             elif a <= start < b:
                 start, end = b, b + (end - start)
         rec.scheduled[k] = rec.paced[k] = rec.issued[k] = sent
+        rec.predict_start[k], rec.predict_end[k] = start, end
         rec.completed[k] = free = end
         ready[s] = end + 20_000  # its next query, sent on the answer
     rec.ok[:] = 1
@@ -292,11 +294,21 @@ def test_a_closed_loop_paused_mid_run_is_said_to_have_paused() -> None:
 
 
 def test_a_closed_loop_s_slow_start_or_slow_model_is_not_a_pause() -> None:
-    """The first call at a new batch size may take seconds (before any reply: the run's
+    """The first call at a new batch size may take seconds (its predict: the run's
     start); a model whose every call takes seconds waits that long every time."""
     assert judged_closed(closed_loop([3.0] + [0.0025] * 2000)) == ()
     assert judged_closed(closed_loop([2.0] * 40)) == ()
     assert judged_closed(closed_loop([0.0025] * 2000)) == ()
+
+
+def test_a_closed_loop_paused_before_its_first_answer_is_said_to_have_paused() -> None:
+    """Frozen from the start for 3 s before its first predict: the wait for the first
+    reply is not the model's (its predict took 2.5 ms), so it is a gap."""
+    reasons = judged_closed(closed_loop([0.0025] * 2000, pauses=[(0.0, 3.0)]))
+    (paused,) = starting(reasons, "did not answer from t=0.000 s to t=3.00")
+    assert "(1 queries sent in that time)" in paused, reasons
+    # frozen for 3 s during its first predict: a slow first call, as far as anyone can tell
+    assert judged_closed(closed_loop([0.5] + [0.0025] * 2000, pauses=[(0.1, 3.1)])) == ()
 
 
 def test_a_closed_loop_whose_agent_stopped_says_so() -> None:
