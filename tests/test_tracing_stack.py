@@ -291,15 +291,25 @@ def freeze_holding_batches(settings: Settings, server: subprocess.Popen[bytes]) 
 
     Stopped inside an insert, it holds that fetch; stopped while its pull request is
     open, the batches published meanwhile are delivered to it. Stopped between two
-    fetches it holds nothing: let it go on and try again. Returns how many it holds.
+    fetches it holds nothing: let it go on and try again. An acknowledgement the
+    server wrote just before it stopped can still be on its way to nats-server, so a
+    count is read again half a second later, when such an acknowledgement has landed.
+    Returns how many it holds.
     """
+
+    def ack_pending() -> int:
+        return anyio.run(traces_consumer, settings, backend="asyncio").num_ack_pending or 0
+
     for _ in range(20):
         server.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 1.0
         while time.monotonic() < deadline:
-            held = anyio.run(traces_consumer, settings, backend="asyncio").num_ack_pending
+            held = ack_pending()
             if held:
-                return held
+                time.sleep(0.5)
+                held = ack_pending()
+                if held:
+                    return held
             time.sleep(0.05)
         server.send_signal(signal.SIGCONT)
         time.sleep(0.1)
