@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from broker.context import Context
 from broker.scenario import Outcome
 from broker.scenario_kinds import get
-from mlscope import scenario_traits, schedule
+from mlscope import replay_file, scenario_traits
 from mlscope.contracts import ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.manifest_files import load_yaml, parse_manifest, scenario_refusal
@@ -66,9 +66,9 @@ def build_schedule(spec: ScenarioSpec) -> tuple[Schedule, float]:
 
 
 def read_arrivals(path: Path) -> tuple[float, ...]:
-    """Inter-arrival times (s) from a replay file (:func:`mlscope.schedule.replay`),
+    """Inter-arrival times (s) from a replay file (:func:`mlscope.replay_file.replay`),
     as the job carries them."""
-    gaps = np.diff(schedule.replay(path).offsets_ns, prepend=np.int64(0)) / 1e9
+    gaps = np.diff(replay_file.replay(path).offsets_ns, prepend=np.int64(0)) / 1e9
     return tuple(gaps.tolist())
 
 

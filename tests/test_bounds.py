@@ -26,7 +26,8 @@ from mlscope.contracts import (
     ScenarioSpec,
 )
 from mlscope.errors import ConfigError
-from mlscope.schedule import build_schedule, constant, poisson, replay
+from mlscope.replay_file import replay
+from mlscope.schedule import build_schedule, constant, poisson
 from mlscope.settings import Settings
 
 

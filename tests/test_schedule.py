@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
+from mlscope import replay_file as rf
 from mlscope import schedule as sch
 from mlscope.errors import ConfigError
 
@@ -89,20 +90,20 @@ def test_piecewise_rejects_bad_segments() -> None:
 def test_replay_round_trip(tmp_path: Path) -> None:
     s = sch.poisson(3000.0, n=5000, seed=1)
     path = tmp_path / "trace.txt"
-    sch.write_replay(path, s)
-    np.testing.assert_array_equal(sch.replay(path).offsets_ns, s.offsets_ns)
+    rf.write_replay(path, s)
+    np.testing.assert_array_equal(rf.replay(path).offsets_ns, s.offsets_ns)
 
 
 def test_replay_plain_with_comments_and_csv_columns(tmp_path: Path) -> None:
     plain = tmp_path / "gaps.txt"
     plain.write_text("# recorded trace\n0.5\n\n0.25  # burst\n1e-3\n")
-    assert sch.replay(plain).offsets_ns.tolist() == [500_000_000, 750_000_000, 751_000_000]
+    assert rf.replay(plain).offsets_ns.tolist() == [500_000_000, 750_000_000, 751_000_000]
     named = tmp_path / "gaps.csv"
     named.write_text("id,gap_s\n1,0.5\n2,0.5\n")
-    assert sch.replay(named, column="gap_s").offsets_ns.tolist() == [5e8, 1e9]
+    assert rf.replay(named, column="gap_s").offsets_ns.tolist() == [5e8, 1e9]
     bare = tmp_path / "bare.csv"
     bare.write_text("a,0.1\nb,0.2\n")
-    assert sch.replay(bare, column=1).offsets_ns.tolist() == [100_000_000, 300_000_000]
+    assert rf.replay(bare, column=1).offsets_ns.tolist() == [100_000_000, 300_000_000]
 
 
 @pytest.mark.parametrize(
@@ -121,14 +122,14 @@ def test_replay_malformed_names_file_and_line(
     path = tmp_path / "bad.csv"
     path.write_text(content)
     with pytest.raises(ConfigError) as info:
-        sch.replay(path, column=column)
+        rf.replay(path, column=column)
     assert f"{path}:{line}:" in str(info.value) and words in str(info.value)
     assert info.value.fields["line"] == line and info.value.fields["file"] == str(path)
 
 
 def test_replay_missing_file_is_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
-        sch.replay(tmp_path / "absent.txt")
+        rf.replay(tmp_path / "absent.txt")
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n\n"])
@@ -138,7 +139,7 @@ def test_replay_of_no_arrival_is_refused_naming_the_file(tmp_path: Path, text: s
     path = tmp_path / "empty.txt"
     path.write_text(text)
     with pytest.raises(ConfigError, match="at least one arrival") as info:
-        sch.replay(path)
+        rf.replay(path)
     assert info.value.fields["file"] == str(path)
 
 
@@ -147,46 +148,46 @@ def test_replay_refuses_a_fifo_rather_than_wait_for_a_writer(tmp_path: Path) -> 
     fifo = tmp_path / "arrivals.txt"
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match=r"not a regular file \(a FIFO\)") as info:
-        sch.replay(fifo)
+        rf.replay(fifo)
     assert info.value.fields["file"] == str(fifo)
 
 
 def test_replay_stops_at_the_first_arrival_a_run_cannot_hold(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sch, "MAX_SCHEDULED_QUERIES", 3)
+    monkeypatch.setattr(rf, "MAX_SCHEDULED_QUERIES", 3)
     path = tmp_path / "arrivals.txt"
     path.write_text("0.1\n# note\n0.1\n0.1\n0.1\nnever read\n")
     with pytest.raises(ConfigError, match="more than the 3 arrivals") as info:
-        sch.replay(path)
+        rf.replay(path)
     assert f"{path}:5:" in str(info.value) and info.value.fields["line"] == 5
     path.write_text("0.1\n0.1\n0.1\n")
-    assert len(sch.replay(path)) == 3
+    assert len(rf.replay(path)) == 3
 
 
 @pytest.mark.parametrize("column", [None, 0])
 def test_replay_refuses_a_file_past_its_byte_limit_before_parsing_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, column: int | None
 ) -> None:
-    monkeypatch.setattr(sch, "MAX_REPLAY_BYTES", 64)
+    monkeypatch.setattr(rf, "MAX_REPLAY_BYTES", 64)
     path = tmp_path / "arrivals.txt"
     path.write_text("0.001\n" * 10 + "not a number\n" * 10)
     with pytest.raises(ConfigError, match="at most 64 bytes") as info:
-        sch.replay(path, column=column)
+        rf.replay(path, column=column)
     assert info.value.fields["limit"] == 64
     path.write_text("0.001\n" * 10)
-    assert len(sch.replay(path, column=column)) == 10
+    assert len(rf.replay(path, column=column)) == 10
 
 
 def test_replay_grows_its_gaps_past_one_chunk_and_names_csv_lines(tmp_path: Path) -> None:
     plain = tmp_path / "many.txt"
     plain.write_text("0.000001\n" * 70_000)
-    offsets = sch.replay(plain).offsets_ns
+    offsets = rf.replay(plain).offsets_ns
     assert offsets.dtype == np.int64 and offsets.tolist() == list(range(1000, 70_001_000, 1000))
     quoted = tmp_path / "quoted.csv"
     quoted.write_text('note,gap\n"two\nlines",0.1\nx,fast\n')
     with pytest.raises(ConfigError, match=r"quoted\.csv:4: not a number"):
-        sch.replay(quoted, column="gap")
+        rf.replay(quoted, column="gap")
 
 
 def test_deal_merge_round_trip() -> None:

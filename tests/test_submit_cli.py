@@ -20,7 +20,7 @@ import pytest
 
 from cli.services import Stack
 from mlscope import bus as busmod
-from mlscope import remote, schedule
+from mlscope import remote, replay_file, schedule
 from mlscope.stats import percentile
 from tests.conftest import child_env
 
@@ -135,7 +135,7 @@ def test_replay_schedule_file(noop_stack: Stack, tmp_path: Path) -> None:
     assert doc["scenario"]["arrivals_s"] == pytest.approx(gaps)
     assert doc["queries"] == len(gaps)
     rows = stored(noop_stack, doc["evaluation_id"])
-    assert (rows[:, 0] == schedule.replay(path).offsets_ns).all()
+    assert (rows[:, 0] == replay_file.replay(path).offsets_ns).all()
 
 
 def test_latency_bound_on_an_online_run(noop_stack: Stack) -> None:
