@@ -29,7 +29,8 @@ from mlscope.catalog import Catalog, Entry
 from mlscope.contracts import MAX_REFUSALS, REFUSAL_MESSAGE_MAX_CHARS, RefusedModel
 from mlscope.errors import ConfigError, MLScopeError
 from mlscope.fetchpolicy import FetchPolicy
-from mlscope.manifest import FrameworkManifest, is_built
+from mlscope.framework_manifest import FrameworkManifest
+from mlscope.manifest import is_built
 from mlscope.predictor import PredictorOptions
 from mlscope.settings import Settings
 

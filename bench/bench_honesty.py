@@ -100,7 +100,7 @@ def compute_vs_bare(zoo: Path, seconds: float, rounds: int = 3) -> None:
 def _threads(framework: str) -> int | None:
     """The agent's thread count for ``framework`` (its framework manifest's), so the
     bare loop runs the model the same way."""
-    from mlscope.manifest import FrameworkManifest
+    from mlscope.framework_manifest import FrameworkManifest
     from mlscope.manifest_files import load_manifest
 
     doc = load_manifest(

@@ -19,7 +19,9 @@
      placement, trace level none) at --qps Poisson for --served-s seconds:
      end-to-end minus the agent's predict span p50/p99, from the scheduled time and
      from the issue time; issue lag p50/p99; and the load generator's process CPU
-     time per issued query (this process runs nothing else meanwhile);
+     time per issued query (this process runs nothing else meanwhile), with the
+     shares of the pacer's thread and the query link's reader in it (per-thread CPU
+     from /proc, sampled every 0.1 s);
    * ``served-single``: the same Driver in a closed loop, one query in flight for
      --served-s seconds (single-stream): each query is sent when the previous answer
      arrives, so its round trip has no schedule to wait for.
@@ -165,6 +167,59 @@ async def echo_rtt(settings: Settings, schedule: Schedule) -> dict[str, float]:
     }
 
 
+class ThreadCPU:
+    """CPU time of this process's threads by name (``/proc/self/task/*/schedstat``),
+    sampled every ``every_s`` while a run goes on: the last sample of a thread that ended
+    meanwhile stands for its total (short by at most ``every_s`` of its life). The
+    sampler's own thread is left out."""
+
+    def __init__(self, every_s: float = 0.1) -> None:
+        self.every_s = every_s
+        self._base: dict[int, int] = {}
+        self._last: dict[int, tuple[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-thread-cpu", daemon=True)
+
+    @staticmethod
+    def _read() -> dict[int, int]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as fh:
+                    out[int(tid)] = int(fh.read().split()[0])
+            except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+                continue
+        return out
+
+    def _sample(self) -> None:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        for tid, ns in self._read().items():
+            name = names.get(tid) or self._last.get(tid, ("other", 0))[0]
+            self._last[tid] = (name, ns)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> ThreadCPU:
+        self._base = self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def per_thread_ns(self) -> dict[str, int]:
+        """CPU ns used during the run, summed by thread name (sampler left out)."""
+        used: dict[str, int] = {}
+        for tid, (name, ns) in self._last.items():
+            if name != self._thread.name:
+                used[name] = used.get(name, 0) + ns - self._base.get(tid, 0)
+        return used
+
+
 async def _noop_agent(bus: busmod.Bus) -> str:
     agents = await list_agents(bus)
     return next(a.agent_id for a in agents if any(f.name == "noop" for f in a.frameworks))
@@ -198,14 +253,15 @@ async def served(
                 schedule=schedule,
                 tuning=ProcessTuning(),
             )
-            rec = await driver.run()
+            with ThreadCPU() as threads:
+                rec = await driver.run()
         finally:
             release = codec.encode_model(ReleaseOp(evaluation_id=evaluation_id))
             await busmod.request(bus, ctl, release, timeout=10)
-    return _served_figures(rec)
+    return _served_figures(rec, threads.per_thread_ns())
 
 
-def _served_figures(rec: Any) -> dict[str, float]:
+def _served_figures(rec: Any, threads: dict[str, int]) -> dict[str, float]:
     ok = rec.ok.astype(bool)
     issued = rec.issued > 0
     predict = (rec.predict_end - rec.predict_start)[ok]
@@ -225,6 +281,10 @@ def _served_figures(rec: Any) -> dict[str, float]:
         "lag_p99_us": float(l99),
         "lag_min_us": float(lag.min() / 1e3),
         "cpu_us_per_query": rec.cpu_s / max(int(issued.sum()), 1) * 1e6,
+        # Where that CPU goes: the pacer's thread (sleep, spin, send), the query link's
+        # reader (wake, parse, decode, stamp), and the event loop with the rest.
+        "cpu_pacer_us": threads.get("mlscope-pacer", 0) / max(int(issued.sum()), 1) / 1e3,
+        "cpu_reader_us": threads.get("mlscope-replies", 0) / max(int(issued.sum()), 1) / 1e3,
         "ok": int(ok.sum()),
         "n": rec.n,
     }

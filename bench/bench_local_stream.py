@@ -53,7 +53,7 @@ from agent.worker import LoadedModel
 from mlscope import samples
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import ScenarioSpec, TraceLevel
-from mlscope.manifest import FrameworkManifest
+from mlscope.framework_manifest import FrameworkManifest
 from mlscope.manifest_files import load_manifest
 from mlscope.predictor import PredictorOptions
 

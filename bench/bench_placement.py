@@ -94,7 +94,7 @@ def run_job(settings: Settings, job: JobRequest) -> EvaluationSummary:
 def agent_options(framework: str, batch: int) -> PredictorOptions:
     """How an agent with default settings opens a model of ``framework``: the runtime
     options of its framework manifest (threads included), as the agent builds them."""
-    from mlscope.manifest import FrameworkManifest
+    from mlscope.framework_manifest import FrameworkManifest
     from mlscope.manifest_files import load_manifest
 
     doc = load_manifest(ROOT / "manifests" / "frameworks" / f"{framework}.yaml")

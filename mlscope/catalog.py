@@ -20,7 +20,8 @@ from packaging.version import Version
 from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
 from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError, UnknownModelError
-from mlscope.manifest import FrameworkManifest, ModelManifest, SystemManifest
+from mlscope.framework_manifest import FrameworkManifest
+from mlscope.manifest import ModelManifest, SystemManifest
 from mlscope.manifest_files import iter_manifest_files, load_manifest
 from mlscope.versions import satisfies
 

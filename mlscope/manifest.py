@@ -1,10 +1,11 @@
-"""Model, framework and system manifests (paper Listings 1 and 2), validated by pydantic.
+"""Model and system manifests (paper Listing 1), validated by pydantic.
 
 A model manifest names one model version on one framework: its inputs with their
 pre-processing steps, its outputs with their post-processing steps, its assets with
 sha256 checksums, and the labeled data set used for accuracy. Unknown fields are
 rejected; read from a file (:mod:`mlscope.manifest_files`), every error names the file,
-the line and the field.
+the line and the field. Framework manifests (Listing 2) are in
+:mod:`mlscope.framework_manifest`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pydantic import (
 
 from mlscope import names
 from mlscope.artifacts import check_relative, zoo_coordinates
-from mlscope.devices import Device, device_kind
+from mlscope.devices import Device
 from mlscope.errors import ArtifactError
 from mlscope.versions import parse_constraint, parse_version
 
@@ -44,13 +45,11 @@ __all__ = [
     "BuildInput",
     "BuildSpec",
     "DatasetSpec",
-    "FrameworkManifest",
     "FrameworkRef",
     "InputSpec",
     "ModelManifest",
     "OutputSpec",
     "Probe",
-    "RuntimeOptions",
     "Strict",
     "SystemManifest",
     "SystemRequirements",
@@ -410,62 +409,6 @@ def mark_untrusted(manifest: ModelManifest) -> ModelManifest:
 
 def is_trusted(manifest: ModelManifest) -> bool:
     return manifest.trusted
-
-
-class RuntimeOptions(Strict):
-    """Framework runtime options; a predictor ignores those its framework lacks.
-
-    The agent hands them to its predictors as one flat mapping
-    (:meth:`FrameworkManifest.runtime`): the named fields below plus every key of
-    ``extra`` (``signature`` for TensorFlow, ``execution_mode`` / ``tensorrt`` /
-    ``provider_options`` for ONNX Runtime, ``xnnpack`` / ``dequantize`` for TFLite,
-    ``format`` for PyTorch). An agent's explicit ``--threads`` wins over
-    ``intra_op_threads``.
-    """
-
-    intra_op_threads: int | None = Field(default=None, ge=0)
-    """Threads inside one operator (0: the framework's default)."""
-    inter_op_threads: int | None = Field(default=None, ge=0)
-    """Threads running independent operators."""
-    providers: tuple[str, ...] = ()
-    """ONNX Runtime execution providers, in preference order."""
-    graph_optimization: Literal["disable", "basic", "extended", "all"] | None = None
-    extra: dict[str, Any] = {}
-    """Framework-specific settings passed through as they are."""
-
-
-class FrameworkManifest(Strict):
-    """One framework version and how to run it (paper Listing 2)."""
-
-    kind: Literal["framework"] = "framework"
-    name: FrameworkName
-    version: str
-    description: str = ""
-    containers: dict[str, dict[Device, str]] = {}
-    """Container image per architecture and device: ``{amd64: {cpu: image, gpu: image}}``."""
-    options: RuntimeOptions = RuntimeOptions()
-    device_options: dict[Device, RuntimeOptions] = {}
-    """Per device kind, options that replace those of ``options`` field by field
-    (``extra`` is merged key by key), e.g. the execution providers of a GPU."""
-
-    @field_validator("version")
-    @classmethod
-    def _semver(cls, v: str) -> str:
-        parse_version(v)
-        return v
-
-    def runtime(self, device: str = "cpu") -> dict[str, Any]:
-        """The flat runtime options a predictor reads for ``device`` (``cpu``,
-        ``cuda:N``, ``fpga:N``...): unset fields are left out, ``extra`` is inlined."""
-        base, over = self.options, self.device_options.get(device_kind(device))
-        fields = dict(base.model_dump(exclude={"extra"}, exclude_none=True))
-        extra = dict(base.extra)
-        if over is not None:
-            fields.update(over.model_dump(include=over.model_fields_set - {"extra"}))
-            extra.update(over.extra)
-        if not fields.get("providers"):
-            fields.pop("providers", None)
-        return {**extra, **{k: v for k, v in fields.items() if v is not None}}
 
 
 class SystemManifest(SystemRequirements):

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ValidationError
 
 from mlscope.bounded import load_yaml_bounded
 from mlscope.errors import ManifestError
-from mlscope.manifest import FrameworkManifest, ModelManifest, SystemManifest
+from mlscope.framework_manifest import FrameworkManifest
+from mlscope.manifest import ModelManifest, SystemManifest
 from mlscope.scenario_file import ScenarioFile
 
 __all__ = [

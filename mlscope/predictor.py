@@ -34,7 +34,7 @@ class PredictorOptions:
     """Collect framework-level (layer/op) timings for the tracer."""
     runtime: dict[str, Any] = field(default_factory=dict)
     """Framework-specific options from the framework manifest
-    (:meth:`mlscope.manifest.FrameworkManifest.runtime`)."""
+    (:meth:`mlscope.framework_manifest.FrameworkManifest.runtime`)."""
 
     @property
     def intra_op_threads(self) -> int | None:

@@ -27,7 +27,7 @@ from mlscope import codec, names
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import Query, QueryReply, TraceLevel
 from mlscope.errors import ConfigError, InputMismatchError, ManifestError, error_from_wire
-from mlscope.manifest import FrameworkManifest
+from mlscope.framework_manifest import FrameworkManifest
 from mlscope.manifest_files import load_manifest
 from mlscope.model_registry import publish_manifest
 from mlscope.operators import labeler

@@ -10,7 +10,8 @@ import pytest
 
 from cli import manifest_cmd
 from mlscope.errors import ManifestError
-from mlscope.manifest import FrameworkManifest, ModelManifest, SystemManifest, mark_untrusted
+from mlscope.framework_manifest import FrameworkManifest
+from mlscope.manifest import ModelManifest, SystemManifest, mark_untrusted
 from mlscope.manifest_files import iter_manifest_files, load_manifest
 from mlscope.scenario_file import ScenarioFile
 from mlscope.settings import Settings

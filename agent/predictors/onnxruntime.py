@@ -1,7 +1,7 @@
 """ONNX Runtime predictor: CPU provider, CUDA/TensorRT when the runtime really has them.
 
 Framework-manifest options (``options.runtime``, from
-:meth:`mlscope.manifest.FrameworkManifest.runtime`), all optional:
+:meth:`mlscope.framework_manifest.FrameworkManifest.runtime`), all optional:
 
 ``providers``
     Execution providers in priority order, each a name or ``[name, {options}]``;
