@@ -23,8 +23,8 @@ from mlscope.auth import (
     REPLY_WINDOW_S,
     ROLES,
     token_problem,
-    write_auth,
 )
+from mlscope.auth_files import write_auth
 
 __all__ = ["register", "subject_token"]
 

@@ -26,7 +26,8 @@ from cli.auth_cmd import subject_token
 from cli.submit_errors import framework_name, port_or_zero
 from mlscope import bus as busmod
 from mlscope import names, provision
-from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
+from mlscope.auth import INBOX_PREFIXES
+from mlscope.auth_files import inbox_prefix_for, read_roles
 from mlscope.errors import ConfigError
 from mlscope.natsserver import NatsServer, leaf_config
 from mlscope.secrets_io import write_atomic, write_secret

@@ -55,9 +55,9 @@ from mlscope.auth import (
     Role,
     _agent_publish,
     _loadgen,
-    read_roles,
     responses,
 )
+from mlscope.auth_files import read_roles
 from mlscope.errors import ConfigError
 from mlscope.secrets_io import write_atomic, write_secret
 

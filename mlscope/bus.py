@@ -29,7 +29,7 @@ from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from mlscope import codec
-from mlscope.auth import inbox_prefix_for
+from mlscope.auth_files import inbox_prefix_for
 from mlscope.errors import BusError, BusNotFound, BusRefused, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 

@@ -21,7 +21,8 @@ from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.agentauth import add_agent, agent_creds, agent_inbox_prefix, reload_server
-from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for
+from mlscope.auth import INBOX_PREFIXES
+from mlscope.auth_files import inbox_prefix_for
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.jobs import submit
 from mlscope.natsserver import NatsServer, cluster_config, free_port, hub_config

@@ -19,7 +19,8 @@ from cli.services import Stack
 from mlscope import artifact_bucket, codec, names, remote
 from mlscope import bus as busmod
 from mlscope.agentauth import add_agent
-from mlscope.auth import INBOX_PREFIXES, REPLY_WINDOW_S, ROLES, inbox_prefix_for
+from mlscope.auth import INBOX_PREFIXES, REPLY_WINDOW_S, ROLES
+from mlscope.auth_files import inbox_prefix_for
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError
 from mlscope.jobs import submit

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from cli.main import main as mlscope_main
-from mlscope import auth, secrets_io
+from mlscope import auth_files, secrets_io
 from mlscope.agentauth import add_agent
-from mlscope.auth import ROLES, inbox_prefix_for, write_auth
+from mlscope.auth import ROLES
+from mlscope.auth_files import inbox_prefix_for, write_auth
 from mlscope.errors import ConfigError
 
 
@@ -209,8 +210,8 @@ def test_a_damaged_roles_json_beside_a_seed_is_named_when_connecting(tmp_path: P
 
 
 def test_a_missing_roles_json_is_no_roles(tmp_path: Path) -> None:
-    assert auth.read_roles(tmp_path) == {}
-    assert auth.read_roles(tmp_path / "nowhere") == {}
+    assert auth_files.read_roles(tmp_path) == {}
+    assert auth_files.read_roles(tmp_path / "nowhere") == {}
 
 
 # ---- domains are one subject token -----------------------------------------------------

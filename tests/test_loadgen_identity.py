@@ -15,7 +15,8 @@ import pytest
 from broker.lgservice import LoadgenService, default_id
 from mlscope import names
 from mlscope.agentauth import bound_id, loadgen_creds, loadgen_inbox_prefix
-from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for, read_roles
+from mlscope.auth import INBOX_PREFIXES
+from mlscope.auth_files import inbox_prefix_for, read_roles
 from mlscope.errors import ConfigError
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings

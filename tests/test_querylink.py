@@ -35,7 +35,8 @@ from cli.main import main as mlscope_main
 from cli.services import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, wire
-from mlscope.auth import INBOX_PREFIXES, inbox_prefix_for
+from mlscope.auth import INBOX_PREFIXES
+from mlscope.auth_files import inbox_prefix_for
 from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
 from mlscope.errors import BusError, EvaluationError
 from mlscope.natsserver import NatsServer, free_port
