@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from cli.submit_errors import framework_name
+from cli.flag_types import framework_name
 from mlscope.agentauth import (
     add_agent,
     add_loadgen,

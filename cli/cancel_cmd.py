@@ -13,7 +13,7 @@ import sys
 
 import anyio
 
-from cli.submit_errors import identifier, wait_seconds
+from cli.flag_types import identifier, wait_seconds
 from mlscope.api import cancel_job
 
 __all__ = ["register"]

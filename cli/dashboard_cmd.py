@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli.submit_errors import port
+from cli.flag_types import port
 from mlscope.settings import Settings
 
 __all__ = ["APP", "command", "register", "serve"]

@@ -9,8 +9,9 @@ from pathlib import Path
 import anyio
 
 from cli.agents_cmd import fetch_agents
+from cli.flag_types import port_or_zero, positive_float, positive_int
 from cli.services import Stack
-from cli.submit_errors import flags_contract, port_or_zero, positive_float, positive_int
+from cli.submit_errors import flags_contract
 from cli.summary_text import format_summary
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import BusError

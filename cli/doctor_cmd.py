@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from cli.submit_errors import positive_int
+from cli.flag_types import positive_int
 from mlscope import bus as busmod
 from mlscope import names
 from mlscope.errors import BusError

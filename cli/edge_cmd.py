@@ -23,7 +23,7 @@ import anyio
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
 from cli.auth_cmd import subject_token
-from cli.submit_errors import framework_name, port_or_zero
+from cli.flag_types import framework_name, port_or_zero
 from mlscope import bus as busmod
 from mlscope import names, provision
 from mlscope.auth import INBOX_PREFIXES

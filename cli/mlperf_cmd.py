@@ -18,13 +18,8 @@ from typing import Any
 import anyio
 
 from broker import mlperf_logs as logs
-from cli.submit_errors import (
-    flags_contract,
-    framework_name,
-    identifier,
-    positive_float,
-    positive_int,
-)
+from cli.flag_types import framework_name, identifier, positive_float, positive_int
+from cli.submit_errors import flags_contract
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote

@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 
 from cli.console import print_table
-from cli.submit_errors import framework_name
+from cli.flag_types import framework_name
 from mlscope import artifact_bucket
 from mlscope import bus as busmod
 from mlscope.artifacts import ArtifactStore

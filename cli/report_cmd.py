@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 from cli.console import Bar, progress
-from cli.submit_errors import flags_contract, positive_float, positive_ints
+from cli.flag_types import positive_float, positive_ints
+from cli.submit_errors import flags_contract
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
 from mlscope.settings import Settings

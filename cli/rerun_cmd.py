@@ -23,7 +23,8 @@ import anyio
 from pydantic import ValidationError
 
 from cli.console import Bar, progress
-from cli.submit_errors import field_message, identifier
+from cli.flag_types import identifier
+from cli.submit_errors import field_message
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote

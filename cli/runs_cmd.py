@@ -17,7 +17,8 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from cli.console import print_table
-from cli.submit_errors import FlagError, positive_int
+from cli.flag_types import positive_int
+from cli.submit_errors import FlagError
 from mlscope import scenario_traits
 from mlscope.settings import Settings
 

@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 
 from cli.artifacts_cmd import built_models
-from cli.submit_errors import device_name, framework_name, framework_names, port, positive_int
+from cli.flag_types import device_name, framework_name, framework_names, port, positive_int
 from mlscope import artifact_bucket, names
 from mlscope import bus as busmod
 from mlscope.agentauth import add_agent

@@ -12,7 +12,7 @@ import argparse
 import re
 from pathlib import Path
 
-from cli.submit_errors import MAX_COUNT, positive_int
+from cli.flag_types import MAX_COUNT, positive_int
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import SystemRequirement
 from mlscope.errors import ConfigError

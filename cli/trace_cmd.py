@@ -47,7 +47,7 @@ from typing import Any
 import anyio
 
 from analysis.layers import span_attrs
-from cli.submit_errors import positive_int
+from cli.flag_types import positive_int
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.bus import Bus
