@@ -28,7 +28,7 @@ from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
 
 if TYPE_CHECKING:
-    from analysis.report import Report
+    from analysis.report_render import Report
     from mlscope.catalog import Catalog
 
 __all__ = ["register", "suite_jobs"]
@@ -282,18 +282,18 @@ def run(args: argparse.Namespace) -> int:
         from cli.trace_cmd import writable
 
         writable(args.output)  # before the report is built
-    from analysis import report
+    from analysis import report_render as render
 
     out: Path | None = args.output
     with progress("connecting", total=3) as bar:
         rep = _build(args, bar)
         bar.update(f"rendering {fmt}", advance=1)
         if fmt == "html":
-            text = report.to_html(rep)
+            text = render.to_html(rep)
         elif fmt == "json":
-            text = json.dumps(report.to_json(rep), indent=1)
+            text = json.dumps(render.to_json(rep), indent=1)
         else:
-            text = report.to_markdown(rep, report.figure_dir_for(out) if out is not None else None)
+            text = render.to_markdown(rep, render.figure_dir_for(out) if out is not None else None)
         bar.update(advance=1)
     for warning in rep.warnings:  # after the progress bar, before the report
         print(f"mlscope report: warning: {warning}", file=sys.stderr)

@@ -20,7 +20,8 @@ import pandas as pd
 import pytest
 import streamlit as st
 
-from analysis.report import build, to_json
+from analysis.report import build
+from analysis.report_render import to_json
 from analysis.source import BusSource
 from mlscope import scenario_traits
 from mlscope.api import Client

@@ -23,7 +23,7 @@ import anyio
 import pyarrow as pa
 import pytest
 
-from analysis import report
+from analysis import report, report_render
 from analysis.layers import layer_types, shape_text, top_layers
 from analysis.source import DirectSource
 from analysis.trace import timeline
@@ -415,7 +415,7 @@ def test_a_report_says_which_layer_spans_it_leaves_out(hostile: Hostile, db: Dir
             agent = got.schema.get_field_index("agent_id")
             got = got.set_column(agent, "agent_id", pa.array([AGENT] * got.num_rows))
         db.db.insert_arrow(table, got)
-    doc = report.to_json(report.build(db, [TIMES_EVAL]))
+    doc = report_render.to_json(report.build(db, [TIMES_EVAL]))
     layers = _section(doc, f"Layers of {TIMES_EVAL}")
     assert layers["notes"] == [
         f"1 layer span(s) of {TIMES_EVAL} end before they start: left out of these tables"

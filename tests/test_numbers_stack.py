@@ -17,7 +17,8 @@ import pytest
 
 from analysis.compare import SINGLE_RUN_NOTE, compare_repeats, compare_runs
 from analysis.figures import max_throughput, speedup_heatmap
-from analysis.report import build, to_markdown
+from analysis.report import build
+from analysis.report_render import to_markdown
 from analysis.source import BusSource
 from analysis.summary import summary
 from broker.loadgen import Driver

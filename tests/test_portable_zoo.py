@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import pytest
 
-from analysis import report
+from analysis import report, report_render
 from analysis.compare import compare_runs
 from analysis.source import BusSource
 from cli.artifacts_cmd import push_zoo
@@ -232,7 +232,7 @@ def test_a_comparison_says_when_the_runs_loaded_other_bytes(
             assert lock.artifacts["digits_cnn.onnx"][:12] in note
         same = compare_runs(BusSource(stack.settings), ids[0], ids[0], n_boot=200)
         assert set(same["note"]) == {""}
-        text = report.to_markdown(report.build(BusSource(stack.settings), ids))
+        text = report_render.to_markdown(report.build(BusSource(stack.settings), ids))
         assert "ran different model files" in text
 
 

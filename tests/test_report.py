@@ -12,7 +12,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from analysis import report
+from analysis import report, report_render
 from analysis.source import BusSource, Source
 from mlscope.settings import Settings
 from tests.analysis_fixtures import AnalysisRuns
@@ -137,8 +137,8 @@ def test_a_report_sends_its_independent_reads_together_and_reads_the_same(
     ids = list(analysis_runs.all)
     with BusSource(analysis_runs.settings) as bus:
         together, one_by_one = _Overlap(bus, serial=False), _Overlap(bus, serial=True)
-        built = report.to_json(report.build(together, ids))
-        serial = report.to_json(report.build(one_by_one, ids))
+        built = report_render.to_json(report.build(together, ids))
+        serial = report_render.to_json(report.build(one_by_one, ids))
     assert one_by_one.most == 1
     assert together.most >= 2, "every read waited for the one before it"
     built.pop("created", None)

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import compare, figures, layers, plots, regression, report, suite
+from analysis import compare, figures, layers, plots, regression, report, report_render, suite
 from analysis.source import DirectSource
 from analysis.summary import SUMMARY_COLUMNS, latency_windows, summary
 from broker.db import SPAN_COLUMNS, Database
@@ -111,7 +111,7 @@ def ms(n: int, value: float = 2.0) -> np.ndarray:
     return np.full(n, value)
 
 
-def section(rep: report.Report, title: str) -> report.Section:
+def section(rep: report_render.Report, title: str) -> report_render.Section:
     return next(s for s in rep.sections if s.title.startswith(title))
 
 
@@ -305,10 +305,12 @@ def test_markdown_and_html_print_counts_whole_and_rates_readably() -> None:
             "batch_sizes": [[1, 4], [16]],
         }
     )
-    md = report.markdown_table(table)
+    md = report_render.markdown_table(table)
     assert "| 123456 | 12346 | 1.235 | 1, 4 |" in md, md
     assert "| – | 98.77 | 0.0001234 | 16 |" in md, md
-    html = report.to_html(report.Report("t", [report.Section("s", tables=[("c", table)])]))
+    html = report_render.to_html(
+        report_render.Report("t", [report_render.Section("s", tables=[("c", table)])])
+    )
     assert "<td>123456</td><td>12346</td>" in html
     assert "e+" not in md and "e+" not in html
 
