@@ -41,7 +41,7 @@ from bench.bench_pipeline import BareProcess
 from broker.loadgen import Driver
 from broker.summary import figures
 from cli.demo import wait_for_agent
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import JobRequest, ScenarioSpec, TraceLevel

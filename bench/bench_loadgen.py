@@ -56,7 +56,7 @@ import numpy as np
 import broker.loadgen as loadgen
 from broker.loadgen import Driver, encode_query
 from cli.demo import wait_for_agent
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import (

@@ -28,7 +28,7 @@ import anyio
 
 from cli.demo import wait_for_agent
 from cli.mlperf_cmd import run_mlperf
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.contracts import JobRequest, MLPerfSpec, Placement
 from mlscope.settings import Settings
 

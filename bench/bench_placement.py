@@ -45,7 +45,7 @@ import anyio
 import numpy as np
 
 from cli.demo import wait_for_agent
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.jobs import submit
 from mlscope.predictor import PredictorOptions

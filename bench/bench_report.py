@@ -40,7 +40,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from cli.services import Stack  # noqa: E402
+from cli.stack import Stack  # noqa: E402
 from mlscope import bus as busmod  # noqa: E402
 from mlscope import remote  # noqa: E402
 from mlscope.settings import Settings  # noqa: E402

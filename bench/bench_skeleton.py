@@ -21,7 +21,7 @@ import anyio
 import numpy as np
 
 from cli.demo import wait_for_agent
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.jobs import submit

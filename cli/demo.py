@@ -10,7 +10,7 @@ import anyio
 
 from cli.agents_cmd import fetch_agents
 from cli.flag_types import port_or_zero, positive_float, positive_int
-from cli.services import Stack
+from cli.stack import Stack
 from cli.submit_errors import flags_contract
 from cli.summary_text import format_summary
 from mlscope.contracts import JobRequest, ScenarioSpec

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.contracts import AgentDescription, FrameworkInfo, LoadgenDescription
 from mlscope.natsserver import NatsServer
 from mlscope.registry import list_agents

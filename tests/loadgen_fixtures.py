@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import PrepareOp

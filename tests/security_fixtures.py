@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 
 from cli.main import main as mlscope_main
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
 from tests.conftest import make_data_dir, wait_agents, wait_server

@@ -17,7 +17,7 @@ import nats.errors
 import pytest
 
 from cli.main import main as mlscope_main
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.agentauth import add_agent, agent_creds, agent_inbox_prefix, reload_server

@@ -10,7 +10,7 @@ import anyio
 import pytest
 from nats.aio.msg import Msg
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.api import Client
 from mlscope.contracts import JobEvent, JobRequest, ScenarioSpec
 from mlscope.errors import BusError, UnknownModelError, WireError

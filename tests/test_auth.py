@@ -15,7 +15,7 @@ import nats.errors
 import pytest
 
 from cli.main import main as mlscope_main
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import artifact_bucket, codec, names, remote
 from mlscope import bus as busmod
 from mlscope.agentauth import add_agent

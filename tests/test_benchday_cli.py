@@ -20,7 +20,7 @@ import anyio
 import pandas as pd
 import pytest
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import remote
 from tests.conftest import child_env

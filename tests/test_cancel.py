@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from broker.cancel import IN_FLIGHT, Cancels, issued_part
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import provision, remote
 from mlscope.api import cancel_job

@@ -25,7 +25,7 @@ import pytest
 from analysis.source import BusSource
 from analysis.summary import summary as analysis_summary
 from broker.cancel import IN_FLIGHT, cancelled_summary, issued_part
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.api import cancel_job

@@ -25,7 +25,7 @@ import pytest
 
 from broker.cancel import IN_FLIGHT, cancelled_summary
 from cli.main import main as mlscope_main
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.api import Client, cancel_job

@@ -21,7 +21,7 @@ import pytest
 from pydantic import ValidationError
 
 from cli.main import main as mlscope_main
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.contracts import CancelReply, JobRequest, ScenarioSpec
 from mlscope.settings import Settings
 from tests.conftest import REPO, wait_server

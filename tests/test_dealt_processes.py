@@ -19,7 +19,7 @@ import anyio
 import numpy as np
 import pytest
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.api import cancel_job

@@ -21,7 +21,7 @@ from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig
 from agent.worker import LoadedModel
 from broker.loadgen import Driver
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, wire
 from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel

@@ -23,7 +23,7 @@ import pytest
 
 from broker import mlperf_logs as logs
 from cli.mlperf_cmd import find_results
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.stats import percentiles

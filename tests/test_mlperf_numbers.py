@@ -26,7 +26,7 @@ import pytest
 from analysis.source import BusSource
 from analysis.summary import sample_stats
 from analysis.summary import summary as analysis_summary
-from cli.services import Stack
+from cli.stack import Stack
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote

@@ -22,7 +22,7 @@ import pytest
 
 from agent.samplelib import CHUNK, MemoryBudget, SampleLibrary, preprocess_all
 from agent.worker import compile_model
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, samples
 from mlscope.catalog import Catalog, default_manifest_dirs

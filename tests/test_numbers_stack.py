@@ -23,7 +23,7 @@ from analysis.source import BusSource
 from analysis.summary import summary
 from broker.loadgen import Driver
 from broker.summary import figures
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import names, remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, TraceLevel

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from cli.services import Stack
+from cli.stack import Stack
 from cli.submit_flags import make_job, parser
 from cli.summary_text import format_summary
 from mlscope import bus as busmod

@@ -25,7 +25,7 @@ from analysis import report, report_render
 from analysis.compare import compare_runs
 from analysis.source import BusSource
 from cli.artifacts_cmd import push_zoo
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope.buildlock import BuildLock
 from mlscope.contracts import AgentDescription

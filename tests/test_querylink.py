@@ -32,7 +32,7 @@ import pytest
 from broker import loadgen
 from broker.loadgen import Driver
 from cli.main import main as mlscope_main
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, wire
 from mlscope.auth import INBOX_PREFIXES

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.api import Client
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.natsserver import NatsServer

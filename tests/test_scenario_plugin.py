@@ -16,7 +16,7 @@ import anyio
 import numpy as np
 import pytest
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import remote, scenario_traits
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec

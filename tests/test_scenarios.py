@@ -21,7 +21,7 @@ import pytest
 
 from broker.scenario_kinds.peak import next_rate, peak_floor_qps
 from broker.scenarios import build_schedule
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import names, remote, schedule
 from mlscope.api import cancel_job

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from cli.main import build_parser
-from cli.services import LOOPBACK, Stack, listen_notice
+from cli.services import listen_notice
+from cli.stack import LOOPBACK, Stack
 from mlscope.settings import Settings
 
 

@@ -18,7 +18,7 @@ import anyio
 import numpy as np
 import pytest
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import remote, replay_file, schedule
 from mlscope.stats import percentile

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.errors import UnknownModelError
 from mlscope.settings import Settings

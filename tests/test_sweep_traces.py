@@ -19,7 +19,7 @@ import pytest
 
 from analysis.layers import span_attrs
 from cli.main import main as mlscope_main
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, wire
 from mlscope.api import Client

@@ -24,7 +24,7 @@ from analysis.layers import top_layers
 from analysis.source import open_source
 from cli import trace_cmd
 from cli.main import main as mlscope_main
-from cli.services import Stack
+from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, new_id
