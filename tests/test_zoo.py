@@ -22,7 +22,8 @@ from mlscope.catalog import Catalog, Entry
 from mlscope.manifest import Behaviour, Probe
 from mlscope.operators import compile_steps
 from mlscope.zoo import specs
-from mlscope.zoo.build import BUILDERS, build, check_behaviour
+from mlscope.zoo.behaviour import check_behaviour
+from mlscope.zoo.build import BUILDERS, build
 from tests.zoo_fixtures import MANIFESTS, built, zoo_dir
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

@@ -22,7 +22,8 @@ What is pinned and what is recorded:
   (:mod:`mlscope.buildlock`); agents verify every artifact against it.
 * The built model's *behaviour* is pinned (``build.behaviour``): its accuracy on its
   data set and its class probabilities on a few probe rows, each with a tolerance,
-  checked in every format. A build that does not behave fails and is not swapped in.
+  checked in every format (:mod:`mlscope.zoo.behaviour`). A build that does not
+  behave fails and is not swapped in.
 
 A model is up to date when its lock lists every file it produces and each file still
 matches; ``force`` rebuilds anyway.
@@ -47,7 +48,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,16 +59,15 @@ from mlscope.artifacts import resolve_package
 from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError
 from mlscope.hashing import sha256_path
-from mlscope.manifest import Behaviour, BuildSpec
+from mlscope.manifest import BuildSpec
+from mlscope.zoo.behaviour import check_behaviour, summarize
 
 __all__ = [
     "BUILDERS",
     "BuildFailed",
     "Builder",
     "build",
-    "check_behaviour",
     "pinned_specs",
-    "summarize",
 ]
 
 
@@ -207,57 +207,6 @@ def check_inputs(spec: BuildSpec) -> None:
                 expected=pin.sha256,
                 actual=actual,
             )
-
-
-def check_behaviour(name: str, measured: Mapping[str, Any], pins: Behaviour) -> list[str]:
-    """How the measured behaviour (every format) departs from the pins; empty if none."""
-    problems = []
-    for fw, accuracy in measured["accuracy"].items():
-        if abs(accuracy - pins.accuracy) > pins.accuracy_tolerance + 1e-9:
-            problems.append(
-                f"{name} on {fw}: accuracy {accuracy:.4f}, pinned "
-                f"{pins.accuracy:.4f} ± {pins.accuracy_tolerance}"
-            )
-    for fw, probs in measured.get("probabilities", {}).items():
-        for probe in pins.probes:
-            p = probs.get(str(probe.sample))
-            if p is None:
-                problems.append(f"{name} on {fw}: probe row {probe.sample} was not measured")
-                continue
-            answer, expected = max(range(len(p)), key=p.__getitem__), probe.top5[0][0]
-            # A near tie in the pin (runner-up within the tolerance) may break either way.
-            tie = (
-                len(probe.top5) > 1
-                and probe.top5[0][1] - probe.top5[1][1] <= 2 * pins.probe_tolerance
-            )
-            if answer != expected and not tie:
-                problems.append(
-                    f"{name} on {fw}: row {probe.sample} answers class {answer}, pinned {expected}"
-                )
-            worst = max(abs(p[c] - ref) for c, ref in probe.top5)
-            if worst > pins.probe_tolerance:
-                problems.append(
-                    f"{name} on {fw}: row {probe.sample} probabilities differ "
-                    f"by {worst:.4g} from the pinned (tolerance "
-                    f"{pins.probe_tolerance})"
-                )
-    return problems
-
-
-def summarize(measured: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What a lock keeps of a measurement: accuracies and each probe's top 5."""
-    if not measured:
-        return {}
-    probes = {
-        fw: [{"sample": int(row), "top5": top5(p)} for row, p in rows.items()]
-        for fw, rows in measured.get("probabilities", {}).items()
-    }
-    return {"samples": measured["samples"], "accuracy": measured["accuracy"], "probes": probes}
-
-
-def top5(probabilities: Sequence[float]) -> list[list[float]]:
-    order = sorted(range(len(probabilities)), key=lambda c: -probabilities[c])[:5]
-    return [[c, round(float(probabilities[c]), 4)] for c in order]
 
 
 BUILD_LOCK = ".build.lock"
