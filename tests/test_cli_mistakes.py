@@ -1,8 +1,9 @@
 """Plausible user mistakes that each command must refuse in one line: a misspelt
 framework for `mlscope agent` / `mlscope up`, flags that `mlscope report --suite`
 would silently ignore, a manifest `mlscope models publish` accepts although every
-agent refuses it; and `mlscope dashboard` must not leave its Streamlit process
-serving the port when it is stopped with SIGTERM."""
+agent refuses it; default run lengths too short for any run to be VALID; and
+`mlscope dashboard` must not leave its Streamlit process serving the port when it is
+stopped with SIGTERM."""
 
 from __future__ import annotations
 
@@ -53,6 +54,23 @@ def test_a_misspelt_framework_is_a_usage_error(
     err = capsys.readouterr().err
     assert "unknown framework 'pytroch'; known: onnxruntime" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["report", "--suite", "--run"], ["demo"]])
+def test_default_run_lengths_are_long_enough_to_be_valid(argv: list[str]) -> None:
+    """The runs `mlscope report --suite --run` and `mlscope demo` submit by default last
+    at least the validity rules' minimum: a shorter default makes every run INVALID (and
+    Table 2 then shows older valid runs in place of the ones just made)."""
+    from cli.report_cmd import suite_jobs
+    from mlscope.validity import ValidityPolicy
+
+    args = parse(argv)
+    assert args.duration >= ValidityPolicy().min_duration_s
+    if argv[0] == "report":
+        jobs = suite_jobs(
+            [("noop", "noop")], batch_sizes=args.batch_sizes, qps=args.qps, duration_s=args.duration
+        )
+        assert all(j.scenario.duration_s >= ValidityPolicy().min_duration_s for j in jobs)
 
 
 def test_known_frameworks_parse() -> None:
