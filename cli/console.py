@@ -11,12 +11,24 @@ Rules, so that scripts see what they always saw:
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Bar", "print_table", "progress"]
+__all__ = ["Bar", "help_text", "print_table", "progress"]
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+
+
+def help_text(doc: str | None) -> str:
+    """A module docstring as ``--help`` shows it: the reStructuredText written for the
+    code's readers becomes the plain backquotes of every other help line (a
+    ``:data:`~a.b.NAME``` reference is ``NAME``)."""
+    text = _ROLE.sub(lambda m: f"`{m.group(1).rsplit('.', 1)[-1]}`", doc or "")
+    return text.replace("``", "`")
 
 
 class Bar:

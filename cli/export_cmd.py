@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cli.console import help_text
 from mlscope.errors import ConfigError
 from mlscope.settings import Settings
 
@@ -48,7 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "export",
         help="write evaluations, their queries and spans as CSV, Parquet or JSON files",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("evaluations", nargs="+", metavar="EVAL_ID")

@@ -53,7 +53,11 @@ EXIT_PIPE = 128 + 13
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser of ``command``, or of every command (``None`` or not a command: the
     full list, for ``mlscope --help`` and for an error that names the choices)."""
-    parser = argparse.ArgumentParser(prog="mlscope", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="mlscope",
+        description="Run the stack and its services, and inspect it (jobs are submitted "
+        "with mlscope-submit).",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     every = list(dict.fromkeys(COMMANDS.values()))
     for name in [COMMANDS[command]] if command in COMMANDS else every:

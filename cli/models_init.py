@@ -9,7 +9,7 @@ and are listed in ``attributes.note``. What the file cannot say (task, licence,
 pre-/post-processing steps, labels) is left for the user, and the manifest says so.
 
 Nothing is written until the manifest validates: it is rendered and checked in memory
-(schema, :data:`~mlscope.bounded.MAX_DOCUMENT_BYTES`), then put in place by a rename, so
+(schema, and size: at most 1 MiB), then put in place by a rename, so
 a refused model leaves no file behind to block the retry or break ``mlscope models``.
 An existing ``-o`` (a symbolic link included, dangling or not) is refused unless
 ``--force``, which replaces the link itself, never the file it points at.
@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from cli.console import help_text
 from cli.submit_errors import FlagError
 from mlscope.bounded import MAX_DOCUMENT_BYTES
 from mlscope.errors import ConfigError, ManifestError
@@ -190,7 +191,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "init",
         help="write a starter manifest from an ONNX or TFLite file",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("file", type=Path, metavar="FILE", help="model.onnx or model.tflite")

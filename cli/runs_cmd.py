@@ -16,7 +16,7 @@ import sys
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from cli.console import print_table
+from cli.console import help_text, print_table
 from cli.flag_types import positive_int
 from cli.submit_errors import FlagError
 from mlscope import scenario_traits
@@ -74,7 +74,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "runs",
         aliases=["ls"],
         help="past evaluations, newest first (filters, --json)",
-        description=__doc__,
+        description=help_text(__doc__),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default=None, help="only this model (any version)")

@@ -87,11 +87,18 @@ def _checked_jobs(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[
     return jobs
 
 
+DESCRIPTION = """Submit a job: run MODEL on an agent of --framework under a load scenario,
+wait for the result (live progress on a terminal) and print its summary, or with
+--json one object. The job's id goes to stderr as soon as a server takes it
+(`mlscope cancel JOB_ID` stops it; so does Ctrl-C here)."""
+"""What ``mlscope-submit --help`` says first (the module's docstring is for its readers)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings = _settings()
     if settings is None:
         return EXIT_FAILED
-    p = parser(description=__doc__)
+    p = parser(description=DESCRIPTION)
     args = p.parse_args(argv)
     try:
         jobs = _checked_jobs(p, args)

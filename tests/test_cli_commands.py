@@ -97,3 +97,27 @@ def test_a_reader_that_leaves_early_ends_the_program_quietly(tmp_path: Path) -> 
         err = child.stderr.read().decode()
     assert child.wait(60) == 141, err
     assert err == ""
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every subcommand's parser below it."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                found += _parsers(child)
+    return found
+
+
+def test_help_speaks_to_the_user_not_to_the_codes_readers() -> None:
+    """``--help`` of every command: no reStructuredText of the docstrings it is made
+    from (double backquotes, ``:mod:`` references), no talk of modules."""
+    from cli.submit import DESCRIPTION
+    from cli.submit_flags import parser as submit_parser
+
+    parsers = [*_parsers(build_parser()), submit_parser(description=DESCRIPTION)]
+    assert len(parsers) > 30
+    for p in parsers:
+        text = p.format_help()
+        assert "``" not in text and ":mod:`" not in text and ":data:`" not in text, p.prog
+        assert "this module" not in text, p.prog
