@@ -80,11 +80,13 @@ PROCESS_MODULES = frozenset(
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test is ``unit`` (pure, seconds for all of them: ``make test-fast``) or
-    ``integration`` (real processes, the zoo, runtimes); ``make test`` runs both."""
+    ``integration`` (real processes, the zoo, runtimes, and whatever is marked ``slow``:
+    a fresh virtualenv's install is no unit test); ``make test`` runs both."""
     for item in items:
         costly = (
             PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
             or item.get_closest_marker("gpu")
+            or item.get_closest_marker("slow")
             or getattr(getattr(item, "module", None), "__name__", "") in PROCESS_MODULES
         )
         item.add_marker(pytest.mark.integration if costly else pytest.mark.unit)

@@ -37,7 +37,10 @@ EXTRA_MODULES = (
 )
 """Top-level modules that only the extras of pyproject.toml install."""
 
-NO_SERVER = "mlscope report: no NATS server at nats://127.0.0.1:"
+NOWHERE = "nats://127.0.0.1:9"
+"""The bus these commands are pointed at: nothing listens there, whatever else runs on
+this machine (a stack of `mlscope up` on the default port included)."""
+NO_SERVER = f"mlscope report: no NATS server at {NOWHERE}"
 """What a core-only report says with nothing running: it got as far as the bus (no extra
 was missing on the way)."""
 
@@ -54,7 +57,12 @@ _CORE_ONLY = textwrap.dedent(
 
 
 def _core_only(*argv: str, data_dir: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MLSCOPE_DATA_DIR": str(data_dir)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MLSCOPE_DATA_DIR": str(data_dir),
+        "MLSCOPE_NATS_URL": NOWHERE,
+    }
     return subprocess.run(
         [sys.executable, "-c", _CORE_ONLY, ",".join(EXTRA_MODULES), *argv],
         capture_output=True,
@@ -92,7 +100,7 @@ def test_core_only_install_in_a_fresh_venv(tmp_path: Path) -> None:
     )
     assert pip.returncode == 0, pip.stderr[-2000:]
     mlscope = str(venv / "bin" / "mlscope")
-    env = {**os.environ, "MLSCOPE_DATA_DIR": str(tmp_path / "data")}
+    env = {**os.environ, "MLSCOPE_DATA_DIR": str(tmp_path / "data"), "MLSCOPE_NATS_URL": NOWHERE}
     env.pop("PYTHONPATH", None)
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
