@@ -87,6 +87,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
             or item.get_closest_marker("gpu")
             or item.get_closest_marker("slow")
+            or item.get_closest_marker("integration")  # said so by the test itself
             or getattr(getattr(item, "module", None), "__name__", "") in PROCESS_MODULES
         )
         item.add_marker(pytest.mark.integration if costly else pytest.mark.unit)

@@ -399,6 +399,7 @@ def test_rankings_refuse_class_indices_past_int32() -> None:
     assert rankings(np.full((2, 3), -(2**40), np.int64), 2) is None
 
 
+@pytest.mark.integration  # builds the zoo and runs LoadGen
 def test_an_out_of_range_class_index_fails_its_samples_not_the_run(tmp_path: Path) -> None:
     host, err = _mlperf_run(tmp_path, {"outputs": lambda n: np.full((n, 1), 2**40, np.int64)})
     assert err is None, err
@@ -407,6 +408,7 @@ def test_an_out_of_range_class_index_fails_its_samples_not_the_run(tmp_path: Pat
     assert any("samples failed in the agent" in r for r in summary.invalid_reasons)
 
 
+@pytest.mark.integration  # builds the zoo and runs LoadGen
 def test_span_batches_refused_are_a_warning_of_an_mlperf_run(tmp_path: Path) -> None:
     """An MLPerf run's summary says what the agent's release says of span batches the
     traces stream refused, as every other run's does (the same warning)."""
@@ -416,12 +418,14 @@ def test_span_batches_refused_are_a_warning_of_an_mlperf_run(tmp_path: Path) -> 
     assert budget_warnings({"span_batches_refused": 3})[0] in summary.warnings
 
 
+@pytest.mark.integration  # builds the zoo and runs LoadGen
 def test_a_prepare_reply_without_load_times_is_refused_before_the_test(tmp_path: Path) -> None:
     host, err = _mlperf_run(tmp_path, {}, prep={"kind": "prepared", "cold": "no", "t_agent": 0})
     assert isinstance(err, MLScopeError), err
     assert "PrepareReply" in err.message and not host.stored
 
 
+@pytest.mark.integration  # builds the zoo and runs LoadGen
 def test_an_agents_run_without_its_summary_log_is_a_typed_error(tmp_path: Path) -> None:
     files = {TIMING: _timing_bytes(), logs.DETAIL: b":::MLLOG {}\n"}
     host, err = _mlperf_run(tmp_path, {}, placement="agent", files=files)

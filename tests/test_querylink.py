@@ -527,6 +527,7 @@ def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -
     assert (rec.predict_end >= rec.predict_start).all()
 
 
+@pytest.mark.integration  # a 5 s run through a nats-server killed and restarted
 def test_a_run_through_a_bus_outage_records_what_it_could_not_send_and_goes_on(
     tmp_path: Path,
 ) -> None:
