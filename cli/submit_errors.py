@@ -46,6 +46,7 @@ __all__ = [
     "EXIT_INVALID",
     "EXIT_OK",
     "EXIT_USAGE",
+    "FIELD_FLAGS",
     "SUBMIT_FAILURES",
     "FlagError",
     "InFlight",

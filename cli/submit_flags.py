@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from broker.scenarios import read_arrivals, refuse, scenario_spec
-from cli.submit_errors import FlagError, flag_for, flags_contract
+from cli.submit_errors import FIELD_FLAGS, FlagError, flag_for, flags_contract
 from cli.system_opts import add_system_flags, system_from_args
 from mlscope import scenario_traits
 from mlscope.contracts import JobRequest, ScenarioSpec
@@ -303,12 +303,27 @@ def _refuse_what_cannot_run(
                 f"argument --scenario: {scenario_file} sets {field}, which scenario "
                 f"{spec.name!r} does not read: {traits.unread(field)}"
             )
+    _refuse_what_is_missing(spec, traits)
     try:
         refuse(spec, ValidityPolicy())
     except ConfigError as exc:
         named = exc.fields.get("field")
         where = f"argument {flag_for(named)}: " if isinstance(named, str) else ""
         raise FlagError(f"{where}{exc.message}") from exc
+
+
+def _refuse_what_is_missing(spec: ScenarioSpec, traits: scenario_traits.ScenarioTraits) -> None:
+    """What the scenario cannot run without (``requires``, as a scenario file must set
+    it) and no flag or file gave: refused here, not by the server once the job is
+    queued (a replay without ``--schedule``, a piecewise run without segments)."""
+    read_as = {"schedule_file": "arrivals_s", **dict(traits.file_aliases)}
+    for field in traits.requires:
+        spec_field = read_as.get(field, field)
+        if getattr(spec, spec_field, None) is not None:
+            continue
+        flag = FIELD_FLAGS.get(spec_field)
+        needs = flag or f"{field}, set in a --scenario-file"
+        raise FlagError(f"argument --scenario: scenario {spec.name!r} needs {needs}")
 
 
 def _given(flags: dict[str, Any]) -> set[str]:

@@ -67,6 +67,11 @@ def last_line(stderr: str) -> str:
         (("--host", " "), "argument --host: must not be empty"),
         (("--min-cores", "0"), "argument --min-cores: '0' is not a whole number above 0"),
         (("--framework", "noop,noop"), "framework 'noop' named twice"),
+        (("--scenario", "replay"), "argument --scenario: scenario 'replay' needs --schedule"),
+        (
+            ("--scenario", "piecewise"),
+            "argument --scenario: scenario 'piecewise' needs segments, set in a --scenario-file",
+        ),
     ],
 )
 def test_bad_arguments_are_usage_errors(flags: tuple[str, ...], message: str) -> None:
