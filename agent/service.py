@@ -29,7 +29,7 @@ from agent.mlperf_ops import MLPerfOps, loadgen_installed
 from agent.models import ModelHost
 from agent.outbox import Outbox
 from agent.pipeline import ExecutorConfig
-from agent.predictors import accelerators, probe
+from agent.predictors import accelerators, probe, unusable_device
 from agent.queries import Queries
 from agent.registration import Registration, fit_description
 from agent.runs import LocalRuns
@@ -176,6 +176,8 @@ class Agent:
                 f"framework {self.config.framework} does not load on this machine",
                 framework=self.config.framework,
             )
+        if (problem := unusable_device(self.config.device, info)) is not None:
+            raise FrameworkUnavailable(problem, framework=self.config.framework)
         self.framework_info = info
         # Runtime options of the framework manifest (threads, providers...) for every
         # model this agent opens; an explicit --threads still wins (PredictorOptions).

@@ -1,5 +1,6 @@
 """Plausible user mistakes that each command must refuse in one line: a misspelt
-framework for `mlscope agent` / `mlscope up`, flags that `mlscope report --suite`
+framework for `mlscope agent` / `mlscope up`, an agent on a device its runtime cannot
+use here, flags that `mlscope report --suite`
 would silently ignore, a manifest `mlscope models publish` accepts although every
 agent refuses it; default run lengths too short for any run to be VALID; and
 `mlscope dashboard` must not leave its Streamlit process serving the port when it is
@@ -71,6 +72,57 @@ def test_default_run_lengths_are_long_enough_to_be_valid(argv: list[str]) -> Non
             [("noop", "noop")], batch_sizes=args.batch_sizes, qps=args.qps, duration_s=args.duration
         )
         assert all(j.scenario.duration_s >= ValidityPolicy().min_duration_s for j in jobs)
+
+
+@pytest.mark.parametrize(
+    ("framework", "device", "devices"),
+    [
+        ("noop", "cuda:99", "cpu"),  # no machine has a hundredth GPU
+        ("onnxruntime", "cuda:99", "cpu"),
+        ("noop", "fpga", "cpu"),
+    ],
+)
+def test_an_agent_on_a_device_it_cannot_use_does_not_start(
+    framework: str, device: str, devices: str, tmp_path: Path
+) -> None:
+    """Said in one line before it connects (no bus listens at NOWHERE): an agent that
+    started would advertise itself and fail every job sent to it."""
+    env = {
+        **os.environ,
+        **NOWHERE.with_(data_dir=tmp_path / "data").as_env(),
+        "HOME": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
+    }
+    argv = ["agent", "--framework", framework, "--device", device]
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"mlscope agent: {framework} cannot run on {device} on this machine "
+        f"(its devices here: {devices})"
+    )
+    assert "Traceback" not in done.stderr
+
+
+def test_which_devices_a_framework_can_use() -> None:
+    from agent.predictors import unusable_device
+    from mlscope.contracts import FrameworkInfo
+
+    gpu = FrameworkInfo(name="pytorch", version="2", devices=("cpu", "cuda:0"))
+    fpga = FrameworkInfo(name="xrt", version="2", devices=("fpga:0",))
+    for device in ("cpu", "cuda", "cuda:0", "gpu", "tensorrt:0"):
+        assert unusable_device(device, gpu) is None, device
+    assert unusable_device("cuda:1", gpu) == (
+        "pytorch cannot run on cuda:1 on this machine (its devices here: cpu, cuda:0)"
+    )
+    assert unusable_device("fpga:0", fpga) is None
+    assert unusable_device("cpu", fpga) is not None  # XRT runs on its FPGAs only
+    assert unusable_device("fpga:1", fpga) is not None
 
 
 def test_known_frameworks_parse() -> None:

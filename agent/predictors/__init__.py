@@ -41,6 +41,7 @@ __all__ = [
     "module",
     "open_predictor",
     "probe",
+    "unusable_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,23 @@ def probe(framework: str) -> FrameworkInfo | None:
         log.warning("probing %s failed; not advertising it", framework, exc_info=True)
         return None
     return info
+
+
+_PROBED_AS = {"cpu": "cpu", "gpu": "cuda", "fpga": "fpga"}
+"""How a probe names a device of each kind (``cuda:N``, ``fpga:N``, ``cpu``)."""
+
+
+def unusable_device(device: str, info: FrameworkInfo) -> str | None:
+    """Why ``info``'s framework cannot open models on ``device`` here (no such device
+    among those its probe found: a GPU on a CPU-only machine or runtime, the CPU for
+    XRT), or None when it can. Checked when an agent starts: one that started anyway
+    would advertise itself and fail every job sent to it."""
+    kind = device_kind(device)
+    name = _PROBED_AS[kind] if kind == "cpu" else f"{_PROBED_AS[kind]}:{device_index(device)}"
+    if name in info.devices:
+        return None
+    found = ", ".join(info.devices) or "none"
+    return f"{info.name} cannot run on {device} on this machine (its devices here: {found})"
 
 
 def accelerators(framework: str, devices: Sequence[str] = ()) -> tuple[Accelerator, ...]:
