@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from mlscope import codec
-from mlscope.contracts import MAX_ID_CHARS, QUERY_INDEX_LIMIT, SCHEMA, QueryReply, TraceLevel
+from mlscope.contracts import (
+    MAX_BATCH,
+    MAX_ID_CHARS,
+    QUERY_INDEX_LIMIT,
+    SCHEMA,
+    QueryReply,
+    TraceLevel,
+)
 from mlscope.errors import OverloadedError, WireError
 
 __all__ = [
@@ -117,6 +124,8 @@ def decode_query(data: bytes) -> QueryView:
         raise WireError(f"invalid Query: index must be 0 .. {QUERY_INDEX_LIMIT - 1}")
     if not isinstance(inputs, np.ndarray):
         raise WireError("invalid Query: inputs must be a numpy array")
+    if inputs.ndim and inputs.shape[0] > MAX_BATCH:  # an empty array's axes cost no bytes
+        raise WireError(f"invalid Query: inputs carry at most {MAX_BATCH} samples")
     more = raw.get("more_inputs", ())
     if not isinstance(more, list | tuple) or len(more) > _MAX_MORE_INPUTS:
         raise WireError("invalid Query: more_inputs must be a short list of arrays")

@@ -13,6 +13,7 @@ from mlscope.contracts import ErrorReply, Query, QueryReply, SamplesQuery
 from mlscope.errors import EvaluationError, OverloadedError, WireError
 
 X = np.arange(12, dtype=np.float32).reshape(3, 4)
+EMPTY_BATCH = np.empty((1 << 40, 0), np.float32)
 
 
 def test_a_query_encodes_to_the_contracts_bytes() -> None:
@@ -76,6 +77,9 @@ BAD: list[tuple[Any, str]] = [
     ({"evaluation_id": "e", "index": 1e30, "inputs": X}, "index"),
     ({"evaluation_id": "e" * 5000, "index": 0, "inputs": X}, "evaluation_id"),
     ({"evaluation_id": "e", "index": 0, "inputs": [1, 2]}, "inputs"),
+    # More samples than a batch holds, in a few bytes: an empty array's axes cost none,
+    # and the agent would fill the model's other inputs for every sample it declares.
+    ({"evaluation_id": "e", "index": 0, "inputs": EMPTY_BATCH}, "inputs"),
     ({"evaluation_id": "e", "index": 0}, "inputs"),
     ({"evaluation_id": "e", "index": 0, "inputs": X, "raw": [True]}, "raw"),
     ({"evaluation_id": "e", "index": 0, "inputs": X, "trace_level": [1]}, "trace_level"),

@@ -101,6 +101,20 @@ def _ndarray(value: Any) -> np.ndarray:
 NDArray = Annotated[np.ndarray, PlainValidator(_ndarray)]
 
 
+def _batch(value: Any) -> np.ndarray:
+    arr = _ndarray(value)
+    if arr.ndim and arr.shape[0] > MAX_BATCH:
+        raise ValueError(f"a query carries at most {MAX_BATCH} samples, not {arr.shape[0]}")
+    return arr
+
+
+BatchArray = Annotated[np.ndarray, PlainValidator(_batch)]
+"""A query's samples: an array of at most :data:`MAX_BATCH` on its first axis. The
+bytes of an array bound its shape only when it has elements: one with a zero-length
+axis travels in a few bytes whatever its other axes say, and an agent allocates the
+inputs a query leaves out (a manifest's ``fill``) for as many samples as it declares."""
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", arbitrary_types_allowed=True, populate_by_name=True

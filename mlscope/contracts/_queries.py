@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from mlscope.contracts._base import Ident, NDArray, QueryIndex, TraceLevel, _Message
+from mlscope.contracts._base import (
+    BatchArray,
+    Ident,
+    NDArray,
+    QueryIndex,
+    TraceLevel,
+    _Message,
+)
 
 
 class Query(_Message):
@@ -16,7 +23,7 @@ class Query(_Message):
     several (``<evaluation_id>-<k>``, :attr:`PrepareOp.runs`): the agent keeps the
     query's spans under the id named here."""
     index: QueryIndex
-    inputs: NDArray
+    inputs: BatchArray
     trace_level: int = int(TraceLevel.MODEL)
     raw: bool = False
     """Also return the model's raw first output (accuracy and divergence runs only)."""
