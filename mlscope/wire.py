@@ -135,7 +135,7 @@ def decode_query(data: bytes) -> QueryView:
         evaluation_id=ev,
         index=index,
         inputs=inputs,
-        trace_level=_int(raw.get("trace_level", _DEFAULT_LEVEL), "trace_level"),
+        trace_level=_level(raw.get("trace_level", _DEFAULT_LEVEL)),
         raw=_bool(raw.get("raw", False), "raw"),
         labels=_bool(raw.get("labels", False), "labels"),
         more_inputs=tuple(more),
@@ -247,6 +247,15 @@ def _int(value: Any, field: str) -> int:
     if isinstance(value, float) and value.is_integer():
         return int(value)
     raise WireError(f"invalid Query: {field} must be an integer")
+
+
+def _level(value: Any) -> int:
+    level = _int(value, "trace_level")
+    if not TraceLevel.NONE <= level <= TraceLevel.FULL:
+        raise WireError(
+            f"invalid Query: trace_level must be {TraceLevel.NONE} .. {TraceLevel.FULL}"
+        )
+    return level
 
 
 def _bool(value: Any, field: str) -> bool:

@@ -83,6 +83,8 @@ BAD: list[tuple[Any, str]] = [
     ({"evaluation_id": "e", "index": 0}, "inputs"),
     ({"evaluation_id": "e", "index": 0, "inputs": X, "raw": [True]}, "raw"),
     ({"evaluation_id": "e", "index": 0, "inputs": X, "trace_level": [1]}, "trace_level"),
+    ({"evaluation_id": "e", "index": 0, "inputs": X, "trace_level": -1}, "trace_level"),
+    ({"evaluation_id": "e", "index": 0, "inputs": X, "trace_level": 2**64 - 1}, "trace_level"),
     ({"evaluation_id": "e", "index": 0, "inputs": X, "more_inputs": 5}, "more_inputs"),
     ({"evaluation_id": "e", "index": 0, "inputs": X, "more_inputs": [1]}, "more_inputs"),
     ({"evaluation_id": "e", "index": 0, "inputs": X, "kind": "reply"}, "kind"),

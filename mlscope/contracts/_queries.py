@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from pydantic import Field
+
 from mlscope.contracts._base import (
     BatchArray,
     Ident,
@@ -24,7 +26,7 @@ class Query(_Message):
     query's spans under the id named here."""
     index: QueryIndex
     inputs: BatchArray
-    trace_level: int = int(TraceLevel.MODEL)
+    trace_level: int = Field(default=int(TraceLevel.MODEL), ge=TraceLevel.NONE, le=TraceLevel.FULL)
     raw: bool = False
     """Also return the model's raw first output (accuracy and divergence runs only)."""
     labels: bool = False
