@@ -56,7 +56,9 @@ class ScenarioFile(Strict):
     concurrency: int | None = Field(default=None, ge=1, le=MAX_CONCURRENCY)
     """concurrency: requests kept in flight (closed loop); multi-stream: streams."""
     seed: int = 0
-    latency_bound_ms: float | None = Field(default=None, gt=0)
+    latency_bound_ms: float | None = Field(
+        default=None, gt=0, le=_spec_bound("latency_bound_ms", "le")
+    )
     schedule_file: str | None = None
     """replay: a recorded trace, relative to the scenario file."""
     segments: tuple[tuple[float, float, float], ...] | None = None

@@ -59,6 +59,10 @@ def test_a_long_value_is_a_bounded_token_and_distinct_ones_stay_distinct() -> No
         (ScenarioSpec, {"batch_sizes": list(range(1, 1000))}),
         (ScenarioSpec, {"loadgens": 100_000}),
         (ScenarioSpec, {"max_outstanding": 10**12}),
+        # the verdict holds a bound in whole ns: an infinite one failed the job once run
+        (ScenarioSpec, {"latency_bound_ms": float("inf")}),
+        (ScenarioSpec, {"latency_bound_ms": float("nan")}),
+        (ScenarioSpec, {"max_issue_lag_us": float("inf")}),
         (MLPerfSpec, {"scenario": "Server", "target_qps": 1e12}),
         (MLPerfSpec, {"scenario": "Offline", "window": 10**9}),
     ],

@@ -76,8 +76,9 @@ class ScenarioSpec(BaseModel):
     warmup_queries: int = Field(default=0, ge=0)
     concurrency: int = Field(default=1, ge=1, le=MAX_CONCURRENCY)
     """Closed loops: queries kept in flight."""
-    latency_bound_ms: float | None = Field(default=None, gt=0)
-    """Bound on the p99 latency (online, peak): a run over it is INVALID."""
+    latency_bound_ms: float | None = Field(default=None, gt=0, le=MAX_DURATION_S * 1e3)
+    """Bound on the p99 latency (online, peak): a run over it is INVALID. At most the
+    longest run: the verdict holds it in whole nanoseconds (an infinite one cannot be)."""
     batch_sizes: tuple[Annotated[int, Field(ge=1, le=MAX_BATCH)], ...] | None = Field(
         default=None, min_length=1, max_length=64
     )
@@ -158,7 +159,7 @@ class ScenarioSpec(BaseModel):
 
     peak_trials: int = Field(default=10, ge=2, le=100)
     """peak: most runs the search makes."""
-    max_issue_lag_us: float | None = Field(default=None, gt=0)
+    max_issue_lag_us: float | None = Field(default=None, gt=0, le=MAX_DURATION_S * 1e6)
     """Validity: p99 issue lag tolerated (default: the server's policy, 500 µs)."""
     repetitions: int = Field(default=5, ge=1, le=1000)
     """cold-start: how many times the model is unloaded, loaded and run again."""
