@@ -23,6 +23,8 @@ from mlscope.contracts import (
     MLPerfSpec,
     PrepareOp,
     RunOp,
+    SamplesLoadOp,
+    SamplesUnloadOp,
     ScenarioSpec,
 )
 from mlscope.errors import ConfigError
@@ -65,6 +67,9 @@ def test_a_long_value_is_a_bounded_token_and_distinct_ones_stay_distinct() -> No
         (ScenarioSpec, {"max_issue_lag_us": float("inf")}),
         (MLPerfSpec, {"scenario": "Server", "target_qps": 1e12}),
         (MLPerfSpec, {"scenario": "Offline", "window": 10**9}),
+        # an agent indexes its data set with int64: a larger index failed as a service error
+        (SamplesLoadOp, {"evaluation_id": "e", "indices": [2**64 - 1]}),
+        (SamplesUnloadOp, {"evaluation_id": "e", "indices": [2**63]}),
     ],
 )
 def test_what_no_run_could_hold_is_refused_by_the_contract(

@@ -106,7 +106,8 @@ class RunOp(_Message):
         return value
 
 
-SampleIndex = Annotated[int, Field(strict=True, ge=0)]
+SampleIndex = Annotated[int, Field(strict=True, ge=0, lt=2**63)]
+"""A data-set index: the agent reads its samples with int64 indices."""
 
 
 class SamplesLoadOp(_Message):
