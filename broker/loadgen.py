@@ -41,7 +41,7 @@ import numpy as np
 
 from broker.closedloop import Streams
 from broker.lgclock import now
-from mlscope import wire
+from mlscope import samples, wire
 from mlscope.bus import Bus
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import BusError, EvaluationError, MLScopeError
@@ -152,10 +152,9 @@ class Driver:
             rec.predict_end[i] = end - off
             rec.agent_replied[i] = replied - off
             rec.ok[i] = 1
-            out = reply.outputs
-            if isinstance(out, np.ndarray) and out.size and out.ndim >= 1:
-                top1 = out.reshape(out.shape[0], -1)[:, 0]
-                rec.prediction[i] = int(top1[0])
+            top1 = samples.top1(reply.outputs)
+            if top1 is not None:
+                rec.prediction[i] = top1[0]
                 if self.labels is not None:
                     rec.correct[i] = int(np.count_nonzero(top1 == self.labels(reply.index)))
         self._complete(rec, i, t)

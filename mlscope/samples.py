@@ -218,10 +218,17 @@ def scored(feed: Feeders, manifest: Any) -> Feeders:
 
 
 def top1(outputs: Any) -> np.ndarray | None:
-    """Each sample's predicted class: the first value of its post-processed output
-    (argmax or the first of top-k), as the load generator scores it; None when the
+    """Each sample's predicted class (int32): the first value of its post-processed
+    output (argmax or the first of top-k), as the load generator scores it, -1 where
+    that value can be no class index (not a number, infinite, past int32: a model's
+    outputs are whatever it computes, and an agent's are untrusted); None when the
     outputs have no per-sample values."""
-    if isinstance(outputs, np.ndarray) and outputs.size and outputs.ndim >= 1:
-        first: np.ndarray = outputs.reshape(outputs.shape[0], -1)[:, 0]
-        return first
-    return None
+    if not (isinstance(outputs, np.ndarray) and outputs.size and outputs.ndim >= 1):
+        return None
+    first = outputs.reshape(outputs.shape[0], -1)[:, 0]
+    out = np.full(len(first), -1, np.int32)
+    if first.dtype.kind in "biuf":
+        x = first.astype(np.float64)
+        fits = np.isfinite(x) & (x > -(2.0**31) - 1) & (x < 2.0**31)
+        out[fits] = x[fits].astype(np.int32)  # toward zero, as int() takes a float
+    return out

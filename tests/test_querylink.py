@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -468,13 +468,19 @@ def test_a_link_speaks_tls_when_the_bus_does(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- a served run
 
 
-def _noop_driver(bus: busmod.Bus, agent_id: str, evaluation_id: str, n_s: float) -> Driver:
+def _noop_driver(
+    bus: busmod.Bus,
+    agent_id: str,
+    evaluation_id: str,
+    n_s: float,
+    inputs: Callable[[int], np.ndarray] = lambda g: np.zeros((1, 4), np.float32),
+) -> Driver:
     return Driver(
         bus,
         evaluation_id=evaluation_id,
         subject=names.agent_query(agent_id),
         spec=ScenarioSpec(name="online", qps=300, duration_s=n_s),
-        inputs=lambda g: np.zeros((1, 4), np.float32),
+        inputs=inputs,
         labels=None,
         trace_level=TraceLevel.NONE,
         schedule=poisson(300, duration_s=n_s, seed=5),
@@ -525,6 +531,34 @@ def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -
     assert rec.ok.all() and not rec.errors and rec.done == rec.n
     assert (rec.completed > rec.issued).all() and (rec.issued >= rec.scheduled).all()
     assert (rec.predict_end >= rec.predict_start).all()
+
+
+def test_a_served_run_takes_answers_whose_outputs_are_no_class_index(noop_stack: Stack) -> None:
+    """The noop model answers with its inputs: a first output value that is no class
+    index (too large for one, not a number, infinite) is no prediction, and the query
+    is answered like any other (it used to stay marked answered but never completed,
+    its latency then counted from a completion time of 0)."""
+    firsts = np.array([1e10, np.nan, np.inf, -1e10, 2.0**31, 7.0], np.float32)
+
+    def inputs(g: int) -> np.ndarray:
+        x = np.zeros((1, 4), np.float32)
+        x[0, 0] = firsts[g % len(firsts)]
+        return x
+
+    async def go() -> Any:
+        async with busmod.connect(noop_stack.settings, name="test outputs") as bus:
+            agent_id = await prepared_noop(bus, "ev-outputs")
+            driver = _noop_driver(bus, agent_id, "ev-outputs", 0.5, inputs)
+            rec = await driver.run()
+            release = codec.encode_model(ReleaseOp(evaluation_id="ev-outputs"))
+            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            return rec
+
+    rec = anyio.run(go, backend="asyncio")
+    assert rec.n > len(firsts) and rec.done == rec.n and rec.ok.all(), rec.errors
+    assert (rec.completed > rec.issued).all()
+    want = np.where(np.arange(rec.n) % len(firsts) == len(firsts) - 1, 7, -1)
+    assert rec.prediction.tolist() == want.tolist()
 
 
 @pytest.mark.integration  # a 5 s run through a nats-server killed and restarted
