@@ -166,9 +166,14 @@ def _collect(
             errors[q] = r if isinstance(r, str) else "reply without raw outputs"
             continue
         idx = np.arange(s, min(s + batch, n))
+        first = (raws[0].shape[1], answers[0].shape[1]) if raws else None
+        rows = _rows(r.raw_outputs, r.outputs, len(idx), first)
+        if isinstance(rows, str):  # this query's samples fail, not the pass
+            errors[q] = rows
+            continue
         keep.append(idx)
-        raws.append(r.raw_outputs.reshape(len(idx), -1).astype(np.float32))
-        answers.append(r.outputs.reshape(len(idx), -1))
+        raws.append(rows[0])
+        answers.append(rows[1])
     if not keep:
         raise EvaluationError(
             f"the data-set pass got no output ({len(errors)} queries "
@@ -183,6 +188,23 @@ def _collect(
         kind=kind,
         errors=errors,
     )
+
+
+def _rows(
+    raw: np.ndarray, outputs: np.ndarray, samples: int, widths: tuple[int, int] | None
+) -> tuple[np.ndarray, np.ndarray] | str:
+    """One reply's raw outputs (float32) and answers, a row per sample; or why they are
+    not that: numbers, as many rows as samples, as wide as the first reply's
+    (``widths``: the rows of every reply are joined into one table)."""
+    if raw.dtype.kind not in "biuf" or outputs.dtype.kind not in "biuf":
+        return f"reply's outputs are not numbers ({raw.dtype}, {outputs.dtype})"
+    if raw.size % samples or outputs.size % samples or not raw.size or not outputs.size:
+        return f"reply's outputs are not one row per sample of its {samples}"
+    rows = raw.reshape(samples, -1).astype(np.float32), outputs.reshape(samples, -1)
+    got = (rows[0].shape[1], rows[1].shape[1])
+    if widths is not None and got != widths:
+        return f"reply's rows are {got} wide (raw, post-processed), the first reply's {widths}"
+    return rows
 
 
 def metrics(run: DatasetRun, metric: str) -> dict[str, float]:

@@ -162,6 +162,38 @@ def test_a_data_set_pass_reads_any_answer_without_failing() -> None:
             _reply_of(junk)
 
 
+@pytest.mark.parametrize(
+    ("raw", "outputs", "why"),
+    [
+        (np.zeros(5, np.float32), np.zeros((2, 1), np.int64), "one row per sample"),
+        (np.zeros((2, 0, 3), np.float32), np.zeros((2, 1), np.int64), "one row per sample"),
+        (np.zeros((2, 4), np.float32), np.zeros((2, 1), np.int64), "wide"),
+        (np.zeros((2, 3), np.float32), np.zeros((2, 2), np.int64), "wide"),
+        (np.zeros((2, 3), np.float32), np.array([["a"], ["b"]]), "not numbers"),
+    ],
+)
+def test_a_reply_whose_outputs_are_not_a_row_per_sample_fails_only_its_samples(
+    raw: np.ndarray, outputs: np.ndarray, why: str
+) -> None:
+    """The rows of every reply are joined into one table: one reply of another shape
+    used to fail the whole pass (and its job) when they were joined."""
+    from broker.accuracy import _collect
+    from mlscope.contracts import QueryReply
+
+    def reply(q: int, raw: np.ndarray, outputs: np.ndarray) -> QueryReply:
+        return QueryReply(index=q, ok=True, raw_outputs=raw, outputs=outputs)
+
+    good = (np.ones((2, 3), np.float32), np.zeros((2, 1), np.int64))
+    replies: dict[int, QueryReply | str] = {
+        0: reply(0, *good),
+        1: reply(1, raw, outputs),
+        2: reply(2, *good),
+    }
+    run = _collect(replies, [0, 2, 4], 6, np.arange(6) % 3, "logits", 2)
+    assert run.indices.tolist() == [0, 1, 4, 5] and run.raw.shape == (4, 3)
+    assert list(run.errors) == [1] and why in run.errors[1]
+
+
 def test_efficientnet_lite0_accuracy_and_divergence_on_four_frameworks(four: Settings) -> None:
     summaries = evaluate(four, "efficientnet_lite0")
     for s in summaries:
