@@ -20,6 +20,7 @@ from mlscope.contracts import (
     JobRequest,
     LoadgenLoadOp,
     LoadgenStartOp,
+    MLPerfFetchOp,
     MLPerfSpec,
     PrepareOp,
     RunOp,
@@ -70,6 +71,12 @@ def test_a_long_value_is_a_bounded_token_and_distinct_ones_stay_distinct() -> No
         # an agent indexes its data set with int64: a larger index failed as a service error
         (SamplesLoadOp, {"evaluation_id": "e", "indices": [2**64 - 1]}),
         (SamplesUnloadOp, {"evaluation_id": "e", "indices": [2**63]}),
+        (
+            PrepareOp,
+            {"evaluation_id": "e", "model": "m", "model_version": "1", "batch_size": 2**40},
+        ),
+        (PrepareOp, {"evaluation_id": "e", "model": "m", "model_version": "1", "max_batch": 2**40}),
+        (MLPerfFetchOp, {"evaluation_id": "e", "name": "log", "offset": 2**64 - 1}),
     ],
 )
 def test_what_no_run_could_hold_is_refused_by_the_contract(

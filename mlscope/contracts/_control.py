@@ -12,6 +12,7 @@ from pydantic import (
 )
 
 from mlscope.contracts._base import (
+    MAX_BATCH,
     MAX_ID_CHARS,
     MAX_RUNS,
     MAX_SAMPLE_INDICES,
@@ -46,8 +47,10 @@ class PrepareOp(_Message):
     evaluation_id: Ident
     model: str
     model_version: str
-    batch_size: int = Field(default=1, ge=1)
-    max_batch: int | None = Field(default=None, ge=1)
+    batch_size: int = Field(default=1, ge=1, le=MAX_BATCH)
+    """Samples per query (a runtime that allocates its buffers once, such as XRT's,
+    sizes them by it)."""
+    max_batch: int | None = Field(default=None, ge=1, le=MAX_BATCH)
     trace_level: str = "model"
     reload: bool = False
     runs: int = Field(default=1, ge=1, le=MAX_RUNS)
@@ -144,6 +147,13 @@ class MLPerfRunOp(_Message):
     conf_model: str = Field(max_length=256)
 
 
+MAX_MLPERF_FILE_BYTES = 2 << 30
+"""Largest file an agent's MLPerf run may leave. The server holds each file in memory
+while it parses and stores it; the trace log is the large one, at ~270 bytes a sample
+(Offline) to ~780 a query (Server): 2 GiB is ~8 M Offline samples or ~2.7 M Server
+queries."""
+
+
 class MLPerfFetchOp(_Message):
     """Part of a file an agent's MLPerf run left (named in its :class:`MLPerfDone`):
     at most ``max_bytes`` from ``offset``, answered with :class:`MLPerfFile`."""
@@ -151,7 +161,9 @@ class MLPerfFetchOp(_Message):
     op: Literal["mlperf_fetch"] = "mlperf_fetch"
     evaluation_id: Ident
     name: str = Field(max_length=256)
-    offset: int = Field(default=0, ge=0)
+    offset: int = Field(default=0, ge=0, le=MAX_MLPERF_FILE_BYTES)
+    """Where to read from: within the largest file a run keeps (a seek past what a file
+    offset holds failed the agent's handler)."""
     max_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     """The requester's max payload (nats-server's limit is 64 MiB at most)."""
 
@@ -311,11 +323,6 @@ MLPERF_FILE_NAMES = frozenset(
 """The files an agent's MLPerf run may leave for the server: LoadGen's four logs
 (``broker.mlperf_logs.LOG_FILES``) and what its system under test saw
 (``mlscope.mlperf.TIMING``)."""
-MAX_MLPERF_FILE_BYTES = 2 << 30
-"""Largest file an agent's MLPerf run may leave. The server holds each file in memory
-while it parses and stores it; the trace log is the large one, at ~270 bytes a sample
-(Offline) to ~780 a query (Server): 2 GiB is ~8 M Offline samples or ~2.7 M Server
-queries."""
 MAX_MLPERF_FILES_BYTES = 3 << 30
 """Most bytes all the files of one agent's MLPerf run may take together."""
 
