@@ -26,6 +26,7 @@ boundary's callback cannot raise, so that task (and the ordering) survives every
 from __future__ import annotations
 
 import contextlib
+import email.header
 import json
 import logging
 import re
@@ -338,6 +339,26 @@ def delivered(msg: Msg) -> int:
         return 1
 
 
+def _text(headers: dict[str, Any], name: str) -> str:
+    """A dead letter's header as text. Anyone who may publish on the dead-letter
+    subjects writes these headers, and nats-py parses them as e-mail headers: a value
+    that is not ASCII comes back as an ``email.header.Header``, not a str."""
+    value = headers.get(name) or ""
+    if isinstance(value, str):
+        return value
+    parts = email.header.decode_header(value)  # the header's bytes, as they were sent
+    return "".join(
+        p.decode("utf-8", "replace") if isinstance(p, bytes) else str(p) for p, _ in parts
+    )
+
+
+def _count(text: str) -> int:
+    """A count a header carries; 0 when it carries none (one that is not a number must
+    not hide every other dead letter from ``mlscope doctor``)."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else 0
+
+
 async def _quietly(aw: Awaitable[Any]) -> None:
     with contextlib.suppress(TimeoutError, nats.errors.Error, OSError):
         await aw
@@ -393,10 +414,10 @@ async def dead_letters(bus: Bus, *, limit: int = 50) -> tuple[int, list[DeadLett
         out.append(
             DeadLetter(
                 seq=seq,
-                subject=h.get("Mlscope-Subject", raw.subject or ""),
-                error=h.get("Mlscope-Error", ""),
-                service=h.get("Mlscope-Service", ""),
-                delivered=int(h.get("Mlscope-Delivered", "0") or 0),
+                subject=_text(h, "Mlscope-Subject") or raw.subject or "",
+                error=_text(h, "Mlscope-Error"),
+                service=_text(h, "Mlscope-Service"),
+                delivered=_count(_text(h, "Mlscope-Delivered")),
                 size=len(raw.data or b""),
             )
         )

@@ -135,6 +135,28 @@ def test_a_message_that_keeps_failing_is_dead_lettered(settings: Settings) -> No
     anyio.run(main, backend="asyncio")
 
 
+def test_dead_letters_are_listed_whatever_their_headers(settings: Settings) -> None:
+    """Whoever may publish on the dead-letter subjects writes their headers: a count
+    that is no number is listed as 0, beside the letters the services wrote; a header
+    that is not ASCII (a service's own error quoting a hostile id) is read back as the
+    text it was, not as the e-mail header object nats-py parses it into, which
+    ``mlscope doctor --json`` could not print."""
+
+    async def main() -> None:
+        async with provisioned(settings, name="test") as bus:
+            subject = names.dead_letter(names.JOBS_STREAM)
+            for delivered in ("many", "-1", "\u0663", "9" * 40, ""):
+                await bus.js.publish(subject, b"x", headers={"Mlscope-Delivered": delivered})
+            wide = {"Mlscope-Error": "d\u00e9j\u00e0", "Mlscope-Service": "\u670d\u52a1"}
+            await bus.js.publish(subject, b"x", headers={**wide, "Mlscope-Delivered": "4"})
+            kept, dead = await dead_letters(bus)
+            assert kept == 6 and [d.delivered for d in dead] == [0, 0, 0, 0, 0, 4]
+            assert (dead[-1].error, dead[-1].service) == ("d\u00e9j\u00e0", "\u670d\u52a1")
+            json.dumps([vars(d) for d in dead])  # what ``mlscope doctor --json`` prints
+
+    anyio.run(main, backend="asyncio")
+
+
 def test_a_failing_loop_is_started_again(settings: Settings) -> None:
     runs = 0
 
