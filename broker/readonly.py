@@ -110,11 +110,16 @@ DENIED_FUNCTIONS = frozenset(
         "prometheusquery",
         "ytsaurus",
         "arrowflight",
+        "python",
+        "arrowstream",
     }
 )
 """Functions and table functions that read or write outside the evaluation tables
-(host files, the network, other servers, programs). ``readonly`` already refuses the
-table functions among them; the ``file()`` scalar function it does not."""
+(host files, the network, other servers, programs, chDB's host process). ``readonly``
+already refuses the table functions among them; the ``file()`` scalar function it does
+not, and chDB's ``python()`` and ``arrowstream()`` look their argument up in the
+server's own process (its Python variables, its registered Arrow streams) before
+``readonly`` refuses them: what they answer tells whether a name exists there."""
 
 _LIMIT_CODES = (
     "TIMEOUT_EXCEEDED",

@@ -48,6 +48,7 @@ def _attacks(out: Path, auth: Path, url: str) -> dict[str, str]:
         "read the server's seed": f"SELECT file('{auth}/server.creds')",
         "quoted file function": f"SELECT `file`('{auth}/server.creds')",
         "fetch a url": f"SELECT * FROM url('{url}/x', 'LineAsString')",
+        "look up the server's variables": "SELECT * FROM python('sys')",
         "second statement": "SELECT 1; DROP TABLE evaluations",
         "lift readonly": "SELECT 1 SETTINGS readonly = 0",
         "drop": "DROP TABLE evaluations",
