@@ -196,13 +196,17 @@ class Boundary:
         if not msg.reply:
             return
         try:
-            data = (
-                result
-                if isinstance(result, bytes)
-                else codec.encode_model(result)
-                if isinstance(result, BaseModel)
-                else codec.encode(result)
-            )
+            try:
+                data = (
+                    result
+                    if isinstance(result, bytes)
+                    else codec.encode_model(result)
+                    if isinstance(result, BaseModel)
+                    else codec.encode(result)
+                )
+            except MLScopeError as exc:  # one it cannot encode: the requester hears why
+                err = self.failed(exc, msg.subject, what="reply to")
+                data = codec.encode_model(ErrorReply(error=err.to_wire()))
             limit = int(getattr(self.bus.nc, "max_payload", 0) or 0)
             if limit and len(data) > limit:  # the requester hears why, not a timeout
                 err = self.failed(

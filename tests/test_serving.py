@@ -105,6 +105,29 @@ def test_a_reply_too_large_for_the_bus_is_a_typed_error_not_silence(
     anyio.run(main, backend="asyncio")
 
 
+def test_a_result_that_cannot_be_encoded_is_a_typed_error_not_silence(
+    settings: Settings,
+) -> None:
+    """A handler's result msgpack cannot carry (an int past 64 bits: a client's SQL
+    selecting an Int128 once was one) is answered with the encoding's WireError."""
+
+    async def main() -> None:
+        async with provisioned(settings, name="test") as bus:
+
+            async def handler(req: ControlOp, msg: Msg) -> dict[str, Any]:
+                return {"rows": [[2**70]]}
+
+            boundary = Boundary(bus, service="test")
+            await boundary.subscribe("t.wide", CONTROL, handler)
+            with anyio.fail_after(5):
+                reply = await bus.nc.request("t.wide", codec.encode({"op": "ping"}), timeout=5)
+            err = error_from_wire(codec.decode(reply.data)["error"])
+            assert isinstance(err, WireError) and "cannot encode" in err.message
+            assert boundary.failures == {"wire": 1}
+
+    anyio.run(main, backend="asyncio")
+
+
 def test_a_message_that_keeps_failing_is_dead_lettered(settings: Settings) -> None:
     async def main() -> None:
         async with provisioned(settings, name="test") as bus:
