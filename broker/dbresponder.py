@@ -156,10 +156,14 @@ class DatabaseResponder:
 
 
 def _plain(v: Any) -> Any:
+    """A cell as a value a reply carries; what msgpack cannot (an Int128 or UInt256
+    past 64 bits, a Decimal, a UUID) as its text."""
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and math.isnan(v):
         return None
+    if isinstance(v, int) and not -(2**63) <= v < 2**64:
+        return str(v)
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
     return str(v)

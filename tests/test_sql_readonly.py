@@ -90,6 +90,22 @@ def test_writes_files_and_urls_are_refused(secured: tuple[Settings, Settings, Pa
     assert list(out.iterdir()) == []
 
 
+def test_integers_past_64_bits_are_answered_as_text(
+    secured: tuple[Settings, Settings, Path, Path],
+) -> None:
+    """A reply carries 64-bit integers; wider ones (Int128, UInt256) come as their text
+    (a Decimal's way), where the reply once could not be encoded and never came."""
+    reader = secured[0]
+    sql = "SELECT toUInt128('1000000000000000000000') AS u, toInt256('-5') AS s, 7 AS n"
+
+    async def main() -> Any:
+        async with busmod.connect(reader, name="reader") as bus:
+            return await remote.sql(bus, sql, timeout=10)
+
+    columns, rows = anyio.run(main, backend="asyncio")
+    assert columns == ["u", "s", "n"] and rows == [["1000000000000000000000", -5, 7]]
+
+
 def test_arrow_pages_keep_every_rule(secured: tuple[Settings, Settings, Path, Path]) -> None:
     """Bulk reads as Arrow pages go through the same checks and limits: every attack
     refused alike (a result too large to hold by its bytes), no page over the max
