@@ -3,6 +3,8 @@ the per-query labels a real run stores follow it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,7 @@ from mlscope.samples import (
     feeders,
     sample_indices,
     stream,
+    top1,
 )
 
 
@@ -126,3 +129,31 @@ def test_synthetic_rows_of_a_large_input_are_fewer_and_the_same_stream() -> None
     assert peak <= samples.FILL_MAX_BYTES * 1.6  # the draw and its float32 copy
     head = samples.stream(3, samples.FILL_STREAM).standard_normal((2, 3_000_000))
     np.testing.assert_array_equal(big[:2], head.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    ("values", "dtype", "want"),
+    [
+        ([7, -3, 0], np.int32, [7, -3, 0]),
+        ([300, 7, 0], np.uint16, [300, 7, 0]),
+        ([True, False, True], np.bool_, [1, 0, 1]),
+        ([2**63 - 1, -(2**31), 5], np.int64, [-1, -(2**31), 5]),
+        ([2**64 - 1, 2**31 - 1, 5], np.uint64, [-1, 2**31 - 1, 5]),
+        ([1e10, np.nan, np.inf, -np.inf, 7.9, -3.0], np.float32, [-1, -1, -1, -1, 7, -3]),
+        ([np.nan, 65504.0, 7.0], np.float16, [-1, 65504, 7]),
+        ([1 + 2j, 3, 4], np.complex64, [-1, -1, -1]),
+        ([b"7", b"8", b"9"], "S1", [-1, -1, -1]),
+    ],
+)
+def test_a_predicted_class_is_an_int32_index_or_minus_one(
+    values: list[object], dtype: Any, want: list[int]
+) -> None:
+    """Whatever a model's first output holds: a whole column and each row on its own
+    (the served load generator scores one reply at a time) say the same."""
+    outputs = np.array(values, dtype=dtype)[:, None]
+    got = top1(outputs)
+    assert got is not None and got.dtype == np.int32 and got.tolist() == want
+    for row, expect in zip(outputs, want, strict=True):
+        one = top1(row[None])
+        assert one is not None and one.dtype == np.int32 and one.tolist() == [expect]
+    assert top1(np.zeros((0, 3), np.float32)) is None and top1(np.float32(3)) is None
