@@ -216,6 +216,15 @@ class Agent:
                     tg.start_soon(
                         keep, "heartbeat", functools.partial(self.registration.heartbeat, bus)
                     )
+                    log.info(
+                        "agent %s ready: %s %s on %s, %d model(s) served, %d refused",
+                        self.agent_id,
+                        self.config.framework,
+                        self.framework_info.version,
+                        self.config.device,
+                        len(self.models.offers),
+                        len(self.models.refused),
+                    )
                     task_status.started()
             finally:
                 with anyio.CancelScope(shield=True):

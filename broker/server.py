@@ -151,6 +151,7 @@ class Server(JobEvaluation):
                     tg.start_soon(
                         keep, "job consumer", functools.partial(self._take_jobs, jobs, tg)
                     )
+                    log.info("server %s ready: taking jobs", self.server_id)
                     task_status.started()
                 for sub in subs:
                     await sub.unsubscribe()
@@ -265,7 +266,7 @@ class Server(JobEvaluation):
                 await self._forget_attempt(evaluation_id_for(job.job_id))
             summary = await self._evaluate_cancellable(job, subject)
         except Exception as exc:  # every failure ends the job with its reason
-            err = self.boundary.failed(exc, subject)
+            err = self.boundary.failed(exc, job.job_id, what="job")  # "job ID refused: why"
             await self._emit(
                 subject,
                 JobEvent(

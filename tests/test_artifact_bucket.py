@@ -18,6 +18,7 @@ import anyio
 import pytest
 from pydantic import ValidationError
 
+import mlscope
 from mlscope import artifact_bucket, names, objects
 from mlscope import bus as busmod
 from mlscope.buildlock import LOCK_NAME, BuildLock
@@ -180,7 +181,7 @@ async def put_hostile(settings: Settings, hostile: str) -> None:
     "hostile", ["a lock naming an artifact no file makes", "a file whose chunks never come"]
 )
 def test_an_agent_starts_and_serves_beside_a_hostile_build(
-    bucket: tuple[Settings, Path], hostile: str
+    bucket: tuple[Settings, Path], hostile: str, tmp_path: Path
 ) -> None:
     """A published manifest whose build is hostile: the agent starts, registers and
     refuses that model; it neither stops nor waits on that model for ever."""
@@ -211,10 +212,13 @@ def test_an_agent_starts_and_serves_beside_a_hostile_build(
             return await list_agents(bus)
 
     anyio.run(publish)
-    agent = subprocess.Popen(
-        [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "a1"],
-        env=child_env(settings),
-    )
+    log = tmp_path / "agent.log"
+    with log.open("wb") as out:
+        agent = subprocess.Popen(
+            [python(), "-m", "cli.main", "agent", "--framework", "noop", "--agent-id", "a1"],
+            env=child_env(settings),
+            stderr=out,
+        )
     try:
         deadline = time.monotonic() + 60
         agents: list[Any] = []
@@ -224,9 +228,13 @@ def test_an_agent_starts_and_serves_beside_a_hostile_build(
         assert agent.poll() is None and [a.agent_id for a in agents] == ["a1"]
         refused = {r.name: r.message for r in agents[0].refused}
         assert "evil" in refused and "noop" in {m.name for m in agents[0].models}
+        served = len(agents[0].models)
     finally:
         agent.terminate()
         agent.wait(20)
+    # An operator's terminal says when it is ready and what it serves.
+    ready = f"agent a1 ready: noop {mlscope.__version__} on cpu, {served} model(s) served, "
+    assert ready in log.read_text(), log.read_text()[-2000:]
 
 
 LINK = {"options": {"link": {"bucket": names.ARTIFACTS_BUCKET, "name": "donor"}}}

@@ -279,9 +279,10 @@ def test_issued_part_keeps_what_was_sent() -> None:
     assert issued_part(RunRecord(n=5, batch_size=1)).n == 0
 
 
-def test_a_cancel_outlives_the_server_that_heard_it(settings: Settings) -> None:
+def test_a_cancel_outlives_the_server_that_heard_it(settings: Settings, tmp_path: Path) -> None:
     """A job cancelled before any server took it is stored as cancelled, unrun, by a
-    server started after the request (the first one, which heard it, is gone)."""
+    server started after the request (the first one, which heard it, is gone). The
+    server says on its terminal when it takes jobs."""
     job = JobRequest(
         model="noop",
         framework="noop",
@@ -297,7 +298,11 @@ def test_a_cancel_outlives_the_server_that_heard_it(settings: Settings) -> None:
         assert reply is None  # nobody runs it: heard, remembered, unanswered
         first.terminate()
         first.wait(20)
-        later = subprocess.Popen([python(), "-m", "cli.main", "server"], env=child_env(settings))
+        log = tmp_path / "server.log"
+        with log.open("wb") as out:
+            later = subprocess.Popen(
+                [python(), "-m", "cli.main", "server"], env=child_env(settings), stderr=out
+            )
         try:
             anyio.run(wait_server, settings)
             summary = anyio.run(lambda: submit(settings, job, timeout=60), backend="asyncio")
@@ -306,6 +311,7 @@ def test_a_cancel_outlives_the_server_that_heard_it(settings: Settings) -> None:
             later.wait(20)
     assert summary.status == "cancelled" and not summary.valid
     assert summary.queries == 0 and "not wanted" in summary.invalid_reasons[0]
+    assert re.search(r"server \S+ ready: taking jobs", log.read_text()), log.read_text()[-2000:]
 
 
 def test_remembered_cancels_are_bounded_and_forget_the_oldest(tmp_path: Path) -> None:
