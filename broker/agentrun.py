@@ -46,7 +46,7 @@ from typing import Any, Literal
 import anyio
 import numpy as np
 
-from mlscope import codec, names, wire
+from mlscope import codec, names, samples, wire
 from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
@@ -62,7 +62,6 @@ from mlscope.contracts import (
 from mlscope.errors import BusError, EvaluationError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.registry import list_agents
-from mlscope.samples import QueryRows
 
 __all__ = ["IDLE_S", "Absence", "drive", "gone"]
 
@@ -75,7 +74,7 @@ CANCEL_ROWS_WAIT_S = 5.0
 """How long a cancelled run waits for the agent's final rows."""
 END_SLACK_S = 60.0
 """Beyond the run's duration and drain, how long a live but silent agent is awaited."""
-Labels = QueryRows | None
+Labels = samples.QueryRows | None
 AGENT_TIMES = ("agent_received", "predict_start", "predict_end", "agent_replied")
 """An answered query's agent times, in the order they happen."""
 
@@ -234,7 +233,8 @@ class _Collector:
         if top1 is not None and count:
             top1 = top1.reshape(count, -1)
             ok = rec.ok[a:b].astype(bool)
-            rec.prediction[a:b] = np.where(ok, top1[:, 0], -1)
+            pred = samples.top1(top1)  # a class index or -1, never a value wrapped into int32
+            rec.prediction[a:b] = np.where(ok, pred, -1) if pred is not None else -1
             if self.labels is not None:
                 want = self.labels.span(a, b)
                 k = min(want.shape[1], top1.shape[1])

@@ -98,6 +98,16 @@ def test_rows_that_are_not_columns_of_numbers_are_a_typed_error(change, problem)
     assert got.answered() == 0 and got.messages == 0
 
 
+def test_a_top1_that_is_no_class_index_is_no_prediction() -> None:
+    """An agent's top-1 column of int64 past int32 is no class (-1), not the value
+    wrapped into int32 (2**40 read as class 0)."""
+    got = collector()
+    cols = good_columns(3)
+    cols["top1"] = np.array([[2**40], [7], [-(2**40)]], np.int64)
+    got.add(rows(cols))
+    assert got.rec.prediction[:3].tolist() == [-1, 7, -1]
+
+
 def test_rows_past_the_most_queries_a_run_holds_are_refused_before_any_memory() -> None:
     """A start near the bound with a few rows would make the record grow to it (GBs)."""
     got = collector()
