@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import numpy as np
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -155,15 +156,30 @@ class DatabaseResponder:
         return EvaluationReply(spec=rows[0][0], summary=rows[0][1])
 
 
-def _plain(v: Any) -> Any:
-    """A cell as a value a reply carries; what msgpack cannot (an Int128 or UInt256
-    past 64 bits, a Decimal, a UUID) as its text."""
-    if hasattr(v, "item"):
+_MAX_CELL_DEPTH = 16
+"""Deepest nesting of arrays, tuples and maps a cell is answered as; deeper, its text."""
+
+
+def _plain(v: Any, depth: int = 0) -> Any:
+    """A cell as a value a reply carries: an array or tuple as a list, a map as a map,
+    each of their values the same way; what msgpack cannot carry (an Int128 or UInt256
+    past 64 bits, a Decimal, a UUID, a date) as its text."""
+    if isinstance(v, np.ndarray):  # an array column's cell
+        v = v.tolist()
+    elif hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and math.isnan(v):
         return None
     if isinstance(v, int) and not -(2**63) <= v < 2**64:
         return str(v)
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if depth < _MAX_CELL_DEPTH:
+        if isinstance(v, list | tuple):
+            return [_plain(x, depth + 1) for x in v]
+        if isinstance(v, dict):
+            return {str(k): _plain(x, depth + 1) for k, x in v.items()}
+    return str(v)
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
     return str(v)

@@ -106,6 +106,27 @@ def test_integers_past_64_bits_are_answered_as_text(
     assert columns == ["u", "s", "n"] and rows == [["1000000000000000000000", -5, 7]]
 
 
+def test_arrays_maps_and_tuples_are_answered_as_lists_and_maps(
+    secured: tuple[Settings, Settings, Path, Path],
+) -> None:
+    """A cell of an array, tuple or map comes as the list or map it is, its values
+    plain numbers and text (they once came as the text of numpy's repr of each)."""
+    reader = secured[0]
+    sql = (
+        "SELECT [toUInt8(1), 2] AS a, [[1.5], [2.5, nan]] AS nested, "
+        "map('k', toInt64(3)) AS m, tuple(1, 'x') AS t, "
+        "[toUInt128('10000000000000000000000')] AS w"
+    )
+
+    async def main() -> Any:
+        async with busmod.connect(reader, name="reader") as bus:
+            return await remote.sql(bus, sql, timeout=10)
+
+    columns, rows = anyio.run(main, backend="asyncio")
+    assert columns == ["a", "nested", "m", "t", "w"]
+    assert rows == [[[1, 2], [[1.5], [2.5, None]], {"k": 3}, [1, "x"], ["10000000000000000000000"]]]
+
+
 def test_arrow_pages_keep_every_rule(secured: tuple[Settings, Settings, Path, Path]) -> None:
     """Bulk reads as Arrow pages go through the same checks and limits: every attack
     refused alike (a result too large to hold by its bytes), no page over the max
