@@ -7,7 +7,8 @@ which also covers the artifacts' checksums: a changed manifest is refused, not
 silently used), the framework's exact version and, unless ``--any-system``, the host
 the original agent ran on. The new evaluation stores its own full specification; the
 command then says what differs from the original's (host, agent, versions and commit
-of the agent, its runtime options and settings, the model's artifact).
+of the agent, its runtime options and settings, the model's artifact), or that nothing
+does.
 """
 
 from __future__ import annotations
@@ -252,6 +253,12 @@ async def rerun(
         print(f"differs from {evaluation_id}:", file=sys.stderr)
         for line in diff:
             print(f"  {line}", file=sys.stderr)
+    else:  # said, so that silence is never read as "not compared"
+        print(
+            f"nothing differs from {evaluation_id} (host, agent, versions, commit, "
+            "settings, artifact)",
+            file=sys.stderr,
+        )
     return summary
 
 

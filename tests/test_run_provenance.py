@@ -134,7 +134,9 @@ def test_the_specification_holds_the_agents_settings_and_own_versions(
     assert json.dumps(spec)  # stored as JSON
 
 
-def test_rerun_pins_the_original_host_and_says_what_differs(noop_agent: Settings) -> None:
+def test_rerun_pins_the_original_host_and_says_what_differs(
+    noop_agent: Settings, capsys: pytest.CaptureFixture[str]
+) -> None:
     first = _run(noop_agent)
     spec = _stored(noop_agent, first.evaluation_id)
     job = rerun_job(spec, first.evaluation_id)
@@ -146,6 +148,8 @@ def test_rerun_pins_the_original_host_and_says_what_differs(noop_agent: Settings
     assert after["job"]["system"]["host"] == spec["agent"]["host"]
     assert after["job"]["rerun_of"] == first.evaluation_id
     assert differences(spec, after) == []  # same agent, same settings, same bytes
+    said = capsys.readouterr().err
+    assert f"nothing differs from {first.evaluation_id} (host, agent," in said, said
 
     moved = {
         **after,
