@@ -146,7 +146,9 @@ def run_add_agent(args: argparse.Namespace) -> int:
     creds = add_agent(args.out, args.name, frameworks=args.framework)
     print(f"wrote {creds}  (replies under {agent_inbox_prefix(args.name)}.)")
     _reload(args)
-    print(f"run: MLSCOPE_NATS_CREDS={creds} mlscope agent --agent-id {args.name} --framework F")
+    # One agent runs one framework: the one it was confined to, else the user's choice.
+    fw = args.framework[0] if len(args.framework) == 1 else "F"
+    print(f"run: MLSCOPE_NATS_CREDS={creds} mlscope agent --agent-id {args.name} --framework {fw}")
     return 0
 
 

@@ -105,6 +105,21 @@ def test_add_agent_does_not_write_a_seed_through_a_symlink(tmp_path: Path) -> No
     assert _mode(out / "agent-a1.creds") == 0o600
 
 
+def test_add_agent_says_how_to_run_the_agent_it_issued(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "auth"
+    assert _init(out) == 0
+    argv = ["auth", "add-agent", "a1", "--out", str(out)]
+    capsys.readouterr()
+    assert mlscope_main([*argv, "--framework", "onnxruntime"]) == 0
+    creds = out / "agent-a1.creds"
+    run = f"run: MLSCOPE_NATS_CREDS={creds} mlscope agent --agent-id a1 --framework"
+    assert f"{run} onnxruntime\n" in capsys.readouterr().out  # the one it may serve
+    assert mlscope_main([*argv, "--framework", "noop", "--framework", "tflite"]) == 0
+    assert f"{run} F\n" in capsys.readouterr().out  # one of those: the user's choice
+
+
 def test_edge_init_keeps_the_copied_edge_seed_private(tmp_path: Path, umask_022: None) -> None:
     auth_dir, edge = tmp_path / "auth", tmp_path / "edge"
     assert _init(auth_dir) == 0
