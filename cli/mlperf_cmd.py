@@ -239,9 +239,16 @@ def import_job(
             field="directory",
         )
     tree_model, tree_system = _tree_names(run_dir)
+    named = model or tree_model
+    if named is None:  # a directory's own name is no model's
+        raise ConfigError(
+            f"{run_dir} is not in an MLPerf results tree (<system>/<model>/<Scenario>/...): "
+            "name its model with --model",
+            field="model",
+        )
     with flags_contract():
         return JobRequest(
-            model=model or tree_model or run_dir.name,
+            model=named,
             framework=framework,
             trace_level="none",
             mlperf_import=MLPerfImport(

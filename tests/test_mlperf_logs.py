@@ -137,6 +137,28 @@ def test_an_import_sizes_the_logs_before_it_reads_them(tmp_path: Path) -> None:
         import_job(tmp_path, model="m", framework="mlperf", system=None)
 
 
+def test_an_import_outside_a_results_tree_needs_its_model_named(tmp_path: Path) -> None:
+    """The model of a directory that is no ``<system>/<model>/<Scenario>/...`` tree is
+    not guessed from its name (``mlscope mlperf --output results/server`` then
+    ``import`` stored a model called "server"); in a tree it is the tree's."""
+    run = tmp_path / "results" / "server"
+    run.mkdir(parents=True)
+    (run / logs.SUMMARY).write_text("Scenario : Server\n")
+    (run / logs.DETAIL).write_text(_detail(**{"result_99.00_percentile_latency_ns": 5}))
+    with pytest.raises(ConfigError, match="name its model with --model"):
+        import_job(run, model=None, framework="mlperf", system=None)
+    assert (
+        import_job(run, model="digits_cnn", framework="mlperf", system=None).model == "digits_cnn"
+    )
+    tree = tmp_path / "box" / "digits_cnn" / "Server" / "performance" / "run_1"
+    tree.mkdir(parents=True)
+    for f in (logs.SUMMARY, logs.DETAIL):
+        (tree / f).write_text((run / f).read_text())
+    job = import_job(tree, model=None, framework="mlperf", system=None)
+    assert job.model == "digits_cnn" and job.mlperf_import is not None
+    assert job.mlperf_import.system == "box"
+
+
 def test_checker_counts_each_sample_once() -> None:
     one, two = np.int64(1).tobytes(), np.int64(2).tobytes()
     entries = [(0, one), (1, one), (0, two), (2, b"")]
