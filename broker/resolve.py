@@ -126,8 +126,8 @@ def _nothing_serves(
     system: SystemRequirement | None,
 ) -> ResolutionError:
     """Why no live agent serves ``job``: what it wants, each agent's refusal of the model
-    and the command that mends it, the system requirements each agent misses, and
-    every live agent with its models."""
+    and the command that mends it, the system requirements each agent of its framework
+    misses, and every live agent with its models."""
     m = entry.manifest
     live = "; ".join(_describe(a) for a in agents) or "none"
     want = (
@@ -145,7 +145,11 @@ def _nothing_serves(
     why = "".join(f"; agent {aid} refuses it: {r.message}" for aid, r in refusals)
     fixes = sorted({r.fix for _, r in refusals if r.fix})
     fix = f"; to fix it, run {' and '.join(f'`{f}`' for f in fixes)}" if fixes else ""
-    missed = {a.agent_id: sysmatch.misses(system, a, framework=job.framework) for a in agents}
+    missed = {  # the agents of the job's framework: another's misses are no reason
+        a.agent_id: sysmatch.misses(system, a, framework=job.framework)
+        for a in agents
+        if any(f.name == job.framework for f in a.frameworks)
+    }
     if system is not None:
         want += f" on a system with {sysmatch.describe(system)}"
         why += "".join(f"; agent {aid} misses {', '.join(v)}" for aid, v in missed.items() if v)

@@ -217,6 +217,26 @@ def test_a_requirement_no_agent_meets_is_refused_with_each_agents_reasons(
     assert set(misses) == {"wide", "narrow"}
 
 
+def test_only_the_agents_of_the_jobs_framework_are_named_for_what_they_miss() -> None:
+    """An agent of another framework could not run the job whatever its system: its
+    misses would only bury the reasons that matter (it is still listed as live)."""
+    from broker.resolve import resolve
+    from mlscope.catalog import Catalog, default_manifest_dirs
+    from mlscope.contracts import FrameworkInfo
+    from tests.conftest import agent_description
+
+    noop = agent_description("small-noop", cpu_cores=1)
+    ort = agent_description(
+        "small-ort", cpu_cores=1, frameworks=(FrameworkInfo(name="onnxruntime", version="1"),)
+    )
+    with pytest.raises(ResolutionError) as caught:
+        resolve(_job(min_cores=64), [noop, ort], Catalog.load(default_manifest_dirs()))
+    text = str(caught.value)
+    assert "agent small-noop misses " in text and "small-ort misses" not in text, text
+    assert set(caught.value.fields["system_misses"]) == {"small-noop"}
+    assert "live agents: " in text and "small-ort" in text.split("live agents: ")[1]
+
+
 def test_a_cgroup_memory_limit_is_read_from_either_cgroup_version(tmp_path: Path) -> None:
     v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
     assert sysinfo.cgroup_memory_limit((v2, v1)) is None  # neither file: no cgroup
