@@ -153,3 +153,27 @@ def test_a_run_whose_answers_no_run_could_hold_is_refused(
         assert (await ask({"op": "ping"}))["kind"] == "pong"
 
     run_agent(settings, agent, body)
+
+
+def test_a_query_larger_than_the_agents_sample_memory_is_refused(
+    settings: Settings, zoo_dir: Path
+) -> None:
+    """A local run gathers each query's batch of inputs: a batch over the agent's sample
+    memory (a large model at a large batch size: tens of GB for one query) is refused
+    before anything is allocated, naming the flag and the largest batch that fits; a
+    batch that fits runs."""
+    agent = _agent(settings, sample_memory_bytes=150_000)  # digits_cnn: 256 bytes a sample
+
+    async def body(bus: busmod.Bus, ask: Ask) -> None:
+        assert (await ask(_prepare("ev-1")))["ok"]
+        big = {"name": "batched", "duration_s": 0.5, "batch_size": 1024}
+        refused = await ask(_run("ev-1", **big))
+        assert refused["kind"] == "error", str(refused)[:300]
+        said = str(error_from_wire(refused["error"]))
+        assert "batch size 1024 holds 262,144 bytes" in said and "--sample-memory" in said
+        assert "the largest batch size that fits is 585" in said, said
+        assert agent.sample_memory.used == 0 and not agent.runs.running
+        fits = await ask(_run("ev-1", **{**big, "batch_size": 512}))
+        assert fits.get("kind") == "run_started", str(fits)[:300]
+
+    run_agent(settings, agent, body)
