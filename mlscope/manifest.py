@@ -175,7 +175,24 @@ class InputSpec(Strict):
                 f"batch_axis {self.batch_axis} is past the {len(self.shape)} "
                 f"axes of shape {list(self.shape)}"
             )
+        if self.fill is not None and not _holds(np.dtype(self.element_type), self.fill):
+            raise ValueError(f"fill {self.fill!r} is no {self.element_type} value")
         return self
+
+
+def _holds(dtype: np.dtype[Any], value: float) -> bool:
+    """Whether ``value`` is one of ``dtype``'s values as it is (not a NaN or an
+    infinity, a fraction or a number out of range of an integer type, cast to garbage)."""
+    if not math.isfinite(value):
+        return False
+    if dtype.kind == "f":
+        return abs(value) <= float(np.finfo(dtype).max)
+    if value != int(value):
+        return False
+    if dtype.kind == "b":
+        return value in (0, 1)
+    info = np.iinfo(dtype)
+    return int(info.min) <= int(value) <= int(info.max)
 
 
 class OutputSpec(Strict):

@@ -220,6 +220,39 @@ def test_an_input_shape_is_bounded(shape: list[int], text: str) -> None:
     assert err.value.field == "inputs.0.shape"
 
 
+@pytest.mark.parametrize(
+    ("element_type", "fill"),
+    [
+        ("int64", float("nan")),
+        ("int32", 1e300),
+        ("int32", 2.5),
+        ("uint8", -1.0),
+        ("uint8", 256.0),
+        ("bool", 2.0),
+        ("float32", float("inf")),
+        ("float16", 1e6),
+    ],
+)
+def test_a_fill_is_a_value_of_its_inputs_type(element_type: str, fill: float) -> None:
+    """A filled input's value is cast to its type: one the type cannot hold (NaN for an
+    integer, a number past its range) became garbage with a warning on every query."""
+    second = {"shape": [1], "element_type": element_type, "fill": fill}
+    with pytest.raises(ManifestError, match=f"is no {element_type} value") as err:
+        parse_manifest(_model(inputs=[{"shape": [3]}, second]), file="m.yaml")
+    assert err.value.field == "inputs.1"
+
+
+def test_fills_each_type_holds_parse() -> None:
+    for element_type, fill in (("int64", -(2.0**40)), ("uint8", 255.0), ("bool", 1.0)):
+        second = {"shape": [1], "element_type": element_type, "fill": fill}
+        m = parse_manifest(_model(inputs=[{"shape": [3]}, second]), file="m.yaml")
+        assert isinstance(m, ModelManifest) and m.inputs[1].fill == fill
+    second = {"shape": [1], "element_type": "float32", "fill": 16000.0}
+    assert isinstance(
+        parse_manifest(_model(inputs=[{"shape": [3]}, second]), file="m"), ModelManifest
+    )
+
+
 def test_input_shapes_within_the_bounds_parse() -> None:
     for shape in ([], [1] * MAX_SAMPLE_DIMS, [MAX_SAMPLE_ELEMENTS], [3, 224, 224]):
         m = parse_manifest(_model(inputs=[{"shape": shape}]), file="m.yaml")
