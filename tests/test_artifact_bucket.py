@@ -228,13 +228,17 @@ def test_an_agent_starts_and_serves_beside_a_hostile_build(
         assert agent.poll() is None and [a.agent_id for a in agents] == ["a1"]
         refused = {r.name: r.message for r in agents[0].refused}
         assert "evil" in refused and "noop" in {m.name for m in agents[0].models}
-        served = len(agents[0].models)
+        # An operator's terminal says when it is ready and what it serves (logged
+        # right after the registry entry is written).
+        ready = f"agent a1 ready: noop {mlscope.__version__} on cpu, "
+        ready += f"{len(agents[0].models)} model(s) served, "
+        deadline = time.monotonic() + 10
+        while ready not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready in log.read_text(), log.read_text()[-2000:]
     finally:
         agent.terminate()
         agent.wait(20)
-    # An operator's terminal says when it is ready and what it serves.
-    ready = f"agent a1 ready: noop {mlscope.__version__} on cpu, {served} model(s) served, "
-    assert ready in log.read_text(), log.read_text()[-2000:]
 
 
 LINK = {"options": {"link": {"bucket": names.ARTIFACTS_BUCKET, "name": "donor"}}}
