@@ -142,6 +142,12 @@ def starter_manifest(
         spec["element_type"] = t.element_type
         if dims:  # every input carries the batch on axis 0 (the manifest's default)
             batch = dims.pop(0)
+            if batch is not None and batch < 1:  # no batch holds fewer than one sample
+                raise ConfigError(
+                    f"{path}: input {t.name[:40]!r} has a batch dimension of {batch}; "
+                    "a dimension is at least 1 or dynamic",
+                    field="file",
+                )
             if i == 0 and batch is not None:
                 attributes["fixed_batch_size"] = batch
         if any(d is None for d in dims):

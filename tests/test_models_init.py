@@ -137,6 +137,8 @@ def manifests_in(directory: Path) -> list[str]:
 
 INVALID_MODELS: dict[str, dict[str, Any]] = {
     "dims_below_one": {"dims": [1, -1, 0]},
+    "negative_batch": {"dims": [-5, 3]},
+    "empty_batch": {"dims": [0, 3]},
     "bfloat16": {"dims": [1, 3], "elem": 16},
     "strings": {"dims": [1, 3], "elem": 8},
     "forty_dims": {"dims": [1] * 40},
