@@ -546,3 +546,30 @@ def test_a_huge_query_seq_in_an_imported_trace_is_one_sample(query_seq: int) -> 
     trace = logs.trace_samples(LINE % query_seq)
     rec = mlperf_record.sample_record(trace, None, 0, None)
     assert (rec.n, rec.batch_size) == (1, 1)
+
+
+# --------------------------------------------------------------------------- conf files
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge", "latin1"])
+def test_a_conf_file_that_is_no_small_utf8_file_is_one_line(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO waited forever, /dev/zero filled memory, a Latin-1 byte was a traceback."""
+    import os
+
+    from cli.main import main
+
+    conf = tmp_path / "user.conf"
+    if kind == "fifo":
+        os.mkfifo(conf)
+    elif kind == "huge":
+        conf.write_bytes(b"# " + b"x" * (2 << 20) + b"\n")
+    elif kind == "latin1":
+        conf.write_bytes(b"*.Offline.min_duration = 1\n# caf\xe9\n")
+    path = "/dev/zero" if kind == "device" else str(conf)
+    monkeypatch.setenv("MLSCOPE_NATS_URL", "nats://127.0.0.1:1")
+    flags = ["--framework", "onnxruntime", "--scenario", "Offline", "--output", str(tmp_path / "o")]
+    assert main(["mlperf", "m", *flags, "--user-conf", path]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
