@@ -30,6 +30,7 @@ from pydantic import BaseModel
 
 from mlscope import codec
 from mlscope.auth_files import inbox_prefix_for
+from mlscope.bounded import read_regular
 from mlscope.errors import BusError, BusNotFound, BusRefused, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 
@@ -111,6 +112,10 @@ class Bus:
         return self._kv[bucket]
 
 
+_MAX_CREDS_BYTES = 64 << 10
+"""Largest credentials file read: a JWT ``.creds`` file is a few kilobytes."""
+
+
 def connect_options(settings: Settings) -> dict[str, Any]:
     """nats-py connection options for these settings: servers, credentials, TLS, inboxes.
 
@@ -127,11 +132,12 @@ def connect_options(settings: Settings) -> dict[str, Any]:
     if prefix:
         options["inbox_prefix"] = prefix
     if settings.nats_creds:
-        try:
-            text = settings.nats_creds.read_text()
-        except OSError as exc:
+        try:  # a FIFO would block every service at start-up, /dev/zero fill its memory
+            text = read_regular(settings.nats_creds, _MAX_CREDS_BYTES).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
             raise BusError(
-                f"cannot read NATS credentials {settings.nats_creds}: {exc}",
+                f"cannot read NATS credentials {settings.nats_creds}: {why or exc}",
                 path=str(settings.nats_creds),
             ) from exc
         if "BEGIN NATS USER JWT" in text:

@@ -277,3 +277,39 @@ def test_ordinary_domains_are_taken_as_given(tmp_path: Path) -> None:
     assert _init(tmp_path / "auth", "--edge-domain", "edge_7-b", "--hub-domain", "Hub2") == 0
     roles = json.loads((tmp_path / "auth" / "roles.json").read_text())
     assert (roles["edge_domain"], roles["hub_domain"]) == ("edge_7-b", "Hub2")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory", "latin1"])
+def test_credentials_that_are_no_small_text_file_are_a_bus_error(tmp_path: Path, kind: str) -> None:
+    """A FIFO blocked every service at start-up, /dev/zero filled its memory, a Latin-1
+    byte was a UnicodeDecodeError from deep inside connect."""
+    from mlscope.bus import connect_options
+    from mlscope.errors import BusError
+    from mlscope.settings import Settings
+
+    creds = tmp_path / "x.creds"
+    if kind == "fifo":
+        os.mkfifo(creds)
+    elif kind == "directory":
+        creds.mkdir()
+    elif kind == "latin1":
+        creds.write_bytes(b"SUAcaf\xe9\n")
+    path = Path("/dev/zero") if kind == "device" else creds
+    with pytest.raises(BusError, match="cannot read NATS credentials"):
+        connect_options(Settings(nats_url="nats://127.0.0.1:1", nats_creds=path))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "latin1"])
+def test_an_edge_env_that_is_no_text_file_is_a_config_error(tmp_path: Path, kind: str) -> None:
+    """A FIFO blocked ``mlscope edge up``; a directory or a Latin-1 byte was a traceback."""
+    from cli.edge_cmd import read_env
+
+    env = tmp_path / "edge.env"
+    if kind == "fifo":
+        os.mkfifo(env)
+    elif kind == "directory":
+        env.mkdir()
+    else:
+        env.write_bytes(b"MLSCOPE_EDGE_AGENT_ID=caf\xe9\n")
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_env(tmp_path)
