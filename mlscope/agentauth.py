@@ -57,7 +57,8 @@ from mlscope.auth import (
     _loadgen,
     responses,
 )
-from mlscope.auth_files import read_roles
+from mlscope.auth_files import SEED_MAX_BYTES, read_roles
+from mlscope.bounded import read_regular
 from mlscope.errors import ConfigError
 from mlscope.secrets_io import write_atomic, write_secret
 
@@ -171,7 +172,9 @@ def bound_id(creds: Path, role: Role) -> str | None:
     if not users:
         return None
     try:
-        public = nkeys.from_seed(bytearray(creds.read_bytes().strip())).public_key.decode()
+        public = nkeys.from_seed(
+            bytearray(read_regular(creds, SEED_MAX_BYTES).strip())
+        ).public_key.decode()
     except (OSError, ValueError, nkeys.NkeysError):
         return None
     return next((name for name, u in users.items() if u["public_key"] == public), None)

@@ -31,10 +31,15 @@ from mlscope.auth import (
     permissions,
     token_problem,
 )
+from mlscope.bounded import read_regular
 from mlscope.errors import ConfigError
 from mlscope.secrets_io import write_atomic, write_secret
 
-__all__ = ["AuthFiles", "inbox_prefix_for", "read_roles", "write_auth"]
+__all__ = ["SEED_MAX_BYTES", "AuthFiles", "inbox_prefix_for", "read_roles", "write_auth"]
+
+SEED_MAX_BYTES = 4096
+"""Largest seed file read for its public key: an nkey seed is 58 characters, and a
+FIFO or device named as one is refused rather than waited on or read without end."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,9 @@ def inbox_prefix_for(creds: Path) -> str | None:
     if not roles:
         return None
     try:
-        public = nkeys.from_seed(bytearray(creds.read_bytes().strip())).public_key.decode()
+        public = nkeys.from_seed(
+            bytearray(read_regular(creds, SEED_MAX_BYTES).strip())
+        ).public_key.decode()
     except (OSError, ValueError, nkeys.NkeysError):
         return None
     for role, key in roles.get("public_keys", {}).items():

@@ -313,3 +313,18 @@ def test_an_edge_env_that_is_no_text_file_is_a_config_error(tmp_path: Path, kind
         env.write_bytes(b"MLSCOPE_EDGE_AGENT_ID=caf\xe9\n")
     with pytest.raises(ConfigError, match="cannot read"):
         read_env(tmp_path)
+
+
+@pytest.mark.timeout(10)
+def test_a_fifo_in_place_of_a_seed_is_no_key_not_a_wait(tmp_path: Path) -> None:
+    """Reading a seed for its public key blocked on a FIFO until a writer came."""
+    from mlscope.agentauth import bound_id
+
+    out = tmp_path / "auth"
+    write_auth(out)
+    add_agent(out, "a1")
+    for name in ("agent.creds", "agent-a1.creds"):
+        (out / name).unlink()
+        os.mkfifo(out / name)
+    assert inbox_prefix_for(out / "agent.creds") is None
+    assert bound_id(out / "agent-a1.creds", "agent") is None
