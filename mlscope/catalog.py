@@ -18,6 +18,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
+from mlscope.bounded import read_regular
 from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError, UnknownModelError
 from mlscope.framework_manifest import FrameworkManifest
@@ -25,7 +26,10 @@ from mlscope.manifest import ModelManifest, SystemManifest
 from mlscope.manifest_files import iter_manifest_files, load_manifest
 from mlscope.versions import satisfies
 
-__all__ = ["Catalog", "Entry", "default_manifest_dirs"]
+__all__ = ["LABELS_MAX_BYTES", "Catalog", "Entry", "default_manifest_dirs"]
+
+LABELS_MAX_BYTES = 8 << 20
+"""Largest labels file read: ImageNet-21k's names take well under a megabyte."""
 
 
 def default_manifest_dirs(extra: Path | None = None) -> list[Path]:
@@ -130,12 +134,11 @@ class Entry:
         if name is None:
             return None
         path = safe_join(self.root(zoo_dir), name)
-        try:
-            return path.read_text().splitlines()
-        except OSError as exc:
-            raise ArtifactError(
-                f"cannot read labels {path}: {exc.strerror}", path=str(path)
-            ) from exc
+        try:  # a FIFO would hang the model's load, a device fill the agent's memory
+            return read_regular(path, LABELS_MAX_BYTES).decode("utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ArtifactError(f"cannot read labels {path}: {why}", path=str(path)) from exc
 
 
 class Catalog:

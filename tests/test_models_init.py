@@ -241,3 +241,28 @@ def test_init_says_a_directory_is_no_file(
         err = capsys.readouterr().err
         assert f"{out} is a directory" in err and ".tmp" not in err, err
     assert manifests_in(isolated) == ["out.yaml"] and out.is_dir()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind", ["fifo", "latin1"])
+def test_a_labels_file_that_is_no_text_file_is_an_artifact_error(isolated: Path, kind: str) -> None:
+    """The agent drops labels on an MLScopeError; a Latin-1 byte escaped as a
+    UnicodeDecodeError and a FIFO hung the model's load."""
+    from mlscope.catalog import Entry
+    from mlscope.errors import ArtifactError
+    from mlscope.manifest import ModelManifest
+    from mlscope.manifest_files import load_manifest
+
+    assert init(str(onnx_file(isolated / "m.onnx", [1, 3]))) == 0
+    doc = yaml.safe_load((isolated / "m.onnxruntime.yaml").read_text())
+    doc["outputs"][0]["labels"] = "labels.txt"
+    (isolated / "m.onnxruntime.yaml").write_text(yaml.safe_dump(doc))
+    if kind == "fifo":
+        os.mkfifo(isolated / "labels.txt")
+    elif kind == "latin1":
+        (isolated / "labels.txt").write_bytes(b"caf\xe9\n")
+    manifest = load_manifest(isolated / "m.onnxruntime.yaml")
+    assert isinstance(manifest, ModelManifest)
+    entry = Entry(manifest=manifest, path=isolated / "m")
+    with pytest.raises(ArtifactError, match="cannot read labels"):
+        entry.labels(isolated / "zoo")
