@@ -38,7 +38,7 @@ test: install
 	$(VENV)/bin/mypy $(MYPY_TESTS)
 	$(PY) -m pytest
 
-## The fast part: pure unit tests only (seconds).
+## The fast part: pure unit tests only (under a minute).
 test-fast: install
 	$(PY) -m pytest -m unit -q
 

@@ -3,11 +3,13 @@ a real stack (nats-server + server + agents as processes) per module."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,17 +80,66 @@ PROCESS_MODULES = frozenset(
 """Modules whose tests start processes or runtimes without one of those fixtures."""
 
 
+STARTERS = frozenset(
+    {"NatsServer", "Stack", "subprocess", "chdb", "Database", "built"}
+    | {"onnxruntime", "torch", "tensorflow"}
+)
+"""Names that, when a test, one of its fixtures or a helper of the tests' own they call
+refers to them, mean it starts a process or a server, opens chDB, loads a runtime or
+builds the zoo: found in the code itself, so a new test that starts one is never
+counted ``unit``."""
+
+
+def _code_names(code: types.CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_names(const)
+
+
+def _starts_things(func: Any, seen: set[int]) -> bool:
+    """Whether ``func``, or a function from the tests it names, refers to a starter."""
+    func = inspect.unwrap(func)
+    code = getattr(func, "__code__", None)
+    if code is None or id(code) in seen:
+        return False
+    seen.add(id(code))
+    names = set(_code_names(code))
+    if names & STARTERS:
+        return True
+    scope = getattr(func, "__globals__", {})
+    return any(
+        _starts_things(scope[name], seen)
+        for name in names
+        if name in scope
+        and callable(scope[name])
+        and str(getattr(scope[name], "__module__", "")).startswith("tests.")
+    )
+
+
+def _fixture_funcs(item: pytest.Item) -> Iterator[Any]:
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in getattr(info, "name2fixturedefs", {}).values():
+        for fixturedef in defs:
+            yield fixturedef.func
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test is ``unit`` (pure, seconds for all of them: ``make test-fast``) or
+    """Every test is ``unit`` (pure, under a minute for all of them: ``make test-fast``) or
     ``integration`` (real processes, the zoo, runtimes, and whatever is marked ``slow``:
     a fresh virtualenv's install is no unit test); ``make test`` runs both."""
     for item in items:
+        seen: set[int] = set()
         costly = (
             PROCESS_FIXTURES & set(getattr(item, "fixturenames", ()))
             or item.get_closest_marker("gpu")
             or item.get_closest_marker("slow")
             or item.get_closest_marker("integration")  # said so by the test itself
             or getattr(getattr(item, "module", None), "__name__", "") in PROCESS_MODULES
+            or any(
+                _starts_things(func, seen)
+                for func in (getattr(item, "function", None), *_fixture_funcs(item))
+            )
         )
         item.add_marker(pytest.mark.integration if costly else pytest.mark.unit)
 
