@@ -287,6 +287,7 @@ def test_commands_fail_fast_without_a_bus(tmp_path: Path, argv: list[str]) -> No
     assert "no NATS server at nats://127.0.0.1:9 (is `mlscope up` running?)" in lines[0]
 
 
+@pytest.mark.integration  # a real socket, and it waits out the client's timeout
 def test_connecting_to_no_bus_gives_up_within_3_s(tmp_path: Path) -> None:
     settings = Settings(nats_url="nats://127.0.0.1:9", data_dir=tmp_path)
 

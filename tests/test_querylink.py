@@ -285,6 +285,7 @@ def test_no_server_and_a_server_that_is_not_nats_are_bus_errors(tmp_path: Path) 
         http.wait()
 
 
+@pytest.mark.integration  # a real socket, and it waits out the client's timeout
 @pytest.mark.parametrize(
     "greeting",
     [
