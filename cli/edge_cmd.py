@@ -28,7 +28,7 @@ from mlscope import bus as busmod
 from mlscope import names, provision
 from mlscope.auth import INBOX_PREFIXES
 from mlscope.auth_files import inbox_prefix_for, read_roles
-from mlscope.bounded import MAX_DOCUMENT_BYTES, read_regular
+from mlscope.bounded import MAX_DOCUMENT_BYTES, read_text
 from mlscope.errors import ConfigError
 from mlscope.natsserver import NatsServer, leaf_config
 from mlscope.secrets_io import write_atomic, write_secret
@@ -149,10 +149,9 @@ def read_env(directory: Path) -> dict[str, str]:
     if not path.exists():
         raise ConfigError(f"{path} does not exist: run `mlscope edge init` first")
     try:  # a FIFO would block, a device read without end
-        text = read_regular(path, MAX_DOCUMENT_BYTES).decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"cannot read {path}: {why or exc}", field="edge.env") from exc
+        text = read_text(path, MAX_DOCUMENT_BYTES)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", field="edge.env") from exc
     pairs = (line.split("=", 1) for line in text.splitlines() if "=" in line)
     return {k.strip(): v.strip() for k, v in pairs}
 

@@ -23,7 +23,7 @@ from cli.submit_errors import flags_contract
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.bounded import MAX_DOCUMENT_BYTES, read_regular
+from mlscope.bounded import MAX_DOCUMENT_BYTES, read_text
 from mlscope.contracts import EvaluationSummary, JobRequest, MLPerfImport, MLPerfSpec
 from mlscope.errors import ConfigError
 from mlscope.jobs import submit
@@ -128,16 +128,9 @@ def _read(path: Path | None) -> str | None:
     if path is None:
         return None
     try:
-        raw = read_regular(path, MAX_DOCUMENT_BYTES)
+        return read_text(path, MAX_DOCUMENT_BYTES)
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}", field=str(path)) from exc
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(
-            f"{path}:{line}: byte 0x{raw[exc.start]:02x} is not UTF-8", field=str(path)
-        ) from None
 
 
 async def fetch_logs(bus: busmod.Bus, evaluation_id: str) -> dict[str, str]:

@@ -18,9 +18,11 @@ never a traceback:
   digits than Python converts) are an error on their line, not a ValueError from
   deep inside the constructor.
 
-Every file is read through :func:`read_regular` (or opened by :func:`open_regular`):
-a FIFO, device or directory named as an input is refused at once, where a plain
-``open`` would wait forever for a writer or read without end.
+Every file is read through :func:`read_regular` (text through :func:`read_text`; or
+opened by :func:`open_regular`): a FIFO, device or directory named as an input is
+refused at once, where a plain ``open`` would wait forever for a writer or read
+without end. Each refusal is an ``OSError``, so a reader's own ``except OSError``
+turns any of them into that reader's typed error.
 
 Arrays another process wrote (an ``.npz`` of a load generator's or LoadGen's run) are
 read by their headers first (:func:`npz_headers`): a small compressed file can claim
@@ -53,12 +55,14 @@ __all__ = [
     "MAX_NODES",
     "FileTooLarge",
     "NotRegularFile",
+    "NotUtf8",
     "json_depth",
     "load_json",
     "load_yaml_bounded",
     "npz_headers",
     "open_regular",
     "read_regular",
+    "read_text",
 ]
 
 MAX_DOCUMENT_BYTES = 1 << 20
@@ -92,6 +96,25 @@ class FileTooLarge(OSError):
     def __init__(self, path: Path, size: int, limit: int) -> None:
         super().__init__(errno.EFBIG, f"is {size} bytes, over the {limit}-byte limit", str(path))
         self.size, self.limit = size, limit
+
+
+class NotUtf8(OSError):
+    """A file's bytes are not UTF-8 text; ``line`` and ``column`` (from 1) locate the
+    first bad byte."""
+
+    def __init__(self, path: Path, raw: bytes, exc: UnicodeDecodeError) -> None:
+        self.line, self.column = _position(raw, exc.start)
+        super().__init__(
+            errno.EILSEQ,
+            f"byte 0x{raw[exc.start]:02x} on line {self.line}, column {self.column} is not UTF-8",
+            str(path),
+        )
+
+
+def _position(raw: bytes, offset: int) -> tuple[int, int]:
+    """The line and column (from 1) of byte ``offset`` of ``raw``."""
+    before = raw[:offset]
+    return before.count(b"\n") + 1, offset - (before.rfind(b"\n") + 1) + 1
 
 
 def _file_kind(mode: int) -> str:
@@ -133,6 +156,16 @@ def read_regular(path: Path, limit: int) -> bytes:
     if len(raw) > limit:
         raise FileTooLarge(path, len(raw), limit)
     return raw
+
+
+def read_text(path: Path, limit: int) -> str:
+    """The regular file ``path`` as UTF-8 text, at most ``limit`` bytes of it: refused as
+    :func:`read_regular` refuses, and with :class:`NotUtf8` naming the first bad byte."""
+    raw = read_regular(path, limit)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise NotUtf8(path, raw, exc) from None
 
 
 class _BoundedComposer(Composer):  # type: ignore[misc]
@@ -278,9 +311,7 @@ def decode_utf8(raw: bytes, *, file: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        before = raw[: exc.start]
-        line = before.count(b"\n") + 1
-        column = exc.start - (before.rfind(b"\n") + 1) + 1
+        line, column = _position(raw, exc.start)
         raise ManifestError(
             f"column {column}: byte 0x{raw[exc.start]:02x} is not UTF-8 (byte offset {exc.start})",
             file=file,

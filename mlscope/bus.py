@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from mlscope import codec
 from mlscope.auth_files import inbox_prefix_for
-from mlscope.bounded import read_regular
+from mlscope.bounded import read_text
 from mlscope.errors import BusError, BusNotFound, BusRefused, MLScopeError, error_from_wire
 from mlscope.settings import Settings
 
@@ -133,11 +133,10 @@ def connect_options(settings: Settings) -> dict[str, Any]:
         options["inbox_prefix"] = prefix
     if settings.nats_creds:
         try:  # a FIFO would block every service at start-up, /dev/zero fill its memory
-            text = read_regular(settings.nats_creds, _MAX_CREDS_BYTES).decode("utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            text = read_text(settings.nats_creds, _MAX_CREDS_BYTES)
+        except OSError as exc:
             raise BusError(
-                f"cannot read NATS credentials {settings.nats_creds}: {why or exc}",
+                f"cannot read NATS credentials {settings.nats_creds}: {exc.strerror or exc}",
                 path=str(settings.nats_creds),
             ) from exc
         if "BEGIN NATS USER JWT" in text:

@@ -18,7 +18,7 @@ from pathlib import Path
 from packaging.version import Version
 
 from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
-from mlscope.bounded import read_regular
+from mlscope.bounded import read_text
 from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError, UnknownModelError
 from mlscope.framework_manifest import FrameworkManifest
@@ -135,10 +135,11 @@ class Entry:
             return None
         path = safe_join(self.root(zoo_dir), name)
         try:  # a FIFO would hang the model's load, a device fill the agent's memory
-            return read_regular(path, LABELS_MAX_BYTES).decode("utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-            raise ArtifactError(f"cannot read labels {path}: {why}", path=str(path)) from exc
+            return read_text(path, LABELS_MAX_BYTES).splitlines()
+        except OSError as exc:
+            raise ArtifactError(
+                f"cannot read labels {path}: {exc.strerror or exc}", path=str(path)
+            ) from exc
 
 
 class Catalog:

@@ -573,3 +573,5 @@ def test_a_conf_file_that_is_no_small_utf8_file_is_one_line(
     assert main(["mlperf", "m", *flags, "--user-conf", path]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
+    if kind == "latin1":
+        assert "byte 0xe9 on line 2, column 6 is not UTF-8" in err, err
