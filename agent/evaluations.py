@@ -251,6 +251,7 @@ class Evaluations:
             options=self.models.options(req.spec.batch_size),
             executor={
                 "capacity": executor.capacity,
+                "inflight_bytes": executor.inflight_bytes,
                 "pre_workers": executor.pre_workers,
                 "max_wait_us": executor.max_wait_us,
             },
@@ -300,6 +301,7 @@ class Evaluations:
                 "max_batch": worker.max_batch,
                 "batch_wait_us": models.executor.max_wait_us,
                 "queue_capacity": models.executor.capacity,
+                "inflight_bytes": models.executor.inflight_bytes,
                 "pre_workers": models.executor.pre_workers,
             },
             mlscope_version=mlscope.__version__,

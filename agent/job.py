@@ -104,6 +104,8 @@ class Slot:
     job: Job
     seq: int
     samples: int
+    nbytes: int
+    """Bytes of the query's inputs, counted against the executor's ``inflight_bytes``."""
     state: int = PENDING
     latch: threading.Lock | None = None
     x: Any = None

@@ -7,9 +7,10 @@
        └──► work stream ──► pre-processing pool ──(latch)──┘  post, emit
                                (K threads)
 
-* **Admission / backpressure.** At most ``capacity`` queries are admitted and not yet
-  answered; :meth:`Executor.submit` returns False beyond that and the agent answers
-  "overloaded" at the edge. Nothing else queues, so no stream is unbounded.
+* **Admission / backpressure.** At most ``capacity`` queries, holding at most
+  ``inflight_bytes`` of inputs, are admitted and not yet answered; :meth:`Executor.submit`
+  returns False beyond either and the agent answers "overloaded" at the edge. Nothing
+  else queues, so no stream is unbounded, in queries or in memory.
 * **Pre-processing overlaps inference.** Each admitted query is offered to a pool of
   ``pre_workers`` threads, which pre-process it while the predict thread runs earlier
   batches (the runtimes release the GIL while they compute). A query that the predict
@@ -81,6 +82,12 @@ _INLINE_SEQ = -2
 class ExecutorConfig:
     capacity: int = 256
     """Queries admitted and not yet answered; beyond it :meth:`Executor.submit` refuses."""
+    inflight_bytes: int = 1 << 30
+    """Bytes of inputs the queries admitted and not yet answered may hold together;
+    a query past it is refused as one past ``capacity`` is (an idle executor admits any
+    query: each was bounded on its own where it was made). An overloaded open loop of
+    large queries would otherwise hold ``capacity`` of them: 256 batches of 64 images
+    of 224 × 224 × 3 floats are 9.9 GB."""
     pre_workers: int = 2
     """Threads that pre-process queries while earlier batches are predicted."""
     max_batch: int = 1
@@ -117,6 +124,7 @@ class Executor:
         self._max_wait_ns = self.config.max_wait_us * 1000
         self._lock = threading.Lock()
         self._inflight = 0
+        self._inflight_bytes = 0
         self._seq = 0
         self._idle_seq = -1  # the seq the predict thread is idly waiting for, else -1
         self._predicting = threading.Lock()
@@ -152,15 +160,20 @@ class Executor:
     # ------------------------------------------------------------------ edge
 
     def submit(self, job: Job) -> bool:
-        """Admit a query; False when ``capacity`` queries are in flight (answer overloaded)."""
+        """Admit a query; False when ``capacity`` queries or ``inflight_bytes`` of inputs
+        are in flight (answer overloaded)."""
+        nbytes = job.inputs.nbytes
         with self._lock:
-            if self._inflight >= self.config.capacity:
+            if self._inflight >= self.config.capacity or (
+                self._inflight and self._inflight_bytes + nbytes > self.config.inflight_bytes
+            ):
                 return False
             self._inflight += 1
+            self._inflight_bytes += nbytes
             seq = self._seq
             self._seq += 1
         samples = int(job.inputs.shape[0]) if job.inputs.ndim else 1
-        slot = Slot(job, seq, samples)
+        slot = Slot(job, seq, samples, nbytes)
         if job.preprocessed:  # nothing to overlap: ready now, no pool thread woken
             self._preprocess(slot)
             slot.state = DONE
@@ -185,8 +198,14 @@ class Executor:
             if self._inflight or not self._predicting.acquire(blocking=False):
                 return False
             self._inflight += 1
+            self._inflight_bytes += job.inputs.nbytes
         try:
-            slot = Slot(job, _INLINE_SEQ, int(job.inputs.shape[0]) if job.inputs.ndim else 1)
+            slot = Slot(
+                job,
+                _INLINE_SEQ,
+                int(job.inputs.shape[0]) if job.inputs.ndim else 1,
+                job.inputs.nbytes,
+            )
             self._preprocess(slot)
             slot.state = DONE
             self._answer([slot])
@@ -392,4 +411,5 @@ class Executor:
         slot.replied = True
         with self._lock:
             self._inflight -= 1
+            self._inflight_bytes -= slot.nbytes
         job.reply(reply)

@@ -78,6 +78,9 @@ class AgentConfig:
     threads: int | None = None
     queue_capacity: int = 256
     """Queries waiting per loaded model before the agent answers 'overloaded'."""
+    inflight_memory_bytes: int = 1 << 30
+    """Bytes of inputs the queries waiting per loaded model may hold before the agent
+    answers 'overloaded' (:attr:`agent.pipeline.ExecutorConfig.inflight_bytes`)."""
     pre_workers: int = 2
     """Pre-processing threads per loaded model (they overlap with inference)."""
     batch_wait_us: int = 500
@@ -141,6 +144,7 @@ class Agent:
             threads=self.config.threads,
             executor=ExecutorConfig(
                 capacity=self.config.queue_capacity,
+                inflight_bytes=self.config.inflight_memory_bytes,
                 pre_workers=self.config.pre_workers,
                 max_wait_us=self.config.batch_wait_us,
             ),

@@ -144,6 +144,14 @@ def _agent_limits(ag: argparse.ArgumentParser) -> None:
         help="memory the samples this agent holds may take: MLPerf runs' sample libraries and "
         "local runs' pre-processed data sets (default 1024 MiB)",
     )
+    ag.add_argument(
+        "--inflight-memory",
+        type=positive_int,
+        default=1024,
+        metavar="MIB",
+        help="memory the inputs of the queries waiting for one model may take; a query past "
+        "it is answered overloaded (default 1024 MiB)",
+    )
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -177,6 +185,7 @@ def run_agent(args: argparse.Namespace) -> int:
         threads=args.threads,
         local_runs=args.local_runs,
         sample_memory_bytes=args.sample_memory << 20,
+        inflight_memory_bytes=args.inflight_memory << 20,
     )
     catalog = Catalog.load(default_manifest_dirs(settings.manifests_dir))
     return _serve(Agent(settings, config, catalog).run)

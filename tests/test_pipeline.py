@@ -105,6 +105,32 @@ def test_backpressure_refuses_beyond_capacity_and_recovers(
     assert ex.inflight == 0
 
 
+def test_backpressure_bounds_the_bytes_of_inputs_in_flight(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """An overloaded run of large queries held ``capacity`` of them, whatever their
+    size; the bytes they hold are bounded too, and an idle executor admits any query."""
+    slow = Slow(model.predictor)
+    model.predictor = slow
+    row = samples[:1].nbytes
+    ex = Executor(model, ExecutorConfig(capacity=100, inflight_bytes=5 * row))
+    replies = Replies()
+    slow.gate.clear()
+    try:
+        admitted = [ex.submit(job(i, samples[2 * i : 2 * i + 2], replies)) for i in range(4)]
+        assert admitted == [True, True, False, False]  # 2 + 2 rows held; 2 more pass 5
+        assert ex.submit(job(4, samples[4:5], replies))  # one row still fits
+        assert not ex.submit(job(5, samples[5:6], replies))
+        slow.gate.set()
+        assert [r.index for r in replies.take(3)] == [0, 1, 4]
+        big = samples[:8]  # alone larger than the bound: admitted into an idle executor
+        assert ex.submit(job(9, big, replies))
+        assert replies.take(1)[0].ok
+    finally:
+        ex.stop()
+    assert ex.inflight == 0
+
+
 def test_preprocessing_overlaps_inference(model: LoadedModel, samples: np.ndarray) -> None:
     pre = model.pre[0]
 
@@ -479,6 +505,40 @@ def test_an_open_loop_in_the_agent_answers_fast_queries_on_the_pacer_thread(
     assert n == 60 and (run.rec.ok == 1).all() and run.rec.done == n
     assert len(seen) == probes + n
     assert all(name.startswith(where) for name in seen[probes:]), set(seen[probes:])
+
+
+def test_an_overloaded_open_loop_in_the_agent_holds_no_more_inputs_than_its_bound(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """A run in the agent gathers each query's batch as the pacer issues it: while the
+    model answers nothing, the queries past the executor's byte bound are refused as
+    overloaded (recorded, the run goes on) instead of piling up to ``capacity``."""
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec
+
+    slow = Slow(model.predictor)
+    model.predictor = slow
+    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 4, 0)
+    spec = ScenarioSpec(
+        name="constant", qps=200, duration_s=0.3, batch_size=4, min_duration_s=0, min_queries=1
+    )
+    bound = 3 * inputs(0).nbytes
+    ex = Executor(model, ExecutorConfig(pre_workers=0, inline_max_us=0, inflight_bytes=bound))
+    run = local_run(ex, spec, inputs)
+    try:
+        run.prepare()
+        slow.gate.clear()  # nothing is answered until the schedule is over
+        opener = threading.Timer(spec.duration_s + 0.3, slow.gate.set)
+        opener.start()
+        run.run()
+        opener.join()
+    finally:
+        ex.stop()
+    rec = run.rec
+    n = len(rec.ok)
+    assert n == 60 and int(rec.ok.sum()) == 3, (n, int(rec.ok.sum()))
+    assert int(rec.refused.sum()) == n - 3
+    assert set(rec.errors.values()) == {"overloaded"}
 
 
 def test_queries_of_a_released_evaluation_still_queued_are_answered_not_run(

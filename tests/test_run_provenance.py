@@ -127,7 +127,14 @@ def test_the_specification_holds_the_agents_settings_and_own_versions(
     spec = _stored(noop_agent, s.evaluation_id)
     settings = spec["agent_settings"]
     assert settings["device"] == "cpu" and settings["max_batch"] == 1
-    assert {"batch_wait_us", "queue_capacity", "pre_workers", "threads", "runtime"} <= set(settings)
+    assert {
+        "batch_wait_us",
+        "queue_capacity",
+        "inflight_bytes",
+        "pre_workers",
+        "threads",
+        "runtime",
+    } <= set(settings)
     assert spec["agent_mlscope_version"] == mlscope.__version__
     # The agent runs from this checkout: its commit is this one's.
     assert spec["agent_git_commit"] == provenance.git_commit()
