@@ -1,0 +1,279 @@
+"""Runs served over the load generator's query link, on a real nats-server: a served
+run survives hostile replies in its inbox and takes answers that are no class index,
+records what a bus outage kept it from sending; a closed loop sends each query on an
+answer and ends when answers stop."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgpack
+import nats
+import numpy as np
+import pytest
+
+from broker import loadgen
+from broker.loadgen import Driver
+from cli.stack import Stack
+from mlscope import bus as busmod
+from mlscope import codec, names, wire
+from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
+from mlscope.errors import EvaluationError
+from mlscope.natsserver import NatsServer, free_port
+from mlscope.schedule import poisson
+from mlscope.settings import Settings
+from mlscope.tuning import ProcessTuning
+from tests.loadgen_fixtures import prepared_noop
+
+pytestmark = pytest.mark.timeout(120)
+
+SUBJECT = "test.served"
+
+
+def _noop_driver(
+    bus: busmod.Bus,
+    agent_id: str,
+    evaluation_id: str,
+    n_s: float,
+    inputs: Callable[[int], np.ndarray] = lambda g: np.zeros((1, 4), np.float32),
+) -> Driver:
+    return Driver(
+        bus,
+        evaluation_id=evaluation_id,
+        subject=names.agent_query(agent_id),
+        spec=ScenarioSpec(name="online", qps=300, duration_s=n_s),
+        inputs=inputs,
+        labels=None,
+        trace_level=TraceLevel.NONE,
+        schedule=poisson(300, duration_s=n_s, seed=5),
+        tuning=ProcessTuning(),
+    )
+
+
+def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -> None:
+    """Wrong types, out-of-range and foreign indices, deep nesting, a huge reply and
+    plain garbage land in the run's inbox beside the agent's answers: each is skipped
+    or ignored, and every real query is answered once, with its own times."""
+    deep: Any = 1
+    for _ in range(200):
+        deep = [deep]
+    hostile = [
+        b"\xc1garbage",
+        codec.encode({"kind": "reply", "index": "seven", "ok": True}),
+        codec.encode({"kind": "reply", "index": 2**64 - 1, "ok": True}),
+        codec.encode({"kind": "reply", "index": -3, "ok": True}),
+        codec.encode({"kind": "error", "error": {"fields": {"index": "x"}}}),
+        codec.encode({"kind": "error", "error": "not a mapping"}),
+        codec.encode({"kind": "reply", "index": 0, "ok": True, "t_received": "late"}),
+        msgpack.packb(deep),
+        codec.encode({"kind": "reply", "index": 1, "ok": True, "pad": b"x" * (900 << 10)}),
+        codec.encode([1, 2, 3]),
+    ]
+
+    async def go() -> Any:
+        async with busmod.connect(noop_stack.settings, name="test hostile") as bus:
+            agent_id = await prepared_noop(bus, "ev-hostile")
+            driver = _noop_driver(bus, agent_id, "ev-hostile", 1.5)
+            async with anyio.create_task_group() as tg:
+
+                async def attack() -> None:
+                    await anyio.sleep(0.3)
+                    for _ in range(5):
+                        for data in hostile:
+                            await bus.nc.publish(driver.inbox, data)
+                        await anyio.sleep(0.1)
+
+                tg.start_soon(attack)
+                rec = await driver.run()
+            release = codec.encode_model(ReleaseOp(evaluation_id="ev-hostile"))
+            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            return rec
+
+    rec = anyio.run(go, backend="asyncio")
+    assert rec.ok.all() and not rec.errors and rec.done == rec.n
+    assert (rec.completed > rec.issued).all() and (rec.issued >= rec.scheduled).all()
+    assert (rec.predict_end >= rec.predict_start).all()
+
+
+def test_a_served_run_takes_answers_whose_outputs_are_no_class_index(noop_stack: Stack) -> None:
+    """The noop model answers with its inputs: a first output value that is no class
+    index (too large for one, not a number, infinite) is no prediction, and the query
+    is answered like any other (it used to stay marked answered but never completed,
+    its latency then counted from a completion time of 0)."""
+    firsts = np.array([1e10, np.nan, np.inf, -1e10, 2.0**31, 7.0], np.float32)
+
+    def inputs(g: int) -> np.ndarray:
+        x = np.zeros((1, 4), np.float32)
+        x[0, 0] = firsts[g % len(firsts)]
+        return x
+
+    async def go() -> Any:
+        async with busmod.connect(noop_stack.settings, name="test outputs") as bus:
+            agent_id = await prepared_noop(bus, "ev-outputs")
+            driver = _noop_driver(bus, agent_id, "ev-outputs", 0.5, inputs)
+            rec = await driver.run()
+            release = codec.encode_model(ReleaseOp(evaluation_id="ev-outputs"))
+            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            return rec
+
+    rec = anyio.run(go, backend="asyncio")
+    assert rec.n > len(firsts) and rec.done == rec.n and rec.ok.all(), rec.errors
+    assert (rec.completed > rec.issued).all()
+    want = np.where(np.arange(rec.n) % len(firsts) == len(firsts) - 1, 7, -1)
+    assert rec.prediction.tolist() == want.tolist()
+
+
+@pytest.mark.integration  # a 5 s run through a nats-server killed and restarted
+def test_a_run_through_a_bus_outage_records_what_it_could_not_send_and_goes_on(
+    tmp_path: Path,
+) -> None:
+    srv = NatsServer(store_dir=tmp_path / "nats", port=free_port()).start()
+    settings = Settings(nats_url=srv.url, data_dir=tmp_path / "data")
+
+    down: list[int] = []  # when the server went down and came back (perf_counter_ns)
+
+    def outage() -> None:
+        down.append(time.perf_counter_ns())
+        srv.kill()
+        time.sleep(0.6)
+        srv.start()
+        down.append(time.perf_counter_ns())
+
+    async def go() -> Any:
+        async with (
+            answering(srv.url, SUBJECT, first=10**6),
+            busmod.connect(settings, name="test outage") as bus,
+        ):
+            driver = Driver(
+                bus,
+                evaluation_id="ev-outage",
+                subject=SUBJECT,
+                spec=ScenarioSpec(name="online", qps=200, duration_s=5),
+                inputs=lambda g: np.zeros((1, 4), np.float32),
+                labels=None,
+                trace_level=TraceLevel.NONE,
+                schedule=poisson(200, duration_s=5, seed=2),
+                tuning=ProcessTuning(),
+            )
+            threading.Timer(0.8, outage).start()
+            return await driver.run()
+
+    try:
+        rec = anyio.run(go, backend="asyncio")
+    finally:
+        srv.stop()
+    # Seconds of the schedule; the outage as it happened on the same clock.
+    second = rec.scheduled / 1e9
+    kill, back = ((t - rec.t0_ns) / 1e9 for t in down)
+    assert back < 3.0, "the outage came too late in the run to test what follows it"
+    assert rec.ok[second < kill - 0.05].all()  # before the outage
+    unsent = [i for i, e in rec.errors.items() if e.startswith("not sent:")]
+    assert unsent and all("unreachable" in rec.errors[i] for i in unsent)
+    assert all(kill - 0.05 <= second[i] <= back + 1.0 for i in unsent)  # while it was down
+    assert all(rec.completed[i] == 0 and rec.issued[i] > 0 for i in unsent)  # lost
+    assert rec.ok[second > back + 1.5].all()  # the link and the agent came back
+    assert rec.not_issued == 0
+
+
+# ---------------------------------------------------------------- a closed loop
+
+
+@asynccontextmanager
+async def answering(url: str, subject: str, first: int) -> AsyncIterator[list[int]]:
+    """An agent on the bus that answers the first ``first`` queries, then goes quiet."""
+    nc = await nats.connect(url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+    seen: list[int] = []
+
+    async def on_query(msg: Any) -> None:
+        query = wire.decode_query(msg.data)
+        seen.append(query.index)
+        if len(seen) <= first:
+            t = time.perf_counter_ns()
+            reply = QueryReply(
+                index=query.index,
+                ok=True,
+                outputs=np.zeros((1, 2), np.float32),
+                t_received=t,
+                t_predict_start=t,
+                t_predict_end=t,
+                t_replied=t,
+            )
+            await msg.respond(wire.encode_reply(reply))
+
+    await nc.subscribe(subject, cb=on_query)
+    await nc.flush()
+    try:
+        yield seen
+    finally:
+        await nc.close()
+
+
+def _closed_driver(bus: busmod.Bus, inputs: Any) -> Driver:
+    return Driver(
+        bus,
+        evaluation_id="ev-closed",
+        subject=SUBJECT,
+        spec=ScenarioSpec(name="concurrency", concurrency=3, duration_s=30),
+        inputs=inputs,
+        labels=None,
+        trace_level=TraceLevel.NONE,
+        tuning=ProcessTuning(),
+    )
+
+
+def test_a_closed_loop_sends_each_query_on_an_answer_and_ends_when_answers_stop(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(loadgen, "DRAIN_TIMEOUT_S", 0.5)
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+
+    async def go() -> tuple[Any, list[int]]:
+        async with (
+            answering(nats_server.url, SUBJECT, first=12) as seen,
+            busmod.connect(settings, name="test closed loop") as bus,
+        ):
+            rec = await _closed_driver(bus, lambda g: np.zeros((1, 4), np.float32)).run()
+            return rec, seen
+
+    started = time.monotonic()
+    rec, seen = anyio.run(go, backend="asyncio")
+    assert time.monotonic() - started < 10  # ended by the stall, not by its 30 s
+    assert seen == list(range(15)) and rec.n == 15  # 3 in flight + one per answer
+    assert rec.ok[:12].all() and not rec.ok[12:].any() and (rec.completed[12:] == 0).all()
+    # Three in flight at most: query i + 3 left only once query i was answered.
+    assert (rec.issued[3:] >= rec.completed[:12]).all()
+    assert (rec.completed[:12] > rec.issued[:12]).all()
+    assert (rec.scheduled == rec.issued).all()
+
+
+def test_a_closed_loop_whose_inputs_fail_fails_with_their_error(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+
+    def inputs(g: int) -> np.ndarray:
+        if g == 7:  # sent from the reader thread, on the answer to query 4
+            raise EvaluationError("sample 7 cannot be read")
+        return np.zeros((1, 4), np.float32)
+
+    async def go() -> None:
+        async with (
+            answering(nats_server.url, SUBJECT, first=100),
+            busmod.connect(settings, name="test closed loop") as bus,
+        ):
+            await _closed_driver(bus, inputs).run()
+
+    started = time.monotonic()
+    with pytest.raises(BaseException) as caught:  # in the Driver's task group
+        anyio.run(go, backend="asyncio")
+    assert time.monotonic() - started < loadgen.DRAIN_TIMEOUT_S
+    exc = caught.value
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    assert isinstance(exc, EvaluationError) and "sample 7" in str(exc), exc
