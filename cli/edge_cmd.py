@@ -28,9 +28,10 @@ from mlscope import bus as busmod
 from mlscope import names, provision
 from mlscope.auth import INBOX_PREFIXES
 from mlscope.auth_files import inbox_prefix_for, read_roles
-from mlscope.bounded import MAX_DOCUMENT_BYTES, read_text
+from mlscope.bounded import MAX_DOCUMENT_BYTES
 from mlscope.errors import ConfigError
 from mlscope.natsserver import NatsServer, leaf_config
+from mlscope.regular_files import read_text
 from mlscope.secrets_io import write_atomic, write_secret
 from mlscope.settings import Settings
 

@@ -23,10 +23,11 @@ from cli.submit_errors import flags_contract
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
-from mlscope.bounded import MAX_DOCUMENT_BYTES, read_text
+from mlscope.bounded import MAX_DOCUMENT_BYTES
 from mlscope.contracts import EvaluationSummary, JobRequest, MLPerfImport, MLPerfSpec
 from mlscope.errors import ConfigError
 from mlscope.jobs import submit
+from mlscope.regular_files import read_text
 from mlscope.settings import Settings
 
 __all__ = ["fetch_logs", "find_results", "import_job", "register"]

@@ -58,8 +58,8 @@ from mlscope.auth import (
     responses,
 )
 from mlscope.auth_files import SEED_MAX_BYTES, read_roles
-from mlscope.bounded import read_regular
 from mlscope.errors import ConfigError
+from mlscope.regular_files import read_regular
 from mlscope.secrets_io import write_atomic, write_secret
 
 __all__ = [

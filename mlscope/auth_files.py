@@ -31,8 +31,8 @@ from mlscope.auth import (
     permissions,
     token_problem,
 )
-from mlscope.bounded import read_regular
 from mlscope.errors import ConfigError
+from mlscope.regular_files import read_regular
 from mlscope.secrets_io import write_atomic, write_secret
 
 __all__ = ["SEED_MAX_BYTES", "AuthFiles", "inbox_prefix_for", "read_roles", "write_auth"]

@@ -18,11 +18,8 @@ never a traceback:
   digits than Python converts) are an error on their line, not a ValueError from
   deep inside the constructor.
 
-Every file is read through :func:`read_regular` (text through :func:`read_text`; or
-opened by :func:`open_regular`): a FIFO, device or directory named as an input is
-refused at once, where a plain ``open`` would wait forever for a writer or read
-without end. Each refusal is an ``OSError``, so a reader's own ``except OSError``
-turns any of them into that reader's typed error.
+A manifest is read as every file users name is (:mod:`mlscope.regular_files`): a FIFO,
+device or directory is refused at once, a file over the limit by its size.
 
 Arrays another process wrote (an ``.npz`` of a load generator's or LoadGen's run) are
 read by their headers first (:func:`npz_headers`): a small compressed file can claim
@@ -31,13 +28,10 @@ gigabytes, and the caller checks shapes and types before anything is decompresse
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import re
-import stat
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import yaml
@@ -47,22 +41,17 @@ from yaml.events import AliasEvent
 from yaml.resolver import Resolver
 
 from mlscope.errors import ManifestError
+from mlscope.regular_files import FileTooLarge, NotRegularFile, byte_position, read_regular
 
 __all__ = [
     "MAX_ALIASES",
     "MAX_DEPTH",
     "MAX_DOCUMENT_BYTES",
     "MAX_NODES",
-    "FileTooLarge",
-    "NotRegularFile",
-    "NotUtf8",
     "json_depth",
     "load_json",
     "load_yaml_bounded",
     "npz_headers",
-    "open_regular",
-    "read_regular",
-    "read_text",
 ]
 
 MAX_DOCUMENT_BYTES = 1 << 20
@@ -78,94 +67,6 @@ class _Limit(Exception):
     def __init__(self, message: str, line: int | None) -> None:
         super().__init__(message)
         self.message, self.line = message, line
-
-
-class NotRegularFile(OSError):
-    """A path names a FIFO, socket, device or directory, not a file: reading it could
-    block until a writer comes, or never end. An OSError, so that each reader's own
-    ``except OSError`` turns it into that reader's typed error."""
-
-    def __init__(self, path: Path, mode: int) -> None:
-        super().__init__(errno.EINVAL, f"not a regular file ({_file_kind(mode)})", str(path))
-
-
-class FileTooLarge(OSError):
-    """A regular file holds more bytes than its reader accepts (``size`` is at least
-    ``limit + 1``: the reader stops there)."""
-
-    def __init__(self, path: Path, size: int, limit: int) -> None:
-        super().__init__(errno.EFBIG, f"is {size} bytes, over the {limit}-byte limit", str(path))
-        self.size, self.limit = size, limit
-
-
-class NotUtf8(OSError):
-    """A file's bytes are not UTF-8 text; ``line`` and ``column`` (from 1) locate the
-    first bad byte."""
-
-    def __init__(self, path: Path, raw: bytes, exc: UnicodeDecodeError) -> None:
-        self.line, self.column = _position(raw, exc.start)
-        super().__init__(
-            errno.EILSEQ,
-            f"byte 0x{raw[exc.start]:02x} on line {self.line}, column {self.column} is not UTF-8",
-            str(path),
-        )
-
-
-def _position(raw: bytes, offset: int) -> tuple[int, int]:
-    """The line and column (from 1) of byte ``offset`` of ``raw``."""
-    before = raw[:offset]
-    return before.count(b"\n") + 1, offset - (before.rfind(b"\n") + 1) + 1
-
-
-def _file_kind(mode: int) -> str:
-    kinds = (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    )
-    return next((name for test, name in kinds if test(mode)), "a file of another kind")
-
-
-def open_regular(path: Path) -> IO[bytes]:
-    """``path`` opened for binary reading, refused (:class:`NotRegularFile`) unless it is
-    a regular file: opened non-blocking and checked by ``fstat`` on the open descriptor,
-    since checking the path first and then opening it would still block on a FIFO (and
-    races a rename)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotRegularFile(path, mode)
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_regular(path: Path, limit: int) -> bytes:
-    """Every byte of the regular file ``path``, at most ``limit`` of them: refused by its
-    size before anything is read, and again if it grew past ``limit`` since."""
-    with open_regular(path) as fh:
-        size = os.fstat(fh.fileno()).st_size
-        if size > limit:
-            raise FileTooLarge(path, size, limit)
-        raw = fh.read(limit + 1)
-    if len(raw) > limit:
-        raise FileTooLarge(path, len(raw), limit)
-    return raw
-
-
-def read_text(path: Path, limit: int) -> str:
-    """The regular file ``path`` as UTF-8 text, at most ``limit`` bytes of it: refused as
-    :func:`read_regular` refuses, and with :class:`NotUtf8` naming the first bad byte."""
-    raw = read_regular(path, limit)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise NotUtf8(path, raw, exc) from None
 
 
 class _BoundedComposer(Composer):  # type: ignore[misc]
@@ -311,7 +212,7 @@ def decode_utf8(raw: bytes, *, file: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line, column = _position(raw, exc.start)
+        line, column = byte_position(raw, exc.start)
         raise ManifestError(
             f"column {column}: byte 0x{raw[exc.start]:02x} is not UTF-8 (byte offset {exc.start})",
             file=file,

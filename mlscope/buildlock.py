@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlscope.bounded import read_regular
 from mlscope.errors import ArtifactError
 from mlscope.hashing import sha256_path, tree_files, tree_sha256
+from mlscope.regular_files import read_regular
 
 __all__ = ["LOCK_NAME", "BuildLock"]
 

@@ -30,8 +30,8 @@ from pydantic import BaseModel
 
 from mlscope import codec
 from mlscope.auth_files import inbox_prefix_for
-from mlscope.bounded import read_text
 from mlscope.errors import BusError, BusNotFound, BusRefused, MLScopeError, error_from_wire
+from mlscope.regular_files import read_text
 from mlscope.settings import Settings
 
 __all__ = [

@@ -18,12 +18,12 @@ from pathlib import Path
 from packaging.version import Version
 
 from mlscope.artifacts import ArtifactStore, asset_root, is_remote, safe_join
-from mlscope.bounded import read_text
 from mlscope.buildlock import BuildLock
 from mlscope.errors import ArtifactError, ChecksumMismatch, ConfigError, UnknownModelError
 from mlscope.framework_manifest import FrameworkManifest
 from mlscope.manifest import ModelManifest, SystemManifest
 from mlscope.manifest_files import iter_manifest_files, load_manifest
+from mlscope.regular_files import read_text
 from mlscope.versions import satisfies
 
 __all__ = ["LABELS_MAX_BYTES", "Catalog", "Entry", "default_manifest_dirs"]

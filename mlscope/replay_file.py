@@ -18,9 +18,9 @@ from typing import IO
 
 import numpy as np
 
-from mlscope.bounded import open_regular
 from mlscope.contracts import MAX_DURATION_S, MAX_SCHEDULED_QUERIES
 from mlscope.errors import ConfigError
+from mlscope.regular_files import open_regular
 from mlscope.schedule import NS_PER_S, Schedule
 
 __all__ = ["MAX_REPLAY_BYTES", "replay", "write_replay"]

@@ -346,33 +346,6 @@ def test_a_directory_walk_refuses_a_fifo_among_manifests_in_one_line(
     assert "Traceback" not in out.err
 
 
-def test_read_regular_refuses_what_is_not_a_file_or_too_large(tmp_path: Path) -> None:
-    with pytest.raises(bounded.NotRegularFile, match=r"a directory"):
-        bounded.read_regular(tmp_path, 10)
-    big = tmp_path / "big"
-    big.write_bytes(b"x" * 11)
-    with pytest.raises(bounded.FileTooLarge) as err:
-        bounded.read_regular(big, 10)
-    assert (err.value.size, err.value.limit) == (11, 10)
-    assert bounded.read_regular(big, 11) == b"x" * 11
-
-
-def test_read_text_is_utf8_or_an_os_error_naming_the_bad_byte(tmp_path: Path) -> None:
-    """Every refusal of a text file is an OSError, so each reader's one ``except
-    OSError`` translates all of them; a bad byte is located by line and column."""
-    text = tmp_path / "t"
-    text.write_bytes("ok\ncafé\n".encode())
-    assert bounded.read_text(text, 100) == "ok\ncafé\n"
-    text.write_bytes(b"ok\ncaf\xe9\n")
-    with pytest.raises(bounded.NotUtf8) as err:
-        bounded.read_text(text, 100)
-    assert (err.value.line, err.value.column) == (2, 4)
-    assert err.value.strerror == "byte 0xe9 on line 2, column 4 is not UTF-8"
-    for refused in (tmp_path, text):  # a directory; a file over the limit
-        with pytest.raises(OSError):
-            bounded.read_text(refused, 5)
-
-
 @pytest.mark.timeout(15)  # the old reader blocked in open() until a writer came
 def test_a_fifo_build_lock_is_refused_not_waited_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
