@@ -3,16 +3,20 @@ and the noop model prepared on it for a Driver of a test's own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from broker.loadgen import Driver
 from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import PrepareOp
+from mlscope.contracts import PrepareOp, ScenarioSpec, TraceLevel
 from mlscope.registry import list_agents
+from mlscope.schedule import constant, poisson
+from mlscope.tuning import ProcessTuning
 from tests.conftest import running_stack
 
 
@@ -32,3 +36,39 @@ async def prepared_noop(bus: busmod.Bus, evaluation_id: str) -> str:
     ctl = names.agent_ctl(agent.agent_id)
     await busmod.request(bus, ctl, codec.encode_model(prepare), timeout=60)
     return agent.agent_id
+
+
+def one_sample(g: int) -> np.ndarray:
+    """Every query's inputs: one sample of four zeros (the noop model's)."""
+    return np.zeros((1, 4), np.float32)
+
+
+def open_loop(
+    bus: busmod.Bus,
+    evaluation_id: str,
+    subject: str,
+    *,
+    qps: float,
+    duration_s: float,
+    seed: int = 0,
+    scenario: str = "online",
+    inputs: Callable[[int], np.ndarray] = one_sample,
+) -> Driver:
+    """A load generator's open loop to ``subject``: Poisson arrivals (``online``) or
+    evenly spaced ones (``constant``) at ``qps`` for ``duration_s``, untraced."""
+    schedule = (
+        poisson(qps, duration_s=duration_s, seed=seed)
+        if scenario == "online"
+        else constant(qps, duration_s=duration_s)
+    )
+    return Driver(
+        bus,
+        evaluation_id=evaluation_id,
+        subject=subject,
+        spec=ScenarioSpec(name=scenario, qps=qps, duration_s=duration_s),
+        inputs=inputs,
+        labels=None,
+        trace_level=TraceLevel.NONE,
+        schedule=schedule,
+        tuning=ProcessTuning(),
+    )

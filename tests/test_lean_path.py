@@ -20,15 +20,12 @@ from agent.job import Job
 from agent.outbox import Outbox
 from agent.pipeline import Executor, ExecutorConfig
 from agent.worker import LoadedModel
-from broker.loadgen import Driver
 from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, wire
-from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
+from mlscope.contracts import QueryReply, ReleaseOp, TraceLevel
 from mlscope.errors import ReplyTooLarge
-from mlscope.schedule import poisson
-from mlscope.tuning import ProcessTuning
-from tests.loadgen_fixtures import prepared_noop
+from tests.loadgen_fixtures import open_loop, prepared_noop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -215,17 +212,8 @@ def test_a_served_run_issues_from_the_pacers_thread_never_early(noop_stack: Stac
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test lead") as bus:
             agent_id = await prepared_noop(bus, "ev-lead")
-            driver = Driver(
-                bus,
-                evaluation_id="ev-lead",
-                subject=names.agent_query(agent_id),
-                spec=ScenarioSpec(name="online", qps=500, duration_s=1.5),
-                inputs=lambda g: np.zeros((1, 4), np.float32),
-                labels=None,
-                trace_level=TraceLevel.NONE,
-                schedule=poisson(500, duration_s=1.5, seed=3),
-                tuning=ProcessTuning(),
-            )
+            subject = names.agent_query(agent_id)
+            driver = open_loop(bus, "ev-lead", subject, qps=500, duration_s=1.5, seed=3)
             rec = await driver.run()
             release = codec.encode_model(ReleaseOp(evaluation_id="ev-lead"))
             await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)

@@ -21,19 +21,16 @@ from analysis.report import build
 from analysis.report_render import to_markdown
 from analysis.source import BusSource
 from analysis.summary import summary
-from broker.loadgen import Driver
 from broker.summary import figures
 from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import names, remote
-from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec, TraceLevel
+from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.jobs import submit
-from mlscope.schedule import constant
 from mlscope.settings import Settings
-from mlscope.tuning import ProcessTuning
 from tests.conftest import child_env, python
-from tests.loadgen_fixtures import prepared_noop
+from tests.loadgen_fixtures import open_loop, prepared_noop
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -187,17 +184,9 @@ def test_a_blocked_event_loop_delays_neither_queries_nor_their_answers(
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test lag") as bus:
             agent_id = await prepared_noop(bus, "ev-blocked-loop")
-            spec = ScenarioSpec(name="constant", qps=200, duration_s=1.5)
-            driver = Driver(
-                bus,
-                evaluation_id="ev-blocked-loop",
-                subject=names.agent_query(agent_id),
-                spec=spec,
-                inputs=lambda g: np.zeros((1, 4), np.float32),
-                labels=None,
-                trace_level=TraceLevel.NONE,
-                schedule=constant(200, duration_s=1.5),
-                tuning=ProcessTuning(),
+            subject = names.agent_query(agent_id)
+            driver = open_loop(
+                bus, "ev-blocked-loop", subject, qps=200, duration_s=1.5, scenario="constant"
             )
             asyncio.get_running_loop().call_later(0.6, time.sleep, block_s)
             return await driver.run()

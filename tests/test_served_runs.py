@@ -26,10 +26,9 @@ from mlscope import codec, names, wire
 from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
 from mlscope.natsserver import NatsServer, free_port
-from mlscope.schedule import poisson
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
-from tests.loadgen_fixtures import prepared_noop
+from tests.loadgen_fixtures import one_sample, open_loop, prepared_noop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,19 +40,10 @@ def _noop_driver(
     agent_id: str,
     evaluation_id: str,
     n_s: float,
-    inputs: Callable[[int], np.ndarray] = lambda g: np.zeros((1, 4), np.float32),
+    inputs: Callable[[int], np.ndarray] = one_sample,
 ) -> Driver:
-    return Driver(
-        bus,
-        evaluation_id=evaluation_id,
-        subject=names.agent_query(agent_id),
-        spec=ScenarioSpec(name="online", qps=300, duration_s=n_s),
-        inputs=inputs,
-        labels=None,
-        trace_level=TraceLevel.NONE,
-        schedule=poisson(300, duration_s=n_s, seed=5),
-        tuning=ProcessTuning(),
-    )
+    subject = names.agent_query(agent_id)
+    return open_loop(bus, evaluation_id, subject, qps=300, duration_s=n_s, seed=5, inputs=inputs)
 
 
 def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -> None:
@@ -150,17 +140,7 @@ def test_a_run_through_a_bus_outage_records_what_it_could_not_send_and_goes_on(
             answering(srv.url, SUBJECT, first=10**6),
             busmod.connect(settings, name="test outage") as bus,
         ):
-            driver = Driver(
-                bus,
-                evaluation_id="ev-outage",
-                subject=SUBJECT,
-                spec=ScenarioSpec(name="online", qps=200, duration_s=5),
-                inputs=lambda g: np.zeros((1, 4), np.float32),
-                labels=None,
-                trace_level=TraceLevel.NONE,
-                schedule=poisson(200, duration_s=5, seed=2),
-                tuning=ProcessTuning(),
-            )
+            driver = open_loop(bus, "ev-outage", SUBJECT, qps=200, duration_s=5, seed=2)
             threading.Timer(0.8, outage).start()
             return await driver.run()
 
