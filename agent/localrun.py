@@ -130,6 +130,8 @@ class LocalRun(LocalRecord):
         self._gate: OutstandingLimit | None = None
         self._deadline = 0
         self._prebuilt: list[np.ndarray] | None = None
+        self._query_bytes = 0
+        """Bytes of one query's inputs (an open loop's, set by :meth:`prepare`)."""
         self.realtime = False
         """Whether an open loop's executor threads run in SCHED_FIFO (see prepare)."""
         self._cap = spec.max_queries or 2**31
@@ -158,7 +160,7 @@ class LocalRun(LocalRecord):
         The process-wide tuning of an open loop (switch interval, no GC) is held by
         the caller around the whole run (``mlscope.tuning.ProcessTuning``)."""
         if not self.closed:
-            per = self.inputs(0).nbytes
+            self._query_bytes = per = self.inputs(0).nbytes
             if per * self.rec.n <= PREBUILD_BYTES:
                 self._prebuilt = [self.inputs(i) for i in range(self.rec.n)]
             self.realtime = short_enough(
@@ -203,16 +205,19 @@ class LocalRun(LocalRecord):
         agent's edge does for a query off the bus), with no hand-off to the predict
         thread and back: each a thread wake-up, which on a busy host now and then takes
         milliseconds."""
-        rec = self.rec
         t = now()
-        rec.issued[i - self._base] = max(t - rec.t0_ns, 1)
+        self.rec.issued[i - self._base] = max(t - self.rec.t0_ns, 1)
         job = self._job(i, x, t)
         if inline and self.worker.try_inline(job):
             return
         if not self.worker.submit(job):
-            rec.refused[i - self._base] = 1
-            rec.errors[i] = self._overloaded(i)
-            self._complete(i, chain=False)  # a refused closed-loop stream ends here
+            self._refused(i)
+
+    def _refused(self, i: int) -> None:
+        """Query ``i`` (issued) was refused as overloaded: recorded, the run goes on."""
+        self.rec.refused[i - self._base] = 1
+        self.rec.errors[i] = self._overloaded(i)
+        self._complete(i, chain=False)  # a refused closed-loop stream ends here
 
     def _closed_loop(self) -> None:
         for _ in range(self.depth):
@@ -305,7 +310,15 @@ class LocalRun(LocalRecord):
             with self._lock:
                 self._outstanding += 1
                 self._issued = max(self._issued, i + 1)
-            self._submit(i, prebuilt[i] if prebuilt is not None else self.inputs(i), inline=True)
+            if prebuilt is not None:
+                self._submit(i, prebuilt[i], inline=True)
+            elif self.worker.admits(self._query_bytes):
+                self._submit(i, self.inputs(i), inline=True)
+            else:  # refused before its inputs are gathered: an overloaded run of large
+                # queries copied each one's batch (38 MB at batch 64 of 224 x 224 x 3
+                # floats) on the pacer's thread only to have it refused
+                rec.issued[i - self._base] = max(now() - rec.t0_ns, 1)
+                self._refused(i)
 
         helpers = RealtimeThreads(self.worker.thread_ids(), enable=self.realtime)
         try:

@@ -164,9 +164,7 @@ class Executor:
         are in flight (answer overloaded)."""
         nbytes = job.inputs.nbytes
         with self._lock:
-            if self._inflight >= self.config.capacity or (
-                self._inflight and self._inflight_bytes + nbytes > self.config.inflight_bytes
-            ):
+            if self._full(nbytes):
                 return False
             self._inflight += 1
             self._inflight_bytes += nbytes
@@ -181,6 +179,17 @@ class Executor:
         if not job.preprocessed and seq != self._idle_seq and self.config.pre_workers:
             self._pool.offer(slot)
         return True
+
+    def admits(self, nbytes: int) -> bool:
+        """Whether a query holding ``nbytes`` of inputs would be admitted now: read
+        without the lock, so a hint (answers only make room), for a caller that can
+        spare the work of making a query the executor would refuse."""
+        return not self._full(nbytes)
+
+    def _full(self, nbytes: int) -> bool:
+        return self._inflight >= self.config.capacity or bool(
+            self._inflight and self._inflight_bytes + nbytes > self.config.inflight_bytes
+        )
 
     def try_inline(self, job: Job) -> bool:
         """Run ``job`` to its reply on the calling thread, if that is cheap; False: it

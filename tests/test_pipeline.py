@@ -507,18 +507,31 @@ def test_an_open_loop_in_the_agent_answers_fast_queries_on_the_pacer_thread(
     assert all(name.startswith(where) for name in seen[probes:]), set(seen[probes:])
 
 
+@pytest.mark.parametrize("prebuilt", [True, False])
 def test_an_overloaded_open_loop_in_the_agent_holds_no_more_inputs_than_its_bound(
-    model: LoadedModel, samples: np.ndarray
+    model: LoadedModel, samples: np.ndarray, monkeypatch: pytest.MonkeyPatch, prebuilt: bool
 ) -> None:
-    """A run in the agent gathers each query's batch as the pacer issues it: while the
-    model answers nothing, the queries past the executor's byte bound are refused as
-    overloaded (recorded, the run goes on) instead of piling up to ``capacity``."""
+    """While the model answers nothing, the queries of a run in the agent past the
+    executor's byte bound are refused as overloaded (recorded, the run goes on) instead
+    of piling up to ``capacity``; a run too large to build its inputs ahead gathers
+    none for a query the executor would refuse."""
+    from agent import localrun
     from mlscope import samples as samplesmod
     from mlscope.contracts import ScenarioSpec
 
+    class Counted(samplesmod.QueryRows):
+        gathered = 0
+
+        def __call__(self, i: int) -> np.ndarray:
+            Counted.gathered += 1
+            return super().__call__(i)
+
+    if not prebuilt:
+        monkeypatch.setattr(localrun, "PREBUILD_BYTES", 0)
     slow = Slow(model.predictor)
     model.predictor = slow
-    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 4, 0)
+    held, _ = samplesmod.feed(model.pre[0](samples), None, 4, 0)
+    inputs = Counted(held.a, held.order, held.lock, held.batch)
     spec = ScenarioSpec(
         name="constant", qps=200, duration_s=0.3, batch_size=4, min_duration_s=0, min_queries=1
     )
@@ -527,6 +540,7 @@ def test_an_overloaded_open_loop_in_the_agent_holds_no_more_inputs_than_its_boun
     run = local_run(ex, spec, inputs)
     try:
         run.prepare()
+        before = Counted.gathered
         slow.gate.clear()  # nothing is answered until the schedule is over
         opener = threading.Timer(spec.duration_s + 0.3, slow.gate.set)
         opener.start()
@@ -537,8 +551,9 @@ def test_an_overloaded_open_loop_in_the_agent_holds_no_more_inputs_than_its_boun
     rec = run.rec
     n = len(rec.ok)
     assert n == 60 and int(rec.ok.sum()) == 3, (n, int(rec.ok.sum()))
-    assert int(rec.refused.sum()) == n - 3
+    assert int(rec.refused.sum()) == n - 3 and (rec.issued > 0).all()
     assert set(rec.errors.values()) == {"overloaded"}
+    assert Counted.gathered - before == (0 if prebuilt else 3)
 
 
 def test_queries_of_a_released_evaluation_still_queued_are_answered_not_run(
