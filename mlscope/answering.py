@@ -58,7 +58,12 @@ an ordinary part of the run (see :func:`gaps`)."""
 
 
 def gaps(
-    issued_ns: Array, replied_ns: Array, *, min_ns: int, factor: float = 5.0
+    issued_ns: Array,
+    replied_ns: Array,
+    *,
+    min_ns: int,
+    factor: float = 5.0,
+    taken_ns: Array | None = None,
 ) -> tuple[Gap, ...]:
     """The gaps in a system's answers, in time order: waits of at least ``min_ns``
     without any reply while a query waited, ended by a reply, and ``factor`` times
@@ -75,6 +80,13 @@ def gaps(
     :data:`ORDINARY` (three quarters) of the answered queries sat through: a pause's
     own queries raise that bar only when they are three quarters of the run. The
     silence after the last reply is :func:`silence`'s, not a gap.
+
+    ``taken_ns``: the reply offsets of the queries the system took (answered with
+    outputs or an error; 0 for one refused at once, or none), the queries whose waits
+    set that bar (default ``replied_ns``). A refusal is a reply, so it ends a wait (the
+    system was there); but an overloaded system refuses most queries the moment they
+    come, and their waits of nothing would make each wait of the queries it did take,
+    a slow model's call apart, look like a pause.
     """
     if min_ns <= 0:
         raise ValueError("min_ns must be positive")
@@ -88,7 +100,10 @@ def gaps(
     start = np.maximum(lo, _first_waiting(issued, replied, hi))
     wait = hi - start
     hi, start, wait = hi[wait >= min_ns], start[wait >= min_ns], wait[wait >= min_ns]
-    pause = ~_ordinary(issued, replied, wait, factor)
+    taken = replied if taken_ns is None else np.asarray(taken_ns, np.int64).ravel()
+    if taken.shape != issued.shape:
+        raise ValueError("issued_ns and taken_ns must have one entry per query")
+    pause = ~_ordinary(issued, replied, taken, wait, factor)
     sent = np.sort(issued[issued > 0])
     n = np.searchsorted(sent, hi[pause]) - np.searchsorted(sent, start[pause])
     return tuple(
@@ -118,21 +133,22 @@ def _first_waiting(issued: np.ndarray, replied: np.ndarray, at: np.ndarray) -> n
 
 
 def _ordinary(
-    issued: np.ndarray, replied: np.ndarray, waits: np.ndarray, factor: float
+    issued: np.ndarray, replied: np.ndarray, taken: np.ndarray, waits: np.ndarray, factor: float
 ) -> np.ndarray:
-    """For each of ``waits``, whether :data:`ORDINARY` of the answered queries sat
-    through a wait without any reply of a ``factor``-th of it (:func:`sat_through`):
+    """For each of ``waits``, whether :data:`ORDINARY` of the queries taken and answered
+    sat through a wait without any reply of a ``factor``-th of it (:func:`sat_through`):
     found by bisection over the sorted waits, as fewer queries sit through longer
     waits."""
     out = np.zeros(waits.shape, bool)
     if factor <= 0 or waits.size == 0:
         return out
-    enough = ORDINARY * int(np.count_nonzero((issued > 0) & (replied >= issued)))
+    enough = ORDINARY * int(np.count_nonzero((issued > 0) & (taken >= issued)))
     order = np.argsort(waits, kind="stable")
     lo, hi = 0, waits.size  # waits[order[:lo]] ordinary, waits[order[hi:]] not
     while lo < hi:
         mid = (lo + hi) // 2
-        if sat_through(issued, replied, max(1, int(waits[order[mid]] / factor))) >= enough:
+        wait = max(1, int(waits[order[mid]] / factor))
+        if sat_through(issued, replied, wait, taken_ns=taken) >= enough:
             lo = mid + 1
         else:
             hi = mid
@@ -140,9 +156,13 @@ def _ordinary(
     return out
 
 
-def sat_through(issued_ns: Array, replied_ns: Array, wait_ns: int) -> int:
+def sat_through(
+    issued_ns: Array, replied_ns: Array, wait_ns: int, *, taken_ns: Array | None = None
+) -> int:
     """How many answered queries sat through at least ``wait_ns`` without any reply
-    (to any query) between their issue and their reply.
+    (to any query) between their issue and their reply; with ``taken_ns``, of the
+    queries answered there only (their reply offsets, 0 for the others: see
+    :func:`gaps`).
 
     A reply-free stretch inside ``[issue, reply]`` of a query ends at a reply time
     ``h`` (the query's own reply at the latest): the one from the previous reply time
@@ -155,8 +175,9 @@ def sat_through(issued_ns: Array, replied_ns: Array, wait_ns: int) -> int:
     times = _reply_times(replied)
     before = np.concatenate(([0], times[:-1])).astype(np.int64)
     ends = times[times - before >= wait_ns]
-    answered = (issued > 0) & (replied >= issued)
-    i, r = issued[answered], replied[answered]
+    own = replied if taken_ns is None else np.asarray(taken_ns, np.int64).ravel()
+    answered = (issued > 0) & (own >= issued)
+    i, r = issued[answered], own[answered]
     first = np.searchsorted(ends, i + wait_ns, side="left")
     return int(np.count_nonzero(first < np.searchsorted(ends, r, side="right")))
 

@@ -210,7 +210,7 @@ def _open_loop_reasons(
     (overload, judged outside the gaps and up to the silence)."""
     anything = completed if replied is None else replied
     least = max(1, math.ceil(pol.max_silence_s * 1e9))
-    paused = gaps(issued, anything, min_ns=least, factor=pol.gap_factor)
+    paused = gaps(issued, anything, min_ns=least, factor=pol.gap_factor, taken_ns=completed)
     stop = silence(issued, anything)
     out = [*map(_gap_reason, paused), *([] if stop is None else [_silence_reason(stop)])]
     window = answering_window_s(window_s, stop)

@@ -169,6 +169,60 @@ def test_a_slow_model_s_wait_between_replies_is_no_gap() -> None:
     assert starting(reasons, "overloaded") and not starting(reasons, "did not answer"), reasons
 
 
+def admitting(issued: np.ndarray, service_s: float, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """One FIFO server taking ``service_s`` per query that holds at most ``capacity``
+    unanswered queries and refuses one past it at once (50 µs later): the reply times
+    of the queries it took (0 for a refused one) and of every query."""
+    taken, replied = np.zeros_like(issued), np.zeros_like(issued)
+    free, service = 0, int(service_s * S)
+    held: list[int] = []
+    for q in np.argsort(issued, kind="stable"):
+        t = int(issued[q])
+        held = [end for end in held if end > t]
+        if len(held) >= capacity:
+            replied[q] = t + 50_000
+            continue
+        free = max(t, free) + service
+        held.append(free)
+        taken[q] = replied[q] = free
+    return taken, replied
+
+
+def test_a_slow_model_refusing_most_queries_has_no_gap_but_is_overloaded() -> None:
+    """An agent in an overloaded run refuses most queries at once and takes the rest a
+    slow model's call apart (batches of 64 images, 1.5 s each). The refused queries
+    sat through no wait, and counted among the answered ones they made each wait
+    between two answers look like a pause ("the agent, its host or its link paused"),
+    from the first reply to the end of the drain. The waits are judged against the
+    queries the agent took; a real pause (no reply, not even a refusal) still is one."""
+    issued = poisson_issued(50, 10)
+    taken, replied = admitting(issued, 1.5, capacity=28)
+    assert np.count_nonzero(taken) < 0.1 * len(issued)  # nearly all refused
+    assert gaps(issued, replied, min_ns=S, taken_ns=taken) == ()
+    reasons = v.verdict(
+        scheduled_ns=issued - 2_000,
+        issued_ns=issued,
+        latency_ns=(taken - issued)[taken > 0],
+        completed_ns=taken,
+        replied_ns=replied,
+        duration_s=10,
+        policy=v.ValidityPolicy(min_duration_s=0, min_queries=1, early_stopping=False),
+    ).reasons
+    assert starting(reasons, "overloaded") and not starting(reasons, "did not answer"), reasons
+
+
+def test_a_pause_is_still_one_when_some_queries_were_refused() -> None:
+    """A 2.5 ms system paused from 6 s to 9.5 s that refused one query in ten outside
+    the pause: judged against the queries it took, the pause is found as before."""
+    issued = poisson_issued(75, 10)
+    replied = served(issued, 0.0025, pauses=[(6.0, 9.5)])
+    refused = (np.arange(len(issued)) % 10 == 0) & ((issued < 6 * S) | (issued > 9.5 * S))
+    taken = np.where(refused, 0, replied)
+    replied = np.where(refused, issued + 50_000, replied)
+    (gap,) = gaps(issued, replied, min_ns=S, taken_ns=taken)
+    assert 5.9 < gap.start_ns / S < 6.1 and 9.5 <= gap.end_ns / S < 9.6
+
+
 # --- the verdict ---------------------------------------------------------------------
 
 
