@@ -36,10 +36,10 @@ __all__ = [
     "COMPARED_FIELDS",
     "SINGLE_RUN_NOTE",
     "artifact_notes",
-    "check_comparable",
     "compare_repeats",
     "compare_runs",
     "mismatches",
+    "validity_notes",
 ]
 
 SINGLE_RUN_NOTE = (
@@ -99,9 +99,23 @@ def artifact_notes(summ: pd.DataFrame) -> list[str]:
     return out
 
 
-def check_comparable(source: Source, ids: Sequence[str]) -> list[str]:
-    """:func:`mismatches` of stored evaluations ``ids``."""
-    return mismatches(evaluations(source, list(ids)), ids[0] if ids else None)
+def validity_notes(summ: pd.DataFrame) -> list[str]:
+    """The runs of ``summ`` that broke a validity rule, each with the first rule it
+    broke: an overloaded or paused run's latencies measure its backlog, not the system
+    at the load asked, so a difference involving one says little about the system."""
+    if "valid" not in summ.columns:
+        return []
+    out = []
+    for row in summ.to_dict("records"):
+        if pd.isna(row["valid"]) or bool(row["valid"]):  # VALID, or not judged yet
+            continue
+        reasons = [r for r in str(row.get("invalid_reasons") or "").split("; ") if r]
+        why = f" ({reasons[0]}{'; …' if len(reasons) > 1 else ''})" if reasons else ""
+        out.append(
+            f"{row['evaluation_id']} is INVALID{why}: its latencies may not measure the "
+            "system at the load asked"
+        )
+    return out
 
 
 def compare_runs(
@@ -120,7 +134,8 @@ def compare_runs(
 ) -> pd.DataFrame:
     """Median and p99 latency of ``candidate`` against ``baseline`` (ms), one row each:
     statistic, a, b, diff, rel, ci_low, ci_high, verdict, basis, note (the
-    :func:`artifact_notes` of the pair, "" when they loaded the same file).
+    :func:`artifact_notes` and :func:`validity_notes` of the pair, "" when they loaded
+    the same file and both were VALID).
 
     Runs that differ in a :data:`COMPARED_FIELDS` (model, scenario, rate, batch size,
     placement, preprocessing) are refused
@@ -136,7 +151,7 @@ def compare_runs(
         why = mismatches(runs, baseline)
         if why:
             raise ConfigError(f"{baseline} and {candidate} are not comparable: " + "; ".join(why))
-    notes = artifact_notes(runs)
+    notes = [*artifact_notes(runs), *validity_notes(runs)]
     lat = dict(latencies) if latencies is not None else latencies_ms(source, [baseline, candidate])
     for e in (baseline, candidate):
         if e not in lat:
@@ -174,8 +189,9 @@ def compare_repeats(
     and the interval is over runs (:func:`run_level_difference`), so it includes
     run-to-run variance. Same columns as :func:`compare_runs`."""
     ids = [*baselines, *candidates]
+    runs = evaluations(source, ids)
     if check:
-        why = check_comparable(source, ids)
+        why = mismatches(runs, ids[0] if ids else None)
         if why:
             raise ConfigError("the runs are not comparable: " + "; ".join(why))
     per_run = latencies_ms(source, ids)
@@ -195,4 +211,5 @@ def compare_repeats(
             ).__dict__
         )
     basis = f"runs: {len(baselines)} baseline, {len(candidates)} candidate"
-    return pd.DataFrame(rows).assign(basis=basis)
+    notes = [*artifact_notes(runs), *validity_notes(runs)]
+    return pd.DataFrame(rows).assign(basis=basis, note="; ".join(notes))

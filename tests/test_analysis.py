@@ -347,6 +347,10 @@ def test_compare_runs_and_regressions(analysis_runs: AnalysisRuns) -> None:
     a, b = analysis_runs.online
     table = compare.compare_runs(src, a, b, n_boot=300)
     assert table["statistic"].tolist() == ["median", "p99"]
+    # 1 s runs, below the 10 s minimum: each comparison says so, with its rule.
+    (note,) = set(table["note"])
+    for e in (a, b):
+        assert f"{e} is INVALID (" in note and "may not measure" in note, note
     assert set(table["verdict"]) <= {"faster", "slower", "no significant change"}
     assert (table["ci_low"] <= table["ci_high"]).all()
     summ = summary(src, analysis_runs.all)
@@ -359,6 +363,22 @@ def test_compare_runs_and_regressions(analysis_runs: AnalysisRuns) -> None:
     assert flags["regression"].iloc[0] == (flags["verdict"].iloc[0] == "slower")
     with pytest.raises(ValueError):
         regression.regressions(src, summ, axis="nonsense")
+
+
+def test_validity_notes_name_each_invalid_run_with_its_first_rule() -> None:
+    runs = pd.DataFrame(
+        {
+            "evaluation_id": ["ev-a", "ev-b", "ev-c", "ev-d"],
+            "valid": [True, False, None, False],
+            "invalid_reasons": ["", "overloaded: completed 1/s of 50/s; 9 lost", None, ""],
+        }
+    )
+    assert compare.validity_notes(runs) == [
+        "ev-b is INVALID (overloaded: completed 1/s of 50/s; …): its latencies may not "
+        "measure the system at the load asked",
+        "ev-d is INVALID: its latencies may not measure the system at the load asked",
+    ]
+    assert compare.validity_notes(runs.drop(columns="valid")) == []
 
 
 def test_model_level_timeline(analysis_runs: AnalysisRuns) -> None:

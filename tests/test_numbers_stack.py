@@ -213,6 +213,8 @@ def test_an_identical_rerun_is_not_called_different_with_repeats(noop_stack: Sta
             ids[side].append(run(noop_stack.settings, spec).evaluation_id)
     table = compare_repeats(BusSource(noop_stack.settings), ids["a"], ids["b"], confidence=0.99)
     assert list(table["verdict"]) == ["no significant change"] * 2, table
+    (note,) = set(table["note"])  # 300 queries each: too few for early stopping's p99
+    assert all(f"{e} is INVALID (early stopping: " in note for e in ids["a"] + ids["b"]), note
     assert table["basis"].iloc[0] == "runs: 3 baseline, 3 candidate"
     one = compare_runs(BusSource(noop_stack.settings), ids["a"][0], ids["b"][0])
     assert one["basis"].iloc[0] == SINGLE_RUN_NOTE
