@@ -247,6 +247,22 @@ def test_peak_search_tries_rates_and_reports_the_highest_passing(noop_stack: Sta
         assert p["latency_ms"]["p99"] is not None
 
 
+def test_a_peak_search_stopped_by_its_floor_says_how_to_go_lower(noop_stack: Stack) -> None:
+    """A bound no rate meets (1 µs, below a trip over the bus): the first trial fails,
+    halving would go below the rate at which a trial has the queries it needs, and the
+    search ends saying so and what would let it go lower."""
+    spec = ScenarioSpec(
+        name="peak", qps=400, duration_s=2.0, latency_bound_ms=0.001, peak_trials=5, **LOOSE
+    )
+    floor = peak_floor_qps(spec, ValidityPolicy())
+    assert 200 < floor < 400
+    s = run(noop_stack.settings, spec)
+    assert [p["qps"] for p in s.points] == [400] and not s.valid and s.peak_qps is None
+    (why,) = [r for r in s.invalid_reasons if r.startswith("peak search: no rate tried")]
+    assert f"it went no lower: below {floor:.1f} QPS a 2 s trial has fewer than" in why, why
+    assert "a longer --duration lets it" in why
+
+
 def test_a_peak_search_that_finds_no_rate_names_why_its_lowest_failed(
     noop_stack: Stack,
 ) -> None:

@@ -114,14 +114,25 @@ class Peak(Scenario):
             rate = next_rate(rate, passed, failed, floor_qps)
         if best is None:
             lowest = min(runs, key=lambda r: r.requested_qps or 0)
+            low = lowest.requested_qps or 0.0
+            floored = len(runs) < spec.peak_trials and low / 2 < floor_qps
             return Outcome(
                 runs[-1],
                 runs,
                 extra_reasons=(
                     f"peak search: no rate tried gave a VALID run under the "
-                    f"{spec.latency_bound_ms:g} ms bound (lowest tried "
-                    f"{lowest.requested_qps or 0:.1f} QPS: "
-                    f"{'; '.join(lowest.verdict.reasons)})",
+                    f"{spec.latency_bound_ms:g} ms bound (lowest tried {low:.1f} QPS: "
+                    f"{'; '.join(lowest.verdict.reasons)})"
+                    + (_floor_hint(spec, self.policy(ctx.policy)) if floored else ""),
                 ),
             )
         return Outcome(best, runs, peak_qps=passed)
+
+
+def _floor_hint(spec: ScenarioSpec, policy: ValidityPolicy) -> str:
+    """Why a search that found no VALID rate went no lower, and how to let it."""
+    return (
+        f"; it went no lower: below {peak_floor_qps(spec, policy):.1f} QPS a "
+        f"{spec.duration_s:g} s trial has fewer than the {trial_min_queries(spec, policy)} "
+        "queries that show its percentile under the bound (a longer --duration lets it)"
+    )
