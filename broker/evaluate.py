@@ -60,6 +60,10 @@ class Evaluator:
     """One measurement at a time: every run of this server shares its host (the load
     generator runs here), so jobs run one after another unless they opt out with
     ``parallel`` (and are marked so)."""
+    import_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    """MLPerf imports one at a time on this server, each looking for its run before it
+    stores it (:func:`broker.mlperf.import_logs`), so two imports of one run store it
+    once; an import is a parse and a few inserts."""
 
     async def run(
         self,

@@ -28,6 +28,10 @@ What is stored (``evaluations`` + ``queries`` + ``mlperf_logs``):
   has no rows: its figures are then LoadGen's;
 * every log file verbatim (``mlperf_logs``, in parts), so ``mlscope mlperf`` can
   write them where the user asked and an imported run keeps its originals.
+
+An imported run is stored once, under the id of its summary and detail logs
+(:meth:`mlscope.contracts.MLPerfImport.identity`); importing it again answers with
+what was stored (:func:`import_logs`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from mlscope.contracts import (
     AgentDescription,
     EvaluationSummary,
     JobRequest,
+    MLPerfImport,
     MLPerfSpec,
     PrepareReply,
     evaluation_id_for,
@@ -82,6 +87,8 @@ class Host(Protocol):
     bus: Bus
     db: Database
     zoo_dir: Path
+    import_lock: anyio.Lock
+    """Held while an import looks for its run and stores it (:func:`import_logs`)."""
 
     def store_evaluation(
         self, s: EvaluationSummary, rec: RunRecord | None, spec_doc: dict[str, Any]
@@ -271,16 +278,61 @@ def _child_env() -> dict[str, str]:
 
 
 async def import_logs(ev: Host, job: JobRequest) -> EvaluationSummary:
-    """Store MLPerf logs written elsewhere as an evaluation tagged ``imported``."""
+    """Store MLPerf logs written elsewhere as an evaluation tagged ``imported``, once:
+    logs stored before (by any job, from any path) answer with that evaluation's stored
+    summary, its ``job_id`` the job that stored it, and nothing is stored again.
+
+    What a run is, is :meth:`MLPerfImport.identity` (its summary and detail logs), and
+    its evaluation id is derived from it, so every server agrees on it without asking
+    another. Two imports of one run on this server take turns (``ev.import_lock``): the
+    second finds the first's evaluation. On two servers at once both may find none and
+    both store, under the one id: every table is a ReplacingMergeTree keyed by that id
+    (the logs by id, name and part, the rows by id and query index), the same logs make
+    the same rows, and every read of an evaluation is FINAL, so the run shows once
+    (its evaluation row the later import's, the same figures)."""
     imp = job.mlperf_import
     if imp is None:
         raise EvaluationError("not an MLPerf import job")
     missing = logs.missing(imp.files)
     if missing:
         raise ConfigError(f"{imp.source or 'the import'} lacks {', '.join(missing)}", field="files")
+    identity = imp.identity()
+    eval_id = job.evaluation_id()  # the run's, not the job's
+    async with ev.import_lock:
+        stored = await anyio.to_thread.run_sync(_imported, ev.db, eval_id, identity)
+        if stored is not None:
+            return stored
+        return await _store_import(ev, job, imp, eval_id, identity)
+
+
+def _imported(db: Database, eval_id: str, identity: str) -> EvaluationSummary | None:
+    """The stored summary of the run ``identity`` names (None: not imported yet).
+
+    The id holds the identity's first 64 bits; the whole digest is stored with the run
+    and must match, or these logs are not the run stored under it (two logs whose
+    digests share 64 bits: made so on purpose), refused rather than answered with
+    another run."""
+    rows = db.rows(
+        "SELECT spec, summary FROM evaluations FINAL WHERE evaluation_id = {id:String}",
+        {"id": eval_id},
+    )
+    if not rows:
+        return None
+    stored = (json.loads(rows[0][0]).get("imported") or {}).get("sha256")
+    if stored != identity:
+        raise EvaluationError(
+            f"evaluation {eval_id} holds other MLPerf logs than these (sha256 {stored} "
+            f"stored, {identity} imported): not imported",
+            evaluation_id=eval_id,
+        )
+    return EvaluationSummary.model_validate_json(rows[0][1])
+
+
+async def _store_import(
+    ev: Host, job: JobRequest, imp: MLPerfImport, eval_id: str, identity: str
+) -> EvaluationSummary:
     result = logs.parse_result(imp.files[logs.SUMMARY], imp.files[logs.DETAIL])
     rec = sample_record(logs.trace_samples(imp.files.get(logs.TRACE, "")), None, 0, None)
-    eval_id = evaluation_id_for(job.job_id)  # one evaluation per job
     summary = loadgen_summary(
         result, rec, job, eval_id, time.time(), accuracy=None, imported=True
     ).model_copy(update={"host": imp.system})
@@ -292,10 +344,16 @@ async def import_logs(ev: Host, job: JobRequest) -> EvaluationSummary:
     }
     spec_doc = {
         "job": stored_job,
-        "imported": {"source": imp.source, "system": imp.system, "sut_name": result.sut_name},
+        "imported": {
+            "source": imp.source,
+            "system": imp.system,
+            "sut_name": result.sut_name,
+            "sha256": identity,  # what the run is (MLPerfImport.identity)
+        },
         # what analysis shows as the system of a run
         "agent": {"cpu_model": imp.system or result.sut_name},
     }
+    # The evaluation row last: found, it means the run is stored whole.
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, dict(imp.files))
     await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
     return summary

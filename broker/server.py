@@ -249,9 +249,12 @@ class Server(JobEvaluation):
             subject, JobEvent(job_id=job.job_id, event="accepted", server_id=self.server_id)
         )
         try:
+            # (An MLPerf import finds an earlier import of its logs itself: broker.mlperf.)
             stored = await self._stored(evaluation_id_for(job.job_id))
             if stored is not None:  # its first run finished; only the ack was lost
-                await self._emit(subject, JobEvent.ended(stored, server_id=self.server_id))
+                await self._emit(
+                    subject, JobEvent.ended(stored, server_id=self.server_id, job_id=job.job_id)
+                )
                 return
             if restarted:
                 await self._emit(
@@ -274,7 +277,10 @@ class Server(JobEvaluation):
                 ),
             )
             return
-        await self._emit(subject, JobEvent.ended(summary, server_id=self.server_id))
+        # An import of logs stored before answers with that evaluation (another job's).
+        await self._emit(
+            subject, JobEvent.ended(summary, server_id=self.server_id, job_id=job.job_id)
+        )
 
     # ------------------------------------------------------------------ cancel
 

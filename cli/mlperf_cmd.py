@@ -4,7 +4,10 @@ Both are jobs for the server: ``mlscope mlperf`` submits a job whose load genera
 MLPerf LoadGen (run by the server, see broker/mlperf.py), waits for its summary and
 then writes LoadGen's log files, read back from the evaluation database, into
 ``--output``. ``mlscope import mlperf`` reads result directories (any directory
-holding an ``mlperf_log_summary.txt``) and submits one import job per directory.
+holding an ``mlperf_log_summary.txt``) and submits one import job per directory; the
+server stores each run once (a run is its summary and detail logs:
+``MLPerfImport.identity``), so importing a tree again stores only the runs it did not
+have and answers the others with what it stored before ("already imported").
 """
 
 from __future__ import annotations
@@ -30,7 +33,14 @@ from mlscope.jobs import submit
 from mlscope.regular_files import read_text
 from mlscope.settings import Settings
 
-__all__ = ["fetch_logs", "find_results", "import_job", "register"]
+__all__ = [
+    "already_imported",
+    "fetch_logs",
+    "find_results",
+    "import_doc",
+    "import_job",
+    "register",
+]
 
 SCENARIOS = ("SingleStream", "MultiStream", "Server", "Offline")
 MODES = ("PerformanceOnly", "AccuracyOnly")
@@ -86,12 +96,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_run)
     imp = sub.add_parser("import", help="load results made elsewhere into the database")
     kinds = imp.add_subparsers(dest="format", required=True, metavar="FORMAT")
-    m = kinds.add_parser("mlperf", help="MLPerf LoadGen result directories")
+    m = kinds.add_parser(
+        "mlperf",
+        help="MLPerf LoadGen result directories (a run stored before, found by its "
+        "summary and detail logs, is not stored again: it is listed as already imported)",
+    )
     m.add_argument("directory", type=Path)
     m.add_argument("--model", default=None, help="default: from the results tree")
     m.add_argument("--framework", default="mlperf", help="recorded framework name")
     m.add_argument("--system", default=None, help="default: from the results tree")
-    m.add_argument("--json", action="store_true")
+    m.add_argument(
+        "--json",
+        action="store_true",
+        help="a JSON list, one per directory: its stored summary with "
+        '"import": {"source", "already_imported"}',
+    )
     m.set_defaults(func=_import)
 
 
@@ -265,6 +284,38 @@ async def import_dirs(settings: Settings, jobs: list[JobRequest]) -> list[Evalua
     return [await submit(settings, job, timeout=120.0) for job in jobs]
 
 
+def already_imported(job: JobRequest, summary: EvaluationSummary) -> bool:
+    """Whether the server answered ``job`` with a run stored before, by another job
+    (an import of the same logs: the server finds it, ``broker.mlperf.import_logs``)."""
+    return summary.job_id != job.job_id
+
+
+def import_doc(job: JobRequest, summary: EvaluationSummary) -> dict[str, Any]:
+    """What ``--json`` prints for one directory: the stored summary as every command
+    prints one, and ``import``: the directory read and whether its run was stored
+    before (then the summary is the one stored then: same id, same figures, the
+    labels of that import)."""
+    return {
+        **summary.model_dump(mode="json", by_alias=True),
+        "import": {
+            "source": job.mlperf_import.source if job.mlperf_import else "",
+            "already_imported": already_imported(job, summary),
+        },
+    }
+
+
+def _relabelled(job: JobRequest, s: EvaluationSummary) -> str:
+    """The labels a re-import asked for and the stored run does not have ("" if none):
+    the stored run keeps its first import's."""
+    system = job.mlperf_import.system if job.mlperf_import else ""
+    asked = (
+        ("model", job.model, s.model.get("name")),
+        ("framework", job.framework, s.framework.get("name")),
+        ("system", system, s.host),
+    )
+    return ", ".join(f"{what} {got!r}" for what, want, got in asked if want != got)
+
+
 def _import(args: argparse.Namespace) -> int:
     jobs = [
         import_job(d, model=args.model, framework=args.framework, system=args.system)
@@ -272,14 +323,21 @@ def _import(args: argparse.Namespace) -> int:
     ]
     summaries = anyio.run(import_dirs, args.settings, jobs, backend="asyncio")
     if args.json:
-        print(json.dumps([s.model_dump(mode="json", by_alias=True) for s in summaries]))
+        print(json.dumps([import_doc(j, s) for j, s in zip(jobs, summaries, strict=True)]))
         return 0
+    before = 0
     for job, s in zip(jobs, summaries, strict=True):
         src = job.mlperf_import.source if job.mlperf_import else ""
         lg: dict[str, Any] = s.mlperf or {}
+        note = ""
+        if already_imported(job, s):
+            before += 1
+            kept = _relabelled(job, s)
+            note = f"  already imported{f' (as {kept})' if kept else ''}"
         print(
             f"{s.evaluation_id}  {s.model['name']}  {lg.get('scenario')} {lg.get('mode')} "
-            f"{lg.get('validity') or '-'}  p99 {s.latency_ms.p99} ms  <- {src}",
+            f"{lg.get('validity') or '-'}  p99 {s.latency_ms.p99} ms  <- {src}{note}",
             file=sys.stdout,
         )
+    print(f"{len(jobs) - before} imported, {before} already imported", file=sys.stdout)
     return 0

@@ -57,7 +57,14 @@ async def submit_on(
     sub = await bus.nc.subscribe(names.job_events(job.job_id))
     try:
         await publish_job(bus, job)
-        return await await_summary(bus, sub, job.job_id, timeout or time_limit(job), on_event)
+        return await await_summary(
+            bus,
+            sub,
+            job.job_id,
+            timeout or time_limit(job),
+            on_event,
+            evaluation_id=job.evaluation_id(),
+        )
     finally:
         await sub.unsubscribe()
 
@@ -107,11 +114,18 @@ async def publish_job(bus: busmod.Bus, job: JobRequest) -> None:
 
 
 async def await_summary(
-    bus: busmod.Bus, sub: Any, job_id: str, limit: float, on_event: object
+    bus: busmod.Bus,
+    sub: Any,
+    job_id: str,
+    limit: float,
+    on_event: object,
+    *,
+    evaluation_id: str | None = None,
 ) -> EvaluationSummary:
     """The job's summary from its events (or from the database when its "done" was
-    missed); its typed error when it failed. A cancelled job's summary has status
-    "cancelled" (it is stored as such)."""
+    missed: ``evaluation_id``, the job's :meth:`~mlscope.contracts.JobRequest.evaluation_id`,
+    default the one derived from ``job_id``); its typed error when it failed. A
+    cancelled job's summary has status "cancelled" (it is stored as such)."""
     accepted = queued = False
     deadline = time.monotonic() + limit
     while True:
@@ -122,13 +136,13 @@ async def await_summary(
         if msg is None:
             if not accepted:
                 stored = await _not_taken(
-                    bus, job_id, limit, deadline, None if queued else on_event
+                    bus, job_id, limit, deadline, None if queued else on_event, evaluation_id
                 )
                 if stored is not None:  # run and stored while its events were missed
                     return stored
                 queued = True
                 continue
-            _, stored = await stored_result(bus, job_id)
+            _, stored = await stored_result(bus, job_id, evaluation_id)
             if stored is not None:  # its "done" was missed (a bus outage)
                 return stored
             if time.monotonic() < deadline:
@@ -148,12 +162,17 @@ async def await_summary(
 
 
 async def _not_taken(
-    bus: busmod.Bus, job_id: str, limit: float, deadline: float, on_event: object
+    bus: busmod.Bus,
+    job_id: str,
+    limit: float,
+    deadline: float,
+    on_event: object,
+    evaluation_id: str | None,
 ) -> EvaluationSummary | None:
     """No server took the job yet: its stored summary if it has one; None while it is
     queued (servers answer, each busy with as many jobs as it runs at a time; ``on_event``
     then hears "queued"); a BusError when no server answers or ``deadline`` passed."""
-    answers, stored = await stored_result(bus, job_id)
+    answers, stored = await stored_result(bus, job_id, evaluation_id)
     if stored is not None:
         return stored
     if not answers:
@@ -174,13 +193,19 @@ async def _not_taken(
     return None
 
 
-async def stored_result(bus: busmod.Bus, job_id: str) -> tuple[bool, EvaluationSummary | None]:
+async def stored_result(
+    bus: busmod.Bus, job_id: str, evaluation_id: str | None = None
+) -> tuple[bool, EvaluationSummary | None]:
     """Whether a server answers on the bus (its database responder), and the job's
     stored summary when it has one (None: not stored yet, or no server answering right
     now): a job not taken while a server answers waits in the job queue behind others
-    (a server runs a few jobs at a time)."""
+    (a server runs a few jobs at a time). ``evaluation_id``: where the job's evaluation
+    is stored (:meth:`~mlscope.contracts.JobRequest.evaluation_id`: an MLPerf import's
+    is its logs'), default the id derived from ``job_id``."""
     try:
-        summary = await remote.stored_summary(bus, evaluation_id_for(job_id), timeout=5.0)
+        summary = await remote.stored_summary(
+            bus, evaluation_id or evaluation_id_for(job_id), timeout=5.0
+        )
     except BusError:  # nobody serves the database, or no answer in time
         return False, None
     except DatabaseError:  # a server answered: not stored

@@ -6,6 +6,7 @@ result. Fast: no stack, no LoadGen run (``tests/test_mlperf.py`` has those).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ import pytest
 
 from broker import mlperf_logs as logs
 from cli.mlperf_cmd import import_job
+from mlscope.contracts import IMPORT_ID_HEX, IMPORT_IDENTITY_LOGS, JobRequest, evaluation_id_for
 from mlscope.errors import ConfigError
+from mlscope.hashing import sha256_path
 
 
 def test_malformed_logs_are_typed_errors(tmp_path: Path) -> None:
@@ -164,3 +167,49 @@ def test_checker_counts_each_sample_once() -> None:
     entries = [(0, one), (1, one), (0, two), (2, b"")]
     assert logs.imagenet_top1(entries, np.array([1, 2, 0])) == (1, 3)
     assert logs.format_accuracy(1, 3) == "accuracy=33.333%, good=1, total=3\n"
+
+
+# --------------------------------------------------------------------------- identity
+
+
+def _run_dir(root: Path) -> Path:
+    root.mkdir(parents=True)
+    (root / logs.SUMMARY).write_text("Scenario : Server\n")
+    (root / logs.DETAIL).write_text(_detail(**{"result_99.00_percentile_latency_ns": 5}))
+    return root
+
+
+def test_an_imported_run_is_its_summary_and_detail_logs(tmp_path: Path) -> None:
+    """The evaluation an import is stored as follows from the two logs LoadGen writes
+    for every run, and from nothing else: not the path, system, model or framework it
+    is imported with, nor the trace and accuracy logs that may come with it; one
+    changed character in either log is another run."""
+    assert IMPORT_IDENTITY_LOGS == logs.REQUIRED  # the logs every import carries
+    first = _run_dir(tmp_path / "box" / "digits_cnn" / "Server" / "performance" / "run_1")
+    ev = import_job(first, model=None, framework="mlperf", system=None).evaluation_id()
+    assert ev.startswith("ev-") and len(ev) == 3 + IMPORT_ID_HEX
+    copy = tmp_path / "elsewhere" / "run"
+    shutil.copytree(first, copy)
+    (copy / logs.TRACE).write_text(_sample())
+    (copy / logs.ACCURACY).write_text("[]")
+    job = import_job(copy, model="other", framework="onnxruntime", system="rack-2")
+    assert job.mlperf_import is not None and set(job.mlperf_import.files) == set(logs.LOG_FILES)
+    assert job.evaluation_id() == ev
+    assert job.mlperf_import.source != str(first.resolve())
+    for name, was, now in ((logs.SUMMARY, "Server", "server"), (logs.DETAIL, ": 5}", ": 6}")):
+        changed = tmp_path / f"changed-{name}"
+        shutil.copytree(first, changed)
+        text = (changed / name).read_text()
+        assert was in text
+        (changed / name).write_text(text.replace(was, now, 1))  # one character
+        again = import_job(changed, model="digits_cnn", framework="mlperf", system=None)
+        assert again.evaluation_id() != ev, name
+    # A directory of just the two logs hashes as its run (mlscope.hashing's one rule).
+    just = tmp_path / "just"
+    just.mkdir()
+    for name in logs.REQUIRED:
+        shutil.copy(first / name, just / name)
+    assert job.mlperf_import.identity() == sha256_path(just)
+    # Any other job's evaluation is its own, derived from its id.
+    plain = JobRequest(model="m", framework="onnxruntime")
+    assert plain.evaluation_id() == evaluation_id_for(plain.job_id)

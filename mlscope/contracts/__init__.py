@@ -105,6 +105,8 @@ from mlscope.contracts._control import (
     SamplesUnloadOp,
 )
 from mlscope.contracts._jobs import (
+    IMPORT_ID_HEX,
+    IMPORT_IDENTITY_LOGS,
     JobRequest,
     MLPerfImport,
     MLPerfSpec,
@@ -165,6 +167,8 @@ __all__ = [
     "CONTROL",
     "CURSOR_ID_CHARS",
     "EPOCH_LIMIT_S",
+    "IMPORT_IDENTITY_LOGS",
+    "IMPORT_ID_HEX",
     "LOADGEN_CONTROL",
     "LOCAL_RUN",
     "MAX_BATCH",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Annotated, Any, Literal
 
@@ -32,9 +33,11 @@ from mlscope.contracts._base import (
     Seed,
     TraceLevel,
     _Message,
+    evaluation_id_for,
     new_id,
 )
 from mlscope.errors import ConfigError
+from mlscope.hashing import tree_sha256
 from mlscope.versions import parse_constraint
 
 
@@ -193,6 +196,14 @@ class MLPerfSpec(BaseModel):
     """LoadGen's sample, sample-index and schedule seeds (default: the conf files')."""
 
 
+IMPORT_IDENTITY_LOGS = ("mlperf_log_summary.txt", "mlperf_log_detail.txt")
+"""The logs that are an imported MLPerf run's identity (:meth:`MLPerfImport.identity`):
+the two every import carries (``broker.mlperf_logs.REQUIRED``)."""
+IMPORT_ID_HEX = 16
+"""Hex digits of the identity in an imported run's evaluation id (64 bits; the server
+checks the whole digest stored with the run, so a shorter match is never taken)."""
+
+
 class MLPerfImport(BaseModel):
     """MLPerf logs written elsewhere, loaded as an evaluation (``mlscope import mlperf``)."""
 
@@ -204,6 +215,41 @@ class MLPerfImport(BaseModel):
     """Where the logs were read (a path on the importing machine)."""
     system: str = ""
     """The submitter's system name (the results tree's ``<system>`` directory)."""
+
+    def identity(self) -> str:
+        """What the imported run is: the sha256 of its summary and detail logs' text
+        (:func:`mlscope.hashing.tree_sha256` of each one's sha256, by name: a directory
+        holding just these two files hashes the same), the one definition the server
+        stores and finds an import by (``broker.mlperf``). The same logs imported
+        again, from any path, at any time, by any job, are the same run; one changed
+        character in either is another.
+
+        Left out, on purpose:
+
+        * where the logs were read (``source``) and when: a copy of a results tree, or
+          the same tree imported again after a run was added, holds the same runs;
+        * the trace and accuracy logs: by-products of the run the two logs already name
+          (the detail log records its settings, start time and every result), which
+          are routinely left out or rewritten after it -- the importer drops them to fit
+          a job, ``enable_trace`` is off in most runs, and MLPerf's submission tooling
+          truncates the accuracy log and deletes the trace -- so counting them would
+          make one run two evaluations whenever a copy ships other by-products;
+        * model, framework and system: labels given to the run (from the results tree or
+          flags), not what it measured; no two runs share a detail log, so leaving them
+          out never merges two runs, while counting them would store one run once per
+          label. The labels (and by-products) kept are the first import's.
+
+        The text is what the importer read (``mlscope import mlperf`` decodes with
+        universal newlines and U+FFFD for a byte that is not UTF-8)."""
+        return tree_sha256(
+            (name, hashlib.sha256(self.files.get(name, "").encode()).hexdigest())
+            for name in sorted(IMPORT_IDENTITY_LOGS)
+        )
+
+    def evaluation_id(self) -> str:
+        """The evaluation these logs are stored as: ``ev-`` and the first
+        :data:`IMPORT_ID_HEX` hex digits of :meth:`identity`."""
+        return f"ev-{self.identity()[:IMPORT_ID_HEX]}"
 
 
 class SystemRequirement(BaseModel):
@@ -291,6 +337,15 @@ class JobRequest(_Message):
     out (or None): the scenario's own default (``ScenarioTraits.placement``: ``agent``
     for the batched throughput sweep, ``server`` for the rest); always ``server`` for
     MLPerf jobs, imports and runs dealt to several load generators."""
+
+    def evaluation_id(self) -> str:
+        """The evaluation this job stores: an MLPerf import's is its logs'
+        (:meth:`MLPerfImport.evaluation_id`: the same logs imported again are the
+        evaluation stored the first time); any other job's is derived from its id
+        (:func:`~mlscope.contracts.evaluation_id_for`: a redelivered job finds its own)."""
+        if self.mlperf_import is not None:
+            return self.mlperf_import.evaluation_id()
+        return evaluation_id_for(self.job_id)
 
     @model_validator(mode="before")
     @classmethod

@@ -139,14 +139,18 @@ class JobEvent(_Message):
     error: dict[str, Any] | None = None
 
     @classmethod
-    def ended(cls, summary: EvaluationSummary, *, server_id: str) -> JobEvent:
+    def ended(
+        cls, summary: EvaluationSummary, *, server_id: str, job_id: str | None = None
+    ) -> JobEvent:
         """A job's last event: ``done`` (``cancelled`` for a cancelled run) with its
         summary, and that summary's run's final figures in the fields progress events
         fill, so that a callback that shows ``queries_done`` ends on the true count.
-        Answered queries are those neither left unissued nor lost."""
+        Answered queries are those neither left unissued nor lost. ``job_id``: the job
+        that ends, when its summary is another job's (an MLPerf import of logs stored
+        before answers with the evaluation stored then); default the summary's."""
         cancelled = summary.status == "cancelled"
         return cls(
-            job_id=summary.job_id,
+            job_id=job_id or summary.job_id,
             event="cancelled" if cancelled else "done",
             server_id=server_id,
             evaluation_id=summary.evaluation_id,
