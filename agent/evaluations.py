@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 import mlscope
 from agent import profiling
 from agent.energy import EnergyMeter
+from agent.hostload import HostLoad
 from agent.mlperf_ops import MLPerfOps
 from agent.models import ModelHost
 from agent.pipeline import Executor
@@ -98,6 +99,7 @@ class Evaluations:
     mlperf: MLPerfOps
     rss: RssWatch
     energy: EnergyMeter
+    host: HostLoad
     sampler: Sampler
     tracer: Tracer
     bus: Bus
@@ -208,6 +210,7 @@ class Evaluations:
         await anyio.to_thread.run_sync(self.sampler.unwatch, req.evaluation_id)
         rss = await anyio.to_thread.run_sync(self.rss.stop, req.evaluation_id)
         energy_j = await anyio.to_thread.run_sync(self.energy.stop, req.evaluation_id)
+        host = await anyio.to_thread.run_sync(self.host.stop, req.evaluation_id)
         if session is not None and session.level >= TraceLevel.FRAMEWORK:
             await anyio.to_thread.run_sync(  # layer spans a profiler held back
                 profiling.flush, session.worker.model.predictor
@@ -228,6 +231,9 @@ class Evaluations:
             rss_end_bytes=end,
             energy_j=energy_j,
             span_batches_refused=self.tracer.refused.pop(req.evaluation_id, 0),
+            host_other_cpu_s=None if host is None else host.other_cpu_s,
+            host_steal_s=None if host is None else host.steal_s,
+            host_window_s=None if host is None else host.window_s,
         )
 
     async def _stop_runs(self, evaluation_id: str) -> None:
@@ -290,6 +296,7 @@ class Evaluations:
             self.sampler.watch(eval_id, self.tracer.samples(eval_id).add)
         await anyio.to_thread.run_sync(self.rss.start, eval_id)
         await anyio.to_thread.run_sync(self.energy.start, eval_id, models.device)
+        await anyio.to_thread.run_sync(self.host.start, eval_id)
         return PrepareReply(
             cold=cold,
             load_ns=load_ns,

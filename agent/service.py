@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 import mlscope
 from agent.energy import EnergyMeter
 from agent.evaluations import Evaluations
+from agent.hostload import HostLoad
 from agent.mlperf_ops import MLPerfOps, loadgen_installed
 from agent.models import ModelHost
 from agent.outbox import Outbox
@@ -248,6 +249,7 @@ class Agent:
             mlperf=self.mlperf,
             rss=self.rss,
             energy=self.energy,
+            host=HostLoad(),
             sampler=self.sampler,
             tracer=self.tracer,
             bus=bus,

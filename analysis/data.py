@@ -78,6 +78,7 @@ EVALUATION_FIELDS = (
     "peak_rss_mb",
     "rss_growth_mb",
     "energy_j",
+    "host_other_cores",
 )
 """``role``: ``run`` (one measured run with its queries) or ``sweep`` (the parent of a
 batch-size sweep or rate search: the summary only, its runs stored on their own, their
@@ -85,9 +86,11 @@ ids in ``runs``). ``artifact_sha256``: the model file the agent loaded ("" when 
 recorded). ``preprocess``: ``ahead`` when the samples were pre-processed before the
 clock started, ``timed`` when inside each query's time. ``peak_rss_mb`` /
 ``rss_growth_mb``: the agent process's peak resident memory and its growth over the run
-(MB); ``energy_j``: None unless a power source was read. ``queries``: every query the
-run sent, as the server stored it, warm-up included (``warmup_queries`` of them; the
-figures of :func:`analysis.summary.summary` count the others only)."""
+(MB); ``energy_j``: None unless a power source was read; ``host_other_cores``: the
+cores other processes kept busy on the agent's host on average (None: not reported).
+``queries``: every query the run sent, as the server stored it, warm-up included
+(``warmup_queries`` of them; the figures of :func:`analysis.summary.summary` count the
+others only)."""
 
 COUNT_TYPES = dict.fromkeys(("queries", "warmup_queries", "samples", "errors"), "Int64")
 """The counts of :data:`EVALUATION_FIELDS`, as nullable integers: whole numbers in every
@@ -352,6 +355,7 @@ def _flatten(r: dict[str, Any], *, named: bool) -> dict[str, Any]:
         "peak_rss_mb": _figure(summary.get("peak_rss_mb")),
         "rss_growth_mb": _figure(summary.get("rss_growth_mb")),
         "energy_j": _figure(summary.get("energy_j")),
+        "host_other_cores": _figure(summary.get("host_other_cores")),
     }
 
 

@@ -47,6 +47,7 @@ SUMMARY_VIEW = [
     "top1",
     "peak_rss_mb",
     "rss_growth_mb",
+    "host_other_cores",
 ]
 
 
@@ -173,7 +174,10 @@ def _summary_section(summ: pd.DataFrame) -> Section:
     section.notes.append(
         "Memory: peak_rss_mb is the agent process's peak resident memory while the "
         "evaluation was prepared, rss_growth_mb its resident memory at release minus at "
-        "prepare (MB = 10^6 bytes; empty: not reported). Energy: "
+        "prepare (MB = 10^6 bytes; empty: not reported); host_other_cores the cores other "
+        "processes kept busy on the agent's host on average meanwhile (the server and "
+        "load generator included when they shared it; more than a few tenths: the model "
+        "had less CPU than on a quiet host). Energy: "
         + (
             "not available (no power source was readable on the agents' hosts)."
             if summ["energy_j"].isna().all()

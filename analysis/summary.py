@@ -72,6 +72,7 @@ SUMMARY_COLUMNS = (
     "peak_rss_mb",
     "rss_growth_mb",
     "energy_j",
+    "host_other_cores",
     "artifact_sha256",
 )
 

@@ -16,7 +16,15 @@ from mlscope.catalog import Entry
 from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest
 from mlscope.provision import AGENT_TRACE_BATCHES
 
-__all__ = ["Summarizer", "budget_warnings", "memory_figures", "parent_summary"]
+__all__ = [
+    "HOST_OTHER_WARN_CORES",
+    "HOST_STEAL_WARN_CORES",
+    "Summarizer",
+    "budget_warnings",
+    "host_warnings",
+    "memory_figures",
+    "parent_summary",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,13 +184,50 @@ def budget_warnings(released: dict[str, Any]) -> tuple[str, ...]:
 
 def memory_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:
     """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes), ``energy_j`` and
-    ``energy_per_inference_j`` from the agent's release reply; None where the agent did
-    not report them (no readable counter, an older agent, a lost one)."""
+    ``energy_per_inference_j``, ``host_other_cores`` and ``host_steal_cores`` from the
+    agent's release reply; None where the agent did not report them (no readable
+    counter, an older agent, a lost one)."""
     start, peak, end = (released.get(f"rss_{k}_bytes") for k in ("start", "peak", "end"))
     energy = released.get("energy_j")
+    window = released.get("host_window_s")
+    other, steal = (released.get(k) for k in ("host_other_cpu_s", "host_steal_s"))
     return {
         "peak_rss_mb": peak / 1e6 if peak is not None else None,
         "rss_growth_mb": (end - start) / 1e6 if start is not None and end is not None else None,
         "energy_j": energy,
         "energy_per_inference_j": energy / samples if energy is not None and samples else None,
+        "host_other_cores": other / window if other is not None and window else None,
+        "host_steal_cores": steal / window if steal is not None and window else None,
     }
+
+
+HOST_OTHER_WARN_CORES = 0.25
+"""Other processes keeping a quarter of a core busy on the agent's host, on average
+over the evaluation, are said to have shared it (an idle host's daemons use ~0.01)."""
+HOST_STEAL_WARN_CORES = 0.05
+"""The hypervisor taking a twentieth of a core meanwhile is said to have."""
+
+
+def host_warnings(figures: dict[str, Any], loadgen_cost: dict[str, Any]) -> tuple[str, ...]:
+    """What the agent's host did besides the agent (:func:`memory_figures`' host
+    figures): other processes' CPU and the hypervisor's steal, each when large enough
+    to have taken CPU from the model. A load generator sharing the host is counted out
+    of "other processes" (its own warning says what it used: ``LoadgenCost.warnings``)."""
+    out = []
+    other, steal = figures.get("host_other_cores"), figures.get("host_steal_cores")
+    loadgen = loadgen_cost.get("busy_cores") if loadgen_cost.get("shared_host") else None
+    if other is not None:
+        besides = other - (loadgen or 0.0)
+        if besides >= HOST_OTHER_WARN_CORES:
+            told = " besides the load generator" if loadgen else ""
+            out.append(
+                f"other processes on the agent's host kept {besides:.2f} cores busy on "
+                f"average{told} while the evaluation ran: the model had less CPU than on "
+                "a quiet host, and its figures may not reproduce there"
+            )
+    if steal is not None and steal >= HOST_STEAL_WARN_CORES:
+        out.append(
+            f"the hypervisor took {steal:.2f} cores from the agent's host (steal time) "
+            "while the evaluation ran: the model had less CPU than the host's cores"
+        )
+    return tuple(out)

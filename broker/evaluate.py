@@ -25,7 +25,13 @@ from broker.context import Context
 from broker.db import Database
 from broker.evalprep import Prepared, prepare_agent
 from broker.evalspec import specification
-from broker.evalsummary import Summarizer, budget_warnings, memory_figures, parent_summary
+from broker.evalsummary import (
+    Summarizer,
+    budget_warnings,
+    host_warnings,
+    memory_figures,
+    parent_summary,
+)
 from broker.run import RunsSoFar
 from mlscope import codec, names, samples
 from mlscope.bus import Bus, request
@@ -132,10 +138,15 @@ class Evaluator:
             m = entry.manifest
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
+        figures = memory_figures(released, summary.samples)
         summary = summary.model_copy(
             update={
-                **memory_figures(released, summary.samples),
-                "warnings": (*summary.warnings, *budget_warnings(released)),
+                **figures,
+                "warnings": (
+                    *summary.warnings,
+                    *budget_warnings(released),
+                    *host_warnings(figures, summary.loadgen_cost or {}),
+                ),
             }
         )
         # Every row an evaluation has before its evaluation row, which goes last: a

@@ -51,7 +51,7 @@ from broker import mlperf_logs as logs
 from broker.db import Database
 from broker.evalprep import PREPARE_TIMEOUT_S
 from broker.evalspec import specification
-from broker.evalsummary import budget_warnings, memory_figures
+from broker.evalsummary import budget_warnings, host_warnings, memory_figures
 from broker.lgclock import estimate_offset
 from broker.mlperf_agent import run_in_agent
 from broker.mlperf_record import (
@@ -144,10 +144,10 @@ async def run(
         summary, rec, int(timing["errors"]), job, agent, entry, (offset, rtt), prep
     )
     # What the agent's release says (its memory, energy and spans), as every run's says.
-    warnings = (*summary.warnings, *budget_warnings(released))
-    summary = summary.model_copy(
-        update={**memory_figures(released, summary.samples), "warnings": warnings}
-    )
+    figures = memory_figures(released, summary.samples)
+    host = host_warnings(figures, summary.loadgen_cost or {})
+    warnings = (*summary.warnings, *budget_warnings(released), *host)
+    summary = summary.model_copy(update={**figures, "warnings": warnings})
     spec_doc = specification(job, agent, entry, prep.dump())
     # The evaluation row last: a server that sees it takes the evaluation as stored whole.
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)

@@ -204,6 +204,10 @@ def _resource_rows(s: EvaluationSummary) -> list[tuple[str, str]]:
     if s.peak_rss_mb is not None:
         growth = "-" if s.rss_growth_mb is None else f"{s.rss_growth_mb:+.1f} MB"
         rows.append(("memory", f"agent peak RSS {s.peak_rss_mb:.1f} MB, growth {growth}"))
+    if s.host_other_cores is not None:
+        steal = "" if s.host_steal_cores is None else f", steal {s.host_steal_cores:.2f}"
+        busy = f"other processes kept {s.host_other_cores:.2f} cores busy{steal}"
+        rows.append(("host", f"{busy} (mean over the evaluation)"))
     if s.energy_j is None:
         rows.append(("energy", "not available (no power source was read)"))
         return rows

@@ -88,6 +88,10 @@ def test_a_summary_has_the_agents_memory_and_no_made_up_energy(noop_agent: Setti
     assert s.rss_growth_mb is not None and abs(s.rss_growth_mb) < s.peak_rss_mb
     text = format_summary(s)
     assert f"agent peak RSS {s.peak_rss_mb:.1f} MB" in text
+    # The host's other processes, read from /proc/stat (checked against a burner
+    # process in tests/test_hostload.py): reported, and said in the summary.
+    assert s.host_other_cores is not None and s.host_other_cores >= 0
+    assert f"other processes kept {s.host_other_cores:.2f} cores busy" in text
     if rapl_counters():  # this machine exposes a readable package counter
         assert s.energy_j is not None and s.energy_j > 0
         assert s.energy_per_inference_j == pytest.approx(s.energy_j / s.samples)

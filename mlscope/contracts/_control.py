@@ -27,6 +27,9 @@ from mlscope.contracts._base import (
 from mlscope.contracts._jobs import MLPerfSpec, ScenarioSpec
 from mlscope.contracts._registry import AgentDescription
 
+HostSeconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+"""Seconds an agent reports of its host: finite, and within any run's reach."""
+
 # --------------------------------------------------------------------------- control
 
 
@@ -229,6 +232,13 @@ class ReleaseReply(_Message):
     """Span and sample batches of the evaluation the traces stream refused: the
     agent's trace budget (:data:`mlscope.provision.AGENT_TRACE_BATCHES` batches not
     yet stored) was full, so their rows are missing."""
+    host_other_cpu_s: HostSeconds | None = None
+    """CPU seconds every process on the agent's host but the agent used between
+    prepare and release (:mod:`agent.hostload`); None where not readable."""
+    host_steal_s: HostSeconds | None = None
+    """CPU seconds the hypervisor took from the host's virtual CPUs meanwhile."""
+    host_window_s: HostSeconds | None = None
+    """Seconds from prepare to release, over which both were counted."""
 
 
 class RunStarted(_Message):

@@ -110,6 +110,12 @@ class EvaluationSummary(_Message):
     (never 0 for "unknown"). On a CPU it is the whole package's (RAPL)."""
     energy_per_inference_j: float | None = None
     """``energy_j`` over the run's samples (joules per inference); None with it."""
+    host_other_cores: float | None = None
+    """Cores that processes other than the agent kept busy on its host, on average
+    between prepare and release (the server and load generator included when they
+    shared it); None when the agent could not read its host's counters."""
+    host_steal_cores: float | None = None
+    """Cores the hypervisor took from the agent's host meanwhile (steal time)."""
     started_at: float
     finished_at: float
 
