@@ -72,9 +72,10 @@ def user_conf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def mlscope(stack: Stack, *args: str) -> Any:
+def cli(stack: Stack, *args: str) -> str:
+    """``mlscope ARGS`` against the stack: its standard output (it must succeed)."""
     out = subprocess.run(
-        [str(MLSCOPE), *args, "--json"],
+        [str(MLSCOPE), *args],
         env=child_env(stack.settings),
         capture_output=True,
         text=True,
@@ -82,7 +83,11 @@ def mlscope(stack: Stack, *args: str) -> Any:
         check=False,
     )
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return out.stdout
+
+
+def mlscope(stack: Stack, *args: str) -> Any:
+    return json.loads(cli(stack, *args, "--json"))
 
 
 def mlperf(stack: Stack, out: Path, conf: Path, *flags: str) -> dict[str, Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +34,8 @@ from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest
 from mlscope.errors import EvaluationError
 from mlscope.jobs import submit
 from mlscope.record import RunRecord
-from tests.conftest import child_env, running_stack
-from tests.test_mlperf import MLSCOPE, mlscope, query, run_loadgen
+from tests.conftest import running_stack
+from tests.test_mlperf import cli, mlscope, query, run_loadgen
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,16 +51,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def text_import(stack: Stack, *args: str) -> str:
-    out = subprocess.run(
-        [str(MLSCOPE), "import", "mlperf", *args],
-        env=child_env(stack.settings),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+    return cli(stack, "import", "mlperf", *args)
 
 
 def json_import(stack: Stack, *args: str) -> list[dict[str, Any]]:
@@ -71,31 +61,15 @@ def json_import(stack: Stack, *args: str) -> list[dict[str, Any]]:
 
 def runs_listed(stack: Stack, model: str) -> list[str]:
     """The evaluation ids ``mlscope runs`` lists for ``model`` (newest first)."""
-    out = subprocess.run(
-        [str(MLSCOPE), "runs", "--model", model, "--limit", "100", "--json"],
-        env=child_env(stack.settings),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    return [json.loads(line)["evaluation_id"] for line in out.stdout.splitlines()]
+    out = cli(stack, "runs", "--model", model, "--limit", "100", "--json")
+    return [json.loads(line)["evaluation_id"] for line in out.splitlines()]
 
 
 def reported(stack: Stack, tmp_path: Path, *ids: str) -> dict[str, int]:
     """For each of ``ids``, the most rows naming it in any one table of ``mlscope
     report``'s (1: listed once; 0: not listed)."""
     path = tmp_path / "report.json"
-    out = subprocess.run(
-        [str(MLSCOPE), "report", *ids, "-o", str(path)],
-        env=child_env(stack.settings),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr
+    cli(stack, "report", *ids, "-o", str(path))
     counts = dict.fromkeys(ids, 0)
     for section in json.loads(path.read_text())["sections"]:
         for table in section["tables"]:
