@@ -7,14 +7,17 @@ the server never grows without bound nor waits forever."""
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
+from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from broker.agentrun import Absence, _Collector, gone
+from broker.lgclock import MAX_CLOCK_OFFSET_NS, estimate_offset
 from mlscope import bus as busmod
 from mlscope import codec, names, provision, wire
 from mlscope.contracts import (
@@ -269,3 +272,45 @@ def test_an_agent_is_gone_when_silent_or_another_process_answers_under_its_id(
                 return seen
 
     assert anyio.run(main) == ["silent", "", "", "restarted", "restarted"]
+
+
+def test_an_agent_whose_clock_no_host_could_show_fails_the_estimate_naming_it(
+    tmp_path: Path,
+) -> None:
+    """A ping answered with a clock near Int64's end is within the PingReply contract,
+    yet its offset would move the run's times past the Int64 columns: the estimate is
+    a WireError naming the agent's subject. A host booted a year before ours is fine."""
+
+    async def main() -> tuple[int, BaseException | None]:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="server") as bus,
+                busmod.connect(settings, name="agent") as agent_bus,
+            ):
+                ahead = {"honest": 365 * 24 * 3600 * 10**9, "rogue": 2**63 - 1}
+
+                def pong(agent_id: str) -> Callable[[Msg], Awaitable[None]]:
+                    async def answer(msg: Msg) -> None:
+                        t = ahead[agent_id] + (0 if agent_id == "rogue" else time.perf_counter_ns())
+                        await msg.respond(codec.encode(PingReply(t_agent=t).dump()))
+
+                    return answer
+
+                for agent_id in ahead:
+                    await agent_bus.nc.subscribe(names.agent_ctl(agent_id), cb=pong(agent_id))
+                await agent_bus.nc.flush()
+                offset, _ = await estimate_offset(bus, "honest", rounds=3)
+                try:
+                    await estimate_offset(bus, "rogue", rounds=3)
+                except MLScopeError as exc:
+                    return offset, exc
+                return offset, None
+
+    offset, error = anyio.run(main)
+    assert abs(offset - 365 * 24 * 3600 * 10**9) < 10**9
+    assert isinstance(error, WireError), repr(error)
+    assert (
+        names.agent_ctl("rogue") in error.message
+        and error.fields["offset_ns"] > MAX_CLOCK_OFFSET_NS
+    )

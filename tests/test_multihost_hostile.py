@@ -201,6 +201,7 @@ def test_a_service_cannot_make_the_server_delete_another_object(tmp_path: Path) 
         {"kind": "pong", "t_agent": None},
         {"kind": "pong", "t_agent": -1},
         {"kind": "pong", "t_agent": 1e300},
+        {"kind": "pong", "t_agent": 2**63 - 1},  # within the contract, past any uptime
     ],
 )
 def test_a_service_whose_ping_reply_is_malformed_fails_the_run_naming_it(
