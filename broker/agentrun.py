@@ -46,6 +46,7 @@ from typing import Any, Literal
 import anyio
 import numpy as np
 
+from broker import lgclock
 from mlscope import codec, names, samples, wire
 from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import (
@@ -59,7 +60,7 @@ from mlscope.contracts import (
     ScenarioSpec,
     TraceLevel,
 )
-from mlscope.errors import BusError, EvaluationError, MLScopeError, error_from_wire
+from mlscope.errors import BusError, EvaluationError, MLScopeError, WireError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.registry import list_agents
 
@@ -106,10 +107,11 @@ async def drive(
             trace_level=trace_level.name.lower(),
             max_bytes=bus.payload_budget(),
         )
+        asked = lgclock.now()
         await bus.nc.publish(names.agent_ctl(agent_id), codec.encode_model(op), reply=inbox)
         started = await _started(sub, agent_id)
         rec = RunRecord(n=max(started.queries, 1), batch_size=spec.batch_size)
-        rec.t0_ns = started.t0_agent - offset_ns
+        rec.t0_ns = _t0(started, offset_ns, asked, agent_id)
         rec.preprocessed = started.preprocess == "ahead"
         rec.streamed = started.streamed
         collector = _Collector(rec, labels, agent)
@@ -138,6 +140,23 @@ async def _started(sub: Any, agent_id: str) -> RunStarted:
     if isinstance(data, dict) and data.get("kind") == "error":
         raise error_from_wire(data["error"])
     return codec.validate(RunStarted, data)
+
+
+def _t0(started: RunStarted, offset_ns: int, asked_ns: int, agent_id: str) -> int:
+    """The run's offset 0 on our clock. The agent starts its run as it answers (20 ms
+    ahead), so its ``t0_agent`` read with the measured offset falls between the request
+    and the answer, give or take the start timeout: any other is no clock the ping
+    measured (and could be past the Int64 that stores it), a WireError naming the agent."""
+    t0 = started.t0_agent - offset_ns
+    slack = int(START_TIMEOUT_S * 1e9)
+    if not asked_ns - slack <= t0 <= lgclock.now() + slack:
+        raise WireError(
+            f"agent {agent_id} started its run at {started.t0_agent} ns of its clock, "
+            f"{(t0 - asked_ns) / 1e9:.3g} s from when the run was asked for (clock offset "
+            f"{offset_ns} ns); its run starts as it answers",
+            agent_id=agent_id,
+        )
+    return t0
 
 
 class _Collector:

@@ -16,7 +16,7 @@ import pytest
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from broker.agentrun import Absence, _Collector, gone
+from broker.agentrun import Absence, _Collector, drive, gone
 from broker.lgclock import MAX_CLOCK_OFFSET_NS, estimate_offset
 from mlscope import bus as busmod
 from mlscope import codec, names, provision, wire
@@ -27,6 +27,8 @@ from mlscope.contracts import (
     PrepareReply,
     RunRows,
     RunStarted,
+    ScenarioSpec,
+    TraceLevel,
 )
 from mlscope.errors import EvaluationError, MLScopeError, WireError
 from mlscope.natsserver import NatsServer
@@ -274,6 +276,18 @@ def test_an_agent_is_gone_when_silent_or_another_process_answers_under_its_id(
     assert anyio.run(main) == ["silent", "", "", "restarted", "restarted"]
 
 
+async def heard(bus: busmod.Bus, subject: str, payload: bytes) -> None:
+    """Once a request on ``subject`` is answered: a responder's interest reaches the
+    server's connection a moment after its own flush."""
+    with anyio.fail_after(20):
+        while True:
+            try:
+                await busmod.request(bus, subject, payload, timeout=2)
+                return
+            except MLScopeError:
+                await anyio.sleep(0.1)
+
+
 def test_an_agent_whose_clock_no_host_could_show_fails_the_estimate_naming_it(
     tmp_path: Path,
 ) -> None:
@@ -299,7 +313,7 @@ def test_an_agent_whose_clock_no_host_could_show_fails_the_estimate_naming_it(
 
                 for agent_id in ahead:
                     await agent_bus.nc.subscribe(names.agent_ctl(agent_id), cb=pong(agent_id))
-                await agent_bus.nc.flush()
+                    await heard(bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()))
                 offset, _ = await estimate_offset(bus, "honest", rounds=3)
                 try:
                     await estimate_offset(bus, "rogue", rounds=3)
@@ -314,3 +328,48 @@ def test_an_agent_whose_clock_no_host_could_show_fails_the_estimate_naming_it(
         names.agent_ctl("rogue") in error.message
         and error.fields["offset_ns"] > MAX_CLOCK_OFFSET_NS
     )
+
+
+@pytest.mark.parametrize("t0_agent", [2**63 - 1, 5, 10**18])
+def test_a_run_start_at_a_time_no_clock_showed_fails_the_run_naming_the_agent(
+    tmp_path: Path, t0_agent: int
+) -> None:
+    """The agent's answer to a run request sets the run's offset 0 on the server's clock
+    (its t0 less the measured offset): a t0 far from when it answered (past Int64 once
+    moved, or years away) fails the run at once, before any row is awaited."""
+
+    async def main() -> BaseException | None:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="server") as bus,
+                busmod.connect(settings, name="agent") as agent_bus,
+            ):
+
+                async def start(msg: Msg) -> None:  # answers a run request (and a probe)
+                    op = codec.decode(msg.data).get("op")
+                    if op == "run":
+                        await msg.respond(codec.encode_model(RunStarted(t0_agent=t0_agent)))
+                    elif op == "probe":
+                        await msg.respond(b"\xc0")
+
+                await agent_bus.nc.subscribe(names.agent_ctl("rogue"), cb=start)
+                await agent_bus.nc.flush()
+                await heard(bus, names.agent_ctl("rogue"), codec.encode({"op": "probe"}))
+                try:
+                    await drive(
+                        bus,
+                        agent=agent_description("rogue"),
+                        evaluation_id="ev-x",
+                        spec=ScenarioSpec(name="batched", duration_s=1),
+                        trace_level=TraceLevel.NONE,
+                        offset_ns=0,
+                        labels=None,
+                    )
+                except MLScopeError as exc:
+                    return exc
+                return None
+
+    error = anyio.run(main)
+    assert isinstance(error, WireError), repr(error)
+    assert "agent rogue started its run" in error.message and error.fields["agent_id"] == "rogue"
