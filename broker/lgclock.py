@@ -12,17 +12,12 @@ import time
 
 from mlscope import codec, names
 from mlscope.bus import Bus, request
-from mlscope.contracts import PingReply
+from mlscope.contracts import MAX_CLOCK_OFFSET_NS, PingReply
 from mlscope.errors import ConfigError, WireError
 
-__all__ = ["MAX_CLOCK_OFFSET_NS", "estimate_offset", "now"]
+__all__ = ["estimate_offset", "now"]
 
 now = time.perf_counter_ns
-MAX_CLOCK_OFFSET_NS = 2**62
-"""The largest offset a measurement may give (146 years): both clocks count ns since
-their host booted, so a real offset is within either host's uptime. Within it, the
-times an offset moves stay Int64 (a service's offset to the agent, the agent's offset
-minus the service's, included); a responder claiming more is lying or broken."""
 
 
 async def estimate_offset(
@@ -30,7 +25,7 @@ async def estimate_offset(
 ) -> tuple[int, int]:
     """(agent clock - our clock, round trip) in ns from the ping with the smallest RTT
     (the first of equals) among ``rounds`` pings (at least one). A responder whose clock
-    is more than :data:`MAX_CLOCK_OFFSET_NS` from ours is a WireError naming it.
+    is :data:`MAX_CLOCK_OFFSET_NS` or more from ours is a WireError naming it.
 
     NTP-style: offset = t_agent - (t_send + t_recv) / 2, error bounded by RTT / 2.
     ``subject``: another responder's control subject (a load-generator service's).
@@ -41,10 +36,10 @@ async def estimate_offset(
     payload = codec.encode({"op": "ping"})
     pings = [await _ping(bus, target, payload) for _ in range(rounds)]
     offset, rtt = min(pings, key=lambda ping: ping[1])
-    if abs(offset) > MAX_CLOCK_OFFSET_NS:
+    if abs(offset) >= MAX_CLOCK_OFFSET_NS:
         raise WireError(
             f"the ping reply on {target}: its clock is {offset / 1e9:.3g} s from ours, "
-            f"past the {MAX_CLOCK_OFFSET_NS / 1e9:.3g} s two hosts' uptimes allow",
+            f"not under the {MAX_CLOCK_OFFSET_NS / 1e9:.3g} s two hosts' uptimes allow",
             subject=target,
             offset_ns=offset,
         )

@@ -66,8 +66,9 @@ log = logging.getLogger("mlscope.loadgen")
 MAX_LOADED = 4
 """Slices held loaded and not yet started (a server that died between the two)."""
 MAX_START_AHEAD_S = 60.0
-"""How far ahead of now a run may be asked to start (a server asks for well under a
-second ahead, on this service's clock)."""
+"""How far from now a run may be asked to start (a server asks for well under a second
+ahead, on this service's clock): later would hold the service, which serves one start
+at a time; earlier would issue every query at once, each late by that much."""
 
 
 def default_id(settings: Settings) -> str:
@@ -227,10 +228,10 @@ class LoadgenService:
         if loaded is None:
             raise EvaluationError(f"run {op.run_id} was not loaded on {self.loadgen_id}")
         ahead_s = (op.start_ns - time.perf_counter_ns()) / 1e9
-        if ahead_s > MAX_START_AHEAD_S:  # the service serves one start at a time
+        if abs(ahead_s) > MAX_START_AHEAD_S:
             raise EvaluationError(
-                f"run {op.run_id} would start in {ahead_s:.3g} s; a server starts a "
-                f"loaded run within {MAX_START_AHEAD_S:.0f} s"
+                f"run {op.run_id} would start {ahead_s:+.3g} s from now; a server starts "
+                f"a loaded run within {MAX_START_AHEAD_S:.0f} s"
             )
         bus = self._bus()
         driver = self._driver(bus, op, loaded)

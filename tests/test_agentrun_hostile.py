@@ -17,10 +17,11 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from broker.agentrun import Absence, _Collector, drive, gone
-from broker.lgclock import MAX_CLOCK_OFFSET_NS, estimate_offset
+from broker.lgclock import estimate_offset
 from mlscope import bus as busmod
 from mlscope import codec, names, provision, wire
 from mlscope.contracts import (
+    MAX_CLOCK_OFFSET_NS,
     MAX_SCHEDULED_QUERIES,
     PingOp,
     PingReply,

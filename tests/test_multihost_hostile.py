@@ -116,10 +116,13 @@ SetUp = Callable[[busmod.Bus, Any], Awaitable[None]]
 """Starts the stand-in services (given their connection and the work bucket)."""
 
 
-def dealt_run(tmp_path: Path, set_up: SetUp) -> tuple[RunRecord | BaseException, bool]:
+def dealt_run(
+    tmp_path: Path, set_up: SetUp, on_progress: Any = None
+) -> tuple[RunRecord | BaseException, bool]:
     """A run dealt to services ``good`` and ``evil``, which ``set_up`` starts, on a real
-    nats-server and work bucket: the merged record or the run's error, and whether
-    someone else's object in the work bucket is still there afterwards."""
+    nats-server and work bucket (``on_progress``: the run's progress callback): the
+    merged record or the run's error, and whether someone else's object in the work
+    bucket is still there afterwards."""
     got: list[tuple[RunRecord | BaseException, bool]] = []
 
     async def main() -> None:
@@ -134,6 +137,7 @@ def dealt_run(tmp_path: Path, set_up: SetUp) -> tuple[RunRecord | BaseException,
                 await obs.put(OTHER, b"another run's slice")
                 await set_up(sb, obs)
                 ctx, spec, sched = _run_on_good_and_evil(bus)
+                ctx.on_progress = on_progress
                 outcome: RunRecord | BaseException
                 try:
                     outcome = await multihost.run_on_services(
@@ -301,3 +305,38 @@ def test_a_service_whose_counts_are_not_its_results_is_refused(
     assert isinstance(error, WireError), repr(error)
     assert "load-generator service evil reported" in error.message, error.message
     assert error.fields["loadgen_id"] == "evil"
+
+
+def test_a_progress_note_past_any_run_is_not_shown(tmp_path: Path) -> None:
+    """While its slice runs, service ``evil`` reports 2**64 - 1 queries done on its
+    progress subject: the server's progress (what the submitter is shown) never counts
+    more queries than the run has; the run ends as its results say."""
+    shown: list[int] = []
+    ticks = anyio.Event()
+
+    async def on_progress(rec: RunRecord, _elapsed_s: float) -> None:
+        shown.append(rec.done)
+        if len(shown) >= 3:
+            ticks.set()
+
+    async def set_up(sb: busmod.Bus, obs: Any) -> None:
+        async def honest(op: dict[str, Any], obs: Any) -> str:
+            j = int(str(op["result_object"]).rsplit("-", 1)[1])
+            await obs.put(op["result_object"], _slice_result(j, answered=N // 2, cpu_s=0.0))
+            return str(op["result_object"])
+
+        async def boasting(op: dict[str, Any], obs: Any) -> str:
+            note = {"kind": "loadgen-progress", "run_id": op["run_id"]}
+            note |= {"result_object": op["result_object"], "done": 2**64 - 1}
+            await sb.nc.publish(names.loadgen_progress("evil"), codec.encode(note))
+            await sb.nc.flush()
+            shown.clear()
+            await ticks.wait()  # reports made after the note was heard
+            return await honest(op, obs)
+
+        await _service(sb, "good", honest, obs)
+        await _service(sb, "evil", boasting, obs)
+
+    rec, _ = dealt_run(tmp_path, set_up, on_progress)
+    assert isinstance(rec, RunRecord), repr(rec)
+    assert len(shown) >= 3 and max(shown) <= N, shown

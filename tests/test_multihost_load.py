@@ -267,6 +267,45 @@ def test_a_service_refuses_slices_and_starts_no_run_could_have(settings: Setting
     anyio.run(main, backend="asyncio")
 
 
+def test_a_load_or_start_whose_numbers_no_run_has_is_refused_at_once(settings: Settings) -> None:
+    """A load whose trace level no query carries, or whose clock offset is past any two
+    hosts' (every answer's time would overflow its Int64 row); a start minutes past
+    (every query issued at once, each that late) or before any clock: each is refused
+    with its typed error where it arrives, never loaded to fail at its run, and the
+    service goes on."""
+    spec = ScenarioSpec(name="online", qps=10, duration_s=1)
+    service = LoadgenService(settings, loadgen_id="lg-numbers")
+
+    async def main() -> None:
+        async with (
+            provisioned(settings, name="test") as bus,
+            anyio.create_task_group() as tg,
+        ):
+            await tg.start(service.run)
+            ctl, start = names.loadgen_ctl("lg-numbers"), names.loadgen_run("lg-numbers")
+            obs = await work_bucket(bus)
+            await obs.put(
+                "near", pack_slice(Schedule(np.array([0, 1000], np.int64)), [b"q"] * 2, None)
+            )
+            load = codec.decode(_load_op("lr-near", "near", spec))
+            for bad in ({"trace_level": 99}, {"offset_ns": 2**64 - 1}, {"offset_ns": -(2**63)}):
+                with pytest.raises(WireError, match=f"{next(iter(bad))}.*than"):
+                    await busmod.request(bus, ctl, codec.encode({**load, **bad}), timeout=30)
+            refusals = {time.perf_counter_ns() - 120 * 10**9: "would start", -(2**63): "start_ns"}
+            for start_ns, why in refusals.items():
+                await busmod.request(bus, ctl, codec.encode(load), timeout=30)
+                op = {"op": "start", "run_id": "lr-near", "start_ns": start_ns}
+                with anyio.fail_after(20), pytest.raises((EvaluationError, WireError), match=why):
+                    await busmod.request(
+                        bus, start, codec.encode({**op, "result_object": "r"}), timeout=15
+                    )
+            ping = await busmod.request(bus, ctl, codec.encode({"op": "ping"}), timeout=10)
+            assert ping["kind"] == "pong"
+            tg.cancel_scope.cancel()
+
+    anyio.run(main, backend="asyncio")
+
+
 def test_a_malformed_slice_is_refused_as_such_and_the_service_goes_on(settings: Settings) -> None:
     """A slice not shaped as the server packs it (or not there at all) is refused at
     ``load`` with what is wrong with it (a WireError, BusNotFound), not as a failure of

@@ -56,6 +56,14 @@ MAX_LOADGENS = 256
 QUERY_INDEX_LIMIT = 2**63
 """Query indices are 0 .. 2**63 - 1: they are stored as Int64 and travel as msgpack ints."""
 QueryIndex = Annotated[int, Field(ge=0, lt=QUERY_INDEX_LIMIT)]
+ClockNs = Annotated[int, Field(ge=0, lt=2**63)]
+"""A reading of a process's monotonic clock (``perf_counter_ns``): ns since its host
+booted, stored as Int64."""
+MAX_CLOCK_OFFSET_NS = 2**62
+"""The offset between two processes' clocks a measurement stays under (146 years):
+both count ns since their host booted, so a real offset is within either host's
+uptime. Under it, every time an offset moves stays an Int64, and so does the
+difference of two offsets (a load-generator service's offset to the agent)."""
 MAX_RUNS = 1000
 """Most runs one evaluation may make (a sweep's points, a search's trials: each run
 ``k`` of several is traced and stored under :func:`run_evaluation_id`)."""

@@ -17,7 +17,7 @@ from mlscope.contracts._base import (
     MAX_RUNS,
     MAX_SAMPLE_INDICES,
     MAX_SCHEDULED_QUERIES,
-    QUERY_INDEX_LIMIT,
+    ClockNs,
     Ident,
     NDArray,
     Preprocess,
@@ -190,7 +190,7 @@ CONTROL: TypeAdapter[ControlOp] = TypeAdapter(ControlRequest)
 
 class PingReply(_Message):
     kind: Literal["pong"] = "pong"
-    t_agent: int = Field(ge=0, le=2**63 - 1)
+    t_agent: ClockNs
     """The responder's ``perf_counter_ns`` (CLOCK_MONOTONIC) when it answered."""
 
 
@@ -245,7 +245,7 @@ class RunStarted(_Message):
     """The agent took a :class:`RunOp`: offset 0 of the run is ``t0_agent`` (its clock)."""
 
     kind: Literal["run_started"] = "run_started"
-    t0_agent: int = Field(ge=0, lt=QUERY_INDEX_LIMIT)
+    t0_agent: ClockNs
     """The agent's monotonic clock, ns (stored as Int64)."""
     queries: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
     """Queries the open-loop schedule holds (0 for a closed loop: not known ahead)."""

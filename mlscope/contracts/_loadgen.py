@@ -10,7 +10,15 @@ from pydantic import (
     model_validator,
 )
 
-from mlscope.contracts._base import MAX_SCHEDULED_QUERIES, Ident, Subject, _Message
+from mlscope.contracts._base import (
+    MAX_CLOCK_OFFSET_NS,
+    MAX_SCHEDULED_QUERIES,
+    ClockNs,
+    Ident,
+    Subject,
+    TraceLevel,
+    _Message,
+)
 from mlscope.contracts._control import PingOp
 from mlscope.contracts._jobs import ScenarioSpec
 from mlscope.contracts._registry import EPOCH_LIMIT_S
@@ -38,17 +46,19 @@ class LoadgenLoadOp(_Message):
     subject: Subject
     """Where the queries go (the prepared agent's query subject)."""
     spec: ScenarioSpec
-    offset_ns: int
-    """The agent's clock minus this load generator's (agent times are converted)."""
-    trace_level: int
+    offset_ns: int = Field(gt=-2 * MAX_CLOCK_OFFSET_NS, lt=2 * MAX_CLOCK_OFFSET_NS)
+    """The agent's clock minus this load generator's (agent times are converted): the
+    difference of the two offsets the server measured, each under
+    :data:`MAX_CLOCK_OFFSET_NS`."""
+    trace_level: int = Field(ge=TraceLevel.NONE, le=TraceLevel.FULL)
     has_labels: bool
-    slice_object: str
+    slice_object: Ident
 
 
 class LoadgenLoaded(_Message):
     kind: Literal["loaded"] = "loaded"
     run_id: Ident
-    queries: int
+    queries: int = Field(ge=0, le=MAX_SCHEDULED_QUERIES)
 
 
 class LoadgenStopOp(_Message):
@@ -90,8 +100,8 @@ class LoadgenStartOp(_Message):
 
     op: Literal["start"] = "start"
     run_id: Ident
-    start_ns: int
-    result_object: str
+    start_ns: ClockNs
+    result_object: Ident
     progress_subject: Subject | None = None
     """Where to publish :class:`LoadgenProgress` about every half second while it runs:
     the service's own :func:`mlscope.names.loadgen_progress` subject, which its user may
@@ -101,9 +111,10 @@ class LoadgenStartOp(_Message):
 class LoadgenProgress(_Message):
     kind: Literal["loadgen-progress"] = "loadgen-progress"
     run_id: Ident
-    result_object: str
+    result_object: Ident
     """Which slice of the run (its result's name is unique per slice)."""
-    done: int
+    done: int = Field(ge=0, le=MAX_SCHEDULED_QUERIES)
+    """Queries of the slice completed so far."""
 
 
 class LoadgenDone(_Message):
