@@ -114,7 +114,8 @@ async def drive(
         rec.t0_ns = _t0(started, offset_ns, asked, agent_id)
         rec.preprocessed = started.preprocess == "ahead"
         rec.streamed = started.streamed
-        collector = _Collector(rec, labels, agent)
+        most = started.queries or spec.max_queries or MAX_SCHEDULED_QUERIES
+        collector = _Collector(rec, labels, agent, most=min(most, MAX_SCHEDULED_QUERIES))
         limit = spec.duration_s + 10.0 + END_SLACK_S
         try:
             reasons = await collector.collect(bus, rows_sub, limit, on_progress)
@@ -160,10 +161,19 @@ def _t0(started: RunStarted, offset_ns: int, asked_ns: int, agent_id: str) -> in
 
 
 class _Collector:
-    """RunRows into a RunRecord, scored with the server's labels."""
+    """RunRows into a RunRecord, scored with the server's labels; ``most``: the rows the
+    run may have (an open loop's schedule, a closed loop's ``max_queries``)."""
 
-    def __init__(self, rec: RunRecord, labels: Labels, agent: AgentDescription) -> None:
+    def __init__(
+        self,
+        rec: RunRecord,
+        labels: Labels,
+        agent: AgentDescription,
+        *,
+        most: int = MAX_SCHEDULED_QUERIES,
+    ) -> None:
         self.rec, self.labels, self.agent = rec, labels, agent
+        self.most = most
         self.agent_id = agent.agent_id
         self.messages = 0
         self.issued = 0
@@ -234,7 +244,7 @@ class _Collector:
         are not columns of one length and of numbers, or that reach past the most
         queries a run may hold, are an EvaluationError naming the agent; answered
         rows whose times no clock can produce count as failed queries."""
-        cols = _checked_columns(rows, self.agent_id)
+        cols = _checked_columns(rows, self.agent_id, self.most)
         self.messages += 1
         self.issued = max(self.issued, rows.issued)
         count = len(cols["ok"]) if "ok" in cols else 0
@@ -310,17 +320,18 @@ class _Collector:
         return tuple(why)
 
 
-def _checked_columns(rows: RunRows, agent_id: str) -> dict[str, np.ndarray]:
+def _checked_columns(rows: RunRows, agent_id: str, most: int) -> dict[str, np.ndarray]:
     """``rows``' columns once each is a known one, of integers, one per row (``top1``:
-    a row each), and the rows end within the most queries a run may hold."""
+    a row each), and the rows end within the ``most`` the run may have (the record
+    grows to hold them: one row far out would take gigabytes)."""
     cols = rows.columns
     count = len(cols["ok"]) if "ok" in cols else 0
     problem = ""
     unknown = sorted(set(cols) - {*ARRAYS, "top1"})
     if unknown:
         problem = f"unknown columns {', '.join(repr(n)[:40] for n in unknown[:5])}"
-    elif rows.start + count > MAX_SCHEDULED_QUERIES:
-        problem = f"rows past {MAX_SCHEDULED_QUERIES} queries"
+    elif rows.start + count > most:
+        problem = f"rows past {most} queries"
     else:
         for name, col in cols.items():
             if col.dtype.kind not in "biu" or col.ndim != (2 if name == "top1" else 1):

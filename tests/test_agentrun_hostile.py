@@ -124,6 +124,55 @@ def test_rows_past_the_most_queries_a_run_holds_are_refused_before_any_memory() 
         rows(good_columns(3), start=10**12)
 
 
+def test_rows_past_the_run_s_own_queries_fail_the_run_before_any_memory(tmp_path: Path) -> None:
+    """An open loop's rows end with the schedule its agent announced (4 queries here):
+    a row past it would make the record grow toward it (one row at query 49,999,999
+    of a run of 4 took 2.6 GB), so the run fails naming the agent."""
+
+    async def main() -> BaseException | None:
+        with NatsServer(store_dir=tmp_path / "nats") as ns:
+            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+            async with (
+                busmod.connect(settings, name="server") as bus,
+                busmod.connect(settings, name="agent") as agent_bus,
+            ):
+                subject = names.agent_rows("rogue", "ev-x")
+
+                async def start(msg: Msg) -> None:
+                    op = codec.decode(msg.data).get("op")
+                    if op == "probe":
+                        await msg.respond(b"\xc0")
+                        return
+                    t0 = time.perf_counter_ns() + 50_000_000
+                    await msg.respond(codec.encode_model(RunStarted(t0_agent=t0, queries=4)))
+                    for sent in (
+                        rows(good_columns(2)),
+                        rows(good_columns(1), start=1000, seq=1),
+                        rows({}, seq=2, final=True, queries=4),
+                    ):
+                        await agent_bus.nc.publish(subject, codec.encode_model(sent))
+
+                await agent_bus.nc.subscribe(names.agent_ctl("rogue"), cb=start)
+                await heard(bus, names.agent_ctl("rogue"), codec.encode({"op": "probe"}))
+                try:
+                    await drive(
+                        bus,
+                        agent=agent_description("rogue"),
+                        evaluation_id="ev-x",
+                        spec=ScenarioSpec(name="online", qps=4, duration_s=1),
+                        trace_level=TraceLevel.NONE,
+                        offset_ns=0,
+                        labels=None,
+                    )
+                except MLScopeError as exc:
+                    return exc
+                return None
+
+    error = anyio.run(main)
+    assert isinstance(error, EvaluationError), repr(error)
+    assert "agent rogue sent malformed local-run rows: rows past 4 queries" in error.message
+
+
 @pytest.mark.parametrize(
     "fields",
     [
