@@ -76,6 +76,11 @@ CANCEL_ROWS_WAIT_S = 5.0
 END_SLACK_S = 60.0
 """Beyond the run's duration and drain, how long a live but silent agent is awaited."""
 Labels = samples.QueryRows | None
+OUTSIDE_RUN = (
+    "the query's completion is outside its run (before it was due, before the agent "
+    "replied, or after its rows reached the server)"
+)
+"""Why an answered row of a local run whose latency no run can have counts as failed."""
 AGENT_TIMES = ("agent_received", "predict_start", "predict_end", "agent_replied")
 """An answered query's agent times, in the order they happen."""
 
@@ -258,6 +263,7 @@ class _Collector:
         for i, e in rows.errors.items():
             rec.errors[int(i)] = e
         self._fail_disordered(a, b)
+        self._fail_outside(a, b)
         top1 = cols.get("top1")
         if top1 is not None and count:
             top1 = top1.reshape(count, -1)
@@ -281,6 +287,19 @@ class _Collector:
         for i in np.flatnonzero((rec.ok[a:b] != 0) & ~ordered):
             rec.ok[a + i] = 0
             rec.errors[a + int(i)] = wire.DISORDERED_TIMES
+
+    def _fail_outside(self, a: int, b: int) -> None:
+        """Answered rows ``a .. b - 1`` that complete before they were due or before the
+        agent replied (a negative latency), or after the rows arrived here (give or take
+        the start timeout: the clock offset's error is far less), become failed queries:
+        no run produces them, and their latency would be a figure of the verdict."""
+        rec = self.rec
+        now_ns = lgclock.now() - rec.t0_ns + int(START_TIMEOUT_S * 1e9)
+        done = rec.completed[a:b]
+        inside = (rec.scheduled[a:b] <= done) & (rec.agent_replied[a:b] <= done) & (done <= now_ns)
+        for i in np.flatnonzero((rec.ok[a:b] != 0) & ~inside):
+            rec.ok[a + i] = 0
+            rec.errors[a + int(i)] = OUTSIDE_RUN
 
     def answered(self) -> int:
         return int(np.count_nonzero(self.rec.ok[: self.rows]))

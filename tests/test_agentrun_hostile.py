@@ -16,7 +16,7 @@ import pytest
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from broker.agentrun import Absence, _Collector, drive, gone
+from broker.agentrun import OUTSIDE_RUN, Absence, _Collector, drive, gone
 from broker.lgclock import estimate_offset
 from mlscope import bus as busmod
 from mlscope import codec, names, provision, wire
@@ -217,6 +217,21 @@ def test_answered_rows_with_impossible_times_count_as_failed() -> None:
         3: "boom",
         4: wire.DISORDERED_TIMES,
     }
+
+
+def test_answered_rows_outside_their_run_count_as_failed() -> None:
+    """Rows whose agent times are in order, but complete before they were due (a
+    negative latency), before the agent replied, or years after the run began, are
+    failed queries with the reason, not latencies; the honest row is kept."""
+    got = collector()
+    got.rec.t0_ns = time.perf_counter_ns()  # the run began now on the server's clock
+    cols = good_columns(4)
+    cols["completed"][1] = cols["scheduled"][1] - 1
+    cols["completed"][2] = cols["agent_replied"][2] - 1
+    cols["completed"][3] = 365 * 24 * 3600 * 10**9
+    got.add(rows(cols))
+    assert got.rec.ok.tolist() == [1, 0, 0, 0]
+    assert got.rec.errors == dict.fromkeys((1, 2, 3), OUTSIDE_RUN)
 
 
 def test_an_agent_that_talks_but_never_ends_its_run_is_given_up(tmp_path: Path) -> None:

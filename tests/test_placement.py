@@ -331,15 +331,22 @@ def test_submit_takes_placement() -> None:
 
 def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     from agent.runrows import rows_messages
-    from broker.agentrun import _Collector
+    from broker.agentrun import AGENT_TIMES, _Collector
     from mlscope import codec, samples
     from mlscope.contracts import RunRows
     from mlscope.record import ARRAYS, RunRecord
 
     n, batch = 5000, 4
     src = RunRecord(n=n, batch_size=batch)
+    happen = ("scheduled", "paced", "issued", *AGENT_TIMES, "completed")  # in their order
     for k, name in enumerate(ARRAYS):
-        getattr(src, name)[:] = (np.arange(n) + k) % 2 if name in ("ok", "refused") else k + 1
+        getattr(src, name)[:] = (
+            (np.arange(n) + k) % 2
+            if name in ("ok", "refused")
+            else happen.index(name) + 1
+            if name in happen
+            else k + 1
+        )
     cols = {name: getattr(src, name) for name in ARRAYS}
     _, labels = samples.feed(np.zeros((10, 1), np.float32), np.arange(10) * 3, batch, seed=1)
     assert labels is not None
