@@ -60,7 +60,7 @@ from mlscope.contracts import (
     ScenarioSpec,
     TraceLevel,
 )
-from mlscope.errors import BusError, EvaluationError, MLScopeError, WireError, error_from_wire
+from mlscope.errors import BusError, EvaluationError, MLScopeError, error_from_wire
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.registry import list_agents
 
@@ -149,20 +149,17 @@ async def _started(sub: Any, agent_id: str) -> RunStarted:
 
 
 def _t0(started: RunStarted, offset_ns: int, asked_ns: int, agent_id: str) -> int:
-    """The run's offset 0 on our clock. The agent starts its run as it answers (20 ms
-    ahead), so its ``t0_agent`` read with the measured offset falls between the request
-    and the answer, give or take the start timeout: any other is no clock the ping
-    measured (and could be past the Int64 that stores it), a WireError naming the agent."""
-    t0 = started.t0_agent - offset_ns
-    slack = int(START_TIMEOUT_S * 1e9)
-    if not asked_ns - slack <= t0 <= lgclock.now() + slack:
-        raise WireError(
-            f"agent {agent_id} started its run at {started.t0_agent} ns of its clock, "
-            f"{(t0 - asked_ns) / 1e9:.3g} s from when the run was asked for (clock offset "
-            f"{offset_ns} ns); its run starts as it answers",
-            agent_id=agent_id,
-        )
-    return t0
+    """The run's offset 0 on our clock. The agent starts its run as it answers (50 ms
+    ahead), so its ``t0_agent`` falls between the request and the answer, give or take
+    the start timeout (a WireError naming the agent otherwise)."""
+    return lgclock.on_our_clock(
+        started.t0_agent,
+        offset_ns,
+        since_ns=asked_ns,
+        slack_s=START_TIMEOUT_S,
+        what=f"agent {agent_id} started its run",
+        agent_id=agent_id,
+    )
 
 
 class _Collector:

@@ -9,13 +9,14 @@ in the load generator's clock.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from mlscope import codec, names
 from mlscope.bus import Bus, request
 from mlscope.contracts import MAX_CLOCK_OFFSET_NS, PingReply
 from mlscope.errors import ConfigError, WireError
 
-__all__ = ["estimate_offset", "now"]
+__all__ = ["estimate_offset", "now", "on_our_clock"]
 
 now = time.perf_counter_ns
 
@@ -58,3 +59,22 @@ async def _ping(bus: Bus, subject: str, payload: bytes) -> tuple[int, int]:
     except WireError as exc:
         raise WireError(f"the ping reply on {subject}: {exc.message}", subject=subject) from exc
     return reply.t_agent - (t1 + t2) // 2, t2 - t1
+
+
+def on_our_clock(
+    t_agent: int, offset_ns: int, *, since_ns: int, slack_s: float, what: str, **fields: Any
+) -> int:
+    """``t_agent``, an instant a responder read on its clock, on ours (less the measured
+    ``offset_ns``), once it falls between ``since_ns`` (when we asked for what it
+    times) and now, give or take ``slack_s``: any other is no clock the ping measured,
+    and could be past the Int64 that stores it. ``what`` says which instant, as in
+    "agent a1 started its run" (a WireError with ``fields``)."""
+    t = t_agent - offset_ns
+    slack = int(slack_s * 1e9)
+    if not since_ns - slack <= t <= now() + slack:
+        raise WireError(
+            f"{what} at {t_agent} ns of its clock, {(t - since_ns) / 1e9:.3g} s from when "
+            f"it was asked for (clock offset {offset_ns} ns)",
+            **fields,
+        )
+    return t

@@ -47,13 +47,14 @@ from typing import Any, Protocol
 
 import anyio
 
+from broker import lgclock
 from broker import mlperf_logs as logs
 from broker.db import Database
 from broker.evalprep import PREPARE_TIMEOUT_S
 from broker.evalspec import specification
 from broker.evalsummary import budget_warnings, host_warnings, memory_figures
 from broker.lgclock import estimate_offset
-from broker.mlperf_agent import run_in_agent
+from broker.mlperf_agent import START_TIMEOUT_S, run_in_agent
 from broker.mlperf_record import (
     loadgen_accuracy,
     loadgen_summary,
@@ -119,6 +120,7 @@ async def run(
     started = time.time()
     conf_model = spec.conf_model or m.name
     released: dict[str, Any] = {}  # the agent's release reply: {} when it did not answer
+    asked = lgclock.now()
     try:
         if job.placement == "agent":  # LoadGen next to the model, its clock the agent's
             timing, files = await run_in_agent(ev.bus, spec, conf_model, eval_id, agent)
@@ -136,7 +138,17 @@ async def run(
     here = job.placement == "agent"
     trace = logs.trace_samples(files.get(logs.TRACE, ""))
     rec = sample_record(trace, timing, 0 if here else offset, data[1])
-    if here:  # tied to the agent's clock: onto ours, as a local run's t0
+    if here and rec.n:  # tied to the agent's clock: onto ours, as a local run's t0
+        rec.t0_ns = lgclock.on_our_clock(
+            rec.t0_ns,
+            offset,
+            since_ns=asked,
+            slack_s=START_TIMEOUT_S,
+            what=f"agent {agent.agent_id} started its LoadGen test",
+            agent_id=agent.agent_id,
+            evaluation_id=eval_id,
+        )
+    elif here:
         rec.t0_ns -= offset
     accuracy = loadgen_accuracy(result, files, data[1])
     summary = loadgen_summary(result, rec, job, eval_id, started, accuracy=accuracy)
