@@ -5,6 +5,7 @@ trace budget refused (:func:`budget_warnings`)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +13,10 @@ from broker import scenario
 from broker.evalprep import Prepared
 from broker.run import Run
 from broker.summary import LoadgenCost, stream_warnings, tracing_warnings
+from mlscope import codec
 from mlscope.catalog import Entry
-from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest
+from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest, ReleaseReply
+from mlscope.errors import WireError
 from mlscope.provision import AGENT_TRACE_BATCHES
 
 __all__ = [
@@ -24,7 +27,10 @@ __all__ = [
     "host_warnings",
     "memory_figures",
     "parent_summary",
+    "release_facts",
 ]
+
+log = logging.getLogger("mlscope.server")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,6 +175,19 @@ def parent_summary(
         optimal_batch_size=outcome.optimal_batch_size,
         points=tuple(points),
     ).model_copy(update={"evaluation_id": eval_id})
+
+
+def release_facts(reply: Any, agent_id: str) -> dict[str, Any]:
+    """What the agent's answer to a release says (memory, energy, span batches refused),
+    read as a :class:`ReleaseReply` where it arrives: an answer that is none (a wrong
+    type, a negative size, an energy that is no number) is logged and told nothing, as
+    an agent that did not answer, rather than failing the evaluation after its run or
+    going into its summary."""
+    try:
+        return codec.validate(ReleaseReply, reply).model_dump()
+    except WireError as exc:
+        log.warning("agent %s: its release reply is no ReleaseReply: %s", agent_id, exc.message)
+        return {}
 
 
 def budget_warnings(released: dict[str, Any]) -> tuple[str, ...]:

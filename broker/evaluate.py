@@ -31,6 +31,7 @@ from broker.evalsummary import (
     host_warnings,
     memory_figures,
     parent_summary,
+    release_facts,
 )
 from broker.run import RunsSoFar
 from mlscope import codec, names, samples
@@ -252,13 +253,13 @@ class Evaluator:
         spans published): its release reply (memory, energy), or {} when it does not
         answer within ``timeout`` seconds."""
         with anyio.move_on_after(timeout), contextlib.suppress(MLScopeError):
-            reply: dict[str, Any] = await request(
+            reply = await request(
                 self.bus,
                 names.agent_ctl(agent_id),
                 codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
                 timeout=timeout,
             )
-            return reply
+            return release_facts(reply, agent_id)
         return {}
 
     async def _agent_lost(self, agent: AgentDescription, rec: RunRecord) -> str:

@@ -68,6 +68,7 @@ USER_CONF = (
     "*.Offline.min_duration = 200\n*.Offline.min_query_count = 1\n"
     "*.SingleStream.min_duration = 300\n*.SingleStream.min_query_count = 100\n"
 )
+RELEASED = ReleaseReply()
 GOOD_PREP = PrepareReply(cold=True, load_ns=1_000_000, first_inference_ns=1000, t_agent=0).dump()
 
 
@@ -294,7 +295,7 @@ async def _served_agent(
     first: dict[str, Any],
     prep: dict[str, Any],
     files: Any,
-    released: dict[str, Any],
+    released: Any,
 ) -> None:
     """ping / prepare / samples; the first samples query answered with ``first`` over
     an honest reply; ``mlperf`` (placement agent) answered with ``files``; release with
@@ -351,7 +352,7 @@ def _mlperf_run(
     prep: dict[str, Any] = GOOD_PREP,
     placement: str = "server",
     files: dict[str, bytes] | None = None,
-    released: ReleaseReply | None = None,
+    released: ReleaseReply | dict[str, Any] | list[Any] = RELEASED,
 ) -> tuple[_Host, BaseException | None]:
     """broker.mlperf.run (its real LoadGen child) against a fake agent."""
     zoo = built("digits_cnn").parent.parent
@@ -365,7 +366,8 @@ def _mlperf_run(
                 busmod.connect(settings, name="fake agent") as agent_bus,
                 busmod.connect(settings, name="server") as bus,
             ):
-                reply = (released or ReleaseReply()).dump()
+                # a ReleaseReply as an agent sends it, or any other answer as it is
+                reply = released if isinstance(released, list | dict) else released.dump()
                 await _served_agent(agent_bus, "agent-x", first, prep, files or {}, reply)
                 await _answers_pings(bus, "agent-x")  # as the server sees it, before a run
                 host = _Host(bus, zoo)
@@ -416,6 +418,33 @@ def test_span_batches_refused_are_a_warning_of_an_mlperf_run(tmp_path: Path) -> 
     assert err is None, err
     summary = host.stored[0][0]
     assert budget_warnings({"span_batches_refused": 3})[0] in summary.warnings
+
+
+@pytest.mark.integration  # builds the zoo and runs LoadGen
+@pytest.mark.parametrize(
+    "released",
+    [
+        {"kind": "released", "rss_peak_bytes": "lots", "rss_start_bytes": 1, "rss_end_bytes": 2},
+        {"kind": "released", "rss_start_bytes": [1], "rss_end_bytes": 2},
+        {"kind": "released", "energy_j": "warm", "span_batches_refused": "many"},
+        {"kind": "released", "energy_j": -1e308, "rss_peak_bytes": -(2**63)},
+        {"kind": "released", "span_batches_refused": -3},
+        [1, 2, 3],
+    ],
+)
+def test_a_release_reply_that_is_no_release_reply_tells_nothing(
+    tmp_path: Path, released: Any
+) -> None:
+    """The agent answers the release at the end of a finished test with wrong types,
+    negative sizes or no mapping at all: the evaluation is stored as run, its memory
+    and energy figures unknown (as from an agent that did not answer), not failed
+    after its test nor stored with them as figures."""
+    host, err = _mlperf_run(tmp_path, {}, released=released)
+    assert err is None, repr(err)
+    summary = host.stored[0][0]
+    figures = ("peak_rss_mb", "rss_growth_mb", "energy_j", "energy_per_inference_j")
+    assert [getattr(summary, k) for k in figures] == [None] * 4
+    assert not any("span batches refused" in w for w in summary.warnings)
 
 
 @pytest.mark.integration  # builds the zoo and runs LoadGen

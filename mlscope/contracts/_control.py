@@ -27,9 +27,6 @@ from mlscope.contracts._base import (
 from mlscope.contracts._jobs import MLPerfSpec, ScenarioSpec
 from mlscope.contracts._registry import AgentDescription
 
-HostSeconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
-"""Seconds an agent reports of its host: finite, and within any run's reach."""
-
 # --------------------------------------------------------------------------- control
 
 
@@ -214,21 +211,27 @@ class PrepareReply(_Message):
     """The agent's source commit, when it runs from a git checkout."""
 
 
+ByteCount = Annotated[int, Field(ge=0, lt=2**63)]
+"""A size in bytes a process reports of itself (its memory)."""
+HostSeconds = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+"""Seconds an agent reports of its host: finite, and within any run's reach."""
+
+
 class ReleaseReply(_Message):
     kind: Literal["released"] = "released"
     ok: bool = True
     unloaded: bool = False
-    rss_start_bytes: int | None = None
+    rss_start_bytes: ByteCount | None = None
     """The agent process's resident memory when the evaluation was prepared."""
-    rss_peak_bytes: int | None = None
+    rss_peak_bytes: ByteCount | None = None
     """The highest resident memory seen while it was prepared (sampled every 50 ms,
     plus the kernel's high-water mark where it rose meanwhile)."""
-    rss_end_bytes: int | None = None
+    rss_end_bytes: ByteCount | None = None
     """Resident memory at its release."""
-    energy_j: float | None = None
+    energy_j: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     """Energy of the agent's device between prepare and release (NVML on a GPU, RAPL
     packages on the CPU); None when no counter was readable."""
-    span_batches_refused: int = 0
+    span_batches_refused: int = Field(default=0, ge=0, lt=2**63)
     """Span and sample batches of the evaluation the traces stream refused: the
     agent's trace budget (:data:`mlscope.provision.AGENT_TRACE_BATCHES` batches not
     yet stored) was full, so their rows are missing."""
