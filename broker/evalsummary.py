@@ -5,18 +5,28 @@ trace budget refused (:func:`budget_warnings`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+import anyio
 
 from broker import scenario
 from broker.evalprep import Prepared
 from broker.run import Run
 from broker.summary import LoadgenCost, stream_warnings, tracing_warnings
-from mlscope import codec
+from mlscope import codec, names
+from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
-from mlscope.contracts import AgentDescription, EvaluationSummary, JobRequest, ReleaseReply
-from mlscope.errors import WireError
+from mlscope.contracts import (
+    AgentDescription,
+    EvaluationSummary,
+    JobRequest,
+    ReleaseOp,
+    ReleaseReply,
+)
+from mlscope.errors import MLScopeError, WireError
 from mlscope.provision import AGENT_TRACE_BATCHES
 
 __all__ = [
@@ -27,6 +37,7 @@ __all__ = [
     "host_warnings",
     "memory_figures",
     "parent_summary",
+    "release_agent",
     "release_facts",
 ]
 
@@ -175,6 +186,24 @@ def parent_summary(
         optimal_batch_size=outcome.optimal_batch_size,
         points=tuple(points),
     ).model_copy(update={"evaluation_id": eval_id})
+
+
+async def release_agent(
+    bus: Bus, agent_id: str, eval_id: str, *, timeout: float = 5.0
+) -> dict[str, Any]:
+    """End the agent's session of ``eval_id`` (a run it runs for it stopped, its spans
+    published): what its release reply says (:func:`release_facts`), or {} when it does
+    not answer within ``timeout`` seconds or answers with an error: the evaluation's
+    outcome is its run's, whatever its release says."""
+    with anyio.move_on_after(timeout), contextlib.suppress(MLScopeError):
+        reply = await request(
+            bus,
+            names.agent_ctl(agent_id),
+            codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
+            timeout=timeout,
+        )
+        return release_facts(reply, agent_id)
+    return {}
 
 
 def release_facts(reply: Any, agent_id: str) -> dict[str, Any]:

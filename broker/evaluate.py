@@ -10,7 +10,6 @@ an answer is stored with the reason it was lost.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,20 +30,19 @@ from broker.evalsummary import (
     host_warnings,
     memory_figures,
     parent_summary,
-    release_facts,
+    release_agent,
 )
 from broker.run import RunsSoFar
-from mlscope import codec, names, samples
-from mlscope.bus import Bus, request
+from mlscope import names, samples
+from mlscope.bus import Bus
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     AgentDescription,
     EvaluationSummary,
     JobRequest,
-    ReleaseOp,
     evaluation_id_for,
 )
-from mlscope.errors import EvaluationError, MLScopeError
+from mlscope.errors import EvaluationError
 from mlscope.record import RunRecord
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
@@ -252,15 +250,7 @@ class Evaluator:
         """End the agent's session of ``eval_id`` (a run it runs for it stopped, its
         spans published): its release reply (memory, energy), or {} when it does not
         answer within ``timeout`` seconds."""
-        with anyio.move_on_after(timeout), contextlib.suppress(MLScopeError):
-            reply = await request(
-                self.bus,
-                names.agent_ctl(agent_id),
-                codec.encode_model(ReleaseOp(evaluation_id=eval_id)),
-                timeout=timeout,
-            )
-            return release_facts(reply, agent_id)
-        return {}
+        return await release_agent(self.bus, agent_id, eval_id, timeout=timeout)
 
     async def _agent_lost(self, agent: AgentDescription, rec: RunRecord) -> str:
         """ "agent <id> lost after N of M queries" when queries went unanswered and the

@@ -52,7 +52,7 @@ from broker import mlperf_logs as logs
 from broker.db import Database
 from broker.evalprep import PREPARE_TIMEOUT_S
 from broker.evalspec import specification
-from broker.evalsummary import budget_warnings, host_warnings, memory_figures, release_facts
+from broker.evalsummary import budget_warnings, host_warnings, memory_figures, release_agent
 from broker.lgclock import estimate_offset
 from broker.mlperf_agent import START_TIMEOUT_S, run_in_agent
 from broker.mlperf_record import (
@@ -127,11 +127,8 @@ async def run(
         else:
             timing, files = await _test(ev, spec, conf_model, eval_id, agent, len(data[0]))
     finally:
-        with anyio.move_on_after(5, shield=True):
-            reply = await request(
-                ev.bus, ctl, codec.encode({"op": "release", "evaluation_id": eval_id}), timeout=5
-            )
-            released = release_facts(reply, agent.agent_id)
+        with anyio.CancelScope(shield=True):
+            released = await release_agent(ev.bus, agent.agent_id, eval_id)
     missing = logs.missing(files)
     if missing:
         raise EvaluationError(f"LoadGen wrote no {', '.join(missing)}", evaluation_id=eval_id)

@@ -429,7 +429,10 @@ def test_span_batches_refused_are_a_warning_of_an_mlperf_run(tmp_path: Path) -> 
         {"kind": "released", "energy_j": "warm", "span_batches_refused": "many"},
         {"kind": "released", "energy_j": -1e308, "rss_peak_bytes": -(2**63)},
         {"kind": "released", "span_batches_refused": -3},
+        {"kind": "released", "host_other_cpu_s": float("nan"), "host_window_s": -1.0},
         [1, 2, 3],
+        # an error reply: raised by the request, it replaced the finished test's outcome
+        {"kind": "error", "error": {"code": "bus", "message": "agent going down"}},
     ],
 )
 def test_a_release_reply_that_is_no_release_reply_tells_nothing(
@@ -444,6 +447,7 @@ def test_a_release_reply_that_is_no_release_reply_tells_nothing(
     summary = host.stored[0][0]
     figures = ("peak_rss_mb", "rss_growth_mb", "energy_j", "energy_per_inference_j")
     assert [getattr(summary, k) for k in figures] == [None] * 4
+    assert summary.host_other_cores is None and summary.host_steal_cores is None
     assert not any("span batches refused" in w for w in summary.warnings)
 
 
