@@ -7,7 +7,8 @@ the server never grows without bound nor waits forever."""
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -130,43 +131,25 @@ def test_rows_past_the_run_s_own_queries_fail_the_run_before_any_memory(tmp_path
     of a run of 4 took 2.6 GB), so the run fails naming the agent."""
 
     async def main() -> BaseException | None:
-        with NatsServer(store_dir=tmp_path / "nats") as ns:
-            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
-            async with (
-                busmod.connect(settings, name="server") as bus,
-                busmod.connect(settings, name="agent") as agent_bus,
-            ):
-                subject = names.agent_rows("rogue", "ev-x")
+        async with server_and_agent(tmp_path) as (bus, agent_bus):
+            subject = names.agent_rows("rogue", "ev-x")
 
-                async def start(msg: Msg) -> None:
-                    op = codec.decode(msg.data).get("op")
-                    if op == "probe":
-                        await msg.respond(b"\xc0")
-                        return
-                    t0 = time.perf_counter_ns() + 50_000_000
-                    await msg.respond(codec.encode_model(RunStarted(t0_agent=t0, queries=4)))
-                    for sent in (
-                        rows(good_columns(2)),
-                        rows(good_columns(1), start=1000, seq=1),
-                        rows({}, seq=2, final=True, queries=4),
-                    ):
-                        await agent_bus.nc.publish(subject, codec.encode_model(sent))
+            async def start(msg: Msg) -> None:
+                op = codec.decode(msg.data).get("op")
+                if op == "probe":
+                    await msg.respond(b"\xc0")
+                    return
+                t0 = time.perf_counter_ns() + 50_000_000
+                await msg.respond(codec.encode_model(RunStarted(t0_agent=t0, queries=4)))
+                for sent in (
+                    rows(good_columns(2)),
+                    rows(good_columns(1), start=1000, seq=1),
+                    rows({}, seq=2, final=True, queries=4),
+                ):
+                    await agent_bus.nc.publish(subject, codec.encode_model(sent))
 
-                await agent_bus.nc.subscribe(names.agent_ctl("rogue"), cb=start)
-                await heard(bus, names.agent_ctl("rogue"), codec.encode({"op": "probe"}))
-                try:
-                    await drive(
-                        bus,
-                        agent=agent_description("rogue"),
-                        evaluation_id="ev-x",
-                        spec=ScenarioSpec(name="online", qps=4, duration_s=1),
-                        trace_level=TraceLevel.NONE,
-                        offset_ns=0,
-                        labels=None,
-                    )
-                except MLScopeError as exc:
-                    return exc
-                return None
+            spec = ScenarioSpec(name="online", qps=4, duration_s=1)
+            return await drive_rogue(bus, agent_bus, start, spec)
 
     error = anyio.run(main)
     assert isinstance(error, EvaluationError), repr(error)
@@ -298,47 +281,78 @@ def test_an_agent_is_gone_when_silent_or_another_process_answers_under_its_id(
     answers pings, yet knows nothing of the run (it would be awaited to the deadline)."""
 
     async def main() -> list[Absence]:
-        with NatsServer(store_dir=tmp_path / "nats") as ns:
-            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
-            async with (
-                busmod.connect(settings, name="server") as bus,
-                busmod.connect(settings, name="agent") as agent_bus,
+        async with server_and_agent(tmp_path) as (bus, agent_bus):
+            await provision.ensure_infrastructure(bus)
+            kv = await bus.kv(names.AGENTS_BUCKET)
+            ran = agent_description("phoenix", pid=4242, started_at=5.0, heartbeat_at=time.time())
+            seen = [await gone(bus, ran)]  # nobody answers under its id
+
+            async def pong(msg: object) -> None:
+                await msg.respond(codec.encode(PingReply(t_agent=1).dump()))  # type: ignore[attr-defined]
+
+            await agent_bus.nc.subscribe(names.agent_ctl("phoenix"), cb=pong)
+            await agent_bus.nc.flush()
+            with anyio.fail_after(20):  # its interest reaches the server's connection
+                while True:
+                    try:
+                        await busmod.request(
+                            bus,
+                            names.agent_ctl("phoenix"),
+                            codec.encode_model(PingOp()),
+                            timeout=2,
+                        )
+                        break
+                    except MLScopeError:
+                        await anyio.sleep(0.1)
+            seen.append(await gone(bus, ran))  # answers; no registry entry to tell
+            for entry in (
+                ran,
+                ran.model_copy(update={"pid": 4243}),
+                ran.model_copy(update={"started_at": 6.0}),
             ):
-                await provision.ensure_infrastructure(bus)
-                kv = await bus.kv(names.AGENTS_BUCKET)
-                ran = agent_description(
-                    "phoenix", pid=4242, started_at=5.0, heartbeat_at=time.time()
-                )
-                seen = [await gone(bus, ran)]  # nobody answers under its id
-
-                async def pong(msg: object) -> None:
-                    await msg.respond(codec.encode(PingReply(t_agent=1).dump()))  # type: ignore[attr-defined]
-
-                await agent_bus.nc.subscribe(names.agent_ctl("phoenix"), cb=pong)
-                await agent_bus.nc.flush()
-                with anyio.fail_after(20):  # its interest reaches the server's connection
-                    while True:
-                        try:
-                            await busmod.request(
-                                bus,
-                                names.agent_ctl("phoenix"),
-                                codec.encode_model(PingOp()),
-                                timeout=2,
-                            )
-                            break
-                        except MLScopeError:
-                            await anyio.sleep(0.1)
-                seen.append(await gone(bus, ran))  # answers; no registry entry to tell
-                for entry in (
-                    ran,
-                    ran.model_copy(update={"pid": 4243}),
-                    ran.model_copy(update={"started_at": 6.0}),
-                ):
-                    await kv.put("phoenix", codec.encode_model(entry))
-                    seen.append(await gone(bus, ran))
-                return seen
+                await kv.put("phoenix", codec.encode_model(entry))
+                seen.append(await gone(bus, ran))
+            return seen
 
     assert anyio.run(main) == ["silent", "", "", "restarted", "restarted"]
+
+
+@asynccontextmanager
+async def server_and_agent(tmp_path: Path) -> AsyncIterator[tuple[busmod.Bus, busmod.Bus]]:
+    """A nats-server of the test's own, and a server's and an agent's connection to it."""
+    with NatsServer(store_dir=tmp_path / "nats") as ns:
+        settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
+        async with (
+            busmod.connect(settings, name="server") as bus,
+            busmod.connect(settings, name="agent") as agent_bus,
+        ):
+            yield bus, agent_bus
+
+
+async def drive_rogue(
+    bus: busmod.Bus,
+    agent_bus: busmod.Bus,
+    start: Callable[[Msg], Awaitable[None]],
+    spec: ScenarioSpec,
+) -> MLScopeError | None:
+    """``drive`` a run of ``spec`` in the agent ``rogue``, whose control requests
+    ``start`` answers (a probe among them): the typed error the run ended with, or None."""
+    await agent_bus.nc.subscribe(names.agent_ctl("rogue"), cb=start)
+    await agent_bus.nc.flush()
+    await heard(bus, names.agent_ctl("rogue"), codec.encode({"op": "probe"}))
+    try:
+        await drive(
+            bus,
+            agent=agent_description("rogue"),
+            evaluation_id="ev-x",
+            spec=spec,
+            trace_level=TraceLevel.NONE,
+            offset_ns=0,
+            labels=None,
+        )
+    except MLScopeError as exc:
+        return exc
+    return None
 
 
 async def heard(bus: busmod.Bus, subject: str, payload: bytes) -> None:
@@ -361,30 +375,25 @@ def test_an_agent_whose_clock_no_host_could_show_fails_the_estimate_naming_it(
     a WireError naming the agent's subject. A host booted a year before ours is fine."""
 
     async def main() -> tuple[int, BaseException | None]:
-        with NatsServer(store_dir=tmp_path / "nats") as ns:
-            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
-            async with (
-                busmod.connect(settings, name="server") as bus,
-                busmod.connect(settings, name="agent") as agent_bus,
-            ):
-                ahead = {"honest": 365 * 24 * 3600 * 10**9, "rogue": 2**63 - 1}
+        async with server_and_agent(tmp_path) as (bus, agent_bus):
+            ahead = {"honest": 365 * 24 * 3600 * 10**9, "rogue": 2**63 - 1}
 
-                def pong(agent_id: str) -> Callable[[Msg], Awaitable[None]]:
-                    async def answer(msg: Msg) -> None:
-                        t = ahead[agent_id] + (0 if agent_id == "rogue" else time.perf_counter_ns())
-                        await msg.respond(codec.encode(PingReply(t_agent=t).dump()))
+            def pong(agent_id: str) -> Callable[[Msg], Awaitable[None]]:
+                async def answer(msg: Msg) -> None:
+                    t = ahead[agent_id] + (0 if agent_id == "rogue" else time.perf_counter_ns())
+                    await msg.respond(codec.encode(PingReply(t_agent=t).dump()))
 
-                    return answer
+                return answer
 
-                for agent_id in ahead:
-                    await agent_bus.nc.subscribe(names.agent_ctl(agent_id), cb=pong(agent_id))
-                    await heard(bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()))
-                offset, _ = await estimate_offset(bus, "honest", rounds=3)
-                try:
-                    await estimate_offset(bus, "rogue", rounds=3)
-                except MLScopeError as exc:
-                    return offset, exc
-                return offset, None
+            for agent_id in ahead:
+                await agent_bus.nc.subscribe(names.agent_ctl(agent_id), cb=pong(agent_id))
+                await heard(bus, names.agent_ctl(agent_id), codec.encode_model(PingOp()))
+            offset, _ = await estimate_offset(bus, "honest", rounds=3)
+            try:
+                await estimate_offset(bus, "rogue", rounds=3)
+            except MLScopeError as exc:
+                return offset, exc
+            return offset, None
 
     offset, error = anyio.run(main)
     assert abs(offset - 365 * 24 * 3600 * 10**9) < 10**9
@@ -404,36 +413,17 @@ def test_a_run_start_at_a_time_no_clock_showed_fails_the_run_naming_the_agent(
     moved, or years away) fails the run at once, before any row is awaited."""
 
     async def main() -> BaseException | None:
-        with NatsServer(store_dir=tmp_path / "nats") as ns:
-            settings = Settings(nats_url=ns.url, data_dir=tmp_path / "data")
-            async with (
-                busmod.connect(settings, name="server") as bus,
-                busmod.connect(settings, name="agent") as agent_bus,
-            ):
+        async with server_and_agent(tmp_path) as (bus, agent_bus):
 
-                async def start(msg: Msg) -> None:  # answers a run request (and a probe)
-                    op = codec.decode(msg.data).get("op")
-                    if op == "run":
-                        await msg.respond(codec.encode_model(RunStarted(t0_agent=t0_agent)))
-                    elif op == "probe":
-                        await msg.respond(b"\xc0")
+            async def start(msg: Msg) -> None:  # answers a run request (and a probe)
+                op = codec.decode(msg.data).get("op")
+                if op == "run":
+                    await msg.respond(codec.encode_model(RunStarted(t0_agent=t0_agent)))
+                elif op == "probe":
+                    await msg.respond(b"\xc0")
 
-                await agent_bus.nc.subscribe(names.agent_ctl("rogue"), cb=start)
-                await agent_bus.nc.flush()
-                await heard(bus, names.agent_ctl("rogue"), codec.encode({"op": "probe"}))
-                try:
-                    await drive(
-                        bus,
-                        agent=agent_description("rogue"),
-                        evaluation_id="ev-x",
-                        spec=ScenarioSpec(name="batched", duration_s=1),
-                        trace_level=TraceLevel.NONE,
-                        offset_ns=0,
-                        labels=None,
-                    )
-                except MLScopeError as exc:
-                    return exc
-                return None
+            spec = ScenarioSpec(name="batched", duration_s=1)
+            return await drive_rogue(bus, agent_bus, start, spec)
 
     error = anyio.run(main)
     assert isinstance(error, WireError), repr(error)
