@@ -466,24 +466,6 @@ def test_an_agents_run_without_its_summary_log_is_a_typed_error(tmp_path: Path) 
     assert not host.stored
 
 
-LOGS_CHILD = """
-import sys
-from pathlib import Path
-import numpy as np
-from mlscope.contracts import MLPerfSpec
-from mlscope.mlperf import load_loadgen, start_test, test_settings
-lg = load_loadgen()
-work = Path(sys.argv[1])
-spec = MLPerfSpec(scenario="Offline", user_conf=sys.argv[2], target_qps=2000)
-ts = test_settings(lg, spec, "m", work, samples=64)
-buf = np.zeros(1, np.int64)
-def issue(samples):
-    lg.QuerySamplesComplete([lg.QuerySampleResponse(s.id, buf.ctypes.data, 8) for s in samples])
-start_test(lg, issue=issue, samples=64, load=lambda i: None, unload=lambda i: None,
-           settings=ts, logdir=str(work), workdir=work)
-"""
-
-
 @pytest.mark.integration  # builds the zoo and runs LoadGen
 def test_an_agents_run_started_at_a_time_no_clock_showed_fails_naming_it(tmp_path: Path) -> None:
     """An agent's MLPerf run's logs are LoadGen's own, but its SUT says LoadGen issued
@@ -492,8 +474,11 @@ def test_an_agents_run_started_at_a_time_no_clock_showed_fails_naming_it(tmp_pat
     the run fails naming the agent instead of storing it."""
     work = tmp_path / "logs"
     work.mkdir()
-    subprocess.run(
-        [sys.executable, "-c", LOGS_CHILD, str(work), USER_CONF], timeout=120, check=True
+    subprocess.run(  # LoadGen's own logs of a null SUT's Offline test
+        [sys.executable, "-c", CHILD, "Offline", USER_CONF, str(work)],
+        capture_output=True,
+        timeout=120,
+        check=True,
     )
     files = {name: (work / name).read_bytes() for name in logs.LOG_FILES}
     timing = io.BytesIO()
