@@ -274,7 +274,7 @@ def test_a_peak_search_that_finds_no_rate_names_why_its_lowest_failed(
     (search,) = [r for r in s.invalid_reasons if r.startswith("peak search:")]
     lowest = min(s.points, key=lambda p: p["qps"])
     assert lowest["invalid_reasons"] and "p99 latency" in search, search
-    assert search.endswith(f"QPS: {'; '.join(lowest['invalid_reasons'])})"), search
+    assert f"QPS: {'; '.join(lowest['invalid_reasons'])})" in search, search
 
 
 def test_a_peak_search_no_rate_can_make_valid_fails_at_intake(noop_stack: Stack) -> None:
