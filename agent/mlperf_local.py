@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ from mlscope.contracts import (
     TraceLevel,
 )
 from mlscope.errors import ConfigError, EvaluationError, MLScopeError
+from mlscope.lifeline import end_with_parent
 from mlscope.manifest import ModelManifest
 from mlscope.mlperf import (
     ERROR,
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     """The child process: ``python -m agent.mlperf_local CFG.json``."""
     args = sys.argv[1:] if argv is None else argv
     cfg = json.loads(Path(args[0]).read_text())
+    end_with_parent(cfg["parent_pid"])  # a killed agent leaves no test running
     try:
         run_child(cfg)
     except MLScopeError as exc:  # the server raises it again, fields intact
@@ -275,7 +278,12 @@ class MLPerfRunner:
         tmp = tempfile.TemporaryDirectory(prefix="mlperf-agent-")
         work = Path(tmp.name)
         (work / "logs").mkdir()
-        cfg = {**cfg, "workdir": str(work), "logdir": str(work / "logs")}
+        cfg = {
+            **cfg,
+            "workdir": str(work),
+            "logdir": str(work / "logs"),
+            "parent_pid": os.getpid(),
+        }
         (work / "config.json").write_text(json.dumps(cfg))
         with (work / "stderr.txt").open("wb") as err:
             try:

@@ -254,6 +254,7 @@ async def _test(
             "workdir": str(work),
             "logdir": str(out),
             "nats_url": url.geturl() if url is not None else None,
+            "parent_pid": os.getpid(),
         }
         (work / "config.json").write_text(json.dumps(cfg))
         with (work / "stderr.txt").open("wb") as err:

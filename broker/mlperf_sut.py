@@ -67,6 +67,7 @@ from mlscope.contracts import (
     SamplesUnloadOp,
 )
 from mlscope.errors import BusError, MLScopeError
+from mlscope.lifeline import end_with_parent
 from mlscope.mlperf import (
     ERROR,
     TIMING,
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     """The child process: ``python -m broker.mlperf_sut CFG.json``."""
     args = sys.argv[1:] if argv is None else argv
     cfg = json.loads(Path(args[0]).read_text())
+    end_with_parent(cfg["parent_pid"])  # a killed server leaves no test running
     try:
         anyio.run(_child, cfg, backend="asyncio")
     except MLScopeError as exc:  # the parent raises it again, fields intact

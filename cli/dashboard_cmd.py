@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from cli.flag_types import port
+from mlscope.lifeline import ends_with_this_process
 from mlscope.settings import Settings
 
 __all__ = ["APP", "command", "register", "serve"]
@@ -73,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
 
 def serve(cmd: list[str], env: dict[str, str]) -> int:
     """Run the Streamlit process until it ends; Ctrl-C or SIGTERM on this process stops
-    it too (a SIGTERM alone would otherwise leave it serving the port, orphaned)."""
-    child = subprocess.Popen(cmd, env=env)
+    it too (a SIGTERM alone would otherwise leave it serving the port, orphaned), and so
+    does this process's end by any means (:mod:`mlscope.lifeline`)."""
+    child = subprocess.Popen(cmd, env=env, preexec_fn=ends_with_this_process())
 
     def stop(signum: int, _frame: object) -> None:
         child.send_signal(signum)

@@ -30,6 +30,7 @@ from mlscope.auth import INBOX_PREFIXES
 from mlscope.auth_files import inbox_prefix_for, read_roles
 from mlscope.bounded import MAX_DOCUMENT_BYTES
 from mlscope.errors import ConfigError
+from mlscope.lifeline import ends_with_this_process
 from mlscope.natsserver import NatsServer, leaf_config
 from mlscope.regular_files import read_text
 from mlscope.secrets_io import write_atomic, write_secret
@@ -198,7 +199,9 @@ def run_up(args: argparse.Namespace) -> int:
             flush=True,
         )
         agent = subprocess.Popen(
-            _agent_command(args.framework, agent_id), env=_agent_env(settings, env, leaf.url)
+            _agent_command(args.framework, agent_id),
+            env=_agent_env(settings, env, leaf.url),
+            preexec_fn=ends_with_this_process(),
         )
         return agent.wait()
     except KeyboardInterrupt:

@@ -21,6 +21,7 @@ import anyio
 from mlscope import names
 from mlscope.agentauth import add_agent
 from mlscope.errors import ConfigError
+from mlscope.lifeline import ends_with_this_process
 from mlscope.natsserver import NatsServer
 from mlscope.settings import Settings
 
@@ -62,7 +63,10 @@ class Stack:
         self.settings = self.settings.with_(nats_url=self.nats.url)
         py = [sys.executable, "-m", "cli.main"]
         self.children["server"] = subprocess.Popen(
-            [*py, "server"], env=self._env("server"), start_new_session=True
+            [*py, "server"],
+            env=self._env("server"),
+            start_new_session=True,
+            preexec_fn=ends_with_this_process(),
         )
         if self.auth is not None:
             # Agents may only read stream information: the server creates the streams.
@@ -75,7 +79,10 @@ class Stack:
                 else self._env("agent")
             )
             self.children[name] = subprocess.Popen(
-                [*py, "agent", "--framework", fw, *extra], env=env, start_new_session=True
+                [*py, "agent", "--framework", fw, *extra],
+                env=env,
+                start_new_session=True,
+                preexec_fn=ends_with_this_process(),
             )
         return self._role_settings("submitter")
 

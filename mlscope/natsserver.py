@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlscope.errors import ConfigError
+from mlscope.lifeline import ends_with_this_process
 
 __all__ = ["NatsServer", "cluster_config", "find_binary", "free_port", "hub_config", "leaf_config"]
 
@@ -213,7 +214,12 @@ class NatsServer:
         if self.config_file:
             args += ["-c", str(self.config_file)]
         args += list(self.extra_args)
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=ends_with_this_process(),
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -191,9 +191,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_dashboard_stopped_by_sigterm_stops_its_server(tmp_path: Path) -> None:
-    """`kill PID` of `mlscope dashboard` (a supervisor's stop) must stop Streamlit too,
-    else the orphan keeps the port and the next start says "Port ... is not available"."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_dashboard_stopped_or_killed_stops_its_server(tmp_path: Path, signum: int) -> None:
+    """`kill PID` of `mlscope dashboard` (a supervisor's stop), or `kill -9`, must stop
+    Streamlit too, else the orphan keeps the port and the next start says "Port ... is
+    not available"."""
     pid_file = tmp_path / "child.pid"
     child = (
         "import os, pathlib, time; "
@@ -211,7 +213,7 @@ def test_dashboard_stopped_by_sigterm_stops_its_server(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the child never started"
             time.sleep(0.05)
         grandchild = int(pid_file.read_text())
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 10
         while _alive(grandchild) and time.monotonic() < deadline:

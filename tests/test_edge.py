@@ -286,9 +286,13 @@ def test_edge_agent_behind_its_leaf_runs_under_edge_credentials(
         hub.stop()
 
 
-def test_edge_up_stopped_by_sigterm_stops_its_agent_and_its_leaf(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_edge_up_stopped_or_killed_stops_its_agent_and_its_leaf(
+    tmp_path: Path, signum: int
+) -> None:
     """systemd, ``docker stop`` and ``kill`` send SIGTERM: ``edge up`` stops its agent
-    and its leaf (a session of its own, which no signal to ``edge up`` reaches) first."""
+    and its leaf (a session of its own, which no signal to ``edge up`` reaches) first.
+    Killed outright (``kill -9``, the OOM killer), it leaves neither running."""
     leaf_port = free_port()
     (tmp_path / "hub.conf").write_text(hub_config(leaf_port=leaf_port, host="127.0.0.1"))
     edge_dir = tmp_path / "edge"
@@ -309,9 +313,9 @@ def test_edge_up_stopped_by_sigterm_stops_its_agent_and_its_leaf(tmp_path: Path)
         anyio.run(wait_agents, hub_settings, 1)
         children = psutil.Process(edge.pid).children()
         assert len(children) == 2  # the leaf and the agent
-        edge.send_signal(signal.SIGTERM)
-        assert edge.wait(40) == 128 + signal.SIGTERM
-        _, alive = psutil.wait_procs(children, timeout=5)
+        edge.send_signal(signum)
+        assert edge.wait(40) == (128 + signum if signum == signal.SIGTERM else -signum)
+        _, alive = psutil.wait_procs(children, timeout=30)
         assert not alive, f"left running: {[p.cmdline()[:4] for p in alive]}"
     finally:
         for p in children:
