@@ -14,6 +14,7 @@ from cli.submit_errors import (
     EXIT_FAILED,
     SUBMIT_FAILURES,
     InFlight,
+    StopSignals,
     failed,
     interrupted,
     interrupted_many,
@@ -105,19 +106,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MLScopeError as exc:
         print(f"mlscope-submit: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    with StopSignals() as stops:
+        return _submit(args, settings, jobs, stops)
+
+
+def _submit(
+    args: argparse.Namespace, settings: Settings, jobs: list[JobRequest], stops: StopSignals
+) -> int:
     several = several_jobs(args)
     if several is not None:
         in_flight = InFlight(on_event=_notes)
         try:
             return several(args, settings, jobs, in_flight)
         except KeyboardInterrupt:  # those running are cancelled; the rest never sent
-            return interrupted_many(settings, in_flight)
+            interrupted_many(settings, in_flight)
+            return stops.code
     show = _notes if args.json or not sys.stderr.isatty() else _progress
     job = jobs[0]
     try:
         summary = anyio.run(lambda: submit(settings, job, on_event=show), backend="asyncio")
     except KeyboardInterrupt:
-        return interrupted(settings, job.job_id, progress_shown=show is _progress)
+        interrupted(settings, job.job_id, progress_shown=show is _progress)
+        return stops.code
     except SUBMIT_FAILURES as exc:
         return failed(exc)
     if show is _progress:

@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import anyio
 
@@ -50,6 +52,7 @@ __all__ = [
     "SUBMIT_FAILURES",
     "FlagError",
     "InFlight",
+    "StopSignals",
     "failed",
     "field_message",
     "flag_for",
@@ -187,8 +190,38 @@ CANCEL_WAIT_S = 1.2
 user pressed Ctrl-C to get the terminal back, so well under two seconds in all."""
 
 
-def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False) -> int:
-    """Ctrl-C: cancel the job on the server and say so in one line (no traceback)."""
+class StopSignals:
+    """While entered, SIGTERM (a supervisor's stop, ``timeout``, a cancelled CI job)
+    interrupts the submitter as Ctrl-C does, so that its running jobs are cancelled on
+    the server instead of holding their agents for the rest of their runs. :attr:`code`
+    is the exit code that says which signal it was: 130 (128 + SIGINT, Ctrl-C) or 143
+    (128 + SIGTERM)."""
+
+    def __init__(self) -> None:
+        self.signum = int(signal.SIGINT)
+        self._previous: Any = None
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # where signals arrive
+            self._previous = signal.signal(signal.SIGTERM, self._terminated)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _terminated(self, signum: int, _frame: object) -> NoReturn:
+        self.signum = signum
+        raise KeyboardInterrupt
+
+    @property
+    def code(self) -> int:
+        return 128 + self.signum
+
+
+def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False) -> None:
+    """Ctrl-C or SIGTERM (:class:`StopSignals`): cancel the job on the server and say so
+    in one line (no traceback)."""
     from mlscope.api import cancel_job
 
     if progress_shown:
@@ -211,7 +244,6 @@ def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False
             f"{reply.evaluation_id} stored as cancelled",
             file=sys.stderr,
         )
-    return EXIT_INTERRUPTED
 
 
 class InFlight:
@@ -238,8 +270,9 @@ class InFlight:
         return summary
 
 
-def interrupted_many(settings: Settings, in_flight: InFlight) -> int:
-    """Ctrl-C during several jobs: cancel the ones in flight at once, one line each."""
+def interrupted_many(settings: Settings, in_flight: InFlight) -> None:
+    """Ctrl-C or SIGTERM during several jobs: cancel the ones in flight at once, one
+    line each."""
     from mlscope.api import cancel_job
 
     ids = list(in_flight.job_ids)
@@ -268,7 +301,6 @@ def interrupted_many(settings: Settings, in_flight: InFlight) -> int:
             f"confirmed (`mlscope cancel {job_id}` to retry)",
             file=sys.stderr,
         )
-    return EXIT_INTERRUPTED
 
 
 def strict_code(summaries: Iterable[Any]) -> int:

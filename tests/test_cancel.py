@@ -128,7 +128,10 @@ def interrupted_line(err: str) -> str:
     return last
 
 
-def test_sigint_cancels_the_job_on_the_server(noop_stack: Stack) -> None:
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_sigint_cancels_the_job_on_the_server(noop_stack: Stack, signum: int, code: int) -> None:
+    """Ctrl-C, and SIGTERM (a supervisor's stop, `timeout`, a cancelled CI job), cancel
+    the job on the server: it does not go on holding the agent for its whole run."""
     proc = subprocess.Popen(
         [str(SUBMIT), *LONG, "--json"],
         env=child_env(noop_stack.settings),
@@ -139,11 +142,11 @@ def test_sigint_cancels_the_job_on_the_server(noop_stack: Stack) -> None:
     time.sleep(3.0)
     assert proc.poll() is None, proc.communicate()
     sent = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=10)
     took = time.monotonic() - sent
     assert took < 2.0, (took, err)
-    assert proc.returncode == 130, err
+    assert proc.returncode == code, err
     assert out == ""
     line = interrupted_line(err)
     assert "cancelled" in line and "stored as cancelled" in line, line
