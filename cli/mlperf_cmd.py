@@ -22,7 +22,7 @@ import anyio
 
 from broker import mlperf_logs as logs
 from cli.flag_types import framework_name, identifier, positive_float, positive_int
-from cli.submit_errors import flags_contract
+from cli.submit_errors import StopSignals, flags_contract, interrupted
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
@@ -197,7 +197,12 @@ def write_logs(files: dict[str, str], output: Path) -> list[Path]:
 
 def _run(args: argparse.Namespace) -> int:
     job = mlperf_job(args)
-    summary, files = anyio.run(run_mlperf, args.settings, job, backend="asyncio")
+    with StopSignals() as stops:
+        try:
+            summary, files = anyio.run(run_mlperf, args.settings, job, backend="asyncio")
+        except KeyboardInterrupt:  # the test would go on holding the agent: cancel it
+            interrupted(args.settings, job.job_id, program="mlscope mlperf")
+            return stops.code
     written = write_logs(files, args.output)
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))

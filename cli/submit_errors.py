@@ -219,9 +219,15 @@ class StopSignals:
         return 128 + self.signum
 
 
-def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False) -> None:
+def interrupted(
+    settings: Settings,
+    job_id: str,
+    *,
+    progress_shown: bool = False,
+    program: str = "mlscope-submit",
+) -> None:
     """Ctrl-C or SIGTERM (:class:`StopSignals`): cancel the job on the server and say so
-    in one line (no traceback)."""
+    in one line (no traceback) that ``program`` starts."""
     from mlscope.api import cancel_job
 
     if progress_shown:
@@ -234,13 +240,13 @@ def interrupted(settings: Settings, job_id: str, *, progress_shown: bool = False
         reply = None
     if reply is None:
         print(
-            f"mlscope-submit: interrupted; cancel of job {job_id} sent, not yet confirmed "
+            f"{program}: interrupted; cancel of job {job_id} sent, not yet confirmed "
             f"(`mlscope cancel {job_id}` to retry)",
             file=sys.stderr,
         )
     else:
         print(
-            f"mlscope-submit: interrupted; job {job_id} cancelled, evaluation "
+            f"{program}: interrupted; job {job_id} cancelled, evaluation "
             f"{reply.evaluation_id} stored as cancelled",
             file=sys.stderr,
         )

@@ -134,6 +134,7 @@ def test_a_killed_mlscope_up_leaves_no_process_and_starts_again(
 
 
 def mlperf_in_background(stack: Stack, tmp_path: Path, placement: str) -> subprocess.Popen[str]:
+    tmp_path.mkdir(exist_ok=True)
     conf = tmp_path / "user.conf"
     conf.write_text(LONG_CONF)
     return subprocess.Popen(
@@ -170,3 +171,23 @@ def test_the_loadgen_process_of_a_killed_parent_ends(
         finally:
             submitter.kill()
             submitter.communicate()
+
+
+def test_an_interrupted_mlperf_run_is_cancelled_on_the_server(
+    tmp_path: Path, zoo_dir: Path
+) -> None:
+    """Ctrl-C (130) or SIGTERM (143) on ``mlscope mlperf`` cancels its job, as on
+    ``mlscope-submit``: the LoadGen test ends instead of holding the agent for its run."""
+    with running_stack(tmp_path / "stack", zoo_dir, ["onnxruntime"]) as stack:
+        for signum, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+            submitter = mlperf_in_background(stack, tmp_path / signum.name, "server")
+            try:
+                child = child_of(stack.children["server"].pid, "broker.mlperf_sut")
+                submitter.send_signal(signum)
+                _, err = submitter.communicate(timeout=60)
+                assert submitter.returncode == code, err
+                assert "stored as cancelled" in err, err
+                assert left_running([child]) == []
+            finally:
+                submitter.kill()
+                submitter.communicate()
