@@ -106,9 +106,13 @@ def validity_notes(summ: pd.DataFrame) -> list[str]:
     if "valid" not in summ.columns:
         return []
     out = []
+    told: set[object] = set()  # a run compared with itself is one run, told once
     for row in summ.to_dict("records"):
         if pd.isna(row["valid"]) or bool(row["valid"]):  # VALID, or not judged yet
             continue
+        if row["evaluation_id"] in told:
+            continue
+        told.add(row["evaluation_id"])
         reasons = [r for r in str(row.get("invalid_reasons") or "").split("; ") if r]
         why = f" ({reasons[0]}{'; …' if len(reasons) > 1 else ''})" if reasons else ""
         out.append(

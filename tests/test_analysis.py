@@ -379,6 +379,8 @@ def test_validity_notes_name_each_invalid_run_with_its_first_rule() -> None:
         "ev-d is INVALID: its latencies may not measure the system at the load asked",
     ]
     assert compare.validity_notes(runs.drop(columns="valid")) == []
+    twice = pd.concat([runs.iloc[[1]], runs.iloc[[1]]])  # a run compared with itself
+    assert compare.validity_notes(twice) == compare.validity_notes(runs.iloc[[1]])
 
 
 def test_model_level_timeline(analysis_runs: AnalysisRuns) -> None:

@@ -231,7 +231,9 @@ def test_a_comparison_says_when_the_runs_loaded_other_bytes(
         for lock in (ours, theirs):
             assert lock.artifacts["digits_cnn.onnx"][:12] in note
         same = compare_runs(BusSource(stack.settings), ids[0], ids[0], n_boot=200)
-        assert set(same["note"]) == {""}
+        [same_note] = set(same["note"])  # may tell that the short run is INVALID, once
+        assert "different model files" not in same_note
+        assert same_note.count(ids[0]) <= 1
         text = report_render.to_markdown(report.build(BusSource(stack.settings), ids))
         assert "ran different model files" in text
 
