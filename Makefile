@@ -36,7 +36,7 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy $(MYPY_TESTS)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=30
 
 ## The fast part: pure unit tests only (under a minute).
 test-fast: install
