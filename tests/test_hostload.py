@@ -115,8 +115,9 @@ def test_an_agent_counts_what_other_processes_used_and_not_its_own(
 
 
 def _others_cpu_s() -> float:
-    """The CPU seconds the kernel counts for every live process but this one (a
-    zombie's included: it keeps its count until reaped)."""
+    """The CPU seconds the kernel counts for every live process but this one, with
+    their reaped children's (a zombie's included: it keeps its count until reaped), so
+    a short-lived process of other work that ends inside the window still counts."""
     total, me = 0, os.getpid()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if int(pid) == me:
@@ -125,7 +126,7 @@ def _others_cpu_s() -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        total += int(fields[11]) + int(fields[12])
+        total += sum(int(f) for f in fields[11:15])  # utime stime cutime cstime
     return total / os.sysconf("SC_CLK_TCK")
 
 
