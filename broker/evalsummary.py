@@ -1,7 +1,7 @@
 """An evaluation's summaries: what every run of one evaluation shares in its summary
-(:class:`Summarizer`), the summary of a sweep or search (:func:`parent_summary`), and
-the agent's memory and energy figures (:func:`memory_figures`) and the span batches its
-trace budget refused (:func:`budget_warnings`)."""
+(:class:`Summarizer`), the summary of a sweep or search (:func:`parent_summary`), the
+figures of the agent's release reply (memory, energy, host load: :func:`release_figures`)
+and the span batches its trace budget refused (:func:`budget_warnings`)."""
 
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ __all__ = [
     "Summarizer",
     "budget_warnings",
     "host_warnings",
-    "memory_figures",
     "parent_summary",
     "release_agent",
     "release_facts",
+    "release_figures",
 ]
 
 log = logging.getLogger("mlscope.server")
@@ -230,7 +230,7 @@ def budget_warnings(released: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def memory_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:
+def release_figures(released: dict[str, Any], samples: int) -> dict[str, float | None]:
     """``peak_rss_mb`` and ``rss_growth_mb`` (MB = 10⁶ bytes), ``energy_j`` and
     ``energy_per_inference_j``, ``host_other_cores`` and ``host_steal_cores`` from the
     agent's release reply; None where the agent did not report them (no readable
@@ -257,7 +257,7 @@ HOST_STEAL_WARN_CORES = 0.05
 
 
 def host_warnings(figures: dict[str, Any], loadgen_cost: dict[str, Any]) -> tuple[str, ...]:
-    """What the agent's host did besides the agent (:func:`memory_figures`' host
+    """What the agent's host did besides the agent (:func:`release_figures`' host
     figures): other processes' CPU and the hypervisor's steal, each when large enough
     to have taken CPU from the model. A load generator sharing the host is counted out
     of "other processes" (its own warning says what it used: ``LoadgenCost.warnings``)."""

@@ -28,9 +28,9 @@ from broker.evalsummary import (
     Summarizer,
     budget_warnings,
     host_warnings,
-    memory_figures,
     parent_summary,
     release_agent,
+    release_figures,
 )
 from broker.run import RunsSoFar
 from mlscope import names, samples
@@ -137,7 +137,7 @@ class Evaluator:
             m = entry.manifest
             metric = m.dataset.metric if m.dataset else "top1"
             summary = summary.model_copy(update={"accuracy": accuracy.metrics(acc, metric)})
-        figures = memory_figures(released, summary.samples)
+        figures = release_figures(released, summary.samples)
         summary = summary.model_copy(
             update={
                 **figures,

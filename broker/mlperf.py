@@ -52,7 +52,7 @@ from broker import mlperf_logs as logs
 from broker.db import Database
 from broker.evalprep import PREPARE_TIMEOUT_S
 from broker.evalspec import specification
-from broker.evalsummary import budget_warnings, host_warnings, memory_figures, release_agent
+from broker.evalsummary import budget_warnings, host_warnings, release_agent, release_figures
 from broker.lgclock import estimate_offset
 from broker.mlperf_agent import START_TIMEOUT_S, run_in_agent
 from broker.mlperf_record import (
@@ -154,7 +154,7 @@ async def run(
         summary, rec, int(timing["errors"]), job, agent, entry, (offset, rtt), prep
     )
     # What the agent's release says (its memory, energy and spans), as every run's says.
-    figures = memory_figures(released, summary.samples)
+    figures = release_figures(released, summary.samples)
     host = host_warnings(figures, summary.loadgen_cost or {})
     warnings = (*summary.warnings, *budget_warnings(released), *host)
     summary = summary.model_copy(update={**figures, "warnings": warnings})

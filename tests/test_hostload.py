@@ -17,7 +17,7 @@ import pytest
 
 from agent.hostload import HostCpu, between, read_host_cpu
 from agent.service import Agent, AgentConfig
-from broker.evalsummary import host_warnings, memory_figures
+from broker.evalsummary import host_warnings, release_figures
 from mlscope import bus as busmod
 from mlscope.catalog import Catalog
 from mlscope.contracts import ReleaseReply
@@ -136,7 +136,7 @@ def test_the_summary_says_when_other_processes_or_the_hypervisor_took_cpu() -> N
         "host_steal_s": 1.0,
         "host_window_s": 10.0,
     }
-    figures = memory_figures(released, samples=100)
+    figures = release_figures(released, samples=100)
     assert figures["host_other_cores"] == pytest.approx(0.8)
     assert figures["host_steal_cores"] == pytest.approx(0.1)
     alone, shared = host_warnings(figures, {})
@@ -145,7 +145,7 @@ def test_the_summary_says_when_other_processes_or_the_hypervisor_took_cpu() -> N
     # A load generator sharing the host is counted out, and said to be.
     (besides, _) = host_warnings(figures, {"shared_host": True, "busy_cores": 0.3})
     assert "kept 0.50 cores busy on average besides the load generator" in besides
-    quiet = memory_figures({**released, "host_other_cpu_s": 0.5, "host_steal_s": 0.0}, 100)
+    quiet = release_figures({**released, "host_other_cpu_s": 0.5, "host_steal_s": 0.0}, 100)
     assert host_warnings(quiet, {}) == ()
-    assert host_warnings(memory_figures({}, 100), {}) == ()  # not reported: nothing said
-    assert memory_figures({}, 100)["host_other_cores"] is None
+    assert host_warnings(release_figures({}, 100), {}) == ()  # not reported: nothing said
+    assert release_figures({}, 100)["host_other_cores"] is None
