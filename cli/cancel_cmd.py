@@ -3,7 +3,8 @@
 The request goes to ``mlscope.job.<job_id>.cancel``, which every server hears: the
 one running the job cancels it and answers once the cancelled evaluation is stored;
 servers that do not run it remember the id, so a job still queued is not run when
-taken. ``mlscope-submit`` sends the same request when interrupted (Ctrl-C).
+taken. ``mlscope-submit``, ``mlscope rerun``, ``mlscope report --suite --run`` and
+``mlscope mlperf`` send the same request when interrupted (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import anyio
 
 from cli.console import Bar, progress
 from cli.flag_types import positive_float, positive_ints
-from cli.submit_errors import flags_contract
+from cli.submit_errors import InFlight, StopSignals, flags_contract, interrupted_many
 from mlscope.contracts import JobRequest, ScenarioSpec
 from mlscope.errors import MLScopeError
 from mlscope.settings import Settings
@@ -129,15 +129,16 @@ def suite_jobs(
     return jobs
 
 
-def _run_jobs(settings: Settings, jobs: list[JobRequest]) -> list[str]:
-    from mlscope.jobs import submit
+def _run_jobs(settings: Settings, jobs: list[JobRequest], in_flight: InFlight) -> list[str]:
+    """Run ``jobs`` one after another (``in_flight`` holds the one running); the ids of
+    those that ran."""
 
     async def go() -> list[str]:
         ids = []
         for job in jobs:
             label = f"{job.model}/{job.framework} {job.scenario.name} b={job.scenario.batch_size}"
             try:
-                s = await submit(settings, job)
+                s = await in_flight.submit(settings, job)
             except MLScopeError as exc:  # one failing model does not stop the suite
                 print(f"  {label}: FAILED {exc}", file=sys.stderr, flush=True)
                 continue
@@ -162,7 +163,13 @@ def run_suite(args: argparse.Namespace) -> int:
         jobs = suite_jobs(
             pairs, batch_sizes=args.batch_sizes, qps=args.qps, duration_s=args.duration
         )
-        _run_jobs(settings, jobs)
+        in_flight = InFlight()
+        with StopSignals() as stops:
+            try:
+                _run_jobs(settings, jobs, in_flight)
+            except KeyboardInterrupt:  # the running job is cancelled, the rest never sent
+                interrupted_many(settings, in_flight, program="mlscope report")
+                return stops.code
     with open_source(settings) as source:
         ids = suite.shown_evaluations(source, pairs)
         summ = summary(source, ids) if ids else None

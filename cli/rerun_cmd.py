@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from cli.console import Bar, progress
 from cli.flag_types import identifier
-from cli.submit_errors import field_message
+from cli.submit_errors import InFlight, StopSignals, field_message, interrupted_many
 from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import remote
@@ -37,7 +37,6 @@ from mlscope.contracts import (
     new_id,
 )
 from mlscope.errors import DatabaseError, EvaluationError
-from mlscope.jobs import submit
 from mlscope.manifest import manifest_digest
 from mlscope.reproduce import evaluation_job
 from mlscope.settings import Settings
@@ -237,15 +236,19 @@ async def rerun(
     *,
     any_system: bool = False,
     on_event: Callable[[JobEvent], None] | None = None,
+    in_flight: InFlight | None = None,
 ) -> EvaluationSummary:
-    """Resubmit ``evaluation_id``'s specification; ``on_event`` hears the job's events."""
+    """Resubmit ``evaluation_id``'s specification; ``on_event`` hears the job's events,
+    and ``in_flight`` holds its job id while it runs (what an interrupt cancels)."""
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         spec = await stored_spec(bus, evaluation_id)
         point = await stored_scenario(bus, evaluation_id)
     job = rerun_job(spec, evaluation_id, any_system=any_system, point=point)
     # An MLPerf run lasts what its conf files say (10 minutes officially).
     timeout = 6 * 3600.0 if job.mlperf else None
-    summary = await submit(settings, job, on_event=on_event, timeout=timeout)
+    summary = await (in_flight or InFlight()).submit(
+        settings, job, on_event=on_event, timeout=timeout
+    )
     async with busmod.connect(settings, name="mlscope rerun") as bus:
         again = await stored_spec(bus, summary.evaluation_id)
     diff = differences(spec, again)
@@ -278,16 +281,23 @@ def _shows(bar: Bar) -> Callable[[JobEvent], None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    with progress(f"rerunning {args.evaluation_id}", enabled=not args.json) as bar:
-        summary = anyio.run(
-            lambda: rerun(
-                args.settings,
-                args.evaluation_id,
-                any_system=args.any_system,
-                on_event=_shows(bar),
-            ),
-            backend="asyncio",
-        )
+    in_flight = InFlight()
+    with StopSignals() as stops:
+        try:
+            with progress(f"rerunning {args.evaluation_id}", enabled=not args.json) as bar:
+                summary = anyio.run(
+                    lambda: rerun(
+                        args.settings,
+                        args.evaluation_id,
+                        any_system=args.any_system,
+                        on_event=_shows(bar),
+                        in_flight=in_flight,
+                    ),
+                    backend="asyncio",
+                )
+        except KeyboardInterrupt:  # the job would go on holding its agent: cancel it
+            interrupted_many(args.settings, in_flight, program="mlscope rerun")
+            return stops.code
     if args.json:
         print(json.dumps(summary.model_dump(mode="json", by_alias=True)))
     else:

@@ -276,9 +276,11 @@ class InFlight:
         return summary
 
 
-def interrupted_many(settings: Settings, in_flight: InFlight) -> None:
+def interrupted_many(
+    settings: Settings, in_flight: InFlight, *, program: str = "mlscope-submit"
+) -> None:
     """Ctrl-C or SIGTERM during several jobs: cancel the ones in flight at once, one
-    line each."""
+    line each that ``program`` starts."""
     from mlscope.api import cancel_job
 
     ids = list(in_flight.job_ids)
@@ -296,14 +298,14 @@ def interrupted_many(settings: Settings, in_flight: InFlight) -> None:
     with contextlib.suppress(KeyboardInterrupt):
         anyio.run(all_of, backend="asyncio")
     if not ids:
-        print("mlscope-submit: interrupted; no job was running", file=sys.stderr)
+        print(f"{program}: interrupted; no job was running", file=sys.stderr)
     for job_id in ids:
         reply = replies.get(job_id)
         print(
-            f"mlscope-submit: interrupted; job {job_id} cancelled, evaluation "
+            f"{program}: interrupted; job {job_id} cancelled, evaluation "
             f"{reply.evaluation_id} stored as cancelled"
             if reply is not None
-            else f"mlscope-submit: interrupted; cancel of job {job_id} sent, not yet "
+            else f"{program}: interrupted; cancel of job {job_id} sent, not yet "
             f"confirmed (`mlscope cancel {job_id}` to retry)",
             file=sys.stderr,
         )

@@ -187,6 +187,52 @@ def test_sigint_cancels_the_running_job_of_several(
     assert evaluations_stored(noop_stack) == before + 1  # nothing else was stored
 
 
+def interrupt(stack: Stack, argv: list[str], signum: int) -> tuple[int, str]:
+    """Run ``argv`` for 4 s (its job runs by then), send it ``signum``: its exit code and
+    stderr, once it exited within 2 s of the signal with nothing on stdout."""
+    proc = subprocess.Popen(
+        argv,
+        env=child_env(stack.settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(4.0)
+    assert proc.poll() is None, proc.communicate()
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=10)
+    assert time.monotonic() - sent < 2.0, err
+    assert out == "" and "Traceback" not in err, err
+    return proc.returncode, err
+
+
+def test_a_stopped_rerun_or_suite_run_cancels_its_job(noop_stack: Stack) -> None:
+    """``mlscope rerun`` and ``mlscope report --suite --run`` stopped by SIGTERM (or
+    Ctrl-C) cancel the job they are running on the server, as the submitter does, and
+    the suite sends none of the rest."""
+    code, err = interrupt(noop_stack, [str(SUBMIT), *LONG, "--json"], signal.SIGINT)
+    assert code == 130
+    original = evaluation_id_for(job_of(interrupted_line(err)))  # a stored 20 s run
+    cli = [sys.executable, "-m", "cli.main"]
+    before = evaluations_stored(noop_stack)
+    code, err = interrupt(noop_stack, [*cli, "rerun", original, "--json"], signal.SIGTERM)
+    assert code == 143, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("mlscope rerun: interrupted; job job-"), err
+    assert line.endswith("stored as cancelled"), err
+    assert_cancelled(noop_stack, evaluation_id_for(job_of(line)))
+    suite = ["report", "--suite", "--run", "--models", "noop/noop", "--qps", "50"]
+    suite += ["--duration", "20", "--batch-sizes", "1,2"]  # three jobs: one runs
+    code, err = interrupt(noop_stack, [*cli, *suite], signal.SIGINT)
+    assert code == 130, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("mlscope report: interrupted; job job-"), err
+    assert line.endswith("stored as cancelled"), err
+    assert_cancelled(noop_stack, evaluation_id_for(job_of(line)))
+    assert evaluations_stored(noop_stack) == before + 2  # the rerun's and the suite's first
+
+
 def test_ctrl_c_on_a_terminal(noop_stack: Stack) -> None:
     """^C typed into the submitter's terminal: the progress line, then one line."""
     pid, fd = pty.fork()
