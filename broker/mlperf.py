@@ -72,6 +72,7 @@ from mlscope.contracts import (
     MLPerfSpec,
     PrepareReply,
     evaluation_id_for,
+    mlperf_run_identity,
 )
 from mlscope.errors import ConfigError, EvaluationError, error_from_wire
 from mlscope.mlperf import ERROR, TIMING, load_timing
@@ -159,6 +160,8 @@ async def run(
     warnings = (*summary.warnings, *budget_warnings(released), *host)
     summary = summary.model_copy(update={**figures, "warnings": warnings})
     spec_doc = specification(job, agent, entry, prep.dump())
+    # Its logs written out (--output) and imported later are this run, found by this.
+    spec_doc["mlperf_logs"] = {"sha256": mlperf_run_identity(files)}
     # The evaluation row last: a server that sees it takes the evaluation as stored whole.
     await anyio.to_thread.run_sync(store_logs, ev.db, eval_id, files)
     await anyio.to_thread.run_sync(ev.store_evaluation, summary, rec, spec_doc)
@@ -290,8 +293,9 @@ def _child_env() -> dict[str, str]:
 
 async def import_logs(ev: Host, job: JobRequest) -> EvaluationSummary:
     """Store MLPerf logs written elsewhere as an evaluation tagged ``imported``, once:
-    logs stored before (by any job, from any path) answer with that evaluation's stored
-    summary, its ``job_id`` the job that stored it, and nothing is stored again.
+    logs stored before (by any job, from any path, or by the ``mlscope mlperf`` run on
+    this server that wrote them: :func:`_ran_here`) answer with that evaluation's
+    stored summary, its ``job_id`` the job that stored it, and nothing is stored again.
 
     What a run is, is :meth:`MLPerfImport.identity` (its summary and detail logs), and
     its evaluation id is derived from it, so every server agrees on it without asking
@@ -311,6 +315,8 @@ async def import_logs(ev: Host, job: JobRequest) -> EvaluationSummary:
     eval_id = job.evaluation_id()  # the run's, not the job's
     async with ev.import_lock:
         stored = await anyio.to_thread.run_sync(_imported, ev.db, eval_id, identity)
+        if stored is None:  # the logs of a run mlscope mlperf made and stored here?
+            stored = await anyio.to_thread.run_sync(_ran_here, ev.db, identity)
         if stored is not None:
             return stored
         return await _store_import(ev, job, imp, eval_id, identity)
@@ -337,6 +343,19 @@ def _imported(db: Database, eval_id: str, identity: str) -> EvaluationSummary | 
             evaluation_id=eval_id,
         )
     return EvaluationSummary.model_validate_json(rows[0][1])
+
+
+def _ran_here(db: Database, identity: str) -> EvaluationSummary | None:
+    """The stored summary of the ``mlscope mlperf`` run whose logs are ``identity``
+    (its specification's ``mlperf_logs``), or None: its logs written out with
+    ``--output`` and imported are that run, not a second evaluation of it."""
+    rows = db.rows(
+        "SELECT summary FROM evaluations FINAL "
+        "WHERE JSONExtractString(spec, 'mlperf_logs', 'sha256') = {sha:String} "
+        "ORDER BY created_at LIMIT 1",
+        {"sha": identity},
+    )
+    return EvaluationSummary.model_validate_json(rows[0][0]) if rows else None
 
 
 async def _store_import(

@@ -7,7 +7,9 @@ then writes LoadGen's log files, read back from the evaluation database, into
 holding an ``mlperf_log_summary.txt``) and submits one import job per directory; the
 server stores each run once (a run is its summary and detail logs:
 ``MLPerfImport.identity``), so importing a tree again stores only the runs it did not
-have and answers the others with what it stored before ("already imported").
+have and answers the others with what it stored before ("already imported"). The
+logs ``mlscope mlperf --output`` wrote are its run, already stored on that server
+("already stored"), not a second evaluation of it.
 """
 
 from __future__ import annotations
@@ -335,7 +337,10 @@ def _import(args: argparse.Namespace) -> int:
         src = job.mlperf_import.source if job.mlperf_import else ""
         lg: dict[str, Any] = s.mlperf or {}
         note = ""
-        if already_imported(job, s):
+        if already_imported(job, s) and not lg.get("imported"):  # its logs, written out
+            before += 1
+            note = f"  already stored: the mlscope mlperf run of job {s.job_id}"
+        elif already_imported(job, s):
             before += 1
             kept = _relabelled(job, s)
             note = f"  already imported{f' (as {kept})' if kept else ''}"

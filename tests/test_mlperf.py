@@ -176,6 +176,14 @@ def test_offline_is_valid_by_loadgen(
     # One row per LoadGen sample, every one answered, agent times on LoadGen's clock.
     assert rows[0][0] == rows[0][1] == doc["samples"] >= 11 * int(OFFLINE_QPS) // 20
     assert rows[0][2] > 0
+    # The logs it wrote, imported on this server, are this run: nothing stored again.
+    count = "SELECT count() FROM evaluations FINAL"
+    before = query(ort, count)
+    said = cli(ort, "import", "mlperf", str(tmp_path), "--model", "digits_cnn")
+    assert f"already stored: the mlscope mlperf run of job {doc['job_id']}" in said, said
+    [again] = mlscope(ort, "import", "mlperf", str(tmp_path), "--model", "digits_cnn")
+    assert again["evaluation_id"] == doc["evaluation_id"] and again["import"]["already_imported"]
+    assert query(ort, count) == before
 
 
 @PLACEMENTS

@@ -115,6 +115,7 @@ from mlscope.contracts._jobs import (
     ScenarioName,
     ScenarioSpec,
     SystemRequirement,
+    mlperf_run_identity,
 )
 from mlscope.contracts._loadgen import (
     LOADGEN_CONTROL,
@@ -262,6 +263,7 @@ __all__ = [
     "SystemRequirement",
     "TraceLevel",
     "evaluation_id_for",
+    "mlperf_run_identity",
     "new_id",
     "run_evaluation_id",
 ]

@@ -199,6 +199,20 @@ class MLPerfSpec(BaseModel):
 IMPORT_IDENTITY_LOGS = ("mlperf_log_summary.txt", "mlperf_log_detail.txt")
 """The logs that are an imported MLPerf run's identity (:meth:`MLPerfImport.identity`):
 the two every import carries (``broker.mlperf_logs.REQUIRED``)."""
+
+
+def mlperf_run_identity(files: dict[str, str]) -> str:
+    """What an MLPerf run is, from its log files (name -> text): the sha256 of its
+    summary and detail logs (:data:`IMPORT_IDENTITY_LOGS`), each by its own sha256 and
+    name (:func:`mlscope.hashing.tree_sha256`). The one definition both an import
+    (:meth:`MLPerfImport.identity`) and a run of ``mlscope mlperf``, which stores it
+    with its logs, are found by: the logs of a run imported later are that run."""
+    return tree_sha256(
+        (name, hashlib.sha256(files.get(name, "").encode()).hexdigest())
+        for name in sorted(IMPORT_IDENTITY_LOGS)
+    )
+
+
 IMPORT_ID_HEX = 16
 """Hex digits of the identity in an imported run's evaluation id (64 bits; the server
 checks the whole digest stored with the run, so a shorter match is never taken)."""
@@ -241,10 +255,7 @@ class MLPerfImport(BaseModel):
 
         The text is what the importer read (``mlscope import mlperf`` decodes with
         universal newlines and U+FFFD for a byte that is not UTF-8)."""
-        return tree_sha256(
-            (name, hashlib.sha256(self.files.get(name, "").encode()).hexdigest())
-            for name in sorted(IMPORT_IDENTITY_LOGS)
-        )
+        return mlperf_run_identity(self.files)
 
     def evaluation_id(self) -> str:
         """The evaluation these logs are stored as: ``ev-`` and the first
