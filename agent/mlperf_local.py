@@ -43,7 +43,7 @@ from agent.job import Job
 from agent.pipeline import Executor, ExecutorConfig
 from agent.samplelib import MemoryBudget, SampleLibrary
 from agent.worker import LoadedModel
-from mlscope import codec, samples
+from mlscope import codec, samples, scratch
 from mlscope.catalog import Entry
 from mlscope.contracts import (
     MAX_MLPERF_FILE_BYTES,
@@ -275,7 +275,7 @@ class MLPerfRunner:
             raise EvaluationError(
                 f"an MLPerf run of evaluation {ev} is already running here", evaluation_id=ev
             )
-        tmp = tempfile.TemporaryDirectory(prefix="mlperf-agent-")
+        tmp = scratch.scratch_dir("mlperf-agent")
         work = Path(tmp.name)
         (work / "logs").mkdir()
         cfg = {

@@ -38,7 +38,7 @@ from agent.samplelib import MemoryBudget
 from agent.sysmon import RssWatch, Sampler, open_nvml
 from agent.tracer import Tracer
 from mlscope import bus as busmod
-from mlscope import names, provenance, sysinfo
+from mlscope import names, provenance, scratch, sysinfo
 from mlscope.agentauth import bound_id
 from mlscope.bus import Bus
 from mlscope.catalog import Catalog
@@ -190,6 +190,7 @@ class Agent:
         self.models.runtime_version = info.version
         self._facts: dict[str, Any] = sysinfo.host_facts()
         self.git_commit = await anyio.to_thread.run_sync(provenance.git_commit)
+        await anyio.to_thread.run_sync(scratch.sweep)  # what killed processes left
         self.accelerators = accelerators(self.config.framework, info.devices)
         # Inference threads hand replies to the loop; a short GIL switch interval keeps
         # that hand-off from waiting out the default 5 ms.

@@ -30,7 +30,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from broker.context import Context
 from broker.lgresults import load_result, merge_results, save_result, until_first_stop
 from broker.loadgen import Driver, encode_query
 from mlscope import bus as busmod
-from mlscope import codec, scenario_traits, schedule
+from mlscope import codec, scenario_traits, schedule, scratch
 from mlscope.contracts import ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
 from mlscope.record import RunRecord
@@ -137,7 +136,7 @@ def _run_processes(
     ``stop`` (the job was cancelled) stops them: their merged record of what they had
     sent goes into ``kept`` (when every one wrote it), and the run ends without a
     result."""
-    with tempfile.TemporaryDirectory(prefix="mlscope-lg-") as tmp:
+    with scratch.scratch_dir("loadgen") as tmp:
         children: list[_Child] = []
         try:
             for j, part in enumerate(parts):

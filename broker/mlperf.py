@@ -40,7 +40,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -61,7 +60,7 @@ from broker.mlperf_record import (
     sample_record,
     store_logs,
 )
-from mlscope import codec, names
+from mlscope import codec, names, scratch
 from mlscope.bus import Bus, request
 from mlscope.catalog import Entry
 from mlscope.contracts import (
@@ -243,7 +242,7 @@ async def _test(
     its SUT saw and LoadGen's log files (``samples``: the data set's size, which the
     agent holds)."""
     url = ev.bus.nc.connected_url
-    with tempfile.TemporaryDirectory(prefix="mlperf-") as tmp:
+    with scratch.scratch_dir("mlperf") as tmp:
         work = Path(tmp)
         out = work / "logs"
         out.mkdir()

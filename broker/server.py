@@ -53,7 +53,7 @@ from broker.jobeval import JobEvaluation
 from broker.lgwork import work_bucket
 from broker.readonly import ReadLimits, ReadOnlyDatabase
 from mlscope import bus as busmod
-from mlscope import codec, names
+from mlscope import codec, names, scratch
 from mlscope.catalog import Catalog, default_manifest_dirs
 from mlscope.contracts import (
     MAX_ID_CHARS,
@@ -100,6 +100,7 @@ class Server(JobEvaluation):
         self.db = Database(self.settings.dsn)
         self.db.migrate()
         self.db.set_retention(self.settings.trace_retention_days)
+        scratch.sweep()  # what killed processes left (an MLPerf test's logs)
         limits = self.read_limits or ReadLimits(max_execution_time_s=self.settings.sql_timeout_s)
         self.reader = ReadOnlyDatabase(
             self.settings.clickhouse_read_dsn or self.settings.dsn, limits

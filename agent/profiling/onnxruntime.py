@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -34,6 +33,7 @@ import onnxruntime as ort
 
 from agent.profiling.base import Capture, LayerEvent, emit_events
 from agent.tracer import SpanBuffer
+from mlscope import scratch
 
 __all__ = ["FLUSH_EVERY", "OrtCapture", "OrtProfiler", "make", "node_events"]
 
@@ -72,7 +72,7 @@ class OrtProfiler:
     ) -> None:
         self.predictor, self.model_path = predictor, model_path
         self.options, self.providers = options, providers
-        self.dir = Path(tempfile.mkdtemp(prefix="mlscope-ortprof-"))
+        self.dir = scratch.scratch_path("ortprof")
         weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.options.enable_profiling = True
         self.options.profile_file_prefix = str(self.dir / "run")

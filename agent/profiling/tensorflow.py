@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -26,6 +25,7 @@ from typing import Any
 import tensorflow as tf
 
 from agent.profiling.base import Capture, LayerEvent
+from mlscope import scratch
 
 __all__ = ["TfCapture", "TfProfiler", "make", "xspace_events"]
 
@@ -61,7 +61,7 @@ class TfCapture(Capture):
 
     def __enter__(self) -> Capture:
         _one_session.acquire()
-        self._dir = tempfile.mkdtemp(prefix="mlscope-tfprof-")
+        self._dir = str(scratch.scratch_path("tfprof"))
         try:
             tf.profiler.experimental.start(self._dir)
         except Exception as exc:  # e.g. a profiler session someone else started
