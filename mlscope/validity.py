@@ -409,7 +409,7 @@ def _failure_reasons(pol: ValidityPolicy, counts: Mapping[str, int]) -> list[str
     not_issued = int(counts.get("not_issued", 0))
     if not_issued > pol.max_not_issued:
         out.append(
-            f"{not_issued} queries not issued: the outstanding-query bound was "
-            f"reached (allowed {pol.max_not_issued})"
+            f"{not_issued} queries not issued: the outstanding-query bound held them "
+            f"back, or they were due after the run stopped (allowed {pol.max_not_issued})"
         )
     return out
