@@ -6,6 +6,9 @@ STAMP  := $(VENV)/.installed
 # Tests and benchmarks are type-checked too (the packages' strict settings, and the
 # bodies of any function without annotations); they are scripts, not packages.
 MYPY_TESTS := --check-untyped-defs --explicit-package-bases tests bench
+# How many of the slowest tests `make test` lists (0: every one), so that a run that
+# grows past its time budget shows where the time went.
+DURATIONS ?= 30
 
 .PHONY: install demo test test-fast lint typecheck bench clean
 
@@ -36,7 +39,7 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy $(MYPY_TESTS)
-	$(PY) -m pytest --durations=30
+	$(PY) -m pytest --durations=$(DURATIONS)
 
 ## The fast part: pure unit tests only (under a minute).
 test-fast: install
