@@ -36,6 +36,7 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import anyio
 from pydantic import ValidationError
 
 from mlscope import bus as busmod
@@ -57,11 +58,14 @@ from mlscope.tracerows import trace_rows
 if TYPE_CHECKING:  # pandas loads when a frame is asked for, not on import
     import pandas as pd
 
-__all__ = ["PAGE_ROWS", "Client", "cancel_job"]
+__all__ = ["CANCEL_ON_EXIT_S", "PAGE_ROWS", "Client", "cancel_job"]
 
 PAGE_ROWS = remote.ARROW_PAGE_ROWS
 """Rows asked for per SQL reply (the server sends fewer where they would not fit one
 message)."""
+CANCEL_ON_EXIT_S = 2.0
+"""How long a cancelled :meth:`Client.submit` waits for the server to confirm that it
+cancelled the job (the caller is on its way out: not long)."""
 
 Progress = Callable[[JobEvent], object]
 
@@ -147,14 +151,29 @@ class Client:
     ) -> EvaluationSummary:
         """Publish ``job`` and await its summary; ``on_progress`` hears every event
         (queued, accepted, progress, restarted, done). A failed job raises its typed error; a
-        cancelled one returns its summary with ``status == "cancelled"``."""
+        cancelled one returns its summary with ``status == "cancelled"``.
+
+        Cancelling the await (a cancel scope or task group, ``anyio.fail_after``,
+        ``asyncio.wait_for``) cancels the job on the server as well, as Ctrl-C does in
+        ``mlscope-submit``: it would otherwise hold its agent for the rest of its run
+        with nobody waiting for it. The cancel is sent and awaited at most
+        :data:`CANCEL_ON_EXIT_S` before the cancellation goes on."""
         if not isinstance(job, JobRequest):
             raise ConfigError(
                 f"job must be a JobRequest, not {type(job).__name__} "
                 "(JobRequest.model_validate(...) reads a mapping)",
                 argument="job",
             )
-        return await jobs.submit_on(self.bus, job, on_event=on_progress, timeout=timeout)
+        try:
+            return await jobs.submit_on(self.bus, job, on_event=on_progress, timeout=timeout)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_ON_EXIT_S):
+                await self.cancel(
+                    job.job_id,
+                    reason="its submitter stopped waiting",
+                    timeout=CANCEL_ON_EXIT_S,
+                )
+            raise
 
     async def cancel(
         self, job_id: str, *, reason: str = "cancelled by the user", timeout: float = 10.0

@@ -105,6 +105,26 @@ def test_cancel_through_the_api(noop_stack: Stack) -> None:
     anyio.run(go, backend="asyncio")
 
 
+def test_a_submit_given_up_cancels_its_job(noop_stack: Stack) -> None:
+    """A caller that stops awaiting a job (here a timeout around the await) has it
+    cancelled on the server: it is stored as cancelled after about the time waited, not
+    run for its 20 s holding the agent."""
+
+    async def go() -> None:
+        async with Client(noop_stack.settings) as client:
+            job = noop_job(name="online", qps=50, duration_s=20)
+            with anyio.move_on_after(3.0) as waited:
+                await client.submit(job)
+            assert waited.cancelled_caught
+            with anyio.fail_after(10):  # the cancel was heard: stored well before 20 s
+                while (summary := await client.stored(job.evaluation_id())) is None:
+                    await anyio.sleep(0.2)
+            assert summary.status == "cancelled" and not summary.valid
+            assert summary.duration_s is not None and summary.duration_s < 10
+
+    anyio.run(go, backend="asyncio")
+
+
 def test_a_job_cancelled_before_a_server_takes_it_is_not_run(noop_stack: Stack) -> None:
     async def go() -> None:
         async with Client(noop_stack.settings) as client:
