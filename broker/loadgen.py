@@ -141,6 +141,7 @@ class Driver:
         i = self._local(reply.index)
         if i < 0 or rec.completed[i] != 0:
             return  # not ours or a duplicate
+        reply = reply.within(t - rec.t0_ns - int(rec.issued[i]))
         if not reply.ok:
             rec.errors[i] = reply.error
             rec.refused[i] = reply.refused

@@ -163,13 +163,17 @@ class AgentSUT:
 
     # ------------------------------------------------------------- the link's reader
 
-    def on_reply(self, payload: bytes, _t: int) -> None:
-        """One reply (on the link's reader thread): its chunk's samples complete, and
-        waiting chunks take its place. What cannot be read as a reply raises before it
-        touches a chunk (the link counts it; the chunk waits for its real answer)."""
+    def on_reply(self, payload: bytes, t: int) -> None:
+        """One reply that arrived at ``t`` (on the link's reader thread): its chunk's
+        samples complete, and waiting chunks take its place. What cannot be read as a
+        reply raises before it touches a chunk (the link counts it; the chunk waits for
+        its real answer)."""
         reply = wire.read_reply(payload)
-        answer = (reply.outputs, reply.agent_ns) if reply.ok else None
         with self._lock:
+            chunk = self._inflight.get(reply.index)
+            if chunk is not None:
+                reply = reply.within(t - chunk.sent_ns)
+            answer = (reply.outputs, reply.agent_ns) if reply.ok else None
             done = [self._complete(reply.index, answer, reply.error)]
             done += self._pump()
         self._respond(done)

@@ -33,10 +33,12 @@ from mlscope.contracts import (
 from mlscope.errors import OverloadedError, WireError
 
 __all__ = [
+    "AGENT_SPAN_TOO_LONG",
     "AGENT_TIME_LIMIT",
     "DISORDERED_TIMES",
     "QueryView",
     "ReplyView",
+    "agent_span_fits",
     "agent_times_ordered",
     "decode_query",
     "encode_query",
@@ -184,6 +186,16 @@ class ReplyView:
     outputs: Any
     """The answer's outputs as decoded, for the caller to check (None when it failed)."""
 
+    def within(self, round_trip_ns: int) -> ReplyView:
+        """This reply, or a failed one (:data:`AGENT_SPAN_TOO_LONG`) when it is an
+        answer whose agent span does not fit in ``round_trip_ns``, the load generator's
+        own measure of the query (completed - issued, its clock): what every load
+        generator on the server asks of an answer before it keeps its times."""
+        received, _, _, replied = self.agent_ns
+        if not self.ok or agent_span_fits(received, replied, round_trip_ns):
+            return self
+        return ReplyView(self.index, False, AGENT_SPAN_TOO_LONG, False, _NO_TIMES, None)
+
 
 _NO_TIMES = (0, 0, 0, 0)
 AGENT_TIME_LIMIT = 2**63
@@ -208,6 +220,34 @@ def agent_times_ordered(received: Any, start: Any, end: Any, replied: Any) -> An
         & (end <= replied)
         & (replied < AGENT_TIME_LIMIT)
     )
+
+
+AGENT_SPAN_RATE_SLACK = 1000
+"""The agent's clock may run faster than ours by up to 1 / this of a span (1000 ppm):
+CLOCK_MONOTONIC follows NTP's frequency corrections, which the kernel bounds at
+500 ppm, so two hosts' clocks differ in rate by at most that much each way."""
+AGENT_SPAN_SLACK_NS = 20_000
+"""And by this much whatever the span: the granularity of a coarse monotonic clock
+(a few µs where it is not nanoseconds) on either side, with room to spare."""
+AGENT_SPAN_TOO_LONG = (
+    "the agent's span (received to replied, its clock) is longer than the round trip "
+    "the load generator measured for the query (issued to completed, its clock)"
+)
+"""Why an answer whose agent span cannot fit in its round trip counts as a failed query:
+the agent received the query after it was issued and replied before the answer came
+back, so its compute and queueing, and the time the bus adds (round trip - agent
+span), would be wrong, even negative."""
+
+
+def agent_span_fits(received: Any, replied: Any, round_trip_ns: Any) -> Any:
+    """Whether an agent's span (``replied - received``, on its clock) fits in the round
+    trip the load generator measured for the same query (on its own clock), give or
+    take the two clocks' rates (:data:`AGENT_SPAN_RATE_SLACK`,
+    :data:`AGENT_SPAN_SLACK_NS`). Both are durations, each on one clock, so the rule
+    needs no clock offset. For one answer's ints or, element by element, for numpy
+    columns; a bool, or an array of them."""
+    slack = round_trip_ns // AGENT_SPAN_RATE_SLACK + AGENT_SPAN_SLACK_NS
+    return replied - received <= round_trip_ns + slack
 
 
 def read_reply(data: bytes) -> ReplyView:

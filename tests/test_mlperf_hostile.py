@@ -411,6 +411,21 @@ def test_an_out_of_range_class_index_fails_its_samples_not_the_run(tmp_path: Pat
 
 
 @pytest.mark.integration  # builds the zoo and runs LoadGen
+def test_an_agent_span_past_the_round_trip_fails_its_samples_not_the_run(
+    tmp_path: Path,
+) -> None:
+    """An answer whose agent times are in order but span longer than the SUT saw the
+    chunk away (received at the agent clock's zero: its whole uptime) fails its samples
+    with the reason; its times are not kept."""
+    host, err = _mlperf_run(tmp_path, {"t_received": 0})
+    assert err is None, err
+    summary, rec = host.stored[0][0], host.stored[0][1]
+    assert not summary.valid and summary.errors > 0
+    assert wire.AGENT_SPAN_TOO_LONG in rec.errors.values()
+    assert all(e == wire.AGENT_SPAN_TOO_LONG for e in rec.errors.values())
+
+
+@pytest.mark.integration  # builds the zoo and runs LoadGen
 def test_span_batches_refused_are_a_warning_of_an_mlperf_run(tmp_path: Path) -> None:
     """An MLPerf run's summary says what the agent's release says of span batches the
     traces stream refused, as every other run's does (the same warning)."""

@@ -165,8 +165,12 @@ def test_a_run_through_a_bus_outage_records_what_it_could_not_send_and_goes_on(
 
 
 @asynccontextmanager
-async def answering(url: str, subject: str, first: int) -> AsyncIterator[list[int]]:
-    """An agent on the bus that answers the first ``first`` queries, then goes quiet."""
+async def answering(
+    url: str, subject: str, first: int, claims: dict[int, int] | None = None
+) -> AsyncIterator[list[int]]:
+    """An agent on the bus that answers the first ``first`` queries, then goes quiet;
+    ``claims``: query index -> the span (ns) its answer claims, received that long
+    before it replied (none otherwise)."""
     nc = await nats.connect(url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
     seen: list[int] = []
 
@@ -179,7 +183,7 @@ async def answering(url: str, subject: str, first: int) -> AsyncIterator[list[in
                 index=query.index,
                 ok=True,
                 outputs=np.zeros((1, 2), np.float32),
-                t_received=t,
+                t_received=t - (claims or {}).get(query.index, 0),
                 t_predict_start=t,
                 t_predict_end=t,
                 t_replied=t,
@@ -230,6 +234,30 @@ def test_a_closed_loop_sends_each_query_on_an_answer_and_ends_when_answers_stop(
     assert (rec.issued[3:] >= rec.completed[:12]).all()
     assert (rec.completed[:12] > rec.issued[:12]).all()
     assert (rec.scheduled == rec.issued).all()
+
+
+def test_an_answer_whose_agent_span_outlasts_its_round_trip_is_a_failed_query(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that claims a 5 s compute for a query answered within ms: its times would
+    make queueing, compute and the time the bus adds wrong, even negative. The query
+    fails with the reason, keeps none of the agent's times, and the others count."""
+    monkeypatch.setattr(loadgen, "DRAIN_TIMEOUT_S", 0.5)
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+
+    async def go() -> Any:
+        async with (
+            answering(nats_server.url, SUBJECT, first=12, claims={4: 5 * 10**9, 6: 10**9}),
+            busmod.connect(settings, name="test closed loop") as bus,
+        ):
+            return await _closed_driver(bus, lambda g: np.zeros((1, 4), np.float32)).run()
+
+    rec = anyio.run(go, backend="asyncio")
+    for i in (4, 6):
+        assert rec.ok[i] == 0 and rec.errors[i] == wire.AGENT_SPAN_TOO_LONG
+        assert rec.completed[i] > 0 and rec.agent_received[i] == rec.agent_replied[i] == 0
+    honest = [i for i in range(12) if i not in (4, 6)]
+    assert rec.ok[honest].all() and not set(honest) & set(rec.errors)
 
 
 def test_a_closed_loop_whose_inputs_fail_fails_with_their_error(

@@ -193,6 +193,43 @@ def test_an_answer_with_impossible_times_is_a_failed_query(times: tuple[int, ...
     assert wire.read_reply(codec.encode(equal)).ok  # equal times are possible (a fast model)
 
 
+def test_an_agent_span_past_the_round_trip_fails_the_answer() -> None:
+    """The agent's span (received to replied) must fit in the round trip the load
+    generator measured for the query, give or take two clocks' rates; an answer past it
+    is a failed query without times, an error reply stays as it was."""
+    msg = {
+        "kind": "reply",
+        "index": 3,
+        "ok": True,
+        "outputs": np.zeros((1, 1), np.int64),
+        "t_received": 1_000,
+        "t_predict_start": 2_000,
+        "t_predict_end": 3_000,
+        "t_replied": 1_000 + 2_000_000,  # a 2 ms span
+    }
+    view = wire.read_reply(codec.encode(msg))
+    assert view.within(2_000_000) is view  # as long as the round trip
+    assert view.within(1_980_000).ok  # within the clocks' slack (2 µs + 20 µs)
+    failed = view.within(1_900_000)
+    assert (failed.index, failed.ok, failed.error, failed.refused) == (
+        3,
+        False,
+        wire.AGENT_SPAN_TOO_LONG,
+        False,
+    )
+    assert (failed.agent_ns, failed.outputs) == ((0, 0, 0, 0), None)
+    huge = {**msg, "t_received": 0, "t_replied": 2**63 - 1}  # ordered, yet no round trip
+    assert not wire.read_reply(codec.encode(huge)).within(10**9).ok
+    refused = wire.read_reply(
+        codec.encode_model(ErrorReply(error=OverloadedError("full", index=3).to_wire()))
+    )
+    assert refused.within(0) is refused
+    columns = wire.agent_span_fits(
+        np.array([0, 0, 0]), np.array([10, 10**6, 10**9]), np.array([10, 10**6, 10**6])
+    )
+    assert columns.tolist() == [True, True, False]
+
+
 def test_a_failure_without_words_is_still_a_failure() -> None:
     """An empty message never reads as an answer."""
     for msg in (
