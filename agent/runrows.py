@@ -1,11 +1,11 @@
 """Shipping a local run's rows (placement agent): :func:`serve_run` runs a prepared
 :class:`~agent.localrun.LocalRun` on a worker thread and sends its rows to the server
-every :data:`SHIP_S` while it runs (each up to its first query still in flight), then
-the rest with the run's totals (its CPU time among them, :mod:`agent.localcpu`): a run
-stopped early (its evaluation released, as when its job is cancelled) ships every
-query it issued, those in flight included, as :class:`~mlscope.contracts.RunRows`
-messages each within the max payload (:func:`rows_messages`). The server side is
-``broker/agentrun.py``.
+every :data:`~mlscope.contracts.ROWS_EVERY_S` while it runs (each up to its first
+query still in flight), then the rest with the run's totals (its CPU time among them,
+:mod:`agent.localcpu`): a run stopped early (its evaluation released, as when its job
+is cancelled) ships every query it issued, those in flight included, as
+:class:`~mlscope.contracts.RunRows` messages each within the max payload
+(:func:`rows_messages`). The server side is ``broker/agentrun.py``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ import numpy as np
 
 from agent.localrun import LocalRun
 from mlscope import codec
-from mlscope.contracts import RunOp, RunRows
+from mlscope.contracts import ROWS_EVERY_S, RunOp, RunRows
 from mlscope.serving import as_error
 
-__all__ = ["SHIP_S", "rows_messages", "serve_run"]
+__all__ = ["rows_messages", "serve_run"]
 
 log = logging.getLogger("mlscope.agent")
-SHIP_S = 0.25
-"""How often a local run's finished rows go to the server (also its sign of life)."""
 PACER_STOP_S = 1.0
 """How long the final rows of a stopped run wait for its pacer to stop (it does within
 a few ms), so that they carry its load generator's CPU time."""
@@ -77,10 +75,11 @@ async def serve_run(
     held: contextlib.ExitStack,
     max_bytes: int,
 ) -> None:
-    """Run ``run`` (prepared) on a worker thread; ship its rows every :data:`SHIP_S`
-    while it runs and the rest, with the totals, when it ends: also when it fails (its
-    typed error goes in the final rows) or the agent shuts down. ``held`` (the process
-    tuning taken for the run) is let go once the run has ended, on this event loop.
+    """Run ``run`` (prepared) on a worker thread; ship its rows every
+    :data:`~mlscope.contracts.ROWS_EVERY_S` while it runs and the rest, with the
+    totals, when it ends: also when it fails (its typed error goes in the final rows)
+    or the agent shuts down. ``held`` (the process tuning taken for the run) is let go
+    once the run has ended, on this event loop.
     Messages are at most ``max_bytes`` (what the request asked, within the bus's max
     payload). Nothing here ends the agent: rows that cannot be shipped are logged, and
     the server, which never hears the run's end, fails it after its deadline."""
@@ -109,7 +108,7 @@ async def serve_run(
 
     async def shipper() -> None:
         while True:
-            await anyio.sleep(SHIP_S)
+            await anyio.sleep(ROWS_EVERY_S)
             await ship()
 
     error: dict[str, Any] | None = None

@@ -51,6 +51,7 @@ from mlscope import codec, names, samples, wire
 from mlscope.bus import Bus, next_msg, request
 from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
+    ROWS_EVERY_S,
     AgentDescription,
     PingOp,
     ReleaseOp,
@@ -61,7 +62,7 @@ from mlscope.contracts import (
     TraceLevel,
 )
 from mlscope.errors import BusError, EvaluationError, MLScopeError, error_from_wire
-from mlscope.record import ARRAYS, RunRecord
+from mlscope.record import ARRAYS, ROW_BYTES, RunRecord
 from mlscope.registry import list_agents
 
 __all__ = ["IDLE_S", "Absence", "drive", "gone"]
@@ -69,7 +70,8 @@ __all__ = ["IDLE_S", "Absence", "drive", "gone"]
 log = logging.getLogger("mlscope.server")
 
 IDLE_S = 3.0
-"""Silence (no rows) after which the server pings the agent: it ships every 0.25 s."""
+"""Silence (no rows) after which the server pings the agent: it ships every
+:data:`~mlscope.contracts.ROWS_EVERY_S`."""
 START_TIMEOUT_S = 30.0
 CANCEL_ROWS_WAIT_S = 5.0
 """How long a cancelled run waits for the agent's final rows."""
@@ -120,7 +122,9 @@ async def drive(
         rec.preprocessed = started.preprocess == "ahead"
         rec.streamed = started.streamed
         most = started.queries or spec.max_queries or MAX_SCHEDULED_QUERIES
-        collector = _Collector(rec, labels, agent, most=min(most, MAX_SCHEDULED_QUERIES))
+        collector = _Collector(
+            rec, labels, agent, max_bytes=op.max_bytes, most=min(most, MAX_SCHEDULED_QUERIES)
+        )
         limit = spec.duration_s + 10.0 + END_SLACK_S
         try:
             reasons = await collector.collect(bus, rows_sub, limit, on_progress)
@@ -163,8 +167,9 @@ def _t0(started: RunStarted, offset_ns: int, asked_ns: int, agent_id: str) -> in
 
 
 class _Collector:
-    """RunRows into a RunRecord, scored with the server's labels; ``most``: the rows the
-    run may have (an open loop's schedule, a closed loop's ``max_queries``)."""
+    """RunRows into a RunRecord, scored with the server's labels; ``max_bytes``: the
+    largest message the run's request let the agent send; ``most``: the rows the run
+    may have (an open loop's schedule, a closed loop's ``max_queries``)."""
 
     def __init__(
         self,
@@ -172,12 +177,20 @@ class _Collector:
         labels: Labels,
         agent: AgentDescription,
         *,
+        max_bytes: int,
         most: int = MAX_SCHEDULED_QUERIES,
     ) -> None:
         self.rec, self.labels, self.agent = rec, labels, agent
         self.most = most
+        self.per_message = max(1, max_bytes // ROW_BYTES)
+        """The most rows one message of ``max_bytes`` can carry."""
         self.agent_id = agent.agent_id
+        self.began = time.monotonic()
         self.messages = 0
+        self.seq = -1
+        """The last message's ``seq`` (-1 before the first)."""
+        self.skipped = 0
+        """Rows the messages skipped so far: those of messages lost on the bus."""
         self.issued = 0
         self.rows = 0
 
@@ -243,11 +256,14 @@ class _Collector:
 
     def add(self, rows: RunRows) -> None:
         """Copy one message's rows into the record (growing it as needed). Rows that
-        are not columns of one length and of numbers, or that reach past the most
-        queries a run may hold, are an EvaluationError naming the agent; answered
+        are not columns of one length and of numbers, that reach past the most
+        queries a run may hold, or that start past a gap no lost messages leave
+        (:meth:`_check_gap`), are an EvaluationError naming the agent; answered
         rows whose times no clock can produce count as failed queries."""
         cols = _checked_columns(rows, self.agent_id, self.most)
+        self._check_gap(rows)
         self.messages += 1
+        self.seq = max(self.seq, rows.seq)
         self.issued = max(self.issued, rows.issued)
         count = len(cols["ok"]) if "ok" in cols else 0
         a, b = rows.start, rows.start + count
@@ -274,6 +290,36 @@ class _Collector:
                 rec.correct[a:b] = np.where(ok, hits, 0)
         self.rows = max(self.rows, b)
         rec.done += int(np.count_nonzero(cols["completed"])) if "completed" in cols else 0
+
+    def _check_gap(self, rows: RunRows) -> None:
+        """Rows that start past the last one received leave a gap the record grows to
+        hold; only lost messages leave one (an agent ships its rows in order, each
+        message from where the last ended). A gap must fit in the rows the messages
+        its ``seq`` says were lost could carry, and all gaps together in one full
+        message lost each :data:`~mlscope.contracts.ROWS_EVERY_S` since the run
+        started (``seq`` is the agent's word: time bounds it), else an EvaluationError
+        naming the agent. So an agent makes the record hold at most the rows it sent
+        and ~4 full messages' worth a second, never a run's worth from one message.
+        A legitimate agent loses fewer rows than that unless it both loses messages
+        and answers more queries a second than ``4 * max_bytes / 74`` (57 k for 1 MiB)."""
+        gap = rows.start - self.rows
+        if gap <= 0:
+            return
+        lost = max(rows.seq - self.seq - 1, 0)
+        elapsed = time.monotonic() - self.began
+        if gap > lost * self.per_message:
+            problem = (
+                f"rows from {rows.start} after {self.rows}, past what {lost} lost messages carry"
+            )
+        elif self.skipped + gap > (elapsed / ROWS_EVERY_S + 2) * self.per_message:
+            problem = (
+                f"{self.skipped + gap} rows skipped in {elapsed:.1f} s, past what the messages "
+                "lost in that time carry"
+            )
+        else:
+            self.skipped += gap
+            return
+        raise _malformed(rows, self.agent_id, problem)
 
     def _fail_disordered(self, a: int, b: int) -> None:
         """Answered rows ``a .. b - 1`` whose agent times break
@@ -357,12 +403,17 @@ def _checked_columns(rows: RunRows, agent_id: str, most: int) -> dict[str, np.nd
             if problem:
                 break
     if problem:
-        raise EvaluationError(
-            f"agent {agent_id} sent malformed local-run rows: {problem}",
-            agent_id=agent_id,
-            evaluation_id=rows.evaluation_id,
-        )
+        raise _malformed(rows, agent_id, problem)
     return cols
+
+
+def _malformed(rows: RunRows, agent_id: str, problem: str) -> EvaluationError:
+    """Why ``rows`` from the agent ``agent_id`` end its run."""
+    return EvaluationError(
+        f"agent {agent_id} sent malformed local-run rows: {problem}",
+        agent_id=agent_id,
+        evaluation_id=rows.evaluation_id,
+    )
 
 
 Absence = Literal["", "silent", "restarted"]

@@ -10,7 +10,7 @@ import numpy as np
 
 from mlscope.outcomes import Outcome, classify
 
-__all__ = ["ARRAYS", "TIME_ARRAYS", "RunRecord"]
+__all__ = ["ARRAYS", "ROW_BYTES", "TIME_ARRAYS", "RunRecord"]
 
 TIME_ARRAYS = (
     "scheduled",
@@ -26,6 +26,9 @@ TIME_ARRAYS = (
 ARRAYS = (*TIME_ARRAYS, "ok", "refused", "correct", "prediction")
 """Every per-query array of a :class:`RunRecord`."""
 _DTYPES = {"ok": np.uint8, "refused": np.uint8, "correct": np.int32, "prediction": np.int32}
+ROW_BYTES = sum(np.dtype(_DTYPES.get(name, np.int64)).itemsize for name in ARRAYS)
+"""Bytes one query takes in a record's arrays (74): also the least a local run's row
+takes in the columns that carry it to the server, which add its top-1."""
 
 
 @dataclass

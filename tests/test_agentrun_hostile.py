@@ -17,6 +17,7 @@ import pytest
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
+from agent.runrows import rows_messages
 from broker.agentrun import OUTSIDE_RUN, Absence, _Collector, drive, gone
 from broker.lgclock import estimate_offset
 from mlscope import bus as busmod
@@ -55,8 +56,14 @@ def good_columns(n: int, start_ns: int = 1000) -> dict[str, np.ndarray]:
     return cols
 
 
+MAX_BYTES = 64 * 1024
+"""The largest rows message the tests' runs let an agent send."""
+
+
 def collector() -> _Collector:
-    return _Collector(RunRecord(n=4, batch_size=1), None, agent_description("rogue"))
+    return _Collector(
+        RunRecord(n=4, batch_size=1), None, agent_description("rogue"), max_bytes=MAX_BYTES
+    )
 
 
 def rows(cols: dict[str, np.ndarray], start: int = 0, **extra: object) -> RunRows:
@@ -154,6 +161,84 @@ def test_rows_past_the_run_s_own_queries_fail_the_run_before_any_memory(tmp_path
     error = anyio.run(main)
     assert isinstance(error, EvaluationError), repr(error)
     assert "agent rogue sent malformed local-run rows: rows past 4 queries" in error.message
+
+
+def test_rows_lost_on_the_bus_leave_a_gap_the_record_keeps() -> None:
+    """A run's rows as an agent splits them (several messages a ship), one message lost
+    on the bus: the others are taken where they belong, and the loss is the run's
+    reason, not an error."""
+    cols = good_columns(3000)
+    sent = rows_messages(
+        "ev-x", 0, cols, {}, seq=0, max_bytes=MAX_BYTES, issued=3000, final=True, queries=3000
+    )
+    assert len(sent) >= 3
+    got = collector()
+    for data in sent[:1] + sent[2:]:  # the second is lost
+        got.add(codec.decode_model(RunRows, data))
+    last = codec.decode_model(RunRows, sent[-1])
+    assert got.finish(last) == (
+        f"1 of {len(sent)} row messages of the local run were lost on the bus",
+    )
+    second = codec.decode_model(RunRows, sent[1])
+    lost = slice(second.start, second.start + len(second.columns["ok"]))
+    assert got.rec.n == 3000 and got.rec.ok.sum() == 3000 - (lost.stop - lost.start)
+    assert not got.rec.ok[lost].any()
+
+
+@pytest.mark.parametrize(
+    ("hostile", "problem"),
+    [
+        # the next message far past the rows received, no message lost
+        ({"start": 49_999_990, "seq": 1}, "rows from 49999990 after 4, past what 0 lost"),
+        # a seq that claims a million lost messages, in the run's first moment
+        ({"start": 40_000_000, "seq": 10**6}, "39999996 rows skipped in"),
+        # a gap past what the one lost message could carry
+        ({"start": 4 + 10**6, "seq": 2}, "rows from 1000004 after 4, past what 1 lost"),
+    ],
+)
+def test_rows_past_a_gap_no_lost_message_leaves_are_refused_before_any_memory(
+    hostile: dict[str, int], problem: str
+) -> None:
+    """An agent's rows grow the record to hold them: a start past the rows received
+    that no lost message explains would make it hold millions of rows (GBs) from one
+    message, so the run fails naming the agent, the record as it was."""
+    got = collector()
+    got.add(rows(good_columns(4)))
+    with pytest.raises(
+        EvaluationError, match=f"agent rogue sent malformed local-run rows: {problem}"
+    ):
+        got.add(rows(good_columns(1), **hostile))
+    assert got.rec.n == 4 and got.answered() == 4
+
+
+def test_a_closed_loop_s_rows_far_past_those_sent_fail_the_run(tmp_path: Path) -> None:
+    """A closed loop without max_queries may hold MAX_SCHEDULED_QUERIES rows: an agent
+    whose first rows message starts at query 49,999,990 fails the run, naming it,
+    before the record grows to hold it (7.5 GB)."""
+
+    async def main() -> BaseException | None:
+        async with server_and_agent(tmp_path) as (bus, agent_bus):
+            subject = names.agent_rows("rogue", "ev-x")
+
+            async def start(msg: Msg) -> None:
+                op = codec.decode(msg.data).get("op")
+                if op == "probe":
+                    await msg.respond(b"\xc0")
+                    return
+                t0 = time.perf_counter_ns() + 50_000_000
+                await msg.respond(codec.encode_model(RunStarted(t0_agent=t0, queries=0)))
+                for sent in (
+                    rows(good_columns(1), start=MAX_SCHEDULED_QUERIES - 10),
+                    rows({}, start=MAX_SCHEDULED_QUERIES - 9, seq=1, final=True, queries=1),
+                ):
+                    await agent_bus.nc.publish(subject, codec.encode_model(sent))
+
+            spec = ScenarioSpec(name="concurrency", concurrency=1, duration_s=1)
+            return await drive_rogue(bus, agent_bus, start, spec)
+
+    error = anyio.run(main)
+    assert isinstance(error, EvaluationError), repr(error)
+    assert error.message.startswith("agent rogue sent malformed local-run rows: rows from")
 
 
 @pytest.mark.parametrize(

@@ -357,7 +357,9 @@ def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     errors = {7: "boom", 4999: "late"}
     msgs = rows_messages("ev-x", 0, cols, errors, seq=0, max_bytes=64 << 10, final=True, queries=n)
     assert len(msgs) > 5 and all(len(m) <= 64 << 10 for m in msgs)
-    got = _Collector(RunRecord(n=1, batch_size=batch), labels, agent_description("a"))
+    got = _Collector(
+        RunRecord(n=1, batch_size=batch), labels, agent_description("a"), max_bytes=64 << 10
+    )
     for m in msgs:
         got.add(codec.decode_model(RunRows, m))
     last = codec.decode_model(RunRows, msgs[-1])

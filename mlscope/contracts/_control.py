@@ -260,6 +260,11 @@ class RunStarted(_Message):
     run; ``agent.stream``)."""
 
 
+ROWS_EVERY_S = 0.25
+"""How often an agent ships a local run's finished rows (:class:`RunRows`); also its
+sign of life, and what bounds how many messages a run can have lost by a time."""
+
+
 class RunRows(_Message):
     """Per-query rows of a local run, column by column (numpy arrays, one length).
 
