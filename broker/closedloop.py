@@ -35,21 +35,24 @@ class Streams:
         """What failed building a query (raised by the run)."""
         self.finished = threading.Event()
         """Set once the last answer is in (or a query could not be built)."""
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        """Held to send a query (and grow the record past its room); the driver holds
+        it to write an answer into the record, so that no answer goes to arrays a
+        growth is replacing."""
         self._stopped = False
 
     def stop(self) -> None:
-        with self._lock:
+        with self.lock:
             self._stopped = True
 
     def answered(self) -> None:
-        with self._lock:
+        with self.lock:
             self.outstanding -= 1
         self.send_next()
 
     def send_next(self) -> None:
         rec = self.rec
-        with self._lock:
+        with self.lock:
             if self._stopped or self.count >= self.cap or now() >= self.deadline:
                 if self.outstanding == 0:
                     self.finished.set()

@@ -111,6 +111,11 @@ class Driver:
         self.tuning = tuning
         self.inbox = bus.nc.new_inbox()  # under this connection's role's inbox prefix
         self._answered: Callable[[], None] | None = None  # a closed loop's next send
+        self._writing: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        """Held while a reply is written into the record: a closed loop's lock, under
+        which its record also grows (from whichever thread sends past its room, the
+        event loop's first sends among them), so no answer is written into arrays
+        that are being replaced."""
         self._first_global = 0
         self._stride = 1
         self.record: RunRecord | None = None
@@ -138,31 +143,36 @@ class Driver:
         if rec is None:  # a reply after the run's record was let go: nothing to fill
             return
         reply = wire.read_reply(payload)
-        i = self._local(reply.index)
-        if i < 0 or rec.completed[i] != 0:
-            return  # not ours or a duplicate
-        reply = reply.within(t - rec.t0_ns - int(rec.issued[i]))
+        with self._writing:
+            i = self._local(reply.index)
+            if i < 0 or rec.completed[i] != 0:
+                return  # not ours or a duplicate
+            self._write(rec, i, reply.within(t - rec.t0_ns - int(rec.issued[i])))
+            rec.completed[i] = t - rec.t0_ns
+            rec.done += 1
+        self._complete()
+
+    def _write(self, rec: RunRecord, i: int, reply: wire.ReplyView) -> None:
+        """Query ``i``'s answer (or its failure) into the record."""
         if not reply.ok:
             rec.errors[i] = reply.error
             rec.refused[i] = reply.refused
-        else:
-            off = self.offset_ns + rec.t0_ns
-            received, start, end, replied = reply.agent_ns
-            rec.agent_received[i] = received - off
-            rec.predict_start[i] = start - off
-            rec.predict_end[i] = end - off
-            rec.agent_replied[i] = replied - off
-            rec.ok[i] = 1
-            top1 = samples.top1(reply.outputs)
-            if top1 is not None:
-                rec.prediction[i] = top1[0]
-                if self.labels is not None:
-                    rec.correct[i] = int(np.count_nonzero(top1 == self.labels(reply.index)))
-        self._complete(rec, i, t)
+            return
+        off = self.offset_ns + rec.t0_ns
+        received, start, end, replied = reply.agent_ns
+        rec.agent_received[i] = received - off
+        rec.predict_start[i] = start - off
+        rec.predict_end[i] = end - off
+        rec.agent_replied[i] = replied - off
+        rec.ok[i] = 1
+        top1 = samples.top1(reply.outputs)
+        if top1 is not None:
+            rec.prediction[i] = top1[0]
+            if self.labels is not None:
+                rec.correct[i] = int(np.count_nonzero(top1 == self.labels(reply.index)))
 
-    def _complete(self, rec: RunRecord, i: int, t: int) -> None:
-        rec.completed[i] = t - rec.t0_ns
-        rec.done += 1
+    def _complete(self) -> None:
+        """A query is answered: its room in the gate, or a closed loop's next send."""
         gate = self._gate
         if gate is not None:
             gate.release()
@@ -342,6 +352,7 @@ class Driver:
         link = await anyio.to_thread.run_sync(self._open_link)
         streams = Streams(rec, link, lambda i: link.frame(self.subject, self.payload(i)), cap)
         self._answered = streams.answered
+        self._writing = streams.lock
         try:
             link.start(self._on_reply, on_end=streams.finished.set)
             rec.t0_ns = now()

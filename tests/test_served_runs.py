@@ -285,3 +285,51 @@ def test_a_closed_loop_whose_inputs_fail_fails_with_their_error(
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     assert isinstance(exc, EvaluationError) and "sample 7" in str(exc), exc
+
+
+@pytest.mark.parametrize("concurrency", [1024, 3000])
+def test_a_closed_loop_that_outgrows_its_record_keeps_every_answer(
+    nats_server: NatsServer, tmp_path: Path, concurrency: int
+) -> None:
+    """Many streams answered at once by an agent on another thread: the record grows
+    while answers are written into it (the first queries go out from the event loop
+    while the link's reader thread already writes answers and sends the next ones, so
+    either thread may grow it), and no answer is lost to a growth: every query the run
+    sent is answered in the record. (A write racing a growth is rare: this guards the
+    rule rather than catching each break of it.)"""
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "data")
+    spec = ScenarioSpec(name="concurrency", concurrency=concurrency, duration_s=1.5)
+    ready, done = threading.Event(), threading.Event()
+
+    async def agent() -> None:  # another thread's loop: it answers during the first sends
+        async with answering(nats_server.url, SUBJECT, first=10**9):
+            ready.set()
+            await anyio.to_thread.run_sync(done.wait)
+
+    helper = threading.Thread(target=anyio.run, args=(agent,))
+    helper.start()
+
+    async def go() -> Any:
+        async with busmod.connect(settings, name="test closed loop") as bus:
+            driver = Driver(
+                bus,
+                evaluation_id="ev-grown",
+                subject=SUBJECT,
+                spec=spec,
+                inputs=lambda g: np.zeros((1, 4), np.float32),
+                labels=None,
+                trace_level=TraceLevel.NONE,
+                tuning=ProcessTuning(),
+            )
+            return await driver.run()
+
+    try:
+        assert ready.wait(10)
+        rec = anyio.run(go, backend="asyncio")
+    finally:
+        done.set()
+        helper.join(10)
+    assert rec.n > concurrency  # it grew
+    unanswered = np.flatnonzero(rec.completed[: rec.n] == 0)
+    assert unanswered.size == 0, (unanswered[:10], rec.n)
+    assert rec.ok[: rec.n].all() and rec.done == rec.n
