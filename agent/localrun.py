@@ -206,7 +206,8 @@ class LocalRun(LocalRecord):
         thread and back: each a thread wake-up, which on a busy host now and then takes
         milliseconds."""
         t = now()
-        self.rec.issued[i - self._base] = max(t - self.rec.t0_ns, 1)
+        with self._lock:  # the record may grow on another thread
+            self.rec.issued[i - self._base] = max(t - self.rec.t0_ns, 1)
         job = self._job(i, x, t)
         if inline and self.worker.try_inline(job):
             return
@@ -215,8 +216,9 @@ class LocalRun(LocalRecord):
 
     def _refused(self, i: int) -> None:
         """Query ``i`` (issued) was refused as overloaded: recorded, the run goes on."""
-        self.rec.refused[i - self._base] = 1
-        self.rec.errors[i] = self._overloaded(i)
+        with self._lock:
+            self.rec.refused[i - self._base] = 1
+            self.rec.errors[i] = self._overloaded(i)
         self._complete(i, chain=False)  # a refused closed-loop stream ends here
 
     def _closed_loop(self) -> None:
@@ -341,28 +343,30 @@ class LocalRun(LocalRecord):
         """A query's answer (on the predict thread): its times and top-1, then the next
         closed-loop query."""
         rec, q = self.rec, reply.index
-        i = q - self._base
-        t0 = rec.t0_ns
-        rec.agent_received[i] = reply.t_received - t0
-        if reply.ok:
-            rec.predict_start[i] = reply.t_predict_start - t0
-            rec.predict_end[i] = reply.t_predict_end - t0
-            rec.ok[i] = 1
-            top = samples.top1(reply.outputs)
-            if top is not None:
-                k = min(len(top), self.top1.shape[1])
-                self.top1[i, :k] = top[:k]
-        else:
-            rec.errors[q] = str((reply.error or {}).get("message", "error"))
-        rec.agent_replied[i] = reply.t_replied - t0
+        top = samples.top1(reply.outputs) if reply.ok else None
+        with self._lock:  # the record may grow (or drop shipped rows) on another thread
+            i = q - self._base
+            t0 = rec.t0_ns
+            rec.agent_received[i] = reply.t_received - t0
+            if reply.ok:
+                rec.predict_start[i] = reply.t_predict_start - t0
+                rec.predict_end[i] = reply.t_predict_end - t0
+                rec.ok[i] = 1
+                if top is not None:
+                    k = min(len(top), self.top1.shape[1])
+                    self.top1[i, :k] = top[:k]
+            else:
+                rec.errors[q] = str((reply.error or {}).get("message", "error"))
+            rec.agent_replied[i] = reply.t_replied - t0
         self._complete(q)
 
     def _complete(self, i: int, *, chain: bool = True) -> None:
         """Query ``i`` is done; a closed loop's stream then issues its next query
         (``chain``: not after a refusal, which would recurse as fast as it is refused)."""
         rec = self.rec
-        rec.completed[i - self._base] = max(now() - rec.t0_ns, 1)
-        rec.done += 1
+        with self._lock:
+            rec.completed[i - self._base] = max(now() - rec.t0_ns, 1)
+            rec.done += 1
         if self._gate is not None:
             self._gate.release()
         more = self.closed and chain and self._next_closed()

@@ -187,6 +187,22 @@ def test_single_stream_in_the_agent_keeps_one_query_in_flight(placement_stack: S
     assert (rows[1:, 2] >= rows[:-1, 6]).all()  # each issued after the previous completed
 
 
+def test_a_closed_loop_in_the_agent_that_outgrows_its_record_loses_no_answer(
+    placement_stack: Stack,
+) -> None:
+    """A thousand streams in the agent: its record grows (on the run's thread while the
+    first queries go out, on the predict thread after) while answers are written into
+    it, and every query it issued is stored answered or refused, none lost."""
+    spec = ScenarioSpec(name="concurrency", concurrency=1024, duration_s=2, **LOOSE)
+    job = JobRequest(
+        model="noop", framework="noop", scenario=spec, trace_level="none", placement="agent"
+    )
+    s = run(placement_stack.settings, job)
+    assert s.queries > 1024 and s.lost == 0, s.invalid_reasons
+    rows = np.asarray(sql(placement_stack.settings, QUERY_ROWS, s.evaluation_id), np.int64)
+    assert len(rows) == s.queries and (rows[:, 6] > 0).all()  # every one completed
+
+
 def test_an_agent_without_the_feature_is_refused_with_the_fix(settings: Settings) -> None:
     with agent_and_server(settings, "--framework", "noop", "--no-local-runs"):
         job = JobRequest(
