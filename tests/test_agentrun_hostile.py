@@ -18,7 +18,8 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from agent.runrows import rows_messages
-from broker.agentrun import OUTSIDE_RUN, Absence, _Collector, drive, gone
+from broker.agentrows import OUTSIDE_RUN, RowCollector
+from broker.agentrun import Absence, _collect, drive, gone
 from broker.lgclock import estimate_offset
 from mlscope import bus as busmod
 from mlscope import codec, names, provision, wire
@@ -60,8 +61,8 @@ MAX_BYTES = 64 * 1024
 """The largest rows message the tests' runs let an agent send."""
 
 
-def collector() -> _Collector:
-    return _Collector(
+def collector() -> RowCollector:
+    return RowCollector(
         RunRecord(n=4, batch_size=1), None, agent_description("rogue"), max_bytes=MAX_BYTES
     )
 
@@ -321,7 +322,7 @@ def test_an_agent_that_talks_but_never_ends_its_run_is_given_up(tmp_path: Path) 
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(chatter)
                     with anyio.fail_after(20):  # the old wait never ended
-                        reasons = await collector().collect(bus, sub, 1.0, None)
+                        reasons = await _collect(collector(), bus, sub, 1.0, None)
                     tg.cancel_scope.cancel()
                 return reasons
 

@@ -347,7 +347,7 @@ def test_submit_takes_placement() -> None:
 
 def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     from agent.runrows import rows_messages
-    from broker.agentrun import AGENT_TIMES, _Collector
+    from broker.agentrows import AGENT_TIMES, RowCollector
     from mlscope import codec, samples
     from mlscope.contracts import RunRows
     from mlscope.record import ARRAYS, RunRecord
@@ -373,7 +373,7 @@ def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     errors = {7: "boom", 4999: "late"}
     msgs = rows_messages("ev-x", 0, cols, errors, seq=0, max_bytes=64 << 10, final=True, queries=n)
     assert len(msgs) > 5 and all(len(m) <= 64 << 10 for m in msgs)
-    got = _Collector(
+    got = RowCollector(
         RunRecord(n=1, batch_size=batch), labels, agent_description("a"), max_bytes=64 << 10
     )
     for m in msgs:
