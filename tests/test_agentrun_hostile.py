@@ -140,22 +140,12 @@ def test_rows_past_the_run_s_own_queries_fail_the_run_before_any_memory(tmp_path
 
     async def main() -> BaseException | None:
         async with server_and_agent(tmp_path) as (bus, agent_bus):
-            subject = names.agent_rows("rogue", "ev-x")
-
-            async def start(msg: Msg) -> None:
-                op = codec.decode(msg.data).get("op")
-                if op == "probe":
-                    await msg.respond(b"\xc0")
-                    return
-                t0 = time.perf_counter_ns() + 50_000_000
-                await msg.respond(codec.encode_model(RunStarted(t0_agent=t0, queries=4)))
-                for sent in (
-                    rows(good_columns(2)),
-                    rows(good_columns(1), start=1000, seq=1),
-                    rows({}, seq=2, final=True, queries=4),
-                ):
-                    await agent_bus.nc.publish(subject, codec.encode_model(sent))
-
+            sent = (
+                rows(good_columns(2)),
+                rows(good_columns(1), start=1000, seq=1),
+                rows({}, seq=2, final=True, queries=4),
+            )
+            start = rogue_run(agent_bus, queries=4, sent=sent)
             spec = ScenarioSpec(name="online", qps=4, duration_s=1)
             return await drive_rogue(bus, agent_bus, start, spec)
 
@@ -219,20 +209,11 @@ def test_a_closed_loop_s_rows_far_past_those_sent_fail_the_run(tmp_path: Path) -
 
     async def main() -> BaseException | None:
         async with server_and_agent(tmp_path) as (bus, agent_bus):
-            subject = names.agent_rows("rogue", "ev-x")
-
-            async def start(msg: Msg) -> None:
-                op = codec.decode(msg.data).get("op")
-                if op == "probe":
-                    await msg.respond(b"\xc0")
-                    return
-                t0 = time.perf_counter_ns() + 50_000_000
-                await msg.respond(codec.encode_model(RunStarted(t0_agent=t0, queries=0)))
-                for sent in (
-                    rows(good_columns(1), start=MAX_SCHEDULED_QUERIES - 10),
-                    rows({}, start=MAX_SCHEDULED_QUERIES - 9, seq=1, final=True, queries=1),
-                ):
-                    await agent_bus.nc.publish(subject, codec.encode_model(sent))
+            sent = (
+                rows(good_columns(1), start=MAX_SCHEDULED_QUERIES - 10),
+                rows({}, start=MAX_SCHEDULED_QUERIES - 9, seq=1, final=True, queries=1),
+            )
+            start = rogue_run(agent_bus, queries=0, sent=sent)
 
             spec = ScenarioSpec(name="concurrency", concurrency=1, duration_s=1)
             return await drive_rogue(bus, agent_bus, start, spec)
@@ -413,6 +394,25 @@ async def server_and_agent(tmp_path: Path) -> AsyncIterator[tuple[busmod.Bus, bu
             busmod.connect(settings, name="agent") as agent_bus,
         ):
             yield bus, agent_bus
+
+
+def rogue_run(
+    agent_bus: busmod.Bus, *, queries: int, sent: tuple[RunRows, ...]
+) -> Callable[[Msg], Awaitable[None]]:
+    """The agent ``rogue``'s answer to its control requests (for :func:`drive_rogue`):
+    a probe answered, a run started as one of ``queries`` (0: a closed loop), then
+    ``sent`` published as its rows."""
+
+    async def start(msg: Msg) -> None:
+        if codec.decode(msg.data).get("op") == "probe":
+            await msg.respond(b"\xc0")
+            return
+        t0 = time.perf_counter_ns() + 50_000_000
+        await msg.respond(codec.encode_model(RunStarted(t0_agent=t0, queries=queries)))
+        for one in sent:
+            await agent_bus.nc.publish(names.agent_rows("rogue", "ev-x"), codec.encode_model(one))
+
+    return start
 
 
 async def drive_rogue(
