@@ -15,8 +15,11 @@ import pytest
 
 from mlscope import scratch
 
-LATER = time.time() + scratch.STALE_AFTER_S + 60
-"""A moment when every directory made now is stale."""
+
+def later() -> float:
+    """A moment when every directory made by now is stale (read when used: a suite
+    that collected this module half an hour before running it is no reason to differ)."""
+    return time.time() + scratch.STALE_AFTER_S + 60
 
 
 def dead_pid() -> int:
@@ -44,18 +47,18 @@ def test_a_killed_process_scratch_directory_is_swept(
     assert proc.stdout is not None
     left = Path(proc.stdout.readline().strip())
     assert left.parent == tmp_path and left.name.startswith(f"mlscope-mlperf-agent-{proc.pid}-")
-    assert scratch.sweep(tmp_path, now=LATER) == []  # its process still runs
+    assert scratch.sweep(tmp_path, now=later()) == []  # its process still runs
     proc.kill()  # SIGKILL: no cleanup
     proc.communicate()
     assert (left / "mlperf_log_detail.txt").exists()
     assert scratch.sweep(tmp_path) == []  # fresh: maybe a process another namespace runs
-    assert scratch.sweep(tmp_path, now=LATER) == [left]
+    assert scratch.sweep(tmp_path, now=later()) == [left]
     assert not left.exists()
     # What a live process of this one makes is its own, and never swept.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     mine = scratch.scratch_path("ortprof")
     assert mine.name.startswith(f"mlscope-ortprof-{os.getpid()}-")
-    assert scratch.sweep(tmp_path, now=LATER) == [] and mine.is_dir()
+    assert scratch.sweep(tmp_path, now=later()) == [] and mine.is_dir()
 
 
 def test_only_stale_directories_of_gone_processes_are_swept(tmp_path: Path) -> None:
@@ -77,7 +80,7 @@ def test_only_stale_directories_of_gone_processes_are_swept(tmp_path: Path) -> N
     a_file.write_text("not a directory")
     link = tmp_path / f"mlscope-mlperf-{gone}-link"
     link.symlink_to(target)
-    removed = scratch.sweep(tmp_path, now=LATER)
+    removed = scratch.sweep(tmp_path, now=later())
     assert sorted(removed) == sorted([made["stale"], made["huge pid"]])
     for name in ("live", "other name", "no pid"):
         assert made[name].is_dir(), name
