@@ -35,10 +35,12 @@ time (the agent process's, and its load generator's own) is :mod:`agent.localcpu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -122,6 +124,12 @@ class LocalRun(LocalRecord):
         self.schedule = None if self.closed else build_schedule(spec)[0]
         n = len(self.schedule) if self.schedule is not None else self._closed_room()
         super().__init__(n)
+        self._writing: contextlib.AbstractContextManager[Any] = (
+            self._lock if self.closed else contextlib.nullcontext()
+        )
+        """Held to write a query's issue, refusal or answer into the record: a closed
+        loop's record grows (and drops shipped rows) on another thread under the lock;
+        an open loop's never does, so its per-query path takes no lock for it."""
         self._stop = threading.Event()
         self._done = threading.Event()
         self._outstanding = 0
@@ -206,7 +214,7 @@ class LocalRun(LocalRecord):
         thread and back: each a thread wake-up, which on a busy host now and then takes
         milliseconds."""
         t = now()
-        with self._lock:  # the record may grow on another thread
+        with self._writing:
             self.rec.issued[i - self._base] = max(t - self.rec.t0_ns, 1)
         job = self._job(i, x, t)
         if inline and self.worker.try_inline(job):
@@ -216,7 +224,7 @@ class LocalRun(LocalRecord):
 
     def _refused(self, i: int) -> None:
         """Query ``i`` (issued) was refused as overloaded: recorded, the run goes on."""
-        with self._lock:
+        with self._writing:
             self.rec.refused[i - self._base] = 1
             self.rec.errors[i] = self._overloaded(i)
         self._complete(i, chain=False)  # a refused closed-loop stream ends here
@@ -344,7 +352,7 @@ class LocalRun(LocalRecord):
         closed-loop query."""
         rec, q = self.rec, reply.index
         top = samples.top1(reply.outputs) if reply.ok else None
-        with self._lock:  # the record may grow (or drop shipped rows) on another thread
+        with self._writing:
             i = q - self._base
             t0 = rec.t0_ns
             rec.agent_received[i] = reply.t_received - t0
@@ -364,7 +372,7 @@ class LocalRun(LocalRecord):
         """Query ``i`` is done; a closed loop's stream then issues its next query
         (``chain``: not after a refusal, which would recurse as fast as it is refused)."""
         rec = self.rec
-        with self._lock:
+        with self._writing:
             rec.completed[i - self._base] = max(now() - rec.t0_ns, 1)
             rec.done += 1
         if self._gate is not None:
