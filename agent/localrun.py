@@ -36,6 +36,7 @@ time (the agent process's, and its load generator's own) is :mod:`agent.localcpu
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -44,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.job import Job
+from agent.job import Deferred, Job
 from agent.localcpu import RunCpu
 from agent.localprobe import short_enough
 from agent.localrecord import LocalRecord, now
@@ -64,7 +65,8 @@ START_LEAD_NS = 50_000_000
 start of the run's threads fit in it), so the first query is on time."""
 DRAIN_TIMEOUT_S = 10.0
 PREBUILD_BYTES = 64 << 20
-"""An open loop's inputs are built before the clock starts when they fit in this."""
+"""An open loop's inputs are built before the clock starts when they fit in this;
+else each query's are gathered by the executor (:class:`agent.job.Deferred`)."""
 AHEAD_BYTES = 4 << 20
 """A stream gathers the inputs of the next queries at once, up to this many bytes (a
 query of one sample is a view of the held samples instead)."""
@@ -140,6 +142,8 @@ class LocalRun(LocalRecord):
         self._prebuilt: list[np.ndarray] | None = None
         self._query_bytes = 0
         """Bytes of one query's inputs (an open loop's, set by :meth:`prepare`)."""
+        self._query_shape: tuple[int, ...] = ()
+        self._query_dtype: np.dtype[Any] = np.dtype(np.float32)
         self.realtime = False
         """Whether an open loop's executor threads run in SCHED_FIFO (see prepare)."""
         self._cap = spec.max_queries or 2**31
@@ -168,7 +172,9 @@ class LocalRun(LocalRecord):
         The process-wide tuning of an open loop (switch interval, no GC) is held by
         the caller around the whole run (``mlscope.tuning.ProcessTuning``)."""
         if not self.closed:
-            self._query_bytes = per = self.inputs(0).nbytes
+            first = self.inputs(0)
+            self._query_shape, self._query_dtype = first.shape, first.dtype
+            self._query_bytes = per = first.nbytes
             if per * self.rec.n <= PREBUILD_BYTES:
                 self._prebuilt = [self.inputs(i) for i in range(self.rec.n)]
             self.realtime = short_enough(
@@ -193,7 +199,7 @@ class LocalRun(LocalRecord):
         finally:
             self.cpu.end()
 
-    def _job(self, i: int, x: np.ndarray, t: int) -> Job:
+    def _job(self, i: int, x: np.ndarray | Deferred, t: int) -> Job:
         return Job(
             index=i,
             inputs=x,
@@ -205,7 +211,16 @@ class LocalRun(LocalRecord):
             released=self.released,
         )
 
-    def _submit(self, i: int, x: np.ndarray, *, inline: bool = False) -> None:
+    def _deferred(self, i: int) -> Deferred:
+        """Query ``i``'s inputs, to be gathered by the executor."""
+        return Deferred(
+            functools.partial(self.inputs, i),
+            shape=self._query_shape,
+            dtype=self._query_dtype,
+            nbytes=self._query_bytes,
+        )
+
+    def _submit(self, i: int, x: np.ndarray | Deferred, *, inline: bool = False) -> None:
         """Hand query ``i`` (already counted as outstanding) to the executor; an
         executor at capacity refuses it as the agent's edge would ("overloaded"), and
         the run goes on. ``inline`` (an open loop's pacer): an idle executor whose
@@ -320,15 +335,11 @@ class LocalRun(LocalRecord):
             with self._lock:
                 self._outstanding += 1
                 self._issued = max(self._issued, i + 1)
-            if prebuilt is not None:
-                self._submit(i, prebuilt[i], inline=True)
-            elif self.worker.admits(self._query_bytes):
-                self._submit(i, self.inputs(i), inline=True)
-            else:  # refused before its inputs are gathered: an overloaded run of large
-                # queries copied each one's batch (38 MB at batch 64 of 224 x 224 x 3
-                # floats) on the pacer's thread only to have it refused
-                rec.issued[i - self._base] = max(now() - rec.t0_ns, 1)
-                self._refused(i)
+            # Not built ahead: the executor gathers the query's inputs, so the copy is
+            # the query's time, not the next queries' issue lag; and it gathers nothing
+            # for a query it refuses (an overloaded run of large queries)
+            x = prebuilt[i] if prebuilt is not None else self._deferred(i)
+            self._submit(i, x, inline=True)
 
         helpers = RealtimeThreads(self.worker.thread_ids(), enable=self.realtime)
         try:

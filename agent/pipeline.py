@@ -16,8 +16,9 @@
   batches (the runtimes release the GIL while they compute). A query that the predict
   thread is already idly waiting for is pre-processed inline instead: an idle pipeline
   then costs one thread hand-off per query, like a plain worker thread. A query whose
-  samples are held pre-processed (``Job.preprocessed``) is ready when it is submitted:
-  no pool thread wakes for it.
+  samples are held pre-processed (``Job.ready``) is ready when it is submitted: no
+  pool thread wakes for it; one whose inputs are still to be gathered
+  (:class:`agent.job.Deferred`) is gathered as its pre-processing.
 * **Dynamic batching.** The predict thread takes queries in arrival order and merges
   consecutive ones into one ``predict`` call until ``max_batch`` samples are gathered
   or the first query is ``max_wait_us`` old; a query that would overflow the batch
@@ -172,19 +173,14 @@ class Executor:
             self._seq += 1
         samples = int(job.inputs.shape[0]) if job.inputs.ndim else 1
         slot = Slot(job, seq, samples, nbytes)
-        if job.preprocessed:  # nothing to overlap: ready now, no pool thread woken
+        ready = job.ready
+        if ready:  # nothing to overlap: ready now, no pool thread woken
             self._preprocess(slot)
             slot.state = DONE
         self._ready.put(slot)
-        if not job.preprocessed and seq != self._idle_seq and self.config.pre_workers:
+        if not ready and seq != self._idle_seq and self.config.pre_workers:
             self._pool.offer(slot)
         return True
-
-    def admits(self, nbytes: int) -> bool:
-        """Whether a query holding ``nbytes`` of inputs would be admitted now: read
-        without the lock, so a hint (answers only make room), for a caller that can
-        spare the work of making a query the executor would refuse."""
-        return not self._full(nbytes)
 
     def _full(self, nbytes: int) -> bool:
         return self._inflight >= self.config.capacity or bool(

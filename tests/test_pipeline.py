@@ -9,7 +9,7 @@ import hashlib
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -554,6 +554,54 @@ def test_an_overloaded_open_loop_in_the_agent_holds_no_more_inputs_than_its_boun
     assert int(rec.refused.sum()) == n - 3 and (rec.issued > 0).all()
     assert set(rec.errors.values()) == {"overloaded"}
     assert Counted.gathered - before == (0 if prebuilt else 3)
+
+
+@pytest.mark.parametrize("pre_workers", [0, 2])
+def test_an_open_loop_too_large_to_build_ahead_gathers_each_query_in_the_executor(
+    model: LoadedModel, samples: np.ndarray, monkeypatch: pytest.MonkeyPatch, pre_workers: int
+) -> None:
+    """A run in the agent whose inputs are not built ahead has the executor gather each
+    query's batch, as the query's pre-processing: the pacer's thread copies nothing, so
+    a large batch's copy (here a gather slowed to 20 ms) is the query's own time, not
+    the issue lag of the queries due after it. Each answer is its own samples'."""
+    from agent import localrun
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec
+
+    class Gathered(samplesmod.QueryRows):
+        on: ClassVar[list[int]] = []
+
+        def __call__(self, i: int) -> np.ndarray:
+            Gathered.on.append(threading.get_native_id())
+            time.sleep(0.02)
+            return super().__call__(i)
+
+    monkeypatch.setattr(localrun, "PREBUILD_BYTES", 0)
+    held, _ = samplesmod.feed(model.pre[0](samples), None, 4, 0)
+    inputs = Gathered(held.a, held.order, held.lock, held.batch)
+    spec = ScenarioSpec(
+        name="constant", qps=20, duration_s=0.5, batch_size=4, min_duration_s=0, min_queries=1
+    )
+    wants = [samplesmod.top1(expected(model, samples[held.order.rows(i, 4)])) for i in range(10)]
+    ex = Executor(model, ExecutorConfig(pre_workers=pre_workers, inline_max_us=0))
+    run = local_run(ex, spec, inputs)
+    try:
+        run.prepare()
+        before = len(Gathered.on)
+        run.run()
+        executor_threads = set(ex.thread_ids())
+    finally:
+        ex.stop()
+    rec = run.rec
+    n = len(rec.ok)
+    assert n == 10 and (rec.ok == 1).all() and rec.done == n
+    assert len(Gathered.on) - before == n
+    assert set(Gathered.on[before:]) <= executor_threads
+    assert float(np.median(rec.issued - rec.paced)) < 10e6  # the 20 ms gather is not in it
+    assert ((rec.predict_start - rec.agent_received) >= 20e6).all()  # it is the query's
+    for i, want in enumerate(wants):
+        assert want is not None
+        assert run.top1[i, : len(want)].tolist() == want.tolist(), i
 
 
 def test_queries_of_a_released_evaluation_still_queued_are_answered_not_run(
