@@ -267,7 +267,10 @@ class LocalRun(LocalRecord):
         with self._lock:  # index and scheduled time together: both in issue order
             i = self._issued
             t = now() - rec.t0_ns
-            if self._stop.is_set() or i >= self._cap or t >= self._deadline - rec.t0_ns:
+            if self._stop.is_set() or i >= self._cap:
+                return False
+            if t >= self._deadline - rec.t0_ns:
+                rec.time_up_ns = rec.time_up_ns or t
                 return False
             if i - self._base >= rec.n:
                 self._grow()
@@ -303,7 +306,11 @@ class LocalRun(LocalRecord):
     def _next_ahead(self, i: int) -> tuple[int, np.ndarray] | None:
         """Query ``i``, the first of the next queries gathered at once (their room in
         the record made now); None once time, the count or a stop ends the stream."""
-        if self._stop.is_set() or i >= self._cap or now() >= self._deadline:
+        if self._stop.is_set() or i >= self._cap:
+            return None
+        t = now()
+        if t >= self._deadline:
+            self.rec.time_up_ns = self.rec.time_up_ns or t - self.rec.t0_ns
             return None
         b, held = self.spec.batch_size, self.inputs.a
         if b == 1:  # one row a query: views of the held samples, nothing copied

@@ -133,6 +133,7 @@ async def serve_run(
                 await ship(
                     final=True,
                     not_issued=run.rec.not_issued,
+                    time_up=run.rec.time_up_ns,
                     process_cpu_s=process_cpu_s,
                     loadgen_cpu_s=loadgen_cpu_s,
                     error=error,

@@ -181,6 +181,7 @@ class RowCollector:
         """The run's end: its totals, and what went wrong on the way."""
         self.end(rows.queries)
         self.rec.not_issued = rows.not_issued
+        self.rec.time_up_ns = rows.time_up
         # The load generator's CPU (its threads' in the agent) and the agent process's:
         # the summary's loadgen_cost (broker.summary), as for any run.
         self.rec.cpu_s = rows.loadgen_cpu_s or 0.0

@@ -8,7 +8,8 @@
       on mlscope.agent.<id>.rows.<evaluation>:
       ◄── RunRows (columns, every 0.25 s) ─────── rows done so far
       ◄── RunRows final {queries, not_issued,  ─── the rest, and the totals
-                        loadgen_cpu_s, process_cpu_s}
+                        time_up, loadgen_cpu_s,
+                        process_cpu_s}
 
 Rows travel on the agent's own rows subject, not as answers to the run request: on a
 bus with credentials a responder may answer only for a while after a request

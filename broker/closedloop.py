@@ -53,7 +53,10 @@ class Streams:
     def send_next(self) -> None:
         rec = self.rec
         with self.lock:
-            if self._stopped or self.count >= self.cap or now() >= self.deadline:
+            t = now()
+            if self._stopped or self.count >= self.cap or t >= self.deadline:
+                if not (self._stopped or self.count >= self.cap or rec.time_up_ns):
+                    rec.time_up_ns = t - rec.t0_ns
                 if self.outstanding == 0:
                     self.finished.set()
                 return

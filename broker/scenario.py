@@ -30,7 +30,7 @@ from mlscope.scenario_traits import ScenarioTraits
 from mlscope.schedule import Schedule
 from mlscope.validity import ValidityPolicy, Verdict
 
-__all__ = ["Outcome", "Scenario", "driver", "run_once"]
+__all__ = ["Outcome", "Scenario", "closed_window", "driver", "run_once"]
 
 
 @dataclass
@@ -179,13 +179,13 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
             on_progress=ctx.on_progress,
         )
         window = (
-            _closed_window(rec)
+            closed_window(rec, spec)
             if closed
             else (await anyio.to_thread.run_sync(scenario.schedule, spec))[1]
         )
     elif closed:
         rec = await driver(ctx, spec, inputs, labels).run()
-        window = _closed_window(rec)
+        window = closed_window(rec, spec)
     else:
         # Off the event loop: a long schedule takes seconds to draw.
         sched, window = await anyio.to_thread.run_sync(scenario.schedule, spec)
@@ -219,7 +219,13 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
     return run
 
 
-def _closed_window(rec: RunRecord) -> float:
-    """A closed loop's window: until its last completion (s)."""
+def closed_window(rec: RunRecord, spec: ScenarioSpec) -> float:
+    """A closed loop's window (s): until its last completion, and at least until it
+    found its duration up. Its last answer can come just before that: a stream whose
+    last block was answered then, a single stream whose last answer was stamped a few
+    µs before the next query found the time up. Such a run lasted its duration and is
+    not too short. The time-up moment counts at most up to the duration (an agent's
+    claim of a later one proves no more)."""
     done = rec.completed[rec.completed > 0]
-    return float(done.max()) / 1e9 if done.size else 0.0
+    last = int(done.max()) if done.size else 0
+    return max(last, min(rec.time_up_ns, int(spec.duration_s * 1e9))) / 1e9

@@ -381,7 +381,8 @@ def judge(
     """The verdict on one run (:func:`mlscope.validity.verdict` over its raw arrays).
 
     ``window_s``: how long the load ran (the schedule's window for an open loop, the
-    time to the last completion for a closed one), held to ``min_duration_s``. Every
+    time to the last completion for a closed one, at least to when it found its time
+    up: :func:`broker.scenario.closed_window`), held to ``min_duration_s``. Every
     run is also judged for gaps and a final silence in its answers (a closed loop's
     wait for its first reply only for the part not spent predicting), and an open loop
     for overload outside them. Warm-up queries are left out of the latency and failure

@@ -60,6 +60,10 @@ class RunRecord:
     errors: dict[int, str] = field(default_factory=dict)
     not_issued: int = 0
     done: int = 0
+    time_up_ns: int = 0
+    """A closed loop: when it found its duration up and issued no more (0: it ended for
+    another reason: its query count, a stop, a failure). Its window lasts at least
+    until then, though its last answer may have come just before."""
     cpu_s: float = 0.0
     """CPU time (s) the load generator used during the run: its process's (placement
     server), or its own threads' in an agent's local run (0 where not told apart)."""

@@ -93,6 +93,15 @@ def test_the_final_rows_cpu_times_are_kept_in_the_record() -> None:
     assert (closed.rec.cpu_s, closed.rec.process_cpu_s) == (0.0, 1.0)
 
 
+def test_the_final_rows_moment_the_time_was_up_is_kept_in_the_record() -> None:
+    """A closed loop's window lasts until it found its time up
+    (:func:`broker.scenario.closed_window`): the agent's moment reaches the record."""
+    got = collector()
+    got.add(last := rows(good_columns(2), final=True, queries=2, time_up=10_000_123))
+    got.finish(last)
+    assert got.rec.time_up_ns == 10_000_123
+
+
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
@@ -229,6 +238,8 @@ def test_a_closed_loop_s_rows_far_past_those_sent_fail_the_run(tmp_path: Path) -
         {"issued": -1},
         {"queries": 10**12},
         {"not_issued": -5},
+        {"time_up": -1},
+        {"time_up": 2**63 - 1},
         {"process_cpu_s": float("nan")},
         {"process_cpu_s": -1.0},
         {"loadgen_cpu_s": float("inf")},

@@ -477,3 +477,90 @@ def test_a_long_closed_loop_holds_only_the_rows_it_has_not_shipped(
     assert (ok == 1).all() and (done > 0).all()
     np.testing.assert_array_equal(top1, want)
     assert max(room) < total // 2, max(room)  # it forgot shipped rows: never held them all
+
+
+def test_a_stream_that_answered_just_before_its_time_was_up_lasted_its_duration(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """A stream whose last block was answered just before its duration was up, and
+    whose next query then found the time up, lasted its duration: its window is not
+    cut to its last answer, and the minimum-duration rule holds. The stream records
+    when it found the time up; a claim past the duration counts only up to it."""
+    from broker.scenario import closed_window
+    from broker.summary import judge
+    from mlscope import samples as samplesmod
+    from mlscope.validity import ValidityPolicy
+
+    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 4, 0)
+    spec = ScenarioSpec(
+        name="batched", batch_size=4, duration_s=0.3, min_duration_s=0.3, min_queries=1
+    )
+    ex = Executor(model, ExecutorConfig(pre_workers=0))
+    run = local_run(ex, spec, inputs)
+    plain = run.answered
+    late: list[int] = []
+
+    def answered(block: Any) -> None:  # the block's bookkeeping outlasts the time left
+        plain(block)
+        left = run._deadline - time.perf_counter_ns()
+        if 0 < left < 50_000_000 and not late:
+            late.append(left)
+            time.sleep(left / 1e9 + 0.002)
+
+    run.answered = answered
+    try:
+        assert run.streamed
+        run.prepare()
+        run.run()
+    finally:
+        ex.stop()
+    rec = run.rec
+    duration_ns = int(spec.duration_s * 1e9)
+    assert late and int(rec.completed.max()) < duration_ns <= rec.time_up_ns
+    assert closed_window(rec, spec) == spec.duration_s
+    verdict = judge(
+        rec,
+        spec,
+        ValidityPolicy(),
+        window_s=closed_window(rec, spec),
+        requested_rate=None,
+        poisson=False,
+        open_loop=False,
+    )
+    assert not any(r.startswith("ran ") for r in verdict.reasons), verdict.reasons
+    rec.time_up_ns = 10 * duration_ns  # proves the duration was reached, nothing more
+    assert closed_window(rec, spec) == spec.duration_s
+    rec.time_up_ns = 0  # stopped otherwise (a stop, its count): until its last answer
+    assert closed_window(rec, spec) == int(rec.completed.max()) / 1e9 < spec.duration_s
+
+
+def test_a_closed_loop_in_the_agent_records_when_its_time_was_up_and_not_when_stopped(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """A closed loop through the executor notes the moment it found its duration up;
+    one that ended at its query count does not."""
+    from mlscope import samples as samplesmod
+
+    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 1, 0)
+    for max_queries, timed in ((None, True), (5, False)):
+        spec = ScenarioSpec(
+            name="concurrency",
+            batch_size=1,
+            concurrency=2,
+            duration_s=0.2,
+            max_queries=max_queries,
+            min_duration_s=0,
+            min_queries=1,
+        )
+        ex = Executor(model, ExecutorConfig(pre_workers=0))
+        run = local_run(ex, spec, inputs)
+        try:
+            assert not run.streamed
+            run.prepare()
+            run.run()
+        finally:
+            ex.stop()
+        if timed:
+            assert run.rec.time_up_ns >= int(spec.duration_s * 1e9)
+        else:
+            assert run.rec.time_up_ns == 0 and run.issued == 5

@@ -13,6 +13,7 @@ from pydantic import (
 
 from mlscope.contracts._base import (
     MAX_BATCH,
+    MAX_DURATION_S,
     MAX_ID_CHARS,
     MAX_RUNS,
     MAX_SAMPLE_INDICES,
@@ -290,6 +291,9 @@ class RunRows(_Message):
     queries: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
     """final: rows in the run."""
     not_issued: int = Field(default=0, ge=0, le=MAX_SCHEDULED_QUERIES)
+    time_up: int = Field(default=0, ge=0, le=2 * int(MAX_DURATION_S * 1e9))
+    """final: a closed loop's :attr:`~mlscope.record.RunRecord.time_up_ns` (ns from
+    ``t0_agent``; 0: it ended for another reason)."""
     process_cpu_s: float = Field(default=0.0, ge=0, allow_inf_nan=False)
     """final: CPU time (s) of the agent's process during the run: its model's, its load
     generator's and the agent's own work together."""
