@@ -181,7 +181,10 @@ class RowCollector:
         """The run's end: its totals, and what went wrong on the way."""
         self.end(rows.queries)
         self.rec.not_issued = rows.not_issued
-        self.rec.time_up_ns = rows.time_up
+        # When the agent found its time up: not after its rows arrived here (give or
+        # take the start timeout, as a row's completion), or it is no moment of the run.
+        arrived = lgclock.now() - self.rec.t0_ns + int(START_TIMEOUT_S * 1e9)
+        self.rec.time_up_ns = rows.time_up if rows.time_up <= arrived else 0
         # The load generator's CPU (its threads' in the agent) and the agent process's:
         # the summary's loadgen_cost (broker.summary), as for any run.
         self.rec.cpu_s = rows.loadgen_cpu_s or 0.0

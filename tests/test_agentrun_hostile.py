@@ -97,9 +97,15 @@ def test_the_final_rows_moment_the_time_was_up_is_kept_in_the_record() -> None:
     """A closed loop's window lasts until it found its time up
     (:func:`broker.scenario.closed_window`): the agent's moment reaches the record."""
     got = collector()
+    got.rec.t0_ns = time.perf_counter_ns() - 10_000_000_000  # the run began 10 s ago
     got.add(last := rows(good_columns(2), final=True, queries=2, time_up=10_000_123))
     got.finish(last)
     assert got.rec.time_up_ns == 10_000_123
+    late = collector()  # a moment after its rows arrived (past the start timeout's leeway)
+    late.rec.t0_ns = got.rec.t0_ns
+    late.add(last := rows(good_columns(2), final=True, queries=2, time_up=3_600 * 10**9))
+    late.finish(last)
+    assert late.rec.time_up_ns == 0
 
 
 @pytest.mark.parametrize(
