@@ -183,7 +183,13 @@ class LocalRecord:
             b = hi if final or not pending.size else a + int(pending[0])
             cols = {name: getattr(rec, name)[a - base : b - base].copy() for name in ARRAYS}
             cols["top1"] = self.top1[a - base : b - base].copy()
+            # A shipped row's error leaves the record: no row gets one once it is
+            # answered, and every take would otherwise look through all of the run's
+            # (an overloaded run refuses millions of queries, each with its error).
+            # Deleted one by one: an open loop's threads add errors without the lock.
             errors = {i: e for i, e in list(rec.errors.items()) if a <= i < b}
+            for i in errors:
+                del rec.errors[i]
             self._shipped = b
         return a, cols, errors
 

@@ -26,6 +26,13 @@ from mlscope.serving import as_error
 __all__ = ["rows_messages", "serve_run"]
 
 log = logging.getLogger("mlscope.agent")
+HEADROOM = 4096
+"""Bytes of a rows message kept for its fields other than the rows and their errors."""
+ERROR_OVERHEAD = 14
+"""Bytes an error costs in a rows message besides its text, at most: its key (up to 9)
+and its text's msgpack header (up to 5)."""
+SHIP_TIMEOUT_S = 10.0
+"""How long one shipment of rows may take to send (a bus that takes none is gone)."""
 PACER_STOP_S = 1.0
 """How long the final rows of a stopped run wait for its pacer to stop (it does within
 a few ms), so that they carry its load generator's CPU time."""
@@ -41,23 +48,35 @@ def rows_messages(
     max_bytes: int,
     **extra: Any,
 ) -> list[bytes]:
-    """``RunRows`` messages for these rows, each under ``max_bytes`` (split by rows;
-    ``extra`` goes on the last)."""
+    """``RunRows`` messages for these rows, each under ``max_bytes`` (split by rows, a
+    row's bytes being its columns' and its error's; ``extra`` goes on the last).
+
+    Linear in the rows and errors: an overloaded run refuses most of its queries, each
+    with its error, and a shipment of millions of such rows must not hold the agent's
+    event loop (a message per row, each looking through every error, held it for
+    hours and let its registry entry expire)."""
     n = len(next(iter(columns.values()))) if columns else 0
-    per_row = sum(c[:1].nbytes for c in columns.values()) or 1
-    err_bytes = sum(len(e) + 8 for e in errors.values())
-    step = max(1, (max_bytes - 4096 - err_bytes) // per_row)
+    keys = np.array(sorted(i for i in errors if start <= i < start + n), np.int64)
+    cost = np.full(n, sum(c[:1].nbytes for c in columns.values()) or 1, np.int64)
+    if keys.size:  # an error costs its text (UTF-8), its key and msgpack's headers
+        text = np.fromiter((len(errors[int(i)].encode()) for i in keys), np.int64, keys.size)
+        np.add.at(cost, keys - start, text + ERROR_OVERHEAD)
+    ends = np.cumsum(cost)
+    budget = max(max_bytes - HEADROOM, 1)
     out: list[bytes] = []
     a = 0
     while True:
-        b = min(n, a + step)
+        before = int(ends[a - 1]) if a else 0
+        b = max(a + 1, int(np.searchsorted(ends, before + budget, side="right"))) if n else 0
+        b = min(b, n)
         last = b >= n
+        lo, hi = np.searchsorted(keys, [start + a, start + b])
         msg = RunRows(
             evaluation_id=evaluation_id,
             seq=seq + len(out),
             start=start + a,
             columns={k: v[a:b] for k, v in columns.items()},
-            errors={i: e for i, e in errors.items() if start + a <= i < start + b},
+            errors={int(i): errors[int(i)] for i in keys[lo:hi]},
             **(extra if last else {k: v for k, v in extra.items() if k == "issued"}),
         )
         out.append(codec.encode_model(msg))
@@ -85,14 +104,13 @@ async def serve_run(
     the server, which never hears the run's end, fails it after its deadline."""
     seq = 0
 
-    async def ship(*, final: bool = False, **extra: Any) -> None:
-        nonlocal seq
+    def messages(final: bool, extra: dict[str, Any]) -> list[bytes]:
         start, cols, errors = run.take(final=final)
         if final:  # the run's rows: every one it has (a stopped run's issued ones)
             extra["queries"] = start + len(cols["ok"])
         elif not len(cols["ok"]):
-            return
-        for data in rows_messages(
+            return []
+        return rows_messages(
             req.evaluation_id,
             start,
             cols,
@@ -102,14 +120,25 @@ async def serve_run(
             issued=run.issued,
             final=final,
             **extra,
-        ):
-            await publish(data)
-            seq += 1
+        )
+
+    async def ship(*, final: bool = False, **extra: Any) -> None:
+        """Take the rows not shipped and send them, the messages built off the event
+        loop (a shipment of an overloaded run's millions of rows takes seconds)."""
+        nonlocal seq
+        built = await anyio.to_thread.run_sync(messages, final, extra)
+        with anyio.move_on_after(SHIP_TIMEOUT_S):
+            for data in built:
+                await publish(data)
+                seq += 1
 
     async def shipper() -> None:
         while True:
             await anyio.sleep(ROWS_EVERY_S)
-            await ship()
+            # Rows taken are sent whole: a shipment cut off by the run's end would lose
+            # them (the final rows start after them) and the run would read as broken.
+            with anyio.CancelScope(shield=True):
+                await ship()
 
     error: dict[str, Any] | None = None
     try:
@@ -125,7 +154,7 @@ async def serve_run(
         log.warning("%s: local run %s failed: %r", service, req.evaluation_id, exc)
     finally:  # also on shutdown: the server stores what was measured
         held.close()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+        with anyio.CancelScope(shield=True):
             # A stopped run's thread may still drain: its pacer's time once it stopped.
             await anyio.to_thread.run_sync(run.cpu.wait_stopped, PACER_STOP_S)
             process_cpu_s, loadgen_cpu_s = run.cpu.spent()

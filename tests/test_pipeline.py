@@ -554,6 +554,8 @@ def test_an_overloaded_open_loop_in_the_agent_holds_no_more_inputs_than_its_boun
     assert int(rec.refused.sum()) == n - 3 and (rec.issued > 0).all()
     assert set(rec.errors.values()) == {"overloaded"}
     assert Counted.gathered - before == (0 if prebuilt else 3)
+    _, _, shipped = run.take(final=True)
+    assert len(shipped) == n - 3 and rec.errors == {}  # a shipped row's error leaves it
 
 
 @pytest.mark.parametrize("pre_workers", [0, 2])

@@ -393,6 +393,66 @@ def test_rows_are_split_under_the_payload_and_arrive_whole() -> None:
     np.testing.assert_array_equal(rec.prediction, np.where(src.ok == 1, top1[:, 0], -1))
 
 
+def test_rows_of_an_overloaded_run_ship_in_few_messages_each_under_the_payload() -> None:
+    """An overloaded run refuses most of its queries, each with its error: its rows
+    still ship in about as many messages as their bytes need, each under the payload
+    (a row's error counted with its row, long and non-ASCII ones too), every row and
+    error once. Budgeting every error into every message made one message per row,
+    each looking through all the errors: hours for a million rows."""
+    from agent.runrows import rows_messages
+    from mlscope import codec
+    from mlscope.contracts import RunRows
+    from mlscope.record import ARRAYS, RunRecord
+
+    n, limit = 120_000, 256 << 10
+    cols = {name: getattr(RunRecord(n=n, batch_size=1), name) for name in ARRAYS}
+    cols["top1"] = np.zeros((n, 1), np.int32)
+    errors = {i: "overloaded" for i in range(0, n, 1) if i % 7}
+    errors |= {5: "é" * 3000, n - 1: "x" * 5000}
+    msgs = rows_messages(
+        "ev-x",
+        1000,
+        cols,
+        {i + 1000: e for i, e in errors.items()},
+        seq=3,
+        max_bytes=limit,
+        final=True,
+        queries=n,
+    )
+    total = sum(len(m) for m in msgs)
+    assert all(len(m) <= limit for m in msgs)
+    assert len(msgs) <= total / (0.75 * limit) + 1, (len(msgs), total)  # most are full
+    got = [codec.decode_model(RunRows, m) for m in msgs]
+    assert [m.seq for m in got] == list(range(3, 3 + len(got)))
+    assert [m.start for m in got] == [1000, *(m.start + len(m.columns["ok"]) for m in got[:-1])]
+    assert sum(len(m.columns["ok"]) for m in got) == n and got[-1].final
+    shipped = {i - 1000: e for m in got for i, e in m.errors.items()}
+    assert shipped == errors
+
+
+def test_an_overloaded_run_in_the_agent_ships_its_refusals_and_the_agent_stays(
+    placement_stack: Stack,
+) -> None:
+    """An open loop far past what the model answers: most of its queries are refused,
+    each with its error. Its rows reach the server and the agent goes on answering:
+    its event loop was held shipping them (its registry entry expired, and it was
+    'lost' to every later job)."""
+    spec = ScenarioSpec(name="online", qps=60_000, duration_s=1.5, **LOOSE)
+    job = JobRequest(
+        model="digits_cnn",
+        framework="onnxruntime",
+        scenario=spec,
+        trace_level="none",
+        placement="agent",
+    )
+    s = run(placement_stack.settings, job)
+    assert s.status == "completed" and s.lost == 0, s.invalid_reasons
+    assert s.refused > s.queries // 2 and s.queries + s.not_issued > 80_000, s
+    assert any(r.startswith("refused") or "refused" in r for r in s.invalid_reasons)
+    again = run(placement_stack.settings, digits("agent", 5))  # the agent still serves
+    assert again.queries == 5 and again.errors == 0, again.invalid_reasons
+
+
 def test_a_batch_over_the_bus_payload_runs_in_the_agent(placement_stack: Stack) -> None:
     """efficientnet_lite0 at batch 8 is ~4.8 MB a query: refused through the bus (1 MiB
     max payload), measured in the agent, where no query crosses it."""
