@@ -76,8 +76,11 @@ IDLE_S = 3.0
 :data:`~mlscope.contracts.ROWS_EVERY_S`."""
 CANCEL_ROWS_WAIT_S = 5.0
 """How long a cancelled run waits for the agent's final rows."""
+DRAIN_S = 10.0
+"""How long a run's queries may take to drain once its load has ended (the agent's own
+drain timeout)."""
 END_SLACK_S = 60.0
-"""Beyond the run's duration and drain, how long a live but silent agent is awaited."""
+"""Beyond the run's load and drain, how long a live agent is awaited."""
 
 
 async def drive(
@@ -86,6 +89,7 @@ async def drive(
     agent: AgentDescription,
     evaluation_id: str,
     spec: ScenarioSpec,
+    load_s: float,
     trace_level: TraceLevel,
     offset_ns: int,
     labels: Labels,
@@ -94,7 +98,9 @@ async def drive(
 ) -> tuple[RunRecord, tuple[str, ...]]:
     """Have the agent run ``spec`` for ``evaluation_id`` (``run_id``: which of its
     runs, when it makes several: the agent keeps the run's spans under it); the filled
-    record and any reasons it is INVALID."""
+    record and any reasons it is INVALID. ``load_s``: how long the run's load lasts
+    (an open loop's schedule window: a replay's or a ramp's own, not ``duration_s``),
+    after which, with its drain and :data:`END_SLACK_S`, the agent is given up."""
     agent_id = agent.agent_id
     inbox = bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox)
@@ -118,7 +124,7 @@ async def drive(
         collector = RowCollector(
             rec, labels, agent, max_bytes=op.max_bytes, most=min(most, MAX_SCHEDULED_QUERIES)
         )
-        limit = spec.duration_s + 10.0 + END_SLACK_S
+        limit = load_s + DRAIN_S + END_SLACK_S
         try:
             reasons = await _collect(collector, bus, rows_sub, limit, on_progress)
         except anyio.get_cancelled_exc_class():  # the job is cancelled: keep what ran

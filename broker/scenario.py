@@ -167,22 +167,26 @@ async def run_once(ctx: Context, scenario: Scenario, spec: ScenarioSpec, evaluat
     if ctx.placement == "agent":  # the agent generates the load itself
         if ctx.agent is None:
             raise EvaluationError("a placement-agent run needs its agent's description")
+        # How long the load lasts: a replay's or a ramp's own window, not duration_s
+        # (drawn off the event loop: a long schedule takes seconds).
+        load_s = (
+            spec.duration_s
+            if closed
+            else (await anyio.to_thread.run_sync(scenario.schedule, spec))[1]
+        )
         rec, why = await agentrun.drive(
             ctx.bus,
             agent=ctx.agent,
             evaluation_id=ctx.evaluation_id,
             run_id=ctx.run_id,
             spec=spec,
+            load_s=load_s,
             trace_level=ctx.trace_level,
             offset_ns=ctx.offset_ns,
             labels=labels,
             on_progress=ctx.on_progress,
         )
-        window = (
-            closed_window(rec, spec)
-            if closed
-            else (await anyio.to_thread.run_sync(scenario.schedule, spec))[1]
-        )
+        window = closed_window(rec, spec) if closed else load_s
     elif closed:
         rec = await driver(ctx, spec, inputs, labels).run()
         window = closed_window(rec, spec)

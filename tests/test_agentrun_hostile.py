@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -18,11 +19,12 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from agent.runrows import rows_messages
+from broker import agentrun
 from broker.agentrows import OUTSIDE_RUN, RowCollector
 from broker.agentrun import Absence, _collect, drive, gone
 from broker.lgclock import estimate_offset
 from mlscope import bus as busmod
-from mlscope import codec, names, provision, wire
+from mlscope import codec, names, provision, scenario_traits, wire
 from mlscope.contracts import (
     MAX_CLOCK_OFFSET_NS,
     MAX_SCHEDULED_QUERIES,
@@ -37,6 +39,7 @@ from mlscope.contracts import (
 from mlscope.errors import EvaluationError, MLScopeError, WireError
 from mlscope.natsserver import NatsServer
 from mlscope.record import ARRAYS, RunRecord
+from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
 from tests.conftest import agent_description
 
@@ -57,6 +60,7 @@ def good_columns(n: int, start_ns: int = 1000) -> dict[str, np.ndarray]:
     return cols
 
 
+LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
 MAX_BYTES = 64 * 1024
 """The largest rows message the tests' runs let an agent send."""
 
@@ -301,6 +305,40 @@ def test_answered_rows_outside_their_run_count_as_failed() -> None:
     assert got.rec.errors == dict.fromkeys((1, 2, 3), OUTSIDE_RUN)
 
 
+def test_a_ramp_longer_than_its_duration_setting_is_awaited_to_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A piecewise (or replay) run lasts its segments' (or arrivals') own window, not
+    ``duration_s``: the server awaits its agent that long, plus the drain and the
+    slack. Judged by ``duration_s``, a 5-minute ramp in the agent was given up after
+    70 s as an agent that 'did not finish its local run'."""
+    monkeypatch.setattr(agentrun, "DRAIN_S", 0.2)
+    monkeypatch.setattr(agentrun, "END_SLACK_S", 0.0)
+    spec = ScenarioSpec(name="piecewise", duration_s=0.1, segments=((2.0, 2.0, 1.5),), **LOOSE)
+    n = len(build_schedule(spec)[0])
+
+    async def main() -> tuple[MLScopeError | None, list[str]]:
+        async with server_and_agent(tmp_path) as (bus, agent_bus):
+
+            async def start(msg: Msg) -> None:  # the ramp's rows come as it ends
+                if codec.decode(msg.data).get("op") == "probe":
+                    await msg.respond(b"\xc0")
+                    return
+                t0 = time.perf_counter_ns() + 50_000_000
+                await msg.respond(codec.encode_model(RunStarted(t0_agent=t0, queries=n)))
+                await anyio.sleep(1.2)
+                last = rows(good_columns(n), final=True, queries=n)
+                subject = names.agent_rows("rogue", "ev-x")
+                await agent_bus.nc.publish(subject, codec.encode_model(last))
+
+            reasons: list[str] = []
+            error = await drive_rogue(bus, agent_bus, start, spec, reasons=reasons)
+            return error, reasons
+
+    error, reasons = anyio.run(main)
+    assert error is None and not any("did not finish" in r for r in reasons), (error, reasons)
+
+
 def test_an_agent_that_talks_but_never_ends_its_run_is_given_up(tmp_path: Path) -> None:
     """Rows every 50 ms, never a final one: the run's deadline still ends the wait."""
 
@@ -437,24 +475,32 @@ async def drive_rogue(
     agent_bus: busmod.Bus,
     start: Callable[[Msg], Awaitable[None]],
     spec: ScenarioSpec,
+    *,
+    reasons: list[str] | None = None,
 ) -> MLScopeError | None:
     """``drive`` a run of ``spec`` in the agent ``rogue``, whose control requests
-    ``start`` answers (a probe among them): the typed error the run ended with, or None."""
+    ``start`` answers (a probe among them): the typed error the run ended with, or None
+    (its INVALID reasons then added to ``reasons``). The load lasts the scenario's own
+    window, as the server computes it."""
     await agent_bus.nc.subscribe(names.agent_ctl("rogue"), cb=start)
     await agent_bus.nc.flush()
     await heard(bus, names.agent_ctl("rogue"), codec.encode({"op": "probe"}))
     try:
-        await drive(
+        traits = scenario_traits.get(spec.name)
+        _, why = await drive(
             bus,
             agent=agent_description("rogue"),
             evaluation_id="ev-x",
             spec=spec,
+            load_s=spec.duration_s if traits.closed_loop else build_schedule(spec)[1],
             trace_level=TraceLevel.NONE,
             offset_ns=0,
             labels=None,
         )
     except MLScopeError as exc:
         return exc
+    if reasons is not None:
+        reasons += why
     return None
 
 
