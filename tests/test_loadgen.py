@@ -19,7 +19,7 @@ from broker.scenarios import build_schedule, scenario_spec
 from broker.summary import figures, judge, latency_split, policy_for
 from mlscope import schedule
 from mlscope.bus import Bus
-from mlscope.contracts import ScenarioSpec
+from mlscope.contracts import MAX_QPS, ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.validity import ValidityPolicy, Verdict
@@ -166,6 +166,8 @@ def test_peak_search_steps() -> None:
     assert next_rate(15, None, 15, 10) is None  # below the rate that has enough queries
     assert next_rate(200, 100, 200, 10) == 150  # bisect
     assert next_rate(104, 100, 104, 10) is None  # within PEAK_PRECISION: done
+    assert next_rate(600_000, 600_000, None, 10) == MAX_QPS  # no rate past a run's highest
+    assert next_rate(MAX_QPS, MAX_QPS, None, 10) is None  # passed at the highest: done
 
     # Simulated system whose true peak is 730 QPS: the search closes in on it.
     rate: float | None = 100.0
@@ -195,6 +197,19 @@ def test_peak_search_starts_where_a_run_can_show_p99() -> None:
     assert peak_floor_qps(ten_s, policy) == pytest.approx(1.1 * 45.9)
     more = one_s.model_copy(update={"min_queries": 2000})  # a stricter minimum wins
     assert peak_floor_qps(more, policy) == pytest.approx(1.1 * 2000)
+
+
+def test_a_peak_search_whose_trials_are_too_short_for_any_rate_is_refused() -> None:
+    """Trials of 1 µs would need 459 queries at 5e8 QPS, past the highest rate a run may
+    have: refused before any trial (the first trial's run request was refused by its
+    agent as an invalid request)."""
+    from broker import scenario_kinds
+
+    peak = scenario_kinds.get("peak")
+    spec = ScenarioSpec(name="peak", duration_s=1e-6, min_duration_s=0, latency_bound_ms=5)
+    with pytest.raises(ConfigError, match=r"a rate over the 1e\+06 QPS a run may have"):
+        peak.refuse(spec, ValidityPolicy())
+    peak.refuse(spec.model_copy(update={"duration_s": 1.0}), ValidityPolicy())
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from broker.context import Context
 from broker.run import Run
 from broker.scenario import Outcome, Scenario, run_once
 from broker.summary import policy_for
-from mlscope.contracts import ScenarioSpec
+from mlscope.contracts import MAX_QPS, ScenarioSpec
 from mlscope.early_stopping import early_stopping_queries_needed
 from mlscope.errors import ConfigError
 from mlscope.validity import ValidityPolicy
@@ -23,12 +23,13 @@ def next_rate(
 ) -> float | None:
     """The next rate a peak search tries, or None when it is done.
 
-    Double while nothing failed; halve while nothing passed (down to ``floor_qps``,
-    below which a run has too few queries to show its percentile); then bisect until
-    the failing rate is within :data:`PEAK_PRECISION` of the passing one.
+    Double while nothing failed, up to :data:`~mlscope.contracts.MAX_QPS` (a run's
+    highest rate: its peak is then at least that); halve while nothing passed (down to
+    ``floor_qps``, below which a run has too few queries to show its percentile); then
+    bisect until the failing rate is within :data:`PEAK_PRECISION` of the passing one.
     """
     if failed is None:
-        return rate * 2
+        return min(rate * 2, MAX_QPS) if rate < MAX_QPS else None
     if passed is None:
         return rate / 2 if rate / 2 >= floor_qps else None
     if failed / passed - 1 <= PEAK_PRECISION:
@@ -79,6 +80,13 @@ class Peak(Scenario):
                 field="duration_s",
             )
         need = trial_min_queries(spec, pol)
+        if peak_floor_qps(spec, self.policy(base)) > MAX_QPS:
+            raise ConfigError(
+                f"{cannot}: a run of {spec.duration_s:g} s needs {need} queries to show "
+                f"p{pol.percentile:g} under the bound, a rate over the {MAX_QPS:g} QPS a "
+                "run may have (a longer --duration)",
+                field="duration_s",
+            )
         if spec.max_queries is not None and spec.max_queries < need:
             raise ConfigError(
                 f"{cannot}: each stops after {spec.max_queries} queries, under the {need} "
