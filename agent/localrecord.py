@@ -179,7 +179,13 @@ class LocalRecord:
             self._fill()
             rec, a, base = self.rec, self._shipped, self._base
             hi = base + (self._final_rows() if final else min(self._issued - base, rec.n))
-            pending = np.flatnonzero(rec.completed[a - base : hi - base] == 0)
+            waiting = rec.completed[a - base : hi - base] == 0
+            if not self.closed:  # a row the pacer passed without issuing it (the
+                # outstanding bound held it back) will never be answered: it ships as it
+                # is, else an overloaded run would hold every later row to its end, and
+                # ship them all at once
+                waiting &= rec.paced[a - base : hi - base] != 0
+            pending = np.flatnonzero(waiting)
             b = hi if final or not pending.size else a + int(pending[0])
             cols = {name: getattr(rec, name)[a - base : b - base].copy() for name in ARRAYS}
             cols["top1"] = self.top1[a - base : b - base].copy()

@@ -76,6 +76,10 @@ IDLE_S = 3.0
 :data:`~mlscope.contracts.ROWS_EVERY_S`."""
 CANCEL_ROWS_WAIT_S = 5.0
 """How long a cancelled run waits for the agent's final rows."""
+ROWS_PENDING_BYTES = 512 << 20
+"""Rows messages the server may hold unread for one run: a fast run ships tens of MB
+each :data:`~mlscope.contracts.ROWS_EVERY_S`, and nats-py drops what comes past a
+subscription's limit (64 MB by default); a message lost so shows as a gap in ``seq``."""
 DRAIN_S = 10.0
 """How long a run's queries may take to drain once its load has ended (the agent's own
 drain timeout)."""
@@ -104,7 +108,9 @@ async def drive(
     agent_id = agent.agent_id
     inbox = bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox)
-    rows_sub = await bus.nc.subscribe(names.agent_rows(agent_id, evaluation_id))
+    rows_sub = await bus.nc.subscribe(
+        names.agent_rows(agent_id, evaluation_id), pending_bytes_limit=ROWS_PENDING_BYTES
+    )
     try:
         op = RunOp(
             evaluation_id=evaluation_id,

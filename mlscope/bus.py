@@ -11,7 +11,9 @@ entry that may be missing with :func:`if_found` and a subscription with
 
 from __future__ import annotations
 
+import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
@@ -49,6 +51,8 @@ __all__ = [
     "request",
     "request_model",
 ]
+
+log = logging.getLogger("mlscope.bus")
 
 HEARTBEAT_S = 1.0
 """How often an agent refreshes its registry entry (which expires
@@ -249,8 +253,25 @@ def _reason(exc: BaseException) -> str:
     return f": {exc}"
 
 
+SLOW_LOG_S = 10.0
+"""A subscription that drops messages is logged at most once in this long."""
+_slow_logged: dict[str, float] = {}
+
+
 async def _quiet(exc: Exception) -> None:
-    """nats-py reports reconnect noise through this callback; the caller sees BusError."""
+    """nats-py reports reconnect noise through this callback; the caller sees BusError.
+    A message dropped because its subscription held more than its pending limit (a
+    slow consumer) is logged: nothing else would say it was lost."""
+    if isinstance(exc, nats.errors.SlowConsumerError):
+        subject, at = str(exc.subject), time.monotonic()
+        if at - _slow_logged.get(subject, -SLOW_LOG_S) >= SLOW_LOG_S:
+            _slow_logged[subject] = at
+            log.warning(
+                "dropped messages on %s: they came faster than this process read them "
+                "(slow consumer; logged at most every %g s)",
+                subject,
+                SLOW_LOG_S,
+            )
 
 
 async def _noop() -> None:

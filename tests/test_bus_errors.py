@@ -161,3 +161,23 @@ def test_provisioners_started_together_all_succeed(tmp_path: Path) -> None:
                     tg.start_soon(provision, k)
 
     anyio.run(go, backend="asyncio")
+
+
+def test_messages_a_slow_subscription_drops_are_logged(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """nats-py drops what comes past a subscription's pending limit and says so only
+    to the error callback: mlscope logs it (once in a while), or the loss is silent."""
+
+    async def body(bus: busmod.Bus) -> None:
+        sub = await bus.nc.subscribe("test.slow.dropped", pending_bytes_limit=1000)
+        for _ in range(20):
+            await bus.nc.publish("test.slow.dropped", b"x" * 200)
+        await bus.nc.flush()
+        await anyio.sleep(0.3)
+        await sub.unsubscribe()
+
+    with caplog.at_level("WARNING", logger="mlscope.bus"):
+        run(settings, body)
+    dropped = [r for r in caplog.records if "dropped messages on test.slow.dropped" in r.message]
+    assert len(dropped) == 1, [r.message for r in caplog.records]

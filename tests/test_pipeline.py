@@ -606,6 +606,41 @@ def test_an_open_loop_too_large_to_build_ahead_gathers_each_query_in_the_executo
         assert run.top1[i, : len(want)].tolist() == want.tolist(), i
 
 
+def test_an_open_loop_ships_its_rows_past_those_the_outstanding_bound_held_back(
+    model: LoadedModel, samples: np.ndarray
+) -> None:
+    """Queries the outstanding bound held back are never answered: rows ship past them
+    while the run goes on (every row up to the last issued one), not all at its end. An
+    overloaded fast run held every later row, then shipped hundreds of MB at once, more
+    than the server's subscription holds, and its final rows were dropped."""
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec
+
+    model.predictor = Slow(model.predictor, sleep_s=0.02)
+    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 1, 0)
+    spec = ScenarioSpec(
+        name="constant",
+        qps=200,
+        duration_s=0.3,
+        max_outstanding=1,
+        min_duration_s=0,
+        min_queries=1,
+    )
+    ex = Executor(model, ExecutorConfig(pre_workers=0))
+    run = local_run(ex, spec, inputs)
+    try:
+        run.prepare()
+        run.run()
+    finally:
+        ex.stop()
+    rec = run.rec
+    issued = np.flatnonzero(rec.issued)
+    assert 2 <= len(issued) < 30 and (rec.issued[: issued[-1]] == 0).any()  # some held back
+    first, cols, _ = run.take()
+    assert first == 0 and len(cols["ok"]) == issued[-1] + 1  # past every one held back
+    assert (cols["completed"][issued] > 0).all()
+
+
 def test_queries_of_a_released_evaluation_still_queued_are_answered_not_run(
     model: LoadedModel, samples: np.ndarray
 ) -> None:
