@@ -108,6 +108,21 @@ def local_run(ex: Executor, spec: Any, inputs: Any, released: threading.Event | 
     )
 
 
+def ran_locally(model: LoadedModel, spec: Any, inputs: Any, config: Any = None) -> Any:
+    """An agent's local run of ``spec`` on a new executor (``config``: one with no
+    pre-processing threads), prepared and run to its end, the executor stopped."""
+    from agent.pipeline import ExecutorConfig
+
+    ex = Executor(model, config or ExecutorConfig(pre_workers=0))
+    run = local_run(ex, spec, inputs)
+    try:
+        run.prepare()
+        run.run()
+    finally:
+        ex.stop()
+    return run
+
+
 def expected(model: LoadedModel, x: np.ndarray) -> np.ndarray:
     out: np.ndarray = model.post(model.predictor.predict([model.pre[0](x)])[0])
     return out

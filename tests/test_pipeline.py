@@ -34,6 +34,7 @@ from tests.pipeline_fixtures import (
     expected,
     job,
     local_run,
+    ran_locally,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -626,13 +627,7 @@ def test_an_open_loop_ships_its_rows_past_those_the_outstanding_bound_held_back(
         min_duration_s=0,
         min_queries=1,
     )
-    ex = Executor(model, ExecutorConfig(pre_workers=0))
-    run = local_run(ex, spec, inputs)
-    try:
-        run.prepare()
-        run.run()
-    finally:
-        ex.stop()
+    run = ran_locally(model, spec, inputs)
     rec = run.rec
     issued = np.flatnonzero(rec.issued)
     assert 2 <= len(issued) < 30 and (rec.issued[: issued[-1]] == 0).any()  # some held back

@@ -24,6 +24,7 @@ from tests.pipeline_fixtures import (
     expected,
     job,
     local_run,
+    ran_locally,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -552,14 +553,8 @@ def test_a_closed_loop_in_the_agent_records_when_its_time_was_up_and_not_when_st
             min_duration_s=0,
             min_queries=1,
         )
-        ex = Executor(model, ExecutorConfig(pre_workers=0))
-        run = local_run(ex, spec, inputs)
-        try:
-            assert not run.streamed
-            run.prepare()
-            run.run()
-        finally:
-            ex.stop()
+        run = ran_locally(model, spec, inputs)
+        assert not run.streamed
         if timed:
             assert run.rec.time_up_ns >= int(spec.duration_s * 1e9)
         else:
