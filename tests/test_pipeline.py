@@ -636,6 +636,50 @@ def test_an_open_loop_ships_its_rows_past_those_the_outstanding_bound_held_back(
     assert (cols["completed"][issued] > 0).all()
 
 
+def test_rows_the_bus_takes_none_of_are_given_up_with_the_reason_logged(
+    model: LoadedModel,
+    samples: np.ndarray,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A shipment of rows the bus takes nothing of within the ship timeout is given up:
+    the run still ends (its rows not sent), and the agent logs how many messages it
+    did not send and why, besides the gap the server sees."""
+    import contextlib
+
+    import anyio
+
+    from agent import runrows
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import RunOp, ScenarioSpec
+
+    monkeypatch.setattr(runrows, "SHIP_TIMEOUT_S", 0.2)
+    inputs, _ = samplesmod.feed(model.pre[0](samples), None, 1, 0)
+    spec = ScenarioSpec(name="constant", qps=100, duration_s=0.4, min_duration_s=0, min_queries=1)
+    req = RunOp(evaluation_id="ev-000000000001", scenario=spec, trace_level="none")
+    ex = Executor(model, ExecutorConfig(pre_workers=0))
+    run = local_run(ex, spec, inputs)
+
+    async def stuck(data: bytes) -> None:  # a bus that takes nothing
+        await anyio.sleep(3600)
+
+    async def main() -> None:
+        run.prepare()
+        with anyio.fail_after(20):
+            await runrows.serve_run(
+                run, req, stuck, "agent a", held=contextlib.ExitStack(), max_bytes=1 << 20
+            )
+
+    try:
+        with caplog.at_level("ERROR", logger="mlscope.agent"):
+            anyio.run(main)
+    finally:
+        ex.stop()
+    given_up = [r.message for r in caplog.records if "rows messages not sent" in r.message]
+    assert given_up and all("within 0.2 s" in m for m in given_up), given_up
+    assert run.rec.done == len(run.rec.ok)  # the run itself ended
+
+
 def test_queries_of_a_released_evaluation_still_queued_are_answered_not_run(
     model: LoadedModel, samples: np.ndarray
 ) -> None:
