@@ -102,46 +102,7 @@ async def serve_run(
     Messages are at most ``max_bytes`` (what the request asked, within the bus's max
     payload). Nothing here ends the agent: rows that cannot be shipped are logged, and
     the server, which never hears the run's end, fails it after its deadline."""
-    seq = 0
-
-    def messages(final: bool, extra: dict[str, Any]) -> list[bytes]:
-        start, cols, errors = run.take(final=final)
-        if final:  # the run's rows: every one it has (a stopped run's issued ones)
-            extra["queries"] = start + len(cols["ok"])
-        elif not len(cols["ok"]):
-            return []
-        return rows_messages(
-            req.evaluation_id,
-            start,
-            cols,
-            errors,
-            seq=seq,
-            max_bytes=max_bytes,
-            issued=run.issued,
-            final=final,
-            **extra,
-        )
-
-    async def ship(*, final: bool = False, **extra: Any) -> None:
-        """Take the rows not shipped and send them, the messages built off the event
-        loop (a shipment of an overloaded run's millions of rows takes seconds)."""
-        nonlocal seq
-        built = await anyio.to_thread.run_sync(messages, final, extra)
-        sent = 0
-        with anyio.move_on_after(SHIP_TIMEOUT_S):
-            for data in built:
-                await publish(data)
-                seq += 1
-                sent += 1
-        if sent < len(built):  # the server sees the gap; the agent says why
-            log.error(
-                "%s: local run %s: %d of %d rows messages not sent within %g s (the bus took none)",
-                service,
-                req.evaluation_id,
-                len(built) - sent,
-                len(built),
-                SHIP_TIMEOUT_S,
-            )
+    rows = _Shipper(run, req, publish, service, max_bytes)
 
     async def shipper() -> None:
         while True:
@@ -149,7 +110,7 @@ async def serve_run(
             # Rows taken are sent whole: a shipment cut off by the run's end would lose
             # them (the final rows start after them) and the run would read as broken.
             with anyio.CancelScope(shield=True):
-                await ship()
+                await rows.ship()
 
     error: dict[str, Any] | None = None
     try:
@@ -170,7 +131,7 @@ async def serve_run(
             await anyio.to_thread.run_sync(run.cpu.wait_stopped, PACER_STOP_S)
             process_cpu_s, loadgen_cpu_s = run.cpu.spent()
             try:
-                await ship(
+                await rows.ship(
                     final=True,
                     not_issued=run.rec.not_issued,
                     time_up=run.rec.time_up_ns,
@@ -180,3 +141,61 @@ async def serve_run(
                 )
             except Exception as exc:  # a lost link, a refused message: this run only
                 log.error("%s: local run %s: rows not shipped: %r", service, req.evaluation_id, exc)
+
+
+class _Shipper:
+    """A local run's rows on their way to the server: each shipment takes the rows not
+    shipped yet and sends them as numbered messages (``seq``)."""
+
+    def __init__(
+        self,
+        run: LocalRun,
+        req: RunOp,
+        publish: Callable[[bytes], Awaitable[None]],
+        service: str,
+        max_bytes: int,
+    ) -> None:
+        self.run, self.req, self.publish = run, req, publish
+        self.service, self.max_bytes = service, max_bytes
+        self.seq = 0
+        """Messages sent so far: the next one's number."""
+
+    def messages(self, final: bool, extra: dict[str, Any]) -> list[bytes]:
+        """The rows not shipped yet, as messages (``final``: every row the run has)."""
+        run = self.run
+        start, cols, errors = run.take(final=final)
+        if final:  # the run's rows: every one it has (a stopped run's issued ones)
+            extra["queries"] = start + len(cols["ok"])
+        elif not len(cols["ok"]):
+            return []
+        return rows_messages(
+            self.req.evaluation_id,
+            start,
+            cols,
+            errors,
+            seq=self.seq,
+            max_bytes=self.max_bytes,
+            issued=run.issued,
+            final=final,
+            **extra,
+        )
+
+    async def ship(self, *, final: bool = False, **extra: Any) -> None:
+        """Take the rows not shipped and send them, the messages built off the event
+        loop (a shipment of an overloaded run's millions of rows takes seconds)."""
+        built = await anyio.to_thread.run_sync(self.messages, final, extra)
+        sent = 0
+        with anyio.move_on_after(SHIP_TIMEOUT_S):
+            for data in built:
+                await self.publish(data)
+                self.seq += 1
+                sent += 1
+        if sent < len(built):  # the server sees the gap; the agent says why
+            log.error(
+                "%s: local run %s: %d of %d rows messages not sent within %g s (the bus took none)",
+                self.service,
+                self.req.evaluation_id,
+                len(built) - sent,
+                len(built),
+                SHIP_TIMEOUT_S,
+            )
