@@ -127,7 +127,8 @@ def test_a_killed_mlscope_up_leaves_no_process_and_starts_again(
             check=False,
         )
         assert job.returncode == 0, job.stderr
-        assert json.loads(job.stdout)["valid"] is True
+        summary = json.loads(job.stdout)
+        assert summary["valid"] is True, (summary["invalid_reasons"], log.read_text()[-3000:])
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0
         assert left_running(list(kids)) == []
