@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import ssl
-import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
@@ -33,6 +32,7 @@ from pydantic import BaseModel
 from mlscope import codec
 from mlscope.auth_files import inbox_prefix_for
 from mlscope.errors import BusError, BusNotFound, BusRefused, MLScopeError, error_from_wire
+from mlscope.logbudget import LogBudget
 from mlscope.regular_files import read_text
 from mlscope.settings import Settings
 
@@ -255,22 +255,25 @@ def _reason(exc: BaseException) -> str:
 
 SLOW_LOG_S = 10.0
 """A subscription that drops messages is logged at most once in this long."""
-_slow_logged: dict[str, float] = {}
+_slow_logged: dict[str, LogBudget] = {}
 
 
 async def _quiet(exc: Exception) -> None:
     """nats-py reports reconnect noise through this callback; the caller sees BusError.
     A message dropped because its subscription held more than its pending limit (a
-    slow consumer) is logged: nothing else would say it was lost."""
+    slow consumer) is logged: nothing else would say it was lost. Per subscription, not
+    per message subject: a wildcard subscription's publishers choose the latter."""
     if isinstance(exc, nats.errors.SlowConsumerError):
-        subject, at = str(exc.subject), time.monotonic()
-        if at - _slow_logged.get(subject, -SLOW_LOG_S) >= SLOW_LOG_S:
-            _slow_logged[subject] = at
+        subject = str(getattr(exc.sub, "subject", exc.subject))
+        budget = _slow_logged.setdefault(subject, LogBudget(burst=1, window_s=SLOW_LOG_S))
+        more = budget.take()
+        if more is not None:
             log.warning(
                 "dropped messages on %s: they came faster than this process read them "
-                "(slow consumer; logged at most every %g s)",
+                "(slow consumer; logged at most every %g s)%s",
                 subject,
                 SLOW_LOG_S,
+                more,
             )
 
 

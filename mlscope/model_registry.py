@@ -28,6 +28,7 @@ from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.catalog import Catalog, Entry
 from mlscope.errors import ManifestError
 from mlscope.kvread import BucketWatch, bucket_keys
+from mlscope.logbudget import LogBudget
 from mlscope.manifest import ModelManifest, mark_untrusted
 from mlscope.manifest_files import parse_manifest
 from mlscope.serving import as_error
@@ -161,7 +162,8 @@ class ManifestWatcher:
         log: Callable[[str], None] | None = None,
     ) -> None:
         self.bus, self.on_change = bus, on_change
-        self.log = log or log_warning
+        self._log = log or log_warning
+        self._log_budget = LogBudget()
         self.entries: dict[str, Entry] = {}
         self.rejected: dict[str, ManifestError] = {}
 
@@ -199,6 +201,13 @@ class ManifestWatcher:
             self.log(f"ignoring a manifest on the bus: {exc}")
             return
         self.entries[key] = remote_entry(m)
+
+    def log(self, line: str) -> None:
+        """One line about the bucket, under the watcher's budget: a flood of bad
+        manifests is kept out in full but logged briefly."""
+        more = self._log_budget.take()
+        if more is not None:
+            self._log(line + more)
 
     @classmethod
     async def snapshot(cls, bus: Bus, **kw: Any) -> ManifestWatcher:

@@ -31,7 +31,6 @@ import json
 import logging
 import re
 import sys
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from mlscope.bounded import json_depth
 from mlscope.bus import Bus
 from mlscope.contracts import ErrorReply
 from mlscope.errors import BusError, MLScopeError, ReplyTooLarge, ServiceError, WireError
+from mlscope.logbudget import LogBudget
 
 __all__ = [
     "MAX_VALUE_BYTES",
@@ -68,9 +68,6 @@ MAX_VALUE_BYTES = 256 * 1024
 """The largest bucket value a service parses (a manifest is a few KB)."""
 MAX_VALUE_DEPTH = 64
 """The deepest nesting of a bucket value a service parses."""
-LOG_BURST = 50
-LOG_WINDOW_S = 10.0
-"""Failure log lines: at most LOG_BURST per LOG_WINDOW_S per service (all are counted)."""
 DEAD_HEADER_LIMIT = 1000
 """Characters of an error kept in a dead letter's header."""
 
@@ -156,7 +153,8 @@ class Boundary:
         self.failures: Counter[str] = Counter()
         """Failures by error code (``wire``, ``service``, ``database`` ...)."""
         self.dead_lettered = 0
-        self._window_start, self._logged, self._quiet = 0.0, 0, 0
+        self.log_budget = LogBudget()
+        """Every failure line of this service, refusals and dead letters alike."""
 
     # ------------------------------------------------------------------ requests
 
@@ -228,27 +226,14 @@ class Boundary:
         if len(err.message) > MAX_ERROR_CHARS:  # never echo a hostile input back
             err.message = err.message[:MAX_ERROR_CHARS] + " ..."
         self.failures[err.code] += 1
-        if not self._may_log():
+        more = self.log_budget.take()
+        if more is None:
             return err
-        more = f" ({self._quiet} more not logged)" if self._quiet else ""
-        self._quiet = 0
         if isinstance(err, ServiceError):
             self.log.error("%s %s failed: %s%s", what, subject, err.message, more, exc_info=exc)
         else:
             self.log.warning("%s %s refused: %s%s", what, subject, err.message, more)
         return err
-
-    def _may_log(self) -> bool:
-        """At most LOG_BURST failure lines per LOG_WINDOW_S: a flood of bad messages
-        is counted in full but cannot turn the service into a log writer."""
-        t = time.monotonic()
-        if t - self._window_start >= LOG_WINDOW_S:
-            self._window_start, self._logged = t, 0
-        if self._logged >= LOG_BURST:
-            self._quiet += 1
-            return False
-        self._logged += 1
-        return True
 
     # ------------------------------------------------------------------ streams
 
@@ -292,8 +277,12 @@ class Boundary:
                 )
                 self.dead_lettered += 1
             except Exception as exc:  # a full dead-letter stream must not block the source
-                self.log.error("cannot dead-letter a message of %s: %r", msg.subject, exc)
-            self.log.warning("gave up on a message of %s (%s)", msg.subject, reason)
+                if (more := self.log_budget.take()) is not None:
+                    self.log.error(
+                        "cannot dead-letter a message of %s: %r%s", msg.subject, exc, more
+                    )
+            if (more := self.log_budget.take()) is not None:
+                self.log.warning("gave up on a message of %s (%s)%s", msg.subject, reason, more)
             await _quietly(msg.term())
 
     # ------------------------------------------------------------------ loops

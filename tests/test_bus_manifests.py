@@ -15,6 +15,7 @@ import pytest
 from mlscope import model_registry, names
 from mlscope.errors import ManifestError
 from mlscope.image_ops import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
+from mlscope.logbudget import LOG_BURST
 from mlscope.model_registry import ManifestWatcher, delete_manifest, key_for
 from mlscope.natsserver import NatsServer
 from mlscope.operators import compile_steps
@@ -148,3 +149,22 @@ def test_resize_keeping_the_aspect_of_a_thin_image_is_bounded_per_image() -> Non
     run = compile_steps([{"resize": {"size": 4096, "keep_aspect": True}}])
     with pytest.raises(ValueError, match="pixels"):
         run([np.zeros((1, 64, 3), np.uint8)])
+
+
+def test_a_flood_of_bad_manifests_is_rejected_in_full_but_logged_briefly(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "d")
+    lines: list[str] = []
+    n = 3 * LOG_BURST
+
+    async def go() -> ManifestWatcher:
+        async with provisioned(settings, name="t") as bus:
+            kv = await bus.kv(names.MODELS_BUCKET)
+            for i in range(n):
+                await kv.put(f"bad{i}", b"{not json")
+            return await ManifestWatcher.snapshot(bus, log=lines.append)
+
+    snap = anyio.run(go)
+    assert len(snap.rejected) == n and snap.entries == {}
+    assert len(lines) == LOG_BURST and all("ignoring a manifest" in x for x in lines)

@@ -21,8 +21,9 @@ from mlscope.errors import (
     WireError,
     error_from_wire,
 )
+from mlscope.logbudget import LOG_BURST
 from mlscope.provision import provisioned
-from mlscope.serving import LOG_BURST, Boundary, as_error, dead_letters, decode_json
+from mlscope.serving import Boundary, as_error, dead_letters, decode_json
 from mlscope.settings import Settings
 
 pytestmark = pytest.mark.timeout(60)
@@ -216,3 +217,64 @@ def test_a_flood_of_bad_messages_is_counted_in_full_but_logged_briefly(
             boundary.failed(WireError("bad"), "t.subject")
     assert boundary.failures == {"wire": 500}
     assert len([r for r in caplog.records if "refused" in r.getMessage()]) == LOG_BURST
+
+
+def test_a_flood_of_poison_stream_messages_is_dead_lettered_in_full_but_logged_briefly(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each undecodable message is refused and dead-lettered: two lines a message
+    without the service's one budget for its failure lines."""
+    n = 3 * LOG_BURST
+
+    async def main() -> None:
+        async with provisioned(settings, name="test") as bus:
+            boundary = Boundary(bus, service="test")
+            sub = await bus.js.pull_subscribe(
+                names.JOBS_SUBJECT, durable="t", stream=names.JOBS_STREAM
+            )
+            for i in range(n):
+                await bus.js.publish(names.JOBS_SUBJECT, b"\xc1poison %d" % i)
+
+            async def undecodable(msg: Msg) -> None:
+                codec.decode(msg.data)
+
+            with anyio.fail_after(60):
+                while boundary.dead_lettered < n:
+                    for msg in await sub.fetch(50, timeout=5):
+                        await boundary.settle(msg, names.JOBS_STREAM, undecodable, max_deliver=3)
+            kept, _ = await dead_letters(bus)
+            assert kept == n and boundary.failures == {"wire": n}
+
+    with caplog.at_level(logging.WARNING, logger="mlscope"):
+        anyio.run(main, backend="asyncio")
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlscope.test"]
+    assert len(lines) == LOG_BURST, lines[-3:]
+    assert any("gave up on a message" in line for line in lines)
+
+
+def test_a_slow_wildcard_subscription_is_logged_once_whatever_the_subjects(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Messages dropped by a slow consumer are said once per subscription, not once per
+    subject its publishers chose: a flood on a thousand subjects is one line, and the
+    process keeps no state per subject."""
+
+    async def main() -> None:
+        async with busmod.connect(settings, name="test") as bus:
+            release = anyio.Event()
+
+            async def stuck(_msg: Msg) -> None:
+                await release.wait()
+
+            await bus.nc.subscribe("flood.>", cb=stuck, pending_msgs_limit=2)
+            for i in range(1000):
+                await bus.nc.publish(f"flood.{i}", b"x")
+            await bus.nc.flush()
+            await anyio.sleep(0.2)
+            release.set()
+
+    with caplog.at_level(logging.WARNING, logger="mlscope"):
+        anyio.run(main, backend="asyncio")
+    lines = [r.getMessage() for r in caplog.records if "slow consumer" in r.getMessage()]
+    assert len(lines) == 1 and "dropped messages on flood.>" in lines[0], lines[:3]
+    assert not [key for key in busmod._slow_logged if key.startswith("flood.") and key != "flood.>"]
