@@ -163,9 +163,19 @@ def _why_not(row: dict[str, Any]) -> str:
 
 async def _remote_entries(settings: Settings) -> list[Entry]:
     """The bus's valid manifests; invalid ones are reported on stderr and left out."""
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        print(f"mlscope models: {line}", file=sys.stderr)
+
     async with busmod.connect(settings, name="mlscope models") as bus:
-        snap = await ManifestWatcher.snapshot(
-            bus, log=lambda line: print(f"mlscope models: {line}", file=sys.stderr)
+        snap = await ManifestWatcher.snapshot(bus, log=say)
+    if len(snap.rejected) > len(said):  # the watcher's log budget left the rest out
+        print(
+            f"mlscope models: {len(snap.rejected) - len(said)} more manifests on the bus "
+            "are invalid (not listed one by one)",
+            file=sys.stderr,
         )
     return list(snap.entries.values())
 

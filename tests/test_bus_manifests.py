@@ -4,6 +4,7 @@ without bound. A real nats-server; no agent."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import anyio
 import numpy as np
 import pytest
 
+from cli import models_cmd
 from mlscope import model_registry, names
 from mlscope.errors import ManifestError
 from mlscope.image_ops import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
@@ -168,3 +170,26 @@ def test_a_flood_of_bad_manifests_is_rejected_in_full_but_logged_briefly(
     snap = anyio.run(go)
     assert len(snap.rejected) == n and snap.entries == {}
     assert len(lines) == LOG_BURST and all("ignoring a manifest" in x for x in lines)
+
+
+def test_mlscope_models_says_how_many_invalid_manifests_it_did_not_list(
+    nats_server: NatsServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "d")
+    n = 3 * LOG_BURST
+
+    async def put() -> None:
+        async with provisioned(settings, name="t") as bus:
+            kv = await bus.kv(names.MODELS_BUCKET)
+            for i in range(n):
+                await kv.put(f"bad{i}", b"{not json")
+
+    anyio.run(put)
+    parser = argparse.ArgumentParser()
+    models_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["models", "--remote"])
+    args.settings = settings
+    assert args.func(args) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len([x for x in err if "ignoring a manifest" in x]) == LOG_BURST
+    assert f"mlscope models: {n - LOG_BURST} more manifests on the bus are invalid" in err[-1]
