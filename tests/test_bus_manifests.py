@@ -169,7 +169,8 @@ def test_a_flood_of_bad_manifests_is_rejected_in_full_but_logged_briefly(
 
     snap = anyio.run(go)
     assert len(snap.rejected) == n and snap.entries == {}
-    assert len(lines) == LOG_BURST and all("ignoring a manifest" in x for x in lines)
+    assert LOG_BURST <= len(lines) <= 2 * LOG_BURST  # a second window on a very slow run
+    assert all("ignoring a manifest" in x for x in lines)
 
 
 def test_mlscope_models_says_how_many_invalid_manifests_it_did_not_list(
@@ -191,5 +192,6 @@ def test_mlscope_models_says_how_many_invalid_manifests_it_did_not_list(
     args.settings = settings
     assert args.func(args) == 0
     err = capsys.readouterr().err.splitlines()
-    assert len([x for x in err if "ignoring a manifest" in x]) == LOG_BURST
-    assert f"mlscope models: {n - LOG_BURST} more manifests on the bus are invalid" in err[-1]
+    listed = len([x for x in err if "ignoring a manifest" in x])
+    assert LOG_BURST <= listed <= 2 * LOG_BURST  # a second window on a very slow run
+    assert f"mlscope models: {n - listed} more manifests on the bus are invalid" in err[-1]

@@ -248,7 +248,8 @@ def test_a_flood_of_poison_stream_messages_is_dead_lettered_in_full_but_logged_b
     with caplog.at_level(logging.WARNING, logger="mlscope"):
         anyio.run(main, backend="asyncio")
     lines = [r.getMessage() for r in caplog.records if r.name == "mlscope.test"]
-    assert len(lines) == LOG_BURST, lines[-3:]
+    # One budget for both lines of a message; a second window only on a very slow run.
+    assert LOG_BURST <= len(lines) <= 2 * LOG_BURST, lines[-3:]
     assert any("gave up on a message" in line for line in lines)
 
 
