@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cli import models_cmd
+from mlscope import bus as busmod
 from mlscope import model_registry, names
 from mlscope.errors import ManifestError
 from mlscope.image_ops import MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE
@@ -153,22 +154,36 @@ def test_resize_keeping_the_aspect_of_a_thin_image_is_bounded_per_image() -> Non
         run([np.zeros((1, 64, 3), np.uint8)])
 
 
+FLOOD = 3 * LOG_BURST
+"""Invalid manifests put on the bus: three times what the watcher logs in a window."""
+
+
+def flooded(nats_server: NatsServer, tmp_path: Path) -> Settings:
+    """Settings of a bus whose models bucket holds :data:`FLOOD` invalid manifests."""
+    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "d")
+
+    async def put() -> None:
+        async with provisioned(settings, name="t") as bus:
+            kv = await bus.kv(names.MODELS_BUCKET)
+            for i in range(FLOOD):
+                await kv.put(f"bad{i}", b"{not json")
+
+    anyio.run(put)
+    return settings
+
+
 def test_a_flood_of_bad_manifests_is_rejected_in_full_but_logged_briefly(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "d")
+    settings = flooded(nats_server, tmp_path)
     lines: list[str] = []
-    n = 3 * LOG_BURST
 
     async def go() -> ManifestWatcher:
-        async with provisioned(settings, name="t") as bus:
-            kv = await bus.kv(names.MODELS_BUCKET)
-            for i in range(n):
-                await kv.put(f"bad{i}", b"{not json")
+        async with busmod.connect(settings, name="t") as bus:
             return await ManifestWatcher.snapshot(bus, log=lines.append)
 
     snap = anyio.run(go)
-    assert len(snap.rejected) == n and snap.entries == {}
+    assert len(snap.rejected) == FLOOD and snap.entries == {}
     assert LOG_BURST <= len(lines) <= 2 * LOG_BURST  # a second window on a very slow run
     assert all("ignoring a manifest" in x for x in lines)
 
@@ -176,16 +191,7 @@ def test_a_flood_of_bad_manifests_is_rejected_in_full_but_logged_briefly(
 def test_mlscope_models_says_how_many_invalid_manifests_it_did_not_list(
     nats_server: NatsServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    settings = Settings(nats_url=nats_server.url, data_dir=tmp_path / "d")
-    n = 3 * LOG_BURST
-
-    async def put() -> None:
-        async with provisioned(settings, name="t") as bus:
-            kv = await bus.kv(names.MODELS_BUCKET)
-            for i in range(n):
-                await kv.put(f"bad{i}", b"{not json")
-
-    anyio.run(put)
+    settings = flooded(nats_server, tmp_path)
     parser = argparse.ArgumentParser()
     models_cmd.register(parser.add_subparsers())
     args = parser.parse_args(["models", "--remote"])
@@ -194,4 +200,4 @@ def test_mlscope_models_says_how_many_invalid_manifests_it_did_not_list(
     err = capsys.readouterr().err.splitlines()
     listed = len([x for x in err if "ignoring a manifest" in x])
     assert LOG_BURST <= listed <= 2 * LOG_BURST  # a second window on a very slow run
-    assert f"mlscope models: {n - listed} more manifests on the bus are invalid" in err[-1]
+    assert f"mlscope models: {FLOOD - listed} more manifests on the bus are invalid" in err[-1]
