@@ -73,6 +73,11 @@ def child_of(pid: int, marker: str, within: float = 90.0) -> int:
     raise AssertionError(f"no child of {pid} runs {marker} within {within} s")
 
 
+LOOSE = ("--qps", "500", "--duration", "2", "--min-duration", "0", "--max-issue-lag-us", "1e6")
+"""Validity rules a short run on a shared machine can meet: what is tested is not speed
+(the defaults' 500 µs p99 issue lag is missed on a 2-core machine that runs the suite's
+other stacks beside this one). 1,000 queries: enough for a p99 estimate by early
+stopping."""
 NOOP = ("--frameworks", "noop")
 READY = ("ready: taking jobs", "ready: noop")
 """What the server and the noop agent log once they serve."""
@@ -119,7 +124,7 @@ def test_a_killed_mlscope_up_leaves_no_process_and_starts_again(
     with up(data, port, log) as second:  # the same port and data dir: nothing held them
         kids = children(second.pid)
         job = subprocess.run(
-            [str(SUBMIT), "noop", "--framework", "noop", "--json"],  # defaults: VALID
+            [str(SUBMIT), "noop", "--framework", "noop", "--json", *LOOSE],
             env=child_env(Settings(nats_url=f"nats://127.0.0.1:{port}", data_dir=data)),
             capture_output=True,
             text=True,
@@ -129,6 +134,7 @@ def test_a_killed_mlscope_up_leaves_no_process_and_starts_again(
         assert job.returncode == 0, job.stderr
         summary = json.loads(job.stdout)
         assert summary["valid"] is True, (summary["invalid_reasons"], log.read_text()[-3000:])
+        assert summary["queries"] > 0 and summary["errors"] == summary["lost"] == 0, summary
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0
         assert left_running(list(kids)) == []
