@@ -230,9 +230,11 @@ def installed_frameworks() -> list[str]:
 
 def _share_zoo(settings: Settings) -> None:
     """Say which zoo models are not built here, and push the built ones to the bus's
-    artifact bucket so that agents joining from other machines can fetch them. Nothing
-    here stops the stack: a model directory that does not match its lock is skipped
-    with a notice, and a bus that refuses the push costs the push only."""
+    artifact bucket so that agents joining from other machines can fetch them. ``mlscope
+    up`` does this before its server and agents start, with the server's credentials,
+    so that no job's measurement shares the machine with the push. Nothing here stops
+    the stack: a model directory that does not match its lock is skipped with a notice,
+    and a bus that refuses the push costs the push only."""
     have = {d.parent.name for d in built_models(settings.zoo_dir)}
     missing = [name for name in BUILDERS if name not in have]
     if missing:
@@ -242,31 +244,41 @@ def _share_zoo(settings: Settings) -> None:
             flush=True,
         )
     try:
-        anyio.run(_push_each, settings, backend="asyncio")
+        shared, sent = anyio.run(_push_each, settings, backend="asyncio")
     except MLScopeError as exc:
         print(
             f"mlscope up: the built zoo was not pushed to the artifact bucket: {exc}",
             file=sys.stderr,
             flush=True,
         )
-
-
-async def _push_each(settings: Settings) -> None:
-    """Push each built model on its own, so one broken directory does not keep the
-    others from the bucket."""
-    dirs = built_models(settings.zoo_dir)
-    if not dirs:
         return
+    if shared:
+        print(
+            f"mlscope up: zoo shared on the bus: {', '.join(shared)} ({sent} sent now)", flush=True
+        )
+
+
+async def _push_each(settings: Settings) -> tuple[list[str], int]:
+    """Push each built model on its own, so one broken directory does not keep the
+    others from the bucket; (the models in the bucket, how many were sent now)."""
+    dirs = built_models(settings.zoo_dir)
+    shared: list[str] = []
+    sent = 0
+    if not dirs:
+        return shared, sent
     async with busmod.connect(settings, name="mlscope up") as bus:
         for d in dirs:
             try:
-                await artifact_bucket.push(bus, d, replicas=settings.js_replicas)
+                sent += await artifact_bucket.push(bus, d, replicas=settings.js_replicas)
             except ArtifactError as exc:
                 print(
                     f"mlscope up: {d.parent.name} {d.name} not pushed: {exc}",
                     file=sys.stderr,
                     flush=True,
                 )
+            else:
+                shared.append(f"{d.parent.name} {d.name}")
+    return shared, sent
 
 
 def listen_notice(host: str, *, auth: bool) -> str:
@@ -308,7 +320,7 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        s = stack.start()
+        s = stack.start(before_services=_share_zoo)
         print(
             f"mlscope up: NATS {s.nats_url}, data {s.data_dir}, database {s.dsn}, "
             f"agents: {', '.join(frameworks)}  (Ctrl-C stops everything)",
@@ -316,7 +328,6 @@ def run_up(args: argparse.Namespace) -> int:
         )
         if s.nats_creds:
             print(f"mlscope up: clients connect with MLSCOPE_NATS_CREDS={s.nats_creds}", flush=True)
-        _share_zoo(s)
         reported: set[str] = set()
         while not stopping:
             for name in stack.dead():

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -54,13 +55,17 @@ class Stack:
         )
         self.children: dict[str, subprocess.Popen[bytes]] = {}
 
-    def start(self) -> Settings:
+    def start(self, before_services: Callable[[Settings], object] | None = None) -> Settings:
         """Start everything; returns the settings a client uses (with the auth
-        directory, the submitter's credentials)."""
+        directory, the submitter's credentials). ``before_services`` runs once
+        nats-server is up and before the server and agents start, with the server's
+        settings (every JetStream right): work it does cannot overlap a job."""
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         agents = self._agents()
         self.nats.start()
         self.settings = self.settings.with_(nats_url=self.nats.url)
+        if before_services is not None:
+            before_services(self._role_settings("server"))
         py = [sys.executable, "-m", "cli.main"]
         self.children["server"] = subprocess.Popen(
             [*py, "server"],

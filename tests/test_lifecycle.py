@@ -84,12 +84,12 @@ READY = ("ready: taking jobs", "ready: noop")
 
 
 @contextmanager
-def up(data: Path, port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``mlscope up`` (a noop agent) as an operator runs it, until its agent and
-    server are ready; killed at the end if the test left it running."""
+def up(data: Path, port: int, log: Path, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``mlscope up`` (a noop agent, and ``flags``) as an operator runs it, until its
+    agent and server are ready; killed at the end if the test left it running."""
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [str(MLSCOPE), "up", "--nats-port", str(port), "--data-dir", str(data), *NOOP],
+            [str(MLSCOPE), "up", "--nats-port", str(port), "--data-dir", str(data), *NOOP, *flags],
             env=child_env(Settings(data_dir=data)),
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -1,6 +1,7 @@
-"""``mlscope up`` shares its data dir's built zoo on the bus, and a broken model
-directory there costs that model only: the rest are pushed, and the stack goes on.
-Its flags are bounded before anything starts."""
+"""``mlscope up`` shares its data dir's built zoo on the bus before its server and
+agents start, with credentials or without, and a broken model directory there costs
+that model only: the rest are pushed, and the stack goes on. Its flags are bounded
+before anything starts."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from cli.services import MAX_AGENTS_PER_FRAMEWORK, _share_zoo
 from mlscope import artifact_bucket
 from mlscope import bus as busmod
 from mlscope.buildlock import BuildLock
-from mlscope.natsserver import NatsServer
+from mlscope.natsserver import NatsServer, free_port
 from mlscope.settings import Settings
+from tests.security_fixtures import issued_auth
+from tests.test_lifecycle import READY, up
 
 DATA = b"the model's bytes"
 SHA = hashlib.sha256(DATA).hexdigest()
@@ -47,6 +50,23 @@ def test_a_broken_model_directory_is_skipped_and_the_rest_pushed(
     assert anyio.run(pushed, settings) == [("b_good", "1.0.0")]
     notices = [line for line in capsys.readouterr().err.splitlines() if "a_gone" in line]
     assert len(notices) == 1 and "not pushed" in notices[0]
+
+
+def test_mlscope_up_with_credentials_shares_its_zoo_before_its_services_start(
+    tmp_path: Path,
+) -> None:
+    """With ``--auth`` the submitter may not write the artifact bucket: the push uses the
+    server's credentials. It ends before the server and agents start, so it cannot share
+    the machine with a job's measurement."""
+    data, auth, log = tmp_path / "data", issued_auth(tmp_path / "auth"), tmp_path / "up.log"
+    built(data / "zoo", "b_good")
+    port = free_port()
+    with up(data, port, log, "--auth", str(auth)):
+        text = log.read_text()
+        shared = text.find("zoo shared on the bus: b_good 1.0.0 (1 sent now)")
+        assert 0 <= shared < min(text.find(line) for line in READY), text
+        server = Settings(nats_url=f"nats://127.0.0.1:{port}", nats_creds=auth / "server.creds")
+        assert anyio.run(pushed, server) == [("b_good", "1.0.0")]
 
 
 @pytest.mark.parametrize("count", ["0", "-1", "x", str(MAX_AGENTS_PER_FRAMEWORK + 1), "10**9"])
