@@ -10,7 +10,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import anyio
 import numpy as np
@@ -41,7 +40,7 @@ from mlscope.natsserver import NatsServer
 from mlscope.record import ARRAYS, RunRecord
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
-from tests.conftest import agent_description
+from tests.conftest import LOOSE, agent_description
 
 
 def good_columns(n: int, start_ns: int = 1000) -> dict[str, np.ndarray]:
@@ -60,7 +59,6 @@ def good_columns(n: int, start_ns: int = 1000) -> dict[str, np.ndarray]:
     return cols
 
 
-LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
 MAX_BYTES = 64 * 1024
 """The largest rows message the tests' runs let an agent send."""
 

@@ -23,12 +23,11 @@ import pytest
 from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import remote
-from tests.conftest import child_env
+from tests.conftest import LOOSE_FLAGS, child_env
 
 pytestmark = pytest.mark.timeout(240)
 
 SUBMIT = Path(sys.executable).parent / "mlscope-submit"
-LOOSE = ("--min-duration", "0", "--min-queries", "1", "--max-issue-lag-us", "1000000")
 
 
 def cli(stack: Stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -74,7 +73,7 @@ def two_runs(noop_stack: Stack) -> tuple[str, str]:
     """(a VALID batched run, an INVALID online run: too short for the default rules),
     their spans ingested."""
     valid = submit(
-        noop_stack, "--scenario", "batched", "--batch-size", "2", "--duration", "1", *LOOSE
+        noop_stack, "--scenario", "batched", "--batch-size", "2", "--duration", "1", *LOOSE_FLAGS
     )
     invalid = submit(noop_stack, "--scenario", "online", "--qps", "50", "--duration", "0.5")
     assert valid["valid"], valid["invalid_reasons"]

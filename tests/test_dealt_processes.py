@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import numpy as np
@@ -27,11 +26,9 @@ from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioS
 from mlscope.errors import MLScopeError
 from mlscope.jobs import submit
 from mlscope.outcomes import Outcome
+from tests.conftest import LOOSE
 
 pytestmark = pytest.mark.timeout(300)
-
-LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
-"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
 
 
 def load_generators(stack: Stack, j: int) -> set[int]:

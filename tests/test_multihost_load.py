@@ -39,12 +39,10 @@ from mlscope.provision import provisioned
 from mlscope.record import RunRecord
 from mlscope.schedule import Schedule
 from mlscope.settings import Settings
-from tests.conftest import child_env, python, wait_agents, wait_loadgens, wait_server
+from tests.conftest import LOOSE, child_env, python, wait_agents, wait_loadgens, wait_server
 
 pytestmark = pytest.mark.timeout(240)
 
-LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
-"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
 LOADGENS = ("lg-a", "lg-b")
 
 

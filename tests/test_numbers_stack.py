@@ -29,12 +29,10 @@ from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.errors import ConfigError
 from mlscope.jobs import submit
 from mlscope.settings import Settings
-from tests.conftest import child_env, python
+from tests.conftest import LOOSE, child_env, python
 from tests.loadgen_fixtures import open_loop, prepared_noop
 
 pytestmark = pytest.mark.timeout(300)
-
-LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
 
 
 def job(spec: ScenarioSpec, **extra: Any) -> JobRequest:

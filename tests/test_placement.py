@@ -29,12 +29,10 @@ from mlscope.jobs import submit
 from mlscope.registry import list_agents
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
-from tests.conftest import agent_and_server, agent_description, running_stack
+from tests.conftest import LOOSE, agent_and_server, agent_description, running_stack
 
 pytestmark = pytest.mark.timeout(300)
 
-LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
-"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
 QUERY_ROWS = (
     "SELECT query_index, scheduled_ns, issued_ns, agent_received_ns, predict_start_ns, "
     "predict_end_ns, completed_ns, ok, outcome FROM queries FINAL "

@@ -23,13 +23,11 @@ from mlscope.contracts import EvaluationSummary, JobRequest, ScenarioSpec
 from mlscope.jobs import submit
 from mlscope.schedule import build_schedule
 from mlscope.settings import Settings
-from tests.conftest import child_env, python, running_stack
+from tests.conftest import LOOSE, child_env, python, running_stack
 
 pytestmark = pytest.mark.timeout(240)
 
 MODULE = "tests.scenario_burst"
-LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
-"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import anyio
 import numpy as np
@@ -32,12 +31,9 @@ from mlscope.provision import provisioned
 from mlscope.settings import Settings
 from mlscope.stats import percentile
 from mlscope.validity import ValidityPolicy
-from tests.conftest import REPO, child_env, python
+from tests.conftest import LOOSE, REPO, child_env, python
 
 pytestmark = pytest.mark.timeout(240)
-
-LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
-"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
 
 
 def run(settings: Settings, spec: ScenarioSpec) -> EvaluationSummary:

@@ -22,12 +22,11 @@ from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import remote, replay_file, schedule
 from mlscope.stats import percentile
-from tests.conftest import child_env
+from tests.conftest import LOOSE_FLAGS, child_env
 
 pytestmark = pytest.mark.timeout(180)
 
 SUBMIT = Path(sys.executable).parent / "mlscope-submit"
-LOOSE = ("--min-duration", "0", "--min-queries", "1", "--max-issue-lag-us", "1000000")
 
 
 def submit_json(stack: Stack, *flags: str) -> dict[str, Any]:
@@ -74,7 +73,7 @@ def max_in_flight(rows: np.ndarray) -> int:
 
 
 def test_single_stream(noop_stack: Stack) -> None:
-    doc = submit_json(noop_stack, "--scenario", "single-stream", "--duration", "1", *LOOSE)
+    doc = submit_json(noop_stack, "--scenario", "single-stream", "--duration", "1", *LOOSE_FLAGS)
     assert doc["scenario"]["name"] == "single-stream" and doc["scenario"]["concurrency"] == 1
     assert doc["requested_qps"] is None and doc["queries"] > 20
     assert only_early_stopping(doc), doc["invalid_reasons"]
@@ -87,7 +86,14 @@ def test_single_stream(noop_stack: Stack) -> None:
 
 def test_concurrency(noop_stack: Stack) -> None:
     doc = submit_json(
-        noop_stack, "--scenario", "concurrency", "--concurrency", "4", "--duration", "1", *LOOSE
+        noop_stack,
+        "--scenario",
+        "concurrency",
+        "--concurrency",
+        "4",
+        "--duration",
+        "1",
+        *LOOSE_FLAGS,
     )
     assert doc["scenario"]["name"] == "concurrency" and doc["scenario"]["concurrency"] == 4
     assert doc["requested_qps"] is None and doc["queries"] > 20
@@ -106,7 +112,7 @@ def test_multi_stream(noop_stack: Stack) -> None:
         "4",
         "--duration",
         "1",
-        *LOOSE,
+        *LOOSE_FLAGS,
     )
     assert doc["scenario"]["name"] == "multi-stream" and doc["scenario"]["batch_size"] == 4
     assert doc["queries"] == 20 and doc["samples"] == 80 and doc["requested_qps"] == 20
@@ -116,7 +122,7 @@ def test_multi_stream(noop_stack: Stack) -> None:
 
 def test_constant(noop_stack: Stack) -> None:
     doc = submit_json(
-        noop_stack, "--scenario", "constant", "--qps", "100", "--duration", "1", *LOOSE
+        noop_stack, "--scenario", "constant", "--qps", "100", "--duration", "1", *LOOSE_FLAGS
     )
     assert doc["scenario"]["name"] == "constant" and doc["requested_qps"] == 100
     assert doc["queries"] == 100 and doc["samples"] == 100
@@ -130,7 +136,7 @@ def test_replay_schedule_file(noop_stack: Stack, tmp_path: Path) -> None:
     gaps = [0.0, 0.01, 0.002, 0.05, 0.0, 0.02] * 5
     path = tmp_path / "arrivals.txt"
     path.write_text("# inter-arrival times, s\n" + "\n".join(f"{g}" for g in gaps) + "\n")
-    doc = submit_json(noop_stack, "--scenario", "replay", "--schedule", str(path), *LOOSE)
+    doc = submit_json(noop_stack, "--scenario", "replay", "--schedule", str(path), *LOOSE_FLAGS)
     assert doc["scenario"]["name"] == "replay" and doc["requested_qps"] is None
     assert doc["scenario"]["arrivals_s"] == pytest.approx(gaps)
     assert doc["queries"] == len(gaps)
@@ -139,7 +145,17 @@ def test_replay_schedule_file(noop_stack: Stack, tmp_path: Path) -> None:
 
 
 def test_latency_bound_on_an_online_run(noop_stack: Stack) -> None:
-    common = ("--scenario", "online", "--qps", "600", "--duration", "1", "--seed", "3", *LOOSE)
+    common = (
+        "--scenario",
+        "online",
+        "--qps",
+        "600",
+        "--duration",
+        "1",
+        "--seed",
+        "3",
+        *LOOSE_FLAGS,
+    )
     tight = submit_json(noop_stack, *common, "--latency-bound-ms", "0.001")
     assert tight["scenario"]["latency_bound_ms"] == 0.001
     assert not tight["valid"]
@@ -165,7 +181,7 @@ def test_peak_search(noop_stack: Stack) -> None:
     doc = submit_json(
         noop_stack,
         *("--scenario", "peak", "--latency-bound-ms", str(bound), "--duration", "1"),
-        *("--peak-trials", "3", *LOOSE),
+        *("--peak-trials", "3", *LOOSE_FLAGS),
     )
     assert doc["scenario"]["name"] == "peak" and doc["scenario"]["latency_bound_ms"] == bound
     points = doc["points"]

@@ -37,11 +37,10 @@ from mlscope.contracts import (
 from mlscope.errors import EvaluationError, error_from_wire
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
+from tests.conftest import LOOSE
 
 pytestmark = pytest.mark.timeout(300)
 
-LOOSE: dict[str, Any] = {"min_duration_s": 0.0, "min_queries": 1, "max_issue_lag_us": 1e6}
-"""Validity rules a short run on a shared machine can meet: what is tested is not speed."""
 SIZES = (1, 4)
 SPANS_PER_QUERY = 4
 """query, preprocess, predict, postprocess: a query's spans at level model."""
