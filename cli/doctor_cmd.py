@@ -17,7 +17,7 @@ import anyio
 from cli.flag_types import positive_int
 from mlscope import bus as busmod
 from mlscope import names
-from mlscope.errors import BusError
+from mlscope.errors import BusDenied, BusError
 from mlscope.serving import DeadLetter, dead_letters
 from mlscope.settings import Settings
 
@@ -43,6 +43,8 @@ async def diagnose(settings: Settings, *, limit: int = 50) -> dict[str, Any]:
             try:
                 with busmod.bus_errors(f"cannot read stream {name}"):
                     state = (await bus.js.stream_info(name)).state
+            except BusDenied:
+                raise  # every stream would be denied alike
             except BusError:
                 continue
             streams[name] = {"messages": int(state.messages), "bytes": int(state.bytes)}

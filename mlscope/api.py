@@ -50,7 +50,7 @@ from mlscope.contracts import (
     JobEvent,
     JobRequest,
 )
-from mlscope.errors import BusError, ConfigError, DatabaseError
+from mlscope.errors import BusDenied, BusError, ConfigError, DatabaseError
 from mlscope.registry import list_agents
 from mlscope.settings import Settings
 from mlscope.tracerows import trace_rows
@@ -179,7 +179,8 @@ class Client:
         self, job_id: str, *, reason: str = "cancelled by the user", timeout: float = 10.0
     ) -> CancelReply | None:
         """Cancel ``job_id``: the reply of the server that ran it, once the run is
-        stored as cancelled; None when no server runs it (a queued job is then not run)."""
+        stored as cancelled; None when no server runs it (a queued job is then not run).
+        Credentials that may not cancel are a :class:`~mlscope.errors.BusDenied`."""
         _ident("job_id", job_id)
         try:
             request = CancelRequest(job_id=job_id, reason=reason)
@@ -192,6 +193,8 @@ class Client:
             reply = await busmod.request(
                 self.bus, names.job_cancel(job_id), codec.encode_model(request), timeout=timeout
             )
+        except BusDenied:
+            raise  # nobody heard it: "no server runs it" would not be known
         except BusError:
             return None
         return CancelReply.model_validate(reply)

@@ -1,18 +1,20 @@
 """The NATS boundary: connecting, typed requests, reading and publishing.
 
 nats-py's exceptions become mlscope's here and nowhere else (:class:`BusError`, and
-its :class:`BusNotFound` and :class:`BusRefused`). A module that drives JetStream, a
-bucket or the object store itself wraps the calls in :func:`bus_errors`, reads an
-entry that may be missing with :func:`if_found` and a subscription with
-:func:`next_msg`; it catches mlscope's errors only. What the stack keeps on JetStream
-(streams, buckets, object stores) is made by :mod:`mlscope.provision`, inside
-:func:`bus_errors`.
+its :class:`BusNotFound`, :class:`BusRefused` and :class:`BusDenied`). A module that
+drives JetStream, a bucket or the object store itself wraps the calls in
+:func:`bus_errors`, reads an entry that may be missing with :func:`if_found` and a
+subscription with :func:`next_msg`; it catches mlscope's errors only. What the stack
+keeps on JetStream (streams, buckets, object stores) is made by
+:mod:`mlscope.provision`, inside :func:`bus_errors`.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
+import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from contextlib import asynccontextmanager, contextmanager, suppress
 from typing import Any, TypeVar
@@ -31,7 +33,14 @@ from pydantic import BaseModel
 
 from mlscope import codec
 from mlscope.auth_files import inbox_prefix_for
-from mlscope.errors import BusError, BusNotFound, BusRefused, MLScopeError, error_from_wire
+from mlscope.errors import (
+    BusDenied,
+    BusError,
+    BusNotFound,
+    BusRefused,
+    MLScopeError,
+    error_from_wire,
+)
 from mlscope.logbudget import LogBudget
 from mlscope.regular_files import read_text
 from mlscope.settings import Settings
@@ -256,13 +265,22 @@ def _reason(exc: BaseException) -> str:
 SLOW_LOG_S = 10.0
 """A subscription that drops messages is logged at most once in this long."""
 _slow_logged: dict[str, LogBudget] = {}
+_denials: deque[tuple[float, str]] = deque(maxlen=16)
+"""The latest permission violations NATS servers sent this process: (monotonic time,
+the server's words). A server drops what a client may not publish and says so only
+through this callback, so the publish or request then looks like a timeout; a failure
+that follows one is a :class:`BusDenied` naming it (:func:`_denied`)."""
+_denials_logged = LogBudget(burst=5, window_s=60.0)
+DENIED = "permissions violation"
 
 
 async def _quiet(exc: Exception) -> None:
     """nats-py reports reconnect noise through this callback; the caller sees BusError.
     A message dropped because its subscription held more than its pending limit (a
     slow consumer) is logged: nothing else would say it was lost. Per subscription, not
-    per message subject: a wildcard subscription's publishers choose the latter."""
+    per message subject: a wildcard subscription's publishers choose the latter. A
+    permission violation is kept for :func:`_denied` and logged: a denied plain publish
+    (spans, a reply) fails nowhere else."""
     if isinstance(exc, nats.errors.SlowConsumerError):
         subject = str(getattr(exc.sub, "subject", exc.subject))
         budget = _slow_logged.setdefault(subject, LogBudget(burst=1, window_s=SLOW_LOG_S))
@@ -275,6 +293,29 @@ async def _quiet(exc: Exception) -> None:
                 SLOW_LOG_S,
                 more,
             )
+    elif DENIED in str(exc).lower():
+        words = str(exc).removeprefix("nats: ")
+        _denials.append((time.monotonic(), words))
+        more = _denials_logged.take()
+        if more is not None:
+            log.info("the NATS server denied this client: %s%s", words, more)
+
+
+def _denied(since: float) -> str | None:
+    """The newest permission violation this process was sent at or after ``since``
+    (``time.monotonic()``), in the server's words."""
+    for at, words in reversed(_denials):
+        if at >= since:
+            return words
+    return None
+
+
+def _denial(what: str, words: str, **fields: Any) -> BusDenied:
+    return BusDenied(
+        f"{what}: the NATS server denied it ({words}): the credentials this client "
+        "connected with (MLSCOPE_NATS_CREDS) do not allow it",
+        **fields,
+    )
 
 
 async def _noop() -> None:
@@ -286,8 +327,10 @@ def bus_errors(what: str, **fields: Any) -> Iterator[None]:
     """NATS's exceptions inside the block as mlscope's, each message starting with
     ``what`` ("cannot read the agent registry"): what the request named is not there
     -> :class:`BusNotFound`; the server refused it (over the max payload, a JetStream
-    API error) -> :class:`BusRefused`; anything else, timeouts included ->
-    :class:`BusError`. mlscope's own errors pass through unchanged."""
+    API error) -> :class:`BusRefused`; a failure after the server denied this process
+    a subject (a permission violation) -> :class:`BusDenied`; anything else, timeouts
+    included -> :class:`BusError`. mlscope's own errors pass through unchanged."""
+    since = time.monotonic()
     try:
         yield
     except nats.js.errors.NotFoundError as exc:
@@ -296,6 +339,9 @@ def bus_errors(what: str, **fields: Any) -> Iterator[None]:
     except (nats.errors.MaxPayloadError, nats.js.errors.APIError) as exc:
         raise BusRefused(f"{what}: {exc!r}", **fields) from exc
     except (TimeoutError, nats.errors.Error) as exc:
+        words = _denied(since)
+        if words is not None:
+            raise _denial(what, words, **fields) from exc
         raise BusError(f"{what}: {exc!r}", **fields) from exc
 
 
@@ -348,6 +394,7 @@ async def publish_persistent(
     deduplicates it); retries ride out a reconnect or a cluster leader election.
     """
     last: Exception | None = None
+    since = time.monotonic()
     for attempt in range(attempts):
         try:
             ack = await bus.js.publish(
@@ -372,6 +419,9 @@ async def publish_persistent(
                     subject=subject,
                 ) from exc
         except (TimeoutError, nats.errors.Error) as exc:
+            words = _denied(since)
+            if words is not None:  # final: the server drops every try
+                raise _denial(f"cannot publish on {subject}", words, subject=subject) from exc
             last = exc
             await anyio.sleep(min(0.1 * 2**attempt, 2.0))
     raise BusError(f"JetStream did not store a message on {subject}: {last!r}", subject=subject)
@@ -383,12 +433,17 @@ def error_reply(exc: MLScopeError) -> bytes:
 
 
 async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> Any:
-    """Request/reply; an error reply is raised as its typed error."""
+    """Request/reply; an error reply is raised as its typed error, a request the server
+    denied this client as :class:`BusDenied`."""
+    since = time.monotonic()
     try:
         msg = await bus.nc.request(subject, payload, timeout=timeout)
     except nats.errors.NoRespondersError as exc:
         raise BusError(f"nobody serves {subject}", subject=subject) from exc
     except (TimeoutError, nats.errors.TimeoutError) as exc:
+        words = _denied(since)
+        if words is not None:
+            raise _denial(f"cannot ask {subject}", words, subject=subject) from exc
         raise BusError(f"no reply on {subject} within {timeout}s", subject=subject) from exc
     data = codec.decode(msg.data)
     if isinstance(data, dict) and data.get("kind") == "error":

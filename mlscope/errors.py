@@ -9,7 +9,8 @@
     ├── BusError                           NATS is unreachable or a request timed out
     │   ├── BusNotFound(LookupError)       a key, bucket, object or stream is not there
     │   └── BusRefused                     the server refused a message (too large,
-    │                                      a JetStream API error): retrying will not help
+    │       │                              a JetStream API error): retrying will not help
+    │       └── BusDenied                  the client's credentials do not allow it
     ├── ResolutionError(LookupError)       no live agent matches a job
     ├── UnknownModelError(LookupError)     the model is not in any manifest
     ├── PredictorError                     a framework failed (typed fields below)
@@ -36,6 +37,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "ArtifactError",
+    "BusDenied",
     "BusError",
     "BusNotFound",
     "BusRefused",
@@ -127,6 +129,13 @@ class BusNotFound(BusError, LookupError):
 
 class BusRefused(BusError):
     code = "bus_refused"
+
+
+class BusDenied(BusRefused):
+    """The NATS server denied this client a subject (a permissions violation): it drops
+    what was published there, which would otherwise look like a timeout."""
+
+    code = "bus_denied"
 
 
 class ResolutionError(MLScopeError, LookupError):

@@ -14,6 +14,7 @@ from mlscope import bus as busmod
 from mlscope import codec, names, remote, scenario_traits
 from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, evaluation_id_for
 from mlscope.errors import (
+    BusDenied,
     BusError,
     BusRefused,
     ConfigError,
@@ -206,6 +207,8 @@ async def stored_result(
         summary = await remote.stored_summary(
             bus, evaluation_id or evaluation_id_for(job_id), timeout=5.0
         )
+    except BusDenied:
+        raise  # these credentials may not ask: waiting would not change that
     except BusError:  # nobody serves the database, or no answer in time
         return False, None
     except DatabaseError:  # a server answered: not stored
