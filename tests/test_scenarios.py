@@ -21,6 +21,7 @@ import pytest
 from broker.scenario_kinds.peak import next_rate, peak_floor_qps
 from broker.scenarios import build_schedule
 from cli.stack import Stack
+from cli.summary_text import format_summary
 from mlscope import bus as busmod
 from mlscope import names, remote, schedule
 from mlscope.api import cancel_job
@@ -331,6 +332,7 @@ def test_distributed_load_merges_one_global_schedule(noop_stack: Stack) -> None:
     )
     whole = schedule.poisson(300, duration_s=2.5, seed=11)
     assert s.loadgens == 2 and s.queries == len(whole) and s.errors == 0, s.invalid_reasons
+    assert "load generated in the server, by 2 processes" in format_summary(s)
     # the children's counts, summed while they run
     assert progress == sorted(progress) and 0 < max(progress) <= len(whole), progress
     assert any(0 < p < len(whole) for p in progress), progress
