@@ -40,6 +40,8 @@ class Context:
     on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None
     nats_url: str | None = None
     """For load-generator processes (distributed load)."""
+    loadgen_ready_s: float = 60.0
+    """How long those processes have to say they are ready (the server's settings)."""
     agent: AgentDescription | None = None
     """The agent prepared for the run (its pid and start time tell a restart), and ..."""
     prepare: dict[str, Any] = field(default_factory=dict)

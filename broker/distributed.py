@@ -16,7 +16,7 @@ merges them by global index into one :class:`RunRecord`, judged once (the result
 files and their merge: :mod:`broker.lgresults`). While they run, each child prints ``progress DONE``
 lines (queries completed in its slice); the parent sums them into the evaluation's
 progress events (without a running p50: the latencies stay in the children until the
-end). A child that is not ready within :data:`READY_TIMEOUT_S`, or that fails while
+end). A child that is not ready within the server's ``loadgen_ready_s``, or that fails while
 the others run, ends the run at once, named by its slice. A cancelled job's parent
 writes ``stop`` to every child: each stops its load, writes the arrays of what it had
 issued and answered, and ends; the merged record, up to where the first child stopped,
@@ -56,7 +56,6 @@ __all__ = ["main", "run_dealt"]
 
 START_LEAD_S = 0.2
 PROGRESS_S = 0.5
-READY_TIMEOUT_S = 60.0
 STOP_WAIT_S = 5.0
 """How long stopped processes have to write what they had sent and end."""
 
@@ -102,7 +101,9 @@ async def run_dealt(
 
     def work() -> RunRecord:
         try:
-            return _run_processes(cfg, parts, payloads, labels, timeout, report, stop, kept)
+            return _run_processes(
+                cfg, parts, payloads, labels, timeout, report, stop, kept, ctx.loadgen_ready_s
+            )
         finally:
             finished.set()
 
@@ -131,6 +132,7 @@ def _run_processes(
     report: Callable[[int, float], None],
     stop: threading.Event,
     kept: list[RunRecord],
+    ready_s: float,
 ) -> RunRecord:
     """Write each slice, start one process per slice, start them together, merge.
     ``stop`` (the job was cancelled) stops them: their merged record of what they had
@@ -156,7 +158,7 @@ def _run_processes(
                     text=True,
                 )
                 children.append(_Child(j, proc))
-            started = _start(children, stop)
+            started = _start(children, stop, ready_s)
             codes = _wait(children, timeout, report, stop) if started else []
         finally:
             for c in children:
@@ -217,12 +219,12 @@ class _Child:
         self._reader.join(5)
 
 
-def _start(children: list[_Child], stop: threading.Event) -> bool:
-    """Wait for every child's ``ready`` (at most :data:`READY_TIMEOUT_S` in all), then
+def _start(children: list[_Child], stop: threading.Event, ready_s: float) -> bool:
+    """Wait for every child's ``ready`` (at most ``ready_s`` in all), then
     give all of them one start time; False (nothing started) when ``stop`` came first.
     A child that ends or says anything else first, or is not ready in time, is an
     EvaluationError naming it: the run cannot start without its slice."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + ready_s
     for c in children:
         while not c.heard.wait(min(PROGRESS_S, max(0.0, deadline - time.monotonic()))):
             if stop.is_set():
@@ -230,7 +232,7 @@ def _start(children: list[_Child], stop: threading.Event) -> bool:
             if time.monotonic() >= deadline:
                 raise EvaluationError(
                     f"load-generator process {c.proc.pid} (slice {c.j}) was not ready "
-                    f"after {READY_TIMEOUT_S:g} s",
+                    f"after {ready_s:g} s (MLSCOPE_LOADGEN_READY_S)",
                     slice=c.j,
                 )
         if c.first != "ready":

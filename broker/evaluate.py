@@ -60,6 +60,8 @@ class Evaluator:
     tuning: ProcessTuning
     """The server's one owner of GC, switch interval and priority during runs."""
     policy: ValidityPolicy = field(default_factory=ValidityPolicy)
+    loadgen_ready_s: float = 60.0
+    """How long a job's load-generator processes have to start (``Settings``)."""
 
     host_lock: anyio.Lock = field(default_factory=anyio.Lock)
     """One measurement at a time: every run of this server shares its host (the load
@@ -189,6 +191,7 @@ class Evaluator:
             tuning=self.tuning,
             on_progress=lambda rec, el: progress(p.eval_id, rec, el),
             nats_url=url.geturl() if url is not None else None,
+            loadgen_ready_s=self.loadgen_ready_s,
             agent=agent,
             prepare=p.prepare,
             placement=job.placement,

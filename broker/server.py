@@ -114,7 +114,13 @@ class Server(JobEvaluation):
                 # One owner of what a run tunes process-wide (GC, switch interval, the
                 # loop's priority): runs overlap, and the ingester waits out each load.
                 tuning = ProcessTuning()
-                self.evaluator = Evaluator(bus, self.db, self.settings.zoo_dir, tuning)
+                self.evaluator = Evaluator(
+                    bus,
+                    self.db,
+                    self.settings.zoo_dir,
+                    tuning,
+                    loadgen_ready_s=self.settings.loadgen_ready_s,
+                )
                 self.ingester = Ingester(bus, self.db, boundary=self.boundary, tuning=tuning)
                 # Replicas share the database requests (a queue group): with a shared
                 # ClickHouse server any of them answers; jobs come from one work queue.

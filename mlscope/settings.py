@@ -63,6 +63,10 @@ class Settings:
     sql_timeout_s: float = 10.0
     """Longest a client's SQL on ``mlscope.db.sql`` may run before the database cancels
     it (``MLSCOPE_SQL_TIMEOUT_S``; ``max_execution_time``, see broker.readonly)."""
+    loadgen_ready_s: float = 60.0
+    """Longest a server waits for the load-generator processes of a job with
+    ``loadgens`` > 1 to say they are ready (``MLSCOPE_LOADGEN_READY_S``): one that is not
+    fails the job, naming it. Raise it on a host where starting Python is slow."""
     artifact_url_prefixes: tuple[str, ...] = ()
     """http(s) URL prefixes that manifests from the bus may download artifacts from
     (``MLSCOPE_ARTIFACT_URL_PREFIXES``, comma-separated; none by default: bus manifests
@@ -103,6 +107,7 @@ class Settings:
             allow_custom_code=_flag(env, "MLSCOPE_ALLOW_CUSTOM_CODE"),
             clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
             sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
+            loadgen_ready_s=_number(env, "MLSCOPE_LOADGEN_READY_S", 60.0),
             artifact_url_prefixes=_names(env, "MLSCOPE_ARTIFACT_URL_PREFIXES"),
             max_artifact_bytes=int(_number(env, "MLSCOPE_MAX_ARTIFACT_BYTES", 4 << 30)),
             scenario_modules=_names(env, "MLSCOPE_SCENARIO_MODULES"),
@@ -148,6 +153,10 @@ class Settings:
             (
                 "MLSCOPE_SQL_TIMEOUT_S",
                 repr(self.sql_timeout_s) if self.sql_timeout_s != 10.0 else None,
+            ),
+            (
+                "MLSCOPE_LOADGEN_READY_S",
+                repr(self.loadgen_ready_s) if self.loadgen_ready_s != 60.0 else None,
             ),
             ("MLSCOPE_ARTIFACT_URL_PREFIXES", ",".join(self.artifact_url_prefixes)),
             ("MLSCOPE_SCENARIO_MODULES", ",".join(self.scenario_modules)),

@@ -216,13 +216,19 @@ async def wait_agents(
 
 @contextmanager
 def running_stack(
-    base: Path, zoo_dir: Path, frameworks: list[str], *, timeout: float = 60.0
+    base: Path,
+    zoo_dir: Path,
+    frameworks: list[str],
+    *,
+    timeout: float = 60.0,
+    settings: Settings | None = None,
 ) -> Iterator[Stack]:
-    """``mlscope up`` as child processes under ``base``: returns once every agent is
-    registered and the server answers database requests."""
+    """``mlscope up`` as child processes under ``base`` (with ``settings``, their data
+    dir ``base``): returns once every agent is registered and the server answers
+    database requests."""
     make_data_dir(base, zoo_dir)
     os.environ.setdefault("PYTHONPATH", str(REPO))
-    s = Stack(Settings(data_dir=base), nats_port=0, frameworks=frameworks)
+    s = Stack((settings or Settings()).with_(data_dir=base), nats_port=0, frameworks=frameworks)
     s.start()
     try:
         anyio.run(wait_agents, s.settings, len(frameworks), timeout)

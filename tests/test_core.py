@@ -139,6 +139,7 @@ def test_trace_levels_are_ordered() -> None:
         ("MLSCOPE_TRACE_RETENTION_DAYS", "-1", "want a whole number from 0"),
         ("MLSCOPE_MAX_ARTIFACT_BYTES", "inf", "want a positive number"),
         ("MLSCOPE_SQL_TIMEOUT_S", "nan", "want a positive number"),
+        ("MLSCOPE_LOADGEN_READY_S", "0", "want a positive number"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_its_variable(var: str, value: str, says: str) -> None:
@@ -157,3 +158,10 @@ def test_settings_come_from_the_environment(tmp_path: Path) -> None:
     assert s.dsn == f"chdb:///{(tmp_path / 'chdb').resolve()}"
     assert Settings.from_env({}).nats_url == "nats://127.0.0.1:4222"
     assert Settings.from_env({"MLSCOPE_CLICKHOUSE_DSN": "http://ch:8123"}).dsn == "http://ch:8123"
+
+
+def test_a_child_process_gets_the_load_generator_readiness_limit() -> None:
+    """The server reads it where ``mlscope up`` starts it: through the environment."""
+    assert Settings.from_env({}).loadgen_ready_s == 60.0
+    ready = Settings(loadgen_ready_s=12.5)
+    assert Settings.from_env(ready.as_env()).loadgen_ready_s == 12.5

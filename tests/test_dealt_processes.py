@@ -26,9 +26,24 @@ from mlscope.contracts import EvaluationSummary, JobEvent, JobRequest, ScenarioS
 from mlscope.errors import MLScopeError
 from mlscope.jobs import submit
 from mlscope.outcomes import Outcome
-from tests.conftest import LOOSE
+from mlscope.settings import Settings
+from tests.conftest import LOOSE, running_stack
 
 pytestmark = pytest.mark.timeout(300)
+
+READY_S = 20.0
+"""This module's readiness limit for load-generator processes (60 s by default), which
+the test of a process that never starts waits out; one starts in a second or two."""
+
+
+@pytest.fixture(scope="module")
+def noop_stack(tmp_path_factory: pytest.TempPathFactory, zoo_dir: Path) -> Iterator[Stack]:
+    """A noop stack whose server gives its load-generator processes ``READY_S``."""
+    ready = Settings(loadgen_ready_s=READY_S)
+    with running_stack(
+        tmp_path_factory.mktemp("noopstack"), zoo_dir, ["noop"], settings=ready
+    ) as s:
+        yield s
 
 
 def load_generators(stack: Stack, j: int) -> set[int]:
@@ -124,7 +139,8 @@ def test_a_process_killed_mid_run_ends_the_run_at_once_naming_it(
 
 def test_a_process_that_never_starts_fails_the_run_naming_it(noop_stack: Stack) -> None:
     """A load-generator process that never says ``ready`` (stopped as it starts) fails
-    the run after the readiness limit, instead of holding the job for good."""
+    the run after the readiness limit the server was given, instead of holding the job
+    for good."""
     job = job_of(ScenarioSpec(name="online", qps=50, duration_s=2, loadgens=2, **LOOSE))
     stopped: list[int] = []
     known = load_generators(noop_stack, 1)
@@ -145,6 +161,7 @@ def test_a_process_that_never_starts_fails_the_run_naming_it(noop_stack: Stack) 
             with resumed(pid):
                 pass
     assert "slice 1" in str(failed.value) and "not ready" in str(failed.value), failed.value
+    assert f"after {READY_S:g} s (MLSCOPE_LOADGEN_READY_S)" in str(failed.value), failed.value
     assert stopped and not load_generators(noop_stack, 1) & set(stopped)  # killed, not left
 
 
