@@ -10,7 +10,7 @@ import anyio
 from mlscope import codec, names
 from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.contracts import AgentDescription
-from mlscope.errors import BusError, BusNotFound, BusRefused, WireError
+from mlscope.errors import BusDenied, BusError, BusNotFound, WireError
 from mlscope.kvread import BucketWatch, bucket_keys
 from mlscope.provision import AGENT_TTL_S
 from mlscope.serving import MAX_VALUE_BYTES
@@ -34,7 +34,7 @@ async def list_agents(
             with bus_errors("cannot read the agent registry"):
                 return await _list_agents(bus, include_stale)
         except BusError as exc:
-            if isinstance(exc, BusNotFound | BusRefused) or attempt == attempts - 1:
+            if isinstance(exc, BusNotFound | BusDenied) or attempt == attempts - 1:
                 raise
             await asyncio.sleep(0.5 * (attempt + 1))
     raise AssertionError("unreachable")
