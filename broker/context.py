@@ -11,6 +11,7 @@ from mlscope.bus import Bus
 from mlscope.contracts import AgentDescription, Placement, TraceLevel
 from mlscope.record import RunRecord
 from mlscope.samples import Feeders
+from mlscope.settings import DEFAULT_LOADGEN_READY_S
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
 
@@ -40,7 +41,7 @@ class Context:
     on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None
     nats_url: str | None = None
     """For load-generator processes (distributed load)."""
-    loadgen_ready_s: float = 60.0
+    loadgen_ready_s: float = DEFAULT_LOADGEN_READY_S
     """How long those processes have to say they are ready (the server's settings)."""
     agent: AgentDescription | None = None
     """The agent prepared for the run (its pid and start time tell a restart), and ..."""

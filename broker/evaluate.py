@@ -44,6 +44,7 @@ from mlscope.contracts import (
 )
 from mlscope.errors import EvaluationError
 from mlscope.record import RunRecord
+from mlscope.settings import DEFAULT_LOADGEN_READY_S
 from mlscope.tuning import ProcessTuning
 from mlscope.validity import ValidityPolicy
 
@@ -60,7 +61,7 @@ class Evaluator:
     tuning: ProcessTuning
     """The server's one owner of GC, switch interval and priority during runs."""
     policy: ValidityPolicy = field(default_factory=ValidityPolicy)
-    loadgen_ready_s: float = 60.0
+    loadgen_ready_s: float = DEFAULT_LOADGEN_READY_S
     """How long a job's load-generator processes have to start (``Settings``)."""
 
     host_lock: anyio.Lock = field(default_factory=anyio.Lock)

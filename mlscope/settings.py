@@ -13,10 +13,11 @@ from pathlib import Path
 
 from mlscope.errors import ConfigError
 
-__all__ = ["Settings"]
+__all__ = ["DEFAULT_LOADGEN_READY_S", "Settings"]
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATA_DIR = Path("~/.mlscope").expanduser()
+DEFAULT_LOADGEN_READY_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +64,7 @@ class Settings:
     sql_timeout_s: float = 10.0
     """Longest a client's SQL on ``mlscope.db.sql`` may run before the database cancels
     it (``MLSCOPE_SQL_TIMEOUT_S``; ``max_execution_time``, see broker.readonly)."""
-    loadgen_ready_s: float = 60.0
+    loadgen_ready_s: float = DEFAULT_LOADGEN_READY_S
     """Longest a server waits for the load-generator processes of a job with
     ``loadgens`` > 1 to say they are ready (``MLSCOPE_LOADGEN_READY_S``): one that is not
     fails the job, naming it. Raise it on a host where starting Python is slow."""
@@ -107,7 +108,7 @@ class Settings:
             allow_custom_code=_flag(env, "MLSCOPE_ALLOW_CUSTOM_CODE"),
             clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
             sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
-            loadgen_ready_s=_number(env, "MLSCOPE_LOADGEN_READY_S", 60.0),
+            loadgen_ready_s=_number(env, "MLSCOPE_LOADGEN_READY_S", DEFAULT_LOADGEN_READY_S),
             artifact_url_prefixes=_names(env, "MLSCOPE_ARTIFACT_URL_PREFIXES"),
             max_artifact_bytes=int(_number(env, "MLSCOPE_MAX_ARTIFACT_BYTES", 4 << 30)),
             scenario_modules=_names(env, "MLSCOPE_SCENARIO_MODULES"),
@@ -156,7 +157,9 @@ class Settings:
             ),
             (
                 "MLSCOPE_LOADGEN_READY_S",
-                repr(self.loadgen_ready_s) if self.loadgen_ready_s != 60.0 else None,
+                repr(self.loadgen_ready_s)
+                if self.loadgen_ready_s != DEFAULT_LOADGEN_READY_S
+                else None,
             ),
             ("MLSCOPE_ARTIFACT_URL_PREFIXES", ",".join(self.artifact_url_prefixes)),
             ("MLSCOPE_SCENARIO_MODULES", ",".join(self.scenario_modules)),
