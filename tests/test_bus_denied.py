@@ -54,9 +54,11 @@ def test_what_a_reader_may_not_do_fails_as_denied(secured: NatsServer, auth: Pat
     async def main() -> None:
         async with busmod.connect(as_role(secured, auth, "reader"), name="test") as bus:
             with pytest.raises(BusDenied, match=r"mlscope\.job\.j-1\.cancel"):
-                await busmod.request(bus, names.job_cancel("j-1"), b"{}", timeout=2.0)
+                await busmod.request(bus, names.job_cancel("j-1"), b"{}", timeout=0.5)
             with pytest.raises(BusDenied, match=r"(?i)permissions violation.*jobs\.submit"):
-                await busmod.publish_persistent(bus, names.JOBS_SUBJECT, job, msg_id="j-2")
+                await busmod.publish_persistent(
+                    bus, names.JOBS_SUBJECT, job, msg_id="j-2", timeout=0.5
+                )
             dead = busmod.bus_errors("cannot read the dead letters")
             with pytest.raises(BusDenied, match=r"(?i)cannot read the dead letters.*denied"), dead:
                 await bus.js.stream_info(names.DEAD_STREAM)
