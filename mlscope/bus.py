@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
+from nats.protocol.parser import PERMISSIONS_ERR
 from pydantic import BaseModel
 
 from mlscope import codec
@@ -271,7 +272,6 @@ the server's words). A server drops what a client may not publish and says so on
 through this callback, so the publish or request then looks like a timeout; a failure
 that follows one is a :class:`BusDenied` naming it (:func:`_denied`)."""
 _denials_logged = LogBudget(burst=5, window_s=60.0)
-DENIED = "permissions violation"
 
 
 async def _quiet(exc: Exception) -> None:
@@ -293,7 +293,7 @@ async def _quiet(exc: Exception) -> None:
                 SLOW_LOG_S,
                 more,
             )
-    elif DENIED in str(exc).lower():
+    elif PERMISSIONS_ERR in str(exc).lower():
         words = str(exc).removeprefix("nats: ")
         _denials.append((time.monotonic(), words))
         more = _denials_logged.take()
