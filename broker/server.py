@@ -7,9 +7,10 @@ process reaches the evaluation database through ``mlscope.db.*`` requests here.
 
 A job is acknowledged only when its evaluation has finished (or failed for good); a
 server that dies mid-job leaves it unacknowledged and JetStream redelivers it to the
-next server after ``JOB_ACK_WAIT_S``. While a job runs, the server reports progress
-to JetStream (``in_progress``, kept up across reconnects) so that a long evaluation is
-not redelivered. Exactly one evaluation per job: its id is derived from the job id; a
+next server after the job ack wait (``Settings.job_ack_wait_s``, 15 s by default).
+While a job runs, the server reports progress to JetStream (``in_progress``, five
+times per ack wait, kept up across reconnects) so that a long evaluation is not
+redelivered. Exactly one evaluation per job: its id is derived from the job id; a
 redelivered job whose evaluation is stored gets that stored result, one that this
 server is still running is only held (acknowledged with the run), and one whose
 first server was lost is run again with a ``restarted`` event to the submitter.
@@ -64,7 +65,7 @@ from mlscope.contracts import (
     evaluation_id_for,
     new_id,
 )
-from mlscope.errors import BusError, WireError
+from mlscope.errors import BusError, BusNotFound, WireError
 from mlscope.model_registry import ManifestWatcher
 from mlscope.provision import provisioned
 from mlscope.registry import AgentCache
@@ -74,7 +75,6 @@ from mlscope.tuning import ProcessTuning
 
 __all__ = ["Server"]
 
-JOB_ACK_WAIT_S = 15.0
 JOB_MAX_DELIVER = 5
 log = logging.getLogger("mlscope.server")
 MAX_PARALLEL_JOBS = 4
@@ -135,16 +135,7 @@ class Server(JobEvaluation):
                         names.job_cancel_wildcard(), CancelRequest, self._on_cancel
                     ),
                 ]
-                jobs = await bus.js.pull_subscribe(
-                    names.JOBS_SUBJECT,
-                    durable=names.JOBS_CONSUMER,
-                    stream=names.JOBS_STREAM,
-                    config=ConsumerConfig(
-                        ack_policy=AckPolicy.EXPLICIT,
-                        ack_wait=JOB_ACK_WAIT_S,
-                        max_deliver=JOB_MAX_DELIVER,
-                    ),
-                )
+                jobs = await self._job_consumer(bus)
                 self.remote = ManifestWatcher(bus)
                 self.agent_cache = AgentCache(bus)
                 keep = self.boundary.keep_running
@@ -167,6 +158,37 @@ class Server(JobEvaluation):
             self.db.close()
 
     # ------------------------------------------------------------------ jobs
+
+    async def _job_consumer(self, bus: busmod.Bus) -> Any:
+        """The servers' shared durable consumer of the job stream, created or updated
+        to this server's ack wait (JetStream keeps an existing consumer's config
+        otherwise), and a pull subscription bound to it."""
+        ack_wait = self.settings.job_ack_wait_s
+        config = ConsumerConfig(
+            name=names.JOBS_CONSUMER,
+            durable_name=names.JOBS_CONSUMER,
+            filter_subject=names.JOBS_SUBJECT,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ack_wait,
+            max_deliver=JOB_MAX_DELIVER,
+        )
+        what = "cannot set up the job consumer"
+        before = None
+        with contextlib.suppress(BusNotFound), busmod.bus_errors(what):
+            info = await bus.js.consumer_info(names.JOBS_STREAM, names.JOBS_CONSUMER)
+            before = info.config.ack_wait
+        with busmod.bus_errors(what):
+            if before != ack_wait:
+                await bus.js.add_consumer(names.JOBS_STREAM, config=config)
+                if before is not None:
+                    log.info(
+                        "job ack wait set to %g s (was %g s; MLSCOPE_JOB_ACK_WAIT_S)",
+                        ack_wait,
+                        before,
+                    )
+            return await bus.js.pull_subscribe_bind(
+                durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM
+            )
 
     async def _take_jobs(self, sub: Any, tg: anyio.abc.TaskGroup) -> None:
         slots = anyio.Semaphore(self.max_parallel_jobs)
@@ -241,7 +263,7 @@ class Server(JobEvaluation):
         """The job's lease: ``in_progress`` on every delivery, survivable failures (a
         bus outage) ignored so the lease resumes as soon as the bus is back."""
         while True:
-            await anyio.sleep(JOB_ACK_WAIT_S / 5)
+            await anyio.sleep(self.settings.job_ack_wait_s / 5)
             for m in list(self.running.get(job_id, [])):
                 with (
                     anyio.move_on_after(2),

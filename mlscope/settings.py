@@ -13,11 +13,13 @@ from pathlib import Path
 
 from mlscope.errors import ConfigError
 
-__all__ = ["DEFAULT_LOADGEN_READY_S", "Settings"]
+__all__ = ["DEFAULT_JOB_ACK_WAIT_S", "DEFAULT_LOADGEN_READY_S", "Settings"]
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATA_DIR = Path("~/.mlscope").expanduser()
 DEFAULT_LOADGEN_READY_S = 60.0
+DEFAULT_JOB_ACK_WAIT_S = 15.0
+MIN_JOB_ACK_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +70,12 @@ class Settings:
     """Longest a server waits for the load-generator processes of a job with
     ``loadgens`` > 1 to say they are ready (``MLSCOPE_LOADGEN_READY_S``): one that is not
     fails the job, naming it. Raise it on a host where starting Python is slow."""
+    job_ack_wait_s: float = DEFAULT_JOB_ACK_WAIT_S
+    """How long a job taken by a server that stopped answering waits before JetStream
+    gives it to another server (``MLSCOPE_JOB_ACK_WAIT_S``; at least
+    ``MIN_JOB_ACK_WAIT_S``): the failover time of a job. A running job's server renews
+    its hold five times per period. Every server on a bus should use the same value:
+    each sets it on the shared job consumer when it starts."""
     artifact_url_prefixes: tuple[str, ...] = ()
     """http(s) URL prefixes that manifests from the bus may download artifacts from
     (``MLSCOPE_ARTIFACT_URL_PREFIXES``, comma-separated; none by default: bus manifests
@@ -109,6 +117,9 @@ class Settings:
             clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
             sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
             loadgen_ready_s=_number(env, "MLSCOPE_LOADGEN_READY_S", DEFAULT_LOADGEN_READY_S),
+            job_ack_wait_s=_number(
+                env, "MLSCOPE_JOB_ACK_WAIT_S", DEFAULT_JOB_ACK_WAIT_S, low=MIN_JOB_ACK_WAIT_S
+            ),
             artifact_url_prefixes=_names(env, "MLSCOPE_ARTIFACT_URL_PREFIXES"),
             max_artifact_bytes=int(_number(env, "MLSCOPE_MAX_ARTIFACT_BYTES", 4 << 30)),
             scenario_modules=_names(env, "MLSCOPE_SCENARIO_MODULES"),
@@ -161,6 +172,12 @@ class Settings:
                 if self.loadgen_ready_s != DEFAULT_LOADGEN_READY_S
                 else None,
             ),
+            (
+                "MLSCOPE_JOB_ACK_WAIT_S",
+                repr(self.job_ack_wait_s)
+                if self.job_ack_wait_s != DEFAULT_JOB_ACK_WAIT_S
+                else None,
+            ),
             ("MLSCOPE_ARTIFACT_URL_PREFIXES", ",".join(self.artifact_url_prefixes)),
             ("MLSCOPE_SCENARIO_MODULES", ",".join(self.scenario_modules)),
             (
@@ -190,7 +207,8 @@ def _flag(env: Mapping[str, str], var: str) -> bool:
     raise ConfigError(f"{var}={env[var]!r}: want one of {', '.join(_TRUE + _FALSE[1:])}", field=var)
 
 
-def _number(env: Mapping[str, str], var: str, default: float) -> float:
+def _number(env: Mapping[str, str], var: str, default: float, *, low: float = 0.0) -> float:
+    """A finite number above 0 and at least ``low``, or ``default`` when unset or empty."""
     value = env.get(var, "").strip()
     if not value:
         return default
@@ -200,6 +218,8 @@ def _number(env: Mapping[str, str], var: str, default: float) -> float:
         raise ConfigError(f"{var}={value!r}: want a number", field=var) from None
     if not 0 < number < math.inf:
         raise ConfigError(f"{var}={value!r}: want a positive number", field=var)
+    if number < low:
+        raise ConfigError(f"{var}={value!r}: want a number from {low:g}", field=var)
     return number
 
 

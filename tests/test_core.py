@@ -140,6 +140,8 @@ def test_trace_levels_are_ordered() -> None:
         ("MLSCOPE_MAX_ARTIFACT_BYTES", "inf", "want a positive number"),
         ("MLSCOPE_SQL_TIMEOUT_S", "nan", "want a positive number"),
         ("MLSCOPE_LOADGEN_READY_S", "0", "want a positive number"),
+        ("MLSCOPE_JOB_ACK_WAIT_S", "0.5", "want a number from 1"),
+        ("MLSCOPE_JOB_ACK_WAIT_S", "-inf", "want a positive number"),
     ],
 )
 def test_a_bad_setting_is_one_line_naming_its_variable(var: str, value: str, says: str) -> None:
@@ -165,3 +167,10 @@ def test_a_child_process_gets_the_load_generator_readiness_limit() -> None:
     assert Settings.from_env({}).loadgen_ready_s == 60.0
     ready = Settings(loadgen_ready_s=12.5)
     assert Settings.from_env(ready.as_env()).loadgen_ready_s == 12.5
+
+
+def test_a_child_process_gets_the_job_ack_wait() -> None:
+    assert Settings.from_env({}).job_ack_wait_s == 15.0
+    assert "MLSCOPE_JOB_ACK_WAIT_S" not in Settings().as_env()
+    failover = Settings(job_ack_wait_s=2.5)
+    assert Settings.from_env(failover.as_env()).job_ack_wait_s == 2.5

@@ -14,8 +14,9 @@ import anyio
 import pytest
 
 from broker.db import Database
+from broker.server import Server
 from mlscope import bus as busmod
-from mlscope import remote
+from mlscope import names, remote
 from mlscope.contracts import (
     JobEvent,
     JobRequest,
@@ -34,6 +35,39 @@ from tests.conftest import (
 )
 
 pytestmark = pytest.mark.timeout(240)
+
+FAILOVER_S = 4.0
+"""The job ack wait of these tests' servers: how soon a lost server's job moves on."""
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    return settings.with_(job_ack_wait_s=FAILOVER_S)
+
+
+def test_each_server_sets_its_job_ack_wait_on_the_shared_consumer(settings: Settings) -> None:
+    """JetStream keeps an existing consumer's config as it is: a server started with
+    another ack wait updates the shared job consumer, so the setting is the one in
+    force, and a job's failover follows it."""
+
+    async def ack_wait_after_a_server_with(ack_wait: float) -> float:
+        scope = anyio.CancelScope()
+
+        async def serve(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            with scope:
+                await Server(settings.with_(job_ack_wait_s=ack_wait)).run(task_status=task_status)
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(serve)
+            scope.cancel()
+        async with busmod.connect(settings, name="test") as bus:
+            info = await bus.js.consumer_info(names.JOBS_STREAM, names.JOBS_CONSUMER)
+        return float(info.config.ack_wait or 0)
+
+    async def main() -> list[float]:
+        return [await ack_wait_after_a_server_with(w) for w in (15.0, 2.5, 2.5, 15.0)]
+
+    assert anyio.run(main, backend="asyncio") == [15.0, 2.5, 2.5, 15.0]
 
 
 def test_job_of_a_dead_server_is_run_by_the_next(settings: Settings) -> None:
@@ -94,7 +128,7 @@ def test_a_restarted_placement_agent_job_keeps_no_span_of_its_lost_run(
         framework="noop",
         placement="agent",
         # Longer than the job's redelivery (its ack wait): the lost run still runs.
-        scenario=ScenarioSpec(name="online", qps=50, duration_s=24),
+        scenario=ScenarioSpec(name="online", qps=50, duration_s=3 * FAILOVER_S),
     )
     agent = ["agent", "--framework", "noop", "--agent-id", "keeper"]
     _across_a_server_loss(settings, job, [agent])
@@ -109,7 +143,9 @@ def test_a_restarted_jobs_lost_load_generator_slice_is_stopped(settings: Setting
         model="noop",
         framework="noop",
         # Longer than the job's redelivery (its ack wait): the lost slice still runs.
-        scenario=ScenarioSpec(name="online", qps=50, duration_s=24, loadgen_hosts=("lg-held",)),
+        scenario=ScenarioSpec(
+            name="online", qps=50, duration_s=3 * FAILOVER_S, loadgen_hosts=("lg-held",)
+        ),
     )
     services = [
         ["agent", "--framework", "noop", "--agent-id", "held"],
@@ -206,7 +242,11 @@ def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(
     tmp_path: Path, zoo_dir: Path
 ) -> None:
     nats = NatsServer(store_dir=tmp_path / "nats", port=free_port()).start()
-    settings = Settings(nats_url=nats.url, data_dir=make_data_dir(tmp_path / "data", zoo_dir))
+    settings = Settings(
+        nats_url=nats.url,
+        data_dir=make_data_dir(tmp_path / "data", zoo_dir),
+        job_ack_wait_s=FAILOVER_S,
+    )
     env = child_env(settings)
     procs = [
         subprocess.Popen([python(), "-m", "cli.main", "server"], env=env),
@@ -216,7 +256,7 @@ def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(
 
     def down_and_up() -> None:
         nats.kill()
-        time.sleep(20)  # longer than the job's ack wait (15 s)
+        time.sleep(2 * FAILOVER_S)  # longer than the job's ack wait
         nats.start()
 
     def on_event(e: JobEvent) -> None:
@@ -229,7 +269,7 @@ def test_a_bus_outage_longer_than_the_ack_wait_gives_one_evaluation(
         job = JobRequest(
             model="noop",
             framework="noop",
-            scenario=ScenarioSpec(name="online", qps=100, duration_s=30),
+            scenario=ScenarioSpec(name="online", qps=100, duration_s=4 * FAILOVER_S),
         )
         summary = anyio.run(
             lambda: submit(settings, job, on_event=on_event, timeout=170), backend="asyncio"
