@@ -12,6 +12,7 @@ keeps on JetStream (streams, buckets, object stores) is made by
 from __future__ import annotations
 
 import logging
+import re
 import ssl
 import time
 from collections import deque
@@ -272,6 +273,28 @@ the server's words). A server drops what a client may not publish and says so on
 through this callback, so the publish or request then looks like a timeout; a failure
 that follows one is a :class:`BusDenied` naming it (:func:`_denied`)."""
 _denials_logged = LogBudget(burst=5, window_s=60.0)
+_awaiting: dict[str, set[anyio.CancelScope]] = {}
+"""Requests and persistent publishes waiting for an answer, by lower-cased subject (the
+case nats-py gives a denial's words): a denial of their subject ends their wait at
+once (:func:`_until_denied`) instead of after their timeout."""
+_DENIED_SUBJECT = re.compile(r'publish to "([^"]+)"')
+
+
+@contextmanager
+def _until_denied(subject: str) -> Iterator[anyio.CancelScope]:
+    """A scope around the wait for an answer on ``subject`` that a permission violation
+    naming ``subject`` cancels; ``cancelled_caught`` then says it was denied."""
+    key = subject.lower()
+    scope = anyio.CancelScope()
+    waiting = _awaiting.setdefault(key, set())
+    waiting.add(scope)
+    try:
+        with scope:
+            yield scope
+    finally:
+        waiting.discard(scope)
+        if not waiting:
+            _awaiting.pop(key, None)
 
 
 async def _quiet(exc: Exception) -> None:
@@ -299,6 +322,9 @@ async def _quiet(exc: Exception) -> None:
         more = _denials_logged.take()
         if more is not None:
             log.info("the NATS server denied this client: %s%s", words, more)
+        named = _DENIED_SUBJECT.search(words.lower())
+        for scope in _awaiting.get(named[1], ()) if named else ():
+            scope.cancel()
 
 
 def _denied(since: float) -> str | None:
@@ -397,10 +423,14 @@ async def publish_persistent(
     since = time.monotonic()
     for attempt in range(attempts):
         try:
-            ack = await bus.js.publish(
-                subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id}
-            )
-            return attempt > 0 or not ack.duplicate
+            with _until_denied(subject):
+                ack = await bus.js.publish(
+                    subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id}
+                )
+                return attempt > 0 or not ack.duplicate
+            # The server denied the publish: its wait was ended.
+            words = _denied(since) or PERMISSIONS_ERR
+            raise _denial(f"cannot publish on {subject}", words, subject=subject)
         except nats.errors.MaxPayloadError as exc:
             raise BusRefused(
                 f"a message of {len(payload)} bytes on {subject} is over the "
@@ -436,8 +466,10 @@ async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> 
     """Request/reply; an error reply is raised as its typed error, a request the server
     denied this client as :class:`BusDenied`."""
     since = time.monotonic()
+    msg: Msg | None = None
     try:
-        msg = await bus.nc.request(subject, payload, timeout=timeout)
+        with _until_denied(subject):
+            msg = await bus.nc.request(subject, payload, timeout=timeout)
     except nats.errors.NoRespondersError as exc:
         raise BusError(f"nobody serves {subject}", subject=subject) from exc
     except (TimeoutError, nats.errors.TimeoutError) as exc:
@@ -445,6 +477,8 @@ async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> 
         if words is not None:
             raise _denial(f"cannot ask {subject}", words, subject=subject) from exc
         raise BusError(f"no reply on {subject} within {timeout}s", subject=subject) from exc
+    if msg is None:  # the server denied the request: its wait was ended
+        raise _denial(f"cannot ask {subject}", _denied(since) or PERMISSIONS_ERR, subject=subject)
     data = codec.decode(msg.data)
     if isinstance(data, dict) and data.get("kind") == "error":
         raise error_from_wire(data["error"])

@@ -48,17 +48,34 @@ def as_role(srv: NatsServer, auth: Path, role: str) -> Settings:
     return Settings(nats_url=srv.url, nats_creds=auth / f"{role}.creds")
 
 
+LONG_S = 60.0
+"""A wait a denial must end long before: the server denies within milliseconds."""
+
+
 def test_what_a_reader_may_not_do_fails_as_denied(secured: NatsServer, auth: Path) -> None:
+    """A request or persistent publish fails when the server denies its subject, not
+    when its timeout runs out."""
     job = codec.encode_model(JobRequest(model="noop", framework="noop"))
 
     async def main() -> None:
         async with busmod.connect(as_role(secured, auth, "reader"), name="test") as bus:
-            with pytest.raises(BusDenied, match=r"mlscope\.job\.j-1\.cancel"):
-                await busmod.request(bus, names.job_cancel("j-1"), b"{}", timeout=0.5)
-            with pytest.raises(BusDenied, match=r"(?i)permissions violation.*jobs\.submit"):
+            with (
+                anyio.fail_after(LONG_S / 2),
+                pytest.raises(BusDenied, match=r"mlscope\.job\.j-1\.cancel"),
+            ):
+                await busmod.request(bus, names.job_cancel("j-1"), b"{}", timeout=LONG_S)
+            with (
+                anyio.fail_after(LONG_S / 2),
+                pytest.raises(BusDenied, match=r"(?i)permissions violation.*jobs\.submit"),
+            ):
                 await busmod.publish_persistent(
-                    bus, names.JOBS_SUBJECT, job, msg_id="j-2", timeout=0.5
+                    bus, names.JOBS_SUBJECT, job, msg_id="j-2", timeout=LONG_S
                 )
+            # Concurrent requests on the subject are all ended; nothing is left waiting.
+            async with anyio.create_task_group() as tg:
+                for _ in range(3):
+                    tg.start_soon(_denied_request, bus, names.job_cancel("j-3"))
+            assert not busmod._awaiting
             dead = busmod.bus_errors("cannot read the dead letters")
             with pytest.raises(BusDenied, match=r"(?i)cannot read the dead letters.*denied"), dead:
                 await bus.js.stream_info(names.DEAD_STREAM)
@@ -68,6 +85,11 @@ def test_what_a_reader_may_not_do_fails_as_denied(secured: NatsServer, auth: Pat
             assert not isinstance(later.value, BusDenied)
 
     anyio.run(main, backend="asyncio")
+
+
+async def _denied_request(bus: busmod.Bus, subject: str) -> None:
+    with anyio.fail_after(LONG_S / 2), pytest.raises(BusDenied):
+        await busmod.request(bus, subject, b"{}", timeout=LONG_S)
 
 
 def test_what_the_server_may_do_is_not_denied(secured: NatsServer, auth: Path) -> None:
@@ -84,7 +106,7 @@ def test_what_the_server_may_do_is_not_denied(secured: NatsServer, auth: Path) -
 @pytest.mark.parametrize(
     ("command", "wrong"),
     [
-        (["mlscope", "cancel", "job-1", "--timeout", "2"], "no server is running"),
+        (["mlscope", "cancel", "job-1", "--timeout", "60"], "no server is running"),
         (["mlscope-submit", "noop", "--framework", "noop"], "stream does not exist"),
         (["mlscope", "doctor"], "TimeoutError"),
     ],
@@ -93,13 +115,14 @@ def test_the_cli_says_the_credentials_were_denied(
     secured: NatsServer, auth: Path, command: list[str], wrong: str
 ) -> None:
     """As the reader: each command fails, saying its credentials were denied, and not
-    what it used to guess from the silence."""
+    what it used to guess from the silence; ``mlscope cancel`` without waiting out its
+    timeout."""
     done = subprocess.run(
         [str(BIN / command[0]), *command[1:]],
         env=child_env(as_role(secured, auth, "reader")),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=LONG_S / 2,
         check=False,
     )
     assert done.returncode == 1, (done.stdout, done.stderr)
