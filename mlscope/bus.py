@@ -206,7 +206,11 @@ async def connect(
     try:
         nc = _Client()
         await nc.connect(
-            **options, error_cb=_quiet, disconnected_cb=_noop, reconnected_cb=_noop, closed_cb=_noop
+            **options,
+            error_cb=nc.on_error,
+            disconnected_cb=_noop,
+            reconnected_cb=_noop,
+            closed_cb=_noop,
         )
     except (TimeoutError, OSError, nats.errors.Error) as exc:
         raise BusError(
@@ -227,7 +231,8 @@ async def connect(
 
 
 class _Client(Client):
-    """nats-py's client, reading any subject a message arrives on.
+    """nats-py's client, reading any subject a message arrives on, whose requests end
+    when the server denies their subject.
 
     nats-py decodes a message's subject and reply subject as strict UTF-8 in its read
     loop, and a byte that is not UTF-8 ends that loop for good: the connection stays
@@ -236,7 +241,22 @@ class _Client(Client):
     stream would redeliver it to a consumer after every restart. Here the bytes that
     are not UTF-8 read as U+FFFD: the message is delivered under a subject that no
     handler accepts (a trace batch's subject names its own evaluation, a job's
-    cancel subject its job), and the loop goes on."""
+    cancel subject its job), and the loop goes on.
+
+    A permission violation reaches only the error callback, so a denied request would
+    wait out its timeout: ``awaiting`` holds the scopes of the waits for answers on
+    this connection by lower-cased subject (:func:`_until_denied`), and the callback
+    cancels those of a subject the server denied. Per connection, so in its loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.awaiting: dict[str, set[anyio.CancelScope]] = {}
+
+    async def on_error(self, exc: Exception) -> None:
+        words = await _on_error(exc)
+        named = _DENIED_SUBJECT.search(words.lower()) if words else None
+        for scope in self.awaiting.get(named[1], ()) if named else ():
+            scope.cancel()
 
     def _build_message(
         self,
@@ -273,37 +293,37 @@ the server's words). A server drops what a client may not publish and says so on
 through this callback, so the publish or request then looks like a timeout; a failure
 that follows one is a :class:`BusDenied` naming it (:func:`_denied`)."""
 _denials_logged = LogBudget(burst=5, window_s=60.0)
-_awaiting: dict[str, set[anyio.CancelScope]] = {}
-"""Requests and persistent publishes waiting for an answer, by lower-cased subject (the
-case nats-py gives a denial's words): a denial of their subject ends their wait at
-once (:func:`_until_denied`) instead of after their timeout."""
 _DENIED_SUBJECT = re.compile(r'publish to "([^"]+)"')
+"""The subject in a denial's words (lower-cased, as nats-py gives them)."""
 
 
 @contextmanager
-def _until_denied(subject: str) -> Iterator[anyio.CancelScope]:
-    """A scope around the wait for an answer on ``subject`` that a permission violation
-    naming ``subject`` cancels; ``cancelled_caught`` then says it was denied."""
-    key = subject.lower()
-    scope = anyio.CancelScope()
-    waiting = _awaiting.setdefault(key, set())
+def _until_denied(bus: Bus, subject: str) -> Iterator[None]:
+    """A scope around the wait for an answer on ``subject`` that ends at once when the
+    server denies this connection ``subject``: the block is then left early, without
+    an error (its caller sees that it got no answer)."""
+    if not isinstance(bus.nc, _Client):
+        yield
+        return
+    awaiting, key, scope = bus.nc.awaiting, subject.lower(), anyio.CancelScope()
+    waiting = awaiting.setdefault(key, set())
     waiting.add(scope)
     try:
         with scope:
-            yield scope
+            yield
     finally:
         waiting.discard(scope)
         if not waiting:
-            _awaiting.pop(key, None)
+            awaiting.pop(key, None)
 
 
-async def _quiet(exc: Exception) -> None:
+async def _on_error(exc: Exception) -> str | None:
     """nats-py reports reconnect noise through this callback; the caller sees BusError.
     A message dropped because its subscription held more than its pending limit (a
     slow consumer) is logged: nothing else would say it was lost. Per subscription, not
     per message subject: a wildcard subscription's publishers choose the latter. A
-    permission violation is kept for :func:`_denied` and logged: a denied plain publish
-    (spans, a reply) fails nowhere else."""
+    permission violation is kept for :func:`_denied` and logged (a denied plain
+    publish, spans or a reply, fails nowhere else); its words are returned."""
     if isinstance(exc, nats.errors.SlowConsumerError):
         subject = str(getattr(exc.sub, "subject", exc.subject))
         budget = _slow_logged.setdefault(subject, LogBudget(burst=1, window_s=SLOW_LOG_S))
@@ -322,9 +342,8 @@ async def _quiet(exc: Exception) -> None:
         more = _denials_logged.take()
         if more is not None:
             log.info("the NATS server denied this client: %s%s", words, more)
-        named = _DENIED_SUBJECT.search(words.lower())
-        for scope in _awaiting.get(named[1], ()) if named else ():
-            scope.cancel()
+        return words
+    return None
 
 
 def _denied(since: float) -> str | None:
@@ -423,7 +442,7 @@ async def publish_persistent(
     since = time.monotonic()
     for attempt in range(attempts):
         try:
-            with _until_denied(subject):
+            with _until_denied(bus, subject):
                 ack = await bus.js.publish(
                     subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id}
                 )
@@ -468,7 +487,7 @@ async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> 
     since = time.monotonic()
     msg: Msg | None = None
     try:
-        with _until_denied(subject):
+        with _until_denied(bus, subject):
             msg = await bus.nc.request(subject, payload, timeout=timeout)
     except nats.errors.NoRespondersError as exc:
         raise BusError(f"nobody serves {subject}", subject=subject) from exc

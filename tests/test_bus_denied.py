@@ -75,7 +75,7 @@ def test_what_a_reader_may_not_do_fails_as_denied(secured: NatsServer, auth: Pat
             async with anyio.create_task_group() as tg:
                 for _ in range(3):
                     tg.start_soon(_denied_request, bus, names.job_cancel("j-3"))
-            assert not busmod._awaiting
+            assert not bus.nc.awaiting  # type: ignore[attr-defined]
             dead = busmod.bus_errors("cannot read the dead letters")
             with pytest.raises(BusDenied, match=r"(?i)cannot read the dead letters.*denied"), dead:
                 await bus.js.stream_info(names.DEAD_STREAM)
