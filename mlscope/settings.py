@@ -19,7 +19,7 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_DATA_DIR = Path("~/.mlscope").expanduser()
 DEFAULT_LOADGEN_READY_S = 60.0
 DEFAULT_JOB_ACK_WAIT_S = 15.0
-MIN_JOB_ACK_WAIT_S = 1.0
+MIN_JOB_ACK_WAIT_S, MAX_JOB_ACK_WAIT_S = 1.0, 3600.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +72,8 @@ class Settings:
     fails the job, naming it. Raise it on a host where starting Python is slow."""
     job_ack_wait_s: float = DEFAULT_JOB_ACK_WAIT_S
     """How long a job taken by a server that stopped answering waits before JetStream
-    gives it to another server (``MLSCOPE_JOB_ACK_WAIT_S``; at least
-    ``MIN_JOB_ACK_WAIT_S``): the failover time of a job. A running job's server renews
+    gives it to another server (``MLSCOPE_JOB_ACK_WAIT_S``; from ``MIN_JOB_ACK_WAIT_S``
+    to ``MAX_JOB_ACK_WAIT_S``): the failover time of a job. A running job's server renews
     its hold five times per period. Every server on a bus should use the same value:
     each sets it on the shared job consumer when it starts."""
     artifact_url_prefixes: tuple[str, ...] = ()
@@ -118,7 +118,11 @@ class Settings:
             sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
             loadgen_ready_s=_number(env, "MLSCOPE_LOADGEN_READY_S", DEFAULT_LOADGEN_READY_S),
             job_ack_wait_s=_number(
-                env, "MLSCOPE_JOB_ACK_WAIT_S", DEFAULT_JOB_ACK_WAIT_S, low=MIN_JOB_ACK_WAIT_S
+                env,
+                "MLSCOPE_JOB_ACK_WAIT_S",
+                DEFAULT_JOB_ACK_WAIT_S,
+                low=MIN_JOB_ACK_WAIT_S,
+                high=MAX_JOB_ACK_WAIT_S,
             ),
             artifact_url_prefixes=_names(env, "MLSCOPE_ARTIFACT_URL_PREFIXES"),
             max_artifact_bytes=int(_number(env, "MLSCOPE_MAX_ARTIFACT_BYTES", 4 << 30)),
@@ -207,8 +211,11 @@ def _flag(env: Mapping[str, str], var: str) -> bool:
     raise ConfigError(f"{var}={env[var]!r}: want one of {', '.join(_TRUE + _FALSE[1:])}", field=var)
 
 
-def _number(env: Mapping[str, str], var: str, default: float, *, low: float = 0.0) -> float:
-    """A finite number above 0 and at least ``low``, or ``default`` when unset or empty."""
+def _number(
+    env: Mapping[str, str], var: str, default: float, *, low: float = 0.0, high: float = math.inf
+) -> float:
+    """A finite number above 0, from ``low`` to ``high``, or ``default`` when the
+    variable is unset or empty."""
     value = env.get(var, "").strip()
     if not value:
         return default
@@ -218,8 +225,9 @@ def _number(env: Mapping[str, str], var: str, default: float, *, low: float = 0.
         raise ConfigError(f"{var}={value!r}: want a number", field=var) from None
     if not 0 < number < math.inf:
         raise ConfigError(f"{var}={value!r}: want a positive number", field=var)
-    if number < low:
-        raise ConfigError(f"{var}={value!r}: want a number from {low:g}", field=var)
+    if not low <= number <= high:
+        upto = f" to {high:g}" if high < math.inf else ""
+        raise ConfigError(f"{var}={value!r}: want a number from {low:g}{upto}", field=var)
     return number
 
 
