@@ -20,6 +20,8 @@ DEFAULT_DATA_DIR = Path("~/.mlscope").expanduser()
 DEFAULT_LOADGEN_READY_S = 60.0
 DEFAULT_JOB_ACK_WAIT_S = 15.0
 MIN_JOB_ACK_WAIT_S, MAX_JOB_ACK_WAIT_S = 1.0, 3600.0
+MAX_SQL_TIMEOUT_S = 86400.0
+"""A day: ClickHouse refuses a ``max_execution_time`` whose microseconds overflow."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,7 +67,8 @@ class Settings:
     constraints; default: ``dsn`` (the limits and ``readonly`` as session settings)."""
     sql_timeout_s: float = 10.0
     """Longest a client's SQL on ``mlscope.db.sql`` may run before the database cancels
-    it (``MLSCOPE_SQL_TIMEOUT_S``; ``max_execution_time``, see broker.readonly)."""
+    it (``MLSCOPE_SQL_TIMEOUT_S``, at most ``MAX_SQL_TIMEOUT_S``; ``max_execution_time``,
+    see broker.readonly)."""
     loadgen_ready_s: float = DEFAULT_LOADGEN_READY_S
     """Longest a server waits for the load-generator processes of a job with
     ``loadgens`` > 1 to say they are ready (``MLSCOPE_LOADGEN_READY_S``): one that is not
@@ -115,7 +118,7 @@ class Settings:
             js_domain=env.get("MLSCOPE_JS_DOMAIN") or None,
             allow_custom_code=_flag(env, "MLSCOPE_ALLOW_CUSTOM_CODE"),
             clickhouse_read_dsn=env.get("MLSCOPE_CLICKHOUSE_READ_DSN") or None,
-            sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0),
+            sql_timeout_s=_number(env, "MLSCOPE_SQL_TIMEOUT_S", 10.0, high=MAX_SQL_TIMEOUT_S),
             loadgen_ready_s=_number(env, "MLSCOPE_LOADGEN_READY_S", DEFAULT_LOADGEN_READY_S),
             job_ack_wait_s=_number(
                 env,
@@ -226,8 +229,9 @@ def _number(
     if not 0 < number < math.inf:
         raise ConfigError(f"{var}={value!r}: want a positive number", field=var)
     if not low <= number <= high:
+        want = f"a number from {low:g}" if low else "a positive number"
         upto = f" to {high:g}" if high < math.inf else ""
-        raise ConfigError(f"{var}={value!r}: want a number from {low:g}{upto}", field=var)
+        raise ConfigError(f"{var}={value!r}: want {want}{upto}", field=var)
     return number
 
 

@@ -139,6 +139,7 @@ def test_trace_levels_are_ordered() -> None:
         ("MLSCOPE_TRACE_RETENTION_DAYS", "-1", "want a whole number from 0"),
         ("MLSCOPE_MAX_ARTIFACT_BYTES", "inf", "want a positive number"),
         ("MLSCOPE_SQL_TIMEOUT_S", "nan", "want a positive number"),
+        ("MLSCOPE_SQL_TIMEOUT_S", "1e300", "want a positive number to 86400"),
         ("MLSCOPE_LOADGEN_READY_S", "0", "want a positive number"),
         ("MLSCOPE_JOB_ACK_WAIT_S", "0.5", "want a number from 1 to 3600"),
         ("MLSCOPE_JOB_ACK_WAIT_S", "1e12", "want a number from 1 to 3600"),
