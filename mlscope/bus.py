@@ -112,7 +112,7 @@ class Bus:
                     f"bucket {bucket} does not exist; is an mlscope server up?", bucket=bucket
                 ) from exc
             except (TimeoutError, nats.errors.Error) as exc:
-                raise BusError(f"cannot open bucket {bucket}: {exc!r}", bucket=bucket) from exc
+                raise BusError(f"cannot open bucket {bucket}: {_said(exc)}", bucket=bucket) from exc
             if self.domain:
                 # Behind a leaf node with its own JetStream, writes reach the hub's
                 # bucket only through the domain's API prefix (nats-py has no option).
@@ -367,6 +367,20 @@ async def _noop() -> None:
     return None
 
 
+def _said(exc: BaseException) -> str:
+    """What went wrong, in words: a JetStream API error's description and codes, "no
+    answer in time" for a timeout, else the client's own words (nats-py's reprs are
+    only class names: ``ServerError()``)."""
+    if isinstance(exc, nats.js.errors.APIError):
+        return (
+            f"{exc.description or type(exc).__name__} "
+            f"(JetStream error {exc.err_code}, status {exc.code})"
+        )
+    if isinstance(exc, TimeoutError):
+        return "no answer in time"
+    return str(exc).removeprefix("nats: ").strip() or type(exc).__name__
+
+
 @contextmanager
 def bus_errors(what: str, **fields: Any) -> Iterator[None]:
     """NATS's exceptions inside the block as mlscope's, each message starting with
@@ -382,12 +396,12 @@ def bus_errors(what: str, **fields: Any) -> Iterator[None]:
         why = getattr(exc, "description", None) or "not found"
         raise BusNotFound(f"{what}: {why}", **fields) from exc
     except (nats.errors.MaxPayloadError, nats.js.errors.APIError) as exc:
-        raise BusRefused(f"{what}: {exc!r}", **fields) from exc
+        raise BusRefused(f"{what}: {_said(exc)}", **fields) from exc
     except (TimeoutError, nats.errors.Error) as exc:
         words = _denied(since)
         if words is not None:
             raise _denial(what, words, **fields) from exc
-        raise BusError(f"{what}: {exc!r}", **fields) from exc
+        raise BusError(f"{what}: {_said(exc)}", **fields) from exc
 
 
 async def if_found(pending: Awaitable[T]) -> T | None:
@@ -408,7 +422,7 @@ async def next_msg(sub: Subscription, timeout: float) -> Msg | None:
     except TimeoutError:  # nats-py's TimeoutError is the builtin one too
         return None
     except nats.errors.Error as exc:
-        raise BusError(f"cannot read {sub.subject}: {exc!r}", subject=sub.subject) from exc
+        raise BusError(f"cannot read {sub.subject}: {_said(exc)}", subject=sub.subject) from exc
 
 
 async def fetch_one(sub: JetStreamContext.PullSubscription, timeout: float) -> Msg | None:
@@ -419,7 +433,7 @@ async def fetch_one(sub: JetStreamContext.PullSubscription, timeout: float) -> M
     except TimeoutError:
         return None
     except nats.errors.Error as exc:
-        raise BusError(f"cannot fetch from the consumer: {exc!r}") from exc
+        raise BusError(f"cannot fetch from the consumer: {_said(exc)}") from exc
     return msgs[0] if msgs else None
 
 
@@ -464,7 +478,7 @@ async def publish_persistent(
                 last = exc  # no leader right now: retry
             else:  # the stream refused it (too large, wrong subject ...): final
                 raise BusRefused(
-                    f"JetStream refused a message on {subject}: {exc.description or exc!r}",
+                    f"JetStream refused a message on {subject}: {_said(exc)}",
                     subject=subject,
                 ) from exc
         except (TimeoutError, nats.errors.Error) as exc:
@@ -473,7 +487,8 @@ async def publish_persistent(
                 raise _denial(f"cannot publish on {subject}", words, subject=subject) from exc
             last = exc
             await anyio.sleep(min(0.1 * 2**attempt, 2.0))
-    raise BusError(f"JetStream did not store a message on {subject}: {last!r}", subject=subject)
+    said = _said(last) if last is not None else "no attempt"
+    raise BusError(f"JetStream did not store a message on {subject}: {said}", subject=subject)
 
 
 def error_reply(exc: MLScopeError) -> bytes:

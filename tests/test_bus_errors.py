@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import nats.errors
 import nats.js.errors
 import pytest
 
@@ -75,6 +76,21 @@ def test_a_refused_message_is_bus_refused_and_a_timeout_bus_error(settings: Sett
         pushed = await bus.nc.subscribe("mlscope.test.pushed", cb=ignore)
         with pytest.raises(BusError, match=r"cannot read mlscope\.test\.pushed"):
             await busmod.next_msg(pushed, 0.05)  # nats-py refuses it on a callback's
+        # A JetStream refusal says what the server said, not only its class name.
+        refused = busmod.bus_errors("cannot make a stream")
+        with (
+            pytest.raises(BusRefused, match=r"maximum replicas is 5 \(JetStream error \d+"),
+            refused,
+        ):
+            await bus.js.add_stream(name="TOO_MANY", subjects=["mlscope.test.r9"], num_replicas=9)
+        silent = await bus.nc.subscribe("mlscope.test.silent")  # hears, never answers
+        step = busmod.bus_errors("a step")
+        with pytest.raises(BusError, match=r"^a step: no answer in time$"), step:
+            await bus.nc.request("mlscope.test.silent", b"", timeout=0.05)
+        await silent.unsubscribe()
+        step = busmod.bus_errors("a step")
+        with pytest.raises(BusError, match=r"^a step: connection closed$"), step:
+            raise nats.errors.ConnectionClosedError
 
     run(settings, body)
 
