@@ -243,14 +243,37 @@ class _Client(Client):
     handler accepts (a trace batch's subject names its own evaluation, a job's
     cancel subject its job), and the loop goes on.
 
-    A permission violation reaches only the error callback, so a denied request would
-    wait out its timeout: ``awaiting`` holds the scopes of the waits for answers on
-    this connection by lower-cased subject (:func:`_until_denied`), and the callback
-    cancels those of a subject the server denied. Per connection, so in its loop."""
+    A permission violation reaches only the error callback, so a denied request
+    (JetStream's API calls and publishes are requests too) would wait out its timeout:
+    ``awaiting`` holds the scopes of the requests waiting for answers by lower-cased
+    subject, and the callback cancels those of a subject the server denied; such a
+    request raises :class:`_DeniedWait` at once. Per connection, so in its loop."""
 
     def __init__(self) -> None:
         super().__init__()
         self.awaiting: dict[str, set[anyio.CancelScope]] = {}
+
+    async def request(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        timeout: float = 0.5,
+        old_style: bool = False,
+        headers: dict[str, Any] | None = None,
+    ) -> Msg:
+        key, scope = subject.lower(), anyio.CancelScope()
+        waiting = self.awaiting.setdefault(key, set())
+        waiting.add(scope)
+        try:
+            with scope:
+                return await super().request(
+                    subject, payload, timeout=timeout, old_style=old_style, headers=headers
+                )
+        finally:
+            waiting.discard(scope)
+            if not waiting:
+                self.awaiting.pop(key, None)
+        raise _DeniedWait(subject)
 
     async def on_error(self, exc: Exception) -> None:
         words = await _on_error(exc)
@@ -276,6 +299,19 @@ class _Client(Client):
         )
 
 
+class _DeniedWait(nats.errors.TimeoutError):
+    """A request whose subject the server denied: no answer will come, so its wait
+    ended early. A timeout to every handler, which then finds the denial
+    (:func:`_denied`) and raises :class:`BusDenied`."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__()
+        self.subject = subject
+
+    def __str__(self) -> str:
+        return f"nats: the server denied {self.subject}"
+
+
 def _reason(exc: BaseException) -> str:
     """What to add to the one-line failure: nothing when simply nobody listens (nats-py
     says only "no servers available"), else the client's own words (authorization...)."""
@@ -295,26 +331,6 @@ that follows one is a :class:`BusDenied` naming it (:func:`_denied`)."""
 _denials_logged = LogBudget(burst=5, window_s=60.0)
 _DENIED_SUBJECT = re.compile(r'publish to "([^"]+)"')
 """The subject in a denial's words (lower-cased, as nats-py gives them)."""
-
-
-@contextmanager
-def _until_denied(bus: Bus, subject: str) -> Iterator[None]:
-    """A scope around the wait for an answer on ``subject`` that ends at once when the
-    server denies this connection ``subject``: the block is then left early, without
-    an error (its caller sees that it got no answer)."""
-    if not isinstance(bus.nc, _Client):
-        yield
-        return
-    awaiting, key, scope = bus.nc.awaiting, subject.lower(), anyio.CancelScope()
-    waiting = awaiting.setdefault(key, set())
-    waiting.add(scope)
-    try:
-        with scope:
-            yield
-    finally:
-        waiting.discard(scope)
-        if not waiting:
-            awaiting.pop(key, None)
 
 
 async def _on_error(exc: Exception) -> str | None:
@@ -456,14 +472,10 @@ async def publish_persistent(
     since = time.monotonic()
     for attempt in range(attempts):
         try:
-            with _until_denied(bus, subject):
-                ack = await bus.js.publish(
-                    subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id}
-                )
-                return attempt > 0 or not ack.duplicate
-            # The server denied the publish: its wait was ended.
-            words = _denied(since) or PERMISSIONS_ERR
-            raise _denial(f"cannot publish on {subject}", words, subject=subject)
+            ack = await bus.js.publish(
+                subject, payload, timeout=timeout, headers={"Nats-Msg-Id": msg_id}
+            )
+            return attempt > 0 or not ack.duplicate
         except nats.errors.MaxPayloadError as exc:
             raise BusRefused(
                 f"a message of {len(payload)} bytes on {subject} is over the "
@@ -500,10 +512,8 @@ async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> 
     """Request/reply; an error reply is raised as its typed error, a request the server
     denied this client as :class:`BusDenied`."""
     since = time.monotonic()
-    msg: Msg | None = None
     try:
-        with _until_denied(bus, subject):
-            msg = await bus.nc.request(subject, payload, timeout=timeout)
+        msg = await bus.nc.request(subject, payload, timeout=timeout)
     except nats.errors.NoRespondersError as exc:
         raise BusError(f"nobody serves {subject}", subject=subject) from exc
     except (TimeoutError, nats.errors.TimeoutError) as exc:
@@ -511,8 +521,6 @@ async def request(bus: Bus, subject: str, payload: bytes, *, timeout: float) -> 
         if words is not None:
             raise _denial(f"cannot ask {subject}", words, subject=subject) from exc
         raise BusError(f"no reply on {subject} within {timeout}s", subject=subject) from exc
-    if msg is None:  # the server denied the request: its wait was ended
-        raise _denial(f"cannot ask {subject}", _denied(since) or PERMISSIONS_ERR, subject=subject)
     data = codec.decode(msg.data)
     if isinstance(data, dict) and data.get("kind") == "error":
         raise error_from_wire(data["error"])

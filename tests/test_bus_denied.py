@@ -53,8 +53,8 @@ LONG_S = 60.0
 
 
 def test_what_a_reader_may_not_do_fails_as_denied(secured: NatsServer, auth: Path) -> None:
-    """A request or persistent publish fails when the server denies its subject, not
-    when its timeout runs out."""
+    """A request, a persistent publish or a JetStream API call fails when the server
+    denies its subject, not when its timeout runs out."""
     job = codec.encode_model(JobRequest(model="noop", framework="noop"))
 
     async def main() -> None:
@@ -77,8 +77,12 @@ def test_what_a_reader_may_not_do_fails_as_denied(secured: NatsServer, auth: Pat
                     tg.start_soon(_denied_request, bus, names.job_cancel("j-3"))
             assert not bus.nc.awaiting  # type: ignore[attr-defined]
             dead = busmod.bus_errors("cannot read the dead letters")
-            with pytest.raises(BusDenied, match=r"(?i)cannot read the dead letters.*denied"), dead:
-                await bus.js.stream_info(names.DEAD_STREAM)
+            with (
+                anyio.fail_after(LONG_S / 2),
+                pytest.raises(BusDenied, match=r"(?i)cannot read the dead letters.*denied"),
+                dead,
+            ):
+                await bus.nc.jetstream(timeout=LONG_S).stream_info(names.DEAD_STREAM)
             # A later failure of its own is not blamed on those denials.
             with pytest.raises(BusError) as later, busmod.bus_errors("a later step"):
                 raise TimeoutError
