@@ -38,7 +38,6 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 import nats.errors
-import nats.js.errors
 from anyio.abc import TaskStatus
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -46,9 +45,9 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from mlscope import codec, names
 from mlscope.bounded import json_depth
-from mlscope.bus import Bus
+from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.contracts import ErrorReply
-from mlscope.errors import BusError, MLScopeError, ReplyTooLarge, ServiceError, WireError
+from mlscope.errors import MLScopeError, ReplyTooLarge, ServiceError, WireError
 from mlscope.logbudget import LogBudget
 
 __all__ = [
@@ -386,23 +385,19 @@ class DeadLetter:
 
 async def dead_letters(bus: Bus, *, limit: int = 50) -> tuple[int, list[DeadLetter]]:
     """(how many dead letters are kept, the newest ``limit`` of them, oldest first)."""
-    try:
-        info = await bus.js.stream_info(names.DEAD_STREAM)
-    except nats.js.errors.NotFoundError:
+    with bus_errors(f"cannot read {names.DEAD_STREAM}"):
+        info = await if_found(bus.js.stream_info(names.DEAD_STREAM))
+    if info is None:
         return 0, []
-    except (TimeoutError, nats.errors.Error) as exc:
-        raise BusError(f"cannot read {names.DEAD_STREAM}: {exc!r}") from exc
     state = info.state
     out: list[DeadLetter] = []
     if not state.messages:
         return 0, out
     for seq in range(max(state.first_seq, state.last_seq - limit + 1), state.last_seq + 1):
-        try:
-            raw = await bus.js.get_msg(names.DEAD_STREAM, seq)
-        except nats.js.errors.NotFoundError:
+        with bus_errors(f"cannot read dead letter {seq}"):
+            raw = await if_found(bus.js.get_msg(names.DEAD_STREAM, seq))
+        if raw is None:
             continue  # aged out or removed
-        except (TimeoutError, nats.errors.Error) as exc:
-            raise BusError(f"cannot read dead letter {seq}: {exc!r}") from exc
         h = raw.headers or {}
         out.append(
             DeadLetter(
