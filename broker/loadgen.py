@@ -394,9 +394,16 @@ def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 
 def running_p50_ms(rec: RunRecord) -> float | None:
-    """p50 latency of the queries completed so far (for progress display only)."""
-    done = rec.completed > 0
+    """p50 latency of the queries completed so far (for progress display only).
+
+    Read on the event loop while the run goes on, without the run's lock: a closed
+    loop's reader thread may be growing the record, replacing its arrays one after
+    another. So each array is read once, and both are cut to the shorter one."""
+    completed, scheduled = rec.completed, rec.scheduled
+    n = min(len(completed), len(scheduled))
+    completed, scheduled = completed[:n], scheduled[:n]
+    done = completed > 0
     if not done.any():
         return None
-    lat = (rec.completed[done] - rec.scheduled[done]) / 1e6
+    lat = (completed[done] - scheduled[done]) / 1e6
     return percentile(lat[-2000:], 50)

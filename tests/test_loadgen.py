@@ -13,6 +13,7 @@ import pytest
 
 from broker.lgclock import estimate_offset
 from broker.lgresults import merge_results
+from broker.loadgen import running_p50_ms
 from broker.scenario_kinds import get
 from broker.scenario_kinds.peak import PEAK_PRECISION, next_rate, peak_floor_qps
 from broker.scenarios import build_schedule, scenario_spec
@@ -253,3 +254,18 @@ def test_clock_offset_needs_at_least_one_ping() -> None:
     """Zero rounds is a ConfigError, raised before anything is sent (no bus is used)."""
     with pytest.raises(ConfigError, match="rounds must be at least 1, got 0"):
         anyio.run(lambda: estimate_offset(cast(Bus, None), "agent-x", rounds=0))
+
+
+@pytest.mark.parametrize("first", ["completed", "scheduled"])
+def test_the_running_p50_reads_a_record_that_another_thread_is_growing(first: str) -> None:
+    """A closed loop's reader thread grows the record (array after array, under the
+    run's lock) while the event loop reports progress without that lock: the progress
+    figure is read from whatever state the record is in, and never fails the run."""
+    rec = RunRecord(n=4, batch_size=1)
+    rec.scheduled[:] = [0, 10_000_000, 20_000_000, 30_000_000]
+    rec.completed[:] = [1_000_000, 12_000_000, 23_000_000, 0]  # 1, 2, 3 ms; one in flight
+    # Half-way through a growth: one array already doubled, the other not yet.
+    grown = np.zeros(8, np.int64)
+    grown[:4] = getattr(rec, first)
+    setattr(rec, first, grown)
+    assert running_p50_ms(rec) == 2.0
