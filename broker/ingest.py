@@ -65,6 +65,10 @@ MAX_DELIVER = 20
 """Deliveries of a batch whose insert keeps failing before it is dead-lettered."""
 RETRY_S = 2.0
 DRAIN_POLL_S = 0.2
+TRACE_ACK_WAIT_S = 30.0
+"""How long a trace batch delivered to an ingester waits for its ack before JetStream
+delivers it again: the batches a killed server held come back to another one after
+this long."""
 """How often :meth:`Ingester.drained` asks the consumer what is left."""
 log = logging.getLogger("mlscope.ingest")
 
@@ -77,7 +81,7 @@ class Ingester:
         *,
         fetch_batch: int = 512,
         fetch_timeout: float = 1.0,
-        ack_wait_s: float = 30.0,
+        ack_wait_s: float = TRACE_ACK_WAIT_S,
         boundary: Boundary | None = None,
         trim_s: float = 10.0,
         tuning: ProcessTuning | None = None,

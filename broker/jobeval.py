@@ -23,7 +23,7 @@ from broker.cancel import Cancels, cancelled_rows, cancelled_summary, issued_par
 from broker.db import Database
 from broker.evalspec import specification
 from broker.evaluate import Evaluator
-from broker.ingest import Ingester
+from broker.ingest import TRACE_ACK_WAIT_S, Ingester
 from broker.lgcontrol import stop_runs
 from broker.loadgen import running_p50_ms
 from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
@@ -53,9 +53,11 @@ __all__ = ["JobEvaluation"]
 ATTEMPT_RELEASE_S = 20.0
 """How long a restarted job waits for each agent to stop what a lost attempt left
 running there (an agent waits up to 15 s for a stopped run's final rows)."""
-ATTEMPT_DRAIN_S = 20.0
+ATTEMPT_DRAIN_S = TRACE_ACK_WAIT_S + 5.0
 """How long a restarted job waits for the lost attempt's spans to be stored before
-it deletes that attempt's rows."""
+it deletes that attempt's rows: longer than the trace ack wait, since the batches the
+lost server held unacknowledged come back only after it, whatever the job's own
+(shorter) ack wait; usually the wait ends at once, with nothing pending."""
 log = logging.getLogger("mlscope.server")
 
 

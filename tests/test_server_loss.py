@@ -33,6 +33,7 @@ from tests.conftest import (
     python,
     wait_agents,
 )
+from tests.test_tracing_stack import freeze_holding_batches
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -156,8 +157,10 @@ def test_a_restarted_jobs_lost_load_generator_slice_is_stopped(settings: Setting
 
 def _across_a_server_loss(settings: Settings, job: JobRequest, services: list[list[str]]) -> None:
     """``job`` on ``services`` (``mlscope`` argument lists) and a server SIGKILLed at
-    the job's first progress, a second server started then: the job is restarted and
-    completed, and its evaluation holds one root span per query, the new attempt's."""
+    the job's first progress, holding trace batches it has not acknowledged (they come
+    back only after the trace ack wait, later than the job), a second server started
+    then: the job is restarted and completed, and its evaluation holds one root span
+    per query, the new attempt's."""
     env = child_env(settings)
     procs = [subprocess.Popen([python(), "-m", "cli.main", *args], env=env) for args in services]
     first = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
@@ -170,6 +173,10 @@ def _across_a_server_loss(settings: Settings, job: JobRequest, services: list[li
             events.append(e.event)
             nonlocal second
             if e.event == "progress" and second is None:
+                # Off this (running) event loop: the freeze asks the bus with its own.
+                freeze = threading.Thread(target=freeze_holding_batches, args=(settings, first))
+                freeze.start()
+                freeze.join(60)
                 first.send_signal(signal.SIGKILL)
                 first.wait(20)
                 second = subprocess.Popen([python(), "-m", "cli.main", "server"], env=env)
