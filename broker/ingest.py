@@ -65,11 +65,11 @@ MAX_DELIVER = 20
 """Deliveries of a batch whose insert keeps failing before it is dead-lettered."""
 RETRY_S = 2.0
 DRAIN_POLL_S = 0.2
+"""How often :meth:`Ingester.drained` asks the consumer what is left."""
 TRACE_ACK_WAIT_S = 30.0
 """How long a trace batch delivered to an ingester waits for its ack before JetStream
 delivers it again: the batches a killed server held come back to another one after
 this long."""
-"""How often :meth:`Ingester.drained` asks the consumer what is left."""
 log = logging.getLogger("mlscope.ingest")
 
 
