@@ -2,7 +2,9 @@
 
 A durable pull consumer survives ingester restarts: batches published while it is
 down wait in the stream. Messages are acknowledged only after their rows are
-inserted, so a crash between insert and ack redelivers them; each table's
+inserted, so a crash between insert and ack redelivers them (after the consumer's
+ack wait, :data:`TRACE_ACK_WAIT_S`; while a fetch is decoded, queued and inserted the
+ingester renews its hold on it, so a slow insert is never delivered twice); each table's
 ReplacingMergeTree key ((evaluation_id, agent_id, span_id) for spans, (evaluation_id,
 agent_id, metric, device, ts_ns) for samples) and FINAL reads make that redelivery
 invisible. One fetch of up to ``fetch_batch`` messages (and about ``INSERT_ROWS`` rows) becomes
@@ -46,6 +48,7 @@ from broker.ingest_batch import check_agent, decode
 from broker.ingest_columns import Columns
 from mlscope import names, schema, tracerows
 from mlscope.bus import Bus
+from mlscope.consumers import durable_pull, keep_holding
 from mlscope.contracts import SampleBatch, SpanBatch
 from mlscope.errors import MLScopeError
 from mlscope.serving import Boundary, delivered
@@ -66,10 +69,10 @@ MAX_DELIVER = 20
 RETRY_S = 2.0
 DRAIN_POLL_S = 0.2
 """How often :meth:`Ingester.drained` asks the consumer what is left."""
-TRACE_ACK_WAIT_S = 30.0
-"""How long a trace batch delivered to an ingester waits for its ack before JetStream
-delivers it again: the batches a killed server held come back to another one after
-this long."""
+TRACE_ACK_WAIT_S = 10.0
+"""How long a trace batch delivered to an ingester that stopped renewing its hold
+(killed, frozen, cut off) waits before JetStream delivers it again: the batches a lost
+server held come back to another one after this long."""
 log = logging.getLogger("mlscope.ingest")
 
 
@@ -102,25 +105,25 @@ class Ingester:
         self._send: anyio.abc.ObjectSendStream[_Decoded] | None = None
         self._rows_per_msg = 5000.0
         """Rows per message, running estimate (start: a full tracer batch)."""
+        self._held: dict[int, Msg] = {}
+        """Fetched messages not yet acknowledged, nak'ed or dead-lettered, by id()."""
 
     async def run(self) -> None:
-        sub = await self.bus.js.pull_subscribe(
-            names.traces_wildcard(),
-            durable=names.TRACES_CONSUMER,
-            stream=names.TRACES_STREAM,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self.ack_wait_s,
-                deliver_policy=DeliverPolicy.ALL,
-                max_ack_pending=20_000,
-                max_deliver=MAX_DELIVER,
-            ),
+        config = ConsumerConfig(
+            filter_subject=names.traces_wildcard(),
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.ack_wait_s,
+            deliver_policy=DeliverPolicy.ALL,
+            max_ack_pending=20_000,
+            max_deliver=MAX_DELIVER,
         )
+        sub = await durable_pull(self.bus, names.TRACES_STREAM, names.TRACES_CONSUMER, config)
         # Fetch and decode the next messages while the previous ones are inserted.
         send, receive = anyio.create_memory_object_stream[_Decoded](1)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._writer, receive)
             tg.start_soon(self._trimmer, sub)
+            tg.start_soon(keep_holding, self._held.values, self.ack_wait_s)
             self._send = send
             try:
                 avg = float(1 << 20)  # bytes per message, running estimate (start: max)
@@ -150,9 +153,11 @@ class Ingester:
                     if not msgs:
                         continue
                     avg = 0.5 * avg + 0.5 * sum(len(m.data) for m in msgs) / len(msgs)
+                    self._held.update((id(m), m) for m in msgs)
                     await self._store(msgs)
             finally:
                 self._send = None
+                self._held.clear()  # what it did not finish comes back after the ack wait
                 send.close()
 
     async def _trimmer(self, sub: Any) -> None:
@@ -244,6 +249,15 @@ class Ingester:
         return {str(e): str(a) for e, a in rows}
 
     async def _write(self, decoded: _Decoded) -> None:
+        try:
+            await self._settle(decoded)
+        finally:
+            for msg in (*decoded[2], *(m for m, _ in decoded[3])):
+                self._held.pop(id(msg), None)
+
+    async def _settle(self, decoded: _Decoded) -> None:
+        """Store the good messages' rows and ack them (nak them when the insert
+        fails); dead-letter the bad ones."""
         spans, samples, good, bad = decoded
         for msg, err in bad:  # a message that can never decode must not block the stream
             self.rejected += 1

@@ -32,7 +32,6 @@ requests, the job consumer, and every long-lived loop (watches, ingester, histor
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from broker.readonly import ReadLimits, ReadOnlyDatabase
 from mlscope import bus as busmod
 from mlscope import codec, names, scratch
 from mlscope.catalog import Catalog, default_manifest_dirs
+from mlscope.consumers import durable_pull, keep_holding
 from mlscope.contracts import (
     MAX_ID_CHARS,
     CancelReply,
@@ -65,7 +65,7 @@ from mlscope.contracts import (
     evaluation_id_for,
     new_id,
 )
-from mlscope.errors import BusError, BusNotFound, WireError
+from mlscope.errors import BusError, WireError
 from mlscope.model_registry import ManifestWatcher
 from mlscope.provision import provisioned
 from mlscope.registry import AgentCache
@@ -160,35 +160,15 @@ class Server(JobEvaluation):
     # ------------------------------------------------------------------ jobs
 
     async def _job_consumer(self, bus: busmod.Bus) -> Any:
-        """The servers' shared durable consumer of the job stream, created or updated
-        to this server's ack wait (JetStream keeps an existing consumer's config
-        otherwise), and a pull subscription bound to it."""
-        ack_wait = self.settings.job_ack_wait_s
+        """The servers' shared durable consumer of the job stream, set to this server's
+        ack wait, and a pull subscription bound to it."""
         config = ConsumerConfig(
-            name=names.JOBS_CONSUMER,
-            durable_name=names.JOBS_CONSUMER,
             filter_subject=names.JOBS_SUBJECT,
             ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ack_wait,
+            ack_wait=self.settings.job_ack_wait_s,
             max_deliver=JOB_MAX_DELIVER,
         )
-        what = "cannot set up the job consumer"
-        before = None
-        with contextlib.suppress(BusNotFound), busmod.bus_errors(what):
-            info = await bus.js.consumer_info(names.JOBS_STREAM, names.JOBS_CONSUMER)
-            before = info.config.ack_wait
-        with busmod.bus_errors(what):
-            if before != ack_wait:
-                await bus.js.add_consumer(names.JOBS_STREAM, config=config)
-                if before is not None:
-                    log.info(
-                        "job ack wait set to %g s (was %g s; MLSCOPE_JOB_ACK_WAIT_S)",
-                        ack_wait,
-                        before,
-                    )
-            return await bus.js.pull_subscribe_bind(
-                durable=names.JOBS_CONSUMER, stream=names.JOBS_STREAM
-            )
+        return await durable_pull(bus, names.JOBS_STREAM, names.JOBS_CONSUMER, config)
 
     async def _take_jobs(self, sub: Any, tg: anyio.abc.TaskGroup) -> None:
         slots = anyio.Semaphore(self.max_parallel_jobs)
@@ -260,17 +240,8 @@ class Server(JobEvaluation):
             )
 
     async def _keep_alive(self, job_id: str) -> None:
-        """The job's lease: ``in_progress`` on every delivery, survivable failures (a
-        bus outage) ignored so the lease resumes as soon as the bus is back."""
-        while True:
-            await anyio.sleep(self.settings.job_ack_wait_s / 5)
-            for m in list(self.running.get(job_id, [])):
-                with (
-                    anyio.move_on_after(2),
-                    contextlib.suppress(BusError, OSError),
-                    busmod.bus_errors("in progress"),
-                ):
-                    await m.in_progress()
+        """The job's lease on every delivery of it."""
+        await keep_holding(lambda: self.running.get(job_id, []), self.settings.job_ack_wait_s)
 
     async def _run_job(self, job: JobRequest, *, restarted: bool = False) -> None:
         subject = names.job_events(job.job_id)

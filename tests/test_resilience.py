@@ -13,6 +13,7 @@ import anyio
 import numpy as np
 import pytest
 from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from broker.db import Database
 from broker.ingest import Ingester
@@ -129,6 +130,60 @@ def ingester_killed_mid_stream(settings: Settings, db: Database) -> None:
 
 async def _noop() -> None:
     return None
+
+
+def test_an_insert_longer_than_the_ack_wait_is_held_not_delivered_again(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The ingester renews its hold on a fetch while it is inserted: a slow database
+    gets each batch once, and the consumer an older bus made with another ack wait is
+    set to the ingester's."""
+    ack_wait, insert_s = 1.0, 3.5
+    eval_id = "ev-slow-insert"
+
+    class SlowDatabase(Ingester):
+        def _insert_rows(self, table: str, rows: Any) -> None:
+            time.sleep(insert_s)  # a database busy with merges
+            super()._insert_rows(table, rows)
+
+    async def main() -> tuple[float, int, int, int]:
+        async with provisioned(settings, name="test") as bus:
+            old = ConsumerConfig(  # as a bus of an older version has it
+                name=names.TRACES_CONSUMER,
+                durable_name=names.TRACES_CONSUMER,
+                filter_subject=names.traces_wildcard(),
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=30.0,
+                deliver_policy=DeliverPolicy.ALL,
+                max_ack_pending=20_000,
+            )
+            await bus.js.add_consumer(names.TRACES_STREAM, config=old)
+            for b in range(3):
+                await bus.js.publish(
+                    names.traces(eval_id, "a1"), codec.encode_model(span_batch(eval_id, b * 50, 50))
+                )
+            ingester = SlowDatabase(bus, db, ack_wait_s=ack_wait)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ingester.run)
+                with anyio.fail_after(60):
+                    while _count(db, eval_id) < 150:
+                        await anyio.sleep(0.1)
+                await anyio.sleep(2 * ack_wait)  # a redelivery would be fetched now
+                tg.cancel_scope.cancel()
+            info = await bus.js.consumer_info(names.TRACES_STREAM, names.TRACES_CONSUMER)
+            assert info.delivered is not None
+            return (
+                float(info.config.ack_wait or 0),
+                ingester.redelivered,
+                info.delivered.consumer_seq,
+                info.delivered.stream_seq,
+            )
+
+    with Database(f"chdb:///{tmp_path / 'db'}") as db:
+        db.migrate()
+        set_to, redelivered, consumer_seq, stream_seq = anyio.run(main, backend="asyncio")
+    assert set_to == ack_wait
+    assert redelivered == 0 and consumer_seq == stream_seq == 3, (consumer_seq, stream_seq)
 
 
 def test_ingested_batches_leave_the_stream_and_poison_is_dead_lettered(
