@@ -31,6 +31,7 @@ issued nothing, judged INVALID as such, as a closed loop's or an agent's would b
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from broker.lgclock import now
 from mlscope import samples, wire
 from mlscope.bus import Bus
 from mlscope.contracts import ScenarioSpec, TraceLevel
-from mlscope.errors import BusError, EvaluationError, MLScopeError
+from mlscope.errors import BusError, EvaluationError
 from mlscope.pacer import OutstandingLimit, Pacer
 from mlscope.querylink import QueryLink
 from mlscope.record import RunRecord
@@ -69,6 +70,7 @@ LINK_BUSY_S = 60e-6
 """The pacer sleeps until LINK_SPIN_S before each query is due and spins the rest,
 holding the GIL: a sleep ends ~25-100 µs late, a spin is exact. At 1,000 QPS that is
 ~60 µs of CPU per query (docs/BENCHMARKS.md, "Server placement: the query link")."""
+log = logging.getLogger("mlscope.loadgen")
 
 
 def encode_query(
@@ -107,6 +109,7 @@ class Driver:
         self.bus, self.evaluation_id, self.subject, self.spec = bus, evaluation_id, subject, spec
         self.inputs, self.labels, self.trace_level = inputs, labels, trace_level
         self.offset_ns, self.on_progress = offset_ns, on_progress
+        self._report_failed = False
         self.schedule, self.start_ns, self.payloads = schedule, start_ns, payloads
         self.tuning = tuning
         self.inbox = bus.nc.new_inbox()  # under this connection's role's inbox prefix
@@ -220,21 +223,33 @@ class Driver:
 
     async def _last_progress(self) -> None:
         """Report the record as it is now (shielded: the run is being cancelled)."""
-        rec, report = self.record, self.on_progress
-        if rec is None or report is None:
-            return
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(LAST_PROGRESS_S),
-            contextlib.suppress(MLScopeError),
-        ):
-            await report(rec, (now() - rec.t0_ns) / 1e9 if rec.t0_ns else 0.0)
+        if self.record is not None:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(LAST_PROGRESS_S):
+                await self._report(self.record)
 
     async def _progress(self) -> None:
         while True:
             await anyio.sleep(0.5)
-            if self.record is not None and self.on_progress is not None:
-                await self.on_progress(self.record, (now() - self.record.t0_ns) / 1e9)
+            if self.record is not None:
+                await self._report(self.record)
+
+    async def _report(self, rec: RunRecord) -> None:
+        """One progress report. A report that fails is logged (the run's first failure
+        with its traceback) and the run goes on: a figure only shown never ends a
+        measurement."""
+        if self.on_progress is None:
+            return
+        try:
+            await self.on_progress(rec, (now() - rec.t0_ns) / 1e9 if rec.t0_ns else 0.0)
+        except Exception:
+            first = not self._report_failed
+            self._report_failed = True
+            log.log(
+                logging.ERROR if first else logging.DEBUG,
+                "evaluation %s: a progress report failed; the run goes on",
+                self.evaluation_id,
+                exc_info=True,
+            )
 
     def _index(self, sched: Schedule) -> None:
         """Remember how global indices map to positions (a dealt slice is strided)."""

@@ -5,6 +5,7 @@ answer and ends when answers stop."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -117,6 +118,36 @@ def test_a_served_run_takes_answers_whose_outputs_are_no_class_index(noop_stack:
     assert (rec.completed > rec.issued).all()
     want = np.where(np.arange(rec.n) % len(firsts) == len(firsts) - 1, 7, -1)
     assert rec.prediction.tolist() == want.tolist()
+
+
+def test_a_run_whose_progress_report_fails_goes_on_and_says_so(
+    noop_stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A progress figure that raises (of any type) every time it is computed is
+    logged once as an error, and the run is measured to its end, reported on."""
+    calls: list[int] = []
+
+    async def failing(rec: Any, _elapsed_s: float) -> None:
+        calls.append(rec.done)
+        raise IndexError("a figure computed from a half-grown record")
+
+    async def go() -> Any:
+        async with busmod.connect(noop_stack.settings, name="test progress") as bus:
+            agent_id = await prepared_noop(bus, "ev-progress")
+            driver = _noop_driver(bus, agent_id, "ev-progress", 1.6)
+            driver.on_progress = failing
+            rec = await driver.run()
+            release = codec.encode_model(ReleaseOp(evaluation_id="ev-progress"))
+            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            return rec
+
+    with caplog.at_level(logging.DEBUG, logger="mlscope.loadgen"):
+        rec = anyio.run(go, backend="asyncio")
+    assert rec.n > 300 and rec.done == rec.n and rec.ok.all(), rec.errors
+    assert len(calls) >= 3  # reported on after the first failure
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "progress report failed" in errors[0].getMessage()
+    assert errors[0].exc_info is not None and errors[0].exc_info[0] is IndexError
 
 
 @pytest.mark.integration  # a 5 s run through a nats-server killed and restarted
