@@ -25,7 +25,7 @@ from broker.evalspec import specification
 from broker.evaluate import Evaluator
 from broker.ingest import TRACE_ACK_WAIT_S, Ingester
 from broker.lgcontrol import stop_runs
-from broker.loadgen import running_p50_ms
+from broker.loadgen import best_effort, running_p50_ms
 from broker.resolve import RESOLVE_GRACE_S, recently_alive, resolve
 from broker.run import RunsSoFar
 from mlscope import bus as busmod
@@ -179,7 +179,8 @@ class JobEvaluation:
                 ),
             )
 
-        return await self.evaluator.run(job, agent, entry, progress, runs)
+        reported = best_effort(progress, f"job {job.job_id}")
+        return await self.evaluator.run(job, agent, entry, reported, runs)
 
     async def _forget_attempt(self, eval_id: str) -> None:
         """Before a restarted job runs again: stop what the lost attempt left running

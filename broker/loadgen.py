@@ -34,8 +34,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec
 
 import anyio
 import numpy as np
@@ -55,6 +55,7 @@ from mlscope.tuning import ProcessTuning
 
 __all__ = [
     "Driver",
+    "best_effort",
     "encode_query",
     "running_p50_ms",
 ]
@@ -71,6 +72,7 @@ LINK_BUSY_S = 60e-6
 holding the GIL: a sleep ends ~25-100 µs late, a spin is exact. At 1,000 QPS that is
 ~60 µs of CPU per query (docs/BENCHMARKS.md, "Server placement: the query link")."""
 log = logging.getLogger("mlscope.loadgen")
+P = ParamSpec("P")
 
 
 def encode_query(
@@ -108,8 +110,10 @@ class Driver:
     ) -> None:
         self.bus, self.evaluation_id, self.subject, self.spec = bus, evaluation_id, subject, spec
         self.inputs, self.labels, self.trace_level = inputs, labels, trace_level
-        self.offset_ns, self.on_progress = offset_ns, on_progress
-        self._report_failed = False
+        self.offset_ns = offset_ns
+        self.on_progress = (
+            best_effort(on_progress, f"evaluation {evaluation_id}") if on_progress else None
+        )
         self.schedule, self.start_ns, self.payloads = schedule, start_ns, payloads
         self.tuning = tuning
         self.inbox = bus.nc.new_inbox()  # under this connection's role's inbox prefix
@@ -234,22 +238,8 @@ class Driver:
                 await self._report(self.record)
 
     async def _report(self, rec: RunRecord) -> None:
-        """One progress report. A report that fails is logged (the run's first failure
-        with its traceback) and the run goes on: a figure only shown never ends a
-        measurement."""
-        if self.on_progress is None:
-            return
-        try:
+        if self.on_progress is not None:
             await self.on_progress(rec, (now() - rec.t0_ns) / 1e9 if rec.t0_ns else 0.0)
-        except Exception:
-            first = not self._report_failed
-            self._report_failed = True
-            log.log(
-                logging.ERROR if first else logging.DEBUG,
-                "evaluation %s: a progress report failed; the run goes on",
-                self.evaluation_id,
-                exc_info=True,
-            )
 
     def _index(self, sched: Schedule) -> None:
         """Remember how global indices map to positions (a dealt slice is strided)."""
@@ -406,6 +396,24 @@ def _sole(group: BaseExceptionGroup[BaseException]) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
+
+
+def best_effort(report: Callable[P, Awaitable[Any]], what: str) -> Callable[P, Awaitable[None]]:
+    """``report`` (a run's progress callback) made best effort: a report that fails,
+    whatever the exception, is logged (the first failure as an error, with its
+    traceback) and the run goes on. A figure only shown never ends a measurement."""
+    failed = False
+
+    async def reported(*args: P.args, **kwargs: P.kwargs) -> None:
+        nonlocal failed
+        try:
+            await report(*args, **kwargs)
+        except Exception:
+            level = logging.DEBUG if failed else logging.ERROR
+            log.log(level, "%s: a progress report failed; the run goes on", what, exc_info=True)
+            failed = True
+
+    return reported
 
 
 def running_p50_ms(rec: RunRecord) -> float | None:

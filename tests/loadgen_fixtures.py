@@ -3,8 +3,9 @@ and the noop model prepared on it for a Driver of a test's own."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
 from mlscope.contracts import PrepareOp, ScenarioSpec, TraceLevel
+from mlscope.record import RunRecord
 from mlscope.registry import list_agents
 from mlscope.schedule import constant, poisson
 from mlscope.tuning import ProcessTuning
@@ -53,6 +55,7 @@ def open_loop(
     seed: int = 0,
     scenario: str = "online",
     inputs: Callable[[int], np.ndarray] = one_sample,
+    on_progress: Callable[[RunRecord, float], Awaitable[Any]] | None = None,
 ) -> Driver:
     """A load generator's open loop to ``subject``: Poisson arrivals (``online``) or
     evenly spaced ones (``constant``) at ``qps`` for ``duration_s``, untraced."""
@@ -70,5 +73,6 @@ def open_loop(
         labels=None,
         trace_level=TraceLevel.NONE,
         schedule=schedule,
+        on_progress=on_progress,
         tuning=ProcessTuning(),
     )

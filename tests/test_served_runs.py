@@ -134,8 +134,10 @@ def test_a_run_whose_progress_report_fails_goes_on_and_says_so(
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test progress") as bus:
             agent_id = await prepared_noop(bus, "ev-progress")
-            driver = _noop_driver(bus, agent_id, "ev-progress", 1.6)
-            driver.on_progress = failing
+            subject = names.agent_query(agent_id)
+            driver = open_loop(
+                bus, "ev-progress", subject, qps=300, duration_s=1.6, on_progress=failing
+            )
             rec = await driver.run()
             release = codec.encode_model(ReleaseOp(evaluation_id="ev-progress"))
             await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
