@@ -205,7 +205,9 @@ class LocalRecord:
         loop, those due, every one once the schedule is over (one due and not issued:
         refused by the outstanding bound, or the run stopped before it)."""
         rec = self.rec
-        answered = np.flatnonzero(rec.completed)
+        # A snapshot first: an open loop's threads complete queries without the lock,
+        # and numpy's nonzero raises when the count changes while it reads.
+        answered = np.flatnonzero(rec.completed != 0)
         rows = max(self._issued - self._base, int(answered[-1]) + 1 if answered.size else 0)
         if not self.closed:
             rows = max(rows, int(np.searchsorted(rec.scheduled, now() - rec.t0_ns, "right")))

@@ -304,3 +304,43 @@ def test_a_local_runs_queued_queries_are_not_run_once_its_evaluation_is_released
     assert after - at_release <= 1, (at_release, after)
     assert len(dropped) >= 20, run.rec.errors
     assert len(dropped) + int(run.rec.ok.sum()) == run.issued
+
+
+def test_the_final_take_reads_an_open_loop_record_that_its_threads_are_completing() -> None:
+    """An open loop's threads complete queries without the record's lock (its record
+    never grows). The final take of an overloaded run (millions of rows, answers
+    still landing) must ship them, not fail because a count changed under it: the
+    agent then shipped nothing, and the server waited out its limit for the rows."""
+    from agent.localrecord import LocalRecord
+    from mlscope.contracts import ScenarioSpec
+    from mlscope.schedule import constant
+
+    n = 2_000_000
+
+    class Overloaded(LocalRecord):
+        def __init__(self) -> None:
+            self.spec = ScenarioSpec(
+                name="constant", qps=1e6, duration_s=n / 1e6, min_duration_s=0, min_queries=1
+            )
+            self.closed = False
+            self.schedule = constant(1e6, duration_s=n / 1e6)
+            super().__init__(len(self.schedule))
+
+    record = Overloaded()
+    completed = record.rec.completed
+    stop = threading.Event()
+
+    def answering() -> None:  # as executor threads complete queries, lock-free
+        k = 0
+        while not stop.is_set():
+            completed[(k * 7919) % n] = k + 1
+            k += 1
+
+    writer = threading.Thread(target=answering)
+    writer.start()
+    try:
+        takes = [record.take(final=True) for _ in range(20)]
+    finally:
+        stop.set()
+        writer.join()
+    assert [len(cols["completed"]) for _, cols, _ in takes] == [n] + [0] * 19
