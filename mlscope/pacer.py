@@ -45,6 +45,7 @@ from mlscope.schedule import Schedule
 __all__ = [
     "DEFAULT_BUSY_S",
     "DEFAULT_SPIN_S",
+    "GIVE_UP_S",
     "Gate",
     "OutstandingLimit",
     "Pacer",
@@ -55,6 +56,12 @@ __all__ = [
 
 DEFAULT_SPIN_S = 300e-6
 DEFAULT_BUSY_S = 70e-6
+GIVE_UP_S = 10.0
+"""A pacer this far behind the end of its schedule stops: every query it would still
+issue is that late, so it has not delivered its schedule (the run is INVALID), and the
+queries not reached are not issued. Without it an overloaded run whose queries are
+refused one by one (an agent's local run) would go on for as long as refusing the
+whole backlog takes, long after its schedule."""
 SHORT_SLEEP_NS = 5_000_000
 """A wait up to this long is a plain ``time.sleep`` (a stop waits for it to end);
 a longer one an ``Event.wait`` that a stop interrupts."""
@@ -134,6 +141,7 @@ class Pacer:
     ``start_ns`` is the ``perf_counter_ns`` value of offset 0 (default: when the pacer
     starts running), so several pacers can share one start. ``max_batch`` caps one
     batch, so a long stall is issued in several hops rather than one huge one.
+    ``give_up_s``: how far behind its schedule's end the pacer stops (:data:`GIVE_UP_S`).
     """
 
     def __init__(
@@ -149,17 +157,19 @@ class Pacer:
         start_ns: int | None = None,
         stop: threading.Event | None = None,
         realtime: bool = False,
+        give_up_s: float = GIVE_UP_S,
     ) -> None:
         if (issue is None) == (issue_many is None):
             raise ConfigError("give exactly one of issue and issue_many")
-        if spin_s < 0 or busy_s < 0 or max_batch < 1:
-            raise ConfigError("spin_s and busy_s must be >= 0 and max_batch >= 1")
+        if spin_s < 0 or busy_s < 0 or max_batch < 1 or give_up_s < 0:
+            raise ConfigError("spin_s, busy_s and give_up_s must be >= 0 and max_batch >= 1")
         offsets = schedule.offsets_ns if isinstance(schedule, Schedule) else schedule
         self._offsets = Schedule(offsets).offsets_ns  # validates: int64, sorted, >= 0
         self._issue, self._issue_many, self._gate = issue, issue_many, gate
         self._spin_ns = int(spin_s * 1e9)
         self._busy_ns = int(busy_s * 1e9)
         self._max_batch = max_batch
+        self._give_up_ns = int(give_up_s * 1e9)
         self._start_ns = start_ns
         self._stop = stop if stop is not None else threading.Event()
         self._issued = np.zeros(self._offsets.size, dtype=np.int64)
@@ -236,6 +246,7 @@ class Pacer:
         if self._start_ns is None:
             self._start_ns = clock()
         t0 = self._start_ns
+        give_up = t0 + (offsets[-1] if n else 0) + self._give_up_ns
         i = 0
         while i < n and not stop.is_set():
             due = t0 + offsets[i]
@@ -244,6 +255,8 @@ class Pacer:
                 if not self._wait_until(due):
                     break
                 now = clock()
+            elif now > give_up:
+                break
             j = bisect_right(offsets, now - t0, i, min(n, i + max_batch))  # every j' < j is due
             self._issue_batch(offsets, i, j, now - t0 or 1)
             i = self._reached = j

@@ -31,6 +31,7 @@ from mlscope.early_stopping import (
     early_stopping_queries_needed,
     finite,
 )
+from mlscope.pacer import GIVE_UP_S
 from mlscope.stats import percentile as nearest_rank
 
 __all__ = [
@@ -410,6 +411,8 @@ def _failure_reasons(pol: ValidityPolicy, counts: Mapping[str, int]) -> list[str
     if not_issued > pol.max_not_issued:
         out.append(
             f"{not_issued} queries not issued: the outstanding-query bound held them "
-            f"back, or they were due after the run stopped (allowed {pol.max_not_issued})"
+            f"back, the load generator fell {GIVE_UP_S:g} s behind its schedule and "
+            f"gave up, or they were due after the run stopped "
+            f"(allowed {pol.max_not_issued})"
         )
     return out

@@ -100,6 +100,24 @@ def test_stop_event_ends_a_long_schedule_and_joins() -> None:
     assert np.all(result.issued_ns[2:] == 0) and result.not_issued.size == 0
 
 
+def test_a_pacer_too_far_behind_its_schedules_end_gives_up() -> None:
+    """Issuing takes 2 ms a query against a schedule of 0.1 ms a query: once the clock
+    is ``give_up_s`` past the schedule's end, the queries not reached are left not
+    issued (never refused by the gate) and the pacer ends; without the limit it would
+    go on for the 2 s the backlog takes."""
+    s = sch.constant(10_000.0, n=1000)  # 0.1 s of schedule
+
+    def issue(_i: int, _s: int, _t: int) -> None:
+        time.sleep(0.002)
+
+    result = Pacer(s, issue=issue, max_batch=16, give_up_s=0.2).run()
+    assert result.stopped and 0 < result.reached < len(s), result.reached
+    assert np.all(result.issued_ns[: result.reached] > 0)
+    assert np.all(result.issued_ns[result.reached :] == 0) and result.not_issued.size == 0
+    on_time = Pacer(sch.constant(10_000.0, n=1000), issue=lambda _i, _s, _t: None).run()
+    assert not on_time.stopped and on_time.reached == 1000
+
+
 def test_stop_wakes_a_sleeping_pacer() -> None:
     with Pacer(sch.constant(0.01, n=3), issue_many=lambda _i, _t: None) as pacer:
         time.sleep(0.05)
