@@ -6,6 +6,12 @@ query still in flight), then the rest with the run's totals (its CPU time among 
 is cancelled) ships every query it issued, those in flight included, as
 :class:`~mlscope.contracts.RunRows` messages each within the max payload
 (:func:`rows_messages`). The server side is ``broker/agentrun.py``.
+
+Rows are flow-controlled: after each :data:`ACK_EVERY_BYTES` the agent sends a message
+as a request and waits until the server has read it (:func:`rows_publisher`). An
+overloaded run's final rows are hundreds of MB at once, and nats-server cuts off a
+client that leaves more than its max pending (64 MiB by default) unread as a slow
+consumer, losing the messages (and the server's other subscriptions' with them).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import numpy as np
 
 from agent.localrun import LocalRun
 from mlscope import codec
+from mlscope.bus import Bus, bus_errors
 from mlscope.contracts import ROWS_EVERY_S, RunOp, RunRows
+from mlscope.errors import BusError
 from mlscope.serving import as_error
 
-__all__ = ["rows_messages", "serve_run"]
+__all__ = ["ACK_EVERY_BYTES", "Publish", "rows_messages", "rows_publisher", "serve_run"]
 
 log = logging.getLogger("mlscope.agent")
 HEADROOM = 4096
@@ -32,7 +40,18 @@ ERROR_OVERHEAD = 14
 """Bytes an error costs in a rows message besides its text, at most: its key (up to 9)
 and its text's msgpack header (up to 5)."""
 SHIP_TIMEOUT_S = 10.0
-"""How long one shipment of rows may take to send (a bus that takes none is gone)."""
+"""How long one rows message may take to send (a bus that takes none is gone)."""
+ACK_EVERY_BYTES = 8 << 20
+"""Bytes of rows messages sent between two that wait until the server has read them:
+at most about this much of one run's rows is unread at the server, well within
+nats-server's default max pending for its connection (64 MiB, which it shares with
+the trace ingester's fetches and the other runs' rows)."""
+ACK_WAIT_S = 5.0
+"""How long a message that asks waits for the server's word that it is read. Flow
+control only: past it (a server stuck, or gone) the shipment goes on."""
+Publish = Callable[[bytes, bool], Awaitable[None]]
+"""Sends one rows message; True: and waits (up to :data:`ACK_WAIT_S`) until the
+server has read it."""
 PACER_STOP_S = 1.0
 """How long the final rows of a stopped run wait for its pacer to stop (it does within
 a few ms), so that they carry its load generator's CPU time."""
@@ -88,7 +107,7 @@ def rows_messages(
 async def serve_run(
     run: LocalRun,
     req: RunOp,
-    publish: Callable[[bytes], Awaitable[None]],
+    publish: Publish,
     service: str,
     *,
     held: contextlib.ExitStack,
@@ -151,12 +170,13 @@ class _Shipper:
         self,
         run: LocalRun,
         req: RunOp,
-        publish: Callable[[bytes], Awaitable[None]],
+        publish: Publish,
         service: str,
         max_bytes: int,
+        ack_every: int = ACK_EVERY_BYTES,
     ) -> None:
         self.run, self.req, self.publish = run, req, publish
-        self.service, self.max_bytes = service, max_bytes
+        self.service, self.max_bytes, self.ack_every = service, max_bytes, ack_every
         self.seq = 0
         """Messages sent so far: the next one's number."""
 
@@ -182,20 +202,44 @@ class _Shipper:
 
     async def ship(self, *, final: bool = False, **extra: Any) -> None:
         """Take the rows not shipped and send them, the messages built off the event
-        loop (a shipment of an overloaded run's millions of rows takes seconds)."""
+        loop (a shipment of an overloaded run's millions of rows takes seconds), each
+        :attr:`ack_every` bytes waiting until the server has read them."""
         built = await anyio.to_thread.run_sync(self.messages, final, extra)
-        sent = 0
-        with anyio.move_on_after(SHIP_TIMEOUT_S):
-            for data in built:
-                await self.publish(data)
-                self.seq += 1
-                sent += 1
+        sent = unread = 0
+        for data in built:
+            unread += len(data)
+            wait = unread >= self.ack_every
+            with anyio.move_on_after(SHIP_TIMEOUT_S) as sending:
+                await self.publish(data, wait)
+            if sending.cancelled_caught:
+                break
+            self.seq += 1
+            sent += 1
+            unread = 0 if wait else unread
         if sent < len(built):  # the server sees the gap; the agent says why
             log.error(
-                "%s: local run %s: %d of %d rows messages not sent within %g s (the bus took none)",
+                "%s: local run %s: %d of %d rows messages not sent: one was not taken "
+                "within %g s (the bus took none)",
                 self.service,
                 self.req.evaluation_id,
                 len(built) - sent,
                 len(built),
                 SHIP_TIMEOUT_S,
             )
+
+
+def rows_publisher(bus: Bus, subject: str) -> Publish:
+    """A run's :data:`Publish` on its rows subject."""
+
+    async def publish(data: bytes, wait: bool) -> None:
+        with bus_errors(f"rows on {subject}", subject=subject):
+            if not wait:
+                await bus.nc.publish(subject, data)
+                return
+            try:
+                with bus_errors(f"no word that the rows on {subject} were read"):
+                    await bus.nc.request(subject, data, timeout=ACK_WAIT_S)
+            except BusError as exc:  # sent all the same: the shipment goes on
+                log.debug("%s", exc)
+
+    return publish

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from anyio.abc import TaskGroup
 from agent.localinputs import run_inputs
 from agent.localrun import LocalRun
 from agent.pipeline import Executor
-from agent.runrows import serve_run
+from agent.runrows import Publish, rows_publisher, serve_run
 from agent.samplelib import MemoryBudget
 from agent.tracer import Tracer
 from mlscope import names
@@ -124,9 +123,7 @@ class LocalRuns:
             )
             t0 = await anyio.to_thread.run_sync(run.prepare)
             running = self.running[req.evaluation_id] = _Running()
-            publish = functools.partial(
-                bus.nc.publish, names.agent_rows(self.agent_id, req.evaluation_id)
-            )
+            publish = rows_publisher(bus, names.agent_rows(self.agent_id, req.evaluation_id))
             max_bytes = min(req.max_bytes, bus.payload_budget())
             tg.start_soon(self._serve, running, run, req, publish, held, max_bytes)
         except BaseException:
@@ -154,7 +151,7 @@ class LocalRuns:
         running: _Running,
         run: LocalRun,
         req: RunOp,
-        publish: Callable[[bytes], Awaitable[None]],
+        publish: Publish,
         held: contextlib.ExitStack,
         max_bytes: int,
     ) -> None:

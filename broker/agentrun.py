@@ -47,11 +47,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 import anyio
+from nats.aio.msg import Msg
 
 from broker import lgclock
 from broker.agentrows import START_TIMEOUT_S, Labels, RowCollector
 from mlscope import codec, names
-from mlscope.bus import Bus, next_msg, request
+from mlscope.bus import Bus, bus_errors, next_msg, request
 from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
     AgentDescription,
@@ -199,6 +200,7 @@ async def _collect(
             continue
         rows = codec.decode_model(RunRows, msg.data)
         c.add(rows)
+        await _read(bus, msg)
         if on_progress is not None and time.monotonic() - shown > 0.5:
             shown = time.monotonic()
             await on_progress(c.rec, shown - began)
@@ -226,6 +228,7 @@ async def _stopped(
         while (msg := await next_msg(sub, CANCEL_ROWS_WAIT_S)) is not None:
             rows = codec.decode_model(RunRows, msg.data)
             c.add(rows)
+            await _read(bus, msg)
             if rows.final:
                 c.finish(rows)
                 break
@@ -234,6 +237,15 @@ async def _stopped(
     if on_progress is not None:
         with contextlib.suppress(MLScopeError):
             await on_progress(c.rec, time.monotonic() - began)
+
+
+async def _read(bus: Bus, msg: Msg) -> None:
+    """Tell the agent that a rows message that asks (a reply subject) is read: it waits
+    for that before it sends more (``agent.runrows.ACK_EVERY_BYTES``), so its rows
+    never pile up unread past nats-server's max pending for this connection."""
+    if msg.reply:
+        with contextlib.suppress(BusError), bus_errors("rows read, not said"):
+            await bus.nc.publish(msg.reply, b"")
 
 
 Absence = Literal["", "silent", "restarted"]

@@ -251,7 +251,7 @@ def test_rows_the_bus_takes_none_of_are_given_up_with_the_reason_logged(
     ex = Executor(model, ExecutorConfig(pre_workers=0))
     run = local_run(ex, spec, inputs)
 
-    async def stuck(data: bytes) -> None:  # a bus that takes nothing
+    async def stuck(data: bytes, wait: bool) -> None:  # a bus that takes nothing
         await anyio.sleep(3600)
 
     async def main() -> None:
