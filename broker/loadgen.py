@@ -71,6 +71,8 @@ LINK_BUSY_S = 60e-6
 """The pacer sleeps until LINK_SPIN_S before each query is due and spins the rest,
 holding the GIL: a sleep ends ~25-100 µs late, a spin is exact. At 1,000 QPS that is
 ~60 µs of CPU per query (docs/BENCHMARKS.md, "Server placement: the query link")."""
+FRAMES_PER_BLOCK = 16_384
+"""Queries encoded per worker-thread call before a run's clock starts (~0.2 s of work)."""
 log = logging.getLogger("mlscope.loadgen")
 P = ParamSpec("P")
 
@@ -261,12 +263,7 @@ class Driver:
         failed: BaseException | None = None
         try:
             link.start(self._on_reply, on_end=self._idle.set)  # answers the server's pings
-            # Every query's bytes are built before the clock starts.
-            if self.payloads is None:
-                glob = sched.index.tolist()
-                frames = [link.frame(self.subject, self.payload(g)) for g in glob]
-            else:
-                frames = [link.frame(self.subject, p) for p in self.payloads]
+            frames = await self._frames(link, sched)
             if len(frames) != rec.n:
                 raise EvaluationError(f"{len(frames)} payloads for {rec.n} queries")
             await self._pace(rec, offsets, link, frames)
@@ -280,6 +277,24 @@ class Driver:
         if failed is not None:
             raise failed
         return rec
+
+    async def _frames(self, link: QueryLink, sched: Schedule) -> list[bytes]:
+        """Every query's bytes, built before the clock starts: on worker threads, a
+        block at a time, so the event loop goes on (a job's lease, pings, a cancel)
+        while millions of queries are encoded, and a cancel ends it between blocks."""
+        subject, payloads = self.subject, self.payloads
+        glob = sched.index.tolist() if payloads is None else []
+        n = len(glob) if payloads is None else len(payloads)
+        frames: list[bytes] = []
+
+        def block(a: int, b: int) -> list[bytes]:
+            if payloads is not None:
+                return [link.frame(subject, p) for p in payloads[a:b]]
+            return [link.frame(subject, self.payload(g)) for g in glob[a:b]]
+
+        for a in range(0, n, FRAMES_PER_BLOCK):
+            frames += await anyio.to_thread.run_sync(block, a, min(a + FRAMES_PER_BLOCK, n))
+        return frames
 
     def _open_link(self) -> QueryLink:
         """The run's own connection for its queries (opened in a worker thread)."""

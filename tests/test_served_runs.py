@@ -120,6 +120,33 @@ def test_a_served_run_takes_answers_whose_outputs_are_no_class_index(noop_stack:
     assert rec.prediction.tolist() == want.tolist()
 
 
+def test_a_runs_queries_are_encoded_off_the_event_loop(noop_stack: Stack) -> None:
+    """Every query's bytes are built before the clock starts; millions of them take
+    the better part of a minute, during which the event loop must go on (a job's
+    lease, pings, a cancel): they are built on worker threads, and each query is
+    answered as usual."""
+    loop_threads: set[int] = set()
+    built_on: set[int] = set()
+
+    def inputs(g: int) -> np.ndarray:
+        built_on.add(threading.get_ident())
+        return one_sample(g)
+
+    async def go() -> Any:
+        loop_threads.add(threading.get_ident())
+        async with busmod.connect(noop_stack.settings, name="test frames") as bus:
+            agent_id = await prepared_noop(bus, "ev-frames")
+            driver = _noop_driver(bus, agent_id, "ev-frames", 0.5, inputs)
+            rec = await driver.run()
+            release = codec.encode_model(ReleaseOp(evaluation_id="ev-frames"))
+            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            return rec
+
+    rec = anyio.run(go, backend="asyncio")
+    assert rec.n > 100 and rec.done == rec.n and rec.ok.all(), rec.errors
+    assert built_on and not built_on & loop_threads
+
+
 def test_a_run_whose_progress_report_fails_goes_on_and_says_so(
     noop_stack: Stack, caplog: pytest.LogCaptureFixture
 ) -> None:
