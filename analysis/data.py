@@ -24,7 +24,7 @@ import pandas as pd
 
 from analysis.source import Source
 from mlscope.bounded import MAX_DEPTH, json_depth
-from mlscope.errors import DatabaseError
+from mlscope.errors import DatabaseError, EvaluationNotFound
 
 __all__ = [
     "COUNT_TYPES",
@@ -135,7 +135,9 @@ def evaluations(source: Source, ids: Sequence[str] | None = None) -> pd.DataFram
     if ids is not None:
         missing = [i for i in ids if i not in set(frame["evaluation_id"])]
         if missing:
-            raise DatabaseError(f"no evaluation {', '.join(missing)}", evaluation_id=missing[0])
+            raise EvaluationNotFound(
+                f"no evaluation {', '.join(missing)}", evaluation_id=missing[0]
+            )
         frame = frame.set_index("evaluation_id").loc[list(ids)].reset_index()
     return frame
 
@@ -247,7 +249,7 @@ def _stored(source: Source, evaluation_id: str, column: str) -> dict[str, Any]:
         {"id": evaluation_id},
     )
     if raw.empty:
-        raise DatabaseError(f"no evaluation {evaluation_id}", evaluation_id=evaluation_id)
+        raise EvaluationNotFound(f"no evaluation {evaluation_id}", evaluation_id=evaluation_id)
     return stored_json(evaluation_id, column, raw.iloc[0, 0])
 
 

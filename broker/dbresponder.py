@@ -39,7 +39,7 @@ from mlscope.contracts import (
     SqlReply,
     SqlRequest,
 )
-from mlscope.errors import DatabaseError
+from mlscope.errors import EvaluationNotFound
 from mlscope.serving import Boundary
 
 __all__ = ["ARROW_REPLY_MARGIN", "DB_QUEUE", "SQL_IN_FLIGHT", "DatabaseResponder"]
@@ -150,7 +150,7 @@ class DatabaseResponder:
             {"id": req.evaluation_id},
         )
         if not rows:
-            raise DatabaseError(
+            raise EvaluationNotFound(
                 f"no evaluation {req.evaluation_id!r}", evaluation_id=req.evaluation_id
             )
         return EvaluationReply(spec=rows[0][0], summary=rows[0][1])

@@ -36,7 +36,7 @@ from mlscope.contracts import (
     SystemRequirement,
     new_id,
 )
-from mlscope.errors import DatabaseError, EvaluationError
+from mlscope.errors import DatabaseError, EvaluationError, EvaluationNotFound
 from mlscope.manifest import manifest_digest
 from mlscope.reproduce import evaluation_job
 from mlscope.settings import Settings
@@ -149,7 +149,7 @@ async def stored_spec(bus: busmod.Bus, evaluation_id: str) -> dict[str, Any]:
         {"id": evaluation_id},
     )
     if not rows:
-        raise DatabaseError(f"no evaluation {evaluation_id!r}", evaluation_id=evaluation_id)
+        raise EvaluationNotFound(f"no evaluation {evaluation_id!r}", evaluation_id=evaluation_id)
     return stored_json(evaluation_id, "spec", rows[0][0])
 
 

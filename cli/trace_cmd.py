@@ -51,7 +51,7 @@ from cli.flag_types import positive_int
 from mlscope import bus as busmod
 from mlscope import remote
 from mlscope.bus import Bus
-from mlscope.errors import ConfigError, DatabaseError
+from mlscope.errors import ConfigError, EvaluationNotFound
 from mlscope.settings import Settings
 from mlscope.tracerows import trace_rows
 
@@ -161,7 +161,7 @@ async def fetch(
         (("evaluation_id", "String"),),
     )
     if not ev:
-        raise DatabaseError(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
+        raise EvaluationNotFound(f"no evaluation {eval_id!r}", evaluation_id=eval_id)
     ev[0]["runs"] = [r for r in ev[0]["runs"] or () if r and r != eval_id]
     _, [[count]] = await remote.sql(
         bus, f"SELECT count() FROM {trace_rows('spans')}", {"e": eval_id}, timeout=60

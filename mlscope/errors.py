@@ -22,7 +22,8 @@
     │   └── OverloadedError                an agent's queue was full: the query was refused
     ├── DatabaseError                      the evaluation database rejected a request
     │   ├── QueryRefused                   a client's SQL is not one bounded read
-    │   └── CursorNotFound(LookupError)    no paged result of that id on this server
+    │   ├── CursorNotFound(LookupError)    no paged result of that id on this server
+    │   └── EvaluationNotFound(LookupError)  no evaluation of that id is stored (yet)
     └── ServiceError                       a handler failed unexpectedly (any other
                                            exception, translated by mlscope.serving)
 
@@ -46,6 +47,7 @@ __all__ = [
     "CursorNotFound",
     "DatabaseError",
     "EvaluationError",
+    "EvaluationNotFound",
     "FrameworkUnavailable",
     "InferenceError",
     "InputMismatchError",
@@ -203,6 +205,13 @@ class CursorNotFound(DatabaseError, LookupError):
     The statement must be run again."""
 
     code = "cursor_not_found"
+
+
+class EvaluationNotFound(DatabaseError, LookupError):
+    """No evaluation of that id is stored: never run, or still running (a submitter
+    asks while it waits)."""
+
+    code = "evaluation_not_found"
 
 
 class ReplyTooLarge(MLScopeError):

@@ -47,7 +47,13 @@ from mlscope import codec, names
 from mlscope.bounded import json_depth
 from mlscope.bus import Bus, bus_errors, if_found
 from mlscope.contracts import ErrorReply
-from mlscope.errors import MLScopeError, ReplyTooLarge, ServiceError, WireError
+from mlscope.errors import (
+    EvaluationNotFound,
+    MLScopeError,
+    ReplyTooLarge,
+    ServiceError,
+    WireError,
+)
 from mlscope.logbudget import LogBudget
 
 __all__ = [
@@ -230,6 +236,8 @@ class Boundary:
             return err
         if isinstance(err, ServiceError):
             self.log.error("%s %s failed: %s%s", what, subject, err.message, more, exc_info=exc)
+        elif isinstance(err, EvaluationNotFound):  # a waiting submitter's routine ask
+            self.log.debug("%s %s answered: %s%s", what, subject, err.message, more)
         else:
             self.log.warning("%s %s refused: %s%s", what, subject, err.message, more)
         return err

@@ -3,6 +3,7 @@ busy servers, a failed job's agent session, SIGTERM during a load."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import time
@@ -17,9 +18,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from broker.db import Database
 from broker.ingest import Ingester
-from broker.server import MAX_PARALLEL_JOBS
+from broker.server import MAX_PARALLEL_JOBS, Server
 from mlscope import bus as busmod
-from mlscope import codec, names
+from mlscope import codec, names, remote
 from mlscope.contracts import (
     JobEvent,
     JobRequest,
@@ -28,8 +29,15 @@ from mlscope.contracts import (
     ScenarioSpec,
     evaluation_id_for,
 )
-from mlscope.errors import BusError, EvaluationError, MLScopeError, WireError, error_from_wire
-from mlscope.jobs import submit, submit_on
+from mlscope.errors import (
+    BusError,
+    EvaluationError,
+    EvaluationNotFound,
+    MLScopeError,
+    WireError,
+    error_from_wire,
+)
+from mlscope.jobs import stored_result, submit, submit_on
 from mlscope.provision import provisioned
 from mlscope.serving import dead_letters
 from mlscope.settings import Settings
@@ -296,6 +304,39 @@ def test_submit_without_a_server_fails_within_seconds(settings: Settings) -> Non
             backend="asyncio",
         )
     assert time.monotonic() - t < 15
+
+
+def test_a_submitter_asking_for_a_result_not_stored_yet_is_answered_quietly(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A submitter waiting on a long run asks now and then whether its evaluation is
+    stored: the server answers a typed "not found" (the submitter reads it as "not
+    yet"), and logs it below WARNING: routine asks fill no operator's log."""
+
+    async def main() -> tuple[tuple[bool, Any], MLScopeError]:
+        scope = anyio.CancelScope()
+
+        async def serve(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+            with scope:
+                await Server(settings).run(task_status=task_status)
+
+        async with anyio.create_task_group() as tg:
+            await tg.start(serve)
+            async with busmod.connect(settings, name="test submitter") as bus:
+                polled = await stored_result(bus, "job-not-stored-yet")
+                try:
+                    await remote.stored_summary(bus, "ev-000000000000")
+                except MLScopeError as exc:
+                    refused = exc
+            scope.cancel()
+        return polled, refused
+
+    with caplog.at_level(logging.DEBUG, logger="mlscope.server"):
+        polled, refused = anyio.run(main, backend="asyncio")
+    assert polled == (True, None)
+    assert isinstance(refused, EvaluationNotFound) and "ev-000000000000" in refused.message
+    asked = [r for r in caplog.records if "no evaluation" in r.getMessage()]
+    assert len(asked) == 2 and all(r.levelno < logging.WARNING for r in asked), asked
 
 
 def test_a_job_behind_busy_servers_is_queued_not_failed(settings: Settings) -> None:
