@@ -23,8 +23,9 @@ from agent.evaluations import Evaluations
 from agent.job import Job
 from agent.outbox import Outbox
 from mlscope import wire
+from mlscope.bus import answerable
 from mlscope.contracts import ErrorReply, QueryReply, SamplesQuery, TraceLevel
-from mlscope.errors import EvaluationError, MLScopeError, OverloadedError
+from mlscope.errors import EvaluationError, MLScopeError, OverloadedError, WireError
 
 __all__ = ["Queries"]
 
@@ -96,6 +97,10 @@ class Queries:
         return None
 
     def _replier(self, subject: str) -> Any:
+        """The query's answer, to its reply subject: an inbox, or the query is refused
+        before it runs (the agent never publishes in a requester's stead)."""
+        if not answerable(subject):
+            raise WireError(f"a query whose reply subject is no inbox: {subject!r}")
         put = self.outbox.put
 
         def send(reply: QueryReply) -> None:  # on the predict thread

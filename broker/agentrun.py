@@ -52,7 +52,7 @@ from nats.aio.msg import Msg
 from broker import lgclock
 from broker.agentrows import START_TIMEOUT_S, Labels, RowCollector
 from mlscope import codec, names
-from mlscope.bus import Bus, bus_errors, next_msg, request
+from mlscope.bus import Bus, answerable, bus_errors, next_msg, request
 from mlscope.contracts import (
     MAX_SCHEDULED_QUERIES,
     AgentDescription,
@@ -243,7 +243,7 @@ async def _read(bus: Bus, msg: Msg) -> None:
     """Tell the agent that a rows message that asks (a reply subject) is read: it waits
     for that before it sends more (``agent.runrows.ACK_EVERY_BYTES``), so its rows
     never pile up unread past nats-server's max pending for this connection."""
-    if msg.reply:
+    if answerable(msg.reply):  # an agent's rows asking for an answer elsewhere get none
         with contextlib.suppress(BusError), bus_errors("rows read, not said"):
             await bus.nc.publish(msg.reply, b"")
 

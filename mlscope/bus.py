@@ -33,13 +33,14 @@ from nats.js.kv import KeyValue
 from nats.protocol.parser import PERMISSIONS_ERR
 from pydantic import BaseModel
 
-from mlscope import codec
+from mlscope import codec, names
 from mlscope.auth_files import inbox_prefix_for
 from mlscope.errors import (
     BusDenied,
     BusError,
     BusNotFound,
     BusRefused,
+    ConfigError,
     MLScopeError,
     error_from_wire,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "HEARTBEAT_S",
     "PAYLOAD_HEADROOM",
     "Bus",
+    "answerable",
     "bus_errors",
     "connect",
     "connect_options",
@@ -145,6 +147,12 @@ def connect_options(settings: Settings) -> dict[str, Any]:
         inbox_prefix_for(settings.nats_creds) if settings.nats_creds else None
     )
     if prefix:
+        if not answerable(f"{prefix}.x"):
+            raise ConfigError(
+                f"inbox prefix {prefix!r}: replies never go to a subject of the stack "
+                f"({names.PREFIX}.) or of nats-server's APIs ($...); use an _INBOX prefix",
+                field="MLSCOPE_NATS_INBOX_PREFIX",
+            )
         options["inbox_prefix"] = prefix
     if settings.nats_creds:
         try:  # a FIFO would block every service at start-up, /dev/zero fill its memory
@@ -501,6 +509,17 @@ async def publish_persistent(
             await anyio.sleep(min(0.1 * 2**attempt, 2.0))
     said = _said(last) if last is not None else "no attempt"
     raise BusError(f"JetStream did not store a message on {subject}: {said}", subject=subject)
+
+
+def answerable(reply: str) -> bool:
+    """Whether a responder may publish its answer to ``reply``: a subject, and none of
+    the stack's (``mlscope.``) nor of nats-server's APIs (``$JS``, ``$KV``, ``$O``,
+    ``$SYS``: any ``$``). A responder answers with its own permissions, so a requester
+    that named such a subject would have it publish there in the requester's stead: a
+    server's empty answer on ``$JS.API.STREAM.DELETE.<stream>`` deletes the stream, an
+    agent's answer on ``$KV.mlscope_agents.<id>`` overwrites a registry entry. Answers
+    go to inboxes, and no inbox prefix is under those (:func:`connect_options`)."""
+    return bool(reply) and not reply.startswith(("$", f"{names.PREFIX}."))
 
 
 def error_reply(exc: MLScopeError) -> bytes:

@@ -45,7 +45,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from mlscope import codec, names
 from mlscope.bounded import json_depth
-from mlscope.bus import Bus, bus_errors, if_found
+from mlscope.bus import Bus, answerable, bus_errors, if_found
 from mlscope.contracts import ErrorReply
 from mlscope.errors import (
     EvaluationNotFound,
@@ -197,6 +197,13 @@ class Boundary:
 
     async def _reply(self, msg: Msg, result: Any) -> None:
         if not msg.reply:
+            return
+        if not answerable(msg.reply):  # never publish in a requester's stead
+            self.failed(
+                WireError(f"no answer to a reply subject that is no inbox: {msg.reply!r}"),
+                msg.subject,
+                what="reply to",
+            )
             return
         try:
             try:

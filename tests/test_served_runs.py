@@ -120,6 +120,39 @@ def test_a_served_run_takes_answers_whose_outputs_are_no_class_index(noop_stack:
     assert rec.prediction.tolist() == want.tolist()
 
 
+def test_an_agent_answers_no_query_whose_reply_subject_is_no_inbox(noop_stack: Stack) -> None:
+    """A query whose reply subject is a subject of the stack (a job's events) or a
+    registry key is refused before it runs: nothing lands on either (the agent may
+    write registry keys), and the same query with an inbox is answered."""
+    spy = "mlscope.job.deputy.events"
+
+    async def go() -> tuple[list[bytes], bool, Any]:
+        async with busmod.connect(noop_stack.settings, name="test deputy") as bus:
+            agent_id = await prepared_noop(bus, "ev-deputy")
+            landed: list[bytes] = []
+
+            async def heard(m: Any) -> None:
+                landed.append(m.data)
+
+            await bus.nc.subscribe(spy, cb=heard)
+            subject = names.agent_query(agent_id)
+            query = wire.encode_query("ev-deputy", 0, one_sample(0), 0)
+            for reply in (spy, f"$KV.{names.AGENTS_BUCKET}.deputy"):
+                await bus.nc.publish(subject, query, reply=reply)
+            await bus.nc.flush()
+            answered = await bus.nc.request(subject, query, timeout=10)
+            await anyio.sleep(1.0)  # anything misdirected has landed by now
+            registry = await bus.js.key_value(names.AGENTS_BUCKET)
+            written = await busmod.if_found(registry.get("deputy")) is not None
+            release = codec.encode_model(ReleaseOp(evaluation_id="ev-deputy"))
+            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            return landed, written, wire.read_reply(answered.data)
+
+    landed, written, answered = anyio.run(go, backend="asyncio")
+    assert landed == [] and not written
+    assert answered.ok and answered.index == 0
+
+
 def test_a_runs_queries_are_encoded_off_the_event_loop(noop_stack: Stack) -> None:
     """Every query's bytes are built before the clock starts; millions of them take
     the better part of a minute, during which the event loop must go on (a job's
