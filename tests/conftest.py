@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +212,18 @@ async def wait_agents(
                 return agents
             await anyio.sleep(0.2)
     raise TimeoutError(f"{count} agent(s) did not register within {timeout}s")
+
+
+@asynccontextmanager
+async def server_in_process(settings: Settings) -> AsyncIterator[None]:
+    """An mlscope server in this process (its logs to this process's loggers), ready
+    for the block and stopped after it."""
+    from broker.server import Server  # the server's imports only where one runs here
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(Server(settings).run)
+        yield
+        tg.cancel_scope.cancel()
 
 
 @contextmanager

@@ -3,7 +3,8 @@ and the noop model prepared on it for a Driver of a test's own."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from broker.loadgen import Driver
 from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names
-from mlscope.contracts import PrepareOp, ScenarioSpec, TraceLevel
+from mlscope.contracts import PrepareOp, ReleaseOp, ScenarioSpec, TraceLevel
 from mlscope.record import RunRecord
 from mlscope.registry import list_agents
 from mlscope.schedule import constant, poisson
@@ -38,6 +39,18 @@ async def prepared_noop(bus: busmod.Bus, evaluation_id: str) -> str:
     ctl = names.agent_ctl(agent.agent_id)
     await busmod.request(bus, ctl, codec.encode_model(prepare), timeout=60)
     return agent.agent_id
+
+
+@asynccontextmanager
+async def noop_prepared(bus: busmod.Bus, evaluation_id: str) -> AsyncIterator[str]:
+    """The stack's noop agent prepared for ``evaluation_id`` (its id), for the block;
+    the evaluation released after it."""
+    agent_id = await prepared_noop(bus, evaluation_id)
+    try:
+        yield agent_id
+    finally:
+        release = codec.encode_model(ReleaseOp(evaluation_id=evaluation_id))
+        await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
 
 
 def one_sample(g: int) -> np.ndarray:

@@ -7,18 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
-import anyio.abc
 import pytest
 from nats.aio.msg import Msg
 
 from broker.agentrun import _read
-from broker.server import Server
 from mlscope import bus as busmod
 from mlscope import codec
 from mlscope.bus import answerable
 from mlscope.contracts import EvaluationRequest
 from mlscope.errors import ConfigError
 from mlscope.settings import Settings
+from tests.conftest import server_in_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,29 +48,23 @@ def test_the_server_answers_no_request_whose_reply_subject_is_no_inbox(
     spy = "mlscope.job.deputy.events"
 
     async def main() -> tuple[list[bytes], bool, Any]:
-        scope = anyio.CancelScope()
+        async with (
+            server_in_process(settings),
+            busmod.connect(settings, name="test requester") as bus,
+        ):
+            landed: list[bytes] = []
 
-        async def serve(*, task_status: anyio.abc.TaskStatus[None]) -> None:
-            with scope:
-                await Server(settings).run(task_status=task_status)
+            async def heard(msg: Msg) -> None:
+                landed.append(msg.data)
 
-        async with anyio.create_task_group() as tg:
-            await tg.start(serve)
-            async with busmod.connect(settings, name="test requester") as bus:
-                landed: list[bytes] = []
-
-                async def heard(msg: Msg) -> None:
-                    landed.append(msg.data)
-
-                await bus.nc.subscribe(spy, cb=heard)
-                ask = codec.encode_model(EvaluationRequest(evaluation_id="ev-000000000000"))
-                for reply in (spy, f"$JS.API.STREAM.DELETE.{STREAM}"):
-                    await bus.nc.publish("mlscope.db.evaluation", ask, reply=reply)
-                await bus.nc.flush()
-                answered = await bus.nc.request("mlscope.db.evaluation", ask, timeout=10)
-                await anyio.sleep(1.0)  # anything misdirected has landed by now
-                stream = await busmod.if_found(bus.js.stream_info(STREAM))
-            scope.cancel()
+            await bus.nc.subscribe(spy, cb=heard)
+            ask = codec.encode_model(EvaluationRequest(evaluation_id="ev-000000000000"))
+            for reply in (spy, f"$JS.API.STREAM.DELETE.{STREAM}"):
+                await bus.nc.publish("mlscope.db.evaluation", ask, reply=reply)
+            await bus.nc.flush()
+            answered = await bus.nc.request("mlscope.db.evaluation", ask, timeout=10)
+            await anyio.sleep(1.0)  # anything misdirected has landed by now
+            stream = await busmod.if_found(bus.js.stream_info(STREAM))
         return landed, stream is not None, codec.decode(answered.data)
 
     landed, stream_kept, answered = anyio.run(main, backend="asyncio")

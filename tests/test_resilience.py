@@ -18,7 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from broker.db import Database
 from broker.ingest import Ingester
-from broker.server import MAX_PARALLEL_JOBS, Server
+from broker.server import MAX_PARALLEL_JOBS
 from mlscope import bus as busmod
 from mlscope import codec, names, remote
 from mlscope.contracts import (
@@ -45,6 +45,7 @@ from tests.conftest import (
     agent_and_server,
     child_env,
     python,
+    server_in_process,
     wait_agents,
     wait_server,
 )
@@ -314,21 +315,15 @@ def test_a_submitter_asking_for_a_result_not_stored_yet_is_answered_quietly(
     yet"), and logs it below WARNING: routine asks fill no operator's log."""
 
     async def main() -> tuple[tuple[bool, Any], MLScopeError]:
-        scope = anyio.CancelScope()
-
-        async def serve(*, task_status: anyio.abc.TaskStatus[None]) -> None:
-            with scope:
-                await Server(settings).run(task_status=task_status)
-
-        async with anyio.create_task_group() as tg:
-            await tg.start(serve)
-            async with busmod.connect(settings, name="test submitter") as bus:
-                polled = await stored_result(bus, "job-not-stored-yet")
-                try:
-                    await remote.stored_summary(bus, "ev-000000000000")
-                except MLScopeError as exc:
-                    refused = exc
-            scope.cancel()
+        async with (
+            server_in_process(settings),
+            busmod.connect(settings, name="test submitter") as bus,
+        ):
+            polled = await stored_result(bus, "job-not-stored-yet")
+            try:
+                await remote.stored_summary(bus, "ev-000000000000")
+            except MLScopeError as exc:
+                refused = exc
         return polled, refused
 
     with caplog.at_level(logging.DEBUG, logger="mlscope.server"):

@@ -24,12 +24,12 @@ from broker.loadgen import Driver
 from cli.stack import Stack
 from mlscope import bus as busmod
 from mlscope import codec, names, wire
-from mlscope.contracts import QueryReply, ReleaseOp, ScenarioSpec, TraceLevel
+from mlscope.contracts import QueryReply, ScenarioSpec, TraceLevel
 from mlscope.errors import EvaluationError
 from mlscope.natsserver import NatsServer, free_port
 from mlscope.settings import Settings
 from mlscope.tuning import ProcessTuning
-from tests.loadgen_fixtures import one_sample, open_loop, prepared_noop
+from tests.loadgen_fixtures import noop_prepared, one_sample, open_loop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,21 +69,19 @@ def test_a_served_run_survives_hostile_replies_in_its_inbox(noop_stack: Stack) -
 
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test hostile") as bus:
-            agent_id = await prepared_noop(bus, "ev-hostile")
-            driver = _noop_driver(bus, agent_id, "ev-hostile", 1.5)
-            async with anyio.create_task_group() as tg:
+            async with noop_prepared(bus, "ev-hostile") as agent_id:
+                driver = _noop_driver(bus, agent_id, "ev-hostile", 1.5)
+                async with anyio.create_task_group() as tg:
 
-                async def attack() -> None:
-                    await anyio.sleep(0.3)
-                    for _ in range(5):
-                        for data in hostile:
-                            await bus.nc.publish(driver.inbox, data)
-                        await anyio.sleep(0.1)
+                    async def attack() -> None:
+                        await anyio.sleep(0.3)
+                        for _ in range(5):
+                            for data in hostile:
+                                await bus.nc.publish(driver.inbox, data)
+                            await anyio.sleep(0.1)
 
-                tg.start_soon(attack)
-                rec = await driver.run()
-            release = codec.encode_model(ReleaseOp(evaluation_id="ev-hostile"))
-            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+                    tg.start_soon(attack)
+                    rec = await driver.run()
             return rec
 
     rec = anyio.run(go, backend="asyncio")
@@ -106,11 +104,9 @@ def test_a_served_run_takes_answers_whose_outputs_are_no_class_index(noop_stack:
 
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test outputs") as bus:
-            agent_id = await prepared_noop(bus, "ev-outputs")
-            driver = _noop_driver(bus, agent_id, "ev-outputs", 0.5, inputs)
-            rec = await driver.run()
-            release = codec.encode_model(ReleaseOp(evaluation_id="ev-outputs"))
-            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            async with noop_prepared(bus, "ev-outputs") as agent_id:
+                driver = _noop_driver(bus, agent_id, "ev-outputs", 0.5, inputs)
+                rec = await driver.run()
             return rec
 
     rec = anyio.run(go, backend="asyncio")
@@ -128,24 +124,22 @@ def test_an_agent_answers_no_query_whose_reply_subject_is_no_inbox(noop_stack: S
 
     async def go() -> tuple[list[bytes], bool, Any]:
         async with busmod.connect(noop_stack.settings, name="test deputy") as bus:
-            agent_id = await prepared_noop(bus, "ev-deputy")
-            landed: list[bytes] = []
+            async with noop_prepared(bus, "ev-deputy") as agent_id:
+                landed: list[bytes] = []
 
-            async def heard(m: Any) -> None:
-                landed.append(m.data)
+                async def heard(m: Any) -> None:
+                    landed.append(m.data)
 
-            await bus.nc.subscribe(spy, cb=heard)
-            subject = names.agent_query(agent_id)
-            query = wire.encode_query("ev-deputy", 0, one_sample(0), 0)
-            for reply in (spy, f"$KV.{names.AGENTS_BUCKET}.deputy"):
-                await bus.nc.publish(subject, query, reply=reply)
-            await bus.nc.flush()
-            answered = await bus.nc.request(subject, query, timeout=10)
-            await anyio.sleep(1.0)  # anything misdirected has landed by now
-            registry = await bus.js.key_value(names.AGENTS_BUCKET)
-            written = await busmod.if_found(registry.get("deputy")) is not None
-            release = codec.encode_model(ReleaseOp(evaluation_id="ev-deputy"))
-            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+                await bus.nc.subscribe(spy, cb=heard)
+                subject = names.agent_query(agent_id)
+                query = wire.encode_query("ev-deputy", 0, one_sample(0), 0)
+                for reply in (spy, f"$KV.{names.AGENTS_BUCKET}.deputy"):
+                    await bus.nc.publish(subject, query, reply=reply)
+                await bus.nc.flush()
+                answered = await bus.nc.request(subject, query, timeout=10)
+                await anyio.sleep(1.0)  # anything misdirected has landed by now
+                registry = await bus.js.key_value(names.AGENTS_BUCKET)
+                written = await busmod.if_found(registry.get("deputy")) is not None
             return landed, written, wire.read_reply(answered.data)
 
     landed, written, answered = anyio.run(go, backend="asyncio")
@@ -168,11 +162,9 @@ def test_a_runs_queries_are_encoded_off_the_event_loop(noop_stack: Stack) -> Non
     async def go() -> Any:
         loop_threads.add(threading.get_ident())
         async with busmod.connect(noop_stack.settings, name="test frames") as bus:
-            agent_id = await prepared_noop(bus, "ev-frames")
-            driver = _noop_driver(bus, agent_id, "ev-frames", 0.5, inputs)
-            rec = await driver.run()
-            release = codec.encode_model(ReleaseOp(evaluation_id="ev-frames"))
-            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            async with noop_prepared(bus, "ev-frames") as agent_id:
+                driver = _noop_driver(bus, agent_id, "ev-frames", 0.5, inputs)
+                rec = await driver.run()
             return rec
 
     rec = anyio.run(go, backend="asyncio")
@@ -193,14 +185,12 @@ def test_a_run_whose_progress_report_fails_goes_on_and_says_so(
 
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test progress") as bus:
-            agent_id = await prepared_noop(bus, "ev-progress")
-            subject = names.agent_query(agent_id)
-            driver = open_loop(
-                bus, "ev-progress", subject, qps=300, duration_s=1.6, on_progress=failing
-            )
-            rec = await driver.run()
-            release = codec.encode_model(ReleaseOp(evaluation_id="ev-progress"))
-            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            async with noop_prepared(bus, "ev-progress") as agent_id:
+                subject = names.agent_query(agent_id)
+                driver = open_loop(
+                    bus, "ev-progress", subject, qps=300, duration_s=1.6, on_progress=failing
+                )
+                rec = await driver.run()
             return rec
 
     with caplog.at_level(logging.DEBUG, logger="mlscope.loadgen"):

@@ -14,7 +14,6 @@ import anyio
 import pytest
 
 from broker.db import Database
-from broker.server import Server
 from mlscope import bus as busmod
 from mlscope import names, remote
 from mlscope.contracts import (
@@ -31,9 +30,10 @@ from tests.conftest import (
     evaluations_of,
     make_data_dir,
     python,
+    server_in_process,
     wait_agents,
 )
-from tests.test_tracing_stack import freeze_holding_batches
+from tests.trace_faults import freeze_holding_batches
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,15 +52,8 @@ def test_each_server_sets_its_job_ack_wait_on_the_shared_consumer(settings: Sett
     force, and a job's failover follows it."""
 
     async def ack_wait_after_a_server_with(ack_wait: float) -> float:
-        scope = anyio.CancelScope()
-
-        async def serve(*, task_status: anyio.abc.TaskStatus[None]) -> None:
-            with scope:
-                await Server(settings.with_(job_ack_wait_s=ack_wait)).run(task_status=task_status)
-
-        async with anyio.create_task_group() as tg:
-            await tg.start(serve)
-            scope.cancel()
+        async with server_in_process(settings.with_(job_ack_wait_s=ack_wait)):
+            pass
         async with busmod.connect(settings, name="test") as bus:
             info = await bus.js.consumer_info(names.JOBS_STREAM, names.JOBS_CONSUMER)
         return float(info.config.ack_wait or 0)

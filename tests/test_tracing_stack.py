@@ -18,7 +18,6 @@ import anyio
 import onnx
 import onnxruntime as ort
 import pytest
-from nats.js.api import ConsumerInfo
 
 from analysis.layers import top_layers
 from analysis.source import open_source
@@ -32,6 +31,7 @@ from mlscope.jobs import submit
 from mlscope.settings import Settings
 from tests.conftest import REPO, child_env, make_data_dir, python, wait_agents, wait_server
 from tests.stored_rows import span_batch
+from tests.trace_faults import freeze_holding_batches, traces_consumer
 from tests.tracing_fixtures import ensure_built
 
 pytestmark = pytest.mark.timeout(300)
@@ -278,39 +278,3 @@ def test_killed_ingester_loses_and_duplicates_no_span(settings: Settings) -> Non
         if server.poll() is None:
             server.terminate()
             server.wait(20)
-
-
-async def traces_consumer(settings: Settings) -> ConsumerInfo:
-    async with busmod.connect(settings, name="test") as bus:
-        info: ConsumerInfo = await bus.js.consumer_info(names.TRACES_STREAM, names.TRACES_CONSUMER)
-        return info
-
-
-def freeze_holding_batches(settings: Settings, server: subprocess.Popen[bytes]) -> int:
-    """SIGSTOP ``server`` at a moment it holds delivered, unacknowledged trace batches.
-
-    Stopped inside an insert, it holds that fetch; stopped while its pull request is
-    open, the batches published meanwhile are delivered to it. Stopped between two
-    fetches it holds nothing: let it go on and try again. An acknowledgement the
-    server wrote just before it stopped can still be on its way to nats-server, so a
-    count is read again half a second later, when such an acknowledgement has landed.
-    Returns how many it holds.
-    """
-
-    def ack_pending() -> int:
-        return anyio.run(traces_consumer, settings, backend="asyncio").num_ack_pending or 0
-
-    for _ in range(20):
-        server.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            held = ack_pending()
-            if held:
-                time.sleep(0.5)
-                held = ack_pending()
-                if held:
-                    return held
-            time.sleep(0.05)
-        server.send_signal(signal.SIGCONT)
-        time.sleep(0.1)
-    pytest.fail("the server never held an unacknowledged trace batch")
