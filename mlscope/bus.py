@@ -511,6 +511,10 @@ async def publish_persistent(
     raise BusError(f"JetStream did not store a message on {subject}: {said}", subject=subject)
 
 
+_NO_ANSWER = ("$", f"{names.PREFIX}.")
+"""Where no answer goes (:func:`answerable`), built once: it is checked per query."""
+
+
 def answerable(reply: str) -> bool:
     """Whether a responder may publish its answer to ``reply``: a subject, and none of
     the stack's (``mlscope.``) nor of nats-server's APIs (``$JS``, ``$KV``, ``$O``,
@@ -519,7 +523,7 @@ def answerable(reply: str) -> bool:
     server's empty answer on ``$JS.API.STREAM.DELETE.<stream>`` deletes the stream, an
     agent's answer on ``$KV.mlscope_agents.<id>`` overwrites a registry entry. Answers
     go to inboxes, and no inbox prefix is under those (:func:`connect_options`)."""
-    return bool(reply) and not reply.startswith(("$", f"{names.PREFIX}."))
+    return bool(reply) and not reply.startswith(_NO_ANSWER)
 
 
 def error_reply(exc: MLScopeError) -> bytes:
