@@ -79,9 +79,11 @@ def test_rows_asking_to_be_answered_on_a_stream_api_get_no_answer(settings: Sett
     async def main() -> bool:
         async with busmod.connect(settings, name="test server") as bus:
             await bus.js.add_stream(name="VICTIM", subjects=["victim.>"])
-            rows = Msg(
-                bus.nc, subject="mlscope.agent.a1.rows.ev-x", reply="$JS.API.STREAM.DELETE.VICTIM"
-            )
+            subject = "mlscope.agent.a1.rows.ev-x"
+            sub = await bus.nc.subscribe(subject)
+            await bus.nc.publish(subject, b"rows", reply="$JS.API.STREAM.DELETE.VICTIM")
+            rows = await busmod.next_msg(sub, 10)  # as an agent's rows reach the server
+            assert rows is not None
             await _read(bus, rows)
             await bus.nc.flush()
             await anyio.sleep(0.5)
