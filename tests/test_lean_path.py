@@ -22,10 +22,10 @@ from agent.pipeline import Executor, ExecutorConfig
 from agent.worker import LoadedModel
 from cli.stack import Stack
 from mlscope import bus as busmod
-from mlscope import codec, names, wire
-from mlscope.contracts import QueryReply, ReleaseOp, TraceLevel
+from mlscope import names, wire
+from mlscope.contracts import QueryReply, TraceLevel
 from mlscope.errors import ReplyTooLarge
-from tests.loadgen_fixtures import open_loop, prepared_noop
+from tests.loadgen_fixtures import noop_prepared, open_loop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -211,12 +211,10 @@ def test_an_answer_too_large_for_the_bus_is_an_error_reply_naming_its_query() ->
 def test_a_served_run_issues_from_the_pacers_thread_never_early(noop_stack: Stack) -> None:
     async def go() -> Any:
         async with busmod.connect(noop_stack.settings, name="test lead") as bus:
-            agent_id = await prepared_noop(bus, "ev-lead")
-            subject = names.agent_query(agent_id)
-            driver = open_loop(bus, "ev-lead", subject, qps=500, duration_s=1.5, seed=3)
-            rec = await driver.run()
-            release = codec.encode_model(ReleaseOp(evaluation_id="ev-lead"))
-            await busmod.request(bus, names.agent_ctl(agent_id), release, timeout=10)
+            async with noop_prepared(bus, "ev-lead") as agent_id:
+                subject = names.agent_query(agent_id)
+                driver = open_loop(bus, "ev-lead", subject, qps=500, duration_s=1.5, seed=3)
+                rec = await driver.run()
             return rec
 
     rec = anyio.run(go, backend="asyncio")
