@@ -319,24 +319,30 @@ class Executor:
                 held = None
                 self._run_stream(first)
                 continue
-            batch, held, stopping = self._gather(first)
-            try:
-                self._run_batch(batch, idle_next=held is None)
-            except Exception as exc:  # a fault here must not stop the model: answer, go on
-                m = self.model
-                err = InferenceError(
-                    f"{m.name}: pipeline failure: {exc!r}",
-                    model=m.name,
-                    framework=m.predictor.framework,
-                )
-                for slot in batch:
-                    if not slot.replied:
-                        try:
-                            self._finish(slot, Outcome(error=err))
-                        except Exception as again:  # its replier failed: the next query goes on
-                            log.error(
-                                "%s: query %d not answered: %r", m.name, slot.job.index, again
-                            )
+            held, stopping = self._batch_from(first)
+
+    def _batch_from(self, first: Slot) -> tuple[Slot | _StreamCall | None, bool]:
+        """Gather a batch from ``first`` and answer it: the query after it (held for the
+        next batch), and whether the executor is stopping. Its queries are this call's
+        locals only: the thread keeps nothing of a run once it has answered it (a run's
+        last reply holds its schedule, record and samples)."""
+        batch, held, stopping = self._gather(first)
+        try:
+            self._run_batch(batch, idle_next=held is None)
+        except Exception as exc:  # a fault here must not stop the model: answer, go on
+            m = self.model
+            err = InferenceError(
+                f"{m.name}: pipeline failure: {exc!r}",
+                model=m.name,
+                framework=m.predictor.framework,
+            )
+            for slot in batch:
+                if not slot.replied:
+                    try:
+                        self._finish(slot, Outcome(error=err))
+                    except Exception as again:  # its replier failed: the next query goes on
+                        log.error("%s: query %d not answered: %r", m.name, slot.job.index, again)
+        return held, stopping
 
     def _gather(self, first: Slot) -> tuple[list[Slot], Slot | _StreamCall | None, bool]:
         """Consecutive queries up to ``max_batch`` samples or the first one's max wait."""

@@ -77,15 +77,24 @@ class PrePool:
             slot.latch.release()
 
     def _loop(self) -> None:
-        while (slot := self._work.get()) is not None:
-            if slot.seq == self._idle_seq():
-                continue  # the idle predict thread does it inline: no hand-off
-            with self._lock:
-                if slot.state != PENDING:
-                    continue
-                slot.state = CLAIMED
-                slot.latch = latch = threading.Lock()
-                latch.acquire()
-            self._preprocess(slot)
-            slot.state = DONE
-            latch.release()
+        while self._take(self._work.get()):
+            pass
+
+    def _take(self, slot: Slot | None) -> bool:
+        """Pre-process ``slot`` unless another thread has it; False: the pool stops. The
+        slot is this call's local only: waiting for the next one, the thread holds
+        nothing of the last (a run's last query holds the whole run)."""
+        if slot is None:
+            return False
+        if slot.seq == self._idle_seq():
+            return True  # the idle predict thread does it inline: no hand-off
+        with self._lock:
+            if slot.state != PENDING:
+                return True
+            slot.state = CLAIMED
+            slot.latch = latch = threading.Lock()
+            latch.acquire()
+        self._preprocess(slot)
+        slot.state = DONE
+        latch.release()
+        return True

@@ -5,8 +5,10 @@ and a released evaluation's queued queries."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from typing import ClassVar
 
 import numpy as np
@@ -344,3 +346,66 @@ def test_the_final_take_reads_an_open_loop_record_that_its_threads_are_completin
         stop.set()
         writer.join()
     assert [len(cols["completed"]) for _, cols, _ in takes] == [n] + [0] * 19
+
+
+@pytest.mark.parametrize(
+    ("scenario", "pre_workers", "inline_us", "timed"),
+    [
+        ("constant", 1, 0, False),
+        ("constant", 1, 0, True),
+        ("constant", 0, 1_000_000, False),
+        ("concurrency", 1, 0, False),
+        ("batched", 0, 0, False),
+    ],
+)
+def test_an_executor_keeps_nothing_of_a_run_that_has_ended(
+    model: LoadedModel,
+    samples: np.ndarray,
+    scenario: str,
+    pre_workers: int,
+    inline_us: int,
+    timed: bool,
+) -> None:
+    """An agent keeps a model's executor for the evaluations that follow. Once a run
+    has ended, nothing of it may stay reachable from the executor's threads (predict,
+    pre-processing): its last query's reply is the run's own method, which holds its
+    schedule, its record and its samples (gigabytes for images), memory the agent's
+    sample budget has already given back and the next evaluation's memory figures
+    would count. ``timed``: samples pre-processed in each query, by the pool."""
+    from agent.localrun import LocalRun
+    from mlscope import samples as samplesmod
+    from mlscope.contracts import ScenarioSpec, TraceLevel
+
+    inputs, _ = samplesmod.feed(samples if timed else model.pre[0](samples), None, 1, 5)
+    if timed:  # a busy predict thread: the pool pre-processes the queries behind it
+        model.predictor = Slow(model.predictor, sleep_s=0.004)
+    spec = ScenarioSpec(
+        name=scenario,
+        qps=400,
+        concurrency=2,
+        max_queries=120,
+        duration_s=0.3,
+        min_duration_s=0,
+        min_queries=1,
+    )
+    ex = Executor(model, ExecutorConfig(pre_workers=pre_workers, inline_max_us=inline_us))
+    try:
+        run = LocalRun(
+            ex,
+            spec,
+            inputs=inputs,
+            level=TraceLevel.NONE,
+            spans=None,
+            overloaded=lambda i: "overloaded",
+            preprocessed=not timed,
+        )
+        run.prepare()
+        run.run()
+        assert run.rec.done > 0 and (run.rec.ok == 1).all()
+        gone = weakref.ref(run)
+        del run, inputs
+        time.sleep(0.2)  # the executor's threads back to waiting for the next query
+        gc.collect()
+        assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
+    finally:
+        ex.stop()
