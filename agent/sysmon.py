@@ -20,6 +20,7 @@ Samples carry the agent's monotonic clock, like spans, and go into a
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["PERF_EVENTS", "RssWatch", "Sampler"]
+__all__ = ["PERF_EVENTS", "RssWatch", "Sampler", "give_back_free_memory"]
 
 log = logging.getLogger(__name__)
 now = time.perf_counter_ns
@@ -219,6 +220,11 @@ class RssWatch:
     folded in while it is above the start, which catches such peaks when the process
     never went that high before. Evaluations prepared at once share one process, so
     each one's figures include what the others use.
+
+    When no other evaluation is watched, the C allocator's free memory goes back to
+    the system (:func:`give_back_free_memory`) before the RSS at prepare and at release
+    is read: glibc keeps what a run freed for reuse (hundreds of MB after a run of
+    millions of queries), and the growth would count it as kept by the run.
     """
 
     def __init__(self, *, interval_s: float = 0.05) -> None:
@@ -234,6 +240,10 @@ class RssWatch:
 
     def start(self, key: str) -> None:
         """Start watching ``key`` (a second start keeps the first baseline)."""
+        with self._lock:
+            alone = not self._watched
+        if alone:  # another evaluation's run is not slowed by it
+            give_back_free_memory()
         rss = self.rss()
         with self._lock:
             if key in self._watched:
@@ -246,11 +256,11 @@ class RssWatch:
 
     def stop(self, key: str) -> tuple[int, int, int] | None:
         """(start, peak, end) RSS in bytes of ``key``; None when it was not watched."""
-        end = self.rss()
         hwm = _high_water_mark()
         with self._lock:
             got = self._watched.pop(key, None)
-            thread = self._thread if not self._watched else None
+            alone = not self._watched
+            thread = self._thread if alone else None
             if thread is not None:
                 self._thread = None
                 self._stop.set()
@@ -258,6 +268,9 @@ class RssWatch:
             thread.join(timeout=5)
         if got is None:
             return None
+        if alone:
+            give_back_free_memory()
+        end = self.rss()
         start, peak, hwm0 = got
         if hwm is not None and hwm > hwm0:  # a new high for the process: during this run
             peak = max(peak, hwm)
@@ -278,6 +291,25 @@ class RssWatch:
             with self._lock:
                 for v in self._watched.values():
                     v[1] = max(v[1], rss)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc: its allocator keeps no such memory
+        return None
+    return trim
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def give_back_free_memory() -> None:
+    """Hand the C allocator's free pages back to the system (glibc's ``malloc_trim``;
+    nothing elsewhere): what the process still holds is then what its RSS shows. It
+    walks the heap (milliseconds for a large one): called outside any measurement."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _high_water_mark() -> int | None:

@@ -256,6 +256,22 @@ def test_the_rss_watch_sees_a_peak_that_is_gone_at_release() -> None:
     assert watch.stop("ev-a") is None  # not watched any more
 
 
+def test_the_rss_growth_counts_what_a_run_kept_not_what_the_allocator_kept() -> None:
+    """A run that allocates many small buffers and frees most of them leaves holes that
+    glibc keeps for reuse: the process's RSS stays up. The growth an evaluation reports
+    is what the run kept (here 256 KB), not those holes (64 MB)."""
+    watch = RssWatch(interval_s=0.01)
+    watch.start("ev-a")
+    bufs = [np.ones(4096, np.uint8) for _ in range(16384)]  # from the heap, not mmap
+    kept = bufs[::256]
+    del bufs
+    got = watch.stop("ev-a")
+    assert got is not None and len(kept) == 64
+    start, peak, end = got
+    assert peak - start >= 48 << 20, got  # the run did use them
+    assert end - start < 16 << 20, got
+
+
 def test_a_closed_rss_watch_leaves_no_thread_behind() -> None:
     """An agent that stops with evaluations never released ends the watch's thread."""
     watch = RssWatch(interval_s=0.01)
