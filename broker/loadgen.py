@@ -130,7 +130,11 @@ class Driver:
         self.record: RunRecord | None = None
         self._gate: OutstandingLimit | None = None
         self._idle = threading.Event()  # set when the gate's last outstanding query ends
-        self._cpu0 = 0.0
+        self._threads_cpu_s = 0.0
+        """CPU time of the run's own threads that have ended (the pacer's, the query
+        link's reader's) and of a closed loop's first sends: the load generator's cost,
+        not its process's, which may be a server's with an embedded database and other
+        runs."""
 
     # ------------------------------------------------------------------ replies
 
@@ -197,18 +201,17 @@ class Driver:
         leaves holds every query issued so far and the CPU time used up to the stop,
         reported to ``on_progress`` once more before the cancellation goes on (what a
         cancelled job stores)."""
-        self._cpu0 = time.process_time()
         try:
             with self.tuning.load():
                 rec = await self._run()
         except anyio.get_cancelled_exc_class():
-            if self.record is not None:
-                self.record.cpu_s = time.process_time() - self._cpu0
+            if self.record is not None:  # its threads have ended (up to the stop)
+                self.record.cpu_s = self._threads_cpu_s
             await self._last_progress()
             raise
-        # The load's own cost: from the clock's start (an open loop's queries are all
-        # encoded before it) to the last reply.
-        rec.cpu_s = time.process_time() - self._cpu0
+        # The load's own cost: its threads', from the clock's start (an open loop's
+        # queries are all encoded before it) to the last reply.
+        rec.cpu_s = self._threads_cpu_s
         return rec
 
     async def _run(self) -> RunRecord:
@@ -271,6 +274,7 @@ class Driver:
             failed = exc
         finally:
             link.close()
+            self._threads_cpu_s += link.reader_cpu_s
         link.report()
         if link.error is not None:
             raise BusError(f"the bus refused the run's queries: {link.error}") from failed
@@ -340,7 +344,6 @@ class Driver:
                 spin_s=LINK_SPIN_S,
                 busy_s=LINK_BUSY_S,
             )
-            self._cpu0 = time.process_time()
             pacer.start()
             try:
                 # Abandoned on cancellation (SIGTERM, Ctrl-C, a cancelled job): the
@@ -355,6 +358,7 @@ class Driver:
                 # issue time changes (a cancelled run's rows are read right after).
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(_stopped, pacer)
+                self._threads_cpu_s += pacer.cpu_s
 
     def _drain(self, gate: OutstandingLimit, link: QueryLink) -> None:
         """Wait (in a worker thread) until every issued query is answered, the link
@@ -377,8 +381,10 @@ class Driver:
             link.start(self._on_reply, on_end=streams.finished.set)
             rec.t0_ns = now()
             streams.deadline = rec.t0_ns + int(s.duration_s * 1e9)
+            cpu0 = time.thread_time()
             for _ in range(s.concurrency):
                 streams.send_next()
+            self._threads_cpu_s += time.thread_time() - cpu0
             seen = rec.done
             while not await anyio.to_thread.run_sync(
                 streams.finished.wait, DRAIN_TIMEOUT_S, abandon_on_cancel=True
@@ -389,6 +395,7 @@ class Driver:
         finally:
             streams.stop()
             link.close()
+            self._threads_cpu_s += link.reader_cpu_s
         link.report()
         if link.error is not None:
             raise BusError(f"the bus refused the run's queries: {link.error}") from streams.failure

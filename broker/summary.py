@@ -184,10 +184,12 @@ LOADGEN_BUSY_WARN = 0.05
 class LoadgenCost:
     """The load generator's own cost, and whether it shared the agent's cores.
 
-    ``placement``: where it ran. In the server (or its processes, or services) its CPU
-    time is its process's; in the agent (a local run), its own threads' (an open
-    loop's pacer; none for a closed loop or a stream, whose queries are issued on the
-    model's predict thread), beside the agent process's (:func:`process_cpu`)."""
+    ``placement``: where it ran. Its CPU time is that of its own threads: in the
+    server (or its processes, or services) its pacer's and its query link's reader's,
+    whatever else the process does (an embedded database, other runs); in the agent (a
+    local run), an open loop's pacer's (none for a closed loop or a stream, whose
+    queries are issued on the model's predict thread), beside the agent process's
+    (:func:`process_cpu`)."""
 
     agent_host: str
     placement: Placement = "server"

@@ -180,6 +180,10 @@ class Pacer:
         self._realtime = realtime
         self.realtime = False
         """Whether the pacer thread got a real-time (SCHED_FIFO) priority."""
+        self.cpu_s = 0.0
+        """CPU time of the thread the schedule ran on (sleeping, spinning, issuing),
+        set when it ends: the load generator's own cost, whatever else its process
+        does meanwhile (an embedded database's merges, other runs)."""
 
     @property
     def start_ns(self) -> int | None:
@@ -233,12 +237,15 @@ class Pacer:
         )
 
     def _guarded(self) -> None:
+        cpu0 = time.thread_time()
         if self._realtime:
             self.realtime = _make_realtime()
         try:
             self._loop()
         except Exception as exc:  # handed to join() as an EvaluationError
             self._error = exc
+        finally:
+            self.cpu_s = time.thread_time() - cpu0
 
     def _loop(self) -> None:
         offsets: list[int] = self._offsets.tolist()  # Python ints compare ~10x faster

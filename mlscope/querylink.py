@@ -89,6 +89,9 @@ class QueryLink:
         """Replies the callback raised on (each skipped, the link goes on)."""
         self.bad_reply: str | None = None
         """Why the last of them could not be read."""
+        self.reader_cpu_s = 0.0
+        """CPU time of the reader thread (reading, stamping, a closed loop's next
+        sends), set when it ends."""
         self._servers, self._options, self._name = servers, options, name
         self._timeout = timeout
         self._lock = threading.Lock()
@@ -197,6 +200,7 @@ class QueryLink:
                 self._sock.shutdown(socket.SHUT_RDWR)  # the reader's recv returns
 
     def _run(self, on_reply: OnReply, on_end: Callable[[], None] | None, realtime: bool) -> None:
+        cpu0 = time.thread_time()
         priority = RealtimeThread(enable=realtime)
         try:
             while not self._closed.is_set() and self.error is None:
@@ -210,6 +214,7 @@ class QueryLink:
                 self._lost(self.error)
         finally:
             priority.restore()
+            self.reader_cpu_s = time.thread_time() - cpu0
             if on_end is not None:
                 on_end()
 

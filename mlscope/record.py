@@ -65,8 +65,9 @@ class RunRecord:
     another reason: its query count, a stop, a failure). Its window lasts at least
     until then, though its last answer may have come just before."""
     cpu_s: float = 0.0
-    """CPU time (s) the load generator used during the run: its process's (placement
-    server), or its own threads' in an agent's local run (0 where not told apart)."""
+    """CPU time (s) the load generator used during the run: its own threads' (placement
+    server: its pacer's and its query link's reader's; an agent's local run: its
+    pacer's), not its process's (0 where not told apart)."""
     process_cpu_s: float | None = None
     """An agent's local run (placement agent): CPU time (s) of the agent's process
     during the run, model and load generator together; None for other runs."""

@@ -5,7 +5,9 @@ answer and ends when answers stop."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -281,12 +283,19 @@ async def answering(
         await nc.close()
 
 
-def _closed_driver(bus: busmod.Bus, inputs: Any) -> Driver:
+def _closed_driver(
+    bus: busmod.Bus,
+    inputs: Any,
+    *,
+    evaluation_id: str = "ev-closed",
+    subject: str = SUBJECT,
+    duration_s: float = 30,
+) -> Driver:
     return Driver(
         bus,
-        evaluation_id="ev-closed",
-        subject=SUBJECT,
-        spec=ScenarioSpec(name="concurrency", concurrency=3, duration_s=30),
+        evaluation_id=evaluation_id,
+        subject=subject,
+        spec=ScenarioSpec(name="concurrency", concurrency=3, duration_s=duration_s),
         inputs=inputs,
         labels=None,
         trace_level=TraceLevel.NONE,
@@ -416,3 +425,79 @@ def test_a_closed_loop_that_outgrows_its_record_keeps_every_answer(
     unanswered = np.flatnonzero(rec.completed[: rec.n] == 0)
     assert unanswered.size == 0, (unanswered[:10], rec.n)
     assert rec.ok[: rec.n].all() and rec.done == rec.n
+
+
+class _ThreadCpu:
+    """Each thread's CPU time by name, read from ``/proc/self/task/*/schedstat`` every
+    10 ms (a thread's last reading stands for its total): an independent measure of
+    what the load generator's threads used."""
+
+    def __init__(self) -> None:
+        self.last: dict[int, tuple[str, int]] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="test-thread-cpu")
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.01):
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{tid}/schedstat") as fh:
+                        ns = int(fh.read().split()[0])
+                except (OSError, ValueError):
+                    continue
+                name = names.get(int(tid)) or self.last.get(int(tid), ("other", 0))[0]
+                self.last[int(tid)] = (name, ns)
+
+    def named(self, prefix: str) -> float:
+        return sum(ns for name, ns in self.last.values() if name.startswith(prefix)) / 1e9
+
+
+@pytest.mark.parametrize("loop", ["open", "closed"])
+def test_a_runs_load_generator_cpu_is_its_own_threads_not_its_process(
+    noop_stack: Stack, loop: str
+) -> None:
+    """The load generator's CPU time per query is reported as its cost, and warned
+    about on the agent's host. Its process may be the server's, with an embedded
+    database merging parts and other runs: that work is not the load generator's.
+    Here another thread of the process hashes (without the GIL) through the run; the
+    run's figure is what its own threads used, measured here from the kernel's
+    per-thread accounting."""
+    stop = threading.Event()
+    burned: list[float] = []
+
+    def burn() -> None:
+        block, cpu0 = b"x" * (8 << 20), time.thread_time()
+        while not stop.is_set():
+            hashlib.sha256(block).digest()
+        burned.append(time.thread_time() - cpu0)
+
+    async def go() -> Any:
+        async with (
+            busmod.connect(noop_stack.settings, name="test loadgen cpu") as bus,
+            noop_prepared(bus, "ev-cpu") as agent_id,
+        ):
+            subject = names.agent_query(agent_id)
+            if loop == "open":
+                driver = open_loop(bus, "ev-cpu", subject, qps=300, duration_s=1.5)
+            else:
+                driver = _closed_driver(
+                    bus, one_sample, evaluation_id="ev-cpu", subject=subject, duration_s=1.5
+                )
+            return await driver.run()
+
+    threads = _ThreadCpu()
+    burner = threading.Thread(target=burn, name="test-burner")
+    threads.thread.start()
+    burner.start()
+    try:
+        rec = anyio.run(go, backend="asyncio")
+    finally:
+        stop.set()
+        burner.join()
+        threads.stop.set()
+        threads.thread.join()
+    assert rec.done > 100 and rec.ok[: rec.done].all(), rec.errors
+    own = threads.named("mlscope-")  # the pacer and the query link's reader
+    assert burned[0] > 0.5  # the process was busy besides the load generator
+    assert own * 0.8 <= rec.cpu_s <= own + 0.1, (rec.cpu_s, own, burned)
