@@ -9,8 +9,14 @@ __all__ = ["format_summary"]
 
 
 def _f(v: float | None, unit: str = "", nd: int = 3) -> str:
-    """A figure with ``nd`` decimals, or "-" when there is none."""
-    return "-" if v is None else f"{v:.{nd}f}{unit}"
+    """A figure with ``nd`` decimals, or "-" when there is none; one that is not zero
+    but would round to it has two significant digits (a 0.001 QPS rate is no "0.0")."""
+    if v is None:
+        return "-"
+    text = f"{v:.{nd}f}"
+    if v and not float(text):
+        text = f"{v:.2g}"
+    return text + unit
 
 
 def format_summary(s: EvaluationSummary) -> str:

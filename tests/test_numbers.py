@@ -458,6 +458,42 @@ def test_run_level_summary_of_repeats() -> None:
     assert run_level(kept)["p50_ms"]["mean"] == 2.0
 
 
+def test_a_figure_that_is_not_zero_is_never_printed_as_zero() -> None:
+    """A rate of one query in 1,000 s, a sub-microsecond latency: printed with the
+    decimals of their line they read as 0, a figure the run did not have."""
+    from cli.summary_text import format_summary
+    from mlscope.contracts import EvaluationSummary, LatencyStats
+
+    lat = LatencyStats(trimmed_mean=0.0004, p50=0.0004, p90=0.0, p99=1.5, max=2.0)
+    text = format_summary(
+        EvaluationSummary(
+            evaluation_id="e",
+            job_id="j",
+            status="completed",
+            valid=False,
+            model={"name": "m", "version": "1"},
+            framework={"name": "f", "version": "1"},
+            agent_id="a",
+            scenario={"name": "constant", "batch_size": 1, "seed": 0},
+            trace_level="none",
+            queries=1,
+            samples=1,
+            errors=0,
+            not_issued=0,
+            duration_s=1000.0,
+            requested_qps=0.001,
+            achieved_qps=0.001,
+            latency_ms=lat,
+            issue_lag_us={},
+            throughput_ips=None,
+            started_at=0.0,
+            finished_at=1000.0,
+        )
+    )
+    assert "requested 0.001 / " in text and "issued 0.001 / " in text, text
+    assert "p50 0.0004  p90 0.000  p99 1.500" in text, text  # a true zero stays one
+
+
 def test_only_models_scored_by_top_k_get_labels() -> None:
     """A detector scored by AUC, or a model without a data set, shows no top-1 (it was a
     meaningless 0)."""
