@@ -263,15 +263,17 @@ def test_a_peak_search_stopped_by_its_floor_says_how_to_go_lower(noop_stack: Sta
 def test_a_peak_search_that_finds_no_rate_names_why_its_lowest_failed(
     noop_stack: Stack,
 ) -> None:
-    """A bound no run meets: the search's last word gives the lowest rate's own
-    reasons (here its latency), not only that no rate passed."""
+    """A bound no run meets: the evaluation shows the lowest rate tried, with its own
+    reasons (here its latency), each given once, then that no rate passed."""
     spec = ScenarioSpec(name="peak", duration_s=1.0, latency_bound_ms=1e-6, peak_trials=3, **LOOSE)
     s = run(noop_stack.settings, spec)
     assert not s.valid and s.peak_qps is None
     (search,) = [r for r in s.invalid_reasons if r.startswith("peak search:")]
     lowest = min(s.points, key=lambda p: p["qps"])
-    assert lowest["invalid_reasons"] and "p99 latency" in search, search
-    assert f"QPS: {'; '.join(lowest['invalid_reasons'])})" in search, search
+    assert f"the lowest tried, {lowest['qps']:.1f} QPS, is the run shown" in search, search
+    assert s.requested_qps == lowest["qps"]
+    assert list(s.invalid_reasons) == [*lowest["invalid_reasons"], search]
+    assert any("p99 latency" in r for r in lowest["invalid_reasons"])
 
 
 def test_a_peak_search_no_rate_can_make_valid_fails_at_intake(noop_stack: Stack) -> None:

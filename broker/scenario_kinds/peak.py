@@ -124,13 +124,13 @@ class Peak(Scenario):
             lowest = min(runs, key=lambda r: r.requested_qps or 0)
             low = lowest.requested_qps or 0.0
             floored = len(runs) < spec.peak_trials and low / 2 < floor_qps
-            return Outcome(
-                runs[-1],
+            return Outcome(  # its own reasons are the evaluation's, given once
+                lowest,
                 runs,
                 extra_reasons=(
                     f"peak search: no rate tried gave a VALID run under the "
-                    f"{spec.latency_bound_ms:g} ms bound (lowest tried {low:.1f} QPS: "
-                    f"{'; '.join(lowest.verdict.reasons)})"
+                    f"{spec.latency_bound_ms:g} ms bound; the lowest tried, {low:.1f} QPS, "
+                    "is the run shown"
                     + (_floor_hint(spec, self.policy(ctx.policy)) if floored else ""),
                 ),
             )
