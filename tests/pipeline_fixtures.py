@@ -92,8 +92,16 @@ def job(
     )
 
 
-def local_run(ex: Executor, spec: Any, inputs: Any, released: threading.Event | None = None) -> Any:
-    """An agent's local run of ``spec`` on ``ex``, over samples held pre-processed."""
+def local_run(
+    ex: Executor,
+    spec: Any,
+    inputs: Any,
+    released: threading.Event | None = None,
+    *,
+    preprocessed: bool = True,
+) -> Any:
+    """An agent's local run of ``spec`` on ``ex``, over samples held pre-processed (or,
+    not ``preprocessed``, raw: pre-processed in each query)."""
     from agent.localrun import LocalRun
 
     return LocalRun(
@@ -103,7 +111,7 @@ def local_run(ex: Executor, spec: Any, inputs: Any, released: threading.Event | 
         level=TraceLevel.NONE,
         spans=None,
         overloaded=lambda i: "overloaded",
-        preprocessed=True,
+        preprocessed=preprocessed,
         released=released,
     )
 

@@ -372,9 +372,8 @@ def test_an_executor_keeps_nothing_of_a_run_that_has_ended(
     schedule, its record and its samples (gigabytes for images), memory the agent's
     sample budget has already given back and the next evaluation's memory figures
     would count. ``timed``: samples pre-processed in each query, by the pool."""
-    from agent.localrun import LocalRun
     from mlscope import samples as samplesmod
-    from mlscope.contracts import ScenarioSpec, TraceLevel
+    from mlscope.contracts import ScenarioSpec
 
     inputs, _ = samplesmod.feed(samples if timed else model.pre[0](samples), None, 1, 5)
     if timed:  # a busy predict thread: the pool pre-processes the queries behind it
@@ -390,15 +389,7 @@ def test_an_executor_keeps_nothing_of_a_run_that_has_ended(
     )
     ex = Executor(model, ExecutorConfig(pre_workers=pre_workers, inline_max_us=inline_us))
     try:
-        run = LocalRun(
-            ex,
-            spec,
-            inputs=inputs,
-            level=TraceLevel.NONE,
-            spans=None,
-            overloaded=lambda i: "overloaded",
-            preprocessed=not timed,
-        )
+        run = local_run(ex, spec, inputs, preprocessed=not timed)
         run.prepare()
         run.run()
         assert run.rec.done > 0 and (run.rec.ok == 1).all()

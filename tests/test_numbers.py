@@ -21,7 +21,7 @@ from broker.scenarios import build_schedule
 from broker.summary import LoadgenCost, figures, judge
 from cli.submit_repeat import measured_runs, run_level
 from mlscope.answering import backlog_s, completion_rates
-from mlscope.contracts import PrepareReply, ScenarioSpec
+from mlscope.contracts import EvaluationSummary, LatencyStats, PrepareReply, ScenarioSpec
 from mlscope.outcomes import Outcome, classify, count
 from mlscope.record import RunRecord
 from mlscope.scenario_kinds.cold_start import COLD_START
@@ -419,33 +419,37 @@ def test_sweep_parents_are_not_counted_as_a_batch_size() -> None:
     assert speedup_heatmap(summ).loc["m/f@s", 8] == pytest.approx(8.0)
 
 
-def test_run_level_summary_of_repeats() -> None:
-    from mlscope.contracts import EvaluationSummary, LatencyStats
+def _summary(latency: LatencyStats, **fields: Any) -> EvaluationSummary:
+    """A completed run's summary with ``latency`` and the ``fields`` given."""
+    base: dict[str, Any] = {
+        "evaluation_id": "e",
+        "job_id": "j",
+        "status": "completed",
+        "valid": True,
+        "model": {"name": "m", "version": "1"},
+        "framework": {"name": "f", "version": "1"},
+        "agent_id": "a",
+        "scenario": {"name": "constant", "batch_size": 1, "seed": 0},
+        "trace_level": "none",
+        "queries": 1,
+        "samples": 1,
+        "errors": 0,
+        "not_issued": 0,
+        "duration_s": 1.0,
+        "requested_qps": None,
+        "achieved_qps": None,
+        "issue_lag_us": {},
+        "throughput_ips": None,
+        "started_at": 0.0,
+        "finished_at": 1.0,
+    }
+    return EvaluationSummary(**{**base, **fields, "latency_ms": latency})
 
+
+def test_run_level_summary_of_repeats() -> None:
     def one(p50: float, *, valid: bool = True, status: str = "completed") -> EvaluationSummary:
-        return EvaluationSummary(
-            evaluation_id=f"e-{p50:g}",
-            job_id="j",
-            status=status,  # type: ignore[arg-type]
-            valid=valid,
-            model={"name": "m", "version": "1"},
-            framework={"name": "f", "version": "1"},
-            agent_id="a",
-            scenario={},
-            trace_level="none",
-            queries=1,
-            samples=1,
-            errors=0,
-            not_issued=0,
-            duration_s=1.0,
-            requested_qps=None,
-            achieved_qps=None,
-            latency_ms=LatencyStats(trimmed_mean=p50, p50=p50, p90=p50, p99=p50, max=p50),
-            issue_lag_us={},
-            throughput_ips=None,
-            started_at=0.0,
-            finished_at=1.0,
-        )
+        lat = LatencyStats(trimmed_mean=p50, p50=p50, p90=p50, p99=p50, max=p50)
+        return _summary(lat, evaluation_id=f"e-{p50:g}", status=status, valid=valid)
 
     got = run_level([one(1.0), one(2.0), one(3.0), one(4.0)])
     assert got["p50_ms"]["mean"] == 2.5
@@ -462,33 +466,10 @@ def test_a_figure_that_is_not_zero_is_never_printed_as_zero() -> None:
     """A rate of one query in 1,000 s, a sub-microsecond latency: printed with the
     decimals of their line they read as 0, a figure the run did not have."""
     from cli.summary_text import format_summary
-    from mlscope.contracts import EvaluationSummary, LatencyStats
 
     lat = LatencyStats(trimmed_mean=0.0004, p50=0.0004, p90=0.0, p99=1.5, max=2.0)
     text = format_summary(
-        EvaluationSummary(
-            evaluation_id="e",
-            job_id="j",
-            status="completed",
-            valid=False,
-            model={"name": "m", "version": "1"},
-            framework={"name": "f", "version": "1"},
-            agent_id="a",
-            scenario={"name": "constant", "batch_size": 1, "seed": 0},
-            trace_level="none",
-            queries=1,
-            samples=1,
-            errors=0,
-            not_issued=0,
-            duration_s=1000.0,
-            requested_qps=0.001,
-            achieved_qps=0.001,
-            latency_ms=lat,
-            issue_lag_us={},
-            throughput_ips=None,
-            started_at=0.0,
-            finished_at=1000.0,
-        )
+        _summary(lat, valid=False, duration_s=1000.0, requested_qps=0.001, achieved_qps=0.001)
     )
     assert "requested 0.001 / " in text and "issued 0.001 / " in text, text
     assert "p50 0.0004  p90 0.000  p99 1.500" in text, text  # a true zero stays one
