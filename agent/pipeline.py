@@ -45,6 +45,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,12 +138,16 @@ class Executor:
         self._stopping = False
         self._first: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[Slot | _StreamCall | None] = queue.SimpleQueue()
+        # What the executor hands its pool and its streams reaches it through a weak
+        # proxy: an executor in a reference cycle with itself would keep its model
+        # (tens of MB) after the agent dropped it, until the next full GC.
+        me = weakref.proxy(self)
         self._pool = PrePool(
             model.name,
             self.config.pre_workers,
             lock=self._lock,
-            preprocess=lambda slot: self._preprocess(slot),
-            idle_seq=lambda: self._idle_seq,
+            preprocess=lambda slot: me._preprocess(slot),
+            idle_seq=lambda: me._idle_seq,
         )
         self._threads = [
             *self._pool.threads,
@@ -150,10 +155,10 @@ class Executor:
         ]
         self._stream_host = streams.Host(
             name=model.name,
-            predict=self._predict_ready,
-            post=lambda raw: self.model.post(raw),
+            predict=lambda x, level: me._predict_ready(x, level),
+            post=lambda raw: me.model.post(raw),
             failed=functools.partial(inference_error, model),
-            stopping=lambda: self._stopping,
+            stopping=lambda: me._stopping,
         )
         for t in self._threads:
             t.start()
