@@ -212,7 +212,18 @@ class Driver:
         # The load's own cost: its threads', from the clock's start (an open loop's
         # queries are all encoded before it) to the last reply.
         rec.cpu_s = self._threads_cpu_s
+        self._let_go()
         return rec
+
+    def _let_go(self) -> None:
+        """Hold nothing of the finished run: its record is the caller's. The cancelled
+        progress task's traceback keeps this driver in a reference cycle until a full
+        GC (which a measurement turns off), and a record of millions of queries is
+        hundreds of MB; a reply still arriving finds no record and is dropped."""
+        self.record = None
+        self._gate = None
+        self._answered = None
+        self._writing = contextlib.nullcontext()
 
     async def _run(self) -> RunRecord:
         """The scenario's loop beside the progress reporter; a failure of either is

@@ -5,11 +5,13 @@ answer and ends when answers stop."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -501,3 +503,39 @@ def test_a_runs_load_generator_cpu_is_its_own_threads_not_its_process(
     own = threads.named("mlscope-")  # the pacer and the query link's reader
     assert burned[0] > 0.5  # the process was busy besides the load generator
     assert own * 0.8 <= rec.cpu_s <= own + 0.1, (rec.cpu_s, own, burned)
+
+
+@pytest.mark.parametrize("loop", ["open", "closed"])
+def test_a_runs_record_is_freed_when_its_caller_drops_it(noop_stack: Stack, loop: str) -> None:
+    """A run of a million queries records ~160 MB. Once the job has stored it and let
+    go of it, it must be freed at once: the run's cancelled progress task leaves its
+    load generator in a reference cycle (a traceback holds its frame), which only a
+    full GC frees, and the server disables GC during every measurement. The record
+    must not hang on to the load generator."""
+    freed: list[bool] = []
+
+    async def go() -> None:
+        async with (
+            busmod.connect(noop_stack.settings, name="test record freed") as bus,
+            noop_prepared(bus, "ev-freed") as agent_id,
+        ):
+            subject = names.agent_query(agent_id)
+            if loop == "open":
+                driver = open_loop(bus, "ev-freed", subject, qps=300, duration_s=0.5)
+            else:
+                driver = _closed_driver(
+                    bus, one_sample, evaluation_id="ev-freed", subject=subject, duration_s=0.5
+                )
+            rec = await driver.run()
+            assert rec.done > 10 and rec.ok[: rec.done].all(), rec.errors
+            gone = weakref.ref(rec)
+            gc.disable()
+            try:
+                del rec, driver
+                await anyio.sleep(0.2)  # worker threads let go of their last call's arguments
+                freed.append(gone() is None)
+            finally:
+                gc.enable()
+
+    anyio.run(go, backend="asyncio")
+    assert freed == [True]
