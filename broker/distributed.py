@@ -353,11 +353,14 @@ async def _child(cfg: dict[str, Any]) -> None:
             on_progress=_print_progress,
             tuning=ProcessTuning(),  # this process runs one slice
         )
+        rec: RunRecord | None = None
         with anyio.CancelScope() as scope:
             _stop_on_stdin(scope)
-            await driver.run()
-    if driver.record is not None:  # cancelled: every query issued up to the stop
-        save_result(driver.record, f"{base}-result.npz")
+            rec = await driver.run()
+        if rec is None:  # cancelled: every query issued up to the stop
+            rec = driver.record
+    if rec is not None:
+        save_result(rec, f"{base}-result.npz")
 
 
 def _stop_on_stdin(scope: anyio.CancelScope) -> None:
