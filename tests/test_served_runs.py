@@ -429,6 +429,19 @@ def test_a_closed_loop_that_outgrows_its_record_keeps_every_answer(
     assert rec.ok[: rec.n].all() and rec.done == rec.n
 
 
+def _noop_loop(
+    bus: busmod.Bus, agent_id: str, evaluation_id: str, loop: str, duration_s: float
+) -> Driver:
+    """An open loop at 300 QPS or a closed loop of three queries in flight, to the
+    stack's noop agent, for ``duration_s``."""
+    subject = names.agent_query(agent_id)
+    if loop == "open":
+        return open_loop(bus, evaluation_id, subject, qps=300, duration_s=duration_s)
+    return _closed_driver(
+        bus, one_sample, evaluation_id=evaluation_id, subject=subject, duration_s=duration_s
+    )
+
+
 class _ThreadCpu:
     """Each thread's CPU time by name, read from ``/proc/self/task/*/schedstat`` every
     10 ms (a thread's last reading stands for its total): an independent measure of
@@ -479,14 +492,7 @@ def test_a_runs_load_generator_cpu_is_its_own_threads_not_its_process(
             busmod.connect(noop_stack.settings, name="test loadgen cpu") as bus,
             noop_prepared(bus, "ev-cpu") as agent_id,
         ):
-            subject = names.agent_query(agent_id)
-            if loop == "open":
-                driver = open_loop(bus, "ev-cpu", subject, qps=300, duration_s=1.5)
-            else:
-                driver = _closed_driver(
-                    bus, one_sample, evaluation_id="ev-cpu", subject=subject, duration_s=1.5
-                )
-            return await driver.run()
+            return await _noop_loop(bus, agent_id, "ev-cpu", loop, 1.5).run()
 
     threads = _ThreadCpu()
     burner = threading.Thread(target=burn, name="test-burner")
@@ -519,13 +525,7 @@ def test_a_runs_record_is_freed_when_its_caller_drops_it(noop_stack: Stack, loop
             busmod.connect(noop_stack.settings, name="test record freed") as bus,
             noop_prepared(bus, "ev-freed") as agent_id,
         ):
-            subject = names.agent_query(agent_id)
-            if loop == "open":
-                driver = open_loop(bus, "ev-freed", subject, qps=300, duration_s=0.5)
-            else:
-                driver = _closed_driver(
-                    bus, one_sample, evaluation_id="ev-freed", subject=subject, duration_s=0.5
-                )
+            driver = _noop_loop(bus, agent_id, "ev-freed", loop, 0.5)
             rec = await driver.run()
             assert rec.done > 10 and rec.ok[: rec.done].all(), rec.errors
             gone = weakref.ref(rec)
